@@ -1,0 +1,75 @@
+"""Collectives and CPU-binding ops of SGLang's CPU engine, routed to ``torch.distributed`` (gloo).
+
+SGLang calls ``torch.ops.sgl_kernel.shm_allreduce`` / ``shm_allgather`` from
+``sglang/srt/distributed/parallel_state.py::GroupCoordinator.all_reduce`` / ``all_gather`` when
+``is_shm_available`` holds (all ranks on one host). The C++ kernels use a shared-memory segment
+across the node's ranks; the stand-in uses the default process group, which for the tensor-parallel
+-only servers this project starts is exactly the TP group.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+_state = {"size": 1, "rank": 0, "cpus": None}
+
+
+def initialize(size: int, rank: int) -> None:
+    """Record the TP size and rank (the C++ op sets up the shared-memory segment)."""
+    _state["size"], _state["rank"] = int(size), int(rank)
+
+
+def init_cpu_threads_env(cpu_ids: str) -> str:
+    """Bind this rank to ``cpu_ids`` ("0", "0-1", "0,2") and use one torch thread per CPU.
+
+    Mirrors the thread binding of ``sgl-kernel/csrc/cpu/numa_utils.cpp::init_cpu_threads_env`` with
+    ``os.sched_setaffinity`` and ``torch.set_num_threads``. Returns a one-line description.
+    """
+    cpus: list[int] = []
+    for part in str(cpu_ids).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            cpus.extend(range(int(lo), int(hi) + 1))
+        else:
+            cpus.append(int(part))
+    available = os.sched_getaffinity(0)
+    cpus = [c for c in cpus if c in available] or sorted(available)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        pass
+    torch.set_num_threads(len(cpus))
+    _state["cpus"] = cpus
+    return f"sgl_kernel stand-in: pid {os.getpid()} bound to CPUs {cpus}, {len(cpus)} thread(s)"
+
+
+def _group_ready() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def shm_allreduce(data: torch.Tensor, reduce_op: int) -> None:
+    """In-place sum over all ranks (``reduce_op`` 0 = SUM, the only op SGLang passes)."""
+    if reduce_op != 0:
+        raise NotImplementedError(f"shm_allreduce: reduce_op {reduce_op} (only SUM=0)")
+    if not _group_ready():
+        return
+    if data.dtype in (torch.bfloat16, torch.float16):
+        buf = data.to(torch.float32)
+        dist.all_reduce(buf)
+        data.copy_(buf.to(data.dtype))
+    else:
+        dist.all_reduce(data)
+
+
+def shm_allgather(data: torch.Tensor, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``data`` along ``dim`` (rank order)."""
+    if not _group_ready():
+        return data.clone()
+    parts = [torch.empty_like(data) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, data.contiguous())
+    return torch.cat(parts, dim=dim)

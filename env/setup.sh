@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up both environments (idempotent):
+#   .venv                  the suite: helpers/, notebooks, tests (torch CPU, pandas, plotly, papermill...)
+#   env/reference/.venv    the embedded SGLang 0.5.23 CPU server (env/reference/install.sh)
+# SUITE_VENV / SGLANG_VENV override the locations. SKIP_SGLANG=1 skips the server environment
+# (enough to attach to a remote GPU server and to run the offline diagnosis).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SUITE_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.e3f-setup-stamp"
+log() { printf '[setup] %s\n' "$*" >&2; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+command -v "$PY" >/dev/null || die "no Python interpreter '$PY' (set PYTHON=...)"
+HASH="$(cat "$ROOT/pyproject.toml" "$ROOT/env/setup.sh" | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ] && "$VENV/bin/python" -c 'import helpers, torch, papermill, plotly' 2>/dev/null; then
+  log "suite environment up to date ($VENV)"
+else
+  [ -x "$VENV/bin/python" ] || { log "create venv $VENV"; "$PY" -m venv "$VENV"; }
+  P="$VENV/bin/python"
+  log "upgrade pip"; "$P" -m pip install --disable-pip-version-check -q --upgrade pip
+  # torch first, pinned to the CPU wheel: an unpinned torch would pull a multi-GB CUDA build.
+  log "torch 2.13.0 (CPU)"; "$P" -m pip install --disable-pip-version-check -q torch==2.13.0 \
+    || die "could not install torch==2.13.0 (CPU wheel); on another machine install a CPU torch first"
+  log "eagle3-forensics and its dependencies (pyproject.toml)"
+  "$P" -m pip install --disable-pip-version-check -q -e "$ROOT" || die "pip install -e $ROOT failed"
+  "$P" -m ipykernel install --sys-prefix --name python3 >/dev/null 2>&1 || true
+  echo "$HASH" > "$STAMP"
+fi
+if [ "${SKIP_SGLANG:-0}" != "1" ]; then
+  "$ROOT/env/reference/install.sh"
+fi
+log "ready: suite $VENV"

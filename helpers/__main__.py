@@ -1,0 +1,40 @@
+"""Command line: ``python -m helpers <command> ...``.
+
+Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported lazily so that
+``diagnose`` stays fast and works without a server environment):
+
+  diagnose   offline wiring diagnosis: served aux hidden states vs training data  (helpers.diagnose)
+  server     start / stop the embedded SGLang CPU reference server              (helpers.launcher)
+  capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
+  measure    accept length / accept rate / tok/s per fix                         (helpers.acceptance)
+  suite      run the notebook suite with papermill, write postmortem.html        (helpers.suite)
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "diagnose": "helpers.diagnose",
+    "server": "helpers.launcher",
+    "capture": "helpers.capture",
+    "measure": "helpers.acceptance",
+    "suite": "helpers.suite",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"unknown command '{cmd}'; expected one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[cmd])
+    return int(module.cli_main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
