@@ -11,6 +11,7 @@ The server runs in the dedicated venv made by ``env/reference/install.sh`` with 
 * ``TORCHDYNAMO_DISABLE=1``: SGLang wraps a few helpers in ``torch.compile``
   (e.g. ``sglang/srt/speculative/spec_utils.py``); on 2 cores inductor's C++ build costs ~40 s of
   startup for no benefit at this size,
+* ``E3F_STANDIN_THREADS`` / ``OMP_NUM_THREADS``: one torch thread per rank by default,
 * ``--max-total-tokens`` (otherwise the KV pool is sized from RAM: tens of seconds),
   ``--disable-cuda-graph``, ``--sampling-backend pytorch``, ``--attention-backend intel_amx``.
 
@@ -358,6 +359,9 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
             ``$E3F_SGLANG_PYTHON``).
         env: extra environment variables for the server.
         cpus: CPUs to bind ranks to (default: this process's affinity).
+        threads_per_rank: torch/OpenMP threads per TP rank (default 1). The reference models
+            are tiny: a second thread buys nothing and, when the CPU is shared, OpenMP barrier
+            waits made a TP 1 server 5x slower (bench/RESULTS.md).
 
     When the port was picked automatically and the server lost it to another process while
     starting ("address already in use" in its log), a new port is tried (3 attempts in all).
@@ -388,7 +392,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
           enable_metrics: bool = True, api_key: Optional[str] = None,
           log_path: os.PathLike | str | None = None, timeout: float = 300.0,
           python: os.PathLike | str | None = None, env: Optional[dict[str, str]] = None,
-          cpus: Optional[Sequence[int]] = None) -> ServerHandle:
+          cpus: Optional[Sequence[int]] = None, threads_per_rank: int = 1) -> ServerHandle:
     """One start attempt (see :func:`start`)."""
     target = Path(target) if target is not None else REFERENCE_TARGET
     check_model_dir(target, "target")
@@ -428,6 +432,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
         "SGLANG_USE_CPU_ENGINE": "1", "E3F_STANDIN_AMX": "1", "TORCHDYNAMO_DISABLE": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
         "SGLANG_CPU_OMP_THREADS_BIND": cpu_bind_spec(tp, cpus),
+        "E3F_STANDIN_THREADS": str(threads_per_rank), "OMP_NUM_THREADS": str(threads_per_rank),
     })
     server_env.update(env or {})
     with open(log_path, "ab") as fh:

@@ -22,7 +22,8 @@ def initialize(size: int, rank: int) -> None:
 
 
 def init_cpu_threads_env(cpu_ids: str) -> str:
-    """Bind this rank to ``cpu_ids`` ("0", "0-1", "0,2") and use one torch thread per CPU.
+    """Bind this rank to ``cpu_ids`` ("0", "0-1", "0,2") and use one torch thread per CPU
+    (at most ``$E3F_STANDIN_THREADS`` when set).
 
     Mirrors the thread binding of ``sgl-kernel/csrc/cpu/numa_utils.cpp::init_cpu_threads_env`` with
     ``os.sched_setaffinity`` and ``torch.set_num_threads``. Returns a one-line description.
@@ -43,9 +44,12 @@ def init_cpu_threads_env(cpu_ids: str) -> str:
         os.sched_setaffinity(0, cpus)
     except OSError:
         pass
-    torch.set_num_threads(len(cpus))
+    threads = len(cpus)
+    if os.environ.get("E3F_STANDIN_THREADS"):
+        threads = max(1, min(threads, int(os.environ["E3F_STANDIN_THREADS"])))
+    torch.set_num_threads(threads)
     _state["cpus"] = cpus
-    return f"sgl_kernel stand-in: pid {os.getpid()} bound to CPUs {cpus}, {len(cpus)} thread(s)"
+    return f"sgl_kernel stand-in: pid {os.getpid()} bound to CPUs {cpus}, {threads} thread(s)"
 
 
 def _group_ready() -> bool:
