@@ -343,8 +343,8 @@ def sglang_layers_to_capture(layer_ids: Sequence[int] | None, num_layers: int, f
     ids = [int(x) for x in layer_ids]
     if family == "deepseek":
         if v < (0, 5, 14):
-            rules.append("DeepSeek family before 0.5.14: +1 assumed always (the conditional rule of PR #25454 "
-                         "was read in 0.5.14 and 0.5.23; older releases not checked)")
+            rules.append("DeepSeek family before 0.5.14: +1 assumed always -- sglang/srt/models/deepseek_v2.py before "
+                         "PR #25454 (the conditional rule was read in 0.5.14 and 0.5.23; older releases not checked)")
             return [x + 1 for x in ids], rules
         if ids and ids[0] == 1:
             rules.append("first id is 1: +1 -- " + FAMILY_SOURCES["deepseek"])

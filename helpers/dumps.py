@@ -604,21 +604,27 @@ def safe_torch_load(path: str | Path) -> Any:
     import gzip
     import io
     import pickle
+    import warnings
 
     p = Path(path)
     if not p.exists():
         raise BadInput("file not found", path=p)
     if p.stat().st_size == 0:
         raise BadInput("empty file (expected a torch.save payload)", path=p)
+
+    def _load(src, mm: bool):
+        with warnings.catch_warnings():   # legacy (non-zip) pickles warn about their protocol; not actionable
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(src, map_location="cpu", weights_only=True, mmap=mm)
+
     try:
         if p.name.endswith(".gz"):
             with gzip.open(p, "rb") as f:
                 data = f.read()
             if not data:
                 raise BadInput("empty gzip payload", path=p)
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        mm = zipfile.is_zipfile(p)
-        return torch.load(p, map_location="cpu", weights_only=True, mmap=mm)
+            return _load(io.BytesIO(data), False)
+        return _load(p, zipfile.is_zipfile(p))
     except BadInput:
         raise
     except pickle.UnpicklingError as e:

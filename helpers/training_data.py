@@ -80,12 +80,12 @@ def _strip_trailing_pad(ids: np.ndarray, loss_mask: Optional[np.ndarray]) -> int
     return L
 
 
-def _ids(t, path: Path, key: str) -> np.ndarray:
+def _ids(t, path: Path, key: str, *, allow_float: bool = False) -> np.ndarray:
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(t)
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
-    if t.dim() != 1 or t.is_floating_point():
+    if t.dim() != 1 or (t.is_floating_point() and not allow_float):
         raise BadInput(f"expected a 1-D integer tensor, got {tuple(t.shape)} {t.dtype}", path=path, field=key)
     return t.numpy().astype(np.int64)
 
@@ -126,7 +126,7 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
                        "EAGLE input_ids/hidden_state/loss_mask)", path=p, field="input_ids")
     ids = _ids(d["input_ids"], p, "input_ids")
     lm = d.get("loss_mask")
-    lm = None if lm is None else _ids(lm, p, "loss_mask")
+    lm = None if lm is None else _ids(lm, p, "loss_mask", allow_float=True)
     if "aux_hidden_state" in d:
         layout, key, default_chunks = "specforge", "aux_hidden_state", 3
     elif "hidden_state" in d:
