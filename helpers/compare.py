@@ -14,7 +14,7 @@ holds a TP-sharded width) the comparison accumulates, over all rows aligned by `
 The pass/fail tolerance comes from the dtypes (:data:`REL_DIFF_TOLERANCE`).
 
 Memory: the training data are streamed (one sample at a time) and rows are processed in blocks whose
-scratch size is bounded (:data:`SCRATCH_BYTES`); served samples from project dumps are read lazily per
+scratch is a [:data:`PAIR_ROWS`, width] buffer; served samples from project dumps are read lazily per
 sample. Only bounded summaries are kept: per pair sums/extrema, and per token id at most
 :data:`CONTEXT_CACHE_IDS` cached rows for the context-free (embedding) test.
 """
@@ -35,8 +35,10 @@ from .errors import BadInput
 #: comparator default is 1e-3 (``debug_utils/comparator``); 2e-3 keeps a margin for bf16 while an adjacent
 #: layer (rel_diff >= ~1e-2 in real models, >= 5e-2 in the tiny test model) never passes.
 REL_DIFF_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-3}
-#: bytes of float32 scratch per block (the [rows, served chunks, training chunks, width] difference tensor).
-SCRATCH_BYTES = 64 << 20
+#: rows per pair-loop step: the [rows, width] float32 difference buffer stays cache-resident.
+PAIR_ROWS = 64
+#: pairs whose Gram-based |x-y|^2 is below this fraction of |x|^2+|y|^2 get it recomputed elementwise.
+NEAR_REL = 1e-2
 #: token ids whose first row is cached per source for the context-free test.
 CONTEXT_CACHE_IDS = 256
 #: ids remembered for the zero-row / vocab-shard test.
@@ -82,51 +84,75 @@ class PairAccumulator:
         self.max_abs = np.full((ns, nu), -1.0)
         self.max_at: list[list[Optional[dict]]] = [[None] * nu for _ in range(ns)]
 
-    def update(self, s3: torch.Tensor, t3: torch.Tensor, info: RowInfo, hs: int) -> None:
-        """Add a block: ``s3`` [n, ns, hs] and ``t3`` [n, nu, hs] float32, rows already aligned and finite."""
+    def update(self, s3: torch.Tensor, t3: torch.Tensor, info: RowInfo, hs: int,
+               nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None) -> None:
+        """Add a block: ``s3`` [n, ns, hs] and ``t3`` [n, nu, hs] float32, rows aligned and finite; ``nx`` /
+        ``ny`` are their squared row norms per chunk if already computed."""
         n = s3.shape[0]
         if n == 0:
             return
-        budget = max(1, SCRATCH_BYTES // max(1, self.ns * self.nu * hs * 4))
-        for a in range(0, n, budget):
-            b = min(n, a + budget)
-            self._update(s3[a:b], t3[a:b], info, a, hs)
+        if nx is None:
+            nx = torch.linalg.vector_norm(s3, dim=-1).square()
+        if ny is None:
+            ny = torch.linalg.vector_norm(t3, dim=-1).square()
+        for a in range(0, n, PAIR_ROWS):
+            b = min(n, a + PAIR_ROWS)
+            self._update(s3[a:b], t3[a:b], nx[a:b], ny[a:b], info, a, hs)
 
-    def _update(self, s3, t3, info: RowInfo, off: int, hs: int) -> None:
-        D = s3.unsqueeze(2) - t3.unsqueeze(1)                      # [n, ns, nu, hs]
-        dd = torch.linalg.vecdot(D, D)                             # [n, ns, nu]
-        nx = torch.linalg.vecdot(s3, s3)                           # [n, ns]
-        ny = torch.linalg.vecdot(t3, t3)                           # [n, nu]
-        mx = D.amax(dim=(0, 3))
-        mn = D.amin(dim=(0, 3))
-        big = torch.maximum(mx, -mn).numpy().astype(np.float64)
-        self.rows += s3.shape[0]
-        dd64, nx64, ny64 = dd.double(), nx.double(), ny.double()
-        self.sdd += dd64.sum(0).numpy()
+    def _update(self, s3, t3, nx, ny, info: RowInfo, off: int, hs: int) -> None:
+        n = s3.shape[0]
+        # <x, y> per row and pair through one small batched matmul; |x - y|^2 = |x|^2 + |y|^2 - 2<x, y> is exact
+        # enough for far pairs, and recomputed elementwise below for near pairs (no cancellation).
+        xy = torch.bmm(s3, t3.transpose(1, 2)).double()            # [n, ns, nu]
+        nx64, ny64 = nx.double(), ny.double()
+        nxb, nyb = nx64[:, :, None].expand_as(xy), ny64[:, None, :].expand_as(xy)
+        dd = (nxb + nyb - 2 * xy).clamp_min(0)
+        near = (dd.sum(0) <= NEAR_REL * (nxb + nyb).sum(0)).numpy()
+        buf = self._buf(n, hs)
+        los, his = [], []
+        for i in range(self.ns):
+            si = s3[:, i]
+            for j in range(self.nu):
+                torch.sub(si, t3[:, j], out=buf)
+                mn, mx = torch.aminmax(buf)     # one pass; full reductions (aminmax with dim is ~7x slower on CPU)
+                los.append(mn)
+                his.append(mx)
+                if near[i, j]:
+                    exact = torch.linalg.vector_norm(buf, dim=-1).double().square()
+                    dd[:, i, j] = exact
+                    xy[:, i, j] = (nx64[:, i] + ny64[:, j] - exact) / 2
+        lo = torch.stack(los).view(self.ns, self.nu)
+        hi = torch.stack(his).view(self.ns, self.nu)
+        big = torch.maximum(hi, -lo).double().numpy()
+        better = big > self.max_abs
+        for i, j in zip(*np.nonzero(better)):
+            d = (s3[:, i] - t3[:, j]).abs()
+            r, c = divmod(int(d.argmax()), hs)
+            self.max_abs[i, j] = big[i, j]
+            self.max_at[i][j] = {"sample": info.key, "row": int(info.rows[off + r]),
+                                 "position": int(info.positions[off + r]), "token_id": int(info.ids[off + r]),
+                                 "column": int(c)}
+        self.rows += n
+        self.sdd += dd.sum(0).numpy()
         self.sxx += nx64.sum(0).numpy()[:, None]
         self.syy += ny64.sum(0).numpy()[None, :]
-        both = (nx64[:, :, None] > 0) & (ny64[:, None, :] > 0)
+        both = (nxb > 0) & (nyb > 0)
         if bool(both.any()):
-            nxb, nyb = nx64[:, :, None].expand_as(dd64), ny64[:, None, :].expand_as(dd64)
-            xy = (nxb + nyb - dd64) / 2
-            den = torch.sqrt(nxb * nyb)
-            cos = torch.where(both, xy / torch.where(both, den, torch.ones_like(den)), torch.zeros_like(den))
-            ratio = torch.where(both, torch.sqrt(nxb / torch.where(both, nyb, torch.ones_like(nyb))), torch.ones_like(den))
+            one = torch.ones_like(xy)
+            cos = torch.where(both, xy / torch.where(both, torch.sqrt(nxb * nyb), one), torch.zeros_like(xy))
+            ratio = torch.where(both, torch.sqrt(nxb / torch.where(both, nyb, one)), one)
             self.cos_sum += cos.sum(0).numpy()
             self.cos_n += both.sum(0).numpy()
             inf = torch.full_like(cos, math.inf)
             self.cos_min = np.minimum(self.cos_min, torch.where(both, cos, inf).amin(0).numpy())
             self.nr_min = np.minimum(self.nr_min, torch.where(both, ratio, inf).amin(0).numpy())
             self.nr_max = np.maximum(self.nr_max, torch.where(both, ratio, -inf).amax(0).numpy())
-        better = big > self.max_abs
-        if better.any():
-            for i, j in zip(*np.nonzero(better)):
-                flat = int(D[:, i, j, :].abs().argmax())
-                r, c = divmod(flat, hs)
-                self.max_abs[i, j] = big[i, j]
-                self.max_at[i][j] = {"sample": info.key, "row": int(info.rows[off + r]),
-                                     "position": int(info.positions[off + r]), "token_id": int(info.ids[off + r]),
-                                     "column": int(c)}
+
+    def _buf(self, n: int, hs: int) -> torch.Tensor:
+        b = getattr(self, "_scratch", None)
+        if b is None or b.numel() < n * hs:
+            b = self._scratch = torch.empty(max(n, PAIR_ROWS) * hs)
+        return b[:n * hs].view(n, hs)
 
     def metrics(self, i: int, j: int, tol: float) -> "PairMetrics":
         """Finalised metrics of pair (i, j) against tolerance ``tol``."""
@@ -215,7 +241,7 @@ class ChunkStats:
             if z.any():
                 self.zero[c] += int(z.sum())
                 if len(self.zero_ids[c]) < ID_SET_CAP:
-                    self.zero_ids[c].update(int(i) for i in ids[z])
+                    self.zero_ids[c].update(ids[z].tolist())
             nzm = fin[:, c] & ~z
             if nzm.any():
                 nz_ids = ids[nzm]
@@ -223,7 +249,7 @@ class ChunkStats:
                 self.nonzero_min[c] = lo if self.nonzero_min[c] is None else min(lo, self.nonzero_min[c])
                 self.nonzero_max[c] = hi if self.nonzero_max[c] is None else max(hi, self.nonzero_max[c])
                 if len(self.nonzero_ids[c]) < ID_SET_CAP:
-                    self.nonzero_ids[c].update(int(i) for i in nz_ids)
+                    self.nonzero_ids[c].update(nz_ids.tolist())
         # context-free test: compare each repeated token id with its first (cached) occurrence
         rowok = fin.all(1)
         for r in range(n):
@@ -346,8 +372,24 @@ class Comparison:
 
 # ----------------------------------------------------------------------------------------------- compare
 
-def _to_f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+class _Scratch:
+    """Grow-only float32 buffers reused block after block (no allocation / page faults per block)."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def f32(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of ``src`` (any dtype, 2-D) in the buffer ``name``."""
+        need = src.numel()
+        b = self._bufs.get(name)
+        if b is None or b.numel() < need:
+            b = self._bufs[name] = torch.empty(need)
+        out = b[:need].view(src.shape)
+        out.copy_(src)
+        return out
+
+
+_SCRATCH = _Scratch()
 
 
 class _Pairer:
@@ -445,7 +487,7 @@ def _chunking(served_width: int, H: int, Wt: int, tp_sizes: set, n_ranks: int, p
 def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidden_size: int,
             training_width: int, training_dtype: Optional[str] = None, served_dtype: Optional[str] = None,
             reference: Optional[SampleSource] = None, tolerance: Optional[float] = None,
-            block_rows: int = 256) -> Comparison:
+            block_rows: int = 64) -> Comparison:
     """Compare served aux hidden states (one source per TP rank) with streamed training samples.
 
     Args:
@@ -543,6 +585,8 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
             ref_sample = reference.samples[rf[0][0]] if rf else None
         for g, how in found:
             ranks = groups[g]
+            for r in groups[g + 1] if g + 1 < len(groups) else []:
+                r.hint()                         # served samples usually follow training order
             s0 = ranks[0]
             p0 = s0.first_position
             L = tr.rows
@@ -613,7 +657,7 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
 
 def _finite_rows(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(finite [n, C] per chunk row, squared norms [n, C]); non-finite chunk rows are zeroed in place."""
-    nx = torch.linalg.vecdot(x3, x3)
+    nx = torch.linalg.vector_norm(x3, dim=-1).square()
     fin = torch.isfinite(nx)
     if not bool(fin.all()):
         x3[~fin] = 0
@@ -628,22 +672,22 @@ def _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, tra
     for a in range(0, m, block_rows):
         b = min(m, a + block_rows)
         info = RowInfo(key=key, rows=np.arange(a, b), positions=positions[a:b], ids=ids[a:b])
-        t = _to_f32(trow[a:b]).clone() if trow.dtype == torch.float32 else _to_f32(trow[a:b])
+        t = _SCRATCH.f32("train", trow[a:b])
         t3 = t.view(b - a, nt, H)
         tfin, tnx = _finite_rows(t3)
         train_stats.update(t3, tfin, tnx, info)
         tu = t3 if k == 1 else t3.reshape(b - a, nt * k, hs)
         tok = tfin.all(1)
         s3s = []
-        for src, sr in zip(sources, srows):
-            s = _to_f32(sr[a:b]).clone() if sr.dtype == torch.float32 else _to_f32(sr[a:b])
+        for n_src, (src, sr) in enumerate(zip(sources, srows)):
+            s = _SCRATCH.f32(f"served{n_src}", sr[a:b])
             s3 = s.view(b - a, ns, hs)
             sfin, snx = _finite_rows(s3)
             src.stats.update(s3, sfin, snx, info)
             s3s.append((s3, sfin))
-            _update_sel(src.pairs, s3, tu, sfin.all(1) & tok, info, hs)
+            _update_sel(src.pairs, s3, tu, sfin.all(1) & tok, info, hs, snx, tnx if k == 1 else None)
             if src.ref is not None and rrow is not None:
-                r3 = _to_f32(rrow[a:b]).view(b - a, -1, H)
+                r3 = _SCRATCH.f32("ref", rrow[a:b]).view(b - a, -1, H)
                 _update_sel(src.ref, s3, r3, sfin.all(1), info, H)
         if multi:
             base, bfin = s3s[0]
@@ -661,20 +705,21 @@ def _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, tra
                 _update_sel(extra.pairs, v, t3 if extra.name == "gathered" else tu, allfin & tok, info,
                             v.shape[-1])
                 if extra.ref is not None and rrow is not None:
-                    r3 = _to_f32(rrow[a:b]).view(b - a, -1, H)
+                    r3 = _SCRATCH.f32("ref", rrow[a:b]).view(b - a, -1, H)
                     _update_sel(extra.ref, v, r3, allfin, info, H)
         if train_ref is not None and rrow is not None:
-            r3 = _to_f32(rrow[a:b]).view(b - a, -1, H)
+            r3 = _SCRATCH.f32("ref", rrow[a:b]).view(b - a, -1, H)
             _update_sel(train_ref, t3, r3, tok, info, H)
 
 
-def _update_sel(acc: PairAccumulator, s3, t3, ok: torch.Tensor, info: RowInfo, hs: int) -> None:
+def _update_sel(acc: PairAccumulator, s3, t3, ok: torch.Tensor, info: RowInfo, hs: int,
+                nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None) -> None:
     if bool(ok.all()):
-        acc.update(s3, t3, info, hs)
+        acc.update(s3, t3, info, hs, nx, ny)
         return
     sel = torch.nonzero(ok).flatten()
     if sel.numel() == 0:
         return
     idx = sel.numpy()
     sub = RowInfo(key=info.key, rows=info.rows[idx], positions=info.positions[idx], ids=info.ids[idx])
-    acc.update(s3[sel], t3[sel], sub, hs)
+    acc.update(s3[sel], t3[sel], sub, hs, None if nx is None else nx[sel], None if ny is None else ny[sel])

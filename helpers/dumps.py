@@ -72,10 +72,42 @@ class Sample:
     tp_size: Optional[int] = None
     dtype: str = "float32"
     meta: dict = field(default_factory=dict, repr=False)
+    prefetch: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     def load(self) -> torch.Tensor:
         """The hidden rows ``[rows, width]`` in their stored dtype (read now; not cached)."""
         return self.loader()
+
+    def hint(self) -> None:
+        """Ask the OS to start reading this sample's bytes in the background (no-op if unsupported)."""
+        if self.prefetch is not None:
+            self.prefetch()
+
+
+def readahead(path: str | Path, offset: int = 0, length: int = 0) -> None:
+    """``posix_fadvise(WILLNEED)``: the kernel reads the range into the page cache asynchronously, so disk
+    reads of the next sample overlap the comparison of the current one. Silently does nothing where
+    unsupported."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _safetensors_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """{tensor name: (absolute byte offset, length)} from a safetensors header (8-byte size + JSON)."""
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items() if k != "__metadata__"}
 
 
 @dataclass
@@ -289,6 +321,10 @@ def read_dump(path: str | Path) -> SampleSource:
             shapes = {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
     except Exception as e:
         raise BadInput(f"corrupt or truncated safetensors file ({' '.join(str(e).split())})", path=tpath) from None
+    try:
+        offsets = _safetensors_offsets(tpath)
+    except Exception:
+        offsets = {}
     samples = []
     for ms in man.samples:
         for name, want in ((f"{ms.key}/hidden", (ms.rows, ms.width)), (f"{ms.key}/input_ids", (ms.rows,))):
@@ -307,12 +343,19 @@ def read_dump(path: str | Path) -> SampleSource:
         samples.append(Sample(key=ms.key, rows=ms.rows, width=ms.width, loader=_dump_loader(tpath, ms.key),
                               input_ids=ids, sample_id=ms.sample_id, first_position=ms.first_position,
                               num_prompt_tokens=ms.num_prompt_tokens, output_ids=out_ids, tp_rank=man.tp_rank,
-                              tp_size=man.tp_size, dtype=man.dtype, meta={"path": str(p)}))
+                              tp_size=man.tp_size, dtype=man.dtype, meta={"path": str(p)},
+                              prefetch=_prefetcher(tpath, offsets.get(f"{ms.key}/hidden"))))
     if not samples:
         raise BadInput("the dump lists no samples", path=mpath, field="samples")
     return SampleSource(path=p, kind=man.kind, format=DUMP_FORMAT, samples=samples, hidden_size=man.hidden_size,
                         dtype=man.dtype, tp_rank=man.tp_rank, tp_size=man.tp_size, layer_plan=man.layer_plan,
                         server=man.server, sglang_version=man.sglang_version)
+
+
+def _prefetcher(tpath: Path, span: Optional[tuple[int, int]]) -> Optional[Callable[[], None]]:
+    if span is None:
+        return None
+    return lambda: readahead(tpath, span[0], span[1])
 
 
 def _dump_loader(tpath: Path, key: str) -> Callable[[], torch.Tensor]:

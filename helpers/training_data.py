@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from .dumps import Sample, SampleSource, read_dump, safe_torch_load
+from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
 from .errors import BadInput
 
 _NUM_RE = re.compile(r"(\d+)")
@@ -268,9 +268,11 @@ class TrainingData:
                 yield s
             return
         first_meta = None
-        for f in self.files:
+        for k, f in enumerate(self.files):
             if self.max_samples is not None and n >= self.max_samples:
                 return
+            if k + 1 < len(self.files) and (self.max_samples is None or n + 1 < self.max_samples):
+                readahead(self.files[k + 1])     # the next file loads from disk while this one is compared
             s = (read_speculators_sample(f, hidden_size=self.hidden_size_hint) if self.layout == "speculators"
                  else read_ckpt_sample(f, hidden_size=self.hidden_size_hint))
             if first_meta is None:
