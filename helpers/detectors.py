@@ -139,42 +139,40 @@ def detect_num_draft_tokens_overridden(server) -> list[dict]:
 
 def detect_fc_bypassed(draft=None, server=None, ctx: Optional["Context"] = None, weights=None) -> list[dict]:
     """``fc_bypassed``: an EAGLE-3 draft receives one H-wide state (``--speculative-algorithm EAGLE``/NEXTN, or
-    ``use_aux_hidden_state: false``) equal to its own hidden size, so ``llama_eagle3.py`` skips ``fc``
+    ``use_aux_hidden_state: false``) as wide as its own hidden size, so ``llama_eagle3.py`` skips ``fc``
     (``if hidden_states.shape[-1] != embeds.shape[-1]``) and the draft runs on features it never saw.
 
-    Static part: server algorithm; numeric part: served width == H == draft hidden while fc expects more.
+    Static evidence: the server's algorithm / the config flag. Numeric evidence (``ctx``): the served width
+    equals the draft hidden size while fc expects more. (When the widths differ, fc runs and fails with a
+    shape error instead: not this finding.)
     """
-    out: list[dict] = []
     if draft is None or not draft.is_eagle3:
-        return out
+        return []
     fc_in = weights.fc_shape[1] if weights is not None and weights.fc_shape else draft.sglang_fc_in_features
     algo = server.algorithm if server is not None else None
-    static_hit = algo in ("EAGLE", "NEXTN") or draft.use_aux_hidden_state is False
-    numeric_hit = False
+    static_cause = (f"--speculative-algorithm {algo}" if algo in ("EAGLE", "NEXTN") else
+                    "eagle_config.use_aux_hidden_state=false" if draft.use_aux_hidden_state is False else None)
     ev: dict = {"draft_hidden_size": draft.hidden_size, "fc_in_features": fc_in,
                 "source": "sglang/srt/models/llama_eagle3.py::LlamaModel.forward (fc only if width != embeds width)"}
     if ctx is not None:
-        c = ctx.cmp
-        if c.served_width == draft.hidden_size and c.served_width < fc_in:
-            numeric_hit = True
-            ev["served_width"] = c.served_width
-            ident = c.identify(ctx.source.ref, 0)
-            if ident:
-                ev["served_identified_as"] = ident["best"]
-    if static_hit:
+        served_w = ctx.cmp.served_width
+        if not (served_w == draft.hidden_size and served_w < fc_in):
+            return []
+        ev["served_width"] = served_w
+        ident = ctx.cmp.identify(ctx.source.ref, 0)
+        if ident:
+            ev["served_identified_as"] = ident["best"]
+        cause = static_cause or f"the server feeds one {served_w}-wide state"
+    else:
+        if static_cause is None or draft.hidden_size != draft.sglang_hidden_size_in:
+            return []
+        cause = static_cause
+    if static_cause:
         ev["speculative_algorithm"] = algo
         ev["use_aux_hidden_state"] = draft.use_aux_hidden_state
-    if static_hit or numeric_hit:
-        why = (f"--speculative-algorithm {algo}" if algo in ("EAGLE", "NEXTN") else
-               "eagle_config.use_aux_hidden_state=false" if draft.use_aux_hidden_state is False else
-               f"the server feeds one {ev.get('served_width')}-wide state")
-        if draft.hidden_size != (ctx.cmp.hidden_size if ctx else draft.sglang_hidden_size_in) and not numeric_hit:
-            return out
-        out.append(finding("fc_bypassed", None,
-                           f"{why}: the EAGLE-3 draft gets a single H-wide hidden state instead of "
-                           f"{fc_in // max(1, draft.sglang_hidden_size_in)} aux chunks, so SGLang skips fc silently",
-                           **ev))
-    return out
+    return [finding("fc_bypassed", None,
+                    f"{cause}: the EAGLE-3 draft gets a single H-wide hidden state instead of "
+                    f"{fc_in // max(1, draft.sglang_hidden_size_in)} aux chunks, so SGLang skips fc silently", **ev)]
 
 
 def static_layer_findings(served: CapturePlan, trained: Optional[CapturePlan], draft=None, weights=None,
@@ -437,7 +435,8 @@ class Context:
                 else (None, None)
             if bm is not None:
                 e["closest_training_chunk"] = bj
-                e["closest_metrics"] = bm
+                if bj != j:
+                    e["closest_metrics"] = bm
         if j is not None and j < self.nt:
             tid = self.corr["t_id"][j]
             e["training_chunk"] = j
@@ -818,8 +817,7 @@ def run_numeric(ctx: Context) -> list[dict]:
     """All numeric detectors in dependency order (specific explanations first, ``wrong_layer`` and
     ``missing_chunk`` last). fc_bypassed short-circuits the layer detectors."""
     out: list[dict] = []
-    fc = detect_fc_bypassed(ctx.draft, ctx.server, ctx, ctx.weights)
-    numeric_fc = [f for f in fc if "served_width" in f["evidence"]]
+    numeric_fc = detect_fc_bypassed(ctx.draft, ctx.server, ctx, ctx.weights)
     for det in NUMERIC_DETECTORS:
         if numeric_fc and det not in (detect_nan_or_inf, detect_token_mismatch):
             continue

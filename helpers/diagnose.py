@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -45,7 +45,6 @@ class Diagnosis:
     served_plan: Any = None
     training_plan: Any = None
     comparison: Any = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -72,8 +71,6 @@ class Diagnosis:
                     lines.append(f"  note: {n}")
                 if plan.fatal:
                     lines.append(f"  FATAL: {plan.fatal}")
-        for n in self.notes:
-            lines.append(f"note: {n}")
         if self.chunks:
             lines.append("chunks:  index  width  matched  rel_diff     cosine    identified_as")
             for ch in self.chunks:
@@ -176,7 +173,6 @@ def diagnose(training: str | Path, served: Sequence[str | Path], *, draft_config
     version = sglang_version or settings.version or next((s.sglang_version for s in sources if s.sglang_version), None)
 
     sp = tp = None
-    notes: list[str] = []
     if draft is not None and target is not None:
         try:
             sp = make_served_plan(draft, target, "sglang", version, settings.algorithm or "EAGLE3")
@@ -201,7 +197,7 @@ def diagnose(training: str | Path, served: Sequence[str | Path], *, draft_config
 
     findings = _merge(static, layout_static, numeric, fc_static=bool(static_fc))
     chunks = _chunk_table(ctx)
-    return Diagnosis(findings=findings, chunks=chunks, served_plan=sp, training_plan=tp, comparison=cmp, notes=notes)
+    return Diagnosis(findings=findings, chunks=chunks, served_plan=sp, training_plan=tp, comparison=cmp)
 
 
 def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *, fc_static: bool) -> list[dict]:
