@@ -411,3 +411,26 @@ def test_cached_prefix_and_missing_prompt_ids(tmp_path, tiny_target, tiny_draft,
     s2 = write_generate_json(tmp_path / "noids.json", runner32, specs, SPECFORGE_DEFAULT, with_prompt_ids=False)
     d2 = diagnose(train, [s2], draft_config=tiny_draft, target_config=tiny_target)
     assert d2.findings == [] and d2.comparison.alignment["paired_by"] == {"order": 3}
+
+
+def test_sglang_dumper_folder_as_served(tmp_path, tiny_target, tiny_draft, runner32, specs):
+    """Per-rank aux states written in SGLang dumper's {"value", "meta"} format (one extend step per request,
+    with the non-intrusive core input_ids/positions dumps) are read and aligned like any served source."""
+    exp = tmp_path / "dumper" / "dump_20260101_000000"
+    exp.mkdir(parents=True)
+    for rank in (0, 1):
+        k = 0
+        for step, sp in enumerate(specs):
+            ids = torch.tensor(sp.prompt)
+            rows = runner32.rows(sp.prompt, SPECFORGE_DEFAULT, tp=2)
+            for name, v in (("input_ids", ids), ("positions", torch.arange(len(ids))), ("aux_hidden_states", rows)):
+                k += 1
+                meta = {"step": step, "rank": rank, "dump_index": k, "name": name, "world_rank": rank,
+                        "world_size": 2, "sglang_parallel_info": {"tp_rank": rank, "tp_size": 2}}
+                torch.save({"value": v, "meta": meta},
+                           exp / f"step={step}___rank={rank}___dump_index={k}___name={name}.pt")
+    train = write_specforge(tmp_path / "train", runner32, specs, SPECFORGE_DEFAULT)
+    d = diagnose(train, [tmp_path / "dumper"], draft_config=tiny_draft, target_config=tiny_target)
+    assert d.findings == [], d.render_text()
+    assert [s.name for s in d.comparison.rank_sources] == ["rank0", "rank1"]
+    assert d.comparison.alignment["rows_compared"] == sum(len(sp.prompt) for sp in specs)
