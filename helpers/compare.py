@@ -21,7 +21,7 @@ sample. Only bounded summaries are kept: per pair sums/extrema, and per token id
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np

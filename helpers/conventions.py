@@ -40,7 +40,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .errors import BadInput
 
 EMBEDDING = "embedding"
 FINAL_NORM = "final_norm"

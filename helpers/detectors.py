@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .compare import Comparison, PairMetrics, SourceResult, norm_tolerance
-from .conventions import (EMBEDDING, FINAL_NORM, CapturePlan, compare_plans, describe, layer_of, parse_tensor)
+from .conventions import EMBEDDING, FINAL_NORM, CapturePlan, compare_plans, describe, layer_of
 
 FINDING_KINDS = (
     "chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk", "extra_chunk",

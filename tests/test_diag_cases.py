@@ -3,9 +3,6 @@ speculators layout, served data shaped like SGLang's /generate response (or per-
 by SGLang's capture rules (helpers.conventions.served_plan)."""
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 import torch
 

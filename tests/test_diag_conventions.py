@@ -3,7 +3,6 @@
 checked against its source text."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
