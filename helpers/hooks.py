@@ -51,6 +51,7 @@ from typing import Any, Optional
 import torch
 
 HOOK_PREFIX = "helpers.hooks"
+ARM_FILE = "ARMED"  # with armed_by_file, the capture hook writes only while out_dir/ARMED exists
 TARGET_ARCH_EXCLUDE = ("Eagle", "MTP", "NextN")
 
 FAULT_KINDS = ("chunk_order", "embedding_in_place_of_layer", "embedding_not_all_reduced",
@@ -284,18 +285,20 @@ def capture_factory(config: dict) -> Any:
 
     ``config``: ``out_dir`` (folder; files go to ``out_dir/rank{r}/fwd{n:06d}.safetensors``),
     ``keys`` (stash keys to save, default all recorded this forward), ``max_forwards``
-    (default 512). Each file holds ``input_ids`` ``[T]``, ``positions`` ``[T]``, ``aux`` = the
+    (default 512), ``armed_by_file`` (write only while ``out_dir/ARMED`` exists, so a long-running
+    server records just the forwards of a capture). Each file holds ``input_ids`` ``[T]``, ``positions`` ``[T]``, ``aux`` = the
     aux hidden states the draft receives (after any fault) ``[T, num_aux*H]``, and the stashed
     tensors ``[T, H]``; ``rank{r}/index.jsonl`` lists forwards with their forward mode.
     """
     out_dir = config["out_dir"]
     keys = config.get("keys")
     max_forwards = int(config.get("max_forwards", 512))
+    arm = os.path.join(out_dir, ARM_FILE) if config.get("armed_by_file") else None
 
     def hook(module, inputs, output):
         if not _is_target_logits(module):
             return None
-        if STASH.forwards >= max_forwards:
+        if STASH.forwards >= max_forwards or (arm is not None and not os.path.exists(arm)):
             return None
         rank, tp = _rank_and_size()
         fb = inputs[3] if len(inputs) > 3 else None
@@ -360,6 +363,7 @@ class CaptureConfig:
     out_dir: str
     keys: list[str] = field(default_factory=lambda: ["embedding", "embedding_local"])
     max_forwards: int = 512
+    armed_by_file: bool = False
 
 
 def hook_specs(faults: list[Fault | dict] = (), capture: Optional[CaptureConfig] = None, *,
@@ -396,5 +400,6 @@ def hook_specs(faults: list[Fault | dict] = (), capture: Optional[CaptureConfig]
         specs.append({"name": "e3f-capture", "target_modules": ["logits_processor"],
                       "hook_factory": f"{HOOK_PREFIX}:capture_factory",
                       "config": {"out_dir": os.fspath(capture.out_dir), "keys": list(capture.keys) + ["aux"],
-                                 "max_forwards": capture.max_forwards}})
+                                 "max_forwards": capture.max_forwards,
+                                 "armed_by_file": capture.armed_by_file}})
     return specs
