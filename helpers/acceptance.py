@@ -90,13 +90,15 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
         source = bundled_prompts_path()
     if isinstance(source, (str, Path)) and (Path(source).suffix in (".jsonl", ".json")
                                             or Path(source).is_file()):
+        if not Path(source).is_file():
+            raise ValueError(f"prompt file {source} not found")
         text = Path(source).read_text()
         if Path(source).suffix == ".json":
             items = json.loads(text)
         else:
             items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    elif isinstance(source, str):
-        raise ValueError(f"prompt file {source!r} not found")
+    elif isinstance(source, (str, Path)):
+        raise ValueError(f"prompt file {source} not found")
     else:
         items = list(source)
     prompts = []

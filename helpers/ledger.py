@@ -41,7 +41,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -608,7 +607,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
         m = ff.measure
         try:
             with serve(ff.baseline, log_path=run / "logs" / "baseline.log", base_dir=ff.base_dir,
-                       api_key=key) as (client, _):
+                       api_key=key) as (client, handle):
                 prompts = load_prompts(_prompt_source(m.prompts, ff.base_dir), n=m.num_prompts)
                 sp = {"temperature": m.temperature}
                 if m.ignore_eos:
@@ -616,6 +615,8 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
                 base = measure_baseline(client, prompts, max_new_tokens=m.max_new_tokens,
                                         concurrency=m.concurrency, sampling_params=sp,
                                         warmup=m.warmup, n_boot=m.n_boot, progress=progress)
+                base["server_pid"] = handle.pid if handle is not None else None
+                base["server_mode"] = ff.baseline.mode
             atomic_write_text(run / "baseline.json", json.dumps(base, indent=1, default=str))
         except (FixFailed, SGLangError) as exc:
             failed.append("baseline")
