@@ -159,7 +159,10 @@ class Ledger:
         if not self.path.exists():
             return pd.DataFrame()
         try:
-            return pd.read_parquet(self.path)
+            # one open() = one consistent file (a concurrent os.replace cannot mix two versions)
+            return pd.read_parquet(io.BytesIO(self.path.read_bytes()))
+        except FileNotFoundError:
+            return pd.DataFrame()
         except Exception as exc:  # noqa: BLE001 - any parquet/arrow error
             raise LedgerError(f"ledger {self.path} is unreadable ({type(exc).__name__}: {exc}); "
                               "it was left as is: move it away to start a new one") from None
@@ -205,7 +208,8 @@ class Ledger:
             buf = io.BytesIO()
             merged.to_parquet(buf, index=False)
             check = pd.read_parquet(io.BytesIO(buf.getvalue()))
-            if len(old) and not set(old["row_id"]).issubset(set(check["row_id"])):
+            if len(old) and "row_id" in old.columns and \
+                    not set(old["row_id"].dropna()).issubset(set(check["row_id"])):
                 raise LedgerError("refusing to write: the new ledger would lose rows")
             if len(check) != len(old) + len(new):
                 raise LedgerError(f"refusing to write: expected {len(old) + len(new)} rows, got {len(check)}")

@@ -892,6 +892,9 @@ class SGLangClient:
         """
         if (input_ids is None) == (text is None):
             raise ValueError("generate(): pass exactly one of input_ids= or text=")
+        if extra and extra.get("stream"):
+            raise ValueError("generate(): streaming is not supported here (the spec fields come only "
+                             "with the final chunk); leave stream unset")
         sp = {"temperature": 0.0}
         sp.update(dict(sampling_params or {}))
         if max_new_tokens is not None:

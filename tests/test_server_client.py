@@ -135,13 +135,13 @@ def test_flush_cache_waits_until_idle(client, server):
 
     def long_request():
         with SGLangClient(server.url, api_key=KEY) as c2:
-            c2.generate(input_ids=list(range(5, 40)), max_new_tokens=80,
+            c2.generate(input_ids=list(range(5, 40)), max_new_tokens=48,
                         sampling_params={"ignore_eos": True})
         done["t"] = time.monotonic()
 
     th = threading.Thread(target=long_request)
     th.start()
-    time.sleep(0.5)  # the request is running now (80 tokens take seconds on CPU)
+    time.sleep(0.5)  # the request is running now (48 tokens take seconds on CPU)
     waited = client.flush_cache(timeout=300, poll=0.1)
     flushed_at = time.monotonic()
     th.join(timeout=300)
