@@ -120,10 +120,12 @@ def capture_overhead(url: str, prompts, max_new_tokens: int) -> dict:
 def reading(s, need, over, cap, summarize_s, measure_s, kind, loads, target) -> str:
     """A plain-words reading of the measured numbers (no number in it is hard-coded)."""
     c = over["client"]
-    txt = (f"Reading: wall minus server e2e_latency is {c['overhead_ms_mean']:.0f} ms per request with "
-           f"SGLangClient and {over['raw']['overhead_ms_mean']:.0f} ms with a bare httpx.post (the "
-           "difference is noise: it is the server's HTTP/JSON layer plus the loopback, not this "
-           f"client; pydantic parsing is {over['parse_ms_mean']:.2f} ms). As a fraction it is "
+    diff = c["overhead_ms_mean"] - over["raw"]["overhead_ms_mean"]
+    txt = (f"Reading: wall minus server e2e_latency is {c['overhead_ms_mean']:.1f} ms per request with "
+           f"SGLangClient and {over['raw']['overhead_ms_mean']:.1f} ms with a bare httpx.post; both "
+           "hold the server's HTTP/JSON layer and the loopback, so this client's own share is the "
+           f"difference, {diff:+.1f} ms (pydantic parsing alone: {over['parse_ms_mean']:.2f} ms). "
+           "As a fraction it is "
            f"{100 * c['overhead_frac_mean']:.2f} % here because CPU requests take seconds; on a GPU "
            f"server with ~1 s requests the same {c['overhead_ms_mean']:.0f} ms would be "
            f"~{c['overhead_ms_mean'] / 10:.1f} %. The bootstrap costs {1000 * summarize_s:.0f} ms. "
@@ -158,6 +160,47 @@ def write_results(text: str) -> Path:
     return atomic_write_text(path, "\n".join(new).rstrip() + "\n")
 
 
+def results_text(raw: dict, args) -> str:
+    """The RESULTS.md section from the raw numbers (also used by ``--from-json``)."""
+    s, need, over, cap = raw["summary"], raw["need"], raw["client_overhead"], raw["capture"]
+    kind, startup, few = raw["models"], raw["startup_s"], raw["overhead_prompts"]
+    summarize_s, measure_s, loads = raw["summarize_s"], raw["measure_s"], raw["loads"]
+    lines = [
+        SECTION, "",
+        f"Run {raw['when']} on {platform.machine()} ({os.cpu_count()} CPUs, shared), "
+        f"SGLang {s['sglang_version']} CPU reference server, TP {s['tp_size']}, EAGLE3 steps {s['num_steps']} "
+        f"topk {s['topk']} draft tokens {s['num_draft_tokens']}; models: {kind}. "
+        f"{s['n_requests']} bundled prompts, max_new_tokens {s['max_new_tokens']}, greedy, concurrency 1. "
+        f"Server startup {startup:.0f} s.", "",
+        "| figure | value |", "|---|---|",
+        f"| accept length (Σcompletion/Σverify), 95% CI | {s['accept_length']:.3f} "
+        f"[{s['accept_length_lo']:.3f}, {s['accept_length_hi']:.3f}] |",
+        f"| per-request accept length: mean / sd | {raw['per_request_mean']:.3f} / {need['sd']:.3f} |",
+        f"| accept rate, 95% CI | {s['accept_rate']:.3f} [{s['accept_rate_lo']:.3f}, {s['accept_rate_hi']:.3f}] |",
+        f"| CI half-width at n = {need['n_obs']} (measured) | {need['half_width_obs']:.4f} |",
+        "| CI half-width by n (resampled from the measured requests) | " +
+        ", ".join(f"n={n}: {w:.4f}" for n, w in need["by_n"].items()) + " |",
+        f"| **requests for a ±{args.target_half_width} accept-length CI** | **{need['n_needed']}** "
+        f"(= n_obs·(hw/{args.target_half_width})²) |",
+        f"| tok/s per request (server without capture) | {s['tok_s']:.1f} [{s['tok_s_lo']:.1f}, {s['tok_s_hi']:.1f}] |",
+        f"| client overhead, bare httpx: 1 − e2e/wall | {100 * over['raw']['overhead_frac_mean']:.2f} % "
+        f"({over['raw']['overhead_ms_mean']:.1f} ms of {1000 * over['raw']['wall_mean_s']:.0f} ms) |",
+        f"| client overhead, SGLangClient.generate | {100 * over['client']['overhead_frac_mean']:.2f} % "
+        f"({over['client']['overhead_ms_mean']:.1f} ms of {1000 * over['client']['wall_mean_s']:.0f} ms) |",
+        f"| response parsing (pydantic) per request | {over['parse_ms_mean']:.3f} ms "
+        f"({100 * over['parse_frac_of_wall']:.3f} % of request time) |",
+        f"| summarize() with 2000 bootstrap resamples | {summarize_s * 1000:.0f} ms "
+        f"({100 * summarize_s / measure_s:.2f} % of the {measure_s:.1f} s measurement) |",
+        f"| tok/s return_hidden_states off / on (ABBA, {2 * few} requests each) | "
+        f"{cap['tok_s_off']:.1f} / {cap['tok_s_on']:.1f} |",
+        f"| capture overhead on tok/s | {100 * cap['slowdown_frac']:.1f} % slower |",
+        f"| answer size off / on | {cap['kb_per_answer_off']:.1f} KiB / {cap['kb_per_answer_on']:.1f} KiB |",
+        "",
+        reading(s, need, over, cap, summarize_s, measure_s, kind, loads, args.target_half_width),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target")
@@ -169,7 +212,15 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead-prompts", type=int, default=12)
     ap.add_argument("--target-half-width", type=float, default=0.05)
     ap.add_argument("--write-results", action="store_true")
+    ap.add_argument("--from-json", default=None,
+                    help="re-render the section from a saved bench/data/bench_acceptance.json (no server)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        text = results_text(json.loads(Path(args.from_json).read_text()), args)
+        print(text)
+        if args.write_results:
+            print(f"\nwrote {write_results(text)}")
+        return 0
 
     target, draft, kind = models(args)
     print(f"models: {kind}\n  target {target}\n  draft  {draft}", flush=True)
@@ -200,43 +251,12 @@ def main(argv=None) -> int:
     per_req_al = (pr["completion_tokens"] / pr["verify_ct"]).to_numpy(float)
     need["sd"] = float(per_req_al.std(ddof=1))
 
-    lines = [
-        SECTION, "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M')} on {platform.machine()} ({os.cpu_count()} CPUs, shared), "
-        f"SGLang {s['sglang_version']} CPU reference server, TP {args.tp}, EAGLE3 steps {s['num_steps']} "
-        f"topk {s['topk']} draft tokens {s['num_draft_tokens']}; models: {kind}. "
-        f"{s['n_requests']} bundled prompts, max_new_tokens {args.max_new_tokens}, greedy, concurrency 1. "
-        f"Server startup {startup:.0f} s.", "",
-        "| figure | value |", "|---|---|",
-        f"| accept length (Σcompletion/Σverify), 95% CI | {s['accept_length']:.3f} "
-        f"[{s['accept_length_lo']:.3f}, {s['accept_length_hi']:.3f}] |",
-        f"| per-request accept length: mean / sd | {per_req_al.mean():.3f} / {per_req_al.std(ddof=1):.3f} |",
-        f"| accept rate, 95% CI | {s['accept_rate']:.3f} [{s['accept_rate_lo']:.3f}, {s['accept_rate_hi']:.3f}] |",
-        f"| CI half-width at n = {need['n_obs']} (measured) | {need['half_width_obs']:.4f} |",
-        "| CI half-width by n (resampled from the measured requests) | " +
-        ", ".join(f"n={n}: {w:.4f}" for n, w in need["by_n"].items()) + " |",
-        f"| **requests for a ±{args.target_half_width} accept-length CI** | **{need['n_needed']}** "
-        f"(= n_obs·(hw/{args.target_half_width})²) |",
-        f"| tok/s per request (server without capture) | {s['tok_s']:.1f} [{s['tok_s_lo']:.1f}, {s['tok_s_hi']:.1f}] |",
-        f"| client overhead, bare httpx: 1 − e2e/wall | {100 * over['raw']['overhead_frac_mean']:.2f} % "
-        f"({over['raw']['overhead_ms_mean']:.1f} ms of {1000 * over['raw']['wall_mean_s']:.0f} ms) |",
-        f"| client overhead, SGLangClient.generate | {100 * over['client']['overhead_frac_mean']:.2f} % "
-        f"({over['client']['overhead_ms_mean']:.1f} ms of {1000 * over['client']['wall_mean_s']:.0f} ms) |",
-        f"| response parsing (pydantic) per request | {over['parse_ms_mean']:.3f} ms "
-        f"({100 * over['parse_frac_of_wall']:.3f} % of request time) |",
-        f"| summarize() with 2000 bootstrap resamples | {summarize_s * 1000:.0f} ms "
-        f"({100 * summarize_s / measure_s:.2f} % of the {measure_s:.1f} s measurement) |",
-        f"| tok/s return_hidden_states off / on (ABBA, {2 * len(few)} requests each) | "
-        f"{cap['tok_s_off']:.1f} / {cap['tok_s_on']:.1f} |",
-        f"| capture overhead on tok/s | {100 * cap['slowdown_frac']:.1f} % slower |",
-        f"| answer size off / on | {cap['kb_per_answer_off']:.1f} KiB / {cap['kb_per_answer_on']:.1f} KiB |",
-        "",
-        reading(s, need, over, cap, summarize_s, measure_s, kind, loads, args.target_half_width),
-    ]
-    text = "\n".join(lines)
-    print("\n" + text)
     raw = {"summary": s, "need": need, "client_overhead": over, "capture": cap, "startup_s": startup,
-           "measure_s": measure_s, "summarize_s": summarize_s, "models": kind}
+           "measure_s": measure_s, "summarize_s": summarize_s, "models": kind, "loads": loads,
+           "overhead_prompts": len(few), "per_request_mean": float(per_req_al.mean()),
+           "when": time.strftime("%Y-%m-%d %H:%M")}
+    text = results_text(raw, args)
+    print("\n" + text)
     data = ROOT / "bench" / "data"
     data.mkdir(parents=True, exist_ok=True)
     atomic_write_text(data / "bench_acceptance.json", json.dumps(raw, indent=1, default=str))
