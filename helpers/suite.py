@@ -28,7 +28,6 @@ import os
 import shlex
 import sys
 import time
-import traceback
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +35,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .runfiles import atomic_write_text, new_run_dir, read_json, write_json
+from .runfiles import atomic_write_text, new_run_dir, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -171,7 +170,7 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
 
     params = load_params(params_path)
     notebooks = [nb for nb in params.notebooks if not only or nb in only]
-    run_dir = new_run_dir(Path(out) if out else ROOT / "outputs", params.name)
+    run_dir = new_run_dir(params.name, Path(out) if out else None)
     for sub in ("notebooks", "html", "results", "figures", "logs"):
         (run_dir / sub).mkdir(exist_ok=True)
     atomic_write_text(run_dir / "params.yaml", yaml.safe_dump(params.model_dump(), sort_keys=False))
