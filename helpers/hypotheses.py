@@ -325,11 +325,13 @@ def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
     data["rank_max_abs_diff"] = rank_diffs
     agree = all(d <= 1e-5 * max(1.0, float(served[0]["hidden"].abs().max())) for d in rank_diffs)
     if sharded:
+        data["short"] = f"the aux states are TP-sharded ({width} wide instead of a multiple of {H})"
         verdict = "confirmed"
         text = (f"The served rows are {width} wide: a multiple of H/tp = {H // tp} but not of H = {H}. "
                 "Each rank contributes a shard of the hidden dimension instead of the full residual "
                 "stream, so the draft's fc reads the wrong features.")
     elif rank_diffs and not agree:
+        data["short"] = "the aux states differ across TP ranks (per-rank partial values)"
         verdict = "confirmed"
         text = (f"The rows are full width ({width} = {n_full:g} x H) but the TP ranks disagree "
                 f"(max |difference| {max(rank_diffs):.3g}): the aux states are per-rank partial values, "
@@ -406,6 +408,8 @@ def check_embedding_all_reduce(inv: Investigation, **_: Any) -> HypothesisResult
         rows.append({"rank": f"served chunk {c}", "rel_diff vs all-reduced embedding": f,
                      "rel_diff vs rank-0 local embedding": l})
     if served_local:
+        data["short"] = (f"aux chunk {served_local[0]} is a rank-local embedding, not all-reduced "
+                         "across TP ranks")
         verdict = "confirmed"
         text = (f"Served chunk {served_local[0]} equals rank 0's *local* embedding: rows of token ids "
                 f"outside rank 0's vocab shard are zero. The embedding reaches the draft before the "
@@ -450,6 +454,7 @@ def check_layer_offset(inv: Investigation, **_: Any) -> HypothesisResult:
         text = ("Every chunk is the layer the draft was trained on (identified against all layers of the "
                 "target for the same tokens): no offset.")
     elif len(set(known)) == 1 and known[0] != 0 and len(known) == len(shifts):
+        data["short"] = f"every aux chunk is {known[0]:+d} layer(s) off from the trained layers"
         verdict = "confirmed"
         text = (f"Every chunk is shifted by {known[0]:+d} layer(s) from training (e.g. "
                 f"{frame['measured (reference)'][0]} instead of {frame['trained'][0]}): a layer-id "
@@ -474,28 +479,44 @@ def check_layer_offset(inv: Investigation, **_: Any) -> HypothesisResult:
 
 
 def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
-    """Does the engine concatenate the captured layers in another order than configured?"""
+    """Does the engine concatenate the captured layers in another order than configured?
+
+    Only the chunks whose measured tensor is one of the configured tensors are compared: a chunk
+    whose *content* is something else (an embedding, another layer) is a different fault, not an
+    ordering one."""
     frame = _chunk_frame(inv)
     configured = list(frame["configured"])
     measured = list(frame["measured (reference)"])
     data = {"configured": configured, "measured": measured}
-    if any(m is None for m in measured):
-        verdict, text = "inconclusive", "Some chunks could not be identified against the reference."
-    elif measured == configured:
-        verdict = "refuted"
-        text = ("The order is as configured: chunk i is exactly the tensor the draft config asks for at "
-                f"position i ([{', '.join(configured)}]). The engine concatenates in ascending layer "
-                "order, which here equals the configured order.")
-    elif sorted(measured, key=str) == sorted(configured, key=str):
+    comparable = [(i, m) for i, m in enumerate(measured) if m is not None and m in configured]
+    moved = [(i, m, configured.index(m)) for i, m in comparable if configured.index(m) != i]
+    frame["position configured for this tensor"] = [configured.index(m) if m in configured else None
+                                                    for m in measured]
+    if not comparable:
+        verdict = "inconclusive"
+        text = ("No served chunk could be matched to a configured tensor, so the order cannot be "
+                "judged; see the layer and embedding checks.")
+        short = ""
+    elif moved:
         verdict = "confirmed"
-        text = (f"The served chunks are the configured tensors in another order: served "
-                f"[{', '.join(measured)}] vs configured [{', '.join(configured)}] (SGLang captures in "
-                "ascending layer order, whatever order the config lists).")
+        i, m, j = moved[0]
+        text = (f"The served chunks are the configured tensors in another order: chunk {i} holds {m}, "
+                f"configured at position {j} (served [{', '.join(map(str, measured))}] vs configured "
+                f"[{', '.join(configured)}]). SGLang captures in ascending layer order, whatever order "
+                "the config lists.")
+        short = f"chunk {i} holds {m}, configured at position {j}"
     else:
         verdict = "refuted"
-        text = (f"The served chunks [{', '.join(measured)}] are not a permutation of the configured "
-                f"[{', '.join(configured)}]: not an ordering problem (see the layer and embedding checks).")
-    return HypothesisResult("concat_order", "Concatenation order", "", verdict, text, frame, None, data)
+        other = [i for i, m in enumerate(measured) if m not in configured]
+        tail = (f" (chunk{'s' if len(other) > 1 else ''} {', '.join(map(str, other))} hold"
+                f"{'' if len(other) > 1 else 's'} other content, which the other checks explain)"
+                if other else "")
+        text = ("The order is as configured: every chunk that holds a configured tensor sits at the "
+                f"position the config gives it{tail}. The engine concatenates in ascending layer "
+                "order, which here is the configured order.")
+        short = ""
+    return HypothesisResult("concat_order", "Concatenation order", "", verdict, text, frame, None,
+                            {**data, "short": short})
 
 
 def check_embedding_included(inv: Investigation, **_: Any) -> HypothesisResult:
@@ -509,6 +530,8 @@ def check_embedding_included(inv: Investigation, **_: Any) -> HypothesisResult:
             "findings": [f["kind"] for f in d.findings]}
     if emb_chunks and "embedding" not in trained:
         c = emb_chunks[0]
+        data["short"] = (f"the token embedding was fed to the draft as aux chunk {c}, where it was "
+                         f"trained on {trained[c]}")
         verdict = "confirmed"
         text = (f"Served chunk {c} is the token embedding (identical to the target's embedding output for "
                 f"the same tokens; rows of equal token ids are equal), but the draft was trained on "
@@ -533,6 +556,7 @@ def check_num_steps_override(inv: Investigation, **_: Any) -> HypothesisResult:
                                                     "speculative_eagle_topk")]
     data = {"overrides": [o.model_dump() for o in spec.overrides], "requested_from": spec.requested_from}
     if hits:
+        data["short"] = "SGLang silently overrode " + ", ".join(o.field for o in hits)
         verdict = "confirmed"
         text = " ".join(o.message for o in hits)
     elif spec.requested_from == "none":
@@ -564,6 +588,7 @@ def check_fc_bypass(inv: Investigation, **_: Any) -> HypothesisResult:
             {"measure": "hidden size H", "value": inv.hidden_size}]
     data = {"algorithm": algo, "draft_architectures": archs, "width": width}
     if algo == "EAGLE" and eagle3_draft:
+        data["short"] = "an EAGLE-3 draft was served with algorithm EAGLE, so its fc was bypassed"
         verdict = "confirmed"
         text = (f"The server runs algorithm EAGLE with an EAGLE-3 draft: the target feeds one "
                 f"{width}-wide state (its last, normed hidden state) instead of the aux layers, and "
@@ -598,6 +623,7 @@ def check_verify_bottleneck(inv: Investigation, *, ratio_threshold: float = 1.5,
     data = {"accept_length": tau, "verify_ms": verify_ms, "decode_ms": decode_ms, "ratio": r,
             "speedup": speedup}
     if r >= ratio_threshold:
+        data["short"] = f"a verify step costs {r:.2f}x a decode step, which bounds tok/s"
         verdict = "confirmed"
         text = (f"A verify step costs {r:.2f}x a plain decode step ({verify_ms:.1f} vs {decode_ms:.1f} ms), "
                 f"so {tau:.2f} tokens per verify step give only {speedup:.2f}x tok/s. Verify (and draft) "
