@@ -88,7 +88,7 @@ def test_seeds_hunt_replays_with_expected_verdicts(tmp_path):
     assert led["steps"][0]["summary"]["accept_length"] == doc["steps"][0]["summary"]["accept_length"]
 
 
-SLOW_CASES = ["wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2t", "seeds_literal_config"]
+SLOW_CASES = ["wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2t", "seeds_hook_variant"]
 
 
 @needs_models
