@@ -93,6 +93,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tp", type=int, default=1, help="SGLang TP size (sglang backend)")
+    ap.add_argument("--sampled-frac", type=float, default=0.5,
+                    help="share of samples whose continuation is sampled at --temperature "
+                         "instead of greedy (the last ones)")
+    ap.add_argument("--temperature", type=float, default=1.0)
     a = ap.parse_args(argv)
     t0 = time.time()
     seed_everything(a.seed, a.threads)
@@ -120,13 +124,20 @@ def main(argv=None) -> int:
         prompts = make_prompts(corpus["train"], tok, a.num, a.seed)
         model = load_target(a.target).to(device)
         t = time.time()
-        gens = greedy_continue(model, prompts, a.new_tokens, batch_size=a.batch_size,
+        n_greedy = a.num - int(round(a.num * a.sampled_frac))
+        gens = greedy_continue(model, prompts[:n_greedy], a.new_tokens, batch_size=a.batch_size,
                                stop_at_eos=False, progress=True)
+        if n_greedy < a.num:
+            gens += greedy_continue(model, prompts[n_greedy:], a.new_tokens,
+                                    batch_size=a.batch_size, stop_at_eos=False, progress=True,
+                                    temperature=a.temperature, seed=a.seed)
         timings["regenerate_s"] = round(time.time() - t, 1)
         samples = [(p + g, [0] * len(p) + [1] * len(g)) for p, g in zip(prompts, gens)]
         print(f"[regenerate] {len(samples)} greedy continuations of {a.new_tokens} tokens on "
               f"{device} in {timings['regenerate_s']} s")
-        gen_source = f"HF greedy on {device}"
+        gen_source = (f"HF greedy on {device}" if n_greedy == a.num else
+                      f"HF on {device}: {n_greedy} greedy + {a.num - n_greedy} sampled at "
+                      f"temperature {a.temperature}")
 
     # 2. capture
     a.out.mkdir(parents=True, exist_ok=True)

@@ -136,13 +136,15 @@ def train_target(model, rows: torch.Tensor, *, steps: int, batch_size: int, lr: 
 
 @torch.no_grad()
 def greedy_continue(model, prompts: list[list[int]], max_new_tokens: int,
-                    batch_size: int = 64, stop_at_eos: bool = True, progress: bool = False):
+                    batch_size: int = 64, stop_at_eos: bool = True, progress: bool = False,
+                    temperature: float = 0.0, seed: int = 0):
     """Greedy (argmax) continuations of token-id prompts with a KV cache (HF transformers).
 
     Prompts are grouped by length so no padding is ever needed. No logit is masked (unlike HF
     ``generate(min_new_tokens=...)``), so this is the same argmax rule as SGLang at temperature 0.
     Returns a list of generated id lists (without the prompt), truncated after the first ``</s>``
-    when ``stop_at_eos`` (what SGLang does by default).
+    when ``stop_at_eos`` (what SGLang does by default). ``temperature > 0`` samples instead
+    (seeded ``torch.Generator`` on the model's device; used for draft-data diversity only).
     """
     from tqdm import tqdm
 
@@ -157,16 +159,24 @@ def greedy_continue(model, prompts: list[list[int]], max_new_tokens: int,
         idx = by_len[L]
         for j in range(0, len(idx), batch_size):
             batches.append(idx[j:j + batch_size])
-    for b in tqdm(batches, desc="greedy", disable=not progress):
+    rng = torch.Generator(device=dev).manual_seed(seed)
+
+    def pick(logits):
+        if temperature <= 0:
+            return logits.float().argmax(-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=rng)[:, 0]
+
+    for b in tqdm(batches, desc="greedy" if temperature <= 0 else "sample", disable=not progress):
         x = torch.tensor([prompts[i] for i in b], dtype=torch.long, device=dev)
         res = model(input_ids=x, use_cache=True)
         past = res.past_key_values
-        nxt = res.logits[:, -1].float().argmax(-1)
+        nxt = pick(res.logits[:, -1])
         gen_t = [nxt]
         for _ in range(max_new_tokens - 1):
             res = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
             past = res.past_key_values
-            nxt = res.logits[:, -1].float().argmax(-1)
+            nxt = pick(res.logits[:, -1])
             gen_t.append(nxt)
         gen = torch.stack(gen_t, 1).tolist()
         for i, g in zip(b, gen):
