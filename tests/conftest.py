@@ -23,3 +23,35 @@ def tiny_draft(tmp_path_factory, tiny_target) -> Path:
     """Random EAGLE-3 draft for ``tiny_target``; ids [1, 3, 4] (SpecForge default for n=8)."""
     return build_eagle3_draft(tmp_path_factory.mktemp("models") / "tiny-draft", tiny_target,
                               layer_ids=[1, 3, 4])
+
+
+# --- diagnosis-engine fixtures (tests/test_diag_*.py) -------------------------------------------
+# Tiny models on a 2-core CI: intra-op threads only add contention.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def runner32(tiny_target):
+    from forensic_cases import TargetRunner
+    return TargetRunner(tiny_target, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def runner16(tiny_target):
+    from forensic_cases import TargetRunner
+    return TargetRunner(tiny_target, torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def specs(runner32):
+    """Three prompts with greedy continuations (training) and 6 greedy output tokens (served)."""
+    from forensic_cases import make_samples
+    return make_samples(runner32, 3)
+
+
+@pytest.fixture(scope="session")
+def target36(tmp_path_factory):
+    """A 36-layer tiny Llama (gpt-oss-like depth) for the final-boundary case."""
+    return build_target(tmp_path_factory.mktemp("models") / "tiny-target-36", layers=36, seed=3)

@@ -60,16 +60,22 @@ def build_target(out: Path, *, hidden: int = 64, layers: int = 8, heads: int = 8
 
 
 def build_eagle3_draft(out: Path, target_dir: Path, *, layer_ids=None, draft_vocab: int = 256,
-                       nested: bool = True, seed: int = 1, intermediate: int = 128) -> Path:
+                       nested: bool = True, seed: int = 1, intermediate: int = 128,
+                       hidden: int | None = None, write_target_hidden_size: bool = True,
+                       with_d2t: bool = True, num_aux: int = 3) -> Path:
     """Save a random EAGLE-3 draft in SGLang's ``LlamaForCausalLMEagle3`` layout.
 
     ``layer_ids`` (SpecForge output-of-layer convention) go under ``eagle_config`` when
     ``nested`` else at the top level (which SGLang ignores); None writes no ids.
+    ``hidden`` sets a draft hidden size different from the target's (``fc`` is then
+    ``[hidden, num_aux * H_target]``); ``target_hidden_size`` is written unless
+    ``write_target_hidden_size`` is False. ``with_d2t=False`` leaves out d2t/t2d.
     """
     from safetensors.torch import save_file
 
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
-    h, v = tcfg["hidden_size"], tcfg["vocab_size"]
+    ht, v = tcfg["hidden_size"], tcfg["vocab_size"]
+    h = hidden or ht
     nh, nkv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
     hd = h // nh
     out = Path(out)
@@ -81,6 +87,8 @@ def build_eagle3_draft(out: Path, target_dir: Path, *, layer_ids=None, draft_voc
            "rope_theta": tcfg.get("rope_theta", 10000.0), "hidden_act": "silu",
            "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 0,
            "eos_token_id": 1}
+    if h != ht and write_target_hidden_size:
+        cfg["target_hidden_size"] = ht
     if layer_ids is not None:
         if nested:
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids),
@@ -93,7 +101,7 @@ def build_eagle3_draft(out: Path, target_dir: Path, *, layer_ids=None, draft_voc
     def r(*shape):
         return torch.randn(*shape, generator=g) * 0.05
 
-    w = {"fc.weight": r(h, 3 * h),
+    w = {"fc.weight": r(h, num_aux * ht),
          "midlayer.self_attn.q_proj.weight": r(nh * hd, 2 * h),
          "midlayer.self_attn.k_proj.weight": r(nkv * hd, 2 * h),
          "midlayer.self_attn.v_proj.weight": r(nkv * hd, 2 * h),
@@ -109,5 +117,7 @@ def build_eagle3_draft(out: Path, target_dir: Path, *, layer_ids=None, draft_voc
          "d2t": torch.zeros(draft_vocab, dtype=torch.int64),
          "t2d": torch.zeros(v, dtype=torch.bool)}
     w["t2d"][:draft_vocab] = True
+    if not with_d2t:
+        del w["d2t"], w["t2d"]
     save_file(w, os.fspath(out / "model.safetensors"))
     return out

@@ -1,0 +1,254 @@
+"""Dumps of the aux hidden states a live SGLang server feeds its EAGLE-3 draft.
+
+Three captures, each written as a project dump (``helpers.dumps``; DESIGN.md) in a run folder:
+
+* :func:`capture_served` - what the draft receives: ``/generate`` with ``return_hidden_states``
+  and ``return_prompt_token_ids``. On an EAGLE-3 server the returned rows are the concatenated aux
+  hidden states (``sglang/srt/layers/logits_processor.py::_get_hidden_states_to_store``:
+  ``torch.cat(aux_hidden_states, -1)``, the same tensor the draft consumes). The prompt block
+  ``meta_info.hidden_states[0]`` covers the whole prompt only when nothing of it is cached, so the
+  radix cache is flushed before every request (``/flush_cache``) unless ``flush=False``; the dump
+  records ``first_position`` when the block is short anyway. Feeding the *full* training sequence
+  (prompt + response ids) with ``max_new_tokens=1`` gives one served row per training row.
+* :func:`capture_reference` - every layer's residual stream for the same tokens, from a second
+  SGLang server started with ``--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
+  --return-aux-hidden-state-layer-ids 0 1 ... n-2`` (:func:`reference_server_args`; SGLang adds +1
+  and captures in(i+1) = out(i), ascending; ``out(n-1)`` and the embedding are unreachable there,
+  ``sglang/srt/models/llama.py``), or from HF transformers (:func:`capture_reference_hf`:
+  ``hidden_states[k]`` = out(k-1), k = 0 the embedding) when the target's weights are at hand.
+* :func:`per_rank_dumps` - one dump per TP rank from the files the ``helpers.hooks`` capture hook
+  wrote on the server (real per-rank tensors: the aux the draft received on that rank, the
+  all-reduced and the rank-local embedding, layer outputs, per-rank partial sums).
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .dumps import Sample, samples_from_generate, write_dump
+
+UNREACHABLE_NOTE = ("SGLang's aux capture cannot reach the embedding (id -1) nor out(n-1) (capture "
+                    "index n is past the layer loop): sglang/srt/models/llama.py")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _prompt_fields(p: Any, i: int) -> tuple[str, Optional[list[int]], Optional[str]]:
+    """(id, input_ids, text) from a Prompt, a token-id sequence, a string or a training Sample."""
+    if isinstance(p, Sample):
+        return str(p.sample_id or p.key), [int(t) for t in np.asarray(p.input_ids).tolist()], None
+    if isinstance(p, str):
+        return f"p{i:03d}", None, p
+    if hasattr(p, "request") and hasattr(p, "id"):  # helpers.acceptance.Prompt
+        ids = getattr(p, "input_ids", None)
+        return str(p.id), (list(ids) if ids is not None else None), getattr(p, "text", None)
+    if isinstance(p, dict):
+        ids = p.get("input_ids")
+        return str(p.get("id", p.get("sample_id", f"p{i:03d}"))), \
+            (None if ids is None else [int(t) for t in ids]), p.get("text")
+    return f"p{i:03d}", [int(t) for t in p], None
+
+
+def _safe_key(s: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.:#=-]+", "-", s)[:80] or "sample"
+
+
+def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os.PathLike, *,
+                   name: str = "served", max_new_tokens: int = 1, flush: bool = True,
+                   kind: str = "served", layer_plan: Optional[dict] = None,
+                   api_key: Optional[str] = None, progress: bool = True) -> Path:
+    """Capture the aux hidden states fed to the draft for ``prompts``; write ``out_dir/name``.
+
+    Args:
+        client_or_url: :class:`helpers.server.SGLangClient`, a URL, or a launcher handle.
+        prompts: token-id sequences (e.g. training samples: rows then align with the training
+            rows), strings, ``helpers.acceptance.Prompt`` objects, or ``helpers.dumps.Sample``.
+        out_dir: parent folder (a run folder's ``dumps/``); ``out_dir/name`` must not exist.
+        max_new_tokens: tokens to generate per prompt; each adds one decode row (the row of the
+            position that produced it), except the last.
+        flush: POST ``/flush_cache`` before each request so the prompt block is complete.
+        kind: manifest kind (``served`` or ``reference``).
+        layer_plan: what the chunks are, e.g. ``{"tensors": ["out(1)", ...]}`` (reference dumps).
+        api_key: bearer token (default ``$SGLANG_API_KEY``); never written anywhere.
+        progress: show a tqdm bar.
+
+    Returns: the dump folder. Row t of each sample belongs to ``input_ids[t]``.
+
+    Raises:
+        helpers.server.HiddenStatesDisabled: the server lacks ``--enable-return-hidden-states``
+            (the message names the flag).
+        helpers.errors.BadInput: a response without usable hidden states.
+        FileExistsError: the dump folder exists.
+    """
+    from tqdm.auto import tqdm
+
+    from .server import as_client, redact
+
+    client = as_client(client_or_url, api_key=api_key)
+    info = client.server_info()
+    snapshot = redact(info, client.secrets)
+    samples: list[Sample] = []
+    keys: set[str] = set()
+    notes: list[str] = []
+    for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt",
+                               disable=not progress)):
+        pid, ids, text = _prompt_fields(p, i)
+        if flush:
+            client.flush_cache()
+        res = client.generate(input_ids=ids, text=text if ids is None else None,
+                              max_new_tokens=max_new_tokens, return_hidden_states=True,
+                              return_prompt_token_ids=True,
+                              sampling_params={"temperature": 0.0, "ignore_eos": True})
+        raw = res.model_dump(exclude={"latency_s"})
+        got = samples_from_generate(raw, source=f"{name}:{pid}")
+        for s in got:
+            key = _safe_key(pid)
+            while key in keys:
+                key += "+"
+            keys.add(key)
+            s.key, s.sample_id = key, pid
+            if s.first_position:
+                notes.append(f"{pid}: prompt block starts at position {s.first_position} "
+                             "(cached or chunked prefix)")
+            samples.append(s)
+    extra = {"kind": kind, "source": {"type": "sglang_generate", "url": client._shown_url,
+                                      "flush_cache": flush, "max_new_tokens": max_new_tokens,
+                                      "captured": _now(), "notes": notes},
+             "server": snapshot, "sglang_version": info.get("version"),
+             "tp_size": info.get("tp_size"), "layer_plan": layer_plan}
+    return write_dump(Path(out_dir) / name, samples, extra)
+
+
+def reference_server_args(num_layers: int, layer_ids: Optional[Sequence[int]] = None) -> tuple[list[str], list[str]]:
+    """Flags for a reference-capture server and the physical tensor of each returned chunk.
+
+    ``layer_ids`` use SGLang's EAGLE3 convention (id i -> capture index i+1 -> out(i)); default
+    ``0 .. n-2`` (every reachable layer). Returns ``(extra_args, tensors)`` where ``tensors`` is
+    ascending (``["out(0)", ..., "out(n-2)"]``): SGLang concatenates in layer-loop order.
+    Mirrors ``sglang/srt/arg_groups/validation_hook.py::handle_aux_hidden_state_capture`` (ids
+    must be distinct, non-negative, below n) and ``spec_aux_hidden_state.py``.
+    """
+    ids = sorted(set(range(num_layers - 1) if layer_ids is None else layer_ids))
+    bad = [i for i in ids if i < 0 or i >= num_layers - 1]
+    if bad:
+        raise ValueError(f"layer ids {bad} cannot be captured by SGLang on a {num_layers}-layer "
+                         f"target ({UNREACHABLE_NOTE})")
+    args = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+            "--return-aux-hidden-state-layer-ids", *[str(i) for i in ids]]
+    return args, [f"out({i})" for i in ids]
+
+
+def start_reference_server(target: str | os.PathLike, *, tp: int = 1,
+                           layer_ids: Optional[Sequence[int]] = None, **kwargs: Any):
+    """Start the embedded reference server in aux-capture mode (no draft); returns
+    ``(handle, tensors)``. See :func:`reference_server_args`."""
+    from .launcher import start
+
+    n = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
+    args, tensors = reference_server_args(n, layer_ids)
+    handle = start(target, None, tp=tp, extra_args=args + list(kwargs.pop("extra_args", [])),
+                   **kwargs)
+    return handle, tensors
+
+
+def capture_reference(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os.PathLike,
+                      tensors: Sequence[str], *, name: str = "reference", **kwargs: Any) -> Path:
+    """:func:`capture_served` on a reference-capture server; the dump's ``layer_plan.tensors``
+    names every H-wide chunk (``tensors`` from :func:`reference_server_args`)."""
+    plan = {"tensors": list(tensors), "note": UNREACHABLE_NOTE}
+    return capture_served(client_or_url, prompts, out_dir, name=name, kind="reference",
+                          layer_plan=plan, **kwargs)
+
+
+def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
+                         out_dir: str | os.PathLike, *, name: str = "reference-hf",
+                         dtype: torch.dtype = torch.float32, progress: bool = True) -> Path:
+    """Every layer of the target, from HF transformers: chunks ``embedding, out(0) .. out(n-1)``.
+
+    ``hidden_states[k]`` of HF ``output_hidden_states`` is out(k-1) (k = 0: the embedding), the
+    pre-norm residual stream for k < n; HF's last entry is *after* the final norm, so out(n-1) is
+    rebuilt as the input of ``model.norm`` with a forward pre-hook.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=dtype).eval()
+    n = model.config.num_hidden_layers
+    captured: dict[str, torch.Tensor] = {}
+    handle = model.model.norm.register_forward_pre_hook(
+        lambda m, args: captured.__setitem__("pre_norm", args[0].detach()))
+    samples = []
+    try:
+        for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt",
+                                   disable=not progress)):
+            pid, ids, text = _prompt_fields(p, i)
+            if ids is None:
+                raise ValueError(f"prompt {pid}: HF reference capture needs token ids")
+            with torch.no_grad():
+                hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            chunks = [hs[k][0] for k in range(n)] + [captured["pre_norm"][0]]
+            samples.append({"key": _safe_key(pid), "sample_id": pid, "input_ids": ids,
+                            "hidden": torch.cat(chunks, dim=-1).to(torch.float32)})
+    finally:
+        handle.remove()
+    plan = {"tensors": ["embedding"] + [f"out({i})" for i in range(n)],
+            "note": "HF transformers output_hidden_states; out(n-1) from the input of model.norm"}
+    return write_dump(Path(out_dir) / name, samples,
+                      {"kind": "reference", "source": {"type": "hf", "target": str(target),
+                                                       "captured": _now()},
+                       "layer_plan": plan, "hidden_size": model.config.hidden_size})
+
+
+def read_rank_capture(capture_dir: str | os.PathLike) -> dict[int, list[dict]]:
+    """Index of a ``helpers.hooks`` capture folder: ``{rank: [index.jsonl records]}``."""
+    out: dict[int, list[dict]] = {}
+    for d in sorted(Path(capture_dir).glob("rank*")):
+        idx = d / "index.jsonl"
+        if idx.exists():
+            recs = [json.loads(line) for line in idx.read_text().splitlines() if line.strip()]
+            out[int(d.name[4:])] = recs
+    if not out:
+        raise FileNotFoundError(f"{capture_dir}: no rank*/index.jsonl (was the server started "
+                                "with helpers.hooks capture specs, and did a request run?)")
+    return out
+
+
+def per_rank_dumps(capture_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                   key: str = "aux", modes: Iterable[str] = ("EXTEND",), name: str = "rank",
+                   hidden_size: Optional[int] = None) -> list[Path]:
+    """One dump per TP rank of stash ``key`` (``aux`` = what the draft received on that rank,
+    ``embedding``, ``embedding_local``, ``out(L)``, ``mlp_partial(L)``, ...), keeping forwards
+    whose mode is in ``modes`` (prefill = ``EXTEND``). Samples are keyed ``f{forward}``."""
+    from safetensors.torch import load_file
+
+    index = read_rank_capture(capture_dir)
+    paths = []
+    for rank, recs in sorted(index.items()):
+        samples = []
+        tp = None
+        for rec in recs:
+            if rec.get("mode") not in modes or key not in rec.get("keys", []):
+                continue
+            t = load_file(str(Path(capture_dir) / f"rank{rank}" / rec["file"]))
+            tp = rec.get("tp_size")
+            samples.append({"key": f"f{rec['forward']:06d}", "sample_id": f"f{rec['forward']:06d}",
+                            "input_ids": t["input_ids"].to(torch.int64),
+                            "hidden": t[key].to(torch.float32)})
+        if not samples:
+            raise ValueError(f"{capture_dir}/rank{rank}: no {list(modes)} forward recorded '{key}'")
+        paths.append(write_dump(Path(out_dir) / f"{name}{rank}-{key.replace('(', '').replace(')', '')}",
+                                samples, {"kind": "per_rank", "tp_rank": rank, "tp_size": tp,
+                                          "module": key, "hidden_size": hidden_size,
+                                          "source": {"type": "forward_hooks",
+                                                     "capture_dir": str(capture_dir)}}))
+    return paths

@@ -1,0 +1,195 @@
+"""Case files: an investigation as a timeline of fixes (server configurations, measured) and
+hypotheses (named checks with an expected verdict), replayed on data.
+
+Format (YAML, validated with pydantic; documented in env/cases/README.md)::
+
+    name: seeds-hunt                       # letters, digits, - _ .
+    title: one line shown at the top of the postmortem
+    story: |                               # optional prose (markdown)
+    models:                                # defaults: the shipped reference models
+      target: env/models/target
+      draft: env/models/draft
+      training_data: env/models/data/sample
+    server: {tp: 2, spec: {num_steps: 3, topk: 1, num_draft_tokens: 4}}
+    measure: {count: 24, max_new_tokens: 48, concurrency: 4}
+    timeline:
+      - fix:                               # start a server with this configuration, measure it
+          name: as deployed (embedding in place of out(1))
+          faults: [{kind: embedding_in_place_of_layer, chunk: 0}]   # helpers.hooks.Fault fields
+          draft_config: {...}              # optional overrides merged into the draft config.json
+          drop_tensors: [d2t, t2d]         # optional: draft weights left out of the variant
+          algorithm: EAGLE3                # or EAGLE (fc bypass)
+          spec: {...}                      # optional, overrides server.spec
+          launch: {tp: 2, extra_args: []}  # optional, overrides server
+      - hypothesis:
+          check: embedding_all_reduce      # a name in helpers.hypotheses.CHECKS
+          label: msg 4495                  # free text (e.g. where the idea came from)
+          question: does VocabParallelEmbedding all-reduce?
+          params: {}                       # passed to the check
+        expect: refuted                    # confirmed | refuted | inconclusive (optional)
+      - sweep: {name: num_steps, values: [2, 3, 4]}   # tok/s per num_steps (topk 1)
+
+Hypotheses run against the server of the latest fix before them. Exactly one step must be a fix
+before the first hypothesis.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+VERDICTS = ("confirmed", "refuted", "inconclusive")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CaseError(ValueError):
+    """A case file is missing or invalid; the message names the file and the field."""
+
+
+class Models(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: str = "env/models/target"
+    draft: str = "env/models/draft"
+    training_data: Optional[str] = "env/models/data/sample"
+
+
+class ServerDefaults(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tp: int = Field(2, ge=1)
+    spec: dict[str, Any] = Field(default_factory=lambda: {"num_steps": 3, "topk": 1,
+                                                          "num_draft_tokens": 4})
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class MeasureSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(24, ge=1)
+    max_new_tokens: int = Field(48, ge=1)
+    concurrency: int = Field(4, ge=1)
+    prompts: str = "bundled"
+    seed: int = 0
+
+
+class Fix(BaseModel):
+    """A server configuration after which acceptance is measured."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    faults: list[dict[str, Any]] = Field(default_factory=list)
+    draft_config: dict[str, Any] = Field(default_factory=dict)
+    drop_tensors: list[str] = Field(default_factory=list)
+    algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
+    spec: dict[str, Any] = Field(default_factory=dict)
+    launch: dict[str, Any] = Field(default_factory=dict)
+    baseline: bool = False  # True: target only (no draft), for baseline tok/s
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_valid(cls, v):
+        from .hooks import Fault
+
+        for f in v:
+            Fault(**f)  # raises ValueError naming the missing field / unknown kind
+        return v
+
+
+class Hypothesis(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    check: str
+    label: str = ""
+    question: str = ""
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("check")
+    @classmethod
+    def _known(cls, v):
+        from .hypotheses import CHECKS
+
+        if v not in CHECKS:
+            raise ValueError(f"unknown check '{v}'; expected one of {sorted(CHECKS)}")
+        return v
+
+
+class Sweep(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["num_steps"] = "num_steps"
+    values: list[int] = Field(min_length=1)
+
+
+class Step(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    fix: Optional[Fix] = None
+    hypothesis: Optional[Hypothesis] = None
+    sweep: Optional[Sweep] = None
+    expect: Optional[Literal["confirmed", "refuted", "inconclusive"]] = None
+    note: str = ""
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        kinds = [k for k in ("fix", "hypothesis", "sweep") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"a step is exactly one of fix / hypothesis / sweep, got {kinds or 'none'}")
+        if self.expect is not None and self.hypothesis is None:
+            raise ValueError("'expect' only applies to a hypothesis step")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "fix" if self.fix else "hypothesis" if self.hypothesis else "sweep"
+
+
+class Case(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    title: str
+    story: str = ""
+    models: Models = Field(default_factory=Models)
+    server: ServerDefaults = Field(default_factory=ServerDefaults)
+    measure: MeasureSettings = Field(default_factory=MeasureSettings)
+    timeline: list[Step] = Field(min_length=1)
+    slow: bool = False  # replayed only in the slow test tier
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+            raise ValueError("use letters, digits, '-', '_' and '.' only")
+        return v
+
+    @model_validator(mode="after")
+    def _fix_first(self):
+        for i, step in enumerate(self.timeline):
+            if step.kind == "fix":
+                break
+            raise ValueError(f"timeline[{i}]: a {step.kind} before any fix has no server to run on")
+        return self
+
+    def resolve(self, path: str) -> Path:
+        """A models path relative to the repository root (absolute paths are kept)."""
+        p = Path(path)
+        return p if p.is_absolute() else ROOT / p
+
+
+def load_case(path: str | os.PathLike) -> Case:
+    """Read and validate a case file.
+
+    Raises:
+        CaseError: missing file, invalid YAML, or an invalid field (named with its timeline index).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise CaseError(f"case file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise CaseError(f"case file {path} is not valid YAML: {exc}") from None
+    try:
+        return Case.model_validate(raw or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise CaseError(f"case file {path}: field '{where}': {first['msg']}") from None

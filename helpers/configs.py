@@ -1,0 +1,357 @@
+"""Readers for the draft config.json (SGLang/SpecForge, original EAGLE, speculators forms), the draft
+weights (safetensors headers: fc shape, d2t/t2d), the target config.json, and the server settings.
+
+Every reader validates and raises :class:`helpers.errors.BadInput` naming the file and field and what was
+expected. No tensor data is loaded except the small ``d2t`` vector when asked.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .conventions import parse_version, target_family
+from .errors import BadInput
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _config_path(path: str | Path, what: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise BadInput(f"{what} not found (expected a config.json or a folder holding one)", path=p)
+    return p
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise BadInput(f"cannot read {what}: {e.strerror or e}", path=path) from None
+    if not text.strip():
+        raise BadInput(f"{what} is empty (expected a JSON object)", path=path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})", path=path) from None
+
+
+def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True) -> int | None:
+    if key not in d or d[key] is None:
+        if required:
+            raise BadInput("missing required integer field", path=path, field=key)
+        return None
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or (positive and v <= 0):
+        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=key)
+    return v
+
+
+def _ids_field(v: Any, path: Path, key: str) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise BadInput(f"expected a list of integer layer ids, got {v!r}", path=path, field=key)
+    return tuple(int(i) for i in v)
+
+
+# ------------------------------------------------------------------------------------------------- draft
+
+@dataclass
+class DraftConfig:
+    """A draft model's config.json, normalised across the three forms.
+
+    Attributes:
+        path: the config.json read.
+        form: ``"sglang"`` (SGLang/SpecForge ``LlamaForCausalLMEagle3``), ``"eagle"`` (SafeAILab EAGLE-3:
+            ``LlamaForCausalLM`` with ``draft_vocab_size``) or ``"speculators"`` (``speculators_model_type``).
+        hidden_size: the draft's own hidden size (width of its recurrent state and of ``fc``'s output).
+        target_hidden_size: explicit ``target_hidden_size`` (None = SGLang assumes ``hidden_size``).
+        num_aux_hidden_states: explicit ``num_aux_hidden_states`` (None if absent).
+        vocab_size / draft_vocab_size: target vocab and the draft's (pruned) lm_head vocab.
+        nested_layer_ids: ``eagle_config.eagle_aux_hidden_state_layer_ids`` -- the only place SGLang reads ids.
+        top_level_layer_ids: a top-level ``eagle_aux_hidden_state_layer_ids`` (speculators / vLLM style),
+            which SGLang's capture ignores silently.
+        use_aux_hidden_state: ``eagle_config.get("use_aux_hidden_state", True)``.
+        raw: the parsed JSON.
+    """
+
+    path: Path
+    form: str
+    architectures: list[str]
+    model_type: str | None
+    hidden_size: int
+    target_hidden_size: int | None
+    num_aux_hidden_states: int | None
+    vocab_size: int | None
+    draft_vocab_size: int | None
+    nested_layer_ids: tuple[int, ...] | None
+    top_level_layer_ids: tuple[int, ...] | None
+    use_aux_hidden_state: bool = True
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_eagle3(self) -> bool:
+        """True for an EAGLE-3 draft (aux hidden states through ``fc``)."""
+        return self.form in ("sglang", "speculators", "eagle")
+
+    @property
+    def sglang_num_aux(self) -> int:
+        """Number of aux chunks SGLang's draft expects: ``num_aux_hidden_states`` > len(nested ids) > 3.
+
+        Mirrors ``sglang/srt/models/llama_eagle3.py::LlamaModel.__init__`` (0.5.23).
+        """
+        if self.num_aux_hidden_states is not None:
+            return self.num_aux_hidden_states
+        if self.nested_layer_ids:
+            return len(self.nested_layer_ids)
+        return 3
+
+    @property
+    def sglang_hidden_size_in(self) -> int:
+        """Per-chunk width SGLang's draft assumes: ``target_hidden_size`` if set, else ``hidden_size``."""
+        return self.target_hidden_size if self.target_hidden_size is not None else self.hidden_size
+
+    @property
+    def sglang_fc_in_features(self) -> int:
+        """``fc`` input width SGLang builds: ``sglang_hidden_size_in * sglang_num_aux`` (llama_eagle3.py)."""
+        return self.sglang_hidden_size_in * self.sglang_num_aux
+
+
+def read_draft_config(path: str | Path) -> DraftConfig:
+    """Read a draft config.json (file or folder) in SGLang/SpecForge, EAGLE or speculators form.
+
+    Raises:
+        BadInput: missing/empty/invalid JSON, not an object, a required field missing or of the wrong type
+            (``hidden_size``, ids not a list of ints, ``eagle_config`` not an object).
+    """
+    p = _config_path(path, "draft config")
+    d = _read_json(p, "draft config")
+    if not isinstance(d, dict):
+        raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
+    archs = d.get("architectures") or []
+    if not isinstance(archs, list):
+        raise BadInput(f"expected a list of strings, got {archs!r}", path=p, field="architectures")
+    if "speculators_model_type" in d:
+        form = "speculators"
+        tl = d.get("transformer_layer_config") or {}
+        if not isinstance(tl, dict):
+            raise BadInput("expected an object", path=p, field="transformer_layer_config")
+        hidden = _int_field(tl, "hidden_size", p, required=False) or _int_field(d, "hidden_size", p, required=False)
+        if hidden is None:
+            raise BadInput("missing hidden_size (looked in transformer_layer_config and at the top level)",
+                           path=p, field="transformer_layer_config.hidden_size")
+        vocab = _int_field(tl, "vocab_size", p, required=False) or _int_field(d, "vocab_size", p, required=False)
+        model_type = tl.get("model_type")
+    else:
+        form = "sglang" if any("Eagle3" in a for a in archs) or "eagle_config" in d else (
+            "eagle" if "draft_vocab_size" in d else "sglang")
+        hidden = _int_field(d, "hidden_size", p, required=True)
+        vocab = _int_field(d, "vocab_size", p, required=False)
+        model_type = d.get("model_type")
+    ec = d.get("eagle_config")
+    if ec is not None and not isinstance(ec, dict):
+        raise BadInput(f"expected an object, got {type(ec).__name__}", path=p, field="eagle_config")
+    ec = ec or {}
+    nested = _ids_field(ec.get("eagle_aux_hidden_state_layer_ids"), p, "eagle_config.eagle_aux_hidden_state_layer_ids")
+    top = _ids_field(d.get("eagle_aux_hidden_state_layer_ids"), p, "eagle_aux_hidden_state_layer_ids")
+    use_aux = ec.get("use_aux_hidden_state", True)
+    if not isinstance(use_aux, bool):
+        raise BadInput(f"expected true/false, got {use_aux!r}", path=p, field="eagle_config.use_aux_hidden_state")
+    return DraftConfig(
+        path=p, form=form, architectures=[str(a) for a in archs], model_type=model_type, hidden_size=hidden,
+        target_hidden_size=_int_field(d, "target_hidden_size", p, required=False),
+        num_aux_hidden_states=_int_field(d, "num_aux_hidden_states", p, required=False),
+        vocab_size=vocab, draft_vocab_size=_int_field(d, "draft_vocab_size", p, required=False),
+        nested_layer_ids=nested, top_level_layer_ids=top, use_aux_hidden_state=use_aux,
+        fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm") or ec.get("fc_norm")),
+        norm_before_fc=bool(ec.get("norm_before_fc", d.get("norm_before_fc", False))), raw=d)
+
+
+@dataclass
+class DraftWeights:
+    """What the draft's safetensors say about its wiring (from headers; no weights loaded).
+
+    Attributes:
+        files: safetensors files read.
+        fc_shape: ``fc.weight`` shape ``[out=H_draft, in=num_aux*H_target]`` (nn.Linear layout), or None.
+        fc_key: the tensor name found for fc.
+        d2t_shape / t2d_shape: shapes of the vocab maps, None if absent. SGLang uses d2t only
+            (``hot_token_id = d2t + arange``; ``llama_eagle3.py::load_weights``), t2d is ignored.
+        lm_head_shape: ``lm_head.weight`` shape ``[draft_vocab, H_draft]`` if present.
+    """
+
+    files: list[Path]
+    fc_shape: tuple[int, ...] | None
+    fc_key: str | None
+    d2t_shape: tuple[int, ...] | None
+    t2d_shape: tuple[int, ...] | None
+    lm_head_shape: tuple[int, ...] | None
+    keys: list[str] = field(default_factory=list, repr=False)
+
+
+def read_draft_weights(path: str | Path) -> DraftWeights:
+    """Read the safetensors header(s) of a draft folder (``*.safetensors``, sharded or not) or one file.
+
+    Raises:
+        BadInput: no safetensors file, an unreadable/truncated header, or no ``fc.weight`` in an EAGLE-3
+            draft folder.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files or not all(f.exists() for f in files):
+        raise BadInput("no draft weights found (expected *.safetensors)", path=p)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        if f.stat().st_size == 0:
+            raise BadInput("empty file (expected a safetensors file)", path=f)
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    shapes[k] = tuple(sf.get_slice(k).get_shape())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise BadInput(f"not a readable safetensors file ({' '.join(str(e).split())})", path=f) from None
+
+    def find(*names: str) -> str | None:
+        for n in names:
+            if n in shapes:
+                return n
+        for k in shapes:
+            if any(k.endswith("." + n) for n in names):
+                return k
+        return None
+
+    fc = find("fc.weight")
+    d2t, t2d, lm = find("d2t"), find("t2d"), find("lm_head.weight")
+    return DraftWeights(files=files, fc_shape=shapes.get(fc) if fc else None, fc_key=fc,
+                        d2t_shape=shapes.get(d2t) if d2t else None, t2d_shape=shapes.get(t2d) if t2d else None,
+                        lm_head_shape=shapes.get(lm) if lm else None, keys=sorted(shapes))
+
+
+# ------------------------------------------------------------------------------------------------ target
+
+@dataclass
+class TargetConfig:
+    """The target model's config.json (text config for multimodal wrappers such as Kimi-K2.5).
+
+    Attributes:
+        hidden_size: H, the width of one aux chunk.
+        num_hidden_layers: n.
+        family: SGLang capture family (:func:`helpers.conventions.target_family`).
+        torch_dtype: the checkpoint dtype string (``"bfloat16"``...), None if absent.
+    """
+
+    path: Path | None
+    architectures: list[str]
+    model_type: str | None
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int | None
+    torch_dtype: str | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def family(self) -> str:
+        return target_family(self.architectures, self.model_type)
+
+
+def read_target_config(path: str | Path) -> TargetConfig:
+    """Read a target config.json (file or folder); nested ``text_config`` fields are used when the top level
+    lacks them (e.g. ``KimiK25ForConditionalGeneration``).
+
+    Raises:
+        BadInput: missing/invalid JSON, or ``hidden_size`` / ``num_hidden_layers`` missing or not positive ints.
+    """
+    p = _config_path(path, "target config")
+    d = _read_json(p, "target config")
+    if not isinstance(d, dict):
+        raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
+    tc = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    src = d if "hidden_size" in d and "num_hidden_layers" in d else (tc or d)
+    prefix = "" if src is d else "text_config."
+    hidden = _int_field(src, "hidden_size", p, required=False)
+    layers = _int_field(src, "num_hidden_layers", p, required=False)
+    if hidden is None:
+        raise BadInput("missing required integer field", path=p, field=prefix + "hidden_size")
+    if layers is None:
+        raise BadInput("missing required integer field", path=p, field=prefix + "num_hidden_layers")
+    archs = d.get("architectures") or []
+    dtype = d.get("torch_dtype") or d.get("dtype") or tc.get("torch_dtype") or tc.get("dtype")
+    return TargetConfig(path=p, architectures=[str(a) for a in archs], model_type=d.get("model_type"),
+                        hidden_size=hidden, num_hidden_layers=layers,
+                        vocab_size=_int_field(src, "vocab_size", p, required=False),
+                        torch_dtype=str(dtype) if dtype else None, raw=d)
+
+
+# ------------------------------------------------------------------------------------------------ server
+
+_SPEC_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+              "speculative_num_draft_tokens", "tp_size", "speculative_draft_model_path", "model_path")
+
+
+@dataclass
+class ServerSettings:
+    """Speculative settings of a server: the effective values (``/server_info``, after SGLang's
+    auto-adjustment) and, when known, the values the user requested at launch.
+
+    Attributes:
+        algorithm: effective ``speculative_algorithm`` (upper case) or None.
+        num_steps / eagle_topk / num_draft_tokens: effective values.
+        requested: launch values as given (keys as in ServerArgs; None = not passed).
+        tp_size: effective tensor-parallel size.
+        version: SGLang version string (``/server_info`` ``version``).
+    """
+
+    algorithm: str | None = None
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+    tp_size: int | None = None
+    version: str | None = None
+    requested: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict | None, *, source: str = "server settings") -> "ServerSettings":
+        """Build from a ``/server_info`` dict or a dump manifest ``server`` block.
+
+        Accepted shapes: flat ServerArgs keys; ``{"effective": {...}, "requested": {...}}``; ``version`` or
+        ``sglang_version``. Unknown keys are ignored.
+
+        Raises:
+            BadInput: ``d`` is not an object or a numeric field is not an integer.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise BadInput(f"expected an object, got {type(d).__name__}", path=source, field="server")
+        eff = d.get("effective") if isinstance(d.get("effective"), dict) else d
+        req = d.get("requested") if isinstance(d.get("requested"), dict) else {}
+
+        def num(src: dict, k: str) -> int | None:
+            v = src.get(k)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise BadInput(f"expected an integer, got {v!r}", path=source, field=k)
+            return v
+
+        algo = eff.get("speculative_algorithm")
+        return cls(algorithm=str(algo).upper() if algo else None, num_steps=num(eff, "speculative_num_steps"),
+                   eagle_topk=num(eff, "speculative_eagle_topk"),
+                   num_draft_tokens=num(eff, "speculative_num_draft_tokens"), tp_size=num(eff, "tp_size"),
+                   version=d.get("version") or d.get("sglang_version") or eff.get("version"),
+                   requested={k: req.get(k) for k in _SPEC_KEYS if k in req})
+
+    @property
+    def parsed_version(self) -> tuple[int, ...] | None:
+        try:
+            return parse_version(self.version)
+        except ValueError:
+            return None

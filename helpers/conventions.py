@@ -1,0 +1,617 @@
+"""Layer-id conventions of SGLang / SpecForge / vLLM (speculators) / original EAGLE-3 / HF, and capture plans.
+
+Physical tensors (DESIGN.md "Words"):
+
+* ``embedding``   -- the embedding output (HF ``hidden_states[0]``), width H.
+* ``out(L)``      -- the pre-norm residual stream leaving 0-based decoder layer L (= input of layer L+1 =
+                     HF ``hidden_states[L+1]`` for L < n-1), width H.
+* ``final_norm``  -- ``model.norm(out(n-1))``: what a target returns when no aux capture is active (SGLang
+                     ``LogitsProcessor._get_hidden_states_to_store`` FULL mode without ``aux_hidden_states``;
+                     ``sglang/srt/layers/logits_processor.py``), and HF ``hidden_states[n]`` (transformers 5.19
+                     ``LlamaModel.forward`` records the last entry after ``self.norm``: verified by running it).
+
+A layer id is always carried with its convention (``LayerIds``):
+
+================  ===========================================  ==============================================
+convention        id i means                                   source mirrored
+================  ===========================================  ==============================================
+sglang_capture    index in SGLang's layer loop: in(i) =        ``sglang/srt/models/llama.py`` ``LlamaModel.forward``
+                  out(i-1); 0 = embedding; n = final boundary  (``capture_output`` before layer i), 0.5.23
+                  out(n-1) (gpt-oss only, >= 0.5.23)
+specforge         out(i)                                       SpecForge ``specforge/algorithms/model_providers.py``
+                                                               ``resolve_eagle_capture_layers`` (ids go through
+                                                               SGLang ``set_eagle3_layers_to_capture``, +1)
+vllm              in(i) = out(i-1), verbatim; n = out(n-1)     speculators ``src/speculators/models/utils.py``
+                  (speculators' appended final slot, pre-norm)  ``resolve_target_layer_ids``; vLLM
+                                                               ``set_aux_hidden_state_layers`` (no +1)
+eagle3            in(i), hard-coded {2, n//2, n-3}             SafeAILab ``eagle/traineagle3/modeling_llama_kv.py``
+hf                hidden_states[k]: k=0 embedding, 1..n-1 =    transformers ``LlamaModel`` (``_can_record_outputs``)
+                  out(k-1), k=n final_norm
+================  ===========================================  ==============================================
+
+The two plan functions are :func:`served_plan` (what an engine will feed the draft, in concatenation order)
+and :func:`training_plan` (what a trainer captured). Every rule below names the SGLang 0.5.23 file it
+mirrors; version-dependent rules also name the oldest version where they were checked (0.5.14 and 0.5.23
+were both read for this module).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+
+EMBEDDING = "embedding"
+FINAL_NORM = "final_norm"
+CONVENTIONS = ("sglang_capture", "specforge", "vllm", "eagle3", "hf")
+ENGINES = ("sglang", "vllm")
+TRAINERS = ("specforge", "speculators", "eagle3", "eagle12")
+
+#: The newest SGLang release whose source this module was checked against.
+VERIFIED_SGLANG = (0, 5, 23)
+#: Releases whose source was read for the version-dependent rules.
+READ_SGLANG_VERSIONS = ("0.5.14", "0.5.23")
+
+_OUT_RE = re.compile(r"^out\((-?\d+)\)$")
+
+
+def out(layer: int) -> str:
+    """Name of the residual stream leaving 0-based decoder layer ``layer``: ``"out(L)"``."""
+    return f"out({int(layer)})"
+
+
+def parse_tensor(name: str) -> tuple[str, int | None]:
+    """Split a physical tensor name into (kind, layer).
+
+    Returns ``("embedding", None)``, ``("final_norm", None)`` or ``("out", L)``.
+
+    Raises:
+        ValueError: ``name`` is not one of the names above.
+    """
+    if name in (EMBEDDING, FINAL_NORM):
+        return name, None
+    m = _OUT_RE.match(name)
+    if not m:
+        raise ValueError(f"not a physical tensor name: {name!r} (expected 'embedding', 'final_norm' or 'out(L)')")
+    return "out", int(m.group(1))
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer L of ``"out(L)"``; -1 for ``embedding`` (the output "before layer 0"); None otherwise."""
+    kind, layer = parse_tensor(name)
+    if kind == "out":
+        return layer
+    if kind == EMBEDDING:
+        return -1
+    return None
+
+
+@dataclass(frozen=True)
+class LayerIds:
+    """A list of layer ids together with the convention they are written in.
+
+    ``str(LayerIds((3, 31, 59), "sglang_capture"))`` is ``"sglang_capture=[3, 31, 59]"``.
+    """
+
+    ids: tuple[int, ...]
+    convention: str
+
+    def __post_init__(self):
+        if self.convention not in CONVENTIONS:
+            raise ValueError(f"unknown layer-id convention {self.convention!r}; expected one of {CONVENTIONS}")
+
+    def __str__(self) -> str:
+        return f"{self.convention}=[{', '.join(str(i) for i in self.ids)}]"
+
+    def tensors(self, num_layers: int) -> list[str]:
+        """The physical tensor of each id, in list order (see :func:`physical`)."""
+        return [physical(i, self.convention, num_layers) for i in self.ids]
+
+
+def physical(layer_id: int, convention: str, num_layers: int) -> str:
+    """Map one layer id written in ``convention`` to the physical tensor it names.
+
+    Args:
+        layer_id: the id as written.
+        convention: one of :data:`CONVENTIONS`.
+        num_layers: the target's ``num_hidden_layers`` (n).
+
+    Returns:
+        ``"embedding"``, ``"out(L)"`` (0 <= L < n) or ``"final_norm"`` (``hf`` index n only).
+
+    Raises:
+        ValueError: the id names nothing in a target with ``num_layers`` layers (e.g. specforge id n, or a
+            negative capture index).
+    """
+    n = int(num_layers)
+    i = int(layer_id)
+    if convention == "specforge":
+        # out(i); -1 would be "the output before layer 0" = the embedding.
+        if -1 <= i <= n - 1:
+            return EMBEDDING if i == -1 else out(i)
+    elif convention in ("sglang_capture", "vllm", "eagle3"):
+        # in(i) = out(i-1); in(0) = embedding; in(n) = the final boundary out(n-1) (pre-norm).
+        if 0 <= i <= n:
+            return EMBEDDING if i == 0 else out(i - 1)
+    elif convention == "hf":
+        if 0 <= i <= n:
+            return EMBEDDING if i == 0 else (FINAL_NORM if i == n else out(i - 1))
+    else:
+        raise ValueError(f"unknown layer-id convention {convention!r}; expected one of {CONVENTIONS}")
+    raise ValueError(f"{convention} id {i} names no tensor of a {n}-layer target")
+
+
+def layer_id(tensor: str, convention: str, num_layers: int) -> int:
+    """Inverse of :func:`physical`: the id that names ``tensor`` in ``convention``.
+
+    Raises:
+        ValueError: ``tensor`` cannot be named in ``convention`` (e.g. ``final_norm`` outside ``hf``).
+    """
+    n = int(num_layers)
+    kind, layer = parse_tensor(tensor)
+    if kind == FINAL_NORM:
+        if convention == "hf":
+            return n
+        raise ValueError(f"final_norm has no id in the {convention} convention")
+    L = -1 if kind == EMBEDDING else int(layer)
+    if not -1 <= L <= n - 1:
+        raise ValueError(f"{tensor} does not exist in a {n}-layer target")
+    if convention == "specforge":
+        return L
+    if convention in ("sglang_capture", "vllm", "eagle3", "hf"):
+        if convention == "hf" and L == n - 1:
+            raise ValueError(f"HF hidden_states has no pre-norm {tensor}: index {n} is final_norm")
+        return L + 1
+    raise ValueError(f"unknown layer-id convention {convention!r}; expected one of {CONVENTIONS}")
+
+
+def convert(ids: LayerIds, to_convention: str, num_layers: int) -> LayerIds:
+    """Rewrite ``ids`` in another convention, naming the same physical tensors.
+
+    Raises:
+        ValueError: an id has no counterpart in ``to_convention``.
+    """
+    return LayerIds(tuple(layer_id(physical(i, ids.convention, num_layers), to_convention, num_layers)
+                          for i in ids.ids), to_convention)
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+
+def specforge_default_ids(num_layers: int) -> LayerIds:
+    """SpecForge's default ``[1, n//2-1, n-4]`` (out(i)).
+
+    Mirrors SpecForge ``specforge/algorithms/model_providers.py::resolve_eagle_capture_layers``
+    (training-formats.md §2.1).
+    """
+    n = int(num_layers)
+    return LayerIds((1, n // 2 - 1, n - 4), "specforge")
+
+
+def vllm_default_ids(num_layers: int) -> LayerIds:
+    """vLLM / speculators default ``[2, n//2, n-3]`` (in(i), verbatim).
+
+    Mirrors speculators ``src/speculators/models/utils.py::resolve_target_layer_ids`` and vLLM
+    ``get_eagle3_aux_hidden_state_layers`` (training-formats.md §2.4). speculators' datagen also appends
+    ``n`` (the final boundary), a slot that training drops.
+    """
+    n = int(num_layers)
+    return LayerIds((2, n // 2, n - 3), "vllm")
+
+
+def eagle3_ids(num_layers: int) -> LayerIds:
+    """Original EAGLE-3's hard-coded in(2), in(n//2), in(n-3).
+
+    Mirrors SafeAILab ``eagle/traineagle3/modeling_llama_kv.py`` ``LlamaModel.forward``
+    (``idx==len(self.layers)-3 or idx==len(self.layers)//2 or idx==2``).
+    """
+    n = int(num_layers)
+    return LayerIds((2, n // 2, n - 3), "eagle3")
+
+
+def sglang_default_capture(num_layers: int) -> LayerIds:
+    """SGLang's fallback ``layers_to_capture = [2, n//2, n-3]`` (no +1), used when the draft has no ids.
+
+    Mirrors ``sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture`` (``layer_ids is
+    None`` branch; the same in deepseek_v2.py, gpt_oss.py, qwen2/3.py, ...).
+    """
+    n = int(num_layers)
+    return LayerIds((2, n // 2, n - 3), "sglang_capture")
+
+
+# --------------------------------------------------------------------------------------- SGLang families
+
+#: architecture -> family. Families differ in how ``set_eagle3_layers_to_capture`` converts config ids.
+_DEEPSEEK_ARCHS = {
+    # sglang/srt/models/deepseek_v2.py EntryClass + subclasses; kimi_k25.py wraps DeepseekV3ForCausalLM;
+    # glm4_moe_lite.py and glm4_moe.py::GlmMoeDsaForCausalLM; mistral_large_3.py.
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM",
+}
+_GPT_OSS_ARCHS = {"GptOssForCausalLM"}
+_PLUS_ONE_DEFAULT_ARCHS = {"MiniMaxM3SparseForConditionalGeneration"}
+
+FAMILY_SOURCES = {
+    "plus_one": "sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture "
+                "(layers_to_capture = [val + 1 for val in layer_ids]; same in qwen2/qwen3/glm4_moe/gemma/...)",
+    "deepseek": "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture "
+                "(+1 only `if layer_ids and layer_ids[0] == 1`, else ids as-is; PR #25454)",
+    "gpt_oss": "sglang/srt/models/gpt_oss.py::GptOssForCausalLM.set_eagle3_layers_to_capture "
+               "(>= 0.5.23: ids kept as-is when max(layer_ids) == num_layers, the final boundary; else +1)",
+    "plus_one_default": "sglang/srt/models/minimax_m3_vl.py::set_eagle3_layers_to_capture "
+                        "(+1 applied to the default [2, n//2, n-3] too)",
+}
+
+
+def target_family(architectures: Sequence[str] | None, model_type: str | None = None) -> str:
+    """The SGLang capture family of a target: ``plus_one`` | ``deepseek`` | ``gpt_oss`` | ``plus_one_default``.
+
+    Args:
+        architectures: the target config's ``architectures`` list.
+        model_type: the target config's ``model_type`` (used when architectures are missing).
+    """
+    archs = set(architectures or [])
+    mt = (model_type or "").lower()
+    if archs & _DEEPSEEK_ARCHS or mt in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k25", "glm4_moe_lite"):
+        return "deepseek"
+    if archs & _GPT_OSS_ARCHS or mt == "gpt_oss":
+        return "gpt_oss"
+    if archs & _PLUS_ONE_DEFAULT_ARCHS:
+        return "plus_one_default"
+    return "plus_one"
+
+
+def parse_version(version: str | Sequence[int] | None) -> tuple[int, ...] | None:
+    """``"0.5.23"`` / ``"0.5.23.post1"`` / ``(0, 5, 23)`` -> ``(0, 5, 23)``; None -> None.
+
+    Raises:
+        ValueError: no leading ``X.Y[.Z]`` in the string.
+    """
+    if version is None:
+        return None
+    if not isinstance(version, str):
+        return tuple(int(v) for v in version)
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if not m:
+        raise ValueError(f"cannot read an X.Y.Z version from {version!r}")
+    return tuple(int(g) for g in m.groups(default="0"))
+
+
+@dataclass
+class CapturePlan:
+    """The ordered physical tensors an engine feeds the draft, or a trainer captured.
+
+    Attributes:
+        tensors: physical tensor names in concatenation order (each chunk H wide).
+        role: ``"served"`` or ``"training"``.
+        who: engine or trainer (``"sglang"``, ``"vllm"``, ``"specforge"``, ...), with version if known.
+        config_ids: the ids as read from the config, with their convention (None = no ids found).
+        engine_ids: the ids as the engine stores them (e.g. SGLang ``layers_to_capture``), if different.
+        rules: the rules applied, each citing the file it mirrors.
+        notes: silent behaviours worth knowing (ids ignored, duplicates dropped, order changed, ...).
+        problems: ``{"kind", "detail"}`` dicts using the finding vocabulary (e.g. ``missing_chunk`` for an
+            unreachable id, ``embedding_in_place_of_layer`` for an id that captures the embedding).
+        fatal: set when the engine would raise instead of serving (message + source), else None.
+    """
+
+    tensors: list[str]
+    role: str
+    who: str
+    config_ids: LayerIds | None = None
+    engine_ids: LayerIds | None = None
+    rules: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problems: list[dict] = field(default_factory=list)
+    fatal: str | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.tensors)
+
+    def to_json(self) -> dict:
+        return {"tensors": list(self.tensors), "role": self.role, "who": self.who,
+                "config_ids": None if self.config_ids is None else str(self.config_ids),
+                "engine_ids": None if self.engine_ids is None else str(self.engine_ids),
+                "rules": list(self.rules), "notes": list(self.notes), "problems": list(self.problems),
+                "fatal": self.fatal}
+
+
+def sglang_layers_to_capture(layer_ids: Sequence[int] | None, num_layers: int, family: str,
+                             version: Sequence[int] | None) -> tuple[list[int], list[str]]:
+    """SGLang ``set_eagle3_layers_to_capture``: config ids -> ``layers_to_capture`` (capture indices).
+
+    Args:
+        layer_ids: ``eagle_config.eagle_aux_hidden_state_layer_ids`` as SGLang read it, or None.
+        num_layers: target ``num_hidden_layers``.
+        family: from :func:`target_family`.
+        version: parsed SGLang version, or None for the newest verified release.
+
+    Returns:
+        (layers_to_capture in the order SGLang stores it, rules applied with their sources).
+    """
+    n = int(num_layers)
+    v = tuple(version) if version is not None else VERIFIED_SGLANG
+    rules: list[str] = []
+    if layer_ids is None:
+        base = [2, n // 2, n - 3]
+        if family == "plus_one_default":
+            rules.append("no ids: default [2, n//2, n-3] then +1 -- " + FAMILY_SOURCES["plus_one_default"])
+            return [x + 1 for x in base], rules
+        rules.append("no ids: layers_to_capture = [2, n//2, n-3], no +1 -- "
+                     "sglang/srt/models/llama.py::set_eagle3_layers_to_capture (layer_ids is None)")
+        return base, rules
+    ids = [int(x) for x in layer_ids]
+    if family == "deepseek":
+        if v < (0, 5, 14):
+            rules.append("DeepSeek family before 0.5.14: +1 assumed always -- sglang/srt/models/deepseek_v2.py before "
+                         "PR #25454 (the conditional rule was read in 0.5.14 and 0.5.23; older releases not checked)")
+            return [x + 1 for x in ids], rules
+        if ids and ids[0] == 1:
+            rules.append("first id is 1: +1 -- " + FAMILY_SOURCES["deepseek"])
+            return [x + 1 for x in ids], rules
+        rules.append(f"first id is {ids[0] if ids else None} (not 1): ids used as-is, NO +1 -- "
+                     + FAMILY_SOURCES["deepseek"])
+        return list(ids), rules
+    if family == "gpt_oss" and v >= (0, 5, 23) and ids and max(ids) == n:
+        rules.append("max id == num_layers: ids kept as capture boundaries (no +1) -- " + FAMILY_SOURCES["gpt_oss"])
+        return list(ids), rules
+    rules.append("+1 for explicit ids -- " + FAMILY_SOURCES["plus_one" if family != "gpt_oss" else "gpt_oss"])
+    return [x + 1 for x in ids], rules
+
+
+def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, family: str, v: tuple[int, ...],
+                               plan: CapturePlan) -> None:
+    """Fill ``plan.tensors``/notes/problems/fatal from ``layers_to_capture`` (ascending, deduplicated)."""
+    reachable_max = n - 1
+    final_boundary = family == "gpt_oss" and v >= (0, 5, 23)
+    order = sorted(set(ltc))
+    if list(ltc) != sorted(ltc):
+        plan.notes.append(f"layers_to_capture {list(ltc)} is not ascending: SGLang captures inside its layer "
+                          f"loop (`if i in self.layers_to_capture`), so chunks come in ascending order {order} "
+                          "-- sglang/srt/models/llama.py::LlamaModel.forward")
+    if len(set(ltc)) != len(ltc):
+        plan.notes.append(f"layers_to_capture {list(ltc)} has duplicates: each index is captured once "
+                          "(membership test in the layer loop), so fewer chunks than ids come back")
+    tensors: list[str] = []
+    for k in order:
+        if k == 0:
+            if family != "deepseek" and v < VERIFIED_SGLANG:
+                plan.fatal = ("capture index 0 on a Llama-family target: SGLang < 0.5.23 computes "
+                              "`hidden_states + residual` with residual None (TypeError at the first forward) "
+                              "-- sglang/srt/models/llama.py::LlamaModel.forward (0.5.14)")
+                continue
+            tensors.append(EMBEDDING)
+            plan.problems.append({"kind": "embedding_in_place_of_layer",
+                                  "detail": "capture index 0 captures the embedding output (id -1 with the +1 rule, "
+                                            "or id 0 without it); no trainer captures the embedding by default -- "
+                                            "0.5.23 layer_boundary/stage.py::_prepare_attention (residual None: "
+                                            "the embedding) / layers/communicator.py (DeepSeek family)"})
+            continue
+        if 1 <= k <= reachable_max:
+            tensors.append(out(k - 1))
+            continue
+        if k == n and final_boundary:
+            tensors.append(out(n - 1))
+            plan.rules.append("capture index n = final boundary out(n-1), pre-norm -- sglang/srt/models/gpt_oss.py::"
+                              "GptOssModel.forward (final_norm(capture=...) when end_layer in layers_to_capture)")
+            continue
+        plan.problems.append({"kind": "missing_chunk",
+                              "detail": f"capture index {k} is never reached: the layer loop runs i in range(0, {n})"
+                                        + (" and only gpt_oss.py (>= 0.5.23) captures the final boundary"
+                                           if k == n else "")
+                                        + "; that chunk is silently missing"})
+    plan.tensors = tensors
+    packer = family == "deepseek" and v >= VERIFIED_SGLANG
+    if packer and len(tensors) != len(ltc) and plan.fatal is None:
+        plan.fatal = (f"DeepSeek family (0.5.23) packs aux states with AuxHiddenStatePacker(len(layers_to_capture)="
+                      f"{len(ltc)}) but only {len(tensors)} indices are captured: RuntimeError 'captured "
+                      f"{len(tensors)} of {len(ltc)} aux hidden states' -- sglang/srt/layers/aux_hidden_states.py")
+
+
+def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | Sequence[int] | None = None,
+                algorithm: str = "EAGLE3") -> CapturePlan:
+    """The exact ordered list of physical tensors the engine feeds the draft (concatenation order).
+
+    Args:
+        draft: a :class:`helpers.configs.DraftConfig` (or an object with ``nested_layer_ids``,
+            ``top_level_layer_ids``, ``use_aux_hidden_state``).
+        target: a :class:`helpers.configs.TargetConfig` (``num_hidden_layers``, ``architectures``,
+            ``model_type``).
+        engine: ``"sglang"`` or ``"vllm"``.
+        version: engine version (``"0.5.23"``); None = the newest verified SGLang (0.5.23), noted in the plan.
+        algorithm: ``--speculative-algorithm`` (``EAGLE3``, ``EAGLE``, ``NEXTN``).
+
+    Returns:
+        A served :class:`CapturePlan`.
+
+    Raises:
+        ValueError: unknown engine or algorithm.
+
+    SGLang rules mirrored (0.5.23):
+      * ids are read ONLY from the nested ``eagle_config.eagle_aux_hidden_state_layer_ids``, inside a bare
+        ``try/except``; a missing key means None (default) silently
+        (``sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py::_resolve_eagle_aux_hidden_state``);
+      * ``use_aux_hidden_state: false`` or algorithm EAGLE/NEXTN: no aux capture, the target's final normed
+        hidden state is fed (``layers/logits_processor.py::_get_hidden_states_to_store``);
+      * ids -> ``layers_to_capture`` per family (:func:`sglang_layers_to_capture`);
+      * capture happens in the layer loop before layer i (in(i) = out(i-1)), so chunks are ascending and
+        deduplicated; index 0 is the embedding (0.5.23) or a TypeError (Llama, 0.5.14); index >= n is never
+        reached except gpt-oss's final boundary (``models/llama.py``, ``models/gpt_oss.py``).
+    """
+    algo = (algorithm or "EAGLE3").upper()
+    if algo not in ("EAGLE3", "EAGLE", "NEXTN"):
+        raise ValueError(f"unsupported speculative algorithm {algorithm!r} (expected EAGLE3, EAGLE or NEXTN)")
+    n = int(target.num_hidden_layers)
+    family = target_family(getattr(target, "architectures", None), getattr(target, "model_type", None))
+    if engine == "sglang":
+        v = parse_version(version)
+        who = f"sglang {'.'.join(map(str, v)) if v else '(version unknown)'}"
+        plan = CapturePlan(tensors=[], role="served", who=who)
+        if v is None:
+            v = VERIFIED_SGLANG
+            plan.notes.append("SGLang version unknown: the rules of 0.5.23 (the release checked) are assumed")
+        elif v > VERIFIED_SGLANG:
+            plan.notes.append(f"SGLang {'.'.join(map(str, v))} is newer than the release checked (0.5.23); "
+                              "its rules are assumed")
+        elif (0, 5, 14) < v < VERIFIED_SGLANG:
+            plan.notes.append("SGLang releases between 0.5.14 and 0.5.23 were not read: the 0.5.14 behaviour is "
+                              "assumed for rules that changed between them (index 0 on Llama, gpt-oss boundary)")
+        if algo in ("EAGLE", "NEXTN"):
+            plan.tensors = [FINAL_NORM]
+            plan.rules.append(f"algorithm {algo}: no aux capture (only EAGLE3 sets layers_to_capture -- "
+                              "spec_aux_hidden_state.py `if spec_algorithm.is_eagle3()`); the target's final normed "
+                              "hidden state (width H) is fed -- layers/logits_processor.py::_get_hidden_states_to_store")
+            return plan
+        nested = getattr(draft, "nested_layer_ids", None)
+        top = getattr(draft, "top_level_layer_ids", None)
+        if getattr(draft, "use_aux_hidden_state", True) is False:
+            plan.tensors = [FINAL_NORM]
+            plan.rules.append("eagle_config.use_aux_hidden_state is false: no aux capture, final normed hidden "
+                              "state fed -- spec_aux_hidden_state.py / attention_backend_setup.py")
+            return plan
+        if nested is None and top is not None:
+            plan.notes.append(f"the draft config has a top-level eagle_aux_hidden_state_layer_ids {list(top)} but no "
+                              "nested eagle_config: SGLang reads only eagle_config[...] and silently falls back to "
+                              "its default -- spec_aux_hidden_state.py::_resolve_eagle_aux_hidden_state "
+                              "(eagle_utils.py::get_draft_input_from_target_hidden_dim does read the top-level key "
+                              "for the draft input buffer width)")
+        plan.config_ids = None if nested is None else LayerIds(tuple(int(i) for i in nested), "specforge")
+        ltc, rules = sglang_layers_to_capture(nested, n, family, v)
+        plan.rules.extend(rules)
+        plan.rules.append("ids read from eagle_config.eagle_aux_hidden_state_layer_ids only -- "
+                          "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py")
+        plan.engine_ids = LayerIds(tuple(ltc), "sglang_capture")
+        _sglang_capture_to_tensors(ltc, n, family, v, plan)
+        return plan
+    if engine == "vllm":
+        plan = CapturePlan(tensors=[], role="served", who=f"vllm {version or '(version unknown)'}")
+        if algo != "EAGLE3":
+            plan.tensors = [FINAL_NORM]
+            return plan
+        ids = getattr(draft, "top_level_layer_ids", None)
+        if ids is None:
+            ids = getattr(draft, "nested_layer_ids", None)
+        if ids is None:
+            lids = vllm_default_ids(n)
+            plan.rules.append("no ids: vLLM default [2, n//2, n-3] (in(i))")
+        else:
+            lids = LayerIds(tuple(int(i) for i in ids), "vllm")
+            plan.rules.append("ids used verbatim as in(i) (no +1) -- vLLM gpu_model_runner "
+                              "_get_eagle3_aux_layers_from_config (training-formats.md §2.4)")
+        plan.config_ids = lids if ids is not None else None
+        plan.engine_ids = lids
+        tensors = []
+        for i in sorted(set(lids.ids)):
+            try:
+                tensors.append(physical(i, "vllm", n))
+            except ValueError as e:
+                plan.problems.append({"kind": "missing_chunk", "detail": str(e)})
+        plan.tensors = tensors
+        return plan
+    raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+
+
+def training_plan(draft: Any, target: Any, trainer: str = "specforge",
+                  override_ids: LayerIds | Sequence[int] | None = None) -> CapturePlan:
+    """The ordered physical tensors a trainer captured (concatenation order of its aux features).
+
+    Args:
+        draft: draft config (``nested_layer_ids``, ``top_level_layer_ids``) or None.
+        target: target config (``num_hidden_layers``).
+        trainer: ``specforge`` | ``speculators`` | ``eagle3`` | ``eagle12``.
+        override_ids: ids the run really used, when known (SpecForge run YAML
+            ``model.aux_hidden_state_layer_ids`` is NOT persisted in the exported config). Plain ints are read
+            in the trainer's own convention.
+
+    Returns:
+        A training :class:`CapturePlan` (tensors may be empty when an id names nothing; see ``problems``).
+
+    Rules mirrored:
+      * SpecForge: run override, else draft ``eagle_config.eagle_aux_hidden_state_layer_ids``, else
+        ``[1, n//2-1, n-4]``; id i = out(i); captured through SGLang, so ascending order
+        (``specforge/algorithms/model_providers.py::resolve_eagle_capture_layers``; older HF backend used list
+        order: training-formats.md §2.1);
+      * speculators: top-level ``eagle_aux_hidden_state_layer_ids`` (or nested), else ``[2, n//2, n-3]``;
+        in(i); the final slot is dropped by training (``src/speculators/train/data.py``: ``hs[:, :-1]``);
+      * original EAGLE-3: in(2), in(n//2), in(n-3);
+      * EAGLE-1/2: HF ``hidden_states[-1]`` = final_norm (one chunk).
+    """
+    n = int(target.num_hidden_layers)
+    plan = CapturePlan(tensors=[], role="training", who=trainer)
+    if trainer == "eagle12":
+        plan.tensors = [FINAL_NORM]
+        plan.rules.append("EAGLE-1/2 ge_data saves HF hidden_states[-1] (final normed) -- eagle/ge_data/ge_data_all_llama3.py")
+        return plan
+    if trainer == "eagle3":
+        lids = eagle3_ids(n)
+        plan.config_ids = lids
+        plan.rules.append("hard-coded in(2), in(n//2), in(n-3) -- eagle/traineagle3/modeling_llama_kv.py")
+    elif trainer == "specforge":
+        if override_ids is not None:
+            lids = override_ids if isinstance(override_ids, LayerIds) else LayerIds(tuple(override_ids), "specforge")
+            plan.rules.append(f"run override {lids}")
+        elif getattr(draft, "nested_layer_ids", None) is not None:
+            lids = LayerIds(tuple(int(i) for i in draft.nested_layer_ids), "specforge")
+            plan.rules.append("draft eagle_config.eagle_aux_hidden_state_layer_ids (out(i)) -- "
+                              "specforge/algorithms/model_providers.py::resolve_eagle_capture_layers")
+        else:
+            lids = specforge_default_ids(n)
+            plan.rules.append("no ids in the draft config: SpecForge default [1, n//2-1, n-4] -- "
+                              "specforge/algorithms/model_providers.py::resolve_eagle_capture_layers")
+            plan.notes.append("the draft config carries no layer ids, so the ids training used are not recorded: "
+                              "a SpecForge run override (model.aux_hidden_state_layer_ids) is not persisted into "
+                              "the exported config.json (training-formats.md §4.1)")
+        plan.config_ids = lids
+    elif trainer == "speculators":
+        ids = getattr(draft, "top_level_layer_ids", None)
+        if override_ids is not None:
+            lids = override_ids if isinstance(override_ids, LayerIds) else LayerIds(tuple(override_ids), "vllm")
+        elif ids is None and getattr(draft, "nested_layer_ids", None) is not None:
+            lids = LayerIds(tuple(int(i) for i in draft.nested_layer_ids), "vllm")
+        elif ids is not None:
+            lids = LayerIds(tuple(int(i) for i in ids), "vllm")
+        else:
+            lids = vllm_default_ids(n)
+        plan.rules.append("speculators ids are in(i), verbatim -- src/speculators/models/utils.py")
+        plan.config_ids = lids
+    else:
+        raise ValueError(f"unknown trainer {trainer!r}; expected one of {TRAINERS}")
+    tensors = []
+    conv = lids.convention
+    for i in sorted(set(lids.ids)):
+        if trainer == "specforge" and i < 0:
+            plan.problems.append({"kind": "missing_chunk", "detail": f"{lids}: SpecForge accepts only non-negative "
+                                  f"ids (specforge/application/planning.py); id {i} cannot be what training used"})
+            continue
+        try:
+            tensors.append(physical(i, conv, n))
+        except ValueError as e:
+            plan.problems.append({"kind": "missing_chunk", "detail": f"{lids}: {e}"})
+    if list(lids.ids) != sorted(lids.ids):
+        plan.notes.append(f"{lids} is not ascending: SGLang-based capture concatenates in ascending order; "
+                          "SpecForge's old HF backend (Dec 2025 - Jun 2026) concatenated in list order")
+    plan.tensors = tensors
+    return plan
+
+
+def compare_plans(served: CapturePlan, trained: CapturePlan) -> list[dict]:
+    """Position-wise comparison of two plans: ``[{"index", "served", "training", "offset"}]``.
+
+    ``offset`` is served layer minus training layer when both are ``out(L)``/``embedding`` (embedding = -1),
+    else None. Positions present on one side only have None on the other.
+    """
+    rows = []
+    for i in range(max(len(served.tensors), len(trained.tensors))):
+        s = served.tensors[i] if i < len(served.tensors) else None
+        t = trained.tensors[i] if i < len(trained.tensors) else None
+        off = None
+        if s is not None and t is not None:
+            ls, lt = layer_of(s), layer_of(t)
+            if ls is not None and lt is not None:
+                off = ls - lt
+        rows.append({"index": i, "served": s, "training": t, "offset": off})
+    return rows
+
+
+def describe(tensors: Iterable[str]) -> str:
+    """``"[out(1), out(3), out(4)]"``."""
+    return "[" + ", ".join(tensors) + "]"

@@ -1,0 +1,825 @@
+"""Named wiring faults: one function per finding kind, each returning findings with evidence.
+
+A finding is ``{"kind": str, "chunk": int|None, "detail": str, "evidence": {...}}`` (DESIGN.md
+"Findings"); ``kind`` is one of :data:`FINDING_KINDS` (the contract with helpers/hooks.py fault injection).
+``chunk`` is the served chunk index (None for findings about the whole width, the config, or training data).
+
+Detectors come in two groups:
+
+* static (no tensors): :func:`detect_config_ids_ignored`, :func:`detect_fc_bypassed` (server algorithm part),
+  :func:`detect_vocab_map_missing`, :func:`detect_num_draft_tokens_overridden`, and the plan comparison
+  used by :func:`static_layer_findings` (width, chunk count, layers);
+* numeric, on a :class:`helpers.compare.Comparison` wrapped in a :class:`Context` (which computes the
+  chunk correspondence once): every other kind.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Optional
+
+import numpy as np
+
+from .compare import Comparison, PairMetrics, SourceResult, norm_tolerance
+from .conventions import EMBEDDING, FINAL_NORM, CapturePlan, compare_plans, describe, layer_of
+
+FINDING_KINDS = (
+    "chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk", "extra_chunk",
+    "width_mismatch", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
+    "norm_mismatch", "nan_or_inf", "token_mismatch", "config_ids_ignored", "fc_bypassed", "vocab_map_missing",
+    "num_draft_tokens_overridden",
+)
+
+
+def finding(kind: str, chunk: Optional[int], detail: str, **evidence: Any) -> dict:
+    """Build a finding dict; ``kind`` must be in :data:`FINDING_KINDS`.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind not in FINDING_KINDS:
+        raise ValueError(f"unknown finding kind {kind!r}")
+    return {"kind": kind, "chunk": chunk, "detail": detail, "evidence": _jsonable(evidence)}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        return None if math.isnan(v) else (v if math.isinf(v) else float(f"{v:.6g}"))
+    if isinstance(x, PairMetrics):
+        return x.to_json()
+    return x
+
+
+# ================================================================================================ static
+
+def detect_config_ids_ignored(draft, target, served: Optional[CapturePlan] = None) -> list[dict]:
+    """``config_ids_ignored``: ids sit at the top level of the draft config (speculators / vLLM style) with no
+    nested ``eagle_config``; SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` inside a bare
+    ``try/except`` and silently uses its default (``spec_aux_hidden_state.py::_resolve_eagle_aux_hidden_state``).
+
+    Reported only when the ignored ids name other tensors than the default SGLang then captures (ids read
+    in the convention of the config's form: speculators form = vllm in(i), SGLang/SpecForge form = out(i)).
+    """
+    if draft is None or target is None or draft.top_level_layer_ids is None or draft.nested_layer_ids is not None:
+        return []
+    from .conventions import LayerIds, sglang_default_capture
+
+    n = target.num_hidden_layers
+    conv = "vllm" if draft.form == "speculators" else "specforge"
+    meant = []
+    for i in sorted(set(draft.top_level_layer_ids)):
+        try:
+            meant.append(LayerIds((i,), conv).tensors(n)[0])
+        except ValueError:
+            meant.append(f"<{conv} id {i}: no such tensor>")
+    default = served.tensors if served is not None else sglang_default_capture(n).tensors(n)
+    if meant == list(default):
+        return []
+    return [finding("config_ids_ignored", None,
+                    f"draft config has top-level eagle_aux_hidden_state_layer_ids {list(draft.top_level_layer_ids)} "
+                    f"but no eagle_config: SGLang ignores them and captures its default {describe(default)} instead "
+                    f"of {describe(meant)}",
+                    config=str(draft.path), top_level_ids=list(draft.top_level_layer_ids), read_as=conv,
+                    meant=meant, served=list(default),
+                    source="sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py::"
+                           "_resolve_eagle_aux_hidden_state",
+                    fix='move the ids under "eagle_config": {"eagle_aux_hidden_state_layer_ids": [...]} '
+                        "(in SpecForge out(i) numbering)")]
+
+
+def detect_vocab_map_missing(draft, weights) -> list[dict]:
+    """``vocab_map_missing``: ``draft_vocab_size < vocab_size`` but the weights carry no ``d2t``; SGLang then
+    has no ``hot_token_id`` and the draft's top-k ids are not mapped to target ids
+    (``sglang/srt/models/llama_eagle3.py::load_weights``; ``eagle_worker_v2.py::draft_forward``)."""
+    if draft is None or weights is None:
+        return []
+    dv, v = draft.draft_vocab_size, draft.vocab_size
+    if dv is None or v is None or dv >= v or weights.d2t_shape is not None:
+        return []
+    return [finding("vocab_map_missing", None,
+                    f"pruned draft vocab ({dv} < target vocab {v}) but no d2t tensor in the draft weights: draft "
+                    "token ids would be used as target ids",
+                    draft_vocab_size=dv, vocab_size=v, weights=[str(f) for f in weights.files],
+                    t2d_present=weights.t2d_shape is not None,
+                    source="sglang/srt/models/llama_eagle3.py::LlamaForCausalLMEagle3.load_weights (d2t -> "
+                           "hot_token_id; t2d ignored)")]
+
+
+def detect_num_draft_tokens_overridden(server) -> list[dict]:
+    """``num_draft_tokens_overridden``: with ``--speculative-eagle-topk 1`` SGLang resets
+    ``speculative_num_draft_tokens`` to ``speculative_num_steps + 1`` and only logs a warning
+    (``sglang/srt/arg_groups/speculative_hook.py::_handle_eagle_family``, 0.5.23)."""
+    if server is None:
+        return []
+    req = server.requested or {}
+    algo = (req.get("speculative_algorithm") or server.algorithm or "").upper()
+    if algo and algo not in ("EAGLE", "EAGLE3", "NEXTN"):
+        return []
+    topk = req.get("speculative_eagle_topk", server.eagle_topk)
+    steps = req.get("speculative_num_steps", server.num_steps)
+    ndt = req.get("speculative_num_draft_tokens")
+    if topk != 1 or steps is None or ndt is None or ndt == steps + 1:
+        return []
+    return [finding("num_draft_tokens_overridden", None,
+                    f"--speculative-num-draft-tokens {ndt} with topk 1 is overridden to num_steps+1 = {steps + 1}",
+                    requested=ndt, effective=server.num_draft_tokens if server.num_draft_tokens is not None
+                    else steps + 1, num_steps=steps, topk=topk,
+                    source="sglang/srt/arg_groups/speculative_hook.py::_handle_eagle_family",
+                    log='"speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when '
+                        'speculative_eagle_topk == 1"')]
+
+
+def detect_fc_bypassed(draft=None, server=None, ctx: Optional["Context"] = None, weights=None) -> list[dict]:
+    """``fc_bypassed``: an EAGLE-3 draft receives one H-wide state (``--speculative-algorithm EAGLE``/NEXTN, or
+    ``use_aux_hidden_state: false``) as wide as its own hidden size, so ``llama_eagle3.py`` skips ``fc``
+    (``if hidden_states.shape[-1] != embeds.shape[-1]``) and the draft runs on features it never saw.
+
+    Static evidence: the server's algorithm / the config flag. Numeric evidence (``ctx``): the served width
+    equals the draft hidden size while fc expects more. (When the widths differ, fc runs and fails with a
+    shape error instead: not this finding.)
+    """
+    if draft is None or not draft.is_eagle3:
+        return []
+    fc_in = weights.fc_shape[1] if weights is not None and weights.fc_shape else draft.sglang_fc_in_features
+    algo = server.algorithm if server is not None else None
+    static_cause = (f"--speculative-algorithm {algo}" if algo in ("EAGLE", "NEXTN") else
+                    "eagle_config.use_aux_hidden_state=false" if draft.use_aux_hidden_state is False else None)
+    ev: dict = {"draft_hidden_size": draft.hidden_size, "fc_in_features": fc_in,
+                "source": "sglang/srt/models/llama_eagle3.py::LlamaModel.forward (fc only if width != embeds width)"}
+    if ctx is not None:
+        served_w = ctx.cmp.served_width
+        if not (served_w == draft.hidden_size and served_w < fc_in):
+            return []
+        ev["served_width"] = served_w
+        ident = ctx.cmp.identify(ctx.source.ref, 0)
+        if ident:
+            ev["served_identified_as"] = ident["best"]
+        cause = static_cause or f"the server feeds one {served_w}-wide state"
+    else:
+        if static_cause is None or draft.hidden_size != draft.sglang_hidden_size_in:
+            return []
+        cause = static_cause
+    if static_cause:
+        ev["speculative_algorithm"] = algo
+        ev["use_aux_hidden_state"] = draft.use_aux_hidden_state
+    return [finding("fc_bypassed", None,
+                    f"{cause}: the EAGLE-3 draft gets a single H-wide hidden state instead of "
+                    f"{fc_in // max(1, draft.sglang_hidden_size_in)} aux chunks, so SGLang skips fc silently", **ev)]
+
+
+def static_layer_findings(served: CapturePlan, trained: Optional[CapturePlan], draft=None, weights=None,
+                          target=None) -> list[dict]:
+    """Static layer / width findings from the two capture plans and the draft's fc (no tensors).
+
+    * ``width_mismatch``: fc ``in_features`` (weights) vs SGLang's Linear(``hidden_size_in * num_aux``)
+      (config), and vs the served plan's chunk count x target H;
+    * ``missing_chunk`` / ``extra_chunk`` / ``layer_offset`` / ``wrong_layer`` / ``chunk_order`` /
+      ``embedding_in_place_of_layer``: position-wise comparison of the served and training plans (the
+      plans' own problems, e.g. an unreachable capture index, are attached as evidence).
+    """
+    out: list[dict] = []
+    H = target.hidden_size if target is not None else None
+    if draft is not None and H is not None and served.tensors and served.tensors != [FINAL_NORM]:
+        fc_in = weights.fc_shape[1] if weights is not None and weights.fc_shape else None
+        built = draft.sglang_fc_in_features
+        served_w = served.num_chunks * H
+        if fc_in is not None and fc_in != built:
+            out.append(finding("width_mismatch", None,
+                               f"fc.weight has in_features {fc_in} but SGLang builds Linear({built}) "
+                               f"(= {draft.sglang_hidden_size_in} x {draft.sglang_num_aux}; "
+                               f"target_hidden_size {'missing' if draft.target_hidden_size is None else 'set'}): "
+                               "the weights will not load or the width is wrong",
+                               static=True, fc_in_features=fc_in, sglang_fc_in_features=built,
+                               draft_hidden_size=draft.hidden_size, target_hidden_size=draft.target_hidden_size,
+                               target_config_hidden_size=H, sglang_num_aux=draft.sglang_num_aux,
+                               source="sglang/srt/models/llama_eagle3.py::LlamaModel.__init__"))
+        expect = fc_in if fc_in is not None else built
+        if served_w != expect:
+            out.append(finding("width_mismatch", None,
+                               f"the server will feed {served.num_chunks} chunks x {H} = {served_w} but the draft's fc "
+                               f"takes {expect}",
+                               static=True, served_plan=served.tensors, served_width=served_w, fc_in_features=expect,
+                               problems=served.problems, fatal=served.fatal))
+    if trained is None or not trained.tensors:
+        for p in served.problems:
+            out.append(finding(p["kind"], None, p["detail"], static=True, served_plan=served.tensors,
+                               rules=served.rules))
+        return out
+    rows = compare_plans(served, trained)
+    ns, nt = served.num_chunks, trained.num_chunks
+    ev = {"static": True, "served_plan": served.tensors, "training_plan": trained.tensors,
+          "served_ids": None if served.engine_ids is None else str(served.engine_ids),
+          "training_ids": None if trained.config_ids is None else str(trained.config_ids),
+          "rules": served.rules, "plan_problems": served.problems, "fatal": served.fatal}
+    same = [r for r in rows if r["served"] is not None and r["served"] == r["training"]]
+    if len(same) == len(rows):
+        return out
+    s_set, t_set = set(served.tensors), set(trained.tensors)
+    offsets = [r["offset"] for r in rows[:min(ns, nt)]]
+    if min(ns, nt) > 0 and all(o is not None and o == offsets[0] and o != 0 for o in offsets) \
+            and EMBEDDING not in s_set:
+        for r in rows[:min(ns, nt)]:
+            out.append(finding("layer_offset", r["index"],
+                               f"the server will feed {r['served']} where training used {r['training']} "
+                               f"(offset {offsets[0]:+d} layer)", offset=offsets[0], **ev))
+    else:
+        moved = {}
+        for r in rows:
+            s, t = r["served"], r["training"]
+            if s is None or s == t:
+                continue
+            if s == EMBEDDING and EMBEDDING not in t_set:
+                if ns > nt and t_set <= s_set:
+                    out.append(finding("extra_chunk", r["index"], "the server will feed the embedding output as an "
+                                       "extra chunk", **ev))
+                else:
+                    out.append(finding("embedding_in_place_of_layer", r["index"],
+                                       f"the server will feed the embedding output where training used "
+                                       f"{t or 'nothing'}", **ev))
+            elif s in t_set:
+                moved[r["index"]] = trained.tensors.index(s)
+            elif t is None:
+                out.append(finding("extra_chunk", r["index"], f"the server will feed an extra chunk {s}", **ev))
+            else:
+                out.append(finding("wrong_layer", r["index"], f"the server will feed {s} where training used {t}"
+                                   + (f" (offset {r['offset']:+d})" if r["offset"] is not None else ""),
+                                   offset=r["offset"], **ev))
+        if moved:
+            out.append(finding("chunk_order", None,
+                               "chunks reach the draft in another order than in training: "
+                               + ", ".join(f"served chunk {i} = training chunk {j}" for i, j in moved.items()),
+                               mapping=moved, **ev))
+    for j, t in enumerate(trained.tensors):
+        if t not in s_set and (j >= ns or served.tensors[j] in t_set):
+            out.append(finding("missing_chunk", None, f"training chunk {j} ({t}) is not fed by the server",
+                               training_chunk=j, tensor=t, **ev))
+    return out
+
+
+# =============================================================================================== numeric
+
+@dataclass
+class Context:
+    """A comparison plus what the detectors need (plans, configs), with the chunk correspondence computed
+    once (:attr:`corr`).
+
+    Attributes:
+        cmp: the comparison. served_plan / training_plan: capture plans (None if unknown).
+        draft / weights / target / server: configs when given.
+        source: the served source the correspondence is computed on: TP rank 0 (the single source), or the
+            ranks' ``gathered`` columns when they hold sharded widths. Chunks on which the ranks disagree are
+            explained (or not) by the TP detectors, which look at the ranks' ``sum`` themselves.
+    """
+
+    cmp: Comparison
+    served_plan: Optional[CapturePlan] = None
+    training_plan: Optional[CapturePlan] = None
+    draft: Any = None
+    weights: Any = None
+    target: Any = None
+    server: Any = None
+    explained: dict = field(default_factory=dict)   # served chunk -> kind that explains it
+
+    @property
+    def tol(self) -> float:
+        return self.cmp.tolerance
+
+    @cached_property
+    def ranks_agree(self) -> bool:
+        """All TP ranks fed equal rows (within tolerance) on every chunk."""
+        for s in self.cmp.rank_sources[1:]:
+            if s.agree is None or s.agree.rows == 0:
+                continue
+            for i in range(s.num_chunks):
+                if not s.agree.metrics(i, i, self.tol).passed:
+                    return False
+        return True
+
+    @cached_property
+    def source(self) -> SourceResult:
+        c = self.cmp
+        if c.shard_factor > 1:
+            return c.source("gathered") or c.primary
+        return c.primary
+
+    def m(self, i: int, j: int, source: Optional[SourceResult] = None) -> PairMetrics:
+        return self.cmp.metrics(source or self.source, i, j)
+
+    @cached_property
+    def nt(self) -> int:
+        return self.cmp.num_training_chunks
+
+    @cached_property
+    def ns(self) -> int:
+        return self.source.num_chunks
+
+    @cached_property
+    def match(self) -> dict[int, int]:
+        """served chunk -> training chunk whose rel_diff passes the tolerance (lowest rel_diff)."""
+        if self.source.chunk_width != self.cmp.hidden_size:
+            return {}
+        out = {}
+        for i in range(self.ns):
+            best = min(range(self.nt), key=lambda j: self.m(i, j).rel_diff)
+            if self.m(i, best).passed:
+                out[i] = best
+        return out
+
+    def served_identity(self, i: int) -> tuple[Optional[str], Optional[str]]:
+        """(tensor name, how it was identified) for served chunk ``i`` of :attr:`source`."""
+        ident = self.cmp.identify(self.source.ref, i)
+        if ident and ident["passed"]:
+            return ident["best"], "reference"
+        cf = self.source.stats.context_free(i, self.tol)
+        if cf and self.source.stats.zero[i] == 0:
+            return EMBEDDING, "context-free rows (equal rows for equal token ids at different positions)"
+        plan = self.served_plan
+        if plan is not None and plan.num_chunks == self.ns and not self._plan_contradicted_served:
+            return plan.tensors[i], "served capture plan"
+        return None, None
+
+    @cached_property
+    def _plan_contradicted_served(self) -> bool:
+        # the served plan is wrong if a chunk it calls "embedding" is not context-free, or vice versa
+        plan = self.served_plan
+        if plan is None or plan.num_chunks != self.ns:
+            return True
+        for i, t in enumerate(plan.tensors):
+            cf = self.source.stats.context_free(i, self.tol)
+            if cf is not None and cf != (t == EMBEDDING):
+                return True
+        return False
+
+    @cached_property
+    def training_identity(self) -> list[tuple[Optional[str], Optional[str]]]:
+        """(tensor name, how) per training chunk: reference > a served chunk it equals > training plan
+        (shifted by the offset the equalities imply when they contradict the plan)."""
+        res: list[tuple[Optional[str], Optional[str]]] = [(None, None)] * self.nt
+        for j in range(self.nt):
+            ident = self.cmp.identify(self.cmp.training_ref, j)
+            if ident and ident["passed"]:
+                res[j] = (ident["best"], "reference")
+        derived = {}
+        for i, j in self.match.items():
+            if res[j][0] is None:
+                name, how = self.served_identity(i)
+                if name is not None:
+                    derived[j] = (name, f"equals served chunk {i} ({how})")
+        plan = self.training_plan
+        shift = None
+        if plan is not None and plan.num_chunks == self.nt and derived:
+            offs = {layer_of(derived[j][0]) - layer_of(plan.tensors[j]) for j in derived
+                    if derived[j][0] not in (None, FINAL_NORM) and plan.tensors[j] != FINAL_NORM}
+            if len(offs) == 1:
+                shift = offs.pop()
+        for j in range(self.nt):
+            if res[j][0] is not None:
+                continue
+            if j in derived:
+                res[j] = derived[j]
+            elif plan is not None and plan.num_chunks == self.nt:
+                t = plan.tensors[j]
+                if shift and t != FINAL_NORM and layer_of(t) is not None:
+                    L = layer_of(t) + shift
+                    res[j] = (EMBEDDING if L == -1 else f"out({L})",
+                              f"training plan {plan.tensors[j]} shifted by {shift:+d} (implied by equal chunks)")
+                else:
+                    res[j] = (t, "training capture plan")
+        return res
+
+    @cached_property
+    def corr(self) -> dict:
+        """Chunk correspondence: which served chunk stands for which training chunk and why."""
+        ns, nt = self.ns, self.nt
+        s_id = [self.served_identity(i) for i in range(ns)]
+        t_id = self.training_identity
+        match = {i: j for i, j in self.match.items() if i not in self.explained}
+        unmatched_s = [i for i in range(ns) if i not in match and i not in self.explained]
+        matched_t = set(match.values()) | {j for i, j in self.explained.items() if isinstance(j, int)}
+        # consistent layer shift: no chunk sits at its own index and every position has the same offset
+        offsets = []
+        for i in range(min(ns, nt)):
+            a, b = s_id[i][0], t_id[i][0]
+            la = layer_of(a) if a not in (None, FINAL_NORM) else None
+            lb = layer_of(b) if b not in (None, FINAL_NORM) else None
+            offsets.append(None if la is None or lb is None else la - lb)
+        positional = [i for i in range(min(ns, nt)) if i not in self.explained]
+        shift = None
+        if positional and all(match.get(i) != i for i in positional):
+            offs = {offsets[i] for i in positional}
+            if len(offs) == 1 and None not in offs and 0 not in offs and \
+                    all(s_id[i][0] != EMBEDDING for i in positional):
+                shift = offs.pop()
+        return {"s_id": s_id, "t_id": t_id, "match": match, "unmatched_s": unmatched_s, "matched_t": matched_t,
+                "offsets": offsets, "shift": shift, "positional": positional}
+
+    def ev(self, i: Optional[int] = None, j: Optional[int] = None) -> dict:
+        """Common evidence for served chunk i / training chunk j."""
+        e: dict = {"source": self.source.name, "tolerance": self.tol}
+        if i is not None:
+            sid = self.corr["s_id"][i]
+            e["served_identified_as"] = sid[0]
+            e["served_identified_by"] = sid[1]
+            ident = self.cmp.identify(self.source.ref, i)
+            if ident:
+                e["served_reference_match"] = ident
+            bj, bm = self.cmp.best_match(self.source, i) if self.source.chunk_width == self.cmp.hidden_size \
+                else (None, None)
+            if bm is not None:
+                e["closest_training_chunk"] = bj
+                if bj != j:
+                    e["closest_metrics"] = bm
+        if j is not None and j < self.nt:
+            tid = self.corr["t_id"][j]
+            e["training_chunk"] = j
+            e["training_identified_as"] = tid[0]
+            e["training_identified_by"] = tid[1]
+            if i is not None and self.source.chunk_width == self.cmp.hidden_size:
+                e["metrics"] = self.m(i, j)
+        return e
+
+
+# ------------------------------------------------------------------------------------ per-kind detectors
+
+def detect_nan_or_inf(ctx: Context) -> list[dict]:
+    """``nan_or_inf``: served (per rank) or training rows holding NaN/Inf (excluded from all metrics)."""
+    out = []
+    for src in ctx.cmp.rank_sources:
+        for i in range(src.num_chunks):
+            n = src.stats.nonfinite[i]
+            if n:
+                out.append(finding("nan_or_inf", i, f"{n} of {src.stats.rows} served rows of chunk {i} hold NaN/Inf"
+                                   + (f" on TP rank {src.tp_rank}" if src.tp_rank is not None else ""),
+                                   side="served", source=src.name, tp_rank=src.tp_rank, rows=n,
+                                   rows_total=src.stats.rows, first=src.stats.nonfinite_at[i]))
+    ts = ctx.cmp.training_stats
+    for j in range(ts.n):
+        if ts.nonfinite[j]:
+            out.append(finding("nan_or_inf", None, f"{ts.nonfinite[j]} training rows of chunk {j} hold NaN/Inf",
+                               side="training", training_chunk=j, rows=ts.nonfinite[j], first=ts.nonfinite_at[j]))
+    return out
+
+
+def detect_token_mismatch(ctx: Context) -> list[dict]:
+    """``token_mismatch``: a served sample's prompt ids differ from its training sample's (rows after the first
+    difference have another context and are not compared), or served samples match no training sample."""
+    a = ctx.cmp.alignment
+    out = []
+    if a["token_mismatches"]:
+        tm = a["token_mismatches"]
+        f0 = tm[0]
+        out.append(finding("token_mismatch", None,
+                           f"{len(tm)} served sample(s) differ from their training sample inside the prompt; first: "
+                           f"{f0['served_sample']} position {f0['position']} id {f0['served_token_id']} vs training "
+                           f"{f0['training_sample']} id {f0['training_token_id']}",
+                           mismatches=tm[:10], count=len(tm)))
+    if a["unpaired_served"]:
+        out.append(finding("token_mismatch", None,
+                           f"{len(a['unpaired_served'])} served sample(s) match no training sample by input_ids",
+                           unpaired=a["unpaired_served"][:10], count=len(a["unpaired_served"])))
+    return out
+
+
+def detect_tp_sharded_width(ctx: Context) -> list[dict]:
+    """``tp_sharded_width``: each rank holds ``H/k`` columns per chunk (a capture taken on a TP-sharded
+    tensor): the served width is the training width / k, and rank r's chunk i equals columns
+    ``[r*H/k, (r+1)*H/k)`` of a training chunk."""
+    c = ctx.cmp
+    if c.shard_factor == 1:
+        return []
+    k = c.shard_factor
+    slices = {}
+    for src in c.rank_sources:
+        for i in range(src.num_chunks):
+            u, mt = c.best_match(src, i)
+            slices[f"{src.name}/chunk{i}"] = {"training_unit": c.training_units[u], "rel_diff": mt.rel_diff,
+                                             "passed": mt.passed}
+    ev = {"served_width": c.served_width, "training_width": c.training_width, "chunk_width": c.chunk_width,
+          "hidden_size": c.hidden_size, "shard_factor": k, "ranks": [s.tp_rank for s in c.rank_sources],
+          "slices": slices}
+    g = c.source("gathered")
+    if g is not None:
+        ev["gathered"] = {f"chunk{i}": c.metrics(g, i, i).to_json() for i in range(g.num_chunks)}
+    return [finding("tp_sharded_width", None,
+                    f"served width {c.served_width} = training width {c.training_width} / {k}: each TP rank holds "
+                    f"{c.chunk_width} of {c.hidden_size} columns per chunk (captured before the gather)", **ev)]
+
+
+def detect_tp_partial_sum(ctx: Context) -> list[dict]:
+    """``tp_partial_sum``: ranks disagree on a chunk, no rank matches training, but the sum over ranks does
+    (each rank captured its un-reduced share, SGLang comparator dims ``h[tp:partial]``)."""
+    c = ctx.cmp
+    ssum = c.source("sum")
+    ranks = c.rank_sources
+    if ssum is None or len(ranks) < 2 or ctx.ranks_agree:
+        return []
+    out = []
+    for i in range(ssum.num_chunks):
+        if i in ctx.explained:
+            continue
+        disagree = {s.name: s.agree.metrics(i, i, c.tolerance).rel_diff for s in ranks[1:] if s.agree is not None}
+        if all(v <= c.tolerance for v in disagree.values()):
+            continue
+        j, mt = c.best_match(ssum, i)
+        if not mt.passed:
+            continue
+        per_rank = {s.name: c.metrics(s, i, j).rel_diff for s in ranks}
+        if any(v <= c.tolerance for v in per_rank.values()):
+            continue
+        ctx.explained[i] = j
+        out.append(finding("tp_partial_sum", i,
+                           f"chunk {i} differs across the {len(ranks)} TP ranks and matches no training chunk on any "
+                           f"rank, but the sum over ranks equals training chunk {j} (rel_diff {mt.rel_diff:.2e}): "
+                           "the capture took un-reduced partial sums",
+                           training_chunk=j, sum_metrics=mt, per_rank_rel_diff=per_rank, rank_vs_rank0_rel_diff=disagree,
+                           tp_size=len(ranks)))
+    return out
+
+
+def _vocab_shard(vocab: int, rank: int, tp: int) -> tuple[int, int]:
+    """Vocab ids held by ``rank``: padded to 64 (x tp when needed), split evenly
+    (``sglang/srt/layers/vocab_parallel_embedding.py``, ``pad_vocab_size``)."""
+    pad = 64
+    if ((vocab + pad - 1) // pad * pad) % tp:
+        pad *= tp
+    padded = (vocab + pad - 1) // pad * pad
+    per = padded // tp
+    return rank * per, min(vocab, (rank + 1) * per)
+
+
+def detect_embedding_not_all_reduced(ctx: Context) -> list[dict]:
+    """``embedding_not_all_reduced``: a chunk's rows are exactly zero for the token ids outside one contiguous
+    id range and equal for equal ids inside it: a vocab-parallel embedding captured on one rank before its
+    all-reduce (``VocabParallelEmbedding._embed_local_shard`` zeroes out-of-shard rows,
+    ``sglang/srt/layers/vocab_parallel_embedding.py``)."""
+    c = ctx.cmp
+    vocab = ctx.target.vocab_size if ctx.target is not None else None
+    out = []
+    by_chunk: dict[int, list] = {}
+    for src in c.rank_sources:
+        st = src.stats
+        for i in range(src.num_chunks):
+            if st.zero[i] == 0 or st.nonzero_min[i] is None:
+                continue
+            lo, hi = st.nonzero_min[i], st.nonzero_max[i]
+            if any(lo <= z <= hi for z in st.zero_ids[i]):
+                continue
+            if st.context_free(i, c.tolerance) is False:
+                continue
+            ev = {"tp_rank": src.tp_rank, "zero_rows": st.zero[i], "rows": st.rows, "nonzero_id_range": [lo, hi],
+                  "zero_row_ids_sample": sorted(st.zero_ids[i])[:10],
+                  "repeated_token_max_rel_diff": st.ctx_max[i]}
+            tp = src.tp_size or (len(c.rank_sources) if len(c.rank_sources) > 1 else None)
+            if vocab and tp and src.tp_rank is not None:
+                a, b = _vocab_shard(vocab, src.tp_rank, tp)
+                ev["expected_shard"] = [a, b - 1]
+                ev["consistent_with_shard"] = a <= lo and hi <= b - 1
+            by_chunk.setdefault(i, []).append(ev)
+    ssum = c.source("sum")
+    for i, evs in by_chunk.items():
+        extra = {}
+        if ssum is not None and i < ssum.num_chunks:
+            extra["sum_over_ranks_context_free"] = ssum.stats.context_free(i, c.tolerance)
+            ident = c.identify(ssum.ref, i)
+            if ident:
+                extra["sum_over_ranks_reference_match"] = ident
+            if ssum.chunk_width == c.hidden_size:
+                j, mt = c.best_match(ssum, i)
+                extra["sum_over_ranks_best_training_chunk"] = {"chunk": j, "rel_diff": mt.rel_diff,
+                                                               "passed": mt.passed}
+                if mt.passed:
+                    ctx.explained[i] = j
+        else:
+            ctx.explained[i] = "embedding_not_all_reduced"
+        out.append(finding("embedding_not_all_reduced", i,
+                           f"chunk {i} is an embedding captured before its TP all-reduce: rows are zero exactly for "
+                           f"token ids outside one vocab shard ({len(evs)} rank(s) seen)",
+                           ranks=evs, **extra))
+        ctx.explained.setdefault(i, "embedding_not_all_reduced")
+    return out
+
+
+def detect_width_mismatch(ctx: Context) -> list[dict]:
+    """``width_mismatch``: served width != training width (not explained by TP sharding or a bypassed fc)."""
+    c = ctx.cmp
+    if c.shard_factor > 1 or "fc_bypassed" in ctx.explained.values():
+        return []
+    if c.served_width == c.training_width:
+        return []
+    return [finding("width_mismatch", None,
+                    f"served rows are {c.served_width} wide ({c.served_width // c.hidden_size} chunks of {c.hidden_size}) "
+                    f"but training rows are {c.training_width} wide ({c.num_training_chunks} chunks)",
+                    served_width=c.served_width, training_width=c.training_width, hidden_size=c.hidden_size,
+                    served_plan=None if ctx.served_plan is None else ctx.served_plan.tensors,
+                    training_plan=None if ctx.training_plan is None else ctx.training_plan.tensors)]
+
+
+def _geometry(ctx: Context, i: int, j: int) -> Optional[str]:
+    """'rotated' / 'norm' when served chunk i vs training chunk j looks like a rotation / a rescaling."""
+    mt = ctx.m(i, j)
+    if mt.passed or mt.row_norm_ratio_min is None:
+        return None
+    ntol = norm_tolerance(ctx.tol)
+    if 1 - ntol <= mt.row_norm_ratio_min and mt.row_norm_ratio_max <= 1 + ntol and mt.cosine < 0.99:
+        return "rotated"
+    if mt.min_row_cosine is not None and mt.min_row_cosine >= 1 - max(10 * ctx.tol, 1e-4) and \
+            max(abs(mt.row_norm_ratio_min - 1), abs(mt.row_norm_ratio_max - 1)) > ntol:
+        return "norm"
+    return None
+
+
+def _geometry_target(ctx: Context, i: int, kind: str) -> Optional[int]:
+    if ctx.source.chunk_width != ctx.cmp.hidden_size:
+        return None
+    order = ([i] if i < ctx.nt else []) + [j for j in range(ctx.nt) if j != i]
+    for j in order:
+        if _geometry(ctx, i, j) == kind:
+            return j
+    return None
+
+
+def detect_rotated_basis(ctx: Context) -> list[dict]:
+    """``rotated_basis``: every row keeps its norm (per-row |x|/|y| within tolerance) but the cosine is
+    destroyed: the chunk went through an orthogonal transform (e.g. a rotation-based quantisation applied on
+    one side only)."""
+    out = []
+    for i in ctx.corr["unmatched_s"]:
+        j = _geometry_target(ctx, i, "rotated")
+        if j is None:
+            continue
+        ctx.explained[i] = j
+        mt = ctx.m(i, j)
+        out.append(finding("rotated_basis", i,
+                           f"served chunk {i} keeps training chunk {j}'s row norms (ratio {mt.row_norm_ratio_min:.4f}.."
+                           f"{mt.row_norm_ratio_max:.4f}) but its cosine is {mt.cosine:.3f}: same vectors in another basis",
+                           **ctx.ev(i, j)))
+    return out
+
+
+def detect_norm_mismatch(ctx: Context) -> list[dict]:
+    """``norm_mismatch``: a served chunk points the same way as a training chunk row by row (cosine ~1) but
+    with other norms (a norm applied on one side, e.g. post-norm vs pre-norm, ``fc_norm``/``norm_before_fc``
+    moved)."""
+    out = []
+    for i in ctx.corr["unmatched_s"]:
+        if i in ctx.explained:
+            continue
+        j = _geometry_target(ctx, i, "norm")
+        if j is None:
+            continue
+        ctx.explained[i] = j
+        mt = ctx.m(i, j)
+        out.append(finding("norm_mismatch", i,
+                           f"served chunk {i} has training chunk {j}'s direction (min row cosine {mt.min_row_cosine:.5f}) "
+                           f"but other norms (ratio {mt.norm_ratio:.4f}, per row {mt.row_norm_ratio_min:.4f}.."
+                           f"{mt.row_norm_ratio_max:.4f})", **ctx.ev(i, j)))
+    return out
+
+
+def _shift_applies(ctx: Context) -> bool:
+    cr = ctx.corr
+    return cr["shift"] is not None and all(i not in ctx.explained for i in cr["positional"])
+
+
+def detect_layer_offset(ctx: Context) -> list[dict]:
+    """``layer_offset``: every served chunk is the training chunk's layer shifted by the same k (typically +1:
+    SGLang's +1 applied to ids that already mean capture points). Identities come from ``--reference``, or
+    from the capture plans corrected by the equalities observed between chunks."""
+    if not _shift_applies(ctx):
+        return []
+    cr = ctx.corr
+    k = cr["shift"]
+    out = []
+    for i in cr["positional"]:
+        out.append(finding("layer_offset", i,
+                           f"served chunk {i} is {cr['s_id'][i][0]} where training has {cr['t_id'][i][0]} "
+                           f"(every chunk {abs(k)} layer{'s' if abs(k) > 1 else ''} {'late' if k > 0 else 'early'})",
+                           offset=k, **ctx.ev(i, i)))
+        ctx.explained[i] = f"layer_offset {k:+d}"
+    return out
+
+
+def _is_extra(ctx: Context, i: int) -> bool:
+    cr = ctx.corr
+    return ctx.ns > ctx.nt and (i >= ctx.nt or len(cr["matched_t"]) >= ctx.nt)
+
+
+def detect_embedding_in_place_of_layer(ctx: Context) -> list[dict]:
+    """``embedding_in_place_of_layer``: a served chunk is the embedding output (context-free: equal rows for
+    equal token ids; or identified by ``--reference``) where training had a decoder layer's output."""
+    out = []
+    cr = ctx.corr
+    for i in cr["unmatched_s"]:
+        if i in ctx.explained or cr["s_id"][i][0] != EMBEDDING or _is_extra(ctx, i):
+            continue
+        j = i if i < ctx.nt else None
+        ev = ctx.ev(i, j)
+        ev["repeated_token_pairs"] = ctx.source.stats.ctx_pairs[i]
+        ev["repeated_token_max_rel_diff"] = ctx.source.stats.ctx_max[i]
+        tj = [ctx.cmp.training_stats.context_free(t, ctx.tol) for t in range(ctx.nt)]
+        ev["training_chunks_context_free"] = tj
+        ctx.explained[i] = "embedding"
+        out.append(finding("embedding_in_place_of_layer", i,
+                           f"served chunk {i} is the embedding output (rows depend only on the token id) where training "
+                           f"had {cr['t_id'][i][0] if j is not None and cr['t_id'][i][0] else 'a layer output'}",
+                           **ev))
+    return out
+
+
+def detect_chunk_order(ctx: Context) -> list[dict]:
+    """``chunk_order``: served chunks equal training chunks at other positions (permuted or shifted
+    concatenation, e.g. unsorted ids: SGLang concatenates in ascending layer order)."""
+    if _shift_applies(ctx):
+        return []
+    moved = {i: j for i, j in ctx.corr["match"].items() if i != j and i not in ctx.explained}
+    if not moved:
+        return []
+    for i in moved:
+        ctx.explained[i] = moved[i]
+    perm = sorted(moved) == sorted(moved.values())
+    return [finding("chunk_order", None,
+                    ("chunks are permuted: " if perm else "chunks are shifted: ")
+                    + ", ".join(f"served chunk {i} = training chunk {j}" for i, j in sorted(moved.items())),
+                    mapping={str(i): j for i, j in sorted(moved.items())}, permutation=perm,
+                    metrics={str(i): ctx.m(i, j) for i, j in sorted(moved.items())}, source=ctx.source.name)]
+
+
+def detect_extra_chunk(ctx: Context) -> list[dict]:
+    """``extra_chunk``: more served chunks than training chunks, and this one matches no training chunk."""
+    out = []
+    for i in ctx.corr["unmatched_s"]:
+        if i in ctx.explained or not _is_extra(ctx, i):
+            continue
+        ctx.explained[i] = "extra"
+        out.append(finding("extra_chunk", i, f"served chunk {i} ({ctx.corr['s_id'][i][0] or 'unidentified'}) has no "
+                           f"counterpart in training ({ctx.ns} served vs {ctx.nt} training chunks)", **ctx.ev(i)))
+    return out
+
+
+def detect_wrong_layer(ctx: Context) -> list[dict]:
+    """``wrong_layer``: a served chunk matches no training chunk and is not explained by any more specific
+    fault (offset, embedding, rotation, norm, TP): the server feeds another layer at that position."""
+    out = []
+    for i in ctx.corr["unmatched_s"]:
+        if i in ctx.explained or i >= ctx.nt:
+            continue
+        cr = ctx.corr
+        off = cr["offsets"][i] if i < len(cr["offsets"]) else None
+        sname, tname = cr["s_id"][i][0], cr["t_id"][i][0]
+        ctx.explained[i] = "wrong_layer"
+        out.append(finding("wrong_layer", i,
+                           f"served chunk {i} ({sname or 'unidentified'}) is not training chunk {i} "
+                           f"({tname or 'unidentified'})" + (f": offset {off:+d} layer(s)" if off else ""),
+                           offset=off, **ctx.ev(i, i)))
+    return out
+
+
+def detect_missing_chunk(ctx: Context) -> list[dict]:
+    """``missing_chunk``: a training chunk that no served chunk equals and no served chunk stands in for
+    (position beyond the served width, or taken by a chunk that moved)."""
+    out = []
+    cr = ctx.corr
+    matched_t = set(cr["match"].values()) | {j for j in ctx.explained.values() if isinstance(j, int)}
+    for j in range(ctx.nt):
+        if j in matched_t:
+            continue
+        why = ctx.explained.get(j)
+        if j < ctx.ns and ((j not in cr["match"] and not isinstance(why, int))
+                           or (isinstance(why, str) and why.startswith("layer_offset"))):
+            continue  # the served chunk at this position stands in for it (wrong layer, offset, ...)
+        tid = cr["t_id"][j]
+        ev = {"training_chunk": j, "training_identified_as": tid[0], "training_identified_by": tid[1],
+              "served_chunks": ctx.ns, "training_chunks": ctx.nt, "source": ctx.source.name}
+        if ctx.served_plan is not None and ctx.served_plan.problems:
+            ev["served_plan_problems"] = ctx.served_plan.problems
+        out.append(finding("missing_chunk", None,
+                           f"training chunk {j} ({tid[0] or 'unidentified'}) is not fed by the server", **ev))
+    return out
+
+
+NUMERIC_DETECTORS = (
+    detect_nan_or_inf, detect_token_mismatch, detect_tp_sharded_width, detect_embedding_not_all_reduced,
+    detect_tp_partial_sum, detect_width_mismatch, detect_layer_offset, detect_rotated_basis, detect_norm_mismatch,
+    detect_embedding_in_place_of_layer, detect_chunk_order, detect_extra_chunk, detect_wrong_layer,
+    detect_missing_chunk,
+)
+
+
+def run_numeric(ctx: Context) -> list[dict]:
+    """All numeric detectors in dependency order (specific explanations first, ``wrong_layer`` and
+    ``missing_chunk`` last). fc_bypassed short-circuits the layer detectors."""
+    out: list[dict] = []
+    numeric_fc = detect_fc_bypassed(ctx.draft, ctx.server, ctx, ctx.weights)
+    for det in NUMERIC_DETECTORS:
+        if numeric_fc and det not in (detect_nan_or_inf, detect_token_mismatch):
+            continue
+        out.extend(det(ctx))
+    return out + numeric_fc

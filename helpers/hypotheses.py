@@ -1,0 +1,774 @@
+"""Hypotheses as measurements: each named check returns a verdict, a plain-words explanation, an
+evidence table and a figure, computed from dumps and measurements of a live server instead of from
+reading engine code.
+
+The checks mirror the hunt told in shared/seeds/ (Kimi-K2.5, TP 8, EAGLE-3): msg 4495 "does
+VocabParallelEmbedding all-reduce?", msg 4513 "concat order and TP width", msg 4525 "are the
+captured states full 7168 or 896-wide shards?", the final discovery that the embedding had been
+put in place of a layer, the num-steps override, and the later finding that verify time bounds
+tok/s once acceptance is fixed.
+
+Every check takes an :class:`Investigation` (the server under test plus its training data and
+configs; it captures what a check needs, once, and caches it) and keyword parameters. A check's
+verdict is about its *hypothesis of a fault*: ``confirmed`` (the fault is there), ``refuted``
+(measured and absent), ``inconclusive`` (the data cannot decide; the explanation says what is
+missing).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+
+VERDICTS = ("confirmed", "refuted", "inconclusive")
+
+
+@dataclass
+class HypothesisResult:
+    """Outcome of one check.
+
+    ``evidence``: a table (pandas) of the measured numbers; ``figure``: a plotly figure or None;
+    ``data``: the key numbers as JSON-safe values (for the postmortem and tests).
+    """
+
+    check: str
+    title: str
+    question: str
+    verdict: str
+    explanation: str
+    evidence: pd.DataFrame = field(default_factory=pd.DataFrame)
+    figure: Any = None
+    data: dict = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+    def to_dict(self) -> dict:
+        """JSON-safe form (evidence as records, figure as plotly JSON)."""
+        return {"check": self.check, "title": self.title, "question": self.question,
+                "label": self.label, "verdict": self.verdict, "explanation": self.explanation,
+                "evidence": json.loads(self.evidence.to_json(orient="records")) if len(self.evidence) else [],
+                "figure": None if self.figure is None else json.loads(self.figure.to_json()),
+                "data": _jsonable(self.data)}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, torch.Tensor):
+        return _jsonable(x.tolist())
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# The investigation context
+# --------------------------------------------------------------------------------------------
+class Investigation:
+    """A server under test, with what the draft was trained on; captures on demand, cached.
+
+    Args:
+        run_dir: run folder; captures go to ``run_dir/dumps/<name>-*``.
+        client_or_url: :class:`helpers.server.SGLangClient`, URL or launcher handle; None when
+            the server did not start (config-only checks still run).
+        training: draft training data (SpecForge folder, ...; helpers.training_data).
+        draft_dir: the draft folder the server was started with (config.json + weights).
+        target_dir: the target folder (config.json; with weights, HF gives the reference).
+        capture_dir: folder of the ``helpers.hooks`` per-rank capture of this server, or None.
+        requested: the launch arguments asked for (for the override check), or None.
+        name: prefix of this server's dumps (e.g. the fix name).
+        num_samples: training samples to capture (full sequences, one served row per token).
+        reference: ``"hf"`` (HF transformers on ``target_dir``), a dump path, or None.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, client_or_url: Any, *, training: str | os.PathLike,
+                 draft_dir: str | os.PathLike, target_dir: str | os.PathLike,
+                 capture_dir: Optional[str | os.PathLike] = None, requested: Any = None,
+                 name: str = "server", num_samples: int = 4, reference: Any = "hf",
+                 baseline: Optional[dict] = None, acceptance: Optional[dict] = None,
+                 algorithm: Optional[str] = None):
+        from .server import as_client
+
+        self.run_dir = Path(run_dir)
+        self.client = as_client(client_or_url) if client_or_url is not None else None
+        self.algorithm = algorithm
+        self.training = Path(training)
+        self.draft_dir = Path(draft_dir)
+        self.target_dir = Path(target_dir)
+        self.capture_dir = Path(capture_dir) if capture_dir else None
+        self.requested = requested
+        self.name = name
+        self.num_samples = num_samples
+        self.reference_spec = reference
+        self.baseline = baseline      # summary of a target-only measurement, if any
+        self.acceptance = acceptance  # summary of this server's measurement, if any
+        self._cache: dict[str, Any] = {}
+        self.dumps_dir = self.run_dir / "dumps"
+        self.dumps_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- inputs ------------------------------------------------------------------------------
+    @property
+    def target_config(self) -> dict:
+        return json.loads((self.target_dir / "config.json").read_text())
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.target_config["hidden_size"])
+
+    def server_info(self) -> dict:
+        if self.client is None:
+            raise RuntimeError("no live server for this step (it failed to start): only config-based "
+                               "checks (static_wiring, vocab_map) can run")
+        return self.client.server_info()
+
+    def training_samples(self) -> list:
+        """The first ``num_samples`` training samples (helpers.dumps.Sample, pad stripped)."""
+        if "training" not in self._cache:
+            from .training_data import TrainingData
+
+            td = TrainingData(self.training, hidden_size=self.hidden_size,
+                              max_samples=self.num_samples)
+            self._cache["training"] = list(td)[: self.num_samples]
+        return self._cache["training"]
+
+    def _dump_name(self, what: str) -> str:
+        from .runfiles import safe_name
+
+        return f"{safe_name(self.name)}-{what}"
+
+    # -- captures ----------------------------------------------------------------------------
+    def served_dump(self) -> Path:
+        """What the draft receives for the training samples' tokens (one row per token)."""
+        if "served" not in self._cache:
+            from .capture import capture_served
+
+            path = self.dumps_dir / self._dump_name("served")
+            if not (path / "manifest.json").exists():
+                self._arm(True)
+                try:
+                    capture_served(self.client, self.training_samples(), self.dumps_dir,
+                                   name=path.name, max_new_tokens=1, progress=False)
+                finally:
+                    self._arm(False)
+            self._cache["served"] = path
+        return self._cache["served"]
+
+    def reference_dump(self) -> Optional[Path]:
+        """Every layer's hidden states for the same tokens (HF on the target), or None."""
+        if "reference" not in self._cache:
+            ref = self.reference_spec
+            if ref is None:
+                self._cache["reference"] = None
+            elif ref == "hf":
+                from .capture import capture_reference_hf
+
+                path = self.dumps_dir / "reference-hf"
+                if not (path / "manifest.json").exists():
+                    capture_reference_hf(self.target_dir, self.training_samples(), self.dumps_dir,
+                                         name=path.name, progress=False)
+                self._cache["reference"] = path
+            else:
+                self._cache["reference"] = Path(ref)
+        return self._cache["reference"]
+
+    def _arm(self, on: bool) -> None:
+        if self.capture_dir is None:
+            return
+        from .hooks import ARM_FILE
+
+        flag = self.capture_dir / ARM_FILE
+        if on:
+            self.capture_dir.mkdir(parents=True, exist_ok=True)
+            flag.write_text("armed by helpers.hypotheses\n")
+        elif flag.exists():
+            flag.unlink()
+
+    def rank_dumps(self, key: str) -> list[Path]:
+        """Per-TP-rank dumps of stash ``key`` recorded while :meth:`served_dump` ran."""
+        ck = f"rank:{key}"
+        if ck not in self._cache:
+            if self.capture_dir is None:
+                raise RuntimeError("no per-rank capture: start the server with helpers.hooks "
+                                   "capture specs (Investigation(capture_dir=...))")
+            from .capture import per_rank_dumps
+
+            self.served_dump()
+            out = self.dumps_dir / self._dump_name(f"ranks-{key.replace('(', '').replace(')', '')}")
+            if out.exists():
+                paths = sorted(p for p in out.iterdir() if (p / "manifest.json").exists())
+            else:
+                paths = per_rank_dumps(self.capture_dir, out, key=key, hidden_size=self.hidden_size)
+            self._cache[ck] = paths
+        return self._cache[ck]
+
+    def diagnosis(self, reference: bool = True):
+        """helpers.diagnose on the served dump against the training data (with the reference)."""
+        ck = f"diagnosis:{reference}"
+        if ck not in self._cache:
+            from .diagnose import diagnose
+
+            self._cache[ck] = diagnose(self.training, [self.served_dump()],
+                                       draft_config=self.draft_dir, target_config=self.target_dir,
+                                       reference=self.reference_dump() if reference else None,
+                                       server=self.server_info(), max_samples=self.num_samples)
+        return self._cache[ck]
+
+    def spec_config(self):
+        if "spec" not in self._cache:
+            self._cache["spec"] = self.client.effective_spec_config(
+                self.requested, draft_config=self.draft_dir / "config.json")
+        return self._cache["spec"]
+
+    def tensors(self, dump: Path) -> list[dict]:
+        """Samples of a dump as ``{"input_ids": list, "hidden": Tensor}`` (small dumps only)."""
+        from .dumps import read_dump
+
+        src = read_dump(dump)
+        return [{"input_ids": s.input_ids.tolist(), "hidden": s.load().to(torch.float32)}
+                for s in src.samples]
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def rel_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM relative difference ``1 - 2<x,y> / (|x|^2 + |y|^2)`` (0 = identical)."""
+    x, y = x.double().flatten(), y.double().flatten()
+    den = float((x * x).sum() + (y * y).sum())
+    return 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
+
+
+def _paired(a: list[dict], b: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rows of samples with identical token ids, paired (same prompt captured twice)."""
+    index = {tuple(s["input_ids"]): s["hidden"] for s in b}
+    return [(s["hidden"], index[tuple(s["input_ids"])]) for s in a if tuple(s["input_ids"]) in index]
+
+
+def _bar(x, y, title, ytitle, *, log=False, color=None):
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Bar(x=x, y=y, marker_color=color))
+    fig.update_layout(title=title, yaxis_title=ytitle, height=320, margin=dict(l=60, r=20, t=50, b=40))
+    if log:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+def _layer_index(name: Optional[str]) -> Optional[int]:
+    """``out(L)`` -> L, ``embedding`` -> -1, else None."""
+    if not name:
+        return None
+    if name == "embedding":
+        return -1
+    if name.startswith("out(") and name.endswith(")"):
+        return int(name[4:-1])
+    return None
+
+
+def _chunk_frame(inv: Investigation) -> pd.DataFrame:
+    d = inv.diagnosis()
+    trained = list(d.training_plan.tensors) if d.training_plan is not None else []
+    configured = list(d.served_plan.tensors) if d.served_plan is not None else []
+    rows = []
+    for ch in d.chunks:
+        i = ch["index"]
+        rows.append({"chunk": i, "width": ch["width"],
+                     "configured": configured[i] if i < len(configured) else None,
+                     "measured (reference)": ch["identified_as"],
+                     "trained": trained[i] if i < len(trained) else None,
+                     "matched training chunk": ch["matched_training_chunk"],
+                     "rel_diff vs training": ch["rel_diff"], "cosine vs training": ch["cosine"]})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Are the aux hidden states TP-sharded (H/tp wide) or per-rank different, instead of full
+    and identical on every rank? (seeds msg 4513 / 4525)"""
+    H = inv.hidden_size
+    info = inv.server_info()
+    tp = int(info.get("tp_size") or 1)
+    served = inv.tensors(inv.served_dump())
+    width = int(served[0]["hidden"].shape[1])
+    n_full = width / H
+    rows = [{"measure": "served row width", "value": width},
+            {"measure": "hidden size H", "value": H},
+            {"measure": "TP size", "value": tp},
+            {"measure": "chunks if full width (W / H)", "value": n_full},
+            {"measure": "chunks if sharded (W / (H/tp))", "value": width / (H / tp)}]
+    data = {"width": width, "hidden_size": H, "tp_size": tp}
+    sharded = tp > 1 and width % H != 0 and width % (H // tp) == 0
+    rank_diffs: list[float] = []
+    sum_rel = None
+    if inv.capture_dir is not None and tp > 1:
+        per = [inv.tensors(p) for p in inv.rank_dumps("aux")]
+        base = per[0]
+        for r, other in enumerate(per[1:], start=1):
+            pairs = _paired(base, other)
+            d = max(float((a - b).abs().max()) for a, b in pairs) if pairs else float("nan")
+            rank_diffs.append(d)
+            rows.append({"measure": f"max |aux(rank 0) - aux(rank {r})|", "value": d})
+        pairs0 = _paired(served, base)
+        if pairs0:
+            sum_rel = rel_diff(torch.cat([a for a, _ in pairs0]), torch.cat([b for _, b in pairs0]))
+            rows.append({"measure": "rel_diff(served, rank 0 aux)", "value": sum_rel})
+    data["rank_max_abs_diff"] = rank_diffs
+    agree = all(d <= 1e-5 * max(1.0, float(served[0]["hidden"].abs().max())) for d in rank_diffs)
+    if sharded:
+        data["short"] = f"the aux states are TP-sharded ({width} wide instead of a multiple of {H})"
+        verdict = "confirmed"
+        text = (f"The served rows are {width} wide: a multiple of H/tp = {H // tp} but not of H = {H}. "
+                "Each rank contributes a shard of the hidden dimension instead of the full residual "
+                "stream, so the draft's fc reads the wrong features.")
+    elif rank_diffs and not agree:
+        data["short"] = "the aux states differ across TP ranks (per-rank partial values)"
+        verdict = "confirmed"
+        text = (f"The rows are full width ({width} = {n_full:g} x H) but the TP ranks disagree "
+                f"(max |difference| {max(rank_diffs):.3g}): the aux states are per-rank partial values, "
+                "not the all-reduced residual stream every rank should hold.")
+    elif tp == 1:
+        verdict = "refuted"
+        text = (f"The server runs at TP 1, so nothing is sharded; the rows are {width} = {n_full:g} x H "
+                "wide as the draft expects.")
+    else:
+        verdict = "refuted"
+        extra = ("and all TP ranks hold identical values (per-rank capture), " if rank_diffs else
+                 "(no per-rank capture was available to compare ranks) ")
+        text = (f"The served rows are full width: {width} = {n_full:g} x H ({H}), not multiples of the "
+                f"{H // tp}-wide shards of TP {tp}, {extra}so the residual stream is all-reduced "
+                "before capture, as in standard tensor parallelism (row-parallel o_proj/down_proj "
+                "outputs are summed before the residual add).")
+    fig = _bar([f"rank 0 vs {r}" for r in range(1, len(rank_diffs) + 1)] or ["width"],
+               rank_diffs or [width], "Per-rank aux hidden states: max |difference|" if rank_diffs
+               else "Served row width", "max |diff|" if rank_diffs else "values")
+    return HypothesisResult("tp_sharding", "TP sharding of the captured states", "", verdict, text,
+                            pd.DataFrame(rows), fig, data)
+
+
+def check_embedding_all_reduce(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is the embedding the draft may receive a per-rank partial (VocabParallelEmbedding not
+    all-reduced) rather than the full embedding? (seeds msg 4495)"""
+    H = inv.hidden_size
+    tp = int(inv.server_info().get("tp_size") or 1)
+    vocab = int(inv.target_config["vocab_size"])
+    served = inv.tensors(inv.served_dump())
+    rows: list[dict] = []
+    data: dict[str, Any] = {"tp_size": tp}
+    if inv.capture_dir is None:
+        return HypothesisResult("embedding_all_reduce", "Embedding all-reduce", "", "inconclusive",
+                                "No per-rank capture of the embedding: start the server with the "
+                                "helpers.hooks capture specs to measure what each rank holds.",
+                                pd.DataFrame(), None, data)
+    full = [inv.tensors(p) for p in inv.rank_dumps("embedding")]
+    local = [inv.tensors(p) for p in inv.rank_dumps("embedding_local")]
+    per_rank_zero = []
+    sum_rel = None
+    for r in range(len(full)):
+        zs = torch.cat([s["hidden"].abs().sum(1) == 0 for s in local[r]])
+        ids = torch.tensor([t for s in local[r] for t in s["input_ids"]])
+        shard = _vocab_shard_mask(ids, vocab, r, len(full))
+        outside_zero = bool(zs[~shard].all()) if (~shard).any() else True
+        inside_nonzero = bool((~zs[shard]).all()) if shard.any() else True
+        same = rel_diff(torch.cat([s["hidden"] for s in full[r]]), torch.cat([s["hidden"] for s in full[0]]))
+        per_rank_zero.append(float(zs.float().mean()))
+        rows.append({"rank": r, "tokens": int(ids.numel()),
+                     "rank-local rows that are zero": int(zs.sum()),
+                     "zero exactly outside its vocab shard": outside_zero and inside_nonzero,
+                     "rel_diff(all-reduced embedding, rank 0's)": same})
+    if len(local) > 1:
+        tot = torch.cat([sum(s["hidden"] for s in col) for col in zip(*local)]) if all(
+            len(l) == len(local[0]) for l in local) else None
+        if tot is not None:
+            sum_rel = rel_diff(tot, torch.cat([s["hidden"] for s in full[0]]))
+    data["sum_of_local_vs_full_rel_diff"] = sum_rel
+    # which embedding, if any, is among the served chunks?
+    match_full, match_local = [], []
+    for c in range(served[0]["hidden"].shape[1] // H):
+        sl = slice(c * H, (c + 1) * H)
+        pf = _paired([{"input_ids": s["input_ids"], "hidden": s["hidden"][:, sl]} for s in served], full[0])
+        pl = _paired([{"input_ids": s["input_ids"], "hidden": s["hidden"][:, sl]} for s in served], local[0])
+        match_full.append(rel_diff(torch.cat([a for a, _ in pf]), torch.cat([b for _, b in pf])) if pf else None)
+        match_local.append(rel_diff(torch.cat([a for a, _ in pl]), torch.cat([b for _, b in pl])) if pl else None)
+    data.update(served_vs_full=match_full, served_vs_local=match_local)
+    tol = 1e-6
+    served_local = [c for c, (f, l) in enumerate(zip(match_full, match_local))
+                    if l is not None and l <= tol and (f is None or f > tol)]
+    served_full = [c for c, f in enumerate(match_full) if f is not None and f <= tol]
+    for c, (f, l) in enumerate(zip(match_full, match_local)):
+        rows.append({"rank": f"served chunk {c}", "rel_diff vs all-reduced embedding": f,
+                     "rel_diff vs rank-0 local embedding": l})
+    if served_local:
+        data["short"] = (f"aux chunk {served_local[0]} is a rank-local embedding, not all-reduced "
+                         "across TP ranks")
+        verdict = "confirmed"
+        text = (f"Served chunk {served_local[0]} equals rank 0's *local* embedding: rows of token ids "
+                f"outside rank 0's vocab shard are zero. The embedding reaches the draft before the "
+                f"all-reduce of VocabParallelEmbedding, i.e. a partial sum over {tp} ranks.")
+    else:
+        verdict = "refuted"
+        where = (f"Served chunk {served_full[0]} is the full, all-reduced embedding. " if served_full
+                 else "No served chunk is an embedding at all. ")
+        text = (f"VocabParallelEmbedding does all-reduce: on each of the {len(full)} rank(s) the module "
+                "output is identical and equals the sum of the rank-local lookups, whose rows are zero "
+                f"exactly for token ids outside the rank's vocab shard. {where}Whatever is wrong, it is "
+                "not a missing all-reduce.")
+    fig = _bar([f"rank {r}" for r in range(len(per_rank_zero))], per_rank_zero,
+               "Share of zero rows in each rank's local (pre-all-reduce) embedding", "fraction")
+    return HypothesisResult("embedding_all_reduce", "Embedding all-reduce", "", verdict, text,
+                            pd.DataFrame(rows), fig, data)
+
+
+def _vocab_shard_mask(ids: torch.Tensor, vocab: int, rank: int, tp: int) -> torch.Tensor:
+    """Token ids of ``rank``'s vocab shard, with SGLang's padding of the vocab to a multiple of
+    64 (``sglang/srt/layers/vocab_parallel_embedding.py::pad_vocab_size``)."""
+    padded = (vocab + 63) // 64 * 64
+    per = padded // tp
+    return (ids >= rank * per) & (ids < min((rank + 1) * per, vocab))
+
+
+def check_layer_offset(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is every aux chunk one (or k) layer(s) off from what the draft was trained on?"""
+    frame = _chunk_frame(inv)
+    shifts = []
+    for _, r in frame.iterrows():
+        m, t = _layer_index(r["measured (reference)"]), _layer_index(r["trained"])
+        shifts.append(None if m is None or t is None else m - t)
+    frame["shift (measured - trained)"] = shifts
+    known = [s for s in shifts if s is not None]
+    data = {"shifts": shifts, "measured": list(frame["measured (reference)"]),
+            "trained": list(frame["trained"])}
+    if not known:
+        verdict, text = "inconclusive", "No chunk could be identified against the reference layers."
+    elif all(s == 0 for s in known) and len(known) == len(shifts):
+        verdict = "refuted"
+        text = ("Every chunk is the layer the draft was trained on (identified against all layers of the "
+                "target for the same tokens): no offset.")
+    elif len(set(known)) == 1 and known[0] != 0 and len(known) == len(shifts):
+        data["short"] = f"every aux chunk is {known[0]:+d} layer(s) off from the trained layers"
+        verdict = "confirmed"
+        text = (f"Every chunk is shifted by {known[0]:+d} layer(s) from training (e.g. "
+                f"{frame['measured (reference)'][0]} instead of {frame['trained'][0]}): a layer-id "
+                "convention mismatch (SGLang adds +1 to explicit ids; vLLM/speculators do not).")
+    else:
+        verdict = "refuted"
+        text = ("The chunks are not off by one constant amount (shifts " +
+                ", ".join("?" if s is None else f"{s:+d}" for s in shifts) +
+                "): this is not a layer-id convention offset; see the chunk table for what each "
+                "chunk really is.")
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=frame["chunk"], y=[_layer_index(v) for v in frame["trained"]],
+                             mode="markers+lines", name="trained on"))
+    fig.add_trace(go.Scatter(x=frame["chunk"], y=[_layer_index(v) for v in frame["measured (reference)"]],
+                             mode="markers+lines", name="served (measured)"))
+    fig.update_layout(title="Layer of each aux chunk (-1 = embedding)", xaxis_title="chunk",
+                      yaxis_title="decoder layer L of out(L)", height=320,
+                      margin=dict(l=60, r=20, t=50, b=40))
+    return HypothesisResult("layer_offset", "Layer offset", "", verdict, text, frame, fig, data)
+
+
+def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Does the engine concatenate the captured layers in another order than configured?
+
+    Only the chunks whose measured tensor is one of the configured tensors are compared: a chunk
+    whose *content* is something else (an embedding, another layer) is a different fault, not an
+    ordering one."""
+    frame = _chunk_frame(inv)
+    configured = list(frame["configured"])
+    measured = list(frame["measured (reference)"])
+    data = {"configured": configured, "measured": measured}
+    comparable = [(i, m) for i, m in enumerate(measured) if m is not None and m in configured]
+    moved = [(i, m, configured.index(m)) for i, m in comparable if configured.index(m) != i]
+    frame["position configured for this tensor"] = [configured.index(m) if m in configured else None
+                                                    for m in measured]
+    if not comparable:
+        verdict = "inconclusive"
+        text = ("No served chunk could be matched to a configured tensor, so the order cannot be "
+                "judged; see the layer and embedding checks.")
+        short = ""
+    elif moved:
+        verdict = "confirmed"
+        i, m, j = moved[0]
+        text = (f"The served chunks are the configured tensors in another order: chunk {i} holds {m}, "
+                f"configured at position {j} (served [{', '.join(map(str, measured))}] vs configured "
+                f"[{', '.join(configured)}]). SGLang captures in ascending layer order, whatever order "
+                "the config lists.")
+        short = f"chunk {i} holds {m}, configured at position {j}"
+    else:
+        verdict = "refuted"
+        other = [i for i, m in enumerate(measured) if m not in configured]
+        tail = (f" (chunk{'s' if len(other) > 1 else ''} {', '.join(map(str, other))} hold"
+                f"{'' if len(other) > 1 else 's'} other content, which the other checks explain)"
+                if other else "")
+        text = ("The order is as configured: every chunk that holds a configured tensor sits at the "
+                f"position the config gives it{tail}. The engine concatenates in ascending layer "
+                "order, which here is the configured order.")
+        short = ""
+    return HypothesisResult("concat_order", "Concatenation order", "", verdict, text, frame, None,
+                            {**data, "short": short})
+
+
+def check_embedding_included(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is the embedding fed to the draft where training had none?"""
+    frame = _chunk_frame(inv)
+    d = inv.diagnosis()
+    trained = list(frame["trained"])
+    emb_chunks = [int(r["chunk"]) for _, r in frame.iterrows() if r["measured (reference)"] == "embedding"]
+    found = [f for f in d.findings if f["kind"] == "embedding_in_place_of_layer"]
+    data = {"embedding_chunks": emb_chunks, "training_has_embedding": "embedding" in trained,
+            "findings": [f["kind"] for f in d.findings]}
+    if emb_chunks and "embedding" not in trained:
+        c = emb_chunks[0]
+        data["short"] = (f"the token embedding was fed to the draft as aux chunk {c}, where it was "
+                         f"trained on {trained[c]}")
+        verdict = "confirmed"
+        text = (f"Served chunk {c} is the token embedding (identical to the target's embedding output for "
+                f"the same tokens; rows of equal token ids are equal), but the draft was trained on "
+                f"{trained[c]} there and never saw the embedding. Same total width, so nothing crashes: "
+                "the draft's fc just reads the wrong features and acceptance collapses.")
+    elif emb_chunks:
+        verdict, text = "refuted", "The embedding is served, and training used it too."
+    else:
+        verdict, text = "refuted", "No served chunk is the embedding."
+    if found:
+        data["finding_detail"] = found[0]["detail"]
+    return HypothesisResult("embedding_included", "Embedding in place of a layer", "", verdict, text,
+                            frame, None, data)
+
+
+def check_num_steps_override(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Did SGLang silently change num_steps / num_draft_tokens from what was asked?"""
+    spec = inv.spec_config()
+    rows = [{"setting": k, "requested": getattr(spec.requested, k), "effective": getattr(spec.effective, k)}
+            for k in ("algorithm", "num_steps", "topk", "num_draft_tokens", "max_running_requests")]
+    hits = [o for o in spec.overrides if o.field in ("speculative_num_draft_tokens", "speculative_num_steps",
+                                                    "speculative_eagle_topk")]
+    data = {"overrides": [o.model_dump() for o in spec.overrides], "requested_from": spec.requested_from}
+    if hits:
+        data["short"] = "SGLang silently overrode " + ", ".join(o.field for o in hits)
+        verdict = "confirmed"
+        text = " ".join(o.message for o in hits)
+    elif spec.requested_from == "none":
+        verdict = "inconclusive"
+        text = "What was requested is unknown (the server reports no launch command; pass requested=)."
+    else:
+        verdict = "refuted"
+        text = (f"The server runs what was asked: {spec.effective.num_steps} steps, topk "
+                f"{spec.effective.topk}, {spec.effective.num_draft_tokens} draft tokens.")
+    return HypothesisResult("num_steps_override", "num_steps / draft tokens override", "", verdict, text,
+                            pd.DataFrame(rows), None, data)
+
+
+def check_fc_bypass(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is an EAGLE-3 draft served with ``--speculative-algorithm EAGLE`` (one H-wide state: the fc
+    over the aux chunks is silently skipped)?"""
+    spec = inv.spec_config()
+    algo = spec.effective.algorithm
+    archs = spec.draft_architectures or []
+    eagle3_draft = any("Eagle3" in a for a in archs)
+    width = None
+    try:
+        width = int(inv.tensors(inv.served_dump())[0]["hidden"].shape[1])
+    except Exception:  # noqa: BLE001 - evidence only
+        pass
+    rows = [{"measure": "speculative_algorithm", "value": algo},
+            {"measure": "draft architectures", "value": ", ".join(archs)},
+            {"measure": "served row width", "value": width},
+            {"measure": "hidden size H", "value": inv.hidden_size}]
+    data = {"algorithm": algo, "draft_architectures": archs, "width": width}
+    if algo == "EAGLE" and eagle3_draft:
+        data["short"] = "an EAGLE-3 draft was served with algorithm EAGLE, so its fc was bypassed"
+        verdict = "confirmed"
+        text = (f"The server runs algorithm EAGLE with an EAGLE-3 draft: the target feeds one "
+                f"{width}-wide state (its last, normed hidden state) instead of the aux layers, and "
+                "llama_eagle3.py skips fc when the width equals the draft's hidden size.")
+    elif algo == "EAGLE3":
+        verdict, text = "refuted", "The server runs EAGLE3, so the aux states pass through the draft's fc."
+    else:
+        verdict, text = "inconclusive", f"Algorithm {algo!r} with draft {archs}."
+    return HypothesisResult("fc_bypass", "fc bypassed (algorithm EAGLE)", "", verdict, text,
+                            pd.DataFrame(rows), None, data)
+
+
+def check_verify_bottleneck(inv: Investigation, *, ratio_threshold: float = 1.5, **_: Any) -> HypothesisResult:
+    """Once acceptance is fixed, does the verify step's cost bound tok/s? Compares the time per
+    verify step (spec server) with the time per decode step of the target alone."""
+    acc, base = inv.acceptance, inv.baseline
+    if not acc or not base:
+        return HypothesisResult("verify_bottleneck", "Verify time is the bottleneck", "", "inconclusive",
+                                "Needs an acceptance measurement of this server and of a target-only "
+                                "baseline (a fix with baseline: true).", pd.DataFrame(), None, {})
+    tau = float(acc["accept_length"])
+    verify_ms = 1e3 / (float(acc["tok_s"]) / tau)           # seconds per verify step
+    decode_ms = 1e3 / float(base["tok_s"])                  # seconds per decode token
+    r = verify_ms / decode_ms
+    speedup = float(acc["tok_s"]) / float(base["tok_s"])
+    rows = [{"measure": "accept length (tokens per verify step)", "value": tau},
+            {"measure": "ms per verify step (spec server)", "value": verify_ms},
+            {"measure": "ms per decode step (target only)", "value": decode_ms},
+            {"measure": "verify / decode cost ratio", "value": r},
+            {"measure": "tok/s speedup measured", "value": speedup},
+            {"measure": "speedup if a verify step cost one decode step", "value": tau}]
+    data = {"accept_length": tau, "verify_ms": verify_ms, "decode_ms": decode_ms, "ratio": r,
+            "speedup": speedup}
+    if r >= ratio_threshold:
+        data["short"] = f"a verify step costs {r:.2f}x a decode step, which bounds tok/s"
+        verdict = "confirmed"
+        text = (f"A verify step costs {r:.2f}x a plain decode step ({verify_ms:.1f} vs {decode_ms:.1f} ms), "
+                f"so {tau:.2f} tokens per verify step give only {speedup:.2f}x tok/s. Verify (and draft) "
+                "time, not acceptance, now bounds throughput: fewer draft steps or cheaper verify.")
+    else:
+        verdict = "refuted"
+        text = (f"A verify step costs {r:.2f}x a decode step; tok/s follows acceptance "
+                f"({speedup:.2f}x at accept length {tau:.2f}).")
+    fig = _bar(["verify step", "decode step"], [verify_ms, decode_ms], "Time per step", "ms")
+    return HypothesisResult("verify_bottleneck", "Verify time is the bottleneck", "", verdict, text,
+                            pd.DataFrame(rows), fig, data)
+
+
+def static_findings(inv: Investigation) -> tuple[list[dict], Any, Any]:
+    """Config-only findings (no tensors, no server needed): served vs training capture plans, fc
+    width, ids ignored, vocab map, fc bypass. Returns ``(findings, served_plan, training_plan)``.
+    Mirrors the static half of :func:`helpers.diagnose.diagnose`."""
+    from . import detectors as D
+    from .configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
+    from .conventions import served_plan, training_plan
+
+    draft = read_draft_config(inv.draft_dir)
+    weights = read_draft_weights(inv.draft_dir)
+    target = read_target_config(inv.target_dir)
+    info = {}
+    if inv.client is not None:
+        try:
+            info = inv.server_info()
+        except Exception:  # noqa: BLE001 - a server that died at startup: configs alone
+            info = {}
+    algorithm = info.get("speculative_algorithm") or inv.algorithm or "EAGLE3"
+    settings = ServerSettings.from_dict(info or {"speculative_algorithm": algorithm}, source="server")
+    version = info.get("version") or "0.5.23"
+    sp = served_plan(draft, target, "sglang", version, algorithm)
+    tp = training_plan(draft, target, "specforge")
+    out = []
+    out += D.detect_config_ids_ignored(draft, target, sp)
+    out += D.detect_vocab_map_missing(draft, weights)
+    out += D.detect_fc_bypassed(draft, settings, None, weights)
+    out += D.static_layer_findings(sp, tp, draft, weights, target)
+    return out, sp, tp
+
+
+def check_static_wiring(inv: Investigation, **_: Any) -> HypothesisResult:
+    """From the configs alone (works when the server crashed at startup): will the engine feed
+    the draft the tensors it was trained on?"""
+    findings, sp, tp = static_findings(inv)
+    rows = [{"finding": f["kind"], "chunk": f["chunk"], "detail": f["detail"]} for f in findings]
+    data = {"served_plan": list(sp.tensors), "training_plan": list(tp.tensors),
+            "findings": [f["kind"] for f in findings], "fatal": getattr(sp, "fatal", None)}
+    head = (f"Configured, the engine feeds [{', '.join(sp.tensors)}]; the draft was trained on "
+            f"[{', '.join(tp.tensors)}].")
+    if findings:
+        data["short"] = findings[0]["detail"].split(". ")[0]
+        verdict = "confirmed"
+        text = head + " " + " ".join(f"{f['kind']}: {f['detail']}" for f in findings[:3])
+        if getattr(sp, "fatal", None):
+            text += f" The engine cannot serve this: {sp.fatal}"
+    else:
+        verdict = "refuted"
+        text = head + " The configs agree: no static wiring fault."
+    return HypothesisResult("static_wiring", "Static wiring check", "", verdict, text,
+                            pd.DataFrame(rows), None, data)
+
+
+def check_vocab_map(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is the draft's pruned vocabulary mapped to target token ids (``d2t``)?"""
+    from .configs import read_draft_config, read_draft_weights
+    from .detectors import detect_vocab_map_missing
+
+    draft = read_draft_config(inv.draft_dir)
+    weights = read_draft_weights(inv.draft_dir)
+    found = detect_vocab_map_missing(draft, weights)
+    rows = [{"measure": "draft_vocab_size", "value": draft.draft_vocab_size},
+            {"measure": "target vocab_size", "value": draft.vocab_size},
+            {"measure": "d2t in the draft weights", "value": weights.d2t_shape is not None},
+            {"measure": "t2d in the draft weights", "value": weights.t2d_shape is not None}]
+    data = {"draft_vocab_size": draft.draft_vocab_size, "vocab_size": draft.vocab_size,
+            "d2t": weights.d2t_shape is not None}
+    if found:
+        data["short"] = "the draft's pruned vocabulary has no d2t map, so draft token ids are read as target ids"
+        verdict, text = "confirmed", found[0]["detail"] + (
+            ". SGLang builds hot_token_id from d2t (llama_eagle3.py load_weights); without it the "
+            "draft proposes ids of its own vocabulary as if they were target ids, and almost none "
+            "verify.")
+    else:
+        verdict = "refuted"
+        text = ("The draft vocabulary is mapped: d2t is present"
+                if weights.d2t_shape is not None else "The draft uses the full target vocabulary") + "."
+    return HypothesisResult("vocab_map", "Vocab map (d2t)", "", verdict, text, pd.DataFrame(rows),
+                            None, data)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    title: str
+    question: str
+    fn: Callable[..., HypothesisResult]
+
+
+CHECKS: dict[str, Check] = {c.name: c for c in (
+    Check("embedding_all_reduce", "Embedding all-reduce",
+          "Does VocabParallelEmbedding all-reduce, or does the draft get a per-rank partial embedding?",
+          check_embedding_all_reduce),
+    Check("concat_order", "Concatenation order",
+          "Are the aux chunks concatenated in the configured order?", check_concat_order),
+    Check("tp_sharding", "TP sharding",
+          "Are the captured states full width and identical on every TP rank, or H/tp shards?",
+          check_tp_sharding),
+    Check("layer_offset", "Layer offset",
+          "Is every chunk one (or k) layer(s) off from what the draft was trained on?", check_layer_offset),
+    Check("embedding_included", "Embedding in place of a layer",
+          "Is the embedding fed where training used a layer output?", check_embedding_included),
+    Check("num_steps_override", "num_steps / draft tokens override",
+          "Did SGLang silently change the speculative settings?", check_num_steps_override),
+    Check("fc_bypass", "fc bypassed",
+          "Is an EAGLE-3 draft served with algorithm EAGLE (fc skipped)?", check_fc_bypass),
+    Check("verify_bottleneck", "Verify time is the bottleneck",
+          "Once acceptance is right, does verify time bound tok/s?", check_verify_bottleneck),
+    Check("static_wiring", "Static wiring check",
+          "From the configs alone, will the engine feed the tensors the draft was trained on?",
+          check_static_wiring),
+    Check("vocab_map", "Vocab map (d2t)",
+          "Is the draft's pruned vocabulary mapped to target token ids?", check_vocab_map),
+)}
+
+
+def run_check(name: str, inv: Investigation, *, label: str = "", question: str = "",
+              params: Optional[dict] = None) -> HypothesisResult:
+    """Run check ``name`` on ``inv``; any exception becomes an ``inconclusive`` verdict naming it."""
+    check = CHECKS[name]
+    try:
+        res = check.fn(inv, **(params or {}))
+    except Exception as exc:  # noqa: BLE001 - a check that cannot run is inconclusive, not a crash
+        res = HypothesisResult(name, check.title, "", "inconclusive",
+                               f"The check could not run: {type(exc).__name__}: {exc}",
+                               pd.DataFrame(), None, {"error": f"{type(exc).__name__}: {exc}"})
+    res.title = res.title or check.title
+    res.question = question or check.question
+    res.label = label
+    return res

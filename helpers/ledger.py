@@ -1,0 +1,624 @@
+"""Run folders, the append-only fixes ledger, and managed mode (a server per fix).
+
+Run folders (DESIGN.md "Run folders"): ``outputs/<YYYYmmdd-HHMMSS>-<name>/``, created fresh per
+run (``-2``, ``-3``, ... on collision, by an atomic ``mkdir``); files are written to a temp file in
+the same folder and renamed into place (:func:`atomic_write_bytes`), so a reader never sees half a
+file and nothing already written is lost.
+
+Ledger: ``<run>/ledger.parquet``, one row per measured fix: ``fix``, ``config_digest`` (hash of the
+effective server config, no secrets: :func:`helpers.acceptance.config_digest`), ``timestamp``, every
+summary figure with its CI, per-position rates and histogram as JSON. :meth:`Ledger.append` takes
+an exclusive ``fcntl.flock`` on ``ledger.parquet.lock``, reads the current rows, writes old + new
+rows to a temp file, checks every old ``row_id`` survived, and renames it over the old file. Two
+processes appending at once therefore serialise and lose nothing; rows are never edited or dropped.
+
+Managed mode (:func:`run_fixes`): a YAML fixes file (validated by :class:`FixesFile`) lists fixes;
+for each one a server is started (the embedded reference server through
+:func:`helpers.launcher.start`, or a raw launch command for a real GPU server run with
+``start_new_session`` and waited on ``/health``), measured (:func:`helpers.acceptance.measure`),
+stopped by PID (whole process tree, then the process group), and appended to the ledger, with a
+tqdm progress bar. Example::
+
+    name: draft-fixes
+    measure: {max_new_tokens: 64, concurrency: 2, num_prompts: 24}
+    baseline: {launch: {draft: null, tp: 2}}          # target only -> baseline tok/s
+    fixes:
+      - name: clean
+        launch: {tp: 2, spec: {num_steps: 3, topk: 1, num_draft_tokens: 4}}
+      - name: steps5
+        launch: {tp: 2, spec: {num_steps: 5, topk: 1, num_draft_tokens: 6}}
+      - name: gpu-tp8
+        command: "python -m sglang.launch_server --model-path /m/target --tp 8 ..."
+        url: http://127.0.0.1:30000
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+
+import pandas as pd
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .runfiles import DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir, safe_name  # noqa: F401
+from .server import REDACTED, SGLangClient, SGLangError, redact, redact_argv, redact_command
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Ledger
+# --------------------------------------------------------------------------------------------
+
+
+class LedgerError(RuntimeError):
+    """The ledger file cannot be read (it is left untouched) or an append would lose rows."""
+
+
+class Ledger:
+    """Append-only parquet table of fixes (see module docstring).
+
+    ``path``: the ``ledger.parquet`` file (its folder is created). Each appended row gets
+    ``row_id`` (uuid4 hex), ``appended_at`` (UTC ISO-8601) and ``writer_pid``.
+    """
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+
+    def __repr__(self) -> str:
+        return f"<Ledger {self.path}>"
+
+    @contextlib.contextmanager
+    def _lock(self, exclusive: bool = True) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _read_unlocked(self) -> pd.DataFrame:
+        if not self.path.exists():
+            return pd.DataFrame()
+        try:
+            # one open() = one consistent file (a concurrent os.replace cannot mix two versions)
+            return pd.read_parquet(io.BytesIO(self.path.read_bytes()))
+        except FileNotFoundError:
+            return pd.DataFrame()
+        except Exception as exc:  # noqa: BLE001 - any parquet/arrow error
+            raise LedgerError(f"ledger {self.path} is unreadable ({type(exc).__name__}: {exc}); "
+                              "it was left as is: move it away to start a new one") from None
+
+    def read(self) -> pd.DataFrame:
+        """All rows (empty DataFrame when the ledger does not exist yet)."""
+        with self._lock(exclusive=False):
+            return self._read_unlocked()
+
+    def __len__(self) -> int:
+        return len(self.read())
+
+    def append(self, rows: Mapping[str, Any] | Sequence[Mapping[str, Any]] | pd.DataFrame) -> pd.DataFrame:
+        """Append one or more rows under the file lock; returns the appended rows (with ids).
+
+        Values that are lists/dicts are stored as JSON strings; secrets are never expected here
+        (rows come from :meth:`helpers.acceptance.AcceptanceResult.ledger_row`), but string
+        cells are passed through :func:`helpers.server.redact` anyway.
+        """
+        if isinstance(rows, pd.DataFrame):
+            recs = rows.to_dict(orient="records")
+        elif isinstance(rows, Mapping):
+            recs = [dict(rows)]
+        else:
+            recs = [dict(r) for r in rows]
+        if not recs:
+            raise ValueError("nothing to append")
+        now = pd.Timestamp.now(tz="UTC").isoformat()
+        clean = []
+        for r in recs:
+            r = redact(r)
+            r = {k: (json.dumps(v, default=str) if isinstance(v, (list, dict, tuple)) else v)
+                 for k, v in r.items()}
+            r.setdefault("row_id", uuid.uuid4().hex)
+            r.setdefault("appended_at", now)
+            r.setdefault("writer_pid", os.getpid())
+            clean.append(r)
+        new = pd.DataFrame(clean)
+        with self._lock(exclusive=True):
+            old = self._read_unlocked()
+            merged = pd.concat([old, new], ignore_index=True) if len(old) else new
+            merged = _arrow_safe(merged)
+            buf = io.BytesIO()
+            merged.to_parquet(buf, index=False)
+            check = pd.read_parquet(io.BytesIO(buf.getvalue()))
+            if len(old) and "row_id" in old.columns and \
+                    not set(old["row_id"].dropna()).issubset(set(check["row_id"])):
+                raise LedgerError("refusing to write: the new ledger would lose rows")
+            if len(check) != len(old) + len(new):
+                raise LedgerError(f"refusing to write: expected {len(old) + len(new)} rows, got {len(check)}")
+            atomic_write_bytes(self.path, buf.getvalue())
+        return new
+
+
+def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """Make object columns writable by pyarrow: mixed non-null types become strings."""
+    df = df.copy()
+    for c in df.columns:
+        if df[c].dtype != object:
+            continue
+        kinds = {type(v) for v in df[c] if v is not None and not (isinstance(v, float) and v != v)}
+        if len(kinds) > 1:
+            df[c] = df[c].map(lambda v: v if v is None or (isinstance(v, float) and v != v) else str(v))
+    return df
+
+
+# --------------------------------------------------------------------------------------------
+# Fixes file (managed mode)
+# --------------------------------------------------------------------------------------------
+
+
+class SpecModel(BaseModel):
+    """``--speculative-*`` settings of a reference launch (:class:`helpers.launcher.SpecConfig`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    algorithm: str = "EAGLE3"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+
+class LaunchSpec(BaseModel):
+    """A reference-server launch (arguments of :func:`helpers.launcher.start`).
+
+    ``target`` / ``draft``: model folders; ``"reference"`` means ``env/models/target`` /
+    ``env/models/draft``; ``draft: null`` starts a target-only server. Relative paths are relative
+    to the fixes file.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    target: Optional[str] = "reference"
+    draft: Optional[str] = "reference"
+    tp: int = Field(2, ge=1)
+    spec: Optional[SpecModel] = None
+    extra_args: list[str] = Field(default_factory=list)
+    forward_hooks: Optional[list[dict]] = None
+    dtype: str = "float32"
+    max_total_tokens: int = 8192
+    return_hidden_states: bool = True
+    enable_metrics: bool = True
+    timeout: float = 600.0
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class MeasureSettings(BaseModel):
+    """Arguments of :func:`helpers.acceptance.measure` shared by all fixes (a fix may override)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int = Field(128, ge=1)
+    concurrency: int = Field(1, ge=1)
+    num_prompts: Optional[int] = Field(None, ge=1)
+    prompts: Optional[str] = None
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    warmup: int = Field(1, ge=0)
+    n_boot: int = Field(2000, ge=100)
+    flush_cache: bool = True
+
+
+class ServerSpec(BaseModel):
+    """How to get a server: ``launch`` (reference), ``command`` + ``url`` (raw launch), or ``url``
+    alone (attach to a running server; nothing is started or stopped)."""
+
+    model_config = ConfigDict(extra="forbid")
+    launch: Optional[LaunchSpec] = None
+    command: Optional[str] = None
+    url: Optional[str] = None
+    cwd: Optional[str] = None
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout: float = Field(1800.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "ServerSpec":
+        if self.launch is not None and (self.command or self.url):
+            raise ValueError("give either launch: (reference server) or command:/url:, not both")
+        if self.launch is None and not self.url:
+            raise ValueError("give launch: {...} for the reference server, or url: (with command: "
+                             "to start it)")
+        if self.command is not None and not self.command.strip():
+            raise ValueError("command: is empty")
+        return self
+
+    @property
+    def mode(self) -> str:
+        return "launch" if self.launch is not None else ("command" if self.command else "attach")
+
+
+class Fix(ServerSpec):
+    """One fix: a name, a server (see :class:`ServerSpec`), optional measure overrides."""
+
+    name: str
+    measure: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("fix name is empty")
+        return v
+
+    @field_validator("measure")
+    @classmethod
+    def _measure(cls, v: dict) -> dict:
+        MeasureSettings(**v)  # validates keys / values
+        return v
+
+
+class FixesFile(BaseModel):
+    """The fixes YAML: ``name``, shared ``measure`` settings, optional ``baseline`` server
+    (target only, for baseline tok/s), and ``fixes`` (unique names, at least one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "fixes"
+    measure: MeasureSettings = Field(default_factory=MeasureSettings)
+    baseline: Optional[ServerSpec] = None
+    fixes: list[Fix] = Field(min_length=1)
+    base_dir: Optional[str] = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "FixesFile":
+        names = [f.name for f in self.fixes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate fix names: {dup}")
+        return self
+
+
+def load_fixes(path_or_data: Path | str | Mapping | Sequence) -> FixesFile:
+    """Read and validate a fixes YAML file (or already-parsed data); ValueError with the reasons.
+
+    A bare list is taken as the ``fixes`` list.
+    """
+    base = None
+    data = path_or_data
+    if isinstance(path_or_data, (str, Path)):
+        p = Path(path_or_data)
+        try:
+            data = yaml.safe_load(p.read_text())
+        except OSError as exc:
+            raise ValueError(f"fixes file {p}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"fixes file {p} is not valid YAML: {exc}") from None
+        base = str(p.resolve().parent)
+    if isinstance(data, list):
+        data = {"fixes": data}
+    if not isinstance(data, Mapping):
+        raise ValueError("fixes file: expected a mapping with 'fixes:' or a list of fixes")
+    try:
+        ff = FixesFile.model_validate(dict(data))
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ValueError("invalid fixes file:\n" + "\n".join(lines)) from None
+    ff.base_dir = base
+    return ff
+
+
+# --------------------------------------------------------------------------------------------
+# Servers for managed mode
+# --------------------------------------------------------------------------------------------
+
+
+class FixFailed(RuntimeError):
+    """One or more fixes could not be measured (their rows hold ``error``); ``run_dir`` attribute."""
+
+    def __init__(self, message: str, run_dir: Optional[Path] = None):
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
+def _pump(stream, log_path: Path, secrets: list[str]) -> None:
+    with open(log_path, "ab", buffering=0) as out:
+        for raw in iter(stream.readline, b""):
+            for s in secrets:
+                raw = raw.replace(s.encode(), REDACTED.encode())
+            out.write(raw)
+    stream.close()
+
+
+class CommandServer:
+    """A server started from a raw launch command (e.g. a TP 8 GPU SGLang launch).
+
+    The command is split with :func:`shlex.split` (no shell; ``$VARS`` are expanded), run with
+    ``start_new_session=True`` (own process group), its output pumped into ``log_path`` with
+    secrets (values of ``--api-key``-like flags, the API key) replaced by ``<redacted>``.
+    :meth:`stop` ends the whole tree: SIGTERM to the leader, then SIGKILL to every remaining
+    descendant and to the process group.
+    """
+
+    def __init__(self, command: str, url: str, *, log_path: Path, env: Optional[Mapping[str, str]] = None,
+                 cwd: Optional[str] = None, secrets: Iterable[str] = ()):
+        argv = [os.path.expandvars(a) for a in shlex.split(command)]
+        shown = redact_argv(argv)
+        self.secrets = sorted({s for s in secrets if s} |
+                              {a for a, b in zip(argv, shown) if b == REDACTED and a}, key=len, reverse=True)
+        self.argv = argv
+        self.url = url.rstrip("/")
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as fh:
+            fh.write(("$ " + " ".join(shown) + "\n").encode())
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=full_env, cwd=cwd,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self._pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, self.secrets),
+                                      daemon=True, name=f"cmd-log-{self.pid}")
+        self._pump.start()
+        self._known: dict[int, Any] = {}
+        self._stopped = False
+
+    def _remember(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            for p in [root] + root.children(recursive=True):
+                self._known.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_healthy(self, client: SGLangClient, timeout: float) -> None:
+        """Poll ``/health`` until 200; raise :class:`FixFailed` (with the log tail) if the
+        process exits or ``timeout`` passes."""
+        from .launcher import tail
+
+        deadline = time.monotonic() + timeout
+        while True:
+            self._remember()
+            if not self.is_alive():
+                time.sleep(0.5)
+                raise FixFailed(f"launch command exited with code {self.proc.returncode} during startup; "
+                                f"log {self.log_path}:\n{tail(self.log_path, 30)}")
+            try:
+                if client.health():
+                    return
+            except SGLangError:
+                pass
+            if time.monotonic() > deadline:
+                raise FixFailed(f"server from the launch command not healthy at {client} after "
+                                f"{timeout:.0f} s; log {self.log_path}:\n{tail(self.log_path, 30)}")
+            time.sleep(1.0)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the tree (idempotent); raises RuntimeError if a process survives."""
+        import psutil
+
+        if self._stopped:
+            return
+        self._remember()
+        if self.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        alive = [p for p in self._known.values() if _running(p)]
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._pump.join(timeout=5)
+        self._stopped = True
+        left = [p.pid for p in self._known.values() if _running(p)]
+        if left:
+            raise RuntimeError(f"processes of launch command pid {self.pid} survived stop(): {left}")
+
+    def processes(self) -> list:
+        self._remember()
+        return [p for p in self._known.values() if _running(p)]
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _resolve_model(value: Optional[str], default: Path, base: Optional[str]) -> Optional[Path]:
+    if value is None:
+        return None
+    if value == "reference":
+        return default
+    p = Path(os.path.expandvars(os.path.expanduser(value)))
+    if not p.is_absolute() and base:
+        p = Path(base) / p
+    return p
+
+
+@contextlib.contextmanager
+def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
+          api_key: Optional[str] = None) -> Iterator[tuple[SGLangClient, Any]]:
+    """Start (or attach to) the server of ``spec``; yield ``(client, handle)``; stop it after.
+
+    ``handle`` is a :class:`helpers.launcher.ServerHandle`, a :class:`CommandServer`, or None
+    (attach mode: nothing is stopped).
+    """
+    from . import launcher
+
+    handle: Any = None
+    client: Optional[SGLangClient] = None
+    try:
+        if spec.mode == "launch":
+            ls = spec.launch
+            target = _resolve_model(ls.target, launcher.REFERENCE_TARGET, base_dir)
+            draft = _resolve_model(ls.draft, launcher.REFERENCE_DRAFT, base_dir)
+            sc = launcher.SpecConfig(**ls.spec.model_dump()) if ls.spec else None
+            try:
+                handle = launcher.start(target, draft, tp=ls.tp, spec=sc, extra_args=ls.extra_args,
+                                        forward_hooks=ls.forward_hooks, dtype=ls.dtype,
+                                        max_total_tokens=ls.max_total_tokens,
+                                        return_hidden_states=ls.return_hidden_states,
+                                        enable_metrics=ls.enable_metrics, api_key=api_key,
+                                        log_path=log_path, timeout=ls.timeout, env=ls.env or None)
+            except (launcher.BadServerInput, launcher.ServerStartError) as exc:
+                raise FixFailed(str(exc)) from None
+            client = SGLangClient(handle.url, api_key=api_key or "")
+        elif spec.mode == "command":
+            client = SGLangClient(spec.url, api_key=api_key)
+            handle = CommandServer(spec.command, spec.url, log_path=log_path, env=spec.env,
+                                   cwd=spec.cwd or base_dir, secrets=client.secrets)
+            handle.wait_healthy(client, spec.startup_timeout)
+        else:
+            client = SGLangClient(spec.url, api_key=api_key)
+            client.wait_healthy(timeout=min(spec.startup_timeout, 60))
+        yield client, handle
+    finally:
+        if client is not None:
+            client.close()
+        if handle is not None:
+            handle.stop()
+
+
+def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | None = None,
+              run_dir: Path | str | None = None, progress: bool = True,
+              api_key: Optional[str] = None, figures: bool = True) -> Path:
+    """Managed mode: for each fix start its server, measure, stop it, append to the ledger.
+
+    Args:
+        fixes: a :class:`FixesFile`, a path to the YAML, or parsed data.
+        outputs: where the new run folder goes (default ``<repo>/outputs``).
+        run_dir: append into this existing run folder instead of a new one.
+        progress: tqdm bars (fixes and requests).
+        api_key: bearer token for the servers (default ``$SGLANG_API_KEY``); reference servers
+            are started with it.
+        figures: write ``figures.html`` (plotly, offline) at the end.
+
+    Layout: ``<run>/fixes.yaml`` (the input, secrets redacted), ``<run>/logs/<fix>.log`` (server
+    logs, secrets redacted), ``<run>/fixes/<fix>/`` (:meth:`AcceptanceResult.save`),
+    ``<run>/ledger.parquet``, ``<run>/figures.html``.
+
+    Returns the run folder. Raises :class:`FixFailed` after all fixes ran if any failed (their
+    ledger rows carry ``error``).
+    """
+    from tqdm.auto import tqdm
+
+    from .acceptance import measure, measure_baseline, load_prompts
+
+    ff = fixes if isinstance(fixes, FixesFile) else load_fixes(fixes)
+    key = api_key if api_key is not None else (os.environ.get("SGLANG_API_KEY") or None)
+    run = Path(run_dir) if run_dir else new_run_dir(ff.name, outputs=outputs)
+    run.mkdir(parents=True, exist_ok=True)
+    dump = ff.model_dump(mode="json", exclude_none=True)
+    dump = redact(dump, [key] if key else [])
+    for section in [dump.get("baseline") or {}] + dump.get("fixes", []):
+        if section.get("command"):
+            section["command"] = redact_command(section["command"])
+    atomic_write_text(run / "fixes.yaml", yaml.safe_dump(dump, sort_keys=False))
+    ledger = Ledger(run / "ledger.parquet")
+    base = {"tok_s": float("nan"), "tok_s_lo": float("nan"), "tok_s_hi": float("nan")}
+    failed: list[str] = []
+
+    if ff.baseline is not None:
+        m = ff.measure
+        try:
+            with serve(ff.baseline, log_path=run / "logs" / "baseline.log", base_dir=ff.base_dir,
+                       api_key=key) as (client, handle):
+                prompts = load_prompts(_prompt_source(m.prompts, ff.base_dir), n=m.num_prompts)
+                sp = {"temperature": m.temperature}
+                if m.ignore_eos:
+                    sp["ignore_eos"] = True
+                base = measure_baseline(client, prompts, max_new_tokens=m.max_new_tokens,
+                                        concurrency=m.concurrency, sampling_params=sp,
+                                        warmup=m.warmup, n_boot=m.n_boot, progress=progress)
+                base["server_pid"] = handle.pid if handle is not None else None
+                base["server_mode"] = ff.baseline.mode
+            atomic_write_text(run / "baseline.json", json.dumps(base, indent=1, default=str))
+        except (FixFailed, SGLangError) as exc:
+            failed.append("baseline")
+            atomic_write_text(run / "baseline.json", json.dumps({"error": str(exc)}, indent=1))
+
+    bar = tqdm(ff.fixes, desc=f"fixes ({ff.name})", disable=not progress)
+    for fix in bar:
+        bar.set_postfix_str(fix.name)
+        settings = ff.measure.model_copy(update=fix.measure)
+        log = run / "logs" / f"{safe_name(fix.name)}.log"
+        started = pd.Timestamp.now(tz="UTC").isoformat()
+        try:
+            with serve(fix, log_path=log, base_dir=ff.base_dir, api_key=key) as (client, handle):
+                res = measure(client, _prompt_source(settings.prompts, ff.base_dir),
+                              max_new_tokens=settings.max_new_tokens, concurrency=settings.concurrency,
+                              num_prompts=settings.num_prompts, temperature=settings.temperature,
+                              ignore_eos=settings.ignore_eos, warmup=settings.warmup,
+                              flush_cache=settings.flush_cache, n_boot=settings.n_boot,
+                              baseline=None, label=fix.name, progress=progress,
+                              requested=_requested(fix))
+                if handle is not None:
+                    res.summary["server_pid"] = handle.pid
+            s = res.summary
+            s["baseline_tok_s"], s["baseline_tok_s_lo"], s["baseline_tok_s_hi"] = (
+                base["tok_s"], base["tok_s_lo"], base["tok_s_hi"])
+            s["speedup"] = s["tok_s"] / base["tok_s"] if base["tok_s"] == base["tok_s"] and base["tok_s"] else float("nan")
+            s["server_mode"] = fix.mode
+            s["started_at"] = started
+            res.save(run / "fixes" / safe_name(fix.name))
+            row = res.ledger_row(fix.name)
+            row["error"] = None
+            ledger.append(row)
+        except (FixFailed, SGLangError, RuntimeError, OSError) as exc:
+            failed.append(fix.name)
+            ledger.append({"fix": fix.name, "server_mode": fix.mode, "started_at": started,
+                           "timestamp": pd.Timestamp.now(tz="UTC").isoformat(),
+                           "error": f"{type(exc).__name__}: {exc}"[:4000]})
+    bar.close()
+    if figures:
+        from .figures import write_report
+
+        try:
+            write_report(ledger.read(), run / "figures.html", title=f"Fixes: {ff.name}")
+        except Exception as exc:  # noqa: BLE001 - figures must not lose the measurements
+            atomic_write_text(run / "figures.error.txt", f"{type(exc).__name__}: {exc}\n")
+    if failed:
+        raise FixFailed(f"{len(failed)} fix(es) failed: {failed}; see {run / 'ledger.parquet'} "
+                        f"and {run / 'logs'}", run_dir=run)
+    return run
+
+
+def _prompt_source(prompts: Optional[str], base: Optional[str]) -> Optional[str]:
+    if prompts is None:
+        return None
+    p = Path(prompts)
+    if not p.is_absolute() and base:
+        p = Path(base) / p
+    return str(p)
+
+
+def _requested(fix: Fix) -> Any:
+    """What the fix asked for, for the override check (None: use the server's launch_command)."""
+    if fix.command:
+        return fix.command
+    return None

@@ -1,0 +1,333 @@
+"""Replay a case file (helpers.cases) on the embedded reference server.
+
+For each timeline step, in order:
+
+* **fix**: start the reference server with the fix's configuration (draft-config variant written
+  to ``run_dir/drafts/<fix>/``, fault hooks, algorithm, spec, TP) plus the per-rank capture hooks
+  (armed only while a hypothesis captures), measure acceptance (``helpers.acceptance.measure``),
+  append to ``run_dir/ledger.parquet``, and keep the server for the hypotheses that follow;
+* **hypothesis**: run the named check (``helpers.hypotheses``) on that server and its data;
+  record verdict, explanation, evidence, figure, and whether it matches ``expect``;
+* **sweep**: for each ``num_steps`` value, a server of the last fix's configuration with
+  ``topk 1`` and ``num_draft_tokens = num_steps + 1``; measure tok/s; pick the best.
+
+Everything is written to ``run_dir/results/replay-<case>.json`` after every step (a crashed replay
+keeps the steps it finished) with figures in ``run_dir/figures/``. Servers are stopped by PID
+when the next fix starts or the replay ends, whatever happens.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .cases import Case, Fix, load_case
+from .runfiles import safe_name, write_json
+
+CAPTURE_KEYS = ["embedding", "embedding_local"]
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        elif v is None:
+            out.pop(k, None)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def draft_variant(draft_dir: Path, overrides: dict, out_dir: Path,
+                  drop_tensors: Optional[list[str]] = None) -> Path:
+    """A copy of ``draft_dir`` whose config.json is deep-merged with ``overrides`` (a key set to
+    None is removed) and whose weights lack ``drop_tensors``; untouched files are symlinked.
+    Returns ``draft_dir`` itself when nothing changes, else ``out_dir``."""
+    if not overrides and not drop_tensors:
+        return draft_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in draft_dir.iterdir():
+        if f.name == "config.json" or (out_dir / f.name).exists():
+            continue
+        if drop_tensors and f.suffix == ".safetensors":
+            from safetensors.torch import load_file, save_file
+
+            weights = load_file(str(f))
+            missing = [k for k in drop_tensors if k not in weights]
+            if missing and len(missing) == len(drop_tensors):
+                raise ValueError(f"{f}: none of the tensors {drop_tensors} to drop is present")
+            save_file({k: v for k, v in weights.items() if k not in drop_tensors}, str(out_dir / f.name))
+            continue
+        (out_dir / f.name).symlink_to(f.resolve())
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps(_deep_merge(cfg, overrides or {}), indent=2))
+    return out_dir
+
+
+class Replay:
+    """State of one replay (see module docstring). Use :func:`replay_case`."""
+
+    def __init__(self, case: Case, run_dir: Path, *, progress: bool = True, api_key: Optional[str] = None):
+        self.case = case
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.api_key = api_key
+        self.target = case.resolve(case.models.target)
+        self.draft = case.resolve(case.models.draft)
+        self.training = case.resolve(case.models.training_data) if case.models.training_data else None
+        self.num_layers = json.loads((self.target / "config.json").read_text())["num_hidden_layers"]
+        self.steps: list[dict] = []
+        self.server_cm = None   # the context manager of the running server
+        self.server = None      # (client, handle)
+        self.current: Optional[dict] = None  # info about the current fix
+        self.baseline: Optional[dict] = None
+        self.results_path = self.run_dir / "results" / f"replay-{safe_name(case.name)}.json"
+        self.t0 = time.monotonic()
+        for sub in ("results", "figures", "logs", "acceptance", "drafts", "capture", "dumps"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+    # -- servers --------------------------------------------------------------------------------
+    def _stop(self) -> None:
+        if self.server_cm is not None:
+            cm, self.server_cm, self.server = self.server_cm, None, None
+            cm.__exit__(None, None, None)
+
+    def _server_spec(self, fix: Fix, *, spec_override: Optional[dict] = None, capture_dir: Optional[Path] = None):
+        from .hooks import CaptureConfig, hook_specs
+        from .ledger import LaunchSpec, ServerSpec, SpecModel
+
+        launch = dict(tp=self.case.server.tp, extra_args=list(self.case.server.extra_args))
+        launch.update(fix.launch)
+        if fix.baseline:
+            return ServerSpec(launch=LaunchSpec(target=str(self.target), draft=None, **launch)), None
+        slug = safe_name(fix.name)
+        draft = draft_variant(self.draft, fix.draft_config, self.run_dir / "drafts" / slug,
+                              fix.drop_tensors)
+        spec = dict(self.case.server.spec)
+        spec.update(fix.spec)
+        spec.update(spec_override or {})
+        spec["algorithm"] = fix.algorithm
+        capture = CaptureConfig(out_dir=str(capture_dir), keys=list(CAPTURE_KEYS),
+                                armed_by_file=True) if capture_dir else None
+        hooks = hook_specs(fix.faults, capture, num_layers=self.num_layers) if (fix.faults or capture) else None
+        ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=SpecModel(**spec),
+                        forward_hooks=hooks, **launch)
+        return ServerSpec(launch=ls), draft
+
+    def _start(self, fix: Fix, *, spec_override: Optional[dict] = None, capture: bool = True,
+               log_name: Optional[str] = None):
+        from .ledger import serve
+
+        slug = safe_name(log_name or fix.name)
+        capture_dir = (self.run_dir / "capture" / slug) if capture and not fix.baseline else None
+        spec, draft = self._server_spec(fix, spec_override=spec_override, capture_dir=capture_dir)
+        cm = serve(spec, log_path=self.run_dir / "logs" / f"{slug}.log", api_key=self.api_key)
+        client, handle = cm.__enter__()
+        self.server_cm, self.server = cm, (client, handle)
+        return client, handle, draft, capture_dir, spec
+
+    def _measure(self, client, label: str, requested: Any) -> dict:
+        from .acceptance import load_prompts, measure
+        from .ledger import Ledger
+
+        m = self.case.measure
+        prompts = load_prompts(None if m.prompts == "bundled" else m.prompts, n=m.count)
+        res = measure(client, prompts, max_new_tokens=m.max_new_tokens, concurrency=m.concurrency,
+                      ignore_eos=True, label=label, progress=self.progress, seed=m.seed,
+                      requested=requested, baseline=(self.baseline or {}).get("tok_s"))
+        res.save(self.run_dir / "acceptance" / safe_name(label))
+        Ledger(self.run_dir / "ledger.parquet").append([res.ledger_row(label)])
+        return res.summary
+
+    # -- steps ----------------------------------------------------------------------------------
+    def run_fix(self, i: int, fix: Fix) -> dict:
+        self._stop()
+        self.current = None
+        t = time.monotonic()
+        rec = {"kind": "fix", "name": fix.name, "baseline": fix.baseline, "faults": fix.faults,
+               "draft_config": fix.draft_config, "drop_tensors": fix.drop_tensors,
+               "algorithm": fix.algorithm}
+        try:
+            client, handle, draft, capture_dir, spec = self._start(fix)
+        except Exception as exc:  # noqa: BLE001 - a fix whose server cannot start is a result too
+            spec, draft = self._server_spec(fix)
+            self.current = {"fix": fix, "client": None, "draft": draft, "capture_dir": None,
+                            "requested": _requested_args(spec), "summary": None, "index": i,
+                            "inv": None}
+            rec.update(server_error=_tail(str(exc)), summary=None)
+            return rec
+        startup = time.monotonic() - t
+        requested = _requested_args(spec)
+        summary = self._measure(client, fix.name, requested)
+        if fix.baseline:
+            self.baseline = summary
+        self.current = {"fix": fix, "client": client, "draft": draft, "capture_dir": capture_dir,
+                        "requested": requested, "summary": summary, "index": i, "inv": None}
+        rec.update(server_startup_s=round(startup, 1), summary=_slim(summary))
+        return rec
+
+    def investigation(self):
+        from .hypotheses import Investigation
+
+        cur = self.current
+        if cur["inv"] is None:
+            if self.training is None:
+                raise RuntimeError("the case names no training data (models.training_data)")
+            cur["inv"] = Investigation(self.run_dir, cur["client"], training=self.training,
+                                       draft_dir=cur["draft"] or self.draft, target_dir=self.target,
+                                       capture_dir=cur["capture_dir"], requested=cur["requested"],
+                                       name=safe_name(cur["fix"].name),
+                                       acceptance=cur["summary"], baseline=self.baseline,
+                                       algorithm=cur["fix"].algorithm)
+        return cur["inv"]
+
+    def run_hypothesis(self, i: int, step) -> dict:
+        from .hypotheses import run_check
+
+        h = step.hypothesis
+        if self.current is None or self.current["fix"].baseline:
+            raise RuntimeError("a hypothesis needs a (non-baseline) fix before it")
+        res = run_check(h.check, self.investigation(), label=h.label, question=h.question,
+                        params=h.params)
+        fig_path = None
+        if res.figure is not None:
+            fig_path = self.run_dir / "figures" / f"step{i:02d}-{h.check}.json"
+            fig_path.write_text(res.figure.to_json())
+        d = res.to_dict()
+        d.pop("figure", None)
+        return {"kind": "hypothesis", "check": h.check, "label": h.label, "question": res.question,
+                "on_fix": self.current["fix"].name, "verdict": res.verdict, "expect": step.expect,
+                "as_expected": None if step.expect is None else step.expect == res.verdict,
+                "explanation": res.explanation, "evidence": d["evidence"], "data": d["data"],
+                "figure": None if fig_path is None else str(fig_path.relative_to(self.run_dir))}
+
+    def run_sweep(self, i: int, sweep) -> dict:
+        if self.current is None:
+            raise RuntimeError("a sweep needs a fix before it")
+        fix = self.current["fix"]
+        self._stop()
+        self.current = None
+        points = []
+        for v in sweep.values:
+            label = f"{fix.name} | num_steps={v}"
+            spec_over = {"num_steps": v, "topk": 1, "num_draft_tokens": v + 1}
+            t = time.monotonic()
+            client, handle, draft, _, spec = self._start(fix, spec_override=spec_over, capture=False,
+                                                        log_name=f"sweep-steps{v}")
+            startup = time.monotonic() - t
+            summary = self._measure(client, label, _requested_args(spec))
+            self._stop()
+            points.append({"num_steps": v, "server_startup_s": round(startup, 1), **_slim(summary)})
+        best = max(points, key=lambda p: (p.get("tok_s") or 0))
+        return {"kind": "sweep", "name": sweep.name, "on_fix": fix.name, "points": points,
+                "best_num_steps": best["num_steps"], "best_tok_s": best.get("tok_s")}
+
+    def run(self) -> dict:
+        from tqdm.auto import tqdm
+
+        doc = {"case": self.case.name, "title": self.case.title, "story": self.case.story,
+               "tp": self.case.server.tp, "steps": self.steps, "complete": False}
+        try:
+            for i, step in enumerate(tqdm(self.case.timeline, desc=f"replay {self.case.name}",
+                                          unit="step", disable=not self.progress)):
+                t = time.monotonic()
+                try:
+                    if step.kind == "fix":
+                        rec = self.run_fix(i, step.fix)
+                    elif step.kind == "hypothesis":
+                        rec = self.run_hypothesis(i, step)
+                    else:
+                        rec = self.run_sweep(i, step.sweep)
+                except Exception as exc:  # noqa: BLE001 - recorded; the replay goes on when it can
+                    rec = {"kind": step.kind, "error": f"{type(exc).__name__}: {exc}"[:4000]}
+                    if step.kind == "fix":
+                        self._stop()
+                        self.current = None
+                rec.update(index=i, note=step.note, wall_s=round(time.monotonic() - t, 1))
+                self.steps.append(rec)
+                doc["headline"] = headline(self.case, self.steps)
+                write_json(self.results_path, doc)
+            doc["complete"] = True
+        finally:
+            self._stop()
+            doc["wall_s"] = round(time.monotonic() - self.t0, 1)
+            doc["headline"] = headline(self.case, self.steps)
+            write_json(self.results_path, doc)
+        return doc
+
+
+def _tail(text: str, lines: int = 12) -> str:
+    """The last lines of an error (server startup errors end with the server log tail)."""
+    return "\n".join(text.strip().splitlines()[-lines:])[-3000:]
+
+
+def _requested_args(spec) -> list[str]:
+    """The sglang flags the launcher was asked for (for the override check)."""
+    ls = spec.launch
+    out = ["--tp-size", str(ls.tp)]
+    if ls.spec is not None:
+        out += ["--speculative-algorithm", ls.spec.algorithm, "--speculative-num-steps",
+                str(ls.spec.num_steps), "--speculative-eagle-topk", str(ls.spec.topk),
+                "--speculative-num-draft-tokens", str(ls.spec.num_draft_tokens)]
+    return out + list(ls.extra_args)
+
+
+SUMMARY_KEYS = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate",
+                "accept_rate_lo", "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests",
+                "completion_tokens", "speedup", "baseline_tok_s", "num_steps", "topk",
+                "num_draft_tokens", "algorithm")
+
+
+def _slim(summary: dict) -> dict:
+    out = {}
+    for k in SUMMARY_KEYS:
+        v = summary.get(k)
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        out[k] = v
+    return out
+
+
+def headline(case: Case, steps: list[dict]) -> str:
+    """One sentence: what was wrong, which step found it, and what the fix changed."""
+    found = next((s for s in steps if s.get("kind") == "hypothesis" and s.get("verdict") == "confirmed"), None)
+    fixes = [s for s in steps if s.get("kind") == "fix" and not s.get("baseline") and s.get("summary")]
+    parts = []
+    if found:
+        what = (found.get("data") or {}).get("short") or found["explanation"].split(". ")[0].rstrip(".")
+        lab = f" ({found['label']})" if found.get("label") else ""
+        parts.append(f"What was wrong: {what}; found by step {found['index'] + 1}{lab}, "
+                     f"check '{found['check']}'")
+    elif steps:
+        parts.append("No hypothesis was confirmed")
+    if len(fixes) >= 2:
+        a, b = fixes[0], fixes[-1]
+        ra, rb = a["summary"].get("accept_rate"), b["summary"].get("accept_rate")
+        la, lb = a["summary"].get("accept_length"), b["summary"].get("accept_length")
+        if None not in (ra, rb, la, lb):
+            parts.append(f"the fix '{b['name']}' moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
+                         f"and accept length {la:.2f} -> {lb:.2f}")
+    sweep = next((s for s in steps if s.get("kind") == "sweep" and s.get("best_num_steps")), None)
+    if sweep:
+        parts.append(f"best tok/s at num_steps={sweep['best_num_steps']}")
+    return ("; ".join(parts) + ".") if parts else ""
+
+
+def replay_case(case: Case | str | os.PathLike, run_dir: str | os.PathLike, *, progress: bool = True,
+                api_key: Optional[str] = None) -> dict:
+    """Replay ``case`` (a :class:`~helpers.cases.Case` or a case-file path) into ``run_dir``.
+
+    Returns the result document (also in ``run_dir/results/replay-<case>.json``): ``case``,
+    ``title``, ``headline`` (one sentence), ``steps`` (one record per timeline step: fixes with
+    their acceptance summary, hypotheses with verdict / expected verdict / explanation /
+    evidence / figure path, sweeps with per-``num_steps`` tok/s), ``complete``, ``wall_s``.
+    Raises CaseError for an invalid case file.
+    """
+    if not isinstance(case, Case):
+        case = load_case(case)
+    return Replay(case, Path(run_dir), progress=progress, api_key=api_key).run()

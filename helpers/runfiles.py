@@ -1,0 +1,90 @@
+"""Run folders and atomic file writes (nothing already written is ever overwritten or half-written).
+
+A run folder is ``<parent>/<YYYYmmdd-HHMMSS>-<name>``; when that exists (two runs in the same
+second) ``-2``, ``-3``, ... is appended. Files are written to a temporary file in the same folder
+and renamed into place, so a reader sees the old file or the new one, never a partial one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+DEFAULT_OUTPUTS = Path(__file__).resolve().parents[1] / "outputs"
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_name(name: str, limit: int = 60) -> str:
+    """``name`` reduced to letters, digits, ``.``, ``_`` and ``-`` (for folder and file names)."""
+    return (_SAFE.sub("-", str(name)).strip("-.") or "run")[:limit]
+
+
+def new_run_dir(name: str, outputs: str | os.PathLike | None = None,
+                stamp: Optional[str] = None) -> Path:
+    """Create and return a fresh ``<outputs>/<YYYYmmdd-HHMMSS>-<name>`` folder (default
+    ``outputs/`` of the repository). Never reuses a folder: on collision ``-2``, ``-3``, ... are
+    tried (``mkdir`` is atomic, so two processes starting in the same second differ)."""
+    outputs = Path(outputs) if outputs is not None else DEFAULT_OUTPUTS
+    outputs.mkdir(parents=True, exist_ok=True)
+    base = f"{stamp or datetime.now().strftime('%Y%m%d-%H%M%S')}-{safe_name(name)}"
+    for i in range(1, 10000):
+        path = outputs / (base if i == 1 else f"{base}-{i}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"could not create a new run folder under {outputs}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temp file in the same folder, fsync and rename;
+    create parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """UTF-8 text version of :func:`atomic_write_bytes`."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Atomically write ``obj`` as indented JSON (non-JSON values via ``str``)."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def read_json(path: str | os.PathLike, default: Any = None) -> Any:
+    """JSON content of ``path``, or ``default`` when the file does not exist."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return default

@@ -1,0 +1,176 @@
+"""Fault injection and per-rank capture through SGLang's own ``--forward-hooks`` flag.
+
+Unit part: each fault on synthetic chunks. Live part: one TP 2 reference server with three faults
+on three chunks plus a per-rank capture, checked against HF transformers on the same weights:
+what the draft receives (= ``return_hidden_states``) must be exactly the named corruption of the
+HF hidden states, and the per-rank files must show real TP structure (vocab-sharded embedding,
+partial sums that add up to the truth).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers.hooks import STASH, CaptureConfig, Fault, _Stash, apply_fault, hook_specs
+
+
+def _chunks(t=6, h=16, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(t, h, generator=g) for _ in range(n)]
+
+
+def test_fault_validation():
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        Fault(kind="bogus")
+    with pytest.raises(ValueError, match=r"needs field\(s\) \['chunk'\]"):
+        Fault(kind="embedding_in_place_of_layer")
+
+
+def test_chunk_order_rotation_norm_nan():
+    ch = _chunks()
+    out = apply_fault(Fault("chunk_order", order=[2, 0, 1]), ch)
+    assert all(torch.equal(a, b) for a, b in zip(out, [ch[2], ch[0], ch[1]]))
+    rot = apply_fault(Fault("rotated_basis", chunk=1, seed=3), ch)[1]
+    torch.testing.assert_close(rot.norm(dim=1), ch[1].norm(dim=1), rtol=1e-5, atol=1e-5)
+    cos = torch.nn.functional.cosine_similarity(rot, ch[1], dim=1)
+    assert cos.abs().mean() < 0.5
+    normed = apply_fault(Fault("norm_mismatch", chunk=0), ch)[0]
+    torch.testing.assert_close(normed.pow(2).mean(1), torch.ones(6), rtol=1e-4, atol=1e-4)
+    nan = apply_fault(Fault("nan_or_inf", chunk=2, every=3), ch)[2]
+    assert torch.isnan(nan[::3]).all() and not torch.isnan(nan[1::3]).any()
+    assert torch.equal(apply_fault(Fault("nan_or_inf", chunk=2), ch)[0], ch[0])
+
+
+def test_tp_partial_sum_sums_to_truth_over_ranks():
+    t, h, tp = 5, 8, 2
+    g = torch.Generator().manual_seed(1)
+    resid = torch.randn(t, h, generator=g)
+    partials = [torch.randn(t, h, generator=g) for _ in range(tp)]
+    truth = resid + sum(partials)
+    per_rank = []
+    for r in range(tp):
+        st = _Stash()
+        st.put("resid_mid(3)", resid)
+        st.put("mlp_partial(3)", partials[r])
+        per_rank.append(apply_fault(Fault("tp_partial_sum", chunk=1, layer=3),
+                                    _chunks(t, h), st, rank=r, tp=tp)[1])
+    torch.testing.assert_close(per_rank[0] + per_rank[1], truth)
+    assert not torch.allclose(per_rank[0], per_rank[1])
+
+
+def test_stale_stash_is_refused():
+    st = _Stash()
+    st.put("embedding", torch.zeros(2, 4))
+    st.seq += 1  # a new forward started; the entry is from the previous one
+    with pytest.raises(RuntimeError, match="not recorded during this forward"):
+        apply_fault(Fault("embedding_in_place_of_layer", chunk=0), _chunks(2, 4), st)
+
+
+def test_hook_specs_place_stash_hooks_on_sglang_module_names():
+    specs = hook_specs([Fault("wrong_layer", chunk=0, layer=7), Fault("tp_partial_sum", chunk=1, layer=3)],
+                       CaptureConfig(out_dir="/tmp/x", keys=["embedding_local", "out(2)"]),
+                       num_layers=8)
+    modules = {s["name"]: s["target_modules"][0] for s in specs}
+    assert modules["e3f-stash-embedding"] == "model.embed_tokens"
+    assert modules["e3f-stash-out(7)"] == "model.norm"  # last layer: the final add-norm
+    assert modules["e3f-stash-out(2)"] == "model.layers.3.input_layernorm"
+    assert modules["e3f-stash-resid_mid(3)"] == "model.layers.3.post_attention_layernorm"
+    assert modules["e3f-stash-mlp_partial(3)"] == "model.layers.3.mlp.down_proj"
+    names = [s["name"] for s in specs]
+    assert names.index("e3f-faults") < names.index("e3f-capture")  # capture sees the faulted aux
+    json.dumps(specs)  # must travel as --forward-hooks JSON
+    with pytest.raises(ValueError, match="layer outside"):
+        hook_specs([Fault("wrong_layer", chunk=0, layer=8)], num_layers=8)
+
+
+# --------------------------------------------------------------------------- live
+PROMPT = [5, 17, 42, 99, 7, 250, 31, 8, 120, 64, 3, 77, 380, 200]
+
+
+@pytest.fixture(scope="module")
+def faulted(tiny_target, tiny_draft, tmp_path_factory):
+    from helpers.launcher import start
+
+    cap = tmp_path_factory.mktemp("capture")
+    faults = [Fault("embedding_in_place_of_layer", chunk=0),
+              Fault("tp_partial_sum", chunk=1, layer=3),
+              Fault("norm_mismatch", chunk=2)]
+    specs = hook_specs(faults, CaptureConfig(out_dir=str(cap), keys=[
+        "embedding", "embedding_local", "out(2)", "out(3)", "resid_mid(3)", "mlp_partial(3)"]),
+        num_layers=8)
+    with start(tiny_target, tiny_draft, tp=2, forward_hooks=specs, timeout=300) as srv:
+        httpx.post(srv.url + "/flush_cache", timeout=60).raise_for_status()
+        for f in cap.rglob("*"):
+            if f.is_file():
+                f.unlink()  # drop the warm-up forwards
+        r = httpx.post(srv.url + "/generate", timeout=300, json={
+            "input_ids": PROMPT, "return_hidden_states": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+        r.raise_for_status()
+        yield r.json(), cap
+
+
+@pytest.fixture(scope="module")
+def hf_states(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+
+
+@pytest.mark.server
+def test_faults_change_what_the_draft_receives(faulted, hf_states):
+    out, _ = faulted
+    h = 64
+    prompt_block = torch.tensor(out["meta_info"]["hidden_states"][0])
+    assert prompt_block.shape == (len(PROMPT), 3 * h)
+    c0, c1, c2 = prompt_block.split(h, dim=1)
+    # chunk 0: the embedding (HF hidden_states[0]) instead of out(1)
+    torch.testing.assert_close(c0, hf_states[0][0], atol=1e-5, rtol=1e-5)
+    assert (c0 - hf_states[2][0]).abs().max() > 0.1
+    # chunk 2: out(4) (HF index 5) passed through an RMSNorm
+    x = hf_states[5][0]
+    torch.testing.assert_close(c2, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+                               atol=1e-4, rtol=1e-4)
+    # chunk 1: rank 0's partial sum, not out(3)
+    assert (c1 - hf_states[4][0]).abs().max() > 1e-3
+
+
+@pytest.mark.server
+def test_per_rank_capture_shows_tp_structure(faulted, hf_states, tiny_target):
+    _, cap = faulted
+    cfg = json.loads((Path(tiny_target) / "config.json").read_text())
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    ranks = {}
+    for r in (0, 1):
+        index = [json.loads(l) for l in (cap / f"rank{r}" / "index.jsonl").read_text().splitlines()]
+        first = index[0]
+        assert first["mode"] == "EXTEND" and first["tokens"] == len(PROMPT) and first["tp_size"] == 2
+        ranks[r] = load_file(str(cap / f"rank{r}" / first["file"]))
+        assert ranks[r]["input_ids"].tolist() == PROMPT
+    emb = hf_states[0][0]
+    ids = torch.tensor(PROMPT)
+    for r in (0, 1):
+        torch.testing.assert_close(ranks[r]["embedding"], emb, atol=1e-6, rtol=1e-6)  # all-reduced
+        torch.testing.assert_close(ranks[r]["out(2)"], hf_states[3][0], atol=1e-4, rtol=1e-4)
+        local = ranks[r]["embedding_local"]
+        zero = local.abs().sum(1) == 0
+        # rows are zero exactly for ids outside this rank's vocab shard
+        shard = (ids >= r * vocab // 2) & (ids < (r + 1) * vocab // 2)
+        assert torch.equal(zero, ~shard), (r, zero.tolist(), shard.tolist())
+    torch.testing.assert_close(ranks[0]["embedding_local"] + ranks[1]["embedding_local"], emb,
+                               atol=1e-6, rtol=1e-6)
+    # the real per-rank MLP partial sums differ and add up to the reduced MLP output
+    p0, p1 = ranks[0]["mlp_partial(3)"], ranks[1]["mlp_partial(3)"]
+    assert (p0 - p1).abs().max() > 1e-3
+    torch.testing.assert_close(ranks[0]["resid_mid(3)"] + p0 + p1, hf_states[4][0],
+                               atol=1e-4, rtol=1e-4)
+    # the faulted aux chunk 1 of both ranks sums to the true out(3)
+    a0, a1 = ranks[0]["aux"][:, h:2 * h], ranks[1]["aux"][:, h:2 * h]
+    torch.testing.assert_close(a0 + a1, hf_states[4][0], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,180 @@
+"""helpers.ledger: run folders, the append-only ledger under concurrent writers, fixes files, and
+managed mode against real reference servers (one launched by helpers.launcher, one by a raw
+launch command)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+import yaml
+
+from helpers import launcher
+from helpers.ledger import (FixFailed, Ledger, LedgerError, atomic_write_text, load_fixes, new_run_dir,
+                            run_fixes)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from helpers.ledger import Ledger
+    path, writer, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    while time.time() < go:
+        time.sleep(0.001)
+    led = Ledger(path)
+    for i in range(n):
+        led.append({"fix": f"{writer}-{i}", "writer": writer, "seq": i, "accept_length": 1.0 + i / 100})
+""")
+
+
+def test_two_processes_appending_at_once_lose_no_row(tmp_path):
+    path = tmp_path / "run" / "ledger.parquet"
+    Ledger(path).append({"fix": "first", "writer": "main", "seq": 0, "accept_length": 2.0})
+    go = time.time() + 2.0
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    n = 25
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), w, str(n), str(go)], env=env,
+                              stderr=subprocess.PIPE, text=True) for w in ("A", "B")]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    df = Ledger(path).read()
+    assert len(df) == 1 + 2 * n
+    assert df["row_id"].is_unique
+    for w in ("A", "B"):
+        assert sorted(df.loc[df["writer"] == w, "seq"]) == list(range(n))
+    assert df["fix"].iloc[0] == "first"  # the oldest row is still first: appends never reorder
+    # the writers really overlapped in time (else this test would prove nothing)
+    times = df.groupby("writer")["appended_at"].agg(["min", "max"])
+    assert times.loc["A", "min"] < times.loc["B", "max"] and times.loc["B", "min"] < times.loc["A", "max"]
+    assert not list(path.parent.glob(".ledger.parquet.*.tmp"))  # no temp files left
+
+
+def test_ledger_keeps_rows_and_schema_grows(tmp_path):
+    led = Ledger(tmp_path / "ledger.parquet")
+    assert led.read().empty
+    led.append({"fix": "a", "accept_length": 1.5, "overrides": ["max_running_requests"]})
+    led.append([{"fix": "b", "accept_length": 2.5, "new_col": "x"}, {"fix": "c", "error": "boom"}])
+    df = led.read()
+    assert list(df["fix"]) == ["a", "b", "c"]
+    assert json.loads(df["overrides"].iloc[0]) == ["max_running_requests"]
+    assert pd.isna(df["new_col"].iloc[0]) and df["new_col"].iloc[1] == "x"
+    with pytest.raises(ValueError):
+        led.append([])
+
+
+def test_unreadable_ledger_is_never_overwritten(tmp_path):
+    p = tmp_path / "ledger.parquet"
+    p.write_bytes(b"not parquet at all")
+    with pytest.raises(LedgerError, match="left as is"):
+        Ledger(p).append({"fix": "x"})
+    assert p.read_bytes() == b"not parquet at all"
+
+
+def test_new_run_dir_never_reuses_a_folder(tmp_path):
+    a = new_run_dir("same name!", outputs=tmp_path, stamp="20260101-000000")
+    b = new_run_dir("same name!", outputs=tmp_path, stamp="20260101-000000")
+    assert a.name == "20260101-000000-same-name" and b.name == "20260101-000000-same-name-2"
+    atomic_write_text(a / "x.txt", "1")
+    atomic_write_text(a / "x.txt", "2")
+    assert (a / "x.txt").read_text() == "2" and [p.name for p in a.iterdir()] == ["x.txt"]
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"fixes": [{"name": "a", "launch": {}, "url": "http://x:1"}]}, "not both"),
+    ({"fixes": [{"name": "a", "command": "sglang ..."}]}, "url"),
+    ({"fixes": [{"name": "a", "launch": {}}, {"name": "a", "launch": {}}]}, "duplicate fix names"),
+    ({"fixes": [{"name": "a", "launch": {"tp": 2, "spec": {"steps": 3}}}]}, "fixes.0.launch.spec.steps"),
+    ({"fixes": [{"name": "a", "launch": {}, "measure": {"concurency": 2}}]}, "concurency"),
+    ({"fixes": []}, "at least 1"),
+])
+def test_fixes_file_validation_names_the_problem(data, message):
+    with pytest.raises(ValueError, match=message):
+        load_fixes(data)
+
+
+def test_fixes_file_loads_from_yaml(tmp_path):
+    f = tmp_path / "fixes.yaml"
+    f.write_text(yaml.safe_dump({"name": "sweep", "measure": {"max_new_tokens": 16},
+                                 "fixes": [{"name": "s3", "launch": {"spec": {"num_steps": 3}}},
+                                           {"name": "gpu", "command": "python -m sglang.launch_server",
+                                            "url": "http://127.0.0.1:30000"}]}))
+    ff = load_fixes(f)
+    assert [x.mode for x in ff.fixes] == ["launch", "command"]
+    assert ff.fixes[0].launch.draft == "reference" and ff.fixes[0].launch.spec.num_draft_tokens == 4
+    assert ff.base_dir == str(tmp_path.resolve()) and ff.measure.max_new_tokens == 16
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("fixes: [")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_fixes(bad)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "helpers", "measure", "--fixes", str(bad)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "not valid YAML" in out.stderr
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.server
+def test_managed_mode_runs_each_fix_and_stops_its_server(tiny_target, tiny_draft, tmp_path):
+    port = launcher.free_port()
+    python = Path(os.environ.get("E3F_SGLANG_PYTHON") or launcher.DEFAULT_SGLANG_PYTHON)
+    argv = launcher.build_command(python, tiny_target, draft=None, tp=1, spec=None, port=port,
+                                  dtype="float32", max_total_tokens=4096, return_hidden_states=False,
+                                  enable_metrics=False, forward_hooks=None, api_key=None, extra_args=())
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "E3F_STANDIN_AMX": "1", "TORCHDYNAMO_DISABLE": "1",
+           "HF_HUB_OFFLINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": launcher.cpu_bind_spec(1)}
+    fixes = {
+        "name": "managed test",
+        "measure": {"max_new_tokens": 10, "num_prompts": 4, "n_boot": 200, "warmup": 0,
+                    "ignore_eos": True},
+        # the baseline goes through the raw-command path (as a GPU launch would)
+        "baseline": {"command": shlex.join(argv), "url": f"http://127.0.0.1:{port}", "env": env,
+                     "startup_timeout": 600},
+        "fixes": [
+            {"name": "clean", "launch": {"target": str(tiny_target), "draft": str(tiny_draft), "tp": 1,
+                                         "spec": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3},
+                                         "timeout": 600}},
+            {"name": "broken", "launch": {"target": str(tmp_path / "no-such-model"), "tp": 1}},
+        ],
+    }
+    with pytest.raises(FixFailed, match=r"1 fix\(es\) failed: \['broken'\]") as err:
+        run_fixes(fixes, outputs=tmp_path / "outputs", progress=False)
+    run = err.value.run_dir
+    assert run.parent == tmp_path / "outputs" and run.name.endswith("-managed-test")
+    base = json.loads((run / "baseline.json").read_text())
+    assert base["server_mode"] == "command" and base["n_requests"] == 4 and base["tok_s"] > 0
+    df = Ledger(run / "ledger.parquet").read()
+    assert list(df["fix"]) == ["clean", "broken"]
+    clean, broken = df.iloc[0], df.iloc[1]
+    assert pd.isna(clean["error"]) and "is not a directory" in broken["error"]
+    assert clean["n_requests"] == 4 and clean["num_steps"] == 2 and clean["num_draft_tokens"] == 3
+    assert clean["baseline_tok_s"] == pytest.approx(base["tok_s"])
+    assert clean["speedup"] == pytest.approx(clean["tok_s"] / base["tok_s"])
+    assert clean["accept_length_lo"] <= clean["accept_length"] <= clean["accept_length_hi"]
+    assert len(json.loads(clean["positions_json"])) == 2
+    # every server is gone: the launcher tree of "clean" and the raw command's tree
+    for pid in (int(clean["server_pid"]), int(base["server_pid"])):
+        assert not _alive(pid)
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if str(tiny_target) in " ".join(p.info["cmdline"] or []) and _alive(p.pid)]
+    assert leftovers == []
+    assert (run / "fixes" / "clean" / "summary.json").exists()
+    assert (run / "logs" / "baseline.log").read_text().startswith("$ ")
+    html = (run / "figures.html").read_text()
+    assert "<script src=" not in html and html.count("plotly.js v") == 1  # offline, embedded once
+    assert html.count("Plotly.newPlot(") == 3  # by fix, positions, histogram (one num_steps: no sweep)
+    assert yaml.safe_load((run / "fixes.yaml").read_text())["fixes"][0]["name"] == "clean"

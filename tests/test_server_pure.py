@@ -1,0 +1,229 @@
+"""helpers.server without a server: redaction, launch parsing, override rules, client error paths.
+
+The error paths use httpx.MockTransport (httpx's own in-process transport) to play the exact
+answers SGLang 0.5.23 gives (status codes and bodies copied from sglang/srt/entrypoints/http_server.py
+and tokenizer_manager.py); the live behaviour is covered in test_server_client.py.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from helpers.server import (AuthError, CacheBusy, EndpointMissing, HiddenStatesDisabled,
+                            MetricsDisabled, RequestRejected, SGLangClient, ServerUnavailable,
+                            detect_overrides, parse_launch_args, redact, redact_argv, redact_url)
+
+KEY = "sk-unit-4f1c9e2b77"
+
+
+def test_redact_drops_secret_fields_everywhere_and_scrubs_strings():
+    info = {"api_key": KEY, "admin_api_key": "adm-secret-xyz", "tp_size": 2,
+            "ssl_keyfile_password": "pw-1234", "bucket_time_to_first_token": [0.1, 0.2],
+            "kt_max_deferred_experts_per_token": 3,
+            "launch_command": f"--model-path /m --api-key {KEY} --admin-api-key=adm-secret-xyz --tp-size 2",
+            "internal_states": [{"api_key": KEY, "avg_spec_accept_length": 2.5, "note": f"key={KEY}"}]}
+    out = redact(info)
+    text = json.dumps(out)
+    assert KEY not in text and "adm-secret-xyz" not in text and "pw-1234" not in text
+    assert "api_key" not in out and "admin_api_key" not in out
+    assert out["tp_size"] == 2 and out["bucket_time_to_first_token"] == [0.1, 0.2]
+    assert out["kt_max_deferred_experts_per_token"] == 3
+    assert out["launch_command"] == "--model-path /m --api-key <redacted> --admin-api-key=<redacted> --tp-size 2"
+    assert out["internal_states"][0] == {"avg_spec_accept_length": 2.5, "note": "key=<redacted>"}
+    assert redact({"x": "abc token-XYZ"}, ["token-XYZ"]) == {"x": "abc <redacted>"}
+
+
+def test_redact_argv_and_url():
+    assert redact_argv(["sglang", "--api-key", "k1", "--hf-token=t2", "--speculative-num-draft-tokens",
+                        "4", "--ssl-keyfile", "/k.pem"]) == [
+        "sglang", "--api-key", "<redacted>", "--hf-token=<redacted>", "--speculative-num-draft-tokens",
+        "4", "--ssl-keyfile", "/k.pem"]
+    assert redact_url("http://user:pw@host:30000/x?token=abc") == "http://host:30000/x"
+
+
+def test_parse_launch_args_forms():
+    cmd = ("python -m sglang.launch_server --model /m/t --speculative-algorithm eagle3 "
+           "--speculative-draft-model /m/d --speculative-num-steps=5 --speculative-eagle-topk 1 "
+           "--speculative-num-draft-tokens 8 --tensor-parallel-size 8 --enable-return-hidden-states "
+           f"--api-key {KEY}")
+    a = parse_launch_args(cmd)
+    assert a["model_path"] == "/m/t" and a["speculative_draft_model_path"] == "/m/d"
+    assert a["speculative_algorithm"] == "EAGLE3" and a["speculative_num_steps"] == 5
+    assert a["speculative_num_draft_tokens"] == 8 and a["tp_size"] == 8
+    assert a["enable_return_hidden_states"] is True and "api_key" not in a
+    assert parse_launch_args(cmd.split()) == a
+    b = parse_launch_args({"spec": {"num_steps": 3, "topk": 1, "num_draft_tokens": "6"}, "tp": 2})
+    assert b == {"speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                 "speculative_num_draft_tokens": 6, "tp_size": 2}
+    from helpers.launcher import SpecConfig
+
+    c = parse_launch_args(SpecConfig(num_steps=2, topk=1, num_draft_tokens=7))
+    assert c["speculative_num_draft_tokens"] == 7 and c["speculative_algorithm"] == "EAGLE3"
+
+
+EFFECTIVE = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+             "speculative_num_draft_tokens": 4, "max_running_requests": 48, "tp_size": 1, "dp_size": 1}
+
+
+def test_detect_overrides_forced_draft_tokens_and_max_running_requests():
+    req = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+           "speculative_num_draft_tokens": 6}
+    ov = {o.field: o for o in detect_overrides(req, EFFECTIVE)}
+    assert set(ov) == {"speculative_num_draft_tokens", "max_running_requests"}
+    d = ov["speculative_num_draft_tokens"]
+    assert (d.requested, d.effective, d.kind, d.finding) == (6, 4, "forced", "num_draft_tokens_overridden")
+    assert ov["max_running_requests"].kind == "default_forced"
+    # everything asked for explicitly and honoured: nothing to report
+    req2 = dict(req, speculative_num_draft_tokens=4, max_running_requests=48)
+    assert detect_overrides(req2, EFFECTIVE) == []
+
+
+def test_detect_overrides_auto_chosen_values_by_architecture():
+    eff = dict(EFFECTIVE, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    ov = detect_overrides({"speculative_algorithm": "EAGLE3", "max_running_requests": 48}, eff,
+                          target_arch="LlamaForCausalLM")
+    assert [(o.field, o.effective, o.kind) for o in ov] == [
+        ("speculative_num_steps", 5, "auto_chosen"), ("speculative_eagle_topk", 4, "auto_chosen"),
+        ("speculative_num_draft_tokens", 8, "auto_chosen")]
+    assert "(5, 4, 8)" not in ov[0].message and "5" in ov[0].message
+
+
+def test_detect_overrides_algorithm_vs_draft():
+    eff = dict(EFFECTIVE, speculative_algorithm="EAGLE")
+    req = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+           "speculative_num_draft_tokens": 4, "max_running_requests": 48}
+    ov = detect_overrides(req, eff, draft_archs=["LlamaForCausalLMEagle3"])
+    assert [(o.field, o.finding) for o in ov] == [("speculative_algorithm", "fc_bypassed")]
+    assert detect_overrides(req, eff, draft_archs=["LlamaForCausalLMEagle"]) == []
+    assert detect_overrides({}, {"speculative_algorithm": None}) == []
+
+
+def _mock(handler):
+    return SGLangClient("http://sglang.test:30000", api_key=KEY, transport=httpx.MockTransport(handler),
+                        retries=2, backoff=0.01)
+
+
+def test_client_auth_error_never_shows_the_key():
+    seen = []
+
+    def handler(req):
+        seen.append(req.headers.get("authorization"))
+        return httpx.Response(401, json={"error": "Unauthorized"})
+
+    c = _mock(handler)
+    with pytest.raises(AuthError) as err:
+        c.server_info()
+    assert seen == [f"Bearer {KEY}"]  # sent as a bearer token, once (no retry on 401)
+    assert KEY not in str(err.value) and "refused" in str(err.value)
+    assert KEY not in repr(c) and "api_key=set" in repr(c)
+
+
+def test_client_api_key_from_env(monkeypatch):
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+    got = []
+    c = SGLangClient("http://x:1", transport=httpx.MockTransport(
+        lambda r: got.append(r.headers.get("authorization")) or httpx.Response(200, text="ok")))
+    assert c.health() and got == [f"Bearer {KEY}"]
+    monkeypatch.delenv("SGLANG_API_KEY")
+    c2 = SGLangClient("http://x:1", transport=httpx.MockTransport(
+        lambda r: got.append(r.headers.get("authorization")) or httpx.Response(200, text="ok")))
+    assert c2.health() and got[-1] is None
+
+
+def test_client_falls_back_to_old_endpoints():
+    paths = []
+
+    def handler(req):
+        paths.append(req.url.path)
+        if req.url.path in ("/server_info", "/model_info"):
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if req.url.path == "/get_server_info":
+            return httpx.Response(200, json={"tp_size": 8, "api_key": KEY, "version": "0.4.9"})
+        return httpx.Response(200, json={"architectures": ["LlamaForCausalLM"]})
+
+    c = _mock(handler)
+    info = c.server_info()
+    assert info == {"tp_size": 8, "version": "0.4.9"}
+    assert c.model_info()["architectures"] == ["LlamaForCausalLM"]
+    assert paths == ["/server_info", "/get_server_info", "/model_info", "/get_model_info"]
+
+
+def test_client_flush_cache_retries_while_busy_then_gives_up():
+    calls = []
+
+    def busy_then_ok(req):
+        calls.append(req.url.path)
+        return httpx.Response(400 if len(calls) < 3 else 200, text="busy" if len(calls) < 3 else "ok")
+
+    assert _mock(busy_then_ok).flush_cache(timeout=5, poll=0.01) >= 0 and len(calls) == 3
+    with pytest.raises(CacheBusy, match="still HTTP 400"):
+        _mock(lambda r: httpx.Response(400, text="busy")).flush_cache(timeout=0.05, poll=0.01)
+
+
+def test_client_hidden_states_refusal_names_the_flag():
+    body = {"error": {"message": "The server is not configured to return hidden states. Please set "
+                                 "`--return-hidden-states-mode last`, `--return-hidden-states-mode full`, "
+                                 "or the legacy `--enable-return-hidden-states` flag."}}
+    c = _mock(lambda r: httpx.Response(400, json=body))
+    with pytest.raises(HiddenStatesDisabled, match="restart it with --enable-return-hidden-states"):
+        c.generate(input_ids=[1, 2], max_new_tokens=2, return_hidden_states=True)
+    c2 = _mock(lambda r: httpx.Response(400, json={"error": {"message": "bad sampling param"}}))
+    with pytest.raises(RequestRejected, match="bad sampling param") as err:
+        c2.generate(text="hi", max_new_tokens=2)
+    assert not isinstance(err.value, HiddenStatesDisabled)
+    with pytest.raises(ValueError):
+        c2.generate()
+
+
+def test_client_metrics_disabled_and_parsed():
+    with pytest.raises(MetricsDisabled, match="--enable-metrics"):
+        _mock(lambda r: httpx.Response(404, text="Not Found")).metrics()
+    text = ("# HELP sglang:spec_verify_calls_total Number of verify calls.\n"
+            "# TYPE sglang:spec_verify_calls_total counter\n"
+            'sglang:spec_verify_calls_total{model_name="m"} 69.0\n'
+            "# HELP sglang:spec_accept_length Mean.\n# TYPE sglang:spec_accept_length gauge\n"
+            'sglang:spec_accept_length{model_name="m",tp_rank="0"} 1.5\n')
+    c = _mock(lambda r: httpx.Response(200, text=text))
+    df = c.metrics("sglang:spec_")
+    assert set(df["sample"]) == {"sglang:spec_verify_calls_total", "sglang:spec_accept_length"}
+    assert c.metric_value("sglang:spec_verify_calls_total") == 69.0
+    assert c.metric_value("sglang:spec_accept_length", tp_rank="0") == 1.5
+    assert c.metric_value("sglang:nope") is None
+
+
+def test_client_unreachable_server_retries_then_explains():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = SGLangClient(f"http://127.0.0.1:{port}", api_key=KEY, retries=2, backoff=0.05, timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailable) as err:
+        c.server_info()
+    msg = str(err.value)
+    assert "after 3 attempt(s)" in msg and "cannot connect" in msg and KEY not in msg
+    assert time.monotonic() - t0 >= 0.05 + 0.1  # backoff 0.05, 0.1 between the 3 attempts
+    with pytest.raises(EndpointMissing):
+        _mock(lambda r: httpx.Response(404)).server_info()
+    with pytest.raises(ValueError, match="http://host:port"):
+        SGLangClient("localhost:30000")
+
+
+def test_client_retries_503_on_probes_only():
+    n = []
+
+    def handler(req):
+        n.append(req.url.path)
+        return httpx.Response(503)
+
+    c = _mock(handler)
+    with pytest.raises(ServerUnavailable, match="HTTP 503"):
+        c.server_info()
+    assert n.count("/server_info") == 3
+    n.clear()
+    with pytest.raises(ServerUnavailable):
+        c.generate(input_ids=[1], max_new_tokens=2)
+    assert n == ["/generate"]  # not retried: the request may have run
