@@ -10,7 +10,8 @@
      --backend hf      HF ``output_hidden_states`` (out(i) = hidden_states[i+1]), or
      --backend sglang  a real SGLang 0.5.23 CPU server (--enable-return-aux-hidden-states ... and
                        a second server with --enable-return-hidden-states), TP 1.
-3. Write ``rows_*/data_{i}.ckpt``, ``vocab_mapping/vocab_mapping.pt`` and ``manifest.json``.
+3. Write ``rows_*/data_{i}.ckpt``, ``vocab_mapping/vocab_mapping.pt`` and ``capture.json``
+   (provenance; not named manifest.json, which helpers/training_data.py reads as an e3f dump).
 
     python env/models/make_draft_data.py --out env/models/cache/draft_data        # full set (hf)
     python env/models/make_draft_data.py --backend sglang --records-from A --out B --num 3
@@ -26,13 +27,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # repo root: helpers.launcher
 
 import torch  # noqa: E402
 
 from e3f_models import (CACHE_DIR, TARGET_DIR, pick_device, seed_everything,  # noqa: E402
                         specforge_default_layer_ids, write_json)
-from e3f_models.capture import (hf_capture, sglang_prompt_hidden_states,  # noqa: E402
-                                sglang_server_args)
+from e3f_models.capture import (hf_capture, sglang_launch_kwargs,  # noqa: E402
+                                sglang_prompt_hidden_states)
 from e3f_models.specforge_data import (build_vocab_mapping, list_records, read_record,  # noqa: E402
                                        read_vocab_mapping, write_record, write_vocab_mapping)
 from e3f_models.target import greedy_continue, load_target  # noqa: E402
@@ -158,12 +160,12 @@ def main(argv=None) -> int:
     else:
         from tqdm import tqdm
 
-        from e3f_models import sglang_server
+        from helpers import launcher
         blocks: dict[str, list[torch.Tensor]] = {}
         for kind in ("aux", "final"):
             print(f"[sglang] starting capture server ({kind}) ...", flush=True)
-            with sglang_server.start(a.target, tp=a.tp,
-                                     extra_args=sglang_server_args(kind, layer_ids)) as srv:
+            with launcher.start(a.target.resolve(), None, tp=a.tp, enable_metrics=False,
+                                timeout=600, **sglang_launch_kwargs(kind, layer_ids)) as srv:
                 blocks[kind] = [sglang_prompt_hidden_states(srv.url, ids)
                                 for ids, _ in tqdm(samples, desc=f"sglang {kind}", mininterval=5)]
         for i, (ids, mask) in enumerate(samples):
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
         d2t, t2d, coverage = build_vocab_mapping(samples, target_vocab, a.draft_vocab)
     write_vocab_mapping(a.out, d2t, t2d)
     n_tok = sum(len(ids) for ids, _ in samples)
-    write_json(a.out / "manifest.json", {
+    write_json(a.out / "capture.json", {
         "format": "specforge_hidden_states_v1 (rows_{g}-{g+2000}/data_{i}.ckpt)",
         "backend": a.backend,
         "capture": ("HF transformers output_hidden_states, out(i) = hidden_states[i+1]"

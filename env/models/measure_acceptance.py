@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # repo root: helpers.launcher
 
 from e3f_models import CACHE_DIR, DRAFT_DIR, PROMPTS_FILE, REPO_ROOT, TARGET_DIR, write_json  # noqa: E402
-from e3f_models import sglang_server  # noqa: E402
 from e3f_models.measure import run_prompts, summarize  # noqa: E402
 
 SECTION = "## Reference models: acceptance (env/models)"
@@ -34,8 +34,11 @@ def measure(target: Path, draft: Path, prompts: list[list[int]], new_tokens: int
     for name, d in (("target_only", None), ("eagle3", draft)):
         t = time.time()
         print(f"[{name}] starting SGLang (TP {tp}) ...", flush=True)
-        with sglang_server.start(target, d, tp=tp, num_steps=steps, topk=topk,
-                                 num_draft_tokens=num_draft_tokens) as srv:
+        from helpers import launcher
+        spec = launcher.SpecConfig("EAGLE3", steps, topk, num_draft_tokens) if d else None
+        with launcher.start(Path(target).resolve(), d and Path(d).resolve(), tp=tp, spec=spec,
+                            return_hidden_states=False, enable_metrics=False,
+                            timeout=600) as srv:
             startup = time.time() - t
             recs = run_prompts(srv.url, prompts, new_tokens)
         out[name] = {"summary": summarize(recs, num_draft_tokens), "records": recs,

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     device = pick_device(a.device)
     from safetensors.torch import load_file, save_file
     tcfg = json.loads((a.target / "config.json").read_text())
-    manifest = json.loads((a.data / "manifest.json").read_text())
+    manifest = json.loads((a.data / "capture.json").read_text())
     layer_ids = manifest["layer_ids"]["specforge_out_i"]
     d2t, t2d = read_vocab_mapping(a.data)
     tw = load_file(str(a.target / "model.safetensors"))

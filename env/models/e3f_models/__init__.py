@@ -4,7 +4,8 @@ Layout (all under ``env/models/``):
   target/                 HF ``save_pretrained`` target + tokenizer (bf16 safetensors)
   draft/                  EAGLE-3 draft in SGLang's ``LlamaForCausalLMEagle3`` layout
   prompts.json            held-out prompts (acceptance, distinct-4-gram)
-  training_data_sample/   a few SpecForge-format records, captured two ways (``sglang/``, ``hf/``)
+  data/sample/            3 SpecForge-format records captured with HF transformers (as the draft's
+                          training data was); data/sample_sglang/: the same records captured on SGLang
   cache/                  git-ignored: corpus, full training data, logs
 
 Import from a script or test with ``sys.path.insert(0, "<repo>/env/models")``.
@@ -24,7 +25,8 @@ REPO_ROOT = MODELS_DIR.parents[1]
 TARGET_DIR = MODELS_DIR / "target"
 DRAFT_DIR = MODELS_DIR / "draft"
 PROMPTS_FILE = MODELS_DIR / "prompts.json"
-SAMPLE_DIR = MODELS_DIR / "training_data_sample"
+SAMPLE_DIR = MODELS_DIR / "data" / "sample"
+SAMPLE_SGLANG_DIR = MODELS_DIR / "data" / "sample_sglang"
 CACHE_DIR = Path(os.environ.get("E3F_MODELS_CACHE", MODELS_DIR / "cache"))
 
 # SpecForge's default aux layer ids for an n-layer target, in SpecForge's out(i) convention

@@ -78,13 +78,15 @@ def sglang_prompt_hidden_states(base_url: str, input_ids: list[int]) -> torch.Te
     return block
 
 
-def sglang_server_args(kind: str, layer_ids: list[int]) -> list[str]:
-    """Extra launch args for capture servers: ``kind`` = "aux" (aux hidden states, SpecForge ids)
-    or "final" (post-norm last hidden state)."""
-    common = ["--disable-radix-cache"]
+def sglang_launch_kwargs(kind: str, layer_ids: list[int]) -> dict:
+    """``helpers.launcher.start`` keyword arguments of a capture server: ``kind`` = "aux" (aux
+    hidden states at SpecForge ``layer_ids``) or "final" (post-norm last hidden state). Both
+    disable the radix cache so every request's prompt block has all ``L`` rows."""
     if kind == "aux":
-        return common + ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
-                         "--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]
+        return {"return_hidden_states": False, "extra_args": [
+            "--disable-radix-cache", "--enable-return-aux-hidden-states",
+            "--speculative-algorithm", "EAGLE3",
+            "--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]}
     if kind == "final":
-        return common + ["--enable-return-hidden-states"]
+        return {"return_hidden_states": True, "extra_args": ["--disable-radix-cache"]}
     raise ValueError(kind)
