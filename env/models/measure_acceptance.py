@@ -60,18 +60,22 @@ def hf_greedy(target: Path, prompts: list[list[int]], new_tokens: int) -> list[l
 def results_markdown(res: dict, args) -> str:
     t, e = res["target_only"]["summary"], res["eagle3"]["summary"]
     n = t["requests"]
+    tc = json.loads((Path(args.target) / "config.json").read_text())
+    ids = json.loads((Path(args.draft) / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"]
     hist = e.get("correct_drafts_histogram") or []
     tot = sum(hist) or 1
     lines = [
         SECTION, "",
         f"Measured {time.strftime('%Y-%m-%d')} by `env/models/measure_acceptance.py` on the embedded "
-        f"CPU reference server (SGLang 0.5.23, `--dtype float32`, TP {args.tp}, "
-        f"`--attention-backend intel_amx` through the sgl_kernel stand-in), host "
+        f"CPU reference server (`helpers.launcher`: SGLang 0.5.23, `--dtype float32`, TP {args.tp}, "
+        f"1 thread per rank, `--attention-backend intel_amx` through the sgl_kernel stand-in), host "
         f"`{platform.machine()}` with {args_cpu()} CPU cores shared with other jobs, so tok/s is "
         "indicative only.",
         "",
-        f"Target `env/models/target` (Llama, 8 layers, hidden 128), draft `env/models/draft` "
-        f"(EAGLE-3, trained on aux layers SpecForge out(1), out(3), out(4)). {n} held-out prompts "
+        f"Target `env/models/target` (Llama, {tc['num_hidden_layers']} layers, hidden "
+        f"{tc['hidden_size']}), draft `env/models/draft` (EAGLE-3, trained on aux layers SpecForge "
+        f"{', '.join(f'out({i})' for i in ids)}). {n} held-out prompts "
         f"(`env/models/prompts.json`), one request at a time, {args.new_tokens} new tokens, "
         "temperature 0, `ignore_eos`. EAGLE-3: `--speculative-num-steps 3 "
         "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4`.",
