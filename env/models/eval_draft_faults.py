@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from e3f_models import (DRAFT_DIR, PROMPTS_FILE, TARGET_DIR, pick_device,  # noqa: E402
-                        seed_everything, write_json)
+from e3f_models import (DRAFT_DIR, PROMPTS_FILE, REPO_ROOT, TARGET_DIR,  # noqa: E402
+                        pick_device, seed_everything, write_json)
 
 # name -> chunks in concat order; int i = out(i) (HF hidden_states[i+1]), "emb" = hidden_states[0]
 FAULTS = {
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
         print(f"{k:{width}s}  acc/step {v['acc_per_step']}  proxy accept length "
               f"{v['proxy_accept_length']}")
     if a.json:
-        write_json(a.json, {"draft": str(a.draft), "prompts": len(seqs),
+        draft_name = os.path.relpath(a.draft.resolve(), REPO_ROOT)
+        write_json(a.json, {"draft": draft_name, "device": str(dev), "prompts": len(seqs),
                             "new_tokens": a.new_tokens, "faults": res})
     return 0
 
