@@ -7,9 +7,10 @@ Sources (nothing is downloaded):
   * docstrings and ``.rst`` / ``.md`` / ``.txt`` files of a fixed list of installed packages
     (``PACKAGES``) in the suite environment's site-packages.
 
-Paragraphs are cleaned into prose (code examples, reST directives, tables and parameter lists are
-dropped; line breaks inside a paragraph are joined), deduplicated, and split into train / held-out
-by a hash of the text, so the split does not depend on file order. Everything is deterministic for a
+Paragraphs are cleaned into prose (code examples, reST directives, tables and headings are dropped;
+line breaks inside a paragraph are joined) and deduplicated; each source file becomes one document
+(its docstrings in source order), and documents are split into train / held-out by a hash of the
+text, so the split does not depend on file order. Everything is deterministic for a
 given set of installed files; ``corpus_manifest`` records a sha256 of the result so a regeneration on
 another machine can tell whether it saw the same text.
 """
