@@ -210,10 +210,15 @@ class Replay:
         if self.current is None:
             raise RuntimeError("a sweep needs a fix before it")
         fix = self.current["fix"]
+        done = self.current.get("summary") or {}
         self._stop()
         self.current = None
         points = []
         for v in sweep.values:
+            if done and done.get("num_steps") == v and done.get("topk") == 1:
+                # the fix itself ran this configuration: reuse its measurement
+                points.append({"num_steps": v, "reused": fix.name, **_slim(done)})
+                continue
             label = f"{fix.name} | num_steps={v}"
             spec_over = {"num_steps": v, "topk": 1, "num_draft_tokens": v + 1}
             t = time.monotonic()
