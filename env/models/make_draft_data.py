@@ -3,8 +3,11 @@
 
 1. Regenerate (SpecForge's "regenerate" step; skipped with --records-from): ``--num`` prompts are
    cut from training-corpus paragraphs (``<s>`` + 4..48 tokens, seeded) and the target continues
-   each greedily for ``--new-tokens`` tokens with HF transformers (EOS is not a stop, as with
-   SGLang ``ignore_eos``). Sample = prompt + continuation; ``loss_mask`` = 1 on the continuation.
+   each for ``--new-tokens`` tokens with HF transformers (EOS is not a stop, as with SGLang
+   ``ignore_eos``): the last ``--sampled-frac`` of them sampled at ``--temperature`` (default: all,
+   at 1.0), the others greedily. Sample = prompt + continuation; ``loss_mask`` = 1 on the
+   continuation. (Sampled continuations make the draft rely on the aux hidden states instead of
+   the greedy text's repetitions; see README "Wiring sensitivity".)
 2. Capture aux hidden states (SpecForge default layer ids [1, n//2-1, n-4], out(i) convention)
    and the post-norm last hidden state, either
      --backend hf      HF ``output_hidden_states`` (out(i) = hidden_states[i+1]), or
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tp", type=int, default=1, help="SGLang TP size (sglang backend)")
-    ap.add_argument("--sampled-frac", type=float, default=0.5,
+    ap.add_argument("--sampled-frac", type=float, default=1.0,
                     help="share of samples whose continuation is sampled at --temperature "
                          "instead of greedy (the last ones)")
     ap.add_argument("--temperature", type=float, default=1.0)

@@ -101,6 +101,8 @@ def results_markdown(res: dict, args) -> str:
         "the number that transfers).",
         f"- server start-up: target-only {res['target_only']['startup_s']} s, EAGLE-3 "
         f"{res['eagle3']['startup_s']} s.",
+        "- how the draft was trained (target continuations sampled at temperature 1) and how much "
+        "accept length each classic wiring fault costs it: `env/models/README.md`.",
         "",
     ]
     return "\n".join(lines)
