@@ -109,6 +109,14 @@ def _training_plan_for(td, draft, target):
     trainer = {"specforge": "specforge", "speculators": "speculators", "eagle12": "eagle12"}.get(td.sample_layout)
     if trainer is None:
         return None
+    if trainer == "specforge":
+        from .training_data import recorded_layer_ids
+
+        rec = recorded_layer_ids(td.path)
+        if rec is not None:  # what the data was captured with beats a config edited after training
+            plan = training_plan(draft, target, trainer, override_ids=rec[0])
+            plan.notes.append(f"trained ids from the training data manifest {rec[1]}")
+            return plan
     return training_plan(draft, target, trainer)
 
 

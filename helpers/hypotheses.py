@@ -21,7 +21,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -643,9 +643,28 @@ def check_verify_bottleneck(inv: Investigation, *, ratio_threshold: float = 1.5,
                             pd.DataFrame(rows), fig, data)
 
 
-def static_findings(inv: Investigation) -> tuple[list[dict], Any, Any]:
+def trained_ids_source(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None
+                       ) -> tuple[Optional[list[int]], str]:
+    """Where the ids the draft was trained on come from, most trusted first: the check's
+    ``trained_layer_ids`` param (e.g. copied from the SpecForge run YAML), the training data's
+    ``capture.json`` (:func:`helpers.training_data.recorded_layer_ids`), else the draft config
+    (returns ``(None, "draft config")``). Ids are in SpecForge's output-of-layer convention."""
+    from .training_data import recorded_layer_ids
+
+    if trained_layer_ids is not None:
+        return [int(i) for i in trained_layer_ids], "the check's trained_layer_ids param"
+    rec = recorded_layer_ids(inv.training) if inv.training.exists() else None
+    if rec is not None:
+        return rec[0], f"the training data manifest {rec[1]}"
+    return None, "draft config"
+
+
+def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None
+                    ) -> tuple[list[dict], Any, Any]:
     """Config-only findings (no tensors, no server needed): served vs training capture plans, fc
     width, ids ignored, vocab map, fc bypass. Returns ``(findings, served_plan, training_plan)``.
+    The training plan uses :func:`trained_ids_source` (the draft config is the last resort: a
+    config edited after training is exactly what this check must catch).
     Mirrors the static half of :func:`helpers.diagnose.diagnose`."""
     from . import detectors as D
     from .configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
@@ -664,7 +683,9 @@ def static_findings(inv: Investigation) -> tuple[list[dict], Any, Any]:
     settings = ServerSettings.from_dict(info or {"speculative_algorithm": algorithm}, source="server")
     version = info.get("version") or "0.5.23"
     sp = served_plan(draft, target, "sglang", version, algorithm)
-    tp = training_plan(draft, target, "specforge")
+    ids, source = trained_ids_source(inv, trained_layer_ids)
+    tp = training_plan(draft, target, "specforge", override_ids=ids)
+    tp.notes.append(f"trained ids from {source}")
     out = []
     out += D.detect_config_ids_ignored(draft, target, sp)
     out += D.detect_vocab_map_missing(draft, weights)
@@ -673,15 +694,22 @@ def static_findings(inv: Investigation) -> tuple[list[dict], Any, Any]:
     return out, sp, tp
 
 
-def check_static_wiring(inv: Investigation, **_: Any) -> HypothesisResult:
+def check_static_wiring(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None,
+                        **_: Any) -> HypothesisResult:
     """From the configs alone (works when the server crashed at startup): will the engine feed
-    the draft the tensors it was trained on?"""
-    findings, sp, tp = static_findings(inv)
+    the draft the tensors it was trained on?
+
+    Args:
+        trained_layer_ids: the ids the training run used, SpecForge output-of-layer convention
+            (default: the training data's ``capture.json``, else the draft config).
+    """
+    findings, sp, tp = static_findings(inv, trained_layer_ids)
     rows = [{"finding": f["kind"], "chunk": f["chunk"], "detail": f["detail"]} for f in findings]
     data = {"served_plan": list(sp.tensors), "training_plan": list(tp.tensors),
             "findings": [f["kind"] for f in findings], "fatal": getattr(sp, "fatal", None)}
     head = (f"Configured, the engine feeds [{', '.join(sp.tensors)}]; the draft was trained on "
-            f"[{', '.join(tp.tensors)}].")
+            f"[{', '.join(tp.tensors)}] ({tp.notes[-1]}).")
+    data["trained_ids_source"] = tp.notes[-1]
     if findings:
         data["short"] = findings[0]["detail"].split(". ")[0]
         verdict = "confirmed"

@@ -282,3 +282,46 @@ class TrainingData:
                                f"file's {first_meta}", path=f)
             n += 1
             yield s
+
+
+def recorded_layer_ids(path: str | Path) -> Optional[tuple[list[int], Path]]:
+    """The aux layer ids a training data set records it was captured with, if it records them.
+
+    SpecForge does not persist the ids of a run into the exported draft config when they came from the
+    run YAML (``model.aux_hidden_state_layer_ids``; training-formats.md section 1), so the draft's
+    ``config.json`` is not proof of what the draft saw. A data folder written by this project's
+    ``env/models/make_draft_data.py`` (and any folder where an engineer drops the same file) carries a
+    ``capture.json`` with ``layer_ids.specforge_out_i``: the ids in SpecForge's output-of-layer
+    convention (id i = output of decoder layer i = HF ``hidden_states[i + 1]``).
+
+    Args:
+        path: the training data folder (or a file inside it); ``capture.json`` is looked for in the
+            folder and its two parents.
+
+    Returns:
+        ``(ids, manifest_path)`` with ids in SpecForge's output-of-layer convention, or None when no
+        manifest records them.
+
+    Raises:
+        BadInput: a ``capture.json`` exists but is not JSON or its ``layer_ids.specforge_out_i`` is not
+            a list of ints.
+    """
+    import json
+
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    for cand in (folder, folder.parent, folder.parent.parent):
+        m = cand / "capture.json"
+        if not m.is_file():
+            continue
+        try:
+            doc = json.loads(m.read_text())
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"not readable as JSON ({exc})", path=m) from exc
+        ids = (doc.get("layer_ids") or {}).get("specforge_out_i") if isinstance(doc, dict) else None
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BadInput(f"expected a list of ints, got {ids!r}", path=m, field="layer_ids.specforge_out_i")
+        return list(ids), m
+    return None
