@@ -17,6 +17,7 @@ Format (YAML, validated with pydantic; documented in env/cases/README.md)::
           name: as deployed (embedding in place of out(1))
           faults: [{kind: embedding_in_place_of_layer, chunk: 0}]   # helpers.hooks.Fault fields
           draft_config: {...}              # optional overrides merged into the draft config.json
+          drop_tensors: [d2t, t2d]         # optional: draft weights left out of the variant
           algorithm: EAGLE3                # or EAGLE (fc bypass)
           spec: {...}                      # optional, overrides server.spec
           launch: {tp: 2, extra_args: []}  # optional, overrides server
@@ -80,6 +81,7 @@ class Fix(BaseModel):
     name: str
     faults: list[dict[str, Any]] = Field(default_factory=list)
     draft_config: dict[str, Any] = Field(default_factory=dict)
+    drop_tensors: list[str] = Field(default_factory=list)
     algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
     spec: dict[str, Any] = Field(default_factory=dict)
     launch: dict[str, Any] = Field(default_factory=dict)

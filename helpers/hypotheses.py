@@ -83,7 +83,8 @@ class Investigation:
 
     Args:
         run_dir: run folder; captures go to ``run_dir/dumps/<name>-*``.
-        client_or_url: :class:`helpers.server.SGLangClient`, URL or launcher handle.
+        client_or_url: :class:`helpers.server.SGLangClient`, URL or launcher handle; None when
+            the server did not start (config-only checks still run).
         training: draft training data (SpecForge folder, ...; helpers.training_data).
         draft_dir: the draft folder the server was started with (config.json + weights).
         target_dir: the target folder (config.json; with weights, HF gives the reference).
@@ -98,11 +99,13 @@ class Investigation:
                  draft_dir: str | os.PathLike, target_dir: str | os.PathLike,
                  capture_dir: Optional[str | os.PathLike] = None, requested: Any = None,
                  name: str = "server", num_samples: int = 4, reference: Any = "hf",
-                 baseline: Optional[dict] = None, acceptance: Optional[dict] = None):
+                 baseline: Optional[dict] = None, acceptance: Optional[dict] = None,
+                 algorithm: Optional[str] = None):
         from .server import as_client
 
         self.run_dir = Path(run_dir)
-        self.client = as_client(client_or_url)
+        self.client = as_client(client_or_url) if client_or_url is not None else None
+        self.algorithm = algorithm
         self.training = Path(training)
         self.draft_dir = Path(draft_dir)
         self.target_dir = Path(target_dir)
@@ -127,6 +130,9 @@ class Investigation:
         return int(self.target_config["hidden_size"])
 
     def server_info(self) -> dict:
+        if self.client is None:
+            raise RuntimeError("no live server for this step (it failed to start): only config-based "
+                               "checks (static_wiring, vocab_map) can run")
         return self.client.server_info()
 
     def training_samples(self) -> list:
@@ -637,6 +643,86 @@ def check_verify_bottleneck(inv: Investigation, *, ratio_threshold: float = 1.5,
                             pd.DataFrame(rows), fig, data)
 
 
+def static_findings(inv: Investigation) -> tuple[list[dict], Any, Any]:
+    """Config-only findings (no tensors, no server needed): served vs training capture plans, fc
+    width, ids ignored, vocab map, fc bypass. Returns ``(findings, served_plan, training_plan)``.
+    Mirrors the static half of :func:`helpers.diagnose.diagnose`."""
+    from . import detectors as D
+    from .configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
+    from .conventions import served_plan, training_plan
+
+    draft = read_draft_config(inv.draft_dir)
+    weights = read_draft_weights(inv.draft_dir)
+    target = read_target_config(inv.target_dir)
+    info = {}
+    if inv.client is not None:
+        try:
+            info = inv.server_info()
+        except Exception:  # noqa: BLE001 - a server that died at startup: configs alone
+            info = {}
+    algorithm = info.get("speculative_algorithm") or inv.algorithm or "EAGLE3"
+    settings = ServerSettings.from_dict(info or {"speculative_algorithm": algorithm}, source="server")
+    version = info.get("version") or "0.5.23"
+    sp = served_plan(draft, target, "sglang", version, algorithm)
+    tp = training_plan(draft, target, "specforge")
+    out = []
+    out += D.detect_config_ids_ignored(draft, target, sp)
+    out += D.detect_vocab_map_missing(draft, weights)
+    out += D.detect_fc_bypassed(draft, settings, None, weights)
+    out += D.static_layer_findings(sp, tp, draft, weights, target)
+    return out, sp, tp
+
+
+def check_static_wiring(inv: Investigation, **_: Any) -> HypothesisResult:
+    """From the configs alone (works when the server crashed at startup): will the engine feed
+    the draft the tensors it was trained on?"""
+    findings, sp, tp = static_findings(inv)
+    rows = [{"finding": f["kind"], "chunk": f["chunk"], "detail": f["detail"]} for f in findings]
+    data = {"served_plan": list(sp.tensors), "training_plan": list(tp.tensors),
+            "findings": [f["kind"] for f in findings], "fatal": getattr(sp, "fatal", None)}
+    head = (f"Configured, the engine feeds [{', '.join(sp.tensors)}]; the draft was trained on "
+            f"[{', '.join(tp.tensors)}].")
+    if findings:
+        data["short"] = findings[0]["detail"].split(". ")[0]
+        verdict = "confirmed"
+        text = head + " " + " ".join(f"{f['kind']}: {f['detail']}" for f in findings[:3])
+        if getattr(sp, "fatal", None):
+            text += f" The engine cannot serve this: {sp.fatal}"
+    else:
+        verdict = "refuted"
+        text = head + " The configs agree: no static wiring fault."
+    return HypothesisResult("static_wiring", "Static wiring check", "", verdict, text,
+                            pd.DataFrame(rows), None, data)
+
+
+def check_vocab_map(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is the draft's pruned vocabulary mapped to target token ids (``d2t``)?"""
+    from .configs import read_draft_config, read_draft_weights
+    from .detectors import detect_vocab_map_missing
+
+    draft = read_draft_config(inv.draft_dir)
+    weights = read_draft_weights(inv.draft_dir)
+    found = detect_vocab_map_missing(draft, weights)
+    rows = [{"measure": "draft_vocab_size", "value": draft.draft_vocab_size},
+            {"measure": "target vocab_size", "value": draft.vocab_size},
+            {"measure": "d2t in the draft weights", "value": weights.d2t_shape is not None},
+            {"measure": "t2d in the draft weights", "value": weights.t2d_shape is not None}]
+    data = {"draft_vocab_size": draft.draft_vocab_size, "vocab_size": draft.vocab_size,
+            "d2t": weights.d2t_shape is not None}
+    if found:
+        data["short"] = "the draft's pruned vocabulary has no d2t map, so draft token ids are read as target ids"
+        verdict, text = "confirmed", found[0]["detail"] + (
+            ". SGLang builds hot_token_id from d2t (llama_eagle3.py load_weights); without it the "
+            "draft proposes ids of its own vocabulary as if they were target ids, and almost none "
+            "verify.")
+    else:
+        verdict = "refuted"
+        text = ("The draft vocabulary is mapped: d2t is present"
+                if weights.d2t_shape is not None else "The draft uses the full target vocabulary") + "."
+    return HypothesisResult("vocab_map", "Vocab map (d2t)", "", verdict, text, pd.DataFrame(rows),
+                            None, data)
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -664,6 +750,11 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
           "Is an EAGLE-3 draft served with algorithm EAGLE (fc skipped)?", check_fc_bypass),
     Check("verify_bottleneck", "Verify time is the bottleneck",
           "Once acceptance is right, does verify time bound tok/s?", check_verify_bottleneck),
+    Check("static_wiring", "Static wiring check",
+          "From the configs alone, will the engine feed the tensors the draft was trained on?",
+          check_static_wiring),
+    Check("vocab_map", "Vocab map (d2t)",
+          "Is the draft's pruned vocabulary mapped to target token ids?", check_vocab_map),
 )}
 
 

@@ -433,6 +433,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
         "SGLANG_CPU_OMP_THREADS_BIND": cpu_bind_spec(tp, cpus),
         "E3F_STANDIN_THREADS": str(threads_per_rank), "OMP_NUM_THREADS": str(threads_per_rank),
+        "E3F_SHM_KEY": f"{os.getpid()}-{port}-{int(time.time() * 1e3) % 10**9}",
     })
     server_env.update(env or {})
     with open(log_path, "ab") as fh:

@@ -21,7 +21,6 @@ import copy
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -44,18 +43,29 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def draft_variant(draft_dir: Path, overrides: dict, out_dir: Path) -> Path:
+def draft_variant(draft_dir: Path, overrides: dict, out_dir: Path,
+                  drop_tensors: Optional[list[str]] = None) -> Path:
     """A copy of ``draft_dir`` whose config.json is deep-merged with ``overrides`` (a key set to
-    None is removed); weights are symlinked, not copied. Returns ``out_dir``."""
-    if not overrides:
+    None is removed) and whose weights lack ``drop_tensors``; untouched files are symlinked.
+    Returns ``draft_dir`` itself when nothing changes, else ``out_dir``."""
+    if not overrides and not drop_tensors:
         return draft_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in draft_dir.iterdir():
         if f.name == "config.json" or (out_dir / f.name).exists():
             continue
+        if drop_tensors and f.suffix == ".safetensors":
+            from safetensors.torch import load_file, save_file
+
+            weights = load_file(str(f))
+            missing = [k for k in drop_tensors if k not in weights]
+            if missing and len(missing) == len(drop_tensors):
+                raise ValueError(f"{f}: none of the tensors {drop_tensors} to drop is present")
+            save_file({k: v for k, v in weights.items() if k not in drop_tensors}, str(out_dir / f.name))
+            continue
         (out_dir / f.name).symlink_to(f.resolve())
     cfg = json.loads((draft_dir / "config.json").read_text())
-    (out_dir / "config.json").write_text(json.dumps(_deep_merge(cfg, overrides), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(_deep_merge(cfg, overrides or {}), indent=2))
     return out_dir
 
 
@@ -96,7 +106,8 @@ class Replay:
         if fix.baseline:
             return ServerSpec(launch=LaunchSpec(target=str(self.target), draft=None, **launch)), None
         slug = safe_name(fix.name)
-        draft = draft_variant(self.draft, fix.draft_config, self.run_dir / "drafts" / slug)
+        draft = draft_variant(self.draft, fix.draft_config, self.run_dir / "drafts" / slug,
+                              fix.drop_tensors)
         spec = dict(self.case.server.spec)
         spec.update(fix.spec)
         spec.update(spec_override or {})
@@ -136,8 +147,20 @@ class Replay:
     # -- steps ----------------------------------------------------------------------------------
     def run_fix(self, i: int, fix: Fix) -> dict:
         self._stop()
+        self.current = None
         t = time.monotonic()
-        client, handle, draft, capture_dir, spec = self._start(fix)
+        rec = {"kind": "fix", "name": fix.name, "baseline": fix.baseline, "faults": fix.faults,
+               "draft_config": fix.draft_config, "drop_tensors": fix.drop_tensors,
+               "algorithm": fix.algorithm}
+        try:
+            client, handle, draft, capture_dir, spec = self._start(fix)
+        except Exception as exc:  # noqa: BLE001 - a fix whose server cannot start is a result too
+            spec, draft = self._server_spec(fix)
+            self.current = {"fix": fix, "client": None, "draft": draft, "capture_dir": None,
+                            "requested": _requested_args(spec), "summary": None, "index": i,
+                            "inv": None}
+            rec.update(server_error=_tail(str(exc)), summary=None)
+            return rec
         startup = time.monotonic() - t
         requested = _requested_args(spec)
         summary = self._measure(client, fix.name, requested)
@@ -145,9 +168,8 @@ class Replay:
             self.baseline = summary
         self.current = {"fix": fix, "client": client, "draft": draft, "capture_dir": capture_dir,
                         "requested": requested, "summary": summary, "index": i, "inv": None}
-        return {"kind": "fix", "name": fix.name, "baseline": fix.baseline,
-                "faults": fix.faults, "draft_config": fix.draft_config, "algorithm": fix.algorithm,
-                "server_startup_s": round(startup, 1), "summary": _slim(summary)}
+        rec.update(server_startup_s=round(startup, 1), summary=_slim(summary))
+        return rec
 
     def investigation(self):
         from .hypotheses import Investigation
@@ -160,7 +182,8 @@ class Replay:
                                        draft_dir=cur["draft"] or self.draft, target_dir=self.target,
                                        capture_dir=cur["capture_dir"], requested=cur["requested"],
                                        name=safe_name(cur["fix"].name),
-                                       acceptance=cur["summary"], baseline=self.baseline)
+                                       acceptance=cur["summary"], baseline=self.baseline,
+                                       algorithm=cur["fix"].algorithm)
         return cur["inv"]
 
     def run_hypothesis(self, i: int, step) -> dict:
@@ -187,10 +210,15 @@ class Replay:
         if self.current is None:
             raise RuntimeError("a sweep needs a fix before it")
         fix = self.current["fix"]
+        done = self.current.get("summary") or {}
         self._stop()
         self.current = None
         points = []
         for v in sweep.values:
+            if done and done.get("num_steps") == v and done.get("topk") == 1:
+                # the fix itself ran this configuration: reuse its measurement
+                points.append({"num_steps": v, "reused": fix.name, **_slim(done)})
+                continue
             label = f"{fix.name} | num_steps={v}"
             spec_over = {"num_steps": v, "topk": 1, "num_draft_tokens": v + 1}
             t = time.monotonic()
@@ -236,6 +264,11 @@ class Replay:
             doc["headline"] = headline(self.case, self.steps)
             write_json(self.results_path, doc)
         return doc
+
+
+def _tail(text: str, lines: int = 12) -> str:
+    """The last lines of an error (server startup errors end with the server log tail)."""
+    return "\n".join(text.strip().splitlines()[-lines:])[-3000:]
 
 
 def _requested_args(spec) -> list[str]:

@@ -422,7 +422,7 @@ def test_copy_all_layer_kv_cache_reads_all_sources_before_writing():
 
 
 # ---------------------------------------------------------------- collectives, misc
-def _collective_worker(rank, world, port, q):
+def _collective_worker(rank, world, port, q, use_shm):
     import os
 
     import torch.distributed as dist
@@ -430,8 +430,11 @@ def _collective_worker(rank, world, port, q):
     sys.path.insert(0, str(ROOT / "env" / "reference" / "standin"))
     import sgl_kernel  # noqa: F401
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), E3F_SHM_KEY=f"test-{port}")
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if use_shm:
+        torch.ops.sgl_kernel.initialize(world, rank)
+        assert sgl_kernel.comm._state["shm"] is not None
     x = torch.full((2, 3), float(rank + 1), dtype=torch.bfloat16)
     torch.ops.sgl_kernel.shm_allreduce(x, 0)
     g = torch.ops.sgl_kernel.shm_allgather(torch.full((1, 2), float(rank)), 0)
@@ -439,7 +442,10 @@ def _collective_worker(rank, world, port, q):
     dist.destroy_process_group()
 
 
-def test_shm_collectives_route_to_gloo():
+@pytest.mark.parametrize("use_shm", [False, True], ids=["gloo", "shared-memory"])
+def test_shm_collectives(use_shm):
+    import os
+
     import torch.multiprocessing as mp
 
     from helpers.launcher import free_port
@@ -447,7 +453,7 @@ def test_shm_collectives_route_to_gloo():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, 2, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_collective_worker, args=(r, 2, port, q, use_shm)) for r in range(2)]
     for p in procs:
         p.start()
     results = sorted(q.get(timeout=60) for _ in procs)
@@ -457,6 +463,7 @@ def test_shm_collectives_route_to_gloo():
     for rank, reduced, gathered in results:
         assert reduced == [[3.0] * 3] * 2
         assert gathered == [[0.0, 0.0], [1.0, 1.0]]
+    assert not [f for f in os.listdir("/dev/shm") if f.endswith(f"test-{port}-tp2")]  # unlinked
 
 
 def test_init_cpu_threads_env_binds_threads():

@@ -1,0 +1,114 @@
+"""Every bundled case replays on the reference server: each hypothesis gets its expected verdict,
+and the fix raises accept length beyond the faulted configuration's 95% CI (bootstrap over
+requests). The seeds' hunt runs in the fast tier; the other cases are marked slow (still run in CI).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers.cases import CaseError, load_case
+from helpers.replay import replay_case
+from helpers.runfiles import new_run_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = sorted((ROOT / "env" / "cases").glob("*.yaml"))
+CASE_FILES = [c for c in CASES if c.name != "main.yaml"]
+MODELS = ROOT / "env" / "models"
+needs_models = pytest.mark.skipif(not (MODELS / "draft" / "config.json").exists(),
+                                  reason="reference models (env/models) not built")
+
+
+def test_all_bundled_cases_validate():
+    assert len(CASE_FILES) >= 7
+    for path in CASE_FILES:
+        case = load_case(path)
+        assert case.timeline[0].kind == "fix"
+        assert any(s.kind == "hypothesis" and s.expect for s in case.timeline), path
+
+
+def test_case_validation_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - hypothesis: {check: no_such_check}\n")
+    with pytest.raises(CaseError, match=r"timeline\.0\.hypothesis\.check.*unknown check"):
+        load_case(bad)
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - hypothesis: {check: tp_sharding}\n")
+    with pytest.raises(CaseError, match="before any fix"):
+        load_case(bad)
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - fix: {name: f, faults: [{kind: bogus}]}\n")
+    with pytest.raises(CaseError, match="unknown fault kind"):
+        load_case(bad)
+    with pytest.raises(CaseError, match="does not exist"):
+        load_case(tmp_path / "missing.yaml")
+
+
+def _replay(name: str, tmp_path: Path) -> dict:
+    path = ROOT / "env" / "cases" / f"{name}.yaml"
+    run = new_run_dir(name, tmp_path)
+    doc = replay_case(path, run, progress=False)
+    assert doc["complete"], doc
+    assert (run / "results" / f"replay-{load_case(path).name}.json").exists()
+    return doc
+
+
+def _check_verdicts(doc: dict, path: Path) -> None:
+    case = load_case(path)
+    for step, rec in zip(case.timeline, doc["steps"]):
+        assert "error" not in rec, rec
+        if step.kind == "hypothesis" and step.expect:
+            assert rec["verdict"] == step.expect, (rec["check"], rec["verdict"], rec["explanation"])
+            assert rec["as_expected"] is True
+
+
+def _before_after(doc: dict) -> tuple[dict, dict]:
+    fixes = [s for s in doc["steps"] if s["kind"] == "fix" and s.get("summary")]
+    return fixes[0]["summary"], fixes[-1]["summary"]
+
+
+def _assert_fix_helps(doc: dict) -> None:
+    before, after = _before_after(doc)
+    assert after["accept_length_lo"] > before["accept_length_hi"], (before, after)
+    assert after["accept_rate"] > before["accept_rate"]
+
+
+@needs_models
+@pytest.mark.server
+def test_seeds_hunt_replays_with_expected_verdicts(tmp_path):
+    doc = _replay("seeds_hunt", tmp_path)
+    _check_verdicts(doc, ROOT / "env" / "cases" / "seeds_hunt.yaml")
+    _assert_fix_helps(doc)
+    assert "embedding" in doc["headline"] and "step 5" in doc["headline"]
+    sweep = next(s for s in doc["steps"] if s["kind"] == "sweep")
+    assert [p["num_steps"] for p in sweep["points"]] == [2, 3, 4]
+    assert sweep["best_num_steps"] in (2, 3, 4)
+    led = json.loads((tmp_path / next(p.name for p in tmp_path.iterdir()) / "results" /
+                      "replay-seeds-hunt.json").read_text())
+    assert led["steps"][0]["summary"]["accept_length"] == doc["steps"][0]["summary"]["accept_length"]
+
+
+SLOW_CASES = ["wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2t", "seeds_literal_config"]
+
+
+@needs_models
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_CASES)
+def test_bundled_case_replays(name, tmp_path):
+    doc = _replay(name, tmp_path)
+    _check_verdicts(doc, ROOT / "env" / "cases" / f"{name}.yaml")
+    _assert_fix_helps(doc)
+
+
+@needs_models
+@pytest.mark.server
+@pytest.mark.slow
+def test_missing_final_chunk_crashes_and_static_check_names_it(tmp_path):
+    doc = _replay("missing_final_chunk", tmp_path)
+    _check_verdicts(doc, ROOT / "env" / "cases" / "missing_final_chunk.yaml")
+    first = doc["steps"][0]
+    assert first["summary"] is None and "shapes cannot be multiplied" in first["server_error"]
+    static = doc["steps"][1]
+    assert "missing_chunk" in static["data"]["findings"] or "width_mismatch" in static["data"]["findings"]
+    assert doc["steps"][2]["summary"]["accept_length"] > 1.5
