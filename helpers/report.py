@@ -439,6 +439,15 @@ def headline_html(doc: Optional[Mapping[str, Any]]) -> str:
     return f'<div class="e3f-headline">{esc(headline(doc))}{sub}</div>'
 
 
+def story_html(doc: Optional[Mapping[str, Any]]) -> str:
+    """The case's title and story (free text from the case file), escaped; "" without a story."""
+    if not doc or not (doc.get("story") or "").strip():
+        return ""
+    paras = [p.strip() for p in str(doc["story"]).split("\n\n") if p.strip()]
+    return (f'<p><b>{esc(doc.get("title") or doc.get("case") or "")}</b></p>'
+            + "".join(f"<p>{esc(' '.join(p.split()))}</p>" for p in paras))
+
+
 def _num(x: Any) -> float:
     try:
         v = float(x)
@@ -465,7 +474,7 @@ def fixes_frame(doc: Optional[Mapping[str, Any]]) -> pd.DataFrame:
                 row[k + suf] = _num(sm.get(k + suf))
         row["n_requests"] = sm.get("n_requests")
         row["baseline"] = bool(s.get("baseline"))
-        row["error"] = s.get("error") or ""
+        row["error"] = s.get("error") or s.get("server_error") or ""
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -618,7 +627,8 @@ def sweep_points(doc: Optional[Mapping[str, Any]]) -> list[dict]:
 
 def sweep_figure(doc: Optional[Mapping[str, Any]]):
     """tok/s (and accept length) against num_steps for the replay's sweep (:func:`helpers.figures.
-    tok_s_vs_steps`), or None without a sweep."""
+    tok_s_vs_steps`), or None without a sweep. Points the sweep took from the fix's own measurement
+    (``reused``) are included."""
     from .figures import tok_s_vs_steps
 
     pts = sweep_points(doc)
@@ -658,7 +668,8 @@ def show_timeline(doc: Optional[Mapping[str, Any]], run_dir: Path) -> None:
                       f"{100 * _num(sm.get('accept_rate')):.1f}%, {_num(sm.get('tok_s')):.1f} tok/s"
                       if sm else "")
                    + (f"; server start {s.get('server_startup_s')} s" if s.get("server_startup_s") else ""))
-            err = f'<p style="color:#c62828">{esc(s["error"])}</p>' if s.get("error") else ""
+            problem = s.get("error") or s.get("server_error")
+            err = f'<p style="color:#c62828">{esc(problem)}</p>' if problem else ""
             show(f'<div class="e3f-step" style="background:#fafafa"><b>{esc(txt)}</b>{err}</div>')
         elif s.get("kind") == "sweep":
             pts = ", ".join(f"{p.get('num_steps')}: {_num(p.get('tok_s')):.1f} tok/s" for p in s.get("points", []))
@@ -738,7 +749,8 @@ def attach_records(ctx: RunContext) -> list[dict]:
         variant = ctx.run_dir / "drafts" / safe_name(name)
         draft = variant if (variant / "config.json").exists() else ctx.draft_dir
         out.append({"fix": name, "server": doc.get("server") or {}, "spec": doc.get("spec"),
-                    "warnings": doc.get("warnings") or [], "draft_dir": draft, "error": s.get("error")})
+                    "warnings": doc.get("warnings") or [], "draft_dir": draft,
+                    "error": s.get("error") or s.get("server_error")})
     return out
 
 
@@ -751,12 +763,23 @@ def live_attach(ctx: RunContext) -> dict:
     client = connect(ctx)
     try:
         info = server_snapshot(client.server_info())
-        draft_cfg = ctx.draft_dir / "config.json" if ctx.draft_dir and (ctx.draft_dir / "config.json").exists() else None
+        # the draft the server loaded, when this machine sees that folder; else the notebook's draft_dir
+        served = as_path(info.get("speculative_draft_model_path"))
+        draft = served if served is not None and (served / "config.json").exists() else ctx.draft_dir
+        draft_cfg = draft / "config.json" if draft and (draft / "config.json").exists() else None
         spec = client.effective_spec_config(draft_config=draft_cfg)
     finally:
         client.close()
-    return {"fix": "live", "server": info, "spec": json.loads(spec.model_dump_json()),
-            "warnings": [o.message for o in spec.overrides] + list(spec.notes), "draft_dir": ctx.draft_dir}
+    return {"fix": f"live server {redact_url_safe(ctx.server_url)}", "server": info,
+            "spec": json.loads(spec.model_dump_json()),
+            "warnings": [o.message for o in spec.overrides] + list(spec.notes), "draft_dir": draft}
+
+
+def redact_url_safe(url: str) -> str:
+    """``url`` without credentials or query (helpers.server.redact_url)."""
+    from .server import redact_url
+
+    return redact_url(url)
 
 
 def static_wiring(draft_dir: Optional[Path], target_dir: Optional[Path], server: Optional[Mapping[str, Any]],

@@ -13,9 +13,10 @@
    set, then ``common`` and the per-notebook overrides), keeps going when one fails and records its
    failing cell and error; kernels get this checkout on ``PYTHONPATH`` so they import its helpers;
    while ``00_replay`` runs, each finished replay step is printed. ``00_replay`` (first) and
-   ``99_postmortem`` (last) run alone; the views between them only read the run folder and run
-   ``jobs`` at a time (default 2), in order, each after the notebooks it ``needs`` (default:
-   ``12_hyp_layer_offset`` after ``03_compare``, whose results it reads);
+   ``99_postmortem`` (last) run alone; without a live server the views between them only read the
+   run folder and run ``jobs`` at a time (default 2), in order, each after the notebooks it
+   ``needs`` (:data:`NEEDS`); with a live server (``server.url`` / ``server.managed``) they run one
+   at a time, so that measurements never overlap;
 4. exports each executed notebook to self-contained offline HTML (``html/<name>.html``; no CDN:
    see ``helpers/templates/e3f``), and the postmortem notebook to ``postmortem.html``; checks each
    page (:func:`check_html`: no external script, plotly.js exactly once) and the postmortem's size
@@ -61,8 +62,10 @@ REPLAY = "00_replay"
 HTML_BUDGET_BYTES = 8_000_000
 PLOTLYJS_MARKER = "* plotly.js v"  # banner at the top of every plotly.js bundle
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-#: notebooks that read another notebook's results/<nb>.json (they start after it finishes)
-NEEDS = {"12_hyp_layer_offset": ["03_compare"]}
+#: notebooks that read what another one writes (they start after it finishes): the served dump of
+#: 02_dump (live mode), the reference comparison in results/03_compare.json
+NEEDS = {"03_compare": ["02_dump"], "10_hyp_tp_sharding": ["02_dump"],
+         "11_hyp_embedding_allreduce": ["02_dump"], "12_hyp_layer_offset": ["02_dump", "03_compare"]}
 WIDGET_NOTE = ('<div class="e3f-widget-note">(interactive control: open the notebook in JupyterLab to use '
                'it; the static view below shows its default)</div>')
 
@@ -435,7 +438,9 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
                 with lock:
                     status["wall_s_before_postmortem"] = round(time.monotonic() - t_run, 1)
                     write_json(run_dir / "suite_status.json", status)
-            if len(stage) == 1 or params.jobs == 1:
+            # with a live server the notebooks send it requests: one at a time, so that the
+            # acceptance / tok/s measurements never overlap with other traffic
+            if len(stage) == 1 or params.jobs == 1 or server_url:
                 for nb in stage:
                     run_one(nb)
             else:

@@ -46,6 +46,7 @@ doc = R.run_or_load_replay(ctx, rerun=rerun)
 
 # %%
 R.show(R.headline_html(doc))
+R.show(R.story_html(doc))
 
 # %% [markdown]
 # ## Accept rate per fix, with the hypotheses on the timeline

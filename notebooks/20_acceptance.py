@@ -84,9 +84,15 @@ if len(fixes):
 
 # %% [markdown]
 # ## tok/s vs num_steps
+#
+# The replay's sweep (its points include the fix's own measurement when the sweep reused it), else the
+# ledger's sweep rows.
 
 # %%
-R.show(F.tok_s_vs_steps(sweep) if len(sweep) else R.note("No num_steps sweep in this ledger."))
+fig = R.sweep_figure(ctx.replay)
+if fig is None and len(sweep):
+    fig = F.tok_s_vs_steps(sweep)
+R.show(fig if fig is not None else R.note("No num_steps sweep in this run folder."))
 
 # %%
 R.write_result(ctx.run_dir, "20_acceptance", {

@@ -60,6 +60,9 @@ def test_escaping_of_server_and_case_text():
     assert "<script>" not in f and 'onmouseover="alert' not in f and "<td>4</td>" in f
     links = R.notebook_links_html({"notebooks": {EVIL: {"ok": True, "html": "html/a.html", "wall_s": 1}}})
     assert "<script>" not in links
+    story = R.story_html({"title": EVIL, "story": "para one " + EVIL + "\n\npara two"})
+    assert "<script>" not in story and story.count("<p>") == 3
+    assert R.story_html({"story": ""}) == ""
 
 
 def test_table_colours_verdicts_and_truncates():
@@ -85,6 +88,11 @@ def test_fixes_hypotheses_and_before_after():
     disp = R.fixes_display(doc)
     assert disp["accept length [95% CI]"].iloc[1] == "2.60 [2.50, 2.70]"
     assert R.before_after({"steps": doc["steps"][:1]}).empty
+    broken = {"steps": doc["steps"][:3] + [{"kind": "fix", "index": 3, "name": "no server", "summary": None,
+                                             "server_error": "ServerStartError: " + EVIL}]}
+    fx = R.fixes_frame(broken)
+    assert fx["error"].iloc[1].startswith("ServerStartError") and math.isnan(fx["accept_rate"].iloc[1])
+    assert R.before_after(broken).empty, "a fix whose server did not start is not an 'after'"
 
 
 def test_timeline_figure_marks_hypotheses_by_verdict():
