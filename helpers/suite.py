@@ -302,29 +302,45 @@ def _stages(notebooks: list[str]) -> list[list[str]]:
     return head + ([nbs] if nbs else []) + tail
 
 
-def _run_parallel(stage: list[str], run_one, jobs: int, needs: dict[str, list[str]]) -> None:
-    """Run ``run_one(nb)`` for the stage, ``jobs`` at a time, in list order, each notebook starting
-    once the notebooks it ``needs`` (those in this stage) have finished."""
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+def _run_parallel(stage: list[str], submit, record, jobs: int, needs: dict[str, list[str]]) -> None:
+    """Run the stage ``jobs`` notebooks at a time, in list order, each starting once the notebooks it
+    ``needs`` (those in this stage) have finished. ``submit(pool, nb)`` returns a future of the
+    notebook's status entry; ``record(nb, entry)`` stores it. Each notebook runs in its own spawned
+    process: papermill/nbclient clients sharing one process's ZMQ context from several threads can
+    deadlock (seen: a kernel idle, its client never told)."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     pending = list(stage)
     done: set[str] = set()
     running: dict = {}
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="e3f-nb") as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         while pending or running:
             for nb in list(pending):
                 if len(running) >= jobs:
                     break
                 if all(d in done or d not in stage for d in needs.get(nb, [])):
                     pending.remove(nb)
-                    running[pool.submit(run_one, nb)] = nb
+                    running[submit(pool, nb)] = nb
             if not running:  # unsatisfiable needs (a cycle): run the next one anyway
                 nb = pending.pop(0)
-                running[pool.submit(run_one, nb)] = nb
+                running[submit(pool, nb)] = nb
             finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
             for f in finished:
-                done.add(running.pop(f))
-                f.result()
+                nb = running.pop(f)
+                done.add(nb)
+                try:
+                    entry = f.result()
+                except Exception as exc:  # noqa: BLE001 - the child process itself died
+                    entry = {"notebook": nb, "ok": False, **_failure(exc)}
+                record(nb, entry)
+
+
+def _execute_child(nb: str, src: str, run_dir: str, nb_params: dict, timeout: int) -> dict:
+    """:func:`_execute` in a child process (imports papermill there)."""
+    import papermill as pm
+
+    return _execute(nb, Path(src), Path(run_dir), nb_params, timeout, pm)
 
 
 def _execute(nb: str, src: Path, run_dir: Path, nb_params: dict, timeout: int, pm) -> dict:
@@ -427,11 +443,18 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
                 bar.update(1)
                 bar.set_postfix_str(nb)
 
+        def nb_params_of(nb: str) -> dict:
+            p = dict(base_params)
+            p.update(params.notebook_params.get(nb, {}))
+            return p
+
         def run_one(nb: str) -> None:
-            nb_params = dict(base_params)
-            nb_params.update(params.notebook_params.get(nb, {}))
-            record(nb, _execute(nb, params.notebook_path(nb), run_dir, nb_params,
+            record(nb, _execute(nb, params.notebook_path(nb), run_dir, nb_params_of(nb),
                                 params.timeout_per_notebook, pm))
+
+        def submit(pool, nb: str):
+            return pool.submit(_execute_child, nb, str(params.notebook_path(nb)), str(run_dir),
+                               nb_params_of(nb), params.timeout_per_notebook)
 
         for stage in _stages(notebooks):
             if stage == [POSTMORTEM]:
@@ -444,7 +467,7 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
                 for nb in stage:
                     run_one(nb)
             else:
-                _run_parallel(stage, run_one, params.jobs, params.needs)
+                _run_parallel(stage, submit, record, params.jobs, params.needs)
         bar.close()
     finally:
         if server is not None:
