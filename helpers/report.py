@@ -569,7 +569,9 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
         y = 100 * fx["accept_rate"]
         fig.add_trace(go.Scatter(
             x=fx["step"], y=y, mode="markers+lines+text", name="accept rate (95% CI)",
-            text=[esc(f) for f in fx["fix"]], textposition="top center",
+            text=[esc(f) for f in fx["fix"]],
+            textposition=["top right" if i == 0 and len(fx) > 1 else "top left" if i == len(fx) - 1 and len(fx) > 1
+                          else "top center" for i in range(len(fx))],
             marker=dict(size=12, color="#1565c0"), line=dict(color="#1565c0", width=1, dash="dot"),
             error_y=dict(type="data", array=(100 * (fx["accept_rate_hi"] - fx["accept_rate"])).clip(lower=0)
                          .fillna(0).tolist(),
@@ -610,7 +612,11 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
                       margin=dict(l=60, r=60, t=130, b=60), legend=dict(orientation="h", y=-0.18))
     fig.update_xaxes(title_text="timeline step", dtick=1, range=[0.5, max([len(steps), 1]) + 0.5])
     fig.update_yaxes(title_text="accept rate (%)", range=[-5, 105], secondary_y=False)
-    fig.update_yaxes(title_text="accept length", secondary_y=True, rangemode="tozero", showgrid=False)
+    top = float(np.nanmax(fx["accept_length_hi"].to_numpy(float))) if len(fx) and \
+        np.isfinite(fx["accept_length_hi"].to_numpy(float)).any() else 1.0
+    # same -5..105 % frame as the left axis: 0 lines up, and the top leaves room for the CI bar
+    fig.update_yaxes(title_text="accept length", secondary_y=True, showgrid=False,
+                     range=[-0.05 * top * 1.1, 1.05 * top * 1.1])
     return fig
 
 
