@@ -92,7 +92,14 @@ class ServerParams(BaseModel):
 
 
 class SuiteParams(BaseModel):
-    """Validated suite params file (YAML). See env/cases/main.yaml for a documented example."""
+    """Validated suite params file (YAML). See env/cases/main.yaml for a documented example.
+
+    Fields: ``name`` (run folder suffix), ``server`` (``url`` | ``managed``, ``api_key_env``),
+    ``case`` (case file replayed by 00_replay), ``target_dir`` / ``draft_dir`` / ``training_data``
+    (live notebooks), ``notebooks`` (order), ``notebook_dir`` (default ``notebooks/``), ``common`` and
+    ``notebook_params`` (papermill parameters), ``timeout_per_notebook`` (s), ``jobs`` and ``needs``
+    (concurrency of the views). Relative paths: repository root first, then the params file's folder.
+    """
 
     model_config = ConfigDict(extra="forbid")
     name: str = "postmortem"
