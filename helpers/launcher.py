@@ -12,6 +12,8 @@ The server runs in the dedicated venv made by ``env/reference/install.sh`` with 
   (e.g. ``sglang/srt/speculative/spec_utils.py``); on 2 cores inductor's C++ build costs ~40 s of
   startup for no benefit at this size,
 * ``E3F_STANDIN_THREADS`` / ``OMP_NUM_THREADS``: one torch thread per rank by default,
+* ``SGLANG_DISABLED_MODEL_ARCHS``: for a Llama target, every model module but ``llama`` and
+  ``llama_eagle3`` (SGLang otherwise imports ~250 model files in each process at startup),
 * ``--max-total-tokens`` (otherwise the KV pool is sized from RAM: tens of seconds),
   ``--disable-cuda-graph``, ``--sampling-backend pytorch``, ``--attention-backend intel_amx``.
 
@@ -306,6 +308,28 @@ def _pump_output(stream, log_path: Path, secrets: list[str]) -> None:
     stream.close()
 
 
+KEEP_MODEL_MODULES = {"llama": ("llama", "llama_eagle3")}
+
+
+def disabled_model_modules(python: Path, model_type: Optional[str]) -> Optional[str]:
+    """Value for ``SGLANG_DISABLED_MODEL_ARCHS``: every module of ``sglang/srt/models`` except the
+    ones a ``model_type`` needs, or None when the model type is not known here.
+
+    SGLang's model registry imports all ~250 model modules at startup in every process
+    (``sglang/srt/models/registry.py::import_model_classes``), unless listed in this env var;
+    skipping them saves most of the per-process import time on 2 cores.
+    """
+    keep = KEEP_MODEL_MODULES.get(model_type or "")
+    if keep is None:
+        return None
+    lib = Path(python).resolve().parent.parent / "lib"
+    found = sorted(lib.glob("python3*/site-packages/sglang/srt/models"))
+    if not found:
+        return None
+    names = sorted(p.stem for p in found[0].glob("*.py") if p.stem not in keep and p.stem != "__init__")
+    return ",".join(names)
+
+
 def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
                   spec: Optional[SpecConfig], port: int, dtype: str, max_total_tokens: int,
                   return_hidden_states: bool, enable_metrics: bool,
@@ -395,7 +419,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
           cpus: Optional[Sequence[int]] = None, threads_per_rank: int = 1) -> ServerHandle:
     """One start attempt (see :func:`start`)."""
     target = Path(target) if target is not None else REFERENCE_TARGET
-    check_model_dir(target, "target")
+    target_cfg = check_model_dir(target, "target")
     if isinstance(spec, dict):
         spec = SpecConfig(**spec)
     draft_path = Path(draft) if draft is not None else None
@@ -435,6 +459,9 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
         "E3F_STANDIN_THREADS": str(threads_per_rank), "OMP_NUM_THREADS": str(threads_per_rank),
         "E3F_SHM_KEY": f"{os.getpid()}-{port}-{int(time.time() * 1e3) % 10**9}",
     })
+    disabled = disabled_model_modules(python, target_cfg.get("model_type"))
+    if disabled and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:
+        server_env["SGLANG_DISABLED_MODEL_ARCHS"] = disabled
     server_env.update(env or {})
     with open(log_path, "ab") as fh:
         fh.write(("$ " + " ".join(shown) + "\n").encode())
