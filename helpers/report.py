@@ -276,7 +276,8 @@ class RunContext:
         run_dir: the run folder (results, dumps, ledger...).
         server_url: live server URL, or "" (replay mode: render the run folder's records).
         api_key_env: name of the environment variable holding the server's API key (value never stored).
-        case_path: the case file, when there is one; case: the validated :class:`helpers.cases.Case`.
+        case_path: the case file, when there is one; :meth:`load_case` validates it (views only read its
+            ``models`` block, without importing torch: the hypothesis library loads with the validation).
         target_dir / draft_dir / training: model and training-data paths (case, params, or defaults).
         replay: the replay document (``results/replay-*.json``) or None.
     """
@@ -285,7 +286,6 @@ class RunContext:
     server_url: str = ""
     api_key_env: str = "SGLANG_API_KEY"
     case_path: Optional[Path] = None
-    case: Any = None
     target_dir: Optional[Path] = None
     draft_dir: Optional[Path] = None
     training: Optional[Path] = None
@@ -295,6 +295,14 @@ class RunContext:
     @property
     def live(self) -> bool:
         return bool(self.server_url)
+
+    def load_case(self):
+        """The validated :class:`helpers.cases.Case` of ``case_path`` (None without one).
+
+        Raises: helpers.cases.CaseError for an invalid case file."""
+        from .cases import load_case
+
+        return load_case(self.case_path) if self.case_path is not None else None
 
     @property
     def hidden_size(self) -> Optional[int]:
@@ -320,28 +328,27 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     are relative to ``repo_root`` (default: this checkout).
 
     Raises:
-        helpers.cases.CaseError: an invalid case file.
+        helpers.cases.CaseError: a case file that is not YAML or whose ``models`` block is invalid (the
+        whole file is validated by :meth:`RunContext.load_case`, i.e. when 00_replay replays it).
     """
-    from .cases import load_case
-
     base = as_path(repo_root) or ROOT
     rd = resolve_run_dir(run_dir, create=create)
     ctx = RunContext(run_dir=rd, server_url=str(server_url or ""), api_key_env=api_key_env or "SGLANG_API_KEY")
     rec = read_json_file(rd / "results" / "00_replay.json") or {}
     cp = as_path(case, base) or as_path(rec.get("case_path"), base)
+    m = None
     if cp is not None and cp.exists():
         ctx.case_path = cp
-        ctx.case = load_case(cp)
+        m = _case_models(cp)
     elif cp is not None:
         ctx.notes.append(f"case file {cp} not found")
-    m = ctx.case.models if ctx.case is not None else None
 
     def pick(explicit, from_case, default):
         p = as_path(explicit, base)
         if p is not None:
             return p
         if from_case:
-            return ctx.case.resolve(from_case)
+            return as_path(from_case)  # case files' model paths are relative to the repository root
         return as_path(default, base)
 
     ctx.target_dir = pick(target_dir, m.target if m else None, DEFAULT_TARGET)
@@ -349,6 +356,22 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     ctx.training = pick(training_data, m.training_data if m else None, DEFAULT_TRAINING)
     ctx.replay = load_replay(rd)
     return ctx
+
+
+def _case_models(path: Path):
+    """The ``models`` block of a case file (helpers.cases.Models), read without validating the rest."""
+    import yaml
+    from pydantic import ValidationError
+
+    from .cases import CaseError, Models
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        return Models.model_validate(raw.get("models") or {})
+    except yaml.YAMLError as exc:
+        raise CaseError(f"case file {path} is not valid YAML: {exc}") from None
+    except ValidationError as exc:
+        raise CaseError(f"case file {path}: field 'models': {exc.errors()[0]['msg']}") from None
 
 
 def connect(ctx: RunContext):
@@ -401,17 +424,18 @@ def load_replay(run_dir: Path) -> Optional[dict]:
 
 
 def run_or_load_replay(ctx: RunContext, *, rerun: bool = False, progress: bool = False) -> Optional[dict]:
-    """Replay ``ctx.case`` into ``ctx.run_dir`` (or load a complete replay already there unless ``rerun``);
+    """Replay the case of ``ctx.case_path`` into ``ctx.run_dir`` (or load a complete replay already there unless ``rerun``);
     record the case path in ``results/00_replay.json``. Returns the replay document, None without a case.
     The API key, if any, is read from the environment variable named by ``ctx.api_key_env``."""
     from .replay import replay_case
 
-    if ctx.case is None:
+    case = ctx.load_case()
+    if case is None:
         return ctx.replay
     doc = ctx.replay
-    if rerun or doc is None or not doc.get("complete") or doc.get("case") != ctx.case.name:
+    if rerun or doc is None or not doc.get("complete") or doc.get("case") != case.name:
         key = os.environ.get(ctx.api_key_env) or None
-        doc = replay_case(ctx.case, ctx.run_dir, progress=progress, api_key=key)
+        doc = replay_case(case, ctx.run_dir, progress=progress, api_key=key)
     ctx.replay = doc
     write_result(ctx.run_dir, "00_replay", {
         "case_path": str(ctx.case_path), "case": doc.get("case"), "headline": doc.get("headline"),
