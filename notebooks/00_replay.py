@@ -1,0 +1,83 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 Replay: the investigation as a timeline
+#
+# A case file tells an investigation as a timeline: **fixes** (server configurations, after each of which
+# acceptance is measured) and **hypotheses** (named checks that return a verdict from measurements, not from
+# reading engine code), optionally a `num_steps` **sweep**. This notebook replays the case on the embedded
+# SGLang reference server (a fresh server per fix) and renders the timeline. The other notebooks of the suite
+# are views of what this replay records in the run folder.
+
+# %% tags=["parameters"]
+run_dir = ""  # run folder; empty: a new one under outputs/
+server_url = ""  # unused here: a replay starts its own reference servers
+repo_root = ""  # checkout that relative paths are resolved against; empty: this one
+api_key_env = "SGLANG_API_KEY"  # NAME of the environment variable holding an API key (never the key)
+case = "env/cases/seeds_hunt.yaml"  # the case file to replay (empty: only show a replay already in run_dir)
+target_dir = ""  # empty: the case's models (default env/models/target)
+draft_dir = ""  # empty: the case's models (default env/models/draft)
+training_data = ""  # empty: the case's models (default env/models/data/sample)
+rerun = False  # replay again even when run_dir already holds a complete replay of this case
+
+# %%
+from helpers import report as R
+
+R.setup_notebook()
+ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
+                draft_dir=draft_dir, training_data=training_data, repo_root=repo_root, create=True)
+doc = R.run_or_load_replay(ctx, rerun=rerun)
+
+# %% [markdown]
+# ## What was wrong
+
+# %%
+R.show(R.headline_html(doc))
+R.show(R.story_html(doc))
+
+# %% [markdown]
+# ## Accept rate per fix, with the hypotheses on the timeline
+#
+# Points: accept rate of each fix (95% bootstrap CI over requests; diamonds: accept length, right axis).
+# Dashed vertical lines: hypotheses, coloured by verdict (red confirmed, green refuted, grey inconclusive).
+
+# %%
+R.show(R.timeline_figure(doc))
+R.show(R.fixes_display(doc))
+
+# %% [markdown]
+# ## Verdicts
+
+# %%
+R.show(R.hypotheses_frame(doc))
+
+# %% [markdown]
+# ## Step by step
+#
+# Each hypothesis with its question, verdict, the verdict the case expected, a plain-words explanation, the
+# evidence table and its figure.
+
+# %%
+R.show_timeline(doc, ctx.run_dir)
+
+# %% [markdown]
+# ## Sweep: tok/s vs num_steps
+#
+# Once acceptance is right, the number of draft steps trades acceptance against verify cost.
+
+# %%
+fig = R.sweep_figure(doc)
+R.show(fig if fig is not None else R.note("This case has no num_steps sweep."))

@@ -1,0 +1,112 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 Compare: served vs training, chunk by chunk
+#
+# Rows are aligned by token ids; every served chunk is compared with every training chunk
+# (`rel_diff = 1 - 2<x,y>/(|x|^2+|y|^2)`, 0 = identical) and, with the reference dump, with every layer of the
+# target, which names what each chunk really holds. The findings name the fault in the shared vocabulary
+# (`embedding_in_place_of_layer`, `layer_offset`, `tp_partial_sum`, ...).
+
+# %% tags=["parameters"]
+run_dir = ""  # run folder; empty: the newest under outputs/
+server_url = ""  # unused: the comparison is offline (02_dump captures a live server)
+repo_root = ""  # checkout that relative paths are resolved against; empty: this one
+api_key_env = "SGLANG_API_KEY"  # NAME of the environment variable holding the API key (never the key)
+case = ""  # case file; empty: the one recorded by 00_replay
+target_dir = ""  # empty: the case's / env/models/target
+draft_dir = ""  # empty: the case's / env/models/draft
+training_data = ""  # empty: the case's / env/models/data/sample
+served = ""  # served dump folder; empty: the first served dump of the run folder
+max_samples = 8  # training samples read
+
+# %%
+from helpers import report as R
+
+R.setup_notebook()
+ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
+                draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
+candidates = R.served_dumps(ctx.run_dir)
+served_dump = R.as_path(served) or (candidates[0] if candidates else None)
+if served_dump is None:
+    raise FileNotFoundError(f"no served dump in {ctx.run_dir}/dumps (run 00_replay or 02_dump first)")
+H = ctx.hidden_size
+diag = R.run_diagnosis(ctx, served_dump, reference=R.reference_dump(ctx.run_dir), max_samples=max_samples)
+tol = diag.comparison.tolerance
+R.show(R.note(f"served dump: {served_dump.name}; training data: {ctx.training}; tolerance {tol:g}"))
+
+# %% [markdown]
+# ## Findings
+
+# %%
+R.show(R.findings_frame(diag.findings) if diag.findings else R.note("No finding: served equals training."))
+
+# %% [markdown]
+# ## Chunk table
+#
+# Per served chunk: the tensor the config asks for, the tensor training used, the tensor the reference says it
+# holds, the closest training chunk and its rel_diff / cosine.
+
+# %%
+R.show(R.chunk_table(diag))
+
+# %% [markdown]
+# ## Served x training rel_diff
+#
+# Diagonal blue = each slot holds what the draft was trained on. A red diagonal cell is a slot the draft reads
+# wrong features from.
+
+# %%
+matrix = R.rel_diff_matrix(diag)
+R.show(R.rel_diff_heatmap(matrix, title="rel_diff: served chunk x training chunk", tolerance=tol))
+ref_matrix = R.rel_diff_matrix(diag, against="reference")
+if len(ref_matrix):
+    R.show(R.rel_diff_heatmap(ref_matrix, title="rel_diff: served chunk x target layer (reference)",
+                              tolerance=tol))
+
+# %% [markdown]
+# ## Per-token rel_diff
+#
+# Slot i of the served row against slot i of the training row, token by token: a constant offset points at a
+# wiring fault, isolated spikes at numerics.
+
+# %%
+pairs = R.aligned_rows(served_dump, ctx.training, H, max_samples=max_samples)
+per_token = R.per_token_rel_diff(pairs, H)
+if len(per_token):
+    samples = list(dict.fromkeys(per_token["sample"]))
+    R.interactive(lambda sample, chunk: R.per_token_figure(per_token, sample, chunk, tolerance=tol),
+                  {"sample": samples, "chunk": ["all"] + sorted(int(c) for c in per_token["chunk"].unique())},
+                  caption="first sample, all chunks")
+    R.show(R.rel_diff_histograms(per_token, tolerance=tol))
+else:
+    R.show(R.note("No served sample shares its tokens with a training sample."))
+
+# %% [markdown]
+# ## The minimum tolerance that would pass
+#
+# How loose a comparison would have to be to call the served tensor "equal" to training, per slot and overall
+# ("all"): a wiring fault needs an absurd tolerance, numerics a small one.
+
+# %%
+min_tol = R.min_tolerance_frame(diag, per_token)
+R.show(min_tol)
+
+# %%
+R.write_result(ctx.run_dir, "03_compare", {
+    "served": str(served_dump), "verdict": diag.verdict, "findings": diag.findings, "chunks": diag.chunks,
+    "tolerance": tol, "rel_diff": matrix.to_dict(), "reference_rel_diff": ref_matrix.to_dict(),
+    "min_tolerance": min_tol.to_dict(orient="records")})

@@ -1,0 +1,101 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 20 Acceptance per fix
+#
+# Accept length (tokens per verify step, bonus included), accept rate (accepted / proposed draft tokens) and
+# tok/s per fix, with 95% bootstrap confidence intervals over requests, from the run folder's ledger
+# (`ledger.parquet`: one row per measured fix). With `server_url` and `measure_label` set, the live server is
+# measured first and appended to the ledger as a new fix.
+
+# %% tags=["parameters"]
+run_dir = ""  # run folder; empty: the newest under outputs/
+server_url = ""  # live server; empty: only the ledger
+repo_root = ""  # checkout that relative paths are resolved against; empty: this one
+api_key_env = "SGLANG_API_KEY"  # NAME of the environment variable holding the API key (never the key)
+case = ""  # case file; empty: the one recorded by 00_replay
+target_dir = ""  # unused here
+draft_dir = ""  # unused here
+training_data = ""  # unused here
+measure_label = ""  # live: the fix name of this measurement (empty: do not measure)
+count = 24  # live: prompts (bundled set)
+max_new_tokens = 64  # live: tokens per request
+
+# %%
+from helpers import figures as F
+from helpers import report as R
+
+R.setup_notebook()
+ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, repo_root=repo_root)
+if ctx.live and measure_label:
+    R.measure_live(ctx, measure_label, count=count, max_new_tokens=max_new_tokens)
+ledger = R.ledger_frame(ctx.run_dir)
+fixes, sweep = R.main_fixes(ledger), R.sweep_rows(ledger)
+
+# %% [markdown]
+# ## Ledger
+
+# %%
+R.show(R.acceptance_table(ledger) if len(ledger) else R.note("The ledger of this run folder is empty."))
+
+# %% [markdown]
+# ## Accept length and tok/s per fix
+#
+# Bars: accept length with CI; red markers: tok/s with CI (right axis); dashed: the target-only baseline tok/s
+# when the case measured one.
+
+# %%
+if len(fixes):
+    R.show(F.accept_length_by_fix(fixes))
+
+# %% [markdown]
+# ## Per-position acceptance
+#
+# r_i = P(at least i drafts accepted in a verify step), α_i = r_i / r_(i-1). A broken draft input collapses
+# r_1; a good draft decays slowly.
+
+# %%
+if len(fixes):
+    names = list(dict.fromkeys(fixes["fix"].astype(str)))
+    R.interactive(lambda fix: F.position_curves(fixes[fixes["fix"].astype(str) == fix],
+                                                title=f"Per-position acceptance ({fix})"),
+                  {"fix": names}, caption="first fix")
+    R.show(F.position_curves(fixes))
+
+# %% [markdown]
+# ## Tokens per verify step
+
+# %%
+if len(fixes):
+    R.show(F.accept_length_histogram(fixes))
+
+# %% [markdown]
+# ## tok/s vs num_steps
+#
+# The replay's sweep (its points include the fix's own measurement when the sweep reused it), else the
+# ledger's sweep rows.
+
+# %%
+fig = R.sweep_figure(ctx.replay)
+if fig is None and len(sweep):
+    fig = F.tok_s_vs_steps(sweep)
+R.show(fig if fig is not None else R.note("No num_steps sweep in this run folder."))
+
+# %%
+R.write_result(ctx.run_dir, "20_acceptance", {
+    "fixes": R.acceptance_table(fixes).to_dict(orient="records"),
+    "sweep": R.acceptance_table(sweep).to_dict(orient="records"),
+    "before_after": R.before_after(ctx.replay, ledger).to_dict(orient="records")})

@@ -1,0 +1,74 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Postmortem
+
+# %% tags=["parameters"]
+run_dir = ""  # run folder; empty: the newest under outputs/
+server_url = ""  # unused: the postmortem reads the run folder only
+repo_root = ""  # checkout that relative paths are resolved against; empty: this one
+api_key_env = "SGLANG_API_KEY"  # unused
+case = ""  # case file; empty: the one recorded by 00_replay
+target_dir = ""  # unused
+draft_dir = ""  # unused
+training_data = ""  # unused
+
+# %%
+from helpers import figures as F
+from helpers import report as R
+
+R.setup_notebook()
+ctx = R.context(run_dir, case=case, repo_root=repo_root)
+doc, ledger, status = ctx.replay, R.ledger_frame(ctx.run_dir), R.suite_status(ctx.run_dir)
+R.show(R.headline_html(doc))
+
+# %% [markdown]
+# ## Verdicts
+#
+# Every hypothesis, in the order of the investigation, with the verdict the case expected.
+
+# %%
+verdicts = R.verdict_summary(ctx.run_dir, doc)
+R.show(verdicts if len(verdicts) else R.note("No hypothesis was run."))
+compared = R.read_result(ctx.run_dir, "03_compare") or {}
+if compared.get("findings"):
+    R.show("<b>Offline diagnosis (03_compare) findings</b>")
+    R.show(R.findings_frame(compared["findings"]))
+
+# %% [markdown]
+# ## Before and after the fix
+
+# %%
+change = R.before_after(doc, ledger)
+R.show(change if len(change) else R.note("Fewer than two fixes were measured."))
+R.show(R.timeline_figure(doc))
+fixes = R.main_fixes(ledger)
+if len(fixes):
+    R.show(F.accept_length_by_fix(fixes))
+fig = R.sweep_figure(doc)
+if fig is not None:
+    R.show(fig)
+
+# %% [markdown]
+# ## Notebooks of this run
+#
+# Each step of the investigation as its own page (code hidden; "Show code" at the top right).
+
+# %%
+R.show(R.notebook_links_html(status))
+R.show("<b>Failures</b>")
+R.show(R.failures_html(status))
+R.write_result(ctx.run_dir, "99_postmortem", R.postmortem_record(ctx.run_dir, doc))
