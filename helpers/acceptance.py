@@ -272,6 +272,65 @@ def bootstrap_ratio_ci(num: Sequence[float], den: Sequence[float], *, n_boot: in
     return est, float(lo), float(hi)
 
 
+def paired_effect(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 4000, level: float = 0.95,
+                  seed: Optional[int] = 0) -> dict:
+    """Change of accept length and accept rate between two measurements of the same prompts, with a
+    paired percentile-bootstrap CI (prompts resampled jointly in both measurements).
+
+    Two independent 95% CIs that overlap do not show "no effect": a wiring fault that costs a few
+    percent of accept length (an off-by-one layer) needs hundreds of prompts before the two CIs
+    separate, but greedy outputs are identical with and without the fault (the target decides every
+    token), so per-prompt differences are tightly paired and the CI of the difference is narrow.
+
+    Args:
+        before / after: ``per_request`` frames of :func:`measure` (``prompt_id``, ``completion_tokens``,
+            ``verify_ct``, ``correct_drafts``, ``proposed_drafts``, ``error``); rows with an error
+            or without spec fields are dropped; prompts are matched on ``prompt_id``.
+
+    Returns:
+        ``{"n_paired", "accept_length_delta", "accept_length_delta_lo", "accept_length_delta_hi",
+        "accept_rate_delta", "accept_rate_delta_lo", "accept_rate_delta_hi"}`` (accept length in
+        tokens per verify step, bonus token included; accept rate as a fraction); CI bounds are NaN
+        with fewer than 2 paired prompts.
+
+    Raises:
+        ValueError: a frame lacks one of the columns named above.
+    """
+    cols = ["prompt_id", "completion_tokens", "verify_ct", "correct_drafts", "proposed_drafts"]
+    for name, df in (("before", before), ("after", after)):
+        missing = [c for c in cols if c not in df.columns]
+        if missing:
+            raise ValueError(f"paired_effect: the {name} per_request frame lacks columns {missing}")
+
+    def clean(df):
+        ok = df["verify_ct"].fillna(0) > 0
+        if "error" in df.columns:
+            ok &= df["error"].isna() | (df["error"].astype(str) == "") | (df["error"].astype(str) == "None")
+        return df.loc[ok, cols].drop_duplicates("prompt_id")
+
+    m = clean(before).merge(clean(after), on="prompt_id", suffixes=("_a", "_b"))
+    out: dict[str, Any] = {"n_paired": int(len(m))}
+    if len(m) == 0:
+        for k in ("accept_length", "accept_rate"):
+            out.update({f"{k}_delta": float("nan"), f"{k}_delta_lo": float("nan"), f"{k}_delta_hi": float("nan")})
+        return out
+    f = lambda c: m[c].to_numpy(dtype=np.float64)  # noqa: E731
+    pairs = {"accept_length": (("completion_tokens_a", "verify_ct_a"), ("completion_tokens_b", "verify_ct_b")),
+             "accept_rate": (("correct_drafts_a", "proposed_drafts_a"), ("correct_drafts_b", "proposed_drafts_b"))}
+    w = _weights(len(m), n_boot, np.random.default_rng(seed)) if len(m) >= 2 else None
+    for k, ((na, da), (nb, db)) in pairs.items():
+        est = f(nb).sum() / f(db).sum() - f(na).sum() / f(da).sum() if f(da).sum() and f(db).sum() else float("nan")
+        out[f"{k}_delta"] = float(est)
+        if w is None:
+            out[f"{k}_delta_lo"] = out[f"{k}_delta_hi"] = float("nan")
+            continue
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = (w @ f(nb)) / (w @ f(db)) - (w @ f(na)) / (w @ f(da))
+        lo, hi = _percentile(d, level)
+        out[f"{k}_delta_lo"], out[f"{k}_delta_hi"] = float(lo), float(hi)
+    return out
+
+
 def bootstrap_mean_ci(values: Sequence[float], *, n_boot: int = 2000, level: float = 0.95,
                       seed: Optional[int] = 0) -> tuple[float, float, float]:
     """Mean with a percentile-bootstrap CI; ``(estimate, lo, hi)`` (NaN CI below 2 values)."""

@@ -12,6 +12,10 @@ Format (YAML, validated with pydantic; documented in env/cases/README.md)::
       training_data: env/models/data/sample
     server: {tp: 2, spec: {num_steps: 3, topk: 1, num_draft_tokens: 4}}
     measure: {count: 24, max_new_tokens: 48, concurrency: 4}
+    effect_test: cis                       # how a fix is judged to help: cis (the two 95% CIs are
+                                           # disjoint) or paired (the paired 95% CI of the change,
+                                           # same prompts, excludes 0: for faults costing a few %)
+    slow: false                            # true: replayed only in the slow test tier
     timeline:
       - fix:                               # start a server with this configuration, measure it
           name: as deployed (embedding in place of out(1))
@@ -152,6 +156,7 @@ class Case(BaseModel):
     measure: MeasureSettings = Field(default_factory=MeasureSettings)
     timeline: list[Step] = Field(min_length=1)
     slow: bool = False  # replayed only in the slow test tier
+    effect_test: Literal["cis", "paired"] = "cis"  # how the tests judge that the fix helped
 
     @field_validator("name")
     @classmethod

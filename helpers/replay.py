@@ -168,8 +168,24 @@ class Replay:
             self.baseline = summary
         self.current = {"fix": fix, "client": client, "draft": draft, "capture_dir": capture_dir,
                         "requested": requested, "summary": summary, "index": i, "inv": None}
-        rec.update(server_startup_s=round(startup, 1), summary=_slim(summary))
+        rec.update(server_startup_s=round(startup, 1), summary=_slim(summary),
+                   acceptance_dir=f"acceptance/{safe_name(fix.name)}")
         return rec
+
+    def fix_effect(self) -> Optional[dict]:
+        """Paired change (same prompts) from the first to the last measured fix
+        (:func:`helpers.acceptance.paired_effect`), or None with fewer than two."""
+        import pandas as pd
+
+        from .acceptance import paired_effect
+
+        fixes = [s for s in self.steps if s.get("kind") == "fix" and not s.get("baseline")
+                 and s.get("summary") and s.get("acceptance_dir")]
+        if len(fixes) < 2:
+            return None
+        a, b = fixes[0], fixes[-1]
+        frames = [pd.read_parquet(self.run_dir / s["acceptance_dir"] / "per_request.parquet") for s in (a, b)]
+        return {"before": a["name"], "after": b["name"], **paired_effect(*frames)}
 
     def investigation(self):
         from .hypotheses import Investigation
@@ -258,10 +274,14 @@ class Replay:
                 doc["headline"] = headline(self.case, self.steps)
                 write_json(self.results_path, doc)
             doc["complete"] = True
+            try:
+                doc["fix_effect"] = self.fix_effect()
+            except Exception as exc:  # noqa: BLE001 - the replay's own records stand without it
+                doc["fix_effect"] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             self._stop()
             doc["wall_s"] = round(time.monotonic() - self.t0, 1)
-            doc["headline"] = headline(self.case, self.steps)
+            doc["headline"] = headline(self.case, self.steps, doc.get("fix_effect"))
             write_json(self.results_path, doc)
         return doc
 
@@ -298,8 +318,9 @@ def _slim(summary: dict) -> dict:
     return out
 
 
-def headline(case: Case, steps: list[dict]) -> str:
-    """One sentence: what was wrong, which step found it, and what the fix changed."""
+def headline(case: Case, steps: list[dict], effect: Optional[dict] = None) -> str:
+    """One sentence: what was wrong, which step found it, and what the fix changed (with the paired
+    95% CI of the accept-length change when ``effect``, :meth:`Replay.fix_effect`, is given)."""
     found = next((s for s in steps if s.get("kind") == "hypothesis" and s.get("verdict") == "confirmed"), None)
     fixes = [s for s in steps if s.get("kind") == "fix" and not s.get("baseline") and s.get("summary")]
     parts = []
@@ -315,8 +336,14 @@ def headline(case: Case, steps: list[dict]) -> str:
         ra, rb = a["summary"].get("accept_rate"), b["summary"].get("accept_rate")
         la, lb = a["summary"].get("accept_length"), b["summary"].get("accept_length")
         if None not in (ra, rb, la, lb):
-            parts.append(f"the fix '{b['name']}' moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
-                         f"and accept length {la:.2f} -> {lb:.2f}")
+            txt = (f"the fix '{b['name']}' moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
+                   f"and accept length {la:.2f} -> {lb:.2f}")
+            e = effect or {}
+            if e.get("n_paired", 0) >= 2 and all(isinstance(e.get(k), float) and math.isfinite(e[k]) for k in
+                                                 ("accept_length_delta_lo", "accept_length_delta_hi")):
+                txt += (f" ({e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
+                        f"{e['accept_length_delta_hi']:+.2f}], paired 95% CI over {e['n_paired']} prompts)")
+            parts.append(txt)
     sweep = next((s for s in steps if s.get("kind") == "sweep" and s.get("best_num_steps")), None)
     if sweep:
         parts.append(f"best tok/s at num_steps={sweep['best_num_steps']}")

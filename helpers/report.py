@@ -1504,7 +1504,8 @@ def verdict_summary(run_dir: Path, doc: Optional[Mapping[str, Any]] = None) -> p
 
 def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """Accept rate / length / tok/s of the first fix (before) and the last fix (after) with 95% CIs, and
-    whether the change is outside both CIs. From the replay (or, without one, the ledger's first and last
+    whether the change is outside both CIs, and the paired CI of the change over the same prompts
+    (the replay's ``fix_effect``, :func:`helpers.acceptance.paired_effect`). From the replay (or, without one, the ledger's first and last
     main-fix rows). Empty with fewer than two fixes."""
     fx = fixes_frame(doc)
     if len(fx):
@@ -1518,6 +1519,7 @@ def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.Da
     if len(fx) < 2:
         return pd.DataFrame()
     a, b = fx.iloc[0], fx.iloc[-1]
+    eff = (doc or {}).get("fix_effect") or {}
     rows = []
     for k, label, pct in (("accept_rate", "accept rate", True), ("accept_length", "accept length", False),
                           ("tok_s", "tok/s", False)):
@@ -1525,11 +1527,17 @@ def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.Da
         sep = ""
         if all(math.isfinite(_num(v)) for v in (a[k + "_lo"], a[k + "_hi"], b[k + "_lo"], b[k + "_hi"])):
             sep = "yes" if (b[k + "_lo"] > a[k + "_hi"] or b[k + "_hi"] < a[k + "_lo"]) else "no"
+        paired = ""
+        d, lo, hi = (_num(eff.get(f"{k}_delta{x}")) for x in ("", "_lo", "_hi"))
+        if all(math.isfinite(v) for v in (d, lo, hi)):
+            g = (lambda x: f"{100 * x:+.1f}") if pct else (lambda x: f"{x:+.2f}")
+            paired = f"{g(d)} [{g(lo)}, {g(hi)}]{' points' if pct else ''} over {eff.get('n_paired')} prompts"
         rows.append({"metric": label, f"before: {a['fix']}": _fmt_ci(a, k, f),
                      f"after: {b['fix']}": _fmt_ci(b, k, f),
                      "change": (f(b[k] - a[k]) if not pct else f"{100 * (b[k] - a[k]):+.1f} points")
                      if math.isfinite(_num(a[k])) and math.isfinite(_num(b[k])) else "",
-                     "outside both 95% CIs": sep})
+                     "outside both 95% CIs": sep,
+                     "paired 95% CI of the change": paired})
     return pd.DataFrame(rows)
 
 

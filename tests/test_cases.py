@@ -67,10 +67,16 @@ def _before_after(doc: dict) -> tuple[dict, dict]:
     return fixes[0]["summary"], fixes[-1]["summary"]
 
 
-def _assert_fix_helps(doc: dict) -> None:
+def _assert_fix_helps(doc: dict, effect_test: str = "cis") -> None:
     before, after = _before_after(doc)
-    assert after["accept_length_lo"] > before["accept_length_hi"], (before, after)
     assert after["accept_rate"] > before["accept_rate"]
+    if effect_test == "cis":  # the two 95% CIs are disjoint
+        assert after["accept_length_lo"] > before["accept_length_hi"], (before, after)
+    else:  # the paired 95% CI of the change (same prompts, before vs after) excludes 0
+        eff = doc["fix_effect"]
+        assert eff["n_paired"] == before["n_requests"] == after["n_requests"], eff
+        assert eff["accept_length_delta_lo"] > 0, eff
+        assert abs(eff["accept_length_delta"] - (after["accept_length"] - before["accept_length"])) < 1e-9
 
 
 @needs_models
@@ -99,7 +105,7 @@ SLOW_CASES = ["wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2
 def test_bundled_case_replays(name, tmp_path):
     doc = _replay(name, tmp_path)
     _check_verdicts(doc, ROOT / "env" / "cases" / f"{name}.yaml")
-    _assert_fix_helps(doc)
+    _assert_fix_helps(doc, load_case(ROOT / "env" / "cases" / f"{name}.yaml").effect_test)
 
 
 @needs_models
