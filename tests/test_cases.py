@@ -95,7 +95,8 @@ def test_seeds_hunt_replays_with_expected_verdicts(tmp_path):
     assert led["steps"][0]["summary"]["accept_length"] == doc["steps"][0]["summary"]["accept_length"]
 
 
-SLOW_CASES = ["wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2t", "seeds_hook_variant"]
+SLOW_CASES = ["wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2t", "seeds_hook_variant",
+              "fallback_ids"]
 
 
 @needs_models
@@ -119,3 +120,13 @@ def test_missing_final_chunk_crashes_and_static_check_names_it(tmp_path):
     static = doc["steps"][1]
     assert "missing_chunk" in static["data"]["findings"] or "width_mismatch" in static["data"]["findings"]
     assert doc["steps"][2]["summary"]["accept_length"] > 1.5
+
+
+def test_replay_cli_rejects_a_bad_case_with_status_2(tmp_path, capsys):
+    from helpers.__main__ import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - hypothesis: {check: no_such_check}\n")
+    assert main(["replay", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "unknown check" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing created for a case that does not validate

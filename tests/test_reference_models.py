@@ -69,7 +69,7 @@ def _pairs():
 
 
 def test_committed_artifacts_fit_the_size_budget():
-    paths = [TARGET_DIR, DRAFT_DIR, SAMPLE_DIR.parent, PROMPTS_FILE]
+    paths = [TARGET_DIR, DRAFT_DIR, DRAFT_DIR.parent / "draft_alt", SAMPLE_DIR.parent, PROMPTS_FILE]
     total = sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*"))
                 if f.is_file())
     assert total <= 20 * 2 ** 20, f"{total / 2 ** 20:.1f} MiB > 20 MiB"
@@ -273,3 +273,18 @@ def test_tp2_eagle3_accept_length_and_greedy_equality(target, tokenizer):
     assert 0.3 < s["accept_rate"] <= 1.0 and math.isfinite(s["tok_per_s"])
     hf = greedy_continue(target, prompts, new, batch_size=16, stop_at_eos=False)
     assert [r["output_ids"] for r in recs] == hf
+
+
+def test_second_draft_matches_its_training_manifest():
+    """draft_alt (fallback-ids case): nested ids, training manifest and fc width agree on out(4..6)."""
+    from helpers.configs import read_draft_config, read_draft_weights
+    from helpers.training_data import recorded_layer_ids
+
+    alt = DRAFT_DIR.parent / "draft_alt"
+    cfg = read_draft_config(alt)
+    assert list(cfg.nested_layer_ids) == [4, 5, 6]
+    assert recorded_layer_ids(SAMPLE_DIR.parent / "sample_alt")[0] == [4, 5, 6]
+    w = read_draft_weights(alt)
+    H = json.loads((TARGET_DIR / "config.json").read_text())["hidden_size"]
+    assert tuple(w.fc_shape) == (H, 3 * H)
+    assert cfg.draft_vocab_size == 2048 and w.d2t_shape == (cfg.draft_vocab_size,)

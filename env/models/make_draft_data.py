@@ -102,14 +102,17 @@ def main(argv=None) -> int:
                     help="share of samples whose continuation is sampled at --temperature "
                          "instead of greedy (the last ones)")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--layer-ids", type=int, nargs=3, default=None,
+                    help="aux layers in SpecForge's out(i) convention (default: SpecForge's "
+                         "[1, n//2-1, n-4]); e.g. 4 5 6 for the fallback-ids case's second draft")
     a = ap.parse_args(argv)
     t0 = time.time()
     seed_everything(a.seed, a.threads)
     device = pick_device(a.device)
     tcfg = json.loads((a.target / "config.json").read_text())
     n_layers, target_vocab = tcfg["num_hidden_layers"], tcfg["vocab_size"]
-    layer_ids = specforge_default_layer_ids(n_layers)
-    assert len(set(layer_ids)) == 3, layer_ids
+    layer_ids = list(a.layer_ids) if a.layer_ids else specforge_default_layer_ids(n_layers)
+    assert len(set(layer_ids)) == 3 and max(layer_ids) < n_layers - 1, layer_ids
     timings = {}
 
     # 1. regenerate (or reuse) the token sequences
