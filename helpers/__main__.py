@@ -7,6 +7,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
   server     start / stop the embedded SGLang CPU reference server              (helpers.launcher)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
   measure    accept length / accept rate / tok/s per fix                         (helpers.acceptance)
+  replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.replay)
   suite      run the notebook suite with papermill, write postmortem.html        (helpers.suite)
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ COMMANDS = {
     "server": "helpers.launcher",
     "capture": "helpers.capture",
     "measure": "helpers.acceptance",
+    "replay": "helpers.replay",
     "suite": "helpers.suite",
 }
 
