@@ -15,6 +15,18 @@ from __future__ import annotations
 import importlib
 import sys
 
+USAGE = """usage: python -m helpers <command> [options]      (python -m helpers <command> --help)
+
+commands:
+  diagnose   offline wiring diagnosis: served aux hidden states vs training data
+  server     start / stop the embedded SGLang CPU reference server
+  capture    dump the aux hidden states a live server feeds the draft
+  measure    accept length / accept rate / tok/s per fix
+  replay     replay a case file (fixes, hypotheses, sweep) into a run folder
+  suite      run the notebook suite with papermill, write postmortem.html
+
+exit codes: 0 ok, 1 findings / failed notebooks / unexpected verdicts, 2 bad input"""
+
 COMMANDS = {
     "diagnose": "helpers.diagnose",
     "server": "helpers.launcher",
@@ -28,7 +40,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:

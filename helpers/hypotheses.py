@@ -269,8 +269,9 @@ def _bar(x, y, title, ytitle, *, log=False, color=None):
 
 
 def _layer_index(name: Optional[str]) -> Optional[int]:
-    """``out(L)`` -> L, ``embedding`` -> -1, else None."""
-    if not name:
+    """``out(L)`` -> L, ``embedding`` -> -1, else None (also for NaN: pandas 3 stores a missing
+    entry of a string column as NaN)."""
+    if not isinstance(name, str) or not name:
         return None
     if name == "embedding":
         return -1
@@ -292,7 +293,11 @@ def _chunk_frame(inv: Investigation) -> pd.DataFrame:
                      "trained": trained[i] if i < len(trained) else None,
                      "matched training chunk": ch["matched_training_chunk"],
                      "rel_diff vs training": ch["rel_diff"], "cosine vs training": ch["cosine"]})
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    for col in ("configured", "measured (reference)", "trained"):  # keep None (not NaN) for
+        if col in frame:                                           # unidentified / missing chunks
+            frame[col] = pd.Series([r[col] for r in rows], dtype=object)
+    return frame
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,17 +476,27 @@ def check_layer_offset(inv: Investigation, **_: Any) -> HypothesisResult:
                 ", ".join("?" if s is None else f"{s:+d}" for s in shifts) +
                 "): this is not a layer-id convention offset; see the chunk table for what each "
                 "chunk really is.")
+    fig = _chunk_layer_figure(frame, "Layer of each aux chunk (-1 = embedding)")
+    return HypothesisResult("layer_offset", "Layer offset", "", verdict, text, frame, fig, data)
+
+
+def _chunk_layer_figure(frame: pd.DataFrame, title: str, with_configured: bool = False):
+    """Plotly figure: per aux chunk, the decoder layer L of ``out(L)`` it was trained on, the one
+    measured against the reference layers (-1 = embedding, gaps = unidentified) and, optionally,
+    the one configured (the engine's plan)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=frame["chunk"], y=[_layer_index(v) for v in frame["trained"]],
-                             mode="markers+lines", name="trained on"))
-    fig.add_trace(go.Scatter(x=frame["chunk"], y=[_layer_index(v) for v in frame["measured (reference)"]],
-                             mode="markers+lines", name="served (measured)"))
-    fig.update_layout(title="Layer of each aux chunk (-1 = embedding)", xaxis_title="chunk",
-                      yaxis_title="decoder layer L of out(L)", height=320,
-                      margin=dict(l=60, r=20, t=50, b=40))
-    return HypothesisResult("layer_offset", "Layer offset", "", verdict, text, frame, fig, data)
+    series = [("trained on", "trained"), ("served (measured)", "measured (reference)")]
+    if with_configured and "configured" in frame:
+        series.insert(1, ("configured (engine plan)", "configured"))
+    for name, col in series:
+        fig.add_trace(go.Scatter(x=list(frame["chunk"]), y=[_layer_index(v) for v in frame[col]],
+                                 mode="markers+lines", name=name))
+    fig.update_layout(title=title, xaxis_title="chunk", yaxis_title="decoder layer L of out(L)",
+                      height=320, margin=dict(l=60, r=20, t=50, b=40))
+    fig.update_xaxes(dtick=1)
+    return fig
 
 
 def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
@@ -521,7 +536,9 @@ def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
                 f"position the config gives it{tail}. The engine concatenates in ascending layer "
                 "order, which here is the configured order.")
         short = ""
-    return HypothesisResult("concat_order", "Concatenation order", "", verdict, text, frame, None,
+    fig = _chunk_layer_figure(frame, "Aux chunk order: configured vs served (-1 = embedding)",
+                              with_configured=True)
+    return HypothesisResult("concat_order", "Concatenation order", "", verdict, text, frame, fig,
                             {**data, "short": short})
 
 
@@ -549,8 +566,9 @@ def check_embedding_included(inv: Investigation, **_: Any) -> HypothesisResult:
         verdict, text = "refuted", "No served chunk is the embedding."
     if found:
         data["finding_detail"] = found[0]["detail"]
+    fig = _chunk_layer_figure(frame, "Which aux chunk is the embedding (-1 = embedding)")
     return HypothesisResult("embedding_included", "Embedding in place of a layer", "", verdict, text,
-                            frame, None, data)
+                            frame, fig, data)
 
 
 def check_num_steps_override(inv: Investigation, **_: Any) -> HypothesisResult:

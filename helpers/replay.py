@@ -213,7 +213,7 @@ class Replay:
                         params=h.params)
         fig_path = None
         if res.figure is not None:
-            fig_path = self.run_dir / "figures" / f"step{i:02d}-{h.check}.json"
+            fig_path = self.run_dir / "figures" / f"step{i + 1:02d}-{h.check}.json"
             fig_path.write_text(res.figure.to_json())
         d = res.to_dict()
         d.pop("figure", None)
@@ -337,7 +337,9 @@ def headline(case: Case, steps: list[dict], effect: Optional[dict] = None) -> st
         ra, rb = a["summary"].get("accept_rate"), b["summary"].get("accept_rate")
         la, lb = a["summary"].get("accept_length"), b["summary"].get("accept_length")
         if None not in (ra, rb, la, lb):
-            txt = (f"the fix '{b['name']}' moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
+            name = b["name"]
+            name = name[4:].strip() if name.lower().startswith("fix:") else name
+            txt = (f"the fix of step {b.get('index', 0) + 1} ({name}) moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
                    f"and accept length {la:.2f} -> {lb:.2f}")
             e = effect or {}
             if e.get("n_paired", 0) >= 2 and all(isinstance(e.get(k), float) and math.isfinite(e[k]) for k in

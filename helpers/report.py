@@ -1485,11 +1485,12 @@ def notebook_links_html(status: Mapping[str, Any], notebooks: Sequence[str] = ()
 
 def verdict_summary(run_dir: Path, doc: Optional[Mapping[str, Any]] = None) -> pd.DataFrame:
     """Every hypothesis verdict of the run: the replay's steps, then live results of the hypothesis
-    notebooks (``results/1*_hyp_*.json`` with source ``live``). Columns: step, label, check, verdict,
-    expected, as expected, source."""
+    notebooks (``results/1*_hyp_*.json`` with source ``live``). Columns: step, label, check, question,
+    verdict, expected, as expected, source."""
     rows = []
     for _, r in hypotheses_frame(doc).iterrows():
-        rows.append({"step": r["step"], "label": r["label"], "check": r["check"], "verdict": r["verdict"],
+        rows.append({"step": r["step"], "label": r["label"], "check": r["check"],
+                     "question": r.get("question") or "", "verdict": r["verdict"],
                      "expected": r["expected"], "as expected": r["as expected"], "source": "replay"})
     for p in sorted((Path(run_dir) / "results").glob("1*_hyp_*.json")):
         res = read_json_file(p) or {}
@@ -1497,7 +1498,7 @@ def verdict_summary(run_dir: Path, doc: Optional[Mapping[str, Any]] = None) -> p
             continue
         for s in res.get("results", []):
             rows.append({"step": "", "label": s.get("label") or "", "check": res.get("check"),
-                         "verdict": s.get("verdict"), "expected": "", "as expected": "",
+                         "question": s.get("question") or "", "verdict": s.get("verdict"), "expected": "", "as expected": "",
                          "source": f"live ({p.stem})"})
     return pd.DataFrame(rows)
 
@@ -1532,9 +1533,11 @@ def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.Da
         if all(math.isfinite(v) for v in (d, lo, hi)):
             g = (lambda x: f"{100 * x:+.1f}") if pct else (lambda x: f"{x:+.2f}")
             paired = f"{g(d)} [{g(lo)}, {g(hi)}]{' points' if pct else ''} over {eff.get('n_paired')} prompts"
+        elif k == "tok_s" and eff:
+            paired = "n/a (wall-clock speed of two servers is not paired per prompt)"
         rows.append({"metric": label, f"before: {a['fix']}": _fmt_ci(a, k, f),
                      f"after: {b['fix']}": _fmt_ci(b, k, f),
-                     "change": (f(b[k] - a[k]) if not pct else f"{100 * (b[k] - a[k]):+.1f} points")
+                     "change": (f"{b[k] - a[k]:+.2f}" if not pct else f"{100 * (b[k] - a[k]):+.1f} points")
                      if math.isfinite(_num(a[k])) and math.isfinite(_num(b[k])) else "",
                      "outside both 95% CIs": sep,
                      "paired 95% CI of the change": paired})

@@ -196,6 +196,10 @@ def export_html(notebook: Path, out: Path) -> int:
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(notebook, as_version=4)
+    # page title: "<notebook> - <run folder>" (e.g. "99_postmortem - 20261130-224332-seeds-hunt");
+    # only safe characters, as the template does not escape it
+    nb.metadata["title"] = re.sub(r"[^A-Za-z0-9 _.:-]", "_",
+                                  f"{notebook.stem} - {notebook.resolve().parent.parent.name}")
     nb.metadata.pop("widgets", None)  # widget state needs a CDN manager; static figures follow each widget
     for cell in nb.cells:
         for output in cell.get("outputs", []):
@@ -270,7 +274,8 @@ class _ReplayProgress:
                        f"{(sm.get('tok_s') or float('nan')):.1f} tok/s")
             else:
                 res = f"best num_steps={st.get('best_num_steps')}"
-            print(f"[suite]   replay step {st.get('index', 0) + 1}: {st.get('kind')} {what}: {res} "
+            kind = "" if str(what).lower().startswith(f"{st.get('kind')}:") else f"{st.get('kind')} "
+            print(f"[suite]   replay step {st.get('index', 0) + 1}: {kind}{what}: {res} "
                   f"({st.get('wall_s')} s)", flush=True)
         self.seen = len(steps)
 
@@ -399,6 +404,11 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
     pp = os.environ.get("PYTHONPATH", "")
     if str(ROOT) not in pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([pp] if pp else []))
+    if only:
+        unknown = [nb for nb in only if nb not in params.notebooks]
+        if unknown:
+            raise BadParams(f"--only: unknown notebook(s) {unknown}; the params file "
+                            f"{params_path} runs {list(params.notebooks)}")
     notebooks = [nb for nb in params.notebooks if not only or nb in only]
     run_dir = new_run_dir(params.name, Path(out) if out else None)
     for sub in ("notebooks", "html", "results", "figures", "logs"):
@@ -431,7 +441,10 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
                                     "log": str(server.log_path.relative_to(run_dir))}
         elif server_url:
             status["server"] = {"url": server_url, "managed": None}
-        write_json(run_dir / "server.json", status["server"])
+        write_json(run_dir / "server.json", status["server"] or {
+            "url": None, "managed": None,
+            "note": "no server attached: the case replay (00_replay) starts and stops its own "
+                    "servers, one per fix; their logs are in logs/"})
         base_params = {"run_dir": str(run_dir), "server_url": server_url or "",
                        "repo_root": str(ROOT), "api_key_env": params.server.api_key_env}
         for key in ("case", "target_dir", "draft_dir", "training_data"):

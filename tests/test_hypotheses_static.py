@@ -71,3 +71,18 @@ def test_without_manifest_the_param_decides(tmp_path):
     # the run YAML's ids, given as the check's param, expose the edit
     res = run_check("static_wiring", _inv(tmp_path, edited, data), params={"trained_layer_ids": [1, 3, 4]})
     assert res.verdict == "confirmed" and "param" in res.data["trained_ids_source"]
+
+
+def test_chunk_layer_figure_places_the_embedding_at_minus_one():
+    import pandas as pd
+
+    from helpers.hypotheses import _chunk_layer_figure
+
+    frame = pd.DataFrame({"chunk": [0, 1, 2], "trained": ["out(1)", "out(3)", "out(4)"],
+                          "configured": ["embedding", "out(1)", "out(3)"],
+                          "measured (reference)": ["embedding", "out(1)", None]})
+    fig = _chunk_layer_figure(frame, "t", with_configured=True)
+    ys = {t.name: list(t.y) for t in fig.data}
+    assert ys == {"trained on": [1, 3, 4], "configured (engine plan)": [-1, 1, 3],
+                  "served (measured)": [-1, 1, None]}
+    assert [t.name for t in _chunk_layer_figure(frame, "t").data] == ["trained on", "served (measured)"]

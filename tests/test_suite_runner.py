@@ -114,3 +114,12 @@ def test_bad_params_exit_2_with_one_line(tmp_path, capsys, content, message):
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_only_with_an_unknown_notebook_exits_2_before_any_run_folder(failing_params, tmp_path, capsys):
+    out = tmp_path / "runs"
+    rc = suite.cli_main(["run", "--params", str(failing_params), "--out", str(out),
+                         "--only", "01_ok", "01_OK"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--only" in err and "'01_OK'" in err and "01_ok" in err and "\n" not in err
+    assert not out.exists() or not list(out.iterdir())
