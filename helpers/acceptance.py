@@ -656,7 +656,7 @@ class AcceptanceResult:
     def save(self, folder: Path | str) -> Path:
         """Write ``summary.json``, ``per_request.parquet``, ``positions.csv`` into ``folder``
         (created; files written atomically). Returns the folder."""
-        from .runfiles import atomic_write_bytes, atomic_write_text
+        from .runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -666,11 +666,7 @@ class AcceptanceResult:
                "spec": self.spec.model_dump() if self.spec else None, "baseline": self.baseline,
                "server": self.server}
         atomic_write_text(folder / "summary.json", json.dumps(doc, indent=1, default=_json_default))
-        import io
-
-        buf = io.BytesIO()
-        self.per_request.to_parquet(buf, index=False)
-        atomic_write_bytes(folder / "per_request.parquet", buf.getvalue())
+        atomic_write_bytes(folder / "per_request.parquet", parquet_bytes(self.per_request))
         atomic_write_text(folder / "positions.csv", self.positions.to_csv(index=False))
         if self.raw is not None:
             atomic_write_text(folder / "raw_meta.json", json.dumps(self.raw, default=_json_default))

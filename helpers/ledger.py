@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import json
 import os
 import shlex
@@ -51,7 +50,8 @@ import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .runfiles import DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir, safe_name  # noqa: F401
+from .runfiles import (DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir,  # noqa: F401
+                       parquet_bytes, read_parquet, safe_name)
 from .server import REDACTED, SGLangClient, SGLangError, redact, redact_argv, redact_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ class Ledger:
             return pd.DataFrame()
         try:
             # one open() = one consistent file (a concurrent os.replace cannot mix two versions)
-            return pd.read_parquet(io.BytesIO(self.path.read_bytes()))
+            return read_parquet(self.path.read_bytes())
         except FileNotFoundError:
             return pd.DataFrame()
         except Exception as exc:  # noqa: BLE001 - any parquet/arrow error
@@ -141,15 +141,14 @@ class Ledger:
             old = self._read_unlocked()
             merged = pd.concat([old, new], ignore_index=True) if len(old) else new
             merged = _arrow_safe(merged)
-            buf = io.BytesIO()
-            merged.to_parquet(buf, index=False)
-            check = pd.read_parquet(io.BytesIO(buf.getvalue()))
+            data = parquet_bytes(merged)
+            check = read_parquet(data)
             if len(old) and "row_id" in old.columns and \
                     not set(old["row_id"].dropna()).issubset(set(check["row_id"])):
                 raise LedgerError("refusing to write: the new ledger would lose rows")
             if len(check) != len(old) + len(new):
                 raise LedgerError(f"refusing to write: expected {len(old) + len(new)} rows, got {len(check)}")
-            atomic_write_bytes(self.path, buf.getvalue())
+            atomic_write_bytes(self.path, data)
         return new
 
 

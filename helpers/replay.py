@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .cases import Case, Fix, load_case
-from .runfiles import safe_name, write_json
+from .runfiles import read_parquet, safe_name, write_json
 
 CAPTURE_KEYS = ["embedding", "embedding_local"]
 
@@ -176,8 +176,6 @@ class Replay:
     def fix_effect(self) -> Optional[dict]:
         """Paired change (same prompts) from the first to the last measured fix
         (:func:`helpers.acceptance.paired_effect`), or None with fewer than two."""
-        import pandas as pd
-
         from .acceptance import paired_effect
 
         fixes = [s for s in self.steps if s.get("kind") == "fix" and not s.get("baseline")
@@ -185,7 +183,7 @@ class Replay:
         if len(fixes) < 2:
             return None
         a, b = fixes[0], fixes[-1]
-        frames = [pd.read_parquet(self.run_dir / s["acceptance_dir"] / "per_request.parquet") for s in (a, b)]
+        frames = [read_parquet(self.run_dir / s["acceptance_dir"] / "per_request.parquet") for s in (a, b)]
         return {"before": a["name"], "after": b["name"], **paired_effect(*frames)}
 
     def investigation(self):

@@ -79,6 +79,47 @@ def test_unreadable_ledger_is_never_overwritten(tmp_path):
     assert p.read_bytes() == b"not parquet at all"
 
 
+THREADS = textwrap.dedent("""
+    import os, sys
+    import numpy as np, pandas as pd
+    from helpers.ledger import Ledger
+    from helpers.runfiles import parquet_bytes, read_parquet
+    def threads():
+        return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    before = threads()
+    led = Ledger(sys.argv[1])
+    led.append({"fix": "a", "accept_length": 2.5, "ids": [1, 3, 4]})
+    led.append({"fix": "b", "accept_length": 2.7, "note": None})
+    df = led.read()
+    assert read_parquet(parquet_bytes(df)).equals(df)
+    print(len(df), len(before), len(threads()))
+    if sys.argv[2] == "pandas":
+        import io
+        pd.read_parquet(io.BytesIO(parquet_bytes(df)))
+        print(len(threads()))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc/self/task")
+def test_ledger_parquet_io_starts_no_arrow_thread(tmp_path):
+    """Arrow's thread pools racing interpreter exit aborted `helpers measure` (exit -6, 'terminate
+    called without an active exception') in 13 of 600 short runs; our Parquet I/O must start none. The
+    second run shows the check can fail: pandas' default read_parquet starts pool threads."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "ledger.parquet"), "ours"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows, before, after = map(int, out.stdout.split())
+    assert rows == 2 and after == before, out.stdout
+    out = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "ledger2.parquet"), "pandas"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows, before, after, with_pandas = map(int, out.stdout.split())
+    assert after == before and with_pandas > after, out.stdout
+    old = pd.read_parquet(tmp_path / "ledger.parquet")
+    pd.testing.assert_frame_equal(Ledger(tmp_path / "ledger.parquet").read(), old)
+
+
 def test_new_run_dir_never_reuses_a_folder(tmp_path):
     a = new_run_dir("same name!", outputs=tmp_path, stamp="20260101-000000")
     b = new_run_dir("same name!", outputs=tmp_path, stamp="20260101-000000")
