@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pandas as pd
 import pytest
 
 from helpers import launcher
@@ -22,6 +21,7 @@ from helpers.acceptance import (load_prompts, measure, position_rates, prompts_f
                                 sum_histograms)
 from helpers.launcher import SpecConfig, start
 from helpers.server import SGLangClient
+from helpers.runfiles import read_parquet
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_cli_measure_writes_a_run_folder(server, tmp_path):
     assert "accept length (Σcompletion/Σverify, 95% CI)" in out.stdout
     runs = list(tmp_path.glob("*-measure-cli-fix"))
     assert len(runs) == 1
-    df = pd.read_parquet(runs[0] / "ledger.parquet")
+    df = read_parquet(runs[0] / "ledger.parquet")
     assert list(df["fix"]) == ["cli fix"] and df["n_requests"].iloc[0] == 3
     summary = json.loads((runs[0] / "fixes" / "cli-fix" / "summary.json").read_text())
     assert summary["summary"]["accept_length"] == pytest.approx(df["accept_length"].iloc[0])

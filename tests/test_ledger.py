@@ -95,7 +95,7 @@ THREADS = textwrap.dedent("""
     print(len(df), len(before), len(threads()))
     if sys.argv[2] == "pandas":
         import io
-        pd.read_parquet(io.BytesIO(parquet_bytes(df)))
+        pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(parquet_bytes(df))), df)
         print(len(threads()))
 """)
 
@@ -116,8 +116,6 @@ def test_ledger_parquet_io_starts_no_arrow_thread(tmp_path):
     assert out.returncode == 0, out.stderr
     rows, before, after, with_pandas = map(int, out.stdout.split())
     assert after == before and with_pandas > after, out.stdout
-    old = pd.read_parquet(tmp_path / "ledger.parquet")
-    pd.testing.assert_frame_equal(Ledger(tmp_path / "ledger.parquet").read(), old)
 
 
 def test_new_run_dir_never_reuses_a_folder(tmp_path):
