@@ -459,7 +459,7 @@ def headline(doc: Optional[Mapping[str, Any]]) -> str:
 def headline_html(doc: Optional[Mapping[str, Any]]) -> str:
     """:func:`headline` in a highlighted, escaped block, with the case title."""
     title = esc((doc or {}).get("title") or "")
-    sub = f'<div class="e3f-note">{title}</div>' if title else ""
+    sub = f'<div class="e3f-note">Case: {title}</div>' if title else ""
     return f'<div class="e3f-headline">{esc(headline(doc))}{sub}</div>'
 
 
