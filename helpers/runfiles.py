@@ -119,10 +119,10 @@ def parquet_bytes(df: pd.DataFrame) -> bytes:
 def read_parquet(source: str | os.PathLike | bytes) -> pd.DataFrame:
     """Read a Parquet file (path or bytes) into a DataFrame without starting Arrow's thread pools.
 
-    Same frame as ``pandas.read_parquet`` (pandas' dtype mapping is applied via
-    ``pandas.io.parquet``'s ``to_pandas`` options), but read with ``pre_buffer=False`` and
-    ``use_threads=False``: ``pyarrow.parquet.read_table`` starts an I/O thread even with
-    ``use_threads=False``; see :func:`parquet_bytes` for why threads matter at exit.
+    Same frame as ``pandas.read_parquet`` (with pandas >= 3, Arrow strings become pandas' ``str``
+    dtype, as there), but read with ``pre_buffer=False`` and ``use_threads=False``:
+    ``pyarrow.parquet.read_table`` starts an I/O thread even with ``use_threads=False``; see
+    :func:`parquet_bytes` for why threads matter at exit.
 
     Raises: ``FileNotFoundError``; ``pyarrow.ArrowInvalid`` for a file that is not Parquet.
     """
@@ -138,6 +138,6 @@ def read_parquet(source: str | os.PathLike | bytes) -> pd.DataFrame:
         # pandas >= 3 maps Arrow strings to its "str" dtype, as pandas.read_parquet does
         import pyarrow as pa
 
-        kwargs["types_mapper"] = {pa.string(): pd.StringDtype(na_value=float("nan")),
-                                  pa.large_string(): pd.StringDtype(na_value=float("nan"))}.get
+        str_dtype = pd.StringDtype(na_value=float("nan"))
+        kwargs["types_mapper"] = {pa.string(): str_dtype, pa.large_string(): str_dtype}.get
     return table.to_pandas(**kwargs)

@@ -20,8 +20,8 @@ from helpers import launcher
 from helpers.acceptance import (load_prompts, measure, position_rates, prompts_from_samples,
                                 sum_histograms)
 from helpers.launcher import SpecConfig, start
-from helpers.server import SGLangClient
 from helpers.runfiles import read_parquet
+from helpers.server import SGLangClient
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]

@@ -80,8 +80,8 @@ def test_unreadable_ledger_is_never_overwritten(tmp_path):
 
 
 THREADS = textwrap.dedent("""
-    import os, sys
-    import numpy as np, pandas as pd
+    import io, os, sys
+    import pandas as pd
     from helpers.ledger import Ledger
     from helpers.runfiles import parquet_bytes, read_parquet
     def threads():
@@ -93,10 +93,8 @@ THREADS = textwrap.dedent("""
     df = led.read()
     assert read_parquet(parquet_bytes(df)).equals(df)
     print(len(df), len(before), len(threads()))
-    if sys.argv[2] == "pandas":
-        import io
-        pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(parquet_bytes(df))), df)
-        print(len(threads()))
+    pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(parquet_bytes(df))), df)
+    print(len(threads()))
 """)
 
 
@@ -104,18 +102,13 @@ THREADS = textwrap.dedent("""
 def test_ledger_parquet_io_starts_no_arrow_thread(tmp_path):
     """Arrow's thread pools racing interpreter exit aborted `helpers measure` (exit -6, 'terminate
     called without an active exception') in 13 of 600 short runs; our Parquet I/O must start none. The
-    second run shows the check can fail: pandas' default read_parquet starts pool threads."""
+    last read shows the check can fail: pandas' default read_parquet starts pool threads."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "ledger.parquet"), "ours"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    rows, before, after = map(int, out.stdout.split())
-    assert rows == 2 and after == before, out.stdout
-    out = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "ledger2.parquet"), "pandas"],
+    out = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "ledger.parquet")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     rows, before, after, with_pandas = map(int, out.stdout.split())
-    assert after == before and with_pandas > after, out.stdout
+    assert rows == 2 and after == before and with_pandas > after, out.stdout
 
 
 def test_new_run_dir_never_reuses_a_folder(tmp_path):
