@@ -99,9 +99,9 @@ def parquet_bytes(df: pd.DataFrame) -> bytes:
     Why not ``df.to_parquet``: pandas/pyarrow convert and read with Arrow's global CPU and I/O
     thread pools; a CLI that exits right after (``python -m helpers measure``) then races those
     pools' teardown and sometimes aborts *after* its work is done with ``terminate called without
-    an active exception`` (exit -6): 13 of 600 short ledger-writing processes on 2 cores (4 at
-    once) with pandas' defaults, 0 of 600 with these functions. Known upstream: apache/arrow#34314,
-    #39862. Converting with ``nthreads=1`` and writing with
+    an active exception`` (exit -6): 19 of 600 short ledger-writing processes on 2 cores (4 at
+    once) with pandas' defaults, 0 of 600 with these functions (``bench/bench_parquet_exit.py``,
+    bench/RESULTS.md). Known upstream: apache/arrow#34314, #39862. Converting with ``nthreads=1`` and writing with
     ``pyarrow.parquet.write_table`` starts no thread. Pair with :func:`read_parquet`.
 
     Returns: bytes (pass to :func:`atomic_write_bytes`).

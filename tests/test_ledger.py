@@ -101,8 +101,9 @@ THREADS = textwrap.dedent("""
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc/self/task")
 def test_ledger_parquet_io_starts_no_arrow_thread(tmp_path):
     """Arrow's thread pools racing interpreter exit aborted `helpers measure` (exit -6, 'terminate
-    called without an active exception') in 13 of 600 short runs; our Parquet I/O must start none. The
-    last read shows the check can fail: pandas' default read_parquet starts pool threads."""
+    called without an active exception') in 19 of 600 short runs (bench/bench_parquet_exit.py); our
+    Parquet I/O must start none. The last read shows the check can fail: pandas' default
+    read_parquet starts pool threads."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "ledger.parquet")],
                          capture_output=True, text=True, env=env, timeout=120)
