@@ -6,7 +6,7 @@ noise) under ``bench/data/`` (git-ignored), then measures, each pass in a fresh 
 
 * ``baseline``: a plain read + dot-product pass over the same files (same readers; per row <served, training>
   over the full 3H width, in float32 blocks);
-* ``compare``: the diagnosis (``helpers.diagnose.diagnose``: every served chunk x training chunk rel_diff,
+* ``compare``: the diagnosis (``helpers.diagnosis.diagnose.diagnose``: every served chunk x training chunk rel_diff,
   cosine, norms, max-abs with coordinate, context-free and zero-row stats, detectors);
 
 at two data sizes (half and all samples), with the data files' pages dropped from the page cache before each
@@ -36,7 +36,7 @@ def generate(data: Path, samples: int, rows: int, hidden: int, seed: int = 0) ->
     import numpy as np
     import torch
 
-    from helpers.dumps import write_dump
+    from helpers.formats.dumps import write_dump
 
     stamp = data / "params.json"
     params = {"samples": samples, "rows": rows, "hidden": hidden, "seed": seed}
@@ -75,9 +75,9 @@ def peak_rss_mb() -> float:
 def child(mode: str, data: Path, max_samples: int, threads: int) -> dict:
     import torch
 
-    from helpers.diagnose import diagnose      # imports outside the timed region
-    from helpers.dumps import read_dump
-    from helpers.training_data import TrainingData
+    from helpers.diagnosis.diagnose import diagnose      # imports outside the timed region
+    from helpers.formats.dumps import read_dump
+    from helpers.formats.training_data import TrainingData
 
     torch.set_num_threads(threads)
     c0 = time.process_time()

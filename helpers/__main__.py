@@ -3,7 +3,7 @@
 Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported lazily so that
 ``diagnose`` stays fast and works without a server environment):
 
-  diagnose   offline wiring diagnosis: served aux hidden states vs training data  (helpers.diagnose)
+  diagnose   offline wiring diagnosis: served aux hidden states vs training data  (helpers.diagnosis.diagnose)
   server     start / stop the embedded SGLang CPU reference server              (helpers.launcher)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
   measure    accept length / accept rate / tok/s per fix                         (helpers.acceptance)
@@ -28,7 +28,7 @@ commands:
 exit codes: 0 ok, 1 findings / failed notebooks / unexpected verdicts, 2 bad input"""
 
 COMMANDS = {
-    "diagnose": "helpers.diagnose",
+    "diagnose": "helpers.diagnosis.diagnose",
     "server": "helpers.launcher",
     "capture": "helpers.capture",
     "measure": "helpers.acceptance",

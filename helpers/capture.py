@@ -1,6 +1,6 @@
 """Dumps of the aux hidden states a live SGLang server feeds its EAGLE-3 draft.
 
-Three captures, each written as a project dump (``helpers.dumps``; DESIGN.md) in a run folder:
+Three captures, each written as a project dump (``helpers.formats.dumps``; DESIGN.md) in a run folder:
 
 * :func:`capture_served` - what the draft receives: ``/generate`` with ``return_hidden_states``
   and ``return_prompt_token_ids``. On an EAGLE-3 server the returned rows are the concatenated aux
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from .dumps import Sample, samples_from_generate, write_dump
+from .formats.dumps import Sample, samples_from_generate, write_dump
 
 UNREACHABLE_NOTE = ("SGLang's aux capture cannot reach the embedding (id -1) nor out(n-1) (capture "
                     "index n is past the layer loop): sglang/srt/models/llama.py")
@@ -72,7 +72,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
     Args:
         client_or_url: :class:`helpers.server.SGLangClient`, a URL, or a launcher handle.
         prompts: token-id sequences (e.g. training samples: rows then align with the training
-            rows), strings, ``helpers.acceptance.Prompt`` objects, or ``helpers.dumps.Sample``.
+            rows), strings, ``helpers.acceptance.Prompt`` objects, or ``helpers.formats.dumps.Sample``.
         out_dir: parent folder (a run folder's ``dumps/``); ``out_dir/name`` must not exist.
         max_new_tokens: tokens to generate per prompt; each adds one decode row (the row of the
             position that produced it), except the last.
@@ -284,7 +284,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                                                                   "--reference-hf's config or the data)")
     args = ap.parse_args(argv)
     try:
-        from .training_data import TrainingData
+        from .formats.training_data import TrainingData
 
         H = args.hidden_size
         if H is None and args.reference_hf:

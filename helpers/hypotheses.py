@@ -85,7 +85,7 @@ class Investigation:
         run_dir: run folder; captures go to ``run_dir/dumps/<name>-*``.
         client_or_url: :class:`helpers.server.SGLangClient`, URL or launcher handle; None when
             the server did not start (config-only checks still run).
-        training: draft training data (SpecForge folder, ...; helpers.training_data).
+        training: draft training data (SpecForge folder, ...; helpers.formats.training_data).
         draft_dir: the draft folder the server was started with (config.json + weights).
         target_dir: the target folder (config.json; with weights, HF gives the reference).
         capture_dir: folder of the ``helpers.hooks`` per-rank capture of this server, or None.
@@ -136,9 +136,9 @@ class Investigation:
         return self.client.server_info()
 
     def training_samples(self) -> list:
-        """The first ``num_samples`` training samples (helpers.dumps.Sample, pad stripped)."""
+        """The first ``num_samples`` training samples (helpers.formats.dumps.Sample, pad stripped)."""
         if "training" not in self._cache:
-            from .training_data import TrainingData
+            from .formats.training_data import TrainingData
 
             td = TrainingData(self.training, hidden_size=self.hidden_size,
                               max_samples=self.num_samples)
@@ -216,10 +216,10 @@ class Investigation:
         return self._cache[ck]
 
     def diagnosis(self, reference: bool = True):
-        """helpers.diagnose on the served dump against the training data (with the reference)."""
+        """helpers.diagnosis.diagnose on the served dump against the training data (with the reference)."""
         ck = f"diagnosis:{reference}"
         if ck not in self._cache:
-            from .diagnose import diagnose
+            from .diagnosis.diagnose import diagnose
 
             self._cache[ck] = diagnose(self.training, [self.served_dump()],
                                        draft_config=self.draft_dir, target_config=self.target_dir,
@@ -235,7 +235,7 @@ class Investigation:
 
     def tensors(self, dump: Path) -> list[dict]:
         """Samples of a dump as ``{"input_ids": list, "hidden": Tensor}`` (small dumps only)."""
-        from .dumps import read_dump
+        from .formats.dumps import read_dump
 
         src = read_dump(dump)
         return [{"input_ids": s.input_ids.tolist(), "hidden": s.load().to(torch.float32)}
@@ -665,9 +665,9 @@ def trained_ids_source(inv: Investigation, trained_layer_ids: Optional[Sequence[
                        ) -> tuple[Optional[list[int]], str]:
     """Where the ids the draft was trained on come from, most trusted first: the check's
     ``trained_layer_ids`` param (e.g. copied from the SpecForge run YAML), the training data's
-    ``capture.json`` (:func:`helpers.training_data.recorded_layer_ids`), else the draft config
+    ``capture.json`` (:func:`helpers.formats.training_data.recorded_layer_ids`), else the draft config
     (returns ``(None, "draft config")``). Ids are in SpecForge's output-of-layer convention."""
-    from .training_data import recorded_layer_ids
+    from .formats.training_data import recorded_layer_ids
 
     if trained_layer_ids is not None:
         return [int(i) for i in trained_layer_ids], "the check's trained_layer_ids param"
@@ -683,10 +683,10 @@ def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int
     width, ids ignored, vocab map, fc bypass. Returns ``(findings, served_plan, training_plan)``.
     The training plan uses :func:`trained_ids_source` (the draft config is the last resort: a
     config edited after training is exactly what this check must catch).
-    Mirrors the static half of :func:`helpers.diagnose.diagnose`."""
-    from . import detectors as D
-    from .configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
-    from .conventions import served_plan, training_plan
+    Mirrors the static half of :func:`helpers.diagnosis.diagnose.diagnose`."""
+    from .diagnosis import detectors as D
+    from .formats.configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
+    from .diagnosis.conventions import served_plan, training_plan
 
     draft = read_draft_config(inv.draft_dir)
     weights = read_draft_weights(inv.draft_dir)
@@ -743,8 +743,8 @@ def check_static_wiring(inv: Investigation, trained_layer_ids: Optional[Sequence
 
 def check_vocab_map(inv: Investigation, **_: Any) -> HypothesisResult:
     """Is the draft's pruned vocabulary mapped to target token ids (``d2t``)?"""
-    from .configs import read_draft_config, read_draft_weights
-    from .detectors import detect_vocab_map_missing
+    from .formats.configs import read_draft_config, read_draft_weights
+    from .diagnosis.detectors import detect_vocab_map_missing
 
     draft = read_draft_config(inv.draft_dir)
     weights = read_draft_weights(inv.draft_dir)

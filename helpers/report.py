@@ -821,9 +821,9 @@ def static_wiring(draft_dir: Optional[Path], target_dir: Optional[Path], server:
     "served_plan": dict|None, "training_plan": dict|None, "notes": [str]}``. Missing configs give empty
     plans and a note (never raises for missing inputs).
     """
-    from . import detectors as D
-    from .configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
-    from .conventions import compare_plans, served_plan, training_plan
+    from .diagnosis import detectors as D
+    from .formats.configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
+    from .diagnosis.conventions import compare_plans, served_plan, training_plan
 
     notes: list[str] = []
     if not draft_dir or not (Path(draft_dir) / "config.json").exists():
@@ -840,7 +840,7 @@ def static_wiring(draft_dir: Optional[Path], target_dir: Optional[Path], server:
     trainer = "specforge"
     if training is not None and Path(training).exists():
         try:
-            from .training_data import TrainingData
+            from .formats.training_data import TrainingData
 
             trainer = {"speculators": "speculators", "eagle12": "eagle12"}.get(
                 TrainingData(training, max_samples=1).sample_layout, "specforge")
@@ -905,7 +905,7 @@ def dump_paths(run_dir: Path) -> list[Path]:
 
 def dumps_frame(run_dir: Path, hidden_size: Optional[int] = None) -> pd.DataFrame:
     """One row per dump: name (relative to dumps/), kind, TP rank, samples, rows, width, chunks, dtype."""
-    from .dumps import read_dump
+    from .formats.dumps import read_dump
 
     rows = []
     for p in dump_paths(run_dir):
@@ -934,7 +934,7 @@ def chunk_norms(dump: Path, sample: int = 0, hidden_size: Optional[int] = None) 
     """
     import torch
 
-    from .dumps import read_dump
+    from .formats.dumps import read_dump
 
     src = read_dump(dump)
     s = src.samples[min(int(sample), len(src.samples) - 1)]
@@ -970,7 +970,7 @@ def norm_heatmap(dump: Path, sample: int = 0, hidden_size: Optional[int] = None,
 
 def dump_samples(dump: Path) -> list[tuple[str, int]]:
     """``(label, index)`` options for a dump's samples (for a dropdown)."""
-    from .dumps import read_dump
+    from .formats.dumps import read_dump
 
     src = read_dump(dump)
     return [(f"{i}: {s.key} ({s.rows} rows)", i) for i, s in enumerate(src.samples)]
@@ -982,7 +982,7 @@ def capture_live(ctx: RunContext, *, num_samples: int = 4, name: str = "live-ser
     (``dumps/<name>``), plus the HF reference of every layer when ``reference`` is ``"hf"`` (or
     ``"auto"`` and the target weights here are small). Returns ``{"served": path, "reference": path|None}``."""
     from .capture import capture_reference_hf, capture_served
-    from .training_data import TrainingData
+    from .formats.training_data import TrainingData
 
     td = TrainingData(ctx.training, hidden_size=ctx.hidden_size, max_samples=num_samples)
     samples = list(td)[:num_samples]
@@ -1039,9 +1039,9 @@ def reference_dump(run_dir: Path) -> Optional[Path]:
 
 def run_diagnosis(ctx: RunContext, served: Path, *, reference: Optional[Path] = None,
                   max_samples: Optional[int] = 8):
-    """:func:`helpers.diagnose.diagnose` of ``served`` against ``ctx.training`` with the draft/target
+    """:func:`helpers.diagnosis.diagnose.diagnose` of ``served`` against ``ctx.training`` with the draft/target
     configs (the fix's draft variant when the replay used one) and the reference dump."""
-    from .diagnose import diagnose
+    from .diagnosis.diagnose import diagnose
 
     return diagnose(ctx.training, [served], draft_config=_draft_for_dump(ctx, served),
                     target_config=ctx.target_dir, reference=reference, max_samples=max_samples)
@@ -1118,8 +1118,8 @@ def aligned_rows(served: Path, training: Path, hidden_size: int, *, max_samples:
     """
     import torch
 
-    from .dumps import read_dump
-    from .training_data import TrainingData
+    from .formats.dumps import read_dump
+    from .formats.training_data import TrainingData
 
     src = read_dump(served)
     want = {}
@@ -1314,7 +1314,7 @@ def rank_diff_figure(ranks: Mapping[int, Path], rank: int, hidden_size: int, *, 
     import plotly.graph_objects as go
     import torch
 
-    from .dumps import read_dump
+    from .formats.dumps import read_dump
     from .figures import PALETTE
 
     fig = go.Figure()

@@ -5,7 +5,7 @@
   ``hs_{i}.safetensors`` or a training dump;
 * served data: the same target run the way SGLang would feed the draft -- prompt + greedy ``output_ids``,
   rows = prompt + ``output_ids[:-1]``, chunks chosen by SGLang's capture rules (the caller passes the
-  physical tensors, usually from :func:`helpers.conventions.served_plan`), row-parallel layers computed
+  physical tensors, usually from :func:`helpers.diagnosis.conventions.served_plan`), row-parallel layers computed
   as TP-k partial products summed in the model dtype (the reduction order of a TP-k server), shaped
   exactly like a ``/generate`` response (``meta_info.hidden_states`` prompt block + 1-D rows) or written
   as per-rank dumps;
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from helpers.dumps import write_dump
+from helpers.formats.dumps import write_dump
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog while the models draft tokens",
@@ -265,7 +265,7 @@ def partial_rows(runner: TargetRunner, tensors: list[str], tp: int):
 def unreduced_embedding_rows(runner: TargetRunner, tensors: list[str], tp: int):
     """Per-rank rows whose ``embedding`` chunk is the rank's vocab shard only (out-of-shard rows zero), as
     ``VocabParallelEmbedding`` gives before its all-reduce."""
-    from helpers.detectors import _vocab_shard
+    from helpers.diagnosis.detectors import _vocab_shard
 
     def fn(r, sp, st):
         ids = torch.tensor(sp.served_ids)

@@ -10,7 +10,7 @@ import torch
 
 from helpers.capture import (capture_reference, capture_reference_hf, capture_served, per_rank_dumps,
                              reference_server_args, start_reference_server)
-from helpers.dumps import read_dump
+from helpers.formats.dumps import read_dump
 from helpers.hooks import CaptureConfig, Fault, hook_specs
 from helpers.launcher import start
 

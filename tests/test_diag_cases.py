@@ -1,6 +1,6 @@
 """Diagnosis cases built from a real tiny HF Llama: training data through HF hidden states in SpecForge /
 speculators layout, served data shaped like SGLang's /generate response (or per-rank dumps), chunks chosen
-by SGLang's capture rules (helpers.conventions.served_plan)."""
+by SGLang's capture rules (helpers.diagnosis.conventions.served_plan)."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +8,11 @@ import torch
 
 from forensic_cases import (orthogonal, partial_rows, sharded_rows, unreduced_embedding_rows, write_generate_json,
                             write_rank_dumps, write_reference, write_specforge, write_speculators)
-from helpers.compare import REL_DIFF_TOLERANCE
-from helpers.configs import read_draft_config, read_target_config
-from helpers.conventions import served_plan
-from helpers.diagnose import diagnose
-from helpers.dumps import write_dump
+from helpers.diagnosis.compare import REL_DIFF_TOLERANCE
+from helpers.formats.configs import read_draft_config, read_target_config
+from helpers.diagnosis.conventions import served_plan
+from helpers.diagnosis.diagnose import diagnose
+from helpers.formats.dumps import write_dump
 from tinymodels import build_eagle3_draft
 
 SPECFORGE_DEFAULT = ["out(1)", "out(3)", "out(4)"]   # [1, n//2-1, n-4] for n=8 = SGLang default [2, 4, 5]

@@ -1,4 +1,4 @@
-"""helpers.compare: metric values against direct float64 formulas, block-size invariance, token alignment,
+"""helpers.diagnosis.compare: metric values against direct float64 formulas, block-size invariance, token alignment,
 tolerances, and bounded memory while streaming."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.compare import compare, tolerance_for
-from helpers.dumps import Sample, SampleSource
+from helpers.diagnosis.compare import compare, tolerance_for
+from helpers.formats.dumps import Sample, SampleSource
 from helpers.errors import BadInput
 
 

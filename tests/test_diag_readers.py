@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers.configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
-from helpers.dumps import (read_dump, read_dumper_dir, read_generate_response, safe_torch_load, samples_from_generate,
+from helpers.formats.configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
+from helpers.formats.dumps import (read_dump, read_dumper_dir, read_generate_response, safe_torch_load, samples_from_generate,
                            write_dump)
 from helpers.errors import BadInput
-from helpers.training_data import TrainingData, read_ckpt_sample, read_speculators_sample
+from helpers.formats.training_data import TrainingData, read_ckpt_sample, read_speculators_sample
 from tinymodels import build_eagle3_draft
 
 

@@ -12,7 +12,7 @@ import pytest
 from helpers.errors import BadInput
 from helpers.hypotheses import Investigation, run_check
 from helpers.replay import draft_variant
-from helpers.training_data import recorded_layer_ids
+from helpers.formats.training_data import recorded_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "env" / "models"

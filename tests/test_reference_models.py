@@ -277,8 +277,8 @@ def test_tp2_eagle3_accept_length_and_greedy_equality(target, tokenizer):
 
 def test_second_draft_matches_its_training_manifest():
     """draft_alt (fallback-ids case): nested ids, training manifest and fc width agree on out(4..6)."""
-    from helpers.configs import read_draft_config, read_draft_weights
-    from helpers.training_data import recorded_layer_ids
+    from helpers.formats.configs import read_draft_config, read_draft_weights
+    from helpers.formats.training_data import recorded_layer_ids
 
     alt = DRAFT_DIR.parent / "draft_alt"
     cfg = read_draft_config(alt)

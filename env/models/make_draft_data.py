@@ -14,7 +14,7 @@
      --backend sglang  a real SGLang 0.5.23 CPU server (--enable-return-aux-hidden-states ... and
                        a second server with --enable-return-hidden-states), TP 1.
 3. Write ``rows_*/data_{i}.ckpt``, ``vocab_mapping/vocab_mapping.pt`` and ``capture.json``
-   (provenance; not named manifest.json, which helpers/training_data.py reads as an e3f dump).
+   (provenance; not named manifest.json, which helpers/formats/training_data.py reads as an e3f dump).
 
     python env/models/make_draft_data.py --out env/models/cache/draft_data        # full set (hf)
     python env/models/make_draft_data.py --backend sglang --records-from A --out B --num 3

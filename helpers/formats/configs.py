@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .conventions import parse_version, target_family
-from .errors import BadInput
+from ..diagnosis.conventions import parse_version, target_family
+from ..errors import BadInput
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -244,7 +244,7 @@ class TargetConfig:
     Attributes:
         hidden_size: H, the width of one aux chunk.
         num_hidden_layers: n.
-        family: SGLang capture family (:func:`helpers.conventions.target_family`).
+        family: SGLang capture family (:func:`helpers.diagnosis.conventions.target_family`).
         torch_dtype: the checkpoint dtype string (``"bfloat16"``...), None if absent.
     """
 

@@ -27,8 +27,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from .dumps import Sample, SampleSource
-from .errors import BadInput
+from ..formats.dumps import Sample, SampleSource
+from ..errors import BadInput
 
 #: rel_diff tolerance by dtype. bf16 rounding alone gives rel_diff ~1e-6 (rel_diff is quadratic in the
 #: relative error); kernel/reduction-order differences between engines reach ~1e-4..1e-3 in bf16. SGLang's
@@ -488,7 +488,7 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
     """Compare served aux hidden states (one source per TP rank) with streamed training samples.
 
     Args:
-        training: training samples (streamed; e.g. :class:`helpers.training_data.TrainingData`), rows
+        training: training samples (streamed; e.g. :class:`helpers.formats.training_data.TrainingData`), rows
             ``[L, nt*H]`` aligned to ``input_ids``.
         served: served sources, one per TP rank (or one replicated source); each sample ``[T, Ws]``.
         hidden_size: target H (the chunk width of training data).

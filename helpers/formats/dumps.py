@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import BadInput
+from ..errors import BadInput
 
 DUMP_FORMAT = "e3f-dump"
 DUMP_VERSION = 1

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import BadInput, one_line
+from ..errors import BadInput, one_line
 
 LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",
                 "extra_chunk")
@@ -37,7 +37,7 @@ class Diagnosis:
             ``rel_diff`` / ``cosine`` (against the matched chunk, else the same-index training chunk),
             ``identified_as`` (reference match, or ``embedding`` from the context-free test, else None).
         served_plan / training_plan: capture plans (None when the configs were not given).
-        comparison: the :class:`helpers.compare.Comparison`.
+        comparison: the :class:`helpers.diagnosis.compare.Comparison`.
     """
 
     findings: list[dict]
@@ -86,7 +86,7 @@ class Diagnosis:
 
 
 def _draft_inputs(path: Optional[str | Path]):
-    from .configs import read_draft_config, read_draft_weights
+    from ..formats.configs import read_draft_config, read_draft_weights
 
     if path is None:
         return None, None
@@ -110,7 +110,7 @@ def _training_plan_for(td, draft, target):
     if trainer is None:
         return None
     if trainer == "specforge":
-        from .training_data import recorded_layer_ids
+        from ..formats.training_data import recorded_layer_ids
 
         rec = recorded_layer_ids(td.path)
         if rec is not None:  # what the data was captured with beats a config edited after training
@@ -146,10 +146,10 @@ def diagnose(training: str | Path, served: Sequence[str | Path], *, draft_config
     """
     from . import detectors as D
     from .compare import compare
-    from .configs import ServerSettings, read_target_config
+    from ..formats.configs import ServerSettings, read_target_config
     from .conventions import served_plan as make_served_plan
-    from .dumps import load_served, read_dump
-    from .training_data import TrainingData
+    from ..formats.dumps import load_served, read_dump
+    from ..formats.training_data import TrainingData
 
     draft, weights = _draft_inputs(draft_config)
     target = read_target_config(target_config) if target_config is not None else None

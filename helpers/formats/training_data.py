@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
-from .errors import BadInput
+from ..errors import BadInput
 
 _NUM_RE = re.compile(r"(\d+)")
 

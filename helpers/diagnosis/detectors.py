@@ -9,7 +9,7 @@ Detectors come in two groups:
 * static (no tensors): :func:`detect_config_ids_ignored`, :func:`detect_fc_bypassed` (server algorithm part),
   :func:`detect_vocab_map_missing`, :func:`detect_num_draft_tokens_overridden`, and the plan comparison
   used by :func:`static_layer_findings` (width, chunk count, layers);
-* numeric, on a :class:`helpers.compare.Comparison` wrapped in a :class:`Context` (which computes the
+* numeric, on a :class:`helpers.diagnosis.compare.Comparison` wrapped in a :class:`Context` (which computes the
   chunk correspondence once): every other kind.
 """
 from __future__ import annotations

@@ -412,9 +412,9 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
     """The exact ordered list of physical tensors the engine feeds the draft (concatenation order).
 
     Args:
-        draft: a :class:`helpers.configs.DraftConfig` (or an object with ``nested_layer_ids``,
+        draft: a :class:`helpers.formats.configs.DraftConfig` (or an object with ``nested_layer_ids``,
             ``top_level_layer_ids``, ``use_aux_hidden_state``).
-        target: a :class:`helpers.configs.TargetConfig` (``num_hidden_layers``, ``architectures``,
+        target: a :class:`helpers.formats.configs.TargetConfig` (``num_hidden_layers``, ``architectures``,
             ``model_type``).
         engine: ``"sglang"`` or ``"vllm"``.
         version: engine version (``"0.5.23"``); None = the newest verified SGLang (0.5.23), noted in the plan.
