@@ -188,7 +188,7 @@ def write_reference(out: Path, runner: TargetRunner, specs: list[SampleSpec]) ->
                 "hidden": runner.rows(sp.training_ids, names)} for i, sp in enumerate(specs)]
     return write_dump(out, samples, {"kind": "reference", "hidden_size": runner.H,
                                      "layer_plan": {"tensors": names, "source": "HF output_hidden_states + hook"},
-                                     "source": {"model": str(runner.dir)}})
+                                     "source": {"model": str(getattr(runner, "dir", "synthetic"))}})
 
 
 # --------------------------------------------------------------------------------------------- served

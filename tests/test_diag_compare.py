@@ -65,12 +65,23 @@ def test_metrics_equal_direct_formulas(data):
             assert m.rel_diff == pytest.approx(ref["rel"], rel=1e-6, abs=1e-12)
             assert m.cosine == pytest.approx(ref["cos"], rel=1e-6, abs=1e-9)
             assert m.norm_ratio == pytest.approx(ref["ratio"], rel=1e-6)
-            assert m.max_abs_diff == pytest.approx(ref["max"], rel=1e-6)
-            r, col = ref["at"]
-            at = m.max_abs_at
-            assert (at["sample"], at["row"], at["column"]) == (f"s{r // 9}", r % 9, col)
-            assert at["position"] == r % 9 and at["token_id"] == ids[r // 9][r % 9]
-            assert m.min_tolerance == {"rel_diff": m.rel_diff, "max_abs": m.max_abs_diff}
+            # per-row statistics: rows within the tolerance counted exactly, quantiles to one bin (x1.26)
+            x, y = X[:, i * H:(i + 1) * H].double(), Y[:, j * H:(j + 1) * H].double()
+            per_row = ((x - y) ** 2).sum(1) / ((x * x).sum(1) + (y * y).sum(1))
+            assert m.share_within == pytest.approx(float((per_row <= 1e-6).double().mean()))
+            med = float(per_row.median())
+            assert m.row_rel_diff["p50"] / 10 ** 0.1 * (1 - 1e-9) <= max(med, 1e-12) <= m.row_rel_diff["p50"] * (1 + 1e-9)
+            assert m.passed == (m.share_within >= 0.9)
+            if ref["rel"] <= 1e-2:      # near pairs: max |x - y| with its coordinate
+                assert m.max_abs_diff == pytest.approx(ref["max"], rel=1e-6)
+                r, col = ref["at"]
+                at = m.max_abs_at
+                assert (at["sample"], at["row"], at["column"]) == (f"s{r // 9}", r % 9, col)
+                assert at["position"] == r % 9 and at["token_id"] == ids[r // 9][r % 9]
+            else:                       # far pairs skip the elementwise pass
+                assert m.max_abs_diff is None and m.max_abs_at is None
+            assert m.min_tolerance == {"row_rel_diff_p90": m.row_rel_diff["p90"], "rel_diff": m.rel_diff,
+                                       "max_abs": m.max_abs_diff}
             assert m.rows == 18
     # chunk 0 identical, chunk 2 = 1.5 x training chunk 0: cosine 1, norm ratio 1.5
     assert c.metrics(src, 0, 0).rel_diff == 0.0 and c.metrics(src, 0, 0).passed

@@ -3,58 +3,112 @@
 For every served chunk i and every training chunk j (each H wide; ``H/k`` wide column slices when a rank
 holds a TP-sharded width) the comparison accumulates, over all rows aligned by ``input_ids``:
 
-* ``rel_diff`` = 1 - 2<x,y>/(|x|^2+|y|^2) (DeepGEMM-style, as SGLang's
-  ``sglang/srt/debug_utils/comparator/utils.py::calc_rel_diff``), computed as sum|x-y|^2/(sum|x|^2+sum|y|^2)
-  so that near-equal tensors do not lose precision to cancellation;
-* ``cosine`` = <x,y>/(|x||y|) over all rows, plus mean / min per-row cosine;
-* ``norm_ratio`` = |x|/|y| over all rows, plus min / max per-row ratio;
-* ``max_abs_diff`` with its coordinate (sample, row, position, token id, column);
-* ``min_tolerance``: the smallest ``rel_diff`` / ``max_abs`` thresholds that would have passed.
+* **per row** (the statistics that decide): ``rel_diff_t = |x_t - y_t|^2 / (|x_t|^2 + |y_t|^2)`` (SGLang's
+  DeepGEMM-style ``calc_rel_diff`` applied to one row), the row cosine and the row norm ratio. Each goes
+  into a fixed log-spaced histogram (:data:`HIST_EDGES`), and the rows within the tolerance are counted
+  exactly. Two chunks are **equal** when at least :data:`MATCH_SHARE` of their rows are within the
+  tolerance: a few rows (massive activations on the first token and delimiters, which are nearly the same
+  in every layer and carry most of ``sum |x|^2``) cannot decide a chunk either way;
+* **global** (reported, like SGLang's comparator): ``rel_diff = sum|x-y|^2 / (sum|x|^2 + sum|y|^2)`` over all
+  rows (computed from the sums so that near-equal tensors do not lose precision to cancellation), ``cosine``,
+  ``norm_ratio``, min / max per-row cosine and norm ratio;
+* ``max_abs_diff`` with its coordinate (sample, row, position, token id, column), for near pairs (global
+  ``rel_diff`` of the block <= :data:`NEAR_REL`; far pairs are not equal anyway and skip that pass);
+* per chunk (:class:`ChunkStats`): non-finite and zero rows, the context-free test (equal token ids at
+  different positions give equal rows: the embedding), and the **outlier rows** (largest row energies with
+  their position, token id and dominant dims), reported as evidence;
+* a bounded, seeded **reservoir** of aligned rows (:class:`RowReservoir`) on which the detectors fit the
+  transforms they name (``helpers.diagnosis.fit``).
 
-The pass/fail tolerance comes from the dtypes (:data:`REL_DIFF_TOLERANCE`).
+The per-row tolerance comes from the dtypes (:data:`REL_DIFF_TOLERANCE`, :func:`tolerance_why`).
 
 Memory: the training data are streamed (one sample at a time) and rows are processed in blocks whose
 scratch is a [:data:`PAIR_ROWS`, width] buffer; served samples from project dumps are read lazily per
-sample. Only bounded summaries are kept: per pair sums/extrema, and per token id at most
-:data:`CONTEXT_CACHE_IDS` cached rows for the context-free (embedding) test.
+sample. Only bounded summaries are kept: per pair sums, extrema and histograms, per chunk the top rows,
+:data:`CONTEXT_CACHE_IDS` cached rows for the context-free test and the reservoir's fixed-size buffers.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..formats.dumps import Sample, SampleSource
 from ..errors import BadInput
+from ..formats.dumps import Sample, SampleSource
 
-#: rel_diff tolerance by dtype. bf16 rounding alone gives rel_diff ~1e-6 (rel_diff is quadratic in the
-#: relative error); kernel/reduction-order differences between engines reach ~1e-4..1e-3 in bf16. SGLang's
-#: comparator default is 1e-3 (``debug_utils/comparator``); 2e-3 keeps a margin for bf16 while an adjacent
-#: layer (rel_diff >= ~1e-2 in real models, >= 5e-2 in the tiny test model) never passes.
+#: Per-row rel_diff tolerance by dtype (the loosest dtype of the two sides applies). What it separates:
+#: rounding alone gives rel_diff ~1e-6 in bf16 (rel_diff is quadratic in the relative error); two engines
+#: with different kernels and TP reduction orders differ by 1-3 % relative at the last layers of a deep
+#: bf16 target (rel_diff <= ~5e-4); an adjacent layer of a deep target (row cosine 0.90-0.99) gives
+#: rel_diff >= ~5e-3 per row. SGLang's comparator default is 1e-3 (``debug_utils/comparator``).
 REL_DIFF_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-3}
+#: Share of aligned rows that must be within the tolerance for two chunks to be called equal.
+MATCH_SHARE = 0.9
 #: rows per pair-loop step: the [rows, width] float32 difference buffer stays cache-resident.
 PAIR_ROWS = 64
-#: pairs whose Gram-based |x-y|^2 is below this fraction of |x|^2+|y|^2 get it recomputed elementwise.
+#: pairs whose Gram-based |x-y|^2 is below this fraction of |x|^2+|y|^2 get the elementwise pass: max |x-y| and,
+#: when the tolerance is tighter than :data:`EXACT_BELOW_TOL` (float32 / float64 data), |x-y|^2 recomputed from the
+#: difference (the float32 Gram's cancellation limits a near pair's rel_diff to ~1e-6 absolute: far below a bf16
+#: tolerance, not below a float32 one).
 NEAR_REL = 1e-2
+EXACT_BELOW_TOL = 1e-4
 #: token ids whose first row is cached per source for the context-free test.
 CONTEXT_CACHE_IDS = 256
 #: token ids of all-zero rows remembered per chunk for the vocab-shard test (zero rows are rare otherwise).
 ID_SET_CAP = 1 << 16
+#: Histogram edges for per-row statistics (rel_diff, 1 - cosine, |log norm ratio|): 0, then 10 bins per
+#: decade from 1e-12 to 1e3. A quantile read from it is exact to a factor 10^0.1 = 1.26.
+HIST_EDGES = np.concatenate([[0.0], 10.0 ** np.arange(-12, 3.01, 0.1)])
+NB = len(HIST_EDGES)            # bins: [0, e1), [e1, e2), ..., [e_last, inf)
+_EDGES_UP = HIST_EDGES[1:]
+#: outlier rows kept per chunk (largest row energies).
+TOP_ROWS = 6
+#: aligned rows kept for transform fits, and a cap on the reservoir's reference buffer (bytes).
+RESERVOIR_ROWS = 256
+RESERVOIR_REF_BYTES = 96 << 20
 
 
 def tolerance_for(*dtypes: Optional[str]) -> float:
-    """rel_diff tolerance for comparing data of these dtypes: the loosest one (unknown names are ignored;
-    float32 if none is known)."""
+    """Per-row rel_diff tolerance for comparing data of these dtypes: the loosest one (unknown names are
+    ignored; float32 if none is known). See :data:`REL_DIFF_TOLERANCE` for what it separates."""
     tols = [REL_DIFF_TOLERANCE[d.replace("torch.", "")] for d in dtypes if d and d.replace("torch.", "") in REL_DIFF_TOLERANCE]
     return max(tols) if tols else REL_DIFF_TOLERANCE["float32"]
 
 
+def tolerance_why(tol: float, dtypes: dict, overridden: bool = False) -> str:
+    """One sentence saying what the tolerance is and why (printed with every diagnosis)."""
+    if overridden:
+        return f"per-row rel_diff tolerance {tol:g} (given by the caller)"
+    names = ", ".join(f"{k} {v}" for k, v in dtypes.items() if v) or "dtypes unknown, float32 assumed"
+    return (f"per-row rel_diff tolerance {tol:g} from the dtypes ({names}): above engine noise (two engines "
+            f"with other kernels / TP reduction order: rel_diff <= ~5e-4 per row in bf16), below an adjacent "
+            f"layer of a deep target (row cosine <= 0.99: rel_diff >= ~5e-3); chunks are equal when >= "
+            f"{MATCH_SHARE:.0%} of the aligned rows are within it")
+
+
 def norm_tolerance(rel_tol: float) -> float:
-    """Per-row norm-ratio tolerance matching a rel_diff tolerance (rel_diff ~ (relative error)^2 / 2)."""
-    return max(1e-4, 10 * math.sqrt(rel_tol))
+    """Per-row norm-ratio deviation that engine noise at per-row rel_diff ``rel_tol`` can reach in the worst
+    case (all of the error along the row): ``sqrt(2 * rel_tol)``."""
+    return math.sqrt(2 * rel_tol)
+
+
+def hist_quantile(hist: np.ndarray, q: float) -> Optional[float]:
+    """Quantile ``q`` of the values counted in ``hist`` (bins of :data:`HIST_EDGES`): the upper edge of the bin
+    holding it (conservative: the true quantile is at most this and at least 10^-0.1 of it). None if empty."""
+    n = int(hist.sum())
+    if n == 0:
+        return None
+    k = int(np.searchsorted(np.cumsum(hist), math.ceil(q * n)))
+    k = min(k, NB - 1)
+    return float(HIST_EDGES[k + 1]) if k + 1 < NB else math.inf
+
+
+def _bins_np(v: np.ndarray) -> np.ndarray:
+    """Histogram bin of each value (values >= 0; bin 0 holds [0, 1e-12))."""
+    return np.searchsorted(_EDGES_UP, v, side="right")
 
 
 # ------------------------------------------------------------------------------------------ accumulators
@@ -70,14 +124,26 @@ class RowInfo:
 
 
 class PairAccumulator:
-    """Sums and extrema for an [ns x nu] grid of chunk pairs, updated block by block (float64 sums)."""
+    """Per-row histograms, exact within-tolerance counts, sums and extrema for an [ns x nu] grid of chunk
+    pairs, updated block by block (float64 sums).
 
-    def __init__(self, ns: int, nu: int):
-        self.ns, self.nu = ns, nu
+    Args:
+        ns / nu: served chunks x training units (or reference layers).
+        tol: per-row rel_diff tolerance (rows within it are counted exactly).
+    """
+
+    def __init__(self, ns: int, nu: int, tol: float = REL_DIFF_TOLERANCE["float32"]):
+        self.ns, self.nu, self.tol = ns, nu, float(tol)
         z = lambda: np.zeros((ns, nu), np.float64)  # noqa: E731
         self.sxx, self.syy, self.sdd = z(), z(), z()
         self.rows = 0
-        self.cos_sum, self.cos_n = z(), np.zeros((ns, nu), np.int64)
+        self.within = np.zeros((ns, nu), np.int64)
+        self.valid = np.zeros((ns, nu), np.int64)      # rows with both norms > 0 (cosine / ratio defined)
+        self.h_rel = np.zeros((ns, nu, NB), np.int64)
+        self.h_cos = np.zeros((ns, nu, NB), np.int64)  # 1 - cosine
+        self.h_lnr = np.zeros((ns, nu, NB), np.int64)  # |log norm ratio|
+        self.lnr_sum = z()
+        self.cos_sum = z()
         self.cos_min = np.full((ns, nu), np.inf)
         self.nr_min = np.full((ns, nu), np.inf)
         self.nr_max = np.zeros((ns, nu))
@@ -102,51 +168,66 @@ class PairAccumulator:
     def _update(self, s3, t3, nx, ny, info: RowInfo, off: int, hs: int) -> None:
         n = s3.shape[0]
         # <x, y> per row and pair through one small batched matmul; |x - y|^2 = |x|^2 + |y|^2 - 2<x, y> is exact
-        # enough for far pairs, and recomputed elementwise below for near pairs (no cancellation).
-        xy = torch.bmm(s3, t3.transpose(1, 2)).double()            # [n, ns, nu]
-        nx64, ny64 = nx.double(), ny.double()
-        nxb, nyb = nx64[:, :, None].expand_as(xy), ny64[:, None, :].expand_as(xy)
-        dd = (nxb + nyb - 2 * xy).clamp_min(0)
-        near = (dd.sum(0) <= NEAR_REL * (nxb + nyb).sum(0)).numpy()
-        buf = self._buf(n, hs)
-        los, his = [], []
-        for i in range(self.ns):
-            si = s3[:, i]
-            for j in range(self.nu):
-                torch.sub(si, t3[:, j], out=buf)
+        # enough for far pairs, and recomputed elementwise below for near pairs (no cancellation). The small
+        # [n, ns, nu] arrays are handled in numpy (cheaper than many tiny torch ops).
+        xy = torch.matmul(s3, t3.transpose(1, 2)).numpy().astype(np.float64)   # [n, ns, nu] (matmul: ~1.8x bmm on CPU)
+        nx64, ny64 = nx.numpy().astype(np.float64), ny.numpy().astype(np.float64)
+        nxb, nyb = nx64[:, :, None], ny64[:, None, :]
+        den = nxb + nyb
+        dd = np.maximum(den - 2 * xy, 0.0)
+        near = dd.sum(0) <= NEAR_REL * den.sum(0)
+        if near.any():
+            buf = self._buf(n, hs)
+            los, his, where = [], [], []
+            for i, j in zip(*np.nonzero(near)):
+                torch.sub(s3[:, i], t3[:, j], out=buf)
                 mn, mx = torch.aminmax(buf)     # one pass; full reductions (aminmax with dim is ~7x slower on CPU)
                 los.append(mn)
                 his.append(mx)
-                if near[i, j]:
-                    exact = torch.linalg.vector_norm(buf, dim=-1).double().square()
+                where.append((int(i), int(j)))
+                if self.tol < EXACT_BELOW_TOL:
+                    exact = torch.linalg.vector_norm(buf, dim=-1).numpy().astype(np.float64) ** 2
                     dd[:, i, j] = exact
                     xy[:, i, j] = (nx64[:, i] + ny64[:, j] - exact) / 2
-        lo = torch.stack(los).view(self.ns, self.nu)
-        hi = torch.stack(his).view(self.ns, self.nu)
-        big = torch.maximum(hi, -lo).double().numpy()
-        better = big > self.max_abs
-        for i, j in zip(*np.nonzero(better)):
-            d = (s3[:, i] - t3[:, j]).abs()
-            r, c = divmod(int(d.argmax()), hs)
-            self.max_abs[i, j] = big[i, j]
-            self.max_at[i][j] = {"sample": info.key, "row": int(info.rows[off + r]),
-                                 "position": int(info.positions[off + r]), "token_id": int(info.ids[off + r]),
-                                 "column": int(c)}
+            big = torch.maximum(torch.stack(his), -torch.stack(los)).double().numpy()
+            for (i, j), v in zip(where, big):
+                if v > self.max_abs[i, j]:
+                    d = (s3[:, i] - t3[:, j]).abs()
+                    r, c = divmod(int(d.argmax()), hs)
+                    self.max_abs[i, j] = v
+                    self.max_at[i][j] = {"sample": info.key, "row": int(info.rows[off + r]),
+                                         "position": int(info.positions[off + r]),
+                                         "token_id": int(info.ids[off + r]), "column": int(c)}
         self.rows += n
-        self.sdd += dd.sum(0).numpy()
-        self.sxx += nx64.sum(0).numpy()[:, None]
-        self.syy += ny64.sum(0).numpy()[None, :]
+        self.sdd += dd.sum(0)
+        self.sxx += nx64.sum(0)[:, None]
+        self.syy += ny64.sum(0)[None, :]
+        # per-row statistics
+        den_b = np.broadcast_to(den, dd.shape)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(den_b > 0, dd / np.where(den_b > 0, den_b, 1.0), 0.0)
+        self.within += (rel <= self.tol).sum(0)
+        P = self.ns * self.nu
+        base = (np.arange(P) * NB).reshape(1, self.ns, self.nu)
+        self.h_rel += np.bincount((base + _bins_np(rel)).ravel(), minlength=P * NB).reshape(self.ns, self.nu, NB)
         both = (nxb > 0) & (nyb > 0)
-        if bool(both.any()):
-            one = torch.ones_like(xy)
-            cos = torch.where(both, xy / torch.where(both, torch.sqrt(nxb * nyb), one), torch.zeros_like(xy))
-            ratio = torch.where(both, torch.sqrt(nxb / torch.where(both, nyb, one)), one)
-            self.cos_sum += cos.sum(0).numpy()
-            self.cos_n += both.sum(0).numpy()
-            inf = torch.full_like(cos, math.inf)
-            self.cos_min = np.minimum(self.cos_min, torch.where(both, cos, inf).amin(0).numpy())
-            self.nr_min = np.minimum(self.nr_min, torch.where(both, ratio, inf).amin(0).numpy())
-            self.nr_max = np.maximum(self.nr_max, torch.where(both, ratio, -inf).amax(0).numpy())
+        if both.any():
+            both = np.broadcast_to(both, dd.shape)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                cos = np.clip(np.where(both, xy / np.sqrt(np.where(both, nxb * nyb, 1.0)), 0.0), -1.0, 1.0)
+                ratio = np.where(both, np.sqrt(np.where(both, nxb / np.where(both, nyb, 1.0), 1.0)), 1.0)
+            lnr = np.log(ratio)
+            sel = both.ravel()
+            self.h_cos += np.bincount((base + _bins_np(1 - cos)).ravel()[sel], minlength=P * NB).reshape(
+                self.ns, self.nu, NB)
+            self.h_lnr += np.bincount((base + _bins_np(np.abs(lnr))).ravel()[sel], minlength=P * NB).reshape(
+                self.ns, self.nu, NB)
+            self.valid += both.sum(0)
+            self.cos_sum += np.where(both, cos, 0.0).sum(0)
+            self.lnr_sum += np.where(both, lnr, 0.0).sum(0)
+            self.cos_min = np.minimum(self.cos_min, np.where(both, cos, np.inf).min(0))
+            self.nr_min = np.minimum(self.nr_min, np.where(both, ratio, np.inf).min(0))
+            self.nr_max = np.maximum(self.nr_max, np.where(both, ratio, -np.inf).max(0))
 
     def _buf(self, n: int, hs: int) -> torch.Tensor:
         b = getattr(self, "_scratch", None)
@@ -154,28 +235,46 @@ class PairAccumulator:
             b = self._scratch = torch.empty(max(n, PAIR_ROWS) * hs)
         return b[:n * hs].view(n, hs)
 
-    def metrics(self, i: int, j: int, tol: float) -> "PairMetrics":
-        """Finalised metrics of pair (i, j) against tolerance ``tol``."""
+    def metrics(self, i: int, j: int, tol: Optional[float] = None) -> "PairMetrics":
+        """Finalised metrics of pair (i, j). ``tol`` must be the accumulator's tolerance (the exact
+        within-tolerance count was taken with it)."""
+        if tol is not None and not math.isclose(tol, self.tol, rel_tol=1e-9):
+            raise ValueError(f"metrics asked at tolerance {tol:g}; the rows were counted at {self.tol:g}")
+        tol = self.tol
         sxx, syy, sdd = self.sxx[i, j], self.syy[i, j], self.sdd[i, j]
         den = sxx + syy
         rel = float(sdd / den) if den > 0 else 0.0
         sxy = (sxx + syy - sdd) / 2
         cos = float(sxy / math.sqrt(sxx * syy)) if sxx > 0 and syy > 0 else (1.0 if sxx == syy == 0 else 0.0)
         nr = float(math.sqrt(sxx / syy)) if syy > 0 else (1.0 if sxx == 0 else math.inf)
-        cn = int(self.cos_n[i, j])
+        cn = int(self.valid[i, j])
+        share = float(self.within[i, j] / self.rows) if self.rows else 0.0
+        q = lambda h, p: hist_quantile(h, p)  # noqa: E731
+        hr, hc, hl = self.h_rel[i, j], self.h_cos[i, j], self.h_lnr[i, j]
         return PairMetrics(
             rel_diff=rel, cosine=cos, norm_ratio=nr,
             mean_row_cosine=float(self.cos_sum[i, j] / cn) if cn else None,
             min_row_cosine=float(self.cos_min[i, j]) if cn else None,
             row_norm_ratio_min=float(self.nr_min[i, j]) if cn else None,
             row_norm_ratio_max=float(self.nr_max[i, j]) if cn else None,
-            max_abs_diff=float(max(self.max_abs[i, j], 0.0)), max_abs_at=self.max_at[i][j], rows=self.rows,
-            passed=rel <= tol, tolerance=tol)
+            max_abs_diff=None if self.max_abs[i, j] < 0 else float(self.max_abs[i, j]),
+            max_abs_at=self.max_at[i][j], rows=self.rows,
+            share_within=share, row_rel_diff={"p10": q(hr, 0.1), "p50": q(hr, 0.5), "p90": q(hr, 0.9)},
+            row_one_minus_cos={"p10": q(hc, 0.1), "p50": q(hc, 0.5), "p90": q(hc, 0.9)},
+            row_abs_log_norm_ratio={"p50": q(hl, 0.5), "p90": q(hl, 0.9)},
+            mean_log_norm_ratio=float(self.lnr_sum[i, j] / cn) if cn else None,
+            passed=self.rows > 0 and share >= MATCH_SHARE, tolerance=tol)
 
 
 @dataclass
 class PairMetrics:
-    """Metrics of one served chunk against one training chunk (or reference layer), over all aligned rows."""
+    """Metrics of one served chunk against one training chunk (or reference layer), over all aligned rows.
+
+    ``passed`` (the two are equal) is decided per row: ``share_within`` (rows with rel_diff <= ``tolerance``)
+    >= :data:`MATCH_SHARE`. ``rel_diff`` / ``cosine`` / ``norm_ratio`` are the global sums SGLang's comparator
+    prints (a few massive rows dominate them); ``row_*`` are quantiles of the per-row values (upper bin
+    edges, within a factor 1.26). ``max_abs_diff`` is None for pairs too far apart to be near-equal.
+    """
 
     rel_diff: float
     cosine: float
@@ -184,20 +283,43 @@ class PairMetrics:
     min_row_cosine: Optional[float]
     row_norm_ratio_min: Optional[float]
     row_norm_ratio_max: Optional[float]
-    max_abs_diff: float
+    max_abs_diff: Optional[float]
     max_abs_at: Optional[dict]
     rows: int
     passed: bool
     tolerance: float
+    share_within: float = 0.0
+    row_rel_diff: dict = field(default_factory=dict)
+    row_one_minus_cos: dict = field(default_factory=dict)
+    row_abs_log_norm_ratio: dict = field(default_factory=dict)
+    mean_log_norm_ratio: Optional[float] = None
+
+    @property
+    def median_rel_diff(self) -> float:
+        """Median per-row rel_diff (upper bin edge); ``inf`` when no row was compared."""
+        v = self.row_rel_diff.get("p50")
+        return math.inf if v is None else v
+
+    @property
+    def median_cosine(self) -> Optional[float]:
+        v = self.row_one_minus_cos.get("p50")
+        return None if v is None else 1 - v
 
     @property
     def min_tolerance(self) -> dict:
-        """The smallest thresholds that would have passed: ``rel_diff`` and ``max_abs``."""
-        return {"rel_diff": self.rel_diff, "max_abs": self.max_abs_diff}
+        """The smallest thresholds that would have passed: per-row ``rel_diff`` at the 90 % quantile (the
+        robust decision), the global ``rel_diff`` (SGLang's comparator) and ``max_abs`` (near pairs)."""
+        return {"row_rel_diff_p90": self.row_rel_diff.get("p90"), "rel_diff": self.rel_diff,
+                "max_abs": self.max_abs_diff}
 
     def to_json(self) -> dict:
-        r = lambda x: None if x is None else float(f"{x:.6g}")  # noqa: E731
-        return {"rel_diff": r(self.rel_diff), "cosine": r(self.cosine), "norm_ratio": r(self.norm_ratio),
+        r = lambda x: None if x is None else (x if isinstance(x, float) and math.isinf(x) else float(f"{x:.6g}"))  # noqa: E731
+        rd = lambda d: {k: r(v) for k, v in d.items()}  # noqa: E731
+        return {"share_within_tolerance": r(self.share_within), "row_rel_diff": rd(self.row_rel_diff),
+                "row_cosine_p50": r(self.median_cosine), "row_one_minus_cos": rd(self.row_one_minus_cos),
+                "row_abs_log_norm_ratio": rd(self.row_abs_log_norm_ratio),
+                "mean_log_norm_ratio": r(self.mean_log_norm_ratio),
+                "rel_diff": r(self.rel_diff), "cosine": r(self.cosine), "norm_ratio": r(self.norm_ratio),
                 "mean_row_cosine": r(self.mean_row_cosine), "min_row_cosine": r(self.min_row_cosine),
                 "row_norm_ratio_min": r(self.row_norm_ratio_min), "row_norm_ratio_max": r(self.row_norm_ratio_max),
                 "max_abs_diff": r(self.max_abs_diff), "max_abs_at": self.max_abs_at, "rows": self.rows,
@@ -206,8 +328,10 @@ class PairMetrics:
 
 
 class ChunkStats:
-    """Per-chunk facts about one side's rows: non-finite rows, zero rows (and their token ids), and the
-    context-free test (rows of equal token ids at different positions compared with each other)."""
+    """Per-chunk facts about one side's rows: non-finite rows, zero rows (and their token ids), the
+    context-free test (rows of equal token ids at different positions compared with each other), and the
+    outlier rows (the :data:`TOP_ROWS` largest row energies |x|^2, with position, token id and the dims
+    that carry them) against the total energy."""
 
     def __init__(self, n: int):
         self.n = n
@@ -220,6 +344,9 @@ class ChunkStats:
         self.nonzero_max = [None] * n
         self.ctx_pairs = [0] * n
         self.ctx_max = [0.0] * n
+        self.energy = [0.0] * n
+        self.h_energy = np.zeros((n, NB), np.int64)
+        self.top: list[list[dict]] = [[] for _ in range(n)]
         self._cache: dict[int, tuple[int, torch.Tensor]] = {}
 
     def update(self, x3: torch.Tensor, finite: torch.Tensor, nx: torch.Tensor, info: RowInfo) -> None:
@@ -227,48 +354,81 @@ class ChunkStats:
         n = x3.shape[0]
         self.rows += n
         fin = finite.numpy()
-        zero = (nx == 0).numpy() & fin
+        nxn = nx.double().numpy()
+        zero = (nxn == 0) & fin
         ids = info.ids
+        all_fin = bool(fin.all())
+        any_zero = bool(zero.any())
         for c in range(self.n):
-            bad = np.nonzero(~fin[:, c])[0]
-            if bad.size:
+            bad = np.nonzero(~fin[:, c])[0] if not all_fin else ()
+            if len(bad):
                 self.nonfinite[c] += int(bad.size)
                 for r in bad[: max(0, 5 - len(self.nonfinite_at[c]))]:
                     self.nonfinite_at[c].append({"sample": info.key, "row": int(info.rows[r]),
                                                  "position": int(info.positions[r]), "token_id": int(ids[r])})
             z = zero[:, c]
-            if z.any():
+            if any_zero and z.any():
                 self.zero[c] += int(z.sum())
                 if len(self.zero_ids[c]) < ID_SET_CAP:
                     self.zero_ids[c].update(ids[z].tolist())
-            nzm = fin[:, c] & ~z
-            if nzm.any():
-                nz_ids = ids[nzm]
+            nz_ids = ids if all_fin and not any_zero else ids[fin[:, c] & ~z]
+            if nz_ids.size:
                 lo, hi = int(nz_ids.min()), int(nz_ids.max())
                 self.nonzero_min[c] = lo if self.nonzero_min[c] is None else min(lo, self.nonzero_min[c])
                 self.nonzero_max[c] = hi if self.nonzero_max[c] is None else max(hi, self.nonzero_max[c])
+            e = nxn[:, c]
+            self.energy[c] += float(e.sum())
+            self.h_energy[c] += np.bincount(np.searchsorted(HIST_EDGES[1:], e, side="right"), minlength=NB)
+            floor = self.top[c][-1]["energy"] if len(self.top[c]) >= TOP_ROWS else -1.0
+            cand = np.nonzero(e > floor)[0]
+            if cand.size > TOP_ROWS:
+                cand = cand[np.argsort(-e[cand])[:TOP_ROWS]]
+            for r in cand:
+                self._add_top(c, x3[r, c], float(e[r]), info, int(r))
         # context-free test: compare each repeated token id with its first (cached) occurrence
         rowok = fin.all(1)
-        for r in range(n):
-            if not rowok[r]:
-                continue
+        full = len(self._cache) >= CONTEXT_CACHE_IDS
+        if full:
+            cache = self._cache
+            todo = [r for r in np.nonzero(rowok)[0] if int(ids[r]) in cache]
+        else:
+            todo = np.nonzero(rowok)[0]
+        hits, refs = [], []
+        for r in todo:
             tid = int(ids[r])
             hit = self._cache.get(tid)
             if hit is None:
                 if len(self._cache) < CONTEXT_CACHE_IDS:
                     self._cache[tid] = (int(info.positions[r]), x3[r].clone())
                 continue
-            pos0, ref = hit
-            if pos0 == int(info.positions[r]):
-                continue
-            x = x3[r]
+            if hit[0] != int(info.positions[r]):
+                hits.append(int(r))
+                refs.append(hit[1])
+        if hits:
+            x = x3[torch.tensor(hits)]
+            ref = torch.stack(refs)
             num = (x - ref).square().sum(-1).double()
             den = (x.square().sum(-1) + ref.square().sum(-1)).double()
-            rel = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
+            pos = (den > 0).numpy()
+            rel = (num / torch.where(den > 0, den, torch.ones_like(den))).numpy()
             for c in range(self.n):
-                if float(den[c]) > 0:
-                    self.ctx_pairs[c] += 1
-                    self.ctx_max[c] = max(self.ctx_max[c], float(rel[c]))
+                k = int(pos[:, c].sum())
+                if k:
+                    self.ctx_pairs[c] += k
+                    self.ctx_max[c] = max(self.ctx_max[c], float(rel[pos[:, c], c].max()))
+
+    def _add_top(self, c: int, row: torch.Tensor, e: float, info: RowInfo, r: int) -> None:
+        top = self.top[c]
+        if len(top) >= TOP_ROWS and e <= top[-1]["energy"]:
+            return
+        sq = row.double().square()
+        k = min(3, sq.shape[0])
+        v, d = torch.topk(sq, k)
+        top.append({"energy": e, "sample": info.key, "position": int(info.positions[r]),
+                    "token_id": int(info.ids[r]), "dims": [int(x) for x in d],
+                    "dims_energy_share": float(v.sum() / max(e, 1e-300))})
+        top.sort(key=lambda t: -t["energy"])
+        del top[TOP_ROWS:]
 
     def context_free(self, c: int, tol: float) -> Optional[bool]:
         """True if chunk ``c`` gave equal rows for equal token ids (within ``tol``), None if untested."""
@@ -276,11 +436,96 @@ class ChunkStats:
             return None
         return self.ctx_max[c] <= tol
 
+    def outliers(self, c: int) -> dict:
+        """Evidence about the rows that dominate chunk ``c``'s energy: the top rows (position, token id,
+        dominant dims), their share of ``sum |x|^2``, and their energy against the median row's."""
+        med = hist_quantile(self.h_energy[c], 0.5)
+        tot = self.energy[c]
+        top = self.top[c]
+        share = float(sum(t["energy"] for t in top) / tot) if tot > 0 else 0.0
+        r = lambda x: float(f"{x:.4g}")  # noqa: E731
+        return {"top_rows": [{**{k: v for k, v in t.items() if k != "energy"},
+                              "energy_vs_median_row": None if not med else r(t["energy"] / med),
+                              "dims_energy_share": r(t["dims_energy_share"])} for t in top],
+                "top_rows_energy_share": r(share), "rows": self.rows}
+
     def to_json(self, c: int) -> dict:
         return {"rows": self.rows, "nonfinite_rows": self.nonfinite[c], "nonfinite_at": self.nonfinite_at[c],
                 "zero_rows": self.zero[c], "repeated_token_pairs": self.ctx_pairs[c],
                 "repeated_token_max_rel_diff": float(f"{self.ctx_max[c]:.6g}"),
-                "nonzero_id_range": None if self.nonzero_min[c] is None else [self.nonzero_min[c], self.nonzero_max[c]]}
+                "nonzero_id_range": None if self.nonzero_min[c] is None else [self.nonzero_min[c], self.nonzero_max[c]],
+                "outliers": self.outliers(c)}
+
+
+class RowReservoir:
+    """A seeded uniform sample of up to ``capacity`` aligned rows (reservoir sampling, Vitter's algorithm R),
+    for the transform fits of ``helpers.diagnosis.fit``: training row, the primary served view, the reference
+    row (bf16, fewer rows when wide: :data:`RESERVOIR_REF_BYTES`), token id and position.
+
+    Memory: fixed buffers ``capacity x (training + served width) x 4`` bytes, allocated on the first block.
+    """
+
+    def __init__(self, capacity: int = RESERVOIR_ROWS, seed: int = 0):
+        self.capacity = int(capacity)
+        self.rng = np.random.default_rng(seed)
+        self.seen = 0
+        self.count = 0
+        self.train = self.served = self.ref = None
+        self.ref_capacity = 0
+        self.ids = np.zeros(self.capacity, np.int64)
+        self.positions = np.zeros(self.capacity, np.int64)
+
+    def add(self, train: torch.Tensor, served: torch.Tensor, ref: Optional[torch.Tensor], info: RowInfo,
+            ok: Optional[np.ndarray] = None) -> None:
+        """Offer a block: ``train`` [n, Wt], ``served`` [n, Ws] (float32), ``ref`` [n, Wr] or None; only the rows
+        where ``ok`` (both sides finite) is true take part."""
+        if ok is not None and not ok.all():
+            sel = np.nonzero(ok)[0]
+            if sel.size == 0:
+                return
+            rows = sel
+        else:
+            rows = np.arange(train.shape[0])
+        n = rows.size
+        if n == 0 or self.capacity == 0:
+            return
+        if self.train is None:
+            self.train = torch.empty(self.capacity, train.shape[1])
+            self.served = torch.empty(self.capacity, served.shape[1])
+            if ref is not None:
+                self.ref_capacity = max(16, min(self.capacity, RESERVOIR_REF_BYTES // (2 * ref.shape[1])))
+                self.ref = torch.zeros(self.ref_capacity, ref.shape[1], dtype=torch.bfloat16)
+        slots = np.arange(self.seen, self.seen + n)
+        take = slots < self.capacity
+        rnd = self.rng.integers(0, slots + 1)
+        slot = np.where(take, slots, rnd)
+        keep = slot < self.capacity
+        self.seen += n
+        q = np.nonzero(keep)[0]
+        if q.size == n and n and rows[-1] - rows[0] == n - 1 and slot[-1] - slot[0] == n - 1 and slot[0] == self.seen - n:
+            # filling: one contiguous slice (advanced indexing is ~5x slower than slice / row copies on CPU)
+            k0, r0 = int(slot[0]), int(rows[0])
+            self.train[k0:k0 + n].copy_(train[r0:r0 + n])
+            self.served[k0:k0 + n].copy_(served[r0:r0 + n])
+            if self.ref is not None and ref is not None and k0 < self.ref_capacity:
+                m = min(n, self.ref_capacity - k0)
+                self.ref[k0:k0 + m].copy_(ref[r0:r0 + m])
+            self.ids[k0:k0 + n] = info.ids[r0:r0 + n]
+            self.positions[k0:k0 + n] = info.positions[r0:r0 + n]
+        else:
+            for qq in q:                    # later rows replace a few slots each: row copies
+                k, r = int(slot[qq]), int(rows[qq])
+                self.train[k].copy_(train[r])
+                self.served[k].copy_(served[r])
+                if self.ref is not None and ref is not None and k < self.ref_capacity:
+                    self.ref[k].copy_(ref[r])
+                self.ids[k] = int(info.ids[r])
+                self.positions[k] = int(info.positions[r])
+        self.count = min(self.capacity, self.seen)
+
+    @property
+    def ref_count(self) -> int:
+        return min(self.count, self.ref_capacity) if self.ref is not None else 0
 
 
 # --------------------------------------------------------------------------------------------- results
@@ -312,8 +557,10 @@ class Comparison:
         training_stats: :class:`ChunkStats` of the training chunks.
         training_ref: training chunks x reference layers (when a reference is given).
         reference_tensors: the reference layer names.
-        tolerance: rel_diff tolerance used; dtypes: the dtypes it came from.
+        tolerance: per-row rel_diff tolerance used; dtypes: the dtypes it came from; tolerance_why: one
+            sentence saying what it is and why.
         alignment: pairing facts (samples, rows, token mismatches, unpaired served samples).
+        reservoir: :class:`RowReservoir` of aligned rows (training, primary served view, reference).
     """
 
     hidden_size: int
@@ -330,6 +577,8 @@ class Comparison:
     tolerance: float
     dtypes: dict
     alignment: dict
+    tolerance_why: str = ""
+    reservoir: Optional[RowReservoir] = None
 
     def source(self, name: str) -> Optional[SourceResult]:
         return next((s for s in self.sources if s.name == name), None)
@@ -347,24 +596,39 @@ class Comparison:
     def metrics(self, source: SourceResult, i: int, u: int) -> PairMetrics:
         return source.pairs.metrics(i, u, self.tolerance)
 
-    def best_match(self, source: SourceResult, i: int) -> tuple[int, PairMetrics]:
-        """(unit, metrics) of the training unit closest to served chunk ``i`` (lowest rel_diff)."""
-        ms = [self.metrics(source, i, u) for u in range(len(self.training_units))]
-        u = int(np.argmin([m.rel_diff for m in ms]))
-        return u, ms[u]
+    def ranked(self, source: SourceResult, i: int) -> list[tuple[int, PairMetrics]]:
+        """Training units ordered from closest to farthest for served chunk ``i`` (:func:`closeness`)."""
+        ms = [(u, self.metrics(source, i, u)) for u in range(source.pairs.nu)]
+        return sorted(ms, key=lambda um: closeness(um[1]))
 
-    def identify(self, acc: Optional[PairAccumulator], i: int) -> Optional[dict]:
-        """Reference identification of row ``i`` of ``acc``: best tensor, its rel_diff, runner-up."""
+    def best_match(self, source: SourceResult, i: int) -> tuple[int, PairMetrics]:
+        """(unit, metrics) of the training unit closest to served chunk ``i`` (:func:`closeness`)."""
+        return self.ranked(source, i)[0]
+
+    def identify(self, acc: Optional[PairAccumulator], i: int, top: int = 3) -> Optional[dict]:
+        """Reference identification of row ``i`` of ``acc`` (served or training chunk x reference layers):
+        the closest layer, whether it is equal (per-row decision), and the next candidates with their
+        share of rows within tolerance and median per-row rel_diff / cosine."""
         if acc is None or not self.reference_tensors or acc.rows == 0:
             return None
-        rds = [acc.metrics(i, k, self.tolerance).rel_diff for k in range(acc.nu)]
-        order = np.argsort(rds)
-        best = int(order[0])
-        out = {"best": self.reference_tensors[best], "rel_diff": rds[best], "passed": rds[best] <= self.tolerance}
-        if len(order) > 1:
-            out["runner_up"] = self.reference_tensors[int(order[1])]
-            out["runner_up_rel_diff"] = rds[int(order[1])]
+        ms = sorted(((k, acc.metrics(i, k)) for k in range(acc.nu)), key=lambda km: closeness(km[1]))
+        k0, m0 = ms[0]
+        out = {"best": self.reference_tensors[k0], "rel_diff": m0.rel_diff, "passed": m0.passed,
+               "share_within": m0.share_within, "row_rel_diff_p50": m0.row_rel_diff.get("p50"),
+               "candidates": [{"tensor": self.reference_tensors[k], "share_within": float(f"{m.share_within:.4g}"),
+                               "row_rel_diff_p50": m.row_rel_diff.get("p50"),
+                               "row_cosine_p50": None if m.median_cosine is None else float(f"{m.median_cosine:.6g}")}
+                              for k, m in ms[:top]]}
+        if len(ms) > 1:
+            out["runner_up"] = self.reference_tensors[ms[1][0]]
+            out["runner_up_rel_diff"] = ms[1][1].rel_diff
         return out
+
+
+def closeness(m: PairMetrics) -> tuple:
+    """Sort key, closest first: more rows within tolerance, then lower median per-row rel_diff, then lower
+    global rel_diff."""
+    return (-round(m.share_within, 6), m.median_rel_diff, m.rel_diff)
 
 
 # ----------------------------------------------------------------------------------------------- compare
@@ -386,7 +650,6 @@ class _Scratch:
         return out
 
 
-_SCRATCH = _Scratch()
 
 
 class _Pairer:
@@ -484,7 +747,7 @@ def _chunking(served_width: int, H: int, Wt: int, tp_sizes: set, n_ranks: int, p
 def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidden_size: int,
             training_width: int, training_dtype: Optional[str] = None, served_dtype: Optional[str] = None,
             reference: Optional[SampleSource] = None, tolerance: Optional[float] = None,
-            block_rows: int = 64) -> Comparison:
+            block_rows: int = 64, reservoir_rows: int = RESERVOIR_ROWS) -> Comparison:
     """Compare served aux hidden states (one source per TP rank) with streamed training samples.
 
     Args:
@@ -497,8 +760,9 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
             dtype if known).
         reference: a source whose ``layer_plan["tensors"]`` names each H-wide chunk (all layers), aligned to
             the same tokens, to identify every served and training chunk.
-        tolerance: override the dtype-derived rel_diff tolerance.
+        tolerance: override the dtype-derived per-row rel_diff tolerance.
         block_rows: rows converted to float32 at once.
+        reservoir_rows: aligned rows kept (seeded uniform sample) for the transform fits.
 
     Returns:
         :class:`Comparison`.
@@ -530,6 +794,8 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
     nu = len(units)
     dtypes = {"training": training_dtype, "served": served_dtype or served[0].dtype}
     tol = float(tolerance) if tolerance is not None else tolerance_for(training_dtype, dtypes["served"])
+    why = tolerance_why(tol, dtypes, overridden=tolerance is not None)
+    reservoir = RowReservoir(reservoir_rows)
     if all(src.tp_rank is not None for src in served):
         served = sorted(served, key=lambda src: src.tp_rank)
     groups = _group_ranks(served)
@@ -537,16 +803,16 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
 
     names = [f"rank{src.tp_rank if src.tp_rank is not None else n}" for n, src in enumerate(served)] if multi else ["served"]
     sources = [SourceResult(name=nm, tp_rank=src.tp_rank, chunk_width=hs, num_chunks=ns,
-                            pairs=PairAccumulator(ns, nu), stats=ChunkStats(ns),
+                            pairs=PairAccumulator(ns, nu, tol), stats=ChunkStats(ns),
                             tp_size=src.tp_size or (src.samples[0].tp_size if src.samples else None))
                for nm, src in zip(names, served)]
     if multi:
         for s in sources[1:]:
-            s.agree = PairAccumulator(ns, ns)
+            s.agree = PairAccumulator(ns, ns, tol)
         if k == 1:
-            sources.append(SourceResult("sum", None, hs, ns, PairAccumulator(ns, nu), ChunkStats(ns)))
+            sources.append(SourceResult("sum", None, hs, ns, PairAccumulator(ns, nu, tol), ChunkStats(ns)))
         elif len(served) == k:
-            sources.append(SourceResult("gathered", None, H, ns, PairAccumulator(ns, nt), ChunkStats(ns)))
+            sources.append(SourceResult("gathered", None, H, ns, PairAccumulator(ns, nt, tol), ChunkStats(ns)))
     ref_tensors = None
     ref_pairer = None
     train_ref = None
@@ -560,10 +826,10 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
             raise BadInput(f"reference width {reference.width} != {len(ref_tensors)} tensors x hidden {H}",
                            path=reference.path, field="width")
         ref_pairer = _Pairer([[s] for s in reference.samples], by_order_fallback=False)
-        train_ref = PairAccumulator(nt, len(ref_tensors))
+        train_ref = PairAccumulator(nt, len(ref_tensors), tol)
         for s in sources:
             if s.chunk_width == H:
-                s.ref = PairAccumulator(s.num_chunks, len(ref_tensors))
+                s.ref = PairAccumulator(s.num_chunks, len(ref_tensors), tol)
     train_stats = ChunkStats(nt)
     pairer = _Pairer(groups, by_order_fallback=all(src.format == "sglang-generate" for src in served))
     align = {"samples_paired": 0, "training_samples_seen": 0, "rows_compared": 0, "decode_rows_compared": 0,
@@ -627,7 +893,7 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
                         np.array_equal(ref_sample.input_ids[rp:rp + m], tids[p0:p0 + m]):
                     rrow = ref_rows[rp:rp + m]
             _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows,
-                          key=s0.key, positions=np.arange(p0, p0 + m), ids=tids[p0:p0 + m].copy())
+                          reservoir, key=s0.key, positions=np.arange(p0, p0 + m), ids=tids[p0:p0 + m].copy())
         del tr_rows, ref_rows
     for g, ranks in enumerate(groups):
         if g not in pairer.used:
@@ -649,7 +915,7 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
     return Comparison(hidden_size=H, chunk_width=hs, shard_factor=k, served_width=Ws, training_width=Wt,
                       num_training_chunks=nt, training_units=units, sources=sources, training_stats=train_stats,
                       training_ref=train_ref, reference_tensors=ref_tensors, tolerance=tol, dtypes=dtypes,
-                      alignment=align)
+                      alignment=align, tolerance_why=why, reservoir=reservoir)
 
 
 def _finite_rows(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -662,51 +928,106 @@ def _finite_rows(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fin, nx
 
 
-def _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows, *, key,
+#: prepare the next block in a worker thread while this one is compared (both cores); E3F_COMPARE_THREADS=1
+#: turns it off.
+_PIPELINE = None
+
+
+def _pipeline():
+    """The one worker thread of the block pipeline, or None on a single core / when turned off."""
+    global _PIPELINE
+    if _PIPELINE is None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        want = int(os.environ.get("E3F_COMPARE_THREADS", "0") or 0) or min(2, os.cpu_count() or 1)
+        _PIPELINE = ThreadPoolExecutor(1, thread_name_prefix="e3f-compare") if want >= 2 else False
+    return _PIPELINE or None
+
+
+_SLOTS = (_Scratch(), _Scratch())
+
+
+def _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows, reservoir, *, key,
                   positions, ids) -> None:
+    """Compare one aligned sample block by block. Stage A (:func:`_prepare`: float32 copies, finite rows, row
+    norms, per-chunk stats, reservoir) of block k+1 runs in a worker thread while stage B (:func:`_consume`:
+    the pair accumulators) runs on block k; each stage owns the objects it updates, so no lock is needed."""
     m = trow.shape[0]
+    starts = list(range(0, m, block_rows))
+    args = (sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, reservoir, key, positions, ids, block_rows)
+    pool = _pipeline() if len(starts) > 1 else None
+    if pool is None:
+        for n, a in enumerate(starts):
+            _consume(_prepare(n % 2, a, *args), sources, k, hs, H, train_ref)
+        return
+    fut = pool.submit(_prepare, 0, starts[0], *args)
+    for n in range(len(starts)):
+        prep = fut.result()
+        if n + 1 < len(starts):
+            fut = pool.submit(_prepare, (n + 1) % 2, starts[n + 1], *args)
+        _consume(prep, sources, k, hs, H, train_ref)
+
+
+def _prepare(slot, a, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, reservoir, key, positions, ids,
+             block_rows) -> dict:
+    """Stage A of one block (see :func:`_compare_rows`): returns the float32 views and masks stage B needs."""
+    sc = _SLOTS[slot]
+    m = trow.shape[0]
+    b = min(m, a + block_rows)
     multi = len(srows) > 1
-    for a in range(0, m, block_rows):
-        b = min(m, a + block_rows)
-        info = RowInfo(key=key, rows=np.arange(a, b), positions=positions[a:b], ids=ids[a:b])
-        t = _SCRATCH.f32("train", trow[a:b])
-        t3 = t.view(b - a, nt, H)
-        tfin, tnx = _finite_rows(t3)
-        train_stats.update(t3, tfin, tnx, info)
-        tu = t3 if k == 1 else t3.reshape(b - a, nt * k, hs)
-        tok = tfin.all(1)
-        s3s = []
-        for n_src, (src, sr) in enumerate(zip(sources, srows)):
-            s = _SCRATCH.f32(f"served{n_src}", sr[a:b])
-            s3 = s.view(b - a, ns, hs)
-            sfin, snx = _finite_rows(s3)
-            src.stats.update(s3, sfin, snx, info)
-            s3s.append((s3, sfin))
-            _update_sel(src.pairs, s3, tu, sfin.all(1) & tok, info, hs, snx, tnx if k == 1 else None)
-            if src.ref is not None and rrow is not None:
-                r3 = _SCRATCH.f32("ref", rrow[a:b]).view(b - a, -1, H)
-                _update_sel(src.ref, s3, r3, sfin.all(1), info, H)
-        if multi:
-            base, bfin = s3s[0]
-            for src, (s3, sfin) in zip(sources[1:len(srows)], s3s[1:]):
-                _update_sel(src.agree, s3, base, sfin.all(1) & bfin.all(1), info, hs)
-            allfin = torch.stack([f.all(1) for _, f in s3s]).all(0)
-            extra = sources[len(srows)] if len(sources) > len(srows) else None
-            if extra is not None:
-                if extra.name == "sum":
-                    v = torch.stack([x for x, _ in s3s]).sum(0)
-                else:  # gathered: concatenate each chunk's column slices in rank order
-                    v = torch.cat([x for x, _ in s3s], dim=-1)
-                vfin, vnx = _finite_rows(v)
-                extra.stats.update(v, vfin, vnx, info)
-                _update_sel(extra.pairs, v, t3 if extra.name == "gathered" else tu, allfin & tok, info,
-                            v.shape[-1])
-                if extra.ref is not None and rrow is not None:
-                    r3 = _SCRATCH.f32("ref", rrow[a:b]).view(b - a, -1, H)
-                    _update_sel(extra.ref, v, r3, allfin, info, H)
-        if train_ref is not None and rrow is not None:
-            r3 = _SCRATCH.f32("ref", rrow[a:b]).view(b - a, -1, H)
-            _update_sel(train_ref, t3, r3, tok, info, H)
+    info = RowInfo(key=key, rows=np.arange(a, b), positions=positions[a:b], ids=ids[a:b])
+    t = sc.f32("train", trow[a:b])
+    t3 = t.view(b - a, nt, H)
+    tfin, tnx = _finite_rows(t3)
+    train_stats.update(t3, tfin, tnx, info)
+    tok = tfin.all(1)
+    r3 = sc.f32("ref", rrow[a:b]).view(b - a, -1, H) if rrow is not None else None
+    s3s = []
+    for n_src, (src, sr) in enumerate(zip(sources, srows)):
+        s3 = sc.f32(f"served{n_src}", sr[a:b]).view(b - a, ns, hs)
+        sfin, snx = _finite_rows(s3)
+        src.stats.update(s3, sfin, snx, info)
+        s3s.append((s3, sfin, snx))
+    primary, pfin = s3s[0][0], s3s[0][1].all(1)
+    extra = None
+    if multi and len(sources) > len(srows):
+        extra = sources[len(srows)]
+        allfin = torch.stack([f.all(1) for _, f, _ in s3s]).all(0)
+        if extra.name == "sum":
+            v = torch.stack([x for x, _, _ in s3s]).sum(0)
+        else:  # gathered: concatenate each chunk's column slices in rank order
+            v = torch.cat([x for x, _, _ in s3s], dim=-1)
+            primary, pfin = v, allfin
+        vfin, vnx = _finite_rows(v)
+        extra.stats.update(v, vfin, vnx, info)
+        extra = (extra, v, allfin)
+    reservoir.add(t, primary.reshape(b - a, -1), None if r3 is None else r3.reshape(b - a, -1), info,
+                  (pfin & tok).numpy())
+    return {"info": info, "t3": t3, "tnx": tnx, "tok": tok, "r3": r3, "s3s": s3s, "extra": extra, "ns": ns,
+            "nt": nt, "n": b - a}
+
+
+def _consume(prep, sources, k, hs, H, train_ref) -> None:
+    """Stage B of one block: every pair accumulator (served x training, x reference, rank agreement)."""
+    info, t3, tnx, tok, r3, s3s = prep["info"], prep["t3"], prep["tnx"], prep["tok"], prep["r3"], prep["s3s"]
+    n, nt = prep["n"], prep["nt"]
+    tu = t3 if k == 1 else t3.reshape(n, nt * k, hs)
+    for src, (s3, sfin, snx) in zip(sources, s3s):
+        _update_sel(src.pairs, s3, tu, sfin.all(1) & tok, info, hs, snx, tnx if k == 1 else None)
+        if src.ref is not None and r3 is not None:
+            _update_sel(src.ref, s3, r3, sfin.all(1), info, H)
+    if len(s3s) > 1:
+        base, bfin, _ = s3s[0]
+        for src, (s3, sfin, _) in zip(sources[1:len(s3s)], s3s[1:]):
+            _update_sel(src.agree, s3, base, sfin.all(1) & bfin.all(1), info, hs)
+    if prep["extra"] is not None:
+        extra, v, allfin = prep["extra"]
+        _update_sel(extra.pairs, v, t3 if extra.name == "gathered" else tu, allfin & tok, info, v.shape[-1])
+        if extra.ref is not None and r3 is not None:
+            _update_sel(extra.ref, v, r3, allfin, info, H)
+    if train_ref is not None and r3 is not None:
+        _update_sel(train_ref, t3, r3, tok, info, H)
 
 
 def _update_sel(acc: PairAccumulator, s3, t3, ok: torch.Tensor, info: RowInfo, hs: int,

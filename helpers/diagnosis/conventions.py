@@ -220,44 +220,12 @@ def sglang_default_capture(num_layers: int) -> LayerIds:
 
 # --------------------------------------------------------------------------------------- SGLang families
 
-#: architecture -> family. Families differ in how ``set_eagle3_layers_to_capture`` converts config ids.
-_DEEPSEEK_ARCHS = {
-    # sglang/srt/models/deepseek_v2.py EntryClass + subclasses; kimi_k25.py wraps DeepseekV3ForCausalLM;
-    # glm4_moe_lite.py and glm4_moe.py::GlmMoeDsaForCausalLM; mistral_large_3.py.
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
-    "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM",
-}
-_GPT_OSS_ARCHS = {"GptOssForCausalLM"}
-_PLUS_ONE_DEFAULT_ARCHS = {"MiniMaxM3SparseForConditionalGeneration"}
-
-FAMILY_SOURCES = {
-    "plus_one": "sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture "
-                "(layers_to_capture = [val + 1 for val in layer_ids]; same in qwen2/qwen3/glm4_moe/gemma/...)",
-    "deepseek": "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture "
-                "(+1 only `if layer_ids and layer_ids[0] == 1`, else ids as-is; PR #25454)",
-    "gpt_oss": "sglang/srt/models/gpt_oss.py::GptOssForCausalLM.set_eagle3_layers_to_capture "
-               "(>= 0.5.23: ids kept as-is when max(layer_ids) == num_layers, the final boundary; else +1)",
-    "plus_one_default": "sglang/srt/models/minimax_m3_vl.py::set_eagle3_layers_to_capture "
-                        "(+1 applied to the default [2, n//2, n-3] too)",
-}
-
-
 def target_family(architectures: Sequence[str] | None, model_type: str | None = None) -> str:
-    """The SGLang capture family of a target: ``plus_one`` | ``deepseek`` | ``gpt_oss`` | ``plus_one_default``.
+    """The SGLang 0.5.23 id rule of a target: ``plus_one`` | ``deepseek`` | ``gpt_oss`` | ``plus_one_default``
+    | ``none`` (refuses EAGLE-3) | ``unregistered`` (see :func:`helpers.diagnosis.sglang_rules.target_rule`)."""
+    from .sglang_rules import target_rule
 
-    Args:
-        architectures: the target config's ``architectures`` list.
-        model_type: the target config's ``model_type`` (used when architectures are missing).
-    """
-    archs = set(architectures or [])
-    mt = (model_type or "").lower()
-    if archs & _DEEPSEEK_ARCHS or mt in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k25", "glm4_moe_lite"):
-        return "deepseek"
-    if archs & _GPT_OSS_ARCHS or mt == "gpt_oss":
-        return "gpt_oss"
-    if archs & _PLUS_ONE_DEFAULT_ARCHS:
-        return "plus_one_default"
-    return "plus_one"
+    return target_rule(architectures, model_type).rule
 
 
 def parse_version(version: str | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -291,6 +259,13 @@ class CapturePlan:
         problems: ``{"kind", "detail"}`` dicts using the finding vocabulary (e.g. ``missing_chunk`` for an
             unreachable id, ``embedding_in_place_of_layer`` for an id that captures the embedding).
         fatal: set when the engine would raise instead of serving (message + source), else None.
+        provenance: where the plan comes from: ``rule`` (a config read with the engine's rules of a named
+            version), ``manifest`` (recorded by the tool that wrote the training data, or the run's own record
+            given by the user), ``inferred`` (identified in the data against an every-layer reference),
+            ``claimed`` (read from a draft config that may have been edited after training), ``default`` (no
+            ids anywhere: the trainer's default was assumed).
+        source: the file / field / rule the plan was read from (one line).
+        ambiguity: when the ids can mean two things: ``{"readings": [{"reading", "tensors"}...], "settle": str}``.
     """
 
     tensors: list[str]
@@ -302,6 +277,9 @@ class CapturePlan:
     notes: list[str] = field(default_factory=list)
     problems: list[dict] = field(default_factory=list)
     fatal: str | None = None
+    provenance: str = "rule"
+    source: str = ""
+    ambiguity: dict | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -312,7 +290,8 @@ class CapturePlan:
                 "config_ids": None if self.config_ids is None else str(self.config_ids),
                 "engine_ids": None if self.engine_ids is None else str(self.engine_ids),
                 "rules": list(self.rules), "notes": list(self.notes), "problems": list(self.problems),
-                "fatal": self.fatal}
+                "fatal": self.fatal, "provenance": self.provenance, "source": self.source,
+                "ambiguity": self.ambiguity}
 
 
 def sglang_layers_to_capture(layer_ids: Sequence[int] | None, num_layers: int, family: str,
@@ -322,47 +301,72 @@ def sglang_layers_to_capture(layer_ids: Sequence[int] | None, num_layers: int, f
     Args:
         layer_ids: ``eagle_config.eagle_aux_hidden_state_layer_ids`` as SGLang read it, or None.
         num_layers: target ``num_hidden_layers``.
-        family: from :func:`target_family`.
+        family: the id rule (:func:`helpers.diagnosis.sglang_rules.target_rule`).
         version: parsed SGLang version, or None for the newest verified release.
 
     Returns:
         (layers_to_capture in the order SGLang stores it, rules applied with their sources).
     """
+    from .sglang_rules import DEEPSEEK_CONDITIONAL_SINCE, GPT_OSS_BOUNDARY_SINCE
+
     n = int(num_layers)
     v = tuple(version) if version is not None else VERIFIED_SGLANG
+    vs = ".".join(map(str, v))
     rules: list[str] = []
     if layer_ids is None:
         base = [2, n // 2, n - 3]
         if family == "plus_one_default":
-            rules.append("no ids: default [2, n//2, n-3] then +1 -- " + FAMILY_SOURCES["plus_one_default"])
+            rules.append(f"no ids: default [2, n//2, n-3] then +1 (SGLang {vs}) -- " + FAMILY_SOURCES["plus_one_default"])
             return [x + 1 for x in base], rules
-        rules.append("no ids: layers_to_capture = [2, n//2, n-3], no +1 -- "
-                     "sglang/srt/models/llama.py::set_eagle3_layers_to_capture (layer_ids is None)")
+        rules.append(f"no ids: layers_to_capture = [2, n//2, n-3], no +1 (SGLang {vs}) -- "
+                     "sglang/srt/models/llama.py::set_eagle3_layers_to_capture (layer_ids is None; same default in "
+                     "every model file)")
         return base, rules
     ids = [int(x) for x in layer_ids]
     if family == "deepseek":
-        if v < (0, 5, 14):
-            rules.append("DeepSeek family before 0.5.14: +1 assumed always -- sglang/srt/models/deepseek_v2.py before "
-                         "PR #25454 (the conditional rule was read in 0.5.14 and 0.5.23; older releases not checked)")
+        if v < DEEPSEEK_CONDITIONAL_SINCE:
+            rules.append(f"DeepSeek family, SGLang {vs} < 0.5.13: +1 for every explicit id -- "
+                         "sglang/srt/models/deepseek_v2.py::set_eagle3_layers_to_capture (read in the 0.5.12 wheel; "
+                         "the conditional rule of PR 25454 arrived in 0.5.13)")
             return [x + 1 for x in ids], rules
         if ids and ids[0] == 1:
-            rules.append("first id is 1: +1 -- " + FAMILY_SOURCES["deepseek"])
+            rules.append(f"first id is 1: +1 (SGLang {vs}) -- " + FAMILY_SOURCES["deepseek"])
             return [x + 1 for x in ids], rules
-        rules.append(f"first id is {ids[0] if ids else None} (not 1): ids used as-is, NO +1 -- "
-                     + FAMILY_SOURCES["deepseek"])
+        rules.append(f"first id is {ids[0] if ids else None} (not 1): ids used as capture indices, NO +1 "
+                     f"(SGLang {vs}) -- " + FAMILY_SOURCES["deepseek"])
         return list(ids), rules
-    if family == "gpt_oss" and v >= (0, 5, 23) and ids and max(ids) == n:
-        rules.append("max id == num_layers: ids kept as capture boundaries (no +1) -- " + FAMILY_SOURCES["gpt_oss"])
+    if family == "gpt_oss" and v >= GPT_OSS_BOUNDARY_SINCE and ids and max(ids) == n:
+        rules.append(f"max id == num_layers: ids kept as capture boundaries, no +1 (SGLang {vs}) -- "
+                     + FAMILY_SOURCES["gpt_oss"])
         return list(ids), rules
-    rules.append("+1 for explicit ids -- " + FAMILY_SOURCES["plus_one" if family != "gpt_oss" else "gpt_oss"])
+    src = FAMILY_SOURCES["gpt_oss" if family == "gpt_oss" else "plus_one"]
+    rules.append(f"+1 for explicit ids (SGLang {vs}) -- " + src)
     return [x + 1 for x in ids], rules
 
 
-def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, family: str, v: tuple[int, ...],
+FAMILY_SOURCES = {
+    "plus_one": "sglang/srt/models/llama.py::LlamaForCausalLM.set_eagle3_layers_to_capture "
+                "(layers_to_capture = [val + 1 for val in layer_ids]; same in qwen2/qwen3/glm4_moe/gemma/...)",
+    "deepseek": "sglang/srt/models/deepseek_v2.py::DeepseekV2ForCausalLM.set_eagle3_layers_to_capture "
+                "(+1 only `if layer_ids and layer_ids[0] == 1`, else ids as-is; PR #25454, since 0.5.13)",
+    "gpt_oss": "sglang/srt/models/gpt_oss.py::GptOssForCausalLM.set_eagle3_layers_to_capture "
+               "(since 0.5.17: ids kept as-is when max(layer_ids) == num_layers, the final boundary; else +1)",
+    "plus_one_default": "sglang/srt/models/minimax_m3_vl.py::set_eagle3_layers_to_capture "
+                        "(+1 applied to the default [2, n//2, n-3] too)",
+}
+
+
+def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[int, ...],
                                plan: CapturePlan) -> None:
-    """Fill ``plan.tensors``/notes/problems/fatal from ``layers_to_capture`` (ascending, deduplicated)."""
+    """Fill ``plan.tensors``/notes/problems/fatal from ``layers_to_capture`` (ascending, deduplicated).
+
+    ``rule`` is a :class:`helpers.diagnosis.sglang_rules.TargetRule` (its ``rule`` and ``last_layer``)."""
+    from .sglang_rules import EMBEDDING_AT_INDEX0_SINCE, GPT_OSS_BOUNDARY_SINCE
+
+    family = rule.rule
+    vs = ".".join(map(str, v))
     reachable_max = n - 1
-    final_boundary = family == "gpt_oss" and v >= (0, 5, 23)
+    final_boundary = family == "gpt_oss" and v >= GPT_OSS_BOUNDARY_SINCE
     order = sorted(set(ltc))
     if list(ltc) != sorted(ltc):
         plan.notes.append(f"layers_to_capture {list(ltc)} is not ascending: SGLang captures inside its layer "
@@ -373,18 +377,27 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, family: str, v: tuple
                           "(membership test in the layer loop), so fewer chunks than ids come back")
     tensors: list[str] = []
     for k in order:
+        if k < 0:
+            plan.problems.append({"kind": "missing_chunk",
+                                  "detail": f"capture index {k} is never reached (negative); that chunk is silently "
+                                            "missing"})
+            if family == "deepseek" and plan.fatal is None:
+                plan.fatal = (f"capture index {k} is never captured: SGLang {vs} raises RuntimeError in "
+                              "AuxHiddenStatePacker.finalize at the first forward -- sglang/srt/layers/"
+                              "aux_hidden_states.py")
+            continue
         if k == 0:
-            if family != "deepseek" and v < VERIFIED_SGLANG:
-                plan.fatal = ("capture index 0 on a Llama-family target: SGLang < 0.5.23 computes "
+            if family != "deepseek" and v < EMBEDDING_AT_INDEX0_SINCE and family != "gpt_oss":
+                plan.fatal = (f"capture index 0 on a Llama-style target: SGLang {vs} (< 0.5.22) computes "
                               "`hidden_states + residual` with residual None (TypeError at the first forward) "
-                              "-- sglang/srt/models/llama.py::LlamaModel.forward (0.5.14)")
+                              "-- sglang/srt/models/llama.py::LlamaModel.forward (read in the 0.5.21 wheel)")
                 continue
             tensors.append(EMBEDDING)
             plan.problems.append({"kind": "embedding_in_place_of_layer",
                                   "detail": "capture index 0 captures the embedding output (id -1 with the +1 rule, "
                                             "or id 0 without it); no trainer captures the embedding by default -- "
-                                            "0.5.23 layer_boundary/stage.py::_prepare_attention (residual None: "
-                                            "the embedding) / layers/communicator.py (DeepSeek family)"})
+                                            "0.5.23 layers/layer_boundary/stage.py (residual None at layer 0: the "
+                                            "embedding) / layers/communicator.py (DeepSeek family)"})
             continue
         if 1 <= k <= reachable_max:
             tensors.append(out(k - 1))
@@ -394,9 +407,17 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, family: str, v: tuple
             plan.rules.append("capture index n = final boundary out(n-1), pre-norm -- sglang/srt/models/gpt_oss.py::"
                               "GptOssModel.forward (final_norm(capture=...) when end_layer in layers_to_capture)")
             continue
+        if k == n and rule.last_layer == "index_error":
+            plan.fatal = (f"capture index {k} = num_layers: {rule.source} flags self.layers[{k}] without a range "
+                          f"check: IndexError at start-up (SGLang {vs}); the id names out({n - 1}), which no "
+                          "+1 rule can capture")
+            plan.problems.append({"kind": "missing_chunk",
+                                  "detail": f"capture index {k} does not exist (layers 0..{n - 1}): IndexError at "
+                                            "start-up"})
+            continue
         plan.problems.append({"kind": "missing_chunk",
                               "detail": f"capture index {k} is never reached: the layer loop runs i in range(0, {n})"
-                                        + (" and only gpt_oss.py (>= 0.5.23) captures the final boundary"
+                                        + (" and only gpt_oss.py (>= 0.5.17) captures the final boundary"
                                            if k == n else "")
                                         + "; that chunk is silently missing"})
     plan.tensors = tensors
@@ -421,45 +442,55 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
         algorithm: ``--speculative-algorithm`` (``EAGLE3``, ``EAGLE``, ``NEXTN``).
 
     Returns:
-        A served :class:`CapturePlan`.
+        A served :class:`CapturePlan` (``provenance`` ``rule``). A target whose SGLang model class has no
+        ``set_eagle3_layers_to_capture`` gets ``fatal`` set (EAGLE-3 refused at start-up) and no tensors.
 
     Raises:
         ValueError: unknown engine or algorithm.
 
-    SGLang rules mirrored (0.5.23):
+    SGLang rules mirrored (0.5.23; version gates in :mod:`helpers.diagnosis.sglang_rules`):
       * ids are read ONLY from the nested ``eagle_config.eagle_aux_hidden_state_layer_ids``, inside a bare
         ``try/except``; a missing key means None (default) silently
         (``sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py::_resolve_eagle_aux_hidden_state``);
       * ``use_aux_hidden_state: false`` or algorithm EAGLE/NEXTN: no aux capture, the target's final normed
         hidden state is fed (``layers/logits_processor.py::_get_hidden_states_to_store``);
-      * ids -> ``layers_to_capture`` per family (:func:`sglang_layers_to_capture`);
+      * ids -> ``layers_to_capture`` per architecture (:func:`sglang_layers_to_capture`);
       * capture happens in the layer loop before layer i (in(i) = out(i-1)), so chunks are ascending and
-        deduplicated; index 0 is the embedding (0.5.23) or a TypeError (Llama, 0.5.14); index >= n is never
-        reached except gpt-oss's final boundary (``models/llama.py``, ``models/gpt_oss.py``).
+        deduplicated; index 0 is the embedding (>= 0.5.22) or a TypeError (Llama, older); index n is never
+        reached except gpt-oss's final boundary, and crashes models that flag ``self.layers[i]`` (qwen2_moe.py,
+        qwen3_moe.py, qwen3_next.py, qwen3_5.py).
     """
+    from .sglang_rules import OLDEST_READ, RULE_TEXT, TABLE_VERSION, target_rule
+
     algo = (algorithm or "EAGLE3").upper()
     if algo not in ("EAGLE3", "EAGLE", "NEXTN"):
         raise ValueError(f"unsupported speculative algorithm {algorithm!r} (expected EAGLE3, EAGLE or NEXTN)")
     n = int(target.num_hidden_layers)
-    family = target_family(getattr(target, "architectures", None), getattr(target, "model_type", None))
     if engine == "sglang":
+        rule = target_rule(getattr(target, "architectures", None), getattr(target, "model_type", None))
+        family = rule.rule
         v = parse_version(version)
         who = f"sglang {'.'.join(map(str, v)) if v else '(version unknown)'}"
-        plan = CapturePlan(tensors=[], role="served", who=who)
+        plan = CapturePlan(tensors=[], role="served", who=who, provenance="rule")
         if v is None:
             v = VERIFIED_SGLANG
             plan.notes.append("SGLang version unknown: the rules of 0.5.23 (the release checked) are assumed")
         elif v > VERIFIED_SGLANG:
             plan.notes.append(f"SGLang {'.'.join(map(str, v))} is newer than the release checked (0.5.23); "
                               "its rules are assumed")
-        elif (0, 5, 14) < v < VERIFIED_SGLANG:
-            plan.notes.append("SGLang releases between 0.5.14 and 0.5.23 were not read: the 0.5.14 behaviour is "
-                              "assumed for rules that changed between them (index 0 on Llama, gpt-oss boundary)")
+        elif v < OLDEST_READ:
+            plan.notes.append(f"SGLang {'.'.join(map(str, v))} is older than any release read (0.5.6); the rules of "
+                              "0.5.6-0.5.12 are assumed")
+        if v != TABLE_VERSION and family not in ("none", "unregistered"):
+            plan.notes.append(f"{rule.architecture}: its id rule ({family}) is taken from SGLang 0.5.23's model "
+                              "file; version-dependent rules use the release given")
+        vs = ".".join(map(str, v))
         if algo in ("EAGLE", "NEXTN"):
             plan.tensors = [FINAL_NORM]
             plan.rules.append(f"algorithm {algo}: no aux capture (only EAGLE3 sets layers_to_capture -- "
                               "spec_aux_hidden_state.py `if spec_algorithm.is_eagle3()`); the target's final normed "
                               "hidden state (width H) is fed -- layers/logits_processor.py::_get_hidden_states_to_store")
+            plan.source = f"--speculative-algorithm {algo} (SGLang {vs} rule)"
             return plan
         nested = getattr(draft, "nested_layer_ids", None)
         top = getattr(draft, "top_level_layer_ids", None)
@@ -467,6 +498,18 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
             plan.tensors = [FINAL_NORM]
             plan.rules.append("eagle_config.use_aux_hidden_state is false: no aux capture, final normed hidden "
                               "state fed -- spec_aux_hidden_state.py / attention_backend_setup.py")
+            plan.source = "draft config eagle_config.use_aux_hidden_state=false"
+            return plan
+        if not rule.supports_eagle3:
+            plan.fatal = (f"target architecture {rule.architecture or '(none given)'}: "
+                          + ("its SGLang model class has no set_eagle3_layers_to_capture"
+                             if family == "none" else "not a model class of SGLang 0.5.23 (the Transformers "
+                             "fallback backend has no set_eagle3_layers_to_capture)")
+                          + f": ValueError at start-up, EAGLE-3 refused -- {rule.source}; "
+                          "model_executor/model_runner_components/attention_backend_setup.py::"
+                          "configure_aux_hidden_state_capture")
+            plan.rules.append(RULE_TEXT["none"])
+            plan.source = f"target architecture {rule.architecture} ({rule.source})"
             return plan
         if nested is None and top is not None:
             plan.notes.append(f"the draft config has a top-level eagle_aux_hidden_state_layer_ids {list(top)} but no "
@@ -480,7 +523,14 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
         plan.rules.append("ids read from eagle_config.eagle_aux_hidden_state_layer_ids only -- "
                           "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py")
         plan.engine_ids = LayerIds(tuple(ltc), "sglang_capture")
-        _sglang_capture_to_tensors(ltc, n, family, v, plan)
+        _sglang_capture_to_tensors(ltc, n, rule, v, plan)
+        ids_txt = "no ids (default)" if nested is None else f"ids {list(nested)}"
+        plan.source = (f"draft config eagle_config ({ids_txt}) + SGLang {vs} rule for {rule.architecture} "
+                       f"({RULE_TEXT.get(family, family)}) -- {rule.source}")
+        if family == "deepseek" and nested and nested[0] != 1 and v >= (0, 5, 13):
+            plan.notes.append(f"DeepSeek-family ids {list(nested)} do not start with 1: SGLang {vs} takes them as "
+                              "capture indices (in(i)). Drafts are published under both conventions (PR 25454): "
+                              "whether this matches training depends on the convention the trainer wrote")
         return plan
     if engine == "vllm":
         plan = CapturePlan(tensors=[], role="served", who=f"vllm {version or '(version unknown)'}")

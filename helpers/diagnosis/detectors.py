@@ -20,8 +20,9 @@ from functools import cached_property
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
-from .compare import Comparison, PairMetrics, SourceResult, norm_tolerance
+from .compare import Comparison, PairMetrics, SourceResult
 from .conventions import EMBEDDING, FINAL_NORM, CapturePlan, compare_plans, describe, layer_of
 
 FINDING_KINDS = (
@@ -266,13 +267,18 @@ def static_layer_findings(served: CapturePlan, trained: Optional[CapturePlan], d
 
 # =============================================================================================== numeric
 
+#: how an identity or plan was established, most trusted first (shown in every finding's evidence).
+IDENTITY_SOURCES = ("reference", "context-free", "equal chunk", "served plan", "training plan")
+
+
 @dataclass
 class Context:
     """A comparison plus what the detectors need (plans, configs), with the chunk correspondence computed
     once (:attr:`corr`).
 
     Attributes:
-        cmp: the comparison. served_plan / training_plan: capture plans (None if unknown).
+        cmp: the comparison. served_plan / training_plan: capture plans (None if unknown); the training plan
+            carries its provenance (``manifest`` / ``inferred`` / ``claimed`` / ``default``).
         draft / weights / target / server: configs when given.
         source: the served source the correspondence is computed on: TP rank 0 (the single source), or the
             ranks' ``gathered`` columns when they hold sharded widths. Chunks on which the ranks disagree are
@@ -299,7 +305,7 @@ class Context:
             if s.agree is None or s.agree.rows == 0:
                 continue
             for i in range(s.num_chunks):
-                if not s.agree.metrics(i, i, self.tol).passed:
+                if not s.agree.metrics(i, i).passed:
                     return False
         return True
 
@@ -321,18 +327,69 @@ class Context:
     def ns(self) -> int:
         return self.source.num_chunks
 
+    @property
+    def full_width(self) -> bool:
+        return self.source.chunk_width == self.cmp.hidden_size
+
     @cached_property
     def match(self) -> dict[int, int]:
-        """served chunk -> training chunk whose rel_diff passes the tolerance (lowest rel_diff)."""
-        if self.source.chunk_width != self.cmp.hidden_size:
+        """served chunk -> the closest training chunk, when they are equal (per-row decision)."""
+        if not self.full_width:
             return {}
         out = {}
         for i in range(self.ns):
-            best = min(range(self.nt), key=lambda j: self.m(i, j).rel_diff)
-            if self.m(i, best).passed:
-                out[i] = best
+            j, mt = self.cmp.best_match(self.source, i)
+            if mt.passed:
+                out[i] = j
         return out
 
+    # -- reservoir rows and fits ------------------------------------------------------------------
+    def rows(self, i: int, j: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Reservoir rows (served chunk i, training chunk j), float32 ``[R, H]``; None when unavailable."""
+        rv = self.cmp.reservoir
+        H = self.cmp.hidden_size
+        if rv is None or rv.count < 8 or not self.full_width:
+            return None
+        return rv.served[:rv.count, i * H:(i + 1) * H], rv.train[:rv.count, j * H:(j + 1) * H]
+
+    @cached_property
+    def floor(self) -> dict:
+        """The isometry noise floor (:func:`helpers.diagnosis.fit.noise_floor`)."""
+        from .fit import noise_floor
+
+        pairs = [r for r in (self.rows(i, j) for i, j in self.match.items()) if r is not None]
+        rv = self.cmp.reservoir
+        H = self.cmp.hidden_size
+        tref = rv.train[:rv.count, :H] if rv is not None and rv.count else torch.zeros(1, H)
+        return noise_floor(self.tol, pairs, tref)
+
+    def fit(self, kind: str, i: int, j: int):
+        """Cached :class:`helpers.diagnosis.fit.FitResult` of ``kind`` (``isometry`` | ``norm``) for (i, j)."""
+        from .fit import isometry_fit, rms_norm_fit
+
+        cache = self.__dict__.setdefault("_fits", {})
+        key = (kind, i, j)
+        if key not in cache:
+            r = self.rows(i, j)
+            if r is None:
+                cache[key] = None
+            else:
+                cache[key] = isometry_fit(r[0], r[1], self.floor) if kind == "isometry" else rms_norm_fit(
+                    r[0], r[1], self.tol)
+        return cache[key]
+
+    @cached_property
+    def noise(self) -> Optional[dict]:
+        """This deployment's measured engine noise: per-row rel_diff quantiles of the chunk pairs found equal."""
+        if not self.match:
+            return None
+        ms = [self.m(i, j) for i, j in self.match.items()]
+        p50 = max(m.row_rel_diff.get("p50") or 0 for m in ms)
+        p90 = max(m.row_rel_diff.get("p90") or 0 for m in ms)
+        return {"row_rel_diff_p50": p50, "row_rel_diff_p90": p90, "pairs": len(ms),
+                "margin_to_tolerance": None if not p90 else float(f"{self.tol / p90:.3g}")}
+
+    # -- identities ----------------------------------------------------------------------------------
     def served_identity(self, i: int) -> tuple[Optional[str], Optional[str]]:
         """(tensor name, how it was identified) for served chunk ``i`` of :attr:`source`."""
         ident = self.cmp.identify(self.source.ref, i)
@@ -343,18 +400,22 @@ class Context:
             return EMBEDDING, "context-free rows (equal rows for equal token ids at different positions)"
         plan = self.served_plan
         if plan is not None and plan.num_chunks == self.ns and not self._plan_contradicted_served:
-            return plan.tensors[i], "served capture plan"
+            return plan.tensors[i], f"served plan ({plan.source or plan.who})"
         return None, None
 
     @cached_property
     def _plan_contradicted_served(self) -> bool:
-        # the served plan is wrong if a chunk it calls "embedding" is not context-free, or vice versa
+        # the served plan is wrong if a chunk it calls "embedding" is not context-free, or vice versa, or if
+        # the reference identifies a chunk as another tensor
         plan = self.served_plan
         if plan is None or plan.num_chunks != self.ns:
             return True
         for i, t in enumerate(plan.tensors):
             cf = self.source.stats.context_free(i, self.tol)
             if cf is not None and cf != (t == EMBEDDING):
+                return True
+            ident = self.cmp.identify(self.source.ref, i)
+            if ident and ident["passed"] and ident["best"] != t:
                 return True
         return False
 
@@ -372,7 +433,7 @@ class Context:
             if res[j][0] is None:
                 name, how = self.served_identity(i)
                 if name is not None:
-                    derived[j] = (name, f"equals served chunk {i} ({how})")
+                    derived[j] = (name, f"equal chunk: equals served chunk {i} ({how})")
         plan = self.training_plan
         shift = None
         if plan is not None and plan.num_chunks == self.nt and derived:
@@ -390,9 +451,10 @@ class Context:
                 if shift and t != FINAL_NORM and layer_of(t) is not None:
                     L = layer_of(t) + shift
                     res[j] = (EMBEDDING if L == -1 else f"out({L})",
-                              f"training plan {plan.tensors[j]} shifted by {shift:+d} (implied by equal chunks)")
+                              f"training plan ({plan.provenance}: {plan.source or plan.who}) {plan.tensors[j]} shifted "
+                              f"by {shift:+d} (implied by equal chunks)")
                 else:
-                    res[j] = (t, "training capture plan")
+                    res[j] = (t, f"training plan ({plan.provenance}: {plan.source or plan.who})")
         return res
 
     @cached_property
@@ -421,29 +483,45 @@ class Context:
         return {"s_id": s_id, "t_id": t_id, "match": match, "unmatched_s": unmatched_s, "matched_t": matched_t,
                 "offsets": offsets, "shift": shift, "positional": positional}
 
+    def candidates(self, i: int, top: int = 3) -> list[dict]:
+        """The closest training chunks to served chunk ``i`` (and reference layers when given), ranked."""
+        out = []
+        if self.full_width:
+            for j, mt in self.cmp.ranked(self.source, i)[:top]:
+                out.append({"training_chunk": j, "training_identified_as": self.corr_t(j),
+                            "share_within": float(f"{mt.share_within:.4g}"),
+                            "row_rel_diff_p50": mt.row_rel_diff.get("p50"),
+                            "row_cosine_p50": None if mt.median_cosine is None else float(f"{mt.median_cosine:.6g}")})
+        return out
+
+    def corr_t(self, j: int) -> Optional[str]:
+        return self.training_identity[j][0] if j < self.nt else None
+
     def ev(self, i: Optional[int] = None, j: Optional[int] = None) -> dict:
-        """Common evidence for served chunk i / training chunk j."""
+        """Common evidence for served chunk i / training chunk j, with the provenance of both identities."""
         e: dict = {"source": self.source.name, "tolerance": self.tol}
+        prov: dict = {}
         if i is not None:
             sid = self.corr["s_id"][i]
             e["served_identified_as"] = sid[0]
             e["served_identified_by"] = sid[1]
+            prov["served"] = sid[1] or "not identified (no reference, not context-free, no served plan)"
             ident = self.cmp.identify(self.source.ref, i)
             if ident:
                 e["served_reference_match"] = ident
-            bj, bm = self.cmp.best_match(self.source, i) if self.source.chunk_width == self.cmp.hidden_size \
-                else (None, None)
-            if bm is not None:
-                e["closest_training_chunk"] = bj
-                if bj != j:
-                    e["closest_metrics"] = bm
+            if self.full_width:
+                e["closest_training_chunks"] = self.candidates(i)
+                e["outlier_rows"] = self.source.stats.outliers(i)
         if j is not None and j < self.nt:
             tid = self.corr["t_id"][j]
             e["training_chunk"] = j
             e["training_identified_as"] = tid[0]
             e["training_identified_by"] = tid[1]
-            if i is not None and self.source.chunk_width == self.cmp.hidden_size:
+            prov["training"] = tid[1] or "not identified (no reference, no training plan)"
+            if i is not None and self.full_width:
                 e["metrics"] = self.m(i, j)
+        if prov:
+            e["provenance"] = prov
         return e
 
 
@@ -622,65 +700,65 @@ def detect_width_mismatch(ctx: Context) -> list[dict]:
                     training_plan=None if ctx.training_plan is None else ctx.training_plan.tensors)]
 
 
-def _geometry(ctx: Context, i: int, j: int) -> Optional[str]:
-    """'rotated' / 'norm' when served chunk i vs training chunk j looks like a rotation / a rescaling."""
-    mt = ctx.m(i, j)
-    if mt.passed or mt.row_norm_ratio_min is None:
-        return None
-    ntol = norm_tolerance(ctx.tol)
-    if 1 - ntol <= mt.row_norm_ratio_min and mt.row_norm_ratio_max <= 1 + ntol and mt.cosine < 0.99:
-        return "rotated"
-    if mt.min_row_cosine is not None and mt.min_row_cosine >= 1 - max(10 * ctx.tol, 1e-4) and \
-            max(abs(mt.row_norm_ratio_min - 1), abs(mt.row_norm_ratio_max - 1)) > ntol:
-        return "norm"
-    return None
-
-
-def _geometry_target(ctx: Context, i: int, kind: str) -> Optional[int]:
-    if ctx.source.chunk_width != ctx.cmp.hidden_size:
-        return None
-    order = ([i] if i < ctx.nt else []) + [j for j in range(ctx.nt) if j != i]
+def _fit_target(ctx: Context, i: int, kind: str):
+    """(training chunk, fit) of the first candidate (same index first, then the closest) whose ``kind``
+    transform fits served chunk ``i``; (None, None) if none does."""
+    if not ctx.full_width:
+        return None, None
+    order = ([i] if i < ctx.nt else []) + [j for j, _ in ctx.cmp.ranked(ctx.source, i) if j != i]
     for j in order:
-        if _geometry(ctx, i, j) == kind:
-            return j
-    return None
+        f = ctx.fit(kind, i, j)
+        if f is not None and f.fits:
+            return j, f
+    return None, None
+
+
+def _reference_layer(ctx: Context, i: int) -> Optional[str]:
+    ident = ctx.cmp.identify(ctx.source.ref, i)
+    return ident["best"] if ident and ident["passed"] else None
 
 
 def detect_rotated_basis(ctx: Context) -> list[dict]:
-    """``rotated_basis``: every row keeps its norm (per-row |x|/|y| within tolerance) but the cosine is
-    destroyed: the chunk went through an orthogonal transform (e.g. a rotation-based quantisation applied on
-    one side only)."""
+    """``rotated_basis``: an orthogonal map takes a training chunk to the served chunk at the noise floor
+    (per-row norms and pairwise angles preserved: :func:`helpers.diagnosis.fit.isometry_fit`), while the rows
+    themselves point elsewhere (median row cosine <= 0.9: a rotation-based quantisation applied on one side).
+    Never named for a chunk the reference identifies as a layer."""
     out = []
     for i in ctx.corr["unmatched_s"]:
-        j = _geometry_target(ctx, i, "rotated")
+        if i in ctx.explained or _reference_layer(ctx, i) is not None:
+            continue
+        j, f = _fit_target(ctx, i, "isometry")
         if j is None:
             continue
         ctx.explained[i] = j
-        mt = ctx.m(i, j)
+        st = f.stats
         out.append(finding("rotated_basis", i,
-                           f"served chunk {i} keeps training chunk {j}'s row norms (ratio {mt.row_norm_ratio_min:.4f}.."
-                           f"{mt.row_norm_ratio_max:.4f}) but its cosine is {mt.cosine:.3f}: same vectors in another basis",
-                           **ctx.ev(i, j)))
+                           f"served chunk {i} is training chunk {j} in another basis: an orthogonal map fits at the "
+                           f"noise floor (row norms within {st['norm_dev_p90']:.2g}, pairwise angles within "
+                           f"{st['angle_dev_p90']:.2g} at the 90th percentile; floor {f.floor['norm']:.2g}) while the "
+                           f"rows' median cosine is {st['row_cosine_p50']:.3f}",
+                           fit=f.to_json(), **ctx.ev(i, j)))
     return out
 
 
 def detect_norm_mismatch(ctx: Context) -> list[dict]:
-    """``norm_mismatch``: a served chunk points the same way as a training chunk row by row (cosine ~1) but
-    with other norms (a norm applied on one side, e.g. post-norm vs pre-norm, ``fc_norm``/``norm_before_fc``
-    moved)."""
+    """``norm_mismatch``: an RMS norm with a per-dim weight, applied on one side only, maps a training chunk
+    to the served chunk (fitted on half of the reservoir rows, >= 90 % of the other half within tolerance:
+    :func:`helpers.diagnosis.fit.rms_norm_fit`), e.g. a final norm / ``norm_before_fc`` / ``fc_norm`` moved."""
     out = []
     for i in ctx.corr["unmatched_s"]:
-        if i in ctx.explained:
+        if i in ctx.explained or _reference_layer(ctx, i) is not None:
             continue
-        j = _geometry_target(ctx, i, "norm")
+        j, f = _fit_target(ctx, i, "norm")
         if j is None:
             continue
         ctx.explained[i] = j
-        mt = ctx.m(i, j)
+        side = "served chunk = RMS norm of training chunk" if f.transform == "rms_norm" else \
+            "training chunk = RMS norm of served chunk"
         out.append(finding("norm_mismatch", i,
-                           f"served chunk {i} has training chunk {j}'s direction (min row cosine {mt.min_row_cosine:.5f}) "
-                           f"but other norms (ratio {mt.norm_ratio:.4f}, per row {mt.row_norm_ratio_min:.4f}.."
-                           f"{mt.row_norm_ratio_max:.4f})", **ctx.ev(i, j)))
+                           f"served chunk {i} is training chunk {j} through an RMS norm applied on one side ({side}, "
+                           f"per-dim weight fitted): {f.stats['share_within']:.0%} of held-out rows within tolerance",
+                           fit=f.to_json(), **ctx.ev(i, j)))
     return out
 
 
@@ -691,18 +769,25 @@ def _shift_applies(ctx: Context) -> bool:
 
 def detect_layer_offset(ctx: Context) -> list[dict]:
     """``layer_offset``: every served chunk is the training chunk's layer shifted by the same k (typically +1:
-    SGLang's +1 applied to ids that already mean capture points). Identities come from ``--reference``, or
-    from the capture plans corrected by the equalities observed between chunks."""
+    SGLang's +1 applied to ids that already mean capture points). Identities come from ``--reference``, from
+    chunks found equal, or from the capture plans (each finding says which)."""
     if not _shift_applies(ctx):
         return []
     cr = ctx.corr
     k = cr["shift"]
     out = []
+    plan_only = all(not (cr["s_id"][i][1] or "").startswith(("reference", "context-free")) and
+                    not (cr["t_id"][i][1] or "").startswith(("reference", "equal chunk")) for i in cr["positional"])
     for i in cr["positional"]:
+        ev = ctx.ev(i, i)
+        if plan_only:
+            ev["note"] = ("both identities come from the capture plans (configs + rules); the data only show that "
+                          "no chunk equals its training chunk. An every-layer reference (capture --every-layer, or HF) "
+                          "would identify the served layers directly")
         out.append(finding("layer_offset", i,
                            f"served chunk {i} is {cr['s_id'][i][0]} where training has {cr['t_id'][i][0]} "
                            f"(every chunk {abs(k)} layer{'s' if abs(k) > 1 else ''} {'late' if k > 0 else 'early'})",
-                           offset=k, **ctx.ev(i, i)))
+                           offset=k, **ev))
         ctx.explained[i] = f"layer_offset {k:+d}"
     return out
 
@@ -765,21 +850,53 @@ def detect_extra_chunk(ctx: Context) -> list[dict]:
 
 
 def detect_wrong_layer(ctx: Context) -> list[dict]:
-    """``wrong_layer``: a served chunk matches no training chunk and is not explained by any more specific
-    fault (offset, embedding, rotation, norm, TP): the server feeds another layer at that position."""
+    """``wrong_layer``: a served chunk matches no training chunk and no more specific fault fits (offset,
+    embedding, rotation, norm, TP): the server feeds another tensor at that position. The finding ranks the
+    closest candidates (training chunks, reference layers) and says where each identity comes from; when the
+    plans call both sides the same tensor it says that the data contradict the plans instead of stating it."""
     out = []
-    for i in ctx.corr["unmatched_s"]:
+    cr = ctx.corr
+    for i in cr["unmatched_s"]:
         if i in ctx.explained or i >= ctx.nt:
             continue
-        cr = ctx.corr
         off = cr["offsets"][i] if i < len(cr["offsets"]) else None
-        sname, tname = cr["s_id"][i][0], cr["t_id"][i][0]
+        (sname, sby), (tname, tby) = cr["s_id"][i], cr["t_id"][i]
         ctx.explained[i] = "wrong_layer"
-        out.append(finding("wrong_layer", i,
-                           f"served chunk {i} ({sname or 'unidentified'}) is not training chunk {i} "
-                           f"({tname or 'unidentified'})" + (f": offset {off:+d} layer(s)" if off else ""),
-                           offset=off, **ctx.ev(i, i)))
+        ev = ctx.ev(i, i)
+        mt = ctx.m(i, i) if ctx.full_width else None
+        data = (f"{mt.share_within:.0%} of rows within tolerance, median per-row rel_diff "
+                f"{(mt.row_rel_diff.get('p50') or 0):.2g}, median row cosine "
+                f"{(mt.median_cosine if mt.median_cosine is not None else float('nan')):.3f}") if mt else "different widths"
+        cands = ev.get("closest_training_chunks", [])
+        ref = ev.get("served_reference_match")
+        if sname is not None and sname == tname:
+            detail = (f"served chunk {i} is not training chunk {i} ({data}), although the {_short(sby)} and the "
+                      f"{_short(tby)} both call it {sname}: one of them is wrong")
+            if ctx.training_plan is not None and ctx.training_plan.provenance == "claimed":
+                detail += ("; the training side is only what the draft config claims (no training manifest), and "
+                           "a config edited after training gives exactly this")
+        else:
+            what = f" ({sname}, {_short(sby)})" if sname else ""
+            twhat = f" ({tname}, {_short(tby)})" if tname else ""
+            detail = f"served chunk {i}{what} is not training chunk {i}{twhat}: {data}"
+            if off:
+                detail += f"; by those identities: offset {off:+d} layer(s)"
+        if ref and not ref["passed"]:
+            detail += (f"; closest reference layers: " + ", ".join(
+                f"{c['tensor']} ({c['share_within']:.0%} rows within tolerance)" for c in ref["candidates"][:3]))
+        elif not ref and cands:
+            detail += ("; closest training chunks: " + ", ".join(
+                f"{c['training_chunk']} (median row cosine {c['row_cosine_p50']})" for c in cands[:2])
+                       + "; to name the layer, compare with an every-layer reference (capture --every-layer, or HF)")
+        out.append(finding("wrong_layer", i, detail, offset=off, **ev))
     return out
+
+
+def _short(how: Optional[str]) -> str:
+    """'served plan (...)' -> 'served plan'; 'reference' -> 'reference'."""
+    if not how:
+        return "unknown source"
+    return how.split(" (")[0]
 
 
 def detect_missing_chunk(ctx: Context) -> list[dict]:
@@ -807,8 +924,8 @@ def detect_missing_chunk(ctx: Context) -> list[dict]:
 
 NUMERIC_DETECTORS = (
     detect_nan_or_inf, detect_token_mismatch, detect_tp_sharded_width, detect_embedding_not_all_reduced,
-    detect_tp_partial_sum, detect_width_mismatch, detect_layer_offset, detect_rotated_basis, detect_norm_mismatch,
-    detect_embedding_in_place_of_layer, detect_chunk_order, detect_extra_chunk, detect_wrong_layer,
+    detect_tp_partial_sum, detect_width_mismatch, detect_embedding_in_place_of_layer, detect_rotated_basis,
+    detect_norm_mismatch, detect_layer_offset, detect_chunk_order, detect_extra_chunk, detect_wrong_layer,
     detect_missing_chunk,
 )
 
