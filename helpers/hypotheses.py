@@ -661,36 +661,12 @@ def check_verify_bottleneck(inv: Investigation, *, ratio_threshold: float = 1.5,
                             pd.DataFrame(rows), fig, data)
 
 
-def trained_ids_source(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None
-                       ) -> tuple[Optional[list[int]], str]:
-    """Where the ids the draft was trained on come from, most trusted first: the check's
-    ``trained_layer_ids`` param (e.g. copied from the SpecForge run YAML), the training data's
-    ``capture.json`` (:func:`helpers.formats.training_data.recorded_layer_ids`), else the draft config
-    (returns ``(None, "draft config")``). Ids are in SpecForge's output-of-layer convention."""
-    from .formats.training_data import recorded_layer_ids
+def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None):
+    """The static wiring check (:func:`helpers.diagnosis.static.static_check`, the one implementation) for this
+    investigation's draft and target, the server's version and algorithm when it is up, and the training data's
+    manifest. Returns the :class:`~helpers.diagnosis.static.StaticReport`."""
+    from .diagnosis.static import static_check
 
-    if trained_layer_ids is not None:
-        return [int(i) for i in trained_layer_ids], "the check's trained_layer_ids param"
-    rec = recorded_layer_ids(inv.training) if inv.training.exists() else None
-    if rec is not None:
-        return rec[0], f"the training data manifest {rec[1]}"
-    return None, "draft config"
-
-
-def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None
-                    ) -> tuple[list[dict], Any, Any]:
-    """Config-only findings (no tensors, no server needed): served vs training capture plans, fc
-    width, ids ignored, vocab map, fc bypass. Returns ``(findings, served_plan, training_plan)``.
-    The training plan uses :func:`trained_ids_source` (the draft config is the last resort: a
-    config edited after training is exactly what this check must catch).
-    Mirrors the static half of :func:`helpers.diagnosis.diagnose.diagnose`."""
-    from .diagnosis import detectors as D
-    from .formats.configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
-    from .diagnosis.conventions import served_plan, training_plan
-
-    draft = read_draft_config(inv.draft_dir)
-    weights = read_draft_weights(inv.draft_dir)
-    target = read_target_config(inv.target_dir)
     info = {}
     if inv.client is not None:
         try:
@@ -698,18 +674,9 @@ def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int
         except Exception:  # noqa: BLE001 - a server that died at startup: configs alone
             info = {}
     algorithm = info.get("speculative_algorithm") or inv.algorithm or "EAGLE3"
-    settings = ServerSettings.from_dict(info or {"speculative_algorithm": algorithm}, source="server")
-    version = info.get("version") or "0.5.23"
-    sp = served_plan(draft, target, "sglang", version, algorithm)
-    ids, source = trained_ids_source(inv, trained_layer_ids)
-    tp = training_plan(draft, target, "specforge", override_ids=ids)
-    tp.notes.append(f"trained ids from {source}")
-    out = []
-    out += D.detect_config_ids_ignored(draft, target, sp)
-    out += D.detect_vocab_map_missing(draft, weights)
-    out += D.detect_fc_bypassed(draft, settings, None, weights)
-    out += D.static_layer_findings(sp, tp, draft, weights, target)
-    return out, sp, tp
+    return static_check(inv.draft_dir, inv.target_dir, sglang_version=info.get("version"), algorithm=algorithm,
+                        server=info or None, training=inv.training if inv.training.exists() else None,
+                        trained_layer_ids=trained_layer_ids)
 
 
 def check_static_wiring(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None,
@@ -721,19 +688,27 @@ def check_static_wiring(inv: Investigation, trained_layer_ids: Optional[Sequence
         trained_layer_ids: the ids the training run used, SpecForge output-of-layer convention
             (default: the training data's ``capture.json``, else the draft config).
     """
-    findings, sp, tp = static_findings(inv, trained_layer_ids)
+    rep = static_findings(inv, trained_layer_ids)
+    sp, tp, findings = rep.served_plan, rep.training_plan, rep.findings
     rows = [{"finding": f["kind"], "chunk": f["chunk"], "detail": f["detail"]} for f in findings]
-    data = {"served_plan": list(sp.tensors), "training_plan": list(tp.tensors),
-            "findings": [f["kind"] for f in findings], "fatal": getattr(sp, "fatal", None)}
+    trained = list(tp.tensors) if tp is not None else []
+    src = f"{tp.provenance}: {tp.source}" if tp is not None else "unknown"
+    data = {"served_plan": list(sp.tensors), "training_plan": trained, "findings": [f["kind"] for f in findings],
+            "fatal": sp.fatal, "trained_ids_source": src, "static_verdict": rep.verdict,
+            "ambiguity": rep.ambiguity, "advisories": rep.advisories}
     head = (f"Configured, the engine feeds [{', '.join(sp.tensors)}]; the draft was trained on "
-            f"[{', '.join(tp.tensors)}] ({tp.notes[-1]}).")
-    data["trained_ids_source"] = tp.notes[-1]
+            f"[{', '.join(trained)}] ({src}).")
     if findings:
         data["short"] = findings[0]["detail"].split(". ")[0]
         verdict = "confirmed"
         text = head + " " + " ".join(f"{f['kind']}: {f['detail']}" for f in findings[:3])
-        if getattr(sp, "fatal", None):
+        if sp.fatal:
             text += f" The engine cannot serve this: {sp.fatal}"
+    elif rep.verdict == "ambiguous":
+        verdict = "inconclusive"
+        text = (head + " The draft config's ids can mean two things: " + "; ".join(
+            f"{r['reading']} -> {r['outcome']}" for r in rep.ambiguity["readings"]) + ". To settle it: "
+            + rep.ambiguity["settle"])
     else:
         verdict = "refuted"
         text = head + " The configs agree: no static wiring fault."

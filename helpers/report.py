@@ -814,48 +814,40 @@ def redact_url_safe(url: str) -> str:
 
 def static_wiring(draft_dir: Optional[Path], target_dir: Optional[Path], server: Optional[Mapping[str, Any]],
                   training: Optional[Path] = None) -> dict:
-    """Static wiring check from configs only (no tensors): the served capture plan SGLang builds for this
-    draft/target/version/algorithm vs the training plan, and the static detectors.
+    """Static wiring check from configs only (no tensors): :func:`helpers.diagnosis.static.static_check` (the one
+    implementation) on the draft the server runs with, the target, the server's version / algorithm and the
+    training data's manifest.
 
-    Returns ``{"plans": DataFrame(index, served, training, offset), "findings": [finding dicts],
-    "served_plan": dict|None, "training_plan": dict|None, "notes": [str]}``. Missing configs give empty
-    plans and a note (never raises for missing inputs).
+    Returns ``{"plans": DataFrame(index, served, training, offset), "findings": [finding dicts], "verdict",
+    "served_plan": dict|None, "training_plan": dict|None (with provenance), "notes": [str]}``. Missing configs give
+    empty plans and a note (never raises for missing inputs).
     """
-    from .diagnosis import detectors as D
-    from .formats.configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
-    from .diagnosis.conventions import compare_plans, served_plan, training_plan
+    from .diagnosis.static import plans_frame_rows, static_check
 
-    notes: list[str] = []
+    empty = {"plans": pd.DataFrame(), "findings": [], "verdict": None, "served_plan": None, "training_plan": None}
     if not draft_dir or not (Path(draft_dir) / "config.json").exists():
-        return {"plans": pd.DataFrame(), "findings": [], "served_plan": None, "training_plan": None,
-                "notes": [f"no draft config.json at {draft_dir}"]}
+        return {**empty, "notes": [f"no draft config.json at {draft_dir}"]}
     if not target_dir or not (Path(target_dir) / "config.json").exists():
-        return {"plans": pd.DataFrame(), "findings": [], "served_plan": None, "training_plan": None,
-                "notes": [f"no target config.json at {target_dir}"]}
-    draft = read_draft_config(Path(draft_dir))
-    weights = read_draft_weights(Path(draft_dir)) if any(Path(draft_dir).glob("*.safetensors")) else None
-    target = read_target_config(Path(target_dir))
-    settings = ServerSettings.from_dict(dict(server) if server else None)
-    sp = served_plan(draft, target, "sglang", settings.version, settings.algorithm or "EAGLE3")
-    trainer = "specforge"
+        return {**empty, "notes": [f"no target config.json at {target_dir}"]}
+    notes: list[str] = []
+    td = None
     if training is not None and Path(training).exists():
         try:
             from .formats.training_data import TrainingData
 
-            trainer = {"speculators": "speculators", "eagle12": "eagle12"}.get(
-                TrainingData(training, max_samples=1).sample_layout, "specforge")
-        except Exception as exc:  # noqa: BLE001 - a note, the check goes on with SpecForge rules
-            notes.append(f"training data not readable ({type(exc).__name__}); SpecForge rules assumed")
-    tp = training_plan(draft, target, trainer)
-    findings: list[dict] = []
-    findings += D.detect_config_ids_ignored(draft, target, sp)
-    findings += D.detect_vocab_map_missing(draft, weights)
-    findings += D.detect_num_draft_tokens_overridden(settings)
-    findings += D.detect_fc_bypassed(draft, settings, None, weights)
-    findings += D.static_layer_findings(sp, tp, draft, weights, target)
-    plans = pd.DataFrame(compare_plans(sp, tp))
-    return {"plans": plans, "findings": findings, "served_plan": sp.to_json(), "training_plan": tp.to_json(),
-            "notes": notes + list(sp.notes) + list(tp.notes)}
+            td = TrainingData(training, max_samples=1)
+        except Exception as exc:  # noqa: BLE001 - a note, the check goes on with the draft config's claim
+            notes.append(f"training data not readable ({type(exc).__name__}: {exc}); the draft config's ids are used")
+    info = dict(server) if server else {}
+    rep = static_check(Path(draft_dir), Path(target_dir), server=info or None, sglang_version=info.get("version"),
+                       training=td)
+    sp, tp = rep.served_plan, rep.training_plan
+    notes += list(sp.notes) + ([] if tp is None else list(tp.notes)) + list(rep.advisories)
+    if rep.ambiguity:
+        notes.append("ambiguous: " + "; ".join(f"{r['reading']} -> {r['outcome']}" for r in rep.ambiguity["readings"])
+                     + ". To settle it: " + rep.ambiguity["settle"])
+    return {"plans": pd.DataFrame(plans_frame_rows(rep)), "findings": rep.findings, "verdict": rep.verdict,
+            "served_plan": sp.to_json(), "training_plan": None if tp is None else tp.to_json(), "notes": notes}
 
 
 def findings_frame(findings: Iterable[Mapping[str, Any]]) -> pd.DataFrame:

@@ -15,7 +15,8 @@ from helpers.diagnosis.diagnose import cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLEAN = ["out(1)", "out(3)", "out(4)"]
-CHUNK_KEYS = {"index", "width", "matched_training_chunk", "rel_diff", "cosine", "identified_as"}
+CHUNK_KEYS = {"index", "width", "matched_training_chunk", "share_within", "row_rel_diff_p50", "row_cosine_p50",
+              "rel_diff", "cosine", "identified_as"}
 
 
 @pytest.fixture
@@ -32,7 +33,11 @@ def test_module_entry_point_clean_case_exits_0(clean_case, tiny_draft, tiny_targ
                        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"verdict", "findings", "chunks"}
+    assert set(doc) == {"verdict", "findings", "chunks", "served_plan", "training_plan", "notes", "tolerance", "noise",
+                        "alignment", "static"}
+    assert doc["training_plan"]["provenance"] == "claimed"          # the draft config's ids, no manifest
+    assert doc["tolerance"]["row_rel_diff"] == 1e-5 and "per-row rel_diff tolerance" in doc["tolerance"]["why"]
+    assert doc["noise"]["pairs"] == 3
     assert doc["verdict"] == "ok" and doc["findings"] == []
     assert [set(c) for c in doc["chunks"]] == [CHUNK_KEYS] * 3
     assert [c["matched_training_chunk"] for c in doc["chunks"]] == [0, 1, 2]

@@ -70,7 +70,7 @@ def test_without_manifest_the_param_decides(tmp_path):
     assert run_check("static_wiring", _inv(tmp_path, edited, data)).verdict == "refuted"
     # the run YAML's ids, given as the check's param, expose the edit
     res = run_check("static_wiring", _inv(tmp_path, edited, data), params={"trained_layer_ids": [1, 3, 4]})
-    assert res.verdict == "confirmed" and "param" in res.data["trained_ids_source"]
+    assert res.verdict == "confirmed" and "given by the caller" in res.data["trained_ids_source"]
 
 
 def test_chunk_layer_figure_places_the_embedding_at_minus_one():

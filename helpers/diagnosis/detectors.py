@@ -29,8 +29,11 @@ FINDING_KINDS = (
     "chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk", "extra_chunk",
     "width_mismatch", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
     "norm_mismatch", "nan_or_inf", "token_mismatch", "config_ids_ignored", "fc_bypassed", "vocab_map_missing",
-    "num_draft_tokens_overridden",
+    "num_draft_tokens_overridden", "config_ids_mismatch", "unsupported_draft", "unsupported_target",
 )
+#: kinds that describe which tensor sits in which chunk (the served layout).
+LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",
+                "extra_chunk")
 
 
 def finding(kind: str, chunk: Optional[int], detail: str, **evidence: Any) -> dict:
@@ -222,7 +225,7 @@ def static_layer_findings(served: CapturePlan, trained: Optional[CapturePlan], d
           "rules": served.rules, "plan_problems": served.problems, "fatal": served.fatal}
     same = [r for r in rows if r["served"] is not None and r["served"] == r["training"]]
     if len(same) == len(rows):
-        return out
+        return out + _unreachable(served, out)
     s_set, t_set = set(served.tensors), set(trained.tensors)
     offsets = [r["offset"] for r in rows[:min(ns, nt)]]
     if min(ns, nt) > 0 and all(o is not None and o == offsets[0] and o != 0 for o in offsets) \
@@ -262,7 +265,17 @@ def static_layer_findings(served: CapturePlan, trained: Optional[CapturePlan], d
         if t not in s_set and (j >= ns or served.tensors[j] in t_set):
             out.append(finding("missing_chunk", None, f"training chunk {j} ({t}) is not fed by the server",
                                training_chunk=j, tensor=t, **ev))
-    return out
+    return out + _unreachable(served, out)
+
+
+def _unreachable(served: CapturePlan, found: list[dict]) -> list[dict]:
+    """Served-plan problems not yet reported: an id naming no layer of this target is a finding, never a silently
+    dropped chunk."""
+    if any(f["kind"] == "missing_chunk" for f in found):
+        return []
+    return [finding("missing_chunk", None, f"{p['detail']} (config ids {served.config_ids}, capture indices "
+                    f"{served.engine_ids})", static=True, served_plan=served.tensors, rules=served.rules,
+                    fatal=served.fatal) for p in served.problems if p["kind"] == "missing_chunk"]
 
 
 # =============================================================================================== numeric

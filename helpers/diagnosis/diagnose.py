@@ -1,14 +1,18 @@
-"""Wiring diagnosis: static checks (configs only) + token-aligned numeric comparison + named findings, and
-the ``python -m helpers diagnose`` CLI.
+"""Wiring diagnosis: the static check (configs x SGLang rules x training plan with provenance) + the token-aligned
+numeric comparison + named findings, and the ``python -m helpers diagnose`` CLI.
 
 CLI::
 
     python -m helpers diagnose --training PATH --served PATH [--served PATH ...] [--draft-config PATH]
-                               [--target-config PATH] [--reference PATH] [--json]
+                               [--target-config PATH] [--reference PATH] [--sglang-version V]
+                               [--trained-layer-ids I I I] [--json]
+    python -m helpers diagnose --draft-config D --target-config T [--training PATH] [--sglang-version V]
+                               [--trained-layer-ids I I I] [--json]          # config-only: no tensors read
 
 Several ``--served`` = one per TP rank (in rank order unless the files record their rank). ``--json`` prints
-``{"verdict": "ok"|"mismatch", "findings": [...], "chunks": [...]}``. Exit 0 when there is no finding, 1 when
-there are findings, 2 on bad input (one-line reason on stderr).
+``{"verdict": "ok"|"mismatch"|"ambiguous", "findings": [...], "served_plan", "training_plan", ...}`` (with data
+also ``"chunks"``, ``"tolerance"``, ``"noise"``). Exit 0 ok, 1 mismatch or ambiguous, 2 bad input (one-line
+reason on stderr).
 """
 from __future__ import annotations
 
@@ -16,14 +20,13 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import BadInput, one_line
 
-LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",
-                "extra_chunk")
+from .detectors import LAYOUT_KINDS  # noqa: E402,F401  (re-exported)
 
 
 @dataclass
@@ -33,11 +36,15 @@ class Diagnosis:
     Attributes:
         findings: finding dicts (``kind``, ``chunk``, ``detail``, ``evidence``).
         chunks: one row per served chunk of the reported source (TP rank 0 / the single source):
-            ``index``, ``width``, ``matched_training_chunk`` (None if no training chunk passes the tolerance),
-            ``rel_diff`` / ``cosine`` (against the matched chunk, else the same-index training chunk),
+            ``index``, ``width``, ``matched_training_chunk`` (None if no training chunk is equal per row),
+            ``share_within`` (rows within tolerance against it, else against the same-index chunk),
+            ``rel_diff`` / ``cosine`` (global, as SGLang's comparator) and ``row_rel_diff_p50`` / ``row_cosine_p50``,
             ``identified_as`` (reference match, or ``embedding`` from the context-free test, else None).
-        served_plan / training_plan: capture plans (None when the configs were not given).
+        served_plan / training_plan: capture plans (None when the configs were not given); the training plan
+            carries its provenance.
+        static: the :class:`helpers.diagnosis.static.StaticReport` (None without configs).
         comparison: the :class:`helpers.diagnosis.compare.Comparison`.
+        notes: what the data settled or could not settle (one line each).
     """
 
     findings: list[dict]
@@ -45,6 +52,9 @@ class Diagnosis:
     served_plan: Any = None
     training_plan: Any = None
     comparison: Any = None
+    static: Any = None
+    notes: list[str] = field(default_factory=list)
+    noise: Optional[dict] = None
 
     @property
     def verdict(self) -> str:
@@ -52,7 +62,20 @@ class Diagnosis:
 
     def to_json(self) -> dict:
         """The CLI's ``--json`` document."""
-        return {"verdict": self.verdict, "findings": self.findings, "chunks": self.chunks}
+        c = self.comparison
+        doc = {"verdict": self.verdict, "findings": self.findings, "chunks": self.chunks,
+               "served_plan": None if self.served_plan is None else self.served_plan.to_json(),
+               "training_plan": None if self.training_plan is None else self.training_plan.to_json(),
+               "notes": list(self.notes)}
+        if c is not None:
+            doc["tolerance"] = {"row_rel_diff": c.tolerance, "why": c.tolerance_why, "dtypes": c.dtypes}
+            doc["noise"] = self.noise
+            doc["alignment"] = {k: v for k, v in c.alignment.items() if k in (
+                "samples_paired", "training_samples_seen", "rows_compared", "decode_rows_compared", "paired_by")}
+        if self.static is not None:
+            doc["static"] = {"verdict": self.static.verdict, "ambiguity": self.static.ambiguity,
+                             "advisories": self.static.advisories, "inputs": self.static.inputs}
+        return doc
 
     def render_text(self) -> str:
         """A human-readable report."""
@@ -62,81 +85,83 @@ class Diagnosis:
             a = c.alignment
             lines.append(f"aligned: {a['samples_paired']} sample(s), {a['rows_compared']} rows "
                          f"({a['decode_rows_compared']} decode rows); hidden {c.hidden_size}; served width "
-                         f"{c.served_width}, training width {c.training_width}; rel_diff tolerance {c.tolerance:g}")
+                         f"{c.served_width}, training width {c.training_width}")
+            lines.append(f"tolerance: {c.tolerance_why}")
+            if self.noise:
+                lines.append(f"measured engine noise (chunk pairs found equal): per-row rel_diff p50 "
+                             f"{self.noise['row_rel_diff_p50']:.2g}, p90 {self.noise['row_rel_diff_p90']:.2g}")
         for plan in (self.served_plan, self.training_plan):
             if plan is not None:
                 ids = f"  ids {plan.engine_ids or plan.config_ids}" if (plan.engine_ids or plan.config_ids) else ""
-                lines.append(f"{plan.role} plan ({plan.who}): [{', '.join(plan.tensors)}]{ids}")
+                lines.append(f"{plan.role} plan [{plan.provenance}]: [{', '.join(plan.tensors)}]{ids}")
+                if plan.source:
+                    lines.append(f"  from: {plan.source}")
                 for n in plan.notes:
                     lines.append(f"  note: {n}")
                 if plan.fatal:
                     lines.append(f"  FATAL: {plan.fatal}")
         if self.chunks:
-            lines.append("chunks:  index  width  matched  rel_diff     cosine    identified_as")
+            lines.append("chunks:  index  width  matched  rows within tol  row rel_diff p50  row cosine p50  "
+                         "identified_as")
             for ch in self.chunks:
-                rd = "-" if ch["rel_diff"] is None else f"{ch['rel_diff']:.3e}"
-                co = "-" if ch["cosine"] is None else f"{ch['cosine']:.5f}"
+                rd = "-" if ch["row_rel_diff_p50"] is None else f"{ch['row_rel_diff_p50']:.2g}"
+                co = "-" if ch["row_cosine_p50"] is None else f"{ch['row_cosine_p50']:.5f}"
+                sw = "-" if ch["share_within"] is None else f"{ch['share_within']:.0%}"
                 mt = "-" if ch["matched_training_chunk"] is None else str(ch["matched_training_chunk"])
-                lines.append(f"         {ch['index']:>5}  {ch['width']:>5}  {mt:>7}  {rd:>10}  {co:>9}    "
+                lines.append(f"         {ch['index']:>5}  {ch['width']:>5}  {mt:>7}  {sw:>15}  {rd:>16}  {co:>14}  "
                              f"{ch['identified_as'] or '-'}")
         for f in self.findings:
             where = "" if f["chunk"] is None else f" chunk {f['chunk']}"
             lines.append(f"[{f['kind']}]{where}: {f['detail']}")
+        for n in self.notes:
+            lines.append(f"note: {n}")
+        if self.static is not None:
+            for adv in self.static.advisories:
+                lines.append(f"advisory: {adv}")
         return "\n".join(lines)
 
 
-def _draft_inputs(path: Optional[str | Path]):
-    from ..formats.configs import read_draft_config, read_draft_weights
+def _inferred_training_plan(cmp, current):
+    """The training plan identified in the data against the reference (provenance ``inferred``), when every
+    training chunk is equal to one reference layer; else None."""
+    from .conventions import CapturePlan
 
-    if path is None:
-        return None, None
-    p = Path(path)
-    draft = read_draft_config(p)
-    folder = p if p.is_dir() else p.parent
-    weights = read_draft_weights(folder) if any(folder.glob("*.safetensors")) else None
-    return draft, weights
-
-
-def _training_plan_for(td, draft, target):
-    from .conventions import CapturePlan, training_plan
-
-    lp = td.layer_plan
-    if isinstance(lp, dict) and lp.get("tensors"):
-        return CapturePlan(tensors=list(lp["tensors"]), role="training", who="training dump layer_plan",
-                           rules=["layer_plan recorded in the training dump manifest"])
-    if target is None:
+    if cmp.training_ref is None or cmp.training_ref.rows == 0:
         return None
-    trainer = {"specforge": "specforge", "speculators": "speculators", "eagle12": "eagle12"}.get(td.sample_layout)
-    if trainer is None:
-        return None
-    if trainer == "specforge":
-        from ..formats.training_data import recorded_layer_ids
+    names = []
+    for j in range(cmp.num_training_chunks):
+        ident = cmp.identify(cmp.training_ref, j)
+        if not ident or not ident["passed"]:
+            return None
+        names.append(ident["best"])
+    return CapturePlan(tensors=names, role="training", who="identified in the training data",
+                       rules=["each training chunk equals this reference layer on >= 90% of the aligned rows"],
+                       provenance="inferred", source="training chunks compared with the every-layer reference",
+                       notes=[] if current is None else [f"the {current.provenance} plan said "
+                                                         f"[{', '.join(current.tensors)}] ({current.source})"])
 
-        rec = recorded_layer_ids(td.path)
-        if rec is not None:  # what the data was captured with beats a config edited after training
-            plan = training_plan(draft, target, trainer, override_ids=rec[0])
-            plan.notes.append(f"trained ids from the training data manifest {rec[1]}")
-            return plan
-    return training_plan(draft, target, trainer)
 
-
-def diagnose(training: str | Path, served: Sequence[str | Path], *, draft_config: Optional[str | Path] = None,
-             target_config: Optional[str | Path] = None, reference: Optional[str | Path] = None,
-             server: Optional[dict] = None, sglang_version: Optional[str] = None,
-             tolerance: Optional[float] = None, max_samples: Optional[int] = None) -> Diagnosis:
+def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
+             draft_config: Optional[str | Path] = None, target_config: Optional[str | Path] = None,
+             reference: Optional[str | Path] = None, server: Optional[dict] = None,
+             sglang_version: Optional[str] = None, tolerance: Optional[float] = None,
+             max_samples: Optional[int] = None, trained_layer_ids: Optional[Sequence[int]] = None) -> Diagnosis:
     """Diagnose the wiring between what a server feeds an EAGLE-3 draft and what it was trained on.
 
     Args:
         training: SpecForge / speculators / EAGLE data or a training dump (streamed).
         served: one path per TP rank (dump folder, ``/generate`` JSON, or dumper folder).
-        draft_config: the draft's config.json or folder (weights are read from the same folder).
+        draft_config: the draft's config.json or folder (weights are read from a folder only: see
+            :func:`helpers.diagnosis.static.load_draft`).
         target_config: the target's config.json or folder.
-        reference: a reference dump (``layer_plan.tensors`` naming every H-wide chunk) for the same tokens.
+        reference: a reference dump (``layer_plan.tensors`` naming every H-wide chunk) for the same tokens: an
+            every-layer capture from the server's own hooks (``capture --every-layer``) or HF.
         server: server settings (``/server_info`` dict, or ``{"effective", "requested"}``); default: the
             ``server`` block of the first served dump's manifest.
         sglang_version: SGLang version for the capture rules; default: from the server settings / dump.
-        tolerance: rel_diff tolerance override (default from the dtypes).
+        tolerance: per-row rel_diff tolerance override (default from the dtypes).
         max_samples: stop after this many training samples.
+        trained_layer_ids: the ids training used (run record, SpecForge out(i)); the most trusted source.
 
     Returns:
         :class:`Diagnosis`.
@@ -145,13 +170,13 @@ def diagnose(training: str | Path, served: Sequence[str | Path], *, draft_config
         BadInput: any unusable input (the message names the file and field).
     """
     from . import detectors as D
-    from .compare import compare
     from ..formats.configs import ServerSettings, read_target_config
-    from .conventions import served_plan as make_served_plan
     from ..formats.dumps import load_served, read_dump
     from ..formats.training_data import TrainingData
+    from .compare import compare
+    from .static import load_draft, static_check
 
-    draft, weights = _draft_inputs(draft_config)
+    draft, weights, weights_note = load_draft(draft_config) if draft_config is not None else (None, None, None)
     target = read_target_config(target_config) if target_config is not None else None
     td = TrainingData(training, hidden_size=target.hidden_size if target else None, max_samples=max_samples)
     H = target.hidden_size if target else td.hidden_size
@@ -180,32 +205,63 @@ def diagnose(training: str | Path, served: Sequence[str | Path], *, draft_config
     settings = ServerSettings.from_dict(server, source=str(served[0]))
     version = sglang_version or settings.version or next((s.sglang_version for s in sources if s.sglang_version), None)
 
+    report = None
     sp = tp = None
-    if draft is not None and target is not None:
-        try:
-            sp = make_served_plan(draft, target, "sglang", version, settings.algorithm or "EAGLE3")
-        except ValueError as e:
-            raise BadInput(str(e), field="server speculative_algorithm") from None
-    tp = _training_plan_for(td, draft, target)
-
     static: list[dict] = []
-    static += D.detect_config_ids_ignored(draft, target, sp)
-    static += D.detect_vocab_map_missing(draft, weights)
-    static += D.detect_num_draft_tokens_overridden(settings)
-    static_fc = D.detect_fc_bypassed(draft, settings, None, weights)
-    static += static_fc
-    layout_static = D.static_layer_findings(sp, tp, draft, weights, target) if sp is not None else []
+    layout_static: list[dict] = []
+    if draft is not None and target is not None:
+        report = static_check(draft, target, weights=weights, sglang_version=version, server=settings,
+                              training=td, trained_layer_ids=trained_layer_ids)
+        if weights_note:
+            report.inputs["draft weights"] = weights_note
+        sp, tp = report.served_plan, report.training_plan
+        for f in report.findings:
+            (layout_static if f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS + ("width_mismatch",)
+             else static).append(f)
+    elif target is not None:
+        from .static import resolve_training_plan
+
+        tp = resolve_training_plan(None, target, training=td, trained_layer_ids=trained_layer_ids)
 
     served_dtype = next((s.dtype for s in sources if s.dtype), None) or (target.torch_dtype if target else None)
     cmp = compare(td, sources, hidden_size=H, training_width=td.width, training_dtype=td.dtype,
                   served_dtype=served_dtype, reference=ref, tolerance=tolerance)
+    notes: list[str] = []
+    inferred = _inferred_training_plan(cmp, tp)
+    if inferred is not None and (tp is None or tp.provenance != "manifest"):
+        tp = inferred
+    elif inferred is not None and tp is not None and inferred.tensors != tp.tensors:
+        notes.append(f"the training manifest says [{', '.join(tp.tensors)}] but the training chunks equal "
+                     f"[{', '.join(inferred.tensors)}] of the reference: the manifest does not describe this data")
     ctx = D.Context(cmp=cmp, served_plan=sp, training_plan=tp, draft=draft, weights=weights, target=target,
                     server=settings)
     numeric = D.run_numeric(ctx)
-
-    findings = _merge(static, layout_static, numeric, fc_static=bool(static_fc))
+    fc_static = any(f["kind"] == "fc_bypassed" for f in static)
+    findings = _merge(static, layout_static, numeric, fc_static=fc_static)
+    if report is not None and report.ambiguity and not any(f["kind"] in D.LAYOUT_KINDS for f in findings):
+        notes.append("the data settle the draft config's ambiguity: the served chunks equal the training chunks")
+    if not any(ctx.match.values()) and ctx.full_width and not findings:
+        pass
     chunks = _chunk_table(ctx)
-    return Diagnosis(findings=findings, chunks=chunks, served_plan=sp, training_plan=tp, comparison=cmp)
+    return Diagnosis(findings=findings, chunks=chunks, served_plan=sp, training_plan=tp, comparison=cmp,
+                     static=report, notes=notes, noise=ctx.noise)
+
+
+def check_configs(draft_config: str | Path, target_config: str | Path, *, training: Optional[str | Path] = None,
+                  sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
+                  trained_layer_ids: Optional[Sequence[int]] = None):
+    """The config-only check (no tensors): :func:`helpers.diagnosis.static.static_check` with the training data's
+    manifest and layout when ``training`` is given (its tensors are not compared).
+
+    Raises:
+        BadInput: unreadable configs, weights or training data.
+    """
+    from ..formats.training_data import TrainingData
+    from .static import static_check
+
+    td = TrainingData(training, max_samples=1) if training is not None else None
+    return static_check(draft_config, target_config, sglang_version=sglang_version, algorithm=algorithm,
+                        training=td, trained_layer_ids=trained_layer_ids)
 
 
 def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *, fc_static: bool) -> list[dict]:
@@ -232,7 +288,8 @@ def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *
             [g for g in numeric if g["kind"] == f["kind"] and f["chunk"] is None]
         for g in same[:1]:
             g["evidence"].setdefault("static_prediction", {"detail": f["detail"], **f["evidence"]})
-    order = {k: n for n, k in enumerate(("config_ids_ignored", "fc_bypassed", "num_draft_tokens_overridden",
+    order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "config_ids_ignored",
+                                         "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
                                          "vocab_map_missing", "token_mismatch", "nan_or_inf", "width_mismatch",
                                          "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced",
                                          "layer_offset", "embedding_in_place_of_layer", "chunk_order",
@@ -264,9 +321,13 @@ def _chunk_table(ctx) -> list[dict]:
         ident_as = ident["best"] if ident and ident["passed"] else None
         if ident_as is None and src.stats.context_free(i, c.tolerance) and src.stats.zero[i] == 0:
             ident_as = "embedding"
+        r = lambda x: None if x is None else float(f"{x:.6g}")  # noqa: E731
         rows.append({"index": i, "width": src.chunk_width, "matched_training_chunk": matched,
-                     "rel_diff": None if m is None else float(f"{m.rel_diff:.6g}"),
-                     "cosine": None if m is None else float(f"{m.cosine:.6g}"), "identified_as": ident_as})
+                     "share_within": None if m is None else r(m.share_within),
+                     "row_rel_diff_p50": None if m is None else r(m.row_rel_diff.get("p50")),
+                     "row_cosine_p50": None if m is None else r(m.median_cosine),
+                     "rel_diff": None if m is None else r(m.rel_diff),
+                     "cosine": None if m is None else r(m.cosine), "identified_as": ident_as})
     return rows
 
 
@@ -280,24 +341,43 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m helpers diagnose",
                 description="Compare the aux hidden states a server feeds an EAGLE-3 draft with its training data "
-                            "and name the wiring faults.")
-    p.add_argument("--training", required=True, help="training data: SpecForge data_*.ckpt[.gz] folder, speculators "
-                   "hs_*.safetensors folder, EAGLE data_*.ckpt, or a training dump folder")
-    p.add_argument("--served", required=True, action="append", help="served aux hidden states: dump folder, SGLang "
+                            "and name the wiring faults; with --draft-config and --target-config only (no --served), "
+                            "check the configs alone against SGLang's rules.")
+    p.add_argument("--training", help="training data: SpecForge data_*.ckpt[.gz] folder, speculators "
+                   "hs_*.safetensors folder, EAGLE data_*.ckpt, or a training dump folder (config-only: only its "
+                   "manifest is read)")
+    p.add_argument("--served", action="append", help="served aux hidden states: dump folder, SGLang "
                    "/generate response JSON (or a JSON list of them), or SGLang dumper folder; repeat once per TP rank")
-    p.add_argument("--draft-config", help="draft config.json (or its folder, whose safetensors are read too)")
+    p.add_argument("--draft-config", help="the draft config the server runs with: config.json (only that file is "
+                   "read) or its folder (its *.safetensors are read too: fc width, d2t)")
     p.add_argument("--target-config", help="target config.json (or its folder)")
-    p.add_argument("--reference", help="reference dump with all layers' hidden states for the same tokens")
+    p.add_argument("--reference", help="reference dump with every layer's hidden states for the same tokens "
+                   "(capture --every-layer, or --reference-hf)")
+    p.add_argument("--sglang-version", help="the server's SGLang version for the capture rules (default: from the "
+                   "dump's server block, else 0.5.23)")
+    p.add_argument("--trained-layer-ids", type=int, nargs="+", metavar="ID", help="the ids training used, SpecForge "
+                   "output-of-layer convention (the run YAML's model.aux_hidden_state_layer_ids)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the text report")
     return p
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m helpers diagnose ...``: exit 0 ok, 1 findings, 2 bad input (one-line reason on stderr)."""
+    """``python -m helpers diagnose ...``: exit 0 ok, 1 mismatch or ambiguous, 2 bad input (one-line reason on
+    stderr)."""
     try:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
-        diag = diagnose(args.training, args.served, draft_config=args.draft_config,
-                        target_config=args.target_config, reference=args.reference)
+        if not args.served:
+            if not (args.draft_config and args.target_config):
+                raise BadInput("usage: give --served (with --training) to compare data, or --draft-config and "
+                               "--target-config for the config-only check")
+            result = check_configs(args.draft_config, args.target_config, training=args.training,
+                                   sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids)
+        else:
+            if not args.training:
+                raise BadInput("usage: --served needs --training (the data the draft was trained on)")
+            result = diagnose(args.training, args.served, draft_config=args.draft_config,
+                              target_config=args.target_config, reference=args.reference,
+                              sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids)
     except BadInput as e:
         print(f"diagnose: bad input: {one_line(e)}", file=sys.stderr)
         return 2
@@ -310,7 +390,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(diag.to_json(), indent=1))
+        print(json.dumps(result.to_json(), indent=1))
     else:
-        print(diag.render_text())
-    return 0 if diag.verdict == "ok" else 1
+        print(result.render_text())
+    return 0 if result.verdict == "ok" else 1

@@ -1,0 +1,335 @@
+"""The static wiring check: from configs alone (no tensors, no server), will SGLang feed the draft the tensors
+it was trained on? One implementation, used by ``python -m helpers diagnose`` (with or without data), the
+``01_attach`` notebook and the ``static_wiring`` hypothesis.
+
+Inputs: the draft config (the one the server runs with), the target config, the SGLang version and
+algorithm, optionally the draft weights (fc shape, d2t) and what is known of training. Output: a
+:class:`StaticReport` with a verdict ``ok`` / ``mismatch`` / ``ambiguous``, findings (the diagnosis
+vocabulary), the served plan (SGLang's rules for that version: :mod:`helpers.diagnosis.sglang_rules`) and the
+training plan **with its provenance**, most trusted first:
+
+1. ``manifest``: the ids the caller passes from the run's own record (``trained_layer_ids``: SpecForge's run
+   YAML ``model.aux_hidden_state_layer_ids`` is not written into the exported draft config), or what the
+   tool that wrote the training data recorded (a training dump's ``layer_plan``, the ``capture.json``
+   ``layer_ids.specforge_out_i`` of this project's data);
+2. ``inferred``: identified in the data against an every-layer reference (set by
+   :func:`helpers.diagnosis.diagnose.diagnose`, which has the data);
+3. ``claimed``: the draft config's own ids, read in the convention of the config's form (what a deployment
+   may have edited after training);
+4. ``default``: no ids anywhere, the trainer's default.
+
+When the draft config's ids can mean two things under the given SGLang version (DeepSeek-family targets with
+a first id other than 1: SGLang >= 0.5.13 takes them as capture indices, while SpecForge writes
+output-of-layer ids) and no manifest settles it, the verdict is ``ambiguous``, with both readings and what
+would settle it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ..errors import BadInput
+from ..formats.configs import DraftConfig, ServerSettings, TargetConfig, read_draft_config, read_draft_weights, \
+    read_target_config
+from . import detectors as D
+from .conventions import CapturePlan, LayerIds, compare_plans, describe, physical, served_plan, training_plan
+from .sglang_rules import draft_servable, target_rule
+
+VERDICTS = ("ok", "mismatch", "ambiguous")
+
+SETTLE = ("record what training used: pass --trained-layer-ids (SpecForge run YAML model.aux_hidden_state_layer_ids, "
+          "SpecForge output-of-layer ids) or keep the data's capture.json; or compare live: python -m helpers capture "
+          "(served aux states) and diagnose --training DATA --served DUMP (--reference every-layer capture)")
+
+
+@dataclass
+class StaticReport:
+    """Result of :func:`static_check`.
+
+    Attributes:
+        verdict: ``ok`` | ``mismatch`` (a finding) | ``ambiguous`` (no finding, but the ids can mean two things).
+        findings: finding dicts (``kind``, ``chunk``, ``detail``, ``evidence``); each evidence says where the
+            plans came from (``served_plan_source``, ``training_plan_provenance``).
+        served_plan / training_plan: :class:`helpers.diagnosis.conventions.CapturePlan` (training may be None).
+        ambiguity: ``{"readings": [...], "settle": str}`` or None.
+        advisories: silent behaviours worth knowing that are not faults (e.g. SGLang's fallback ids).
+        inputs: what was read (config paths, weights files or why not, SGLang version and its origin).
+    """
+
+    verdict: str
+    findings: list[dict]
+    served_plan: Optional[CapturePlan]
+    training_plan: Optional[CapturePlan]
+    ambiguity: Optional[dict] = None
+    advisories: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """``{"verdict", "findings", "served_plan", "training_plan", "ambiguity", "advisories", "inputs"}``."""
+        return {"verdict": self.verdict, "findings": self.findings,
+                "served_plan": None if self.served_plan is None else self.served_plan.to_json(),
+                "training_plan": None if self.training_plan is None else self.training_plan.to_json(),
+                "ambiguity": self.ambiguity, "advisories": list(self.advisories), "inputs": self.inputs}
+
+    def render_text(self) -> str:
+        """The human-readable report of the config-only check."""
+        lines = [f"verdict: {self.verdict} ({len(self.findings)} finding{'s' if len(self.findings) != 1 else ''})"]
+        for k, v in self.inputs.items():
+            lines.append(f"{k}: {v}")
+        for plan in (self.served_plan, self.training_plan):
+            if plan is None:
+                continue
+            ids = f"  ids {plan.engine_ids or plan.config_ids}" if (plan.engine_ids or plan.config_ids) else ""
+            lines.append(f"{plan.role} plan [{plan.provenance}]: [{', '.join(plan.tensors)}]{ids}")
+            if plan.source:
+                lines.append(f"  from: {plan.source}")
+            for n in plan.notes:
+                lines.append(f"  note: {n}")
+            if plan.fatal:
+                lines.append(f"  FATAL: {plan.fatal}")
+        if self.training_plan is None:
+            lines.append("training plan: unknown (no ids anywhere and no training data given)")
+        for f in self.findings:
+            where = "" if f["chunk"] is None else f" chunk {f['chunk']}"
+            lines.append(f"[{f['kind']}]{where}: {f['detail']}")
+        if self.ambiguity:
+            lines.append("ambiguous: the draft config's ids can mean two things:")
+            for r in self.ambiguity["readings"]:
+                lines.append(f"  - {r['reading']}: training used [{', '.join(r['training'])}] -> {r['outcome']}")
+            lines.append(f"  to settle it: {self.ambiguity['settle']}")
+        for a in self.advisories:
+            lines.append(f"advisory: {a}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+def load_draft(path: str | Path, *, read_weights: bool = True) -> tuple[DraftConfig, Any, str]:
+    """(draft config, draft weights or None, a line saying which weights were read or why not).
+
+    Weights are read only from a folder: ``path`` is a folder (its ``*.safetensors``), never the folder of a
+    config file named directly (that file may be an edited copy beside other weights).
+
+    Raises:
+        BadInput: unreadable config or weights.
+    """
+    p = Path(path)
+    draft = read_draft_config(p)
+    if not read_weights:
+        return draft, None, "draft weights not read"
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            return draft, None, f"no *.safetensors in {p}: fc width and d2t not checked"
+        weights = read_draft_weights(p)
+        return draft, weights, f"draft weights read: {', '.join(f.name for f in files)} in {p}"
+    return draft, None, (f"draft weights not read: --draft-config names the file {p.name}; pass its folder to also "
+                         "check fc.weight and d2t")
+
+
+def resolve_training_plan(draft: Optional[DraftConfig], target: TargetConfig, *, training: Any = None,
+                          trained_layer_ids: Optional[Sequence[int]] = None,
+                          trainer: Optional[str] = None) -> Optional[CapturePlan]:
+    """The training plan with its provenance (module docstring), or None when nothing says what training used.
+
+    Args:
+        draft: the draft config (its ids are the ``claimed`` fallback).
+        target: the target config (n).
+        training: the training data folder / file, or a :class:`helpers.formats.training_data.TrainingData`.
+        trained_layer_ids: ids from the run's own record, SpecForge output-of-layer convention.
+        trainer: ``specforge`` | ``speculators`` | ``eagle3`` | ``eagle12`` (default: from the data layout or
+            the draft config's form).
+
+    Raises:
+        BadInput: a manifest that exists but cannot be read.
+    """
+    from ..formats.training_data import TrainingData, recorded_layer_ids
+
+    td = None
+    if training is not None:
+        td = training if isinstance(training, TrainingData) else None
+        path = Path(td.path if td is not None else training)
+    else:
+        path = None
+    if trainer is None:
+        if td is not None:
+            trainer = {"speculators": "speculators", "eagle12": "eagle12"}.get(td.sample_layout, "specforge")
+        elif draft is not None and draft.form == "speculators":
+            trainer = "speculators"
+        else:
+            trainer = "specforge"
+    if trained_layer_ids is not None:
+        plan = training_plan(draft, target, "specforge", override_ids=[int(i) for i in trained_layer_ids])
+        plan.provenance, plan.source = "manifest", (f"the run's record given by the caller (trained_layer_ids "
+                                                    f"{list(trained_layer_ids)}, SpecForge out(i))")
+        return plan
+    if td is not None and isinstance(td.layer_plan, dict) and td.layer_plan.get("tensors"):
+        return CapturePlan(tensors=list(td.layer_plan["tensors"]), role="training", who="training dump",
+                           rules=["layer_plan recorded in the training dump manifest"], provenance="manifest",
+                           source=f"{td.path}/manifest.json layer_plan.tensors")
+    if path is not None and path.exists() and trainer == "specforge":
+        rec = recorded_layer_ids(path)
+        if rec is not None:
+            plan = training_plan(draft, target, "specforge", override_ids=rec[0])
+            plan.provenance, plan.source = "manifest", f"{rec[1]} layer_ids.specforge_out_i {rec[0]}"
+            return plan
+    has_ids = draft is not None and (draft.nested_layer_ids is not None or draft.top_level_layer_ids is not None)
+    if draft is None and trainer == "specforge":
+        return None
+    plan = training_plan(draft, target, trainer)
+    if has_ids or trainer in ("eagle3", "eagle12"):
+        plan.provenance = "claimed" if has_ids else "default"
+        plan.source = (f"the draft config {draft.path} ({'nested eagle_config' if draft.nested_layer_ids is not None else 'top-level'} "
+                       f"ids, read as {trainer})" if has_ids else f"{trainer}'s fixed capture")
+    else:
+        plan.provenance = "default"
+        plan.source = f"no ids in the draft config nor a training manifest: {trainer}'s default assumed"
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- check
+
+def _deepseek_readings(draft: DraftConfig, target: TargetConfig, sp: CapturePlan) -> Optional[dict]:
+    """Two readings of DeepSeek-family ids whose first id is not 1 (PR 25454): output-of-layer vs capture-index."""
+    ids = list(draft.nested_layer_ids or [])
+    n = target.num_hidden_layers
+    if not ids or ids[0] == 1 or target_rule(target.architectures, target.model_type).rule != "deepseek":
+        return None
+    readings = []
+    for conv, name in (("specforge", "output-of-layer ids (SpecForge's convention: id i = out(i))"),
+                       ("sglang_capture", "capture indices (in(i) = out(i-1): written for SGLang >= 0.5.13 / PR 25454, "
+                                          "or vLLM-style)")):
+        try:
+            tensors = [physical(i, conv, n) for i in sorted(set(ids))]
+        except ValueError as e:
+            tensors = [f"<{e}>"]
+        same = tensors == sp.tensors
+        readings.append({"reading": name, "training": tensors,
+                         "outcome": "the server feeds exactly these" if same else
+                         f"the server feeds {describe(sp.tensors)}: mismatch"})
+    if all("mismatch" in r["outcome"] for r in readings) or not any("mismatch" in r["outcome"] for r in readings):
+        return None
+    return {"readings": readings, "settle": SETTLE}
+
+
+def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | Path, *,
+                 weights: Any = "auto", sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
+                 server: Optional[ServerSettings | dict] = None, training: Any = None,
+                 trained_layer_ids: Optional[Sequence[int]] = None) -> StaticReport:
+    """Run the static wiring check (module docstring).
+
+    Args:
+        draft: the draft config the server runs with (config.json, its folder, or a parsed
+            :class:`~helpers.formats.configs.DraftConfig`).
+        target: the target config (file, folder or :class:`~helpers.formats.configs.TargetConfig`).
+        weights: ``"auto"`` (read from the draft folder when a folder is given), a
+            :class:`~helpers.formats.configs.DraftWeights`, or None.
+        sglang_version: the server's SGLang version (default: the server settings', else 0.5.23 assumed, noted).
+        algorithm: ``--speculative-algorithm`` (default: the server settings', else EAGLE3).
+        server: the server's settings (``/server_info`` dict or :class:`ServerSettings`) for the override check.
+        training: training data folder / file / TrainingData (only its manifest and layout are read).
+        trained_layer_ids: ids from the run's record (SpecForge out(i)); the most trusted training source.
+
+    Returns:
+        :class:`StaticReport`.
+
+    Raises:
+        BadInput: unreadable configs or weights, an unknown algorithm or version string.
+    """
+    from ..formats.configs import parse_version
+
+    inputs: dict = {}
+    if isinstance(draft, DraftConfig):
+        d = draft
+        w = None if weights == "auto" else weights
+        inputs["draft"] = str(d.path)
+    else:
+        d, w, note = load_draft(draft, read_weights=weights == "auto")
+        if weights not in ("auto", None):
+            w = weights
+        inputs["draft"] = str(d.path)
+        inputs["draft weights"] = note
+    t = target if isinstance(target, TargetConfig) else read_target_config(target)
+    inputs["target"] = f"{t.path} ({', '.join(t.architectures) or t.model_type}, {t.num_hidden_layers} layers, " \
+                       f"hidden {t.hidden_size})"
+    settings = server if isinstance(server, ServerSettings) else ServerSettings.from_dict(server, source="server")
+    version = sglang_version or settings.version
+    if version is not None:
+        try:
+            parse_version(version)
+        except ValueError as e:
+            raise BadInput(str(e), field="sglang version") from None
+    inputs["sglang version"] = (f"{version} ({'given' if sglang_version else 'from the server'})" if version
+                                else "not given: 0.5.23 rules assumed")
+    algo = (algorithm or settings.algorithm or "EAGLE3").upper()
+    inputs["algorithm"] = algo
+    try:
+        sp = served_plan(d, t, "sglang", version, algo)
+    except ValueError as e:
+        raise BadInput(str(e), field="speculative algorithm") from None
+    tp = resolve_training_plan(d, t, training=training, trained_layer_ids=trained_layer_ids)
+    findings: list[dict] = []
+    advisories: list[str] = []
+
+    why = draft_servable(d.architectures, d.form)
+    if why is not None and algo == "EAGLE3":
+        findings.append(D.finding("unsupported_draft", None, f"SGLang cannot serve this draft as EAGLE-3: {why}",
+                                  architectures=d.architectures, form=d.form, config=str(d.path),
+                                  source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py"))
+    rule = target_rule(t.architectures, t.model_type)
+    if not rule.supports_eagle3 and algo == "EAGLE3":
+        findings.append(D.finding("unsupported_target", None, sp.fatal or f"target {rule.architecture} refuses EAGLE-3",
+                                  architecture=rule.architecture, rule=rule.rule, source=rule.source))
+    findings += D.detect_config_ids_ignored(d, t, sp)
+    if tp is not None and tp.provenance == "manifest" and d.nested_layer_ids is not None and tp.config_ids is not None \
+            and list(d.nested_layer_ids) != list(tp.config_ids.ids):
+        findings.append(D.finding(
+            "config_ids_mismatch", None,
+            f"the draft config's layer ids {list(d.nested_layer_ids)} are not the ids training used "
+            f"{list(tp.config_ids.ids)} ({tp.source}): the config was edited after training or belongs to another run",
+            config_ids=list(d.nested_layer_ids), training_ids=list(tp.config_ids.ids), config=str(d.path),
+            training_plan_source=tp.source))
+    findings += D.detect_vocab_map_missing(d, w)
+    findings += D.detect_num_draft_tokens_overridden(settings)
+    fc = D.detect_fc_bypassed(d, settings if settings.algorithm else ServerSettings(algorithm=algo), None, w)
+    findings += fc
+    if rule.supports_eagle3 and not fc:
+        layer = D.static_layer_findings(sp, tp, d, w, t)
+        for f in layer:
+            f["evidence"]["served_plan_source"] = sp.source
+            f["evidence"]["training_plan_provenance"] = None if tp is None else tp.provenance
+            f["evidence"]["training_plan_source"] = None if tp is None else tp.source
+        findings += layer
+    if sp.fatal and not any(f["kind"] in ("unsupported_target", "missing_chunk") for f in findings):
+        findings.append(D.finding("missing_chunk", None, f"the server cannot start with this config: {sp.fatal}",
+                                  static=True, served_plan=sp.tensors, fatal=sp.fatal, rules=sp.rules))
+    ambiguity = None
+    if tp is None or tp.provenance != "manifest":
+        ambiguity = _deepseek_readings(d, t, sp)
+        if ambiguity is not None:
+            # the config alone cannot tell; the layer findings derived from one reading are not facts
+            findings = [f for f in findings if not (f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS)]
+    if d.nested_layer_ids is None and d.top_level_layer_ids is None and rule.supports_eagle3 and algo == "EAGLE3":
+        advisories.append(f"the draft config has no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang falls back to "
+                          f"{sp.engine_ids} = {describe(sp.tensors)}"
+                          + (" (the same layers as SpecForge's default [1, n//2-1, n-4])"
+                             if tp is not None and tp.tensors == sp.tensors else "")
+                          + "; if training used other layers (a SpecForge run override is not written into the "
+                            "exported config), write them under eagle_config")
+    if tp is not None and tp.provenance == "claimed":
+        advisories.append("the training layers are what the draft config claims (no manifest): a config edited after "
+                          "training cannot be told from the original; " + SETTLE)
+    verdict = "mismatch" if findings else ("ambiguous" if ambiguity else "ok")
+    order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "config_ids_ignored",
+                                         "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
+                                         "vocab_map_missing", "width_mismatch"))}
+    findings.sort(key=lambda f: (order.get(f["kind"], 50), -1 if f["chunk"] is None else f["chunk"]))
+    return StaticReport(verdict, findings, sp, tp, ambiguity, advisories, inputs)
+
+
+def plans_frame_rows(report: StaticReport) -> list[dict]:
+    """Position-wise rows ``{"index", "served", "training", "offset"}`` of the two plans (for tables)."""
+    if report.served_plan is None or report.training_plan is None:
+        return []
+    return compare_plans(report.served_plan, report.training_plan)
