@@ -19,6 +19,13 @@ Three captures, each written as a project dump (``helpers.formats.dumps``; DESIG
 * :func:`per_rank_dumps` - one dump per TP rank from the files the ``helpers.hooks`` capture hook
   wrote on the server (real per-rank tensors: the aux the draft received on that rank, the
   all-reduced and the rank-local embedding, layer outputs, per-rank partial sums).
+* :func:`capture_every_layer` - layer identity from the server itself: the embedding and every decoder
+  layer's residual stream ``out(0)`` .. ``out(n-1)`` for the training samples' tokens, recorded by the
+  ``helpers.hooks`` capture hook on each TP rank of the running server (started with
+  ``--forward-hooks`` from :func:`every_layer_hook_specs` and, on GPUs, ``--disable-cuda-graph``), written
+  as a reference dump (``layer_plan.tensors = ["embedding", "out(0)", ...]``) for ``diagnose
+  --reference``. A target too large to load for an HF reference still gets every served and training
+  chunk identified by layer.
 """
 from __future__ import annotations
 
@@ -209,6 +216,120 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
                        "layer_plan": plan, "hidden_size": model.config.hidden_size})
 
 
+def every_layer_hook_specs(capture_dir: str | os.PathLike, num_layers: int) -> list[dict]:
+    """The ``--forward-hooks`` specs that make a server record every layer (armed by
+    :func:`capture_every_layer` only while it captures). Llama-style module names (``model.embed_tokens``,
+    ``model.layers.{i}.input_layernorm``, ``model.norm``; verified on SGLang 0.5.23's Llama); pass them to
+    ``helpers.launcher.start(forward_hooks=...)``, ``python -m helpers server start --capture-layers DIR`` or, on a
+    GPU server, ``--forward-hooks '<json>' --disable-cuda-graph`` (``env/gpu/launch_tp8.sh`` with ``LAYERS_DIR``)."""
+    from .hooks import CaptureConfig, every_layer_keys, hook_specs
+
+    specs = hook_specs(capture=CaptureConfig(out_dir=os.fspath(capture_dir), keys=every_layer_keys(num_layers),
+                                             armed_by_file=True), num_layers=num_layers)
+    for s in specs:
+        if s["name"] == "e3f-capture":     # distinct from a per-rank embedding capture on the same server
+            s["name"] = "e3f-capture-layers"
+    return specs
+
+
+def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir: str | os.PathLike,
+                        out_dir: str | os.PathLike, *, num_layers: Optional[int] = None, name: str = "reference-server",
+                        rank: int = 0, api_key: Optional[str] = None, progress: bool = True) -> Path:
+    """Record every layer of the running server for ``prompts`` and write a reference dump ``out_dir/name``.
+
+    Args:
+        client_or_url: the server (started with :func:`every_layer_hook_specs` hooks writing to ``capture_dir``).
+        prompts: training samples / token-id sequences (each sent once, ``max_new_tokens=1``, cache flushed).
+        capture_dir: the hooks' ``out_dir`` (must be readable here: the embedded server, or a shared folder).
+        out_dir: parent folder of the dump (``out_dir/name`` must not exist).
+        num_layers: the target's ``num_hidden_layers`` (default: the ``out(L)`` keys the hooks recorded).
+        rank: the TP rank whose files become the reference (the stream is replicated on every rank after the
+            all-reduce; :func:`per_rank_dumps` gives the others).
+
+    Returns: the reference dump folder (chunks ``embedding, out(0) .. out(n-1)``, the dtype the server
+    computed in).
+
+    Raises:
+        helpers.errors.BadInput: the server wrote no layer files (hooks missing, or ``capture_dir`` is not the
+            folder the server writes to); the message says which flags the server needs.
+    """
+    from tqdm.auto import tqdm
+
+    from .errors import BadInput
+    from .hooks import ARM_FILE
+    from .server import as_client, redact
+
+    cap = Path(capture_dir)
+    client = as_client(client_or_url, api_key=api_key)
+    info = client.server_info()
+    before = {r: len(recs) for r, recs in _rank_index(cap).items()}
+    arm = cap / ARM_FILE
+    cap.mkdir(parents=True, exist_ok=True)
+    arm.write_text("armed by helpers.capture.capture_every_layer\n")
+    sent: list[tuple[str, list[int]]] = []
+    try:
+        for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt", disable=not progress)):
+            pid, ids, text = _prompt_fields(p, i)
+            if ids is None:
+                raise BadInput(f"prompt {pid}: the every-layer capture needs token ids", field="prompts")
+            client.flush_cache()
+            client.generate(input_ids=ids, max_new_tokens=1, sampling_params={"temperature": 0.0, "ignore_eos": True})
+            sent.append((pid, ids))
+    finally:
+        if arm.exists():
+            arm.unlink()
+    index = _rank_index(cap)
+    if num_layers is None:
+        import re
+
+        layers = {int(m.group(1)) for r in index.get(rank, [])[before.get(rank, 0):] for k in r.get("keys", [])
+                  for m in [re.match(r"^out\((\d+)\)$", k)] if m}
+        num_layers = max(layers) + 1 if layers else 0
+    need = ["embedding"] + [f"out({L})" for L in range(num_layers)]
+    recs = [r for r in index.get(rank, [])[before.get(rank, 0):]
+            if r.get("mode") == "EXTEND" and all(k in r.get("keys", []) for k in need)]
+    if not recs or num_layers == 0:
+        raise BadInput(f"the server wrote no every-layer files for rank {rank} under {cap}: start it with "
+                       "--forward-hooks from helpers.capture.every_layer_hook_specs(DIR, n) writing to this folder "
+                       "(python -m helpers server start --capture-layers DIR; on GPUs also --disable-cuda-graph)",
+                       path=cap)
+    from safetensors.torch import load_file
+
+    by_ids: dict[tuple, dict] = {}
+    for r in recs:
+        t = load_file(str(cap / f"rank{rank}" / r["file"]))
+        by_ids.setdefault(tuple(int(x) for x in t["input_ids"].tolist()), t)
+    samples = []
+    missing = []
+    for pid, ids in sent:
+        t = by_ids.get(tuple(ids))
+        if t is None:
+            missing.append(pid)
+            continue
+        samples.append({"key": _safe_key(pid), "sample_id": pid, "input_ids": ids,
+                        "hidden": torch.cat([t[k] for k in need], dim=-1)})
+    if not samples:
+        raise BadInput(f"no recorded forward carries the prompts' token ids (rank {rank}, {len(recs)} forwards "
+                       f"recorded): was the prefix cache flushed, and is {cap} this server's hook folder?", path=cap)
+    H = int(samples[0]["hidden"].shape[1]) // len(need)
+    plan = {"tensors": need, "note": "the server's own residual stream per layer, recorded by helpers.hooks on "
+                                     f"TP rank {rank} (model.embed_tokens; model.layers.{{L+1}}.input_layernorm / "
+                                     "model.norm residual output = out(L))"}
+    return write_dump(Path(out_dir) / name, samples,
+                      {"kind": "reference", "source": {"type": "server_forward_hooks", "capture_dir": str(cap),
+                                                       "url": client._shown_url, "tp_rank": rank,
+                                                       "captured": _now(), "prompts_missing": missing},
+                       "server": redact(info, client.secrets), "sglang_version": info.get("version"),
+                       "tp_rank": rank, "tp_size": info.get("tp_size"), "layer_plan": plan, "hidden_size": H})
+
+
+def _rank_index(capture_dir: Path) -> dict[int, list[dict]]:
+    try:
+        return read_rank_capture(capture_dir)
+    except FileNotFoundError:
+        return {}
+
+
 def read_rank_capture(capture_dir: str | os.PathLike) -> dict[int, list[dict]]:
     """Index of a ``helpers.hooks`` capture folder: ``{rank: [index.jsonl records]}``."""
     out: dict[int, list[dict]] = {}
@@ -256,9 +377,10 @@ def per_rank_dumps(capture_dir: str | os.PathLike, out_dir: str | os.PathLike, *
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m helpers capture --url URL --training PATH [--num-samples N] [--run-dir DIR]
-    [--name NAME] [--reference-hf TARGET]``: dump what a live server feeds the draft for the first
-    training samples (one served row per training row), optionally with the HF reference of every
-    layer; print the dump folders. The API key is read from ``$SGLANG_API_KEY`` only.
+    [--name NAME] [--reference-hf TARGET] [--every-layer DIR]``: dump what a live server feeds the draft for the
+    first training samples (one served row per training row), optionally with every layer's residual stream
+    from HF (``--reference-hf``) or from the server's own hooks (``--every-layer``: the folder its
+    ``--capture-layers`` hooks write to); print the dump folders. The API key is read from ``$SGLANG_API_KEY``.
 
     Exit codes: 0 written; 2 bad input or an unusable server (one line on stderr).
     """
@@ -280,6 +402,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--name", default="served", help="dump folder name under dumps/ (must not exist)")
     ap.add_argument("--reference-hf", default=None, metavar="TARGET",
                     help="also dump every layer of this HF target folder for the same tokens")
+    ap.add_argument("--every-layer", default=None, metavar="DIR",
+                    help="also record every layer from the server itself: DIR is the folder its every-layer hooks "
+                         "write to (server start --capture-layers DIR; GPU: env/gpu/launch_tp8.sh LAYERS_DIR=DIR)")
     ap.add_argument("--hidden-size", type=int, default=None, help="target hidden size (default: from "
                                                                   "--reference-hf's config or the data)")
     args = ap.parse_args(argv)
@@ -297,6 +422,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.reference_hf:
             print(capture_reference_hf(args.reference_hf, samples, dumps, name=f"{args.name}-reference-hf",
                                        progress=True))
+        if args.every_layer:
+            print(capture_every_layer(args.url, samples, args.every_layer, dumps, name=f"{args.name}-reference-server",
+                                      progress=True))
     except (BadInput, SGLangError, FileExistsError, FileNotFoundError, ValueError, OSError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2

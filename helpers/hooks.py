@@ -356,6 +356,13 @@ def _stash_spec(key: str, num_layers: int) -> dict:
             "hook_factory": f"{HOOK_PREFIX}:stash_factory", "config": {"key": key, "pick": pick}}
 
 
+def every_layer_keys(num_layers: int) -> list[str]:
+    """Stash keys of every decoder layer's residual stream: ``embedding`` (all-reduced), ``embedding_local``
+    (this rank's shard before the all-reduce), ``out(0)`` .. ``out(n-1)`` (pre-norm, after each layer's
+    all-reduce: the stream SGLang's aux capture reads). For :func:`helpers.capture.capture_every_layer`."""
+    return ["embedding", "embedding_local"] + [f"out({L})" for L in range(int(num_layers))]
+
+
 @dataclass
 class CaptureConfig:
     """Per-rank capture: which stash ``keys`` to write into ``out_dir`` (see capture_factory)."""

@@ -544,6 +544,8 @@ def cli_main(argv: list[str]) -> int:
     s.add_argument("--draft-tokens", type=int, default=4)
     s.add_argument("--dtype", default="float32")
     s.add_argument("--forward-hooks", default=None, help="JSON list of SGLang hook specs")
+    s.add_argument("--capture-layers", default=None, metavar="DIR",
+                   help="add the every-layer capture hooks writing to DIR (armed by `capture --every-layer DIR`)")
     s.add_argument("--log", default=None, help="log file path")
     s.add_argument("--timeout", type=float, default=300.0)
     s.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang flags")
@@ -558,6 +560,12 @@ def cli_main(argv: list[str]) -> int:
     extra = [a for a in (args.extra or []) if a != "--"]
     try:
         hooks = json.loads(args.forward_hooks) if args.forward_hooks else None
+        if args.capture_layers:
+            from .capture import every_layer_hook_specs
+            from .formats.configs import read_target_config
+
+            n = read_target_config(args.target or REFERENCE_TARGET).num_hidden_layers
+            hooks = (hooks or []) + every_layer_hook_specs(Path(args.capture_layers).resolve(), n)
         handle = start(args.target, draft, tp=args.tp, port=args.port,
                        spec=SpecConfig(args.algorithm, args.steps, args.topk, args.draft_tokens),
                        dtype=args.dtype, forward_hooks=hooks, log_path=args.log,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Launch a TP 8 SGLang GPU server with an EAGLE-3 draft and the flags the suite needs.
 #   TARGET, DRAFT (required), PORT (30000), STEPS (3), TOPK (1), DRAFT_TOKENS (4),
-#   HOOKS_DIR (optional: per-rank capture of embedding / layer outputs via --forward-hooks),
-#   NUM_LAYERS (target num_hidden_layers; read from TARGET/config.json if unset),
+#   HOOKS_DIR (optional: per-rank capture of the embedding before / after its all-reduce via --forward-hooks),
+#   LAYERS_DIR (optional: every layer's residual stream, out(0)..out(n-1) + embedding, per rank, recorded only
+#               while `python -m helpers capture --every-layer LAYERS_DIR` runs: layer identity from the server),
+#   NUM_LAYERS (target num_hidden_layers; read from TARGET/config.json, text_config included, if unset),
 #   PYTHON (python of the SGLang environment), EXTRA (more flags).
 set -euo pipefail
 : "${TARGET:?set TARGET to the target model path}"
@@ -14,13 +16,19 @@ ARGS=(--model-path "$TARGET" --tp-size 8 --host 0.0.0.0 --port "$PORT"
       --speculative-num-steps "$STEPS" --speculative-eagle-topk "$TOPK"
       --speculative-num-draft-tokens "$DRAFT_TOKENS"
       --enable-return-hidden-states --enable-metrics)
-if [ -n "${HOOKS_DIR:-}" ]; then
-  N="${NUM_LAYERS:-$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]+'/config.json'))['num_hidden_layers'])" "$TARGET")}"
+if [ -n "${HOOKS_DIR:-}" ] || [ -n "${LAYERS_DIR:-}" ]; then
+  N="${NUM_LAYERS:-$("$PY" -c "from helpers.formats.configs import read_target_config as r; import sys; print(r(sys.argv[1]).num_hidden_layers)" "$TARGET")}"
   HOOKS="$("$PY" -c "
 import json, sys
 from helpers.hooks import CaptureConfig, hook_specs
-print(json.dumps(hook_specs(capture=CaptureConfig(out_dir=sys.argv[1], keys=['embedding', 'embedding_local']), num_layers=int(sys.argv[2]))))
-" "$HOOKS_DIR" "$N")"
+from helpers.capture import every_layer_hook_specs
+specs = []
+if sys.argv[1]:
+    specs += hook_specs(capture=CaptureConfig(out_dir=sys.argv[1], keys=['embedding', 'embedding_local']), num_layers=int(sys.argv[3]))
+if sys.argv[2]:
+    specs += [s for s in every_layer_hook_specs(sys.argv[2], int(sys.argv[3])) if s['name'] not in {x['name'] for x in specs}]
+print(json.dumps(specs))
+" "${HOOKS_DIR:-}" "${LAYERS_DIR:-}" "$N")"
   ARGS+=(--forward-hooks "$HOOKS" --disable-cuda-graph)
 fi
 # shellcheck disable=SC2086
