@@ -253,6 +253,9 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     t = target if isinstance(target, TargetConfig) else read_target_config(target)
     inputs["target"] = f"{t.path} ({', '.join(t.architectures) or t.model_type}, {t.num_hidden_layers} layers, " \
                        f"hidden {t.hidden_size})"
+    odd = {k: v for k, v in (t.fields or {}).items() if v != k}
+    if odd:
+        inputs["target"] += " read from " + ", ".join(f"{v}" for v in odd.values())
     settings = server if isinstance(server, ServerSettings) else ServerSettings.from_dict(server, source="server")
     version = sglang_version or settings.version
     if version is not None:
@@ -283,7 +286,8 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
                                   architecture=rule.architecture, rule=rule.rule, source=rule.source))
     findings += D.detect_config_ids_ignored(d, t, sp)
     if tp is not None and tp.provenance == "manifest" and d.nested_layer_ids is not None and tp.config_ids is not None \
-            and list(d.nested_layer_ids) != list(tp.config_ids.ids):
+            and list(d.nested_layer_ids) != list(tp.config_ids.ids) and sp.tensors != tp.tensors:
+        # (equal tensors under other numbers = another convention, e.g. DeepSeek capture indices: not an edit)
         findings.append(D.finding(
             "config_ids_mismatch", None,
             f"the draft config's layer ids {list(d.nested_layer_ids)} are not the ids training used "

@@ -256,38 +256,67 @@ class TargetConfig:
     vocab_size: int | None
     torch_dtype: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
+    fields: dict = field(default_factory=dict)   # which config field each value came from (aliases, sub-config)
 
     @property
     def family(self) -> str:
         return target_family(self.architectures, self.model_type)
 
 
+#: SGLang's text sub-config keys, most preferred first (``sglang/srt/utils/hf_transformers/common.py::
+#: get_hf_text_config``: thinker_config > llm_config > language_config > text_config).
+TEXT_CONFIG_KEYS = ("thinker_config", "llm_config", "language_config", "text_config")
+#: field aliases the config classes SGLang / transformers use map onto the standard names
+#: (``sglang/srt/configs/longcat_flash.py`` num_layers, ``chatglm.py`` / ``exaone.py`` ``attribute_map``
+#: num_layers, ``dbrx.py`` n_layers / d_model, transformers ``GPT2Config`` n_layer / n_embd).
+FIELD_ALIASES = {"num_hidden_layers": ("num_layers", "n_layers", "n_layer"),
+                 "hidden_size": ("d_model", "n_embd")}
+
+
+def _aliased(src: dict, key: str, path: Path, prefix: str) -> tuple[int | None, str]:
+    """(value, the field name it came from) for ``key`` or one of its aliases."""
+    for name in (key,) + FIELD_ALIASES.get(key, ()):
+        v = _int_field(src, name, path, required=False)
+        if v is not None:
+            return v, prefix + name
+    return None, prefix + key
+
+
 def read_target_config(path: str | Path) -> TargetConfig:
-    """Read a target config.json (file or folder); nested ``text_config`` fields are used when the top level
-    lacks them (e.g. ``KimiK25ForConditionalGeneration``).
+    """Read a target config.json (file or folder) the way SGLang reads it: the text sub-config when there is one
+    (:data:`TEXT_CONFIG_KEYS`, e.g. ``KimiK25ForConditionalGeneration``'s ``text_config``), and the field
+    aliases of :data:`FIELD_ALIASES` (e.g. LongCat-Flash's ``num_layers``).
 
     Raises:
-        BadInput: missing/invalid JSON, or ``hidden_size`` / ``num_hidden_layers`` missing or not positive ints.
+        BadInput: missing/invalid JSON, or ``hidden_size`` / ``num_hidden_layers`` (nor an alias) missing or not
+            positive ints (the message names the field and the sub-config looked in).
     """
     p = _config_path(path, "target config")
     d = _read_json(p, "target config")
     if not isinstance(d, dict):
         raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
-    tc = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
-    src = d if "hidden_size" in d and "num_hidden_layers" in d else (tc or d)
-    prefix = "" if src is d else "text_config."
-    hidden = _int_field(src, "hidden_size", p, required=False)
-    layers = _int_field(src, "num_hidden_layers", p, required=False)
+    sub_key = next((k for k in TEXT_CONFIG_KEYS if isinstance(d.get(k), dict)), None)
+    tc = d[sub_key] if sub_key else {}
+    src, prefix = (tc, f"{sub_key}.") if sub_key else (d, "")
+    hidden, hname = _aliased(src, "hidden_size", p, prefix)
+    layers, lname = _aliased(src, "num_hidden_layers", p, prefix)
+    if sub_key and (hidden is None or layers is None):   # a wrapper that keeps them at the top level
+        h2, _ = _aliased(d, "hidden_size", p, "")
+        l2, _ = _aliased(d, "num_hidden_layers", p, "")
+        hidden, layers = hidden or h2, layers or l2
     if hidden is None:
-        raise BadInput("missing required integer field", path=p, field=prefix + "hidden_size")
+        raise BadInput("missing required integer field (nor d_model / n_embd)", path=p, field=prefix + "hidden_size")
     if layers is None:
-        raise BadInput("missing required integer field", path=p, field=prefix + "num_hidden_layers")
+        raise BadInput("missing required integer field (nor num_layers / n_layers / n_layer)", path=p,
+                       field=prefix + "num_hidden_layers")
     archs = d.get("architectures") or []
     dtype = d.get("torch_dtype") or d.get("dtype") or tc.get("torch_dtype") or tc.get("dtype")
     return TargetConfig(path=p, architectures=[str(a) for a in archs], model_type=d.get("model_type"),
                         hidden_size=hidden, num_hidden_layers=layers,
-                        vocab_size=_int_field(src, "vocab_size", p, required=False),
-                        torch_dtype=str(dtype) if dtype else None, raw=d)
+                        vocab_size=_int_field(src, "vocab_size", p, required=False) or
+                        _int_field(d, "vocab_size", p, required=False),
+                        torch_dtype=str(dtype) if dtype else None, raw=d, fields={"hidden_size": hname,
+                                                                                 "num_hidden_layers": lname})
 
 
 # ------------------------------------------------------------------------------------------------ server
