@@ -6,8 +6,10 @@ noise) under ``bench/data/`` (git-ignored), then measures, each pass in a fresh 
 
 * ``baseline``: a plain read + dot-product pass over the same files (same readers; per row <served, training>
   over the full 3H width, in float32 blocks);
-* ``compare``: the diagnosis (``helpers.diagnosis.diagnose.diagnose``: every served chunk x training chunk rel_diff,
-  cosine, norms, max-abs with coordinate, context-free and zero-row stats, detectors);
+* ``compare``: the diagnosis (``helpers.diagnosis.diagnose.diagnose``: every served chunk x training chunk with
+  per-row rel_diff / cosine / norm-ratio histograms and exact within-tolerance counts, global sums, max-abs with
+  coordinate for near pairs, context-free / zero-row / outlier-row stats, the fit reservoir, detectors; on both
+  cores through its block pipeline unless ``E3F_COMPARE_THREADS=1``);
 
 at two data sizes (half and all samples), with the data files' pages dropped from the page cache before each
 pass (``cold``: the multi-GB case, reads come from disk) and read into it first (``warm``). It prints rows/s,
