@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -37,10 +36,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from helpers import launcher  # noqa: E402
+from helpers.server import embedded  # noqa: E402
+from helpers.server.settings import SpecSettings  # noqa: E402
 from helpers.acceptance import (load_prompts, measure, requests_for_half_width, summarize)  # noqa: E402
 from helpers.runfiles import atomic_write_text  # noqa: E402
-from helpers.server import SGLangClient  # noqa: E402
+from helpers.server.client import SGLangClient
 
 SECTION = "## Acceptance measurement (bench_acceptance.py)"
 
@@ -48,8 +48,8 @@ SECTION = "## Acceptance measurement (bench_acceptance.py)"
 def models(args) -> tuple[Path, Path, str]:
     if args.target and args.draft:
         return Path(args.target), Path(args.draft), "given"
-    if (launcher.REFERENCE_TARGET / "config.json").exists() and (launcher.REFERENCE_DRAFT / "config.json").exists():
-        return launcher.REFERENCE_TARGET, launcher.REFERENCE_DRAFT, "reference (env/models)"
+    if (embedded.REFERENCE_TARGET / "config.json").exists() and (embedded.REFERENCE_DRAFT / "config.json").exists():
+        return embedded.REFERENCE_TARGET, embedded.REFERENCE_DRAFT, "reference (env/models)"
     from tinymodels import build_eagle3_draft, build_target
 
     tmp = Path(tempfile.mkdtemp(prefix="e3f-bench-"))
@@ -71,7 +71,7 @@ def client_overhead(url: str, prompts, max_new_tokens: int) -> dict:
                     r = raw.post(url + "/generate", json={**p.request(), "sampling_params": sp})
                     meta = r.json()["meta_info"]
                     wall = time.perf_counter() - t0
-                    from helpers.server import GenerateResult
+                    from helpers.server.protocol import GenerateResult
                     t1 = time.perf_counter()
                     GenerateResult.model_validate({**r.json(), "latency_s": wall})
                     out["parse_s"].append(time.perf_counter() - t1)
@@ -225,8 +225,8 @@ def main(argv=None) -> int:
     target, draft, kind = models(args)
     print(f"models: {kind}\n  target {target}\n  draft  {draft}", flush=True)
     t0 = time.perf_counter()
-    spec = launcher.SpecConfig(num_steps=args.steps, topk=1, num_draft_tokens=args.steps + 1)
-    with launcher.start(target, draft, tp=args.tp, spec=spec, timeout=900) as srv:
+    spec = SpecSettings(num_steps=args.steps, topk=1, num_draft_tokens=args.steps + 1)
+    with embedded.start(target, draft, tp=args.tp, spec=spec, timeout=900) as srv:
         startup = time.perf_counter() - t0
         print(f"server up in {startup:.1f} s: {srv.url} (tp {args.tp})", flush=True)
         prompts = load_prompts(n=args.num_prompts)

@@ -64,7 +64,7 @@ def run(world: int, shapes: list, iters: int, blocks: int) -> dict:
     """Median seconds per all-reduce ``{(rows, hidden): {"shm": s, "gloo": s}}`` (rank 0's view)."""
     import torch.multiprocessing as mp
 
-    from helpers.launcher import free_port
+    from helpers.server.embedded import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -21,7 +21,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers.launcher import REFERENCE_DRAFT, REFERENCE_TARGET, SpecConfig, start  # noqa: E402
+from helpers.server.embedded import REFERENCE_DRAFT, REFERENCE_TARGET, start
+from helpers.server.settings import SpecSettings
 
 PROMPTS = [
     "The function returns a list of",
@@ -36,7 +37,7 @@ def one_config(target, draft, tp, runs, requests, new_tokens, timeout):
     for _ in range(runs):
         t0 = time.monotonic()
         with start(target, draft, tp=tp, timeout=timeout,
-                   spec=SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)) as srv:
+                   spec=SpecSettings(num_steps=3, topk=1, num_draft_tokens=4)) as srv:
             startups.append(time.monotonic() - t0)
             with httpx.Client(base_url=srv.url, timeout=600) as c:
                 body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}

@@ -4,7 +4,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
 ``diagnose`` stays fast and works without a server environment):
 
   diagnose   offline wiring diagnosis: served aux hidden states vs training data  (helpers.diagnosis.diagnose)
-  server     start / stop the embedded SGLang CPU reference server              (helpers.launcher)
+  server     start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
   measure    accept length / accept rate / tok/s per fix                         (helpers.acceptance)
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.replay)
@@ -29,7 +29,7 @@ exit codes: 0 ok, 1 findings / failed notebooks / unexpected verdicts, 2 bad inp
 
 COMMANDS = {
     "diagnose": "helpers.diagnosis.diagnose",
-    "server": "helpers.launcher",
+    "server": "helpers.cli.server",
     "capture": "helpers.capture",
     "measure": "helpers.acceptance",
     "replay": "helpers.replay",

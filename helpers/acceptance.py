@@ -48,8 +48,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from .server import (EffectiveSpecConfig, GenerateResult, SGLangClient, SGLangError, as_client,
-                     redact, redact_url)
+from .server.settings import EffectiveSpecConfig
+from .server.protocol import GenerateResult
+from .server.client import SGLangClient, as_client
+from .errors import SGLangError
+from .server.redaction import redact, redact_url
 
 # --------------------------------------------------------------------------------------------
 # Prompts
@@ -618,7 +621,7 @@ class AcceptanceResult:
         per_request: one row per request (:data:`PER_REQUEST_COLUMNS`).
         positions: per-position marginal / conditional rates with CIs (one row per position).
         histogram: summed correct-drafts histogram ``[num_steps + 1]`` (int64).
-        spec: the server's :class:`~helpers.server.EffectiveSpecConfig` (None if unavailable).
+        spec: the server's :class:`~helpers.server.settings.EffectiveSpecConfig` (None if unavailable).
         server: redacted ``/server_info`` snapshot (no ``internal_states``, no secrets).
         warnings: human-readable caveats (missing spec fields, overrides, failures).
         baseline: summary of the baseline (target-only) run, when one was given.
@@ -725,7 +728,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
     """Measure accept length / accept rate / per-position acceptance / tok/s on a live server.
 
     Args:
-        client_or_url: :class:`~helpers.server.SGLangClient`, URL, or ``ServerHandle``.
+        client_or_url: :class:`~helpers.server.client.SGLangClient`, URL, or ``ServerHandle``.
         prompts: None (bundled 48 prompts), a file, or a list (see :func:`load_prompts`;
             training samples via :func:`prompts_from_samples`).
         max_new_tokens: tokens to generate per request (must be >= 2 for any verify step).
@@ -748,7 +751,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
         keep_raw: keep each answer's ``meta_info`` (``result.raw``).
         draft_config: draft config.json (mapping/path) for the algorithm check.
 
-    Returns: :class:`AcceptanceResult`. Raises :class:`~helpers.server.SGLangError` when the
+    Returns: :class:`AcceptanceResult`. Raises :class:`~helpers.errors.SGLangError` when the
     server cannot be reached or every request failed; ValueError on bad arguments.
     """
     if max_new_tokens < 1:

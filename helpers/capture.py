@@ -77,7 +77,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
     """Capture the aux hidden states fed to the draft for ``prompts``; write ``out_dir/name``.
 
     Args:
-        client_or_url: :class:`helpers.server.SGLangClient`, a URL, or a launcher handle.
+        client_or_url: :class:`helpers.server.client.SGLangClient`, a URL, or a launcher handle.
         prompts: token-id sequences (e.g. training samples: rows then align with the training
             rows), strings, ``helpers.acceptance.Prompt`` objects, or ``helpers.formats.dumps.Sample``.
         out_dir: parent folder (a run folder's ``dumps/``); ``out_dir/name`` must not exist.
@@ -99,7 +99,8 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
     """
     from tqdm.auto import tqdm
 
-    from .server import as_client, redact
+    from .server.client import as_client
+    from .server.redaction import redact
 
     client = as_client(client_or_url, api_key=api_key)
     info = client.server_info()
@@ -159,7 +160,7 @@ def start_reference_server(target: str | os.PathLike, *, tp: int = 1,
                            layer_ids: Optional[Sequence[int]] = None, **kwargs: Any):
     """Start the embedded reference server in aux-capture mode (no draft); returns
     ``(handle, tensors)``. See :func:`reference_server_args`."""
-    from .launcher import start
+    from .server.embedded import start
 
     n = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
     args, tensors = reference_server_args(n, layer_ids)
@@ -220,7 +221,7 @@ def every_layer_hook_specs(capture_dir: str | os.PathLike, num_layers: int) -> l
     """The ``--forward-hooks`` specs that make a server record every layer (armed by
     :func:`capture_every_layer` only while it captures). Llama-style module names (``model.embed_tokens``,
     ``model.layers.{i}.input_layernorm``, ``model.norm``; verified on SGLang 0.5.23's Llama); pass them to
-    ``helpers.launcher.start(forward_hooks=...)``, ``python -m helpers server start --capture-layers DIR`` or, on a
+    ``helpers.server.embedded.start(forward_hooks=...)``, ``python -m helpers server start --capture-layers DIR`` or, on a
     GPU server, ``--forward-hooks '<json>' --disable-cuda-graph`` (``env/gpu/launch_tp8.sh`` with ``LAYERS_DIR``)."""
     from .hooks import CaptureConfig, every_layer_keys, hook_specs
 
@@ -257,7 +258,8 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
 
     from .errors import BadInput
     from .hooks import ARM_FILE
-    from .server import as_client, redact
+    from .server.client import as_client
+    from .server.redaction import redact
 
     cap = Path(capture_dir)
     client = as_client(client_or_url, api_key=api_key)
@@ -389,7 +391,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .errors import BadInput, one_line
     from .runfiles import new_run_dir
-    from .server import SGLangError
+    from .errors import SGLangError
 
     ap = argparse.ArgumentParser(prog="python -m helpers capture",
                                  description="Dump the aux hidden states a live SGLang server feeds its "

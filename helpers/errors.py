@@ -1,22 +1,41 @@
-"""Errors shared by the readers and the CLIs.
+"""The one error family of the suite, and the one-line form every command prints.
 
-``BadInput`` is what every reader raises when a file or a field cannot be used. Its message always
-names the file (and the field, when there is one) and says what was expected, so that a CLI can print
-it as its one-line reason and exit with code 2 (DESIGN.md, "CLI").
+Every error the suite raises on purpose derives from :class:`E3FError` and carries the exit code a command
+returns for it (DESIGN.md "CLI"):
+
+* :class:`BadInput` (exit 2): a file, field, argument or setting the user gave cannot be used. The message
+  names the file (and the field) and says what was expected. Subclasses keep older names readable:
+  ``CaseError`` (case files), ``BadParams`` (suite params), ``BadServerInput`` (embedded-server arguments).
+* :class:`ServerError` (exit 1): the server misbehaved or could not be reached. :class:`SGLangError` and its
+  subclasses name the endpoint and the HTTP status; :class:`ServerStartError` carries the server log's tail.
+* :class:`RunFailed` (exit 1): the work ran and failed (a fix that could not be measured, a notebook that
+  failed, a ledger that lost rows).
+
+``cli/`` turns them into ``<command>: error: <one line>`` on stderr (:func:`one_line`); ``E3F_DEBUG=1`` prints
+the traceback instead.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 
-class BadInput(ValueError):
-    """An input the diagnosis cannot use (missing, truncated, wrong shape, unsafe payload, ...).
+class E3FError(Exception):
+    """Base of the suite's own errors; ``exit_code`` is what a command returns for it."""
+
+    exit_code = 1
+
+
+class BadInput(E3FError, ValueError):
+    """An input the suite cannot use (missing, truncated, wrong shape, unsafe payload, invalid field...).
 
     Args:
         message: what is wrong and what was expected.
         path: the file concerned, if any (prefixed to the message).
         field: the field / key / tensor name concerned, if any.
     """
+
+    exit_code = 2
 
     def __init__(self, message: str, *, path: str | Path | None = None, field: str | None = None):
         self.path = None if path is None else str(path)
@@ -30,6 +49,86 @@ class BadInput(ValueError):
         elif field:
             where = f"[{field}]: "
         super().__init__(f"{where}{message}")
+
+
+class CaseError(BadInput):
+    """A case file is missing or invalid; the message names the file and the field."""
+
+
+class BadParams(BadInput):
+    """A suite params file is missing or invalid; the message names the file and the field."""
+
+
+class BadServerInput(BadInput):
+    """Invalid embedded-server input (missing model, wrong draft architecture, port in use, ...)."""
+
+
+class ServerError(E3FError, RuntimeError):
+    """The server could not be reached, refused, or answered something unusable."""
+
+
+class SGLangError(ServerError):
+    """A request to the SGLang server failed. ``endpoint`` and ``status`` (HTTP code or None)."""
+
+    def __init__(self, message: str, *, endpoint: str = "", status: Optional[int] = None):
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.status = status
+
+
+class ServerUnavailable(SGLangError):
+    """Could not connect (or kept getting 502/503/504) after all retries."""
+
+
+class ServerTimeout(SGLangError):
+    """The server accepted the connection but did not answer within the timeout."""
+
+
+class AuthError(SGLangError):
+    """401/403: the server runs with ``--api-key`` and the key is missing or wrong."""
+
+
+class EndpointMissing(SGLangError):
+    """404 on an endpoint (and on its older name, where one exists)."""
+
+
+class MetricsDisabled(EndpointMissing):
+    """``/metrics`` is 404: the server was started without ``--enable-metrics``."""
+
+
+class RequestRejected(SGLangError):
+    """The server refused the request (400/422); the message quotes its reason."""
+
+
+class HiddenStatesDisabled(RequestRejected):
+    """``return_hidden_states`` sent to a server started without ``--enable-return-hidden-states``."""
+
+
+class CacheBusy(SGLangError):
+    """``/flush_cache`` kept answering 400 (requests running) until the deadline."""
+
+
+class ServerStartError(ServerError):
+    """A server could not be started; ``str(err)`` ends with the last lines of its log."""
+
+    def __init__(self, message: str, log_tail: str = "", log_path: Optional[Path] = None):
+        self.log_tail = log_tail
+        self.log_path = log_path
+        text = message
+        if log_path is not None:
+            text += f"\nserver log: {log_path}"
+        if log_tail:
+            text += "\n--- last lines of the server log ---\n" + log_tail
+        super().__init__(text)
+
+
+class RunFailed(E3FError, RuntimeError):
+    """Work that ran and failed (a fix not measured, a ledger write that would lose rows); ``run_dir`` when
+    there is one."""
+
+    def __init__(self, message: str, run_dir: Optional[Path] = None):
+        super().__init__(message)
+        self.run_dir = run_dir
 
 
 def one_line(exc: BaseException) -> str:

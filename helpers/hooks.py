@@ -381,7 +381,7 @@ def hook_specs(faults: list[Fault | dict] = (), capture: Optional[CaptureConfig]
         faults: :class:`Fault` objects or dicts, applied in order to the aux hidden states.
         capture: per-rank capture settings, or None.
         num_layers: the target's ``num_hidden_layers`` (to place ``out(n-1)`` on ``model.norm``).
-    Returns: JSON-serialisable hook specs for ``helpers.launcher.start(forward_hooks=...)`` or
+    Returns: JSON-serialisable hook specs for ``helpers.server.embedded.start(forward_hooks=...)`` or
         ``--forward-hooks`` on a GPU server (which must then run with ``--disable-cuda-graph``).
     """
     faults = [f if isinstance(f, Fault) else Fault(**f) for f in faults]

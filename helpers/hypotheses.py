@@ -83,7 +83,7 @@ class Investigation:
 
     Args:
         run_dir: run folder; captures go to ``run_dir/dumps/<name>-*``.
-        client_or_url: :class:`helpers.server.SGLangClient`, URL or launcher handle; None when
+        client_or_url: :class:`helpers.server.client.SGLangClient`, URL or launcher handle; None when
             the server did not start (config-only checks still run).
         training: draft training data (SpecForge folder, ...; helpers.formats.training_data).
         draft_dir: the draft folder the server was started with (config.json + weights).
@@ -101,7 +101,7 @@ class Investigation:
                  name: str = "server", num_samples: int = 4, reference: Any = "hf",
                  baseline: Optional[dict] = None, acceptance: Optional[dict] = None,
                  algorithm: Optional[str] = None):
-        from .server import as_client
+        from .server.client import as_client
 
         self.run_dir = Path(run_dir)
         self.client = as_client(client_or_url) if client_or_url is not None else None

@@ -14,7 +14,7 @@ processes appending at once therefore serialise and lose nothing; rows are never
 
 Managed mode (:func:`run_fixes`): a YAML fixes file (validated by :class:`FixesFile`) lists fixes;
 for each one a server is started (the embedded reference server through
-:func:`helpers.launcher.start`, or a raw launch command for a real GPU server run with
+:func:`helpers.server.embedded.start`, or a raw launch command for a real GPU server run with
 ``start_new_session`` and waited on ``/health``), measured (:func:`helpers.acceptance.measure`),
 stopped by PID (whole process tree, then the process group), and appended to the ledger, with a
 tqdm progress bar. Example::
@@ -38,13 +38,9 @@ import fcntl
 import json
 import os
 import shlex
-import signal
-import subprocess
-import threading
-import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import pandas as pd
 import yaml
@@ -52,7 +48,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .runfiles import (DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir,  # noqa: F401
                        parquet_bytes, read_parquet, safe_name)
-from .server import REDACTED, SGLangClient, SGLangError, redact, redact_argv, redact_command
+from .server.redaction import REDACTED, redact, redact_argv, redact_command
+from .server.client import SGLangClient
+from .errors import SGLangError
+from .errors import BadServerInput, ServerStartError
+from .server.settings import SpecSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ class Ledger:
 
         Values that are lists/dicts are stored as JSON strings; secrets are never expected here
         (rows come from :meth:`helpers.acceptance.AcceptanceResult.ledger_row`), but string
-        cells are passed through :func:`helpers.server.redact` anyway.
+        cells are passed through :func:`helpers.server.redaction.redact` anyway.
         """
         if isinstance(rows, pd.DataFrame):
             recs = rows.to_dict(orient="records")
@@ -169,18 +169,8 @@ def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------------
 
 
-class SpecModel(BaseModel):
-    """``--speculative-*`` settings of a reference launch (:class:`helpers.launcher.SpecConfig`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    algorithm: str = "EAGLE3"
-    num_steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int = 4
-
-
 class LaunchSpec(BaseModel):
-    """A reference-server launch (arguments of :func:`helpers.launcher.start`).
+    """A reference-server launch (arguments of :func:`helpers.server.embedded.start`).
 
     ``target`` / ``draft``: model folders; ``"reference"`` means ``env/models/target`` /
     ``env/models/draft``; ``draft: null`` starts a target-only server. Relative paths are relative
@@ -191,7 +181,7 @@ class LaunchSpec(BaseModel):
     target: Optional[str] = "reference"
     draft: Optional[str] = "reference"
     tp: int = Field(2, ge=1)
-    spec: Optional[SpecModel] = None
+    spec: Optional[SpecSettings] = None
     extra_args: list[str] = Field(default_factory=list)
     forward_hooks: Optional[list[dict]] = None
     dtype: str = "float32"
@@ -327,127 +317,6 @@ class FixFailed(RuntimeError):
         self.run_dir = run_dir
 
 
-def _pump(stream, log_path: Path, secrets: list[str]) -> None:
-    with open(log_path, "ab", buffering=0) as out:
-        for raw in iter(stream.readline, b""):
-            for s in secrets:
-                raw = raw.replace(s.encode(), REDACTED.encode())
-            out.write(raw)
-    stream.close()
-
-
-class CommandServer:
-    """A server started from a raw launch command (e.g. a TP 8 GPU SGLang launch).
-
-    The command is split with :func:`shlex.split` (no shell; ``$VARS`` are expanded), run with
-    ``start_new_session=True`` (own process group), its output pumped into ``log_path`` with
-    secrets (values of ``--api-key``-like flags, the API key) replaced by ``<redacted>``.
-    :meth:`stop` ends the whole tree: SIGTERM to the leader, then SIGKILL to every remaining
-    descendant and to the process group.
-    """
-
-    def __init__(self, command: str, url: str, *, log_path: Path, env: Optional[Mapping[str, str]] = None,
-                 cwd: Optional[str] = None, secrets: Iterable[str] = ()):
-        argv = [os.path.expandvars(a) for a in shlex.split(command)]
-        shown = redact_argv(argv)
-        self.secrets = sorted({s for s in secrets if s} |
-                              {a for a, b in zip(argv, shown) if b == REDACTED and a}, key=len, reverse=True)
-        self.argv = argv
-        self.url = url.rstrip("/")
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as fh:
-            fh.write(("$ " + " ".join(shown) + "\n").encode())
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=full_env, cwd=cwd,
-                                     start_new_session=True)
-        self.pid = self.proc.pid
-        self._pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, self.secrets),
-                                      daemon=True, name=f"cmd-log-{self.pid}")
-        self._pump.start()
-        self._known: dict[int, Any] = {}
-        self._stopped = False
-
-    def _remember(self) -> None:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-            for p in [root] + root.children(recursive=True):
-                self._known.setdefault(p.pid, p)
-        except psutil.Error:
-            pass
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait_healthy(self, client: SGLangClient, timeout: float) -> None:
-        """Poll ``/health`` until 200; raise :class:`FixFailed` (with the log tail) if the
-        process exits or ``timeout`` passes."""
-        from .launcher import tail
-
-        deadline = time.monotonic() + timeout
-        while True:
-            self._remember()
-            if not self.is_alive():
-                time.sleep(0.5)
-                raise FixFailed(f"launch command exited with code {self.proc.returncode} during startup; "
-                                f"log {self.log_path}:\n{tail(self.log_path, 30)}")
-            try:
-                if client.health():
-                    return
-            except SGLangError:
-                pass
-            if time.monotonic() > deadline:
-                raise FixFailed(f"server from the launch command not healthy at {client} after "
-                                f"{timeout:.0f} s; log {self.log_path}:\n{tail(self.log_path, 30)}")
-            time.sleep(1.0)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop the tree (idempotent); raises RuntimeError if a process survives."""
-        import psutil
-
-        if self._stopped:
-            return
-        self._remember()
-        if self.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        alive = [p for p in self._known.values() if _running(p)]
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=10)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        self._pump.join(timeout=5)
-        self._stopped = True
-        left = [p.pid for p in self._known.values() if _running(p)]
-        if left:
-            raise RuntimeError(f"processes of launch command pid {self.pid} survived stop(): {left}")
-
-    def processes(self) -> list:
-        self._remember()
-        return [p for p in self._known.values() if _running(p)]
-
-
-def _running(p) -> bool:
-    import psutil
-
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _resolve_model(value: Optional[str], default: Path, base: Optional[str]) -> Optional[Path]:
     if value is None:
         return None
@@ -464,34 +333,40 @@ def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
           api_key: Optional[str] = None) -> Iterator[tuple[SGLangClient, Any]]:
     """Start (or attach to) the server of ``spec``; yield ``(client, handle)``; stop it after.
 
-    ``handle`` is a :class:`helpers.launcher.ServerHandle`, a :class:`CommandServer`, or None
+    ``handle`` is a :class:`helpers.server.process.ServerProcess` (embedded server or launch command), or None
     (attach mode: nothing is stopped).
     """
-    from . import launcher
+    from .server import embedded
+    from .server.process import ServerProcess
 
     handle: Any = None
     client: Optional[SGLangClient] = None
     try:
         if spec.mode == "launch":
             ls = spec.launch
-            target = _resolve_model(ls.target, launcher.REFERENCE_TARGET, base_dir)
-            draft = _resolve_model(ls.draft, launcher.REFERENCE_DRAFT, base_dir)
-            sc = launcher.SpecConfig(**ls.spec.model_dump()) if ls.spec else None
+            target = _resolve_model(ls.target, embedded.REFERENCE_TARGET, base_dir)
+            draft = _resolve_model(ls.draft, embedded.REFERENCE_DRAFT, base_dir)
             try:
-                handle = launcher.start(target, draft, tp=ls.tp, spec=sc, extra_args=ls.extra_args,
+                handle = embedded.start(target, draft, tp=ls.tp, spec=ls.spec, extra_args=ls.extra_args,
                                         forward_hooks=ls.forward_hooks, dtype=ls.dtype,
                                         max_total_tokens=ls.max_total_tokens,
                                         return_hidden_states=ls.return_hidden_states,
                                         enable_metrics=ls.enable_metrics, api_key=api_key,
                                         log_path=log_path, timeout=ls.timeout, env=ls.env or None)
-            except (launcher.BadServerInput, launcher.ServerStartError) as exc:
+            except (BadServerInput, ServerStartError) as exc:
                 raise FixFailed(str(exc)) from None
             client = SGLangClient(handle.url, api_key=api_key or "")
         elif spec.mode == "command":
             client = SGLangClient(spec.url, api_key=api_key)
-            handle = CommandServer(spec.command, spec.url, log_path=log_path, env=spec.env,
-                                   cwd=spec.cwd or base_dir, secrets=client.secrets)
-            handle.wait_healthy(client, spec.startup_timeout)
+            argv = [os.path.expandvars(a) for a in shlex.split(spec.command)]
+            shown = redact_argv(argv)
+            secrets = set(client.secrets) | {a for a, b in zip(argv, shown) if b == REDACTED and a}
+            handle = ServerProcess(argv, spec.url, log_path=log_path, shown=shown,
+                                   env={**os.environ, **(spec.env or {})}, cwd=spec.cwd or base_dir, secrets=secrets)
+            try:
+                handle.wait_healthy(spec.startup_timeout, api_key=api_key, what="server of the launch command")
+            except ServerStartError as exc:
+                raise FixFailed(str(exc)) from None
         else:
             client = SGLangClient(spec.url, api_key=api_key)
             client.wait_healthy(timeout=min(spec.startup_timeout, 60))

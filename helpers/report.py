@@ -375,9 +375,9 @@ def _case_models(path: Path):
 
 
 def connect(ctx: RunContext):
-    """An :class:`helpers.server.SGLangClient` for ``ctx.server_url``; the API key is read from the
+    """An :class:`helpers.server.client.SGLangClient` for ``ctx.server_url``; the API key is read from the
     environment variable named ``ctx.api_key_env`` (never passed around or written)."""
-    from .server import SGLangClient
+    from .server.client import SGLangClient
 
     key = os.environ.get(ctx.api_key_env) or None
     return SGLangClient(ctx.server_url, api_key=key or "")
@@ -806,8 +806,8 @@ def live_attach(ctx: RunContext) -> dict:
 
 
 def redact_url_safe(url: str) -> str:
-    """``url`` without credentials or query (helpers.server.redact_url)."""
-    from .server import redact_url
+    """``url`` without credentials or query (helpers.server.redaction.redact_url)."""
+    from .server.redaction import redact_url
 
     return redact_url(url)
 

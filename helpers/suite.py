@@ -71,7 +71,7 @@ WIDGET_NOTE = ('<div class="e3f-widget-note">(interactive control: open the note
 
 
 class ManagedServer(BaseModel):
-    """The embedded reference server the runner starts (helpers.launcher.start)."""
+    """The embedded reference server the runner starts (helpers.server.embedded.start)."""
 
     model_config = ConfigDict(extra="forbid")
     target: str = "env/models/target"
@@ -282,7 +282,8 @@ class _ReplayProgress:
 
 def _start_managed(m: ManagedServer, run_dir: Path):
     from .hooks import hook_specs
-    from .launcher import SpecConfig, start
+    from .server.settings import SpecSettings
+    from .server.embedded import start
 
     target = (ROOT / m.target) if not Path(m.target).is_absolute() else Path(m.target)
     draft = None
@@ -292,7 +293,7 @@ def _start_managed(m: ManagedServer, run_dir: Path):
     if m.faults:
         n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
         hooks = hook_specs(m.faults, num_layers=n)
-    return start(target, draft, tp=m.tp, spec=SpecConfig(**m.spec) if draft else None,
+    return start(target, draft, tp=m.tp, spec=SpecSettings(**m.spec) if draft else None,
                  extra_args=m.extra_args, forward_hooks=hooks, timeout=m.timeout,
                  log_path=run_dir / "logs" / "server.log")
 

@@ -16,12 +16,12 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import launcher
+from helpers.server import embedded
 from helpers.acceptance import (load_prompts, measure, position_rates, prompts_from_samples,
                                 sum_histograms)
-from helpers.launcher import SpecConfig, start
+from helpers.server.settings import SpecSettings
+from helpers.server.embedded import start
 from helpers.runfiles import read_parquet
-from helpers.server import SGLangClient
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft, tmp_path_factory):
-    handle = start(tiny_target, tiny_draft, tp=2, spec=SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+    handle = start(tiny_target, tiny_draft, tp=2, spec=SpecSettings(num_steps=3, topk=1, num_draft_tokens=4),
                    log_path=tmp_path_factory.mktemp("acc") / "server.log", timeout=300)
     yield handle
     handle.stop()
@@ -130,14 +130,14 @@ def test_cli_measure_writes_a_run_folder(server, tmp_path):
     assert bad2.returncode == 2 and "concurrency" in bad2.stderr
 
 
-_HAVE_REFERENCE = (launcher.REFERENCE_TARGET / "config.json").exists() and \
-    (launcher.REFERENCE_DRAFT / "config.json").exists()
+_HAVE_REFERENCE = (embedded.REFERENCE_TARGET / "config.json").exists() and \
+    (embedded.REFERENCE_DRAFT / "config.json").exists()
 
 
 @pytest.mark.skipif(not _HAVE_REFERENCE, reason="trained reference models (env/models/target, "
                     "env/models/draft) not built yet: real acceptance needs them")
 def test_trained_reference_draft_accepts_and_positions_decay():
-    with start(None, launcher.REFERENCE_DRAFT, tp=1, timeout=600) as srv:
+    with start(None, embedded.REFERENCE_DRAFT, tp=1, timeout=600) as srv:
         res = measure(srv.url, num_prompts=24, max_new_tokens=48, n_boot=500, progress=False)
     s, pos = res.summary, res.positions
     assert s["accept_length_lo"] > 1.5, s

@@ -11,7 +11,7 @@ from helpers.acceptance import (PER_REQUEST_COLUMNS, Prompt, accepted_drafts, bo
                                 bootstrap_positions_ci, bootstrap_ratio_ci, histogram_matrix,
                                 load_prompts, position_rates, prompts_digest, prompts_from_samples,
                                 requests_for_half_width, sum_histograms, summarize)
-from helpers.server import MetaInfo
+from helpers.server.protocol import MetaInfo
 
 
 def test_position_rates_known_answer():

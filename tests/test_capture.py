@@ -12,7 +12,7 @@ from helpers.capture import (capture_reference, capture_reference_hf, capture_se
                              reference_server_args, start_reference_server)
 from helpers.formats.dumps import read_dump
 from helpers.hooks import CaptureConfig, Fault, hook_specs
-from helpers.launcher import start
+from helpers.server.embedded import start
 
 pytestmark = pytest.mark.server
 

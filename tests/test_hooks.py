@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.hooks import STASH, CaptureConfig, Fault, _Stash, apply_fault, hook_specs
+from helpers.hooks import CaptureConfig, Fault, _Stash, apply_fault, hook_specs
 
 
 def _chunks(t=6, h=16, n=3, seed=0):
@@ -94,7 +94,7 @@ PROMPT = [5, 17, 42, 99, 7, 250, 31, 8, 120, 64, 3, 77, 380, 200]
 
 @pytest.fixture(scope="module")
 def faulted(tiny_target, tiny_draft, tmp_path_factory):
-    from helpers.launcher import start
+    from helpers.server.embedded import start
 
     cap = tmp_path_factory.mktemp("capture")
     faults = [Fault("embedding_in_place_of_layer", chunk=0),

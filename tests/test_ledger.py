@@ -1,5 +1,5 @@
 """helpers.ledger: run folders, the append-only ledger under concurrent writers, fixes files, and
-managed mode against real reference servers (one launched by helpers.launcher, one by a raw
+managed mode against real reference servers (one launched by helpers.server.embedded, one by a raw
 launch command)."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import psutil
 import pytest
 import yaml
 
-from helpers import launcher
+from helpers.server import embedded
 from helpers.ledger import (FixFailed, Ledger, LedgerError, atomic_write_text, load_fixes, new_run_dir,
                             run_fixes)
 
@@ -142,7 +142,8 @@ def test_fixes_file_loads_from_yaml(tmp_path):
                                             "url": "http://127.0.0.1:30000"}]}))
     ff = load_fixes(f)
     assert [x.mode for x in ff.fixes] == ["launch", "command"]
-    assert ff.fixes[0].launch.draft == "reference" and ff.fixes[0].launch.spec.num_draft_tokens == 4
+    assert ff.fixes[0].launch.draft == "reference" and ff.fixes[0].launch.spec.num_steps == 3
+    assert ff.fixes[0].launch.spec.with_launch_defaults().num_draft_tokens == 4     # filled at launch
     assert ff.base_dir == str(tmp_path.resolve()) and ff.measure.max_new_tokens == 16
     bad = tmp_path / "bad.yaml"
     bad.write_text("fixes: [")
@@ -163,13 +164,13 @@ def _alive(pid):
 
 @pytest.mark.server
 def test_managed_mode_runs_each_fix_and_stops_its_server(tiny_target, tiny_draft, tmp_path):
-    port = launcher.free_port()
-    python = Path(os.environ.get("E3F_SGLANG_PYTHON") or launcher.DEFAULT_SGLANG_PYTHON)
-    argv = launcher.build_command(python, tiny_target, draft=None, tp=1, spec=None, port=port,
+    port = embedded.free_port()
+    python = Path(os.environ.get("E3F_SGLANG_PYTHON") or embedded.DEFAULT_SGLANG_PYTHON)
+    argv = embedded.build_command(python, tiny_target, draft=None, tp=1, spec=None, port=port,
                                   dtype="float32", max_total_tokens=4096, return_hidden_states=False,
                                   enable_metrics=False, forward_hooks=None, api_key=None, extra_args=())
     env = {"SGLANG_USE_CPU_ENGINE": "1", "E3F_STANDIN_AMX": "1", "TORCHDYNAMO_DISABLE": "1",
-           "HF_HUB_OFFLINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": launcher.cpu_bind_spec(1)}
+           "HF_HUB_OFFLINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": embedded.cpu_bind_spec(1)}
     fixes = {
         "name": "managed test",
         "measure": {"max_new_tokens": 10, "num_prompts": 4, "n_boot": 200, "warmup": 0,

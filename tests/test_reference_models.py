@@ -254,17 +254,19 @@ def test_draft_predicts_the_target_and_needs_correct_wiring():
 def test_tp2_eagle3_accept_length_and_greedy_equality(target, tokenizer):
     """Real SGLang, TP 2, EAGLE-3 steps 3 / topk 1 / 4 draft tokens, temperature 0."""
     pytest.importorskip("httpx")
-    from helpers import launcher
+    from helpers.server import embedded
 
     from e3f_models.measure import run_prompts, summarize
     from e3f_models.target import greedy_continue
-    if not Path(launcher.DEFAULT_SGLANG_PYTHON).exists() and not __import__("os").environ.get(
+    if not Path(embedded.DEFAULT_SGLANG_PYTHON).exists() and not __import__("os").environ.get(
             "E3F_SGLANG_PYTHON"):
         pytest.skip("SGLang server venv missing (env/reference/install.sh)")
     prompts = [tokenizer(t)["input_ids"]
                for t in json.loads(PROMPTS_FILE.read_text())["prompts"][:12]]
     new = 32
-    with launcher.start(TARGET_DIR, DRAFT_DIR, tp=2, spec=launcher.SpecConfig(),
+    from helpers.server.settings import SpecSettings
+
+    with embedded.start(TARGET_DIR, DRAFT_DIR, tp=2, spec=SpecSettings(),
                         return_hidden_states=False, enable_metrics=False, timeout=600) as srv:
         recs = run_prompts(srv.url, prompts, new, progress=False)
     s = summarize(recs)

@@ -17,8 +17,10 @@ import psutil
 import pytest
 import torch
 
-from helpers import launcher
-from helpers.launcher import BadServerInput, ServerStartError, SpecConfig, start
+from helpers.server import embedded
+from helpers.errors import BadServerInput, ServerStartError
+from helpers.server.settings import SpecSettings
+from helpers.server.embedded import start
 
 pytestmark = pytest.mark.server
 
@@ -170,10 +172,10 @@ def test_server_dying_during_startup_reports_log_tail(tmp_path, tiny_target):
 
 
 def test_cpu_bind_spec():
-    assert launcher.cpu_bind_spec(1, [0, 1]) == "0,1"
-    assert launcher.cpu_bind_spec(2, [0, 1]) == "0|1"
-    assert launcher.cpu_bind_spec(8, [0, 1]) == "0|1|0|1|0|1|0|1"
-    assert launcher.cpu_bind_spec(2, [0, 1, 2, 3]) == "0,1|2,3"
+    assert embedded.cpu_bind_spec(1, [0, 1]) == "0,1"
+    assert embedded.cpu_bind_spec(2, [0, 1]) == "0|1"
+    assert embedded.cpu_bind_spec(8, [0, 1]) == "0|1|0|1|0|1|0|1"
+    assert embedded.cpu_bind_spec(2, [0, 1, 2, 3]) == "0,1|2,3"
 
 
 def test_api_key_is_redacted_from_the_log(tmp_path, tiny_target):
@@ -192,7 +194,7 @@ def test_api_key_is_redacted_from_the_log(tmp_path, tiny_target):
 @pytest.mark.slow
 def test_tp8_start_and_generate(tiny_target, tiny_draft, hf_model):
     with start(tiny_target, tiny_draft, tp=8, timeout=600,
-               spec=SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)) as srv:
+               spec=SpecSettings(num_steps=3, topk=1, num_draft_tokens=4)) as srv:
         info = httpx.get(srv.url + "/server_info", timeout=60).json()
         assert info["tp_size"] == 8
         out = _generate(srv.url, PROMPT_IDS[:6], n=8)

@@ -16,9 +16,11 @@ import pytest
 
 from helpers.acceptance import measure
 from helpers.figures import write_report
-from helpers.launcher import SpecConfig, start
+from helpers.server.settings import SpecSettings
+from helpers.server.embedded import start
 from helpers.ledger import Ledger, new_run_dir
-from helpers.server import AuthError, HiddenStatesDisabled, SGLangClient
+from helpers.errors import AuthError, HiddenStatesDisabled
+from helpers.server.client import SGLangClient
 
 pytestmark = pytest.mark.server
 
@@ -29,7 +31,7 @@ KEY = "sk-e3f-" + os.urandom(8).hex()
 def server(tiny_target, tiny_draft, tmp_path_factory):
     log = tmp_path_factory.mktemp("srvlog") / "server.log"
     handle = start(tiny_target, tiny_draft, tp=1, api_key=KEY, return_hidden_states=False,
-                   spec=SpecConfig(num_steps=3, topk=1, num_draft_tokens=6), log_path=log, timeout=300)
+                   spec=SpecSettings(num_steps=3, topk=1, num_draft_tokens=6), log_path=log, timeout=300)
     yield handle
     handle.stop()
 
@@ -62,12 +64,12 @@ def test_silent_num_draft_tokens_override_is_detected(server, client):
     assert eff.draft_architectures == ["LlamaForCausalLMEagle3"]
     assert eff.target_architectures == ["LlamaForCausalLM"] and eff.sglang_version == raw["version"]
     assert eff.draft_positions == 3
-    # the same from a user-given launch description (SpecConfig as a fixes file would give it)
+    # the same from a user-given launch description (SpecSettings as a fixes file would give it)
     eff2 = client.effective_spec_config({"spec": {"num_steps": 3, "topk": 1, "num_draft_tokens": 6},
                                          "max_running_requests": 48})
     assert eff2.requested_from == "argument"
     assert eff2.override_fields() == ["speculative_num_draft_tokens"]
-    eff3 = client.effective_spec_config(SpecConfig(num_steps=3, topk=1, num_draft_tokens=4))
+    eff3 = client.effective_spec_config(SpecSettings(num_steps=3, topk=1, num_draft_tokens=4))
     assert "speculative_num_draft_tokens" not in eff3.override_fields()
 
 

@@ -13,9 +13,10 @@ import time
 import httpx
 import pytest
 
-from helpers.server import (AuthError, CacheBusy, EndpointMissing, HiddenStatesDisabled,
-                            MetricsDisabled, RequestRejected, SGLangClient, ServerUnavailable,
-                            detect_overrides, parse_launch_args, redact, redact_argv, redact_url)
+from helpers.errors import AuthError, CacheBusy, EndpointMissing, HiddenStatesDisabled, MetricsDisabled, RequestRejected, ServerUnavailable
+from helpers.server.client import SGLangClient
+from helpers.server.settings import detect_overrides, parse_launch_args
+from helpers.server.redaction import redact, redact_argv, redact_url
 
 KEY = "sk-unit-4f1c9e2b77"
 
@@ -59,9 +60,9 @@ def test_parse_launch_args_forms():
     b = parse_launch_args({"spec": {"num_steps": 3, "topk": 1, "num_draft_tokens": "6"}, "tp": 2})
     assert b == {"speculative_num_steps": 3, "speculative_eagle_topk": 1,
                  "speculative_num_draft_tokens": 6, "tp_size": 2}
-    from helpers.launcher import SpecConfig
+    from helpers.server.settings import SpecSettings
 
-    c = parse_launch_args(SpecConfig(num_steps=2, topk=1, num_draft_tokens=7))
+    c = parse_launch_args(SpecSettings(num_steps=2, topk=1, num_draft_tokens=7).with_launch_defaults())
     assert c["speculative_num_draft_tokens"] == 7 and c["speculative_algorithm"] == "EAGLE3"
 
 

@@ -448,7 +448,7 @@ def test_shm_collectives(use_shm):
 
     import torch.multiprocessing as mp
 
-    from helpers.launcher import free_port
+    from helpers.server.embedded import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -40,9 +40,9 @@ CHECKS = [("embedding_all_reduce", "msg 4495", "refuted"), ("concat_order", "msg
 
 
 def _sglang_missing() -> bool:
-    from helpers import launcher
+    from helpers.server import embedded
 
-    py = Path(os.environ.get("E3F_SGLANG_PYTHON") or launcher.DEFAULT_SGLANG_PYTHON)
+    py = Path(os.environ.get("E3F_SGLANG_PYTHON") or embedded.DEFAULT_SGLANG_PYTHON)
     return not py.exists()
 
 

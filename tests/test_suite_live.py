@@ -23,9 +23,9 @@ LIVE = ["01_attach", "02_dump", "10_hyp_tp_sharding", "11_hyp_embedding_allreduc
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory, tiny_target, tiny_draft):
-    from helpers import launcher
+    from helpers.server import embedded
 
-    if not Path(os.environ.get("E3F_SGLANG_PYTHON") or launcher.DEFAULT_SGLANG_PYTHON).exists():
+    if not Path(os.environ.get("E3F_SGLANG_PYTHON") or embedded.DEFAULT_SGLANG_PYTHON).exists():
         pytest.skip("the SGLang reference environment is not installed (env/reference/install.sh)")
     from forensic_cases import TargetRunner, make_samples, write_specforge
 

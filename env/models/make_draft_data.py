@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # repo root: helpers.launcher
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # repo root: helpers.server.embedded
 
 import torch  # noqa: E402
 
@@ -166,11 +166,11 @@ def main(argv=None) -> int:
     else:
         from tqdm import tqdm
 
-        from helpers import launcher
+        from helpers.server import embedded
         blocks: dict[str, list[torch.Tensor]] = {}
         for kind in ("aux", "final"):
             print(f"[sglang] starting capture server ({kind}) ...", flush=True)
-            with launcher.start(a.target.resolve(), None, tp=a.tp, enable_metrics=False,
+            with embedded.start(a.target.resolve(), None, tp=a.tp, enable_metrics=False,
                                 timeout=600, **sglang_launch_kwargs(kind, layer_ids)) as srv:
                 blocks[kind] = [sglang_prompt_hidden_states(srv.url, ids)
                                 for ids, _ in tqdm(samples, desc=f"sglang {kind}", mininterval=5)]

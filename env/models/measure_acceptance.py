@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # repo root: helpers.launcher
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # repo root: helpers.server.embedded
 
 from e3f_models import CACHE_DIR, DRAFT_DIR, PROMPTS_FILE, REPO_ROOT, TARGET_DIR, write_json  # noqa: E402
 from e3f_models.measure import run_prompts, summarize  # noqa: E402
@@ -34,9 +34,10 @@ def measure(target: Path, draft: Path, prompts: list[list[int]], new_tokens: int
     for name, d in (("target_only", None), ("eagle3", draft)):
         t = time.time()
         print(f"[{name}] starting SGLang (TP {tp}) ...", flush=True)
-        from helpers import launcher
-        spec = launcher.SpecConfig("EAGLE3", steps, topk, num_draft_tokens) if d else None
-        with launcher.start(Path(target).resolve(), d and Path(d).resolve(), tp=tp, spec=spec,
+        from helpers.server import embedded
+        from helpers.server.settings import SpecSettings
+        spec = SpecSettings(algorithm="EAGLE3", num_steps=steps, topk=topk, num_draft_tokens=num_draft_tokens) if d else None
+        with embedded.start(Path(target).resolve(), d and Path(d).resolve(), tp=tp, spec=spec,
                             return_hidden_states=False, enable_metrics=False,
                             timeout=600) as srv:
             startup = time.time() - t
@@ -68,7 +69,7 @@ def results_markdown(res: dict, args) -> str:
     lines = [
         SECTION, "",
         f"Measured {time.strftime('%Y-%m-%d')} by `env/models/measure_acceptance.py` on the embedded "
-        f"CPU reference server (`helpers.launcher`: SGLang 0.5.23, `--dtype float32`, TP {args.tp}, "
+        f"CPU reference server (`helpers.server.embedded`: SGLang 0.5.23, `--dtype float32`, TP {args.tp}, "
         f"1 thread per rank, `--attention-backend intel_amx` through the sgl_kernel stand-in), host "
         f"`{platform.machine()}` with {args_cpu()} CPU cores shared with other jobs, so tok/s is "
         "indicative only.",

@@ -899,7 +899,7 @@ def detect_wrong_layer(ctx: Context) -> list[dict]:
             if off:
                 detail += f"; by those identities: offset {off:+d} layer(s)"
         if ref and not ref["passed"]:
-            detail += (f"; closest reference layers: " + ", ".join(
+            detail += ("; closest reference layers: " + ", ".join(
                 f"{c['tensor']} ({c['share_within']:.0%} rows within tolerance)" for c in ref["candidates"][:3]))
         elif not ref and cands:
             detail += ("; closest training chunks: " + ", ".join(

@@ -33,7 +33,7 @@ from ..errors import BadInput
 from ..formats.configs import DraftConfig, ServerSettings, TargetConfig, read_draft_config, read_draft_weights, \
     read_target_config
 from . import detectors as D
-from .conventions import CapturePlan, LayerIds, compare_plans, describe, physical, served_plan, training_plan
+from .conventions import CapturePlan, compare_plans, describe, physical, served_plan, training_plan
 from .sglang_rules import draft_servable, target_rule
 
 VERDICTS = ("ok", "mismatch", "ambiguous")

@@ -79,7 +79,7 @@ def sglang_prompt_hidden_states(base_url: str, input_ids: list[int]) -> torch.Te
 
 
 def sglang_launch_kwargs(kind: str, layer_ids: list[int]) -> dict:
-    """``helpers.launcher.start`` keyword arguments of a capture server: ``kind`` = "aux" (aux
+    """``helpers.server.embedded.start`` keyword arguments of a capture server: ``kind`` = "aux" (aux
     hidden states at SpecForge ``layer_ids``) or "final" (post-norm last hidden state). Both
     disable the radix cache so every request's prompt block has all ``L`` rows."""
     if kind == "aux":

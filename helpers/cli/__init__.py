@@ -1,0 +1,1 @@
+"""Command line: argument parsing and exit codes only; each command module calls the library and maps its errors."""

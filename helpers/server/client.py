@@ -1,0 +1,461 @@
+"""HTTP client for a running SGLang server: probe, effective speculative config, silent overrides.
+
+Mirrors SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``) and keeps working against older
+servers (``shared/reference/sglang-facts.md`` §8):
+
+=====================  ==========================================================================
+``GET /health``        200 once a 1-token health generation came back (``health_generate``); 503
+                       while starting or shutting down. No API key needed.
+``GET /server_info``   every resolved ``ServerArgs`` field + ``launch_command`` (the argv as typed,
+                       ``sglang/srt/utils/common.py::build_server_info``) + scheduler info +
+                       ``internal_states`` (one dict per DP rank) + ``version``. Falls back to the
+                       deprecated ``/get_server_info`` on servers older than #13273 (2025-11).
+                       **Holds ``api_key`` / ``admin_api_key`` in clear text, and ``launch_command``
+                       holds ``--api-key VALUE``**: :func:`redact` removes both before anything is
+                       kept (:meth:`SGLangClient.server_info` never returns the raw answer).
+``GET /model_info``    ``model_path``, ``architectures``, ... (fallback ``/get_model_info``).
+``GET /metrics``       Prometheus text, only with ``--enable-metrics`` (404 otherwise); parsed with
+                       ``prometheus_client.parser``.
+``POST /flush_cache``  200 only when the server is idle, 400 otherwise (``flush_cache`` in
+                       http_server.py -> ``Scheduler.flush_cache``): :meth:`SGLangClient.flush_cache`
+                       retries until idle. Also zeroes the lifetime spec counters behind
+                       ``avg_spec_accept_length``.
+``POST /generate``     ``GenerateReqInput`` (``sglang/srt/managers/io_struct.py``); non-streaming
+                       here, so the single answer is the final chunk and carries the spec fields.
+=====================  ==========================================================================
+
+The API key comes from ``api_key=`` or ``$SGLANG_API_KEY`` and is sent as ``Authorization: Bearer``.
+It is held in a private attribute, never shown by ``repr``, and scrubbed from every error message.
+
+Silent overrides (:meth:`SGLangClient.effective_spec_config`, rules in :func:`detect_overrides`)
+mirror ``sglang/srt/arg_groups/speculative_hook.py::_handle_eagle_family`` and
+``_auto_choose_speculative_params`` of 0.5.23.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+import httpx
+from ..errors import AuthError, CacheBusy, EndpointMissing, HiddenStatesDisabled, MetricsDisabled, RequestRejected, SGLangError, ServerTimeout, ServerUnavailable
+from .protocol import GenerateResult
+from .redaction import REDACTED, redact, redact_url
+from .settings import EffectiveSpecConfig, detect_overrides, parse_launch_args, spec_settings
+
+
+HIDDEN_STATES_FLAG = "--enable-return-hidden-states"
+
+
+_RETRY_STATUS = (502, 503, 504)
+
+
+class SGLangClient:
+    """Synchronous httpx client for one SGLang server (thread-safe: share it between threads).
+
+    Args:
+        url: ``http://host:port`` of the server (a trailing ``/`` is fine).
+        api_key: bearer token; default ``$SGLANG_API_KEY``; None/empty: no header.
+        timeout: seconds for probe requests (connect and read).
+        generate_timeout: read timeout in seconds for ``/generate`` (long generations on CPU).
+        retries: extra attempts after a connection error, a connect/read timeout on idempotent
+            probes, or 502/503/504; waits ``backoff * 2**attempt`` seconds in between.
+        transport: optional httpx transport (tests).
+
+    Errors (all :class:`SGLangError`): :class:`ServerUnavailable`, :class:`ServerTimeout`,
+    :class:`AuthError`, :class:`EndpointMissing` (:class:`MetricsDisabled`),
+    :class:`RequestRejected` (:class:`HiddenStatesDisabled`), :class:`CacheBusy`. Messages name
+    the endpoint and what to do; they never contain the API key.
+    """
+
+    def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 30.0,
+                 generate_timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
+                 transport: Optional[httpx.BaseTransport] = None):
+        if not url or "://" not in url:
+            raise ValueError(f"url must look like http://host:port, got {redact_url(str(url))!r}")
+        self.url = url.rstrip("/")
+        self._shown_url = redact_url(self.url)
+        key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
+        self._api_key: Optional[str] = key or None
+        self.timeout = float(timeout)
+        self.generate_timeout = float(generate_timeout)
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout,
+                                  transport=transport)
+        self._server_info: Optional[dict] = None
+        self._model_info: Optional[dict] = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def has_api_key(self) -> bool:
+        return self._api_key is not None
+
+    @property
+    def secrets(self) -> list[str]:
+        """Values to scrub from anything written (for :func:`redact`); do not print."""
+        return [self._api_key] if self._api_key else []
+
+    def _scrub(self, text: str) -> str:
+        for s in self.secrets:
+            text = text.replace(s, REDACTED)
+        return text
+
+    def __repr__(self) -> str:
+        return f"<SGLangClient {self._shown_url} api_key={'set' if self._api_key else 'none'}>"
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SGLangClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, *, json_body: Any = None,
+                 params: Optional[dict] = None, timeout: Optional[httpx.Timeout | float] = None,
+                 idempotent: bool = True, retries: Optional[int] = None) -> httpx.Response:
+        """Send with retries; return the response for 2xx/4xx; raise for transport failures.
+
+        Retries: connection errors always (nothing reached the server), timeouts and
+        502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here.
+        """
+        tries = 1 + (self.retries if retries is None else retries)
+        where = f"{method} {self._shown_url}{path}"
+        last: str = ""
+        for attempt in range(tries):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                resp = self._http.request(method, path, json=json_body, params=params,
+                                          timeout=timeout if timeout is not None else self.timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last = f"cannot connect ({type(exc).__name__}: {self._scrub(str(exc))})"
+                continue
+            except httpx.TimeoutException as exc:
+                if idempotent and attempt + 1 < tries:
+                    last = f"timed out ({type(exc).__name__})"
+                    continue
+                t = timeout if timeout is not None else self.timeout
+                raise ServerTimeout(
+                    f"{where}: no answer within {t} s ({type(exc).__name__}); the server may be "
+                    "overloaded or the generation long: raise the timeout "
+                    "(SGLangClient(timeout=..., generate_timeout=...))", endpoint=path) from None
+            except httpx.TransportError as exc:
+                last = f"transport error ({type(exc).__name__}: {self._scrub(str(exc))})"
+                if idempotent:
+                    continue
+                raise ServerUnavailable(f"{where}: {last}", endpoint=path) from None
+            if resp.status_code in (401, 403):
+                hint = ("the API key given was refused" if self._api_key else
+                        "the server was started with --api-key; pass api_key=... or set SGLANG_API_KEY")
+                raise AuthError(f"{where}: HTTP {resp.status_code} ({hint})", endpoint=path,
+                                status=resp.status_code)
+            if resp.status_code in _RETRY_STATUS and idempotent and attempt + 1 < tries:
+                last = f"HTTP {resp.status_code}"
+                continue
+            if resp.status_code in _RETRY_STATUS:
+                raise ServerUnavailable(
+                    f"{where}: HTTP {resp.status_code} after {attempt + 1} attempt(s) (503 means "
+                    f"starting, shutting down or unhealthy): {self._body(resp)}",
+                    endpoint=path, status=resp.status_code)
+            return resp
+        raise ServerUnavailable(
+            f"{where}: {last} after {tries} attempt(s); is the server running and reachable "
+            "(check the URL / port, and the server log)?", endpoint=path)
+
+    def _body(self, resp: httpx.Response, limit: int = 400) -> str:
+        try:
+            text = resp.text
+        except Exception:  # noqa: BLE001
+            text = "<unreadable body>"
+        text = self._scrub(text.strip())
+        return text[:limit] + ("..." if len(text) > limit else "")
+
+    def _get_json(self, paths: Sequence[str], what: str) -> dict:
+        """GET the first of ``paths`` that is not 404 (newer name first); parse JSON."""
+        tried = []
+        for path in paths:
+            resp = self._request("GET", path)
+            if resp.status_code == 404:
+                tried.append(path)
+                continue
+            if resp.status_code >= 400:
+                raise RequestRejected(f"GET {self._shown_url}{path}: HTTP {resp.status_code}: "
+                                      f"{self._body(resp)}", endpoint=path, status=resp.status_code)
+            try:
+                return resp.json()
+            except json.JSONDecodeError:
+                raise SGLangError(f"GET {self._shown_url}{path}: answer is not JSON: "
+                                  f"{self._body(resp)}", endpoint=path) from None
+        raise EndpointMissing(f"{self._shown_url}: none of {tried} exists ({what}); is this an SGLang "
+                              "server?", endpoint=paths[0], status=404)
+
+    # -- probes -----------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """``GET /health``: True on 200, False on 503 (starting / unhealthy). Raises when unreachable."""
+        resp = self._request("GET", "/health", retries=0)
+        return resp.status_code == 200
+
+    def wait_healthy(self, timeout: float = 300.0, poll: float = 1.0) -> None:
+        """Poll ``/health`` until 200 or ``timeout`` seconds; raise :class:`ServerUnavailable`."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            try:
+                if self.health():
+                    return
+                last = "HTTP 503"
+            except (ServerUnavailable, ServerTimeout) as exc:
+                last = str(exc).split(": ", 1)[-1]
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"{self._shown_url}/health not 200 after {timeout:.0f} s "
+                                        f"(last: {last})", endpoint="/health")
+            time.sleep(poll)
+
+    def server_info(self, refresh: bool = False) -> dict:
+        """``/server_info`` (fallback ``/get_server_info``), **redacted** (:func:`redact`).
+
+        Cached after the first call (the resolved ServerArgs do not change); ``refresh=True``
+        fetches again (``internal_states`` do change).
+        """
+        if self._server_info is None or refresh:
+            raw = self._get_json(["/server_info", "/get_server_info"], "server info")
+            self._server_info = redact(raw, self.secrets)
+        return self._server_info
+
+    def model_info(self, refresh: bool = False) -> dict:
+        """``/model_info`` (fallback ``/get_model_info``): model_path, architectures, ..."""
+        if self._model_info is None or refresh:
+            self._model_info = redact(self._get_json(["/model_info", "/get_model_info"],
+                                                     "model info"), self.secrets)
+        return self._model_info
+
+    def version(self) -> Optional[str]:
+        """SGLang version string from ``/server_info``."""
+        return self.server_info().get("version")
+
+    def metrics_text(self) -> str:
+        """Raw Prometheus text of ``/metrics``; :class:`MetricsDisabled` without ``--enable-metrics``."""
+        resp = self._request("GET", "/metrics")
+        if resp.status_code == 404:
+            raise MetricsDisabled(f"GET {self._shown_url}/metrics: 404; start the server with "
+                                  "--enable-metrics", endpoint="/metrics", status=404)
+        if resp.status_code >= 400:
+            raise RequestRejected(f"GET {self._shown_url}/metrics: HTTP {resp.status_code}: "
+                                  f"{self._body(resp)}", endpoint="/metrics", status=resp.status_code)
+        return resp.text
+
+    def metrics(self, prefix: str = "") -> "Any":
+        """``/metrics`` parsed with ``prometheus_client.parser`` into a DataFrame.
+
+        Columns: ``family``, ``type``, ``sample`` (sample name, e.g. ``..._total``), ``labels``
+        (dict), ``value`` (float). ``prefix`` keeps only families whose name starts with it
+        (e.g. ``"sglang:spec_"``). Names: ``sglang/srt/observability/metrics_collector.py``
+        (``sglang:spec_verify_calls_total`` counter: verify steps of finished requests;
+        ``sglang:spec_accept_length`` gauge: last log window only).
+        """
+        import pandas as pd
+        from prometheus_client.parser import text_string_to_metric_families
+
+        rows = []
+        for fam in text_string_to_metric_families(self.metrics_text()):
+            if prefix and not fam.name.startswith(prefix):
+                continue
+            for s in fam.samples:
+                rows.append({"family": fam.name, "type": fam.type, "sample": s.name,
+                             "labels": dict(s.labels), "value": float(s.value)})
+        return pd.DataFrame(rows, columns=["family", "type", "sample", "labels", "value"])
+
+    def metric_value(self, sample: str, **labels: str) -> Optional[float]:
+        """Sum of the samples named ``sample`` whose labels include ``labels`` (None if absent)."""
+        df = self.metrics()
+        if df.empty:
+            return None
+        sel = df[df["sample"] == sample]
+        if labels:
+            sel = sel[sel["labels"].map(lambda d: all(d.get(k) == v for k, v in labels.items()))]
+        return float(sel["value"].sum()) if len(sel) else None
+
+    def flush_cache(self, timeout: float = 120.0, poll: float = 0.5) -> float:
+        """``POST /flush_cache``, retried while the server is busy (400); returns seconds waited.
+
+        SGLang flushes only when no request runs or waits (``Scheduler.flush_cache``), answering
+        400 otherwise. A flush also clears the radix cache (so a repeated prompt gets its full
+        prompt block of hidden states) and zeroes the lifetime spec counters
+        (``avg_spec_accept_length`` in ``/server_info``), which this package never uses.
+        Raises :class:`CacheBusy` after ``timeout`` seconds.
+        """
+        t0 = time.monotonic()
+        while True:
+            resp = self._request("POST", "/flush_cache", params={"timeout": 0})
+            if resp.status_code == 200:
+                return time.monotonic() - t0
+            if resp.status_code == 404:
+                raise EndpointMissing(f"POST {self._shown_url}/flush_cache: 404", endpoint="/flush_cache",
+                                      status=404)
+            if time.monotonic() - t0 > timeout:
+                raise CacheBusy(f"POST {self._shown_url}/flush_cache still HTTP {resp.status_code} "
+                                f"after {timeout:.0f} s (requests running?): {self._body(resp)}",
+                                endpoint="/flush_cache", status=resp.status_code)
+            time.sleep(poll)
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate(self, input_ids: Optional[Sequence[int]] = None, text: Optional[str] = None, *,
+                 sampling_params: Optional[Mapping[str, Any]] = None, max_new_tokens: Optional[int] = None,
+                 return_hidden_states: bool = False, return_prompt_token_ids: bool = False,
+                 rid: Optional[str] = None, extra: Optional[Mapping[str, Any]] = None,
+                 timeout: Optional[float] = None) -> GenerateResult:
+        """``POST /generate`` (non-streaming): exactly one of ``input_ids`` / ``text``.
+
+        ``max_new_tokens`` is a shortcut merged into ``sampling_params`` (default temperature 0).
+        ``return_hidden_states`` needs the server flag ``--enable-return-hidden-states``
+        (otherwise :class:`HiddenStatesDisabled`, mirroring the ValueError of
+        ``TokenizerManager``). Non-streaming on purpose: the spec fields exist only on the final
+        chunk (``_calculate_spec_decoding_metrics`` runs when the request finished).
+
+        Returns :class:`GenerateResult` (``latency_s`` = client wall seconds).
+        Raises :class:`RequestRejected` for 400/422 with the server's reason,
+        :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``).
+        """
+        if (input_ids is None) == (text is None):
+            raise ValueError("generate(): pass exactly one of input_ids= or text=")
+        if extra and extra.get("stream"):
+            raise ValueError("generate(): streaming is not supported here (the spec fields come only "
+                             "with the final chunk); leave stream unset")
+        sp = {"temperature": 0.0}
+        sp.update(dict(sampling_params or {}))
+        if max_new_tokens is not None:
+            sp["max_new_tokens"] = int(max_new_tokens)
+        body: dict[str, Any] = {"sampling_params": sp, "stream": False}
+        if input_ids is not None:
+            body["input_ids"] = [int(t) for t in input_ids]
+        else:
+            body["text"] = text
+        if return_hidden_states:
+            body["return_hidden_states"] = True
+        if return_prompt_token_ids:
+            body["return_prompt_token_ids"] = True
+        if rid is not None:
+            body["rid"] = rid
+        body.update(dict(extra or {}))
+        read = self.generate_timeout if timeout is None else float(timeout)
+        t0 = time.perf_counter()
+        resp = self._request("POST", "/generate", json_body=body, idempotent=False,
+                             timeout=httpx.Timeout(self.timeout, read=read))
+        if resp.status_code >= 400:
+            msg = self._body(resp)
+            if return_hidden_states and ("hidden states" in msg.lower() or HIDDEN_STATES_FLAG in msg):
+                raise HiddenStatesDisabled(
+                    f"POST {self._shown_url}/generate: the server refuses return_hidden_states "
+                    f"(HTTP {resp.status_code}): restart it with {HIDDEN_STATES_FLAG} (SGLang "
+                    f"0.5.2x also accepts --return-hidden-states-mode full; 'last' returns only the "
+                    f"last token, too little for a capture); reference server: "
+                    f"helpers.server.embedded.start(..., return_hidden_states=True). "
+                    f"Server said: {msg}", endpoint="/generate", status=resp.status_code)
+            raise RequestRejected(f"POST {self._shown_url}/generate: HTTP {resp.status_code}: {msg}",
+                                  endpoint="/generate", status=resp.status_code)
+        try:
+            data = resp.json()
+        except json.JSONDecodeError:
+            raise SGLangError(f"POST {self._shown_url}/generate: answer is not JSON: {self._body(resp)}",
+                              endpoint="/generate") from None
+        latency = time.perf_counter() - t0
+        if isinstance(data, list):  # a batch answer: only one prompt is sent here
+            data = data[0]
+        return GenerateResult.model_validate({**data, "latency_s": latency})
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def effective_spec_config(self, requested: str | Sequence[str] | Mapping[str, Any] | Any = None,
+                              *, draft_config: Mapping[str, Any] | os.PathLike | str | None = None
+                              ) -> EffectiveSpecConfig:
+        """The speculative config the server really runs, and the silent overrides SGLang made.
+
+        Args:
+            requested: what was asked for: a launch command (string or argv), a ServerArgs-like
+                mapping (``{"speculative_num_draft_tokens": 6, ...}`` or short names), or a
+                :class:`helpers.server.settings.SpecSettings`. Default: the server's own
+                ``launch_command`` from ``/server_info`` (SGLang >= 0.5.2x records the argv as
+                typed); on older servers nothing is known, and only rules that need no request
+                (none) can fire, which ``notes`` says.
+            draft_config: the draft's ``config.json`` (mapping, file, or folder) for the
+                algorithm check; default: read from ``speculative_draft_model_path`` when that
+                path exists on this machine.
+
+        Returns: :class:`EffectiveSpecConfig`; see :func:`detect_overrides` for the rules.
+        """
+        info = self.server_info()
+        notes: list[str] = []
+        if requested is not None:
+            req = parse_launch_args(requested)
+            source = "argument"
+        elif info.get("launch_command"):
+            req = parse_launch_args(info["launch_command"])
+            source = "launch_command"
+        else:
+            req = {}
+            source = "none"
+            notes.append("the server does not report its launch_command (SGLang older than the "
+                         "Annotated ServerArgs); pass requested= to detect overrides")
+        target_archs = None
+        try:
+            target_archs = self.model_info().get("architectures")
+        except SGLangError as exc:
+            notes.append(f"model_info unavailable: {exc}")
+        draft_archs = _draft_architectures(draft_config, info.get("speculative_draft_model_path"))
+        if info.get("speculative_algorithm") and draft_archs is None:
+            notes.append("draft config.json not readable here: the EAGLE vs EAGLE-3 check was skipped "
+                         "(pass draft_config=)")
+        if info.get("speculative_adaptive"):
+            notes.append("adaptive speculative decoding is on: num_steps / draft tokens change at run "
+                         "time, so spec_num_proposed_drafts (verify_ct x static width) is not exact")
+        if info.get("speculative_eagle_topk") and info["speculative_eagle_topk"] > 1:
+            notes.append("topk > 1: spec_accept_rate's denominator counts tree nodes "
+                         "(num_draft_tokens - 1 per verify), not chain positions")
+        overrides = detect_overrides(req, info, target_arch=(target_archs or [None])[0],
+                                     draft_archs=draft_archs)
+        return EffectiveSpecConfig(
+            effective=spec_settings(info), requested=spec_settings(req), requested_from=source,
+            overrides=overrides, target_architectures=target_archs, draft_architectures=draft_archs,
+            sglang_version=info.get("version"), tp_size=info.get("tp_size"),
+            dp_size=info.get("dp_size"), enable_return_hidden_states=info.get("enable_return_hidden_states"),
+            return_hidden_states_mode=info.get("return_hidden_states_mode"),
+            enable_metrics=info.get("enable_metrics"), notes=notes)
+
+
+def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Optional[list[str]]:
+    cfg: Optional[Mapping] = None
+    if isinstance(draft_config, Mapping):
+        cfg = draft_config
+    else:
+        path = Path(draft_config) if draft_config is not None else (Path(draft_path) if draft_path else None)
+        if path is not None:
+            if path.is_dir():
+                path = path / "config.json"
+            try:
+                cfg = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                cfg = None
+    if cfg is None:
+        return None
+    archs = cfg.get("architectures")
+    return list(archs) if archs else None
+
+
+def as_client(client_or_url: "SGLangClient | str", api_key: Optional[str] = None,
+              **kwargs: Any) -> "SGLangClient":
+    """Return ``client_or_url`` if it is a client, else a new :class:`SGLangClient` for the URL.
+
+    Also accepts an object with a ``url`` attribute (``helpers.server.process.ServerProcess``).
+    """
+    if isinstance(client_or_url, SGLangClient):
+        return client_or_url
+    url = getattr(client_or_url, "url", client_or_url)
+    return SGLangClient(str(url), api_key=api_key, **kwargs)

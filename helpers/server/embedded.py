@@ -1,0 +1,301 @@
+"""Start and stop the embedded reference server: real SGLang 0.5.23 on CPU, optionally with EAGLE-3.
+
+The server runs in the dedicated venv made by ``env/reference/install.sh`` with the pure-torch
+``sgl_kernel`` stand-in (``env/reference/standin``). :func:`start` sets what SGLang needs on a CPU
+(see ``env/reference/README.md`` and ``shared/reference/sglang-cpu.md``):
+
+* ``SGLANG_USE_CPU_ENGINE=1`` (``sglang/srt/utils/common.py::is_cpu``),
+* ``E3F_STANDIN_AMX=1`` so SGLang selects its ``intel_amx`` backend, the only CPU attention
+  backend it allows for EAGLE (``sglang/srt/speculative/draft_utils.py``),
+* ``SGLANG_CPU_OMP_THREADS_BIND`` with one CPU set per TP rank (``sglang/srt/utils/numa_utils.py``),
+* ``TORCHDYNAMO_DISABLE=1``: SGLang wraps a few helpers in ``torch.compile``
+  (e.g. ``sglang/srt/speculative/spec_utils.py``); on 2 cores inductor's C++ build costs ~40 s of
+  startup for no benefit at this size,
+* ``E3F_STANDIN_THREADS`` / ``OMP_NUM_THREADS``: one torch thread per rank by default,
+* ``SGLANG_DISABLED_MODEL_ARCHS``: for a Llama target, every model module but ``llama`` and
+  ``llama_eagle3`` (SGLang otherwise imports ~250 model files in each process at startup),
+* ``--max-total-tokens`` (otherwise the KV pool is sized from RAM: tens of seconds),
+  ``--disable-cuda-graph``, ``--sampling-backend pytorch``, ``--attention-backend intel_amx``.
+
+It binds 127.0.0.1 only, picks a free port when none is given, waits on ``/health`` with a timeout,
+and on failure raises :class:`helpers.errors.ServerStartError` carrying the log tail. :meth:`helpers.server.process.ServerProcess.stop`
+ends the whole process tree (SIGTERM to the launcher, then SIGKILL to any survivor) and verifies
+that no process of the tree is left. An ``atexit`` hook stops servers the caller forgot.
+
+The server's stdout/stderr are pumped into ``log_path`` by a thread; an API key passed with
+``api_key=`` is replaced by ``<redacted>`` before anything reaches the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+from ..diagnosis.sglang_rules import eagle3_draft_classes
+from ..errors import BadServerInput, ServerStartError
+from .process import ServerProcess
+from .settings import SpecSettings
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+DEFAULT_SGLANG_PYTHON = ROOT / "env" / "reference" / ".venv" / "bin" / "python"
+
+
+REFERENCE_TARGET = ROOT / "env" / "models" / "target"
+
+
+REFERENCE_DRAFT = ROOT / "env" / "models" / "draft"
+
+
+SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
+
+
+def free_port(host: str = "127.0.0.1", low: int = 12000, high: int = 20000) -> int:
+    """A TCP port in ``[low, high)`` that is free on ``host`` right now.
+
+    The range lies below the kernel's ephemeral range (32768+), where outgoing connections take
+    ports, and below the 22000-29999 range SGLang draws its own internal ports from
+    (``sglang/srt/utils/network.py::get_free_port_below_ephemeral``), so a port picked now is
+    unlikely to be taken while the server starts (which can take a minute on 2 cores).
+    """
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if not port_in_use(port, host):
+            return port
+    raise RuntimeError(f"no free TCP port in [{low}, {high}) on {host}")
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when ``host:port`` cannot be bound (another process listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def cpu_bind_spec(tp: int, cpus: Optional[Sequence[int]] = None) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` value: one CPU set per TP rank, joined by ``|``.
+
+    With at least as many CPUs as ranks the CPUs are split into ``tp`` contiguous groups; with
+    fewer, ranks share CPUs round-robin (``tp=8`` on 2 CPUs -> ``0|1|0|1|0|1|0|1``).
+    """
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if tp <= 0:
+        raise BadServerInput(f"tp must be >= 1, got {tp}")
+    if tp >= len(cpus):
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+    per = len(cpus) // tp
+    groups = []
+    for r in range(tp):
+        chunk = cpus[r * per:(r + 1) * per] if r < tp - 1 else cpus[r * per:]
+        groups.append(",".join(str(c) for c in chunk))
+    return "|".join(groups)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadServerInput(f"{what}: {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise BadServerInput(f"{what}: {path} is not valid JSON ({exc})") from None
+
+
+def check_model_dir(path: Path, what: str) -> dict:
+    """Validate a HF model folder (exists, has config.json with ``architectures``); return config."""
+    path = Path(path)
+    if not path.is_dir():
+        raise BadServerInput(f"{what} path {path} is not a directory")
+    cfg = _read_json(path / "config.json", f"{what} config")
+    if not cfg.get("architectures"):
+        raise BadServerInput(f"{what} config {path / 'config.json'}: field 'architectures' is missing")
+    return cfg
+
+
+def check_draft_dir(path: Path, algorithm: str) -> dict:
+    """Validate the draft folder for ``algorithm``; an EAGLE3 server needs an EAGLE-3 draft."""
+    cfg = check_model_dir(path, "draft")
+    archs = cfg.get("architectures") or []
+    if algorithm == "EAGLE3" and not any(a in eagle3_draft_classes() for a in archs):
+        raise BadServerInput(
+            f"draft config {Path(path) / 'config.json'}: architectures={archs} is not an EAGLE-3 "
+            f"draft; --speculative-algorithm EAGLE3 needs one of {eagle3_draft_classes()}")
+    return cfg
+
+
+KEEP_MODEL_MODULES = {"llama": ("llama", "llama_eagle3")}
+
+
+def disabled_model_modules(python: Path, model_type: Optional[str]) -> Optional[str]:
+    """Value for ``SGLANG_DISABLED_MODEL_ARCHS``: every module of ``sglang/srt/models`` except the
+    ones a ``model_type`` needs, or None when the model type is not known here.
+
+    SGLang's model registry imports all ~250 model modules at startup in every process
+    (``sglang/srt/models/registry.py::import_model_classes``), unless listed in this env var;
+    skipping them saves most of the per-process import time on 2 cores.
+    """
+    keep = KEEP_MODEL_MODULES.get(model_type or "")
+    if keep is None:
+        return None
+    lib = Path(python).resolve().parent.parent / "lib"
+    found = sorted(lib.glob("python3*/site-packages/sglang/srt/models"))
+    if not found:
+        return None
+    names = sorted(p.stem for p in found[0].glob("*.py") if p.stem not in keep and p.stem != "__init__")
+    return ",".join(names)
+
+
+def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
+                  spec: Optional[SpecSettings], port: int, dtype: str, max_total_tokens: int,
+                  return_hidden_states: bool, enable_metrics: bool,
+                  forward_hooks: Optional[list[dict]], api_key: Optional[str],
+                  extra_args: Sequence[str]) -> list[str]:
+    """The ``sglang.launch_server`` argv for the CPU reference server (see module docstring)."""
+    cmd = [os.fspath(python), "-m", "sglang.launch_server",
+           "--model-path", os.fspath(target), "--device", "cpu", "--dtype", dtype,
+           "--attention-backend", "intel_amx", "--sampling-backend", "pytorch",
+           "--disable-cuda-graph", "--max-total-tokens", str(max_total_tokens),
+           "--tp-size", str(tp), "--host", "127.0.0.1", "--port", str(port)]
+    if draft is not None:
+        spec = (spec or SpecSettings()).with_launch_defaults()
+        cmd += ["--speculative-draft-model-path", os.fspath(draft)] + spec.args()
+    if return_hidden_states:
+        cmd.append("--enable-return-hidden-states")
+    if enable_metrics:
+        cmd.append("--enable-metrics")
+    if forward_hooks:
+        cmd += ["--forward-hooks", json.dumps(forward_hooks)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += list(extra_args)
+    return cmd
+
+
+def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | None = None,
+          tp: int = 2, spec: SpecSettings | dict | None = None, extra_args: Sequence[str] = (),
+          forward_hooks: Optional[list[dict]] = None, port: Optional[int] = None,
+          **kwargs: Any) -> ServerProcess:
+    """Start the CPU reference server and wait until ``/health`` answers 200.
+
+    Args:
+        target: HF folder of the target model (default: the shipped ``env/models/target``).
+        draft: EAGLE-3 draft folder, or None for a target-only server (default: no draft).
+        tp: tensor-parallel size (1, 2 and 8 are tested; heads must divide by it).
+        spec: :class:`helpers.server.settings.SpecSettings` or a dict of its fields; unset fields default
+            to EAGLE3, 3 steps, topk 1, 4 draft tokens; ignored without a draft.
+        extra_args: further ``sglang.launch_server`` flags, appended last.
+        forward_hooks: SGLang ``--forward-hooks`` specs (list of dicts with ``name``,
+            ``target_modules``, ``hook_factory``, ``config``), e.g. from :mod:`helpers.hooks`.
+        port: TCP port on 127.0.0.1 (default: a free one).
+        dtype: model dtype flag (``float32`` makes greedy output equal HF's fp32 output).
+        max_total_tokens: KV pool size in tokens.
+        return_hidden_states: add ``--enable-return-hidden-states`` (needed for captures).
+        enable_metrics: add ``--enable-metrics`` (Prometheus ``/metrics``).
+        api_key: passed as ``--api-key``; redacted from the log file.
+        log_path: where the server log goes (default: a new temp file).
+        timeout: seconds to wait for ``/health`` before giving up.
+        python: interpreter of the SGLang venv (default ``env/reference/.venv/bin/python`` or
+            ``$E3F_SGLANG_PYTHON``).
+        env: extra environment variables for the server.
+        cpus: CPUs to bind ranks to (default: this process's affinity).
+        threads_per_rank: torch/OpenMP threads per TP rank (default 1). The reference models
+            are tiny: a second thread buys nothing and, when the CPU is shared, OpenMP barrier
+            waits made a TP 1 server 5x slower (bench/RESULTS.md).
+
+    When the port was picked automatically and the server lost it to another process while
+    starting ("address already in use" in its log), a new port is tried (3 attempts in all).
+
+    Returns: a :class:`helpers.server.process.ServerProcess` (``url``, ``pid``, ``port``, ``log_path``,
+    ``command``, ``tp``, ``spec``, ``target``, ``draft``).
+
+    Raises:
+        BadServerInput: missing model folder, a draft that is not EAGLE-3 under EAGLE3, port in
+            use, missing SGLang venv.
+        ServerStartError: the server died during startup or missed ``timeout``; the message
+            holds the log tail. No process of the attempt survives.
+    """
+    attempts = 1 if port is not None else 3
+    for attempt in range(attempts):
+        try:
+            return _start_once(target, draft, tp, spec, extra_args, forward_hooks, port, **kwargs)
+        except ServerStartError as exc:
+            if attempt + 1 < attempts and "address already in use" in exc.log_tail:
+                continue
+            raise
+    raise AssertionError("unreachable")
+
+
+def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | str | None = None,
+          tp: int = 2, spec: SpecSettings | dict | None = None, extra_args: Sequence[str] = (),
+          forward_hooks: Optional[list[dict]] = None, port: Optional[int] = None, *,
+          dtype: str = "float32", max_total_tokens: int = 8192, return_hidden_states: bool = True,
+          enable_metrics: bool = True, api_key: Optional[str] = None,
+          log_path: os.PathLike | str | None = None, timeout: float = 300.0,
+          python: os.PathLike | str | None = None, env: Optional[dict[str, str]] = None,
+          cpus: Optional[Sequence[int]] = None, threads_per_rank: int = 1) -> ServerProcess:
+    """One start attempt (see :func:`start`)."""
+    target = Path(target) if target is not None else REFERENCE_TARGET
+    target_cfg = check_model_dir(target, "target")
+    if isinstance(spec, dict):
+        spec = SpecSettings(**spec)
+    draft_path = Path(draft) if draft is not None else None
+    if draft_path is not None:
+        spec = (spec or SpecSettings()).with_launch_defaults()
+        if spec.algorithm not in SPEC_ALGORITHMS:
+            raise BadServerInput(f"spec.algorithm={spec.algorithm!r}; expected one of {SPEC_ALGORITHMS}")
+        check_draft_dir(draft_path, spec.algorithm)
+    else:
+        spec = None
+    python = Path(python or os.environ.get("E3F_SGLANG_PYTHON") or DEFAULT_SGLANG_PYTHON)
+    if not Path(python).exists():
+        raise BadServerInput(f"SGLang interpreter {python} not found; run env/reference/install.sh "
+                             "(or set E3F_SGLANG_PYTHON)")
+    if port is None:
+        port = free_port()
+    elif port_in_use(port):
+        raise BadServerInput(f"port {port} on 127.0.0.1 is already in use; pass another port or "
+                             "port=None to pick a free one")
+    if log_path is None:
+        log_path = Path(tempfile.mkdtemp(prefix="e3f-server-")) / f"sglang-{port}.log"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    cmd = build_command(python, target, draft=draft_path, tp=tp, spec=spec, port=port, dtype=dtype,
+                        max_total_tokens=max_total_tokens, return_hidden_states=return_hidden_states,
+                        enable_metrics=enable_metrics, forward_hooks=forward_hooks, api_key=api_key,
+                        extra_args=extra_args)
+    shown = [("<redacted>" if api_key and a == api_key else a) for a in cmd]
+    server_env = dict(os.environ)
+    for k in ("SGLANG_API_KEY",):
+        server_env.pop(k, None)
+    server_env.update({
+        "SGLANG_USE_CPU_ENGINE": "1", "E3F_STANDIN_AMX": "1", "TORCHDYNAMO_DISABLE": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+        "SGLANG_CPU_OMP_THREADS_BIND": cpu_bind_spec(tp, cpus),
+        "E3F_STANDIN_THREADS": str(threads_per_rank), "OMP_NUM_THREADS": str(threads_per_rank),
+        "E3F_SHM_KEY": f"{os.getpid()}-{port}-{int(time.time() * 1e3) % 10**9}",
+    })
+    disabled = disabled_model_modules(python, target_cfg.get("model_type"))
+    if disabled and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:
+        server_env["SGLANG_DISABLED_MODEL_ARCHS"] = disabled
+    server_env.update(env or {})
+    secrets = [api_key] if api_key else []
+    handle = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=log_path, shown=shown, env=server_env,
+                           cwd=os.fspath(ROOT), secrets=secrets, port=port, tp=tp, spec=spec, target=target,
+                           draft=draft_path)
+    try:
+        handle.wait_healthy(timeout, api_key=api_key, what="SGLang server")
+    except BaseException:
+        handle.stop(timeout=5)
+        raise
+    return handle

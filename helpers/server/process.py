@@ -1,0 +1,213 @@
+"""One managed server process: start a launch command in its own session, pump its output into a log with
+secrets redacted, wait for ``/health`` with a deadline, stop it by PID (the whole process tree, then the
+process group), and verify nothing survived. Used for the embedded reference server
+(:mod:`helpers.server.embedded`) and for raw launch commands (a TP 8 GPU server in a fixes file); every live
+instance is stopped at interpreter exit.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import httpx
+import psutil
+
+from ..errors import ServerStartError
+from .redaction import REDACTED
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """Last ``lines`` lines of a text file ('' if it does not exist)."""
+    try:
+        with open(path, "rb") as fh:
+            data = deque(fh, maxlen=lines)
+    except OSError:
+        return ""
+    return b"".join(data).decode("utf-8", "replace")
+
+
+def _pump(stream, log_path: Path, secrets: list[str]) -> None:
+    with open(log_path, "ab", buffering=0) as out:
+        for raw in iter(stream.readline, b""):
+            for s in secrets:
+                raw = raw.replace(s.encode(), REDACTED.encode())
+            out.write(raw)
+    stream.close()
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class ServerProcess:
+    """A server started from an argv, stopped by PID. Use as a context manager or call :meth:`stop`.
+
+    Args:
+        argv: the command (no shell); ``shown`` is what the log and :attr:`command` show (secrets redacted).
+        url: the server's base URL once up.
+        log_path: the log file (created; appended to).
+        env / cwd: environment and working folder of the process.
+        secrets: strings replaced by ``<redacted>`` in the log as it is written.
+        info: extra attributes set on the handle (``port``, ``tp``, ``spec``, ``target``, ``draft`` ...).
+
+    Attributes: ``url``, ``pid`` (the leader), ``log_path``, ``command`` (shown argv), plus ``info``.
+    """
+
+    def __init__(self, argv: Sequence[str], url: str, *, log_path: Path, shown: Optional[Sequence[str]] = None,
+                 env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, secrets: Iterable[str] = (),
+                 **info: Any):
+        self.argv = [str(a) for a in argv]
+        self.command = list(shown) if shown is not None else list(self.argv)
+        self.url = url.rstrip("/")
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+        for k, v in info.items():
+            setattr(self, k, v)
+        with open(self.log_path, "ab") as fh:
+            fh.write(("$ " + " ".join(self.command) + "\n").encode())
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
+                                     cwd=cwd, start_new_session=True)
+        self.pid = self.proc.pid
+        self._pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, self.secrets),
+                                      daemon=True, name=f"server-log-{self.pid}")
+        self._pump.start()
+        self._known: dict[int, psutil.Process] = {}
+        self._stopped = False
+        _LIVE.add(self)
+        self._remember_tree()
+
+    def _remember_tree(self) -> None:
+        try:
+            root = psutil.Process(self.pid)
+            for p in [root] + root.children(recursive=True):
+                self._known.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def is_alive(self) -> bool:
+        """True while the leader process runs."""
+        return self.proc.poll() is None
+
+    def processes(self) -> list[psutil.Process]:
+        """The leader and every descendant seen so far that is still running."""
+        self._remember_tree()
+        return [p for p in self._known.values() if _running(p)]
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the log (secrets already redacted)."""
+        return tail(self.log_path, lines)
+
+    def wait_healthy(self, timeout: float, *, api_key: Optional[str] = None, what: str = "server") -> None:
+        """Poll ``GET /health`` (5 s per request) until it answers 200.
+
+        Raises:
+            ServerStartError: the process exited, or ``timeout`` seconds passed; the message holds the log tail.
+        """
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5.0, headers=headers) as client:
+            while True:
+                if not self.is_alive():
+                    time.sleep(0.5)  # let the pump flush the last lines
+                    raise ServerStartError(f"{what} (pid {self.pid}) exited with code {self.proc.returncode} "
+                                           "during startup", self.log_tail(), self.log_path)
+                self._remember_tree()
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"{what} (pid {self.pid}) not healthy at {self.url}/health after "
+                                           f"{timeout:.0f} s", self.log_tail(), self.log_path)
+                time.sleep(1.0)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the process and every process it started; idempotent.
+
+        SIGTERM goes to the leader (SGLang then stops its schedulers and detokenizer); after ``timeout``
+        seconds, or if anything survives the leader, SIGKILL goes to the rest and to the process group.
+
+        Raises:
+            RuntimeError: a process of the tree is still alive afterwards.
+        """
+        if self._stopped:
+            return
+        self._remember_tree()
+        if self.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        survivors = self.processes()
+        for p in survivors:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        psutil.wait_procs(survivors, timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self._pump.join(timeout=5)
+        self._stopped = True
+        _LIVE.discard(self)
+        left = self.processes()
+        if left:
+            raise RuntimeError(f"processes of server pid {self.pid} survived stop(): {[p.pid for p in left]}")
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else "stopped"
+        return f"<ServerProcess {self.url} pid={self.pid} {state}>"
+
+
+#: the embedded reference server's handle is a ServerProcess (name kept for readers of older docs)
+ServerHandle = ServerProcess
+
+_LIVE: set[ServerProcess] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for handle in list(_LIVE):
+        try:
+            handle.stop(timeout=5)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+def stop_pid(pid: int, timeout: float = 20.0) -> list[int]:
+    """Stop a server tree started elsewhere by its leader PID; return the PIDs that were ended."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return []
+    procs = [root] + root.children(recursive=True)
+    root.send_signal(signal.SIGTERM)
+    psutil.wait_procs([root], timeout=timeout)
+    rest = [p for p in procs if _running(p)]
+    for p in rest:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(rest, timeout=10)
+    return [p.pid for p in procs]
