@@ -12,6 +12,10 @@ reading its body:
 * ``gpt_oss``           ids kept when ``max(layer_ids) == num_layers`` (final boundary), else +1 (``models/gpt_oss.py``);
 * ``per_layer_flag``    +1, then ``self.layers[layer_id]`` is flagged (``qwen2_moe.py`` / ``qwen3_moe.py`` ...):
                         an id of n-1 indexes ``layers[n]`` -> IndexError at start-up;
+
+and, as ``last_layer``, what capture index n (an id naming the last layer, after +1) does: ``missing`` (the loop
+never reaches it), ``index_error``, or ``boundary`` (the model's forward captures the last layer's output after
+the loop: ``gpt_oss.py``, ``gemma3_causal.py``, ``gemma4_causal.py``, ``minimax_m3.py``);
 * ``plus_one_default``  +1 applied to the default ids too (``models/minimax_m3_vl.py``);
 * ``none``              no such method: ``attention_backend_setup.py::configure_aux_hidden_state_capture``
                         raises ValueError, the server refuses EAGLE-3.
@@ -116,6 +120,14 @@ def build(models: Path) -> dict:
                         if mm and "_is_layer_to_capture" in _norm(mm[2]) and "val + 1" not in _norm(mm[2]):
                             if not re.search(r"layer_id < len", _norm(mm[2])):
                                 last = "index_error"
+        # models whose forward captures the last layer's output after the loop (capture index n):
+        # gemma3/gemma4 (``if num_layers in self.layers_to_capture``), minimax_m3 (``self.end_layer in ...``)
+        inner = [owner] + [c for attr in ("model", "language_model") for c in attr_classes(owner, attr)]
+        for c in inner:
+            fwd = method(c, "forward")
+            if fwd and re.search(r"(num_layers|self\.end_layer|len\(self\.layers\)) in self\.layers_to_capture",
+                                 _norm(fwd[2])):
+                last = "boundary"
         if last == "missing" and "hasattr(self.model, \"set_eagle3_layers_to_capture\")" in body:
             last = "unknown"   # depends on which text model the config builds (dense: missing; MoE: IndexError)
         return {"rule": rule or "plus_one", "method_in": where, "last_layer": last}

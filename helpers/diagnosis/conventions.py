@@ -366,7 +366,9 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
     family = rule.rule
     vs = ".".join(map(str, v))
     reachable_max = n - 1
-    final_boundary = family == "gpt_oss" and v >= GPT_OSS_BOUNDARY_SINCE
+    # capture index n = the last layer's output, pre-norm: gpt_oss.py (since 0.5.17), and the models whose forward
+    # captures it after the loop in 0.5.23 (gemma3/gemma4/minimax_m3; the release that added it was not read)
+    final_boundary = rule.last_layer == "boundary" and (family != "gpt_oss" or v >= GPT_OSS_BOUNDARY_SINCE)
     order = sorted(set(ltc))
     if list(ltc) != sorted(ltc):
         plan.notes.append(f"layers_to_capture {list(ltc)} is not ascending: SGLang captures inside its layer "
@@ -404,8 +406,15 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
             continue
         if k == n and final_boundary:
             tensors.append(out(n - 1))
-            plan.rules.append("capture index n = final boundary out(n-1), pre-norm -- sglang/srt/models/gpt_oss.py::"
-                              "GptOssModel.forward (final_norm(capture=...) when end_layer in layers_to_capture)")
+            plan.rules.append(f"capture index n = the last layer's output out(n-1), pre-norm, captured after the layer "
+                              f"loop -- {rule.source} (the model's forward: `num_layers` / `end_layer in "
+                              "layers_to_capture`)")
+            continue
+        if k == n and rule.last_layer == "unknown":
+            plan.problems.append({"kind": "missing_chunk",
+                                  "detail": f"capture index {k} = num_layers: whether this model captures the last "
+                                            f"layer depends on the text model SGLang builds for it ({rule.source}); "
+                                            "a live capture settles it"})
             continue
         if k == n and rule.last_layer == "index_error":
             plan.fatal = (f"capture index {k} = num_layers: {rule.source} flags self.layers[{k}] without a range "
