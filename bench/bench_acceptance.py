@@ -1,11 +1,11 @@
 """Benchmark of the acceptance measurement, side by side in one run against the reference server.
 
 1. Requests needed for a ±0.05 accept-length CI: per-request variance from a real measurement,
-   bootstrap CI half-width at several n (:func:`helpers.acceptance.requests_for_half_width`).
+   bootstrap CI half-width at several n (:func:`helpers.acceptance.stats.requests_for_half_width`).
 2. Client overhead as a fraction of request time: client wall latency vs the server's own
    ``meta_info.e2e_latency`` for (a) a bare ``httpx.post`` and (b) :meth:`SGLangClient.generate`
    (parsing into pydantic models), interleaved on the same prompts; plus the cost of
-   :func:`helpers.acceptance.summarize` (bootstrap) relative to the measurement.
+   :func:`helpers.acceptance.measure.summarize` (bootstrap) relative to the measurement.
 3. Capture overhead on tok/s: ``return_hidden_states`` on vs off, interleaved (ABBA) on the same
    prompts; answer size too.
 
@@ -38,7 +38,9 @@ import numpy as np  # noqa: E402
 
 from helpers.server import embedded  # noqa: E402
 from helpers.server.settings import SpecSettings  # noqa: E402
-from helpers.acceptance import (load_prompts, measure, requests_for_half_width, summarize)  # noqa: E402
+from helpers.acceptance.prompts import load_prompts
+from helpers.acceptance.measure import measure, summarize
+from helpers.acceptance.stats import requests_for_half_width
 from helpers.runfiles import atomic_write_text  # noqa: E402
 from helpers.server.client import SGLangClient
 

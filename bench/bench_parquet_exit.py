@@ -6,7 +6,7 @@ interpreter teardown with ``terminate called without an active exception`` (exit
 its work is done (apache/arrow#34314). ``helpers.runfiles.parquet_bytes`` / ``read_parquet`` start
 no Arrow thread. This script runs ``--runs`` short child processes per mode, ``--jobs`` at a time,
 the two modes interleaved so both see the same machine load. Each child writes a per-request
-Parquet file and appends two rows to a :class:`helpers.ledger.Ledger` (read back under its lock),
+Parquet file and appends two rows to a :class:`helpers.acceptance.ledger.Ledger` (read back under its lock),
 then exits. It prints how many children exited non-zero per mode.
 
     .venv/bin/python bench/bench_parquet_exit.py                   # 600 runs per mode, 4 at a time

@@ -6,7 +6,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
   diagnose   offline wiring diagnosis: served aux hidden states vs training data  (helpers.diagnosis.diagnose)
   server     start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
-  measure    accept length / accept rate / tok/s per fix                         (helpers.acceptance)
+  measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.replay)
   suite      run the notebook suite with papermill, write postmortem.html        (helpers.suite)
 """
@@ -31,7 +31,7 @@ COMMANDS = {
     "diagnose": "helpers.diagnosis.diagnose",
     "server": "helpers.cli.server",
     "capture": "helpers.capture",
-    "measure": "helpers.acceptance",
+    "measure": "helpers.cli.measure",
     "replay": "helpers.replay",
     "suite": "helpers.suite",
 }

@@ -54,7 +54,7 @@ def _prompt_fields(p: Any, i: int) -> tuple[str, Optional[list[int]], Optional[s
         return str(p.sample_id or p.key), [int(t) for t in np.asarray(p.input_ids).tolist()], None
     if isinstance(p, str):
         return f"p{i:03d}", None, p
-    if hasattr(p, "request") and hasattr(p, "id"):  # helpers.acceptance.Prompt
+    if hasattr(p, "request") and hasattr(p, "id"):  # helpers.acceptance.prompts.Prompt
         ids = getattr(p, "input_ids", None)
         return str(p.id), (list(ids) if ids is not None else None), getattr(p, "text", None)
     if isinstance(p, dict):
@@ -79,7 +79,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
     Args:
         client_or_url: :class:`helpers.server.client.SGLangClient`, a URL, or a launcher handle.
         prompts: token-id sequences (e.g. training samples: rows then align with the training
-            rows), strings, ``helpers.acceptance.Prompt`` objects, or ``helpers.formats.dumps.Sample``.
+            rows), strings, ``helpers.acceptance.prompts.Prompt`` objects, or ``helpers.formats.dumps.Sample``.
         out_dir: parent folder (a run folder's ``dumps/``); ``out_dir/name`` must not exist.
         max_new_tokens: tokens to generate per prompt; each adds one decode row (the row of the
             position that produced it), except the last.

@@ -4,7 +4,7 @@ For each timeline step, in order:
 
 * **fix**: start the reference server with the fix's configuration (draft-config variant written
   to ``run_dir/drafts/<fix>/``, fault hooks, algorithm, spec, TP) plus the per-rank capture hooks
-  (armed only while a hypothesis captures), measure acceptance (``helpers.acceptance.measure``),
+  (armed only while a hypothesis captures), measure acceptance (``helpers.acceptance.measure.measure``),
   append to ``run_dir/ledger.parquet``, and keep the server for the hypotheses that follow;
 * **hypothesis**: run the named check (``helpers.hypotheses``) on that server and its data;
   record verdict, explanation, evidence, figure, and whether it matches ``expect``;
@@ -100,7 +100,8 @@ class Replay:
 
     def _server_spec(self, fix: Fix, *, spec_override: Optional[dict] = None, capture_dir: Optional[Path] = None):
         from .hooks import CaptureConfig, hook_specs
-        from .ledger import LaunchSpec, ServerSpec, SpecModel
+        from .acceptance.fixes import LaunchSpec, ServerSpec
+        from .server.settings import SpecSettings
 
         launch = dict(tp=self.case.server.tp, extra_args=list(self.case.server.extra_args))
         launch.update(fix.launch)
@@ -116,13 +117,13 @@ class Replay:
         capture = CaptureConfig(out_dir=str(capture_dir), keys=list(CAPTURE_KEYS),
                                 armed_by_file=True) if capture_dir else None
         hooks = hook_specs(fix.faults, capture, num_layers=self.num_layers) if (fix.faults or capture) else None
-        ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=SpecModel(**spec),
+        ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=SpecSettings(**spec).with_launch_defaults(),
                         forward_hooks=hooks, **launch)
         return ServerSpec(launch=ls), draft
 
     def _start(self, fix: Fix, *, spec_override: Optional[dict] = None, capture: bool = True,
                log_name: Optional[str] = None):
-        from .ledger import serve
+        from .acceptance.fixes import serve
 
         slug = safe_name(log_name or fix.name)
         capture_dir = (self.run_dir / "capture" / slug) if capture and not fix.baseline else None
@@ -133,8 +134,9 @@ class Replay:
         return client, handle, draft, capture_dir, spec
 
     def _measure(self, client, label: str, requested: Any) -> dict:
-        from .acceptance import load_prompts, measure
-        from .ledger import Ledger
+        from .acceptance.prompts import load_prompts
+        from .acceptance.measure import measure
+        from .acceptance.ledger import Ledger
 
         m = self.case.measure
         prompts = load_prompts(None if m.prompts == "bundled" else m.prompts, n=m.count)
@@ -175,8 +177,8 @@ class Replay:
 
     def fix_effect(self) -> Optional[dict]:
         """Paired change (same prompts) from the first to the last measured fix
-        (:func:`helpers.acceptance.paired_effect`), or None with fewer than two."""
-        from .acceptance import paired_effect
+        (:func:`helpers.acceptance.stats.paired_effect`), or None with fewer than two."""
+        from .acceptance.stats import paired_effect
 
         fixes = [s for s in self.steps if s.get("kind") == "fix" and not s.get("baseline")
                  and s.get("summary") and s.get("acceptance_dir")]

@@ -656,10 +656,10 @@ def sweep_points(doc: Optional[Mapping[str, Any]]) -> list[dict]:
 
 
 def sweep_figure(doc: Optional[Mapping[str, Any]]):
-    """tok/s (and accept length) against num_steps for the replay's sweep (:func:`helpers.figures.
+    """tok/s (and accept length) against num_steps for the replay's sweep (:func:`helpers.plots.acceptance.
     tok_s_vs_steps`), or None without a sweep. Points the sweep took from the fix's own measurement
     (``reused``) are included."""
-    from .figures import tok_s_vs_steps
+    from .plots.acceptance import tok_s_vs_steps
 
     pts = sweep_points(doc)
     if not pts:
@@ -788,7 +788,7 @@ def live_attach(ctx: RunContext) -> dict:
     """Probe the live server: redacted ``/server_info``, the effective spec config (with the draft config
     when ``ctx.draft_dir`` holds one), version. Returns ``{"fix": "live", "server", "spec", "warnings",
     "draft_dir"}`` like :func:`attach_records`."""
-    from .acceptance import server_snapshot
+    from .acceptance.measure import server_snapshot
 
     client = connect(ctx)
     try:
@@ -1156,7 +1156,7 @@ def per_token_figure(df: pd.DataFrame, sample: Optional[str] = None, chunk: Opti
     """rel_diff per token position (log y) for one sample, one line per chunk (or only ``chunk``)."""
     import plotly.graph_objects as go
 
-    from .figures import PALETTE
+    from .plots.acceptance import PALETTE
 
     fig = go.Figure()
     if len(df):
@@ -1189,7 +1189,7 @@ def rel_diff_histograms(df: pd.DataFrame, *, bins: int = 40, tolerance: Optional
     the bars compare). Returns a plotly Figure."""
     import plotly.graph_objects as go
 
-    from .figures import PALETTE
+    from .plots.acceptance import PALETTE
 
     fig = go.Figure()
     if len(df):
@@ -1307,7 +1307,7 @@ def rank_diff_figure(ranks: Mapping[int, Path], rank: int, hidden_size: int, *, 
     import torch
 
     from .formats.dumps import read_dump
-    from .figures import PALETTE
+    from .plots.acceptance import PALETTE
 
     fig = go.Figure()
     if 0 in ranks and rank in ranks:
@@ -1361,7 +1361,7 @@ def ledger_frame(run_dir: Path) -> pd.DataFrame:
     p = Path(run_dir) / "ledger.parquet"
     if not p.exists():
         return pd.DataFrame()
-    from .ledger import Ledger
+    from .acceptance.ledger import Ledger
 
     return Ledger(p).read()
 
@@ -1406,8 +1406,9 @@ def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens
                  concurrency: int = 4, prompts: Any = None) -> dict:
     """Measure acceptance on the live server, save ``acceptance/<label>/`` and append to the ledger.
     Returns the summary dict."""
-    from .acceptance import load_prompts, measure
-    from .ledger import Ledger
+    from .acceptance.prompts import load_prompts
+    from .acceptance.measure import measure
+    from .acceptance.ledger import Ledger
     from .runfiles import safe_name
 
     client = connect(ctx)
@@ -1498,7 +1499,7 @@ def verdict_summary(run_dir: Path, doc: Optional[Mapping[str, Any]] = None) -> p
 def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """Accept rate / length / tok/s of the first fix (before) and the last fix (after) with 95% CIs, and
     whether the change is outside both CIs, and the paired CI of the change over the same prompts
-    (the replay's ``fix_effect``, :func:`helpers.acceptance.paired_effect`). From the replay (or, without one, the ledger's first and last
+    (the replay's ``fix_effect``, :func:`helpers.acceptance.stats.paired_effect`). From the replay (or, without one, the ledger's first and last
     main-fix rows). Empty with fewer than two fixes."""
     fx = fixes_frame(doc)
     if len(fx):

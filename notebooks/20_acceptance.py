@@ -35,7 +35,7 @@ count = 24  # live: prompts (bundled set)
 max_new_tokens = 64  # live: tokens per request
 
 # %%
-from helpers import figures as F
+from helpers.plots import acceptance as F
 from helpers import report as R
 
 R.setup_notebook()

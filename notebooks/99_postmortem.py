@@ -27,7 +27,7 @@ draft_dir = ""  # unused
 training_data = ""  # unused
 
 # %%
-from helpers import figures as F
+from helpers.plots import acceptance as F
 from helpers import report as R
 
 R.setup_notebook()

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from helpers.server import embedded
-from helpers.acceptance import (load_prompts, measure, position_rates, prompts_from_samples,
-                                sum_histograms)
+from helpers.acceptance.prompts import load_prompts, prompts_from_samples
+from helpers.acceptance.measure import measure
+from helpers.acceptance.stats import position_rates, sum_histograms
 from helpers.server.settings import SpecSettings
 from helpers.server.embedded import start
 from helpers.runfiles import read_parquet

@@ -7,10 +7,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from helpers.acceptance import (PER_REQUEST_COLUMNS, Prompt, accepted_drafts, bootstrap_mean_ci,
-                                bootstrap_positions_ci, bootstrap_ratio_ci, histogram_matrix,
-                                load_prompts, position_rates, prompts_digest, prompts_from_samples,
-                                requests_for_half_width, sum_histograms, summarize)
+from helpers.acceptance.requests import PER_REQUEST_COLUMNS
+from helpers.acceptance.prompts import Prompt, load_prompts, prompts_digest, prompts_from_samples
+from helpers.acceptance.stats import accepted_drafts, bootstrap_mean_ci, bootstrap_positions_ci, bootstrap_ratio_ci, histogram_matrix, position_rates, requests_for_half_width, sum_histograms
+from helpers.acceptance.measure import summarize
 from helpers.server.protocol import MetaInfo
 
 

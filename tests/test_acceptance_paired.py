@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from helpers.acceptance import bootstrap_ratio_ci, paired_effect
+from helpers.acceptance.stats import bootstrap_ratio_ci, paired_effect
 
 
 def _frame(prompt_ids, tokens, verify, correct, proposed):

@@ -9,9 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from helpers.acceptance import position_rates
-from helpers.figures import (accept_length_by_fix, accept_length_histogram, all_figures,
-                             position_curves, report_html, tok_s_vs_steps, write_report)
+from helpers.acceptance.stats import position_rates
+from helpers.plots.acceptance import accept_length_by_fix, accept_length_histogram, all_figures, position_curves, report_html, tok_s_vs_steps, write_report
 
 
 def _row(fix, al, lo, hi, tok, steps, topk=1, hist=(5, 3, 2), base=20.0, err=None):

@@ -1,4 +1,4 @@
-"""helpers.ledger: run folders, the append-only ledger under concurrent writers, fixes files, and
+"""helpers.acceptance.ledger / fixes: run folders, the append-only ledger under concurrent writers, fixes files, and
 managed mode against real reference servers (one launched by helpers.server.embedded, one by a raw
 launch command)."""
 from __future__ import annotations
@@ -18,14 +18,15 @@ import pytest
 import yaml
 
 from helpers.server import embedded
-from helpers.ledger import (FixFailed, Ledger, LedgerError, atomic_write_text, load_fixes, new_run_dir,
-                            run_fixes)
+from helpers.acceptance.fixes import FixFailed, load_fixes, run_fixes
+from helpers.acceptance.ledger import Ledger, LedgerError
+from helpers.runfiles import atomic_write_text, new_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
 WRITER = textwrap.dedent("""
     import sys, time
-    from helpers.ledger import Ledger
+    from helpers.acceptance.ledger import Ledger
     path, writer, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     while time.time() < go:
         time.sleep(0.001)
@@ -82,7 +83,7 @@ def test_unreadable_ledger_is_never_overwritten(tmp_path):
 THREADS = textwrap.dedent("""
     import io, os, sys
     import pandas as pd
-    from helpers.ledger import Ledger
+    from helpers.acceptance.ledger import Ledger
     from helpers.runfiles import parquet_bytes, read_parquet
     def threads():
         return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))

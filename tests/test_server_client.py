@@ -14,11 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers.acceptance import measure
-from helpers.figures import write_report
+from helpers.acceptance.measure import measure
+from helpers.plots.acceptance import write_report
 from helpers.server.settings import SpecSettings
 from helpers.server.embedded import start
-from helpers.ledger import Ledger, new_run_dir
+from helpers.acceptance.ledger import Ledger
+from helpers.runfiles import new_run_dir
 from helpers.errors import AuthError, HiddenStatesDisabled
 from helpers.server.client import SGLangClient
 

@@ -1,21 +1,7 @@
-"""Run folders, the append-only fixes ledger, and managed mode (a server per fix).
-
-Run folders (DESIGN.md "Run folders"): ``outputs/<YYYYmmdd-HHMMSS>-<name>/``, created fresh per
-run (``-2``, ``-3``, ... on collision, by an atomic ``mkdir``); files are written to a temp file in
-the same folder and renamed into place (:func:`atomic_write_bytes`), so a reader never sees half a
-file and nothing already written is lost.
-
-Ledger: ``<run>/ledger.parquet``, one row per measured fix: ``fix``, ``config_digest`` (hash of the
-effective server config, no secrets: :func:`helpers.acceptance.config_digest`), ``timestamp``, every
-summary figure with its CI, per-position rates and histogram as JSON. :meth:`Ledger.append` takes
-an exclusive ``fcntl.flock`` on ``ledger.parquet.lock``, reads the current rows, writes old + new
-rows to a temp file, checks every old ``row_id`` survived, and renames it over the old file. Two
-processes appending at once therefore serialise and lose nothing; rows are never edited or dropped.
-
-Managed mode (:func:`run_fixes`): a YAML fixes file (validated by :class:`FixesFile`) lists fixes;
+"""Managed mode (:func:`run_fixes`): a YAML fixes file (validated by :class:`FixesFile`) lists fixes;
 for each one a server is started (the embedded reference server through
 :func:`helpers.server.embedded.start`, or a raw launch command for a real GPU server run with
-``start_new_session`` and waited on ``/health``), measured (:func:`helpers.acceptance.measure`),
+``start_new_session`` and waited on ``/health``), measured (:func:`helpers.acceptance.measure.measure`),
 stopped by PID (whole process tree, then the process group), and appended to the ledger, with a
 tqdm progress bar. Example::
 
@@ -34,139 +20,22 @@ tqdm progress bar. Example::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shlex
-import uuid
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
-
 import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from .runfiles import (DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir,  # noqa: F401
+from ..runfiles import (DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir,  # noqa: F401
                        parquet_bytes, read_parquet, safe_name)
-from .server.redaction import REDACTED, redact, redact_argv, redact_command
-from .server.client import SGLangClient
-from .errors import SGLangError
-from .errors import BadServerInput, ServerStartError
-from .server.settings import SpecSettings
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-# --------------------------------------------------------------------------------------------
-# Ledger
-# --------------------------------------------------------------------------------------------
-
-
-class LedgerError(RuntimeError):
-    """The ledger file cannot be read (it is left untouched) or an append would lose rows."""
-
-
-class Ledger:
-    """Append-only parquet table of fixes (see module docstring).
-
-    ``path``: the ``ledger.parquet`` file (its folder is created). Each appended row gets
-    ``row_id`` (uuid4 hex), ``appended_at`` (UTC ISO-8601) and ``writer_pid``.
-    """
-
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
-        self.lock_path = self.path.with_name(self.path.name + ".lock")
-
-    def __repr__(self) -> str:
-        return f"<Ledger {self.path}>"
-
-    @contextlib.contextmanager
-    def _lock(self, exclusive: bool = True) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-
-    def _read_unlocked(self) -> pd.DataFrame:
-        if not self.path.exists():
-            return pd.DataFrame()
-        try:
-            # one open() = one consistent file (a concurrent os.replace cannot mix two versions)
-            return read_parquet(self.path.read_bytes())
-        except FileNotFoundError:
-            return pd.DataFrame()
-        except Exception as exc:  # noqa: BLE001 - any parquet/arrow error
-            raise LedgerError(f"ledger {self.path} is unreadable ({type(exc).__name__}: {exc}); "
-                              "it was left as is: move it away to start a new one") from None
-
-    def read(self) -> pd.DataFrame:
-        """All rows (empty DataFrame when the ledger does not exist yet)."""
-        with self._lock(exclusive=False):
-            return self._read_unlocked()
-
-    def __len__(self) -> int:
-        return len(self.read())
-
-    def append(self, rows: Mapping[str, Any] | Sequence[Mapping[str, Any]] | pd.DataFrame) -> pd.DataFrame:
-        """Append one or more rows under the file lock; returns the appended rows (with ids).
-
-        Values that are lists/dicts are stored as JSON strings; secrets are never expected here
-        (rows come from :meth:`helpers.acceptance.AcceptanceResult.ledger_row`), but string
-        cells are passed through :func:`helpers.server.redaction.redact` anyway.
-        """
-        if isinstance(rows, pd.DataFrame):
-            recs = rows.to_dict(orient="records")
-        elif isinstance(rows, Mapping):
-            recs = [dict(rows)]
-        else:
-            recs = [dict(r) for r in rows]
-        if not recs:
-            raise ValueError("nothing to append")
-        now = pd.Timestamp.now(tz="UTC").isoformat()
-        clean = []
-        for r in recs:
-            r = redact(r)
-            r = {k: (json.dumps(v, default=str) if isinstance(v, (list, dict, tuple)) else v)
-                 for k, v in r.items()}
-            r.setdefault("row_id", uuid.uuid4().hex)
-            r.setdefault("appended_at", now)
-            r.setdefault("writer_pid", os.getpid())
-            clean.append(r)
-        new = pd.DataFrame(clean)
-        with self._lock(exclusive=True):
-            old = self._read_unlocked()
-            merged = pd.concat([old, new], ignore_index=True) if len(old) else new
-            merged = _arrow_safe(merged)
-            data = parquet_bytes(merged)
-            check = read_parquet(data)
-            if len(old) and "row_id" in old.columns and \
-                    not set(old["row_id"].dropna()).issubset(set(check["row_id"])):
-                raise LedgerError("refusing to write: the new ledger would lose rows")
-            if len(check) != len(old) + len(new):
-                raise LedgerError(f"refusing to write: expected {len(old) + len(new)} rows, got {len(check)}")
-            atomic_write_bytes(self.path, data)
-        return new
-
-
-def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
-    """Make object columns writable by pyarrow: mixed non-null types become strings."""
-    df = df.copy()
-    for c in df.columns:
-        if df[c].dtype != object:
-            continue
-        kinds = {type(v) for v in df[c] if v is not None and not (isinstance(v, float) and v != v)}
-        if len(kinds) > 1:
-            df[c] = df[c].map(lambda v: v if v is None or (isinstance(v, float) and v != v) else str(v))
-    return df
-
-
-# --------------------------------------------------------------------------------------------
-# Fixes file (managed mode)
-# --------------------------------------------------------------------------------------------
+from ..server.redaction import REDACTED, redact, redact_argv, redact_command
+from ..server.client import SGLangClient
+from ..errors import SGLangError
+from ..errors import BadServerInput, ServerStartError
+from ..server.settings import SpecSettings
+from .ledger import Ledger
 
 
 class LaunchSpec(BaseModel):
@@ -193,7 +62,7 @@ class LaunchSpec(BaseModel):
 
 
 class MeasureSettings(BaseModel):
-    """Arguments of :func:`helpers.acceptance.measure` shared by all fixes (a fix may override)."""
+    """Arguments of :func:`helpers.acceptance.measure.measure` shared by all fixes (a fix may override)."""
 
     model_config = ConfigDict(extra="forbid")
     max_new_tokens: int = Field(128, ge=1)
@@ -304,11 +173,6 @@ def load_fixes(path_or_data: Path | str | Mapping | Sequence) -> FixesFile:
     return ff
 
 
-# --------------------------------------------------------------------------------------------
-# Servers for managed mode
-# --------------------------------------------------------------------------------------------
-
-
 class FixFailed(RuntimeError):
     """One or more fixes could not be measured (their rows hold ``error``); ``run_dir`` attribute."""
 
@@ -336,8 +200,8 @@ def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
     ``handle`` is a :class:`helpers.server.process.ServerProcess` (embedded server or launch command), or None
     (attach mode: nothing is stopped).
     """
-    from .server import embedded
-    from .server.process import ServerProcess
+    from ..server import embedded
+    from ..server.process import ServerProcess
 
     handle: Any = None
     client: Optional[SGLangClient] = None
@@ -401,7 +265,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     """
     from tqdm.auto import tqdm
 
-    from .acceptance import measure, measure_baseline, load_prompts
+    from ..acceptance import measure, measure_baseline, load_prompts
 
     ff = fixes if isinstance(fixes, FixesFile) else load_fixes(fixes)
     key = api_key if api_key is not None else (os.environ.get("SGLANG_API_KEY") or None)
@@ -470,7 +334,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
                            "error": f"{type(exc).__name__}: {exc}"[:4000]})
     bar.close()
     if figures:
-        from .figures import write_report
+        from ..plots.acceptance import write_report
 
         try:
             write_report(ledger.read(), run / "figures.html", title=f"Fixes: {ff.name}")

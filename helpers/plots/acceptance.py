@@ -1,4 +1,4 @@
-"""Plotly figures of acceptance per fix, built from ledger rows (:mod:`helpers.ledger`).
+"""Plotly figures of acceptance per fix, built from ledger rows (:mod:`helpers.acceptance.ledger`).
 
 * :func:`accept_length_by_fix`: accept length per fix with CI error bars (left axis), tok/s per fix
   with CI and the baseline tok/s as a dashed line (right axis).
@@ -8,7 +8,7 @@
   drafts + 1 bonus), one bar group per fix.
 * :func:`tok_s_vs_steps`: tok/s (and accept length) against ``num_steps``, one line per topk.
 
-All take a ledger DataFrame (or one :meth:`helpers.acceptance.AcceptanceResult.ledger_row` per
+All take a ledger DataFrame (or one :meth:`helpers.acceptance.measure.AcceptanceResult.ledger_row` per
 item) and return ``plotly.graph_objects.Figure``. :func:`report_html` / :func:`write_report` put
 several figures in one self-contained HTML page that embeds plotly.js exactly once (no CDN, so it
 renders offline); :func:`offline_notebook` does the same for Jupyter.
@@ -240,7 +240,7 @@ def report_html(figures: Mapping[str, go.Figure] | Iterable[go.Figure], title: s
 def write_report(ledger: pd.DataFrame | Sequence[Mapping[str, Any]], path: Path | str,
                  title: str = "Acceptance") -> Path:
     """Write :func:`all_figures` of ``ledger`` as one offline HTML file (atomically)."""
-    from .runfiles import atomic_write_text
+    from ..runfiles import atomic_write_text
 
     return atomic_write_text(Path(path), report_html(all_figures(ledger), title=title))
 

@@ -1,0 +1,425 @@
+"""One acceptance measurement of a live server: requests, summary with CIs, per-position curves, the server's
+effective settings; saved as ``summary.json``, ``per_request.parquet``, ``positions.csv``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+import numpy as np
+import pandas as pd
+from ..server.settings import EffectiveSpecConfig
+from ..server.client import SGLangClient, as_client
+from ..errors import SGLangError
+from ..server.redaction import redact, redact_url
+from .prompts import Prompt, load_prompts, prompts_digest
+from .requests import run_requests
+from .stats import accepted_drafts, bootstrap_mean_ci, bootstrap_positions_ci, bootstrap_ratio_ci, histogram_matrix
+
+
+def summarize(per_request: pd.DataFrame, *, positions: Optional[int], wall_s: float = float("nan"),
+              n_boot: int = 2000, level: float = 0.95, seed: int = 0
+              ) -> tuple[dict, pd.DataFrame, np.ndarray, list[str]]:
+    """Totals, CIs and per-position curves from a per-request frame (:func:`run_requests`).
+
+    ``positions``: draft positions k (``num_steps``; None: from the longest histogram).
+    Returns ``(summary, positions_df, summed_histogram, warnings)``. Requests with an error are
+    left out; requests without spec fields are left out of the spec figures and counted in
+    ``n_missing_spec`` (a warning says so).
+    """
+    warn: list[str] = []
+    ok = per_request[per_request["error"].isna()]
+    n_err = int(len(per_request) - len(ok))
+    if n_err:
+        warn.append(f"{n_err} of {len(per_request)} requests failed and were left out "
+                    f"(first error: {per_request.loc[per_request['error'].notna(), 'error'].iloc[0]})")
+    spec = ok[ok["has_spec"].astype(bool)]
+    n_missing = int(len(ok) - len(spec))
+    s: dict[str, Any] = {"n_requests": int(len(ok)), "n_failed": n_err, "n_spec": int(len(spec)),
+                         "n_missing_spec": n_missing, "ci_level": level, "n_boot": n_boot}
+    comp = ok["completion_tokens"].to_numpy(float)
+    lat = ok["latency_s"].to_numpy(float)
+    s["completion_tokens"] = int(np.nansum(comp)) if len(ok) else 0
+    s["prompt_tokens"] = int(np.nansum(ok["prompt_tokens"].to_numpy(float))) if len(ok) else 0
+    s["wall_s"] = float(wall_s)
+    s["throughput_tok_s"] = (s["completion_tokens"] / wall_s) if wall_s and wall_s > 0 else float("nan")
+    if len(ok):
+        s["tok_s"], s["tok_s_lo"], s["tok_s_hi"] = bootstrap_ratio_ci(comp, lat, n_boot=n_boot,
+                                                                      level=level, seed=seed)
+        s["latency_mean_s"], s["latency_mean_s_lo"], s["latency_mean_s_hi"] = bootstrap_mean_ci(
+            lat, n_boot=n_boot, level=level, seed=seed)
+        s["latency_p50_s"] = float(np.nanquantile(lat, 0.5))
+        s["latency_p90_s"] = float(np.nanquantile(lat, 0.9))
+        e2e = ok["e2e_latency_s"].to_numpy(float)
+        s["server_e2e_latency_mean_s"] = float(np.nanmean(e2e)) if np.isfinite(e2e).any() else float("nan")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            s["client_overhead_frac"] = (float(np.nanmean((lat - e2e) / lat))
+                                         if np.isfinite(e2e).any() else float("nan"))
+    else:
+        for k in ("tok_s", "tok_s_lo", "tok_s_hi", "latency_mean_s", "latency_mean_s_lo",
+                  "latency_mean_s_hi", "latency_p50_s", "latency_p90_s", "server_e2e_latency_mean_s",
+                  "client_overhead_frac"):
+            s[k] = float("nan")
+
+    nan = float("nan")
+    if len(spec):
+        num = spec["completion_tokens"].to_numpy(float)
+        ver = spec["verify_ct"].to_numpy(float)
+        s["verify_steps"] = int(ver.sum())
+        s["accept_length"], s["accept_length_lo"], s["accept_length_hi"] = bootstrap_ratio_ci(
+            num, ver, n_boot=n_boot, level=level, seed=seed)
+        (s["accept_length_mean_of_ratios"], s["accept_length_mean_of_ratios_lo"],
+         s["accept_length_mean_of_ratios_hi"]) = bootstrap_mean_ci(num / ver, n_boot=n_boot,
+                                                                  level=level, seed=seed)
+        cor = spec["correct_drafts"].to_numpy(float)
+        prop = spec["proposed_drafts"].to_numpy(float)
+        s["correct_drafts"], s["proposed_drafts"] = int(np.nansum(cor)), int(np.nansum(prop))
+        s["accept_rate"], s["accept_rate_lo"], s["accept_rate_hi"] = bootstrap_ratio_ci(
+            cor, prop, n_boot=n_boot, level=level, seed=seed)
+        hists = [json.loads(h) if isinstance(h, str) else None for h in spec["histogram"]]
+        if any(h is None for h in hists):
+            warn.append(f"{sum(h is None for h in hists)} answers carry spec_verify_ct but no "
+                        "spec_correct_drafts_histogram (SGLang before #18332?): per-position "
+                        "acceptance uses the others only")
+        have = [h for h in hists if h is not None]
+        k = positions if positions is not None else max([len(h) - 1 for h in have] + [0])
+        mat = histogram_matrix(have, k + 1) if have else np.zeros((0, k + 1), dtype=np.int64)
+        if mat.shape[1] > k + 1:
+            warn.append(f"histograms have {mat.shape[1] - 1} positions but num_steps is {k}")
+            k = mat.shape[1] - 1
+        hist = mat.sum(axis=0)
+        pos = bootstrap_positions_ci(mat, k, n_boot=n_boot, level=level, seed=seed) if len(have) else \
+            pd.DataFrame(columns=["position", "marginal", "marginal_lo", "marginal_hi",
+                                  "conditional", "conditional_lo", "conditional_hi"])
+        S, A = int(hist.sum()), accepted_drafts(hist)
+        s["hist_verify_steps"], s["hist_accepted_drafts"] = S, A
+        if have:
+            w = np.array([accepted_drafts(h) for h in have], float)
+            st = np.array([sum(h) for h in have], float)
+            s["accept_length_hist"], s["accept_length_hist_lo"], s["accept_length_hist_hi"] = (
+                bootstrap_ratio_ci(w + st, st, n_boot=n_boot, level=level, seed=seed))
+        else:
+            s["accept_length_hist"] = s["accept_length_hist_lo"] = s["accept_length_hist_hi"] = nan
+        # consistency of SGLang's own counters (a mismatch means a parsing / version problem)
+        hv = spec["histogram"].notna()
+        bad_steps = (spec.loc[hv, "verify_ct"].to_numpy() !=
+                     np.array([sum(json.loads(h)) for h in spec.loc[hv, "histogram"]])).sum()
+        bad_acc = (spec.loc[hv, "correct_drafts"].to_numpy() != spec.loc[hv, "hist_correct_drafts"]
+                   .to_numpy()).sum()
+        if bad_steps or bad_acc:
+            warn.append(f"histogram disagrees with spec_verify_ct in {bad_steps} and with "
+                        f"spec_num_correct_drafts in {bad_acc} answers")
+        s["positions"] = int(k)
+    else:
+        hist = np.zeros(1 if positions is None else positions + 1, dtype=np.int64)
+        pos = pd.DataFrame(columns=["position", "marginal", "marginal_lo", "marginal_hi",
+                                    "conditional", "conditional_lo", "conditional_hi"])
+        for key in ("accept_length", "accept_length_lo", "accept_length_hi",
+                    "accept_length_mean_of_ratios", "accept_length_mean_of_ratios_lo",
+                    "accept_length_mean_of_ratios_hi", "accept_rate", "accept_rate_lo",
+                    "accept_rate_hi", "accept_length_hist", "accept_length_hist_lo",
+                    "accept_length_hist_hi"):
+            s[key] = nan
+        s.update(verify_steps=0, correct_drafts=0, proposed_drafts=0, hist_verify_steps=0,
+                 hist_accepted_drafts=0, positions=positions)
+    if n_missing:
+        warn.append(f"{n_missing} of {len(ok)} answers have no spec fields (spec_verify_ct absent): "
+                    "they are set only on the final chunk and only when the request verified at "
+                    "least once (max_new_tokens=1 or an immediate stop never verifies); they are "
+                    "left out of the accept figures")
+    return s, pos, hist, warn
+
+
+@dataclasses.dataclass
+class AcceptanceResult:
+    """Outcome of :func:`measure`.
+
+    Attributes:
+        summary: dict of totals and CIs (keys documented in the module docstring and
+            :func:`summarize`; plus ``label``, ``url``, spec settings, ``baseline_tok_s``,
+            ``speedup``, ``config_digest``, ``prompt_digest``).
+        per_request: one row per request (:data:`PER_REQUEST_COLUMNS`).
+        positions: per-position marginal / conditional rates with CIs (one row per position).
+        histogram: summed correct-drafts histogram ``[num_steps + 1]`` (int64).
+        spec: the server's :class:`~helpers.server.settings.EffectiveSpecConfig` (None if unavailable).
+        server: redacted ``/server_info`` snapshot (no ``internal_states``, no secrets).
+        warnings: human-readable caveats (missing spec fields, overrides, failures).
+        baseline: summary of the baseline (target-only) run, when one was given.
+        raw: per-request ``{"output_ids", "meta_info"}`` when ``keep_raw=True``.
+    """
+
+    summary: dict
+    per_request: pd.DataFrame
+    positions: pd.DataFrame
+    histogram: np.ndarray
+    spec: Optional[EffectiveSpecConfig] = None
+    server: dict = dataclasses.field(default_factory=dict)
+    warnings: list = dataclasses.field(default_factory=list)
+    baseline: Optional[dict] = None
+    raw: Optional[list] = None
+
+    def summary_frame(self) -> pd.DataFrame:
+        """The summary as a one-row DataFrame."""
+        return pd.DataFrame([{k: v for k, v in self.summary.items()
+                              if not isinstance(v, (list, dict))}])
+
+    def ledger_row(self, fix: Optional[str] = None) -> dict:
+        """Flat row for :class:`helpers.acceptance.ledger.Ledger` (lists/dicts as JSON strings)."""
+        row = {}
+        for k, v in self.summary.items():
+            row[k] = json.dumps(v) if isinstance(v, (list, dict)) else v
+        row["fix"] = fix or self.summary.get("label") or "unnamed"
+        row["histogram_json"] = json.dumps([int(x) for x in self.histogram])
+        row["positions_json"] = self.positions.to_json(orient="records")
+        row["warnings_json"] = json.dumps(self.warnings)
+        row["overrides_json"] = json.dumps([o.model_dump() for o in self.spec.overrides]
+                                           if self.spec else [])
+        return row
+
+    def save(self, folder: Path | str) -> Path:
+        """Write ``summary.json``, ``per_request.parquet``, ``positions.csv`` into ``folder``
+        (created; files written atomically). Returns the folder."""
+        from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        doc = {"summary": self.summary, "warnings": self.warnings,
+               "histogram": [int(x) for x in self.histogram],
+               "positions": json.loads(self.positions.to_json(orient="records")),
+               "spec": self.spec.model_dump() if self.spec else None, "baseline": self.baseline,
+               "server": self.server}
+        atomic_write_text(folder / "summary.json", json.dumps(doc, indent=1, default=_json_default))
+        atomic_write_bytes(folder / "per_request.parquet", parquet_bytes(self.per_request))
+        atomic_write_text(folder / "positions.csv", self.positions.to_csv(index=False))
+        if self.raw is not None:
+            atomic_write_text(folder / "raw_meta.json", json.dumps(self.raw, default=_json_default))
+        return folder
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+#: ServerArgs fields that define a fix for the config digest (what changes acceptance or speed).
+DIGEST_FIELDS = (
+    "model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+    "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_accept_threshold_single",
+    "speculative_accept_threshold_acc", "speculative_use_rejection_sampling",
+    "speculative_attention_mode", "speculative_adaptive", "speculative_token_map",
+    "tp_size", "dp_size", "pp_size", "enable_dp_attention", "dtype", "kv_cache_dtype", "quantization",
+    "attention_backend", "sampling_backend", "page_size", "max_running_requests",
+    "chunked_prefill_size", "disable_radix_cache", "disable_overlap_schedule", "disable_cuda_graph",
+    "enable_return_hidden_states", "forward_hooks", "json_model_override_args", "context_length",
+    "revision", "speculative_draft_model_revision", "device", "version")
+
+
+def server_config(info: Mapping[str, Any]) -> dict:
+    """The subset of a (redacted) ``/server_info`` that defines a fix (:data:`DIGEST_FIELDS`)."""
+    return {k: info.get(k) for k in DIGEST_FIELDS}
+
+
+def config_digest(info: Mapping[str, Any]) -> str:
+    """sha256 (16 hex) of :func:`server_config` as canonical JSON; no secrets go in."""
+    cfg = redact(server_config(info))
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def server_snapshot(info: Mapping[str, Any]) -> dict:
+    """Redacted ``/server_info`` without the bulky, volatile ``internal_states``."""
+    return {k: v for k, v in redact(info).items() if k != "internal_states"}
+
+
+def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_new_tokens: int = 128,
+            concurrency: int = 1, *, num_prompts: Optional[int] = None,
+            sampling_params: Optional[Mapping[str, Any]] = None, temperature: float = 0.0,
+            ignore_eos: bool = False, api_key: Optional[str] = None, baseline: Any = None,
+            warmup: int = 1, flush_cache: bool = True, n_boot: int = 2000, level: float = 0.95,
+            seed: int = 0, return_hidden_states: bool = False, progress: bool = True,
+            label: Optional[str] = None, requested: Any = None, keep_raw: bool = False,
+            draft_config: Any = None) -> AcceptanceResult:
+    """Measure accept length / accept rate / per-position acceptance / tok/s on a live server.
+
+    Args:
+        client_or_url: :class:`~helpers.server.client.SGLangClient`, URL, or ``ServerHandle``.
+        prompts: None (bundled 48 prompts), a file, or a list (see :func:`load_prompts`;
+            training samples via :func:`prompts_from_samples`).
+        max_new_tokens: tokens to generate per request (must be >= 2 for any verify step).
+        concurrency: requests in flight at once (threads sharing one HTTP client).
+        num_prompts: use the first n prompts (cycling when larger than the set).
+        sampling_params: extra SGLang sampling params; ``temperature`` / ``ignore_eos`` fill
+            their keys unless given there (greedy by default: acceptance is then deterministic
+            per prompt; ``ignore_eos=True`` forces full-length answers).
+        api_key: used when a URL is given (default ``$SGLANG_API_KEY``).
+        baseline: a server without the draft (client / URL / handle) measured with the same
+            prompts for ``baseline_tok_s`` and ``speedup``, or a number (tok/s known already).
+        warmup: requests sent first and not counted (first-request costs).
+        flush_cache: flush before measuring (cold radix cache for every run; this also resets
+            ``avg_spec_accept_length``, which is not used here).
+        n_boot, level, seed: bootstrap settings.
+        return_hidden_states: also request hidden states (to measure capture overhead).
+        label: name of the fix (goes into ``summary["label"]``).
+        requested: the launch command / args asked for, for the override check
+            (:meth:`SGLangClient.effective_spec_config`; default: the server's launch_command).
+        keep_raw: keep each answer's ``meta_info`` (``result.raw``).
+        draft_config: draft config.json (mapping/path) for the algorithm check.
+
+    Returns: :class:`AcceptanceResult`. Raises :class:`~helpers.errors.SGLangError` when the
+    server cannot be reached or every request failed; ValueError on bad arguments.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    own = not isinstance(client_or_url, SGLangClient)
+    client = as_client(client_or_url, api_key=api_key)
+    try:
+        plist = load_prompts(prompts, n=num_prompts)
+        sp = dict(sampling_params or {})
+        sp.setdefault("temperature", temperature)
+        if ignore_eos:
+            sp.setdefault("ignore_eos", True)
+        info = client.server_info(refresh=True)
+        spec: Optional[EffectiveSpecConfig] = None
+        warn: list[str] = []
+        try:
+            spec = client.effective_spec_config(requested, draft_config=draft_config)
+        except SGLangError as exc:  # pragma: no cover - model_info missing on exotic servers
+            warn.append(f"effective spec config unavailable: {exc}")
+        if spec is not None:
+            for o in spec.overrides:
+                warn.append(f"override: {o.message}")
+            warn.extend(spec.notes)
+        spec_on = bool(info.get("speculative_algorithm"))
+        if not spec_on:
+            warn.append("the server runs without speculative decoding: accept length / rate are "
+                        "undefined (NaN); tok/s is still measured")
+        if max_new_tokens < 2 and spec_on:
+            warn.append("max_new_tokens < 2: no request can verify, so no spec fields come back")
+        if warmup:
+            run_requests(client, plist[:max(1, min(warmup, len(plist)))], max_new_tokens=min(8, max_new_tokens),
+                         sampling_params=sp, progress=False)
+        if flush_cache:
+            client.flush_cache()
+        per_request, wall, raw = run_requests(
+            client, plist, max_new_tokens=max_new_tokens, concurrency=concurrency, sampling_params=sp,
+            return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
+                                                                 else progress), keep_raw=keep_raw)
+        if per_request["error"].notna().all():
+            raise SGLangError(f"all {len(per_request)} requests failed; first error: "
+                              f"{per_request['error'].iloc[0]}", endpoint="/generate")
+        positions = info.get("speculative_num_steps") if spec_on else None
+        s, pos, hist, w2 = summarize(per_request, positions=positions, wall_s=wall, n_boot=n_boot,
+                                     level=level, seed=seed)
+        warn.extend(w2)
+        s.update({
+            "label": label, "url": redact_url(client.url), "sglang_version": info.get("version"),
+            "algorithm": info.get("speculative_algorithm"), "num_steps": info.get("speculative_num_steps"),
+            "topk": info.get("speculative_eagle_topk"),
+            "num_draft_tokens": info.get("speculative_num_draft_tokens"), "tp_size": info.get("tp_size"),
+            "draft_model_path": info.get("speculative_draft_model_path"),
+            "model_path": info.get("model_path"),
+            "max_new_tokens": int(max_new_tokens), "concurrency": int(concurrency),
+            "temperature": sp.get("temperature"), "ignore_eos": bool(sp.get("ignore_eos", False)),
+            "return_hidden_states": bool(return_hidden_states), "num_prompts": len(plist),
+            "prompt_digest": prompts_digest(plist), "config_digest": config_digest(info),
+            "overrides": [o.field for o in spec.overrides] if spec else [],
+            "timestamp": pd.Timestamp.now(tz="UTC").isoformat(),
+        })
+        base_summary = None
+        s["baseline_tok_s"] = s["baseline_tok_s_lo"] = s["baseline_tok_s_hi"] = float("nan")
+        if baseline is not None:
+            if isinstance(baseline, (int, float)):
+                s["baseline_tok_s"] = float(baseline)
+            else:
+                bclient = as_client(baseline, api_key=api_key if not isinstance(baseline, SGLangClient)
+                                    else None)
+                try:
+                    base_summary = measure_baseline(bclient, plist, max_new_tokens=max_new_tokens,
+                                                    concurrency=concurrency, sampling_params=sp,
+                                                    warmup=warmup, n_boot=n_boot, level=level, seed=seed,
+                                                    progress=progress)
+                finally:
+                    if not isinstance(baseline, SGLangClient):
+                        bclient.close()
+                s["baseline_tok_s"] = base_summary["tok_s"]
+                s["baseline_tok_s_lo"] = base_summary["tok_s_lo"]
+                s["baseline_tok_s_hi"] = base_summary["tok_s_hi"]
+        s["speedup"] = (s["tok_s"] / s["baseline_tok_s"]
+                        if s["baseline_tok_s"] and np.isfinite(s["baseline_tok_s"]) else float("nan"))
+        return AcceptanceResult(summary=s, per_request=per_request, positions=pos, histogram=hist,
+                                spec=spec, server=server_snapshot(info), warnings=warn,
+                                baseline=base_summary, raw=raw if keep_raw else None)
+    finally:
+        if own:
+            client.close()
+
+
+def measure_baseline(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
+                     concurrency: int = 1, sampling_params: Optional[Mapping[str, Any]] = None,
+                     warmup: int = 1, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
+                     progress: bool = True) -> dict:
+    """tok/s of a server without the draft on the same prompts (``summary``-style dict).
+
+    Warns (in ``warnings``) when that server does run speculative decoding after all.
+    """
+    info = client.server_info(refresh=True)
+    if warmup:
+        run_requests(client, list(prompts[:max(1, warmup)]), max_new_tokens=min(8, max_new_tokens),
+                     sampling_params=sampling_params, progress=False)
+    df, wall, _ = run_requests(client, prompts, max_new_tokens=max_new_tokens, concurrency=concurrency,
+                               sampling_params=sampling_params,
+                               progress="baseline" if progress else False)
+    s, _, _, w = summarize(df, positions=None, wall_s=wall, n_boot=n_boot, level=level, seed=seed)
+    if info.get("speculative_algorithm"):
+        w.append(f"the baseline server runs speculative decoding ({info['speculative_algorithm']})")
+    keep = ("n_requests", "completion_tokens", "wall_s", "throughput_tok_s", "tok_s", "tok_s_lo",
+            "tok_s_hi", "latency_mean_s", "latency_p50_s", "latency_p90_s")
+    out = {k: s[k] for k in keep}
+    out.update(url=redact_url(client.url), config_digest=config_digest(info), warnings=w)
+    return out
+
+
+SUMMARY_COLUMNS = ("label", "n_requests", "accept_length", "accept_length_lo", "accept_length_hi",
+                   "accept_rate", "accept_rate_lo", "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi",
+                   "baseline_tok_s", "speedup", "latency_mean_s", "num_steps", "topk",
+                   "num_draft_tokens", "config_digest")
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """Human-readable lines of the main figures with their CIs."""
+    def f(k, nd=3):
+        v, lo, hi = summary.get(k), summary.get(k + "_lo"), summary.get(k + "_hi")
+        if v is None or (isinstance(v, float) and not math.isfinite(v)):
+            return "n/a"
+        txt = f"{v:.{nd}f}"
+        if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+            txt += f" [{lo:.{nd}f}, {hi:.{nd}f}]"
+        return txt
+    lvl = int(round(100 * summary.get("ci_level", 0.95)))
+    lines = [
+        f"fix: {summary.get('label') or '-'}   server: {summary.get('url')}   config {summary.get('config_digest')}",
+        f"spec: {summary.get('algorithm')} steps={summary.get('num_steps')} topk={summary.get('topk')} "
+        f"draft_tokens={summary.get('num_draft_tokens')} tp={summary.get('tp_size')}",
+        f"requests: {summary.get('n_requests')} ({summary.get('n_missing_spec')} without spec fields, "
+        f"{summary.get('n_failed')} failed), concurrency {summary.get('concurrency')}, "
+        f"max_new_tokens {summary.get('max_new_tokens')}",
+        f"accept length (Σcompletion/Σverify, {lvl}% CI): {f('accept_length')}",
+        f"accept length, mean of per-request ratios:   {f('accept_length_mean_of_ratios')}",
+        f"accept length, 1 + accepted/steps (hist):     {f('accept_length_hist')}",
+        f"accept rate (correct/proposed drafts):        {f('accept_rate')}",
+        f"tok/s per request stream:                     {f('tok_s', 1)}   (batch throughput "
+        f"{summary.get('throughput_tok_s', float('nan')):.1f} tok/s)",
+        f"latency mean (s):                             {f('latency_mean_s')}",
+    ]
+    if summary.get("baseline_tok_s") is not None and math.isfinite(summary.get("baseline_tok_s", float("nan"))):
+        lines.append(f"baseline tok/s: {f('baseline_tok_s', 1)}   speedup x{summary.get('speedup', float('nan')):.2f}")
+    return "\n".join(lines)

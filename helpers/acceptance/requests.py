@@ -1,0 +1,98 @@
+"""Sending the measurement's ``/generate`` requests (non-streaming, so the final chunk carries the spec
+fields) and one per-request record each.
+"""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Optional, Sequence
+import pandas as pd
+from ..server.protocol import GenerateResult
+from ..server.client import SGLangClient
+from ..errors import SGLangError
+from .prompts import Prompt
+from .stats import accepted_drafts
+
+
+PER_REQUEST_COLUMNS = [
+    "idx", "prompt_id", "kind", "prompt_tokens", "completion_tokens", "cached_tokens", "verify_ct",
+    "correct_drafts", "proposed_drafts", "hist_correct_drafts", "histogram", "accept_length",
+    "accept_rate", "server_accept_length", "latency_s", "e2e_latency_s", "tok_s", "finish_reason",
+    "has_spec", "error"]
+
+
+def _record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[str]) -> dict:
+    row = {c: None for c in PER_REQUEST_COLUMNS}
+    row.update(idx=i, prompt_id=p.id, kind=p.kind, has_spec=False, error=error)
+    if res is None:
+        return row
+    m = res.meta_info
+    hist = list(m.spec_correct_drafts_histogram) if m.spec_correct_drafts_histogram else None
+    ct = m.completion_tokens if m.completion_tokens is not None else len(res.output_ids)
+    fr = m.finish_reason
+    row.update(
+        prompt_tokens=m.prompt_tokens, completion_tokens=ct, cached_tokens=m.cached_tokens,
+        verify_ct=m.spec_verify_ct, correct_drafts=m.spec_num_correct_drafts,
+        proposed_drafts=m.spec_num_proposed_drafts,
+        hist_correct_drafts=accepted_drafts(hist) if hist else None,
+        histogram=json.dumps(hist) if hist is not None else None,
+        accept_length=(ct / m.spec_verify_ct) if m.spec_verify_ct else None,
+        accept_rate=(m.spec_num_correct_drafts / m.spec_num_proposed_drafts
+                     if m.spec_num_proposed_drafts else None),
+        server_accept_length=m.spec_accept_length, latency_s=res.latency_s,
+        e2e_latency_s=m.e2e_latency, tok_s=(ct / res.latency_s) if res.latency_s > 0 else None,
+        finish_reason=(fr.get("type") if isinstance(fr, Mapping) else fr), has_spec=m.has_spec_fields)
+    return row
+
+
+def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
+                 concurrency: int = 1, sampling_params: Optional[Mapping[str, Any]] = None,
+                 return_hidden_states: bool = False, progress: bool | str = True,
+                 keep_raw: bool = False, fail_fast: bool = False
+                 ) -> tuple[pd.DataFrame, float, list[Optional[dict]]]:
+    """Send every prompt once (``concurrency`` threads, one shared client); collect meta_info.
+
+    Returns ``(per_request DataFrame [PER_REQUEST_COLUMNS], wall seconds, raw)``; ``raw[i]`` is
+    the answer's ``meta_info`` dict (hidden states dropped) when ``keep_raw``, else None. A failed
+    request gets its ``error`` column set (or raises when ``fail_fast``).
+    """
+    from tqdm.auto import tqdm
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    sp = dict(sampling_params or {})
+    sp["max_new_tokens"] = int(max_new_tokens)
+    rows: list[Optional[dict]] = [None] * len(prompts)
+    raw: list[Optional[dict]] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        p = prompts[i]
+        try:
+            res = client.generate(**p.request(), sampling_params=sp,
+                                  return_hidden_states=return_hidden_states)
+        except SGLangError as exc:
+            if fail_fast:
+                raise
+            rows[i] = _record(i, p, None, str(exc))
+            return
+        rows[i] = _record(i, p, res, None)
+        if keep_raw:
+            meta = res.meta_info.model_dump()
+            meta.pop("hidden_states", None)
+            raw[i] = {"output_ids": list(res.output_ids), "meta_info": meta}
+
+    desc = progress if isinstance(progress, str) else "requests"
+    bar = tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False)
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            futures = [pool.submit(one, i) for i in range(len(prompts))]
+            for f in futures:
+                f.result()
+                bar.update(1)
+    finally:
+        bar.close()
+    wall = time.perf_counter() - t0
+    df = pd.DataFrame(rows, columns=PER_REQUEST_COLUMNS)
+    return df, wall, raw

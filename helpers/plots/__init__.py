@@ -1,0 +1,1 @@
+"""Plotly figures: acceptance per fix (:mod:`.acceptance`) and the hypothesis checks' figures (:mod:`.checks`)."""
