@@ -7,7 +7,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
   server     start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
   measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
-  replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.replay)
+  replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
   suite      run the notebook suite with papermill, write postmortem.html        (helpers.suite)
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ COMMANDS = {
     "server": "helpers.cli.server",
     "capture": "helpers.capture",
     "measure": "helpers.cli.measure",
-    "replay": "helpers.replay",
+    "replay": "helpers.cli.replay",
     "suite": "helpers.suite",
 }
 

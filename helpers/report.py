@@ -2,7 +2,7 @@
 
 The notebooks in ``notebooks/`` are thin (prose + calls into this module). They work in two modes:
 
-* **replay** (the default batch run): ``00_replay`` replays a case file (:func:`helpers.replay.replay_case`)
+* **replay** (the default batch run): ``00_replay`` replays a case file (:func:`helpers.investigation.replay.replay_case`)
   into the run folder; the other notebooks render what it recorded there (``results/replay-<case>.json``,
   ``acceptance/<fix>/summary.json``, ``ledger.parquet``, ``dumps/``, ``figures/``, ``drafts/``).
 * **live**: with ``server_url`` set, the notebooks probe / capture / measure that server (e.g. a real TP 8
@@ -297,10 +297,10 @@ class RunContext:
         return bool(self.server_url)
 
     def load_case(self):
-        """The validated :class:`helpers.cases.Case` of ``case_path`` (None without one).
+        """The validated :class:`helpers.investigation.cases.Case` of ``case_path`` (None without one).
 
-        Raises: helpers.cases.CaseError for an invalid case file."""
-        from .cases import load_case
+        Raises: helpers.errors.CaseError for an invalid case file."""
+        from .investigation.cases import load_case
 
         return load_case(self.case_path) if self.case_path is not None else None
 
@@ -328,7 +328,7 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     are relative to ``repo_root`` (default: this checkout).
 
     Raises:
-        helpers.cases.CaseError: a case file that is not YAML or whose ``models`` block is invalid (the
+        helpers.errors.CaseError: a case file that is not YAML or whose ``models`` block is invalid (the
         whole file is validated by :meth:`RunContext.load_case`, i.e. when 00_replay replays it).
     """
     base = as_path(repo_root) or ROOT
@@ -359,11 +359,12 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
 
 
 def _case_models(path: Path):
-    """The ``models`` block of a case file (helpers.cases.Models), read without validating the rest."""
+    """The ``models`` block of a case file (helpers.investigation.cases.Models), read without validating the rest."""
     import yaml
     from pydantic import ValidationError
 
-    from .cases import CaseError, Models
+    from .errors import CaseError
+    from .investigation.cases import Models
 
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -427,7 +428,7 @@ def run_or_load_replay(ctx: RunContext, *, rerun: bool = False, progress: bool =
     """Replay the case of ``ctx.case_path`` into ``ctx.run_dir`` (or load a complete replay already there unless ``rerun``);
     record the case path in ``results/00_replay.json``. Returns the replay document, None without a case.
     The API key, if any, is read from the environment variable named by ``ctx.api_key_env``."""
-    from .replay import replay_case
+    from .investigation.replay import replay_case
 
     case = ctx.load_case()
     if case is None:
@@ -1254,10 +1255,10 @@ def min_tolerance_frame(diag, per_token: Optional[pd.DataFrame] = None) -> pd.Da
 
 def live_check(ctx: RunContext, check: str, *, capture_dir: Any = "", reference: str = "auto",
                label: str = "live", num_samples: int = 4) -> dict:
-    """Run ``check`` (a name in :data:`helpers.hypotheses.CHECKS`) on the live server and save its figure
+    """Run ``check`` (a name in :data:`helpers.investigation.checks.CHECKS`) on the live server and save its figure
     to ``figures/live-<check>.json``. Returns a step record like the replay's (``kind``, ``check``,
     ``verdict``, ``explanation``, ``evidence``, ``data``, ``figure``, ``question``, ``label``)."""
-    from .hypotheses import Investigation, run_check
+    from .investigation.checks import Investigation, run_check
 
     ref = "hf" if reference == "hf" or (reference == "auto" and _small_model(ctx.target_dir)) else (
         None if reference in ("", "auto", "none", None) else reference)

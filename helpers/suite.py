@@ -167,7 +167,8 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
         if getattr(params, key):
             setattr(params, key, str(_resolve(getattr(params, key), here)))
     if params.case:
-        from .cases import CaseError, load_case
+        from .errors import CaseError
+        from .investigation.cases import load_case
 
         case = _resolve(params.case, here)
         if not case.exists():

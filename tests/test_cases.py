@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cases import CaseError, load_case
-from helpers.replay import replay_case
+from helpers.errors import CaseError
+from helpers.investigation.cases import load_case
+from helpers.investigation.replay import replay_case
 from helpers.runfiles import new_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]

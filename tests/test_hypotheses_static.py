@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from helpers.errors import BadInput
-from helpers.hypotheses import Investigation, run_check
-from helpers.replay import draft_variant
+from helpers.investigation.checks import Investigation, run_check
+from helpers.investigation.replay import draft_variant
 from helpers.formats.training_data import recorded_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_without_manifest_the_param_decides(tmp_path):
 def test_chunk_layer_figure_places_the_embedding_at_minus_one():
     import pandas as pd
 
-    from helpers.hypotheses import _chunk_layer_figure
+    from helpers.investigation.checks import _chunk_layer_figure
 
     frame = pd.DataFrame({"chunk": [0, 1, 2], "trained": ["out(1)", "out(3)", "out(4)"],
                           "configured": ["embedding", "out(1)", "out(3)"],

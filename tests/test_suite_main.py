@@ -25,7 +25,7 @@ def _missing() -> list[str]:
     params = yaml.safe_load(MAIN.read_text())
     need = [ROOT / params["case"]]
     if need[0].exists():
-        from helpers.cases import load_case
+        from helpers.investigation.cases import load_case
 
         case = load_case(need[0])
         need += [case.resolve(case.models.target), case.resolve(case.models.draft)]

@@ -27,6 +27,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .catalog import CATALOG
+
 VERDICTS = ("confirmed", "refuted", "inconclusive")
 
 
@@ -101,7 +103,7 @@ class Investigation:
                  name: str = "server", num_samples: int = 4, reference: Any = "hf",
                  baseline: Optional[dict] = None, acceptance: Optional[dict] = None,
                  algorithm: Optional[str] = None):
-        from .server.client import as_client
+        from ..server.client import as_client
 
         self.run_dir = Path(run_dir)
         self.client = as_client(client_or_url) if client_or_url is not None else None
@@ -138,7 +140,7 @@ class Investigation:
     def training_samples(self) -> list:
         """The first ``num_samples`` training samples (helpers.formats.dumps.Sample, pad stripped)."""
         if "training" not in self._cache:
-            from .formats.training_data import TrainingData
+            from ..formats.training_data import TrainingData
 
             td = TrainingData(self.training, hidden_size=self.hidden_size,
                               max_samples=self.num_samples)
@@ -146,7 +148,7 @@ class Investigation:
         return self._cache["training"]
 
     def _dump_name(self, what: str) -> str:
-        from .runfiles import safe_name
+        from ..runfiles import safe_name
 
         return f"{safe_name(self.name)}-{what}"
 
@@ -154,7 +156,7 @@ class Investigation:
     def served_dump(self) -> Path:
         """What the draft receives for the training samples' tokens (one row per token)."""
         if "served" not in self._cache:
-            from .capture import capture_served
+            from ..capture import capture_served
 
             path = self.dumps_dir / self._dump_name("served")
             if not (path / "manifest.json").exists():
@@ -174,7 +176,7 @@ class Investigation:
             if ref is None:
                 self._cache["reference"] = None
             elif ref == "hf":
-                from .capture import capture_reference_hf
+                from ..capture import capture_reference_hf
 
                 path = self.dumps_dir / "reference-hf"
                 if not (path / "manifest.json").exists():
@@ -188,12 +190,12 @@ class Investigation:
     def _arm(self, on: bool) -> None:
         if self.capture_dir is None:
             return
-        from .hooks import ARM_FILE
+        from ..hooks import ARM_FILE
 
         flag = self.capture_dir / ARM_FILE
         if on:
             self.capture_dir.mkdir(parents=True, exist_ok=True)
-            flag.write_text("armed by helpers.hypotheses\n")
+            flag.write_text("armed by helpers.investigation.checks\n")
         elif flag.exists():
             flag.unlink()
 
@@ -204,7 +206,7 @@ class Investigation:
             if self.capture_dir is None:
                 raise RuntimeError("no per-rank capture: start the server with helpers.hooks "
                                    "capture specs (Investigation(capture_dir=...))")
-            from .capture import per_rank_dumps
+            from ..capture import per_rank_dumps
 
             self.served_dump()
             out = self.dumps_dir / self._dump_name(f"ranks-{key.replace('(', '').replace(')', '')}")
@@ -219,7 +221,7 @@ class Investigation:
         """helpers.diagnosis.diagnose on the served dump against the training data (with the reference)."""
         ck = f"diagnosis:{reference}"
         if ck not in self._cache:
-            from .diagnosis.diagnose import diagnose
+            from ..diagnosis.diagnose import diagnose
 
             self._cache[ck] = diagnose(self.training, [self.served_dump()],
                                        draft_config=self.draft_dir, target_config=self.target_dir,
@@ -235,7 +237,7 @@ class Investigation:
 
     def tensors(self, dump: Path) -> list[dict]:
         """Samples of a dump as ``{"input_ids": list, "hidden": Tensor}`` (small dumps only)."""
-        from .formats.dumps import read_dump
+        from ..formats.dumps import read_dump
 
         src = read_dump(dump)
         return [{"input_ids": s.input_ids.tolist(), "hidden": s.load().to(torch.float32)}
@@ -665,7 +667,7 @@ def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int
     """The static wiring check (:func:`helpers.diagnosis.static.static_check`, the one implementation) for this
     investigation's draft and target, the server's version and algorithm when it is up, and the training data's
     manifest. Returns the :class:`~helpers.diagnosis.static.StaticReport`."""
-    from .diagnosis.static import static_check
+    from ..diagnosis.static import static_check
 
     info = {}
     if inv.client is not None:
@@ -718,8 +720,8 @@ def check_static_wiring(inv: Investigation, trained_layer_ids: Optional[Sequence
 
 def check_vocab_map(inv: Investigation, **_: Any) -> HypothesisResult:
     """Is the draft's pruned vocabulary mapped to target token ids (``d2t``)?"""
-    from .formats.configs import read_draft_config, read_draft_weights
-    from .diagnosis.detectors import detect_vocab_map_missing
+    from ..formats.configs import read_draft_config, read_draft_weights
+    from ..diagnosis.detectors import detect_vocab_map_missing
 
     draft = read_draft_config(inv.draft_dir)
     weights = read_draft_weights(inv.draft_dir)
@@ -752,31 +754,14 @@ class Check:
     fn: Callable[..., HypothesisResult]
 
 
-CHECKS: dict[str, Check] = {c.name: c for c in (
-    Check("embedding_all_reduce", "Embedding all-reduce",
-          "Does VocabParallelEmbedding all-reduce, or does the draft get a per-rank partial embedding?",
-          check_embedding_all_reduce),
-    Check("concat_order", "Concatenation order",
-          "Are the aux chunks concatenated in the configured order?", check_concat_order),
-    Check("tp_sharding", "TP sharding",
-          "Are the captured states full width and identical on every TP rank, or H/tp shards?",
-          check_tp_sharding),
-    Check("layer_offset", "Layer offset",
-          "Is every chunk one (or k) layer(s) off from what the draft was trained on?", check_layer_offset),
-    Check("embedding_included", "Embedding in place of a layer",
-          "Is the embedding fed where training used a layer output?", check_embedding_included),
-    Check("num_steps_override", "num_steps / draft tokens override",
-          "Did SGLang silently change the speculative settings?", check_num_steps_override),
-    Check("fc_bypass", "fc bypassed",
-          "Is an EAGLE-3 draft served with algorithm EAGLE (fc skipped)?", check_fc_bypass),
-    Check("verify_bottleneck", "Verify time is the bottleneck",
-          "Once acceptance is right, does verify time bound tok/s?", check_verify_bottleneck),
-    Check("static_wiring", "Static wiring check",
-          "From the configs alone, will the engine feed the tensors the draft was trained on?",
-          check_static_wiring),
-    Check("vocab_map", "Vocab map (d2t)",
-          "Is the draft's pruned vocabulary mapped to target token ids?", check_vocab_map),
-)}
+_FUNCTIONS = {"embedding_all_reduce": check_embedding_all_reduce, "concat_order": check_concat_order,
+              "tp_sharding": check_tp_sharding, "layer_offset": check_layer_offset,
+              "embedding_included": check_embedding_included, "num_steps_override": check_num_steps_override,
+              "fc_bypass": check_fc_bypass, "verify_bottleneck": check_verify_bottleneck,
+              "static_wiring": check_static_wiring, "vocab_map": check_vocab_map}
+#: name -> :class:`Check` (titles and questions from :mod:`helpers.investigation.catalog`)
+CHECKS: dict[str, Check] = {name: Check(name, title, question, _FUNCTIONS[name])
+                            for name, (title, question) in CATALOG.items()}
 
 
 def run_check(name: str, inv: Investigation, *, label: str = "", question: str = "",

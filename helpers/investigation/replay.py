@@ -1,4 +1,4 @@
-"""Replay a case file (helpers.cases) on the embedded reference server.
+"""Replay a case file (helpers.investigation.cases) on the embedded reference server.
 
 For each timeline step, in order:
 
@@ -6,7 +6,7 @@ For each timeline step, in order:
   to ``run_dir/drafts/<fix>/``, fault hooks, algorithm, spec, TP) plus the per-rank capture hooks
   (armed only while a hypothesis captures), measure acceptance (``helpers.acceptance.measure.measure``),
   append to ``run_dir/ledger.parquet``, and keep the server for the hypotheses that follow;
-* **hypothesis**: run the named check (``helpers.hypotheses``) on that server and its data;
+* **hypothesis**: run the named check (``helpers.investigation.checks``) on that server and its data;
   record verdict, explanation, evidence, figure, and whether it matches ``expect``;
 * **sweep**: for each ``num_steps`` value, a server of the last fix's configuration with
   ``topk 1`` and ``num_draft_tokens = num_steps + 1``; measure tok/s; pick the best.
@@ -21,13 +21,12 @@ import copy
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from .cases import Case, Fix, load_case
-from .runfiles import read_parquet, safe_name, write_json
+from ..runfiles import read_parquet, safe_name, write_json
 
 CAPTURE_KEYS = ["embedding", "embedding_local"]
 
@@ -99,9 +98,9 @@ class Replay:
             cm.__exit__(None, None, None)
 
     def _server_spec(self, fix: Fix, *, spec_override: Optional[dict] = None, capture_dir: Optional[Path] = None):
-        from .hooks import CaptureConfig, hook_specs
-        from .acceptance.fixes import LaunchSpec, ServerSpec
-        from .server.settings import SpecSettings
+        from ..hooks import CaptureConfig, hook_specs
+        from ..acceptance.fixes import LaunchSpec, ServerSpec
+        from ..server.settings import SpecSettings
 
         launch = dict(tp=self.case.server.tp, extra_args=list(self.case.server.extra_args))
         launch.update(fix.launch)
@@ -123,7 +122,7 @@ class Replay:
 
     def _start(self, fix: Fix, *, spec_override: Optional[dict] = None, capture: bool = True,
                log_name: Optional[str] = None):
-        from .acceptance.fixes import serve
+        from ..acceptance.fixes import serve
 
         slug = safe_name(log_name or fix.name)
         capture_dir = (self.run_dir / "capture" / slug) if capture and not fix.baseline else None
@@ -134,9 +133,9 @@ class Replay:
         return client, handle, draft, capture_dir, spec
 
     def _measure(self, client, label: str, requested: Any) -> dict:
-        from .acceptance.prompts import load_prompts
-        from .acceptance.measure import measure
-        from .acceptance.ledger import Ledger
+        from ..acceptance.prompts import load_prompts
+        from ..acceptance.measure import measure
+        from ..acceptance.ledger import Ledger
 
         m = self.case.measure
         prompts = load_prompts(None if m.prompts == "bundled" else m.prompts, n=m.count)
@@ -178,7 +177,7 @@ class Replay:
     def fix_effect(self) -> Optional[dict]:
         """Paired change (same prompts) from the first to the last measured fix
         (:func:`helpers.acceptance.stats.paired_effect`), or None with fewer than two."""
-        from .acceptance.stats import paired_effect
+        from ..acceptance.stats import paired_effect
 
         fixes = [s for s in self.steps if s.get("kind") == "fix" and not s.get("baseline")
                  and s.get("summary") and s.get("acceptance_dir")]
@@ -189,7 +188,7 @@ class Replay:
         return {"before": a["name"], "after": b["name"], **paired_effect(*frames)}
 
     def investigation(self):
-        from .hypotheses import Investigation
+        from .checks import Investigation
 
         cur = self.current
         if cur["inv"] is None:
@@ -204,7 +203,7 @@ class Replay:
         return cur["inv"]
 
     def run_hypothesis(self, i: int, step) -> dict:
-        from .hypotheses import run_check
+        from .checks import run_check
 
         h = step.hypothesis
         if self.current is None or self.current["fix"].baseline:
@@ -355,7 +354,7 @@ def headline(case: Case, steps: list[dict], effect: Optional[dict] = None) -> st
 
 def replay_case(case: Case | str | os.PathLike, run_dir: str | os.PathLike, *, progress: bool = True,
                 api_key: Optional[str] = None) -> dict:
-    """Replay ``case`` (a :class:`~helpers.cases.Case` or a case-file path) into ``run_dir``.
+    """Replay ``case`` (a :class:`~helpers.investigation.cases.Case` or a case-file path) into ``run_dir``.
 
     Returns the result document (also in ``run_dir/results/replay-<case>.json``): ``case``,
     ``title``, ``headline`` (one sentence), ``steps`` (one record per timeline step: fixes with
@@ -366,46 +365,3 @@ def replay_case(case: Case | str | os.PathLike, run_dir: str | os.PathLike, *, p
     if not isinstance(case, Case):
         case = load_case(case)
     return Replay(case, Path(run_dir), progress=progress, api_key=api_key).run()
-
-
-def cli_main(argv: list[str]) -> int:
-    """``python -m helpers replay CASE.yaml [--out DIR] [--quiet]``: replay a case into a new run
-    folder ``<DIR>/<YYYYmmdd-HHMMSS>-<case>`` (default ``outputs/``) and print its headline and one
-    line per step. The API key, if the case's servers need one, is read from ``$SGLANG_API_KEY``.
-
-    Exit status: 0 when the replay completed and every hypothesis got its expected verdict, 1
-    otherwise, 2 for an invalid case file (the field is named)."""
-    import argparse
-
-    from .cases import CaseError
-    from .runfiles import new_run_dir
-
-    ap = argparse.ArgumentParser(prog="python -m helpers replay", description=cli_main.__doc__.split("\n\n")[0])
-    ap.add_argument("case", help="case file (YAML), e.g. env/cases/seeds_hunt.yaml")
-    ap.add_argument("--out", default=None, help="folder receiving the run folder (default: outputs/)")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    a = ap.parse_args(argv)
-    try:
-        case = load_case(a.case)
-    except CaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    run = new_run_dir(case.name, a.out)
-    print(f"[replay] {case.name} -> {run}", file=sys.stderr)
-    doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)
-    ok = bool(doc.get("complete"))
-    for s in doc["steps"]:
-        if s.get("kind") == "hypothesis":
-            flag = "" if s.get("as_expected") in (None, True) else f"  (expected {s.get('expect')})"
-            ok &= s.get("as_expected") in (None, True)
-            print(f"  step {s['index'] + 1}: {s.get('check')}: {s.get('verdict')}{flag}")
-        elif s.get("kind") == "fix":
-            summ = s.get("summary") or {}
-            what = (f"accept length {summ['accept_length']:.2f}, accept rate {100 * summ['accept_rate']:.0f}%"
-                    if summ.get("accept_length") is not None else (s.get("error") or "server did not start"))
-            print(f"  step {s['index'] + 1}: fix '{s.get('name')}': {what}")
-        elif s.get("kind") == "sweep":
-            print(f"  step {s['index'] + 1}: sweep: best num_steps {s.get('best_num_steps')}")
-    print(doc.get("headline", ""))
-    print(f"[replay] results: {run / 'results'}", file=sys.stderr)
-    return 0 if ok else 1

@@ -26,7 +26,7 @@ Format (YAML, validated with pydantic; documented in env/cases/README.md)::
           spec: {...}                      # optional, overrides server.spec
           launch: {tp: 2, extra_args: []}  # optional, overrides server
       - hypothesis:
-          check: embedding_all_reduce      # a name in helpers.hypotheses.CHECKS
+          check: embedding_all_reduce      # a name in helpers.investigation.checks.CHECKS
           label: seeds msg 4495            # free text (e.g. where the idea came from)
           question: does VocabParallelEmbedding all-reduce?
           params: {}                       # passed to the check
@@ -44,14 +44,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+from ..errors import CaseError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
-ROOT = Path(__file__).resolve().parents[1]
-
-
-class CaseError(ValueError):
-    """A case file is missing or invalid; the message names the file and the field."""
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Models(BaseModel):
@@ -94,7 +92,7 @@ class Fix(BaseModel):
     @field_validator("faults")
     @classmethod
     def _faults_valid(cls, v):
-        from .hooks import Fault
+        from ..faults import Fault
 
         for f in v:
             Fault(**f)  # raises ValueError naming the missing field / unknown kind
@@ -111,10 +109,10 @@ class Hypothesis(BaseModel):
     @field_validator("check")
     @classmethod
     def _known(cls, v):
-        from .hypotheses import CHECKS
+        from .catalog import CATALOG
 
-        if v not in CHECKS:
-            raise ValueError(f"unknown check '{v}'; expected one of {sorted(CHECKS)}")
+        if v not in CATALOG:
+            raise ValueError(f"unknown check '{v}'; expected one of {sorted(CATALOG)}")
         return v
 
 

@@ -1,0 +1,50 @@
+"""``python -m helpers replay CASE.yaml``: replay a case file into a new run folder."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import CaseError
+from ..investigation.cases import load_case
+from ..investigation.replay import replay_case
+from ..runfiles import new_run_dir
+
+
+def cli_main(argv: list[str]) -> int:
+    """``python -m helpers replay CASE.yaml [--out DIR] [--quiet]``: replay a case into a new run
+    folder ``<DIR>/<YYYYmmdd-HHMMSS>-<case>`` (default ``outputs/``) and print its headline and one
+    line per step. The API key, if the case's servers need one, is read from ``$SGLANG_API_KEY``.
+
+    Exit status: 0 when the replay completed and every hypothesis got its expected verdict, 1
+    otherwise, 2 for an invalid case file (the field is named)."""
+
+    ap = argparse.ArgumentParser(prog="python -m helpers replay", description=cli_main.__doc__.split("\n\n")[0])
+    ap.add_argument("case", help="case file (YAML), e.g. env/cases/seeds_hunt.yaml")
+    ap.add_argument("--out", default=None, help="folder receiving the run folder (default: outputs/)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    a = ap.parse_args(argv)
+    try:
+        case = load_case(a.case)
+    except CaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run = new_run_dir(case.name, a.out)
+    print(f"[replay] {case.name} -> {run}", file=sys.stderr)
+    doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)
+    ok = bool(doc.get("complete"))
+    for s in doc["steps"]:
+        if s.get("kind") == "hypothesis":
+            flag = "" if s.get("as_expected") in (None, True) else f"  (expected {s.get('expect')})"
+            ok &= s.get("as_expected") in (None, True)
+            print(f"  step {s['index'] + 1}: {s.get('check')}: {s.get('verdict')}{flag}")
+        elif s.get("kind") == "fix":
+            summ = s.get("summary") or {}
+            what = (f"accept length {summ['accept_length']:.2f}, accept rate {100 * summ['accept_rate']:.0f}%"
+                    if summ.get("accept_length") is not None else (s.get("error") or "server did not start"))
+            print(f"  step {s['index'] + 1}: fix '{s.get('name')}': {what}")
+        elif s.get("kind") == "sweep":
+            print(f"  step {s['index'] + 1}: sweep: best num_steps {s.get('best_num_steps')}")
+    print(doc.get("headline", ""))
+    print(f"[replay] results: {run / 'results'}", file=sys.stderr)
+    return 0 if ok else 1
