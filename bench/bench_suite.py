@@ -6,7 +6,7 @@ Runs ``python -m helpers suite run --params ...`` as a child process (the same c
 Makefile, minus `make setup`), then prints a markdown report for bench/RESULTS.md: total wall time,
 the replay's steps (server start-up per fix with its TP size, measurement, hypotheses, sweep points;
 TP 8 parts are listed separately), each notebook's wall time and HTML size, the postmortem against
-``helpers.suite.HTML_BUDGET_BYTES``, and the machine (CPUs, load average before/after).
+``helpers.suite.html.HTML_BUDGET_BYTES``, and the machine (CPUs, load average before/after).
 ``--from-run`` re-renders the report of an existing run folder without running anything.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def report(run_dir: Path, wall: float | None = None, load: tuple | None = None) -> str:
-    from helpers.suite import HTML_BUDGET_BYTES
+    from helpers.suite.html import HTML_BUDGET_BYTES
 
     status = json.loads((run_dir / "suite_status.json").read_text())
     replays = sorted((run_dir / "results").glob("replay-*.json"))

@@ -8,7 +8,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
   measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
-  suite      run the notebook suite with papermill, write postmortem.html        (helpers.suite)
+  suite      run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ commands:
 exit codes: 0 ok, 1 findings / failed notebooks / unexpected verdicts, 2 bad input"""
 
 COMMANDS = {
-    "diagnose": "helpers.diagnosis.diagnose",
+    "diagnose": "helpers.cli.diagnose",
     "server": "helpers.cli.server",
-    "capture": "helpers.capture",
+    "capture": "helpers.cli.capture",
     "measure": "helpers.cli.measure",
     "replay": "helpers.cli.replay",
-    "suite": "helpers.suite",
+    "suite": "helpers.cli.suite",
 }
 
 

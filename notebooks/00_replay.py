@@ -34,19 +34,20 @@ training_data = ""  # empty: the case's models (default env/models/data/sample)
 rerun = False  # replay again even when run_dir already holds a complete replay of this case
 
 # %%
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import replay
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root, create=True)
-doc = R.run_or_load_replay(ctx, rerun=rerun)
+doc = replay.run_or_load_replay(ctx, rerun=rerun)
 
 # %% [markdown]
 # ## What was wrong
 
 # %%
-R.show(R.headline_html(doc))
-R.show(R.story_html(doc))
+R.show(replay.headline_html(doc))
+R.show(replay.story_html(doc))
 
 # %% [markdown]
 # ## Accept rate per fix, with the hypotheses on the timeline
@@ -55,14 +56,14 @@ R.show(R.story_html(doc))
 # Dashed vertical lines: hypotheses, coloured by verdict (red confirmed, green refuted, grey inconclusive).
 
 # %%
-R.show(R.timeline_figure(doc))
-R.show(R.fixes_display(doc))
+R.show(replay.timeline_figure(doc))
+R.show(replay.fixes_display(doc))
 
 # %% [markdown]
 # ## Verdicts
 
 # %%
-R.show(R.hypotheses_frame(doc))
+R.show(replay.hypotheses_frame(doc))
 
 # %% [markdown]
 # ## Step by step
@@ -71,7 +72,7 @@ R.show(R.hypotheses_frame(doc))
 # evidence table and its figure.
 
 # %%
-R.show_timeline(doc, ctx.run_dir)
+replay.show_timeline(doc, ctx.run_dir)
 
 # %% [markdown]
 # ## Sweep: tok/s vs num_steps
@@ -79,5 +80,5 @@ R.show_timeline(doc, ctx.run_dir)
 # Once acceptance is right, the number of draft steps trades acceptance against verify cost.
 
 # %%
-fig = R.sweep_figure(doc)
+fig = replay.sweep_figure(doc)
 R.show(fig if fig is not None else R.note("This case has no num_steps sweep."))

@@ -33,12 +33,13 @@ draft_dir = ""  # draft folder (config.json); empty: the case's / env/models/dra
 training_data = ""  # training data; empty: the case's / env/models/data/sample
 
 # %%
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import attach
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
-records = [R.live_attach(ctx)] if ctx.live else R.attach_records(ctx)
+records = [attach.live_attach(ctx)] if ctx.live else attach.attach_records(ctx)
 if not records:
     R.show(R.note("Nothing to show: no server_url and no replay in this run folder."))
 
@@ -46,5 +47,5 @@ if not records:
 # ## Per server (one per fix of the replay)
 
 # %%
-summary = [R.show_attach(rec, ctx) for rec in records]
+summary = [attach.show_attach(rec, ctx) for rec in records]
 R.write_result(ctx.run_dir, "01_attach", {"live": ctx.live, "servers": summary})

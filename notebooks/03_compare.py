@@ -34,17 +34,18 @@ served = ""  # served dump folder; empty: the first served dump of the run folde
 max_samples = 8  # training samples read
 
 # %%
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import compare, dump
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
-candidates = R.served_dumps(ctx.run_dir)
+candidates = dump.served_dumps(ctx.run_dir)
 served_dump = R.as_path(served) or (candidates[0] if candidates else None)
 if served_dump is None:
     raise FileNotFoundError(f"no served dump in {ctx.run_dir}/dumps (run 00_replay or 02_dump first)")
 H = ctx.hidden_size
-diag = R.run_diagnosis(ctx, served_dump, reference=R.reference_dump(ctx.run_dir), max_samples=max_samples)
+diag = compare.run_diagnosis(ctx, served_dump, reference=dump.reference_dump(ctx.run_dir), max_samples=max_samples)
 tol = diag.comparison.tolerance
 R.show(R.note(f"served dump: {served_dump.name}; training data: {ctx.training}; tolerance {tol:g}"))
 
@@ -61,7 +62,7 @@ R.show(R.findings_frame(diag.findings) if diag.findings else R.note("No finding:
 # holds, the closest training chunk and its rel_diff / cosine.
 
 # %%
-R.show(R.chunk_table(diag))
+R.show(compare.chunk_table(diag))
 
 # %% [markdown]
 # ## Served x training rel_diff
@@ -70,11 +71,11 @@ R.show(R.chunk_table(diag))
 # wrong features from.
 
 # %%
-matrix = R.rel_diff_matrix(diag)
-R.show(R.rel_diff_heatmap(matrix, title="rel_diff: served chunk x training chunk", tolerance=tol))
-ref_matrix = R.rel_diff_matrix(diag, against="reference")
+matrix = compare.rel_diff_matrix(diag)
+R.show(compare.rel_diff_heatmap(matrix, title="rel_diff: served chunk x training chunk", tolerance=tol))
+ref_matrix = compare.rel_diff_matrix(diag, against="reference")
 if len(ref_matrix):
-    R.show(R.rel_diff_heatmap(ref_matrix, title="rel_diff: served chunk x target layer (reference)",
+    R.show(compare.rel_diff_heatmap(ref_matrix, title="rel_diff: served chunk x target layer (reference)",
                               tolerance=tol))
 
 # %% [markdown]
@@ -84,14 +85,14 @@ if len(ref_matrix):
 # wiring fault, isolated spikes at numerics.
 
 # %%
-pairs = R.aligned_rows(served_dump, ctx.training, H, max_samples=max_samples)
-per_token = R.per_token_rel_diff(pairs, H)
+pairs = compare.aligned_rows(served_dump, ctx.training, H, max_samples=max_samples)
+per_token = compare.per_token_rel_diff(pairs, H)
 if len(per_token):
     samples = list(dict.fromkeys(per_token["sample"]))
-    R.interactive(lambda sample, chunk: R.per_token_figure(per_token, sample, chunk, tolerance=tol),
+    R.interactive(lambda sample, chunk: compare.per_token_figure(per_token, sample, chunk, tolerance=tol),
                   {"sample": samples, "chunk": ["all"] + sorted(int(c) for c in per_token["chunk"].unique())},
                   caption="first sample, all chunks")
-    R.show(R.rel_diff_histograms(per_token, tolerance=tol))
+    R.show(compare.rel_diff_histograms(per_token, tolerance=tol))
 else:
     R.show(R.note("No served sample shares its tokens with a training sample."))
 
@@ -102,7 +103,7 @@ else:
 # ("all"): a wiring fault needs an absurd tolerance, numerics a small one.
 
 # %%
-min_tol = R.min_tolerance_frame(diag, per_token)
+min_tol = compare.min_tolerance_frame(diag, per_token)
 R.show(min_tol)
 
 # %%

@@ -35,26 +35,27 @@ capture_dir = ""  # live: folder the server's helpers.hooks per-rank capture wri
 reference = "auto"  # live: "hf", a reference dump folder, or "auto" (HF when the target is small)
 
 # %%
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import dump, hypotheses, replay
 
 R.setup_notebook()
 NOTEBOOK, CHECK = "10_hyp_tp_sharding", "tp_sharding"
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
 if ctx.live:
-    steps, source = [R.live_check(ctx, CHECK, capture_dir=capture_dir, reference=reference)], "live"
+    steps, source = [hypotheses.live_check(ctx, CHECK, capture_dir=capture_dir, reference=reference)], "live"
 else:
-    steps, source = R.hypothesis_steps(ctx.replay, CHECK), "replay"
+    steps, source = replay.hypothesis_steps(ctx.replay, CHECK), "replay"
 
 # %% [markdown]
 # ## Verdict, explanation, evidence
 
 # %%
 for step in steps:
-    R.show_hypothesis(step, ctx.run_dir)
+    replay.show_hypothesis(step, ctx.run_dir)
 if not steps:
     R.show(R.note(f"The replay in this run folder has no '{CHECK}' step, and no server_url was given."))
-R.write_result(ctx.run_dir, NOTEBOOK, R.hypothesis_result(NOTEBOOK, CHECK, steps, source))
+R.write_result(ctx.run_dir, NOTEBOOK, hypotheses.hypothesis_result(NOTEBOOK, CHECK, steps, source))
 
 # %% [markdown]
 # ## Per rank: does every rank hold the same aux states?
@@ -63,10 +64,10 @@ R.write_result(ctx.run_dir, NOTEBOOK, R.hypothesis_result(NOTEBOOK, CHECK, steps
 # the residual stream is all-reduced before capture (standard tensor parallelism), nothing is sharded.
 
 # %%
-ranks = R.rank_dumps(ctx.run_dir, "aux")
+ranks = hypotheses.rank_dumps(ctx.run_dir, "aux")
 if len(ranks) > 1:
-    R.interactive(lambda rank, sample: R.rank_diff_figure(ranks, rank, ctx.hidden_size, sample=sample),
-                  {"rank": [r for r in ranks if r != 0], "sample": R.dump_samples(ranks[0])},
+    R.interactive(lambda rank, sample: hypotheses.rank_diff_figure(ranks, rank, ctx.hidden_size, sample=sample),
+                  {"rank": [r for r in ranks if r != 0], "sample": dump.dump_samples(ranks[0])},
                   caption="rank 1 vs rank 0, first forward")
 else:
     R.show(R.note("No per-rank capture of the aux states in this run folder (TP 1, or no --forward-hooks)."))

@@ -35,26 +35,27 @@ capture_dir = ""  # live: folder the server's helpers.hooks per-rank capture wri
 reference = "auto"  # live: "hf", a reference dump folder, or "auto" (HF when the target is small)
 
 # %%
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import dump, hypotheses, replay
 
 R.setup_notebook()
 NOTEBOOK, CHECK = "11_hyp_embedding_allreduce", "embedding_all_reduce"
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
 if ctx.live:
-    steps, source = [R.live_check(ctx, CHECK, capture_dir=capture_dir, reference=reference)], "live"
+    steps, source = [hypotheses.live_check(ctx, CHECK, capture_dir=capture_dir, reference=reference)], "live"
 else:
-    steps, source = R.hypothesis_steps(ctx.replay, CHECK), "replay"
+    steps, source = replay.hypothesis_steps(ctx.replay, CHECK), "replay"
 
 # %% [markdown]
 # ## Verdict, explanation, evidence
 
 # %%
 for step in steps:
-    R.show_hypothesis(step, ctx.run_dir)
+    replay.show_hypothesis(step, ctx.run_dir)
 if not steps:
     R.show(R.note(f"The replay in this run folder has no '{CHECK}' step, and no server_url was given."))
-R.write_result(ctx.run_dir, NOTEBOOK, R.hypothesis_result(NOTEBOOK, CHECK, steps, source))
+R.write_result(ctx.run_dir, NOTEBOOK, hypotheses.hypothesis_result(NOTEBOOK, CHECK, steps, source))
 
 # %% [markdown]
 # ## Per rank: the local embedding before the all-reduce
@@ -63,11 +64,11 @@ R.write_result(ctx.run_dir, NOTEBOOK, R.hypothesis_result(NOTEBOOK, CHECK, steps
 # the all-reduce. The draft must never see these.
 
 # %%
-local = R.rank_dumps(ctx.run_dir, "embedding_local")
+local = hypotheses.rank_dumps(ctx.run_dir, "embedding_local")
 if local:
-    R.interactive(lambda rank, sample: R.norm_heatmap(local[rank], sample, ctx.hidden_size,
+    R.interactive(lambda rank, sample: dump.norm_heatmap(local[rank], sample, ctx.hidden_size,
                                                       title=f"rank {rank}: local embedding row norms"),
-                  {"rank": list(local), "sample": R.dump_samples(local[min(local)])},
+                  {"rank": list(local), "sample": dump.dump_samples(local[min(local)])},
                   caption="rank 0, first forward")
 else:
     R.show(R.note("No per-rank capture of the embedding in this run folder."))

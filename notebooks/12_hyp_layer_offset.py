@@ -35,26 +35,27 @@ capture_dir = ""  # live: folder the server's helpers.hooks per-rank capture wri
 reference = "auto"  # live: "hf", a reference dump folder, or "auto" (HF when the target is small)
 
 # %%
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import hypotheses, replay
 
 R.setup_notebook()
 NOTEBOOK, CHECK = "12_hyp_layer_offset", "layer_offset"
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
 if ctx.live:
-    steps, source = [R.live_check(ctx, CHECK, capture_dir=capture_dir, reference=reference)], "live"
+    steps, source = [hypotheses.live_check(ctx, CHECK, capture_dir=capture_dir, reference=reference)], "live"
 else:
-    steps, source = R.hypothesis_steps(ctx.replay, CHECK), "replay"
+    steps, source = replay.hypothesis_steps(ctx.replay, CHECK), "replay"
 
 # %% [markdown]
 # ## Verdict, explanation, evidence
 
 # %%
 for step in steps:
-    R.show_hypothesis(step, ctx.run_dir)
+    replay.show_hypothesis(step, ctx.run_dir)
 if not steps:
     R.show(R.note(f"The replay in this run folder has no '{CHECK}' step, and no server_url was given."))
-R.write_result(ctx.run_dir, NOTEBOOK, R.hypothesis_result(NOTEBOOK, CHECK, steps, source))
+R.write_result(ctx.run_dir, NOTEBOOK, hypotheses.hypothesis_result(NOTEBOOK, CHECK, steps, source))
 
 # %% [markdown]
 # ## Which layer is each chunk?
@@ -68,7 +69,7 @@ import pandas as pd
 compared = R.read_result(ctx.run_dir, "03_compare") or {}
 ref = pd.DataFrame(compared.get("reference_rel_diff") or {})
 if len(ref):
-    R.interactive(lambda chunk: R.reference_bars(ref, chunk), {"chunk": list(range(len(ref)))},
+    R.interactive(lambda chunk: hypotheses.reference_bars(ref, chunk), {"chunk": list(range(len(ref)))},
                   caption="chunk 0")
 else:
     R.show(R.note("No reference comparison in this run folder (03_compare did not run or had no reference)."))

@@ -36,20 +36,21 @@ max_new_tokens = 64  # live: tokens per request
 
 # %%
 from helpers.plots import acceptance as F
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import acceptance, postmortem, replay
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, repo_root=repo_root)
 if ctx.live and measure_label:
-    R.measure_live(ctx, measure_label, count=count, max_new_tokens=max_new_tokens)
-ledger = R.ledger_frame(ctx.run_dir)
-fixes, sweep = R.main_fixes(ledger), R.sweep_rows(ledger)
+    acceptance.measure_live(ctx, measure_label, count=count, max_new_tokens=max_new_tokens)
+ledger = acceptance.ledger_frame(ctx.run_dir)
+fixes, sweep = acceptance.main_fixes(ledger), acceptance.sweep_rows(ledger)
 
 # %% [markdown]
 # ## Ledger
 
 # %%
-R.show(R.acceptance_table(ledger) if len(ledger) else R.note("The ledger of this run folder is empty."))
+R.show(acceptance.acceptance_table(ledger) if len(ledger) else R.note("The ledger of this run folder is empty."))
 
 # %% [markdown]
 # ## Accept length and tok/s per fix
@@ -89,13 +90,13 @@ if len(fixes):
 # ledger's sweep rows.
 
 # %%
-fig = R.sweep_figure(ctx.replay)
+fig = replay.sweep_figure(ctx.replay)
 if fig is None and len(sweep):
     fig = F.tok_s_vs_steps(sweep)
 R.show(fig if fig is not None else R.note("No num_steps sweep in this run folder."))
 
 # %%
 R.write_result(ctx.run_dir, "20_acceptance", {
-    "fixes": R.acceptance_table(fixes).to_dict(orient="records"),
-    "sweep": R.acceptance_table(sweep).to_dict(orient="records"),
-    "before_after": R.before_after(ctx.replay, ledger).to_dict(orient="records")})
+    "fixes": acceptance.acceptance_table(fixes).to_dict(orient="records"),
+    "sweep": acceptance.acceptance_table(sweep).to_dict(orient="records"),
+    "before_after": postmortem.before_after(ctx.replay, ledger).to_dict(orient="records")})

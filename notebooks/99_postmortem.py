@@ -28,12 +28,13 @@ training_data = ""  # unused
 
 # %%
 from helpers.plots import acceptance as F
-from helpers import report as R
+from helpers.views import common as R
+from helpers.views import acceptance, postmortem, replay
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, repo_root=repo_root)
-doc, ledger, status = ctx.replay, R.ledger_frame(ctx.run_dir), R.suite_status(ctx.run_dir)
-R.show(R.headline_html(doc))
+doc, ledger, status = ctx.replay, acceptance.ledger_frame(ctx.run_dir), postmortem.suite_status(ctx.run_dir)
+R.show(replay.headline_html(doc))
 
 # %% [markdown]
 # ## Verdicts
@@ -41,7 +42,7 @@ R.show(R.headline_html(doc))
 # Every hypothesis, in the order of the investigation, with the verdict the case expected.
 
 # %%
-verdicts = R.verdict_summary(ctx.run_dir, doc)
+verdicts = postmortem.verdict_summary(ctx.run_dir, doc)
 R.show(verdicts if len(verdicts) else R.note("No hypothesis was run."))
 compared = R.read_result(ctx.run_dir, "03_compare") or {}
 if compared.get("findings"):
@@ -52,13 +53,13 @@ if compared.get("findings"):
 # ## Before and after the fix
 
 # %%
-change = R.before_after(doc, ledger)
+change = postmortem.before_after(doc, ledger)
 R.show(change if len(change) else R.note("Fewer than two fixes were measured."))
-R.show(R.timeline_figure(doc))
-fixes = R.main_fixes(ledger)
+R.show(replay.timeline_figure(doc))
+fixes = acceptance.main_fixes(ledger)
 if len(fixes):
     R.show(F.accept_length_by_fix(fixes))
-fig = R.sweep_figure(doc)
+fig = replay.sweep_figure(doc)
 if fig is not None:
     R.show(fig)
 
@@ -68,7 +69,7 @@ if fig is not None:
 # Each step of the investigation as its own page (code hidden; "Show code" at the top right).
 
 # %%
-R.show(R.notebook_links_html(status))
+R.show(postmortem.notebook_links_html(status))
 R.show("<b>Failures</b>")
-R.show(R.failures_html(status))
-R.write_result(ctx.run_dir, "99_postmortem", R.postmortem_record(ctx.run_dir, doc))
+R.show(postmortem.failures_html(status))
+R.write_result(ctx.run_dir, "99_postmortem", postmortem.postmortem_record(ctx.run_dir, doc))

@@ -11,7 +11,7 @@ import torch
 
 from forensic_cases import write_generate_json, write_rank_dumps, write_specforge
 from helpers.diagnosis.detectors import FINDING_KINDS
-from helpers.diagnosis.diagnose import cli_main
+from helpers.cli.diagnose import cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLEAN = ["out(1)", "out(3)", "out(4)"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.diagnosis.diagnose import cli_main
+from helpers.cli.diagnose import cli_main
 from helpers.diagnosis.static import static_check
 
 DATA = Path(__file__).resolve().parent / "data" / "public_configs.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.diagnosis.diagnose import cli_main
+from helpers.cli.diagnose import cli_main
 from helpers.diagnosis.static import static_check
 
 

@@ -10,7 +10,7 @@ import jupytext
 import nbformat
 import pytest
 
-from helpers import suite
+from helpers.suite import params as suite_params
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -20,8 +20,8 @@ COMMON = {"run_dir", "server_url", "repo_root", "api_key_env", "case", "target_d
 
 def test_the_suite_notebooks_exist():
     names = {p.stem for p in NOTEBOOKS}
-    assert set(suite.DEFAULT_NOTEBOOKS) <= names, set(suite.DEFAULT_NOTEBOOKS) - names
-    assert suite.DEFAULT_NOTEBOOKS[0] == "00_replay" and suite.DEFAULT_NOTEBOOKS[-1] == "99_postmortem"
+    assert set(suite_params.DEFAULT_NOTEBOOKS) <= names, set(suite_params.DEFAULT_NOTEBOOKS) - names
+    assert suite_params.DEFAULT_NOTEBOOKS[0] == "00_replay" and suite_params.DEFAULT_NOTEBOOKS[-1] == "99_postmortem"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -41,7 +41,7 @@ def test_notebook_is_clean_and_parameterised(path):
     for line in params[0].source.splitlines():  # papermill cannot parse a line with two '='
         assert line.count("=") <= 1, f"{path.name}: {line!r}"
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    assert "from helpers import report as R" in code and "R.setup_notebook()" in code
+    assert "from helpers.views import common as R" in code and "R.setup_notebook()" in code
     assert len(code.splitlines()) < 90, f"{path.name}: notebooks stay thin; move logic to helpers/"
     assert "SGLANG_API_KEY\"]" not in code and "os.environ[" not in code, "keys are read in helpers only"
 

@@ -25,8 +25,9 @@ import nbformat
 import pytest
 import yaml
 
-from helpers import suite
-from helpers.suite import HTML_BUDGET_BYTES, PLOTLYJS_MARKER
+from helpers.cli import suite as suite_cli
+from helpers.suite import params as suite_params
+from helpers.suite.html import HTML_BUDGET_BYTES, PLOTLYJS_MARKER
 
 pytestmark = pytest.mark.server
 
@@ -83,7 +84,7 @@ def suite_run(tiny_params, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(KEY_ENV, API_KEY)
         with contextlib.redirect_stdout(buf):
-            rc = suite.cli_main(["run", "--params", str(tiny_params), "--out", str(out)])
+            rc = suite_cli.cli_main(["run", "--params", str(tiny_params), "--out", str(out)])
     wall = time.monotonic() - t0
     runs = [p for p in out.iterdir() if p.is_dir()]
     assert len(runs) == 1, runs
@@ -99,8 +100,8 @@ def test_suite_runs_every_notebook(suite_run):
     failed = {nb: (e.get("ename"), e.get("evalue")) for nb, e in status["notebooks"].items() if not e["ok"]}
     assert not failed, failed
     assert rc == 0
-    assert list(status["notebooks"]) == suite.DEFAULT_NOTEBOOKS
-    for nb in suite.DEFAULT_NOTEBOOKS:
+    assert list(status["notebooks"]) == suite_params.DEFAULT_NOTEBOOKS
+    for nb in suite_params.DEFAULT_NOTEBOOKS:
         assert (run_dir / "notebooks" / f"{nb}.ipynb").exists()
         assert status["notebooks"][nb]["wall_s"] >= 0
     assert (run_dir / "params.yaml").exists()
@@ -164,7 +165,7 @@ def _plotly_figures_in(nb_path: Path) -> int:
 def test_html_pages_are_offline_and_embed_plotly_once(suite_run):
     _, run_dir, _, _ = suite_run
     status = json.loads((run_dir / "suite_status.json").read_text())
-    pages = [run_dir / "postmortem.html"] + [run_dir / "html" / f"{nb}.html" for nb in suite.DEFAULT_NOTEBOOKS[:-1]]
+    pages = [run_dir / "postmortem.html"] + [run_dir / "html" / f"{nb}.html" for nb in suite_params.DEFAULT_NOTEBOOKS[:-1]]
     for page in pages:
         text = page.read_text()
         assert not re.search(r"<script[^>]*\bsrc\s*=\s*[\"']?\s*(https?:)?//", text, re.I), page
@@ -190,7 +191,7 @@ def test_postmortem_page_content(suite_run):
     assert head < text.index("Verdicts"), "the headline comes first"
     assert "embedding_included" in text and "confirmed" in text and "refuted" in text
     assert "Tiny seeds hunt &lt;b&gt;(test)&lt;/b&gt;" in text, "case text is escaped"
-    for nb in suite.DEFAULT_NOTEBOOKS[:-1]:
+    for nb in suite_params.DEFAULT_NOTEBOOKS[:-1]:
         assert f'href="html/{nb}.html"' in text
         assert (run_dir / "html" / f"{nb}.html").exists()
     assert "All notebooks before this one ran without error" in text

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import suite
+from helpers.suite import runner as suite_runner
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 LIVE = ["01_attach", "02_dump", "10_hyp_tp_sharding", "11_hyp_embedding_allreduce", "20_acceptance",
@@ -41,7 +41,7 @@ def live_run(tmp_path_factory, tiny_target, tiny_draft):
                                                     "max_new_tokens": 12}}}
     p = root / "params.yaml"
     p.write_text(yaml.safe_dump(params))
-    run_dir, status = suite.run_suite(p, root / "runs")
+    run_dir, status = suite_runner.run_suite(p, root / "runs")
     return run_dir, status
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import suite
+from helpers.cli import suite as suite_cli
+from helpers.suite import html as suite_html
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "env" / "cases" / "main.yaml"
@@ -43,7 +44,7 @@ def main_run(tmp_path_factory):
     buf = io.StringIO()
     t0 = time.monotonic()
     with contextlib.redirect_stdout(buf):
-        rc = suite.cli_main(["run", "--params", str(MAIN), "--out", str(out)])
+        rc = suite_cli.cli_main(["run", "--params", str(MAIN), "--out", str(out)])
     wall = time.monotonic() - t0
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     print(buf.getvalue()[-4000:])
@@ -56,7 +57,7 @@ def test_main_job_runs_clean(main_run):
     status = json.loads((run_dir / "suite_status.json").read_text())
     assert status["failed"] == [], {nb: status["notebooks"][nb].get("evalue") for nb in status["failed"]}
     assert rc == 0
-    assert status["postmortem_check"]["offline"] and status["postmortem_bytes"] < suite.HTML_BUDGET_BYTES
+    assert status["postmortem_check"]["offline"] and status["postmortem_bytes"] < suite_html.HTML_BUDGET_BYTES
 
 
 def test_main_job_verdicts_and_accept_rate_jump(main_run):

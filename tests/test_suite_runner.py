@@ -11,7 +11,8 @@ import nbformat
 import pytest
 import yaml
 
-from helpers import suite
+from helpers.cli import suite as suite_cli
+from helpers.suite import runner as suite_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def failing_params(tmp_path_factory) -> Path:
 
 def test_failing_notebook_is_reported_and_the_others_run(failing_params, tmp_path, capsys):
     out = tmp_path / "runs"
-    rc = suite.cli_main(["run", "--params", str(failing_params), "--out", str(out)])
+    rc = suite_cli.cli_main(["run", "--params", str(failing_params), "--out", str(out)])
     assert rc == 1
     assert "1 notebook(s) failed: 02_fail" in capsys.readouterr().err
     (run_dir,) = list(out.iterdir())
@@ -81,8 +82,8 @@ def test_failing_notebook_is_reported_and_the_others_run(failing_params, tmp_pat
 
 def test_each_run_gets_a_new_folder(failing_params, tmp_path):
     out = tmp_path / "runs"
-    a, _ = suite.run_suite(failing_params, out, only=["01_ok"])
-    b, _ = suite.run_suite(failing_params, out, only=["01_ok"])
+    a, _ = suite_runner.run_suite(failing_params, out, only=["01_ok"])
+    b, _ = suite_runner.run_suite(failing_params, out, only=["01_ok"])
     assert a != b and a.parent == b.parent == out
     assert (a / "params.yaml").exists() and (b / "params.yaml").exists()
     assert (a / "results" / "ok.txt").exists() and (b / "results" / "ok.txt").exists()
@@ -94,7 +95,7 @@ def test_postmortem_failure_falls_back_to_a_runner_page(failing_params, tmp_path
     params["notebooks"] = ["02_fail"]
     p = failing_params.parent / "only-fail.yaml"
     p.write_text(yaml.safe_dump(params))
-    run_dir, status = suite.run_suite(p, out)
+    run_dir, status = suite_runner.run_suite(p, out)
     assert status["failed"] == ["02_fail"]
     page = (run_dir / "postmortem.html").read_text()
     assert "The postmortem notebook did not complete" in page and "boom &lt;script&gt;" in page
@@ -110,7 +111,7 @@ def test_postmortem_failure_falls_back_to_a_runner_page(failing_params, tmp_path
 def test_bad_params_exit_2_with_one_line(tmp_path, capsys, content, message):
     p = tmp_path / "params.yaml"
     p.write_text(content)
-    assert suite.cli_main(["run", "--params", str(p), "--out", str(tmp_path / "runs")]) == 2
+    assert suite_cli.cli_main(["run", "--params", str(p), "--out", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
@@ -118,7 +119,7 @@ def test_bad_params_exit_2_with_one_line(tmp_path, capsys, content, message):
 
 def test_only_with_an_unknown_notebook_exits_2_before_any_run_folder(failing_params, tmp_path, capsys):
     out = tmp_path / "runs"
-    rc = suite.cli_main(["run", "--params", str(failing_params), "--out", str(out),
+    rc = suite_cli.cli_main(["run", "--params", str(failing_params), "--out", str(out),
                          "--only", "01_ok", "01_OK"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--only" in err and "'01_OK'" in err and "01_ok" in err and "\n" not in err

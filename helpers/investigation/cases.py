@@ -47,11 +47,9 @@ import yaml
 
 from ..errors import CaseError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ..paths import ROOT
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
-ROOT = Path(__file__).resolve().parents[2]
-
-
 class Models(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: str = "env/models/target"

@@ -38,18 +38,7 @@ from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
 from .process import ServerProcess
 from .settings import SpecSettings
-
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-DEFAULT_SGLANG_PYTHON = ROOT / "env" / "reference" / ".venv" / "bin" / "python"
-
-
-REFERENCE_TARGET = ROOT / "env" / "models" / "target"
-
-
-REFERENCE_DRAFT = ROOT / "env" / "models" / "draft"
+from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
 
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")

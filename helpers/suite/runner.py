@@ -31,12 +31,10 @@ passed as a parameter: the API key stays in the environment variable named by
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import html
 import json
 import os
-import re
 import shlex
 import sys
 import threading
@@ -44,191 +42,16 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
-
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ..runfiles import atomic_write_text, new_run_dir, write_json
+from ..errors import BadParams
+from .html import HTML_BUDGET_BYTES, check_html, export_html
+from .params import ManagedServer, POSTMORTEM, REPLAY, load_params
+from ..paths import ROOT
 
-from .runfiles import atomic_write_text, new_run_dir, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK_DIR = ROOT / "notebooks"
-DEFAULT_NOTEBOOKS = ["00_replay", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
-                     "11_hyp_embedding_allreduce", "12_hyp_layer_offset", "20_acceptance",
-                     "99_postmortem"]
-POSTMORTEM = "99_postmortem"
-REPLAY = "00_replay"
-#: postmortem.html should stay below this: plotly.js alone is ~4.8 MB (inline, once); figures are
-#: downsampled (helpers.report.MAX_POINTS) so that the page stays quick to open.
-HTML_BUDGET_BYTES = 8_000_000
-PLOTLYJS_MARKER = "* plotly.js v"  # banner at the top of every plotly.js bundle
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 #: notebooks that read what another one writes (they start after it finishes): the served dump of
 #: 02_dump (live mode), the reference comparison in results/03_compare.json
-NEEDS = {"03_compare": ["02_dump"], "10_hyp_tp_sharding": ["02_dump"],
-         "11_hyp_embedding_allreduce": ["02_dump"], "12_hyp_layer_offset": ["02_dump", "03_compare"]}
-WIDGET_NOTE = ('<div class="e3f-widget-note">(interactive control: open the notebook in JupyterLab to use '
-               'it; the static view below shows its default)</div>')
-
-
-class ManagedServer(BaseModel):
-    """The embedded reference server the runner starts (helpers.server.embedded.start)."""
-
-    model_config = ConfigDict(extra="forbid")
-    target: str = "env/models/target"
-    draft: Optional[str] = "env/models/draft"
-    tp: int = 2
-    spec: dict[str, Any] = Field(default_factory=lambda: {"num_steps": 3, "topk": 1,
-                                                          "num_draft_tokens": 4})
-    faults: list[dict[str, Any]] = Field(default_factory=list)
-    extra_args: list[str] = Field(default_factory=list)
-    timeout: float = 600.0
-
-
-class ServerParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    url: Optional[str] = None
-    api_key_env: str = "SGLANG_API_KEY"
-    managed: Optional[ManagedServer] = None
-
-
-class SuiteParams(BaseModel):
-    """Validated suite params file (YAML). See env/cases/main.yaml for a documented example.
-
-    Fields: ``name`` (run folder suffix), ``server`` (``url`` | ``managed``, ``api_key_env``),
-    ``case`` (case file replayed by 00_replay), ``target_dir`` / ``draft_dir`` / ``training_data``
-    (live notebooks), ``notebooks`` (order), ``notebook_dir`` (default ``notebooks/``), ``common`` and
-    ``notebook_params`` (papermill parameters), ``timeout_per_notebook`` (s), ``jobs`` and ``needs``
-    (concurrency of the views). Relative paths: repository root first, then the params file's folder.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = "postmortem"
-    server: ServerParams = Field(default_factory=ServerParams)
-    case: Optional[str] = None
-    target_dir: Optional[str] = None
-    draft_dir: Optional[str] = None
-    training_data: Optional[str] = None
-    notebooks: list[str] = Field(default_factory=lambda: list(DEFAULT_NOTEBOOKS))
-    notebook_dir: Optional[str] = None
-    common: dict[str, Any] = Field(default_factory=dict)
-    notebook_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    timeout_per_notebook: int = Field(1200, ge=10)
-    jobs: int = Field(2, ge=1, le=16)
-    needs: dict[str, list[str]] = Field(default_factory=lambda: {k: list(v) for k, v in NEEDS.items()})
-
-    def notebook_path(self, name: str) -> Path:
-        return (Path(self.notebook_dir) if self.notebook_dir else NOTEBOOK_DIR) / f"{name}.ipynb"
-
-
-def _resolve(value: Optional[str], params_dir: Path) -> Optional[Path]:
-    """A path from a params file: absolute; else relative to the repository root when it exists there,
-    else relative to the params file's folder."""
-    if not value:
-        return None
-    p = Path(os.path.expanduser(value))
-    if p.is_absolute():
-        return p
-    for base in (ROOT, params_dir):
-        if (base / p).exists():
-            return (base / p).resolve()
-    return (ROOT / p).resolve()
-
-
-class BadParams(ValueError):
-    """The params file is missing, unreadable or invalid; the message names the field."""
-
-
-def load_params(path: str | os.PathLike) -> SuiteParams:
-    """Read and validate a suite params YAML file.
-
-    Raises:
-        BadParams: file missing, not YAML, or a field invalid (the message names it).
-    """
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise BadParams(f"params file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise BadParams(f"params file {path} is not valid YAML: {exc}") from None
-    try:
-        params = SuiteParams.model_validate(raw or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise BadParams(f"params file {path}: field '{where}': {first['msg']}") from None
-    if params.server.url is None and params.server.managed is None and params.case is None:
-        raise BadParams(f"params file {path}: set case (replay a case file), server.url (attach) or "
-                        "server.managed (start the embedded reference server)")
-    here = path.resolve().parent
-    if params.notebook_dir:
-        params.notebook_dir = str(_resolve(params.notebook_dir, here))
-    for key in ("target_dir", "draft_dir", "training_data"):
-        if getattr(params, key):
-            setattr(params, key, str(_resolve(getattr(params, key), here)))
-    if params.case:
-        from .errors import CaseError
-        from .investigation.cases import load_case
-
-        case = _resolve(params.case, here)
-        if not case.exists():
-            raise BadParams(f"params file {path}: field 'case': case file {params.case} not found "
-                            f"(looked in {ROOT} and {here})")
-        try:
-            load_case(case)
-        except CaseError as exc:
-            raise BadParams(f"params file {path}: field 'case': {exc}") from None
-        params.case = str(case)
-    missing = [nb for nb in params.notebooks if not params.notebook_path(nb).exists()]
-    if missing:
-        raise BadParams(f"params file {path}: field 'notebooks': no notebook {missing} in "
-                        f"{params.notebook_path('x').parent}")
-    return params
-
-
-def export_html(notebook: Path, out: Path) -> int:
-    """Export an executed notebook to offline HTML (template ``helpers/templates/e3f``).
-
-    Returns the size in bytes. Output cells keep their HTML as produced by the notebook (the
-    notebooks escape server-provided text); code is hidden behind a toggle button; widget views
-    become a one-line note (their state is not exported; a static copy follows each widget).
-    """
-    import nbformat
-    from nbconvert import HTMLExporter
-
-    nb = nbformat.read(notebook, as_version=4)
-    # page title: "<notebook> - <run folder>" (e.g. "99_postmortem - 20261130-224332-seeds-hunt");
-    # only safe characters, as the template does not escape it
-    nb.metadata["title"] = re.sub(r"[^A-Za-z0-9 _.:-]", "_",
-                                  f"{notebook.stem} - {notebook.resolve().parent.parent.name}")
-    nb.metadata.pop("widgets", None)  # widget state needs a CDN manager; static figures follow each widget
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            if WIDGET_VIEW in (output.get("data") or {}):
-                output["data"] = {"text/html": WIDGET_NOTE}
-    exporter = HTMLExporter(template_name="e3f",
-                            extra_template_basedirs=[str(ROOT / "helpers" / "templates")])
-    body, _ = exporter.from_notebook_node(nb)
-    atomic_write_text(out, body)
-    os.chmod(out, 0o644)  # pages are meant to be shared (temp files are created 0600)
-    return out.stat().st_size
-
-
-_SCRIPT_SRC = re.compile(r"<script\b[^>]*\bsrc\s*=\s*[\"']?\s*(?:https?:)?//", re.IGNORECASE)
-_LINK_HREF = re.compile(r"<link\b[^>]*\bhref\s*=\s*[\"']?\s*(?:https?:)?//", re.IGNORECASE)
-
-
-def check_html(path: Path) -> dict:
-    """Offline-ness of an exported page: ``{"bytes", "plotlyjs_copies", "external_scripts",
-    "external_links", "offline"}``; ``offline`` is True when no ``<script src>`` / ``<link href>``
-    points at another host and plotly.js is embedded at most once."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    info = {"bytes": Path(path).stat().st_size, "plotlyjs_copies": text.count(PLOTLYJS_MARKER),
-            "external_scripts": len(_SCRIPT_SRC.findall(text)),
-            "external_links": len(_LINK_HREF.findall(text))}
-    info["offline"] = (info["external_scripts"] == 0 and info["external_links"] == 0
-                       and info["plotlyjs_copies"] <= 1)
-    return info
 
 
 class _ReplayProgress:
@@ -282,9 +105,9 @@ class _ReplayProgress:
 
 
 def _start_managed(m: ManagedServer, run_dir: Path):
-    from .hooks import hook_specs
-    from .server.settings import SpecSettings
-    from .server.embedded import start
+    from ..hooks import hook_specs
+    from ..server.settings import SpecSettings
+    from ..server.embedded import start
 
     target = (ROOT / m.target) if not Path(m.target).is_absolute() else Path(m.target)
     draft = None
@@ -527,29 +350,3 @@ def _fallback_postmortem(run_dir: Path, status: dict) -> None:
 </body></html>"""
     atomic_write_text(run_dir / "postmortem.html", body)
     os.chmod(run_dir / "postmortem.html", 0o644)
-
-
-def cli_main(argv: list[str]) -> int:
-    """``python -m helpers suite run --params FILE.yaml [--out DIR] [--only NB ...]``."""
-    ap = argparse.ArgumentParser(prog="python -m helpers suite")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run the notebooks into a new run folder")
-    r.add_argument("--params", required=True, help="suite params YAML (e.g. env/cases/main.yaml)")
-    r.add_argument("--out", default=None, help="parent folder for the run folder (default outputs/)")
-    r.add_argument("--only", nargs="+", default=None, help="run only these notebooks")
-    args = ap.parse_args(argv)
-    try:
-        run_dir, status = run_suite(args.params, args.out, args.only, argv=argv)
-    except BadParams as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    failed = status["failed"]
-    print(f"[suite] run folder: {run_dir}")
-    budget = "over the budget of" if status["postmortem_over_budget"] else "budget"
-    print(f"[suite] postmortem: {run_dir / 'postmortem.html'} "
-          f"({status['postmortem_bytes'] / 1e6:.2f} MB, {budget} {HTML_BUDGET_BYTES / 1e6:.0f} MB; "
-          f"suite wall time {status['wall_s']:.0f} s)")
-    if failed:
-        print(f"[suite] {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0

@@ -1,0 +1,75 @@
+"""``python -m helpers diagnose``: the wiring diagnosis (served aux states vs training data) or, without
+``--served``, the config-only check (helpers.diagnosis.static). Exit 0 ok, 1 mismatch or ambiguous, 2 bad input."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from ..diagnosis.diagnose import check_configs, diagnose
+from ..errors import BadInput, one_line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        raise BadInput(f"usage: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m helpers diagnose",
+                description="Compare the aux hidden states a server feeds an EAGLE-3 draft with its training data "
+                            "and name the wiring faults; with --draft-config and --target-config only (no --served), "
+                            "check the configs alone against SGLang's rules.")
+    p.add_argument("--training", help="training data: SpecForge data_*.ckpt[.gz] folder, speculators "
+                   "hs_*.safetensors folder, EAGLE data_*.ckpt, or a training dump folder (config-only: only its "
+                   "manifest is read)")
+    p.add_argument("--served", action="append", help="served aux hidden states: dump folder, SGLang "
+                   "/generate response JSON (or a JSON list of them), or SGLang dumper folder; repeat once per TP rank")
+    p.add_argument("--draft-config", help="the draft config the server runs with: config.json (only that file is "
+                   "read) or its folder (its *.safetensors are read too: fc width, d2t)")
+    p.add_argument("--target-config", help="target config.json (or its folder)")
+    p.add_argument("--reference", help="reference dump with every layer's hidden states for the same tokens "
+                   "(capture --every-layer, or --reference-hf)")
+    p.add_argument("--sglang-version", help="the server's SGLang version for the capture rules (default: from the "
+                   "dump's server block, else 0.5.23)")
+    p.add_argument("--trained-layer-ids", type=int, nargs="+", metavar="ID", help="the ids training used, SpecForge "
+                   "output-of-layer convention (the run YAML's model.aux_hidden_state_layer_ids)")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the text report")
+    return p
+
+
+def cli_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m helpers diagnose ...``: exit 0 ok, 1 mismatch or ambiguous, 2 bad input (one-line reason on
+    stderr)."""
+    try:
+        args = build_parser().parse_args(list(argv) if argv is not None else None)
+        if not args.served:
+            if not (args.draft_config and args.target_config):
+                raise BadInput("usage: give --served (with --training) to compare data, or --draft-config and "
+                               "--target-config for the config-only check")
+            result = check_configs(args.draft_config, args.target_config, training=args.training,
+                                   sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids)
+        else:
+            if not args.training:
+                raise BadInput("usage: --served needs --training (the data the draft was trained on)")
+            result = diagnose(args.training, args.served, draft_config=args.draft_config,
+                              target_config=args.target_config, reference=args.reference,
+                              sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids)
+    except BadInput as e:
+        print(f"diagnose: bad input: {one_line(e)}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except Exception as e:  # never a bare traceback
+        if os.environ.get("E3F_DEBUG"):
+            raise
+        print(f"diagnose: error: {type(e).__name__}: {one_line(e)} (set E3F_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        print(result.render_text())
+    return 0 if result.verdict == "ok" else 1

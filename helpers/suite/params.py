@@ -1,0 +1,140 @@
+"""The suite's params file (YAML, validated with pydantic; every field documented in ``env/cases/main.yaml``):
+which notebooks, which server (managed, attached or none), the model paths and per-notebook parameters.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ..errors import BadParams
+from ..paths import NOTEBOOK_DIR, ROOT
+
+
+DEFAULT_NOTEBOOKS = ["00_replay", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
+                     "11_hyp_embedding_allreduce", "12_hyp_layer_offset", "20_acceptance",
+                     "99_postmortem"]
+
+
+POSTMORTEM = "99_postmortem"
+
+
+REPLAY = "00_replay"
+
+
+#: notebooks that read what another one wrote (run after it)
+NEEDS = {"03_compare": ["02_dump"], "10_hyp_tp_sharding": ["02_dump"],
+         "11_hyp_embedding_allreduce": ["02_dump"], "12_hyp_layer_offset": ["02_dump", "03_compare"]}
+
+
+class ManagedServer(BaseModel):
+    """The embedded reference server the runner starts (helpers.server.embedded.start)."""
+
+    model_config = ConfigDict(extra="forbid")
+    target: str = "env/models/target"
+    draft: Optional[str] = "env/models/draft"
+    tp: int = 2
+    spec: dict[str, Any] = Field(default_factory=lambda: {"num_steps": 3, "topk": 1,
+                                                          "num_draft_tokens": 4})
+    faults: list[dict[str, Any]] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list)
+    timeout: float = 600.0
+
+
+class ServerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: Optional[str] = None
+    api_key_env: str = "SGLANG_API_KEY"
+    managed: Optional[ManagedServer] = None
+
+
+class SuiteParams(BaseModel):
+    """Validated suite params file (YAML). See env/cases/main.yaml for a documented example.
+
+    Fields: ``name`` (run folder suffix), ``server`` (``url`` | ``managed``, ``api_key_env``),
+    ``case`` (case file replayed by 00_replay), ``target_dir`` / ``draft_dir`` / ``training_data``
+    (live notebooks), ``notebooks`` (order), ``notebook_dir`` (default ``notebooks/``), ``common`` and
+    ``notebook_params`` (papermill parameters), ``timeout_per_notebook`` (s), ``jobs`` and ``needs``
+    (concurrency of the views). Relative paths: repository root first, then the params file's folder.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "postmortem"
+    server: ServerParams = Field(default_factory=ServerParams)
+    case: Optional[str] = None
+    target_dir: Optional[str] = None
+    draft_dir: Optional[str] = None
+    training_data: Optional[str] = None
+    notebooks: list[str] = Field(default_factory=lambda: list(DEFAULT_NOTEBOOKS))
+    notebook_dir: Optional[str] = None
+    common: dict[str, Any] = Field(default_factory=dict)
+    notebook_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    timeout_per_notebook: int = Field(1200, ge=10)
+    jobs: int = Field(2, ge=1, le=16)
+    needs: dict[str, list[str]] = Field(default_factory=lambda: {k: list(v) for k, v in NEEDS.items()})
+
+    def notebook_path(self, name: str) -> Path:
+        return (Path(self.notebook_dir) if self.notebook_dir else NOTEBOOK_DIR) / f"{name}.ipynb"
+
+
+def _resolve(value: Optional[str], params_dir: Path) -> Optional[Path]:
+    """A path from a params file: absolute; else relative to the repository root when it exists there,
+    else relative to the params file's folder."""
+    if not value:
+        return None
+    p = Path(os.path.expanduser(value))
+    if p.is_absolute():
+        return p
+    for base in (ROOT, params_dir):
+        if (base / p).exists():
+            return (base / p).resolve()
+    return (ROOT / p).resolve()
+
+
+def load_params(path: str | os.PathLike) -> SuiteParams:
+    """Read and validate a suite params YAML file.
+
+    Raises:
+        BadParams: file missing, not YAML, or a field invalid (the message names it).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise BadParams(f"params file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise BadParams(f"params file {path} is not valid YAML: {exc}") from None
+    try:
+        params = SuiteParams.model_validate(raw or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadParams(f"params file {path}: field '{where}': {first['msg']}") from None
+    if params.server.url is None and params.server.managed is None and params.case is None:
+        raise BadParams(f"params file {path}: set case (replay a case file), server.url (attach) or "
+                        "server.managed (start the embedded reference server)")
+    here = path.resolve().parent
+    if params.notebook_dir:
+        params.notebook_dir = str(_resolve(params.notebook_dir, here))
+    for key in ("target_dir", "draft_dir", "training_data"):
+        if getattr(params, key):
+            setattr(params, key, str(_resolve(getattr(params, key), here)))
+    if params.case:
+        from ..errors import CaseError
+        from ..investigation.cases import load_case
+
+        case = _resolve(params.case, here)
+        if not case.exists():
+            raise BadParams(f"params file {path}: field 'case': case file {params.case} not found "
+                            f"(looked in {ROOT} and {here})")
+        try:
+            load_case(case)
+        except CaseError as exc:
+            raise BadParams(f"params file {path}: field 'case': {exc}") from None
+        params.case = str(case)
+    missing = [nb for nb in params.notebooks if not params.notebook_path(nb).exists()]
+    if missing:
+        raise BadParams(f"params file {path}: field 'notebooks': no notebook {missing} in "
+                        f"{params.notebook_path('x').parent}")
+    return params

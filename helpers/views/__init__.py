@@ -1,0 +1,1 @@
+"""What the notebooks show, one module per page (``attach``, ``dump``, ``compare``, ``hypotheses``, ``acceptance``,\n``replay``, ``postmortem``) plus :mod:`.common` (run context, HTML, plotly renderer, widgets, results between\npages). Notebooks hold prose and calls into these modules."""

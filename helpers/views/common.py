@@ -1,0 +1,426 @@
+"""Views of a run folder for the notebook suite: everything the notebooks show, as tested functions.
+
+The notebooks in ``notebooks/`` are thin (prose + calls into this module). They work in two modes:
+
+* **replay** (the default batch run): ``00_replay`` replays a case file (:func:`helpers.investigation.replay.replay_case`)
+  into the run folder; the other notebooks render what it recorded there (``results/replay-<case>.json``,
+  ``acceptance/<fix>/summary.json``, ``ledger.parquet``, ``dumps/``, ``figures/``, ``drafts/``).
+* **live**: with ``server_url`` set, the notebooks probe / capture / measure that server (e.g. a real TP 8
+  GPU server) and write the same kinds of files into the run folder.
+
+Results pass between notebooks only through files in the run folder: each notebook writes
+``results/<notebook>.json`` (:func:`write_result`); the postmortem reads them with the suite's
+``suite_status.json``.
+
+HTML safety: every string that may come from a server, a file or a config is escaped before it is put in
+HTML (:func:`esc`, :func:`table_html` uses ``DataFrame.to_html(escape=True)``); plotly JSON is escaped by
+plotly itself. No API key is ever read here except through the environment variable *named* by
+``api_key_env`` (:func:`connect`), and nothing writes it.
+
+Plotly: :func:`setup_notebook` puts plotly.js into the notebook exactly once (inline, no CDN) and installs
+the ``plotly_mimetype+e3f_html`` renderer: JupyterLab renders the plotly mimetype, nbconvert's HTML uses
+the ``text/html`` part, which references the global ``Plotly`` (no require.js, no MathJax CDN).
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+import numpy as np
+import pandas as pd
+from ..paths import ROOT
+
+
+DEFAULT_TARGET = "env/models/target"
+
+
+DEFAULT_DRAFT = "env/models/draft"
+
+
+DEFAULT_TRAINING = "env/models/data/sample"
+
+
+DEFAULT_CASE = "env/cases/seeds_hunt.yaml"
+
+
+VERDICT_COLORS = {"confirmed": "#c62828", "refuted": "#2e7d32", "inconclusive": "#9e9e9e"}
+
+
+#: rows / columns kept in a figure trace before downsampling (keeps HTML pages small)
+MAX_POINTS = 400
+
+
+def esc(x: Any) -> str:
+    """``html.escape(str(x))`` (None -> empty string)."""
+    return "" if x is None else html.escape(str(x), quote=True)
+
+
+def verdict_badge(verdict: Optional[str]) -> str:
+    """An HTML badge for a verdict, coloured by :data:`VERDICT_COLORS` (unknown text is escaped, grey)."""
+    v = str(verdict or "not run")
+    color = VERDICT_COLORS.get(v, "#616161")
+    return (f'<span class="e3f-verdict" style="background:{color};color:#fff;padding:1px 8px;'
+            f'border-radius:9px;font-weight:600">{esc(v)}</span>')
+
+
+def table_html(df: pd.DataFrame, *, max_rows: int = 60, verdict_cols: Sequence[str] = ("verdict", "expected"),
+               float_format: str = "{:.4g}") -> str:
+    """Escaped HTML table of ``df`` (``to_html(escape=True)``), at most ``max_rows`` rows (a note says how many
+    were left out). Cells of ``verdict_cols`` holding a verdict word are coloured after escaping."""
+    if df is None or len(df) == 0:
+        return '<p class="e3f-empty"><i>(no rows)</i></p>'
+    shown = df.head(max_rows)
+
+    def fmt(v):
+        if isinstance(v, float):
+            return "" if not math.isfinite(v) else float_format.format(v)
+        return v
+
+    shown = shown.apply(lambda col: col.map(fmt)) if len(shown.columns) else shown
+    out = shown.to_html(index=False, escape=True, border=0, classes="e3f-table", na_rep="")
+    for v, color in VERDICT_COLORS.items():
+        out = out.replace(f"<td>{v}</td>", f'<td style="color:{color};font-weight:600">{v}</td>')
+    if len(df) > max_rows:
+        out += f"<p><i>{len(df) - max_rows} more rows not shown (see the run folder files).</i></p>"
+    return out
+
+
+_CSS = """<style>
+.e3f-table { border-collapse: collapse; font-size: 13px; margin: 4px 0 12px 0; }
+.e3f-table th, .e3f-table td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+.e3f-table th { background: #f5f5f5; }
+.e3f-headline { font-size: 17px; border-left: 5px solid #1565c0; padding: 8px 12px; background: #e3f2fd; }
+.e3f-step { border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; margin: 10px 0; }
+.e3f-note { color: #555; font-size: 13px; }
+</style>"""
+
+
+_SETUP_DONE = False
+
+
+class _OfflineHtmlRenderer:
+    """``text/html`` part of a figure: ``plotly.io.to_html`` without plotly.js, without MathJax (both would
+    be CDN scripts otherwise), relying on the global ``Plotly`` injected by :func:`setup_notebook`."""
+
+    def __init__(self, height: int = 460):
+        self.height = height
+
+    def to_mimebundle(self, fig_dict):
+        import plotly.io as pio
+
+        return {"text/html": pio.to_html(fig_dict, include_plotlyjs=False, include_mathjax=False,
+                                         full_html=False, default_width="100%",
+                                         default_height=self.height, validate=False,
+                                         config={"displaylogo": False, "responsive": True})}
+
+
+def register_renderer() -> str:
+    """Register the ``e3f_html`` plotly renderer and make ``plotly_mimetype+e3f_html`` the default.
+    Returns the renderer name. Safe to call repeatedly."""
+    import plotly.io as pio
+    from plotly.io._base_renderers import MimetypeRenderer
+
+    class E3fHtml(_OfflineHtmlRenderer, MimetypeRenderer):
+        pass
+
+    pio.renderers["e3f_html"] = E3fHtml()
+    pio.renderers.default = "plotly_mimetype+e3f_html"
+    return pio.renderers.default
+
+
+def plotlyjs_html() -> str:
+    """The one inline copy of plotly.js (``<script>`` without ``src``)."""
+    from plotly.offline import get_plotlyjs
+
+    return ("<script type=\"text/javascript\">window.PlotlyConfig = {MathJaxConfig: 'local'};</script>\n"
+            f"<script type=\"text/javascript\">{get_plotlyjs()}</script>")
+
+
+def setup_notebook(*, force: bool = False) -> None:
+    """Notebook setup (call once, at the top level of the first code cell): inline plotly.js exactly once,
+    the offline renderer, the table CSS. Outside IPython it only registers the renderer."""
+    global _SETUP_DONE
+    register_renderer()
+    if _SETUP_DONE and not force:
+        return
+    try:
+        from IPython import get_ipython
+        from IPython.display import HTML, display
+    except ImportError:  # pragma: no cover - IPython is a dependency
+        return
+    if get_ipython() is None:
+        return
+    display(HTML(plotlyjs_html() + _CSS))
+    _SETUP_DONE = True
+
+
+def show(obj: Any) -> None:
+    """Display a plotly figure, a DataFrame (escaped table), an HTML string (trusted: built here) or None."""
+    from IPython.display import HTML, display
+
+    if obj is None:
+        return
+    if isinstance(obj, pd.DataFrame):
+        display(HTML(table_html(obj)))
+    elif isinstance(obj, str):
+        display(HTML(obj))
+    else:
+        display(obj)
+
+
+def note(text: str) -> str:
+    """A grey note paragraph (``text`` is escaped)."""
+    return f'<p class="e3f-note">{esc(text)}</p>'
+
+
+def downsample(n: int, limit: int = MAX_POINTS) -> np.ndarray:
+    """Indices that keep at most ``limit`` of ``n`` evenly spaced points (first and last included)."""
+    if n <= limit:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, limit).round().astype(int))
+
+
+def interactive(draw: Callable[..., Any], controls: Mapping[str, Sequence[Any]], *,
+                defaults: Optional[Mapping[str, Any]] = None, caption: str = "") -> None:
+    """ipywidgets dropdowns that redraw ``draw(**values)`` in place, followed by a static copy of the
+    default view (widget state is not exported to HTML, the static copy is).
+
+    Args:
+        draw: returns what :func:`show` displays (figure, DataFrame, HTML).
+        controls: ``{argument name: options}`` (each a dropdown; options may be ``(label, value)`` pairs).
+        defaults: initial values (default: the first option of each control).
+        caption: shown above the static copy (escaped).
+    """
+    from IPython.display import HTML, display
+
+    opts = {k: list(v) for k, v in controls.items() if len(v)}
+    values = {k: (defaults or {}).get(k, _opt_value(v[0])) for k, v in opts.items()}
+    try:
+        import ipywidgets as W
+    except ImportError:  # pragma: no cover
+        W = None
+    if W is not None and opts:
+        boxes = {k: W.Dropdown(options=v, value=values[k], description=str(k)) for k, v in opts.items()}
+        out = W.Output()
+
+        def redraw(_change=None):
+            with out:
+                out.clear_output(wait=True)
+                show(draw(**{k: b.value for k, b in boxes.items()}))
+
+        for b in boxes.values():
+            b.observe(redraw, names="value")
+        display(W.VBox([W.HBox(list(boxes.values())), out]))
+        redraw()
+    label = ", ".join(f"{k} = {_opt_label(opts[k], values[k])}" for k in opts)
+    display(HTML(note(f"Static view{' (' + label + ')' if label else ''}{': ' + caption if caption else ''} "
+                      "- pick other values with the controls above in JupyterLab.")))
+    show(draw(**values))
+
+
+def _opt_value(o: Any) -> Any:
+    return o[1] if isinstance(o, tuple) and len(o) == 2 else o
+
+
+def _opt_label(options: Sequence[Any], value: Any) -> str:
+    for o in options:
+        if _opt_value(o) == value:
+            return str(o[0] if isinstance(o, tuple) and len(o) == 2 else o)
+    return str(value)
+
+
+def as_path(p: Any, base: Path = ROOT) -> Optional[Path]:
+    """``p`` as a Path (``~`` expanded; relative to ``base``, default the repository root); None for ""/None."""
+    if p in (None, ""):
+        return None
+    p = Path(os.path.expanduser(str(p)))
+    return p if p.is_absolute() else base / p
+
+
+def latest_run_dir(outputs: Optional[Path] = None, *, need: str = "results") -> Optional[Path]:
+    """The newest run folder under ``outputs`` (default ``outputs/``) that has a ``need`` sub-folder."""
+    outputs = outputs or ROOT / "outputs"
+    if not outputs.is_dir():
+        return None
+    runs = sorted((p for p in outputs.iterdir() if p.is_dir() and (p / need).exists()),
+                  key=lambda p: p.name)
+    return runs[-1] if runs else None
+
+
+def resolve_run_dir(run_dir: Any, *, create: bool = False, name: str = "interactive") -> Path:
+    """``run_dir`` when given; else (interactive use) a new run folder when ``create``, else the newest
+    run folder under ``outputs/`` with results. Raises FileNotFoundError when there is none."""
+    p = as_path(run_dir)
+    if p is not None:
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+    if create:
+        from ..runfiles import new_run_dir
+
+        return new_run_dir(name)
+    found = latest_run_dir()
+    if found is None:
+        raise FileNotFoundError("no run folder given and none under outputs/: run notebooks/00_replay.ipynb "
+                                "or `python -m helpers suite run --params env/cases/main.yaml` first")
+    return found
+
+
+@dataclass
+class RunContext:
+    """What a notebook works on (see :func:`context`).
+
+    Attributes:
+        run_dir: the run folder (results, dumps, ledger...).
+        server_url: live server URL, or "" (replay mode: render the run folder's records).
+        api_key_env: name of the environment variable holding the server's API key (value never stored).
+        case_path: the case file, when there is one; :meth:`load_case` validates it (views only read its
+            ``models`` block, without importing torch: the hypothesis library loads with the validation).
+        target_dir / draft_dir / training: model and training-data paths (case, params, or defaults).
+        replay: the replay document (``results/replay-*.json``) or None.
+    """
+
+    run_dir: Path
+    server_url: str = ""
+    api_key_env: str = "SGLANG_API_KEY"
+    case_path: Optional[Path] = None
+    target_dir: Optional[Path] = None
+    draft_dir: Optional[Path] = None
+    training: Optional[Path] = None
+    replay: Optional[dict] = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def live(self) -> bool:
+        return bool(self.server_url)
+
+    def load_case(self):
+        """The validated :class:`helpers.investigation.cases.Case` of ``case_path`` (None without one).
+
+        Raises: helpers.errors.CaseError for an invalid case file."""
+        from ..investigation.cases import load_case
+
+        return load_case(self.case_path) if self.case_path is not None else None
+
+    @property
+    def hidden_size(self) -> Optional[int]:
+        cfg = read_json_file(self.target_dir / "config.json") if self.target_dir else None
+        return int(cfg["hidden_size"]) if cfg and "hidden_size" in cfg else None
+
+
+def read_json_file(path: Path) -> Optional[dict]:
+    """JSON content of ``path`` (NaN allowed), None when absent or unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_env: str = "SGLANG_API_KEY",
+            target_dir: Any = "", draft_dir: Any = "", training_data: Any = "", repo_root: Any = "",
+            create: bool = False) -> RunContext:
+    """Resolve a notebook's parameters into a :class:`RunContext`.
+
+    Model paths come from, in order: the explicit parameter, the case file (``case`` or the one recorded
+    by 00_replay in ``results/00_replay.json``), the shipped defaults (``env/models/...``). Relative paths
+    are relative to ``repo_root`` (default: this checkout).
+
+    Raises:
+        helpers.errors.CaseError: a case file that is not YAML or whose ``models`` block is invalid (the
+        whole file is validated by :meth:`RunContext.load_case`, i.e. when 00_replay replays it).
+    """
+    base = as_path(repo_root) or ROOT
+    rd = resolve_run_dir(run_dir, create=create)
+    ctx = RunContext(run_dir=rd, server_url=str(server_url or ""), api_key_env=api_key_env or "SGLANG_API_KEY")
+    rec = read_json_file(rd / "results" / "00_replay.json") or {}
+    cp = as_path(case, base) or as_path(rec.get("case_path"), base)
+    m = None
+    if cp is not None and cp.exists():
+        ctx.case_path = cp
+        m = _case_models(cp)
+    elif cp is not None:
+        ctx.notes.append(f"case file {cp} not found")
+
+    def pick(explicit, from_case, default):
+        p = as_path(explicit, base)
+        if p is not None:
+            return p
+        if from_case:
+            return as_path(from_case)  # case files' model paths are relative to the repository root
+        return as_path(default, base)
+
+    ctx.target_dir = pick(target_dir, m.target if m else None, DEFAULT_TARGET)
+    ctx.draft_dir = pick(draft_dir, m.draft if m else None, DEFAULT_DRAFT)
+    ctx.training = pick(training_data, m.training_data if m else None, DEFAULT_TRAINING)
+    ctx.replay = load_replay(rd)
+    return ctx
+
+
+def load_replay(run_dir: Path) -> Optional[dict]:
+    """The replay document of the run folder (``results/replay-*.json``; the newest if several)."""
+    files = sorted(Path(run_dir).glob("results/replay-*.json"), key=lambda p: p.stat().st_mtime)
+    return read_json_file(files[-1]) if files else None
+
+
+def _case_models(path: Path):
+    """The ``models`` block of a case file (helpers.investigation.cases.Models), read without validating the rest."""
+    import yaml
+    from pydantic import ValidationError
+
+    from ..errors import CaseError
+    from ..investigation.cases import Models
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        return Models.model_validate(raw.get("models") or {})
+    except yaml.YAMLError as exc:
+        raise CaseError(f"case file {path} is not valid YAML: {exc}") from None
+    except ValidationError as exc:
+        raise CaseError(f"case file {path}: field 'models': {exc.errors()[0]['msg']}") from None
+
+
+def connect(ctx: RunContext):
+    """An :class:`helpers.server.client.SGLangClient` for ``ctx.server_url``; the API key is read from the
+    environment variable named ``ctx.api_key_env`` (never passed around or written)."""
+    from ..server.client import SGLangClient
+
+    key = os.environ.get(ctx.api_key_env) or None
+    return SGLangClient(ctx.server_url, api_key=key or "")
+
+
+def write_result(run_dir: Path, notebook: str, doc: Mapping[str, Any]) -> None:
+    """Write ``results/<notebook>.json`` (atomic) for the notebooks that follow (returns None, so that a
+    notebook cell ending with it shows nothing)."""
+    from ..runfiles import write_json
+
+    write_json(Path(run_dir) / "results" / f"{notebook}.json", _jsonable(dict(doc)))
+
+
+def read_result(run_dir: Path, notebook: str) -> Optional[dict]:
+    """``results/<notebook>.json`` or None."""
+    return read_json_file(Path(run_dir) / "results" / f"{notebook}.json")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def findings_frame(findings: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    """Findings as a table: kind, chunk, detail."""
+    return pd.DataFrame([{"kind": f.get("kind"), "chunk": "" if f.get("chunk") is None else f.get("chunk"),
+                          "detail": f.get("detail")} for f in findings])
