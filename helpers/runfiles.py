@@ -141,3 +141,56 @@ def read_parquet(source: str | os.PathLike | bytes) -> pd.DataFrame:
         str_dtype = pd.StringDtype(na_value=float("nan"))
         kwargs["types_mapper"] = {pa.string(): str_dtype, pa.large_string(): str_dtype}.get
     return table.to_pandas(**kwargs)
+
+
+def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, prepare: Any = None) -> Any:
+    """Read a YAML file (or take already-parsed data) and validate it with a pydantic ``model``: the one loader of
+    the suite's YAML files (case files, fixes files, suite params).
+
+    Args:
+        source: a path, or parsed data (dict / list).
+        model: the pydantic model class.
+        what: what the file is, for messages (``"case file"``, ``"fixes file"``, ``"params file"``).
+        error: the :class:`helpers.errors.BadInput` subclass to raise (default BadInput).
+        prepare: optional ``fn(data) -> data`` applied before validation (e.g. a bare list -> ``{"fixes": list}``).
+
+    Returns:
+        The validated model instance.
+
+    Raises:
+        ``error``: missing or unreadable file, invalid YAML, not a mapping, or an invalid field; one line naming
+            the file and the field (``timeline.2.hypothesis.check``) and what was expected.
+    """
+    import yaml
+    from pydantic import ValidationError
+
+    from .errors import BadInput
+
+    error = error or BadInput
+    path = None
+    data = source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.is_dir():
+            raise error(f"{what} expected, got a folder", path=path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise error(f"{what} does not exist", path=path) from None
+        except OSError as exc:
+            raise error(f"{what} cannot be read ({exc.strerror or exc})", path=path) from None
+        except yaml.YAMLError as exc:
+            raise error(f"{what} is not valid YAML ({' '.join(str(exc).split())})", path=path) from None
+    if prepare is not None:
+        data = prepare(data)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise error(f"{what} must be a mapping of fields, got {type(data).__name__}", path=path)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        raise error(f"{first['msg']}{more}", path=path if path is not None else what, field=where) from None

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers.formats.configs import ServerSettings, read_draft_config, read_draft_weights, read_target_config
+from helpers.formats.configs import read_draft_config, read_draft_weights, read_target_config
+from helpers.server.settings import ServerSettings
 from helpers.formats.dumps import (read_dump, read_dumper_dir, read_generate_response, safe_torch_load, samples_from_generate,
                            write_dump)
 from helpers.errors import BadInput

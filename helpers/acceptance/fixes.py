@@ -24,16 +24,16 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Literal, Mapping, Optional, Sequence
 import pandas as pd
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 from ..runfiles import (DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir,  # noqa: F401
-                       parquet_bytes, read_parquet, safe_name)
+                       load_yaml_model, parquet_bytes, read_parquet, safe_name)
 from ..server.redaction import REDACTED, redact, redact_argv, redact_command
 from ..server.client import SGLangClient
 from ..errors import SGLangError
-from ..errors import BadServerInput, ServerStartError
+from ..errors import BadServerInput, RunFailed, ServerStartError
 from ..server.settings import SpecSettings
 from .ledger import Ledger
 
@@ -62,23 +62,45 @@ class LaunchSpec(BaseModel):
 
 
 class MeasureSettings(BaseModel):
-    """Arguments of :func:`helpers.acceptance.measure.measure` shared by all fixes (a fix may override)."""
+    """How a fix is measured (arguments of :func:`helpers.acceptance.measure.measure`): the one shape, used by
+    fixes files, case files (:data:`CASE_MEASURE_DEFAULTS` fill what a case does not set) and a fix's overrides.
 
-    model_config = ConfigDict(extra="forbid")
+    ``count`` (alias ``num_prompts``): prompts to send (None: all of the set); ``prompts``: a prompt file, or
+    None / ``"bundled"`` for the bundled set; ``seed``: prompt order and bootstrap seed.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    count: Optional[int] = Field(None, ge=1, validation_alias=AliasChoices("count", "num_prompts"))
     max_new_tokens: int = Field(128, ge=1)
     concurrency: int = Field(1, ge=1)
-    num_prompts: Optional[int] = Field(None, ge=1)
     prompts: Optional[str] = None
+    seed: int = 0
     temperature: float = 0.0
     ignore_eos: bool = False
     warmup: int = Field(1, ge=0)
     n_boot: int = Field(2000, ge=100)
     flush_cache: bool = True
 
+    @property
+    def prompt_source(self) -> Optional[str]:
+        """The prompt file, or None for the bundled set."""
+        return None if self.prompts in (None, "bundled") else self.prompts
+
+    def merged(self, overrides: Optional[Mapping[str, Any]]) -> "MeasureSettings":
+        """These settings with ``overrides`` (field names or aliases) taking precedence, validated."""
+        o = dict(overrides or {})
+        if "num_prompts" in o:
+            o["count"] = o.pop("num_prompts")
+        return MeasureSettings.model_validate({**self.model_dump(), **o})
+
+
+#: what a case file measures when its ``measure:`` block does not say (env/cases/README.md)
+CASE_MEASURE_DEFAULTS = {"count": 24, "max_new_tokens": 48, "concurrency": 4, "ignore_eos": True}
+
 
 class ServerSpec(BaseModel):
-    """How to get a server: ``launch`` (reference), ``command`` + ``url`` (raw launch), or ``url``
-    alone (attach to a running server; nothing is started or stopped)."""
+    """How to get a server: ``launch`` (the embedded reference server), ``command`` + ``url`` (a raw launch,
+    e.g. a TP 8 GPU server), or ``url`` alone (attach to a running server; nothing is started or stopped)."""
 
     model_config = ConfigDict(extra="forbid")
     launch: Optional[LaunchSpec] = None
@@ -92,12 +114,17 @@ class ServerSpec(BaseModel):
     def _one_way(self) -> "ServerSpec":
         if self.launch is not None and (self.command or self.url):
             raise ValueError("give either launch: (reference server) or command:/url:, not both")
-        if self.launch is None and not self.url:
-            raise ValueError("give launch: {...} for the reference server, or url: (with command: "
-                             "to start it)")
         if self.command is not None and not self.command.strip():
             raise ValueError("command: is empty")
+        if self.command is not None and not self.url:
+            raise ValueError("command: needs url: (where the started server answers)")
         return self
+
+    def require_server(self) -> None:
+        """Raise ValueError unless this spec says how to get a server (a fixes file's fixes and baseline must;
+        a case file's fixes are launched from the case's models)."""
+        if self.launch is None and not self.url:
+            raise ValueError("give launch: {...} for the reference server, or url: (with command: to start it)")
 
     @property
     def mode(self) -> str:
@@ -105,10 +132,23 @@ class ServerSpec(BaseModel):
 
 
 class Fix(ServerSpec):
-    """One fix: a name, a server (see :class:`ServerSpec`), optional measure overrides."""
+    """One fix: a server configuration measured as a unit, in a fixes file or on a case's timeline.
+
+    ``name``; how to get its server (:class:`ServerSpec`; in a case file ``launch`` holds only overrides of the
+    case's ``server`` block); the wiring changes of a reference launch: ``faults`` (:class:`helpers.faults.Fault`
+    fields, served through ``--forward-hooks``), ``draft_config`` (deep-merged into a copy of the draft's
+    config.json; ``null`` deletes a key), ``drop_tensors`` (draft weights left out), ``algorithm``, ``spec``,
+    ``baseline`` (target only); and ``measure`` overrides (:class:`MeasureSettings` fields).
+    """
 
     name: str
     measure: dict[str, Any] = Field(default_factory=dict)
+    faults: list[dict[str, Any]] = Field(default_factory=list)
+    draft_config: dict[str, Any] = Field(default_factory=dict)
+    drop_tensors: list[str] = Field(default_factory=list)
+    algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
+    spec: Optional[SpecSettings] = None
+    baseline: bool = False
 
     @field_validator("name")
     @classmethod
@@ -121,6 +161,15 @@ class Fix(ServerSpec):
     @classmethod
     def _measure(cls, v: dict) -> dict:
         MeasureSettings(**v)  # validates keys / values
+        return v
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_valid(cls, v):
+        from ..faults import Fault
+
+        for f in v:
+            Fault(**f)  # raises ValueError naming the missing field / unknown kind
         return v
 
 
@@ -141,44 +190,29 @@ class FixesFile(BaseModel):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"duplicate fix names: {dup}")
+        for f in self.fixes:
+            f.require_server()
+        if self.baseline is not None:
+            self.baseline.require_server()
         return self
 
 
 def load_fixes(path_or_data: Path | str | Mapping | Sequence) -> FixesFile:
-    """Read and validate a fixes YAML file (or already-parsed data); ValueError with the reasons.
+    """Read and validate a fixes YAML file (or already-parsed data; a bare list is the ``fixes`` list) with the
+    suite's one YAML loader (:func:`helpers.runfiles.load_yaml_model`).
 
-    A bare list is taken as the ``fixes`` list.
+    Raises:
+        BadInput: missing or invalid file; one line naming the file and the field.
     """
-    base = None
-    data = path_or_data
+    ff = load_yaml_model(path_or_data, FixesFile, what="fixes file",
+                         prepare=lambda d: {"fixes": d} if isinstance(d, list) else d)
     if isinstance(path_or_data, (str, Path)):
-        p = Path(path_or_data)
-        try:
-            data = yaml.safe_load(p.read_text())
-        except OSError as exc:
-            raise ValueError(f"fixes file {p}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"fixes file {p} is not valid YAML: {exc}") from None
-        base = str(p.resolve().parent)
-    if isinstance(data, list):
-        data = {"fixes": data}
-    if not isinstance(data, Mapping):
-        raise ValueError("fixes file: expected a mapping with 'fixes:' or a list of fixes")
-    try:
-        ff = FixesFile.model_validate(dict(data))
-    except ValidationError as exc:
-        lines = [f"  {'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise ValueError("invalid fixes file:\n" + "\n".join(lines)) from None
-    ff.base_dir = base
+        ff.base_dir = str(Path(path_or_data).resolve().parent)
     return ff
 
 
-class FixFailed(RuntimeError):
+class FixFailed(RunFailed):
     """One or more fixes could not be measured (their rows hold ``error``); ``run_dir`` attribute."""
-
-    def __init__(self, message: str, run_dir: Optional[Path] = None):
-        super().__init__(message)
-        self.run_dir = run_dir
 
 
 def _resolve_model(value: Optional[str], default: Path, base: Optional[str]) -> Optional[Path]:
@@ -286,7 +320,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
         try:
             with serve(ff.baseline, log_path=run / "logs" / "baseline.log", base_dir=ff.base_dir,
                        api_key=key) as (client, handle):
-                prompts = load_prompts(_prompt_source(m.prompts, ff.base_dir), n=m.num_prompts)
+                prompts = load_prompts(_prompt_source(m.prompt_source, ff.base_dir), n=m.count)
                 sp = {"temperature": m.temperature}
                 if m.ignore_eos:
                     sp["ignore_eos"] = True
@@ -303,14 +337,14 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     bar = tqdm(ff.fixes, desc=f"fixes ({ff.name})", disable=not progress)
     for fix in bar:
         bar.set_postfix_str(fix.name)
-        settings = ff.measure.model_copy(update=fix.measure)
+        settings = ff.measure.merged(fix.measure)
         log = run / "logs" / f"{safe_name(fix.name)}.log"
         started = pd.Timestamp.now(tz="UTC").isoformat()
         try:
             with serve(fix, log_path=log, base_dir=ff.base_dir, api_key=key) as (client, handle):
-                res = measure(client, _prompt_source(settings.prompts, ff.base_dir),
+                res = measure(client, _prompt_source(settings.prompt_source, ff.base_dir),
                               max_new_tokens=settings.max_new_tokens, concurrency=settings.concurrency,
-                              num_prompts=settings.num_prompts, temperature=settings.temperature,
+                              num_prompts=settings.count, temperature=settings.temperature,
                               ignore_eos=settings.ignore_eos, warmup=settings.warmup,
                               flush_cache=settings.flush_cache, n_boot=settings.n_boot,
                               baseline=None, label=fix.name, progress=progress,

@@ -127,7 +127,7 @@ def detect_num_draft_tokens_overridden(server) -> list[dict]:
     algo = (req.get("speculative_algorithm") or server.algorithm or "").upper()
     if algo and algo not in ("EAGLE", "EAGLE3", "NEXTN"):
         return []
-    topk = req.get("speculative_eagle_topk", server.eagle_topk)
+    topk = req.get("speculative_eagle_topk", server.topk)
     steps = req.get("speculative_num_steps", server.num_steps)
     ndt = req.get("speculative_num_draft_tokens")
     if topk != 1 or steps is None or ndt is None or ndt == steps + 1:

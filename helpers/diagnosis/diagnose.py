@@ -166,7 +166,8 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
         BadInput: any unusable input (the message names the file and field).
     """
     from . import detectors as D
-    from ..formats.configs import ServerSettings, read_target_config
+    from ..formats.configs import read_target_config
+    from ..server.settings import ServerSettings
     from ..formats.dumps import load_served, read_dump
     from ..formats.training_data import TrainingData
     from .compare import compare

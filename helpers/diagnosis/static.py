@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import BadInput
-from ..formats.configs import DraftConfig, ServerSettings, TargetConfig, read_draft_config, read_draft_weights, \
+from ..server.settings import ServerSettings
+from ..formats.configs import DraftConfig, TargetConfig, read_draft_config, read_draft_weights, \
     read_target_config
 from . import detectors as D
 from .conventions import CapturePlan, compare_plans, describe, physical, served_plan, training_plan
@@ -237,7 +238,7 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     Raises:
         BadInput: unreadable configs or weights, an unknown algorithm or version string.
     """
-    from ..formats.configs import parse_version
+    from .conventions import parse_version
 
     inputs: dict = {}
     if isinstance(draft, DraftConfig):

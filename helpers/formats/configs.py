@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..diagnosis.conventions import parse_version, target_family
+from ..diagnosis.conventions import target_family
 from ..errors import BadInput
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -317,70 +317,3 @@ def read_target_config(path: str | Path) -> TargetConfig:
                         _int_field(d, "vocab_size", p, required=False),
                         torch_dtype=str(dtype) if dtype else None, raw=d, fields={"hidden_size": hname,
                                                                                  "num_hidden_layers": lname})
-
-
-# ------------------------------------------------------------------------------------------------ server
-
-_SPEC_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
-              "speculative_num_draft_tokens", "tp_size", "speculative_draft_model_path", "model_path")
-
-
-@dataclass
-class ServerSettings:
-    """Speculative settings of a server: the effective values (``/server_info``, after SGLang's
-    auto-adjustment) and, when known, the values the user requested at launch.
-
-    Attributes:
-        algorithm: effective ``speculative_algorithm`` (upper case) or None.
-        num_steps / eagle_topk / num_draft_tokens: effective values.
-        requested: launch values as given (keys as in ServerArgs; None = not passed).
-        tp_size: effective tensor-parallel size.
-        version: SGLang version string (``/server_info`` ``version``).
-    """
-
-    algorithm: str | None = None
-    num_steps: int | None = None
-    eagle_topk: int | None = None
-    num_draft_tokens: int | None = None
-    tp_size: int | None = None
-    version: str | None = None
-    requested: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, d: dict | None, *, source: str = "server settings") -> "ServerSettings":
-        """Build from a ``/server_info`` dict or a dump manifest ``server`` block.
-
-        Accepted shapes: flat ServerArgs keys; ``{"effective": {...}, "requested": {...}}``; ``version`` or
-        ``sglang_version``. Unknown keys are ignored.
-
-        Raises:
-            BadInput: ``d`` is not an object or a numeric field is not an integer.
-        """
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
-            raise BadInput(f"expected an object, got {type(d).__name__}", path=source, field="server")
-        eff = d.get("effective") if isinstance(d.get("effective"), dict) else d
-        req = d.get("requested") if isinstance(d.get("requested"), dict) else {}
-
-        def num(src: dict, k: str) -> int | None:
-            v = src.get(k)
-            if v is None:
-                return None
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise BadInput(f"expected an integer, got {v!r}", path=source, field=k)
-            return v
-
-        algo = eff.get("speculative_algorithm")
-        return cls(algorithm=str(algo).upper() if algo else None, num_steps=num(eff, "speculative_num_steps"),
-                   eagle_topk=num(eff, "speculative_eagle_topk"),
-                   num_draft_tokens=num(eff, "speculative_num_draft_tokens"), tp_size=num(eff, "tp_size"),
-                   version=d.get("version") or d.get("sglang_version") or eff.get("version"),
-                   requested={k: req.get(k) for k in _SPEC_KEYS if k in req})
-
-    @property
-    def parsed_version(self) -> tuple[int, ...] | None:
-        try:
-            return parse_version(self.version)
-        except ValueError:
-            return None

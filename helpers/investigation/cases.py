@@ -43,11 +43,13 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..acceptance.fixes import CASE_MEASURE_DEFAULTS, Fix, MeasureSettings
 from ..errors import CaseError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ..paths import ROOT
+from ..runfiles import load_yaml_model
+from ..server.settings import SpecSettings
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
 class Models(BaseModel):
@@ -58,43 +60,13 @@ class Models(BaseModel):
 
 
 class ServerDefaults(BaseModel):
+    """The case's server block: TP size, speculative settings (unset fields: SGLang's launch defaults of the
+    embedded server, EAGLE3 3/1/4) and extra flags; a fix's ``spec`` / ``launch`` override them."""
+
     model_config = ConfigDict(extra="forbid")
     tp: int = Field(2, ge=1)
-    spec: dict[str, Any] = Field(default_factory=lambda: {"num_steps": 3, "topk": 1,
-                                                          "num_draft_tokens": 4})
+    spec: SpecSettings = Field(default_factory=lambda: SpecSettings(num_steps=3, topk=1, num_draft_tokens=4))
     extra_args: list[str] = Field(default_factory=list)
-
-
-class MeasureSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    count: int = Field(24, ge=1)
-    max_new_tokens: int = Field(48, ge=1)
-    concurrency: int = Field(4, ge=1)
-    prompts: str = "bundled"
-    seed: int = 0
-
-
-class Fix(BaseModel):
-    """A server configuration after which acceptance is measured."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    faults: list[dict[str, Any]] = Field(default_factory=list)
-    draft_config: dict[str, Any] = Field(default_factory=dict)
-    drop_tensors: list[str] = Field(default_factory=list)
-    algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
-    spec: dict[str, Any] = Field(default_factory=dict)
-    launch: dict[str, Any] = Field(default_factory=dict)
-    baseline: bool = False  # True: target only (no draft), for baseline tok/s
-
-    @field_validator("faults")
-    @classmethod
-    def _faults_valid(cls, v):
-        from ..faults import Fault
-
-        for f in v:
-            Fault(**f)  # raises ValueError naming the missing field / unknown kind
-        return v
 
 
 class Hypothesis(BaseModel):
@@ -149,10 +121,15 @@ class Case(BaseModel):
     story: str = ""
     models: Models = Field(default_factory=Models)
     server: ServerDefaults = Field(default_factory=ServerDefaults)
-    measure: MeasureSettings = Field(default_factory=MeasureSettings)
+    measure: MeasureSettings = Field(default_factory=lambda: MeasureSettings(**CASE_MEASURE_DEFAULTS))
     timeline: list[Step] = Field(min_length=1)
     slow: bool = False  # replayed only in the slow test tier
     effect_test: Literal["cis", "paired"] = "cis"  # how the tests judge that the fix helped
+
+    @field_validator("measure", mode="before")
+    @classmethod
+    def _measure_defaults(cls, v):
+        return {**CASE_MEASURE_DEFAULTS, **(v or {})} if isinstance(v, dict) else v
 
     @field_validator("name")
     @classmethod
@@ -176,21 +153,9 @@ class Case(BaseModel):
 
 
 def load_case(path: str | os.PathLike) -> Case:
-    """Read and validate a case file.
+    """Read and validate a case file with the suite's one YAML loader (:func:`helpers.runfiles.load_yaml_model`).
 
     Raises:
         CaseError: missing file, invalid YAML, or an invalid field (named with its timeline index).
     """
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise CaseError(f"case file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise CaseError(f"case file {path} is not valid YAML: {exc}") from None
-    try:
-        return Case.model_validate(raw or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise CaseError(f"case file {path}: field '{where}': {first['msg']}") from None
+    return load_yaml_model(path, Case, what="case file", error=CaseError)

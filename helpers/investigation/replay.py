@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .cases import Case, Fix, load_case
+from ..acceptance.fixes import Fix
+from .cases import Case, load_case
 from ..runfiles import read_parquet, safe_name, write_json
 
 CAPTURE_KEYS = ["embedding", "embedding_local"]
@@ -100,23 +101,20 @@ class Replay:
     def _server_spec(self, fix: Fix, *, spec_override: Optional[dict] = None, capture_dir: Optional[Path] = None):
         from ..hooks import CaptureConfig, hook_specs
         from ..acceptance.fixes import LaunchSpec, ServerSpec
-        from ..server.settings import SpecSettings
 
         launch = dict(tp=self.case.server.tp, extra_args=list(self.case.server.extra_args))
-        launch.update(fix.launch)
+        if fix.launch is not None:       # a case's fix launch holds overrides of the case's server block
+            launch.update(fix.launch.model_dump(include=fix.launch.model_fields_set))
         if fix.baseline:
             return ServerSpec(launch=LaunchSpec(target=str(self.target), draft=None, **launch)), None
         slug = safe_name(fix.name)
         draft = draft_variant(self.draft, fix.draft_config, self.run_dir / "drafts" / slug,
                               fix.drop_tensors)
-        spec = dict(self.case.server.spec)
-        spec.update(fix.spec)
-        spec.update(spec_override or {})
-        spec["algorithm"] = fix.algorithm
+        spec = self.case.server.spec.merged(fix.spec).merged(spec_override).merged({"algorithm": fix.algorithm})
         capture = CaptureConfig(out_dir=str(capture_dir), keys=list(CAPTURE_KEYS),
                                 armed_by_file=True) if capture_dir else None
         hooks = hook_specs(fix.faults, capture, num_layers=self.num_layers) if (fix.faults or capture) else None
-        ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=SpecSettings(**spec).with_launch_defaults(),
+        ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=spec.with_launch_defaults(),
                         forward_hooks=hooks, **launch)
         return ServerSpec(launch=ls), draft
 
@@ -138,9 +136,9 @@ class Replay:
         from ..acceptance.ledger import Ledger
 
         m = self.case.measure
-        prompts = load_prompts(None if m.prompts == "bundled" else m.prompts, n=m.count)
+        prompts = load_prompts(m.prompt_source, n=m.count)
         res = measure(client, prompts, max_new_tokens=m.max_new_tokens, concurrency=m.concurrency,
-                      ignore_eos=True, label=label, progress=self.progress, seed=m.seed,
+                      ignore_eos=m.ignore_eos, label=label, progress=self.progress, seed=m.seed,
                       requested=requested, baseline=(self.baseline or {}).get("tok_s"))
         res.save(self.run_dir / "acceptance" / safe_name(label))
         Ledger(self.run_dir / "ledger.parquet").append([res.ledger_row(label)])
@@ -296,9 +294,7 @@ def _requested_args(spec) -> list[str]:
     ls = spec.launch
     out = ["--tp-size", str(ls.tp)]
     if ls.spec is not None:
-        out += ["--speculative-algorithm", ls.spec.algorithm, "--speculative-num-steps",
-                str(ls.spec.num_steps), "--speculative-eagle-topk", str(ls.spec.topk),
-                "--speculative-num-draft-tokens", str(ls.spec.num_draft_tokens)]
+        out += ls.spec.args()
     return out + list(ls.extra_args)
 
 

@@ -363,3 +363,61 @@ def detect_overrides(requested: Mapping[str, Any], effective: Mapping[str, Any],
             out.append(Override(field=name, requested=req, effective=eff, kind="mismatch",
                                 message=f"{name}: requested {req!r}, server runs {eff!r}"))
     return out
+
+
+_SPEC_KEYS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+              "speculative_num_draft_tokens", "tp_size", "speculative_draft_model_path", "model_path")
+
+
+class ServerSettings(SpecSettings):
+    """A server's effective speculative settings (``/server_info``, after SGLang's auto-adjustment: the
+    :class:`SpecSettings` fields) plus its TP size, SGLang version and, when known, the values requested at
+    launch (``requested``: ServerArgs names; absent = not passed)."""
+
+    tp_size: Optional[int] = None
+    version: Optional[str] = None
+    requested: dict = Field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict], *, source: str = "server settings") -> "ServerSettings":
+        """Build from a ``/server_info`` dict or a dump manifest's ``server`` block.
+
+        Accepted shapes: flat ServerArgs keys; ``{"effective": {...}, "requested": {...}}``; ``version`` or
+        ``sglang_version``. Unknown keys are ignored.
+
+        Raises:
+            BadInput: ``d`` is not an object or a numeric field is not an integer (names ``source`` and the key).
+        """
+        from ..errors import BadInput
+
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise BadInput(f"expected an object, got {type(d).__name__}", path=source, field="server")
+        eff = d.get("effective") if isinstance(d.get("effective"), dict) else d
+        req = d.get("requested") if isinstance(d.get("requested"), dict) else {}
+
+        def num(src: dict, k: str) -> Optional[int]:
+            v = src.get(k)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise BadInput(f"expected an integer, got {v!r}", path=source, field=k)
+            return v
+
+        algo = eff.get("speculative_algorithm")
+        return cls(algorithm=str(algo).upper() if algo else None, num_steps=num(eff, "speculative_num_steps"),
+                   topk=num(eff, "speculative_eagle_topk"),
+                   num_draft_tokens=num(eff, "speculative_num_draft_tokens"), tp_size=num(eff, "tp_size"),
+                   version=d.get("version") or d.get("sglang_version") or eff.get("version"),
+                   requested={k: req.get(k) for k in _SPEC_KEYS if k in req})
+
+    @property
+    def parsed_version(self) -> Optional[tuple[int, ...]]:
+        """``version`` as a tuple (``(0, 5, 23)``), None when absent or unreadable."""
+        from ..diagnosis.conventions import parse_version
+
+        try:
+            return parse_version(self.version)
+        except ValueError:
+            return None

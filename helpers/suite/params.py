@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Optional
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from ..errors import BadParams
 from ..paths import NOTEBOOK_DIR, ROOT
+from ..runfiles import load_yaml_model
 
 
 DEFAULT_NOTEBOOKS = ["00_replay", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
@@ -95,22 +95,13 @@ def _resolve(value: Optional[str], params_dir: Path) -> Optional[Path]:
 def load_params(path: str | os.PathLike) -> SuiteParams:
     """Read and validate a suite params YAML file.
 
+    Read with the suite's one YAML loader (:func:`helpers.runfiles.load_yaml_model`).
+
     Raises:
-        BadParams: file missing, not YAML, or a field invalid (the message names it).
+        BadParams: file missing, not YAML, or a field invalid (the message names the file and the field).
     """
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise BadParams(f"params file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise BadParams(f"params file {path} is not valid YAML: {exc}") from None
-    try:
-        params = SuiteParams.model_validate(raw or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise BadParams(f"params file {path}: field '{where}': {first['msg']}") from None
+    params = load_yaml_model(path, SuiteParams, what="params file", error=BadParams)
     if params.server.url is None and params.server.managed is None and params.case is None:
         raise BadParams(f"params file {path}: set case (replay a case file), server.url (attach) or "
                         "server.managed (start the embedded reference server)")
