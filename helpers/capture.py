@@ -282,10 +282,10 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
             arm.unlink()
     index = _rank_index(cap)
     if num_layers is None:
-        import re
+        from .diagnosis.conventions import layer_index
 
-        layers = {int(m.group(1)) for r in index.get(rank, [])[before.get(rank, 0):] for k in r.get("keys", [])
-                  for m in [re.match(r"^out\((\d+)\)$", k)] if m}
+        layers = {L for r in index.get(rank, [])[before.get(rank, 0):] for k in r.get("keys", [])
+                  if (L := layer_index(k)) is not None and L >= 0}
         num_layers = max(layers) + 1 if layers else 0
     need = ["embedding"] + [f"out({L})" for L in range(num_layers)]
     recs = [r for r in index.get(rank, [])[before.get(rank, 0):]

@@ -50,6 +50,7 @@ from typing import Any, Optional
 
 import torch
 
+from .diagnosis.conventions import layer_index
 from .faults import FAULT_KINDS, Fault  # noqa: F401  (helpers.hooks.Fault is the public path)
 
 HOOK_PREFIX = "helpers.hooks"
@@ -278,7 +279,6 @@ def capture_factory(config: dict) -> Any:
 
 
 # --------------------------------------------------------------------------- spec builder
-_OUT_RE = re.compile(r"^out\((\d+)\)$")
 _RESID_RE = re.compile(r"^resid_mid\((\d+)\)$")
 _MLP_RE = re.compile(r"^mlp_partial\((\d+)\)$")
 _ATTN_RE = re.compile(r"^attn_partial\((\d+)\)$")
@@ -288,8 +288,7 @@ def _stash_spec(key: str, num_layers: int) -> dict:
     """The SGLang hook spec that records stash ``key`` on the target (Llama module names)."""
     if key in ("embedding", "embedding_local"):
         module, pick = "model.embed_tokens", "embedding"
-    elif m := _OUT_RE.match(key):
-        L = int(m.group(1))
+    elif (L := layer_index(key)) is not None and L >= 0:
         if not 0 <= L < num_layers:
             raise ValueError(f"{key}: layer outside 0..{num_layers - 1}")
         module = "model.norm" if L == num_layers - 1 else f"model.layers.{L + 1}.input_layernorm"

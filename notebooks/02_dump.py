@@ -35,19 +35,19 @@ reference = "auto"  # live: "hf": also capture every layer with HF transformers;
 
 # %%
 from helpers.views import common as R
-from helpers.views import dump
+from helpers.views import dump as D
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
-captured = dump.capture_live(ctx, num_samples=num_samples, reference=reference) if ctx.live else None
+captured = D.capture_live(ctx, num_samples=num_samples, reference=reference) if ctx.live else None
 H = ctx.hidden_size
 
 # %% [markdown]
 # ## Dumps in this run folder
 
 # %%
-table = dump.dumps_frame(ctx.run_dir, H)
+table = D.dumps_frame(ctx.run_dir, H)
 R.show(table if len(table) else R.note("No dump in this run folder."))
 
 # %% [markdown]
@@ -57,17 +57,17 @@ R.show(table if len(table) else R.note("No dump in this run folder."))
 # residual stream; an embedding chunk stands out by its small, token-determined norms.
 
 # %%
-paths = dump.dump_paths(ctx.run_dir)
-served = dump.served_dumps(ctx.run_dir)
+paths = D.dump_paths(ctx.run_dir)
+served = D.served_dumps(ctx.run_dir)
 if paths:
     default = served[0] if served else paths[0]
-    R.interactive(lambda dump, sample: dump.norm_heatmap(dump, sample, H),
+    R.interactive(lambda dump, sample: D.norm_heatmap(dump, sample, H),
                   {"dump": [(str(p.relative_to(ctx.run_dir / "dumps")), p) for p in paths],
-                   "sample": [(label, i) for label, i in dump.dump_samples(default)]},
+                   "sample": [(label, i) for label, i in D.dump_samples(default)]},
                   defaults={"dump": default, "sample": 0}, caption="the first served dump")
-    ref = dump.reference_dump(ctx.run_dir)
+    ref = D.reference_dump(ctx.run_dir)
     if ref is not None:
-        R.show(dump.norm_heatmap(ref, 0, H, title="Reference: every layer of the target for the same tokens"))
+        R.show(D.norm_heatmap(ref, 0, H, title="Reference: every layer of the target for the same tokens"))
 
 # %%
 R.write_result(ctx.run_dir, "02_dump", {"live": ctx.live, "dumps": table.to_dict(orient="records"),

@@ -47,7 +47,7 @@ R.show(verdicts if len(verdicts) else R.note("No hypothesis was run."))
 compared = R.read_result(ctx.run_dir, "03_compare") or {}
 if compared.get("findings"):
     R.show("<b>Offline diagnosis (03_compare) findings</b>")
-    R.show(R.findings_frame(compared["findings"]))
+    R.show(R.findings_frame(compared.get("findings")))
 
 # %% [markdown]
 # ## Before and after the fix

@@ -126,7 +126,7 @@ def test_sweep_figure_and_points():
 
 def test_hypothesis_steps_and_verdict_summary(tmp_path):
     doc = _doc()
-    assert [s["index"] for s in views_replay.hypothesis_steps(doc, "embedding_included")] == [2]
+    assert [s.index for s in views_replay.hypothesis_steps(doc, "embedding_included")] == [2]
     (tmp_path / "results").mkdir()
     views_common.write_result(tmp_path, "10_hyp_tp_sharding", views_hypotheses.hypothesis_result(
         "10_hyp_tp_sharding", "tp_sharding", [{"verdict": "inconclusive", "label": "live"}], "live"))

@@ -299,7 +299,8 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     """
     from tqdm.auto import tqdm
 
-    from ..acceptance import measure, measure_baseline, load_prompts
+    from .measure import measure, measure_baseline
+    from .prompts import load_prompts
 
     ff = fixes if isinstance(fixes, FixesFile) else load_fixes(fixes)
     key = api_key if api_key is not None else (os.environ.get("SGLANG_API_KEY") or None)

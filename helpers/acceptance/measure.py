@@ -18,6 +18,7 @@ from ..server.redaction import redact, redact_url
 from .prompts import Prompt, load_prompts, prompts_digest
 from .requests import run_requests
 from .stats import accepted_drafts, bootstrap_mean_ci, bootstrap_positions_ci, bootstrap_ratio_ci, histogram_matrix
+from .stats import format_ci
 
 
 def summarize(per_request: pd.DataFrame, *, positions: Optional[int], wall_s: float = float("nan"),
@@ -397,13 +398,7 @@ SUMMARY_COLUMNS = ("label", "n_requests", "accept_length", "accept_length_lo", "
 def format_summary(summary: Mapping[str, Any]) -> str:
     """Human-readable lines of the main figures with their CIs."""
     def f(k, nd=3):
-        v, lo, hi = summary.get(k), summary.get(k + "_lo"), summary.get(k + "_hi")
-        if v is None or (isinstance(v, float) and not math.isfinite(v)):
-            return "n/a"
-        txt = f"{v:.{nd}f}"
-        if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
-            txt += f" [{lo:.{nd}f}, {hi:.{nd}f}]"
-        return txt
+        return format_ci(summary, k, digits=nd, missing="n/a")
     lvl = int(round(100 * summary.get("ci_level", 0.95)))
     lines = [
         f"fix: {summary.get('label') or '-'}   server: {summary.get('url')}   config {summary.get('config_digest')}",

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 
@@ -260,3 +260,44 @@ def requests_for_half_width(per_request: pd.DataFrame, target: float = 0.05, *,
     n_needed = int(math.ceil(len(num) * (hw / target) ** 2)) if hw > 0 else len(num)
     return {"n_obs": int(len(num)), "half_width_obs": float(hw), "n_needed": max(n_needed, 2),
             "by_n": by_n}
+
+
+def _finite_number(x: Any) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return math.nan
+    return v
+
+
+def format_ci(row: Mapping[str, Any], key: str, *, pct: bool = False, digits: int = 2, signed: bool = False,
+              unit: Optional[str] = None, missing: str = "") -> str:
+    """``"value [lo, hi]"`` for ``row[key]`` with its ``key_lo`` / ``key_hi`` bounds: the one CI formatter of the
+    tables, headlines and the CLI.
+
+    ``pct``: x100 with one decimal and a ``%`` unit (``unit=""`` for percentage points); else ``digits``
+    decimals; ``signed``: a leading ``+`` on positive numbers (changes); the bounds are left out when not finite;
+    ``missing`` is returned when the value is not finite."""
+    v = _finite_number(row.get(key))
+    lo, hi = _finite_number(row.get(f"{key}_lo")), _finite_number(row.get(f"{key}_hi"))
+    if not math.isfinite(v):
+        return missing
+    sign = "+" if signed else ""
+    u = ("%" if pct else "") if unit is None else unit
+    f = (lambda x: f"{100 * x:{sign}.1f}{u}") if pct else (lambda x: f"{x:{sign}.{digits}f}{u}")
+    return f"{f(v)} [{f(lo)}, {f(hi)}]" if math.isfinite(lo) and math.isfinite(hi) else f(v)
+
+
+def accept_length(completion_tokens: Sequence[float], verify_ct: Sequence[float]) -> float:
+    """Accept length: Σ completion_tokens / Σ spec_verify_ct over requests (tokens emitted per verify step, bonus
+    token and SGLang's prefill-sampled first token included; ratio of sums, as SpecForge
+    ``benchmarks/benchmarker/utils.py::compute_metrics``). NaN when no verify step was counted."""
+    num, den = float(np.nansum(np.asarray(completion_tokens, float))), float(np.nansum(np.asarray(verify_ct, float)))
+    return num / den if den > 0 else math.nan
+
+
+def accept_rate(correct_drafts: Sequence[float], proposed_drafts: Sequence[float]) -> float:
+    """Accept rate: Σ spec_num_correct_drafts / Σ spec_num_proposed_drafts (drafts only; proposed = verify steps x
+    (num_draft_tokens - 1), per tree node when topk > 1). NaN when nothing was proposed."""
+    num, den = float(np.nansum(np.asarray(correct_drafts, float))), float(np.nansum(np.asarray(proposed_drafts, float)))
+    return num / den if den > 0 else math.nan

@@ -32,19 +32,21 @@ def cli_main(argv: list[str]) -> int:
     run = new_run_dir(case.name, a.out)
     print(f"[replay] {case.name} -> {run}", file=sys.stderr)
     doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)
-    ok = bool(doc.get("complete"))
-    for s in doc["steps"]:
-        if s.get("kind") == "hypothesis":
-            flag = "" if s.get("as_expected") in (None, True) else f"  (expected {s.get('expect')})"
-            ok &= s.get("as_expected") in (None, True)
-            print(f"  step {s['index'] + 1}: {s.get('check')}: {s.get('verdict')}{flag}")
-        elif s.get("kind") == "fix":
-            summ = s.get("summary") or {}
+    ok = doc.complete
+    for s in doc.steps:
+        if s.kind == "hypothesis":
+            flag = "" if s.as_expected in (None, True) else f"  (expected {s.expect})"
+            ok &= s.as_expected in (None, True)
+            print(f"  step {s.index + 1}: {s.check}: {s.verdict}{flag}")
+        elif s.kind == "investigation":
+            print(f"  step {s.index + 1}: investigation: {s.verdict}: {s.sentence}")
+        elif s.kind == "fix":
+            summ = s.summary or {}
             what = (f"accept length {summ['accept_length']:.2f}, accept rate {100 * summ['accept_rate']:.0f}%"
-                    if summ.get("accept_length") is not None else (s.get("error") or "server did not start"))
-            print(f"  step {s['index'] + 1}: fix '{s.get('name')}': {what}")
-        elif s.get("kind") == "sweep":
-            print(f"  step {s['index'] + 1}: sweep: best num_steps {s.get('best_num_steps')}")
-    print(doc.get("headline", ""))
+                    if summ.get("accept_length") is not None else (s.error or s.server_error or "server did not start"))
+            print(f"  step {s.index + 1}: fix '{s.name}': {what}")
+        elif s.kind == "sweep":
+            print(f"  step {s.index + 1}: sweep: best num_steps {s.best_num_steps}")
+    print(doc.headline)
     print(f"[replay] results: {run / 'results'}", file=sys.stderr)
     return 0 if ok else 1

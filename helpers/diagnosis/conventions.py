@@ -86,6 +86,17 @@ def layer_of(name: str) -> int | None:
     return None
 
 
+def layer_index(name: Any) -> int | None:
+    """Lenient :func:`layer_of` for tables and figures: None for anything that is not ``embedding`` / ``out(L)``
+    (None, NaN -- pandas 3 stores a missing string cell as NaN --, ``final_norm``, other text)."""
+    if not isinstance(name, str):
+        return None
+    try:
+        return layer_of(name)
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class LayerIds:
     """A list of layer ids together with the convention they are written in.

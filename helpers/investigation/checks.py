@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..diagnosis.conventions import layer_index
 from .catalog import CATALOG
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
@@ -270,18 +271,6 @@ def _bar(x, y, title, ytitle, *, log=False, color=None):
     return fig
 
 
-def _layer_index(name: Optional[str]) -> Optional[int]:
-    """``out(L)`` -> L, ``embedding`` -> -1, else None (also for NaN: pandas 3 stores a missing
-    entry of a string column as NaN)."""
-    if not isinstance(name, str) or not name:
-        return None
-    if name == "embedding":
-        return -1
-    if name.startswith("out(") and name.endswith(")"):
-        return int(name[4:-1])
-    return None
-
-
 def _chunk_frame(inv: Investigation) -> pd.DataFrame:
     d = inv.diagnosis()
     trained = list(d.training_plan.tensors) if d.training_plan is not None else []
@@ -454,7 +443,7 @@ def check_layer_offset(inv: Investigation, **_: Any) -> HypothesisResult:
     frame = _chunk_frame(inv)
     shifts = []
     for _, r in frame.iterrows():
-        m, t = _layer_index(r["measured (reference)"]), _layer_index(r["trained"])
+        m, t = layer_index(r["measured (reference)"]), layer_index(r["trained"])
         shifts.append(None if m is None or t is None else m - t)
     frame["shift (measured - trained)"] = shifts
     known = [s for s in shifts if s is not None]
@@ -493,7 +482,7 @@ def _chunk_layer_figure(frame: pd.DataFrame, title: str, with_configured: bool =
     if with_configured and "configured" in frame:
         series.insert(1, ("configured (engine plan)", "configured"))
     for name, col in series:
-        fig.add_trace(go.Scatter(x=list(frame["chunk"]), y=[_layer_index(v) for v in frame[col]],
+        fig.add_trace(go.Scatter(x=list(frame["chunk"]), y=[layer_index(v) for v in frame[col]],
                                  mode="markers+lines", name=name))
     fig.update_layout(title=title, xaxis_title="chunk", yaxis_title="decoder layer L of out(L)",
                       height=320, margin=dict(l=60, r=20, t=50, b=40))

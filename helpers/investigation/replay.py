@@ -28,6 +28,7 @@ from typing import Any, Optional
 from ..acceptance.fixes import Fix
 from .cases import Case, load_case
 from ..runfiles import read_parquet, safe_name, write_json
+from ..records import FixStep, HypothesisStep, REPLAY_STEP, ReplayDoc, SweepStep
 
 CAPTURE_KEYS = ["embedding", "embedding_local"]
 
@@ -82,7 +83,7 @@ class Replay:
         self.draft = case.resolve(case.models.draft)
         self.training = case.resolve(case.models.training_data) if case.models.training_data else None
         self.num_layers = json.loads((self.target / "config.json").read_text())["num_hidden_layers"]
-        self.steps: list[dict] = []
+        self.steps: list = []          # typed steps (helpers.records)
         self.server_cm = None   # the context manager of the running server
         self.server = None      # (client, handle)
         self.current: Optional[dict] = None  # info about the current fix
@@ -145,13 +146,12 @@ class Replay:
         return res.summary
 
     # -- steps ----------------------------------------------------------------------------------
-    def run_fix(self, i: int, fix: Fix) -> dict:
+    def run_fix(self, i: int, fix: Fix) -> FixStep:
         self._stop()
         self.current = None
         t = time.monotonic()
-        rec = {"kind": "fix", "name": fix.name, "baseline": fix.baseline, "faults": fix.faults,
-               "draft_config": fix.draft_config, "drop_tensors": fix.drop_tensors,
-               "algorithm": fix.algorithm}
+        rec = FixStep(index=i, name=fix.name, baseline=fix.baseline, faults=fix.faults, draft_config=fix.draft_config,
+                      drop_tensors=fix.drop_tensors, algorithm=fix.algorithm)
         try:
             client, handle, draft, capture_dir, spec = self._start(fix)
         except Exception as exc:  # noqa: BLE001 - a fix whose server cannot start is a result too
@@ -159,7 +159,7 @@ class Replay:
             self.current = {"fix": fix, "client": None, "draft": draft, "capture_dir": None,
                             "requested": _requested_args(spec), "summary": None, "index": i,
                             "inv": None}
-            rec.update(server_error=_tail(str(exc)), summary=None)
+            rec.server_error, rec.summary = _tail(str(exc)), None
             return rec
         startup = time.monotonic() - t
         requested = _requested_args(spec)
@@ -168,8 +168,8 @@ class Replay:
             self.baseline = summary
         self.current = {"fix": fix, "client": client, "draft": draft, "capture_dir": capture_dir,
                         "requested": requested, "summary": summary, "index": i, "inv": None}
-        rec.update(server_startup_s=round(startup, 1), summary=_slim(summary),
-                   acceptance_dir=f"acceptance/{safe_name(fix.name)}")
+        rec.server_startup_s, rec.summary = round(startup, 1), _slim(summary)
+        rec.acceptance_dir = f"acceptance/{safe_name(fix.name)}"
         return rec
 
     def fix_effect(self) -> Optional[dict]:
@@ -177,13 +177,12 @@ class Replay:
         (:func:`helpers.acceptance.stats.paired_effect`), or None with fewer than two."""
         from ..acceptance.stats import paired_effect
 
-        fixes = [s for s in self.steps if s.get("kind") == "fix" and not s.get("baseline")
-                 and s.get("summary") and s.get("acceptance_dir")]
+        fixes = [s for s in self.steps if s.kind == "fix" and not s.baseline and s.summary and s.acceptance_dir]
         if len(fixes) < 2:
             return None
         a, b = fixes[0], fixes[-1]
-        frames = [read_parquet(self.run_dir / s["acceptance_dir"] / "per_request.parquet") for s in (a, b)]
-        return {"before": a["name"], "after": b["name"], **paired_effect(*frames)}
+        frames = [read_parquet(self.run_dir / s.acceptance_dir / "per_request.parquet") for s in (a, b)]
+        return {"before": a.name, "after": b.name, **paired_effect(*frames)}
 
     def investigation(self):
         from .checks import Investigation
@@ -200,7 +199,7 @@ class Replay:
                                        algorithm=cur["fix"].algorithm)
         return cur["inv"]
 
-    def run_hypothesis(self, i: int, step) -> dict:
+    def run_hypothesis(self, i: int, step) -> HypothesisStep:
         from .checks import run_check
 
         h = step.hypothesis
@@ -214,13 +213,13 @@ class Replay:
             fig_path.write_text(res.figure.to_json())
         d = res.to_dict()
         d.pop("figure", None)
-        return {"kind": "hypothesis", "check": h.check, "label": h.label, "question": res.question,
-                "on_fix": self.current["fix"].name, "verdict": res.verdict, "expect": step.expect,
-                "as_expected": None if step.expect is None else step.expect == res.verdict,
-                "explanation": res.explanation, "evidence": d["evidence"], "data": d["data"],
-                "figure": None if fig_path is None else str(fig_path.relative_to(self.run_dir))}
+        return HypothesisStep(index=i, check=h.check, label=h.label, question=res.question,
+                              on_fix=self.current["fix"].name, verdict=res.verdict, expect=step.expect,
+                              as_expected=None if step.expect is None else step.expect == res.verdict,
+                              explanation=res.explanation, evidence=d["evidence"], data=d["data"],
+                              figure=None if fig_path is None else str(fig_path.relative_to(self.run_dir)))
 
-    def run_sweep(self, i: int, sweep) -> dict:
+    def run_sweep(self, i: int, sweep) -> SweepStep:
         if self.current is None:
             raise RuntimeError("a sweep needs a fix before it")
         fix = self.current["fix"]
@@ -243,14 +242,14 @@ class Replay:
             self._stop()
             points.append({"num_steps": v, "server_startup_s": round(startup, 1), **_slim(summary)})
         best = max(points, key=lambda p: (p.get("tok_s") or 0))
-        return {"kind": "sweep", "name": sweep.name, "on_fix": fix.name, "points": points,
-                "best_num_steps": best["num_steps"], "best_tok_s": best.get("tok_s")}
+        return SweepStep(index=i, name=sweep.name, on_fix=fix.name, points=points, best_num_steps=best["num_steps"],
+                         best_tok_s=best.get("tok_s"))
 
-    def run(self) -> dict:
+    def run(self) -> ReplayDoc:
         from tqdm.auto import tqdm
 
-        doc = {"case": self.case.name, "title": self.case.title, "story": self.case.story,
-               "tp": self.case.server.tp, "steps": self.steps, "complete": False}
+        doc = ReplayDoc(case=self.case.name, title=self.case.title, story=self.case.story, tp=self.case.server.tp,
+                        steps=self.steps, complete=False)
         try:
             for i, step in enumerate(tqdm(self.case.timeline, desc=f"replay {self.case.name}",
                                           unit="step", disable=not self.progress)):
@@ -263,24 +262,26 @@ class Replay:
                     else:
                         rec = self.run_sweep(i, step.sweep)
                 except Exception as exc:  # noqa: BLE001 - recorded; the replay goes on when it can
-                    rec = {"kind": step.kind, "error": f"{type(exc).__name__}: {exc}"[:4000]}
+                    rec = REPLAY_STEP.validate_python({"kind": step.kind, "error": f"{type(exc).__name__}: {exc}"[:4000]})
                     if step.kind == "fix":
                         self._stop()
                         self.current = None
-                rec.update(index=i, note=step.note, wall_s=round(time.monotonic() - t, 1))
+                rec.index, rec.note, rec.wall_s = i, step.note, round(time.monotonic() - t, 1)
                 self.steps.append(rec)
-                doc["headline"] = headline(self.case, self.steps)
-                write_json(self.results_path, doc)
-            doc["complete"] = True
+                doc.steps = self.steps
+                doc.headline = headline(self.case, self.steps)
+                write_json(self.results_path, doc.model_dump(mode="json"))
+            doc.complete = True
             try:
-                doc["fix_effect"] = self.fix_effect()
+                doc.fix_effect = self.fix_effect()
             except Exception as exc:  # noqa: BLE001 - the replay's own records stand without it
-                doc["fix_effect"] = {"error": f"{type(exc).__name__}: {exc}"}
+                doc.fix_effect = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             self._stop()
-            doc["wall_s"] = round(time.monotonic() - self.t0, 1)
-            doc["headline"] = headline(self.case, self.steps, doc.get("fix_effect"))
-            write_json(self.results_path, doc)
+            doc.steps = self.steps
+            doc.wall_s = round(time.monotonic() - self.t0, 1)
+            doc.headline = headline(self.case, self.steps, doc.fix_effect)
+            write_json(self.results_path, doc.model_dump(mode="json"))
         return doc
 
 
@@ -314,27 +315,26 @@ def _slim(summary: dict) -> dict:
     return out
 
 
-def headline(case: Case, steps: list[dict], effect: Optional[dict] = None) -> str:
+def headline(case: Case, steps: list, effect: Optional[dict] = None) -> str:
     """One sentence: what was wrong, which step found it, and what the fix changed (with the paired
     95% CI of the accept-length change when ``effect``, :meth:`Replay.fix_effect`, is given)."""
-    found = next((s for s in steps if s.get("kind") == "hypothesis" and s.get("verdict") == "confirmed"), None)
-    fixes = [s for s in steps if s.get("kind") == "fix" and not s.get("baseline") and s.get("summary")]
+    found = next((s for s in steps if s.kind == "hypothesis" and s.verdict == "confirmed"), None)
+    fixes = [s for s in steps if s.kind == "fix" and not s.baseline and s.summary]
     parts = []
     if found:
-        what = (found.get("data") or {}).get("short") or found["explanation"].split(". ")[0].rstrip(".")
-        lab = f" ({found['label']})" if found.get("label") else ""
-        parts.append(f"What was wrong: {what}; found by step {found['index'] + 1}{lab}, "
-                     f"check '{found['check']}'")
+        what = (found.data or {}).get("short") or found.explanation.split(". ")[0].rstrip(".")
+        lab = f" ({found.label})" if found.label else ""
+        parts.append(f"What was wrong: {what}; found by step {found.index + 1}{lab}, check '{found.check}'")
     elif steps:
         parts.append("No hypothesis was confirmed")
     if len(fixes) >= 2:
         a, b = fixes[0], fixes[-1]
-        ra, rb = a["summary"].get("accept_rate"), b["summary"].get("accept_rate")
-        la, lb = a["summary"].get("accept_length"), b["summary"].get("accept_length")
+        ra, rb = a.summary.get("accept_rate"), b.summary.get("accept_rate")
+        la, lb = a.summary.get("accept_length"), b.summary.get("accept_length")
         if None not in (ra, rb, la, lb):
-            name = b["name"]
+            name = b.name
             name = name[4:].strip() if name.lower().startswith("fix:") else name
-            txt = (f"the fix of step {b.get('index', 0) + 1} ({name}) moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
+            txt = (f"the fix of step {b.index + 1} ({name}) moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
                    f"and accept length {la:.2f} -> {lb:.2f}")
             e = effect or {}
             if e.get("n_paired", 0) >= 2 and all(isinstance(e.get(k), float) and math.isfinite(e[k]) for k in
@@ -342,14 +342,14 @@ def headline(case: Case, steps: list[dict], effect: Optional[dict] = None) -> st
                 txt += (f" ({e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
                         f"{e['accept_length_delta_hi']:+.2f}], paired 95% CI over {e['n_paired']} prompts)")
             parts.append(txt)
-    sweep = next((s for s in steps if s.get("kind") == "sweep" and s.get("best_num_steps")), None)
+    sweep = next((s for s in steps if s.kind == "sweep" and s.best_num_steps), None)
     if sweep:
-        parts.append(f"best tok/s at num_steps={sweep['best_num_steps']}")
+        parts.append(f"best tok/s at num_steps={sweep.best_num_steps}")
     return ("; ".join(parts) + ".") if parts else ""
 
 
 def replay_case(case: Case | str | os.PathLike, run_dir: str | os.PathLike, *, progress: bool = True,
-                api_key: Optional[str] = None) -> dict:
+                api_key: Optional[str] = None) -> ReplayDoc:
     """Replay ``case`` (a :class:`~helpers.investigation.cases.Case` or a case-file path) into ``run_dir``.
 
     Returns the result document (also in ``run_dir/results/replay-<case>.json``): ``case``,

@@ -48,6 +48,7 @@ from ..errors import BadParams
 from .html import HTML_BUDGET_BYTES, check_html, export_html
 from .params import ManagedServer, POSTMORTEM, REPLAY, load_params
 from ..paths import ROOT
+from ..records import ReplayDoc
 
 
 #: notebooks that read what another one writes (they start after it finishes): the served dump of
@@ -82,26 +83,26 @@ class _ReplayProgress:
         if not files:
             return
         try:
-            doc = json.loads(files[-1].read_text())
+            doc = ReplayDoc.model_validate_json(files[-1].read_text())
         except (OSError, ValueError):
             return
-        steps = doc.get("steps", [])
-        for st in steps[self.seen:]:
-            what = st.get("check") or st.get("name") or st.get("kind")
-            if st.get("error"):
-                res = "ERROR " + str(st["error"])[:160]
-            elif st.get("kind") == "hypothesis":
-                res = f"{st.get('verdict')} (expected {st.get('expect') or '-'})"
-            elif st.get("kind") == "fix":
-                sm = st.get("summary") or {}
+        for st in doc.steps[self.seen:]:
+            what = getattr(st, "check", None) or getattr(st, "name", None) or st.kind
+            if st.error:
+                res = "ERROR " + str(st.error)[:160]
+            elif st.kind == "hypothesis":
+                res = f"{st.verdict} (expected {st.expect or '-'})"
+            elif st.kind == "investigation":
+                res = f"{st.verdict}: {st.sentence[:160]}"
+            elif st.kind == "fix":
+                sm = st.summary or {}
                 res = (f"accept length {sm.get('accept_length') or float('nan'):.2f}, "
                        f"{(sm.get('tok_s') or float('nan')):.1f} tok/s")
             else:
-                res = f"best num_steps={st.get('best_num_steps')}"
-            kind = "" if str(what).lower().startswith(f"{st.get('kind')}:") else f"{st.get('kind')} "
-            print(f"[suite]   replay step {st.get('index', 0) + 1}: {kind}{what}: {res} "
-                  f"({st.get('wall_s')} s)", flush=True)
-        self.seen = len(steps)
+                res = f"best num_steps={st.best_num_steps}"
+            kind = "" if str(what).lower().startswith(f"{st.kind}:") else f"{st.kind} "
+            print(f"[suite]   replay step {st.index + 1}: {kind}{what}: {res} ({st.wall_s} s)", flush=True)
+        self.seen = len(doc.steps)
 
 
 def _start_managed(m: ManagedServer, run_dir: Path):

@@ -3,12 +3,11 @@ measurement.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 import pandas as pd
 from .common import RunContext, connect
-from .replay import _num
+from ..acceptance.stats import format_ci
 
 
 def ledger_frame(run_dir: Path) -> pd.DataFrame:
@@ -16,7 +15,7 @@ def ledger_frame(run_dir: Path) -> pd.DataFrame:
     p = Path(run_dir) / "ledger.parquet"
     if not p.exists():
         return pd.DataFrame()
-    from .acceptance.ledger import Ledger
+    from ..acceptance.ledger import Ledger
 
     return Ledger(p).read()
 
@@ -26,18 +25,11 @@ def acceptance_table(ledger: pd.DataFrame) -> pd.DataFrame:
     if ledger is None or ledger.empty:
         return pd.DataFrame()
 
-    def ci(r, k, pct=False, nd=2):
-        v, lo, hi = _num(r.get(k)), _num(r.get(k + "_lo")), _num(r.get(k + "_hi"))
-        if not math.isfinite(v):
-            return ""
-        f = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: f"{x:.{nd}f}")
-        return f"{f(v)} [{f(lo)}, {f(hi)}]" if math.isfinite(lo) and math.isfinite(hi) else f(v)
-
     rows = []
     for _, r in ledger.iterrows():
-        rows.append({"fix": r.get("fix"), "accept length [95% CI]": ci(r, "accept_length"),
-                     "accept rate [95% CI]": ci(r, "accept_rate", pct=True),
-                     "tok/s [95% CI]": ci(r, "tok_s", nd=1), "requests": r.get("n_requests"),
+        rows.append({"fix": r.get("fix"), "accept length [95% CI]": format_ci(r, "accept_length"),
+                     "accept rate [95% CI]": format_ci(r, "accept_rate", pct=True),
+                     "tok/s [95% CI]": format_ci(r, "tok_s", digits=1), "requests": r.get("n_requests"),
                      "num_steps": r.get("num_steps"), "topk": r.get("topk"),
                      "draft tokens": r.get("num_draft_tokens")})
     return pd.DataFrame(rows)
@@ -61,9 +53,9 @@ def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens
                  concurrency: int = 4, prompts: Any = None) -> dict:
     """Measure acceptance on the live server, save ``acceptance/<label>/`` and append to the ledger.
     Returns the summary dict."""
-    from .acceptance.prompts import load_prompts
-    from .acceptance.measure import measure
-    from .acceptance.ledger import Ledger
+    from ..acceptance.prompts import load_prompts
+    from ..acceptance.measure import measure
+    from ..acceptance.ledger import Ledger
     from ..runfiles import safe_name
 
     client = connect(ctx)

@@ -68,17 +68,20 @@ def attach_records(ctx: RunContext) -> list[dict]:
     config variant, else the case's draft)."""
     from ..runfiles import safe_name
 
+    from .replay import as_replay
+
     out = []
-    for s in (ctx.replay or {}).get("steps", []):
-        if s.get("kind") != "fix" or s.get("baseline"):
+    doc_replay = as_replay(ctx.replay)
+    for s in (doc_replay.of_kind("fix") if doc_replay else []):
+        if s.baseline:
             continue
-        name = s.get("name") or ""
+        name = s.name or ""
         doc = read_json_file(ctx.run_dir / "acceptance" / safe_name(name) / "summary.json") or {}
         variant = ctx.run_dir / "drafts" / safe_name(name)
         draft = variant if (variant / "config.json").exists() else ctx.draft_dir
         out.append({"fix": name, "server": doc.get("server") or {}, "spec": doc.get("spec"),
                     "warnings": doc.get("warnings") or [], "draft_dir": draft,
-                    "error": s.get("error") or s.get("server_error")})
+                    "error": s.error or s.server_error})
     return out
 
 
@@ -86,7 +89,7 @@ def live_attach(ctx: RunContext) -> dict:
     """Probe the live server: redacted ``/server_info``, the effective spec config (with the draft config
     when ``ctx.draft_dir`` holds one), version. Returns ``{"fix": "live", "server", "spec", "warnings",
     "draft_dir"}`` like :func:`attach_records`."""
-    from .acceptance.measure import server_snapshot
+    from ..acceptance.measure import server_snapshot
 
     client = connect(ctx)
     try:

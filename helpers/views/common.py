@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 from ..paths import ROOT
+from ..records import ReplayDoc
 
 
 DEFAULT_TARGET = "env/models/target"
@@ -359,10 +360,12 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     return ctx
 
 
-def load_replay(run_dir: Path) -> Optional[dict]:
-    """The replay document of the run folder (``results/replay-*.json``; the newest if several)."""
+def load_replay(run_dir: Path) -> Optional[ReplayDoc]:
+    """The replay document of the run folder (``results/replay-*.json``; the newest if several), typed
+    (:class:`helpers.records.ReplayDoc`); None without one or when it cannot be read."""
     files = sorted(Path(run_dir).glob("results/replay-*.json"), key=lambda p: p.stat().st_mtime)
-    return read_json_file(files[-1]) if files else None
+    raw = read_json_file(files[-1]) if files else None
+    return None if raw is None else ReplayDoc.model_validate(raw)
 
 
 def _case_models(path: Path):
@@ -393,18 +396,38 @@ def connect(ctx: RunContext):
 
 def write_result(run_dir: Path, notebook: str, doc: Mapping[str, Any]) -> None:
     """Write ``results/<notebook>.json`` (atomic) for the notebooks that follow (returns None, so that a
-    notebook cell ending with it shows nothing)."""
+    notebook cell ending with it shows nothing). The document is validated as that notebook's record
+    (:data:`helpers.records.NOTEBOOK_RESULT`) first, so a misnamed field fails here, not in a later page.
+
+    Raises ``pydantic.ValidationError`` when ``doc`` does not fit the record of ``notebook``."""
+    from ..records import NOTEBOOK_RESULT
     from ..runfiles import write_json
 
-    write_json(Path(run_dir) / "results" / f"{notebook}.json", _jsonable(dict(doc)))
+    record = NOTEBOOK_RESULT.validate_python({**_jsonable(dict(doc)), "notebook": notebook})
+    write_json(Path(run_dir) / "results" / f"{notebook}.json", _jsonable(record.model_dump(mode="json")))
 
 
-def read_result(run_dir: Path, notebook: str) -> Optional[dict]:
-    """``results/<notebook>.json`` or None."""
-    return read_json_file(Path(run_dir) / "results" / f"{notebook}.json")
+def read_result(run_dir: Path, notebook: str):
+    """``results/<notebook>.json`` as its typed record (:data:`helpers.records.NOTEBOOK_RESULT`; mapping-style
+    ``.get`` works on it), or None when the file is absent, unreadable or from another schema."""
+    from pydantic import ValidationError
+
+    from ..records import NOTEBOOK_RESULT
+
+    raw = read_json_file(Path(run_dir) / "results" / f"{notebook}.json")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return NOTEBOOK_RESULT.validate_python({**raw, "notebook": notebook})
+    except ValidationError:
+        return None
 
 
 def _jsonable(x: Any) -> Any:
+    from pydantic import BaseModel
+
+    if isinstance(x, BaseModel):
+        return _jsonable(x.model_dump(mode="json"))
     if isinstance(x, Mapping):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -10,6 +10,7 @@ import pandas as pd
 from .acceptance import ledger_frame, main_fixes
 from .common import esc, note, read_json_file
 from .replay import _num, fixes_frame, headline, hypotheses_frame
+from ..acceptance.stats import format_ci
 
 
 def suite_status(run_dir: Path) -> dict:
@@ -102,31 +103,22 @@ def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.Da
     rows = []
     for k, label, pct in (("accept_rate", "accept rate", True), ("accept_length", "accept length", False),
                           ("tok_s", "tok/s", False)):
-        f = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: f"{x:.2f}")
         sep = ""
         if all(math.isfinite(_num(v)) for v in (a[k + "_lo"], a[k + "_hi"], b[k + "_lo"], b[k + "_hi"])):
             sep = "yes" if (b[k + "_lo"] > a[k + "_hi"] or b[k + "_hi"] < a[k + "_lo"]) else "no"
         paired = ""
-        d, lo, hi = (_num(eff.get(f"{k}_delta{x}")) for x in ("", "_lo", "_hi"))
-        if all(math.isfinite(v) for v in (d, lo, hi)):
-            g = (lambda x: f"{100 * x:+.1f}") if pct else (lambda x: f"{x:+.2f}")
-            paired = f"{g(d)} [{g(lo)}, {g(hi)}]{' points' if pct else ''} over {eff.get('n_paired')} prompts"
+        if all(math.isfinite(_num(eff.get(f"{k}_delta{x}"))) for x in ("", "_lo", "_hi")):
+            paired = (format_ci(eff, f"{k}_delta", pct=pct, signed=True, unit="")
+                      + f"{' points' if pct else ''} over {eff.get('n_paired')} prompts")
         elif k == "tok_s" and eff:
             paired = "n/a (wall-clock speed of two servers is not paired per prompt)"
-        rows.append({"metric": label, f"before: {a['fix']}": _fmt_ci(a, k, f),
-                     f"after: {b['fix']}": _fmt_ci(b, k, f),
+        rows.append({"metric": label, f"before: {a['fix']}": format_ci(a, k, pct=pct),
+                     f"after: {b['fix']}": format_ci(b, k, pct=pct),
                      "change": (f"{b[k] - a[k]:+.2f}" if not pct else f"{100 * (b[k] - a[k]):+.1f} points")
                      if math.isfinite(_num(a[k])) and math.isfinite(_num(b[k])) else "",
                      "outside both 95% CIs": sep,
                      "paired 95% CI of the change": paired})
     return pd.DataFrame(rows)
-
-
-def _fmt_ci(r, k, f) -> str:
-    v, lo, hi = _num(r[k]), _num(r[k + "_lo"]), _num(r[k + "_hi"])
-    if not math.isfinite(v):
-        return ""
-    return f"{f(v)} [{f(lo)}, {f(hi)}]" if math.isfinite(lo) and math.isfinite(hi) else f(v)
 
 
 def postmortem_record(run_dir: Path, doc: Optional[Mapping[str, Any]]) -> dict:

@@ -3,13 +3,26 @@ fixes and hypotheses tables, the accept-rate timeline and the num_steps sweep.
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 import numpy as np
 import pandas as pd
 from .common import RunContext, VERDICT_COLORS, esc, show, verdict_badge, write_result
+from ..acceptance.stats import format_ci
+from ..records import REPLAY_STEP, ReplayDoc
+
+
+def as_replay(doc: Any) -> Optional[ReplayDoc]:
+    """A replay document as :class:`helpers.records.ReplayDoc` (a dict, as read from JSON, is validated)."""
+    if doc is None or isinstance(doc, ReplayDoc):
+        return doc
+    return ReplayDoc.model_validate(doc)
+
+
+def as_step(step: Any):
+    """One replay step, typed (:data:`helpers.records.REPLAY_STEP`)."""
+    return step if not isinstance(step, Mapping) else REPLAY_STEP.validate_python(dict(step))
 
 
 def run_or_load_replay(ctx: RunContext, *, rerun: bool = False, progress: bool = False) -> Optional[dict]:
@@ -21,43 +34,44 @@ def run_or_load_replay(ctx: RunContext, *, rerun: bool = False, progress: bool =
     case = ctx.load_case()
     if case is None:
         return ctx.replay
-    doc = ctx.replay
-    if rerun or doc is None or not doc.get("complete") or doc.get("case") != case.name:
+    doc = as_replay(ctx.replay)
+    if rerun or doc is None or not doc.complete or doc.case != case.name:
         key = os.environ.get(ctx.api_key_env) or None
         doc = replay_case(case, ctx.run_dir, progress=progress, api_key=key)
     ctx.replay = doc
     write_result(ctx.run_dir, "00_replay", {
-        "case_path": str(ctx.case_path), "case": doc.get("case"), "headline": doc.get("headline"),
-        "complete": doc.get("complete"), "wall_s": doc.get("wall_s"),
+        "case_path": str(ctx.case_path), "case": doc.case, "headline": doc.headline,
+        "complete": doc.complete, "wall_s": doc.wall_s,
         "models": {"target": str(ctx.target_dir), "draft": str(ctx.draft_dir), "training": str(ctx.training)},
-        "hypotheses": [{"index": s.get("index"), "check": s.get("check"), "label": s.get("label"),
-                        "verdict": s.get("verdict"), "expect": s.get("expect"), "as_expected": s.get("as_expected")}
-                       for s in doc.get("steps", []) if s.get("kind") == "hypothesis"],
-        "errors": [{"index": s.get("index"), "kind": s.get("kind"), "error": s.get("error")}
-                   for s in doc.get("steps", []) if s.get("error")]})
+        "hypotheses": [{"index": s.index, "check": s.check, "label": s.label, "verdict": s.verdict,
+                        "expect": s.expect, "as_expected": s.as_expected} for s in doc.of_kind("hypothesis")],
+        "errors": [{"index": s.index, "kind": s.kind, "error": s.error} for s in doc.steps if s.error]})
     return doc
 
 
 def headline(doc: Optional[Mapping[str, Any]]) -> str:
     """The replay's one-sentence headline (plain text), or a sentence saying why there is none."""
+    doc = as_replay(doc)
     if not doc:
         return "No replay in this run folder (no case file was given)."
-    return str(doc.get("headline") or "The replay recorded no headline (no step finished).")
+    return str(doc.headline or "The replay recorded no headline (no step finished).")
 
 
 def headline_html(doc: Optional[Mapping[str, Any]]) -> str:
     """:func:`headline` in a highlighted, escaped block, with the case title."""
-    title = esc((doc or {}).get("title") or "")
+    d = as_replay(doc)
+    title = esc(d.title if d else "")
     sub = f'<div class="e3f-note">Case: {title}</div>' if title else ""
     return f'<div class="e3f-headline">{esc(headline(doc))}{sub}</div>'
 
 
 def story_html(doc: Optional[Mapping[str, Any]]) -> str:
     """The case's title and story (free text from the case file), escaped; "" without a story."""
-    if not doc or not (doc.get("story") or "").strip():
+    doc = as_replay(doc)
+    if not doc or not (doc.story or "").strip():
         return ""
-    paras = [p.strip() for p in str(doc["story"]).split("\n\n") if p.strip()]
-    return (f'<p><b>{esc(doc.get("title") or doc.get("case") or "")}</b></p>'
+    paras = [p.strip() for p in str(doc.story).split("\n\n") if p.strip()]
+    return (f'<p><b>{esc(doc.title or doc.case or "")}</b></p>'
             + "".join(f"<p>{esc(' '.join(p.split()))}</p>" for p in paras))
 
 
@@ -77,17 +91,16 @@ def fixes_frame(doc: Optional[Mapping[str, Any]]) -> pd.DataFrame:
     ``n_requests``, ``baseline``, ``error``.
     """
     rows = []
-    for s in (doc or {}).get("steps", []):
-        if s.get("kind") != "fix":
-            continue
-        sm = s.get("summary") or {}
-        row = {"step": int(s.get("index", 0)) + 1, "fix": s.get("name") or "(fix)"}
+    d = as_replay(doc)
+    for s in (d.of_kind("fix") if d else []):
+        sm = s.summary or {}
+        row = {"step": s.index + 1, "fix": s.name or "(fix)"}
         for k in ("accept_length", "accept_rate", "tok_s"):
             for suf in ("", "_lo", "_hi"):
                 row[k + suf] = _num(sm.get(k + suf))
         row["n_requests"] = sm.get("n_requests")
-        row["baseline"] = bool(s.get("baseline"))
-        row["error"] = s.get("error") or s.get("server_error") or ""
+        row["baseline"] = bool(s.baseline)
+        row["error"] = s.error or s.server_error or ""
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -98,57 +111,47 @@ def fixes_display(doc: Optional[Mapping[str, Any]]) -> pd.DataFrame:
     if df.empty:
         return df
 
-    def ci(r, k, pct=False, nd=2):
-        v, lo, hi = r[k], r[k + "_lo"], r[k + "_hi"]
-        if not math.isfinite(v):
-            return ""
-        f = (lambda x: f"{100 * x:.1f}%") if pct else (lambda x: f"{x:.{nd}f}")
-        return f"{f(v)} [{f(lo)}, {f(hi)}]" if math.isfinite(lo) and math.isfinite(hi) else f(v)
-
     return pd.DataFrame({"step": df["step"], "fix": df["fix"],
-                         "accept length [95% CI]": [ci(r, "accept_length") for _, r in df.iterrows()],
-                         "accept rate [95% CI]": [ci(r, "accept_rate", pct=True) for _, r in df.iterrows()],
-                         "tok/s [95% CI]": [ci(r, "tok_s", nd=1) for _, r in df.iterrows()],
+                         "accept length [95% CI]": [format_ci(r, "accept_length") for _, r in df.iterrows()],
+                         "accept rate [95% CI]": [format_ci(r, "accept_rate", pct=True) for _, r in df.iterrows()],
+                         "tok/s [95% CI]": [format_ci(r, "tok_s", digits=1) for _, r in df.iterrows()],
                          "requests": df["n_requests"], "error": df["error"]})
 
 
 def hypotheses_frame(doc: Optional[Mapping[str, Any]]) -> pd.DataFrame:
     """One row per hypothesis step: step, label, check, question, verdict, expected, as_expected, on_fix."""
     rows = []
-    for s in (doc or {}).get("steps", []):
-        if s.get("kind") != "hypothesis":
-            continue
-        rows.append({"step": int(s.get("index", 0)) + 1, "label": s.get("label") or "",
-                     "check": s.get("check") or "", "question": s.get("question") or "",
-                     "verdict": s.get("verdict") or ("error" if s.get("error") else ""),
-                     "expected": s.get("expect") or "",
-                     "as expected": "" if s.get("as_expected") is None else ("yes" if s["as_expected"] else "NO"),
-                     "on fix": s.get("on_fix") or "", "error": s.get("error") or ""})
+    d = as_replay(doc)
+    for s in (d.of_kind("hypothesis") if d else []):
+        rows.append({"step": s.index + 1, "label": s.label, "check": s.check, "question": s.question,
+                     "verdict": s.verdict or ("error" if s.error else ""), "expected": s.expect or "",
+                     "as expected": "" if s.as_expected is None else ("yes" if s.as_expected else "NO"),
+                     "on fix": s.on_fix, "error": s.error or ""})
     return pd.DataFrame(rows)
 
 
 def step_html(step: Mapping[str, Any]) -> str:
     """Header block of one hypothesis step: label, question, verdict badge, expected verdict, explanation
     (all escaped)."""
-    n = int(step.get("index", 0)) + 1
-    label = f" &middot; {esc(step['label'])}" if step.get("label") else ""
-    exp = step.get("expect")
+    step = as_step(step)
+    n = step.index + 1
+    label = f" &middot; {esc(step.label)}" if step.label else ""
     expected = ""
-    if exp:
-        ok = step.get("as_expected")
-        mark = "as expected" if ok else "NOT as expected"
-        expected = f' &nbsp; expected {verdict_badge(exp)} <span class="e3f-note">({mark})</span>'
-    err = f'<p style="color:#c62828">{esc(step["error"])}</p>' if step.get("error") else ""
-    return (f'<div class="e3f-step"><b>Step {n}: {esc(step.get("check", ""))}</b>{label}'
-            f'<br><i>{esc(step.get("question", ""))}</i>'
-            f'<br>verdict {verdict_badge(step.get("verdict") or ("error" if step.get("error") else None))}{expected}'
-            f'<p>{esc(step.get("explanation", ""))}</p>{err}'
-            f'<span class="e3f-note">on fix: {esc(step.get("on_fix", ""))}; {esc(step.get("wall_s", ""))} s</span></div>')
+    if step.expect:
+        mark = "as expected" if step.as_expected else "NOT as expected"
+        expected = f' &nbsp; expected {verdict_badge(step.expect)} <span class="e3f-note">({mark})</span>'
+    err = f'<p style="color:#c62828">{esc(step.error)}</p>' if step.error else ""
+    return (f'<div class="e3f-step"><b>Step {n}: {esc(step.check)}</b>{label}'
+            f'<br><i>{esc(step.question)}</i>'
+            f'<br>verdict {verdict_badge(step.verdict or ("error" if step.error else None))}{expected}'
+            f'<p>{esc(step.explanation)}</p>{err}'
+            f'<span class="e3f-note">on fix: {esc(step.on_fix)}; {esc(step.wall_s if step.wall_s is not None else "")} s'
+            '</span></div>')
 
 
 def evidence_frame(step: Mapping[str, Any]) -> pd.DataFrame:
     """The step's evidence table (records -> DataFrame; empty when none)."""
-    ev = step.get("evidence") or []
+    ev = as_step(step).evidence or []
     return pd.DataFrame(ev) if ev else pd.DataFrame()
 
 
@@ -174,7 +177,8 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    steps = list((doc or {}).get("steps", []))
+    d = as_replay(doc)
+    steps = list(d.steps) if d else []
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fx = fixes_frame(doc)
     fx = fx[~fx["baseline"]] if len(fx) else fx
@@ -201,24 +205,29 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
             hovertemplate="step %{x}: accept length %{y:.2f}<extra></extra>"), secondary_y=True)
     seen = set()
     for s in steps:
-        x = int(s.get("index", 0)) + 1
-        if s.get("kind") == "hypothesis":
-            v = s.get("verdict") or "inconclusive"
+        x = s.index + 1
+        if s.kind == "hypothesis":
+            v = s.verdict or "inconclusive"
             color = VERDICT_COLORS.get(v, "#616161")
             fig.add_vline(x=x, line=dict(color=color, width=2, dash="dash"))
-            fig.add_annotation(x=x, y=1.0, yref="paper", text=esc(s.get("label") or s.get("check")),
+            fig.add_annotation(x=x, y=1.0, yref="paper", text=esc(s.label or s.check),
                                textangle=-60, showarrow=False, font=dict(color=color, size=10),
                                xanchor="left", yanchor="bottom")
             fig.add_trace(go.Scatter(
                 x=[x], y=[0], mode="markers", marker=dict(symbol="triangle-up", size=11, color=color),
                 name=v, legendgroup=v, showlegend=v not in seen,
-                hovertext=esc(f"step {x}: {s.get('check')}: {v}" + (f" (expected {s['expect']})"
-                                                                       if s.get("expect") else "")),
+                hovertext=esc(f"step {x}: {s.check}: {v}" + (f" (expected {s.expect})" if s.expect else "")),
                 hoverinfo="text"), secondary_y=False)
             seen.add(v)
-        elif s.get("kind") == "sweep":
+        elif s.kind == "investigation":
+            color = "#6a1b9a"
+            fig.add_vline(x=x, line=dict(color=color, width=3))
+            fig.add_annotation(x=x, y=1.0, yref="paper", text=esc("investigation: " + (s.verdict or "?")),
+                               textangle=-60, showarrow=False, font=dict(color=color, size=10),
+                               xanchor="left", yanchor="bottom")
+        elif s.kind == "sweep":
             fig.add_vrect(x0=x - 0.4, x1=x + 0.4, fillcolor="#9e9e9e", opacity=0.15, line_width=0)
-            best = s.get("best_num_steps")
+            best = s.best_num_steps
             fig.add_annotation(x=x, y=0.02, yref="paper", showarrow=False,
                                text=f"sweep: best num_steps={esc(best)}", font=dict(size=10))
     fig.update_layout(title=title, template="plotly_white", height=480,
@@ -236,12 +245,12 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
 def sweep_points(doc: Optional[Mapping[str, Any]]) -> list[dict]:
     """Points of the (last) num_steps sweep, each ``{num_steps, tok_s, tok_s_lo, tok_s_hi, accept_length,
     ..., fix}``; empty without a sweep."""
-    sweeps = [s for s in (doc or {}).get("steps", []) if s.get("kind") == "sweep" and s.get("points")]
+    d = as_replay(doc)
+    sweeps = [s for s in (d.of_kind("sweep") if d else []) if s.points]
     if not sweeps:
         return []
     s = sweeps[-1]
-    return [dict(p, fix=f"{s.get('on_fix')} | num_steps={p.get('num_steps')}", topk=p.get("topk") or 1)
-            for p in s["points"]]
+    return [dict(p, fix=f"{s.on_fix} | num_steps={p.get('num_steps')}", topk=p.get("topk") or 1) for p in s.points]
 
 
 def sweep_figure(doc: Optional[Mapping[str, Any]]):
@@ -253,14 +262,15 @@ def sweep_figure(doc: Optional[Mapping[str, Any]]):
     pts = sweep_points(doc)
     if not pts:
         return None
-    s = [x for x in (doc or {}).get("steps", []) if x.get("kind") == "sweep"][-1]
-    return tok_s_vs_steps(pts, title=f"tok/s vs num_steps (sweep on '{esc(s.get('on_fix'))}'; best "
-                                     f"num_steps={esc(s.get('best_num_steps'))})")
+    s = as_replay(doc).of_kind("sweep")[-1]
+    return tok_s_vs_steps(pts, title=f"tok/s vs num_steps (sweep on '{esc(s.on_fix)}'; best "
+                                     f"num_steps={esc(s.best_num_steps)})")
 
 
 def hypothesis_steps(doc: Optional[Mapping[str, Any]], check: str) -> list[dict]:
     """The replay's steps that ran ``check``."""
-    return [s for s in (doc or {}).get("steps", []) if s.get("kind") == "hypothesis" and s.get("check") == check]
+    d = as_replay(doc)
+    return [s for s in (d.of_kind("hypothesis") if d else []) if s.check == check]
 
 
 def show_hypothesis(step: Mapping[str, Any], run_dir: Path) -> None:
@@ -269,29 +279,43 @@ def show_hypothesis(step: Mapping[str, Any], run_dir: Path) -> None:
     ev = evidence_frame(step)
     if len(ev):
         show(ev)
-    fig = load_figure(run_dir, step.get("figure"))
+    fig = load_figure(run_dir, as_step(step).figure)
     if fig is not None:
         show(fig)
 
 
 def show_timeline(doc: Optional[Mapping[str, Any]], run_dir: Path) -> None:
     """Display every step of a replay in order (hypotheses in full, fixes as a one-line summary)."""
-    for s in (doc or {}).get("steps", []):
-        if s.get("kind") == "hypothesis":
+    d = as_replay(doc)
+    for s in (d.steps if d else []):
+        if s.kind == "hypothesis":
             show_hypothesis(s, run_dir)
-        elif s.get("kind") == "fix":
-            sm = s.get("summary") or {}
-            txt = (f"Step {int(s.get('index', 0)) + 1}: fix '{s.get('name')}'"
-                   + (" (target only, baseline)" if s.get("baseline") else "")
+        elif s.kind == "investigation":
+            show(investigation_html(s))
+        elif s.kind == "fix":
+            sm = s.summary or {}
+            txt = (f"Step {s.index + 1}: fix '{s.name}'" + (" (proposed by the investigation)" if s.proposed else "")
+                   + (" (target only, baseline)" if s.baseline else "")
                    + (f": accept length {_num(sm.get('accept_length')):.2f}, accept rate "
                       f"{100 * _num(sm.get('accept_rate')):.1f}%, {_num(sm.get('tok_s')):.1f} tok/s"
                       if sm else "")
-                   + (f"; server start {s.get('server_startup_s')} s" if s.get("server_startup_s") else ""))
-            problem = s.get("error") or s.get("server_error")
+                   + (f"; server start {s.server_startup_s} s" if s.server_startup_s else ""))
+            problem = s.error or s.server_error
             err = f'<p style="color:#c62828">{esc(problem)}</p>' if problem else ""
             show(f'<div class="e3f-step" style="background:#fafafa"><b>{esc(txt)}</b>{err}</div>')
-        elif s.get("kind") == "sweep":
-            pts = ", ".join(f"{p.get('num_steps')}: {_num(p.get('tok_s')):.1f} tok/s" for p in s.get("points", []))
-            show(f'<div class="e3f-step"><b>Step {int(s.get("index", 0)) + 1}: num_steps sweep</b> '
-                 f'{esc(pts)}; best num_steps = {esc(s.get("best_num_steps"))}'
-                 + (f'<p style="color:#c62828">{esc(s["error"])}</p>' if s.get("error") else "") + "</div>")
+        elif s.kind == "sweep":
+            pts = ", ".join(f"{p.get('num_steps')}: {_num(p.get('tok_s')):.1f} tok/s" for p in s.points)
+            show(f'<div class="e3f-step"><b>Step {s.index + 1}: num_steps sweep</b> '
+                 f'{esc(pts)}; best num_steps = {esc(s.best_num_steps)}'
+                 + (f'<p style="color:#c62828">{esc(s.error)}</p>' if s.error else "") + "</div>")
+
+
+def investigation_html(step: Any) -> str:
+    """One investigation step: its one-sentence verdict, the proposed fix and how long naming the fault took."""
+    s = as_step(step)
+    fix = s.proposed_fix or {}
+    took = f"{s.seconds_to_verdict:.0f} s" if s.seconds_to_verdict is not None else "n/a"
+    err = f'<p style="color:#c62828">{esc(s.error)}</p>' if s.error else ""
+    return (f'<div class="e3f-step" style="border-left:4px solid #6a1b9a"><b>Step {s.index + 1}: blind investigation '
+            f'of \'{esc(s.on_fix)}\'</b> verdict {esc(s.verdict)} (named in {esc(took)})<p>{esc(s.sentence)}</p>'
+            + (f'<p>proposed fix: {esc(fix.get("summary", ""))}</p>' if fix else "") + err + "</div>")

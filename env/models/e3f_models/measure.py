@@ -1,6 +1,7 @@
 """Greedy generation against a running SGLang server and EAGLE-3 acceptance summaries.
 
-Definitions (DESIGN.md "Words"; SpecForge ``benchmarks/benchmarker/utils.py::compute_metrics``):
+Definitions (DESIGN.md "Words"; computed by ``helpers.acceptance.stats.accept_length`` / ``accept_rate``, the suite's
+one implementation; SpecForge ``benchmarks/benchmarker/utils.py::compute_metrics``):
   accept length = sum(completion_tokens) / sum(spec_verify_ct): tokens emitted per verify step,
                   bonus token included (the prefill-sampled first token is counted too);
   accept rate   = sum(spec_num_correct_drafts) / sum(spec_num_proposed_drafts) (drafts only;
@@ -70,8 +71,11 @@ def summarize(records: list[dict], num_draft_tokens: int = 4) -> dict:
             hist += [0] * (len(h) - len(hist))
             for i, c in enumerate(h):
                 hist[i] += c
-        s.update({"spec_verify_ct": verify, "accept_length": tokens / verify,
-                  "accept_rate": correct / proposed if proposed else None,
+        from helpers.acceptance.stats import accept_length, accept_rate   # the suite's one definition
+
+        rate = accept_rate([correct], [proposed])
+        s.update({"spec_verify_ct": verify, "accept_length": accept_length([tokens], [verify]),
+                  "accept_rate": None if rate != rate else rate,
                   "correct_drafts": correct, "proposed_drafts": proposed,
                   "correct_drafts_histogram": hist,
                   "per_request_accept_length_mean":

@@ -1,0 +1,182 @@
+"""Typed records the suite writes and reads: diagnosis findings, the replay document and its steps
+(discriminated by ``kind``), and what each notebook passes on (discriminated by ``notebook``).
+
+They are JSON documents in a run folder (``results/replay-<case>.json``, ``results/<notebook>.json``); the writers
+build these models and dump them, the readers validate them back, so a field renamed on one side fails loudly
+instead of reading ``None``. Unknown extra fields are kept (``extra="allow"``) so that older run folders still
+open.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Mapping-style access for templates and tables (``getattr`` with a default)."""
+        return getattr(self, key, default)
+
+
+class Finding(Record):
+    """A diagnosis finding (DESIGN.md "Findings"): ``kind`` from ``helpers.diagnosis.detectors.FINDING_KINDS``,
+    the served ``chunk`` (None for the whole width, a config or the training data), a one-line ``detail`` and the
+    ``evidence`` (numbers, identities and where they came from)."""
+
+    kind: str
+    chunk: Optional[int] = None
+    detail: str = ""
+    evidence: dict = Field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------ replay steps
+
+class StepBase(Record):
+    index: int = 0
+    note: str = ""
+    wall_s: Optional[float] = None
+    error: Optional[str] = None
+
+
+class FixStep(StepBase):
+    """A server configuration that was started and measured (or whose server did not start:
+    ``server_error``)."""
+
+    kind: Literal["fix"] = "fix"
+    name: str = ""
+    baseline: bool = False
+    proposed: bool = False                    # the fix the investigation proposed (not a scripted one)
+    faults: list = Field(default_factory=list)
+    draft_config: dict = Field(default_factory=dict)
+    drop_tensors: list = Field(default_factory=list)
+    algorithm: str = "EAGLE3"
+    summary: Optional[dict] = None
+    server_error: Optional[str] = None
+    server_startup_s: Optional[float] = None
+    acceptance_dir: Optional[str] = None
+
+
+class HypothesisStep(StepBase):
+    """A named check run on the latest fix's server, with its verdict (and the case's expectation, which only
+    the tests compare)."""
+
+    kind: Literal["hypothesis"] = "hypothesis"
+    check: str = ""
+    label: str = ""
+    question: str = ""
+    on_fix: str = ""
+    verdict: Optional[str] = None
+    expect: Optional[str] = None
+    as_expected: Optional[bool] = None
+    explanation: str = ""
+    evidence: list = Field(default_factory=list)
+    data: dict = Field(default_factory=dict)
+    figure: Optional[str] = None
+
+
+class SweepStep(StepBase):
+    """tok/s per ``num_steps`` on the latest fix's configuration."""
+
+    kind: Literal["sweep"] = "sweep"
+    name: str = "num_steps"
+    on_fix: str = ""
+    points: list = Field(default_factory=list)
+    best_num_steps: Optional[int] = None
+    best_tok_s: Optional[float] = None
+
+
+class InvestigationStep(StepBase):
+    """The blind investigation of the latest fix's server (``helpers.investigation.investigate``): verdict,
+    findings, hypotheses by evidence, the proposed fix, and how long it took to name the fault."""
+
+    kind: Literal["investigation"] = "investigation"
+    on_fix: str = ""
+    verdict: Optional[str] = None
+    sentence: str = ""
+    findings: list = Field(default_factory=list)
+    proposed_fix: Optional[dict] = None
+    hypotheses: list = Field(default_factory=list)
+    seconds_to_verdict: Optional[float] = None
+    report: Optional[str] = None
+
+
+Step = Annotated[Union[FixStep, HypothesisStep, SweepStep, InvestigationStep], Field(discriminator="kind")]
+
+
+class ReplayDoc(Record):
+    """``results/replay-<case>.json``: the case, its steps in order, the headline, the paired fix effect."""
+
+    case: str = ""
+    title: str = ""
+    story: str = ""
+    tp: Optional[int] = None
+    steps: list[Step] = Field(default_factory=list)
+    complete: bool = False
+    headline: str = ""
+    fix_effect: Optional[dict] = None
+    wall_s: Optional[float] = None
+
+    def of_kind(self, kind: str) -> list:
+        """The steps of one kind, in order."""
+        return [s for s in self.steps if s.kind == kind]
+
+
+# ------------------------------------------------------------------------------------------- notebook results
+
+class NotebookResult(Record):
+    notebook: str
+
+
+class AttachResult(NotebookResult):
+    notebook: Literal["01_attach"] = "01_attach"
+    live: bool = False
+    servers: list = Field(default_factory=list)
+
+
+class DumpResult(NotebookResult):
+    notebook: Literal["02_dump"] = "02_dump"
+    live: bool = False
+    dumps: list = Field(default_factory=list)
+    captured: dict = Field(default_factory=dict)
+
+
+class CompareResult(NotebookResult):
+    notebook: Literal["03_compare"] = "03_compare"
+    served: Optional[str] = None
+    verdict: Optional[str] = None
+    findings: list[Finding] = Field(default_factory=list)
+    chunks: list = Field(default_factory=list)
+    tolerance: Any = None
+
+
+class HypothesisPageResult(NotebookResult):
+    notebook: Literal["10_hyp_tp_sharding", "11_hyp_embedding_allreduce", "12_hyp_layer_offset"]
+    check: str = ""
+    source: str = ""
+    steps: list = Field(default_factory=list)
+
+
+class AcceptancePageResult(NotebookResult):
+    notebook: Literal["20_acceptance"] = "20_acceptance"
+    fixes: list = Field(default_factory=list)
+    sweep: list = Field(default_factory=list)
+    before_after: list = Field(default_factory=list)
+
+
+class PostmortemResult(NotebookResult):
+    notebook: Literal["99_postmortem"] = "99_postmortem"
+    headline: str = ""
+
+
+class ReplayPageResult(NotebookResult):
+    notebook: Literal["00_replay"] = "00_replay"
+    case_path: Optional[str] = None
+
+
+AnyNotebookResult = Annotated[Union[ReplayPageResult, AttachResult, DumpResult, CompareResult, HypothesisPageResult,
+                                    AcceptancePageResult, PostmortemResult], Field(discriminator="notebook")]
+NOTEBOOK_RESULT = TypeAdapter(AnyNotebookResult)
+REPLAY_STEP = TypeAdapter(Step)
