@@ -31,14 +31,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+from tqdm.auto import tqdm
 
+from .diagnosis.conventions import layer_index
+from .errors import BadInput
 from .formats.dumps import Sample, samples_from_generate, write_dump
+from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
+from .server.client import as_client
+from .server.embedded import start
+from .server.redaction import redact
 
 UNREACHABLE_NOTE = ("SGLang's aux capture cannot reach the embedding (id -1) nor out(n-1) (capture "
                     "index n is past the layer loop): sglang/srt/models/llama.py")
@@ -65,7 +74,6 @@ def _prompt_fields(p: Any, i: int) -> tuple[str, Optional[list[int]], Optional[s
 
 
 def _safe_key(s: str) -> str:
-    import re
 
     return re.sub(r"[^A-Za-z0-9_.:#=-]+", "-", s)[:80] or "sample"
 
@@ -97,10 +105,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
         helpers.errors.BadInput: a response without usable hidden states.
         FileExistsError: the dump folder exists.
     """
-    from tqdm.auto import tqdm
 
-    from .server.client import as_client
-    from .server.redaction import redact
 
     client = as_client(client_or_url, api_key=api_key)
     info = client.server_info()
@@ -160,7 +165,6 @@ def start_reference_server(target: str | os.PathLike, *, tp: int = 1,
                            layer_ids: Optional[Sequence[int]] = None, **kwargs: Any):
     """Start the embedded reference server in aux-capture mode (no draft); returns
     ``(handle, tensors)``. See :func:`reference_server_args`."""
-    from .server.embedded import start
 
     n = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
     args, tensors = reference_server_args(n, layer_ids)
@@ -187,8 +191,7 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
     pre-norm residual stream for k < n; HF's last entry is *after* the final norm, so out(n-1) is
     rebuilt as the input of ``model.norm`` with a forward pre-hook.
     """
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: heavy (about 2 s), only for an HF reference
 
     model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=dtype).eval()
     n = model.config.num_hidden_layers
@@ -223,7 +226,6 @@ def every_layer_hook_specs(capture_dir: str | os.PathLike, num_layers: int) -> l
     ``model.layers.{i}.input_layernorm``, ``model.norm``; verified on SGLang 0.5.23's Llama); pass them to
     ``helpers.server.embedded.start(forward_hooks=...)``, ``python -m helpers server start --capture-layers DIR`` or, on a
     GPU server, ``--forward-hooks '<json>' --disable-cuda-graph`` (``env/gpu/launch_tp8.sh`` with ``LAYERS_DIR``)."""
-    from .hooks import CaptureConfig, every_layer_keys, hook_specs
 
     specs = hook_specs(capture=CaptureConfig(out_dir=os.fspath(capture_dir), keys=every_layer_keys(num_layers),
                                              armed_by_file=True), num_layers=num_layers)
@@ -254,12 +256,7 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
         helpers.errors.BadInput: the server wrote no layer files (hooks missing, or ``capture_dir`` is not the
             folder the server writes to); the message says which flags the server needs.
     """
-    from tqdm.auto import tqdm
 
-    from .errors import BadInput
-    from .hooks import ARM_FILE
-    from .server.client import as_client
-    from .server.redaction import redact
 
     cap = Path(capture_dir)
     client = as_client(client_or_url, api_key=api_key)
@@ -282,7 +279,6 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
             arm.unlink()
     index = _rank_index(cap)
     if num_layers is None:
-        from .diagnosis.conventions import layer_index
 
         layers = {L for r in index.get(rank, [])[before.get(rank, 0):] for k in r.get("keys", [])
                   if (L := layer_index(k)) is not None and L >= 0}
@@ -295,7 +291,6 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
                        "--forward-hooks from helpers.capture.every_layer_hook_specs(DIR, n) writing to this folder "
                        "(python -m helpers server start --capture-layers DIR; on GPUs also --disable-cuda-graph)",
                        path=cap)
-    from safetensors.torch import load_file
 
     by_ids: dict[tuple, dict] = {}
     for r in recs:
@@ -352,7 +347,6 @@ def per_rank_dumps(capture_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     """One dump per TP rank of stash ``key`` (``aux`` = what the draft received on that rank,
     ``embedding``, ``embedding_local``, ``out(L)``, ``mlp_partial(L)``, ...), keeping forwards
     whose mode is in ``modes`` (prefill = ``EXTEND``). Samples are keyed ``f{forward}``."""
-    from safetensors.torch import load_file
 
     index = read_rank_capture(capture_dir)
     paths = []

@@ -7,6 +7,7 @@ and renamed into place, so a reader sees the old file or the new one, never a pa
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -14,6 +15,14 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from pydantic import ValidationError
+
+from .errors import BadInput
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -106,10 +115,7 @@ def parquet_bytes(df: pd.DataFrame) -> bytes:
 
     Returns: bytes (pass to :func:`atomic_write_bytes`).
     """
-    import io
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pandas(df, preserve_index=False, nthreads=1), buf)
@@ -126,17 +132,13 @@ def read_parquet(source: str | os.PathLike | bytes) -> pd.DataFrame:
 
     Raises: ``FileNotFoundError``; ``pyarrow.ArrowInvalid`` for a file that is not Parquet.
     """
-    import io
 
-    import pandas as pd
-    import pyarrow.parquet as pq
 
     src = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else os.fspath(source)
     table = pq.ParquetFile(src, pre_buffer=False).read(use_threads=False)
     kwargs: dict = {"use_threads": False}
     if int(pd.__version__.split(".")[0]) >= 3:
         # pandas >= 3 maps Arrow strings to its "str" dtype, as pandas.read_parquet does
-        import pyarrow as pa
 
         str_dtype = pd.StringDtype(na_value=float("nan"))
         kwargs["types_mapper"] = {pa.string(): str_dtype, pa.large_string(): str_dtype}.get
@@ -161,10 +163,7 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         ``error``: missing or unreadable file, invalid YAML, not a mapping, or an invalid field; one line naming
             the file and the field (``timeline.2.hypothesis.check``) and what was expected.
     """
-    import yaml
-    from pydantic import ValidationError
 
-    from .errors import BadInput
 
     error = error or BadInput
     path = None

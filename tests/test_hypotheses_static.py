@@ -76,7 +76,7 @@ def test_without_manifest_the_param_decides(tmp_path):
 def test_chunk_layer_figure_places_the_embedding_at_minus_one():
     import pandas as pd
 
-    from helpers.investigation.checks import _chunk_layer_figure
+    from helpers.plots.checks import chunk_layer_figure as _chunk_layer_figure
 
     frame = pd.DataFrame({"chunk": [0, 1, 2], "trained": ["out(1)", "out(3)", "out(4)"],
                           "configured": ["embedding", "out(1)", "out(3)"],

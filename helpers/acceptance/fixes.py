@@ -25,17 +25,40 @@ import os
 import shlex
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, Optional, Sequence
+
 import pandas as pd
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
-from ..runfiles import (DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir,  # noqa: F401
-                       load_yaml_model, parquet_bytes, read_parquet, safe_name)
-from ..server.redaction import REDACTED, redact, redact_argv, redact_command
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from tqdm.auto import tqdm
+
+from ..errors import BadServerInput, RunFailed, ServerStartError, SGLangError
+from ..faults import Fault
+from ..plots.acceptance import write_report
+from ..runfiles import (  # noqa: F401
+    DEFAULT_OUTPUTS,
+    atomic_write_bytes,
+    atomic_write_text,
+    load_yaml_model,
+    new_run_dir,
+    parquet_bytes,
+    read_parquet,
+    safe_name,
+)
+from ..server import embedded
 from ..server.client import SGLangClient
-from ..errors import SGLangError
-from ..errors import BadServerInput, RunFailed, ServerStartError
+from ..server.process import ServerProcess
+from ..server.redaction import REDACTED, redact, redact_argv, redact_command
 from ..server.settings import SpecSettings
 from .ledger import Ledger
+from .measure import measure, measure_baseline
+from .prompts import load_prompts
 
 
 class LaunchSpec(BaseModel):
@@ -166,7 +189,6 @@ class Fix(ServerSpec):
     @field_validator("faults")
     @classmethod
     def _faults_valid(cls, v):
-        from ..faults import Fault
 
         for f in v:
             Fault(**f)  # raises ValueError naming the missing field / unknown kind
@@ -234,8 +256,6 @@ def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
     ``handle`` is a :class:`helpers.server.process.ServerProcess` (embedded server or launch command), or None
     (attach mode: nothing is stopped).
     """
-    from ..server import embedded
-    from ..server.process import ServerProcess
 
     handle: Any = None
     client: Optional[SGLangClient] = None
@@ -297,10 +317,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     Returns the run folder. Raises :class:`FixFailed` after all fixes ran if any failed (their
     ledger rows carry ``error``).
     """
-    from tqdm.auto import tqdm
 
-    from .measure import measure, measure_baseline
-    from .prompts import load_prompts
 
     ff = fixes if isinstance(fixes, FixesFile) else load_fixes(fixes)
     key = api_key if api_key is not None else (os.environ.get("SGLANG_API_KEY") or None)
@@ -369,7 +386,6 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
                            "error": f"{type(exc).__name__}: {exc}"[:4000]})
     bar.close()
     if figures:
-        from ..plots.acceptance import write_report
 
         try:
             write_report(ledger.read(), run / "figures.html", title=f"Fixes: {ff.name}")

@@ -21,9 +21,18 @@ import os
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
+
 import pandas as pd
-from ..runfiles import (DEFAULT_OUTPUTS, atomic_write_bytes, atomic_write_text, new_run_dir,  # noqa: F401
-                       parquet_bytes, read_parquet, safe_name)
+
+from ..runfiles import (  # noqa: F401
+    DEFAULT_OUTPUTS,
+    atomic_write_bytes,
+    atomic_write_text,
+    new_run_dir,
+    parquet_bytes,
+    read_parquet,
+    safe_name,
+)
 from ..server.redaction import redact
 
 

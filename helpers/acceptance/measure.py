@@ -9,16 +9,25 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
+
 import numpy as np
 import pandas as pd
-from ..server.settings import EffectiveSpecConfig
-from ..server.client import SGLangClient, as_client
+
 from ..errors import SGLangError
+from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes
+from ..server.client import SGLangClient, as_client
 from ..server.redaction import redact, redact_url
+from ..server.settings import EffectiveSpecConfig
 from .prompts import Prompt, load_prompts, prompts_digest
 from .requests import run_requests
-from .stats import accepted_drafts, bootstrap_mean_ci, bootstrap_positions_ci, bootstrap_ratio_ci, histogram_matrix
-from .stats import format_ci
+from .stats import (
+    accepted_drafts,
+    bootstrap_mean_ci,
+    bootstrap_positions_ci,
+    bootstrap_ratio_ci,
+    format_ci,
+    histogram_matrix,
+)
 
 
 def summarize(per_request: pd.DataFrame, *, positions: Optional[int], wall_s: float = float("nan"),
@@ -183,7 +192,6 @@ class AcceptanceResult:
     def save(self, folder: Path | str) -> Path:
         """Write ``summary.json``, ``per_request.parquet``, ``positions.csv`` into ``folder``
         (created; files written atomically). Returns the folder."""
-        from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

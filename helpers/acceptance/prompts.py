@@ -9,6 +9,7 @@ import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
+
 import numpy as np
 
 

@@ -7,13 +7,15 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional, Sequence
+
 import pandas as pd
-from ..server.protocol import GenerateResult
-from ..server.client import SGLangClient
+from tqdm.auto import tqdm
+
 from ..errors import SGLangError
+from ..server.client import SGLangClient
+from ..server.protocol import GenerateResult
 from .prompts import Prompt
 from .stats import accepted_drafts
-
 
 PER_REQUEST_COLUMNS = [
     "idx", "prompt_id", "kind", "prompt_tokens", "completion_tokens", "cached_tokens", "verify_ct",
@@ -57,7 +59,6 @@ def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tok
     the answer's ``meta_info`` dict (hidden states dropped) when ``keep_raw``, else None. A failed
     request gets its ``error`` column set (or raises when ``fail_fast``).
     """
-    from tqdm.auto import tqdm
 
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import warnings
 from typing import Any, Iterable, Mapping, Optional, Sequence
+
 import numpy as np
 import pandas as pd
 

@@ -2,11 +2,16 @@
 with every layer from HF (``--reference-hf``) or from the server's own hooks (``--every-layer``)."""
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..capture import capture_every_layer, capture_reference_hf, capture_served
+from ..errors import BadInput, SGLangError, one_line
+from ..formats.training_data import TrainingData
+from ..runfiles import new_run_dir
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -18,12 +23,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     Exit codes: 0 written; 2 bad input or an unusable server (one line on stderr).
     """
-    import argparse
-    import sys
 
-    from ..errors import BadInput, one_line
-    from ..runfiles import new_run_dir
-    from ..errors import SGLangError
 
     ap = argparse.ArgumentParser(prog="python -m helpers capture",
                                  description="Dump the aux hidden states a live SGLang server feeds its "
@@ -43,7 +43,6 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                                                                   "--reference-hf's config or the data)")
     args = ap.parse_args(argv)
     try:
-        from ..formats.training_data import TrainingData
 
         H = args.hidden_size
         if H is None and args.reference_hf:

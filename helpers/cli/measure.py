@@ -6,11 +6,12 @@ import json
 import sys
 from pathlib import Path
 from typing import Sequence
-from ..errors import SGLangError
-from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure
-from ..acceptance.prompts import load_prompts
+
 from ..acceptance.fixes import FixFailed, load_fixes, run_fixes
 from ..acceptance.ledger import Ledger
+from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure
+from ..acceptance.prompts import load_prompts
+from ..errors import SGLangError
 from ..runfiles import new_run_dir, safe_name
 
 

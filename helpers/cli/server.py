@@ -7,7 +7,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
+
+from ..capture import every_layer_hook_specs
 from ..errors import BadServerInput, ServerStartError
+from ..formats.configs import read_target_config
 from ..server.embedded import REFERENCE_DRAFT, REFERENCE_TARGET, SPEC_ALGORITHMS, start
 from ..server.process import stop_pid
 from ..server.settings import SpecSettings
@@ -47,8 +50,6 @@ def cli_main(argv: list[str]) -> int:
     try:
         hooks = json.loads(args.forward_hooks) if args.forward_hooks else None
         if args.capture_layers:
-            from ..capture import every_layer_hook_specs
-            from ..formats.configs import read_target_config
 
             n = read_target_config(args.target or REFERENCE_TARGET).num_hidden_layers
             hooks = (hooks or []) + every_layer_hook_specs(Path(args.capture_layers).resolve(), n)

@@ -30,6 +30,8 @@ sample. Only bounded summaries are kept: per pair sums, extrema and histograms, 
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -951,8 +953,6 @@ def _pipeline():
     """The one worker thread of the block pipeline, or None on a single core / when turned off."""
     global _PIPELINE
     if _PIPELINE is None:
-        import os
-        from concurrent.futures import ThreadPoolExecutor
 
         want = int(os.environ.get("E3F_COMPARE_THREADS", "0") or 0) or min(2, os.cpu_count() or 1)
         _PIPELINE = ThreadPoolExecutor(1, thread_name_prefix="e3f-compare") if want >= 2 else False

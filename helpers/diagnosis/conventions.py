@@ -40,6 +40,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from .sglang_rules import (
+    DEEPSEEK_CONDITIONAL_SINCE,
+    EMBEDDING_AT_INDEX0_SINCE,
+    GPT_OSS_BOUNDARY_SINCE,
+    OLDEST_READ,
+    RULE_TEXT,
+    TABLE_VERSION,
+    target_rule,
+)
 
 EMBEDDING = "embedding"
 FINAL_NORM = "final_norm"
@@ -234,7 +243,6 @@ def sglang_default_capture(num_layers: int) -> LayerIds:
 def target_family(architectures: Sequence[str] | None, model_type: str | None = None) -> str:
     """The SGLang 0.5.23 id rule of a target: ``plus_one`` | ``deepseek`` | ``gpt_oss`` | ``plus_one_default``
     | ``none`` (refuses EAGLE-3) | ``unregistered`` (see :func:`helpers.diagnosis.sglang_rules.target_rule`)."""
-    from .sglang_rules import target_rule
 
     return target_rule(architectures, model_type).rule
 
@@ -318,7 +326,6 @@ def sglang_layers_to_capture(layer_ids: Sequence[int] | None, num_layers: int, f
     Returns:
         (layers_to_capture in the order SGLang stores it, rules applied with their sources).
     """
-    from .sglang_rules import DEEPSEEK_CONDITIONAL_SINCE, GPT_OSS_BOUNDARY_SINCE
 
     n = int(num_layers)
     v = tuple(version) if version is not None else VERIFIED_SGLANG
@@ -372,7 +379,6 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
     """Fill ``plan.tensors``/notes/problems/fatal from ``layers_to_capture`` (ascending, deduplicated).
 
     ``rule`` is a :class:`helpers.diagnosis.sglang_rules.TargetRule` (its ``rule`` and ``last_layer``)."""
-    from .sglang_rules import EMBEDDING_AT_INDEX0_SINCE, GPT_OSS_BOUNDARY_SINCE
 
     family = rule.rule
     vs = ".".join(map(str, v))
@@ -480,7 +486,6 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
         reached except gpt-oss's final boundary, and crashes models that flag ``self.layers[i]`` (qwen2_moe.py,
         qwen3_moe.py, qwen3_next.py, qwen3_5.py).
     """
-    from .sglang_rules import OLDEST_READ, RULE_TEXT, TABLE_VERSION, target_rule
 
     algo = (algorithm or "EAGLE3").upper()
     if algo not in ("EAGLE3", "EAGLE", "NEXTN"):

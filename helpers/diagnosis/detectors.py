@@ -23,7 +23,17 @@ import numpy as np
 import torch
 
 from .compare import MATCH_SHARE, Comparison, PairMetrics, SourceResult
-from .conventions import EMBEDDING, FINAL_NORM, CapturePlan, compare_plans, describe, layer_of
+from .conventions import (
+    EMBEDDING,
+    FINAL_NORM,
+    CapturePlan,
+    LayerIds,
+    compare_plans,
+    describe,
+    layer_of,
+    sglang_default_capture,
+)
+from .fit import isometry_fit, noise_floor, rms_norm_fit
 
 FINDING_KINDS = (
     "chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk", "extra_chunk",
@@ -74,7 +84,6 @@ def detect_config_ids_ignored(draft, target, served: Optional[CapturePlan] = Non
     """
     if draft is None or target is None or draft.top_level_layer_ids is None or draft.nested_layer_ids is not None:
         return []
-    from .conventions import LayerIds, sglang_default_capture
 
     n = target.num_hidden_layers
     conv = "vllm" if draft.form == "speculators" else "specforge"
@@ -368,7 +377,6 @@ class Context:
     @cached_property
     def floor(self) -> dict:
         """The isometry noise floor (:func:`helpers.diagnosis.fit.noise_floor`)."""
-        from .fit import noise_floor
 
         pairs = [r for r in (self.rows(i, j) for i, j in self.match.items()) if r is not None]
         rv = self.cmp.reservoir
@@ -378,7 +386,6 @@ class Context:
 
     def fit(self, kind: str, i: int, j: int):
         """Cached :class:`helpers.diagnosis.fit.FitResult` of ``kind`` (``isometry`` | ``norm``) for (i, j)."""
-        from .fit import isometry_fit, rms_norm_fit
 
         cache = self.__dict__.setdefault("_fits", {})
         key = (kind, i, j)

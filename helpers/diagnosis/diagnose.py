@@ -21,8 +21,15 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import BadInput
-
+from ..formats.configs import read_target_config
+from ..formats.dumps import load_served, read_dump
+from ..formats.training_data import TrainingData
+from ..server.settings import ServerSettings
+from . import detectors as D
+from .compare import compare
+from .conventions import CapturePlan
 from .detectors import LAYOUT_KINDS  # noqa: E402,F401  (re-exported)
+from .static import load_draft, resolve_training_plan, static_check
 
 
 @dataclass
@@ -120,7 +127,6 @@ class Diagnosis:
 def _inferred_training_plan(cmp, current):
     """The training plan identified in the data against the reference (provenance ``inferred``), when every
     training chunk is equal to one reference layer; else None."""
-    from .conventions import CapturePlan
 
     if cmp.training_ref is None or cmp.training_ref.rows == 0:
         return None
@@ -165,13 +171,6 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
     Raises:
         BadInput: any unusable input (the message names the file and field).
     """
-    from . import detectors as D
-    from ..formats.configs import read_target_config
-    from ..server.settings import ServerSettings
-    from ..formats.dumps import load_served, read_dump
-    from ..formats.training_data import TrainingData
-    from .compare import compare
-    from .static import load_draft, static_check
 
     draft, weights, weights_note = load_draft(draft_config) if draft_config is not None else (None, None, None)
     target = read_target_config(target_config) if target_config is not None else None
@@ -216,7 +215,6 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
             (layout_static if f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS + ("width_mismatch",)
              else static).append(f)
     elif target is not None:
-        from .static import resolve_training_plan
 
         tp = resolve_training_plan(None, target, training=td, trained_layer_ids=trained_layer_ids)
 
@@ -253,8 +251,6 @@ def check_configs(draft_config: str | Path, target_config: str | Path, *, traini
     Raises:
         BadInput: unreadable configs, weights or training data.
     """
-    from ..formats.training_data import TrainingData
-    from .static import static_check
 
     td = TrainingData(training, max_samples=1) if training is not None else None
     return static_check(draft_config, target_config, sglang_version=sglang_version, algorithm=algorithm,

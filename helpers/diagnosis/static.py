@@ -30,11 +30,25 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import BadInput
+from ..formats.configs import (
+    DraftConfig,
+    TargetConfig,
+    read_draft_config,
+    read_draft_weights,
+    read_target_config,
+)
+from ..formats.training_data import TrainingData, recorded_layer_ids
 from ..server.settings import ServerSettings
-from ..formats.configs import DraftConfig, TargetConfig, read_draft_config, read_draft_weights, \
-    read_target_config
 from . import detectors as D
-from .conventions import CapturePlan, compare_plans, describe, physical, served_plan, training_plan
+from .conventions import (
+    CapturePlan,
+    compare_plans,
+    describe,
+    parse_version,
+    physical,
+    served_plan,
+    training_plan,
+)
 from .sglang_rules import draft_servable, target_rule
 
 VERDICTS = ("ok", "mismatch", "ambiguous")
@@ -145,7 +159,6 @@ def resolve_training_plan(draft: Optional[DraftConfig], target: TargetConfig, *,
     Raises:
         BadInput: a manifest that exists but cannot be read.
     """
-    from ..formats.training_data import TrainingData, recorded_layer_ids
 
     td = None
     if training is not None:
@@ -238,7 +251,6 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     Raises:
         BadInput: unreadable configs or weights, an unknown algorithm or version string.
     """
-    from .conventions import parse_version
 
     inputs: dict = {}
     if isinstance(draft, DraftConfig):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from ..diagnosis.conventions import target_family
 from ..errors import BadInput
 
@@ -202,7 +204,6 @@ def read_draft_weights(path: str | Path) -> DraftWeights:
         BadInput: no safetensors file, an unreadable/truncated header, or no ``fc.weight`` in an EAGLE-3
             draft folder.
     """
-    from safetensors import safe_open
 
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]

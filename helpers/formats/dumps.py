@@ -15,10 +15,15 @@ is 0 unless the sample says otherwise, see :class:`Sample`).
 """
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import os
+import pickle
 import re
+import struct
 import uuid
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -28,6 +33,8 @@ from typing import Any, Callable, Iterable, Literal, Optional
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..errors import BadInput
 
@@ -102,7 +109,6 @@ def readahead(path: str | Path, offset: int = 0, length: int = 0) -> None:
 
 def _safetensors_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """{tensor name: (absolute byte offset, length)} from a safetensors header (8-byte size + JSON)."""
-    import struct
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
@@ -207,7 +213,6 @@ def write_dump(path: str | Path, samples: Iterable[Any], manifest_extra: Optiona
     The folder is built under a temporary sibling name and renamed into place; the existence check runs
     just before the rename (no overwrite; a concurrent writer of the same name loses with FileExistsError).
     """
-    from safetensors.torch import save_file
 
     path = Path(path)
     if path.exists():
@@ -290,7 +295,6 @@ def read_dump(path: str | Path) -> SampleSource:
         BadInput: missing/empty/invalid manifest (names the field), missing or corrupt tensors file, a tensor
             missing or with a shape different from the manifest's.
     """
-    from safetensors import safe_open
 
     p = Path(path)
     mpath = p / "manifest.json"
@@ -360,7 +364,6 @@ def _prefetcher(tpath: Path, span: Optional[tuple[int, int]]) -> Optional[Callab
 
 def _dump_loader(tpath: Path, key: str) -> Callable[[], torch.Tensor]:
     def load() -> torch.Tensor:
-        from safetensors import safe_open
         with safe_open(str(tpath), framework="pt") as sf:
             return sf.get_tensor(f"{key}/hidden")
     return load
@@ -644,10 +647,6 @@ def safe_torch_load(path: str | Path) -> Any:
         BadInput: empty, truncated/corrupt (zip, gzip or pickle), or refused by the weights-only unpickler
             (the message says the payload was not executed).
     """
-    import gzip
-    import io
-    import pickle
-    import warnings
 
     p = Path(path)
     if not p.exists():

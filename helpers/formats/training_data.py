@@ -17,15 +17,17 @@ Formats (training-formats.md §1):
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
-from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
 from ..errors import BadInput
+from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
 
 _NUM_RE = re.compile(r"(\d+)")
 
@@ -167,7 +169,6 @@ def read_speculators_sample(path: str | Path, *, hidden_size: Optional[int] = No
         BadInput: corrupt/empty file, missing ``token_ids``/``hidden_states``, wrong ranks, fewer than 2 slots,
             or a slot width different from ``hidden_size``.
     """
-    from safetensors import safe_open
 
     p = Path(path)
     if not p.exists() or p.stat().st_size == 0:
@@ -306,7 +307,6 @@ def recorded_layer_ids(path: str | Path) -> Optional[tuple[list[int], Path]]:
         BadInput: a ``capture.json`` exists but is not JSON or its ``layer_ids.specforge_out_i`` is not
             a list of ints.
     """
-    import json
 
     p = Path(path)
     folder = p if p.is_dir() else p.parent

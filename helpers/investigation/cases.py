@@ -50,6 +50,7 @@ from ..errors import CaseError
 from ..paths import ROOT
 from ..runfiles import load_yaml_model
 from ..server.settings import SpecSettings
+from .catalog import CATALOG
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
 class Models(BaseModel):
@@ -79,7 +80,6 @@ class Hypothesis(BaseModel):
     @field_validator("check")
     @classmethod
     def _known(cls, v):
-        from .catalog import CATALOG
 
         if v not in CATALOG:
             raise ValueError(f"unknown check '{v}'; expected one of {sorted(CATALOG)}")

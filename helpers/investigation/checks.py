@@ -27,7 +27,18 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..capture import capture_reference_hf, capture_served, per_rank_dumps
 from ..diagnosis.conventions import layer_index
+from ..diagnosis.detectors import detect_vocab_map_missing
+from ..diagnosis.diagnose import diagnose
+from ..diagnosis.static import static_check
+from ..formats.configs import read_draft_config, read_draft_weights
+from ..formats.dumps import read_dump
+from ..formats.training_data import TrainingData
+from ..hooks import ARM_FILE
+from ..plots.checks import bar_figure, chunk_layer_figure
+from ..runfiles import safe_name
+from ..server.client import as_client
 from .catalog import CATALOG
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
@@ -104,7 +115,6 @@ class Investigation:
                  name: str = "server", num_samples: int = 4, reference: Any = "hf",
                  baseline: Optional[dict] = None, acceptance: Optional[dict] = None,
                  algorithm: Optional[str] = None):
-        from ..server.client import as_client
 
         self.run_dir = Path(run_dir)
         self.client = as_client(client_or_url) if client_or_url is not None else None
@@ -141,7 +151,6 @@ class Investigation:
     def training_samples(self) -> list:
         """The first ``num_samples`` training samples (helpers.formats.dumps.Sample, pad stripped)."""
         if "training" not in self._cache:
-            from ..formats.training_data import TrainingData
 
             td = TrainingData(self.training, hidden_size=self.hidden_size,
                               max_samples=self.num_samples)
@@ -149,7 +158,6 @@ class Investigation:
         return self._cache["training"]
 
     def _dump_name(self, what: str) -> str:
-        from ..runfiles import safe_name
 
         return f"{safe_name(self.name)}-{what}"
 
@@ -157,7 +165,6 @@ class Investigation:
     def served_dump(self) -> Path:
         """What the draft receives for the training samples' tokens (one row per token)."""
         if "served" not in self._cache:
-            from ..capture import capture_served
 
             path = self.dumps_dir / self._dump_name("served")
             if not (path / "manifest.json").exists():
@@ -177,7 +184,6 @@ class Investigation:
             if ref is None:
                 self._cache["reference"] = None
             elif ref == "hf":
-                from ..capture import capture_reference_hf
 
                 path = self.dumps_dir / "reference-hf"
                 if not (path / "manifest.json").exists():
@@ -191,7 +197,6 @@ class Investigation:
     def _arm(self, on: bool) -> None:
         if self.capture_dir is None:
             return
-        from ..hooks import ARM_FILE
 
         flag = self.capture_dir / ARM_FILE
         if on:
@@ -207,7 +212,6 @@ class Investigation:
             if self.capture_dir is None:
                 raise RuntimeError("no per-rank capture: start the server with helpers.hooks "
                                    "capture specs (Investigation(capture_dir=...))")
-            from ..capture import per_rank_dumps
 
             self.served_dump()
             out = self.dumps_dir / self._dump_name(f"ranks-{key.replace('(', '').replace(')', '')}")
@@ -222,7 +226,6 @@ class Investigation:
         """helpers.diagnosis.diagnose on the served dump against the training data (with the reference)."""
         ck = f"diagnosis:{reference}"
         if ck not in self._cache:
-            from ..diagnosis.diagnose import diagnose
 
             self._cache[ck] = diagnose(self.training, [self.served_dump()],
                                        draft_config=self.draft_dir, target_config=self.target_dir,
@@ -238,7 +241,6 @@ class Investigation:
 
     def tensors(self, dump: Path) -> list[dict]:
         """Samples of a dump as ``{"input_ids": list, "hidden": Tensor}`` (small dumps only)."""
-        from ..formats.dumps import read_dump
 
         src = read_dump(dump)
         return [{"input_ids": s.input_ids.tolist(), "hidden": s.load().to(torch.float32)}
@@ -259,16 +261,6 @@ def _paired(a: list[dict], b: list[dict]) -> list[tuple[torch.Tensor, torch.Tens
     """Rows of samples with identical token ids, paired (same prompt captured twice)."""
     index = {tuple(s["input_ids"]): s["hidden"] for s in b}
     return [(s["hidden"], index[tuple(s["input_ids"])]) for s in a if tuple(s["input_ids"]) in index]
-
-
-def _bar(x, y, title, ytitle, *, log=False, color=None):
-    import plotly.graph_objects as go
-
-    fig = go.Figure(go.Bar(x=x, y=y, marker_color=color))
-    fig.update_layout(title=title, yaxis_title=ytitle, height=320, margin=dict(l=60, r=20, t=50, b=40))
-    if log:
-        fig.update_yaxes(type="log")
-    return fig
 
 
 def _chunk_frame(inv: Investigation) -> pd.DataFrame:
@@ -350,7 +342,7 @@ def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
                 f"{H // tp}-wide shards of TP {tp}, {extra}so the residual stream is all-reduced "
                 "before capture, as in standard tensor parallelism (row-parallel o_proj/down_proj "
                 "outputs are summed before the residual add).")
-    fig = _bar([f"rank 0 vs {r}" for r in range(1, len(rank_diffs) + 1)] or ["width"],
+    fig = bar_figure([f"rank 0 vs {r}" for r in range(1, len(rank_diffs) + 1)] or ["width"],
                rank_diffs or [width], "Per-rank aux hidden states: max |difference|" if rank_diffs
                else "Served row width", "max |diff|" if rank_diffs else "values")
     return HypothesisResult("tp_sharding", "TP sharding of the captured states", "", verdict, text,
@@ -424,7 +416,7 @@ def check_embedding_all_reduce(inv: Investigation, **_: Any) -> HypothesisResult
                 "output is identical and equals the sum of the rank-local lookups, whose rows are zero "
                 f"exactly for token ids outside the rank's vocab shard. {where}Whatever is wrong, it is "
                 "not a missing all-reduce.")
-    fig = _bar([f"rank {r}" for r in range(len(per_rank_zero))], per_rank_zero,
+    fig = bar_figure([f"rank {r}" for r in range(len(per_rank_zero))], per_rank_zero,
                "Share of zero rows in each rank's local (pre-all-reduce) embedding", "fraction")
     return HypothesisResult("embedding_all_reduce", "Embedding all-reduce", "", verdict, text,
                             pd.DataFrame(rows), fig, data)
@@ -467,27 +459,8 @@ def check_layer_offset(inv: Investigation, **_: Any) -> HypothesisResult:
                 ", ".join("?" if s is None else f"{s:+d}" for s in shifts) +
                 "): this is not a layer-id convention offset; see the chunk table for what each "
                 "chunk really is.")
-    fig = _chunk_layer_figure(frame, "Layer of each aux chunk (-1 = embedding)")
+    fig = chunk_layer_figure(frame, "Layer of each aux chunk (-1 = embedding)")
     return HypothesisResult("layer_offset", "Layer offset", "", verdict, text, frame, fig, data)
-
-
-def _chunk_layer_figure(frame: pd.DataFrame, title: str, with_configured: bool = False):
-    """Plotly figure: per aux chunk, the decoder layer L of ``out(L)`` it was trained on, the one
-    measured against the reference layers (-1 = embedding, gaps = unidentified) and, optionally,
-    the one configured (the engine's plan)."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    series = [("trained on", "trained"), ("served (measured)", "measured (reference)")]
-    if with_configured and "configured" in frame:
-        series.insert(1, ("configured (engine plan)", "configured"))
-    for name, col in series:
-        fig.add_trace(go.Scatter(x=list(frame["chunk"]), y=[layer_index(v) for v in frame[col]],
-                                 mode="markers+lines", name=name))
-    fig.update_layout(title=title, xaxis_title="chunk", yaxis_title="decoder layer L of out(L)",
-                      height=320, margin=dict(l=60, r=20, t=50, b=40))
-    fig.update_xaxes(dtick=1)
-    return fig
 
 
 def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
@@ -527,7 +500,7 @@ def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
                 f"position the config gives it{tail}. The engine concatenates in ascending layer "
                 "order, which here is the configured order.")
         short = ""
-    fig = _chunk_layer_figure(frame, "Aux chunk order: configured vs served (-1 = embedding)",
+    fig = chunk_layer_figure(frame, "Aux chunk order: configured vs served (-1 = embedding)",
                               with_configured=True)
     return HypothesisResult("concat_order", "Concatenation order", "", verdict, text, frame, fig,
                             {**data, "short": short})
@@ -557,7 +530,7 @@ def check_embedding_included(inv: Investigation, **_: Any) -> HypothesisResult:
         verdict, text = "refuted", "No served chunk is the embedding."
     if found:
         data["finding_detail"] = found[0]["detail"]
-    fig = _chunk_layer_figure(frame, "Which aux chunk is the embedding (-1 = embedding)")
+    fig = chunk_layer_figure(frame, "Which aux chunk is the embedding (-1 = embedding)")
     return HypothesisResult("embedding_included", "Embedding in place of a layer", "", verdict, text,
                             frame, fig, data)
 
@@ -647,7 +620,7 @@ def check_verify_bottleneck(inv: Investigation, *, ratio_threshold: float = 1.5,
         verdict = "refuted"
         text = (f"A verify step costs {r:.2f}x a decode step; tok/s follows acceptance "
                 f"({speedup:.2f}x at accept length {tau:.2f}).")
-    fig = _bar(["verify step", "decode step"], [verify_ms, decode_ms], "Time per step", "ms")
+    fig = bar_figure(["verify step", "decode step"], [verify_ms, decode_ms], "Time per step", "ms")
     return HypothesisResult("verify_bottleneck", "Verify time is the bottleneck", "", verdict, text,
                             pd.DataFrame(rows), fig, data)
 
@@ -656,7 +629,6 @@ def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int
     """The static wiring check (:func:`helpers.diagnosis.static.static_check`, the one implementation) for this
     investigation's draft and target, the server's version and algorithm when it is up, and the training data's
     manifest. Returns the :class:`~helpers.diagnosis.static.StaticReport`."""
-    from ..diagnosis.static import static_check
 
     info = {}
     if inv.client is not None:
@@ -709,8 +681,6 @@ def check_static_wiring(inv: Investigation, trained_layer_ids: Optional[Sequence
 
 def check_vocab_map(inv: Investigation, **_: Any) -> HypothesisResult:
     """Is the draft's pruned vocabulary mapped to target token ids (``d2t``)?"""
-    from ..formats.configs import read_draft_config, read_draft_weights
-    from ..diagnosis.detectors import detect_vocab_map_missing
 
     draft = read_draft_config(inv.draft_dir)
     weights = read_draft_weights(inv.draft_dir)

@@ -25,10 +25,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..acceptance.fixes import Fix
-from .cases import Case, load_case
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..acceptance.fixes import Fix, LaunchSpec, ServerSpec, serve
+from ..acceptance.ledger import Ledger
+from ..acceptance.measure import measure
+from ..acceptance.prompts import load_prompts
+from ..acceptance.stats import paired_effect
+from ..hooks import CaptureConfig, hook_specs
+from ..records import REPLAY_STEP, FixStep, HypothesisStep, ReplayDoc, SweepStep
 from ..runfiles import read_parquet, safe_name, write_json
-from ..records import FixStep, HypothesisStep, REPLAY_STEP, ReplayDoc, SweepStep
+from .cases import Case, load_case
+from .checks import Investigation, run_check
 
 CAPTURE_KEYS = ["embedding", "embedding_local"]
 
@@ -57,7 +66,6 @@ def draft_variant(draft_dir: Path, overrides: dict, out_dir: Path,
         if f.name == "config.json" or (out_dir / f.name).exists():
             continue
         if drop_tensors and f.suffix == ".safetensors":
-            from safetensors.torch import load_file, save_file
 
             weights = load_file(str(f))
             missing = [k for k in drop_tensors if k not in weights]
@@ -100,8 +108,6 @@ class Replay:
             cm.__exit__(None, None, None)
 
     def _server_spec(self, fix: Fix, *, spec_override: Optional[dict] = None, capture_dir: Optional[Path] = None):
-        from ..hooks import CaptureConfig, hook_specs
-        from ..acceptance.fixes import LaunchSpec, ServerSpec
 
         launch = dict(tp=self.case.server.tp, extra_args=list(self.case.server.extra_args))
         if fix.launch is not None:       # a case's fix launch holds overrides of the case's server block
@@ -121,7 +127,6 @@ class Replay:
 
     def _start(self, fix: Fix, *, spec_override: Optional[dict] = None, capture: bool = True,
                log_name: Optional[str] = None):
-        from ..acceptance.fixes import serve
 
         slug = safe_name(log_name or fix.name)
         capture_dir = (self.run_dir / "capture" / slug) if capture and not fix.baseline else None
@@ -132,9 +137,6 @@ class Replay:
         return client, handle, draft, capture_dir, spec
 
     def _measure(self, client, label: str, requested: Any) -> dict:
-        from ..acceptance.prompts import load_prompts
-        from ..acceptance.measure import measure
-        from ..acceptance.ledger import Ledger
 
         m = self.case.measure
         prompts = load_prompts(m.prompt_source, n=m.count)
@@ -175,7 +177,6 @@ class Replay:
     def fix_effect(self) -> Optional[dict]:
         """Paired change (same prompts) from the first to the last measured fix
         (:func:`helpers.acceptance.stats.paired_effect`), or None with fewer than two."""
-        from ..acceptance.stats import paired_effect
 
         fixes = [s for s in self.steps if s.kind == "fix" and not s.baseline and s.summary and s.acceptance_dir]
         if len(fixes) < 2:
@@ -185,7 +186,6 @@ class Replay:
         return {"before": a.name, "after": b.name, **paired_effect(*frames)}
 
     def investigation(self):
-        from .checks import Investigation
 
         cur = self.current
         if cur["inv"] is None:
@@ -200,7 +200,6 @@ class Replay:
         return cur["inv"]
 
     def run_hypothesis(self, i: int, step) -> HypothesisStep:
-        from .checks import run_check
 
         h = step.hypothesis
         if self.current is None or self.current["fix"].baseline:
@@ -246,7 +245,6 @@ class Replay:
                          best_tok_s=best.get("tok_s"))
 
     def run(self) -> ReplayDoc:
-        from tqdm.auto import tqdm
 
         doc = ReplayDoc(case=self.case.name, title=self.case.title, story=self.case.story, tp=self.case.server.tp,
                         steps=self.steps, complete=False)

@@ -24,7 +24,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.offline import init_notebook_mode
 from plotly.subplots import make_subplots
+
+from ..runfiles import atomic_write_text
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
@@ -240,15 +244,12 @@ def report_html(figures: Mapping[str, go.Figure] | Iterable[go.Figure], title: s
 def write_report(ledger: pd.DataFrame | Sequence[Mapping[str, Any]], path: Path | str,
                  title: str = "Acceptance") -> Path:
     """Write :func:`all_figures` of ``ledger`` as one offline HTML file (atomically)."""
-    from ..runfiles import atomic_write_text
 
     return atomic_write_text(Path(path), report_html(all_figures(ledger), title=title))
 
 
 def offline_notebook() -> None:
     """Jupyter: render figures with plotly.js injected once into the notebook (no CDN)."""
-    import plotly.io as pio
-    from plotly.offline import init_notebook_mode
 
     init_notebook_mode(connected=False)
     pio.renderers.default = "notebook"

@@ -38,12 +38,30 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
+
 import httpx
-from ..errors import AuthError, CacheBusy, EndpointMissing, HiddenStatesDisabled, MetricsDisabled, RequestRejected, SGLangError, ServerTimeout, ServerUnavailable
+import pandas as pd
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..errors import (
+    AuthError,
+    CacheBusy,
+    EndpointMissing,
+    HiddenStatesDisabled,
+    MetricsDisabled,
+    RequestRejected,
+    ServerTimeout,
+    ServerUnavailable,
+    SGLangError,
+)
 from .protocol import GenerateResult
 from .redaction import REDACTED, redact, redact_url
-from .settings import EffectiveSpecConfig, detect_overrides, parse_launch_args, spec_settings
-
+from .settings import (
+    EffectiveSpecConfig,
+    detect_overrides,
+    parse_launch_args,
+    spec_settings,
+)
 
 HIDDEN_STATES_FLAG = "--enable-return-hidden-states"
 
@@ -260,8 +278,6 @@ class SGLangClient:
         (``sglang:spec_verify_calls_total`` counter: verify steps of finished requests;
         ``sglang:spec_accept_length`` gauge: last log window only).
         """
-        import pandas as pd
-        from prometheus_client.parser import text_string_to_metric_families
 
         rows = []
         for fam in text_string_to_metric_families(self.metrics_text()):

@@ -29,17 +29,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
 from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
+from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
 from .process import ServerProcess
 from .settings import SpecSettings
-from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
-
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 
@@ -52,7 +53,6 @@ def free_port(host: str = "127.0.0.1", low: int = 12000, high: int = 20000) -> i
     (``sglang/srt/utils/network.py::get_free_port_below_ephemeral``), so a port picked now is
     unlikely to be taken while the server starts (which can take a minute on 2 cores).
     """
-    import random
 
     rng = random.Random()
     for _ in range(200):

@@ -4,8 +4,8 @@ aliases of older releases (shared/reference/sglang-facts.md §8).
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: Older meta_info names (sglang-facts §8) -> current name in 0.5.23.
 META_ALIASES = {

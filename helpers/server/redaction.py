@@ -8,7 +8,6 @@ import shlex
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-
 #: ServerArgs fields (and any dict key) whose value is a secret. ``api_key``/``admin_api_key``
 #: are returned in clear text by ``/server_info`` (``dataclasses.asdict(server_args)``);
 #: ``watermark_*`` SGLang already masks. Matched on the lower-cased key.

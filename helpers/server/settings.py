@@ -3,10 +3,15 @@ and SGLang's silent overrides.
 """
 from __future__ import annotations
 
+import dataclasses
 import shlex
-from typing import ClassVar, Any, Literal, Mapping, Optional, Sequence
-from ..diagnosis.sglang_rules import eagle3_draft_classes
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..diagnosis.conventions import parse_version
+from ..diagnosis.sglang_rules import eagle3_draft_classes
+from ..errors import BadInput
 from .redaction import is_secret_key
 
 
@@ -164,7 +169,6 @@ def parse_launch_args(launch: str | Sequence[str] | Mapping[str, Any] | Any) -> 
     Returns ``{ServerArgs field: value}`` with ints for the speculative counts. Secrets are not
     returned (:func:`is_secret_key`).
     """
-    import dataclasses
 
     if isinstance(launch, BaseModel):
         launch = launch.model_dump(exclude_none=True)
@@ -388,7 +392,6 @@ class ServerSettings(SpecSettings):
         Raises:
             BadInput: ``d`` is not an object or a numeric field is not an integer (names ``source`` and the key).
         """
-        from ..errors import BadInput
 
         if d is None:
             return cls()
@@ -415,7 +418,6 @@ class ServerSettings(SpecSettings):
     @property
     def parsed_version(self) -> Optional[tuple[int, ...]]:
         """``version`` as a tuple (``(0, 5, 23)``), None when absent or unreadable."""
-        from ..diagnosis.conventions import parse_version
 
         try:
             return parse_version(self.version)

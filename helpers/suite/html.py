@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from ..runfiles import atomic_write_text
-from ..paths import ROOT
 
+import nbformat
+from nbconvert import HTMLExporter
+
+from ..paths import ROOT
+from ..runfiles import atomic_write_text
 
 #: postmortem.html should stay below this: plotly.js alone is ~4.8 MB (inline, once); figures are
 #: downsampled (helpers.views.common.MAX_POINTS) so that the page stays quick to open.
@@ -32,8 +35,6 @@ def export_html(notebook: Path, out: Path) -> int:
     notebooks escape server-provided text); code is hidden behind a toggle button; widget views
     become a one-line note (their state is not exported; a static copy follows each widget).
     """
-    import nbformat
-    from nbconvert import HTMLExporter
 
     nb = nbformat.read(notebook, as_version=4)
     # page title: "<notebook> - <run folder>" (e.g. "99_postmortem - 20261130-224332-seeds-hunt");

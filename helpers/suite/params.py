@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Optional
+
 from pydantic import BaseModel, ConfigDict, Field
-from ..errors import BadParams
+
+from ..errors import BadParams, CaseError
+from ..investigation.cases import load_case
 from ..paths import NOTEBOOK_DIR, ROOT
 from ..runfiles import load_yaml_model
-
 
 DEFAULT_NOTEBOOKS = ["00_replay", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
                      "11_hyp_embedding_allreduce", "12_hyp_layer_offset", "20_acceptance",
@@ -112,8 +114,6 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
         if getattr(params, key):
             setattr(params, key, str(_resolve(getattr(params, key), here)))
     if params.case:
-        from ..errors import CaseError
-        from ..investigation.cases import load_case
 
         case = _resolve(params.case, here)
         if not case.exists():

@@ -34,22 +34,30 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import multiprocessing
 import os
 import shlex
 import sys
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
+
+import papermill as pm
 import yaml
-from ..runfiles import atomic_write_text, new_run_dir, write_json
+from tqdm import tqdm
+
 from ..errors import BadParams
-from .html import HTML_BUDGET_BYTES, check_html, export_html
-from .params import ManagedServer, POSTMORTEM, REPLAY, load_params
+from ..hooks import hook_specs
 from ..paths import ROOT
 from ..records import ReplayDoc
-
+from ..runfiles import atomic_write_text, new_run_dir, write_json
+from ..server.embedded import start
+from ..server.settings import SpecSettings
+from .html import HTML_BUDGET_BYTES, check_html, export_html
+from .params import POSTMORTEM, REPLAY, ManagedServer, load_params
 
 #: notebooks that read what another one writes (they start after it finishes): the served dump of
 #: 02_dump (live mode), the reference comparison in results/03_compare.json
@@ -106,9 +114,6 @@ class _ReplayProgress:
 
 
 def _start_managed(m: ManagedServer, run_dir: Path):
-    from ..hooks import hook_specs
-    from ..server.settings import SpecSettings
-    from ..server.embedded import start
 
     target = (ROOT / m.target) if not Path(m.target).is_absolute() else Path(m.target)
     draft = None
@@ -146,8 +151,6 @@ def _run_parallel(stage: list[str], submit, record, jobs: int, needs: dict[str, 
     notebook's status entry; ``record(nb, entry)`` stores it. Each notebook runs in its own spawned
     process: papermill/nbclient clients sharing one process's ZMQ context from several threads can
     deadlock (seen: a kernel idle, its client never told)."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     pending = list(stage)
     done: set[str] = set()
@@ -176,7 +179,6 @@ def _run_parallel(stage: list[str], submit, record, jobs: int, needs: dict[str, 
 
 def _execute_child(nb: str, src: str, run_dir: str, nb_params: dict, timeout: int) -> dict:
     """:func:`_execute` in a child process (imports papermill there)."""
-    import papermill as pm
 
     return _execute(nb, Path(src), Path(run_dir), nb_params, timeout, pm)
 
@@ -222,8 +224,6 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
 
     Raises BadParams for an invalid params file (nothing is started then).
     """
-    import papermill as pm
-    from tqdm import tqdm
 
     params = load_params(params_path)
     # kernels import this checkout's helpers (not another install of the package)

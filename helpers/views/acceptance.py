@@ -5,9 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
 import pandas as pd
-from .common import RunContext, connect
+
+from ..acceptance.ledger import Ledger
+from ..acceptance.measure import measure
+from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
+from ..runfiles import safe_name
+from .common import RunContext, connect
 
 
 def ledger_frame(run_dir: Path) -> pd.DataFrame:
@@ -15,7 +21,6 @@ def ledger_frame(run_dir: Path) -> pd.DataFrame:
     p = Path(run_dir) / "ledger.parquet"
     if not p.exists():
         return pd.DataFrame()
-    from ..acceptance.ledger import Ledger
 
     return Ledger(p).read()
 
@@ -53,10 +58,6 @@ def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens
                  concurrency: int = 4, prompts: Any = None) -> dict:
     """Measure acceptance on the live server, save ``acceptance/<label>/`` and append to the ledger.
     Returns the summary dict."""
-    from ..acceptance.prompts import load_prompts
-    from ..acceptance.measure import measure
-    from ..acceptance.ledger import Ledger
-    from ..runfiles import safe_name
 
     client = connect(ctx)
     try:

@@ -6,9 +6,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
-import pandas as pd
-from .common import RunContext, as_path, connect, esc, findings_frame, note, read_json_file, show
 
+import pandas as pd
+
+from ..acceptance.measure import server_snapshot
+from ..diagnosis.static import plans_frame_rows, static_check
+from ..formats.training_data import TrainingData
+from ..runfiles import safe_name
+from ..server.redaction import redact_url
+from .common import (
+    RunContext,
+    as_path,
+    connect,
+    esc,
+    findings_frame,
+    note,
+    read_json_file,
+    show,
+)
+from .replay import as_replay
 
 FACT_KEYS = [("version", "SGLang version"), ("model_path", "target"), ("speculative_algorithm", "algorithm"),
              ("speculative_draft_model_path", "draft"), ("speculative_num_steps", "num_steps"),
@@ -66,9 +82,7 @@ def attach_records(ctx: RunContext) -> list[dict]:
     """Per fix of the replay: ``{"fix", "server" (redacted snapshot), "spec", "warnings", "draft_dir"}``
     from ``acceptance/<fix>/summary.json``; the draft folder the fix ran with (``drafts/<fix>/`` for a
     config variant, else the case's draft)."""
-    from ..runfiles import safe_name
 
-    from .replay import as_replay
 
     out = []
     doc_replay = as_replay(ctx.replay)
@@ -89,7 +103,6 @@ def live_attach(ctx: RunContext) -> dict:
     """Probe the live server: redacted ``/server_info``, the effective spec config (with the draft config
     when ``ctx.draft_dir`` holds one), version. Returns ``{"fix": "live", "server", "spec", "warnings",
     "draft_dir"}`` like :func:`attach_records`."""
-    from ..acceptance.measure import server_snapshot
 
     client = connect(ctx)
     try:
@@ -108,7 +121,6 @@ def live_attach(ctx: RunContext) -> dict:
 
 def redact_url_safe(url: str) -> str:
     """``url`` without credentials or query (helpers.server.redaction.redact_url)."""
-    from ..server.redaction import redact_url
 
     return redact_url(url)
 
@@ -123,7 +135,6 @@ def static_wiring(draft_dir: Optional[Path], target_dir: Optional[Path], server:
     "served_plan": dict|None, "training_plan": dict|None (with provenance), "notes": [str]}``. Missing configs give
     empty plans and a note (never raises for missing inputs).
     """
-    from ..diagnosis.static import plans_frame_rows, static_check
 
     empty = {"plans": pd.DataFrame(), "findings": [], "verdict": None, "served_plan": None, "training_plan": None}
     if not draft_dir or not (Path(draft_dir) / "config.json").exists():
@@ -134,7 +145,6 @@ def static_wiring(draft_dir: Optional[Path], target_dir: Optional[Path], server:
     td = None
     if training is not None and Path(training).exists():
         try:
-            from ..formats.training_data import TrainingData
 
             td = TrainingData(training, max_samples=1)
         except Exception as exc:  # noqa: BLE001 - a note, the check goes on with the draft config's claim

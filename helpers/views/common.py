@@ -30,11 +30,24 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import ipywidgets as W
 import numpy as np
 import pandas as pd
-from ..paths import ROOT
-from ..records import ReplayDoc
+import plotly.io as pio
+import yaml
+from IPython import get_ipython
+from IPython.display import HTML, display
+from plotly.io._base_renderers import MimetypeRenderer
+from plotly.offline import get_plotlyjs
+from pydantic import BaseModel, ValidationError
 
+from ..errors import CaseError
+from ..investigation.cases import Models, load_case
+from ..paths import ROOT
+from ..records import NOTEBOOK_RESULT, ReplayDoc
+from ..runfiles import new_run_dir, write_json
+from ..server.client import SGLangClient
 
 DEFAULT_TARGET = "env/models/target"
 
@@ -111,7 +124,6 @@ class _OfflineHtmlRenderer:
         self.height = height
 
     def to_mimebundle(self, fig_dict):
-        import plotly.io as pio
 
         return {"text/html": pio.to_html(fig_dict, include_plotlyjs=False, include_mathjax=False,
                                          full_html=False, default_width="100%",
@@ -122,8 +134,6 @@ class _OfflineHtmlRenderer:
 def register_renderer() -> str:
     """Register the ``e3f_html`` plotly renderer and make ``plotly_mimetype+e3f_html`` the default.
     Returns the renderer name. Safe to call repeatedly."""
-    import plotly.io as pio
-    from plotly.io._base_renderers import MimetypeRenderer
 
     class E3fHtml(_OfflineHtmlRenderer, MimetypeRenderer):
         pass
@@ -135,7 +145,6 @@ def register_renderer() -> str:
 
 def plotlyjs_html() -> str:
     """The one inline copy of plotly.js (``<script>`` without ``src``)."""
-    from plotly.offline import get_plotlyjs
 
     return ("<script type=\"text/javascript\">window.PlotlyConfig = {MathJaxConfig: 'local'};</script>\n"
             f"<script type=\"text/javascript\">{get_plotlyjs()}</script>")
@@ -148,11 +157,7 @@ def setup_notebook(*, force: bool = False) -> None:
     register_renderer()
     if _SETUP_DONE and not force:
         return
-    try:
-        from IPython import get_ipython
-        from IPython.display import HTML, display
-    except ImportError:  # pragma: no cover - IPython is a dependency
-        return
+
     if get_ipython() is None:
         return
     display(HTML(plotlyjs_html() + _CSS))
@@ -161,7 +166,6 @@ def setup_notebook(*, force: bool = False) -> None:
 
 def show(obj: Any) -> None:
     """Display a plotly figure, a DataFrame (escaped table), an HTML string (trusted: built here) or None."""
-    from IPython.display import HTML, display
 
     if obj is None:
         return
@@ -196,15 +200,11 @@ def interactive(draw: Callable[..., Any], controls: Mapping[str, Sequence[Any]],
         defaults: initial values (default: the first option of each control).
         caption: shown above the static copy (escaped).
     """
-    from IPython.display import HTML, display
 
     opts = {k: list(v) for k, v in controls.items() if len(v)}
     values = {k: (defaults or {}).get(k, _opt_value(v[0])) for k, v in opts.items()}
-    try:
-        import ipywidgets as W
-    except ImportError:  # pragma: no cover
-        W = None
-    if W is not None and opts:
+
+    if opts:
         boxes = {k: W.Dropdown(options=v, value=values[k], description=str(k)) for k, v in opts.items()}
         out = W.Output()
 
@@ -260,7 +260,6 @@ def resolve_run_dir(run_dir: Any, *, create: bool = False, name: str = "interact
         p.mkdir(parents=True, exist_ok=True)
         return p
     if create:
-        from ..runfiles import new_run_dir
 
         return new_run_dir(name)
     found = latest_run_dir()
@@ -302,7 +301,6 @@ class RunContext:
         """The validated :class:`helpers.investigation.cases.Case` of ``case_path`` (None without one).
 
         Raises: helpers.errors.CaseError for an invalid case file."""
-        from ..investigation.cases import load_case
 
         return load_case(self.case_path) if self.case_path is not None else None
 
@@ -370,11 +368,7 @@ def load_replay(run_dir: Path) -> Optional[ReplayDoc]:
 
 def _case_models(path: Path):
     """The ``models`` block of a case file (helpers.investigation.cases.Models), read without validating the rest."""
-    import yaml
-    from pydantic import ValidationError
 
-    from ..errors import CaseError
-    from ..investigation.cases import Models
 
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -388,7 +382,6 @@ def _case_models(path: Path):
 def connect(ctx: RunContext):
     """An :class:`helpers.server.client.SGLangClient` for ``ctx.server_url``; the API key is read from the
     environment variable named ``ctx.api_key_env`` (never passed around or written)."""
-    from ..server.client import SGLangClient
 
     key = os.environ.get(ctx.api_key_env) or None
     return SGLangClient(ctx.server_url, api_key=key or "")
@@ -400,8 +393,6 @@ def write_result(run_dir: Path, notebook: str, doc: Mapping[str, Any]) -> None:
     (:data:`helpers.records.NOTEBOOK_RESULT`) first, so a misnamed field fails here, not in a later page.
 
     Raises ``pydantic.ValidationError`` when ``doc`` does not fit the record of ``notebook``."""
-    from ..records import NOTEBOOK_RESULT
-    from ..runfiles import write_json
 
     record = NOTEBOOK_RESULT.validate_python({**_jsonable(dict(doc)), "notebook": notebook})
     write_json(Path(run_dir) / "results" / f"{notebook}.json", _jsonable(record.model_dump(mode="json")))
@@ -410,9 +401,7 @@ def write_result(run_dir: Path, notebook: str, doc: Mapping[str, Any]) -> None:
 def read_result(run_dir: Path, notebook: str):
     """``results/<notebook>.json`` as its typed record (:data:`helpers.records.NOTEBOOK_RESULT`; mapping-style
     ``.get`` works on it), or None when the file is absent, unreadable or from another schema."""
-    from pydantic import ValidationError
 
-    from ..records import NOTEBOOK_RESULT
 
     raw = read_json_file(Path(run_dir) / "results" / f"{notebook}.json")
     if not isinstance(raw, dict):
@@ -424,7 +413,6 @@ def read_result(run_dir: Path, notebook: str):
 
 
 def _jsonable(x: Any) -> Any:
-    from pydantic import BaseModel
 
     if isinstance(x, BaseModel):
         return _jsonable(x.model_dump(mode="json"))

@@ -6,8 +6,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
+
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from ..diagnosis.diagnose import diagnose
+from ..formats.dumps import read_dump
+from ..formats.training_data import TrainingData
+from ..plots.acceptance import PALETTE
 from .common import RunContext, downsample, esc
 
 
@@ -15,7 +23,6 @@ def run_diagnosis(ctx: RunContext, served: Path, *, reference: Optional[Path] = 
                   max_samples: Optional[int] = 8):
     """:func:`helpers.diagnosis.diagnose.diagnose` of ``served`` against ``ctx.training`` with the draft/target
     configs (the fix's draft variant when the replay used one) and the reference dump."""
-    from ..diagnosis.diagnose import diagnose
 
     return diagnose(ctx.training, [served], draft_config=_draft_for_dump(ctx, served),
                     target_config=ctx.target_dir, reference=reference, max_samples=max_samples)
@@ -68,7 +75,6 @@ def rel_diff_matrix(diag, *, against: str = "training") -> pd.DataFrame:
 def rel_diff_heatmap(matrix: pd.DataFrame, *, title: str, tolerance: Optional[float] = None):
     """log10(rel_diff) heatmap of a :func:`rel_diff_matrix` with the values as cell text; cells at or below
     ``tolerance`` are the matches."""
-    import plotly.graph_objects as go
 
     z = np.log10(np.clip(matrix.to_numpy(dtype=float), 1e-12, None))
     text = [[f"{v:.2e}" for v in row] for row in matrix.to_numpy(dtype=float)]
@@ -90,10 +96,7 @@ def aligned_rows(served: Path, training: Path, hidden_size: int, *, max_samples:
     equal the served ``input_ids``. Returns per pair ``{"key", "positions" [T], "input_ids" [T],
     "served" ndarray [T, Ws], "training" ndarray [T, Wt]}`` (float32). Unpaired samples are skipped.
     """
-    import torch
 
-    from ..formats.dumps import read_dump
-    from ..formats.training_data import TrainingData
 
     src = read_dump(served)
     want = {}
@@ -136,9 +139,7 @@ def per_token_rel_diff(pairs: Sequence[Mapping[str, Any]], hidden_size: int) -> 
 def per_token_figure(df: pd.DataFrame, sample: Optional[str] = None, chunk: Optional[int] = None,
                      *, tolerance: Optional[float] = None):
     """rel_diff per token position (log y) for one sample, one line per chunk (or only ``chunk``)."""
-    import plotly.graph_objects as go
 
-    from ..plots.acceptance import PALETTE
 
     fig = go.Figure()
     if len(df):
@@ -169,9 +170,7 @@ def per_token_figure(df: pd.DataFrame, sample: Optional[str] = None, chunk: Opti
 def rel_diff_histograms(df: pd.DataFrame, *, bins: int = 40, tolerance: Optional[float] = None):
     """Histogram of log10(per-token rel_diff) per chunk on shared bins (one set of edges for all chunks, so
     the bars compare). Returns a plotly Figure."""
-    import plotly.graph_objects as go
 
-    from ..plots.acceptance import PALETTE
 
     fig = go.Figure()
     if len(df):

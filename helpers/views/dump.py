@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from ..capture import capture_reference_hf, capture_served
+from ..formats.dumps import read_dump
+from ..formats.training_data import TrainingData
 from .common import RunContext, connect, downsample, esc, read_json_file
 
 
@@ -16,7 +23,6 @@ def dump_paths(run_dir: Path) -> list[Path]:
 
 def dumps_frame(run_dir: Path, hidden_size: Optional[int] = None) -> pd.DataFrame:
     """One row per dump: name (relative to dumps/), kind, TP rank, samples, rows, width, chunks, dtype."""
-    from ..formats.dumps import read_dump
 
     rows = []
     for p in dump_paths(run_dir):
@@ -43,9 +49,7 @@ def chunk_norms(dump: Path, sample: int = 0, hidden_size: Optional[int] = None) 
     "chunk_names": [str], "key": str}``. ``hidden_size`` defaults to the dump's; a width that is not a
     multiple of it is shown as one chunk.
     """
-    import torch
 
-    from ..formats.dumps import read_dump
 
     src = read_dump(dump)
     s = src.samples[min(int(sample), len(src.samples) - 1)]
@@ -65,7 +69,6 @@ def chunk_norms(dump: Path, sample: int = 0, hidden_size: Optional[int] = None) 
 def norm_heatmap(dump: Path, sample: int = 0, hidden_size: Optional[int] = None, *, title: str = ""):
     """Heatmap of per-chunk row norms (y = chunk, x = token position) of one dump sample; columns are
     downsampled to :data:`MAX_POINTS`. Returns a plotly Figure."""
-    import plotly.graph_objects as go
 
     d = chunk_norms(dump, sample, hidden_size)
     keep = downsample(d["norms"].shape[1])
@@ -81,7 +84,6 @@ def norm_heatmap(dump: Path, sample: int = 0, hidden_size: Optional[int] = None,
 
 def dump_samples(dump: Path) -> list[tuple[str, int]]:
     """``(label, index)`` options for a dump's samples (for a dropdown)."""
-    from ..formats.dumps import read_dump
 
     src = read_dump(dump)
     return [(f"{i}: {s.key} ({s.rows} rows)", i) for i, s in enumerate(src.samples)]
@@ -92,8 +94,6 @@ def capture_live(ctx: RunContext, *, num_samples: int = 4, name: str = "live-ser
     """Capture what the live server feeds the draft for the first ``num_samples`` training samples
     (``dumps/<name>``), plus the HF reference of every layer when ``reference`` is ``"hf"`` (or
     ``"auto"`` and the target weights here are small). Returns ``{"served": path, "reference": path|None}``."""
-    from ..capture import capture_reference_hf, capture_served
-    from ..formats.training_data import TrainingData
 
     td = TrainingData(ctx.training, hidden_size=ctx.hidden_size, max_samples=num_samples)
     samples = list(td)[:num_samples]

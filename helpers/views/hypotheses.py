@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from ..formats.dumps import read_dump
+from ..investigation.checks import Investigation, run_check
+from ..plots.acceptance import PALETTE
+from ..runfiles import atomic_write_text
 from .common import RunContext, as_path, connect, downsample, esc, read_json_file
 from .dump import _small_model, dump_paths
 
@@ -16,7 +24,6 @@ def live_check(ctx: RunContext, check: str, *, capture_dir: Any = "", reference:
     """Run ``check`` (a name in :data:`helpers.investigation.checks.CHECKS`) on the live server and save its figure
     to ``figures/live-<check>.json``. Returns a step record like the replay's (``kind``, ``check``,
     ``verdict``, ``explanation``, ``evidence``, ``data``, ``figure``, ``question``, ``label``)."""
-    from ..investigation.checks import Investigation, run_check
 
     ref = "hf" if reference == "hf" or (reference == "auto" and _small_model(ctx.target_dir)) else (
         None if reference in ("", "auto", "none", None) else reference)
@@ -33,7 +40,6 @@ def live_check(ctx: RunContext, check: str, *, capture_dir: Any = "", reference:
     if res.figure is not None:
         fig_rel = f"figures/live-{check}.json"
         (ctx.run_dir / "figures").mkdir(parents=True, exist_ok=True)
-        from ..runfiles import atomic_write_text
 
         atomic_write_text(ctx.run_dir / fig_rel, res.figure.to_json())
     return {"kind": "hypothesis", "index": 0, "check": check, "label": label, "question": res.question,
@@ -62,11 +68,7 @@ def rank_dumps(run_dir: Path, key: str = "aux") -> dict[int, Path]:
 def rank_diff_figure(ranks: Mapping[int, Path], rank: int, hidden_size: int, *, sample: int = 0):
     """max |x(rank) - x(rank 0)| per token position and H-wide chunk, for one forward (sample) recorded on
     every rank. All zero = the ranks hold identical (all-reduced) values. Returns a plotly Figure."""
-    import plotly.graph_objects as go
-    import torch
 
-    from ..formats.dumps import read_dump
-    from ..plots.acceptance import PALETTE
 
     fig = go.Figure()
     if 0 in ranks and rank in ranks:
@@ -94,7 +96,6 @@ def reference_bars(matrix: pd.DataFrame, chunk: int):
     """rel_diff of one served chunk against every reference tensor (log y): the lowest bar is the layer
     the chunk really holds. ``matrix``: :func:`rel_diff_matrix` ``against="reference"`` (or its dict form
     from ``results/03_compare.json``)."""
-    import plotly.graph_objects as go
 
     m = matrix if isinstance(matrix, pd.DataFrame) else pd.DataFrame(matrix)
     fig = go.Figure()

@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
+
 import pandas as pd
+
+from ..acceptance.stats import format_ci
 from .acceptance import ledger_frame, main_fixes
 from .common import esc, note, read_json_file
 from .replay import _num, fixes_frame, headline, hypotheses_frame
-from ..acceptance.stats import format_ci
 
 
 def suite_status(run_dir: Path) -> dict:

@@ -6,11 +6,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
+
 import numpy as np
 import pandas as pd
-from .common import RunContext, VERDICT_COLORS, esc, show, verdict_badge, write_result
+import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.subplots import make_subplots
+
 from ..acceptance.stats import format_ci
+from ..investigation.replay import replay_case
+from ..plots.acceptance import tok_s_vs_steps
 from ..records import REPLAY_STEP, ReplayDoc
+from .common import VERDICT_COLORS, RunContext, esc, show, verdict_badge, write_result
 
 
 def as_replay(doc: Any) -> Optional[ReplayDoc]:
@@ -29,7 +36,6 @@ def run_or_load_replay(ctx: RunContext, *, rerun: bool = False, progress: bool =
     """Replay the case of ``ctx.case_path`` into ``ctx.run_dir`` (or load a complete replay already there unless ``rerun``);
     record the case path in ``results/00_replay.json``. Returns the replay document, None without a case.
     The API key, if any, is read from the environment variable named by ``ctx.api_key_env``."""
-    from ..investigation.replay import replay_case
 
     case = ctx.load_case()
     if case is None:
@@ -162,7 +168,6 @@ def load_figure(run_dir: Path, rel: Optional[str]):
     p = Path(run_dir) / rel
     if not p.exists():
         return None
-    import plotly.io as pio
 
     return pio.from_json(p.read_text())
 
@@ -174,8 +179,6 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
 
     Returns a ``plotly.graph_objects.Figure`` (empty axes when there are no steps).
     """
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
     d = as_replay(doc)
     steps = list(d.steps) if d else []
@@ -257,7 +260,6 @@ def sweep_figure(doc: Optional[Mapping[str, Any]]):
     """tok/s (and accept length) against num_steps for the replay's sweep (:func:`helpers.plots.acceptance.
     tok_s_vs_steps`), or None without a sweep. Points the sweep took from the fix's own measurement
     (``reused``) are included."""
-    from ..plots.acceptance import tok_s_vs_steps
 
     pts = sweep_points(doc)
     if not pts:

@@ -1,0 +1,113 @@
+"""The import graph of helpers/ stays readable (issue 14): every import resolves, module-top imports form no
+cycle, a function-level import says why it is lazy, and the torch-free entry points stay torch-free."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "helpers"
+
+
+def _modname(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_modname(p): p for p in PKG.rglob("*.py")}
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> str:
+    mod = _modname(path)
+    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    if not node.level:
+        return node.module or ""
+    base = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _top_nodes(tree: ast.Module):
+    for n in tree.body:
+        yield from (ast.walk(n) if isinstance(n, (ast.If, ast.Try)) else [n])
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for mod, path in MODULES.items():
+        deps = set()
+        for n in _top_nodes(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom):
+                target = _resolve(path, n)
+                if target in MODULES:
+                    deps.add(target)
+                deps |= {f"{target}.{a.name}" for a in n.names if f"{target}.{a.name}" in MODULES}
+            elif isinstance(n, ast.Import):
+                deps |= {a.name for a in n.names if a.name in MODULES}
+        graph[mod] = deps
+    return graph
+
+
+def test_every_helpers_import_resolves():
+    bad = []
+    for mod, path in MODULES.items():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(n, ast.ImportFrom) or not (n.level or (n.module or "").startswith("helpers")):
+                continue
+            target = _resolve(path, n)
+            if target not in MODULES:
+                bad.append(f"{mod}:{n.lineno} imports missing module {target}")
+                continue
+            text = MODULES[target].read_text()
+            for a in n.names:
+                if f"{target}.{a.name}" not in MODULES and a.name not in text:
+                    bad.append(f"{mod}:{n.lineno} imports missing name {target}.{a.name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_module_top_imports_have_no_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_function_level_imports_say_why_they_are_lazy():
+    bad = []
+    for mod, path in MODULES.items():
+        src = path.read_text()
+        tree = ast.parse(src)
+        top = {id(n) for n in _top_nodes(tree)}
+        lines = src.splitlines()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in top and "# lazy:" not in lines[n.lineno - 1]:
+                bad.append(f"{mod}:{n.lineno}: {lines[n.lineno - 1].strip()}")
+    assert not bad, "function-level imports without a '# lazy: why' comment:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", ["helpers.investigation.cases", "helpers.acceptance.measure",
+                                    "helpers.server.client", "helpers.suite.params", "helpers.cli.measure",
+                                    "helpers.diagnosis.sglang_rules", "helpers.formats.configs"])
+def test_light_entry_points_do_not_import_torch(module):
+    """A case file validates, a measurement runs and a config is read without loading torch (seconds of
+    start-up on every command)."""
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
