@@ -52,12 +52,12 @@ def models(args) -> tuple[Path, Path, str]:
         return Path(args.target), Path(args.draft), "given"
     if (embedded.REFERENCE_TARGET / "config.json").exists() and (embedded.REFERENCE_DRAFT / "config.json").exists():
         return embedded.REFERENCE_TARGET, embedded.REFERENCE_DRAFT, "reference (env/models)"
-    from tinymodels import build_eagle3_draft, build_target
+    from support.tinymodels import build_eagle3_draft, build_target
 
     tmp = Path(tempfile.mkdtemp(prefix="e3f-bench-"))
     t = build_target(tmp / "target")
     d = build_eagle3_draft(tmp / "draft", t, layer_ids=[1, 3, 4])
-    return t, d, "tiny random (tests/tinymodels.py; the trained reference models are not built yet)"
+    return t, d, "tiny random (tests/support/tinymodels.py; the trained reference models are not built yet)"
 
 
 def client_overhead(url: str, prompts, max_new_tokens: int) -> dict:

@@ -4,6 +4,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
 ``diagnose`` stays fast and works without a server environment):
 
   diagnose   offline wiring diagnosis: served aux hidden states vs training data  (helpers.diagnosis.diagnose)
+  investigate  name the fault of a live server, propose and measure the fix       (helpers.cli.investigate)
   server     start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
   measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
@@ -18,6 +19,7 @@ import sys
 USAGE = """usage: python -m helpers <command> [options]      (python -m helpers <command> --help)
 
 commands:
+  investigate  name the fault of a live server, propose the fix, measure it before/after
   diagnose   offline wiring diagnosis: served aux hidden states vs training data
   server     start / stop the embedded SGLang CPU reference server
   capture    dump the aux hidden states a live server feeds the draft
@@ -28,6 +30,7 @@ commands:
 exit codes: 0 ok, 1 findings / failed notebooks / unexpected verdicts, 2 bad input"""
 
 COMMANDS = {
+    "investigate": "helpers.cli.investigate",
     "diagnose": "helpers.cli.diagnose",
     "server": "helpers.cli.server",
     "capture": "helpers.cli.capture",

@@ -191,7 +191,8 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
     pre-norm residual stream for k < n; HF's last entry is *after* the final norm, so out(n-1) is
     rebuilt as the input of ``model.norm`` with a forward pre-hook.
     """
-    from transformers import AutoModelForCausalLM  # lazy: heavy (about 2 s), only for an HF reference
+    # lazy: transformers is heavy (seconds to import) and only an HF reference needs it
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=dtype).eval()
     n = model.config.num_hidden_layers
@@ -233,6 +234,37 @@ def every_layer_hook_specs(capture_dir: str | os.PathLike, num_layers: int) -> l
         if s["name"] == "e3f-capture":     # distinct from a per-rank embedding capture on the same server
             s["name"] = "e3f-capture-layers"
     return specs
+
+
+RANK_CAPTURE_KEYS = ("embedding", "embedding_local")
+"""Per-rank stash keys the hypothesis checks read (with ``aux``, which every capture records): the all-reduced and
+the rank-local (pre-all-reduce) embedding (helpers.investigation.checks: tp_sharding, embedding_all_reduce)."""
+
+
+def server_hook_specs(num_layers: int, *, faults: Sequence[Any] = (), rank_capture_dir: Optional[str | os.PathLike] = None,
+                      layers_dir: Optional[str | os.PathLike] = None) -> Optional[list[dict]]:
+    """The one ``--forward-hooks`` list for a server of this tool: injected ``faults`` (helpers.faults.Fault or
+    dicts), a per-rank capture into ``rank_capture_dir`` (armed by file, keys :data:`RANK_CAPTURE_KEYS` + aux) and an
+    every-layer reference capture into ``layers_dir`` (:func:`every_layer_hook_specs`). Stash specs shared by
+    several parts appear once. Returns None when nothing is asked for.
+
+    The two capture folders are what ``investigate`` finds in ``/server_info`` ``forward_hooks`` (hook names
+    ``e3f-capture`` and ``e3f-capture-layers``)."""
+    specs: list[dict] = []
+    if faults or rank_capture_dir is not None:
+        cap = None if rank_capture_dir is None else CaptureConfig(
+            out_dir=os.fspath(Path(rank_capture_dir).resolve()), keys=list(RANK_CAPTURE_KEYS), armed_by_file=True)
+        specs += hook_specs(list(faults), cap, num_layers=num_layers)
+    if layers_dir is not None:
+        specs += every_layer_hook_specs(Path(layers_dir).resolve(), num_layers)
+    out, seen = [], set()
+    for spec in specs:
+        key = json.dumps(spec, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(spec)
+    return out or None
 
 
 def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir: str | os.PathLike,

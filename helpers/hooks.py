@@ -222,7 +222,8 @@ def fault_factory(config: dict) -> Any:
 
 # --------------------------------------------------------------------------- per-rank capture
 def _atomic_save(tensors: dict[str, torch.Tensor], path: str) -> None:
-    from safetensors.torch import save_file  # lazy: this module is imported by every SGLang TP worker; only capturing ones write
+    # lazy: this module is imported by every SGLang TP worker; only capturing ones write
+    from safetensors.torch import save_file
 
     d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)

@@ -32,6 +32,59 @@ class Finding(Record):
     evidence: dict = Field(default_factory=dict)
 
 
+class ProposedFix(Record):
+    """The change that makes the served aux hidden states equal the training data (helpers.investigation.propose).
+
+    ``kind``: ``none`` (nothing to fix), ``config`` (draft config / server flags / draft tensors: ``applicable``, a
+    relaunch can apply and measure it), ``engine`` (a change in the engine's capture path, in words), ``mixed``.
+    ``draft_config``: overrides deep-merged into the draft's config.json (None removes a key); ``server_args``:
+    launch flags to set; ``add_tensors``: ``{tensor: file}`` to add to the draft weights; ``expected_served``: the
+    served plan after the fix under the server's SGLang rules; ``why``: where each part comes from;
+    ``workaround``: a stopgap config when the real fix is in the engine (untested unless measured)."""
+
+    kind: str = "none"
+    summary: str = ""
+    parts: list[str] = Field(default_factory=list)
+    engine: list[str] = Field(default_factory=list)
+    draft_config: dict = Field(default_factory=dict)
+    server_args: dict = Field(default_factory=dict)
+    add_tensors: dict = Field(default_factory=dict)
+    expected_served: Optional[list[str]] = None
+    why: list[str] = Field(default_factory=list)
+    addresses: list[str] = Field(default_factory=list)
+    unaddressed: list[str] = Field(default_factory=list)
+    applicable: bool = False
+    workaround: Optional[dict] = None
+
+
+class InvestigationDoc(Record):
+    """``investigation.json``: one live investigation (helpers.investigation.live.investigate).
+
+    ``verdict``: ``ok`` / ``mismatch`` (None until the diagnosis ran); ``sentence``: the postmortem's opening line;
+    ``attach``: what the server runs; ``reference``: ``{how, path, missing}``; ``diagnosis``: the ``diagnose --json``
+    document; ``hypotheses``: one dict per check (``check``, ``verdict``, ``explanation``, ``short``, ``evidence``,
+    ``figure``), confirmed first; ``measured``: ``{before, after, effect, after_verdict, ...}`` or
+    ``{not_measured: why}``; ``timings``: seconds per step; ``seconds_to_verdict``: from attach to the diagnosis."""
+
+    url: str = ""
+    run_dir: str = ""
+    training: str = ""
+    verdict: Optional[str] = None
+    sentence: str = ""
+    samples: int = 0
+    attach: dict = Field(default_factory=dict)
+    reference: dict = Field(default_factory=dict)
+    diagnosis: dict = Field(default_factory=dict)
+    findings: list[Finding] = Field(default_factory=list)
+    hypotheses: list = Field(default_factory=list)
+    proposed_fix: Optional[ProposedFix] = None
+    measured: Optional[dict] = None
+    timings: dict = Field(default_factory=dict)
+    seconds_to_verdict: Optional[float] = None
+    wall_s: Optional[float] = None
+    error: Optional[str] = None
+
+
 # ------------------------------------------------------------------------------------------------ replay steps
 
 class StepBase(Record):
@@ -92,7 +145,7 @@ class InvestigationStep(StepBase):
     """The blind investigation of the latest fix's server (``helpers.investigation.investigate``): verdict,
     findings, hypotheses by evidence, the proposed fix, and how long it took to name the fault."""
 
-    kind: Literal["investigation"] = "investigation"
+    kind: Literal["investigate"] = "investigate"
     on_fix: str = ""
     verdict: Optional[str] = None
     sentence: str = ""
@@ -101,6 +154,10 @@ class InvestigationStep(StepBase):
     hypotheses: list = Field(default_factory=list)
     seconds_to_verdict: Optional[float] = None
     report: Optional[str] = None
+    label: str = ""
+    expect_finding: Optional[str] = None
+    expect_fix: Optional[dict] = None
+    as_expected: Optional[bool] = None
 
 
 Step = Annotated[Union[FixStep, HypothesisStep, SweepStep, InvestigationStep], Field(discriminator="kind")]

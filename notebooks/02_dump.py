@@ -18,8 +18,8 @@
 #
 # A dump holds, for each captured prompt, one row per token of what the draft receives (`served`), what every
 # layer of the target computes for the same tokens (`reference`), or what each TP rank holds (`per_rank`,
-# captured with SGLang `--forward-hooks`). With `server_url` set, this captures the live server for the first
-# training samples; otherwise it lists the replay's dumps.
+# captured with SGLang `--forward-hooks`). With `server_url` set, these are the dumps of the live investigation
+# (00_investigate, run now if it has not run); otherwise the replay's dumps.
 
 # %% tags=["parameters"]
 run_dir = ""  # run folder; empty: the newest under outputs/
@@ -31,16 +31,16 @@ target_dir = ""  # empty: the case's / env/models/target
 draft_dir = ""  # empty: the case's / env/models/draft
 training_data = ""  # empty: the case's / env/models/data/sample
 num_samples = 4  # live: training samples to send
-reference = "auto"  # live: "hf": also capture every layer with HF transformers; "auto": when the target is small
 
 # %%
 from helpers.views import common as R
+from helpers.views import investigation as I
 from helpers.views import dump as D
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
-captured = D.capture_live(ctx, num_samples=num_samples, reference=reference) if ctx.live else None
+investigation = I.ensure(ctx, samples=num_samples) if ctx.live else None  # live: the dumps 00_investigate captured
 H = ctx.hidden_size
 
 # %% [markdown]
@@ -71,4 +71,5 @@ if paths:
 
 # %%
 R.write_result(ctx.run_dir, "02_dump", {"live": ctx.live, "dumps": table.to_dict(orient="records"),
-                                        "captured": {k: str(v) for k, v in (captured or {}).items()}})
+                                        "captured": {"served": str(D.served_dumps(ctx.run_dir)[:1]),
+                                                     "reference": str(D.reference_dump(ctx.run_dir))}})

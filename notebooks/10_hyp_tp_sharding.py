@@ -20,7 +20,8 @@
 #
 # The verdict is about the hypothesis of a fault: **confirmed** (the fault is there), **refuted** (measured and
 # absent), **inconclusive** (the data cannot decide; the explanation says what is missing). Without
-# `server_url` this shows what the replay recorded for this check; with it, the check runs on that server.
+# `server_url` this shows what the replay recorded for this check; with it, the verdict of the live
+# investigation (00_investigate) of that server.
 
 # %% tags=["parameters"]
 run_dir = ""  # run folder; empty: the newest under outputs/
@@ -31,11 +32,10 @@ case = ""  # case file; empty: the one recorded by 00_replay
 target_dir = ""  # empty: the case's / env/models/target
 draft_dir = ""  # empty: the case's / env/models/draft
 training_data = ""  # empty: the case's / env/models/data/sample
-capture_dir = ""  # live: folder the server's helpers.hooks per-rank capture writes to (same machine), if any
-reference = "auto"  # live: "hf", a reference dump folder, or "auto" (HF when the target is small)
 
 # %%
 from helpers.views import common as R
+from helpers.views import investigation as I
 from helpers.views import dump, hypotheses, replay
 
 R.setup_notebook()
@@ -43,7 +43,7 @@ NOTEBOOK, CHECK = "10_hyp_tp_sharding", "tp_sharding"
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
 if ctx.live:
-    steps, source = [hypotheses.live_check(ctx, CHECK, capture_dir=capture_dir, reference=reference)], "live"
+    steps, source = I.hypothesis_steps(I.ensure(ctx), CHECK), "live investigation"
 else:
     steps, source = replay.hypothesis_steps(ctx.replay, CHECK), "replay"
 

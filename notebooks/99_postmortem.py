@@ -30,11 +30,29 @@ training_data = ""  # unused
 from helpers.plots import acceptance as F
 from helpers.views import common as R
 from helpers.views import acceptance, postmortem, replay
+from helpers.views import investigation as I
 
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, repo_root=repo_root)
 doc, ledger, status = ctx.replay, acceptance.ledger_frame(ctx.run_dir), postmortem.suite_status(ctx.run_dir)
-R.show(replay.headline_html(doc))
+inv = I.load_investigation(ctx.run_dir)
+if inv is not None:
+    R.show(I.headline_html(inv))
+if doc is not None:
+    R.show(replay.headline_html(doc))
+elif inv is None:
+    R.show(R.note("No investigation and no replay in this run folder."))
+
+# %% [markdown]
+# ## The blind investigation
+#
+# What the tool found on its own: findings, the hypotheses ordered by evidence, the proposed fix and, when the
+# server could be restarted, its measured effect.
+
+# %%
+for part in (I.sections_html(inv, with_headline=False) if inv is not None else
+             [R.note("No live investigation in this run folder.")]):
+    R.show(part)
 
 # %% [markdown]
 # ## Verdicts
@@ -54,7 +72,12 @@ if compared.get("findings"):
 
 # %%
 change = postmortem.before_after(doc, ledger)
-R.show(change if len(change) else R.note("Fewer than two fixes were measured."))
+if len(change):
+    R.show(change)
+elif inv is None or "before" not in (inv.measured or {}):
+    R.show(R.note("Fewer than two fixes were measured."))
+else:
+    R.show(R.note("The fix was measured by the investigation (above)."))
 R.show(replay.timeline_figure(doc))
 fixes = acceptance.main_fixes(ledger)
 if len(fixes):

@@ -1,15 +1,11 @@
 """Shared fixtures: tiny random models built once per test session."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tinymodels import build_eagle3_draft, build_target  # noqa: E402
+from support.tinymodels import build_eagle3_draft, build_target
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +21,7 @@ def tiny_draft(tmp_path_factory, tiny_target) -> Path:
                               layer_ids=[1, 3, 4])
 
 
-# --- diagnosis-engine fixtures (tests/test_diag_*.py) -------------------------------------------
+# --- diagnosis-engine fixtures (tests/unit/diagnosis/) ------------------------------------------
 # Tiny models on a 2-core CI: intra-op threads only add contention.
 import torch  # noqa: E402
 
@@ -34,20 +30,20 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def runner32(tiny_target):
-    from forensic_cases import TargetRunner
+    from support.forensic_cases import TargetRunner
     return TargetRunner(tiny_target, torch.float32)
 
 
 @pytest.fixture(scope="session")
 def runner16(tiny_target):
-    from forensic_cases import TargetRunner
+    from support.forensic_cases import TargetRunner
     return TargetRunner(tiny_target, torch.bfloat16)
 
 
 @pytest.fixture(scope="session")
 def specs(runner32):
     """Three prompts with greedy continuations (training) and 6 greedy output tokens (served)."""
-    from forensic_cases import make_samples
+    from support.forensic_cases import make_samples
     return make_samples(runner32, 3)
 
 

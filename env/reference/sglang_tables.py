@@ -21,7 +21,7 @@ the loop: ``gpt_oss.py``, ``gemma3_causal.py``, ``gemma4_causal.py``, ``minimax_
                         raises ValueError, the server refuses EAGLE-3.
 
 and the EAGLE-3 draft classes (``EntryClass`` of ``models/*eagle3*.py``). The output is this project's table
-of facts (class names, file names, rule names), not SGLang code; ``tests/test_diag_sglang_rules.py`` checks it
+of facts (class names, file names, rule names), not SGLang code; ``tests/unit/diagnosis/test_diag_sglang_rules.py`` checks it
 against the installed package when ``env/reference/.venv`` exists.
 """
 from __future__ import annotations

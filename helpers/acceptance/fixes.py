@@ -161,7 +161,9 @@ class Fix(ServerSpec):
     case's ``server`` block); the wiring changes of a reference launch: ``faults`` (:class:`helpers.faults.Fault`
     fields, served through ``--forward-hooks``), ``draft_config`` (deep-merged into a copy of the draft's
     config.json; ``null`` deletes a key), ``drop_tensors`` (draft weights left out), ``algorithm``, ``spec``,
-    ``baseline`` (target only); and ``measure`` overrides (:class:`MeasureSettings` fields).
+    ``baseline`` (target only), ``add_tensors`` (``{tensor: torch file holding it}``, e.g. d2t from SpecForge's
+    vocab_mapping.pt), ``proposed`` (in a case: apply the fix the latest investigate step proposed on top of this
+    one); and ``measure`` overrides (:class:`MeasureSettings` fields).
     """
 
     name: str
@@ -172,6 +174,8 @@ class Fix(ServerSpec):
     algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
     spec: Optional[SpecSettings] = None
     baseline: bool = False
+    add_tensors: dict[str, str] = Field(default_factory=dict)
+    proposed: bool = False
 
     @field_validator("name")
     @classmethod

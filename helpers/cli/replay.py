@@ -38,7 +38,7 @@ def cli_main(argv: list[str]) -> int:
             flag = "" if s.as_expected in (None, True) else f"  (expected {s.expect})"
             ok &= s.as_expected in (None, True)
             print(f"  step {s.index + 1}: {s.check}: {s.verdict}{flag}")
-        elif s.kind == "investigation":
+        elif s.kind == "investigate":
             print(f"  step {s.index + 1}: investigation: {s.verdict}: {s.sentence}")
         elif s.kind == "fix":
             summ = s.summary or {}

@@ -3,16 +3,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
-from ..capture import every_layer_hook_specs
+from ..capture import server_hook_specs
 from ..errors import BadServerInput, ServerStartError
+from ..faults import Fault
 from ..formats.configs import read_target_config
-from ..server.embedded import REFERENCE_DRAFT, REFERENCE_TARGET, SPEC_ALGORITHMS, start
+from ..paths import ROOT
+from ..server.embedded import (
+    REFERENCE_DRAFT,
+    REFERENCE_TARGET,
+    SPEC_ALGORITHMS,
+    free_port,
+    start,
+)
 from ..server.process import stop_pid
+from ..server.registry import register, state_path, unregister
 from ..server.settings import SpecSettings
 
 
@@ -33,12 +45,22 @@ def cli_main(argv: list[str]) -> int:
     s.add_argument("--draft-tokens", type=int, default=4)
     s.add_argument("--dtype", default="float32")
     s.add_argument("--forward-hooks", default=None, help="JSON list of SGLang hook specs")
+    s.add_argument("--faults", default=None, metavar="JSON",
+                   help='wiring faults to inject (helpers.faults.Fault dicts), e.g. '
+                        '\'[{"kind": "layer_offset", "shift": 1, "layers": [1, 3, 4]}]\'')
+    s.add_argument("--capture-ranks", default=None, metavar="DIR",
+                   help="add the per-rank capture hooks writing to DIR (armed while a capture runs)")
     s.add_argument("--capture-layers", default=None, metavar="DIR",
                    help="add the every-layer capture hooks writing to DIR (armed by `capture --every-layer DIR`)")
     s.add_argument("--log", default=None, help="log file path")
-    s.add_argument("--timeout", type=float, default=300.0)
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be healthy")
+    s.add_argument("--detach", action="store_true",
+                   help="start the server in the background, print its URL and PID, write the state file and return")
+    s.add_argument("--state-file", default=None, metavar="PATH",
+                   help="where the URL, PIDs and launch settings go (default outputs/servers/<port>.json; "
+                        "`investigate` reads it to restart this server with a proposed fix)")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang flags")
-    t = sub.add_parser("stop", help="stop a server tree by its launcher PID")
+    t = sub.add_parser("stop", help="stop a server tree by the PID `start` printed")
     t.add_argument("pid", type=int)
     args = ap.parse_args(argv)
     if args.cmd == "stop":
@@ -47,30 +69,78 @@ def cli_main(argv: list[str]) -> int:
         return 0
     draft = args.draft or (REFERENCE_DRAFT if args.reference_draft else None)
     extra = [a for a in (args.extra or []) if a != "--"]
+    if args.detach:
+        return _detach(argv, args)
     try:
         hooks = json.loads(args.forward_hooks) if args.forward_hooks else None
-        if args.capture_layers:
-
+        faults = [Fault(**f) for f in json.loads(args.faults)] if args.faults else []
+        if faults or args.capture_layers or args.capture_ranks:
             n = read_target_config(args.target or REFERENCE_TARGET).num_hidden_layers
-            hooks = (hooks or []) + every_layer_hook_specs(Path(args.capture_layers).resolve(), n)
-        handle = start(args.target, draft, tp=args.tp, port=args.port,
-                       spec=SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
-                                         num_draft_tokens=args.draft_tokens),
-                       dtype=args.dtype, forward_hooks=hooks, log_path=args.log,
-                       timeout=args.timeout, extra_args=extra)
-    except (BadServerInput, json.JSONDecodeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+            hooks = (hooks or []) + (server_hook_specs(n, faults=faults, rank_capture_dir=args.capture_ranks,
+                                                       layers_dir=args.capture_layers) or [])
+        spec = SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
+                            num_draft_tokens=args.draft_tokens)
+        handle = start(args.target, draft, tp=args.tp, port=args.port, spec=spec, dtype=args.dtype,
+                       forward_hooks=hooks, log_path=args.log, timeout=args.timeout, extra_args=extra)
+    except (BadServerInput, json.JSONDecodeError, TypeError, ValueError) as exc:
+        print(f"server: error: {exc}", file=sys.stderr)
         return 2
     except ServerStartError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"server: error: {exc}", file=sys.stderr)
         return 1
-    print(f"SGLang reference server ready: {handle.url} (pid {handle.pid}, tp {handle.tp}, "
-          f"log {handle.log_path}); Ctrl-C stops it", flush=True)
+    state = Path(args.state_file) if args.state_file else state_path(handle.port)
+    launch = {"target": str(Path(handle.target).resolve()), "draft": None if draft is None else str(Path(draft).resolve()),
+              "tp": args.tp, "spec": spec.model_dump(mode="json") if draft is not None else None,
+              "forward_hooks": hooks, "extra_args": extra, "dtype": args.dtype}
+    register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path), launch=launch)
+    print(f"SGLang reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, "
+          f"log {handle.log_path}, state {state}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it",
+          flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.is_set() and handle.is_alive():
-        stop.wait(1.0)
-    handle.stop()
+    try:
+        while not stop.is_set() and handle.is_alive():
+            stop.wait(1.0)
+    finally:
+        handle.stop()
+        unregister(state)
     print("stopped", flush=True)
     return 0
+
+
+def _detach(argv: list[str], args: argparse.Namespace) -> int:
+    """Run ``server start`` (without ``--detach``) as a background supervisor in its own session; return once the
+    server is healthy (its state file exists) with the URL and PID printed, or with the supervisor's error."""
+    port = args.port if args.port is not None else free_port()
+    state = Path(args.state_file) if args.state_file else state_path(port)
+    if state.exists():
+        unregister(state)        # a stale file of an earlier server on this port (the port is free again)
+    rest = [a for a in argv[1:] if a != "--detach"]          # argv[0] is "start"
+    child = ["start"] + (["--port", str(port)] if args.port is None else []) + \
+        (["--state-file", str(state)] if args.state_file is None else []) + rest
+    state.parent.mkdir(parents=True, exist_ok=True)
+    out_path = state.with_suffix(".out")
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "helpers", "server", *child],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=str(ROOT))
+    deadline = time.monotonic() + args.timeout + 30
+    while time.monotonic() < deadline:
+        if state.exists():
+            doc = json.loads(state.read_text())
+            print(f"SGLang reference server ready: {doc['url']} (pid {doc['pid']}; stop it with "
+                  f"`python -m helpers server stop {doc['pid']}`)\nstate file: {state}\nlog: {doc['log']}", flush=True)
+            return 0
+        if proc.poll() is not None:
+            tail = out_path.read_text(errors="replace").strip().splitlines()
+            msg = next((ln for ln in reversed(tail) if "error" in ln.lower()), tail[-1] if tail else "no output")
+            print(f"server: error: the background server exited ({proc.returncode}): {msg} (output: {out_path})",
+                  file=sys.stderr)
+            return proc.returncode if proc.returncode in (1, 2) else 1
+        time.sleep(0.5)
+    stop_pid(proc.pid)
+    print(f"server: error: the server was not healthy after {args.timeout + 30:.0f} s (output: {out_path})",
+          file=sys.stderr)
+    return 1
+

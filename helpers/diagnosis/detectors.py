@@ -40,6 +40,7 @@ FINDING_KINDS = (
     "width_mismatch", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
     "norm_mismatch", "nan_or_inf", "token_mismatch", "config_ids_ignored", "fc_bypassed", "vocab_map_missing",
     "num_draft_tokens_overridden", "config_ids_mismatch", "unsupported_draft", "unsupported_target",
+    "served_draft_differs",
 )
 #: kinds that describe which tensor sits in which chunk (the served layout).
 LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",

@@ -31,6 +31,14 @@ Format (YAML, validated with pydantic; documented in env/cases/README.md)::
           question: does VocabParallelEmbedding all-reduce?
           params: {}                       # passed to the check
         expect: refuted                    # confirmed | refuted | inconclusive (optional)
+      - investigate:                       # the blind live investigation of the latest fix's server
+          label: blind investigation       # (helpers.investigation.live: no expectation is read)
+          samples: 4
+        expect_finding: embedding_in_place_of_layer   # optional; compared by the tests only
+        expect_fix: {draft_config: {...}}  # optional; subset of the proposed fix, compared by the tests only
+      - fix:
+          name: "fix: the tool's proposal"
+          proposed: true                   # apply the fix the latest investigation proposed
       - sweep: {name: num_steps, values: [2, 3, 4]}   # tok/s per num_steps (topk 1)
 
 Hypotheses run against the server of the latest fix before them. Exactly one step must be a fix
@@ -92,26 +100,42 @@ class Sweep(BaseModel):
     values: list[int] = Field(min_length=1)
 
 
+class Investigate(BaseModel):
+    """A blind live investigation of the latest fix's server (helpers.investigation.live.investigate)."""
+
+    model_config = ConfigDict(extra="forbid")
+    label: str = "blind investigation"
+    samples: int = Field(4, ge=1)
+
+
+STEP_KINDS = ("fix", "hypothesis", "sweep", "investigate")
+
+
 class Step(BaseModel):
     model_config = ConfigDict(extra="forbid")
     fix: Optional[Fix] = None
     hypothesis: Optional[Hypothesis] = None
     sweep: Optional[Sweep] = None
+    investigate: Optional[Investigate] = None
     expect: Optional[Literal["confirmed", "refuted", "inconclusive"]] = None
+    expect_finding: Optional[str] = None
+    expect_fix: Optional[dict[str, Any]] = None
     note: str = ""
 
     @model_validator(mode="after")
     def _one_kind(self):
-        kinds = [k for k in ("fix", "hypothesis", "sweep") if getattr(self, k) is not None]
+        kinds = [k for k in STEP_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
-            raise ValueError(f"a step is exactly one of fix / hypothesis / sweep, got {kinds or 'none'}")
+            raise ValueError(f"a step is exactly one of {' / '.join(STEP_KINDS)}, got {kinds or 'none'}")
         if self.expect is not None and self.hypothesis is None:
             raise ValueError("'expect' only applies to a hypothesis step")
+        if (self.expect_finding is not None or self.expect_fix is not None) and self.investigate is None:
+            raise ValueError("'expect_finding' / 'expect_fix' only apply to an investigate step")
         return self
 
     @property
     def kind(self) -> str:
-        return "fix" if self.fix else "hypothesis" if self.hypothesis else "sweep"
+        return next(k for k in STEP_KINDS if getattr(self, k) is not None)
 
 
 class Case(BaseModel):
@@ -144,6 +168,11 @@ class Case(BaseModel):
             if step.kind == "fix":
                 break
             raise ValueError(f"timeline[{i}]: a {step.kind} before any fix has no server to run on")
+        seen_investigation = False
+        for i, step in enumerate(self.timeline):
+            seen_investigation |= step.kind == "investigate"
+            if step.kind == "fix" and step.fix.proposed and not seen_investigation:
+                raise ValueError(f"timeline[{i}]: a fix with proposed: true needs an investigate step before it")
         return self
 
     def resolve(self, path: str) -> Path:

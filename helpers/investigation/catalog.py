@@ -15,4 +15,8 @@ CATALOG: dict[str, tuple[str, str]] = {
     "static_wiring": ("Static wiring check",
                       "From the configs alone, will the engine feed the tensors the draft was trained on?"),
     "vocab_map": ("Vocab map (d2t)", "Is the draft's pruned vocabulary mapped to target token ids?"),
+    "rotated_basis": ("Rotated basis", "Is a served chunk the trained tensor in another basis (same norms, other "
+                                       "angles)?"),
+    "norm_mismatch": ("Missing or extra norm", "Is a served chunk the trained tensor with a normalisation applied or "
+                                               "missing?"),
 }

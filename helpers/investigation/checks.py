@@ -482,6 +482,21 @@ def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
         text = ("No served chunk could be matched to a configured tensor, so the order cannot be "
                 "judged; see the layer and embedding checks.")
         short = ""
+    elif moved and not all(m is not None and m in configured for m in measured):
+        shifts = {None if layer_index(m) is None or layer_index(c) is None else layer_index(m) - layer_index(c)
+                  for m, c in zip(measured, configured)}
+        i, m, j = moved[0]
+        short = ""
+        if len(shifts) == 1 and None not in shifts:
+            verdict = "refuted"
+            text = (f"Every chunk is the configured layer shifted by {shifts.pop():+d}: chunk {i} holds {m}, which "
+                    f"the config puts at position {j}, only because the whole set moved. That is a layer offset, "
+                    "not a reordering (see the layer offset check).")
+        else:
+            verdict = "inconclusive"
+            text = (f"Chunk {i} holds {m}, configured at position {j}, but other chunks hold tensors the config does "
+                    f"not name (served [{', '.join(map(str, measured))}] vs configured [{', '.join(configured)}]): "
+                    "the content is wrong, so the order alone cannot be judged; the layer checks explain it.")
     elif moved:
         verdict = "confirmed"
         i, m, j = moved[0]
@@ -705,6 +720,41 @@ def check_vocab_map(inv: Investigation, **_: Any) -> HypothesisResult:
                             None, data)
 
 
+def _check_finding_kind(inv: Investigation, kind: str, title: str, what: str) -> HypothesisResult:
+    """A hypothesis the diagnosis answers directly: confirmed when it names ``kind`` (with the fitted evidence),
+    refuted when every served chunk is explained (equal to a training chunk, or identified as another tensor
+    against the reference), else inconclusive naming what is missing."""
+    d = inv.diagnosis()
+    frame = _chunk_frame(inv)
+    hits = [f for f in d.findings if f["kind"] == kind]
+    data: dict[str, Any] = {"findings": [f["kind"] for f in d.findings]}
+    if hits:
+        f = hits[0]
+        data["short"] = f["detail"]
+        data["evidence"] = f["evidence"]
+        return HypothesisResult(kind, title, "", "confirmed", f["detail"], frame, None, data)
+    unexplained = [int(ch["index"]) for ch in d.chunks
+                   if ch.get("matched_training_chunk") is None and not ch.get("identified_as")]
+    if not unexplained:
+        return HypothesisResult(kind, title, "", "refuted",
+                                f"Every served chunk is explained without {what}: it equals a training chunk on the "
+                                "aligned rows, or is identified as another tensor of the target.", frame, None, data)
+    return HypothesisResult(kind, title, "", "inconclusive",
+                            f"Chunk(s) {unexplained} match neither a training chunk nor a reference layer, and the "
+                            f"fit found no {what}; an every-layer reference (server --capture-layers, or HF on the "
+                            "target) would say what they hold.", frame, None, data)
+
+
+def check_rotated_basis(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is a served chunk the trained tensor in another orthonormal basis? (helpers.diagnosis.fit.isometry_fit)"""
+    return _check_finding_kind(inv, "rotated_basis", "Rotated basis", "rotation")
+
+
+def check_norm_mismatch(inv: Investigation, **_: Any) -> HypothesisResult:
+    """Is a served chunk the trained tensor with an RMS norm applied or missing? (helpers.diagnosis.fit.rms_norm_fit)"""
+    return _check_finding_kind(inv, "norm_mismatch", "Missing or extra norm", "normalisation")
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -717,7 +767,8 @@ _FUNCTIONS = {"embedding_all_reduce": check_embedding_all_reduce, "concat_order"
               "tp_sharding": check_tp_sharding, "layer_offset": check_layer_offset,
               "embedding_included": check_embedding_included, "num_steps_override": check_num_steps_override,
               "fc_bypass": check_fc_bypass, "verify_bottleneck": check_verify_bottleneck,
-              "static_wiring": check_static_wiring, "vocab_map": check_vocab_map}
+              "static_wiring": check_static_wiring, "vocab_map": check_vocab_map,
+              "rotated_basis": check_rotated_basis, "norm_mismatch": check_norm_mismatch}
 #: name -> :class:`Check` (titles and questions from :mod:`helpers.investigation.catalog`)
 CHECKS: dict[str, Check] = {name: Check(name, title, question, _FUNCTIONS[name])
                             for name, (title, question) in CATALOG.items()}

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..acceptance.fixes import Fix, LaunchSpec, ServerSpec, serve
@@ -33,50 +32,15 @@ from ..acceptance.ledger import Ledger
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
-from ..hooks import CaptureConfig, hook_specs
-from ..records import REPLAY_STEP, FixStep, HypothesisStep, ReplayDoc, SweepStep
+from ..capture import server_hook_specs
+from ..errors import RunFailed
+from ..records import REPLAY_STEP, FixStep, HypothesisStep, InvestigationStep, ReplayDoc, SweepStep
 from ..runfiles import read_parquet, safe_name, write_json
+from ..server.settings import SpecSettings
 from .cases import Case, load_case
 from .checks import Investigation, run_check
-
-CAPTURE_KEYS = ["embedding", "embedding_local"]
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        elif v is None:
-            out.pop(k, None)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def draft_variant(draft_dir: Path, overrides: dict, out_dir: Path,
-                  drop_tensors: Optional[list[str]] = None) -> Path:
-    """A copy of ``draft_dir`` whose config.json is deep-merged with ``overrides`` (a key set to
-    None is removed) and whose weights lack ``drop_tensors``; untouched files are symlinked.
-    Returns ``draft_dir`` itself when nothing changes, else ``out_dir``."""
-    if not overrides and not drop_tensors:
-        return draft_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in draft_dir.iterdir():
-        if f.name == "config.json" or (out_dir / f.name).exists():
-            continue
-        if drop_tensors and f.suffix == ".safetensors":
-
-            weights = load_file(str(f))
-            missing = [k for k in drop_tensors if k not in weights]
-            if missing and len(missing) == len(drop_tensors):
-                raise ValueError(f"{f}: none of the tensors {drop_tensors} to drop is present")
-            save_file({k: v for k, v in weights.items() if k not in drop_tensors}, str(out_dir / f.name))
-            continue
-        (out_dir / f.name).symlink_to(f.resolve())
-    cfg = json.loads((draft_dir / "config.json").read_text())
-    (out_dir / "config.json").write_text(json.dumps(_deep_merge(cfg, overrides or {}), indent=2))
-    return out_dir
+from .live import investigate
+from .propose import draft_variant
 
 
 class Replay:
@@ -96,6 +60,7 @@ class Replay:
         self.server = None      # (client, handle)
         self.current: Optional[dict] = None  # info about the current fix
         self.baseline: Optional[dict] = None
+        self.proposed = None    # the latest investigation's ProposedFix
         self.results_path = self.run_dir / "results" / f"replay-{safe_name(case.name)}.json"
         self.t0 = time.monotonic()
         for sub in ("results", "figures", "logs", "acceptance", "drafts", "capture", "dumps"):
@@ -116,11 +81,11 @@ class Replay:
             return ServerSpec(launch=LaunchSpec(target=str(self.target), draft=None, **launch)), None
         slug = safe_name(fix.name)
         draft = draft_variant(self.draft, fix.draft_config, self.run_dir / "drafts" / slug,
-                              fix.drop_tensors)
+                              fix.drop_tensors, add_tensors={k: str(self.case.resolve(v)) for k, v in
+                                                             fix.add_tensors.items()} or None)
         spec = self.case.server.spec.merged(fix.spec).merged(spec_override).merged({"algorithm": fix.algorithm})
-        capture = CaptureConfig(out_dir=str(capture_dir), keys=list(CAPTURE_KEYS),
-                                armed_by_file=True) if capture_dir else None
-        hooks = hook_specs(fix.faults, capture, num_layers=self.num_layers) if (fix.faults or capture) else None
+        hooks = server_hook_specs(self.num_layers, faults=fix.faults, rank_capture_dir=capture_dir,
+                                  layers_dir=None if capture_dir is None else capture_dir / "layers")
         ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=spec.with_launch_defaults(),
                         forward_hooks=hooks, **launch)
         return ServerSpec(launch=ls), draft
@@ -148,12 +113,31 @@ class Replay:
         return res.summary
 
     # -- steps ----------------------------------------------------------------------------------
+    def with_proposal(self, fix: Fix) -> Fix:
+        """``fix`` with the latest investigation's proposed fix applied on top (``proposed: true``).
+
+        Raises:
+            RunFailed: no investigation proposed an applicable fix (an engine change cannot be replayed)."""
+        p = self.proposed
+        if p is None or not p.applicable:
+            raise RunFailed("no applicable proposed fix to apply: " + (p.summary if p is not None else
+                                                                      "the investigation did not propose one"))
+        algorithm = p.server_args.get("--speculative-algorithm", fix.algorithm)
+        spec = fix.spec
+        if "--speculative-num-draft-tokens" in p.server_args:
+            spec = (spec or SpecSettings()).merged({"num_draft_tokens": int(p.server_args["--speculative-num-draft-tokens"])})
+        return fix.model_copy(update={"draft_config": _merge_config(fix.draft_config, p.draft_config),
+                                      "algorithm": algorithm, "spec": spec,
+                                      "add_tensors": {**fix.add_tensors, **p.add_tensors}})
+
     def run_fix(self, i: int, fix: Fix) -> FixStep:
         self._stop()
         self.current = None
         t = time.monotonic()
+        if fix.proposed:
+            fix = self.with_proposal(fix)
         rec = FixStep(index=i, name=fix.name, baseline=fix.baseline, faults=fix.faults, draft_config=fix.draft_config,
-                      drop_tensors=fix.drop_tensors, algorithm=fix.algorithm)
+                      drop_tensors=fix.drop_tensors, algorithm=fix.algorithm, proposed=fix.proposed)
         try:
             client, handle, draft, capture_dir, spec = self._start(fix)
         except Exception as exc:  # noqa: BLE001 - a fix whose server cannot start is a result too
@@ -218,6 +202,27 @@ class Replay:
                               explanation=res.explanation, evidence=d["evidence"], data=d["data"],
                               figure=None if fig_path is None else str(fig_path.relative_to(self.run_dir)))
 
+    def run_investigation(self, i: int, step) -> InvestigationStep:
+        """The blind investigation of the current server (no case expectation is passed to it)."""
+        if self.current is None or self.current["client"] is None or self.current["fix"].baseline:
+            raise RuntimeError("an investigation needs a running (non-baseline) fix before it")
+        if self.training is None:
+            raise RuntimeError("the case names no training data (models.training_data)")
+        spec = step.investigate
+        client = self.current["client"]
+        doc = investigate(client.url, training=self.training, run_dir=self.run_dir, api_key=self.api_key,
+                          num_samples=spec.samples, apply_fix=False, timeout=None)
+        self.proposed = doc.proposed_fix
+        rec = InvestigationStep(index=i, on_fix=self.current["fix"].name, verdict=doc.verdict, sentence=doc.sentence,
+                                findings=[f.model_dump(mode="json") for f in doc.findings],
+                                proposed_fix=None if doc.proposed_fix is None else doc.proposed_fix.model_dump(mode="json"),
+                                hypotheses=doc.hypotheses, seconds_to_verdict=doc.seconds_to_verdict,
+                                report="investigation.json", label=spec.label,
+                                expect_finding=step.expect_finding, expect_fix=step.expect_fix)
+        if step.expect_finding is not None or step.expect_fix is not None:
+            rec.as_expected = investigation_as_expected(rec)
+        return rec
+
     def run_sweep(self, i: int, sweep) -> SweepStep:
         if self.current is None:
             raise RuntimeError("a sweep needs a fix before it")
@@ -257,6 +262,8 @@ class Replay:
                         rec = self.run_fix(i, step.fix)
                     elif step.kind == "hypothesis":
                         rec = self.run_hypothesis(i, step)
+                    elif step.kind == "investigate":
+                        rec = self.run_investigation(i, step)
                     else:
                         rec = self.run_sweep(i, step.sweep)
                 except Exception as exc:  # noqa: BLE001 - recorded; the replay goes on when it can
@@ -281,6 +288,31 @@ class Replay:
             doc.headline = headline(self.case, self.steps, doc.fix_effect)
             write_json(self.results_path, doc.model_dump(mode="json"))
         return doc
+
+
+def _merge_config(base: dict, over: dict) -> dict:
+    """Deep merge of draft config overrides (``over`` wins; None values kept: they delete the key later)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge_config(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _subset(want: Any, got: Any) -> bool:
+    """``want`` is contained in ``got`` (dict keys recursively; other values equal)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and all(k in got and _subset(v, got[k]) for k, v in want.items())
+    return want == got
+
+
+def investigation_as_expected(rec: InvestigationStep) -> bool:
+    """The investigation named the expected finding kind first and proposed a fix containing ``expect_fix``."""
+    ok = True
+    if rec.expect_finding is not None:
+        ok &= bool(rec.findings) and rec.findings[0]["kind"] == rec.expect_finding
+    if rec.expect_fix is not None:
+        ok &= _subset(rec.expect_fix, rec.proposed_fix or {})
+    return ok
 
 
 def _tail(text: str, lines: int = 12) -> str:
@@ -318,12 +350,21 @@ def headline(case: Case, steps: list, effect: Optional[dict] = None) -> str:
     95% CI of the accept-length change when ``effect``, :meth:`Replay.fix_effect`, is given)."""
     found = next((s for s in steps if s.kind == "hypothesis" and s.verdict == "confirmed"), None)
     fixes = [s for s in steps if s.kind == "fix" and not s.baseline and s.summary]
+    inv = next((s for s in steps if s.kind == "investigate" and s.verdict), None)
     parts = []
-    if found:
+    if inv is not None and inv.findings:
+        f = inv.findings[0]
+        when = f" in {inv.seconds_to_verdict:.0f} s" if inv.seconds_to_verdict is not None else ""
+        fix = (inv.proposed_fix or {}).get("summary") or "none"
+        parts.append(f"The tool named the fault blind{when} (step {inv.index + 1}): {f['kind']}: {f['detail']}; "
+                     f"it proposed: {fix}")
+    elif inv is not None:
+        parts.append(f"The blind investigation (step {inv.index + 1}) found no wiring fault")
+    if found and inv is None:
         what = (found.data or {}).get("short") or found.explanation.split(". ")[0].rstrip(".")
         lab = f" ({found.label})" if found.label else ""
         parts.append(f"What was wrong: {what}; found by step {found.index + 1}{lab}, check '{found.check}'")
-    elif steps:
+    elif steps and inv is None:
         parts.append("No hypothesis was confirmed")
     if len(fixes) >= 2:
         a, b = fixes[0], fixes[-1]

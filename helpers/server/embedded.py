@@ -154,7 +154,10 @@ def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
            "--model-path", os.fspath(target), "--device", "cpu", "--dtype", dtype,
            "--attention-backend", "intel_amx", "--sampling-backend", "pytorch",
            "--disable-cuda-graph", "--max-total-tokens", str(max_total_tokens),
-           "--tp-size", str(tp), "--host", "127.0.0.1", "--port", str(port)]
+           "--tp-size", str(tp), "--host", "127.0.0.1", "--port", str(port),
+           # idle schedulers otherwise busy-poll: a TP 2 server at rest took 1.5 of 2 cores (bench/RESULTS.md);
+           # sglang/srt/managers/scheduler_components/idle_sleeper.py (zmq.Poller on the request sockets)
+           "--sleep-on-idle"]
     if draft is not None:
         spec = (spec or SpecSettings()).with_launch_defaults()
         cmd += ["--speculative-draft-model-path", os.fspath(draft)] + spec.args()

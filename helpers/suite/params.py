@@ -14,7 +14,7 @@ from ..investigation.cases import load_case
 from ..paths import NOTEBOOK_DIR, ROOT
 from ..runfiles import load_yaml_model
 
-DEFAULT_NOTEBOOKS = ["00_replay", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
+DEFAULT_NOTEBOOKS = ["00_replay", "00_investigate", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
                      "11_hyp_embedding_allreduce", "12_hyp_layer_offset", "20_acceptance",
                      "99_postmortem"]
 
@@ -23,6 +23,9 @@ POSTMORTEM = "99_postmortem"
 
 
 REPLAY = "00_replay"
+
+
+INVESTIGATE = "00_investigate"
 
 
 #: notebooks that read what another one wrote (run after it)

@@ -49,15 +49,16 @@ import papermill as pm
 import yaml
 from tqdm import tqdm
 
+from ..capture import server_hook_specs
 from ..errors import BadParams
-from ..hooks import hook_specs
 from ..paths import ROOT
 from ..records import ReplayDoc
 from ..runfiles import atomic_write_text, new_run_dir, write_json
 from ..server.embedded import start
+from ..server.registry import register, state_path, unregister
 from ..server.settings import SpecSettings
 from .html import HTML_BUDGET_BYTES, check_html, export_html
-from .params import POSTMORTEM, REPLAY, ManagedServer, load_params
+from .params import INVESTIGATE, POSTMORTEM, REPLAY, ManagedServer, load_params
 
 #: notebooks that read what another one writes (they start after it finishes): the served dump of
 #: 02_dump (live mode), the reference comparison in results/03_compare.json
@@ -100,7 +101,7 @@ class _ReplayProgress:
                 res = "ERROR " + str(st.error)[:160]
             elif st.kind == "hypothesis":
                 res = f"{st.verdict} (expected {st.expect or '-'})"
-            elif st.kind == "investigation":
+            elif st.kind == "investigate":
                 res = f"{st.verdict}: {st.sentence[:160]}"
             elif st.kind == "fix":
                 sm = st.summary or {}
@@ -114,18 +115,25 @@ class _ReplayProgress:
 
 
 def _start_managed(m: ManagedServer, run_dir: Path):
-
+    """Start the managed reference server with the per-rank and every-layer capture hooks (so the investigation
+    has its own reference) and register it (helpers.server.registry), so the investigation may restart a copy of
+    it with the proposed fix. Returns ``(handle, state file)``."""
     target = (ROOT / m.target) if not Path(m.target).is_absolute() else Path(m.target)
     draft = None
     if m.draft:
         draft = (ROOT / m.draft) if not Path(m.draft).is_absolute() else Path(m.draft)
-    hooks = None
-    if m.faults:
-        n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
-        hooks = hook_specs(m.faults, num_layers=n)
-    return start(target, draft, tp=m.tp, spec=SpecSettings(**m.spec) if draft else None,
-                 extra_args=m.extra_args, forward_hooks=hooks, timeout=m.timeout,
-                 log_path=run_dir / "logs" / "server.log")
+    n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    hooks = server_hook_specs(n, faults=m.faults, rank_capture_dir=run_dir / "capture" / "managed" / "ranks",
+                              layers_dir=run_dir / "capture" / "managed" / "layers")
+    spec = SpecSettings(**m.spec) if draft else None
+    handle = start(target, draft, tp=m.tp, spec=spec, extra_args=m.extra_args, forward_hooks=hooks,
+                   timeout=m.timeout, log_path=run_dir / "logs" / "server.log")
+    launch = {"target": str(target.resolve()), "draft": None if draft is None else str(draft.resolve()), "tp": m.tp,
+              "spec": None if spec is None else spec.model_dump(mode="json"), "forward_hooks": hooks,
+              "extra_args": list(m.extra_args), "dtype": "float32"}
+    state = register(state_path(handle.port), url=handle.url, pid=os.getpid(), server_pid=handle.pid,
+                     log=str(handle.log_path), launch=launch)
+    return handle, state
 
 
 def _failure(exc: BaseException) -> dict:
@@ -137,10 +145,12 @@ def _failure(exc: BaseException) -> dict:
 
 
 def _stages(notebooks: list[str]) -> list[list[str]]:
-    """The first notebook when it is 00_replay, and 99_postmortem when it is last, run alone; the
+    """00_replay and 00_investigate when they come first, and 99_postmortem when it is last, run alone; the
     notebooks between them form one stage that may run concurrently."""
     nbs = list(notebooks)
-    head = [[nbs.pop(0)]] if nbs and nbs[0] == REPLAY else []
+    head = []
+    while nbs and nbs[0] in (REPLAY, INVESTIGATE):
+        head.append([nbs.pop(0)])
     tail = [[nbs.pop()]] if nbs and nbs[-1] == POSTMORTEM else []
     return head + ([nbs] if nbs else []) + tail
 
@@ -236,6 +246,12 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
             raise BadParams(f"--only: unknown notebook(s) {unknown}; the params file "
                             f"{params_path} runs {list(params.notebooks)}")
     notebooks = [nb for nb in params.notebooks if not only or nb in only]
+    skipped = {}
+    if (params.server.url or params.server.managed) and not params.case and REPLAY in notebooks:
+        notebooks.remove(REPLAY)   # never replay a bundled case on a live run unless the params name one
+        skipped[REPLAY] = ("a live run (server.url / server.managed) replays a case only when the params file names "
+                           "one (case: ...)")
+        print(f"[suite] {REPLAY} skipped: {skipped[REPLAY]}", flush=True)
     run_dir = new_run_dir(params.name, Path(out) if out else None)
     for sub in ("notebooks", "html", "results", "figures", "logs"):
         (run_dir / sub).mkdir(exist_ok=True)
@@ -246,9 +262,9 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
                       f"# original invocation: python -m helpers suite {shlex.join(argv or [])}\n")
     status: dict[str, Any] = {"run_dir": str(run_dir), "name": params.name,
                               "started": datetime.now().isoformat(timespec="seconds"),
-                              "notebooks": {}, "server": None}
+                              "notebooks": {}, "server": None, "skipped": skipped}
     t_run = time.monotonic()
-    server = None
+    server = server_state = None
     server_url = params.server.url
     try:
         if server_url is None and params.server.managed is not None:
@@ -256,7 +272,7 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
                   flush=True)
             t0 = time.monotonic()
             try:
-                server = _start_managed(params.server.managed, run_dir)
+                server, server_state = _start_managed(params.server.managed, run_dir)
             except Exception as exc:  # noqa: BLE001 - reported in the postmortem
                 status["server"] = {"error": f"{type(exc).__name__}: {exc}"[-4000:]}
             else:
@@ -318,6 +334,8 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
     finally:
         if server is not None:
             server.stop()
+        if server_state is not None:
+            unregister(server_state)
     status["wall_s"] = round(time.monotonic() - t_run, 1)
     status["failed"] = [nb for nb, e in status["notebooks"].items() if not e.get("ok")]
     if not (run_dir / "postmortem.html").exists() or POSTMORTEM in status["failed"]:

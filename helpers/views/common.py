@@ -297,6 +297,11 @@ class RunContext:
     def live(self) -> bool:
         return bool(self.server_url)
 
+    @property
+    def api_key(self) -> Optional[str]:
+        """The API key from the environment variable ``api_key_env`` (read when needed, never stored)."""
+        return os.environ.get(self.api_key_env) or None
+
     def load_case(self):
         """The validated :class:`helpers.investigation.cases.Case` of ``case_path`` (None without one).
 
@@ -355,6 +360,19 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     ctx.draft_dir = pick(draft_dir, m.draft if m else None, DEFAULT_DRAFT)
     ctx.training = pick(training_data, m.training_data if m else None, DEFAULT_TRAINING)
     ctx.replay = load_replay(rd)
+    # one draft / target / training data across the pages: the investigation's (the folders the server runs)
+    inv = read_json_file(rd / "investigation.json") or {}
+    att = inv.get("attach") or {}
+    for attr, explicit in (("draft_dir", draft_dir), ("target_dir", target_dir)):
+        used = as_path(att.get(attr))
+        if used is not None and used.exists():
+            given = getattr(ctx, attr)
+            if given is not None and given.resolve() != used.resolve() and as_path(explicit, base):
+                ctx.notes.append(f"{attr} {given} differs from the folder the server runs ({used}, "
+                                 "investigation.json): the server's is used")
+            setattr(ctx, attr, used)
+    if inv.get("training") and not training_data:
+        ctx.training = Path(inv["training"])
     return ctx
 
 

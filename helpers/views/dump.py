@@ -10,10 +10,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from ..capture import capture_reference_hf, capture_served
 from ..formats.dumps import read_dump
-from ..formats.training_data import TrainingData
-from .common import RunContext, connect, downsample, esc, read_json_file
+from .common import downsample, esc, read_json_file
 
 
 def dump_paths(run_dir: Path) -> list[Path]:
@@ -87,41 +85,6 @@ def dump_samples(dump: Path) -> list[tuple[str, int]]:
 
     src = read_dump(dump)
     return [(f"{i}: {s.key} ({s.rows} rows)", i) for i, s in enumerate(src.samples)]
-
-
-def capture_live(ctx: RunContext, *, num_samples: int = 4, name: str = "live-served",
-                 reference: str = "auto") -> dict:
-    """Capture what the live server feeds the draft for the first ``num_samples`` training samples
-    (``dumps/<name>``), plus the HF reference of every layer when ``reference`` is ``"hf"`` (or
-    ``"auto"`` and the target weights here are small). Returns ``{"served": path, "reference": path|None}``."""
-
-    td = TrainingData(ctx.training, hidden_size=ctx.hidden_size, max_samples=num_samples)
-    samples = list(td)[:num_samples]
-    client = connect(ctx)
-    dumps = ctx.run_dir / "dumps"
-    dumps.mkdir(parents=True, exist_ok=True)
-    out = dumps / name
-    i = 2
-    while out.exists():
-        out = dumps / f"{name}-{i}"
-        i += 1
-    try:
-        served = capture_served(client, samples, dumps, name=out.name, max_new_tokens=1, progress=False)
-    finally:
-        client.close()
-    ref = None
-    if reference == "hf" or (reference == "auto" and _small_model(ctx.target_dir)):
-        rp = dumps / "reference-hf"
-        ref = rp if (rp / "manifest.json").exists() else capture_reference_hf(ctx.target_dir, samples, dumps,
-                                                                              name=rp.name, progress=False)
-    return {"served": served, "reference": ref}
-
-
-def _small_model(path: Optional[Path], limit: int = 2 << 30) -> bool:
-    if not path or not Path(path).is_dir():
-        return False
-    files = list(Path(path).glob("*.safetensors"))
-    return bool(files) and sum(f.stat().st_size for f in files) < limit
 
 
 def served_dumps(run_dir: Path) -> list[Path]:

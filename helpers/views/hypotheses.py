@@ -1,5 +1,5 @@
-"""The hypothesis pages (``10_hyp_tp_sharding``, ``11_hyp_embedding_allreduce``, ``12_hyp_layer_offset``): a
-check run live or read from the replay, per-rank figures, reference bars.
+"""The hypothesis pages (``10_hyp_tp_sharding``, ``11_hyp_embedding_allreduce``, ``12_hyp_layer_offset``): the
+verdict of the live investigation (helpers.views.investigation) or of the replay, per-rank figures, reference bars.
 """
 from __future__ import annotations
 
@@ -12,39 +12,9 @@ import plotly.graph_objects as go
 import torch
 
 from ..formats.dumps import read_dump
-from ..investigation.checks import Investigation, run_check
 from ..plots.acceptance import PALETTE
-from ..runfiles import atomic_write_text
-from .common import RunContext, as_path, connect, downsample, esc, read_json_file
-from .dump import _small_model, dump_paths
-
-
-def live_check(ctx: RunContext, check: str, *, capture_dir: Any = "", reference: str = "auto",
-               label: str = "live", num_samples: int = 4) -> dict:
-    """Run ``check`` (a name in :data:`helpers.investigation.checks.CHECKS`) on the live server and save its figure
-    to ``figures/live-<check>.json``. Returns a step record like the replay's (``kind``, ``check``,
-    ``verdict``, ``explanation``, ``evidence``, ``data``, ``figure``, ``question``, ``label``)."""
-
-    ref = "hf" if reference == "hf" or (reference == "auto" and _small_model(ctx.target_dir)) else (
-        None if reference in ("", "auto", "none", None) else reference)
-    client = connect(ctx)
-    try:
-        inv = Investigation(ctx.run_dir, client, training=ctx.training, draft_dir=ctx.draft_dir,
-                            target_dir=ctx.target_dir, capture_dir=as_path(capture_dir), name="live",
-                            num_samples=num_samples, reference=ref)
-        res = run_check(check, inv, label=label)
-    finally:
-        client.close()
-    d = res.to_dict()
-    fig_rel = None
-    if res.figure is not None:
-        fig_rel = f"figures/live-{check}.json"
-        (ctx.run_dir / "figures").mkdir(parents=True, exist_ok=True)
-
-        atomic_write_text(ctx.run_dir / fig_rel, res.figure.to_json())
-    return {"kind": "hypothesis", "index": 0, "check": check, "label": label, "question": res.question,
-            "on_fix": "live server", "verdict": res.verdict, "expect": None, "as_expected": None,
-            "explanation": res.explanation, "evidence": d["evidence"], "data": d["data"], "figure": fig_rel}
+from .common import downsample, esc, read_json_file
+from .dump import dump_paths
 
 
 def hypothesis_result(nb: str, check: str, steps: Sequence[Mapping[str, Any]], source: str) -> dict:

@@ -12,6 +12,7 @@ import pandas as pd
 from ..acceptance.stats import format_ci
 from .acceptance import ledger_frame, main_fixes
 from .common import esc, note, read_json_file
+from .investigation import load_investigation
 from .replay import _num, fixes_frame, headline, hypotheses_frame
 
 
@@ -65,22 +66,19 @@ def notebook_links_html(status: Mapping[str, Any], notebooks: Sequence[str] = ()
 
 
 def verdict_summary(run_dir: Path, doc: Optional[Mapping[str, Any]] = None) -> pd.DataFrame:
-    """Every hypothesis verdict of the run: the replay's steps, then live results of the hypothesis
-    notebooks (``results/1*_hyp_*.json`` with source ``live``). Columns: step, label, check, question,
-    verdict, expected, as expected, source."""
+    """Every hypothesis verdict of the run: the replay's steps, then the blind investigation's
+    (``investigation.json``, confirmed first). Columns: step, label, check, question, verdict, expected, as expected,
+    source."""
     rows = []
     for _, r in hypotheses_frame(doc).iterrows():
         rows.append({"step": r["step"], "label": r["label"], "check": r["check"],
                      "question": r.get("question") or "", "verdict": r["verdict"],
                      "expected": r["expected"], "as expected": r["as expected"], "source": "replay"})
-    for p in sorted((Path(run_dir) / "results").glob("1*_hyp_*.json")):
-        res = read_json_file(p) or {}
-        if res.get("source") != "live":
-            continue
-        for s in res.get("results", []):
-            rows.append({"step": "", "label": s.get("label") or "", "check": res.get("check"),
-                         "question": s.get("question") or "", "verdict": s.get("verdict"), "expected": "", "as expected": "",
-                         "source": f"live ({p.stem})"})
+    inv = load_investigation(run_dir)
+    for h in (inv.hypotheses if inv is not None else []):
+        rows.append({"step": "", "label": "blind investigation", "check": h.get("check"),
+                     "question": h.get("question") or "", "verdict": h.get("verdict"), "expected": "",
+                     "as expected": "", "source": "investigation (investigation.json)"})
     return pd.DataFrame(rows)
 
 
@@ -125,7 +123,9 @@ def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.Da
 
 def postmortem_record(run_dir: Path, doc: Optional[Mapping[str, Any]]) -> dict:
     """The postmortem's data (``results/99_postmortem.json``): headline, verdicts, before/after, failures."""
-    return {"headline": headline(doc), "case": (doc or {}).get("case"),
+    inv = load_investigation(run_dir)
+    return {"headline": inv.sentence if inv is not None and not doc else headline(doc),
+            "investigation": None if inv is None else inv.sentence, "case": (doc or {}).get("case"),
             "verdicts": verdict_summary(run_dir, doc).to_dict(orient="records"),
             "before_after": before_after(doc, ledger_frame(run_dir)).to_dict(orient="records"),
             "fixes": fixes_frame(doc).to_dict(orient="records"),

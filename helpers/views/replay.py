@@ -222,7 +222,7 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
                 hovertext=esc(f"step {x}: {s.check}: {v}" + (f" (expected {s.expect})" if s.expect else "")),
                 hoverinfo="text"), secondary_y=False)
             seen.add(v)
-        elif s.kind == "investigation":
+        elif s.kind == "investigate":
             color = "#6a1b9a"
             fig.add_vline(x=x, line=dict(color=color, width=3))
             fig.add_annotation(x=x, y=1.0, yref="paper", text=esc("investigation: " + (s.verdict or "?")),
@@ -292,7 +292,7 @@ def show_timeline(doc: Optional[Mapping[str, Any]], run_dir: Path) -> None:
     for s in (d.steps if d else []):
         if s.kind == "hypothesis":
             show_hypothesis(s, run_dir)
-        elif s.kind == "investigation":
+        elif s.kind == "investigate":
             show(investigation_html(s))
         elif s.kind == "fix":
             sm = s.summary or {}

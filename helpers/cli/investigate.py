@@ -1,0 +1,71 @@
+"""``python -m helpers investigate``: the live investigation of a running server (helpers.investigation.live).
+
+Exit 0 no fault, 1 fault named (or the server failed), 2 bad input."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+from ..errors import BadInput
+from ..investigation.live import default_run_dir, investigate
+from ..views.investigation import write_report
+from .common import Parser, progress_line, run
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m helpers investigate",
+               description="Attach to a running SGLang server with an EAGLE-3 draft, capture what it feeds the draft, "
+                           "compare with the training data (and every layer of the target), name the fault, propose "
+                           "the fix and, when the server can be restarted, measure the fix before/after.")
+    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--training", required=True, help="the draft's training data (SpecForge folder, speculators "
+                   "hs_*.safetensors folder, EAGLE data, or a training dump)")
+    p.add_argument("--draft", help="the draft folder, when the server's (speculative_draft_model_path) is not "
+                   "readable here; when both are, a difference is reported")
+    p.add_argument("--target", help="the target folder (config.json; weights allow an HF reference), when the "
+                   "server's model_path is not readable here")
+    p.add_argument("--relaunch", metavar="CMD", help="the server's launch command (one string); the tool starts a "
+                   "copy with the proposed fix (draft path, port and flags replaced) and measures before/after. "
+                   "Servers started with `python -m helpers server start` are restarted without it")
+    p.add_argument("--no-apply", action="store_true", help="only propose the fix (no restart, no measurement)")
+    p.add_argument("--out", help="folder under which the run folder is created (default outputs/)")
+    p.add_argument("--timeout", type=float, default=900.0, help="overall budget in seconds (default 900)")
+    p.add_argument("--samples", type=int, default=4, help="training samples to capture and compare (default 4)")
+    p.add_argument("--prompts", type=int, default=16, help="prompts for the before/after measurement (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt when measuring (default 32)")
+    p.add_argument("--api-key-env", default="SGLANG_API_KEY", help="NAME of the environment variable holding the "
+                   "server's API key (default SGLANG_API_KEY; the key is never written)")
+    p.add_argument("--json", action="store_true", help='print {"verdict", "findings", "proposed_fix", "measured", '
+                   '"sentence", "run_dir"} instead of the report')
+    return p
+
+
+def cli_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m helpers investigate ...`` (module docstring)."""
+    prog = "investigate"
+
+    def body() -> int:
+        args = build_parser().parse_args(list(argv) if argv is not None else None)
+        if args.samples < 1 or args.prompts < 1:
+            raise BadInput("--samples and --prompts must be >= 1")
+        run_dir = default_run_dir(args.out, args.url)
+        show = progress_line(prog)
+        show(f"run folder {run_dir}")
+        doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
+                          relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
+                          timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
+                          max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, progress=show)
+        report = write_report(run_dir, doc)
+        if args.json:
+            print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],
+                              "proposed_fix": None if doc.proposed_fix is None else doc.proposed_fix.model_dump(
+                                  mode="json"), "measured": doc.measured, "sentence": doc.sentence,
+                              "seconds_to_verdict": doc.seconds_to_verdict, "run_dir": str(run_dir)}, indent=1))
+        else:
+            print(doc.sentence)
+            print(f"postmortem: {report}")
+        return 0 if doc.verdict == "ok" else 1
+
+    return run(prog, body)
+

@@ -1,0 +1,612 @@
+"""The live investigation of a server whose fault nobody wrote down (``python -m helpers investigate``).
+
+Steps, each timed and reported as a progress line:
+
+1. **attach** -- ``/server_info``: SGLang version, TP size, speculative algorithm and settings, the draft and target
+   folders the server really runs (``speculative_draft_model_path``, ``model_path``), and the forward hooks it runs
+   (this tool's capture hooks give the per-rank capture folder and the every-layer reference folder; other hooks are
+   listed). A ``--draft`` that differs from the server's draft is a finding (``served_draft_differs``).
+2. **capture** -- what the draft receives for the training samples' tokens (one row per token).
+3. **reference** -- every layer of the target for the same tokens: the server's own every-layer capture when its
+   hooks are on (same numerics as the served tensors), else HF transformers on the target folder when the weights
+   are there and fit in memory, else none, with what is missing and what it would settle.
+4. **diagnosis** -- :func:`helpers.diagnosis.diagnose.diagnose` (static check with provenance + numeric comparison).
+5. **hypotheses** -- every check of :data:`helpers.investigation.catalog.CATALOG` that applies to a live server,
+   ordered by the evidence (confirmed, then inconclusive, then refuted).
+6. **proposed fix** -- :func:`helpers.investigation.propose.propose_fix`.
+7. **relaunch** (optional) -- when the server is one this tool can restart (an embedded server started by
+   ``python -m helpers server start``, found in :mod:`helpers.server.registry`, or a launch command given), the fix
+   is applied on a fresh server; the same prompts are measured on both servers (paired CIs) and the fixed server's
+   aux states are captured and diagnosed again.
+
+The document written (``investigation.json``) is a :class:`helpers.records.InvestigationDoc`; its ``sentence`` opens
+the postmortem.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import psutil
+
+from ..acceptance.measure import measure, server_snapshot
+from ..acceptance.prompts import load_prompts
+from ..acceptance.stats import format_ci, paired_effect
+from ..capture import capture_every_layer, capture_reference_hf
+from ..diagnosis.detectors import finding
+from ..errors import BadInput, E3FError, ServerError
+from ..formats.configs import read_draft_config, read_target_config
+from ..formats.training_data import TrainingData
+from ..records import Finding, InvestigationDoc, ProposedFix
+from ..runfiles import new_run_dir, safe_name, write_json
+from ..server.client import SGLangClient
+from ..server.embedded import free_port
+from ..server.embedded import start as start_embedded
+from ..server.process import ServerProcess
+from ..server.registry import lookup
+from .checks import Investigation, run_check
+from .propose import draft_variant, propose_fix
+
+#: The checks a live investigation runs (all of the catalogue but verify_bottleneck, which needs a target-only
+#: baseline server), in the order of the mission: how the server feeds the draft, then its settings.
+LIVE_CHECKS = ("tp_sharding", "embedding_all_reduce", "layer_offset", "embedding_included", "concat_order",
+               "rotated_basis", "norm_mismatch", "static_wiring", "fc_bypass", "vocab_map", "num_steps_override")
+RANK_HOOK, LAYERS_HOOK = "e3f-capture", "e3f-capture-layers"
+HOOK_FACTORY_PREFIX = "helpers.hooks:"
+
+
+@dataclass
+class Attachment:
+    """What the server runs, read from ``/server_info`` (and the folders this machine sees).
+
+    Attributes:
+        url / version / tp / algorithm / spec: the server's URL, SGLang version, TP size, speculative algorithm and
+            ``{num_steps, topk, num_draft_tokens}``.
+        served_draft / served_target: the folders the server was started with (paths on the server's machine).
+        draft_dir / target_dir: the folders used here, with ``draft_source`` / ``target_source`` saying which
+            (``server`` or the given ``--draft`` / ``--target``).
+        rank_capture_dir / layers_dir: this tool's per-rank and every-layer capture folders (from the server's
+            ``forward_hooks``), None when not installed.
+        other_hooks: forward hooks that are not capture hooks (``name``, ``target_modules``): anything they do to the
+            residual stream is invisible to the config.
+        restart: how the server can be restarted with a fix (``{"kind": "embedded", ...registry entry}`` or
+            ``{"kind": "command", "argv": [...]}``), or None.
+        findings: attach findings (the given draft differs from the served one).
+        info: the redacted ``/server_info``.
+    """
+
+    url: str
+    version: Optional[str]
+    tp: int
+    algorithm: Optional[str]
+    spec: dict
+    served_draft: Optional[str]
+    served_target: Optional[str]
+    draft_dir: Optional[Path]
+    draft_source: str
+    target_dir: Path
+    target_source: str
+    rank_capture_dir: Optional[Path] = None
+    layers_dir: Optional[Path] = None
+    other_hooks: list = field(default_factory=list)
+    restart: Optional[dict] = None
+    findings: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
+                "spec": self.spec, "served_draft": self.served_draft, "served_target": self.served_target,
+                "draft_dir": None if self.draft_dir is None else str(self.draft_dir), "draft_source": self.draft_source,
+                "target_dir": str(self.target_dir), "target_source": self.target_source,
+                "rank_capture_dir": None if self.rank_capture_dir is None else str(self.rank_capture_dir),
+                "layers_dir": None if self.layers_dir is None else str(self.layers_dir),
+                "other_hooks": self.other_hooks,
+                "restart": None if self.restart is None else {"kind": self.restart["kind"]},
+                "findings": self.findings}
+
+
+def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict]]:
+    """``(per-rank capture folder, every-layer capture folder, other hooks)`` from ``/server_info``'s
+    ``forward_hooks`` (SGLang 0.5.23 reports the ``--forward-hooks`` list there: ``sglang/srt/arg_groups/fields/
+    observability.py`` ``forward_hooks``). Hook names and ``config`` values may be redacted by SGLang; the folder
+    (``config.out_dir``) and the factory survive."""
+    ranks = layers = None
+    others = []
+    for h in info.get("forward_hooks") or []:
+        if not isinstance(h, dict):
+            continue
+        factory = str(h.get("hook_factory") or "")
+        name = str(h.get("name") or "")
+        out_dir = (h.get("config") or {}).get("out_dir") if isinstance(h.get("config"), dict) else None
+        if factory == HOOK_FACTORY_PREFIX + "capture_factory" and out_dir:
+            if name == LAYERS_HOOK:
+                layers = Path(out_dir)
+            else:
+                ranks = Path(out_dir)
+        elif factory == HOOK_FACTORY_PREFIX + "stash_factory":
+            continue                                     # read-only stashes of this tool's hooks
+        else:
+            others.append({"name": name, "target_modules": h.get("target_modules"), "hook_factory": factory})
+    return ranks, layers, others
+
+
+def _same_draft(a: Path, b: Path) -> Optional[dict]:
+    """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
+    try:
+        ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    except (OSError, ValueError):
+        return None
+    diff = {}
+    if ca != cb:
+        keys = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
+        diff["config_keys"] = keys
+        ea, eb = (c.get("eagle_config") or {} for c in (ca, cb))
+        if ea != eb:
+            diff["eagle_config"] = {"server": eb, "given": ea}
+    wa = {p.name: p.stat().st_size for p in a.glob("*.safetensors")}
+    wb = {p.name: p.stat().st_size for p in b.glob("*.safetensors")}
+    if wa != wb:
+        diff["weights"] = {"server": wb, "given": wa}
+    return diff or None
+
+
+def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
+           relaunch: Optional[str] = None) -> Attachment:
+    """Read what the server runs (see :class:`Attachment`).
+
+    Raises:
+        ServerError: ``/server_info`` unreachable or not JSON.
+        BadInput: neither the server's target folder nor ``target`` is readable here; a given folder lacks
+            config.json.
+    """
+    info = client.server_info()
+    served_draft = info.get("speculative_draft_model_path")
+    served_target = info.get("model_path") or info.get("tokenizer_path")
+    findings: list[dict] = []
+
+    def readable(p: Any) -> Optional[Path]:
+        return Path(p) if p and (Path(p) / "config.json").is_file() else None
+
+    if target is not None:
+        target_dir, target_source = Path(target), "--target"
+        if not (target_dir / "config.json").is_file():
+            raise BadInput("no config.json in the target folder", path=target_dir)
+    elif readable(served_target):
+        target_dir, target_source = Path(served_target), "server (model_path)"
+    else:
+        raise BadInput(f"the server's target folder {served_target!r} is not readable on this machine: pass --target "
+                       "DIR (a folder with the target's config.json; weights optional)", path=served_target)
+    given = Path(draft) if draft is not None else None
+    if given is not None and not (given / "config.json").is_file():
+        raise BadInput("no config.json in the draft folder", path=given)
+    server_draft = readable(served_draft)
+    if server_draft is not None:
+        draft_dir, draft_source = server_draft, "server (speculative_draft_model_path)"
+        if given is not None and given.resolve() != server_draft.resolve():
+            diff = _same_draft(given, server_draft)
+            if diff is not None:
+                findings.append(finding(
+                    "served_draft_differs", None,
+                    f"the server runs the draft in {server_draft}, which differs from --draft {given} "
+                    f"({', '.join(sorted(diff))}); the investigation uses the server's",
+                    served=str(server_draft), given=str(given), differences=diff,
+                    source="/server_info speculative_draft_model_path"))
+    elif given is not None:
+        draft_dir, draft_source = given, "--draft (the server's draft folder is not readable here)"
+    else:
+        draft_dir, draft_source = None, "none"
+    ranks, layers, others = capture_hooks(info)
+    restart = None
+    entry = lookup(client.url)
+    if relaunch:
+        restart = {"kind": "command", "argv": shlex.split(relaunch)}
+    elif entry is not None:
+        restart = {"kind": "embedded", **entry}
+    spec = {"num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),
+            "num_draft_tokens": info.get("speculative_num_draft_tokens")}
+    return Attachment(url=client.url, version=info.get("version"), tp=int(info.get("tp_size") or 1),
+                      algorithm=info.get("speculative_algorithm"), spec=spec, served_draft=served_draft,
+                      served_target=served_target, draft_dir=draft_dir, draft_source=draft_source,
+                      target_dir=target_dir, target_source=target_source, rank_capture_dir=ranks, layers_dir=layers,
+                      other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info))
+
+
+def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:
+    """Whether HF transformers can load the target here (fp32 weights within ``share`` of available memory).
+
+    Returns ``(fits, why)``; ``why`` names the sizes (or the missing weights)."""
+    files = list(target_dir.glob("*.safetensors")) + list(target_dir.glob("*.bin"))
+    if not files:
+        return False, f"no weights in {target_dir} (config only)"
+    size = sum(f.stat().st_size for f in files)
+    dtype = (json.loads((target_dir / "config.json").read_text()).get("torch_dtype") or "bfloat16")
+    fp32 = size * (2 if "16" in str(dtype) else 1)
+    avail = psutil.virtual_memory().available
+    if fp32 > share * avail:
+        return False, (f"the target's weights need about {fp32 / 2**30:.1f} GiB in fp32, more than {share:.0%} of the "
+                       f"{avail / 2**30:.1f} GiB available here")
+    return True, f"{fp32 / 2**30:.2f} GiB in fp32"
+
+
+Progress = Callable[[str], None]
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+class Deadline:
+    """An overall time budget (seconds); :meth:`check` raises :class:`helpers.errors.ServerError` once spent."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.t0 = time.monotonic()
+        self.seconds = seconds
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def remaining(self) -> Optional[float]:
+        return None if self.seconds is None else self.seconds - self.elapsed()
+
+    def check(self, what: str) -> None:
+        r = self.remaining()
+        if r is not None and r <= 0:
+            raise ServerError(f"investigate: the {self.seconds:.0f} s budget (--timeout) ran out before {what} "
+                              f"({self.elapsed():.0f} s elapsed)")
+
+
+def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
+                target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
+                timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
+                max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
+                progress: Progress = _noop) -> InvestigationDoc:
+    """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
+
+    Args:
+        url: base URL of a running SGLang server with an EAGLE-3 draft and ``--enable-return-hidden-states``.
+        training: the draft's training data (SpecForge folder, ...; :mod:`helpers.formats.training_data`).
+        run_dir: the run folder to fill (``investigation.json``, ``dumps/``, ``acceptance/``, ``drafts/``, ``logs/``).
+        draft / target: folders to use when the server's are not readable here (the server's win when both are).
+        relaunch: a launch command for the server (shell words); the tool replaces its draft path / port / flags
+            with the proposed fix. Without it, an embedded server of this tool is restarted from its state file.
+        api_key: the server's API key (never written).
+        timeout: overall budget in seconds (None: none).
+        num_samples: training samples to capture and compare.
+        measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
+        apply_fix: False to only propose (no restart, no measurement).
+        progress: called with one line per step.
+
+    Returns:
+        :class:`helpers.records.InvestigationDoc` (also written to ``run_dir/investigation.json``).
+
+    Raises:
+        BadInput: unusable training data, draft or target folders.
+        ServerError: the server does not answer, or the budget ran out.
+    """
+    run_dir = Path(run_dir)
+    for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    dl = Deadline(timeout)
+    timings: dict[str, float] = {}
+    doc = InvestigationDoc(url=url, run_dir=str(run_dir), training=str(Path(training).resolve()))
+
+    def step(name: str):
+        dl.check(name)
+        progress(f"{name} ...")
+        return time.monotonic()
+
+    def done(name: str, t: float, note: str = "") -> None:
+        timings[name] = round(time.monotonic() - t, 2)
+        progress(f"{name}: {note} ({timings[name]:.1f} s)" if note else f"{name}: done ({timings[name]:.1f} s)")
+
+    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0))
+    try:
+        t = step("attach")
+        att = attach(client, draft=draft, target=target, relaunch=relaunch)
+        doc.attach = att.to_json()
+        done("attach", t, f"SGLang {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
+                          f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
+        if att.draft_dir is None:
+            raise BadInput("the server runs no draft this machine can read and no --draft was given "
+                           "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
+        tcfg = read_target_config(att.target_dir)
+        td = TrainingData(training, hidden_size=tcfg.hidden_size, max_samples=num_samples)
+        if td.hidden_size is not None and td.hidden_size != tcfg.hidden_size:
+            raise BadInput(f"the training data is {td.hidden_size} wide per chunk but the target's hidden size is "
+                           f"{tcfg.hidden_size}", path=training)
+        inv = Investigation(run_dir, client, training=training, draft_dir=att.draft_dir, target_dir=att.target_dir,
+                            capture_dir=att.rank_capture_dir, name="server", num_samples=num_samples,
+                            reference=None, algorithm=att.algorithm)
+        samples = inv.training_samples()
+        if len(samples) < num_samples:
+            progress(f"note: the training data hold {len(samples)} sample(s); {num_samples} were asked for")
+        doc.samples = len(samples)
+
+        t = step("capture")
+        served = inv.served_dump()
+        done("capture", t, f"{len(samples)} training sample(s) -> {served.relative_to(run_dir)}")
+
+        t = step("reference")
+        ref, how, missing = _reference(att, client, samples, run_dir, tcfg.num_hidden_layers)
+        inv.reference_spec = ref
+        inv._cache.pop("reference", None)
+        doc.reference = {"how": how, "path": None if ref is None else str(ref), "missing": missing}
+        done("reference", t, how if ref is not None else f"none ({missing})")
+
+        t = step("diagnosis")
+        diag = inv.diagnosis(reference=ref is not None)
+        extra = list(att.findings)
+        doc.findings = [Finding(**f) for f in diag.findings + extra]
+        doc.diagnosis = diag.to_json()
+        doc.verdict = "ok" if not doc.findings else "mismatch"
+        doc.seconds_to_verdict = round(dl.elapsed(), 1)
+        done("diagnosis", t, f"{doc.verdict}: " + (", ".join(dict.fromkeys(f.kind for f in doc.findings))
+                                                   or "no finding"))
+
+        t = step("hypotheses")
+        doc.hypotheses = _hypotheses(inv, run_dir)
+        done("hypotheses", t, ", ".join(f"{h['check']} {h['verdict']}" for h in doc.hypotheses
+                                        if h["verdict"] == "confirmed") or "none confirmed")
+
+        t = step("proposed fix")
+        draft_cfg = read_draft_config(att.draft_dir / "config.json")
+        fix = propose_fix(diag, draft=draft_cfg, target=tcfg, version=att.version, algorithm=att.algorithm,
+                          training_dir=td.path if td.path.is_dir() else td.path.parent, extra_findings=extra,
+                          hooks=att.other_hooks)
+        doc.proposed_fix = fix
+        done("proposed fix", t, fix.summary)
+
+        if fix.kind == "none":
+            doc.measured = {"not_measured": "nothing to fix"}
+        elif not fix.applicable:
+            doc.measured = {"not_measured": "the fix is a change in the engine's capture path, which this tool "
+                                            "cannot apply; apply it and run investigate again"}
+        elif not apply_fix:
+            doc.measured = {"not_measured": "--no-apply: the fix was only proposed"}
+        elif att.restart is None:
+            doc.measured = {"not_measured": "this server cannot be restarted by the tool: pass --relaunch "
+                                            "'<launch command>' (or start it with `python -m helpers server start`)"}
+        else:
+            t = step("relaunch")
+            doc.measured = _apply_and_measure(att, client, fix, inv, run_dir, training=training, api_key=api_key,
+                                              num_samples=num_samples, prompts=measure_prompts,
+                                              max_new_tokens=max_new_tokens, concurrency=concurrency, dl=dl,
+                                              progress=progress)
+            done("relaunch", t, _measured_text(doc.measured))
+    except E3FError as exc:
+        doc.error = str(exc)
+        raise
+    finally:
+        client.close()
+        doc.timings = timings
+        doc.wall_s = round(dl.elapsed(), 1)
+        doc.sentence = sentence(doc)
+        write_json(run_dir / "investigation.json", doc.model_dump(mode="json"))
+    return doc
+
+
+def _reference(att: Attachment, client: SGLangClient, samples: Sequence[Any], run_dir: Path, num_layers: int
+               ) -> tuple[Optional[Path], str, Optional[str]]:
+    """(reference dump, how it was made, what is missing when there is none)."""
+    if att.layers_dir is not None:
+        path = capture_every_layer(client, samples, att.layers_dir, run_dir / "dumps", num_layers=num_layers,
+                                   name="reference-server", progress=False)
+        return path, f"the server's own every-layer capture ({att.layers_dir})", None
+    fits, why = hf_reference_fits(att.target_dir)
+    if fits:
+        path = capture_reference_hf(att.target_dir, samples, run_dir / "dumps", name="reference-hf", progress=False)
+        return path, f"HF transformers on {att.target_dir} ({why})", None
+    return None, "none", (f"no every-layer reference: the server has no every-layer capture hooks and HF cannot load "
+                          f"the target here ({why}). Without one, which layer each chunk holds cannot be measured (a "
+                          "layer offset looks like a rotated basis or a wrong layer); restart the server with "
+                          "`python -m helpers server start --capture-layers DIR` (embedded) or "
+                          "env/gpu/launch_tp8.sh with LAYERS_DIR (GPU) to settle it")
+
+
+_ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}
+
+
+def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
+    out = []
+    for name in LIVE_CHECKS:
+        res = run_check(name, inv)
+        fig = None
+        if res.figure is not None:
+            path = run_dir / "figures" / f"investigate-{name}.json"
+            path.write_text(res.figure.to_json())
+            fig = str(path.relative_to(run_dir))
+        d = res.to_dict()
+        out.append({"check": name, "title": res.title, "question": res.question, "verdict": res.verdict,
+                    "explanation": res.explanation, "short": (res.data or {}).get("short", ""),
+                    "evidence": d.get("evidence", []), "figure": fig})
+    return sorted(out, key=lambda h: _ORDER.get(h["verdict"], 3))
+
+
+def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
+                       training: Any, api_key: Optional[str], num_samples: int, prompts: int, max_new_tokens: int,
+                       concurrency: int, dl: Deadline, progress: Progress) -> dict:
+    """Start a fresh server with the fix, measure both servers on the same prompts, diagnose the fixed one."""
+    fixed_draft = draft_variant(att.draft_dir, fix.draft_config, run_dir / "drafts" / "proposed",
+                                add_tensors=fix.add_tensors or None)
+    ps = load_prompts(None, n=prompts)
+    progress(f"measure before: {prompts} prompts x {max_new_tokens} tokens on {att.url}")
+    before = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="before (as served)",
+                     progress=False, seed=0)
+    before.save(run_dir / "acceptance" / "before")
+    dl.check("starting the fixed server")
+    progress("starting the fixed server ...")
+    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key)
+    try:
+        fixed = SGLangClient(handle.url, api_key, timeout=client.timeout)
+        progress(f"fixed server up at {handle.url}; measure after")
+        after = measure(fixed, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="after (proposed fix)",
+                        progress=False, seed=0)
+        after.save(run_dir / "acceptance" / "after")
+        effect = paired_effect(before.per_request, after.per_request)
+        dl.check("diagnosing the fixed server")
+        info = fixed.server_info()
+        ranks, layers, _ = capture_hooks(info)
+        inv2 = Investigation(run_dir, fixed, training=training, draft_dir=fixed_draft, target_dir=att.target_dir,
+                             capture_dir=ranks, name="fixed", num_samples=num_samples, reference=None,
+                             algorithm=info.get("speculative_algorithm"))
+        ref = None
+        if layers is not None:
+            ref = capture_every_layer(fixed, inv2.training_samples(), layers, run_dir / "dumps",
+                                      num_layers=read_target_config(att.target_dir).num_hidden_layers,
+                                      name="fixed-reference-server", progress=False)
+        elif inv.reference_dump() is not None:
+            ref = inv.reference_dump()
+        inv2.reference_spec = ref
+        diag2 = inv2.diagnosis(reference=ref is not None)
+        fixed.close()
+    finally:
+        handle.stop()
+    keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
+            "accept_rate_hi", "tok_s", "n_ok", "n_failed")
+    return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
+            "effect": effect, "prompts": prompts, "max_new_tokens": max_new_tokens,
+            "after_verdict": diag2.verdict, "after_findings": [f["kind"] for f in diag2.findings],
+            "fixed_server": {"draft": str(fixed_draft), "server_args": fix.server_args,
+                             "log": str(getattr(handle, "log_path", ""))}}
+
+
+def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str]):
+    """A fresh server like the attached one, with the fix applied; capture hooks write into this run folder."""
+    if att.restart["kind"] == "embedded":
+        launch = dict(att.restart["launch"])
+        spec = dict(launch.get("spec") or {})
+        if "--speculative-algorithm" in fix.server_args:
+            spec["algorithm"] = fix.server_args["--speculative-algorithm"]
+        if "--speculative-num-draft-tokens" in fix.server_args:
+            spec["num_draft_tokens"] = fix.server_args["--speculative-num-draft-tokens"]
+        hooks = []
+        for h in launch.get("forward_hooks") or []:
+            h = json.loads(json.dumps(h))
+            if isinstance(h.get("config"), dict) and "out_dir" in h["config"]:
+                sub = "layers" if h.get("name") == LAYERS_HOOK else "ranks"
+                h["config"]["out_dir"] = str((run_dir / "capture" / "fixed" / sub).resolve())
+            hooks.append(h)
+        return start_embedded(launch["target"], draft, tp=int(launch.get("tp") or 1), spec=spec or None,
+                              forward_hooks=hooks or None, extra_args=launch.get("extra_args") or [],
+                              dtype=launch.get("dtype") or "float32", api_key=api_key,
+                              log_path=run_dir / "logs" / "fixed-server.log")
+    argv = list(att.restart["argv"])
+    port = free_port()
+    flags = {"--speculative-draft-model-path": str(draft), "--port": str(port), **{k: str(v) for k, v in
+                                                                                  fix.server_args.items()}}
+    argv = _set_flags(argv, flags)
+    handle = ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=run_dir / "logs" / "fixed-server.log",
+                           secrets=[api_key] if api_key else [])
+    try:
+        handle.wait_healthy(1800, api_key=api_key, what="the fixed server (--relaunch)")
+    except BaseException:
+        handle.stop(timeout=5)
+        raise
+    return handle
+
+
+def _set_flags(argv: list[str], flags: dict[str, str]) -> list[str]:
+    """``argv`` with each ``--flag value`` replaced (or appended); ``--flag=value`` forms are replaced too."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    for k, v in flags.items():
+        out += [k, v]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the sentence
+
+KIND_TEXT = {
+    "embedding_in_place_of_layer": "the token embedding is fed where the draft was trained on a layer output",
+    "layer_offset": "every aux chunk is a different layer than the draft was trained on",
+    "wrong_layer": "an aux chunk holds another layer than the draft was trained on",
+    "chunk_order": "the aux chunks come in another order than in training",
+    "missing_chunk": "an aux chunk the draft was trained on is missing",
+    "extra_chunk": "the server feeds an aux chunk training did not have",
+    "width_mismatch": "the served width differs from the trained width",
+    "tp_sharded_width": "each TP rank feeds an H/tp shard instead of the full hidden state",
+    "tp_partial_sum": "an aux chunk is one TP rank's partial sum, not the all-reduced residual stream",
+    "embedding_not_all_reduced": "the embedding is fed before its TP all-reduce",
+    "rotated_basis": "an aux chunk is the trained tensor in another basis",
+    "norm_mismatch": "an aux chunk has a normalisation training did not have (or lacks one)",
+    "nan_or_inf": "the served aux states hold NaN / Inf",
+    "token_mismatch": "the served tokens differ from the training tokens",
+    "config_ids_ignored": "SGLang ignores the draft config's layer ids",
+    "config_ids_mismatch": "the deployed draft config names other layers than training used",
+    "fc_bypassed": "the draft's fc is bypassed (EAGLE-3 draft served without aux states)",
+    "vocab_map_missing": "the draft's pruned vocabulary has no d2t map",
+    "num_draft_tokens_overridden": "SGLang overrides the requested number of draft tokens",
+    "served_draft_differs": "the server runs another draft than the one given",
+    "unsupported_target": "SGLang cannot capture aux states for this target",
+    "unsupported_draft": "SGLang cannot serve this draft as EAGLE-3",
+}
+
+
+def _measured_text(m: Optional[dict]) -> str:
+    if not m:
+        return "not measured"
+    if "not_measured" in m:
+        return f"not measured: {m['not_measured']}"
+    if "error" in m:
+        return f"not measured: {m['error']}"
+    b, a, e = m["before"], m["after"], m["effect"]
+    delta = format_ci(e, "accept_rate_delta", pct=True, signed=True)
+    after_note = ("the fixed server's aux states equal the training data" if m.get("after_verdict") == "ok" else
+                  f"the fixed server still shows {', '.join(m.get('after_findings') or [])}")
+    return (f"measured on {m['prompts']} prompts: accept rate {b['accept_rate']:.0%} -> {a['accept_rate']:.0%} "
+            f"(paired change {delta}), accept length {b['accept_length']:.2f} -> {a['accept_length']:.2f} tokens per "
+            f"verify step; {after_note}")
+
+
+def sentence(doc: InvestigationDoc) -> str:
+    """The postmortem's opening sentence: what is wrong, the evidence, the proposed fix, its measured effect (or
+    why it was not measured)."""
+    if doc.error and doc.verdict is None:
+        return f"The investigation did not finish: {doc.error}"
+    if doc.verdict is None:
+        return "The investigation did not reach a verdict."
+    ref = (doc.reference or {}).get("how") or "none"
+    if doc.verdict == "ok":
+        chunks = (doc.diagnosis or {}).get("chunks") or []
+        return (f"No wiring fault: the {len(chunks)} aux chunks the server feeds equal the training data on the "
+                f"aligned rows ({doc.samples} sample(s); reference: {ref}). "
+                + _measured_text(doc.measured).capitalize() + ".")
+    f = doc.findings[0]
+    what = KIND_TEXT.get(f.kind, f.kind)
+    where = "" if f.chunk is None or f.kind in ("layer_offset", "chunk_order") else f" (chunk {f.chunk})"
+    more = [k for k in dict.fromkeys(x.kind for x in doc.findings[1:]) if k != f.kind]
+    also = f" Also found: {', '.join(more)}." if more else ""
+    fix = doc.proposed_fix
+    fix_text = fix.summary if fix is not None else "none"
+    return (f"Wrong wiring: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
+            + _measured_text(doc.measured).capitalize() + ".")
+
+
+def _provenance(f: Finding) -> str:
+    ev = f.evidence or {}
+    if ev.get("static"):
+        return "configs + SGLang rules"
+    if "reference" in json.dumps(ev) or ev.get("identified_as"):
+        return "served tensors vs training data and the every-layer reference"
+    return "served tensors vs training data"
+
+
+def default_run_dir(out: Optional[str | Path], url: str) -> Path:
+    """A new run folder ``<out or outputs>/<YYYYmmdd-HHMMSS>-investigate-<host-port>/`` (never an existing one)."""
+    host = safe_name(url.split("://", 1)[-1].replace(":", "-").strip("/"))
+    return new_run_dir(f"investigate-{host}", out)
+
+

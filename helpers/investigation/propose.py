@@ -1,0 +1,312 @@
+"""The proposed fix: from a diagnosis, the concrete change that makes what the server feeds the draft equal what the
+draft was trained on, and how to apply it to a draft folder.
+
+* :func:`ids_for_plan` -- the draft config ids that make SGLang's served plan equal a wanted plan, found by running the
+  one served-plan implementation (:func:`helpers.diagnosis.conventions.served_plan`, SGLang's
+  ``set_eagle3_layers_to_capture`` rules per version) over candidate ids, so no inverse rule is written twice.
+* :func:`propose_fix` -- a :class:`helpers.records.ProposedFix`: draft config overrides, server flags, draft tensors
+  to add (the d2t / t2d vocab map from the training folder), or, when the fault is in the engine's capture path
+  (a per-rank partial sum, a sharded width, a rotated basis, a missing norm, a layer the rules do not explain), the
+  engine change in words with ``applicable=False``. Every part says where it comes from (rule + version, data,
+  training manifest).
+* :func:`draft_variant` -- a copy of a draft folder with config overrides, tensors dropped or added (symlinks for
+  untouched files).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..diagnosis.conventions import CapturePlan, describe, layer_index, served_plan
+from ..diagnosis.detectors import LAYOUT_KINDS
+from ..records import ProposedFix
+
+#: Findings a change of the draft config ids can address (when the served chunks follow SGLang's rules).
+ID_KINDS = set(LAYOUT_KINDS) | {"config_ids_mismatch", "config_ids_ignored"}
+
+#: The engine change for faults in the capture path (no config change addresses them).
+ENGINE_FIXES = {
+    "tp_sharded_width": "capture the full hidden width on every rank (all-gather, or capture after the all-reduce): "
+                        "each TP rank feeds an H/tp shard",
+    "tp_partial_sum": "capture the residual stream after the all-reduce: the chunk holds one rank's partial sum of a "
+                      "row-parallel output (o_proj / down_proj), not the full residual stream",
+    "embedding_not_all_reduced": "capture the embedding after VocabParallelEmbedding's all-reduce: the chunk holds a "
+                                 "rank-local lookup (rows of other ranks' vocab shards are zero)",
+    "rotated_basis": "remove the transform applied before capture (or capture before it): the chunk is the trained "
+                     "tensor in another orthonormal basis (norms kept, angles changed)",
+    "norm_mismatch": "capture the pre-norm residual stream training used: the chunk is the trained tensor with a "
+                     "normalisation applied (or one missing)",
+    "nan_or_inf": "find where non-finite values enter the captured tensor (dtype overflow, an uninitialised buffer)",
+    "token_mismatch": "compare on the same tokens: the served capture and the training data disagree on the token "
+                      "ids (tokenizer, chat template or sample order)",
+    "unsupported_target": "serve a target architecture whose SGLang model class captures aux hidden states "
+                          "(set_eagle3_layers_to_capture), or use an engine that supports it",
+    "unsupported_draft": "serve the draft with an EAGLE-3 draft class SGLang registers (LlamaForCausalLMEagle3 ...)",
+}
+
+
+def ids_for_plan(wanted: Sequence[str], draft: Any, target: Any, version: Optional[str]
+                 ) -> tuple[Optional[list[int]], Optional[CapturePlan], str]:
+    """Draft config ids (``eagle_config.eagle_aux_hidden_state_layer_ids``) under which SGLang ``version`` feeds
+    exactly ``wanted`` (physical tensor names, concatenation order).
+
+    Candidates per chunk are the SpecForge out(L) id L first, then L-1, L+1, L+2 (the +1 / no +1 / boundary rules);
+    each combination is run through :func:`helpers.diagnosis.conventions.served_plan` and the first whose plan
+    equals ``wanted`` with no problem and no fatal error wins.
+
+    Args:
+        wanted: e.g. ``["out(1)", "out(3)", "out(4)"]``.
+        draft: :class:`helpers.formats.configs.DraftConfig` (its other fields are kept).
+        target: :class:`helpers.formats.configs.TargetConfig`.
+        version: SGLang version string, or None (newest verified rules).
+
+    Returns:
+        ``(ids, plan, why)``: ids and the served plan they give, or ``(None, None, why)`` with the reason no id list
+        can (a tensor SGLang cannot capture, an order SGLang never produces).
+    """
+    layers = [layer_index(t) for t in wanted]
+    if any(L is None for L in layers):
+        bad = [t for t, L in zip(wanted, layers) if L is None]
+        return None, None, f"SGLang's aux capture cannot feed {', '.join(bad)} (only the embedding and out(L))"
+    if list(layers) != sorted(set(layers)):
+        return None, None, (f"the wanted order [{', '.join(wanted)}] is not ascending: SGLang captures inside its "
+                            "layer loop, so chunks always come in ascending layer order (sglang/srt/models/llama.py "
+                            "LlamaModel.forward)")
+    n = int(target.num_hidden_layers)
+    cands = [[c for c in dict.fromkeys((L, L - 1, L + 1, L + 2)) if -1 <= c <= n] for L in layers]
+    for combo in itertools.product(*cands):
+        d = dataclasses.replace(draft, nested_layer_ids=tuple(combo), use_aux_hidden_state=True)
+        plan = served_plan(d, target, version=version)
+        problems = [p for p in plan.problems if not (p["kind"] == "embedding_in_place_of_layer" and
+                                                     "embedding" in wanted)]
+        if list(plan.tensors) == list(wanted) and plan.fatal is None and not problems:
+            return list(combo), plan, plan.source
+    return None, None, f"no id list of the form L-1..L+2 gives [{', '.join(wanted)}] under SGLang {version or '0.5.23'}"
+
+
+def _measured(diag: Any) -> Optional[list[Optional[str]]]:
+    """What each served chunk holds, identified against the every-layer reference (None per unidentified chunk);
+    None without identifications at all."""
+    names = [ch.get("identified_as") for ch in (diag.chunks or [])]
+    return names if any(names) else None
+
+
+def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Optional[str] = None,
+                algorithm: Optional[str] = None, training_dir: Optional[str | Path] = None,
+                extra_findings: Sequence[dict] = (), hooks: Sequence[dict] = ()) -> ProposedFix:
+    """The fix for the findings of ``diag`` (a :class:`helpers.diagnosis.diagnose.Diagnosis`).
+
+    Args:
+        diag: the diagnosis (findings, served / training plans with provenance, chunks identified against a
+            reference when one was given).
+        draft / target: :class:`helpers.formats.configs.DraftConfig` / ``TargetConfig`` (None: no config fix).
+        version: the server's SGLang version (the id rules of that release).
+        algorithm: the server's ``speculative_algorithm``.
+        training_dir: the training data folder (its ``vocab_mapping/vocab_mapping.pt`` provides d2t / t2d).
+        extra_findings: findings of the attach step (e.g. a draft folder that differs from the server's).
+        hooks: forward hooks the server runs that are not capture hooks (``name``, ``target_modules``): named as the
+            first suspects when the fault is in the capture path.
+
+    Returns:
+        :class:`helpers.records.ProposedFix`; ``kind`` ``none`` when there is nothing to fix.
+    """
+    findings = list(diag.findings) + list(extra_findings)
+    kinds = [f["kind"] for f in findings]
+    fix = ProposedFix()
+    if not findings:
+        fix.kind, fix.summary = "none", "nothing to fix: the served aux hidden states equal the training data"
+        return fix
+    tplan, splan = diag.training_plan, diag.served_plan
+    measured = _measured(diag)
+    engine_parts: list[str] = []
+
+    # -- algorithm / fc ---------------------------------------------------------------------------------------
+    if "fc_bypassed" in kinds:
+        algo = (algorithm or "").upper()
+        if algo in ("EAGLE", "NEXTN"):
+            fix.server_args["--speculative-algorithm"] = "EAGLE3"
+            fix.parts.append(f"serve with --speculative-algorithm EAGLE3 (the server runs {algo}, which feeds the "
+                             "final normed hidden state and skips the draft's fc)")
+            fix.why.append("sglang/srt/models/llama_eagle3.py::LlamaModel.forward applies fc only when the input "
+                           "width differs from the embedding width; spec_aux_hidden_state.py captures aux states "
+                           "only for EAGLE3")
+            fix.addresses.append("fc_bypassed")
+        elif draft is not None and draft.use_aux_hidden_state is False:
+            _merge(fix.draft_config, {"eagle_config": {"use_aux_hidden_state": True}})
+            fix.parts.append("set eagle_config.use_aux_hidden_state to true in the draft config")
+            fix.addresses.append("fc_bypassed")
+
+    # -- which tensors go in which chunk -------------------------------------------------------------------------
+    id_kinds = [k for k in kinds if k in ID_KINDS]
+    if id_kinds and tplan is not None and tplan.tensors and draft is not None and target is not None:
+        predicted = list(splan.tensors) if splan is not None else None
+        follows_rules = measured is None or predicted is None or list(measured) == predicted
+        if not follows_rules:
+            shown = ", ".join(m or "?" for m in measured)
+            engine_parts.append(
+                f"the server feeds [{shown}] where SGLang {version or '0.5.23'}'s rule for the deployed ids gives "
+                f"[{', '.join(predicted)}]: something in the capture path (a patched model file, a forward hook) "
+                "changes which tensor goes in which chunk; no draft config change under SGLang's rules fixes that")
+            fix.why.append("data: each served chunk identified against the every-layer reference for the same tokens")
+            comp = _compensating_ids(draft, measured, tplan.tensors)
+            if comp is not None:
+                fix.workaround = {"draft_config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": comp}},
+                                  "why": "ids shifted by the measured offset of each chunk; only a stopgap while the "
+                                         "capture path is wrong, and valid only if the offset does not depend on ids"}
+            fix.unaddressed.extend(id_kinds)
+        else:
+            ids, plan, why = ids_for_plan(tplan.tensors, draft, target, version)
+            if ids is None:
+                engine_parts.append(f"the training plan [{', '.join(tplan.tensors)}] cannot be served by SGLang: {why}")
+                fix.unaddressed.extend(id_kinds)
+            else:
+                overrides: dict = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
+                if draft.top_level_layer_ids is not None and "config_ids_ignored" in kinds:
+                    overrides["eagle_aux_hidden_state_layer_ids"] = None   # the key SGLang ignores goes away
+                _merge(fix.draft_config, overrides)
+                current = None if draft.nested_layer_ids is None else list(draft.nested_layer_ids)
+                fix.parts.append(f"set eagle_config.eagle_aux_hidden_state_layer_ids to {ids} in the draft config "
+                                 f"(now {current if current is not None else 'absent: SGLang default'})")
+                fix.expected_served = list(plan.tensors)
+                fix.why.append(f"{why} -> [{describe(plan.tensors)}]")
+                fix.why.append(f"training plan [{describe(tplan.tensors)}] ({tplan.provenance}: {tplan.source})")
+                fix.addresses.extend(id_kinds)
+
+    # -- the vocab map -----------------------------------------------------------------------------------------
+    if "vocab_map_missing" in kinds:
+        vm = Path(training_dir) / "vocab_mapping" / "vocab_mapping.pt" if training_dir else None
+        if vm is not None and vm.is_file():
+            fix.add_tensors = {"d2t": str(vm), "t2d": str(vm)}
+            fix.parts.append(f"add the d2t / t2d vocab map from {vm} to the draft weights")
+            fix.why.append("sglang/srt/models/llama_eagle3.py::LlamaForCausalLMEagle3.load_weights reads d2t from "
+                           "the draft weights (hot_token_id = d2t + arange); without it draft ids are read as "
+                           "target ids")
+            fix.addresses.append("vocab_map_missing")
+        else:
+            engine_parts.append("ship the d2t map with the draft (SpecForge writes it to "
+                                "<output>/vocab_mapping/vocab_mapping.pt); none was found in the training folder")
+            fix.unaddressed.append("vocab_map_missing")
+
+    # -- settings SGLang overrides -----------------------------------------------------------------------------
+    for f in findings:
+        if f["kind"] == "num_draft_tokens_overridden":
+            ev = f["evidence"]
+            fix.server_args["--speculative-num-draft-tokens"] = ev.get("effective")
+            fix.parts.append(f"request --speculative-num-draft-tokens {ev.get('effective')} (what SGLang runs with "
+                             f"topk 1 anyway), or topk > 1 for {ev.get('requested')}")
+            fix.why.append(str(ev.get("source")))
+            fix.addresses.append("num_draft_tokens_overridden")
+
+    # -- faults in the engine ------------------------------------------------------------------------------------
+    for f in findings:
+        k = f["kind"]
+        if k in fix.addresses or k in fix.unaddressed:
+            continue
+        if k in ENGINE_FIXES:
+            where = "" if f.get("chunk") is None else f" (chunk {f['chunk']})"
+            engine_parts.append(ENGINE_FIXES[k] + where)
+            fix.unaddressed.append(k)
+        elif k in ID_KINDS or k in ("width_mismatch", "extra_chunk", "missing_chunk"):
+            engine_parts.append(f"{k}: {f['detail']}")
+            fix.unaddressed.append(k)
+        elif k not in fix.addresses:
+            fix.unaddressed.append(k)
+    if engine_parts and hooks:
+        names = ", ".join(f"{h.get('name')} on {', '.join(h.get('target_modules') or [])}" for h in hooks)
+        engine_parts.append(f"first suspects: the server runs forward hooks that are not capture hooks ({names}; "
+                            "/server_info forward_hooks)")
+    fix.engine = list(dict.fromkeys(engine_parts))
+    fix.applicable = bool(fix.draft_config or fix.server_args or fix.add_tensors)
+    fix.kind = ("config" if fix.applicable and not fix.engine else "engine" if not fix.applicable else "mixed")
+    head = "; ".join(fix.parts) if fix.parts else ""
+    tail = "; ".join(fix.engine) if fix.engine else ""
+    fix.summary = (head + (" -- and in the engine: " + tail if tail else "")) if head else "engine change: " + tail
+    fix.addresses = list(dict.fromkeys(fix.addresses))
+    fix.unaddressed = list(dict.fromkeys(fix.unaddressed))
+    return fix
+
+
+def _compensating_ids(draft: Any, measured: Sequence[Optional[str]], trained: Sequence[str]) -> Optional[list[int]]:
+    ids = list(draft.nested_layer_ids or [])
+    if len(ids) != len(measured) or len(measured) != len(trained):
+        return None
+    out = []
+    for i, m, t in zip(ids, measured, trained):
+        lm, lt = layer_index(m), layer_index(t)
+        if lm is None or lt is None:
+            return None
+        out.append(i + (lt - lm))
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """Deep-merge ``over`` into ``base`` in place (a None value removes the key); returns ``base``."""
+    for k, v in over.items():
+        if v is None:
+            base[k] = None
+        elif isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = copy.deepcopy(v)
+    return base
+
+
+def _apply_overrides(cfg: dict, over: dict) -> dict:
+    out = copy.deepcopy(cfg)
+    for k, v in over.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _apply_overrides(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def draft_variant(draft_dir: Path, overrides: Optional[dict], out_dir: Path, drop_tensors: Optional[Sequence[str]] = None,
+                  add_tensors: Optional[dict[str, str]] = None) -> Path:
+    """A copy of ``draft_dir`` whose config.json is deep-merged with ``overrides`` (a key set to None is removed),
+    whose weights lack ``drop_tensors`` and gain ``add_tensors`` (``{name: path of a torch file holding a dict with
+    that name}``, read with ``weights_only=True``, e.g. SpecForge's ``vocab_mapping.pt``); untouched files are
+    symlinked. Returns ``draft_dir`` itself when nothing changes, else ``out_dir``.
+
+    Raises:
+        ValueError: none of ``drop_tensors`` is present; an added tensor is not in its file.
+    """
+    draft_dir, out_dir = Path(draft_dir), Path(out_dir)
+    if not overrides and not drop_tensors and not add_tensors:
+        return draft_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_files = sorted(draft_dir.glob("*.safetensors"))
+    added: dict[str, torch.Tensor] = {}
+    for name, src in (add_tensors or {}).items():
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+        if not isinstance(obj, dict) or name not in obj:
+            raise ValueError(f"{src}: no tensor {name!r} to add to the draft weights")
+        added[name] = obj[name]
+    for f in draft_dir.iterdir():
+        if f.name == "config.json" or (out_dir / f.name).exists():
+            continue
+        first_weights = bool(weight_files) and f == weight_files[0]
+        if f.suffix == ".safetensors" and (drop_tensors or (added and first_weights)):
+            weights = load_file(str(f))
+            if drop_tensors:
+                missing = [k for k in drop_tensors if k not in weights]
+                if len(missing) == len(drop_tensors) and len(weight_files) == 1:
+                    raise ValueError(f"{f}: none of the tensors {list(drop_tensors)} to drop is present")
+                weights = {k: v for k, v in weights.items() if k not in drop_tensors}
+            if added and first_weights:
+                weights.update({k: v.contiguous() for k, v in added.items()})
+            save_file(weights, str(out_dir / f.name))
+            continue
+        (out_dir / f.name).symlink_to(f.resolve())
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps(_apply_overrides(cfg, overrides or {}), indent=2))
+    return out_dir

@@ -1,0 +1,187 @@
+"""The live investigation as HTML: the opening sentence, findings, hypotheses by evidence, the proposed fix and its
+measured effect. :func:`sections_html` is shown by the notebooks (00_investigate, 99_postmortem);
+:func:`write_report` writes ``postmortem.html`` for ``python -m helpers investigate`` (one self-contained page,
+plotly.js inline once, every server-provided string escaped)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from ..investigation.live import investigate
+from ..records import HypothesisStep, InvestigationDoc
+from ..runfiles import atomic_write_text
+from .common import _CSS, RunContext, esc, findings_frame, plotlyjs_html, table_html
+
+
+def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
+    """``run_dir/investigation.json`` typed, or None when absent / unreadable."""
+    p = Path(run_dir) / "investigation.json"
+    try:
+        return InvestigationDoc.model_validate(json.loads(p.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def ensure(ctx: RunContext, *, samples: int = 4, apply_fix: bool = False, relaunch: str = "",
+           timeout: Optional[float] = 900.0, prompts: int = 16, max_new_tokens: int = 32) -> Optional[InvestigationDoc]:
+    """The run folder's investigation of ``ctx.server_url``: the one ``00_investigate`` wrote, else (live) a new one
+    run now with :func:`helpers.investigation.live.investigate` (so every live page reads the same capture, the
+    same draft and the same verdicts). Without a live server: the recorded one or None."""
+    doc = load_investigation(ctx.run_dir)
+    if doc is not None and (not ctx.live or doc.url.rstrip("/") == ctx.server_url.rstrip("/")):
+        return doc
+    if not ctx.live:
+        return None
+    return investigate(ctx.server_url, training=ctx.training, run_dir=ctx.run_dir, draft=None, target=None,
+                       relaunch=relaunch or None, api_key=ctx.api_key, timeout=timeout, num_samples=samples,
+                       measure_prompts=prompts, max_new_tokens=max_new_tokens, apply_fix=apply_fix)
+
+
+def hypothesis_steps(doc: Optional[InvestigationDoc], check: str) -> list[HypothesisStep]:
+    """The investigation's verdict on ``check`` as a replay-style step (for the hypothesis pages)."""
+    if doc is None:
+        return []
+    return [HypothesisStep(check=h["check"], label="live investigation", question=h.get("question") or "",
+                           on_fix="live server", verdict=h.get("verdict"), explanation=h.get("explanation") or "",
+                           evidence=h.get("evidence") or [], data={"short": h.get("short") or ""},
+                           figure=h.get("figure")) for h in doc.hypotheses if h.get("check") == check]
+
+
+def headline_html(doc: InvestigationDoc) -> str:
+    """The sentence in the headline box, with a verdict badge and the time from attach to verdict."""
+    label, color = {"ok": ("no fault", "#2e7d32"), "mismatch": ("fault named", "#c62828")}.get(
+        doc.verdict or "", ("no verdict", "#616161"))
+    took = (f" Named in {doc.seconds_to_verdict:.0f} s from attach to verdict."
+            if doc.seconds_to_verdict is not None else "")
+    badge = (f'<span class="e3f-verdict" style="background:{color};color:#fff;padding:1px 8px;border-radius:9px;'
+             f'font-weight:600">{esc(label)}</span>')
+    return f'<div class="e3f-headline">{badge} {esc(doc.sentence)}<span class="e3f-note">{esc(took)}</span></div>'
+
+
+def hypotheses_frame(doc: InvestigationDoc) -> pd.DataFrame:
+    """One row per hypothesis, confirmed first: check, verdict, what the evidence says."""
+    return pd.DataFrame([{"hypothesis": h.get("title") or h.get("check"), "verdict": h.get("verdict"),
+                          "evidence": h.get("short") or h.get("explanation")} for h in doc.hypotheses])
+
+
+def fix_html(doc: InvestigationDoc) -> str:
+    """The proposed fix: parts, engine changes, config overrides / flags / tensors, and where each comes from."""
+    fix = doc.proposed_fix
+    if fix is None:
+        return "<p><i>No fix was proposed (the investigation stopped before).</i></p>"
+    items = "".join(f"<li>{esc(p)}</li>" for p in fix.parts)
+    items += "".join(f"<li><b>engine:</b> {esc(p)}</li>" for p in fix.engine)
+    out = f"<p><b>{esc(fix.kind)}</b>: {esc(fix.summary)}</p><ul>{items}</ul>"
+    if fix.draft_config:
+        out += f"<p>draft config.json overrides:</p><pre>{esc(json.dumps(fix.draft_config, indent=1))}</pre>"
+    if fix.server_args:
+        out += "<p>server flags: <code>" + esc(" ".join(f"{k} {v}" for k, v in fix.server_args.items())) + "</code></p>"
+    if fix.add_tensors:
+        out += "<p>draft tensors to add: " + esc(", ".join(f"{k} from {v}" for k, v in fix.add_tensors.items())) + "</p>"
+    if fix.expected_served:
+        out += f"<p>served after the fix (SGLang rules): [{esc(', '.join(fix.expected_served))}]</p>"
+    if fix.workaround:
+        out += f"<p>stopgap (untested): <code>{esc(json.dumps(fix.workaround.get('draft_config')))}</code> -- " \
+               f"{esc(fix.workaround.get('why'))}</p>"
+    if fix.why:
+        out += "<p class=\"e3f-note\">where it comes from:</p><ul class=\"e3f-note\">" + \
+               "".join(f"<li>{esc(w)}</li>" for w in fix.why) + "</ul>"
+    return out
+
+
+def measured_figure(doc: InvestigationDoc) -> Optional[go.Figure]:
+    """Accept rate before / after the proposed fix with 95% CIs, or None when not measured."""
+    m = doc.measured or {}
+    if "before" not in m or "after" not in m:
+        return None
+    xs, ys, lo, hi = [], [], [], []
+    for name in ("before", "after"):
+        s = m[name]
+        xs.append({"before": "as served", "after": "proposed fix"}[name])
+        ys.append(s.get("accept_rate"))
+        lo.append((s.get("accept_rate") or 0) - (s.get("accept_rate_lo") or s.get("accept_rate") or 0))
+        hi.append((s.get("accept_rate_hi") or s.get("accept_rate") or 0) - (s.get("accept_rate") or 0))
+    fig = go.Figure(go.Bar(x=xs, y=ys, marker_color=["#c62828", "#2e7d32"],
+                           error_y=dict(type="data", symmetric=False, array=hi, arrayminus=lo)))
+    fig.update_layout(title="Accept rate before / after the proposed fix (95% CI)", yaxis_tickformat=".0%",
+                      height=320, margin=dict(l=60, r=20, t=50, b=40))
+    return fig
+
+
+def facts_frame(doc: InvestigationDoc) -> pd.DataFrame:
+    """What the server runs and what the investigation used (attach + reference + timings)."""
+    a = doc.attach or {}
+    rows = [("server", doc.url), ("SGLang version", a.get("version")), ("TP size", a.get("tp")),
+            ("speculative algorithm", a.get("algorithm")), ("spec settings", json.dumps(a.get("spec"))),
+            ("draft used", f"{a.get('draft_dir')} [{a.get('draft_source')}]"),
+            ("target used", f"{a.get('target_dir')} [{a.get('target_source')}]"),
+            ("per-rank capture", a.get("rank_capture_dir") or "none"),
+            ("every-layer capture", a.get("layers_dir") or "none"),
+            ("other forward hooks", ", ".join(str(h.get("name")) for h in a.get("other_hooks") or []) or "none"),
+            ("reference", (doc.reference or {}).get("how") or "none"),
+            ("training samples compared", doc.samples),
+            ("timings (s)", ", ".join(f"{k} {v}" for k, v in (doc.timings or {}).items()))]
+    if (doc.reference or {}).get("missing"):
+        rows.append(("missing", doc.reference["missing"]))
+    return pd.DataFrame([{"fact": k, "value": "" if v is None else str(v)} for k, v in rows])
+
+
+def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[Any]:
+    """The investigation as a list of displayable parts (HTML strings and plotly figures), in page order."""
+    parts: list[Any] = []
+    if with_headline:
+        parts.append(headline_html(doc))
+    parts.append("<h3>Findings</h3>")
+    parts.append(table_html(findings_frame([f.model_dump() for f in doc.findings])) if doc.findings
+                 else "<p>No finding: every served chunk equals its training chunk.</p>")
+    parts.append("<h3>Hypotheses, by evidence</h3>")
+    parts.append(table_html(hypotheses_frame(doc)))
+    parts.append("<h3>Proposed fix</h3>")
+    parts.append(fix_html(doc))
+    parts.append("<h3>Measured</h3>")
+    fig = measured_figure(doc)
+    m = doc.measured or {}
+    if fig is not None:
+        parts.append(fig)
+        parts.append(f"<p>{esc(_effect_line(m))}</p>")
+    else:
+        parts.append(f"<p>Not measured: {esc(m.get('not_measured') or m.get('error') or 'no measurement')}</p>")
+    parts.append("<h3>What the server runs</h3>")
+    parts.append(table_html(facts_frame(doc), max_rows=40))
+    if doc.error:
+        parts.append(f"<p><b>Stopped:</b> {esc(doc.error)}</p>")
+    return parts
+
+
+def _effect_line(m: dict) -> str:
+    e = m.get("effect") or {}
+    after = ("after the fix the served aux states equal the training data" if m.get("after_verdict") == "ok"
+             else f"after the fix the diagnosis still finds {', '.join(m.get('after_findings') or [])}")
+    return (f"{e.get('n_paired')} prompts paired: accept rate change {e.get('accept_rate_delta', float('nan')):+.1%} "
+            f"[{e.get('accept_rate_delta_lo', float('nan')):+.1%}, {e.get('accept_rate_delta_hi', float('nan')):+.1%}], "
+            f"accept length change {e.get('accept_length_delta', float('nan')):+.2f} tokens per verify step; {after}.")
+
+
+def page_html(doc: InvestigationDoc, title: str = "EAGLE-3 live investigation") -> str:
+    """One self-contained HTML page of the investigation."""
+    body = []
+    for p in sections_html(doc):
+        if isinstance(p, go.Figure):
+            body.append(pio.to_html(p, include_plotlyjs=False, include_mathjax=False, full_html=False,
+                                    default_width="100%", config={"displaylogo": False, "responsive": True}))
+        else:
+            body.append(p)
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+            f"<title>{esc(title)}</title>{_CSS}{plotlyjs_html()}</head>\n<body style=\"font-family:sans-serif;"
+            f"max-width:1100px;margin:auto\">\n<h1>{esc(title)}</h1>\n<p class=\"e3f-note\">{esc(doc.url)} -- run "
+            f"folder {esc(doc.run_dir)}</p>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_report(run_dir: Path, doc: InvestigationDoc) -> Path:
+    """Write ``run_dir/postmortem.html`` (atomic) and return its path."""
+    return atomic_write_text(Path(run_dir) / "postmortem.html", page_html(doc))

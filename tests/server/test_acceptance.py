@@ -1,0 +1,145 @@
+"""helpers.acceptance against a real reference server (TP 2, EAGLE3 3/1/4, tiny random models).
+
+The figures measure() reports are recomputed here from raw /generate answers fetched
+independently with httpx, in the same order after a cache flush (greedy decoding, so the same
+tokens and the same verify steps come back).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers.server import embedded
+from helpers.acceptance.prompts import load_prompts, prompts_from_samples
+from helpers.acceptance.measure import measure
+from helpers.acceptance.stats import position_rates, sum_histograms
+from helpers.server.settings import SpecSettings
+from helpers.server.embedded import start
+from helpers.runfiles import read_parquet
+from support import ROOT
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_draft, tmp_path_factory):
+    handle = start(tiny_target, tiny_draft, tp=2, spec=SpecSettings(num_steps=3, topk=1, num_draft_tokens=4),
+                   log_path=tmp_path_factory.mktemp("acc") / "server.log", timeout=300)
+    yield handle
+    handle.stop()
+
+
+def _raw(url, prompt, max_new_tokens):
+    body = {**prompt.request(), "stream": False,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()["meta_info"]
+
+
+def test_measure_equals_sums_over_independent_raw_answers(server):
+    prompts = load_prompts(n=6)
+    res = measure(server.url, prompts, max_new_tokens=20, concurrency=1, ignore_eos=True, warmup=0,
+                  n_boot=300, keep_raw=True, progress=False)
+    httpx.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    metas = [_raw(server.url, p, 20) for p in prompts]  # same order, same cache state as measure()
+    pr = res.per_request
+    assert list(pr["verify_ct"]) == [m["spec_verify_ct"] for m in metas]
+    assert list(pr["completion_tokens"]) == [m["completion_tokens"] for m in metas] == [20] * 6
+    comp = sum(m["completion_tokens"] for m in metas)
+    ver = sum(m["spec_verify_ct"] for m in metas)
+    s = res.summary
+    assert s["accept_length"] == pytest.approx(comp / ver, rel=1e-12)
+    assert s["accept_length_lo"] <= s["accept_length"] <= s["accept_length_hi"]
+    assert s["accept_rate"] == pytest.approx(sum(m["spec_num_correct_drafts"] for m in metas) /
+                                             sum(m["spec_num_proposed_drafts"] for m in metas))
+    # histogram-derived accepted drafts equal SGLang's own counter, request by request
+    for m, (_, row) in zip(metas, pr.iterrows()):
+        h = m["spec_correct_drafts_histogram"]
+        assert sum(n * c for n, c in enumerate(h)) == m["spec_num_correct_drafts"] == row["hist_correct_drafts"]
+        assert sum(h) == m["spec_verify_ct"]
+        assert row["server_accept_length"] == pytest.approx(m["spec_accept_length"])
+    hist = sum_histograms([m["spec_correct_drafts_histogram"] for m in metas], length=4)
+    np.testing.assert_array_equal(res.histogram, hist)
+    marg, cond = position_rates(hist, 3)
+    np.testing.assert_allclose(res.positions["marginal"], marg)
+    np.testing.assert_allclose(res.positions["conditional"], cond, equal_nan=True)
+    assert s["positions"] == 3 and len(res.positions) == 3
+    # raw meta kept by measure() is the same data
+    assert [r["meta_info"]["spec_verify_ct"] for r in res.raw] == list(pr["verify_ct"])
+    assert s["config_digest"] and s["num_draft_tokens"] == 4 and s["tp_size"] == 2
+    assert not any("override: --speculative-num-draft-tokens" in w for w in res.warnings)
+
+
+def test_concurrency_latency_and_baseline_number(server):
+    res = measure(server.url, num_prompts=6, max_new_tokens=12, concurrency=3, ignore_eos=True,
+                  n_boot=300, baseline=5.0, progress=False)
+    s, pr = res.summary, res.per_request
+    assert s["n_requests"] == 6 and s["concurrency"] == 3
+    assert s["tok_s"] == pytest.approx(pr["completion_tokens"].sum() / pr["latency_s"].sum())
+    assert s["throughput_tok_s"] == pytest.approx(pr["completion_tokens"].sum() / s["wall_s"])
+    # three in flight: the batch finishes faster than the sum of request latencies
+    assert s["wall_s"] < pr["latency_s"].sum()
+    assert (pr["latency_s"] >= pr["e2e_latency_s"]).all() and 0 <= s["client_overhead_frac"] < 1
+    assert s["baseline_tok_s"] == 5.0 and s["speedup"] == pytest.approx(s["tok_s"] / 5.0)
+
+
+def test_requests_without_spec_fields_are_flagged_not_counted(server):
+    res = measure(server.url, num_prompts=3, max_new_tokens=1, n_boot=200, progress=False)
+    s = res.summary
+    assert s["n_requests"] == 3 and s["n_missing_spec"] == 3 and s["n_spec"] == 0
+    assert np.isnan(s["accept_length"]) and np.isnan(s["accept_rate"])
+    assert any("no spec fields" in w for w in res.warnings)
+    assert any("max_new_tokens < 2" in w for w in res.warnings)
+
+
+def test_token_id_prompts_from_training_samples(server):
+    samples = [{"input_ids": [5, 17, 42, 99, 7, 250, 31, 8, 120, 64], "loss_mask": [0] * 6 + [1] * 4},
+               {"input_ids": [9, 9, 9, 4, 200, 11, 12], "loss_mask": [0] * 5 + [1] * 2}]
+    res = measure(server.url, prompts_from_samples(samples), max_new_tokens=8, ignore_eos=True,
+                  n_boot=200, progress=False)
+    assert list(res.per_request["prompt_tokens"]) == [6, 5]  # only the prompt part was sent
+    assert res.summary["n_spec"] == 2
+
+
+def test_cli_measure_writes_a_run_folder(server, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "helpers", "measure", "--url", server.url, "--num-prompts", "3",
+           "--max-new-tokens", "8", "--label", "cli fix", "--outputs", str(tmp_path), "--quiet",
+           "--bootstrap", "200"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "accept length (Σcompletion/Σverify, 95% CI)" in out.stdout
+    runs = list(tmp_path.glob("*-measure-cli-fix"))
+    assert len(runs) == 1
+    df = read_parquet(runs[0] / "ledger.parquet")
+    assert list(df["fix"]) == ["cli fix"] and df["n_requests"].iloc[0] == 3
+    summary = json.loads((runs[0] / "fixes" / "cli-fix" / "summary.json").read_text())
+    assert summary["summary"]["accept_length"] == pytest.approx(df["accept_length"].iloc[0])
+    bad = subprocess.run(cmd[:6] + ["--prompts", str(tmp_path / "missing.jsonl")], capture_output=True,
+                         text=True, env=env, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "not found" in bad.stderr
+    bad2 = subprocess.run(cmd[:6] + ["--concurrency", "0", "--no-save"], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=ROOT)
+    assert bad2.returncode == 2 and "concurrency" in bad2.stderr
+
+
+_HAVE_REFERENCE = (embedded.REFERENCE_TARGET / "config.json").exists() and \
+    (embedded.REFERENCE_DRAFT / "config.json").exists()
+
+
+@pytest.mark.skipif(not _HAVE_REFERENCE, reason="trained reference models (env/models/target, "
+                    "env/models/draft) not built yet: real acceptance needs them")
+def test_trained_reference_draft_accepts_and_positions_decay():
+    with start(None, embedded.REFERENCE_DRAFT, tp=1, timeout=600) as srv:
+        res = measure(srv.url, num_prompts=24, max_new_tokens=48, n_boot=500, progress=False)
+    s, pos = res.summary, res.positions
+    assert s["accept_length_lo"] > 1.5, s
+    assert (np.diff(pos["marginal"].to_numpy()) <= 1e-12).all()  # r_i never increases with i
+    assert s["accept_length_hi"] - s["accept_length_lo"] < 0.6

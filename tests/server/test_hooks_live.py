@@ -1,0 +1,103 @@
+"""Fault injection and per-rank capture through SGLang's own ``--forward-hooks`` flag, live: one TP 2
+reference server with three faults on three chunks plus a per-rank capture, checked against HF transformers
+on the same weights: what the draft receives (= ``return_hidden_states``) must be exactly the named
+corruption of the HF hidden states, and the per-rank files must show real TP structure (vocab-sharded
+embedding, partial sums that add up to the truth). Each fault on synthetic chunks: tests/unit/test_hooks.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers.hooks import CaptureConfig, Fault, hook_specs
+
+PROMPT = [5, 17, 42, 99, 7, 250, 31, 8, 120, 64, 3, 77, 380, 200]
+
+
+@pytest.fixture(scope="module")
+def faulted(tiny_target, tiny_draft, tmp_path_factory):
+    from helpers.server.embedded import start
+
+    cap = tmp_path_factory.mktemp("capture")
+    faults = [Fault("embedding_in_place_of_layer", chunk=0),
+              Fault("tp_partial_sum", chunk=1, layer=3),
+              Fault("norm_mismatch", chunk=2)]
+    specs = hook_specs(faults, CaptureConfig(out_dir=str(cap), keys=[
+        "embedding", "embedding_local", "out(2)", "out(3)", "resid_mid(3)", "mlp_partial(3)"]),
+        num_layers=8)
+    with start(tiny_target, tiny_draft, tp=2, forward_hooks=specs, timeout=300) as srv:
+        httpx.post(srv.url + "/flush_cache", timeout=60).raise_for_status()
+        for f in cap.rglob("*"):
+            if f.is_file():
+                f.unlink()  # drop the warm-up forwards
+        r = httpx.post(srv.url + "/generate", timeout=300, json={
+            "input_ids": PROMPT, "return_hidden_states": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+        r.raise_for_status()
+        yield r.json(), cap
+
+
+@pytest.fixture(scope="module")
+def hf_states(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+
+
+@pytest.mark.server
+def test_faults_change_what_the_draft_receives(faulted, hf_states):
+    out, _ = faulted
+    h = 64
+    prompt_block = torch.tensor(out["meta_info"]["hidden_states"][0])
+    assert prompt_block.shape == (len(PROMPT), 3 * h)
+    c0, c1, c2 = prompt_block.split(h, dim=1)
+    # chunk 0: the embedding (HF hidden_states[0]) instead of out(1)
+    torch.testing.assert_close(c0, hf_states[0][0], atol=1e-5, rtol=1e-5)
+    assert (c0 - hf_states[2][0]).abs().max() > 0.1
+    # chunk 2: out(4) (HF index 5) passed through an RMSNorm
+    x = hf_states[5][0]
+    torch.testing.assert_close(c2, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+                               atol=1e-4, rtol=1e-4)
+    # chunk 1: rank 0's partial sum, not out(3)
+    assert (c1 - hf_states[4][0]).abs().max() > 1e-3
+
+
+@pytest.mark.server
+def test_per_rank_capture_shows_tp_structure(faulted, hf_states, tiny_target):
+    _, cap = faulted
+    cfg = json.loads((Path(tiny_target) / "config.json").read_text())
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    ranks = {}
+    for r in (0, 1):
+        index = [json.loads(l) for l in (cap / f"rank{r}" / "index.jsonl").read_text().splitlines()]
+        first = index[0]
+        assert first["mode"] == "EXTEND" and first["tokens"] == len(PROMPT) and first["tp_size"] == 2
+        ranks[r] = load_file(str(cap / f"rank{r}" / first["file"]))
+        assert ranks[r]["input_ids"].tolist() == PROMPT
+    emb = hf_states[0][0]
+    ids = torch.tensor(PROMPT)
+    for r in (0, 1):
+        torch.testing.assert_close(ranks[r]["embedding"], emb, atol=1e-6, rtol=1e-6)  # all-reduced
+        torch.testing.assert_close(ranks[r]["out(2)"], hf_states[3][0], atol=1e-4, rtol=1e-4)
+        local = ranks[r]["embedding_local"]
+        zero = local.abs().sum(1) == 0
+        # rows are zero exactly for ids outside this rank's vocab shard
+        shard = (ids >= r * vocab // 2) & (ids < (r + 1) * vocab // 2)
+        assert torch.equal(zero, ~shard), (r, zero.tolist(), shard.tolist())
+    torch.testing.assert_close(ranks[0]["embedding_local"] + ranks[1]["embedding_local"], emb,
+                               atol=1e-6, rtol=1e-6)
+    # the real per-rank MLP partial sums differ and add up to the reduced MLP output
+    p0, p1 = ranks[0]["mlp_partial(3)"], ranks[1]["mlp_partial(3)"]
+    assert (p0 - p1).abs().max() > 1e-3
+    torch.testing.assert_close(ranks[0]["resid_mid(3)"] + p0 + p1, hf_states[4][0],
+                               atol=1e-4, rtol=1e-4)
+    # the faulted aux chunk 1 of both ranks sums to the true out(3)
+    a0, a1 = ranks[0]["aux"][:, h:2 * h], ranks[1]["aux"][:, h:2 * h]
+    torch.testing.assert_close(a0 + a1, hf_states[4][0], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,152 @@
+"""helpers.acceptance.ledger / fixes: run folders, the append-only ledger under concurrent writers, fixes files.
+Managed mode against real reference servers: tests/server/test_managed_fixes.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from helpers.acceptance.fixes import load_fixes
+from helpers.acceptance.ledger import Ledger, LedgerError
+from helpers.runfiles import atomic_write_text, new_run_dir
+from support import ROOT
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from helpers.acceptance.ledger import Ledger
+    path, writer, n, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    while time.time() < go:
+        time.sleep(0.001)
+    led = Ledger(path)
+    for i in range(n):
+        led.append({"fix": f"{writer}-{i}", "writer": writer, "seq": i, "accept_length": 1.0 + i / 100})
+""")
+
+
+def test_two_processes_appending_at_once_lose_no_row(tmp_path):
+    path = tmp_path / "run" / "ledger.parquet"
+    Ledger(path).append({"fix": "first", "writer": "main", "seq": 0, "accept_length": 2.0})
+    go = time.time() + 2.0
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    n = 25
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), w, str(n), str(go)], env=env,
+                              stderr=subprocess.PIPE, text=True) for w in ("A", "B")]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    df = Ledger(path).read()
+    assert len(df) == 1 + 2 * n
+    assert df["row_id"].is_unique
+    for w in ("A", "B"):
+        assert sorted(df.loc[df["writer"] == w, "seq"]) == list(range(n))
+    assert df["fix"].iloc[0] == "first"  # the oldest row is still first: appends never reorder
+    # the writers really overlapped in time (else this test would prove nothing)
+    times = df.groupby("writer")["appended_at"].agg(["min", "max"])
+    assert times.loc["A", "min"] < times.loc["B", "max"] and times.loc["B", "min"] < times.loc["A", "max"]
+    assert not list(path.parent.glob(".ledger.parquet.*.tmp"))  # no temp files left
+
+
+def test_ledger_keeps_rows_and_schema_grows(tmp_path):
+    led = Ledger(tmp_path / "ledger.parquet")
+    assert led.read().empty
+    led.append({"fix": "a", "accept_length": 1.5, "overrides": ["max_running_requests"]})
+    led.append([{"fix": "b", "accept_length": 2.5, "new_col": "x"}, {"fix": "c", "error": "boom"}])
+    df = led.read()
+    assert list(df["fix"]) == ["a", "b", "c"]
+    assert json.loads(df["overrides"].iloc[0]) == ["max_running_requests"]
+    assert pd.isna(df["new_col"].iloc[0]) and df["new_col"].iloc[1] == "x"
+    with pytest.raises(ValueError):
+        led.append([])
+
+
+def test_unreadable_ledger_is_never_overwritten(tmp_path):
+    p = tmp_path / "ledger.parquet"
+    p.write_bytes(b"not parquet at all")
+    with pytest.raises(LedgerError, match="left as is"):
+        Ledger(p).append({"fix": "x"})
+    assert p.read_bytes() == b"not parquet at all"
+
+
+THREADS = textwrap.dedent("""
+    import io, os, sys
+    import pandas as pd
+    from helpers.acceptance.ledger import Ledger
+    from helpers.runfiles import parquet_bytes, read_parquet
+    def threads():
+        return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    before = threads()
+    led = Ledger(sys.argv[1])
+    led.append({"fix": "a", "accept_length": 2.5, "ids": [1, 3, 4]})
+    led.append({"fix": "b", "accept_length": 2.7, "note": None})
+    df = led.read()
+    assert read_parquet(parquet_bytes(df)).equals(df)
+    print(len(df), len(before), len(threads()))
+    pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(parquet_bytes(df))), df)
+    print(len(threads()))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc/self/task")
+def test_ledger_parquet_io_starts_no_arrow_thread(tmp_path):
+    """Arrow's thread pools racing interpreter exit aborted `helpers measure` (exit -6, 'terminate
+    called without an active exception') in 19 of 600 short runs (bench/bench_parquet_exit.py); our
+    Parquet I/O must start none. The last read shows the check can fail: pandas' default
+    read_parquet starts pool threads."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", THREADS, str(tmp_path / "ledger.parquet")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows, before, after, with_pandas = map(int, out.stdout.split())
+    assert rows == 2 and after == before and with_pandas > after, out.stdout
+
+
+def test_new_run_dir_never_reuses_a_folder(tmp_path):
+    a = new_run_dir("same name!", outputs=tmp_path, stamp="20260101-000000")
+    b = new_run_dir("same name!", outputs=tmp_path, stamp="20260101-000000")
+    assert a.name == "20260101-000000-same-name" and b.name == "20260101-000000-same-name-2"
+    atomic_write_text(a / "x.txt", "1")
+    atomic_write_text(a / "x.txt", "2")
+    assert (a / "x.txt").read_text() == "2" and [p.name for p in a.iterdir()] == ["x.txt"]
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"fixes": [{"name": "a", "launch": {}, "url": "http://x:1"}]}, "not both"),
+    ({"fixes": [{"name": "a", "command": "sglang ..."}]}, "url"),
+    ({"fixes": [{"name": "a", "launch": {}}, {"name": "a", "launch": {}}]}, "duplicate fix names"),
+    ({"fixes": [{"name": "a", "launch": {"tp": 2, "spec": {"steps": 3}}}]}, "fixes.0.launch.spec.steps"),
+    ({"fixes": [{"name": "a", "launch": {}, "measure": {"concurency": 2}}]}, "concurency"),
+    ({"fixes": []}, "at least 1"),
+])
+def test_fixes_file_validation_names_the_problem(data, message):
+    with pytest.raises(ValueError, match=message):
+        load_fixes(data)
+
+
+def test_fixes_file_loads_from_yaml(tmp_path):
+    f = tmp_path / "fixes.yaml"
+    f.write_text(yaml.safe_dump({"name": "sweep", "measure": {"max_new_tokens": 16},
+                                 "fixes": [{"name": "s3", "launch": {"spec": {"num_steps": 3}}},
+                                           {"name": "gpu", "command": "python -m sglang.launch_server",
+                                            "url": "http://127.0.0.1:30000"}]}))
+    ff = load_fixes(f)
+    assert [x.mode for x in ff.fixes] == ["launch", "command"]
+    assert ff.fixes[0].launch.draft == "reference" and ff.fixes[0].launch.spec.num_steps == 3
+    assert ff.fixes[0].launch.spec.with_launch_defaults().num_draft_tokens == 4     # filled at launch
+    assert ff.base_dir == str(tmp_path.resolve()) and ff.measure.max_new_tokens == 16
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("fixes: [")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_fixes(bad)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "helpers", "measure", "--fixes", str(bad)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "not valid YAML" in out.stderr

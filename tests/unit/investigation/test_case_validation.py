@@ -1,0 +1,46 @@
+"""The bundled case files (env/cases) validate, and a bad case file is refused with the field named, by
+helpers.investigation.cases and by ``python -m helpers replay`` (exit 2, nothing created). Their replays on
+the reference server: tests/server/test_cases.py."""
+from __future__ import annotations
+
+import pytest
+
+from helpers.errors import CaseError
+from helpers.investigation.cases import load_case
+from support import ROOT
+
+CASES = sorted((ROOT / "env" / "cases").glob("*.yaml"))
+CASE_FILES = [c for c in CASES if c.name != "main.yaml"]
+
+
+def test_all_bundled_cases_validate():
+    assert len(CASE_FILES) >= 7
+    for path in CASE_FILES:
+        case = load_case(path)
+        assert case.timeline[0].kind == "fix"
+        assert any(s.kind == "hypothesis" and s.expect for s in case.timeline), path
+
+
+def test_case_validation_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - hypothesis: {check: no_such_check}\n")
+    with pytest.raises(CaseError, match=r"timeline\.0\.hypothesis\.check.*unknown check"):
+        load_case(bad)
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - hypothesis: {check: tp_sharding}\n")
+    with pytest.raises(CaseError, match="before any fix"):
+        load_case(bad)
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - fix: {name: f, faults: [{kind: bogus}]}\n")
+    with pytest.raises(CaseError, match="unknown fault kind"):
+        load_case(bad)
+    with pytest.raises(CaseError, match="does not exist"):
+        load_case(tmp_path / "missing.yaml")
+
+
+def test_replay_cli_rejects_a_bad_case_with_status_2(tmp_path, capsys):
+    from helpers.__main__ import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - hypothesis: {check: no_such_check}\n")
+    assert main(["replay", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "unknown check" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing created for a case that does not validate

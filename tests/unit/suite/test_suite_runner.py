@@ -1,0 +1,125 @@
+"""The suite runner without a server: a failing notebook is reported with its cell and error while the
+others still run (exit 1), every run gets a new folder, a failed postmortem falls back to a runner page,
+bad params exit 2 with a one-line reason. Notebooks come from a throw-away folder (params notebook_dir),
+plus the real 99_postmortem."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from helpers.cli import suite as suite_cli
+from helpers.suite import runner as suite_runner
+from support import ROOT
+
+
+def _notebook(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for kind, src in cells:
+        if kind == "params":
+            c = nbformat.v4.new_code_cell(src)
+            c.metadata["tags"] = ["parameters"]
+        elif kind == "md":
+            c = nbformat.v4.new_markdown_cell(src)
+        else:
+            c = nbformat.v4.new_code_cell(src)
+        nb.cells.append(c)
+    return nb
+
+
+@pytest.fixture(scope="module")
+def failing_params(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("failing")
+    nbdir = root / "notebooks"
+    nbdir.mkdir()
+    params = 'run_dir = ""\nserver_url = ""\nrepo_root = ""\napi_key_env = "SGLANG_API_KEY"\n'
+    nbformat.write(_notebook([("md", "# ok"), ("params", params),
+                              ("code", "from pathlib import Path\n(Path(run_dir) / 'results' / 'ok.txt')"
+                                       ".write_text('ran')")]), nbdir / "01_ok.ipynb")
+    nbformat.write(_notebook([("md", "# fails"), ("params", params), ("code", "x = 1"),
+                              ("code", "raise ValueError('boom <script>alert(1)</script>')"),
+                              ("code", "print('never')")]), nbdir / "02_fail.ipynb")
+    nbformat.write(_notebook([("md", "# after"), ("params", params),
+                              ("code", "from pathlib import Path\n(Path(run_dir) / 'results' / 'after.txt')"
+                                       ".write_text('ran')")]), nbdir / "03_after.ipynb")
+    (nbdir / "99_postmortem.ipynb").write_bytes((ROOT / "notebooks" / "99_postmortem.ipynb").read_bytes())
+    p = {"name": "failing", "notebook_dir": str(nbdir), "server": {"url": "http://127.0.0.1:9"},
+         "notebooks": ["01_ok", "02_fail", "03_after", "99_postmortem"], "timeout_per_notebook": 300}
+    (root / "params.yaml").write_text(yaml.safe_dump(p))
+    return root / "params.yaml"
+
+
+def test_failing_notebook_is_reported_and_the_others_run(failing_params, tmp_path, capsys):
+    out = tmp_path / "runs"
+    rc = suite_cli.cli_main(["run", "--params", str(failing_params), "--out", str(out)])
+    assert rc == 1
+    assert "1 notebook(s) failed: 02_fail" in capsys.readouterr().err
+    (run_dir,) = list(out.iterdir())
+    status = json.loads((run_dir / "suite_status.json").read_text())
+    nbs = status["notebooks"]
+    assert nbs["01_ok"]["ok"] and nbs["03_after"]["ok"] and nbs["99_postmortem"]["ok"]
+    fail = nbs["02_fail"]
+    assert fail["ok"] is False and fail["ename"] == "ValueError" and "boom" in fail["evalue"]
+    assert fail["exec_count"] == 3 or fail["cell_index"] is not None
+    assert status["failed"] == ["02_fail"]
+    assert (run_dir / "results" / "ok.txt").exists() and (run_dir / "results" / "after.txt").exists()
+    assert (run_dir / "html" / "02_fail.html").exists(), "a failed notebook is still exported"
+    page = (run_dir / "postmortem.html").read_text()
+    table = page[page.index("<th>notebook</th><th>cell</th><th>error</th>"):]
+    assert 'href="html/02_fail.html"' in table and "ValueError" in table
+    assert "boom &lt;script&gt;alert(1)&lt;/script&gt;" in table
+    assert "<script>alert(1)" not in page
+    cell = fail["exec_count"] if fail.get("exec_count") is not None else fail["cell_index"]
+    assert f"<td>{cell}</td>" in table
+    pm = json.loads((run_dir / "results" / "99_postmortem.json").read_text())
+    assert [f["notebook"] for f in pm["failures"]] == ["02_fail"]
+
+
+def test_each_run_gets_a_new_folder(failing_params, tmp_path):
+    out = tmp_path / "runs"
+    a, _ = suite_runner.run_suite(failing_params, out, only=["01_ok"])
+    b, _ = suite_runner.run_suite(failing_params, out, only=["01_ok"])
+    assert a != b and a.parent == b.parent == out
+    assert (a / "params.yaml").exists() and (b / "params.yaml").exists()
+    assert (a / "results" / "ok.txt").exists() and (b / "results" / "ok.txt").exists()
+
+
+def test_postmortem_failure_falls_back_to_a_runner_page(failing_params, tmp_path):
+    out = tmp_path / "runs"
+    params = yaml.safe_load(failing_params.read_text())
+    params["notebooks"] = ["02_fail"]
+    p = failing_params.parent / "only-fail.yaml"
+    p.write_text(yaml.safe_dump(params))
+    run_dir, status = suite_runner.run_suite(p, out)
+    assert status["failed"] == ["02_fail"]
+    page = (run_dir / "postmortem.html").read_text()
+    assert "The postmortem notebook did not complete" in page and "boom &lt;script&gt;" in page
+
+
+@pytest.mark.parametrize("content, message", [
+    ("name: x\n", "set case"),
+    ("name: x\ncase: no/such/case.yaml\n", "field 'case'"),
+    ("name: x\nserver: {url: 'http://h:1'}\nnotebooks: [no_such_notebook]\n", "field 'notebooks'"),
+    ("name: x\nserver: {url: 'http://h:1'}\nunknown_field: 1\n", "unknown_field"),
+    ("name: [unclosed\n", "not valid YAML"),
+])
+def test_bad_params_exit_2_with_one_line(tmp_path, capsys, content, message):
+    p = tmp_path / "params.yaml"
+    p.write_text(content)
+    assert suite_cli.cli_main(["run", "--params", str(p), "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_only_with_an_unknown_notebook_exits_2_before_any_run_folder(failing_params, tmp_path, capsys):
+    out = tmp_path / "runs"
+    rc = suite_cli.cli_main(["run", "--params", str(failing_params), "--out", str(out),
+                         "--only", "01_ok", "01_OK"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--only" in err and "'01_OK'" in err and "01_ok" in err and "\n" not in err
+    assert not out.exists() or not list(out.iterdir())

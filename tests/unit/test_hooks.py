@@ -1,0 +1,81 @@
+"""Fault injection and per-rank capture through SGLang's own ``--forward-hooks`` flag (helpers.hooks),
+without a server: each fault on synthetic chunks, and the hook specs SGLang receives. The same hooks on
+a live TP 2 reference server: tests/server/test_hooks_live.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.hooks import CaptureConfig, Fault, _Stash, apply_fault, hook_specs
+
+
+def _chunks(t=6, h=16, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(t, h, generator=g) for _ in range(n)]
+
+
+def test_fault_validation():
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        Fault(kind="bogus")
+    with pytest.raises(ValueError, match=r"needs field\(s\) \['chunk'\]"):
+        Fault(kind="embedding_in_place_of_layer")
+
+
+def test_chunk_order_rotation_norm_nan():
+    ch = _chunks()
+    out = apply_fault(Fault("chunk_order", order=[2, 0, 1]), ch)
+    assert all(torch.equal(a, b) for a, b in zip(out, [ch[2], ch[0], ch[1]]))
+    rot = apply_fault(Fault("rotated_basis", chunk=1, seed=3), ch)[1]
+    torch.testing.assert_close(rot.norm(dim=1), ch[1].norm(dim=1), rtol=1e-5, atol=1e-5)
+    cos = torch.nn.functional.cosine_similarity(rot, ch[1], dim=1)
+    assert cos.abs().mean() < 0.5
+    normed = apply_fault(Fault("norm_mismatch", chunk=0), ch)[0]
+    torch.testing.assert_close(normed.pow(2).mean(1), torch.ones(6), rtol=1e-4, atol=1e-4)
+    nan = apply_fault(Fault("nan_or_inf", chunk=2, every=3), ch)[2]
+    assert torch.isnan(nan[::3]).all() and not torch.isnan(nan[1::3]).any()
+    assert torch.equal(apply_fault(Fault("nan_or_inf", chunk=2), ch)[0], ch[0])
+
+
+def test_tp_partial_sum_sums_to_truth_over_ranks():
+    t, h, tp = 5, 8, 2
+    g = torch.Generator().manual_seed(1)
+    resid = torch.randn(t, h, generator=g)
+    partials = [torch.randn(t, h, generator=g) for _ in range(tp)]
+    truth = resid + sum(partials)
+    per_rank = []
+    for r in range(tp):
+        st = _Stash()
+        st.put("resid_mid(3)", resid)
+        st.put("mlp_partial(3)", partials[r])
+        per_rank.append(apply_fault(Fault("tp_partial_sum", chunk=1, layer=3),
+                                    _chunks(t, h), st, rank=r, tp=tp)[1])
+    torch.testing.assert_close(per_rank[0] + per_rank[1], truth)
+    assert not torch.allclose(per_rank[0], per_rank[1])
+
+
+def test_stale_stash_is_refused():
+    st = _Stash()
+    st.put("embedding", torch.zeros(2, 4))
+    st.seq += 1  # a new forward started; the entry is from the previous one
+    with pytest.raises(RuntimeError, match="not recorded during this forward"):
+        apply_fault(Fault("embedding_in_place_of_layer", chunk=0), _chunks(2, 4), st)
+
+
+def test_hook_specs_place_stash_hooks_on_sglang_module_names():
+    specs = hook_specs([Fault("wrong_layer", chunk=0, layer=7), Fault("tp_partial_sum", chunk=1, layer=3)],
+                       CaptureConfig(out_dir="/tmp/x", keys=["embedding_local", "out(2)"]),
+                       num_layers=8)
+    modules = {s["name"]: s["target_modules"][0] for s in specs}
+    assert modules["e3f-stash-embedding"] == "model.embed_tokens"
+    assert modules["e3f-stash-out(7)"] == "model.norm"  # last layer: the final add-norm
+    assert modules["e3f-stash-out(2)"] == "model.layers.3.input_layernorm"
+    assert modules["e3f-stash-resid_mid(3)"] == "model.layers.3.post_attention_layernorm"
+    assert modules["e3f-stash-mlp_partial(3)"] == "model.layers.3.mlp.down_proj"
+    names = [s["name"] for s in specs]
+    assert names.index("e3f-faults") < names.index("e3f-capture")  # capture sees the faulted aux
+    json.dumps(specs)  # must travel as --forward-hooks JSON
+    with pytest.raises(ValueError, match="layer outside"):
+        hook_specs([Fault("wrong_layer", chunk=0, layer=8)], num_layers=8)
