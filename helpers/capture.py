@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from .diagnosis.conventions import layer_index
-from .errors import BadInput
+from .errors import BadInput, SGLangError, one_line
 from .formats.dumps import Sample, samples_from_generate, write_dump
 from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
 from .server.client import as_client
@@ -81,7 +81,8 @@ def _safe_key(s: str) -> str:
 def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os.PathLike, *,
                    name: str = "served", max_new_tokens: int = 1, flush: bool = True,
                    kind: str = "served", layer_plan: Optional[dict] = None,
-                   api_key: Optional[str] = None, progress: bool = True) -> Path:
+                   api_key: Optional[str] = None, progress: bool = True,
+                   max_width: Optional[int] = None) -> Path:
     """Capture the aux hidden states fed to the draft for ``prompts``; write ``out_dir/name``.
 
     Args:
@@ -96,13 +97,16 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
         layer_plan: what the chunks are, e.g. ``{"tensors": ["out(1)", ...]}`` (reference dumps).
         api_key: bearer token (default ``$SGLANG_API_KEY``); never written anywhere.
         progress: show a tqdm bar.
+        max_width: the widest row accepted (e.g. 16 x the target's hidden size); a wider answer stops the capture
+            before anything is written.
 
     Returns: the dump folder. Row t of each sample belongs to ``input_ids[t]``.
 
     Raises:
         helpers.server.HiddenStatesDisabled: the server lacks ``--enable-return-hidden-states``
             (the message names the flag).
-        helpers.errors.BadInput: a response without usable hidden states.
+        helpers.errors.SGLangError: a response without usable hidden states, or rows wider than ``max_width``
+            (a server fault: exit 1).
         FileExistsError: the dump folder exists.
     """
 
@@ -123,7 +127,17 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
                               return_prompt_token_ids=True,
                               sampling_params={"temperature": 0.0, "ignore_eos": True})
         raw = res.model_dump(exclude={"latency_s"})
-        got = samples_from_generate(raw, source=f"{name}:{pid}")
+        try:
+            got = samples_from_generate(raw, source=f"{name}:{pid}")
+        except BadInput as exc:
+            raise SGLangError(f"POST {client._shown_url}/generate ({pid}): {one_line(exc)}",
+                              endpoint="/generate") from None
+        for s in got:
+            w = int(s.width) if getattr(s, "width", None) is not None else None
+            if max_width is not None and w is not None and w > max_width:
+                raise SGLangError(f"POST {client._shown_url}/generate ({pid}): hidden-state rows are {w} wide, over "
+                                  f"the limit of {max_width} (16 x the target's hidden size); nothing was written",
+                                  endpoint="/generate")
         for s in got:
             key = _safe_key(pid)
             while key in keys:

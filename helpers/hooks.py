@@ -99,14 +99,16 @@ def _is_target_logits(module: torch.nn.Module) -> bool:
 
 # --------------------------------------------------------------------------- stash hooks
 def stash_factory(config: dict) -> Any:
-    """Hook recording one tensor of the current forward under ``config["key"]``.
+    """Hook recording one tensor of the current forward under ``config["tensor"]`` (not ``key``: a field named
+    ``key`` reads as a secret to redaction, which would then scrub its value, e.g. "embedding", from every string of
+    ``/server_info``; ``key`` is still read from older specs).
 
     ``config["pick"]``: ``"output"`` (the module output), ``"output[1]"`` (second element, the
     residual of a fused add-norm), or ``"embedding"`` (for ``model.embed_tokens``: records the
     all-reduced output as ``embedding``, this rank's pre-all-reduce ``embedding_local``, the
     input ids, and starts a new forward sequence number).
     """
-    key = config.get("key")
+    key = config.get("tensor", config.get("key"))
     pick = config.get("pick", "output")
 
     def hook(module, inputs, output):
@@ -304,7 +306,7 @@ def _stash_spec(key: str, num_layers: int) -> dict:
         raise ValueError(f"unknown stash key '{key}' (embedding, embedding_local, out(L), "
                          "resid_mid(L), mlp_partial(L), attn_partial(L))")
     return {"name": f"e3f-stash-{key}", "target_modules": [module],
-            "hook_factory": f"{HOOK_PREFIX}:stash_factory", "config": {"key": key, "pick": pick}}
+            "hook_factory": f"{HOOK_PREFIX}:stash_factory", "config": {"tensor": key, "pick": pick}}
 
 
 def every_layer_keys(num_layers: int) -> list[str]:

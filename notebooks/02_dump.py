@@ -71,5 +71,5 @@ if paths:
 
 # %%
 R.write_result(ctx.run_dir, "02_dump", {"live": ctx.live, "dumps": table.to_dict(orient="records"),
-                                        "captured": {"served": str(D.served_dumps(ctx.run_dir)[:1]),
-                                                     "reference": str(D.reference_dump(ctx.run_dir))}})
+                                        "captured": {"served": str(served[0]) if served else None,
+                                                     "reference": str(D.reference_dump(ctx.run_dir) or "") or None}})

@@ -379,8 +379,9 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
             s["speedup"] = s["tok_s"] / base["tok_s"] if base["tok_s"] == base["tok_s"] and base["tok_s"] else float("nan")
             s["server_mode"] = fix.mode
             s["started_at"] = started
-            res.save(run / "fixes" / safe_name(fix.name))
+            saved = res.save(run / "fixes" / safe_name(fix.name))
             row = res.ledger_row(fix.name)
+            row["saved_to"] = str(saved.relative_to(run))
             row["error"] = None
             ledger.append(row)
         except (FixFailed, SGLangError, RuntimeError, OSError) as exc:

@@ -4,9 +4,13 @@ effective settings; saved as ``summary.json``, ``per_request.parquet``, ``positi
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -190,22 +194,45 @@ class AcceptanceResult:
         return row
 
     def save(self, folder: Path | str) -> Path:
-        """Write ``summary.json``, ``per_request.parquet``, ``positions.csv`` into ``folder``
-        (created; files written atomically). Returns the folder."""
+        """Write ``summary.json``, ``per_request.parquet``, ``positions.csv`` (and ``raw_meta.json``) as one unit
+        into a new folder and return it: ``folder`` itself when it does not exist yet, else ``folder-2``,
+        ``folder-3``, ... -- a measurement is never overwritten, and two runs saving under one label at once get
+        one folder each (the files are written into a temporary folder next to it, which is then renamed into
+        place: ``rename`` of a folder onto a name that exists fails, so the loser takes the next suffix).
 
+        Raises:
+            OSError: the folder cannot be written (e.g. ENOSPC; the temporary folder is removed).
+        """
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        doc = {"summary": self.summary, "warnings": self.warnings,
-               "histogram": [int(x) for x in self.histogram],
-               "positions": json.loads(self.positions.to_json(orient="records")),
-               "spec": self.spec.model_dump() if self.spec else None, "baseline": self.baseline,
-               "server": self.server}
-        atomic_write_text(folder / "summary.json", json.dumps(doc, indent=1, default=_json_default))
-        atomic_write_bytes(folder / "per_request.parquet", parquet_bytes(self.per_request))
-        atomic_write_text(folder / "positions.csv", self.positions.to_csv(index=False))
-        if self.raw is not None:
-            atomic_write_text(folder / "raw_meta.json", json.dumps(self.raw, default=_json_default))
-        return folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+        try:
+            doc = {"summary": self.summary, "warnings": self.warnings,
+                   "histogram": [int(x) for x in self.histogram],
+                   "positions": json.loads(self.positions.to_json(orient="records")),
+                   "spec": self.spec.model_dump() if self.spec else None, "baseline": self.baseline,
+                   "server": self.server}
+            atomic_write_text(tmp / "summary.json", json.dumps(doc, indent=1, default=_json_default))
+            atomic_write_bytes(tmp / "per_request.parquet", parquet_bytes(self.per_request))
+            atomic_write_text(tmp / "positions.csv", self.positions.to_csv(index=False))
+            if self.raw is not None:
+                atomic_write_text(tmp / "raw_meta.json", json.dumps(self.raw, default=_json_default))
+            for i in range(1, 10000):
+                dest = folder if i == 1 else folder.with_name(f"{folder.name}-{i}")
+                try:
+                    os.rename(tmp, dest)        # atomic; fails when dest exists and is not empty
+                    return dest
+                except OSError as exc:
+                    if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                        raise
+                    if dest.exists() and dest.is_dir() and not any(dest.iterdir()):
+                        dest.rmdir()            # an empty folder left by someone: take its name
+                        os.rename(tmp, dest)
+                        return dest
+            raise OSError(errno.EEXIST, "no free folder name", str(folder))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _json_default(o: Any) -> Any:

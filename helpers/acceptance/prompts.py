@@ -12,6 +12,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from ..errors import BadInput
+
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
@@ -41,43 +43,67 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
     List items may be strings (text), sequences of ints (token ids), dicts with ``text`` or
     ``input_ids`` (optional ``id``, ``kind``), or :class:`Prompt`. Files hold one such dict per
     line (jsonl) or a JSON list. ``n`` keeps the first n (cycling when n exceeds the set).
-    Raises ValueError on an empty or malformed set.
+    Raises:
+        BadInput: a missing, unreadable, empty or malformed set (the message names the file and the line or item).
     """
     if source is None:
         source = bundled_prompts_path()
-    if isinstance(source, (str, Path)) and (Path(source).suffix in (".jsonl", ".json")
-                                            or Path(source).is_file()):
-        if not Path(source).is_file():
-            raise ValueError(f"prompt file {source} not found")
-        text = Path(source).read_text()
-        if Path(source).suffix == ".json":
-            items = json.loads(text)
+    path: Optional[Path] = None
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.is_dir():
+            raise BadInput("is a folder; expected a .jsonl or .json prompt file", path=path)
+        if not path.is_file():
+            raise BadInput("prompt file not found", path=path)
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise BadInput("not a text file (expected JSON lines)", path=path) from None
+        if path.suffix == ".json":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise BadInput(f"not JSON ({exc.msg} at line {exc.lineno})", path=path) from None
+            if not isinstance(items, list):
+                raise BadInput(f"expected a JSON list of prompts, got {type(items).__name__}", path=path)
         else:
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    elif isinstance(source, (str, Path)):
-        raise ValueError(f"prompt file {source} not found")
+            items = []
+            for n_line, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    items.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise BadInput(f"line {n_line} is not JSON ({exc.msg}); expected one object per line such as "
+                                   '{"text": ...} or {"input_ids": [...]}', path=path) from None
     else:
         items = list(source)
+    where = (lambda i: f"{'line' if path is not None and path.suffix != '.json' else 'item'} {i + 1}")
     prompts = []
     for i, it in enumerate(items):
-        if isinstance(it, Prompt):
-            prompts.append(it)
-        elif isinstance(it, str):
-            prompts.append(Prompt(id=f"u{i:03d}", text=it, kind="user"))
-        elif isinstance(it, Mapping):
-            ids = it.get("input_ids")
-            prompts.append(Prompt(id=str(it.get("id", f"u{i:03d}")), text=it.get("text"),
-                                  input_ids=tuple(int(t) for t in ids) if ids is not None else None,
-                                  kind=str(it.get("kind", ""))))
-        elif isinstance(it, (Sequence, np.ndarray)) and len(it) and not isinstance(it, bytes):
-            prompts.append(Prompt(id=f"t{i:03d}", input_ids=tuple(int(t) for t in it), kind="tokens"))
-        else:
-            raise ValueError(f"prompt #{i}: cannot use {type(it).__name__} as a prompt")
+        try:
+            if isinstance(it, Prompt):
+                prompts.append(it)
+            elif isinstance(it, str):
+                prompts.append(Prompt(id=f"u{i:03d}", text=it, kind="user"))
+            elif isinstance(it, Mapping):
+                ids = it.get("input_ids")
+                if it.get("text") is None and ids is None:
+                    raise ValueError("has neither text nor input_ids")
+                prompts.append(Prompt(id=str(it.get("id", f"u{i:03d}")), text=it.get("text"),
+                                      input_ids=tuple(int(t) for t in ids) if ids is not None else None,
+                                      kind=str(it.get("kind", ""))))
+            elif isinstance(it, (Sequence, np.ndarray)) and len(it) and not isinstance(it, bytes):
+                prompts.append(Prompt(id=f"t{i:03d}", input_ids=tuple(int(t) for t in it), kind="tokens"))
+            else:
+                raise ValueError(f"cannot use {type(it).__name__} as a prompt")
+        except (TypeError, ValueError) as exc:
+            raise BadInput(f"{where(i)}: {exc}", path=path) from None
     if not prompts:
-        raise ValueError("the prompt set is empty")
+        raise BadInput("the prompt set is empty", path=path)
     if n is not None:
         if n <= 0:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise BadInput(f"the number of prompts must be >= 1, got {n}", field="--num-prompts")
         prompts = [prompts[i % len(prompts)] if i < len(prompts) else
                    dataclasses.replace(prompts[i % len(prompts)], id=f"{prompts[i % len(prompts)].id}#{i // len(prompts)}")
                    for i in range(n)]

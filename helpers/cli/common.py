@@ -20,15 +20,18 @@ class Parser(argparse.ArgumentParser):
         raise BadInput(f"usage: {message} (see {self.prog} --help)")
 
 
-def exit_code(exc: BaseException) -> int:
-    """The exit code for an exception (module docstring)."""
+def exit_code(exc: BaseException, unexpected: int = 1) -> int:
+    """The exit code for an exception (module docstring); ``unexpected`` for anything not classified (a command
+    that only reads local files, such as ``diagnose``, treats those as bad input: 2)."""
     if isinstance(exc, E3FError):
         return exc.exit_code
     if isinstance(exc, (IsADirectoryError, NotADirectoryError, FileNotFoundError, PermissionError)):
         return 2
+    if isinstance(exc, OSError):
+        return 1
     if isinstance(exc, KeyboardInterrupt):
         return 130
-    return 1
+    return unexpected
 
 
 def describe(exc: BaseException) -> str:
@@ -46,7 +49,7 @@ def describe(exc: BaseException) -> str:
     return text if isinstance(exc, E3FError) else f"{type(exc).__name__}: {text}"
 
 
-def run(prog: str, body: Callable[[], int]) -> int:
+def run(prog: str, body: Callable[[], int], *, unexpected_exit: int = 1) -> int:
     """Run a command body under the error contract; returns its exit code."""
     try:
         return int(body() or 0)
@@ -57,7 +60,7 @@ def run(prog: str, body: Callable[[], int]) -> int:
             raise
         print(f"{prog}: error: {describe(exc)}" + ("" if isinstance(exc, (E3FError, OSError, KeyboardInterrupt))
                                                    else " (set E3F_DEBUG=1 for the traceback)"), file=sys.stderr)
-        return exit_code(exc)
+        return exit_code(exc, unexpected_exit)
 
 
 def progress_line(prog: str) -> Callable[[str], None]:

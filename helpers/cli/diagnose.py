@@ -2,23 +2,16 @@
 ``--served``, the config-only check (helpers.diagnosis.static). Exit 0 ok, 1 mismatch or ambiguous, 2 bad input."""
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 from typing import Optional, Sequence
 
 from ..diagnosis.diagnose import check_configs, diagnose
-from ..errors import BadInput, one_line
+from ..errors import BadInput
+from .common import Parser, run
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        raise BadInput(f"usage: {message}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m helpers diagnose",
+def build_parser() -> Parser:
+    p = Parser(prog="python -m helpers diagnose",
                 description="Compare the aux hidden states a server feeds an EAGLE-3 draft with its training data "
                             "and name the wiring faults; with --draft-config and --target-config only (no --served), "
                             "check the configs alone against SGLang's rules.")
@@ -41,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m helpers diagnose ...``: exit 0 ok, 1 mismatch or ambiguous, 2 bad input (one-line reason on
-    stderr)."""
-    try:
+    """``python -m helpers diagnose ...``: exit 0 ok, 1 mismatch or ambiguous, 2 bad input (one line
+    ``diagnose: error: ...`` on stderr; :mod:`helpers.cli.common`)."""
+
+    def body() -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
         if not args.served:
             if not (args.draft_config and args.target_config):
@@ -57,19 +51,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             result = diagnose(args.training, args.served, draft_config=args.draft_config,
                               target_config=args.target_config, reference=args.reference,
                               sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids)
-    except BadInput as e:
-        print(f"diagnose: bad input: {one_line(e)}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0)
-    except Exception as e:  # never a bare traceback
-        if os.environ.get("E3F_DEBUG"):
-            raise
-        print(f"diagnose: error: {type(e).__name__}: {one_line(e)} (set E3F_DEBUG=1 for the traceback)",
-              file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result.to_json(), indent=1))
-    else:
-        print(result.render_text())
-    return 0 if result.verdict == "ok" else 1
+        print(json.dumps(result.to_json(), indent=1) if args.json else result.render_text())
+        return 0 if result.verdict == "ok" else 1
+
+    return run("diagnose", body, unexpected_exit=2)

@@ -1,34 +1,37 @@
-"""``python -m helpers measure``: measure one server, or run a fixes file (managed mode)."""
+"""``python -m helpers measure``: measure one server, or run a fixes file (managed mode).
+
+Exit codes (:mod:`helpers.cli.common`): 0 measured with every request answered; 1 the server failed, a request
+failed (the measurement is still saved, with ``n_failed``), or a fix could not be measured; 2 bad input."""
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..acceptance.fixes import FixFailed, load_fixes, run_fixes
+from ..acceptance.fixes import load_fixes, run_fixes
 from ..acceptance.ledger import Ledger
 from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure
 from ..acceptance.prompts import load_prompts
-from ..errors import SGLangError
+from ..errors import BadInput, RunFailed
 from ..runfiles import new_run_dir, safe_name
+from ..server.client import SGLangClient
+from .common import Parser, progress_line, run
+
+DEFAULT_TIMEOUT = 3600.0
 
 
-def cli_main(argv: Sequence[str]) -> int:
-    """``python -m helpers measure ...``: measure one server, or run a fixes file (managed mode).
-
-    Exit codes: 0 ok, 1 measurement failed (server errors), 2 bad input.
-    """
-    ap = argparse.ArgumentParser(
-        prog="python -m helpers measure",
-        description="Accept length / accept rate / per-position acceptance / tok/s with 95% CIs. "
-                    "Attach to a server (--url) or run a fixes file (--fixes). The API key is read "
-                    "from $SGLANG_API_KEY (never from the command line).")
+def build_parser() -> Parser:
+    ap = Parser(prog="python -m helpers measure",
+                description="Accept length / accept rate / per-position acceptance / tok/s with 95% CIs. "
+                            "Attach to a server (--url) or run a fixes file (--fixes). The API key is read "
+                            "from $SGLANG_API_KEY (never from the command line).")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="server URL, e.g. http://127.0.0.1:30000")
     src.add_argument("--fixes", help="fixes YAML file (managed mode: a server per fix)")
-    ap.add_argument("--label", default=None, help="fix name for this measurement")
+    ap.add_argument("--label", default=None, help="fix name for this measurement (a repeated label gets its own "
+                                                  "folder: fixes/<label>-2, ...)")
     ap.add_argument("--prompts", default=None, help="prompt file (.jsonl/.json); default: bundled set")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -42,62 +45,63 @@ def cli_main(argv: Sequence[str]) -> int:
     ap.add_argument("--requested", default=None,
                     help="launch command as typed, for the override check (default: the server's own)")
     ap.add_argument("--outputs", default=None, help="outputs folder (default: <repo>/outputs)")
-    ap.add_argument("--run-dir", default=None, help="existing run folder to append to (ledger.parquet)")
+    ap.add_argument("--run-dir", default=None, help="an existing run folder to append to (ledger.parquet)")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                    help=f"overall budget in seconds for the server's answers (default {DEFAULT_TIMEOUT:.0f})")
     ap.add_argument("--no-save", action="store_true", help="print only, write nothing")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    try:
-        args = ap.parse_args(list(argv))
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
+    return ap
 
-    if args.fixes:
-        try:
+
+def cli_main(argv: Sequence[str]) -> int:
+    """``python -m helpers measure ...`` (module docstring)."""
+
+    def body() -> int:
+        args = build_parser().parse_args(list(argv))
+        if args.run_dir and not Path(args.run_dir).is_dir():
+            raise BadInput("--run-dir must be an existing run folder (omit it for a new one)", path=args.run_dir)
+        if args.timeout <= 0:
+            raise BadInput("--timeout must be > 0")
+        if args.fixes:
             fixes = load_fixes(args.fixes)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            run_dir = run_fixes(fixes, outputs=args.outputs, run_dir=args.run_dir,
-                                           progress=not args.quiet)
-        except FixFailed as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        df = Ledger(Path(run_dir) / "ledger.parquet").read()
-        cols = [c for c in SUMMARY_COLUMNS if c in df.columns]
-        print(df[["fix"] + [c for c in cols if c != "label"]].to_string(index=False))
-        print(f"run folder: {run_dir}")
-        return 0
-    try:
+            run_dir = run_fixes(fixes, outputs=args.outputs, run_dir=args.run_dir, progress=not args.quiet)
+            df = Ledger(Path(run_dir) / "ledger.parquet").read()
+            cols = [c for c in SUMMARY_COLUMNS if c in df.columns]
+            print(df[["fix"] + [c for c in cols if c != "label"]].to_string(index=False))
+            print(f"run folder: {run_dir}")
+            return 0
         prompts = load_prompts(args.prompts, n=args.num_prompts)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        res = measure(args.url, prompts, max_new_tokens=args.max_new_tokens,
-                      concurrency=args.concurrency, temperature=args.temperature,
-                      ignore_eos=args.ignore_eos, warmup=args.warmup, flush_cache=not args.no_flush,
-                      n_boot=args.bootstrap, baseline=args.baseline_url, label=args.label,
-                      requested=args.requested, progress=not args.quiet)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except SGLangError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(res.summary, indent=1, default=_json_default))
-    else:
-        print(format_summary(res.summary))
-        if len(res.positions):
-            print(res.positions.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    for w in res.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    if not args.no_save:
-        run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(
-            f"measure-{args.label or 'server'}", outputs=args.outputs)
-        fix = args.label or "server"
-        res.save(run_dir / "fixes" / safe_name(fix))
-        Ledger(run_dir / "ledger.parquet").append(res.ledger_row(fix))
-        print(f"run folder: {run_dir}")
-    return 0
+        client = SGLangClient(args.url, os.environ.get("SGLANG_API_KEY") or None, deadline_s=args.timeout,
+                              on_wait=progress_line("measure"))
+        try:
+            res = measure(client, prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+                          temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup,
+                          flush_cache=not args.no_flush, n_boot=args.bootstrap, baseline=args.baseline_url,
+                          label=args.label, requested=args.requested, progress=not args.quiet)
+        finally:
+            client.close()
+        if args.json:
+            print(json.dumps(res.summary, indent=1, default=_json_default))
+        else:
+            print(format_summary(res.summary))
+            if len(res.positions):
+                print(res.positions.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        for w in res.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if not args.no_save:
+            run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(
+                f"measure-{args.label or 'server'}", outputs=args.outputs)
+            fix = args.label or "server"
+            saved = res.save(run_dir / "fixes" / safe_name(fix))
+            row = res.ledger_row(fix)
+            row["saved_to"] = str(saved.relative_to(run_dir))
+            Ledger(run_dir / "ledger.parquet").append(row)
+            print(f"run folder: {run_dir} (this measurement: {saved.relative_to(run_dir)})")
+        failed = int(res.summary.get("n_failed") or 0)
+        if failed:
+            raise RunFailed(f"{failed} of {failed + int(res.summary.get('n_requests') or 0)} requests failed (see "
+                            "per_request.parquet, column error); the measurement was saved with n_failed")
+        return 0
+
+    return run("measure", body)

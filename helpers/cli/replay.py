@@ -1,14 +1,16 @@
 """``python -m helpers replay CASE.yaml``: replay a case file into a new run folder."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+from pathlib import Path
 
-from ..errors import CaseError
+from ..errors import BadInput
 from ..investigation.cases import load_case
 from ..investigation.replay import replay_case
 from ..runfiles import new_run_dir
+from .common import Parser
+from .common import run as run_cli
 
 
 def cli_main(argv: list[str]) -> int:
@@ -19,16 +21,18 @@ def cli_main(argv: list[str]) -> int:
     Exit status: 0 when the replay completed and every hypothesis got its expected verdict, 1
     otherwise, 2 for an invalid case file (the field is named)."""
 
-    ap = argparse.ArgumentParser(prog="python -m helpers replay", description=cli_main.__doc__.split("\n\n")[0])
+    return run_cli("replay", lambda: _body(argv))
+
+
+def _body(argv: list[str]) -> int:
+    ap = Parser(prog="python -m helpers replay", description="Replay a case file into a new run folder.")
     ap.add_argument("case", help="case file (YAML), e.g. env/cases/seeds_hunt.yaml")
     ap.add_argument("--out", default=None, help="folder receiving the run folder (default: outputs/)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     a = ap.parse_args(argv)
-    try:
-        case = load_case(a.case)
-    except CaseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    case = load_case(a.case)
+    if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
+        raise BadInput("--out must be a folder (the run folder is created inside it)", path=a.out)
     run = new_run_dir(case.name, a.out)
     print(f"[replay] {case.name} -> {run}", file=sys.stderr)
     doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)

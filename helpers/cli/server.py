@@ -26,11 +26,18 @@ from ..server.embedded import (
 from ..server.process import stop_pid
 from ..server.registry import register, state_path, unregister
 from ..server.settings import SpecSettings
+from .common import Parser, run
 
 
 def cli_main(argv: list[str]) -> int:
-    """``python -m helpers server start|stop ...`` (start runs in the foreground until Ctrl-C)."""
-    ap = argparse.ArgumentParser(prog="python -m helpers server",
+    """``python -m helpers server start|stop ...`` (start runs in the foreground until Ctrl-C, or returns once the
+    server is healthy with ``--detach``). One line ``server: error: ...`` on failure: exit 2 bad input, 1 the server
+    did not start."""
+    return run("server", lambda: _body(argv))
+
+
+def _body(argv: list[str]) -> int:
+    ap = Parser(prog="python -m helpers server",
                                  description="Embedded SGLang CPU reference server")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start a server and keep it running until Ctrl-C")
@@ -105,6 +112,7 @@ def cli_main(argv: list[str]) -> int:
     finally:
         handle.stop()
         unregister(state)
+        unregister(state.with_suffix(".out"))   # the detached supervisor's output, kept only when a start failed
     print("stopped", flush=True)
     return 0
 

@@ -40,7 +40,7 @@ FINDING_KINDS = (
     "width_mismatch", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
     "norm_mismatch", "nan_or_inf", "token_mismatch", "config_ids_ignored", "fc_bypassed", "vocab_map_missing",
     "num_draft_tokens_overridden", "config_ids_mismatch", "unsupported_draft", "unsupported_target",
-    "served_draft_differs",
+    "served_draft_differs", "unidentified_chunk",
 )
 #: kinds that describe which tensor sits in which chunk (the served layout).
 LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",
@@ -907,8 +907,19 @@ def detect_wrong_layer(ctx: Context) -> list[dict]:
             if off:
                 detail += f"; by those identities: offset {off:+d} layer(s)"
         if ref and not ref["passed"]:
-            detail += ("; closest reference layers: " + ", ".join(
-                f"{c['tensor']} ({c['share_within']:.0%} rows within tolerance)" for c in ref["candidates"][:3]))
+            # no layer of the target equals the chunk on >= MATCH_SHARE of the rows (as a layer would: the reference
+            # comes from the same engine): not "another layer", something transforms the chunk
+            near = ", ".join(f"{c['tensor']} ({c['share_within']:.0%} rows within tolerance)"
+                             for c in ref["candidates"][:3])
+            ctx.explained[i] = "unidentified_chunk"
+            out.append(finding(
+                "unidentified_chunk", i,
+                f"served chunk {i} is not training chunk {i} ({data}) and matches no layer of the target for the "
+                f"same tokens (closest reference layers: {near}): it is not a layer output; something between the "
+                "residual stream and the capture transforms it (a per-rank partial value, a mix of tensors, a "
+                "quantization error beyond tolerance). Per-rank capture (TP ranks compared) or the capture code "
+                "settles what", offset=off, **ev))
+            continue
         elif not ref and cands:
             detail += ("; closest training chunks: " + ", ".join(
                 f"{c['training_chunk']} (median row cosine {c['row_cosine_p50']})" for c in cands[:2])

@@ -327,6 +327,12 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         if ambiguity is not None:
             # the config alone cannot tell; the layer findings derived from one reading are not facts
             findings = [f for f in findings if not (f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS)]
+    if (d.nested_layer_ids is None and d.top_level_layer_ids is not None and rule.supports_eagle3 and algo == "EAGLE3"
+            and not any(f["kind"] == "config_ids_ignored" for f in findings)):
+        advisories.append(f"SGLang ignores the top-level eagle_aux_hidden_state_layer_ids {list(d.top_level_layer_ids)} "
+                          f"(it reads only eagle_config; spec_aux_hidden_state.py) and falls back to {sp.engine_ids} = "
+                          f"{describe(sp.tensors)}, which is what those ids name: nothing is wrong today, but move them "
+                          "under eagle_config before anyone changes them")
     if d.nested_layer_ids is None and d.top_level_layer_ids is None and rule.supports_eagle3 and algo == "EAGLE3":
         advisories.append(f"the draft config has no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang falls back to "
                           f"{sp.engine_ids} = {describe(sp.tensors)}"

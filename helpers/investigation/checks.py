@@ -171,7 +171,8 @@ class Investigation:
                 self._arm(True)
                 try:
                     capture_served(self.client, self.training_samples(), self.dumps_dir,
-                                   name=path.name, max_new_tokens=1, progress=False)
+                                   name=path.name, max_new_tokens=1, progress=False,
+                                   max_width=16 * self.hidden_size)
                 finally:
                     self._arm(False)
             self._cache["served"] = path
@@ -227,7 +228,15 @@ class Investigation:
         ck = f"diagnosis:{reference}"
         if ck not in self._cache:
 
-            self._cache[ck] = diagnose(self.training, [self.served_dump()],
+            served = [self.served_dump()]
+            tp = int((self.server_info() or {}).get("tp_size") or 1) if self.client is not None else 1
+            if self.capture_dir is not None and tp > 1:
+                try:      # every rank's aux states: a per-rank partial value shows only across ranks
+                    ranks = self.rank_dumps("aux")
+                    served = ranks if len(ranks) == tp else served
+                except Exception:  # noqa: BLE001 - rank 0's /generate capture still answers
+                    pass
+            self._cache[ck] = diagnose(self.training, served,
                                        draft_config=self.draft_dir, target_config=self.target_dir,
                                        reference=self.reference_dump() if reference else None,
                                        server=self.server_info(), max_samples=self.num_samples)

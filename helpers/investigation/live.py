@@ -340,7 +340,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         t = step("diagnosis")
         diag = inv.diagnosis(reference=ref is not None)
         extra = list(att.findings)
-        doc.findings = [Finding(**f) for f in diag.findings + extra]
+        doc.findings = [Finding(**f) for f in _measured_first(diag.findings + extra)]
         doc.diagnosis = diag.to_json()
         doc.verdict = "ok" if not doc.findings else "mismatch"
         doc.seconds_to_verdict = round(dl.elapsed(), 1)
@@ -409,6 +409,17 @@ def _reference(att: Attachment, client: SGLangClient, samples: Sequence[Any], ru
 
 _ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}
 
+#: findings about the tensors the draft receives (measured); the config findings that explain them come after
+TENSOR_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order", "missing_chunk",
+                "extra_chunk", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
+                "norm_mismatch", "nan_or_inf", "fc_bypassed", "width_mismatch"}
+
+
+def _measured_first(findings: list[dict]) -> list[dict]:
+    """The findings with the measured tensor faults first (what the draft really receives), then the config
+    findings that explain them (stable otherwise): the opening sentence names what is wrong, then why."""
+    return sorted(findings, key=lambda f: 0 if f["kind"] in TENSOR_KINDS and not f["evidence"].get("static") else 1)
+
 
 def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
     out = []
@@ -436,7 +447,7 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
     progress(f"measure before: {prompts} prompts x {max_new_tokens} tokens on {att.url}")
     before = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="before (as served)",
                      progress=False, seed=0)
-    before.save(run_dir / "acceptance" / "before")
+    saved_before = before.save(run_dir / "acceptance" / "before")
     dl.check("starting the fixed server")
     progress("starting the fixed server ...")
     handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key)
@@ -445,7 +456,7 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
         progress(f"fixed server up at {handle.url}; measure after")
         after = measure(fixed, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="after (proposed fix)",
                         progress=False, seed=0)
-        after.save(run_dir / "acceptance" / "after")
+        saved_after = after.save(run_dir / "acceptance" / "after")
         effect = paired_effect(before.per_request, after.per_request)
         dl.check("diagnosing the fixed server")
         info = fixed.server_info()
@@ -469,6 +480,7 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
             "accept_rate_hi", "tok_s", "n_ok", "n_failed")
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
             "effect": effect, "prompts": prompts, "max_new_tokens": max_new_tokens,
+            "saved_to": [str(saved_before.relative_to(run_dir)), str(saved_after.relative_to(run_dir))],
             "after_verdict": diag2.verdict, "after_findings": [f["kind"] for f in diag2.findings],
             "fixed_server": {"draft": str(fixed_draft), "server_args": fix.server_args,
                              "log": str(getattr(handle, "log_path", ""))}}
@@ -533,6 +545,7 @@ KIND_TEXT = {
     "embedding_in_place_of_layer": "the token embedding is fed where the draft was trained on a layer output",
     "layer_offset": "every aux chunk is a different layer than the draft was trained on",
     "wrong_layer": "an aux chunk holds another layer than the draft was trained on",
+    "unidentified_chunk": "an aux chunk holds something that is no layer of the target",
     "chunk_order": "the aux chunks come in another order than in training",
     "missing_chunk": "an aux chunk the draft was trained on is missing",
     "extra_chunk": "the server feeds an aux chunk training did not have",

@@ -44,6 +44,8 @@ ENGINE_FIXES = {
     "norm_mismatch": "capture the pre-norm residual stream training used: the chunk is the trained tensor with a "
                      "normalisation applied (or one missing)",
     "nan_or_inf": "find where non-finite values enter the captured tensor (dtype overflow, an uninitialised buffer)",
+    "unidentified_chunk": "find what transforms the chunk between the residual stream and the capture: it equals no "
+                          "layer of the target (compare the TP ranks' captures, read the capture path)",
     "token_mismatch": "compare on the same tokens: the served capture and the training data disagree on the token "
                       "ids (tokenizer, chat template or sample order)",
     "unsupported_target": "serve a target architecture whose SGLang model class captures aux hidden states "

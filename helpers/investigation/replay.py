@@ -108,9 +108,11 @@ class Replay:
         res = measure(client, prompts, max_new_tokens=m.max_new_tokens, concurrency=m.concurrency,
                       ignore_eos=m.ignore_eos, label=label, progress=self.progress, seed=m.seed,
                       requested=requested, baseline=(self.baseline or {}).get("tok_s"))
-        res.save(self.run_dir / "acceptance" / safe_name(label))
-        Ledger(self.run_dir / "ledger.parquet").append([res.ledger_row(label)])
-        return res.summary
+        saved = res.save(self.run_dir / "acceptance" / safe_name(label))
+        row = res.ledger_row(label)
+        row["saved_to"] = str(saved.relative_to(self.run_dir))
+        Ledger(self.run_dir / "ledger.parquet").append([row])
+        return {**res.summary, "saved_to": row["saved_to"]}
 
     # -- steps ----------------------------------------------------------------------------------
     def with_proposal(self, fix: Fix) -> Fix:
@@ -155,7 +157,7 @@ class Replay:
         self.current = {"fix": fix, "client": client, "draft": draft, "capture_dir": capture_dir,
                         "requested": requested, "summary": summary, "index": i, "inv": None}
         rec.server_startup_s, rec.summary = round(startup, 1), _slim(summary)
-        rec.acceptance_dir = f"acceptance/{safe_name(fix.name)}"
+        rec.acceptance_dir = summary.get("saved_to") or f"acceptance/{safe_name(fix.name)}"
         return rec
 
     def fix_effect(self) -> Optional[dict]:

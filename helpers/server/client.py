@@ -35,13 +35,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import httpx
 import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from ..errors import (
     AuthError,
@@ -68,6 +70,54 @@ HIDDEN_STATES_FLAG = "--enable-return-hidden-states"
 
 _RETRY_STATUS = (502, 503, 504)
 
+#: Largest answer kept from a probe endpoint (/server_info, /model_info, /metrics, ...): 8 MiB. A real 0.5.23
+#: /server_info is about 30 KiB.
+MAX_INFO_BYTES = 8 << 20
+#: Largest /generate answer: 1 GiB. A TP 8 capture of 3 x 7168-wide rows for a 2k-token prompt is about 500 MiB of
+#: JSON; the width itself is checked against the target by the capture.
+MAX_GENERATE_BYTES = 1 << 30
+
+
+def _cap_timeout(t: Any, remaining: float) -> Any:
+    """``t`` (seconds or httpx.Timeout) with every phase capped at ``remaining`` seconds (at least 0.05)."""
+    r = max(0.05, remaining)
+    if isinstance(t, httpx.Timeout):
+        return httpx.Timeout(connect=min(t.connect or r, r), read=min(t.read or r, r), write=min(t.write or r, r),
+                             pool=min(t.pool or r, r))
+    return min(float(t), r)
+
+
+class _Waiting:
+    """While a request is in flight, calls ``on_wait`` every ``every`` seconds with a progress line, so a slow
+    server is never mistaken for a hang."""
+
+    def __init__(self, on_wait: Optional[Callable[[str], None]], where: str, every: float,
+                 deadline: Optional[float], t0: float):
+        self.on_wait, self.where, self.every, self.deadline, self.t0 = on_wait, where, every, deadline, t0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self):
+        if self.on_wait is not None:
+            self._start = time.monotonic()
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="e3f-waiting")
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            waited = time.monotonic() - self._start
+            left = "" if self.deadline is None else f"; deadline in {max(0.0, self.deadline - time.monotonic()):.0f} s"
+            try:
+                self.on_wait(f"still waiting for {self.where} ({waited:.0f} s{left})")
+            except Exception:  # noqa: BLE001 - progress must never break a request
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+
 
 class SGLangClient:
     """Synchronous httpx client for one SGLang server (thread-safe: share it between threads).
@@ -80,6 +130,9 @@ class SGLangClient:
         retries: extra attempts after a connection error, a connect/read timeout on idempotent
             probes, or 502/503/504; waits ``backoff * 2**attempt`` seconds in between.
         transport: optional httpx transport (tests).
+        deadline_s: overall budget in seconds for everything this client sends (:meth:`set_deadline`).
+        on_wait: called with a progress line every ``wait_every`` seconds while a request is in flight.
+        max_info_bytes / max_generate_bytes: the largest answer read from a probe endpoint / from ``/generate``.
 
     Errors (all :class:`SGLangError`): :class:`ServerUnavailable`, :class:`ServerTimeout`,
     :class:`AuthError`, :class:`EndpointMissing` (:class:`MetricsDisabled`),
@@ -89,7 +142,9 @@ class SGLangClient:
 
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 30.0,
                  generate_timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
-                 transport: Optional[httpx.BaseTransport] = None):
+                 transport: Optional[httpx.BaseTransport] = None, deadline_s: Optional[float] = None,
+                 on_wait: Optional[Callable[[str], None]] = None, wait_every: float = 15.0,
+                 max_info_bytes: int = MAX_INFO_BYTES, max_generate_bytes: int = MAX_GENERATE_BYTES):
         if not url or "://" not in url:
             raise ValueError(f"url must look like http://host:port, got {redact_url(str(url))!r}")
         self.url = url.rstrip("/")
@@ -105,6 +160,31 @@ class SGLangClient:
                                   transport=transport)
         self._server_info: Optional[dict] = None
         self._model_info: Optional[dict] = None
+        self.deadline: Optional[float] = None
+        self.budget_s: Optional[float] = None
+        self._t0 = time.monotonic()
+        if deadline_s is not None:
+            self.set_deadline(deadline_s)
+        self.on_wait = on_wait
+        self.wait_every = float(wait_every)
+        self.max_info_bytes = int(max_info_bytes)
+        self.max_generate_bytes = int(max_generate_bytes)
+
+    def set_deadline(self, seconds: Optional[float]) -> None:
+        """An overall budget: every request from now on ends (:class:`ServerTimeout`) once ``seconds`` have passed
+        in all, not only per read (a server that trickles one byte every few seconds never trips a read
+        timeout). None removes it."""
+        self._t0 = time.monotonic()
+        self.budget_s = None if seconds is None else float(seconds)
+        self.deadline = None if seconds is None else self._t0 + float(seconds)
+
+    def remaining(self) -> Optional[float]:
+        """Seconds left of the overall budget (None without one)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def _expired(self, where: str, path: str) -> ServerTimeout:
+        return ServerTimeout(f"{where}: the overall deadline of {self.budget_s:.0f} s passed "
+                             f"({time.monotonic() - self._t0:.0f} s elapsed; raise it with --timeout)", endpoint=path)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -136,33 +216,50 @@ class SGLangClient:
 
     def _request(self, method: str, path: str, *, json_body: Any = None,
                  params: Optional[dict] = None, timeout: Optional[httpx.Timeout | float] = None,
-                 idempotent: bool = True, retries: Optional[int] = None) -> httpx.Response:
+                 idempotent: bool = True, retries: Optional[int] = None,
+                 max_bytes: Optional[int] = None) -> httpx.Response:
         """Send with retries; return the response for 2xx/4xx; raise for transport failures.
 
         Retries: connection errors always (nothing reached the server), timeouts and
-        502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here.
+        502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here. The body is read in
+        chunks: past ``max_bytes`` (default :attr:`max_info_bytes`) the request ends with :class:`SGLangError`
+        naming the limit; past the overall deadline (:meth:`set_deadline`) with :class:`ServerTimeout`. While a
+        request is in flight longer than ``wait_every`` seconds, ``on_wait`` gets a progress line.
         """
         tries = 1 + (self.retries if retries is None else retries)
         where = f"{method} {self._shown_url}{path}"
+        limit = self.max_info_bytes if max_bytes is None else int(max_bytes)
         last: str = ""
         for attempt in range(tries):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                pause = self.backoff * 2 ** (attempt - 1)
+                rem = self.remaining()
+                if rem is not None and rem <= pause:
+                    raise self._expired(where, path)
+                time.sleep(pause)
+            rem = self.remaining()
+            if rem is not None and rem <= 0:
+                raise self._expired(where, path)
+            t = timeout if timeout is not None else self.timeout
+            if rem is not None:
+                t = _cap_timeout(t, rem)
             try:
-                resp = self._http.request(method, path, json=json_body, params=params,
-                                          timeout=timeout if timeout is not None else self.timeout)
+                with _Waiting(self.on_wait, where, self.wait_every, self.deadline, self._t0):
+                    resp = self._read(method, path, json_body, params, t, limit, where)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 last = f"cannot connect ({type(exc).__name__}: {self._scrub(str(exc))})"
                 continue
             except httpx.TimeoutException as exc:
+                rem = self.remaining()
+                if rem is not None and rem <= 0.5:
+                    raise self._expired(where, path) from None
                 if idempotent and attempt + 1 < tries:
                     last = f"timed out ({type(exc).__name__})"
                     continue
-                t = timeout if timeout is not None else self.timeout
+                shown_t = t.read if isinstance(t, httpx.Timeout) else t
                 raise ServerTimeout(
-                    f"{where}: no answer within {t} s ({type(exc).__name__}); the server may be "
-                    "overloaded or the generation long: raise the timeout "
-                    "(SGLangClient(timeout=..., generate_timeout=...))", endpoint=path) from None
+                    f"{where}: no answer within {shown_t} s ({type(exc).__name__}); the server may be "
+                    "overloaded or the generation long: raise the timeout (--timeout)", endpoint=path) from None
             except httpx.TransportError as exc:
                 last = f"transport error ({type(exc).__name__}: {self._scrub(str(exc))})"
                 if idempotent:
@@ -185,6 +282,28 @@ class SGLangClient:
         raise ServerUnavailable(
             f"{where}: {last} after {tries} attempt(s); is the server running and reachable "
             "(check the URL / port, and the server log)?", endpoint=path)
+
+    def _read(self, method: str, path: str, json_body: Any, params: Optional[dict], timeout: Any, limit: int,
+              where: str) -> httpx.Response:
+        """One request, body streamed in chunks with the byte limit and the overall deadline checked between
+        chunks. Returns a complete (read) response."""
+        with self._http.stream(method, path, json=json_body, params=params, timeout=timeout) as resp:
+            declared = resp.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise SGLangError(f"{where}: the answer is {int(declared) / 2**20:.1f} MiB, over the limit of "
+                                  f"{limit / 2**20:.1f} MiB for this endpoint", endpoint=path)
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise SGLangError(f"{where}: the answer exceeds the limit of {limit / 2**20:.1f} MiB for this "
+                                      "endpoint (read stopped there)", endpoint=path)
+                chunks.append(chunk)
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise self._expired(where, path)
+            headers = [(k, v) for k, v in resp.headers.multi_items()
+                       if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+            return httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks), request=resp.request)
 
     def _body(self, resp: httpx.Response, limit: int = 400) -> str:
         try:
@@ -364,7 +483,7 @@ class SGLangClient:
         read = self.generate_timeout if timeout is None else float(timeout)
         t0 = time.perf_counter()
         resp = self._request("POST", "/generate", json_body=body, idempotent=False,
-                             timeout=httpx.Timeout(self.timeout, read=read))
+                             timeout=httpx.Timeout(self.timeout, read=read), max_bytes=self.max_generate_bytes)
         if resp.status_code >= 400:
             msg = self._body(resp)
             if return_hidden_states and ("hidden states" in msg.lower() or HIDDEN_STATES_FLAG in msg):
@@ -383,9 +502,18 @@ class SGLangClient:
             raise SGLangError(f"POST {self._shown_url}/generate: answer is not JSON: {self._body(resp)}",
                               endpoint="/generate") from None
         latency = time.perf_counter() - t0
-        if isinstance(data, list):  # a batch answer: only one prompt is sent here
+        if isinstance(data, list) and data:  # a batch answer: only one prompt is sent here
             data = data[0]
-        return GenerateResult.model_validate({**data, "latency_s": latency})
+        if not isinstance(data, dict):
+            raise SGLangError(f"POST {self._shown_url}/generate: expected a JSON object, got "
+                              f"{type(data).__name__}", endpoint="/generate")
+        try:
+            return GenerateResult.model_validate({**data, "latency_s": latency})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
+            raise SGLangError(f"POST {self._shown_url}/generate: field {where}: {err.get('msg')} "
+                              f"({len(exc.errors())} problem(s) in the answer)", endpoint="/generate") from None
 
     # -- configuration ----------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens
                       concurrency=concurrency, ignore_eos=True, label=label, progress=False)
     finally:
         client.close()
-    res.save(ctx.run_dir / "acceptance" / safe_name(label))
-    Ledger(ctx.run_dir / "ledger.parquet").append([res.ledger_row(label)])
-    return res.summary
+    saved = res.save(ctx.run_dir / "acceptance" / safe_name(label))
+    row = res.ledger_row(label)
+    row["saved_to"] = str(saved.relative_to(ctx.run_dir))
+    Ledger(ctx.run_dir / "ledger.parquet").append([row])
+    return {**res.summary, "saved_to": row["saved_to"]}

@@ -119,6 +119,6 @@ def test_bad_input_exit_2_one_line(name, clean_case, runner32, specs, capsys):
     argv, needle = _bad_cases(tmp, train, served, runner32, specs)[name]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("diagnose: bad input: ") and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("diagnose: error: ") and "Traceback" not in err
     assert needle in err
     assert not (tmp / "PWNED").exists()

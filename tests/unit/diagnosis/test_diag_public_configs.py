@@ -57,4 +57,4 @@ def test_unknown_target_fields_are_a_clear_error(tmp_path, capsys):
     d, t = _write(tmp_path, e)
     assert cli_main(["--draft-config", str(d), "--target-config", str(t)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("diagnose: bad input:") and "config.json" in err and "expected a positive integer" in err
+    assert err.startswith("diagnose: error:") and "config.json" in err and "expected a positive integer" in err

@@ -9,6 +9,9 @@ SGLang's rules, hook-injected tensors, per-rank captures).
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -144,6 +147,29 @@ def test_far_layer_in_one_chunk(worlds, n):
                  reference=w.reference())
     assert kinds(d) == [("wrong_layer", 2)], d.render_text()
     assert d.findings[0]["evidence"]["served_identified_as"] == f"out({ids[2] - 9})"
+
+
+@pytest.mark.parametrize("n", [32, 61])
+def test_a_chunk_that_is_no_layer_is_not_named_a_wrong_layer(worlds, n):
+    """A mix of two adjacent layers (cosine 0.9-0.99 to each) matches no layer of the reference on any row: the
+    finding says so instead of naming the closest layer."""
+    w = worlds[n]
+    ids = specforge_default(n)
+    train = w.training(outs(ids), manifest_ids=ids)
+    dd, td = w.configs(ids)
+    base = w.served_json(outs(ids))
+    other = w.served_json(outs([ids[0], ids[1] + 1, ids[2]]))
+    mixed = json.loads(Path(base).read_text())
+    for a, b in zip(mixed, json.loads(Path(other).read_text())):
+        hs_a, hs_b = a["meta_info"]["hidden_states"], b["meta_info"]["hidden_states"]
+        for i, (ra, rb) in enumerate(zip(hs_a, hs_b)):
+            rows_a, rows_b = (ra, rb) if isinstance(ra[0], list) else ([ra], [rb])
+            for x, y in zip(rows_a, rows_b):
+                x[H:2 * H] = [0.5 * (u + v) for u, v in zip(x[H:2 * H], y[H:2 * H])]
+    Path(base).write_text(json.dumps(mixed))
+    d = diagnose(train, [base], draft_config=dd, target_config=td, reference=w.reference())
+    assert kinds(d) == [("unidentified_chunk", 1)], d.render_text()
+    assert "matches no layer of the target" in d.findings[0]["detail"]
 
 
 # ------------------------------------------------------------------------------------ embedding and order

@@ -167,4 +167,4 @@ def test_cli_config_only_bad_input(tmp_path, capsys, argv, needle):
     argv = [str(d) if a == "D" else str(t) if a == "T" else a for a in argv]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("diagnose: bad input:") and err.count("\n") == 1 and needle in err
+    assert err.startswith("diagnose: error:") and err.count("\n") == 1 and needle in err

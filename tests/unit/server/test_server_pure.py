@@ -228,3 +228,21 @@ def test_client_retries_503_on_probes_only():
     with pytest.raises(ServerUnavailable):
         c.generate(input_ids=[1], max_new_tokens=2)
     assert n == ["/generate"]  # not retried: the request may have run
+
+
+def test_redaction_keeps_paths_of_this_tools_hook_specs():
+    """The stash specs name their tensor in a field redaction does not treat as a secret, so a path containing
+    "embedding" survives /server_info redaction (the investigation reads the draft path from it)."""
+    from helpers.capture import server_hook_specs
+    from helpers.investigation.live import capture_hooks
+    from helpers.server.redaction import redact
+
+    hooks = server_hook_specs(8, rank_capture_dir="/x/ranks", layers_dir="/x/layers",
+                              faults=[{"kind": "embedding_in_place_of_layer", "chunk": 0}])
+    info = redact({"speculative_draft_model_path": "/runs/drafts/ids-1-1-3-embedding-first", "forward_hooks": hooks,
+                   "api_key": "sk-very-secret", "launch_command": "--api-key sk-very-secret --port 1"})
+    assert info["speculative_draft_model_path"] == "/runs/drafts/ids-1-1-3-embedding-first"
+    assert "sk-very-secret" not in json.dumps(info) and "api_key" not in info
+    ranks, layers, others = capture_hooks(info)
+    assert (str(ranks), str(layers)) == ("/x/ranks", "/x/layers")
+    assert [h["name"] for h in others] == ["e3f-faults"]
