@@ -1,1 +1,10 @@
-"""Acceptance of a draft on a live server: prompts, per-request statistics with bootstrap CIs, the measurement,\nthe append-only fixes ledger, and managed mode (a server per fix from a fixes file).\n\n* :mod:`.prompts`, :mod:`.requests`, :mod:`.stats` (the one definition of accept length / rate and CIs),\n  :mod:`.measure` (one measurement), :mod:`.ledger` (rows per fix), :mod:`.fixes` (fixes file, managed mode).\n"""
+"""Acceptance of a draft on a live server: what the draft earns, measured.
+
+* :mod:`.prompts` -- prompt sets (bundled, files, training samples);
+* :mod:`.requests` -- one request per prompt, the spec fields of each answer;
+* :mod:`.stats` -- the one definition of accept length (tokens per verify step, bonus token included) and accept
+  rate, bootstrap and paired CIs, the one CI formatter;
+* :mod:`.measure` -- one measurement (summary, per request, per position), saved as one unit, never overwritten;
+* :mod:`.ledger` -- the append-only ledger of measured fixes;
+* :mod:`.fixes` -- the fixes file and managed mode (a server per fix).
+"""

@@ -1,1 +1,3 @@
-"""What the notebooks show, one module per page (``attach``, ``dump``, ``compare``, ``hypotheses``, ``acceptance``,\n``replay``, ``postmortem``) plus :mod:`.common` (run context, HTML, plotly renderer, widgets, results between\npages). Notebooks hold prose and calls into these modules."""
+"""What the notebooks show, one module per page (``investigation``, ``replay``, ``attach``, ``dump``, ``compare``,
+``hypotheses``, ``acceptance``, ``postmortem``) plus :mod:`.common` (run context, HTML, plotly renderer, widgets,
+results between pages). Notebooks hold prose and calls into these modules."""
