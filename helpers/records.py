@@ -83,6 +83,7 @@ class InvestigationDoc(Record):
     seconds_to_verdict: Optional[float] = None
     wall_s: Optional[float] = None
     error: Optional[str] = None
+    notes: list[str] = Field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------ replay steps

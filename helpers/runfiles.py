@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -53,6 +54,22 @@ def new_run_dir(name: str, outputs: str | os.PathLike | None = None,
             continue
         return path
     raise RuntimeError(f"could not create a new run folder under {outputs}")
+
+
+def mark_failed(run_dir: str | os.PathLike, reason: str) -> Optional[Path]:
+    """After a failed run: remove ``run_dir`` when it holds no file at all (a folder created for nothing), else write
+    ``run_dir/FAILED`` with the one-line reason so a half-written run folder is never mistaken for a result.
+    Returns the marker path, or None when the folder was removed or cannot be written (a full disk)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    if not any(p.is_file() for p in run_dir.rglob("*")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return None
+    try:
+        return atomic_write_text(run_dir / "FAILED", reason.strip() + "\n")
+    except OSError:
+        return None
 
 
 def _fsync_dir(folder: Path) -> None:

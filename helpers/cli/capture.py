@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 from ..capture import capture_every_layer, capture_reference_hf, capture_served
 from ..errors import BadInput
 from ..formats.training_data import TrainingData
-from ..runfiles import new_run_dir
+from ..runfiles import mark_failed, new_run_dir
 from ..server.client import SGLangClient
-from .common import Parser, progress_line, run
+from .common import Parser, describe, progress_line, run
 
 DEFAULT_TIMEOUT = 1800.0
 
@@ -64,16 +64,25 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         client = SGLangClient(args.url, os.environ.get("SGLANG_API_KEY") or None, deadline_s=args.timeout,
                               on_wait=show)
         try:
-            print(capture_served(client, samples, dumps, name=args.name, max_new_tokens=1, progress=True,
-                                 max_width=None if not H else 16 * H))
-            if args.reference_hf:
-                print(capture_reference_hf(args.reference_hf, samples, dumps, name=f"{args.name}-reference-hf",
-                                           progress=True))
-            if args.every_layer:
-                print(capture_every_layer(client, samples, args.every_layer, dumps,
-                                          name=f"{args.name}-reference-server", progress=True))
+            return _capture(args, client, samples, dumps, H)
+        except BaseException as exc:
+            if not args.run_dir:            # a run folder made for this capture: removed if empty, else marked
+                mark_failed(run_dir, f"capture: {describe(exc)}")
+            raise
         finally:
             client.close()
-        return 0
 
     return run("capture", body)
+
+
+def _capture(args, client, samples, dumps, H) -> int:
+    """The dumps of one ``capture`` run (served, then the references asked for); prints each folder."""
+    print(capture_served(client, samples, dumps, name=args.name, max_new_tokens=1, progress=True,
+                         max_width=None if not H else 16 * H))
+    if args.reference_hf:
+        print(capture_reference_hf(args.reference_hf, samples, dumps, name=f"{args.name}-reference-hf",
+                                   progress=True))
+    if args.every_layer:
+        print(capture_every_layer(client, samples, args.every_layer, dumps, name=f"{args.name}-reference-server",
+                                  progress=True))
+    return 0

@@ -15,9 +15,9 @@ from ..acceptance.ledger import Ledger
 from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure
 from ..acceptance.prompts import load_prompts
 from ..errors import BadInput, RunFailed
-from ..runfiles import new_run_dir, safe_name
+from ..runfiles import mark_failed, new_run_dir, safe_name
 from ..server.client import SGLangClient
-from .common import Parser, progress_line, run
+from .common import Parser, describe, progress_line, run
 
 DEFAULT_TIMEOUT = 3600.0
 
@@ -93,7 +93,12 @@ def cli_main(argv: Sequence[str]) -> int:
             run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(
                 f"measure-{args.label or 'server'}", outputs=args.outputs)
             fix = args.label or "server"
-            saved = res.save(run_dir / "fixes" / safe_name(fix))
+            try:
+                saved = res.save(run_dir / "fixes" / safe_name(fix))
+            except OSError as exc:
+                if not args.run_dir:        # the run folder made for this measurement: removed when empty
+                    mark_failed(run_dir, f"measure: {describe(exc)}")
+                raise
             row = res.ledger_row(fix)
             row["saved_to"] = str(saved.relative_to(run_dir))
             Ledger(run_dir / "ledger.parquet").append(row)

@@ -323,7 +323,9 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                             reference=None, algorithm=att.algorithm)
         samples = inv.training_samples()
         if len(samples) < num_samples:
-            progress(f"note: the training data hold {len(samples)} sample(s); {num_samples} were asked for")
+            doc.notes.append(f"{num_samples} training samples were asked for; the training data hold {len(samples)}, "
+                             "all of which were used")
+            progress("note: " + doc.notes[-1])
         doc.samples = len(samples)
 
         t = step("capture")

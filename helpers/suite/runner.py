@@ -47,13 +47,14 @@ from typing import Any, Optional
 
 import papermill as pm
 import yaml
+from jupyter_client.manager import KernelManager
 from tqdm import tqdm
 
 from ..capture import server_hook_specs
 from ..errors import BadParams
 from ..paths import ROOT
 from ..records import ReplayDoc
-from ..runfiles import atomic_write_text, new_run_dir, write_json
+from ..runfiles import atomic_write_text, mark_failed, new_run_dir, write_json
 from ..server.embedded import start
 from ..server.registry import register, state_path, unregister
 from ..server.settings import SpecSettings
@@ -62,6 +63,16 @@ from .params import INVESTIGATE, POSTMORTEM, REPLAY, ManagedServer, load_params
 
 #: notebooks that read what another one writes (they start after it finishes): the served dump of
 #: 02_dump (live mode), the reference comparison in results/03_compare.json
+
+
+class IpcKernelManager(KernelManager):
+    """Kernels talk to papermill over local IPC sockets instead of TCP ports on 127.0.0.1: nothing listens on the
+    network, and ipykernel no longer warns once per notebook that "Kernel is running over TCP without encryption"
+    (``ipykernel/kernelapp.py::init_sockets``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("transport", "ipc")
+        super().__init__(*args, **kwargs)
 
 
 class _ReplayProgress:
@@ -204,7 +215,7 @@ def _execute(nb: str, src: Path, run_dir: Path, nb_params: dict, timeout: int, p
         with watch:
             pm.execute_notebook(str(src), str(dst), parameters=nb_params, kernel_name="python3",
                                 cwd=str(ROOT), progress_bar=False, log_output=False,
-                                execution_timeout=timeout)
+                                execution_timeout=timeout, kernel_manager_class=IpcKernelManager)
         entry["ok"] = True
     except Exception as exc:  # noqa: BLE001 - keep going, report in the postmortem
         entry["ok"] = False
@@ -236,6 +247,18 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
     """
 
     params = load_params(params_path)
+    holder: dict[str, Any] = {}
+    try:
+        return _run_suite(params, params_path, out, only, argv, holder)
+    except BaseException as exc:
+        run_dir = holder.get("run_dir")
+        if run_dir is not None:   # a run that broke off (a full disk, Ctrl-C): never left looking like a result
+            mark_failed(run_dir, f"suite: {type(exc).__name__}: {exc}"[:2000])
+        raise
+
+
+def _run_suite(params, params_path, out, only, argv, holder: dict) -> tuple[Path, dict]:
+    """:func:`run_suite` once the params are valid; ``holder["run_dir"]`` is set as soon as the folder exists."""
     # kernels import this checkout's helpers (not another install of the package)
     pp = os.environ.get("PYTHONPATH", "")
     if str(ROOT) not in pp.split(os.pathsep):
@@ -253,10 +276,12 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
                            "one (case: ...)")
         print(f"[suite] {REPLAY} skipped: {skipped[REPLAY]}", flush=True)
     run_dir = new_run_dir(params.name, Path(out) if out else None)
+    holder["run_dir"] = run_dir
     for sub in ("notebooks", "html", "results", "figures", "logs"):
         (run_dir / sub).mkdir(exist_ok=True)
     atomic_write_text(run_dir / "params.yaml", yaml.safe_dump(params.model_dump(), sort_keys=False))
-    cmd = ["python", "-m", "helpers", "suite", "run", "--params", str(run_dir / "params.yaml")]
+    cmd = ["python", "-m", "helpers", "suite", "run", "--params", str(run_dir / "params.yaml"),
+           "--out", str(run_dir.parent)]
     atomic_write_text(run_dir / "command.txt",
                       f"cd {shlex.quote(str(ROOT))} && .venv/bin/{shlex.join(cmd)}\n"
                       f"# original invocation: python -m helpers suite {shlex.join(argv or [])}\n")

@@ -128,6 +128,7 @@ def facts_frame(doc: InvestigationDoc) -> pd.DataFrame:
             ("timings (s)", ", ".join(f"{k} {v}" for k, v in (doc.timings or {}).items()))]
     if (doc.reference or {}).get("missing"):
         rows.append(("missing", doc.reference["missing"]))
+    rows += [("note", n) for n in doc.notes]
     return pd.DataFrame([{"fact": k, "value": "" if v is None else str(v)} for k, v in rows])
 
 

@@ -148,8 +148,10 @@ def test_hook_partial_sum_on_tp2(tmp_path):
 def test_draft_without_vocab_map(tmp_path):
     draft = _draft(tmp_path, drop=["d2t", "t2d"])
     with server(tmp_path, draft=draft) as url:
-        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False)
-    assert _kinds(doc) == ["vocab_map_missing"], _kinds(doc)
+        # the user passes the original draft folder: the server runs another one, which is what gets diagnosed
+        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, draft=MODELS / "draft")
+    assert _kinds(doc) == ["vocab_map_missing", "served_draft_differs"], _kinds(doc)
+    assert doc.attach["draft_dir"] == str(draft) and "weights" in doc.findings[1].evidence["differences"]
     assert set(doc.proposed_fix.add_tensors) == {"d2t", "t2d"}
     assert doc.proposed_fix.add_tensors["d2t"].endswith("vocab_mapping/vocab_mapping.pt")
 

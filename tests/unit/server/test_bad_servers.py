@@ -161,3 +161,23 @@ def test_full_disk_is_one_line_and_leaves_no_partial_measurement(tmp_path, capsy
         assert not any(n.startswith("full") or n.endswith(".tmp") for n in leftovers), leftovers
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_failed_run_folder_is_removed_when_empty_or_marked(tmp_path, training, capsys):
+    from helpers.runfiles import mark_failed
+
+    empty = tmp_path / "empty"
+    (empty / "dumps").mkdir(parents=True)
+    assert mark_failed(empty, "capture: error") is None and not empty.exists()
+    half = tmp_path / "half"
+    (half / "dumps").mkdir(parents=True)
+    (half / "dumps" / "x.json").write_text("{}")
+    assert mark_failed(half, "suite: OSError: no space") == half / "FAILED"
+    assert (half / "FAILED").read_text() == "suite: OSError: no space\n"
+    # investigate against an unreachable server: one line, exit 1, the run folder holds the partial record + FAILED
+    rc = main(["investigate", "--url", "http://127.0.0.1:9", "--training", str(training), "--out",
+               str(tmp_path / "runs"), "--timeout", "20"])
+    line = _one_line_error(capsys, "investigate")
+    assert rc == 1 and "cannot connect" in line, line
+    (run,) = list((tmp_path / "runs").iterdir())
+    assert (run / "FAILED").exists() and json.loads((run / "investigation.json").read_text())["error"]
