@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from ..errors import SGLangError
+from ..errors import BadInput, SGLangError
 from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes
 from ..server.client import SGLangClient, as_client
 from ..server.redaction import redact, redact_url
@@ -314,7 +314,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
     server cannot be reached or every request failed; ValueError on bad arguments.
     """
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}", field="--max-new-tokens")
     own = not isinstance(client_or_url, SGLangClient)
     client = as_client(client_or_url, api_key=api_key)
     try:

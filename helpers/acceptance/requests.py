@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..errors import SGLangError
+from ..errors import BadInput, SGLangError
 from ..server.client import SGLangClient
 from ..server.protocol import GenerateResult
 from .prompts import Prompt
@@ -61,7 +61,7 @@ def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tok
     """
 
     if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        raise BadInput(f"concurrency must be >= 1, got {concurrency}", field="--concurrency")
     sp = dict(sampling_params or {})
     sp["max_new_tokens"] = int(max_new_tokens)
     rows: list[Optional[dict]] = [None] * len(prompts)

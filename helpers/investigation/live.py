@@ -303,7 +303,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         timings[name] = round(time.monotonic() - t, 2)
         progress(f"{name}: {note} ({timings[name]:.1f} s)" if note else f"{name}: done ({timings[name]:.1f} s)")
 
-    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0))
+    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), deadline_s=timeout,
+                          on_wait=progress if progress is not _noop else None)
     try:
         t = step("attach")
         att = attach(client, draft=draft, target=target, relaunch=relaunch)

@@ -47,6 +47,7 @@ from pydantic import ValidationError
 
 from ..errors import (
     AuthError,
+    BadInput,
     CacheBusy,
     EndpointMissing,
     HiddenStatesDisabled,
@@ -146,7 +147,7 @@ class SGLangClient:
                  on_wait: Optional[Callable[[str], None]] = None, wait_every: float = 15.0,
                  max_info_bytes: int = MAX_INFO_BYTES, max_generate_bytes: int = MAX_GENERATE_BYTES):
         if not url or "://" not in url:
-            raise ValueError(f"url must look like http://host:port, got {redact_url(str(url))!r}")
+            raise BadInput(f"url must look like http://host:port, got {redact_url(str(url))!r}", field="--url")
         self.url = url.rstrip("/")
         self._shown_url = redact_url(self.url)
         key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
