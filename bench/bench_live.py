@@ -97,9 +97,11 @@ def main() -> None:
         t, out = cli("investigate", "--url", url, "--training", str(TRAINING), "--out", str(tmp / "runs"), "--json")
         doc = json.loads(out.stdout)
         m = doc["measured"] or {}
+        if out.returncode not in (0, 1) or "not_measured" in m:
+            raise SystemExit(f"investigate did not measure the fix: {m.get('not_measured') or out.stderr}")
         rows.append(("investigate with the fix applied (CLI)", t,
-                     f"accept rate {m.get('before', {}).get('accept_rate', float('nan')):.2f} -> "
-                     f"{m.get('after', {}).get('accept_rate', float('nan')):.2f}, after: {m.get('after_verdict')}"))
+                     f"accept rate {m['before']['accept_rate']:.2f} -> {m['after']['accept_rate']:.2f}, "
+                     f"after: {m.get('after_verdict')}"))
         if not a.skip_suite:
             params = tmp / "params.yaml"
             params.write_text(json.dumps({"name": "bench-live", "server": {"url": url},

@@ -64,8 +64,9 @@ def _body(argv: list[str]) -> int:
     s.add_argument("--detach", action="store_true",
                    help="start the server in the background, print its URL and PID, write the state file and return")
     s.add_argument("--state-file", default=None, metavar="PATH",
-                   help="where the URL, PIDs and launch settings go (default outputs/servers/<port>.json; "
-                        "`investigate` reads it to restart this server with a proposed fix)")
+                   help="also write the URL, PIDs and launch settings to PATH (they always go to the registry, "
+                        "outputs/servers/<port>.json, where `investigate` finds them to restart this server with a "
+                        "proposed fix)")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang flags")
     t = sub.add_parser("stop", help="stop a server tree by the PID `start` printed")
     t.add_argument("pid", type=int)
@@ -95,13 +96,15 @@ def _body(argv: list[str]) -> int:
     except ServerStartError as exc:
         print(f"server: error: {exc}", file=sys.stderr)
         return 1
-    state = Path(args.state_file) if args.state_file else state_path(handle.port)
+    states = list(dict.fromkeys([state_path(handle.port)] + ([Path(args.state_file)] if args.state_file else [])))
     launch = {"target": str(Path(handle.target).resolve()), "draft": None if draft is None else str(Path(draft).resolve()),
               "tp": args.tp, "spec": spec.model_dump(mode="json") if draft is not None else None,
               "forward_hooks": hooks, "extra_args": extra, "dtype": args.dtype}
-    register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path), launch=launch)
+    for state in states:
+        register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path),
+                 launch=launch)
     print(f"SGLang reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, "
-          f"log {handle.log_path}, state {state}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it",
+          f"log {handle.log_path}, state {states[-1]}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it",
           flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,8 +114,9 @@ def _body(argv: list[str]) -> int:
             stop.wait(1.0)
     finally:
         handle.stop()
-        unregister(state)
-        unregister(state.with_suffix(".out"))   # the detached supervisor's output, kept only when a start failed
+        for state in states:
+            unregister(state)
+            unregister(state.with_suffix(".out"))   # the detached supervisor's output, kept only when a start failed
     print("stopped", flush=True)
     return 0
 
@@ -125,8 +129,7 @@ def _detach(argv: list[str], args: argparse.Namespace) -> int:
     if state.exists():
         unregister(state)        # a stale file of an earlier server on this port (the port is free again)
     rest = [a for a in argv[1:] if a != "--detach"]          # argv[0] is "start"
-    child = ["start"] + (["--port", str(port)] if args.port is None else []) + \
-        (["--state-file", str(state)] if args.state_file is None else []) + rest
+    child = ["start"] + (["--port", str(port)] if args.port is None else []) + rest
     state.parent.mkdir(parents=True, exist_ok=True)
     out_path = state.with_suffix(".out")
     with open(out_path, "wb") as out:
