@@ -7,26 +7,30 @@ and renamed into place, so a reader sees the old file or the new one, never a pa
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
 
 if TYPE_CHECKING:  # pragma: no cover
-    import pandas as pd
+    import numpy as np
 
 DEFAULT_OUTPUTS = Path(__file__).resolve().parents[1] / "outputs"
 
@@ -106,9 +110,69 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def jsonable(x: Any, *, sig: Optional[int] = None, keep_inf: bool = False) -> Any:
+    """``x`` as plain JSON values: mappings (keys as ``str``), lists / tuples / sets, numpy scalars, pydantic models
+    (``model_dump(mode="json")``), ``Path`` (``str``), arrays and tensors (``tolist()``); NaN -> ``None``, +-inf ->
+    ``None`` unless ``keep_inf``; floats rounded to ``sig`` significant digits when given. Objects with a
+    ``to_json()`` method (e.g. :class:`helpers.diagnosis.compare.PairMetrics`) are converted by it. Anything else is
+    returned as is. The one converter for findings' evidence, check results and notebook results."""
+    if isinstance(x, BaseModel):
+        return jsonable(x.model_dump(mode="json"), sig=sig, keep_inf=keep_inf)
+    if isinstance(x, Mapping):
+        return {str(k): jsonable(v, sig=sig, keep_inf=keep_inf) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set)):
+        return [jsonable(v, sig=sig, keep_inf=keep_inf) for v in x]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        if math.isnan(v) or (math.isinf(v) and not keep_inf):
+            return None
+        return float(f"{v:.{sig}g}") if sig and math.isfinite(v) else v
+    if isinstance(x, Path):
+        return str(x)
+    if callable(getattr(x, "to_json", None)) and _no_required_args(x.to_json):
+        return jsonable(x.to_json(), sig=sig, keep_inf=keep_inf)
+    if callable(getattr(x, "tolist", None)):          # numpy arrays, torch tensors
+        return jsonable(x.tolist(), sig=sig, keep_inf=keep_inf)
+    return x
+
+
+def _no_required_args(fn: Any) -> bool:
+    try:
+        return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                   for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Atomically write ``obj`` as indented JSON (non-JSON values via ``str``)."""
     return atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput, expected: str = "a JSON object") -> Any:
+    """The parsed JSON of a file the user named (a config, a manifest, a saved server answer).
+
+    Raises ``error`` (a :class:`helpers.errors.BadInput` subclass, default BadInput) with the path and ``what`` in
+    one line when the file is missing, unreadable, empty (``expected`` says what it should hold) or not valid JSON
+    (message, line and column). The one reader of user-named JSON files."""
+    p = Path(path)
+    if not p.exists():
+        raise error(f"{what} not found", path=p)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"cannot read {what}: {getattr(e, 'strerror', None) or e}", path=p) from None
+    if not text.strip():
+        raise error(f"{what} is an empty file (expected {expected})", path=p)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{what} is not valid JSON, or truncated ({e.msg} at line {e.lineno} column {e.colno})",
+                    path=p) from None
 
 
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:

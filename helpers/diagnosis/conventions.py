@@ -304,6 +304,16 @@ class CapturePlan:
     def num_chunks(self) -> int:
         return len(self.tensors)
 
+    def describe_lines(self) -> list[str]:
+        """The plan as text lines for ``diagnose``'s report: ``<role> plan [<provenance>]: [tensors]  ids [...]``,
+        then its source, notes and fatal error, indented."""
+        ids = self.engine_ids or self.config_ids
+        lines = [f"{self.role} plan [{self.provenance}]: [{', '.join(self.tensors)}]" + (f"  ids {ids}" if ids else "")]
+        lines += [f"  from: {self.source}"] if self.source else []
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  FATAL: {self.fatal}"] if self.fatal else []
+        return lines
+
     def to_json(self) -> dict:
         return {"tensors": list(self.tensors), "role": self.role, "who": self.who,
                 "config_ids": None if self.config_ids is None else str(self.config_ids),

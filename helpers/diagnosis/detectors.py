@@ -14,14 +14,13 @@ Detectors come in two groups:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
+from ..runfiles import jsonable
 from .compare import MATCH_SHARE, Comparison, PairMetrics, SourceResult
 from .conventions import (
     EMBEDDING,
@@ -55,22 +54,8 @@ def finding(kind: str, chunk: Optional[int], detail: str, **evidence: Any) -> di
     """
     if kind not in FINDING_KINDS:
         raise ValueError(f"unknown finding kind {kind!r}")
-    return {"kind": kind, "chunk": chunk, "detail": detail, "evidence": _jsonable(evidence)}
+    return {"kind": kind, "chunk": chunk, "detail": detail, "evidence": jsonable(evidence, sig=6, keep_inf=True)}
 
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple, set)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        v = float(x)
-        return None if math.isnan(v) else (v if math.isinf(v) else float(f"{v:.6g}"))
-    if isinstance(x, PairMetrics):
-        return x.to_json()
-    return x
 
 
 # ================================================================================================ static

@@ -94,15 +94,7 @@ class Diagnosis:
                 lines.append(f"measured engine noise (chunk pairs found equal): per-row rel_diff p50 "
                              f"{self.noise['row_rel_diff_p50']:.2g}, p90 {self.noise['row_rel_diff_p90']:.2g}")
         for plan in (self.served_plan, self.training_plan):
-            if plan is not None:
-                ids = f"  ids {plan.engine_ids or plan.config_ids}" if (plan.engine_ids or plan.config_ids) else ""
-                lines.append(f"{plan.role} plan [{plan.provenance}]: [{', '.join(plan.tensors)}]{ids}")
-                if plan.source:
-                    lines.append(f"  from: {plan.source}")
-                for n in plan.notes:
-                    lines.append(f"  note: {n}")
-                if plan.fatal:
-                    lines.append(f"  FATAL: {plan.fatal}")
+            lines += plan.describe_lines() if plan is not None else []
         if self.chunks:
             lines.append("chunks:  index  width  matched  rows within tol  row rel_diff p50  row cosine p50  "
                          "identified_as")

@@ -93,16 +93,7 @@ class StaticReport:
         for k, v in self.inputs.items():
             lines.append(f"{k}: {v}")
         for plan in (self.served_plan, self.training_plan):
-            if plan is None:
-                continue
-            ids = f"  ids {plan.engine_ids or plan.config_ids}" if (plan.engine_ids or plan.config_ids) else ""
-            lines.append(f"{plan.role} plan [{plan.provenance}]: [{', '.join(plan.tensors)}]{ids}")
-            if plan.source:
-                lines.append(f"  from: {plan.source}")
-            for n in plan.notes:
-                lines.append(f"  note: {n}")
-            if plan.fatal:
-                lines.append(f"  FATAL: {plan.fatal}")
+            lines += plan.describe_lines() if plan is not None else []
         if self.training_plan is None:
             lines.append("training plan: unknown (no ids anywhere and no training data given)")
         for f in self.findings:

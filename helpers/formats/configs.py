@@ -6,7 +6,6 @@ expected. No tensor data is loaded except the small ``d2t`` vector when asked.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from safetensors import safe_open
 
 from ..diagnosis.conventions import target_family
 from ..errors import BadInput
+from ..runfiles import read_json_file
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -26,19 +26,6 @@ def _config_path(path: str | Path, what: str) -> Path:
     if not p.exists():
         raise BadInput(f"{what} not found (expected a config.json or a folder holding one)", path=p)
     return p
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise BadInput(f"cannot read {what}: {e.strerror or e}", path=path) from None
-    if not text.strip():
-        raise BadInput(f"{what} is empty (expected a JSON object)", path=path)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})", path=path) from None
 
 
 def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True) -> int | None:
@@ -133,7 +120,7 @@ def read_draft_config(path: str | Path) -> DraftConfig:
             (``hidden_size``, ids not a list of ints, ``eagle_config`` not an object).
     """
     p = _config_path(path, "draft config")
-    d = _read_json(p, "draft config")
+    d = read_json_file(p, "draft config")
     if not isinstance(d, dict):
         raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
     archs = d.get("architectures") or []
@@ -293,7 +280,7 @@ def read_target_config(path: str | Path) -> TargetConfig:
             positive ints (the message names the field and the sub-config looked in).
     """
     p = _config_path(path, "target config")
-    d = _read_json(p, "target config")
+    d = read_json_file(p, "target config")
     if not isinstance(d, dict):
         raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
     sub_key = next((k for k in TEXT_CONFIG_KEYS if isinstance(d.get(k), dict)), None)

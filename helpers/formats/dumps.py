@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import BadInput
+from ..runfiles import read_json_file
 
 DUMP_FORMAT = "e3f-dump"
 DUMP_VERSION = 1
@@ -301,13 +302,7 @@ def read_dump(path: str | Path) -> SampleSource:
     tpath = p / "tensors.safetensors"
     if not mpath.exists():
         raise BadInput("not a dump folder (no manifest.json)", path=p)
-    text = mpath.read_text(encoding="utf-8")
-    if not text.strip():
-        raise BadInput("empty manifest (expected the e3f-dump JSON manifest)", path=mpath)
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"invalid JSON ({e.msg} at line {e.lineno})", path=mpath) from None
+    raw = read_json_file(mpath, "manifest", expected="the e3f-dump JSON manifest")
     try:
         man = Manifest.model_validate(raw)
     except ValidationError as e:
@@ -485,15 +480,7 @@ def read_generate_response(path: str | Path, *, tp_rank: Optional[int] = None,
         BadInput: missing/empty/invalid JSON, or see :func:`samples_from_generate`.
     """
     p = Path(path)
-    if not p.exists():
-        raise BadInput("file not found", path=p)
-    text = p.read_text(encoding="utf-8")
-    if not text.strip():
-        raise BadInput("empty file (expected a /generate response JSON)", path=p)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"invalid or truncated JSON ({e.msg} at line {e.lineno} column {e.colno})", path=p) from None
+    obj = read_json_file(p, "saved /generate response", expected="a /generate response JSON")
     samples = samples_from_generate(obj, source=p, tp_rank=tp_rank, tp_size=tp_size)
     return SampleSource(path=p, kind="served", format="sglang-generate", samples=samples, dtype=None,
                         tp_rank=tp_rank, tp_size=tp_size)

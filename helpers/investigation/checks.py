@@ -17,13 +17,11 @@ missing).
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -37,7 +35,7 @@ from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..hooks import ARM_FILE
 from ..plots.checks import bar_figure, chunk_layer_figure
-from ..runfiles import safe_name
+from ..runfiles import jsonable, safe_name
 from ..server.client import as_client
 from .catalog import CATALOG
 
@@ -72,21 +70,8 @@ class HypothesisResult:
                 "label": self.label, "verdict": self.verdict, "explanation": self.explanation,
                 "evidence": json.loads(self.evidence.to_json(orient="records")) if len(self.evidence) else [],
                 "figure": None if self.figure is None else json.loads(self.figure.to_json()),
-                "data": _jsonable(self.data)}
+                "data": jsonable(self.data)}
 
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        return None if not math.isfinite(float(x)) else float(x)
-    if isinstance(x, torch.Tensor):
-        return _jsonable(x.tolist())
-    return x
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from typing import Any, Optional, Sequence
 from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
+from ..runfiles import read_json_file
 from .process import ServerProcess
 from .settings import SpecSettings
 
@@ -91,21 +92,12 @@ def cpu_bind_spec(tp: int, cpus: Optional[Sequence[int]] = None) -> str:
     return "|".join(groups)
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadServerInput(f"{what}: {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise BadServerInput(f"{what}: {path} is not valid JSON ({exc})") from None
-
-
 def check_model_dir(path: Path, what: str) -> dict:
     """Validate a HF model folder (exists, has config.json with ``architectures``); return config."""
     path = Path(path)
     if not path.is_dir():
         raise BadServerInput(f"{what} path {path} is not a directory")
-    cfg = _read_json(path / "config.json", f"{what} config")
+    cfg = read_json_file(path / "config.json", f"{what} config", error=BadServerInput)
     if not cfg.get("architectures"):
         raise BadServerInput(f"{what} config {path / 'config.json'}: field 'architectures' is missing")
     return cfg

@@ -40,13 +40,13 @@ from IPython import get_ipython
 from IPython.display import HTML, display
 from plotly.io._base_renderers import MimetypeRenderer
 from plotly.offline import get_plotlyjs
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from ..errors import CaseError
 from ..investigation.cases import Models, load_case
 from ..paths import ROOT
 from ..records import NOTEBOOK_RESULT, ReplayDoc
-from ..runfiles import new_run_dir, write_json
+from ..runfiles import jsonable, new_run_dir, write_json
 from ..server.client import SGLangClient
 
 DEFAULT_TARGET = "env/models/target"
@@ -412,8 +412,8 @@ def write_result(run_dir: Path, notebook: str, doc: Mapping[str, Any]) -> None:
 
     Raises ``pydantic.ValidationError`` when ``doc`` does not fit the record of ``notebook``."""
 
-    record = NOTEBOOK_RESULT.validate_python({**_jsonable(dict(doc)), "notebook": notebook})
-    write_json(Path(run_dir) / "results" / f"{notebook}.json", _jsonable(record.model_dump(mode="json")))
+    record = NOTEBOOK_RESULT.validate_python({**jsonable(dict(doc)), "notebook": notebook})
+    write_json(Path(run_dir) / "results" / f"{notebook}.json", jsonable(record.model_dump(mode="json")))
 
 
 def read_result(run_dir: Path, notebook: str):
@@ -429,24 +429,6 @@ def read_result(run_dir: Path, notebook: str):
     except ValidationError:
         return None
 
-
-def _jsonable(x: Any) -> Any:
-
-    if isinstance(x, BaseModel):
-        return _jsonable(x.model_dump(mode="json"))
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        return None if not math.isfinite(float(x)) else float(x)
-    if isinstance(x, (np.bool_,)):
-        return bool(x)
-    if isinstance(x, Path):
-        return str(x)
-    return x
 
 
 def findings_frame(findings: Iterable[Mapping[str, Any]]) -> pd.DataFrame:

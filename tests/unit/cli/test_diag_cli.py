@@ -82,7 +82,7 @@ def _bad_cases(tmp, train, served, runner, specs):
     cases["truncated ckpt"] = (["--training", str(t2), "--served", str(served)], "truncated or corrupt")
     js = tmp / "trunc.json"
     js.write_text(served.read_text()[:-50])
-    cases["truncated json"] = (["--training", str(train), "--served", str(js)], "truncated JSON")
+    cases["truncated json"] = (["--training", str(train), "--served", str(js)], "not valid JSON, or truncated")
     t3 = tmp / "t_pickle"
     t3.mkdir()
 
@@ -103,7 +103,7 @@ def _bad_cases(tmp, train, served, runner, specs):
     ed.mkdir()
     (ed / "config.json").write_text("")
     cases["empty draft config"] = (["--training", str(train), "--served", str(served), "--draft-config", str(ed)],
-                                   "draft config is empty")
+                                   "draft config is an empty file")
     cases["missing --served"] = (["--training", str(train)], "usage")
     cases["no such path"] = (["--training", str(tmp / "nope"), "--served", str(served)], "not found")
     return cases

@@ -280,7 +280,7 @@ def test_generate_response_file_errors(tmp_path):
         read_generate_response(p)
     r, _ = _resp()
     p.write_text(json.dumps(r)[:-20])
-    with pytest.raises(BadInput, match="invalid or truncated JSON"):
+    with pytest.raises(BadInput, match="not valid JSON, or truncated"):
         read_generate_response(p)
 
 
