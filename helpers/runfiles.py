@@ -7,6 +7,7 @@ and renamed into place, so a reader sees the old file or the new one, never a pa
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import json
@@ -85,6 +86,18 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+@functools.lru_cache(maxsize=1)
+def _umask() -> int:
+    """The process umask, read without changing it (``/proc/self/status``; 0o022 where that is not available)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temp file in the same folder, fsync and rename;
     create parent folders."""
@@ -92,6 +105,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())        # mkstemp makes 0600; a run's files are meant to be shared
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

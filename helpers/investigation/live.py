@@ -263,6 +263,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
+                not_applied: str = "--no-apply: the fix was only proposed",
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
@@ -278,6 +279,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         num_samples: training samples to capture and compare.
         measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
         apply_fix: False to only propose (no restart, no measurement).
+        not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         progress: called with one line per step.
 
     Returns:
@@ -369,7 +371,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             doc.measured = {"not_measured": "the fix is a change in the engine's capture path, which this tool "
                                             "cannot apply; apply it and run investigate again"}
         elif not apply_fix:
-            doc.measured = {"not_measured": "--no-apply: the fix was only proposed"}
+            doc.measured = {"not_measured": not_applied}
         elif att.restart is None:
             doc.measured = {"not_measured": "this server cannot be restarted by the tool: pass --relaunch "
                                             "'<launch command>' (or start it with `python -m helpers server start`)"}
@@ -414,6 +416,7 @@ _ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}
 
 #: findings about the tensors the draft receives (measured); the config findings that explain them come after
 TENSOR_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order", "missing_chunk",
+                "zero_chunk", "scaled_chunk", "partial_match",
                 "extra_chunk", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
                 "norm_mismatch", "nan_or_inf", "fc_bypassed", "width_mismatch"}
 
@@ -549,6 +552,9 @@ KIND_TEXT = {
     "layer_offset": "every aux chunk is a different layer than the draft was trained on",
     "wrong_layer": "an aux chunk holds another layer than the draft was trained on",
     "unidentified_chunk": "an aux chunk holds something that is no layer of the target",
+    "zero_chunk": "an aux chunk is all zeros (the capture delivers nothing there)",
+    "scaled_chunk": "an aux chunk is the trained tensor times a constant",
+    "partial_match": "an aux chunk is the trained tensor except on a minority of rows",
     "chunk_order": "the aux chunks come in another order than in training",
     "missing_chunk": "an aux chunk the draft was trained on is missing",
     "extra_chunk": "the server feeds an aux chunk training did not have",
@@ -579,7 +585,7 @@ def _measured_text(m: Optional[dict]) -> str:
     if "error" in m:
         return f"not measured: {m['error']}"
     b, a, e = m["before"], m["after"], m["effect"]
-    delta = format_ci(e, "accept_rate_delta", pct=True, signed=True)
+    delta = format_ci(e, "accept_rate_delta", pct=True, signed=True, unit="") + " points"
     after_note = ("the fixed server's aux states equal the training data" if m.get("after_verdict") == "ok" else
                   f"the fixed server still shows {', '.join(m.get('after_findings') or [])}")
     return (f"measured on {m['prompts']} prompts: accept rate {b['accept_rate']:.0%} -> {a['accept_rate']:.0%} "

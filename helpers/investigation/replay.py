@@ -204,6 +204,14 @@ class Replay:
                               explanation=res.explanation, evidence=d["evidence"], data=d["data"],
                               figure=None if fig_path is None else str(fig_path.relative_to(self.run_dir)))
 
+    def _not_applied_reason(self, i: int) -> str:
+        """Why the investigation at timeline step ``i`` does not measure its fix itself."""
+        later = [s for s in self.case.timeline[i + 1:] if s.kind == "fix" and s.fix.proposed]
+        if later:
+            return (f"this replay measures it as fix '{later[0].fix.name}' (the accept-rate table and chart of this "
+                    "page)")
+        return "the case applies no proposed fix after this investigation"
+
     def run_investigation(self, i: int, step) -> InvestigationStep:
         """The blind investigation of the current server (no case expectation is passed to it)."""
         if self.current is None or self.current["client"] is None or self.current["fix"].baseline:
@@ -213,7 +221,8 @@ class Replay:
         spec = step.investigate
         client = self.current["client"]
         doc = investigate(client.url, training=self.training, run_dir=self.run_dir, api_key=self.api_key,
-                          num_samples=spec.samples, apply_fix=False, timeout=None)
+                          num_samples=spec.samples, apply_fix=False, timeout=None,
+                          not_applied=self._not_applied_reason(i))
         self.proposed = doc.proposed_fix
         rec = InvestigationStep(index=i, on_fix=self.current["fix"].name, verdict=doc.verdict, sentence=doc.sentence,
                                 findings=[f.model_dump(mode="json") for f in doc.findings],

@@ -37,9 +37,12 @@ import json
 import multiprocessing
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from datetime import datetime
 from pathlib import Path
@@ -68,10 +71,19 @@ from .params import INVESTIGATE, POSTMORTEM, REPLAY, ManagedServer, load_params
 class IpcKernelManager(KernelManager):
     """Kernels talk to papermill over local IPC sockets instead of TCP ports on 127.0.0.1: nothing listens on the
     network, and ipykernel no longer warns once per notebook that "Kernel is running over TCP without encryption"
-    (``ipykernel/kernelapp.py::init_sockets``)."""
+    (``ipykernel/kernelapp.py::init_sockets``).
+
+    Each kernel gets its own socket folder: jupyter_client 8.10 names IPC endpoints ``kernel-ipc-1..5`` relative to
+    the working directory when no ``ip`` is given (``jupyter_client/connect.py::_ip_default``), so two notebooks
+    running at once (``jobs: 2``) bound the same sockets and read each other's messages ("Invalid Signature",
+    "Kernel didn't respond in 60 seconds"). The folder is removed when the manager is collected or at exit."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("transport", "ipc")
+        if "ip" not in kwargs:
+            folder = tempfile.mkdtemp(prefix="e3f-kernel-")
+            kwargs["ip"] = os.path.join(folder, "k")
+            weakref.finalize(self, shutil.rmtree, folder, True)
         super().__init__(*args, **kwargs)
 
 

@@ -123,3 +123,40 @@ def test_only_with_an_unknown_notebook_exits_2_before_any_run_folder(failing_par
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--only" in err and "'01_OK'" in err and "01_ok" in err and "\n" not in err
     assert not out.exists() or not list(out.iterdir())
+
+
+def test_kernels_running_at_once_get_their_own_ipc_sockets(tmp_path):
+    """Two notebooks executed at the same time (``jobs: 2``) each talk to their own kernel: the IPC endpoints live
+    in a per-kernel folder, not ``./kernel-ipc-1..5`` (where two kernels read each other's messages)."""
+    import threading
+
+    import papermill as pm
+
+    a, b = suite_runner.IpcKernelManager(kernel_name="python3"), suite_runner.IpcKernelManager(kernel_name="python3")
+    assert a.transport == b.transport == "ipc" and a.ip != b.ip and Path(a.ip).parent.is_dir()
+    folder = Path(a.ip).parent
+    del a
+    import gc
+    gc.collect()
+    assert not folder.exists(), "the socket folder goes with its manager"
+    results, errors = {}, []
+    for i in range(2):
+        nbformat.write(_notebook([("params", "tag = ''"), ("code", "import os, time\ntime.sleep(1)\npid = os.getpid()"),
+                                  ("code", "print(tag, pid)")]), tmp_path / f"nb{i}.ipynb")
+
+    def run(i):
+        try:
+            nb = pm.execute_notebook(str(tmp_path / f"nb{i}.ipynb"), str(tmp_path / f"out{i}.ipynb"),
+                                     parameters={"tag": f"nb{i}"}, kernel_name="python3", progress_bar=False,
+                                     cwd=str(tmp_path), kernel_manager_class=suite_runner.IpcKernelManager)
+            results[i] = nb.cells[-1].outputs[0]["text"].split()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert results[0][0] == "nb0" and results[1][0] == "nb1" and results[0][1] != results[1][1]
+    assert not list(tmp_path.glob("kernel-ipc*")), "no sockets in the working directory"
