@@ -119,7 +119,7 @@ class _ReplayProgress:
         except (OSError, ValueError):
             return
         for st in doc.steps[self.seen:]:
-            what = getattr(st, "check", None) or getattr(st, "name", None) or st.kind
+            what = getattr(st, "check", None) or getattr(st, "name", None) or getattr(st, "label", None) or st.kind
             if st.error:
                 res = "ERROR " + str(st.error)[:160]
             elif st.kind == "hypothesis":
@@ -132,7 +132,7 @@ class _ReplayProgress:
                        f"{(sm.get('tok_s') or float('nan')):.1f} tok/s")
             else:
                 res = f"best num_steps={st.best_num_steps}"
-            kind = "" if str(what).lower().startswith(f"{st.kind}:") else f"{st.kind} "
+            kind = "" if what == st.kind or str(what).lower().startswith(f"{st.kind}:") else f"{st.kind} "
             print(f"[suite]   replay step {st.index + 1}: {kind}{what}: {res} ({st.wall_s} s)", flush=True)
         self.seen = len(doc.steps)
 
