@@ -144,8 +144,10 @@ class PairAccumulator:
         self.ns, self.nu, self.tol = ns, nu, float(tol)
         z = lambda: np.zeros((ns, nu), np.float64)  # noqa: E731
         self.sxx, self.syy, self.sdd = z(), z(), z()
-        self.rows = 0
+        self.rows = 0                                   # rows offered (any pair)
+        self.n = np.zeros((ns, nu), np.int64)           # rows compared per pair (finite on both sides)
         self.within = np.zeros((ns, nu), np.int64)
+        self.lnr_sq = z()
         self.valid = np.zeros((ns, nu), np.int64)      # rows with both norms > 0 (cosine / ratio defined)
         self.h_rel = np.zeros((ns, nu, NB), np.int64)
         self.h_cos = np.zeros((ns, nu, NB), np.int64)  # 1 - cosine
@@ -159,9 +161,12 @@ class PairAccumulator:
         self.max_at: list[list[Optional[dict]]] = [[None] * nu for _ in range(ns)]
 
     def update(self, s3: torch.Tensor, t3: torch.Tensor, info: RowInfo, hs: int,
-               nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None) -> None:
-        """Add a block: ``s3`` [n, ns, hs] and ``t3`` [n, nu, hs] float32, rows aligned and finite; ``nx`` /
-        ``ny`` are their squared row norms per chunk if already computed."""
+               nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None,
+               sfin: Optional[np.ndarray] = None, tfin: Optional[np.ndarray] = None) -> None:
+        """Add a block: ``s3`` [n, ns, hs] and ``t3`` [n, nu, hs] float32, rows aligned (non-finite chunk rows
+        zeroed); ``nx`` / ``ny`` are their squared row norms per chunk if already computed; ``sfin`` [n, ns] /
+        ``tfin`` [n, nu] (bool, None = all finite) say which chunk rows are finite: a pair (i, j) takes the rows
+        finite in both chunks (a non-finite chunk never removes another chunk's rows)."""
         n = s3.shape[0]
         if n == 0:
             return
@@ -171,9 +176,14 @@ class PairAccumulator:
             ny = torch.linalg.vector_norm(t3, dim=-1).square()
         for a in range(0, n, PAIR_ROWS):
             b = min(n, a + PAIR_ROWS)
-            self._update(s3[a:b], t3[a:b], nx[a:b], ny[a:b], info, a, hs)
+            ok = None
+            if sfin is not None or tfin is not None:
+                sf = np.ones((b - a, self.ns), bool) if sfin is None else sfin[a:b]
+                tf = np.ones((b - a, self.nu), bool) if tfin is None else tfin[a:b]
+                ok = sf[:, :, None] & tf[:, None, :]
+            self._update(s3[a:b], t3[a:b], nx[a:b], ny[a:b], info, a, hs, ok)
 
-    def _update(self, s3, t3, nx, ny, info: RowInfo, off: int, hs: int) -> None:
+    def _update(self, s3, t3, nx, ny, info: RowInfo, off: int, hs: int, ok: Optional[np.ndarray] = None) -> None:
         n = s3.shape[0]
         # <x, y> per row and pair through one small batched matmul; |x - y|^2 = |x|^2 + |y|^2 - 2<x, y> is exact
         # enough for far pairs, and recomputed elementwise below for near pairs (no cancellation). The small
@@ -183,42 +193,70 @@ class PairAccumulator:
         nxb, nyb = nx64[:, :, None], ny64[:, None, :]
         den = nxb + nyb
         dd = np.maximum(den - 2 * xy, 0.0)
+        if ok is not None and ok.all():
+            ok = None
+        if ok is not None:              # pairs take only the rows finite in both chunks (rare: slow path)
+            den = np.where(ok, den, 0.0)
+            dd = np.where(ok, dd, 0.0)
         near = dd.sum(0) <= NEAR_REL * den.sum(0)
+        if ok is not None:
+            near &= ok.any(0)
         if near.any():
             buf = self._buf(n, hs)
             los, his, where = [], [], []
             for i, j in zip(*np.nonzero(near)):
-                torch.sub(s3[:, i], t3[:, j], out=buf)
-                mn, mx = torch.aminmax(buf)     # one pass; full reductions (aminmax with dim is ~7x slower on CPU)
+                sel = None if ok is None or ok[:, i, j].all() else torch.from_numpy(np.nonzero(ok[:, i, j])[0])
+                if sel is None:
+                    torch.sub(s3[:, i], t3[:, j], out=buf)
+                    diff = buf
+                else:
+                    diff = s3[sel, i] - t3[sel, j]
+                mn, mx = torch.aminmax(diff)    # one pass; full reductions (aminmax with dim is ~7x slower on CPU)
                 los.append(mn)
                 his.append(mx)
-                where.append((int(i), int(j)))
+                where.append((int(i), int(j), sel))
                 if self.tol < EXACT_BELOW_TOL:
-                    exact = torch.linalg.vector_norm(buf, dim=-1).numpy().astype(np.float64) ** 2
-                    dd[:, i, j] = exact
-                    xy[:, i, j] = (nx64[:, i] + ny64[:, j] - exact) / 2
+                    exact = torch.linalg.vector_norm(diff, dim=-1).numpy().astype(np.float64) ** 2
+                    rows_ij = slice(None) if sel is None else sel.numpy()
+                    dd[rows_ij, i, j] = exact
+                    xy[rows_ij, i, j] = (nx64[rows_ij, i] + ny64[rows_ij, j] - exact) / 2
             big = torch.maximum(torch.stack(his), -torch.stack(los)).double().numpy()
-            for (i, j), v in zip(where, big):
+            for (i, j, sel), v in zip(where, big):
                 if v > self.max_abs[i, j]:
-                    d = (s3[:, i] - t3[:, j]).abs()
+                    d = (s3[:, i] - t3[:, j]).abs() if sel is None else (s3[sel, i] - t3[sel, j]).abs()
                     r, c = divmod(int(d.argmax()), hs)
+                    r = r if sel is None else int(sel[r])
                     self.max_abs[i, j] = v
                     self.max_at[i][j] = {"sample": info.key, "row": int(info.rows[off + r]),
                                          "position": int(info.positions[off + r]),
                                          "token_id": int(info.ids[off + r]), "column": int(c)}
         self.rows += n
         self.sdd += dd.sum(0)
-        self.sxx += nx64.sum(0)[:, None]
-        self.syy += ny64.sum(0)[None, :]
+        if ok is None:
+            self.n += n
+            self.sxx += nx64.sum(0)[:, None]
+            self.syy += ny64.sum(0)[None, :]
+        else:
+            self.n += ok.sum(0)
+            self.sxx += np.where(ok, nxb, 0.0).sum(0)
+            self.syy += np.where(ok, nyb, 0.0).sum(0)
         # per-row statistics
         den_b = np.broadcast_to(den, dd.shape)
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(den_b > 0, dd / np.where(den_b > 0, den_b, 1.0), 0.0)
-        self.within += (rel <= self.tol).sum(0)
         P = self.ns * self.nu
         base = (np.arange(P) * NB).reshape(1, self.ns, self.nu)
-        self.h_rel += np.bincount((base + _bins_np(rel)).ravel(), minlength=P * NB).reshape(self.ns, self.nu, NB)
+        if ok is None:
+            self.within += (rel <= self.tol).sum(0)
+            self.h_rel += np.bincount((base + _bins_np(rel)).ravel(), minlength=P * NB).reshape(
+                self.ns, self.nu, NB)
+        else:
+            self.within += ((rel <= self.tol) & ok).sum(0)
+            self.h_rel += np.bincount((base + _bins_np(rel)).ravel()[ok.ravel()], minlength=P * NB).reshape(
+                self.ns, self.nu, NB)
         both = (nxb > 0) & (nyb > 0)
+        if ok is not None:
+            both = both & ok
         if both.any():
             both = np.broadcast_to(both, dd.shape)
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -233,6 +271,7 @@ class PairAccumulator:
             self.valid += both.sum(0)
             self.cos_sum += np.where(both, cos, 0.0).sum(0)
             self.lnr_sum += np.where(both, lnr, 0.0).sum(0)
+            self.lnr_sq += np.where(both, lnr * lnr, 0.0).sum(0)
             self.cos_min = np.minimum(self.cos_min, np.where(both, cos, np.inf).min(0))
             self.nr_min = np.minimum(self.nr_min, np.where(both, ratio, np.inf).min(0))
             self.nr_max = np.maximum(self.nr_max, np.where(both, ratio, -np.inf).max(0))
@@ -256,7 +295,8 @@ class PairAccumulator:
         cos = float(sxy / math.sqrt(sxx * syy)) if sxx > 0 and syy > 0 else (1.0 if sxx == syy == 0 else 0.0)
         nr = float(math.sqrt(sxx / syy)) if syy > 0 else (1.0 if sxx == 0 else math.inf)
         cn = int(self.valid[i, j])
-        share = float(self.within[i, j] / self.rows) if self.rows else 0.0
+        nr_rows = int(self.n[i, j])
+        share = float(self.within[i, j] / nr_rows) if nr_rows else 0.0
         q = lambda h, p: hist_quantile(h, p)  # noqa: E731
         hr, hc, hl = self.h_rel[i, j], self.h_cos[i, j], self.h_lnr[i, j]
         return PairMetrics(
@@ -266,12 +306,14 @@ class PairAccumulator:
             row_norm_ratio_min=float(self.nr_min[i, j]) if cn else None,
             row_norm_ratio_max=float(self.nr_max[i, j]) if cn else None,
             max_abs_diff=None if self.max_abs[i, j] < 0 else float(self.max_abs[i, j]),
-            max_abs_at=self.max_at[i][j], rows=self.rows,
+            max_abs_at=self.max_at[i][j], rows=nr_rows,
             share_within=share, row_rel_diff={"p10": q(hr, 0.1), "p50": q(hr, 0.5), "p90": q(hr, 0.9)},
             row_one_minus_cos={"p10": q(hc, 0.1), "p50": q(hc, 0.5), "p90": q(hc, 0.9)},
             row_abs_log_norm_ratio={"p50": q(hl, 0.5), "p90": q(hl, 0.9)},
             mean_log_norm_ratio=float(self.lnr_sum[i, j] / cn) if cn else None,
-            passed=self.rows > 0 and share >= MATCH_SHARE, tolerance=tol)
+            std_log_norm_ratio=math.sqrt(max(0.0, float(self.lnr_sq[i, j] / cn)
+                                             - (float(self.lnr_sum[i, j] / cn)) ** 2)) if cn else None,
+            valid_rows=cn, passed=nr_rows > 0 and share >= MATCH_SHARE, tolerance=tol)
 
 
 @dataclass
@@ -301,6 +343,8 @@ class PairMetrics:
     row_one_minus_cos: dict = field(default_factory=dict)
     row_abs_log_norm_ratio: dict = field(default_factory=dict)
     mean_log_norm_ratio: Optional[float] = None
+    std_log_norm_ratio: Optional[float] = None
+    valid_rows: int = 0
 
     @property
     def median_rel_diff(self) -> float:
@@ -327,6 +371,7 @@ class PairMetrics:
                 "row_cosine_p50": r(self.median_cosine), "row_one_minus_cos": rd(self.row_one_minus_cos),
                 "row_abs_log_norm_ratio": rd(self.row_abs_log_norm_ratio),
                 "mean_log_norm_ratio": r(self.mean_log_norm_ratio),
+                "std_log_norm_ratio": r(self.std_log_norm_ratio),
                 "rel_diff": r(self.rel_diff), "cosine": r(self.cosine), "norm_ratio": r(self.norm_ratio),
                 "mean_row_cosine": r(self.mean_row_cosine), "min_row_cosine": r(self.min_row_cosine),
                 "row_norm_ratio_min": r(self.row_norm_ratio_min), "row_norm_ratio_max": r(self.row_norm_ratio_max),
@@ -393,8 +438,9 @@ class ChunkStats:
                 cand = cand[np.argsort(-e[cand])[:TOP_ROWS]]
             for r in cand:
                 self._add_top(c, x3[r, c], float(e[r]), info, int(r))
-        # context-free test: compare each repeated token id with its first (cached) occurrence
-        rowok = fin.all(1)
+        # context-free test: compare each repeated token id with its first (cached) occurrence, per chunk on the
+        # rows finite in both occurrences (a non-finite chunk does not take the other chunks' rows out)
+        rowok = fin.any(1)
         full = len(self._cache) >= CONTEXT_CACHE_IDS
         if full:
             cache = self._cache
@@ -407,14 +453,15 @@ class ChunkStats:
             hit = self._cache.get(tid)
             if hit is None:
                 if len(self._cache) < CONTEXT_CACHE_IDS:
-                    self._cache[tid] = (int(info.positions[r]), x3[r].clone())
+                    self._cache[tid] = (int(info.positions[r]), x3[r].clone(), fin[r].copy())
                 continue
             if hit[0] != int(info.positions[r]):
                 hits.append(int(r))
-                refs.append(hit[1])
+                refs.append(hit)
         if hits:
             x = x3[torch.tensor(hits)]
-            ref = torch.stack(refs)
+            ref = torch.stack([h[1] for h in refs])
+            both_fin = fin[hits] & np.stack([h[2] for h in refs])
             sq = x.square()
             num = (x - ref).square().sum(-1).double()
             den = (sq.sum(-1) + ref.square().sum(-1)).double()
@@ -422,7 +469,7 @@ class ChunkStats:
             # every layer, so they say nothing about context: such pairs are left out of the test
             k = min(MASSIVE_DIMS, sq.shape[-1])
             massive = (torch.topk(sq, k, dim=-1).values.sum(-1) > MASSIVE_SHARE * sq.sum(-1)).numpy()
-            pos = (den > 0).numpy() & ~massive
+            pos = (den > 0).numpy() & ~massive & both_fin
             rel = (num / torch.where(den > 0, den, torch.ones_like(den))).numpy()
             for c in range(self.n):
                 k = int(pos[:, c].sum())
@@ -559,6 +606,13 @@ class SourceResult:
     ref: Optional[PairAccumulator] = None
     agree: Optional[PairAccumulator] = None   # this rank vs rank of index 0 (diagonal chunks used)
     tp_size: Optional[int] = None
+    #: served x training pairs on the rows of samples whose prompt ids differ from training (rows that may not be
+    #: aligned): reported with the token mismatch, never used to name a layer.
+    suspect: Optional[PairAccumulator] = None
+
+    def __post_init__(self):
+        if self.suspect is None:
+            self.suspect = PairAccumulator(self.pairs.ns, self.pairs.nu, self.pairs.tol)
 
 
 @dataclass
@@ -790,7 +844,13 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
     Alignment: a served sample is paired with a training sample by ``sample_id``, else by its first
     ``input_ids`` at its ``first_position``, else (no ids: ``/generate`` without ``return_prompt_token_ids``)
     by order. Rows are compared while tokens agree; a disagreement inside the prompt is a token mismatch
-    (rows after it have another context); after the prompt it only ends the comparable decode rows.
+    (rows after it have another context); after the prompt it only ends the comparable decode rows. The rows
+    before a prompt mismatch go to the sources' ``suspect`` accumulators only (a sample whose prompt differs may
+    be another sample altogether: its rows are evidence for the mismatch, not for a layer), counted in
+    ``alignment["rows_in_mismatched_samples"]``.
+
+    Non-finite values: each chunk pair is compared on the rows finite in both of its chunks, so a non-finite
+    chunk never removes another chunk's rows; ``PairMetrics.rows`` is the number of rows a pair compared.
     """
     H = int(hidden_size)
     Wt = int(training_width)
@@ -849,7 +909,8 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
     train_stats = ChunkStats(nt)
     pairer = _Pairer(groups, by_order_fallback=all(src.format == "sglang-generate" for src in served))
     align = {"samples_paired": 0, "training_samples_seen": 0, "rows_compared": 0, "decode_rows_compared": 0,
-             "paired_by": {}, "token_mismatches": [], "unpaired_served": [], "rows_beyond_training": 0}
+             "paired_by": {}, "token_mismatches": [], "unpaired_served": [], "rows_beyond_training": 0,
+             "rows_in_mismatched_samples": 0}
 
     for ti, tr in enumerate(training):
         align["training_samples_seen"] += 1
@@ -884,7 +945,8 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
             bad = np.nonzero(~eq)[0]
             m = int(bad[0]) if bad.size else n
             prompt_rows = (s0.num_prompt_tokens - p0) if s0.num_prompt_tokens is not None else s0.rows
-            if m < min(n, prompt_rows) or (m == 0 and n > 0):
+            suspect = m < min(n, prompt_rows) or (m == 0 and n > 0)
+            if suspect:
                 align["token_mismatches"].append({
                     "served_sample": s0.key, "training_sample": tr.sample_id, "position": int(p0 + m),
                     "served_token_id": int(sids[m]) if m < len(sids) else None,
@@ -896,6 +958,8 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
             align["paired_by"][how] = align["paired_by"].get(how, 0) + 1
             align["rows_compared"] += m
             align["decode_rows_compared"] += max(0, m - prompt_rows)
+            if suspect:
+                align["rows_in_mismatched_samples"] += m
             if tr_rows is None:
                 tr_rows = tr.load()
                 if ref_sample is not None:
@@ -909,7 +973,8 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
                         np.array_equal(ref_sample.input_ids[rp:rp + m], tids[p0:p0 + m]):
                     rrow = ref_rows[rp:rp + m]
             _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows,
-                          reservoir, key=s0.key, positions=np.arange(p0, p0 + m), ids=tids[p0:p0 + m].copy())
+                          reservoir, key=s0.key, positions=np.arange(p0, p0 + m), ids=tids[p0:p0 + m].copy(),
+                          suspect=suspect)
         del tr_rows, ref_rows
     for g, ranks in enumerate(groups):
         if g not in pairer.used:
@@ -963,29 +1028,35 @@ _SLOTS = (_Scratch(), _Scratch())
 
 
 def _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows, reservoir, *, key,
-                  positions, ids) -> None:
+                  positions, ids, suspect: bool = False) -> None:
     """Compare one aligned sample block by block. Stage A (:func:`_prepare`: float32 copies, finite rows, row
     norms, per-chunk stats, reservoir) of block k+1 runs in a worker thread while stage B (:func:`_consume`:
-    the pair accumulators) runs on block k; each stage owns the objects it updates, so no lock is needed."""
+    the pair accumulators) runs on block k; each stage owns the objects it updates, so no lock is needed.
+
+    ``suspect``: the sample's prompt ids differ from training (its rows may not be aligned): its served x training
+    pairs go to each source's ``suspect`` accumulator (reported with the token mismatch, never used to name a
+    layer), and its rows stay out of the reservoir and the served x reference identification."""
     m = trow.shape[0]
     starts = list(range(0, m, block_rows))
-    args = (sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, reservoir, key, positions, ids, block_rows)
+    args = (sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, reservoir, key, positions, ids, block_rows,
+            suspect)
     pool = _pipeline() if len(starts) > 1 else None
     if pool is None:
         for n, a in enumerate(starts):
-            _consume(_prepare(n % 2, a, *args), sources, k, hs, H, train_ref)
+            _consume(_prepare(n % 2, a, *args), sources, k, hs, H, train_ref, suspect)
         return
     fut = pool.submit(_prepare, 0, starts[0], *args)
     for n in range(len(starts)):
         prep = fut.result()
         if n + 1 < len(starts):
             fut = pool.submit(_prepare, (n + 1) % 2, starts[n + 1], *args)
-        _consume(prep, sources, k, hs, H, train_ref)
+        _consume(prep, sources, k, hs, H, train_ref, suspect)
 
 
 def _prepare(slot, a, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, reservoir, key, positions, ids,
-             block_rows) -> dict:
-    """Stage A of one block (see :func:`_compare_rows`): returns the float32 views and masks stage B needs."""
+             block_rows, suspect=False) -> dict:
+    """Stage A of one block (see :func:`_compare_rows`): returns the float32 views and the per-chunk finite
+    masks (numpy [n, chunks]) stage B needs."""
     sc = _SLOTS[slot]
     m = trow.shape[0]
     b = min(m, a + block_rows)
@@ -995,63 +1066,86 @@ def _prepare(slot, a, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats,
     t3 = t.view(b - a, nt, H)
     tfin, tnx = _finite_rows(t3)
     train_stats.update(t3, tfin, tnx, info)
-    tok = tfin.all(1)
     r3 = sc.f32("ref", rrow[a:b]).view(b - a, -1, H) if rrow is not None else None
     s3s = []
     for n_src, (src, sr) in enumerate(zip(sources, srows)):
         s3 = sc.f32(f"served{n_src}", sr[a:b]).view(b - a, ns, hs)
         sfin, snx = _finite_rows(s3)
         src.stats.update(s3, sfin, snx, info)
-        s3s.append((s3, sfin, snx))
-    primary, pfin = s3s[0][0], s3s[0][1].all(1)
+        s3s.append((s3, _mask(sfin), snx))
+    primary, pfin = s3s[0][0], s3s[0][1]
     extra = None
     if multi and len(sources) > len(srows):
         extra = sources[len(srows)]
-        allfin = torch.stack([f.all(1) for _, f, _ in s3s]).all(0)
+        fins = [f for _, f, _ in s3s]
+        allfin = None if all(f is None for f in fins) else np.logical_and.reduce(
+            [np.ones((b - a, ns), bool) if f is None else f for f in fins])
         if extra.name == "sum":
             v = torch.stack([x for x, _, _ in s3s]).sum(0)
         else:  # gathered: concatenate each chunk's column slices in rank order
             v = torch.cat([x for x, _, _ in s3s], dim=-1)
             primary, pfin = v, allfin
         vfin, vnx = _finite_rows(v)
-        extra.stats.update(v, vfin, vnx, info)
+        extra.stats.update(v, vfin if allfin is None else vfin & torch.from_numpy(allfin), vnx, info)
         extra = (extra, v, allfin)
-    reservoir.add(t, primary.reshape(b - a, -1), None if r3 is None else r3.reshape(b - a, -1), info,
-                  (pfin & tok).numpy())
-    return {"info": info, "t3": t3, "tnx": tnx, "tok": tok, "r3": r3, "s3s": s3s, "extra": extra, "ns": ns,
+    tf = _mask(tfin)
+    if not suspect:
+        ok = None
+        if tf is not None or pfin is not None:
+            ok = (np.ones(b - a, bool) if tf is None else tf.any(1)) & (
+                np.ones(b - a, bool) if pfin is None else pfin.any(1))
+        reservoir.add(t, primary.reshape(b - a, -1), None if r3 is None else r3.reshape(b - a, -1), info, ok)
+    return {"info": info, "t3": t3, "tnx": tnx, "tfin": tf, "r3": r3, "s3s": s3s, "extra": extra, "ns": ns,
             "nt": nt, "n": b - a}
 
 
-def _consume(prep, sources, k, hs, H, train_ref) -> None:
-    """Stage B of one block: every pair accumulator (served x training, x reference, rank agreement)."""
-    info, t3, tnx, tok, r3, s3s = prep["info"], prep["t3"], prep["tnx"], prep["tok"], prep["r3"], prep["s3s"]
+def _mask(fin: torch.Tensor) -> Optional[np.ndarray]:
+    """Per-chunk finite mask as numpy, or None when every chunk row is finite (the fast path)."""
+    return None if bool(fin.all()) else fin.numpy().copy()
+
+
+def _consume(prep, sources, k, hs, H, train_ref, suspect=False) -> None:
+    """Stage B of one block: every pair accumulator (served x training, x reference, rank agreement); each
+    chunk pair on the rows finite in both chunks."""
+    info, t3, tnx, tf, r3, s3s = prep["info"], prep["t3"], prep["tnx"], prep["tfin"], prep["r3"], prep["s3s"]
     n, nt = prep["n"], prep["nt"]
     tu = t3 if k == 1 else t3.reshape(n, nt * k, hs)
+    tfu = tf if k == 1 or tf is None else np.repeat(tf, k, axis=1)
     for src, (s3, sfin, snx) in zip(sources, s3s):
-        _update_sel(src.pairs, s3, tu, sfin.all(1) & tok, info, hs, snx, tnx if k == 1 else None)
-        if src.ref is not None and r3 is not None:
-            _update_sel(src.ref, s3, r3, sfin.all(1), info, H)
+        _update_sel(src.suspect if suspect else src.pairs, s3, tu, sfin, tfu, info, hs, snx,
+                    tnx if k == 1 else None)
+        if src.ref is not None and r3 is not None and not suspect:
+            _update_sel(src.ref, s3, r3, sfin, None, info, H)
     if len(s3s) > 1:
         base, bfin, _ = s3s[0]
         for src, (s3, sfin, _) in zip(sources[1:len(s3s)], s3s[1:]):
-            _update_sel(src.agree, s3, base, sfin.all(1) & bfin.all(1), info, hs)
+            _update_sel(src.agree, s3, base, sfin, bfin, info, hs)
     if prep["extra"] is not None:
         extra, v, allfin = prep["extra"]
-        _update_sel(extra.pairs, v, t3 if extra.name == "gathered" else tu, allfin & tok, info, v.shape[-1])
-        if extra.ref is not None and r3 is not None:
-            _update_sel(extra.ref, v, r3, allfin, info, H)
+        _update_sel(extra.suspect if suspect else extra.pairs, v, t3 if extra.name == "gathered" else tu, allfin,
+                    tf if extra.name == "gathered" else tfu, info, v.shape[-1])
+        if extra.ref is not None and r3 is not None and not suspect:
+            _update_sel(extra.ref, v, r3, allfin, None, info, H)
     if train_ref is not None and r3 is not None:
-        _update_sel(train_ref, t3, r3, tok, info, H)
+        _update_sel(train_ref, t3, r3, tf, None, info, H)
 
 
-def _update_sel(acc: PairAccumulator, s3, t3, ok: torch.Tensor, info: RowInfo, hs: int,
-                nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None) -> None:
-    if bool(ok.all()):
+def _update_sel(acc: PairAccumulator, s3, t3, sfin: Optional[np.ndarray], tfin: Optional[np.ndarray],
+                info: RowInfo, hs: int, nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None) -> None:
+    """``acc.update`` on the rows where at least one chunk pair is finite on both sides (``sfin`` / ``tfin``:
+    per-chunk finite masks, None = all finite), with the per-chunk masks passed on."""
+    if sfin is None and tfin is None:
         acc.update(s3, t3, info, hs, nx, ny)
         return
-    sel = torch.nonzero(ok).flatten()
-    if sel.numel() == 0:
+    ok = (np.ones(s3.shape[0], bool) if sfin is None else sfin.any(1)) & (
+        np.ones(s3.shape[0], bool) if tfin is None else tfin.any(1))
+    if ok.all():
+        acc.update(s3, t3, info, hs, nx, ny, sfin=sfin, tfin=tfin)
         return
-    idx = sel.numpy()
+    idx = np.nonzero(ok)[0]
+    if idx.size == 0:
+        return
+    sel = torch.from_numpy(idx)
     sub = RowInfo(key=info.key, rows=info.rows[idx], positions=info.positions[idx], ids=info.ids[idx])
-    acc.update(s3[sel], t3[sel], sub, hs, None if nx is None else nx[sel], None if ny is None else ny[sel])
+    acc.update(s3[sel], t3[sel], sub, hs, None if nx is None else nx[sel], None if ny is None else ny[sel],
+               sfin=None if sfin is None else sfin[idx], tfin=None if tfin is None else tfin[idx])

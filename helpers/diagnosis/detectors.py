@@ -14,10 +14,12 @@ Detectors come in two groups:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..runfiles import jsonable
@@ -32,14 +34,14 @@ from .conventions import (
     layer_of,
     sglang_default_capture,
 )
-from .fit import isometry_fit, noise_floor, rms_norm_fit
+from .fit import isometry_fit, noise_floor, rms_norm_fit, scale_fit
 
 FINDING_KINDS = (
     "chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk", "extra_chunk",
     "width_mismatch", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
     "norm_mismatch", "nan_or_inf", "token_mismatch", "config_ids_ignored", "fc_bypassed", "vocab_map_missing",
     "num_draft_tokens_overridden", "config_ids_mismatch", "unsupported_draft", "unsupported_target",
-    "served_draft_differs", "unidentified_chunk",
+    "served_draft_differs", "unidentified_chunk", "zero_chunk", "scaled_chunk", "partial_match", "server_fatal",
 )
 #: kinds that describe which tensor sits in which chunk (the served layout).
 LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",
@@ -301,6 +303,7 @@ class Context:
     target: Any = None
     server: Any = None
     explained: dict = field(default_factory=dict)   # served chunk -> kind that explains it
+    notes: list = field(default_factory=list)       # what the data could not settle (one line each)
 
     @property
     def tol(self) -> float:
@@ -371,7 +374,8 @@ class Context:
         return noise_floor(self.tol, pairs, tref)
 
     def fit(self, kind: str, i: int, j: int):
-        """Cached :class:`helpers.diagnosis.fit.FitResult` of ``kind`` (``isometry`` | ``norm``) for (i, j)."""
+        """Cached :class:`helpers.diagnosis.fit.FitResult` of ``kind`` (``isometry`` | ``norm`` | ``scale``) for
+        (i, j)."""
 
         cache = self.__dict__.setdefault("_fits", {})
         key = (kind, i, j)
@@ -380,9 +384,18 @@ class Context:
             if r is None:
                 cache[key] = None
             else:
-                cache[key] = isometry_fit(r[0], r[1], self.floor) if kind == "isometry" else rms_norm_fit(
-                    r[0], r[1], self.tol)
+                cache[key] = (isometry_fit(r[0], r[1], self.floor) if kind == "isometry" else
+                              scale_fit(r[0], r[1], self.tol) if kind == "scale" else
+                              rms_norm_fit(r[0], r[1], self.tol))
         return cache[key]
+
+    def compared_rows(self, i: int, j: Optional[int] = None) -> int:
+        """Rows compared for served chunk ``i`` against training unit ``j`` (default: the most over all units):
+        rows finite on both sides, from samples whose tokens agree with training."""
+        pairs = self.source.pairs
+        if j is not None:
+            return int(pairs.n[i, j]) if j < pairs.nu else 0
+        return int(pairs.n[i].max()) if pairs.nu else 0
 
     @cached_property
     def noise(self) -> Optional[dict]:
@@ -534,37 +547,75 @@ class Context:
 # ------------------------------------------------------------------------------------ per-kind detectors
 
 def detect_nan_or_inf(ctx: Context) -> list[dict]:
-    """``nan_or_inf``: served (per rank) or training rows holding NaN/Inf (excluded from all metrics)."""
+    """``nan_or_inf``: served (per rank) or training rows holding NaN/Inf. A non-finite chunk row is left out of
+    that chunk's pairs only (the other chunks of the row are compared); a chunk left with no comparable row is
+    said to be unsettled, never named a layer (:func:`detect_not_comparable`)."""
     out = []
     for src in ctx.cmp.rank_sources:
         for i in range(src.num_chunks):
             n = src.stats.nonfinite[i]
             if n:
-                out.append(finding("nan_or_inf", i, f"{n} of {src.stats.rows} served rows of chunk {i} hold NaN/Inf"
-                                   + (f" on TP rank {src.tp_rank}" if src.tp_rank is not None else ""),
-                                   side="served", source=src.name, tp_rank=src.tp_rank, rows=n,
-                                   rows_total=src.stats.rows, first=src.stats.nonfinite_at[i]))
+                left = src.stats.rows - n
+                what = (f"{n} of {src.stats.rows} served rows of chunk {i} hold NaN/Inf"
+                        + (f" on TP rank {src.tp_rank}" if src.tp_rank is not None else ""))
+                if left == 0:
+                    what += (": no row of this chunk can be compared, so which tensor it holds is not settled "
+                             "(the other chunks are compared on their own rows)")
+                else:
+                    what += f" (left out of this chunk's comparison; {left} finite rows compared)"
+                out.append(finding("nan_or_inf", i, what, side="served", source=src.name, tp_rank=src.tp_rank,
+                                   rows=n, rows_total=src.stats.rows, finite_rows=left,
+                                   first=src.stats.nonfinite_at[i]))
     ts = ctx.cmp.training_stats
     for j in range(ts.n):
         if ts.nonfinite[j]:
-            out.append(finding("nan_or_inf", None, f"{ts.nonfinite[j]} training rows of chunk {j} hold NaN/Inf",
-                               side="training", training_chunk=j, rows=ts.nonfinite[j], first=ts.nonfinite_at[j]))
+            left = ts.rows - ts.nonfinite[j]
+            out.append(finding("nan_or_inf", None,
+                               f"{ts.nonfinite[j]} of {ts.rows} training rows of chunk {j} hold NaN/Inf"
+                               + (f": no row of training chunk {j} can be compared" if left == 0 else
+                                  f" (left out of comparisons with training chunk {j}; {left} finite rows)"),
+                               side="training", training_chunk=j, rows=ts.nonfinite[j], rows_total=ts.rows,
+                               finite_rows=left, first=ts.nonfinite_at[j]))
     return out
 
 
 def detect_token_mismatch(ctx: Context) -> list[dict]:
-    """``token_mismatch``: a served sample's prompt ids differ from its training sample's (rows after the first
-    difference have another context and are not compared), or served samples match no training sample."""
+    """``token_mismatch``: a served sample's prompt ids differ from its training sample's, or served samples match
+    no training sample. The rows of such a sample (before the first difference) may not be aligned with the
+    training rows (the file may hold another sample's rows): they are compared apart (the sources' ``suspect``
+    accumulators, reported here) and never used to name a layer; when no other row was compared, the finding
+    says that which tensor each chunk holds is not settled."""
     a = ctx.cmp.alignment
     out = []
     if a["token_mismatches"]:
         tm = a["token_mismatches"]
         f0 = tm[0]
-        out.append(finding("token_mismatch", None,
-                           f"{len(tm)} served sample(s) differ from their training sample inside the prompt; first: "
-                           f"{f0['served_sample']} position {f0['position']} id {f0['served_token_id']} vs training "
-                           f"{f0['training_sample']} id {f0['training_token_id']}",
-                           mismatches=tm[:10], count=len(tm)))
+        n_sus = a.get("rows_in_mismatched_samples", 0)
+        clean = a["rows_compared"] - n_sus
+        sus = ctx.source.suspect
+        on_sus = {}
+        if sus is not None and sus.rows and ctx.full_width:
+            for i in range(min(ctx.ns, ctx.nt)):
+                m = sus.metrics(i, i, ctx.tol)
+                on_sus[str(i)] = {"rows": m.rows, "share_within_tolerance": float(f"{m.share_within:.4g}"),
+                                  "row_cosine_p50": None if m.median_cosine is None else float(f"{m.median_cosine:.6g}")}
+        detail = (f"{len(tm)} served sample(s) differ from their training sample inside the prompt; first: "
+                  f"{f0['served_sample']} position {f0['position']} id {f0['served_token_id']} vs training "
+                  f"{f0['training_sample']} id {f0['training_token_id']}")
+        if n_sus:
+            agree = ", ".join(f"chunk {i} {v['share_within_tolerance']:.0%}" for i, v in on_sus.items())
+            detail += (f". Their {n_sus} rows before the difference are kept out of the layer comparison (a sample "
+                       "whose prompt differs may hold rows that are not aligned with the training rows)"
+                       + (f"; on them, rows within tolerance of the same training chunk: {agree}" if agree else ""))
+        if clean == 0:
+            detail += (". No row of a sample whose tokens agree was compared, so which tensor each chunk holds is "
+                       "not settled: layer findings are withheld. Capture the served states for the training "
+                       "prompts (the same token ids, in the same samples) to settle it")
+        elif ctx.full_width and all(ctx.match.get(i) == i for i in range(ctx.ns)) and ctx.ns == ctx.nt:
+            detail += f". The {clean} rows of the samples whose tokens agree match training chunk for chunk"
+        out.append(finding("token_mismatch", None, detail, mismatches=tm[:10], count=len(tm),
+                           rows_in_mismatched_samples=n_sus, rows_compared_for_layers=clean,
+                           mismatched_rows_vs_same_training_chunk=on_sus))
     if a["unpaired_served"]:
         out.append(finding("token_mismatch", None,
                            f"{len(a['unpaired_served'])} served sample(s) match no training sample by input_ids",
@@ -772,6 +823,228 @@ def detect_norm_mismatch(ctx: Context) -> list[dict]:
     return out
 
 
+def detect_not_comparable(ctx: Context) -> list[dict]:
+    """No finding, a note: a served chunk with no comparable row against its training chunk (every row of one
+    side non-finite, or only rows of samples whose tokens differ) is not settled, and no layer finding may be
+    built on it. The ``nan_or_inf`` / ``token_mismatch`` finding says why."""
+    a = ctx.cmp.alignment
+    clean = a["rows_compared"] - a.get("rows_in_mismatched_samples", 0)
+    for i in range(ctx.ns):
+        if i in ctx.explained or i in ctx.match:
+            continue
+        if ctx.compared_rows(i, i if i < ctx.nt and ctx.full_width else None) > 0:
+            continue
+        st = ctx.source.stats
+        why = []
+        if clean == 0:
+            why.append("every aligned row comes from a sample whose prompt ids differ from training")
+        if st.nonfinite[i] and st.nonfinite[i] == st.rows:
+            why.append(f"all {st.rows} served rows of this chunk hold NaN/Inf")
+        ts = ctx.cmp.training_stats
+        if i < ts.n and ts.nonfinite[i] and ts.nonfinite[i] == ts.rows:
+            why.append(f"all {ts.rows} rows of training chunk {i} hold NaN/Inf")
+        ctx.explained[i] = "not_comparable"
+        reason = "; ".join(why) or "no row finite on both sides"
+        ctx.notes.append(f"chunk {i}: inconclusive, no comparable rows ({reason}): which tensor it holds is not "
+                         "settled; a capture with finite rows for the training prompts would settle it")
+    return []
+
+
+def detect_zero_chunk(ctx: Context) -> list[dict]:
+    """``zero_chunk``: a served chunk is exactly zero on (nearly) every finite row while the training chunk is not:
+    the capture delivers zeros there (a hook that never fired, a buffer never written or cleared), not a layer
+    output. A rank-local embedding (zero rows outside one vocab shard) is ``embedding_not_all_reduced``."""
+    out = []
+    st = ctx.source.stats
+    ts = ctx.cmp.training_stats
+    for i in range(ctx.ns):
+        if i in ctx.explained or i in ctx.match:
+            continue
+        finite = st.rows - st.nonfinite[i]
+        if finite <= 0 or st.zero[i] < MATCH_SHARE * finite:
+            continue
+        j = i if i < ctx.nt else None
+        tz = None if j is None else ts.zero[j]
+        if j is not None and tz >= MATCH_SHARE * max(1, ts.rows - ts.nonfinite[j]):
+            continue                    # training is zero too: not this fault
+        ctx.explained[i] = "zero_chunk"
+        ev = ctx.ev(i, j)
+        ev.update(zero_rows=st.zero[i], finite_rows=finite, rows=st.rows, training_zero_rows=tz,
+                  training_rows=ts.rows)
+        out.append(finding("zero_chunk", i,
+                           f"served chunk {i} is exactly zero on {st.zero[i]} of its {finite} finite rows"
+                           + (f" while training chunk {j} is zero on {tz} of {ts.rows}" if j is not None else "")
+                           + ": the capture delivers zeros here (a hook that never fired, a buffer never written or "
+                           "cleared), not a layer output", **ev))
+    return out
+
+
+def detect_scaled_chunk(ctx: Context) -> list[dict]:
+    """``scaled_chunk``: the served chunk is a training chunk times one constant: rows point the same way and
+    their norm ratio is constant, and scaling by the fitted factor brings >= ``MATCH_SHARE`` of held-out rows
+    within tolerance (:func:`helpers.diagnosis.fit.scale_fit`). Never named for a chunk the reference identifies
+    as a layer."""
+    out = []
+    for i in ctx.corr["unmatched_s"]:
+        if i in ctx.explained or _reference_layer(ctx, i) is not None:
+            continue
+        j, f = _fit_target(ctx, i, "scale")
+        if j is None:
+            continue
+        ctx.explained[i] = j
+        st = f.stats
+        mt = ctx.m(i, j)
+        mean_f = None if mt.mean_log_norm_ratio is None else math.exp(mt.mean_log_norm_ratio)
+        spread = mt.std_log_norm_ratio
+        out.append(finding("scaled_chunk", i,
+                           f"served chunk {i} is training chunk {j} times {st['factor']:.4g}: the rows point "
+                           f"{'the same way' if st['factor'] > 0 else 'the opposite way'} (median row cosine "
+                           f"{st['row_cosine_p50']:.5f}) with a constant norm ratio (per-row "
+                           f"factor {st['row_factor_p10']:.4g} to {st['row_factor_p90']:.4g} at the 10th / 90th "
+                           f"percentile; over all {mt.rows} rows the norm ratio runs {mt.row_norm_ratio_min:.4g} to "
+                           f"{mt.row_norm_ratio_max:.4g}, geometric mean {mean_f:.4g}, log spread {spread:.2g}); scaled "
+                           f"back, {st['share_within']:.0%} of held-out rows are within tolerance (unscaled "
+                           f"{st['share_within_unscaled']:.0%}). Something multiplies one side by a constant; it is "
+                           "not another layer",
+                           factor=st["factor"], norm_ratio_geomean=mean_f, log_norm_ratio_std=spread,
+                           fit=f.to_json(), **ctx.ev(i, j)))
+    return out
+
+
+#: a served chunk equal to one training chunk on at least this share of its rows (but < MATCH_SHARE) is that
+#: chunk with a minority of rows altered: another layer of a deep target differs on the ordinary rows too
+#: (row cosine <= 0.99: rel_diff above the tolerance), so it agrees on few rows (the massive-activation rows).
+PARTIAL_SHARE = 0.5
+
+
+def _differing_rows(ctx: Context, i: int, j: int) -> Optional[dict]:
+    """What sets the reservoir rows of (served i, training j) outside the tolerance apart: their energy against
+    the median row, where they sit (positions / token ids) and the dims that hold their difference."""
+    r = ctx.rows(i, j)
+    if r is None:
+        return None
+    S, T = r[0].double(), r[1].double()
+    keep = (S.square().sum(-1) + T.square().sum(-1)) > 0
+    rv = ctx.cmp.reservoir
+    ids, pos = rv.ids[:rv.count][keep.numpy()], rv.positions[:rv.count][keep.numpy()]
+    S, T = S[keep], T[keep]
+    if S.shape[0] < 8:
+        return None
+    d2 = (S - T).square()
+    rel = d2.sum(-1) / (S.square().sum(-1) + T.square().sum(-1))
+    bad = (rel > ctx.tol).numpy()
+    if not bad.any():
+        return None
+    e = T.square().sum(-1)
+    med = float(e.median())
+    be = e[torch.from_numpy(bad)]
+    per_dim = d2[torch.from_numpy(bad)].sum(0)
+    tot = float(per_dim.sum())
+    v, dims = torch.topk(per_dim, min(3, per_dim.numel()))
+    top_rank = torch.argsort(e, descending=True)[:int(bad.sum())]
+    top_set = set(top_rank.tolist())
+    bad_idx = np.nonzero(bad)[0]
+    return {"reservoir_rows": int(S.shape[0]), "differing_rows": int(bad.sum()),
+            "energy_vs_median_row_p50": float(f"{float(be.median()) / med:.4g}") if med > 0 else None,
+            "share_among_highest_energy_rows": float(f"{len(top_set & set(bad_idx.tolist())) / bad.sum():.4g}"),
+            "positions": [int(x) for x in pos[bad_idx[:8]]], "token_ids": [int(x) for x in ids[bad_idx[:8]]],
+            "diff_dims": [int(x) for x in dims], "diff_dims_share": float(f"{float(v.sum()) / tot:.4g}") if tot else None}
+
+
+#: at most this many dims may be left out for a dim-wise partial match (massive-activation / outlier dims).
+PARTIAL_MAX_DIMS = 4
+
+
+def _dims_partial(ctx: Context, i: int, j: int) -> Optional[dict]:
+    """Reservoir test: leaving out the k <= :data:`PARTIAL_MAX_DIMS` dims that hold most of the difference, are
+    >= ``MATCH_SHARE`` of the rows of (served i, training j) within tolerance? (Another layer differs across
+    the whole width: a few dims never explain it.) Returns the dims and shares, or None."""
+    r = ctx.rows(i, j)
+    if r is None:
+        return None
+    S, T = r[0].double(), r[1].double()
+    keep = (S.square().sum(-1) + T.square().sum(-1)) > 0
+    S, T = S[keep], T[keep]
+    if S.shape[0] < 8:
+        return None
+    d2 = (S - T).square()
+    # the rest of each row against the whole row's energy: engine noise scales with the row (a massive row's
+    # noise would swamp its small remainder), and the left-out dims only leave the numerator
+    e2 = (S.square() + T.square()).sum(-1).clamp_min(1e-300)
+    per_dim = d2.sum(0)
+    order = torch.argsort(per_dim, descending=True)
+    tot = float(per_dim.sum())
+    for k in range(1, min(PARTIAL_MAX_DIMS, S.shape[1] - 1) + 1):
+        mask = torch.ones(S.shape[1], dtype=torch.bool)
+        mask[order[:k]] = False
+        rel = d2[:, mask].sum(-1) / e2
+        share = float((rel <= ctx.tol).double().mean())
+        if share >= MATCH_SHARE:
+            return {"dims": [int(x) for x in order[:k]], "share_within_without_dims": float(f"{share:.4g}"),
+                    "dims_share_of_difference": float(f"{float(per_dim[order[:k]].sum()) / tot:.4g}") if tot else None,
+                    "reservoir_rows": int(S.shape[0])}
+    return None
+
+
+def detect_partial_match(ctx: Context) -> list[dict]:
+    """``partial_match``: a served chunk equals one training chunk on most of its rows (>= :data:`PARTIAL_SHARE`,
+    < ``MATCH_SHARE``): the same tensor with a minority of rows altered (the evidence says which rows: energy,
+    positions, token ids, and the dims holding the difference); or on >= ``MATCH_SHARE`` of the rows once at
+    most :data:`PARTIAL_MAX_DIMS` dims are left out (:func:`_dims_partial`): a few dims altered. Not another
+    layer (another layer of a deep target differs on the ordinary rows, across the width). Never named for a
+    chunk the reference identifies as a layer."""
+    out = []
+    if not ctx.full_width:
+        return out
+    for i in ctx.corr["unmatched_s"]:
+        if i in ctx.explained or _reference_layer(ctx, i) is not None:
+            continue
+        j, mt = ctx.cmp.best_match(ctx.source, i)
+        if mt.rows == 0 or mt.share_within >= MATCH_SHARE:
+            continue
+        cos = "n/a" if mt.median_cosine is None else f"{mt.median_cosine:.4f}"
+        if mt.share_within < PARTIAL_SHARE:
+            dp = _dims_partial(ctx, i, j)
+            if dp is None:
+                continue
+            ctx.explained[i] = "partial_match"
+            ev = ctx.ev(i, j)
+            ev["differing_dims"] = dp
+            out.append(finding("partial_match", i,
+                               f"served chunk {i} equals training chunk {j} except on dims {dp['dims']}: leaving them "
+                               f"out, {dp['share_within_without_dims']:.0%} of the sampled rows are within tolerance "
+                               f"(with them {mt.share_within:.0%} of {mt.rows} rows; median row cosine {cos}), and "
+                               f"they hold {dp['dims_share_of_difference']:.0%} of the difference. The same tensor "
+                               "with a few dims altered (often the massive-activation dims), not another layer "
+                               "(another layer differs across the whole width); what alters them is not settled "
+                               "by the data", **ev))
+            continue
+        ctx.explained[i] = "partial_match"
+        within = int(round(mt.share_within * mt.rows))
+        ev = ctx.ev(i, j)
+        rows = _differing_rows(ctx, i, j)
+        ev["differing_rows"] = rows
+        ev["rows_within"] = within
+        what = ""
+        if rows:
+            hi = rows["share_among_highest_energy_rows"]
+            what = (f"; in the reservoir sample the {rows['differing_rows']} differing rows have a median energy "
+                    f"{rows['energy_vs_median_row_p50']:.3g} x the median row's"
+                    + (" (they are the highest-energy rows: massive activations)" if hi >= 0.8 and
+                       (rows["energy_vs_median_row_p50"] or 0) > 10 else "")
+                    + f", positions {rows['positions']}, token ids {rows['token_ids']}, and dims "
+                    f"{rows['diff_dims']} hold {rows['diff_dims_share']:.0%} of their difference")
+        out.append(finding("partial_match", i,
+                           f"served chunk {i} equals training chunk {j} on {mt.share_within:.0%} of the rows ({within} "
+                           f"of {mt.rows} within tolerance; median per-row rel_diff "
+                           f"{(mt.row_rel_diff.get('p50') or 0):.2g}, median row cosine {cos}) but not on the other "
+                           f"{mt.rows - within}{what}. The same tensor with a minority of rows altered, not another "
+                           "layer (another layer differs on the ordinary rows too); what alters those rows (clamping "
+                           "or overflow of large values, another path for some tokens) is not settled by the data",
+                           **ev))
+    return out
+
+
 def _shift_applies(ctx: Context) -> bool:
     cr = ctx.corr
     return cr["shift"] is not None and all(i not in ctx.explained for i in cr["positional"])
@@ -874,9 +1147,10 @@ def detect_wrong_layer(ctx: Context) -> list[dict]:
         ctx.explained[i] = "wrong_layer"
         ev = ctx.ev(i, i)
         mt = ctx.m(i, i) if ctx.full_width else None
-        data = (f"{mt.share_within:.0%} of rows within tolerance, median per-row rel_diff "
+        data = (f"{mt.share_within:.0%} of {mt.rows} rows within tolerance, median per-row rel_diff "
                 f"{(mt.row_rel_diff.get('p50') or 0):.2g}, median row cosine "
-                f"{(mt.median_cosine if mt.median_cosine is not None else float('nan')):.3f}") if mt else "different widths"
+                + ("n/a (a zero row)" if mt.median_cosine is None else f"{mt.median_cosine:.3f}")) \
+            if mt else "different widths"
         cands = ev.get("closest_training_chunks", [])
         ref = ev.get("served_reference_match")
         if sname is not None and sname == tname:
@@ -907,7 +1181,8 @@ def detect_wrong_layer(ctx: Context) -> list[dict]:
             continue
         elif not ref and cands:
             detail += ("; closest training chunks: " + ", ".join(
-                f"{c['training_chunk']} (median row cosine {c['row_cosine_p50']})" for c in cands[:2])
+                f"{c['training_chunk']} (median row cosine "
+                f"{'n/a' if c['row_cosine_p50'] is None else c['row_cosine_p50']})" for c in cands[:2])
                        + "; to name the layer, compare with an every-layer reference (capture --every-layer, or HF)")
         out.append(finding("wrong_layer", i, detail, offset=off, **ev))
     return out
@@ -945,19 +1220,49 @@ def detect_missing_chunk(ctx: Context) -> list[dict]:
 
 NUMERIC_DETECTORS = (
     detect_nan_or_inf, detect_token_mismatch, detect_tp_sharded_width, detect_embedding_not_all_reduced,
-    detect_tp_partial_sum, detect_width_mismatch, detect_embedding_in_place_of_layer, detect_rotated_basis,
-    detect_norm_mismatch, detect_layer_offset, detect_chunk_order, detect_extra_chunk, detect_wrong_layer,
+    detect_tp_partial_sum, detect_width_mismatch, detect_not_comparable, detect_zero_chunk,
+    detect_embedding_in_place_of_layer, detect_rotated_basis, detect_norm_mismatch, detect_scaled_chunk,
+    detect_partial_match, detect_layer_offset, detect_chunk_order, detect_extra_chunk, detect_wrong_layer,
     detect_missing_chunk,
 )
 
 
+#: kinds built on the served rows compared with the training rows of the same tokens: withheld when the served
+#: file's prompts differ from training (:func:`_withhold_unaligned`). Served-side facts (non-finite or zero rows,
+#: context-free rows, widths) do not depend on the alignment.
+ALIGNED_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "unidentified_chunk", "missing_chunk", "extra_chunk",
+                 "rotated_basis", "norm_mismatch", "scaled_chunk", "partial_match", "tp_partial_sum")
+
+
+def _withhold_unaligned(ctx: Context, out: list[dict]) -> list[dict]:
+    """When served samples differ from their training samples inside the prompt, the file's rows are not known
+    to be aligned with the training rows (samples reordered, another data set, rows of one sample under another
+    sample's ids): findings built on the row comparison are withheld and listed in the token_mismatch finding,
+    which says what would settle them."""
+    tm = next((f for f in out if f["kind"] == "token_mismatch" and "mismatches" in f["evidence"]), None)
+    if tm is None:
+        return out
+    held = [f for f in out if f["kind"] in ALIGNED_KINDS]
+    if not held:
+        return out
+    tm["evidence"]["withheld_findings"] = [{"kind": f["kind"], "chunk": f["chunk"], "detail": f["detail"]}
+                                           for f in held]
+    what = ", ".join(f"{f['kind']}" + ("" if f["chunk"] is None else f" (chunk {f['chunk']})") for f in held)
+    tm["detail"] += (f". The rows of the other samples do not match training either ({what}), but with prompts "
+                     "that differ elsewhere in this file their rows are not known to be aligned: those findings are "
+                     "withheld (evidence.withheld_findings). Capture the served states for the training prompts "
+                     "(the same token ids, in the same samples) to settle which tensor each chunk holds")
+    return [f for f in out if f["kind"] not in ALIGNED_KINDS]
+
+
 def run_numeric(ctx: Context) -> list[dict]:
     """All numeric detectors in dependency order (specific explanations first, ``wrong_layer`` and
-    ``missing_chunk`` last). fc_bypassed short-circuits the layer detectors."""
+    ``missing_chunk`` last). fc_bypassed short-circuits the layer detectors. Findings built on the row
+    comparison are withheld when the served prompts differ from training (:func:`_withhold_unaligned`)."""
     out: list[dict] = []
     numeric_fc = detect_fc_bypassed(ctx.draft, ctx.server, ctx, ctx.weights)
     for det in NUMERIC_DETECTORS:
         if numeric_fc and det not in (detect_nan_or_inf, detect_token_mismatch):
             continue
         out.extend(det(ctx))
-    return out + numeric_fc
+    return _withhold_unaligned(ctx, out) + numeric_fc

@@ -223,9 +223,11 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
     ctx = D.Context(cmp=cmp, served_plan=sp, training_plan=tp, draft=draft, weights=weights, target=target,
                     server=settings)
     numeric = D.run_numeric(ctx)
+    notes += ctx.notes
     fc_static = any(f["kind"] == "fc_bypassed" for f in static)
     findings = _merge(static, layout_static, numeric, fc_static=fc_static)
-    if report is not None and report.ambiguity and not any(f["kind"] in D.LAYOUT_KINDS for f in findings):
+    if report is not None and report.ambiguity and not any(f["kind"] in D.LAYOUT_KINDS for f in findings) \
+            and ctx.full_width and ctx.ns == ctx.nt and all(ctx.match.get(i) == i for i in range(ctx.ns)):
         notes.append("the data settle the draft config's ambiguity: the served chunks equal the training chunks")
     if not any(ctx.match.values()) and ctx.full_width and not findings:
         pass
@@ -273,12 +275,13 @@ def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *
             [g for g in numeric if g["kind"] == f["kind"] and f["chunk"] is None]
         for g in same[:1]:
             g["evidence"].setdefault("static_prediction", {"detail": f["detail"], **f["evidence"]})
-    order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "config_ids_ignored",
+    order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "server_fatal", "config_ids_ignored",
                                          "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
                                          "vocab_map_missing", "token_mismatch", "nan_or_inf", "width_mismatch",
                                          "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced",
                                          "layer_offset", "embedding_in_place_of_layer", "chunk_order",
-                                         "rotated_basis", "norm_mismatch", "wrong_layer", "extra_chunk",
+                                         "zero_chunk", "rotated_basis", "norm_mismatch", "scaled_chunk",
+                                         "partial_match", "unidentified_chunk", "wrong_layer", "extra_chunk",
                                          "missing_chunk"))}
     return sorted(out, key=lambda f: (order.get(f["kind"], 99), -1 if f["chunk"] is None else f["chunk"]))
 
@@ -302,6 +305,8 @@ def _chunk_table(ctx) -> list[dict]:
                 matched, m = u // c.shard_factor, best
             else:
                 m = best
+        if m is not None and m.rows == 0:
+            m = None                                  # no comparable row: nothing measured
         ident = c.identify(src.ref, i)
         ident_as = ident["best"] if ident and ident["passed"] else None
         if ident_as is None and src.stats.context_free(i, c.tolerance) and src.stats.zero[i] == 0:

@@ -15,6 +15,10 @@ norm with a per-dim weight. Otherwise the chunk is a ``wrong_layer`` with its cl
 * :func:`rms_norm_fit` -- ``S = rmsnorm(T) * w`` (or ``T = rmsnorm(S) * w``) with a per-dim weight ``w`` fitted
   by least squares on half of the rows and judged on the other half (per-row rel_diff within the tolerance
   for >= ``MATCH_SHARE`` of them): a final norm applied on one side only.
+* :func:`scale_fit` -- ``S = c T`` for one scalar ``c`` (rows pointing the same way with a constant norm ratio):
+  ``c`` is the median per-row ``<s, t> / |t|^2`` on half of the rows, judged on the other half (per-row rel_diff
+  within the tolerance for >= ``MATCH_SHARE`` of them, where the unscaled rows are not): the right tensor
+  multiplied by a constant (a scale folded in on one side, a doubled residual, a wrong dtype scale).
 * :func:`noise_floor` -- the isometry floor: 3 x the statistics measured on chunk pairs known to be equal
   (the deployment's own engine noise), else a bound from the tolerance and the rows' participation ratio
   (noise spread over the dims moves a norm or an angle by about ``sqrt(2 tol / H_eff)``).
@@ -174,3 +178,31 @@ def rms_norm_fit(S: torch.Tensor, T: torch.Tensor, tol: float) -> FitResult:
                      {"tolerance": tol, "share_needed": MATCH_SHARE,
                       "from": "per-row rel_diff on held-out rows (the weight is fitted on the other half)"},
                      int(S.shape[0]))
+
+
+def scale_fit(S: torch.Tensor, T: torch.Tensor, tol: float) -> FitResult:
+    """Is ``S = c T`` for one constant ``c``? ``c`` = median per-row ``<s, t> / |t|^2`` on the even rows; fits
+    when >= ``MATCH_SHARE`` of the odd rows are within ``tol`` after scaling while fewer are without it (the
+    scale is what makes them equal). Stats: ``factor``, its per-row spread (``row_factor_p10`` / ``p90``),
+    ``share_within`` scaled and ``share_within_unscaled`` (held-out rows), ``row_cosine_p50``."""
+    S, T = _usable(S, T)
+    if S.shape[0] < 8:
+        return FitResult("scale", False, {}, {}, int(S.shape[0]))
+    per_row = (S * T).sum(-1) / T.square().sum(-1)
+    fa, fb = slice(0, None, 2), slice(1, None, 2)
+    c = float(per_row[fa].median())
+    Sb, Tb = S[fb], T[fb]
+
+    def share(x, y):
+        rel = (x - y).square().sum(-1) / (x.square().sum(-1) + y.square().sum(-1)).clamp_min(1e-300)
+        return float((rel <= tol).double().mean()), float(rel.median())
+    sh, med = share(Sb, c * Tb)
+    sh0, _ = share(Sb, Tb)
+    cos = (S * T).sum(-1) / (S.norm(dim=-1) * T.norm(dim=-1))
+    stats = {"factor": c, "row_factor_p10": float(torch.quantile(per_row, 0.1)),
+             "row_factor_p90": float(torch.quantile(per_row, 0.9)), "share_within": sh, "row_rel_diff_p50": med,
+             "share_within_unscaled": sh0, "row_cosine_p50": float(cos.median()), "held_out_rows": int(Sb.shape[0])}
+    fits = sh >= MATCH_SHARE and sh0 < MATCH_SHARE
+    return FitResult("scale", fits, stats, {"tolerance": tol, "share_needed": MATCH_SHARE,
+                                            "from": "per-row rel_diff on held-out rows (the factor is fitted on the "
+                                                    "other half)"}, int(S.shape[0]))

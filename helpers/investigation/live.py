@@ -574,6 +574,7 @@ KIND_TEXT = {
     "served_draft_differs": "the server runs another draft than the one given",
     "unsupported_target": "SGLang cannot capture aux states for this target",
     "unsupported_draft": "SGLang cannot serve this draft as EAGLE-3",
+    "server_fatal": "the server fails with these layer ids (at start-up or at the first forward)",
 }
 
 

@@ -46,6 +46,12 @@ ENGINE_FIXES = {
     "nan_or_inf": "find where non-finite values enter the captured tensor (dtype overflow, an uninitialised buffer)",
     "unidentified_chunk": "find what transforms the chunk between the residual stream and the capture: it equals no "
                           "layer of the target (compare the TP ranks' captures, read the capture path)",
+    "zero_chunk": "find why the capture delivers zeros for the chunk (a hook that never fires for that layer, a "
+                  "buffer never written or cleared before it is read)",
+    "scaled_chunk": "remove the constant factor applied to the chunk on one side (a scale folded into the capture, "
+                    "a residual added twice, a dtype / quantisation scale not undone)",
+    "partial_match": "find what alters a minority of the chunk's rows (the evidence names them: often the massive-"
+                     "activation rows and dims, altered by clamping, overflow or a special path for some tokens)",
     "token_mismatch": "compare on the same tokens: the served capture and the training data disagree on the token "
                       "ids (tokenizer, chat template or sample order)",
     "unsupported_target": "serve a target architecture whose SGLang model class captures aux hidden states "
@@ -215,7 +221,7 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
             where = "" if f.get("chunk") is None else f" (chunk {f['chunk']})"
             engine_parts.append(ENGINE_FIXES[k] + where)
             fix.unaddressed.append(k)
-        elif k in ID_KINDS or k in ("width_mismatch", "extra_chunk", "missing_chunk"):
+        elif k in ID_KINDS or k in ("width_mismatch", "extra_chunk", "missing_chunk", "server_fatal"):
             engine_parts.append(f"{k}: {f['detail']}")
             fix.unaddressed.append(k)
         elif k not in fix.addresses:

@@ -163,3 +163,41 @@ def test_streaming_keeps_a_bounded_number_of_samples_alive():
     c = compare(stream(), [served], hidden_size=H, training_width=3 * H)
     assert c.alignment["samples_paired"] == N // 4 and c.alignment["training_samples_seen"] == N
     assert alive["max"] <= 2
+
+
+def test_a_non_finite_chunk_leaves_the_other_chunks_rows_in_their_pairs(data):
+    """Each chunk pair takes the rows finite in both of its chunks: chunk 0 NaN on every row of sample 0 and chunk 1
+    Inf on two rows of sample 1 change nothing for chunk 2's pairs, and chunk 0's pairs keep sample 1's rows."""
+    H, tr, ids, sv = data
+    train = [sample(f"data_{k}", ids[k], tr[k], sample_id=f"data_{k}") for k in range(2)]
+    bad = [sv[0].clone(), sv[1].clone()]
+    bad[0][:, :H] = float("nan")
+    bad[1][[2, 5], H:2 * H] = float("inf")
+    ref = compare(train, [source([sample(f"s{k}", ids[k][:9], sv[k], sample_id=f"data_{k}") for k in range(2)])],
+                  hidden_size=H, training_width=3 * H)
+    c = compare(train, [source([sample(f"s{k}", ids[k][:9], bad[k], sample_id=f"data_{k}") for k in range(2)])],
+                hidden_size=H, training_width=3 * H)
+    src = c.primary
+    assert src.pairs.n[0].tolist() == [9, 9, 9] and src.pairs.n[1].tolist() == [16, 16, 16]
+    assert src.pairs.n[2].tolist() == [18, 18, 18]
+    for j in range(3):
+        a, b = c.metrics(src, 2, j), ref.metrics(ref.primary, 2, j)
+        assert (a.rows, a.share_within) == (b.rows, b.share_within)
+        assert a.rel_diff == pytest.approx(b.rel_diff, rel=1e-9)
+    assert c.metrics(src, 2, 0).max_abs_diff == pytest.approx(ref.metrics(ref.primary, 2, 0).max_abs_diff)
+    m00 = c.metrics(src, 0, 0)
+    assert m00.rows == 9 and m00.passed                                 # sample 1's chunk-0 rows still compared
+    assert src.stats.nonfinite == [9, 2, 0]
+
+
+def test_rows_of_a_sample_whose_prompt_differs_are_compared_apart(data):
+    """Rows before a prompt mismatch may belong to another sample: they go to the suspect accumulator only."""
+    H, tr, ids, sv = data
+    bad_prompt = list(ids[1][:3]) + [777] + list(ids[1][4:9])
+    served = source([sample("a", ids[0][:9], sv[0], num_prompt_tokens=7),
+                     sample("b", bad_prompt, sv[1], num_prompt_tokens=7, sample_id="data_1")])
+    train = [sample(f"data_{k}", ids[k], tr[k], sample_id=f"data_{k}") for k in range(2)]
+    c = compare(train, [served], hidden_size=H, training_width=3 * H)
+    assert c.alignment["rows_compared"] == 12 and c.alignment["rows_in_mismatched_samples"] == 3
+    assert (c.primary.pairs.n == 9).all() and (c.primary.suspect.n == 3).all()
+    assert c.reservoir.count == 9

@@ -297,3 +297,154 @@ def test_nan_rows_in_one_chunk(worlds):
         return r
     d = diagnose(train, [w.served_json(outs(ids), mutate=nan)])
     assert kinds(d) == [("nan_or_inf", 1)], d.render_text()
+
+
+# ------------------------------------------------------------------- dead, scaled and partly altered chunks
+
+def _case(w, n):
+    ids = specforge_default(n)
+    train = w.training(outs(ids), manifest_ids=ids)
+    dd, td = w.configs(ids)
+    return ids, train, dd, td
+
+
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_an_all_nan_chunk_leaves_the_other_chunks_compared(worlds, use_ref):
+    """Every row of chunk 0 NaN: that chunk is named nan_or_inf and left unsettled (a note, no layer finding);
+    chunks 1 and 2 are compared on all their rows and match."""
+    w = worlds[32]
+    ids, train, dd, td = _case(w, 32)
+    served = w.served_json(outs(ids), mutate=_chunk_map(lambda x: torch.full_like(x, float("nan")), [0]))
+    d = diagnose(train, [served], draft_config=dd, target_config=td, reference=w.reference() if use_ref else None)
+    assert kinds(d) == [("nan_or_inf", 0)], d.render_text()
+    f = d.findings[0]
+    rows = f["evidence"]["rows_total"]
+    assert f["evidence"]["rows"] == rows and f["evidence"]["finite_rows"] == 0 and "not settled" in f["detail"]
+    assert [c["matched_training_chunk"] for c in d.chunks] == [None, 1, 2]
+    assert d.chunks[0]["share_within"] is None                       # nothing measured, not "0 %"
+    for i in (1, 2):
+        m = d.comparison.metrics(d.comparison.primary, i, i)
+        assert m.rows == rows and m.share_within >= MATCH_SHARE    # the NaN chunk took no row away
+    assert any(n.startswith("chunk 0: inconclusive, no comparable rows") for n in d.notes), d.notes
+
+
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_an_all_zero_chunk_is_a_zero_chunk_not_a_layer(worlds, use_ref):
+    w = worlds[32]
+    ids, train, dd, td = _case(w, 32)
+    served = w.served_json(outs(ids), mutate=_chunk_map(torch.zeros_like, [1]))
+    d = diagnose(train, [served], draft_config=dd, target_config=td, reference=w.reference() if use_ref else None)
+    assert kinds(d) == [("zero_chunk", 1)], d.render_text()
+    ev = d.findings[0]["evidence"]
+    assert ev["zero_rows"] == ev["finite_rows"] == ev["rows"] > 100 and ev["training_zero_rows"] == 0
+    assert "nan" not in d.findings[0]["detail"]
+
+
+@pytest.mark.parametrize("n,chunks,factor", [(32, [1], 2.0), (61, [0, 1, 2], 0.5)])
+def test_a_scaled_copy_of_the_right_layer_is_named_scaled(worlds, n, chunks, factor):
+    """The right tensor times a constant: rows point the same way with a constant norm ratio. Named scaled_chunk
+    with the measured factor and its spread, with or without the every-layer reference (no layer equals it)."""
+    w = worlds[n]
+    ids, train, dd, td = _case(w, n)
+    served = w.served_json(outs(ids), mutate=_chunk_map(lambda x: factor * x, chunks))
+    for ref in (None, w.reference()):
+        d = diagnose(train, [served], draft_config=dd, target_config=td, reference=ref)
+        assert kinds(d) == [("scaled_chunk", c) for c in chunks], d.render_text()
+        for f, c in zip(d.findings, chunks):
+            ev = f["evidence"]
+            assert ev["training_chunk"] == c
+            assert abs(ev["factor"] / factor - 1) < 0.01 and abs(ev["norm_ratio_geomean"] / factor - 1) < 0.01
+            st = ev["fit"]["stats"]
+            assert st["share_within"] >= MATCH_SHARE and st["share_within_unscaled"] == 0
+            assert 0.98 * factor < st["row_factor_p10"] <= st["row_factor_p90"] < 1.02 * factor
+            assert ev["log_norm_ratio_std"] < 0.01
+            assert "one of them is wrong" not in f["detail"] and "not another layer" in f["detail"]
+
+
+def test_a_massive_dim_zeroed_on_the_massive_rows_is_a_partial_match(worlds):
+    """One massive-activation dim zeroed on the massive rows only (first token, delimiters): the ordinary rows
+    equal the training chunk, so this is the right tensor with a minority of rows altered, not a wrong layer and
+    not a contradiction of the plans. The evidence names the rows (high energy) and the dim."""
+    w = worlds[32]
+    ids, train, dd, td = _case(w, 32)
+    dim = int(w.target.massive_idx[0])
+
+    def zero_massive(_, rows):
+        r = rows.float().clone()
+        c = r[:, 2 * H:3 * H]
+        big = c.abs().amax(1) > 50 * c.abs().median()
+        c[big, dim] = 0
+        return r.to(rows.dtype)
+    served = w.served_json(outs(ids), mutate=zero_massive)
+    for ref in (None, w.reference()):
+        d = diagnose(train, [served], draft_config=dd, target_config=td, reference=ref)
+        assert kinds(d) == [("partial_match", 2)], d.render_text()
+        f = d.findings[0]
+        ev = f["evidence"]
+        m = ev["metrics"]
+        assert ev["training_chunk"] == 2 and 0.5 <= m["share_within_tolerance"] < MATCH_SHARE
+        assert m["row_cosine_p50"] > 0.999
+        dr = ev["differing_rows"]
+        assert dr["differing_rows"] == m["rows"] - ev["rows_within"] > 0
+        assert dr["energy_vs_median_row_p50"] > 10 and dr["share_among_highest_energy_rows"] >= 0.8
+        assert dr["diff_dims"][0] == dim and dr["diff_dims_share"] > 0.9
+        assert all(p == 0 or t in w.target.config.delimiters for p, t in zip(dr["positions"], dr["token_ids"]))
+        assert "one of them is wrong" not in f["detail"] and "not another layer" in f["detail"]
+
+
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_rows_under_other_samples_tokens_withhold_layer_findings(worlds, use_ref):
+    """Served rows of sample k+1 under sample k's prompt ids (a shifted file; two prompts also differ in length,
+    so the ids disagree there): the rows are not aligned, so no layer finding is built on them; the token_mismatch
+    finding says so and keeps what was withheld as evidence."""
+    w = worlds[32]
+    ids, train, dd, td = _case(w, 32)
+    clean = json.loads(Path(w.served_json(outs(ids))).read_text())
+    shifted = []
+    for k, r in enumerate(clean):
+        o = clean[(k + 1) % len(clean)]
+        r = json.loads(json.dumps(r))
+        r["meta_info"]["hidden_states"], r["output_ids"] = o["meta_info"]["hidden_states"], o["output_ids"]
+        n = len(o["prompt_token_ids"])
+        r["prompt_token_ids"] = (clean[k]["prompt_token_ids"] + [0] * n)[:n]
+        shifted.append(r)
+    path = w.sub("shifted") / "served.json"
+    path.write_text(json.dumps(shifted))
+    d = diagnose(train, [path], draft_config=dd, target_config=td, reference=w.reference() if use_ref else None)
+    assert kinds(d) == [("token_mismatch", -1)], d.render_text()
+    f = d.findings[0]
+    ev = f["evidence"]
+    assert ev["count"] >= 1 and ev["rows_in_mismatched_samples"] > 0
+    assert {h["kind"] for h in ev["withheld_findings"]} <= {"wrong_layer", "unidentified_chunk"}
+    assert len(ev["withheld_findings"]) == 3 and "withheld" in f["detail"]
+    assert all(v["share_within_tolerance"] < 0.5 for v in ev["mismatched_rows_vs_same_training_chunk"].values())
+
+
+def test_massive_dims_zeroed_on_every_row_is_a_partial_match_on_those_dims(worlds):
+    """Both massive-activation dims zeroed on every row of every chunk: leaving those dims out the rows are equal,
+    so each chunk is the right tensor with two dims altered, never a wrong layer."""
+    w = worlds[32]
+    ids, train, dd, td = _case(w, 32)
+    mi = w.target.massive_idx.tolist()
+
+    def zero_dims(x):
+        x = x.clone()
+        x[:, mi] = 0
+        return x
+    d = diagnose(train, [w.served_json(outs(ids), mutate=_chunk_map(zero_dims, [0, 1, 2]))], draft_config=dd,
+                 target_config=td)
+    assert kinds(d) == [("partial_match", c) for c in range(3)], d.render_text()
+    for f in d.findings:
+        dp = f["evidence"]["differing_dims"]
+        assert sorted(dp["dims"]) == sorted(mi) and dp["share_within_without_dims"] >= MATCH_SHARE
+        assert f["evidence"]["metrics"]["share_within_tolerance"] < 0.5
+        assert "one of them is wrong" not in f["detail"]
+
+
+def test_a_negative_scale_says_the_rows_point_the_opposite_way(worlds):
+    w = worlds[32]
+    ids, train, dd, td = _case(w, 32)
+    d = diagnose(train, [w.served_json(outs(ids), mutate=_chunk_map(lambda x: -3 * x, [1]))], draft_config=dd,
+                 target_config=td)
+    assert kinds(d) == [("scaled_chunk", 1)], d.render_text()
+    assert abs(d.findings[0]["evidence"]["factor"] + 3) < 0.03 and "opposite way" in d.findings[0]["detail"]
