@@ -187,6 +187,8 @@ def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput
     except json.JSONDecodeError as e:
         raise error(f"{what} is not valid JSON, or truncated ({e.msg} at line {e.lineno} column {e.colno})",
                     path=p) from None
+    except RecursionError:
+        raise error(f"{what} nests arrays/objects too deeply to parse (expected {expected})", path=p) from None
 
 
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:

@@ -2,12 +2,25 @@
 ``--served``, the config-only check (helpers.diagnosis.static). Exit 0 ok, 1 mismatch or ambiguous, 2 bad input."""
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Optional, Sequence
 
+from ..diagnosis.conventions import parse_version
 from ..diagnosis.diagnose import check_configs, diagnose
 from ..errors import BadInput
 from .common import Parser, run
+
+
+def _version(text: str) -> str:
+    """``--sglang-version``: a non-empty X.Y[.Z] (an empty value would silently mean "not given")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty value (expected an SGLang version X.Y.Z, e.g. 0.5.23)")
+    try:
+        parse_version(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser() -> Parser:
@@ -25,7 +38,7 @@ def build_parser() -> Parser:
     p.add_argument("--target-config", help="target config.json (or its folder)")
     p.add_argument("--reference", help="reference dump with every layer's hidden states for the same tokens "
                    "(capture --every-layer, or --reference-hf)")
-    p.add_argument("--sglang-version", help="the server's SGLang version for the capture rules (default: from the "
+    p.add_argument("--sglang-version", type=_version, help="the server's SGLang version for the capture rules (default: from the "
                    "dump's server block, else 0.5.23)")
     p.add_argument("--trained-layer-ids", type=int, nargs="+", metavar="ID", help="the ids training used, SpecForge "
                    "output-of-layer convention (the run YAML's model.aux_hidden_state_layer_ids)")

@@ -396,19 +396,51 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
     # capture index n = the last layer's output, pre-norm: gpt_oss.py (since 0.5.17), and the models whose forward
     # captures it after the loop in 0.5.23 (gemma3/gemma4/minimax_m3; the release that added it was not read)
     final_boundary = rule.last_layer == "boundary" and (family != "gpt_oss" or v >= GPT_OSS_BOUNDARY_SINCE)
-    order = sorted(set(ltc))
-    if list(ltc) != sorted(ltc):
-        plan.notes.append(f"layers_to_capture {list(ltc)} is not ascending: SGLang captures inside its layer "
-                          f"loop (`if i in self.layers_to_capture`), so chunks come in ascending order {order} "
-                          "-- sglang/srt/models/llama.py::LlamaModel.forward")
-    if len(set(ltc)) != len(ltc):
+    # Models that flag layers instead of testing `i in self.layers_to_capture` (qwen2_moe.py
+    # Qwen2MoeModel.set_eagle3_layers_to_capture: `setattr(self.layers[layer_id], "_is_layer_to_capture", True)`;
+    # the same in qwen3_next.py / qwen3_5.py; Qwen3MoeModel inherits it) index an nn.ModuleList: a negative
+    # index wraps (Python indexing) to layer n+k, which then captures in(n+k); k >= n or k < -n is an IndexError.
+    flags = rule.last_layer == "index_error"
+    effective: list[tuple[int, int]] = []          # (capture index as the loop sees it, index as stored)
+    for k in ltc:
+        if flags and -n <= k < 0:
+            effective.append((n + k, k))
+            plan.notes.append(f"capture index {k} is negative: {rule.source} flags self.layers[{k}] "
+                              f"(nn.ModuleList, Python negative indexing) = layer {n + k}, which captures "
+                              f"{EMBEDDING if n + k == 0 else out(n + k - 1)} -- sglang/srt/models/qwen2_moe.py::"
+                              "Qwen2MoeModel.set_eagle3_layers_to_capture")
+        else:
+            effective.append((k, k))
+    order = sorted(set(e for e, _ in effective))
+    if [e for e, _ in effective] != sorted(e for e, _ in effective):
+        plan.notes.append(f"layers_to_capture {list(ltc)} is not ascending in the layer loop: SGLang captures inside "
+                          f"its layer loop (`if i in self.layers_to_capture` / a per-layer flag), so chunks come in "
+                          f"ascending layer order {order} -- sglang/srt/models/llama.py::LlamaModel.forward")
+    if len(set(e for e, _ in effective)) != len(ltc):
         plan.notes.append(f"layers_to_capture {list(ltc)} has duplicates: each index is captured once "
                           "(membership test in the layer loop), so fewer chunks than ids come back")
     tensors: list[str] = []
     for k in order:
-        if k < 0:
+        if flags and (k < -n or k > n):
+            plan.fatal = plan.fatal or (
+                f"capture index {k}: {rule.source} flags self.layers[{k}] of a {n}-layer model without a range "
+                f"check: IndexError at start-up (SGLang {vs}) -- sglang/srt/models/qwen2_moe.py::"
+                "Qwen2MoeModel.set_eagle3_layers_to_capture")
             plan.problems.append({"kind": "missing_chunk",
-                                  "detail": f"capture index {k} is never reached (negative); that chunk is silently "
+                                  "detail": f"capture index {k} does not exist (layers 0..{n - 1}): IndexError at "
+                                            "start-up"})
+            continue
+        if k < 0:
+            if rule.last_layer == "unknown":
+                plan.problems.append({"kind": "missing_chunk",
+                                      "detail": f"capture index {k} is negative: whether it wraps (a per-layer flag "
+                                                f"on self.layers[{k}]) or is never reached (`i in layers_to_capture`) "
+                                                f"depends on the text model SGLang builds ({rule.source}); a live "
+                                                "capture settles it"})
+                continue
+            plan.problems.append({"kind": "missing_chunk",
+                                  "detail": f"capture index {k} is never reached (negative; the layer loop tests "
+                                            "`i in self.layers_to_capture` for i in range(0, n)); that chunk is "
                                             "missing"})
             if family == "deepseek" and plan.fatal is None:
                 plan.fatal = (f"capture index {k} is never captured: SGLang {vs} raises RuntimeError in "
@@ -462,6 +494,16 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
         plan.fatal = (f"DeepSeek family (0.5.23) packs aux states with AuxHiddenStatePacker(len(layers_to_capture)="
                       f"{len(ltc)}) but only {len(tensors)} indices are captured: RuntimeError 'captured "
                       f"{len(tensors)} of {len(ltc)} aux hidden states' -- sglang/srt/layers/aux_hidden_states.py")
+    if not tensors and plan.fatal is None:
+        # set_eagle3_layers_to_capture set capture_aux_hidden_states = True, but nothing is captured: the model
+        # returns the bare hidden states (`if len(aux_hidden_states) == 0: return hidden_states`) and the CausalLM
+        # unpacks `hidden_states, aux_hidden_states = hidden_states` from a [tokens, H] tensor.
+        plan.fatal = (f"layers_to_capture {list(ltc)} captures nothing, yet capture_aux_hidden_states is True: the "
+                      "model returns the bare hidden states and the forward unpacks `hidden_states, "
+                      "aux_hidden_states = hidden_states` from a [tokens, H] tensor: ValueError at the first forward "
+                      f"(any batch other than exactly 2 tokens; SGLang {vs}) -- sglang/srt/models/llama.py::"
+                      "LlamaModel.forward / LlamaForCausalLM.forward (same in deepseek_v2.py, qwen2_moe.py, "
+                      "gpt_oss.py)")
 
 
 def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | Sequence[int] | None = None,
@@ -638,6 +680,16 @@ def training_plan(draft: Any, target: Any, trainer: str = "specforge",
             lids = LayerIds(tuple(int(i) for i in draft.nested_layer_ids), "specforge")
             plan.rules.append("draft eagle_config.eagle_aux_hidden_state_layer_ids (out(i)) -- "
                               "specforge/algorithms/model_providers.py::resolve_eagle_capture_layers")
+        elif getattr(draft, "top_level_layer_ids", None) is not None:
+            # what the config claims (the same reading as detectors.detect_config_ids_ignored: an SGLang-form
+            # config's ids are out(i)); SpecForge itself reads only eagle_config
+            lids = LayerIds(tuple(int(i) for i in draft.top_level_layer_ids), "specforge")
+            plan.rules.append("draft top-level eagle_aux_hidden_state_layer_ids, read as out(i) (the convention of "
+                              "an SGLang-form config)")
+            plan.notes.append(f"the ids {list(lids.ids)} sit at the top level of the draft config, which neither "
+                              "SGLang nor SpecForge reads (both read eagle_config): they are what the config claims "
+                              "training used; a SpecForge run without an override would have used its default "
+                              f"{list(specforge_default_ids(n).ids)}")
         else:
             lids = specforge_default_ids(n)
             plan.rules.append("no ids in the draft config: SpecForge default [1, n//2-1, n-4] -- "
@@ -660,22 +712,89 @@ def training_plan(draft: Any, target: Any, trainer: str = "specforge",
         plan.config_ids = lids
     else:
         raise ValueError(f"unknown trainer {trainer!r}; expected one of {TRAINERS}")
-    tensors = []
-    conv = lids.convention
-    for i in sorted(set(lids.ids)):
-        if trainer == "specforge" and i < 0:
-            plan.problems.append({"kind": "missing_chunk", "detail": f"{lids}: SpecForge accepts only non-negative "
-                                  f"ids (specforge/application/planning.py); id {i} cannot be what training used"})
-            continue
-        try:
-            tensors.append(physical(i, conv, n))
-        except ValueError as e:
-            plan.problems.append({"kind": "missing_chunk", "detail": f"{lids}: {e}"})
     if list(lids.ids) != sorted(lids.ids):
         plan.notes.append(f"{lids} is not ascending: SGLang-based capture concatenates in ascending order; "
                           "SpecForge's old HF backend (Dec 2025 - Jun 2026) concatenated in list order")
+    if trainer == "specforge":
+        plan.tensors = _specforge_tensors(lids, target, plan)
+        return plan
+    tensors = []
+    for i in sorted(set(lids.ids)):
+        try:
+            tensors.append(physical(i, lids.convention, n))
+        except ValueError as e:
+            plan.problems.append({"kind": "missing_chunk", "detail": f"{lids}: {e}"})
     plan.tensors = tensors
     return plan
+
+
+def _specforge_tensors(lids: LayerIds, target: Any, plan: CapturePlan) -> list[str]:
+    """The tensors of SpecForge-style ids, never dropping an id silently.
+
+    Readings tried in order; the first that names every id is the plan:
+
+    1. output-of-layer ``out(i)``, 0 <= i < n (SpecForge: exactly three distinct non-negative ids,
+       ``specforge/application/planning.py``);
+    2. capture index / boundary ``in(i)`` = out(i-1), index n = the final boundary out(n-1) (an id n cannot be
+       out(n): only this reading names it; gpt_oss.py keeps such ids as boundaries since 0.5.17, vLLM /
+       speculators write ids this way);
+    3. through SGLang's own capture of this target (a trainer that passes the ids to SGLang 0.5.23's
+       ``set_eagle3_layers_to_capture`` unchecked, e.g. id -1 -> capture index 0 = the embedding on
+       llama.py, a negative index wrapping on qwen2_moe.py's per-layer flags): kept, but uncertain
+       (SpecForge rejects negative ids), so ``plan.ambiguity`` holds this reading and the other.
+
+    When none names every id, the plan is empty (unknown) with a ``missing_chunk`` problem: a plan that drops
+    an id would contradict the draft's fc (one chunk per id).
+    """
+    n = int(target.num_hidden_layers)
+    ids = sorted(set(lids.ids))
+    if all(0 <= i <= n - 1 for i in ids):
+        return [physical(i, "specforge", n) for i in ids]
+    odd = [i for i in ids if not 0 <= i <= n - 1]
+    why = (f"id{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} name{'' if len(odd) > 1 else 's'} no "
+           "output-of-layer tensor of "
+           f"a {n}-layer target (out(i) exists for 0 <= i <= {n - 1}; SpecForge accepts exactly three distinct "
+           "non-negative ids -- specforge/application/planning.py)")
+    if all(0 <= i <= n for i in ids):
+        plan.config_ids = LayerIds(lids.ids, "sglang_capture")
+        plan.rules.append("ids read as capture boundaries in(i) = out(i-1), index n = out(n-1) (pre-norm): the only "
+                          "reading that names every id")
+        plan.notes.append(f"{why}: only the capture-boundary reading (in(i) = out(i-1); index {n} = the final "
+                          f"boundary out({n - 1}), as sglang/srt/models/gpt_oss.py keeps ids whose max is n since "
+                          "0.5.17, and as vLLM / speculators write ids) names all of them, so training is read that "
+                          "way")
+        return [physical(i, "sglang_capture", n) for i in ids]
+    rule = target_rule(getattr(target, "architectures", None), getattr(target, "model_type", None))
+    via = None
+    if rule.supports_eagle3:
+        ltc, _ = sglang_layers_to_capture(list(lids.ids), n, rule.rule, VERIFIED_SGLANG)
+        scratch = CapturePlan(tensors=[], role="training", who="sglang")
+        _sglang_capture_to_tensors(ltc, n, rule, VERIFIED_SGLANG, scratch)
+        if scratch.fatal is None and len(scratch.tensors) == len(ids) and not any(
+                p["kind"] == "missing_chunk" for p in scratch.problems):
+            via = scratch.tensors
+    if via is not None:
+        plan.rules.append(f"ids passed through SGLang 0.5.23's capture of {rule.architecture} ({rule.source})")
+        plan.notes.append(f"{why}: a trainer that passed them to SGLang 0.5.23's set_eagle3_layers_to_capture "
+                          f"unchecked captured {describe(via)} ({rule.source}); SpecForge would have refused them, so "
+                          "this reading is uncertain")
+        plan.ambiguity = {"readings": [
+            {"reading": f"trained through SGLang's own capture of {rule.architecture} (ids passed to "
+                        f"set_eagle3_layers_to_capture unchecked, SGLang >= 0.5.22)", "tensors": list(via)},
+            {"reading": f"trained with SpecForge (non-negative ids only, specforge/application/planning.py): "
+                        f"id{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} cannot be what training used; "
+                        "the config was edited after training",
+             "tensors": [physical(i, "specforge", n) if 0 <= i <= n - 1 else f"<id {i}: unknown>" for i in ids]}],
+            "odd_ids": odd}
+        return list(via)
+    plan.problems.append({"kind": "missing_chunk",
+                          "detail": f"{lids}: {why}, nor a capture index, nor anything SGLang's capture of this "
+                                    f"target returns one chunk for: the training plan is unknown (the draft's fc "
+                                    f"takes one chunk per id, {len(lids.ids)}); the config was edited after "
+                                    "training or belongs to another target"})
+    plan.notes.append(f"training plan unknown: {why}, and no other reading names every id; no id is dropped "
+                      "silently")
+    return []
 
 
 def compare_plans(served: CapturePlan, trained: CapturePlan) -> list[dict]:

@@ -25,6 +25,7 @@ would settle it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -41,6 +42,7 @@ from ..formats.training_data import TrainingData, recorded_layer_ids
 from ..server.settings import ServerSettings
 from . import detectors as D
 from .conventions import (
+    FINAL_NORM,
     CapturePlan,
     compare_plans,
     describe,
@@ -185,8 +187,12 @@ def resolve_training_plan(draft: Optional[DraftConfig], target: TargetConfig, *,
     plan = training_plan(draft, target, trainer)
     if has_ids or trainer in ("eagle3", "eagle12"):
         plan.provenance = "claimed" if has_ids else "default"
+        how = trainer
+        if has_ids and plan.config_ids is not None and plan.config_ids.convention == "sglang_capture" \
+                and trainer == "specforge":
+            how = "capture boundaries in(i): the only reading that names every id"
         plan.source = (f"the draft config {draft.path} ({'nested eagle_config' if draft.nested_layer_ids is not None else 'top-level'} "
-                       f"ids, read as {trainer})" if has_ids else f"{trainer}'s fixed capture")
+                       f"ids, read as {how})" if has_ids else f"{trainer}'s fixed capture")
     else:
         plan.provenance = "default"
         plan.source = f"no ids in the draft config nor a training manifest: {trainer}'s default assumed"
@@ -216,6 +222,60 @@ def _deepseek_readings(draft: DraftConfig, target: TargetConfig, sp: CapturePlan
     if all("mismatch" in r["outcome"] for r in readings) or not any("mismatch" in r["outcome"] for r in readings):
         return None
     return {"readings": readings, "settle": SETTLE}
+
+
+def _plan_readings(tp: CapturePlan, sp: CapturePlan) -> Optional[dict]:
+    """The training plan's own two readings (ids no SpecForge run can have used, e.g. a negative id: see
+    :func:`helpers.diagnosis.conventions._specforge_tensors`) against the served plan; None when both readings
+    lead to the same outcome."""
+    readings = []
+    for r in tp.ambiguity.get("readings", []):
+        same = list(r["tensors"]) == list(sp.tensors)
+        readings.append({"reading": r["reading"], "training": list(r["tensors"]),
+                         "outcome": "the server feeds exactly these" if same else
+                         f"the server feeds {describe(sp.tensors)}: mismatch"})
+    if len(readings) < 2 or all("mismatch" in r["outcome"] for r in readings) \
+            or not any("mismatch" in r["outcome"] for r in readings):
+        return None
+    return {"readings": readings, "settle": SETTLE}
+
+
+def _fed_width_check(d: DraftConfig, t: TargetConfig, sp: CapturePlan, w: Any,
+                     fc: list[dict]) -> tuple[list[dict], Optional[str]]:
+    """Correct the static ``fc_bypassed`` finding with the fed width, which only the target config knows.
+
+    When the server feeds one state (``final_norm``: ``use_aux_hidden_state: false``, or ``--speculative-algorithm
+    EAGLE``/``NEXTN``), its width is the target's H. ``sglang/srt/models/llama_eagle3.py::LlamaModel.forward``
+    applies fc only ``if hidden_states.shape[-1] != embeds.shape[-1]`` (embeds: the draft's own ``hidden_size``):
+
+    * H == draft hidden_size: fc is skipped silently (``fc_bypassed``);
+    * else fc runs on an H-wide input: fine if fc takes H, otherwise a shape error at the first draft forward
+      (``width_mismatch``; the server does not serve, returned as the second item).
+
+    Returns:
+        (the fc findings to keep, the crash message or None).
+    """
+    if not d.is_eagle3 or list(sp.tensors) != [FINAL_NORM]:
+        return fc, None
+    fed, embed = t.hidden_size, d.hidden_size
+    fc_in = w.fc_shape[1] if w is not None and getattr(w, "fc_shape", None) else d.sglang_fc_in_features
+    src = "sglang/srt/models/llama_eagle3.py::LlamaModel.forward (`if hidden_states.shape[-1] != embeds.shape[-1]: " \
+          "hidden_states = self.fc(hidden_states)`)"
+    if fed == embed:
+        if fc:
+            return fc, None
+        return [D.finding("fc_bypassed", None,
+                          f"{sp.source}: the server feeds one {fed}-wide state ({FINAL_NORM}), as wide as the draft's "
+                          f"embedding, so SGLang skips fc silently (fc takes {fc_in}) and the draft runs on features "
+                          "it never saw", static=True, fed_width=fed, draft_hidden_size=embed, fc_in_features=fc_in,
+                          source=src)], None
+    if fc_in == fed:
+        return [], None           # fc runs on the one state: a layout question, left to the layer findings
+    msg = (f"{sp.source}: the server feeds one {fed}-wide state ({FINAL_NORM}, the target's hidden size); it differs "
+           f"from the draft's embedding width {embed}, so llama_eagle3.py applies fc, which takes {fc_in}: shape error "
+           f"(RuntimeError, mat1 and mat2 shapes cannot be multiplied) at the first draft forward -- {src}")
+    return [D.finding("width_mismatch", None, msg, static=True, fatal=msg, fed_width=fed, draft_hidden_size=embed,
+                      fc_in_features=fc_in, target_config_hidden_size=fed, source=src)], msg
 
 
 def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | Path, *,
@@ -261,6 +321,9 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     if odd:
         inputs["target"] += " read from " + ", ".join(f"{v}" for v in odd.values())
     settings = server if isinstance(server, ServerSettings) else ServerSettings.from_dict(server, source="server")
+    if sglang_version is not None and not str(sglang_version).strip():
+        raise BadInput("empty SGLang version (expected X.Y.Z, e.g. 0.5.23, or leave the option out)",
+                       field="--sglang-version")
     version = sglang_version or settings.version
     if version is not None:
         try:
@@ -301,7 +364,9 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     findings += D.detect_vocab_map_missing(d, w)
     findings += D.detect_num_draft_tokens_overridden(settings)
     fc = D.detect_fc_bypassed(d, settings if settings.algorithm else ServerSettings(algorithm=algo), None, w)
+    fc, fed_crash = _fed_width_check(d, t, sp, w, fc)
     findings += fc
+    fatal = sp.fatal or fed_crash
     if rule.supports_eagle3 and not fc:
         layer = D.static_layer_findings(sp, tp, d, w, t)
         for f in layer:
@@ -309,22 +374,33 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
             f["evidence"]["training_plan_provenance"] = None if tp is None else tp.provenance
             f["evidence"]["training_plan_source"] = None if tp is None else tp.source
         findings += layer
-    if sp.fatal and not any(f["kind"] in ("unsupported_target", "missing_chunk") for f in findings):
-        findings.append(D.finding("missing_chunk", None, f"the server cannot start with this config: {sp.fatal}",
-                                  static=True, served_plan=sp.tensors, fatal=sp.fatal, rules=sp.rules))
+    if fatal:
+        # the server does not serve: nothing is fed, so no finding may describe fed chunks (layout, or the served
+        # width); one finding says why it stops, with the SGLang source (fc-vs-config width findings stay)
+        findings = [f for f in findings if not (f["kind"] in D.LAYOUT_KINDS or
+                                                (f["kind"] == "width_mismatch" and "served_width" in f["evidence"]))]
+        if sp.fatal and not any(f["kind"] == "unsupported_target" for f in findings):
+            m = re.search(r"sglang/srt/\S+", sp.fatal)
+            src = sp.fatal.rsplit(" -- ", 1)[1] if " -- " in sp.fatal else m.group(0) if m else rule.source
+            findings.append(D.finding("server_fatal", None, f"the server will not serve this draft: {sp.fatal}",
+                                      static=True, fatal=sp.fatal, served_plan=sp.tensors, rules=sp.rules,
+                                      source=src, served_plan_source=sp.source))
     ambiguity = None
-    if tp is None or tp.provenance != "manifest":
+    if not fatal and (tp is None or tp.provenance != "manifest"):
         ambiguity = _deepseek_readings(d, t, sp)
-        if ambiguity is not None:
-            # the config alone cannot tell; the layer findings derived from one reading are not facts
-            findings = [f for f in findings if not (f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS)]
-    if (d.nested_layer_ids is None and d.top_level_layer_ids is not None and rule.supports_eagle3 and algo == "EAGLE3"
+    if not fatal and ambiguity is None and tp is not None and tp.ambiguity:
+        ambiguity = _plan_readings(tp, sp)
+    if ambiguity is not None:
+        # the config alone cannot tell; the layer findings derived from one reading are not facts
+        findings = [f for f in findings if not (f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS)]
+    aux = d.use_aux_hidden_state is not False and algo == "EAGLE3"       # else no ids are read at all
+    if (d.nested_layer_ids is None and d.top_level_layer_ids is not None and rule.supports_eagle3 and aux
             and not any(f["kind"] == "config_ids_ignored" for f in findings)):
         advisories.append(f"SGLang ignores the top-level eagle_aux_hidden_state_layer_ids {list(d.top_level_layer_ids)} "
                           f"(it reads only eagle_config; spec_aux_hidden_state.py) and falls back to {sp.engine_ids} = "
                           f"{describe(sp.tensors)}, which is what those ids name: nothing is wrong today, but move them "
                           "under eagle_config before anyone changes them")
-    if d.nested_layer_ids is None and d.top_level_layer_ids is None and rule.supports_eagle3 and algo == "EAGLE3":
+    if d.nested_layer_ids is None and d.top_level_layer_ids is None and rule.supports_eagle3 and aux:
         advisories.append(f"the draft config has no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang falls back to "
                           f"{sp.engine_ids} = {describe(sp.tensors)}"
                           + (" (the same layers as SpecForge's default [1, n//2-1, n-4])"

@@ -28,14 +28,36 @@ def _config_path(path: str | Path, what: str) -> Path:
     return p
 
 
-def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True) -> int | None:
+def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True,
+               prefix: str = "") -> int | None:
+    """``d[key]`` as a positive int (None when absent and not required); errors name ``prefix + key`` (the
+    sub-config the field was read from, e.g. ``text_config.hidden_size``)."""
     if key not in d or d[key] is None:
         if required:
-            raise BadInput("missing required integer field", path=path, field=key)
+            raise BadInput("missing required integer field", path=path, field=prefix + key)
         return None
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, int) or (positive and v <= 0):
-        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=key)
+        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=prefix + key)
+    return v
+
+
+def _architectures(d: dict, path: Path, prefix: str = "") -> list[str]:
+    """``architectures`` as a list of strings ([] when absent or null); SGLang / transformers iterate it as class
+    names (``model_config.py`` ``hf_config.architectures``), so a bare string or other items are bad input."""
+    archs = d.get("architectures")
+    if archs is None:
+        return []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise BadInput(f"expected a list of architecture names (strings), got {archs!r}", path=path,
+                       field=prefix + "architectures")
+    return list(archs)
+
+
+def _str_field(d: dict, key: str, path: Path, prefix: str = "") -> str | None:
+    v = d.get(key)
+    if v is not None and not isinstance(v, str):
+        raise BadInput(f"expected a string, got {v!r}", path=path, field=prefix + key)
     return v
 
 
@@ -123,9 +145,7 @@ def read_draft_config(path: str | Path) -> DraftConfig:
     d = read_json_file(p, "draft config")
     if not isinstance(d, dict):
         raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
-    archs = d.get("architectures") or []
-    if not isinstance(archs, list):
-        raise BadInput(f"expected a list of strings, got {archs!r}", path=p, field="architectures")
+    archs = _architectures(d, p)
     if "speculators_model_type" in d:
         form = "speculators"
         tl = d.get("transformer_layer_config") or {}
@@ -136,13 +156,13 @@ def read_draft_config(path: str | Path) -> DraftConfig:
             raise BadInput("missing hidden_size (looked in transformer_layer_config and at the top level)",
                            path=p, field="transformer_layer_config.hidden_size")
         vocab = _int_field(tl, "vocab_size", p, required=False) or _int_field(d, "vocab_size", p, required=False)
-        model_type = tl.get("model_type")
+        model_type = _str_field(tl, "model_type", p, "transformer_layer_config.")
     else:
         form = "sglang" if any("Eagle3" in a for a in archs) or "eagle_config" in d else (
             "eagle" if "draft_vocab_size" in d else "sglang")
         hidden = _int_field(d, "hidden_size", p, required=True)
         vocab = _int_field(d, "vocab_size", p, required=False)
-        model_type = d.get("model_type")
+        model_type = _str_field(d, "model_type", p)
     ec = d.get("eagle_config")
     if ec is not None and not isinstance(ec, dict):
         raise BadInput(f"expected an object, got {type(ec).__name__}", path=p, field="eagle_config")
@@ -264,7 +284,7 @@ FIELD_ALIASES = {"num_hidden_layers": ("num_layers", "n_layers", "n_layer"),
 def _aliased(src: dict, key: str, path: Path, prefix: str) -> tuple[int | None, str]:
     """(value, the field name it came from) for ``key`` or one of its aliases."""
     for name in (key,) + FIELD_ALIASES.get(key, ()):
-        v = _int_field(src, name, path, required=False)
+        v = _int_field(src, name, path, required=False, prefix=prefix)
         if v is not None:
             return v, prefix + name
     return None, prefix + key
@@ -297,11 +317,12 @@ def read_target_config(path: str | Path) -> TargetConfig:
     if layers is None:
         raise BadInput("missing required integer field (nor num_layers / n_layers / n_layer)", path=p,
                        field=prefix + "num_hidden_layers")
-    archs = d.get("architectures") or []
+    archs = _architectures(d, p)
+    model_type = _str_field(d, "model_type", p)
     dtype = d.get("torch_dtype") or d.get("dtype") or tc.get("torch_dtype") or tc.get("dtype")
-    return TargetConfig(path=p, architectures=[str(a) for a in archs], model_type=d.get("model_type"),
+    return TargetConfig(path=p, architectures=archs, model_type=model_type,
                         hidden_size=hidden, num_hidden_layers=layers,
-                        vocab_size=_int_field(src, "vocab_size", p, required=False) or
+                        vocab_size=_int_field(src, "vocab_size", p, required=False, prefix=prefix) or
                         _int_field(d, "vocab_size", p, required=False),
                         torch_dtype=str(dtype) if dtype else None, raw=d, fields={"hidden_size": hname,
                                                                                  "num_hidden_layers": lname})

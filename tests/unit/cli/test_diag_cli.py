@@ -122,3 +122,14 @@ def test_bad_input_exit_2_one_line(name, clean_case, runner32, specs, capsys):
     assert err.count("\n") == 1 and err.startswith("diagnose: error: ") and "Traceback" not in err
     assert needle in err
     assert not (tmp / "PWNED").exists()
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "latest"])
+def test_sglang_version_flag_must_be_a_version(bad, clean_case, tiny_draft, tiny_target, capsys):
+    """An empty --sglang-version would silently mean "not given" (0.5.23 rules): bad input, with or without data."""
+    _, train, served = clean_case
+    for argv in (["--draft-config", str(tiny_draft), "--target-config", str(tiny_target)],
+                 ["--training", str(train), "--served", str(served)]):
+        assert cli_main(argv + ["--sglang-version", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("diagnose: error:") and err.count("\n") == 1 and "--sglang-version" in err

@@ -126,8 +126,45 @@ def test_training_plans():
     assert training_plan(draft(top=[2, 4, 5]), t, "speculators").tensors == ["out(1)", "out(3)", "out(4)"]
     assert training_plan(None, t, "eagle3").tensors == ["out(1)", "out(3)", "out(4)"]
     assert training_plan(None, t, "eagle12").tensors == ["final_norm"]
+    # id -1: no SpecForge run can use it; through SGLang's +1 rule it is capture index 0 = the embedding. The id is
+    # kept (three chunks, as the draft's fc) and the two readings are recorded, never dropped silently
     p = training_plan(draft([-1, 1, 3]), t, "specforge")
-    assert p.tensors == ["out(1)", "out(3)"] and "non-negative" in p.problems[0]["detail"]
+    assert p.tensors == ["embedding", "out(1)", "out(3)"] and "non-negative" in p.notes[-1]
+    assert [r["tensors"] for r in p.ambiguity["readings"]] == [["embedding", "out(1)", "out(3)"],
+                                                               ["<id -1: unknown>", "out(1)", "out(3)"]]
+
+
+def test_training_plan_never_drops_an_id():
+    # id n cannot be out(n): only the capture-boundary reading names all three (gpt_oss.py keeps such ids)
+    p = training_plan(draft([4, 6, 8]), target(8, "GptOssForCausalLM", "gpt_oss"), "specforge")
+    assert p.tensors == ["out(3)", "out(5)", "out(7)"] and p.problems == [] and p.ambiguity is None
+    assert str(p.config_ids) == "sglang_capture=[4, 6, 8]" and "capture-boundary" in p.notes[-1]
+    # Qwen3-MoE flags self.layers[k]: id -5 -> capture index -4 wraps to layer n-4 = in(n-4) = out(n-5)
+    p = training_plan(draft([-5, 1, 2]), target(8, "Qwen3MoeForCausalLM", "qwen3_moe"), "specforge")
+    assert p.tensors == ["out(1)", "out(2)", "out(3)"] and "Qwen3MoeForCausalLM" in p.ambiguity["readings"][0]["reading"]
+    # Llama never reaches capture index -4 and no reading names -5: unknown, flagged, nothing dropped silently
+    p = training_plan(draft([-5, 1, 3]), target(8), "specforge")
+    assert p.tensors == [] and p.problems[0]["kind"] == "missing_chunk" and "unknown" in p.problems[0]["detail"]
+    # top-level ids (no eagle_config) are what the config claims: read as out(i), as detect_config_ids_ignored does
+    p = training_plan(draft(top=[2, 4, 5]), target(8), "specforge")
+    assert p.tensors == ["out(2)", "out(4)", "out(5)"] and "top level" in p.notes[0]
+
+
+def test_served_plan_negative_ids_and_empty_ids():
+    qwen = target(48, "Qwen3MoeForCausalLM", "qwen3_moe")
+    # qwen2_moe.py Qwen2MoeModel.set_eagle3_layers_to_capture: setattr(self.layers[-4], ...) -> layer 44 = out(43)
+    p = served_plan(draft([-5, 15, 28]), qwen)
+    assert p.tensors == ["out(15)", "out(28)", "out(43)"] and p.fatal is None and p.problems == []
+    assert any("self.layers[-4]" in n for n in p.notes)
+    p = served_plan(draft([-50, 15, 28]), qwen)                          # -49 < -n: IndexError at start-up
+    assert p.fatal and "IndexError" in p.fatal
+    # llama.py tests `i in self.layers_to_capture`: a negative index is never reached
+    p = served_plan(draft([-5, 15, 28]), target(32))
+    assert p.tensors == ["out(15)", "out(28)"] and "never reached" in p.problems[0]["detail"] and p.fatal is None
+    # [] -> layers_to_capture [] but capture_aux_hidden_states True: the bare tensor is unpacked (ValueError)
+    for t in (target(32), qwen, target(61, "DeepseekV3ForCausalLM", "deepseek_v3")):
+        p = served_plan(draft([]), t)
+        assert p.tensors == [] and p.fatal and "ValueError" in p.fatal and "unpacks" in p.fatal
 
 
 SGLANG = Path("/work/main/env/reference/.venv/lib/python3.11/site-packages/sglang")
@@ -141,6 +178,9 @@ SOURCE_QUOTES = [
     ("srt/models/llama_eagle3.py", "if hidden_states.shape[-1] != embeds.shape[-1]:"),
     ("srt/arg_groups/speculative_hook.py", "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1"),
     ("srt/layers/aux_hidden_states.py", "captured {self._idx} of {self._num_captures} aux hidden states"),
+    ("srt/models/qwen2_moe.py", 'setattr(self.layers[layer_id], "_is_layer_to_capture", True)'),
+    ("srt/models/llama.py", "hidden_states, aux_hidden_states = hidden_states"),
+    ("srt/models/llama_eagle3.py", "self.num_aux_hidden_states = len(layer_ids) if layer_ids else 3"),
     ("srt/utils/json_response.py", "orjson.dumps(content, option=ORJSON_RESPONSE_OPTIONS)"),
 ]
 

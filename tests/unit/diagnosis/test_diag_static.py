@@ -168,3 +168,121 @@ def test_cli_config_only_bad_input(tmp_path, capsys, argv, needle):
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("diagnose: error:") and err.count("\n") == 1 and needle in err
+
+
+# ---------------------------------------------------------------- adversarial configs (SGLang 0.5.23 source rules)
+
+def dsv3(folder, n=61):
+    return cfg(folder, f"dsv3_{n}", {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                                     "hidden_size": 7168, "num_hidden_layers": n, "vocab_size": 129280})
+
+
+def qwen3moe(folder, n=48, h=2048):
+    return cfg(folder, f"qwen3moe{n}", {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                                        "hidden_size": h, "num_hidden_layers": n})
+
+
+def test_empty_ids_crash_the_target_forward(tmp_path):
+    # llama.py set_eagle3_layers_to_capture([]): layers_to_capture [] with capture_aux_hidden_states True; the model
+    # returns the bare tensor and LlamaForCausalLM.forward unpacks it (ValueError); llama_eagle3.py builds fc for 3
+    rep = static_check(eagle3(tmp_path, "d", []), llama(tmp_path))
+    assert rep.verdict == "mismatch" and rep.served_plan.tensors == [] and "ValueError" in rep.served_plan.fatal
+    assert kinds(rep) == [("server_fatal", -1)]
+    f = rep.findings[0]
+    assert "will not serve" in f["detail"] and "llama.py" in f["evidence"]["source"]
+
+
+def test_ids_that_exist_only_as_capture_boundaries(tmp_path):
+    gptoss = cfg(tmp_path, "gptoss", {"architectures": ["GptOssForCausalLM"], "hidden_size": 2880,
+                                      "num_hidden_layers": 36})
+    rep = static_check(eagle3(tmp_path, "go", [24, 30, 36], h=2880), gptoss)
+    # out(36) cannot exist: the training plan keeps three chunks, read as boundaries, and says so
+    assert rep.training_plan.tensors == rep.served_plan.tensors == ["out(23)", "out(29)", "out(35)"]
+    assert rep.verdict == "ok" and rep.findings == []
+    assert "capture-boundary" in rep.training_plan.notes[-1] and "capture boundaries" in rep.training_plan.source
+    # DeepSeek [2, 30, 61]: index 61 is never reached -> AuxHiddenStatePacker RuntimeError: one fatal finding,
+    # no layer_offset built on a dropped id
+    rep = static_check(eagle3(tmp_path, "ds", [2, 30, 61], h=7168, target_hidden_size=7168), dsv3(tmp_path))
+    assert rep.training_plan.tensors == ["out(1)", "out(29)", "out(60)"]
+    assert kinds(rep) == [("server_fatal", -1)] and "AuxHiddenStatePacker" in rep.findings[0]["detail"]
+    assert rep.verdict == "mismatch" and rep.ambiguity is None
+
+
+@pytest.mark.parametrize("case", ["ds_neg", "qwen_last", "llama_old"])
+def test_fatal_served_plan_gives_one_finding_and_no_layout(tmp_path, case):
+    if case == "ds_neg":            # DeepSeek -1: never captured, AuxHiddenStatePacker.finalize RuntimeError
+        d, t, v, needle = eagle3(tmp_path, "d", [-1, 29, 57], h=7168), dsv3(tmp_path), None, "RuntimeError"
+    elif case == "qwen_last":       # qwen2_moe.py flags self.layers[48]: IndexError at start-up
+        d, t, v, needle = eagle3(tmp_path, "d", [1, 23, 47], h=2048), qwen3moe(tmp_path), None, "IndexError"
+    else:                           # Llama capture index 0 before 0.5.22: hidden_states + None, TypeError
+        d, t, v, needle = eagle3(tmp_path, "d", [-1, 15, 28]), llama(tmp_path), "0.4.9", "TypeError"
+    rep = static_check(d, t, sglang_version=v)
+    assert rep.served_plan.fatal and needle in rep.served_plan.fatal
+    assert kinds(rep) == [("server_fatal", -1)] and rep.verdict == "mismatch"
+    detail = rep.findings[0]["detail"]
+    assert detail.startswith("the server will not serve this draft") and needle in detail
+    assert "silently" not in detail and "will feed" not in detail
+    assert rep.findings[0]["evidence"]["source"].startswith("sglang/srt/")
+
+
+def test_negative_id_wraps_on_per_layer_flag_models(tmp_path):
+    # qwen2_moe.py Qwen2MoeModel.set_eagle3_layers_to_capture: setattr(self.layers[-4], ...) = layer 44 -> out(43)
+    rep = static_check(eagle3(tmp_path, "d", [-5, 15, 28], h=2048), qwen3moe(tmp_path))
+    assert rep.served_plan.tensors == ["out(15)", "out(28)", "out(43)"] and rep.served_plan.fatal is None
+    assert not any("never reached" in f["detail"] for f in rep.findings)
+    assert rep.training_plan.tensors == ["out(15)", "out(28)", "out(43)"]
+    assert rep.verdict == "ambiguous" and rep.findings == []
+    # llama.py tests `i in self.layers_to_capture`: -4 is never reached there
+    rep = static_check(eagle3(tmp_path, "d2", [-5, 15, 28]), llama(tmp_path))
+    assert rep.served_plan.tensors == ["out(15)", "out(28)"]
+    assert rep.training_plan.tensors == [] and "unknown" in rep.training_plan.problems[0]["detail"]
+    assert {"missing_chunk", "width_mismatch"} <= {f["kind"] for f in rep.findings}
+
+
+def test_minus_one_on_llama_is_the_embedding_and_ambiguous(tmp_path):
+    rep = static_check(eagle3(tmp_path, "d", [-1, 15, 28]), llama(tmp_path))
+    assert rep.served_plan.tensors == ["embedding", "out(15)", "out(28)"]
+    assert rep.training_plan.tensors == ["embedding", "out(15)", "out(28)"]       # three chunks, as the fc
+    assert rep.verdict == "ambiguous" and rep.findings == []
+    outcomes = [r["outcome"] for r in rep.ambiguity["readings"]]
+    assert "exactly" in outcomes[0] and "mismatch" in outcomes[1]
+    assert rep.ambiguity["readings"][1]["training"][0] == "<id -1: unknown>"
+
+
+def test_top_level_ids_training_plan_matches_the_finding(tmp_path):
+    rep = static_check(eagle3(tmp_path, "d", None, eagle_aux_hidden_state_layer_ids=[3, 10, 20]), llama(tmp_path))
+    assert rep.training_plan.provenance == "claimed" and "top-level" in rep.training_plan.source
+    assert rep.training_plan.tensors == ["out(3)", "out(10)", "out(20)"]
+    assert not any("carries no layer ids" in n for n in rep.training_plan.notes)
+    ignored = [f for f in rep.findings if f["kind"] == "config_ids_ignored"][0]
+    assert ignored["evidence"]["meant"] == rep.training_plan.tensors
+    assert rep.served_plan.tensors == ["out(1)", "out(15)", "out(28)"] and rep.verdict == "mismatch"
+
+
+def test_no_aux_width_decides_fc_bypass_or_crash(tmp_path):
+    t = dsv3(tmp_path)
+    noaux = {"use_aux_hidden_state": False}
+    # draft hidden 4096 on H = 7168: llama_eagle3.py applies fc (7168 != 4096) which takes 3 x 4096: shape error
+    rep = static_check(cfg(tmp_path, "b", {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 4096,
+                                           "eagle_config": noaux}), t)
+    assert kinds(rep) == [("width_mismatch", -1)] and "shape error" in rep.findings[0]["detail"]
+    assert rep.findings[0]["evidence"]["fc_in_features"] == 12288 and rep.findings[0]["evidence"]["fed_width"] == 7168
+    assert not any("falls back" in a for a in rep.advisories)
+    # target_hidden_size 7168: fc takes 3 x 7168 = 21504, fed 7168: a shape error too, no layout findings
+    rep = static_check(cfg(tmp_path, "a", {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 4096,
+                                           "target_hidden_size": 7168, "eagle_config": noaux}), t)
+    assert kinds(rep) == [("width_mismatch", -1)] and rep.findings[0]["evidence"]["fc_in_features"] == 21504
+    # draft hidden 7168 = H: fc skipped silently
+    rep = static_check(cfg(tmp_path, "c", {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168,
+                                           "eagle_config": noaux}), t)
+    assert kinds(rep) == [("fc_bypassed", -1)]
+
+
+def test_empty_sglang_version_is_bad_input(tmp_path, capsys):
+    from helpers.errors import BadInput
+    d, t = eagle3(tmp_path, "d", [1, 15, 28]), llama(tmp_path)
+    with pytest.raises(BadInput, match="empty SGLang version"):
+        static_check(d, t, sglang_version="")
+    assert cli_main(["--draft-config", str(d), "--target-config", str(t), "--sglang-version", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diagnose: error:") and err.count("\n") == 1 and "--sglang-version" in err

@@ -50,6 +50,10 @@ def test_draft_config_forms(tmp_path, tiny_target, tiny_draft):
     ('{"hidden_size": 64, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, "3"]}}',
      "[eagle_config.eagle_aux_hidden_state_layer_ids]"),
     ('{"hidden_size": 64, "eagle_config": [1]}', "[eagle_config]"),
+    ('{"architectures": [1, 2], "hidden_size": 64}', "[architectures]: expected a list of architecture names"),
+    ('{"architectures": "LlamaForCausalLMEagle3", "hidden_size": 64}', "[architectures]"),
+    ('{"hidden_size": 64, "model_type": 5}', "[model_type]: expected a string"),
+    ('{"hidden_size": 64, "x": ' + "[" * 100000 + "]" * 100000 + "}", "nests arrays/objects too deeply"),
 ])
 def test_draft_config_errors_name_file_and_field(tmp_path, content, needle):
     p = tmp_path / "config.json"
@@ -83,6 +87,29 @@ def test_target_config_text_config(tmp_path, tiny_target):
     kimi.write_text(json.dumps({"text_config": {"hidden_size": 7168}}))
     with pytest.raises(BadInput, match=r"\[text_config.num_hidden_layers\]"):
         read_target_config(kimi)
+    # a bad value inside the text sub-config is named with its sub-config
+    kimi.write_text(json.dumps({"text_config": {"hidden_size": "x", "num_hidden_layers": 48}}))
+    with pytest.raises(BadInput, match=r"\[text_config.hidden_size\]: expected a positive integer, got 'x'"):
+        read_target_config(kimi)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ({"architectures": "LlamaForCausalLM", "hidden_size": 64, "num_hidden_layers": 8},
+     "[architectures]: expected a list of architecture names (strings), got 'LlamaForCausalLM'"),
+    ({"architectures": [None], "hidden_size": 64, "num_hidden_layers": 8}, "[architectures]"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": 5, "hidden_size": 64, "num_hidden_layers": 8},
+     "[model_type]: expected a string, got 5"),
+])
+def test_target_config_errors_name_file_and_field(tmp_path, content, needle):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(content))
+    with pytest.raises(BadInput) as e:
+        read_target_config(p)
+    assert str(e.value) == f"{p} {needle}" or (str(p) in str(e.value) and needle in str(e.value))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(BadInput, match="too deeply"):
+        read_target_config(deep)
 
 
 def test_server_settings():
