@@ -779,19 +779,27 @@ def _reference_layer(ctx: Context, i: int) -> Optional[str]:
     return ident["best"] if ident and ident["passed"] else None
 
 
+def _fitted_chunks(ctx: Context, transform: str):
+    """Yield ``(served chunk i, training chunk j, fit)`` for each unmatched, unexplained served chunk that no
+    reference layer identifies and that ``transform`` (``isometry`` / ``norm`` / ``scale``) maps from a training
+    chunk; marks ``i`` explained by ``j``. The one loop of the transform-fitted detectors."""
+    for i in ctx.corr["unmatched_s"]:
+        if i in ctx.explained or _reference_layer(ctx, i) is not None:
+            continue
+        j, f = _fit_target(ctx, i, transform)
+        if j is None:
+            continue
+        ctx.explained[i] = j
+        yield i, j, f
+
+
 def detect_rotated_basis(ctx: Context) -> list[dict]:
     """``rotated_basis``: an orthogonal map takes a training chunk to the served chunk at the noise floor
     (per-row norms and pairwise angles preserved: :func:`helpers.diagnosis.fit.isometry_fit`), while the rows
     themselves point elsewhere (median row cosine <= 0.9: a rotation-based quantisation applied on one side).
     Never named for a chunk the reference identifies as a layer."""
     out = []
-    for i in ctx.corr["unmatched_s"]:
-        if i in ctx.explained or _reference_layer(ctx, i) is not None:
-            continue
-        j, f = _fit_target(ctx, i, "isometry")
-        if j is None:
-            continue
-        ctx.explained[i] = j
+    for i, j, f in _fitted_chunks(ctx, "isometry"):
         st = f.stats
         out.append(finding("rotated_basis", i,
                            f"served chunk {i} is training chunk {j} in another basis: an orthogonal map fits at the "
@@ -807,13 +815,7 @@ def detect_norm_mismatch(ctx: Context) -> list[dict]:
     to the served chunk (fitted on half of the reservoir rows, >= 90 % of the other half within tolerance:
     :func:`helpers.diagnosis.fit.rms_norm_fit`), e.g. a final norm / ``norm_before_fc`` / ``fc_norm`` moved."""
     out = []
-    for i in ctx.corr["unmatched_s"]:
-        if i in ctx.explained or _reference_layer(ctx, i) is not None:
-            continue
-        j, f = _fit_target(ctx, i, "norm")
-        if j is None:
-            continue
-        ctx.explained[i] = j
+    for i, j, f in _fitted_chunks(ctx, "norm"):
         side = "served chunk = RMS norm of training chunk" if f.transform == "rms_norm" else \
             "training chunk = RMS norm of served chunk"
         out.append(finding("norm_mismatch", i,
@@ -885,13 +887,7 @@ def detect_scaled_chunk(ctx: Context) -> list[dict]:
     within tolerance (:func:`helpers.diagnosis.fit.scale_fit`). Never named for a chunk the reference identifies
     as a layer."""
     out = []
-    for i in ctx.corr["unmatched_s"]:
-        if i in ctx.explained or _reference_layer(ctx, i) is not None:
-            continue
-        j, f = _fit_target(ctx, i, "scale")
-        if j is None:
-            continue
-        ctx.explained[i] = j
+    for i, j, f in _fitted_chunks(ctx, "scale"):
         st = f.stats
         mt = ctx.m(i, j)
         mean_f = None if mt.mean_log_norm_ratio is None else math.exp(mt.mean_log_norm_ratio)
