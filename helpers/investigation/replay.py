@@ -208,8 +208,8 @@ class Replay:
         """Why the investigation at timeline step ``i`` does not measure its fix itself."""
         later = [s for s in self.case.timeline[i + 1:] if s.kind == "fix" and s.fix.proposed]
         if later:
-            return (f"this replay measures it as fix '{later[0].fix.name}' (the accept-rate table and chart of this "
-                    "page)")
+            return (f"this replay measures it as its step '{later[0].fix.name}' (the accept-rate table and chart of "
+                    "this page)")
         return "the case applies no proposed fix after this investigation"
 
     def run_investigation(self, i: int, step) -> InvestigationStep:
