@@ -748,6 +748,12 @@ def _specforge_tensors(lids: LayerIds, target: Any, plan: CapturePlan) -> list[s
     """
     n = int(target.num_hidden_layers)
     ids = sorted(set(lids.ids))
+    dup = sorted({i for i in lids.ids if list(lids.ids).count(i) > 1})
+    if dup:
+        plan.notes.append(f"id{'s' if len(dup) > 1 else ''} {', '.join(map(str, dup))} repeated in {list(lids.ids)}: "
+                          "SpecForge trains on exactly three distinct ids (specforge/application/planning.py), so the "
+                          f"training plan names each once ({len(ids)} chunks) while the draft's fc takes "
+                          f"{len(lids.ids)}; the config was edited after training")
     if all(0 <= i <= n - 1 for i in ids):
         return [physical(i, "specforge", n) for i in ids]
     odd = [i for i in ids if not 0 <= i <= n - 1]

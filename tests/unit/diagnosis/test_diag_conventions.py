@@ -148,6 +148,9 @@ def test_training_plan_never_drops_an_id():
     # top-level ids (no eagle_config) are what the config claims: read as out(i), as detect_config_ids_ignored does
     p = training_plan(draft(top=[2, 4, 5]), target(8), "specforge")
     assert p.tensors == ["out(2)", "out(4)", "out(5)"] and "top level" in p.notes[0]
+    # a repeated id is named once, and the plan says so (SpecForge trains on three distinct ids)
+    p = training_plan(draft([1, 5, 5]), target(8), "specforge")
+    assert p.tensors == ["out(1)", "out(5)"] and any("5 repeated in [1, 5, 5]" in n for n in p.notes)
 
 
 def test_served_plan_negative_ids_and_empty_ids():
