@@ -1090,13 +1090,17 @@ def _prepare(slot, a, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats,
         extra = (extra, v, allfin)
     tf = _mask(tfin)
     if not suspect:
-        ok = None
-        if tf is not None or pfin is not None:
-            ok = (np.ones(b - a, bool) if tf is None else tf.any(1)) & (
-                np.ones(b - a, bool) if pfin is None else pfin.any(1))
+        ok = _rows_with_finite(b - a, tf, pfin)
         reservoir.add(t, primary.reshape(b - a, -1), None if r3 is None else r3.reshape(b - a, -1), info, ok)
     return {"info": info, "t3": t3, "tnx": tnx, "tfin": tf, "r3": r3, "s3s": s3s, "extra": extra, "ns": ns,
             "nt": nt, "n": b - a}
+
+
+def _rows_with_finite(n: int, *masks: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Rows (bool [n]) where every given per-chunk finite mask ([n, chunks], None = all finite) has at least one
+    finite chunk; None when every mask is None (the fast path)."""
+    given = [m.any(1) for m in masks if m is not None]
+    return np.logical_and.reduce(given) if given else None
 
 
 def _mask(fin: torch.Tensor) -> Optional[np.ndarray]:
@@ -1137,8 +1141,7 @@ def _update_sel(acc: PairAccumulator, s3, t3, sfin: Optional[np.ndarray], tfin: 
     if sfin is None and tfin is None:
         acc.update(s3, t3, info, hs, nx, ny)
         return
-    ok = (np.ones(s3.shape[0], bool) if sfin is None else sfin.any(1)) & (
-        np.ones(s3.shape[0], bool) if tfin is None else tfin.any(1))
+    ok = _rows_with_finite(s3.shape[0], sfin, tfin)
     if ok.all():
         acc.update(s3, t3, info, hs, nx, ny, sfin=sfin, tfin=tfin)
         return

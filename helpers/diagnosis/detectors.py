@@ -913,19 +913,29 @@ def detect_scaled_chunk(ctx: Context) -> list[dict]:
 PARTIAL_SHARE = 0.5
 
 
-def _differing_rows(ctx: Context, i: int, j: int) -> Optional[dict]:
-    """What sets the reservoir rows of (served i, training j) outside the tolerance apart: their energy against
-    the median row, where they sit (positions / token ids) and the dims that hold their difference."""
+def _sampled_pair(ctx: Context, i: int, j: int) -> Optional[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+    """The reservoir rows of (served i, training j) in float64 without the rows zero on both sides, and the keep
+    mask (numpy bool over the reservoir); None when fewer than 8 rows are left. Shared by the partial-match
+    evidence (:func:`_differing_rows`, :func:`_dims_partial`)."""
     r = ctx.rows(i, j)
     if r is None:
         return None
     S, T = r[0].double(), r[1].double()
     keep = (S.square().sum(-1) + T.square().sum(-1)) > 0
-    rv = ctx.cmp.reservoir
-    ids, pos = rv.ids[:rv.count][keep.numpy()], rv.positions[:rv.count][keep.numpy()]
-    S, T = S[keep], T[keep]
-    if S.shape[0] < 8:
+    if int(keep.sum()) < 8:
         return None
+    return S[keep], T[keep], keep.numpy()
+
+
+def _differing_rows(ctx: Context, i: int, j: int) -> Optional[dict]:
+    """What sets the reservoir rows of (served i, training j) outside the tolerance apart: their energy against
+    the median row, where they sit (positions / token ids) and the dims that hold their difference."""
+    got = _sampled_pair(ctx, i, j)
+    if got is None:
+        return None
+    S, T, keep = got
+    rv = ctx.cmp.reservoir
+    ids, pos = rv.ids[:rv.count][keep], rv.positions[:rv.count][keep]
     d2 = (S - T).square()
     rel = d2.sum(-1) / (S.square().sum(-1) + T.square().sum(-1))
     bad = (rel > ctx.tol).numpy()
@@ -955,14 +965,10 @@ def _dims_partial(ctx: Context, i: int, j: int) -> Optional[dict]:
     """Reservoir test: leaving out the k <= :data:`PARTIAL_MAX_DIMS` dims that hold most of the difference, are
     >= ``MATCH_SHARE`` of the rows of (served i, training j) within tolerance? (Another layer differs across
     the whole width: a few dims never explain it.) Returns the dims and shares, or None."""
-    r = ctx.rows(i, j)
-    if r is None:
+    got = _sampled_pair(ctx, i, j)
+    if got is None:
         return None
-    S, T = r[0].double(), r[1].double()
-    keep = (S.square().sum(-1) + T.square().sum(-1)) > 0
-    S, T = S[keep], T[keep]
-    if S.shape[0] < 8:
-        return None
+    S, T, _ = got
     d2 = (S - T).square()
     # the rest of each row against the whole row's energy: engine noise scales with the row (a massive row's
     # noise would swamp its small remainder), and the left-out dims only leave the numerator
