@@ -138,14 +138,18 @@ def detect_num_draft_tokens_overridden(server) -> list[dict]:
                         'speculative_eagle_topk == 1"')]
 
 
-def detect_fc_bypassed(draft=None, server=None, ctx: Optional["Context"] = None, weights=None) -> list[dict]:
+def detect_fc_bypassed(draft=None, server=None, ctx: Optional["Context"] = None, weights=None,
+                       target=None) -> list[dict]:
     """``fc_bypassed``: an EAGLE-3 draft receives one H-wide state (``--speculative-algorithm EAGLE``/NEXTN, or
     ``use_aux_hidden_state: false``) as wide as its own hidden size, so ``llama_eagle3.py`` skips ``fc``
     (``if hidden_states.shape[-1] != embeds.shape[-1]``) and the draft runs on features it never saw.
 
-    Static evidence: the server's algorithm / the config flag. Numeric evidence (``ctx``): the served width
-    equals the draft hidden size while fc expects more. (When the widths differ, fc runs and fails with a
-    shape error instead: not this finding.)
+    Static evidence: the server's algorithm / the config flag, and the fed width: the target's ``hidden_size``
+    (``target``; else the draft's ``target_hidden_size``). When the fed width differs from the draft's hidden
+    size, fc runs on it: fine when fc takes that width (no finding: a layout question), otherwise a shape error
+    at the first draft forward, returned as a static ``width_mismatch`` whose evidence carries ``fatal`` (the
+    server does not serve). Numeric evidence (``ctx``): the served width equals the draft hidden size while fc
+    expects more.
     """
     if draft is None or not draft.is_eagle3:
         return []
@@ -165,8 +169,20 @@ def detect_fc_bypassed(draft=None, server=None, ctx: Optional["Context"] = None,
             ev["served_identified_as"] = ident["best"]
         cause = static_cause or f"the server feeds one {served_w}-wide state"
     else:
-        if static_cause is None or draft.hidden_size != draft.sglang_hidden_size_in:
+        if static_cause is None:
             return []
+        fed = target.hidden_size if target is not None else draft.sglang_hidden_size_in
+        if fed != draft.hidden_size:
+            if target is None or fc_in == fed:
+                return []
+            msg = (f"{static_cause}: the server feeds one {fed}-wide state ({FINAL_NORM}, the target's hidden size); "
+                   f"it differs from the draft's embedding width {draft.hidden_size}, so llama_eagle3.py applies fc, "
+                   f"which takes {fc_in}: shape error (RuntimeError, mat1 and mat2 shapes cannot be multiplied) at the "
+                   f"first draft forward -- {ev['source']}")
+            return [finding("width_mismatch", None, msg, static=True, fatal=msg, fed_width=fed,
+                            draft_hidden_size=draft.hidden_size, fc_in_features=fc_in,
+                            target_config_hidden_size=fed, source=ev["source"])]
+        ev["fed_width"] = fed
         cause = static_cause
     if static_cause:
         ev["speculative_algorithm"] = algo

@@ -42,7 +42,6 @@ from ..formats.training_data import TrainingData, recorded_layer_ids
 from ..server.settings import ServerSettings
 from . import detectors as D
 from .conventions import (
-    FINAL_NORM,
     CapturePlan,
     compare_plans,
     describe,
@@ -240,44 +239,6 @@ def _plan_readings(tp: CapturePlan, sp: CapturePlan) -> Optional[dict]:
     return {"readings": readings, "settle": SETTLE}
 
 
-def _fed_width_check(d: DraftConfig, t: TargetConfig, sp: CapturePlan, w: Any,
-                     fc: list[dict]) -> tuple[list[dict], Optional[str]]:
-    """Correct the static ``fc_bypassed`` finding with the fed width, which only the target config knows.
-
-    When the server feeds one state (``final_norm``: ``use_aux_hidden_state: false``, or ``--speculative-algorithm
-    EAGLE``/``NEXTN``), its width is the target's H. ``sglang/srt/models/llama_eagle3.py::LlamaModel.forward``
-    applies fc only ``if hidden_states.shape[-1] != embeds.shape[-1]`` (embeds: the draft's own ``hidden_size``):
-
-    * H == draft hidden_size: fc is skipped silently (``fc_bypassed``);
-    * else fc runs on an H-wide input: fine if fc takes H, otherwise a shape error at the first draft forward
-      (``width_mismatch``; the server does not serve, returned as the second item).
-
-    Returns:
-        (the fc findings to keep, the crash message or None).
-    """
-    if not d.is_eagle3 or list(sp.tensors) != [FINAL_NORM]:
-        return fc, None
-    fed, embed = t.hidden_size, d.hidden_size
-    fc_in = w.fc_shape[1] if w is not None and getattr(w, "fc_shape", None) else d.sglang_fc_in_features
-    src = "sglang/srt/models/llama_eagle3.py::LlamaModel.forward (`if hidden_states.shape[-1] != embeds.shape[-1]: " \
-          "hidden_states = self.fc(hidden_states)`)"
-    if fed == embed:
-        if fc:
-            return fc, None
-        return [D.finding("fc_bypassed", None,
-                          f"{sp.source}: the server feeds one {fed}-wide state ({FINAL_NORM}), as wide as the draft's "
-                          f"embedding, so SGLang skips fc silently (fc takes {fc_in}) and the draft runs on features "
-                          "it never saw", static=True, fed_width=fed, draft_hidden_size=embed, fc_in_features=fc_in,
-                          source=src)], None
-    if fc_in == fed:
-        return [], None           # fc runs on the one state: a layout question, left to the layer findings
-    msg = (f"{sp.source}: the server feeds one {fed}-wide state ({FINAL_NORM}, the target's hidden size); it differs "
-           f"from the draft's embedding width {embed}, so llama_eagle3.py applies fc, which takes {fc_in}: shape error "
-           f"(RuntimeError, mat1 and mat2 shapes cannot be multiplied) at the first draft forward -- {src}")
-    return [D.finding("width_mismatch", None, msg, static=True, fatal=msg, fed_width=fed, draft_hidden_size=embed,
-                      fc_in_features=fc_in, target_config_hidden_size=fed, source=src)], msg
-
-
 def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | Path, *,
                  weights: Any = "auto", sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
                  server: Optional[ServerSettings | dict] = None, training: Any = None,
@@ -363,8 +324,8 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
             training_plan_source=tp.source))
     findings += D.detect_vocab_map_missing(d, w)
     findings += D.detect_num_draft_tokens_overridden(settings)
-    fc = D.detect_fc_bypassed(d, settings if settings.algorithm else ServerSettings(algorithm=algo), None, w)
-    fc, fed_crash = _fed_width_check(d, t, sp, w, fc)
+    fc = D.detect_fc_bypassed(d, settings if settings.algorithm else ServerSettings(algorithm=algo), None, w, t)
+    fed_crash = next((f["evidence"]["fatal"] for f in fc if f["kind"] == "width_mismatch"), None)
     findings += fc
     fatal = sp.fatal or fed_crash
     if rule.supports_eagle3 and not fc:
