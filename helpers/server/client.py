@@ -93,8 +93,8 @@ class _Waiting:
     server is never mistaken for a hang."""
 
     def __init__(self, on_wait: Optional[Callable[[str], None]], where: str, every: float,
-                 deadline: Optional[float], t0: float):
-        self.on_wait, self.where, self.every, self.deadline, self.t0 = on_wait, where, every, deadline, t0
+                 deadline: Optional[float]):
+        self.on_wait, self.where, self.every, self.deadline = on_wait, where, every, deadline
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -245,7 +245,7 @@ class SGLangClient:
             if rem is not None:
                 t = _cap_timeout(t, rem)
             try:
-                with _Waiting(self.on_wait, where, self.wait_every, self.deadline, self._t0):
+                with _Waiting(self.on_wait, where, self.wait_every, self.deadline):
                     resp = self._read(method, path, json_body, params, t, limit, where)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 last = f"cannot connect ({type(exc).__name__}: {self._scrub(str(exc))})"
