@@ -43,6 +43,8 @@ from tqdm.auto import tqdm
 
 from .diagnosis.conventions import layer_index
 from .errors import BadInput, SGLangError, one_line
+from .acceptance.prompts import Prompt
+from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
 from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
 from .server.client import as_client
@@ -82,7 +84,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
                    name: str = "served", max_new_tokens: int = 1, flush: bool = True,
                    kind: str = "served", layer_plan: Optional[dict] = None,
                    api_key: Optional[str] = None, progress: bool = True,
-                   max_width: Optional[int] = None) -> Path:
+                   max_width: Optional[int] = None, records: Optional[list] = None) -> Path:
     """Capture the aux hidden states fed to the draft for ``prompts``; write ``out_dir/name``.
 
     Args:
@@ -99,6 +101,9 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
         progress: show a tqdm bar.
         max_width: the widest row accepted (e.g. 16 x the target's hidden size); a wider answer stops the capture
             before anything is written.
+        records: when a list, one live per-request record per prompt is appended to it (the columns of
+            :func:`helpers.acceptance.requests.run_requests`: ``spec_verify_ct``, completion tokens, accepted drafts,
+            histogram of the same request), so the served aux states and the accept counters come from one answer.
 
     Returns: the dump folder. Row t of each sample belongs to ``input_ids[t]``.
 
@@ -126,6 +131,10 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
                               max_new_tokens=max_new_tokens, return_hidden_states=True,
                               return_prompt_token_ids=True,
                               sampling_params={"temperature": 0.0, "ignore_eos": True})
+        if records is not None:
+            records.append(request_record(len(records), Prompt(id=pid, input_ids=tuple(ids) if ids is not None
+                                                               else None, text=text if ids is None else None,
+                                                               kind="capture"), res, None))
         raw = res.model_dump(exclude={"latency_s"})
         try:
             got = samples_from_generate(raw, source=f"{name}:{pid}")

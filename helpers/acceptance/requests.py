@@ -24,7 +24,8 @@ PER_REQUEST_COLUMNS = [
     "has_spec", "error"]
 
 
-def _record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[str]) -> dict:
+def record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[str]) -> dict:
+    """One row of :data:`PER_REQUEST_COLUMNS` from one ``/generate`` answer (or its error)."""
     row = {c: None for c in PER_REQUEST_COLUMNS}
     row.update(idx=i, prompt_id=p.id, kind=p.kind, has_spec=False, error=error)
     if res is None:
@@ -75,9 +76,9 @@ def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tok
         except SGLangError as exc:
             if fail_fast:
                 raise
-            rows[i] = _record(i, p, None, str(exc))
+            rows[i] = record(i, p, None, str(exc))
             return
-        rows[i] = _record(i, p, res, None)
+        rows[i] = record(i, p, res, None)
         if keep_raw:
             meta = res.meta_info.model_dump()
             meta.pop("hidden_states", None)

@@ -30,6 +30,11 @@ def build_parser() -> Parser:
                    "copy with the proposed fix (draft path, port and flags replaced) and measures before/after. "
                    "Servers started with `python -m helpers server start` are restarted without it")
     p.add_argument("--no-apply", action="store_true", help="only propose the fix (no restart, no measurement)")
+    p.add_argument("--no-measure", action="store_true", help="send no live prompts for the acceptance budget (its "
+                   "engine stage is then missing); the offline stages still run")
+    p.add_argument("--no-budget", action="store_true", help="skip the acceptance budget (wiring diagnosis only)")
+    p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
+                   "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
     p.add_argument("--out", help="folder under which the run folder is created (default outputs/)")
     p.add_argument("--timeout", type=float, default=900.0, help="overall budget in seconds (default 900)")
     p.add_argument("--samples", type=int, default=4, help="training samples to capture and compare (default 4)")
@@ -57,7 +62,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
                               relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
-                              max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, progress=show)
+                              max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply,
+                              budget=not args.no_budget, live_measure=not args.no_measure,
+                              training_log=args.training_log, progress=show)
         except BaseException as exc:
             mark_failed(run_dir, f"investigate: {describe(exc)}")     # investigation.json keeps what was done
             raise
@@ -66,6 +73,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],
                               "proposed_fix": None if doc.proposed_fix is None else doc.proposed_fix.model_dump(
                                   mode="json"), "measured": doc.measured, "sentence": doc.sentence,
+                              "acceptance": doc.acceptance, "notes": doc.notes,
                               "seconds_to_verdict": doc.seconds_to_verdict, "run_dir": str(run_dir)}, indent=1))
         else:
             print(doc.sentence)

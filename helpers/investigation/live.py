@@ -48,6 +48,8 @@ from ..server.embedded import free_port
 from ..server.embedded import start as start_embedded
 from ..server.process import ServerProcess
 from ..server.registry import lookup
+from ..draft.simulate import DraftSettings
+from .budget import run_budget
 from .checks import Investigation, run_check
 from .propose import draft_variant, propose_fix
 
@@ -263,7 +265,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
-                not_applied: str = "--no-apply: the fix was only proposed",
+                not_applied: str = "--no-apply: the fix was only proposed", budget: bool = True,
+                live_measure: bool = True, training_log: Optional[str | Path] = None,
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
@@ -279,6 +282,10 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         num_samples: training samples to capture and compare.
         measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
         apply_fix: False to only propose (no restart, no measurement).
+        budget: compute the acceptance budget (:mod:`helpers.investigation.budget`): the draft run offline on the
+            training states, the served states and the live prompts' states, against the training log and live.
+        live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
+        training_log: the draft's training log (default: looked for in the draft folder).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         progress: called with one line per step.
 
@@ -364,6 +371,41 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                           hooks=att.other_hooks)
         doc.proposed_fix = fix
         done("proposed fix", t, fix.summary)
+
+        spec = att.spec or {}
+        if budget and all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
+            t = step("acceptance budget")
+            br = run_budget(client=client, info=att.info, draft_dir=att.draft_dir, target_dir=att.target_dir,
+                            training=training, hidden_size=tcfg.hidden_size, num_samples=num_samples,
+                            served_dump=inv.served_dump(), reference=ref, run_dir=run_dir,
+                            settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]),
+                                                   int(spec["num_draft_tokens"])),
+                            fix=fix, findings=diag.findings + extra,
+                            training_tensors=None if diag.training_plan is None else list(diag.training_plan.tensors),
+                            training_log=training_log, prompts=measure_prompts, max_new_tokens=max_new_tokens,
+                            measure=live_measure, progress=progress)
+            doc.acceptance = br.budget
+            if br.findings:
+                doc.findings += [Finding(**f) for f in br.findings]
+                doc.verdict = "mismatch"
+            if br.withdraw_fix:
+                doc.notes.append(br.withdraw_fix)
+                fix.applicable = False
+                fix.summary = "none proven: " + br.withdraw_fix
+            done("acceptance budget", t, f"cause {br.budget['cause']}: " + ", ".join(
+                f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"]
+                if s.get("accept_length") is not None))
+        elif budget:
+            doc.notes.append("no acceptance budget: the server reports no speculative settings (speculative_num_steps, "
+                             "speculative_eagle_topk, speculative_num_draft_tokens in /server_info)")
+        if att.tp > 1 and att.rank_capture_dir is None:
+            hooks = (f"; it runs {len(att.other_hooks)} forward hook(s) that are not capture hooks "
+                     f"({', '.join(str(h.get('name')) for h in att.other_hooks)}), whose effect on other ranks was "
+                     "not seen") if att.other_hooks else ""
+            doc.notes.append(f"only TP rank 0's aux states were compared (what /generate returns) on this TP {att.tp} "
+                             f"server{hooks}; to compare every rank, start the server with the per-rank capture hooks "
+                             "(`python -m helpers server start --capture-ranks DIR`, env/gpu/launch_tp8.sh with "
+                             "HOOKS_DIR) and investigate again")
 
         if fix.kind == "none":
             doc.measured = {"not_measured": "nothing to fix"}
@@ -575,7 +617,14 @@ KIND_TEXT = {
     "unsupported_target": "SGLang cannot capture aux states for this target",
     "unsupported_draft": "SGLang cannot serve this draft as EAGLE-3",
     "server_fatal": "the server fails with these layer ids (at start-up or at the first forward)",
+    "draft_underperforms": "the draft checkpoint accepts less on its own training states than its training log says",
+    "wiring_loses_acceptance": "the served aux states cost acceptance against the training states",
+    "engine_after_capture": "the engine accepts less than the draft run offline on the very states it fed",
+    "spec_settings_low": "the speculative settings leave acceptance unused",
+    "acceptance_unexplained": "live acceptance is below the offline prediction and no stage explains it",
 }
+ACCEPTANCE_KINDS = ("draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
+                    "acceptance_unexplained")
 
 
 def _measured_text(m: Optional[dict]) -> str:
@@ -602,20 +651,23 @@ def sentence(doc: InvestigationDoc) -> str:
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
     ref = (doc.reference or {}).get("how") or "none"
-    if doc.verdict == "ok":
+    budget = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
+    wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
+    if not wiring:
         chunks = (doc.diagnosis or {}).get("chunks") or []
-        return (f"No wiring fault: the {len(chunks)} aux chunks the server feeds equal the training data on the "
-                f"aligned rows ({doc.samples} sample(s); reference: {ref}). "
+        head = "No wiring fault" if doc.verdict == "ok" else "No wiring fault, but acceptance is lost elsewhere"
+        return (f"{head}: the {len(chunks)} aux chunks the server feeds equal the training data on the "
+                f"aligned rows ({doc.samples} sample(s); reference: {ref}).{budget} "
                 + _measured_text(doc.measured).capitalize() + ".")
-    f = doc.findings[0]
+    f = wiring[0]
     what = KIND_TEXT.get(f.kind, f.kind)
     where = "" if f.chunk is None or f.kind in ("layer_offset", "chunk_order") else f" (chunk {f.chunk})"
-    more = [k for k in dict.fromkeys(x.kind for x in doc.findings[1:]) if k != f.kind]
+    more = [k for k in dict.fromkeys(x.kind for x in wiring[1:]) if k != f.kind]
     also = f" Also found: {', '.join(more)}." if more else ""
     fix = doc.proposed_fix
     fix_text = fix.summary if fix is not None else "none"
     return (f"Wrong wiring: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
-            + _measured_text(doc.measured).capitalize() + ".")
+            + _measured_text(doc.measured).capitalize() + "." + budget)
 
 
 def _provenance(f: Finding) -> str:
