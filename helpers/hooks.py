@@ -222,6 +222,28 @@ def fault_factory(config: dict) -> Any:
     return hook
 
 
+def perturb_factory(config: dict) -> Any:
+    """Hook that alters a module's output inside the engine: ``output * scale + noise * rms(output) * N(0, 1)``
+    (a fixed ``seed`` per call count). Registered on a draft module (e.g. ``model.fc`` of the EAGLE-3 draft, which the
+    target does not have) it makes the engine compute the draft differently after the capture point, which no aux
+    hidden state shows: the acceptance budget's engine stage must find it. Tensor outputs only; tuples: element 0."""
+    scale = float(config.get("scale", 1.0))
+    noise = float(config.get("noise", 0.0))
+    gen = torch.Generator().manual_seed(int(config.get("seed", 0)))
+
+    def hook(module, inputs, output):
+        t = output[0] if isinstance(output, tuple) else output
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return None
+        x = t * scale
+        if noise:
+            rms = t.float().pow(2).mean(-1, keepdim=True).sqrt()
+            x = x + (noise * rms * torch.randn(t.shape, generator=gen)).to(t.dtype)
+        return (x,) + tuple(output[1:]) if isinstance(output, tuple) else x
+
+    return hook
+
+
 # --------------------------------------------------------------------------- per-rank capture
 def _atomic_save(tensors: dict[str, torch.Tensor], path: str) -> None:
     # lazy: this module is imported by every SGLang TP worker; only capturing ones write
