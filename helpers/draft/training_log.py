@@ -326,8 +326,9 @@ def read_training_log(path: str | Path) -> TrainingLog:
         got = _from_entries(entries, p)
         if got is None:
             seen = sorted({k for e in entries for k in e})[:12]
-            raise BadInput(f"no per-position draft accuracies found (keys seen: {seen}{' ...' if len(seen) == 12 else ''}"
-                           f"; expected {EXPECTED})", path=p)
+            more = " ..." if len(seen) == 12 else ""
+            raise BadInput(f"no per-position draft accuracies found (keys seen: {seen}{more}; expected {EXPECTED})",
+                           path=p)
         chosen, i, metrics = got
         if history:
             entry = i
