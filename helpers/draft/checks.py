@@ -39,10 +39,16 @@ from ..diagnosis import detectors as D
 from ..diagnosis.conventions import parse_version, served_plan
 from ..diagnosis.sglang_rules import draft_servable
 from ..errors import BadInput
-from ..formats.configs import TEXT_CONFIG_KEYS, DraftConfig, read_draft_config, read_draft_weights, read_target_config
+from ..formats.configs import (
+    TEXT_CONFIG_KEYS,
+    DraftConfig,
+    TensorInfo,
+    read_draft_config,
+    read_draft_weights,
+    read_target_config,
+)
 from ..formats.dumps import safe_torch_load
 from ..formats.training_data import TrainingData
-from ..runfiles import read_json_file
 
 #: the SGLang release whose source these rules were read from
 SGLANG_RULES = "0.5.23"
@@ -65,8 +71,6 @@ _STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv
             (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
 _LEGACY = (("midlayer", "layers.0"), ("aux_norm_low", "fc_norm.0"), ("aux_norm_mid", "fc_norm.1"),
            ("aux_norm_high", "fc_norm.2"))
-# kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM.load_weights (l. 428-501)
-_MLA_STACKED = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
 
 #: initial value of a parameter no tensor fills, per SGLang module
 _INIT_RMSNORM = "ones (layers/layernorm.py::RMSNorm: torch.ones): the trained scale is lost"
@@ -74,62 +78,7 @@ _INIT_LINEAR = "torch.nn.Linear's random initialisation"
 _INIT_EMPTY = "uninitialised memory (torch.empty in the layer's create_weights)"
 
 
-@dataclass
-class TensorInfo:
-    """One tensor of a safetensors checkpoint: the file holding it, its shape and dtype (from the header)."""
-
-    file: Path
-    shape: tuple[int, ...]
-    dtype: str
-
-
 # ------------------------------------------------------------------------------------------------ readers
-
-def read_tensor_index(folder: str | Path) -> dict[str, TensorInfo]:
-    """Every tensor of a safetensors checkpoint folder, from the headers only.
-
-    Sharded checkpoints are read through ``model.safetensors.index.json`` (its ``weight_map`` names the shards; each
-    listed key must be in its shard), others through ``*.safetensors``.
-
-    Raises:
-        BadInput: not a folder, no safetensors file, an unreadable header, an index naming a missing shard or a key
-            its shard does not hold.
-    """
-    p = Path(folder)
-    if not p.is_dir():
-        raise BadInput("expected the draft's folder (config.json and *.safetensors)", path=p)
-    index = p / "model.safetensors.index.json"
-    weight_map: Optional[dict] = None
-    if index.exists():
-        doc = read_json_file(index, "safetensors index")
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise BadInput("expected a weight_map object {tensor: shard file}", path=index, field="weight_map")
-        files = [p / f for f in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.is_file():
-                raise BadInput(f"the index names shard {f.name}, which is not in the folder", path=index)
-    else:
-        files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise BadInput("no draft weights found (expected *.safetensors or model.safetensors.index.json)", path=p)
-    out: dict[str, TensorInfo] = {}
-    for f in files:
-        if f.stat().st_size == 0:
-            raise BadInput("empty file (expected a safetensors file)", path=f)
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    sl = sf.get_slice(k)
-                    out[k] = TensorInfo(f, tuple(int(x) for x in sl.get_shape()), str(sl.get_dtype()))
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise BadInput(f"not a readable safetensors file ({' '.join(str(e).split())[:200]})", path=f) from None
-    if weight_map is not None:
-        for k, fname in weight_map.items():
-            if k not in out or out[k].file.name != fname:
-                raise BadInput(f"the index maps {k} to {fname}, which does not hold it", path=index, field=k)
-    return out
-
 
 def _read_tensor(info: TensorInfo, key: str) -> torch.Tensor:
     try:
@@ -255,7 +204,7 @@ def _arch(d: DraftConfig) -> _Arch:
         # kimi_k25_eagle3.py::_get_eagle_aux_layer_count (l. 48-59): eagle_config ids, top-level ids, else 3
         top = raw.get("eagle_aux_hidden_state_layer_ids")
         naux = len(ids) if ids is not None else len(top) if top is not None else 3
-        hin = raw.get("target_hidden_size") or H                          # l. 209-211
+        hin = raw.get("target_hidden_size") or H                          # l. 208-210
         source = f"{_K25}::Eagle3MLAModel.__init__ (l. 191-255)"
         if raw.get("num_hidden_layers", 1) != 1:
             raise BadInput(f"num_hidden_layers is {raw.get('num_hidden_layers')}: SGLang's {MLA_CLASS} raises "
@@ -763,7 +712,7 @@ def _weights(arch: _Arch, d: DraftConfig, tensors: dict, hin_differs: bool, find
             + _ignored_hint(arch, d, ignored),
             tensors=ignored, config=str(d.path), files=facts["weights"]["files"],
             source=f"{_L3}::LlamaForCausalLMEagle3.load_weights l. 358-378 (a name not in params_dict is skipped)"
-            if arch.cls != MLA_CLASS else f"{_K25}::load_weights l. 489-491 (warning 'skipping unexpected weight')"))
+            if arch.cls != MLA_CLASS else f"{_K25}::load_weights l. 494-496 (warning 'skipping unexpected weight')"))
 
 
 def _missing_hint(arch: _Arch, names: list[str]) -> str:
@@ -824,6 +773,8 @@ def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise BadInput(f"expected a positive number of draft steps, got {steps!r}", field="steps")
     draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise BadInput("expected the draft's folder (config.json and *.safetensors)", path=draft_dir)
     d = read_draft_config(draft_dir)
     findings: list[dict] = []
     facts: dict[str, Any] = {"sglang": {"given": sglang_version, "rules": SGLANG_RULES,
@@ -839,7 +790,8 @@ def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: 
         return {"findings": findings, "facts": facts}
     target = read_target_config(target_dir) if target_dir is not None else None
     arch = _arch(d)
-    tensors = read_tensor_index(draft_dir)
+    weights = read_draft_weights(draft_dir)
+    tensors = weights.tensors
     vocab = target.vocab_size if target is not None and target.vocab_size else arch.vocab
     hin_differs = "target_hidden_size" in d.raw and arch.hidden_size_in != d.hidden_size
     facts["fc"] = {"in_features": arch.hidden_size_in * arch.num_aux, "hidden_size_in": arch.hidden_size_in,
@@ -853,7 +805,6 @@ def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: 
     _weights(arch, d, tensors, hin_differs, findings, facts)
     _lm_head(arch, d, tensors, None if target is None else target.raw, hin_differs, findings, facts)
     _flags(arch, d, findings)
-    weights = read_draft_weights(draft_dir)
     findings += D.detect_vocab_map_missing(d, weights)
     training = Path(training) if training is not None else None
     hot = _vocab(arch, d, tensors, vocab, training, findings, facts)
