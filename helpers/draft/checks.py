@@ -542,11 +542,11 @@ def _coverage(hot: np.ndarray, vocab: int, seqs: list, what: str, steps: int, li
     runs_at: list[np.ndarray] = []
     for ids, mask in seqs:
         ok = mask & inside[ids]
-        # run[t] = how many consecutive positions from t are masked and inside the draft vocab
-        run = np.zeros(ids.size + 1, dtype=np.int64)
-        for t in range(ids.size - 1, -1, -1):
-            run[t] = run[t + 1] + 1 if ok[t] else 0
-        runs_at.append(run[:-1][mask])
+        # run[t] = how many consecutive positions from t are masked and inside the draft vocab (distance to the next
+        # position that is not)
+        pos = np.arange(ids.size)
+        next_bad = np.minimum.accumulate(np.where(ok, ids.size, pos)[::-1])[::-1]
+        runs_at.append((next_bad - pos)[mask])
         tok = ids[mask]
         n += tok.size
         out_tok = tok[~inside[tok]]

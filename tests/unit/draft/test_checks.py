@@ -342,3 +342,12 @@ def test_lm_head_under_a_name_sglang_does_not_map(tmp_path):
     d = damaged(tmp_path, drop=["lm_head.weight"], replace={"model.lm_head.weight": ref_tensor("lm_head.weight")})
     f = one(draft_checks(d, REFERENCE_TARGET), "lm_head_missing")
     assert f["evidence"]["lm_head_keys"] == ["model.lm_head.weight"] and "model.lm_head.weight is there" in f["detail"]
+
+
+def test_use_aux_hidden_state_false_is_the_existing_fc_bypassed_and_versions_are_said(tmp_path):
+    d = damaged(tmp_path, config=lambda c: c["eagle_config"].update(use_aux_hidden_state=False))
+    assert kinds(draft_checks(d, REFERENCE_TARGET)) == ["fc_bypassed"]
+    out = inspect_draft(REFERENCE_DRAFT, REFERENCE_TARGET, sglang_version="0.5.30")
+    assert out["findings"] == [] and "0.5.23" in out["facts"]["sglang"]["note"]
+    with pytest.raises(BadInput, match=r"\[sglang_version\]"):
+        draft_checks(REFERENCE_DRAFT, sglang_version="latest")
