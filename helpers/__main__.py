@@ -7,6 +7,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
   investigate  name the fault of a live server, propose and measure the fix       (helpers.cli.investigate)
   server     start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
+  simulate   the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
   measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
   suite      run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
@@ -23,6 +24,7 @@ commands:
   diagnose   offline wiring diagnosis: served aux hidden states vs training data
   server     start / stop the embedded SGLang CPU reference server
   capture    dump the aux hidden states a live server feeds the draft
+  simulate   run the draft offline as SGLang does: accept length on training / served states
   measure    accept length / accept rate / tok/s per fix
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder
   suite      run the notebook suite with papermill, write postmortem.html
@@ -34,6 +36,7 @@ COMMANDS = {
     "diagnose": "helpers.cli.diagnose",
     "server": "helpers.cli.server",
     "capture": "helpers.cli.capture",
+    "simulate": "helpers.cli.simulate",
     "measure": "helpers.cli.measure",
     "replay": "helpers.cli.replay",
     "suite": "helpers.cli.suite",

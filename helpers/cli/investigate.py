@@ -77,6 +77,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                               "seconds_to_verdict": doc.seconds_to_verdict, "run_dir": str(run_dir)}, indent=1))
         else:
             print(doc.sentence)
+            for n in doc.notes:
+                print(f"note: {n}")
             print(f"postmortem: {report}")
         return 0 if doc.verdict == "ok" else 1
 

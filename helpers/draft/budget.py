@@ -27,6 +27,7 @@ computed, and live acceptance is materially below the training log's prediction 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -34,6 +35,7 @@ import pandas as pd
 import torch
 
 from ..acceptance.stats import paired_effect
+from ..formats.configs import read_target_config
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from .model import Eagle3Draft
@@ -124,6 +126,31 @@ def plan_sequences(reference_path, plan: Sequence[str], like: Sequence[SimSequen
     return [s for s in out if s.start <= int(s.tokens.shape[0]) - 2]
 
 
+def _weight_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def draft_cost(draft_dir: Path, target_dir: Path, *, draft_cost: Optional[float] = None) -> tuple[float, str]:
+    """One draft forward's cost relative to one verify step, and where the figure comes from.
+
+    At the small batches where speculative decoding pays, a forward is bound by the weight bytes it reads: the ratio
+    of the draft's safetensors bytes to the target's (a mixture-of-experts target reads only its active experts per
+    token, so the ratio is then an underestimate of the draft's share). Without the target's weights here, the
+    target's parameters are estimated from its config (12 x hidden^2 x layers + vocab x hidden)."""
+    if draft_cost is not None:
+        return float(draft_cost), "given"
+    d = _weight_bytes(draft_dir)
+    t = _weight_bytes(target_dir)
+    if d and t:
+        return d / t, f"weight bytes: draft {d / 2**20:.1f} MiB / target {t / 2**20:.1f} MiB"
+    tc = read_target_config(target_dir)
+    vocab = int(tc.raw.get("vocab_size") or 0)
+    params = 12 * tc.hidden_size ** 2 * tc.num_hidden_layers + vocab * tc.hidden_size
+    if d and params:
+        return d / (2 * params), "draft weight bytes / target parameters estimated from its config (bf16)"
+    return 0.1, "unknown (no weights here): 0.1 assumed"
+
+
 # ------------------------------------------------------------------------------------------------ statistics
 
 def _formula(marginal: Sequence[float], steps: int) -> float:
@@ -187,7 +214,8 @@ class BudgetInputs:
         live_sequences: the served aux states of the live prompts with the server's own continuation.
         live: the live per-request frame of the same answers.
         max_new_tokens: the live requests' max_new_tokens.
-        fix: ``{"label", "sequences"}``: the proposed fix applied to the every-layer reference, or None.
+        fix: ``{"label", "sequences", "plan", "draft"?}``: the proposed fix applied offline: the served plan it yields
+            taken from the every-layer reference, and/or the draft it yields (a corrected d2t), or None.
         draft_cost / draft_cost_source: one draft forward's cost relative to one verify step (the settings stage
             picks the steps that maximise ``accept_length / (1 + steps x draft_cost)``) and where it comes from.
     """
@@ -320,7 +348,8 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
     # the fix, proven offline
     fix_offline = None
     if inp.fix and inp.fix.get("sequences"):
-        r = sim(inp.fix["sequences"], [st])
+        fdraft = inp.fix.get("draft") or draft
+        r = simulate_sequences(fdraft, inp.fix["sequences"], [st])
         f = r["per_request"][st]
         s = summary(f, S)
         fix_offline = {"label": inp.fix.get("label", "proposed fix"), "accept_length": s["accept_length"],

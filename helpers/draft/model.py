@@ -369,6 +369,22 @@ class Eagle3Draft:
         sources["d2t"] = "draft d2t" if hot is not None else "none (draft ids are taken as target ids)"
         return cls(arch, weights, embed, lm_head, hot, dtype=dtype, sources=sources)
 
+    def with_vocab_map(self, d2t: torch.Tensor, source: str) -> "Eagle3Draft":
+        """The same draft with another d2t (``hot_token_id = d2t + arange``): a vocab-map fix, run offline.
+
+        Raises:
+            BadInput: ``d2t`` is not ``[draft_vocab]`` or maps outside the target vocabulary."""
+        d2t = d2t.to(torch.long).reshape(-1)
+        if d2t.shape[0] != self.arch.draft_vocab:
+            raise BadInput(f"d2t has {d2t.shape[0]} entries, expected {self.arch.draft_vocab} (draft_vocab_size)",
+                           path=source, field="d2t")
+        hot = d2t + torch.arange(d2t.shape[0])
+        if int(hot.min()) < 0 or int(hot.max()) >= self.arch.vocab:
+            raise BadInput(f"d2t maps draft ids outside the target vocabulary [0, {self.arch.vocab})", path=source,
+                           field="d2t")
+        return Eagle3Draft(self.arch, self.w, self.embed, self.lm_head, hot.to(self.device), dtype=self.dtype,
+                           sources={**self.sources, "d2t": source})
+
     # ----------------------------------------------------------------------------------------- pieces
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target ids (``hot_token_id[draft_id]``; identity without d2t), any shape, int64."""

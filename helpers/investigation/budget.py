@@ -19,13 +19,13 @@ import torch
 from ..acceptance.prompts import load_prompts
 from ..capture import capture_served
 from ..diagnosis.detectors import finding
-from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, dump_sequences, plan_sequences,
+from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_cost, dump_sequences, plan_sequences,
                             training_sequences)
 from ..draft.model import Eagle3Draft, target_lm_head
 from ..draft.simulate import DraftSettings
 from ..draft.training_log import predicted_accept_length, read_training_log
 from ..errors import BadInput
-from ..formats.configs import read_draft_config, read_target_config
+from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
 from ..records import ProposedFix
 
@@ -72,14 +72,23 @@ class BudgetRun:
     withdraw_fix: Optional[str] = None
 
 
+#: findings about which tensor the draft receives: a fix for them changes the served plan
+PLAN_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order",
+              "missing_chunk", "zero_chunk", "scaled_chunk", "partial_match", "extra_chunk", "tp_sharded_width",
+              "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis", "norm_mismatch", "nan_or_inf",
+              "config_ids_mismatch", "config_ids_ignored"}
+
+
 def fix_plan(fix: Optional[ProposedFix], findings: list[dict], training_tensors: Optional[list[str]]
              ) -> Optional[tuple[str, list[str]]]:
-    """``(label, served plan after the fix)`` to prove offline, or None when there is no fix to prove.
+    """``(label, served plan after the fix)`` to prove offline, or None when the fix does not change the plan.
 
     A config fix carries its plan (``expected_served``, SGLang's rules). An engine fix that feeds the all-reduced
     embedding (``embedding_not_all_reduced``) yields the embedding in that chunk; another engine change is taken to
     feed the training plan."""
     if fix is None or fix.kind == "none" or not training_tensors:
+        return None
+    if not fix.expected_served and not PLAN_KINDS & {f["kind"] for f in findings}:
         return None
     if fix.expected_served:
         return "the proposed fix", list(fix.expected_served)
@@ -137,6 +146,12 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
             fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
         except KeyError as exc:
             progress(f"the fix cannot be proven offline: {exc}")
+    elif fix is not None and "d2t" in (fix.add_tensors or {}) and served:
+        src = fix.add_tensors["d2t"]
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+        if isinstance(obj, dict) and "d2t" in obj:
+            fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served,
+                      "draft": draft.with_vocab_map(obj["d2t"], src)}
     cost, cost_src = draft_cost(draft_dir, target_dir)
     b = acceptance_budget(draft, BudgetInputs(settings=settings, log=log, training=train_seqs, served_training=served,
                                               live_sequences=live_seqs, live=live, max_new_tokens=max_new_tokens,
@@ -157,31 +172,6 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                             f"every-layer reference: accept length {fo['accept_length']:.2f}, a gain of "
                             f"{fo['gain']:+.2f} over the served states: nil, so it is not proposed")
     return out
-
-
-def _weight_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
-def draft_cost(draft_dir: Path, target_dir: Path, *, draft_cost: Optional[float] = None) -> tuple[float, str]:
-    """One draft forward's cost relative to one verify step, and where the figure comes from.
-
-    At the small batches where speculative decoding pays, a forward is bound by the weight bytes it reads: the ratio
-    of the draft's safetensors bytes to the target's (a mixture-of-experts target reads only its active experts per
-    token, so the ratio is then an underestimate of the draft's share). Without the target's weights here, the
-    target's parameters are estimated from its config (12 x hidden^2 x layers + vocab x hidden)."""
-    if draft_cost is not None:
-        return float(draft_cost), "given"
-    d = _weight_bytes(draft_dir)
-    t = _weight_bytes(target_dir)
-    if d and t:
-        return d / t, f"weight bytes: draft {d / 2**20:.1f} MiB / target {t / 2**20:.1f} MiB"
-    tc = read_target_config(target_dir)
-    vocab = int(tc.raw.get("vocab_size") or 0)
-    params = 12 * tc.hidden_size ** 2 * tc.num_hidden_layers + vocab * tc.hidden_size
-    if d and params:
-        return d / (2 * params), f"draft weight bytes / target parameters estimated from its config (bf16)"
-    return 0.1, "unknown (no weights here): 0.1 assumed"
 
 
 def _raw(draft_dir: Path) -> dict:

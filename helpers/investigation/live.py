@@ -48,6 +48,7 @@ from ..server.embedded import free_port
 from ..server.embedded import start as start_embedded
 from ..server.process import ServerProcess
 from ..server.registry import lookup
+from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .budget import run_budget
 from .checks import Investigation, run_check
@@ -359,6 +360,21 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         done("diagnosis", t, f"{doc.verdict}: " + (", ".join(dict.fromkeys(f.kind for f in doc.findings))
                                                    or "no finding"))
 
+        t = step("draft checks")
+        try:
+            dc = draft_checks(att.draft_dir, att.target_dir, training=Path(training),
+                              sglang_version=att.version or "0.5.23")
+        except BadInput as exc:
+            dc = []
+            doc.notes.append(f"draft checks not run: {exc}")
+        have = {f.kind for f in doc.findings}
+        new = [f for f in dc if f["kind"] not in have]
+        extra += new
+        doc.findings += [Finding(**f) for f in new]
+        if new:
+            doc.verdict = "mismatch"
+        done("draft checks", t, ", ".join(f["kind"] for f in new) or "no finding")
+
         t = step("hypotheses")
         doc.hypotheses = _hypotheses(inv, run_dir)
         done("hypotheses", t, ", ".join(f"{h['check']} {h['verdict']}" for h in doc.hypotheses
@@ -617,12 +633,27 @@ KIND_TEXT = {
     "unsupported_target": "SGLang cannot capture aux states for this target",
     "unsupported_draft": "SGLang cannot serve this draft as EAGLE-3",
     "server_fatal": "the server fails with these layer ids (at start-up or at the first forward)",
+    "lm_head_missing": "the draft's lm_head is missing and left uninitialised",
+    "lm_head_replaced": "SGLang replaces the draft's trained lm_head",
+    "vocab_map_trivial": "the draft's d2t is all zeros",
+    "vocab_map_differs": "the draft's d2t differs from the training data's vocab mapping",
+    "draft_vocab_coverage": "many target tokens lie outside the draft vocabulary",
+    "draft_weight_missing": "draft parameters have no tensor in the checkpoint",
+    "draft_weight_ignored": "SGLang's loader drops draft tensors",
+    "draft_flag_ignored": "SGLang ignores a draft config flag",
+    "rope_mismatch": "the draft's rotary embedding differs from the target's",
+    "max_position_short": "the draft's context is shorter than the target's",
+    "sliding_window_ignored": "SGLang ignores the draft's sliding window",
     "draft_underperforms": "the draft checkpoint accepts less on its own training states than its training log says",
     "wiring_loses_acceptance": "the served aux states cost acceptance against the training states",
     "engine_after_capture": "the engine accepts less than the draft run offline on the very states it fed",
     "spec_settings_low": "the speculative settings leave acceptance unused",
     "acceptance_unexplained": "live acceptance is below the offline prediction and no stage explains it",
 }
+#: findings about the draft checkpoint itself (helpers.draft.checks)
+DRAFT_KINDS = ("lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "vocab_map_missing",
+               "draft_vocab_coverage", "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
+               "rope_mismatch", "max_position_short", "sliding_window_ignored")
 ACCEPTANCE_KINDS = ("draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
                     "acceptance_unexplained")
 
@@ -666,7 +697,8 @@ def sentence(doc: InvestigationDoc) -> str:
     also = f" Also found: {', '.join(more)}." if more else ""
     fix = doc.proposed_fix
     fix_text = fix.summary if fix is not None else "none"
-    return (f"Wrong wiring: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
+    head = "Draft checkpoint fault" if f.kind in DRAFT_KINDS else "Wrong wiring"
+    return (f"{head}: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
             + _measured_text(doc.measured).capitalize() + "." + budget)
 
 

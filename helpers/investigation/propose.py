@@ -188,19 +188,21 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
                 fix.addresses.extend(id_kinds)
 
     # -- the vocab map -----------------------------------------------------------------------------------------
-    if "vocab_map_missing" in kinds:
+    vocab_kinds = [k for k in ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs") if k in kinds]
+    if vocab_kinds:
         vm = Path(training_dir) / "vocab_mapping" / "vocab_mapping.pt" if training_dir else None
         if vm is not None and vm.is_file():
             fix.add_tensors = {"d2t": str(vm), "t2d": str(vm)}
-            fix.parts.append(f"add the d2t / t2d vocab map from {vm} to the draft weights")
+            fix.parts.append(f"{'add' if 'vocab_map_missing' in vocab_kinds else 'replace'} the d2t / t2d vocab map "
+                             f"from {vm} {'to' if 'vocab_map_missing' in vocab_kinds else 'in'} the draft weights")
             fix.why.append("sglang/srt/models/llama_eagle3.py::LlamaForCausalLMEagle3.load_weights reads d2t from "
                            "the draft weights (hot_token_id = d2t + arange); without it draft ids are read as "
                            "target ids")
-            fix.addresses.append("vocab_map_missing")
+            fix.addresses.extend(vocab_kinds)
         else:
             engine_parts.append("ship the d2t map with the draft (SpecForge writes it to "
                                 "<output>/vocab_mapping/vocab_mapping.pt); none was found in the training folder")
-            fix.unaddressed.append("vocab_map_missing")
+            fix.unaddressed.extend(vocab_kinds)
 
     # -- settings SGLang overrides -----------------------------------------------------------------------------
     for f in findings:
