@@ -62,6 +62,12 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                            (a.steps + 1 if a.topk == 1 else 2 * a.steps)).check()
         show = progress_line(prog)
         draft_dir, target_dir = Path(a.draft), Path(a.target)
+        log_path = find_training_log(draft_dir, a.training_log)        # bad input is found before any work
+        log = None
+        if log_path is not None:
+            tl = read_training_log(log_path)
+            log = predicted_accept_length(tl, st.steps)
+            log["source"] = f"{log_path} ({tl.format}, {tl.kind})"
         draft = Eagle3Draft.load(draft_dir, target_dir, dtype=DTYPES[a.dtype], device=a.device)
         show(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
              f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
@@ -74,12 +80,6 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             head = None
         train = training_sequences(td, lm_head=head)
         served = dump_sequences(a.served, starts={s.key: s.start for s in train}) if a.served else None
-        log_path = find_training_log(draft_dir, a.training_log)
-        log = None
-        if log_path is not None:
-            tl = read_training_log(log_path)
-            log = predicted_accept_length(tl, st.steps)
-            log["source"] = f"{log_path} ({tl.format}, {tl.kind})"
         findings = draft_checks(draft_dir, target_dir, training=Path(a.training))
         cost, cost_src = draft_cost(draft_dir, target_dir)
         show(f"simulating {len(train)} training sample(s)" + (f" and {len(served)} served" if served else "")

@@ -229,7 +229,7 @@ class BudgetInputs:
     max_new_tokens: Optional[int] = None
     fix: Optional[dict] = None
     draft_cost: Optional[float] = None
-    draft_cost_source: str = "not given: steps are free, the longest chain wins"
+    draft_cost_source: str = "not given"
 
 
 def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -> dict:
@@ -328,6 +328,10 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
                       (st.steps, st.topk, st.draft_tokens))
         d, lo, hi, n = _paired_loss(rec["frame"], served["frame"])
         gain = rec["speedup_model"] / served["speedup_model"] - 1.0 if served["speedup_model"] else 0.0
+        if inp.draft_cost is None:
+            # without a cost for a draft step, more steps always look better: no settings are recommended
+            missing.append("settings: no draft-step cost (draft_cost); the table is shown, nothing is recommended")
+            rec, gain = served, 0.0
         if (rec["steps"], rec["topk"]) == (st.steps, st.topk) or gain < MATERIAL:
             d, lo, hi = 0.0, 0.0, 0.0
         stages.append({"name": "best settings (simulated)", "accept_length": rec["accept_length"], "ci": rec["ci"],
