@@ -15,6 +15,7 @@ import plotly.io as pio
 from ..investigation.live import investigate
 from ..records import HypothesisStep, InvestigationDoc
 from ..runfiles import atomic_write_text
+from .budget import budget_parts
 from .common import _CSS, RunContext, esc, findings_frame, plotlyjs_html, table_html
 
 
@@ -152,6 +153,8 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[
         parts.append(f"<p>{esc(_effect_line(m))}</p>")
     else:
         parts.append(f"<p>Not measured: {esc(m.get('not_measured') or m.get('error') or 'no measurement')}</p>")
+    parts.append("<h3>Acceptance budget: where the accept length goes</h3>")
+    parts += budget_parts(doc.acceptance)
     parts.append("<h3>What the server runs</h3>")
     parts.append(table_html(facts_frame(doc), max_rows=40))
     if doc.error:
