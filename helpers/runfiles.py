@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
+from .server.redaction import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -120,8 +121,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """UTF-8 text version of :func:`atomic_write_bytes`."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+    """UTF-8 text version of :func:`atomic_write_bytes`; every secret the process has met (the API key, a launch
+    command's ``--api-key`` values, values of a server answer's secret fields: :func:`helpers.server.redaction.scrub`)
+    is replaced by ``<redacted>`` first, whatever path the text took."""
+    return atomic_write_bytes(path, scrub(text).encode("utf-8"))
 
 
 def jsonable(x: Any, *, sig: Optional[int] = None, keep_inf: bool = False) -> Any:

@@ -58,7 +58,7 @@ from ..errors import (
     SGLangError,
 )
 from .protocol import GenerateResult
-from .redaction import REDACTED, redact, redact_url
+from .redaction import redact, redact_url, remember, scrub
 from .settings import (
     EffectiveSpecConfig,
     detect_overrides,
@@ -152,6 +152,7 @@ class SGLangClient:
         self._shown_url = redact_url(self.url)
         key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
         self._api_key: Optional[str] = key or None
+        remember(self._api_key)
         self.timeout = float(timeout)
         self.generate_timeout = float(generate_timeout)
         self.retries = int(retries)
@@ -199,9 +200,7 @@ class SGLangClient:
         return [self._api_key] if self._api_key else []
 
     def _scrub(self, text: str) -> str:
-        for s in self.secrets:
-            text = text.replace(s, REDACTED)
-        return text
+        return scrub(text, self.secrets)
 
     def __repr__(self) -> str:
         return f"<SGLangClient {self._shown_url} api_key={'set' if self._api_key else 'none'}>"

@@ -181,3 +181,59 @@ def test_a_failed_run_folder_is_removed_when_empty_or_marked(tmp_path, training,
     assert rc == 1 and "cannot connect" in line, line
     (run,) = list((tmp_path / "runs").iterdir())
     assert (run / "FAILED").exists() and json.loads((run / "investigation.json").read_text())["error"]
+
+
+# ---------------------------------------------------------------------------------------------------- issue 21 (B)
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    """A config-only 6-layer target of the fake server's width and an EAGLE-3 draft whose ids ([0, 2, 3]) differ from
+    the training data's (out(1), out(3), out(4)): investigate proposes new ids and relaunches."""
+    from support.tinymodels import build_eagle3_draft
+
+    root = tmp_path_factory.mktemp("models")
+    target = root / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": 32,
+        "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64,
+        "max_position_embeddings": 256, "torch_dtype": "float32"}))
+    return target, build_eagle3_draft(root / "draft", target, layer_ids=[0, 2, 3], draft_vocab=32)
+
+
+def test_no_api_key_reaches_any_file_of_a_run(training, models, tmp_path, capsys, monkeypatch):
+    """Cause 4: a keyed server whose /server_info holds both keys as values, in its launch_command and as (nested)
+    dict keys; investigate relaunches it with a command carrying ``--api-key K --admin-api-key=K2`` (the relaunched
+    server prints its argv); capture and measure write into the same run folder. No file holds either key."""
+    from support.fakeserver import ADMIN_KEY, KEY
+
+    target, draft = models
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+    script = Path(__file__).resolve().parents[2] / "support" / "fakeserver.py"
+    relaunch = f"{sys.executable} {script} keyed --api-key {KEY} --admin-api-key={ADMIN_KEY}"
+    with fake_server("keyed") as url:
+        rc = main(["investigate", "--url", url, "--training", str(training), "--target", str(target), "--draft",
+                   str(draft), "--relaunch", relaunch, "--out", str(tmp_path), "--timeout", "120", "--prompts", "4",
+                   "--max-new-tokens", "4"])
+        assert rc == 1, capsys.readouterr().err       # a fault named (the ids), measured on the relaunched server
+        (run,) = list(tmp_path.iterdir())
+        assert main(["capture", "--url", url, "--training", str(training), "--run-dir", str(run), "--num-samples",
+                     "1", "--timeout", "60"]) == 0
+        assert main(["measure", "--url", url, "--num-prompts", "3", "--max-new-tokens", "4", "--run-dir", str(run),
+                     "--quiet", "--timeout", "60", "--warmup", "0"]) == 0
+    out = capsys.readouterr()
+    assert KEY not in out.out + out.err and ADMIN_KEY not in out.out + out.err
+    log = (run / "logs" / "fixed-server.log").read_text()
+    assert log.startswith("$ ") and "--api-key <redacted> --admin-api-key=<redacted>" in log.splitlines()[0], log
+    assert "fake server keyed" in log                  # the server's own output is in the log, scrubbed
+    files = [p for p in run.rglob("*") if p.is_file()]
+    for want in ("investigation.json", "dumps/server-served/manifest.json", "dumps/served/manifest.json",
+                 "fixes/server/summary.json", "acceptance/after/summary.json", "ledger.parquet", "postmortem.html"):
+        assert run / want in files, want
+    leaks = [str(p.relative_to(run)) for p in files if KEY.encode() in p.read_bytes() or ADMIN_KEY.encode()
+             in p.read_bytes()]
+    assert not leaks, leaks
+    manifest = json.loads((run / "dumps" / "served" / "manifest.json").read_text())
+    assert manifest["server"]["lora_paths"] == {"<redacted>": "/adapters/a", "plain": "/adapters/<redacted>"}
+
+

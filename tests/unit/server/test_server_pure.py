@@ -38,6 +38,25 @@ def test_redact_drops_secret_fields_everywhere_and_scrubs_strings():
     assert redact({"x": "abc token-XYZ"}, ["token-XYZ"]) == {"x": "abc <redacted>"}
 
 
+def test_redact_scrubs_keys_held_as_dict_keys_nested_and_in_commands():
+    """Issue 21: a key used as a dict key (nested), an admin key only present in launch_command, and a secret
+    field holding a list: none survives, in values or keys, and every later text is scrubbed of them too."""
+    from helpers.server.redaction import argv_secrets, scrub
+
+    k2 = "adm-unit-9e1f2c3d"
+    info = {"launch_command": ["sglang", "--api-key", KEY, f"--admin-api-key={k2}"],
+            "lora_paths": {KEY: "/a", "b": {k2: [f"x {KEY} y"]}, "<redacted>": "/c"},
+            "hf_token": ["tok-unit-55aa66bb"]}
+    out = redact(info)
+    text = json.dumps(out)
+    assert KEY not in text and k2 not in text and "tok-unit-55aa66bb" not in text, text
+    assert out["launch_command"] == ["sglang", "--api-key", "<redacted>", "--admin-api-key=<redacted>"]
+    assert out["lora_paths"] == {"<redacted>": "/a", "b": {"<redacted>": ["x <redacted> y"]}, "<redacted>-2": "/c"}
+    assert "hf_token" not in out
+    assert argv_secrets(f"python -m sglang.launch_server --api-key {KEY} --admin-api-key={k2} --tp 2") == [KEY, k2]
+    assert scrub(f"log: started with {k2}; token tok-unit-55aa66bb") == "log: started with <redacted>; token <redacted>"
+
+
 def test_redact_argv_and_url():
     assert redact_argv(["sglang", "--api-key", "k1", "--hf-token=t2", "--speculative-num-draft-tokens",
                         "4", "--ssl-keyfile", "/k.pem"]) == [
