@@ -267,3 +267,69 @@ def test_yaml_alias_bombs_in_fixes_and_params_files_are_refused(tmp_path):
         assert p.returncode == 2 and time.monotonic() - t < 30, (p.returncode, p.stderr[-2000:])
         (line,) = p.stderr.strip().splitlines()
         assert line.startswith(f"{args[0]}: error: {path}") and "aliases expand to more than" in line, line
+def test_impossible_spec_counters_are_failed_requests_not_results(tmp_path, capsys):
+    """Cause 7: every 2nd answer carries counters no server can produce (50 correct drafts of 3 proposed, negative
+    completion tokens, 64 tokens from 2 verify steps of 3 draft steps, a 7-bin histogram with 3 steps): each is a
+    failed request naming the counter; the others give a plausible result; exit 1."""
+    with fake_server("impossible") as url:
+        rc = main(["measure", "--url", url, "--num-prompts", "8", "--max-new-tokens", "4", "--warmup", "0",
+                   "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
+    line = _one_line_error(capsys, "measure")
+    assert rc == 1 and "4 of 8 requests failed" in line, line
+    (summary,) = list(tmp_path.glob("*/fixes/server/summary.json"))
+    s = json.loads(summary.read_text())["summary"]
+    assert s["n_failed"] == 4 and s["n_requests"] == 4
+    assert 0 <= s["accept_rate"] <= 1 and 1 <= s["accept_length"] <= 3 + 1 + 1 and s["tok_s"] > 0, s
+    errors = sorted(e for e in pd.read_parquet(summary.parent / "per_request.parquet")["error"] if isinstance(e, str))
+    assert len(errors) == 4 and all("/generate" in e for e in errors), errors
+    text = " | ".join(errors)
+    for what in ("spec_num_correct_drafts 50 > spec_num_proposed_drafts 3", "completion_tokens",
+                 "64 completion tokens", "spec_correct_drafts_histogram has 7 bins"):
+        assert what in text, (what, text)
+
+
+def test_deep_json_answer_is_one_failed_request(tmp_path, capsys):
+    """Cause 10: a /generate answer nested 200000 deep is one failed request (RecursionError before), the others
+    are measured."""
+    with fake_server("deep") as url:
+        rc = main(["measure", "--url", url, "--num-prompts", "4", "--max-new-tokens", "4", "--warmup", "0",
+                   "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
+    line = _one_line_error(capsys, "measure")
+    assert rc == 1 and "2 of 4 requests failed" in line, line
+    (summary,) = list(tmp_path.glob("*/fixes/server/summary.json"))
+    errors = [e for e in pd.read_parquet(summary.parent / "per_request.parquet")["error"] if isinstance(e, str)]
+    assert len(errors) == 2 and all("/generate" in e and "too deeply" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("mode, expect", [
+    ("hugesteps", "field speculative_num_steps"),
+    ("infolist", "expected a JSON object (server info), got a list"),
+    ("tpstring", "field tp_size"),
+    ("redirect", "HTTP 307"),
+])
+def test_malformed_server_info_is_found_before_the_work(mode, expect, training, tmp_path, capsys):
+    """Causes 6 and 10: /server_info with an absurd count, as a list, with a string for a number, or a redirect:
+    one line naming the endpoint and the field, exit 1, within seconds, before any request (no run folder)."""
+    with fake_server(mode) as url:
+        for argv in (["measure", "--url", url, "--num-prompts", "3", "--max-new-tokens", "4", "--outputs",
+                      str(tmp_path / "m"), "--quiet", "--timeout", "60"],
+                     ["capture", "--url", url, "--training", str(training), "--run-dir", str(tmp_path),
+                      "--num-samples", "1", "--timeout", "60"]):
+            t = time.monotonic()
+            rc = main(argv)
+            took = time.monotonic() - t
+            line = _one_line_error(capsys, argv[0])
+            assert rc == 1 and took < 10 and "/server_info" in line and expect in line, (took, line)
+    assert not (tmp_path / "m").exists() or not list((tmp_path / "m").rglob("*.json"))
+    assert not (tmp_path / "dumps").exists()
+
+
+def test_server_error_bodies_reach_the_terminal_without_control_characters(capsys):
+    """Cause 11 (part): an error body with escape sequences (screen clear, window title, OSC 52 clipboard write) is
+    printed without any control character."""
+    with fake_server("escape") as url:
+        rc = main(["measure", "--url", url, "--num-prompts", "2", "--max-new-tokens", "4", "--warmup", "0",
+                   "--no-save", "--quiet", "--timeout", "30"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "bad request" in err and "HTTP 400" in err, err
+    assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) < 0xa0 for c in err), repr(err)
