@@ -78,7 +78,8 @@ def test_json_depth_is_bounded(tmp_path):
         text = '{"a": ' * depth + "1" + "}" * depth
         p = tmp_path / "deep.json"
         p.write_text(text)
-        with pytest.raises(BadInput, match=rf"deep.json: manifest nests arrays/objects too deeply \(more than {MAX_JSON_DEPTH} levels\)"):
+        with pytest.raises(BadInput, match=rf"deep.json: manifest nests arrays/objects too deeply "
+                                           rf"\(more than {MAX_JSON_DEPTH} levels\)"):
             read_json_file(p, "manifest")
         with pytest.raises(JSONTooDeep):
             loads_json(text.encode())

@@ -1,7 +1,8 @@
-"""Reliability against misbehaving servers and repeated runs (issue 13), with small fake servers on 127.0.0.1
+"""Reliability against misbehaving servers and repeated runs (issues 13 and 21), with small fake servers on 127.0.0.1
 (tests/support/fakeserver.py, stopped by PID): overall deadlines, size limits, malformed answers, a server dying
-mid-run, repeated labels, a full disk. Every failure is one line ``<command>: error: ...`` with exit 1 (server or
-run failure) or 2 (bad input), within seconds."""
+mid-run, repeated labels, a full disk; keyed servers and relaunch commands (no key in any file), YAML alias bombs,
+deep JSON, absurd or malformed /server_info, redirects, impossible spec counters, escape sequences. Every failure is
+one line ``<command>: error: ...`` with exit 1 (server or run failure) or 2 (bad input), within seconds."""
 from __future__ import annotations
 
 import json
@@ -247,8 +248,8 @@ def _bounded_run(args: list[str], gib: int = 2) -> subprocess.CompletedProcess:
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
 
-    return subprocess.run([sys.executable, "-m", "helpers", *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    return subprocess.run([sys.executable, "-m", "helpers", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, preexec_fn=limit)
 
 
 def test_yaml_alias_bombs_in_fixes_and_params_files_are_refused(tmp_path):
@@ -261,26 +262,36 @@ def test_yaml_alias_bombs_in_fixes_and_params_files_are_refused(tmp_path):
                      + alias_bomb(indent="      "))
     params = tmp_path / "params.yaml"
     params.write_text("name: bomb\ncommon:\n" + alias_bomb(indent="  "))
-    for args, path in ((["measure", "--fixes", str(fixes)], fixes), (["suite", "run", "--params", str(params)], params)):
+    for args, path in ((["measure", "--fixes", str(fixes)], fixes),
+                       (["suite", "run", "--params", str(params)], params)):
         t = time.monotonic()
         p = _bounded_run(args)
         assert p.returncode == 2 and time.monotonic() - t < 30, (p.returncode, p.stderr[-2000:])
         (line,) = p.stderr.strip().splitlines()
         assert line.startswith(f"{args[0]}: error: {path}") and "aliases expand to more than" in line, line
+
+
+def _measure_some_failing(mode: str, n: int, tmp_path, capsys) -> tuple[str, dict, list[str]]:
+    """``measure`` of ``n`` prompts against the fake server ``mode``: (the error line, the saved summary, the
+    per-request errors)."""
+    with fake_server(mode) as url:
+        rc = main(["measure", "--url", url, "--num-prompts", str(n), "--max-new-tokens", "4", "--warmup", "0",
+                   "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
+    line = _one_line_error(capsys, "measure")
+    assert rc == 1, line
+    (summary,) = list(tmp_path.glob("*/fixes/server/summary.json"))
+    errors = sorted(e for e in pd.read_parquet(summary.parent / "per_request.parquet")["error"] if isinstance(e, str))
+    return line, json.loads(summary.read_text())["summary"], errors
+
+
 def test_impossible_spec_counters_are_failed_requests_not_results(tmp_path, capsys):
     """Cause 7: every 2nd answer carries counters no server can produce (50 correct drafts of 3 proposed, negative
     completion tokens, 64 tokens from 2 verify steps of 3 draft steps, a 7-bin histogram with 3 steps): each is a
     failed request naming the counter; the others give a plausible result; exit 1."""
-    with fake_server("impossible") as url:
-        rc = main(["measure", "--url", url, "--num-prompts", "8", "--max-new-tokens", "4", "--warmup", "0",
-                   "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
-    line = _one_line_error(capsys, "measure")
-    assert rc == 1 and "4 of 8 requests failed" in line, line
-    (summary,) = list(tmp_path.glob("*/fixes/server/summary.json"))
-    s = json.loads(summary.read_text())["summary"]
+    line, s, errors = _measure_some_failing("impossible", 8, tmp_path, capsys)
+    assert "4 of 8 requests failed" in line, line
     assert s["n_failed"] == 4 and s["n_requests"] == 4
     assert 0 <= s["accept_rate"] <= 1 and 1 <= s["accept_length"] <= 3 + 1 + 1 and s["tok_s"] > 0, s
-    errors = sorted(e for e in pd.read_parquet(summary.parent / "per_request.parquet")["error"] if isinstance(e, str))
     assert len(errors) == 4 and all("/generate" in e for e in errors), errors
     text = " | ".join(errors)
     for what in ("spec_num_correct_drafts 50 > spec_num_proposed_drafts 3", "completion_tokens",
@@ -291,13 +302,8 @@ def test_impossible_spec_counters_are_failed_requests_not_results(tmp_path, caps
 def test_deep_json_answer_is_one_failed_request(tmp_path, capsys):
     """Cause 10: a /generate answer nested 200000 deep is one failed request (RecursionError before), the others
     are measured."""
-    with fake_server("deep") as url:
-        rc = main(["measure", "--url", url, "--num-prompts", "4", "--max-new-tokens", "4", "--warmup", "0",
-                   "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
-    line = _one_line_error(capsys, "measure")
-    assert rc == 1 and "2 of 4 requests failed" in line, line
-    (summary,) = list(tmp_path.glob("*/fixes/server/summary.json"))
-    errors = [e for e in pd.read_parquet(summary.parent / "per_request.parquet")["error"] if isinstance(e, str)]
+    line, s, errors = _measure_some_failing("deep", 4, tmp_path, capsys)
+    assert "2 of 4 requests failed" in line and s["n_requests"] == 2, line
     assert len(errors) == 2 and all("/generate" in e and "too deeply" in e for e in errors), errors
 
 

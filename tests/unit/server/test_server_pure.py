@@ -268,7 +268,8 @@ def test_redaction_keeps_paths_of_this_tools_hook_specs():
 
 
 @pytest.mark.parametrize("answer, expect", [
-    (httpx.Response(200, content=b"[" * 5000 + b"]" * 5000), "/server_info: the answer nests arrays/objects too deeply"),
+    (httpx.Response(200, content=b"[" * 5000 + b"]" * 5000),
+     "/server_info: the answer nests arrays/objects too deeply"),
     (httpx.Response(200, json=[{"tp_size": 2}]), "/server_info: expected a JSON object (server info), got a list"),
     (httpx.Response(200, json={"speculative_num_steps": 3e6}), "field speculative_num_steps: Input should be less"),
     (httpx.Response(200, json={"tp_size": "two"}), "field tp_size: Input should be a valid integer"),
