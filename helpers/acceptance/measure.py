@@ -348,8 +348,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
         per_request, wall, raw = run_requests(
             client, plist, max_new_tokens=max_new_tokens, concurrency=concurrency, sampling_params=sp,
             return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
-                                                                 else progress), keep_raw=keep_raw,
-            num_steps=info.get("speculative_num_steps") if spec_on else None)
+                                                                 else progress), keep_raw=keep_raw)
         if per_request["error"].notna().all():
             raise SGLangError(f"all {len(per_request)} requests failed; first error: "
                               f"{per_request['error'].iloc[0]}", endpoint="/generate")

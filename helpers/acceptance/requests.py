@@ -13,7 +13,6 @@ from tqdm.auto import tqdm
 
 from ..errors import BadInput, SGLangError
 from ..server.client import SGLangClient
-from ..server.redaction import redact_url
 from ..server.protocol import GenerateResult
 from .prompts import Prompt
 from .stats import accepted_drafts
@@ -52,16 +51,13 @@ def _record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[st
 def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
                  concurrency: int = 1, sampling_params: Optional[Mapping[str, Any]] = None,
                  return_hidden_states: bool = False, progress: bool | str = True,
-                 keep_raw: bool = False, fail_fast: bool = False, num_steps: Optional[int] = None
+                 keep_raw: bool = False, fail_fast: bool = False
                  ) -> tuple[pd.DataFrame, float, list[Optional[dict]]]:
     """Send every prompt once (``concurrency`` threads, one shared client); collect meta_info.
 
     Returns ``(per_request DataFrame [PER_REQUEST_COLUMNS], wall seconds, raw)``; ``raw[i]`` is
     the answer's ``meta_info`` dict (hidden states dropped) when ``keep_raw``, else None. A failed
-    request gets its ``error`` column set (or raises when ``fail_fast``): an error of the server, a malformed answer,
-    or spec counters no server running ``num_steps`` draft steps can produce
-    (:meth:`helpers.server.protocol.MetaInfo.spec_problem`; the server's ``speculative_num_steps``, None: unknown),
-    which are then no result.
+    request gets its ``error`` column set (or raises when ``fail_fast``).
     """
 
     if concurrency < 1:
@@ -76,10 +72,6 @@ def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tok
         try:
             res = client.generate(**p.request(), sampling_params=sp,
                                   return_hidden_states=return_hidden_states)
-            problem = res.meta_info.spec_problem(num_steps)
-            if problem:
-                raise SGLangError(f"POST {redact_url(client.url)}/generate: impossible spec counters: {problem}",
-                                  endpoint="/generate")
         except SGLangError as exc:
             if fail_fast:
                 raise

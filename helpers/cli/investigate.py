@@ -7,7 +7,7 @@ import json
 import os
 from typing import Optional, Sequence
 
-from ..errors import BadInput, printable
+from ..errors import BadInput
 from ..investigation.live import default_run_dir, investigate
 from ..runfiles import mark_failed
 from ..views.investigation import write_report
@@ -68,7 +68,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                                   mode="json"), "measured": doc.measured, "sentence": doc.sentence,
                               "seconds_to_verdict": doc.seconds_to_verdict, "run_dir": str(run_dir)}, indent=1))
         else:
-            print(printable(doc.sentence))
+            print(doc.sentence)
             print(f"postmortem: {report}")
         return 0 if doc.verdict == "ok" else 1
 

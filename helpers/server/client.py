@@ -495,7 +495,11 @@ class SGLangClient:
 
         Returns :class:`GenerateResult` (``latency_s`` = client wall seconds).
         Raises :class:`RequestRejected` for 400/422 with the server's reason,
-        :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``).
+        :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``), :class:`SGLangError` for an answer
+        that is not a JSON object, has a field of the wrong type or out of range (negative counts, a histogram
+        longer than 65 bins), or spec counters no server can produce
+        (:meth:`helpers.server.protocol.MetaInfo.spec_problem`, with the ``speculative_num_steps`` of
+        :meth:`server_info` once it was read: a measurement reads it first, so they fail that request).
         """
         if (input_ids is None) == (text is None):
             raise ValueError("generate(): pass exactly one of input_ids= or text=")
@@ -542,9 +546,20 @@ class SGLangClient:
             raise SGLangError(f"POST {self._shown_url}/generate: expected a JSON object, got "
                               f"{type(data).__name__}", endpoint="/generate")
         try:
-            return GenerateResult.model_validate({**data, "latency_s": latency})
+            result = GenerateResult.model_validate({**data, "latency_s": latency})
         except ValidationError as exc:
             raise _invalid(exc, f"POST {self._shown_url}/generate", "/generate") from None
+        problem = result.meta_info.spec_problem(self._num_steps())
+        if problem:
+            raise SGLangError(f"POST {self._shown_url}/generate: impossible spec counters: {problem}",
+                              endpoint="/generate")
+        return result
+
+    def _num_steps(self) -> Optional[int]:
+        """The server's ``speculative_num_steps`` when ``/server_info`` was read (checked) and speculative decoding is
+        on, else None."""
+        info = self._server_info or {}
+        return info.get("speculative_num_steps") if info.get("speculative_algorithm") else None
 
     # -- configuration ----------------------------------------------------------------------
 
