@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 
 from .diagnosis.conventions import layer_index
 from .errors import BadInput, SGLangError, one_line
-from .formats.configs import read_target_config
 from .formats.dumps import Sample, samples_from_generate, write_dump
+from .formats.configs import read_target_config
 from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
 from .runfiles import loads_json
 from .server.client import as_client
