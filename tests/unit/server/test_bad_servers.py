@@ -212,10 +212,12 @@ def test_no_api_key_reaches_any_file_of_a_run(training, models, tmp_path, capsys
     monkeypatch.setenv("SGLANG_API_KEY", KEY)
     script = Path(__file__).resolve().parents[2] / "support" / "fakeserver.py"
     relaunch = f"{sys.executable} {script} keyed --api-key {KEY} --admin-api-key={ADMIN_KEY}"
+    from helpers.cli.investigate import build_parser     # the acceptance budget, where there is one, needs weights
+    no_budget = [a for a in ("--no-budget",) if a in build_parser().format_help()]
     with fake_server("keyed") as url:
         rc = main(["investigate", "--url", url, "--training", str(training), "--target", str(target), "--draft",
                    str(draft), "--relaunch", relaunch, "--out", str(tmp_path), "--timeout", "120", "--prompts", "4",
-                   "--max-new-tokens", "4"])
+                   "--max-new-tokens", "4", *no_budget])
         assert rc == 1, capsys.readouterr().err       # a fault named (the ids), measured on the relaunched server
         (run,) = list(tmp_path.iterdir())
         assert main(["capture", "--url", url, "--training", str(training), "--run-dir", str(run), "--num-samples",
