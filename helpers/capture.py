@@ -46,7 +46,9 @@ from .errors import BadInput, SGLangError, one_line
 from .acceptance.prompts import Prompt
 from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
+from .formats.configs import read_target_config
 from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
+from .runfiles import loads_json
 from .server.client import as_client
 from .server.embedded import start
 from .server.redaction import redact
@@ -189,7 +191,7 @@ def start_reference_server(target: str | os.PathLike, *, tp: int = 1,
     """Start the embedded reference server in aux-capture mode (no draft); returns
     ``(handle, tensors)``. See :func:`reference_server_args`."""
 
-    n = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
+    n = read_target_config(target).num_hidden_layers
     args, tensors = reference_server_args(n, layer_ids)
     handle = start(target, None, tp=tp, extra_args=args + list(kwargs.pop("extra_args", [])),
                    **kwargs)
@@ -388,7 +390,7 @@ def read_rank_capture(capture_dir: str | os.PathLike) -> dict[int, list[dict]]:
     for d in sorted(Path(capture_dir).glob("rank*")):
         idx = d / "index.jsonl"
         if idx.exists():
-            recs = [json.loads(line) for line in idx.read_text().splitlines() if line.strip()]
+            recs = [loads_json(line) for line in idx.read_text().splitlines() if line.strip()]
             out[int(d.name[4:])] = recs
     if not out:
         raise FileNotFoundError(f"{capture_dir}: no rank*/index.jsonl (was the server started "

@@ -16,6 +16,7 @@ the traceback instead.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -131,7 +132,23 @@ class RunFailed(E3FError, RuntimeError):
         self.run_dir = run_dir
 
 
+#: terminal escape sequences: OSC (window title, OSC 52 clipboard writes, hyperlinks; ended by BEL or ST), CSI
+#: (cursor moves, screen clears, colours; 7-bit ``ESC [`` and 8-bit ``0x9b``) and the other two-byte ESC forms
+_ESCAPE_SEQUENCE = re.compile(r"(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                              r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?|\x1b[ -~]?")
+#: the other C0 controls (tab and newline kept), DEL and the C1 controls
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` without terminal escape sequences and control characters (tab and newline kept): what a server or
+    a file says is shown on a terminal only through this (an error body must not clear the screen, retitle the
+    window or write the clipboard with OSC 52)."""
+    return _CONTROL.sub("", _ESCAPE_SEQUENCE.sub("", text))
+
+
 def one_line(exc: BaseException) -> str:
-    """The exception's message on one line (newlines folded), for a CLI's stderr."""
+    """The exception's message on one line (newlines folded, control characters and escape sequences removed:
+    :func:`printable`), for a CLI's stderr."""
     text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
+    return " ".join(printable(text).split())

@@ -54,7 +54,7 @@ from ..runfiles import (  # noqa: F401
 from ..server import embedded
 from ..server.client import SGLangClient
 from ..server.process import ServerProcess
-from ..server.redaction import REDACTED, redact, redact_argv, redact_command
+from ..server.redaction import redact
 from ..server.settings import SpecSettings
 from .ledger import Ledger
 from .measure import measure, measure_baseline
@@ -281,10 +281,8 @@ def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
         elif spec.mode == "command":
             client = SGLangClient(spec.url, api_key=api_key)
             argv = [os.path.expandvars(a) for a in shlex.split(spec.command)]
-            shown = redact_argv(argv)
-            secrets = set(client.secrets) | {a for a, b in zip(argv, shown) if b == REDACTED and a}
-            handle = ServerProcess(argv, spec.url, log_path=log_path, shown=shown,
-                                   env={**os.environ, **(spec.env or {})}, cwd=spec.cwd or base_dir, secrets=secrets)
+            handle = ServerProcess(argv, spec.url, log_path=log_path, env={**os.environ, **(spec.env or {})},
+                                   cwd=spec.cwd or base_dir, secrets=client.secrets)
             try:
                 handle.wait_healthy(spec.startup_timeout, api_key=api_key, what="server of the launch command")
             except ServerStartError as exc:
@@ -328,10 +326,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     run = Path(run_dir) if run_dir else new_run_dir(ff.name, outputs=outputs)
     run.mkdir(parents=True, exist_ok=True)
     dump = ff.model_dump(mode="json", exclude_none=True)
-    dump = redact(dump, [key] if key else [])
-    for section in [dump.get("baseline") or {}] + dump.get("fixes", []):
-        if section.get("command"):
-            section["command"] = redact_command(section["command"])
+    dump = redact(dump, [key] if key else [])    # also the --api-key values of every command:
     atomic_write_text(run / "fixes.yaml", yaml.safe_dump(dump, sort_keys=False))
     ledger = Ledger(run / "ledger.parquet")
     base = {"tok_s": float("nan"), "tok_s_lo": float("nan"), "tok_s_hi": float("nan")}

@@ -2,13 +2,13 @@
 with every layer from HF (``--reference-hf``) or from the server's own hooks (``--every-layer``)."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..capture import capture_every_layer, capture_reference_hf, capture_served
 from ..errors import BadInput
+from ..formats.configs import read_target_config
 from ..formats.training_data import TrainingData
 from ..runfiles import mark_failed, new_run_dir
 from ..server.client import SGLangClient
@@ -52,7 +52,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput("--num-samples must be >= 1 and --timeout > 0")
         H = args.hidden_size
         if H is None and args.reference_hf:
-            H = json.loads((Path(args.reference_hf) / "config.json").read_text())["hidden_size"]
+            H = read_target_config(args.reference_hf).hidden_size
         td = TrainingData(args.training, hidden_size=H, max_samples=args.num_samples)
         samples = list(td)
         H = H or td.hidden_size

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Callable
 
-from ..errors import BadInput, E3FError, one_line
+from ..errors import BadInput, E3FError, one_line, printable
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,8 +64,8 @@ def run(prog: str, body: Callable[[], int], *, unexpected_exit: int = 1) -> int:
 
 
 def progress_line(prog: str) -> Callable[[str], None]:
-    """A progress printer: ``[prog] <line>`` on stderr, flushed."""
+    """A progress printer: ``[prog] <line>`` on stderr, flushed, without control characters (:func:`printable`)."""
     def show(line: str) -> None:
-        print(f"[{prog}] {line}", file=sys.stderr, flush=True)
+        print(f"[{prog}] {printable(line)}", file=sys.stderr, flush=True)
     return show
 

@@ -14,7 +14,7 @@ from ..acceptance.fixes import load_fixes, run_fixes
 from ..acceptance.ledger import Ledger
 from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure
 from ..acceptance.prompts import load_prompts
-from ..errors import BadInput, RunFailed
+from ..errors import BadInput, RunFailed, printable
 from ..runfiles import mark_failed, new_run_dir, safe_name
 from ..server.client import SGLangClient
 from .common import Parser, describe, progress_line, run
@@ -84,11 +84,11 @@ def cli_main(argv: Sequence[str]) -> int:
         if args.json:
             print(json.dumps(res.summary, indent=1, default=_json_default))
         else:
-            print(format_summary(res.summary))
+            print(printable(format_summary(res.summary)))
             if len(res.positions):
                 print(res.positions.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         for w in res.warnings:
-            print(f"warning: {w}", file=sys.stderr)
+            print(f"warning: {printable(w)}", file=sys.stderr)
         if not args.no_save:
             run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(
                 f"measure-{args.label or 'server'}", outputs=args.outputs)

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import BadInput
-from ..runfiles import read_json_file
+from ..runfiles import loads_json, read_json_file
 
 DUMP_FORMAT = "e3f-dump"
 DUMP_VERSION = 1
@@ -112,7 +112,7 @@ def _safetensors_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """{tensor name: (absolute byte offset, length)} from a safetensors header (8-byte size + JSON)."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
+        header = loads_json(f.read(n))
     return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
             for k, v in header.items() if k != "__metadata__"}
 

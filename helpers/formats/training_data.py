@@ -17,7 +17,6 @@ Formats (training-formats.md §1):
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Iterator, Optional
@@ -27,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import BadInput
+from ..runfiles import loads_json
 from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
 
 _NUM_RE = re.compile(r"(\d+)")
@@ -315,7 +315,7 @@ def recorded_layer_ids(path: str | Path) -> Optional[tuple[list[int], Path]]:
         if not m.is_file():
             continue
         try:
-            doc = json.loads(m.read_text())
+            doc = loads_json(m.read_text())
         except (OSError, ValueError) as exc:
             raise BadInput(f"not readable as JSON ({exc})", path=m) from exc
         ids = (doc.get("layer_ids") or {}).get("specforge_out_i") if isinstance(doc, dict) else None

@@ -35,7 +35,7 @@ from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..hooks import ARM_FILE
 from ..plots.checks import bar_figure, chunk_layer_figure
-from ..runfiles import jsonable, safe_name
+from ..runfiles import jsonable, read_json_file, safe_name
 from ..server.client import as_client
 from .catalog import CATALOG
 
@@ -121,7 +121,7 @@ class Investigation:
     # -- inputs ------------------------------------------------------------------------------
     @property
     def target_config(self) -> dict:
-        return json.loads((self.target_dir / "config.json").read_text())
+        return read_json_file(self.target_dir / "config.json", "target config")
 
     @property
     def hidden_size(self) -> int:

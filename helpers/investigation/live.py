@@ -42,7 +42,7 @@ from ..errors import BadInput, E3FError, ServerError
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..records import Finding, InvestigationDoc, ProposedFix
-from ..runfiles import new_run_dir, safe_name, write_json
+from ..runfiles import new_run_dir, read_json, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import free_port
 from ..server.embedded import start as start_embedded
@@ -140,7 +140,7 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
 def _same_draft(a: Path, b: Path) -> Optional[dict]:
     """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
     try:
-        ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+        ca, cb = (read_json(p / "config.json") for p in (a, b))
     except (OSError, ValueError):
         return None
     diff = {}
@@ -226,7 +226,7 @@ def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, st
     if not files:
         return False, f"no weights in {target_dir} (config only)"
     size = sum(f.stat().st_size for f in files)
-    dtype = (json.loads((target_dir / "config.json").read_text()).get("torch_dtype") or "bfloat16")
+    dtype = read_target_config(target_dir).torch_dtype or "bfloat16"
     fp32 = size * (2 if "16" in str(dtype) else 1)
     avail = psutil.virtual_memory().available
     if fp32 > share * avail:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from ..diagnosis.conventions import CapturePlan, describe, layer_index, served_plan
 from ..diagnosis.detectors import LAYOUT_KINDS
 from ..records import ProposedFix
+from ..runfiles import read_json_file
 
 #: Findings a change of the draft config ids can address (when the served chunks follow SGLang's rules).
 ID_KINDS = set(LAYOUT_KINDS) | {"config_ids_mismatch", "config_ids_ignored"}
@@ -317,6 +318,6 @@ def draft_variant(draft_dir: Path, overrides: Optional[dict], out_dir: Path, dro
             save_file(weights, str(out_dir / f.name))
             continue
         (out_dir / f.name).symlink_to(f.resolve())
-    cfg = json.loads((draft_dir / "config.json").read_text())
+    cfg = read_json_file(draft_dir / "config.json", "draft config")
     (out_dir / "config.json").write_text(json.dumps(_apply_overrides(cfg, overrides or {}), indent=2))
     return out_dir

@@ -56,9 +56,11 @@ from ..errors import (
     ServerTimeout,
     ServerUnavailable,
     SGLangError,
+    printable,
 )
-from .protocol import GenerateResult
-from .redaction import REDACTED, redact, redact_url
+from ..runfiles import JSONTooDeep, loads_json
+from .protocol import GenerateResult, ServerInfo
+from .redaction import redact, redact_url, remember, scrub
 from .settings import (
     EffectiveSpecConfig,
     detect_overrides,
@@ -152,6 +154,7 @@ class SGLangClient:
         self._shown_url = redact_url(self.url)
         key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
         self._api_key: Optional[str] = key or None
+        remember(self._api_key)
         self.timeout = float(timeout)
         self.generate_timeout = float(generate_timeout)
         self.retries = int(retries)
@@ -199,9 +202,7 @@ class SGLangClient:
         return [self._api_key] if self._api_key else []
 
     def _scrub(self, text: str) -> str:
-        for s in self.secrets:
-            text = text.replace(s, REDACTED)
-        return text
+        return scrub(text, self.secrets)
 
     def __repr__(self) -> str:
         return f"<SGLangClient {self._shown_url} api_key={'set' if self._api_key else 'none'}>"
@@ -222,7 +223,8 @@ class SGLangClient:
         """Send with retries; return the response for 2xx/4xx; raise for transport failures.
 
         Retries: connection errors always (nothing reached the server), timeouts and
-        502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here. The body is read in
+        502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here, a 3xx redirect
+        :class:`SGLangError` (its body is no answer of the endpoint asked). The body is read in
         chunks: past ``max_bytes`` (default :attr:`max_info_bytes`) the request ends with :class:`SGLangError`
         naming the limit; past the overall deadline (:meth:`set_deadline`) with :class:`ServerTimeout`. While a
         request is in flight longer than ``wait_every`` seconds, ``on_wait`` gets a progress line.
@@ -271,6 +273,12 @@ class SGLangClient:
                         "the server was started with --api-key; pass api_key=... or set SGLANG_API_KEY")
                 raise AuthError(f"{where}: HTTP {resp.status_code} ({hint})", endpoint=path,
                                 status=resp.status_code)
+            if 300 <= resp.status_code < 400:
+                loc = resp.headers.get("location")
+                raise SGLangError(f"{where}: HTTP {resp.status_code} redirect"
+                                  + (f" to {printable(redact_url(loc))}" if loc else "")
+                                  + "; this tool does not follow redirects: give the server's own address (--url)",
+                                  endpoint=path, status=resp.status_code)
             if resp.status_code in _RETRY_STATUS and idempotent and attempt + 1 < tries:
                 last = f"HTTP {resp.status_code}"
                 continue
@@ -311,11 +319,22 @@ class SGLangClient:
             text = resp.text
         except Exception:  # noqa: BLE001
             text = "<unreadable body>"
-        text = self._scrub(text.strip())
+        text = printable(self._scrub(text.strip()))
         return text[:limit] + ("..." if len(text) > limit else "")
 
+    def _json(self, resp: httpx.Response, where: str, path: str) -> Any:
+        """The answer's JSON (:func:`helpers.runfiles.loads_json`: nesting bounded); :class:`SGLangError` naming
+        ``where`` when it is not JSON or nested too deeply."""
+        try:
+            return loads_json(resp.content)
+        except JSONTooDeep as exc:
+            raise SGLangError(f"{where}: the answer {exc}", endpoint=path) from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SGLangError(f"{where}: answer is not JSON: {self._body(resp)}", endpoint=path) from None
+
     def _get_json(self, paths: Sequence[str], what: str) -> dict:
-        """GET the first of ``paths`` that is not 404 (newer name first); parse JSON."""
+        """GET the first of ``paths`` that is not 404 (newer name first); its JSON object (:class:`SGLangError`
+        for anything else)."""
         tried = []
         for path in paths:
             resp = self._request("GET", path)
@@ -325,11 +344,11 @@ class SGLangClient:
             if resp.status_code >= 400:
                 raise RequestRejected(f"GET {self._shown_url}{path}: HTTP {resp.status_code}: "
                                       f"{self._body(resp)}", endpoint=path, status=resp.status_code)
-            try:
-                return resp.json()
-            except json.JSONDecodeError:
-                raise SGLangError(f"GET {self._shown_url}{path}: answer is not JSON: "
-                                  f"{self._body(resp)}", endpoint=path) from None
+            data = self._json(resp, f"GET {self._shown_url}{path}", path)
+            if not isinstance(data, dict):
+                raise SGLangError(f"GET {self._shown_url}{path}: expected a JSON object ({what}), got a "
+                                  f"{_json_type(data)}", endpoint=path)
+            return data
         raise EndpointMissing(f"{self._shown_url}: none of {tried} exists ({what}); is this an SGLang "
                               "server?", endpoint=paths[0], status=404)
 
@@ -357,21 +376,35 @@ class SGLangClient:
             time.sleep(poll)
 
     def server_info(self, refresh: bool = False) -> dict:
-        """``/server_info`` (fallback ``/get_server_info``), **redacted** (:func:`redact`).
+        """``/server_info`` (fallback ``/get_server_info``), checked and **redacted** (:func:`redact`).
 
-        Cached after the first call (the resolved ServerArgs do not change); ``refresh=True``
-        fetches again (``internal_states`` do change).
+        The fields this suite reads are typed and range-checked first (:class:`helpers.server.protocol.ServerInfo`:
+        a count that would size arrays, such as ``speculative_num_steps``, within sane bounds; text without control
+        characters); their checked values replace the raw ones. Cached after the first call (the resolved
+        ServerArgs do not change); ``refresh=True`` fetches again (``internal_states`` do change).
+
+        Raises:
+            SGLangError: not a JSON object, a field of the wrong type or out of range (one line naming the endpoint
+                and the field), a redirect, or the transport errors of :meth:`_request`.
         """
         if self._server_info is None or refresh:
             raw = self._get_json(["/server_info", "/get_server_info"], "server info")
+            checked = _validated(ServerInfo, raw, f"GET {self._shown_url}/server_info", "/server_info")
+            raw.update({k: getattr(checked, k) for k in ServerInfo.model_fields if k in raw})
             self._server_info = redact(raw, self.secrets)
         return self._server_info
 
     def model_info(self, refresh: bool = False) -> dict:
-        """``/model_info`` (fallback ``/get_model_info``): model_path, architectures, ..."""
+        """``/model_info`` (fallback ``/get_model_info``): model_path, architectures (a list of names), ...
+
+        Raises: SGLangError when it is not a JSON object or ``architectures`` is not a list of strings."""
         if self._model_info is None or refresh:
-            self._model_info = redact(self._get_json(["/model_info", "/get_model_info"],
-                                                     "model info"), self.secrets)
+            info = self._get_json(["/model_info", "/get_model_info"], "model info")
+            archs = info.get("architectures")
+            if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+                raise SGLangError(f"GET {self._shown_url}/model_info: field architectures: expected a list of "
+                                  f"names, got {printable(repr(archs))[:80]}", endpoint="/model_info")
+            self._model_info = redact(info, self.secrets)
         return self._model_info
 
     def version(self) -> Optional[str]:
@@ -425,7 +458,8 @@ class SGLangClient:
         400 otherwise. A flush also clears the radix cache (so a repeated prompt gets its full
         prompt block of hidden states) and zeroes the lifetime spec counters
         (``avg_spec_accept_length`` in ``/server_info``), which this package never uses.
-        Raises :class:`CacheBusy` after ``timeout`` seconds.
+        Raises :class:`CacheBusy` after ``timeout`` seconds, :class:`RequestRejected` at once for any other
+        status.
         """
         t0 = time.monotonic()
         while True:
@@ -435,6 +469,9 @@ class SGLangClient:
             if resp.status_code == 404:
                 raise EndpointMissing(f"POST {self._shown_url}/flush_cache: 404", endpoint="/flush_cache",
                                       status=404)
+            if resp.status_code != 400:          # only 400 means "requests running"
+                raise RequestRejected(f"POST {self._shown_url}/flush_cache: HTTP {resp.status_code}: "
+                                      f"{self._body(resp)}", endpoint="/flush_cache", status=resp.status_code)
             if time.monotonic() - t0 > timeout:
                 raise CacheBusy(f"POST {self._shown_url}/flush_cache still HTTP {resp.status_code} "
                                 f"after {timeout:.0f} s (requests running?): {self._body(resp)}",
@@ -458,7 +495,11 @@ class SGLangClient:
 
         Returns :class:`GenerateResult` (``latency_s`` = client wall seconds).
         Raises :class:`RequestRejected` for 400/422 with the server's reason,
-        :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``).
+        :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``), :class:`SGLangError` for an answer
+        that is not a JSON object, has a field of the wrong type or out of range (negative counts, a histogram
+        longer than 65 bins), or spec counters no server can produce
+        (:meth:`helpers.server.protocol.MetaInfo.spec_problem`, with the ``speculative_num_steps`` of
+        :meth:`server_info` once it was read: a measurement reads it first, so they fail that request).
         """
         if (input_ids is None) == (text is None):
             raise ValueError("generate(): pass exactly one of input_ids= or text=")
@@ -497,11 +538,7 @@ class SGLangClient:
                     f"Server said: {msg}", endpoint="/generate", status=resp.status_code)
             raise RequestRejected(f"POST {self._shown_url}/generate: HTTP {resp.status_code}: {msg}",
                                   endpoint="/generate", status=resp.status_code)
-        try:
-            data = resp.json()
-        except json.JSONDecodeError:
-            raise SGLangError(f"POST {self._shown_url}/generate: answer is not JSON: {self._body(resp)}",
-                              endpoint="/generate") from None
+        data = self._json(resp, f"POST {self._shown_url}/generate", "/generate")
         latency = time.perf_counter() - t0
         if isinstance(data, list) and data:  # a batch answer: only one prompt is sent here
             data = data[0]
@@ -509,12 +546,20 @@ class SGLangClient:
             raise SGLangError(f"POST {self._shown_url}/generate: expected a JSON object, got "
                               f"{type(data).__name__}", endpoint="/generate")
         try:
-            return GenerateResult.model_validate({**data, "latency_s": latency})
+            result = GenerateResult.model_validate({**data, "latency_s": latency})
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
-            raise SGLangError(f"POST {self._shown_url}/generate: field {where}: {err.get('msg')} "
-                              f"({len(exc.errors())} problem(s) in the answer)", endpoint="/generate") from None
+            raise _invalid(exc, f"POST {self._shown_url}/generate", "/generate") from None
+        problem = result.meta_info.spec_problem(self._num_steps())
+        if problem:
+            raise SGLangError(f"POST {self._shown_url}/generate: impossible spec counters: {problem}",
+                              endpoint="/generate")
+        return result
+
+    def _num_steps(self) -> Optional[int]:
+        """The server's ``speculative_num_steps`` when ``/server_info`` was read (checked) and speculative decoding is
+        on, else None."""
+        info = self._server_info or {}
+        return info.get("speculative_num_steps") if info.get("speculative_algorithm") else None
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -575,6 +620,27 @@ class SGLangClient:
             enable_metrics=info.get("enable_metrics"), notes=notes)
 
 
+def _json_type(x: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(x), "number")
+
+
+def _invalid(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
+    """One line for a pydantic error in a server answer: the endpoint, the first field, what was expected, the value
+    (shortened, printable)."""
+    err = exc.errors()[0]
+    field = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
+    got = printable(repr(err.get("input")))
+    more = f" ({len(exc.errors())} problem(s) in the answer)" if len(exc.errors()) > 1 else ""
+    return SGLangError(f"{where}: field {field}: {err.get('msg')}, got {got[:80]}{more}", endpoint=endpoint)
+
+
+def _validated(model: Any, data: Any, where: str, endpoint: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc, where, endpoint) from None
+
+
 def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Optional[list[str]]:
     cfg: Optional[Mapping] = None
     if isinstance(draft_config, Mapping):
@@ -585,13 +651,11 @@ def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Option
             if path.is_dir():
                 path = path / "config.json"
             try:
-                cfg = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
+                cfg = loads_json(path.read_text())
+            except (OSError, ValueError):
                 cfg = None
-    if cfg is None:
-        return None
-    archs = cfg.get("architectures")
-    return list(archs) if archs else None
+    archs = cfg.get("architectures") if isinstance(cfg, Mapping) else None
+    return [str(a) for a in archs] if isinstance(archs, list) and archs else None
 
 
 def as_client(client_or_url: "SGLangClient | str", api_key: Optional[str] = None,

@@ -258,7 +258,6 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
                         max_total_tokens=max_total_tokens, return_hidden_states=return_hidden_states,
                         enable_metrics=enable_metrics, forward_hooks=forward_hooks, api_key=api_key,
                         extra_args=extra_args)
-    shown = [("<redacted>" if api_key and a == api_key else a) for a in cmd]
     server_env = dict(os.environ)
     for k in ("SGLANG_API_KEY",):
         server_env.pop(k, None)
@@ -273,9 +272,8 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
     if disabled and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:
         server_env["SGLANG_DISABLED_MODEL_ARCHS"] = disabled
     server_env.update(env or {})
-    secrets = [api_key] if api_key else []
-    handle = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=log_path, shown=shown, env=server_env,
-                           cwd=os.fspath(ROOT), secrets=secrets, port=port, tp=tp, spec=spec, target=target,
+    handle = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=log_path, env=server_env,
+                           cwd=os.fspath(ROOT), port=port, tp=tp, spec=spec, target=target,
                            draft=draft_path)
     try:
         handle.wait_healthy(timeout, api_key=api_key, what="SGLang server")

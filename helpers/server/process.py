@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from ..errors import ServerStartError
-from .redaction import REDACTED
+from .redaction import argv_secrets, redact_argv, remember, scrub_bytes
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -37,9 +37,7 @@ def tail(path: Path, lines: int = 40) -> str:
 def _pump(stream, log_path: Path, secrets: list[str]) -> None:
     with open(log_path, "ab", buffering=0) as out:
         for raw in iter(stream.readline, b""):
-            for s in secrets:
-                raw = raw.replace(s.encode(), REDACTED.encode())
-            out.write(raw)
+            out.write(scrub_bytes(raw, secrets))
     stream.close()
 
 
@@ -54,25 +52,29 @@ class ServerProcess:
     """A server started from an argv, stopped by PID. Use as a context manager or call :meth:`stop`.
 
     Args:
-        argv: the command (no shell); ``shown`` is what the log and :attr:`command` show (secrets redacted).
+        argv: the command (no shell).
         url: the server's base URL once up.
-        log_path: the log file (created; appended to).
+        log_path: the log file (created; appended to); its first line is the command with the values of its secret
+            flags redacted (:func:`helpers.server.redaction.redact_argv`).
         env / cwd: environment and working folder of the process.
-        secrets: strings replaced by ``<redacted>`` in the log as it is written.
+        secrets: strings replaced by ``<redacted>`` in the log as it is written, besides the values of ``argv``'s
+            secret flags (``--api-key K``, ``--admin-api-key=K2``, ...) and every secret remembered by
+            :mod:`helpers.server.redaction`.
         info: extra attributes set on the handle (``port``, ``tp``, ``spec``, ``target``, ``draft`` ...).
 
-    Attributes: ``url``, ``pid`` (the leader), ``log_path``, ``command`` (shown argv), plus ``info``.
+    Attributes: ``url``, ``pid`` (the leader), ``log_path``, ``command`` (argv, secrets redacted), plus ``info``.
     """
 
-    def __init__(self, argv: Sequence[str], url: str, *, log_path: Path, shown: Optional[Sequence[str]] = None,
+    def __init__(self, argv: Sequence[str], url: str, *, log_path: Path,
                  env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, secrets: Iterable[str] = (),
                  **info: Any):
         self.argv = [str(a) for a in argv]
-        self.command = list(shown) if shown is not None else list(self.argv)
+        self.secrets = sorted({s for s in secrets if s} | set(argv_secrets(self.argv)), key=len, reverse=True)
+        remember(*self.secrets)
+        self.command = redact_argv(self.argv)
         self.url = url.rstrip("/")
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
         for k, v in info.items():
             setattr(self, k, v)
         with open(self.log_path, "ab") as fh:

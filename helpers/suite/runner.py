@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from ..capture import server_hook_specs
 from ..errors import BadParams
+from ..formats.configs import read_target_config
 from ..paths import ROOT
 from ..records import ReplayDoc
 from ..runfiles import atomic_write_text, mark_failed, new_run_dir, write_json
@@ -145,7 +146,7 @@ def _start_managed(m: ManagedServer, run_dir: Path):
     draft = None
     if m.draft:
         draft = (ROOT / m.draft) if not Path(m.draft).is_absolute() else Path(m.draft)
-    n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    n = read_target_config(target).num_hidden_layers
     hooks = server_hook_specs(n, faults=m.faults, rank_capture_dir=run_dir / "capture" / "managed" / "ranks",
                               layers_dir=run_dir / "capture" / "managed" / "layers")
     spec = SpecSettings(**m.spec) if draft else None

@@ -14,7 +14,7 @@ import plotly.io as pio
 
 from ..investigation.live import investigate
 from ..records import HypothesisStep, InvestigationDoc
-from ..runfiles import atomic_write_text
+from ..runfiles import atomic_write_text, read_json_file
 from .budget import budget_parts
 from .common import _CSS, RunContext, esc, findings_frame, plotlyjs_html, table_html
 
@@ -23,7 +23,7 @@ def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
     """``run_dir/investigation.json`` typed, or None when absent / unreadable."""
     p = Path(run_dir) / "investigation.json"
     try:
-        return InvestigationDoc.model_validate(json.loads(p.read_text()))
+        return InvestigationDoc.model_validate(read_json_file(p, "investigation record"))
     except (OSError, ValueError):
         return None
 
