@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..formats.configs import read_draft_config, read_target_config
+from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
 
 #: draft architectures this module runs (``EntryClass`` of ``sglang/srt/models/llama_eagle3.py``)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -131,29 +131,9 @@ class DraftArch:
 
 # ------------------------------------------------------------------------------------------------ tensor reading
 
-def _safetensors_index(folder: Path, what: str) -> dict[str, Path]:
-    """tensor name -> file for a folder of safetensors (``model.safetensors.index.json`` when present)."""
-    idx = folder / "model.safetensors.index.json"
-    if idx.is_file():
-        from ..runfiles import read_json_file
-        d = read_json_file(idx, f"{what} safetensors index")
-        wm = d.get("weight_map") if isinstance(d, dict) else None
-        if not isinstance(wm, dict):
-            raise BadInput("expected an object 'weight_map' (tensor name -> file)", path=idx, field="weight_map")
-        return {k: folder / v for k, v in wm.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise BadInput(f"no {what} weights found (expected *.safetensors or model.safetensors.index.json)",
-                       path=folder)
-    out: dict[str, Path] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    out[k] = f
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise BadInput(f"not a readable safetensors file ({' '.join(str(e).split())})", path=f) from None
-    return out
+def _safetensors_index(folder: Path) -> dict[str, Path]:
+    """tensor name -> file, from the headers (:func:`helpers.formats.configs.read_safetensors_index`)."""
+    return {k: v.file for k, v in read_safetensors_index(folder).items()}
 
 
 def _read_tensor(path: Path, key: str) -> torch.Tensor:
@@ -172,7 +152,11 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
         BadInput: no weights in the folder, or several tensors end with ``suffix`` (an MTP layer's embedding next to
             the model's: the shortest name, the main model's, is taken only when it is a prefix-free match).
     """
-    index = _safetensors_index(Path(target_dir), "target")
+    if not any(Path(target_dir).glob("*.safetensors")):
+        raise BadInput(f"no safetensors in the target folder: the offline draft run reads the target's "
+                       f"'*{suffix}' from them (only that tensor; sglang/srt/models/llama.py::LlamaForCausalLM."
+                       "set_embed shares the target's embedding with the draft)", path=target_dir)
+    index = _safetensors_index(Path(target_dir))
     hits = sorted((k for k in index if k.endswith(suffix) and "mtp" not in k.lower()), key=len)
     if not hits:
         return None
@@ -268,7 +252,7 @@ class Eagle3Draft:
         """
         draft_dir = Path(draft_dir)
         arch = DraftArch.from_config(draft_dir)
-        index = _safetensors_index(draft_dir, "draft")
+        index = _safetensors_index(draft_dir)
         names = {}
         for k in index:
             n = k[len("model."):] if k.startswith("model.") else k

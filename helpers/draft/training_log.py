@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import BadInput
+from ..runfiles import JSONTooDeep, loads_json
 
 Format = Literal["specforge", "torchspec", "speculators", "eagle", "e3f"]
 Kind = Literal["marginal", "joint", "conditional"]
@@ -304,16 +305,18 @@ def read_training_log(path: str | Path) -> TrainingLog:
     parsed = False
     if p.suffix != ".jsonl":
         try:
-            doc, parsed = json.loads(text), True
+            doc, parsed = loads_json(text), True
         except json.JSONDecodeError:
             pass
-        except RecursionError:
-            raise BadInput("nests arrays/objects too deeply to parse", path=p) from None
+        except JSONTooDeep as e:
+            raise BadInput(str(e), path=p) from None
     if not parsed:
         lines = [ln for ln in text.splitlines() if ln.strip()]
         try:
-            doc = [json.loads(ln) for ln in lines]
+            doc = [loads_json(ln) for ln in lines]
             parsed = all(isinstance(e, dict) for e in doc)
+        except JSONTooDeep as e:
+            raise BadInput(str(e), path=p) from None
         except json.JSONDecodeError as e:
             if p.suffix == ".jsonl":
                 raise BadInput(f"not valid JSONL ({e.msg} at line {e.lineno})", path=p) from None
