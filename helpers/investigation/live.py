@@ -430,6 +430,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                              "(`python -m helpers server start --capture-ranks DIR`, env/gpu/launch_tp8.sh with "
                              "HOOKS_DIR) and investigate again")
 
+        doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
         if fix.kind == "none":
             doc.measured = {"not_measured": "nothing to fix"}
         elif not fix.applicable:
@@ -490,6 +491,36 @@ def _measured_first(findings: list[dict]) -> list[dict]:
     """The findings with the measured tensor faults first (what the draft really receives), then the config
     findings that explain them (stable otherwise): the opening sentence names what is wrong, then why."""
     return sorted(findings, key=lambda f: 0 if f["kind"] in TENSOR_KINDS and not f["evidence"].get("static") else 1)
+
+
+#: check -> the finding kinds that say what the check asks; a check refuted while such a finding stands in the same
+#: run is reported inconclusive (two measurements of one question disagree: the finding's evidence is named)
+CHECK_FINDINGS = {"tp_sharding": ("tp_sharded_width", "tp_partial_sum"),
+                  "embedding_all_reduce": ("embedding_not_all_reduced",),
+                  "layer_offset": ("layer_offset",), "embedding_included": ("embedding_in_place_of_layer",),
+                  "concat_order": ("chunk_order",), "rotated_basis": ("rotated_basis",),
+                  "norm_mismatch": ("norm_mismatch",), "fc_bypass": ("fc_bypassed",),
+                  "vocab_map": ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs"),
+                  "num_steps_override": ("num_draft_tokens_overridden", "spec_settings_low")}
+
+
+def reconcile(hypotheses: list[dict], findings: Sequence[Any]) -> list[dict]:
+    """Hypotheses that a finding of the same run contradicts are not reported as refuted: their verdict becomes
+    ``inconclusive`` with the finding named (findings: :class:`helpers.records.Finding` or dicts)."""
+    kinds = {}
+    for f in findings:
+        k = f.kind if hasattr(f, "kind") else f["kind"]
+        kinds.setdefault(k, f.detail if hasattr(f, "detail") else f.get("detail", ""))
+    out = []
+    for h in hypotheses:
+        hit = [k for k in CHECK_FINDINGS.get(h["check"], ()) if k in kinds]
+        if h["verdict"] == "refuted" and hit:
+            h = {**h, "verdict": "inconclusive",
+                 "short": f"contradicted by the finding {hit[0]} of this run: {kinds[hit[0]]}",
+                 "explanation": (h.get("explanation") or "") + f" -- but the finding {hit[0]} of the same run says "
+                                f"otherwise ({kinds[hit[0]]}); the two measurements disagree, so no verdict."}
+        out.append(h)
+    return sorted(out, key=lambda x: _ORDER.get(x["verdict"], 3))
 
 
 def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
