@@ -166,10 +166,9 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
 # ------------------------------------------------------------------------------------------------ the model
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """SGLang ``RMSNorm.forward_native``: fp32 statistics, result in the input dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * w.float()).to(x.dtype)
+    """SGLang ``RMSNorm.forward_native``: fp32 statistics and weight product, result in the input dtype (one fused
+    ``F.rms_norm``)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
 def _inv_freq(arch: DraftArch) -> torch.Tensor:
@@ -212,6 +211,8 @@ class ExtendOutput:
     hidden: torch.Tensor
     logits: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: per layer, the keys / values expanded to every query head in float32 (built once, read by every draft step)
+    kv_f32: dict = field(default_factory=dict, repr=False)
 
 
 class Eagle3Draft:
@@ -467,13 +468,14 @@ class Eagle3Draft:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx_len: torch.Tensor,
-             ext_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             ext_kv: "ExtendOutput | Sequence[tuple[torch.Tensor, torch.Tensor]]",
              path_kv: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]] = ()
              ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """One draft decode step for ``B`` query nodes at once (``eagle_worker_v2.py::EAGLEWorkerV2.draft_forward``,
         one iteration of its loop): node b takes ``tokens[b]`` (target ids, embedded by the target's embedding)
         and the hidden state ``hidden[b]`` of its parent, at ``positions[b]``; it attends to the extend rows
-        ``0 .. ctx_len[b]-1`` of ``ext_kv``, to its ancestors' keys (``path_kv[j]`` per ancestor, oldest first, each
+        ``0 .. ctx_len[b]-1`` of ``ext_kv`` (the :class:`ExtendOutput`, whose expanded float32 keys are then built
+        once, or its ``kv`` list), to its ancestors' keys (``path_kv[j]`` per ancestor, oldest first, each
         a per-layer list of ``[B, kv_heads, hd]``) and to itself.
 
         Returns ``(hidden [B, H], logits [B, V_draft] float32, this step's per-layer (k, v) [B, kv_heads, hd])``.
@@ -484,6 +486,9 @@ class Eagle3Draft:
         emb = self.embed[tokens]
         h, residual = hidden.to(self.dtype), None
         scale = 1.0 / math.sqrt(self.arch.head_dim)
+        cache = ext_kv.kv_f32 if isinstance(ext_kv, ExtendOutput) else None
+        if isinstance(ext_kv, ExtendOutput):
+            ext_kv = ext_kv.kv
         T = ext_kv[0][0].shape[0] if ext_kv else 0
         mask = torch.arange(T, device=dev)[None, :] < ctx_len.to(dev)[:, None]          # [B, T]
         new_kv = []
@@ -492,7 +497,12 @@ class Eagle3Draft:
             q, k, v = self._qkv(i, x, positions.to(dev))
             new_kv.append((k, v))
             qf = q.float()                                                             # [B, nh, hd]
-            ke, ve = self._expand_kv(ext_kv[i][0]).float(), self._expand_kv(ext_kv[i][1]).float()  # [T, nh, hd]
+            if cache is not None and i in cache:
+                ke, ve = cache[i]
+            else:
+                ke, ve = self._expand_kv(ext_kv[i][0]).float(), self._expand_kv(ext_kv[i][1]).float()  # [T, nh, hd]
+                if cache is not None:
+                    cache[i] = (ke, ve)
             s_ext = torch.einsum("bhd,thd->bht", qf, ke) * scale
             s_ext = s_ext.masked_fill(~mask[:, None, :], float("-inf"))
             anc_k = [self._expand_kv(p[i][0]).float() for p in path_kv] + [self._expand_kv(k).float()]

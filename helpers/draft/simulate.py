@@ -111,7 +111,7 @@ def _teacher_forced(draft: Eagle3Draft, ext, seq: SimSequence, steps: int, y: to
             break
         n = r.shape[0]
         path = [[(kk[:n], vv[:n]) for kk, vv in p] for p in path]
-        hidden, logits, kv = draft.step(y[r + 1 + k], hidden[:n], r + k, r + 1, ext.kv, path)
+        hidden, logits, kv = draft.step(y[r + 1 + k], hidden[:n], r + k, r + 1, ext, path)
         path.append(kv)
         pred = draft.to_target_ids(logits.argmax(-1)).cpu()
         ok = r + 2 + k <= T - 1
@@ -146,7 +146,7 @@ def _tree_accepts(draft: Eagle3Draft, ext, seq: SimSequence, st: DraftSettings, 
     beam_path: list = []
     rr = rows.repeat_interleave(k)
     for i in range(S - 1):
-        hidden, logits, kv = draft.step(beam_tok.reshape(-1), beam_hidden, rr + 1 + i, rr + 1, ext.kv, beam_path)
+        hidden, logits, kv = draft.step(beam_tok.reshape(-1), beam_hidden, rr + 1 + i, rr + 1, ext, beam_path)
         pr = torch.softmax(logits, dim=-1)
         pk, ik = pr.topk(k, dim=-1)                                       # [R*k, k]
         expand = beam_score[:, :, None] * pk.view(R, k, k)                # [R, k, k]
