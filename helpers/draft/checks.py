@@ -151,7 +151,7 @@ def _sliding_window(cfg: dict) -> Optional[int]:
 # --------------------------------------------------------------------------------------- the parameters
 
 @dataclass
-class _Arch:
+class SGLangDraftParams:
     """The parameters SGLang builds for a draft config: ``{(param, shard): (shape, init)}`` and how it resolves
     checkpoint names."""
 
@@ -169,6 +169,12 @@ class _Arch:
     lm_from_target: bool     # load_lm_head_from_target
     midlayer_checked: bool   # the decoder layer's tensors are part of params (False for the MLA draft)
     source: str
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    intermediate: int = 0
+    layers: int = 1
+    attn_bias: bool = False
 
 
 #: transformers 5's LlamaConfig defaults, which the draft gets for a field its config.json leaves out (SGLang loads
@@ -185,7 +191,7 @@ def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:
     return v
 
 
-def _arch(d: DraftConfig) -> _Arch:
+def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
     """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config."""
     raw, path = d.raw, d.path
     cls = d.architectures[0] if d.architectures else LLAMA_CLASS
@@ -243,6 +249,8 @@ def _arch(d: DraftConfig) -> _Arch:
     if not tie:
         params[("lm_head.weight", None)] = ((draft_vocab, H), _INIT_EMPTY)
     midlayer_checked = cls != MLA_CLASS
+    nh = nkv = hd = inter = 0
+    nlayers, attn_bias = 1, False
     if midlayer_checked:
         nh = field("num_attention_heads")
         nkv = _int(raw, "num_key_value_heads", path, nh)
@@ -255,7 +263,8 @@ def _arch(d: DraftConfig) -> _Arch:
         else:
             inter = field("intermediate_size")
         attn_bias = bool(raw.get("attention_bias", False) or raw.get("bias", False))   # llama.py l. 339-341
-        for layer in range(field("num_hidden_layers")):
+        nlayers = field("num_hidden_layers")
+        for layer in range(nlayers):
             pre = f"model.layers.{layer}."
             width = 2 * H if layer == 0 else H                           # llama_eagle3.py l. 62-64
             params[(pre + "self_attn.qkv_proj.weight", "q")] = ((nh * hd, width), _INIT_EMPTY)
@@ -269,12 +278,13 @@ def _arch(d: DraftConfig) -> _Arch:
             params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), _INIT_EMPTY)
             for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
                 params[(pre + norm + ".weight", None)] = ((H,), _INIT_RMSNORM)
-    return _Arch(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin, fc_norm=fc_norm,
+    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin, fc_norm=fc_norm,
                  norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie, draft_vocab=draft_vocab, vocab=V,
-                 lm_from_target=lm_from_target, midlayer_checked=midlayer_checked, source=source)
+                 lm_from_target=lm_from_target, midlayer_checked=midlayer_checked, source=source, heads=nh,
+                 kv_heads=nkv, head_dim=hd, intermediate=inter, layers=nlayers, attn_bias=attn_bias)
 
 
-def _resolve(arch: _Arch, name: str) -> Any:
+def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
     """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``, or
     None (dropped silently; for the MLA draft's decoder layer, ``"midlayer"``: not modelled here)."""
     names = {p for p, _ in arch.params}
@@ -306,7 +316,7 @@ def _resolve(arch: _Arch, name: str) -> Any:
     return (param, None) if param in names else None
 
 
-def _shape_error(arch: _Arch, d: DraftConfig, key: str, info: TensorInfo, param: str, shard: Any,
+def shape_error(arch: SGLangDraftParams, d: DraftConfig, key: str, info: TensorInfo, param: str, shard: Any,
                  expected: tuple) -> BadInput:
     why = ""
     if param == "model.fc.weight":
@@ -333,10 +343,10 @@ def _shape_error(arch: _Arch, d: DraftConfig, key: str, info: TensorInfo, param:
 
 # -------------------------------------------------------------------------------------------- the checks
 
-def _lm_head(arch: _Arch, d: DraftConfig, tensors: dict, target_raw: Optional[dict], hin_differs: bool,
+def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw: Optional[dict], hin_differs: bool,
              findings: list, facts: dict) -> None:
     lm_keys = [k for k in tensors if re.search(r"(^|\.)lm_head\.weight$", k)]
-    used = [k for k in lm_keys if _resolve(arch, k) == ("lm_head.weight", None)]
+    used = [k for k in lm_keys if resolve_name(arch, k) == ("lm_head.weight", None)]
     target_ties = None if target_raw is None else bool(_text_config(target_raw).get(
         "tie_word_embeddings", target_raw.get("tie_word_embeddings", False)))
     if arch.tie:
@@ -419,11 +429,11 @@ def _load_mapping(path: Path) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _vocab(arch: _Arch, d: DraftConfig, tensors: dict, vocab: int, training: Optional[Path], findings: list,
+def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, training: Optional[Path], findings: list,
            facts: dict) -> np.ndarray:
     """The d2t checks; returns the target ids the draft can propose (SGLang's hot_token_id, or 0..dv-1)."""
     dv = arch.draft_vocab
-    d2t_keys = [k for k in tensors if _resolve(arch, k) == "d2t"]
+    d2t_keys = [k for k in tensors if resolve_name(arch, k) == "d2t"]
     facts["vocab"] = {"vocab_size": vocab, "draft_vocab_size": dv, "d2t": d2t_keys[0] if d2t_keys else None}
     mapping_files = _find_vocab_mapping(training) if training is not None else []
     if not d2t_keys:
@@ -637,7 +647,7 @@ def _position_encoding(d: DraftConfig, target_raw: dict, target_path: Path, find
             fix=f"start the server with --speculative-draft-window-size {dw}"))
 
 
-def _flags(arch: _Arch, d: DraftConfig, findings: list) -> None:
+def _flags(arch: SGLangDraftParams, d: DraftConfig, findings: list) -> None:
     raw = d.raw
     ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     ignored = []
@@ -666,13 +676,13 @@ def _flags(arch: _Arch, d: DraftConfig, findings: list) -> None:
             flags=ignored, config=str(d.path)))
 
 
-def _weights(arch: _Arch, d: DraftConfig, tensors: dict, hin_differs: bool, findings: list, facts: dict) -> None:
+def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs: bool, findings: list, facts: dict) -> None:
     """Every checkpoint tensor resolved as ``load_weights`` resolves it: shape errors raise, missing parameters and
     dropped tensors are findings."""
     filled: set = set()
     ignored = []
     for key, info in tensors.items():
-        where = _resolve(arch, key)
+        where = resolve_name(arch, key)
         if where in ("d2t", "t2d", "midlayer"):
             continue
         if where is None:
@@ -682,7 +692,7 @@ def _weights(arch: _Arch, d: DraftConfig, tensors: dict, hin_differs: bool, find
             continue
         expected, _init = arch.params[where]
         if tuple(info.shape) != tuple(expected):
-            raise _shape_error(arch, d, key, info, where[0], where[1], expected)
+            raise shape_error(arch, d, key, info, where[0], where[1], expected)
         filled.add(where)
     missing = []
     for (param, shard), (shape, init) in arch.params.items():
@@ -715,7 +725,7 @@ def _weights(arch: _Arch, d: DraftConfig, tensors: dict, hin_differs: bool, find
             if arch.cls != MLA_CLASS else f"{_K25}::load_weights l. 494-496 (warning 'skipping unexpected weight')"))
 
 
-def _missing_hint(arch: _Arch, names: list[str]) -> str:
+def _missing_hint(arch: SGLangDraftParams, names: list[str]) -> str:
     if any(n.startswith("model.input_norm") for n in names):
         return ("norm_before_fc is set but the checkpoint has no input_norm.weight: unset it if training had no "
                 "such norm")
@@ -725,7 +735,7 @@ def _missing_hint(arch: _Arch, names: list[str]) -> str:
     return "the config describes another model than the checkpoint holds"
 
 
-def _ignored_hint(arch: _Arch, d: DraftConfig, keys: list[str]) -> str:
+def _ignored_hint(arch: SGLangDraftParams, d: DraftConfig, keys: list[str]) -> str:
     hints = []
     if any(re.search(r"(^|\.)(fc_norm\.\d+|aux_norm_(low|mid|high))\.weight$", k) for k in keys) and not arch.fc_norm:
         hints.append("per-chunk fc norms are in the checkpoint but fc_norm / use_aux_norm is not set at the top level "
@@ -789,7 +799,7 @@ def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: 
                                   source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py"))
         return {"findings": findings, "facts": facts}
     target = read_target_config(target_dir) if target_dir is not None else None
-    arch = _arch(d)
+    arch = sglang_parameters(d)
     weights = read_draft_weights(draft_dir)
     tensors = weights.tensors
     vocab = target.vocab_size if target is not None and target.vocab_size else arch.vocab

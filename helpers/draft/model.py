@@ -40,6 +40,7 @@ from safetensors import safe_open
 
 from ..errors import BadInput
 from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
+from .checks import resolve_name, sglang_parameters, shape_error
 
 #: draft architectures this module runs (``EntryClass`` of ``sglang/srt/models/llama_eagle3.py``)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -47,8 +48,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 REFUSED_ARCHITECTURES = {"Eagle3DeepseekV2ForCausalLM": "an MLA draft (sglang/srt/models/kimi_k25_eagle3.py: "
                                                         "DeepseekV2AttentionMLA); its attention is not implemented in "
                                                         "the offline draft run"}
-_LEGACY = {"midlayer.": "layers.0.", "aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.",
-           "aux_norm_high.": "fc_norm.2."}
+_STACKED_BACK = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}
+
+
+def _internal_name(param: str, shard) -> str:
+    """SGLang's ``(parameter, shard)`` -> this module's tensor name (``model.`` dropped, stacked shards split back:
+    ``qkv_proj`` q/k/v -> ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_up_proj`` 0/1 -> ``gate_proj`` / ``up_proj``)."""
+    n = param[len("model."):] if param.startswith("model.") else param
+    if shard is None:
+        return n
+    return n.replace("qkv_proj", _STACKED_BACK[shard]).replace("gate_up_proj", _STACKED_BACK[shard])
 
 
 @dataclass
@@ -85,10 +94,13 @@ class DraftArch:
 
     @classmethod
     def from_config(cls, path: Path) -> "DraftArch":
-        """Read ``path`` (draft config.json or its folder).
+        """Read ``path`` (draft config.json or its folder); the shapes are the ones SGLang builds
+        (:func:`helpers.draft.checks.sglang_parameters`, config fields left out get transformers' LlamaConfig defaults
+        as SGLang's AutoConfig load gives them).
 
         Raises:
-            BadInput: not an SGLang EAGLE-3 draft this module runs (MLA drafts, EAGLE-1 drafts), or a field missing.
+            BadInput: not an SGLang EAGLE-3 draft this module runs (MLA drafts, EAGLE-1 drafts, attention bias), or a
+                field of the wrong type.
         """
         dc = read_draft_config(path)
         raw = dc.raw
@@ -99,33 +111,26 @@ class DraftArch:
             raise BadInput(f"architecture {arch!r} is not an EAGLE-3 draft this tool can run offline (expected one of "
                            f"{', '.join(SUPPORTED_ARCHITECTURES)}: sglang/srt/models/llama_eagle3.py)",
                            path=dc.path, field="architectures")
-
-        def need(key: str):
-            v = raw.get(key)
-            if v is None:
-                raise BadInput("missing (needed to run the draft offline)", path=dc.path, field=key)
-            return v
-
-        h = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
+        p = sglang_parameters(dc)
+        if p.attn_bias:
+            raise BadInput("attention_bias / bias is set: the offline draft run has no attention bias (the EAGLE-3 "
+                           "drafts SGLang serves have none)", path=dc.path, field="attention_bias")
         rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
         theta = raw.get("rope_theta")
         if theta is None and isinstance(rope, dict):
             theta = rope.get("rope_theta")
-        ec = raw.get("eagle_config") or {}
-        draft_vocab = raw.get("draft_vocab_size")
-        return cls(hidden=h, target_hidden=dc.sglang_hidden_size_in, num_aux=dc.sglang_num_aux, heads=heads,
-                   kv_heads=int(raw.get("num_key_value_heads") or heads),
-                   head_dim=int(raw.get("head_dim") or h // heads), intermediate=int(need("intermediate_size")),
-                   layers=int(raw.get("num_hidden_layers") or 1), eps=float(raw.get("rms_norm_eps") or 1e-6),
-                   rope_theta=float(theta if theta is not None else 10000.0),
-                   rope_scaling=rope if isinstance(rope, dict) else None, vocab=int(need("vocab_size")),
-                   draft_vocab=int(draft_vocab if draft_vocab is not None else need("vocab_size")),
-                   tie=bool(raw.get("tie_word_embeddings", False)),
-                   lm_head_from_target=(draft_vocab is None and not raw.get("tie_word_embeddings", False)),
-                   norm_before_fc=bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False))),
-                   fc_norm=bool(raw.get("fc_norm") or raw.get("use_aux_norm")),
-                   norm_output=bool(raw.get("norm_output", False)), fc_bias=bool(raw.get("bias", False)),
+        kind = str((rope or {}).get("rope_type") or (rope or {}).get("type") or "default") \
+            if isinstance(rope, dict) else "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
+                           "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
+                           field="rope_scaling")
+        return cls(hidden=dc.hidden_size, target_hidden=p.hidden_size_in, num_aux=p.num_aux, heads=p.heads,
+                   kv_heads=p.kv_heads, head_dim=p.head_dim, intermediate=p.intermediate, layers=p.layers,
+                   eps=float(raw.get("rms_norm_eps") or 1e-6), rope_theta=float(theta if theta is not None else 1e4),
+                   rope_scaling=rope if isinstance(rope, dict) else None, vocab=p.vocab, draft_vocab=p.draft_vocab,
+                   tie=p.tie, lm_head_from_target=p.lm_from_target, norm_before_fc=p.norm_before_fc,
+                   fc_norm=p.fc_norm, norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
                    max_position=raw.get("max_position_embeddings"), architecture=arch)
 
 
@@ -253,56 +258,41 @@ class Eagle3Draft:
         """
         draft_dir = Path(draft_dir)
         arch = DraftArch.from_config(draft_dir)
-        index = _safetensors_index(draft_dir)
-        names = {}
-        for k in index:
-            n = k[len("model."):] if k.startswith("model.") else k
-            for old, new in _LEGACY.items():
-                n = n.replace(old, new) if n.startswith(old) else n
-            names[n] = k
-        a = arch
-        qkv_in = 2 * a.hidden
-        expect: dict[str, tuple[int, ...]] = {"fc.weight": (a.hidden, a.target_hidden * a.num_aux),
-                                              "norm.weight": (a.hidden,)}
-        if a.fc_bias:
-            expect["fc.bias"] = (a.hidden,)
-        if a.norm_before_fc:
-            expect["input_norm.weight"] = (a.target_hidden * a.num_aux,)
-        if a.fc_norm:
-            for i in range(a.num_aux):
-                expect[f"fc_norm.{i}.weight"] = (a.target_hidden,)
-        for i in range(a.layers):
-            p = f"layers.{i}."
-            d_in = qkv_in if i == 0 else a.hidden
-            expect.update({
-                p + "self_attn.q_proj.weight": (a.heads * a.head_dim, d_in),
-                p + "self_attn.k_proj.weight": (a.kv_heads * a.head_dim, d_in),
-                p + "self_attn.v_proj.weight": (a.kv_heads * a.head_dim, d_in),
-                p + "self_attn.o_proj.weight": (a.hidden, a.heads * a.head_dim),
-                p + "mlp.gate_proj.weight": (a.intermediate, a.hidden),
-                p + "mlp.up_proj.weight": (a.intermediate, a.hidden),
-                p + "mlp.down_proj.weight": (a.hidden, a.intermediate),
-                p + "hidden_norm.weight": (a.hidden,),
-                p + "post_attention_layernorm.weight": (a.hidden,),
-            })
-            if i == 0:
-                expect[p + "input_layernorm.weight"] = (a.hidden,)
-        if not a.tie and not a.lm_head_from_target:
-            expect["lm_head.weight"] = (a.draft_vocab, a.hidden)
+        dc = read_draft_config(draft_dir)
+        params = sglang_parameters(dc)
+        tensors = read_safetensors_index(draft_dir)
+        filled: dict = {}
+        names: dict[str, str] = {}
+        for key, info in tensors.items():
+            where = resolve_name(params, key)
+            if where in ("d2t", "t2d"):
+                names[where] = key
+                continue
+            if where is None or where == "midlayer":
+                continue                     # SGLang drops it too (helpers.draft.checks reports it)
+            expected = params.params[where][0]
+            if tuple(info.shape) != tuple(expected):
+                raise shape_error(params, dc, key, info, where[0], where[1], expected)
+            filled[where] = (key, info)
         weights: dict[str, torch.Tensor] = {}
-        for n, shape in expect.items():
-            key = names.get(n)
-            if key is None:
+        for (param, shard), (shape, _init) in params.params.items():
+            if param == "model.embed_tokens.weight":
+                continue                     # the target's (set_embed) unless target_hidden_size differs: below
+            if param == "lm_head.weight" and arch.lm_head_from_target:
+                continue                     # replaced by the target's (set_embed_and_head): below
+            if (param, shard) not in filled:
                 # SGLang keeps the initialised (random / ones) parameter when a name is absent: the draft it serves is
                 # then not the trained one. Refuse rather than guess.
-                raise BadInput(f"the draft checkpoint has no tensor {n!r} although its config implies one of shape "
-                               f"{list(shape)} (sglang/srt/models/llama_eagle3.py::LlamaForCausalLMEagle3.load_weights "
-                               "skips missing names and serves an untrained parameter)", path=draft_dir, field=n)
-            t = _read_tensor(index[key], key)
-            if tuple(t.shape) != shape:
-                raise BadInput(f"tensor {key!r} has shape {list(t.shape)}, but the config implies {list(shape)}",
-                               path=index[key], field=key)
-            weights[n] = t.to(device=device, dtype=dtype)
+                raise BadInput(f"the draft checkpoint has no tensor for {param}{'' if shard is None else f'[{shard}]'} "
+                               f"although its config implies one of shape {list(shape)} (sglang/srt/models/"
+                               "llama_eagle3.py::LlamaForCausalLMEagle3.load_weights skips missing names and serves "
+                               "an untrained parameter)", path=draft_dir, field=_internal_name(param, shard))
+            key, info = filled[(param, shard)]
+            weights[_internal_name(param, shard)] = _read_tensor(info.file, key).to(device=device, dtype=dtype)
+        if ("model.embed_tokens.weight", None) in filled:
+            names["embed_tokens.weight"] = filled[("model.embed_tokens.weight", None)][0]
+        index = {k: v.file for k, v in tensors.items()}
+        a = arch
         hot = None
         if "d2t" in names:
             d2t = _read_tensor(index[names["d2t"]], names["d2t"]).to(torch.long)
@@ -314,7 +304,7 @@ class Eagle3Draft:
                 raise BadInput(f"d2t maps draft ids outside the target vocabulary [0, {a.vocab})",
                                path=index[names["d2t"]], field="d2t")
         sources: dict = {"draft": str(draft_dir)}
-        use_target_embed = a.target_hidden == a.hidden or "target_hidden_size" not in _raw(draft_dir)
+        use_target_embed = a.target_hidden == a.hidden or "target_hidden_size" not in dc.raw
         if use_target_embed:
             if target_dir is None:
                 raise BadInput("the draft uses the target's embedding (sglang/srt/models/llama.py::"
@@ -514,10 +504,6 @@ class Eagle3Draft:
             h, residual = self._layer_out(i, o.to(self.dtype).reshape(B, -1), residual)
         hidden, logits = self._finish(h, residual)
         return hidden, logits, new_kv
-
-
-def _raw(draft_dir: Path) -> dict:
-    return read_draft_config(draft_dir).raw
 
 
 def target_lm_head(target_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, str]:
