@@ -405,4 +405,3 @@ def _fallback_postmortem(run_dir: Path, status: dict) -> None:
 <table><tr><th>notebook</th><th>status</th><th>wall s</th><th>error</th></tr>{''.join(rows)}</table>
 </body></html>"""
     atomic_write_text(run_dir / "postmortem.html", body)
-    os.chmod(run_dir / "postmortem.html", 0o644)
