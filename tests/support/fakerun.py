@@ -90,11 +90,12 @@ class Cli:
         self.seen.update({p.pid: p for p in kids})
         return kids
 
-    def signal(self, sig: int) -> float:
-        """Send ``sig``; return when it was sent (``time.monotonic()``)."""
+    def interrupt(self, sig: int, timeout: float = 30.0) -> tuple[int, float]:
+        """Send ``sig`` and wait for the command to end: ``(exit code, seconds from the signal to the end)``."""
         t = time.monotonic()
         self.proc.send_signal(sig)
-        return t
+        rc = self.proc.wait(timeout=timeout)
+        return rc, time.monotonic() - t
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
@@ -109,6 +110,15 @@ class Cli:
         for p in self.seen.values():
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+def run_cli(args: list[str], folder: Path, *, timeout: float = 120.0, name: str = "cli") -> tuple[int, Cli]:
+    """Run ``python -m helpers ARGS`` to its end (:class:`Cli`); ``(exit code, the Cli with its stderr)``."""
+    cli = Cli(args, folder, name=name)
+    try:
+        return cli.wait(timeout=timeout), cli
+    finally:
+        cli.close()
 
 
 def gone(p: psutil.Process) -> bool:

@@ -15,7 +15,17 @@ import psutil
 import pytest
 
 from support import ROOT
-from support.fakerun import SIGNALS, Cli, fill, gone, group_gone, small_tmpfs, write_models, write_training
+from support.fakerun import (
+    SIGNALS,
+    Cli,
+    fill,
+    gone,
+    group_gone,
+    run_cli,
+    small_tmpfs,
+    write_models,
+    write_training,
+)
 from support.fakeserver import fake_server, free_port
 
 NEVER_HEALTHY = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(600)'"
@@ -83,9 +93,7 @@ def test_a_signal_stops_investigate_and_the_server_it_relaunched(sig, models, tm
             kids = cli.children()
             assert kids, "the relaunched server was not started"
             groups = {os.getpgid(p.pid) for p in kids}
-            t = cli.signal(signum)
-            rc = cli.wait(timeout=30)
-            took = time.monotonic() - t
+            rc, took = cli.interrupt(signum)
         finally:
             cli.close()
     assert rc == code and took < 2.0, (rc, took, cli.stderr)
@@ -104,9 +112,7 @@ def test_ctrl_c_stops_measure_while_a_request_trickles(tmp_path):
         try:
             cli.wait_connected(int(url.rsplit(":", 1)[1]))
             time.sleep(0.5)
-            t = cli.signal(SIGNALS["SIGINT"][0])
-            rc = cli.wait(timeout=60)
-            took = time.monotonic() - t
+            rc, took = cli.interrupt(SIGNALS["SIGINT"][0])
         finally:
             cli.close()
     assert rc == 130 and took < 2.0, (rc, took, cli.stderr)
@@ -130,9 +136,7 @@ def test_a_signal_stops_measure_fixes_and_its_command_server(sig, tmp_path):
         time.sleep(0.5)
         kids = cli.children()
         assert kids, "the command: server was not started"
-        t = cli.signal(signum)
-        rc = cli.wait(timeout=60)
-        took = time.monotonic() - t
+        rc, took = cli.interrupt(signum)
     finally:
         cli.close()
     assert rc == code and took < 2.0, (rc, took, cli.stderr)
@@ -151,11 +155,7 @@ def test_investigate_on_a_nearly_full_disk_marks_the_run_failed_with_the_path(mo
         if mnt is None:
             pytest.skip("cannot mount a small tmpfs here (needs root)")
         with fake_server("ok") as url:
-            cli = Cli(_investigate(url, models, mnt, "--timeout", "120", "--no-apply"), tmp_path)
-            try:
-                rc = cli.wait(timeout=120)
-            finally:
-                cli.close()
+            rc, cli = run_cli(_investigate(url, models, mnt, "--timeout", "120", "--no-apply"), tmp_path)
         line = _error_line(cli, "investigate")
         assert rc == 1 and "postmortem.html: no space left on the device" in line, line
         run = _run_folder(mnt)
@@ -173,12 +173,8 @@ def test_capture_on_a_full_disk_names_the_file(tmp_path):
         (mnt / "run").mkdir()
         fill(mnt)
         with fake_server("ok") as url:
-            cli = Cli(["capture", "--url", url, "--training", str(training), "--run-dir", str(mnt / "run"),
-                       "--num-samples", "2", "--timeout", "60"], tmp_path)
-            try:
-                rc = cli.wait(timeout=120)
-            finally:
-                cli.close()
+            rc, cli = run_cli(["capture", "--url", url, "--training", str(training), "--run-dir", str(mnt / "run"),
+                               "--num-samples", "2", "--timeout", "60"], tmp_path)
         line = _error_line(cli, "capture")
         assert rc == 1 and "tensors.safetensors: no space left on the device" in line, line
         assert "Safetensor" not in line and "os error" not in line, line
@@ -192,8 +188,8 @@ def test_measure_whose_ledger_row_cannot_be_written_keeps_no_measurement(tmp_pat
     with fake_server("ok") as url:
         args = ["measure", "--url", url, "--num-prompts", "3", "--max-new-tokens", "4", "--label", "full", "--quiet",
                 "--timeout", "60", "--warmup", "0"]
-        probe = Cli(args + ["--outputs", str(tmp_path / "probe")], tmp_path, name="probe")
-        assert probe.wait(timeout=120) == 0, probe.stderr
+        rc, probe = run_cli(args + ["--outputs", str(tmp_path / "probe")], tmp_path, name="probe")
+        assert rc == 0, probe.stderr
         run = _run_folder(tmp_path / "probe")
         pages = sum(-(-f.stat().st_size // 4096) for f in (run / "fixes" / "full").iterdir())
         ledger_pages = -(-(run / "ledger.parquet").stat().st_size // 4096)
@@ -203,11 +199,7 @@ def test_measure_whose_ledger_row_cannot_be_written_keeps_no_measurement(tmp_pat
                 pytest.skip("cannot mount a small tmpfs here (needs root)")
             (mnt / "out").mkdir()
             fill(mnt, leave=(pages + 1) * 4096)
-            cli = Cli(args + ["--outputs", str(mnt / "out")], tmp_path)
-            try:
-                rc = cli.wait(timeout=120)
-            finally:
-                cli.close()
+            rc, cli = run_cli(args + ["--outputs", str(mnt / "out")], tmp_path)
             line = _error_line(cli, "measure")
             assert rc == 1 and "ledger.parquet: no space left on the device" in line, line
             run = _run_folder(mnt / "out")
