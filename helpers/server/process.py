@@ -215,6 +215,32 @@ def stop_all(timeout: float = 5.0) -> None:
             pass
 
 
+def stop_descendants(timeout: float = 1.0) -> list[int]:
+    """Stop every process this process started that still runs -- children and their descendants, by PID, and the
+    process groups those lead -- SIGTERM, then SIGKILL after ``timeout`` seconds; returns their PIDs. What a command
+    does after SIGINT / SIGTERM, once its own clean-up ran (:func:`helpers.__main__.cli`): notebook workers and
+    their kernels, a server whose handle was never returned."""
+    try:
+        procs = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    leaders = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(p.pid) == p.pid:
+                leaders.append(p.pid)
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    for pgid in leaders:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=1.0)
+    return [p.pid for p in procs]
+
+
 def stop_pid(pid: int, timeout: float = 20.0) -> list[int]:
     """Stop a server tree started elsewhere by its leader PID; return the PIDs that were ended."""
     try:

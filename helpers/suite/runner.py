@@ -46,7 +46,7 @@ import weakref
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import papermill as pm
 import yaml
@@ -188,7 +188,7 @@ def _run_parallel(stage: list[str], submit, record, jobs: int, needs: dict[str, 
     pending = list(stage)
     done: set[str] = set()
     running: dict = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with _pool(jobs) as pool:
         while pending or running:
             for nb in list(pending):
                 if len(running) >= jobs:
@@ -208,6 +208,22 @@ def _run_parallel(stage: list[str], submit, record, jobs: int, needs: dict[str, 
                 except Exception as exc:  # noqa: BLE001 - the child process itself died
                     entry = {"notebook": nb, "ok": False, **_failure(exc)}
                 record(nb, entry)
+
+
+@contextlib.contextmanager
+def _pool(jobs: int) -> Iterator[ProcessPoolExecutor]:
+    """A spawn-context process pool, shut down with the block; on Ctrl-C / SIGTERM (a KeyboardInterrupt) not waited
+    for: its notebooks are left to :func:`helpers.server.process.stop_descendants`, the command ends at once (an
+    executor's own ``with`` waits until every running notebook finished)."""
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    interrupted = False
+    try:
+        yield pool
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
 
 
 def _execute_child(nb: str, src: str, run_dir: str, nb_params: dict, timeout: int) -> dict:

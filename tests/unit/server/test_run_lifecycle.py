@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -205,3 +207,44 @@ def test_measure_whose_ledger_row_cannot_be_written_keeps_no_measurement(tmp_pat
             run = _run_folder(mnt / "out")
             assert not (run / "fixes" / "full").exists() and not list(run.rglob("*.tmp"))
             assert "no space left on the device" in (run / "FAILED").read_text()
+
+
+SUITE_STAGE = """
+import time
+from helpers.__main__ import exit_with
+from helpers.cli.common import run
+from helpers.suite.runner import _run_parallel
+
+def stage():
+    _run_parallel(["a", "b"], lambda pool, nb: pool.submit(time.sleep, 600), lambda nb, entry: None, 2, {})
+    return 0
+
+if __name__ == "__main__":         # spawned workers import this file too
+    exit_with(run("suite", stage))
+"""
+
+
+def test_a_signal_stops_the_suite_and_its_notebook_processes(tmp_path):
+    """Deliverable 3, whatever step runs: the suite's notebook processes (a spawn pool, here two workers running a
+    long call) do not hold the command after SIGTERM (the pool's own shutdown waited for them) and are stopped."""
+    script = tmp_path / "stage.py"
+    script.write_text(SUITE_STAGE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 60
+        while len(kids := psutil.Process(proc.pid).children(recursive=True)) < 3:   # resource tracker + 2 workers
+            assert proc.poll() is None and time.monotonic() < end, proc.stderr.read()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        for p in [proc, *psutil.Process(proc.pid).children(recursive=True)] if proc.poll() is None else []:
+            p.kill()
+    err = proc.stderr.read().decode()
+    assert rc == 143 and took < 2.0 and "suite: error: interrupted by SIGTERM" in err, (rc, took, err)
+    assert all(gone(p) for p in kids)
