@@ -7,7 +7,7 @@ import sys
 from ..investigation.cases import load_case
 from ..investigation.replay import replay_case
 from ..runfiles import new_run_dir
-from .common import Parser, out_folder
+from .common import Parser, failure_guard, out_folder
 from .common import run as run_cli
 
 
@@ -31,7 +31,8 @@ def _body(argv: list[str]) -> int:
     case = load_case(a.case)
     run = new_run_dir(case.name, out_folder(a.out, "--out"))
     print(f"[replay] {case.name} -> {run}", file=sys.stderr)
-    doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)
+    with failure_guard("replay", run):
+        doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)
     ok = doc.complete
     for s in doc.steps:
         if s.kind == "hypothesis":

@@ -54,7 +54,7 @@ from jupyter_client.manager import KernelManager
 from tqdm import tqdm
 
 from ..capture import server_hook_specs
-from ..errors import BadParams
+from ..errors import BadParams, describe
 from ..paths import ROOT
 from ..records import ReplayDoc
 from ..runfiles import atomic_write_text, mark_failed, new_run_dir, write_json
@@ -281,7 +281,7 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
     except BaseException as exc:
         run_dir = holder.get("run_dir")
         if run_dir is not None:   # a run that broke off (a full disk, Ctrl-C): never left looking like a result
-            mark_failed(run_dir, f"suite: {type(exc).__name__}: {exc}"[:2000])
+            mark_failed(run_dir, f"suite: {describe(exc)}"[:2000])
         raise
 
 
