@@ -13,8 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import psutil
 import pytest
+
+from helpers.budget import Budget
+from helpers.errors import ServerTimeout
+from helpers.server.client import SGLangClient
 
 from support import ROOT
 from support.fakerun import (
@@ -79,6 +84,42 @@ def test_investigate_relaunch_wait_honours_the_budget(models, tmp_path):
     doc = json.loads((run / "investigation.json").read_text())
     assert "deadline of 12 s" in doc["error"] and 12 <= doc["wall_s"] < 13.5, doc["wall_s"]
     assert "deadline of 12 s" in (run / "FAILED").read_text()
+
+
+def test_measure_fixes_waits_for_a_command_server_only_within_its_budget(tmp_path):
+    """Cause 1 for `measure --fixes`: a `command:` server that never answers /health is waited on until --timeout,
+    not its startup_timeout (1800 s); the fix's ledger row says why, the server is stopped."""
+    fixes = tmp_path / "fixes.yaml"
+    fixes.write_text(json.dumps({"name": "slow", "fixes": [{"name": "never", "command": NEVER_HEALTHY,
+                                                           "url": f"http://127.0.0.1:{free_port()}"}]}))
+    cli = Cli(["measure", "--fixes", str(fixes), "--outputs", str(tmp_path / "out"), "--quiet", "--timeout", "6"],
+              tmp_path)
+    try:
+        end = time.monotonic() + 60
+        while not (kids := cli.children()):
+            assert cli.proc.poll() is None and time.monotonic() < end, cli.stderr
+            time.sleep(0.1)
+        t = time.monotonic()
+        rc = cli.wait(timeout=60)
+        waited = time.monotonic() - t
+    finally:
+        cli.close()
+    assert rc == 1 and waited < 15, (rc, waited, cli.stderr)
+    assert all(gone(p) for p in kids)
+    run = _run_folder(tmp_path / "out")
+    (row,) = pd.read_parquet(run / "ledger.parquet").to_dict(orient="records")
+    assert row["fix"] == "never" and "the overall deadline of 6 s passed" in row["error"], row
+    assert not (run / "FAILED").exists()          # complete: the fix that failed has its row
+
+
+def test_a_client_health_wait_ends_with_its_budget():
+    """Deliverable 2: SGLangClient.wait_healthy polls within the client's budget, whatever its own timeout."""
+    client = SGLangClient(f"http://127.0.0.1:{free_port()}", budget=Budget(2.0))
+    t = time.monotonic()
+    with pytest.raises(ServerTimeout, match="deadline of 2 s passed"):
+        client.wait_healthy(timeout=300, poll=0.2)
+    assert time.monotonic() - t < 3.5
+    client.close()
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
