@@ -16,7 +16,9 @@ the traceback instead.
 """
 from __future__ import annotations
 
+import errno
 import re
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -147,8 +149,35 @@ def printable(text: str) -> str:
     return _CONTROL.sub("", _ESCAPE_SEQUENCE.sub("", text))
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached a command (:func:`helpers.cli.common.run`); ``signum`` is the signal, ``exit_code``
+    128 + signum (130 / 143). A KeyboardInterrupt, so code that stops on Ctrl-C stops on SIGTERM the same way."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(f"interrupted by {signal.Signals(self.signum).name}")
+
+
 def one_line(exc: BaseException) -> str:
     """The exception's message on one line (newlines folded, control characters and escape sequences removed:
     :func:`printable`), for a CLI's stderr."""
     text = str(exc) or type(exc).__name__
     return " ".join(printable(text).split())
+
+
+def describe(exc: BaseException) -> str:
+    """One line for ``exc`` (what a command prints after ``<command>: error:``, what a run folder's FAILED and an
+    investigation's ``error`` say): the suite's own errors as they are, OS errors with the path and what went wrong
+    (``<path>: no space left on the device``), a signal as ``interrupted by SIGTERM``, anything else with its type."""
+    if isinstance(exc, OSError) and not isinstance(exc, E3FError):
+        what = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                errno.EISDIR: "is a folder, a file was expected", errno.ENOTDIR: "is not a folder",
+                errno.ENOENT: "does not exist", errno.EACCES: "permission denied",
+                errno.EROFS: "read-only file system"}.get(exc.errno or 0, exc.strerror or type(exc).__name__)
+        where = exc.filename if exc.filename is not None else ""
+        return f"{where}: {what}" if where else what
+    if isinstance(exc, KeyboardInterrupt):
+        return str(exc) or "interrupted by SIGINT"
+    text = one_line(exc)
+    return text if isinstance(exc, E3FError) else f"{type(exc).__name__}: {text}"

@@ -52,6 +52,7 @@ import torch
 
 from .diagnosis.conventions import layer_index
 from .faults import FAULT_KINDS, Fault  # noqa: F401  (helpers.hooks.Fault is the public path)
+from .paths import shared_mode
 
 HOOK_PREFIX = "helpers.hooks"
 ARM_FILE = "ARMED"  # with armed_by_file, the capture hook writes only while out_dir/ARMED exists
@@ -254,6 +255,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
     os.close(fd)
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp)
+    os.chmod(tmp, shared_mode())       # safetensors writes 0600; the capture lands in a shared run folder
     os.replace(tmp, path)
 
 

@@ -7,7 +7,6 @@ and renamed into place, so a reader sees the old file or the new one, never a pa
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import io
 import json
@@ -29,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
+from .paths import shared_mode
 from .server.redaction import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,18 +64,28 @@ def new_run_dir(name: str, outputs: str | os.PathLike | None = None,
 
 def mark_failed(run_dir: str | os.PathLike, reason: str) -> Optional[Path]:
     """After a failed run: remove ``run_dir`` when it holds no file at all (a folder created for nothing), else write
-    ``run_dir/FAILED`` with the one-line reason so a half-written run folder is never mistaken for a result.
-    Returns the marker path, or None when the folder was removed or cannot be written (a full disk)."""
+    ``run_dir/FAILED`` with the one-line reason so a half-written run folder is never mistaken for a result (on a
+    full disk an empty ``FAILED``, when not even the reason fits). Returns the marker path, or None when the folder
+    was removed or nothing can be created in it."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
     if not any(p.is_file() for p in run_dir.rglob("*")):
         shutil.rmtree(run_dir, ignore_errors=True)
         return None
+    marker = run_dir / "FAILED"
     try:
-        return atomic_write_text(run_dir / "FAILED", reason.strip() + "\n")
+        return atomic_write_text(marker, reason.strip() + "\n")
+    except OSError:
+        pass
+    try:        # a full disk: a file with no data still fits (an inode, no block); the reason is then on stderr only
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     except OSError:
         return None
+    with contextlib.suppress(OSError):
+        os.write(fd, (reason.strip() + "\n").encode("utf-8", "backslashreplace"))
+    os.close(fd)
+    return marker
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -87,36 +97,71 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-@functools.lru_cache(maxsize=1)
-def _umask() -> int:
-    """The process umask, read without changing it (``/proc/self/status``; 0o022 where that is not available)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temp file in the same folder, fsync and rename;
-    create parent folders."""
+    create parent folders. The file gets the umask's mode (:func:`helpers.paths.shared_mode`).
+
+    Raises:
+        OSError: naming ``path`` itself (``str(exc)`` ends with it; ``exc.filename``), whatever failed: a full disk
+            (ENOSPC) while writing the temp file, a read-only folder, ...; no temp file is left.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())        # mkstemp makes 0600; a run's files are meant to be shared
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _naming(exc, path) from None
+    try:
+        os.fchmod(fd, shared_mode())        # mkstemp makes 0600; a run's files are meant to be shared
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _naming(exc, path) from None
         raise
     _fsync_dir(path.parent)
+    return path
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` (a write error on an open file names none; a temp file's name means nothing to the
+    reader)."""
+    if exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: Optional[dict] = None) -> Path:
+    """``safetensors.torch.save_file`` (it writes atomically itself) with the run folder's rules: the file gets the
+    umask's mode (safetensors creates 0600), and a failed write is an OSError naming ``path`` (safetensors raises
+    ``SafetensorError ... (os error 28)`` for a full disk).
+
+    Args:
+        path: the ``.safetensors`` file to write.
+        tensors: ``{name: contiguous CPU torch.Tensor}``.
+        metadata: string-to-string header metadata.
+
+    Raises:
+        OSError: the file could not be written (``<path>: No space left on device`` ...).
+    """
+    # lazy: safetensors.torch imports torch, and the torch-free commands import this module
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file  # lazy: as above
+
+    path = Path(path)
+    try:
+        save_file(dict(tensors), os.fspath(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+    os.chmod(path, shared_mode())
     return path
 
 

@@ -9,9 +9,8 @@ from typing import Optional, Sequence
 
 from ..errors import BadInput
 from ..investigation.live import default_run_dir, investigate
-from ..runfiles import mark_failed
 from ..views.investigation import write_report
-from .common import Parser, describe, progress_line, run
+from .common import Parser, failure_guard, out_folder, progress_line, run
 
 
 def build_parser() -> Parser:
@@ -55,20 +54,18 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
-        run_dir = default_run_dir(args.out, args.url)
+        out = out_folder(args.out, "--out")
+        run_dir = default_run_dir(out, args.url)
         show = progress_line(prog)
         show(f"run folder {run_dir}")
-        try:
+        with failure_guard(prog, run_dir):        # investigation.json keeps what was done; FAILED says why
             doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
                               relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
                               max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply,
-                              budget=not args.no_budget, live_measure=not args.no_measure,
+                              acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
                               training_log=args.training_log, progress=show)
-        except BaseException as exc:
-            mark_failed(run_dir, f"investigate: {describe(exc)}")     # investigation.json keeps what was done
-            raise
-        report = write_report(run_dir, doc)
+            report = write_report(run_dir, doc)
         if args.json:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],
                               "proposed_fix": None if doc.proposed_fix is None else doc.proposed_fix.model_dump(

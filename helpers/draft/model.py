@@ -28,7 +28,6 @@ attention is not implemented here.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -36,13 +36,14 @@ import psutil
 from ..acceptance.measure import measure, server_snapshot
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci, paired_effect
+from ..budget import Budget
 from ..capture import capture_every_layer, capture_reference_hf
 from ..diagnosis.detectors import finding
-from ..errors import BadInput, E3FError, ServerError
+from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..records import Finding, InvestigationDoc, ProposedFix
-from ..runfiles import new_run_dir, read_json, safe_name, write_json
+from ..runfiles import atomic_write_text, new_run_dir, read_json, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import free_port
 from ..server.embedded import start as start_embedded
@@ -242,31 +243,11 @@ def _noop(_: str) -> None:
     pass
 
 
-class Deadline:
-    """An overall time budget (seconds); :meth:`check` raises :class:`helpers.errors.ServerError` once spent."""
-
-    def __init__(self, seconds: Optional[float]):
-        self.t0 = time.monotonic()
-        self.seconds = seconds
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def remaining(self) -> Optional[float]:
-        return None if self.seconds is None else self.seconds - self.elapsed()
-
-    def check(self, what: str) -> None:
-        r = self.remaining()
-        if r is not None and r <= 0:
-            raise ServerError(f"investigate: the {self.seconds:.0f} s budget (--timeout) ran out before {what} "
-                              f"({self.elapsed():.0f} s elapsed)")
-
-
 def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
-                not_applied: str = "--no-apply: the fix was only proposed", budget: bool = True,
+                not_applied: str = "--no-apply: the fix was only proposed", acceptance_budget: bool = True,
                 live_measure: bool = True, training_log: Optional[str | Path] = None,
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
@@ -283,7 +264,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         num_samples: training samples to capture and compare.
         measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
         apply_fix: False to only propose (no restart, no measurement).
-        budget: compute the acceptance budget (:mod:`helpers.investigation.budget`): the draft run offline on the
+        acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.budget`): the draft run offline on the
             training states, the served states and the live prompts' states, against the training log and live.
         live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
         training_log: the draft's training log (default: looked for in the draft folder).
@@ -300,12 +281,12 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
     run_dir = Path(run_dir)
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    dl = Deadline(timeout)
+    dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
     timings: dict[str, float] = {}
     doc = InvestigationDoc(url=url, run_dir=str(run_dir), training=str(Path(training).resolve()))
 
     def step(name: str):
-        dl.check(name)
+        dl.check(f"before the {name} step")
         progress(f"{name} ...")
         return time.monotonic()
 
@@ -313,7 +294,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         timings[name] = round(time.monotonic() - t, 2)
         progress(f"{name}: {note} ({timings[name]:.1f} s)" if note else f"{name}: done ({timings[name]:.1f} s)")
 
-    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), deadline_s=timeout,
+    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), budget=dl,
                           on_wait=progress if progress is not _noop else None)
     try:
         t = step("attach")
@@ -389,7 +370,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         done("proposed fix", t, fix.summary)
 
         spec = att.spec or {}
-        if budget and all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
+        if acceptance_budget and all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
             t = step("acceptance budget")
             try:
                 br = run_budget(client=client, info=att.info, draft_dir=att.draft_dir, target_dir=att.target_dir,
@@ -418,7 +399,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 # checkpoint unlike its config): the wiring diagnosis stands, the budget says why it is missing
                 doc.notes.append(f"acceptance budget not computed: {exc}")
                 done("acceptance budget", t, f"not computed: {exc}")
-        elif budget:
+        elif acceptance_budget:
             doc.notes.append("no acceptance budget: the server reports no speculative settings (speculative_num_steps, "
                              "speculative_eagle_topk, speculative_num_draft_tokens in /server_info)")
         if att.tp > 1 and att.rank_capture_dir is None:
@@ -448,8 +429,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                                               max_new_tokens=max_new_tokens, concurrency=concurrency, dl=dl,
                                               progress=progress)
             done("relaunch", t, _measured_text(doc.measured))
-    except E3FError as exc:
-        doc.error = str(exc)
+    except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
+        doc.error = describe(exc)
         raise
     finally:
         client.close()
@@ -530,7 +511,7 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
         fig = None
         if res.figure is not None:
             path = run_dir / "figures" / f"investigate-{name}.json"
-            path.write_text(res.figure.to_json())
+            atomic_write_text(path, res.figure.to_json())
             fig = str(path.relative_to(run_dir))
         d = res.to_dict()
         out.append({"check": name, "title": res.title, "question": res.question, "verdict": res.verdict,
@@ -541,7 +522,7 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
 
 def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
                        training: Any, api_key: Optional[str], num_samples: int, prompts: int, max_new_tokens: int,
-                       concurrency: int, dl: Deadline, progress: Progress) -> dict:
+                       concurrency: int, dl: Budget, progress: Progress) -> dict:
     """Start a fresh server with the fix, measure both servers on the same prompts, diagnose the fixed one."""
     fixed_draft = draft_variant(att.draft_dir, fix.draft_config, run_dir / "drafts" / "proposed",
                                 add_tensors=fix.add_tensors or None)
@@ -550,17 +531,17 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
     before = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="before (as served)",
                      progress=False, seed=0)
     saved_before = before.save(run_dir / "acceptance" / "before")
-    dl.check("starting the fixed server")
+    dl.check("before starting the fixed server")
     progress("starting the fixed server ...")
-    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key)
+    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key, dl)
     try:
-        fixed = SGLangClient(handle.url, api_key, timeout=client.timeout)
+        fixed = SGLangClient(handle.url, api_key, timeout=client.timeout, budget=dl)
         progress(f"fixed server up at {handle.url}; measure after")
         after = measure(fixed, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="after (proposed fix)",
                         progress=False, seed=0)
         saved_after = after.save(run_dir / "acceptance" / "after")
         effect = paired_effect(before.per_request, after.per_request)
-        dl.check("diagnosing the fixed server")
+        dl.check("before diagnosing the fixed server")
         info = fixed.server_info()
         ranks, layers, _ = capture_hooks(info)
         inv2 = Investigation(run_dir, fixed, training=training, draft_dir=fixed_draft, target_dir=att.target_dir,
@@ -588,8 +569,10 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
                              "log": str(getattr(handle, "log_path", ""))}}
 
 
-def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str]):
-    """A fresh server like the attached one, with the fix applied; capture hooks write into this run folder."""
+def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str],
+                 budget: Budget):
+    """A fresh server like the attached one, with the fix applied; capture hooks write into this run folder. Waits
+    for it within ``budget`` (the investigation's)."""
     if att.restart["kind"] == "embedded":
         launch = dict(att.restart["launch"])
         spec = dict(launch.get("spec") or {})
@@ -607,7 +590,7 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
         return start_embedded(launch["target"], draft, tp=int(launch.get("tp") or 1), spec=spec or None,
                               forward_hooks=hooks or None, extra_args=launch.get("extra_args") or [],
                               dtype=launch.get("dtype") or "float32", api_key=api_key,
-                              log_path=run_dir / "logs" / "fixed-server.log")
+                              log_path=run_dir / "logs" / "fixed-server.log", budget=budget)
     argv = list(att.restart["argv"])
     port = free_port()
     flags = {"--speculative-draft-model-path": str(draft), "--port": str(port), **{k: str(v) for k, v in
@@ -616,7 +599,7 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
     handle = ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=run_dir / "logs" / "fixed-server.log",
                            secrets=[api_key] if api_key else [])
     try:
-        handle.wait_healthy(1800, api_key=api_key, what="the fixed server (--relaunch)")
+        handle.wait_healthy(1800, api_key=api_key, what="the fixed server (--relaunch)", budget=budget)
     except BaseException:
         handle.stop(timeout=5)
         raise
@@ -720,13 +703,13 @@ def sentence(doc: InvestigationDoc) -> str:
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
     ref = (doc.reference or {}).get("how") or "none"
-    budget = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
+    budget_text = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
     wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
     if not wiring:
         chunks = (doc.diagnosis or {}).get("chunks") or []
         head = "No wiring fault" if doc.verdict == "ok" else "No wiring fault, but acceptance is lost elsewhere"
         return (f"{head}: the {len(chunks)} aux chunks the server feeds equal the training data on the "
-                f"aligned rows ({doc.samples} sample(s); reference: {ref}).{budget} "
+                f"aligned rows ({doc.samples} sample(s); reference: {ref}).{budget_text} "
                 + _measured_text(doc.measured).capitalize() + ".")
     f = wiring[0]
     what = KIND_TEXT.get(f.kind, f.kind)
@@ -737,7 +720,7 @@ def sentence(doc: InvestigationDoc) -> str:
     fix_text = fix.summary if fix is not None else "none"
     head = "Draft checkpoint fault" if f.kind in DRAFT_KINDS else "Wrong wiring"
     return (f"{head}: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
-            + _measured_text(doc.measured).capitalize() + "." + budget)
+            + _measured_text(doc.measured).capitalize() + "." + budget_text)
 
 
 def _provenance(f: Finding) -> str:

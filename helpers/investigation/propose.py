@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..diagnosis.conventions import CapturePlan, describe, layer_index, served_plan
 from ..diagnosis.detectors import LAYOUT_KINDS
 from ..records import ProposedFix
-from ..runfiles import read_json_file
+from ..runfiles import atomic_write_text, read_json_file, write_safetensors
 
 #: Findings a change of the draft config ids can address (when the served chunks follow SGLang's rules).
 ID_KINDS = set(LAYOUT_KINDS) | {"config_ids_mismatch", "config_ids_ignored"}
@@ -315,9 +315,9 @@ def draft_variant(draft_dir: Path, overrides: Optional[dict], out_dir: Path, dro
                 weights = {k: v for k, v in weights.items() if k not in drop_tensors}
             if added and first_weights:
                 weights.update({k: v.contiguous() for k, v in added.items()})
-            save_file(weights, str(out_dir / f.name))
+            write_safetensors(out_dir / f.name, weights)
             continue
         (out_dir / f.name).symlink_to(f.resolve())
     cfg = read_json_file(draft_dir / "config.json", "draft config")
-    (out_dir / "config.json").write_text(json.dumps(_apply_overrides(cfg, overrides or {}), indent=2))
+    atomic_write_text(out_dir / "config.json", json.dumps(_apply_overrides(cfg, overrides or {}), indent=2))
     return out_dir

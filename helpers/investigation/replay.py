@@ -35,7 +35,7 @@ from ..capture import server_hook_specs
 from ..errors import RunFailed
 from ..formats.configs import read_target_config
 from ..records import REPLAY_STEP, FixStep, HypothesisStep, InvestigationStep, ReplayDoc, SweepStep
-from ..runfiles import read_parquet, safe_name, write_json
+from ..runfiles import atomic_write_text, read_parquet, safe_name, write_json
 from ..server.settings import SpecSettings
 from .cases import Case, load_case
 from .checks import Investigation, run_check
@@ -195,7 +195,7 @@ class Replay:
         fig_path = None
         if res.figure is not None:
             fig_path = self.run_dir / "figures" / f"step{i + 1:02d}-{h.check}.json"
-            fig_path.write_text(res.figure.to_json())
+            atomic_write_text(fig_path, res.figure.to_json())
         d = res.to_dict()
         d.pop("figure", None)
         return HypothesisStep(index=i, check=h.check, label=h.label, question=res.question,

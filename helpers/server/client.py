@@ -45,6 +45,7 @@ import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from ..budget import Budget
 from ..errors import (
     AuthError,
     BadInput,
@@ -94,9 +95,8 @@ class _Waiting:
     """While a request is in flight, calls ``on_wait`` every ``every`` seconds with a progress line, so a slow
     server is never mistaken for a hang."""
 
-    def __init__(self, on_wait: Optional[Callable[[str], None]], where: str, every: float,
-                 deadline: Optional[float]):
-        self.on_wait, self.where, self.every, self.deadline = on_wait, where, every, deadline
+    def __init__(self, on_wait: Optional[Callable[[str], None]], where: str, every: float, budget: Budget):
+        self.on_wait, self.where, self.every, self.budget = on_wait, where, every, budget
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -110,7 +110,8 @@ class _Waiting:
     def _loop(self) -> None:
         while not self._stop.wait(self.every):
             waited = time.monotonic() - self._start
-            left = "" if self.deadline is None else f"; deadline in {max(0.0, self.deadline - time.monotonic()):.0f} s"
+            rem = self.budget.remaining()
+            left = "" if rem is None else f"; deadline in {max(0.0, rem):.0f} s"
             try:
                 self.on_wait(f"still waiting for {self.where} ({waited:.0f} s{left})")
             except Exception:  # noqa: BLE001 - progress must never break a request
@@ -133,7 +134,10 @@ class SGLangClient:
         retries: extra attempts after a connection error, a connect/read timeout on idempotent
             probes, or 502/503/504; waits ``backoff * 2**attempt`` seconds in between.
         transport: optional httpx transport (tests).
-        deadline_s: overall budget in seconds for everything this client sends (:meth:`set_deadline`).
+        deadline_s: overall budget in seconds for everything this client sends, from now (a new :class:`Budget`).
+        budget: the command's :class:`helpers.budget.Budget` instead (shared with its other waits; wins over
+            ``deadline_s``). Every request ends (:class:`ServerTimeout`) once it is spent, not only per read (a
+            server that trickles one byte every few seconds never trips a read timeout), or cancelled.
         on_wait: called with a progress line every ``wait_every`` seconds while a request is in flight.
         max_info_bytes / max_generate_bytes: the largest answer read from a probe endpoint / from ``/generate``.
 
@@ -146,7 +150,8 @@ class SGLangClient:
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 30.0,
                  generate_timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
                  transport: Optional[httpx.BaseTransport] = None, deadline_s: Optional[float] = None,
-                 on_wait: Optional[Callable[[str], None]] = None, wait_every: float = 15.0,
+                 budget: Optional[Budget] = None, on_wait: Optional[Callable[[str], None]] = None,
+                 wait_every: float = 15.0,
                  max_info_bytes: int = MAX_INFO_BYTES, max_generate_bytes: int = MAX_GENERATE_BYTES):
         if not url or "://" not in url:
             raise BadInput(f"url must look like http://host:port, got {redact_url(str(url))!r}", field="--url")
@@ -164,31 +169,18 @@ class SGLangClient:
                                   transport=transport)
         self._server_info: Optional[dict] = None
         self._model_info: Optional[dict] = None
-        self.deadline: Optional[float] = None
-        self.budget_s: Optional[float] = None
-        self._t0 = time.monotonic()
-        if deadline_s is not None:
-            self.set_deadline(deadline_s)
+        self.budget = budget if budget is not None else Budget(deadline_s)
         self.on_wait = on_wait
         self.wait_every = float(wait_every)
         self.max_info_bytes = int(max_info_bytes)
         self.max_generate_bytes = int(max_generate_bytes)
 
-    def set_deadline(self, seconds: Optional[float]) -> None:
-        """An overall budget: every request from now on ends (:class:`ServerTimeout`) once ``seconds`` have passed
-        in all, not only per read (a server that trickles one byte every few seconds never trips a read
-        timeout). None removes it."""
-        self._t0 = time.monotonic()
-        self.budget_s = None if seconds is None else float(seconds)
-        self.deadline = None if seconds is None else self._t0 + float(seconds)
-
     def remaining(self) -> Optional[float]:
-        """Seconds left of the overall budget (None without one)."""
-        return None if self.deadline is None else self.deadline - time.monotonic()
+        """Seconds left of the overall budget (None without one; 0 once it was cancelled)."""
+        return self.budget.remaining()
 
     def _expired(self, where: str, path: str) -> ServerTimeout:
-        return ServerTimeout(f"{where}: the overall deadline of {self.budget_s:.0f} s passed "
-                             f"({time.monotonic() - self._t0:.0f} s elapsed; raise it with --timeout)", endpoint=path)
+        return self.budget.error(where, path)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -226,7 +218,7 @@ class SGLangClient:
         502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here, a 3xx redirect
         :class:`SGLangError` (its body is no answer of the endpoint asked). The body is read in
         chunks: past ``max_bytes`` (default :attr:`max_info_bytes`) the request ends with :class:`SGLangError`
-        naming the limit; past the overall deadline (:meth:`set_deadline`) with :class:`ServerTimeout`. While a
+        naming the limit; past the overall deadline (:attr:`budget`) with :class:`ServerTimeout`. While a
         request is in flight longer than ``wait_every`` seconds, ``on_wait`` gets a progress line.
         """
         tries = 1 + (self.retries if retries is None else retries)
@@ -239,7 +231,7 @@ class SGLangClient:
                 rem = self.remaining()
                 if rem is not None and rem <= pause:
                     raise self._expired(where, path)
-                time.sleep(pause)
+                self.budget.sleep(pause)
             rem = self.remaining()
             if rem is not None and rem <= 0:
                 raise self._expired(where, path)
@@ -247,7 +239,7 @@ class SGLangClient:
             if rem is not None:
                 t = _cap_timeout(t, rem)
             try:
-                with _Waiting(self.on_wait, where, self.wait_every, self.deadline):
+                with _Waiting(self.on_wait, where, self.wait_every, self.budget):
                     resp = self._read(method, path, json_body, params, t, limit, where)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 last = f"cannot connect ({type(exc).__name__}: {self._scrub(str(exc))})"
@@ -308,7 +300,7 @@ class SGLangClient:
                     raise SGLangError(f"{where}: the answer exceeds the limit of {limit / 2**20:.1f} MiB for this "
                                       "endpoint (read stopped there)", endpoint=path)
                 chunks.append(chunk)
-                if self.deadline is not None and time.monotonic() > self.deadline:
+                if self.budget.spent():
                     raise self._expired(where, path)
             headers = [(k, v) for k, v in resp.headers.multi_items()
                        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
@@ -360,7 +352,12 @@ class SGLangClient:
         return resp.status_code == 200
 
     def wait_healthy(self, timeout: float = 300.0, poll: float = 1.0) -> None:
-        """Poll ``/health`` until 200 or ``timeout`` seconds; raise :class:`ServerUnavailable`."""
+        """Poll ``/health`` until 200, for ``timeout`` seconds at most and never past the client's :attr:`budget`.
+
+        Raises:
+            ServerUnavailable: not healthy after ``timeout`` seconds.
+            ServerTimeout: the budget was spent (or cancelled) first.
+        """
         deadline = time.monotonic() + timeout
         last = "no answer"
         while True:
@@ -368,12 +365,17 @@ class SGLangClient:
                 if self.health():
                     return
                 last = "HTTP 503"
-            except (ServerUnavailable, ServerTimeout) as exc:
+            except ServerTimeout as exc:
+                if self.budget.spent():
+                    raise
                 last = str(exc).split(": ", 1)[-1]
+            except ServerUnavailable as exc:
+                last = str(exc).split(": ", 1)[-1]
+            self.budget.check(f"{self._shown_url}/health not 200 (last: {last})", "/health")
             if time.monotonic() > deadline:
                 raise ServerUnavailable(f"{self._shown_url}/health not 200 after {timeout:.0f} s "
                                         f"(last: {last})", endpoint="/health")
-            time.sleep(poll)
+            self.budget.sleep(poll)
 
     def server_info(self, refresh: bool = False) -> dict:
         """``/server_info`` (fallback ``/get_server_info``), checked and **redacted** (:func:`redact`).
@@ -459,7 +461,7 @@ class SGLangClient:
         prompt block of hidden states) and zeroes the lifetime spec counters
         (``avg_spec_accept_length`` in ``/server_info``), which this package never uses.
         Raises :class:`CacheBusy` after ``timeout`` seconds, :class:`RequestRejected` at once for any other
-        status.
+        status, :class:`ServerTimeout` once the :attr:`budget` is spent.
         """
         t0 = time.monotonic()
         while True:
@@ -476,7 +478,7 @@ class SGLangClient:
                 raise CacheBusy(f"POST {self._shown_url}/flush_cache still HTTP {resp.status_code} "
                                 f"after {timeout:.0f} s (requests running?): {self._body(resp)}",
                                 endpoint="/flush_cache", status=resp.status_code)
-            time.sleep(poll)
+            self.budget.sleep(poll)
 
     # -- generation -------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..budget import Budget
 from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
@@ -188,6 +189,8 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
         api_key: passed as ``--api-key``; redacted from the log file.
         log_path: where the server log goes (default: a new temp file).
         timeout: seconds to wait for ``/health`` before giving up.
+        budget: the command's :class:`helpers.budget.Budget`: the wait for ``/health`` ends when it is spent,
+            whatever ``timeout`` says.
         python: interpreter of the SGLang venv (default ``env/reference/.venv/bin/python`` or
             ``$E3F_SGLANG_PYTHON``).
         env: extra environment variables for the server.
@@ -224,7 +227,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
           forward_hooks: Optional[list[dict]] = None, port: Optional[int] = None, *,
           dtype: str = "float32", max_total_tokens: int = 8192, return_hidden_states: bool = True,
           enable_metrics: bool = True, api_key: Optional[str] = None,
-          log_path: os.PathLike | str | None = None, timeout: float = 300.0,
+          log_path: os.PathLike | str | None = None, timeout: float = 300.0, budget: Optional[Budget] = None,
           python: os.PathLike | str | None = None, env: Optional[dict[str, str]] = None,
           cpus: Optional[Sequence[int]] = None, threads_per_rank: int = 1) -> ServerProcess:
     """One start attempt (see :func:`start`)."""
@@ -276,7 +279,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
                            cwd=os.fspath(ROOT), port=port, tp=tp, spec=spec, target=target,
                            draft=draft_path)
     try:
-        handle.wait_healthy(timeout, api_key=api_key, what="SGLang server")
+        handle.wait_healthy(timeout, api_key=api_key, what="SGLang server", budget=budget)
     except BaseException:
         handle.stop(timeout=5)
         raise

@@ -143,7 +143,7 @@ def test_server_flag_algorithm_eagle_bypasses_fc(tmp_path):
 def test_hook_layer_offset_is_named_as_an_engine_fault(tmp_path):
     faults = json.dumps([{"kind": "layer_offset", "shift": 1, "layers": TRAINED}])
     with server(tmp_path, "--faults", faults) as url:
-        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, budget=False)
+        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, acceptance_budget=False)
     assert set(_kinds(doc)) == {"layer_offset"}, [(f.kind, f.detail) for f in doc.findings]
     assert _verdicts(doc)["layer_offset"] == "confirmed" and _verdicts(doc)["concat_order"] != "confirmed"
     fix = doc.proposed_fix
@@ -155,7 +155,7 @@ def test_hook_layer_offset_is_named_as_an_engine_fault(tmp_path):
 def test_hook_partial_sum_on_tp2(tmp_path):
     faults = json.dumps([{"kind": "tp_partial_sum", "chunk": 1, "layer": 3}])
     with server(tmp_path, "--faults", faults) as url:
-        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, budget=False)
+        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, acceptance_budget=False)
     assert _kinds(doc)[0] == "tp_partial_sum", [(f.kind, f.detail) for f in doc.findings]
     assert not LAYOUT & set(_kinds(doc)) and "rotated_basis" not in _kinds(doc)
     assert _verdicts(doc)["tp_sharding"] == "confirmed"     # the ranks disagree (per-rank capture)
@@ -183,7 +183,7 @@ def test_top_level_ids_fall_back_without_a_false_finding(tmp_path):
     draft = _draft(tmp_path, {"eagle_config": None, "eagle_aux_hidden_state_layer_ids": TRAINED})
     assert "eagle_config" not in json.loads((draft / "config.json").read_text()) and cfg["eagle_config"]
     with server(tmp_path, draft=draft, capture=False) as url:
-        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, budget=False)
+        doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, acceptance_budget=False)
     # SGLang ignores the top-level ids and falls back to [2, n//2, n-3] = out(1), out(3), out(4): what training used
     assert doc.verdict == "ok", [(f.kind, f.detail) for f in doc.findings]
     advisories = " ".join(doc.diagnosis["static"]["advisories"])
@@ -196,7 +196,7 @@ def test_tp8_per_rank_hypotheses_get_live_verdicts(tmp_path):
     draft = _draft(tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 1, 3]}})
     with server(tmp_path, draft=draft, tp=8) as url:
         doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, num_samples=2,
-                          budget=False)
+                          acceptance_budget=False)
     assert doc.attach["tp"] == 8 and "embedding_in_place_of_layer" in _kinds(doc)
     hyp = {h["check"]: h for h in doc.hypotheses}
     for check in ("tp_sharding", "embedding_all_reduce"):

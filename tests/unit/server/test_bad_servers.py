@@ -14,23 +14,17 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 from helpers.__main__ import main
-from helpers.formats.dumps import write_dump
 from support import ROOT
+from support.fakerun import write_training
 from support.fakeserver import H, fake_server
 
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory) -> Path:
     """A 3-chunk, 16-wide training dump of two samples (the fake server's width)."""
-    out = tmp_path_factory.mktemp("train") / "train"
-    g = torch.Generator().manual_seed(0)
-    samples = [{"key": f"s{i}", "input_ids": torch.arange(5) + i, "hidden": torch.randn(5, 3 * H, generator=g)}
-               for i in range(2)]
-    return write_dump(out, samples, {"kind": "training", "hidden_size": H,
-                                     "layer_plan": {"tensors": ["out(1)", "out(3)", "out(4)"]}})
+    return write_training(tmp_path_factory.mktemp("train") / "train")
 
 
 def _one_line_error(capsys, prog: str) -> str:
