@@ -20,7 +20,7 @@ from ..draft.training_log import predicted_accept_length, read_training_log
 from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.training_data import TrainingData
-from ..investigation.budget import find_training_log
+from ..investigation.acceptance import find_training_log
 from .common import Parser, progress_line, run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -51,7 +51,7 @@ from ..server.process import ServerProcess
 from ..server.registry import lookup
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
-from .budget import run_budget
+from .acceptance import run_budget
 from .checks import Investigation, run_check
 from .propose import draft_variant, propose_fix
 
@@ -264,7 +264,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         num_samples: training samples to capture and compare.
         measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
         apply_fix: False to only propose (no restart, no measurement).
-        acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.budget`): the draft run offline on the
+        acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.acceptance`): the draft run offline on
             training states, the served states and the live prompts' states, against the training log and live.
         live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
         training_log: the draft's training log (default: looked for in the draft folder).
