@@ -21,8 +21,8 @@ same):
    recommended settings' accept length minus the served settings', counted when the modelled gain is material.
 
 The cause is the stage whose loss is beyond its CI and material (>= ``MATERIAL`` of the expected accept length and
->= ``MIN_TOKENS`` tokens); the largest such loss wins; ``none`` when none is; ``unknown`` when no stage counts, a stage could not be
-computed, and live acceptance is materially below the training log's prediction (what is missing is listed).
+>= ``MIN_TOKENS`` tokens); the largest such loss wins; ``none`` when none is; ``unknown`` when no stage counts, a stage
+could not be computed, and live acceptance is materially below the training log's prediction (what is missing is listed).
 """
 from __future__ import annotations
 

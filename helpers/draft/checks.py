@@ -278,10 +278,11 @@ def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
             params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), _INIT_EMPTY)
             for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
                 params[(pre + norm + ".weight", None)] = ((H,), _INIT_RMSNORM)
-    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin, fc_norm=fc_norm,
-                 norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie, draft_vocab=draft_vocab, vocab=V,
-                 lm_from_target=lm_from_target, midlayer_checked=midlayer_checked, source=source, heads=nh,
-                 kv_heads=nkv, head_dim=hd, intermediate=inter, layers=nlayers, attn_bias=attn_bias)
+    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin,
+                             fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
+                             draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
+                             midlayer_checked=midlayer_checked, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
+                             intermediate=inter, layers=nlayers, attn_bias=attn_bias)
 
 
 def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
@@ -676,7 +677,8 @@ def _flags(arch: SGLangDraftParams, d: DraftConfig, findings: list) -> None:
             flags=ignored, config=str(d.path)))
 
 
-def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs: bool, findings: list, facts: dict) -> None:
+def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs: bool, findings: list,
+             facts: dict) -> None:
     """Every checkpoint tensor resolved as ``load_weights`` resolves it: shape errors raise, missing parameters and
     dropped tensors are findings."""
     filled: set = set()

@@ -264,7 +264,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         num_samples: training samples to capture and compare.
         measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
         apply_fix: False to only propose (no restart, no measurement).
-        acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.acceptance`): the draft run offline on
+        acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.acceptance`): the draft run
+            offline on
             training states, the served states and the live prompts' states, against the training log and live.
         live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
         training_log: the draft's training log (default: looked for in the draft folder).
