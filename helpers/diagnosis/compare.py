@@ -22,9 +22,9 @@ holds a TP-sharded width) the comparison accumulates, over all rows aligned by `
 
 The per-row tolerance comes from the dtypes (:data:`REL_DIFF_TOLERANCE`, :func:`tolerance_why`).
 
-Memory: the training data are streamed (one sample at a time) and rows are processed in blocks whose
-scratch is a [:data:`PAIR_ROWS`, width] buffer; served samples from project dumps are read lazily per
-sample. Only bounded summaries are kept: per pair sums, extrema and histograms, per chunk the top rows,
+Memory: the training data are streamed (at most two samples referenced) and rows are processed in blocks of
+``block_rows`` rows, each block in flight (one per worker thread, plus the one being added) with its own float32
+scratch of the block's widths; served samples from project dumps are read lazily per sample. Only bounded summaries are kept: per pair sums, extrema and histograms, per chunk the top rows,
 :data:`CONTEXT_CACHE_IDS` cached rows for the context-free test and the reservoir's fixed-size buffers.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ REL_DIFF_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-3, "bfloat
 #: Share of aligned rows that must be within the tolerance for two chunks to be called equal.
 MATCH_SHARE = 0.9
 #: rows per pair-loop step (and per pipeline block): 128 halves the Python steps per row against 64 and measured
-#: faster with the two-stage pipeline (bench/bench_compare.py); the difference buffer is [rows, chunk width] float32.
+#: faster with the block pipeline (bench/bench_compare.py); the difference buffer is [rows, chunk width] float32.
 PAIR_ROWS = 128
 #: pairs whose Gram-based |x-y|^2 is below this fraction of |x|^2+|y|^2 get the elementwise pass: max |x-y| and,
 #: when the tolerance is tighter than :data:`EXACT_BELOW_TOL` (float32 / float64 data), |x-y|^2 recomputed from the
@@ -532,17 +532,25 @@ class ChunkStats:
             todo = np.nonzero(rowok & cached)[0]
         else:
             todo = np.nonzero(rowok)[0]
-        hits, refs = [], []
-        for r in todo:
+        hits, hit_ids, new_rows = [], [], []
+        pos = info.positions
+        for r in todo.tolist():
             tid = int(ids[r])
             hit = self._cache.get(tid)
             if hit is None:
                 if len(self._cache) < CONTEXT_CACHE_IDS:
-                    self._cache[tid] = (int(info.positions[r]), x3[r].clone(), fin[r].copy())
+                    self._cache[tid] = (int(pos[r]), None, fin[r].copy())     # row filled in below
+                    new_rows.append(r)
                 continue
-            if hit[0] != int(info.positions[r]):
-                hits.append(int(r))
-                refs.append(hit)
+            if hit[0] != int(pos[r]):
+                hits.append(r)
+                hit_ids.append(tid)
+        if new_rows:                        # the first occurrences' rows, copied at once
+            kept = x3[torch.tensor(new_rows)]
+            for q, r in enumerate(new_rows):
+                tid = int(ids[r])
+                self._cache[tid] = (self._cache[tid][0], kept[q], self._cache[tid][2])
+        refs = [self._cache[t] for t in hit_ids]
         if hits:
             x = x3[torch.tensor(hits)]
             ref = torch.stack([h[1] for h in refs])
