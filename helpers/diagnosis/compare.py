@@ -1110,22 +1110,20 @@ def _finite_rows(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fin, nx
 
 
-#: worker threads that measure blocks (the tensor work: float32 copies, row norms, pair products, near-pair
-#: differences) while the calling thread adds the measured blocks to the statistics in block order. Default: one
-#: worker per core up to 2; E3F_COMPARE_THREADS=N sets N workers, 1 = none (everything in the calling thread).
+#: threads that compare blocks: the calling thread plus E3F_COMPARE_THREADS - 1 workers (default: one per core, up
+#: to 2 threads; 1 = everything in the calling thread). Workers only run :func:`_prepare` (the tensor work).
 _PIPELINE = None
-#: per-block scratch buffers: one per block in flight (the workers' blocks and the one being added).
+#: per-block scratch buffers: one per block not yet consumed (see :class:`_Blocks`).
 _SLOTS: list["_Scratch"] = []
 
 
 def _pipeline() -> Optional[ThreadPoolExecutor]:
     """The block pipeline's worker threads (each runs torch ops on one intra-op thread: the blocks, not the ops,
-    are spread over the cores, which stays fast when other processes load the machine), or None when turned
-    off / on a single core."""
+    are spread over the cores), or None when turned off / on a single core."""
     global _PIPELINE
     if _PIPELINE is None:
         want = int(os.environ.get("E3F_COMPARE_THREADS", "0") or 0) or min(2, os.cpu_count() or 1)
-        _PIPELINE = ThreadPoolExecutor(want, thread_name_prefix="e3f-compare", initializer=torch.set_num_threads,
+        _PIPELINE = ThreadPoolExecutor(want - 1, thread_name_prefix="e3f-compare", initializer=torch.set_num_threads,
                                        initargs=(1,)) if want >= 2 else False
     return _PIPELINE or None
 
@@ -1136,20 +1134,39 @@ def _slot(i: int) -> "_Scratch":
     return _SLOTS[i]
 
 
+class _Block:
+    """One block added to :class:`_Blocks`: its sample number, scratch slot, arguments, the worker's future and,
+    once prepared by the calling thread instead, the result."""
+
+    __slots__ = ("sample", "slot", "a", "args", "rest", "fut", "prep")
+
+    def __init__(self, sample, slot, a, args, rest, fut):
+        self.sample, self.slot, self.a, self.args, self.rest, self.fut, self.prep = sample, slot, a, args, rest, fut, None
+
+    def steal(self) -> bool:
+        """Prepare the block in the calling thread if no worker has started it."""
+        if self.prep is None and self.fut.cancel():
+            self.prep = _prepare(self.slot, self.a, *self.args)
+            return True
+        return False
+
+
 class _Blocks:
-    """The block pipeline of one :func:`compare`: :func:`_prepare` (the tensor work) of up to one block per worker
-    runs ahead in the worker threads, across sample boundaries, while the calling thread runs :func:`_consume` of
-    the blocks in the order they were added, so the results are those of a sequential pass. Each block in flight
-    (the workers' and the one being consumed) has its own scratch slot.
+    """The block pipeline of one :func:`compare`. Blocks are queued to the worker threads for :func:`_prepare` (the
+    tensor work) up to ``workers + 1`` ahead, across sample boundaries; the calling thread runs :func:`_consume` of
+    the blocks in the order they were added (so the results are those of a sequential pass) and, rather than wait
+    for a block a worker is still preparing, prepares a later queued block itself: no thread waits while there is
+    work, and a machine loaded by other processes costs no more than a single thread. Each block not yet consumed
+    has its own scratch slot.
 
     Samples: blocks of at most the current and the previous loaded sample are referenced (:meth:`next_sample`
     consumes older ones before the next sample is loaded), so streaming keeps at most 2 samples alive."""
 
     def __init__(self):
         self.pool = _pipeline()
-        self.workers = self.pool._max_workers if self.pool is not None else 0
-        self.pending: deque = deque()        # (sample number, future of _prepare, arguments of _consume)
-        self.count = 0                       # blocks submitted: block c uses slot c % (workers + 1)
+        self.ahead = self.pool._max_workers + 1 if self.pool is not None else 0
+        self.pending: deque[_Block] = deque()
+        self.count = 0                       # blocks added: block c uses slot c % (ahead + 1)
         self.sample = 0
 
     def add(self, a: int, prepare_args: tuple, consume_args: tuple) -> None:
@@ -1158,37 +1175,38 @@ class _Blocks:
         if self.pool is None:
             _consume(_prepare(_slot(0), a, *prepare_args), *consume_args)
             return
-        if len(self.pending) < self.workers:
-            self._submit(a, prepare_args, consume_args)
-            return
-        _, fut, rest = self.pending.popleft()
-        prep = fut.result()
-        self._submit(a, prepare_args, consume_args)  # its slot is free: that block's predecessor is `prep`
-        _consume(prep, *rest)
-
-    def _submit(self, a, prepare_args, consume_args) -> None:
-        fut = self.pool.submit(_prepare, _slot(self.count % (self.workers + 1)), a, *prepare_args)
-        self.pending.append((self.sample, fut, consume_args))
+        slot = _slot(self.count % (self.ahead + 1))
         self.count += 1
+        self.pending.append(_Block(self.sample, slot, a, prepare_args, consume_args,
+                                   self.pool.submit(_prepare, slot, a, *prepare_args)))
+        while len(self.pending) > self.ahead:
+            self._consume_next()
+
+    def _consume_next(self) -> None:
+        blk = self.pending[0]
+        if blk.prep is None and not blk.steal():
+            while not blk.fut.done() and any(later.steal() for later in list(self.pending)[1:]):
+                pass                         # a worker is on it: prepare later blocks meanwhile
+            blk.prep = blk.fut.result()
+        self.pending.popleft()
+        _consume(blk.prep, *blk.rest)
 
     def next_sample(self) -> None:
         """A new sample is about to be loaded: consume the blocks of samples before the previous one."""
-        while self.pending and self.pending[0][0] < self.sample:
-            _, fut, rest = self.pending.popleft()
-            _consume(fut.result(), *rest)
+        while self.pending and self.pending[0].sample < self.sample:
+            self._consume_next()
         self.sample += 1
 
     def finish(self) -> None:
-        """Consume every block still in flight."""
+        """Consume every block still pending."""
         while self.pending:
-            _, fut, rest = self.pending.popleft()
-            _consume(fut.result(), *rest)
+            self._consume_next()
 
     def close(self) -> None:
         """After an error: wait until no worker uses a scratch slot any more (nothing is consumed)."""
         while self.pending:
-            _, fut, _ = self.pending.popleft()
-            fut.cancel() or fut.exception()
+            blk = self.pending.popleft()
+            blk.fut.cancel() or blk.fut.exception()
 
 
 def _compare_rows(blocks: _Blocks, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows,
