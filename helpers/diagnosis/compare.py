@@ -976,6 +976,7 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
                           reservoir, key=s0.key, positions=np.arange(p0, p0 + m), ids=tids[p0:p0 + m].copy(),
                           suspect=suspect)
         del tr_rows, ref_rows
+    align["training_truncated"] = bool(getattr(training, "truncated", False))
     for g, ranks in enumerate(groups):
         if g not in pairer.used:
             s0 = ranks[0]
