@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 from ..errors import BadInput
 from ..investigation.live import default_run_dir, investigate
 from ..runfiles import mark_failed
+from ..views.common import run_dir_line
 from ..views.investigation import write_report
 from .common import Parser, describe, progress_line, run
 
@@ -53,6 +54,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = default_run_dir(args.out, args.url)
         show = progress_line(prog)
         show(f"run folder {run_dir}")
+        show(f"to open it in the notebooks, paste into their parameters cell: {run_dir_line(run_dir)}")
         try:
             doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
                               relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,

@@ -286,10 +286,14 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         :class:`helpers.records.InvestigationDoc` (also written to ``run_dir/investigation.json``).
 
     Raises:
-        BadInput: unusable training data, draft or target folders.
+        BadInput: unusable training data, draft or target folders; a ``run_dir`` that already holds an
+            investigation (checked before any work: nothing is overwritten).
         ServerError: the server does not answer, or the budget ran out.
     """
     run_dir = Path(run_dir)
+    if (run_dir / "investigation.json").exists():
+        raise BadInput("the run folder already holds an investigation (investigation.json); investigate into a new "
+                       "run folder", path=run_dir)
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Deadline(timeout)

@@ -14,6 +14,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from ..acceptance.stats import format_ci
+from ..errors import BadInput
 from ..investigation.replay import replay_case
 from ..plots.acceptance import tok_s_vs_steps
 from ..records import REPLAY_STEP, ReplayDoc
@@ -32,20 +33,29 @@ def as_step(step: Any):
     return step if not isinstance(step, Mapping) else REPLAY_STEP.validate_python(dict(step))
 
 
-def run_or_load_replay(ctx: RunContext, *, rerun: bool = False, progress: bool = False) -> Optional[dict]:
-    """Replay the case of ``ctx.case_path`` into ``ctx.run_dir`` (or load a complete replay already there unless ``rerun``);
+def run_or_load_replay(ctx: RunContext, *, progress: bool = False) -> Optional[dict]:
+    """Replay the case of ``ctx.case_path`` into ``ctx.run_dir`` (or load a complete replay of it already there);
     record the case path in ``results/00_replay.json``. Returns the replay document, None without a case.
-    The API key, if any, is read from the environment variable named by ``ctx.api_key_env``."""
+    The API key, if any, is read from the environment variable named by ``ctx.api_key_env``.
+
+    Raises:
+        helpers.errors.BadInput: a replay would be written into a run folder that holds one already, or into a
+            finished run the user did not name (before any work)."""
 
     case = ctx.load_case()
     if case is None:
         return ctx.replay
     doc = as_replay(ctx.replay)
-    if rerun or doc is None or not doc.complete or doc.case != case.name:
+    if doc is None or not doc.complete or doc.case != case.name:
+        ctx.require_writable("replaying the case")
+        if any(ctx.run_dir.glob("results/replay-*.json")):
+            raise BadInput("this run folder already holds a replay (of another case, or incomplete); a replay is "
+                           "never written over another: leave run_dir empty for a new run folder",
+                           path=ctx.run_dir, field="run_dir")
         key = os.environ.get(ctx.api_key_env) or None
         doc = replay_case(case, ctx.run_dir, progress=progress, api_key=key)
     ctx.replay = doc
-    write_result(ctx.run_dir, "00_replay", {
+    write_result(ctx, "00_replay", {
         "case_path": str(ctx.case_path), "case": doc.case, "headline": doc.headline,
         "complete": doc.complete, "wall_s": doc.wall_s,
         "models": {"target": str(ctx.target_dir), "draft": str(ctx.draft_dir), "training": str(ctx.training)},

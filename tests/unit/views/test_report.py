@@ -184,6 +184,7 @@ def test_failures_frame_from_status():
 
 def test_context_defaults_and_case_models(tmp_path, tiny_target, tiny_draft):
     run = tmp_path / "run"
+    run.mkdir()
     ctx = views_common.context(run)
     assert ctx.target_dir == views_common.ROOT / views_common.DEFAULT_TARGET and ctx.training == views_common.ROOT / views_common.DEFAULT_TRAINING
     assert ctx.replay is None and not ctx.live
