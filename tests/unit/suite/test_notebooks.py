@@ -58,3 +58,16 @@ def test_notebook_is_paired_with_its_py_percent_file(path):
     a = nbformat.read(path, as_version=4)
     b = jupytext.read(text)
     assert [(c.cell_type, c.source.strip()) for c in a.cells] == [(c.cell_type, c.source.strip()) for c in b.cells]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_records_the_kernels_language_info(path):
+    """JupyterLab writes the kernel's ``language_info`` into the notebook's metadata when the kernel starts; a notebook
+    that lacks it, or holds another Python's, is marked unsaved as soon as it opens (the browser test,
+    tests/suite/test_lab_browser.py, sees the tab clean)."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    nb = nbformat.read(path, as_version=4)
+    assert nb.metadata.get("language_info") == IPythonKernel.language_info, (
+        f"{path.name}: metadata.language_info differs from this Python's kernel; set it to "
+        "ipykernel.ipkernel.IPythonKernel.language_info")
