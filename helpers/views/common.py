@@ -39,6 +39,7 @@ import plotly.io as pio
 import yaml
 from IPython import get_ipython
 from IPython.display import HTML, display
+from plotly.basedatatypes import BaseFigure
 from plotly.io._base_renderers import MimetypeRenderer
 from plotly.offline import get_plotlyjs
 from pydantic import ValidationError
@@ -210,15 +211,28 @@ def downsample(n: int, limit: int = MAX_POINTS) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, limit).round().astype(int))
 
 
+class _Bundle:
+    """A ready mime bundle as a displayable object (``_repr_mimebundle_`` only)."""
+
+    def __init__(self, bundle: dict):
+        self.bundle = bundle
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        return self.bundle
+
+
 def displayable(obj: Any) -> Any:
-    """What :func:`show` would display, as one object (a DataFrame or HTML string becomes ``IPython.display.HTML``),
-    for ``display(..., display_id=True)`` and its in-place updates."""
+    """What :func:`show` displays, as one object for ``display(..., display_id=True)`` and its in-place updates: a
+    DataFrame or HTML string becomes ``IPython.display.HTML``, a plotly figure its mime bundle (a figure displays
+    itself through ``_ipython_display_``, which drops the ``display_id``, so it could not be updated)."""
     if obj is None:
         return HTML("")
     if isinstance(obj, pd.DataFrame):
         return HTML(table_html(obj))
     if isinstance(obj, str):
         return HTML(obj)
+    if isinstance(obj, BaseFigure):
+        return _Bundle(obj._repr_mimebundle_())
     return obj
 
 
@@ -227,8 +241,8 @@ def interactive(draw: Callable[..., Any], controls: Mapping[str, Sequence[Any]],
     """ipywidgets dropdowns above one view that they redraw in place.
 
     The view is drawn once, as an ordinary output (what papermill stores and the exported HTML shows: widget state is
-    not exported), and each change of a dropdown replaces that same output (``display_id`` updates), so JupyterLab
-    shows each chart once. A caption above the view names the values it shows.
+    not exported), and each change of a dropdown replaces that same output (``display_id`` updates), so each chart is
+    on the page once (it stays where it is). A caption above the view names the values it shows.
 
     Args:
         draw: returns what :func:`show` displays (figure, DataFrame, HTML).
@@ -256,7 +270,13 @@ def interactive(draw: Callable[..., Any], controls: Mapping[str, Sequence[Any]],
         if head is not None:
             head.update(HTML(label(vals)))
         if view is not None:
-            view.update(displayable(draw(**vals)))
+            new = displayable(draw(**vals))
+            if isinstance(new, _Bundle):
+                # JupyterLab's plotly renderer ignores a new figure of the same mime type
+                # (jupyterlab-plotly renderModel: "if (this.hasGraphElement()) return"); a different mime type in
+                # between makes JupyterLab replace the renderer
+                view.update(HTML(""))
+            view.update(new)
 
     for b in boxes.values():
         b.observe(redraw, names="value")
@@ -521,12 +541,13 @@ def result_path(run_dir: Path, notebook: str) -> Path:
     return max(found)[1] if found else folder / f"{notebook}.json"
 
 
-def write_result(where: "RunContext | Path", notebook: str, doc: Mapping[str, Any]) -> Optional[Path]:
+def write_result(where: "RunContext | Path", notebook: str, doc: Mapping[str, Any]) -> None:
     """Write ``results/<notebook>.json`` for the notebooks that follow, under a new name when one exists
     (``<notebook>-2.json``; :func:`result_path` reads the newest). Nothing is written into a finished run folder
     that the user did not name (``where`` a :class:`RunContext` that is not writable; :func:`run_banner` says so).
     The document is validated as that notebook's record (:data:`helpers.records.NOTEBOOK_RESULT`) first, so a
-    misnamed field fails here, not in a later page. Returns the path written, or None.
+    misnamed field fails here, not in a later page. Returns None (a notebook cell ending with it shows nothing);
+    :func:`result_path` finds what was written.
 
     Raises ``pydantic.ValidationError`` when ``doc`` does not fit the record of ``notebook``."""
     record = NOTEBOOK_RESULT.validate_python({**jsonable(dict(doc)), "notebook": notebook})
@@ -534,7 +555,7 @@ def write_result(where: "RunContext | Path", notebook: str, doc: Mapping[str, An
         return None
     run_dir = where.run_dir if isinstance(where, RunContext) else Path(where)
     text = json.dumps(jsonable(record.model_dump(mode="json")), indent=2, default=str) + "\n"
-    return atomic_write_new(run_dir / "results" / f"{notebook}.json", text.encode())
+    atomic_write_new(run_dir / "results" / f"{notebook}.json", text.encode())
 
 
 def read_result(run_dir: Path, notebook: str):
