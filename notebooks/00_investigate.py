@@ -34,6 +34,7 @@ training_data = ""  # the draft's training data (empty: env/models/data/sample)
 samples = 4  # training samples to capture and compare
 apply_fix = True  # restart the server with the proposed fix and measure before / after (when it can be restarted)
 relaunch = ""  # the server's launch command, for servers the tool did not start
+fixed_port = ""  # port or LOW-HIGH range of the fixed server (empty: a free port of $E3F_PORT_RANGE, else 12000-19999)
 timeout = 900  # overall budget in seconds
 prompts = 16  # prompts of the before / after measurement
 
@@ -46,7 +47,8 @@ ctx = R.context(run_dir, server_url=server_url, api_key_env=api_key_env, target_
                 training_data=training_data, repo_root=repo_root, create=bool(server_url))
 R.show(R.run_banner(ctx))
 doc = I.ensure(ctx, samples=samples, apply_fix=apply_fix, relaunch=relaunch, timeout=timeout, prompts=prompts,
-               draft=draft_dir, target=target_dir, progress=R.StepProgress("investigation") if ctx.live else None)
+               draft=draft_dir, target=target_dir, port=fixed_port,
+               progress=R.StepProgress("investigation") if ctx.live else None)
 
 # %% [markdown]
 # ## The investigation
@@ -62,4 +64,4 @@ for part in (I.sections_html(doc) if doc is not None else [R.note("No live serve
 # %%
 R.show(I.where_html(ctx.run_dir, doc, I.reproduce_command(ctx, samples=samples, prompts=prompts, timeout=timeout,
                                                           apply_fix=apply_fix, relaunch=relaunch, draft=draft_dir,
-                                                          target=target_dir) if ctx.live else ""))
+                                                          target=target_dir, port=fixed_port) if ctx.live else ""))

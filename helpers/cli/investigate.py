@@ -31,6 +31,9 @@ def build_parser() -> Parser:
                    "copy with the proposed fix (draft path, port and flags replaced) and measures before/after. "
                    "Servers started with `python -m helpers server start` are restarted without it")
     p.add_argument("--no-apply", action="store_true", help="only propose the fix (no restart, no measurement)")
+    p.add_argument("--port", metavar="PORT|LOW-HIGH", help="port of the fixed server the tool starts (on 127.0.0.1 "
+                   "for an embedded server), or a range to take a free one from (default: a free port of "
+                   "$E3F_PORT_RANGE, else 12000-19999)")
     p.add_argument("--out", help="folder under which the run folder is created (default outputs/)")
     p.add_argument("--timeout", type=float, default=900.0, help="overall budget in seconds (default 900)")
     p.add_argument("--samples", type=int, default=4, help="training samples to capture and compare (default 4)")
@@ -59,7 +62,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
                               relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
-                              max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, progress=show)
+                              max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
+                              progress=show)
         except BaseException as exc:
             mark_failed(run_dir, f"investigate: {describe(exc)}")     # investigation.json keeps what was done
             raise

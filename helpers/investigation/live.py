@@ -44,7 +44,7 @@ from ..formats.training_data import TrainingData
 from ..records import Finding, InvestigationDoc, ProposedFix
 from ..runfiles import new_run_dir, safe_name, write_json
 from ..server.client import SGLangClient
-from ..server.embedded import free_port
+from ..server.embedded import parse_ports, pick_port
 from ..server.embedded import start as start_embedded
 from ..server.process import ServerProcess
 from ..server.registry import lookup
@@ -263,7 +263,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
-                not_applied: str = "--no-apply: the fix was only proposed",
+                not_applied: str = "--no-apply: the fix was only proposed", port: int | str | None = None,
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
@@ -279,6 +279,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         num_samples: training samples to capture and compare.
         measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
         apply_fix: False to only propose (no restart, no measurement).
+        port: the port of the fixed server (relaunch), or a range ``"LOW-HIGH"`` to take a free one from (default: a
+            free port of ``$E3F_PORT_RANGE``, else 12000-19999; :func:`helpers.server.embedded.pick_port`).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         progress: called with one line per step.
 
@@ -291,6 +293,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         ServerError: the server does not answer, or the budget ran out.
     """
     run_dir = Path(run_dir)
+    parse_ports(port, what="--port")        # a bad port is bad input before any work
     if (run_dir / "investigation.json").exists():
         raise BadInput("the run folder already holds an investigation (investigation.json); investigate into a new "
                        "run folder", path=run_dir)
@@ -384,7 +387,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             doc.measured = _apply_and_measure(att, client, fix, inv, run_dir, training=training, api_key=api_key,
                                               num_samples=num_samples, prompts=measure_prompts,
                                               max_new_tokens=max_new_tokens, concurrency=concurrency, dl=dl,
-                                              progress=progress)
+                                              progress=progress, port=port)
             done("relaunch", t, _measured_text(doc.measured))
     except E3FError as exc:
         doc.error = str(exc)
@@ -449,7 +452,7 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
 
 def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
                        training: Any, api_key: Optional[str], num_samples: int, prompts: int, max_new_tokens: int,
-                       concurrency: int, dl: Deadline, progress: Progress) -> dict:
+                       concurrency: int, dl: Deadline, progress: Progress, port: int | str | None = None) -> dict:
     """Start a fresh server with the fix, measure both servers on the same prompts, diagnose the fixed one."""
     fixed_draft = draft_variant(att.draft_dir, fix.draft_config, run_dir / "drafts" / "proposed",
                                 add_tensors=fix.add_tensors or None)
@@ -460,7 +463,7 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
     saved_before = before.save(run_dir / "acceptance" / "before")
     dl.check("starting the fixed server")
     progress("starting the fixed server ...")
-    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key)
+    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key, port)
     try:
         fixed = SGLangClient(handle.url, api_key, timeout=client.timeout)
         progress(f"fixed server up at {handle.url}; measure after")
@@ -492,12 +495,14 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
             "effect": effect, "prompts": prompts, "max_new_tokens": max_new_tokens,
             "saved_to": [str(saved_before.relative_to(run_dir)), str(saved_after.relative_to(run_dir))],
             "after_verdict": diag2.verdict, "after_findings": [f["kind"] for f in diag2.findings],
-            "fixed_server": {"draft": str(fixed_draft), "server_args": fix.server_args,
+            "fixed_server": {"url": handle.url, "draft": str(fixed_draft), "server_args": fix.server_args,
                              "log": str(getattr(handle, "log_path", ""))}}
 
 
-def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str]):
-    """A fresh server like the attached one, with the fix applied; capture hooks write into this run folder."""
+def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str],
+                 port: int | str | None = None):
+    """A fresh server like the attached one, with the fix applied, on ``port`` (a port or a range; default a free
+    one); capture hooks write into this run folder."""
     if att.restart["kind"] == "embedded":
         launch = dict(att.restart["launch"])
         spec = dict(launch.get("spec") or {})
@@ -514,12 +519,13 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
             hooks.append(h)
         return start_embedded(launch["target"], draft, tp=int(launch.get("tp") or 1), spec=spec or None,
                               forward_hooks=hooks or None, extra_args=launch.get("extra_args") or [],
-                              dtype=launch.get("dtype") or "float32", api_key=api_key,
+                              dtype=launch.get("dtype") or "float32", api_key=api_key, port=port,
                               log_path=run_dir / "logs" / "fixed-server.log")
     argv = list(att.restart["argv"])
-    port = free_port()
-    flags = {"--speculative-draft-model-path": str(draft), "--port": str(port), **{k: str(v) for k, v in
-                                                                                  fix.server_args.items()}}
+    port = pick_port(port, what="--port")
+    # the copy runs on this machine and is measured at 127.0.0.1: it listens there only, whatever the command said
+    flags = {"--speculative-draft-model-path": str(draft), "--host": "127.0.0.1", "--port": str(port),
+             **{k: str(v) for k, v in fix.server_args.items()}}
     argv = _set_flags(argv, flags)
     handle = ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=run_dir / "logs" / "fixed-server.log",
                            secrets=[api_key] if api_key else [])

@@ -30,12 +30,13 @@ def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
 
 def ensure(ctx: RunContext, *, samples: int = 4, apply_fix: bool = False, relaunch: str = "",
            timeout: Optional[float] = 900.0, prompts: int = 16, max_new_tokens: int = 32, draft: Any = "",
-           target: Any = "", progress: Optional[Callable[[str], None]] = None) -> Optional[InvestigationDoc]:
+           target: Any = "", port: Any = "", progress: Optional[Callable[[str], None]] = None
+           ) -> Optional[InvestigationDoc]:
     """The run folder's investigation of ``ctx.server_url``: the one ``00_investigate`` wrote, else (live) a new one
     run now with :func:`helpers.investigation.live.investigate` (so every live page reads the same capture, the
     same draft and the same verdicts). Without a live server: the recorded one or None. ``draft`` / ``target``:
-    folders to use when the server's are not readable here (empty: the server's); ``progress``: called with one line
-    per step (:class:`helpers.views.common.StepProgress`).
+    folders to use when the server's are not readable here (empty: the server's); ``port``: port or ``LOW-HIGH`` range
+    of the fixed server; ``progress``: called with one line per step (:class:`helpers.views.common.StepProgress`).
 
     Raises:
         helpers.errors.BadInput: the run folder holds the investigation of another server, or is a finished run
@@ -54,7 +55,8 @@ def ensure(ctx: RunContext, *, samples: int = 4, apply_fix: bool = False, relaun
     return investigate(ctx.server_url, training=ctx.training, run_dir=ctx.run_dir, draft=as_path(draft),
                        target=as_path(target), relaunch=relaunch or None, api_key=ctx.api_key, timeout=timeout,
                        num_samples=samples, measure_prompts=prompts, max_new_tokens=max_new_tokens,
-                       apply_fix=apply_fix, **({"progress": progress} if progress is not None else {}))
+                       apply_fix=apply_fix, port=port or None,
+                       **({"progress": progress} if progress is not None else {}))
 
 
 def hypothesis_steps(doc: Optional[InvestigationDoc], check: str) -> list[HypothesisStep]:
@@ -225,7 +227,7 @@ def where_html(run_dir: Path, doc: Optional[InvestigationDoc], command: str = ""
 
 
 def reproduce_command(ctx: RunContext, *, samples: int, prompts: int, timeout: Optional[float], apply_fix: bool,
-                      relaunch: str = "", draft: Any = "", target: Any = "") -> str:
+                      relaunch: str = "", draft: Any = "", target: Any = "", port: Any = "") -> str:
     """The ``python -m helpers investigate`` command that runs the same investigation into a new run folder."""
     import shlex
 
@@ -236,6 +238,7 @@ def reproduce_command(ctx: RunContext, *, samples: int, prompts: int, timeout: O
     words += ["--relaunch", relaunch] if relaunch else []
     words += ["--draft", str(as_path(draft))] if draft else []
     words += ["--target", str(as_path(target))] if target else []
+    words += ["--port", str(port)] if port else []
     if ctx.api_key_env != "SGLANG_API_KEY":
         words += ["--api-key-env", ctx.api_key_env]
     return shlex.join(words)

@@ -5,7 +5,7 @@ embedded reference server (TP 1, to keep the test short) with the seeds' fault (
 
 As a user would: only ``server_url`` set in 00_investigate (its run folder is new and named at the top), then the
 next pages with empty ``run_dir`` (they find that run: the newest), one widget changed and its one view redrawn.
-Checked: the file browser lists each notebook once, no tab is unsaved on open, a progress block while the
+Checked: every listener of the server and of JupyterLab binds 127.0.0.1, the file browser lists each notebook once, no tab is unsaved on open, a progress block while the
 investigation runs, the paths at its end, no error output and no console error, 20_acceptance's before/after, each
 chart once, 03_compare on the fixed server's dump without findings, no request leaving 127.0.0.1, and no file of
 another run folder (a finished one in the same outputs folder) nor of ``notebooks/`` changed (checksums).
@@ -39,6 +39,26 @@ NOTEBOOKS = ROOT / "notebooks"
 def _tree(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _free_range() -> str:
+    """A range of 20 ports, all free now, outside the default range: the fixed server must take its port from it."""
+    from helpers.server.embedded import port_in_use
+
+    for low in range(20100, 21900, 20):
+        if not any(port_in_use(p) for p in range(low, low + 20)):
+            return f"{low}-{low + 19}"
+    raise AssertionError("no free range of 20 ports in 20100-21900")
+
+
+def _listeners(pid: int) -> list[tuple[str, int, str]]:
+    """``(address, port, process name)`` of every TCP socket listening in the process tree of ``pid``."""
+    import psutil
+
+    root = psutil.Process(pid)
+    names = {p.pid: p.name() for p in [root] + root.children(recursive=True)}
+    return [(c.laddr.ip, c.laddr.port, names[c.pid]) for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in names]
 
 
 def _other_run(outputs: Path) -> Path:
@@ -79,10 +99,13 @@ def session(tmp_path_factory):
     pid = int(re.search(r"\(pid (\d+)", out.stdout).group(1))
     timings = {"server start": time.monotonic() - t0}
     try:
-        with jupyterlab(tmp, env) as (base, token), browser() as b:
+        # every listener of the server binds 127.0.0.1 (HTTP, ZMQ, gloo, and torch's TCPStore of the distributed init)
+        listening = _listeners(pid)
+        assert listening and all(ip == "127.0.0.1" for ip, _, _ in listening), listening
+        with jupyterlab(tmp, env) as (base, token, lab_pid), browser() as b:
             page = b.new_page(viewport={"width": 1400, "height": 1000})
             seen = watch(page)
-            yield Lab(page, base, token), url, outputs, other, timings, seen
+            yield Lab(page, base, token, lab_pid), url, outputs, other, timings, seen
     finally:
         stop_pid(pid)
 
@@ -93,13 +116,16 @@ def test_interactive_investigation_in_jupyterlab(session):
 
     # the file browser lists each notebook once (the jupytext twins are hidden)
     lab.open("00_investigate")
+    listening = _listeners(lab.pid)
+    assert listening and all(ip == "127.0.0.1" for ip, _, _ in listening), listening
     names = lab.listing()
     assert sorted(n for n in names if n.endswith(".ipynb")) == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
     assert not [n for n in names if n.endswith(".py")], names
     assert lab.dirty() == [], "a notebook is marked unsaved as soon as it opens"
 
     # 00_investigate: only server_url set (the README's live recipe), Run All
-    lab.set_parameters({"server_url": url, "samples": 2, "prompts": 8})
+    fixed = _free_range()
+    lab.set_parameters({"server_url": url, "samples": 2, "prompts": 8, "fixed_port": fixed})
     progress = []
     timings["00_investigate"] = lab.run_all(timeout=400, while_running=lambda page: progress.extend(
         page.eval_on_selector_all(".e3f-progress pre", "els => els.map(e => e.textContent)")) or progress)
@@ -112,6 +138,8 @@ def test_interactive_investigation_in_jupyterlab(session):
     assert str(run / "drafts" / "proposed") in where and "python -m helpers investigate --url" in where
     assert f'run_dir = "{run}"' in where
     doc = json.loads((run / "investigation.json").read_text())
+    lo, hi = (int(x) for x in fixed.split("-"))
+    assert lo <= int(doc["measured"]["fixed_server"]["url"].rsplit(":", 1)[1]) <= hi, (fixed, doc["measured"])
     print("investigation timings (s):", doc["timings"], flush=True)
     assert doc["measured"]["after"]["accept_rate"] > doc["measured"]["before"]["accept_rate"]
 

@@ -38,8 +38,8 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def jupyterlab(tmp: Path, env: Optional[dict] = None, timeout: float = 120.0) -> Iterator[str]:
-    """Start JupyterLab on ``127.0.0.1`` rooted at ``notebooks/``; yield its base URL with the token
-    (``http://127.0.0.1:PORT/lab?token=...`` minus ``/lab``: ``base`` and ``token`` joined as ``(base, token)``).
+    """Start JupyterLab on ``127.0.0.1`` rooted at ``notebooks/``; yield ``(base URL, token, pid)``
+    (``http://127.0.0.1:PORT``; the pages are ``{base}/lab?token={token}``).
 
     Raises:
         TimeoutError: JupyterLab did not answer ``/api/status`` in ``timeout`` seconds (its log tail is in the message).
@@ -71,7 +71,7 @@ def jupyterlab(tmp: Path, env: Optional[dict] = None, timeout: float = 120.0) ->
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise TimeoutError(f"JupyterLab did not start: {log.read_text()[-3000:]}") from None
                 time.sleep(0.3)
-        yield base, token
+        yield base, token, proc.pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -86,8 +86,8 @@ def jupyterlab(tmp: Path, env: Optional[dict] = None, timeout: float = 120.0) ->
 class Lab:
     """One JupyterLab page driven through its UI (Playwright ``Page``)."""
 
-    def __init__(self, page, base: str, token: str):
-        self.page, self.base, self.token = page, base, token
+    def __init__(self, page, base: str, token: str, pid: int = 0):
+        self.page, self.base, self.token, self.pid = page, base, token, pid
 
     def open(self, name: str, timeout: float = 120.0) -> None:
         """Open ``notebooks/<name>.ipynb`` in its own page load and wait for its kernel to be idle."""
@@ -141,17 +141,26 @@ class Lab:
         """Run all cells through the Run menu and wait until every code cell has run; returns the seconds taken.
         ``while_running(page)`` is called once while a cell is still running (e.g. to see its progress)."""
         t0 = time.monotonic()
-        self.page.get_by_role("menuitem", name="Run", exact=True).click()
-        self.page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         prompts = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt"
+        before = self.page.eval_on_selector_all(prompts, "els => els.map(e => e.textContent.trim())")
+        for _ in range(3):            # a click on a menu that is still opening can be lost: check that cells started
+            self.page.get_by_role("menuitem", name="Run", exact=True).click()
+            self.page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            started = time.monotonic() + 10
+            while time.monotonic() < started and self.page.eval_on_selector_all(
+                    prompts, "els => els.map(e => e.textContent.trim())") == before:
+                self.page.wait_for_timeout(100)
+            if self.page.eval_on_selector_all(prompts, "els => els.map(e => e.textContent.trim())") != before:
+                break
         called = while_running is None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             texts = self.page.eval_on_selector_all(prompts, "els => els.map(e => e.textContent.trim())")
             if not called and any("*" in t for t in texts):
                 called = bool(while_running(self.page))
-            if texts and all(t.strip("[]: ").isdigit() for t in texts) and \
-                    self.page.query_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']"):
+            idle = self.page.query_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+            done = texts and all(t.strip("[]: ").isdigit() for t in texts)
+            if idle and not any("*" in t for t in texts) and (done or self.errors()):   # an error stops Run All
                 return time.monotonic() - t0
             self.page.wait_for_timeout(250)
         raise TimeoutError(f"Run All did not finish in {timeout} s")
