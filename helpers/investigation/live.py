@@ -263,7 +263,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
-                not_applied: str = "--no-apply: the fix was only proposed", port: int | str | None = None,
+                not_applied: str = "--no-apply: the fix was only proposed", measured_by: Optional[str] = None,
+                port: int | str | None = None,
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
@@ -282,6 +283,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         port: the port of the fixed server (relaunch), or a range ``"LOW-HIGH"`` to take a free one from (default: a
             free port of ``$E3F_PORT_RANGE``, else 12000-19999; :func:`helpers.server.embedded.pick_port`).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
+        measured_by: with ``apply_fix=False``, who measures the fix instead (a replay's later step): recorded as
+            ``measured = {"measured_by": ...}`` and said once, in place of a "not measured" note.
         progress: called with one line per step.
 
     Returns:
@@ -378,7 +381,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             doc.measured = {"not_measured": "the fix is a change in the engine's capture path, which this tool "
                                             "cannot apply; apply it and run investigate again"}
         elif not apply_fix:
-            doc.measured = {"not_measured": not_applied}
+            doc.measured = {"measured_by": measured_by} if measured_by else {"not_measured": not_applied}
         elif att.restart is None:
             doc.measured = {"not_measured": "this server cannot be restarted by the tool: pass --relaunch "
                                             "'<launch command>' (or start it with `python -m helpers server start`)"}
@@ -591,6 +594,8 @@ KIND_TEXT = {
 def _measured_text(m: Optional[dict]) -> str:
     if not m:
         return "not measured"
+    if "measured_by" in m:
+        return f"measured by {m['measured_by']}"
     if "not_measured" in m:
         return f"not measured: {m['not_measured']}"
     if "error" in m:

@@ -108,6 +108,7 @@ def table_html(df: pd.DataFrame, *, max_rows: int = 60, verdict_cols: Sequence[s
 _CSS = """<style>
 .e3f-table { border-collapse: collapse; font-size: 13px; margin: 4px 0 12px 0; }
 .e3f-table th, .e3f-table td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+.jp-RenderedHTMLCommon .e3f-table th, .jp-RenderedHTMLCommon .e3f-table td { text-align: left; }
 .e3f-table th { background: #f5f5f5; }
 .e3f-headline { font-size: 17px; border-left: 5px solid #1565c0; padding: 8px 12px; background: #e3f2fd; }
 .e3f-step { border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; margin: 10px 0; }

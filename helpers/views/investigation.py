@@ -95,7 +95,11 @@ def fix_html(doc: InvestigationDoc) -> str:
     items += "".join(f"<li><b>engine:</b> {esc(p)}</li>" for p in fix.engine)
     out = f"<p><b>{esc(fix.kind)}</b>: {esc(fix.summary)}</p><ul>{items}</ul>"
     if fix.draft_config:
-        out += f"<p>draft config.json overrides:</p><pre>{esc(json.dumps(fix.draft_config, indent=1))}</pre>"
+        out += (f"<p>file to edit: <code>{esc(config_to_edit(doc))}</code>; the keys to set:</p>"
+                f"<pre>{esc(json.dumps(fix.draft_config, indent=1))}</pre>")
+        patched = Path(doc.run_dir) / "drafts" / "proposed" / "config.json"
+        if doc.run_dir and patched.exists():
+            out += f"<p class=\"e3f-note\">the patched copy the fix was measured with: <code>{esc(patched)}</code></p>"
     if fix.server_args:
         out += "<p>server flags: <code>" + esc(" ".join(f"{k} {v}" for k, v in fix.server_args.items())) + "</code></p>"
     if fix.add_tensors:
@@ -109,6 +113,15 @@ def fix_html(doc: InvestigationDoc) -> str:
         out += "<p class=\"e3f-note\">where it comes from:</p><ul class=\"e3f-note\">" + \
                "".join(f"<li>{esc(w)}</li>" for w in fix.why) + "</ul>"
     return out
+
+
+def config_to_edit(doc: InvestigationDoc) -> str:
+    """The draft config file the proposed fix edits: ``config.json`` of the draft folder the server was started with
+    (``speculative_draft_model_path``, a path on the server's machine), else of the draft folder the investigation
+    read."""
+    a = doc.attach or {}
+    folder = a.get("served_draft") or a.get("draft_dir")
+    return str(Path(folder) / "config.json") if folder else "the draft's config.json"
 
 
 def measured_figure(doc: InvestigationDoc) -> Optional[go.Figure]:
@@ -167,6 +180,8 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[
     if fig is not None:
         parts.append(fig)
         parts.append(f"<p>{esc(_effect_line(m))}</p>")
+    elif m.get("measured_by"):
+        parts.append(f"<p>Measured by {esc(m['measured_by'])}.</p>")
     else:
         parts.append(f"<p>Not measured: {esc(m.get('not_measured') or m.get('error') or 'no measurement')}</p>")
     parts.append("<h3>What the server runs</h3>")
