@@ -199,6 +199,14 @@ class StepProgress:
         else:
             print(f"[{self.title}] {line}", flush=True)
 
+    def done(self) -> None:
+        """Fold the lines into a closed "steps" box (the page's results follow it)."""
+        if self.handle is not None and self.lines:
+            body = "\n".join(esc(x) for x in self.lines)
+            self.handle.update(HTML(f'<details class="e3f-progress"><summary class="e3f-note">{esc(self.title)}: '
+                                    f'{len(self.lines)} steps in {self._clock() - self.t0:.0f} s</summary>'
+                                    f'<pre style="margin:2px 0">{body}</pre></details>'))
+
 
 def note(text: str) -> str:
     """A grey note paragraph (``text`` is escaped)."""

@@ -52,11 +52,14 @@ def ensure(ctx: RunContext, *, samples: int = 4, apply_fix: bool = False, relaun
                        f"), not of server_url {ctx.server_url}: run 00_investigate with this server_url (a new run "
                        "folder) and paste its run_dir line here", path=ctx.run_dir, field="run_dir")
     ctx.require_writable("the live investigation")
-    return investigate(ctx.server_url, training=ctx.training, run_dir=ctx.run_dir, draft=as_path(draft),
-                       target=as_path(target), relaunch=relaunch or None, api_key=ctx.api_key, timeout=timeout,
-                       num_samples=samples, measure_prompts=prompts, max_new_tokens=max_new_tokens,
-                       apply_fix=apply_fix, port=port or None,
-                       **({"progress": progress} if progress is not None else {}))
+    doc = investigate(ctx.server_url, training=ctx.training, run_dir=ctx.run_dir, draft=as_path(draft),
+                      target=as_path(target), relaunch=relaunch or None, api_key=ctx.api_key, timeout=timeout,
+                      num_samples=samples, measure_prompts=prompts, max_new_tokens=max_new_tokens,
+                      apply_fix=apply_fix, port=port or None,
+                      **({"progress": progress} if progress is not None else {}))
+    if callable(getattr(progress, "done", None)):
+        progress.done()
+    return doc
 
 
 def hypothesis_steps(doc: Optional[InvestigationDoc], check: str) -> list[HypothesisStep]:
@@ -86,14 +89,16 @@ def hypotheses_frame(doc: InvestigationDoc) -> pd.DataFrame:
                           "evidence": h.get("short") or h.get("explanation")} for h in doc.hypotheses])
 
 
-def fix_html(doc: InvestigationDoc) -> str:
-    """The proposed fix: parts, engine changes, config overrides / flags / tensors, and where each comes from."""
+def fix_html(doc: InvestigationDoc, *, summary: bool = True) -> str:
+    """The proposed fix: parts, engine changes, config overrides / flags / tensors, and where each comes from
+    (``summary=False``: without its one-line summary, which the headline above already says)."""
     fix = doc.proposed_fix
     if fix is None:
         return "<p><i>No fix was proposed (the investigation stopped before).</i></p>"
     items = "".join(f"<li>{esc(p)}</li>" for p in fix.parts)
     items += "".join(f"<li><b>engine:</b> {esc(p)}</li>" for p in fix.engine)
-    out = f"<p><b>{esc(fix.kind)}</b>: {esc(fix.summary)}</p><ul>{items}</ul>"
+    out = (f"<p><b>{esc(fix.kind)}</b>: {esc(fix.summary)}</p>" if summary else
+           f"<p><b>{esc(fix.kind)}</b> (the headline's proposed fix):</p>") + f"<ul>{items}</ul>"
     if fix.draft_config:
         out += (f"<p>file to edit: <code>{esc(config_to_edit(doc))}</code>; the keys to set:</p>"
                 f"<pre>{esc(json.dumps(fix.draft_config, indent=1))}</pre>")
@@ -173,7 +178,7 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[
     parts.append("<h3>Hypotheses, by evidence</h3>")
     parts.append(table_html(hypotheses_frame(doc)))
     parts.append("<h3>Proposed fix</h3>")
-    parts.append(fix_html(doc))
+    parts.append(fix_html(doc, summary=not with_headline))
     parts.append("<h3>Measured</h3>")
     fig = measured_figure(doc)
     m = doc.measured or {}

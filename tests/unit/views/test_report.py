@@ -282,3 +282,6 @@ def test_investigation_says_once_what_was_measured_and_which_file_to_edit(tmp_pa
     assert "not measured" not in page.lower() and page.count("Measured by this replay") == 2   # headline + section
     assert "file to edit: <code>/models/edited-draft/config.json</code>" in page
     assert str(tmp_path / "drafts" / "proposed" / "config.json") in page
+    # the headline states the proposed fix; the fix section below it does not repeat the sentence
+    assert page.count(doc.proposed_fix.summary) == 1
+    assert views_investigation.sections_html(doc, with_headline=False)[5].count(doc.proposed_fix.summary) == 1
