@@ -4,6 +4,7 @@ Imports nothing but the standard library (the capture hooks use it inside SGLang
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,3 +34,8 @@ def shared_mode(folder: bool = False) -> int:
     folder are given when a library creates them narrower (``tempfile.mkstemp`` / ``mkdtemp``: 0600 / 0700,
     safetensors: 0600), so that a run folder meant to be shared is as readable as the umask allows, never less."""
     return (0o777 if folder else 0o666) & ~_umask()
+
+
+def outputs_dir() -> Path:
+    """Where new run folders go and where notebooks look for the newest one: ``$E3F_OUTPUTS`` or ``outputs/``."""
+    return Path(os.environ.get("E3F_OUTPUTS") or OUTPUTS)

@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
-from .paths import shared_mode
+from .paths import outputs_dir, shared_mode
 from .server.redaction import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,9 +47,9 @@ def safe_name(name: str, limit: int = 60) -> str:
 def new_run_dir(name: str, outputs: str | os.PathLike | None = None,
                 stamp: Optional[str] = None) -> Path:
     """Create and return a fresh ``<outputs>/<YYYYmmdd-HHMMSS>-<name>`` folder (default
-    ``outputs/`` of the repository). Never reuses a folder: on collision ``-2``, ``-3``, ... are
+    ``outputs/`` of the repository, or ``$E3F_OUTPUTS``). Never reuses a folder: on collision ``-2``, ``-3``, ... are
     tried (``mkdir`` is atomic, so two processes starting in the same second differ)."""
-    outputs = Path(outputs) if outputs is not None else DEFAULT_OUTPUTS
+    outputs = Path(outputs) if outputs is not None else outputs_dir()
     outputs.mkdir(parents=True, exist_ok=True)
     base = f"{stamp or datetime.now().strftime('%Y%m%d-%H%M%S')}-{safe_name(name)}"
     for i in range(1, 10000):
@@ -170,6 +170,35 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     command's ``--api-key`` values, values of a server answer's secret fields: :func:`helpers.server.redaction.scrub`)
     is replaced by ``<redacted>`` first, whatever path the text took."""
     return atomic_write_bytes(path, scrub(text).encode("utf-8"))
+
+
+def atomic_write_new(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` under a name that does not exist yet and return it: ``path`` itself, else ``<stem>-2<suffix>``,
+    ``-3``, ... (an existing file is never overwritten; two writers at once get one name each: the temp file is
+    hard-linked into place, which fails when the name exists).
+
+    Raises: OSError when the folder cannot be written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, shared_mode())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        for i in range(1, 10000):
+            dest = path if i == 1 else path.with_name(f"{path.stem}-{i}{path.suffix}")
+            try:
+                os.link(tmp, dest)
+            except FileExistsError:
+                continue
+            _fsync_dir(path.parent)
+            return dest
+        raise FileExistsError(f"{path}: no free name up to -9999")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def jsonable(x: Any, *, sig: Optional[int] = None, keep_inf: bool = False) -> Any:

@@ -24,23 +24,18 @@
 
 # %% tags=["parameters"]
 run_dir = ""  # run folder; empty: a new one under outputs/
-server_url = ""  # unused here: a replay starts its own reference servers
 repo_root = ""  # checkout that relative paths are resolved against; empty: this one
 api_key_env = "SGLANG_API_KEY"  # NAME of the environment variable holding an API key (never the key)
 case = ""  # the case file to replay (empty: only show a replay already in run_dir)
-target_dir = ""  # empty: the case's models (default env/models/target)
-draft_dir = ""  # empty: the case's models (default env/models/draft)
-training_data = ""  # empty: the case's models (default env/models/data/sample)
-rerun = False  # replay again even when run_dir already holds a complete replay of this case
 
 # %%
 from helpers.views import common as R
 from helpers.views import replay
 
 R.setup_notebook()
-ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
-                draft_dir=draft_dir, training_data=training_data, repo_root=repo_root, create=True)
-doc = replay.run_or_load_replay(ctx, rerun=rerun)
+ctx = R.context(run_dir, case=case, api_key_env=api_key_env, repo_root=repo_root, create=bool(case))
+R.show(R.run_banner(ctx))
+doc = replay.run_or_load_replay(ctx)
 
 # %% [markdown]
 # ## What was wrong

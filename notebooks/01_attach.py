@@ -39,6 +39,7 @@ from helpers.views import attach
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
+R.show(R.run_banner(ctx))
 records = [attach.live_attach(ctx)] if ctx.live else attach.attach_records(ctx)
 if not records:
     R.show(R.note("Nothing to show: no server_url and no replay in this run folder."))
@@ -48,4 +49,4 @@ if not records:
 
 # %%
 summary = [attach.show_attach(rec, ctx) for rec in records]
-R.write_result(ctx.run_dir, "01_attach", {"live": ctx.live, "servers": summary})
+R.write_result(ctx, "01_attach", {"live": ctx.live, "servers": summary})

@@ -40,7 +40,9 @@ from helpers.views import dump as D
 R.setup_notebook()
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
-investigation = I.ensure(ctx, samples=num_samples) if ctx.live else None  # live: the dumps 00_investigate captured
+R.show(R.run_banner(ctx))
+investigation = I.ensure(ctx, samples=num_samples, draft=draft_dir, target=target_dir,
+                         progress=R.StepProgress("investigation")) if ctx.live else None  # live: the dumps 00_investigate captured
 H = ctx.hidden_size
 
 # %% [markdown]
@@ -70,6 +72,6 @@ if paths:
         R.show(D.norm_heatmap(ref, 0, H, title="Reference: every layer of the target for the same tokens"))
 
 # %%
-R.write_result(ctx.run_dir, "02_dump", {"live": ctx.live, "dumps": table.to_dict(orient="records"),
+R.write_result(ctx, "02_dump", {"live": ctx.live, "dumps": table.to_dict(orient="records"),
                                         "captured": {"served": str(served[0]) if served else None,
                                                      "reference": str(D.reference_dump(ctx.run_dir) or "") or None}})

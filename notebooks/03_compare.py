@@ -23,9 +23,7 @@
 
 # %% tags=["parameters"]
 run_dir = ""  # run folder; empty: the newest under outputs/
-server_url = ""  # unused: the comparison is offline (02_dump captures a live server)
 repo_root = ""  # checkout that relative paths are resolved against; empty: this one
-api_key_env = "SGLANG_API_KEY"  # NAME of the environment variable holding the API key (never the key)
 case = ""  # case file; empty: the one recorded by 00_replay
 target_dir = ""  # empty: the case's / env/models/target
 draft_dir = ""  # empty: the case's / env/models/draft
@@ -38,8 +36,9 @@ from helpers.views import common as R
 from helpers.views import compare, dump
 
 R.setup_notebook()
-ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
-                draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
+ctx = R.context(run_dir, case=case, target_dir=target_dir, draft_dir=draft_dir, training_data=training_data,
+                repo_root=repo_root)
+R.show(R.run_banner(ctx))
 candidates = dump.served_dumps(ctx.run_dir)
 served_dump = R.as_path(served) or (candidates[0] if candidates else None)
 if served_dump is None:
@@ -47,7 +46,9 @@ if served_dump is None:
 H = ctx.hidden_size
 diag = compare.run_diagnosis(ctx, served_dump, reference=dump.reference_dump(ctx.run_dir), max_samples=max_samples)
 tol = diag.comparison.tolerance
-R.show(R.note(f"served dump: {served_dump.name}; training data: {ctx.training}; tolerance {tol:g}"))
+draft, draft_from = compare.draft_for_dump(ctx, served_dump)
+R.show(R.note(f"served dump: {served_dump}; judged against the draft config in {draft} (from {draft_from}); training "
+              f"data: {ctx.training}; tolerance {tol:g}" + "".join(f"; note: {n}" for n in diag.notes)))
 
 # %% [markdown]
 # ## Findings
@@ -107,7 +108,7 @@ min_tol = compare.min_tolerance_frame(diag, per_token)
 R.show(min_tol)
 
 # %%
-R.write_result(ctx.run_dir, "03_compare", {
+R.write_result(ctx, "03_compare", {
     "served": str(served_dump), "verdict": diag.verdict, "findings": diag.findings, "chunks": diag.chunks,
     "tolerance": tol, "rel_diff": matrix.to_dict(), "reference_rel_diff": ref_matrix.to_dict(),
     "min_tolerance": min_tol.to_dict(orient="records")})

@@ -42,8 +42,9 @@ R.setup_notebook()
 NOTEBOOK, CHECK = "10_hyp_tp_sharding", "tp_sharding"
 ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, target_dir=target_dir,
                 draft_dir=draft_dir, training_data=training_data, repo_root=repo_root)
+R.show(R.run_banner(ctx))
 if ctx.live:
-    steps, source = I.hypothesis_steps(I.ensure(ctx), CHECK), "live investigation"
+    steps, source = I.hypothesis_steps(I.ensure(ctx, draft=draft_dir, target=target_dir, progress=R.StepProgress("investigation")), CHECK), "live investigation"
 else:
     steps, source = replay.hypothesis_steps(ctx.replay, CHECK), "replay"
 
@@ -55,7 +56,7 @@ for step in steps:
     replay.show_hypothesis(step, ctx.run_dir)
 if not steps:
     R.show(R.note(f"The replay in this run folder has no '{CHECK}' step, and no server_url was given."))
-R.write_result(ctx.run_dir, NOTEBOOK, hypotheses.hypothesis_result(NOTEBOOK, CHECK, steps, source))
+R.write_result(ctx, NOTEBOOK, hypotheses.hypothesis_result(NOTEBOOK, CHECK, steps, source))
 
 # %% [markdown]
 # ## Per rank: does every rank hold the same aux states?

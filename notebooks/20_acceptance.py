@@ -17,19 +17,16 @@
 # # 20 Acceptance per fix
 #
 # Accept length (tokens per verify step, bonus included), accept rate (accepted / proposed draft tokens) and
-# tok/s per fix, with 95% bootstrap confidence intervals over requests, from the run folder's ledger
-# (`ledger.parquet`: one row per measured fix). With `server_url` and `measure_label` set, the live server is
-# measured first and appended to the ledger as a new fix.
+# tok/s per fix, with 95% bootstrap confidence intervals over requests: the live investigation's measurement before
+# and after its proposed fix (same prompts on both servers), then the run folder's ledger (`ledger.parquet`: one row
+# per measured fix). With `server_url` and `measure_label` set, the live server is measured first and appended to
+# the ledger as a new fix.
 
 # %% tags=["parameters"]
 run_dir = ""  # run folder; empty: the newest under outputs/
-server_url = ""  # live server; empty: only the ledger
+server_url = ""  # live server to measure when measure_label is set; empty: only show the run folder
 repo_root = ""  # checkout that relative paths are resolved against; empty: this one
 api_key_env = "SGLANG_API_KEY"  # NAME of the environment variable holding the API key (never the key)
-case = ""  # case file; empty: the one recorded by 00_replay
-target_dir = ""  # unused here
-draft_dir = ""  # unused here
-training_data = ""  # unused here
 measure_label = ""  # live: the fix name of this measurement (empty: do not measure)
 count = 24  # live: prompts (bundled set)
 max_new_tokens = 64  # live: tokens per request
@@ -38,19 +35,29 @@ max_new_tokens = 64  # live: tokens per request
 from helpers.plots import acceptance as F
 from helpers.views import common as R
 from helpers.views import acceptance, postmortem, replay
+from helpers.views import investigation as I
 
 R.setup_notebook()
-ctx = R.context(run_dir, case=case, server_url=server_url, api_key_env=api_key_env, repo_root=repo_root)
+ctx = R.context(run_dir, server_url=server_url, api_key_env=api_key_env, repo_root=repo_root)
+R.show(R.run_banner(ctx))
 if ctx.live and measure_label:
     acceptance.measure_live(ctx, measure_label, count=count, max_new_tokens=max_new_tokens)
 ledger = acceptance.ledger_frame(ctx.run_dir)
-fixes, sweep = acceptance.main_fixes(ledger), acceptance.sweep_rows(ledger)
+fixes, sweep = acceptance.measured_fixes(ctx.run_dir, ledger), acceptance.sweep_rows(ledger)
+inv = I.load_investigation(ctx.run_dir)
 
 # %% [markdown]
-# ## Ledger
+# ## Measured fixes
+#
+# The investigation's before / after (with the paired change over the same prompts), then the ledger.
 
 # %%
-R.show(acceptance.acceptance_table(ledger) if len(ledger) else R.note("The ledger of this run folder is empty."))
+R.show(acceptance.acceptance_table(fixes) if len(fixes) else R.note("Nothing was measured in this run folder."))
+R.show(I.effect_html(inv))
+budget = acceptance.acceptance_budget(ctx.run_dir)
+if len(budget):
+    R.show("<b>Acceptance budget</b> (investigation.json)")
+    R.show(budget)
 
 # %% [markdown]
 # ## Accept length and tok/s per fix
@@ -71,10 +78,9 @@ if len(fixes):
 # %%
 if len(fixes):
     names = list(dict.fromkeys(fixes["fix"].astype(str)))
-    R.interactive(lambda fix: F.position_curves(fixes[fixes["fix"].astype(str) == fix],
+    R.interactive(lambda fix: F.position_curves(fixes if fix == "all fixes" else fixes[fixes["fix"].astype(str) == fix],
                                                 title=f"Per-position acceptance ({fix})"),
-                  {"fix": names}, caption="first fix")
-    R.show(F.position_curves(fixes))
+                  {"fix": ["all fixes"] + names})
 
 # %% [markdown]
 # ## Tokens per verify step
@@ -96,7 +102,7 @@ if fig is None and len(sweep):
 R.show(fig if fig is not None else R.note("No num_steps sweep in this run folder."))
 
 # %%
-R.write_result(ctx.run_dir, "20_acceptance", {
+R.write_result(ctx, "20_acceptance", {
     "fixes": acceptance.acceptance_table(fixes).to_dict(orient="records"),
     "sweep": acceptance.acceptance_table(sweep).to_dict(orient="records"),
     "before_after": postmortem.before_after(ctx.replay, ledger).to_dict(orient="records")})

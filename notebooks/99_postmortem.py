@@ -18,13 +18,7 @@
 
 # %% tags=["parameters"]
 run_dir = ""  # run folder; empty: the newest under outputs/
-server_url = ""  # unused: the postmortem reads the run folder only
 repo_root = ""  # checkout that relative paths are resolved against; empty: this one
-api_key_env = "SGLANG_API_KEY"  # unused
-case = ""  # case file; empty: the one recorded by 00_replay
-target_dir = ""  # unused
-draft_dir = ""  # unused
-training_data = ""  # unused
 
 # %%
 from helpers.plots import acceptance as F
@@ -33,7 +27,8 @@ from helpers.views import acceptance, postmortem, replay
 from helpers.views import investigation as I
 
 R.setup_notebook()
-ctx = R.context(run_dir, case=case, repo_root=repo_root)
+ctx = R.context(run_dir, repo_root=repo_root)
+R.show(R.run_banner(ctx))
 doc, ledger, status = ctx.replay, acceptance.ledger_frame(ctx.run_dir), postmortem.suite_status(ctx.run_dir)
 inv = I.load_investigation(ctx.run_dir)
 if inv is not None:
@@ -95,4 +90,4 @@ if fig is not None:
 R.show(postmortem.notebook_links_html(status))
 R.show("<b>Failures</b>")
 R.show(postmortem.failures_html(status))
-R.write_result(ctx.run_dir, "99_postmortem", postmortem.postmortem_record(ctx.run_dir, doc))
+R.write_result(ctx, "99_postmortem", postmortem.postmortem_record(ctx.run_dir, doc))

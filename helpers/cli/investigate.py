@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from ..errors import BadInput
 from ..investigation.live import default_run_dir, investigate
+from ..views.common import run_dir_line
 from ..views.investigation import write_report
 from .common import Parser, failure_guard, out_folder, progress_line, run
 
@@ -34,6 +35,9 @@ def build_parser() -> Parser:
     p.add_argument("--no-budget", action="store_true", help="skip the acceptance budget (wiring diagnosis only)")
     p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
                    "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
+    p.add_argument("--port", metavar="PORT|LOW-HIGH", help="port of the fixed server the tool starts (on 127.0.0.1 "
+                   "for an embedded server), or a range to take a free one from (default: a free port of "
+                   "$E3F_PORT_RANGE, else 12000-19999)")
     p.add_argument("--out", help="folder under which the run folder is created (default outputs/)")
     p.add_argument("--timeout", type=float, default=900.0, help="overall budget in seconds (default 900)")
     p.add_argument("--samples", type=int, default=4, help="training samples to capture and compare (default 4)")
@@ -58,11 +62,12 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = default_run_dir(out, args.url)
         show = progress_line(prog)
         show(f"run folder {run_dir}")
+        show(f"to open it in the notebooks, paste into their parameters cell: {run_dir_line(run_dir)}")
         with failure_guard(prog, run_dir):        # investigation.json keeps what was done; FAILED says why
             doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
                               relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
-                              max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply,
+                              max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
                               acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
                               training_log=args.training_log, progress=show)
             report = write_report(run_dir, doc)

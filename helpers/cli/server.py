@@ -21,7 +21,7 @@ from ..server.embedded import (
     REFERENCE_DRAFT,
     REFERENCE_TARGET,
     SPEC_ALGORITHMS,
-    free_port,
+    pick_port,
     start,
 )
 from ..server.process import stop_pid
@@ -46,7 +46,9 @@ def _body(argv: list[str]) -> int:
     s.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: none)")
     s.add_argument("--reference-draft", action="store_true", help="use env/models/draft")
     s.add_argument("--tp", type=int, default=2)
-    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--port", default=None, metavar="PORT|LOW-HIGH",
+                   help="port on 127.0.0.1, or a range to take a free one from (default: a free port of "
+                        "$E3F_PORT_RANGE, else 12000-19999)")
     s.add_argument("--algorithm", default="EAGLE3", choices=SPEC_ALGORITHMS)
     s.add_argument("--steps", type=int, default=3)
     s.add_argument("--topk", type=int, default=1)
@@ -122,15 +124,34 @@ def _body(argv: list[str]) -> int:
     return 0
 
 
+def _without_port(argv: list[str]) -> list[str]:
+    """``argv`` without its ``--port X`` / ``--port=X`` (up to a ``--`` that starts SGLang's own flags)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if a == "--":
+            return out + argv[i:]
+        if skip:
+            skip = False
+        elif a == "--port":
+            skip = True
+        elif not a.startswith("--port="):
+            out.append(a)
+    return out
+
+
 def _detach(argv: list[str], args: argparse.Namespace) -> int:
     """Run ``server start`` (without ``--detach``) as a background supervisor in its own session; return once the
     server is healthy (its state file exists) with the URL and PID printed, or with the supervisor's error."""
-    port = args.port if args.port is not None else free_port()
+    try:
+        port = pick_port(args.port, what="--port")
+    except BadServerInput as exc:
+        print(f"server: error: {exc}", file=sys.stderr)
+        return 2
     state = Path(args.state_file) if args.state_file else state_path(port)
     if state.exists():
         unregister(state)        # a stale file of an earlier server on this port (the port is free again)
-    rest = [a for a in argv[1:] if a != "--detach"]          # argv[0] is "start"
-    child = ["start"] + (["--port", str(port)] if args.port is None else []) + rest
+    rest = _without_port([a for a in argv[1:] if a != "--detach"])          # argv[0] is "start"
+    child = ["start", "--port", str(port)] + rest
     state.parent.mkdir(parents=True, exist_ok=True)
     out_path = state.with_suffix(".out")
     with open(out_path, "wb") as out:

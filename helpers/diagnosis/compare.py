@@ -1077,6 +1077,7 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
         blocks.finish()
     finally:
         blocks.close()
+    align["training_truncated"] = bool(getattr(training, "truncated", False))
     for g, ranks in enumerate(groups):
         if g not in pairer.used:
             s0 = ranks[0]

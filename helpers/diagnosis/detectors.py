@@ -604,7 +604,8 @@ def detect_nan_or_inf(ctx: Context) -> list[dict]:
 
 def detect_token_mismatch(ctx: Context) -> list[dict]:
     """``token_mismatch``: a served sample's prompt ids differ from its training sample's, or served samples match
-    no training sample. The rows of such a sample (before the first difference) may not be aligned with the
+    no training sample (unless the training data were read only up to ``max_samples``: then the served samples
+    beyond are not compared and a note says so). The rows of such a sample (before the first difference) may not be aligned with the
     training rows (the file may hold another sample's rows): they are compared apart (the sources' ``suspect``
     accumulators, reported here) and never used to name a layer; when no other row was compared, the finding
     says that which tensor each chunk holds is not settled."""
@@ -639,7 +640,12 @@ def detect_token_mismatch(ctx: Context) -> list[dict]:
         out.append(finding("token_mismatch", None, detail, mismatches=tm[:10], count=len(tm),
                            rows_in_mismatched_samples=n_sus, rows_compared_for_layers=clean,
                            mismatched_rows_vs_same_training_chunk=on_sus))
-    if a["unpaired_served"]:
+    if a["unpaired_served"] and a.get("training_truncated"):
+        # the training data were read only up to max_samples: the served samples beyond are not compared, which says
+        # nothing about their tokens
+        ctx.notes.append(f"{len(a['unpaired_served'])} served sample(s) were not compared: max_samples stopped "
+                         f"reading the training data after {a['training_samples_seen']} sample(s)")
+    elif a["unpaired_served"]:
         out.append(finding("token_mismatch", None,
                            f"{len(a['unpaired_served'])} served sample(s) match no training sample by input_ids",
                            unpaired=a["unpaired_served"][:10], count=len(a["unpaired_served"])))

@@ -230,6 +230,8 @@ class TrainingData:
         self.path = Path(path)
         self.hidden_size_hint = hidden_size
         self.max_samples = max_samples
+        #: set by iteration: True when ``max_samples`` stopped it before the last sample
+        self.truncated = False
         self.layout, self.files = list_training_files(self.path)
         self._dump: Optional[SampleSource] = None
         if self.layout == "e3f-dump":
@@ -269,6 +271,7 @@ class TrainingData:
             H = self.hidden_size_hint or self._dump.hidden_size
             for s in self._dump.samples:
                 if self.max_samples is not None and n >= self.max_samples:
+                    self.truncated = True
                     return
                 if H is None:
                     raise BadInput("the training dump does not record hidden_size; pass the target config",
@@ -285,6 +288,7 @@ class TrainingData:
         first_meta = None
         for k, f in enumerate(self.files):
             if self.max_samples is not None and n >= self.max_samples:
+                self.truncated = True
                 return
             if k + 1 < len(self.files) and (self.max_samples is None or n + 1 < self.max_samples):
                 readahead(self.files[k + 1])     # the next file loads from disk while this one is compared

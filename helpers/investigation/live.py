@@ -45,7 +45,7 @@ from ..formats.training_data import TrainingData
 from ..records import Finding, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, read_json, safe_name, write_json
 from ..server.client import SGLangClient
-from ..server.embedded import free_port
+from ..server.embedded import parse_ports, pick_port
 from ..server.embedded import start as start_embedded
 from ..server.process import ServerProcess
 from ..server.registry import lookup
@@ -247,7 +247,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
-                not_applied: str = "--no-apply: the fix was only proposed", acceptance_budget: bool = True,
+                not_applied: str = "--no-apply: the fix was only proposed", measured_by: Optional[str] = None,
+                port: int | str | None = None, acceptance_budget: bool = True,
                 live_measure: bool = True, training_log: Optional[str | Path] = None,
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
@@ -264,22 +265,31 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         num_samples: training samples to capture and compare.
         measure_prompts / max_new_tokens / concurrency: the before / after acceptance measurement.
         apply_fix: False to only propose (no restart, no measurement).
+        port: the port of the fixed server (relaunch), or a range ``"LOW-HIGH"`` to take a free one from (default: a
+            free port of ``$E3F_PORT_RANGE``, else 12000-19999; :func:`helpers.server.embedded.pick_port`).
         acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.acceptance`): the draft run
             offline on
             training states, the served states and the live prompts' states, against the training log and live.
         live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
         training_log: the draft's training log (default: looked for in the draft folder).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
+        measured_by: with ``apply_fix=False``, who measures the fix instead (a replay's later step): recorded as
+            ``measured = {"measured_by": ...}`` and said once, in place of a "not measured" note.
         progress: called with one line per step.
 
     Returns:
         :class:`helpers.records.InvestigationDoc` (also written to ``run_dir/investigation.json``).
 
     Raises:
-        BadInput: unusable training data, draft or target folders.
+        BadInput: unusable training data, draft or target folders; a ``run_dir`` that already holds an
+            investigation (checked before any work: nothing is overwritten).
         ServerError: the server does not answer, or the budget ran out.
     """
     run_dir = Path(run_dir)
+    parse_ports(port, what="--port")        # a bad port is bad input before any work
+    if (run_dir / "investigation.json").exists():
+        raise BadInput("the run folder already holds an investigation (investigation.json); investigate into a new "
+                       "run folder", path=run_dir)
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
@@ -419,7 +429,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             doc.measured = {"not_measured": "the fix is a change in the engine's capture path, which this tool "
                                             "cannot apply; apply it and run investigate again"}
         elif not apply_fix:
-            doc.measured = {"not_measured": not_applied}
+            doc.measured = {"measured_by": measured_by} if measured_by else {"not_measured": not_applied}
         elif att.restart is None:
             doc.measured = {"not_measured": "this server cannot be restarted by the tool: pass --relaunch "
                                             "'<launch command>' (or start it with `python -m helpers server start`)"}
@@ -428,7 +438,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             doc.measured = _apply_and_measure(att, client, fix, inv, run_dir, training=training, api_key=api_key,
                                               num_samples=num_samples, prompts=measure_prompts,
                                               max_new_tokens=max_new_tokens, concurrency=concurrency, dl=dl,
-                                              progress=progress)
+                                              progress=progress, port=port)
             done("relaunch", t, _measured_text(doc.measured))
     except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
         doc.error = describe(exc)
@@ -523,7 +533,7 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
 
 def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
                        training: Any, api_key: Optional[str], num_samples: int, prompts: int, max_new_tokens: int,
-                       concurrency: int, dl: Budget, progress: Progress) -> dict:
+                       concurrency: int, dl: Budget, progress: Progress, port: int | str | None = None) -> dict:
     """Start a fresh server with the fix, measure both servers on the same prompts, diagnose the fixed one."""
     fixed_draft = draft_variant(att.draft_dir, fix.draft_config, run_dir / "drafts" / "proposed",
                                 add_tensors=fix.add_tensors or None)
@@ -534,7 +544,7 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
     saved_before = before.save(run_dir / "acceptance" / "before")
     dl.check("before starting the fixed server")
     progress("starting the fixed server ...")
-    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key, dl)
+    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key, dl, port)
     try:
         fixed = SGLangClient(handle.url, api_key, timeout=client.timeout, budget=dl)
         progress(f"fixed server up at {handle.url}; measure after")
@@ -566,14 +576,14 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
             "effect": effect, "prompts": prompts, "max_new_tokens": max_new_tokens,
             "saved_to": [str(saved_before.relative_to(run_dir)), str(saved_after.relative_to(run_dir))],
             "after_verdict": diag2.verdict, "after_findings": [f["kind"] for f in diag2.findings],
-            "fixed_server": {"draft": str(fixed_draft), "server_args": fix.server_args,
+            "fixed_server": {"url": handle.url, "draft": str(fixed_draft), "server_args": fix.server_args,
                              "log": str(getattr(handle, "log_path", ""))}}
 
 
 def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str],
-                 budget: Budget):
-    """A fresh server like the attached one, with the fix applied; capture hooks write into this run folder. Waits
-    for it within ``budget`` (the investigation's)."""
+                 budget: Budget, port: int | str | None = None):
+    """A fresh server like the attached one, with the fix applied, on ``port`` (a port or a range; default a free
+    one); capture hooks write into this run folder. Waits for it within ``budget`` (the investigation's)."""
     if att.restart["kind"] == "embedded":
         launch = dict(att.restart["launch"])
         spec = dict(launch.get("spec") or {})
@@ -590,12 +600,13 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
             hooks.append(h)
         return start_embedded(launch["target"], draft, tp=int(launch.get("tp") or 1), spec=spec or None,
                               forward_hooks=hooks or None, extra_args=launch.get("extra_args") or [],
-                              dtype=launch.get("dtype") or "float32", api_key=api_key,
+                              dtype=launch.get("dtype") or "float32", api_key=api_key, port=port,
                               log_path=run_dir / "logs" / "fixed-server.log", budget=budget)
     argv = list(att.restart["argv"])
-    port = free_port()
-    flags = {"--speculative-draft-model-path": str(draft), "--port": str(port), **{k: str(v) for k, v in
-                                                                                  fix.server_args.items()}}
+    port = pick_port(port, what="--port")
+    # the copy runs on this machine and is measured at 127.0.0.1: it listens there only, whatever the command said
+    flags = {"--speculative-draft-model-path": str(draft), "--host": "127.0.0.1", "--port": str(port),
+             **{k: str(v) for k, v in fix.server_args.items()}}
     argv = _set_flags(argv, flags)
     handle = ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=run_dir / "logs" / "fixed-server.log",
                            secrets=[api_key] if api_key else [])
@@ -683,6 +694,8 @@ ACCEPTANCE_KINDS = ("draft_underperforms", "wiring_loses_acceptance", "engine_af
 def _measured_text(m: Optional[dict]) -> str:
     if not m:
         return "not measured"
+    if "measured_by" in m:
+        return f"measured by {m['measured_by']}"
     if "not_measured" in m:
         return f"not measured: {m['not_measured']}"
     if "error" in m:

@@ -204,13 +204,13 @@ class Replay:
                               explanation=res.explanation, evidence=d["evidence"], data=d["data"],
                               figure=None if fig_path is None else str(fig_path.relative_to(self.run_dir)))
 
-    def _not_applied_reason(self, i: int) -> str:
-        """Why the investigation at timeline step ``i`` does not measure its fix itself."""
+    def _measured_by(self, i: int) -> Optional[str]:
+        """Where the fix proposed by the investigation at timeline step ``i`` is measured (a later step of this
+        replay), or None when the case applies none."""
         later = [s for s in self.case.timeline[i + 1:] if s.kind == "fix" and s.fix.proposed]
         if later:
-            return (f"this replay measures it as its step '{later[0].fix.name}' (the accept-rate table and chart of "
-                    "this page)")
-        return "the case applies no proposed fix after this investigation"
+            return f"this replay as its step '{later[0].fix.name}' (before and after the fix, on this page)"
+        return None
 
     def run_investigation(self, i: int, step) -> InvestigationStep:
         """The blind investigation of the current server (no case expectation is passed to it)."""
@@ -222,7 +222,8 @@ class Replay:
         client = self.current["client"]
         doc = investigate(client.url, training=self.training, run_dir=self.run_dir, api_key=self.api_key,
                           num_samples=spec.samples, apply_fix=False, timeout=None,
-                          not_applied=self._not_applied_reason(i))
+                          not_applied="the case applies no proposed fix after this investigation",
+                          measured_by=self._measured_by(i))
         self.proposed = doc.proposed_fix
         rec = InvestigationStep(index=i, on_fix=self.current["fix"].name, verdict=doc.verdict, sentence=doc.sentence,
                                 findings=[f.model_dump(mode="json") for f in doc.findings],

@@ -180,6 +180,15 @@ def accept_length_histogram(ledger: pd.DataFrame | Sequence[Mapping[str, Any]], 
     return fig
 
 
+def nice_step(span: float, ticks: int = 5) -> float:
+    """A round tick spacing (1, 2, 2.5 or 5 times a power of ten) giving about ``ticks`` ticks over ``span``."""
+    if not np.isfinite(span) or span <= 0:
+        return 1.0
+    raw = span / ticks
+    mag = 10 ** np.floor(np.log10(raw))
+    return float(next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw))
+
+
 def tok_s_vs_steps(ledger: pd.DataFrame | Sequence[Mapping[str, Any]], *,
                    title: str = "tok/s vs num_steps") -> go.Figure:
     """tok/s (left, with CI) and accept length (right, dotted) against ``num_steps``, one line per
@@ -213,8 +222,13 @@ def tok_s_vs_steps(ledger: pd.DataFrame | Sequence[Mapping[str, Any]], *,
                                      line=dict(color=PALETTE[7], dash="dash")), secondary_y=False)
     fig.update_layout(title=title, template="plotly_white", legend=dict(orientation="h", y=-0.2))
     fig.update_xaxes(title_text="speculative_num_steps", dtick=1)
-    fig.update_yaxes(title_text="tok/s per request", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="accept length", secondary_y=True, rangemode="tozero", showgrid=False)
+    # round ticks on both axes (1, 2, 2.5 or 5 x 10^k apart, from 0)
+    for col, name, secondary in (("tok_s_hi", "tok/s per request", False), ("accept_length", "accept length", True)):
+        top = pd.to_numeric(df.get(col, df.get("tok_s") if col == "tok_s_hi" else None), errors="coerce").max() \
+            if len(df) else float("nan")
+        step = nice_step(float(top)) if _finite(top) else None
+        fig.update_yaxes(title_text=name, secondary_y=secondary, rangemode="tozero", tick0=0, dtick=step,
+                         **({"showgrid": False} if secondary else {}))
     return fig
 
 

@@ -17,7 +17,9 @@ The server runs in the dedicated venv made by ``env/reference/install.sh`` with 
 * ``--max-total-tokens`` (otherwise the KV pool is sized from RAM: tens of seconds),
   ``--disable-cuda-graph``, ``--sampling-backend pytorch``, ``--attention-backend intel_amx``.
 
-It binds 127.0.0.1 only, picks a free port when none is given, waits on ``/health`` with a timeout,
+It binds 127.0.0.1 only (the HTTP port, SGLang's ZMQ and gloo sockets, and, through the stand-in's start hook
+``E3F_LOOPBACK_STORE``, torch's TCPStore of the distributed init, which would otherwise listen on every interface),
+picks a free port when none is given, waits on ``/health`` with a timeout,
 and on failure raises :class:`helpers.errors.ServerStartError` carrying the log tail. :meth:`helpers.server.process.ServerProcess.stop`
 ends the whole process tree (SIGTERM to the launcher, then SIGKILL to any survivor) and verifies
 that no process of the tree is left. An ``atexit`` hook stops servers the caller forgot.
@@ -40,6 +42,9 @@ from ..budget import Budget
 from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
+
+#: the pure-torch sgl_kernel stand-in and the process start hook of the SGLang venv (env/reference/install.sh)
+STANDIN = ROOT / "env" / "reference" / "standin"
 from ..runfiles import read_json_file
 from .process import ServerProcess
 from .settings import SpecSettings
@@ -47,21 +52,66 @@ from .settings import SpecSettings
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 
 
-def free_port(host: str = "127.0.0.1", low: int = 12000, high: int = 20000) -> int:
-    """A TCP port in ``[low, high)`` that is free on ``host`` right now.
+#: the environment variable that sets the port range of every server this tool starts ("LOW-HIGH", inclusive)
+PORT_RANGE_ENV = "E3F_PORT_RANGE"
 
-    The range lies below the kernel's ephemeral range (32768+), where outgoing connections take
+#: below the kernel's ephemeral range (32768+) and SGLang's internal 22000-29999 (see :func:`free_port`)
+DEFAULT_PORT_RANGE = (12000, 19999)
+
+
+def parse_ports(spec: Any, *, what: str = "port") -> Optional[tuple[int, int]]:
+    """A port or an inclusive port range as ``(low, high)``: ``30000`` / ``"30000"`` -> ``(30000, 30000)``,
+    ``"30000-30010"`` -> ``(30000, 30010)``; None / "" -> None.
+
+    Raises:
+        BadServerInput: not a port or ``LOW-HIGH`` within 1-65535 (the message names ``what``)."""
+    if spec is None or spec == "":
+        return None
+    text = str(spec).strip()
+    try:
+        low, _, high = text.partition("-")
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise BadServerInput(f"{what}: expected a port (30000) or a range (30000-30010), got {text!r}") from None
+    if not 1 <= lo <= hi <= 65535:
+        raise BadServerInput(f"{what}: expected ports within 1-65535 with LOW <= HIGH, got {text!r}")
+    return lo, hi
+
+
+def port_range() -> tuple[int, int]:
+    """The range servers take their port from when none is given: ``$E3F_PORT_RANGE`` or 12000-19999."""
+    return parse_ports(os.environ.get(PORT_RANGE_ENV), what=PORT_RANGE_ENV) or DEFAULT_PORT_RANGE
+
+
+def free_port(host: str = "127.0.0.1", low: Optional[int] = None, high: Optional[int] = None) -> int:
+    """A TCP port in ``[low, high]`` (default :func:`port_range`) that is free on ``host`` right now.
+
+    The default range lies below the kernel's ephemeral range (32768+), where outgoing connections take
     ports, and below the 22000-29999 range SGLang draws its own internal ports from
     (``sglang/srt/utils/network.py::get_free_port_below_ephemeral``), so a port picked now is
     unlikely to be taken while the server starts (which can take a minute on 2 cores).
-    """
 
+    Raises:
+        BadServerInput: no free port in the range.
+    """
+    if low is None or high is None:
+        low, high = port_range()
     rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(low, high)
+    candidates = list(range(low, high + 1))
+    rng.shuffle(candidates)
+    for port in candidates[:200]:
         if not port_in_use(port, host):
             return port
-    raise RuntimeError(f"no free TCP port in [{low}, {high}) on {host}")
+    raise BadServerInput(f"no free TCP port in {low}-{high} on {host}")
+
+
+def pick_port(spec: Any, *, what: str = "port") -> int:
+    """The port a server is started on: ``spec`` itself when it names one port, a free one of the range it names
+    (:func:`parse_ports`), else a free one of :func:`port_range`."""
+    ports = parse_ports(spec, what=what)
+    if ports is not None and ports[0] == ports[1]:
+        return ports[0]
+    return free_port(low=ports[0], high=ports[1]) if ports else free_port()
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -168,7 +218,7 @@ def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
 
 def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | None = None,
           tp: int = 2, spec: SpecSettings | dict | None = None, extra_args: Sequence[str] = (),
-          forward_hooks: Optional[list[dict]] = None, port: Optional[int] = None,
+          forward_hooks: Optional[list[dict]] = None, port: int | str | None = None,
           **kwargs: Any) -> ServerProcess:
     """Start the CPU reference server and wait until ``/health`` answers 200.
 
@@ -181,7 +231,8 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
         extra_args: further ``sglang.launch_server`` flags, appended last.
         forward_hooks: SGLang ``--forward-hooks`` specs (list of dicts with ``name``,
             ``target_modules``, ``hook_factory``, ``config``), e.g. from :mod:`helpers.hooks`.
-        port: TCP port on 127.0.0.1 (default: a free one).
+        port: TCP port on 127.0.0.1, or a range ``"LOW-HIGH"`` to take a free one from (default: a free one of
+            ``$E3F_PORT_RANGE``, else 12000-19999).
         dtype: model dtype flag (``float32`` makes greedy output equal HF's fp32 output).
         max_total_tokens: KV pool size in tokens.
         return_hidden_states: add ``--enable-return-hidden-states`` (needed for captures).
@@ -199,7 +250,7 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
             are tiny: a second thread buys nothing and, when the CPU is shared, OpenMP barrier
             waits made a TP 1 server 5x slower (bench/RESULTS.md).
 
-    When the port was picked automatically and the server lost it to another process while
+    When the port was picked automatically (or from a range) and the server lost it to another process while
     starting ("address already in use" in its log), a new port is tried (3 attempts in all).
 
     Returns: a :class:`helpers.server.process.ServerProcess` (``url``, ``pid``, ``port``, ``log_path``,
@@ -211,10 +262,13 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
         ServerStartError: the server died during startup or missed ``timeout``; the message
             holds the log tail. No process of the attempt survives.
     """
-    attempts = 1 if port is not None else 3
+    ports = parse_ports(port)
+    fixed = ports is not None and ports[0] == ports[1]
+    attempts = 1 if fixed else 3
     for attempt in range(attempts):
         try:
-            return _start_once(target, draft, tp, spec, extra_args, forward_hooks, port, **kwargs)
+            chosen = ports[0] if fixed else (free_port(low=ports[0], high=ports[1]) if ports else None)
+            return _start_once(target, draft, tp, spec, extra_args, forward_hooks, chosen, **kwargs)
         except ServerStartError as exc:
             if attempt + 1 < attempts and "address already in use" in exc.log_tail:
                 continue
@@ -270,6 +324,10 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
         "SGLANG_CPU_OMP_THREADS_BIND": cpu_bind_spec(tp, cpus),
         "E3F_STANDIN_THREADS": str(threads_per_rank), "OMP_NUM_THREADS": str(threads_per_rank),
         "E3F_SHM_KEY": f"{os.getpid()}-{port}-{int(time.time() * 1e3) % 10**9}",
+        # torch's TCPStore of the distributed init listens on 127.0.0.1 too (env/reference/standin/e3f_boot.py)
+        "E3F_LOOPBACK_STORE": "1",
+        # this checkout's stand-in (sgl_kernel, e3f_boot) ahead of the one the SGLang venv was installed from
+        "PYTHONPATH": os.pathsep.join([str(STANDIN)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
     })
     disabled = disabled_model_modules(python, target_cfg.get("model_type"))
     if disabled and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:

@@ -1,5 +1,5 @@
 """Offline HTML pages of executed notebooks: nbconvert with the suite's template (plotly.js inline once, no
-CDN, widgets replaced by their static copy), and the checks every page must pass.
+CDN, widgets replaced by a note above the view they redraw), and the checks every page must pass.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 WIDGET_NOTE = ('<div class="e3f-widget-note">(interactive control: open the notebook in JupyterLab to use '
-               'it; the static view below shows its default)</div>')
+               'it; the view below is the one the notebook was run with)</div>')
 
 
 def export_html(notebook: Path, out: Path) -> int:
@@ -32,7 +32,7 @@ def export_html(notebook: Path, out: Path) -> int:
 
     Returns the size in bytes. Output cells keep their HTML as produced by the notebook (the
     notebooks escape server-provided text); code is hidden behind a toggle button; widget views
-    become a one-line note (their state is not exported; a static copy follows each widget).
+    become a one-line note (their state is not exported; the view each widget redraws is an ordinary output).
     """
 
     nb = nbformat.read(notebook, as_version=4)
@@ -40,7 +40,7 @@ def export_html(notebook: Path, out: Path) -> int:
     # only safe characters, as the template does not escape it
     nb.metadata["title"] = re.sub(r"[^A-Za-z0-9 _.:-]", "_",
                                   f"{notebook.stem} - {notebook.resolve().parent.parent.name}")
-    nb.metadata.pop("widgets", None)  # widget state needs a CDN manager; static figures follow each widget
+    nb.metadata.pop("widgets", None)  # widget state needs a CDN manager; each widget's view is an ordinary output
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             if WIDGET_VIEW in (output.get("data") or {}):

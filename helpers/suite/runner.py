@@ -360,7 +360,9 @@ def _run_suite(params, params_path, out, only, argv, holder: dict) -> tuple[Path
                 bar.set_postfix_str(nb)
 
         def nb_params_of(nb: str) -> dict:
-            p = dict(base_params)
+            # the common parameters a notebook declares (a page does not list what it does not use), then its own
+            declared = pm.inspect_notebook(str(params.notebook_path(nb)))
+            p = {k: v for k, v in base_params.items() if k in declared}
             p.update(params.notebook_params.get(nb, {}))
             return p
 

@@ -3,6 +3,7 @@ measurement.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..runfiles import safe_name
-from .common import RunContext, connect
+from .common import RunContext, connect, read_json_file
+from .investigation import load_investigation
 
 
 def ledger_frame(run_dir: Path) -> pd.DataFrame:
@@ -57,7 +59,11 @@ def sweep_rows(ledger: pd.DataFrame) -> pd.DataFrame:
 def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens: int = 64,
                  concurrency: int = 4, prompts: Any = None) -> dict:
     """Measure acceptance on the live server, save ``acceptance/<label>/`` and append to the ledger.
-    Returns the summary dict."""
+    Returns the summary dict.
+
+    Raises:
+        helpers.errors.BadInput: the run folder is a finished run the user did not name (before any request)."""
+    ctx.require_writable("measuring acceptance")
 
     client = connect(ctx)
     try:
@@ -70,3 +76,42 @@ def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens
     row["saved_to"] = str(saved.relative_to(ctx.run_dir))
     Ledger(ctx.run_dir / "ledger.parquet").append([row])
     return {**res.summary, "saved_to": row["saved_to"]}
+
+
+def investigation_measurements(run_dir: Path) -> pd.DataFrame:
+    """The before / after measurements of the run folder's live investigation (``investigation.json`` ``measured
+    .saved_to``: ``acceptance/before``, ``acceptance/after``) as ledger-like rows (``fix`` = the measurement's label,
+    accept length / rate / tok/s with CIs, ``positions_json``, ``histogram_json``), so that the ledger's tables and
+    charts draw them; empty when the investigation measured nothing. The same prompts were measured on both servers
+    (:func:`helpers.investigation.live.investigate`)."""
+    doc = load_investigation(run_dir)
+    rows = []
+    for rel in ((doc.measured or {}).get("saved_to") or []) if doc is not None else []:
+        saved = read_json_file(Path(run_dir) / rel / "summary.json") or {}
+        summary = saved.get("summary") or {}
+        if not summary:
+            continue
+        row = {k: v for k, v in summary.items() if not isinstance(v, (list, dict))}
+        row.update(fix=summary.get("label") or Path(rel).name, saved_to=rel,
+                   histogram_json=json.dumps(saved.get("histogram") or []),
+                   positions_json=json.dumps(saved.get("positions") or []))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def measured_fixes(run_dir: Path, ledger: pd.DataFrame) -> pd.DataFrame:
+    """What the acceptance page draws: the investigation's before / after (:func:`investigation_measurements`), then
+    the ledger's fixes (:func:`main_fixes`)."""
+    parts = [f for f in (investigation_measurements(run_dir), main_fixes(ledger)) if f is not None and len(f)]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def acceptance_budget(run_dir: Path) -> pd.DataFrame:
+    """The investigation's acceptance budget (``investigation.json`` key ``acceptance``) as a table of its ``stages``:
+    ``stage`` (name) and ``accept length`` (tokens per verify step); empty when the investigation has none. The hook
+    the acceptance page shows; more columns of a stage can be added here."""
+    doc = load_investigation(run_dir)
+    budget = doc.model_dump(mode="json").get("acceptance") if doc is not None else None
+    stages = (budget or {}).get("stages") or [] if isinstance(budget, dict) else []
+    return pd.DataFrame([{"stage": s.get("name"), "accept length": s.get("accept_length")} for s in stages
+                         if isinstance(s, dict)])

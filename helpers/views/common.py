@@ -24,8 +24,10 @@ the ``text/html`` part, which references the global ``Plotly`` (no require.js, n
 from __future__ import annotations
 
 import html
+import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -36,15 +38,16 @@ import pandas as pd
 import plotly.io as pio
 from IPython import get_ipython
 from IPython.display import HTML, display
+from plotly.basedatatypes import BaseFigure
 from plotly.io._base_renderers import MimetypeRenderer
 from plotly.offline import get_plotlyjs
 from pydantic import ValidationError
 
-from ..errors import CaseError
+from ..errors import BadInput, CaseError
 from ..investigation.cases import Models, load_case
-from ..paths import ROOT
+from ..paths import ROOT, outputs_dir
 from ..records import NOTEBOOK_RESULT, ReplayDoc
-from ..runfiles import jsonable, load_yaml_text, new_run_dir, read_json, write_json
+from ..runfiles import atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_json, write_json
 from ..server.client import SGLangClient
 
 DEFAULT_TARGET = "env/models/target"
@@ -104,10 +107,12 @@ def table_html(df: pd.DataFrame, *, max_rows: int = 60, verdict_cols: Sequence[s
 _CSS = """<style>
 .e3f-table { border-collapse: collapse; font-size: 13px; margin: 4px 0 12px 0; }
 .e3f-table th, .e3f-table td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+.jp-RenderedHTMLCommon .e3f-table th, .jp-RenderedHTMLCommon .e3f-table td { text-align: left; }
 .e3f-table th { background: #f5f5f5; }
 .e3f-headline { font-size: 17px; border-left: 5px solid #1565c0; padding: 8px 12px; background: #e3f2fd; }
 .e3f-step { border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; margin: 10px 0; }
 .e3f-note { color: #555; font-size: 13px; }
+.e3f-run { border-left: 4px solid #757575; padding: 4px 10px; margin: 4px 0 10px 0; background: #fafafa; }
 </style>"""
 
 
@@ -164,15 +169,42 @@ def setup_notebook(*, force: bool = False) -> None:
 
 def show(obj: Any) -> None:
     """Display a plotly figure, a DataFrame (escaped table), an HTML string (trusted: built here) or None."""
+    if obj is not None:
+        display(displayable(obj))
 
-    if obj is None:
-        return
-    if isinstance(obj, pd.DataFrame):
-        display(HTML(table_html(obj)))
-    elif isinstance(obj, str):
-        display(HTML(obj))
-    else:
-        display(obj)
+
+class StepProgress:
+    """Progress of a long cell: one line per step (``attach ...``, ``capture: ... (0.5 s)``), shown as one block that
+    is updated in place while the cell runs, with the time since the first line; printed outside IPython. Pass it
+    as the ``progress`` callback of :func:`helpers.investigation.live.investigate` (via
+    :func:`helpers.views.investigation.ensure`)."""
+
+    def __init__(self, title: str):
+        import time
+
+        self._clock = time.monotonic
+        self.title, self.lines, self.t0 = title, [], self._clock()
+        self.handle = display(HTML(self._html("starting ...")), display_id=True) if get_ipython() else None
+
+    def _html(self, current: str) -> str:
+        body = "\n".join(esc(x) for x in self.lines) or esc(current)
+        return (f'<div class="e3f-progress"><b>{esc(self.title)}</b> <span class="e3f-note">'
+                f'({self._clock() - self.t0:.0f} s)</span><pre style="margin:2px 0">{body}</pre></div>')
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(str(line))
+        if self.handle is not None:
+            self.handle.update(HTML(self._html(line)))
+        else:
+            print(f"[{self.title}] {line}", flush=True)
+
+    def done(self) -> None:
+        """Fold the lines into a closed "steps" box (the page's results follow it)."""
+        if self.handle is not None and self.lines:
+            body = "\n".join(esc(x) for x in self.lines)
+            self.handle.update(HTML(f'<details class="e3f-progress"><summary class="e3f-note">{esc(self.title)}: '
+                                    f'{len(self.lines)} steps in {self._clock() - self.t0:.0f} s</summary>'
+                                    f'<pre style="margin:2px 0">{body}</pre></details>'))
 
 
 def note(text: str) -> str:
@@ -187,38 +219,75 @@ def downsample(n: int, limit: int = MAX_POINTS) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, limit).round().astype(int))
 
 
+class _Bundle:
+    """A ready mime bundle as a displayable object (``_repr_mimebundle_`` only)."""
+
+    def __init__(self, bundle: dict):
+        self.bundle = bundle
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        return self.bundle
+
+
+def displayable(obj: Any) -> Any:
+    """What :func:`show` displays, as one object for ``display(..., display_id=True)`` and its in-place updates: a
+    DataFrame or HTML string becomes ``IPython.display.HTML``, a plotly figure its mime bundle (a figure displays
+    itself through ``_ipython_display_``, which drops the ``display_id``, so it could not be updated)."""
+    if obj is None:
+        return HTML("")
+    if isinstance(obj, pd.DataFrame):
+        return HTML(table_html(obj))
+    if isinstance(obj, str):
+        return HTML(obj)
+    if isinstance(obj, BaseFigure):
+        return _Bundle(obj._repr_mimebundle_())
+    return obj
+
+
 def interactive(draw: Callable[..., Any], controls: Mapping[str, Sequence[Any]], *,
                 defaults: Optional[Mapping[str, Any]] = None, caption: str = "") -> None:
-    """ipywidgets dropdowns that redraw ``draw(**values)`` in place, followed by a static copy of the
-    default view (widget state is not exported to HTML, the static copy is).
+    """ipywidgets dropdowns above one view that they redraw in place.
+
+    The view is drawn once, as an ordinary output (what papermill stores and the exported HTML shows: widget state is
+    not exported), and each change of a dropdown replaces that same output (``display_id`` updates), so each chart is
+    on the page once (it stays where it is). A caption above the view names the values it shows.
 
     Args:
         draw: returns what :func:`show` displays (figure, DataFrame, HTML).
         controls: ``{argument name: options}`` (each a dropdown; options may be ``(label, value)`` pairs).
         defaults: initial values (default: the first option of each control).
-        caption: shown above the static copy (escaped).
+        caption: what the default view is (escaped), e.g. "first fix".
     """
 
     opts = {k: list(v) for k, v in controls.items() if len(v)}
     values = {k: (defaults or {}).get(k, _opt_value(v[0])) for k, v in opts.items()}
 
-    if opts:
-        boxes = {k: W.Dropdown(options=v, value=values[k], description=str(k)) for k, v in opts.items()}
-        out = W.Output()
+    def label(vals: Mapping[str, Any]) -> str:
+        shown = ", ".join(f"{k} = {_opt_label(opts[k], vals[k])}" for k in opts)
+        return note(f"Showing {shown or 'the view'}{' (' + caption + ')' if caption else ''}; in JupyterLab the "
+                    "controls above redraw it, the exported page keeps this view.")
 
-        def redraw(_change=None):
-            with out:
-                out.clear_output(wait=True)
-                show(draw(**{k: b.value for k, b in boxes.items()}))
+    boxes = {k: W.Dropdown(options=v, value=values[k], description=str(k)) for k, v in opts.items()}
+    if boxes:
+        display(W.HBox(list(boxes.values())))
+    head = display(HTML(label(values)), display_id=True)
+    view = display(displayable(draw(**values)), display_id=True)
 
-        for b in boxes.values():
-            b.observe(redraw, names="value")
-        display(W.VBox([W.HBox(list(boxes.values())), out]))
-        redraw()
-    label = ", ".join(f"{k} = {_opt_label(opts[k], values[k])}" for k in opts)
-    display(HTML(note(f"Static view{' (' + label + ')' if label else ''}{': ' + caption if caption else ''} "
-                      "- pick other values with the controls above in JupyterLab.")))
-    show(draw(**values))
+    def redraw(_change=None):
+        vals = {k: b.value for k, b in boxes.items()}
+        if head is not None:
+            head.update(HTML(label(vals)))
+        if view is not None:
+            new = displayable(draw(**vals))
+            if isinstance(new, _Bundle):
+                # JupyterLab's plotly renderer ignores a new figure of the same mime type
+                # (jupyterlab-plotly renderModel: "if (this.hasGraphElement()) return"); a different mime type in
+                # between makes JupyterLab replace the renderer
+                view.update(HTML(""))
+            view.update(new)
+
+    for b in boxes.values():
+        b.observe(redraw, names="value")
 
 
 def _opt_value(o: Any) -> Any:
@@ -240,31 +309,59 @@ def as_path(p: Any, base: Path = ROOT) -> Optional[Path]:
     return p if p.is_absolute() else base / p
 
 
-def latest_run_dir(outputs: Optional[Path] = None, *, need: str = "results") -> Optional[Path]:
-    """The newest run folder under ``outputs`` (default ``outputs/``) that has a ``need`` sub-folder."""
-    outputs = outputs or ROOT / "outputs"
+#: what makes a folder under outputs/ a run folder: a suite run or replay (results/), an interactive
+#: investigation (investigation.json), a measurement (ledger.parquet), the suite's status
+RUN_MARKERS = ("results", "investigation.json", "ledger.parquet", "suite_status.json")
+
+#: what marks a run folder as finished: a postmortem page or the suite's status (nothing is added to it unless the
+#: user names it in ``run_dir``)
+FINISHED_MARKERS = ("postmortem.html", "suite_status.json")
+
+
+def latest_run_dir(outputs: Optional[Path] = None) -> Optional[Path]:
+    """The newest run folder under ``outputs`` (default ``outputs/`` or ``$E3F_OUTPUTS``): suite runs, replays and
+    interactive investigations alike (a folder holding one of :data:`RUN_MARKERS`), newest by its
+    ``YYYYmmdd-HHMMSS`` name prefix. None when there is none."""
+    outputs = Path(outputs) if outputs is not None else outputs_dir()
     if not outputs.is_dir():
         return None
-    runs = sorted((p for p in outputs.iterdir() if p.is_dir() and (p / need).exists()),
+    runs = sorted((p for p in outputs.iterdir() if p.is_dir() and any((p / m).exists() for m in RUN_MARKERS)),
                   key=lambda p: p.name)
     return runs[-1] if runs else None
 
 
-def resolve_run_dir(run_dir: Any, *, create: bool = False, name: str = "interactive") -> Path:
-    """``run_dir`` when given; else (interactive use) a new run folder when ``create``, else the newest
-    run folder under ``outputs/`` with results. Raises FileNotFoundError when there is none."""
+def finished(run_dir: Path) -> str:
+    """Why ``run_dir`` is a finished run (``"it has postmortem.html"``), or "" when it is not."""
+    marks = [m for m in FINISHED_MARKERS if (Path(run_dir) / m).exists()]
+    return f"it has {' and '.join(marks)}" if marks else ""
+
+
+def resolve_run_dir(run_dir: Any, *, create: bool = False, name: str = "interactive") -> tuple[Path, str]:
+    """The run folder a notebook works on and how it was chosen: ``(path, origin)``.
+
+    ``origin`` is ``"given"`` (``run_dir`` named by the user; it must exist unless ``create``), ``"new"`` (empty
+    ``run_dir`` and ``create``: a fresh ``outputs/<stamp>-<name>``), or ``"newest"`` (empty ``run_dir``: the newest
+    run folder, :func:`latest_run_dir`).
+
+    Raises:
+        helpers.errors.BadInput: a named folder that does not exist (and not ``create``), or no run folder at all.
+    """
     p = as_path(run_dir)
     if p is not None:
-        p.mkdir(parents=True, exist_ok=True)
-        return p
+        if not p.is_dir():
+            if not create:
+                raise BadInput("run folder does not exist (check run_dir, or leave it empty for the newest run)",
+                               path=p, field="run_dir")
+            p.mkdir(parents=True)
+        return p, "given"
     if create:
-
-        return new_run_dir(name)
+        return new_run_dir(name), "new"
     found = latest_run_dir()
     if found is None:
-        raise FileNotFoundError("no run folder given and none under outputs/: run notebooks/00_replay.ipynb "
-                                "or `python -m helpers suite run --params env/cases/main.yaml` first")
-    return found
+        raise BadInput("no run folder given and none under outputs/: run notebooks/00_investigate.ipynb with "
+                       "server_url, notebooks/00_replay.ipynb, or `python -m helpers suite run --params "
+                       "env/cases/main.yaml` first", field="run_dir")
+    return found, "newest"
 
 
 @dataclass
@@ -279,6 +376,8 @@ class RunContext:
             ``models`` block, without importing torch: the hypothesis library loads with the validation).
         target_dir / draft_dir / training: model and training-data paths (case, params, or defaults).
         replay: the replay document (``results/replay-*.json``) or None.
+        origin: how the run folder was chosen (:func:`resolve_run_dir`: ``given``, ``new`` or ``newest``).
+        finished: why the run folder is finished (:func:`finished`), "" when it is not.
     """
 
     run_dir: Path
@@ -290,6 +389,20 @@ class RunContext:
     training: Optional[Path] = None
     replay: Optional[dict] = None
     notes: list = field(default_factory=list)
+    origin: str = "given"
+    finished: str = ""
+
+    @property
+    def writable(self) -> bool:
+        """False for a finished run folder the user did not name (found as the newest): pages only read it."""
+        return not (self.origin == "newest" and self.finished)
+
+    def require_writable(self, what: str) -> None:
+        """Raise :class:`helpers.errors.BadInput` (before any work) when this page may not write ``what`` here."""
+        if not self.writable:
+            raise BadInput(f"{what} would write into the newest run folder, a finished run ({self.finished}); "
+                           f"name it to add to it (run_dir = \"{self.run_dir}\"), or run 00_investigate for a "
+                           "new run folder", path=self.run_dir, field="run_dir")
 
     @property
     def live(self) -> bool:
@@ -336,9 +449,10 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
         whole file is validated by :meth:`RunContext.load_case`, i.e. when 00_replay replays it).
     """
     base = as_path(repo_root) or ROOT
-    rd = resolve_run_dir(run_dir, create=create)
-    ctx = RunContext(run_dir=rd, server_url=str(server_url or ""), api_key_env=api_key_env or "SGLANG_API_KEY")
-    rec = read_json_file(rd / "results" / "00_replay.json") or {}
+    rd, origin = resolve_run_dir(run_dir, create=create)
+    ctx = RunContext(run_dir=rd, server_url=str(server_url or ""), api_key_env=api_key_env or "SGLANG_API_KEY",
+                     origin=origin, finished=finished(rd))
+    rec = read_json_file(result_path(rd, "00_replay")) or {}
     cp = as_path(case, base) or as_path(rec.get("case_path"), base)
     m = None
     if cp is not None and cp.exists():
@@ -375,6 +489,27 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     return ctx
 
 
+def run_dir_line(run_dir: Path) -> str:
+    """The parameter line to paste into a notebook's parameters cell: ``run_dir = "/abs/path"``."""
+    return f'run_dir = {json.dumps(str(Path(run_dir).resolve()))}'
+
+
+def run_banner(ctx: RunContext) -> str:
+    """The top of every page: the run folder it reads (and writes), how it was chosen, the line to paste into the
+    next notebooks, and whether this page may write there (escaped HTML)."""
+    how = {"given": "named in run_dir", "new": "a new run folder (run_dir was empty)",
+           "newest": "the newest run folder under outputs/ (run_dir was empty)"}.get(ctx.origin, ctx.origin)
+    out = (f'<div class="e3f-run"><b>Run folder</b> <code>{esc(ctx.run_dir.resolve())}</code> '
+           f'<span class="e3f-note">({esc(how)})</span><br>'
+           f'<span class="e3f-note">other notebooks on this run: paste</span> <code>{esc(run_dir_line(ctx.run_dir))}'
+           "</code>")
+    if not ctx.writable:
+        out += (f'<br><b>Read only:</b> this run is finished ({esc(ctx.finished)}); this page saves nothing here. '
+                "Name it in run_dir to add to it, or run 00_investigate for a new run folder.")
+    out += "".join(f'<br><span class="e3f-note">note: {esc(n)}</span>' for n in ctx.notes)
+    return out + "</div>"
+
+
 def load_replay(run_dir: Path) -> Optional[ReplayDoc]:
     """The replay document of the run folder (``results/replay-*.json``; the newest if several), typed
     (:class:`helpers.records.ReplayDoc`); None without one or when it cannot be read."""
@@ -402,30 +537,45 @@ def connect(ctx: RunContext):
     return SGLangClient(ctx.server_url, api_key=key or "")
 
 
-def write_result(run_dir: Path, notebook: str, doc: Mapping[str, Any]) -> None:
-    """Write ``results/<notebook>.json`` (atomic) for the notebooks that follow (returns None, so that a
-    notebook cell ending with it shows nothing). The document is validated as that notebook's record
-    (:data:`helpers.records.NOTEBOOK_RESULT`) first, so a misnamed field fails here, not in a later page.
+def result_path(run_dir: Path, notebook: str) -> Path:
+    """The newest ``results/<notebook>.json`` of the run folder: a rerun of a notebook in the same run folder writes
+    ``<notebook>-2.json``, ``-3``, ... (:func:`write_result` never overwrites); the highest number wins. The plain
+    name when there is none (it may not exist)."""
+    folder = Path(run_dir) / "results"
+    pat = re.compile(re.escape(notebook) + r"(?:-(\d+))?\.json")
+    found = [(int(m.group(1) or 1), f) for f in (folder.glob(f"{notebook}*.json") if folder.is_dir() else [])
+             if (m := pat.fullmatch(f.name))]
+    return max(found)[1] if found else folder / f"{notebook}.json"
+
+
+def write_result(where: "RunContext | Path", notebook: str, doc: Mapping[str, Any]) -> None:
+    """Write ``results/<notebook>.json`` for the notebooks that follow, under a new name when one exists
+    (``<notebook>-2.json``; :func:`result_path` reads the newest). Nothing is written into a finished run folder
+    that the user did not name (``where`` a :class:`RunContext` that is not writable; :func:`run_banner` says so).
+    The document is validated as that notebook's record (:data:`helpers.records.NOTEBOOK_RESULT`) first, so a
+    misnamed field fails here, not in a later page. Returns None (a notebook cell ending with it shows nothing);
+    :func:`result_path` finds what was written.
 
     Raises ``pydantic.ValidationError`` when ``doc`` does not fit the record of ``notebook``."""
-
     record = NOTEBOOK_RESULT.validate_python({**jsonable(dict(doc)), "notebook": notebook})
-    write_json(Path(run_dir) / "results" / f"{notebook}.json", jsonable(record.model_dump(mode="json")))
+    if isinstance(where, RunContext) and not where.writable:
+        return None
+    run_dir = where.run_dir if isinstance(where, RunContext) else Path(where)
+    text = json.dumps(jsonable(record.model_dump(mode="json")), indent=2, default=str) + "\n"
+    atomic_write_new(run_dir / "results" / f"{notebook}.json", text.encode())
 
 
 def read_result(run_dir: Path, notebook: str):
-    """``results/<notebook>.json`` as its typed record (:data:`helpers.records.NOTEBOOK_RESULT`; mapping-style
-    ``.get`` works on it), or None when the file is absent, unreadable or from another schema."""
-
-
-    raw = read_json_file(Path(run_dir) / "results" / f"{notebook}.json")
+    """The newest ``results/<notebook>.json`` (:func:`result_path`) as its typed record
+    (:data:`helpers.records.NOTEBOOK_RESULT`; mapping-style ``.get`` works on it), or None when the file is absent,
+    unreadable or from another schema."""
+    raw = read_json_file(result_path(run_dir, notebook))
     if not isinstance(raw, dict):
         return None
     try:
         return NOTEBOOK_RESULT.validate_python({**raw, "notebook": notebook})
     except ValidationError:
         return None
-
 
 
 def findings_frame(findings: Iterable[Mapping[str, Any]]) -> pd.DataFrame:

@@ -16,24 +16,37 @@ from ..diagnosis.diagnose import diagnose
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..plots.acceptance import PALETTE
-from .common import RunContext, downsample, esc
+from .common import RunContext, as_path, downsample, esc, read_json_file
 
 
 def run_diagnosis(ctx: RunContext, served: Path, *, reference: Optional[Path] = None,
                   max_samples: Optional[int] = 8):
-    """:func:`helpers.diagnosis.diagnose.diagnose` of ``served`` against ``ctx.training`` with the draft/target
-    configs (the fix's draft variant when the replay used one) and the reference dump."""
+    """:func:`helpers.diagnosis.diagnose.diagnose` of ``served`` against ``ctx.training`` with the target config, the
+    draft config the dump was served with (:func:`draft_for_dump`) and the reference dump. ``max_samples`` limits the
+    training samples read; served samples beyond them are left out with a note, never a finding."""
 
-    return diagnose(ctx.training, [served], draft_config=_draft_for_dump(ctx, served),
+    return diagnose(ctx.training, [served], draft_config=draft_for_dump(ctx, served)[0],
                     target_config=ctx.target_dir, reference=reference, max_samples=max_samples)
 
 
-def _draft_for_dump(ctx: RunContext, served: Path) -> Optional[Path]:
+def draft_for_dump(ctx: RunContext, served: Path) -> tuple[Optional[Path], str]:
+    """The draft folder ``served`` was served with, and where that comes from: the server's
+    ``speculative_draft_model_path`` in the dump's manifest (``server`` block) when this machine can read it, else
+    the replay's draft variant of the same fix (``drafts/<fix>``, for a dump ``<fix>-served``), else the page's
+    draft (``ctx.draft_dir``). ``(None, why)`` when there is none."""
+    manifest = read_json_file(Path(served) / "manifest.json") or {}
+    srv = manifest.get("server") if isinstance(manifest.get("server"), dict) else {}
+    eff = srv.get("effective") if isinstance(srv.get("effective"), dict) else srv
+    used = as_path(eff.get("speculative_draft_model_path"))
+    if used is not None and (used / "config.json").exists():
+        return used, "the dump's manifest (the server's speculative_draft_model_path)"
     stem = served.name[:-len("-served")] if served.name.endswith("-served") else ""
     variant = ctx.run_dir / "drafts" / stem
     if stem and (variant / "config.json").exists():
-        return variant
-    return ctx.draft_dir if ctx.draft_dir and (ctx.draft_dir / "config.json").exists() else None
+        return variant, f"the run folder's draft variant of fix {stem!r}"
+    if ctx.draft_dir and (ctx.draft_dir / "config.json").exists():
+        return ctx.draft_dir, "draft_dir (the dump's manifest names no draft readable here)"
+    return None, "none readable here"
 
 
 def chunk_table(diag) -> pd.DataFrame:

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from ..errors import BadInput
 from ..investigation.live import investigate
 from ..records import HypothesisStep, InvestigationDoc
 from ..runfiles import atomic_write_text, read_json_file
 from .budget import budget_parts
-from .common import _CSS, RunContext, esc, findings_frame, plotlyjs_html, table_html
+from .common import _CSS, RunContext, as_path, esc, findings_frame, plotlyjs_html, run_dir_line, table_html
 
 
 def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
@@ -29,18 +30,37 @@ def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
 
 
 def ensure(ctx: RunContext, *, samples: int = 4, apply_fix: bool = False, relaunch: str = "",
-           timeout: Optional[float] = 900.0, prompts: int = 16, max_new_tokens: int = 32) -> Optional[InvestigationDoc]:
+           timeout: Optional[float] = 900.0, prompts: int = 16, max_new_tokens: int = 32, draft: Any = "",
+           target: Any = "", port: Any = "", progress: Optional[Callable[[str], None]] = None
+           ) -> Optional[InvestigationDoc]:
     """The run folder's investigation of ``ctx.server_url``: the one ``00_investigate`` wrote, else (live) a new one
     run now with :func:`helpers.investigation.live.investigate` (so every live page reads the same capture, the
-    same draft and the same verdicts). Without a live server: the recorded one or None."""
+    same draft and the same verdicts). Without a live server: the recorded one or None. ``draft`` / ``target``:
+    folders to use when the server's are not readable here (empty: the server's); ``port``: port or ``LOW-HIGH`` range
+    of the fixed server; ``progress``: called with one line per step (:class:`helpers.views.common.StepProgress`).
+
+    Raises:
+        helpers.errors.BadInput: the run folder holds the investigation of another server, or is a finished run
+            the user did not name (before any work).
+    """
     doc = load_investigation(ctx.run_dir)
     if doc is not None and (not ctx.live or doc.url.rstrip("/") == ctx.server_url.rstrip("/")):
         return doc
     if not ctx.live:
         return None
-    return investigate(ctx.server_url, training=ctx.training, run_dir=ctx.run_dir, draft=None, target=None,
-                       relaunch=relaunch or None, api_key=ctx.api_key, timeout=timeout, num_samples=samples,
-                       measure_prompts=prompts, max_new_tokens=max_new_tokens, apply_fix=apply_fix)
+    if (ctx.run_dir / "investigation.json").exists():
+        raise BadInput(f"this run folder holds the investigation of another server ({doc.url if doc else 'unreadable'}"
+                       f"), not of server_url {ctx.server_url}: run 00_investigate with this server_url (a new run "
+                       "folder) and paste its run_dir line here", path=ctx.run_dir, field="run_dir")
+    ctx.require_writable("the live investigation")
+    doc = investigate(ctx.server_url, training=ctx.training, run_dir=ctx.run_dir, draft=as_path(draft),
+                      target=as_path(target), relaunch=relaunch or None, api_key=ctx.api_key, timeout=timeout,
+                      num_samples=samples, measure_prompts=prompts, max_new_tokens=max_new_tokens,
+                      apply_fix=apply_fix, port=port or None,
+                      **({"progress": progress} if progress is not None else {}))
+    if callable(getattr(progress, "done", None)):
+        progress.done()
+    return doc
 
 
 def hypothesis_steps(doc: Optional[InvestigationDoc], check: str) -> list[HypothesisStep]:
@@ -70,16 +90,22 @@ def hypotheses_frame(doc: InvestigationDoc) -> pd.DataFrame:
                           "evidence": h.get("short") or h.get("explanation")} for h in doc.hypotheses])
 
 
-def fix_html(doc: InvestigationDoc) -> str:
-    """The proposed fix: parts, engine changes, config overrides / flags / tensors, and where each comes from."""
+def fix_html(doc: InvestigationDoc, *, summary: bool = True) -> str:
+    """The proposed fix: parts, engine changes, config overrides / flags / tensors, and where each comes from
+    (``summary=False``: without its one-line summary, which the headline above already says)."""
     fix = doc.proposed_fix
     if fix is None:
         return "<p><i>No fix was proposed (the investigation stopped before).</i></p>"
     items = "".join(f"<li>{esc(p)}</li>" for p in fix.parts)
     items += "".join(f"<li><b>engine:</b> {esc(p)}</li>" for p in fix.engine)
-    out = f"<p><b>{esc(fix.kind)}</b>: {esc(fix.summary)}</p><ul>{items}</ul>"
+    out = (f"<p><b>{esc(fix.kind)}</b>: {esc(fix.summary)}</p>" if summary else
+           f"<p><b>{esc(fix.kind)}</b> (the headline's proposed fix):</p>") + f"<ul>{items}</ul>"
     if fix.draft_config:
-        out += f"<p>draft config.json overrides:</p><pre>{esc(json.dumps(fix.draft_config, indent=1))}</pre>"
+        out += (f"<p>file to edit: <code>{esc(config_to_edit(doc))}</code>; the keys to set:</p>"
+                f"<pre>{esc(json.dumps(fix.draft_config, indent=1))}</pre>")
+        patched = Path(doc.run_dir) / "drafts" / "proposed" / "config.json"
+        if doc.run_dir and patched.exists():
+            out += f"<p class=\"e3f-note\">the patched copy the fix was measured with: <code>{esc(patched)}</code></p>"
     if fix.server_args:
         out += "<p>server flags: <code>" + esc(" ".join(f"{k} {v}" for k, v in fix.server_args.items())) + "</code></p>"
     if fix.add_tensors:
@@ -93,6 +119,15 @@ def fix_html(doc: InvestigationDoc) -> str:
         out += "<p class=\"e3f-note\">where it comes from:</p><ul class=\"e3f-note\">" + \
                "".join(f"<li>{esc(w)}</li>" for w in fix.why) + "</ul>"
     return out
+
+
+def config_to_edit(doc: InvestigationDoc) -> str:
+    """The draft config file the proposed fix edits: ``config.json`` of the draft folder the server was started with
+    (``speculative_draft_model_path``, a path on the server's machine), else of the draft folder the investigation
+    read."""
+    a = doc.attach or {}
+    folder = a.get("served_draft") or a.get("draft_dir")
+    return str(Path(folder) / "config.json") if folder else "the draft's config.json"
 
 
 def measured_figure(doc: InvestigationDoc) -> Optional[go.Figure]:
@@ -144,13 +179,15 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[
     parts.append("<h3>Hypotheses, by evidence</h3>")
     parts.append(table_html(hypotheses_frame(doc)))
     parts.append("<h3>Proposed fix</h3>")
-    parts.append(fix_html(doc))
+    parts.append(fix_html(doc, summary=not with_headline))
     parts.append("<h3>Measured</h3>")
     fig = measured_figure(doc)
     m = doc.measured or {}
     if fig is not None:
         parts.append(fig)
         parts.append(f"<p>{esc(_effect_line(m))}</p>")
+    elif m.get("measured_by"):
+        parts.append(f"<p>Measured by {esc(m['measured_by'])}.</p>")
     else:
         parts.append(f"<p>Not measured: {esc(m.get('not_measured') or m.get('error') or 'no measurement')}</p>")
     parts.append("<h3>Acceptance budget: where the accept length goes</h3>")
@@ -189,3 +226,49 @@ def page_html(doc: InvestigationDoc, title: str = "EAGLE-3 live investigation") 
 def write_report(run_dir: Path, doc: InvestigationDoc) -> Path:
     """Write ``run_dir/postmortem.html`` (atomic) and return its path."""
     return atomic_write_text(Path(run_dir) / "postmortem.html", page_html(doc))
+
+
+def where_html(run_dir: Path, doc: Optional[InvestigationDoc], command: str = "") -> str:
+    """Where the investigation's files are, for the end of a page: the run folder (and the line to paste into the
+    next notebooks), ``investigation.json``, the patched draft (``drafts/proposed``), the postmortem page, and the
+    command that reproduces the investigation (escaped HTML list)."""
+    run_dir = Path(run_dir).resolve()
+    rows = [("run folder", str(run_dir)), ("next notebooks", run_dir_line(run_dir))]
+    inv = run_dir / "investigation.json"
+    rows.append(("investigation", str(inv) if inv.exists() else "not written (no investigation in this run folder)"))
+    drafts = run_dir / "drafts" / "proposed"
+    rows.append(("patched draft", str(drafts) if (drafts / "config.json").exists() else
+                 "none (the fix was not applied)"))
+    pm = run_dir / "postmortem.html"
+    rows.append(("postmortem", str(pm) if pm.exists() else
+                 "not written yet: 99_postmortem shows it with the run_dir line above "
+                 "(`python -m helpers investigate` writes postmortem.html)"))
+    if command:
+        rows.append(("reproduce", command))
+    return "<ul class=\"e3f-where\">" + "".join(f"<li><b>{esc(k)}:</b> <code>{esc(v)}</code></li>" for k, v in rows) + \
+        "</ul>"
+
+
+def reproduce_command(ctx: RunContext, *, samples: int, prompts: int, timeout: Optional[float], apply_fix: bool,
+                      relaunch: str = "", draft: Any = "", target: Any = "", port: Any = "") -> str:
+    """The ``python -m helpers investigate`` command that runs the same investigation into a new run folder."""
+    import shlex
+
+    words = ["python", "-m", "helpers", "investigate", "--url", ctx.server_url, "--training", str(ctx.training),
+             "--samples", str(samples), "--prompts", str(prompts)]
+    words += ["--timeout", f"{timeout:g}"] if timeout else []
+    words += [] if apply_fix else ["--no-apply"]
+    words += ["--relaunch", relaunch] if relaunch else []
+    words += ["--draft", str(as_path(draft))] if draft else []
+    words += ["--target", str(as_path(target))] if target else []
+    words += ["--port", str(port)] if port else []
+    if ctx.api_key_env != "SGLANG_API_KEY":
+        words += ["--api-key-env", ctx.api_key_env]
+    return shlex.join(words)
+
+
+def effect_html(doc: Optional[InvestigationDoc]) -> str:
+    """The paired change the investigation measured (before / after its fix, same prompts) as one escaped
+    paragraph; "" when it measured none."""
+    m = (doc.measured or {}) if doc is not None else {}
+    return f"<p>{esc(_effect_line(m))}</p>" if "before" in m and "after" in m else ""

@@ -14,8 +14,10 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from ..acceptance.stats import format_ci
+from ..errors import BadInput
+from ..investigation.catalog import CATALOG
 from ..investigation.replay import replay_case
-from ..plots.acceptance import tok_s_vs_steps
+from ..plots.acceptance import nice_step, tok_s_vs_steps
 from ..records import REPLAY_STEP, ReplayDoc
 from .common import VERDICT_COLORS, RunContext, esc, show, verdict_badge, write_result
 
@@ -32,20 +34,29 @@ def as_step(step: Any):
     return step if not isinstance(step, Mapping) else REPLAY_STEP.validate_python(dict(step))
 
 
-def run_or_load_replay(ctx: RunContext, *, rerun: bool = False, progress: bool = False) -> Optional[dict]:
-    """Replay the case of ``ctx.case_path`` into ``ctx.run_dir`` (or load a complete replay already there unless ``rerun``);
+def run_or_load_replay(ctx: RunContext, *, progress: bool = False) -> Optional[dict]:
+    """Replay the case of ``ctx.case_path`` into ``ctx.run_dir`` (or load a complete replay of it already there);
     record the case path in ``results/00_replay.json``. Returns the replay document, None without a case.
-    The API key, if any, is read from the environment variable named by ``ctx.api_key_env``."""
+    The API key, if any, is read from the environment variable named by ``ctx.api_key_env``.
+
+    Raises:
+        helpers.errors.BadInput: a replay would be written into a run folder that holds one already, or into a
+            finished run the user did not name (before any work)."""
 
     case = ctx.load_case()
     if case is None:
         return ctx.replay
     doc = as_replay(ctx.replay)
-    if rerun or doc is None or not doc.complete or doc.case != case.name:
+    if doc is None or not doc.complete or doc.case != case.name:
+        ctx.require_writable("replaying the case")
+        if any(ctx.run_dir.glob("results/replay-*.json")):
+            raise BadInput("this run folder already holds a replay (of another case, or incomplete); a replay is "
+                           "never written over another: leave run_dir empty for a new run folder",
+                           path=ctx.run_dir, field="run_dir")
         key = os.environ.get(ctx.api_key_env) or None
         doc = replay_case(case, ctx.run_dir, progress=progress, api_key=key)
     ctx.replay = doc
-    write_result(ctx.run_dir, "00_replay", {
+    write_result(ctx, "00_replay", {
         "case_path": str(ctx.case_path), "case": doc.case, "headline": doc.headline,
         "complete": doc.complete, "wall_s": doc.wall_s,
         "models": {"target": str(ctx.target_dir), "draft": str(ctx.draft_dir), "training": str(ctx.training)},
@@ -172,10 +183,23 @@ def load_figure(run_dir: Path, rel: Optional[str]):
     return pio.from_json(p.read_text())
 
 
+def _step_label(s) -> str:
+    """The x-axis label of a timeline step: the fix's name, what a hypothesis asks (its check's title), the
+    investigation, the sweep."""
+    if s.kind == "fix":
+        return s.name or "fix"
+    if s.kind == "hypothesis":
+        return CATALOG.get(s.check, (s.check,))[0] + "?"
+    if s.kind == "investigate":
+        return "blind investigation"
+    return "num_steps sweep"
+
+
 def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept rate per fix along the timeline"):
-    """Accept rate per fix (points with 95% CI bars, x = timeline step) with every hypothesis as a vertical
-    line annotated with its check and coloured by its verdict; accept length on the right axis; sweeps as
-    grey bands labelled with the best num_steps.
+    """Accept rate per fix (points with 95% CI bars, x = timeline step; no line between fixes: the steps between
+    them are not measured) and accept length on the right axis (round ticks); every hypothesis as a vertical line
+    coloured by its verdict, with a marker whose hover says what it asked and found; the investigation as a purple
+    line; sweeps as grey bands. Each step is named on the x axis (``1. as deployed``, ``3. Embedding all-reduce?``).
 
     Returns a ``plotly.graph_objects.Figure`` (empty axes when there are no steps).
     """
@@ -188,11 +212,8 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
     if len(fx):
         y = 100 * fx["accept_rate"]
         fig.add_trace(go.Scatter(
-            x=fx["step"], y=y, mode="markers+lines+text", name="accept rate (95% CI)",
-            text=[esc(f) for f in fx["fix"]],
-            textposition=["top right" if i == 0 and len(fx) > 1 else "top left" if i == len(fx) - 1 and len(fx) > 1
-                          else "top center" for i in range(len(fx))],
-            marker=dict(size=12, color="#1565c0"), line=dict(color="#1565c0", width=1, dash="dot"),
+            x=fx["step"], y=y, mode="markers", name="accept rate (95% CI)", text=[esc(f) for f in fx["fix"]],
+            marker=dict(size=12, color="#1565c0"),
             error_y=dict(type="data", array=(100 * (fx["accept_rate_hi"] - fx["accept_rate"])).clip(lower=0)
                          .fillna(0).tolist(),
                          arrayminus=(100 * (fx["accept_rate"] - fx["accept_rate_lo"])).clip(lower=0)
@@ -213,35 +234,35 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
             v = s.verdict or "inconclusive"
             color = VERDICT_COLORS.get(v, "#616161")
             fig.add_vline(x=x, line=dict(color=color, width=2, dash="dash"))
-            fig.add_annotation(x=x, y=1.0, yref="paper", text=esc(s.label or s.check),
-                               textangle=-60, showarrow=False, font=dict(color=color, size=10),
-                               xanchor="left", yanchor="bottom")
+            asked = s.question or CATALOG.get(s.check, ("", ""))[1]
             fig.add_trace(go.Scatter(
                 x=[x], y=[0], mode="markers", marker=dict(symbol="triangle-up", size=11, color=color),
                 name=v, legendgroup=v, showlegend=v not in seen,
-                hovertext=esc(f"step {x}: {s.check}: {v}" + (f" (expected {s.expect})" if s.expect else "")),
+                hovertext=esc(f"step {x}: {asked} Verdict: {v}" + (f" (expected {s.expect})" if s.expect else "")
+                              + (f" [{s.label}]" if s.label else "")),
                 hoverinfo="text"), secondary_y=False)
             seen.add(v)
         elif s.kind == "investigate":
-            color = "#6a1b9a"
-            fig.add_vline(x=x, line=dict(color=color, width=3))
-            fig.add_annotation(x=x, y=1.0, yref="paper", text=esc("investigation: " + (s.verdict or "?")),
-                               textangle=-60, showarrow=False, font=dict(color=color, size=10),
-                               xanchor="left", yanchor="bottom")
+            fig.add_vline(x=x, line=dict(color="#6a1b9a", width=3))
         elif s.kind == "sweep":
             fig.add_vrect(x0=x - 0.4, x1=x + 0.4, fillcolor="#9e9e9e", opacity=0.15, line_width=0)
-            best = s.best_num_steps
             fig.add_annotation(x=x, y=0.02, yref="paper", showarrow=False,
-                               text=f"sweep: best num_steps={esc(best)}", font=dict(size=10))
-    fig.update_layout(title=title, template="plotly_white", height=480,
-                      margin=dict(l=60, r=60, t=130, b=60), legend=dict(orientation="h", y=-0.18))
-    fig.update_xaxes(title_text="timeline step", dtick=1, range=[0.5, max([len(steps), 1]) + 0.5])
-    fig.update_yaxes(title_text="accept rate (%)", range=[-5, 105], secondary_y=False)
+                               text=f"best num_steps={esc(s.best_num_steps)}", font=dict(size=10))
+    fig.update_layout(title=title, template="plotly_white", height=520,
+                      margin=dict(l=60, r=60, t=90, b=150), legend=dict(orientation="h", x=0, y=1.02,
+                                                                       yanchor="bottom"))
+    fig.update_xaxes(title_text="timeline step", range=[0.5, max([len(steps), 1]) + 0.5], tickangle=-35,
+                     tickvals=[s.index + 1 for s in steps],
+                     ticktext=[esc(f"{s.index + 1}. {_step_label(s)}") for s in steps], automargin=True)
+    fig.update_yaxes(title_text="accept rate (%)", range=[-5, 105], tickvals=[0, 20, 40, 60, 80, 100],
+                     secondary_y=False)
     top = float(np.nanmax(fx["accept_length_hi"].to_numpy(float))) if len(fx) and \
         np.isfinite(fx["accept_length_hi"].to_numpy(float)).any() else 1.0
-    # same -5..105 % frame as the left axis: 0 lines up, and the top leaves room for the CI bar
-    fig.update_yaxes(title_text="accept length", secondary_y=True, showgrid=False,
-                     range=[-0.05 * top * 1.1, 1.05 * top * 1.1])
+    # round ticks, in the same -5..105 % frame as the left axis: 0 lines up, the top leaves room for the CI bar
+    dtick = nice_step(top)
+    span = dtick * np.ceil(top / dtick)
+    fig.update_yaxes(title_text="accept length", secondary_y=True, showgrid=False, dtick=dtick, tick0=0,
+                     range=[-0.05 * span, 1.05 * span])
     return fig
 
 

@@ -14,3 +14,31 @@ if os.environ.get("E3F_STANDIN_AMX") == "1":
     import torch
 
     torch.cpu._is_amx_tile_supported = lambda: True  # noqa: SLF001
+
+
+if os.environ.get("E3F_LOOPBACK_STORE") == "1":
+    # The embedded server listens on 127.0.0.1 only. SGLang's distributed init (`tcp://127.0.0.1:<nccl_port>`,
+    # sglang/srt/distributed/parallel_state.py::init_distributed_environment) makes rank 0 host torch's TCPStore,
+    # whose server binds every interface ("::") whatever the host name (torch/distributed/rendezvous.py::
+    # _create_c10d_store -> TCPStore(is_master=True)). Hand it a socket bound to the loopback address instead
+    # (TCPStore's master_listen_fd, which the libuv store accepts).
+    import importlib
+    import socket
+
+    _rdv = importlib.import_module("torch.distributed.rendezvous")   # the attribute is the function rendezvous
+
+    _create_store = _rdv._create_c10d_store
+    _LISTENERS = []    # the sockets the stores listen on (kept open for the life of the process)
+
+    def _loopback_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        if rank != 0 or _rdv._torchelastic_use_agent_store() or hostname not in ("127.0.0.1", "localhost"):
+            return _create_store(hostname, port, rank, world_size, timeout, use_libuv)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(512)
+        _LISTENERS.append(sock)
+        return _rdv.TCPStore(host_name="127.0.0.1", port=port, world_size=world_size, is_master=True,
+                             timeout=timeout, multi_tenant=True, master_listen_fd=sock.fileno(), use_libuv=True)
+
+    _rdv._create_c10d_store = _loopback_store

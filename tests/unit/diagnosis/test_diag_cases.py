@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.forensic_cases import (orthogonal, partial_rows, sharded_rows, unreduced_embedding_rows,
+from support.forensic_cases import (make_samples, orthogonal, partial_rows, sharded_rows, unreduced_embedding_rows,
                                     write_generate_json, write_rank_dumps, write_reference, write_specforge,
                                     write_speculators)
 from helpers.diagnosis.compare import REL_DIFF_TOLERANCE
@@ -436,3 +436,20 @@ def test_sglang_dumper_folder_as_served(tmp_path, tiny_target, tiny_draft, runne
     assert d.findings == [], d.render_text()
     assert [s.name for s in d.comparison.rank_sources] == ["rank0", "rank1"]
     assert d.comparison.alignment["rows_compared"] == sum(len(sp.prompt) for sp in specs)
+
+
+def test_max_samples_below_the_served_samples_raises_no_finding(tmp_path, tiny_target, tiny_draft, runner32, specs):
+    """Reading only the first training sample (03_compare's max_samples) leaves the other served samples out with a
+    note; a served sample that matches no training sample when all were read is still a token_mismatch."""
+    served_tensors = plan_for(tiny_draft, tiny_target)
+    train = write_specforge(tmp_path / "train", runner32, specs, SPECFORGE_DEFAULT)
+    served = write_generate_json(tmp_path / "served.json", runner32, specs, served_tensors)
+    d = diagnose(train, [served], draft_config=tiny_draft, target_config=tiny_target, max_samples=1)
+    assert d.findings == [], d.render_text()
+    assert d.comparison.alignment["samples_paired"] == 1
+    assert any("2 served sample(s) were not compared" in n for n in d.notes), d.notes
+    # all training samples read, one served sample from elsewhere: a finding
+    other = write_generate_json(tmp_path / "other.json", runner32, specs[:2] + make_samples(runner32, 4)[3:],
+                                served_tensors)
+    d = diagnose(train, [other], draft_config=tiny_draft, target_config=tiny_target)
+    assert [f["kind"] for f in d.findings] == ["token_mismatch"], d.render_text()

@@ -325,3 +325,49 @@ def test_spec_problem_names_counters_no_server_produces():
                 {"spec_correct_drafts_histogram": [0] * 3_000_000}):
         with pytest.raises(ValidationError):
             MetaInfo(**bad)
+
+
+# ------------------------------------------------------------------------------------------------ ports
+
+def test_ports_a_port_a_range_and_the_environment(monkeypatch):
+    import socket
+
+    from helpers.cli.server import _without_port
+    from helpers.errors import BadServerInput
+    from helpers.investigation.live import _set_flags
+    from helpers.server import embedded
+
+    assert embedded.parse_ports("30000") == (30000, 30000) and embedded.parse_ports(" 30000-30010") == (30000, 30010)
+    assert embedded.parse_ports("") is None and embedded.parse_ports(None) is None
+    for bad in ("x", "30010-30000", "0", "70000", "1-2-3"):
+        with pytest.raises(BadServerInput, match="--port"):
+            embedded.parse_ports(bad, what="--port")
+    assert embedded.pick_port("31234") == 31234
+    # a range: a free port of it; a taken port is never picked
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        p = taken.getsockname()[1]
+        assert {embedded.pick_port(f"{p}-{p + 1}") for _ in range(20)} == {p + 1}
+        with pytest.raises(BadServerInput, match=f"no free TCP port in {p}-{p}"):
+            embedded.free_port(low=p, high=p)
+    monkeypatch.setenv(embedded.PORT_RANGE_ENV, "31000-31003")
+    assert embedded.port_range() == (31000, 31003) and 31000 <= embedded.pick_port(None) <= 31003
+    monkeypatch.setenv(embedded.PORT_RANGE_ENV, "nonsense")
+    with pytest.raises(BadServerInput, match="E3F_PORT_RANGE"):
+        embedded.free_port()
+    # a relaunch listens on 127.0.0.1 at the chosen port, whatever the command said
+    argv = _set_flags(["python", "-m", "sglang.launch_server", "--host", "0.0.0.0", "--port=30000", "--tp", "8"],
+                      {"--host": "127.0.0.1", "--port": "31001"})
+    assert argv == ["python", "-m", "sglang.launch_server", "--tp", "8", "--host", "127.0.0.1", "--port", "31001"]
+    assert _without_port(["--tp", "2", "--port", "30000-30010", "--port=1", "--", "--port", "9"]) == \
+        ["--tp", "2", "--", "--port", "9"]
+
+
+def test_investigate_refuses_a_bad_port_before_any_request(tmp_path):
+    from helpers.errors import BadInput
+    from helpers.investigation.live import investigate
+
+    with pytest.raises(BadInput, match="--port"):
+        investigate("http://127.0.0.1:9", training=tmp_path, run_dir=tmp_path / "run", port="30010-30000")
+    assert not (tmp_path / "run").exists()

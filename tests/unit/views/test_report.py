@@ -109,10 +109,19 @@ def test_timeline_figure_marks_hypotheses_by_verdict():
     assert pytest.approx(list(rate.error_y.array)) == [5.0, 5.0]
     colors = [s.line.color for s in fig.layout.shapes if s.type == "line"]
     assert colors == [views_common.VERDICT_COLORS["refuted"], views_common.VERDICT_COLORS["confirmed"]]
-    texts = [a.text for a in fig.layout.annotations]
-    assert "msg 4495" in texts and "embedding_included" in texts
-    assert any("best num_steps=3" in t for t in texts)
+    assert "lines" not in rate.mode, "no line joins two fixes across the hypothesis steps between them"
+    ticks = list(fig.layout.xaxis.ticktext)
+    assert ticks[1] == "2. Embedding all-reduce?" and ticks[2] == "3. Embedding in place of a layer?", ticks
+    hover = [t.hovertext for t in fig.data if t.name in ("refuted", "confirmed")]
+    assert hover == ["step 2: q? Verdict: refuted (expected refuted) [msg 4495]",
+                     "step 3: q2? Verdict: confirmed (expected refuted)"]
+    assert not [a for a in fig.layout.annotations if a.textangle], "no rotated labels above the plot"
+    assert any("best num_steps=3" in a.text for a in fig.layout.annotations)
     assert {t.name for t in fig.data} >= {"refuted", "confirmed"}
+    # round ticks on the accept-length axis: 0 and multiples of a 1/2/2.5/5 x 10^k step up to the top
+    right = fig.layout.yaxis2
+    assert right.dtick in (0.25, 0.5, 1.0, 2.0, 2.5, 5.0) and right.tick0 == 0
+    assert [views_replay.nice_step(x) for x in (1.28, 3.2, 27.1, 0.9)] == [0.5, 1.0, 10.0, 0.2]
     assert views_replay.timeline_figure(None).data == ()
 
 
@@ -123,6 +132,7 @@ def test_sweep_figure_and_points():
     fig = views_replay.sweep_figure(doc)
     assert "best num_steps=3" in fig.layout.title.text
     assert list(fig.data[0].y) == [20, 24, 22]
+    assert (fig.layout.yaxis.dtick, fig.layout.yaxis2.dtick) == (5.0, 1.0), "round ticks: tok/s up to 25, length 2.8"
     assert views_replay.sweep_figure({"steps": doc["steps"][:2]}) is None
 
 
@@ -184,6 +194,7 @@ def test_failures_frame_from_status():
 
 def test_context_defaults_and_case_models(tmp_path, tiny_target, tiny_draft):
     run = tmp_path / "run"
+    run.mkdir()
     ctx = views_common.context(run)
     assert ctx.target_dir == views_common.ROOT / views_common.DEFAULT_TARGET and ctx.training == views_common.ROOT / views_common.DEFAULT_TRAINING
     assert ctx.replay is None and not ctx.live
@@ -250,3 +261,27 @@ def test_check_html_flags_cdn_scripts(tmp_path):
     assert info == {"bytes": p.stat().st_size, "plotlyjs_copies": 2, "external_scripts": 1,
                     "external_links": 1, "offline": False}
     assert math.isfinite(info["bytes"])
+
+
+def test_investigation_says_once_what_was_measured_and_which_file_to_edit(tmp_path):
+    from helpers.investigation.live import sentence
+    from helpers.records import Finding, ProposedFix
+
+    (tmp_path / "drafts" / "proposed").mkdir(parents=True)
+    (tmp_path / "drafts" / "proposed" / "config.json").write_text("{}")
+    fix = ProposedFix(kind="config", summary="set eagle_config.eagle_aux_hidden_state_layer_ids to [1, 3, 4]",
+                      draft_config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, applicable=True)
+    doc = InvestigationDoc(url="http://x", run_dir=str(tmp_path), verdict="mismatch", proposed_fix=fix,
+                           findings=[Finding(kind="embedding_in_place_of_layer", chunk=0, detail="d", evidence={})],
+                           attach={"served_draft": "/models/edited-draft", "draft_dir": "/mnt/edited-draft"},
+                           measured={"measured_by": "this replay as its step 'fix' (before and after the fix, on "
+                                                    "this page)"})
+    doc.sentence = sentence(doc)
+    assert doc.sentence.endswith("Measured by this replay as its step 'fix' (before and after the fix, on this page).")
+    page = "".join(p for p in views_investigation.sections_html(doc) if isinstance(p, str))
+    assert "not measured" not in page.lower() and page.count("Measured by this replay") == 2   # headline + section
+    assert "file to edit: <code>/models/edited-draft/config.json</code>" in page
+    assert str(tmp_path / "drafts" / "proposed" / "config.json") in page
+    # the headline states the proposed fix; the fix section below it does not repeat the sentence
+    assert page.count(doc.proposed_fix.summary) == 1
+    assert views_investigation.sections_html(doc, with_headline=False)[5].count(doc.proposed_fix.summary) == 1
