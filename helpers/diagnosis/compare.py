@@ -1148,8 +1148,19 @@ class _Block:
         """Prepare the block in the calling thread if no worker has started it."""
         if self.prep is None and self.fut.cancel():
             self.prep = _prepare(self.slot, self.a, *self.args)
+            self.args = None
             return True
         return False
+
+
+def _run_block(blk: _Block) -> dict:
+    """A worker's preparation of ``blk``. The executor's queue holds the block, not its tensors: once prepared (here,
+    or stolen by the calling thread, which leaves its cancelled work item queued until a worker dequeues it) the block
+    drops its arguments, so a slow worker keeps no loaded sample alive."""
+    try:
+        return _prepare(blk.slot, blk.a, *blk.args)
+    finally:
+        blk.args = None
 
 
 class _Blocks:
@@ -1178,8 +1189,9 @@ class _Blocks:
             return
         slot = _slot(self.count % (self.ahead + 1))
         self.count += 1
-        self.pending.append(_Block(self.sample, slot, a, prepare_args, consume_args,
-                                   self.pool.submit(_prepare, slot, a, *prepare_args)))
+        blk = _Block(self.sample, slot, a, prepare_args, consume_args, None)
+        blk.fut = self.pool.submit(_run_block, blk)
+        self.pending.append(blk)
         while len(self.pending) > self.ahead:
             self._consume_next()
 
