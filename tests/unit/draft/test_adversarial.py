@@ -1,0 +1,153 @@
+"""Inputs an adversarial user gives ``python -m helpers simulate`` / the acceptance budget, built from the reference
+draft, target and training sample with one edit each: every one gives correct figures or ONE line
+``simulate: error: <file or field>: <what was expected>`` with exit 2 (never a bare exception, exit 1)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers.cli.simulate import cli_main
+from helpers.draft.budget import dump_sequences, training_sequences
+from helpers.draft.model import Eagle3Draft, find_target_tensor
+from helpers.errors import BadInput
+from helpers.formats.dumps import write_dump
+from helpers.formats.training_data import TrainingData
+from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING
+
+
+def _draft(tmp_path, name, *, cfg=None, edit=None):
+    """A copy of the reference draft with ``cfg`` merged into its config and ``edit(tensors)`` applied."""
+    d = tmp_path / name
+    d.mkdir()
+    c = json.loads((REFERENCE_DRAFT / "config.json").read_text())
+    c.update(cfg or {})
+    (d / "config.json").write_text(json.dumps(c))
+    w = load_file(str(REFERENCE_DRAFT / "model.safetensors"))
+    if edit:
+        edit(w)
+    save_file(w, str(d / "model.safetensors"))
+    return d
+
+
+def _training(tmp_path, name, edits):
+    """A copy of the reference training sample; ``edits[i](sample dict)`` rewrites sample i (None drops it)."""
+    d = tmp_path / name
+    shutil.copytree(REFERENCE_TRAINING, d)
+    for i, fn in edits.items():
+        f = d / "rows_0-2000" / f"data_{i}.ckpt"
+        x = fn(torch.load(f, weights_only=True))
+        if x is None:
+            f.unlink()
+        else:
+            torch.save(x, f)
+    return d
+
+
+def _short(x):
+    return {k: (v[:2] if v.ndim == 1 else v[:, :2]) for k, v in x.items()}
+
+
+def _cli(capsys, *args):
+    rc = cli_main(["--draft", str(REFERENCE_DRAFT), "--target", str(REFERENCE_TARGET), "--training",
+                   str(REFERENCE_TRAINING), *args])
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:99"])
+def test_a_device_this_machine_lacks_is_bad_input(capsys, device):
+    rc, err = _cli(capsys, "--device", device, "--samples", "1")
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith("simulate: error: [--device]: "), err
+
+
+@pytest.mark.parametrize("rope", [{"rope_theta": 1e4, "rope_type": "llama3"},
+                                  {"rope_theta": 1e4, "rope_type": "linear"},
+                                  "linear"])
+def test_rope_scaling_without_its_fields_is_refused_in_one_line(tmp_path, rope):
+    d = _draft(tmp_path, "rope", cfg={"rope_parameters": rope})
+    with pytest.raises(BadInput) as e:
+        Eagle3Draft.load(d, REFERENCE_TARGET)
+    assert str(d / "config.json") in str(e.value) and "rope_scaling" in str(e.value)
+
+
+def test_a_target_index_naming_a_missing_shard_says_so(tmp_path):
+    t = tmp_path / "t"
+    t.mkdir()
+    shutil.copy(REFERENCE_TARGET / "config.json", t)
+    (t / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(BadInput, match="model-00001-of-00002.safetensors"):
+        find_target_tensor(t, "embed_tokens.weight")
+
+
+@pytest.mark.parametrize("tensor", ["fc.weight", "norm.weight", "midlayer.self_attn.q_proj.weight"])
+def test_a_non_finite_draft_weight_is_named(tmp_path, tensor):
+    def poison(w):
+        t = w[tensor].clone()
+        t.view(-1)[3] = float("nan")
+        t.view(-1)[5] = float("inf")
+        w[tensor] = t
+    d = _draft(tmp_path, "nan", edit=poison)
+    with pytest.raises(BadInput) as e:
+        Eagle3Draft.load(d, REFERENCE_TARGET)
+    assert f"[{tensor}]" in str(e.value) and "1 NaN, 1 Inf" in str(e.value)
+
+
+def test_non_finite_training_states_name_the_file(tmp_path):
+    def poison(x):
+        a = x["aux_hidden_state"].clone()
+        a[0, 5, 7] = float("nan")
+        return {**x, "aux_hidden_state": a}
+    d = _training(tmp_path, "tr", {1: poison})
+    with pytest.raises(BadInput) as e:
+        training_sequences(TrainingData(d, hidden_size=128))
+    assert "data_1.ckpt [aux_hidden_state]" in str(e.value)
+
+
+def test_unusable_samples_are_skipped_and_named(tmp_path):
+    """A sample shorter than 3 tokens or with an all-zero loss_mask has no continuation to draft on: it is skipped
+    (its file named), the others are simulated; when none is left, one line names the first file."""
+    d = _training(tmp_path, "tr", {0: _short, 2: lambda x: {**x, "loss_mask": torch.zeros_like(x["loss_mask"])}})
+    skipped: list = []
+    seqs = training_sequences(TrainingData(d, hidden_size=128), skipped=skipped)
+    assert [s.key for s in seqs] == ["data_1"]
+    assert sorted(p.rsplit("/", 1)[-1] for p, _ in skipped) == ["data_0.ckpt", "data_2.ckpt"]
+    assert "all zero" in dict((p.rsplit("/", 1)[-1], w) for p, w in skipped)["data_2.ckpt"]
+    only_bad = _training(tmp_path, "bad", {0: _short, 1: None, 2: None})
+    with pytest.raises(BadInput) as e:
+        training_sequences(TrainingData(only_bad, hidden_size=128))
+    assert "data_0.ckpt [loss_mask]" in str(e.value) or "data_0.ckpt [input_ids]" in str(e.value)
+
+
+def _served(tmp_path, ids):
+    """A served dump of the training tokens (rows = the training aux states) with sample ids ``ids``."""
+    td = TrainingData(REFERENCE_TRAINING, hidden_size=128)
+    samples = [{"key": f"s{i}", "sample_id": sid, "hidden": s.load().float(),
+                "input_ids": torch.as_tensor(s.input_ids)} for i, (s, sid) in enumerate(zip(td, ids))]
+    return write_dump(tmp_path / "served", samples, {"hidden_size": 128})
+
+
+def test_served_sample_ids_unlike_the_training_are_bad_input(tmp_path):
+    train = training_sequences(TrainingData(REFERENCE_TRAINING, hidden_size=128))
+    starts = {s.key: s.start for s in train}
+    dump = _served(tmp_path, ["other_0", "other_1", "other_2"])
+    with pytest.raises(BadInput) as e:
+        dump_sequences(dump, starts=starts)
+    assert "[sample_id]" in str(e.value) and "other_0" in str(e.value) and "data_0" in str(e.value)
+    shutil.rmtree(dump)
+    part = dump_sequences(_served(tmp_path, ["data_0", "zz", "data_2"]), starts=starts)
+    assert [s.key for s in part] == ["data_0", "data_2"]
+    assert [s.start for s in part] == [starts["data_0"], starts["data_2"]]
+
+
+def test_the_draft_config_is_checked_before_a_found_training_log(tmp_path, capsys):
+    """--draft pointed at the target folder: the line is about the draft's architecture, not about the target's own
+    training_log.json that happens to lie there."""
+    rc = cli_main(["--draft", str(REFERENCE_TARGET), "--target", str(REFERENCE_TARGET), "--training",
+                   str(REFERENCE_TRAINING)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "[architectures]" in err[0], err
