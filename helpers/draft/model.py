@@ -118,8 +118,15 @@ class DraftArch:
         theta = raw.get("rope_theta")
         if theta is None and isinstance(rope, dict):
             theta = rope.get("rope_theta")
-        kind = str((rope or {}).get("rope_type") or (rope or {}).get("type") or "default") \
-            if isinstance(rope, dict) else "default"
+        if rope is not None and not isinstance(rope, dict):
+            raise BadInput(f"expected an object {{rope_type, ...}} or null, got {rope!r} (sglang/srt/layers/"
+                           "rotary_embedding/factory.py::get_rope indexes it)", path=dc.path, field="rope_scaling")
+        if isinstance(rope, dict) and not (rope.get("rope_type") or rope.get("type")):
+            raise BadInput(f"no rope_type / type in {rope!r}: SGLang raises 'Unknown RoPE scaling type' (sglang/srt/"
+                           "layers/rotary_embedding/factory.py::get_rope)", path=dc.path, field="rope_scaling")
+        kind = str(rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else "default"
+        if isinstance(rope, dict) and raw.get("original_max_position_embeddings") is not None:
+            rope = {**rope, "original_max_position_embeddings": raw["original_max_position_embeddings"]}  # llama.py
         if kind not in ("default", "linear", "llama3"):
             raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
                            "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
@@ -177,15 +184,18 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _inv_freq(arch: DraftArch) -> torch.Tensor:
     """Rotary inverse frequencies (``sglang/srt/layers/rotary_embedding.py``: ``RotaryEmbedding``,
-    ``LinearScalingRotaryEmbedding`` is applied to positions, ``Llama3RotaryEmbedding._compute_inv_freq``)."""
+    ``LinearScalingRotaryEmbedding`` is applied to positions, ``Llama3RotaryEmbedding._compute_inv_freq``; missing
+    keys default as ``rotary_embedding/factory.py::get_rope`` defaults them: factor 1, low 1, high 4, original max
+    position = ``max_position_embeddings``, 8192 when unset, as ``models/llama.py::LlamaDecoderLayer``)."""
     hd = arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     rs = arch.rope_scaling or {}
     kind = str(rs.get("rope_type") or rs.get("type") or "default")
     if kind == "llama3":
-        factor = float(rs["factor"])
+        # rotary_embedding/factory.py::_get_rope_param: a missing key takes SGLang's default (with a warning there)
+        factor = float(rs.get("factor", 1.0))
         low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-        old = float(rs["original_max_position_embeddings"])
+        old = float(rs.get("original_max_position_embeddings", arch.max_position or 8192))
         low_wl, high_wl = old / low, old / high
         wl = 2 * math.pi / inv
         smooth = (old / wl - low) / (high - low)

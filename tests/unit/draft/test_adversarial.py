@@ -65,13 +65,24 @@ def test_a_device_this_machine_lacks_is_bad_input(capsys, device):
 
 
 @pytest.mark.parametrize("rope", [{"rope_theta": 1e4, "rope_type": "llama3"},
-                                  {"rope_theta": 1e4, "rope_type": "linear"},
-                                  "linear"])
-def test_rope_scaling_without_its_fields_is_refused_in_one_line(tmp_path, rope):
+                                  {"rope_theta": 1e4, "type": "linear"}])
+def test_rope_scaling_without_its_factors_takes_sglangs_defaults(tmp_path, rope):
+    """rotary_embedding/factory.py::_get_rope_param defaults a missing factor to 1 (llama3: low 1, high 4, original
+    max position = max_position_embeddings): the rotary embedding is then the unscaled one."""
+    d = _draft(tmp_path, "rope", cfg={"rope_parameters": rope})
+    plain = Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET)
+    scaled = Eagle3Draft.load(d, REFERENCE_TARGET)
+    assert torch.allclose(scaled._inv, plain._inv, rtol=1e-6) and scaled._pos_scale == 1.0
+    x = torch.randn(4, plain.arch.heads, plain.arch.head_dim)
+    assert torch.allclose(scaled._rope(x, torch.arange(4) * 100), plain._rope(x, torch.arange(4) * 100))
+
+
+@pytest.mark.parametrize("rope", ["linear", {"rope_theta": 1e4, "factor": 2.0}])
+def test_rope_scaling_sglang_cannot_read_is_refused_in_one_line(tmp_path, rope):
     d = _draft(tmp_path, "rope", cfg={"rope_parameters": rope})
     with pytest.raises(BadInput) as e:
         Eagle3Draft.load(d, REFERENCE_TARGET)
-    assert str(d / "config.json") in str(e.value) and "rope_scaling" in str(e.value)
+    assert str(e.value).startswith(f"{d / 'config.json'} [rope_scaling]: ")
 
 
 def test_a_target_index_naming_a_missing_shard_says_so(tmp_path):
