@@ -155,6 +155,15 @@ def _read_tensor(path: Path, key: str) -> torch.Tensor:
         raise BadInput(f"cannot read tensor {key!r} ({' '.join(str(e).split())})", path=path) from None
 
 
+def _finite(t: torch.Tensor, path: Path, name: str) -> None:
+    """Raise :class:`BadInput` naming ``path [name]`` when the weight ``t`` holds NaN or Inf: SGLang would load and
+    serve it (every draft logit NaN), so no accept length the offline run gives would say why."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        raise BadInput(f"{nan} NaN, {inf} Inf of {t.numel()} values: a damaged checkpoint (expected finite weights)",
+                       path=path, field=name)
+
+
 def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Path]]:
     """``(name, file)`` of the one target tensor whose name ends with ``suffix`` (e.g. ``embed_tokens.weight``),
     read from the safetensors index / headers only; None when there is none.
@@ -163,7 +172,8 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
         BadInput: no weights in the folder, or several tensors end with ``suffix`` (an MTP layer's embedding next to
             the model's: the shortest name, the main model's, is taken only when it is a prefix-free match).
     """
-    if not any(Path(target_dir).glob("*.safetensors")):
+    if not any(Path(target_dir).glob("*.safetensors")) and not (Path(target_dir) / "model.safetensors.index.json"
+                                                                 ).is_file():
         raise BadInput(f"no safetensors in the target folder: the offline draft run reads the target's "
                        f"'*{suffix}' from them (only that tensor; sglang/srt/models/llama.py::LlamaForCausalLM."
                        "set_embed shares the target's embedding with the draft)", path=target_dir)
@@ -297,7 +307,9 @@ class Eagle3Draft:
                                "llama_eagle3.py::LlamaForCausalLMEagle3.load_weights skips missing names and serves "
                                "an untrained parameter)", path=draft_dir, field=_internal_name(param, shard))
             key, info = filled[(param, shard)]
-            weights[_internal_name(param, shard)] = _read_tensor(info.file, key).to(device=device, dtype=dtype)
+            t = _read_tensor(info.file, key)
+            _finite(t, info.file, key)
+            weights[_internal_name(param, shard)] = t.to(device=device, dtype=dtype)
         if ("model.embed_tokens.weight", None) in filled:
             names["embed_tokens.weight"] = filled[("model.embed_tokens.weight", None)][0]
         index = {k: v.file for k, v in tensors.items()}
@@ -323,6 +335,7 @@ class Eagle3Draft:
                 raise BadInput("the target's safetensors hold no '*embed_tokens.weight' (the draft reads the target's "
                                "embedding: sglang/srt/models/llama.py::LlamaForCausalLM.set_embed)", path=target_dir)
             embed = _read_tensor(hit[1], hit[0])
+            _finite(embed, hit[1], hit[0])
             sources["embed"] = f"target {hit[1].name}:{hit[0]}"
         else:
             key = names.get("embed_tokens.weight")
