@@ -96,7 +96,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             head, _ = target_lm_head(target_dir)
         except BadInput:
             head = None
-        train = training_sequences(td, lm_head=head)
+        skipped: list = []
+        train = training_sequences(td, lm_head=head, skipped=skipped)
+        for where, why in skipped:
+            show(f"training sample {where} left out: {why}")
         served = dump_sequences(a.served, starts={s.key: s.start for s in train}) if a.served else None
         findings = draft_checks(draft_dir, target_dir, training=Path(a.training))
         cost, cost_src = draft_cost(draft_dir, target_dir)
