@@ -192,6 +192,15 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
+def _add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's fused residual add + RMSNorm (``RMSNorm.forward_native`` with ``residual``, as the CUDA
+    ``fused_add_rmsnorm`` kernel): the sum is formed in float32 and normalised unrounded; the residual carried on is
+    that sum in the input dtype. Returns ``(normed, residual)``, both in ``x``'s dtype."""
+    s = x.float() + residual.float()
+    return F.rms_norm(s, (s.shape[-1],), w.float(), eps).to(x.dtype), s.to(x.dtype)
+
+
 def _inv_freq(arch: DraftArch) -> torch.Tensor:
     """Rotary inverse frequencies (``sglang/srt/layers/rotary_embedding.py``: ``RotaryEmbedding``,
     ``LinearScalingRotaryEmbedding`` is applied to positions, ``Llama3RotaryEmbedding._compute_inv_freq``; missing
@@ -414,8 +423,7 @@ class Eagle3Draft:
         if i == 0:
             return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps),
                               _rms(h, w[p + "hidden_norm.weight"], a.eps)], dim=-1), h
-        residual = (h.float() + residual.float()).to(h.dtype)
-        return _rms(residual, w[p + "hidden_norm.weight"], a.eps), residual
+        return _add_rms(h, residual, w[p + "hidden_norm.weight"], a.eps)
 
     def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
         a, w, p = self.arch, self.w, f"layers.{i}.self_attn."
@@ -428,15 +436,13 @@ class Eagle3Draft:
     def _layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor):
         a, w, p = self.arch, self.w, f"layers.{i}."
         o = F.linear(attn, w[p + "self_attn.o_proj.weight"])
-        residual = (o.float() + residual.float()).to(o.dtype)
-        y = _rms(residual, w[p + "post_attention_layernorm.weight"], a.eps)
+        y, residual = _add_rms(o, residual, w[p + "post_attention_layernorm.weight"], a.eps)
         m = F.linear(F.silu(F.linear(y, w[p + "mlp.gate_proj.weight"])) * F.linear(y, w[p + "mlp.up_proj.weight"]),
                      w[p + "mlp.down_proj.weight"])
         return m, residual
 
     def _finish(self, m: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pre = (m.float() + residual.float()).to(m.dtype)
-        normed = _rms(pre, self.w["norm.weight"], self.arch.eps)
+        normed, pre = _add_rms(m, residual, self.w["norm.weight"], self.arch.eps)
         logits = F.linear(normed, self.lm_head).float()
         return (normed if self.arch.norm_output else pre), logits
 

@@ -4,7 +4,9 @@ draft, target and training sample with one edit each: every one gives correct fi
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from helpers.errors import BadInput
 from helpers.formats.dumps import write_dump
 from helpers.formats.training_data import TrainingData
 from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING
+from support import ROOT
 
 
 def _draft(tmp_path, name, *, cfg=None, edit=None):
@@ -162,3 +165,59 @@ def test_the_draft_config_is_checked_before_a_found_training_log(tmp_path, capsy
                    str(REFERENCE_TRAINING)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "[architectures]" in err[0], err
+
+
+SGLANG_PY = ROOT / "env" / "reference" / ".venv" / "bin" / "python"
+
+
+def _two_layer_llama3(w):
+    """A second decoder layer (H-wide qkv, SGLang's layers > 0) made from layer 0 with noise."""
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in w if k.startswith("midlayer.")]:
+        v = w[k][:, :128] if any(p in k for p in ("q_proj", "k_proj", "v_proj")) else w[k]
+        w[k.replace("midlayer.", "layers.1.")] = (v.float() + 0.02 * torch.randn(v.shape, generator=g)).to(v.dtype)
+
+
+def _both_norms(w):
+    """input_norm (norm_before_fc) and legacy per-chunk aux_norm_low/mid/high (use_aux_norm), none of them ones."""
+    g = torch.Generator().manual_seed(1)
+    w["input_norm.weight"] = (1 + 0.3 * torch.randn(384, generator=g)).to(torch.bfloat16)
+    for n in ("low", "mid", "high"):
+        w[f"aux_norm_{n}.weight"] = (1 + 0.3 * torch.randn(128, generator=g)).to(torch.bfloat16)
+
+
+@pytest.mark.skipif(not SGLANG_PY.exists(), reason="env/reference/.venv (sglang 0.5.23) not installed")
+def test_the_offline_forward_equals_sglangs_modules(tmp_path):
+    """model.py's extend pass against SGLang's own RMSNorm (fused residual add), get_rope and SiluAndMul run in the
+    reference venv along llama_eagle3.py's LlamaModel.forward / LlamaDecoderLayer.forward: a 2-layer draft with
+    llama3 rope, and input_norm + legacy aux norms. bfloat16 is bit-exact (it was not while model.py normalised the
+    rounded residual sum), float32 to 1e-5."""
+    drafts = {"two": _draft(tmp_path, "two", edit=_two_layer_llama3, cfg={
+                  "num_hidden_layers": 2, "rope_parameters": {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0,
+                                                              "original_max_position_embeddings": 32}}),
+              "norms": _draft(tmp_path, "norms", edit=_both_norms, cfg={
+                  "use_aux_norm": True, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                                         "norm_before_fc": True}})}
+    s = next(iter(TrainingData(REFERENCE_TRAINING, hidden_size=128)))
+    ids, aux = torch.as_tensor(s.input_ids)[:48], s.load()[:48].float()
+    jobs, ours = [], {}
+    for name, d in drafts.items():
+        for dt in ("float32", "bfloat16"):
+            m = Eagle3Draft.load(d, REFERENCE_TARGET, dtype=getattr(torch, dt))
+            assert m.arch.layers == (2 if name == "two" else 1)
+            ours[name, dt] = m.extend(ids, aux)
+            torch.save({"embeds": m.embed[ids].float(), "aux": aux, "positions": torch.arange(48)},
+                       tmp_path / f"{name}-{dt}.in.pt")
+            jobs.append([str(d), str(tmp_path / f"{name}-{dt}.in.pt"), str(tmp_path / f"{name}-{dt}.out.pt"), dt])
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run([str(SGLANG_PY), str(ROOT / "tests" / "support" / "sglang_eagle3_forward.py"),
+                    str(tmp_path / "jobs.json")], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    for (name, dt), e in ours.items():
+        ref = torch.load(tmp_path / f"{name}-{dt}.out.pt", weights_only=True)
+        if dt == "bfloat16":
+            assert torch.equal(e.logits, ref["logits"]) and torch.equal(e.hidden, ref["hidden"]), (
+                name, (e.logits - ref["logits"]).abs().max())
+        else:
+            assert torch.allclose(e.logits, ref["logits"], atol=1e-5), (name, (e.logits - ref["logits"]).abs().max())
+            assert torch.allclose(e.hidden, ref["hidden"], atol=1e-5)
