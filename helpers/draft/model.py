@@ -308,6 +308,8 @@ class Eagle3Draft:
                 continue                     # the target's (set_embed) unless target_hidden_size differs: below
             if param == "lm_head.weight" and arch.lm_head_from_target:
                 continue                     # replaced by the target's (set_embed_and_head): below
+            if (param, shard) in params.unused:
+                continue                     # built, never read by the forward (layers > 0: input_layernorm)
             if (param, shard) not in filled:
                 # SGLang keeps the initialised (random / ones) parameter when a name is absent: the draft it serves is
                 # then not the trained one. Refuse rather than guess.

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.cli.simulate import cli_main
 from helpers.draft.budget import dump_sequences, training_sequences
+from helpers.draft.checks import draft_checks
 from helpers.draft.model import Eagle3Draft, find_target_tensor
 from helpers.errors import BadInput
 from helpers.formats.dumps import write_dump
@@ -221,3 +222,24 @@ def test_the_offline_forward_equals_sglangs_modules(tmp_path):
         else:
             assert torch.allclose(e.logits, ref["logits"], atol=1e-5), (name, (e.logits - ref["logits"]).abs().max())
             assert torch.allclose(e.hidden, ref["hidden"], atol=1e-5)
+
+
+def test_a_second_layer_without_input_layernorm_is_what_sglang_serves(tmp_path):
+    """SGLang builds layers.1.input_layernorm but LlamaDecoderLayer.forward never reads it for layers > 0 (l. 103-105:
+    hidden_norm with the fused residual): a checkpoint without it loads, runs as the one with it, and is no
+    draft_weight_missing finding."""
+    full = _draft(tmp_path, "full", edit=_two_layer_llama3, cfg={"num_hidden_layers": 2})
+
+    def drop(w):
+        _two_layer_llama3(w)
+        w["layers.1.input_layernorm.weight"] = torch.full((128,), 7.0, dtype=torch.bfloat16)
+    odd = _draft(tmp_path, "odd", edit=drop, cfg={"num_hidden_layers": 2})
+    w = load_file(str(odd / "model.safetensors"))
+    del w["layers.1.input_layernorm.weight"]
+    save_file(w, str(odd / "model.safetensors"))
+    s = next(iter(TrainingData(REFERENCE_TRAINING, hidden_size=128)))
+    ids, aux = torch.as_tensor(s.input_ids)[:32], s.load()[:32]
+    a = Eagle3Draft.load(full, REFERENCE_TARGET).extend(ids, aux)
+    b = Eagle3Draft.load(odd, REFERENCE_TARGET).extend(ids, aux)
+    assert torch.equal(a.logits, b.logits)
+    assert not [f for f in draft_checks(odd, REFERENCE_TARGET) if f["kind"] == "draft_weight_missing"]
