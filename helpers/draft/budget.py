@@ -85,9 +85,11 @@ def training_sequences(td: TrainingData, *, lm_head: Optional[torch.Tensor] = No
         start = max(1, _start_from_mask(mask, len(ids)))
         if start > len(ids) - 2:
             all_zero = mask is not None and not (np.asarray(mask).reshape(-1) > 0).any()
-            left.append((where, "loss_mask is all zero" if all_zero else
-                         f"{len(ids)} tokens, continuation from {start}: expected a prompt token and >= 2 "
-                         "loss-masked tokens", "loss_mask" if mask is not None else "input_ids"))
+            why, fld = ((f"{len(ids)} token(s), expected at least 3", "input_ids") if len(ids) < 3 else
+                        ("loss_mask is all zero", "loss_mask") if all_zero else
+                        (f"the loss mask starts at token {start} of {len(ids)}: expected a prompt token and at "
+                         "least 2 loss-masked tokens", "loss_mask"))
+            left.append((where, why, fld))
             continue
         aux = s.load()
         if not bool(torch.isfinite(aux).all()):

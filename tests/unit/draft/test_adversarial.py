@@ -131,11 +131,12 @@ def test_unusable_samples_are_skipped_and_named(tmp_path):
     seqs = training_sequences(TrainingData(d, hidden_size=128), skipped=skipped)
     assert [s.key for s in seqs] == ["data_1"]
     assert sorted(p.rsplit("/", 1)[-1] for p, _ in skipped) == ["data_0.ckpt", "data_2.ckpt"]
-    assert "all zero" in dict((p.rsplit("/", 1)[-1], w) for p, w in skipped)["data_2.ckpt"]
+    why = {p.rsplit("/", 1)[-1]: w for p, w in skipped}
+    assert why == {"data_0.ckpt": "2 token(s), expected at least 3", "data_2.ckpt": "loss_mask is all zero"}
     only_bad = _training(tmp_path, "bad", {0: _short, 1: None, 2: None})
     with pytest.raises(BadInput) as e:
         training_sequences(TrainingData(only_bad, hidden_size=128))
-    assert "data_0.ckpt [loss_mask]" in str(e.value) or "data_0.ckpt [input_ids]" in str(e.value)
+    assert "data_0.ckpt [input_ids]: " in str(e.value) and "2 token(s), expected at least 3" in str(e.value)
 
 
 def _served(tmp_path, ids):
