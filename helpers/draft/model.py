@@ -361,7 +361,11 @@ class Eagle3Draft:
                            "(vocab_size, hidden_size of the draft config)", path=sources["embed"], field="embed_tokens")
         embed = embed.to(device=device, dtype=dtype)
         if a.tie:
-            lm_head, sources["lm_head"] = embed, "tied to the embedding (tie_word_embeddings)"
+            # LogitsProcessor is built with vocab_size = draft_vocab_size and keeps that many logits
+            # (layers/logits_processor.py::LogitsProcessor._copy_logits_to_buffer): the first rows of the embedding
+            lm_head = embed[: a.draft_vocab]
+            sources["lm_head"] = "tied to the embedding (tie_word_embeddings)" + (
+                f", its first {a.draft_vocab} rows (draft_vocab_size)" if a.draft_vocab < a.vocab else "")
         elif a.lm_head_from_target:
             if target_dir is None:
                 raise BadInput("draft_vocab_size is unset, so SGLang takes lm_head from the target: pass --target",

@@ -244,3 +244,18 @@ def test_a_second_layer_without_input_layernorm_is_what_sglang_serves(tmp_path):
     b = Eagle3Draft.load(odd, REFERENCE_TARGET).extend(ids, aux)
     assert torch.equal(a.logits, b.logits)
     assert not [f for f in draft_checks(odd, REFERENCE_TARGET) if f["kind"] == "draft_weight_missing"]
+
+
+def test_a_tied_draft_with_a_smaller_draft_vocab_gets_sliced_logits(tmp_path):
+    """tie_word_embeddings with draft_vocab_size < vocab_size: lm_head is the (target's) embedding, and SGLang's
+    LogitsProcessor, built with vocab_size = draft_vocab_size, keeps the first draft_vocab_size logits
+    (logits_processor.py::LogitsProcessor._copy_logits_to_buffer), so every draft id has a d2t entry."""
+    d = _draft(tmp_path, "tie", cfg={"tie_word_embeddings": True})
+    m = Eagle3Draft.load(d, REFERENCE_TARGET)
+    s = next(iter(TrainingData(REFERENCE_TRAINING, hidden_size=128)))
+    e = m.extend(torch.as_tensor(s.input_ids)[:16], s.load()[:16])
+    assert e.logits.shape == (16, 2048)
+    emb = load_file(str(REFERENCE_TARGET / "model.safetensors"))["model.embed_tokens.weight"].float()
+    assert torch.equal(m.lm_head, emb[:2048])
+    ids = e.logits.argmax(-1)
+    assert torch.equal(m.to_target_ids(ids), ids + load_file(str(REFERENCE_DRAFT / "model.safetensors"))["d2t"][ids])
