@@ -259,3 +259,11 @@ def test_a_tied_draft_with_a_smaller_draft_vocab_gets_sliced_logits(tmp_path):
     assert torch.equal(m.lm_head, emb[:2048])
     ids = e.logits.argmax(-1)
     assert torch.equal(m.to_target_ids(ids), ids + load_file(str(REFERENCE_DRAFT / "model.safetensors"))["d2t"][ids])
+
+
+def test_a_broken_jsonl_training_log_names_the_line_of_the_file(tmp_path):
+    from helpers.draft.training_log import read_training_log
+    f = tmp_path / "log.jsonl"
+    f.write_text('{"eval/acc_0": 0.8}\n\n{"eval/acc_0": 0.7, "eval/acc_1": 0.5}\n{broken\n')
+    with pytest.raises(BadInput, match=r"log.jsonl: not valid JSONL \(line 4: "):
+        read_training_log(f)
