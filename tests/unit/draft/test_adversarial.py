@@ -267,3 +267,10 @@ def test_a_broken_jsonl_training_log_names_the_line_of_the_file(tmp_path):
     f.write_text('{"eval/acc_0": 0.8}\n\n{"eval/acc_0": 0.7, "eval/acc_1": 0.5}\n{broken\n')
     with pytest.raises(BadInput, match=r"log.jsonl: not valid JSONL \(line 4: "):
         read_training_log(f)
+
+
+def test_more_draft_tokens_than_the_tree_holds_says_the_most_allowed(capsys):
+    rc, err = _cli(capsys, "--topk", "4", "--draft-tokens", "64")
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("simulate: error: [--draft-tokens]: 64 draft tokens") and err[0].endswith("<= 37"), err
+    assert _cli(capsys, "--topk", "4", "--draft-tokens", "37", "--samples", "1")[0] == 0
