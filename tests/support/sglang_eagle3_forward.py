@@ -10,7 +10,8 @@ OUT.pt gets ``logits [T, V_draft]`` float32 and ``hidden [T, H]``. The control f
 (``forward_native`` on float32 q / k with the float32 cos/sin cache, the math of the CUDA kernel
 ``apply_rope_with_cos_sin_cache_inplace`` that GPU servers run; the native path would round cos/sin to the compute
 dtype), the MLP activation ``SiluAndMul.forward_native``; attention is causal ``scaled_dot_product_attention`` (the
-extend pass of one sequence; float32 softmax inside, as the serving backends). Weights are renamed as ``LlamaForCausalLMEagle3.load_weights`` renames them.
+extend pass of one sequence; float32 softmax inside, as the serving backends). Weights are renamed as
+``LlamaForCausalLMEagle3.load_weights`` renames them.
 An independent check of helpers/draft/model.py, which is not imported here."""
 import json
 import sys
