@@ -403,12 +403,15 @@ class Eagle3Draft:
         return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """``[T, num_aux * target_hidden]`` target aux hidden states -> ``[T, H]`` (input_norm, fc_norm, fc)."""
+        """``[T, num_aux * target_hidden]`` target aux hidden states -> ``[T, H]`` (input_norm, fc_norm, fc); as
+        ``llama_eagle3.py::LlamaModel.forward`` (l. 238), aux states as wide as the embedding skip all three."""
         a, w = self.arch, self.w
         if aux.shape[-1] != a.target_hidden * a.num_aux:
             raise BadInput(f"the aux hidden states are {aux.shape[-1]} wide but the draft's fc takes "
                            f"{a.target_hidden * a.num_aux} ({a.num_aux} x {a.target_hidden})", field="aux width")
         x = aux.to(self.dtype)
+        if x.shape[-1] == a.hidden:
+            return x                         # LlamaModel.forward l. 238: as wide as the embedding, fed as is
         if a.norm_before_fc:
             x = _rms(x, w["input_norm.weight"], a.eps)
         if a.fc_norm:

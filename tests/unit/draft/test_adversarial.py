@@ -274,3 +274,20 @@ def test_more_draft_tokens_than_the_tree_holds_says_the_most_allowed(capsys):
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("simulate: error: [--draft-tokens]: 64 draft tokens") and err[0].endswith("<= 37"), err
     assert _cli(capsys, "--topk", "4", "--draft-tokens", "37", "--samples", "1")[0] == 0
+
+
+def test_aux_states_as_wide_as_the_embedding_skip_fc_as_sglang_does(tmp_path):
+    """llama_eagle3.py::LlamaModel.forward l. 238: input_norm / fc_norm / fc apply only when the fed hidden state is
+    wider than the embedding; one aux chunk of hidden_size (num_aux_hidden_states 1) goes into the layer as is."""
+    def one_chunk(seed):
+        def edit(w):
+            w["fc.weight"] = torch.randn(128, 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        return edit
+    a = Eagle3Draft.load(_draft(tmp_path, "a", edit=one_chunk(0), cfg={"num_aux_hidden_states": 1}), REFERENCE_TARGET)
+    b = Eagle3Draft.load(_draft(tmp_path, "b", edit=one_chunk(1), cfg={"num_aux_hidden_states": 1}), REFERENCE_TARGET)
+    s = next(iter(TrainingData(REFERENCE_TRAINING, hidden_size=128)))
+    ids, aux = torch.as_tensor(s.input_ids)[:16], s.load()[:16, 256:].float()
+    ea, eb = a.extend(ids, aux), b.extend(ids, aux)
+    assert torch.equal(ea.logits, eb.logits)
+    ref = Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET)
+    assert not torch.equal(ea.logits, ref.extend(ids, torch.cat([aux] * 3, -1)).logits)
