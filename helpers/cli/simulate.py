@@ -14,7 +14,7 @@ import torch
 
 from ..draft.budget import BudgetInputs, acceptance_budget, draft_cost, dump_sequences, training_sequences
 from ..draft.checks import draft_checks
-from ..draft.model import Eagle3Draft, target_lm_head
+from ..draft.model import DraftArch, Eagle3Draft, target_lm_head
 from ..draft.simulate import DraftSettings
 from ..draft.training_log import predicted_accept_length, read_training_log
 from ..errors import BadInput
@@ -50,6 +50,22 @@ def build_parser() -> Parser:
     return p
 
 
+def _device(name: str) -> torch.device:
+    """``--device`` as a torch device this machine has.
+
+    Raises:
+        BadInput: not a device name, or a device this machine lacks (no CUDA, an index past the GPU count).
+    """
+    try:
+        dev = torch.device(name)
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        gpus = f" or cuda[:i] (i < {torch.cuda.device_count()})" if torch.cuda.is_available() else ""
+        raise BadInput(f"{name!r} is not a device this machine has ({' '.join(str(exc).split())[:160]}); expected "
+                       f"cpu{gpus}", field="--device") from None
+    return dev
+
+
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m helpers simulate ...`` (module docstring)."""
     prog = "simulate"
@@ -60,15 +76,17 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput("--samples must be >= 1", field="--samples")
         st = DraftSettings(a.steps, a.topk, a.draft_tokens if a.draft_tokens is not None else
                            (a.steps + 1 if a.topk == 1 else 2 * a.steps)).check()
+        device = _device(a.device)
         show = progress_line(prog)
         draft_dir, target_dir = Path(a.draft), Path(a.target)
+        DraftArch.from_config(draft_dir)                                # the draft is checked before its log
         log_path = find_training_log(draft_dir, a.training_log)        # bad input is found before any work
         log = None
         if log_path is not None:
             tl = read_training_log(log_path)
             log = predicted_accept_length(tl, st.steps)
             log["source"] = f"{log_path} ({tl.format}, {tl.kind})"
-        draft = Eagle3Draft.load(draft_dir, target_dir, dtype=DTYPES[a.dtype], device=a.device)
+        draft = Eagle3Draft.load(draft_dir, target_dir, dtype=DTYPES[a.dtype], device=device)
         show(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
              f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
              f"d2t {draft.sources['d2t']}")
@@ -78,7 +96,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             head, _ = target_lm_head(target_dir)
         except BadInput:
             head = None
-        train = training_sequences(td, lm_head=head)
+        skipped: list = []
+        train = training_sequences(td, lm_head=head, skipped=skipped)
+        for where, why in skipped:
+            show(f"training sample {where} left out: {why}")
         served = dump_sequences(a.served, starts={s.key: s.start for s in train}) if a.served else None
         findings = draft_checks(draft_dir, target_dir, training=Path(a.training))
         cost, cost_src = draft_cost(draft_dir, target_dir)

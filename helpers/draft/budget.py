@@ -35,6 +35,7 @@ import pandas as pd
 import torch
 
 from ..acceptance.stats import paired_effect
+from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
@@ -62,31 +63,75 @@ def _start_from_mask(mask: Any, n: int) -> int:
     return int(nz[0]) if len(nz) else n
 
 
-def training_sequences(td: TrainingData, *, lm_head: Optional[torch.Tensor] = None) -> list[SimSequence]:
+def training_sequences(td: TrainingData, *, lm_head: Optional[torch.Tensor] = None,
+                       skipped: Optional[list] = None) -> list[SimSequence]:
     """The training data's samples as sequences: aux rows as recorded, the continuation from the first loss-masked
     token; when the sample records the target's final (post-norm) hidden state and ``lm_head [V, H]`` is given, the
-    target's own greedy token at each position (else the recorded tokens are taken as the target's)."""
-    out = []
+    target's own greedy token at each position (else the recorded tokens are taken as the target's).
+
+    A sample with no continuation to draft on (fewer than 3 tokens, an all-zero ``loss_mask``, a mask starting on
+    the last two tokens) is left out, as it adds nothing to a trainer's loss either; ``skipped`` (when given)
+    receives ``(file, why)`` for each.
+
+    Raises:
+        BadInput: a sample's aux hidden states hold NaN / Inf (the file and key named), or no sample is usable (the
+            first file named).
+    """
+    out, left = [], []
     for s in td:
         ids = torch.as_tensor(np.asarray(s.input_ids), dtype=torch.long)
-        start = max(1, _start_from_mask((s.meta or {}).get("loss_mask"), len(ids)))
+        where = (s.meta or {}).get("path") or str(s.sample_id or s.key)
+        mask = (s.meta or {}).get("loss_mask")
+        start = max(1, _start_from_mask(mask, len(ids)))
+        if start > len(ids) - 2:
+            all_zero = mask is not None and not (np.asarray(mask).reshape(-1) > 0).any()
+            why, fld = ((f"{len(ids)} token(s), expected at least 3", "input_ids") if len(ids) < 3 else
+                        ("loss_mask is all zero", "loss_mask") if all_zero else
+                        (f"the loss mask starts at token {start} of {len(ids)}: expected a prompt token and at "
+                         "least 2 loss-masked tokens", "loss_mask"))
+            left.append((where, why, fld))
+            continue
+        aux = s.load()
+        if not bool(torch.isfinite(aux).all()):
+            raise BadInput(f"{int((~torch.isfinite(aux)).sum())} NaN / Inf values in the aux hidden states "
+                           "(expected finite)", path=where, field=str((s.meta or {}).get("aux_key") or
+                                                                       "aux_hidden_state"))
         targets = None
         final = (s.meta or {}).get("final_hidden")
         if final is not None and lm_head is not None:
             logits = final.float() @ lm_head.float().T
             targets = ids.clone()
             targets[1:] = logits[:-1].argmax(-1)
-        out.append(SimSequence(str(s.sample_id or s.key), ids, s.load(), start, targets))
+        out.append(SimSequence(str(s.sample_id or s.key), ids, aux, start, targets))
+    if skipped is not None:
+        skipped.extend((w, why) for w, why, _ in left)
+    if left and not out:
+        w, why, fld = left[0]
+        raise BadInput(f"no sample has a continuation to draft on ({len(left)} sample(s); this one: {why})",
+                       path=w, field=fld)
     return out
 
 
 def dump_sequences(path, *, starts: Optional[dict[str, int]] = None) -> list[SimSequence]:
     """A project dump's samples as sequences. Row t of a served dump is position t of ``input_ids`` followed by
     ``output_ids[:-1]``; the continuation starts at ``num_prompt_tokens`` (a capture with a greedy continuation) or
-    at ``starts[sample_id]`` (the training tokens replayed with ``max_new_tokens=1``)."""
+    at ``starts[sample_id]`` (the training tokens replayed with ``max_new_tokens=1``; with ``starts``, samples whose id
+    is not in it are left out).
+
+    Raises:
+        BadInput: ``starts`` is given and no sample id of the dump is in it (the manifest named)."""
     src = read_dump(path)
     out = []
+    if starts is not None:
+        ids = [str(s.sample_id or s.key) for s in src.samples]
+        if not set(ids) & set(starts):
+            raise BadInput(f"none of the dump's sample ids ({', '.join(ids[:4])}{' ...' if len(ids) > 4 else ''}) "
+                           f"is a training sample ({', '.join(list(starts)[:4])}{' ...' if len(starts) > 4 else ''}"
+                           "): expected a capture of the same training tokens", path=Path(path) / "manifest.json",
+                           field="sample_id")
     for s in src.samples:
+        if starts is not None and str(s.sample_id or s.key) not in starts:
+            continue                        # not one of these training samples: nothing to pair it with
         ids = np.asarray(s.input_ids).reshape(-1)
         outs = np.asarray(s.output_ids).reshape(-1) if s.output_ids is not None else np.zeros(0, dtype=np.int64)
         sid = str(s.sample_id or s.key)

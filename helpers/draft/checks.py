@@ -175,6 +175,9 @@ class SGLangDraftParams:
     intermediate: int = 0
     layers: int = 1
     attn_bias: bool = False
+    #: parameters SGLang builds but its forward never reads (``layers.{i>0}.input_layernorm``: llama_eagle3.py
+    #: ``LlamaDecoderLayer.forward`` l. 103-105 norms layers > 0 with ``hidden_norm`` only): absent, nothing changes
+    unused: frozenset = frozenset()
 
 
 #: transformers 5's LlamaConfig defaults, which the draft gets for a field its config.json leaves out (SGLang loads
@@ -282,7 +285,9 @@ def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
                              fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
                              draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
                              midlayer_checked=midlayer_checked, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
-                             intermediate=inter, layers=nlayers, attn_bias=attn_bias)
+                             intermediate=inter, layers=nlayers, attn_bias=attn_bias,
+                             unused=frozenset((f"model.layers.{i}.input_layernorm.weight", None)
+                                              for i in range(1, nlayers)))
 
 
 def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
@@ -698,7 +703,7 @@ def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs
         filled.add(where)
     missing = []
     for (param, shard), (shape, init) in arch.params.items():
-        if (param, shard) in filled or param == "lm_head.weight":
+        if (param, shard) in filled or param == "lm_head.weight" or (param, shard) in arch.unused:
             continue
         if param == "model.embed_tokens.weight" and not hin_differs:
             continue          # replaced by the target's embedding (set_embed)

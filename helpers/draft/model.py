@@ -118,8 +118,15 @@ class DraftArch:
         theta = raw.get("rope_theta")
         if theta is None and isinstance(rope, dict):
             theta = rope.get("rope_theta")
-        kind = str((rope or {}).get("rope_type") or (rope or {}).get("type") or "default") \
-            if isinstance(rope, dict) else "default"
+        if rope is not None and not isinstance(rope, dict):
+            raise BadInput(f"expected an object {{rope_type, ...}} or null, got {rope!r} (sglang/srt/layers/"
+                           "rotary_embedding/factory.py::get_rope indexes it)", path=dc.path, field="rope_scaling")
+        if isinstance(rope, dict) and not (rope.get("rope_type") or rope.get("type")):
+            raise BadInput(f"no rope_type / type in {rope!r}: SGLang raises 'Unknown RoPE scaling type' (sglang/srt/"
+                           "layers/rotary_embedding/factory.py::get_rope)", path=dc.path, field="rope_scaling")
+        kind = str(rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else "default"
+        if isinstance(rope, dict) and raw.get("original_max_position_embeddings") is not None:
+            rope = {**rope, "original_max_position_embeddings": raw["original_max_position_embeddings"]}  # llama.py
         if kind not in ("default", "linear", "llama3"):
             raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
                            "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
@@ -148,6 +155,15 @@ def _read_tensor(path: Path, key: str) -> torch.Tensor:
         raise BadInput(f"cannot read tensor {key!r} ({' '.join(str(e).split())})", path=path) from None
 
 
+def _finite(t: torch.Tensor, path: Path, name: str) -> None:
+    """Raise :class:`BadInput` naming ``path [name]`` when the weight ``t`` holds NaN or Inf: SGLang would load and
+    serve it (every draft logit NaN), so no accept length the offline run gives would say why."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        raise BadInput(f"{nan} NaN, {inf} Inf of {t.numel()} values: a damaged checkpoint (expected finite weights)",
+                       path=path, field=name)
+
+
 def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Path]]:
     """``(name, file)`` of the one target tensor whose name ends with ``suffix`` (e.g. ``embed_tokens.weight``),
     read from the safetensors index / headers only; None when there is none.
@@ -156,7 +172,8 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
         BadInput: no weights in the folder, or several tensors end with ``suffix`` (an MTP layer's embedding next to
             the model's: the shortest name, the main model's, is taken only when it is a prefix-free match).
     """
-    if not any(Path(target_dir).glob("*.safetensors")):
+    if not any(Path(target_dir).glob("*.safetensors")) and not (Path(target_dir) / "model.safetensors.index.json"
+                                                                 ).is_file():
         raise BadInput(f"no safetensors in the target folder: the offline draft run reads the target's "
                        f"'*{suffix}' from them (only that tensor; sglang/srt/models/llama.py::LlamaForCausalLM."
                        "set_embed shares the target's embedding with the draft)", path=target_dir)
@@ -175,17 +192,29 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
+def _add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's fused residual add + RMSNorm (``RMSNorm.forward_native`` with ``residual``, as the CUDA
+    ``fused_add_rmsnorm`` kernel): the sum is formed in float32 and normalised unrounded; the residual carried on is
+    that sum in the input dtype. Returns ``(normed, residual)``, both in ``x``'s dtype."""
+    s = x.float() + residual.float()
+    return F.rms_norm(s, (s.shape[-1],), w.float(), eps).to(x.dtype), s.to(x.dtype)
+
+
 def _inv_freq(arch: DraftArch) -> torch.Tensor:
     """Rotary inverse frequencies (``sglang/srt/layers/rotary_embedding.py``: ``RotaryEmbedding``,
-    ``LinearScalingRotaryEmbedding`` is applied to positions, ``Llama3RotaryEmbedding._compute_inv_freq``)."""
+    ``LinearScalingRotaryEmbedding`` is applied to positions, ``Llama3RotaryEmbedding._compute_inv_freq``; missing
+    keys default as ``rotary_embedding/factory.py::get_rope`` defaults them: factor 1, low 1, high 4, original max
+    position = ``max_position_embeddings``, 8192 when unset, as ``models/llama.py::LlamaDecoderLayer``)."""
     hd = arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     rs = arch.rope_scaling or {}
     kind = str(rs.get("rope_type") or rs.get("type") or "default")
     if kind == "llama3":
-        factor = float(rs["factor"])
+        # rotary_embedding/factory.py::_get_rope_param: a missing key takes SGLang's default (with a warning there)
+        factor = float(rs.get("factor", 1.0))
         low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-        old = float(rs["original_max_position_embeddings"])
+        old = float(rs.get("original_max_position_embeddings", arch.max_position or 8192))
         low_wl, high_wl = old / low, old / high
         wl = 2 * math.pi / inv
         smooth = (old / wl - low) / (high - low)
@@ -279,6 +308,8 @@ class Eagle3Draft:
                 continue                     # the target's (set_embed) unless target_hidden_size differs: below
             if param == "lm_head.weight" and arch.lm_head_from_target:
                 continue                     # replaced by the target's (set_embed_and_head): below
+            if (param, shard) in params.unused:
+                continue                     # built, never read by the forward (layers > 0: input_layernorm)
             if (param, shard) not in filled:
                 # SGLang keeps the initialised (random / ones) parameter when a name is absent: the draft it serves is
                 # then not the trained one. Refuse rather than guess.
@@ -287,7 +318,9 @@ class Eagle3Draft:
                                "llama_eagle3.py::LlamaForCausalLMEagle3.load_weights skips missing names and serves "
                                "an untrained parameter)", path=draft_dir, field=_internal_name(param, shard))
             key, info = filled[(param, shard)]
-            weights[_internal_name(param, shard)] = _read_tensor(info.file, key).to(device=device, dtype=dtype)
+            t = _read_tensor(info.file, key)
+            _finite(t, info.file, key)
+            weights[_internal_name(param, shard)] = t.to(device=device, dtype=dtype)
         if ("model.embed_tokens.weight", None) in filled:
             names["embed_tokens.weight"] = filled[("model.embed_tokens.weight", None)][0]
         index = {k: v.file for k, v in tensors.items()}
@@ -313,6 +346,7 @@ class Eagle3Draft:
                 raise BadInput("the target's safetensors hold no '*embed_tokens.weight' (the draft reads the target's "
                                "embedding: sglang/srt/models/llama.py::LlamaForCausalLM.set_embed)", path=target_dir)
             embed = _read_tensor(hit[1], hit[0])
+            _finite(embed, hit[1], hit[0])
             sources["embed"] = f"target {hit[1].name}:{hit[0]}"
         else:
             key = names.get("embed_tokens.weight")
@@ -327,7 +361,11 @@ class Eagle3Draft:
                            "(vocab_size, hidden_size of the draft config)", path=sources["embed"], field="embed_tokens")
         embed = embed.to(device=device, dtype=dtype)
         if a.tie:
-            lm_head, sources["lm_head"] = embed, "tied to the embedding (tie_word_embeddings)"
+            # LogitsProcessor is built with vocab_size = draft_vocab_size and keeps that many logits
+            # (layers/logits_processor.py::LogitsProcessor._copy_logits_to_buffer): the first rows of the embedding
+            lm_head = embed[: a.draft_vocab]
+            sources["lm_head"] = "tied to the embedding (tie_word_embeddings)" + (
+                f", its first {a.draft_vocab} rows (draft_vocab_size)" if a.draft_vocab < a.vocab else "")
         elif a.lm_head_from_target:
             if target_dir is None:
                 raise BadInput("draft_vocab_size is unset, so SGLang takes lm_head from the target: pass --target",
@@ -365,12 +403,15 @@ class Eagle3Draft:
         return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """``[T, num_aux * target_hidden]`` target aux hidden states -> ``[T, H]`` (input_norm, fc_norm, fc)."""
+        """``[T, num_aux * target_hidden]`` target aux hidden states -> ``[T, H]`` (input_norm, fc_norm, fc); as
+        ``llama_eagle3.py::LlamaModel.forward`` (l. 238), aux states as wide as the embedding skip all three."""
         a, w = self.arch, self.w
         if aux.shape[-1] != a.target_hidden * a.num_aux:
             raise BadInput(f"the aux hidden states are {aux.shape[-1]} wide but the draft's fc takes "
                            f"{a.target_hidden * a.num_aux} ({a.num_aux} x {a.target_hidden})", field="aux width")
         x = aux.to(self.dtype)
+        if x.shape[-1] == a.hidden:
+            return x                         # LlamaModel.forward l. 238: as wide as the embedding, fed as is
         if a.norm_before_fc:
             x = _rms(x, w["input_norm.weight"], a.eps)
         if a.fc_norm:
@@ -391,8 +432,7 @@ class Eagle3Draft:
         if i == 0:
             return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps),
                               _rms(h, w[p + "hidden_norm.weight"], a.eps)], dim=-1), h
-        residual = (h.float() + residual.float()).to(h.dtype)
-        return _rms(residual, w[p + "hidden_norm.weight"], a.eps), residual
+        return _add_rms(h, residual, w[p + "hidden_norm.weight"], a.eps)
 
     def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
         a, w, p = self.arch, self.w, f"layers.{i}.self_attn."
@@ -405,15 +445,13 @@ class Eagle3Draft:
     def _layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor):
         a, w, p = self.arch, self.w, f"layers.{i}."
         o = F.linear(attn, w[p + "self_attn.o_proj.weight"])
-        residual = (o.float() + residual.float()).to(o.dtype)
-        y = _rms(residual, w[p + "post_attention_layernorm.weight"], a.eps)
+        y, residual = _add_rms(o, residual, w[p + "post_attention_layernorm.weight"], a.eps)
         m = F.linear(F.silu(F.linear(y, w[p + "mlp.gate_proj.weight"])) * F.linear(y, w[p + "mlp.up_proj.weight"]),
                      w[p + "mlp.down_proj.weight"])
         return m, residual
 
     def _finish(self, m: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pre = (m.float() + residual.float()).to(m.dtype)
-        normed = _rms(pre, self.w["norm.weight"], self.arch.eps)
+        normed, pre = _add_rms(m, residual, self.w["norm.weight"], self.arch.eps)
         logits = F.linear(normed, self.lm_head).float()
         return (normed if self.arch.norm_output else pre), logits
 

@@ -61,8 +61,9 @@ class DraftSettings:
             raise BadInput(f"topk 1 drafts a chain of {s} tokens, so draft tokens must be {s + 1} (got {n})",
                            field="--draft-tokens")
         if n - 1 > k + (s - 1) * k * k:
-            raise BadInput(f"{n - 1} draft tokens asked for, but {s} steps of topk {k} give only "
-                           f"{k + (s - 1) * k * k} candidates", field="--draft-tokens")
+            c = k + (s - 1) * k * k
+            raise BadInput(f"{n} draft tokens (the verified root and {n - 1} drafted), but {s} steps of topk {k} give "
+                           f"only {c} candidates: expected draft tokens <= {c + 1}", field="--draft-tokens")
         return self
 
     @property

@@ -311,16 +311,19 @@ def read_training_log(path: str | Path) -> TrainingLog:
         except JSONTooDeep as e:
             raise BadInput(str(e), path=p) from None
     if not parsed:
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        try:
-            doc = [loads_json(ln) for ln in lines]
-            parsed = all(isinstance(e, dict) for e in doc)
-        except JSONTooDeep as e:
-            raise BadInput(str(e), path=p) from None
-        except json.JSONDecodeError as e:
-            if p.suffix == ".jsonl":
-                raise BadInput(f"not valid JSONL ({e.msg} at line {e.lineno})", path=p) from None
-            parsed = False
+        lines = [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if ln.strip()]
+        doc, parsed = [], True
+        for n, ln in lines:
+            try:
+                doc.append(loads_json(ln))
+            except JSONTooDeep as e:
+                raise BadInput(str(e), path=p) from None
+            except json.JSONDecodeError as e:
+                if p.suffix == ".jsonl":
+                    raise BadInput(f"not valid JSONL (line {n}: {e.msg} at column {e.colno})", path=p) from None
+                parsed = False
+                break
+        parsed = parsed and all(isinstance(e, dict) for e in doc)
 
     notes: list[str] = []
     entry, metrics = None, {}

@@ -126,7 +126,10 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
         head, _ = target_lm_head(target_dir)
     except BadInput:
         pass
-    train_seqs = training_sequences(td, lm_head=head)
+    skipped: list = []
+    train_seqs = training_sequences(td, lm_head=head, skipped=skipped)
+    for where, why in skipped:
+        progress(f"training sample {where} left out: {why}")
     starts = {s.key: s.start for s in train_seqs}
     served = dump_sequences(served_dump, starts=starts) if served_dump is not None else None
     live_seqs = live = None
