@@ -355,6 +355,8 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
     # 5 -- settings
     rec = None
     grid_src = inp.live_sequences or inp.served_training or inp.training
+    grid_name = ("live prompts' served states" if grid_src is inp.live_sequences else
+                 "served states" if grid_src is inp.served_training else "training states")
     if grid_src:
         grid = sorted({DraftSettings.chain(s) for s in SETTINGS_STEPS} | {st}, key=lambda x: (x.topk, x.steps))
         r = sim(grid_src, grid, inp.max_new_tokens if grid_src is inp.live_sequences else None)
@@ -381,7 +383,7 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
             d, lo, hi = 0.0, 0.0, 0.0
         stages.append({"name": "best settings (simulated)", "accept_length": rec["accept_length"], "ci": rec["ci"],
                        "settings": {k: rec[k] for k in ("steps", "topk", "draft_tokens")},
-                       "source": "the draft run offline on the served states at other --speculative-num-steps; "
+                       "source": f"the draft run offline on the {grid_name} at other --speculative-num-steps; "
                                  f"chosen by accept length / (1 + steps x {r_cost:.3f}), the draft forward's cost "
                                  f"relative to a verify step ({inp.draft_cost_source})",
                        "modelled_speedup_gain": gain})
