@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -181,8 +182,6 @@ class StepProgress:
     :func:`helpers.views.investigation.ensure`)."""
 
     def __init__(self, title: str):
-        import time
-
         self._clock = time.monotonic
         self.title, self.lines, self.t0 = title, [], self._clock()
         self.handle = display(HTML(self._html("starting ...")), display_id=True) if get_ipython() else None

@@ -5,6 +5,7 @@ plotly.js inline once, every server-provided string escaped)."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -249,8 +250,6 @@ def where_html(run_dir: Path, doc: Optional[InvestigationDoc], command: str = ""
 def reproduce_command(ctx: RunContext, *, samples: int, prompts: int, timeout: Optional[float], apply_fix: bool,
                       relaunch: str = "", draft: Any = "", target: Any = "", port: Any = "") -> str:
     """The ``python -m helpers investigate`` command that runs the same investigation into a new run folder."""
-    import shlex
-
     words = ["python", "-m", "helpers", "investigate", "--url", ctx.server_url, "--training", str(ctx.training),
              "--samples", str(samples), "--prompts", str(prompts)]
     words += ["--timeout", f"{timeout:g}"] if timeout else []
