@@ -16,7 +16,12 @@ pass (``cold``: the multi-GB case, reads come from disk) and read into it first 
 the throughput ratio compare/baseline (same size, same run; wall clock, and CPU time which is robust to other
 load on a shared machine) and each child's peak RSS (VmHWM), then deletes the data (unless ``--keep``).
 
+``--profile N`` instead says where the time of one warm comparison of N samples goes: the pass runs in one thread
+(``E3F_COMPARE_THREADS=1``) under cProfile, and the CPU seconds are split by stage (the tensor work a worker
+thread does per block, and the ordered part the calling thread does) and by the costliest functions.
+
     nice -n 10 .venv/bin/python bench/bench_compare.py [--samples 12] [--rows 2048] [--threads 1] [--repeat 2]
+    .venv/bin/python bench/bench_compare.py --profile 6 --keep
 """
 from __future__ import annotations
 
@@ -114,6 +119,58 @@ def child(mode: str, data: Path, max_samples: int, threads: int) -> dict:
             "cpu_seconds": cpu, "cpu_rows_per_s": rows / cpu, "peak_rss_mb": peak_rss_mb(), **extra}
 
 
+def profile(data: Path, max_samples: int) -> str:
+    """One warm pass in one thread: CPU seconds per stage and the costliest functions (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+    from collections import defaultdict
+
+    import torch
+
+    import helpers.diagnosis.compare as C
+    from helpers.diagnosis.diagnose import diagnose
+
+    torch.set_num_threads(1)
+    spent: dict = defaultdict(float)
+
+    def timed(owner, name, label):
+        f = getattr(owner, name)
+
+        def w(*args, **kw):
+            t0 = time.thread_time()
+            try:
+                return f(*args, **kw)
+            finally:
+                spent[label] += time.thread_time() - t0
+        setattr(owner, name, w)
+
+    stages = [(C._Scratch, "f32", "worker: float32 copies of the block (bf16 -> f32, page faults included)"),
+              (C, "_finite_rows", "worker: finite rows + row norms (vector_norm)"),
+              (C.PairAccumulator, "measure", "worker: pair measure (bmm, near-pair sub + aminmax, numpy)"),
+              (C.ChunkStats, "update", "ordered: per-chunk stats (energies, outlier rows, context-free test)"),
+              (C.RowReservoir, "add", "ordered: reservoir"),
+              (C.PairAccumulator, "apply", "ordered: pair apply (histograms, sums, extrema)")]
+    for owner, name, label in stages:
+        timed(owner, name, label)
+    diagnose(data / "train", [data / "served"], max_samples=1)          # imports and first-call costs
+    spent.clear()
+    prof = cProfile.Profile()
+    c0 = time.process_time()
+    prof.enable()
+    diagnose(data / "train", [data / "served"], max_samples=max_samples)
+    prof.disable()
+    total = time.process_time() - c0
+    lines = [f"one thread, {max_samples} samples: {total:.3f} CPU s (under cProfile)"]
+    for _, _, label in stages:
+        lines.append(f"  {spent[label]:7.3f} s {spent[label] / total:6.1%}  {label}")
+    rest = total - sum(spent.values())
+    lines.append(f"  {rest:7.3f} s {rest / total:6.1%}  rest (reading, pairing, detectors, fits, profiler)")
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    return "\n".join(lines) + "\n" + buf.getvalue()
+
+
 def set_cache(data: Path, state: str) -> None:
     """'cold': drop our data files' pages from the page cache (posix_fadvise DONTNEED: only these files,
     no root needed); 'warm': read every file once so the pass reads from memory."""
@@ -152,12 +209,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep bench/data afterwards")
     ap.add_argument("--cache", default="cold,warm", help="page-cache states to measure: cold, warm or both")
-    ap.add_argument("--child", choices=["baseline", "compare", "generate"])
+    ap.add_argument("--profile", type=int, metavar="N", help="where the time of one warm pass over N samples goes")
+    ap.add_argument("--child", choices=["baseline", "compare", "generate", "profile"])
     ap.add_argument("--max-samples", type=int)
     a = ap.parse_args()
     data = Path(a.data)
     if a.child == "generate":
         generate(data, a.samples, a.rows, a.hidden)
+        return
+    if a.child == "profile":
+        print(profile(data, a.max_samples))
         return
     if a.child:
         print(json.dumps(child(a.child, data, a.max_samples, a.threads)))
@@ -169,6 +230,16 @@ def main() -> None:
     size = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
     print(f"data: {a.samples} samples x {a.rows} rows x 3x{a.hidden} bf16, {size / 2**30:.2f} GiB on disk "
           f"(generated in {time.perf_counter() - t0:.0f} s); threads {a.threads}")
+    if a.profile:
+        set_cache(data, "warm")
+        r = subprocess.run([sys.executable, __file__, "--child", "profile", "--data", str(data), "--max-samples",
+                            str(a.profile)], capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "E3F_COMPARE_THREADS": "1"})
+        print(r.stdout if r.returncode == 0 else r.stderr)
+        if not a.keep:
+            shutil.rmtree(data, ignore_errors=True)
+        return
+    print(f"load average at the start: {os.getloadavg()}")
     results = []
     summary = []
     for cache in a.cache.split(","):

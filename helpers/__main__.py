@@ -7,6 +7,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
   investigate  name the fault of a live server, propose and measure the fix       (helpers.cli.investigate)
   server     start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
+  simulate   the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
   measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
   suite      run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
@@ -14,7 +15,9 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 USAGE = """usage: python -m helpers <command> [options]      (python -m helpers <command> --help)
 
@@ -23,6 +26,7 @@ commands:
   diagnose   offline wiring diagnosis: served aux hidden states vs training data
   server     start / stop the embedded SGLang CPU reference server
   capture    dump the aux hidden states a live server feeds the draft
+  simulate   run the draft offline as SGLang does: accept length on training / served states
   measure    accept length / accept rate / tok/s per fix
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder
   suite      run the notebook suite with papermill, write postmortem.html
@@ -34,6 +38,7 @@ COMMANDS = {
     "diagnose": "helpers.cli.diagnose",
     "server": "helpers.cli.server",
     "capture": "helpers.cli.capture",
+    "simulate": "helpers.cli.simulate",
     "measure": "helpers.cli.measure",
     "replay": "helpers.cli.replay",
     "suite": "helpers.cli.suite",
@@ -53,5 +58,28 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.cli_main(rest) or 0)
 
 
+def cli() -> NoReturn:
+    """The process entry point (``python -m helpers``, the ``eagle3-forensics`` script): :func:`main`, then
+    :func:`exit_with` its code."""
+    exit_with(main())
+
+
+def exit_with(code: int) -> NoReturn:
+    """End the process with ``code``. After SIGINT / SIGTERM (130 / 143) the command has already stopped the servers
+    it started and marked its run folder (:func:`helpers.cli.common.run`); what else it started still running
+    (notebook workers, kernels) is stopped by PID (:func:`helpers.server.process.stop_descendants`), and the process
+    ends at once (``os._exit`` after flushing stdout and stderr) instead of tearing down torch, pandas and the like,
+    which takes 1-2 s on 2 loaded cores: a signal ends the command within 2 s."""
+    if code in (130, 143):
+        # lazy: only after a signal (process imports psutil and httpx, which `--help` does not need)
+        from .server.process import stop_descendants
+
+        stop_descendants(timeout=1.0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

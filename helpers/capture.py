@@ -43,8 +43,12 @@ from tqdm.auto import tqdm
 
 from .diagnosis.conventions import layer_index
 from .errors import BadInput, SGLangError, one_line
+from .acceptance.prompts import Prompt
+from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
+from .formats.configs import read_target_config
 from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
+from .runfiles import loads_json
 from .server.client import as_client
 from .server.embedded import start
 from .server.redaction import redact
@@ -82,7 +86,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
                    name: str = "served", max_new_tokens: int = 1, flush: bool = True,
                    kind: str = "served", layer_plan: Optional[dict] = None,
                    api_key: Optional[str] = None, progress: bool = True,
-                   max_width: Optional[int] = None) -> Path:
+                   max_width: Optional[int] = None, records: Optional[list] = None) -> Path:
     """Capture the aux hidden states fed to the draft for ``prompts``; write ``out_dir/name``.
 
     Args:
@@ -99,6 +103,9 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
         progress: show a tqdm bar.
         max_width: the widest row accepted (e.g. 16 x the target's hidden size); a wider answer stops the capture
             before anything is written.
+        records: when a list, one live per-request record per prompt is appended to it (the columns of
+            :func:`helpers.acceptance.requests.run_requests`: ``spec_verify_ct``, completion tokens, accepted drafts,
+            histogram of the same request), so the served aux states and the accept counters come from one answer.
 
     Returns: the dump folder. Row t of each sample belongs to ``input_ids[t]``.
 
@@ -126,6 +133,10 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
                               max_new_tokens=max_new_tokens, return_hidden_states=True,
                               return_prompt_token_ids=True,
                               sampling_params={"temperature": 0.0, "ignore_eos": True})
+        if records is not None:
+            records.append(request_record(len(records), Prompt(id=pid, input_ids=tuple(ids) if ids is not None
+                                                               else None, text=text if ids is None else None,
+                                                               kind="capture"), res, None))
         raw = res.model_dump(exclude={"latency_s"})
         try:
             got = samples_from_generate(raw, source=f"{name}:{pid}")
@@ -180,7 +191,7 @@ def start_reference_server(target: str | os.PathLike, *, tp: int = 1,
     """Start the embedded reference server in aux-capture mode (no draft); returns
     ``(handle, tensors)``. See :func:`reference_server_args`."""
 
-    n = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
+    n = read_target_config(target).num_hidden_layers
     args, tensors = reference_server_args(n, layer_ids)
     handle = start(target, None, tp=tp, extra_args=args + list(kwargs.pop("extra_args", [])),
                    **kwargs)
@@ -379,7 +390,7 @@ def read_rank_capture(capture_dir: str | os.PathLike) -> dict[int, list[dict]]:
     for d in sorted(Path(capture_dir).glob("rank*")):
         idx = d / "index.jsonl"
         if idx.exists():
-            recs = [json.loads(line) for line in idx.read_text().splitlines() if line.strip()]
+            recs = [loads_json(line) for line in idx.read_text().splitlines() if line.strip()]
             out[int(d.name[4:])] = recs
     if not out:
         raise FileNotFoundError(f"{capture_dir}: no rank*/index.jsonl (was the server started "

@@ -16,6 +16,9 @@ the traceback instead.
 """
 from __future__ import annotations
 
+import errno
+import re
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -131,7 +134,50 @@ class RunFailed(E3FError, RuntimeError):
         self.run_dir = run_dir
 
 
+#: terminal escape sequences: OSC (window title, OSC 52 clipboard writes, hyperlinks; ended by BEL or ST), CSI
+#: (cursor moves, screen clears, colours; 7-bit ``ESC [`` and 8-bit ``0x9b``) and the other two-byte ESC forms
+_ESCAPE_SEQUENCE = re.compile(r"(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                              r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?|\x1b[ -~]?")
+#: the other C0 controls (tab and newline kept), DEL and the C1 controls
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` without terminal escape sequences and control characters (tab and newline kept): what a server or
+    a file says is shown on a terminal only through this (an error body must not clear the screen, retitle the
+    window or write the clipboard with OSC 52)."""
+    return _CONTROL.sub("", _ESCAPE_SEQUENCE.sub("", text))
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached a command (:func:`helpers.cli.common.run`); ``signum`` is the signal, ``exit_code``
+    128 + signum (130 / 143). A KeyboardInterrupt, so code that stops on Ctrl-C stops on SIGTERM the same way."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(f"interrupted by {signal.Signals(self.signum).name}")
+
+
 def one_line(exc: BaseException) -> str:
-    """The exception's message on one line (newlines folded), for a CLI's stderr."""
+    """The exception's message on one line (newlines folded, control characters and escape sequences removed:
+    :func:`printable`), for a CLI's stderr."""
     text = str(exc) or type(exc).__name__
-    return " ".join(text.split())
+    return " ".join(printable(text).split())
+
+
+def describe(exc: BaseException) -> str:
+    """One line for ``exc`` (what a command prints after ``<command>: error:``, what a run folder's FAILED and an
+    investigation's ``error`` say): the suite's own errors as they are, OS errors with the path and what went wrong
+    (``<path>: no space left on the device``), a signal as ``interrupted by SIGTERM``, anything else with its type."""
+    if isinstance(exc, OSError) and not isinstance(exc, E3FError):
+        what = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                errno.EISDIR: "is a folder, a file was expected", errno.ENOTDIR: "is not a folder",
+                errno.ENOENT: "does not exist", errno.EACCES: "permission denied",
+                errno.EROFS: "read-only file system"}.get(exc.errno or 0, exc.strerror or type(exc).__name__)
+        where = exc.filename if exc.filename is not None else ""
+        return f"{where}: {what}" if where else what
+    if isinstance(exc, KeyboardInterrupt):
+        return str(exc) or "interrupted by SIGINT"
+    text = one_line(exc)
+    return text if isinstance(exc, E3FError) else f"{type(exc).__name__}: {text}"

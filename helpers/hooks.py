@@ -52,6 +52,7 @@ import torch
 
 from .diagnosis.conventions import layer_index
 from .faults import FAULT_KINDS, Fault  # noqa: F401  (helpers.hooks.Fault is the public path)
+from .paths import shared_mode
 
 HOOK_PREFIX = "helpers.hooks"
 ARM_FILE = "ARMED"  # with armed_by_file, the capture hook writes only while out_dir/ARMED exists
@@ -222,6 +223,28 @@ def fault_factory(config: dict) -> Any:
     return hook
 
 
+def perturb_factory(config: dict) -> Any:
+    """Hook that alters a module's output inside the engine: ``output * scale + noise * rms(output) * N(0, 1)``
+    (a fixed ``seed`` per call count). Registered on a draft module (e.g. ``model.fc`` of the EAGLE-3 draft, which the
+    target does not have) it makes the engine compute the draft differently after the capture point, which no aux
+    hidden state shows: the acceptance budget's engine stage must find it. Tensor outputs only; tuples: element 0."""
+    scale = float(config.get("scale", 1.0))
+    noise = float(config.get("noise", 0.0))
+    gen = torch.Generator().manual_seed(int(config.get("seed", 0)))
+
+    def hook(module, inputs, output):
+        t = output[0] if isinstance(output, tuple) else output
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return None
+        x = t * scale
+        if noise:
+            rms = t.float().pow(2).mean(-1, keepdim=True).sqrt()
+            x = x + (noise * rms * torch.randn(t.shape, generator=gen)).to(t.dtype)
+        return (x,) + tuple(output[1:]) if isinstance(output, tuple) else x
+
+    return hook
+
+
 # --------------------------------------------------------------------------- per-rank capture
 def _atomic_save(tensors: dict[str, torch.Tensor], path: str) -> None:
     # lazy: this module is imported by every SGLang TP worker; only capturing ones write
@@ -232,6 +255,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
     os.close(fd)
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp)
+    os.chmod(tmp, shared_mode())       # safetensors writes 0600; the capture lands in a shared run folder
     os.replace(tmp, path)
 
 

@@ -1,7 +1,9 @@
 """Where things are in this checkout (one place): the repository root and the shipped reference models, cases,
-notebooks and SGLang environment."""
+notebooks and SGLang environment; and the mode new files and folders of a run folder get (:func:`shared_mode`).
+Imports nothing but the standard library (the capture hooks use it inside SGLang)."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -13,6 +15,25 @@ DEFAULT_CASE = ROOT / "env" / "cases" / "seeds_hunt.yaml"
 NOTEBOOK_DIR = ROOT / "notebooks"
 OUTPUTS = ROOT / "outputs"
 DEFAULT_SGLANG_PYTHON = ROOT / "env" / "reference" / ".venv" / "bin" / "python"
+
+
+@functools.lru_cache(maxsize=1)
+def _umask() -> int:
+    """The process umask, read without changing it (``/proc/self/status``; 0o022 where that is not available)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def shared_mode(folder: bool = False) -> int:
+    """The mode a new file (``0o666``) or folder (``0o777``) gets under this process's umask: what the files of a run
+    folder are given when a library creates them narrower (``tempfile.mkstemp`` / ``mkdtemp``: 0600 / 0700,
+    safetensors: 0600), so that a run folder meant to be shared is as readable as the umask allows, never less."""
+    return (0o777 if folder else 0o666) & ~_umask()
 
 
 def outputs_dir() -> Path:

@@ -64,7 +64,8 @@ class InvestigationDoc(Record):
     ``attach``: what the server runs; ``reference``: ``{how, path, missing}``; ``diagnosis``: the ``diagnose --json``
     document; ``hypotheses``: one dict per check (``check``, ``verdict``, ``explanation``, ``short``, ``evidence``,
     ``figure``), confirmed first; ``measured``: ``{before, after, effect, after_verdict, ...}`` or
-    ``{not_measured: why}``; ``timings``: seconds per step; ``seconds_to_verdict``: from attach to the diagnosis."""
+    ``{not_measured: why}``; ``acceptance``: the acceptance budget (helpers.draft.budget.acceptance_budget: stages,
+    losses, cause, recommended settings, the fix proven offline) or None; ``timings``: seconds per step; ``seconds_to_verdict``: from attach to the diagnosis."""
 
     url: str = ""
     run_dir: str = ""
@@ -79,6 +80,7 @@ class InvestigationDoc(Record):
     hypotheses: list = Field(default_factory=list)
     proposed_fix: Optional[ProposedFix] = None
     measured: Optional[dict] = None
+    acceptance: Optional[dict] = None
     timings: dict = Field(default_factory=dict)
     seconds_to_verdict: Optional[float] = None
     wall_s: Optional[float] = None

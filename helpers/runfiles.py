@@ -7,7 +7,6 @@ and renamed into place, so a reader sees the old file or the new one, never a pa
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import io
 import json
@@ -29,7 +28,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
-from .paths import outputs_dir
+from .paths import outputs_dir, shared_mode
+from .server.redaction import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -64,18 +64,28 @@ def new_run_dir(name: str, outputs: str | os.PathLike | None = None,
 
 def mark_failed(run_dir: str | os.PathLike, reason: str) -> Optional[Path]:
     """After a failed run: remove ``run_dir`` when it holds no file at all (a folder created for nothing), else write
-    ``run_dir/FAILED`` with the one-line reason so a half-written run folder is never mistaken for a result.
-    Returns the marker path, or None when the folder was removed or cannot be written (a full disk)."""
+    ``run_dir/FAILED`` with the one-line reason so a half-written run folder is never mistaken for a result (on a
+    full disk an empty ``FAILED``, when not even the reason fits). Returns the marker path, or None when the folder
+    was removed or nothing can be created in it."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
     if not any(p.is_file() for p in run_dir.rglob("*")):
         shutil.rmtree(run_dir, ignore_errors=True)
         return None
+    marker = run_dir / "FAILED"
     try:
-        return atomic_write_text(run_dir / "FAILED", reason.strip() + "\n")
+        return atomic_write_text(marker, reason.strip() + "\n")
+    except OSError:
+        pass
+    try:        # a full disk: a file with no data still fits (an inode, no block); the reason is then on stderr only
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     except OSError:
         return None
+    with contextlib.suppress(OSError):
+        os.write(fd, (reason.strip() + "\n").encode("utf-8", "backslashreplace"))
+    os.close(fd)
+    return marker
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -87,42 +97,79 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-@functools.lru_cache(maxsize=1)
-def _umask() -> int:
-    """The process umask, read without changing it (``/proc/self/status``; 0o022 where that is not available)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` through a temp file in the same folder, fsync and rename;
-    create parent folders."""
+    create parent folders. The file gets the umask's mode (:func:`helpers.paths.shared_mode`).
+
+    Raises:
+        OSError: naming ``path`` itself (``str(exc)`` ends with it; ``exc.filename``), whatever failed: a full disk
+            (ENOSPC) while writing the temp file, a read-only folder, ...; no temp file is left.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())        # mkstemp makes 0600; a run's files are meant to be shared
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _naming(exc, path) from None
+    try:
+        os.fchmod(fd, shared_mode())        # mkstemp makes 0600; a run's files are meant to be shared
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _naming(exc, path) from None
         raise
     _fsync_dir(path.parent)
     return path
 
 
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` (a write error on an open file names none; a temp file's name means nothing to the
+    reader)."""
+    if exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: Optional[dict] = None) -> Path:
+    """``safetensors.torch.save_file`` (it writes atomically itself) with the run folder's rules: the file gets the
+    umask's mode (safetensors creates 0600), and a failed write is an OSError naming ``path`` (safetensors raises
+    ``SafetensorError ... (os error 28)`` for a full disk).
+
+    Args:
+        path: the ``.safetensors`` file to write.
+        tensors: ``{name: contiguous CPU torch.Tensor}``.
+        metadata: string-to-string header metadata.
+
+    Raises:
+        OSError: the file could not be written (``<path>: No space left on device`` ...).
+    """
+    # lazy: safetensors.torch imports torch, and the torch-free commands import this module
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file  # lazy: as above
+
+    path = Path(path)
+    try:
+        save_file(dict(tensors), os.fspath(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+    os.chmod(path, shared_mode())
+    return path
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """UTF-8 text version of :func:`atomic_write_bytes`."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+    """UTF-8 text version of :func:`atomic_write_bytes`; every secret the process has met (the API key, a launch
+    command's ``--api-key`` values, values of a server answer's secret fields: :func:`helpers.server.redaction.scrub`)
+    is replaced by ``<redacted>`` first, whatever path the text took."""
+    return atomic_write_bytes(path, scrub(text).encode("utf-8"))
 
 
 def atomic_write_new(path: str | os.PathLike, data: bytes) -> Path:
@@ -135,7 +182,7 @@ def atomic_write_new(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, shared_mode())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -197,12 +244,50 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+#: Deepest JSON nesting read from a file or a server answer (arrays / objects inside each other). SGLang's answers
+#: nest about 5 deep (``meta_info.hidden_states[0][t][d]``), configs and manifests less than 10; deeper than this is
+#: refused before anything walks it (redaction, pydantic and the writers recurse once per level).
+MAX_JSON_DEPTH = 100
+
+
+class JSONTooDeep(ValueError):
+    """JSON nested deeper than :data:`MAX_JSON_DEPTH` (or than Python's parser can follow)."""
+
+
+def loads_json(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` with the nesting bounded: the one JSON parser of files and server answers.
+
+    Raises:
+        json.JSONDecodeError: not JSON.
+        JSONTooDeep: arrays / objects nested deeper than ``max_depth``; checked without recursion after parsing
+            (a 200000-deep document stops the parser itself, which raises RecursionError: turned into this too).
+    """
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise JSONTooDeep(f"nests arrays/objects too deeply (more than {max_depth} levels)") from None
+    level = [obj] if isinstance(obj, (list, dict)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > max_depth:
+            raise JSONTooDeep(f"nests arrays/objects too deeply (more than {max_depth} levels)")
+        nxt = []
+        for o in level:
+            items = o.values() if isinstance(o, dict) else o
+            if {list, dict} & set(map(type, items)):      # one C pass per array: rows of floats cost little
+                nxt.extend(x for x in items if isinstance(x, (list, dict)))
+        level = nxt
+    return obj
+
+
 def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput, expected: str = "a JSON object") -> Any:
     """The parsed JSON of a file the user named (a config, a manifest, a saved server answer).
 
     Raises ``error`` (a :class:`helpers.errors.BadInput` subclass, default BadInput) with the path and ``what`` in
-    one line when the file is missing, unreadable, empty (``expected`` says what it should hold) or not valid JSON
-    (message, line and column). The one reader of user-named JSON files."""
+    one line when the file is missing, unreadable, empty (``expected`` says what it should hold), not valid JSON
+    (message, line and column) or nested deeper than :data:`MAX_JSON_DEPTH`. The one reader of user-named JSON
+    files."""
     p = Path(path)
     if not p.exists():
         raise error(f"{what} not found", path=p)
@@ -213,18 +298,19 @@ def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput
     if not text.strip():
         raise error(f"{what} is an empty file (expected {expected})", path=p)
     try:
-        return json.loads(text)
+        return loads_json(text)
     except json.JSONDecodeError as e:
         raise error(f"{what} is not valid JSON, or truncated ({e.msg} at line {e.lineno} column {e.colno})",
                     path=p) from None
-    except RecursionError:
-        raise error(f"{what} nests arrays/objects too deeply to parse (expected {expected})", path=p) from None
+    except JSONTooDeep as e:
+        raise error(f"{what} {e} (expected {expected})", path=p) from None
 
 
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:
-    """JSON content of ``path``, or ``default`` when the file does not exist."""
+    """JSON content of ``path``, or ``default`` when the file does not exist (:func:`loads_json`: JSONTooDeep past
+    :data:`MAX_JSON_DEPTH`)."""
     try:
-        return json.loads(Path(path).read_text())
+        return loads_json(Path(path).read_text())
     except FileNotFoundError:
         return default
 
@@ -272,6 +358,74 @@ def read_parquet(source: str | os.PathLike | bytes) -> pd.DataFrame:
     return table.to_pandas(**kwargs)
 
 
+#: Largest YAML document accepted, counted in nodes (scalars, sequences, mappings) after every alias is expanded:
+#: what a reader of the file gets. The suite's files hold hundreds; a 10-line "billion laughs" alias bomb holds
+#: 9^9 and, built and validated, takes gigabytes.
+MAX_YAML_NODES = 200_000
+
+
+class YAMLTooLarge(yaml.YAMLError):
+    """A YAML document whose aliases expand past :data:`MAX_YAML_NODES` nodes, or refer to a node containing them."""
+
+
+def _expanded_nodes(root: yaml.Node, limit: int) -> int:
+    """Nodes of ``root`` with every alias expanded (an alias is the node it names, counted again each time), computed
+    once per distinct node, without recursion. Raises :class:`YAMLTooLarge` past ``limit`` or on a cycle."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def children(n: yaml.Node) -> list:
+        if isinstance(n, yaml.MappingNode):
+            return [x for pair in n.value for x in pair]
+        return list(n.value) if isinstance(n, yaml.SequenceNode) else []
+
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children(node))
+            if sizes[key] > limit:
+                raise YAMLTooLarge(f"its aliases expand to more than {limit} values (an alias bomb?); write the "
+                                   "values out or use fewer aliases")
+            continue
+        if key in sizes:
+            continue
+        on_path.add(key)
+        stack.append((node, True))
+        for c in children(node):
+            if id(c) in on_path:
+                raise YAMLTooLarge("an alias refers to a node that contains it (a recursive structure)")
+            if id(c) not in sizes:
+                stack.append((c, False))
+    return sizes[id(root)]
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses documents expanding past :data:`MAX_YAML_NODES` nodes before building them."""
+
+    def construct_document(self, node):
+        _expanded_nodes(node, MAX_YAML_NODES)
+        return super().construct_document(node)
+
+
+def load_yaml_text(text: str, what: str, *, path: Any = None, error: type = None) -> Any:
+    """Parse YAML text with safe types only and aliases bounded (:data:`MAX_YAML_NODES`): the one YAML parser.
+
+    Raises:
+        ``error`` (default :class:`helpers.errors.BadInput`): invalid YAML, or aliases that expand too far or refer
+            to themselves; one line naming ``path`` (or ``what``) and what was wrong.
+    """
+    error = error or BadInput
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)   # noqa: S506 - a SafeLoader subclass
+    except YAMLTooLarge as exc:
+        raise error(f"{what}: {exc}", path=path) from None
+    except yaml.YAMLError as exc:
+        raise error(f"{what} is not valid YAML ({' '.join(str(exc).split())})", path=path) from None
+
+
 def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, prepare: Any = None) -> Any:
     """Read a YAML file (or take already-parsed data) and validate it with a pydantic ``model``: the one loader of
     the suite's YAML files (case files, fixes files, suite params).
@@ -287,8 +441,9 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         The validated model instance.
 
     Raises:
-        ``error``: missing or unreadable file, invalid YAML, not a mapping, or an invalid field; one line naming
-            the file and the field (``timeline.2.hypothesis.check``) and what was expected.
+        ``error``: missing or unreadable file, invalid YAML (:func:`load_yaml_text`: also aliases that expand past
+            :data:`MAX_YAML_NODES`), not a mapping, or an invalid field; one line naming the file and the field
+            (``timeline.2.hypothesis.check``) and what was expected.
     """
 
 
@@ -300,13 +455,12 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         if path.is_dir():
             raise error(f"{what} expected, got a folder", path=path)
         try:
-            data = yaml.safe_load(path.read_text())
+            text = path.read_text()
         except FileNotFoundError:
             raise error(f"{what} does not exist", path=path) from None
         except OSError as exc:
             raise error(f"{what} cannot be read ({exc.strerror or exc})", path=path) from None
-        except yaml.YAMLError as exc:
-            raise error(f"{what} is not valid YAML ({' '.join(str(exc).split())})", path=path) from None
+        data = load_yaml_text(text, what, path=path, error=error)
     if prepare is not None:
         data = prepare(data)
     if data is None:

@@ -54,10 +54,8 @@ inv = I.load_investigation(ctx.run_dir)
 # %%
 R.show(acceptance.acceptance_table(fixes) if len(fixes) else R.note("Nothing was measured in this run folder."))
 R.show(I.effect_html(inv))
-budget = acceptance.acceptance_budget(ctx.run_dir)
-if len(budget):
-    R.show("<b>Acceptance budget</b> (investigation.json)")
-    R.show(budget)
+for part in acceptance.acceptance_budget(ctx.run_dir):
+    R.show(part)
 
 # %% [markdown]
 # ## Accept length and tok/s per fix

@@ -38,6 +38,7 @@ from pydantic import (
 )
 from tqdm.auto import tqdm
 
+from ..budget import Budget
 from ..errors import BadServerInput, RunFailed, ServerStartError, SGLangError
 from ..faults import Fault
 from ..plots.acceptance import write_report
@@ -54,7 +55,7 @@ from ..runfiles import (  # noqa: F401
 from ..server import embedded
 from ..server.client import SGLangClient
 from ..server.process import ServerProcess
-from ..server.redaction import REDACTED, redact, redact_argv, redact_command
+from ..server.redaction import redact
 from ..server.settings import SpecSettings
 from .ledger import Ledger
 from .measure import measure, measure_baseline
@@ -254,12 +255,14 @@ def _resolve_model(value: Optional[str], default: Path, base: Optional[str]) -> 
 
 @contextlib.contextmanager
 def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
-          api_key: Optional[str] = None) -> Iterator[tuple[SGLangClient, Any]]:
+          api_key: Optional[str] = None, budget: Optional[Budget] = None) -> Iterator[tuple[SGLangClient, Any]]:
     """Start (or attach to) the server of ``spec``; yield ``(client, handle)``; stop it after.
 
     ``handle`` is a :class:`helpers.server.process.ServerProcess` (embedded server or launch command), or None
-    (attach mode: nothing is stopped).
+    (attach mode: nothing is stopped). ``budget`` (the run's :class:`helpers.budget.Budget`) bounds the wait for the
+    server and every request of the client.
     """
+    budget = budget if budget is not None else Budget()
 
     handle: Any = None
     client: Optional[SGLangClient] = None
@@ -274,23 +277,22 @@ def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
                                         max_total_tokens=ls.max_total_tokens,
                                         return_hidden_states=ls.return_hidden_states,
                                         enable_metrics=ls.enable_metrics, api_key=api_key,
-                                        log_path=log_path, timeout=ls.timeout, env=ls.env or None)
+                                        log_path=log_path, timeout=ls.timeout, env=ls.env or None, budget=budget)
             except (BadServerInput, ServerStartError) as exc:
                 raise FixFailed(str(exc)) from None
-            client = SGLangClient(handle.url, api_key=api_key or "")
+            client = SGLangClient(handle.url, api_key=api_key or "", budget=budget)
         elif spec.mode == "command":
-            client = SGLangClient(spec.url, api_key=api_key)
+            client = SGLangClient(spec.url, api_key=api_key, budget=budget)
             argv = [os.path.expandvars(a) for a in shlex.split(spec.command)]
-            shown = redact_argv(argv)
-            secrets = set(client.secrets) | {a for a, b in zip(argv, shown) if b == REDACTED and a}
-            handle = ServerProcess(argv, spec.url, log_path=log_path, shown=shown,
-                                   env={**os.environ, **(spec.env or {})}, cwd=spec.cwd or base_dir, secrets=secrets)
+            handle = ServerProcess(argv, spec.url, log_path=log_path, env={**os.environ, **(spec.env or {})},
+                                   cwd=spec.cwd or base_dir, secrets=client.secrets)
             try:
-                handle.wait_healthy(spec.startup_timeout, api_key=api_key, what="server of the launch command")
+                handle.wait_healthy(spec.startup_timeout, api_key=api_key, what="server of the launch command",
+                                    budget=budget)
             except ServerStartError as exc:
                 raise FixFailed(str(exc)) from None
         else:
-            client = SGLangClient(spec.url, api_key=api_key)
+            client = SGLangClient(spec.url, api_key=api_key, budget=budget)
             client.wait_healthy(timeout=min(spec.startup_timeout, 60))
         yield client, handle
     finally:
@@ -302,7 +304,7 @@ def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
 
 def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | None = None,
               run_dir: Path | str | None = None, progress: bool = True,
-              api_key: Optional[str] = None, figures: bool = True) -> Path:
+              api_key: Optional[str] = None, figures: bool = True, budget: Optional[Budget] = None) -> Path:
     """Managed mode: for each fix start its server, measure, stop it, append to the ledger.
 
     Args:
@@ -313,6 +315,8 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
         api_key: bearer token for the servers (default ``$SGLANG_API_KEY``); reference servers
             are started with it.
         figures: write ``figures.html`` (plotly, offline) at the end.
+        budget: the run's :class:`helpers.budget.Budget` (``measure --fixes --timeout``), shared by every server
+            start and request of every fix (default: no overall limit).
 
     Layout: ``<run>/fixes.yaml`` (the input, secrets redacted), ``<run>/logs/<fix>.log`` (server
     logs, secrets redacted), ``<run>/fixes/<fix>/`` (:meth:`AcceptanceResult.save`),
@@ -328,10 +332,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     run = Path(run_dir) if run_dir else new_run_dir(ff.name, outputs=outputs)
     run.mkdir(parents=True, exist_ok=True)
     dump = ff.model_dump(mode="json", exclude_none=True)
-    dump = redact(dump, [key] if key else [])
-    for section in [dump.get("baseline") or {}] + dump.get("fixes", []):
-        if section.get("command"):
-            section["command"] = redact_command(section["command"])
+    dump = redact(dump, [key] if key else [])    # also the --api-key values of every command:
     atomic_write_text(run / "fixes.yaml", yaml.safe_dump(dump, sort_keys=False))
     ledger = Ledger(run / "ledger.parquet")
     base = {"tok_s": float("nan"), "tok_s_lo": float("nan"), "tok_s_hi": float("nan")}
@@ -341,7 +342,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
         m = ff.measure
         try:
             with serve(ff.baseline, log_path=run / "logs" / "baseline.log", base_dir=ff.base_dir,
-                       api_key=key) as (client, handle):
+                       api_key=key, budget=budget) as (client, handle):
                 prompts = load_prompts(_prompt_source(m.prompt_source, ff.base_dir), n=m.count)
                 sp = {"temperature": m.temperature}
                 if m.ignore_eos:
@@ -363,7 +364,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
         log = run / "logs" / f"{safe_name(fix.name)}.log"
         started = pd.Timestamp.now(tz="UTC").isoformat()
         try:
-            with serve(fix, log_path=log, base_dir=ff.base_dir, api_key=key) as (client, handle):
+            with serve(fix, log_path=log, base_dir=ff.base_dir, api_key=key, budget=budget) as (client, handle):
                 res = measure(client, _prompt_source(settings.prompt_source, ff.base_dir),
                               max_new_tokens=settings.max_new_tokens, concurrency=settings.concurrency,
                               num_prompts=settings.count, temperature=settings.temperature,
@@ -379,11 +380,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
             s["speedup"] = s["tok_s"] / base["tok_s"] if base["tok_s"] == base["tok_s"] and base["tok_s"] else float("nan")
             s["server_mode"] = fix.mode
             s["started_at"] = started
-            saved = res.save(run / "fixes" / safe_name(fix.name))
-            row = res.ledger_row(fix.name)
-            row["saved_to"] = str(saved.relative_to(run))
-            row["error"] = None
-            ledger.append(row)
+            res.record(run, fix.name, error=None)
         except (FixFailed, SGLangError, RuntimeError, OSError) as exc:
             failed.append(fix.name)
             ledger.append({"fix": fix.name, "server_mode": fix.mode, "started_at": started,

@@ -18,10 +18,12 @@ import numpy as np
 import pandas as pd
 
 from ..errors import BadInput, SGLangError
-from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes
+from ..paths import shared_mode
+from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes, safe_name
 from ..server.client import SGLangClient, as_client
 from ..server.redaction import redact, redact_url
 from ..server.settings import EffectiveSpecConfig
+from .ledger import Ledger
 from .prompts import Prompt, load_prompts, prompts_digest
 from .requests import run_requests
 from .stats import (
@@ -193,6 +195,27 @@ class AcceptanceResult:
                                            if self.spec else [])
         return row
 
+    def record(self, run_dir: Path | str, fix: str, **row: Any) -> Path:
+        """Save this measurement into ``run_dir/fixes/<fix>`` (:meth:`save`: ``-2``, ``-3``, ... when taken) and append
+        its ledger row (:meth:`ledger_row` with ``saved_to`` and ``row``) to ``run_dir/ledger.parquet``, as one unit:
+        when the row cannot be appended (a full disk, a signal), the folder just saved is removed again, so no
+        measurement is ever left without its row. Returns the measurement's folder.
+
+        Raises:
+            OSError: a file could not be written (the message names it); nothing of this measurement is left.
+        """
+        run_dir = Path(run_dir)
+        saved = self.save(run_dir / "fixes" / safe_name(fix))
+        try:
+            entry = self.ledger_row(fix)
+            entry["saved_to"] = str(saved.relative_to(run_dir))
+            entry.update(row)
+            Ledger(run_dir / "ledger.parquet").append(entry)
+        except BaseException:
+            shutil.rmtree(saved, ignore_errors=True)
+            raise
+        return saved
+
     def save(self, folder: Path | str) -> Path:
         """Write ``summary.json``, ``per_request.parquet``, ``positions.csv`` (and ``raw_meta.json``) as one unit
         into a new folder and return it: ``folder`` itself when it does not exist yet, else ``folder-2``,
@@ -207,6 +230,7 @@ class AcceptanceResult:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
         try:
+            os.chmod(tmp, shared_mode(folder=True))     # mkdtemp makes 0700; a run folder is meant to be shared
             doc = {"summary": self.summary, "warnings": self.warnings,
                    "histogram": [int(x) for x in self.histogram],
                    "positions": json.loads(self.positions.to_json(orient="records")),

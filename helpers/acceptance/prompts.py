@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import BadInput
+from ..runfiles import JSONTooDeep, loads_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,11 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
             raise BadInput("not a text file (expected JSON lines)", path=path) from None
         if path.suffix == ".json":
             try:
-                items = json.loads(text)
+                items = loads_json(text)
             except json.JSONDecodeError as exc:
                 raise BadInput(f"not JSON ({exc.msg} at line {exc.lineno})", path=path) from None
+            except JSONTooDeep as exc:
+                raise BadInput(f"{exc} (expected a JSON list of prompts)", path=path) from None
             if not isinstance(items, list):
                 raise BadInput(f"expected a JSON list of prompts, got {type(items).__name__}", path=path)
         else:
@@ -72,8 +75,8 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
                 if not line.strip():
                     continue
                 try:
-                    items.append(json.loads(line))
-                except json.JSONDecodeError as exc:
+                    items.append(loads_json(line))
+                except (json.JSONDecodeError, JSONTooDeep) as exc:
                     raise BadInput(f"line {n_line} is not JSON ({exc.msg}); expected one object per line such as "
                                    '{"text": ...} or {"input_ids": [...]}', path=path) from None
     else:

@@ -4,9 +4,10 @@ fields) and one per-request record each.
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -24,7 +25,8 @@ PER_REQUEST_COLUMNS = [
     "has_spec", "error"]
 
 
-def _record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[str]) -> dict:
+def record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[str]) -> dict:
+    """One row of :data:`PER_REQUEST_COLUMNS` from one ``/generate`` answer (or its error)."""
     row = {c: None for c in PER_REQUEST_COLUMNS}
     row.update(idx=i, prompt_id=p.id, kind=p.kind, has_spec=False, error=error)
     if res is None:
@@ -75,9 +77,9 @@ def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tok
         except SGLangError as exc:
             if fail_fast:
                 raise
-            rows[i] = _record(i, p, None, str(exc))
+            rows[i] = record(i, p, None, str(exc))
             return
-        rows[i] = _record(i, p, res, None)
+        rows[i] = record(i, p, res, None)
         if keep_raw:
             meta = res.meta_info.model_dump()
             meta.pop("hidden_states", None)
@@ -87,13 +89,48 @@ def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tok
     bar = tqdm(total=len(prompts), desc=desc, disable=not progress, leave=False)
     t0 = time.perf_counter()
     try:
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futures = [pool.submit(one, i) for i in range(len(prompts))]
-            for f in futures:
-                f.result()
-                bar.update(1)
+        _in_workers(one, len(prompts), concurrency, on_done=lambda: bar.update(1))
+    except KeyboardInterrupt:   # Ctrl-C or a signal (helpers.cli.common.Interrupted): the requests in flight end too
+        client.budget.cancel("interrupted")
+        raise
     finally:
         bar.close()
     wall = time.perf_counter() - t0
     df = pd.DataFrame(rows, columns=PER_REQUEST_COLUMNS)
     return df, wall, raw
+
+
+def _in_workers(fn: Callable[[int], None], n: int, workers: int, on_done: Callable[[], None]) -> None:
+    """``fn(i)`` for ``i`` in ``range(n)`` on ``workers`` daemon threads; returns when all are done, re-raises the
+    first exception of a worker. Daemon threads, not a ``ThreadPoolExecutor``: when the main thread is
+    interrupted (Ctrl-C, SIGTERM), it returns at once, and the process exits without joining a worker still
+    blocked in a read (an executor joins its threads on the way out and at interpreter exit: a trickling server
+    then holds the command until its deadline)."""
+    items = iter(range(n))
+    lock = threading.Lock()
+    done: "queue.SimpleQueue[Optional[BaseException]]" = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(items, None)
+            if i is None:
+                return
+            try:
+                fn(i)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                done.put(exc)
+                return
+            done.put(None)
+
+    for k in range(min(workers, n)):
+        threading.Thread(target=work, daemon=True, name=f"e3f-request-{k}").start()
+    try:
+        for _ in range(n):
+            exc = done.get()
+            if exc is not None:
+                raise exc
+            on_done()
+    finally:
+        stop.set()

@@ -2,17 +2,17 @@
 with every layer from HF (``--reference-hf``) or from the server's own hooks (``--every-layer``)."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..capture import capture_every_layer, capture_reference_hf, capture_served
 from ..errors import BadInput
+from ..formats.configs import read_target_config
 from ..formats.training_data import TrainingData
-from ..runfiles import mark_failed, new_run_dir
+from ..runfiles import new_run_dir
 from ..server.client import SGLangClient
-from .common import Parser, describe, progress_line, run
+from .common import Parser, failure_guard, progress_line, run, run_folder_arg, text_arg
 
 DEFAULT_TIMEOUT = 1800.0
 
@@ -26,7 +26,7 @@ def build_parser() -> Parser:
     ap.add_argument("--num-samples", type=int, default=4, help="training samples to send (default 4)")
     ap.add_argument("--run-dir", default=None, help="an existing run folder to write dumps/ into (default: a new "
                                                     "outputs/<stamp>-capture/)")
-    ap.add_argument("--name", default="served", help="dump folder name under dumps/ (must not exist)")
+    ap.add_argument("--name", default="served", help="dump folder name under dumps/ (a plain name; must not exist)")
     ap.add_argument("--reference-hf", default=None, metavar="TARGET",
                     help="also dump every layer of this HF target folder for the same tokens")
     ap.add_argument("--every-layer", default=None, metavar="DIR",
@@ -50,29 +50,46 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
         if args.num_samples < 1 or args.timeout <= 0:
             raise BadInput("--num-samples must be >= 1 and --timeout > 0")
+        names = dump_names(args)
         H = args.hidden_size
         if H is None and args.reference_hf:
-            H = json.loads((Path(args.reference_hf) / "config.json").read_text())["hidden_size"]
+            H = read_target_config(args.reference_hf).hidden_size
         td = TrainingData(args.training, hidden_size=H, max_samples=args.num_samples)
         samples = list(td)
         H = H or td.hidden_size
-        if args.run_dir and not Path(args.run_dir).is_dir():
-            raise BadInput("--run-dir must be an existing folder (omit it for a new run folder)", path=args.run_dir)
-        run_dir = Path(args.run_dir) if args.run_dir else new_run_dir("capture")
+        given_run = run_folder_arg(args.run_dir)
+        for name in names if given_run is not None else ():
+            if (given_run / "dumps" / name).exists():
+                raise BadInput("the dump folder exists (dumps are never overwritten): pick another --name",
+                               path=given_run / "dumps" / name)
+        run_dir = given_run or new_run_dir("capture")
         dumps = run_dir / "dumps"
         show = progress_line("capture")
         client = SGLangClient(args.url, os.environ.get("SGLANG_API_KEY") or None, deadline_s=args.timeout,
                               on_wait=show)
         try:
-            return _capture(args, client, samples, dumps, H)
-        except BaseException as exc:
-            if not args.run_dir:            # a run folder made for this capture: removed if empty, else marked
-                mark_failed(run_dir, f"capture: {describe(exc)}")
-            raise
+            with failure_guard("capture", run_dir, owned=given_run is None):   # removed if empty, else marked
+                return _capture(args, client, samples, dumps, H)
         finally:
             client.close()
 
     return run("capture", body)
+
+
+def dump_names(args) -> list[str]:
+    """The dump folders this capture writes under ``dumps/`` (``--name``, and ``<name>-reference-hf`` /
+    ``<name>-reference-server`` when asked for).
+
+    Raises:
+        BadInput: ``--name`` is not a plain folder name (a path, ``..``, an absolute path, not UTF-8): a dump never
+            goes outside ``<run>/dumps/``.
+    """
+    name = text_arg(args.name, "--name")
+    if not name or name in (".", "..") or "/" in name or "\0" in name or Path(name).name != name:
+        raise BadInput(f"--name {name!r} must be a plain folder name (no '/', not '..'): the dump goes to "
+                       "<run>/dumps/<name>/")
+    return [name] + ([f"{name}-reference-hf"] if args.reference_hf else []) + (
+        [f"{name}-reference-server"] if args.every_layer else [])
 
 
 def _capture(args, client, samples, dumps, H) -> int:

@@ -1,16 +1,54 @@
 """The one error contract of every command: one line on stderr, ``<command>: error: <reason>``, exit 2 for bad
 input (:class:`helpers.errors.BadInput`, argparse usage errors, a file given for a folder and the like), 1 for a
 server or run failure (:class:`helpers.errors.ServerError`, :class:`helpers.errors.RunFailed`, OSError such as a
-full disk), 130 for Ctrl-C; ``E3F_DEBUG=1`` re-raises for the traceback."""
+full disk), 130 for Ctrl-C (SIGINT) and 143 for SIGTERM; ``E3F_DEBUG=1`` re-raises for the traceback.
+
+Signals: while a command runs, SIGINT and SIGTERM raise :class:`helpers.errors.Interrupted` in the main thread, so
+that every ``finally`` runs -- the servers the command started are stopped (with a 1 s grace,
+:mod:`helpers.budget`), its run folder is marked FAILED with the signal -- and every budget counts as spent, so
+worker threads stop waiting; a second signal during that clean-up is ignored. The command ends within about a
+second."""
 from __future__ import annotations
 
 import argparse
-import errno
+import contextlib
 import os
+import signal
 import sys
-from typing import Callable
+import threading
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
-from ..errors import BadInput, E3FError, one_line
+from ..budget import interrupt, reset_interrupt
+from ..errors import BadInput, E3FError, Interrupted, describe, printable
+from ..runfiles import mark_failed
+from ..server.process import stop_all
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGINT / SIGTERM raise :class:`Interrupted` (once) while the block runs; handlers restored after. Only in
+    the main thread (signal handlers can only be set there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = []
+
+    def handler(signum, _frame):
+        if fired:                      # already stopping: let the clean-up finish
+            return
+        fired.append(signum)
+        exc = Interrupted(signum)
+        interrupt(str(exc))
+        raise exc
+
+    reset_interrupt()
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,43 +67,97 @@ def exit_code(exc: BaseException, unexpected: int = 1) -> int:
         return 2
     if isinstance(exc, OSError):
         return 1
+    if isinstance(exc, Interrupted):
+        return exc.exit_code
     if isinstance(exc, KeyboardInterrupt):
         return 130
     return unexpected
 
 
-def describe(exc: BaseException) -> str:
-    """One line for ``exc``: the suite's own errors as they are, OS errors with the path and what went wrong."""
-    if isinstance(exc, OSError) and not isinstance(exc, E3FError):
-        what = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-                errno.EISDIR: "is a folder, a file was expected", errno.ENOTDIR: "is not a folder",
-                errno.ENOENT: "does not exist", errno.EACCES: "permission denied",
-                errno.EROFS: "read-only file system"}.get(exc.errno or 0, exc.strerror or type(exc).__name__)
-        where = exc.filename if exc.filename is not None else ""
-        return f"{where}: {what}" if where else what
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    text = one_line(exc)
-    return text if isinstance(exc, E3FError) else f"{type(exc).__name__}: {text}"
-
-
 def run(prog: str, body: Callable[[], int], *, unexpected_exit: int = 1) -> int:
-    """Run a command body under the error contract; returns its exit code."""
+    """Run a command body under the error contract and the signal handling (module docstring); returns its exit
+    code."""
+    with _signals_raise():
+        try:
+            return int(body() or 0)
+        except SystemExit as e:          # --help / --version
+            return int(e.code or 0)
+        except BaseException as exc:     # noqa: BLE001 - the contract: one line, never a bare traceback
+            if isinstance(exc, KeyboardInterrupt):
+                interrupt(describe(exc))
+                stop_all(timeout=1.0)    # whatever a finally did not stop
+            return _report(prog, exc, unexpected_exit)
+
+
+def _report(prog: str, exc: BaseException, unexpected_exit: int) -> int:
+    if os.environ.get("E3F_DEBUG") and not isinstance(exc, KeyboardInterrupt):
+        raise exc
+    print(f"{prog}: error: {describe(exc)}" + ("" if isinstance(exc, (E3FError, OSError, KeyboardInterrupt))
+                                               else " (set E3F_DEBUG=1 for the traceback)"), file=sys.stderr)
+    return exit_code(exc, unexpected_exit)
+
+
+def text_arg(value: Optional[str], flag: str) -> Optional[str]:
+    """``value`` (a name or path given on the command line) when it is valid UTF-8, checked before any work: a
+    name that is not (bytes that only decode with surrogates) cannot be written into the JSON, Parquet and HTML of
+    a run folder.
+
+    Raises:
+        BadInput: not UTF-8; the message shows the value escaped.
+    """
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadInput(f"{flag} {ascii(value)[1:-1]} is not valid UTF-8: give a name or path in UTF-8") from None
+    return value
+
+
+def out_folder(value: Optional[str], flag: str) -> Optional[Path]:
+    """The folder a command creates its run folder in (``--out``, ``--outputs``), checked before any work: UTF-8
+    (:func:`text_arg`), and a folder or nothing yet. None when not given.
+
+    Raises:
+        BadInput: not UTF-8, or an existing file.
+    """
+    if text_arg(value, flag) is None:
+        return None
+    if Path(value).exists() and not Path(value).is_dir():
+        raise BadInput(f"{flag} must be a folder (the run folder is created inside it)", path=value)
+    return Path(value)
+
+
+def run_folder_arg(value: Optional[str], flag: str = "--run-dir") -> Optional[Path]:
+    """An existing run folder to add to (``--run-dir``), checked before any work. None when not given.
+
+    Raises:
+        BadInput: not UTF-8, or not an existing folder.
+    """
+    if text_arg(value, flag) is None:
+        return None
+    if not Path(value).is_dir():
+        raise BadInput(f"{flag} must be an existing run folder (omit it for a new one)", path=value)
+    return Path(value)
+
+
+@contextlib.contextmanager
+def failure_guard(prog: str, run_dir: Path, *, owned: bool = True,
+                  complete: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Whatever fails inside the block -- a server, a full disk on the last write, a signal -- a run folder this
+    command created (``owned``) is marked FAILED with the one-line reason (:func:`helpers.runfiles.mark_failed`;
+    removed instead when it holds no file), so it is never mistaken for a result; the error goes on. Errors of the
+    ``complete`` types end a run whose folder is complete (e.g. fixes that failed, each with its ledger row)."""
     try:
-        return int(body() or 0)
-    except SystemExit as e:          # --help / --version
-        return int(e.code or 0)
-    except BaseException as exc:     # noqa: BLE001 - the contract: one line, never a bare traceback
-        if os.environ.get("E3F_DEBUG") and not isinstance(exc, KeyboardInterrupt):
-            raise
-        print(f"{prog}: error: {describe(exc)}" + ("" if isinstance(exc, (E3FError, OSError, KeyboardInterrupt))
-                                                   else " (set E3F_DEBUG=1 for the traceback)"), file=sys.stderr)
-        return exit_code(exc, unexpected_exit)
+        yield
+    except BaseException as exc:
+        if owned and not isinstance(exc, complete):
+            mark_failed(run_dir, f"{prog}: {describe(exc)}")
+        raise
 
 
 def progress_line(prog: str) -> Callable[[str], None]:
-    """A progress printer: ``[prog] <line>`` on stderr, flushed."""
+    """A progress printer: ``[prog] <line>`` on stderr, flushed, without control characters (:func:`printable`)."""
     def show(line: str) -> None:
-        print(f"[{prog}] {line}", file=sys.stderr, flush=True)
+        print(f"[{prog}] {printable(line)}", file=sys.stderr, flush=True)
     return show
 

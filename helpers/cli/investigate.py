@@ -9,10 +9,9 @@ from typing import Optional, Sequence
 
 from ..errors import BadInput
 from ..investigation.live import default_run_dir, investigate
-from ..runfiles import mark_failed
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
-from .common import Parser, describe, progress_line, run
+from .common import Parser, failure_guard, out_folder, progress_line, run
 
 
 def build_parser() -> Parser:
@@ -31,6 +30,11 @@ def build_parser() -> Parser:
                    "copy with the proposed fix (draft path, port and flags replaced) and measures before/after. "
                    "Servers started with `python -m helpers server start` are restarted without it")
     p.add_argument("--no-apply", action="store_true", help="only propose the fix (no restart, no measurement)")
+    p.add_argument("--no-measure", action="store_true", help="send no live prompts for the acceptance budget (its "
+                   "engine stage is then missing); the offline stages still run")
+    p.add_argument("--no-budget", action="store_true", help="skip the acceptance budget (wiring diagnosis only)")
+    p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
+                   "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
     p.add_argument("--port", metavar="PORT|LOW-HIGH", help="port of the fixed server the tool starts (on 127.0.0.1 "
                    "for an embedded server), or a range to take a free one from (default: a free port of "
                    "$E3F_PORT_RANGE, else 12000-19999)")
@@ -54,27 +58,29 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
-        run_dir = default_run_dir(args.out, args.url)
+        out = out_folder(args.out, "--out")
+        run_dir = default_run_dir(out, args.url)
         show = progress_line(prog)
         show(f"run folder {run_dir}")
         show(f"to open it in the notebooks, paste into their parameters cell: {run_dir_line(run_dir)}")
-        try:
+        with failure_guard(prog, run_dir):        # investigation.json keeps what was done; FAILED says why
             doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
                               relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
                               max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
-                              progress=show)
-        except BaseException as exc:
-            mark_failed(run_dir, f"investigate: {describe(exc)}")     # investigation.json keeps what was done
-            raise
-        report = write_report(run_dir, doc)
+                              acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
+                              training_log=args.training_log, progress=show)
+            report = write_report(run_dir, doc)
         if args.json:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],
                               "proposed_fix": None if doc.proposed_fix is None else doc.proposed_fix.model_dump(
                                   mode="json"), "measured": doc.measured, "sentence": doc.sentence,
+                              "acceptance": doc.acceptance, "notes": doc.notes,
                               "seconds_to_verdict": doc.seconds_to_verdict, "run_dir": str(run_dir)}, indent=1))
         else:
             print(doc.sentence)
+            for n in doc.notes:
+                print(f"note: {n}")
             print(f"postmortem: {report}")
         return 0 if doc.verdict == "ok" else 1
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Sequence
 
-from ..acceptance.fixes import load_fixes, run_fixes
+from ..acceptance.fixes import FixFailed, load_fixes, run_fixes
 from ..acceptance.ledger import Ledger
 from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure
 from ..acceptance.prompts import load_prompts
-from ..errors import BadInput, RunFailed
-from ..runfiles import mark_failed, new_run_dir, safe_name
+from ..budget import Budget
+from ..errors import BadInput, RunFailed, printable
+from ..runfiles import new_run_dir
 from ..server.client import SGLangClient
-from .common import Parser, describe, progress_line, run
+from .common import Parser, failure_guard, out_folder, progress_line, run, run_folder_arg, text_arg
 
 DEFAULT_TIMEOUT = 3600.0
 
@@ -46,8 +46,10 @@ def build_parser() -> Parser:
                     help="launch command as typed, for the override check (default: the server's own)")
     ap.add_argument("--outputs", default=None, help="outputs folder (default: <repo>/outputs)")
     ap.add_argument("--run-dir", default=None, help="an existing run folder to append to (ledger.parquet)")
-    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                    help=f"overall budget in seconds for the server's answers (default {DEFAULT_TIMEOUT:.0f})")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help=f"overall budget in seconds of the whole run: every request, and with --fixes every server "
+                         f"start too (default {DEFAULT_TIMEOUT:.0f} with --url; none with --fixes, where each fix's "
+                         "startup_timeout and the request timeouts bound the waits)")
     ap.add_argument("--no-save", action="store_true", help="print only, write nothing")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -59,21 +61,24 @@ def cli_main(argv: Sequence[str]) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv))
-        if args.run_dir and not Path(args.run_dir).is_dir():
-            raise BadInput("--run-dir must be an existing run folder (omit it for a new one)", path=args.run_dir)
-        if args.timeout <= 0:
+        outputs = out_folder(args.outputs, "--outputs")
+        given_run = run_folder_arg(args.run_dir)
+        text_arg(args.label, "--label")
+        if args.timeout is not None and args.timeout <= 0:
             raise BadInput("--timeout must be > 0")
         if args.fixes:
             fixes = load_fixes(args.fixes)
-            run_dir = run_fixes(fixes, outputs=args.outputs, run_dir=args.run_dir, progress=not args.quiet)
-            df = Ledger(Path(run_dir) / "ledger.parquet").read()
+            run_dir = given_run or new_run_dir(fixes.name, outputs=outputs)
+            with failure_guard("measure", run_dir, owned=given_run is None, complete=(FixFailed,)):
+                run_fixes(fixes, run_dir=run_dir, progress=not args.quiet, budget=Budget(args.timeout))
+                df = Ledger(run_dir / "ledger.parquet").read()
             cols = [c for c in SUMMARY_COLUMNS if c in df.columns]
             print(df[["fix"] + [c for c in cols if c != "label"]].to_string(index=False))
             print(f"run folder: {run_dir}")
             return 0
         prompts = load_prompts(args.prompts, n=args.num_prompts)
-        client = SGLangClient(args.url, os.environ.get("SGLANG_API_KEY") or None, deadline_s=args.timeout,
-                              on_wait=progress_line("measure"))
+        client = SGLangClient(args.url, os.environ.get("SGLANG_API_KEY") or None,
+                              deadline_s=args.timeout or DEFAULT_TIMEOUT, on_wait=progress_line("measure"))
         try:
             res = measure(client, prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
                           temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup,
@@ -84,24 +89,15 @@ def cli_main(argv: Sequence[str]) -> int:
         if args.json:
             print(json.dumps(res.summary, indent=1, default=_json_default))
         else:
-            print(format_summary(res.summary))
+            print(printable(format_summary(res.summary)))
             if len(res.positions):
                 print(res.positions.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         for w in res.warnings:
-            print(f"warning: {w}", file=sys.stderr)
+            print(f"warning: {printable(w)}", file=sys.stderr)
         if not args.no_save:
-            run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(
-                f"measure-{args.label or 'server'}", outputs=args.outputs)
-            fix = args.label or "server"
-            try:
-                saved = res.save(run_dir / "fixes" / safe_name(fix))
-            except OSError as exc:
-                if not args.run_dir:        # the run folder made for this measurement: removed when empty
-                    mark_failed(run_dir, f"measure: {describe(exc)}")
-                raise
-            row = res.ledger_row(fix)
-            row["saved_to"] = str(saved.relative_to(run_dir))
-            Ledger(run_dir / "ledger.parquet").append(row)
+            run_dir = given_run or new_run_dir(f"measure-{args.label or 'server'}", outputs=outputs)
+            with failure_guard("measure", run_dir, owned=given_run is None):
+                saved = res.record(run_dir, args.label or "server")
             print(f"run folder: {run_dir} (this measurement: {saved.relative_to(run_dir)})")
         failed = int(res.summary.get("n_failed") or 0)
         if failed:

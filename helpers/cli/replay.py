@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-from ..errors import BadInput
 from ..investigation.cases import load_case
 from ..investigation.replay import replay_case
 from ..runfiles import new_run_dir
-from .common import Parser
+from .common import Parser, failure_guard, out_folder
 from .common import run as run_cli
 
 
@@ -31,11 +29,10 @@ def _body(argv: list[str]) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     a = ap.parse_args(argv)
     case = load_case(a.case)
-    if a.out and Path(a.out).exists() and not Path(a.out).is_dir():
-        raise BadInput("--out must be a folder (the run folder is created inside it)", path=a.out)
-    run = new_run_dir(case.name, a.out)
+    run = new_run_dir(case.name, out_folder(a.out, "--out"))
     print(f"[replay] {case.name} -> {run}", file=sys.stderr)
-    doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)
+    with failure_guard("replay", run):
+        doc = replay_case(case, run, progress=not a.quiet, api_key=os.environ.get("SGLANG_API_KEY") or None)
     ok = doc.complete
     for s in doc.steps:
         if s.kind == "hypothesis":

@@ -15,6 +15,7 @@ from ..capture import server_hook_specs
 from ..errors import BadServerInput, ServerStartError
 from ..faults import Fault
 from ..formats.configs import read_target_config
+from ..runfiles import loads_json
 from ..paths import ROOT
 from ..server.embedded import (
     REFERENCE_DRAFT,
@@ -82,8 +83,8 @@ def _body(argv: list[str]) -> int:
     if args.detach:
         return _detach(argv, args)
     try:
-        hooks = json.loads(args.forward_hooks) if args.forward_hooks else None
-        faults = [Fault(**f) for f in json.loads(args.faults)] if args.faults else []
+        hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
+        faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
         if faults or args.capture_layers or args.capture_ranks:
             n = read_target_config(args.target or REFERENCE_TARGET).num_hidden_layers
             hooks = (hooks or []) + (server_hook_specs(n, faults=faults, rank_capture_dir=args.capture_ranks,

@@ -7,7 +7,7 @@ from pathlib import Path
 from ..errors import BadInput
 from ..suite.html import HTML_BUDGET_BYTES
 from ..suite.runner import run_suite
-from .common import Parser, run
+from .common import Parser, out_folder, run
 
 
 def cli_main(argv: list[str]) -> int:
@@ -24,8 +24,7 @@ def cli_main(argv: list[str]) -> int:
         args = ap.parse_args(argv)
         if Path(args.params).is_dir():
             raise BadInput("--params must be a YAML file, not a folder", path=args.params)
-        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-            raise BadInput("--out must be a folder (the run folder is created inside it)", path=args.out)
+        out_folder(args.out, "--out")
         run_dir, status = run_suite(args.params, args.out, args.only, argv=argv)
         failed = status["failed"]
         print(f"[suite] run folder: {run_dir}")

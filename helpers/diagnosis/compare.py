@@ -22,15 +22,16 @@ holds a TP-sharded width) the comparison accumulates, over all rows aligned by `
 
 The per-row tolerance comes from the dtypes (:data:`REL_DIFF_TOLERANCE`, :func:`tolerance_why`).
 
-Memory: the training data are streamed (one sample at a time) and rows are processed in blocks whose
-scratch is a [:data:`PAIR_ROWS`, width] buffer; served samples from project dumps are read lazily per
-sample. Only bounded summaries are kept: per pair sums, extrema and histograms, per chunk the top rows,
+Memory: the training data are streamed (at most two samples referenced) and rows are processed in blocks of
+``block_rows`` rows, each block in flight (one per worker thread, plus the one being added) with its own float32
+scratch of the block's widths; served samples from project dumps are read lazily per sample. Only bounded summaries are kept: per pair sums, extrema and histograms, per chunk the top rows,
 :data:`CONTEXT_CACHE_IDS` cached rows for the context-free test and the reservoir's fixed-size buffers.
 """
 from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
@@ -50,7 +51,7 @@ REL_DIFF_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-3, "bfloat
 #: Share of aligned rows that must be within the tolerance for two chunks to be called equal.
 MATCH_SHARE = 0.9
 #: rows per pair-loop step (and per pipeline block): 128 halves the Python steps per row against 64 and measured
-#: faster with the two-stage pipeline (bench/bench_compare.py); the difference buffer is [rows, chunk width] float32.
+#: faster with the block pipeline (bench/bench_compare.py); the difference buffer is [rows, chunk width] float32.
 PAIR_ROWS = 128
 #: pairs whose Gram-based |x-y|^2 is below this fraction of |x|^2+|y|^2 get the elementwise pass: max |x-y| and,
 #: when the tolerance is tighter than :data:`EXACT_BELOW_TOL` (float32 / float64 data), |x-y|^2 recomputed from the
@@ -119,6 +120,16 @@ def _bins_np(v: np.ndarray) -> np.ndarray:
     return np.searchsorted(_EDGES_UP, v, side="right")
 
 
+def _first_abs_max(diff: torch.Tensor, mn: float, mx: float) -> int:
+    """Flat index of the first element of ``diff`` with ``|d| = max(mx, -mn)`` (``mn`` / ``mx``: its min and max):
+    one argmax / argmin pass over ``diff`` instead of ``diff.abs().argmax()`` (a copy and two passes)."""
+    if mx > -mn:
+        return int(diff.argmax())
+    if -mn > mx:
+        return int(diff.argmin())
+    return min(int(diff.argmax()), int(diff.argmin()))
+
+
 # ------------------------------------------------------------------------------------------ accumulators
 
 @dataclass
@@ -129,6 +140,25 @@ class RowInfo:
     rows: np.ndarray          # served row index of each block row
     positions: np.ndarray     # sequence positions
     ids: np.ndarray           # token ids
+
+
+@dataclass
+class _PairPart:
+    """What :meth:`PairAccumulator.measure` found in up to :data:`PAIR_ROWS` rows of a block: per row and pair the
+    inner products ``xy``, ``|x|^2 + |y|^2`` (``den``) and ``|x - y|^2`` (``dd``) [n, ns, nu] float64, the squared
+    norms, the finite-pair mask (None = all finite) and per near pair ``(i, j, max |x - y|, (row, column) or
+    None)``."""
+
+    info: RowInfo
+    off: int
+    n: int
+    xy: np.ndarray
+    nx64: np.ndarray
+    ny64: np.ndarray
+    den: np.ndarray
+    dd: np.ndarray
+    ok: Optional[np.ndarray]
+    hits: list
 
 
 class PairAccumulator:
@@ -166,14 +196,28 @@ class PairAccumulator:
         """Add a block: ``s3`` [n, ns, hs] and ``t3`` [n, nu, hs] float32, rows aligned (non-finite chunk rows
         zeroed); ``nx`` / ``ny`` are their squared row norms per chunk if already computed; ``sfin`` [n, ns] /
         ``tfin`` [n, nu] (bool, None = all finite) say which chunk rows are finite: a pair (i, j) takes the rows
-        finite in both chunks (a non-finite chunk never removes another chunk's rows)."""
+        finite in both chunks (a non-finite chunk never removes another chunk's rows).
+
+        The same as :meth:`apply` of :meth:`measure` (the comparison runs the two halves in different threads)."""
+        self.apply(self.measure(s3, t3, info, hs, nx, ny, sfin, tfin))
+
+    def measure(self, s3: torch.Tensor, t3: torch.Tensor, info: RowInfo, hs: int,
+                nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None,
+                sfin: Optional[np.ndarray] = None, tfin: Optional[np.ndarray] = None,
+                scratch: Optional["_Scratch"] = None) -> list["_PairPart"]:
+        """The tensor half of :meth:`update` (arguments as there): per :data:`PAIR_ROWS` rows, the per-row inner
+        products (one batched matmul), the near pairs' max |x - y| and, where it may be a new maximum, its
+        coordinate. Reads nothing but the running ``max_abs`` (as a lower bound: it only grows), so blocks can be
+        measured in worker threads while earlier blocks are applied; ``scratch`` holds the difference buffer (one
+        per thread)."""
         n = s3.shape[0]
         if n == 0:
-            return
+            return []
         if nx is None:
             nx = torch.linalg.vector_norm(s3, dim=-1).square()
         if ny is None:
             ny = torch.linalg.vector_norm(t3, dim=-1).square()
+        parts = []
         for a in range(0, n, PAIR_ROWS):
             b = min(n, a + PAIR_ROWS)
             ok = None
@@ -181,17 +225,18 @@ class PairAccumulator:
                 sf = np.ones((b - a, self.ns), bool) if sfin is None else sfin[a:b]
                 tf = np.ones((b - a, self.nu), bool) if tfin is None else tfin[a:b]
                 ok = sf[:, :, None] & tf[:, None, :]
-            self._update(s3[a:b], t3[a:b], nx[a:b], ny[a:b], info, a, hs, ok)
+            parts.append(self._measure(s3[a:b], t3[a:b], nx[a:b], ny[a:b], info, a, hs, ok, scratch))
+        return parts
 
-    def _update(self, s3, t3, nx, ny, info: RowInfo, off: int, hs: int, ok: Optional[np.ndarray] = None) -> None:
+    def _measure(self, s3, t3, nx, ny, info: RowInfo, off: int, hs: int, ok: Optional[np.ndarray],
+                 scratch: Optional["_Scratch"]) -> "_PairPart":
         n = s3.shape[0]
         # <x, y> per row and pair through one small batched matmul; |x - y|^2 = |x|^2 + |y|^2 - 2<x, y> is exact
         # enough for far pairs, and recomputed elementwise below for near pairs (no cancellation). The small
         # [n, ns, nu] arrays are handled in numpy (cheaper than many tiny torch ops).
-        xy = torch.matmul(s3, t3.transpose(1, 2)).numpy().astype(np.float64)   # [n, ns, nu] (matmul: ~1.8x bmm on CPU)
+        xy = torch.bmm(s3, t3.transpose(1, 2)).numpy().astype(np.float64)   # [n, ns, nu]
         nx64, ny64 = nx.numpy().astype(np.float64), ny.numpy().astype(np.float64)
-        nxb, nyb = nx64[:, :, None], ny64[:, None, :]
-        den = nxb + nyb
+        den = nx64[:, :, None] + ny64[:, None, :]
         dd = np.maximum(den - 2 * xy, 0.0)
         if ok is not None and ok.all():
             ok = None
@@ -201,35 +246,48 @@ class PairAccumulator:
         near = dd.sum(0) <= NEAR_REL * den.sum(0)
         if ok is not None:
             near &= ok.any(0)
+        hits = []
         if near.any():
-            buf = self._buf(n, hs)
-            los, his, where = [], [], []
+            if scratch is None:
+                scratch = self._own_scratch = getattr(self, "_own_scratch", None) or _Scratch()
+            buf = scratch.buf("diff", (n, hs))
             for i, j in zip(*np.nonzero(near)):
+                i, j = int(i), int(j)
                 sel = None if ok is None or ok[:, i, j].all() else torch.from_numpy(np.nonzero(ok[:, i, j])[0])
                 if sel is None:
-                    torch.sub(s3[:, i], t3[:, j], out=buf)
-                    diff = buf
+                    diff = torch.sub(s3[:, i], t3[:, j], out=buf)
                 else:
                     diff = s3[sel, i] - t3[sel, j]
                 mn, mx = torch.aminmax(diff)    # one pass; full reductions (aminmax with dim is ~7x slower on CPU)
-                los.append(mn)
-                his.append(mx)
-                where.append((int(i), int(j), sel))
+                mn, mx = float(mn), float(mx)
+                v = max(mx, -mn)
                 if self.tol < EXACT_BELOW_TOL:
                     exact = torch.linalg.vector_norm(diff, dim=-1).numpy().astype(np.float64) ** 2
                     rows_ij = slice(None) if sel is None else sel.numpy()
                     dd[rows_ij, i, j] = exact
                     xy[rows_ij, i, j] = (nx64[rows_ij, i] + ny64[rows_ij, j] - exact) / 2
-            big = torch.maximum(torch.stack(his), -torch.stack(los)).double().numpy()
-            for (i, j, sel), v in zip(where, big):
-                if v > self.max_abs[i, j]:
-                    d = (s3[:, i] - t3[:, j]).abs() if sel is None else (s3[sel, i] - t3[sel, j]).abs()
-                    r, c = divmod(int(d.argmax()), hs)
-                    r = r if sel is None else int(sel[r])
-                    self.max_abs[i, j] = v
-                    self.max_at[i][j] = {"sample": info.key, "row": int(info.rows[off + r]),
-                                         "position": int(info.positions[off + r]),
-                                         "token_id": int(info.ids[off + r]), "column": int(c)}
+                at = None
+                if v > self.max_abs[i, j]:      # may be a new maximum: where (the first element with |x - y| = v)
+                    r, c = divmod(_first_abs_max(diff, mn, mx), hs)
+                    at = (r if sel is None else int(sel[r]), c)
+                hits.append((i, j, v, at))
+        return _PairPart(info, off, n, xy, nx64, ny64, den, dd, ok, hits)
+
+    def apply(self, parts: Sequence["_PairPart"]) -> None:
+        """The accumulating half of :meth:`update`: adds measured blocks, in block order."""
+        for p in parts:
+            self._apply(p)
+
+    def _apply(self, p: "_PairPart") -> None:
+        info, off, n, xy, nx64, ny64, den, dd, ok = p.info, p.off, p.n, p.xy, p.nx64, p.ny64, p.den, p.dd, p.ok
+        nxb, nyb = nx64[:, :, None], ny64[:, None, :]
+        for i, j, v, at in p.hits:
+            if v > self.max_abs[i, j]:
+                r, c = at
+                self.max_abs[i, j] = v
+                self.max_at[i][j] = {"sample": info.key, "row": int(info.rows[off + r]),
+                                     "position": int(info.positions[off + r]),
+                                     "token_id": int(info.ids[off + r]), "column": int(c)}
         self.rows += n
         self.sdd += dd.sum(0)
         if ok is None:
@@ -241,11 +299,31 @@ class PairAccumulator:
             self.sxx += np.where(ok, nxb, 0.0).sum(0)
             self.syy += np.where(ok, nyb, 0.0).sum(0)
         # per-row statistics
+        P = self.ns * self.nu
+        base = (np.arange(P) * NB).reshape(1, self.ns, self.nu)
+        both = (nxb > 0) & (nyb > 0)
+        if ok is None and both.all():     # the common block (every chunk row finite and non-zero): no masking
+            rel = dd / den
+            self.within += (rel <= self.tol).sum(0)
+            self.h_rel += np.bincount((base + _bins_np(rel)).ravel(), minlength=P * NB).reshape(self.ns, self.nu, NB)
+            cos = np.clip(xy / np.sqrt(nxb * nyb), -1.0, 1.0)
+            ratio = np.sqrt(nxb / nyb)
+            lnr = np.log(ratio)
+            self.h_cos += np.bincount((base + _bins_np(1 - cos)).ravel(), minlength=P * NB).reshape(
+                self.ns, self.nu, NB)
+            self.h_lnr += np.bincount((base + _bins_np(np.abs(lnr))).ravel(), minlength=P * NB).reshape(
+                self.ns, self.nu, NB)
+            self.valid += n
+            self.cos_sum += cos.sum(0)
+            self.lnr_sum += lnr.sum(0)
+            self.lnr_sq += (lnr * lnr).sum(0)
+            self.cos_min = np.minimum(self.cos_min, cos.min(0))
+            self.nr_min = np.minimum(self.nr_min, ratio.min(0))
+            self.nr_max = np.maximum(self.nr_max, ratio.max(0))
+            return
         den_b = np.broadcast_to(den, dd.shape)
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(den_b > 0, dd / np.where(den_b > 0, den_b, 1.0), 0.0)
-        P = self.ns * self.nu
-        base = (np.arange(P) * NB).reshape(1, self.ns, self.nu)
         if ok is None:
             self.within += (rel <= self.tol).sum(0)
             self.h_rel += np.bincount((base + _bins_np(rel)).ravel(), minlength=P * NB).reshape(
@@ -254,7 +332,6 @@ class PairAccumulator:
             self.within += ((rel <= self.tol) & ok).sum(0)
             self.h_rel += np.bincount((base + _bins_np(rel)).ravel()[ok.ravel()], minlength=P * NB).reshape(
                 self.ns, self.nu, NB)
-        both = (nxb > 0) & (nyb > 0)
         if ok is not None:
             both = both & ok
         if both.any():
@@ -275,12 +352,6 @@ class PairAccumulator:
             self.cos_min = np.minimum(self.cos_min, np.where(both, cos, np.inf).min(0))
             self.nr_min = np.minimum(self.nr_min, np.where(both, ratio, np.inf).min(0))
             self.nr_max = np.maximum(self.nr_max, np.where(both, ratio, -np.inf).max(0))
-
-    def _buf(self, n: int, hs: int) -> torch.Tensor:
-        b = getattr(self, "_scratch", None)
-        if b is None or b.numel() < n * hs:
-            b = self._scratch = torch.empty(max(n, PAIR_ROWS) * hs)
-        return b[:n * hs].view(n, hs)
 
     def metrics(self, i: int, j: int, tol: Optional[float] = None) -> "PairMetrics":
         """Finalised metrics of pair (i, j). ``tol`` must be the accumulator's tolerance (the exact
@@ -401,6 +472,7 @@ class ChunkStats:
         self.h_energy = np.zeros((n, NB), np.int64)
         self.top: list[list[dict]] = [[] for _ in range(n)]
         self._cache: dict[int, tuple[int, torch.Tensor]] = {}
+        self._cache_ids: Optional[np.ndarray] = None
 
     def update(self, x3: torch.Tensor, finite: torch.Tensor, nx: torch.Tensor, info: RowInfo) -> None:
         """``x3`` [n, C, h] float32 (non-finite rows already zeroed), ``finite`` [n, C] bool, ``nx`` [n, C]."""
@@ -412,26 +484,37 @@ class ChunkStats:
         ids = info.ids
         all_fin = bool(fin.all())
         any_zero = bool(zero.any())
-        for c in range(self.n):
-            bad = np.nonzero(~fin[:, c])[0] if not all_fin else ()
-            if len(bad):
-                self.nonfinite[c] += int(bad.size)
-                for r in bad[: max(0, 5 - len(self.nonfinite_at[c]))]:
-                    self.nonfinite_at[c].append({"sample": info.key, "row": int(info.rows[r]),
-                                                 "position": int(info.positions[r]), "token_id": int(ids[r])})
-            z = zero[:, c]
-            if any_zero and z.any():
-                self.zero[c] += int(z.sum())
-                if len(self.zero_ids[c]) < ID_SET_CAP:
-                    self.zero_ids[c].update(ids[z].tolist())
-            nz_ids = ids if all_fin and not any_zero else ids[fin[:, c] & ~z]
-            if nz_ids.size:
-                lo, hi = int(nz_ids.min()), int(nz_ids.max())
+        if all_fin and not any_zero:        # the common block: every chunk row finite and non-zero
+            lo, hi = int(ids.min()), int(ids.max())
+            for c in range(self.n):
                 self.nonzero_min[c] = lo if self.nonzero_min[c] is None else min(lo, self.nonzero_min[c])
                 self.nonzero_max[c] = hi if self.nonzero_max[c] is None else max(hi, self.nonzero_max[c])
-            e = nxn[:, c]
-            self.energy[c] += float(e.sum())
-            self.h_energy[c] += np.bincount(np.searchsorted(HIST_EDGES[1:], e, side="right"), minlength=NB)
+        else:
+            for c in range(self.n):
+                bad = np.nonzero(~fin[:, c])[0] if not all_fin else ()
+                if len(bad):
+                    self.nonfinite[c] += int(bad.size)
+                    for r in bad[: max(0, 5 - len(self.nonfinite_at[c]))]:
+                        self.nonfinite_at[c].append({"sample": info.key, "row": int(info.rows[r]),
+                                                     "position": int(info.positions[r]), "token_id": int(ids[r])})
+                z = zero[:, c]
+                if any_zero and z.any():
+                    self.zero[c] += int(z.sum())
+                    if len(self.zero_ids[c]) < ID_SET_CAP:
+                        self.zero_ids[c].update(ids[z].tolist())
+                nz_ids = ids[fin[:, c] & ~z]
+                if nz_ids.size:
+                    lo, hi = int(nz_ids.min()), int(nz_ids.max())
+                    self.nonzero_min[c] = lo if self.nonzero_min[c] is None else min(lo, self.nonzero_min[c])
+                    self.nonzero_max[c] = hi if self.nonzero_max[c] is None else max(hi, self.nonzero_max[c])
+        # energies [C, n] (contiguous per chunk: the same sums as per column), their histogram in one bincount
+        et = np.ascontiguousarray(nxn.T)
+        sums = et.sum(1)
+        bins = np.searchsorted(_EDGES_UP, et, side="right") + (np.arange(self.n) * NB)[:, None]
+        self.h_energy += np.bincount(bins.ravel(), minlength=self.n * NB).reshape(self.n, NB)
+        for c in range(self.n):
+            e = et[c]
+            self.energy[c] += float(sums[c])
             floor = self.top[c][-1]["energy"] if len(self.top[c]) >= TOP_ROWS else -1.0
             cand = np.nonzero(e > floor)[0]
             if cand.size > TOP_ROWS:
@@ -441,23 +524,33 @@ class ChunkStats:
         # context-free test: compare each repeated token id with its first (cached) occurrence, per chunk on the
         # rows finite in both occurrences (a non-finite chunk does not take the other chunks' rows out)
         rowok = fin.any(1)
-        full = len(self._cache) >= CONTEXT_CACHE_IDS
-        if full:
-            cache = self._cache
-            todo = [r for r in np.nonzero(rowok)[0] if int(ids[r]) in cache]
+        if len(self._cache) >= CONTEXT_CACHE_IDS:      # full: it never changes again; look the ids up at once
+            if self._cache_ids is None:
+                self._cache_ids = np.sort(np.fromiter(self._cache.keys(), np.int64, len(self._cache)))
+            ck = self._cache_ids
+            cached = ck[np.minimum(np.searchsorted(ck, ids), ck.size - 1)] == ids
+            todo = np.nonzero(rowok & cached)[0]
         else:
             todo = np.nonzero(rowok)[0]
-        hits, refs = [], []
-        for r in todo:
+        hits, hit_ids, new_rows = [], [], []
+        pos = info.positions
+        for r in todo.tolist():
             tid = int(ids[r])
             hit = self._cache.get(tid)
             if hit is None:
                 if len(self._cache) < CONTEXT_CACHE_IDS:
-                    self._cache[tid] = (int(info.positions[r]), x3[r].clone(), fin[r].copy())
+                    self._cache[tid] = (int(pos[r]), None, fin[r].copy())     # row filled in below
+                    new_rows.append(r)
                 continue
-            if hit[0] != int(info.positions[r]):
-                hits.append(int(r))
-                refs.append(hit)
+            if hit[0] != int(pos[r]):
+                hits.append(r)
+                hit_ids.append(tid)
+        if new_rows:                        # the first occurrences' rows, copied at once
+            kept = x3[torch.tensor(new_rows)]
+            for q, r in enumerate(new_rows):
+                tid = int(ids[r])
+                self._cache[tid] = (self._cache[tid][0], kept[q], self._cache[tid][2])
+        refs = [self._cache[t] for t in hit_ids]
         if hits:
             x = x3[torch.tensor(hits)]
             ref = torch.stack([h[1] for h in refs])
@@ -709,15 +802,17 @@ class _Scratch:
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
 
-    def f32(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        """A float32 copy of ``src`` (any dtype, 2-D) in the buffer ``name``."""
-        need = src.numel()
+    def buf(self, name: str, shape: tuple) -> torch.Tensor:
+        """The float32 buffer ``name`` viewed as ``shape`` (contents undefined)."""
+        need = math.prod(shape)
         b = self._bufs.get(name)
         if b is None or b.numel() < need:
             b = self._bufs[name] = torch.empty(need)
-        out = b[:need].view(src.shape)
-        out.copy_(src)
-        return out
+        return b[:need].view(shape)
+
+    def f32(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of ``src`` (any dtype, 2-D) in the buffer ``name``: the block's one dtype conversion."""
+        return self.buf(name, tuple(src.shape)).copy_(src)
 
 
 
@@ -912,70 +1007,76 @@ def compare(training: Iterable[Sample], served: Sequence[SampleSource], *, hidde
              "paired_by": {}, "token_mismatches": [], "unpaired_served": [], "rows_beyond_training": 0,
              "rows_in_mismatched_samples": 0}
 
-    for ti, tr in enumerate(training):
-        align["training_samples_seen"] += 1
-        found = pairer.find(tr, ti)
-        if not found:
-            continue
-        tr_rows = None
-        ref_rows = None
-        ref_sample = None
-        if ref_pairer is not None:
-            rf = ref_pairer.find(tr, ti)
-            ref_sample = reference.samples[rf[0][0]] if rf else None
-        for g, how in found:
-            ranks = groups[g]
-            for r in groups[g + 1] if g + 1 < len(groups) else []:
-                r.hint()                         # served samples usually follow training order
-            s0 = ranks[0]
-            p0 = s0.first_position
-            L = tr.rows
-            tids = tr.input_ids
-            if s0.input_ids is not None:
-                sids = s0.input_ids
-            else:
-                n_dec = max(len(s0.output_ids or []) - 1, 0)
-                n_prompt = s0.rows - n_dec
-                sids = np.concatenate([tids[p0:p0 + n_prompt], np.asarray((s0.output_ids or [])[:-1], np.int64)])
-                if len(sids) < s0.rows:   # prompt longer than the training sample: unknown ids
-                    sids = np.concatenate([sids, np.full(s0.rows - len(sids), -1, np.int64)])
-            n = max(0, min(s0.rows, L - p0))
-            align["rows_beyond_training"] += max(0, s0.rows - n)
-            eq = sids[:n] == tids[p0:p0 + n]
-            bad = np.nonzero(~eq)[0]
-            m = int(bad[0]) if bad.size else n
-            prompt_rows = (s0.num_prompt_tokens - p0) if s0.num_prompt_tokens is not None else s0.rows
-            suspect = m < min(n, prompt_rows) or (m == 0 and n > 0)
-            if suspect:
-                align["token_mismatches"].append({
-                    "served_sample": s0.key, "training_sample": tr.sample_id, "position": int(p0 + m),
-                    "served_token_id": int(sids[m]) if m < len(sids) else None,
-                    "training_token_id": int(tids[p0 + m]) if p0 + m < L else None, "rows_compared": m,
-                    "paired_by": how})
-            if m == 0:
+    blocks = _Blocks()
+    try:
+        for ti, tr in enumerate(training):
+            align["training_samples_seen"] += 1
+            found = pairer.find(tr, ti)
+            if not found:
                 continue
-            align["samples_paired"] += 1
-            align["paired_by"][how] = align["paired_by"].get(how, 0) + 1
-            align["rows_compared"] += m
-            align["decode_rows_compared"] += max(0, m - prompt_rows)
-            if suspect:
-                align["rows_in_mismatched_samples"] += m
-            if tr_rows is None:
-                tr_rows = tr.load()
+            tr_rows = None
+            ref_rows = None
+            ref_sample = None
+            if ref_pairer is not None:
+                rf = ref_pairer.find(tr, ti)
+                ref_sample = reference.samples[rf[0][0]] if rf else None
+            for g, how in found:
+                ranks = groups[g]
+                for r in groups[g + 1] if g + 1 < len(groups) else []:
+                    r.hint()                         # served samples usually follow training order
+                s0 = ranks[0]
+                p0 = s0.first_position
+                L = tr.rows
+                tids = tr.input_ids
+                if s0.input_ids is not None:
+                    sids = s0.input_ids
+                else:
+                    n_dec = max(len(s0.output_ids or []) - 1, 0)
+                    n_prompt = s0.rows - n_dec
+                    sids = np.concatenate([tids[p0:p0 + n_prompt], np.asarray((s0.output_ids or [])[:-1], np.int64)])
+                    if len(sids) < s0.rows:   # prompt longer than the training sample: unknown ids
+                        sids = np.concatenate([sids, np.full(s0.rows - len(sids), -1, np.int64)])
+                n = max(0, min(s0.rows, L - p0))
+                align["rows_beyond_training"] += max(0, s0.rows - n)
+                eq = sids[:n] == tids[p0:p0 + n]
+                bad = np.nonzero(~eq)[0]
+                m = int(bad[0]) if bad.size else n
+                prompt_rows = (s0.num_prompt_tokens - p0) if s0.num_prompt_tokens is not None else s0.rows
+                suspect = m < min(n, prompt_rows) or (m == 0 and n > 0)
+                if suspect:
+                    align["token_mismatches"].append({
+                        "served_sample": s0.key, "training_sample": tr.sample_id, "position": int(p0 + m),
+                        "served_token_id": int(sids[m]) if m < len(sids) else None,
+                        "training_token_id": int(tids[p0 + m]) if p0 + m < L else None, "rows_compared": m,
+                        "paired_by": how})
+                if m == 0:
+                    continue
+                align["samples_paired"] += 1
+                align["paired_by"][how] = align["paired_by"].get(how, 0) + 1
+                align["rows_compared"] += m
+                align["decode_rows_compared"] += max(0, m - prompt_rows)
+                if suspect:
+                    align["rows_in_mismatched_samples"] += m
+                if tr_rows is None:
+                    blocks.next_sample()             # at most this and the previous sample stay referenced
+                    tr_rows = tr.load()
+                    if ref_sample is not None:
+                        ref_rows = ref_sample.load()
+                srows = [r.load()[:m] for r in ranks]
+                trow = tr_rows[p0:p0 + m]
+                rrow = None
                 if ref_sample is not None:
-                    ref_rows = ref_sample.load()
-            srows = [r.load()[:m] for r in ranks]
-            trow = tr_rows[p0:p0 + m]
-            rrow = None
-            if ref_sample is not None:
-                rp = p0 - ref_sample.first_position
-                if 0 <= rp and rp + m <= ref_sample.rows and ref_sample.input_ids is not None and \
-                        np.array_equal(ref_sample.input_ids[rp:rp + m], tids[p0:p0 + m]):
-                    rrow = ref_rows[rp:rp + m]
-            _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows,
-                          reservoir, key=s0.key, positions=np.arange(p0, p0 + m), ids=tids[p0:p0 + m].copy(),
-                          suspect=suspect)
-        del tr_rows, ref_rows
+                    rp = p0 - ref_sample.first_position
+                    if 0 <= rp and rp + m <= ref_sample.rows and ref_sample.input_ids is not None and \
+                            np.array_equal(ref_sample.input_ids[rp:rp + m], tids[p0:p0 + m]):
+                        rrow = ref_rows[rp:rp + m]
+                _compare_rows(blocks, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref,
+                              block_rows, reservoir, key=s0.key, positions=np.arange(p0, p0 + m),
+                              ids=tids[p0:p0 + m].copy(), suspect=suspect)
+            del tr_rows, ref_rows
+        blocks.finish()
+    finally:
+        blocks.close()
     align["training_truncated"] = bool(getattr(training, "truncated", False))
     for g, ranks in enumerate(groups):
         if g not in pairer.used:
@@ -1010,91 +1111,190 @@ def _finite_rows(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fin, nx
 
 
-#: prepare the next block in a worker thread while this one is compared (both cores); E3F_COMPARE_THREADS=1
-#: turns it off.
+#: threads that compare blocks: the calling thread plus E3F_COMPARE_THREADS - 1 workers (default: one per core, up
+#: to 2 threads; 1 = everything in the calling thread). Workers only run :func:`_prepare` (the tensor work).
 _PIPELINE = None
+#: per-block scratch buffers: one per block not yet consumed (see :class:`_Blocks`).
+_SLOTS: list["_Scratch"] = []
 
 
-def _pipeline():
-    """The one worker thread of the block pipeline, or None on a single core / when turned off."""
+def _pipeline() -> Optional[ThreadPoolExecutor]:
+    """The block pipeline's worker threads (each runs torch ops on one intra-op thread: the blocks, not the ops,
+    are spread over the cores), or None when turned off / on a single core."""
     global _PIPELINE
     if _PIPELINE is None:
-
         want = int(os.environ.get("E3F_COMPARE_THREADS", "0") or 0) or min(2, os.cpu_count() or 1)
-        _PIPELINE = ThreadPoolExecutor(1, thread_name_prefix="e3f-compare") if want >= 2 else False
+        _PIPELINE = ThreadPoolExecutor(want - 1, thread_name_prefix="e3f-compare", initializer=torch.set_num_threads,
+                                       initargs=(1,)) if want >= 2 else False
     return _PIPELINE or None
 
 
-_SLOTS = (_Scratch(), _Scratch())
+def _slot(i: int) -> "_Scratch":
+    while len(_SLOTS) <= i:
+        _SLOTS.append(_Scratch())
+    return _SLOTS[i]
 
 
-def _compare_rows(sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows, reservoir, *, key,
-                  positions, ids, suspect: bool = False) -> None:
-    """Compare one aligned sample block by block. Stage A (:func:`_prepare`: float32 copies, finite rows, row
-    norms, per-chunk stats, reservoir) of block k+1 runs in a worker thread while stage B (:func:`_consume`:
-    the pair accumulators) runs on block k; each stage owns the objects it updates, so no lock is needed.
+class _Block:
+    """One block added to :class:`_Blocks`: its sample number, scratch slot, arguments, the worker's future and,
+    once prepared by the calling thread instead, the result."""
+
+    __slots__ = ("sample", "slot", "a", "args", "rest", "fut", "prep")
+
+    def __init__(self, sample, slot, a, args, rest, fut):
+        self.sample, self.slot, self.a, self.args, self.rest, self.fut, self.prep = sample, slot, a, args, rest, fut, None
+
+    def steal(self) -> bool:
+        """Prepare the block in the calling thread if no worker has started it."""
+        if self.prep is None and self.fut.cancel():
+            self.prep = _prepare(self.slot, self.a, *self.args)
+            self.args = None
+            return True
+        return False
+
+
+def _run_block(blk: _Block) -> dict:
+    """A worker's preparation of ``blk``. The executor's queue holds the block, not its tensors: once prepared (here,
+    or stolen by the calling thread, which leaves its cancelled work item queued until a worker dequeues it) the block
+    drops its arguments, so a slow worker keeps no loaded sample alive."""
+    try:
+        return _prepare(blk.slot, blk.a, *blk.args)
+    finally:
+        blk.args = None
+
+
+class _Blocks:
+    """The block pipeline of one :func:`compare`. Blocks are queued to the worker threads for :func:`_prepare` (the
+    tensor work) up to ``workers + 1`` ahead, across sample boundaries; the calling thread runs :func:`_consume` of
+    the blocks in the order they were added (so the results are those of a sequential pass) and, rather than wait
+    for a block a worker is still preparing, prepares a later queued block itself: no thread waits while there is
+    work, and a machine loaded by other processes costs no more than a single thread. Each block not yet consumed
+    has its own scratch slot.
+
+    Samples: blocks of at most the current and the previous loaded sample are referenced (:meth:`next_sample`
+    consumes older ones before the next sample is loaded), so streaming keeps at most 2 samples alive."""
+
+    def __init__(self):
+        self.pool = _pipeline()
+        self.ahead = self.pool._max_workers + 1 if self.pool is not None else 0
+        self.pending: deque[_Block] = deque()
+        self.count = 0                       # blocks added: block c uses slot c % (ahead + 1)
+        self.sample = 0
+
+    def add(self, a: int, prepare_args: tuple, consume_args: tuple) -> None:
+        """Compare the block starting at row ``a``: ``_prepare(slot, a, *prepare_args)`` then, in order,
+        ``_consume(prepared, *consume_args)``."""
+        if self.pool is None:
+            _consume(_prepare(_slot(0), a, *prepare_args), *consume_args)
+            return
+        slot = _slot(self.count % (self.ahead + 1))
+        self.count += 1
+        blk = _Block(self.sample, slot, a, prepare_args, consume_args, None)
+        blk.fut = self.pool.submit(_run_block, blk)
+        self.pending.append(blk)
+        while len(self.pending) > self.ahead:
+            self._consume_next()
+
+    def _consume_next(self) -> None:
+        blk = self.pending[0]
+        if blk.prep is None and not blk.steal():
+            while not blk.fut.done() and any(later.steal() for later in list(self.pending)[1:]):
+                pass                         # a worker is on it: prepare later blocks meanwhile
+            blk.prep = blk.fut.result()
+        self.pending.popleft()
+        _consume(blk.prep, *blk.rest)
+
+    def next_sample(self) -> None:
+        """A new sample is about to be loaded: consume the blocks of samples before the previous one."""
+        while self.pending and self.pending[0].sample < self.sample:
+            self._consume_next()
+        self.sample += 1
+
+    def finish(self) -> None:
+        """Consume every block still pending."""
+        while self.pending:
+            self._consume_next()
+
+    def close(self) -> None:
+        """After an error: wait until no worker uses a scratch slot any more (nothing is consumed)."""
+        while self.pending:
+            blk = self.pending.popleft()
+            blk.fut.cancel() or blk.fut.exception()
+
+
+def _compare_rows(blocks: _Blocks, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, train_ref, block_rows,
+                  reservoir, *, key, positions, ids, suspect: bool = False) -> None:
+    """Compare one aligned sample block by block through ``blocks``: :func:`_prepare` (float32 copies, finite rows,
+    row norms and :meth:`PairAccumulator.measure` of every chunk pair) and :func:`_consume` (per-chunk stats,
+    reservoir, :meth:`PairAccumulator.apply`), see :class:`_Blocks`.
 
     ``suspect``: the sample's prompt ids differ from training (its rows may not be aligned): its served x training
     pairs go to each source's ``suspect`` accumulator (reported with the token mismatch, never used to name a
     layer), and its rows stay out of the reservoir and the served x reference identification."""
-    m = trow.shape[0]
-    starts = list(range(0, m, block_rows))
-    args = (sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, reservoir, key, positions, ids, block_rows,
-            suspect)
-    pool = _pipeline() if len(starts) > 1 else None
-    if pool is None:
-        for n, a in enumerate(starts):
-            _consume(_prepare(n % 2, a, *args), sources, k, hs, H, train_ref, suspect)
-        return
-    fut = pool.submit(_prepare, 0, starts[0], *args)
-    for n in range(len(starts)):
-        prep = fut.result()
-        if n + 1 < len(starts):
-            fut = pool.submit(_prepare, (n + 1) % 2, starts[n + 1], *args)
-        _consume(prep, sources, k, hs, H, train_ref, suspect)
+    args = (sources, srows, trow, rrow, hs, H, k, ns, nt, train_ref, key, positions, ids, block_rows, suspect)
+    rest = (sources, train_stats, reservoir, suspect)
+    for a in range(0, trow.shape[0], block_rows):
+        blocks.add(a, args, rest)
 
 
-def _prepare(slot, a, sources, srows, trow, rrow, hs, H, k, ns, nt, train_stats, reservoir, key, positions, ids,
+def _prepare(sc: "_Scratch", a, sources, srows, trow, rrow, hs, H, k, ns, nt, train_ref, key, positions, ids,
              block_rows, suspect=False) -> dict:
-    """Stage A of one block (see :func:`_compare_rows`): returns the float32 views and the per-chunk finite
-    masks (numpy [n, chunks]) stage B needs."""
-    sc = _SLOTS[slot]
+    """The tensor work of one block (see :func:`_compare_rows`), in scratch ``sc``: float32 views, finite masks,
+    row norms and the measured chunk pairs (``jobs``: (accumulator, parts))."""
     m = trow.shape[0]
     b = min(m, a + block_rows)
+    n = b - a
     multi = len(srows) > 1
     info = RowInfo(key=key, rows=np.arange(a, b), positions=positions[a:b], ids=ids[a:b])
     t = sc.f32("train", trow[a:b])
-    t3 = t.view(b - a, nt, H)
+    t3 = t.view(n, nt, H)
     tfin, tnx = _finite_rows(t3)
-    train_stats.update(t3, tfin, tnx, info)
-    r3 = sc.f32("ref", rrow[a:b]).view(b - a, -1, H) if rrow is not None else None
+    r3 = sc.f32("ref", rrow[a:b]).view(n, -1, H) if rrow is not None else None
     s3s = []
-    for n_src, (src, sr) in enumerate(zip(sources, srows)):
-        s3 = sc.f32(f"served{n_src}", sr[a:b]).view(b - a, ns, hs)
+    for n_src, sr in enumerate(srows):
+        s3 = sc.f32(f"served{n_src}", sr[a:b]).view(n, ns, hs)
         sfin, snx = _finite_rows(s3)
-        src.stats.update(s3, sfin, snx, info)
-        s3s.append((s3, _mask(sfin), snx))
-    primary, pfin = s3s[0][0], s3s[0][1]
+        s3s.append((s3, sfin, _mask(sfin), snx))
+    primary, pfin = s3s[0][0], s3s[0][2]
     extra = None
     if multi and len(sources) > len(srows):
-        extra = sources[len(srows)]
-        fins = [f for _, f, _ in s3s]
+        src_x = sources[len(srows)]
+        fins = [f for _, _, f, _ in s3s]
         allfin = None if all(f is None for f in fins) else np.logical_and.reduce(
-            [np.ones((b - a, ns), bool) if f is None else f for f in fins])
-        if extra.name == "sum":
-            v = torch.stack([x for x, _, _ in s3s]).sum(0)
+            [np.ones((n, ns), bool) if f is None else f for f in fins])
+        if src_x.name == "sum":
+            v = torch.stack([x for x, _, _, _ in s3s]).sum(0)
         else:  # gathered: concatenate each chunk's column slices in rank order
-            v = torch.cat([x for x, _, _ in s3s], dim=-1)
+            v = torch.cat([x for x, _, _, _ in s3s], dim=-1)
             primary, pfin = v, allfin
         vfin, vnx = _finite_rows(v)
-        extra.stats.update(v, vfin if allfin is None else vfin & torch.from_numpy(allfin), vnx, info)
-        extra = (extra, v, allfin)
+        extra = (src_x, v, allfin, vfin if allfin is None else vfin & torch.from_numpy(allfin), vnx)
     tf = _mask(tfin)
-    if not suspect:
-        ok = _rows_with_finite(b - a, tf, pfin)
-        reservoir.add(t, primary.reshape(b - a, -1), None if r3 is None else r3.reshape(b - a, -1), info, ok)
-    return {"info": info, "t3": t3, "tnx": tnx, "tfin": tf, "r3": r3, "s3s": s3s, "extra": extra, "ns": ns,
-            "nt": nt, "n": b - a}
+    ok = None if suspect else _rows_with_finite(n, tf, pfin)
+
+    jobs = []
+    tu = t3 if k == 1 else t3.reshape(n, nt * k, hs)
+    tfu = tf if k == 1 or tf is None else np.repeat(tf, k, axis=1)
+    for src, (s3, _, sfin, snx) in zip(sources, s3s):
+        jobs.append(_measure_sel(src.suspect if suspect else src.pairs, s3, tu, sfin, tfu, info, hs, sc, snx,
+                                 tnx if k == 1 else None))
+        if src.ref is not None and r3 is not None and not suspect:
+            jobs.append(_measure_sel(src.ref, s3, r3, sfin, None, info, H, sc))
+    if len(s3s) > 1:
+        base, _, bfin, _ = s3s[0]
+        for src, (s3, _, sfin, _) in zip(sources[1:len(s3s)], s3s[1:]):
+            jobs.append(_measure_sel(src.agree, s3, base, sfin, bfin, info, hs, sc))
+    if extra is not None:
+        src_x, v, allfin, _, _ = extra
+        gathered = src_x.name == "gathered"
+        jobs.append(_measure_sel(src_x.suspect if suspect else src_x.pairs, v, t3 if gathered else tu, allfin,
+                                 tf if gathered else tfu, info, v.shape[-1], sc))
+        if src_x.ref is not None and r3 is not None and not suspect:
+            jobs.append(_measure_sel(src_x.ref, v, r3, allfin, None, info, H, sc))
+    if train_ref is not None and r3 is not None:
+        jobs.append(_measure_sel(train_ref, t3, r3, tf, None, info, H, sc))
+    return {"info": info, "t": t, "t3": t3, "tfin": tfin, "tnx": tnx, "r3": r3, "s3s": s3s, "extra": extra,
+            "primary": primary, "ok": ok, "n": n, "jobs": jobs}
 
 
 def _rows_with_finite(n: int, *masks: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -1109,47 +1309,39 @@ def _mask(fin: torch.Tensor) -> Optional[np.ndarray]:
     return None if bool(fin.all()) else fin.numpy().copy()
 
 
-def _consume(prep, sources, k, hs, H, train_ref, suspect=False) -> None:
-    """Stage B of one block: every pair accumulator (served x training, x reference, rank agreement); each
-    chunk pair on the rows finite in both chunks."""
-    info, t3, tnx, tf, r3, s3s = prep["info"], prep["t3"], prep["tnx"], prep["tfin"], prep["r3"], prep["s3s"]
-    n, nt = prep["n"], prep["nt"]
-    tu = t3 if k == 1 else t3.reshape(n, nt * k, hs)
-    tfu = tf if k == 1 or tf is None else np.repeat(tf, k, axis=1)
-    for src, (s3, sfin, snx) in zip(sources, s3s):
-        _update_sel(src.suspect if suspect else src.pairs, s3, tu, sfin, tfu, info, hs, snx,
-                    tnx if k == 1 else None)
-        if src.ref is not None and r3 is not None and not suspect:
-            _update_sel(src.ref, s3, r3, sfin, None, info, H)
-    if len(s3s) > 1:
-        base, bfin, _ = s3s[0]
-        for src, (s3, sfin, _) in zip(sources[1:len(s3s)], s3s[1:]):
-            _update_sel(src.agree, s3, base, sfin, bfin, info, hs)
+def _consume(prep, sources, train_stats, reservoir, suspect=False) -> None:
+    """Add one prepared block, in block order: per-chunk stats (training, each served source, the virtual one), the
+    reservoir (not for suspect rows) and every measured chunk pair."""
+    info, n = prep["info"], prep["n"]
+    train_stats.update(prep["t3"], prep["tfin"], prep["tnx"], info)
+    for src, (s3, sfin, _, snx) in zip(sources, prep["s3s"]):
+        src.stats.update(s3, sfin, snx, info)
     if prep["extra"] is not None:
-        extra, v, allfin = prep["extra"]
-        _update_sel(extra.suspect if suspect else extra.pairs, v, t3 if extra.name == "gathered" else tu, allfin,
-                    tf if extra.name == "gathered" else tfu, info, v.shape[-1])
-        if extra.ref is not None and r3 is not None and not suspect:
-            _update_sel(extra.ref, v, r3, allfin, None, info, H)
-    if train_ref is not None and r3 is not None:
-        _update_sel(train_ref, t3, r3, tf, None, info, H)
+        src_x, v, _, vfin, vnx = prep["extra"]
+        src_x.stats.update(v, vfin, vnx, info)
+    if not suspect:
+        r3 = prep["r3"]
+        reservoir.add(prep["t"], prep["primary"].reshape(n, -1), None if r3 is None else r3.reshape(n, -1), info,
+                      prep["ok"])
+    for acc, parts in prep["jobs"]:
+        acc.apply(parts)
 
 
-def _update_sel(acc: PairAccumulator, s3, t3, sfin: Optional[np.ndarray], tfin: Optional[np.ndarray],
-                info: RowInfo, hs: int, nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None) -> None:
-    """``acc.update`` on the rows where at least one chunk pair is finite on both sides (``sfin`` / ``tfin``:
-    per-chunk finite masks, None = all finite), with the per-chunk masks passed on."""
+def _measure_sel(acc: PairAccumulator, s3, t3, sfin: Optional[np.ndarray], tfin: Optional[np.ndarray],
+                 info: RowInfo, hs: int, scratch: "_Scratch", nx: Optional[torch.Tensor] = None,
+                 ny: Optional[torch.Tensor] = None) -> tuple[PairAccumulator, list]:
+    """``(acc, acc.measure(...))`` on the rows where at least one chunk pair is finite on both sides (``sfin`` /
+    ``tfin``: per-chunk finite masks, None = all finite), with the per-chunk masks passed on."""
     if sfin is None and tfin is None:
-        acc.update(s3, t3, info, hs, nx, ny)
-        return
+        return acc, acc.measure(s3, t3, info, hs, nx, ny, scratch=scratch)
     ok = _rows_with_finite(s3.shape[0], sfin, tfin)
     if ok.all():
-        acc.update(s3, t3, info, hs, nx, ny, sfin=sfin, tfin=tfin)
-        return
+        return acc, acc.measure(s3, t3, info, hs, nx, ny, sfin=sfin, tfin=tfin, scratch=scratch)
     idx = np.nonzero(ok)[0]
     if idx.size == 0:
-        return
+        return acc, []
     sel = torch.from_numpy(idx)
     sub = RowInfo(key=info.key, rows=info.rows[idx], positions=info.positions[idx], ids=info.ids[idx])
-    acc.update(s3[sel], t3[sel], sub, hs, None if nx is None else nx[sel], None if ny is None else ny[sel],
-               sfin=None if sfin is None else sfin[idx], tfin=None if tfin is None else tfin[idx])
+    return acc, acc.measure(s3[sel], t3[sel], sub, hs, None if nx is None else nx[sel],
+                            None if ny is None else ny[sel], sfin=None if sfin is None else sfin[idx],
+                            tfin=None if tfin is None else tfin[idx], scratch=scratch)

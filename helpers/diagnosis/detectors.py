@@ -42,6 +42,13 @@ FINDING_KINDS = (
     "norm_mismatch", "nan_or_inf", "token_mismatch", "config_ids_ignored", "fc_bypassed", "vocab_map_missing",
     "num_draft_tokens_overridden", "config_ids_mismatch", "unsupported_draft", "unsupported_target",
     "served_draft_differs", "unidentified_chunk", "zero_chunk", "scaled_chunk", "partial_match", "server_fatal",
+    # the acceptance budget (helpers.draft.budget): where the accept length is lost
+    "draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
+    "acceptance_unexplained",
+    # the draft checkpoint itself (helpers/draft/checks.py, no server)
+    "lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
+    "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored", "rope_mismatch", "max_position_short",
+    "sliding_window_ignored",
 )
 #: kinds that describe which tensor sits in which chunk (the served layout).
 LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",

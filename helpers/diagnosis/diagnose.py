@@ -277,7 +277,11 @@ def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *
             g["evidence"].setdefault("static_prediction", {"detail": f["detail"], **f["evidence"]})
     order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "server_fatal", "config_ids_ignored",
                                          "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
-                                         "vocab_map_missing", "token_mismatch", "nan_or_inf", "width_mismatch",
+                                         "vocab_map_missing", "lm_head_missing", "lm_head_replaced",
+                                         "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
+                                         "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
+                                         "rope_mismatch", "max_position_short", "sliding_window_ignored",
+                                         "token_mismatch", "nan_or_inf", "width_mismatch",
                                          "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced",
                                          "layer_offset", "embedding_in_place_of_layer", "chunk_order",
                                          "zero_chunk", "rotated_basis", "norm_mismatch", "scaled_chunk",

@@ -374,7 +374,11 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     verdict = "mismatch" if findings else ("ambiguous" if ambiguity else "ok")
     order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "config_ids_ignored",
                                          "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
-                                         "vocab_map_missing", "width_mismatch"))}
+                                         "vocab_map_missing", "lm_head_missing", "lm_head_replaced",
+                                         "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
+                                         "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
+                                         "rope_mismatch", "max_position_short", "sliding_window_ignored",
+                                         "width_mismatch"))}
     findings.sort(key=lambda f: (order.get(f["kind"], 50), -1 if f["chunk"] is None else f["chunk"]))
     return StaticReport(verdict, findings, sp, tp, ambiguity, advisories, inputs)
 

@@ -183,6 +183,60 @@ def read_draft_config(path: str | Path) -> DraftConfig:
 
 
 @dataclass
+class TensorInfo:
+    """One tensor of a safetensors checkpoint: the file holding it, its shape and dtype (from the header)."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def read_safetensors_index(path: str | Path) -> dict[str, TensorInfo]:
+    """Every tensor of a safetensors checkpoint, from the headers only (no tensor data).
+
+    Args:
+        path: a folder -- sharded through ``model.safetensors.index.json`` (its ``weight_map`` names the shards,
+            as SGLang's loader reads them; each listed key must be in its shard), else its ``*.safetensors`` -- or
+            one ``.safetensors`` file.
+
+    Raises:
+        BadInput: no safetensors file, an empty or unreadable header, an index naming a missing shard or a key its
+            shard does not hold.
+    """
+    p = Path(path)
+    weight_map: dict | None = None
+    index = p / "model.safetensors.index.json"
+    if p.is_dir() and index.exists():
+        doc = read_json_file(index, "safetensors index")
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise BadInput("expected a weight_map object {tensor: shard file}", path=index, field="weight_map")
+        files = [p / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise BadInput(f"the index names shard {f.name}, which is not in the folder", path=index)
+    else:
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files or not all(f.exists() for f in files):
+        raise BadInput("no draft weights found (expected *.safetensors or model.safetensors.index.json)", path=p)
+    out: dict[str, TensorInfo] = {}
+    for f in files:
+        if f.stat().st_size == 0:
+            raise BadInput("empty file (expected a safetensors file)", path=f)
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    sl = sf.get_slice(k)
+                    out[k] = TensorInfo(f, tuple(int(x) for x in sl.get_shape()), str(sl.get_dtype()))
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise BadInput(f"not a readable safetensors file ({' '.join(str(e).split())[:200]})", path=f) from None
+    for k, fname in (weight_map or {}).items():
+        if k not in out or out[k].file.name != fname:
+            raise BadInput(f"the index maps {k} to {fname}, which does not hold it", path=index, field=k)
+    return out
+
+
+@dataclass
 class DraftWeights:
     """What the draft's safetensors say about its wiring (from headers; no weights loaded).
 
@@ -193,6 +247,7 @@ class DraftWeights:
         d2t_shape / t2d_shape: shapes of the vocab maps, None if absent. SGLang uses d2t only
             (``hot_token_id = d2t + arange``; ``llama_eagle3.py::load_weights``), t2d is ignored.
         lm_head_shape: ``lm_head.weight`` shape ``[draft_vocab, H_draft]`` if present.
+        tensors: every tensor's file, shape and dtype (:func:`read_safetensors_index`).
     """
 
     files: list[Path]
@@ -202,30 +257,20 @@ class DraftWeights:
     t2d_shape: tuple[int, ...] | None
     lm_head_shape: tuple[int, ...] | None
     keys: list[str] = field(default_factory=list, repr=False)
+    tensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
 
 
 def read_draft_weights(path: str | Path) -> DraftWeights:
-    """Read the safetensors header(s) of a draft folder (``*.safetensors``, sharded or not) or one file.
+    """Read the safetensors header(s) of a draft folder (``*.safetensors``, sharded through
+    ``model.safetensors.index.json`` or not) or one file.
 
     Raises:
-        BadInput: no safetensors file, an unreadable/truncated header, or no ``fc.weight`` in an EAGLE-3
-            draft folder.
+        BadInput: as :func:`read_safetensors_index`.
     """
 
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files or not all(f.exists() for f in files):
-        raise BadInput("no draft weights found (expected *.safetensors)", path=p)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        if f.stat().st_size == 0:
-            raise BadInput("empty file (expected a safetensors file)", path=f)
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    shapes[k] = tuple(sf.get_slice(k).get_shape())
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise BadInput(f"not a readable safetensors file ({' '.join(str(e).split())})", path=f) from None
+    tensors = read_safetensors_index(path)
+    shapes = {k: i.shape for k, i in tensors.items()}
+    files = sorted({i.file for i in tensors.values()})
 
     def find(*names: str) -> str | None:
         for n in names:
@@ -240,7 +285,7 @@ def read_draft_weights(path: str | Path) -> DraftWeights:
     d2t, t2d, lm = find("d2t"), find("t2d"), find("lm_head.weight")
     return DraftWeights(files=files, fc_shape=shapes.get(fc) if fc else None, fc_key=fc,
                         d2t_shape=shapes.get(d2t) if d2t else None, t2d_shape=shapes.get(t2d) if t2d else None,
-                        lm_head_shape=shapes.get(lm) if lm else None, keys=sorted(shapes))
+                        lm_head_shape=shapes.get(lm) if lm else None, keys=sorted(shapes), tensors=tensors)
 
 
 # ------------------------------------------------------------------------------------------------ target

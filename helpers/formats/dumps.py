@@ -15,6 +15,7 @@ is 0 unless the sample says otherwise, see :class:`Sample`).
 """
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import json
@@ -34,10 +35,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import BadInput
-from ..runfiles import read_json_file
+from ..runfiles import atomic_write_text, loads_json, read_json_file, write_safetensors
 
 DUMP_FORMAT = "e3f-dump"
 DUMP_VERSION = 1
@@ -112,7 +112,7 @@ def _safetensors_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """{tensor name: (absolute byte offset, length)} from a safetensors header (8-byte size + JSON)."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
+        header = loads_json(f.read(n))
     return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
             for k, v in header.items() if k != "__metadata__"}
 
@@ -217,7 +217,7 @@ def write_dump(path: str | Path, samples: Iterable[Any], manifest_extra: Optiona
 
     path = Path(path)
     if path.exists():
-        raise FileExistsError(f"{path}: dump folder exists; dumps are never overwritten")
+        raise FileExistsError(errno.EEXIST, "the dump folder exists (dumps are never overwritten)", str(path))
     extra = dict(manifest_extra or {})
     kind = extra.pop("kind", "served")
     if kind not in DUMP_KINDS:
@@ -276,10 +276,10 @@ def write_dump(path: str | Path, samples: Iterable[Any], manifest_extra: Optiona
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / "tensors.safetensors"), metadata={"format": DUMP_FORMAT})
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        write_safetensors(tmp / "tensors.safetensors", tensors, metadata={"format": DUMP_FORMAT})
+        atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         if path.exists():
-            raise FileExistsError(f"{path}: dump folder appeared while writing; not overwritten")
+            raise FileExistsError(errno.EEXIST, "the dump folder appeared while writing (not overwritten)", str(path))
         os.rename(tmp, path)
     except BaseException:
         for f in tmp.glob("*"):
@@ -624,11 +624,21 @@ def read_dumper_dir(path: str | Path, *, name: str = "aux_hidden_states",
 
 # ---------------------------------------------------------------------------------------- safe loading
 
+def _utf8_name(path: Path) -> bool:
+    """True when ``path`` is valid UTF-8 (a file name of other bytes decodes with surrogates in Python)."""
+    try:
+        os.fsencode(path).decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 def safe_torch_load(path: str | Path) -> Any:
     """``torch.load(weights_only=True)`` of a ``.pt``/``.ckpt`` or gzip ``.ckpt.gz`` file, never executing
     a pickled payload (the weights-only unpickler accepts tensors, containers and primitives only).
 
-    Uncompressed zip-format files are memory-mapped (``mmap=True``) so a large sample is not copied.
+    Uncompressed zip-format files are memory-mapped (``mmap=True``) so a large sample is not copied (not when the
+    file name is not UTF-8, which torch's mmap cannot open: such a file is read whole).
 
     Raises:
         BadInput: empty, truncated/corrupt (zip, gzip or pickle), or refused by the weights-only unpickler
@@ -653,6 +663,9 @@ def safe_torch_load(path: str | Path) -> Any:
             if not data:
                 raise BadInput("empty gzip payload", path=p)
             return _load(io.BytesIO(data), False)
+        if not _utf8_name(p):        # torch's mmap needs a UTF-8 file name: read through an open file instead
+            with open(p, "rb") as f:
+                return _load(f, False)
         return _load(p, zipfile.is_zipfile(p))
     except BadInput:
         raise

@@ -17,7 +17,7 @@ Formats (training-formats.md §1):
 """
 from __future__ import annotations
 
-import json
+import os
 import re
 from pathlib import Path
 from typing import Iterator, Optional
@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import BadInput
+from ..runfiles import loads_json
 from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
 
 _NUM_RE = re.compile(r"(\d+)")
@@ -104,6 +105,19 @@ def _chunks(width: int, hidden_size: Optional[int], default_chunks: int, path: P
     return width // default_chunks, default_chunks
 
 
+def sample_key(path: Path) -> str:
+    """A training file's sample key: its name up to the first ``.`` (``data_12`` for ``data_12.ckpt``), with bytes
+    that are not UTF-8 written ``#xx`` (a name such as ``data_\\xff.ckpt``: a key goes into JSON and dump tensor
+    names, which must be text)."""
+    stem = path.name.split(".")[0]
+    raw = os.fsencode(stem)
+    try:
+        raw.decode("utf-8")
+        return stem
+    except UnicodeDecodeError:
+        return "".join(chr(b) if b < 0x80 else f"#{b:02x}" for b in raw)
+
+
 def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> Sample:
     """Read one SpecForge ``data_*.ckpt[.gz]`` (or EAGLE-1/2 ``data_*.ckpt``) sample.
 
@@ -155,7 +169,7 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
         H, C = _chunks(int(aux.shape[1]), hidden_size, default_chunks, p, key)
     L = _strip_trailing_pad(ids, lm)
     rows = aux[:L]
-    stem = p.name.split(".")[0]
+    stem = sample_key(p)
     return Sample(key=stem, rows=L, width=int(aux.shape[1]), loader=(lambda t=rows: t), input_ids=ids[:L].copy(),
                   sample_id=stem, dtype=str(aux.dtype).replace("torch.", ""),
                   meta={"layout": layout, "hidden_size": H, "num_chunks": C, "path": str(p),
@@ -194,7 +208,7 @@ def read_speculators_sample(path: str | Path, *, hidden_size: Optional[int] = No
         raise BadInput(f"slot width {H} differs from the target hidden size {hidden_size}", path=p, field="hidden_states")
     C = int(hs.shape[1]) - 1
     rows = hs[:, :-1].reshape(hs.shape[0], C * H)
-    stem = p.name.split(".")[0]
+    stem = sample_key(p)
     return Sample(key=stem, rows=int(ids.shape[0]), width=C * H, loader=(lambda t=rows: t), input_ids=ids,
                   sample_id=stem, dtype=str(hs.dtype).replace("torch.", ""),
                   meta={"layout": "speculators", "hidden_size": H, "num_chunks": C, "path": str(p),
@@ -319,7 +333,7 @@ def recorded_layer_ids(path: str | Path) -> Optional[tuple[list[int], Path]]:
         if not m.is_file():
             continue
         try:
-            doc = json.loads(m.read_text())
+            doc = loads_json(m.read_text())
         except (OSError, ValueError) as exc:
             raise BadInput(f"not readable as JSON ({exc})", path=m) from exc
         ids = (doc.get("layer_ids") or {}).get("specforge_out_i") if isinstance(doc, dict) else None

@@ -35,7 +35,7 @@ from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..hooks import ARM_FILE
 from ..plots.checks import bar_figure, chunk_layer_figure
-from ..runfiles import jsonable, safe_name
+from ..runfiles import jsonable, read_json_file, safe_name
 from ..server.client import as_client
 from .catalog import CATALOG
 
@@ -121,7 +121,7 @@ class Investigation:
     # -- inputs ------------------------------------------------------------------------------
     @property
     def target_config(self) -> dict:
-        return json.loads((self.target_dir / "config.json").read_text())
+        return read_json_file(self.target_dir / "config.json", "target config")
 
     @property
     def hidden_size(self) -> int:
@@ -321,7 +321,13 @@ def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
     elif rank_diffs and not agree:
         data["short"] = "the aux states differ across TP ranks (per-rank partial values)"
         verdict = "confirmed"
-        text = (f"The rows are full width ({width} = {n_full:g} x H) but the TP ranks disagree "
+        tol = 1e-5 * max(1.0, float(served[0]["hidden"].abs().max()))
+        differ = [r + 1 for r, d in enumerate(rank_diffs) if d > tol]
+        data["ranks_differing"] = differ
+        which = (f"rank {differ[0]} differs from rank 0, the other ranks agree" if len(differ) == 1 else
+                 f"ranks {', '.join(map(str, differ))} differ from rank 0")
+        data["short"] = f"the aux states differ across TP ranks ({which})"
+        text = (f"The rows are full width ({width} = {n_full:g} x H) but the TP ranks disagree: {which} "
                 f"(max |difference| {max(rank_diffs):.3g}): the aux states are per-rank partial values, "
                 "not the all-reduced residual stream every rank should hold.")
     elif tp == 1:

@@ -36,18 +36,22 @@ import psutil
 from ..acceptance.measure import measure, server_snapshot
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci, paired_effect
+from ..budget import Budget
 from ..capture import capture_every_layer, capture_reference_hf
 from ..diagnosis.detectors import finding
-from ..errors import BadInput, E3FError, ServerError
+from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..records import Finding, InvestigationDoc, ProposedFix
-from ..runfiles import new_run_dir, safe_name, write_json
+from ..runfiles import atomic_write_text, new_run_dir, read_json, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import parse_ports, pick_port
 from ..server.embedded import start as start_embedded
 from ..server.process import ServerProcess
 from ..server.registry import lookup
+from ..draft.checks import draft_checks
+from ..draft.simulate import DraftSettings
+from .acceptance import run_budget
 from .checks import Investigation, run_check
 from .propose import draft_variant, propose_fix
 
@@ -137,7 +141,7 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
 def _same_draft(a: Path, b: Path) -> Optional[dict]:
     """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
     try:
-        ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+        ca, cb = (read_json(p / "config.json") for p in (a, b))
     except (OSError, ValueError):
         return None
     diff = {}
@@ -223,7 +227,7 @@ def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, st
     if not files:
         return False, f"no weights in {target_dir} (config only)"
     size = sum(f.stat().st_size for f in files)
-    dtype = (json.loads((target_dir / "config.json").read_text()).get("torch_dtype") or "bfloat16")
+    dtype = read_target_config(target_dir).torch_dtype or "bfloat16"
     fp32 = size * (2 if "16" in str(dtype) else 1)
     avail = psutil.virtual_memory().available
     if fp32 > share * avail:
@@ -239,32 +243,13 @@ def _noop(_: str) -> None:
     pass
 
 
-class Deadline:
-    """An overall time budget (seconds); :meth:`check` raises :class:`helpers.errors.ServerError` once spent."""
-
-    def __init__(self, seconds: Optional[float]):
-        self.t0 = time.monotonic()
-        self.seconds = seconds
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def remaining(self) -> Optional[float]:
-        return None if self.seconds is None else self.seconds - self.elapsed()
-
-    def check(self, what: str) -> None:
-        r = self.remaining()
-        if r is not None and r <= 0:
-            raise ServerError(f"investigate: the {self.seconds:.0f} s budget (--timeout) ran out before {what} "
-                              f"({self.elapsed():.0f} s elapsed)")
-
-
 def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
                 not_applied: str = "--no-apply: the fix was only proposed", measured_by: Optional[str] = None,
-                port: int | str | None = None,
+                port: int | str | None = None, acceptance_budget: bool = True,
+                live_measure: bool = True, training_log: Optional[str | Path] = None,
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
@@ -282,6 +267,11 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         apply_fix: False to only propose (no restart, no measurement).
         port: the port of the fixed server (relaunch), or a range ``"LOW-HIGH"`` to take a free one from (default: a
             free port of ``$E3F_PORT_RANGE``, else 12000-19999; :func:`helpers.server.embedded.pick_port`).
+        acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.acceptance`): the draft run
+            offline on
+            training states, the served states and the live prompts' states, against the training log and live.
+        live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
+        training_log: the draft's training log (default: looked for in the draft folder).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         measured_by: with ``apply_fix=False``, who measures the fix instead (a replay's later step): recorded as
             ``measured = {"measured_by": ...}`` and said once, in place of a "not measured" note.
@@ -302,12 +292,12 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                        "run folder", path=run_dir)
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    dl = Deadline(timeout)
+    dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
     timings: dict[str, float] = {}
     doc = InvestigationDoc(url=url, run_dir=str(run_dir), training=str(Path(training).resolve()))
 
     def step(name: str):
-        dl.check(name)
+        dl.check(f"before the {name} step")
         progress(f"{name} ...")
         return time.monotonic()
 
@@ -315,7 +305,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         timings[name] = round(time.monotonic() - t, 2)
         progress(f"{name}: {note} ({timings[name]:.1f} s)" if note else f"{name}: done ({timings[name]:.1f} s)")
 
-    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), deadline_s=timeout,
+    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), budget=dl,
                           on_wait=progress if progress is not _noop else None)
     try:
         t = step("attach")
@@ -362,6 +352,21 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         done("diagnosis", t, f"{doc.verdict}: " + (", ".join(dict.fromkeys(f.kind for f in doc.findings))
                                                    or "no finding"))
 
+        t = step("draft checks")
+        try:
+            dc = draft_checks(att.draft_dir, att.target_dir, training=Path(training),
+                              sglang_version=att.version or "0.5.23")
+        except BadInput as exc:
+            dc = []
+            doc.notes.append(f"draft checks not run: {exc}")
+        have = {f.kind for f in doc.findings}
+        new = [f for f in dc if f["kind"] not in have]
+        extra += new
+        doc.findings += [Finding(**f) for f in new]
+        if new:
+            doc.verdict = "mismatch"
+        done("draft checks", t, ", ".join(f["kind"] for f in new) or "no finding")
+
         t = step("hypotheses")
         doc.hypotheses = _hypotheses(inv, run_dir)
         done("hypotheses", t, ", ".join(f"{h['check']} {h['verdict']}" for h in doc.hypotheses
@@ -375,6 +380,49 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         doc.proposed_fix = fix
         done("proposed fix", t, fix.summary)
 
+        spec = att.spec or {}
+        if acceptance_budget and all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
+            t = step("acceptance budget")
+            try:
+                br = run_budget(client=client, info=att.info, draft_dir=att.draft_dir, target_dir=att.target_dir,
+                                training=training, hidden_size=tcfg.hidden_size, num_samples=num_samples,
+                                served_dump=inv.served_dump(), reference=ref, run_dir=run_dir,
+                                settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]),
+                                                       int(spec["num_draft_tokens"])),
+                                fix=fix, findings=diag.findings + extra,
+                                training_tensors=(None if diag.training_plan is None
+                                                  else list(diag.training_plan.tensors)),
+                                training_log=training_log, prompts=measure_prompts, max_new_tokens=max_new_tokens,
+                                measure=live_measure, progress=progress)
+                doc.acceptance = br.budget
+                if br.findings:
+                    doc.findings += [Finding(**f) for f in br.findings]
+                    doc.verdict = "mismatch"
+                if br.withdraw_fix:
+                    doc.notes.append(br.withdraw_fix)
+                    fix.applicable = False
+                    fix.summary = "none proven: " + br.withdraw_fix
+                done("acceptance budget", t, f"cause {br.budget['cause']}: " + ", ".join(
+                    f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"]
+                    if s.get("accept_length") is not None))
+            except BadInput as exc:
+                # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a
+                # checkpoint unlike its config): the wiring diagnosis stands, the budget says why it is missing
+                doc.notes.append(f"acceptance budget not computed: {exc}")
+                done("acceptance budget", t, f"not computed: {exc}")
+        elif acceptance_budget:
+            doc.notes.append("no acceptance budget: the server reports no speculative settings (speculative_num_steps, "
+                             "speculative_eagle_topk, speculative_num_draft_tokens in /server_info)")
+        if att.tp > 1 and att.rank_capture_dir is None:
+            hooks = (f"; it runs {len(att.other_hooks)} forward hook(s) that are not capture hooks "
+                     f"({', '.join(str(h.get('name')) for h in att.other_hooks)}), whose effect on other ranks was "
+                     "not seen") if att.other_hooks else ""
+            doc.notes.append(f"only TP rank 0's aux states were compared (what /generate returns) on this TP {att.tp} "
+                             f"server{hooks}; to compare every rank, start the server with the per-rank capture hooks "
+                             "(`python -m helpers server start --capture-ranks DIR`, env/gpu/launch_tp8.sh with "
+                             "HOOKS_DIR) and investigate again")
+
+        doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
         if fix.kind == "none":
             doc.measured = {"not_measured": "nothing to fix"}
         elif not fix.applicable:
@@ -392,8 +440,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                                               max_new_tokens=max_new_tokens, concurrency=concurrency, dl=dl,
                                               progress=progress, port=port)
             done("relaunch", t, _measured_text(doc.measured))
-    except E3FError as exc:
-        doc.error = str(exc)
+    except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
+        doc.error = describe(exc)
         raise
     finally:
         client.close()
@@ -437,6 +485,36 @@ def _measured_first(findings: list[dict]) -> list[dict]:
     return sorted(findings, key=lambda f: 0 if f["kind"] in TENSOR_KINDS and not f["evidence"].get("static") else 1)
 
 
+#: check -> the finding kinds that say what the check asks; a check refuted while such a finding stands in the same
+#: run is reported inconclusive (two measurements of one question disagree: the finding's evidence is named)
+CHECK_FINDINGS = {"tp_sharding": ("tp_sharded_width", "tp_partial_sum"),
+                  "embedding_all_reduce": ("embedding_not_all_reduced",),
+                  "layer_offset": ("layer_offset",), "embedding_included": ("embedding_in_place_of_layer",),
+                  "concat_order": ("chunk_order",), "rotated_basis": ("rotated_basis",),
+                  "norm_mismatch": ("norm_mismatch",), "fc_bypass": ("fc_bypassed",),
+                  "vocab_map": ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs"),
+                  "num_steps_override": ("num_draft_tokens_overridden", "spec_settings_low")}
+
+
+def reconcile(hypotheses: list[dict], findings: Sequence[Any]) -> list[dict]:
+    """Hypotheses that a finding of the same run contradicts are not reported as refuted: their verdict becomes
+    ``inconclusive`` with the finding named (findings: :class:`helpers.records.Finding` or dicts)."""
+    kinds = {}
+    for f in findings:
+        k = f.kind if hasattr(f, "kind") else f["kind"]
+        kinds.setdefault(k, f.detail if hasattr(f, "detail") else f.get("detail", ""))
+    out = []
+    for h in hypotheses:
+        hit = [k for k in CHECK_FINDINGS.get(h["check"], ()) if k in kinds]
+        if h["verdict"] == "refuted" and hit:
+            h = {**h, "verdict": "inconclusive",
+                 "short": f"contradicted by the finding {hit[0]} of this run: {kinds[hit[0]]}",
+                 "explanation": (h.get("explanation") or "") + f" -- but the finding {hit[0]} of the same run says "
+                                f"otherwise ({kinds[hit[0]]}); the two measurements disagree, so no verdict."}
+        out.append(h)
+    return sorted(out, key=lambda x: _ORDER.get(x["verdict"], 3))
+
+
 def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
     out = []
     for name in LIVE_CHECKS:
@@ -444,7 +522,7 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
         fig = None
         if res.figure is not None:
             path = run_dir / "figures" / f"investigate-{name}.json"
-            path.write_text(res.figure.to_json())
+            atomic_write_text(path, res.figure.to_json())
             fig = str(path.relative_to(run_dir))
         d = res.to_dict()
         out.append({"check": name, "title": res.title, "question": res.question, "verdict": res.verdict,
@@ -455,7 +533,7 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
 
 def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
                        training: Any, api_key: Optional[str], num_samples: int, prompts: int, max_new_tokens: int,
-                       concurrency: int, dl: Deadline, progress: Progress, port: int | str | None = None) -> dict:
+                       concurrency: int, dl: Budget, progress: Progress, port: int | str | None = None) -> dict:
     """Start a fresh server with the fix, measure both servers on the same prompts, diagnose the fixed one."""
     fixed_draft = draft_variant(att.draft_dir, fix.draft_config, run_dir / "drafts" / "proposed",
                                 add_tensors=fix.add_tensors or None)
@@ -464,17 +542,17 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
     before = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="before (as served)",
                      progress=False, seed=0)
     saved_before = before.save(run_dir / "acceptance" / "before")
-    dl.check("starting the fixed server")
+    dl.check("before starting the fixed server")
     progress("starting the fixed server ...")
-    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key, port)
+    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key, dl, port)
     try:
-        fixed = SGLangClient(handle.url, api_key, timeout=client.timeout)
+        fixed = SGLangClient(handle.url, api_key, timeout=client.timeout, budget=dl)
         progress(f"fixed server up at {handle.url}; measure after")
         after = measure(fixed, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="after (proposed fix)",
                         progress=False, seed=0)
         saved_after = after.save(run_dir / "acceptance" / "after")
         effect = paired_effect(before.per_request, after.per_request)
-        dl.check("diagnosing the fixed server")
+        dl.check("before diagnosing the fixed server")
         info = fixed.server_info()
         ranks, layers, _ = capture_hooks(info)
         inv2 = Investigation(run_dir, fixed, training=training, draft_dir=fixed_draft, target_dir=att.target_dir,
@@ -503,9 +581,9 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
 
 
 def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str],
-                 port: int | str | None = None):
+                 budget: Budget, port: int | str | None = None):
     """A fresh server like the attached one, with the fix applied, on ``port`` (a port or a range; default a free
-    one); capture hooks write into this run folder."""
+    one); capture hooks write into this run folder. Waits for it within ``budget`` (the investigation's)."""
     if att.restart["kind"] == "embedded":
         launch = dict(att.restart["launch"])
         spec = dict(launch.get("spec") or {})
@@ -523,7 +601,7 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
         return start_embedded(launch["target"], draft, tp=int(launch.get("tp") or 1), spec=spec or None,
                               forward_hooks=hooks or None, extra_args=launch.get("extra_args") or [],
                               dtype=launch.get("dtype") or "float32", api_key=api_key, port=port,
-                              log_path=run_dir / "logs" / "fixed-server.log")
+                              log_path=run_dir / "logs" / "fixed-server.log", budget=budget)
     argv = list(att.restart["argv"])
     port = pick_port(port, what="--port")
     # the copy runs on this machine and is measured at 127.0.0.1: it listens there only, whatever the command said
@@ -533,7 +611,7 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
     handle = ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=run_dir / "logs" / "fixed-server.log",
                            secrets=[api_key] if api_key else [])
     try:
-        handle.wait_healthy(1800, api_key=api_key, what="the fixed server (--relaunch)")
+        handle.wait_healthy(1800, api_key=api_key, what="the fixed server (--relaunch)", budget=budget)
     except BaseException:
         handle.stop(timeout=5)
         raise
@@ -588,7 +666,29 @@ KIND_TEXT = {
     "unsupported_target": "SGLang cannot capture aux states for this target",
     "unsupported_draft": "SGLang cannot serve this draft as EAGLE-3",
     "server_fatal": "the server fails with these layer ids (at start-up or at the first forward)",
+    "lm_head_missing": "the draft's lm_head is missing and left uninitialised",
+    "lm_head_replaced": "SGLang replaces the draft's trained lm_head",
+    "vocab_map_trivial": "the draft's d2t is all zeros",
+    "vocab_map_differs": "the draft's d2t differs from the training data's vocab mapping",
+    "draft_vocab_coverage": "many target tokens lie outside the draft vocabulary",
+    "draft_weight_missing": "draft parameters have no tensor in the checkpoint",
+    "draft_weight_ignored": "SGLang's loader drops draft tensors",
+    "draft_flag_ignored": "SGLang ignores a draft config flag",
+    "rope_mismatch": "the draft's rotary embedding differs from the target's",
+    "max_position_short": "the draft's context is shorter than the target's",
+    "sliding_window_ignored": "SGLang ignores the draft's sliding window",
+    "draft_underperforms": "the draft checkpoint accepts less on its own training states than its training log says",
+    "wiring_loses_acceptance": "the served aux states cost acceptance against the training states",
+    "engine_after_capture": "the engine accepts less than the draft run offline on the very states it fed",
+    "spec_settings_low": "the speculative settings leave acceptance unused",
+    "acceptance_unexplained": "live acceptance is below the offline prediction and no stage explains it",
 }
+#: findings about the draft checkpoint itself (helpers.draft.checks)
+DRAFT_KINDS = ("lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "vocab_map_missing",
+               "draft_vocab_coverage", "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
+               "rope_mismatch", "max_position_short", "sliding_window_ignored")
+ACCEPTANCE_KINDS = ("draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
+                    "acceptance_unexplained")
 
 
 def _measured_text(m: Optional[dict]) -> str:
@@ -617,20 +717,24 @@ def sentence(doc: InvestigationDoc) -> str:
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
     ref = (doc.reference or {}).get("how") or "none"
-    if doc.verdict == "ok":
+    budget_text = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
+    wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
+    if not wiring:
         chunks = (doc.diagnosis or {}).get("chunks") or []
-        return (f"No wiring fault: the {len(chunks)} aux chunks the server feeds equal the training data on the "
-                f"aligned rows ({doc.samples} sample(s); reference: {ref}). "
+        head = "No wiring fault" if doc.verdict == "ok" else "No wiring fault, but acceptance is lost elsewhere"
+        return (f"{head}: the {len(chunks)} aux chunks the server feeds equal the training data on the "
+                f"aligned rows ({doc.samples} sample(s); reference: {ref}).{budget_text} "
                 + _measured_text(doc.measured).capitalize() + ".")
-    f = doc.findings[0]
+    f = wiring[0]
     what = KIND_TEXT.get(f.kind, f.kind)
     where = "" if f.chunk is None or f.kind in ("layer_offset", "chunk_order") else f" (chunk {f.chunk})"
-    more = [k for k in dict.fromkeys(x.kind for x in doc.findings[1:]) if k != f.kind]
+    more = [k for k in dict.fromkeys(x.kind for x in wiring[1:]) if k != f.kind]
     also = f" Also found: {', '.join(more)}." if more else ""
     fix = doc.proposed_fix
     fix_text = fix.summary if fix is not None else "none"
-    return (f"Wrong wiring: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
-            + _measured_text(doc.measured).capitalize() + ".")
+    head = "Draft checkpoint fault" if f.kind in DRAFT_KINDS else "Wrong wiring"
+    return (f"{head}: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
+            + _measured_text(doc.measured).capitalize() + "." + budget_text)
 
 
 def _provenance(f: Finding) -> str:

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..diagnosis.conventions import CapturePlan, describe, layer_index, served_plan
 from ..diagnosis.detectors import LAYOUT_KINDS
 from ..records import ProposedFix
+from ..runfiles import atomic_write_text, read_json_file, write_safetensors
 
 #: Findings a change of the draft config ids can address (when the served chunks follow SGLang's rules).
 ID_KINDS = set(LAYOUT_KINDS) | {"config_ids_mismatch", "config_ids_ignored"}
@@ -188,19 +189,21 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
                 fix.addresses.extend(id_kinds)
 
     # -- the vocab map -----------------------------------------------------------------------------------------
-    if "vocab_map_missing" in kinds:
+    vocab_kinds = [k for k in ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs") if k in kinds]
+    if vocab_kinds:
         vm = Path(training_dir) / "vocab_mapping" / "vocab_mapping.pt" if training_dir else None
         if vm is not None and vm.is_file():
             fix.add_tensors = {"d2t": str(vm), "t2d": str(vm)}
-            fix.parts.append(f"add the d2t / t2d vocab map from {vm} to the draft weights")
+            fix.parts.append(f"{'add' if 'vocab_map_missing' in vocab_kinds else 'replace'} the d2t / t2d vocab map "
+                             f"from {vm} {'to' if 'vocab_map_missing' in vocab_kinds else 'in'} the draft weights")
             fix.why.append("sglang/srt/models/llama_eagle3.py::LlamaForCausalLMEagle3.load_weights reads d2t from "
                            "the draft weights (hot_token_id = d2t + arange); without it draft ids are read as "
                            "target ids")
-            fix.addresses.append("vocab_map_missing")
+            fix.addresses.extend(vocab_kinds)
         else:
             engine_parts.append("ship the d2t map with the draft (SpecForge writes it to "
                                 "<output>/vocab_mapping/vocab_mapping.pt); none was found in the training folder")
-            fix.unaddressed.append("vocab_map_missing")
+            fix.unaddressed.extend(vocab_kinds)
 
     # -- settings SGLang overrides -----------------------------------------------------------------------------
     for f in findings:
@@ -312,9 +315,9 @@ def draft_variant(draft_dir: Path, overrides: Optional[dict], out_dir: Path, dro
                 weights = {k: v for k, v in weights.items() if k not in drop_tensors}
             if added and first_weights:
                 weights.update({k: v.contiguous() for k, v in added.items()})
-            save_file(weights, str(out_dir / f.name))
+            write_safetensors(out_dir / f.name, weights)
             continue
         (out_dir / f.name).symlink_to(f.resolve())
-    cfg = json.loads((draft_dir / "config.json").read_text())
-    (out_dir / "config.json").write_text(json.dumps(_apply_overrides(cfg, overrides or {}), indent=2))
+    cfg = read_json_file(draft_dir / "config.json", "draft config")
+    atomic_write_text(out_dir / "config.json", json.dumps(_apply_overrides(cfg, overrides or {}), indent=2))
     return out_dir

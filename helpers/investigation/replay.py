@@ -18,7 +18,6 @@ when the next fix starts or the replay ends, whatever happens.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
@@ -34,8 +33,9 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
 from ..capture import server_hook_specs
 from ..errors import RunFailed
+from ..formats.configs import read_target_config
 from ..records import REPLAY_STEP, FixStep, HypothesisStep, InvestigationStep, ReplayDoc, SweepStep
-from ..runfiles import read_parquet, safe_name, write_json
+from ..runfiles import atomic_write_text, read_parquet, safe_name, write_json
 from ..server.settings import SpecSettings
 from .cases import Case, load_case
 from .checks import Investigation, run_check
@@ -54,7 +54,7 @@ class Replay:
         self.target = case.resolve(case.models.target)
         self.draft = case.resolve(case.models.draft)
         self.training = case.resolve(case.models.training_data) if case.models.training_data else None
-        self.num_layers = json.loads((self.target / "config.json").read_text())["num_hidden_layers"]
+        self.num_layers = read_target_config(self.target).num_hidden_layers
         self.steps: list = []          # typed steps (helpers.records)
         self.server_cm = None   # the context manager of the running server
         self.server = None      # (client, handle)
@@ -195,7 +195,7 @@ class Replay:
         fig_path = None
         if res.figure is not None:
             fig_path = self.run_dir / "figures" / f"step{i + 1:02d}-{h.check}.json"
-            fig_path.write_text(res.figure.to_json())
+            atomic_write_text(fig_path, res.figure.to_json())
         d = res.to_dict()
         d.pop("figure", None)
         return HypothesisStep(index=i, check=h.check, label=h.label, question=res.question,

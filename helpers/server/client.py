@@ -45,6 +45,7 @@ import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from ..budget import Budget
 from ..errors import (
     AuthError,
     BadInput,
@@ -56,9 +57,11 @@ from ..errors import (
     ServerTimeout,
     ServerUnavailable,
     SGLangError,
+    printable,
 )
-from .protocol import GenerateResult
-from .redaction import REDACTED, redact, redact_url
+from ..runfiles import JSONTooDeep, loads_json
+from .protocol import GenerateResult, ServerInfo
+from .redaction import redact, redact_url, remember, scrub
 from .settings import (
     EffectiveSpecConfig,
     detect_overrides,
@@ -92,9 +95,8 @@ class _Waiting:
     """While a request is in flight, calls ``on_wait`` every ``every`` seconds with a progress line, so a slow
     server is never mistaken for a hang."""
 
-    def __init__(self, on_wait: Optional[Callable[[str], None]], where: str, every: float,
-                 deadline: Optional[float]):
-        self.on_wait, self.where, self.every, self.deadline = on_wait, where, every, deadline
+    def __init__(self, on_wait: Optional[Callable[[str], None]], where: str, every: float, budget: Budget):
+        self.on_wait, self.where, self.every, self.budget = on_wait, where, every, budget
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -108,7 +110,8 @@ class _Waiting:
     def _loop(self) -> None:
         while not self._stop.wait(self.every):
             waited = time.monotonic() - self._start
-            left = "" if self.deadline is None else f"; deadline in {max(0.0, self.deadline - time.monotonic()):.0f} s"
+            rem = self.budget.remaining()
+            left = "" if rem is None else f"; deadline in {max(0.0, rem):.0f} s"
             try:
                 self.on_wait(f"still waiting for {self.where} ({waited:.0f} s{left})")
             except Exception:  # noqa: BLE001 - progress must never break a request
@@ -131,7 +134,10 @@ class SGLangClient:
         retries: extra attempts after a connection error, a connect/read timeout on idempotent
             probes, or 502/503/504; waits ``backoff * 2**attempt`` seconds in between.
         transport: optional httpx transport (tests).
-        deadline_s: overall budget in seconds for everything this client sends (:meth:`set_deadline`).
+        deadline_s: overall budget in seconds for everything this client sends, from now (a new :class:`Budget`).
+        budget: the command's :class:`helpers.budget.Budget` instead (shared with its other waits; wins over
+            ``deadline_s``). Every request ends (:class:`ServerTimeout`) once it is spent, not only per read (a
+            server that trickles one byte every few seconds never trips a read timeout), or cancelled.
         on_wait: called with a progress line every ``wait_every`` seconds while a request is in flight.
         max_info_bytes / max_generate_bytes: the largest answer read from a probe endpoint / from ``/generate``.
 
@@ -144,7 +150,8 @@ class SGLangClient:
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 30.0,
                  generate_timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
                  transport: Optional[httpx.BaseTransport] = None, deadline_s: Optional[float] = None,
-                 on_wait: Optional[Callable[[str], None]] = None, wait_every: float = 15.0,
+                 budget: Optional[Budget] = None, on_wait: Optional[Callable[[str], None]] = None,
+                 wait_every: float = 15.0,
                  max_info_bytes: int = MAX_INFO_BYTES, max_generate_bytes: int = MAX_GENERATE_BYTES):
         if not url or "://" not in url:
             raise BadInput(f"url must look like http://host:port, got {redact_url(str(url))!r}", field="--url")
@@ -152,6 +159,7 @@ class SGLangClient:
         self._shown_url = redact_url(self.url)
         key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
         self._api_key: Optional[str] = key or None
+        remember(self._api_key)
         self.timeout = float(timeout)
         self.generate_timeout = float(generate_timeout)
         self.retries = int(retries)
@@ -161,31 +169,18 @@ class SGLangClient:
                                   transport=transport)
         self._server_info: Optional[dict] = None
         self._model_info: Optional[dict] = None
-        self.deadline: Optional[float] = None
-        self.budget_s: Optional[float] = None
-        self._t0 = time.monotonic()
-        if deadline_s is not None:
-            self.set_deadline(deadline_s)
+        self.budget = budget if budget is not None else Budget(deadline_s)
         self.on_wait = on_wait
         self.wait_every = float(wait_every)
         self.max_info_bytes = int(max_info_bytes)
         self.max_generate_bytes = int(max_generate_bytes)
 
-    def set_deadline(self, seconds: Optional[float]) -> None:
-        """An overall budget: every request from now on ends (:class:`ServerTimeout`) once ``seconds`` have passed
-        in all, not only per read (a server that trickles one byte every few seconds never trips a read
-        timeout). None removes it."""
-        self._t0 = time.monotonic()
-        self.budget_s = None if seconds is None else float(seconds)
-        self.deadline = None if seconds is None else self._t0 + float(seconds)
-
     def remaining(self) -> Optional[float]:
-        """Seconds left of the overall budget (None without one)."""
-        return None if self.deadline is None else self.deadline - time.monotonic()
+        """Seconds left of the overall budget (None without one; 0 once it was cancelled)."""
+        return self.budget.remaining()
 
     def _expired(self, where: str, path: str) -> ServerTimeout:
-        return ServerTimeout(f"{where}: the overall deadline of {self.budget_s:.0f} s passed "
-                             f"({time.monotonic() - self._t0:.0f} s elapsed; raise it with --timeout)", endpoint=path)
+        return self.budget.error(where, path)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -199,9 +194,7 @@ class SGLangClient:
         return [self._api_key] if self._api_key else []
 
     def _scrub(self, text: str) -> str:
-        for s in self.secrets:
-            text = text.replace(s, REDACTED)
-        return text
+        return scrub(text, self.secrets)
 
     def __repr__(self) -> str:
         return f"<SGLangClient {self._shown_url} api_key={'set' if self._api_key else 'none'}>"
@@ -222,9 +215,10 @@ class SGLangClient:
         """Send with retries; return the response for 2xx/4xx; raise for transport failures.
 
         Retries: connection errors always (nothing reached the server), timeouts and
-        502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here. The body is read in
+        502/503/504 only when ``idempotent``. 401/403 raise :class:`AuthError` here, a 3xx redirect
+        :class:`SGLangError` (its body is no answer of the endpoint asked). The body is read in
         chunks: past ``max_bytes`` (default :attr:`max_info_bytes`) the request ends with :class:`SGLangError`
-        naming the limit; past the overall deadline (:meth:`set_deadline`) with :class:`ServerTimeout`. While a
+        naming the limit; past the overall deadline (:attr:`budget`) with :class:`ServerTimeout`. While a
         request is in flight longer than ``wait_every`` seconds, ``on_wait`` gets a progress line.
         """
         tries = 1 + (self.retries if retries is None else retries)
@@ -237,7 +231,7 @@ class SGLangClient:
                 rem = self.remaining()
                 if rem is not None and rem <= pause:
                     raise self._expired(where, path)
-                time.sleep(pause)
+                self.budget.sleep(pause)
             rem = self.remaining()
             if rem is not None and rem <= 0:
                 raise self._expired(where, path)
@@ -245,7 +239,7 @@ class SGLangClient:
             if rem is not None:
                 t = _cap_timeout(t, rem)
             try:
-                with _Waiting(self.on_wait, where, self.wait_every, self.deadline):
+                with _Waiting(self.on_wait, where, self.wait_every, self.budget):
                     resp = self._read(method, path, json_body, params, t, limit, where)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 last = f"cannot connect ({type(exc).__name__}: {self._scrub(str(exc))})"
@@ -271,6 +265,12 @@ class SGLangClient:
                         "the server was started with --api-key; pass api_key=... or set SGLANG_API_KEY")
                 raise AuthError(f"{where}: HTTP {resp.status_code} ({hint})", endpoint=path,
                                 status=resp.status_code)
+            if 300 <= resp.status_code < 400:
+                loc = resp.headers.get("location")
+                raise SGLangError(f"{where}: HTTP {resp.status_code} redirect"
+                                  + (f" to {printable(redact_url(loc))}" if loc else "")
+                                  + "; this tool does not follow redirects: give the server's own address (--url)",
+                                  endpoint=path, status=resp.status_code)
             if resp.status_code in _RETRY_STATUS and idempotent and attempt + 1 < tries:
                 last = f"HTTP {resp.status_code}"
                 continue
@@ -300,7 +300,7 @@ class SGLangClient:
                     raise SGLangError(f"{where}: the answer exceeds the limit of {limit / 2**20:.1f} MiB for this "
                                       "endpoint (read stopped there)", endpoint=path)
                 chunks.append(chunk)
-                if self.deadline is not None and time.monotonic() > self.deadline:
+                if self.budget.spent():
                     raise self._expired(where, path)
             headers = [(k, v) for k, v in resp.headers.multi_items()
                        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
@@ -311,11 +311,22 @@ class SGLangClient:
             text = resp.text
         except Exception:  # noqa: BLE001
             text = "<unreadable body>"
-        text = self._scrub(text.strip())
+        text = printable(self._scrub(text.strip()))
         return text[:limit] + ("..." if len(text) > limit else "")
 
+    def _json(self, resp: httpx.Response, where: str, path: str) -> Any:
+        """The answer's JSON (:func:`helpers.runfiles.loads_json`: nesting bounded); :class:`SGLangError` naming
+        ``where`` when it is not JSON or nested too deeply."""
+        try:
+            return loads_json(resp.content)
+        except JSONTooDeep as exc:
+            raise SGLangError(f"{where}: the answer {exc}", endpoint=path) from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SGLangError(f"{where}: answer is not JSON: {self._body(resp)}", endpoint=path) from None
+
     def _get_json(self, paths: Sequence[str], what: str) -> dict:
-        """GET the first of ``paths`` that is not 404 (newer name first); parse JSON."""
+        """GET the first of ``paths`` that is not 404 (newer name first); its JSON object (:class:`SGLangError`
+        for anything else)."""
         tried = []
         for path in paths:
             resp = self._request("GET", path)
@@ -325,11 +336,11 @@ class SGLangClient:
             if resp.status_code >= 400:
                 raise RequestRejected(f"GET {self._shown_url}{path}: HTTP {resp.status_code}: "
                                       f"{self._body(resp)}", endpoint=path, status=resp.status_code)
-            try:
-                return resp.json()
-            except json.JSONDecodeError:
-                raise SGLangError(f"GET {self._shown_url}{path}: answer is not JSON: "
-                                  f"{self._body(resp)}", endpoint=path) from None
+            data = self._json(resp, f"GET {self._shown_url}{path}", path)
+            if not isinstance(data, dict):
+                raise SGLangError(f"GET {self._shown_url}{path}: expected a JSON object ({what}), got a "
+                                  f"{_json_type(data)}", endpoint=path)
+            return data
         raise EndpointMissing(f"{self._shown_url}: none of {tried} exists ({what}); is this an SGLang "
                               "server?", endpoint=paths[0], status=404)
 
@@ -341,7 +352,12 @@ class SGLangClient:
         return resp.status_code == 200
 
     def wait_healthy(self, timeout: float = 300.0, poll: float = 1.0) -> None:
-        """Poll ``/health`` until 200 or ``timeout`` seconds; raise :class:`ServerUnavailable`."""
+        """Poll ``/health`` until 200, for ``timeout`` seconds at most and never past the client's :attr:`budget`.
+
+        Raises:
+            ServerUnavailable: not healthy after ``timeout`` seconds.
+            ServerTimeout: the budget was spent (or cancelled) first.
+        """
         deadline = time.monotonic() + timeout
         last = "no answer"
         while True:
@@ -349,29 +365,48 @@ class SGLangClient:
                 if self.health():
                     return
                 last = "HTTP 503"
-            except (ServerUnavailable, ServerTimeout) as exc:
+            except ServerTimeout as exc:
+                if self.budget.spent():
+                    raise
                 last = str(exc).split(": ", 1)[-1]
+            except ServerUnavailable as exc:
+                last = str(exc).split(": ", 1)[-1]
+            self.budget.check(f"{self._shown_url}/health not 200 (last: {last})", "/health")
             if time.monotonic() > deadline:
                 raise ServerUnavailable(f"{self._shown_url}/health not 200 after {timeout:.0f} s "
                                         f"(last: {last})", endpoint="/health")
-            time.sleep(poll)
+            self.budget.sleep(poll)
 
     def server_info(self, refresh: bool = False) -> dict:
-        """``/server_info`` (fallback ``/get_server_info``), **redacted** (:func:`redact`).
+        """``/server_info`` (fallback ``/get_server_info``), checked and **redacted** (:func:`redact`).
 
-        Cached after the first call (the resolved ServerArgs do not change); ``refresh=True``
-        fetches again (``internal_states`` do change).
+        The fields this suite reads are typed and range-checked first (:class:`helpers.server.protocol.ServerInfo`:
+        a count that would size arrays, such as ``speculative_num_steps``, within sane bounds; text without control
+        characters); their checked values replace the raw ones. Cached after the first call (the resolved
+        ServerArgs do not change); ``refresh=True`` fetches again (``internal_states`` do change).
+
+        Raises:
+            SGLangError: not a JSON object, a field of the wrong type or out of range (one line naming the endpoint
+                and the field), a redirect, or the transport errors of :meth:`_request`.
         """
         if self._server_info is None or refresh:
             raw = self._get_json(["/server_info", "/get_server_info"], "server info")
+            checked = _validated(ServerInfo, raw, f"GET {self._shown_url}/server_info", "/server_info")
+            raw.update({k: getattr(checked, k) for k in ServerInfo.model_fields if k in raw})
             self._server_info = redact(raw, self.secrets)
         return self._server_info
 
     def model_info(self, refresh: bool = False) -> dict:
-        """``/model_info`` (fallback ``/get_model_info``): model_path, architectures, ..."""
+        """``/model_info`` (fallback ``/get_model_info``): model_path, architectures (a list of names), ...
+
+        Raises: SGLangError when it is not a JSON object or ``architectures`` is not a list of strings."""
         if self._model_info is None or refresh:
-            self._model_info = redact(self._get_json(["/model_info", "/get_model_info"],
-                                                     "model info"), self.secrets)
+            info = self._get_json(["/model_info", "/get_model_info"], "model info")
+            archs = info.get("architectures")
+            if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+                raise SGLangError(f"GET {self._shown_url}/model_info: field architectures: expected a list of "
+                                  f"names, got {printable(repr(archs))[:80]}", endpoint="/model_info")
+            self._model_info = redact(info, self.secrets)
         return self._model_info
 
     def version(self) -> Optional[str]:
@@ -425,7 +460,8 @@ class SGLangClient:
         400 otherwise. A flush also clears the radix cache (so a repeated prompt gets its full
         prompt block of hidden states) and zeroes the lifetime spec counters
         (``avg_spec_accept_length`` in ``/server_info``), which this package never uses.
-        Raises :class:`CacheBusy` after ``timeout`` seconds.
+        Raises :class:`CacheBusy` after ``timeout`` seconds, :class:`RequestRejected` at once for any other
+        status, :class:`ServerTimeout` once the :attr:`budget` is spent.
         """
         t0 = time.monotonic()
         while True:
@@ -435,11 +471,14 @@ class SGLangClient:
             if resp.status_code == 404:
                 raise EndpointMissing(f"POST {self._shown_url}/flush_cache: 404", endpoint="/flush_cache",
                                       status=404)
+            if resp.status_code != 400:          # only 400 means "requests running"
+                raise RequestRejected(f"POST {self._shown_url}/flush_cache: HTTP {resp.status_code}: "
+                                      f"{self._body(resp)}", endpoint="/flush_cache", status=resp.status_code)
             if time.monotonic() - t0 > timeout:
                 raise CacheBusy(f"POST {self._shown_url}/flush_cache still HTTP {resp.status_code} "
                                 f"after {timeout:.0f} s (requests running?): {self._body(resp)}",
                                 endpoint="/flush_cache", status=resp.status_code)
-            time.sleep(poll)
+            self.budget.sleep(poll)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -458,7 +497,11 @@ class SGLangClient:
 
         Returns :class:`GenerateResult` (``latency_s`` = client wall seconds).
         Raises :class:`RequestRejected` for 400/422 with the server's reason,
-        :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``).
+        :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``), :class:`SGLangError` for an answer
+        that is not a JSON object, has a field of the wrong type or out of range (negative counts, a histogram
+        longer than 65 bins), or spec counters no server can produce
+        (:meth:`helpers.server.protocol.MetaInfo.spec_problem`, with the ``speculative_num_steps`` of
+        :meth:`server_info` once it was read: a measurement reads it first, so they fail that request).
         """
         if (input_ids is None) == (text is None):
             raise ValueError("generate(): pass exactly one of input_ids= or text=")
@@ -497,11 +540,7 @@ class SGLangClient:
                     f"Server said: {msg}", endpoint="/generate", status=resp.status_code)
             raise RequestRejected(f"POST {self._shown_url}/generate: HTTP {resp.status_code}: {msg}",
                                   endpoint="/generate", status=resp.status_code)
-        try:
-            data = resp.json()
-        except json.JSONDecodeError:
-            raise SGLangError(f"POST {self._shown_url}/generate: answer is not JSON: {self._body(resp)}",
-                              endpoint="/generate") from None
+        data = self._json(resp, f"POST {self._shown_url}/generate", "/generate")
         latency = time.perf_counter() - t0
         if isinstance(data, list) and data:  # a batch answer: only one prompt is sent here
             data = data[0]
@@ -509,12 +548,20 @@ class SGLangClient:
             raise SGLangError(f"POST {self._shown_url}/generate: expected a JSON object, got "
                               f"{type(data).__name__}", endpoint="/generate")
         try:
-            return GenerateResult.model_validate({**data, "latency_s": latency})
+            result = GenerateResult.model_validate({**data, "latency_s": latency})
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
-            raise SGLangError(f"POST {self._shown_url}/generate: field {where}: {err.get('msg')} "
-                              f"({len(exc.errors())} problem(s) in the answer)", endpoint="/generate") from None
+            raise _invalid(exc, f"POST {self._shown_url}/generate", "/generate") from None
+        problem = result.meta_info.spec_problem(self._num_steps())
+        if problem:
+            raise SGLangError(f"POST {self._shown_url}/generate: impossible spec counters: {problem}",
+                              endpoint="/generate")
+        return result
+
+    def _num_steps(self) -> Optional[int]:
+        """The server's ``speculative_num_steps`` when ``/server_info`` was read (checked) and speculative decoding is
+        on, else None."""
+        info = self._server_info or {}
+        return info.get("speculative_num_steps") if info.get("speculative_algorithm") else None
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -575,6 +622,27 @@ class SGLangClient:
             enable_metrics=info.get("enable_metrics"), notes=notes)
 
 
+def _json_type(x: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(x), "number")
+
+
+def _invalid(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
+    """One line for a pydantic error in a server answer: the endpoint, the first field, what was expected, the value
+    (shortened, printable)."""
+    err = exc.errors()[0]
+    field = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
+    got = printable(repr(err.get("input")))
+    more = f" ({len(exc.errors())} problem(s) in the answer)" if len(exc.errors()) > 1 else ""
+    return SGLangError(f"{where}: field {field}: {err.get('msg')}, got {got[:80]}{more}", endpoint=endpoint)
+
+
+def _validated(model: Any, data: Any, where: str, endpoint: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc, where, endpoint) from None
+
+
 def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Optional[list[str]]:
     cfg: Optional[Mapping] = None
     if isinstance(draft_config, Mapping):
@@ -585,13 +653,11 @@ def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Option
             if path.is_dir():
                 path = path / "config.json"
             try:
-                cfg = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
+                cfg = loads_json(path.read_text())
+            except (OSError, ValueError):
                 cfg = None
-    if cfg is None:
-        return None
-    archs = cfg.get("architectures")
-    return list(archs) if archs else None
+    archs = cfg.get("architectures") if isinstance(cfg, Mapping) else None
+    return [str(a) for a in archs] if isinstance(archs, list) and archs else None
 
 
 def as_client(client_or_url: "SGLangClient | str", api_key: Optional[str] = None,

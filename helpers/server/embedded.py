@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..budget import Budget
 from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
@@ -239,6 +240,8 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
         api_key: passed as ``--api-key``; redacted from the log file.
         log_path: where the server log goes (default: a new temp file).
         timeout: seconds to wait for ``/health`` before giving up.
+        budget: the command's :class:`helpers.budget.Budget`: the wait for ``/health`` ends when it is spent,
+            whatever ``timeout`` says.
         python: interpreter of the SGLang venv (default ``env/reference/.venv/bin/python`` or
             ``$E3F_SGLANG_PYTHON``).
         env: extra environment variables for the server.
@@ -278,7 +281,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
           forward_hooks: Optional[list[dict]] = None, port: Optional[int] = None, *,
           dtype: str = "float32", max_total_tokens: int = 8192, return_hidden_states: bool = True,
           enable_metrics: bool = True, api_key: Optional[str] = None,
-          log_path: os.PathLike | str | None = None, timeout: float = 300.0,
+          log_path: os.PathLike | str | None = None, timeout: float = 300.0, budget: Optional[Budget] = None,
           python: os.PathLike | str | None = None, env: Optional[dict[str, str]] = None,
           cpus: Optional[Sequence[int]] = None, threads_per_rank: int = 1) -> ServerProcess:
     """One start attempt (see :func:`start`)."""
@@ -312,7 +315,6 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
                         max_total_tokens=max_total_tokens, return_hidden_states=return_hidden_states,
                         enable_metrics=enable_metrics, forward_hooks=forward_hooks, api_key=api_key,
                         extra_args=extra_args)
-    shown = [("<redacted>" if api_key and a == api_key else a) for a in cmd]
     server_env = dict(os.environ)
     for k in ("SGLANG_API_KEY",):
         server_env.pop(k, None)
@@ -331,12 +333,11 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
     if disabled and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:
         server_env["SGLANG_DISABLED_MODEL_ARCHS"] = disabled
     server_env.update(env or {})
-    secrets = [api_key] if api_key else []
-    handle = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=log_path, shown=shown, env=server_env,
-                           cwd=os.fspath(ROOT), secrets=secrets, port=port, tp=tp, spec=spec, target=target,
+    handle = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=log_path, env=server_env,
+                           cwd=os.fspath(ROOT), port=port, tp=tp, spec=spec, target=target,
                            draft=draft_path)
     try:
-        handle.wait_healthy(timeout, api_key=api_key, what="SGLang server")
+        handle.wait_healthy(timeout, api_key=api_key, what="SGLang server", budget=budget)
     except BaseException:
         handle.stop(timeout=5)
         raise

@@ -20,8 +20,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import httpx
 import psutil
 
+from ..budget import Budget, interrupted
 from ..errors import ServerStartError
-from .redaction import REDACTED
+from .redaction import argv_secrets, redact_argv, remember, scrub_bytes
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -37,9 +38,7 @@ def tail(path: Path, lines: int = 40) -> str:
 def _pump(stream, log_path: Path, secrets: list[str]) -> None:
     with open(log_path, "ab", buffering=0) as out:
         for raw in iter(stream.readline, b""):
-            for s in secrets:
-                raw = raw.replace(s.encode(), REDACTED.encode())
-            out.write(raw)
+            out.write(scrub_bytes(raw, secrets))
     stream.close()
 
 
@@ -54,40 +53,49 @@ class ServerProcess:
     """A server started from an argv, stopped by PID. Use as a context manager or call :meth:`stop`.
 
     Args:
-        argv: the command (no shell); ``shown`` is what the log and :attr:`command` show (secrets redacted).
+        argv: the command (no shell).
         url: the server's base URL once up.
-        log_path: the log file (created; appended to).
+        log_path: the log file (created; appended to); its first line is the command with the values of its secret
+            flags redacted (:func:`helpers.server.redaction.redact_argv`).
         env / cwd: environment and working folder of the process.
-        secrets: strings replaced by ``<redacted>`` in the log as it is written.
+        secrets: strings replaced by ``<redacted>`` in the log as it is written, besides the values of ``argv``'s
+            secret flags (``--api-key K``, ``--admin-api-key=K2``, ...) and every secret remembered by
+            :mod:`helpers.server.redaction`.
         info: extra attributes set on the handle (``port``, ``tp``, ``spec``, ``target``, ``draft`` ...).
 
-    Attributes: ``url``, ``pid`` (the leader), ``log_path``, ``command`` (shown argv), plus ``info``.
+    Attributes: ``url``, ``pid`` (the leader), ``log_path``, ``command`` (argv, secrets redacted), plus ``info``.
     """
 
-    def __init__(self, argv: Sequence[str], url: str, *, log_path: Path, shown: Optional[Sequence[str]] = None,
+    def __init__(self, argv: Sequence[str], url: str, *, log_path: Path,
                  env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, secrets: Iterable[str] = (),
                  **info: Any):
         self.argv = [str(a) for a in argv]
-        self.command = list(shown) if shown is not None else list(self.argv)
+        self.secrets = sorted({s for s in secrets if s} | set(argv_secrets(self.argv)), key=len, reverse=True)
+        remember(*self.secrets)
+        self.command = redact_argv(self.argv)
         self.url = url.rstrip("/")
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
         for k, v in info.items():
             setattr(self, k, v)
         with open(self.log_path, "ab") as fh:
             fh.write(("$ " + " ".join(self.command) + "\n").encode())
+        self._known: dict[int, psutil.Process] = {}
+        self._stopped = False
+        self._pump: Optional[threading.Thread] = None
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
                                      cwd=cwd, start_new_session=True)
         self.pid = self.proc.pid
-        self._pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, self.secrets),
-                                      daemon=True, name=f"server-log-{self.pid}")
-        self._pump.start()
-        self._known: dict[int, psutil.Process] = {}
-        self._stopped = False
-        _LIVE.add(self)
-        self._remember_tree()
+        _LIVE.add(self)                  # at once: a signal from here on finds it (stop_all) and stops it
+        try:
+            self._pump = threading.Thread(target=_pump, args=(self.proc.stdout, self.log_path, self.secrets),
+                                          daemon=True, name=f"server-log-{self.pid}")
+            self._pump.start()
+            self._remember_tree()
+        except BaseException:
+            self.stop(timeout=1)
+            raise
 
     def _remember_tree(self) -> None:
         try:
@@ -110,12 +118,16 @@ class ServerProcess:
         """The last ``lines`` lines of the log (secrets already redacted)."""
         return tail(self.log_path, lines)
 
-    def wait_healthy(self, timeout: float, *, api_key: Optional[str] = None, what: str = "server") -> None:
-        """Poll ``GET /health`` (5 s per request) until it answers 200.
+    def wait_healthy(self, timeout: float, *, api_key: Optional[str] = None, what: str = "server",
+                     budget: Optional[Budget] = None) -> None:
+        """Poll ``GET /health`` (5 s per request at most) until it answers 200, for ``timeout`` seconds and never past
+        ``budget`` (the command's :class:`helpers.budget.Budget`, e.g. ``investigate --timeout``).
 
         Raises:
-            ServerStartError: the process exited, or ``timeout`` seconds passed; the message holds the log tail.
+            ServerStartError: the process exited, ``timeout`` seconds passed or the budget was spent; the message
+                holds the log tail.
         """
+        budget = budget if budget is not None else Budget()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=5.0, headers=headers) as client:
@@ -126,26 +138,32 @@ class ServerProcess:
                                            "during startup", self.log_tail(), self.log_path)
                 self._remember_tree()
                 try:
-                    if client.get(self.url + "/health").status_code == 200:
+                    if client.get(self.url + "/health", timeout=max(0.05, budget.cap(5.0))).status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
+                if budget.spent():
+                    raise ServerStartError(str(budget.error(f"{what} (pid {self.pid}) not healthy at "
+                                                            f"{self.url}/health")), self.log_tail(), self.log_path)
                 if time.monotonic() > deadline:
                     raise ServerStartError(f"{what} (pid {self.pid}) not healthy at {self.url}/health after "
                                            f"{timeout:.0f} s", self.log_tail(), self.log_path)
-                time.sleep(1.0)
+                budget.sleep(1.0)
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the process and every process it started; idempotent.
 
         SIGTERM goes to the leader (SGLang then stops its schedulers and detokenizer); after ``timeout``
-        seconds, or if anything survives the leader, SIGKILL goes to the rest and to the process group.
+        seconds (1 s while this process is being interrupted: :func:`helpers.budget.interrupted`), or if anything
+        survives the leader, SIGKILL goes to the rest and to the process group.
 
         Raises:
             RuntimeError: a process of the tree is still alive afterwards.
         """
         if self._stopped:
             return
+        if interrupted():
+            timeout = min(timeout, 1.0)
         self._remember_tree()
         if self.is_alive():
             with contextlib.suppress(ProcessLookupError):
@@ -163,7 +181,8 @@ class ServerProcess:
         psutil.wait_procs(survivors, timeout=10)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        self._pump.join(timeout=5)
+        if self._pump is not None:
+            self._pump.join(timeout=min(timeout, 5))
         self._stopped = True
         _LIVE.discard(self)
         left = self.processes()
@@ -188,12 +207,40 @@ _LIVE: set[ServerProcess] = set()
 
 
 @atexit.register
-def _stop_all() -> None:
+def stop_all(timeout: float = 5.0) -> None:
+    """Stop every server this process started and has not stopped yet (at interpreter exit, and after a signal:
+    :func:`helpers.cli.common.run`); best effort, never raises."""
     for handle in list(_LIVE):
         try:
-            handle.stop(timeout=5)
+            handle.stop(timeout=timeout)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+
+def stop_descendants(timeout: float = 1.0) -> list[int]:
+    """Stop every process this process started that still runs -- children and their descendants, by PID, and the
+    process groups those lead -- SIGTERM, then SIGKILL after ``timeout`` seconds; returns their PIDs. What a command
+    does after SIGINT / SIGTERM, once its own clean-up ran (:func:`helpers.__main__.cli`): notebook workers and
+    their kernels, a server whose handle was never returned."""
+    try:
+        procs = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    leaders = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(p.pid) == p.pid:
+                leaders.append(p.pid)
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    for pgid in leaders:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=1.0)
+    return [p.pid for p in procs]
 
 
 def stop_pid(pid: int, timeout: float = 20.0) -> list[int]:

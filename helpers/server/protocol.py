@@ -1,11 +1,62 @@
-"""Typed models of SGLang's HTTP answers the suite reads (``/generate`` and its ``meta_info``), with the field
-aliases of older releases (shared/reference/sglang-facts.md §8).
+"""Typed models of SGLang's HTTP answers the suite reads (``/server_info``, ``/generate`` and its ``meta_info``),
+with the field aliases of older releases and the ranges a real server stays in: a count that sizes an array here
+(draft steps, TP ranks, histogram bins) is checked before it sizes anything, and spec counters no server can
+produce are named (:meth:`MetaInfo.spec_problem`).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..errors import printable
+
+#: Sane ranges of the counts a server reports (SGLang's own configs stay far below: num_steps <= 10, topk <= 10,
+#: draft tokens <= 64, TP 8-16): past them the answer is broken, not a server this suite can measure.
+MAX_NUM_STEPS = 64
+MAX_TOPK = 64
+MAX_DRAFT_TOKENS = 1024
+MAX_PARALLEL = 1024
+
+Count = Annotated[int, Field(ge=0)]
+
+
+class ServerInfo(BaseModel):
+    """The ``/server_info`` fields this suite reads, typed and range-checked; every other field is kept as is.
+
+    Built by ``sglang/srt/utils/common.py::build_server_info`` (``ServerArgs.resolved_dict()`` + ``launch_command``
+    + scheduler info); the types are those of the ServerArgs fields (``sglang/srt/arg_groups/fields/spec.py``,
+    ``parallel.py``, ``observability.py``). Counts are ints within :data:`MAX_NUM_STEPS`, :data:`MAX_TOPK`,
+    :data:`MAX_DRAFT_TOKENS`, :data:`MAX_PARALLEL` (a JSON ``3e6`` is the int 3000000, then out of range); text
+    fields shown to the user lose control characters (:func:`helpers.errors.printable`).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    version: Optional[str] = None
+    model_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_steps: Optional[int] = Field(None, ge=0, le=MAX_NUM_STEPS)
+    speculative_eagle_topk: Optional[int] = Field(None, ge=0, le=MAX_TOPK)
+    speculative_num_draft_tokens: Optional[int] = Field(None, ge=0, le=MAX_DRAFT_TOKENS)
+    speculative_adaptive: Optional[bool] = None
+    tp_size: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL)
+    dp_size: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL)
+    pp_size: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL)
+    max_running_requests: Optional[int] = Field(None, ge=0)
+    enable_return_hidden_states: Optional[bool] = None
+    enable_metrics: Optional[bool] = None
+    launch_command: Optional[Union[str, list[str]]] = None
+    forward_hooks: Optional[Union[list[dict[str, Any]], str]] = None
+    internal_states: Optional[list] = None
+
+    @field_validator("version", "model_path", "tokenizer_path", "speculative_algorithm",
+                     "speculative_draft_model_path")
+    @classmethod
+    def _printable(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else printable(v)
 
 #: Older meta_info names (sglang-facts §8) -> current name in 0.5.23.
 META_ALIASES = {
@@ -41,16 +92,16 @@ class MetaInfo(BaseModel):
 
     id: Optional[str] = None
     finish_reason: Any = None
-    prompt_tokens: Optional[int] = None
-    completion_tokens: Optional[int] = None
-    cached_tokens: Optional[int] = None
-    e2e_latency: Optional[float] = None
-    spec_verify_ct: Optional[int] = None
+    prompt_tokens: Optional[Count] = None
+    completion_tokens: Optional[Count] = None
+    cached_tokens: Optional[Count] = None
+    e2e_latency: Optional[float] = Field(None, ge=0)
+    spec_verify_ct: Optional[Count] = None
     spec_accept_length: Optional[float] = None
     spec_accept_rate: Optional[float] = None
-    spec_num_correct_drafts: Optional[int] = None
-    spec_num_proposed_drafts: Optional[int] = None
-    spec_correct_drafts_histogram: Optional[list[int]] = None
+    spec_num_correct_drafts: Optional[Count] = None
+    spec_num_proposed_drafts: Optional[Count] = None
+    spec_correct_drafts_histogram: Optional[list[Count]] = Field(None, max_length=MAX_NUM_STEPS + 1)
 
     @model_validator(mode="before")
     @classmethod
@@ -66,6 +117,38 @@ class MetaInfo(BaseModel):
     def has_spec_fields(self) -> bool:
         """True when the answer carries a positive ``spec_verify_ct`` (see class docstring)."""
         return bool(self.spec_verify_ct)
+
+    def spec_problem(self, num_steps: Optional[int]) -> Optional[str]:
+        """Why these spec counters cannot come from a server running ``num_steps`` draft steps (None: unknown), or
+        None when they can. Counts are already non-negative (the field types).
+
+        Each verify step accepts at most ``num_steps`` draft tokens (the chain length for topk 1, the tree depth
+        otherwise) and emits those plus one bonus token; the prefill samples one more token before any verify step
+        (``batch_result_processor.py``: ``spec_verify_ct += 1`` and ``update_spec_correct_drafts_histogram`` per
+        verify step; ``tokenizer_manager.py::_calculate_spec_decoding_metrics``). So: correct drafts <= proposed
+        drafts, correct drafts <= verify steps x num_steps, completion tokens <= verify steps x (num_steps + 1) + 1,
+        and the histogram has at most num_steps + 1 bins.
+        """
+        v, c, p = self.spec_verify_ct, self.spec_num_correct_drafts, self.spec_num_proposed_drafts
+        if not v:
+            return None
+        if c is not None and p is not None and c > p:
+            return (f"spec_num_correct_drafts {c} > spec_num_proposed_drafts {p} (more draft tokens accepted than "
+                    "proposed)")
+        if num_steps is None:
+            return None
+        hist = self.spec_correct_drafts_histogram
+        if hist is not None and len(hist) > num_steps + 1:
+            return (f"spec_correct_drafts_histogram has {len(hist)} bins, more than num_steps + 1 = {num_steps + 1} "
+                    "(a verify step accepts at most num_steps draft tokens)")
+        if c is not None and c > v * num_steps:
+            return (f"spec_num_correct_drafts {c} > {v} verify steps x {num_steps} draft steps (a verify step "
+                    "accepts at most num_steps draft tokens)")
+        ct = self.completion_tokens
+        if ct is not None and ct > v * (num_steps + 1) + 1:
+            return (f"{ct} completion tokens from {v} verify steps (at most {num_steps + 1} tokens each with "
+                    f"num_steps {num_steps}, plus the prefill token: {v * (num_steps + 1) + 1})")
+        return None
 
 
 class GenerateResult(BaseModel):

@@ -1,10 +1,18 @@
-"""Secrets out of everything the suite keeps or shows: server answers (``/server_info`` holds ``api_key`` and
-``launch_command`` holds ``--api-key VALUE`` in clear text), launch commands, URLs (credentials, query).
+"""Secrets out of everything the suite keeps or shows: the one redaction, used for server answers (``/server_info``
+holds ``api_key`` / ``admin_api_key`` in clear text, ``launch_command`` holds ``--api-key VALUE``, and any field may
+use a key as a dict key), launch commands and argv (:func:`redact_argv`, :func:`argv_secrets`), server logs
+(:func:`scrub_bytes`), error messages (:func:`scrub`), every text file the suite writes
+(``helpers.runfiles.atomic_write_text`` scrubs :func:`known_secrets`) and URLs (credentials, query).
+
+Every secret value met once (the client's API key, a secret flag's value in a launch command, a value held under a
+secret key of a server answer) is remembered for the life of the process (:func:`remember`), so a key that shows up
+later somewhere else (a server's own log line, a dict key, an error body) is scrubbed there too.
 """
 from __future__ import annotations
 
 import re
 import shlex
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
@@ -26,33 +34,104 @@ SECRET_FLAG_RE = re.compile(
 
 REDACTED = "<redacted>"
 
+#: Shorter values are not scrubbed from free text (a 1-3 character "secret" would be replaced inside every word); the
+#: flag and field rules still hide them where they stand.
+MIN_SECRET_LEN = 4
+
+_KNOWN: set[str] = set()
+_LOCK = threading.Lock()
+
+
+def remember(*secrets: str | None) -> None:
+    """Add secret values (strings of at least :data:`MIN_SECRET_LEN` characters; others are ignored) to those scrubbed
+    from every text by :func:`scrub`, for the life of the process."""
+    new = {s for s in secrets if isinstance(s, str) and len(s) >= MIN_SECRET_LEN and s != REDACTED}
+    if new - _KNOWN:
+        with _LOCK:
+            _KNOWN.update(new)
+
+
+def known_secrets() -> list[str]:
+    """The secrets remembered so far, longest first (do not print)."""
+    return sorted(_KNOWN, key=len, reverse=True)
+
+
+def scrub(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every remembered secret and every one of ``secrets`` replaced by ``<redacted>``."""
+    extra = [s for s in secrets if s]
+    for secret in sorted(set(extra) | _KNOWN, key=len, reverse=True) if (extra or _KNOWN) else ():
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def scrub_bytes(data: bytes, secrets: Iterable[str] = ()) -> bytes:
+    """Bytes version of :func:`scrub` (a server's log output; secrets as UTF-8)."""
+    extra = [s for s in secrets if s]
+    for secret in sorted(set(extra) | _KNOWN, key=len, reverse=True) if (extra or _KNOWN) else ():
+        raw = secret.encode()
+        if raw in data:
+            data = data.replace(raw, REDACTED.encode())
+    return data
+
 
 def is_secret_key(name: str) -> bool:
     """True when a dict key / ServerArgs field name names a secret (see :data:`SECRET_KEY_RE`)."""
     return bool(SECRET_KEY_RE.search(str(name).lower()))
 
 
-def redact_argv(argv: Sequence[str] | str) -> list[str]:
-    """Replace the value of every secret flag (``--api-key X``, ``--api-key=X``) by ``<redacted>``.
-
-    Accepts an argv list or a command string (split with :func:`shlex.split`).
-    """
-    args = shlex.split(argv) if isinstance(argv, str) else list(argv)
+def _split_secret_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(argv with secret flag values replaced, the values replaced)."""
     out: list[str] = []
+    values: list[str] = []
     hide_next = False
     for a in args:
         if hide_next:
             out.append(REDACTED)
+            values.append(a)
             hide_next = False
             continue
         if a.startswith("-") and "=" in a and SECRET_FLAG_RE.match(a.split("=", 1)[0]):
-            out.append(a.split("=", 1)[0] + "=" + REDACTED)
+            name, value = a.split("=", 1)
+            out.append(name + "=" + REDACTED)
+            values.append(value)
         elif a.startswith("-") and SECRET_FLAG_RE.match(a):
             out.append(a)
             hide_next = True
         else:
             out.append(a)
-    return out
+    return out, values
+
+
+def _args(argv: Sequence[str] | str) -> list[str]:
+    return shlex.split(argv) if isinstance(argv, str) else [str(a) for a in argv]
+
+
+def redact_argv(argv: Sequence[str] | str) -> list[str]:
+    """Replace the value of every secret flag (``--api-key X``, ``--api-key=X``, ``--admin-api-key X``,
+    ``--hf-token=X``, ...: :data:`SECRET_FLAG_RE`) by ``<redacted>``; remembered secrets are scrubbed from the other
+    words too.
+
+    Accepts an argv list or a command string (split with :func:`shlex.split`; ValueError on unbalanced quotes).
+    """
+    out, values = _split_secret_flags(_args(argv))
+    remember(*values)
+    return [a if a == REDACTED else scrub(a) for a in out]
+
+
+def argv_secrets(argv: Sequence[str] | str) -> list[str]:
+    """The values of the secret flags of ``argv`` (what :func:`redact_argv` hides); remembered for :func:`scrub`.
+    A command string that does not split (unbalanced quotes) gives the values the fallback of
+    :func:`redact_command` finds."""
+    try:
+        values = _split_secret_flags(_args(argv))[1]
+    except ValueError:
+        values = [m.group(2) for m in _FALLBACK_RE.finditer(str(argv))]
+    remember(*values)
+    return values
+
+
+_FALLBACK_RE = re.compile(r"(--?[\w-]*(?:api[-_]key|password|secret|token)[= ]+)(\S+)", re.I)
 
 
 def redact_command(command: str) -> str:
@@ -60,26 +139,47 @@ def redact_command(command: str) -> str:
     try:
         return " ".join(a if REDACTED in a else shlex.quote(a) for a in redact_argv(command))
     except ValueError:  # unbalanced quotes: fall back to a regex on the raw text
-        return re.sub(r"(--?[\w-]*(?:api[-_]key|password|secret|token)[= ]+)(\S+)", r"\1" + REDACTED,
-                      command, flags=re.I)
+        argv_secrets(command)
+        return scrub(_FALLBACK_RE.sub(r"\1" + REDACTED, command))
+
+
+#: fields of a server answer or a record that hold a launch command (a string or an argv list)
+COMMAND_FIELDS = ("launch_command", "command", "argv")
+
+
+def _values(o: Any) -> Iterable[str]:
+    """Every string value held in ``o`` (nested; dict keys are names, not values)."""
+    if isinstance(o, str):
+        yield o
+    elif isinstance(o, Mapping):
+        for v in o.values():
+            yield from _values(v)
+    elif isinstance(o, (list, tuple, set)):
+        for v in o:
+            yield from _values(v)
 
 
 def redact(obj: Any, secrets: Iterable[str] = ()) -> Any:
-    """Deep copy of ``obj`` without secrets.
+    """Deep copy of ``obj`` (mappings, lists, tuples, strings, numbers; nested) without secrets.
 
-    * dict keys matching :func:`is_secret_key` are dropped (their string values are also
-      scrubbed from every other string, e.g. from ``launch_command``);
-    * ``launch_command`` / ``command`` strings and argv lists get :func:`redact_argv`;
-    * every string has each value of ``secrets`` (e.g. the client's API key) replaced by
-      ``<redacted>``.
+    * dict entries whose key matches :func:`is_secret_key` are dropped, and every string held under them (nested too)
+      is remembered (:func:`remember`) and scrubbed from every other string and dict key;
+    * ``launch_command`` / ``command`` / ``argv`` strings and argv lists get :func:`redact_argv`, and their secret flag
+      values are scrubbed everywhere else too;
+    * every string and every string dict key has each value of ``secrets`` (e.g. the client's API key) and each
+      remembered secret replaced by ``<redacted>`` (a key that becomes equal to another gets ``-2``, ``-3``, ...).
     """
     found: set[str] = {s for s in secrets if s}
 
     def collect(o: Any) -> None:
         if isinstance(o, Mapping):
             for k, v in o.items():
-                if is_secret_key(k) and isinstance(v, str) and len(v) >= 4 and v != REDACTED:
-                    found.add(v)
+                if is_secret_key(k):
+                    found.update(_values(v))
+                elif str(k) in COMMAND_FIELDS and (isinstance(v, str) or
+                                                   (isinstance(v, (list, tuple)) and
+                                                    all(isinstance(x, str) for x in v))):
+                    found.update(argv_secrets(v))
                 else:
                     collect(v)
         elif isinstance(o, (list, tuple)):
@@ -87,24 +187,34 @@ def redact(obj: Any, secrets: Iterable[str] = ()) -> Any:
                 collect(v)
 
     collect(obj)
-    ordered = sorted(found, key=len, reverse=True)
+    remember(*found)
+    found = {s for s in found if len(s) >= MIN_SECRET_LEN and s != REDACTED} | set(secrets or ())
 
-    def scrub(s: str) -> str:
-        for secret in ordered:
-            s = s.replace(secret, REDACTED)
-        return s
+    def key_of(k: Any, taken: dict) -> Any:
+        if not isinstance(k, str):
+            return k
+        new = scrub(k, found)
+        i = 1
+        while new in taken:
+            i += 1
+            new = f"{scrub(k, found)}-{i}"
+        return new
 
     def walk(o: Any, key: str = "") -> Any:
         if isinstance(o, Mapping):
-            return {k: walk(v, str(k)) for k, v in o.items() if not is_secret_key(k)}
+            out: dict = {}
+            for k, v in o.items():
+                if not is_secret_key(k):
+                    out[key_of(k, out)] = walk(v, str(k))
+            return out
         if isinstance(o, (list, tuple)):
-            if key in ("launch_command", "command", "argv") and all(isinstance(x, str) for x in o):
-                return [scrub(x) for x in redact_argv(list(o))]
+            if key in COMMAND_FIELDS and all(isinstance(x, str) for x in o):
+                return [scrub(x, found) for x in redact_argv(list(o))]
             return [walk(v) for v in o]
         if isinstance(o, str):
             if key in ("launch_command", "command"):
                 o = redact_command(o)
-            return scrub(o)
+            return scrub(o, found)
         return o
 
     return walk(obj)

@@ -9,7 +9,6 @@ stored (the server is restarted with the key from the environment variable the c
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +17,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from ..paths import OUTPUTS
-from ..runfiles import write_json
+from ..runfiles import loads_json, write_json
 
 
 def registry_dir() -> Path:
@@ -53,7 +52,7 @@ def lookup(url: str) -> Optional[dict]:
         return None
     path = state_path(port)
     try:
-        doc = json.loads(path.read_text())
+        doc = loads_json(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(doc, dict) or _port(str(doc.get("url", ""))) != port:

@@ -3,7 +3,6 @@ CDN, widgets replaced by a note above the view they redraw), and the checks ever
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -50,7 +49,6 @@ def export_html(notebook: Path, out: Path) -> int:
                             extra_template_basedirs=[str(ROOT / "helpers" / "templates")])
     body, _ = exporter.from_notebook_node(nb)
     atomic_write_text(out, body)
-    os.chmod(out, 0o644)  # pages are meant to be shared (temp files are created 0600)
     return out.stat().st_size
 
 

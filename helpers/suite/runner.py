@@ -46,7 +46,7 @@ import weakref
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import papermill as pm
 import yaml
@@ -54,7 +54,8 @@ from jupyter_client.manager import KernelManager
 from tqdm import tqdm
 
 from ..capture import server_hook_specs
-from ..errors import BadParams
+from ..errors import BadParams, describe
+from ..formats.configs import read_target_config
 from ..paths import ROOT
 from ..records import ReplayDoc
 from ..runfiles import atomic_write_text, mark_failed, new_run_dir, write_json
@@ -145,7 +146,7 @@ def _start_managed(m: ManagedServer, run_dir: Path):
     draft = None
     if m.draft:
         draft = (ROOT / m.draft) if not Path(m.draft).is_absolute() else Path(m.draft)
-    n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    n = read_target_config(target).num_hidden_layers
     hooks = server_hook_specs(n, faults=m.faults, rank_capture_dir=run_dir / "capture" / "managed" / "ranks",
                               layers_dir=run_dir / "capture" / "managed" / "layers")
     spec = SpecSettings(**m.spec) if draft else None
@@ -188,7 +189,7 @@ def _run_parallel(stage: list[str], submit, record, jobs: int, needs: dict[str, 
     pending = list(stage)
     done: set[str] = set()
     running: dict = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with _pool(jobs) as pool:
         while pending or running:
             for nb in list(pending):
                 if len(running) >= jobs:
@@ -208,6 +209,22 @@ def _run_parallel(stage: list[str], submit, record, jobs: int, needs: dict[str, 
                 except Exception as exc:  # noqa: BLE001 - the child process itself died
                     entry = {"notebook": nb, "ok": False, **_failure(exc)}
                 record(nb, entry)
+
+
+@contextlib.contextmanager
+def _pool(jobs: int) -> Iterator[ProcessPoolExecutor]:
+    """A spawn-context process pool, shut down with the block; on Ctrl-C / SIGTERM (a KeyboardInterrupt) not waited
+    for: its notebooks are left to :func:`helpers.server.process.stop_descendants`, the command ends at once (an
+    executor's own ``with`` waits until every running notebook finished)."""
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    interrupted = False
+    try:
+        yield pool
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
 
 
 def _execute_child(nb: str, src: str, run_dir: str, nb_params: dict, timeout: int) -> dict:
@@ -265,7 +282,7 @@ def run_suite(params_path: str | os.PathLike, out: Optional[str | os.PathLike] =
     except BaseException as exc:
         run_dir = holder.get("run_dir")
         if run_dir is not None:   # a run that broke off (a full disk, Ctrl-C): never left looking like a result
-            mark_failed(run_dir, f"suite: {type(exc).__name__}: {exc}"[:2000])
+            mark_failed(run_dir, f"suite: {describe(exc)}"[:2000])
         raise
 
 
@@ -407,4 +424,3 @@ def _fallback_postmortem(run_dir: Path, status: dict) -> None:
 <table><tr><th>notebook</th><th>status</th><th>wall s</th><th>error</th></tr>{''.join(rows)}</table>
 </body></html>"""
     atomic_write_text(run_dir / "postmortem.html", body)
-    os.chmod(run_dir / "postmortem.html", 0o644)

@@ -14,6 +14,7 @@ from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..runfiles import safe_name
+from .budget import budget_parts
 from .common import RunContext, connect, read_json_file
 from .investigation import load_investigation
 
@@ -106,12 +107,11 @@ def measured_fixes(run_dir: Path, ledger: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
-def acceptance_budget(run_dir: Path) -> pd.DataFrame:
-    """The investigation's acceptance budget (``investigation.json`` key ``acceptance``) as a table of its ``stages``:
-    ``stage`` (name) and ``accept length`` (tokens per verify step); empty when the investigation has none. The hook
-    the acceptance page shows; more columns of a stage can be added here."""
+def acceptance_budget(run_dir: Path) -> list:
+    """The investigation's acceptance budget (``investigation.json`` key ``acceptance``) as the page parts of
+    :func:`helpers.views.budget.budget_parts` (a heading, the sentence, stages with CIs, the waterfall and ladder,
+    losses, other settings, the fix proven offline); an empty list when the investigation has none."""
     doc = load_investigation(run_dir)
-    budget = doc.model_dump(mode="json").get("acceptance") if doc is not None else None
-    stages = (budget or {}).get("stages") or [] if isinstance(budget, dict) else []
-    return pd.DataFrame([{"stage": s.get("name"), "accept length": s.get("accept_length")} for s in stages
-                         if isinstance(s, dict)])
+    if doc is None or not doc.acceptance:
+        return []
+    return ["<h3>Acceptance budget: where the accept length goes</h3>"] + budget_parts(doc.acceptance)

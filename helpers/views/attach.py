@@ -12,7 +12,7 @@ import pandas as pd
 from ..acceptance.measure import server_snapshot
 from ..diagnosis.static import plans_frame_rows, static_check
 from ..formats.training_data import TrainingData
-from ..runfiles import safe_name
+from ..runfiles import loads_json, safe_name
 from ..server.redaction import redact_url
 from .common import (
     RunContext,
@@ -47,7 +47,7 @@ def server_facts(info: Optional[Mapping[str, Any]]) -> pd.DataFrame:
         v = info[k]
         if k == "forward_hooks" and v:
             try:
-                hooks = json.loads(v) if isinstance(v, str) else v
+                hooks = loads_json(v) if isinstance(v, str) else v
                 v = ", ".join(str(h.get("name")) for h in hooks)
             except (ValueError, AttributeError, TypeError):
                 v = str(v)[:200]

@@ -37,7 +37,6 @@ import ipywidgets as W
 import numpy as np
 import pandas as pd
 import plotly.io as pio
-import yaml
 from IPython import get_ipython
 from IPython.display import HTML, display
 from plotly.basedatatypes import BaseFigure
@@ -49,7 +48,7 @@ from ..errors import BadInput, CaseError
 from ..investigation.cases import Models, load_case
 from ..paths import ROOT, outputs_dir
 from ..records import NOTEBOOK_RESULT, ReplayDoc
-from ..runfiles import atomic_write_new, jsonable, new_run_dir
+from ..runfiles import atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_json, write_json
 from ..server.client import SGLangClient
 
 DEFAULT_TARGET = "env/models/target"
@@ -427,9 +426,10 @@ class RunContext:
 
 
 def read_json_file(path: Path) -> Optional[dict]:
-    """JSON content of ``path`` (NaN allowed), None when absent or unreadable."""
+    """JSON content of ``path`` (NaN allowed; :func:`helpers.runfiles.read_json`, depth bounded), None when absent,
+    unreadable, not JSON or nested too deeply."""
     try:
-        return json.loads(Path(path).read_text())
+        return read_json(path)
     except (OSError, ValueError):
         return None
 
@@ -522,10 +522,8 @@ def _case_models(path: Path):
 
 
     try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        return Models.model_validate(raw.get("models") or {})
-    except yaml.YAMLError as exc:
-        raise CaseError(f"case file {path} is not valid YAML: {exc}") from None
+        raw = load_yaml_text(Path(path).read_text(), "case file", path=path, error=CaseError) or {}
+        return Models.model_validate((raw.get("models") if isinstance(raw, dict) else None) or {})
     except ValidationError as exc:
         raise CaseError(f"case file {path}: field 'models': {exc.errors()[0]['msg']}") from None
 

@@ -16,7 +16,8 @@ import plotly.io as pio
 from ..errors import BadInput
 from ..investigation.live import investigate
 from ..records import HypothesisStep, InvestigationDoc
-from ..runfiles import atomic_write_text
+from ..runfiles import atomic_write_text, read_json_file
+from .budget import budget_parts
 from .common import _CSS, RunContext, as_path, esc, findings_frame, plotlyjs_html, run_dir_line, table_html
 
 
@@ -24,7 +25,7 @@ def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
     """``run_dir/investigation.json`` typed, or None when absent / unreadable."""
     p = Path(run_dir) / "investigation.json"
     try:
-        return InvestigationDoc.model_validate(json.loads(p.read_text()))
+        return InvestigationDoc.model_validate(read_json_file(p, "investigation record"))
     except (OSError, ValueError):
         return None
 
@@ -190,6 +191,8 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[
         parts.append(f"<p>Measured by {esc(m['measured_by'])}.</p>")
     else:
         parts.append(f"<p>Not measured: {esc(m.get('not_measured') or m.get('error') or 'no measurement')}</p>")
+    parts.append("<h3>Acceptance budget: where the accept length goes</h3>")
+    parts += budget_parts(doc.acceptance)
     parts.append("<h3>What the server runs</h3>")
     parts.append(table_html(facts_frame(doc), max_rows=40))
     if doc.error:

@@ -1,4 +1,5 @@
-"""Shared test helpers (tiny models, diagnosis cases, realistic data, headless browser) and the test tree's paths."""
+"""Shared test helpers (tiny models, diagnosis cases, realistic data, headless browser, hostile inputs) and the test
+tree's paths."""
 from __future__ import annotations
 
 import importlib.util
@@ -34,3 +35,13 @@ def import_from(folder: Path, name: str) -> ModuleType:
         sys.modules.pop(name, None)
         raise
     return module
+
+
+def alias_bomb(levels: int = 9, indent: str = "") -> str:
+    """YAML of ``levels`` lines that expand to 9 ** levels strings through aliases (a "billion laughs")."""
+    lines = [f'{indent}a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    prev = "a"
+    for n in "bcdefghijk"[:levels - 1]:
+        lines.append(f"{indent}{n}: &{n} [" + ",".join([f"*{prev}"] * 9) + "]")
+        prev = n
+    return "\n".join(lines) + "\n"

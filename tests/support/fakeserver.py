@@ -4,7 +4,23 @@
 Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states), ``hang`` (/generate never answers),
 ``trickle`` (/generate sends one byte every 0.5 s, forever), ``die`` (the process exits at the 3rd /generate),
 ``oversize`` (/server_info is 20 MiB; /generate rows are 200000 wide), ``malformed`` (/generate answers without
-``meta_info``, or with wrong types).
+``meta_info``, or with wrong types), and (issue 21):
+
+* ``keyed``: needs ``Authorization: Bearer KEY`` (``--api-key KEY``, default :data:`KEY`) like SGLang with
+  ``--api-key``; its ``/server_info`` holds the key and the admin key (``--admin-api-key``, default :data:`ADMIN_KEY`)
+  in clear as values, inside ``launch_command``, and as dict keys (nested); it prints its argv at start, as SGLang
+  prints its server args;
+* ``impossible``: every 2nd ``/generate`` carries spec counters no server can produce (cycling: more correct drafts
+  than proposed, negative counters, more tokens than the verify steps can emit, a histogram longer than
+  num_steps + 1);
+* ``deep``: every 2nd ``/generate`` answer is JSON nested 200000 deep;
+* ``hugesteps``: ``/server_info`` reports ``speculative_num_steps`` 3e6; ``infolist``: ``/server_info`` is a JSON
+  list; ``tpstring``: ``tp_size`` is ``"two"``; ``redirect``: every endpoint but /health answers 307 with a JSON body;
+* ``escape``: ``/generate`` answers 400 with terminal escape sequences in its body (screen clear, window title,
+  OSC 52 clipboard).
+
+Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``); other
+flags (``--speculative-draft-model-path D`` from a relaunch) are ignored.
 """
 from __future__ import annotations
 
@@ -20,6 +36,19 @@ from pathlib import Path
 
 H = 16
 STATE = {"generate": 0}
+#: the API keys of mode ``keyed`` unless --api-key / --admin-api-key say otherwise
+KEY = "sk-fake-7d1e0c9a4b"
+ADMIN_KEY = "adm-fake-3b8f2a6e51"
+KEYS = {"api_key": KEY, "admin_api_key": ADMIN_KEY}
+#: what mode ``escape`` puts in its error bodies: clear screen, set the window title, write the clipboard (OSC 52)
+ESCAPES = "\x1b[2J\x1b[H\x1b]0;owned\x07\x1b]52;c;ZWNobyBvd25lZA==\x07\x9b31m"
+#: every 2nd answer of mode ``impossible``, in turn
+IMPOSSIBLE = (
+    {"spec_num_correct_drafts": 50, "spec_num_proposed_drafts": 3},
+    {"completion_tokens": -20},
+    {"completion_tokens": 64, "spec_verify_ct": 2, "spec_num_correct_drafts": 2, "spec_num_proposed_drafts": 6},
+    {"spec_correct_drafts_histogram": [0, 1, 0, 0, 0, 0, 1]},
+)
 
 
 def server_info(mode: str) -> dict:
@@ -28,7 +57,20 @@ def server_info(mode: str) -> dict:
             "speculative_draft_model_path": "/nonexistent/draft", "launch_command": "--port 1"}
     if mode == "oversize":
         info["padding"] = "x" * (20 << 20)
+    if mode == "keyed":
+        k, k2 = KEYS["api_key"], KEYS["admin_api_key"]
+        info.update(api_key=k, admin_api_key=k2, launch_command=f"sglang --port 1 --api-key {k} --admin-api-key={k2}",
+                    lora_paths={k: "/adapters/a", "plain": f"/adapters/{k2}"},
+                    internal_states=[{"avg_spec_accept_length": 2.0, "tenants": {k2: {"note": f"Bearer {k}"}}}])
+    if mode == "hugesteps":
+        info["speculative_num_steps"] = 3e6
+    if mode == "tpstring":
+        info["tp_size"] = "two"
     return info
+
+
+def _deep(levels: int) -> bytes:
+    return b"[" * levels + b"]" * levels
 
 
 def generate_answer(body: dict, mode: str) -> dict:
@@ -39,6 +81,8 @@ def generate_answer(body: dict, mode: str) -> dict:
             "finish_reason": {"type": "length"}, "spec_verify_ct": max(1, n_new // 2),
             "spec_num_correct_drafts": n_new // 2, "spec_num_proposed_drafts": 3 * max(1, n_new // 2),
             "spec_correct_drafts_histogram": [0, max(1, n_new // 2), 0, 0]}
+    if mode == "impossible" and STATE["generate"] % 2 == 0:
+        meta.update(IMPOSSIBLE[(STATE["generate"] // 2 - 1) % len(IMPOSSIBLE)])
     if body.get("return_hidden_states"):
         block = [[0.01 * (t + 1)] * width for t in range(len(ids))]
         meta["hidden_states"] = [block] + [[0.02] * width for _ in range(n_new - 1)]
@@ -54,20 +98,36 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # quiet
         pass
 
-    def _json(self, obj, status=200):
-        data = json.dumps(obj).encode()
+    def _json(self, obj, status=200, headers=()):
+        data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in headers:
+            self.send_header(k, v)
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self) -> bool:
+        """Answer 401 (mode keyed, wrong or no key) or 307 (mode redirect) and return True; else False."""
+        if self.path == "/health":
+            return False
+        if self.mode == "keyed" and self.headers.get("Authorization") != f"Bearer {KEYS['api_key']}":
+            self._json({"error": "Unauthorized"}, 401)
+            return True
+        if self.mode == "redirect":
+            self._json(server_info("ok"), 307, [("Location", "http://127.0.0.1:1/elsewhere")])
+            return True
+        return False
+
     def do_GET(self):
         self.path = self.path.split("?")[0]
+        if self._refused():
+            return None
         if self.path in ("/health", "/flush_cache"):
             return self._json({})
         if self.path in ("/server_info", "/get_server_info"):
-            return self._json(server_info(self.mode))
+            return self._json([server_info("ok")] if self.mode == "infolist" else server_info(self.mode))
         if self.path in ("/model_info", "/get_model_info"):
             return self._json({"model_path": "/nonexistent/target", "architectures": ["LlamaForCausalLM"]})
         if self.path == "/metrics":
@@ -82,6 +142,8 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         self.path = self.path.split("?")[0]
+        if self._refused():
+            return None
         if self.path == "/flush_cache":
             return self._json({})
         if self.path != "/generate":
@@ -102,6 +164,15 @@ class Handler(BaseHTTPRequestHandler):
         if self.mode == "malformed":
             return self._json({"text": "x", "output_ids": [1]} if STATE["generate"] % 2
                               else {"text": "x", "output_ids": "nope", "meta_info": {"completion_tokens": "many"}})
+        if self.mode == "escape":
+            data = f"bad request {ESCAPES} end".encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            return self.wfile.write(data)
+        if self.mode == "deep" and STATE["generate"] % 2 == 0:
+            return self._json(_deep(200000))
         self._json(generate_answer(body, self.mode))
 
 
@@ -135,7 +206,22 @@ def fake_server(mode: str):
 
 
 def main() -> None:
-    mode, port = sys.argv[1], int(sys.argv[2])
+    args = sys.argv[1:]
+    mode, rest, port = args[0], args[1:], None
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        name, eq, value = a.partition("=")
+        if name in ("--port", "--api-key", "--admin-api-key") and not eq:
+            value, i = rest[i + 1], i + 1
+        if name == "--port":
+            port = int(value)
+        elif name in ("--api-key", "--admin-api-key"):
+            KEYS[name[2:].replace("-", "_")] = value
+        elif i == 0 and a.isdigit():
+            port = int(a)
+        i += 1
+    print(f"fake server {mode} on 127.0.0.1:{port}: argv {sys.argv}; keys {KEYS}", flush=True)
     Handler.mode = mode
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 

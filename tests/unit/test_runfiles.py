@@ -13,6 +13,7 @@ import torch
 
 from helpers.errors import BadInput
 from helpers.runfiles import atomic_write_text, jsonable, read_json_file
+from support import alias_bomb
 
 
 def test_atomic_write_mode_follows_the_umask(tmp_path):
@@ -43,3 +44,45 @@ def test_read_json_file_errors_name_the_file(tmp_path, text, needle):
     assert needle in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(BadInput, match="not found"):
         read_json_file(tmp_path / "missing.json", "draft config")
+
+
+def test_yaml_aliases_are_bounded(tmp_path):
+    """Issue 21, cause 5: a 10-line alias bomb (9^9 leaves) and a self-referencing alias are refused by the one YAML
+    loader with one line naming the file, at once and without growing memory; ordinary aliases still work."""
+    from pydantic import BaseModel, ConfigDict
+
+    from helpers.runfiles import MAX_YAML_NODES, load_yaml_model
+
+    class Doc(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    with pytest.raises(BadInput, match=rf"bomb.yaml: params file: its aliases expand to more than {MAX_YAML_NODES}"):
+        load_yaml_model(bomb, Doc, what="params file")
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("a: &a [1, *a]\n")
+    with pytest.raises(BadInput, match="loop.yaml: params file: an alias refers to a node that contains it"):
+        load_yaml_model(loop, Doc, what="params file")
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("base: &b {steps: 3, topk: 1}\nfix: *b\nmore: [*b, *b]\n")
+    assert load_yaml_model(ok, Doc, what="params file").model_dump()["more"] == [{"steps": 3, "topk": 1}] * 2
+
+
+def test_json_depth_is_bounded(tmp_path):
+    """Issue 21, cause 5: JSON nested deeper than MAX_JSON_DEPTH (even where Python's parser would cope) is refused
+    with the file named; the parser's own RecursionError never escapes."""
+    from helpers.runfiles import MAX_JSON_DEPTH, JSONTooDeep, loads_json
+
+    for depth in (MAX_JSON_DEPTH + 1, 400, 200000):
+        text = '{"a": ' * depth + "1" + "}" * depth
+        p = tmp_path / "deep.json"
+        p.write_text(text)
+        with pytest.raises(BadInput, match=rf"deep.json: manifest nests arrays/objects too deeply "
+                                           rf"\(more than {MAX_JSON_DEPTH} levels\)"):
+            read_json_file(p, "manifest")
+        with pytest.raises(JSONTooDeep):
+            loads_json(text.encode())
+    wide = {"rows": [[0.5] * 1000 for _ in range(100)], "deep": [[[[[[1]]]]]]}
+    import json as _json
+    assert loads_json(_json.dumps(wide)) == wide

@@ -139,7 +139,8 @@ def test_tolerance_from_dtype():
 
 def test_streaming_keeps_a_bounded_number_of_samples_alive():
     """Training samples are loaded one at a time and released: at most 2 loaded training tensors are alive
-    at any point, whatever the number of samples."""
+    at any point, whatever the number of samples (also when a block the calling thread stole stays queued for a slow
+    worker: its work item holds the block, not the tensors)."""
     H, L, N = 8, 10, 40
     alive = {"now": 0, "max": 0}
 

@@ -1,7 +1,8 @@
-"""Reliability against misbehaving servers and repeated runs (issue 13), with small fake servers on 127.0.0.1
+"""Reliability against misbehaving servers and repeated runs (issues 13 and 21), with small fake servers on 127.0.0.1
 (tests/support/fakeserver.py, stopped by PID): overall deadlines, size limits, malformed answers, a server dying
-mid-run, repeated labels, a full disk. Every failure is one line ``<command>: error: ...`` with exit 1 (server or
-run failure) or 2 (bad input), within seconds."""
+mid-run, repeated labels, a full disk; keyed servers and relaunch commands (no key in any file), YAML alias bombs,
+deep JSON, absurd or malformed /server_info, redirects, impossible spec counters, escape sequences. Every failure is
+one line ``<command>: error: ...`` with exit 1 (server or run failure) or 2 (bad input), within seconds."""
 from __future__ import annotations
 
 import json
@@ -13,23 +14,17 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 from helpers.__main__ import main
-from helpers.formats.dumps import write_dump
 from support import ROOT
+from support.fakerun import write_training
 from support.fakeserver import H, fake_server
 
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory) -> Path:
     """A 3-chunk, 16-wide training dump of two samples (the fake server's width)."""
-    out = tmp_path_factory.mktemp("train") / "train"
-    g = torch.Generator().manual_seed(0)
-    samples = [{"key": f"s{i}", "input_ids": torch.arange(5) + i, "hidden": torch.randn(5, 3 * H, generator=g)}
-               for i in range(2)]
-    return write_dump(out, samples, {"kind": "training", "hidden_size": H,
-                                     "layer_plan": {"tensors": ["out(1)", "out(3)", "out(4)"]}})
+    return write_training(tmp_path_factory.mktemp("train") / "train")
 
 
 def _one_line_error(capsys, prog: str) -> str:
@@ -181,3 +176,151 @@ def test_a_failed_run_folder_is_removed_when_empty_or_marked(tmp_path, training,
     assert rc == 1 and "cannot connect" in line, line
     (run,) = list((tmp_path / "runs").iterdir())
     assert (run / "FAILED").exists() and json.loads((run / "investigation.json").read_text())["error"]
+
+
+# ---------------------------------------------------------------------------------------------------- issue 21 (B)
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    """A config-only 6-layer target of the fake server's width and an EAGLE-3 draft whose ids ([0, 2, 3]) differ from
+    the training data's (out(1), out(3), out(4)): investigate proposes new ids and relaunches."""
+    from support.tinymodels import build_eagle3_draft
+
+    root = tmp_path_factory.mktemp("models")
+    target = root / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": 32,
+        "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64,
+        "max_position_embeddings": 256, "torch_dtype": "float32"}))
+    return target, build_eagle3_draft(root / "draft", target, layer_ids=[0, 2, 3], draft_vocab=32)
+
+
+def test_no_api_key_reaches_any_file_of_a_run(training, models, tmp_path, capsys, monkeypatch):
+    """Cause 4: a keyed server whose /server_info holds both keys as values, in its launch_command and as (nested)
+    dict keys; investigate relaunches it with a command carrying ``--api-key K --admin-api-key=K2`` (the relaunched
+    server prints its argv); capture and measure write into the same run folder. No file holds either key."""
+    from support.fakeserver import ADMIN_KEY, KEY
+
+    target, draft = models
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+    script = Path(__file__).resolve().parents[2] / "support" / "fakeserver.py"
+    relaunch = f"{sys.executable} {script} keyed --api-key {KEY} --admin-api-key={ADMIN_KEY}"
+    from helpers.cli.investigate import build_parser     # the acceptance budget, where there is one, needs weights
+    no_budget = [a for a in ("--no-budget",) if a in build_parser().format_help()]
+    with fake_server("keyed") as url:
+        rc = main(["investigate", "--url", url, "--training", str(training), "--target", str(target), "--draft",
+                   str(draft), "--relaunch", relaunch, "--out", str(tmp_path), "--timeout", "120", "--prompts", "4",
+                   "--max-new-tokens", "4", *no_budget])
+        assert rc == 1, capsys.readouterr().err       # a fault named (the ids), measured on the relaunched server
+        (run,) = list(tmp_path.iterdir())
+        assert main(["capture", "--url", url, "--training", str(training), "--run-dir", str(run), "--num-samples",
+                     "1", "--timeout", "60"]) == 0
+        assert main(["measure", "--url", url, "--num-prompts", "3", "--max-new-tokens", "4", "--run-dir", str(run),
+                     "--quiet", "--timeout", "60", "--warmup", "0"]) == 0
+    out = capsys.readouterr()
+    assert KEY not in out.out + out.err and ADMIN_KEY not in out.out + out.err
+    log = (run / "logs" / "fixed-server.log").read_text()
+    assert log.startswith("$ ") and "--api-key <redacted> --admin-api-key=<redacted>" in log.splitlines()[0], log
+    assert "fake server keyed" in log                  # the server's own output is in the log, scrubbed
+    files = [p for p in run.rglob("*") if p.is_file()]
+    for want in ("investigation.json", "dumps/server-served/manifest.json", "dumps/served/manifest.json",
+                 "fixes/server/summary.json", "acceptance/after/summary.json", "ledger.parquet", "postmortem.html"):
+        assert run / want in files, want
+    leaks = [str(p.relative_to(run)) for p in files if KEY.encode() in p.read_bytes() or ADMIN_KEY.encode()
+             in p.read_bytes()]
+    assert not leaks, leaks
+    manifest = json.loads((run / "dumps" / "served" / "manifest.json").read_text())
+    assert manifest["server"]["lora_paths"] == {"<redacted>": "/adapters/a", "plain": "/adapters/<redacted>"}
+
+
+
+
+def test_yaml_alias_bombs_in_fixes_and_params_files_are_refused(tmp_path, capsys):
+    """Issue 21, cause 5: an alias bomb in a fixes file's draft_config (9 lines and 9^9 values took measure --fixes to
+    5.6 GB; 9^7 here, so that a regression costs about a gigabyte, not the machine) and in suite params' common: one
+    line naming the file, exit 2, before anything is built (tests/unit/test_runfiles.py: the 9^9 one)."""
+    from support import alias_bomb
+
+    fixes = tmp_path / "fixes.yaml"
+    fixes.write_text("name: bomb\nfixes:\n  - name: one\n    url: http://127.0.0.1:9\n    draft_config:\n"
+                     + alias_bomb(7, indent="      "))
+    params = tmp_path / "params.yaml"
+    params.write_text("name: bomb\ncommon:\n" + alias_bomb(7, indent="  "))
+    for args, path in ((["measure", "--fixes", str(fixes)], fixes),
+                       (["suite", "run", "--params", str(params)], params)):
+        t = time.monotonic()
+        rc = main(args)
+        line = _one_line_error(capsys, args[0])
+        assert rc == 2 and time.monotonic() - t < 30, (rc, line)      # (the first suite run imports papermill)
+        assert line.startswith(f"{args[0]}: error: {path}") and "aliases expand to more than" in line, line
+
+
+def _measure_some_failing(mode: str, n: int, tmp_path, capsys) -> tuple[str, dict, list[str]]:
+    """``measure`` of ``n`` prompts against the fake server ``mode``: (the error line, the saved summary, the
+    per-request errors)."""
+    with fake_server(mode) as url:
+        rc = main(["measure", "--url", url, "--num-prompts", str(n), "--max-new-tokens", "4", "--warmup", "0",
+                   "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
+    line = _one_line_error(capsys, "measure")
+    assert rc == 1, line
+    (summary,) = list(tmp_path.glob("*/fixes/server/summary.json"))
+    errors = sorted(e for e in pd.read_parquet(summary.parent / "per_request.parquet")["error"] if isinstance(e, str))
+    return line, json.loads(summary.read_text())["summary"], errors
+
+
+def test_impossible_spec_counters_are_failed_requests_not_results(tmp_path, capsys):
+    """Cause 7: every 2nd answer carries counters no server can produce (50 correct drafts of 3 proposed, negative
+    completion tokens, 64 tokens from 2 verify steps of 3 draft steps, a 7-bin histogram with 3 steps): each is a
+    failed request naming the counter; the others give a plausible result; exit 1."""
+    line, s, errors = _measure_some_failing("impossible", 8, tmp_path, capsys)
+    assert "4 of 8 requests failed" in line, line
+    assert s["n_failed"] == 4 and s["n_requests"] == 4
+    assert 0 <= s["accept_rate"] <= 1 and 1 <= s["accept_length"] <= 3 + 1 + 1 and s["tok_s"] > 0, s
+    assert len(errors) == 4 and all("/generate" in e for e in errors), errors
+    text = " | ".join(errors)
+    for what in ("spec_num_correct_drafts 50 > spec_num_proposed_drafts 3", "completion_tokens",
+                 "64 completion tokens", "spec_correct_drafts_histogram has 7 bins"):
+        assert what in text, (what, text)
+
+
+def test_deep_json_answer_is_one_failed_request(tmp_path, capsys):
+    """Cause 10: a /generate answer nested 200000 deep is one failed request (RecursionError before), the others
+    are measured."""
+    line, s, errors = _measure_some_failing("deep", 4, tmp_path, capsys)
+    assert "2 of 4 requests failed" in line and s["n_requests"] == 2, line
+    assert len(errors) == 2 and all("/generate" in e and "too deeply" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("mode, expect", [
+    ("hugesteps", "field speculative_num_steps"),
+    ("infolist", "expected a JSON object (server info), got a list"),
+    ("tpstring", "field tp_size"),
+    ("redirect", "HTTP 307"),
+])
+def test_malformed_server_info_is_found_before_the_work(mode, expect, training, tmp_path, capsys):
+    """Causes 6 and 10: /server_info with an absurd count, as a list, with a string for a number, or a redirect:
+    one line naming the endpoint and the field, exit 1, within seconds, before any request (no run folder)."""
+    with fake_server(mode) as url:
+        for argv in (["measure", "--url", url, "--num-prompts", "3", "--max-new-tokens", "4", "--outputs",
+                      str(tmp_path / "m"), "--quiet", "--timeout", "60"],
+                     ["capture", "--url", url, "--training", str(training), "--run-dir", str(tmp_path),
+                      "--num-samples", "1", "--timeout", "60"]):
+            t = time.monotonic()
+            rc = main(argv)
+            took = time.monotonic() - t
+            line = _one_line_error(capsys, argv[0])
+            assert rc == 1 and took < 10 and "/server_info" in line and expect in line, (took, line)
+    assert not (tmp_path / "m").exists() or not list((tmp_path / "m").rglob("*.json"))
+    assert not (tmp_path / "dumps").exists()
+
+
+def test_server_error_bodies_reach_the_terminal_without_control_characters(capsys):
+    """Cause 11 (part): an error body with escape sequences (screen clear, window title, OSC 52 clipboard write) is
+    printed without any control character."""
+    with fake_server("escape") as url:
+        rc = main(["measure", "--url", url, "--num-prompts", "2", "--max-new-tokens", "4", "--warmup", "0",
+                   "--no-save", "--quiet", "--timeout", "30"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "bad request" in err and "HTTP 400" in err, err
+    assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) < 0xa0 for c in err), repr(err)

@@ -38,6 +38,25 @@ def test_redact_drops_secret_fields_everywhere_and_scrubs_strings():
     assert redact({"x": "abc token-XYZ"}, ["token-XYZ"]) == {"x": "abc <redacted>"}
 
 
+def test_redact_scrubs_keys_held_as_dict_keys_nested_and_in_commands():
+    """Issue 21: a key used as a dict key (nested), an admin key only present in launch_command, and a secret
+    field holding a list: none survives, in values or keys, and every later text is scrubbed of them too."""
+    from helpers.server.redaction import argv_secrets, scrub
+
+    k2 = "adm-unit-9e1f2c3d"
+    info = {"launch_command": ["sglang", "--api-key", KEY, f"--admin-api-key={k2}"],
+            "lora_paths": {KEY: "/a", "b": {k2: [f"x {KEY} y"]}, "<redacted>": "/c"},
+            "hf_token": ["tok-unit-55aa66bb"]}
+    out = redact(info)
+    text = json.dumps(out)
+    assert KEY not in text and k2 not in text and "tok-unit-55aa66bb" not in text, text
+    assert out["launch_command"] == ["sglang", "--api-key", "<redacted>", "--admin-api-key=<redacted>"]
+    assert out["lora_paths"] == {"<redacted>": "/a", "b": {"<redacted>": ["x <redacted> y"]}, "<redacted>-2": "/c"}
+    assert "hf_token" not in out
+    assert argv_secrets(f"python -m sglang.launch_server --api-key {KEY} --admin-api-key={k2} --tp 2") == [KEY, k2]
+    assert scrub(f"log: started with {k2}; token tok-unit-55aa66bb") == "log: started with <redacted>; token <redacted>"
+
+
 def test_redact_argv_and_url():
     assert redact_argv(["sglang", "--api-key", "k1", "--hf-token=t2", "--speculative-num-draft-tokens",
                         "4", "--ssl-keyfile", "/k.pem"]) == [
@@ -246,6 +265,66 @@ def test_redaction_keeps_paths_of_this_tools_hook_specs():
     ranks, layers, others = capture_hooks(info)
     assert (str(ranks), str(layers)) == ("/x/ranks", "/x/layers")
     assert [h["name"] for h in others] == ["e3f-faults"]
+
+
+@pytest.mark.parametrize("answer, expect", [
+    (httpx.Response(200, content=b"[" * 5000 + b"]" * 5000),
+     "/server_info: the answer nests arrays/objects too deeply"),
+    (httpx.Response(200, json=[{"tp_size": 2}]), "/server_info: expected a JSON object (server info), got a list"),
+    (httpx.Response(200, json={"speculative_num_steps": 3e6}), "field speculative_num_steps: Input should be less"),
+    (httpx.Response(200, json={"tp_size": "two"}), "field tp_size: Input should be a valid integer"),
+    (httpx.Response(307, json={"tp_size": 2}, headers={"location": "http://u:p@other:1/x?t=1"}),
+     "HTTP 307 redirect to http://other:1/x; this tool does not follow redirects"),
+])
+def test_client_refuses_malformed_server_info(answer, expect):
+    """Issue 21, causes 6 and 10: one SGLangError naming the endpoint and the field, never a raw AttributeError,
+    TypeError, RecursionError, and never the body of a redirect taken for the answer."""
+    from helpers.errors import SGLangError
+
+    with pytest.raises(SGLangError) as exc:
+        _mock(lambda r: answer).server_info()
+    assert expect in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_client_server_info_values_are_the_checked_ones():
+    info = _mock(lambda r: httpx.Response(200, json={"tp_size": "2", "speculative_num_steps": 3.0, "version":
+                                                     "0.5.23\x1b]0;title\x07", "other": {"x": 1}})).server_info()
+    assert info == {"tp_size": 2, "speculative_num_steps": 3, "version": "0.5.23", "other": {"x": 1}}
+
+
+def test_flush_cache_gives_up_at_once_on_an_unexpected_status():
+    calls = []
+
+    def handler(req):
+        calls.append(req.url.path)
+        return httpx.Response(500, text="boom \x1b[2J")
+
+    with pytest.raises(RequestRejected, match="flush_cache: HTTP 500: boom $"):
+        _mock(handler).flush_cache(timeout=30, poll=0.01)
+    assert calls == ["/flush_cache"]
+
+
+def test_spec_problem_names_counters_no_server_produces():
+    """Issue 21, cause 7: the bounds of MetaInfo.spec_problem, from SGLang's counting (num_steps 3)."""
+    from pydantic import ValidationError
+
+    from helpers.server.protocol import MetaInfo
+
+    def problem(**meta):
+        return MetaInfo(**{"spec_verify_ct": 2, "completion_tokens": 7, "spec_num_correct_drafts": 4,
+                           "spec_num_proposed_drafts": 6, **meta}).spec_problem(3)
+
+    assert problem() is None                                           # 1 prefill + 2 x (2 accepted + bonus)
+    assert problem(completion_tokens=9, spec_num_correct_drafts=6) is None   # the most 2 verify steps give
+    assert "50 > spec_num_proposed_drafts 3" in problem(spec_num_correct_drafts=50, spec_num_proposed_drafts=3)
+    assert "7 > 2 verify steps x 3" in problem(spec_num_correct_drafts=7, spec_num_proposed_drafts=12)
+    assert "10 completion tokens from 2 verify steps" in problem(completion_tokens=10)
+    assert "has 5 bins" in problem(spec_correct_drafts_histogram=[0, 0, 0, 1, 1])
+    assert MetaInfo(spec_verify_ct=2, spec_num_correct_drafts=50, spec_num_proposed_drafts=3).spec_problem(None)
+    for bad in ({"completion_tokens": -20}, {"spec_verify_ct": -1}, {"spec_correct_drafts_histogram": [1, -1]},
+                {"spec_correct_drafts_histogram": [0] * 3_000_000}):
+        with pytest.raises(ValidationError):
+            MetaInfo(**bad)
 
 
 # ------------------------------------------------------------------------------------------------ ports

@@ -1,0 +1,107 @@
+"""``python -m helpers simulate``: the draft checkpoint run offline as SGLang 0.5.23 runs it, drafting and verifying
+greedily on aux hidden states (the training data's, and a served capture's when given), with the training log's
+prediction, the draft checks and the accept length at other ``--speculative-num-steps`` (helpers.draft).
+
+Exit 0 (the figures were computed), 2 bad input (a checkpoint whose keys or shapes do not match its config, a missing
+target embedding, a training log in an unknown format, settings SGLang refuses)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..draft.budget import BudgetInputs, acceptance_budget, draft_cost, dump_sequences, training_sequences
+from ..draft.checks import draft_checks
+from ..draft.model import Eagle3Draft, target_lm_head
+from ..draft.simulate import DraftSettings
+from ..draft.training_log import predicted_accept_length, read_training_log
+from ..errors import BadInput
+from ..formats.configs import read_target_config
+from ..formats.training_data import TrainingData
+from ..investigation.acceptance import find_training_log
+from .common import Parser, progress_line, run
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m helpers simulate",
+               description="Run an EAGLE-3 draft checkpoint offline as SGLang 0.5.23 runs it and replay its drafting "
+                           "(chain for topk 1, the k x k beam and top N-1 tree for topk > 1) against the target's "
+                           "greedy tokens: accept length, accept rate and P(accepted >= j) per position, on the "
+                           "training data's aux states and on a served capture's.")
+    p.add_argument("--draft", required=True, help="the draft folder (config.json + safetensors, sharded or not)")
+    p.add_argument("--target", required=True, help="the target folder: config.json and the safetensors holding "
+                   "embed_tokens (only that tensor, and lm_head when the draft borrows it, is read)")
+    p.add_argument("--training", required=True, help="the draft's training data (SpecForge, speculators, EAGLE, dump)")
+    p.add_argument("--served", help="a served capture of the same training tokens (a dump from `capture`, or the "
+                   "run folder's dumps/server-served): the wiring stage, paired per sample")
+    p.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (default 3)")
+    p.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk (default 1)")
+    p.add_argument("--draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default steps + 1)")
+    p.add_argument("--samples", type=int, default=16, help="training samples to use (default 16)")
+    p.add_argument("--training-log", help="the draft's training log (default: looked for in the draft folder)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (the server's --dtype; "
+                   "default float32)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda when a GPU is here)")
+    p.add_argument("--json", action="store_true", help="print the budget document as JSON")
+    return p
+
+
+def cli_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m helpers simulate ...`` (module docstring)."""
+    prog = "simulate"
+
+    def body() -> int:
+        a = build_parser().parse_args(list(argv) if argv is not None else None)
+        if a.samples < 1:
+            raise BadInput("--samples must be >= 1", field="--samples")
+        st = DraftSettings(a.steps, a.topk, a.draft_tokens if a.draft_tokens is not None else
+                           (a.steps + 1 if a.topk == 1 else 2 * a.steps)).check()
+        show = progress_line(prog)
+        draft_dir, target_dir = Path(a.draft), Path(a.target)
+        log_path = find_training_log(draft_dir, a.training_log)        # bad input is found before any work
+        log = None
+        if log_path is not None:
+            tl = read_training_log(log_path)
+            log = predicted_accept_length(tl, st.steps)
+            log["source"] = f"{log_path} ({tl.format}, {tl.kind})"
+        draft = Eagle3Draft.load(draft_dir, target_dir, dtype=DTYPES[a.dtype], device=a.device)
+        show(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
+             f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
+             f"d2t {draft.sources['d2t']}")
+        H = read_target_config(target_dir).hidden_size
+        td = TrainingData(a.training, hidden_size=H, max_samples=a.samples)
+        try:
+            head, _ = target_lm_head(target_dir)
+        except BadInput:
+            head = None
+        train = training_sequences(td, lm_head=head)
+        served = dump_sequences(a.served, starts={s.key: s.start for s in train}) if a.served else None
+        findings = draft_checks(draft_dir, target_dir, training=Path(a.training))
+        cost, cost_src = draft_cost(draft_dir, target_dir)
+        show(f"simulating {len(train)} training sample(s)" + (f" and {len(served)} served" if served else "")
+             + f" at {st.label} ...")
+        b = acceptance_budget(draft, BudgetInputs(settings=st, log=log, training=train, served_training=served,
+                                                  draft_cost=cost, draft_cost_source=cost_src))
+        b["draft_findings"] = findings
+        if a.json:
+            print(json.dumps(b, indent=1))
+            return 0
+        for s in b["stages"]:
+            ci = s.get("ci") or [None, None]
+            ci_txt = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci[0] is not None and ci[1] is not None else ""
+            pos = ", ".join(f"{x:.2f}" for x in (s.get("p_accept_ge") or []))
+            print(f"{s['name']:<28} accept length {s['accept_length']:.2f}{ci_txt}"
+                  + (f"  P(accepted >= j) [{pos}]" if pos else "") + f"  ({s.get('source', '')})")
+        for t in b["settings_table"]:
+            print(f"  steps {t['steps']} topk {t['topk']} draft tokens {t['draft_tokens']}: accept length "
+                  f"{t['accept_length']:.2f}")
+        for f in findings:
+            print(f"draft check: {f['kind']}: {f['detail']}")
+        print(b["sentence"])
+        return 0
+
+    return run(prog, body)

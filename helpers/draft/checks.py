@@ -1,0 +1,846 @@
+"""Draft checks that need no server (issue 18, deliverable 5): what SGLang 0.5.23 will make of a draft checkpoint.
+
+Each check follows a line of SGLang's loader, read from the installed source (``sglang/srt/...``, 0.5.23):
+
+* the lm_head: the draft's own, borrowed (``tie_word_embeddings`` -> the embedding, which the worker replaces by the
+  target's; ``draft_vocab_size`` absent -> the target's head), or left uninitialised
+  (``models/llama_eagle3.py::LlamaForCausalLMEagle3.__init__`` l. 300-314, ``load_weights`` l. 370-378,
+  ``speculative/eagle_worker_v2.py::EAGLEWorkerV2.init_lm_head`` l. 336-379, ``models/llama.py::set_embed`` l. 910-918);
+* the vocab map d2t: missing, trivial (all zeros), out of range, or unlike the training data's
+  ``vocab_mapping/*.pt`` (``load_weights`` l. 350-356: ``hot_token_id = d2t + arange``; ``eagle_worker_v2.py``
+  l. 757-758: ``topk_index = hot_token_id[topk_index]``), and the share of the user's target tokens outside the
+  draft vocab (a token outside can never be drafted: a ceiling on acceptance);
+* the position encoding: rope theta / type / scaling, context length and sliding window against the target's
+  (``models/llama.py::LlamaDecoderLayer.__init__`` l. 322-336; ``utils/hf_transformers/common.py::get_context_length``;
+  ``configs/model_config.py::ModelConfig._derive_context_length``; ``eagle_worker_v2.py`` l. 229;
+  ``llama_eagle3.py`` l. 286-299);
+* fc / norm flags against the tensors present: every parameter SGLang builds from the config
+  (``llama_eagle3.py::LlamaModel.__init__`` l. 151-207, ``LlamaDecoderLayer.__init__`` l. 46-86) against every tensor
+  in the checkpoint, resolved the way ``load_weights`` resolves names (legacy ``midlayer`` / ``aux_norm_*`` names,
+  stacked q/k/v and gate/up, the ``model.`` prefix): a shape SGLang cannot load is :class:`helpers.errors.BadInput`
+  (``default_weight_loader`` / ``weight_loader`` assert, the server dies at load); a parameter no tensor fills keeps
+  its initial value and a tensor no parameter takes is dropped silently -- both are findings.
+
+Only safetensors headers and the small ``d2t`` tensor are read from the draft; from the target only its config.json.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from ..diagnosis import detectors as D
+from ..diagnosis.conventions import parse_version, served_plan
+from ..diagnosis.sglang_rules import draft_servable
+from ..errors import BadInput
+from ..formats.configs import (
+    TEXT_CONFIG_KEYS,
+    DraftConfig,
+    TensorInfo,
+    read_draft_config,
+    read_draft_weights,
+    read_target_config,
+)
+from ..formats.dumps import safe_torch_load
+from ..formats.training_data import TrainingData
+
+#: the SGLang release whose source these rules were read from
+SGLANG_RULES = "0.5.23"
+#: a finding when more than this share of the user's target tokens lies outside the draft vocab
+OUTSIDE_SHARE_LIMIT = 0.10
+#: the order findings are reported in (the draft's own faults first, then its position encoding)
+KIND_ORDER = ("unsupported_draft", "lm_head_missing", "lm_head_replaced", "vocab_map_missing", "vocab_map_trivial",
+              "vocab_map_differs", "draft_vocab_coverage", "draft_weight_missing", "draft_weight_ignored",
+              "draft_flag_ignored", "fc_bypassed", "width_mismatch", "rope_mismatch", "max_position_short",
+              "sliding_window_ignored")
+
+_L3 = "sglang/srt/models/llama_eagle3.py"
+_K25 = "sglang/srt/models/kimi_k25_eagle3.py"
+_W2 = "sglang/srt/speculative/eagle_worker_v2.py"
+_LLAMA = "sglang/srt/models/llama.py"
+LLAMA_CLASS, MLA_CLASS = "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"
+
+# llama_eagle3.py::LlamaForCausalLMEagle3.load_weights (l. 328-343)
+_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+_LEGACY = (("midlayer", "layers.0"), ("aux_norm_low", "fc_norm.0"), ("aux_norm_mid", "fc_norm.1"),
+           ("aux_norm_high", "fc_norm.2"))
+
+#: initial value of a parameter no tensor fills, per SGLang module
+_INIT_RMSNORM = "ones (layers/layernorm.py::RMSNorm: torch.ones): the trained scale is lost"
+_INIT_LINEAR = "torch.nn.Linear's random initialisation"
+_INIT_EMPTY = "uninitialised memory (torch.empty in the layer's create_weights)"
+
+
+# ------------------------------------------------------------------------------------------------ readers
+
+def _read_tensor(info: TensorInfo, key: str) -> torch.Tensor:
+    try:
+        with safe_open(str(info.file), framework="pt") as sf:
+            return sf.get_tensor(key)
+    except Exception as e:
+        raise BadInput(f"cannot read tensor ({' '.join(str(e).split())[:200]})", path=info.file, field=key) from None
+
+
+def _text_config(raw: dict) -> dict:
+    """The text sub-config SGLang reads (``utils/hf_transformers/common.py::get_hf_text_config``), else the config."""
+    sub = next((k for k in TEXT_CONFIG_KEYS if isinstance(raw.get(k), dict)), None)
+    return raw[sub] if sub else raw
+
+
+# ------------------------------------------------------------------------------------- position encoding
+
+def effective_rope(cfg: dict) -> dict:
+    """The rope a config gives SGLang's attention: ``{"rope_theta", "rope_type", "scaling": {...}}``.
+
+    transformers 5 (SGLang 0.5.23's) folds ``rope_theta`` / ``rope_scaling`` into ``rope_parameters``
+    (``rope_parameters`` wins; a missing theta comes from ``rope_theta``, default 10000; legacy ``type`` ->
+    ``rope_type``), and ``models/llama.py::LlamaDecoderLayer.__init__`` (l. 322-336) reads theta and scaling from it.
+    """
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict):
+        params = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")}
+    return {"rope_theta": 10000.0 if theta is None else float(theta), "rope_type": rope_type, "scaling": scaling,
+            "theta_assumed": theta is None}
+
+
+def context_length(cfg: dict) -> int:
+    """SGLang's derived context length of a (text) config: the first of ``max_sequence_length``, ``seq_length``,
+    ``max_seq_len``, ``model_max_length``, ``max_position_embeddings`` times the rope scaling ``factor`` (1 for
+    ``llama3`` rope or when ``original_max_position_embeddings`` is given), 2048 when none is set
+    (``sglang/srt/utils/hf_transformers/common.py::get_context_length``; transformers 5's ``rope_scaling`` is the
+    ``rope_parameters`` dict)."""
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict):
+        params = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else None
+    factor = 1.0
+    if params:
+        factor = params.get("factor", 1) or 1
+        if "original_max_position_embeddings" in params or params.get("rope_type") == "llama3":
+            factor = 1
+    for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
+        v = cfg.get(key)
+        if v is not None:
+            return int(factor * v)
+    return 2048
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    return a == b
+
+
+def _sliding_window(cfg: dict) -> Optional[int]:
+    """The sliding window a config asks for (``sliding_window`` unless ``use_sliding_window`` is false), else None."""
+    w = cfg.get("sliding_window")
+    if w is None or cfg.get("use_sliding_window") is False or isinstance(w, bool):
+        return None
+    return int(w) if isinstance(w, (int, float)) else None
+
+
+# --------------------------------------------------------------------------------------- the parameters
+
+@dataclass
+class SGLangDraftParams:
+    """The parameters SGLang builds for a draft config: ``{(param, shard): (shape, init)}`` and how it resolves
+    checkpoint names."""
+
+    cls: str
+    params: dict
+    defaulted: dict          # config fields left out, with the LlamaConfig default SGLang then uses
+    num_aux: int
+    hidden_size_in: int
+    fc_norm: bool
+    norm_before_fc: bool
+    norm_output: bool
+    tie: bool
+    draft_vocab: int         # the lm_head's rows (draft_vocab_size, or vocab_size when it is absent)
+    vocab: int
+    lm_from_target: bool     # load_lm_head_from_target
+    midlayer_checked: bool   # the decoder layer's tensors are part of params (False for the MLA draft)
+    source: str
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    intermediate: int = 0
+    layers: int = 1
+    attn_bias: bool = False
+
+
+#: transformers 5's LlamaConfig defaults, which the draft gets for a field its config.json leaves out (SGLang loads
+#: the draft config through AutoConfig; ``LlamaConfig()``): a draft config without ``num_hidden_layers`` gets 32 layers
+LLAMA_DEFAULTS = {"vocab_size": 32000, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32}
+
+
+def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:
+    v = raw.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=key)
+    return v
+
+
+def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
+    """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config."""
+    raw, path = d.raw, d.path
+    cls = d.architectures[0] if d.architectures else LLAMA_CLASS
+    ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    H = d.hidden_size
+    defaulted = {k: v for k, v in LLAMA_DEFAULTS.items() if raw.get(k) is None}
+
+    def field(key: str) -> int:
+        return _int(raw, key, path, LLAMA_DEFAULTS[key])
+
+    V = field("vocab_size")
+    dv = _int(raw, "draft_vocab_size", path)
+    tie = bool(raw.get("tie_word_embeddings", False))     # LlamaConfig default False
+    ids = ec.get("eagle_aux_hidden_state_layer_ids")
+    if cls == MLA_CLASS:
+        # kimi_k25_eagle3.py::_get_eagle_aux_layer_count (l. 48-59): eagle_config ids, top-level ids, else 3
+        top = raw.get("eagle_aux_hidden_state_layer_ids")
+        naux = len(ids) if ids is not None else len(top) if top is not None else 3
+        hin = raw.get("target_hidden_size") or H                          # l. 208-210
+        source = f"{_K25}::Eagle3MLAModel.__init__ (l. 191-255)"
+        if raw.get("num_hidden_layers", 1) != 1:
+            raise BadInput(f"num_hidden_layers is {raw.get('num_hidden_layers')}: SGLang's {MLA_CLASS} raises "
+                           f"'EAGLE3 currently only supports 1 layer' ({_K25} l. 243-244); expected 1", path=path,
+                           field="num_hidden_layers")
+        norm_before_fc = False                                            # Eagle3MLAModel has no input_norm
+    else:
+        # llama_eagle3.py::LlamaModel.__init__ l. 151-161: hasattr(config, "target_hidden_size") -- a null counts
+        if "target_hidden_size" in raw and raw["target_hidden_size"] is None:
+            raise BadInput("target_hidden_size is null: SGLang takes it as set (hasattr) and cannot build fc "
+                           f"({_L3} l. 151-154); expected an integer or no key", path=path, field="target_hidden_size")
+        hin = _int(raw, "target_hidden_size", path, H)
+        naux = raw.get("num_aux_hidden_states")
+        if naux is None:
+            naux = len(ids) if ids else 3
+        elif isinstance(naux, bool) or not isinstance(naux, int) or naux <= 0:
+            raise BadInput(f"expected a positive integer, got {naux!r}", path=path, field="num_aux_hidden_states")
+        norm_before_fc = bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False)))   # l. 173-175
+        source = f"{_L3}::LlamaModel.__init__ (l. 122-207), LlamaDecoderLayer.__init__ (l. 46-86)"
+    fc_norm = bool(raw.get("fc_norm") or raw.get("use_aux_norm", False))                    # l. 185-187
+    norm_output = bool(raw.get("norm_output", False))                                       # l. 207
+    lm_from_target = not tie and dv is None                                                  # l. 302-308
+    draft_vocab = V if dv is None else dv
+
+    params: dict = {}
+    params[("model.embed_tokens.weight", None)] = ((V, H), _INIT_EMPTY)
+    params[("model.fc.weight", None)] = ((H, hin * naux), _INIT_LINEAR if cls != MLA_CLASS else _INIT_EMPTY)
+    if raw.get("bias"):
+        params[("model.fc.bias", None)] = ((H,), _INIT_LINEAR)
+    if norm_before_fc:
+        params[("model.input_norm.weight", None)] = ((hin * naux,), _INIT_RMSNORM)
+    if fc_norm:
+        for i in range(naux):
+            params[(f"model.fc_norm.{i}.weight", None)] = ((hin,), _INIT_RMSNORM)
+    params[("model.norm.weight", None)] = ((H,), _INIT_RMSNORM)
+    if not tie:
+        params[("lm_head.weight", None)] = ((draft_vocab, H), _INIT_EMPTY)
+    midlayer_checked = cls != MLA_CLASS
+    nh = nkv = hd = inter = 0
+    nlayers, attn_bias = 1, False
+    if midlayer_checked:
+        nh = field("num_attention_heads")
+        nkv = _int(raw, "num_key_value_heads", path, nh)
+        hd = _int(raw, "head_dim", path, H // nh)
+        if raw.get("model_type") == "llama4_text":
+            inter = _int(raw, "intermediate_size_mlp", path)
+            if inter is None:
+                raise BadInput("missing integer field (SGLang builds a llama4_text draft's MLP from it)", path=path,
+                               field="intermediate_size_mlp")
+        else:
+            inter = field("intermediate_size")
+        attn_bias = bool(raw.get("attention_bias", False) or raw.get("bias", False))   # llama.py l. 339-341
+        nlayers = field("num_hidden_layers")
+        for layer in range(nlayers):
+            pre = f"model.layers.{layer}."
+            width = 2 * H if layer == 0 else H                           # llama_eagle3.py l. 62-64
+            params[(pre + "self_attn.qkv_proj.weight", "q")] = ((nh * hd, width), _INIT_EMPTY)
+            params[(pre + "self_attn.qkv_proj.weight", "k")] = ((nkv * hd, width), _INIT_EMPTY)
+            params[(pre + "self_attn.qkv_proj.weight", "v")] = ((nkv * hd, width), _INIT_EMPTY)
+            params[(pre + "self_attn.o_proj.weight", None)] = ((H, nh * hd), _INIT_EMPTY)
+            if attn_bias:
+                params[(pre + "self_attn.o_proj.bias", None)] = ((H,), _INIT_EMPTY)
+            params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), _INIT_EMPTY)
+            params[(pre + "mlp.gate_up_proj.weight", 1)] = ((inter, H), _INIT_EMPTY)
+            params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), _INIT_EMPTY)
+            for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+                params[(pre + norm + ".weight", None)] = ((H,), _INIT_RMSNORM)
+    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin,
+                             fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
+                             draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
+                             midlayer_checked=midlayer_checked, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
+                             intermediate=inter, layers=nlayers, attn_bias=attn_bias)
+
+
+def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
+    """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``, or
+    None (dropped silently; for the MLA draft's decoder layer, ``"midlayer"``: not modelled here)."""
+    names = {p for p, _ in arch.params}
+    if arch.cls == MLA_CLASS:
+        if name == "d2t" or name.endswith(".d2t"):
+            return "d2t"
+        if name == "t2d" or name.endswith(".t2d"):
+            return "t2d"
+        mapped = re.sub(r"^layers\.0\.", "midlayer.", name)
+        if not mapped.startswith("lm_head."):
+            mapped = f"model.{mapped}"
+        if mapped.startswith("model.midlayer."):
+            return "midlayer"
+        return (mapped, None) if mapped in names else None
+    for legacy, new in _LEGACY:
+        if legacy in name:
+            name = name.replace(legacy, new)
+    if "d2t" in name:
+        return "d2t"
+    if "t2d" in name:
+        return "t2d"
+    for param_name, weight_name, shard in _STACKED:
+        if weight_name not in name:
+            continue
+        name = name.replace(weight_name, param_name)
+        param = f"model.{name}" if name not in names else name
+        return (param, shard) if param in names else None
+    param = name if name in names else f"model.{name}"
+    return (param, None) if param in names else None
+
+
+def shape_error(arch: SGLangDraftParams, d: DraftConfig, key: str, info: TensorInfo, param: str, shard: Any,
+                 expected: tuple) -> BadInput:
+    why = ""
+    if param == "model.fc.weight":
+        naux_from = ("num_aux_hidden_states" if d.raw.get("num_aux_hidden_states") is not None
+                     else "the eagle_config ids")
+        why = (f": SGLang builds fc as Linear({arch.hidden_size_in} x {arch.num_aux} -> {d.hidden_size}) "
+               f"(target_hidden_size {'from the config' if 'target_hidden_size' in d.raw else '= hidden_size'}, "
+               f"{arch.num_aux} aux chunks from "
+               f"{naux_from}"
+               f"); the checkpoint's fc takes {info.shape[1] if len(info.shape) == 2 else '?'} "
+               f"-- {arch.source}")
+    elif param == "lm_head.weight":
+        why = (f": SGLang builds lm_head with {arch.draft_vocab} rows ("
+               + ("draft_vocab_size is absent, so vocab_size is used" if arch.lm_from_target else "draft_vocab_size")
+               + f") -- {_L3} l. 305-314")
+    elif param.startswith("model.layers."):
+        why = (" (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size of the config; "
+               "layer 0's q/k/v take 2 x hidden_size)")
+    shard_txt = f" (shard {shard} of {param})" if shard is not None else ""
+    return BadInput(f"shape {list(info.shape)} but SGLang {SGLANG_RULES} loads it into {param}{shard_txt} of shape "
+                    f"{list(expected)}{why}; the server fails at load (weight_loader shape assert)",
+                    path=info.file, field=key)
+
+
+# -------------------------------------------------------------------------------------------- the checks
+
+def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw: Optional[dict], hin_differs: bool,
+             findings: list, facts: dict) -> None:
+    lm_keys = [k for k in tensors if re.search(r"(^|\.)lm_head\.weight$", k)]
+    used = [k for k in lm_keys if resolve_name(arch, k) == ("lm_head.weight", None)]
+    target_ties = None if target_raw is None else bool(_text_config(target_raw).get(
+        "tie_word_embeddings", target_raw.get("tie_word_embeddings", False)))
+    if arch.tie:
+        src = ("the draft's own embed_tokens.weight (target_hidden_size differs from hidden_size: set_embed keeps "
+               "the draft's)" if hin_differs else "the target's input embedding (tie_word_embeddings: lm_head is "
+               "the draft's embed_tokens, which init_lm_head -> set_embed replaces by the target's)")
+        facts["lm_head"] = {"source": src, "rows": arch.vocab,
+                            "rule": f"{_L3} l. 303-304; {_W2} l. 356-363; {_LLAMA}::set_embed l. 910-918"}
+        if lm_keys:
+            findings.append(D.finding(
+                "lm_head_replaced", None,
+                f"the checkpoint has its own {lm_keys[0]} {list(tensors[lm_keys[0]].shape)} but tie_word_embeddings "
+                f"is true: SGLang uses {src.split(' (')[0]} as lm_head and never loads the trained head",
+                tensors=lm_keys, shape=list(tensors[lm_keys[0]].shape), used_instead=src, config=str(d.path),
+                source=f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 303-304 (lm_head = model.embed_tokens); "
+                       f"load_weights l. 370-378 (no lm_head parameter: dropped)",
+                fix="set tie_word_embeddings to false (and draft_vocab_size) so the trained lm_head is loaded"))
+        return
+    if arch.lm_from_target:
+        head = ("the target's lm_head.weight" if target_ties is False else
+                "the target's input embedding (the target ties its lm_head to it)" if target_ties else
+                "the target's lm_head.weight (its embedding if the target ties them; no target config given)")
+        facts["lm_head"] = {"source": head, "rows": arch.vocab,
+                            "rule": f"{_L3} l. 305-308 (draft_vocab_size absent -> load_lm_head_from_target); "
+                                    f"{_W2}::init_lm_head l. 356-361 (set_embed_and_head)"}
+        if used:
+            findings.append(D.finding(
+                "lm_head_replaced", None,
+                f"draft_vocab_size is absent from the draft config, so SGLang loads the checkpoint's {used[0]} and "
+                f"then replaces it by {head}: the trained lm_head is not used",
+                tensors=used, shape=list(tensors[used[0]].shape), used_instead=head, config=str(d.path),
+                source=f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 305-308; {_W2}::init_lm_head l. 356-361",
+                fix=f"set draft_vocab_size: {tensors[used[0]].shape[0]} in the draft config"))
+        return
+    if used:
+        facts["lm_head"] = {"source": "the draft checkpoint", "tensor": used[0], "rows": arch.draft_vocab,
+                            "rule": f"{_L3} l. 309-314, load_weights l. 370-378"}
+        return
+    build = (f"{_K25}::Eagle3DeepseekV2ForCausalLM.__init__ l. 348-363" if arch.cls == MLA_CLASS else
+             f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 305-314")
+    facts["lm_head"] = {"source": "none: left uninitialised", "rows": arch.draft_vocab,
+                        "rule": f"{build} (load_lm_head_from_target only when draft_vocab_size is absent)"}
+    unread = f" ({', '.join(lm_keys)} is there, under a name load_weights does not map to lm_head)" if lm_keys else ""
+    findings.append(D.finding(
+        "lm_head_missing", None,
+        f"no lm_head.weight in the draft checkpoint{unread}, tie_word_embeddings false and draft_vocab_size "
+        f"{arch.draft_vocab} set: SGLang builds a {arch.draft_vocab} x {d.hidden_size} lm_head, nothing fills it and "
+        "it is not borrowed from the target -- the draft's logits are garbage (accept length about 1)",
+        draft_vocab_size=arch.draft_vocab, tie_word_embeddings=False, lm_head_keys=lm_keys, config=str(d.path),
+        init=_INIT_EMPTY,
+        source=f"{build}; load_weights (a missing parameter is not an error); {_W2}::init_lm_head l. 356-363 "
+               "(set_embed only)",
+        fix="add the trained lm_head.weight to the checkpoint, or (full-vocab draft trained on the target's head) "
+            "remove draft_vocab_size so SGLang borrows the target's"))
+
+
+def _find_vocab_mapping(training: Path) -> list[Path]:
+    """SpecForge's ``vocab_mapping/*.pt`` beside the training data (the folder, its parent or grandparent), or the
+    file itself."""
+    if training.is_file() and training.suffix == ".pt":
+        return [training]
+    folder = training if training.is_dir() else training.parent
+    for cand in (folder, folder.parent, folder.parent.parent):
+        vm = cand / "vocab_mapping"
+        if vm.is_dir():
+            files = sorted(vm.glob("*.pt"))
+            if files:
+                return files
+    return []
+
+
+def _load_mapping(path: Path) -> torch.Tensor:
+    doc = safe_torch_load(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("d2t"), torch.Tensor):
+        raise BadInput("expected a dict with a d2t tensor (SpecForge vocab_mapping: {'d2t', 't2d'})", path=path,
+                       field="d2t")
+    t = doc["d2t"]
+    if t.dim() != 1 or t.is_floating_point():
+        raise BadInput(f"expected a 1-D integer tensor, got {tuple(t.shape)} {t.dtype}", path=path, field="d2t")
+    return t.to(torch.int64)
+
+
+def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, training: Optional[Path], findings: list,
+           facts: dict) -> np.ndarray:
+    """The d2t checks; returns the target ids the draft can propose (SGLang's hot_token_id, or 0..dv-1)."""
+    dv = arch.draft_vocab
+    d2t_keys = [k for k in tensors if resolve_name(arch, k) == "d2t"]
+    facts["vocab"] = {"vocab_size": vocab, "draft_vocab_size": dv, "d2t": d2t_keys[0] if d2t_keys else None}
+    mapping_files = _find_vocab_mapping(training) if training is not None else []
+    if not d2t_keys:
+        if dv < vocab:
+            facts["vocab"]["map"] = "missing: draft id i is proposed as target id i"
+        else:
+            facts["vocab"]["map"] = "none needed: the draft drafts over the whole vocabulary"
+        return np.arange(min(dv, vocab))
+    key = d2t_keys[-1]
+    info = tensors[key]
+    d2t = _read_tensor(info, key)
+    if d2t.dim() != 1 or d2t.is_floating_point():
+        raise BadInput(f"expected a 1-D integer tensor, got {list(d2t.shape)} {d2t.dtype}", path=info.file, field=key)
+    d2t = d2t.to(torch.int64)
+    if d2t.numel() != dv:
+        raise BadInput(f"{d2t.numel()} entries but the lm_head has {dv} rows "
+                       f"({'draft_vocab_size' if not arch.lm_from_target else 'vocab_size: draft_vocab_size absent'}); "
+                       f"SGLang maps each drafted id through it ({_W2} l. 757-758: hot_token_id[topk_index]), so it "
+                       f"must have {dv}", path=info.file, field=key)
+    hot = d2t + torch.arange(dv)
+    bad = ((hot < 0) | (hot >= vocab)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise BadInput(f"maps draft id {i} to target id {int(hot[i])}, outside the target vocab [0, {vocab}) "
+                       f"({bad.numel()} such entries; hot_token_id = d2t + arange, {_L3} l. 350-353)",
+                       path=info.file, field=key)
+    hot_np = hot.numpy()
+    n_unique = int(np.unique(hot_np).size)
+    facts["vocab"].update({"map": "d2t", "distinct_target_ids": n_unique})
+    if dv < vocab and not bool(d2t.any()):
+        facts["vocab"]["map"] = "trivial: all zeros"
+        findings.append(D.finding(
+            "vocab_map_trivial", None,
+            f"d2t is all zeros while the draft vocab ({dv}) is smaller than the target's ({vocab}): SGLang proposes "
+            f"draft id i as target id i, i.e. only target ids 0..{dv - 1} (the d2t buffer was saved before the vocab "
+            "mapping was loaded into it)",
+            tensor=key, file=str(info.file), draft_vocab_size=dv, vocab_size=vocab,
+            source=f"{_L3}::load_weights l. 350-353 (hot_token_id = d2t + arange); {_W2} l. 757-758",
+            fix="write the training run's vocab_mapping d2t into the checkpoint"
+                + (f" ({mapping_files[0]})" if mapping_files else "")))
+    if mapping_files:
+        best = None
+        for f in mapping_files:
+            t = _load_mapping(f)
+            if t.numel() != dv:
+                share = 1.0
+                only_train = only_draft = None
+            else:
+                share = float((t != d2t).double().mean())
+                th = set((t + torch.arange(dv)).tolist())
+                dh = set(hot_np.tolist())
+                only_train, only_draft = len(th - dh), len(dh - th)
+            if best is None or share < best[1]:
+                best = (f, share, t.numel(), only_train, only_draft)
+        f, share, n, only_train, only_draft = best
+        facts["vocab"].update({"training_mapping": str(f), "differing_share": share})
+        if share > 0 and facts["vocab"]["map"] == "d2t":
+            detail = (f"the checkpoint's d2t differs from the training data's vocab mapping {f.name} on "
+                      f"{share:.1%} of the draft ids" if n == dv else
+                      f"the training data's vocab mapping {f.name} has {n} entries, the checkpoint's d2t {dv}")
+            findings.append(D.finding(
+                "vocab_map_differs", None,
+                detail + ": those drafted ids are proposed as other target tokens than the draft was trained on",
+                tensor=key, file=str(info.file), training_mapping=str(f), differing_share=share,
+                draft_ids=dv, training_entries=n, target_ids_only_in_training=only_train,
+                target_ids_only_in_checkpoint=only_draft, candidates=[str(x) for x in mapping_files],
+                source=f"{_L3}::load_weights l. 350-353; SpecForge vocab_mapping (d2t, t2d)",
+                fix=f"write d2t from {f} into the checkpoint"))
+    elif training is not None:
+        facts["vocab"]["training_mapping"] = None
+    return hot_np
+
+
+def _tokens(training: Optional[Path], target_tokens: Optional[Sequence[int]], vocab: int,
+            hidden_size: Optional[int]) -> Optional[tuple[list[tuple[np.ndarray, np.ndarray]], str]]:
+    """[(ids, mask)] sequences: the training data's loss-masked tokens, else the given target tokens."""
+    if training is not None:
+        seqs = []
+        no_mask = False
+        td = TrainingData(training, hidden_size=hidden_size)
+        for s in td:
+            ids = np.asarray(s.input_ids, dtype=np.int64)
+            lm = s.meta.get("loss_mask")
+            if lm is None:
+                no_mask = True
+                mask = np.ones_like(ids, dtype=bool)
+            else:
+                mask = np.asarray(lm) != 0
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                raise BadInput(f"token id {int(ids.max() if ids.max() >= vocab else ids.min())} outside the target "
+                               f"vocab [0, {vocab})", path=s.meta.get("path", training), field="input_ids")
+            seqs.append((ids, mask))
+        what = f"training data {training} ({len(seqs)} samples, " + (
+            "all tokens: no loss mask)" if no_mask else "loss-masked tokens)")
+        return seqs, what
+    if target_tokens is None:
+        return None
+    ids = np.asarray(list(target_tokens))
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise BadInput("expected a flat sequence of integer token ids", field="target_tokens")
+    ids = ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise BadInput(f"token id {int(ids.max() if ids.max() >= vocab else ids.min())} outside the target vocab "
+                       f"[0, {vocab})", field="target_tokens")
+    return [(ids, np.ones_like(ids, dtype=bool))], f"{ids.size} given target tokens"
+
+
+def _coverage(hot: np.ndarray, vocab: int, seqs: list, what: str, steps: int, limit: float, dv: int,
+              findings: list, facts: dict) -> None:
+    """Share of target tokens outside the draft vocab and the acceptance ceiling it sets: P(N >= k) <= the share
+    of positions whose next k tokens are all in the draft vocab (and all target tokens of the same span)."""
+    inside = np.zeros(vocab, dtype=bool)
+    inside[hot] = True
+    n = outside = 0
+    counts: dict[int, int] = {}
+    runs_at: list[np.ndarray] = []
+    for ids, mask in seqs:
+        ok = mask & inside[ids]
+        # run[t] = how many consecutive positions from t are masked and inside the draft vocab (distance to the next
+        # position that is not)
+        pos = np.arange(ids.size)
+        next_bad = np.minimum.accumulate(np.where(ok, ids.size, pos)[::-1])[::-1]
+        runs_at.append((next_bad - pos)[mask])
+        tok = ids[mask]
+        n += tok.size
+        out_tok = tok[~inside[tok]]
+        outside += out_tok.size
+        for t in out_tok.tolist():
+            counts[t] = counts.get(t, 0) + 1
+    if n == 0:
+        facts["coverage"] = {"tokens": 0, "from": what}
+        return
+    runs = np.concatenate(runs_at)
+    p_ge = [float((runs >= k).mean()) for k in range(1, steps + 1)]
+    share = outside / n
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:10]
+    cov = {"from": what, "tokens": n, "outside": outside, "outside_share": share,
+           "distinct_outside": len(counts), "top_outside": [{"token": t, "count": c} for t, c in top],
+           "ceiling_p_accept_ge": p_ge, "ceiling_accept_length": 1.0 + sum(p_ge), "steps": steps,
+           "draft_vocab_size": dv}
+    facts["coverage"] = cov
+    if share > limit:
+        findings.append(D.finding(
+            "draft_vocab_coverage", None,
+            f"{share:.1%} of the target tokens ({outside} of {n}, {what}) are outside the draft's {dv}-token vocab "
+            f"and can never be drafted: P(accept >= 1) <= {p_ge[0]:.3f}, accept length <= {1 + sum(p_ge):.3f} for "
+            f"{steps} steps",
+            limit=limit, **cov,
+            source=f"{_W2} l. 757-758 (a drafted id is hot_token_id[draft id]: only the draft vocab can be proposed)",
+            fix="build the draft vocab (SpecForge vocab_mapping) from tokens like these and retrain the lm_head"))
+
+
+def _position_encoding(d: DraftConfig, target_raw: dict, target_path: Path, findings: list, facts: dict) -> None:
+    draft_cfg, tcfg = d.raw, _text_config(target_raw)
+    dr, tr = effective_rope(draft_cfg), effective_rope(tcfg)
+    facts["rope"] = {"draft": dr, "target": tr}
+    diffs = {}
+    if not _same(dr["rope_theta"], tr["rope_theta"]):
+        diffs["rope_theta"] = [dr["rope_theta"], tr["rope_theta"]]
+    if dr["rope_type"] != tr["rope_type"]:
+        diffs["rope_type"] = [dr["rope_type"], tr["rope_type"]]
+    for k in sorted(set(dr["scaling"]) | set(tr["scaling"])):
+        a, b = dr["scaling"].get(k), tr["scaling"].get(k)
+        if not _same(a, b):
+            diffs[k] = [a, b]
+    if diffs:
+        findings.append(D.finding(
+            "rope_mismatch", None,
+            "the draft's rope differs from the target's ("
+            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diffs.items())
+            + "): SGLang builds the draft's rotary embedding from the draft config alone; a draft trained with the "
+              "target's rope (SpecForge copies it) sees other positions at serve time, more so the longer the context",
+            differences={k: {"draft": a, "target": b} for k, (a, b) in diffs.items()}, draft=dr, target=tr,
+            draft_config=str(d.path), target_config=str(target_path),
+            source=f"{_LLAMA}::LlamaDecoderLayer.__init__ l. 322-336 (rope_parameters -> get_rope); transformers 5 "
+                   "rope_parameters",
+            fix="give the draft config the rope it was trained with (normally the target's rope_parameters)"))
+    dctx, tctx = context_length(draft_cfg), context_length(tcfg)
+    facts["context_length"] = {"draft": dctx, "target": tctx,
+                               "draft_max_position_embeddings": draft_cfg.get("max_position_embeddings"),
+                               "target_max_position_embeddings": tcfg.get("max_position_embeddings")}
+    if dctx < tctx:
+        findings.append(D.finding(
+            "max_position_short", None,
+            f"the draft's context length is {dctx} (max_position_embeddings "
+            f"{draft_cfg.get('max_position_embeddings')}), the target's {tctx}: SGLang gives the draft the target's "
+            f"context length and refuses to start unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which overrides "
+            f"the draft's max_position_embeddings to it; the draft was not trained past {dctx} positions, so "
+            f"acceptance falls past them (or start with --context-length {dctx})",
+            draft_context_length=dctx, target_context_length=tctx,
+            draft_max_position_embeddings=draft_cfg.get("max_position_embeddings"),
+            target_max_position_embeddings=tcfg.get("max_position_embeddings"),
+            source=f"{_W2} l. 229 (draft context_length = the target's); sglang/srt/configs/model_config.py::"
+                   "ModelConfig._derive_context_length (ValueError, or the override with the env var); "
+                   "sglang/srt/utils/hf_transformers/common.py::get_context_length",
+            fix=f"serve with --context-length {dctx}, or train the draft on longer sequences"))
+    dw, tw = _sliding_window(draft_cfg), _sliding_window(tcfg)
+    layer_types = draft_cfg.get("layer_types") or []
+    sw_layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"] if isinstance(layer_types, list) \
+        else []
+    facts["sliding_window"] = {"draft": dw, "target": tw, "draft_sliding_layers": sw_layers}
+    if dw is not None:
+        findings.append(D.finding(
+            "sliding_window_ignored", None,
+            f"the draft config asks for a sliding window of {dw} tokens (the target's: {tw}); SGLang's "
+            f"{LLAMA_CLASS} ignores it and attends the whole context unless the server gets "
+            f"--speculative-draft-window-size: past {dw} tokens the draft sees more than in training",
+            draft_sliding_window=dw, target_sliding_window=tw, draft_sliding_layers=sw_layers,
+            source=f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 286-299 (window only from "
+                   "--speculative-draft-window-size); models/llama.py reads no sliding_window",
+            fix=f"start the server with --speculative-draft-window-size {dw}"))
+
+
+def _flags(arch: SGLangDraftParams, d: DraftConfig, findings: list) -> None:
+    raw = d.raw
+    ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    ignored = []
+    nbr = raw.get("norm_before_residual", ec.get("norm_before_residual"))
+    if nbr:
+        ignored.append({"flag": "norm_before_residual", "value": nbr,
+                        "effect": "SGLang always adds the un-normalised hidden state as the residual of the first "
+                                  "layer (a draft trained with norm_before_residual adds the normalised one)",
+                        "rule": f"{_L3}::LlamaDecoderLayer.forward l. 97-102 (residual = hidden_states before "
+                                "hidden_norm); no SGLang file reads norm_before_residual"})
+    for flag in ("fc_norm", "use_aux_norm", "norm_output"):
+        if ec.get(flag) and not raw.get(flag):
+            line = "l. 185-187" if flag != "norm_output" else "l. 207"
+            ignored.append({"flag": f"eagle_config.{flag}", "value": ec.get(flag),
+                            "effect": f"SGLang reads {flag} only at the top level of the config",
+                            "rule": f"{_L3}::LlamaModel.__init__ {line} (getattr(config, '{flag}'))"})
+    if arch.cls == MLA_CLASS and bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False))):
+        ignored.append({"flag": "norm_before_fc", "value": True,
+                        "effect": f"{MLA_CLASS} has no input_norm: the concatenated aux states reach fc unnormalised",
+                        "rule": f"{_K25}::Eagle3MLAModel.__init__ l. 191-255"})
+    if ignored:
+        findings.append(D.finding(
+            "draft_flag_ignored", None,
+            "SGLang ignores draft config flag(s) " + ", ".join(f"{x['flag']}={x['value']!r}" for x in ignored)
+            + ": the draft runs without what they ask for -- " + "; ".join(x["effect"] for x in ignored),
+            flags=ignored, config=str(d.path)))
+
+
+def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs: bool, findings: list,
+             facts: dict) -> None:
+    """Every checkpoint tensor resolved as ``load_weights`` resolves it: shape errors raise, missing parameters and
+    dropped tensors are findings."""
+    filled: set = set()
+    ignored = []
+    for key, info in tensors.items():
+        where = resolve_name(arch, key)
+        if where in ("d2t", "t2d", "midlayer"):
+            continue
+        if where is None:
+            if key.endswith("rotary_emb.inv_freq") or re.search(r"(^|\.)lm_head\.weight$", key):
+                continue       # buffers; lm_head is the lm_head check's
+            ignored.append(key)
+            continue
+        expected, _init = arch.params[where]
+        if tuple(info.shape) != tuple(expected):
+            raise shape_error(arch, d, key, info, where[0], where[1], expected)
+        filled.add(where)
+    missing = []
+    for (param, shard), (shape, init) in arch.params.items():
+        if (param, shard) in filled or param == "lm_head.weight":
+            continue
+        if param == "model.embed_tokens.weight" and not hin_differs:
+            continue          # replaced by the target's embedding (set_embed)
+        missing.append({"param": param if shard is None else f"{param}[{shard}]", "shape": list(shape), "init": init})
+    facts["weights"] = {"files": sorted({str(i.file) for i in tensors.values()}), "tensors": len(tensors),
+                        "parameters": len(arch.params), "class": arch.cls,
+                        "decoder_layer_checked": arch.midlayer_checked, "rule": arch.source}
+    if missing:
+        names = [m["param"] for m in missing]
+        findings.append(D.finding(
+            "draft_weight_missing", None,
+            f"{len(missing)} parameter(s) SGLang builds from the draft config have no tensor in the checkpoint and "
+            f"keep their initial value: " + ", ".join(f"{m['param']} ({m['init'].split(' (')[0]})"
+                                                      for m in missing[:6]) + (" ..." if len(missing) > 6 else ""),
+            missing=missing, config=str(d.path), files=facts["weights"]["files"],
+            source=f"{arch.source}; load_weights skips what it does not find (l. 363-378: no error)",
+            hint=_missing_hint(arch, names)))
+    if ignored:
+        findings.append(D.finding(
+            "draft_weight_ignored", None,
+            f"{len(ignored)} tensor(s) of the checkpoint match no parameter SGLang builds from the draft config and "
+            f"are dropped without a word: " + ", ".join(ignored[:6]) + (" ..." if len(ignored) > 6 else "")
+            + _ignored_hint(arch, d, ignored),
+            tensors=ignored, config=str(d.path), files=facts["weights"]["files"],
+            source=f"{_L3}::LlamaForCausalLMEagle3.load_weights l. 358-378 (a name not in params_dict is skipped)"
+            if arch.cls != MLA_CLASS else f"{_K25}::load_weights l. 494-496 (warning 'skipping unexpected weight')"))
+
+
+def _missing_hint(arch: SGLangDraftParams, names: list[str]) -> str:
+    if any(n.startswith("model.input_norm") for n in names):
+        return ("norm_before_fc is set but the checkpoint has no input_norm.weight: unset it if training had no "
+                "such norm")
+    if any(n.startswith("model.fc_norm") for n in names):
+        return "fc_norm / use_aux_norm is set but the checkpoint has no fc_norm.<i>.weight: unset it if training " \
+               "had no per-chunk norms"
+    return "the config describes another model than the checkpoint holds"
+
+
+def _ignored_hint(arch: SGLangDraftParams, d: DraftConfig, keys: list[str]) -> str:
+    hints = []
+    if any(re.search(r"(^|\.)(fc_norm\.\d+|aux_norm_(low|mid|high))\.weight$", k) for k in keys) and not arch.fc_norm:
+        hints.append("per-chunk fc norms are in the checkpoint but fc_norm / use_aux_norm is not set at the top level "
+                     f"of the config ({_L3} l. 185-188)")
+    if any(re.search(r"(^|\.)input_norm\.weight$", k) for k in keys) and not arch.norm_before_fc:
+        hints.append(f"input_norm.weight is in the checkpoint but norm_before_fc is not set ({_L3} l. 173-182)")
+    if any(k.startswith("model.model.") or k.startswith("model.lm_head") for k in keys):
+        hints.append("a doubled 'model.' prefix")
+    return (" (" + "; ".join(hints) + ")") if hints else ""
+
+
+# ------------------------------------------------------------------------------------------------ entry
+
+def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: Optional[Path] = None,
+                  target_tokens: Optional[Sequence[int]] = None, sglang_version: str = SGLANG_RULES, *,
+                  steps: int = 3, outside_share_limit: float = OUTSIDE_SHARE_LIMIT) -> dict:
+    """All the server-free checks of a draft, and the facts they rest on.
+
+    Args:
+        draft_dir: the draft's folder (config.json + safetensors, sharded through ``model.safetensors.index.json``
+            or not).
+        target_dir: the target's folder or config.json (only the config is read): rope, context length, sliding
+            window, vocab size and its lm_head tying.
+        training: training data (SpecForge ``rows_*/data_*.ckpt``, speculators ``hs_*.safetensors``, a dump):
+            its loss-masked token ids for the vocab coverage, its ``vocab_mapping/*.pt`` for d2t.
+        target_tokens: the user's target token ids (used when ``training`` is None).
+        sglang_version: the server's SGLang; the rules are those of 0.5.23 (``facts["sglang"]`` says so when it
+            differs).
+        steps: draft steps for the acceptance ceiling.
+        outside_share_limit: a ``draft_vocab_coverage`` finding above this share of tokens outside the draft vocab.
+
+    Returns:
+        ``{"findings": [finding dicts, in :data:`KIND_ORDER`], "facts": {"sglang", "architecture", "lm_head",
+        "vocab", "coverage", "rope", "context_length", "sliding_window", "fc", "weights"}}`` (facts only for what
+        was checked).
+
+    Raises:
+        BadInput: unreadable config / weights / training data; a tensor whose shape SGLang cannot load (file, key,
+            expected shape); a d2t of the wrong length or out of the target vocab; token ids outside the vocab.
+    """
+    try:
+        parse_version(sglang_version)
+    except (ValueError, TypeError):
+        raise BadInput(f"cannot read an X.Y.Z version from {sglang_version!r}", field="sglang_version") from None
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise BadInput(f"expected a positive number of draft steps, got {steps!r}", field="steps")
+    draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise BadInput("expected the draft's folder (config.json and *.safetensors)", path=draft_dir)
+    d = read_draft_config(draft_dir)
+    findings: list[dict] = []
+    facts: dict[str, Any] = {"sglang": {"given": sglang_version, "rules": SGLANG_RULES,
+                                        "note": None if parse_version(sglang_version) == parse_version(SGLANG_RULES)
+                                        else f"rules read from SGLang {SGLANG_RULES}'s source; {sglang_version} "
+                                             "may differ"},
+                             "architecture": d.architectures}
+    why = draft_servable(d.architectures, d.form)
+    if why is not None:
+        findings.append(D.finding("unsupported_draft", None, f"SGLang cannot serve this draft as EAGLE-3: {why}",
+                                  architectures=d.architectures, form=d.form, config=str(d.path),
+                                  source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py"))
+        return {"findings": findings, "facts": facts}
+    target = read_target_config(target_dir) if target_dir is not None else None
+    arch = sglang_parameters(d)
+    weights = read_draft_weights(draft_dir)
+    tensors = weights.tensors
+    vocab = target.vocab_size if target is not None and target.vocab_size else arch.vocab
+    hin_differs = "target_hidden_size" in d.raw and arch.hidden_size_in != d.hidden_size
+    facts["fc"] = {"in_features": arch.hidden_size_in * arch.num_aux, "hidden_size_in": arch.hidden_size_in,
+                   "num_aux": arch.num_aux, "norm_before_fc": arch.norm_before_fc, "fc_norm": arch.fc_norm,
+                   "norm_output": arch.norm_output, "class": arch.cls,
+                   "config_defaults": arch.defaulted}
+    facts["embedding"] = ("the draft's own embed_tokens.weight (target_hidden_size differs from hidden_size: "
+                          f"{_LLAMA}::set_embed l. 912-916 keeps it)" if hin_differs else
+                          f"the target's input embedding ({_W2}::init_lm_head -> set_embed)")
+
+    _weights(arch, d, tensors, hin_differs, findings, facts)
+    _lm_head(arch, d, tensors, None if target is None else target.raw, hin_differs, findings, facts)
+    _flags(arch, d, findings)
+    findings += D.detect_vocab_map_missing(d, weights)
+    training = Path(training) if training is not None else None
+    hot = _vocab(arch, d, tensors, vocab, training, findings, facts)
+    seqs = _tokens(training, target_tokens, vocab, None if target is None else target.hidden_size)
+    if seqs is not None:
+        _coverage(hot, vocab, seqs[0], seqs[1], steps, outside_share_limit, len(np.unique(hot)), findings, facts)
+    findings += D.detect_fc_bypassed(d, None, None, weights, target)
+    if target is not None:
+        _position_encoding(d, target.raw, target.path, findings, facts)
+        sp = served_plan(d, target, "sglang", sglang_version, "EAGLE3")
+        if not sp.fatal and d.use_aux_hidden_state is not False:
+            findings += [f for f in D.static_layer_findings(sp, None, d, weights, target)
+                         if f["kind"] == "width_mismatch" and "served_width" in f["evidence"]]
+    order = {k: i for i, k in enumerate(KIND_ORDER)}
+    findings.sort(key=lambda f: order.get(f["kind"], len(order)))
+    return {"findings": findings, "facts": facts}
+
+
+def draft_checks(draft_dir: Path, target_dir: Path | None = None, training: Path | None = None,
+                 target_tokens: Sequence[int] | None = None, sglang_version: str = "0.5.23") -> list[dict]:
+    """The findings of :func:`inspect_draft` (``{"kind", "chunk": None, "detail", "evidence"}``, DESIGN.md
+    "Findings"); an empty list for a draft SGLang will serve as it was trained.
+
+    Raises:
+        BadInput: as :func:`inspect_draft`.
+    """
+    return inspect_draft(draft_dir, target_dir, training, target_tokens, sglang_version)["findings"]

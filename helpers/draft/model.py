@@ -1,0 +1,527 @@
+"""An SGLang EAGLE-3 draft checkpoint run offline in pure torch, exactly as SGLang 0.5.23 serves it.
+
+What SGLang does, and where (sglang 0.5.23):
+
+* ``sglang/srt/models/llama_eagle3.py::LlamaModel.forward``: when the fed hidden state is wider than the embedding
+  (the first draft step, on the target's concatenated aux hidden states), ``input_norm`` (``norm_before_fc``: one
+  RMSNorm over the concatenation), then ``fc_norm`` (``fc_norm`` / ``use_aux_norm``: one RMSNorm per chunk), then
+  ``fc``; later steps feed the draft's own hidden state, which skips all three.
+* ``llama_eagle3.py::LlamaDecoderLayer.forward``: layer 0 takes ``residual = h``,
+  ``x = cat([input_layernorm(embeds), hidden_norm(h)])`` (2H wide into qkv); layers > 0 fuse the residual add into
+  ``hidden_norm``; then attention, ``post_attention_layernorm`` (fused residual add), MLP (SiLU-gated).
+* ``llama_eagle3.py::LlamaModel.forward`` (end): ``(normed, pre) = norm(h, residual)``; logits from ``normed``; the
+  hidden state carried to the next draft step is ``pre`` unless ``norm_output``.
+* ``llama_eagle3.py::LlamaForCausalLMEagle3.__init__``: ``lm_head`` over ``draft_vocab_size``; tied to the embedding
+  with ``tie_word_embeddings``; taken from the target when ``draft_vocab_size`` is None (``load_lm_head_from_target``,
+  then ``speculative/eagle_worker_v2.py::EAGLEWorkerV2.init_lm_head`` ``set_embed_and_head``).
+* ``llama_eagle3.py::LlamaForCausalLMEagle3.load_weights``: legacy names ``midlayer`` -> ``layers.0``,
+  ``aux_norm_low/mid/high`` -> ``fc_norm.0/1/2``; ``d2t`` gives ``hot_token_id = d2t + arange`` (target id = draft id
+  + d2t[draft id]); ``t2d`` is ignored; names the model does not have are skipped silently.
+* ``sglang/srt/models/llama.py::LlamaForCausalLM.set_embed``: the target's ``embed_tokens`` replaces the draft's,
+  unless ``target_hidden_size`` differs from ``hidden_size`` (then the draft's own embedding is used).
+* Rotary embedding: ``sglang/srt/layers/rotary_embedding.py::get_rope`` with the draft config's ``rope_theta`` and
+  ``rope_scaling`` (neox style, as ``models/llama.py::LlamaAttention``); ``default``, ``linear`` and ``llama3`` are
+  implemented here; other scaling types are refused with a clear line.
+
+``Eagle3DeepseekV2ForCausalLM`` (``models/kimi_k25_eagle3.py``, MLA attention) is refused with a clear line: its
+attention is not implemented here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from ..errors import BadInput
+from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
+from .checks import resolve_name, sglang_parameters, shape_error
+
+#: draft architectures this module runs (``EntryClass`` of ``sglang/srt/models/llama_eagle3.py``)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+#: refused with a reason (``sglang/srt/models/kimi_k25_eagle3.py``)
+REFUSED_ARCHITECTURES = {"Eagle3DeepseekV2ForCausalLM": "an MLA draft (sglang/srt/models/kimi_k25_eagle3.py: "
+                                                        "DeepseekV2AttentionMLA); its attention is not implemented in "
+                                                        "the offline draft run"}
+_STACKED_BACK = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}
+
+
+def _internal_name(param: str, shard) -> str:
+    """SGLang's ``(parameter, shard)`` -> this module's tensor name (``model.`` dropped, stacked shards split back:
+    ``qkv_proj`` q/k/v -> ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_up_proj`` 0/1 -> ``gate_proj`` / ``up_proj``)."""
+    n = param[len("model."):] if param.startswith("model.") else param
+    if shard is None:
+        return n
+    return n.replace("qkv_proj", _STACKED_BACK[shard]).replace("gate_up_proj", _STACKED_BACK[shard])
+
+
+@dataclass
+class DraftArch:
+    """The draft's shape as SGLang 0.5.23 builds it from its config.json (``llama_eagle3.py::LlamaModel.__init__``).
+
+    Attributes: hidden (H), target_hidden (per-chunk width fed to ``fc``), num_aux (chunks), heads, kv_heads,
+    head_dim, intermediate, layers, eps, rope_theta, rope_scaling (dict or None), vocab (target vocab),
+    draft_vocab (lm_head rows), tie (``tie_word_embeddings``), lm_head_from_target (``draft_vocab_size`` None),
+    norm_before_fc, fc_norm, norm_output, fc_bias, max_position (``max_position_embeddings``).
+    """
+
+    hidden: int
+    target_hidden: int
+    num_aux: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    vocab: int
+    draft_vocab: int
+    tie: bool
+    lm_head_from_target: bool
+    norm_before_fc: bool
+    fc_norm: bool
+    norm_output: bool
+    fc_bias: bool
+    max_position: Optional[int]
+    architecture: str = ""
+
+    @classmethod
+    def from_config(cls, path: Path) -> "DraftArch":
+        """Read ``path`` (draft config.json or its folder); the shapes are the ones SGLang builds
+        (:func:`helpers.draft.checks.sglang_parameters`, config fields left out get transformers' LlamaConfig defaults
+        as SGLang's AutoConfig load gives them).
+
+        Raises:
+            BadInput: not an SGLang EAGLE-3 draft this module runs (MLA drafts, EAGLE-1 drafts, attention bias), or a
+                field of the wrong type.
+        """
+        dc = read_draft_config(path)
+        raw = dc.raw
+        arch = (dc.architectures or [""])[0]
+        if arch in REFUSED_ARCHITECTURES:
+            raise BadInput(f"{arch} is {REFUSED_ARCHITECTURES[arch]}", path=dc.path, field="architectures")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise BadInput(f"architecture {arch!r} is not an EAGLE-3 draft this tool can run offline (expected one of "
+                           f"{', '.join(SUPPORTED_ARCHITECTURES)}: sglang/srt/models/llama_eagle3.py)",
+                           path=dc.path, field="architectures")
+        p = sglang_parameters(dc)
+        if p.attn_bias:
+            raise BadInput("attention_bias / bias is set: the offline draft run has no attention bias (the EAGLE-3 "
+                           "drafts SGLang serves have none)", path=dc.path, field="attention_bias")
+        rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
+        theta = raw.get("rope_theta")
+        if theta is None and isinstance(rope, dict):
+            theta = rope.get("rope_theta")
+        kind = str((rope or {}).get("rope_type") or (rope or {}).get("type") or "default") \
+            if isinstance(rope, dict) else "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
+                           "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
+                           field="rope_scaling")
+        return cls(hidden=dc.hidden_size, target_hidden=p.hidden_size_in, num_aux=p.num_aux, heads=p.heads,
+                   kv_heads=p.kv_heads, head_dim=p.head_dim, intermediate=p.intermediate, layers=p.layers,
+                   eps=float(raw.get("rms_norm_eps") or 1e-6), rope_theta=float(theta if theta is not None else 1e4),
+                   rope_scaling=rope if isinstance(rope, dict) else None, vocab=p.vocab, draft_vocab=p.draft_vocab,
+                   tie=p.tie, lm_head_from_target=p.lm_from_target, norm_before_fc=p.norm_before_fc,
+                   fc_norm=p.fc_norm, norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
+                   max_position=raw.get("max_position_embeddings"), architecture=arch)
+
+
+# ------------------------------------------------------------------------------------------------ tensor reading
+
+def _safetensors_index(folder: Path) -> dict[str, Path]:
+    """tensor name -> file, from the headers (:func:`helpers.formats.configs.read_safetensors_index`)."""
+    return {k: v.file for k, v in read_safetensors_index(folder).items()}
+
+
+def _read_tensor(path: Path, key: str) -> torch.Tensor:
+    try:
+        with safe_open(str(path), framework="pt") as sf:
+            return sf.get_tensor(key)
+    except Exception as e:
+        raise BadInput(f"cannot read tensor {key!r} ({' '.join(str(e).split())})", path=path) from None
+
+
+def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Path]]:
+    """``(name, file)`` of the one target tensor whose name ends with ``suffix`` (e.g. ``embed_tokens.weight``),
+    read from the safetensors index / headers only; None when there is none.
+
+    Raises:
+        BadInput: no weights in the folder, or several tensors end with ``suffix`` (an MTP layer's embedding next to
+            the model's: the shortest name, the main model's, is taken only when it is a prefix-free match).
+    """
+    if not any(Path(target_dir).glob("*.safetensors")):
+        raise BadInput(f"no safetensors in the target folder: the offline draft run reads the target's "
+                       f"'*{suffix}' from them (only that tensor; sglang/srt/models/llama.py::LlamaForCausalLM."
+                       "set_embed shares the target's embedding with the draft)", path=target_dir)
+    index = _safetensors_index(Path(target_dir))
+    hits = sorted((k for k in index if k.endswith(suffix) and "mtp" not in k.lower()), key=len)
+    if not hits:
+        return None
+    return hits[0], index[hits[0]]
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """SGLang ``RMSNorm.forward_native``: fp32 statistics and weight product, result in the input dtype (one fused
+    ``F.rms_norm``)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
+def _inv_freq(arch: DraftArch) -> torch.Tensor:
+    """Rotary inverse frequencies (``sglang/srt/layers/rotary_embedding.py``: ``RotaryEmbedding``,
+    ``LinearScalingRotaryEmbedding`` is applied to positions, ``Llama3RotaryEmbedding._compute_inv_freq``)."""
+    hd = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rs = arch.rope_scaling or {}
+    kind = str(rs.get("rope_type") or rs.get("type") or "default")
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old = float(rs["original_max_position_embeddings"])
+        low_wl, high_wl = old / low, old / high
+        wl = 2 * math.pi / inv
+        smooth = (old / wl - low) / (high - low)
+        scaled = torch.where(wl > low_wl, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wl <= low_wl) & (wl >= high_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+def _rope_scale(arch: DraftArch) -> float:
+    rs = arch.rope_scaling or {}
+    kind = str(rs.get("rope_type") or rs.get("type") or "default")
+    return float(rs.get("factor", 1.0)) if kind == "linear" else 1.0
+
+
+@dataclass
+class ExtendOutput:
+    """The draft-extend pass over one sequence (rows = positions).
+
+    Attributes:
+        hidden: ``[T, H]`` the hidden state carried to the next draft step (pre-norm unless ``norm_output``).
+        logits: ``[T, V_draft]`` float32 logits over the draft vocabulary.
+        kv: per layer ``(k, v)``, each ``[T, kv_heads, head_dim]``, the draft KV cache of these rows.
+    """
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: per layer, the keys / values expanded to every query head in float32 (built once, read by every draft step)
+    kv_f32: dict = field(default_factory=dict, repr=False)
+
+
+class Eagle3Draft:
+    """An EAGLE-3 draft (``LlamaForCausalLMEagle3``) with the weights SGLang would load, run in pure torch.
+
+    Build it with :meth:`load`. ``dtype`` is the compute dtype (the server's ``--dtype``: the embedded CPU server runs
+    ``float32``, GPU servers usually ``bfloat16``); norms and softmax are computed in float32 as SGLang's native
+    kernels do.
+    """
+
+    def __init__(self, arch: DraftArch, weights: dict[str, torch.Tensor], embed: torch.Tensor,
+                 lm_head: torch.Tensor, hot_token_id: Optional[torch.Tensor], *, dtype: torch.dtype,
+                 sources: dict):
+        self.arch = arch
+        self.w = weights
+        self.embed = embed
+        self.lm_head = lm_head
+        self.hot_token_id = hot_token_id
+        self.dtype = dtype
+        self.sources = sources
+        self.device = embed.device
+        self._inv = _inv_freq(arch).to(self.device)
+        self._pos_scale = _rope_scale(arch)
+
+    # ----------------------------------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, draft_dir: str | Path, target_dir: Optional[str | Path] = None, *,
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Eagle3Draft":
+        """Load the draft of ``draft_dir`` (config.json + safetensors, sharded or not) as SGLang would.
+
+        Only the target's ``embed_tokens`` (and, when the draft borrows it, its ``lm_head``) are read from
+        ``target_dir``, through its safetensors index: never the whole target.
+
+        Raises:
+            BadInput: unsupported architecture; a tensor the model needs is missing, or its shape does not match the
+                config (the file and key are named); the target embedding is needed but ``target_dir`` is None or
+                has no ``embed_tokens``.
+        """
+        draft_dir = Path(draft_dir)
+        arch = DraftArch.from_config(draft_dir)
+        dc = read_draft_config(draft_dir)
+        params = sglang_parameters(dc)
+        tensors = read_safetensors_index(draft_dir)
+        filled: dict = {}
+        names: dict[str, str] = {}
+        for key, info in tensors.items():
+            where = resolve_name(params, key)
+            if where in ("d2t", "t2d"):
+                names[where] = key
+                continue
+            if where is None or where == "midlayer":
+                continue                     # SGLang drops it too (helpers.draft.checks reports it)
+            expected = params.params[where][0]
+            if tuple(info.shape) != tuple(expected):
+                raise shape_error(params, dc, key, info, where[0], where[1], expected)
+            filled[where] = (key, info)
+        weights: dict[str, torch.Tensor] = {}
+        for (param, shard), (shape, _init) in params.params.items():
+            if param == "model.embed_tokens.weight":
+                continue                     # the target's (set_embed) unless target_hidden_size differs: below
+            if param == "lm_head.weight" and arch.lm_head_from_target:
+                continue                     # replaced by the target's (set_embed_and_head): below
+            if (param, shard) not in filled:
+                # SGLang keeps the initialised (random / ones) parameter when a name is absent: the draft it serves is
+                # then not the trained one. Refuse rather than guess.
+                raise BadInput(f"the draft checkpoint has no tensor for {param}{'' if shard is None else f'[{shard}]'} "
+                               f"although its config implies one of shape {list(shape)} (sglang/srt/models/"
+                               "llama_eagle3.py::LlamaForCausalLMEagle3.load_weights skips missing names and serves "
+                               "an untrained parameter)", path=draft_dir, field=_internal_name(param, shard))
+            key, info = filled[(param, shard)]
+            weights[_internal_name(param, shard)] = _read_tensor(info.file, key).to(device=device, dtype=dtype)
+        if ("model.embed_tokens.weight", None) in filled:
+            names["embed_tokens.weight"] = filled[("model.embed_tokens.weight", None)][0]
+        index = {k: v.file for k, v in tensors.items()}
+        a = arch
+        hot = None
+        if "d2t" in names:
+            d2t = _read_tensor(index[names["d2t"]], names["d2t"]).to(torch.long)
+            if d2t.ndim != 1 or d2t.shape[0] != a.draft_vocab:
+                raise BadInput(f"d2t has shape {list(d2t.shape)}, expected [{a.draft_vocab}] (draft_vocab_size)",
+                               path=index[names["d2t"]], field="d2t")
+            hot = (d2t + torch.arange(d2t.shape[0])).to(device)
+            if int(hot.min()) < 0 or int(hot.max()) >= a.vocab:
+                raise BadInput(f"d2t maps draft ids outside the target vocabulary [0, {a.vocab})",
+                               path=index[names["d2t"]], field="d2t")
+        sources: dict = {"draft": str(draft_dir)}
+        use_target_embed = a.target_hidden == a.hidden or "target_hidden_size" not in dc.raw
+        if use_target_embed:
+            if target_dir is None:
+                raise BadInput("the draft uses the target's embedding (sglang/srt/models/llama.py::"
+                               "LlamaForCausalLM.set_embed): pass the target folder", field="--target")
+            hit = find_target_tensor(Path(target_dir), "embed_tokens.weight")
+            if hit is None:
+                raise BadInput("the target's safetensors hold no '*embed_tokens.weight' (the draft reads the target's "
+                               "embedding: sglang/srt/models/llama.py::LlamaForCausalLM.set_embed)", path=target_dir)
+            embed = _read_tensor(hit[1], hit[0])
+            sources["embed"] = f"target {hit[1].name}:{hit[0]}"
+        else:
+            key = names.get("embed_tokens.weight")
+            if key is None:
+                raise BadInput("target_hidden_size differs from hidden_size, so SGLang keeps the draft's own "
+                               "embedding, but the checkpoint has no embed_tokens.weight", path=draft_dir,
+                               field="embed_tokens.weight")
+            embed = _read_tensor(index[key], key)
+            sources["embed"] = f"draft {index[key].name}:{key}"
+        if tuple(embed.shape) != (a.vocab, a.hidden):
+            raise BadInput(f"the embedding has shape {list(embed.shape)}, expected [{a.vocab}, {a.hidden}] "
+                           "(vocab_size, hidden_size of the draft config)", path=sources["embed"], field="embed_tokens")
+        embed = embed.to(device=device, dtype=dtype)
+        if a.tie:
+            lm_head, sources["lm_head"] = embed, "tied to the embedding (tie_word_embeddings)"
+        elif a.lm_head_from_target:
+            if target_dir is None:
+                raise BadInput("draft_vocab_size is unset, so SGLang takes lm_head from the target: pass --target",
+                               field="--target")
+            hit = find_target_tensor(Path(target_dir), "lm_head.weight")
+            if hit is None:                                 # a tied target: its embedding is its lm_head
+                lm_head, sources["lm_head"] = embed, "the target's tied embedding (draft_vocab_size unset)"
+            else:
+                lm_head = _read_tensor(hit[1], hit[0]).to(device=device, dtype=dtype)
+                sources["lm_head"] = f"target {hit[1].name}:{hit[0]} (draft_vocab_size unset)"
+        else:
+            lm_head, sources["lm_head"] = weights.pop("lm_head.weight"), "draft lm_head.weight"
+        sources["d2t"] = "draft d2t" if hot is not None else "none (draft ids are taken as target ids)"
+        return cls(arch, weights, embed, lm_head, hot, dtype=dtype, sources=sources)
+
+    def with_vocab_map(self, d2t: torch.Tensor, source: str) -> "Eagle3Draft":
+        """The same draft with another d2t (``hot_token_id = d2t + arange``): a vocab-map fix, run offline.
+
+        Raises:
+            BadInput: ``d2t`` is not ``[draft_vocab]`` or maps outside the target vocabulary."""
+        d2t = d2t.to(torch.long).reshape(-1)
+        if d2t.shape[0] != self.arch.draft_vocab:
+            raise BadInput(f"d2t has {d2t.shape[0]} entries, expected {self.arch.draft_vocab} (draft_vocab_size)",
+                           path=source, field="d2t")
+        hot = d2t + torch.arange(d2t.shape[0])
+        if int(hot.min()) < 0 or int(hot.max()) >= self.arch.vocab:
+            raise BadInput(f"d2t maps draft ids outside the target vocabulary [0, {self.arch.vocab})", path=source,
+                           field="d2t")
+        return Eagle3Draft(self.arch, self.w, self.embed, self.lm_head, hot.to(self.device), dtype=self.dtype,
+                           sources={**self.sources, "d2t": source})
+
+    # ----------------------------------------------------------------------------------------- pieces
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (``hot_token_id[draft_id]``; identity without d2t), any shape, int64."""
+        return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """``[T, num_aux * target_hidden]`` target aux hidden states -> ``[T, H]`` (input_norm, fc_norm, fc)."""
+        a, w = self.arch, self.w
+        if aux.shape[-1] != a.target_hidden * a.num_aux:
+            raise BadInput(f"the aux hidden states are {aux.shape[-1]} wide but the draft's fc takes "
+                           f"{a.target_hidden * a.num_aux} ({a.num_aux} x {a.target_hidden})", field="aux width")
+        x = aux.to(self.dtype)
+        if a.norm_before_fc:
+            x = _rms(x, w["input_norm.weight"], a.eps)
+        if a.fc_norm:
+            x = torch.cat([_rms(c, w[f"fc_norm.{i}.weight"], a.eps)
+                           for i, c in enumerate(x.chunk(a.num_aux, dim=-1))], dim=-1)
+        return F.linear(x, w["fc.weight"], w.get("fc.bias"))
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Neox-style rotary embedding of ``x [N, heads, hd]`` at positions ``pos [N]``."""
+        ang = (pos.to(torch.float32) / self._pos_scale)[:, None] * self._inv[None, :]
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        xf = x.float()
+        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def _layer_in(self, i: int, embeds: torch.Tensor, h: torch.Tensor, residual: Optional[torch.Tensor]):
+        a, w, p = self.arch, self.w, f"layers.{i}."
+        if i == 0:
+            return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps),
+                              _rms(h, w[p + "hidden_norm.weight"], a.eps)], dim=-1), h
+        residual = (h.float() + residual.float()).to(h.dtype)
+        return _rms(residual, w[p + "hidden_norm.weight"], a.eps), residual
+
+    def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
+        a, w, p = self.arch, self.w, f"layers.{i}.self_attn."
+        n = x.shape[0]
+        q = F.linear(x, w[p + "q_proj.weight"]).view(n, a.heads, a.head_dim)
+        k = F.linear(x, w[p + "k_proj.weight"]).view(n, a.kv_heads, a.head_dim)
+        v = F.linear(x, w[p + "v_proj.weight"]).view(n, a.kv_heads, a.head_dim)
+        return self._rope(q, pos), self._rope(k, pos), v
+
+    def _layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor):
+        a, w, p = self.arch, self.w, f"layers.{i}."
+        o = F.linear(attn, w[p + "self_attn.o_proj.weight"])
+        residual = (o.float() + residual.float()).to(o.dtype)
+        y = _rms(residual, w[p + "post_attention_layernorm.weight"], a.eps)
+        m = F.linear(F.silu(F.linear(y, w[p + "mlp.gate_proj.weight"])) * F.linear(y, w[p + "mlp.up_proj.weight"]),
+                     w[p + "mlp.down_proj.weight"])
+        return m, residual
+
+    def _finish(self, m: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pre = (m.float() + residual.float()).to(m.dtype)
+        normed = _rms(pre, self.w["norm.weight"], self.arch.eps)
+        logits = F.linear(normed, self.lm_head).float()
+        return (normed if self.arch.norm_output else pre), logits
+
+    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        rep = self.arch.heads // self.arch.kv_heads
+        return t if rep == 1 else t.repeat_interleave(rep, dim=-2)
+
+    # ----------------------------------------------------------------------------------------- passes
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, aux: torch.Tensor, positions: Optional[torch.Tensor] = None
+               ) -> ExtendOutput:
+        """The draft-extend pass over one sequence: row t takes ``tokens[t]`` and ``aux[t]`` at ``positions[t]``
+        and attends causally to rows 0..t (``speculative/eagle_worker_v2.py::EAGLEWorkerV2._draft_extend``, whose
+        input ids are the sequence rotated left by one: row t holds token t+1 with the target's aux state of
+        position t; the caller does that shift, see :func:`helpers.draft.simulate.simulate_sequence`).
+
+        Args:
+            tokens: int64 ``[T]`` target-vocab ids.
+            aux: ``[T, num_aux * target_hidden]`` (any float dtype).
+            positions: int64 ``[T]`` (default 0..T-1).
+        """
+        dev = self.device
+        tokens, aux = tokens.to(dev), aux.to(dev)
+        T = tokens.shape[0]
+        pos = torch.arange(T, device=dev) if positions is None else positions.to(dev)
+        emb = self.embed[tokens]
+        h = self.project(aux)
+        residual = None
+        kv = []
+        scale = 1.0 / math.sqrt(self.arch.head_dim)
+        for i in range(self.arch.layers):
+            x, residual = self._layer_in(i, emb, h, residual)
+            q, k, v = self._qkv(i, x, pos)
+            kv.append((k, v))
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self._expand_kv(k).transpose(0, 1)[None],
+                                               self._expand_kv(v).transpose(0, 1)[None], is_causal=True,
+                                               scale=scale)[0].transpose(0, 1).reshape(T, -1)
+            h, residual = self._layer_out(i, o, residual)
+        hidden, logits = self._finish(h, residual)
+        return ExtendOutput(hidden=hidden, logits=logits, kv=kv)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx_len: torch.Tensor,
+             ext_kv: "ExtendOutput | Sequence[tuple[torch.Tensor, torch.Tensor]]",
+             path_kv: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]] = ()
+             ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One draft decode step for ``B`` query nodes at once (``eagle_worker_v2.py::EAGLEWorkerV2.draft_forward``,
+        one iteration of its loop): node b takes ``tokens[b]`` (target ids, embedded by the target's embedding)
+        and the hidden state ``hidden[b]`` of its parent, at ``positions[b]``; it attends to the extend rows
+        ``0 .. ctx_len[b]-1`` of ``ext_kv`` (the :class:`ExtendOutput`, whose expanded float32 keys are then built
+        once, or its ``kv`` list), to its ancestors' keys (``path_kv[j]`` per ancestor, oldest first, each
+        a per-layer list of ``[B, kv_heads, hd]``) and to itself.
+
+        Returns ``(hidden [B, H], logits [B, V_draft] float32, this step's per-layer (k, v) [B, kv_heads, hd])``.
+        """
+        dev = self.device
+        tokens, hidden = tokens.to(dev), hidden.to(dev)
+        B = tokens.shape[0]
+        emb = self.embed[tokens]
+        h, residual = hidden.to(self.dtype), None
+        scale = 1.0 / math.sqrt(self.arch.head_dim)
+        cache = ext_kv.kv_f32 if isinstance(ext_kv, ExtendOutput) else None
+        if isinstance(ext_kv, ExtendOutput):
+            ext_kv = ext_kv.kv
+        T = ext_kv[0][0].shape[0] if ext_kv else 0
+        mask = torch.arange(T, device=dev)[None, :] < ctx_len.to(dev)[:, None]          # [B, T]
+        new_kv = []
+        for i in range(self.arch.layers):
+            x, residual = self._layer_in(i, emb, h, residual)
+            q, k, v = self._qkv(i, x, positions.to(dev))
+            new_kv.append((k, v))
+            qf = q.float()                                                             # [B, nh, hd]
+            if cache is not None and i in cache:
+                ke, ve = cache[i]
+            else:
+                ke, ve = self._expand_kv(ext_kv[i][0]).float(), self._expand_kv(ext_kv[i][1]).float()  # [T, nh, hd]
+                if cache is not None:
+                    cache[i] = (ke, ve)
+            s_ext = torch.einsum("bhd,thd->bht", qf, ke) * scale
+            s_ext = s_ext.masked_fill(~mask[:, None, :], float("-inf"))
+            anc_k = [self._expand_kv(p[i][0]).float() for p in path_kv] + [self._expand_kv(k).float()]
+            anc_v = [self._expand_kv(p[i][1]).float() for p in path_kv] + [self._expand_kv(v).float()]
+            s_anc = torch.stack([(qf * kk).sum(-1) for kk in anc_k], dim=-1) * scale   # [B, nh, A]
+            wts = torch.softmax(torch.cat([s_ext, s_anc], dim=-1), dim=-1)
+            o = torch.einsum("bht,thd->bhd", wts[..., :T], ve)
+            o = o + torch.einsum("bha,abhd->bhd", wts[..., T:], torch.stack(anc_v, dim=0))
+            h, residual = self._layer_out(i, o.to(self.dtype).reshape(B, -1), residual)
+        hidden, logits = self._finish(h, residual)
+        return hidden, logits, new_kv
+
+
+def target_lm_head(target_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, str]:
+    """The target's output projection ``[vocab, H]`` (``lm_head.weight``, or the embedding when tied), read from the
+    safetensors index without loading the rest: the target's own next-token choice from a post-norm hidden state.
+
+    Raises:
+        BadInput: neither tensor is in the target's safetensors.
+    """
+    target_dir = Path(target_dir)
+    hit = find_target_tensor(target_dir, "lm_head.weight")
+    tied = bool(read_target_config(target_dir).raw.get("tie_word_embeddings"))
+    if hit is None or tied:
+        hit = find_target_tensor(target_dir, "embed_tokens.weight")
+    if hit is None:
+        raise BadInput("the target's safetensors hold neither lm_head.weight nor embed_tokens.weight", path=target_dir)
+    return _read_tensor(hit[1], hit[0]).to(dtype), f"{hit[1].name}:{hit[0]}"
+
+
+def target_hidden_size(target_dir: str | Path) -> int:
+    """The target's hidden size (its config.json, through :func:`helpers.formats.configs.read_target_config`)."""
+    return read_target_config(target_dir).hidden_size

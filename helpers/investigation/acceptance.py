@@ -1,0 +1,194 @@
+"""The acceptance budget inside a live investigation: inputs gathered from the run (training data, the served capture,
+live requests that return both aux states and SGLang's counters, the every-layer reference, the proposed fix), the
+budget computed by :func:`helpers.draft.budget.acceptance_budget`, and the findings it implies.
+
+The live requests are plain greedy ``/generate`` calls with ``return_hidden_states`` (the cache flushed before each,
+so the prompt block is complete): one answer gives the aux states the server fed for its own continuation and the
+same request's ``spec_verify_ct`` / ``spec_num_correct_drafts``, so the offline run and the live counters are paired
+on identical tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+
+from ..acceptance.prompts import load_prompts
+from ..capture import capture_served
+from ..diagnosis.detectors import finding
+from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_cost, dump_sequences, plan_sequences,
+                            training_sequences)
+from ..draft.model import Eagle3Draft, target_lm_head
+from ..draft.simulate import DraftSettings
+from ..draft.training_log import predicted_accept_length, read_training_log
+from ..errors import BadInput
+from ..formats.configs import read_draft_config
+from ..formats.training_data import TrainingData
+from ..records import ProposedFix
+
+#: file names looked for in the draft folder (and its parent) when no --training-log is given
+TRAINING_LOG_NAMES = ("training_log.json", "trainer_state.json", "eval_results.json", "metrics.json",
+                      "training_log.jsonl", "train.log")
+
+#: cause -> finding kind
+CAUSE_KINDS = {"draft": "draft_underperforms", "wiring": "wiring_loses_acceptance",
+               "engine": "engine_after_capture", "settings": "spec_settings_low",
+               "unknown": "acceptance_unexplained"}
+
+
+def find_training_log(draft_dir: Path, given: Optional[str | Path] = None) -> Optional[Path]:
+    """``given``, else the first of :data:`TRAINING_LOG_NAMES` in the draft folder or its parent."""
+    if given is not None:
+        p = Path(given)
+        if not p.is_file():
+            raise BadInput("training log not found", path=p, field="--training-log")
+        return p
+    for folder in (draft_dir, draft_dir.parent):
+        for n in TRAINING_LOG_NAMES:
+            if (folder / n).is_file():
+                return folder / n
+    return None
+
+
+def compute_dtype(info: dict, draft_raw: dict) -> torch.dtype:
+    """The dtype the server computes the draft in (``/server_info`` ``dtype``; ``auto``: the draft config's)."""
+    name = str(info.get("dtype") or "auto")
+    if name == "auto":
+        name = str(draft_raw.get("torch_dtype") or draft_raw.get("dtype") or "bfloat16")
+    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "half": torch.float16}.get(name, torch.float32)
+
+
+@dataclass
+class BudgetRun:
+    """What :func:`run_budget` produced: the budget document, its findings, and the live counters it measured."""
+
+    budget: dict
+    findings: list = field(default_factory=list)
+    live: Optional[pd.DataFrame] = None
+    withdraw_fix: Optional[str] = None
+
+
+#: findings about which tensor the draft receives: a fix for them changes the served plan
+PLAN_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order",
+              "missing_chunk", "zero_chunk", "scaled_chunk", "partial_match", "extra_chunk", "tp_sharded_width",
+              "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis", "norm_mismatch", "nan_or_inf",
+              "config_ids_mismatch", "config_ids_ignored"}
+
+
+def fix_plan(fix: Optional[ProposedFix], findings: list[dict], training_tensors: Optional[list[str]]
+             ) -> Optional[tuple[str, list[str]]]:
+    """``(label, served plan after the fix)`` to prove offline, or None when the fix does not change the plan.
+
+    A config fix carries its plan (``expected_served``, SGLang's rules). An engine fix that feeds the all-reduced
+    embedding (``embedding_not_all_reduced``) yields the embedding in that chunk; another engine change is taken to
+    feed the training plan."""
+    if fix is None or fix.kind == "none" or not training_tensors:
+        return None
+    if not fix.expected_served and not PLAN_KINDS & {f["kind"] for f in findings}:
+        return None
+    if fix.expected_served:
+        return "the proposed fix", list(fix.expected_served)
+    plan = list(training_tensors)
+    touched = False
+    for f in findings:
+        if f["kind"] == "embedding_not_all_reduced" and f.get("chunk") is not None and f["chunk"] < len(plan):
+            plan[f["chunk"]] = "embedding"
+            touched = True
+    return ("the proposed engine change" if touched else "the training plan (the engine change, done right)"), plan
+
+
+def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, training: str | Path, hidden_size: int,
+               num_samples: int, served_dump: Optional[Path], reference: Optional[Path], run_dir: Path,
+               settings: DraftSettings, fix: Optional[ProposedFix], findings: list[dict],
+               training_tensors: Optional[list[str]], training_log: Optional[str | Path] = None,
+               prompts: int = 16, max_new_tokens: int = 32, measure: bool = True,
+               progress: Callable[[str], None] = lambda s: None) -> BudgetRun:
+    """Gather the budget's inputs from the live run and compute it.
+
+    Raises:
+        BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
+            embedding, an unsupported architecture), or an unreadable training log.
+    """
+    draft = Eagle3Draft.load(draft_dir, target_dir, dtype=compute_dtype(info, _raw(draft_dir)))
+    log_path = find_training_log(draft_dir, training_log)
+    log = None
+    if log_path is not None:
+        tl = read_training_log(log_path)
+        log = predicted_accept_length(tl, settings.steps)
+        log["source"] = f"{log_path} ({tl.format}, {tl.kind}: {', '.join(tl.source_keys[:settings.steps])})"
+    td = TrainingData(training, hidden_size=hidden_size, max_samples=num_samples)
+    head = None
+    try:
+        head, _ = target_lm_head(target_dir)
+    except BadInput:
+        pass
+    train_seqs = training_sequences(td, lm_head=head)
+    starts = {s.key: s.start for s in train_seqs}
+    served = dump_sequences(served_dump, starts=starts) if served_dump is not None else None
+    live_seqs = live = None
+    if measure:
+        progress(f"live: {prompts} prompts x {max_new_tokens} tokens, aux states and counters from the same answers")
+        recs: list = []
+        ps = load_prompts(None, n=prompts)
+        dump = capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
+                              max_new_tokens=max_new_tokens, progress=False, records=recs,
+                              max_width=16 * hidden_size)
+        live = pd.DataFrame(recs)
+        live_seqs = dump_sequences(dump)
+    fix_in = None
+    fp = fix_plan(fix, findings, training_tensors)
+    if fp is not None and reference is not None:
+        try:
+            fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
+        except KeyError as exc:
+            progress(f"the fix cannot be proven offline: {exc}")
+    elif fix is not None and "d2t" in (fix.add_tensors or {}) and served:
+        src = fix.add_tensors["d2t"]
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+        if isinstance(obj, dict) and "d2t" in obj:
+            fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served,
+                      "draft": draft.with_vocab_map(obj["d2t"], src)}
+    cost, cost_src = draft_cost(draft_dir, target_dir)
+    b = acceptance_budget(draft, BudgetInputs(settings=settings, log=log, training=train_seqs, served_training=served,
+                                              live_sequences=live_seqs, live=live, max_new_tokens=max_new_tokens,
+                                              fix=fix_in, draft_cost=cost, draft_cost_source=cost_src), progress=None)
+    out = BudgetRun(budget=b, live=live)
+    cause = b["cause"]
+    if cause in CAUSE_KINDS and not (cause == "wiring" and any(f["kind"] != "config_ids_mismatch" for f in findings)):
+        loss = b["losses"].get(cause) or {}
+        out.findings.append(finding(CAUSE_KINDS[cause], None, b["sentence"], stage=cause, loss=loss,
+                                    stages=[{k: s.get(k) for k in ("name", "accept_length", "ci")}
+                                            for s in b["stages"]],
+                                    recommended_settings=b.get("recommended_settings"),
+                                    source="simulation: the draft checkpoint run offline as SGLang runs it "
+                                           "(helpers.draft), live counters from the same /generate answers"))
+    fo = b.get("fix_offline")
+    if fo is not None and fo.get("gain") is not None and fo["gain"] < MIN_TOKENS:
+        out.withdraw_fix = (f"{fo['label']} (served plan [{', '.join(fo.get('plan') or [])}]) was run offline on the "
+                            f"every-layer reference: accept length {fo['accept_length']:.2f}, a gain of "
+                            f"{fo['gain']:+.2f} over the served states: nil, so it is not proposed")
+    return out
+
+
+def _raw(draft_dir: Path) -> dict:
+    return read_draft_config(draft_dir).raw
+
+
+def _free(parent: Path, name: str) -> str:
+    n, k = name, 2
+    while (parent / n).exists():
+        n, k = f"{name}-{k}", k + 1
+    return n
+
+
+def live_summary(live: pd.DataFrame) -> dict[str, Any]:
+    """accept length / rate of the live frame (no CI), for the progress line."""
+    ok = live[live["verify_ct"].fillna(0) > 0]
+    if not len(ok):
+        return {"accept_length": None, "accept_rate": None}
+    return {"accept_length": float(ok["completion_tokens"].sum() / ok["verify_ct"].sum()),
+            "accept_rate": float(ok["correct_drafts"].sum() / max(1, ok["proposed_drafts"].sum()))}

@@ -1,0 +1,75 @@
+"""Figures of the acceptance budget (:func:`helpers.draft.budget.acceptance_budget`).
+
+* :func:`budget_waterfall`: accept length by stage (training log -> offline on training states -> offline on served
+  states -> live), each stage's bar starting where the previous ended, with its 95 % CI; the settings stage's
+  recommended accept length last.
+* :func:`budget_ladder`: P(accepted >= j) per draft position j, one line per stage (the per-position ladder).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import plotly.graph_objects as go
+
+from .acceptance import PALETTE
+
+#: the stages in ladder order (the settings stage is drawn apart: it is another configuration)
+ORDER = ("training log", "offline, training states", "offline, served states", "offline, served states (live prompts)",
+         "live")
+
+
+def _stages(budget: dict) -> list[dict]:
+    by = {s["name"]: s for s in budget.get("stages") or [] if s.get("accept_length") is not None}
+    return [by[n] for n in ORDER if n in by]
+
+
+def budget_waterfall(budget: dict) -> Optional[go.Figure]:
+    """Accept length by stage as a waterfall (tokens per verify step, bonus token included); None without stages."""
+    st = _stages(budget)
+    if not st:
+        return None
+    names = [s["name"] for s in st]
+    vals = [s["accept_length"] for s in st]
+    measure = ["absolute"] + ["relative"] * (len(vals) - 1)
+    deltas = [vals[0]] + [b - a for a, b in zip(vals, vals[1:])]
+    text = [f"{v:.2f}" for v in vals]
+    fig = go.Figure(go.Waterfall(x=names, y=deltas, measure=measure, text=text, textposition="outside",
+                                 decreasing={"marker": {"color": "#c62828"}},
+                                 increasing={"marker": {"color": "#2e7d32"}},
+                                 totals={"marker": {"color": "#1f77b4"}}, connector={"line": {"color": "#9e9e9e"}},
+                                 name="accept length"))
+    lo = [s["accept_length"] - s["ci"][0] if s.get("ci") and s["ci"][0] is not None else 0 for s in st]
+    hi = [s["ci"][1] - s["accept_length"] if s.get("ci") and s["ci"][1] is not None else 0 for s in st]
+    fig.add_trace(go.Scatter(x=names, y=vals, mode="markers", marker={"color": "#212121", "size": 6},
+                             error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
+                             name="95% CI", hovertemplate="%{x}: %{y:.2f}<extra></extra>"))
+    settings = next((s for s in budget.get("stages") or [] if s["name"] == "best settings (simulated)"), None)
+    if settings is not None and settings.get("accept_length") is not None:
+        r = settings.get("settings") or {}
+        fig.add_trace(go.Scatter(x=[f"steps {r.get('steps')} (simulated)"], y=[settings["accept_length"]],
+                                 mode="markers", marker={"symbol": "diamond", "size": 11, "color": "#ff7f0e"},
+                                 name="recommended settings"))
+    top = max(vals + [settings["accept_length"] if settings and settings.get("accept_length") else 0])
+    fig.update_layout(title=f"Where the accept length goes (cause: {budget.get('cause')})", height=380,
+                      yaxis={"title": "accept length (tokens per verify step)", "range": [0, top * 1.2],
+                             "dtick": 0.5}, margin={"l": 60, "r": 20, "t": 60, "b": 90}, showlegend=True,
+                      legend={"orientation": "h", "y": -0.3})
+    return fig
+
+
+def budget_ladder(budget: dict) -> Optional[go.Figure]:
+    """P(accepted >= j) per draft position, one line per stage; None when no stage has per-position figures."""
+    st = [s for s in _stages(budget) if s.get("p_accept_ge")]
+    if not st:
+        return None
+    fig = go.Figure()
+    for i, s in enumerate(st):
+        p = s["p_accept_ge"]
+        fig.add_trace(go.Scatter(x=list(range(1, len(p) + 1)), y=p, mode="lines+markers", name=s["name"],
+                                 line={"color": PALETTE[i % len(PALETTE)],
+                                       "dash": "dash" if s["name"] == "training log" else "solid"}))
+    fig.update_layout(title="P(accepted >= j) per draft position, by stage", height=340,
+                      xaxis={"title": "draft position j", "dtick": 1}, yaxis={"title": "P(accepted >= j)",
+                                                                               "range": [0, 1], "dtick": 0.2},
+                      margin={"l": 60, "r": 20, "t": 50, "b": 40})
+    return fig

@@ -1,0 +1,82 @@
+"""The acceptance budget on live embedded servers started with faults *after* the capture point, which no aux hidden
+state shows and the tool is not told about: a damaged draft checkpoint, a wrong d2t, low speculative settings and a
+draft-side forward hook that makes the engine compute the draft differently. Each must be put at its stage (``draft``,
+``draft``, ``settings``, ``engine``); the clean server (``none``, simulation within 0.1 of live) and the wiring fault
+(``wiring``, fix proven offline) are checked in test_investigate_live.py on the servers it starts anyway.
+
+TP 1 servers (the budget does not depend on TP), one at a time (2 cores), ``--no-apply`` (nothing to restart)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.investigation.live import investigate
+from support.drafts import damaged_draft, wrong_d2t_draft
+from test_investigate_live import MODELS, TRAINING, server  # noqa: F401  (registry fixture is autouse there)
+from test_investigate_live import registry  # noqa: F401
+
+pytestmark = pytest.mark.server
+
+
+def _stage(doc, name):
+    return next(s for s in doc.acceptance["stages"] if s["name"] == name)
+
+
+def _run(tmp_path, url, **kw):
+    return investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, measure_prompts=12,
+                       max_new_tokens=32, **kw)
+
+
+def test_damaged_draft_is_put_at_the_draft_stage(tmp_path):
+    draft = damaged_draft(tmp_path / "damaged", noise=2.0)
+    with server(tmp_path, draft=draft, tp=1, capture=False) as url:
+        doc = _run(tmp_path, url)
+    b = doc.acceptance
+    assert b["cause"] == "draft", b["sentence"]
+    kinds = [f.kind for f in doc.findings]
+    assert kinds == ["draft_underperforms"], kinds                # the wiring is right: nothing else is named
+    loss = b["losses"]["draft"]
+    assert loss["counts"] and loss["delta"] > 0.5 and loss["ci"][0] > 0, loss
+    # the offline run on the served states predicts the live counters of the same requests: no engine loss
+    assert abs(_stage(doc, "offline, served states (live prompts)")["accept_length"]
+               - _stage(doc, "live")["accept_length"]) <= 0.1
+    assert doc.verdict == "mismatch" and "Cause: draft" in doc.sentence
+
+
+def test_wrong_d2t_is_put_at_the_draft_stage(tmp_path):
+    draft = wrong_d2t_draft(tmp_path / "d2t")
+    with server(tmp_path, draft=draft, tp=1, capture=False) as url:
+        doc = _run(tmp_path, url)
+    b = doc.acceptance
+    assert b["cause"] == "draft", b["sentence"]
+    assert _stage(doc, "offline, training states")["accept_length"] < 1.2        # hardly a draft token right
+    assert _stage(doc, "live")["accept_length"] < 1.2
+
+
+def test_low_steps_are_put_at_the_settings_stage_with_the_recommended_steps(tmp_path):
+    with server(tmp_path, "--steps", "1", "--topk", "1", "--draft-tokens", "2", tp=1, capture=False) as url:
+        doc = _run(tmp_path, url)
+    b = doc.acceptance
+    assert b["settings"] == {"steps": 1, "topk": 1, "draft_tokens": 2}
+    assert b["cause"] == "settings", b["sentence"]
+    rec = b["recommended_settings"]
+    assert rec["steps"] >= 2 and rec["draft_tokens"] == rec["steps"] + 1, rec
+    assert f"--speculative-num-steps {rec['steps']}" in doc.sentence
+    table = {t["steps"]: t["accept_length"] for t in b["settings_table"]}
+    assert table[rec["steps"]] > table[1] + 0.5, table
+    assert [f.kind for f in doc.findings] == ["spec_settings_low"]
+
+
+def test_draft_side_hook_is_put_at_the_engine_stage(tmp_path):
+    hook = [{"name": "draft-fc-noise", "target_modules": ["model.fc"], "hook_factory": "helpers.hooks:perturb_factory",
+             "config": {"noise": 1.0, "seed": 0}}]
+    with server(tmp_path, "--forward-hooks", json.dumps(hook), tp=1, capture=False) as url:
+        doc = _run(tmp_path, url)
+    b = doc.acceptance
+    assert b["cause"] == "engine", b["sentence"]
+    loss = b["losses"]["engine"]
+    assert loss["delta"] > 0.3 and loss["ci"][0] > 0, loss
+    # the wiring is right and the draft checkpoint is fine: those stages lose nothing material
+    assert not b["losses"]["wiring"]["counts"] and not b["losses"]["draft"]["counts"]
+    assert "engine_after_capture" in [f.kind for f in doc.findings]
