@@ -249,7 +249,7 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
             fig.add_annotation(x=x, y=0.02, yref="paper", showarrow=False,
                                text=f"best num_steps={esc(s.best_num_steps)}", font=dict(size=10))
     fig.update_layout(title=title, template="plotly_white", height=520,
-                      margin=dict(l=60, r=60, t=90, b=150), legend=dict(orientation="h", x=0, y=1.02,
+                      margin=dict(l=60, r=60, t=90, b=60), legend=dict(orientation="h", x=0, y=1.02,
                                                                        yanchor="bottom"))
     fig.update_xaxes(title_text="timeline step", range=[0.5, max([len(steps), 1]) + 0.5], tickangle=-35,
                      tickvals=[s.index + 1 for s in steps],

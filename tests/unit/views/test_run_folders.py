@@ -97,3 +97,25 @@ def test_an_investigation_is_never_written_over_another(outputs):
     with pytest.raises(BadInput, match="already holds an investigation"):
         investigate(CLOSED, training="/nonexistent", run_dir=live)
     assert _tree(live) == before
+
+
+def test_acceptance_page_reads_the_investigations_measurements(tmp_path):
+    """20_acceptance draws the investigation's before / after (acceptance/before|after/summary.json, as the
+    investigation saved them); no budget part without one in investigation.json."""
+    run = tmp_path / "run"
+    for name, label, rate in (("before", "before (as served)", 0.3), ("after", "after (proposed fix)", 0.56)):
+        (run / "acceptance" / name).mkdir(parents=True)
+        summary = {"label": label, "accept_rate": rate, "accept_rate_lo": rate - 0.05, "accept_rate_hi": rate + 0.05,
+                   "accept_length": 1 + 3 * rate, "accept_length_lo": 0.9 + 3 * rate,
+                   "accept_length_hi": 1.1 + 3 * rate, "tok_s": 10.0, "n_requests": 8, "per_position": [1, 2]}
+        (run / "acceptance" / name / "summary.json").write_text(json.dumps(
+            {"summary": summary, "histogram": [1, 2, 3], "positions": [{"position": 1, "r": rate}]}))
+    doc = {"url": CLOSED, "measured": {"saved_to": ["acceptance/before", "acceptance/after"]}}
+    (run / "investigation.json").write_text(json.dumps(doc))
+    fixes = views_acceptance.measured_fixes(run, views_acceptance.ledger_frame(run))
+    assert list(fixes["fix"]) == ["before (as served)", "after (proposed fix)"]
+    assert list(fixes["accept_rate"]) == [0.3, 0.56] and "per_position" not in fixes.columns
+    assert json.loads(fixes["positions_json"].iloc[1]) == [{"position": 1, "r": 0.56}]
+    table = views_acceptance.acceptance_table(fixes)
+    assert list(table["accept rate [95% CI]"].str.startswith(("30", "56"))) == [True, True], table
+    assert views_acceptance.acceptance_budget(run) == []      # the budget itself: tests/unit/views/test_budget_view.py
