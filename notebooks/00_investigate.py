@@ -37,6 +37,7 @@ relaunch = ""  # the server's launch command, for servers the tool did not start
 fixed_port = ""  # port or LOW-HIGH range of the fixed server (empty: a free port of $E3F_PORT_RANGE, else 12000-19999)
 timeout = 900  # overall budget in seconds
 prompts = 16  # prompts of the before / after measurement
+acceptance_budget = True  # run the draft offline on the training, served and live states: where the accept length goes
 
 # %%
 from helpers.views import common as R
@@ -47,7 +48,7 @@ ctx = R.context(run_dir, server_url=server_url, api_key_env=api_key_env, target_
                 training_data=training_data, repo_root=repo_root, create=bool(server_url))
 R.show(R.run_banner(ctx))
 doc = I.ensure(ctx, samples=samples, apply_fix=apply_fix, relaunch=relaunch, timeout=timeout, prompts=prompts,
-               draft=draft_dir, target=target_dir, port=fixed_port,
+               draft=draft_dir, target=target_dir, port=fixed_port, acceptance_budget=acceptance_budget,
                progress=R.StepProgress("investigation") if ctx.live else None)
 
 # %% [markdown]

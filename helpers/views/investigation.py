@@ -32,13 +32,15 @@ def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
 
 def ensure(ctx: RunContext, *, samples: int = 4, apply_fix: bool = False, relaunch: str = "",
            timeout: Optional[float] = 900.0, prompts: int = 16, max_new_tokens: int = 32, draft: Any = "",
-           target: Any = "", port: Any = "", progress: Optional[Callable[[str], None]] = None
-           ) -> Optional[InvestigationDoc]:
+           target: Any = "", port: Any = "", progress: Optional[Callable[[str], None]] = None,
+           acceptance_budget: bool = True) -> Optional[InvestigationDoc]:
     """The run folder's investigation of ``ctx.server_url``: the one ``00_investigate`` wrote, else (live) a new one
     run now with :func:`helpers.investigation.live.investigate` (so every live page reads the same capture, the
     same draft and the same verdicts). Without a live server: the recorded one or None. ``draft`` / ``target``:
     folders to use when the server's are not readable here (empty: the server's); ``port``: port or ``LOW-HIGH`` range
-    of the fixed server; ``progress``: called with one line per step (:class:`helpers.views.common.StepProgress`).
+    of the fixed server; ``progress``: called with one line per step (:class:`helpers.views.common.StepProgress`);
+    ``acceptance_budget``: compute the acceptance budget (the draft run offline; see
+    :func:`helpers.investigation.live.investigate`).
 
     Raises:
         helpers.errors.BadInput: the run folder holds the investigation of another server, or is a finished run
@@ -57,7 +59,7 @@ def ensure(ctx: RunContext, *, samples: int = 4, apply_fix: bool = False, relaun
     doc = investigate(ctx.server_url, training=ctx.training, run_dir=ctx.run_dir, draft=as_path(draft),
                       target=as_path(target), relaunch=relaunch or None, api_key=ctx.api_key, timeout=timeout,
                       num_samples=samples, measure_prompts=prompts, max_new_tokens=max_new_tokens,
-                      apply_fix=apply_fix, port=port or None,
+                      apply_fix=apply_fix, port=port or None, acceptance_budget=acceptance_budget,
                       **({"progress": progress} if progress is not None else {}))
     if callable(getattr(progress, "done", None)):
         progress.done()

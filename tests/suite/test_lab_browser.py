@@ -125,7 +125,8 @@ def test_interactive_investigation_in_jupyterlab(session):
 
     # 00_investigate: only server_url set (the README's live recipe), Run All
     fixed = _free_range()
-    lab.set_parameters({"server_url": url, "samples": 2, "prompts": 8, "fixed_port": fixed})
+    # (the acceptance budget is tested on live servers in tests/server/test_budget_live.py: left out here, 30-80 s)
+    lab.set_parameters({"server_url": url, "samples": 2, "prompts": 8, "fixed_port": fixed, "acceptance_budget": False})
     progress = []
     timings["00_investigate"] = lab.run_all(timeout=400, while_running=lambda page: progress.extend(
         page.eval_on_selector_all(".e3f-progress pre", "els => els.map(e => e.textContent)")) or progress)
