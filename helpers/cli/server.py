@@ -30,6 +30,16 @@ from ..server.settings import SpecSettings
 from .common import Parser, run
 
 
+
+def _python() -> str:
+    """The interpreter to name in a printed command: ``.venv/bin/python`` when it is this checkout's venv (run from
+    the repository root, as the README does), else this interpreter's path."""
+    exe = Path(sys.executable)
+    try:
+        return str(exe.relative_to(ROOT)) if exe.parent.parent == ROOT / ".venv" else str(exe)
+    except ValueError:
+        return str(exe)
+
 def cli_main(argv: list[str]) -> int:
     """``python -m helpers server start|stop ...`` (start runs in the foreground until Ctrl-C, or returns once the
     server is healthy with ``--detach``). One line ``server: error: ...`` on failure: exit 2 bad input, 1 the server
@@ -163,7 +173,7 @@ def _detach(argv: list[str], args: argparse.Namespace) -> int:
         if state.exists():
             doc = json.loads(state.read_text())
             print(f"SGLang reference server ready: {doc['url']} (pid {doc['pid']}; stop it with "
-                  f"`python -m helpers server stop {doc['pid']}`)\nstate file: {state}\nlog: {doc['log']}", flush=True)
+                  f"`{_python()} -m helpers server stop {doc['pid']}`)\nstate file: {state}\nlog: {doc['log']}", flush=True)
             return 0
         if proc.poll() is not None:
             tail = out_path.read_text(errors="replace").strip().splitlines()

@@ -289,6 +289,7 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
     stages: list[dict] = []
     losses: dict[str, dict] = {}
     missing: list[str] = []
+    notes: list[str] = []
     expected = None
 
     def sim(seqs, settings, mnt=None):
@@ -369,12 +370,24 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
         r_cost = inp.draft_cost if inp.draft_cost is not None else 0.0
         for t in table:
             t["speedup_model"] = t["accept_length"] / (1.0 + t["steps"] * r_cost)
-        chains = [t for t in table if t["topk"] == 1]
+        # the stage is about acceptance: fewer steps than served accept less; the cost model's view of them is a note
+        chains = [t for t in table if t["topk"] == 1 and t["steps"] >= st.steps] or [t for t in table
+                                                                                    if t["topk"] == 1]
         rec = max(chains, key=lambda t: t["speedup_model"])
+        fewer = max((t for t in table if t["topk"] == 1 and t["steps"] < st.steps), default=None,
+                    key=lambda t: t["speedup_model"])
         served = next(t for t in table if (t["steps"], t["topk"], t["draft_tokens"]) ==
                       (st.steps, st.topk, st.draft_tokens))
         d, lo, hi, n = _paired_loss(rec["frame"], served["frame"])
         gain = rec["speedup_model"] / served["speedup_model"] - 1.0 if served["speedup_model"] else 0.0
+        served_row = next(t for t in table if (t["steps"], t["topk"], t["draft_tokens"]) ==
+                          (st.steps, st.topk, st.draft_tokens))
+        if fewer is not None and served_row["speedup_model"] and \
+                fewer["speedup_model"] / served_row["speedup_model"] - 1.0 >= MATERIAL and inp.draft_cost is not None:
+            notes.append(f"the cost model favours --speculative-num-steps {fewer['steps']} (fewer than served: "
+                           f"accept length {fewer['accept_length']:.2f}, modelled tokens per unit time "
+                           f"{fewer['speedup_model'] / served_row['speedup_model'] - 1.0:+.0%}); measure it before "
+                           "changing")
         if inp.draft_cost is None:
             # without a cost for a draft step, more steps always look better: no settings are recommended
             missing.append("settings: no draft-step cost (draft_cost); the table is shown, nothing is recommended")
@@ -421,7 +434,7 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
                     "note": "the same draft, offline, on the training samples vs on the live prompts: a difference "
                             "in workload (how predictable the text is), not a fault"}
     out = {"settings": {"steps": st.steps, "topk": st.topk, "draft_tokens": st.draft_tokens},
-           "stages": stages, "losses": losses, "cause": cause, "missing": missing,
+           "stages": stages, "losses": losses, "cause": cause, "missing": missing, "notes": notes,
            "recommended_settings": None if rec is None else {k: rec[k] for k in ("steps", "topk", "draft_tokens")},
            "settings_table": settings_table, "fix_offline": fix_offline, "draft_sources": draft.sources,
            "workload": workload}

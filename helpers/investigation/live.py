@@ -402,6 +402,17 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                     doc.notes.append(br.withdraw_fix)
                     fix.applicable = False
                     fix.summary = "none proven: " + br.withdraw_fix
+                rec = br.budget.get("recommended_settings")
+                if br.budget["cause"] == "settings" and rec and fix.kind == "none":
+                    # the settings stage's recommendation is the fix: flags a relaunch applies and measures
+                    fix.server_args = {"--speculative-num-steps": rec["steps"], "--speculative-eagle-topk": rec["topk"],
+                                       "--speculative-num-draft-tokens": rec["draft_tokens"]}
+                    fix.kind, fix.applicable = "config", True
+                    fix.parts = [f"launch with --speculative-num-steps {rec['steps']} --speculative-eagle-topk "
+                                 f"{rec['topk']} --speculative-num-draft-tokens {rec['draft_tokens']}"]
+                    fix.summary = fix.parts[0] + " (the acceptance budget's settings stage, simulated)"
+                    fix.why.append(br.budget["losses"]["settings"]["basis"])
+                    fix.addresses.append("spec_settings_low")
                 done("acceptance budget", t, f"cause {br.budget['cause']}: " + ", ".join(
                     f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"]
                     if s.get("accept_length") is not None))
@@ -493,7 +504,7 @@ CHECK_FINDINGS = {"tp_sharding": ("tp_sharded_width", "tp_partial_sum"),
                   "concat_order": ("chunk_order",), "rotated_basis": ("rotated_basis",),
                   "norm_mismatch": ("norm_mismatch",), "fc_bypass": ("fc_bypassed",),
                   "vocab_map": ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs"),
-                  "num_steps_override": ("num_draft_tokens_overridden", "spec_settings_low")}
+                  "num_steps_override": ("num_draft_tokens_overridden",)}
 
 
 def reconcile(hypotheses: list[dict], findings: Sequence[Any]) -> list[dict]:
@@ -591,6 +602,9 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
             spec["algorithm"] = fix.server_args["--speculative-algorithm"]
         if "--speculative-num-draft-tokens" in fix.server_args:
             spec["num_draft_tokens"] = fix.server_args["--speculative-num-draft-tokens"]
+        for flag, key in (("--speculative-num-steps", "num_steps"), ("--speculative-eagle-topk", "topk")):
+            if flag in fix.server_args:
+                spec[key] = fix.server_args[flag]
         hooks = []
         for h in launch.get("forward_hooks") or []:
             h = json.loads(json.dumps(h))

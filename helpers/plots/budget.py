@@ -30,8 +30,10 @@ def budget_waterfall(budget: dict) -> Optional[go.Figure]:
         return None
     names = [s["name"] for s in st]
     vals = [s["accept_length"] for s in st]
-    measure = ["absolute"] + ["relative"] * (len(vals) - 1)
-    deltas = [vals[0]] + [b - a for a, b in zip(vals, vals[1:])]
+    # another prompt set is not a loss: the live prompts' first stage starts a new bar (a total), not a step down
+    measure = ["absolute" if i == 0 or n == "offline, served states (live prompts)" else "relative"
+               for i, n in enumerate(names)]
+    deltas = [v if m == "absolute" else v - vals[i - 1] for i, (v, m) in enumerate(zip(vals, measure))]
     text = [f"{v:.2f}" for v in vals]
     fig = go.Figure(go.Waterfall(x=names, y=deltas, measure=measure, text=text, textposition="outside",
                                  decreasing={"marker": {"color": "#c62828"}},

@@ -57,6 +57,8 @@ def budget_parts(budget: Optional[dict]) -> list[Any]:
         plan = f" (served plan [{', '.join(fo['plan'])}])" if fo.get("plan") else ""
         parts.append(f"<p>The fix, proven offline: {esc(fo['label'])}{esc(plan)} accepts "
                      f"{fo['accept_length']:.2f} {esc(_ci(fo.get('ci')))}{esc(gain)}.</p>")
+    for n in budget.get("notes") or []:
+        parts.append(f"<p class=\"e3f-note\">note: {esc(n)}</p>")
     if budget.get("missing"):
         parts.append("<p class=\"e3f-note\">missing: " + esc("; ".join(budget["missing"])) + "</p>")
     return parts
