@@ -145,8 +145,7 @@ def profile(data: Path, max_samples: int) -> str:
                 spent[label] += time.thread_time() - t0
         setattr(owner, name, w)
 
-    stages = [(C, "_prepare", "worker: _prepare, the tensor work of a block (all of the next 2 lines)"),
-              (C._Scratch, "f32", "  of which float32 copies of tiles (bf16 -> f32, page faults included)"),
+    stages = [(C, "_prepare", "worker: _prepare, the tensor work of a block (kernels: see the table below)"),
               (C.PairAccumulator, "measure", "  of which the pairs' numpy part (near pairs, their coordinates)"),
               (C.ChunkStats, "update", "ordered: per-chunk stats (energies, outlier rows, context-free test)"),
               (C.RowReservoir, "add", "ordered: reservoir"),

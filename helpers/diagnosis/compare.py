@@ -23,16 +23,21 @@ holds a TP-sharded width) the comparison accumulates, over all rows aligned by `
 The per-row tolerance comes from the dtypes (:data:`REL_DIFF_TOLERANCE`, :func:`tolerance_why`).
 
 Memory: the training data are streamed (at most two samples referenced) and rows are processed in blocks of
-``block_rows`` rows, each block in flight (one per worker thread, plus the one being added) with its own float32
-scratch of the block's widths; served samples from project dumps are read lazily per sample. Only bounded summaries are kept: per pair sums, extrema and histograms, per chunk the top rows,
-:data:`CONTEXT_CACHE_IDS` cached rows for the context-free test and the reservoir's fixed-size buffers.
+``block_rows`` rows, each block in flight with its own scratch: float32 tiles of :data:`TILE_BYTES` (one served
+source), or float32 copies of the whole block (several ranks, or a block holding a non-finite row); served samples
+from project dumps are read lazily per sample. Only bounded summaries are kept: per pair sums, extrema and
+histograms, per chunk the top rows, :data:`CONTEXT_CACHE_IDS` cached rows for the context-free test and the
+reservoir's fixed-size buffers.
+
+Speed: blocks are compared by the calling thread and ``E3F_COMPARE_THREADS - 1`` workers (:class:`_Blocks`);
+``bench/bench_compare.py`` measures it against a plain read + dot-product pass over the same bytes.
 """
 from __future__ import annotations
 
 import math
 import os
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -1164,7 +1169,9 @@ class _Block:
     __slots__ = ("sample", "slot", "a", "args", "rest", "fut", "prep")
 
     def __init__(self, sample, slot, a, args, rest):
-        self.sample, self.slot, self.a, self.args, self.rest, self.fut, self.prep = sample, slot, a, args, rest, None, None
+        self.sample, self.slot, self.a, self.args, self.rest = sample, slot, a, args, rest
+        self.fut: Optional[Future] = None
+        self.prep: Optional[dict] = None
 
     def run(self) -> dict:
         """``_prepare`` of the block; drops the arguments first (they hold the sample's rows, which must not
