@@ -145,9 +145,8 @@ def profile(data: Path, max_samples: int) -> str:
                 spent[label] += time.thread_time() - t0
         setattr(owner, name, w)
 
-    stages = [(C._Scratch, "f32", "worker: float32 copies of the block (bf16 -> f32, page faults included)"),
-              (C, "_finite_rows", "worker: finite rows + row norms (vector_norm)"),
-              (C.PairAccumulator, "measure", "worker: pair measure (bmm, near-pair sub + aminmax, numpy)"),
+    stages = [(C, "_prepare", "worker: _prepare, the tensor work of a block (kernels: see the table below)"),
+              (C.PairAccumulator, "measure", "  of which the pairs' numpy part (near pairs, their coordinates)"),
               (C.ChunkStats, "update", "ordered: per-chunk stats (energies, outlier rows, context-free test)"),
               (C.RowReservoir, "add", "ordered: reservoir"),
               (C.PairAccumulator, "apply", "ordered: pair apply (histograms, sums, extrema)")]
@@ -164,7 +163,7 @@ def profile(data: Path, max_samples: int) -> str:
     lines = [f"one thread, {max_samples} samples: {total:.3f} CPU s (under cProfile)"]
     for _, _, label in stages:
         lines.append(f"  {spent[label]:7.3f} s {spent[label] / total:6.1%}  {label}")
-    rest = total - sum(spent.values())
+    rest = total - sum(v for k, v in spent.items() if not k.startswith("  "))
     lines.append(f"  {rest:7.3f} s {rest / total:6.1%}  rest (reading, pairing, detectors, fits, profiler)")
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)

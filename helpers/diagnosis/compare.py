@@ -23,16 +23,21 @@ holds a TP-sharded width) the comparison accumulates, over all rows aligned by `
 The per-row tolerance comes from the dtypes (:data:`REL_DIFF_TOLERANCE`, :func:`tolerance_why`).
 
 Memory: the training data are streamed (at most two samples referenced) and rows are processed in blocks of
-``block_rows`` rows, each block in flight (one per worker thread, plus the one being added) with its own float32
-scratch of the block's widths; served samples from project dumps are read lazily per sample. Only bounded summaries are kept: per pair sums, extrema and histograms, per chunk the top rows,
-:data:`CONTEXT_CACHE_IDS` cached rows for the context-free test and the reservoir's fixed-size buffers.
+``block_rows`` rows, each block in flight with its own scratch: float32 tiles of :data:`TILE_BYTES` (one served
+source), or float32 copies of the whole block (several ranks, or a block holding a non-finite row); served samples
+from project dumps are read lazily per sample. Only bounded summaries are kept: per pair sums, extrema and
+histograms, per chunk the top rows, :data:`CONTEXT_CACHE_IDS` cached rows for the context-free test and the
+reservoir's fixed-size buffers.
+
+Speed: blocks are compared by the calling thread and ``E3F_COMPARE_THREADS - 1`` workers (:class:`_Blocks`);
+``bench/bench_compare.py`` measures it against a plain read + dot-product pass over the same bytes.
 """
 from __future__ import annotations
 
 import math
 import os
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -189,6 +194,8 @@ class PairAccumulator:
         self.nr_max = np.zeros((ns, nu))
         self.max_abs = np.full((ns, nu), -1.0)
         self.max_at: list[list[Optional[dict]]] = [[None] * nu for _ in range(ns)]
+        #: the pairs near in the last measured rows: :func:`_prepare_tiled` takes their differences tile by tile
+        self.near_hint: frozenset = frozenset()
 
     def update(self, s3: torch.Tensor, t3: torch.Tensor, info: RowInfo, hs: int,
                nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None,
@@ -204,12 +211,13 @@ class PairAccumulator:
     def measure(self, s3: torch.Tensor, t3: torch.Tensor, info: RowInfo, hs: int,
                 nx: Optional[torch.Tensor] = None, ny: Optional[torch.Tensor] = None,
                 sfin: Optional[np.ndarray] = None, tfin: Optional[np.ndarray] = None,
-                scratch: Optional["_Scratch"] = None) -> list["_PairPart"]:
+                scratch: Optional["_Scratch"] = None, tiles: Optional["_Tiles"] = None) -> list["_PairPart"]:
         """The tensor half of :meth:`update` (arguments as there): per :data:`PAIR_ROWS` rows, the per-row inner
         products (one batched matmul), the near pairs' max |x - y| and, where it may be a new maximum, its
         coordinate. Reads nothing but the running ``max_abs`` (as a lower bound: it only grows), so blocks can be
         measured in worker threads while earlier blocks are applied; ``scratch`` holds the difference buffer (one
-        per thread)."""
+        per thread). ``tiles``: the products and near-pair differences already taken tile by tile
+        (:func:`_prepare_tiled`; ``s3`` / ``t3`` are then the source rows, only their row count is used)."""
         n = s3.shape[0]
         if n == 0:
             return []
@@ -225,16 +233,19 @@ class PairAccumulator:
                 sf = np.ones((b - a, self.ns), bool) if sfin is None else sfin[a:b]
                 tf = np.ones((b - a, self.nu), bool) if tfin is None else tfin[a:b]
                 ok = sf[:, :, None] & tf[:, None, :]
-            parts.append(self._measure(s3[a:b], t3[a:b], nx[a:b], ny[a:b], info, a, hs, ok, scratch))
+            parts.append(self._measure(s3[a:b], t3[a:b], nx[a:b], ny[a:b], info, a, hs, ok, scratch, tiles))
         return parts
 
     def _measure(self, s3, t3, nx, ny, info: RowInfo, off: int, hs: int, ok: Optional[np.ndarray],
-                 scratch: Optional["_Scratch"]) -> "_PairPart":
+                 scratch: Optional["_Scratch"], tiles: Optional["_Tiles"] = None) -> "_PairPart":
         n = s3.shape[0]
         # <x, y> per row and pair through one small batched matmul; |x - y|^2 = |x|^2 + |y|^2 - 2<x, y> is exact
         # enough for far pairs, and recomputed elementwise below for near pairs (no cancellation). The small
         # [n, ns, nu] arrays are handled in numpy (cheaper than many tiny torch ops).
-        xy = torch.bmm(s3, t3.transpose(1, 2)).numpy().astype(np.float64)   # [n, ns, nu]
+        if tiles is not None:
+            xy = tiles.xy[off:off + n].numpy().astype(np.float64)
+        else:
+            xy = torch.bmm(s3, t3.transpose(1, 2)).numpy().astype(np.float64)   # [n, ns, nu]
         nx64, ny64 = nx.numpy().astype(np.float64), ny.numpy().astype(np.float64)
         den = nx64[:, :, None] + ny64[:, None, :]
         dd = np.maximum(den - 2 * xy, 0.0)
@@ -246,8 +257,24 @@ class PairAccumulator:
         near = dd.sum(0) <= NEAR_REL * den.sum(0)
         if ok is not None:
             near &= ok.any(0)
+        self.near_hint = frozenset(zip(*(x.tolist() for x in np.nonzero(near))))
         hits = []
-        if near.any():
+        if tiles is not None:
+            for i, j in sorted(self.near_hint):
+                mn, mx, per_tile, exact = tiles.near(i, j, off, off + n)
+                v = max(mx, -mn)
+                if exact is not None:
+                    dd[:, i, j] = exact
+                    xy[:, i, j] = (nx64[:, i] + ny64[:, j] - exact) / 2
+                at = None
+                if v > self.max_abs[i, j]:      # the first tile holding it, then the first element there
+                    q = next(q for q, (lo, hi) in enumerate(per_tile) if max(hi, -lo) == v)
+                    t0 = off + q * tiles.rows
+                    d = tiles.diff(i, j, t0, min(off + n, t0 + tiles.rows))
+                    r, c = divmod(_first_abs_max(d, *per_tile[q]), hs)
+                    at = (t0 - off + r, c)
+                hits.append((i, j, v, at))
+        elif near.any():
             if scratch is None:
                 scratch = self._own_scratch = getattr(self, "_own_scratch", None) or _Scratch()
             buf = scratch.buf("diff", (n, hs))
@@ -475,7 +502,8 @@ class ChunkStats:
         self._cache_ids: Optional[np.ndarray] = None
 
     def update(self, x3: torch.Tensor, finite: torch.Tensor, nx: torch.Tensor, info: RowInfo) -> None:
-        """``x3`` [n, C, h] float32 (non-finite rows already zeroed), ``finite`` [n, C] bool, ``nx`` [n, C]."""
+        """``x3`` [n, C, h] (non-finite rows already zeroed; any float dtype: the rows kept are converted to
+        float32), ``finite`` [n, C] bool, ``nx`` [n, C] squared row norms."""
         n = x3.shape[0]
         self.rows += n
         fin = finite.numpy()
@@ -546,13 +574,13 @@ class ChunkStats:
                 hits.append(r)
                 hit_ids.append(tid)
         if new_rows:                        # the first occurrences' rows, copied at once
-            kept = x3[torch.tensor(new_rows)]
+            kept = x3[torch.tensor(new_rows)].float()
             for q, r in enumerate(new_rows):
                 tid = int(ids[r])
                 self._cache[tid] = (self._cache[tid][0], kept[q], self._cache[tid][2])
         refs = [self._cache[t] for t in hit_ids]
         if hits:
-            x = x3[torch.tensor(hits)]
+            x = x3[torch.tensor(hits)].float()
             ref = torch.stack([h[1] for h in refs])
             both_fin = fin[hits] & np.stack([h[2] for h in refs])
             sq = x.square()
@@ -1141,26 +1169,23 @@ class _Block:
 
     __slots__ = ("sample", "slot", "a", "args", "rest", "fut", "prep")
 
-    def __init__(self, sample, slot, a, args, rest, fut):
-        self.sample, self.slot, self.a, self.args, self.rest, self.fut, self.prep = sample, slot, a, args, rest, fut, None
+    def __init__(self, sample, slot, a, args, rest):
+        self.sample, self.slot, self.a, self.args, self.rest = sample, slot, a, args, rest
+        self.fut: Optional[Future] = None
+        self.prep: Optional[dict] = None
+
+    def run(self) -> dict:
+        """``_prepare`` of the block; drops the arguments first (they hold the sample's rows, which must not
+        outlive the block: see :meth:`_Blocks.next_sample`)."""
+        args, self.args = self.args, None
+        return _prepare(self.slot, self.a, *args)
 
     def steal(self) -> bool:
         """Prepare the block in the calling thread if no worker has started it."""
         if self.prep is None and self.fut.cancel():
-            self.prep = _prepare(self.slot, self.a, *self.args)
-            self.args = None
+            self.prep = self.run()
             return True
         return False
-
-
-def _run_block(blk: _Block) -> dict:
-    """A worker's preparation of ``blk``. The executor's queue holds the block, not its tensors: once prepared (here,
-    or stolen by the calling thread, which leaves its cancelled work item queued until a worker dequeues it) the block
-    drops its arguments, so a slow worker keeps no loaded sample alive."""
-    try:
-        return _prepare(blk.slot, blk.a, *blk.args)
-    finally:
-        blk.args = None
 
 
 class _Blocks:
@@ -1189,8 +1214,8 @@ class _Blocks:
             return
         slot = _slot(self.count % (self.ahead + 1))
         self.count += 1
-        blk = _Block(self.sample, slot, a, prepare_args, consume_args, None)
-        blk.fut = self.pool.submit(_run_block, blk)
+        blk = _Block(self.sample, slot, a, prepare_args, consume_args)
+        blk.fut = self.pool.submit(blk.run)
         self.pending.append(blk)
         while len(self.pending) > self.ahead:
             self._consume_next()
@@ -1203,6 +1228,7 @@ class _Blocks:
             blk.prep = blk.fut.result()
         self.pending.popleft()
         _consume(blk.prep, *blk.rest)
+        blk.prep.clear()                     # the future may outlive the block in the worker for a moment
 
     def next_sample(self) -> None:
         """A new sample is about to be loaded: consume the blocks of samples before the previous one."""
@@ -1239,13 +1265,153 @@ def _compare_rows(blocks: _Blocks, sources, srows, trow, rrow, hs, H, k, ns, nt,
 
 def _prepare(sc: "_Scratch", a, sources, srows, trow, rrow, hs, H, k, ns, nt, train_ref, key, positions, ids,
              block_rows, suspect=False) -> dict:
-    """The tensor work of one block (see :func:`_compare_rows`), in scratch ``sc``: float32 views, finite masks,
-    row norms and the measured chunk pairs (``jobs``: (accumulator, parts))."""
-    m = trow.shape[0]
-    b = min(m, a + block_rows)
+    """The tensor work of one block (see :func:`_compare_rows`), in scratch ``sc``: the block's float32 rows (or
+    source views), finite masks, row norms and the measured chunk pairs (``jobs``: (accumulator, parts)).
+    One served source: :func:`_prepare_tiled`; several ranks, or a block holding a non-finite row:
+    :func:`_prepare_block`."""
+    b = min(trow.shape[0], a + block_rows)
+    info = RowInfo(key=key, rows=np.arange(a, b), positions=positions[a:b], ids=ids[a:b])
+    if len(srows) == 1:
+        prep = _prepare_tiled(sc, a, b, info, sources[0], srows[0], trow, rrow, hs, H, k, ns, nt, train_ref,
+                              suspect)
+        if prep is not None:
+            return prep
+    return _prepare_block(sc, a, b, info, sources, srows, trow, rrow, hs, H, k, ns, nt, train_ref, suspect)
+
+
+#: bytes of float32 rows converted at once by :func:`_prepare_tiled` (training + served + reference row widths):
+#: a tile is compared while it is in the core's L2 cache (2 MiB per core on the machine of bench/RESULTS.md), so
+#: the block's rows are read from memory once, in their own dtype, and never written back as float32: with two
+#: threads on two cores, whole-block float32 copies measured ~1.5x the CPU time (memory-bound), tiles ~1.1x.
+TILE_BYTES = 3 << 19
+
+
+def _tile_rows(row_bytes: int) -> int:
+    """Rows per tile: the largest power of two (<= :data:`PAIR_ROWS`, which it divides) within :data:`TILE_BYTES`."""
+    r = 1
+    while r < PAIR_ROWS and 2 * r * row_bytes <= TILE_BYTES:
+        r *= 2
+    return r
+
+
+class _Tiles:
+    """What :func:`_prepare_tiled` measured tile by tile for one pair accumulator: the per-row inner products
+    ``xy`` [n, ns, nu] (float32) and, for the pairs expected near (the accumulator's last near pairs), the min and
+    max of ``x - y`` per tile (``lo`` / ``hi``) and, for a float32 tolerance, the per-row ``|x - y|`` (``dist``).
+    :meth:`diff` converts a tile's two chunks again, for a near pair not expected or the coordinate of a new
+    maximum."""
+
+    def __init__(self, rows: int, xy: torch.Tensor, pairs, exact: bool, s_src: torch.Tensor, t_src: torch.Tensor,
+                 scratch: "_Scratch"):
+        self.rows, self.xy, self.s_src, self.t_src, self.sc, self.exact = rows, xy, s_src, t_src, scratch, exact
+        self.ntiles = -(-xy.shape[0] // rows)
+        self.lo: dict = {}
+        self.hi: dict = {}
+        self.dist: dict = {}
+        for p in pairs:
+            self._new(p)
+
+    def _new(self, p: tuple) -> None:
+        self.lo[p], self.hi[p] = torch.empty(self.ntiles), torch.empty(self.ntiles)
+        if self.exact:
+            self.dist[p] = torch.empty(self.xy.shape[0])
+
+    def add(self, p: tuple, q: int, t0: int, d: torch.Tensor) -> None:
+        """Tile ``q`` (rows from ``t0``) of pair ``p``: ``d`` = x - y."""
+        torch.aminmax(d, out=(self.lo[p][q], self.hi[p][q]))
+        if self.exact:
+            torch.linalg.vector_norm(d, dim=-1, out=self.dist[p][t0:t0 + d.shape[0]])
+
+    def diff(self, i: int, j: int, a: int, b: int) -> torch.Tensor:
+        """``x_i - y_j`` of rows [a, b) (float32, in scratch)."""
+        xs = self.sc.buf("rediff_s", (b - a, self.s_src.shape[-1])).copy_(self.s_src[a:b, i])
+        ys = self.sc.buf("rediff_t", (b - a, self.t_src.shape[-1])).copy_(self.t_src[a:b, j])
+        return xs.sub_(ys)
+
+    def near(self, i: int, j: int, a: int, b: int):
+        """(min, max, per tile [(min, max)], exact |x - y|^2 (float64) or None) of pair (i, j) over rows [a, b)
+        (``a`` a multiple of the tile rows)."""
+        p = (i, j)
+        if p not in self.lo:            # not expected near: measure it now
+            self._new(p)
+            n = self.xy.shape[0]
+            for q, t0 in enumerate(range(0, n, self.rows)):
+                self.add(p, q, t0, self.diff(i, j, t0, min(n, t0 + self.rows)))
+        k0, k1 = a // self.rows, -(-b // self.rows)
+        lo, hi = self.lo[p][k0:k1].tolist(), self.hi[p][k0:k1].tolist()
+        ex = self.dist[p][a:b].numpy().astype(np.float64) ** 2 if self.exact else None
+        return min(lo), max(hi), list(zip(lo, hi)), ex
+
+
+def _prepare_tiled(sc, a, b, info, src, srow, trow, rrow, hs, H, k, ns, nt, train_ref, suspect) -> Optional[dict]:
+    """One served source: the block's rows are converted to float32 a tile at a time (:func:`_tile_rows`) and every
+    tensor statistic is taken while the tile is in cache: row norms, per-row inner products of each chunk pair (one
+    bmm per accumulator), the differences of the pairs expected near. The per-chunk stats and the reservoir read
+    the few rows they keep from the source rows. None (nothing kept) when a row is not finite: the block then goes
+    through :func:`_prepare_block`, which zeroes those rows."""
+    n = b - a
+    tsrc, ssrc = trow[a:b], srow[a:b]
+    rsrc = rrow[a:b] if rrow is not None else None
+    Wt, Ws = tsrc.shape[1], ssrc.shape[1]
+    Wr = rsrc.shape[1] if rsrc is not None else 0
+    R = _tile_rows(4 * (Wt + Ws + Wr))
+    nr = Wr // H
+    shapes = {"T": (nt, H), "TU": (nt * k, hs), "S": (ns, hs), "R": (nr, H)}
+    srcs = {"T": tsrc, "TU": tsrc, "S": ssrc, "R": rsrc}
+    jobs = [(src.suspect if suspect else src.pairs, "S", "TU", hs)]
+    if src.ref is not None and rsrc is not None and not suspect:
+        jobs.append((src.ref, "S", "R", H))
+    if train_ref is not None and rsrc is not None:
+        jobs.append((train_ref, "T", "R", H))
+    norms = {s: torch.empty(n, shapes[s][0]) for s in ("T", "S") + (("TU",) if k > 1 else ()) + (("R",) if Wr else ())}
+    tiles = [_Tiles(R, torch.empty(n, shapes[sn][0], shapes[tn][0]), sorted(acc.near_hint), acc.tol < EXACT_BELOW_TOL,
+                    srcs[sn].reshape(n, *shapes[sn]), srcs[tn].reshape(n, *shapes[tn]), sc)
+             for acc, sn, tn, _ in jobs]
+    bufs = {"T": sc.buf("tile_train", (R, Wt)), "S": sc.buf("tile_served", (R, Ws))}
+    if Wr:
+        bufs["R"] = sc.buf("tile_ref", (R, Wr))
+
+    def plan(r: int):
+        """The views of an r-row tile: what to convert, whose norms, each accumulator's products and differences."""
+        x = {s: bufs[s][:r].view(r, *shapes[s]) for s in bufs}
+        x["TU"] = bufs["T"][:r].view(r, *shapes["TU"])
+        copies = [(bufs[s][:r], srcs[s]) for s in bufs]
+        pairs = []
+        for (acc, sn, tn, w), tl in zip(jobs, tiles):
+            d = sc.buf(f"tile_diff{w}", (R, w))[:r]
+            pairs.append((tl, x[sn], x[tn].transpose(1, 2), [(p, x[sn][:, p[0]], x[tn][:, p[1]]) for p in tl.lo], d))
+        return copies, [(x[s], nrm) for s, nrm in norms.items()], pairs
+
+    full = plan(R)
+    for q, t0 in enumerate(range(0, n, R)):
+        t1 = min(n, t0 + R)
+        copies, nrms, pairs = full if t1 - t0 == R else plan(t1 - t0)
+        for buf, source in copies:          # the tile's one dtype conversion
+            buf.copy_(source[t0:t1])
+        for x, nrm in nrms:
+            torch.linalg.vector_norm(x, dim=-1, out=nrm[t0:t1])
+        for tl, xs, yt, near, d in pairs:
+            torch.bmm(xs, yt, out=tl.xy[t0:t1])
+            for p, xi, yj in near:
+                tl.add(p, q, t0, torch.sub(xi, yj, out=d))
+    for nrm in norms.values():
+        nrm.square_()
+        if not bool(torch.isfinite(nrm).all()):
+            return None
+    norms.setdefault("TU", norms["T"])
+    out = [(acc, acc.measure(tl.s_src, tl.t_src, info, w, norms[sn], norms[tn], tiles=tl))
+           for (acc, sn, tn, w), tl in zip(jobs, tiles)]
+    return {"info": info, "t": tsrc, "t3": tsrc.reshape(n, nt, H), "tfin": torch.ones(n, nt, dtype=torch.bool),
+            "tnx": norms["T"], "r3": rsrc.reshape(n, nr, H) if rsrc is not None else None,
+            "s3s": [(ssrc.reshape(n, ns, hs), torch.ones(n, ns, dtype=torch.bool), None, norms["S"])], "extra": None,
+            "primary": ssrc, "ok": None, "n": n, "jobs": out}
+
+
+def _prepare_block(sc, a, b, info, sources, srows, trow, rrow, hs, H, k, ns, nt, train_ref, suspect) -> dict:
+    """The block's rows as float32 copies (non-finite chunk rows zeroed, per-chunk finite masks), every served rank
+    and the virtual ``sum`` / ``gathered`` source."""
     n = b - a
     multi = len(srows) > 1
-    info = RowInfo(key=key, rows=np.arange(a, b), positions=positions[a:b], ids=ids[a:b])
     t = sc.f32("train", trow[a:b])
     t3 = t.view(n, nt, H)
     tfin, tnx = _finite_rows(t3)

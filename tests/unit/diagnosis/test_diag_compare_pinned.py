@@ -315,3 +315,63 @@ def test_realistic_wrong_layer_keeps_its_pinned_evidence(tmp_path):
     o["top_rows"] = o["top_rows"][:3]
     _check({"kinds": [[x["kind"], x["chunk"]] for x in d.findings], "metrics": m,
             "closest": ev["closest_training_chunks"], "outliers": o, "chunks": d.chunks, "noise": d.noise}, REALISTIC)
+
+
+def _accumulated(c) -> dict:
+    """Every number the comparison accumulated: served x training / suspect / served x reference / training x
+    reference pairs (sums, counts, histograms, extrema and where), the chunk stats and the reservoir rows."""
+    out = {}
+    for name, acc in (("pairs", c.primary.pairs), ("suspect", c.primary.suspect), ("ref", c.primary.ref),
+                      ("train_ref", c.training_ref)):
+        for k in ("n", "within", "valid", "h_rel", "h_cos", "h_lnr", "sxx", "syy", "sdd", "lnr_sq", "lnr_sum",
+                  "cos_sum", "cos_min", "nr_min", "nr_max", "max_abs"):
+            out[f"{name}.{k}"] = getattr(acc, k).copy()
+        out[f"{name}.max_at"] = acc.max_at
+    out["stats"] = [c.primary.stats.to_json(i) for i in range(3)] + [c.training_stats.to_json(i) for i in range(3)]
+    r = c.reservoir
+    out["reservoir"] = (r.train[:r.count].clone(), r.served[:r.count].clone(), r.ref[:r.ref_count].clone(),
+                        r.ids[:r.count].copy(), r.positions[:r.count].copy())
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    for k in a:
+        if isinstance(a[k], np.ndarray):
+            assert np.array_equal(a[k], b[k], equal_nan=True), k
+        elif k == "reservoir":
+            for x, y in zip(a[k], b[k]):
+                assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else np.array_equal(x, y)), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("tolerance", [None, 1e-6])
+def test_tiles_of_any_size_and_the_block_path_give_the_same_bits(monkeypatch, tolerance):
+    """The tiled path (one served source: the block compared a few rows at a time while they are in cache) gives
+    bit-identical results whatever the tile size, and the same as the block path (float32 copies of the whole
+    block, which several ranks and blocks with a non-finite row take); with a float32 tolerance the near pairs'
+    per-row |x - y|^2 is taken elementwise in both."""
+    import helpers.diagnosis.compare as C
+
+    H, train, served, ids = _wide_bf16()
+    served = [s.clone() for s in served]
+    served[0][296, 7] += 1.0          # the near pair's largest difference in the last, partial tile of a block
+    layers = [torch.cat([t[:, :H], t[:, 2 * H:], t[:, H:2 * H], 0.5 * t[:, :H]], dim=1) for t in train]
+    ref = SampleSource(path=Path("ref"), kind="reference", format="e3f-dump",
+                       samples=[_sample(f"r{k}", ids[k], layers[k], sample_id=f"data_{k}") for k in range(2)],
+                       layer_plan={"tensors": ["out(1)", "out(3)", "out(2)", "half(1)"]})
+
+    def run():
+        tr = [_sample(f"data_{k}", ids[k], train[k], sample_id=f"data_{k}") for k in range(2)]
+        sv = SampleSource(path=Path("served"), kind="served", format="e3f-dump",
+                          samples=[_sample(f"s{k}", ids[k], served[k], sample_id=f"data_{k}") for k in range(2)])
+        return _accumulated(compare(tr, [sv], hidden_size=H, training_width=3 * H, training_dtype="bfloat16",
+                                    served_dtype="bfloat16", reference=ref, tolerance=tolerance))
+
+    default = run()
+    assert C._tile_rows(4 * 10 * H) < C.PAIR_ROWS            # the default really compares in tiles here
+    monkeypatch.setattr(C, "TILE_BYTES", 1)                   # one row per tile
+    _same(default, run())
+    monkeypatch.setattr(C, "_prepare_tiled", lambda *args: None)
+    _same(default, run())
+    assert default["pairs.max_at"][0][0]["row"] == 296 and default["ref.n"].min() == 599
