@@ -37,8 +37,10 @@ NOTEBOOKS = ROOT / "notebooks"
 
 
 def _tree(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder``, except JupyterLab's ``.ipynb_checkpoints/`` (written when a notebook is
+    opened, git-ignored: not a change of a notebook or of a run)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for p in sorted(folder.rglob("*")) if p.is_file() and ".ipynb_checkpoints" not in p.parts}
 
 
 def _free_range() -> str:
