@@ -1311,13 +1311,14 @@ class _Tiles:
             self._new(p)
 
     def _new(self, p: tuple) -> None:
-        self.lo[p], self.hi[p] = torch.empty(self.ntiles), torch.empty(self.ntiles)
+        self.lo[p], self.hi[p] = np.empty(self.ntiles), np.empty(self.ntiles)
         if self.exact:
             self.dist[p] = torch.empty(self.xy.shape[0])
 
     def add(self, p: tuple, q: int, t0: int, d: torch.Tensor) -> None:
-        """Tile ``q`` (rows from ``t0``) of pair ``p``: ``d`` = x - y."""
-        torch.aminmax(d, out=(self.lo[p][q], self.hi[p][q]))
+        """Tile ``q`` (rows from ``t0``) of pair ``p``: ``d`` = x - y (contiguous); as in :func:`_prepare_tiled`."""
+        dn = d.numpy()
+        self.lo[p][q], self.hi[p][q] = dn.min(), dn.max()
         if self.exact:
             torch.linalg.vector_norm(d, dim=-1, out=self.dist[p][t0:t0 + d.shape[0]])
 
@@ -1378,7 +1379,8 @@ def _prepare_tiled(sc, a, b, info, src, srow, trow, rrow, hs, H, k, ns, nt, trai
         pairs = []
         for (acc, sn, tn, w), tl in zip(jobs, tiles):
             d = sc.buf(f"tile_diff{w}", (R, w))[:r]
-            pairs.append((tl, x[sn], x[tn].transpose(1, 2), [(p, x[sn][:, p[0]], x[tn][:, p[1]]) for p in tl.lo], d))
+            near = [(tl.lo[p], tl.hi[p], tl.dist.get(p), x[sn][:, p[0]], x[tn][:, p[1]]) for p in tl.lo]
+            pairs.append((tl.xy, x[sn], x[tn].transpose(1, 2), near, d, d.numpy()))
         return copies, [(x[s], nrm) for s, nrm in norms.items()], pairs
 
     full = plan(R)
@@ -1389,10 +1391,13 @@ def _prepare_tiled(sc, a, b, info, src, srow, trow, rrow, hs, H, k, ns, nt, trai
             buf.copy_(source[t0:t1])
         for x, nrm in nrms:
             torch.linalg.vector_norm(x, dim=-1, out=nrm[t0:t1])
-        for tl, xs, yt, near, d in pairs:
-            torch.bmm(xs, yt, out=tl.xy[t0:t1])
-            for p, xi, yj in near:
-                tl.add(p, q, t0, torch.sub(xi, yj, out=d))
+        for xy, xs, yt, near, d, dn in pairs:
+            torch.bmm(xs, yt, out=xy[t0:t1])
+            for lo, hi, dist, xi, yj in near:
+                torch.sub(xi, yj, out=d)
+                lo[q], hi[q] = dn.min(), dn.max()   # on a tile numpy's min + max: half of torch.aminmax's time
+                if dist is not None:
+                    torch.linalg.vector_norm(d, dim=-1, out=dist[t0:t1])
     for nrm in norms.values():
         nrm.square_()
         if not bool(torch.isfinite(nrm).all()):
