@@ -1312,13 +1312,14 @@ class _Tiles:
             self._new(p)
 
     def _new(self, p: tuple) -> None:
-        self.lo[p], self.hi[p] = torch.empty(self.ntiles), torch.empty(self.ntiles)
+        self.lo[p], self.hi[p] = np.empty(self.ntiles), np.empty(self.ntiles)
         if self.exact:
             self.dist[p] = torch.empty(self.xy.shape[0])
 
     def add(self, p: tuple, q: int, t0: int, d: torch.Tensor) -> None:
-        """Tile ``q`` (rows from ``t0``) of pair ``p``: ``d`` = x - y."""
-        torch.aminmax(d, out=(self.lo[p][q], self.hi[p][q]))
+        """Tile ``q`` (rows from ``t0``) of pair ``p``: ``d`` = x - y (contiguous); as in :func:`_prepare_tiled`."""
+        dn = d.numpy()
+        self.lo[p][q], self.hi[p][q] = dn.min(), dn.max()
         if self.exact:
             torch.linalg.vector_norm(d, dim=-1, out=self.dist[p][t0:t0 + d.shape[0]])
 
@@ -1343,12 +1344,25 @@ class _Tiles:
         return min(lo), max(hi), list(zip(lo, hi)), ex
 
 
+def _runs(pairs) -> list[tuple[int, int, list]]:
+    """Pairs (i, j) grouped into diagonal runs (i0 + m, j0 + m), m < len: one subtraction each."""
+    runs: list[tuple[int, int, list]] = []
+    for i, j in sorted(pairs, key=lambda p: (p[0] - p[1], p[0])):
+        if runs and runs[-1][0] + len(runs[-1][2]) == i and runs[-1][1] + len(runs[-1][2]) == j:
+            runs[-1][2].append((i, j))
+        else:
+            runs.append((i, j, [(i, j)]))
+    return runs
+
+
 def _prepare_tiled(sc, a, b, info, src, srow, trow, rrow, hs, H, k, ns, nt, train_ref, suspect) -> Optional[dict]:
     """One served source: the block's rows are converted to float32 a tile at a time (:func:`_tile_rows`) and every
     tensor statistic is taken while the tile is in cache: row norms, per-row inner products of each chunk pair (one
-    bmm per accumulator), the differences of the pairs expected near. The per-chunk stats and the reservoir read
-    the few rows they keep from the source rows. None (nothing kept) when a row is not finite: the block then goes
-    through :func:`_prepare_block`, which zeroes those rows."""
+    bmm per accumulator), the differences of the pairs expected near (one subtraction per diagonal run of pairs,
+    e.g. served chunks 0, 1, 2 against training chunks 0, 1, 2). Few, large torch calls: each is a hand-over of
+    the GIL between the threads. The per-chunk stats and the reservoir read the few rows they keep from the source
+    rows. None (nothing kept) when a row is not finite: the block then goes through :func:`_prepare_block`, which
+    zeroes those rows."""
     n = b - a
     tsrc, ssrc = trow[a:b], srow[a:b]
     rsrc = rrow[a:b] if rrow is not None else None
@@ -1363,41 +1377,65 @@ def _prepare_tiled(sc, a, b, info, src, srow, trow, rrow, hs, H, k, ns, nt, trai
         jobs.append((src.ref, "S", "R", H))
     if train_ref is not None and rsrc is not None:
         jobs.append((train_ref, "T", "R", H))
-    norms = {s: torch.empty(n, shapes[s][0]) for s in ("T", "S") + (("TU",) if k > 1 else ()) + (("R",) if Wr else ())}
     tiles = [_Tiles(R, torch.empty(n, shapes[sn][0], shapes[tn][0]), sorted(acc.near_hint), acc.tol < EXACT_BELOW_TOL,
                     srcs[sn].reshape(n, *shapes[sn]), srcs[tn].reshape(n, *shapes[tn]), sc)
              for acc, sn, tn, _ in jobs]
-    bufs = {"T": sc.buf("tile_train", (R, Wt)), "S": sc.buf("tile_served", (R, Ws))}
+    # training and served rows side by side in one tile buffer when the chunks are equally wide: one norm call
+    joint = k == 1
+    buf = sc.buf("tile", (R, Wt + Ws + Wr))
+    norms = {"TS": torch.empty(n, nt + ns)} if joint else {"T": torch.empty(n, nt), "S": torch.empty(n, ns)}
+    if k > 1:
+        norms["TU"] = torch.empty(n, nt * k)
     if Wr:
-        bufs["R"] = sc.buf("tile_ref", (R, Wr))
+        norms["R"] = torch.empty(n, nr)
 
     def plan(r: int):
         """The views of an r-row tile: what to convert, whose norms, each accumulator's products and differences."""
-        x = {s: bufs[s][:r].view(r, *shapes[s]) for s in bufs}
-        x["TU"] = bufs["T"][:r].view(r, *shapes["TU"])
-        copies = [(bufs[s][:r], srcs[s]) for s in bufs]
+        tile = buf[:r]
+        x = {"T": tile[:, :Wt].unflatten(1, shapes["T"]), "TU": tile[:, :Wt].unflatten(1, shapes["TU"]),
+             "S": tile[:, Wt:Wt + Ws].unflatten(1, shapes["S"])}
+        if joint:
+            x["TS"] = tile[:, :Wt + Ws].unflatten(1, (nt + ns, H))
+        if Wr:
+            x["R"] = tile[:, Wt + Ws:].unflatten(1, shapes["R"])
+        copies = [(tile[:, :Wt], tsrc), (tile[:, Wt:Wt + Ws], ssrc)] + ([(tile[:, Wt + Ws:], rsrc)] if Wr else [])
         pairs = []
         for (acc, sn, tn, w), tl in zip(jobs, tiles):
-            d = sc.buf(f"tile_diff{w}", (R, w))[:r]
-            pairs.append((tl, x[sn], x[tn].transpose(1, 2), [(p, x[sn][:, p[0]], x[tn][:, p[1]]) for p in tl.lo], d))
+            near = []
+            for i0, j0, run in (_runs(tl.lo) if not tl.exact else [(i, j, [(i, j)]) for i, j in tl.lo]):
+                m = len(run)
+                d = sc.buf(f"tile_diff{w}", (R * m, w))[:r * m].view(r, m, w)
+                near.append((x[sn][:, i0:i0 + m], x[tn][:, j0:j0 + m], d, d.numpy(),
+                             [(tl.lo[p], tl.hi[p], tl.dist.get(p)) for p in run]))
+            pairs.append((tl.xy, x[sn], x[tn].transpose(1, 2), near))
         return copies, [(x[s], nrm) for s, nrm in norms.items()], pairs
 
     full = plan(R)
     for q, t0 in enumerate(range(0, n, R)):
         t1 = min(n, t0 + R)
         copies, nrms, pairs = full if t1 - t0 == R else plan(t1 - t0)
-        for buf, source in copies:          # the tile's one dtype conversion
-            buf.copy_(source[t0:t1])
+        for dst, source in copies:          # the tile's one dtype conversion
+            dst.copy_(source[t0:t1])
         for x, nrm in nrms:
             torch.linalg.vector_norm(x, dim=-1, out=nrm[t0:t1])
-        for tl, xs, yt, near, d in pairs:
-            torch.bmm(xs, yt, out=tl.xy[t0:t1])
-            for p, xi, yj in near:
-                tl.add(p, q, t0, torch.sub(xi, yj, out=d))
+        for xy, xs, yt, near in pairs:
+            torch.bmm(xs, yt, out=xy[t0:t1])
+            for xi, yj, d, dn, run in near:
+                torch.sub(xi, yj, out=d)
+                if len(run) == 1:           # on a tile numpy's min + max: half of torch.aminmax's time
+                    lo, hi, dist = run[0]
+                    lo[q], hi[q] = dn.min(), dn.max()
+                    if dist is not None:
+                        torch.linalg.vector_norm(d[:, 0], dim=-1, out=dist[t0:t1])
+                else:
+                    for (lo, hi, _), mn, mx in zip(run, dn.min(axis=(0, 2)), dn.max(axis=(0, 2))):
+                        lo[q], hi[q] = mn, mx
     for nrm in norms.values():
         nrm.square_()
         if not bool(torch.isfinite(nrm).all()):
             return None
+    if joint:
+        norms["T"], norms["S"] = norms["TS"][:, :nt], norms["TS"][:, nt:]
     norms.setdefault("TU", norms["T"])
     out = [(acc, acc.measure(tl.s_src, tl.t_src, info, w, norms[sn], norms[tn], tiles=tl))
            for (acc, sn, tn, w), tl in zip(jobs, tiles)]
