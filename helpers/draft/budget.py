@@ -325,9 +325,10 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
         missing.append("offline on training states: no training samples")
 
     # 3 -- offline on served states, same training tokens
+    served_frame = None
     if inp.served_training and train_frame is not None:
         r = sim(inp.served_training, [st])
-        f = r["per_request"][st]
+        f = served_frame = r["per_request"][st]
         stages.append(_stage("offline, served states", f, S,
                              source=f"the draft run offline on the aux states the server fed for the same "
                                     f"{len(inp.served_training)} training sample(s)"))
@@ -380,13 +381,11 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
                       (st.steps, st.topk, st.draft_tokens))
         d, lo, hi, n = _paired_loss(rec["frame"], served["frame"])
         gain = rec["speedup_model"] / served["speedup_model"] - 1.0 if served["speedup_model"] else 0.0
-        served_row = next(t for t in table if (t["steps"], t["topk"], t["draft_tokens"]) ==
-                          (st.steps, st.topk, st.draft_tokens))
-        if fewer is not None and served_row["speedup_model"] and \
-                fewer["speedup_model"] / served_row["speedup_model"] - 1.0 >= MATERIAL and inp.draft_cost is not None:
+        if fewer is not None and served["speedup_model"] and \
+                fewer["speedup_model"] / served["speedup_model"] - 1.0 >= MATERIAL and inp.draft_cost is not None:
             notes.append(f"the cost model favours --speculative-num-steps {fewer['steps']} (fewer than served: "
                            f"accept length {fewer['accept_length']:.2f}, modelled tokens per unit time "
-                           f"{fewer['speedup_model'] / served_row['speedup_model'] - 1.0:+.0%}); measure it before "
+                           f"{fewer['speedup_model'] / served['speedup_model'] - 1.0:+.0%}); measure it before "
                            "changing")
         if inp.draft_cost is None:
             # without a cost for a draft step, more steps always look better: no settings are recommended
@@ -419,9 +418,9 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
         fix_offline = {"label": inp.fix.get("label", "proposed fix"), "accept_length": s["accept_length"],
                        "ci": [s["accept_length_lo"], s["accept_length_hi"]], "plan": inp.fix.get("plan")}
         if inp.served_training:
-            served_f = simulate_sequences(draft, [q for q in inp.served_training
-                                                  if q.key in {x.key for x in inp.fix["sequences"]}], [st])
-            d, lo, hi, n = _paired_loss(f, served_f["per_request"][st])
+            if served_frame is None:                 # stage 3 did not run (no training frame): simulate them here
+                served_frame = simulate_sequences(draft, inp.served_training, [st])["per_request"][st]
+            d, lo, hi, n = _paired_loss(f, served_frame)  # paired on the sample ids both hold
             fix_offline.update(gain=d, gain_ci=[lo, hi], n_paired=n,
                                proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS))
 
