@@ -9,6 +9,7 @@ Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported 
   capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
   simulate   the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
   measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
+  ablate     workload sweeps and engine toggles, each with a paired CI            (helpers.cli.ablate)
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
   suite      run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
 """
@@ -28,6 +29,7 @@ commands:
   capture    dump the aux hidden states a live server feeds the draft
   simulate   run the draft offline as SGLang does: accept length on training / served states
   measure    accept length / accept rate / tok/s per fix
+  ablate     acceptance vs context / temperature / concurrency; engine features toggled on a restarted copy
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder
   suite      run the notebook suite with papermill, write postmortem.html
 
@@ -40,6 +42,7 @@ COMMANDS = {
     "capture": "helpers.cli.capture",
     "simulate": "helpers.cli.simulate",
     "measure": "helpers.cli.measure",
+    "ablate": "helpers.cli.ablate",
     "replay": "helpers.cli.replay",
     "suite": "helpers.cli.suite",
 }

@@ -44,7 +44,10 @@ FINDING_KINDS = (
     "served_draft_differs", "unidentified_chunk", "zero_chunk", "scaled_chunk", "partial_match", "server_fatal",
     # the acceptance budget (helpers.draft.budget): where the accept length is lost
     "draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
-    "acceptance_unexplained",
+    "acceptance_unexplained", "workload_loses_acceptance",
+    # ablations and workload sweeps (helpers.investigation.ablate)
+    "context_loses_acceptance", "temperature_loses_acceptance", "concurrency_loses_acceptance",
+    "engine_feature_costs_acceptance", "speculation_slower",
     # the draft checkpoint itself (helpers/draft/checks.py, no server)
     "lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
     "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored", "rope_mismatch", "max_position_short",

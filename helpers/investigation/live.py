@@ -45,10 +45,9 @@ from ..formats.training_data import TrainingData
 from ..records import Finding, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, read_json, safe_name, write_json
 from ..server.client import SGLangClient
-from ..server.embedded import parse_ports, pick_port
-from ..server.embedded import start as start_embedded
-from ..server.process import ServerProcess
+from ..server.embedded import parse_ports
 from ..server.registry import lookup
+from ..server.restart import LAYERS_HOOK, start_variant
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .acceptance import run_budget
@@ -59,7 +58,6 @@ from .propose import draft_variant, propose_fix
 #: baseline server), in the order of the mission: how the server feeds the draft, then its settings.
 LIVE_CHECKS = ("tp_sharding", "embedding_all_reduce", "layer_offset", "embedding_included", "concat_order",
                "rotated_basis", "norm_mismatch", "static_wiring", "fc_bypass", "vocab_map", "num_steps_override")
-RANK_HOOK, LAYERS_HOOK = "e3f-capture", "e3f-capture-layers"
 HOOK_FACTORY_PREFIX = "helpers.hooks:"
 
 
@@ -595,59 +593,10 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
                  budget: Budget, port: int | str | None = None):
     """A fresh server like the attached one, with the fix applied, on ``port`` (a port or a range; default a free
     one); capture hooks write into this run folder. Waits for it within ``budget`` (the investigation's)."""
-    if att.restart["kind"] == "embedded":
-        launch = dict(att.restart["launch"])
-        spec = dict(launch.get("spec") or {})
-        if "--speculative-algorithm" in fix.server_args:
-            spec["algorithm"] = fix.server_args["--speculative-algorithm"]
-        if "--speculative-num-draft-tokens" in fix.server_args:
-            spec["num_draft_tokens"] = fix.server_args["--speculative-num-draft-tokens"]
-        for flag, key in (("--speculative-num-steps", "num_steps"), ("--speculative-eagle-topk", "topk")):
-            if flag in fix.server_args:
-                spec[key] = fix.server_args[flag]
-        hooks = []
-        for h in launch.get("forward_hooks") or []:
-            h = json.loads(json.dumps(h))
-            if isinstance(h.get("config"), dict) and "out_dir" in h["config"]:
-                sub = "layers" if h.get("name") == LAYERS_HOOK else "ranks"
-                h["config"]["out_dir"] = str((run_dir / "capture" / "fixed" / sub).resolve())
-            hooks.append(h)
-        return start_embedded(launch["target"], draft, tp=int(launch.get("tp") or 1), spec=spec or None,
-                              forward_hooks=hooks or None, extra_args=launch.get("extra_args") or [],
-                              dtype=launch.get("dtype") or "float32", api_key=api_key, port=port,
-                              log_path=run_dir / "logs" / "fixed-server.log", budget=budget)
-    argv = list(att.restart["argv"])
-    port = pick_port(port, what="--port")
-    # the copy runs on this machine and is measured at 127.0.0.1: it listens there only, whatever the command said
-    flags = {"--speculative-draft-model-path": str(draft), "--host": "127.0.0.1", "--port": str(port),
-             **{k: str(v) for k, v in fix.server_args.items()}}
-    argv = _set_flags(argv, flags)
-    handle = ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=run_dir / "logs" / "fixed-server.log",
-                           secrets=[api_key] if api_key else [])
-    try:
-        handle.wait_healthy(1800, api_key=api_key, what="the fixed server (--relaunch)", budget=budget)
-    except BaseException:
-        handle.stop(timeout=5)
-        raise
-    return handle
-
-
-def _set_flags(argv: list[str], flags: dict[str, str]) -> list[str]:
-    """``argv`` with each ``--flag value`` replaced (or appended); ``--flag=value`` forms are replaced too."""
-    out: list[str] = []
-    skip = False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in flags:
-            skip = "=" not in a
-            continue
-        out.append(a)
-    for k, v in flags.items():
-        out += [k, v]
-    return out
+    return start_variant(att.restart, draft=draft, flags={k: str(v) for k, v in fix.server_args.items()},
+                         capture_dir=run_dir / "capture" / "fixed", api_key=api_key, port=port,
+                         log_path=run_dir / "logs" / "fixed-server.log", budget=budget,
+                         what="the fixed server (--relaunch)")
 
 
 # ------------------------------------------------------------------------------------------------ the sentence
@@ -696,13 +645,21 @@ KIND_TEXT = {
     "engine_after_capture": "the engine accepts less than the draft run offline on the very states it fed",
     "spec_settings_low": "the speculative settings leave acceptance unused",
     "acceptance_unexplained": "live acceptance is below the offline prediction and no stage explains it",
+    "workload_loses_acceptance": "the requests (their context, temperature), not the server, lose the acceptance",
+    "context_loses_acceptance": "acceptance falls with the context length",
+    "temperature_loses_acceptance": "acceptance falls at the requests' sampling temperature",
+    "concurrency_loses_acceptance": "acceptance falls when requests share a batch",
+    "engine_feature_costs_acceptance": "an engine feature costs acceptance: the server with it off accepts more",
+    "speculation_slower": "the target alone is faster than with the draft",
 }
 #: findings about the draft checkpoint itself (helpers.draft.checks)
 DRAFT_KINDS = ("lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "vocab_map_missing",
                "draft_vocab_coverage", "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
                "rope_mismatch", "max_position_short", "sliding_window_ignored")
 ACCEPTANCE_KINDS = ("draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
-                    "acceptance_unexplained")
+                    "acceptance_unexplained", "workload_loses_acceptance", "context_loses_acceptance",
+                    "temperature_loses_acceptance", "concurrency_loses_acceptance", "engine_feature_costs_acceptance",
+                    "speculation_slower")
 
 
 def _measured_text(m: Optional[dict]) -> str:

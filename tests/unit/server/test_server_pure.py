@@ -334,7 +334,7 @@ def test_ports_a_port_a_range_and_the_environment(monkeypatch):
 
     from helpers.cli.server import _without_port
     from helpers.errors import BadServerInput
-    from helpers.investigation.live import _set_flags
+    from helpers.server.restart import set_flags
     from helpers.server import embedded
 
     assert embedded.parse_ports("30000") == (30000, 30000) and embedded.parse_ports(" 30000-30010") == (30000, 30010)
@@ -357,7 +357,7 @@ def test_ports_a_port_a_range_and_the_environment(monkeypatch):
     with pytest.raises(BadServerInput, match="E3F_PORT_RANGE"):
         embedded.free_port()
     # a relaunch listens on 127.0.0.1 at the chosen port, whatever the command said
-    argv = _set_flags(["python", "-m", "sglang.launch_server", "--host", "0.0.0.0", "--port=30000", "--tp", "8"],
+    argv = set_flags(["python", "-m", "sglang.launch_server", "--host", "0.0.0.0", "--port=30000", "--tp", "8"],
                       {"--host": "127.0.0.1", "--port": "31001"})
     assert argv == ["python", "-m", "sglang.launch_server", "--tp", "8", "--host", "127.0.0.1", "--port", "31001"]
     assert _without_port(["--tp", "2", "--port", "30000-30010", "--port=1", "--", "--port", "9"]) == \

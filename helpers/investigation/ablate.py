@@ -1,0 +1,333 @@
+"""Ablations and workload sweeps of one server (``python -m helpers ablate``, the investigation's sweep step, the
+``21_ablate`` page): the workload sweeps of :mod:`helpers.acceptance.sweeps` on the running server, then the engine
+toggles of :mod:`helpers.acceptance.ablations` on restarted copies of it, each against the unchanged server with a
+paired CI over the same prompts, all under one time budget; what they show becomes findings with their cause
+(``workload``: the requests, not the server; ``engine``: an engine feature).
+
+Written into the run folder: ``results/ablate.json`` (:func:`ablate`'s document) and every measurement under
+``ablate/<sweep or toggle>/<point>/`` (``summary.json``, ``per_request.parquet``, ``positions.csv``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from ..acceptance.ablations import TOGGLES, Toggle, toggles as named_toggles
+from ..acceptance.measure import measure
+from ..acceptance.prompts import load_prompts
+from ..acceptance.stats import paired_effect
+from ..acceptance.sweeps import MATERIAL, MIN_TOKENS, SWEEPS, Point, run_sweep, trend
+from ..budget import Budget
+from ..diagnosis.detectors import finding
+from ..errors import BadInput, ServerError
+from ..formats.configs import read_draft_config, read_target_config
+from ..runfiles import read_json_file, safe_name, write_json
+from ..server.client import SGLangClient
+from ..server.registry import lookup
+from ..server.restart import start_variant
+
+FORMAT = "e3f-ablate"
+#: finding kind -> cause of each sweep's fall
+SWEEP_KINDS = {"context": ("context_loses_acceptance", "workload"),
+               "temperature": ("temperature_loses_acceptance", "workload"),
+               "concurrency": ("concurrency_loses_acceptance", "engine")}
+
+
+def limits(info: dict, *, draft_dir: Optional[Path] = None, target_dir: Optional[Path] = None,
+           training_log: Optional[Path] = None) -> dict:
+    """Context limits in tokens, each with its source: ``target`` (``--context-length`` of ``/server_info``, else the
+    target config's ``max_position_embeddings``), ``draft`` (the draft config's ``max_position_embeddings``; SGLang
+    0.5.23 raises a shorter one to the target's context only when ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``,
+    ``sglang/srt/configs/model_config.py::ModelConfig._derive_context_length``), ``training`` (mean tokens per
+    training sample, from the training log's data manifest). Unreadable sources are left out."""
+    out: dict[str, Any] = {"sources": {}}
+    if info.get("context_length"):
+        out["target"], out["sources"]["target"] = int(info["context_length"]), "/server_info context_length"
+    for key, d, reader in (("target", target_dir, read_target_config), ("draft", draft_dir, read_draft_config)):
+        if key in out or d is None:
+            continue
+        try:
+            raw = reader(d).raw
+        except BadInput:
+            continue
+        n = raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
+        if isinstance(n, int) and n > 0:
+            out[key], out["sources"][key] = n, f"{Path(d) / 'config.json'} max_position_embeddings"
+    if training_log is not None:
+        try:
+            raw = read_json_file(training_log, what="training log")
+        except BadInput:
+            raw = None
+        man = ((raw or {}).get("data") or {}).get("manifest") if isinstance(raw, dict) else None
+        if isinstance(man, dict) and man.get("tokens") and man.get("samples"):
+            out["training"] = int(man["tokens"] / man["samples"])
+            out["sources"]["training"] = f"{training_log} data.manifest (tokens / samples)"
+    return out
+
+
+def _save(res, run_dir: Path, *parts: str) -> Optional[str]:
+    try:
+        return str(res.save(run_dir.joinpath("ablate", *[safe_name(p) for p in parts])).relative_to(run_dir))
+    except OSError:
+        return None
+
+
+def sweep_finding(t: dict, lim: dict) -> dict:
+    """The finding of a sweep whose acceptance falls (:func:`helpers.acceptance.sweeps.trend`), with what the data and
+    the configs say of where it begins; it names no limit the data do not support."""
+    kind, cause = SWEEP_KINDS[t["sweep"]]
+    ci = t["ci"]
+    head = (f"accept length falls from {t['reference_accept_length']:.2f} ({t['reference']}) to "
+            f"{t['at_accept_length']:.2f} ({t['at']}), paired change {t['delta']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}] "
+            f"over the same prompts; it holds up to {t['last_ok']} and falls from {t['first_falling']}")
+    where = []
+    if t["sweep"] == "context":
+        d, tr = lim.get("draft"), lim.get("training")
+        if t.get("past_draft_limit"):
+            where.append(f"the fall begins past the draft's max_position_embeddings {d} "
+                         f"({lim['sources'].get('draft')})")
+        elif d and d < (t.get("last_ok_value") or 0):
+            where.append(f"the draft config's max_position_embeddings {d} is below the context where acceptance "
+                         f"still holds, so it is not where acceptance is lost (SGLang 0.5.23 raises a draft's "
+                         f"shorter limit to the target's context when SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)")
+        if tr and tr < t["value"]:
+            where.append(f"the draft's training samples average {tr} tokens ({lim['sources'].get('training')}): "
+                         f"the fall lies beyond the contexts it was trained on")
+        if not where:
+            where.append("nothing read here places the fall (settle it with the draft's training sequence length)")
+        where.append("cause: workload (prompt + context length), not a wiring or engine fault")
+    elif t["sweep"] == "temperature":
+        where.append("cause: workload (the requests' sampling temperature): SGLang verifies sampled tokens against "
+                     "the draft's proposals, and fewer match at a higher temperature")
+    else:
+        where.append("cause: engine: the same prompts accept less when they share a batch (batch-dependent draft or "
+                     "verify numerics, padding, or scheduling)")
+    return finding(kind, None, head + "; " + "; ".join(where), stage=cause, sweep=t["sweep"], trend=t,
+                   limits={k: v for k, v in lim.items() if k != "sources"}, limit_sources=lim.get("sources"),
+                   source="data: paired accept-length change over the same prompts (helpers.acceptance.sweeps)")
+
+
+def _toggle_row(t: Toggle) -> dict:
+    return {"name": t.name, "flags": dict(t.flags), "report": t.report, "why": t.why,
+            "speculative": t.speculative}
+
+
+def measure_toggle(t: Toggle, *, restart: dict, client: SGLangClient, before, prompts, max_new_tokens: int,
+                   run_dir: Path, budget: Budget, api_key: Optional[str] = None, port=None,
+                   progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Start the server with toggle ``t``, measure it on ``prompts`` and compare with ``before`` (the unchanged
+    server's measurement of the same prompts): ``{"status": "measured", "after", "effect", "recovers",
+    "baseline_faster", ...}``. The variant is stopped by its PID before this returns."""
+    row = _toggle_row(t)
+    progress(f"toggle {t.name}: starting the server with {' '.join(k if v is None else f'{k} {v}' for k, v in t.flags.items()) or 'no draft'} ...")
+    t0 = time.perf_counter()
+    handle = start_variant(restart, keep_draft=t.speculative, flags=t.flags, api_key=api_key, port=port,
+                           log_path=run_dir / "logs" / f"toggle-{t.name}.log", budget=budget,
+                           capture_dir=run_dir / "capture" / f"toggle-{t.name}", what=f"the server with {t.name}")
+    try:
+        with SGLangClient(handle.url, api_key, timeout=client.timeout, budget=budget) as c2:
+            after = measure(c2, prompts, max_new_tokens=max_new_tokens, label=t.name, progress=False, seed=0)
+    finally:
+        handle.stop()
+    row["saved_to"] = _save(after, run_dir, "toggles", t.name)
+    keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
+            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "throughput_tok_s", "n_ok")
+    row.update(status="measured", wall_s=time.perf_counter() - t0,
+               before={k: before.summary.get(k) for k in keep}, after={k: after.summary.get(k) for k in keep})
+    if t.speculative:
+        e = paired_effect(before.per_request, after.per_request)
+        row["effect"] = e
+        ref = before.summary.get("accept_length") or float("nan")
+        lo, d = e.get("accept_length_delta_lo"), e.get("accept_length_delta")
+        row["recovers"] = bool(lo is not None and math.isfinite(lo) and lo > 0
+                               and d >= max(MIN_TOKENS, MATERIAL * ref))
+        progress(f"toggle {t.name}: accept length {before.summary['accept_length']:.2f} -> "
+                 f"{after.summary['accept_length']:.2f}, paired {d:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
+                 f"{e['accept_length_delta_hi']:+.2f}]")
+    else:
+        b, a = before.summary, after.summary
+        row["baseline_faster"] = bool(a.get("tok_s_lo") is not None and b.get("tok_s_hi") is not None
+                                      and a["tok_s_lo"] > b["tok_s_hi"])
+        progress(f"toggle {t.name}: tok/s with the draft {b['tok_s']:.1f} [{b['tok_s_lo']:.1f}, {b['tok_s_hi']:.1f}], "
+                 f"target alone {a['tok_s']:.1f} [{a['tok_s_lo']:.1f}, {a['tok_s_hi']:.1f}]")
+    return row
+
+
+def toggle_finding(row: dict) -> Optional[dict]:
+    """``engine_feature_costs_acceptance`` for a toggle that recovers acceptance, ``speculation_slower`` for a
+    baseline that is faster than the speculative server (tok/s CIs apart); else None."""
+    flags = " ".join(k if v is None else f"{k} {v}" for k, v in row["flags"].items())
+    if row.get("recovers"):
+        e = row["effect"]
+        return finding("engine_feature_costs_acceptance", None,
+                       f"restarted with {flags}, the server accepts {e['accept_length_delta']:+.2f} tokens per verify "
+                       f"step more [{e['accept_length_delta_lo']:+.2f}, {e['accept_length_delta_hi']:+.2f}] over the "
+                       f"same prompts: {row['why']} costs acceptance (report: {row['report']})",
+                       stage="engine", toggle=row["name"], flags=row["flags"], effect=e,
+                       source="measured: the unchanged server and a restarted copy with the flag, paired CI")
+    if row.get("baseline_faster"):
+        b, a = row["before"], row["after"]
+        return finding("speculation_slower", None,
+                       f"the target alone is faster than with the draft: {a['tok_s']:.1f} tok/s "
+                       f"[{a['tok_s_lo']:.1f}, {a['tok_s_hi']:.1f}] vs {b['tok_s']:.1f} [{b['tok_s_lo']:.1f}, "
+                       f"{b['tok_s_hi']:.1f}] per request on the same prompts",
+                       stage="engine", toggle=row["name"], before=b, after=a,
+                       source="measured: the unchanged server and a restarted copy without the draft")
+    return None
+
+
+def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, toggles: Optional[Sequence[str]] = None,
+           budget_s: float = 120.0, budget: Optional[Budget] = None, prompts: Any = None, num_prompts: int = 10,
+           max_new_tokens: int = 32, temperature: float = 1.0, concurrency: Sequence[int] = (1, 2, 4, 8),
+           contexts: Optional[Sequence[int]] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
+           draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
+           training_log: Optional[str | Path] = None, port=None, client: Optional[SGLangClient] = None,
+           progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Run the sweeps, then the toggles, within ``budget_s`` seconds; write ``results/ablate.json`` into ``run_dir``.
+
+    Args:
+        url: the server (``/server_info``, ``/generate``, ``/flush_cache``).
+        sweeps: a subset of :data:`helpers.acceptance.sweeps.SWEEPS`, in order.
+        toggles: names of :data:`helpers.acceptance.ablations.TOGGLES`; None: every toggle when the server can be
+            restarted (an embedded server of the registry, or ``relaunch``), none otherwise (listed as skipped);
+            ``()``: none.
+        temperature: the user's temperature, measured against 0 (the temperature sweep).
+        prompts / num_prompts: the prompt set (default: the bundled prompts), the same ids at every point.
+        max_new_tokens: tokens generated per request at every point.
+        relaunch: the server's launch command (shell words) when it is not an embedded server of this tool.
+        draft / target / training_log: folders / file read for the context limits (default: the server's own
+            folders when this machine sees them; the training log found next to the draft).
+
+    Returns: the document written to ``results/ablate.json``: ``{"format", "version", "url", "sglang_version",
+    "device", "limits", "prompts", "max_new_tokens", "sweeps": {name: {"points": [...], "trend"}}, "toggles":
+    [...], "findings": [...], "skipped": [...], "wall_s", "budget_s"}``. A point or toggle the budget cannot fit is
+    skipped with the reason; what was measured is kept.
+
+    Raises:
+        BadInput: an unknown sweep or toggle, bad numbers. ServerError: the server cannot be reached.
+    """
+    import shlex
+
+    from .acceptance import find_training_log
+    run_dir = Path(run_dir)
+    for s in sweeps:
+        if s not in SWEEPS:
+            raise BadInput(f"unknown sweep {s!r}; expected a comma-separated subset of {','.join(SWEEPS)}",
+                           field="--sweeps")
+    try:
+        chosen = named_toggles(list(toggles)) if toggles else []
+    except ValueError as exc:
+        raise BadInput(str(exc), field="--toggles") from None
+    if num_prompts < 2:
+        raise BadInput(f"need at least 2 prompts for a paired CI, got {num_prompts}", field="--num-prompts")
+    if max_new_tokens < 2:
+        raise BadInput(f"max_new_tokens must be >= 2 (a verify step needs two tokens), got {max_new_tokens}",
+                       field="--max-new-tokens")
+    dl = budget or Budget(budget_s, flag="--budget")
+    t_start = time.perf_counter()
+    own = client is None
+    client = client or SGLangClient(url, api_key, budget=dl)
+    try:
+        info = client.server_info(refresh=True)
+        if not info.get("speculative_algorithm"):
+            raise BadInput("the server runs without speculative decoding: there is no acceptance to sweep",
+                           field="--url")
+        readable = lambda p: Path(p) if p and Path(p).is_dir() else None  # noqa: E731
+        draft_dir = readable(draft) or readable(info.get("speculative_draft_model_path"))
+        target_dir = readable(target) or readable(info.get("model_path"))
+        log = None
+        if draft_dir is not None:
+            try:
+                log = find_training_log(draft_dir, training_log)
+            except BadInput:
+                raise
+        lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
+        ps = load_prompts(prompts, n=num_prompts)
+        doc: dict[str, Any] = {"format": FORMAT, "version": 1, "url": client.url, "sglang_version": info.get("version"),
+                               "device": info.get("device"), "limits": lim, "prompts": len(ps),
+                               "max_new_tokens": max_new_tokens, "temperature": temperature, "sweeps": {},
+                               "toggles": [], "findings": [], "skipped": [], "budget_s": budget_s}
+        reference = None
+        for s in sweeps:
+            if dl.spent():
+                doc["skipped"].append(f"sweep {s}: budget spent")
+                progress(f"sweep {s}: skipped (budget spent)")
+                continue
+            progress(f"sweep {s} ...")
+            pts = run_sweep(client, s, prompts=ps, max_new_tokens=max_new_tokens, budget=dl, limits=lim,
+                            temperatures=(0.0, temperature), concurrency=concurrency, contexts=contexts,
+                            progress=progress)
+            for p in pts:
+                if p.result is not None:
+                    p_saved = _save(p.result, run_dir, s, p.label)
+                    p.summary["saved_to"] = p_saved
+            if reference is None and pts and pts[0].result is not None:
+                reference = pts[0].result           # the unchanged server on these prompts (first reference point)
+            t = trend(pts, lim)
+            doc["sweeps"][s] = {"points": [p.to_json() for p in pts], "trend": t}
+            doc["skipped"] += [f"sweep {s}: {p.label}: {p.skipped}" for p in pts if p.skipped]
+            if t is not None:
+                doc["findings"].append(sweep_finding(t, lim))
+        # toggles: on restarted copies of the server
+        entry = lookup(client.url)
+        restart = ({"kind": "embedded", **entry} if entry is not None
+                   else {"kind": "command", "argv": shlex.split(relaunch)} if relaunch else None)
+        if toggles is None:
+            chosen = list(TOGGLES) if restart is not None else []
+            if restart is None:
+                doc["skipped"].append("toggles: this server cannot be restarted by the tool (pass --relaunch CMD, or "
+                                      "start it with `python -m helpers server start`)")
+        for t in chosen:
+            row = _toggle_row(t)
+            why = t.skip_reason(info)
+            if why is None and restart is None:
+                why = "this server cannot be restarted by the tool (pass --relaunch CMD)"
+            if why is None and dl.spent():
+                why = "budget spent"
+            if why is not None:
+                row.update(status="skipped", reason=why)
+                doc["toggles"].append(row)
+                progress(f"toggle {t.name}: skipped ({why})")
+                continue
+            if reference is None:
+                progress("measuring the unchanged server for the toggles ...")
+                reference = measure(client, ps, max_new_tokens=max_new_tokens, label="unchanged", progress=False,
+                                    seed=0)
+            try:
+                row = measure_toggle(t, restart=restart, client=client, before=reference, prompts=ps,
+                                     max_new_tokens=max_new_tokens, run_dir=run_dir, budget=dl, api_key=api_key,
+                                     port=port, progress=progress)
+            except ServerError as exc:
+                row.update(status="failed" if not dl.spent() else "skipped",
+                           reason=("budget spent while it ran: " if dl.spent() else "") + str(exc).splitlines()[0])
+                progress(f"toggle {t.name}: {row['status']} ({row['reason']})")
+            doc["toggles"].append(row)
+            f = toggle_finding(row) if row.get("status") == "measured" else None
+            if f is not None:
+                doc["findings"].append(f)
+        doc["skipped"] += [f"toggle {r['name']}: {r['reason']}" for r in doc["toggles"] if r["status"] != "measured"]
+        doc["wall_s"] = time.perf_counter() - t_start
+        write_json(run_dir / "results" / "ablate.json", doc)
+        return doc
+    finally:
+        if own:
+            client.close()
+
+
+def ablation_text(doc: dict) -> str:
+    """One paragraph: what each sweep and toggle showed, and what was skipped."""
+    parts = []
+    for s, sw in (doc.get("sweeps") or {}).items():
+        n = sum(1 for p in sw["points"] if not p.get("skipped"))
+        parts.append(f"{s}: {n} point(s), " + ("acceptance falls" if sw.get("trend") else "no CI-supported fall"))
+    for r in doc.get("toggles") or []:
+        if r["status"] == "measured" and r.get("effect"):
+            e = r["effect"]
+            parts.append(f"{r['name']}: {e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
+                         f"{e['accept_length_delta_hi']:+.2f}]")
+        elif r["status"] == "measured":
+            parts.append(f"{r['name']}: tok/s {r['before']['tok_s']:.1f} with the draft, {r['after']['tok_s']:.1f} "
+                         f"without")
+    return "; ".join(parts) or "nothing measured"
