@@ -16,20 +16,7 @@ from ..errors import BadInput
 from ..investigation.ablate import ablate, ablation_text
 from ..runfiles import new_run_dir, safe_name
 from ..views.common import run_dir_line
-from .common import Parser, failure_guard, out_folder, progress_line, run
-
-
-def _names(value: Optional[str], known, flag: str) -> Optional[list[str]]:
-    if value is None:
-        return None
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    if value.strip().lower() == "none":
-        return []
-    bad = [n for n in names if n not in known]
-    if bad:
-        raise BadInput(f"unknown {bad[0]!r}; expected a comma-separated subset of {','.join(known)} (or none)",
-                       field=flag)
-    return names
+from .common import Parser, failure_guard, out_folder, progress_line, run, subset_arg
 
 
 def build_parser() -> Parser:
@@ -86,8 +73,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         a = build_parser().parse_args(list(argv) if argv is not None else None)
-        sweeps = _names(a.sweeps, SWEEPS, "--sweeps") or []
-        toggles = _names(a.toggles, list(BY_NAME), "--toggles")
+        sweeps = subset_arg(a.sweeps, SWEEPS, "--sweeps") or []
+        toggles = subset_arg(a.toggles, list(BY_NAME), "--toggles")
         conc, ctx = _ints(a.concurrency, "--concurrency"), _ints(a.contexts, "--contexts")
         if not a.budget > 0:
             raise BadInput(f"must be > 0 seconds, got {a.budget}", field="--budget")

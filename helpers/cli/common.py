@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 from ..budget import interrupt, reset_interrupt
 from ..errors import BadInput, E3FError, Interrupted, describe, printable
@@ -153,6 +153,25 @@ def failure_guard(prog: str, run_dir: Path, *, owned: bool = True,
         if owned and not isinstance(exc, complete):
             mark_failed(run_dir, f"{prog}: {describe(exc)}")
         raise
+
+
+def subset_arg(value: Optional[str], known: Sequence[str], flag: str) -> Optional[list[str]]:
+    """A comma-separated subset of ``known`` (``--sweeps context,temperature``), in the order given; ``none`` is the
+    empty list; None when not given.
+
+    Raises:
+        BadInput: a name not in ``known`` (the message lists them).
+    """
+    if value is None:
+        return None
+    if value.strip().lower() == "none":
+        return []
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        what = f"unknown {bad[0]!r}" if bad else "an empty list"
+        raise BadInput(f"{what}; expected a comma-separated subset of {','.join(known)} (or none)", field=flag)
+    return names
 
 
 def progress_line(prog: str) -> Callable[[str], None]:

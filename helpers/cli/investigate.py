@@ -7,11 +7,12 @@ import json
 import os
 from typing import Optional, Sequence
 
+from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput
 from ..investigation.live import default_run_dir, investigate
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
-from .common import Parser, failure_guard, out_folder, progress_line, run
+from .common import Parser, failure_guard, out_folder, progress_line, run, subset_arg
 
 
 def build_parser() -> Parser:
@@ -35,6 +36,9 @@ def build_parser() -> Parser:
     p.add_argument("--no-budget", action="store_true", help="skip the acceptance budget (wiring diagnosis only)")
     p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
                    "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
+    p.add_argument("--sweeps", default="auto", help="workload sweeps after the acceptance budget (no restart): auto "
+                   "(context and concurrency, only when the budget leaves the loss unexplained), none, or a "
+                   "comma-separated subset of context,temperature,concurrency (default auto; `ablate` runs more)")
     p.add_argument("--port", metavar="PORT|LOW-HIGH", help="port of the fixed server the tool starts (on 127.0.0.1 "
                    "for an embedded server), or a range to take a free one from (default: a free port of "
                    "$E3F_PORT_RANGE, else 12000-19999)")
@@ -59,6 +63,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
         out = out_folder(args.out, "--out")
+        sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
         run_dir = default_run_dir(out, args.url)
         show = progress_line(prog)
         show(f"run folder {run_dir}")
@@ -69,7 +74,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
                               max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
                               acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
-                              training_log=args.training_log, progress=show)
+                              training_log=args.training_log, sweeps=sweeps, progress=show)
             report = write_report(run_dir, doc)
         if args.json:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],

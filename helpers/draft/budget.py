@@ -50,7 +50,10 @@ MIN_TOKENS = 0.1
 SETTINGS_STEPS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: the recommended steps: the fewest whose accept length is within this share of the best
 NEAR_BEST = 0.05
-CAUSES = ("none", "draft", "wiring", "engine", "settings", "unknown")
+CAUSES = ("none", "draft", "wiring", "engine", "settings", "workload", "unknown")
+#: ablation findings that are evidence for a cause (helpers.investigation.ablate)
+ABLATION_CAUSES = {"engine_feature_costs_acceptance": "engine", "concurrency_loses_acceptance": "engine",
+                   "context_loses_acceptance": "workload", "temperature_loses_acceptance": "workload"}
 
 
 # ------------------------------------------------------------------------------------------------ sequences
@@ -456,6 +459,39 @@ def _cause(losses: dict, reference_al: Optional[float], live: Optional[pd.DataFr
             if gap >= max(MIN_TOKENS, MATERIAL * reference_al):
                 return "unknown"
     return "none"
+
+
+def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
+    """Put the evidence of ablations and workload sweeps (findings of :mod:`helpers.investigation.ablate`) into the
+    budget ``b`` and return it: each becomes ``b["ablation"][cause]`` evidence; when no stage explained the loss
+    (cause ``none`` or ``unknown``), an engine toggle that recovers acceptance makes the cause ``engine`` and a
+    workload sweep whose acceptance falls makes it ``workload`` (the requests, not the server), with the measured
+    paired change as its loss (tokens per verify step, bonus token included) and the sentence rewritten."""
+    ev: dict[str, list] = {}
+    for f in findings:
+        c = ABLATION_CAUSES.get(f["kind"])
+        if c is not None:
+            ev.setdefault(c, []).append(f)
+    if not ev:
+        return b
+    b["ablation"] = {c: [{"kind": f["kind"], "detail": f["detail"]} for f in fs] for c, fs in ev.items()}
+    if b.get("cause") not in ("none", "unknown"):
+        return b
+    cause = "engine" if "engine" in ev else "workload"
+    f = ev[cause][0]
+    e = f["evidence"]
+    if f["kind"] == "engine_feature_costs_acceptance":
+        eff = e.get("effect") or {}
+        d, ci = eff.get("accept_length_delta"), [eff.get("accept_length_delta_lo"), eff.get("accept_length_delta_hi")]
+    else:
+        t = e.get("trend") or {}
+        d = None if t.get("delta") is None else -t["delta"]
+        ci = [None if x is None else -x for x in reversed(t.get("ci") or [None, None])]
+    b.setdefault("losses", {})[cause] = {"delta": d, "ci": ci, "beyond_ci": True, "material": True, "counts": True,
+                                         "basis": f"measured on the server ({f['kind']}): {f['detail']}"}
+    b["cause"] = cause
+    b["sentence"] = budget_sentence(b)
+    return _clean(b)
 
 
 def _fmt(x: Optional[float]) -> str:

@@ -36,7 +36,7 @@ TRAINING_LOG_NAMES = ("training_log.json", "trainer_state.json", "eval_results.j
 #: cause -> finding kind
 CAUSE_KINDS = {"draft": "draft_underperforms", "wiring": "wiring_loses_acceptance",
                "engine": "engine_after_capture", "settings": "spec_settings_low",
-               "unknown": "acceptance_unexplained"}
+               "workload": "workload_loses_acceptance", "unknown": "acceptance_unexplained"}
 
 
 def find_training_log(draft_dir: Path, given: Optional[str | Path] = None) -> Optional[Path]:

@@ -50,7 +50,9 @@ from ..server.registry import lookup
 from ..server.restart import LAYERS_HOOK, start_variant
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
-from .acceptance import run_budget
+from .ablate import ablate as run_ablation, ablation_text
+from .acceptance import CAUSE_KINDS, run_budget
+from ..draft.budget import join_ablation
 from .checks import Investigation, run_check
 from .propose import draft_variant, propose_fix
 
@@ -241,6 +243,43 @@ def _noop(_: str) -> None:
     pass
 
 
+def _sweeps(doc: InvestigationDoc, sweeps: str | Sequence[str], seconds: float, *, client: SGLangClient, run_dir: Path,
+            dl: Budget, step, done, progress: Progress, **kw: Any) -> None:
+    """The investigation's workload sweeps (``investigate``'s ``sweeps``), their findings and the budget's cause."""
+    b = doc.acceptance or {}
+    if sweeps == "auto":
+        chosen = ["context", "concurrency"] if b.get("cause") == "unknown" else []
+    else:
+        chosen = list(sweeps)
+    if not chosen:
+        return
+    left = dl.remaining()
+    secs = seconds if left is None else min(seconds, left - 60)
+    if secs < 20:
+        doc.notes.append(f"workload sweeps ({', '.join(chosen)}) skipped: {max(0, left or 0):.0f} s left of the run")
+        return
+    t = step("workload sweeps")
+    ab = run_ablation(client.url, run_dir=run_dir, sweeps=chosen, toggles=(), budget=Budget(secs, flag="--timeout"),
+                      budget_s=secs, client=client, draft=kw["draft"], target=kw["target"],
+                      training_log=kw["training_log"], api_key=kw["api_key"], num_prompts=max(2, min(kw["prompts"], 10)),
+                      max_new_tokens=kw["max_new_tokens"], progress=progress)
+    have = {f.kind for f in doc.findings}
+    new = [f for f in ab["findings"] if f["kind"] not in have]
+    doc.findings += [Finding(**f) for f in new]
+    before = b.get("cause")
+    doc.acceptance = join_ablation(b, ab["findings"])
+    if doc.acceptance.get("cause") != before:
+        cause = doc.acceptance["cause"]
+        doc.findings = [f for f in doc.findings if f.kind != CAUSE_KINDS.get(before)]
+        doc.findings.append(Finding(**finding(CAUSE_KINDS[cause], None, doc.acceptance["sentence"], stage=cause,
+                                              loss=doc.acceptance["losses"].get(cause),
+                                              source="measured: workload sweeps / engine toggles on the server")))
+    if new:
+        doc.verdict = "mismatch"
+    doc.notes += [f"workload sweeps: {s}" for s in ab["skipped"]]
+    done("workload sweeps", t, ablation_text(ab))
+
+
 def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
@@ -248,6 +287,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 not_applied: str = "--no-apply: the fix was only proposed", measured_by: Optional[str] = None,
                 port: int | str | None = None, acceptance_budget: bool = True,
                 live_measure: bool = True, training_log: Optional[str | Path] = None,
+                sweeps: str | Sequence[str] = "auto", sweep_budget: float = 120.0,
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
@@ -270,6 +310,12 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             training states, the served states and the live prompts' states, against the training log and live.
         live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
         training_log: the draft's training log (default: looked for in the draft folder).
+        sweeps: workload sweeps after the acceptance budget (:mod:`helpers.investigation.ablate`, no restart):
+            ``"auto"`` runs the context and concurrency sweeps only when the budget leaves the loss unexplained (cause
+            ``unknown``) and the run's time allows; a list (e.g. ``["context"]``) runs those; ``()`` none. A sweep that
+            shows a CI-supported fall is a finding, and makes the budget's cause ``workload`` or ``engine``
+            (:func:`helpers.draft.budget.join_ablation`).
+        sweep_budget: seconds the sweeps may take at most (also capped by what the run has left, less 60 s).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         measured_by: with ``apply_fix=False``, who measures the fix instead (a replay's later step): recorded as
             ``measured = {"measured_by": ...}`` and said once, in place of a "not measured" note.
@@ -414,6 +460,9 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 done("acceptance budget", t, f"cause {br.budget['cause']}: " + ", ".join(
                     f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"]
                     if s.get("accept_length") is not None))
+                _sweeps(doc, sweeps, sweep_budget, client=client, run_dir=run_dir, dl=dl, draft=att.draft_dir,
+                        target=att.target_dir, training_log=training_log, api_key=api_key, step=step, done=done,
+                        progress=progress, prompts=measure_prompts, max_new_tokens=max_new_tokens)
             except BadInput as exc:
                 # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a
                 # checkpoint unlike its config): the wiring diagnosis stands, the budget says why it is missing
