@@ -206,12 +206,16 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     skipped with the reason; what was measured is kept.
 
     Raises:
-        BadInput: an unknown sweep or toggle, bad numbers. ServerError: the server cannot be reached.
+        BadInput: an unknown sweep or toggle, bad numbers, a run folder that holds ablation results already (checked
+            before any request: nothing is overwritten). ServerError: the server cannot be reached.
     """
     import shlex
 
     from .acceptance import find_training_log
     run_dir = Path(run_dir)
+    if (run_dir / "results" / "ablate.json").exists():
+        raise BadInput("the run folder already holds ablation results (results/ablate.json); ablate into a new run "
+                       "folder", path=run_dir)
     for s in sweeps:
         if s not in SWEEPS:
             raise BadInput(f"unknown sweep {s!r}; expected a comma-separated subset of {','.join(SWEEPS)}",

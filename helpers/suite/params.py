@@ -16,7 +16,7 @@ from ..runfiles import load_yaml_model
 
 DEFAULT_NOTEBOOKS = ["00_replay", "00_investigate", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
                      "11_hyp_embedding_allreduce", "12_hyp_layer_offset", "20_acceptance",
-                     "99_postmortem"]
+                     "21_ablate", "99_postmortem"]
 
 
 POSTMORTEM = "99_postmortem"

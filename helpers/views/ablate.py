@@ -1,0 +1,112 @@
+"""The ablation page (``21_ablate``): the workload sweeps and engine toggles of the run folder
+(``results/ablate.json``, written by ``python -m helpers ablate``, by the investigation's sweep step, or by this page
+against a live server), as findings, one figure and table per sweep, the toggles with their paired CIs, and what was
+skipped and why."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pandas as pd
+
+from ..acceptance.sweeps import SWEEPS
+from ..investigation.ablate import ablate
+from ..plots.sweeps import sweep_figure
+from .common import RunContext, esc, findings_frame, read_json_file, table_html
+
+
+def results_path(run_dir: Path) -> Path:
+    """``<run>/results/ablate.json``."""
+    return Path(run_dir) / "results" / "ablate.json"
+
+
+def load_ablation(run_dir: Path) -> Optional[dict]:
+    """The run folder's ablation document, or None when it has none."""
+    return read_json_file(results_path(run_dir))
+
+
+def run_live(ctx: RunContext, *, sweeps: Sequence[str] = SWEEPS, toggles: Optional[Sequence[str]] = (),
+             budget_s: float = 120.0, num_prompts: int = 10, max_new_tokens: int = 32, temperature: float = 1.0
+             ) -> dict:
+    """Run :func:`helpers.investigation.ablate.ablate` against the page's live server into its run folder.
+
+    Raises:
+        helpers.errors.BadInput: the run folder is a finished run the user did not name, or holds ablation results
+            already (before any request: nothing is overwritten)."""
+    ctx.require_writable("running ablations")
+    return ablate(ctx.server_url, run_dir=ctx.run_dir, sweeps=list(sweeps), toggles=toggles, budget_s=budget_s,
+                  num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                  api_key=ctx.api_key, progress=print)
+
+
+def _ci(s: dict, key: str, digits: int = 2) -> str:
+    v, lo, hi = s.get(key), s.get(f"{key}_lo"), s.get(f"{key}_hi")
+    if v is None:
+        return "n/a"
+    return f"{v:.{digits}f}" + (f" [{lo:.{digits}f}, {hi:.{digits}f}]" if lo is not None and hi is not None else "")
+
+
+def points_frame(sweep: dict) -> pd.DataFrame:
+    """One row per point: label, accept length / rate and tok/s with CIs, the paired change against the reference
+    point, or why it was skipped."""
+    rows = []
+    for p in sweep.get("points") or []:
+        s, e = p.get("summary") or {}, p.get("effect") or {}
+        d = e.get("accept_length_delta")
+        rows.append({"point": p["label"], "accept length [95% CI]": _ci(s, "accept_length"),
+                     "accept rate": "n/a" if s.get("accept_rate") is None else f"{s['accept_rate']:.0%}",
+                     "tok/s per request": _ci(s, "tok_s", 1),
+                     "tok/s all requests": "n/a" if s.get("throughput_tok_s") is None
+                     else f"{s['throughput_tok_s']:.1f}",
+                     "paired change vs reference": "reference" if not e and not p.get("skipped") else
+                     ("" if d is None else f"{d:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
+                                           f"{e['accept_length_delta_hi']:+.2f}]"),
+                     "skipped": p.get("skipped") or ""})
+    return pd.DataFrame(rows)
+
+
+def toggles_frame(doc: dict) -> pd.DataFrame:
+    """One row per toggle: flags, status (measured / skipped / failed) with the reason, the paired change, the
+    report it comes from."""
+    rows = []
+    for r in doc.get("toggles") or []:
+        flags = " ".join(k if v is None else f"{k} {v}" for k, v in (r.get("flags") or {}).items()) or \
+            ("(no draft)" if not r.get("speculative", True) else "")
+        e = r.get("effect") or {}
+        if r["status"] == "measured" and e:
+            change = (f"{e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
+                      f"{e['accept_length_delta_hi']:+.2f}]")
+        elif r["status"] == "measured":
+            change = f"tok/s {r['before']['tok_s']:.1f} with the draft, {r['after']['tok_s']:.1f} without"
+        else:
+            change = ""
+        rows.append({"toggle": r["name"], "flags": flags, "status": r["status"], "reason": r.get("reason", ""),
+                     "accept length change [95% CI]": change, "report": r.get("report", "")})
+    return pd.DataFrame(rows)
+
+
+def ablation_parts(doc: Optional[dict]) -> list[Any]:
+    """HTML strings and plotly figures in page order; one line when the run folder has no ablation."""
+    if not doc:
+        return ["<p>No ablation in this run folder (run <code>python -m helpers ablate --url URL</code>, or this page "
+                "with <code>server_url</code> set).</p>"]
+    parts: list[Any] = [f"<p>{esc(doc.get('url', ''))}: SGLang {esc(doc.get('sglang_version'))} on "
+                        f"{esc(doc.get('device'))}, {doc.get('prompts')} prompts x {doc.get('max_new_tokens')} tokens "
+                        f"per point, {doc.get('wall_s', 0):.0f} s of a {doc.get('budget_s', 0):.0f} s budget.</p>"]
+    if doc.get("findings"):
+        parts.append(table_html(findings_frame(doc["findings"])))
+    else:
+        parts.append("<p>No sweep or toggle shows a CI-supported loss of acceptance.</p>")
+    lim = doc.get("limits") or {}
+    for name, sw in (doc.get("sweeps") or {}).items():
+        parts.append(f"<h4>{esc(name)} sweep</h4>")
+        fig = sweep_figure(name, sw, lim)
+        if fig is not None:
+            parts.append(fig)
+        parts.append(table_html(points_frame(sw)))
+    if doc.get("toggles"):
+        parts.append("<h4>Engine toggles (a restarted copy vs the unchanged server, same prompts)</h4>")
+        parts.append(table_html(toggles_frame(doc)))
+    if doc.get("skipped"):
+        parts.append("<p class=\"e3f-note\">skipped: " + esc("; ".join(doc["skipped"])) + "</p>")
+    return parts
