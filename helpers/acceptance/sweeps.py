@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..budget import Budget
-from ..errors import BadInput
+from ..errors import BadInput, ServerTimeout
 from .measure import AcceptanceResult, measure
 from .prompts import Prompt, load_prompts
 from .stats import paired_effect
@@ -88,19 +88,23 @@ def _finite(o: Any) -> Any:
 
 def with_prefix(prompts: Sequence[Prompt], filler: Sequence[Prompt], *, chars: int = 0, tokens: int = 0
                 ) -> list[Prompt]:
-    """``prompts`` each behind a prefix cut from ``filler`` (other prompts, cycled, starting after itself so a prompt
-    never repeats its own text): ``chars`` characters for a text prompt, ``tokens`` ids for a token prompt. The
-    prompt ids are kept (points of a context sweep pair on them)."""
+    """``prompts`` each behind a prefix cut from ``filler``: for a text prompt the other filler texts (never its own,
+    unless it is the only one), joined and repeated up to ``chars`` characters, then a blank line; for a token prompt
+    ``tokens`` ids from the filler's ids (cycled). The prompt ids are kept (points of a context sweep pair on them)."""
     texts = [p.text for p in filler if p.text is not None]
     ids = [t for p in filler if p.input_ids is not None for t in p.input_ids]
     out = []
     for i, p in enumerate(prompts):
         if p.text is not None:
-            if chars <= 0 or not texts:
+            others = [t for t in texts if t != p.text] or texts
+            if chars <= 0 or not others:
                 out.append(p)
                 continue
-            pool = " ".join(texts[(i + 1 + k) % len(texts)] for k in range(len(texts)))
-            pre = (pool * (chars // max(1, len(pool)) + 1))[:chars]
+            order = [others[(i + k) % len(others)] for k in range(len(others))]
+            pool = " ".join(order)
+            while len(pool) < chars:
+                pool = pool + " " + " ".join(order)
+            pre = pool[:chars]
             out.append(dataclasses.replace(p, text=pre + "\n\n" + p.text))
         else:
             if tokens <= 0:
@@ -200,13 +204,20 @@ def run_sweep(client, sweep: str, *, prompts: Sequence[Prompt], max_new_tokens: 
             est = last_cost * len(ps) * (max_new_tokens + how.get("extra_tokens", 0) / 8) / how.get("concurrency", 1)
         left = budget.remaining()
         if left is not None and (left <= 0 or (est is not None and est > left)):
-            why = f"budget: {left:.0f} s left" + (f", the point needs ~{est:.0f} s" if est is not None else "")
+            why = f"budget: {max(0.0, left):.0f} s left" + (f", the point needs ~{est:.0f} s" if est is not None else "")
             points.append(Point(sweep=sweep, value=value, label=label, skipped=why))
             progress(f"{sweep}: {label}: skipped ({why})")
             continue
         t0 = time.perf_counter()
-        res = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=how.get("concurrency", 1),
-                      temperature=how.get("temperature", 0.0), label=f"{sweep} {label}", progress=False, seed=0)
+        try:
+            res = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=how.get("concurrency", 1),
+                          temperature=how.get("temperature", 0.0), label=f"{sweep} {label}", progress=False, seed=0)
+        except ServerTimeout:
+            if not budget.spent():
+                raise
+            points.append(Point(sweep=sweep, value=value, label=label, skipped="budget: spent while it was measured"))
+            progress(f"{sweep}: {label}: cut short (the budget ran out while it was measured)")
+            continue
         p = _point(sweep, value, label, res)
         wall = time.perf_counter() - t0
         last_cost = wall / max(1, len(ps) * max_new_tokens) * how.get("concurrency", 1)

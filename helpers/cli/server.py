@@ -31,6 +31,14 @@ from .common import Parser, run
 
 
 
+def sglang_env() -> dict[str, str]:
+    """The ``SGLANG_*`` environment variables of this launch (they change SGLang's behaviour, e.g.
+    ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``), so that a restart of the server gets them too; names that look
+    like secrets (``KEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``) are never recorded."""
+    secret = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+    return {k: v for k, v in os.environ.items() if k.startswith("SGLANG_") and not any(s in k for s in secret)}
+
+
 def _python() -> str:
     """The interpreter to name in a printed command: ``.venv/bin/python`` when it is this checkout's venv (run from
     the repository root, as the README does), else this interpreter's path."""
@@ -112,7 +120,7 @@ def _body(argv: list[str]) -> int:
     states = list(dict.fromkeys([state_path(handle.port)] + ([Path(args.state_file)] if args.state_file else [])))
     launch = {"target": str(Path(handle.target).resolve()), "draft": None if draft is None else str(Path(draft).resolve()),
               "tp": args.tp, "spec": spec.model_dump(mode="json") if draft is not None else None,
-              "forward_hooks": hooks, "extra_args": extra, "dtype": args.dtype}
+              "forward_hooks": hooks, "extra_args": extra, "dtype": args.dtype, "env": sglang_env()}
     for state in states:
         register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path),
                  launch=launch)

@@ -4,7 +4,8 @@ the launch settings, so that ``investigate`` can recognise a server it may resta
 One JSON file per server, ``outputs/servers/<port>.json`` (``$E3F_SERVER_REGISTRY`` moves the folder), written
 atomically when the server is healthy and removed when the CLI stops it. An entry whose supervising process is gone
 is stale and ignored. The launch settings are the keyword arguments of :func:`helpers.server.embedded.start`
-(``target``, ``draft``, ``tp``, ``spec``, ``forward_hooks``, ``extra_args``, ``dtype``); an API key is never
+(``target``, ``draft``, ``tp``, ``spec``, ``forward_hooks``, ``extra_args``, ``dtype``, ``env``: the launch's ``SGLANG_*``
+variables, secrets left out); an API key is never
 stored (the server is restarted with the key from the environment variable the caller names).
 """
 from __future__ import annotations

@@ -17,7 +17,12 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
 * ``hugesteps``: ``/server_info`` reports ``speculative_num_steps`` 3e6; ``infolist``: ``/server_info`` is a JSON
   list; ``tpstring``: ``tp_size`` is ``"two"``; ``redirect``: every endpoint but /health answers 307 with a JSON body;
 * ``escape``: ``/generate`` answers 400 with terminal escape sequences in its body (screen clear, window title,
-  OSC 52 clipboard).
+  OSC 52 clipboard);
+* ``workload`` (issue 23): an engine whose acceptance depends on the request as public reports describe: per prompt an
+  accept length of 2.4-3.2 (from a hash of the prompt's last 40 characters, so a longer prefix keeps it), 1.0 less
+  when prompt + generated tokens pass :data:`WORKLOAD_LIMIT` (a text prompt counts one token per 4 characters),
+  0.8 x temperature less at temperature > 0, and the same at every concurrency; ``/server_info`` says CPU and a
+  ``context_length`` of 1024.
 
 Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``); other
 flags (``--speculative-draft-model-path D`` from a relaunch) are ignored.
@@ -30,11 +35,14 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 H = 16
+#: mode ``workload``: acceptance falls past this many tokens of context
+WORKLOAD_LIMIT = 150
 STATE = {"generate": 0}
 #: the API keys of mode ``keyed`` unless --api-key / --admin-api-key say otherwise
 KEY = "sk-fake-7d1e0c9a4b"
@@ -66,6 +74,9 @@ def server_info(mode: str) -> dict:
         info["speculative_num_steps"] = 3e6
     if mode == "tpstring":
         info["tp_size"] = "two"
+    if mode == "workload":
+        info.update(device="cpu", context_length=1024, disable_radix_cache=False, disable_overlap_schedule=True,
+                    chunked_prefill_size=4096, attention_backend="intel_amx", sampling_backend="pytorch")
     return info
 
 
@@ -81,6 +92,16 @@ def generate_answer(body: dict, mode: str) -> dict:
             "finish_reason": {"type": "length"}, "spec_verify_ct": max(1, n_new // 2),
             "spec_num_correct_drafts": n_new // 2, "spec_num_proposed_drafts": 3 * max(1, n_new // 2),
             "spec_correct_drafts_histogram": [0, max(1, n_new // 2), 0, 0]}
+    if mode == "workload":
+        text = body.get("text")
+        n_prompt = len(body["input_ids"]) if body.get("input_ids") else max(1, len(text or "") // 4)
+        key = (text or "")[-40:] if text else str(ids[-8:])
+        al = 2.4 + (zlib.crc32(key.encode()) % 9) / 10
+        al -= 1.0 if n_prompt + n_new > WORKLOAD_LIMIT else 0.0
+        al -= 0.8 * float((body.get("sampling_params") or {}).get("temperature") or 0.0)
+        verify = max(1, min(n_new, round(n_new / max(1.0, al))))
+        meta.update(prompt_tokens=n_prompt, spec_verify_ct=verify, spec_num_correct_drafts=n_new - verify,
+                    spec_num_proposed_drafts=3 * verify, spec_correct_drafts_histogram=None)
     if mode == "impossible" and STATE["generate"] % 2 == 0:
         meta.update(IMPOSSIBLE[(STATE["generate"] // 2 - 1) % len(IMPOSSIBLE)])
     if body.get("return_hidden_states"):
