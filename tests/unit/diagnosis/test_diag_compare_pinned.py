@@ -1,8 +1,11 @@
 """Pinned evidence values of the comparison (issue 22: the faster pair update must not change what the diagnosis
 reports). Every value below was computed by the comparison as it was before issue 22 (commit 5ba5cdb) on the data
-built here; the test checks the current code gives the same: exact counts and histogram quantiles (the robust
-per-row statistics decide the verdict), floats to a relative 1e-5 (float32 sums in another order may move the last
-digits; the evidence is printed to 6 significant digits)."""
+built here; the test checks the current code gives the same: exact counts, histogram quantiles to their bin (the
+robust per-row statistics decide the verdict), floats to a relative 1e-4. The tolerances are those of float32 on
+another CPU: the same code gave a mean log norm ratio 2.4e-5 (relative) apart, and rel_diff 1.3e-7 instead of 0
+for rows that are exact copies (a Gram-sum cancellation at float32's precision), on two x86 machines whose BLAS
+kernels sum in another order; so a quantile at or below 1e-6 (the "equal" bins) only has to stay there, a larger one
+may move to the adjacent bin (edges 1.26x apart), never further."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +19,11 @@ from helpers.diagnosis.diagnose import diagnose
 from helpers.formats.dumps import Sample, SampleSource
 from support.realistic import World, outs, specforge_default
 
-REL = 1e-5
+REL = 1e-4
+#: histogram edges are 10 per decade: adjacent bins differ by this factor
+BIN = 10 ** 0.1
+#: quantiles at or below this are "equal" (float32 precision of a rel_diff / 1 - cosine)
+EQUAL = 1e-6
 
 
 def _sample(key, ids, rows, **kw):
@@ -55,16 +62,26 @@ def _pair_values(m) -> dict:
 
 
 def _check(got, want, path=""):
-    """Exact for ints, bools, strings and the histogram quantiles (upper bin edges); floats to REL."""
+    """Exact for ints, bools and strings; histogram quantiles (upper bin edges) to their bin (module docstring);
+    floats to REL."""
     if isinstance(want, dict):
         assert set(got) == set(want), path
         for k in want:
             _check(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, list) and want and isinstance(want[0], (dict, float)):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            _check(g, w, f"{path}/{i}")
     elif isinstance(want, float) and not isinstance(got, bool):
         quantile = any(q in path for q in ("row_rel_diff/", "row_one_minus_cos/", "row_abs_log_norm_ratio/"))
         # a global rel_diff / cosine of a near pair comes from float32 Gram sums: ~1e-6 absolute is their precision
         near_one = path.endswith(("/rel_diff", "/cosine"))
-        assert got == (want if quantile else pytest.approx(want, rel=REL, abs=1e-6 if near_one else 1e-12)), path
+        if quantile and want <= EQUAL:
+            assert got <= EQUAL, (path, got, want)
+        elif quantile:
+            assert want / BIN * 0.999 <= got <= want * BIN * 1.001, (path, got, want)
+        else:
+            assert got == pytest.approx(want, rel=REL, abs=1e-6 if near_one else 1e-12), path
     else:
         assert got == want, path
 
