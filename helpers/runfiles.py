@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
 from .paths import outputs_dir, shared_mode
-from .server.redaction import scrub
+from .redaction import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np

@@ -33,7 +33,7 @@ from ..runfiles import (  # noqa: F401
     read_parquet,
     safe_name,
 )
-from ..server.redaction import redact
+from ..redaction import redact
 
 
 class LedgerError(RuntimeError):

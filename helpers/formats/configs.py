@@ -12,7 +12,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from ..diagnosis.conventions import target_family
+from ..layers.sglang import target_family
 from ..errors import BadInput
 from ..runfiles import read_json_file
 
@@ -297,7 +297,7 @@ class TargetConfig:
     Attributes:
         hidden_size: H, the width of one aux chunk.
         num_hidden_layers: n.
-        family: SGLang capture family (:func:`helpers.diagnosis.conventions.target_family`).
+        family: SGLang capture family (:func:`helpers.layers.sglang.target_family`).
         torch_dtype: the checkpoint dtype string (``"bfloat16"``...), None if absent.
     """
 

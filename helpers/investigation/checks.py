@@ -26,7 +26,6 @@ import pandas as pd
 import torch
 
 from ..capture import capture_reference_hf, capture_served, per_rank_dumps
-from ..diagnosis.conventions import layer_index
 from ..diagnosis.detectors import detect_vocab_map_missing
 from ..diagnosis.diagnose import diagnose
 from ..diagnosis.static import static_check
@@ -34,6 +33,7 @@ from ..formats.configs import read_draft_config, read_draft_weights
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..hooks import ARM_FILE
+from ..layers.ids import layer_index
 from ..plots.checks import bar_figure, chunk_layer_figure
 from ..runfiles import jsonable, read_json_file, safe_name
 from ..server.client import as_client

@@ -24,8 +24,9 @@ from typing import Any, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..diagnosis.conventions import CapturePlan, describe, layer_index, served_plan
+from ..diagnosis.conventions import CapturePlan, describe, served_plan
 from ..diagnosis.detectors import LAYOUT_KINDS
+from ..layers.ids import layer_index
 from ..records import ProposedFix
 from ..runfiles import atomic_write_text, read_json_file, write_safetensors
 

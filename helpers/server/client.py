@@ -61,7 +61,7 @@ from ..errors import (
 )
 from ..runfiles import JSONTooDeep, loads_json
 from .protocol import GenerateResult, ServerInfo
-from .redaction import redact, redact_url, remember, scrub
+from ..redaction import redact, redact_url, remember, scrub
 from .settings import (
     EffectiveSpecConfig,
     detect_overrides,

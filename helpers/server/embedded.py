@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..budget import Budget
-from ..diagnosis.sglang_rules import eagle3_draft_classes
+from ..layers.sglang import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
 

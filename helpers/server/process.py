@@ -22,7 +22,7 @@ import psutil
 
 from ..budget import Budget, interrupted
 from ..errors import ServerStartError
-from .redaction import argv_secrets, redact_argv, remember, scrub_bytes
+from ..redaction import argv_secrets, redact_argv, remember, scrub_bytes
 
 
 def tail(path: Path, lines: int = 40) -> str:

@@ -13,7 +13,7 @@ from ..acceptance.measure import server_snapshot
 from ..diagnosis.static import plans_frame_rows, static_check
 from ..formats.training_data import TrainingData
 from ..runfiles import loads_json, safe_name
-from ..server.redaction import redact_url
+from ..redaction import redact_url
 from .common import (
     RunContext,
     as_path,
