@@ -167,7 +167,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any], metad
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """UTF-8 text version of :func:`atomic_write_bytes`; every secret the process has met (the API key, a launch
-    command's ``--api-key`` values, values of a server answer's secret fields: :func:`helpers.server.redaction.scrub`)
+    command's ``--api-key`` values, values of a server answer's secret fields: :func:`helpers.redaction.scrub`)
     is replaced by ``<redacted>`` first, whatever path the text took."""
     return atomic_write_bytes(path, scrub(text).encode("utf-8"))
 

@@ -120,7 +120,7 @@ def live_attach(ctx: RunContext) -> dict:
 
 
 def redact_url_safe(url: str) -> str:
-    """``url`` without credentials or query (helpers.server.redaction.redact_url)."""
+    """``url`` without credentials or query (helpers.redaction.redact_url)."""
 
     return redact_url(url)
 
