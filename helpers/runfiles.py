@@ -306,15 +306,6 @@ def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput
         raise error(f"{what} {e} (expected {expected})", path=p) from None
 
 
-def read_json(path: str | os.PathLike, default: Any = None) -> Any:
-    """JSON content of ``path``, or ``default`` when the file does not exist (:func:`loads_json`: JSONTooDeep past
-    :data:`MAX_JSON_DEPTH`)."""
-    try:
-        return loads_json(Path(path).read_text())
-    except FileNotFoundError:
-        return default
-
-
 def parquet_bytes(df: pd.DataFrame) -> bytes:
     """``df`` (index dropped) as Parquet file bytes, written without Arrow's thread pools.
 

@@ -21,7 +21,7 @@ from .common import (
     esc,
     findings_frame,
     note,
-    read_json_file,
+    read_json_or_none,
     show,
 )
 from .replay import as_replay
@@ -90,7 +90,7 @@ def attach_records(ctx: RunContext) -> list[dict]:
         if s.baseline:
             continue
         name = s.name or ""
-        doc = read_json_file(ctx.run_dir / "acceptance" / safe_name(name) / "summary.json") or {}
+        doc = read_json_or_none(ctx.run_dir / "acceptance" / safe_name(name) / "summary.json") or {}
         variant = ctx.run_dir / "drafts" / safe_name(name)
         draft = variant if (variant / "config.json").exists() else ctx.draft_dir
         out.append({"fix": name, "server": doc.get("server") or {}, "spec": doc.get("spec"),
