@@ -404,7 +404,7 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
         else:
             lids = LayerIds(tuple(int(i) for i in ids), "vllm")
             plan.rules.append("ids used verbatim as in(i) (no +1) -- vLLM gpu_model_runner "
-                              "_get_eagle3_aux_layers_from_config (training-formats.md §2.4)")
+                              "_get_eagle3_aux_layers_from_config")
         plan.config_ids = lids if ids is not None else None
         plan.engine_ids = lids
         tensors = []
@@ -436,8 +436,8 @@ def training_plan(draft: Any, target: Any, trainer: str = "specforge",
     Rules mirrored:
       * SpecForge: run override, else draft ``eagle_config.eagle_aux_hidden_state_layer_ids``, else
         ``[1, n//2-1, n-4]``; id i = out(i); captured through SGLang, so ascending order
-        (``specforge/algorithms/model_providers.py::resolve_eagle_capture_layers``; older HF backend used list
-        order: training-formats.md §2.1);
+        (``specforge/algorithms/model_providers.py::resolve_eagle_capture_layers``; the older HF backend used
+        list order);
       * speculators: top-level ``eagle_aux_hidden_state_layer_ids`` (or nested), else ``[2, n//2, n-3]``;
         in(i); the final slot is dropped by training (``src/speculators/train/data.py``: ``hs[:, :-1]``);
       * original EAGLE-3: in(2), in(n//2), in(n-3);
@@ -477,7 +477,7 @@ def training_plan(draft: Any, target: Any, trainer: str = "specforge",
                               "specforge/algorithms/model_providers.py::resolve_eagle_capture_layers")
             plan.notes.append("the draft config carries no layer ids, so the ids training used are not recorded: "
                               "a SpecForge run override (model.aux_hidden_state_layer_ids) is not persisted into "
-                              "the exported config.json (training-formats.md §4.1)")
+                              "the exported config.json")
         plan.config_ids = lids
     elif trainer == "speculators":
         ids = getattr(draft, "top_level_layer_ids", None)

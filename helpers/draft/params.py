@@ -212,8 +212,8 @@ def shape_error(arch: SGLangDraftParams, d: DraftConfig, key: str, info: TensorI
     """The load-time error SGLang raises for checkpoint tensor ``key`` (``info``: its file and shape) whose shape
     differs from the ``expected`` shape of ``param`` (``shard``: the q/k/v or gate/up slice, else None), as one
     :class:`helpers.errors.BadInput` naming the file and key and, for fc / lm_head / decoder-layer tensors, the config
-    fields that size it (the shape assert of ``sglang/srt/model_loader/weight_utils.py::default_weight_loader`` and the layers'
-    ``weight_loader``)."""
+    fields that size it (the shape assert of ``sglang/srt/model_loader/weight_utils.py::default_weight_loader`` and
+    the layers' ``weight_loader``)."""
     why = ""
     if param == "model.fc.weight":
         naux_from = ("num_aux_hidden_states" if d.raw.get("num_aux_hidden_states") is not None

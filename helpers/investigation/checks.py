@@ -2,11 +2,11 @@
 evidence table and a figure, computed from dumps and measurements of a live server instead of from
 reading engine code.
 
-The checks mirror the hunt told in shared/seeds/ (Kimi-K2.5, TP 8, EAGLE-3): msg 4495 "does
-VocabParallelEmbedding all-reduce?", msg 4513 "concat order and TP width", msg 4525 "are the
-captured states full 7168 or 896-wide shards?", the final discovery that the embedding had been
-put in place of a layer, the num-steps override, and the later finding that verify time bounds
-tok/s once acceptance is fixed.
+The checks mirror the questions of a public report of a hunt (Kimi-K2.5, TP 8, EAGLE-3) where the
+config fed the embedding to the draft: "does VocabParallelEmbedding all-reduce?", "concat order and
+TP width", "are the captured states full 7168 or 896-wide shards?", the final discovery that the
+embedding had been put in place of a layer, the num-steps override, and the later finding that
+verify time bounds tok/s once acceptance is fixed.
 
 Every check takes an :class:`Investigation` (the server under test plus its training data and
 configs; it captures what a check needs, once, and caches it) and keyword parameters. A check's
@@ -290,8 +290,8 @@ def _chunk_frame(inv: Investigation) -> pd.DataFrame:
 # Checks
 # --------------------------------------------------------------------------------------------
 def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
-    """Are the aux hidden states TP-sharded (H/tp wide) or per-rank different, instead of full
-    and identical on every rank? (seeds msg 4513 / 4525)"""
+    """Are the aux hidden states TP-sharded (H/tp wide) or per-rank different, instead of full and identical on every
+    rank (captured between layers by ``sglang/srt/models/llama.py::LlamaModel.forward``)?"""
     H = inv.hidden_size
     info = inv.server_info()
     tp = int(info.get("tp_size") or 1)
@@ -359,8 +359,8 @@ def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
 
 
 def check_embedding_all_reduce(inv: Investigation, **_: Any) -> HypothesisResult:
-    """Is the embedding the draft may receive a per-rank partial (VocabParallelEmbedding not
-    all-reduced) rather than the full embedding? (seeds msg 4495)"""
+    """Is the embedding the draft may receive a per-rank partial rather than the full embedding (not all-reduced as in
+    ``sglang/srt/layers/vocab_parallel_embedding.py::VocabParallelEmbedding.forward``)?"""
     H = inv.hidden_size
     tp = int(inv.server_info().get("tp_size") or 1)
     vocab = int(inv.target_config["vocab_size"])

@@ -1,7 +1,8 @@
 """HTTP client for a running SGLang server: probe, effective speculative config, silent overrides.
 
-Mirrors SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``) and keeps working against older
-servers (``shared/reference/sglang-facts.md`` §8):
+Mirrors SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``: ``server_info``, ``get_server_info``, ...) and
+keeps working against older servers (each fallback names the sgl-project/sglang pull request that changed the
+endpoint, https://github.com/sgl-project/sglang/pull/<number>):
 
 =====================  ==========================================================================
 ``GET /health``        200 once a 1-token health generation came back (``health_generate``); 503

@@ -2,7 +2,7 @@
 
 The server runs in the dedicated venv made by ``env/reference/install.sh`` with the pure-torch
 ``sgl_kernel`` stand-in (``env/reference/standin``). :func:`start` sets what SGLang needs on a CPU
-(see ``env/reference/README.md`` and ``shared/reference/sglang-cpu.md``):
+(see ``env/reference/README.md``):
 
 * ``SGLANG_USE_CPU_ENGINE=1`` (``sglang/srt/utils/common.py::is_cpu``),
 * ``E3F_STANDIN_AMX=1`` so SGLang selects its ``intel_amx`` backend, the only CPU attention

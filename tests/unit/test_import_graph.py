@@ -70,7 +70,8 @@ LAYERS = (
 
 
 def _part(mod: str) -> str:
-    """``helpers.diagnosis.static`` -> ``diagnosis``; ``helpers.runfiles`` -> ``runfiles``; ``helpers`` -> ``__init__``."""
+    """``helpers.diagnosis.static`` -> ``diagnosis``; ``helpers.runfiles`` -> ``runfiles``; ``helpers`` ->
+    ``__init__``."""
     parts = mod.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -100,7 +101,8 @@ def _upward_imports(tier: dict[str, int]) -> list[str]:
         if part not in tier or dep not in tier:
             bad.append(f"{mod}:{line}: part {part if part not in tier else dep} has no tier in LAYERS (DESIGN.md)")
         elif tier[dep] >= tier[part]:
-            bad.append(f"{mod}:{line}: {part} (tier {tier[part]}) imports {dep} (tier {tier[dep]}), which is not below it")
+            bad.append(f"{mod}:{line}: {part} (tier {tier[part]}) imports {dep} (tier {tier[dep]}), which is not "
+                       "below it")
     return sorted(set(bad))
 
 
@@ -172,7 +174,8 @@ def test_function_level_imports_say_why_they_are_lazy():
 
 @pytest.mark.parametrize("module", ["helpers.investigation.cases", "helpers.acceptance.measure",
                                     "helpers.server.client", "helpers.suite.params", "helpers.cli.measure",
-                                    "helpers.diagnosis.sglang_rules", "helpers.layers.sglang", "helpers.formats.configs"])
+                                    "helpers.diagnosis.sglang_rules", "helpers.layers.sglang",
+                                    "helpers.formats.configs"])
 def test_light_entry_points_do_not_import_torch(module):
     """A case file validates, a measurement runs and a config is read without loading torch (seconds of
     start-up on every command)."""

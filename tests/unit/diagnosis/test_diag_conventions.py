@@ -1,6 +1,6 @@
-"""Layer-id conventions (helpers.layers.ids) and capture plans (helpers.diagnosis.conventions), checked against the rules read in SGLang
-0.5.14 / 0.5.23 source; where the reference environment's SGLang is installed, the quoted rules are also
-checked against its source text."""
+"""Layer-id conventions (helpers.layers.ids) and capture plans (helpers.diagnosis.conventions), checked against the
+rules read in SGLang 0.5.14 / 0.5.23 source; where the reference environment's SGLang is installed, the quoted rules
+are also checked against its source text."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,7 +32,7 @@ def test_physical_names_per_convention():
         physical(32, "specforge", n)          # out(32) does not exist
     with pytest.raises(ValueError):
         physical(-1, "sglang_capture", n)
-    # all four defaults name the same physical tensors (training-formats.md §0)
+    # all four defaults name the same physical tensors
     assert specforge_default_ids(n).tensors(n) == vllm_default_ids(n).tensors(n) == ["out(1)", "out(15)", "out(28)"]
 
 

@@ -25,7 +25,8 @@ from support.tinymodels import build_eagle3_draft
 # ------------------------------------------------------------------------------------------------ configs
 
 def test_read_config_json_names_the_file(tmp_path, tiny_target):
-    assert read_config_json(tiny_target)["hidden_size"] == json.loads((tiny_target / "config.json").read_text())["hidden_size"]
+    raw = json.loads((tiny_target / "config.json").read_text())
+    assert read_config_json(tiny_target)["hidden_size"] == raw["hidden_size"]
     with pytest.raises(BadInput, match=r"draft config not found .*config\.json"):
         read_config_json(tmp_path, "draft config")
     (tmp_path / "config.json").write_text("[1, 2]")
