@@ -1,17 +1,18 @@
 """Command line: ``python -m helpers <command> ...``.
 
-Commands (each implemented by ``cli_main(argv) -> int`` in its module, imported lazily so that
-``diagnose`` stays fast and works without a server environment):
+Each command is ``cli_main(argv) -> int`` in its module of :mod:`helpers.cli` (argument parsing and exit codes;
+the work is the library's), imported only when that command runs, so ``diagnose`` stays fast and needs no server
+environment:
 
-  diagnose   offline wiring diagnosis: served aux hidden states vs training data  (helpers.diagnosis.diagnose)
-  investigate  name the fault of a live server, propose and measure the fix       (helpers.cli.investigate)
-  server     start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
-  capture    dump the aux hidden states a live server feeds the draft            (helpers.capture)
-  simulate   the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
-  measure    accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
-  ablate     workload sweeps and engine toggles, each with a paired CI            (helpers.cli.ablate)
-  replay     replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
-  suite      run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
+  investigate  name the fault of a live server, propose and measure the fix        (helpers.cli.investigate)
+  diagnose     offline wiring diagnosis: served aux hidden states vs training data  (helpers.cli.diagnose)
+  server       start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
+  capture      dump the aux hidden states a live server feeds the draft            (helpers.cli.capture)
+  simulate     the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
+  measure      accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
+  ablate       workload sweeps and engine toggles, each with a paired CI            (helpers.cli.ablate)
+  replay       replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
+  suite        run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .diagnosis.conventions import layer_index
+from .layers.ids import layer_index
 from .errors import BadInput, SGLangError, one_line
 from .acceptance.prompts import Prompt
 from .acceptance.requests import record as request_record
@@ -51,7 +51,7 @@ from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
 from .runfiles import loads_json
 from .server.client import as_client
 from .server.embedded import start
-from .server.redaction import redact
+from .redaction import redact
 
 UNREACHABLE_NOTE = ("SGLang's aux capture cannot reach the embedding (id -1) nor out(n-1) (capture "
                     "index n is past the layer loop): sglang/srt/models/llama.py")

@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from .diagnosis.conventions import layer_index
+from .layers.ids import layer_index
 from .faults import FAULT_KINDS, Fault  # noqa: F401  (helpers.hooks.Fault is the public path)
 from .paths import shared_mode
 

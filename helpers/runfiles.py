@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import BadInput
 from .paths import outputs_dir, shared_mode
-from .server.redaction import scrub
+from .redaction import scrub
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -167,7 +167,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any], metad
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """UTF-8 text version of :func:`atomic_write_bytes`; every secret the process has met (the API key, a launch
-    command's ``--api-key`` values, values of a server answer's secret fields: :func:`helpers.server.redaction.scrub`)
+    command's ``--api-key`` values, values of a server answer's secret fields: :func:`helpers.redaction.scrub`)
     is replaced by ``<redacted>`` first, whatever path the text took."""
     return atomic_write_bytes(path, scrub(text).encode("utf-8"))
 
@@ -304,15 +304,6 @@ def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput
                     path=p) from None
     except JSONTooDeep as e:
         raise error(f"{what} {e} (expected {expected})", path=p) from None
-
-
-def read_json(path: str | os.PathLike, default: Any = None) -> Any:
-    """JSON content of ``path``, or ``default`` when the file does not exist (:func:`loads_json`: JSONTooDeep past
-    :data:`MAX_JSON_DEPTH`)."""
-    try:
-        return loads_json(Path(path).read_text())
-    except FileNotFoundError:
-        return default
 
 
 def parquet_bytes(df: pd.DataFrame) -> bytes:

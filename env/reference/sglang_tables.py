@@ -1,6 +1,6 @@
 """Derive the EAGLE-3 capture table of an installed SGLang from its source (no import of SGLang needed).
 
-    python env/reference/sglang_tables.py [--sglang DIR] [--out helpers/diagnosis/data/sglang-<version>-eagle3.json]
+    python env/reference/sglang_tables.py [--sglang DIR] [--out helpers/layers/data/sglang-<version>-eagle3.json]
 
 For every model class SGLang registers (``EntryClass`` of ``sglang/srt/models/*.py``, the registry
 ``sglang/srt/models/registry.py`` imports) it records which ``set_eagle3_layers_to_capture`` the class has

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Optional
 
-from ..diagnosis.conventions import parse_version
+from ..layers.sglang import parse_version
 
 #: the SGLang version whose flags this table was checked against
 CHECKED_VERSION = "0.5.23"

@@ -55,7 +55,7 @@ from ..runfiles import (  # noqa: F401
 from ..server import embedded
 from ..server.client import SGLangClient
 from ..server.process import ServerProcess
-from ..server.redaction import redact
+from ..redaction import redact
 from ..server.settings import SpecSettings
 from .ledger import Ledger
 from .measure import measure, measure_baseline

@@ -33,7 +33,7 @@ from ..runfiles import (  # noqa: F401
     read_parquet,
     safe_name,
 )
-from ..server.redaction import redact
+from ..redaction import redact
 
 
 class LedgerError(RuntimeError):
@@ -90,7 +90,7 @@ class Ledger:
 
         Values that are lists/dicts are stored as JSON strings; secrets are never expected here
         (rows come from :meth:`helpers.acceptance.measure.AcceptanceResult.ledger_row`), but string
-        cells are passed through :func:`helpers.server.redaction.redact` anyway.
+        cells are passed through :func:`helpers.redaction.redact` anyway.
         """
         if isinstance(rows, pd.DataFrame):
             recs = rows.to_dict(orient="records")

@@ -21,7 +21,7 @@ from ..errors import BadInput, SGLangError
 from ..paths import shared_mode
 from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes, safe_name
 from ..server.client import SGLangClient, as_client
-from ..server.redaction import redact, redact_url
+from ..redaction import redact, redact_url
 from ..server.settings import EffectiveSpecConfig
 from .ledger import Ledger
 from .prompts import Prompt, load_prompts, prompts_digest

@@ -9,7 +9,8 @@ the server's whole lifetime (warm-up and earlier traffic included), and ``/flush
 ``/set_internal_state`` reset it (``sglang/srt/managers/scheduler_components/metrics_reporter.py``).
 The spec fields exist only on the final chunk: this module never streams.
 
-Definitions (``shared/reference/anchors.md`` §C, ``training-formats.md`` §5):
+Definitions (SGLang's counters as ``TokenizerManager._calculate_spec_decoding_metrics`` sets them; the other
+conventions named per item):
 
 * **accept length** = Σ completion_tokens / Σ spec_verify_ct over requests (ratio of sums, as
   SpecForge ``benchmarks/benchmarker/utils.py::compute_metrics``): tokens emitted per verify
@@ -71,7 +72,9 @@ def accepted_drafts(hist: Sequence[int]) -> int:
 
 def position_rates(hist: Sequence[int] | np.ndarray, positions: Optional[int] = None
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-position acceptance from a correct-drafts histogram (anchors.md §C6).
+    """Per-position acceptance from a correct-drafts histogram (``spec_correct_drafts_histogram`` of
+    ``sglang/srt/managers/tokenizer_manager.py::TokenizerManager._calculate_spec_decoding_metrics``): the marginal and
+    conditional rates of the module docstring.
 
     Args:
         hist: ``[..., L]`` counts, ``hist[..., n]`` = verify steps that accepted exactly n drafts

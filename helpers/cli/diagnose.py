@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Optional, Sequence
 
-from ..diagnosis.conventions import parse_version
+from ..layers.sglang import parse_version
 from ..diagnosis.diagnose import check_configs, diagnose
 from ..errors import BadInput
 from .common import Parser, run

@@ -16,11 +16,10 @@ from ..draft.budget import BudgetInputs, acceptance_budget, draft_cost, dump_seq
 from ..draft.checks import draft_checks
 from ..draft.model import DraftArch, Eagle3Draft, target_lm_head
 from ..draft.simulate import DraftSettings
-from ..draft.training_log import predicted_accept_length, read_training_log
+from ..draft.training_log import find_training_log, predicted_accept_length, read_training_log
 from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.training_data import TrainingData
-from ..investigation.acceptance import find_training_log
 from .common import Parser, progress_line, run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

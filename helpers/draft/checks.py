@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -49,9 +48,19 @@ from ..formats.configs import (
 )
 from ..formats.dumps import safe_torch_load
 from ..formats.training_data import TrainingData
+from .params import (
+    INIT_EMPTY,
+    K25,
+    L3,
+    LLAMA_CLASS,
+    MLA_CLASS,
+    SGLANG_RULES,
+    SGLangDraftParams,
+    resolve_name,
+    sglang_parameters,
+    shape_error,
+)
 
-#: the SGLang release whose source these rules were read from
-SGLANG_RULES = "0.5.23"
 #: a finding when more than this share of the user's target tokens lies outside the draft vocab
 OUTSIDE_SHARE_LIMIT = 0.10
 #: the order findings are reported in (the draft's own faults first, then its position encoding)
@@ -60,22 +69,8 @@ KIND_ORDER = ("unsupported_draft", "lm_head_missing", "lm_head_replaced", "vocab
               "draft_flag_ignored", "fc_bypassed", "width_mismatch", "rope_mismatch", "max_position_short",
               "sliding_window_ignored")
 
-_L3 = "sglang/srt/models/llama_eagle3.py"
-_K25 = "sglang/srt/models/kimi_k25_eagle3.py"
 _W2 = "sglang/srt/speculative/eagle_worker_v2.py"
 _LLAMA = "sglang/srt/models/llama.py"
-LLAMA_CLASS, MLA_CLASS = "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"
-
-# llama_eagle3.py::LlamaForCausalLMEagle3.load_weights (l. 328-343)
-_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
-_LEGACY = (("midlayer", "layers.0"), ("aux_norm_low", "fc_norm.0"), ("aux_norm_mid", "fc_norm.1"),
-           ("aux_norm_high", "fc_norm.2"))
-
-#: initial value of a parameter no tensor fills, per SGLang module
-_INIT_RMSNORM = "ones (layers/layernorm.py::RMSNorm: torch.ones): the trained scale is lost"
-_INIT_LINEAR = "torch.nn.Linear's random initialisation"
-_INIT_EMPTY = "uninitialised memory (torch.empty in the layer's create_weights)"
 
 
 # ------------------------------------------------------------------------------------------------ readers
@@ -148,205 +143,6 @@ def _sliding_window(cfg: dict) -> Optional[int]:
     return int(w) if isinstance(w, (int, float)) else None
 
 
-# --------------------------------------------------------------------------------------- the parameters
-
-@dataclass
-class SGLangDraftParams:
-    """The parameters SGLang builds for a draft config: ``{(param, shard): (shape, init)}`` and how it resolves
-    checkpoint names."""
-
-    cls: str
-    params: dict
-    defaulted: dict          # config fields left out, with the LlamaConfig default SGLang then uses
-    num_aux: int
-    hidden_size_in: int
-    fc_norm: bool
-    norm_before_fc: bool
-    norm_output: bool
-    tie: bool
-    draft_vocab: int         # the lm_head's rows (draft_vocab_size, or vocab_size when it is absent)
-    vocab: int
-    lm_from_target: bool     # load_lm_head_from_target
-    midlayer_checked: bool   # the decoder layer's tensors are part of params (False for the MLA draft)
-    source: str
-    heads: int = 0
-    kv_heads: int = 0
-    head_dim: int = 0
-    intermediate: int = 0
-    layers: int = 1
-    attn_bias: bool = False
-    #: parameters SGLang builds but its forward never reads (``layers.{i>0}.input_layernorm``: llama_eagle3.py
-    #: ``LlamaDecoderLayer.forward`` l. 103-105 norms layers > 0 with ``hidden_norm`` only): absent, nothing changes
-    unused: frozenset = frozenset()
-
-
-#: transformers 5's LlamaConfig defaults, which the draft gets for a field its config.json leaves out (SGLang loads
-#: the draft config through AutoConfig; ``LlamaConfig()``): a draft config without ``num_hidden_layers`` gets 32 layers
-LLAMA_DEFAULTS = {"vocab_size": 32000, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32}
-
-
-def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:
-    v = raw.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=key)
-    return v
-
-
-def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
-    """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config."""
-    raw, path = d.raw, d.path
-    cls = d.architectures[0] if d.architectures else LLAMA_CLASS
-    ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    H = d.hidden_size
-    defaulted = {k: v for k, v in LLAMA_DEFAULTS.items() if raw.get(k) is None}
-
-    def field(key: str) -> int:
-        return _int(raw, key, path, LLAMA_DEFAULTS[key])
-
-    V = field("vocab_size")
-    dv = _int(raw, "draft_vocab_size", path)
-    tie = bool(raw.get("tie_word_embeddings", False))     # LlamaConfig default False
-    ids = ec.get("eagle_aux_hidden_state_layer_ids")
-    if cls == MLA_CLASS:
-        # kimi_k25_eagle3.py::_get_eagle_aux_layer_count (l. 48-59): eagle_config ids, top-level ids, else 3
-        top = raw.get("eagle_aux_hidden_state_layer_ids")
-        naux = len(ids) if ids is not None else len(top) if top is not None else 3
-        hin = raw.get("target_hidden_size") or H                          # l. 208-210
-        source = f"{_K25}::Eagle3MLAModel.__init__ (l. 191-255)"
-        if raw.get("num_hidden_layers", 1) != 1:
-            raise BadInput(f"num_hidden_layers is {raw.get('num_hidden_layers')}: SGLang's {MLA_CLASS} raises "
-                           f"'EAGLE3 currently only supports 1 layer' ({_K25} l. 243-244); expected 1", path=path,
-                           field="num_hidden_layers")
-        norm_before_fc = False                                            # Eagle3MLAModel has no input_norm
-    else:
-        # llama_eagle3.py::LlamaModel.__init__ l. 151-161: hasattr(config, "target_hidden_size") -- a null counts
-        if "target_hidden_size" in raw and raw["target_hidden_size"] is None:
-            raise BadInput("target_hidden_size is null: SGLang takes it as set (hasattr) and cannot build fc "
-                           f"({_L3} l. 151-154); expected an integer or no key", path=path, field="target_hidden_size")
-        hin = _int(raw, "target_hidden_size", path, H)
-        naux = raw.get("num_aux_hidden_states")
-        if naux is None:
-            naux = len(ids) if ids else 3
-        elif isinstance(naux, bool) or not isinstance(naux, int) or naux <= 0:
-            raise BadInput(f"expected a positive integer, got {naux!r}", path=path, field="num_aux_hidden_states")
-        norm_before_fc = bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False)))   # l. 173-175
-        source = f"{_L3}::LlamaModel.__init__ (l. 122-207), LlamaDecoderLayer.__init__ (l. 46-86)"
-    fc_norm = bool(raw.get("fc_norm") or raw.get("use_aux_norm", False))                    # l. 185-187
-    norm_output = bool(raw.get("norm_output", False))                                       # l. 207
-    lm_from_target = not tie and dv is None                                                  # l. 302-308
-    draft_vocab = V if dv is None else dv
-
-    params: dict = {}
-    params[("model.embed_tokens.weight", None)] = ((V, H), _INIT_EMPTY)
-    params[("model.fc.weight", None)] = ((H, hin * naux), _INIT_LINEAR if cls != MLA_CLASS else _INIT_EMPTY)
-    if raw.get("bias"):
-        params[("model.fc.bias", None)] = ((H,), _INIT_LINEAR)
-    if norm_before_fc:
-        params[("model.input_norm.weight", None)] = ((hin * naux,), _INIT_RMSNORM)
-    if fc_norm:
-        for i in range(naux):
-            params[(f"model.fc_norm.{i}.weight", None)] = ((hin,), _INIT_RMSNORM)
-    params[("model.norm.weight", None)] = ((H,), _INIT_RMSNORM)
-    if not tie:
-        params[("lm_head.weight", None)] = ((draft_vocab, H), _INIT_EMPTY)
-    midlayer_checked = cls != MLA_CLASS
-    nh = nkv = hd = inter = 0
-    nlayers, attn_bias = 1, False
-    if midlayer_checked:
-        nh = field("num_attention_heads")
-        nkv = _int(raw, "num_key_value_heads", path, nh)
-        hd = _int(raw, "head_dim", path, H // nh)
-        if raw.get("model_type") == "llama4_text":
-            inter = _int(raw, "intermediate_size_mlp", path)
-            if inter is None:
-                raise BadInput("missing integer field (SGLang builds a llama4_text draft's MLP from it)", path=path,
-                               field="intermediate_size_mlp")
-        else:
-            inter = field("intermediate_size")
-        attn_bias = bool(raw.get("attention_bias", False) or raw.get("bias", False))   # llama.py l. 339-341
-        nlayers = field("num_hidden_layers")
-        for layer in range(nlayers):
-            pre = f"model.layers.{layer}."
-            width = 2 * H if layer == 0 else H                           # llama_eagle3.py l. 62-64
-            params[(pre + "self_attn.qkv_proj.weight", "q")] = ((nh * hd, width), _INIT_EMPTY)
-            params[(pre + "self_attn.qkv_proj.weight", "k")] = ((nkv * hd, width), _INIT_EMPTY)
-            params[(pre + "self_attn.qkv_proj.weight", "v")] = ((nkv * hd, width), _INIT_EMPTY)
-            params[(pre + "self_attn.o_proj.weight", None)] = ((H, nh * hd), _INIT_EMPTY)
-            if attn_bias:
-                params[(pre + "self_attn.o_proj.bias", None)] = ((H,), _INIT_EMPTY)
-            params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), _INIT_EMPTY)
-            params[(pre + "mlp.gate_up_proj.weight", 1)] = ((inter, H), _INIT_EMPTY)
-            params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), _INIT_EMPTY)
-            for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
-                params[(pre + norm + ".weight", None)] = ((H,), _INIT_RMSNORM)
-    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin,
-                             fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
-                             draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
-                             midlayer_checked=midlayer_checked, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
-                             intermediate=inter, layers=nlayers, attn_bias=attn_bias,
-                             unused=frozenset((f"model.layers.{i}.input_layernorm.weight", None)
-                                              for i in range(1, nlayers)))
-
-
-def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
-    """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``, or
-    None (dropped silently; for the MLA draft's decoder layer, ``"midlayer"``: not modelled here)."""
-    names = {p for p, _ in arch.params}
-    if arch.cls == MLA_CLASS:
-        if name == "d2t" or name.endswith(".d2t"):
-            return "d2t"
-        if name == "t2d" or name.endswith(".t2d"):
-            return "t2d"
-        mapped = re.sub(r"^layers\.0\.", "midlayer.", name)
-        if not mapped.startswith("lm_head."):
-            mapped = f"model.{mapped}"
-        if mapped.startswith("model.midlayer."):
-            return "midlayer"
-        return (mapped, None) if mapped in names else None
-    for legacy, new in _LEGACY:
-        if legacy in name:
-            name = name.replace(legacy, new)
-    if "d2t" in name:
-        return "d2t"
-    if "t2d" in name:
-        return "t2d"
-    for param_name, weight_name, shard in _STACKED:
-        if weight_name not in name:
-            continue
-        name = name.replace(weight_name, param_name)
-        param = f"model.{name}" if name not in names else name
-        return (param, shard) if param in names else None
-    param = name if name in names else f"model.{name}"
-    return (param, None) if param in names else None
-
-
-def shape_error(arch: SGLangDraftParams, d: DraftConfig, key: str, info: TensorInfo, param: str, shard: Any,
-                 expected: tuple) -> BadInput:
-    why = ""
-    if param == "model.fc.weight":
-        naux_from = ("num_aux_hidden_states" if d.raw.get("num_aux_hidden_states") is not None
-                     else "the eagle_config ids")
-        why = (f": SGLang builds fc as Linear({arch.hidden_size_in} x {arch.num_aux} -> {d.hidden_size}) "
-               f"(target_hidden_size {'from the config' if 'target_hidden_size' in d.raw else '= hidden_size'}, "
-               f"{arch.num_aux} aux chunks from "
-               f"{naux_from}"
-               f"); the checkpoint's fc takes {info.shape[1] if len(info.shape) == 2 else '?'} "
-               f"-- {arch.source}")
-    elif param == "lm_head.weight":
-        why = (f": SGLang builds lm_head with {arch.draft_vocab} rows ("
-               + ("draft_vocab_size is absent, so vocab_size is used" if arch.lm_from_target else "draft_vocab_size")
-               + f") -- {_L3} l. 305-314")
-    elif param.startswith("model.layers."):
-        why = (" (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size of the config; "
-               "layer 0's q/k/v take 2 x hidden_size)")
-    shard_txt = f" (shard {shard} of {param})" if shard is not None else ""
-    return BadInput(f"shape {list(info.shape)} but SGLang {SGLANG_RULES} loads it into {param}{shard_txt} of shape "
-                    f"{list(expected)}{why}; the server fails at load (weight_loader shape assert)",
-                    path=info.file, field=key)
-
-
 # -------------------------------------------------------------------------------------------- the checks
 
 def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw: Optional[dict], hin_differs: bool,
@@ -360,14 +156,14 @@ def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw:
                "the draft's)" if hin_differs else "the target's input embedding (tie_word_embeddings: lm_head is "
                "the draft's embed_tokens, which init_lm_head -> set_embed replaces by the target's)")
         facts["lm_head"] = {"source": src, "rows": arch.vocab,
-                            "rule": f"{_L3} l. 303-304; {_W2} l. 356-363; {_LLAMA}::set_embed l. 910-918"}
+                            "rule": f"{L3} l. 303-304; {_W2} l. 356-363; {_LLAMA}::set_embed l. 910-918"}
         if lm_keys:
             findings.append(D.finding(
                 "lm_head_replaced", None,
                 f"the checkpoint has its own {lm_keys[0]} {list(tensors[lm_keys[0]].shape)} but tie_word_embeddings "
                 f"is true: SGLang uses {src.split(' (')[0]} as lm_head and never loads the trained head",
                 tensors=lm_keys, shape=list(tensors[lm_keys[0]].shape), used_instead=src, config=str(d.path),
-                source=f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 303-304 (lm_head = model.embed_tokens); "
+                source=f"{L3}::LlamaForCausalLMEagle3.__init__ l. 303-304 (lm_head = model.embed_tokens); "
                        f"load_weights l. 370-378 (no lm_head parameter: dropped)",
                 fix="set tie_word_embeddings to false (and draft_vocab_size) so the trained lm_head is loaded"))
         return
@@ -376,7 +172,7 @@ def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw:
                 "the target's input embedding (the target ties its lm_head to it)" if target_ties else
                 "the target's lm_head.weight (its embedding if the target ties them; no target config given)")
         facts["lm_head"] = {"source": head, "rows": arch.vocab,
-                            "rule": f"{_L3} l. 305-308 (draft_vocab_size absent -> load_lm_head_from_target); "
+                            "rule": f"{L3} l. 305-308 (draft_vocab_size absent -> load_lm_head_from_target); "
                                     f"{_W2}::init_lm_head l. 356-361 (set_embed_and_head)"}
         if used:
             findings.append(D.finding(
@@ -384,15 +180,15 @@ def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw:
                 f"draft_vocab_size is absent from the draft config, so SGLang loads the checkpoint's {used[0]} and "
                 f"then replaces it by {head}: the trained lm_head is not used",
                 tensors=used, shape=list(tensors[used[0]].shape), used_instead=head, config=str(d.path),
-                source=f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 305-308; {_W2}::init_lm_head l. 356-361",
+                source=f"{L3}::LlamaForCausalLMEagle3.__init__ l. 305-308; {_W2}::init_lm_head l. 356-361",
                 fix=f"set draft_vocab_size: {tensors[used[0]].shape[0]} in the draft config"))
         return
     if used:
         facts["lm_head"] = {"source": "the draft checkpoint", "tensor": used[0], "rows": arch.draft_vocab,
-                            "rule": f"{_L3} l. 309-314, load_weights l. 370-378"}
+                            "rule": f"{L3} l. 309-314, load_weights l. 370-378"}
         return
-    build = (f"{_K25}::Eagle3DeepseekV2ForCausalLM.__init__ l. 348-363" if arch.cls == MLA_CLASS else
-             f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 305-314")
+    build = (f"{K25}::Eagle3DeepseekV2ForCausalLM.__init__ l. 348-363" if arch.cls == MLA_CLASS else
+             f"{L3}::LlamaForCausalLMEagle3.__init__ l. 305-314")
     facts["lm_head"] = {"source": "none: left uninitialised", "rows": arch.draft_vocab,
                         "rule": f"{build} (load_lm_head_from_target only when draft_vocab_size is absent)"}
     unread = f" ({', '.join(lm_keys)} is there, under a name load_weights does not map to lm_head)" if lm_keys else ""
@@ -402,7 +198,7 @@ def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw:
         f"{arch.draft_vocab} set: SGLang builds a {arch.draft_vocab} x {d.hidden_size} lm_head, nothing fills it and "
         "it is not borrowed from the target -- the draft's logits are garbage (accept length about 1)",
         draft_vocab_size=arch.draft_vocab, tie_word_embeddings=False, lm_head_keys=lm_keys, config=str(d.path),
-        init=_INIT_EMPTY,
+        init=INIT_EMPTY,
         source=f"{build}; load_weights (a missing parameter is not an error); {_W2}::init_lm_head l. 356-363 "
                "(set_embed only)",
         fix="add the trained lm_head.weight to the checkpoint, or (full-vocab draft trained on the target's head) "
@@ -464,7 +260,7 @@ def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, t
     if bad.numel():
         i = int(bad[0])
         raise BadInput(f"maps draft id {i} to target id {int(hot[i])}, outside the target vocab [0, {vocab}) "
-                       f"({bad.numel()} such entries; hot_token_id = d2t + arange, {_L3} l. 350-353)",
+                       f"({bad.numel()} such entries; hot_token_id = d2t + arange, {L3} l. 350-353)",
                        path=info.file, field=key)
     hot_np = hot.numpy()
     n_unique = int(np.unique(hot_np).size)
@@ -477,7 +273,7 @@ def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, t
             f"draft id i as target id i, i.e. only target ids 0..{dv - 1} (the d2t buffer was saved before the vocab "
             "mapping was loaded into it)",
             tensor=key, file=str(info.file), draft_vocab_size=dv, vocab_size=vocab,
-            source=f"{_L3}::load_weights l. 350-353 (hot_token_id = d2t + arange); {_W2} l. 757-758",
+            source=f"{L3}::load_weights l. 350-353 (hot_token_id = d2t + arange); {_W2} l. 757-758",
             fix="write the training run's vocab_mapping d2t into the checkpoint"
                 + (f" ({mapping_files[0]})" if mapping_files else "")))
     if mapping_files:
@@ -506,7 +302,7 @@ def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, t
                 tensor=key, file=str(info.file), training_mapping=str(f), differing_share=share,
                 draft_ids=dv, training_entries=n, target_ids_only_in_training=only_train,
                 target_ids_only_in_checkpoint=only_draft, candidates=[str(x) for x in mapping_files],
-                source=f"{_L3}::load_weights l. 350-353; SpecForge vocab_mapping (d2t, t2d)",
+                source=f"{L3}::load_weights l. 350-353; SpecForge vocab_mapping (d2t, t2d)",
                 fix=f"write d2t from {f} into the checkpoint"))
     elif training is not None:
         facts["vocab"]["training_mapping"] = None
@@ -648,7 +444,7 @@ def _position_encoding(d: DraftConfig, target_raw: dict, target_path: Path, find
             f"{LLAMA_CLASS} ignores it and attends the whole context unless the server gets "
             f"--speculative-draft-window-size: past {dw} tokens the draft sees more than in training",
             draft_sliding_window=dw, target_sliding_window=tw, draft_sliding_layers=sw_layers,
-            source=f"{_L3}::LlamaForCausalLMEagle3.__init__ l. 286-299 (window only from "
+            source=f"{L3}::LlamaForCausalLMEagle3.__init__ l. 286-299 (window only from "
                    "--speculative-draft-window-size); models/llama.py reads no sliding_window",
             fix=f"start the server with --speculative-draft-window-size {dw}"))
 
@@ -662,18 +458,18 @@ def _flags(arch: SGLangDraftParams, d: DraftConfig, findings: list) -> None:
         ignored.append({"flag": "norm_before_residual", "value": nbr,
                         "effect": "SGLang always adds the un-normalised hidden state as the residual of the first "
                                   "layer (a draft trained with norm_before_residual adds the normalised one)",
-                        "rule": f"{_L3}::LlamaDecoderLayer.forward l. 97-102 (residual = hidden_states before "
+                        "rule": f"{L3}::LlamaDecoderLayer.forward l. 97-102 (residual = hidden_states before "
                                 "hidden_norm); no SGLang file reads norm_before_residual"})
     for flag in ("fc_norm", "use_aux_norm", "norm_output"):
         if ec.get(flag) and not raw.get(flag):
             line = "l. 185-187" if flag != "norm_output" else "l. 207"
             ignored.append({"flag": f"eagle_config.{flag}", "value": ec.get(flag),
                             "effect": f"SGLang reads {flag} only at the top level of the config",
-                            "rule": f"{_L3}::LlamaModel.__init__ {line} (getattr(config, '{flag}'))"})
+                            "rule": f"{L3}::LlamaModel.__init__ {line} (getattr(config, '{flag}'))"})
     if arch.cls == MLA_CLASS and bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False))):
         ignored.append({"flag": "norm_before_fc", "value": True,
                         "effect": f"{MLA_CLASS} has no input_norm: the concatenated aux states reach fc unnormalised",
-                        "rule": f"{_K25}::Eagle3MLAModel.__init__ l. 191-255"})
+                        "rule": f"{K25}::Eagle3MLAModel.__init__ l. 191-255"})
     if ignored:
         findings.append(D.finding(
             "draft_flag_ignored", None,
@@ -728,8 +524,8 @@ def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs
             f"are dropped without a word: " + ", ".join(ignored[:6]) + (" ..." if len(ignored) > 6 else "")
             + _ignored_hint(arch, d, ignored),
             tensors=ignored, config=str(d.path), files=facts["weights"]["files"],
-            source=f"{_L3}::LlamaForCausalLMEagle3.load_weights l. 358-378 (a name not in params_dict is skipped)"
-            if arch.cls != MLA_CLASS else f"{_K25}::load_weights l. 494-496 (warning 'skipping unexpected weight')"))
+            source=f"{L3}::LlamaForCausalLMEagle3.load_weights l. 358-378 (a name not in params_dict is skipped)"
+            if arch.cls != MLA_CLASS else f"{K25}::load_weights l. 494-496 (warning 'skipping unexpected weight')"))
 
 
 def _missing_hint(arch: SGLangDraftParams, names: list[str]) -> str:
@@ -746,9 +542,9 @@ def _ignored_hint(arch: SGLangDraftParams, d: DraftConfig, keys: list[str]) -> s
     hints = []
     if any(re.search(r"(^|\.)(fc_norm\.\d+|aux_norm_(low|mid|high))\.weight$", k) for k in keys) and not arch.fc_norm:
         hints.append("per-chunk fc norms are in the checkpoint but fc_norm / use_aux_norm is not set at the top level "
-                     f"of the config ({_L3} l. 185-188)")
+                     f"of the config ({L3} l. 185-188)")
     if any(re.search(r"(^|\.)input_norm\.weight$", k) for k in keys) and not arch.norm_before_fc:
-        hints.append(f"input_norm.weight is in the checkpoint but norm_before_fc is not set ({_L3} l. 173-182)")
+        hints.append(f"input_norm.weight is in the checkpoint but norm_before_fc is not set ({L3} l. 173-182)")
     if any(k.startswith("model.model.") or k.startswith("model.lm_head") for k in keys):
         hints.append("a doubled 'model.' prefix")
     return (" (" + "; ".join(hints) + ")") if hints else ""

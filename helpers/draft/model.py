@@ -39,7 +39,7 @@ from safetensors import safe_open
 
 from ..errors import BadInput
 from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
-from .checks import resolve_name, sglang_parameters, shape_error
+from .params import resolve_name, sglang_parameters, shape_error
 
 #: draft architectures this module runs (``EntryClass`` of ``sglang/srt/models/llama_eagle3.py``)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -94,7 +94,7 @@ class DraftArch:
     @classmethod
     def from_config(cls, path: Path) -> "DraftArch":
         """Read ``path`` (draft config.json or its folder); the shapes are the ones SGLang builds
-        (:func:`helpers.draft.checks.sglang_parameters`, config fields left out get transformers' LlamaConfig defaults
+        (:func:`helpers.draft.params.sglang_parameters`, config fields left out get transformers' LlamaConfig defaults
         as SGLang's AutoConfig load gives them).
 
         Raises:

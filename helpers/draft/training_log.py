@@ -407,3 +407,21 @@ def predicted_accept_length(log: TrainingLog, steps: int) -> dict:
                  f"covers {len(a)} step(s) only (a lower bound for {steps} steps)")
     return {"accept_length": 1.0 + sum(p), "p_accept_ge": p, "kind": log.kind, "format": log.format, "steps": steps,
             "positions_used": n, "complete": n == steps, "note": note}
+
+
+#: file names looked for in the draft folder (and its parent) when no --training-log is given
+TRAINING_LOG_NAMES = ("training_log.json", "trainer_state.json", "eval_results.json", "metrics.json",
+                      "training_log.jsonl", "train.log")
+
+def find_training_log(draft_dir: Path, given: Optional[str | Path] = None) -> Optional[Path]:
+    """``given``, else the first of :data:`TRAINING_LOG_NAMES` in the draft folder or its parent."""
+    if given is not None:
+        p = Path(given)
+        if not p.is_file():
+            raise BadInput("training log not found", path=p, field="--training-log")
+        return p
+    for folder in (draft_dir, draft_dir.parent):
+        for n in TRAINING_LOG_NAMES:
+            if (folder / n).is_file():
+                return folder / n
+    return None

@@ -12,20 +12,36 @@ from typing import Any
 
 from safetensors import safe_open
 
-from ..diagnosis.conventions import target_family
 from ..errors import BadInput
+from ..layers.sglang import target_family
 from ..runfiles import read_json_file
 
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def _config_path(path: str | Path, what: str) -> Path:
+def _config_path(path: str | Path, what: str, error: type = BadInput) -> Path:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.exists():
-        raise BadInput(f"{what} not found (expected a config.json or a folder holding one)", path=p)
+        raise error(f"{what} not found (expected a config.json or a folder holding one)", path=p)
     return p
+
+
+def read_config_json(path: str | Path, what: str = "config", *, error: type = BadInput) -> dict:
+    """The parsed JSON object of a model's config.json (``path``: the file, or a folder holding one): the one reader
+    of config.json files; :func:`read_draft_config` and :func:`read_target_config` build on it.
+
+    Raises:
+        ``error`` (:class:`helpers.errors.BadInput` or a subclass), one line naming the file and ``what``: no such
+        file, unreadable, empty, not valid JSON, nested too deeply (:func:`helpers.runfiles.read_json_file`), or not
+        a JSON object.
+    """
+    p = _config_path(path, what, error)
+    d = read_json_file(p, what, error=error)
+    if not isinstance(d, dict):
+        raise error(f"expected a JSON object, got {type(d).__name__}", path=p)
+    return d
 
 
 def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True,
@@ -142,9 +158,7 @@ def read_draft_config(path: str | Path) -> DraftConfig:
             (``hidden_size``, ids not a list of ints, ``eagle_config`` not an object).
     """
     p = _config_path(path, "draft config")
-    d = read_json_file(p, "draft config")
-    if not isinstance(d, dict):
-        raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
+    d = read_config_json(p, "draft config")
     archs = _architectures(d, p)
     if "speculators_model_type" in d:
         form = "speculators"
@@ -297,7 +311,7 @@ class TargetConfig:
     Attributes:
         hidden_size: H, the width of one aux chunk.
         num_hidden_layers: n.
-        family: SGLang capture family (:func:`helpers.diagnosis.conventions.target_family`).
+        family: SGLang capture family (:func:`helpers.layers.sglang.target_family`).
         torch_dtype: the checkpoint dtype string (``"bfloat16"``...), None if absent.
     """
 
@@ -345,9 +359,7 @@ def read_target_config(path: str | Path) -> TargetConfig:
             positive ints (the message names the field and the sub-config looked in).
     """
     p = _config_path(path, "target config")
-    d = read_json_file(p, "target config")
-    if not isinstance(d, dict):
-        raise BadInput(f"expected a JSON object, got {type(d).__name__}", path=p)
+    d = read_config_json(p, "target config")
     sub_key = next((k for k in TEXT_CONFIG_KEYS if isinstance(d.get(k), dict)), None)
     tc = d[sub_key] if sub_key else {}
     src, prefix = (tc, f"{sub_key}.") if sub_key else (d, "")

@@ -392,7 +392,7 @@ def samples_from_generate(obj: Any, *, source: str | Path = "<response>", tp_ran
             ``prompt_token_ids``).
         source: file name used in error messages and sample keys.
 
-    Layout mirrored (SGLang 0.5.23, sglang-facts.md §1):
+    Layout mirrored (SGLang 0.5.23, ``sglang/srt/managers/scheduler_components/batch_result_processor.py``):
       * ``meta_info.hidden_states[0]`` is the prompt block, a 2-D list ``[P', W]`` (one row per prompt
         token of the last prefill forward: ``batch_result_processor.py::_append_prefill_hidden_states``);
         ``P' < P`` when part of the prompt was cached or chunked, and the block is then the prompt's suffix;

@@ -1,6 +1,6 @@
 """Readers for the aux hidden states a draft was trained on, streamed one sample at a time.
 
-Formats (training-formats.md §1):
+Formats (each with the writer it mirrors):
 
 * SpecForge ``rows_{g}-{g+G}/data_{idx}.ckpt`` (or ``.ckpt.gz``): ``torch.save`` dict with ``input_ids [L]``,
   ``loss_mask [L]``, ``aux_hidden_state [1, L, 3*H]``, ``hidden_state [1, L, H]`` (post-norm), right-padded
@@ -307,7 +307,8 @@ def recorded_layer_ids(path: str | Path) -> Optional[tuple[list[int], Path]]:
     """The aux layer ids a training data set records it was captured with, if it records them.
 
     SpecForge does not persist the ids of a run into the exported draft config when they came from the
-    run YAML (``model.aux_hidden_state_layer_ids``; training-formats.md section 1), so the draft's
+    run YAML (``model.aux_hidden_state_layer_ids``, read by SpecForge
+    ``specforge/algorithms/model_providers.py::resolve_eagle_capture_layers``), so the draft's
     ``config.json`` is not proof of what the draft saw. A data folder written by this project's
     ``env/models/make_draft_data.py`` (and any folder where an engineer drops the same file) carries a
     ``capture.json`` with ``layer_ids.specforge_out_i``: the ids in SpecForge's output-of-layer

@@ -10,6 +10,7 @@ Written into the run folder: ``results/ablate.json`` (:func:`ablate`'s document)
 from __future__ import annotations
 
 import math
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -21,6 +22,7 @@ from ..acceptance.stats import paired_effect
 from ..acceptance.sweeps import MATERIAL, MIN_TOKENS, SWEEPS, Point, run_sweep, trend
 from ..budget import Budget
 from ..diagnosis.detectors import finding
+from ..draft.training_log import find_training_log
 from ..errors import BadInput, ServerError
 from ..formats.configs import read_draft_config, read_target_config
 from ..runfiles import read_json_file, safe_name, write_json
@@ -209,9 +211,6 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         BadInput: an unknown sweep or toggle, bad numbers, a run folder that holds ablation results already (checked
             before any request: nothing is overwritten). ServerError: the server cannot be reached.
     """
-    import shlex
-
-    from .acceptance import find_training_log
     run_dir = Path(run_dir)
     if (run_dir / "results" / "ablate.json").exists():
         raise BadInput("the run folder already holds ablation results (results/ablate.json); ablate into a new run "

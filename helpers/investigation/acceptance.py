@@ -23,34 +23,16 @@ from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_c
                             training_sequences)
 from ..draft.model import Eagle3Draft, target_lm_head
 from ..draft.simulate import DraftSettings
-from ..draft.training_log import predicted_accept_length, read_training_log
+from ..draft.training_log import find_training_log, predicted_accept_length, read_training_log
 from ..errors import BadInput
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
 from ..records import ProposedFix
 
-#: file names looked for in the draft folder (and its parent) when no --training-log is given
-TRAINING_LOG_NAMES = ("training_log.json", "trainer_state.json", "eval_results.json", "metrics.json",
-                      "training_log.jsonl", "train.log")
-
 #: cause -> finding kind
 CAUSE_KINDS = {"draft": "draft_underperforms", "wiring": "wiring_loses_acceptance",
                "engine": "engine_after_capture", "settings": "spec_settings_low",
                "workload": "workload_loses_acceptance", "unknown": "acceptance_unexplained"}
-
-
-def find_training_log(draft_dir: Path, given: Optional[str | Path] = None) -> Optional[Path]:
-    """``given``, else the first of :data:`TRAINING_LOG_NAMES` in the draft folder or its parent."""
-    if given is not None:
-        p = Path(given)
-        if not p.is_file():
-            raise BadInput("training log not found", path=p, field="--training-log")
-        return p
-    for folder in (draft_dir, draft_dir.parent):
-        for n in TRAINING_LOG_NAMES:
-            if (folder / n).is_file():
-                return folder / n
-    return None
 
 
 def compute_dtype(info: dict, draft_raw: dict) -> torch.dtype:

@@ -27,7 +27,7 @@ Format (YAML, validated with pydantic; documented in env/cases/README.md)::
           launch: {tp: 2, extra_args: []}  # optional, overrides server
       - hypothesis:
           check: embedding_all_reduce      # a name in helpers.investigation.checks.CHECKS
-          label: seeds msg 4495            # free text (e.g. where the idea came from)
+          label: embedding all-reduce      # free text (e.g. where the idea came from)
           question: does VocabParallelEmbedding all-reduce?
           params: {}                       # passed to the check
         expect: refuted                    # confirmed | refuted | inconclusive (optional)

@@ -2,11 +2,11 @@
 evidence table and a figure, computed from dumps and measurements of a live server instead of from
 reading engine code.
 
-The checks mirror the hunt told in shared/seeds/ (Kimi-K2.5, TP 8, EAGLE-3): msg 4495 "does
-VocabParallelEmbedding all-reduce?", msg 4513 "concat order and TP width", msg 4525 "are the
-captured states full 7168 or 896-wide shards?", the final discovery that the embedding had been
-put in place of a layer, the num-steps override, and the later finding that verify time bounds
-tok/s once acceptance is fixed.
+The checks mirror the questions of a public report of a hunt (Kimi-K2.5, TP 8, EAGLE-3) where the
+config fed the embedding to the draft: "does VocabParallelEmbedding all-reduce?", "concat order and
+TP width", "are the captured states full 7168 or 896-wide shards?", the final discovery that the
+embedding had been put in place of a layer, the num-steps override, and the later finding that
+verify time bounds tok/s once acceptance is fixed.
 
 Every check takes an :class:`Investigation` (the server under test plus its training data and
 configs; it captures what a check needs, once, and caches it) and keyword parameters. A check's
@@ -26,16 +26,16 @@ import pandas as pd
 import torch
 
 from ..capture import capture_reference_hf, capture_served, per_rank_dumps
-from ..diagnosis.conventions import layer_index
 from ..diagnosis.detectors import detect_vocab_map_missing
 from ..diagnosis.diagnose import diagnose
 from ..diagnosis.static import static_check
-from ..formats.configs import read_draft_config, read_draft_weights
+from ..formats.configs import read_config_json, read_draft_config, read_draft_weights
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..hooks import ARM_FILE
+from ..layers.ids import layer_index
 from ..plots.checks import bar_figure, chunk_layer_figure
-from ..runfiles import jsonable, read_json_file, safe_name
+from ..runfiles import jsonable, safe_name
 from ..server.client import as_client
 from .catalog import CATALOG
 
@@ -111,17 +111,32 @@ class Investigation:
         self.requested = requested
         self.name = name
         self.num_samples = num_samples
-        self.reference_spec = reference
         self.baseline = baseline      # summary of a target-only measurement, if any
         self.acceptance = acceptance  # summary of this server's measurement, if any
-        self._cache: dict[str, Any] = {}
+        self._training: Optional[list] = None
+        self._served: Optional[Path] = None
+        self._reference: Optional[tuple[Optional[Path]]] = None   # (path or None,) once resolved
+        self._rank_dumps: dict[str, list[Path]] = {}
+        self._diagnoses: dict[bool, Any] = {}
+        self._spec: Any = None
+        self.reference_spec = reference
         self.dumps_dir = self.run_dir / "dumps"
         self.dumps_dir.mkdir(parents=True, exist_ok=True)
 
     # -- inputs ------------------------------------------------------------------------------
     @property
+    def reference_spec(self) -> Any:
+        """The every-layer reference: ``"hf"``, a dump path or None; setting it drops the one resolved before."""
+        return self._reference_spec
+
+    @reference_spec.setter
+    def reference_spec(self, value: Any) -> None:
+        self._reference_spec = value
+        self._reference = None
+
+    @property
     def target_config(self) -> dict:
-        return read_json_file(self.target_dir / "config.json", "target config")
+        return read_config_json(self.target_dir, "target config")
 
     @property
     def hidden_size(self) -> int:
@@ -135,12 +150,11 @@ class Investigation:
 
     def training_samples(self) -> list:
         """The first ``num_samples`` training samples (helpers.formats.dumps.Sample, pad stripped)."""
-        if "training" not in self._cache:
-
+        if self._training is None:
             td = TrainingData(self.training, hidden_size=self.hidden_size,
                               max_samples=self.num_samples)
-            self._cache["training"] = list(td)[: self.num_samples]
-        return self._cache["training"]
+            self._training = list(td)[: self.num_samples]
+        return self._training
 
     def _dump_name(self, what: str) -> str:
 
@@ -149,8 +163,7 @@ class Investigation:
     # -- captures ----------------------------------------------------------------------------
     def served_dump(self) -> Path:
         """What the draft receives for the training samples' tokens (one row per token)."""
-        if "served" not in self._cache:
-
+        if self._served is None:
             path = self.dumps_dir / self._dump_name("served")
             if not (path / "manifest.json").exists():
                 self._arm(True)
@@ -160,25 +173,24 @@ class Investigation:
                                    max_width=16 * self.hidden_size)
                 finally:
                     self._arm(False)
-            self._cache["served"] = path
-        return self._cache["served"]
+            self._served = path
+        return self._served
 
     def reference_dump(self) -> Optional[Path]:
         """Every layer's hidden states for the same tokens (HF on the target), or None."""
-        if "reference" not in self._cache:
+        if self._reference is None:
             ref = self.reference_spec
             if ref is None:
-                self._cache["reference"] = None
+                self._reference = (None,)
             elif ref == "hf":
-
                 path = self.dumps_dir / "reference-hf"
                 if not (path / "manifest.json").exists():
                     capture_reference_hf(self.target_dir, self.training_samples(), self.dumps_dir,
                                          name=path.name, progress=False)
-                self._cache["reference"] = path
+                self._reference = (path,)
             else:
-                self._cache["reference"] = Path(ref)
-        return self._cache["reference"]
+                self._reference = (Path(ref),)
+        return self._reference[0]
 
     def _arm(self, on: bool) -> None:
         if self.capture_dir is None:
@@ -193,8 +205,7 @@ class Investigation:
 
     def rank_dumps(self, key: str) -> list[Path]:
         """Per-TP-rank dumps of stash ``key`` recorded while :meth:`served_dump` ran."""
-        ck = f"rank:{key}"
-        if ck not in self._cache:
+        if key not in self._rank_dumps:
             if self.capture_dir is None:
                 raise RuntimeError("no per-rank capture: start the server with helpers.hooks "
                                    "capture specs (Investigation(capture_dir=...))")
@@ -205,14 +216,12 @@ class Investigation:
                 paths = sorted(p for p in out.iterdir() if (p / "manifest.json").exists())
             else:
                 paths = per_rank_dumps(self.capture_dir, out, key=key, hidden_size=self.hidden_size)
-            self._cache[ck] = paths
-        return self._cache[ck]
+            self._rank_dumps[key] = paths
+        return self._rank_dumps[key]
 
     def diagnosis(self, reference: bool = True):
         """helpers.diagnosis.diagnose on the served dump against the training data (with the reference)."""
-        ck = f"diagnosis:{reference}"
-        if ck not in self._cache:
-
+        if reference not in self._diagnoses:
             served = [self.served_dump()]
             tp = int((self.server_info() or {}).get("tp_size") or 1) if self.client is not None else 1
             if self.capture_dir is not None and tp > 1:
@@ -221,17 +230,17 @@ class Investigation:
                     served = ranks if len(ranks) == tp else served
                 except Exception:  # noqa: BLE001 - rank 0's /generate capture still answers
                     pass
-            self._cache[ck] = diagnose(self.training, served,
-                                       draft_config=self.draft_dir, target_config=self.target_dir,
-                                       reference=self.reference_dump() if reference else None,
-                                       server=self.server_info(), max_samples=self.num_samples)
-        return self._cache[ck]
+            self._diagnoses[reference] = diagnose(self.training, served,
+                                                  draft_config=self.draft_dir, target_config=self.target_dir,
+                                                  reference=self.reference_dump() if reference else None,
+                                                  server=self.server_info(), max_samples=self.num_samples)
+        return self._diagnoses[reference]
 
     def spec_config(self):
-        if "spec" not in self._cache:
-            self._cache["spec"] = self.client.effective_spec_config(
+        if self._spec is None:
+            self._spec = self.client.effective_spec_config(
                 self.requested, draft_config=self.draft_dir / "config.json")
-        return self._cache["spec"]
+        return self._spec
 
     def tensors(self, dump: Path) -> list[dict]:
         """Samples of a dump as ``{"input_ids": list, "hidden": Tensor}`` (small dumps only)."""
@@ -281,8 +290,8 @@ def _chunk_frame(inv: Investigation) -> pd.DataFrame:
 # Checks
 # --------------------------------------------------------------------------------------------
 def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
-    """Are the aux hidden states TP-sharded (H/tp wide) or per-rank different, instead of full
-    and identical on every rank? (seeds msg 4513 / 4525)"""
+    """Are the aux hidden states TP-sharded (H/tp wide) or per-rank different, instead of full and identical on every
+    rank (captured between layers by ``sglang/srt/models/llama.py::LlamaModel.forward``)?"""
     H = inv.hidden_size
     info = inv.server_info()
     tp = int(info.get("tp_size") or 1)
@@ -350,8 +359,8 @@ def check_tp_sharding(inv: Investigation, **_: Any) -> HypothesisResult:
 
 
 def check_embedding_all_reduce(inv: Investigation, **_: Any) -> HypothesisResult:
-    """Is the embedding the draft may receive a per-rank partial (VocabParallelEmbedding not
-    all-reduced) rather than the full embedding? (seeds msg 4495)"""
+    """Is the embedding the draft may receive a per-rank partial rather than the full embedding (not all-reduced as in
+    ``sglang/srt/layers/vocab_parallel_embedding.py::VocabParallelEmbedding.forward``)?"""
     H = inv.hidden_size
     tp = int(inv.server_info().get("tp_size") or 1)
     vocab = int(inv.target_config["vocab_size"])

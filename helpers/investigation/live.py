@@ -40,10 +40,10 @@ from ..budget import Budget
 from ..capture import capture_every_layer, capture_reference_hf
 from ..diagnosis.detectors import finding
 from ..errors import BadInput, describe
-from ..formats.configs import read_draft_config, read_target_config
+from ..formats.configs import read_config_json, read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..records import Finding, InvestigationDoc, ProposedFix
-from ..runfiles import atomic_write_text, new_run_dir, read_json, safe_name, write_json
+from ..runfiles import atomic_write_text, new_run_dir, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import parse_ports
 from ..server.registry import lookup
@@ -141,7 +141,7 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
 def _same_draft(a: Path, b: Path) -> Optional[dict]:
     """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
     try:
-        ca, cb = (read_json(p / "config.json") for p in (a, b))
+        ca, cb = (read_config_json(p, "draft config") for p in (a, b))
     except (OSError, ValueError):
         return None
     diff = {}
@@ -381,8 +381,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
 
         t = step("reference")
         ref, how, missing = _reference(att, client, samples, run_dir, tcfg.num_hidden_layers)
-        inv.reference_spec = ref
-        inv._cache.pop("reference", None)
+        inv.reference_spec = ref                       # drops the reference resolved before
         doc.reference = {"how": how, "path": None if ref is None else str(ref), "missing": missing}
         done("reference", t, how if ref is not None else f"none ({missing})")
 

@@ -24,10 +24,12 @@ from typing import Any, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..diagnosis.conventions import CapturePlan, describe, layer_index, served_plan
+from ..diagnosis.conventions import CapturePlan, describe, served_plan
 from ..diagnosis.detectors import LAYOUT_KINDS
+from ..formats.configs import read_config_json
+from ..layers.ids import layer_index
 from ..records import ProposedFix
-from ..runfiles import atomic_write_text, read_json_file, write_safetensors
+from ..runfiles import atomic_write_text, write_safetensors
 
 #: Findings a change of the draft config ids can address (when the served chunks follow SGLang's rules).
 ID_KINDS = set(LAYOUT_KINDS) | {"config_ids_mismatch", "config_ids_ignored"}
@@ -318,6 +320,6 @@ def draft_variant(draft_dir: Path, overrides: Optional[dict], out_dir: Path, dro
             write_safetensors(out_dir / f.name, weights)
             continue
         (out_dir / f.name).symlink_to(f.resolve())
-    cfg = read_json_file(draft_dir / "config.json", "draft config")
+    cfg = read_config_json(draft_dir, "draft config")
     atomic_write_text(out_dir / "config.json", json.dumps(_apply_overrides(cfg, overrides or {}), indent=2))
     return out_dir

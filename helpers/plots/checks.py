@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from ..diagnosis.conventions import layer_index
+from ..layers.ids import layer_index
 
 
 def bar_figure(x, y, title, ytitle, *, log=False, color=None) -> go.Figure:

@@ -1,7 +1,8 @@
 """HTTP client for a running SGLang server: probe, effective speculative config, silent overrides.
 
-Mirrors SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``) and keeps working against older
-servers (``shared/reference/sglang-facts.md`` §8):
+Mirrors SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``: ``server_info``, ``get_server_info``, ...) and
+keeps working against older servers (each fallback names the sgl-project/sglang pull request that changed the
+endpoint, https://github.com/sgl-project/sglang/pull/<number>):
 
 =====================  ==========================================================================
 ``GET /health``        200 once a 1-token health generation came back (``health_generate``); 503
@@ -59,9 +60,10 @@ from ..errors import (
     SGLangError,
     printable,
 )
+from ..formats.configs import read_config_json
+from ..redaction import redact, redact_url, remember, scrub
 from ..runfiles import JSONTooDeep, loads_json
 from .protocol import GenerateResult, ServerInfo
-from .redaction import redact, redact_url, remember, scrub
 from .settings import (
     EffectiveSpecConfig,
     detect_overrides,
@@ -650,11 +652,9 @@ def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Option
     else:
         path = Path(draft_config) if draft_config is not None else (Path(draft_path) if draft_path else None)
         if path is not None:
-            if path.is_dir():
-                path = path / "config.json"
             try:
-                cfg = loads_json(path.read_text())
-            except (OSError, ValueError):
+                cfg = read_config_json(path, "draft config")
+            except (OSError, ValueError):            # BadInput is a ValueError
                 cfg = None
     archs = cfg.get("architectures") if isinstance(cfg, Mapping) else None
     return [str(a) for a in archs] if isinstance(archs, list) and archs else None

@@ -2,7 +2,7 @@
 
 The server runs in the dedicated venv made by ``env/reference/install.sh`` with the pure-torch
 ``sgl_kernel`` stand-in (``env/reference/standin``). :func:`start` sets what SGLang needs on a CPU
-(see ``env/reference/README.md`` and ``shared/reference/sglang-cpu.md``):
+(see ``env/reference/README.md``):
 
 * ``SGLANG_USE_CPU_ENGINE=1`` (``sglang/srt/utils/common.py::is_cpu``),
 * ``E3F_STANDIN_AMX=1`` so SGLang selects its ``intel_amx`` backend, the only CPU attention
@@ -39,15 +39,15 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..budget import Budget
-from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadServerInput, ServerStartError
+from ..formats.configs import read_config_json
+from ..layers.sglang import eagle3_draft_classes
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
+from .process import ServerProcess
+from .settings import SpecSettings
 
 #: the pure-torch sgl_kernel stand-in and the process start hook of the SGLang venv (env/reference/install.sh)
 STANDIN = ROOT / "env" / "reference" / "standin"
-from ..runfiles import read_json_file
-from .process import ServerProcess
-from .settings import SpecSettings
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 
@@ -148,7 +148,7 @@ def check_model_dir(path: Path, what: str) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise BadServerInput(f"{what} path {path} is not a directory")
-    cfg = read_json_file(path / "config.json", f"{what} config", error=BadServerInput)
+    cfg = read_config_json(path, f"{what} config", error=BadServerInput)
     if not cfg.get("architectures"):
         raise BadServerInput(f"{what} config {path / 'config.json'}: field 'architectures' is missing")
     return cfg

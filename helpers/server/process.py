@@ -22,7 +22,7 @@ import psutil
 
 from ..budget import Budget, interrupted
 from ..errors import ServerStartError
-from .redaction import argv_secrets, redact_argv, remember, scrub_bytes
+from ..redaction import argv_secrets, redact_argv, remember, scrub_bytes
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -56,11 +56,11 @@ class ServerProcess:
         argv: the command (no shell).
         url: the server's base URL once up.
         log_path: the log file (created; appended to); its first line is the command with the values of its secret
-            flags redacted (:func:`helpers.server.redaction.redact_argv`).
+            flags redacted (:func:`helpers.redaction.redact_argv`).
         env / cwd: environment and working folder of the process.
         secrets: strings replaced by ``<redacted>`` in the log as it is written, besides the values of ``argv``'s
             secret flags (``--api-key K``, ``--admin-api-key=K2``, ...) and every secret remembered by
-            :mod:`helpers.server.redaction`.
+            :mod:`helpers.redaction`.
         info: extra attributes set on the handle (``port``, ``tp``, ``spec``, ``target``, ``draft`` ...).
 
     Attributes: ``url``, ``pid`` (the leader), ``log_path``, ``command`` (argv, secrets redacted), plus ``info``.

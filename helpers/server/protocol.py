@@ -58,7 +58,9 @@ class ServerInfo(BaseModel):
     def _printable(cls, v: Optional[str]) -> Optional[str]:
         return None if v is None else printable(v)
 
-#: Older meta_info names (sglang-facts §8) -> current name in 0.5.23.
+#: Older meta_info names -> current name in 0.5.23 (set in
+#: ``sglang/srt/managers/tokenizer_manager.py::TokenizerManager._calculate_spec_decoding_metrics``); each renaming
+#: is the sgl-project/sglang pull request named on its line (https://github.com/sgl-project/sglang/pull/<number>).
 META_ALIASES = {
     "spec_accepted_drafts": "spec_num_correct_drafts",      # #23530 (2026-04), alias kept by #25014
     "spec_accept_token_num": "spec_num_correct_drafts",     # #11441 (2025-10)
@@ -159,7 +161,8 @@ class GenerateResult(BaseModel):
     ``prompt_token_ids``: only with ``return_prompt_token_ids=True``.
     ``hidden_states`` (property): ``meta_info.hidden_states`` when requested: list of length
     ``completion_tokens``; element 0 is the prompt block ``[prompt_len][W]``, the rest are ``[W]``
-    rows (sglang-facts §1).
+    rows (``sglang/srt/managers/scheduler_components/batch_result_processor.py::_append_prefill_hidden_states`` and
+    ``_append_decode_hidden_states``).
     """
 
     model_config = ConfigDict(extra="allow")

@@ -9,7 +9,7 @@ Flags are SGLang's ``sglang.launch_server`` flags (``sglang/srt/server_args.py::
 """
 from __future__ import annotations
 
-import json
+import copy
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -80,7 +80,7 @@ def start_variant(restart: dict, *, log_path: Path, budget: Budget, draft: Optio
         extra = set_flags(extra, other) if other else extra
         hooks = []
         for h in launch.get("forward_hooks") or []:
-            h = json.loads(json.dumps(h))
+            h = copy.deepcopy(h)
             if capture_dir is not None and isinstance(h.get("config"), dict) and "out_dir" in h["config"]:
                 sub = "layers" if h.get("name") == LAYERS_HOOK else "ranks"
                 h["config"]["out_dir"] = str((Path(capture_dir) / sub).resolve())

@@ -9,10 +9,9 @@ from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..diagnosis.conventions import parse_version
-from ..diagnosis.sglang_rules import eagle3_draft_classes
 from ..errors import BadInput
-from .redaction import is_secret_key
+from ..layers.sglang import eagle3_draft_classes, parse_version
+from ..redaction import is_secret_key
 
 
 class SpecSettings(BaseModel):

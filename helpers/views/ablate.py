@@ -12,7 +12,7 @@ import pandas as pd
 from ..acceptance.sweeps import SWEEPS
 from ..investigation.ablate import ablate
 from ..plots.sweeps import sweep_figure
-from .common import RunContext, esc, findings_frame, read_json_file, table_html
+from .common import RunContext, esc, findings_frame, read_json_or_none, table_html
 
 
 def results_path(run_dir: Path) -> Path:
@@ -22,7 +22,7 @@ def results_path(run_dir: Path) -> Path:
 
 def load_ablation(run_dir: Path) -> Optional[dict]:
     """The run folder's ablation document, or None when it has none."""
-    return read_json_file(results_path(run_dir))
+    return read_json_or_none(results_path(run_dir))
 
 
 def run_live(ctx: RunContext, *, sweeps: Sequence[str] = SWEEPS, toggles: Optional[Sequence[str]] = (),

@@ -15,7 +15,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..runfiles import safe_name
 from .budget import budget_parts
-from .common import RunContext, connect, read_json_file
+from .common import RunContext, connect, read_json_or_none
 from .investigation import load_investigation
 
 
@@ -88,7 +88,7 @@ def investigation_measurements(run_dir: Path) -> pd.DataFrame:
     doc = load_investigation(run_dir)
     rows = []
     for rel in ((doc.measured or {}).get("saved_to") or []) if doc is not None else []:
-        saved = read_json_file(Path(run_dir) / rel / "summary.json") or {}
+        saved = read_json_or_none(Path(run_dir) / rel / "summary.json") or {}
         summary = saved.get("summary") or {}
         if not summary:
             continue

@@ -13,7 +13,7 @@ from ..acceptance.measure import server_snapshot
 from ..diagnosis.static import plans_frame_rows, static_check
 from ..formats.training_data import TrainingData
 from ..runfiles import loads_json, safe_name
-from ..server.redaction import redact_url
+from ..redaction import redact_url
 from .common import (
     RunContext,
     as_path,
@@ -21,7 +21,7 @@ from .common import (
     esc,
     findings_frame,
     note,
-    read_json_file,
+    read_json_or_none,
     show,
 )
 from .replay import as_replay
@@ -90,7 +90,7 @@ def attach_records(ctx: RunContext) -> list[dict]:
         if s.baseline:
             continue
         name = s.name or ""
-        doc = read_json_file(ctx.run_dir / "acceptance" / safe_name(name) / "summary.json") or {}
+        doc = read_json_or_none(ctx.run_dir / "acceptance" / safe_name(name) / "summary.json") or {}
         variant = ctx.run_dir / "drafts" / safe_name(name)
         draft = variant if (variant / "config.json").exists() else ctx.draft_dir
         out.append({"fix": name, "server": doc.get("server") or {}, "spec": doc.get("spec"),
@@ -120,7 +120,7 @@ def live_attach(ctx: RunContext) -> dict:
 
 
 def redact_url_safe(url: str) -> str:
-    """``url`` without credentials or query (helpers.server.redaction.redact_url)."""
+    """``url`` without credentials or query (helpers.redaction.redact_url)."""
 
     return redact_url(url)
 

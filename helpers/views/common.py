@@ -45,10 +45,11 @@ from plotly.offline import get_plotlyjs
 from pydantic import ValidationError
 
 from ..errors import BadInput, CaseError
+from ..formats.configs import read_config_json
 from ..investigation.cases import Models, load_case
 from ..paths import ROOT, outputs_dir
 from ..records import NOTEBOOK_RESULT, ReplayDoc
-from ..runfiles import atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_json, write_json
+from ..runfiles import atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_json_file, write_json
 from ..server.client import SGLangClient
 
 DEFAULT_TARGET = "env/models/target"
@@ -421,16 +422,20 @@ class RunContext:
 
     @property
     def hidden_size(self) -> Optional[int]:
-        cfg = read_json_file(self.target_dir / "config.json") if self.target_dir else None
+        try:
+            cfg = read_config_json(self.target_dir, "target config") if self.target_dir else None
+        except BadInput:
+            cfg = None
         return int(cfg["hidden_size"]) if cfg and "hidden_size" in cfg else None
 
 
-def read_json_file(path: Path) -> Optional[dict]:
-    """JSON content of ``path`` (NaN allowed; :func:`helpers.runfiles.read_json`, depth bounded), None when absent,
-    unreadable, not JSON or nested too deeply."""
+def read_json_or_none(path: Path) -> Any:
+    """JSON content of ``path`` as :func:`helpers.runfiles.read_json_file` parses it (NaN allowed, depth bounded), or
+    None when the file is absent, unreadable, empty, not JSON or nested too deeply: a page shows what a run folder
+    holds and skips what it does not."""
     try:
-        return read_json(path)
-    except (OSError, ValueError):
+        return read_json_file(path, "JSON file")
+    except BadInput:
         return None
 
 
@@ -451,7 +456,7 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     rd, origin = resolve_run_dir(run_dir, create=create)
     ctx = RunContext(run_dir=rd, server_url=str(server_url or ""), api_key_env=api_key_env or "SGLANG_API_KEY",
                      origin=origin, finished=finished(rd))
-    rec = read_json_file(result_path(rd, "00_replay")) or {}
+    rec = read_json_or_none(result_path(rd, "00_replay")) or {}
     cp = as_path(case, base) or as_path(rec.get("case_path"), base)
     m = None
     if cp is not None and cp.exists():
@@ -473,7 +478,7 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     ctx.training = pick(training_data, m.training_data if m else None, DEFAULT_TRAINING)
     ctx.replay = load_replay(rd)
     # one draft / target / training data across the pages: the investigation's (the folders the server runs)
-    inv = read_json_file(rd / "investigation.json") or {}
+    inv = read_json_or_none(rd / "investigation.json") or {}
     att = inv.get("attach") or {}
     for attr, explicit in (("draft_dir", draft_dir), ("target_dir", target_dir)):
         used = as_path(att.get(attr))
@@ -513,7 +518,7 @@ def load_replay(run_dir: Path) -> Optional[ReplayDoc]:
     """The replay document of the run folder (``results/replay-*.json``; the newest if several), typed
     (:class:`helpers.records.ReplayDoc`); None without one or when it cannot be read."""
     files = sorted(Path(run_dir).glob("results/replay-*.json"), key=lambda p: p.stat().st_mtime)
-    raw = read_json_file(files[-1]) if files else None
+    raw = read_json_or_none(files[-1]) if files else None
     return None if raw is None else ReplayDoc.model_validate(raw)
 
 
@@ -568,7 +573,7 @@ def read_result(run_dir: Path, notebook: str):
     """The newest ``results/<notebook>.json`` (:func:`result_path`) as its typed record
     (:data:`helpers.records.NOTEBOOK_RESULT`; mapping-style ``.get`` works on it), or None when the file is absent,
     unreadable or from another schema."""
-    raw = read_json_file(result_path(run_dir, notebook))
+    raw = read_json_or_none(result_path(run_dir, notebook))
     if not isinstance(raw, dict):
         return None
     try:

@@ -16,7 +16,7 @@ from ..diagnosis.diagnose import diagnose
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..plots.acceptance import PALETTE
-from .common import RunContext, as_path, downsample, esc, read_json_file
+from .common import RunContext, as_path, downsample, esc, read_json_or_none
 
 
 def run_diagnosis(ctx: RunContext, served: Path, *, reference: Optional[Path] = None,
@@ -34,7 +34,7 @@ def draft_for_dump(ctx: RunContext, served: Path) -> tuple[Optional[Path], str]:
     ``speculative_draft_model_path`` in the dump's manifest (``server`` block) when this machine can read it, else
     the replay's draft variant of the same fix (``drafts/<fix>``, for a dump ``<fix>-served``), else the page's
     draft (``ctx.draft_dir``). ``(None, why)`` when there is none."""
-    manifest = read_json_file(Path(served) / "manifest.json") or {}
+    manifest = read_json_or_none(Path(served) / "manifest.json") or {}
     srv = manifest.get("server") if isinstance(manifest.get("server"), dict) else {}
     eff = srv.get("effective") if isinstance(srv.get("effective"), dict) else srv
     used = as_path(eff.get("speculative_draft_model_path"))

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 import torch
 
 from ..formats.dumps import read_dump
-from .common import downsample, esc, read_json_file
+from .common import downsample, esc, read_json_or_none
 
 
 def dump_paths(run_dir: Path) -> list[Path]:
@@ -91,7 +91,7 @@ def served_dumps(run_dir: Path) -> list[Path]:
     """``kind: served`` dumps of the run folder, in creation order."""
     out = []
     for p in dump_paths(run_dir):
-        man = read_json_file(p / "manifest.json") or {}
+        man = read_json_or_none(p / "manifest.json") or {}
         if man.get("kind") == "served":
             out.append((man.get("created") or "", p))
     return [p for _, p in sorted(out)]
@@ -100,7 +100,7 @@ def served_dumps(run_dir: Path) -> list[Path]:
 def reference_dump(run_dir: Path) -> Optional[Path]:
     """The run folder's reference dump (every layer for the same tokens), if any."""
     for p in dump_paths(run_dir):
-        man = read_json_file(p / "manifest.json") or {}
+        man = read_json_or_none(p / "manifest.json") or {}
         if man.get("kind") == "reference":
             return p
     return None

@@ -13,7 +13,7 @@ import torch
 
 from ..formats.dumps import read_dump
 from ..plots.acceptance import PALETTE
-from .common import downsample, esc, read_json_file
+from .common import downsample, esc, read_json_or_none
 from .dump import dump_paths
 
 
@@ -29,7 +29,7 @@ def rank_dumps(run_dir: Path, key: str = "aux") -> dict[int, Path]:
     in the run folder (the first fix that captured them)."""
     out: dict[int, Path] = {}
     for p in dump_paths(run_dir):
-        man = read_json_file(p / "manifest.json") or {}
+        man = read_json_or_none(p / "manifest.json") or {}
         if man.get("kind") == "per_rank" and man.get("module") == key and man.get("tp_rank") is not None:
             out.setdefault(int(man["tp_rank"]), p)
     return dict(sorted(out.items()))

@@ -11,14 +11,14 @@ import pandas as pd
 
 from ..acceptance.stats import format_ci
 from .acceptance import ledger_frame, main_fixes
-from .common import esc, note, read_json_file
+from .common import esc, note, read_json_or_none
 from .investigation import load_investigation
 from .replay import _num, fixes_frame, headline, hypotheses_frame
 
 
 def suite_status(run_dir: Path) -> dict:
     """``suite_status.json`` of the run folder ({} when the notebooks run outside the suite)."""
-    return read_json_file(Path(run_dir) / "suite_status.json") or {}
+    return read_json_or_none(Path(run_dir) / "suite_status.json") or {}
 
 
 def failures_frame(status: Mapping[str, Any]) -> pd.DataFrame:

@@ -99,7 +99,7 @@ def test_tp2_greedy_tokens_equal_hf_greedy(tp2_server, hf_model):
 
 
 def test_tp2_return_hidden_states_are_captured_layers_of_hf(tp2_server, hf_model, tiny_draft):
-    # a radix-cache hit would shorten the prompt block (sglang-facts.md §1, caveat 1)
+    # a radix-cache hit would shorten the prompt block (batch_result_processor.py::_append_prefill_hidden_states)
     assert httpx.post(tp2_server.url + "/flush_cache", timeout=60).status_code == 200
     out = _generate(tp2_server.url, PROMPT_IDS, hidden=True)
     hs = out["meta_info"]["hidden_states"]

@@ -1,5 +1,6 @@
 """The import graph of helpers/ stays readable (issue 14): every import resolves, module-top imports form no
-cycle, a function-level import says why it is lazy, and the torch-free entry points stay torch-free."""
+cycle, a function-level import says why it is lazy, the torch-free entry points stay torch-free, and no part of the
+package imports a part above it in the layer order of DESIGN.md (issue 19)."""
 from __future__ import annotations
 
 import ast
@@ -50,6 +51,72 @@ def _graph() -> dict[str, set[str]]:
                 deps |= {a.name for a in n.names if a.name in MODULES}
         graph[mod] = deps
     return graph
+
+
+#: The layer order of DESIGN.md "Layers", bottom first: a part (a subpackage, or a top-level module) imports only parts
+#: of lower tiers, never one of its own tier or above (lazy imports included).
+LAYERS = (
+    ("__init__", "errors", "paths", "redaction", "records", "faults", "layers"),
+    ("budget", "runfiles"),
+    ("formats", "hooks", "plots"),
+    ("server",),
+    ("diagnosis", "acceptance"),
+    ("draft", "capture"),
+    ("investigation",),
+    ("views", "suite"),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _part(mod: str) -> str:
+    """``helpers.diagnosis.static`` -> ``diagnosis``; ``helpers.runfiles`` -> ``runfiles``; ``helpers`` ->
+    ``__init__``."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _part_imports() -> list[tuple[str, str, str, int]]:
+    """Every import of one part of helpers by another, at module top or in a function: (part, imported part, module,
+    line)."""
+    out = []
+    for mod, path in MODULES.items():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom):
+                base = _resolve(path, n)
+                targets = [base] + [f"{base}.{a.name}" for a in n.names]
+            elif isinstance(n, ast.Import):
+                targets = [a.name for a in n.names]
+            else:
+                continue
+            for target in targets:
+                if target in MODULES and _part(target) != _part(mod):
+                    out.append((_part(mod), _part(target), mod, n.lineno))
+    return out
+
+
+def _upward_imports(tier: dict[str, int]) -> list[str]:
+    bad = []
+    for part, dep, mod, line in _part_imports():
+        if part not in tier or dep not in tier:
+            bad.append(f"{mod}:{line}: part {part if part not in tier else dep} has no tier in LAYERS (DESIGN.md)")
+        elif tier[dep] >= tier[part]:
+            bad.append(f"{mod}:{line}: {part} (tier {tier[part]}) imports {dep} (tier {tier[dep]}), which is not "
+                       "below it")
+    return sorted(set(bad))
+
+
+def test_no_part_imports_one_above_it():
+    tier = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    assert not _upward_imports(tier), "imports against the layer order:\n" + "\n".join(_upward_imports(tier))
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """The check above is not vacuous: with the layer vocabulary moved up to server's tier, formats' real import of it
+    is flagged; with server moved up to diagnosis's tier, diagnosis' real import of server is."""
+    tier = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    assert any("formats" in b and "imports layers" in b for b in _upward_imports({**tier, "layers": tier["server"]}))
+    assert any("imports server" in b for b in _upward_imports({**tier, "server": tier["diagnosis"]}))
 
 
 def test_every_helpers_import_resolves():
@@ -107,7 +174,8 @@ def test_function_level_imports_say_why_they_are_lazy():
 
 @pytest.mark.parametrize("module", ["helpers.investigation.cases", "helpers.acceptance.measure",
                                     "helpers.server.client", "helpers.suite.params", "helpers.cli.measure",
-                                    "helpers.diagnosis.sglang_rules", "helpers.formats.configs"])
+                                    "helpers.diagnosis.sglang_rules", "helpers.layers.sglang",
+                                    "helpers.formats.configs"])
 def test_light_entry_points_do_not_import_torch(module):
     """A case file validates, a measurement runs and a config is read without loading torch (seconds of
     start-up on every command)."""

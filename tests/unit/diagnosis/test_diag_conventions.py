@@ -1,6 +1,6 @@
-"""Layer-id conventions and capture plans (helpers.diagnosis.conventions), checked against the rules read in SGLang
-0.5.14 / 0.5.23 source; where the reference environment's SGLang is installed, the quoted rules are also
-checked against its source text."""
+"""Layer-id conventions (helpers.layers.ids) and capture plans (helpers.diagnosis.conventions), checked against the
+rules read in SGLang 0.5.14 / 0.5.23 source; where the reference environment's SGLang is installed, the quoted rules
+are also checked against its source text."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.diagnosis.conventions import (LayerIds, compare_plans, convert, layer_id, physical, served_plan,
-                                 sglang_layers_to_capture, specforge_default_ids, target_family, training_plan,
-                                 vllm_default_ids)
+from helpers.diagnosis.conventions import compare_plans, served_plan, sglang_layers_to_capture, training_plan
+from helpers.layers.ids import LayerIds, convert, layer_id, physical, specforge_default_ids, vllm_default_ids
+from helpers.layers.sglang import parse_version, target_family
 
 
 def draft(nested=None, top=None, use_aux=True, form="sglang"):
@@ -32,7 +32,7 @@ def test_physical_names_per_convention():
         physical(32, "specforge", n)          # out(32) does not exist
     with pytest.raises(ValueError):
         physical(-1, "sglang_capture", n)
-    # all four defaults name the same physical tensors (training-formats.md §0)
+    # all four defaults name the same physical tensors
     assert specforge_default_ids(n).tensors(n) == vllm_default_ids(n).tensors(n) == ["out(1)", "out(15)", "out(28)"]
 
 
@@ -58,7 +58,6 @@ def test_convert_round_trips():
     ("plus_one_default", None, None, [3, 17, 30]),              # minimax_m3_vl: +1 on the default too
 ])
 def test_sglang_layers_to_capture(family, version, ids, expected):
-    from helpers.diagnosis.conventions import parse_version
     n = 36 if family == "gpt_oss" else 32
     if family == "plus_one_default" or family == "plus_one":
         n = 32

@@ -1,4 +1,4 @@
-"""The SGLang rule table (helpers/diagnosis/data/sglang-0.5.23-eagle3.json) is what env/reference/sglang_tables.py
+"""The SGLang rule table (helpers/layers/data/sglang-0.5.23-eagle3.json) is what env/reference/sglang_tables.py
 derives from the installed sglang 0.5.23 source, and the rules the diagnosis relies on read as stated there."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from helpers.diagnosis import sglang_rules as R
+from helpers.diagnosis.sglang_rules import draft_servable
+from helpers.layers import sglang as R
 from support import ROOT
 
 PKG = sorted((ROOT / "env" / "reference" / ".venv" / "lib").glob("python3*/site-packages/sglang"))
@@ -37,5 +38,5 @@ def test_rules_the_diagnosis_relies_on():
     assert R.target_rule(["NoSuchModelForCausalLM"]).rule == "unregistered"
     assert R.target_rule([], "llama").architecture == "LlamaForCausalLM"
     assert R.eagle3_draft_classes() == ["Eagle3DeepseekV2ForCausalLM", "LlamaForCausalLMEagle3"]
-    assert R.draft_servable(["LlamaForCausalLMEagle3"], "sglang") is None
-    assert "not registered" in R.draft_servable(["DeepseekV3ForCausalLMEagle3"], "sglang")
+    assert draft_servable(["LlamaForCausalLMEagle3"], "sglang") is None
+    assert "not registered" in draft_servable(["DeepseekV3ForCausalLMEagle3"], "sglang")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers.formats.configs import read_draft_config, read_draft_weights, read_target_config
+from helpers.formats.configs import read_config_json, read_draft_config, read_draft_weights, read_target_config
 from helpers.server.settings import ServerSettings
 from helpers.formats.dumps import (read_dump, read_dumper_dir, read_generate_response, safe_torch_load, samples_from_generate,
                            write_dump)
@@ -23,6 +23,33 @@ from support.tinymodels import build_eagle3_draft
 
 
 # ------------------------------------------------------------------------------------------------ configs
+
+def test_read_config_json_names_the_file(tmp_path, tiny_target):
+    raw = json.loads((tiny_target / "config.json").read_text())
+    assert read_config_json(tiny_target)["hidden_size"] == raw["hidden_size"]
+    with pytest.raises(BadInput, match=r"draft config not found .*config\.json"):
+        read_config_json(tmp_path, "draft config")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(BadInput, match=r"config\.json.*expected a JSON object, got list"):
+        read_config_json(tmp_path / "config.json", "target config")
+
+
+def test_every_config_json_read_goes_through_formats_configs():
+    """No module of helpers parses a config.json itself: formats.configs.read_config_json is the one reader (its
+    error contract: BadInput naming the file)."""
+    import ast
+    from support import ROOT
+    parsers = {"loads", "loads_json", "read_json_file", "read_text", "load"}
+    bad = []
+    for path in (ROOT / "helpers").rglob("*.py"):
+        if path.name == "configs.py" and path.parent.name == "formats":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in parsers:
+                text = ast.unparse(node)
+                if "config.json" in text:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    assert not bad, "config.json parsed outside helpers.formats.configs:\n" + "\n".join(bad)
 
 def test_draft_config_forms(tmp_path, tiny_target, tiny_draft):
     d = read_draft_config(tiny_draft)

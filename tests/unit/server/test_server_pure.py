@@ -16,7 +16,7 @@ import pytest
 from helpers.errors import AuthError, CacheBusy, EndpointMissing, HiddenStatesDisabled, MetricsDisabled, RequestRejected, ServerUnavailable
 from helpers.server.client import SGLangClient
 from helpers.server.settings import detect_overrides, parse_launch_args
-from helpers.server.redaction import redact, redact_argv, redact_url
+from helpers.redaction import redact, redact_argv, redact_url
 
 KEY = "sk-unit-4f1c9e2b77"
 
@@ -41,7 +41,7 @@ def test_redact_drops_secret_fields_everywhere_and_scrubs_strings():
 def test_redact_scrubs_keys_held_as_dict_keys_nested_and_in_commands():
     """Issue 21: a key used as a dict key (nested), an admin key only present in launch_command, and a secret
     field holding a list: none survives, in values or keys, and every later text is scrubbed of them too."""
-    from helpers.server.redaction import argv_secrets, scrub
+    from helpers.redaction import argv_secrets, scrub
 
     k2 = "adm-unit-9e1f2c3d"
     info = {"launch_command": ["sglang", "--api-key", KEY, f"--admin-api-key={k2}"],
@@ -254,7 +254,7 @@ def test_redaction_keeps_paths_of_this_tools_hook_specs():
     "embedding" survives /server_info redaction (the investigation reads the draft path from it)."""
     from helpers.capture import server_hook_specs
     from helpers.investigation.live import capture_hooks
-    from helpers.server.redaction import redact
+    from helpers.redaction import redact
 
     hooks = server_hook_specs(8, rank_capture_dir="/x/ranks", layers_dir="/x/layers",
                               faults=[{"kind": "embedding_in_place_of_layer", "chunk": 0}])

@@ -1,0 +1,238 @@
+"""The parameters SGLang 0.5.23 builds for an EAGLE-3 draft config, and where its ``load_weights`` puts each
+checkpoint tensor: the model the draft checks (:mod:`helpers.draft.checks`) and the offline draft
+(:mod:`helpers.draft.model`) both load against.
+
+Mirrored from ``sglang/srt/models/llama_eagle3.py`` (``LlamaModel.__init__``, ``LlamaDecoderLayer.__init__``,
+``LlamaForCausalLMEagle3.__init__`` / ``load_weights``) and ``sglang/srt/models/kimi_k25_eagle3.py``
+(``Eagle3MLAModel.__init__``, ``_get_eagle_aux_layer_count``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput
+from ..formats.configs import DraftConfig, TensorInfo
+
+#: the SGLang release whose source these rules were read from
+SGLANG_RULES = "0.5.23"
+
+L3 = "sglang/srt/models/llama_eagle3.py"
+K25 = "sglang/srt/models/kimi_k25_eagle3.py"
+LLAMA_CLASS, MLA_CLASS = "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"
+
+# llama_eagle3.py::LlamaForCausalLMEagle3.load_weights (l. 328-343)
+_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+_LEGACY = (("midlayer", "layers.0"), ("aux_norm_low", "fc_norm.0"), ("aux_norm_mid", "fc_norm.1"),
+           ("aux_norm_high", "fc_norm.2"))
+
+#: initial value of a parameter no tensor fills, per SGLang module
+INIT_RMSNORM = "ones (layers/layernorm.py::RMSNorm: torch.ones): the trained scale is lost"
+INIT_LINEAR = "torch.nn.Linear's random initialisation"
+INIT_EMPTY = "uninitialised memory (torch.empty in the layer's create_weights)"
+
+
+@dataclass
+class SGLangDraftParams:
+    """The parameters SGLang builds for a draft config: ``{(param, shard): (shape, init)}`` and how it resolves
+    checkpoint names."""
+
+    cls: str
+    params: dict
+    defaulted: dict          # config fields left out, with the LlamaConfig default SGLang then uses
+    num_aux: int
+    hidden_size_in: int
+    fc_norm: bool
+    norm_before_fc: bool
+    norm_output: bool
+    tie: bool
+    draft_vocab: int         # the lm_head's rows (draft_vocab_size, or vocab_size when it is absent)
+    vocab: int
+    lm_from_target: bool     # load_lm_head_from_target
+    midlayer_checked: bool   # the decoder layer's tensors are part of params (False for the MLA draft)
+    source: str
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    intermediate: int = 0
+    layers: int = 1
+    attn_bias: bool = False
+    #: parameters SGLang builds but its forward never reads (``layers.{i>0}.input_layernorm``: llama_eagle3.py
+    #: ``LlamaDecoderLayer.forward`` l. 103-105 norms layers > 0 with ``hidden_norm`` only): absent, nothing changes
+    unused: frozenset = frozenset()
+
+
+#: transformers 5's LlamaConfig defaults, which the draft gets for a field its config.json leaves out (SGLang loads
+#: the draft config through AutoConfig; ``LlamaConfig()``): a draft config without ``num_hidden_layers`` gets 32 layers
+LLAMA_DEFAULTS = {"vocab_size": 32000, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32}
+
+
+def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:
+    v = raw.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=key)
+    return v
+
+
+def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
+    """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config."""
+    raw, path = d.raw, d.path
+    cls = d.architectures[0] if d.architectures else LLAMA_CLASS
+    ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    H = d.hidden_size
+    defaulted = {k: v for k, v in LLAMA_DEFAULTS.items() if raw.get(k) is None}
+
+    def field(key: str) -> int:
+        return _int(raw, key, path, LLAMA_DEFAULTS[key])
+
+    V = field("vocab_size")
+    dv = _int(raw, "draft_vocab_size", path)
+    tie = bool(raw.get("tie_word_embeddings", False))     # LlamaConfig default False
+    ids = ec.get("eagle_aux_hidden_state_layer_ids")
+    if cls == MLA_CLASS:
+        # kimi_k25_eagle3.py::_get_eagle_aux_layer_count (l. 48-59): eagle_config ids, top-level ids, else 3
+        top = raw.get("eagle_aux_hidden_state_layer_ids")
+        naux = len(ids) if ids is not None else len(top) if top is not None else 3
+        hin = raw.get("target_hidden_size") or H                          # l. 208-210
+        source = f"{K25}::Eagle3MLAModel.__init__ (l. 191-255)"
+        if raw.get("num_hidden_layers", 1) != 1:
+            raise BadInput(f"num_hidden_layers is {raw.get('num_hidden_layers')}: SGLang's {MLA_CLASS} raises "
+                           f"'EAGLE3 currently only supports 1 layer' ({K25} l. 243-244); expected 1", path=path,
+                           field="num_hidden_layers")
+        norm_before_fc = False                                            # Eagle3MLAModel has no input_norm
+    else:
+        # llama_eagle3.py::LlamaModel.__init__ l. 151-161: hasattr(config, "target_hidden_size") -- a null counts
+        if "target_hidden_size" in raw and raw["target_hidden_size"] is None:
+            raise BadInput("target_hidden_size is null: SGLang takes it as set (hasattr) and cannot build fc "
+                           f"({L3} l. 151-154); expected an integer or no key", path=path, field="target_hidden_size")
+        hin = _int(raw, "target_hidden_size", path, H)
+        naux = raw.get("num_aux_hidden_states")
+        if naux is None:
+            naux = len(ids) if ids else 3
+        elif isinstance(naux, bool) or not isinstance(naux, int) or naux <= 0:
+            raise BadInput(f"expected a positive integer, got {naux!r}", path=path, field="num_aux_hidden_states")
+        norm_before_fc = bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False)))   # l. 173-175
+        source = f"{L3}::LlamaModel.__init__ (l. 122-207), LlamaDecoderLayer.__init__ (l. 46-86)"
+    fc_norm = bool(raw.get("fc_norm") or raw.get("use_aux_norm", False))                    # l. 185-187
+    norm_output = bool(raw.get("norm_output", False))                                       # l. 207
+    lm_from_target = not tie and dv is None                                                  # l. 302-308
+    draft_vocab = V if dv is None else dv
+
+    params: dict = {}
+    params[("model.embed_tokens.weight", None)] = ((V, H), INIT_EMPTY)
+    params[("model.fc.weight", None)] = ((H, hin * naux), INIT_LINEAR if cls != MLA_CLASS else INIT_EMPTY)
+    if raw.get("bias"):
+        params[("model.fc.bias", None)] = ((H,), INIT_LINEAR)
+    if norm_before_fc:
+        params[("model.input_norm.weight", None)] = ((hin * naux,), INIT_RMSNORM)
+    if fc_norm:
+        for i in range(naux):
+            params[(f"model.fc_norm.{i}.weight", None)] = ((hin,), INIT_RMSNORM)
+    params[("model.norm.weight", None)] = ((H,), INIT_RMSNORM)
+    if not tie:
+        params[("lm_head.weight", None)] = ((draft_vocab, H), INIT_EMPTY)
+    midlayer_checked = cls != MLA_CLASS
+    nh = nkv = hd = inter = 0
+    nlayers, attn_bias = 1, False
+    if midlayer_checked:
+        nh = field("num_attention_heads")
+        nkv = _int(raw, "num_key_value_heads", path, nh)
+        hd = _int(raw, "head_dim", path, H // nh)
+        if raw.get("model_type") == "llama4_text":
+            inter = _int(raw, "intermediate_size_mlp", path)
+            if inter is None:
+                raise BadInput("missing integer field (SGLang builds a llama4_text draft's MLP from it)", path=path,
+                               field="intermediate_size_mlp")
+        else:
+            inter = field("intermediate_size")
+        attn_bias = bool(raw.get("attention_bias", False) or raw.get("bias", False))   # llama.py l. 339-341
+        nlayers = field("num_hidden_layers")
+        for layer in range(nlayers):
+            pre = f"model.layers.{layer}."
+            width = 2 * H if layer == 0 else H                           # llama_eagle3.py l. 62-64
+            params[(pre + "self_attn.qkv_proj.weight", "q")] = ((nh * hd, width), INIT_EMPTY)
+            params[(pre + "self_attn.qkv_proj.weight", "k")] = ((nkv * hd, width), INIT_EMPTY)
+            params[(pre + "self_attn.qkv_proj.weight", "v")] = ((nkv * hd, width), INIT_EMPTY)
+            params[(pre + "self_attn.o_proj.weight", None)] = ((H, nh * hd), INIT_EMPTY)
+            if attn_bias:
+                params[(pre + "self_attn.o_proj.bias", None)] = ((H,), INIT_EMPTY)
+            params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), INIT_EMPTY)
+            params[(pre + "mlp.gate_up_proj.weight", 1)] = ((inter, H), INIT_EMPTY)
+            params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), INIT_EMPTY)
+            for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+                params[(pre + norm + ".weight", None)] = ((H,), INIT_RMSNORM)
+    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin,
+                             fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
+                             draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
+                             midlayer_checked=midlayer_checked, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
+                             intermediate=inter, layers=nlayers, attn_bias=attn_bias,
+                             unused=frozenset((f"model.layers.{i}.input_layernorm.weight", None)
+                                              for i in range(1, nlayers)))
+
+
+def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
+    """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``, or
+    None (dropped silently; for the MLA draft's decoder layer, ``"midlayer"``: not modelled here)."""
+    names = {p for p, _ in arch.params}
+    if arch.cls == MLA_CLASS:
+        if name == "d2t" or name.endswith(".d2t"):
+            return "d2t"
+        if name == "t2d" or name.endswith(".t2d"):
+            return "t2d"
+        mapped = re.sub(r"^layers\.0\.", "midlayer.", name)
+        if not mapped.startswith("lm_head."):
+            mapped = f"model.{mapped}"
+        if mapped.startswith("model.midlayer."):
+            return "midlayer"
+        return (mapped, None) if mapped in names else None
+    for legacy, new in _LEGACY:
+        if legacy in name:
+            name = name.replace(legacy, new)
+    if "d2t" in name:
+        return "d2t"
+    if "t2d" in name:
+        return "t2d"
+    for param_name, weight_name, shard in _STACKED:
+        if weight_name not in name:
+            continue
+        name = name.replace(weight_name, param_name)
+        param = f"model.{name}" if name not in names else name
+        return (param, shard) if param in names else None
+    param = name if name in names else f"model.{name}"
+    return (param, None) if param in names else None
+
+
+def shape_error(arch: SGLangDraftParams, d: DraftConfig, key: str, info: TensorInfo, param: str, shard: Any,
+                 expected: tuple) -> BadInput:
+    """The load-time error SGLang raises for checkpoint tensor ``key`` (``info``: its file and shape) whose shape
+    differs from the ``expected`` shape of ``param`` (``shard``: the q/k/v or gate/up slice, else None), as one
+    :class:`helpers.errors.BadInput` naming the file and key and, for fc / lm_head / decoder-layer tensors, the config
+    fields that size it (the shape assert of ``sglang/srt/model_loader/weight_utils.py::default_weight_loader`` and
+    the layers' ``weight_loader``)."""
+    why = ""
+    if param == "model.fc.weight":
+        naux_from = ("num_aux_hidden_states" if d.raw.get("num_aux_hidden_states") is not None
+                     else "the eagle_config ids")
+        why = (f": SGLang builds fc as Linear({arch.hidden_size_in} x {arch.num_aux} -> {d.hidden_size}) "
+               f"(target_hidden_size {'from the config' if 'target_hidden_size' in d.raw else '= hidden_size'}, "
+               f"{arch.num_aux} aux chunks from "
+               f"{naux_from}"
+               f"); the checkpoint's fc takes {info.shape[1] if len(info.shape) == 2 else '?'} "
+               f"-- {arch.source}")
+    elif param == "lm_head.weight":
+        why = (f": SGLang builds lm_head with {arch.draft_vocab} rows ("
+               + ("draft_vocab_size is absent, so vocab_size is used" if arch.lm_from_target else "draft_vocab_size")
+               + f") -- {L3} l. 305-314")
+    elif param.startswith("model.layers."):
+        why = (" (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size of the config; "
+               "layer 0's q/k/v take 2 x hidden_size)")
+    shard_txt = f" (shard {shard} of {param})" if shard is not None else ""
+    return BadInput(f"shape {list(info.shape)} but SGLang {SGLANG_RULES} loads it into {param}{shard_txt} of shape "
+                    f"{list(expected)}{why}; the server fails at load (weight_loader shape assert)",
+                    path=info.file, field=key)
+
