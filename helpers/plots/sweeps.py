@@ -34,19 +34,17 @@ def sweep_figure(name: str, sweep: dict, limits: Optional[dict] = None) -> Optio
         fig.add_trace(go.Scatter(x=x, y=tok, mode="lines+markers", yaxis="y2", line={"dash": "dot", "color": "#888"},
                                  name="tok/s (all requests)" if key == "throughput_tok_s" else "tok/s per request",
                                  hovertemplate="%{y:.1f} tok/s<extra></extra>"))
-    for k, txt, color in (("draft", "draft max_position_embeddings", "#c62828"),
-                          ("training", "mean training sample", "#2e7d32")):
+    for k, txt, color, where in (("draft", "draft max_position_embeddings", "#c62828", "top right"),
+                                 ("training", "mean training sample", "#2e7d32", "bottom right")):
         v = (limits or {}).get(k)
         if name == "context" and v and v <= max(x) * 1.5:
             fig.add_vline(x=v, line={"dash": "dash", "color": color}, annotation_text=f"{txt} ({v})",
-                          annotation_position="top left")
+                          annotation_position=where)
     t = sweep.get("trend")
     title = f"Accept length vs {AXIS.get(name, name)}" + (
         f": falls from {t['first_falling']} ({t['delta']:+.2f} at {t['at']})" if t else ": no CI-supported fall")
-    fig.update_layout(title=title, height=360, xaxis={"title": AXIS.get(name, name)},
+    fig.update_layout(title=title, height=360, xaxis={"title": AXIS.get(name, name), "rangemode": "tozero"},
                       yaxis={"title": "accept length (tokens / verify step)", "rangemode": "tozero"},
                       yaxis2={"title": "tok/s", "overlaying": "y", "side": "right", "rangemode": "tozero"},
                       margin={"l": 60, "r": 60, "t": 60, "b": 50}, legend={"orientation": "h", "y": -0.25})
-    if name == "context":
-        fig.update_xaxes(type="log")
     return fig
