@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
+
+from .kinds import check_kind
+
+#: a finding kind: a name declared in :data:`helpers.kinds.KINDS` (validated on construction and on read)
+KindName = Annotated[str, AfterValidator(check_kind)]
 
 
 class Record(BaseModel):
@@ -22,11 +27,11 @@ class Record(BaseModel):
 
 
 class Finding(Record):
-    """A diagnosis finding (DESIGN.md "Findings"): ``kind`` from ``helpers.diagnosis.detectors.FINDING_KINDS``,
+    """A diagnosis finding (DESIGN.md "Findings"): ``kind`` declared in :mod:`helpers.kinds`,
     the served ``chunk`` (None for the whole width, a config or the training data), a one-line ``detail`` and the
     ``evidence`` (numbers, identities and where they came from)."""
 
-    kind: str
+    kind: KindName
     chunk: Optional[int] = None
     detail: str = ""
     evidence: dict = Field(default_factory=dict)

@@ -1,7 +1,7 @@
 """Named wiring faults: one function per finding kind, each returning findings with evidence.
 
 A finding is ``{"kind": str, "chunk": int|None, "detail": str, "evidence": {...}}`` (DESIGN.md
-"Findings"); ``kind`` is one of :data:`FINDING_KINDS` (the contract with helpers/hooks.py fault injection).
+"Findings"); ``kind`` is one of :data:`helpers.kinds.FINDING_KINDS` (the contract with helpers/hooks.py fault injection).
 ``chunk`` is the served chunk index (None for findings about the whole width, the config, or training data).
 
 Detectors come in two groups:
@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..kinds import ALIGNED_KINDS, FINDING_KINDS, LAYOUT_KINDS  # noqa: F401  (re-exported)
 from ..runfiles import jsonable
 from .compare import MATCH_SHARE, Comparison, PairMetrics, SourceResult
 from .conventions import (
@@ -36,27 +37,8 @@ from .conventions import (
 )
 from .fit import isometry_fit, noise_floor, rms_norm_fit, scale_fit
 
-FINDING_KINDS = (
-    "chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk", "extra_chunk",
-    "width_mismatch", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
-    "norm_mismatch", "nan_or_inf", "token_mismatch", "config_ids_ignored", "fc_bypassed", "vocab_map_missing",
-    "num_draft_tokens_overridden", "config_ids_mismatch", "unsupported_draft", "unsupported_target",
-    "served_draft_differs", "unidentified_chunk", "zero_chunk", "scaled_chunk", "partial_match", "server_fatal",
-    # the acceptance budget (helpers.draft.budget): where the accept length is lost
-    "draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
-    "acceptance_unexplained",
-    # the draft checkpoint itself (helpers/draft/checks.py, no server)
-    "lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
-    "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored", "rope_mismatch", "max_position_short",
-    "sliding_window_ignored",
-)
-#: kinds that describe which tensor sits in which chunk (the served layout).
-LAYOUT_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "embedding_in_place_of_layer", "missing_chunk",
-                "extra_chunk")
-
-
 def finding(kind: str, chunk: Optional[int], detail: str, **evidence: Any) -> dict:
-    """Build a finding dict; ``kind`` must be in :data:`FINDING_KINDS`.
+    """Build a finding dict; ``kind`` must be declared in :mod:`helpers.kinds`.
 
     Raises:
         ValueError: unknown kind.
@@ -1258,15 +1240,10 @@ NUMERIC_DETECTORS = (
 )
 
 
-#: kinds built on the served rows compared with the training rows of the same tokens: withheld when the served
-#: file's prompts differ from training (:func:`_withhold_unaligned`). Served-side facts (non-finite or zero rows,
-#: context-free rows, widths) do not depend on the alignment.
-ALIGNED_KINDS = ("chunk_order", "layer_offset", "wrong_layer", "unidentified_chunk", "missing_chunk", "extra_chunk",
-                 "rotated_basis", "norm_mismatch", "scaled_chunk", "partial_match", "tp_partial_sum")
-
-
 def _withhold_unaligned(ctx: Context, out: list[dict]) -> list[dict]:
-    """When served samples differ from their training samples inside the prompt, the file's rows are not known
+    """Kinds marked ``aligned`` in :mod:`helpers.kinds` are built on the served rows compared with the training
+    rows of the same tokens (served-side facts: non-finite or zero rows, context-free rows, widths, do not depend
+    on the alignment). When served samples differ from their training samples inside the prompt, the file's rows are not known
     to be aligned with the training rows (samples reordered, another data set, rows of one sample under another
     sample's ids): findings built on the row comparison are withheld and listed in the token_mismatch finding,
     which says what would settle them."""

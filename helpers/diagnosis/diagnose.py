@@ -24,11 +24,11 @@ from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.dumps import load_served, read_dump
 from ..formats.training_data import TrainingData
+from ..kinds import LAYOUT_KINDS, sort_findings
 from ..server.settings import ServerSettings
 from . import detectors as D
 from .compare import compare
 from .conventions import CapturePlan
-from .detectors import LAYOUT_KINDS  # noqa: E402,F401  (re-exported)
 from .static import load_draft, resolve_training_plan, static_check
 
 
@@ -204,7 +204,7 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
             report.inputs["draft weights"] = weights_note
         sp, tp = report.served_plan, report.training_plan
         for f in report.findings:
-            (layout_static if f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS + ("width_mismatch",)
+            (layout_static if f["evidence"].get("static") and f["kind"] in LAYOUT_KINDS + ("width_mismatch",)
              else static).append(f)
     elif target is not None:
 
@@ -226,7 +226,7 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
     notes += ctx.notes
     fc_static = any(f["kind"] == "fc_bypassed" for f in static)
     findings = _merge(static, layout_static, numeric, fc_static=fc_static)
-    if report is not None and report.ambiguity and not any(f["kind"] in D.LAYOUT_KINDS for f in findings) \
+    if report is not None and report.ambiguity and not any(f["kind"] in LAYOUT_KINDS for f in findings) \
             and ctx.full_width and ctx.ns == ctx.nt and all(ctx.match.get(i) == i for i in range(ctx.ns)):
         notes.append("the data settle the draft config's ambiguity: the served chunks equal the training chunks")
     if not any(ctx.match.values()) and ctx.full_width and not findings:
@@ -275,19 +275,7 @@ def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *
             [g for g in numeric if g["kind"] == f["kind"] and f["chunk"] is None]
         for g in same[:1]:
             g["evidence"].setdefault("static_prediction", {"detail": f["detail"], **f["evidence"]})
-    order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "server_fatal", "config_ids_ignored",
-                                         "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
-                                         "vocab_map_missing", "lm_head_missing", "lm_head_replaced",
-                                         "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
-                                         "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
-                                         "rope_mismatch", "max_position_short", "sliding_window_ignored",
-                                         "token_mismatch", "nan_or_inf", "width_mismatch",
-                                         "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced",
-                                         "layer_offset", "embedding_in_place_of_layer", "chunk_order",
-                                         "zero_chunk", "rotated_basis", "norm_mismatch", "scaled_chunk",
-                                         "partial_match", "unidentified_chunk", "wrong_layer", "extra_chunk",
-                                         "missing_chunk"))}
-    return sorted(out, key=lambda f: (order.get(f["kind"], 99), -1 if f["chunk"] is None else f["chunk"]))
+    return sort_findings(out)
 
 
 def _chunk_table(ctx) -> list[dict]:

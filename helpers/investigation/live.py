@@ -42,6 +42,7 @@ from ..diagnosis.detectors import finding
 from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
+from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
 from ..records import Finding, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, read_json, safe_name, write_json
 from ..server.client import SGLangClient
@@ -483,28 +484,10 @@ def _reference(att: Attachment, client: SGLangClient, samples: Sequence[Any], ru
 
 _ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}
 
-#: findings about the tensors the draft receives (measured); the config findings that explain them come after
-TENSOR_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order", "missing_chunk",
-                "zero_chunk", "scaled_chunk", "partial_match",
-                "extra_chunk", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
-                "norm_mismatch", "nan_or_inf", "fc_bypassed", "width_mismatch"}
-
-
 def _measured_first(findings: list[dict]) -> list[dict]:
     """The findings with the measured tensor faults first (what the draft really receives), then the config
     findings that explain them (stable otherwise): the opening sentence names what is wrong, then why."""
     return sorted(findings, key=lambda f: 0 if f["kind"] in TENSOR_KINDS and not f["evidence"].get("static") else 1)
-
-
-#: check -> the finding kinds that say what the check asks; a check refuted while such a finding stands in the same
-#: run is reported inconclusive (two measurements of one question disagree: the finding's evidence is named)
-CHECK_FINDINGS = {"tp_sharding": ("tp_sharded_width", "tp_partial_sum"),
-                  "embedding_all_reduce": ("embedding_not_all_reduced",),
-                  "layer_offset": ("layer_offset",), "embedding_included": ("embedding_in_place_of_layer",),
-                  "concat_order": ("chunk_order",), "rotated_basis": ("rotated_basis",),
-                  "norm_mismatch": ("norm_mismatch",), "fc_bypass": ("fc_bypassed",),
-                  "vocab_map": ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs"),
-                  "num_steps_override": ("num_draft_tokens_overridden",)}
 
 
 def reconcile(hypotheses: list[dict], findings: Sequence[Any]) -> list[dict]:
@@ -651,59 +634,6 @@ def _set_flags(argv: list[str], flags: dict[str, str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the sentence
-
-KIND_TEXT = {
-    "embedding_in_place_of_layer": "the token embedding is fed where the draft was trained on a layer output",
-    "layer_offset": "every aux chunk is a different layer than the draft was trained on",
-    "wrong_layer": "an aux chunk holds another layer than the draft was trained on",
-    "unidentified_chunk": "an aux chunk holds something that is no layer of the target",
-    "zero_chunk": "an aux chunk is all zeros (the capture delivers nothing there)",
-    "scaled_chunk": "an aux chunk is the trained tensor times a constant",
-    "partial_match": "an aux chunk is the trained tensor except on a minority of rows",
-    "chunk_order": "the aux chunks come in another order than in training",
-    "missing_chunk": "an aux chunk the draft was trained on is missing",
-    "extra_chunk": "the server feeds an aux chunk training did not have",
-    "width_mismatch": "the served width differs from the trained width",
-    "tp_sharded_width": "each TP rank feeds an H/tp shard instead of the full hidden state",
-    "tp_partial_sum": "an aux chunk is one TP rank's partial sum, not the all-reduced residual stream",
-    "embedding_not_all_reduced": "the embedding is fed before its TP all-reduce",
-    "rotated_basis": "an aux chunk is the trained tensor in another basis",
-    "norm_mismatch": "an aux chunk has a normalisation training did not have (or lacks one)",
-    "nan_or_inf": "the served aux states hold NaN / Inf",
-    "token_mismatch": "the served tokens differ from the training tokens",
-    "config_ids_ignored": "SGLang ignores the draft config's layer ids",
-    "config_ids_mismatch": "the deployed draft config names other layers than training used",
-    "fc_bypassed": "the draft's fc is bypassed (EAGLE-3 draft served without aux states)",
-    "vocab_map_missing": "the draft's pruned vocabulary has no d2t map",
-    "num_draft_tokens_overridden": "SGLang overrides the requested number of draft tokens",
-    "served_draft_differs": "the server runs another draft than the one given",
-    "unsupported_target": "SGLang cannot capture aux states for this target",
-    "unsupported_draft": "SGLang cannot serve this draft as EAGLE-3",
-    "server_fatal": "the server fails with these layer ids (at start-up or at the first forward)",
-    "lm_head_missing": "the draft's lm_head is missing and left uninitialised",
-    "lm_head_replaced": "SGLang replaces the draft's trained lm_head",
-    "vocab_map_trivial": "the draft's d2t is all zeros",
-    "vocab_map_differs": "the draft's d2t differs from the training data's vocab mapping",
-    "draft_vocab_coverage": "many target tokens lie outside the draft vocabulary",
-    "draft_weight_missing": "draft parameters have no tensor in the checkpoint",
-    "draft_weight_ignored": "SGLang's loader drops draft tensors",
-    "draft_flag_ignored": "SGLang ignores a draft config flag",
-    "rope_mismatch": "the draft's rotary embedding differs from the target's",
-    "max_position_short": "the draft's context is shorter than the target's",
-    "sliding_window_ignored": "SGLang ignores the draft's sliding window",
-    "draft_underperforms": "the draft checkpoint accepts less on its own training states than its training log says",
-    "wiring_loses_acceptance": "the served aux states cost acceptance against the training states",
-    "engine_after_capture": "the engine accepts less than the draft run offline on the very states it fed",
-    "spec_settings_low": "the speculative settings leave acceptance unused",
-    "acceptance_unexplained": "live acceptance is below the offline prediction and no stage explains it",
-}
-#: findings about the draft checkpoint itself (helpers.draft.checks)
-DRAFT_KINDS = ("lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "vocab_map_missing",
-               "draft_vocab_coverage", "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
-               "rope_mismatch", "max_position_short", "sliding_window_ignored")
-ACCEPTANCE_KINDS = ("draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
-                    "acceptance_unexplained")
-
 
 def _measured_text(m: Optional[dict]) -> str:
     if not m:
