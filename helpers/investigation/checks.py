@@ -37,7 +37,7 @@ from ..hooks import ARM_FILE
 from ..plots.checks import bar_figure, chunk_layer_figure
 from ..runfiles import jsonable, read_json_file, safe_name
 from ..server.client import as_client
-from .catalog import CATALOG
+from .catalog import CHECK_SPECS
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
 
@@ -757,21 +757,24 @@ def check_norm_mismatch(inv: Investigation, **_: Any) -> HypothesisResult:
 
 @dataclass(frozen=True)
 class Check:
+    """A declared check (:class:`helpers.investigation.catalog.CheckSpec`) with its function ``check_<name>``."""
+
     name: str
     title: str
     question: str
     fn: Callable[..., HypothesisResult]
 
 
-_FUNCTIONS = {"embedding_all_reduce": check_embedding_all_reduce, "concat_order": check_concat_order,
-              "tp_sharding": check_tp_sharding, "layer_offset": check_layer_offset,
-              "embedding_included": check_embedding_included, "num_steps_override": check_num_steps_override,
-              "fc_bypass": check_fc_bypass, "verify_bottleneck": check_verify_bottleneck,
-              "static_wiring": check_static_wiring, "vocab_map": check_vocab_map,
-              "rotated_basis": check_rotated_basis, "norm_mismatch": check_norm_mismatch}
-#: name -> :class:`Check` (titles and questions from :mod:`helpers.investigation.catalog`)
-CHECKS: dict[str, Check] = {name: Check(name, title, question, _FUNCTIONS[name])
-                            for name, (title, question) in CATALOG.items()}
+def _implementation(name: str) -> Callable[..., HypothesisResult]:
+    fn = globals().get(f"check_{name}")
+    if fn is None:                                                                      # pragma: no cover
+        raise RuntimeError(f"helpers/investigation/catalog.py declares the check {name!r}, but "
+                           f"helpers/investigation/checks.py has no check_{name}")
+    return fn
+
+
+#: name -> :class:`Check`, one per :data:`helpers.investigation.catalog.CHECK_SPECS` entry
+CHECKS: dict[str, Check] = {s.name: Check(s.name, s.title, s.question, _implementation(s.name)) for s in CHECK_SPECS}
 
 
 def run_check(name: str, inv: Investigation, *, label: str = "", question: str = "",

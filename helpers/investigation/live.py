@@ -11,7 +11,7 @@ Steps, each timed and reported as a progress line:
    hooks are on (same numerics as the served tensors), else HF transformers on the target folder when the weights
    are there and fit in memory, else none, with what is missing and what it would settle.
 4. **diagnosis** -- :func:`helpers.diagnosis.diagnose.diagnose` (static check with provenance + numeric comparison).
-5. **hypotheses** -- every check of :data:`helpers.investigation.catalog.CATALOG` that applies to a live server,
+5. **hypotheses** -- every check of :data:`helpers.investigation.catalog.CHECK_SPECS` marked ``live`` to a live server,
    ordered by the evidence (confirmed, then inconclusive, then refuted).
 6. **proposed fix** -- :func:`helpers.investigation.propose.propose_fix`.
 7. **relaunch** (optional) -- when the server is one this tool can restart (an embedded server started by
@@ -53,13 +53,10 @@ from ..server.registry import lookup
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .acceptance import run_budget
+from .catalog import LIVE_CHECKS
 from .checks import Investigation, run_check
 from .propose import draft_variant, propose_fix
 
-#: The checks a live investigation runs (all of the catalogue but verify_bottleneck, which needs a target-only
-#: baseline server), in the order of the mission: how the server feeds the draft, then its settings.
-LIVE_CHECKS = ("tp_sharding", "embedding_all_reduce", "layer_offset", "embedding_included", "concat_order",
-               "rotated_basis", "norm_mismatch", "static_wiring", "fc_bypass", "vocab_map", "num_steps_override")
 RANK_HOOK, LAYERS_HOOK = "e3f-capture", "e3f-capture-layers"
 HOOK_FACTORY_PREFIX = "helpers.hooks:"
 
