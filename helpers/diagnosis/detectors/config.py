@@ -128,7 +128,7 @@ def detect_fc_bypassed(draft=None, server=None, ctx: Optional["Context"] = None,
         ev["served_width"] = served_w
         ident = ctx.cmp.identify(ctx.source.ref, 0)
         if ident:
-            ev["served_identified_as"] = ident["best"]
+            ev["served_identified_as"] = ident.best
         cause = static_cause or f"the server feeds one {served_w}-wide state"
     else:
         if static_cause is None:

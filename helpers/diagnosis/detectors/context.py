@@ -229,8 +229,8 @@ class Context:
     def served_identity(self, i: int) -> tuple[Optional[str], Optional[str]]:
         """(tensor name, how it was identified) for served chunk ``i`` of :attr:`source`."""
         ident = self.cmp.identify(self.source.ref, i)
-        if ident and ident["passed"]:
-            return ident["best"], "reference"
+        if ident and ident.passed:
+            return ident.best, "reference"
         cf = self.source.stats.context_free(i, self.tol)
         if cf and self.source.stats.zero[i] == 0:
             return EMBEDDING, "context-free rows (equal rows for equal token ids at different positions)"
@@ -251,7 +251,7 @@ class Context:
             if cf is not None and cf != (t == EMBEDDING):
                 return True
             ident = self.cmp.identify(self.source.ref, i)
-            if ident and ident["passed"] and ident["best"] != t:
+            if ident and ident.passed and ident.best != t:
                 return True
         return False
 
@@ -262,8 +262,8 @@ class Context:
         res: list[tuple[Optional[str], Optional[str]]] = [(None, None)] * self.nt
         for j in range(self.nt):
             ident = self.cmp.identify(self.cmp.training_ref, j)
-            if ident and ident["passed"]:
-                res[j] = (ident["best"], "reference")
+            if ident and ident.passed:
+                res[j] = (ident.best, "reference")
         derived = {}
         for i, j in self.match.items():
             if res[j][0] is None:

@@ -130,11 +130,11 @@ def detect_wrong_layer(ctx: Context) -> list[dict]:
             detail = f"served chunk {i}{what} is not training chunk {i}{twhat}: {data}"
             if off:
                 detail += f"; by those identities: offset {off:+d} layer(s)"
-        if ref and not ref["passed"]:
+        if ref and not ref.passed:
             # no layer of the target equals the chunk on >= MATCH_SHARE of the rows (as a layer would: the reference
             # comes from the same engine): not "another layer", something transforms the chunk
-            near = ", ".join(f"{c['tensor']} ({c['share_within']:.0%} rows within tolerance)"
-                             for c in ref["candidates"][:3])
+            near = ", ".join(f"{c.tensor} ({c.share_within:.0%} rows within tolerance)"
+                             for c in ref.candidates[:3])
             ctx.claims.claim(i, "unidentified_chunk")
             out.append(finding(
                 "unidentified_chunk", i,

@@ -51,11 +51,11 @@ def detect_token_mismatch(ctx: Context) -> list[dict]:
     says that which tensor each chunk holds is not settled."""
     a = ctx.cmp.alignment
     out = []
-    if a["token_mismatches"]:
-        tm = a["token_mismatches"]
+    if a.token_mismatches:
+        tm = a.token_mismatches
         f0 = tm[0]
-        n_sus = a.get("rows_in_mismatched_samples", 0)
-        clean = a["rows_compared"] - n_sus
+        n_sus = a.rows_in_mismatched_samples
+        clean = a.rows_compared - n_sus
         sus = ctx.source.suspect
         on_sus = {}
         if sus is not None and sus.rows and ctx.full_width:
@@ -80,15 +80,15 @@ def detect_token_mismatch(ctx: Context) -> list[dict]:
         out.append(finding("token_mismatch", None, detail, mismatches=tm[:10], count=len(tm),
                            rows_in_mismatched_samples=n_sus, rows_compared_for_layers=clean,
                            mismatched_rows_vs_same_training_chunk=on_sus))
-    if a["unpaired_served"] and a.get("training_truncated"):
+    if a.unpaired_served and a.training_truncated:
         # the training data were read only up to max_samples: the served samples beyond are not compared, which says
         # nothing about their tokens
-        ctx.notes.append(f"{len(a['unpaired_served'])} served sample(s) were not compared: max_samples stopped "
-                         f"reading the training data after {a['training_samples_seen']} sample(s)")
-    elif a["unpaired_served"]:
+        ctx.notes.append(f"{len(a.unpaired_served)} served sample(s) were not compared: max_samples stopped "
+                         f"reading the training data after {a.training_samples_seen} sample(s)")
+    elif a.unpaired_served:
         out.append(finding("token_mismatch", None,
-                           f"{len(a['unpaired_served'])} served sample(s) match no training sample by input_ids",
-                           unpaired=a["unpaired_served"][:10], count=len(a["unpaired_served"])))
+                           f"{len(a.unpaired_served)} served sample(s) match no training sample by input_ids",
+                           unpaired=a.unpaired_served[:10], count=len(a.unpaired_served)))
     return out
 
 
@@ -235,7 +235,7 @@ def detect_not_comparable(ctx: Context) -> list[dict]:
     side non-finite, or only rows of samples whose tokens differ) is not settled, and no layer finding may be
     built on it. The ``nan_or_inf`` / ``token_mismatch`` finding says why."""
     a = ctx.cmp.alignment
-    clean = a["rows_compared"] - a.get("rows_in_mismatched_samples", 0)
+    clean = a.rows_compared - a.rows_in_mismatched_samples
     for i in range(ctx.ns):
         if ctx.claims.claimed(i) or i in ctx.match:
             continue

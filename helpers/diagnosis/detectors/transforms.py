@@ -29,7 +29,7 @@ def _fit_target(ctx: Context, i: int, kind: str):
 
 def _reference_layer(ctx: Context, i: int) -> Optional[str]:
     ident = ctx.cmp.identify(ctx.source.ref, i)
-    return ident["best"] if ident and ident["passed"] else None
+    return ident.best if ident and ident.passed else None
 
 
 def _fitted_chunks(ctx: Context, transform: str, kind: str):
