@@ -11,7 +11,7 @@ Steps, each timed and reported as a progress line:
    hooks are on (same numerics as the served tensors), else HF transformers on the target folder when the weights
    are there and fit in memory, else none, with what is missing and what it would settle.
 4. **diagnosis** -- :func:`helpers.diagnosis.diagnose.diagnose` (static check with provenance + numeric comparison).
-5. **hypotheses** -- every check of :data:`helpers.investigation.catalog.CHECK_SPECS` marked ``live`` to a live server,
+5. **hypotheses** -- every check of :data:`helpers.investigation.catalog.CHECK_SPECS` marked ``live``,
    ordered by the evidence (confirmed, then inconclusive, then refuted).
 6. **proposed fix** -- :func:`helpers.investigation.propose.propose_fix`.
 7. **relaunch** (optional) -- when the server is one this tool can restart (an embedded server started by
