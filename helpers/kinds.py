@@ -1,11 +1,12 @@
 """The finding kinds: one declaration per kind (DESIGN.md "Findings"), low in the import graph (stdlib only).
 
-Every property of a kind lives in its :class:`Kind` entry of :data:`KINDS`, and every table the detectors,
-the static check, the diagnosis, the proposed fix, the live investigation and the views use is derived from it
-(:data:`FINDING_KINDS`, :data:`LAYOUT_KINDS`, :data:`ALIGNED_KINDS`, :data:`TENSOR_KINDS`, :data:`DRAFT_KINDS`,
-:data:`ACCEPTANCE_KINDS`, :data:`ID_KINDS`, :data:`ENGINE_FIXES`, :data:`KIND_TEXT`, :data:`CHECK_FINDINGS`,
-:func:`report_rank`). A new kind is one entry here plus its detector; :class:`helpers.records.Finding` and
-:func:`helpers.diagnosis.detectors.finding` refuse a name not declared here.
+Every property of a kind lives in its :class:`Kind` entry of :data:`KINDS`, and every kind table the detectors,
+the static check, the diagnosis, the proposed fix, the acceptance budget and the live investigation use is derived
+from it (:data:`FINDING_KINDS`, :data:`LAYOUT_KINDS`, :data:`ALIGNED_KINDS`, :data:`TENSOR_KINDS`,
+:data:`DRAFT_KINDS`, :data:`ACCEPTANCE_KINDS`, :data:`ID_KINDS`, :data:`PLAN_KINDS`, :data:`ENGINE_FIXES`,
+:data:`KIND_TEXT`, :data:`CHECK_FINDINGS`, :func:`report_rank`). A new kind is one entry here plus its detector;
+:class:`helpers.records.Finding` and :func:`helpers.diagnosis.detectors.finding` refuse a name not declared here.
+(``helpers.draft.checks.KIND_ORDER``, the draft checkpoint report's own order, is not derived from it.)
 
 The declaration order is the report order (:func:`report_rank`): why the server cannot serve first, then the
 config and draft-checkpoint faults, then the measured tensors from the most specific explanation to the least
@@ -42,6 +43,8 @@ class Kind:
         engine_fix: the engine change in words (``fix == "engine"``).
         checks: the named checks (helpers.investigation.catalog) that ask what this kind says; such a check
             refuted while the finding stands in the same run is reported inconclusive.
+        changes_plan: it is about which tensor the draft receives, so a fix for it changes the served plan (the
+            acceptance budget proves such a fix offline: ``helpers.investigation.acceptance.fix_plan``).
     """
 
     name: str
@@ -52,6 +55,7 @@ class Kind:
     fix: Optional[Fix] = None
     engine_fix: Optional[str] = None
     checks: tuple[str, ...] = ()
+    changes_plan: bool = False
 
 
 def _k(*args, **kw) -> Kind:
@@ -69,9 +73,10 @@ KINDS: tuple[Kind, ...] = (
     _k("server_fatal", "setup", "the server fails with these layer ids (at start-up or at the first forward)",
        fix="detail"),
     # -- the config and the server's settings ------------------------------------------------------------------
-    _k("config_ids_ignored", "setup", "SGLang ignores the draft config's layer ids", fix="config_ids"),
+    _k("config_ids_ignored", "setup", "SGLang ignores the draft config's layer ids", fix="config_ids",
+       changes_plan=True),
     _k("config_ids_mismatch", "setup", "the deployed draft config names other layers than training used",
-       fix="config_ids"),
+       fix="config_ids", changes_plan=True),
     _k("fc_bypassed", "tensor", "the draft's fc is bypassed (EAGLE-3 draft served without aux states)", fix="flag",
        checks=("fc_bypass",)),
     _k("num_draft_tokens_overridden", "setup", "SGLang overrides the requested number of draft tokens", fix="flag",
@@ -97,55 +102,56 @@ KINDS: tuple[Kind, ...] = (
                   "ids (tokenizer, chat template or sample order)"),
     _k("nan_or_inf", "tensor", "the served aux states hold NaN / Inf", fix="engine",
        engine_fix="find where non-finite values enter the captured tensor (dtype overflow, an uninitialised "
-                  "buffer)"),
+                  "buffer)", changes_plan=True),
     _k("width_mismatch", "tensor", "the served width differs from the trained width", fix="detail"),
     _k("tp_sharded_width", "tensor", "each TP rank feeds an H/tp shard instead of the full hidden state",
        fix="engine", checks=("tp_sharding",),
        engine_fix="capture the full hidden width on every rank (all-gather, or capture after the all-reduce): "
-                  "each TP rank feeds an H/tp shard"),
+                  "each TP rank feeds an H/tp shard", changes_plan=True),
     _k("tp_partial_sum", "tensor", "an aux chunk is one TP rank's partial sum, not the all-reduced residual stream",
        aligned=True, fix="engine", checks=("tp_sharding",),
        engine_fix="capture the residual stream after the all-reduce: the chunk holds one rank's partial sum of a "
-                  "row-parallel output (o_proj / down_proj), not the full residual stream"),
+                  "row-parallel output (o_proj / down_proj), not the full residual stream", changes_plan=True),
     _k("embedding_not_all_reduced", "tensor", "the embedding is fed before its TP all-reduce", fix="engine",
        checks=("embedding_all_reduce",),
        engine_fix="capture the embedding after VocabParallelEmbedding's all-reduce: the chunk holds a rank-local "
-                  "lookup (rows of other ranks' vocab shards are zero)"),
+                  "lookup (rows of other ranks' vocab shards are zero)", changes_plan=True),
     _k("layer_offset", "tensor", "every aux chunk is a different layer than the draft was trained on",
-       layout=True, aligned=True, fix="config_ids", checks=("layer_offset",)),
+       layout=True, aligned=True, fix="config_ids", checks=("layer_offset",), changes_plan=True),
     _k("embedding_in_place_of_layer", "tensor",
        "the token embedding is fed where the draft was trained on a layer output", layout=True, fix="config_ids",
-       checks=("embedding_included",)),
+       checks=("embedding_included",), changes_plan=True),
     _k("chunk_order", "tensor", "the aux chunks come in another order than in training", layout=True, aligned=True,
-       fix="config_ids", checks=("concat_order",)),
+       fix="config_ids", checks=("concat_order",), changes_plan=True),
     _k("zero_chunk", "tensor", "an aux chunk is all zeros (the capture delivers nothing there)", fix="engine",
        engine_fix="find why the capture delivers zeros for the chunk (a hook that never fires for that layer, a "
-                  "buffer never written or cleared before it is read)"),
+                  "buffer never written or cleared before it is read)", changes_plan=True),
     _k("rotated_basis", "tensor", "an aux chunk is the trained tensor in another basis", aligned=True, fix="engine",
        checks=("rotated_basis",),
        engine_fix="remove the transform applied before capture (or capture before it): the chunk is the trained "
-                  "tensor in another orthonormal basis (norms kept, angles changed)"),
+                  "tensor in another orthonormal basis (norms kept, angles changed)", changes_plan=True),
     _k("norm_mismatch", "tensor", "an aux chunk has a normalisation training did not have (or lacks one)",
        aligned=True, fix="engine", checks=("norm_mismatch",),
        engine_fix="capture the pre-norm residual stream training used: the chunk is the trained tensor with a "
-                  "normalisation applied (or one missing)"),
+                  "normalisation applied (or one missing)", changes_plan=True),
     _k("scaled_chunk", "tensor", "an aux chunk is the trained tensor times a constant", aligned=True, fix="engine",
        engine_fix="remove the constant factor applied to the chunk on one side (a scale folded into the capture, "
-                  "a residual added twice, a dtype / quantisation scale not undone)"),
+                  "a residual added twice, a dtype / quantisation scale not undone)", changes_plan=True),
     _k("partial_match", "tensor", "an aux chunk is the trained tensor except on a minority of rows", aligned=True,
        fix="engine",
        engine_fix="find what alters a minority of the chunk's rows (the evidence names them: often the massive-"
-                  "activation rows and dims, altered by clamping, overflow or a special path for some tokens)"),
+                  "activation rows and dims, altered by clamping, overflow or a special path for some tokens)",
+       changes_plan=True),
     _k("unidentified_chunk", "tensor", "an aux chunk holds something that is no layer of the target", aligned=True,
        fix="engine",
        engine_fix="find what transforms the chunk between the residual stream and the capture: it equals no "
-                  "layer of the target (compare the TP ranks' captures, read the capture path)"),
+                  "layer of the target (compare the TP ranks' captures, read the capture path)", changes_plan=True),
     _k("wrong_layer", "tensor", "an aux chunk holds another layer than the draft was trained on", layout=True,
-       aligned=True, fix="config_ids"),
+       aligned=True, fix="config_ids", changes_plan=True),
     _k("extra_chunk", "tensor", "the server feeds an aux chunk training did not have", layout=True, aligned=True,
-       fix="config_ids"),
+       fix="config_ids", changes_plan=True),
     _k("missing_chunk", "tensor", "an aux chunk the draft was trained on is missing", layout=True, aligned=True,
-       fix="config_ids"),
+       fix="config_ids", changes_plan=True),
     _k("served_draft_differs", "setup", "the server runs another draft than the one given"),
     # -- the acceptance budget ----------------------------------------------------------------------------------
     _k("draft_underperforms", "acceptance",
@@ -173,6 +179,8 @@ ACCEPTANCE_KINDS: tuple[str, ...] = tuple(k.name for k in KINDS if k.group == "a
 #: findings a change of the draft config ids can address (when the served chunks follow SGLang's rules)
 ID_KINDS: frozenset[str] = frozenset(k.name for k in KINDS if k.fix == "config_ids")
 VOCAB_MAP_KINDS: tuple[str, ...] = tuple(k.name for k in KINDS if k.fix == "vocab_map")
+#: findings about which tensor the draft receives: a fix for them changes the served plan
+PLAN_KINDS: frozenset[str] = frozenset(k.name for k in KINDS if k.changes_plan)
 ENGINE_FIXES: dict[str, str] = {k.name: k.engine_fix for k in KINDS if k.engine_fix}
 KIND_TEXT: dict[str, str] = {k.name: k.text for k in KINDS}
 #: check -> the kinds that say what the check asks (in report order)

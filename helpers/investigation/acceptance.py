@@ -27,6 +27,7 @@ from ..draft.training_log import predicted_accept_length, read_training_log
 from ..errors import BadInput
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
+from ..kinds import PLAN_KINDS
 from ..records import ProposedFix
 
 #: file names looked for in the draft folder (and its parent) when no --training-log is given
@@ -70,13 +71,6 @@ class BudgetRun:
     findings: list = field(default_factory=list)
     live: Optional[pd.DataFrame] = None
     withdraw_fix: Optional[str] = None
-
-
-#: findings about which tensor the draft receives: a fix for them changes the served plan
-PLAN_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order",
-              "missing_chunk", "zero_chunk", "scaled_chunk", "partial_match", "extra_chunk", "tp_sharded_width",
-              "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis", "norm_mismatch", "nan_or_inf",
-              "config_ids_mismatch", "config_ids_ignored"}
 
 
 def fix_plan(fix: Optional[ProposedFix], findings: list[dict], training_tensors: Optional[list[str]]
