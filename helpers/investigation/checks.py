@@ -35,6 +35,7 @@ from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..hooks import ARM_FILE
 from ..plots.checks import bar_figure, chunk_layer_figure
+from ..records import HypothesisEntry, HypothesisStep
 from ..runfiles import jsonable, read_json_file, safe_name
 from ..server.client import as_client
 from .catalog import CHECK_SPECS
@@ -64,11 +65,31 @@ class HypothesisResult:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
 
+    def entry(self, check: str, figure: Optional[str]) -> HypothesisEntry:
+        """The recorded form (:class:`helpers.records.HypothesisEntry`) of this result of check ``check``, its
+        figure written to ``figure`` (relative to the run folder) or None."""
+        return HypothesisEntry(check=check, title=self.title, question=self.question, verdict=self.verdict,
+                               explanation=self.explanation, short=(self.data or {}).get("short", ""),
+                               evidence=self._evidence_records(), figure=figure)
+
+    def step(self, *, index: int, check: str, label: str, on_fix: str, expect: Optional[str],
+             figure: Optional[str]) -> HypothesisStep:
+        """The replay step (:class:`helpers.records.HypothesisStep`) of this result: check ``check`` run as step
+        ``index`` on fix ``on_fix``, compared with the case's ``expect``."""
+        return HypothesisStep(index=index, check=check, label=label, question=self.question, on_fix=on_fix,
+                              verdict=self.verdict, expect=expect,
+                              as_expected=None if expect is None else expect == self.verdict,
+                              explanation=self.explanation, evidence=self._evidence_records(),
+                              data=jsonable(self.data), figure=figure)
+
+    def _evidence_records(self) -> list:
+        return json.loads(self.evidence.to_json(orient="records")) if len(self.evidence) else []
+
     def to_dict(self) -> dict:
         """JSON-safe form (evidence as records, figure as plotly JSON)."""
         return {"check": self.check, "title": self.title, "question": self.question,
                 "label": self.label, "verdict": self.verdict, "explanation": self.explanation,
-                "evidence": json.loads(self.evidence.to_json(orient="records")) if len(self.evidence) else [],
+                "evidence": self._evidence_records(),
                 "figure": None if self.figure is None else json.loads(self.figure.to_json()),
                 "data": jsonable(self.data)}
 

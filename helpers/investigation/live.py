@@ -43,7 +43,7 @@ from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
-from ..records import Finding, InvestigationDoc, ProposedFix
+from ..records import Finding, HypothesisEntry, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, read_json, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import parse_ports, pick_port
@@ -487,26 +487,29 @@ def _measured_first(findings: list[dict]) -> list[dict]:
     return sorted(findings, key=lambda f: 0 if f["kind"] in TENSOR_KINDS and not f["evidence"].get("static") else 1)
 
 
-def reconcile(hypotheses: list[dict], findings: Sequence[Any]) -> list[dict]:
+def reconcile(hypotheses: Sequence[HypothesisEntry | dict], findings: Sequence[Any]) -> list[HypothesisEntry]:
     """Hypotheses that a finding of the same run contradicts are not reported as refuted: their verdict becomes
-    ``inconclusive`` with the finding named (findings: :class:`helpers.records.Finding` or dicts)."""
+    ``inconclusive`` with the finding named (hypotheses: :class:`helpers.records.HypothesisEntry` or dicts of its
+    fields; findings: :class:`helpers.records.Finding` or dicts)."""
     kinds = {}
     for f in findings:
         k = f.kind if hasattr(f, "kind") else f["kind"]
         kinds.setdefault(k, f.detail if hasattr(f, "detail") else f.get("detail", ""))
     out = []
     for h in hypotheses:
-        hit = [k for k in CHECK_FINDINGS.get(h["check"], ()) if k in kinds]
-        if h["verdict"] == "refuted" and hit:
-            h = {**h, "verdict": "inconclusive",
-                 "short": f"contradicted by the finding {hit[0]} of this run: {kinds[hit[0]]}",
-                 "explanation": (h.get("explanation") or "") + f" -- but the finding {hit[0]} of the same run says "
-                                f"otherwise ({kinds[hit[0]]}); the two measurements disagree, so no verdict."}
+        h = h if isinstance(h, HypothesisEntry) else HypothesisEntry.model_validate(h)
+        hit = [k for k in CHECK_FINDINGS.get(h.check, ()) if k in kinds]
+        if h.verdict == "refuted" and hit:
+            h = h.model_copy(update={
+                "verdict": "inconclusive",
+                "short": f"contradicted by the finding {hit[0]} of this run: {kinds[hit[0]]}",
+                "explanation": (h.explanation or "") + f" -- but the finding {hit[0]} of the same run says "
+                               f"otherwise ({kinds[hit[0]]}); the two measurements disagree, so no verdict."})
         out.append(h)
-    return sorted(out, key=lambda x: _ORDER.get(x["verdict"], 3))
+    return sorted(out, key=lambda x: _ORDER.get(x.verdict, 3))
 
 
-def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
+def _hypotheses(inv: Investigation, run_dir: Path) -> list[HypothesisEntry]:
     out = []
     for name in LIVE_CHECKS:
         res = run_check(name, inv)
@@ -515,11 +518,8 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
             path = run_dir / "figures" / f"investigate-{name}.json"
             atomic_write_text(path, res.figure.to_json())
             fig = str(path.relative_to(run_dir))
-        d = res.to_dict()
-        out.append({"check": name, "title": res.title, "question": res.question, "verdict": res.verdict,
-                    "explanation": res.explanation, "short": (res.data or {}).get("short", ""),
-                    "evidence": d.get("evidence", []), "figure": fig})
-    return sorted(out, key=lambda h: _ORDER.get(h["verdict"], 3))
+        out.append(res.entry(name, fig))
+    return sorted(out, key=lambda h: _ORDER.get(h.verdict, 3))
 
 
 def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
