@@ -110,7 +110,7 @@ def child(mode: str, data: Path, max_samples: int, threads: int) -> dict:
         extra = {"checksum": acc}
     else:
         d = diagnose(data / "train", [data / "served"], max_samples=max_samples)
-        rows = d.comparison.alignment["rows_compared"]
+        rows = d.comparison.alignment.rows_compared
         extra = {"findings": sorted({f["kind"] for f in d.findings}),
                  "rel_diff": [c["rel_diff"] for c in d.chunks]}
     dt = time.perf_counter() - t0

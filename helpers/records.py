@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
+
+from .kinds import check_kind
+
+#: a finding kind: a name declared in :data:`helpers.kinds.KINDS` (validated on construction and on read)
+KindName = Annotated[str, AfterValidator(check_kind)]
 
 
 class Record(BaseModel):
@@ -22,11 +27,11 @@ class Record(BaseModel):
 
 
 class Finding(Record):
-    """A diagnosis finding (DESIGN.md "Findings"): ``kind`` from ``helpers.diagnosis.detectors.FINDING_KINDS``,
+    """A diagnosis finding (DESIGN.md "Findings"): ``kind`` declared in :mod:`helpers.kinds`,
     the served ``chunk`` (None for the whole width, a config or the training data), a one-line ``detail`` and the
     ``evidence`` (numbers, identities and where they came from)."""
 
-    kind: str
+    kind: KindName
     chunk: Optional[int] = None
     detail: str = ""
     evidence: dict = Field(default_factory=dict)
@@ -57,13 +62,42 @@ class ProposedFix(Record):
     workaround: Optional[dict] = None
 
 
+class HypothesisEntry(Record):
+    """One check's outcome as an investigation records it (``investigation.json`` ``hypotheses``, and the replay's
+    investigate step): the recorded form of :class:`helpers.investigation.checks.HypothesisResult`
+    (:meth:`~helpers.investigation.checks.HypothesisResult.entry`). ``short``: the one-line evidence; ``evidence``:
+    the check's table as records; ``figure``: the figure's JSON file, relative to the run folder, or None.
+    Entries also read as mappings (``entry["verdict"]``)."""
+
+    check: str = ""
+    title: str = ""
+    question: str = ""
+    verdict: Optional[str] = None
+    explanation: str = ""
+    short: str = ""
+    evidence: list = Field(default_factory=list)
+    figure: Optional[str] = None
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def as_step(self, *, label: str, on_fix: str) -> "HypothesisStep":
+        """This entry as a replay-style :class:`HypothesisStep` (the hypothesis pages show both alike)."""
+        return HypothesisStep(check=self.check, label=label, question=self.question or "", on_fix=on_fix,
+                              verdict=self.verdict, explanation=self.explanation or "",
+                              evidence=self.evidence or [], data={"short": self.short or ""}, figure=self.figure)
+
+
 class InvestigationDoc(Record):
     """``investigation.json``: one live investigation (helpers.investigation.live.investigate).
 
     ``verdict``: ``ok`` / ``mismatch`` (None until the diagnosis ran); ``sentence``: the postmortem's opening line;
     ``attach``: what the server runs; ``reference``: ``{how, path, missing}``; ``diagnosis``: the ``diagnose --json``
-    document; ``hypotheses``: one dict per check (``check``, ``verdict``, ``explanation``, ``short``, ``evidence``,
-    ``figure``), confirmed first; ``measured``: ``{before, after, effect, after_verdict, ...}`` or
+    document; ``hypotheses``: one :class:`HypothesisEntry` per check (``check``, ``title``, ``question``,
+    ``verdict``, ``explanation``, ``short``, ``evidence``, ``figure``), confirmed first; ``measured``: ``{before, after, effect, after_verdict, ...}`` or
     ``{not_measured: why}``; ``acceptance``: the acceptance budget (helpers.draft.budget.acceptance_budget: stages,
     losses, cause, recommended settings, the fix proven offline) or None; ``timings``: seconds per step; ``seconds_to_verdict``: from attach to the diagnosis."""
 
@@ -77,7 +111,7 @@ class InvestigationDoc(Record):
     reference: dict = Field(default_factory=dict)
     diagnosis: dict = Field(default_factory=dict)
     findings: list[Finding] = Field(default_factory=list)
-    hypotheses: list = Field(default_factory=list)
+    hypotheses: list[HypothesisEntry] = Field(default_factory=list)
     proposed_fix: Optional[ProposedFix] = None
     measured: Optional[dict] = None
     acceptance: Optional[dict] = None
@@ -154,7 +188,7 @@ class InvestigationStep(StepBase):
     sentence: str = ""
     findings: list = Field(default_factory=list)
     proposed_fix: Optional[dict] = None
-    hypotheses: list = Field(default_factory=list)
+    hypotheses: list[HypothesisEntry] = Field(default_factory=list)
     seconds_to_verdict: Optional[float] = None
     report: Optional[str] = None
     label: str = ""

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.dumps import load_served, read_dump
 from ..formats.training_data import TrainingData
+from ..kinds import LAYOUT_KINDS, sort_findings
 from ..server.settings import ServerSettings
 from . import detectors as D
 from .compare import compare
+from .comparison import Comparison
 from .conventions import CapturePlan
-from .detectors import LAYOUT_KINDS  # noqa: E402,F401  (re-exported)
-from .static import load_draft, resolve_training_plan, static_check
+from .static import StaticReport, load_draft, resolve_training_plan, static_check
 
 
 @dataclass
@@ -46,16 +47,16 @@ class Diagnosis:
         served_plan / training_plan: capture plans (None when the configs were not given); the training plan
             carries its provenance.
         static: the :class:`helpers.diagnosis.static.StaticReport` (None without configs).
-        comparison: the :class:`helpers.diagnosis.compare.Comparison`.
+        comparison: the :class:`helpers.diagnosis.comparison.Comparison`.
         notes: what the data settled or could not settle (one line each).
     """
 
     findings: list[dict]
     chunks: list[dict]
-    served_plan: Any = None
-    training_plan: Any = None
-    comparison: Any = None
-    static: Any = None
+    served_plan: Optional[CapturePlan] = None
+    training_plan: Optional[CapturePlan] = None
+    comparison: Optional[Comparison] = None
+    static: Optional[StaticReport] = None
     notes: list[str] = field(default_factory=list)
     noise: Optional[dict] = None
 
@@ -73,7 +74,7 @@ class Diagnosis:
         if c is not None:
             doc["tolerance"] = {"row_rel_diff": c.tolerance, "why": c.tolerance_why, "dtypes": c.dtypes}
             doc["noise"] = self.noise
-            doc["alignment"] = {k: v for k, v in c.alignment.items() if k in (
+            doc["alignment"] = {k: v for k, v in c.alignment.to_json().items() if k in (
                 "samples_paired", "training_samples_seen", "rows_compared", "decode_rows_compared", "paired_by")}
         if self.static is not None:
             doc["static"] = {"verdict": self.static.verdict, "ambiguity": self.static.ambiguity,
@@ -86,8 +87,8 @@ class Diagnosis:
         c = self.comparison
         if c is not None:
             a = c.alignment
-            lines.append(f"aligned: {a['samples_paired']} sample(s), {a['rows_compared']} rows "
-                         f"({a['decode_rows_compared']} decode rows); hidden {c.hidden_size}; served width "
+            lines.append(f"aligned: {a.samples_paired} sample(s), {a.rows_compared} rows "
+                         f"({a.decode_rows_compared} decode rows); hidden {c.hidden_size}; served width "
                          f"{c.served_width}, training width {c.training_width}")
             lines.append(f"tolerance: {c.tolerance_why}")
             if self.noise:
@@ -125,9 +126,9 @@ def _inferred_training_plan(cmp, current):
     names = []
     for j in range(cmp.num_training_chunks):
         ident = cmp.identify(cmp.training_ref, j)
-        if not ident or not ident["passed"]:
+        if not ident or not ident.passed:
             return None
-        names.append(ident["best"])
+        names.append(ident.best)
     return CapturePlan(tensors=names, role="training", who="identified in the training data",
                        rules=["each training chunk equals this reference layer on >= 90% of the aligned rows"],
                        provenance="inferred", source="training chunks compared with the every-layer reference",
@@ -204,7 +205,7 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
             report.inputs["draft weights"] = weights_note
         sp, tp = report.served_plan, report.training_plan
         for f in report.findings:
-            (layout_static if f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS + ("width_mismatch",)
+            (layout_static if f["evidence"].get("static") and f["kind"] in LAYOUT_KINDS + ("width_mismatch",)
              else static).append(f)
     elif target is not None:
 
@@ -226,7 +227,7 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
     notes += ctx.notes
     fc_static = any(f["kind"] == "fc_bypassed" for f in static)
     findings = _merge(static, layout_static, numeric, fc_static=fc_static)
-    if report is not None and report.ambiguity and not any(f["kind"] in D.LAYOUT_KINDS for f in findings) \
+    if report is not None and report.ambiguity and not any(f["kind"] in LAYOUT_KINDS for f in findings) \
             and ctx.full_width and ctx.ns == ctx.nt and all(ctx.match.get(i) == i for i in range(ctx.ns)):
         notes.append("the data settle the draft config's ambiguity: the served chunks equal the training chunks")
     if not any(ctx.match.values()) and ctx.full_width and not findings:
@@ -275,19 +276,7 @@ def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *
             [g for g in numeric if g["kind"] == f["kind"] and f["chunk"] is None]
         for g in same[:1]:
             g["evidence"].setdefault("static_prediction", {"detail": f["detail"], **f["evidence"]})
-    order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "server_fatal", "config_ids_ignored",
-                                         "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
-                                         "vocab_map_missing", "lm_head_missing", "lm_head_replaced",
-                                         "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
-                                         "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
-                                         "rope_mismatch", "max_position_short", "sliding_window_ignored",
-                                         "token_mismatch", "nan_or_inf", "width_mismatch",
-                                         "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced",
-                                         "layer_offset", "embedding_in_place_of_layer", "chunk_order",
-                                         "zero_chunk", "rotated_basis", "norm_mismatch", "scaled_chunk",
-                                         "partial_match", "unidentified_chunk", "wrong_layer", "extra_chunk",
-                                         "missing_chunk"))}
-    return sorted(out, key=lambda f: (order.get(f["kind"], 99), -1 if f["chunk"] is None else f["chunk"]))
+    return sort_findings(out)
 
 
 def _chunk_table(ctx) -> list[dict]:
@@ -312,7 +301,7 @@ def _chunk_table(ctx) -> list[dict]:
         if m is not None and m.rows == 0:
             m = None                                  # no comparable row: nothing measured
         ident = c.identify(src.ref, i)
-        ident_as = ident["best"] if ident and ident["passed"] else None
+        ident_as = ident.best if ident and ident.passed else None
         if ident_as is None and src.stats.context_free(i, c.tolerance) and src.stats.zero[i] == 0:
             ident_as = "embedding"
         r = lambda x: None if x is None else float(f"{x:.6g}")  # noqa: E731

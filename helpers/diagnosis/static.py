@@ -39,6 +39,7 @@ from ..formats.configs import (
     read_target_config,
 )
 from ..formats.training_data import TrainingData, recorded_layer_ids
+from ..kinds import LAYOUT_KINDS, sort_findings
 from ..server.settings import ServerSettings
 from . import detectors as D
 from .conventions import (
@@ -338,7 +339,7 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     if fatal:
         # the server does not serve: nothing is fed, so no finding may describe fed chunks (layout, or the served
         # width); one finding says why it stops, with the SGLang source (fc-vs-config width findings stay)
-        findings = [f for f in findings if not (f["kind"] in D.LAYOUT_KINDS or
+        findings = [f for f in findings if not (f["kind"] in LAYOUT_KINDS or
                                                 (f["kind"] == "width_mismatch" and "served_width" in f["evidence"]))]
         if sp.fatal and not any(f["kind"] == "unsupported_target" for f in findings):
             m = re.search(r"sglang/srt/\S+", sp.fatal)
@@ -353,7 +354,7 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         ambiguity = _plan_readings(tp, sp)
     if ambiguity is not None:
         # the config alone cannot tell; the layer findings derived from one reading are not facts
-        findings = [f for f in findings if not (f["evidence"].get("static") and f["kind"] in D.LAYOUT_KINDS)]
+        findings = [f for f in findings if not (f["evidence"].get("static") and f["kind"] in LAYOUT_KINDS)]
     aux = d.use_aux_hidden_state is not False and algo == "EAGLE3"       # else no ids are read at all
     if (d.nested_layer_ids is None and d.top_level_layer_ids is not None and rule.supports_eagle3 and aux
             and not any(f["kind"] == "config_ids_ignored" for f in findings)):
@@ -372,14 +373,7 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         advisories.append("the training layers are what the draft config claims (no manifest): a config edited after "
                           "training cannot be told from the original; " + SETTLE)
     verdict = "mismatch" if findings else ("ambiguous" if ambiguity else "ok")
-    order = {k: n for n, k in enumerate(("unsupported_target", "unsupported_draft", "config_ids_ignored",
-                                         "config_ids_mismatch", "fc_bypassed", "num_draft_tokens_overridden",
-                                         "vocab_map_missing", "lm_head_missing", "lm_head_replaced",
-                                         "vocab_map_trivial", "vocab_map_differs", "draft_vocab_coverage",
-                                         "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
-                                         "rope_mismatch", "max_position_short", "sliding_window_ignored",
-                                         "width_mismatch"))}
-    findings.sort(key=lambda f: (order.get(f["kind"], 50), -1 if f["chunk"] is None else f["chunk"]))
+    findings = sort_findings(findings)
     return StaticReport(verdict, findings, sp, tp, ambiguity, advisories, inputs)
 
 

@@ -27,6 +27,7 @@ from ..draft.training_log import find_training_log, predicted_accept_length, rea
 from ..errors import BadInput
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
+from ..kinds import PLAN_KINDS
 from ..records import ProposedFix
 
 #: cause -> finding kind
@@ -52,13 +53,6 @@ class BudgetRun:
     findings: list = field(default_factory=list)
     live: Optional[pd.DataFrame] = None
     withdraw_fix: Optional[str] = None
-
-
-#: findings about which tensor the draft receives: a fix for them changes the served plan
-PLAN_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order",
-              "missing_chunk", "zero_chunk", "scaled_chunk", "partial_match", "extra_chunk", "tp_sharded_width",
-              "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis", "norm_mismatch", "nan_or_inf",
-              "config_ids_mismatch", "config_ids_ignored"}
 
 
 def fix_plan(fix: Optional[ProposedFix], findings: list[dict], training_tensors: Optional[list[str]]

@@ -35,9 +35,10 @@ from ..formats.training_data import TrainingData
 from ..hooks import ARM_FILE
 from ..layers.ids import layer_index
 from ..plots.checks import bar_figure, chunk_layer_figure
+from ..records import HypothesisEntry, HypothesisStep
 from ..runfiles import jsonable, safe_name
 from ..server.client import as_client
-from .catalog import CATALOG
+from .catalog import CHECK_SPECS
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
 
@@ -64,11 +65,31 @@ class HypothesisResult:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
 
+    def entry(self, check: str, figure: Optional[str]) -> HypothesisEntry:
+        """The recorded form (:class:`helpers.records.HypothesisEntry`) of this result of check ``check``, its
+        figure written to ``figure`` (relative to the run folder) or None."""
+        return HypothesisEntry(check=check, title=self.title, question=self.question, verdict=self.verdict,
+                               explanation=self.explanation, short=(self.data or {}).get("short", ""),
+                               evidence=self._evidence_records(), figure=figure)
+
+    def step(self, *, index: int, check: str, label: str, on_fix: str, expect: Optional[str],
+             figure: Optional[str]) -> HypothesisStep:
+        """The replay step (:class:`helpers.records.HypothesisStep`) of this result: check ``check`` run as step
+        ``index`` on fix ``on_fix``, compared with the case's ``expect``."""
+        return HypothesisStep(index=index, check=check, label=label, question=self.question, on_fix=on_fix,
+                              verdict=self.verdict, expect=expect,
+                              as_expected=None if expect is None else expect == self.verdict,
+                              explanation=self.explanation, evidence=self._evidence_records(),
+                              data=jsonable(self.data), figure=figure)
+
+    def _evidence_records(self) -> list:
+        return json.loads(self.evidence.to_json(orient="records")) if len(self.evidence) else []
+
     def to_dict(self) -> dict:
         """JSON-safe form (evidence as records, figure as plotly JSON)."""
         return {"check": self.check, "title": self.title, "question": self.question,
                 "label": self.label, "verdict": self.verdict, "explanation": self.explanation,
-                "evidence": json.loads(self.evidence.to_json(orient="records")) if len(self.evidence) else [],
+                "evidence": self._evidence_records(),
                 "figure": None if self.figure is None else json.loads(self.figure.to_json()),
                 "data": jsonable(self.data)}
 
@@ -766,21 +787,24 @@ def check_norm_mismatch(inv: Investigation, **_: Any) -> HypothesisResult:
 
 @dataclass(frozen=True)
 class Check:
+    """A declared check (:class:`helpers.investigation.catalog.CheckSpec`) with its function ``check_<name>``."""
+
     name: str
     title: str
     question: str
     fn: Callable[..., HypothesisResult]
 
 
-_FUNCTIONS = {"embedding_all_reduce": check_embedding_all_reduce, "concat_order": check_concat_order,
-              "tp_sharding": check_tp_sharding, "layer_offset": check_layer_offset,
-              "embedding_included": check_embedding_included, "num_steps_override": check_num_steps_override,
-              "fc_bypass": check_fc_bypass, "verify_bottleneck": check_verify_bottleneck,
-              "static_wiring": check_static_wiring, "vocab_map": check_vocab_map,
-              "rotated_basis": check_rotated_basis, "norm_mismatch": check_norm_mismatch}
-#: name -> :class:`Check` (titles and questions from :mod:`helpers.investigation.catalog`)
-CHECKS: dict[str, Check] = {name: Check(name, title, question, _FUNCTIONS[name])
-                            for name, (title, question) in CATALOG.items()}
+def _implementation(name: str) -> Callable[..., HypothesisResult]:
+    fn = globals().get(f"check_{name}")
+    if fn is None:                                                                      # pragma: no cover
+        raise RuntimeError(f"helpers/investigation/catalog.py declares the check {name!r}, but "
+                           f"helpers/investigation/checks.py has no check_{name}")
+    return fn
+
+
+#: name -> :class:`Check`, one per :data:`helpers.investigation.catalog.CHECK_SPECS` entry
+CHECKS: dict[str, Check] = {s.name: Check(s.name, s.title, s.question, _implementation(s.name)) for s in CHECK_SPECS}
 
 
 def run_check(name: str, inv: Investigation, *, label: str = "", question: str = "",

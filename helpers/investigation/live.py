@@ -11,7 +11,7 @@ Steps, each timed and reported as a progress line:
    hooks are on (same numerics as the served tensors), else HF transformers on the target folder when the weights
    are there and fit in memory, else none, with what is missing and what it would settle.
 4. **diagnosis** -- :func:`helpers.diagnosis.diagnose.diagnose` (static check with provenance + numeric comparison).
-5. **hypotheses** -- every check of :data:`helpers.investigation.catalog.CATALOG` that applies to a live server,
+5. **hypotheses** -- every check of :data:`helpers.investigation.catalog.CHECK_SPECS` marked ``live``,
    ordered by the evidence (confirmed, then inconclusive, then refuted).
 6. **proposed fix** -- :func:`helpers.investigation.propose.propose_fix`.
 7. **relaunch** (optional) -- when the server is one this tool can restart (an embedded server started by
@@ -42,7 +42,8 @@ from ..diagnosis.detectors import finding
 from ..errors import BadInput, describe
 from ..formats.configs import read_config_json, read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
-from ..records import Finding, InvestigationDoc, ProposedFix
+from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
+from ..records import Finding, HypothesisEntry, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import parse_ports
@@ -53,13 +54,10 @@ from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
 from .acceptance import CAUSE_KINDS, run_budget
 from ..draft.budget import join_ablation
+from .catalog import LIVE_CHECKS
 from .checks import Investigation, run_check
 from .propose import draft_variant, propose_fix
 
-#: The checks a live investigation runs (all of the catalogue but verify_bottleneck, which needs a target-only
-#: baseline server), in the order of the mission: how the server feeds the draft, then its settings.
-LIVE_CHECKS = ("tp_sharding", "embedding_all_reduce", "layer_offset", "embedding_included", "concat_order",
-               "rotated_basis", "norm_mismatch", "static_wiring", "fc_bypass", "vocab_map", "num_steps_override")
 HOOK_FACTORY_PREFIX = "helpers.hooks:"
 
 
@@ -529,50 +527,35 @@ def _reference(att: Attachment, client: SGLangClient, samples: Sequence[Any], ru
 
 _ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}
 
-#: findings about the tensors the draft receives (measured); the config findings that explain them come after
-TENSOR_KINDS = {"embedding_in_place_of_layer", "layer_offset", "wrong_layer", "unidentified_chunk", "chunk_order", "missing_chunk",
-                "zero_chunk", "scaled_chunk", "partial_match",
-                "extra_chunk", "tp_sharded_width", "tp_partial_sum", "embedding_not_all_reduced", "rotated_basis",
-                "norm_mismatch", "nan_or_inf", "fc_bypassed", "width_mismatch"}
-
-
 def _measured_first(findings: list[dict]) -> list[dict]:
     """The findings with the measured tensor faults first (what the draft really receives), then the config
     findings that explain them (stable otherwise): the opening sentence names what is wrong, then why."""
     return sorted(findings, key=lambda f: 0 if f["kind"] in TENSOR_KINDS and not f["evidence"].get("static") else 1)
 
 
-#: check -> the finding kinds that say what the check asks; a check refuted while such a finding stands in the same
-#: run is reported inconclusive (two measurements of one question disagree: the finding's evidence is named)
-CHECK_FINDINGS = {"tp_sharding": ("tp_sharded_width", "tp_partial_sum"),
-                  "embedding_all_reduce": ("embedding_not_all_reduced",),
-                  "layer_offset": ("layer_offset",), "embedding_included": ("embedding_in_place_of_layer",),
-                  "concat_order": ("chunk_order",), "rotated_basis": ("rotated_basis",),
-                  "norm_mismatch": ("norm_mismatch",), "fc_bypass": ("fc_bypassed",),
-                  "vocab_map": ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs"),
-                  "num_steps_override": ("num_draft_tokens_overridden",)}
-
-
-def reconcile(hypotheses: list[dict], findings: Sequence[Any]) -> list[dict]:
+def reconcile(hypotheses: Sequence[HypothesisEntry | dict], findings: Sequence[Any]) -> list[HypothesisEntry]:
     """Hypotheses that a finding of the same run contradicts are not reported as refuted: their verdict becomes
-    ``inconclusive`` with the finding named (findings: :class:`helpers.records.Finding` or dicts)."""
+    ``inconclusive`` with the finding named (hypotheses: :class:`helpers.records.HypothesisEntry` or dicts of its
+    fields; findings: :class:`helpers.records.Finding` or dicts)."""
     kinds = {}
     for f in findings:
         k = f.kind if hasattr(f, "kind") else f["kind"]
         kinds.setdefault(k, f.detail if hasattr(f, "detail") else f.get("detail", ""))
     out = []
     for h in hypotheses:
-        hit = [k for k in CHECK_FINDINGS.get(h["check"], ()) if k in kinds]
-        if h["verdict"] == "refuted" and hit:
-            h = {**h, "verdict": "inconclusive",
-                 "short": f"contradicted by the finding {hit[0]} of this run: {kinds[hit[0]]}",
-                 "explanation": (h.get("explanation") or "") + f" -- but the finding {hit[0]} of the same run says "
-                                f"otherwise ({kinds[hit[0]]}); the two measurements disagree, so no verdict."}
+        h = h if isinstance(h, HypothesisEntry) else HypothesisEntry.model_validate(h)
+        hit = [k for k in CHECK_FINDINGS.get(h.check, ()) if k in kinds]
+        if h.verdict == "refuted" and hit:
+            h = h.model_copy(update={
+                "verdict": "inconclusive",
+                "short": f"contradicted by the finding {hit[0]} of this run: {kinds[hit[0]]}",
+                "explanation": (h.explanation or "") + f" -- but the finding {hit[0]} of the same run says "
+                               f"otherwise ({kinds[hit[0]]}); the two measurements disagree, so no verdict."})
         out.append(h)
-    return sorted(out, key=lambda x: _ORDER.get(x["verdict"], 3))
+    return sorted(out, key=lambda x: _ORDER.get(x.verdict, 3))
 
 
-def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
+def _hypotheses(inv: Investigation, run_dir: Path) -> list[HypothesisEntry]:
     out = []
     for name in LIVE_CHECKS:
         res = run_check(name, inv)
@@ -581,11 +564,8 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[dict]:
             path = run_dir / "figures" / f"investigate-{name}.json"
             atomic_write_text(path, res.figure.to_json())
             fig = str(path.relative_to(run_dir))
-        d = res.to_dict()
-        out.append({"check": name, "title": res.title, "question": res.question, "verdict": res.verdict,
-                    "explanation": res.explanation, "short": (res.data or {}).get("short", ""),
-                    "evidence": d.get("evidence", []), "figure": fig})
-    return sorted(out, key=lambda h: _ORDER.get(h["verdict"], 3))
+        out.append(res.entry(name, fig))
+    return sorted(out, key=lambda h: _ORDER.get(h.verdict, 3))
 
 
 def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
@@ -648,67 +628,6 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
 
 
 # ------------------------------------------------------------------------------------------------ the sentence
-
-KIND_TEXT = {
-    "embedding_in_place_of_layer": "the token embedding is fed where the draft was trained on a layer output",
-    "layer_offset": "every aux chunk is a different layer than the draft was trained on",
-    "wrong_layer": "an aux chunk holds another layer than the draft was trained on",
-    "unidentified_chunk": "an aux chunk holds something that is no layer of the target",
-    "zero_chunk": "an aux chunk is all zeros (the capture delivers nothing there)",
-    "scaled_chunk": "an aux chunk is the trained tensor times a constant",
-    "partial_match": "an aux chunk is the trained tensor except on a minority of rows",
-    "chunk_order": "the aux chunks come in another order than in training",
-    "missing_chunk": "an aux chunk the draft was trained on is missing",
-    "extra_chunk": "the server feeds an aux chunk training did not have",
-    "width_mismatch": "the served width differs from the trained width",
-    "tp_sharded_width": "each TP rank feeds an H/tp shard instead of the full hidden state",
-    "tp_partial_sum": "an aux chunk is one TP rank's partial sum, not the all-reduced residual stream",
-    "embedding_not_all_reduced": "the embedding is fed before its TP all-reduce",
-    "rotated_basis": "an aux chunk is the trained tensor in another basis",
-    "norm_mismatch": "an aux chunk has a normalisation training did not have (or lacks one)",
-    "nan_or_inf": "the served aux states hold NaN / Inf",
-    "token_mismatch": "the served tokens differ from the training tokens",
-    "config_ids_ignored": "SGLang ignores the draft config's layer ids",
-    "config_ids_mismatch": "the deployed draft config names other layers than training used",
-    "fc_bypassed": "the draft's fc is bypassed (EAGLE-3 draft served without aux states)",
-    "vocab_map_missing": "the draft's pruned vocabulary has no d2t map",
-    "num_draft_tokens_overridden": "SGLang overrides the requested number of draft tokens",
-    "served_draft_differs": "the server runs another draft than the one given",
-    "unsupported_target": "SGLang cannot capture aux states for this target",
-    "unsupported_draft": "SGLang cannot serve this draft as EAGLE-3",
-    "server_fatal": "the server fails with these layer ids (at start-up or at the first forward)",
-    "lm_head_missing": "the draft's lm_head is missing and left uninitialised",
-    "lm_head_replaced": "SGLang replaces the draft's trained lm_head",
-    "vocab_map_trivial": "the draft's d2t is all zeros",
-    "vocab_map_differs": "the draft's d2t differs from the training data's vocab mapping",
-    "draft_vocab_coverage": "many target tokens lie outside the draft vocabulary",
-    "draft_weight_missing": "draft parameters have no tensor in the checkpoint",
-    "draft_weight_ignored": "SGLang's loader drops draft tensors",
-    "draft_flag_ignored": "SGLang ignores a draft config flag",
-    "rope_mismatch": "the draft's rotary embedding differs from the target's",
-    "max_position_short": "the draft's context is shorter than the target's",
-    "sliding_window_ignored": "SGLang ignores the draft's sliding window",
-    "draft_underperforms": "the draft checkpoint accepts less on its own training states than its training log says",
-    "wiring_loses_acceptance": "the served aux states cost acceptance against the training states",
-    "engine_after_capture": "the engine accepts less than the draft run offline on the very states it fed",
-    "spec_settings_low": "the speculative settings leave acceptance unused",
-    "acceptance_unexplained": "live acceptance is below the offline prediction and no stage explains it",
-    "workload_loses_acceptance": "the requests (their context, temperature), not the server, lose the acceptance",
-    "context_loses_acceptance": "acceptance falls with the context length",
-    "temperature_loses_acceptance": "acceptance falls at the requests' sampling temperature",
-    "concurrency_loses_acceptance": "acceptance falls when requests share a batch",
-    "engine_feature_costs_acceptance": "an engine feature costs acceptance: the server with it off accepts more",
-    "speculation_slower": "the target alone is faster than with the draft",
-}
-#: findings about the draft checkpoint itself (helpers.draft.checks)
-DRAFT_KINDS = ("lm_head_missing", "lm_head_replaced", "vocab_map_trivial", "vocab_map_differs", "vocab_map_missing",
-               "draft_vocab_coverage", "draft_weight_missing", "draft_weight_ignored", "draft_flag_ignored",
-               "rope_mismatch", "max_position_short", "sliding_window_ignored")
-ACCEPTANCE_KINDS = ("draft_underperforms", "wiring_loses_acceptance", "engine_after_capture", "spec_settings_low",
-                    "acceptance_unexplained", "workload_loses_acceptance", "context_loses_acceptance",
-                    "temperature_loses_acceptance", "concurrency_loses_acceptance", "engine_feature_costs_acceptance",
-                    "speculation_slower")
-
 
 def _measured_text(m: Optional[dict]) -> str:
     if not m:

@@ -25,43 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from ..diagnosis.conventions import CapturePlan, describe, served_plan
-from ..diagnosis.detectors import LAYOUT_KINDS
 from ..formats.configs import read_config_json
+from ..kinds import BY_NAME, ENGINE_FIXES, ID_KINDS, VOCAB_MAP_KINDS
 from ..layers.ids import layer_index
 from ..records import ProposedFix
 from ..runfiles import atomic_write_text, write_safetensors
-
-#: Findings a change of the draft config ids can address (when the served chunks follow SGLang's rules).
-ID_KINDS = set(LAYOUT_KINDS) | {"config_ids_mismatch", "config_ids_ignored"}
-
-#: The engine change for faults in the capture path (no config change addresses them).
-ENGINE_FIXES = {
-    "tp_sharded_width": "capture the full hidden width on every rank (all-gather, or capture after the all-reduce): "
-                        "each TP rank feeds an H/tp shard",
-    "tp_partial_sum": "capture the residual stream after the all-reduce: the chunk holds one rank's partial sum of a "
-                      "row-parallel output (o_proj / down_proj), not the full residual stream",
-    "embedding_not_all_reduced": "capture the embedding after VocabParallelEmbedding's all-reduce: the chunk holds a "
-                                 "rank-local lookup (rows of other ranks' vocab shards are zero)",
-    "rotated_basis": "remove the transform applied before capture (or capture before it): the chunk is the trained "
-                     "tensor in another orthonormal basis (norms kept, angles changed)",
-    "norm_mismatch": "capture the pre-norm residual stream training used: the chunk is the trained tensor with a "
-                     "normalisation applied (or one missing)",
-    "nan_or_inf": "find where non-finite values enter the captured tensor (dtype overflow, an uninitialised buffer)",
-    "unidentified_chunk": "find what transforms the chunk between the residual stream and the capture: it equals no "
-                          "layer of the target (compare the TP ranks' captures, read the capture path)",
-    "zero_chunk": "find why the capture delivers zeros for the chunk (a hook that never fires for that layer, a "
-                  "buffer never written or cleared before it is read)",
-    "scaled_chunk": "remove the constant factor applied to the chunk on one side (a scale folded into the capture, "
-                    "a residual added twice, a dtype / quantisation scale not undone)",
-    "partial_match": "find what alters a minority of the chunk's rows (the evidence names them: often the massive-"
-                     "activation rows and dims, altered by clamping, overflow or a special path for some tokens)",
-    "token_mismatch": "compare on the same tokens: the served capture and the training data disagree on the token "
-                      "ids (tokenizer, chat template or sample order)",
-    "unsupported_target": "serve a target architecture whose SGLang model class captures aux hidden states "
-                          "(set_eagle3_layers_to_capture), or use an engine that supports it",
-    "unsupported_draft": "serve the draft with an EAGLE-3 draft class SGLang registers (LlamaForCausalLMEagle3 ...)",
-}
-
 
 def ids_for_plan(wanted: Sequence[str], draft: Any, target: Any, version: Optional[str]
                  ) -> tuple[Optional[list[int]], Optional[CapturePlan], str]:
@@ -191,7 +159,7 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
                 fix.addresses.extend(id_kinds)
 
     # -- the vocab map -----------------------------------------------------------------------------------------
-    vocab_kinds = [k for k in ("vocab_map_missing", "vocab_map_trivial", "vocab_map_differs") if k in kinds]
+    vocab_kinds = [k for k in VOCAB_MAP_KINDS if k in kinds]
     if vocab_kinds:
         vm = Path(training_dir) / "vocab_mapping" / "vocab_mapping.pt" if training_dir else None
         if vm is not None and vm.is_file():
@@ -226,7 +194,7 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
             where = "" if f.get("chunk") is None else f" (chunk {f['chunk']})"
             engine_parts.append(ENGINE_FIXES[k] + where)
             fix.unaddressed.append(k)
-        elif k in ID_KINDS or k in ("width_mismatch", "extra_chunk", "missing_chunk", "server_fatal"):
+        elif k in BY_NAME and BY_NAME[k].fix in ("config_ids", "detail"):
             engine_parts.append(f"{k}: {f['detail']}")
             fix.unaddressed.append(k)
         elif k not in fix.addresses:

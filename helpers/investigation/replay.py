@@ -196,13 +196,8 @@ class Replay:
         if res.figure is not None:
             fig_path = self.run_dir / "figures" / f"step{i + 1:02d}-{h.check}.json"
             atomic_write_text(fig_path, res.figure.to_json())
-        d = res.to_dict()
-        d.pop("figure", None)
-        return HypothesisStep(index=i, check=h.check, label=h.label, question=res.question,
-                              on_fix=self.current["fix"].name, verdict=res.verdict, expect=step.expect,
-                              as_expected=None if step.expect is None else step.expect == res.verdict,
-                              explanation=res.explanation, evidence=d["evidence"], data=d["data"],
-                              figure=None if fig_path is None else str(fig_path.relative_to(self.run_dir)))
+        return res.step(index=i, check=h.check, label=h.label, on_fix=self.current["fix"].name, expect=step.expect,
+                        figure=None if fig_path is None else str(fig_path.relative_to(self.run_dir)))
 
     def _measured_by(self, i: int) -> Optional[str]:
         """Where the fix proposed by the investigation at timeline step ``i`` is measured (a later step of this

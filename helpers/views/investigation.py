@@ -70,10 +70,7 @@ def hypothesis_steps(doc: Optional[InvestigationDoc], check: str) -> list[Hypoth
     """The investigation's verdict on ``check`` as a replay-style step (for the hypothesis pages)."""
     if doc is None:
         return []
-    return [HypothesisStep(check=h["check"], label="live investigation", question=h.get("question") or "",
-                           on_fix="live server", verdict=h.get("verdict"), explanation=h.get("explanation") or "",
-                           evidence=h.get("evidence") or [], data={"short": h.get("short") or ""},
-                           figure=h.get("figure")) for h in doc.hypotheses if h.get("check") == check]
+    return [h.as_step(label="live investigation", on_fix="live server") for h in doc.hypotheses if h.check == check]
 
 
 def headline_html(doc: InvestigationDoc) -> str:

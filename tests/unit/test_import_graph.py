@@ -56,8 +56,8 @@ def _graph() -> dict[str, set[str]]:
 #: The layer order of DESIGN.md "Layers", bottom first: a part (a subpackage, or a top-level module) imports only parts
 #: of lower tiers, never one of its own tier or above (lazy imports included).
 LAYERS = (
-    ("__init__", "errors", "paths", "redaction", "records", "faults", "layers"),
-    ("budget", "runfiles"),
+    ("__init__", "errors", "paths", "redaction", "kinds", "faults", "layers"),
+    ("budget", "runfiles", "records"),
     ("formats", "hooks", "plots"),
     ("server",),
     ("diagnosis", "acceptance"),

@@ -86,9 +86,10 @@ def test_temperature_and_concurrency_sweeps(client):
 
 
 def test_a_sweep_cut_short_keeps_what_it_measured(client):
-    pts = run_sweep(client, "concurrency", prompts=PROMPTS, max_new_tokens=16, budget=Budget(0.05),
-                    concurrency=(1, 2, 4))
-    # the first point started inside the budget and is kept; the others would pass it and are listed, not measured
+    b = Budget(60)
+    pts = run_sweep(client, "concurrency", prompts=PROMPTS, max_new_tokens=16, budget=b, concurrency=(1, 2, 4),
+                    progress=lambda line: b.cancel("test"))        # the budget ends once the first point is in
+    # the first point was measured inside the budget and is kept; the others are listed, not measured
     assert pts[0].skipped is None and pts[0].summary["accept_length"] > 1
     assert [p.skipped for p in pts[1:]] == ["budget: 0 s left, the point needs ~0 s"] * 2, [p.skipped for p in pts]
     # a budget that runs out inside a request: that point is listed as cut short, the earlier ones are kept

@@ -52,8 +52,8 @@ def test_clean_configurations_give_zero_findings(tmp_path, tiny_target, tiny_dra
     assert [c["matched_training_chunk"] for c in d.chunks] == [0, 1, 2]
     tol = REL_DIFF_TOLERANCE[dtype]
     assert all(0 <= c["rel_diff"] <= tol and c["cosine"] > 0.999 for c in d.chunks)
-    assert d.comparison.alignment["samples_paired"] == 3
-    assert d.comparison.alignment["decode_rows_compared"] == 3 * 5    # output_ids[:-1] rows, same greedy tokens
+    assert d.comparison.alignment.samples_paired == 3
+    assert d.comparison.alignment.decode_rows_compared == 3 * 5    # output_ids[:-1] rows, same greedy tokens
     if tp > 1 and dtype == "bfloat16":
         # TP-k reduction order really changes bf16 values: the tolerance is exercised, not bypassed
         assert max(c["rel_diff"] for c in d.chunks) > 0
@@ -408,11 +408,11 @@ def test_cached_prefix_and_missing_prompt_ids(tmp_path, tiny_target, tiny_draft,
     d = diagnose(train, [s1], draft_config=tiny_draft, target_config=tiny_target)
     assert d.findings == [], d.render_text()
     rows = sum(len(sp.served_ids) - 5 for sp in specs)
-    assert d.comparison.alignment["rows_compared"] == rows
+    assert d.comparison.alignment.rows_compared == rows
     # no prompt_token_ids: aligned by training-sample order
     s2 = write_generate_json(tmp_path / "noids.json", runner32, specs, SPECFORGE_DEFAULT, with_prompt_ids=False)
     d2 = diagnose(train, [s2], draft_config=tiny_draft, target_config=tiny_target)
-    assert d2.findings == [] and d2.comparison.alignment["paired_by"] == {"order": 3}
+    assert d2.findings == [] and d2.comparison.alignment.paired_by == {"order": 3}
 
 
 def test_sglang_dumper_folder_as_served(tmp_path, tiny_target, tiny_draft, runner32, specs):
@@ -435,7 +435,7 @@ def test_sglang_dumper_folder_as_served(tmp_path, tiny_target, tiny_draft, runne
     d = diagnose(train, [tmp_path / "dumper"], draft_config=tiny_draft, target_config=tiny_target)
     assert d.findings == [], d.render_text()
     assert [s.name for s in d.comparison.rank_sources] == ["rank0", "rank1"]
-    assert d.comparison.alignment["rows_compared"] == sum(len(sp.prompt) for sp in specs)
+    assert d.comparison.alignment.rows_compared == sum(len(sp.prompt) for sp in specs)
 
 
 def test_max_samples_below_the_served_samples_raises_no_finding(tmp_path, tiny_target, tiny_draft, runner32, specs):
@@ -446,7 +446,7 @@ def test_max_samples_below_the_served_samples_raises_no_finding(tmp_path, tiny_t
     served = write_generate_json(tmp_path / "served.json", runner32, specs, served_tensors)
     d = diagnose(train, [served], draft_config=tiny_draft, target_config=tiny_target, max_samples=1)
     assert d.findings == [], d.render_text()
-    assert d.comparison.alignment["samples_paired"] == 1
+    assert d.comparison.alignment.samples_paired == 1
     assert any("2 served sample(s) were not compared" in n for n in d.notes), d.notes
     # all training samples read, one served sample from elsewhere: a finding
     other = write_generate_json(tmp_path / "other.json", runner32, specs[:2] + make_samples(runner32, 4)[3:],

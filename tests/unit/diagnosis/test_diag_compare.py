@@ -88,8 +88,8 @@ def test_metrics_equal_direct_formulas(data):
     m = c.metrics(src, 2, 0)
     assert m.min_row_cosine == pytest.approx(1.0, abs=1e-6) and m.norm_ratio == pytest.approx(1.5, rel=1e-6)
     assert m.row_norm_ratio_min == pytest.approx(1.5, rel=1e-5) and m.row_norm_ratio_max == pytest.approx(1.5, rel=1e-5)
-    assert c.alignment["paired_by"] == {"input_ids": 2} and c.alignment["rows_compared"] == 18
-    assert c.alignment["decode_rows_compared"] == 4
+    assert c.alignment.paired_by == {"input_ids": 2} and c.alignment.rows_compared == 18
+    assert c.alignment.decode_rows_compared == 4
 
 
 def test_block_size_does_not_change_results(data):
@@ -116,8 +116,8 @@ def test_alignment_stops_at_divergence_and_reports_prompt_mismatch(data):
     train = [sample(f"data_{k}", ids[k], tr[k], sample_id=f"data_{k}") for k in range(2)]
     c = compare(train, [served], hidden_size=H, training_width=3 * H)
     a = c.alignment
-    assert a["rows_compared"] == 8 + 3 and a["decode_rows_compared"] == 1
-    (mm,) = a["token_mismatches"]
+    assert a.rows_compared == 8 + 3 and a.decode_rows_compared == 1
+    (mm,) = a.token_mismatches
     assert (mm["served_sample"], mm["position"], mm["served_token_id"], mm["rows_compared"]) == ("b", 3, 777, 3)
 
 
@@ -162,7 +162,7 @@ def test_streaming_keeps_a_bounded_number_of_samples_alive():
                             torch.randn(L, 3 * H, generator=torch.Generator().manual_seed(k)), sample_id=f"data_{k}")
                      for k in range(0, N, 4)])
     c = compare(stream(), [served], hidden_size=H, training_width=3 * H)
-    assert c.alignment["samples_paired"] == N // 4 and c.alignment["training_samples_seen"] == N
+    assert c.alignment.samples_paired == N // 4 and c.alignment.training_samples_seen == N
     assert alive["max"] <= 2
 
 
@@ -199,6 +199,6 @@ def test_rows_of_a_sample_whose_prompt_differs_are_compared_apart(data):
                      sample("b", bad_prompt, sv[1], num_prompt_tokens=7, sample_id="data_1")])
     train = [sample(f"data_{k}", ids[k], tr[k], sample_id=f"data_{k}") for k in range(2)]
     c = compare(train, [served], hidden_size=H, training_width=3 * H)
-    assert c.alignment["rows_compared"] == 12 and c.alignment["rows_in_mismatched_samples"] == 3
+    assert c.alignment.rows_compared == 12 and c.alignment.rows_in_mismatched_samples == 3
     assert (c.primary.pairs.n == 9).all() and (c.primary.suspect.n == 3).all()
     assert c.reservoir.count == 9
