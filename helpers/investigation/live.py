@@ -55,7 +55,8 @@ from .ablate import ablate as run_ablation, ablation_text
 from .acceptance import CAUSE_KINDS, run_budget
 from ..draft.budget import join_ablation
 from .catalog import LIVE_CHECKS
-from .checks import Investigation, run_check
+from .checks import run_check
+from .inputs import Investigation
 from .propose import draft_variant, propose_fix
 
 HOOK_FACTORY_PREFIX = "helpers.hooks:"

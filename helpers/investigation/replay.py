@@ -38,7 +38,8 @@ from ..records import REPLAY_STEP, FixStep, HypothesisStep, InvestigationStep, R
 from ..runfiles import atomic_write_text, read_parquet, safe_name, write_json
 from ..server.settings import SpecSettings
 from .cases import Case, load_case
-from .checks import Investigation, run_check
+from .checks import run_check
+from .inputs import Investigation
 from .live import investigate
 from .propose import draft_variant
 

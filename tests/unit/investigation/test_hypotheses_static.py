@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from helpers.errors import BadInput
-from helpers.investigation.checks import Investigation, run_check
+from helpers.investigation.checks import run_check
+from helpers.investigation.inputs import Investigation
 from helpers.investigation.propose import draft_variant
 from helpers.formats.training_data import recorded_layer_ids
 from support import ROOT
