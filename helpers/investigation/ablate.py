@@ -31,6 +31,9 @@ from ..server.registry import lookup
 from ..server.restart import start_variant
 
 FORMAT = "e3f-ablate"
+#: seconds a toggle is assumed to take (restart + one measurement) before one was measured: a toggle is not started
+#: with less budget left (the embedded TP 1 server restarts and is measured in ~40 s on 2 cores)
+FIRST_TOGGLE_S = 30.0
 #: finding kind -> cause of each sweep's fall
 SWEEP_KINDS = {"context": ("context_loses_acceptance", "workload"),
                "temperature": ("temperature_loses_acceptance", "workload"),
@@ -282,13 +285,16 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
             if restart is None:
                 doc["skipped"].append("toggles: this server cannot be restarted by the tool (pass --relaunch CMD, or "
                                       "start it with `python -m helpers server start`)")
+        toggle_cost, measured_toggles = FIRST_TOGGLE_S, 0
         for t in chosen:
             row = _toggle_row(t)
             why = t.skip_reason(info)
             if why is None and restart is None:
                 why = "this server cannot be restarted by the tool (pass --relaunch CMD)"
-            if why is None and dl.spent():
-                why = "budget spent"
+            left = dl.remaining()
+            if why is None and left is not None and left < toggle_cost:
+                why = (f"budget: {max(0.0, left):.0f} s left, a restart and its measurement take ~{toggle_cost:.0f} s"
+                       + ("" if measured_toggles else " (the first toggle's estimate)"))
             if why is not None:
                 row.update(status="skipped", reason=why)
                 doc["toggles"].append(row)
@@ -307,6 +313,9 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
                            reason=("budget spent while it ran: " if dl.spent() else "") + str(exc).splitlines()[0])
                 progress(f"toggle {t.name}: {row['status']} ({row['reason']})")
             doc["toggles"].append(row)
+            if row.get("status") == "measured":
+                measured_toggles += 1
+                toggle_cost = max(toggle_cost if measured_toggles > 1 else 0.0, row["wall_s"])
             f = toggle_finding(row) if row.get("status") == "measured" else None
             if f is not None:
                 doc["findings"].append(f)
