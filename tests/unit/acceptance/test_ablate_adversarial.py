@@ -103,3 +103,17 @@ def test_failed_requests_and_a_copy_that_does_not_start_exit_1_with_one_line(eng
     assert rc == 1 and err[-1].startswith("ablate: error: toggle radix_cache_off failed: ") and "exited" in err[-1]
     doc = json.loads(next((tmp_path / "b").glob("*/results/ablate.json")).read_text())
     assert [r["name"] for r in doc["toggles"]] == ["radix_cache_off"]          # given twice, run once
+
+
+def test_the_page_escapes_what_a_results_file_says_and_survives_wrong_types():
+    from helpers.views.ablate import ablation_parts
+    x = "<script>alert(1)</script>"
+    doc = {"url": x, "sglang_version": x, "device": x, "prompts": x, "max_new_tokens": x, "wall_s": x,
+           "budget_s": None, "stopped": x, "findings": [{"kind": x, "detail": x}], "skipped": [x],
+           "sweeps": {x: {"points": [{"label": x, "skipped": x, "summary": {"accept_length": x, "tok_s": 3.0,
+                                                                             "tok_s_lo": x}, "effect": {}}],
+                          "trend": None}},
+           "toggles": [{"name": x, "flags": {x: x}, "status": "skipped", "reason": x, "report": x}]}
+    html = [p for p in ablation_parts(doc) if isinstance(p, str)]
+    assert html and not any("<script>" in h for h in html)
+    assert "cut short" in html[1] and "&lt;script&gt;" in html[1]
