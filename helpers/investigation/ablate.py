@@ -46,8 +46,9 @@ def limits(info: dict, *, draft_dir: Optional[Path] = None, target_dir: Optional
     ``sglang/srt/configs/model_config.py::ModelConfig._derive_context_length``), ``training`` (mean tokens per
     training sample, from the training log's data manifest). Unreadable sources are left out."""
     out: dict[str, Any] = {"sources": {}}
-    if info.get("context_length"):
-        out["target"], out["sources"]["target"] = int(info["context_length"]), "/server_info context_length"
+    n = info.get("context_length")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:     # a server may say anything: a string, -5
+        out["target"], out["sources"]["target"] = n, "/server_info context_length"
     for key, d, reader in (("target", target_dir, read_target_config), ("draft", draft_dir, read_draft_config)):
         if key in out or d is None:
             continue

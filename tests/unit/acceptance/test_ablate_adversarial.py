@@ -117,3 +117,15 @@ def test_the_page_escapes_what_a_results_file_says_and_survives_wrong_types():
     html = [p for p in ablation_parts(doc) if isinstance(p, str)]
     assert html and not any("<script>" in h for h in html)
     assert "cut short" in html[1] and "&lt;script&gt;" in html[1]
+
+
+def test_a_server_info_that_lies_is_left_out_not_a_crash():
+    from helpers.acceptance.ablations import TOGGLES
+    from helpers.investigation.ablate import limits
+    for bad in (-5, "abc", [1], True, 0):
+        assert "target" not in limits({"context_length": bad}), bad
+    assert limits({"context_length": 4096})["target"] == 4096
+    for version in ("banana", "", None, 7):
+        info = {"version": version, "device": {"weird": 1}, "speculative_algorithm": "EAGLE3"}
+        reasons = {t.name: t.skip_reason(info) for t in TOGGLES}
+        assert reasons["radix_cache_off"] is None and "no spec v1" in reasons["spec_v1"], (version, reasons)
