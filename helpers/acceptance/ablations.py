@@ -34,11 +34,20 @@ class Toggle:
 
     def skip_reason(self, info: Mapping) -> Optional[str]:
         """Why this toggle does not apply to the server of ``info`` (``/server_info``), or None when it does."""
-        v = parse_version(str(info.get("version") or ""))
+        v = _version(info)
         if v is not None and v < (0, 5):
             return (f"SGLang {info.get('version')}: this table holds SGLang {CHECKED_VERSION}'s flags; older "
                     f"versions name them otherwise")
         return self.check(info)
+
+
+def _version(info: Mapping) -> Optional[tuple]:
+    """The server's SGLang version as a tuple, or None when ``/server_info`` gives none or one that is not X.Y.Z (a
+    server may say anything: the toggles then apply as to the checked version)."""
+    try:
+        return parse_version(str(info.get("version") or ""))
+    except ValueError:
+        return None
 
 
 def _cpu(info: Mapping) -> bool:
@@ -77,7 +86,7 @@ def _attention(info: Mapping) -> Optional[str]:
 
 
 def _spec_v1(info: Mapping) -> Optional[str]:
-    v = parse_version(str(info.get("version") or ""))
+    v = _version(info)
     if v is not None and v >= (0, 5, 23):
         return (f"SGLang {info.get('version')} serves EAGLE-3 with spec v2 only (no v1 switch: "
                 f"sglang/srt/arg_groups/speculative_hook.py, 'Non-overlap (synchronous) spec v2 is used')")

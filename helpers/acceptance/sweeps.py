@@ -41,7 +41,8 @@ MATERIAL = 0.08
 DEFAULT_MAX_CONTEXT = 16384
 #: kept from each point's summary (the rest is in the saved measurement)
 SUMMARY_KEYS = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-                "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "throughput_tok_s", "n_ok", "n_failed", "wall_s")
+                "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "throughput_tok_s", "n_requests", "n_failed",
+                "wall_s")
 
 
 @dataclasses.dataclass
@@ -100,11 +101,8 @@ def with_prefix(prompts: Sequence[Prompt], filler: Sequence[Prompt], *, chars: i
             if chars <= 0 or not others:
                 out.append(p)
                 continue
-            order = [others[(i + k) % len(others)] for k in range(len(others))]
-            pool = " ".join(order)
-            while len(pool) < chars:
-                pool = pool + " " + " ".join(order)
-            pre = pool[:chars]
+            unit = " ".join(others[(i + k) % len(others)] for k in range(len(others)))
+            pre = " ".join([unit] * (chars // (len(unit) + 1) + 1))[:chars]   # one join, not a copy per repeat
             out.append(dataclasses.replace(p, text=pre + "\n\n" + p.text))
         else:
             if tokens <= 0:
@@ -164,10 +162,12 @@ def _point(sweep: str, value: float, label: str, res: AcceptanceResult) -> Point
 def run_sweep(client, sweep: str, *, prompts: Sequence[Prompt], max_new_tokens: int = 48, budget: Budget,
               limits: Optional[dict] = None, temperatures: Sequence[float] = (0.0, 1.0),
               concurrency: Sequence[int] = (1, 2, 4, 8), contexts: Optional[Sequence[int]] = None,
-              max_context: int = DEFAULT_MAX_CONTEXT, progress: Callable[[str], None] = lambda s: None
-              ) -> list[Point]:
+              max_context: int = DEFAULT_MAX_CONTEXT, progress: Callable[[str], None] = lambda s: None,
+              on_point: Optional[Callable[[Point], None]] = None) -> list[Point]:
     """Measure one sweep; the first point is the reference. A point whose expected time (the previous point's wall
-    time, scaled by its size) does not fit in ``budget`` is skipped with the reason; what was measured is kept.
+    time, scaled by its size) does not fit in ``budget`` is skipped with the reason, before its prompts are built;
+    a context beyond the target's (``limits["target"]``: SGLang refuses longer inputs) is skipped with that reason;
+    what was measured is kept.
 
     Args:
         client: :class:`helpers.server.client.SGLangClient` of the running server.
@@ -176,6 +176,8 @@ def run_sweep(client, sweep: str, *, prompts: Sequence[Prompt], max_new_tokens: 
         limits: ``{"target": tokens, "draft": tokens}`` (context sweep; either may be None).
         temperatures / concurrency / contexts: the values (contexts: prompt + generated tokens; default
             :func:`context_points`).
+        on_point: called with each point as soon as it is measured or skipped (to save it before the sweep ends: a
+            run cut short by a signal or a server failure keeps it).
 
     Returns: the points, measured and skipped, reference first. Raises BadInput on an unknown sweep.
     """
@@ -196,18 +198,24 @@ def run_sweep(client, sweep: str, *, prompts: Sequence[Prompt], max_new_tokens: 
     while i < len(plan):
         value, label, how = plan[i]
         i += 1
+        est = None
+        if last_cost is not None:
+            est = last_cost * len(prompts) * (max_new_tokens + how.get("extra_tokens", 0) / 8) / how.get("concurrency", 1)
+        left = budget.remaining()
+        why = None
+        if how.get("beyond"):
+            why = how["beyond"]
+        elif left is not None and (left <= 0 or (est is not None and est > left)):
+            why = f"budget: {max(0.0, left):.0f} s left" + (f", the point needs ~{est:.0f} s" if est is not None else "")
+        if why is not None:
+            points.append(Point(sweep=sweep, value=value, label=label, skipped=why))
+            progress(f"{sweep}: {label}: skipped ({why})")
+            if on_point is not None:
+                on_point(points[-1])
+            continue
         ps = list(prompts)
         if "prefix" in how and how["prefix"]:
             ps = with_prefix(prompts, prompts, chars=how["prefix"], tokens=how.get("tokens", 0))
-        est = None
-        if last_cost is not None:
-            est = last_cost * len(ps) * (max_new_tokens + how.get("extra_tokens", 0) / 8) / how.get("concurrency", 1)
-        left = budget.remaining()
-        if left is not None and (left <= 0 or (est is not None and est > left)):
-            why = f"budget: {max(0.0, left):.0f} s left" + (f", the point needs ~{est:.0f} s" if est is not None else "")
-            points.append(Point(sweep=sweep, value=value, label=label, skipped=why))
-            progress(f"{sweep}: {label}: skipped ({why})")
-            continue
         t0 = time.perf_counter()
         try:
             res = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=how.get("concurrency", 1),
@@ -228,9 +236,14 @@ def run_sweep(client, sweep: str, *, prompts: Sequence[Prompt], max_new_tokens: 
                 targets = list(contexts) if contexts else context_points(p.value, limits or {},
                                                                          max_new_tokens=max_new_tokens,
                                                                          max_context=max_context)
+                top = (limits or {}).get("target")
                 for c in targets:
                     extra = max(0, int(c - p.value))
                     if extra <= 0:
+                        continue
+                    if top and c > top:
+                        plan.append((float(c), f"~{c} tokens", {"beyond": f"beyond the target's context length {top} "
+                                                                 f"(the server refuses longer inputs)"}))
                         continue
                     plan.append((float(c), f"~{c} tokens", {"prefix": int(extra / toks_per_char) if toks_per_char
                                                              else extra, "tokens": extra, "extra_tokens": extra}))
@@ -238,6 +251,8 @@ def run_sweep(client, sweep: str, *, prompts: Sequence[Prompt], max_new_tokens: 
         if points:
             p.effect = paired_effect(points[0].result.per_request, res.per_request)
         points.append(p)
+        if on_point is not None:
+            on_point(p)
         progress(f"{sweep}: {p.label}: accept length {_f(p.summary.get('accept_length'))} "
                  f"[{_f(p.summary.get('accept_length_lo'))}, {_f(p.summary.get('accept_length_hi'))}], "
                  f"tok/s {_f(p.summary.get('tok_s'), 1)} ({wall:.1f} s)")

@@ -3,7 +3,8 @@ server and engine toggles (radix cache, chunked prefill, overlap scheduler, CUDA
 spec v1, the draft itself) on restarted copies, each with a paired CI over the same prompts
 (helpers.investigation.ablate).
 
-Exit 0 nothing loses acceptance, 1 a sweep or toggle shows a loss (a finding), 2 bad input."""
+Exit 0 nothing loses acceptance, 1 a sweep or toggle shows a loss (a finding), requests failed (the measurements
+are kept with ``n_failed``) or a restarted copy failed (one line says where), 2 bad input."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from typing import Optional, Sequence
 
 from ..acceptance.ablations import BY_NAME
 from ..acceptance.sweeps import SWEEPS
-from ..errors import BadInput
-from ..investigation.ablate import ablate, ablation_text
+from ..errors import BadInput, RunFailed
+from ..investigation.ablate import ablate, ablation_text, relaunch_argv
 from ..runfiles import new_run_dir, safe_name
 from ..views.common import run_dir_line
 from .common import Parser, failure_guard, out_folder, progress_line, run, subset_arg
@@ -55,16 +56,21 @@ def build_parser() -> Parser:
     return p
 
 
-def _ints(value: Optional[str], flag: str) -> Optional[list[int]]:
+#: the largest context (tokens) and requests in flight a sweep takes: beyond any server's (a 10M-token context is the
+#: longest public one), and a prompt of that many tokens is built here before it is sent
+MAX_CONTEXT, MAX_CONCURRENCY = 1 << 24, 4096
+
+
+def _ints(value: Optional[str], flag: str, most: int) -> Optional[list[int]]:
     if value is None:
         return None
     try:
         out = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise BadInput(f"expected comma-separated integers, got {value!r}", field=flag) from None
-    if not out or min(out) < 1:
-        raise BadInput(f"expected integers >= 1, got {value!r}", field=flag)
-    return out
+    if not out or min(out) < 1 or max(out) > most:
+        raise BadInput(f"expected integers from 1 to {most}, got {value!r}", field=flag)
+    return list(dict.fromkeys(out))
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -75,7 +81,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         a = build_parser().parse_args(list(argv) if argv is not None else None)
         sweeps = subset_arg(a.sweeps, SWEEPS, "--sweeps") or []
         toggles = subset_arg(a.toggles, list(BY_NAME), "--toggles")
-        conc, ctx = _ints(a.concurrency, "--concurrency"), _ints(a.contexts, "--contexts")
+        conc, ctx = _ints(a.concurrency, "--concurrency", MAX_CONCURRENCY), _ints(a.contexts, "--contexts", MAX_CONTEXT)
+        if a.relaunch is not None:
+            relaunch_argv(a.relaunch)
         if not a.budget > 0:
             raise BadInput(f"must be > 0 seconds, got {a.budget}", field="--budget")
         if not 0 <= a.temperature <= 10:
@@ -91,6 +99,14 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                          temperature=a.temperature, concurrency=conc or (1, 2, 4, 8), contexts=ctx,
                          relaunch=a.relaunch, api_key=os.environ.get(a.api_key_env) or None, draft=a.draft,
                          target=a.target, training_log=a.training_log, port=a.port, progress=show)
+        failed = doc["failed_requests"] + [f"toggle {r['name']} failed: {r['reason']}" for r in doc["toggles"]
+                                           if r["status"] == "failed"]
+        measured = any(not p.get("skipped") for sw in doc["sweeps"].values() for p in sw["points"]) or \
+            any(r["status"] == "measured" for r in doc["toggles"])
+        if not measured and not failed and (sweeps or any(r["status"] != "skipped" or "budget" in r.get("reason", "")
+                                                  for r in doc["toggles"])):
+            failed.append(f"nothing was measured within the budget of {a.budget:g} s (the server did not answer in "
+                          f"time, or raise --budget)")
         if a.json:
             print(json.dumps(doc, indent=1))
         else:
@@ -99,9 +115,11 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{f['kind']}: {f['detail']}")
             for s in doc["skipped"]:
                 print(f"skipped: {s}")
-            if not doc["findings"]:
+            if not doc["findings"] and measured:
                 print("No sweep or toggle shows a CI-supported loss of acceptance.")
             print(f"results: {run_dir / 'results' / 'ablate.json'} ({doc['wall_s']:.0f} s of {a.budget:.0f} s)")
+        if failed:
+            raise RunFailed("; ".join(failed) + f" (what was measured is kept in {run_dir})")
         return 1 if doc["findings"] else 0
 
     return run(prog, body)

@@ -157,7 +157,7 @@ def failure_guard(prog: str, run_dir: Path, *, owned: bool = True,
 
 def subset_arg(value: Optional[str], known: Sequence[str], flag: str) -> Optional[list[str]]:
     """A comma-separated subset of ``known`` (``--sweeps context,temperature``), in the order given; ``none`` is the
-    empty list; None when not given.
+    empty list; None when not given. A name given twice counts once.
 
     Raises:
         BadInput: a name not in ``known`` (the message lists them).
@@ -166,7 +166,7 @@ def subset_arg(value: Optional[str], known: Sequence[str], flag: str) -> Optiona
         return None
     if value.strip().lower() == "none":
         return []
-    names = [n.strip() for n in value.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))   # once each, in order
     bad = [n for n in names if n not in known]
     if bad or not names:
         what = f"unknown {bad[0]!r}" if bad else "an empty list"

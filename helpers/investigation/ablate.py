@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import shlex
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -23,7 +24,7 @@ from ..acceptance.sweeps import MATERIAL, MIN_TOKENS, SWEEPS, Point, run_sweep, 
 from ..budget import Budget
 from ..diagnosis.detectors import finding
 from ..draft.training_log import find_training_log
-from ..errors import BadInput, ServerError
+from ..errors import BadInput, ServerError, describe, printable
 from ..formats.configs import read_draft_config, read_target_config
 from ..runfiles import read_json_file, safe_name, write_json
 from ..server.client import SGLangClient
@@ -48,8 +49,9 @@ def limits(info: dict, *, draft_dir: Optional[Path] = None, target_dir: Optional
     ``sglang/srt/configs/model_config.py::ModelConfig._derive_context_length``), ``training`` (mean tokens per
     training sample, from the training log's data manifest). Unreadable sources are left out."""
     out: dict[str, Any] = {"sources": {}}
-    if info.get("context_length"):
-        out["target"], out["sources"]["target"] = int(info["context_length"]), "/server_info context_length"
+    n = info.get("context_length")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:     # a server may say anything: a string, -5
+        out["target"], out["sources"]["target"] = n, "/server_info context_length"
     for key, d, reader in (("target", target_dir, read_target_config), ("draft", draft_dir, read_draft_config)):
         if key in out or d is None:
             continue
@@ -138,7 +140,7 @@ def measure_toggle(t: Toggle, *, restart: dict, client: SGLangClient, before, pr
         handle.stop()
     row["saved_to"] = _save(after, run_dir, "toggles", t.name)
     keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "throughput_tok_s", "n_ok")
+            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "throughput_tok_s", "n_requests", "n_failed")
     row.update(status="measured", wall_s=time.perf_counter() - t0,
                before={k: before.summary.get(k) for k in keep}, after={k: after.summary.get(k) for k in keep})
     if t.speculative:
@@ -207,12 +209,16 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
 
     Returns: the document written to ``results/ablate.json``: ``{"format", "version", "url", "sglang_version",
     "device", "limits", "prompts", "max_new_tokens", "sweeps": {name: {"points": [...], "trend"}}, "toggles":
-    [...], "findings": [...], "skipped": [...], "wall_s", "budget_s"}``. A point or toggle the budget cannot fit is
-    skipped with the reason; what was measured is kept.
+    [...], "findings": [...], "skipped": [...], "failed_requests": [...], "wall_s", "budget_s"}``
+    (``failed_requests``: one line per point or toggle with failed requests, kept with ``n_failed``). A point or toggle
+    the budget cannot fit is skipped with the reason; what was measured is kept. A run cut short by a signal or a
+    server failure writes what it measured, with ``"stopped"`` (the reason) and what it did not run under
+    ``skipped``, then raises; every point is saved under ``ablate/`` as soon as it is measured.
 
     Raises:
-        BadInput: an unknown sweep or toggle, bad numbers, a run folder that holds ablation results already (checked
-            before any request: nothing is overwritten). ServerError: the server cannot be reached.
+        BadInput: an unknown sweep or toggle, bad numbers, a ``relaunch`` that is not a command line
+            (:func:`relaunch_argv`), a run folder that holds ablation results already (checked before any request:
+            nothing is overwritten). ServerError: the server cannot be reached.
     """
     run_dir = Path(run_dir)
     if (run_dir / "results" / "ablate.json").exists():
@@ -231,10 +237,14 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     if max_new_tokens < 2:
         raise BadInput(f"max_new_tokens must be >= 2 (a verify step needs two tokens), got {max_new_tokens}",
                        field="--max-new-tokens")
+    argv = relaunch_argv(relaunch) if relaunch else None
     dl = budget or Budget(budget_s, flag="--budget")
     t_start = time.perf_counter()
     own = client is None
     client = client or SGLangClient(url, api_key, budget=dl)
+    doc: Optional[dict[str, Any]] = None
+    todo: list[str] = []         # for a run cut short: what has not started, and what runs now
+    running: list[str] = []
     try:
         info = client.server_info(refresh=True)
         if not info.get("speculative_algorithm"):
@@ -243,50 +253,57 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         readable = lambda p: Path(p) if p and Path(p).is_dir() else None  # noqa: E731
         draft_dir = readable(draft) or readable(info.get("speculative_draft_model_path"))
         target_dir = readable(target) or readable(info.get("model_path"))
-        log = None
-        if draft_dir is not None:
-            try:
-                log = find_training_log(draft_dir, training_log)
-            except BadInput:
-                raise
+        log = find_training_log(draft_dir, training_log) if draft_dir is not None else None
         lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
         ps = load_prompts(prompts, n=num_prompts)
-        doc: dict[str, Any] = {"format": FORMAT, "version": 1, "url": client.url, "sglang_version": info.get("version"),
-                               "device": info.get("device"), "limits": lim, "prompts": len(ps),
-                               "max_new_tokens": max_new_tokens, "temperature": temperature, "sweeps": {},
-                               "toggles": [], "findings": [], "skipped": [], "budget_s": budget_s}
+        doc = {"format": FORMAT, "version": 1, "url": client.url, "sglang_version": info.get("version"),
+               "device": info.get("device"), "limits": lim, "prompts": len(ps), "max_new_tokens": max_new_tokens,
+               "temperature": temperature, "sweeps": {}, "toggles": [], "findings": [], "skipped": [],
+               "failed_requests": [], "budget_s": budget_s}
+        todo = [f"sweep {s}" for s in sweeps] + [f"toggle {t.name}" for t in chosen]
         reference = None
         for s in sweeps:
+            todo.remove(f"sweep {s}")
+            running[:] = [f"sweep {s}"]
             if dl.spent():
                 doc["skipped"].append(f"sweep {s}: budget spent")
                 progress(f"sweep {s}: skipped (budget spent)")
                 continue
             progress(f"sweep {s} ...")
-            pts = run_sweep(client, s, prompts=ps, max_new_tokens=max_new_tokens, budget=dl, limits=lim,
-                            temperatures=(0.0, temperature), concurrency=concurrency, contexts=contexts,
-                            progress=progress)
-            for p in pts:
+            pts: list[Point] = []
+            doc["sweeps"][s] = {"points": [], "trend": None}
+
+            def keep(p: Point, s: str = s, pts: list = pts) -> None:   # saved at once: a run cut short keeps it
                 if p.result is not None:
-                    p_saved = _save(p.result, run_dir, s, p.label)
-                    p.summary["saved_to"] = p_saved
+                    p.summary["saved_to"] = _save(p.result, run_dir, s, p.label)
+                pts.append(p)
+                doc["sweeps"][s]["points"].append(p.to_json())
+            run_sweep(client, s, prompts=ps, max_new_tokens=max_new_tokens, budget=dl, limits=lim,
+                      temperatures=(0.0, temperature), concurrency=concurrency, contexts=contexts, progress=progress,
+                      on_point=keep)
             if reference is None and pts and pts[0].result is not None:
                 reference = pts[0].result           # the unchanged server on these prompts (first reference point)
             t = trend(pts, lim)
             doc["sweeps"][s] = {"points": [p.to_json() for p in pts], "trend": t}
             doc["skipped"] += [f"sweep {s}: {p.label}: {p.skipped}" for p in pts if p.skipped]
+            doc["failed_requests"] += [_failed(f"sweep {s}: {p.label}", p.result) for p in pts
+                                       if p.result is not None and p.result.summary.get("n_failed")]
             if t is not None:
                 doc["findings"].append(sweep_finding(t, lim))
+            running.clear()
         # toggles: on restarted copies of the server
         entry = lookup(client.url)
         restart = ({"kind": "embedded", **entry} if entry is not None
-                   else {"kind": "command", "argv": shlex.split(relaunch)} if relaunch else None)
+                   else {"kind": "command", "argv": argv} if argv else None)
         if toggles is None:
             chosen = list(TOGGLES) if restart is not None else []
             if restart is None:
                 doc["skipped"].append("toggles: this server cannot be restarted by the tool (pass --relaunch CMD, or "
                                       "start it with `python -m helpers server start`)")
         toggle_cost, measured_toggles = FIRST_TOGGLE_S, 0
+        todo = [f"toggle {t.name}" for t in chosen]
         for t in chosen:
+            todo.remove(f"toggle {t.name}")
             row = _toggle_row(t)
             why = t.skip_reason(info)
             if why is None and restart is None:
@@ -304,14 +321,22 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
                 progress("measuring the unchanged server for the toggles ...")
                 reference = measure(client, ps, max_new_tokens=max_new_tokens, label="unchanged", progress=False,
                                     seed=0)
+                if reference.summary.get("n_failed"):
+                    doc["failed_requests"].append(_failed("the unchanged server (toggles' reference)", reference))
+            running[:] = [f"toggle {t.name}"]
             try:
                 row = measure_toggle(t, restart=restart, client=client, before=reference, prompts=ps,
                                      max_new_tokens=max_new_tokens, run_dir=run_dir, budget=dl, api_key=api_key,
                                      port=port, progress=progress)
+                if (row.get("after") or {}).get("n_failed"):
+                    doc["failed_requests"].append(f"toggle {t.name}: {row['after']['n_failed']} of "
+                                                  f"{row['after']['n_failed'] + (row['after']['n_requests'] or 0)} "
+                                                  f"requests failed (kept in {row.get('saved_to')})")
             except ServerError as exc:
                 row.update(status="failed" if not dl.spent() else "skipped",
                            reason=("budget spent while it ran: " if dl.spent() else "") + str(exc).splitlines()[0])
                 progress(f"toggle {t.name}: {row['status']} ({row['reason']})")
+            running.clear()
             doc["toggles"].append(row)
             if row.get("status") == "measured":
                 measured_toggles += 1
@@ -323,9 +348,56 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         doc["wall_s"] = time.perf_counter() - t_start
         write_json(run_dir / "results" / "ablate.json", doc)
         return doc
+    except BaseException as exc:
+        if doc is not None and not (run_dir / "results" / "ablate.json").exists():
+            _write_cut_short(doc, run_dir, exc, running, todo, time.perf_counter() - t_start)
+        raise
     finally:
         if own:
             client.close()
+
+
+def relaunch_argv(relaunch: str) -> list[str]:
+    """``--relaunch CMD`` as the argv a restarted copy runs (shell words, ``shlex.split``), checked before any request.
+
+    Raises:
+        BadInput (field ``--relaunch``): unbalanced quotes, no words, or a program that is neither a file nor on
+            ``$PATH``."""
+    try:
+        argv = shlex.split(relaunch)
+    except ValueError as exc:
+        raise BadInput(f"not a command line ({exc}): {printable(relaunch)[:200]!r}", field="--relaunch") from None
+    if not argv:
+        raise BadInput("an empty command; give the server's launch command", field="--relaunch")
+    if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
+        raise BadInput(f"the program {printable(argv[0])[:200]!r} is neither a file nor on $PATH", field="--relaunch")
+    return argv
+
+
+def _failed(where: str, res) -> str:
+    s = res.summary
+    n = int(s.get("n_failed") or 0)
+    first = res.per_request["error"].dropna()
+    why = f"; first error: {str(first.iloc[0]).splitlines()[0][:300]}" if len(first) else ""
+    return f"{where}: {n} of {n + int(s.get('n_requests') or 0)} requests failed{why}"
+
+
+def _write_cut_short(doc: dict, run_dir: Path, exc: BaseException, running: Sequence[str], todo: Sequence[str],
+                     wall_s: float) -> None:
+    """``results/ablate.json`` of a run cut short by ``exc`` (a signal, a server failure): what was measured, the
+    reason under ``stopped``, the sweep or toggle that was running and each one that did not start under
+    ``skipped``. A write that fails (a full disk) is left to the error already on its way."""
+    reason = describe(exc)
+    doc["stopped"] = reason
+    for w in running:
+        n = len((doc["sweeps"].get(w.split(" ", 1)[1]) or {}).get("points") or []) if w.startswith("sweep ") else 0
+        doc["skipped"].append(f"{w}: cut short" + (f" after {n} point(s)" if n else "") + f" ({reason})")
+    doc["skipped"] += [f"{w}: not run ({reason})" for w in todo]
+    doc["wall_s"] = wall_s
+    try:
+        write_json(run_dir / "results" / "ablate.json", doc)
+    except OSError:
+        pass
 
 
 def ablation_text(doc: dict) -> str:

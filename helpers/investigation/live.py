@@ -609,7 +609,7 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
     finally:
         handle.stop()
     keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-            "accept_rate_hi", "tok_s", "n_ok", "n_failed")
+            "accept_rate_hi", "tok_s", "n_requests", "n_failed")
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
             "effect": effect, "prompts": prompts, "max_new_tokens": max_new_tokens,
             "saved_to": [str(saved_before.relative_to(run_dir)), str(saved_after.relative_to(run_dir))],

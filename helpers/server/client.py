@@ -40,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
+from urllib.parse import urlsplit
 
 import httpx
 import pandas as pd
@@ -155,8 +156,14 @@ class SGLangClient:
                  budget: Optional[Budget] = None, on_wait: Optional[Callable[[str], None]] = None,
                  wait_every: float = 15.0,
                  max_info_bytes: int = MAX_INFO_BYTES, max_generate_bytes: int = MAX_GENERATE_BYTES):
-        if not url or "://" not in url:
-            raise BadInput(f"url must look like http://host:port, got {redact_url(str(url))!r}", field="--url")
+        try:
+            parts = urlsplit(url or "")
+            parts.port                       # raises ValueError on a port that is not a number in 0-65535
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            shown = redact_url(str(url)) if parts is not None else "an address urllib cannot parse"
+            raise BadInput(f"url must look like http://host:port, got {shown!r}", field="--url")
         self.url = url.rstrip("/")
         self._shown_url = redact_url(self.url)
         key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")

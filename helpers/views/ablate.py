@@ -39,10 +39,15 @@ def run_live(ctx: RunContext, *, sweeps: Sequence[str] = SWEEPS, toggles: Option
                   api_key=ctx.api_key, progress=print)
 
 
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _ci(s: dict, key: str, digits: int = 2) -> str:
     v, lo, hi = s.get(key), s.get(f"{key}_lo"), s.get(f"{key}_hi")
-    if v is None:
+    if not _num(v):
         return "n/a"
+    lo, hi = (lo, hi) if _num(lo) and _num(hi) else (None, None)
     return f"{v:.{digits}f}" + (f" [{lo:.{digits}f}, {hi:.{digits}f}]" if lo is not None and hi is not None else "")
 
 
@@ -90,9 +95,14 @@ def ablation_parts(doc: Optional[dict]) -> list[Any]:
     if not doc:
         return ["<p>No ablation in this run folder (run <code>python -m helpers ablate --url URL</code>, or this page "
                 "with <code>server_url</code> set).</p>"]
+    secs = {k: f"{doc[k]:.0f}" if _num(doc.get(k)) else "?" for k in ("wall_s", "budget_s")}
     parts: list[Any] = [f"<p>{esc(doc.get('url', ''))}: SGLang {esc(doc.get('sglang_version'))} on "
-                        f"{esc(doc.get('device'))}, {doc.get('prompts')} prompts x {doc.get('max_new_tokens')} tokens "
-                        f"per point, {doc.get('wall_s', 0):.0f} s of a {doc.get('budget_s', 0):.0f} s budget.</p>"]
+                        f"{esc(doc.get('device'))}, {esc(doc.get('prompts'))} prompts x "
+                        f"{esc(doc.get('max_new_tokens'))} tokens per point, {secs['wall_s']} s of a "
+                        f"{secs['budget_s']} s budget.</p>"]
+    if doc.get("stopped"):
+        parts.append(f"<p class=\"e3f-note\"><b>cut short</b> ({esc(doc['stopped'])}): what was measured before is "
+                     f"shown; what did not run is listed under skipped.</p>")
     if doc.get("findings"):
         parts.append(table_html(findings_frame(doc["findings"])))
     else:
