@@ -45,7 +45,8 @@ from helpers.views import ablate
 from helpers.views import common as R
 
 R.setup_notebook()
-ctx = R.context(run_dir, server_url=server_url, api_key_env=api_key_env, repo_root=repo_root, create=bool(server_url))
+ctx = R.context(run_dir, server_url=server_url, api_key_env=api_key_env, repo_root=repo_root, create=bool(server_url),
+                name="ablate")
 R.show(R.run_banner(ctx))
 doc = ablate.load_ablation(ctx.run_dir)
 if ctx.live and doc is None:

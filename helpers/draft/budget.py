@@ -463,10 +463,12 @@ def _cause(losses: dict, reference_al: Optional[float], live: Optional[pd.DataFr
 
 def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
     """Put the evidence of ablations and workload sweeps (findings of :mod:`helpers.investigation.ablate`) into the
-    budget ``b`` and return it: each becomes ``b["ablation"][cause]`` evidence; when no stage explained the loss
-    (cause ``none`` or ``unknown``), an engine toggle that recovers acceptance makes the cause ``engine`` and a
-    workload sweep whose acceptance falls makes it ``workload`` (the requests, not the server), with the measured
-    paired change as its loss (tokens per verify step, bonus token included) and the sentence rewritten."""
+    budget ``b`` and return it: each becomes ``b["ablation"][cause]`` evidence. When the budget found a loss no stage
+    explains (cause ``unknown``), an engine toggle that recovers acceptance makes the cause ``engine`` and a workload
+    sweep whose acceptance falls makes it ``workload`` (the requests, not the server), with the measured paired change
+    as its loss (tokens per verify step, bonus token included) and the sentence rewritten. With cause ``none`` (the
+    measured prompts lose nothing) the cause stays: a note says which requests would lose acceptance (e.g. longer
+    contexts than the prompts measured), not that the server's loss comes from them; an explained cause stays too."""
     ev: dict[str, list] = {}
     for f in findings:
         c = ABLATION_CAUSES.get(f["kind"])
@@ -475,7 +477,13 @@ def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
     if not ev:
         return b
     b["ablation"] = {c: [{"kind": f["kind"], "detail": f["detail"]} for f in fs] for c, fs in ev.items()}
-    if b.get("cause") not in ("none", "unknown"):
+    if b.get("cause") == "none":
+        b.setdefault("notes", []).append(
+            "no loss on the prompts measured here; " + "; ".join(f"{f['kind']}: {f['detail']}" for fs in ev.values()
+                                                             for f in fs)
+            + " (a cause of low acceptance where production requests are like these, not of a loss measured here)")
+        return _clean(b)
+    if b.get("cause") != "unknown":
         return b
     cause = "engine" if "engine" in ev else "workload"
     f = ev[cause][0]

@@ -33,8 +33,8 @@ from ..server.restart import start_variant
 
 FORMAT = "e3f-ablate"
 #: seconds a toggle is assumed to take (restart + one measurement) before one was measured: a toggle is not started
-#: with less budget left (the embedded TP 1 server restarts and is measured in ~40 s on 2 cores)
-FIRST_TOGGLE_S = 30.0
+#: with less budget left (the embedded TP 1 server restarts and is measured in 40-65 s on 2 shared cores)
+FIRST_TOGGLE_S = 60.0
 #: finding kind -> cause of each sweep's fall
 SWEEP_KINDS = {"context": ("context_loses_acceptance", "workload"),
                "temperature": ("temperature_loses_acceptance", "workload"),
@@ -150,14 +150,15 @@ def measure_toggle(t: Toggle, *, restart: dict, client: SGLangClient, before, pr
         lo, d = e.get("accept_length_delta_lo"), e.get("accept_length_delta")
         row["recovers"] = bool(lo is not None and math.isfinite(lo) and lo > 0
                                and d >= max(MIN_TOKENS, MATERIAL * ref))
-        progress(f"toggle {t.name}: accept length {before.summary['accept_length']:.2f} -> "
+        progress(f"toggle {t.name} ({row['wall_s']:.0f} s): accept length {before.summary['accept_length']:.2f} -> "
                  f"{after.summary['accept_length']:.2f}, paired {d:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
                  f"{e['accept_length_delta_hi']:+.2f}]")
     else:
         b, a = before.summary, after.summary
         row["baseline_faster"] = bool(a.get("tok_s_lo") is not None and b.get("tok_s_hi") is not None
                                       and a["tok_s_lo"] > b["tok_s_hi"])
-        progress(f"toggle {t.name}: tok/s with the draft {b['tok_s']:.1f} [{b['tok_s_lo']:.1f}, {b['tok_s_hi']:.1f}], "
+        progress(f"toggle {t.name} ({row['wall_s']:.0f} s): tok/s with the draft {b['tok_s']:.1f} "
+                 f"[{b['tok_s_lo']:.1f}, {b['tok_s_hi']:.1f}], "
                  f"target alone {a['tok_s']:.1f} [{a['tok_s_lo']:.1f}, {a['tok_s_hi']:.1f}]")
     return row
 

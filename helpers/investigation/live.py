@@ -276,7 +276,8 @@ def _sweeps(doc: InvestigationDoc, sweeps: str | Sequence[str], seconds: float, 
     if new:
         doc.verdict = "mismatch"
     doc.notes += [f"workload sweeps: {s}" for s in ab["skipped"]]
-    done("workload sweeps", t, ablation_text(ab))
+    done("workload sweeps", t, ablation_text(ab) + (f"; the budget's cause is now {doc.acceptance['cause']}"
+                                                   if doc.acceptance.get("cause") != before else ""))
 
 
 def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
@@ -312,8 +313,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         sweeps: workload sweeps after the acceptance budget (:mod:`helpers.investigation.ablate`, no restart):
             ``"auto"`` runs the context and concurrency sweeps only when the budget leaves the loss unexplained (cause
             ``unknown``) and the run's time allows; a list (e.g. ``["context"]``) runs those; ``()`` none. A sweep that
-            shows a CI-supported fall is a finding, and makes the budget's cause ``workload`` or ``engine``
-            (:func:`helpers.draft.budget.join_ablation`).
+            shows a CI-supported fall is a finding; when the budget's loss was unexplained it makes the cause
+            ``workload`` or ``engine`` (:func:`helpers.draft.budget.join_ablation`).
         sweep_budget: seconds the sweeps may take at most (also capped by what the run has left, less 60 s).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         measured_by: with ``apply_fix=False``, who measures the fix instead (a replay's later step): recorded as

@@ -441,19 +441,22 @@ def read_json_or_none(path: Path) -> Any:
 
 def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_env: str = "SGLANG_API_KEY",
             target_dir: Any = "", draft_dir: Any = "", training_data: Any = "", repo_root: Any = "",
-            create: bool = False) -> RunContext:
+            create: bool = False, name: str = "interactive") -> RunContext:
     """Resolve a notebook's parameters into a :class:`RunContext`.
 
     Model paths come from, in order: the explicit parameter, the case file (``case`` or the one recorded
     by 00_replay in ``results/00_replay.json``), the shipped defaults (``env/models/...``). Relative paths
     are relative to ``repo_root`` (default: this checkout).
 
+    With ``create`` and an empty ``run_dir``, a new run folder ``outputs/<stamp>-<name>`` is made
+    (:func:`resolve_run_dir`).
+
     Raises:
         helpers.errors.CaseError: a case file that is not YAML or whose ``models`` block is invalid (the
         whole file is validated by :meth:`RunContext.load_case`, i.e. when 00_replay replays it).
     """
     base = as_path(repo_root) or ROOT
-    rd, origin = resolve_run_dir(run_dir, create=create)
+    rd, origin = resolve_run_dir(run_dir, create=create, name=name)
     ctx = RunContext(run_dir=rd, server_url=str(server_url or ""), api_key_env=api_key_env or "SGLANG_API_KEY",
                      origin=origin, finished=finished(rd))
     rec = read_json_or_none(result_path(rd, "00_replay")) or {}

@@ -130,12 +130,16 @@ def test_ablate_writes_once_and_its_findings_join_the_budget(engine, tmp_path, c
         assert (tmp_path / "run" / p["summary"]["saved_to"] / "per_request.parquet").exists()
     with pytest.raises(BadInput, match="already holds ablation results"):
         ablate(engine, run_dir=tmp_path / "run", sweeps=["context"], budget_s=5)
-    b = {"cause": "none", "stages": [{"name": "live", "accept_length": 2.8}], "losses": {}, "missing": []}
+    # a loss no stage explained (cause unknown) is put on the workload, with the measured change as its loss
+    b = {"cause": "unknown", "stages": [{"name": "live", "accept_length": 2.0}], "losses": {},
+         "missing": ["no training log"]}
     joined = join_ablation(b, doc["findings"])
     t = doc["sweeps"]["context"]["trend"]
     assert joined["cause"] == "workload" and joined["losses"]["workload"]["delta"] == pytest.approx(-t["delta"])
     assert "Cause: workload" in joined["sentence"]
-    # an explained loss keeps its cause; the sweep is recorded as evidence beside it
+    # no loss on the measured prompts (none) or an explained loss: the cause stays, the sweep is evidence beside it
+    kept = join_ablation({"cause": "none", "stages": [], "losses": {}, "missing": []}, doc["findings"])
+    assert kept["cause"] == "none" and "context_loses_acceptance" in kept["notes"][-1]
     kept = join_ablation({"cause": "draft", "stages": [], "losses": {}, "missing": []}, doc["findings"])
     assert kept["cause"] == "draft" and kept["ablation"]["workload"][0]["kind"] == "context_loses_acceptance"
     # the CLI: exit 1 on a finding, results in a new run folder, one line per bad argument
