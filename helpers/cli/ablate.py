@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 from ..acceptance.ablations import BY_NAME
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput, RunFailed
-from ..investigation.ablate import ablate, ablation_text, relaunch_argv
+from ..investigation.ablate import ablate, ablation_text
+from ..server.restart import relaunch_argv
 from ..runfiles import new_run_dir, safe_name
 from ..views.common import run_dir_line
 from .common import Parser, failure_guard, out_folder, progress_line, run, subset_arg

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput
+from ..server.restart import relaunch_argv
 from ..investigation.live import default_run_dir, investigate
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
@@ -64,6 +65,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput("--samples and --prompts must be >= 1")
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
+        if args.relaunch:
+            relaunch_argv(args.relaunch)           # a command line that cannot run is bad input, before any request
         run_dir = default_run_dir(out, args.url)
         show = progress_line(prog)
         show(f"run folder {run_dir}")

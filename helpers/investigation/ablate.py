@@ -10,8 +10,6 @@ Written into the run folder: ``results/ablate.json`` (:func:`ablate`'s document)
 from __future__ import annotations
 
 import math
-import shlex
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -24,12 +22,12 @@ from ..acceptance.sweeps import MATERIAL, MIN_TOKENS, SWEEPS, Point, run_sweep, 
 from ..budget import Budget
 from ..diagnosis.detectors import finding
 from ..draft.training_log import find_training_log
-from ..errors import BadInput, ServerError, describe, printable
+from ..errors import BadInput, ServerError, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..runfiles import read_json_file, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.registry import lookup
-from ..server.restart import start_variant
+from ..server.restart import relaunch_argv, start_variant
 
 FORMAT = "e3f-ablate"
 #: seconds a toggle is assumed to take (restart + one measurement) before one was measured: a toggle is not started
@@ -218,7 +216,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
 
     Raises:
         BadInput: an unknown sweep or toggle, bad numbers, a ``relaunch`` that is not a command line
-            (:func:`relaunch_argv`), a run folder that holds ablation results already (checked before any request:
+            (:func:`helpers.server.restart.relaunch_argv`), a run folder that holds ablation results already (checked before any request:
             nothing is overwritten). ServerError: the server cannot be reached.
     """
     run_dir = Path(run_dir)
@@ -356,23 +354,6 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     finally:
         if own:
             client.close()
-
-
-def relaunch_argv(relaunch: str) -> list[str]:
-    """``--relaunch CMD`` as the argv a restarted copy runs (shell words, ``shlex.split``), checked before any request.
-
-    Raises:
-        BadInput (field ``--relaunch``): unbalanced quotes, no words, or a program that is neither a file nor on
-            ``$PATH``."""
-    try:
-        argv = shlex.split(relaunch)
-    except ValueError as exc:
-        raise BadInput(f"not a command line ({exc}): {printable(relaunch)[:200]!r}", field="--relaunch") from None
-    if not argv:
-        raise BadInput("an empty command; give the server's launch command", field="--relaunch")
-    if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
-        raise BadInput(f"the program {printable(argv[0])[:200]!r} is neither a file nor on $PATH", field="--relaunch")
-    return argv
 
 
 def _failed(where: str, res) -> str:

@@ -25,7 +25,6 @@ the postmortem.
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from ..runfiles import atomic_write_text, new_run_dir, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import parse_ports
 from ..server.registry import lookup
-from ..server.restart import LAYERS_HOOK, start_variant
+from ..server.restart import LAYERS_HOOK, relaunch_argv, start_variant
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
@@ -206,7 +205,7 @@ def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: 
     restart = None
     entry = lookup(client.url)
     if relaunch:
-        restart = {"kind": "command", "argv": shlex.split(relaunch)}
+        restart = {"kind": "command", "argv": relaunch_argv(relaunch)}
     elif entry is not None:
         restart = {"kind": "embedded", **entry}
     spec = {"num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),

@@ -10,10 +10,13 @@ Flags are SGLang's ``sglang.launch_server`` flags (``sglang/srt/server_args.py::
 from __future__ import annotations
 
 import copy
+import shlex
+import shutil
 from pathlib import Path
 from typing import Mapping, Optional
 
 from ..budget import Budget
+from ..errors import BadInput, printable
 from .embedded import pick_port
 from .embedded import start as start_embedded
 from .process import ServerProcess
@@ -44,6 +47,23 @@ def set_flags(argv: list[str], flags: Mapping[str, Optional[str]], drop_prefixes
     for k, v in flags.items():
         out += [k] if v is None else [k, str(v)]
     return out
+
+
+def relaunch_argv(relaunch: str) -> list[str]:
+    """``--relaunch CMD`` as the argv a restarted copy runs (shell words, ``shlex.split``), checked before any request.
+
+    Raises:
+        BadInput (field ``--relaunch``): unbalanced quotes, no words, or a program that is neither a file nor on
+            ``$PATH``."""
+    try:
+        argv = shlex.split(relaunch)
+    except ValueError as exc:
+        raise BadInput(f"not a command line ({exc}): {printable(relaunch)[:200]!r}", field="--relaunch") from None
+    if not argv:
+        raise BadInput("an empty command; give the server's launch command", field="--relaunch")
+    if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
+        raise BadInput(f"the program {printable(argv[0])[:200]!r} is neither a file nor on $PATH", field="--relaunch")
+    return argv
 
 
 def start_variant(restart: dict, *, log_path: Path, budget: Budget, draft: Optional[Path | str] = None,

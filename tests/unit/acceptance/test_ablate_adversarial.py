@@ -16,7 +16,8 @@ from helpers.acceptance.sweeps import run_sweep, with_prefix
 from helpers.budget import Budget
 from helpers.cli.common import subset_arg
 from helpers.errors import BadInput, Interrupted
-from helpers.investigation.ablate import ablate, relaunch_argv
+from helpers.investigation.ablate import ablate
+from helpers.server.restart import relaunch_argv
 from helpers.server.client import SGLangClient
 from support.fakeserver import fake_server
 

@@ -74,3 +74,14 @@ def test_capture_name_stays_inside_the_run_folder(name, tmp_path, closed_url, tr
     line = _line(capsys, "capture")
     assert "--name" in line and "plain folder name" in line, line
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "run"]
+
+
+@pytest.mark.parametrize("cmd,why", [("'unterminated", "not a command line"), ("   ", "an empty command"),
+                                     ("/nonexistent/bin/sglang --port 1", "neither a file nor on $PATH")])
+def test_investigate_refuses_a_relaunch_that_cannot_run_before_any_request(training, tmp_path, closed_url, capsys,
+                                                                           cmd, why):
+    assert main(["investigate", "--url", closed_url, "--training", str(training), "--relaunch", cmd,
+                 "--out", str(tmp_path / "runs")]) == 2
+    line = _line(capsys, "investigate")
+    assert "--relaunch" in line and why in line, line
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
