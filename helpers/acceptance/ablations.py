@@ -130,6 +130,11 @@ TOGGLES: tuple[Toggle, ...] = (
            "the non-speculative baseline: does speculation pay at all", _no_spec, speculative=False),
 )
 BY_NAME = {t.name: t for t in TOGGLES}
+
+
+def flag_text(flags: Mapping[str, Optional[str]]) -> str:
+    """The flags as command-line words (``--disable-radix-cache --chunked-prefill-size -1``)."""
+    return " ".join(k if v is None else f"{k} {v}" for k, v in flags.items())
 #: what `ablate` measures by default: every toggle that applies, cheapest first
 DEFAULT_TOGGLES = ("radix_cache_off", "chunked_prefill_off", "overlap_schedule_off", "cuda_graph_off",
                    "attention_backend_triton", "sampling_backend_pytorch", "spec_v1", "draft_off")

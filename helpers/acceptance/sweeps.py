@@ -28,6 +28,7 @@ import numpy as np
 
 from ..budget import Budget
 from ..errors import BadInput, ServerTimeout
+from ..runfiles import jsonable
 from .measure import AcceptanceResult, measure
 from .prompts import Prompt, load_prompts
 from .stats import paired_effect
@@ -70,19 +71,7 @@ class Point:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("result")
-        return _finite(d)
-
-
-def _finite(o: Any) -> Any:
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    if isinstance(o, (float, np.floating)):
-        return None if not math.isfinite(float(o)) else float(o)
-    if isinstance(o, np.integer):
-        return int(o)
-    return o
+        return jsonable(d)
 
 
 # ------------------------------------------------------------------------------------------------ context prompts
@@ -315,4 +304,4 @@ def trend(points: Sequence[Point], limits: Optional[dict] = None) -> Optional[di
         held = measured[k - 1].max_position
         if (first.max_position or 0) > draft and (held or 0) <= draft * 1.05:
             out["past_draft_limit"] = int(draft)
-    return _finite(out)
+    return jsonable(out)

@@ -39,6 +39,7 @@ from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
+from ..runfiles import jsonable
 from .model import Eagle3Draft
 from .simulate import DraftSettings, SimSequence, simulate_sequences, summary
 
@@ -441,7 +442,7 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -
            "settings_table": settings_table, "fix_offline": fix_offline, "draft_sources": draft.sources,
            "workload": workload}
     out["sentence"] = budget_sentence(out)
-    return _clean(out)
+    return jsonable(out)
 
 
 def _cause(losses: dict, reference_al: Optional[float], live: Optional[pd.DataFrame], missing: list[str]) -> str:
@@ -482,7 +483,7 @@ def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
             "no loss on the prompts measured here; " + "; ".join(f"{f['kind']}: {f['detail']}" for fs in ev.values()
                                                              for f in fs)
             + " (a cause of low acceptance where production requests are like these, not of a loss measured here)")
-        return _clean(b)
+        return jsonable(b)
     if b.get("cause") != "unknown":
         return b
     cause = "engine" if "engine" in ev else "workload"
@@ -499,7 +500,7 @@ def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
                                          "basis": f"measured on the server ({f['kind']}): {f['detail']}"}
     b["cause"] = cause
     b["sentence"] = budget_sentence(b)
-    return _clean(b)
+    return jsonable(b)
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -529,15 +530,3 @@ def budget_sentence(b: dict) -> str:
             why += f"; recommended --speculative-num-steps {r['steps']} --speculative-eagle-topk {r['topk']} " \
                    f"--speculative-num-draft-tokens {r['draft_tokens']}"
     return f"Accept length by stage: {', '.join(parts)}. Cause: {cause}: {why}."
-
-
-def _clean(o: Any) -> Any:
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    if isinstance(o, (np.floating, float)):
-        return None if not np.isfinite(o) else float(o)
-    if isinstance(o, np.integer):
-        return int(o)
-    return o

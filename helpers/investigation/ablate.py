@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from ..acceptance.ablations import TOGGLES, Toggle, toggles as named_toggles
+from ..acceptance.ablations import TOGGLES, Toggle, flag_text, toggles as named_toggles
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
-from ..acceptance.stats import paired_effect
-from ..acceptance.sweeps import MATERIAL, MIN_TOKENS, SWEEPS, Point, run_sweep, trend
+from ..acceptance.stats import format_ci, paired_effect
+from ..acceptance.sweeps import MATERIAL, MIN_TOKENS, SUMMARY_KEYS, SWEEPS, Point, run_sweep, trend
 from ..budget import Budget
 from ..diagnosis.detectors import finding
 from ..draft.training_log import find_training_log
@@ -126,7 +126,7 @@ def measure_toggle(t: Toggle, *, restart: dict, client: SGLangClient, before, pr
     server's measurement of the same prompts): ``{"status": "measured", "after", "effect", "recovers",
     "baseline_faster", ...}``. The variant is stopped by its PID before this returns."""
     row = _toggle_row(t)
-    progress(f"toggle {t.name}: starting the server with {' '.join(k if v is None else f'{k} {v}' for k, v in t.flags.items()) or 'no draft'} ...")
+    progress(f"toggle {t.name}: starting the server with {flag_text(t.flags) or 'no draft'} ...")
     t0 = time.perf_counter()
     handle = start_variant(restart, keep_draft=t.speculative, flags=t.flags, api_key=api_key, port=port,
                            log_path=run_dir / "logs" / f"toggle-{t.name}.log", budget=budget,
@@ -137,10 +137,9 @@ def measure_toggle(t: Toggle, *, restart: dict, client: SGLangClient, before, pr
     finally:
         handle.stop()
     row["saved_to"] = _save(after, run_dir, "toggles", t.name)
-    keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "throughput_tok_s", "n_requests", "n_failed")
     row.update(status="measured", wall_s=time.perf_counter() - t0,
-               before={k: before.summary.get(k) for k in keep}, after={k: after.summary.get(k) for k in keep})
+               before={k: before.summary.get(k) for k in SUMMARY_KEYS},
+               after={k: after.summary.get(k) for k in SUMMARY_KEYS})
     if t.speculative:
         e = paired_effect(before.per_request, after.per_request)
         row["effect"] = e
@@ -149,36 +148,33 @@ def measure_toggle(t: Toggle, *, restart: dict, client: SGLangClient, before, pr
         row["recovers"] = bool(lo is not None and math.isfinite(lo) and lo > 0
                                and d >= max(MIN_TOKENS, MATERIAL * ref))
         progress(f"toggle {t.name} ({row['wall_s']:.0f} s): accept length {before.summary['accept_length']:.2f} -> "
-                 f"{after.summary['accept_length']:.2f}, paired {d:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
-                 f"{e['accept_length_delta_hi']:+.2f}]")
+                 f"{after.summary['accept_length']:.2f}, paired {format_ci(e, 'accept_length_delta', signed=True)}")
     else:
         b, a = before.summary, after.summary
         row["baseline_faster"] = bool(a.get("tok_s_lo") is not None and b.get("tok_s_hi") is not None
                                       and a["tok_s_lo"] > b["tok_s_hi"])
-        progress(f"toggle {t.name} ({row['wall_s']:.0f} s): tok/s with the draft {b['tok_s']:.1f} "
-                 f"[{b['tok_s_lo']:.1f}, {b['tok_s_hi']:.1f}], "
-                 f"target alone {a['tok_s']:.1f} [{a['tok_s_lo']:.1f}, {a['tok_s_hi']:.1f}]")
+        progress(f"toggle {t.name} ({row['wall_s']:.0f} s): tok/s with the draft {format_ci(b, 'tok_s', digits=1)}, "
+                 f"target alone {format_ci(a, 'tok_s', digits=1)}")
     return row
 
 
 def toggle_finding(row: dict) -> Optional[dict]:
     """``engine_feature_costs_acceptance`` for a toggle that recovers acceptance, ``speculation_slower`` for a
     baseline that is faster than the speculative server (tok/s CIs apart); else None."""
-    flags = " ".join(k if v is None else f"{k} {v}" for k, v in row["flags"].items())
+    flags = flag_text(row["flags"])
     if row.get("recovers"):
         e = row["effect"]
         return finding("engine_feature_costs_acceptance", None,
-                       f"restarted with {flags}, the server accepts {e['accept_length_delta']:+.2f} tokens per verify "
-                       f"step more [{e['accept_length_delta_lo']:+.2f}, {e['accept_length_delta_hi']:+.2f}] over the "
-                       f"same prompts: {row['why']} costs acceptance (report: {row['report']})",
+                       f"restarted with {flags}, the server accepts "
+                       f"{format_ci(e, 'accept_length_delta', signed=True)} tokens per verify step more over the same "
+                       f"prompts: {row['why']} costs acceptance (report: {row['report']})",
                        stage="engine", toggle=row["name"], flags=row["flags"], effect=e,
                        source="measured: the unchanged server and a restarted copy with the flag, paired CI")
     if row.get("baseline_faster"):
         b, a = row["before"], row["after"]
         return finding("speculation_slower", None,
-                       f"the target alone is faster than with the draft: {a['tok_s']:.1f} tok/s "
-                       f"[{a['tok_s_lo']:.1f}, {a['tok_s_hi']:.1f}] vs {b['tok_s']:.1f} [{b['tok_s_lo']:.1f}, "
-                       f"{b['tok_s_hi']:.1f}] per request on the same prompts",
+                       f"the target alone is faster than with the draft: {format_ci(a, 'tok_s', digits=1)} tok/s vs "
+                       f"{format_ci(b, 'tok_s', digits=1)} per request on the same prompts",
                        stage="engine", toggle=row["name"], before=b, after=a,
                        source="measured: the unchanged server and a restarted copy without the draft")
     return None
@@ -216,8 +212,8 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
 
     Raises:
         BadInput: an unknown sweep or toggle, bad numbers, a ``relaunch`` that is not a command line
-            (:func:`helpers.server.restart.relaunch_argv`), a run folder that holds ablation results already (checked before any request:
-            nothing is overwritten). ServerError: the server cannot be reached.
+            (:func:`helpers.server.restart.relaunch_argv`), a run folder that holds ablation results already
+            (checked before any request: nothing is overwritten). ServerError: the server cannot be reached.
     """
     run_dir = Path(run_dir)
     if (run_dir / "results" / "ablate.json").exists():
@@ -391,8 +387,7 @@ def ablation_text(doc: dict) -> str:
     for r in doc.get("toggles") or []:
         if r["status"] == "measured" and r.get("effect"):
             e = r["effect"]
-            parts.append(f"{r['name']}: {e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
-                         f"{e['accept_length_delta_hi']:+.2f}]")
+            parts.append(f"{r['name']}: {format_ci(e, 'accept_length_delta', signed=True)}")
         elif r["status"] == "measured":
             parts.append(f"{r['name']}: tok/s {r['before']['tok_s']:.1f} with the draft, {r['after']['tok_s']:.1f} "
                          f"without")

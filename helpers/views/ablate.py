@@ -9,6 +9,8 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
+from ..acceptance.ablations import flag_text
+from ..acceptance.stats import format_ci
 from ..acceptance.sweeps import SWEEPS
 from ..investigation.ablate import ablate
 from ..plots.sweeps import sweep_figure
@@ -43,29 +45,19 @@ def _num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _ci(s: dict, key: str, digits: int = 2) -> str:
-    v, lo, hi = s.get(key), s.get(f"{key}_lo"), s.get(f"{key}_hi")
-    if not _num(v):
-        return "n/a"
-    lo, hi = (lo, hi) if _num(lo) and _num(hi) else (None, None)
-    return f"{v:.{digits}f}" + (f" [{lo:.{digits}f}, {hi:.{digits}f}]" if lo is not None and hi is not None else "")
-
-
 def points_frame(sweep: dict) -> pd.DataFrame:
     """One row per point: label, accept length / rate and tok/s with CIs, the paired change against the reference
     point, or why it was skipped."""
     rows = []
     for p in sweep.get("points") or []:
         s, e = p.get("summary") or {}, p.get("effect") or {}
-        d = e.get("accept_length_delta")
-        rows.append({"point": p["label"], "accept length [95% CI]": _ci(s, "accept_length"),
+        rows.append({"point": p["label"], "accept length [95% CI]": format_ci(s, "accept_length", missing="n/a"),
                      "accept rate": "n/a" if s.get("accept_rate") is None else f"{s['accept_rate']:.0%}",
-                     "tok/s per request": _ci(s, "tok_s", 1),
+                     "tok/s per request": format_ci(s, "tok_s", digits=1, missing="n/a"),
                      "tok/s all requests": "n/a" if s.get("throughput_tok_s") is None
                      else f"{s['throughput_tok_s']:.1f}",
                      "paired change vs reference": "reference" if not e and not p.get("skipped") else
-                     ("" if d is None else f"{d:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
-                                           f"{e['accept_length_delta_hi']:+.2f}]"),
+                     format_ci(e, "accept_length_delta", signed=True),
                      "skipped": p.get("skipped") or ""})
     return pd.DataFrame(rows)
 
@@ -75,12 +67,11 @@ def toggles_frame(doc: dict) -> pd.DataFrame:
     report it comes from."""
     rows = []
     for r in doc.get("toggles") or []:
-        flags = " ".join(k if v is None else f"{k} {v}" for k, v in (r.get("flags") or {}).items()) or \
+        flags = flag_text(r.get("flags") or {}) or \
             ("(no draft)" if not r.get("speculative", True) else "")
         e = r.get("effect") or {}
         if r["status"] == "measured" and e:
-            change = (f"{e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
-                      f"{e['accept_length_delta_hi']:+.2f}]")
+            change = format_ci(e, "accept_length_delta", signed=True)
         elif r["status"] == "measured":
             change = f"tok/s {r['before']['tok_s']:.1f} with the draft, {r['after']['tok_s']:.1f} without"
         else:
