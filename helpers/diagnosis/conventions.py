@@ -20,7 +20,6 @@ from ..layers.ids import (
     layer_of,
     out,
     physical,
-    sglang_default_capture,  # noqa: F401  (helpers.diagnosis.detectors reads it from here)
     specforge_default_ids,
     vllm_default_ids,
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..layers.sglang import eagle3_draft_classes, table
-from ..layers.sglang import target_rule  # noqa: F401  (helpers.diagnosis.static reads it from here)
 
 
 def draft_servable(architectures: Sequence[str], form: str) -> Optional[str]:

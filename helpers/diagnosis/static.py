@@ -42,16 +42,16 @@ from ..formats.training_data import TrainingData, recorded_layer_ids
 from ..kinds import LAYOUT_KINDS, sort_findings
 from ..server.settings import ServerSettings
 from . import detectors as D
+from ..layers.ids import physical
+from ..layers.sglang import parse_version, target_rule
 from .conventions import (
     CapturePlan,
     compare_plans,
     describe,
-    parse_version,
-    physical,
     served_plan,
     training_plan,
 )
-from .sglang_rules import draft_servable, target_rule
+from .sglang_rules import draft_servable
 
 VERDICTS = ("ok", "mismatch", "ambiguous")
 

@@ -35,9 +35,10 @@ import torch
 from safetensors import safe_open
 
 from ..diagnosis import detectors as D
-from ..diagnosis.conventions import parse_version, served_plan
+from ..diagnosis.conventions import served_plan
 from ..diagnosis.sglang_rules import draft_servable
 from ..errors import BadInput
+from ..layers.sglang import parse_version
 from ..formats.configs import (
     TEXT_CONFIG_KEYS,
     DraftConfig,

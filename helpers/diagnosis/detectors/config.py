@@ -9,15 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from ..conventions import (
-    EMBEDDING,
-    FINAL_NORM,
-    CapturePlan,
-    LayerIds,
-    compare_plans,
-    describe,
-    sglang_default_capture,
-)
+from ...layers.ids import EMBEDDING, FINAL_NORM, LayerIds, sglang_default_capture
+from ..conventions import CapturePlan, compare_plans, describe
 from .base import finding
 
 if TYPE_CHECKING:                                   # the Context type only, for the signature (no import cycle)

@@ -12,7 +12,8 @@ import torch
 
 from ...kinds import FINDING_KINDS
 from ..compare import Comparison, PairMetrics, SourceResult
-from ..conventions import EMBEDDING, FINAL_NORM, CapturePlan, layer_of
+from ...layers.ids import EMBEDDING, FINAL_NORM, layer_of
+from ..conventions import CapturePlan
 from ..fit import isometry_fit, noise_floor, rms_norm_fit, scale_fit
 
 #: what a claim may say: a finding kind, or ``not_comparable`` (no comparable row: a note, no finding)

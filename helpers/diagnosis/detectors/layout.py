@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..conventions import EMBEDDING
+from ...layers.ids import EMBEDDING
 from .base import finding
 from .context import Context
 
