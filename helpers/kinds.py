@@ -46,6 +46,11 @@ class Kind:
             refuted while the finding stands in the same run is reported inconclusive.
         changes_plan: it is about which tensor the draft receives, so a fix for it changes the served plan (the
             acceptance budget proves such a fix offline: ``helpers.investigation.acceptance.fix_plan``).
+        stage: the acceptance budget's stage where what it says costs accepted tokens (``draft``: the checkpoint as
+            served against its training log; ``wiring``: the aux states fed; ``engine``: after the capture point;
+            ``settings``: the speculative settings; ``workload``: the requests), or None when it has no acceptance
+            effect of its own to measure. A finding with a stage carries that stage's loss as evidence and a fix
+            for it that recovers acceptance is a loss of that stage (``helpers.investigation.story``).
     """
 
     name: str
@@ -57,10 +62,22 @@ class Kind:
     engine_fix: Optional[str] = None
     checks: tuple[str, ...] = ()
     changes_plan: bool = False
+    stage: Optional[Stage] = None
+
+
+#: the stages of the acceptance budget (helpers/draft/budget.py) a kind can cost acceptance at
+Stage = Literal["draft", "wiring", "engine", "settings", "workload"]
+#: by group, the stage a kind costs acceptance at unless its entry says otherwise
+_GROUP_STAGE = {"tensor": "wiring", "draft": "draft"}
+#: kinds with no acceptance effect of their own, or one the budget cannot measure as a stage loss (``_k(...,
+#: stage=NO_STAGE)``)
+NO_STAGE = "-"
 
 
 def _k(*args, **kw) -> Kind:
-    return Kind(*args, **kw)
+    k = Kind(*args, **kw)
+    stage = k.stage if k.stage is not None else _GROUP_STAGE.get(k.group)
+    return Kind(**{**k.__dict__, "stage": None if stage == NO_STAGE else stage})
 
 
 #: every finding kind, in report order
@@ -75,13 +92,13 @@ KINDS: tuple[Kind, ...] = (
        fix="detail"),
     # -- the config and the server's settings ------------------------------------------------------------------
     _k("config_ids_ignored", "setup", "SGLang ignores the draft config's layer ids", fix="config_ids",
-       changes_plan=True),
+       changes_plan=True, stage="wiring"),
     _k("config_ids_mismatch", "setup", "the deployed draft config names other layers than training used",
-       fix="config_ids", changes_plan=True),
+       fix="config_ids", changes_plan=True, stage="wiring"),
     _k("fc_bypassed", "tensor", "the draft's fc is bypassed (EAGLE-3 draft served without aux states)", fix="flag",
        checks=("fc_bypass",)),
     _k("num_draft_tokens_overridden", "setup", "SGLang overrides the requested number of draft tokens", fix="flag",
-       checks=("num_steps_override",)),
+       checks=("num_steps_override",), stage="settings"),
     # -- the draft checkpoint ----------------------------------------------------------------------------------
     _k("vocab_map_missing", "draft", "the draft's pruned vocabulary has no d2t map", fix="vocab_map",
        checks=("vocab_map",)),
@@ -90,12 +107,12 @@ KINDS: tuple[Kind, ...] = (
     _k("vocab_map_trivial", "draft", "the draft's d2t is all zeros", fix="vocab_map", checks=("vocab_map",)),
     _k("vocab_map_differs", "draft", "the draft's d2t differs from the training data's vocab mapping",
        fix="vocab_map", checks=("vocab_map",)),
-    _k("draft_vocab_coverage", "draft", "many target tokens lie outside the draft vocabulary"),
+    _k("draft_vocab_coverage", "draft", "many target tokens lie outside the draft vocabulary", stage=NO_STAGE),
     _k("draft_weight_missing", "draft", "draft parameters have no tensor in the checkpoint"),
     _k("draft_weight_ignored", "draft", "SGLang's loader drops draft tensors"),
     _k("draft_flag_ignored", "draft", "SGLang ignores a draft config flag"),
     _k("rope_mismatch", "draft", "the draft's rotary embedding differs from the target's"),
-    _k("max_position_short", "draft", "the draft's context is shorter than the target's"),
+    _k("max_position_short", "draft", "the draft's context is shorter than the target's", stage="workload"),
     _k("sliding_window_ignored", "draft", "SGLang ignores the draft's sliding window"),
     # -- the served tensors, most specific explanation first ----------------------------------------------------
     _k("token_mismatch", "setup", "the served tokens differ from the training tokens", fix="engine",
@@ -156,21 +173,23 @@ KINDS: tuple[Kind, ...] = (
     _k("served_draft_differs", "setup", "the server runs another draft than the one given"),
     # -- the acceptance budget ----------------------------------------------------------------------------------
     _k("draft_underperforms", "acceptance",
-       "the draft checkpoint accepts less on its own training states than its training log says"),
-    _k("wiring_loses_acceptance", "acceptance", "the served aux states cost acceptance against the training states"),
+       "the draft checkpoint scores below its training log on rows of the log's kind", stage="draft"),
+    _k("wiring_loses_acceptance", "acceptance", "the served aux states cost acceptance against the training states",
+       stage="wiring"),
     _k("engine_after_capture", "acceptance",
-       "the engine accepts less than the draft run offline on the very states it fed"),
-    _k("spec_settings_low", "acceptance", "the speculative settings leave acceptance unused"),
+       "the engine accepts less than the draft run offline on the very states it fed", stage="engine"),
+    _k("spec_settings_low", "acceptance", "the speculative settings leave acceptance unused", stage="settings"),
     _k("acceptance_unexplained", "acceptance",
        "live acceptance is below the offline prediction and no stage explains it"),
     _k("workload_loses_acceptance", "acceptance",
-       "the requests (their context, temperature), not the server, lose the acceptance"),
+       "the requests (their context, temperature), not the server, lose the acceptance", stage="workload"),
     # -- ablations and workload sweeps (helpers.investigation.ablate): measured on the server ----------------
-    _k("context_loses_acceptance", "acceptance", "acceptance falls with the context length"),
-    _k("temperature_loses_acceptance", "acceptance", "acceptance falls at the requests' sampling temperature"),
-    _k("concurrency_loses_acceptance", "acceptance", "acceptance falls when requests share a batch"),
+    _k("context_loses_acceptance", "acceptance", "acceptance falls with the context length", stage="workload"),
+    _k("temperature_loses_acceptance", "acceptance", "acceptance falls at the requests' sampling temperature",
+       stage="workload"),
+    _k("concurrency_loses_acceptance", "acceptance", "acceptance falls when requests share a batch", stage="engine"),
     _k("engine_feature_costs_acceptance", "acceptance",
-       "an engine feature costs acceptance: the server with it off accepts more"),
+       "an engine feature costs acceptance: the server with it off accepts more", stage="engine"),
     _k("speculation_slower", "acceptance", "the target alone is faster than with the draft"),
 )
 
@@ -193,6 +212,8 @@ VOCAB_MAP_KINDS: tuple[str, ...] = tuple(k.name for k in KINDS if k.fix == "voca
 PLAN_KINDS: frozenset[str] = frozenset(k.name for k in KINDS if k.changes_plan)
 ENGINE_FIXES: dict[str, str] = {k.name: k.engine_fix for k in KINDS if k.engine_fix}
 KIND_TEXT: dict[str, str] = {k.name: k.text for k in KINDS}
+#: kind -> the acceptance budget stage where it costs accepted tokens (kinds with one only)
+KIND_STAGE: dict[str, str] = {k.name: k.stage for k in KINDS if k.stage}
 #: check -> the kinds that say what the check asks (in report order)
 CHECK_FINDINGS: dict[str, tuple[str, ...]] = {
     c: tuple(k.name for k in KINDS if c in k.checks) for c in dict.fromkeys(c for k in KINDS for c in k.checks)}

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from ..budget import interrupt, reset_interrupt
 from ..errors import BadInput, E3FError, Interrupted, describe, printable
+from ..formats.training_data import SPLITS, TEXT_KINDS, split_word
 from ..runfiles import mark_failed
 from ..server.process import stop_all
 
@@ -180,3 +181,23 @@ def progress_line(prog: str) -> Callable[[str], None]:
         print(f"[{prog}] {printable(line)}", file=sys.stderr, flush=True)
     return show
 
+
+
+def rows_arg(value: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """``--rows SPLIT[,TEXT]`` (either part, any order) as ``(split, text)``.
+
+    Raises:
+        BadInput: a part that is neither a split (validation / training / val / eval / test / train) nor a text kind
+            (sampled / greedy / mixed / dataset)."""
+    if value is None:
+        return None, None
+    split = text = None
+    for part in (p.strip() for p in str(value).split(",") if p.strip()):
+        if split_word(part):
+            split = part
+        elif part in TEXT_KINDS:
+            text = part
+        else:
+            raise BadInput(f"{part!r} is neither a split ({', '.join(SPLITS)}) nor a text kind "
+                           f"({', '.join(TEXT_KINDS)})", field="--rows")
+    return split, text

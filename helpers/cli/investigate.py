@@ -1,6 +1,7 @@
 """``python -m helpers investigate``: the live investigation of a running server (helpers.investigation.live).
 
-Exit 0 no fault, 1 fault named (or the server failed), 2 bad input."""
+Exit 0 when nothing is wrong (no finding, and every stage of the acceptance budget rules a material loss out), 1 when a
+fault is named or the budget is undecided (or the server failed), 2 bad input."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from ..server.restart import relaunch_argv
 from ..investigation.live import default_run_dir, investigate
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
-from .common import Parser, failure_guard, out_folder, progress_line, run, subset_arg
+from .common import Parser, failure_guard, out_folder, progress_line, rows_arg, run, subset_arg
 
 
 def build_parser() -> Parser:
@@ -35,6 +36,13 @@ def build_parser() -> Parser:
     p.add_argument("--no-measure", action="store_true", help="send no live prompts for the acceptance budget (its "
                    "engine stage is then missing); the offline stages still run")
     p.add_argument("--no-budget", action="store_true", help="skip the acceptance budget (wiring diagnosis only)")
+    p.add_argument("--validation", metavar="DIR", help="rows of the training log's kind (its validation split, the "
+                   "same text distribution) for the draft stage: the checkpoint's teacher-forced accuracy per step on "
+                   "them is compared with the log's (default: a 'validation' folder beside --training or in the draft "
+                   "folder, else --training itself)")
+    p.add_argument("--rows", metavar="SPLIT[,TEXT]", help="what the draft stage's rows are, when their capture.json "
+                   "does not say: a split (validation|training) and/or a text kind (sampled|greedy|mixed|dataset), "
+                   "e.g. validation,sampled")
     p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
                    "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
     p.add_argument("--sweeps", default="auto", help="workload sweeps after the acceptance budget (no restart): auto "
@@ -65,6 +73,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput("--samples and --prompts must be >= 1")
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
+        rows_word = rows_arg(args.rows)
         if args.relaunch:
             relaunch_argv(args.relaunch)           # a command line that cannot run is bad input, before any request
         run_dir = default_run_dir(out, args.url)
@@ -73,6 +82,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         show(f"to open it in the notebooks, paste into their parameters cell: {run_dir_line(run_dir)}")
         with failure_guard(prog, run_dir):        # investigation.json keeps what was done; FAILED says why
             doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
+                              validation=args.validation, rows_word=rows_word,
                               relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
                               max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,

@@ -2,8 +2,14 @@
 greedily on aux hidden states (the training data's, and a served capture's when given), with the training log's
 prediction, the draft checks and the accept length at other ``--speculative-num-steps`` (helpers.draft).
 
-Exit 0 (the figures were computed), 2 bad input (a checkpoint whose keys or shapes do not match its config, a missing
-target embedding, a training log in an unknown format, settings SGLang refuses)."""
+The draft stage measures the checkpoint as its trainer measured it (teacher-forced accuracy and loss per TTT step) on
+rows of the training log's kind (``--validation``, or a ``validation`` folder beside ``--training``) and compares it
+with the log, step by step.
+
+Exit 0 when every stage computed offline (the draft stage, the settings stage, and the wiring stage with ``--served``)
+rules out a material loss, 1 when a stage loses a material share beyond its CI or cannot be decided, 2 bad input (a
+checkpoint whose keys or shapes do not match its config, a missing target embedding, a training log in an unknown
+format, settings SGLang refuses)."""
 from __future__ import annotations
 
 import json
@@ -14,13 +20,14 @@ import torch
 
 from ..draft.budget import BudgetInputs, acceptance_budget, draft_cost, dump_sequences, training_sequences
 from ..draft.checks import draft_checks
-from ..draft.model import DraftArch, Eagle3Draft, target_lm_head
+from ..draft.draft_stage import draft_rows
+from ..draft.model import DraftArch, Eagle3Draft
 from ..draft.simulate import DraftSettings
-from ..draft.training_log import find_training_log, predicted_accept_length, read_training_log
+from ..draft.training_log import find_training_log, read_training_log
 from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.training_data import TrainingData
-from .common import Parser, progress_line, run
+from .common import Parser, progress_line, rows_arg, run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +49,10 @@ def build_parser() -> Parser:
     p.add_argument("--draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default steps + 1)")
     p.add_argument("--samples", type=int, default=16, help="training samples to use (default 16)")
     p.add_argument("--training-log", help="the draft's training log (default: looked for in the draft folder)")
+    p.add_argument("--validation", metavar="DIR", help="rows of the training log's kind for the draft stage "
+                   "(default: a 'validation' folder beside --training or in the draft folder, else --training)")
+    p.add_argument("--rows", metavar="SPLIT[,TEXT]", help="what the draft stage's rows are when their capture.json "
+                   "does not say, e.g. validation,sampled")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (the server's --dtype; "
                    "default float32)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda when a GPU is here)")
@@ -80,23 +91,18 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         draft_dir, target_dir = Path(a.draft), Path(a.target)
         DraftArch.from_config(draft_dir)                                # the draft is checked before its log
         log_path = find_training_log(draft_dir, a.training_log)        # bad input is found before any work
-        log = None
-        if log_path is not None:
-            tl = read_training_log(log_path)
-            log = predicted_accept_length(tl, st.steps)
-            log["source"] = f"{log_path} ({tl.format}, {tl.kind})"
+        log = read_training_log(log_path) if log_path is not None else None
+        rows_word = rows_arg(a.rows)
         draft = Eagle3Draft.load(draft_dir, target_dir, dtype=DTYPES[a.dtype], device=device)
         show(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
              f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
              f"d2t {draft.sources['d2t']}")
         H = read_target_config(target_dir).hidden_size
+        dr = draft_rows(draft, draft_dir=draft_dir, target_dir=target_dir, training=a.training, hidden_size=H,
+                        log=log, log_path=log_path, validation=a.validation, rows_word=rows_word, progress=show)
         td = TrainingData(a.training, hidden_size=H, max_samples=a.samples)
-        try:
-            head, _ = target_lm_head(target_dir)
-        except BadInput:
-            head = None
         skipped: list = []
-        train = training_sequences(td, lm_head=head, skipped=skipped)
+        train = training_sequences(td, skipped=skipped)
         for where, why in skipped:
             show(f"training sample {where} left out: {why}")
         served = dump_sequences(a.served, starts={s.key: s.start for s in train}) if a.served else None
@@ -104,24 +110,37 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         cost, cost_src = draft_cost(draft_dir, target_dir)
         show(f"simulating {len(train)} training sample(s)" + (f" and {len(served)} served" if served else "")
              + f" at {st.label} ...")
-        b = acceptance_budget(draft, BudgetInputs(settings=st, log=log, training=train, served_training=served,
-                                                  draft_cost=cost, draft_cost_source=cost_src))
+        required = ("draft", "settings") + (("wiring",) if served else ())
+        b = acceptance_budget(draft, BudgetInputs(settings=st, log=log, draft_rows=dr["rows"],
+                                                  draft_rows_kind=dr["kind"], draft_rows_path=dr["path"],
+                                                  draft_rows_labels=dr["labels"], training=train,
+                                                  served_training=served, draft_cost=cost,
+                                                  draft_cost_source=cost_src), required=required)
         b["draft_findings"] = findings
+        code = 0 if b["cause"] == "none" else 1
         if a.json:
             print(json.dumps(b, indent=1))
-            return 0
+            return code
         for s in b["stages"]:
             ci = s.get("ci") or [None, None]
             ci_txt = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci[0] is not None and ci[1] is not None else ""
             pos = ", ".join(f"{x:.2f}" for x in (s.get("p_accept_ge") or []))
-            print(f"{s['name']:<28} accept length {s['accept_length']:.2f}{ci_txt}"
+            al = "n/a" if s.get("accept_length") is None else f"{s['accept_length']:.2f}"
+            print(f"{s['name']:<28} accept length {al}{ci_txt}"
                   + (f"  P(accepted >= j) [{pos}]" if pos else "") + f"  ({s.get('source', '')})")
+            for row in s.get("table") or []:
+                print(f"  TTT step {row['step']}: acc {row['acc']:.3f} [{row['acc_ci'][0]:.3f}, "
+                      f"{row['acc_ci'][1]:.3f}] vs log {row['log_acc']:.3f}"
+                      + (f"; loss {row['loss']:.3f} vs log {row['log_loss']:.3f}"
+                         if row.get("loss") is not None and row.get("log_loss") is not None else ""))
+            if s.get("why") and s["name"] == "checkpoint (teacher-forced)":
+                print(f"  rows: {s['why']}")
         for t in b["settings_table"]:
             print(f"  steps {t['steps']} topk {t['topk']} draft tokens {t['draft_tokens']}: accept length "
                   f"{t['accept_length']:.2f}")
         for f in findings:
             print(f"draft check: {f['kind']}: {f['detail']}")
         print(b["sentence"])
-        return 0
+        return code
 
     return run(prog, body)

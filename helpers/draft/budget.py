@@ -1,32 +1,35 @@
 """The acceptance budget: where the accept length goes, from the training log to the live server.
 
 Stages (each an accept length with a 95 % CI, bootstrap over sequences; losses paired where the sequences are the
-same):
+same; each loss decided by equivalence, :mod:`helpers.draft.decide`: ``counts`` / ``clear`` / ``undecided``):
 
-1. ``training log``: what the training run claims (marginal per-position accuracy, bonus token added, cut at the
-   server's steps: :func:`helpers.draft.training_log.predicted_accept_length`).
-2. ``offline, training states``: the draft checkpoint run offline on the training data's aux states
-   (:mod:`helpers.draft.simulate`). The **draft** loss is the log minus this, both through the same marginal
-   formula (like with like: a checkpoint that does worse on its own training states than its log says is damaged,
-   mis-exported, or has a wrong vocab map).
-3. ``offline, served states``: the same draft on the aux states the server feeds for the same training tokens. The
-   **wiring** loss is stage 2 minus stage 3, paired per sequence.
-4. ``offline, served states (live prompts)`` and ``live``: the same ``/generate`` answers give the served aux states
+1. ``training log``: what the training run claims: its per-step figures (the trainer's teacher-forced accuracy per
+   TTT step, its validation split) through the trainers' own accept-length formula, bonus token added, cut at the
+   server's steps (:func:`helpers.draft.training_log.predicted_accept_length`).
+2. ``checkpoint (teacher-forced)``: the checkpoint measured as its trainer measured it, on rows of the log's kind
+   (:mod:`helpers.draft.draft_stage`, :mod:`helpers.draft.teacher_forced`); the **draft** loss is the log minus
+   this, the same metric through the same formula (like with like). Rows unlike the log's, or no log: undecided.
+3. ``offline on training states``: the draft's drafting chain replayed offline on the training data's aux states
+   (:mod:`helpers.draft.simulate`): the ladder's first accept length as SGLang counts it (never the draft stage's
+   yardstick: a drafting chain on greedy text and a teacher-forced accuracy are different quantities).
+4. ``offline on served states``: the same draft on the aux states the server feeds for the same training tokens. The
+   **wiring** loss is stage 3 minus stage 4, paired per sequence.
+5. ``offline on live prompts' served states`` and ``live``: the same ``/generate`` answers give the served aux states
    of the server's own greedy continuation and the server's accept counters; the **engine** loss (after the capture
    point: the draft computed differently inside the engine, positions, KV reuse) is the simulation minus live,
    paired per request.
-5. ``best settings``: the simulation on the live prompts' served states at other ``steps`` (chain), each scored by
+6. ``best settings``: the simulation on the live prompts' served states at other ``steps`` (chain), each scored by
    ``accept_length / (1 + steps x r)`` with ``r`` one draft forward's cost relative to a verify step (from the
    weights each reads: a decode step at small batch is bound by the bytes it reads); the **settings** loss is the
-   recommended settings' accept length minus the served settings', counted when the modelled gain is material.
+   recommended settings' accept length minus the served settings', when the modelled gain is material and more
+   steps are recommended (fewer steps are a throughput note, not an acceptance loss).
 
-The cause is the stage whose loss is beyond its CI and material (>= ``MATERIAL`` of the expected accept length and
->= ``MIN_TOKENS`` tokens); the largest such loss wins; ``none`` when none is; ``unknown`` when no stage counts, a stage
-could not be computed, and live acceptance is materially below the training log's prediction (what is missing is listed).
+The cause is the largest loss that ``counts``; ``none`` only when every required stage is ``clear`` (its CI rules a
+material loss out); ``undecided`` otherwise, with what would settle each open stage (never "no loss").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -38,21 +41,22 @@ from ..acceptance.stats import paired_effect
 from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.dumps import read_dump
-from ..formats.training_data import TrainingData
+from ..formats.training_data import RowsKind, TrainingData
 from ..runfiles import jsonable
+from .decide import MATERIAL, MIN_TOKENS, decide, threshold
+from .draft_stage import draft_stage
 from .model import Eagle3Draft
 from .simulate import DraftSettings, SimSequence, simulate_sequences, summary
-
-#: a loss is material when it is at least this share of the expected accept length ...
-MATERIAL = 0.08
-#: ... and at least this many tokens per verify step
-MIN_TOKENS = 0.1
+from .teacher_forced import SeqRows, accept_length_ci, bootstrap_index, reduce
+from .training_log import TrainingLog, predicted_accept_length
 #: chain steps tried for the settings stage
 SETTINGS_STEPS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: the recommended steps: the fewest whose accept length is within this share of the best
 NEAR_BEST = 0.05
-CAUSES = ("none", "draft", "wiring", "engine", "settings", "workload", "unknown")
+CAUSES = ("none", "draft", "wiring", "engine", "settings", "workload", "undecided")
 #: ablation findings that are evidence for a cause (helpers.investigation.ablate)
+#: the stages a live budget must clear before its cause is ``none``
+REQUIRED_STAGES = ("draft", "wiring", "engine", "settings")
 ABLATION_CAUSES = {"engine_feature_costs_acceptance": "engine", "concurrency_loses_acceptance": "engine",
                    "context_loses_acceptance": "workload", "temperature_loses_acceptance": "workload"}
 
@@ -100,13 +104,7 @@ def training_sequences(td: TrainingData, *, lm_head: Optional[torch.Tensor] = No
             raise BadInput(f"{int((~torch.isfinite(aux)).sum())} NaN / Inf values in the aux hidden states "
                            "(expected finite)", path=where, field=str((s.meta or {}).get("aux_key") or
                                                                        "aux_hidden_state"))
-        targets = None
-        final = (s.meta or {}).get("final_hidden")
-        if final is not None and lm_head is not None:
-            logits = final.float() @ lm_head.float().T
-            targets = ids.clone()
-            targets[1:] = logits[:-1].argmax(-1)
-        out.append(SimSequence(str(s.sample_id or s.key), ids, aux, start, targets))
+        out.append(SimSequence(str(s.sample_id or s.key), ids, aux, start, None))
     if skipped is not None:
         skipped.extend((w, why) for w, why, _ in left)
     if left and not out:
@@ -202,31 +200,6 @@ def draft_cost(draft_dir: Path, target_dir: Path, *, draft_cost: Optional[float]
 
 # ------------------------------------------------------------------------------------------------ statistics
 
-def _formula(marginal: Sequence[float], steps: int) -> float:
-    """1 + sum_k prod_{j<=k} a_j over the first ``steps`` marginal accuracies (the training frameworks' estimate)."""
-    total, prod = 1.0, 1.0
-    for a in list(marginal)[:steps]:
-        prod *= a
-        total += prod
-    return total
-
-
-def _marginal_ci(per_seq_hits: np.ndarray, per_seq_rows: np.ndarray, steps: int, *, n_boot: int = 2000,
-                 seed: int = 0) -> tuple[float, float, float]:
-    """The marginal-formula accept length with a bootstrap CI over sequences."""
-    hits, rows = per_seq_hits[:, :steps], per_seq_rows[:, :steps]
-    point = _formula(hits.sum(0) / np.maximum(rows.sum(0), 1), steps)
-    if len(hits) < 2:
-        return point, float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    vals = []
-    for _ in range(n_boot):
-        i = rng.integers(0, len(hits), len(hits))
-        vals.append(_formula(hits[i].sum(0) / np.maximum(rows[i].sum(0), 1), steps))
-    lo, hi = np.percentile(vals, [2.5, 97.5])
-    return point, float(lo), float(hi)
-
-
 def _stage(name: str, per_request: Optional[pd.DataFrame], steps: int, *, source: str, **extra) -> dict:
     st: dict[str, Any] = {"name": name, "source": source}
     if per_request is not None and len(per_request):
@@ -238,11 +211,21 @@ def _stage(name: str, per_request: Optional[pd.DataFrame], steps: int, *, source
     return st
 
 
-def _loss(name: str, delta: float, lo: float, hi: float, basis: str, expected: float, **extra) -> dict:
-    material = bool(np.isfinite(delta) and delta >= max(MIN_TOKENS, MATERIAL * expected))
-    beyond = bool(np.isfinite(lo) and lo > 0)
-    return {"stage": name, "delta": delta, "ci": [lo, hi], "basis": basis, "beyond_ci": beyond,
-            "material": material, "counts": material and beyond, **extra}
+def _loss(name: str, delta: float, lo: float, hi: float, basis: str, reference: Optional[float], *, n: Optional[int],
+          unit: str = "sequences", **extra) -> dict:
+    """One stage's loss with its decision (:func:`helpers.draft.decide.decide`); ``reference`` is the accept length
+    the material threshold is a share of."""
+    dec = decide(delta, lo, hi, threshold(reference), n=n, unit=unit)
+    return {"stage": name, "delta": delta, "ci": [lo, hi], "basis": basis, **dec, "n": n,
+            "counts": dec["decision"] == "counts", "material": bool(np.isfinite(delta) and delta >= dec["threshold"]),
+            "beyond_ci": bool(np.isfinite(lo) and lo > 0), **extra}
+
+
+def _not_computed(name: str, why: str) -> dict:
+    """A stage that could not be computed: undecided, with what would settle it."""
+    return {"stage": name, "delta": None, "ci": [None, None], "basis": why, "decision": "undecided",
+            "threshold": None, "settle": {"n": None, "text": why}, "why": why, "counts": False, "material": False,
+            "beyond_ci": False, "n": None}
 
 
 def _paired_loss(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float, float, int]:
@@ -253,12 +236,18 @@ def _paired_loss(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float, float,
 
 @dataclass
 class BudgetInputs:
-    """What the budget is computed from (any may be None: its stage is then missing, with ``missing`` saying why).
+    """What the budget is computed from (any may be None: its stage is then undecided, saying why).
 
     Attributes:
         settings: the served ``(steps, topk, draft_tokens)``.
-        log: ``predicted_accept_length(...)`` of the training log at the served steps, or None.
-        training: sequences from the training data (:func:`training_sequences`).
+        log: the draft's training log (:func:`helpers.draft.training_log.read_training_log`), or None.
+        draft_rows: the checkpoint's teacher-forced pass (:func:`helpers.draft.teacher_forced.run`) over rows of the
+            log's kind (its validation rows), for the draft stage; draft_rows_kind / draft_rows_path /
+            draft_rows_labels: what those rows are, where they are, and whether their labels are the target's
+            distribution (``target``) or the recorded tokens (``recorded``).
+        draft_fix: ``{"label", "rows": [SeqRows], "source"}``: the same pass with a draft-side fix applied (the
+            training data's vocab map), paired with ``draft_rows``.
+        training: drafting-chain sequences from the training data (:func:`training_sequences`).
         served_training: the served aux states for the same training tokens (:func:`dump_sequences` with starts).
         live_sequences: the served aux states of the live prompts with the server's own continuation.
         live: the live per-request frame of the same answers.
@@ -270,7 +259,12 @@ class BudgetInputs:
     """
 
     settings: DraftSettings
-    log: Optional[dict] = None
+    log: Optional[TrainingLog] = None
+    draft_rows: Optional[list[SeqRows]] = None
+    draft_rows_kind: Optional[RowsKind] = None
+    draft_rows_path: Optional[str] = None
+    draft_rows_labels: str = "target"
+    draft_fix: Optional[dict] = None
     training: Optional[list[SimSequence]] = None
     served_training: Optional[list[SimSequence]] = None
     live_sequences: Optional[list[SimSequence]] = None
@@ -281,195 +275,251 @@ class BudgetInputs:
     draft_cost_source: str = "not given"
 
 
-def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None) -> dict:
-    """Compute the budget (see the module docstring).
+@dataclass
+class _Ladder:
+    """The budget being built: stages in ladder order, losses by stage, what is missing, notes, the frames the later
+    stages pair with."""
+
+    S: int
+    stages: list = field(default_factory=list)
+    losses: dict = field(default_factory=dict)
+    missing: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    train_frame: Optional[pd.DataFrame] = None
+    served_frame: Optional[pd.DataFrame] = None
+    rec: Optional[dict] = None
+    settings_table: list = field(default_factory=list)
+    fix_offline: Optional[dict] = None
+
+
+def _log_stage(L: _Ladder, inp: BudgetInputs) -> None:
+    """1 -- what the training run claims (its per-step figures, the bonus token added, cut at the served steps)."""
+    if inp.log is None:
+        L.missing.append("training log: none found (give --training-log; the draft stage needs it)")
+        return
+    pred = predicted_accept_length(inp.log, L.S)
+    L.stages.append({"name": "training log", "accept_length": pred["accept_length"], "ci": [None, None],
+                     "p_accept_ge": pred["p_accept_ge"], "kind": inp.log.kind, "split": inp.log.split,
+                     "source": f"{inp.log.path} ({inp.log.format}, {inp.log.kind}, split '{inp.log.split}': "
+                               f"{', '.join(inp.log.source_keys[:L.S])})", "note": pred["note"]})
+
+
+def _draft_stage(L: _Ladder, inp: BudgetInputs, idx: Optional[np.ndarray]) -> None:
+    """2 -- the checkpoint against its log, like with like (:func:`helpers.draft.draft_stage.draft_stage`); a
+    draft-side fix (a vocab map) is run on the same rows and paired."""
+    stage, loss = draft_stage(inp.draft_rows, inp.draft_rows_kind, inp.draft_rows_path, inp.log, L.S,
+                              labels=inp.draft_rows_labels, idx=idx)
+    L.stages.append(stage)
+    L.losses["draft"] = loss
+    df = inp.draft_fix
+    if df and df.get("rows") and inp.draft_rows and inp.log is not None and stage.get("accept_length") is not None:
+        res = reduce(inp.draft_rows, stage["trainer"], len(inp.log.per_position), idx=idx)
+        fres = reduce(df["rows"], stage["trainer"], len(inp.log.per_position), idx=idx)
+        S = min(L.S, len(inp.log.per_position))
+        a, _, _, da = accept_length_ci(res, S, idx)
+        b, blo, bhi, db = accept_length_ci(fres, S, idx)
+        g = db - da
+        lo, hi = (float(x) for x in np.percentile(g, [2.5, 97.5]))
+        stage["fix"] = {"label": df["label"], "accept_length": b, "ci": [blo, bhi], "gain": b - a, "gain_ci": [lo, hi],
+                        "source": df.get("source", "")}
+
+
+def _training_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+    """3 -- the draft's drafting chain replayed offline on the training data's aux states."""
+    if not inp.training:
+        L.missing.append("offline on training states: no training samples")
+        return
+    r = sim(inp.training, [inp.settings])
+    L.train_frame = r["per_request"][inp.settings]
+    L.stages.append(_stage("offline on training states", L.train_frame, L.S,
+                           source=f"the draft's drafting chain replayed offline on {len(inp.training)} training "
+                                  "sample(s) (SGLang's drafting and greedy verification)",
+                           greedy_share=r["greedy_share"]))
+
+
+def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+    """4 -- the same draft on the aux states the server fed for the same training tokens, paired per sample."""
+    if not (inp.served_training and L.train_frame is not None):
+        why = ("no served capture of the training tokens" if not inp.served_training else
+               "no training samples to pair the served states with")
+        L.missing.append(f"offline on served states: {why}")
+        L.losses["wiring"] = _not_computed("wiring", why)
+        return
+    r = sim(inp.served_training, [inp.settings])
+    f = L.served_frame = r["per_request"][inp.settings]
+    L.stages.append(_stage("offline on served states", f, L.S,
+                           source=f"the draft run offline on the aux states the server fed for the same "
+                                  f"{len(inp.served_training)} training sample(s)"))
+    d, lo, hi, n = _paired_loss(L.train_frame, f)
+    ref = L.stages[-2].get("accept_length") if len(L.stages) >= 2 else None
+    L.losses["wiring"] = _loss("wiring", d, lo, hi, f"training states vs served states, paired over {n} sample(s)",
+                               ref, n=n, unit="training samples")
+
+
+def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+    """5 -- the live prompts: the draft offline on the served states of the server's own continuation, against the
+    server's counters for the same answers, paired per request."""
+    if not (inp.live_sequences and inp.live is not None):
+        L.missing.append("live: no live requests with served states")
+        L.losses["engine"] = _not_computed("engine", "no live requests with served states (live measurement off "
+                                                     "or failed)")
+        return
+    r = sim(inp.live_sequences, [inp.settings], inp.max_new_tokens)
+    live_sim = r["per_request"][inp.settings]
+    L.stages.append(_stage("offline on live prompts' served states", live_sim, L.S,
+                           source=f"the draft run offline on the aux states of {len(inp.live_sequences)} live "
+                                  "request(s), the server's own greedy continuation"))
+    L.stages.append(_stage("live", inp.live, L.S, source="the same /generate answers' spec_verify_ct and "
+                                                          "spec_num_correct_drafts (SGLang's counters)"))
+    d, lo, hi, n = _paired_loss(live_sim, inp.live)
+    L.losses["engine"] = _loss("engine", d, lo, hi, f"offline on served states vs live, paired over {n} request(s) "
+                               "(same prompts, same tokens)", L.stages[-2].get("accept_length"), n=n,
+                               unit="prompts")
+
+
+def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+    """6 -- other ``--speculative-num-steps`` simulated on the same states, scored by a cost model."""
+    st = inp.settings
+    grid_src = inp.live_sequences or inp.served_training or inp.training
+    if not grid_src:
+        L.losses["settings"] = _not_computed("settings", "no sequences to simulate other settings on")
+        return
+    grid_name = ("live prompts' served states" if grid_src is inp.live_sequences else
+                 "served states" if grid_src is inp.served_training else "training states")
+    grid = sorted({DraftSettings.chain(s) for s in SETTINGS_STEPS} | {st}, key=lambda x: (x.topk, x.steps))
+    r = sim(grid_src, grid, inp.max_new_tokens if grid_src is inp.live_sequences else None)
+    table = []
+    for g in grid:
+        s = summary(r["per_request"][g], g.steps)
+        table.append({"steps": g.steps, "topk": g.topk, "draft_tokens": g.draft_tokens,
+                      "accept_length": s["accept_length"], "ci": [s["accept_length_lo"], s["accept_length_hi"]],
+                      "frame": r["per_request"][g]})
+    r_cost = inp.draft_cost if inp.draft_cost is not None else 0.0
+    for t in table:
+        t["speedup_model"] = t["accept_length"] / (1.0 + t["steps"] * r_cost)
+    served = next(t for t in table if (t["steps"], t["topk"], t["draft_tokens"]) == (st.steps, st.topk, st.draft_tokens))
+    best = max((t for t in table if t["topk"] == 1), key=lambda t: t["speedup_model"])
+    if inp.draft_cost is None:
+        # without a cost for a draft step more steps always look better: nothing is recommended, nothing decided
+        L.missing.append("settings: no draft-step cost (draft_cost); the table is shown, nothing is recommended")
+        rec, gain = served, 0.0
+    else:
+        gain = best["speedup_model"] / served["speedup_model"] - 1.0 if served["speedup_model"] else 0.0
+        rec = best if gain >= MATERIAL else served        # nothing else is recommended for less than a material gain
+    n = len(served["frame"])
+    if rec is served or rec["steps"] < st.steps:
+        # the served settings, a gain below the material share, or FEWER steps (they accept fewer tokens per verify
+        # step but cost less: a throughput gain, not an acceptance loss; a note below) lose no acceptance
+        d, lo, hi = 0.0, 0.0, 0.0
+    else:
+        d, lo, hi, n = _paired_loss(rec["frame"], served["frame"])
+    L.rec = rec
+    L.stages.append({"name": "best settings (simulated)", "accept_length": rec["accept_length"], "ci": rec["ci"],
+                     "settings": {k: rec[k] for k in ("steps", "topk", "draft_tokens")},
+                     "source": f"the draft run offline on the {grid_name} at other --speculative-num-steps; chosen by "
+                               f"accept length / (1 + steps x {r_cost:.3f}), the draft forward's cost relative to a "
+                               f"verify step ({inp.draft_cost_source})", "modelled_speedup_gain": gain})
+    if rec["steps"] < st.steps:
+        L.notes.append(f"the cost model favours --speculative-num-steps {rec['steps']} (fewer than the served "
+                       f"{st.steps}: accept length {rec['accept_length']:.2f}, modelled tokens per unit time "
+                       f"{gain:+.0%}); it is the recommended setting, to be measured before it is adopted")
+    if inp.draft_cost is None:
+        L.losses["settings"] = _not_computed("settings", "no draft-step cost: no setting can be recommended")
+    else:
+        L.losses["settings"] = _loss("settings", d, lo, hi, f"recommended vs served settings, simulated on the same "
+                                     f"{n} sequence(s); modelled tokens per unit time {gain:+.0%}",
+                                     served["accept_length"], n=n)
+    for t in table:
+        t.pop("frame")
+    L.settings_table = table
+
+
+def _fix_stage(L: _Ladder, draft, inp: BudgetInputs) -> None:
+    """The proposed fix, proven offline: the drafting chain on the states the fix would feed, paired with the
+    served states on the same samples."""
+    if not (inp.fix and inp.fix.get("sequences")):
+        return
+    st = inp.settings
+    fdraft = inp.fix.get("draft") or draft
+    f = simulate_sequences(fdraft, inp.fix["sequences"], [st])["per_request"][st]
+    s = summary(f, L.S)
+    fo = {"label": inp.fix.get("label", "proposed fix"), "accept_length": s["accept_length"],
+          "ci": [s["accept_length_lo"], s["accept_length_hi"]], "plan": inp.fix.get("plan")}
+    if inp.served_training:
+        if L.served_frame is None:              # stage 4 did not run (no training frame): simulate them here
+            L.served_frame = simulate_sequences(draft, inp.served_training, [st])["per_request"][st]
+        d, lo, hi, n = _paired_loss(f, L.served_frame)
+        ref = next((x.get("accept_length") for x in L.stages if x["name"] == "offline on served states"), None)
+        fo.update(gain=d, gain_ci=[lo, hi], n_paired=n, proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS),
+                  decision=decide(d, lo, hi, threshold(ref), n=n)["decision"])
+    L.fix_offline = fo
+
+
+def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None,
+                      required: Sequence[str] = REQUIRED_STAGES) -> dict:
+    """Compute the budget (module docstring): the stages in ladder order, each loss with its decision, the cause.
+
+    ``required``: the stages that must be ``clear`` before the cause is ``none`` (an offline run without a server
+    leaves out ``engine``, and ``wiring`` without a served capture; the budget says which were required).
 
     Returns ``{"settings", "stages": [{name, accept_length, ci, ...}], "losses": {draft|wiring|engine|settings:
-    {delta, ci, beyond_ci, material, counts, basis}}, "cause", "sentence", "recommended_settings", "fix_offline",
-    "missing": [...], "draft_sources"}`` (accept lengths in tokens per verify step, bonus token included).
+    {delta, ci, decision (counts|clear|undecided), threshold, settle, basis, counts}}, "cause", "sentence",
+    "recommended_settings", "settings_table", "fix_offline", "missing": [...], "notes", "draft_sources",
+    "workload"}`` (accept lengths in tokens per verify step, bonus token included).
     """
     st = inp.settings.check()
-    S = st.steps
-    stages: list[dict] = []
-    losses: dict[str, dict] = {}
-    missing: list[str] = []
-    notes: list[str] = []
-    expected = None
+    L = _Ladder(S=st.steps)
 
     def sim(seqs, settings, mnt=None):
         return simulate_sequences(draft, seqs, settings, max_new_tokens=mnt, progress=progress)
 
-    # 1 -- training log
-    if inp.log is not None:
-        stages.append({"name": "training log", "accept_length": inp.log["accept_length"], "ci": [None, None],
-                       "p_accept_ge": inp.log.get("p_accept_ge"), "kind": inp.log.get("kind"),
-                       "source": inp.log.get("source", "training log"), "note": inp.log.get("note", "")})
-    else:
-        missing.append("training log: none found (give --training-log; the draft stage needs it)")
-
-    # 2 -- offline on training states
-    train_frame = None
-    if inp.training:
-        r = sim(inp.training, [st])
-        train_frame = r["per_request"][st]
-        hits = np.array([m for m in r["marginal_hits"]], dtype=float)
-        rows = np.array([m for m in r["marginal_rows_per_seq"]], dtype=float)
-        fpt, flo, fhi = _marginal_ci(hits, rows, S)
-        stages.append(_stage("offline, training states", train_frame, S,
-                             source=f"the draft run offline on {len(inp.training)} training sample(s)",
-                             marginal=r["marginal"][:S], marginal_formula=fpt, marginal_formula_ci=[flo, fhi],
-                             greedy_share=r["greedy_share"]))
-        expected = stages[-1].get("accept_length")
-        if inp.log is not None:
-            d = inp.log["accept_length"] - fpt
-            losses["draft"] = _loss("draft", d, inp.log["accept_length"] - fhi, inp.log["accept_length"] - flo,
-                                    "training log vs the checkpoint's marginal accuracy on its training states "
-                                    "(both 1 + sum of products of marginal accuracies)", inp.log["accept_length"])
-    else:
-        missing.append("offline on training states: no training samples")
-
-    # 3 -- offline on served states, same training tokens
-    served_frame = None
-    if inp.served_training and train_frame is not None:
-        r = sim(inp.served_training, [st])
-        f = served_frame = r["per_request"][st]
-        stages.append(_stage("offline, served states", f, S,
-                             source=f"the draft run offline on the aux states the server fed for the same "
-                                    f"{len(inp.served_training)} training sample(s)"))
-        d, lo, hi, n = _paired_loss(train_frame, f)
-        losses["wiring"] = _loss("wiring", d, lo, hi, f"training states vs served states, paired over {n} "
-                                 "sample(s)", expected or 0.0)
-    elif inp.served_training is None:
-        missing.append("offline on served states: no served capture of the training tokens")
-
-    # 4 -- live prompts: offline on their served states vs live
-    live_sim = None
-    if inp.live_sequences and inp.live is not None:
-        r = sim(inp.live_sequences, [st], inp.max_new_tokens)
-        live_sim = r["per_request"][st]
-        stages.append(_stage("offline, served states (live prompts)", live_sim, S,
-                             source=f"the draft run offline on the aux states of {len(inp.live_sequences)} live "
-                                    "request(s), the server's own greedy continuation"))
-        stages.append(_stage("live", inp.live, S, source="the same /generate answers' spec_verify_ct and "
-                                                         "spec_num_correct_drafts (SGLang's counters)"))
-        d, lo, hi, n = _paired_loss(live_sim, inp.live)
-        losses["engine"] = _loss("engine", d, lo, hi, f"offline on served states vs live, paired over {n} "
-                                 "request(s) (same prompts, same tokens)", expected or stages[-2]["accept_length"])
-    else:
-        missing.append("live: no live requests with served states")
-
-    # 5 -- settings
-    rec = None
-    grid_src = inp.live_sequences or inp.served_training or inp.training
-    grid_name = ("live prompts' served states" if grid_src is inp.live_sequences else
-                 "served states" if grid_src is inp.served_training else "training states")
-    if grid_src:
-        grid = sorted({DraftSettings.chain(s) for s in SETTINGS_STEPS} | {st}, key=lambda x: (x.topk, x.steps))
-        r = sim(grid_src, grid, inp.max_new_tokens if grid_src is inp.live_sequences else None)
-        table = []
-        for g in grid:
-            s = summary(r["per_request"][g], g.steps)
-            table.append({"steps": g.steps, "topk": g.topk, "draft_tokens": g.draft_tokens,
-                          "accept_length": s["accept_length"], "ci": [s["accept_length_lo"], s["accept_length_hi"]],
-                          "frame": r["per_request"][g]})
-        r_cost = inp.draft_cost if inp.draft_cost is not None else 0.0
-        for t in table:
-            t["speedup_model"] = t["accept_length"] / (1.0 + t["steps"] * r_cost)
-        # the stage is about acceptance: fewer steps than served accept less; the cost model's view of them is a note
-        chains = [t for t in table if t["topk"] == 1 and t["steps"] >= st.steps] or [t for t in table
-                                                                                    if t["topk"] == 1]
-        rec = max(chains, key=lambda t: t["speedup_model"])
-        fewer = max((t for t in table if t["topk"] == 1 and t["steps"] < st.steps), default=None,
-                    key=lambda t: t["speedup_model"])
-        served = next(t for t in table if (t["steps"], t["topk"], t["draft_tokens"]) ==
-                      (st.steps, st.topk, st.draft_tokens))
-        d, lo, hi, n = _paired_loss(rec["frame"], served["frame"])
-        gain = rec["speedup_model"] / served["speedup_model"] - 1.0 if served["speedup_model"] else 0.0
-        if fewer is not None and served["speedup_model"] and \
-                fewer["speedup_model"] / served["speedup_model"] - 1.0 >= MATERIAL and inp.draft_cost is not None:
-            notes.append(f"the cost model favours --speculative-num-steps {fewer['steps']} (fewer than served: "
-                           f"accept length {fewer['accept_length']:.2f}, modelled tokens per unit time "
-                           f"{fewer['speedup_model'] / served['speedup_model'] - 1.0:+.0%}); measure it before "
-                           "changing")
-        if inp.draft_cost is None:
-            # without a cost for a draft step, more steps always look better: no settings are recommended
-            missing.append("settings: no draft-step cost (draft_cost); the table is shown, nothing is recommended")
-            rec, gain = served, 0.0
-        if (rec["steps"], rec["topk"]) == (st.steps, st.topk) or gain < MATERIAL:
-            d, lo, hi = 0.0, 0.0, 0.0
-        stages.append({"name": "best settings (simulated)", "accept_length": rec["accept_length"], "ci": rec["ci"],
-                       "settings": {k: rec[k] for k in ("steps", "topk", "draft_tokens")},
-                       "source": f"the draft run offline on the {grid_name} at other --speculative-num-steps; "
-                                 f"chosen by accept length / (1 + steps x {r_cost:.3f}), the draft forward's cost "
-                                 f"relative to a verify step ({inp.draft_cost_source})",
-                       "modelled_speedup_gain": gain})
-        losses["settings"] = _loss("settings", d, lo, hi, f"recommended vs served settings, simulated on the same "
-                                   f"{n} sequence(s); modelled tokens per unit time {gain:+.0%}",
-                                   served["accept_length"])
-        for t in table:
-            t.pop("frame")
-        settings_table = table
-    else:
-        settings_table = []
-
-    # the fix, proven offline
-    fix_offline = None
-    if inp.fix and inp.fix.get("sequences"):
-        fdraft = inp.fix.get("draft") or draft
-        r = simulate_sequences(fdraft, inp.fix["sequences"], [st])
-        f = r["per_request"][st]
-        s = summary(f, S)
-        fix_offline = {"label": inp.fix.get("label", "proposed fix"), "accept_length": s["accept_length"],
-                       "ci": [s["accept_length_lo"], s["accept_length_hi"]], "plan": inp.fix.get("plan")}
-        if inp.served_training:
-            if served_frame is None:                 # stage 3 did not run (no training frame): simulate them here
-                served_frame = simulate_sequences(draft, inp.served_training, [st])["per_request"][st]
-            d, lo, hi, n = _paired_loss(f, served_frame)  # paired on the sample ids both hold
-            fix_offline.update(gain=d, gain_ci=[lo, hi], n_paired=n,
-                               proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS))
-
-    cause = _cause(losses, inp.log["accept_length"] if inp.log else expected, inp.live, missing)
+    idx = bootstrap_index(len(inp.draft_rows)) if inp.draft_rows else None
+    _log_stage(L, inp)
+    _draft_stage(L, inp, idx)
+    _training_stage(L, inp, sim)
+    _wiring_stage(L, inp, sim)
+    _engine_stage(L, inp, sim)
+    _settings_stage(L, inp, sim)
+    _fix_stage(L, draft, inp)
+    names = {x["name"]: x.get("accept_length") for x in L.stages}
+    tr, lp = names.get("offline on training states"), names.get("offline on live prompts' served states")
     workload = None
-    names = {x["name"]: x.get("accept_length") for x in stages}
-    tr, lp = names.get("offline, training states"), names.get("offline, served states (live prompts)")
     if tr is not None and lp is not None:
         workload = {"training_samples": tr, "live_prompts": lp, "delta": tr - lp,
                     "note": "the same draft, offline, on the training samples vs on the live prompts: a difference "
-                            "in workload (how predictable the text is), not a fault"}
+                            "in the text (how predictable it is), not a stage of the server"}
     out = {"settings": {"steps": st.steps, "topk": st.topk, "draft_tokens": st.draft_tokens},
-           "stages": stages, "losses": losses, "cause": cause, "missing": missing, "notes": notes,
-           "recommended_settings": None if rec is None else {k: rec[k] for k in ("steps", "topk", "draft_tokens")},
-           "settings_table": settings_table, "fix_offline": fix_offline, "draft_sources": draft.sources,
-           "workload": workload}
+           "stages": L.stages, "losses": L.losses, "missing": L.missing, "notes": L.notes,
+           "recommended_settings": None if L.rec is None else {k: L.rec[k] for k in ("steps", "topk", "draft_tokens")},
+           "settings_table": L.settings_table, "fix_offline": L.fix_offline, "draft_sources": draft.sources,
+           "workload": workload, "required": list(required)}
+    out["cause"] = cause_of(L.losses, required)
     out["sentence"] = budget_sentence(out)
     return jsonable(out)
 
 
-def _cause(losses: dict, reference_al: Optional[float], live: Optional[pd.DataFrame], missing: list[str]) -> str:
-    """The counted loss that is largest; ``unknown`` when none counts, a stage could not be computed and live
-    acceptance is materially below ``reference_al`` (the training log's, else the offline one on training states);
-    else ``none``. With every stage computed and none counting, a gap between training and live prompts is the
-    workload (reported, not a cause)."""
-    counted = {k: v for k, v in losses.items() if v.get("counts")}
+
+def cause_of(losses: dict, required: Sequence[str] = REQUIRED_STAGES) -> str:
+    """The cause: the counted loss that is largest; ``none`` only when every required stage
+    (:data:`REQUIRED_STAGES`) is ``clear``; else ``undecided`` (never read as "no loss").
+
+    A stage measured on the server (a workload sweep or engine toggle joined by :func:`join_ablation`, a measured fix
+    joined by :func:`helpers.investigation.story.reconcile`) is a loss like the others."""
+    counted = {k: v for k, v in losses.items() if v.get("decision") == "counts"}
     if counted:
         return max(counted, key=lambda k: counted[k]["delta"])
-    if missing and reference_al is not None and live is not None and len(live):
-        ok = live[live["verify_ct"].fillna(0) > 0]
-        if len(ok):
-            gap = reference_al - float(ok["completion_tokens"].sum() / ok["verify_ct"].sum())
-            if gap >= max(MIN_TOKENS, MATERIAL * reference_al):
-                return "unknown"
-    return "none"
+    if all((losses.get(s) or {}).get("decision") == "clear" for s in required):
+        return "none"
+    return "undecided"
 
 
 def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
     """Put the evidence of ablations and workload sweeps (findings of :mod:`helpers.investigation.ablate`) into the
-    budget ``b`` and return it: each becomes ``b["ablation"][cause]`` evidence. When the budget found a loss no stage
-    explains (cause ``unknown``), an engine toggle that recovers acceptance makes the cause ``engine`` and a workload
-    sweep whose acceptance falls makes it ``workload`` (the requests, not the server), with the measured paired change
-    as its loss (tokens per verify step, bonus token included) and the sentence rewritten. With cause ``none`` (the
-    measured prompts lose nothing) the cause stays: a note says which requests would lose acceptance (e.g. longer
-    contexts than the prompts measured), not that the server's loss comes from them; an explained cause stays too."""
+    budget ``b`` and return it: each becomes ``b["ablation"][cause]`` evidence. When no stage of the budget counts
+    (cause ``undecided`` or ``none``) and the requests' own workload is what the sweep varied, the sweep says which
+    requests would lose acceptance: a note, not the server's loss. An engine toggle that recovers acceptance on a
+    restarted copy of the server is a measured engine loss: it counts, with the measured paired change (tokens per
+    verify step, bonus token included), and the sentence is rewritten."""
     ev: dict[str, list] = {}
     for f in findings:
         c = ABLATION_CAUSES.get(f["kind"])
@@ -478,28 +528,23 @@ def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
     if not ev:
         return b
     b["ablation"] = {c: [{"kind": f["kind"], "detail": f["detail"]} for f in fs] for c, fs in ev.items()}
-    if b.get("cause") == "none":
-        b.setdefault("notes", []).append(
-            "no loss on the prompts measured here; " + "; ".join(f"{f['kind']}: {f['detail']}" for fs in ev.values()
-                                                             for f in fs)
-            + " (a cause of low acceptance where production requests are like these, not of a loss measured here)")
-        return jsonable(b)
-    if b.get("cause") != "unknown":
-        return b
-    cause = "engine" if "engine" in ev else "workload"
-    f = ev[cause][0]
-    e = f["evidence"]
-    if f["kind"] == "engine_feature_costs_acceptance":
-        eff = e.get("effect") or {}
-        d, ci = eff.get("accept_length_delta"), [eff.get("accept_length_delta_lo"), eff.get("accept_length_delta_hi")]
-    else:
-        t = e.get("trend") or {}
-        d = None if t.get("delta") is None else -t["delta"]
-        ci = [None if x is None else -x for x in reversed(t.get("ci") or [None, None])]
-    b.setdefault("losses", {})[cause] = {"delta": d, "ci": ci, "beyond_ci": True, "material": True, "counts": True,
-                                         "basis": f"measured on the server ({f['kind']}): {f['detail']}"}
-    b["cause"] = cause
-    b["sentence"] = budget_sentence(b)
+    engine = [f for f in ev.get("engine", []) if f["kind"] == "engine_feature_costs_acceptance"]
+    if engine and b.get("cause") in ("none", "undecided"):
+        eff = engine[0]["evidence"].get("effect") or {}
+        d = eff.get("accept_length_delta")
+        ci = [eff.get("accept_length_delta_lo"), eff.get("accept_length_delta_hi")]
+        if d is not None and None not in ci:
+            b.setdefault("losses", {})["engine"] = {
+                **(b.get("losses") or {}).get("engine", {}),
+                **_loss("engine", d, ci[0], ci[1], f"measured on the server (engine_feature_costs_acceptance): "
+                        f"{engine[0]['detail']}", None, n=eff.get("n_paired"), unit="prompts")}
+            b["cause"] = cause_of(b["losses"], b.get("required") or REQUIRED_STAGES)
+            b["sentence"] = budget_sentence(b)
+            return jsonable(b)
+    b.setdefault("notes", []).append(
+        "no stage loses a material share on the prompts measured here; " + "; ".join(
+            f"{f['kind']}: {f['detail']}" for fs in ev.values() for f in fs)
+        + " (a cause of low acceptance where production requests are like these, not of a loss measured here)")
     return jsonable(b)
 
 
@@ -507,20 +552,33 @@ def _fmt(x: Optional[float]) -> str:
     return "n/a" if x is None or not np.isfinite(x) else f"{x:.2f}"
 
 
+def _open_reason(loss: dict) -> str:
+    """Why a stage is undecided and what would settle it, in words."""
+    settle = (loss.get("settle") or {}).get("text")
+    if loss.get("delta") is None:
+        return settle or loss.get("why") or "not computed"
+    return f"{loss['delta']:.2f} [{_fmt(loss['ci'][0])}, {_fmt(loss['ci'][1])}] against a material " \
+           f"{_fmt(loss.get('threshold'))}; {settle or ''}".rstrip("; ")
+
+
 def budget_sentence(b: dict) -> str:
-    """One sentence: where the accept length goes (each stage's accept length) and the cause."""
+    """One sentence: where the accept length goes (each stage's accept length) and the cause, which is never "no
+    loss" unless every stage's CI rules a material loss out."""
     parts = [f"{s['name']} {_fmt(s.get('accept_length'))}" for s in b["stages"]]
     cause = b["cause"]
     L = b["losses"]
     if cause == "none":
-        why = "no stage loses a material share beyond its CI"
+        req = b.get("required") or REQUIRED_STAGES
+        why = "every stage's CI rules out a material loss (" + "; ".join(
+            f"{k} < {L[k]['threshold']:.2f}" for k in req if L.get(k, {}).get("threshold") is not None) + ")"
         w = b.get("workload")
         if w and w["delta"] >= MIN_TOKENS:
             why += (f"; the live prompts are less predictable for this draft than its training samples "
-                    f"({w['live_prompts']:.2f} vs {w['training_samples']:.2f} offline): workload, not a fault")
-    elif cause == "unknown":
-        why = ("live acceptance is materially below the training log's prediction and no stage that could be "
-               "computed explains it; missing: " + "; ".join(b["missing"]))
+                    f"({w['live_prompts']:.2f} vs {w['training_samples']:.2f} offline): the text, not the server")
+    elif cause == "undecided":
+        open_ = [k for k in (b.get("required") or REQUIRED_STAGES) if (L.get(k) or {}).get("decision") != "clear"]
+        why = ("no stage loses a material share beyond its CI, and a material loss is not ruled out at " + "; ".join(
+            f"{k} ({_open_reason(L.get(k) or {})})" for k in open_))
     else:
         l = L[cause]
         why = f"{l['delta']:.2f} tokens per verify step lost at the {cause} stage [{_fmt(l['ci'][0])}, " \
@@ -529,4 +587,4 @@ def budget_sentence(b: dict) -> str:
             r = b["recommended_settings"]
             why += f"; recommended --speculative-num-steps {r['steps']} --speculative-eagle-topk {r['topk']} " \
                    f"--speculative-num-draft-tokens {r['draft_tokens']}"
-    return f"Accept length by stage: {', '.join(parts)}. Cause: {cause}: {why}."
+    return f"Accept length by stage: {'; '.join(parts)}. Cause: {cause}: {why}."

@@ -25,6 +25,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import BadInput
+from ..formats.training_data import text_kind
 from ..runfiles import JSONTooDeep, loads_json
 
 Format = Literal["specforge", "torchspec", "speculators", "eagle", "e3f"]
@@ -65,6 +66,12 @@ class TrainingLog(BaseModel):
         reported_steps: how many positions that figure covers (all logged ones, or ``S``).
         reported_includes_bonus: whether that figure equals ``1 + sum prod`` (True) or ``sum prod`` (False) of the
             logged accuracies over ``reported_steps``; None when it matches neither.
+        per_position_loss / loss_keys: the trainer's per-step loss of the same split and entry (SpecForge /
+            TorchSpec ``<split>/ploss_<i>``, SafeAILab EAGLE ``<split>/epochploss_<i>``, ours
+            ``val_final.loss_per_step``), nats; None when the log has none (speculators logs a KL loss, not read).
+        data_text / data_text_source: what the logged rows' text was (``sampled`` / ``greedy`` / ``mixed`` /
+            ``dataset``, :func:`helpers.formats.training_data.text_kind`) when the log records its data
+            (ours: ``data.manifest.sequences``), and the key it came from.
         notes: what was assumed or left out.
     """
 
@@ -81,6 +88,10 @@ class TrainingLog(BaseModel):
     reported_key: Optional[str] = None
     reported_steps: Optional[int] = None
     reported_includes_bonus: Optional[bool] = None
+    per_position_loss: Optional[list[float]] = None
+    loss_keys: list[str] = Field(default_factory=list)
+    data_text: Optional[str] = None
+    data_text_source: Optional[str] = None
     notes: list[str] = Field(default_factory=list)
 
 
@@ -273,6 +284,28 @@ def _reported(log: TrainingLog, m: dict[str, Any], path: Path) -> None:
                          f"accuracies over {steps} positions")
 
 
+def _losses(log: TrainingLog, m: dict[str, Any], path: Path) -> None:
+    """The per-step losses of the chosen split and the logged rows' text kind (see :class:`TrainingLog`)."""
+    n = len(log.per_position)
+    keys: list[str] = []
+    if log.format == "e3f" and isinstance(m.get("val_final/loss_per_step"), list):
+        keys = [f"val_final/loss_per_step[{i}]" for i in range(min(n, len(m["val_final/loss_per_step"])))]
+        vals = [_number(x, path, k) for x, k in zip(m["val_final/loss_per_step"], keys)]
+    else:
+        pat = {"specforge": "{s}/ploss_{i}", "torchspec": "{s}/ploss_{i}", "eagle": "{s}/epochploss_{i}"}.get(log.format)
+        vals = []
+        if pat is not None:
+            for i in range(n):
+                k = pat.format(s=log.split, i=i)
+                if k not in m:
+                    break
+                keys.append(k)
+                vals.append(_number(m[k], path, k))
+    if vals:
+        log.per_position_loss, log.loss_keys = vals, keys
+    _data_text(log, m, path)
+
+
 def read_training_log(path: str | Path) -> TrainingLog:
     """Read a draft's training log: a JSON file (a dict of metrics -- wandb summary, ours --, a list of such dicts or
     ``{"log_history": [...]}`` = a log history), a JSONL file (one dict per line: a history), or a text log with
@@ -356,7 +389,21 @@ def read_training_log(path: str | Path) -> TrainingLog:
                       split=chosen["split"], entry=entry, notes=notes)
     if parsed:
         _reported(log, metrics, p)
+        _losses(log, metrics, p)
+        if log.data_text is None and entry is not None:       # a history: the run's data may be in another entry
+            for e in entries:
+                _data_text(log, e, p)
+                if log.data_text is not None:
+                    break
     return log
+
+
+def _data_text(log: TrainingLog, m: dict[str, Any], path: Path) -> None:
+    """The logged rows' text kind from a ``sequences`` description in the log (ours: ``data.manifest.sequences``)."""
+    for k, v in m.items():
+        if isinstance(v, str) and (k == "sequences" or k.endswith("/sequences")) and text_kind(v):
+            log.data_text, log.data_text_source = text_kind(v), f"{path} ({k}: {v!r})"
+            return
 
 
 # ------------------------------------------------------------------------------------------------ prediction
@@ -425,3 +472,41 @@ def find_training_log(draft_dir: Path, given: Optional[str | Path] = None) -> Op
             if (folder / n).is_file():
                 return folder / n
     return None
+
+
+#: where a draft's validation rows (rows of its log's kind) are looked for when none are given
+VALIDATION_NAMES = ("validation", "val", "eval")
+
+
+def find_validation_data(draft_dir: Path, *, training: Optional[str | Path] = None, given: Optional[str | Path] = None,
+                         log_path: Optional[Path] = None) -> tuple[Optional[Path], str]:
+    """The rows the draft stage measures the checkpoint on: ``given`` (``--validation``); else the training log's own
+    pointer to its validation data (a ``validation_data`` path in the log, relative to the log file); else a folder
+    named ``validation`` (``val``, ``eval``) beside the training data or inside the draft folder. Returns
+    ``(path or None, where it came from)``.
+
+    Raises:
+        BadInput: ``given`` does not exist."""
+    if given is not None:
+        p = Path(given)
+        if not p.exists():
+            raise BadInput("validation data not found", path=p, field="--validation")
+        return p, "--validation"
+    if log_path is not None and log_path.suffix == ".json":
+        try:
+            doc = loads_json(log_path.read_text(encoding="utf-8", errors="replace"))
+        except (OSError, ValueError, JSONTooDeep):
+            doc = None
+        ref = doc.get("validation_data") if isinstance(doc, dict) else None
+        if isinstance(ref, str) and (log_path.parent / ref).exists():
+            return (log_path.parent / ref).resolve(), f"{log_path} (validation_data)"
+    places = []
+    if training is not None:
+        t = Path(training)
+        places.append((t if t.is_dir() else t.parent).parent)
+    places.append(Path(draft_dir))
+    for folder in places:
+        for n in VALIDATION_NAMES:
+            if (folder / n).is_dir() and (Path(training).resolve() != (folder / n).resolve() if training else True):
+                return folder / n, f"found beside the {'training data' if folder != Path(draft_dir) else 'draft'}"
+    return None, "none found"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -128,7 +129,9 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
     Returns:
         A :class:`Sample` whose rows are ``aux_hidden_state[0, :L]`` (SpecForge) or ``hidden_state[:L]``
         (EAGLE-1/2), L without trailing padding; ``meta`` has ``layout``, ``hidden_size``, ``num_chunks``,
-        ``loss_mask`` and ``padded_len``.
+        ``loss_mask``, ``padded_len`` and ``final_hidden`` (SpecForge's ``hidden_state [L, H]``, the target's
+        post-norm last hidden state, from which its next-token distribution is ``final_hidden @ lm_head.T``; None
+        for EAGLE-1/2 files).
 
     Raises:
         BadInput: unsafe/corrupt/empty file, missing keys, inconsistent lengths, width not divisible.
@@ -170,10 +173,19 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
     L = _strip_trailing_pad(ids, lm)
     rows = aux[:L]
     stem = sample_key(p)
+    final = None
+    if layout == "specforge" and isinstance(d.get("hidden_state"), torch.Tensor):
+        fh = d["hidden_state"]
+        fh = fh[0] if fh.dim() == 3 and fh.shape[0] == 1 else fh
+        if fh.dim() != 2 or fh.shape[0] != ids.shape[0] or not fh.is_floating_point():
+            raise BadInput(f"expected [1, {ids.shape[0]}, H] floats (the target's post-norm final hidden state), got "
+                           f"{tuple(d['hidden_state'].shape)} {d['hidden_state'].dtype}", path=p, field="hidden_state")
+        final = fh[:L]
     return Sample(key=stem, rows=L, width=int(aux.shape[1]), loader=(lambda t=rows: t), input_ids=ids[:L].copy(),
                   sample_id=stem, dtype=str(aux.dtype).replace("torch.", ""),
                   meta={"layout": layout, "hidden_size": H, "num_chunks": C, "path": str(p),
-                        "loss_mask": None if lm is None else lm[:L], "padded_len": int(ids.shape[0])})
+                        "loss_mask": None if lm is None else lm[:L], "padded_len": int(ids.shape[0]),
+                        "final_hidden": final})
 
 
 def read_speculators_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> Sample:
@@ -327,6 +339,28 @@ def recorded_layer_ids(path: str | Path) -> Optional[tuple[list[int], Path]]:
             a list of ints.
     """
 
+    got = data_manifest(path)
+    if got is None:
+        return None
+    doc, m = got
+    ids = (doc.get("layer_ids") or {}).get("specforge_out_i") if isinstance(doc.get("layer_ids"), dict) else None
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadInput(f"expected a list of ints, got {ids!r}", path=m, field="layer_ids.specforge_out_i")
+    return list(ids), m
+
+
+def data_manifest(path: str | Path) -> Optional[tuple[dict, Path]]:
+    """The data set's own record, ``capture.json`` (written by ``env/models/make_draft_data.py``; any data folder
+    may carry one), looked for in the folder of ``path`` and its two parents.
+
+    Returns:
+        ``(document, path of capture.json)`` or None when there is none.
+
+    Raises:
+        BadInput: a ``capture.json`` that is not a JSON object.
+    """
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     for cand in (folder, folder.parent, folder.parent.parent):
@@ -337,10 +371,86 @@ def recorded_layer_ids(path: str | Path) -> Optional[tuple[list[int], Path]]:
             doc = loads_json(m.read_text())
         except (OSError, ValueError) as exc:
             raise BadInput(f"not readable as JSON ({exc})", path=m) from exc
-        ids = (doc.get("layer_ids") or {}).get("specforge_out_i") if isinstance(doc, dict) else None
-        if ids is None:
-            return None
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise BadInput(f"expected a list of ints, got {ids!r}", path=m, field="layer_ids.specforge_out_i")
-        return list(ids), m
+        if not isinstance(doc, dict):
+            raise BadInput(f"expected a JSON object, got {type(doc).__name__}", path=m)
+        return doc, m
     return None
+
+
+#: what a row's continuation is: the target's own sampled text, its greedy text, a mix, or text the target did not
+#: write (a data set's own responses)
+TEXT_KINDS = ("sampled", "greedy", "mixed", "dataset")
+#: which part of a training run a row belongs to
+SPLITS = ("validation", "training")
+_SPLIT_WORDS = {"validation": "validation", "val": "validation", "eval": "validation", "test": "validation",
+                "heldout": "validation", "held-out": "validation", "train": "training", "training": "training"}
+
+
+@dataclass
+class RowsKind:
+    """What a data set's rows are, and where each answer came from.
+
+    Attributes:
+        split: ``validation`` | ``training`` | None (unknown).
+        text: one of :data:`TEXT_KINDS`, or None (unknown).
+        source: ``{"split": where it came from, "text": where it came from}`` (a file and field, "--flag", or
+            "inferred: ..."); absent keys are unknown.
+    """
+
+    split: Optional[str] = None
+    text: Optional[str] = None
+    source: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"split": self.split, "text": self.text, "source": dict(self.source)}
+
+
+def text_kind(description: str) -> Optional[str]:
+    """The text kind a description names: ``"HF greedy on cpu"`` -> greedy, ``"sampled at temperature 1.0"`` ->
+    sampled, ``"HF on cuda: 0 greedy + 4000 sampled ..."`` -> sampled (counts read), both non-zero -> mixed, None when
+    it says neither."""
+    d = description.lower()
+    g = re.search(r"(\d+)\s+greedy", d)
+    sm = re.search(r"(\d+)\s+sampled", d)
+    if g or sm:
+        ng = int(g.group(1)) if g else 0
+        ns = int(sm.group(1)) if sm else 0
+        return "mixed" if ng and ns else "sampled" if ns else "greedy" if ng else None
+    if "sampled" in d or "temperature" in d:
+        return "sampled"
+    if "greedy" in d:
+        return "greedy"
+    if "dataset" in d or "response" in d:
+        return "dataset"
+    return None
+
+
+def split_word(word: str) -> Optional[str]:
+    """``validation`` / ``training`` for a split name (``eval``, ``val``, ``test``, ``train``, ...), else None."""
+    return _SPLIT_WORDS.get(str(word).strip().lower())
+
+
+def rows_kind(path: str | Path, *, split: Optional[str] = None, text: Optional[str] = None) -> RowsKind:
+    """What the rows under ``path`` are: the user's word first (``split`` / ``text``, e.g. from ``--rows``), then the
+    data set's manifest (``capture.json``: ``split``, ``sequences``).
+
+    Raises:
+        BadInput: a ``split`` / ``text`` given that is not one of :data:`SPLITS` / :data:`TEXT_KINDS`; an unreadable
+            manifest."""
+    k = RowsKind()
+    if split is not None:
+        if split_word(split) is None:
+            raise BadInput(f"split {split!r}: expected one of {', '.join(SPLITS)}", field="--rows")
+        k.split, k.source["split"] = split_word(split), "the user (--rows)"
+    if text is not None:
+        if text not in TEXT_KINDS:
+            raise BadInput(f"text {text!r}: expected one of {', '.join(TEXT_KINDS)}", field="--rows")
+        k.text, k.source["text"] = text, "the user (--rows)"
+    got = data_manifest(path)
+    if got is not None:
+        doc, m = got
+        if k.split is None and isinstance(doc.get("split"), str) and split_word(doc["split"]):
+            k.split, k.source["split"] = split_word(doc["split"]), f"{m} (split)"
+        if k.text is None and isinstance(doc.get("sequences"), str) and text_kind(doc["sequences"]):
+            k.text, k.source["text"] = text_kind(doc["sequences"]), f"{m} (sequences: {doc['sequences']!r})"
+    return k

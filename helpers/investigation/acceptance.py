@@ -23,7 +23,9 @@ from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_c
                             training_sequences)
 from ..draft.model import Eagle3Draft, target_lm_head
 from ..draft.simulate import DraftSettings
-from ..draft.training_log import find_training_log, predicted_accept_length, read_training_log
+from ..draft.draft_stage import draft_rows
+from ..draft.teacher_forced import run as tf_run
+from ..draft.training_log import find_training_log, read_training_log
 from ..errors import BadInput
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
@@ -33,7 +35,7 @@ from ..records import ProposedFix
 #: cause -> finding kind
 CAUSE_KINDS = {"draft": "draft_underperforms", "wiring": "wiring_loses_acceptance",
                "engine": "engine_after_capture", "settings": "spec_settings_low",
-               "workload": "workload_loses_acceptance", "unknown": "acceptance_unexplained"}
+               "workload": "workload_loses_acceptance"}
 
 
 def compute_dtype(info: dict, draft_raw: dict) -> torch.dtype:
@@ -77,71 +79,78 @@ def fix_plan(fix: Optional[ProposedFix], findings: list[dict], training_tensors:
     return ("the proposed engine change" if touched else "the training plan (the engine change, done right)"), plan
 
 
+#: the most training samples the wiring stage grows to, and live prompts the engine stage grows to, when undecided
+MAX_WIRING_SAMPLES = 32
+MAX_LIVE_PROMPTS = 64
+
+
 def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, training: str | Path, hidden_size: int,
                num_samples: int, served_dump: Optional[Path], reference: Optional[Path], run_dir: Path,
                settings: DraftSettings, fix: Optional[ProposedFix], findings: list[dict],
                training_tensors: Optional[list[str]], training_log: Optional[str | Path] = None,
+               validation: Optional[str | Path] = None, rows_word: tuple[Optional[str], Optional[str]] = (None, None),
                prompts: int = 16, max_new_tokens: int = 32, measure: bool = True,
                progress: Callable[[str], None] = lambda s: None) -> BudgetRun:
-    """Gather the budget's inputs from the live run and compute it.
+    """Gather the budget's inputs from the live run and compute it; a stage left ``undecided`` by too few samples
+    is measured again on more (training samples captured from the server up to :data:`MAX_WIRING_SAMPLES`, live
+    prompts up to :data:`MAX_LIVE_PROMPTS`) when the data holds them, once.
 
     Raises:
         BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
-            embedding, an unsupported architecture), or an unreadable training log.
+            embedding, an unsupported architecture), unreadable training log or rows.
     """
     draft = Eagle3Draft.load(draft_dir, target_dir, dtype=compute_dtype(info, _raw(draft_dir)))
     log_path = find_training_log(draft_dir, training_log)
-    log = None
-    if log_path is not None:
-        tl = read_training_log(log_path)
-        log = predicted_accept_length(tl, settings.steps)
-        log["source"] = f"{log_path} ({tl.format}, {tl.kind}: {', '.join(tl.source_keys[:settings.steps])})"
+    log = read_training_log(log_path) if log_path is not None else None
+    dr = draft_rows(draft, draft_dir=draft_dir, target_dir=target_dir, training=training, hidden_size=hidden_size,
+                    log=log, log_path=log_path, validation=validation, rows_word=rows_word, progress=progress)
     td = TrainingData(training, hidden_size=hidden_size, max_samples=num_samples)
-    head = None
-    try:
-        head, _ = target_lm_head(target_dir)
-    except BadInput:
-        pass
     skipped: list = []
-    train_seqs = training_sequences(td, lm_head=head, skipped=skipped)
+    train_seqs = training_sequences(td, skipped=skipped)
     for where, why in skipped:
         progress(f"training sample {where} left out: {why}")
     starts = {s.key: s.start for s in train_seqs}
     served = dump_sequences(served_dump, starts=starts) if served_dump is not None else None
     live_seqs = live = None
     if measure:
-        progress(f"live: {prompts} prompts x {max_new_tokens} tokens, aux states and counters from the same answers")
-        recs: list = []
-        ps = load_prompts(None, n=prompts)
-        dump = capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
-                              max_new_tokens=max_new_tokens, progress=False, records=recs,
-                              max_width=16 * hidden_size)
-        live = pd.DataFrame(recs)
-        live_seqs = dump_sequences(dump)
-    fix_in = None
-    fp = fix_plan(fix, findings, training_tensors)
-    if fp is not None and reference is not None:
-        try:
-            fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
-        except KeyError as exc:
-            progress(f"the fix cannot be proven offline: {exc}")
-    elif fix is not None and "d2t" in (fix.add_tensors or {}) and served:
-        src = fix.add_tensors["d2t"]
-        obj = torch.load(src, map_location="cpu", weights_only=True)
-        if isinstance(obj, dict) and "d2t" in obj:
-            fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served,
-                      "draft": draft.with_vocab_map(obj["d2t"], src)}
+        live_seqs, live = _live(client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
+    fix_in, draft_fix = _fix_inputs(fix, findings, training_tensors, reference, train_seqs, served, draft, dr)
     cost, cost_src = draft_cost(draft_dir, target_dir)
-    b = acceptance_budget(draft, BudgetInputs(settings=settings, log=log, training=train_seqs, served_training=served,
-                                              live_sequences=live_seqs, live=live, max_new_tokens=max_new_tokens,
-                                              fix=fix_in, draft_cost=cost, draft_cost_source=cost_src), progress=None)
+
+    def compute() -> dict:
+        return acceptance_budget(draft, BudgetInputs(
+            settings=settings, log=log, draft_rows=dr["rows"], draft_rows_kind=dr["kind"],
+            draft_rows_path=dr["path"], draft_rows_labels=dr["labels"], draft_fix=draft_fix, training=train_seqs,
+            served_training=served, live_sequences=live_seqs, live=live, max_new_tokens=max_new_tokens, fix=fix_in,
+            draft_cost=cost, draft_cost_source=cost_src), progress=None)
+
+    b = compute()
+    grown = []
+    need_w = _settle_n(b, "wiring")
+    if need_w and served is not None and len(train_seqs) < min(need_w, MAX_WIRING_SAMPLES):
+        more = _more_training(client, training, hidden_size, len(train_seqs), min(need_w, MAX_WIRING_SAMPLES),
+                              run_dir, progress)
+        if more is not None:
+            train_seqs, served = more
+            grown.append(f"wiring: measured again on {len(train_seqs)} training samples (undecided on fewer)")
+    need_e = _settle_n(b, "engine")
+    if need_e and live is not None and len(live) < min(need_e, MAX_LIVE_PROMPTS):
+        extra_n = min(need_e, MAX_LIVE_PROMPTS) - len(live)
+        s2, l2 = _live(client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
+        live_seqs, live = live_seqs + s2, pd.concat([live, l2], ignore_index=True)
+        grown.append(f"engine: measured again on {len(live)} live prompts (undecided on fewer)")
+    if grown:
+        b = compute()
+        b.setdefault("notes", []).extend(grown)
     out = BudgetRun(budget=b, live=live)
     cause = b["cause"]
     if cause in CAUSE_KINDS and not (cause == "wiring" and any(f["kind"] != "config_ids_mismatch" for f in findings)):
         loss = b["losses"].get(cause) or {}
+        ds = next((s for s in b["stages"] if s["name"] == "checkpoint (teacher-forced)"), {})
         out.findings.append(finding(CAUSE_KINDS[cause], None, b["sentence"], stage=cause, loss=loss,
                                     stages=[{k: s.get(k) for k in ("name", "accept_length", "ci")}
                                             for s in b["stages"]],
+                                    per_step=ds.get("table") if cause == "draft" else None,
                                     recommended_settings=b.get("recommended_settings"),
                                     source="simulation: the draft checkpoint run offline as SGLang runs it "
                                            "(helpers.draft), live counters from the same /generate answers"))
@@ -151,6 +160,65 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                             f"every-layer reference: accept length {fo['accept_length']:.2f}, a gain of "
                             f"{fo['gain']:+.2f} over the served states: nil, so it is not proposed")
     return out
+
+
+def _settle_n(b: dict, stage: str) -> Optional[int]:
+    """The sample count that would settle an undecided stage (None when decided or not estimable)."""
+    loss = (b.get("losses") or {}).get(stage) or {}
+    if loss.get("decision") != "undecided":
+        return None
+    return (loss.get("settle") or {}).get("n")
+
+
+def _live(client, run_dir: Path, first: int, n: int, max_new_tokens: int, hidden_size: int,
+          progress: Callable[[str], None]) -> tuple[list, pd.DataFrame]:
+    """``n`` live prompts (from the ``first``-th): their served states (the server's own continuation) and the
+    server's counters, from the same ``/generate`` answers."""
+    progress(f"live: {n} prompts x {max_new_tokens} tokens, aux states and counters from the same answers")
+    recs: list = []
+    ps = load_prompts(None, n=first + n)[first:]
+    dump = capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
+                          max_new_tokens=max_new_tokens, progress=False, records=recs, max_width=16 * hidden_size)
+    return dump_sequences(dump), pd.DataFrame(recs)
+
+
+def _more_training(client, training: str | Path, hidden_size: int, have: int, want: int, run_dir: Path,
+                   progress: Callable[[str], None]) -> Optional[tuple[list, list]]:
+    """``want`` training samples and their served states (captured now), or None when the data holds no more."""
+    td = TrainingData(training, hidden_size=hidden_size, max_samples=want)
+    samples = list(td)
+    if len(samples) <= have:
+        return None
+    progress(f"wiring undecided on {have} training sample(s): capturing {len(samples)}")
+    dump = capture_served(client, samples, run_dir / "dumps", name=_free(run_dir / "dumps", "served-more"),
+                          progress=False, max_width=16 * hidden_size)
+    seqs = training_sequences(TrainingData(training, hidden_size=hidden_size, max_samples=want))
+    return seqs, dump_sequences(dump, starts={s.key: s.start for s in seqs})
+
+
+def _fix_inputs(fix: Optional[ProposedFix], findings: list[dict], training_tensors: Optional[list[str]],
+                reference: Optional[Path], train_seqs: list, served: Optional[list], draft: Eagle3Draft,
+                dr: dict) -> tuple[Optional[dict], Optional[dict]]:
+    """The proposed fix applied offline: the served plan it yields (from the every-layer reference) for the drafting
+    chain, and a vocab-map fix for both the drafting chain and the draft stage's teacher-forced rows."""
+    fix_in = draft_fix = None
+    fp = fix_plan(fix, findings, training_tensors)
+    if fp is not None and reference is not None:
+        try:
+            fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
+        except KeyError:
+            fix_in = None
+    elif fix is not None and "d2t" in (fix.add_tensors or {}):
+        src = fix.add_tensors["d2t"]
+        obj = torch.load(src, map_location="cpu", weights_only=True)
+        if isinstance(obj, dict) and "d2t" in obj:
+            fixed = draft.with_vocab_map(obj["d2t"], src)
+            if served:
+                fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served, "draft": fixed}
+            if dr.get("seqs"):
+                draft_fix = {"label": "the proposed vocab map", "source": str(src),
+                             "rows": tf_run(fixed, dr["seqs"], dr["steps"])}
+    return fix_in, draft_fix
 
 
 def _raw(draft_dir: Path) -> dict:

@@ -51,12 +51,13 @@ from ..server.restart import LAYERS_HOOK, relaunch_argv, start_variant
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
-from .acceptance import CAUSE_KINDS, run_budget
+from .acceptance import run_budget
 from ..draft.budget import join_ablation
 from .catalog import LIVE_CHECKS
 from .checks import run_check
 from .inputs import Investigation
 from .propose import draft_variant, propose_fix
+from .story import no_fix_text, reconcile as tell_one_story
 
 HOOK_FACTORY_PREFIX = "helpers.hooks:"
 
@@ -246,7 +247,8 @@ def _sweeps(doc: InvestigationDoc, sweeps: str | Sequence[str], seconds: float, 
     """The investigation's workload sweeps (``investigate``'s ``sweeps``), their findings and the budget's cause."""
     b = doc.acceptance or {}
     if sweeps == "auto":
-        chosen = ["context", "concurrency"] if b.get("cause") == "unknown" else []
+        # only when the budget cannot decide: the sweeps then say which requests lose acceptance
+        chosen = ["context", "concurrency"] if b.get("cause") == "undecided" and doc.acceptance else []
     else:
         chosen = list(sweeps)
     if not chosen:
@@ -266,14 +268,6 @@ def _sweeps(doc: InvestigationDoc, sweeps: str | Sequence[str], seconds: float, 
     doc.findings += [Finding(**f) for f in new]
     before = b.get("cause")
     doc.acceptance = join_ablation(b, ab["findings"])
-    if doc.acceptance.get("cause") != before:
-        cause = doc.acceptance["cause"]
-        doc.findings = [f for f in doc.findings if f.kind != CAUSE_KINDS.get(before)]
-        doc.findings.append(Finding(**finding(CAUSE_KINDS[cause], None, doc.acceptance["sentence"], stage=cause,
-                                              loss=doc.acceptance["losses"].get(cause),
-                                              source="measured: workload sweeps / engine toggles on the server")))
-    if new:
-        doc.verdict = "mismatch"
     doc.notes += [f"workload sweeps: {s}" for s in ab["skipped"]]
     done("workload sweeps", t, ablation_text(ab) + (f"; the budget's cause is now {doc.acceptance['cause']}"
                                                    if doc.acceptance.get("cause") != before else ""))
@@ -287,6 +281,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 port: int | str | None = None, acceptance_budget: bool = True,
                 live_measure: bool = True, training_log: Optional[str | Path] = None,
                 sweeps: str | Sequence[str] = "auto", sweep_budget: float = 120.0,
+                validation: Optional[str | Path] = None,
+                rows_word: tuple[Optional[str], Optional[str]] = (None, None),
                 progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
@@ -309,6 +305,10 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             training states, the served states and the live prompts' states, against the training log and live.
         live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
         training_log: the draft's training log (default: looked for in the draft folder).
+        validation: rows of the training log's kind for the draft stage (default: the draft's validation rows found
+            beside the training data or the draft, else the training data; :func:`helpers.investigation.acceptance.
+            draft_rows`).
+        rows_word: ``(split, text)`` the user's word on what those rows are (``--rows``), each None when not given.
         sweeps: workload sweeps after the acceptance budget (:mod:`helpers.investigation.ablate`, no restart):
             ``"auto"`` runs the context and concurrency sweeps only when the budget leaves the loss unexplained (cause
             ``unknown``) and the run's time allows; a list (e.g. ``["context"]``) runs those; ``()`` none. A sweep that
@@ -434,12 +434,10 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                                 fix=fix, findings=diag.findings + extra,
                                 training_tensors=(None if diag.training_plan is None
                                                   else list(diag.training_plan.tensors)),
-                                training_log=training_log, prompts=measure_prompts, max_new_tokens=max_new_tokens,
+                                training_log=training_log, validation=validation, rows_word=rows_word,
+                                prompts=measure_prompts, max_new_tokens=max_new_tokens,
                                 measure=live_measure, progress=progress)
                 doc.acceptance = br.budget
-                if br.findings:
-                    doc.findings += [Finding(**f) for f in br.findings]
-                    doc.verdict = "mismatch"
                 if br.withdraw_fix:
                     doc.notes.append(br.withdraw_fix)
                     fix.applicable = False
@@ -480,7 +478,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
 
         doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
         if fix.kind == "none":
-            doc.measured = {"not_measured": "nothing to fix"}
+            doc.measured = {"not_measured": no_fix_text(doc)}
         elif not fix.applicable:
             doc.measured = {"not_measured": "the fix is a change in the engine's capture path, which this tool "
                                             "cannot apply; apply it and run investigate again"}
@@ -496,6 +494,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                                               max_new_tokens=max_new_tokens, concurrency=concurrency, dl=dl,
                                               progress=progress, port=port)
             done("relaunch", t, _measured_text(doc.measured))
+        tell_one_story(doc, budget_expected=acceptance_budget)
+        doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
     except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
         doc.error = describe(exc)
         raise
@@ -660,7 +660,8 @@ def sentence(doc: InvestigationDoc) -> str:
     wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
     if not wiring:
         chunks = (doc.diagnosis or {}).get("chunks") or []
-        head = "No wiring fault" if doc.verdict == "ok" else "No wiring fault, but acceptance is lost elsewhere"
+        head = {"ok": "No wiring fault", "undecided": "No wiring fault found, but a material acceptance loss is not "
+                "ruled out"}.get(doc.verdict, "No wiring fault, but acceptance is lost elsewhere")
         return (f"{head}: the {len(chunks)} aux chunks the server feeds equal the training data on the "
                 f"aligned rows ({doc.samples} sample(s); reference: {ref}).{budget_text} "
                 + _measured_text(doc.measured).capitalize() + ".")

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from .acceptance import PALETTE
 
 #: the stages in ladder order (the settings stage is drawn apart: it is another configuration)
-ORDER = ("training log", "offline, training states", "offline, served states", "offline, served states (live prompts)",
+ORDER = ("training log", "offline on training states", "offline on served states", "offline on live prompts' served states",
          "live")
 
 
@@ -31,7 +31,7 @@ def budget_waterfall(budget: dict) -> Optional[go.Figure]:
     names = [s["name"] for s in st]
     vals = [s["accept_length"] for s in st]
     # another prompt set is not a loss: the live prompts' first stage starts a new bar (a total), not a step down
-    measure = ["absolute" if i == 0 or n == "offline, served states (live prompts)" else "relative"
+    measure = ["absolute" if i == 0 or n == "offline on live prompts' served states" else "relative"
                for i, n in enumerate(names)]
     deltas = [v if m == "absolute" else v - vals[i - 1] for i, (v, m) in enumerate(zip(vals, measure))]
     text = [f"{v:.2f}" for v in vals]

@@ -39,7 +39,7 @@ def test_damaged_draft_is_put_at_the_draft_stage(tmp_path):
     loss = b["losses"]["draft"]
     assert loss["counts"] and loss["delta"] > 0.5 and loss["ci"][0] > 0, loss
     # the offline run on the served states predicts the live counters of the same requests: no engine loss
-    assert abs(_stage(doc, "offline, served states (live prompts)")["accept_length"]
+    assert abs(_stage(doc, "offline on live prompts' served states")["accept_length"]
                - _stage(doc, "live")["accept_length"]) <= 0.1
     assert doc.verdict == "mismatch" and "Cause: draft" in doc.sentence
 
@@ -50,7 +50,7 @@ def test_wrong_d2t_is_put_at_the_draft_stage(tmp_path):
         doc = _run(tmp_path, url)
     b = doc.acceptance
     assert b["cause"] == "draft", b["sentence"]
-    assert _stage(doc, "offline, training states")["accept_length"] < 1.2        # hardly a draft token right
+    assert _stage(doc, "offline on training states")["accept_length"] < 1.2        # hardly a draft token right
     assert _stage(doc, "live")["accept_length"] < 1.2
 
 

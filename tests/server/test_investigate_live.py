@@ -98,9 +98,9 @@ def test_clean_server_gives_no_finding_through_the_cli(tmp_path):
     b = doc["acceptance"]
     assert b["cause"] == "none", b["sentence"]
     st = {s["name"]: s for s in b["stages"]}
-    sim, live = st["offline, served states (live prompts)"]["accept_length"], st["live"]["accept_length"]
+    sim, live = st["offline on live prompts' served states"]["accept_length"], st["live"]["accept_length"]
     assert abs(sim - live) <= 0.1, (sim, live)
-    assert abs(st["offline, training states"]["accept_length"] - st["offline, served states"]["accept_length"]) < 0.05
+    assert abs(st["offline on training states"]["accept_length"] - st["offline on served states"]["accept_length"]) < 0.05
     assert b["recommended_settings"] == {"steps": 3, "topk": 1, "draft_tokens": 4}
 
 

@@ -201,7 +201,7 @@ def test_simulate_cli_json_and_bad_input(tmp_path):
     doc = json.loads(out.stdout)
     st = {s["name"]: s for s in doc["stages"]}
     assert math.isclose(st["training log"]["accept_length"], 2.2228, abs_tol=1e-3)
-    assert st["offline, training states"]["accept_length"] > 3.0 and doc["cause"] == "none"
+    assert st["offline on training states"]["accept_length"] > 3.0 and doc["cause"] == "none"
     assert doc["draft_findings"] == []
     log = tmp_path / "log.json"
     log.write_text(json.dumps({"loss": 1.0, "lr": 0.1}))

@@ -24,7 +24,7 @@ def test_budget_parts_show_the_computed_stages(tmp_path):
                                               draft_cost=cost, draft_cost_source=src))
     b["sentence"] += " <script>alert(1)</script>"          # server-provided text is escaped
     st = stages_frame(b)
-    assert list(st["stage"][:2]) == ["training log", "offline, training states"]
+    assert list(st["stage"][:2]) == ["training log", "offline on training states"]
     assert abs(st["accept length"][0] - round(log["accept_length"], 2)) < 1e-9
     losses = losses_frame(b)
     assert losses.set_index("stage").loc["draft", "counts"] == "yes"
