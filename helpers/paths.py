@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_TARGET = ROOT / "env" / "models" / "target"
 REFERENCE_DRAFT = ROOT / "env" / "models" / "draft"
 REFERENCE_TRAINING = ROOT / "env" / "models" / "data" / "sample"
+#: rows of the reference draft's training-log kind (validation split, sampled continuations) for the draft stage
+REFERENCE_VALIDATION = ROOT / "env" / "models" / "data" / "validation"
 DEFAULT_CASE = ROOT / "env" / "cases" / "seeds_hunt.yaml"
 NOTEBOOK_DIR = ROOT / "notebooks"
 OUTPUTS = ROOT / "outputs"

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from ..budget import interrupt, reset_interrupt
 from ..errors import BadInput, E3FError, Interrupted, describe, printable
-from ..formats.training_data import SPLITS, TEXT_KINDS, split_word
+from ..formats.rows import SPLITS, TEXT_KINDS, split_word
 from ..runfiles import mark_failed
 from ..server.process import stop_all
 

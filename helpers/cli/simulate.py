@@ -20,7 +20,7 @@ import torch
 
 from ..draft.budget import BudgetInputs, acceptance_budget, draft_cost, dump_sequences, training_sequences
 from ..draft.checks import draft_checks
-from ..draft.draft_stage import draft_rows
+from ..draft.draft_stage import budget_fields, draft_rows
 from ..draft.model import DraftArch, Eagle3Draft
 from ..draft.simulate import DraftSettings
 from ..draft.training_log import find_training_log, read_training_log
@@ -111,9 +111,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         show(f"simulating {len(train)} training sample(s)" + (f" and {len(served)} served" if served else "")
              + f" at {st.label} ...")
         required = ("draft", "settings") + (("wiring",) if served else ())
-        b = acceptance_budget(draft, BudgetInputs(settings=st, log=log, draft_rows=dr["rows"],
-                                                  draft_rows_kind=dr["kind"], draft_rows_path=dr["path"],
-                                                  draft_rows_labels=dr["labels"], training=train,
+        b = acceptance_budget(draft, BudgetInputs(settings=st, **budget_fields(dr, log), training=train,
                                                   served_training=served, draft_cost=cost,
                                                   draft_cost_source=cost_src), required=required)
         b["draft_findings"] = findings

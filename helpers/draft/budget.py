@@ -41,7 +41,8 @@ from ..acceptance.stats import paired_effect
 from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.dumps import read_dump
-from ..formats.training_data import RowsKind, TrainingData
+from ..formats.rows import RowsKind
+from ..formats.training_data import TrainingData
 from ..runfiles import jsonable
 from .decide import MATERIAL, MIN_TOKENS, decide, threshold
 from .draft_stage import draft_stage

@@ -22,7 +22,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..errors import BadInput
-from ..formats.training_data import RowsKind, TrainingData, rows_kind, split_word
+from ..formats.rows import RowsKind, rows_kind, split_word
+from ..formats.training_data import TrainingData
 from .decide import decide, threshold
 from .model import Eagle3Draft, target_lm_head
 from .teacher_forced import (LOG_TRAINER, TRAINER_SOURCE, SeqRows, accept_length_ci, bootstrap_index,
@@ -206,3 +207,9 @@ def draft_rows(draft: Eagle3Draft, *, draft_dir: Path, target_dir: Path, trainin
     rows = tf_run(draft, seqs, steps)
     return {"rows": rows, "seqs": seqs, "kind": kind, "path": str(src), "labels": labels, "found": found,
             "steps": steps}
+
+
+def budget_fields(dr: dict, log: Optional[TrainingLog]) -> dict:
+    """:func:`draft_rows`' result as the draft-stage fields of :class:`helpers.draft.budget.BudgetInputs`."""
+    return {"log": log, "draft_rows": dr["rows"], "draft_rows_kind": dr["kind"], "draft_rows_path": dr["path"],
+            "draft_rows_labels": dr["labels"]}

@@ -29,9 +29,10 @@ attention is not implemented here.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -563,3 +564,28 @@ def target_lm_head(target_dir: str | Path, *, dtype: torch.dtype = torch.float32
 def target_hidden_size(target_dir: str | Path) -> int:
     """The target's hidden size (its config.json, through :func:`helpers.formats.configs.read_target_config`)."""
     return read_target_config(target_dir).hidden_size
+
+
+#: below this many multiply-adds per row in the draft's largest matrix, one thread runs the offline draft fastest
+SMALL_DRAFT_MACS = 1 << 21
+
+
+@contextmanager
+def compute_threads(work: "Eagle3Draft | int") -> Iterator[int]:
+    """Run small offline work on one CPU thread, large work on torch's default. ``work`` is a draft (its hidden x
+    intermediate) or a multiply-add count per row (e.g. hidden x vocab for the target's logits); below
+    :data:`SMALL_DRAFT_MACS` one thread is used: such per-op work is far below what torch's intra-op threads need to
+    pay for their synchronisation, and on a loaded machine (an SGLang server's own processes beside it) each op then
+    waits for a second core (measured: 48 sequences x 4 TTT steps of the 128-wide reference draft, 134 s on 2 threads
+    against 4 s on 1 at load 18 on 2 cores; bench/RESULTS.md). Yields the thread count used."""
+    old = torch.get_num_threads()
+    if isinstance(work, Eagle3Draft):
+        small = work.device.type == "cpu" and work.arch.hidden * work.arch.intermediate < SMALL_DRAFT_MACS
+    else:
+        small = int(work) < SMALL_DRAFT_MACS
+    n = 1 if small else old
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(old)

@@ -37,7 +37,7 @@ import torch
 from ..acceptance.measure import summarize
 from ..acceptance.requests import PER_REQUEST_COLUMNS
 from ..errors import BadInput
-from .model import Eagle3Draft
+from .model import Eagle3Draft, compute_threads
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,12 @@ def simulate_sequences(draft: Eagle3Draft, seqs: Iterable[SimSequence], settings
     Raises:
         BadInput: a sequence too short to verify anything, aux rows fewer than T - 1, or settings SGLang refuses.
     """
-    settings = [s.check() for s in settings]
+    with compute_threads(draft):
+        return _simulate(draft, seqs, [s.check() for s in settings], max_new_tokens, progress)
+
+
+def _simulate(draft: Eagle3Draft, seqs: Iterable[SimSequence], settings: list[DraftSettings],
+              max_new_tokens: Optional[int], progress) -> dict:
     smax = max(s.steps for s in settings)
     rows: dict[DraftSettings, list[dict]] = {s: [] for s in settings}
     m_hits = np.zeros(smax)

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
-from .model import Eagle3Draft
+from .model import Eagle3Draft, compute_threads
 
 Trainer = Literal["specforge", "torchspec", "eagle", "e3f", "speculators"]
 TRAINERS: tuple[str, ...] = ("specforge", "torchspec", "eagle", "e3f", "speculators")
@@ -151,7 +151,8 @@ def target_logits(final_hidden: torch.Tensor, lm_head: torch.Tensor, *, chunk: i
     """The target's logits ``[T, V]`` float32 from its post-norm final hidden states ``[T, H]`` and lm_head ``[V, H]``
     (SpecForge's ``target_head``: ``hidden_state @ lm_head.T``), computed in row chunks of ``chunk``."""
     w = lm_head.float()
-    return torch.cat([final_hidden[i:i + chunk].float() @ w.T for i in range(0, final_hidden.shape[0], chunk)])
+    with compute_threads(w.shape[0] * w.shape[1]):
+        return torch.cat([final_hidden[i:i + chunk].float() @ w.T for i in range(0, final_hidden.shape[0], chunk)])
 
 
 @torch.no_grad()
@@ -327,10 +328,11 @@ def run(draft: Eagle3Draft, seqs: Iterable[TFSequence], steps: int, *,
         progress: Optional[Callable[[str], None]] = None) -> list[SeqRows]:
     """:func:`run_sequence` over every sequence (``progress`` gets one line per sequence)."""
     out = []
-    for s in seqs:
-        out.append(run_sequence(draft, s, steps))
-        if progress is not None:
-            progress(f"teacher-forced {s.key} ({out[-1].T} tokens)")
+    with compute_threads(draft):
+        for s in seqs:
+            out.append(run_sequence(draft, s, steps))
+            if progress is not None:
+                progress(f"teacher-forced {s.key} ({out[-1].T} tokens)")
     return out
 
 

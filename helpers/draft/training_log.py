@@ -25,7 +25,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import BadInput
-from ..formats.training_data import text_kind
+from ..formats.rows import text_kind
 from ..runfiles import JSONTooDeep, loads_json
 
 Format = Literal["specforge", "torchspec", "speculators", "eagle", "e3f"]

@@ -23,7 +23,7 @@ from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_c
                             training_sequences)
 from ..draft.model import Eagle3Draft, target_lm_head
 from ..draft.simulate import DraftSettings
-from ..draft.draft_stage import draft_rows
+from ..draft.draft_stage import budget_fields, draft_rows
 from ..draft.teacher_forced import run as tf_run
 from ..draft.training_log import find_training_log, read_training_log
 from ..errors import BadInput
@@ -119,8 +119,7 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
 
     def compute() -> dict:
         return acceptance_budget(draft, BudgetInputs(
-            settings=settings, log=log, draft_rows=dr["rows"], draft_rows_kind=dr["kind"],
-            draft_rows_path=dr["path"], draft_rows_labels=dr["labels"], draft_fix=draft_fix, training=train_seqs,
+            settings=settings, **budget_fields(dr, log), draft_fix=draft_fix, training=train_seqs,
             served_training=served, live_sequences=live_seqs, live=live, max_new_tokens=max_new_tokens, fix=fix_in,
             draft_cost=cost, draft_cost_source=cost_src), progress=None)
 

@@ -94,13 +94,15 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
             first suspects when the fault is in the capture path.
 
     Returns:
-        :class:`helpers.records.ProposedFix`; ``kind`` ``none`` when there is nothing to fix.
+        :class:`helpers.records.ProposedFix`; ``kind`` ``none`` when no finding calls for a fix (the acceptance budget
+        may still place a loss: :func:`helpers.investigation.story.no_fix_text`).
     """
     findings = list(diag.findings) + list(extra_findings)
     kinds = [f["kind"] for f in findings]
     fix = ProposedFix()
     if not findings:
-        fix.kind, fix.summary = "none", "nothing to fix: the served aux hidden states equal the training data"
+        fix.kind, fix.summary = "none", ("no fix for the wiring: the served aux hidden states equal the training "
+                                         "data, and the draft checks find nothing")
         return fix
     tplan, splan = diag.training_plan, diag.served_plan
     measured = _measured(diag)

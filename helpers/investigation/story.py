@@ -165,4 +165,18 @@ def no_fix_text(doc: InvestigationDoc) -> str:
         return "no fix proposed: the acceptance budget is undecided (a material loss is not ruled out): " + \
             "; ".join(f"{k}: {(v.get('settle') or {}).get('text') or v.get('why', '')}"
                       for k, v in (b.get("losses") or {}).items() if v.get("decision") == "undecided")
-    return f"no fix the tool can apply for the {cause} stage's loss (see the acceptance budget)"
+    return f"no fix the tool can apply: {STAGE_ADVICE.get(cause, 'see the acceptance budget')}"
+
+
+#: what to do about a stage's loss when no finding gives a fix the tool can apply
+STAGE_ADVICE = {
+    "draft": "the draft checkpoint scores below its own training log on rows of the log's kind; serve the checkpoint "
+             "the log belongs to (this one is damaged, mis-exported or another run's), then investigate again",
+    "wiring": "the served aux states cost acceptance though no wiring finding names why; compare every TP rank "
+              "(server start --capture-ranks) and give an every-layer reference, then investigate again",
+    "engine": "the engine accepts less than the draft run offline on the very states it fed: the draft is computed "
+              "differently after the capture point (draft-side hooks, positions, KV reuse); try the engine toggles "
+              "(python -m helpers ablate)",
+    "settings": "launch with the recommended speculative settings of the acceptance budget and measure",
+    "workload": "the requests, not the server, lose the acceptance (see the workload sweeps)",
+}

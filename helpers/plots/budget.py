@@ -1,9 +1,11 @@
 """Figures of the acceptance budget (:func:`helpers.draft.budget.acceptance_budget`).
 
-* :func:`budget_waterfall`: accept length by stage (training log -> offline on training states -> offline on served
-  states -> live), each stage's bar starting where the previous ended, with its 95 % CI; the settings stage's
-  recommended accept length last.
+* :func:`budget_waterfall`: accept length by stage in three like-with-like runs, each starting a new bar: the training
+  log -> the checkpoint teacher-forced (the draft stage: the same metric and formula); the drafting chain offline on
+  training states -> on served states (wiring); on the live prompts' served states -> live (engine); each bar with its
+  95 % CI; the settings stage's recommended accept length last.
 * :func:`budget_ladder`: P(accepted >= j) per draft position j, one line per stage (the per-position ladder).
+* :func:`draft_steps`: the draft stage's per-step teacher-forced accuracy, the log's against the checkpoint's.
 """
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import plotly.graph_objects as go
 from .acceptance import PALETTE
 
 #: the stages in ladder order (the settings stage is drawn apart: it is another configuration)
-ORDER = ("training log", "offline on training states", "offline on served states", "offline on live prompts' served states",
-         "live")
+ORDER = ("training log", "checkpoint (teacher-forced)", "offline on training states", "offline on served states",
+         "offline on live prompts' served states", "live")
+#: stages that start a new run of bars: another quantity (a drafting chain, not a teacher-forced formula) or other
+#: prompts, so the step from the bar before is not a loss
+NEW_RUN = ("offline on training states", "offline on live prompts' served states")
 
 
 def _stages(budget: dict) -> list[dict]:
@@ -30,9 +35,8 @@ def budget_waterfall(budget: dict) -> Optional[go.Figure]:
         return None
     names = [s["name"] for s in st]
     vals = [s["accept_length"] for s in st]
-    # another prompt set is not a loss: the live prompts' first stage starts a new bar (a total), not a step down
-    measure = ["absolute" if i == 0 or n == "offline on live prompts' served states" else "relative"
-               for i, n in enumerate(names)]
+    # another quantity or another prompt set is not a loss: such a stage starts a new bar (a total), not a step down
+    measure = ["absolute" if i == 0 or n in NEW_RUN else "relative" for i, n in enumerate(names)]
     deltas = [v if m == "absolute" else v - vals[i - 1] for i, (v, m) in enumerate(zip(vals, measure))]
     text = [f"{v:.2f}" for v in vals]
     fig = go.Figure(go.Waterfall(x=names, y=deltas, measure=measure, text=text, textposition="outside",
@@ -74,4 +78,25 @@ def budget_ladder(budget: dict) -> Optional[go.Figure]:
                       xaxis={"title": "draft position j", "dtick": 1}, yaxis={"title": "P(accepted >= j)",
                                                                                "range": [0, 1], "dtick": 0.2},
                       margin={"l": 60, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def draft_steps(budget: dict) -> Optional[go.Figure]:
+    """The draft stage's teacher-forced accuracy per TTT step: the training log's and the checkpoint's (95 % CI), on
+    rows of the log's kind; None when the stage has no table."""
+    ds = next((s for s in budget.get("stages") or [] if s["name"] == "checkpoint (teacher-forced)"), None)
+    table = (ds or {}).get("table")
+    if not table:
+        return None
+    x = [f"step {r['step']}" for r in table]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=x, y=[r["log_acc"] for r in table], name="training log", marker={"color": "#9e9e9e"}))
+    acc = [r["acc"] for r in table]
+    fig.add_trace(go.Bar(x=x, y=acc, name="checkpoint, teacher-forced", marker={"color": PALETTE[0]},
+                         error_y={"type": "data", "symmetric": False,
+                                  "array": [r["acc_ci"][1] - r["acc"] for r in table],
+                                  "arrayminus": [r["acc"] - r["acc_ci"][0] for r in table]}))
+    comp = "" if ds.get("comparable", True) else " (rows NOT of the log's kind: not compared)"
+    fig.update_layout(barmode="group", height=320, title=f"Draft stage: {ds.get('metric', 'accuracy')} per TTT step"
+                      + comp, yaxis={"title": "accuracy", "range": [0, 1]}, margin={"l": 60, "r": 20, "t": 50, "b": 40})
     return fig

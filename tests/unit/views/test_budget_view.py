@@ -5,11 +5,12 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from helpers.draft.budget import BudgetInputs, acceptance_budget, draft_cost, training_sequences
+from helpers.draft.draft_stage import budget_fields, draft_rows
 from helpers.draft.model import Eagle3Draft
 from helpers.draft.simulate import DraftSettings
 from helpers.draft.training_log import predicted_accept_length, read_training_log
 from helpers.formats.training_data import TrainingData
-from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING
+from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING, REFERENCE_VALIDATION
 from helpers.plots.budget import budget_ladder, budget_waterfall
 from helpers.views.budget import budget_parts, losses_frame, stages_frame
 from support.drafts import damaged_draft
@@ -17,14 +18,18 @@ from support.drafts import damaged_draft
 
 def test_budget_parts_show_the_computed_stages(tmp_path):
     seqs = training_sequences(TrainingData(REFERENCE_TRAINING, hidden_size=128))
-    log = predicted_accept_length(read_training_log(REFERENCE_DRAFT / "training_log.json"), 3)
+    tl = read_training_log(REFERENCE_DRAFT / "training_log.json")
+    log = predicted_accept_length(tl, 3)
     cost, src = draft_cost(REFERENCE_DRAFT, REFERENCE_TARGET)
-    draft = Eagle3Draft.load(damaged_draft(tmp_path / "d", noise=2.0), REFERENCE_TARGET)
-    b = acceptance_budget(draft, BudgetInputs(settings=DraftSettings.chain(3), log=log, training=seqs,
+    d = damaged_draft(tmp_path / "d", noise=2.0)
+    draft = Eagle3Draft.load(d, REFERENCE_TARGET)
+    dr = draft_rows(draft, draft_dir=d, target_dir=REFERENCE_TARGET, training=REFERENCE_TRAINING, hidden_size=128,
+                    log=tl, log_path=None, validation=REFERENCE_VALIDATION)
+    b = acceptance_budget(draft, BudgetInputs(settings=DraftSettings.chain(3), **budget_fields(dr, tl), training=seqs,
                                               draft_cost=cost, draft_cost_source=src))
     b["sentence"] += " <script>alert(1)</script>"          # server-provided text is escaped
     st = stages_frame(b)
-    assert list(st["stage"][:2]) == ["training log", "offline on training states"]
+    assert list(st["stage"][:3]) == ["training log", "checkpoint (teacher-forced)", "offline on training states"]
     assert abs(st["accept length"][0] - round(log["accept_length"], 2)) < 1e-9
     losses = losses_frame(b)
     assert losses.set_index("stage").loc["draft", "counts"] == "yes"
