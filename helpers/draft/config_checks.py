@@ -291,10 +291,10 @@ def _position(d: DraftConfig, dcfg: dict, prefix: str, target: TargetConfig, cls
             + f"): SGLang runs the draft with its own config's rope ({read}), never the target's, and the draft "
               "attends over its own KV cache, so what matters is the rope it was trained with; SpecForge and "
               "speculators build it from the draft config, so this is not a fault unless the config was edited "
-              "after training")
-    if not _same(dr["rope_theta"], 10000.0):
-        notes.append(f"the draft config's rope theta is {dr['rope_theta']:g} ({prefix}{dr['theta_from']}) and SGLang "
-                     f"serves that; a draft trained by {THETA_IGNORED_BY} was trained with theta 10000")
+              "after training"
+            + ("" if _same(dr["rope_theta"], 10000.0) else
+               f", or the trainer ignored its rope_theta {dr['rope_theta']:g}: {THETA_IGNORED_BY} build the draft's "
+               "rope at theta 10000"))
     params, key = _rope_dict(dcfg)
     if key and params.get("rope_theta") is not None and dcfg.get("rope_theta") is not None \
             and not _same(params["rope_theta"], dcfg["rope_theta"]):

@@ -228,7 +228,7 @@ def test_a_rope_unlike_the_targets_is_a_note_since_sglang_runs_the_drafts_own(tm
     assert out["facts"]["rope"]["differs_from_target"] == {"rope_theta": [20000.0, 10000.0]}
     assert out["facts"]["rope"]["sglang_builds"]["rope_theta"] == 20000.0
     assert any("rope_theta 20000.0 vs 10000.0" in n and "never the target's" in n for n in out["notes"])
-    assert any("theta 10000" in n and "PR #270" in n for n in out["notes"])
+    assert any("ignored its rope_theta 20000" in n and "PR #270" in n for n in out["notes"])
     # a top-level rope_theta beside rope_parameters: transformers 5 / SGLang use rope_parameters', a note names both
     out = inspect_draft(damaged(tmp_path, config=lambda c: c.update(rope_theta=20000.0), name="b"), REFERENCE_TARGET)
     assert out["findings"] == [] and out["facts"]["rope"]["sglang_builds"]["rope_theta"] == 10000.0
