@@ -127,7 +127,13 @@ def _rope_dict(cfg: dict) -> tuple[dict, str]:
     return {}, ""
 
 
-def effective_rope(cfg: dict) -> dict:
+def _number(v: Any, path: Optional[Path], field: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise BadInput(f"expected a positive number, got {v!r}", path=path, field=field)
+    return float(v)
+
+
+def effective_rope(cfg: dict, path: Optional[Path] = None, prefix: str = "") -> dict:
     """The rope a (text) config gives SGLang's attention, as transformers 5 loads it: ``{"rope_theta", "rope_type",
     "scaling": {the other keys}, "theta_from": the field it came from, "theta_assumed": bool}``.
 
@@ -135,6 +141,9 @@ def effective_rope(cfg: dict) -> dict:
     inside the dict wins over the top-level one; legacy ``type`` -> ``rope_type``), and ``models/llama.py::
     LlamaDecoderLayer.__init__`` (l. 322-336) reads theta and scaling from it; a theta given nowhere is the config
     class's default (10000 for LlamaConfig / DeepseekV3Config).
+
+    Raises:
+        BadInput: a theta that is not a positive number (``path`` and ``prefix`` name the file and sub-config).
     """
     params, key = _rope_dict(cfg)
     if params.get("rope_theta") is not None:
@@ -143,38 +152,40 @@ def effective_rope(cfg: dict) -> dict:
         theta, src = cfg["rope_theta"], "rope_theta"
     else:
         theta, src = config_defaults(cfg).get("rope_theta", 10000.0), "default"
+    theta = _number(theta, path, prefix + src)
     rope_type = params.get("rope_type", params.get("type", "default"))
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")}
     return {"rope_theta": float(theta), "rope_type": rope_type, "scaling": scaling, "theta_from": src,
             "theta_assumed": src == "default"}
 
 
-def derived_context(cfg: dict) -> dict:
+def derived_context(cfg: dict, path: Optional[Path] = None, prefix: str = "") -> dict:
     """SGLang's derived context length of a (text) config (``sglang/srt/utils/hf_transformers/common.py::
     get_context_length``): ``{"value", "field", "given", "factor"}`` -- the first of :data:`CONTEXT_LENGTH_KEYS` set
     (else the config class's ``max_position_embeddings`` default, :func:`config_defaults`; else 2048) times the rope
-    scaling ``factor`` (1 for ``llama3`` rope or when ``original_max_position_embeddings`` is given)."""
-    params, _ = _rope_dict(cfg)
+    scaling ``factor`` (1 for ``llama3`` rope or when ``original_max_position_embeddings`` is given).
+
+    Raises:
+        BadInput: a context field or rope factor that is not a positive number (``path`` / ``prefix`` name it).
+    """
+    params, key_ = _rope_dict(cfg)
     factor = 1
     if params:
         factor = params.get("factor", 1) or 1
         if "original_max_position_embeddings" in params or params.get("rope_type") == "llama3":
             factor = 1
+        factor = _number(factor, path, f"{prefix}{key_}.factor")
     for key in CONTEXT_LENGTH_KEYS:
         v = cfg.get(key)
-        if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)):
-            return {"value": int(factor * v), "field": key, "given": v, "factor": factor}
+        if v is not None:
+            v = _number(v, path, prefix + key)
+            return {"value": int(factor * v), "field": key, "given": cfg.get(key), "factor": factor}
     default = config_defaults(cfg).get("max_position_embeddings")
     if default is not None:
         return {"value": int(factor * default), "field": f"max_position_embeddings (absent: {cfg.get('model_type')} "
                                                            f"config class default {default})",
                 "given": None, "factor": factor}
     return {"value": 2048, "field": "none (get_context_length's fallback 2048)", "given": None, "factor": factor}
-
-
-def context_length(cfg: dict) -> int:
-    """The value of :func:`derived_context`."""
-    return derived_context(cfg)["value"]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -204,6 +215,8 @@ def declared_window(cfg: dict) -> tuple[Optional[int], str]:
     w = cfg.get("sliding_window")
     if w is None or isinstance(w, bool) or not isinstance(w, (int, float)):
         return None, "no sliding_window"
+    if not math.isfinite(w) or w <= 0:
+        return None, f"sliding_window {w!r} is not a window size"
     layer_types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else []
     if cfg.get("use_sliding_window") is True:
         return int(w), "use_sliding_window: true"
@@ -219,8 +232,9 @@ def _position(d: DraftConfig, dcfg: dict, prefix: str, target: TargetConfig, cls
     """rope, context length and sliding window of the draft against the target's."""
     tcfg = text_config(target.raw)
     dpath, tpath = str(d.path), str(target.path)
-    dr, tr = effective_rope(dcfg), effective_rope(tcfg)
-    dctx, tctx = derived_context(dcfg), derived_context(tcfg)
+    tprefix = "" if tcfg is target.raw else next(f"{k}." for k in TEXT_CONFIG_KEYS if target.raw.get(k) is tcfg)
+    dr, tr = effective_rope(dcfg, d.path, prefix), effective_rope(tcfg, target.path, tprefix)
+    dctx, tctx = derived_context(dcfg, d.path, prefix), derived_context(tcfg, target.path, tprefix)
     read = _ROPE_READ_MLA if cls == MLA_CLASS else _ROPE_READ
     # -- the position limit: the draft runs at the target's context (eagle_worker_v2.py l. 229)
     short = dctx["value"] < tctx["value"]
@@ -329,8 +343,7 @@ def _vocab_sizes(arch: SGLangDraftParams, d: DraftConfig, target: Optional[Targe
                  notes: list, facts: dict) -> None:
     tv = target.vocab_size if target is not None else None
     facts["vocab_sizes"] = {"draft_vocab_size": d.raw.get("draft_vocab_size"), "vocab_size": arch.vocab,
-                            "target_vocab_size": tv, "lm_head_rows": arch.draft_vocab,
-                            "logits_cut_to": arch.draft_vocab,
+                            "target_vocab_size": tv, "logits_cut_to": arch.draft_vocab,
                             "rule": f"{L3}::LlamaForCausalLMEagle3.__init__ l. 300-320; sglang/srt/layers/"
                                     "logits_processor.py l. 1346-1347 (logits[:, :vocab_size])"}
     if tv is None or arch.vocab == tv:

@@ -58,9 +58,9 @@ def limits(info: dict, *, draft_dir: Optional[Path] = None, target_dir: Optional
             continue
         try:
             cfg = reader(d)
+            ctx = derived_context(draft_text_config(cfg)[0] if key == "draft" else text_config(cfg.raw))
         except BadInput:
             continue
-        ctx = derived_context(draft_text_config(cfg)[0] if key == "draft" else text_config(cfg.raw))
         if isinstance(ctx["value"], int) and ctx["value"] > 0:
             out[key], out["sources"][key] = ctx["value"], f"{Path(d) / 'config.json'} {ctx['field']}"
     if training_log is not None:

@@ -211,3 +211,15 @@ def test_config_class_defaults_are_transformers_own():
         for k, v in CONFIG_DEFAULTS[model_type].items():
             got = c.rope_parameters["rope_theta"] if k == "rope_theta" else getattr(c, k)
             assert got == v, (model_type, k, got, v)
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda c: c.update(rope_theta="1e6"), "[rope_theta]"),
+    (lambda c: c.update(max_position_embeddings=-5), "[max_position_embeddings]"),
+    (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": "two"}), "[rope_scaling.factor]"),
+])
+def test_unreadable_position_fields_are_one_line_bad_input(tmp_path, capsys, edit, field):
+    d, t = pair(tmp_path, entry("specforge-full-qwen3-8b"), edit)
+    assert cli_main(["--draft-config", str(d), "--target-config", str(t)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diagnose: error:") and err.count("\n") == 1 and "config.json" in err and field in err, err
