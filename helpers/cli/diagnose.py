@@ -7,7 +7,8 @@ import json
 from typing import Optional, Sequence
 
 from ..layers.sglang import parse_version
-from ..diagnosis.diagnose import check_configs, diagnose
+from ..diagnosis.diagnose import diagnose
+from ..draft.config_checks import check_configs
 from ..errors import BadInput
 from .common import Parser, run
 

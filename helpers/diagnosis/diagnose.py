@@ -237,21 +237,6 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
                      static=report, notes=notes, noise=ctx.noise)
 
 
-def check_configs(draft_config: str | Path, target_config: str | Path, *, training: Optional[str | Path] = None,
-                  sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
-                  trained_layer_ids: Optional[Sequence[int]] = None):
-    """The config-only check (no tensors): :func:`helpers.diagnosis.static.static_check` with the training data's
-    manifest and layout when ``training`` is given (its tensors are not compared).
-
-    Raises:
-        BadInput: unreadable configs, weights or training data.
-    """
-
-    td = TrainingData(training, max_samples=1) if training is not None else None
-    return static_check(draft_config, target_config, sglang_version=sglang_version, algorithm=algorithm,
-                        training=td, trained_layer_ids=trained_layer_ids)
-
-
 def _merge(static: list[dict], layout_static: list[dict], numeric: list[dict], *, fc_static: bool) -> list[dict]:
     """Static draft-side findings are kept; static predictions about the served layout are kept only when the
     numeric comparison found the same kind (attached as ``evidence.static_prediction``), since the data

@@ -51,7 +51,6 @@ from .conventions import (
     served_plan,
     training_plan,
 )
-from .sglang_rules import draft_servable
 
 VERDICTS = ("ok", "mismatch", "ambiguous")
 
@@ -72,6 +71,9 @@ class StaticReport:
         ambiguity: ``{"readings": [...], "settle": str}`` or None.
         advisories: silent behaviours worth knowing that are not faults (e.g. SGLang's fallback ids).
         inputs: what was read (config paths, weights files or why not, SGLang version and its origin).
+        draft_checks: set by the config-only check (:func:`helpers.draft.config_checks.check_configs`):
+            ``{"facts", "notes"}`` of the draft config checks, whose findings and notes are in ``findings`` and
+            ``advisories``; None otherwise.
     """
 
     verdict: str
@@ -81,13 +83,18 @@ class StaticReport:
     ambiguity: Optional[dict] = None
     advisories: list[str] = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
+    draft_checks: Optional[dict] = None
 
     def to_json(self) -> dict:
-        """``{"verdict", "findings", "served_plan", "training_plan", "ambiguity", "advisories", "inputs"}``."""
-        return {"verdict": self.verdict, "findings": self.findings,
-                "served_plan": None if self.served_plan is None else self.served_plan.to_json(),
-                "training_plan": None if self.training_plan is None else self.training_plan.to_json(),
-                "ambiguity": self.ambiguity, "advisories": list(self.advisories), "inputs": self.inputs}
+        """``{"verdict", "findings", "served_plan", "training_plan", "ambiguity", "advisories", "inputs"}``, and
+        ``"draft_checks"`` when set."""
+        doc = {"verdict": self.verdict, "findings": self.findings,
+               "served_plan": None if self.served_plan is None else self.served_plan.to_json(),
+               "training_plan": None if self.training_plan is None else self.training_plan.to_json(),
+               "ambiguity": self.ambiguity, "advisories": list(self.advisories), "inputs": self.inputs}
+        if self.draft_checks is not None:
+            doc["draft_checks"] = self.draft_checks
+        return doc
 
     def render_text(self) -> str:
         """The human-readable report of the config-only check."""
@@ -96,6 +103,16 @@ class StaticReport:
             lines.append(f"{k}: {v}")
         for plan in (self.served_plan, self.training_plan):
             lines += plan.describe_lines() if plan is not None else []
+        facts = (self.draft_checks or {}).get("facts") or {}
+        if "context_length" in facts:
+            c = facts["context_length"]
+            lines.append(f"context length: draft {c['draft']} ({c['draft_field']}), target {c['target']} "
+                         f"({c['target_field']}); SGLang serves the draft at the target's; start-up: {c['start']}")
+        if "rope" in facts:
+            r = facts["rope"]
+            lines.append("rope: draft " + _rope_text(r["draft"]) + ", target " + _rope_text(r["target"])
+                         + ("; SGLang builds " + _rope_text(r["sglang_builds"]) if r["sglang_changes"] else
+                            "; SGLang builds the draft's own"))
         if self.training_plan is None:
             lines.append("training plan: unknown (no ids anywhere and no training data given)")
         for f in self.findings:
@@ -106,9 +123,16 @@ class StaticReport:
             for r in self.ambiguity["readings"]:
                 lines.append(f"  - {r['reading']}: training used [{', '.join(r['training'])}] -> {r['outcome']}")
             lines.append(f"  to settle it: {self.ambiguity['settle']}")
+        notes = (self.draft_checks or {}).get("notes") or []
         for a in self.advisories:
-            lines.append(f"advisory: {a}")
+            lines.append(f"{'note' if a in notes else 'advisory'}: {a}")
         return "\n".join(lines)
+
+
+def _rope_text(r: dict) -> str:
+    """``theta 500000 llama3 {factor: 8.0, ...}`` for a :func:`helpers.draft.config_checks.effective_rope` dict."""
+    scaling = ", ".join(f"{k}: {v}" for k, v in r.get("scaling", {}).items())
+    return f"theta {r['rope_theta']:g} {r['rope_type']}" + (f" {{{scaling}}}" if scaling else "")
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -304,11 +328,8 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     findings: list[dict] = []
     advisories: list[str] = []
 
-    why = draft_servable(d.architectures, d.form)
-    if why is not None and algo == "EAGLE3":
-        findings.append(D.finding("unsupported_draft", None, f"SGLang cannot serve this draft as EAGLE-3: {why}",
-                                  architectures=d.architectures, form=d.form, config=str(d.path),
-                                  source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py"))
+    if algo == "EAGLE3":
+        findings += D.detect_unsupported_draft(d)
     rule = target_rule(t.architectures, t.model_type)
     if not rule.supports_eagle3 and algo == "EAGLE3":
         findings.append(D.finding("unsupported_target", None, sp.fatal or f"target {rule.architecture} refuses EAGLE-3",

@@ -10,10 +10,9 @@ Each check follows a line of SGLang's loader, read from the installed source (``
   ``vocab_mapping/*.pt`` (``load_weights`` l. 350-356: ``hot_token_id = d2t + arange``; ``eagle_worker_v2.py``
   l. 757-758: ``topk_index = hot_token_id[topk_index]``), and the share of the user's target tokens outside the
   draft vocab (a token outside can never be drafted: a ceiling on acceptance);
-* the position encoding: rope theta / type / scaling, context length and sliding window against the target's
-  (``models/llama.py::LlamaDecoderLayer.__init__`` l. 322-336; ``utils/hf_transformers/common.py::get_context_length``;
-  ``configs/model_config.py::ModelConfig._derive_context_length``; ``eagle_worker_v2.py`` l. 229;
-  ``llama_eagle3.py`` l. 286-299);
+* from the configs alone (:mod:`helpers.draft.config_checks`, the same code as the config-only ``diagnose``): the
+  architecture, the flags SGLang ignores, the rope / context length / sliding window against the target's, where the
+  lm_head and embedding come from;
 * fc / norm flags against the tensors present: every parameter SGLang builds from the config
   (``llama_eagle3.py::LlamaModel.__init__`` l. 151-207, ``LlamaDecoderLayer.__init__`` l. 46-86) against every tensor
   in the checkpoint, resolved the way ``load_weights`` resolves names (legacy ``midlayer`` / ``aux_norm_*`` names,
@@ -25,7 +24,6 @@ Only safetensors headers and the small ``d2t`` tensor are read from the draft; f
 """
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -36,11 +34,8 @@ from safetensors import safe_open
 
 from ..diagnosis import detectors as D
 from ..diagnosis.conventions import served_plan
-from ..diagnosis.sglang_rules import draft_servable
 from ..errors import BadInput
-from ..layers.sglang import parse_version
 from ..formats.configs import (
-    TEXT_CONFIG_KEYS,
     DraftConfig,
     TensorInfo,
     read_draft_config,
@@ -49,11 +44,11 @@ from ..formats.configs import (
 )
 from ..formats.dumps import safe_torch_load
 from ..formats.training_data import TrainingData
+from .config_checks import check_draft_config, lm_head_plan
 from .params import (
     INIT_EMPTY,
     K25,
     L3,
-    LLAMA_CLASS,
     MLA_CLASS,
     SGLANG_RULES,
     SGLangDraftParams,
@@ -71,7 +66,6 @@ KIND_ORDER = ("unsupported_draft", "lm_head_missing", "lm_head_replaced", "vocab
               "sliding_window_ignored")
 
 _W2 = "sglang/srt/speculative/eagle_worker_v2.py"
-_LLAMA = "sglang/srt/models/llama.py"
 
 
 # ------------------------------------------------------------------------------------------------ readers
@@ -84,80 +78,17 @@ def _read_tensor(info: TensorInfo, key: str) -> torch.Tensor:
         raise BadInput(f"cannot read tensor ({' '.join(str(e).split())[:200]})", path=info.file, field=key) from None
 
 
-def _text_config(raw: dict) -> dict:
-    """The text sub-config SGLang reads (``utils/hf_transformers/common.py::get_hf_text_config``), else the config."""
-    sub = next((k for k in TEXT_CONFIG_KEYS if isinstance(raw.get(k), dict)), None)
-    return raw[sub] if sub else raw
-
-
-# ------------------------------------------------------------------------------------- position encoding
-
-def effective_rope(cfg: dict) -> dict:
-    """The rope a config gives SGLang's attention: ``{"rope_theta", "rope_type", "scaling": {...}}``.
-
-    transformers 5 (SGLang 0.5.23's) folds ``rope_theta`` / ``rope_scaling`` into ``rope_parameters``
-    (``rope_parameters`` wins; a missing theta comes from ``rope_theta``, default 10000; legacy ``type`` ->
-    ``rope_type``), and ``models/llama.py::LlamaDecoderLayer.__init__`` (l. 322-336) reads theta and scaling from it.
-    """
-    params = cfg.get("rope_parameters")
-    if not isinstance(params, dict):
-        params = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
-    theta = params.get("rope_theta", cfg.get("rope_theta"))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")}
-    return {"rope_theta": 10000.0 if theta is None else float(theta), "rope_type": rope_type, "scaling": scaling,
-            "theta_assumed": theta is None}
-
-
-def context_length(cfg: dict) -> int:
-    """SGLang's derived context length of a (text) config: the first of ``max_sequence_length``, ``seq_length``,
-    ``max_seq_len``, ``model_max_length``, ``max_position_embeddings`` times the rope scaling ``factor`` (1 for
-    ``llama3`` rope or when ``original_max_position_embeddings`` is given), 2048 when none is set
-    (``sglang/srt/utils/hf_transformers/common.py::get_context_length``; transformers 5's ``rope_scaling`` is the
-    ``rope_parameters`` dict)."""
-    params = cfg.get("rope_parameters")
-    if not isinstance(params, dict):
-        params = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else None
-    factor = 1.0
-    if params:
-        factor = params.get("factor", 1) or 1
-        if "original_max_position_embeddings" in params or params.get("rope_type") == "llama3":
-            factor = 1
-    for key in ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings"):
-        v = cfg.get(key)
-        if v is not None:
-            return int(factor * v)
-    return 2048
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return math.isclose(float(a), float(b), rel_tol=1e-9)
-    return a == b
-
-
-def _sliding_window(cfg: dict) -> Optional[int]:
-    """The sliding window a config asks for (``sliding_window`` unless ``use_sliding_window`` is false), else None."""
-    w = cfg.get("sliding_window")
-    if w is None or cfg.get("use_sliding_window") is False or isinstance(w, bool):
-        return None
-    return int(w) if isinstance(w, (int, float)) else None
-
-
 # -------------------------------------------------------------------------------------------- the checks
 
 def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw: Optional[dict], hin_differs: bool,
              findings: list, facts: dict) -> None:
     lm_keys = [k for k in tensors if re.search(r"(^|\.)lm_head\.weight$", k)]
     used = [k for k in lm_keys if resolve_name(arch, k) == ("lm_head.weight", None)]
-    target_ties = None if target_raw is None else bool(_text_config(target_raw).get(
-        "tie_word_embeddings", target_raw.get("tie_word_embeddings", False)))
+    plan = lm_head_plan(arch, target_raw, hin_differs)
+    if plan["from"] != "checkpoint":
+        facts["lm_head"] = {k: plan[k] for k in ("source", "rows", "rule")}
     if arch.tie:
-        src = ("the draft's own embed_tokens.weight (target_hidden_size differs from hidden_size: set_embed keeps "
-               "the draft's)" if hin_differs else "the target's input embedding (tie_word_embeddings: lm_head is "
-               "the draft's embed_tokens, which init_lm_head -> set_embed replaces by the target's)")
-        facts["lm_head"] = {"source": src, "rows": arch.vocab,
-                            "rule": f"{L3} l. 303-304; {_W2} l. 356-363; {_LLAMA}::set_embed l. 910-918"}
+        src = plan["source"]
         if lm_keys:
             findings.append(D.finding(
                 "lm_head_replaced", None,
@@ -169,12 +100,7 @@ def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw:
                 fix="set tie_word_embeddings to false (and draft_vocab_size) so the trained lm_head is loaded"))
         return
     if arch.lm_from_target:
-        head = ("the target's lm_head.weight" if target_ties is False else
-                "the target's input embedding (the target ties its lm_head to it)" if target_ties else
-                "the target's lm_head.weight (its embedding if the target ties them; no target config given)")
-        facts["lm_head"] = {"source": head, "rows": arch.vocab,
-                            "rule": f"{L3} l. 305-308 (draft_vocab_size absent -> load_lm_head_from_target); "
-                                    f"{_W2}::init_lm_head l. 356-361 (set_embed_and_head)"}
+        head = plan["source"]
         if used:
             findings.append(D.finding(
                 "lm_head_replaced", None,
@@ -389,96 +315,6 @@ def _coverage(hot: np.ndarray, vocab: int, seqs: list, what: str, steps: int, li
             fix="build the draft vocab (SpecForge vocab_mapping) from tokens like these and retrain the lm_head"))
 
 
-def _position_encoding(d: DraftConfig, target_raw: dict, target_path: Path, findings: list, facts: dict) -> None:
-    draft_cfg, tcfg = d.raw, _text_config(target_raw)
-    dr, tr = effective_rope(draft_cfg), effective_rope(tcfg)
-    facts["rope"] = {"draft": dr, "target": tr}
-    diffs = {}
-    if not _same(dr["rope_theta"], tr["rope_theta"]):
-        diffs["rope_theta"] = [dr["rope_theta"], tr["rope_theta"]]
-    if dr["rope_type"] != tr["rope_type"]:
-        diffs["rope_type"] = [dr["rope_type"], tr["rope_type"]]
-    for k in sorted(set(dr["scaling"]) | set(tr["scaling"])):
-        a, b = dr["scaling"].get(k), tr["scaling"].get(k)
-        if not _same(a, b):
-            diffs[k] = [a, b]
-    if diffs:
-        findings.append(D.finding(
-            "rope_mismatch", None,
-            "the draft's rope differs from the target's ("
-            + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in diffs.items())
-            + "): SGLang builds the draft's rotary embedding from the draft config alone; a draft trained with the "
-              "target's rope (SpecForge copies it) sees other positions at serve time, more so the longer the context",
-            differences={k: {"draft": a, "target": b} for k, (a, b) in diffs.items()}, draft=dr, target=tr,
-            draft_config=str(d.path), target_config=str(target_path),
-            source=f"{_LLAMA}::LlamaDecoderLayer.__init__ l. 322-336 (rope_parameters -> get_rope); transformers 5 "
-                   "rope_parameters",
-            fix="give the draft config the rope it was trained with (normally the target's rope_parameters)"))
-    dctx, tctx = context_length(draft_cfg), context_length(tcfg)
-    facts["context_length"] = {"draft": dctx, "target": tctx,
-                               "draft_max_position_embeddings": draft_cfg.get("max_position_embeddings"),
-                               "target_max_position_embeddings": tcfg.get("max_position_embeddings")}
-    if dctx < tctx:
-        findings.append(D.finding(
-            "max_position_short", None,
-            f"the draft's context length is {dctx} (max_position_embeddings "
-            f"{draft_cfg.get('max_position_embeddings')}), the target's {tctx}: SGLang gives the draft the target's "
-            f"context length and refuses to start unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, which overrides "
-            f"the draft's max_position_embeddings to it; the draft was not trained past {dctx} positions, so "
-            f"acceptance falls past them (or start with --context-length {dctx})",
-            draft_context_length=dctx, target_context_length=tctx,
-            draft_max_position_embeddings=draft_cfg.get("max_position_embeddings"),
-            target_max_position_embeddings=tcfg.get("max_position_embeddings"),
-            source=f"{_W2} l. 229 (draft context_length = the target's); sglang/srt/configs/model_config.py::"
-                   "ModelConfig._derive_context_length (ValueError, or the override with the env var); "
-                   "sglang/srt/utils/hf_transformers/common.py::get_context_length",
-            fix=f"serve with --context-length {dctx}, or train the draft on longer sequences"))
-    dw, tw = _sliding_window(draft_cfg), _sliding_window(tcfg)
-    layer_types = draft_cfg.get("layer_types") or []
-    sw_layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"] if isinstance(layer_types, list) \
-        else []
-    facts["sliding_window"] = {"draft": dw, "target": tw, "draft_sliding_layers": sw_layers}
-    if dw is not None:
-        findings.append(D.finding(
-            "sliding_window_ignored", None,
-            f"the draft config asks for a sliding window of {dw} tokens (the target's: {tw}); SGLang's "
-            f"{LLAMA_CLASS} ignores it and attends the whole context unless the server gets "
-            f"--speculative-draft-window-size: past {dw} tokens the draft sees more than in training",
-            draft_sliding_window=dw, target_sliding_window=tw, draft_sliding_layers=sw_layers,
-            source=f"{L3}::LlamaForCausalLMEagle3.__init__ l. 286-299 (window only from "
-                   "--speculative-draft-window-size); models/llama.py reads no sliding_window",
-            fix=f"start the server with --speculative-draft-window-size {dw}"))
-
-
-def _flags(arch: SGLangDraftParams, d: DraftConfig, findings: list) -> None:
-    raw = d.raw
-    ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    ignored = []
-    nbr = raw.get("norm_before_residual", ec.get("norm_before_residual"))
-    if nbr:
-        ignored.append({"flag": "norm_before_residual", "value": nbr,
-                        "effect": "SGLang always adds the un-normalised hidden state as the residual of the first "
-                                  "layer (a draft trained with norm_before_residual adds the normalised one)",
-                        "rule": f"{L3}::LlamaDecoderLayer.forward l. 97-102 (residual = hidden_states before "
-                                "hidden_norm); no SGLang file reads norm_before_residual"})
-    for flag in ("fc_norm", "use_aux_norm", "norm_output"):
-        if ec.get(flag) and not raw.get(flag):
-            line = "l. 185-187" if flag != "norm_output" else "l. 207"
-            ignored.append({"flag": f"eagle_config.{flag}", "value": ec.get(flag),
-                            "effect": f"SGLang reads {flag} only at the top level of the config",
-                            "rule": f"{L3}::LlamaModel.__init__ {line} (getattr(config, '{flag}'))"})
-    if arch.cls == MLA_CLASS and bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False))):
-        ignored.append({"flag": "norm_before_fc", "value": True,
-                        "effect": f"{MLA_CLASS} has no input_norm: the concatenated aux states reach fc unnormalised",
-                        "rule": f"{K25}::Eagle3MLAModel.__init__ l. 191-255"})
-    if ignored:
-        findings.append(D.finding(
-            "draft_flag_ignored", None,
-            "SGLang ignores draft config flag(s) " + ", ".join(f"{x['flag']}={x['value']!r}" for x in ignored)
-            + ": the draft runs without what they ask for -- " + "; ".join(x["effect"] for x in ignored),
-            flags=ignored, config=str(d.path)))
-
-
 def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs: bool, findings: list,
              facts: dict) -> None:
     """Every checkpoint tensor resolved as ``load_weights`` resolves it: shape errors raise, missing parameters and
@@ -573,52 +409,34 @@ def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: 
 
     Returns:
         ``{"findings": [finding dicts, in :data:`KIND_ORDER`], "facts": {"sglang", "architecture", "lm_head",
-        "vocab", "coverage", "rope", "context_length", "sliding_window", "fc", "weights"}}`` (facts only for what
-        was checked).
+        "embedding", "vocab", "vocab_sizes", "coverage", "rope", "context_length", "sliding_window", "fc",
+        "weights"}, "notes": [sentences]}`` (facts only for what was checked; the config-only part and the notes
+        are :func:`helpers.draft.config_checks.check_draft_config`'s).
 
     Raises:
         BadInput: unreadable config / weights / training data; a tensor whose shape SGLang cannot load (file, key,
             expected shape); a d2t of the wrong length or out of the target vocab; token ids outside the vocab.
     """
-    try:
-        parse_version(sglang_version)
-    except (ValueError, TypeError):
-        raise BadInput(f"cannot read an X.Y.Z version from {sglang_version!r}", field="sglang_version") from None
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise BadInput(f"expected a positive number of draft steps, got {steps!r}", field="steps")
     draft_dir = Path(draft_dir)
     if not draft_dir.is_dir():
         raise BadInput("expected the draft's folder (config.json and *.safetensors)", path=draft_dir)
     d = read_draft_config(draft_dir)
-    findings: list[dict] = []
-    facts: dict[str, Any] = {"sglang": {"given": sglang_version, "rules": SGLANG_RULES,
-                                        "note": None if parse_version(sglang_version) == parse_version(SGLANG_RULES)
-                                        else f"rules read from SGLang {SGLANG_RULES}'s source; {sglang_version} "
-                                             "may differ"},
-                             "architecture": d.architectures}
-    why = draft_servable(d.architectures, d.form)
-    if why is not None:
-        findings.append(D.finding("unsupported_draft", None, f"SGLang cannot serve this draft as EAGLE-3: {why}",
-                                  architectures=d.architectures, form=d.form, config=str(d.path),
-                                  source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py"))
-        return {"findings": findings, "facts": facts}
     target = read_target_config(target_dir) if target_dir is not None else None
+    cc = check_draft_config(d, target, sglang_version)          # the config-only part: the same code as diagnose's
+    findings: list[dict] = list(cc.findings)
+    facts: dict[str, Any] = dict(cc.facts)
+    if any(f["kind"] == "unsupported_draft" for f in findings):
+        return {"findings": findings, "facts": facts, "notes": cc.notes}
     arch = sglang_parameters(d)
     weights = read_draft_weights(draft_dir)
     tensors = weights.tensors
     vocab = target.vocab_size if target is not None and target.vocab_size else arch.vocab
     hin_differs = "target_hidden_size" in d.raw and arch.hidden_size_in != d.hidden_size
-    facts["fc"] = {"in_features": arch.hidden_size_in * arch.num_aux, "hidden_size_in": arch.hidden_size_in,
-                   "num_aux": arch.num_aux, "norm_before_fc": arch.norm_before_fc, "fc_norm": arch.fc_norm,
-                   "norm_output": arch.norm_output, "class": arch.cls,
-                   "config_defaults": arch.defaulted}
-    facts["embedding"] = ("the draft's own embed_tokens.weight (target_hidden_size differs from hidden_size: "
-                          f"{_LLAMA}::set_embed l. 912-916 keeps it)" if hin_differs else
-                          f"the target's input embedding ({_W2}::init_lm_head -> set_embed)")
 
     _weights(arch, d, tensors, hin_differs, findings, facts)
     _lm_head(arch, d, tensors, None if target is None else target.raw, hin_differs, findings, facts)
-    _flags(arch, d, findings)
     findings += D.detect_vocab_map_missing(d, weights)
     training = Path(training) if training is not None else None
     hot = _vocab(arch, d, tensors, vocab, training, findings, facts)
@@ -627,14 +445,13 @@ def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: 
         _coverage(hot, vocab, seqs[0], seqs[1], steps, outside_share_limit, len(np.unique(hot)), findings, facts)
     findings += D.detect_fc_bypassed(d, None, None, weights, target)
     if target is not None:
-        _position_encoding(d, target.raw, target.path, findings, facts)
         sp = served_plan(d, target, "sglang", sglang_version, "EAGLE3")
         if not sp.fatal and d.use_aux_hidden_state is not False:
             findings += [f for f in D.static_layer_findings(sp, None, d, weights, target)
                          if f["kind"] == "width_mismatch" and "served_width" in f["evidence"]]
     order = {k: i for i, k in enumerate(KIND_ORDER)}
     findings.sort(key=lambda f: order.get(f["kind"], len(order)))
-    return {"findings": findings, "facts": facts}
+    return {"findings": findings, "facts": facts, "notes": cc.notes}
 
 
 def draft_checks(draft_dir: Path, target_dir: Path | None = None, training: Path | None = None,

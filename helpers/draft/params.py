@@ -65,9 +65,21 @@ class SGLangDraftParams:
     unused: frozenset = frozenset()
 
 
-#: transformers 5's LlamaConfig defaults, which the draft gets for a field its config.json leaves out (SGLang loads
-#: the draft config through AutoConfig; ``LlamaConfig()``): a draft config without ``num_hidden_layers`` gets 32 layers
-LLAMA_DEFAULTS = {"vocab_size": 32000, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32}
+#: transformers 5.19's config-class defaults a draft config gets for a field its config.json leaves out, by
+#: ``model_type`` (SGLang loads the draft config through AutoConfig: ``llama`` -> ``LlamaConfig()``; ``kimi_k2`` is
+#: SGLang's alias of ``DeepseekV3Config``, ``sglang/srt/utils/hf_transformers/common.py`` ``_KimiK2ConfigAlias``): a
+#: draft config without ``num_hidden_layers`` gets 32 layers, one without ``max_position_embeddings`` a context of
+#: 2048 (4096 for the DeepSeek-V3 / Kimi class of the MLA draft)
+CONFIG_DEFAULTS = {
+    "llama": {"vocab_size": 32000, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "max_position_embeddings": 2048, "rope_theta": 10000.0},
+    "deepseek_v2": {"max_position_embeddings": 2048, "rope_theta": 10000.0},
+    "deepseek_v3": {"max_position_embeddings": 4096, "rope_theta": 10000.0},
+    "kimi_k2": {"max_position_embeddings": 4096, "rope_theta": 10000.0},
+}
+#: the LlamaConfig defaults that size the draft's parameters (:func:`sglang_parameters`)
+LLAMA_DEFAULTS = {k: CONFIG_DEFAULTS["llama"][k] for k in ("vocab_size", "intermediate_size", "num_hidden_layers",
+                                                             "num_attention_heads")}
 
 
 def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:

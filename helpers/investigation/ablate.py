@@ -21,6 +21,7 @@ from ..acceptance.stats import format_ci, paired_effect
 from ..acceptance.sweeps import MATERIAL, MIN_TOKENS, SUMMARY_KEYS, SWEEPS, Point, run_sweep, trend
 from ..budget import Budget
 from ..diagnosis.detectors import finding
+from ..draft.config_checks import derived_context, draft_text_config, text_config
 from ..draft.training_log import find_training_log
 from ..errors import BadInput, ServerError, describe
 from ..formats.configs import read_draft_config, read_target_config
@@ -42,10 +43,12 @@ SWEEP_KINDS = {"context": ("context_loses_acceptance", "workload"),
 def limits(info: dict, *, draft_dir: Optional[Path] = None, target_dir: Optional[Path] = None,
            training_log: Optional[Path] = None) -> dict:
     """Context limits in tokens, each with its source: ``target`` (``--context-length`` of ``/server_info``, else the
-    target config's ``max_position_embeddings``), ``draft`` (the draft config's ``max_position_embeddings``; SGLang
-    0.5.23 raises a shorter one to the target's context only when ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``,
-    ``sglang/srt/configs/model_config.py::ModelConfig._derive_context_length``), ``training`` (mean tokens per
-    training sample, from the training log's data manifest). Unreadable sources are left out."""
+    target config's derived context length), ``draft`` (the draft config's derived context length; SGLang 0.5.23
+    raises a shorter one to the target's context only when ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``,
+    ``sglang/srt/configs/model_config.py::ModelConfig._derive_context_length``) -- both read as SGLang derives them
+    (:func:`helpers.draft.config_checks.derived_context`: ``max_position_embeddings`` or its aliases, times the rope
+    factor), ``training`` (mean tokens per training sample, from the training log's data manifest). Unreadable
+    sources are left out."""
     out: dict[str, Any] = {"sources": {}}
     n = info.get("context_length")
     if isinstance(n, int) and not isinstance(n, bool) and n > 0:     # a server may say anything: a string, -5
@@ -54,12 +57,12 @@ def limits(info: dict, *, draft_dir: Optional[Path] = None, target_dir: Optional
         if key in out or d is None:
             continue
         try:
-            raw = reader(d).raw
+            cfg = reader(d)
+            ctx = derived_context(draft_text_config(cfg)[0] if key == "draft" else text_config(cfg.raw))
         except BadInput:
             continue
-        n = raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
-        if isinstance(n, int) and n > 0:
-            out[key], out["sources"][key] = n, f"{Path(d) / 'config.json'} max_position_embeddings"
+        if isinstance(ctx["value"], int) and ctx["value"] > 0:
+            out[key], out["sources"][key] = ctx["value"], f"{Path(d) / 'config.json'} {ctx['field']}"
     if training_log is not None:
         try:
             raw = read_json_file(training_log, what="training log")

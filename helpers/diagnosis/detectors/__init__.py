@@ -22,6 +22,7 @@ from .config import (  # noqa: F401  (re-exported)
     detect_config_ids_ignored,
     detect_fc_bypassed,
     detect_num_draft_tokens_overridden,
+    detect_unsupported_draft,
     detect_vocab_map_missing,
     static_layer_findings,
 )

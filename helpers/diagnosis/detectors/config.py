@@ -1,6 +1,6 @@
 """Static detectors (no tensors): configs, SGLang's rules and the two capture plans.
 
-:func:`detect_config_ids_ignored`, :func:`detect_fc_bypassed` (the server-algorithm part; with a
+:func:`detect_unsupported_draft`, :func:`detect_config_ids_ignored`, :func:`detect_fc_bypassed` (the server-algorithm part; with a
 :class:`~helpers.diagnosis.detectors.context.Context` it also checks the served width),
 :func:`detect_vocab_map_missing`, :func:`detect_num_draft_tokens_overridden` and :func:`static_layer_findings`
 (width, chunk count, layers from the served and training plans).
@@ -11,10 +11,26 @@ from typing import TYPE_CHECKING, Optional
 
 from ...layers.ids import EMBEDDING, FINAL_NORM, LayerIds, sglang_default_capture
 from ..conventions import CapturePlan, compare_plans, describe
+from ..sglang_rules import draft_servable
 from .base import finding
 
 if TYPE_CHECKING:                                   # the Context type only, for the signature (no import cycle)
     from .context import Context
+
+
+def detect_unsupported_draft(draft) -> list[dict]:
+    """``unsupported_draft``: SGLang cannot load this draft config as an EAGLE-3 draft (its first architecture is
+    not one of SGLang's EAGLE-3 draft classes: :func:`helpers.diagnosis.sglang_rules.draft_servable`, read from
+    ``sglang/srt/models/registry.py`` and the ``EntryClass`` of ``models/llama_eagle3.py`` / ``kimi_k25_eagle3.py``).
+    The one builder of this finding: the static check and the draft checks both call it."""
+    if draft is None:
+        return []
+    why = draft_servable(draft.architectures, draft.form)
+    if why is None:
+        return []
+    return [finding("unsupported_draft", None, f"SGLang cannot serve this draft as EAGLE-3: {why}",
+                    architectures=draft.architectures, form=draft.form, config=str(draft.path),
+                    source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py")]
 
 
 def detect_config_ids_ignored(draft, target, served: Optional[CapturePlan] = None) -> list[dict]:

@@ -1,6 +1,7 @@
 """The config-only check on real public EAGLE-3 draft configs (``tests/data/public_configs.yaml``: SpecForge
 ``configs/`` and PRs, SafeAILab EAGLE, a speculators conversion, each paired with its target's config and
-cited), against the served plan and verdict SGLang 0.5.23's source implies (the rule named in each entry)."""
+cited; and whole config.json files of SpecForge, AngelSlim, TorchSpec, speculators and EAGLE drafts with their
+targets'), against the served plan and verdict SGLang 0.5.23's source implies (the rule named in each entry)."""
 from __future__ import annotations
 
 import json
@@ -18,11 +19,13 @@ ENTRIES = yaml.safe_load(CONFIGS.read_text())
 
 
 def _write(tmp: Path, e: dict) -> tuple[Path, Path]:
+    """The entry's draft and target configs as two folders: the transcribed fields, or the whole file (``*_file``)."""
     d, t = tmp / "draft", tmp / "target"
     d.mkdir()
     t.mkdir()
-    (d / "config.json").write_text(json.dumps(e["draft"]))
-    (t / "config.json").write_text(json.dumps(e["target"]))
+    for role, folder in (("draft", d), ("target", t)):
+        text = (DATA / e[f"{role}_file"]).read_text() if f"{role}_file" in e else json.dumps(e[role])
+        (folder / "config.json").write_text(text)
     return d, t
 
 

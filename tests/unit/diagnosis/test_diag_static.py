@@ -141,7 +141,9 @@ def test_cli_config_only_json_and_exit_codes(tmp_path, capsys):
     ok = eagle3(tmp_path, "ok", [1, 15, 28])
     assert cli_main(["--draft-config", str(ok), "--target-config", str(t), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"verdict", "findings", "served_plan", "training_plan", "ambiguity", "advisories", "inputs"}
+    assert set(doc) == {"verdict", "findings", "served_plan", "training_plan", "ambiguity", "advisories", "inputs",
+                        "draft_checks"}
+    assert doc["draft_checks"]["facts"]["context_length"]["start"] == "ok"       # 2048 both: LlamaConfig's default
     assert doc["verdict"] == "ok" and doc["training_plan"]["provenance"] == "claimed"
     assert doc["served_plan"]["tensors"] == ["out(1)", "out(15)", "out(28)"]
     # a config file named directly: its folder's weights are not read, and the report says so

@@ -72,8 +72,11 @@ def test_reference_draft_is_clean_and_its_facts_are_right():
     assert facts["vocab"]["map"] == "d2t" and facts["vocab"]["differing_share"] == 0.0
     assert facts["vocab"]["training_mapping"].endswith("vocab_mapping/vocab_mapping.pt")
     assert facts["fc"]["in_features"] == 384 and facts["fc"]["num_aux"] == 3
-    assert facts["context_length"] == {"draft": 512, "target": 512, "draft_max_position_embeddings": 512,
-                                       "target_max_position_embeddings": 512}
+    ctx = facts["context_length"]
+    assert (ctx["draft"], ctx["target"], ctx["served"], ctx["start"]) == (512, 512, 512, "ok")
+    assert ctx["draft_field"] == ctx["target_field"] == "max_position_embeddings"
+    assert facts["rope"]["differs_from_target"] == {} and facts["rope"]["sglang_changes"] == {}
+    assert out["notes"] == []
     toks = training_tokens()
     outside = int((~np.isin(toks, hot_ids())).sum())
     cov = facts["coverage"]
@@ -207,29 +210,64 @@ def test_shrunk_max_position_embeddings(tmp_path):
     d = damaged(tmp_path, config=lambda c: c.update(max_position_embeddings=256))
     f = one(draft_checks(d, REFERENCE_TARGET), "max_position_short")
     assert f["evidence"]["draft_context_length"] == 256 and f["evidence"]["target_context_length"] == 512
+    assert "ValueError" in f["detail"] and "--context-length 256" in f["evidence"]["fix"]
+    # a longer draft context is accepted: a note, no finding
+    out = inspect_draft(damaged(tmp_path, config=lambda c: c.update(max_position_embeddings=4096), name="b"),
+                        REFERENCE_TARGET)
+    assert out["findings"] == [] and "longer than the target's 512" in out["notes"][0]
 
 
-def test_rope_theta_where_sglang_reads_it(tmp_path):
+def test_a_rope_unlike_the_targets_is_a_note_since_sglang_runs_the_drafts_own(tmp_path):
+    """SGLang builds the draft's rotary embedding from the draft config alone (llama.py LlamaDecoderLayer.__init__),
+    and SpecForge trains it from the same config: a draft rope unlike the target's is what the draft was trained
+    with, not a fault; the note says so and names the difference."""
     def in_parameters(c):
         c["rope_parameters"]["rope_theta"] = 20000.0
-    f = one(draft_checks(damaged(tmp_path, config=in_parameters, name="a"), REFERENCE_TARGET), "rope_mismatch")
-    assert f["evidence"]["differences"] == {"rope_theta": {"draft": 20000.0, "target": 10000.0}}
-    # a top-level rope_theta beside rope_parameters is not what transformers 5 / SGLang use: no finding
-    assert draft_checks(damaged(tmp_path, config=lambda c: c.update(rope_theta=20000.0), name="b"),
-                        REFERENCE_TARGET) == []
-
-
-def test_rope_scaling_and_sliding_window(tmp_path):
+    out = inspect_draft(damaged(tmp_path, config=in_parameters, name="a"), REFERENCE_TARGET)
+    assert out["findings"] == []
+    assert out["facts"]["rope"]["differs_from_target"] == {"rope_theta": [20000.0, 10000.0]}
+    assert out["facts"]["rope"]["sglang_builds"]["rope_theta"] == 20000.0
+    assert any("rope_theta 20000.0 vs 10000.0" in n and "never the target's" in n for n in out["notes"])
+    assert any("ignored its rope_theta 20000" in n and "PR #270" in n for n in out["notes"])
+    # a top-level rope_theta beside rope_parameters: transformers 5 / SGLang use rope_parameters', a note names both
+    out = inspect_draft(damaged(tmp_path, config=lambda c: c.update(rope_theta=20000.0), name="b"), REFERENCE_TARGET)
+    assert out["findings"] == [] and out["facts"]["rope"]["sglang_builds"]["rope_theta"] == 10000.0
+    assert any("two rope thetas" in n and "20000.0" in n for n in out["notes"])
+    # linear scaling: a longer context (512 x 2), no max_position finding, a note
     def scaled(c):
         c["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}
-    fs = draft_checks(damaged(tmp_path, config=scaled, name="a"), REFERENCE_TARGET)
-    assert kinds(fs) == ["rope_mismatch"]            # context 1024 >= the target's 512: no max_position finding
-    assert fs[0]["evidence"]["differences"] == {"rope_type": {"draft": "linear", "target": "default"},
-                                                "factor": {"draft": 2.0, "target": None}}
-    f = one(draft_checks(damaged(tmp_path, config=lambda c: c.update(sliding_window=128), name="b"),
-                         REFERENCE_TARGET), "sliding_window_ignored")
-    assert f["evidence"]["draft_sliding_window"] == 128
+    out = inspect_draft(damaged(tmp_path, config=scaled, name="c"), REFERENCE_TARGET)
+    assert out["findings"] == [] and out["facts"]["context_length"]["draft"] == 1024
+    assert out["facts"]["rope"]["differs_from_target"] == {"rope_type": ["linear", "default"], "factor": [2.0, None]}
+
+
+def test_rope_sglang_changes_is_a_finding(tmp_path):
+    """llama.py LlamaDecoderLayer.__init__ (l. 329-334) replaces rope_parameters' original_max_position_embeddings by
+    a top-level one: SGLang then serves another yarn than the config (and its trainer) describe."""
+    def two_originals(c):
+        c["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 2.0,
+                                "original_max_position_embeddings": 256}
+        c["original_max_position_embeddings"] = 128
+    f = one(draft_checks(damaged(tmp_path, config=two_originals), REFERENCE_TARGET), "rope_mismatch")
+    assert f["evidence"]["changes"]["original_max_position_embeddings"]["config"] == 256
+    assert f["evidence"]["changes"]["original_max_position_embeddings"]["sglang"] == 128
+    assert f["evidence"]["served"]["scaling"]["original_max_position_embeddings"] == 128
+    assert "llama.py::LlamaDecoderLayer.__init__" in f["evidence"]["source"]
+
+
+def test_sliding_window_turned_on_is_ignored_by_sglang(tmp_path):
+    f = one(draft_checks(damaged(tmp_path, config=lambda c: c.update(sliding_window=128, use_sliding_window=True),
+                                 name="a"), REFERENCE_TARGET), "sliding_window_ignored")
+    assert f["evidence"]["draft_sliding_window"] == 128 and f["evidence"]["served_context"] == 512
     assert "--speculative-draft-window-size 128" in f["evidence"]["fix"]
+    # a window the config does not turn on (Qwen2-style use_sliding_window false, or no flag: LlamaConfig has none)
+    for name, extra in (("b", {"use_sliding_window": False}), ("c", {})):
+        out = inspect_draft(damaged(tmp_path, config=lambda c: c.update(sliding_window=128, **extra), name=name),
+                            REFERENCE_TARGET)
+        assert out["findings"] == [] and any("does not turn it on" in n for n in out["notes"])
+    # a window no shorter than the served context changes nothing
+    assert draft_checks(damaged(tmp_path, config=lambda c: c.update(sliding_window=512, use_sliding_window=True),
+                                name="d"), REFERENCE_TARGET) == []
 
 
 # --------------------------------------------------------------------------------------- fc / norm flags
