@@ -253,7 +253,7 @@ def test_redaction_keeps_paths_of_this_tools_hook_specs():
     """The stash specs name their tensor in a field redaction does not treat as a secret, so a path containing
     "embedding" survives /server_info redaction (the investigation reads the draft path from it)."""
     from helpers.capture import server_hook_specs
-    from helpers.investigation.live import capture_hooks
+    from helpers.investigation.attach import capture_hooks
     from helpers.redaction import redact
 
     hooks = server_hook_specs(8, rank_capture_dir="/x/ranks", layers_dir="/x/layers",
