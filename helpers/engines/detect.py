@@ -17,8 +17,9 @@ from .base import EngineAdapter
 from .sglang import SGLangAdapter
 from .vllm import VLLMAdapter
 
-#: every adapter, probed in this order
-ADAPTERS: tuple[type[EngineAdapter], ...] = (SGLangAdapter, VLLMAdapter)
+#: every adapter, probed in this order (vLLM first: its ``/version`` answers at once, while its dev-mode
+#: ``/server_info``, which the SGLang probe asks, gathers the host's environment on the first call: 10+ s)
+ADAPTERS: tuple[type[EngineAdapter], ...] = (VLLMAdapter, SGLangAdapter)
 BY_NAME = {a.name: a for a in ADAPTERS}
 
 

@@ -60,8 +60,9 @@ class VLLMClient(HTTPClient):
 
     def server_info(self) -> Optional[dict]:
         """``GET /server_info?config_format=json`` (dev mode only: ``VLLM_SERVER_DEV_MODE=1``), redacted; None when
-        the server does not serve it."""
-        resp = self._request("GET", "/server_info", params={"config_format": "json"})
+        the server does not serve it. The first call gathers the host's environment (``collect_env``: 10+ s on a
+        busy machine), hence a 120 s read timeout."""
+        resp = self._request("GET", "/server_info", params={"config_format": "json"}, timeout=httpx_timeout(120.0))
         if resp.status_code == 404:
             return None
         if resp.status_code >= 400:
@@ -256,9 +257,11 @@ class VLLMAdapter(EngineAdapter):
         cfg = SpecConfig(engine="vllm", version=version, target=target, num_speculative_tokens=k,
                          method="eagle3" if k else None, draft=os.fspath(draft) if draft else None,
                          aux_layer_convention="vllm", sources=sources, notes=notes)
+        sources, notes = cfg.sources, cfg.notes     # pydantic copied them: keep filling the model's own
         if k:
             sources["num_speculative_tokens"] = "GET /metrics: positions of vllm:spec_decode_num_accepted_tokens_per_pos"
-        info = client.server_info()
+        ranks = self.describe(client)
+        info = None if ranks else client.server_info()
         if info:
             sc = (info.get("vllm_config") or {}).get("speculative_config") or {}
             pc = (info.get("vllm_config") or {}).get("parallel_config") or {}
@@ -269,7 +272,6 @@ class VLLMAdapter(EngineAdapter):
             for f in ("method", "num_speculative_tokens", "tp_size"):
                 sources[f] = "GET /server_info (VLLM_SERVER_DEV_MODE) vllm_config"
             sources.setdefault("draft", "GET /server_info speculative_config.model")
-        ranks = self.describe(client)
         n_layers = None
         if ranks:
             r0 = ranks[0]
@@ -315,9 +317,9 @@ class VLLMAdapter(EngineAdapter):
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, layers: bool = False,
                        records: Optional[list] = None, progress: bool = False) -> Path:
-        """Dump what the server feeds its draft for ``prompts`` (token ids, training samples): for each prompt, the
-        prefix cache is reset (``/reset_prefix_cache``), the worker extension is armed on every rank, one completion
-        of ``max_new_tokens`` greedy tokens runs, and rank 0's ``drafter.propose`` input of the prefill (its
+        """Dump what the server feeds its draft for ``prompts`` (token ids, training samples): the worker extension is
+        armed on every rank for the capture; for each prompt the prefix cache is reset (``/reset_prefix_cache``), one
+        completion of ``max_new_tokens`` greedy tokens runs, and rank 0's ``drafter.propose`` input of its prefill (its
         ``target_hidden_states`` = the concatenated aux states, one row per prompt token, ascending id order) becomes
         the sample (``first_position`` = its first position). With ``layers`` a second dump ``<name>-layers`` holds
         the target forward's ``embedding, out(0) .. out(n-1)`` (a reference dump). Manifest: ``engine: vllm``,
@@ -333,40 +335,42 @@ class VLLMAdapter(EngineAdapter):
         ranks = client.rpc("e3f_describe")
         version = client.version()
         out_dir = Path(out_dir)
-        cap = Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir if out_dir.exists() else None))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cap = Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir))
+        sent: list[tuple[str, list[int], dict]] = []
         samples, ref = [], []
         try:
-            for i, p in enumerate(prompts):
-                pid, ids, text = _prompt_fields(p, i)
-                if ids is None:
-                    raise BadInput(f"prompt {pid}: the vLLM capture needs token ids", field="prompts")
-                client.reset_prefix_cache()
-                sub = cap / f"p{i:05d}"
-                client.rpc("e3f_capture_start", {"out_dir": os.fspath(sub), "layers": bool(layers)})
-                try:
+            client.rpc("e3f_capture_start", {"out_dir": os.fspath(cap), "layers": bool(layers)})
+            try:
+                for i, p in enumerate(prompts):
+                    pid, ids, _ = _prompt_fields(p, i)
+                    if ids is None:
+                        raise BadInput(f"prompt {pid}: the vLLM capture needs token ids", field="prompts")
+                    client.reset_prefix_cache()
                     ans = client.complete(ids, max_tokens=max_new_tokens)
-                finally:
-                    client.rpc("e3f_capture_stop")
-                if records is not None:
-                    records.append(record(len(records), pid, ans, kind="capture"))
+                    sent.append((pid, ids, ans))
+                    if records is not None:
+                        records.append(record(len(records), pid, ans, kind="capture"))
+            finally:
+                client.rpc("e3f_capture_stop")
+            fed_recs, fwd_recs = _Records(cap, "DRAFT_INPUT"), _Records(cap, "EXTEND")
+            for pid, ids, ans in sent:
                 key = _safe_key(pid)
-                fed = _first(sub, "DRAFT_INPUT", ids)
+                fed = fed_recs.next_for(ids)
                 if fed is None:
                     raise SGLangError(f"{client._shown_url}: the draft received no input for prompt {pid} (is "
                                       "speculative decoding on?)", endpoint="/collective_rpc")
-                pos0 = int(fed["positions"][0])
-                out_ids = (ans["choices"][0].get("token_ids") or None)
                 samples.append({"key": key, "sample_id": pid, "input_ids": fed["input_ids"],
-                                "hidden": fed["aux"].to(torch.float32), "first_position": pos0,
-                                "num_prompt_tokens": len(ids), "output_ids": out_ids})
-                if layers:
-                    fwd = _first(sub, "EXTEND", ids)
-                    if fwd is not None:
-                        n = sum(1 for k in fwd if k.startswith("out("))
-                        need = ["embedding"] + [f"out({L})" for L in range(n)]
-                        ref.append({"key": key, "sample_id": pid, "input_ids": fwd["input_ids"],
-                                    "hidden": torch.cat([fwd[k] for k in need], -1).to(torch.float32),
-                                    "first_position": int(fwd["positions"][0])})
+                                "hidden": fed["aux"].to(torch.float32), "first_position": int(fed["positions"][0]),
+                                "num_prompt_tokens": len(ids),
+                                "output_ids": ans["choices"][0].get("token_ids") or None})
+                fwd = fwd_recs.next_for(ids) if layers else None
+                if fwd is not None:
+                    n = sum(1 for k in fwd if k.startswith("out("))
+                    need = ["embedding"] + [f"out({L})" for L in range(n)]
+                    ref.append({"key": key, "sample_id": pid, "input_ids": fwd["input_ids"],
+                                "hidden": torch.cat([fwd[k] for k in need], -1).to(torch.float32),
+                                "first_position": int(fwd["positions"][0])})
         finally:
             shutil.rmtree(cap, ignore_errors=True)
         r0 = ranks[0]
@@ -392,22 +396,29 @@ class VLLMAdapter(EngineAdapter):
         return path
 
 
-def _first(capture_dir: Path, mode: str, ids: Sequence[int]) -> Optional[dict[str, torch.Tensor]]:
-    """Rank 0's first record of ``mode`` whose token ids are a suffix of ``ids`` (a prefill: the whole prompt, or its
-    uncached tail)."""
-    try:
-        index = read_rank_capture(capture_dir)
-    except FileNotFoundError:
+class _Records:
+    """Rank 0's records of one ``mode`` in a capture folder, consumed in order: :meth:`next_for` returns the next
+    one whose token ids are the prompt or its uncached tail (a prefill), skipping others (decode steps)."""
+
+    def __init__(self, capture_dir: Path, mode: str) -> None:
+        self.dir = capture_dir
+        try:
+            recs = read_rank_capture(capture_dir).get(0, [])
+        except FileNotFoundError:
+            recs = []
+        self.recs = [r for r in recs if r.get("mode") == mode]
+        self.pos = 0
+
+    def next_for(self, ids: Sequence[int]) -> Optional[dict[str, torch.Tensor]]:
+        want = [int(t) for t in ids]
+        while self.pos < len(self.recs):
+            rec = self.recs[self.pos]
+            self.pos += 1
+            t = load_file(str(self.dir / "rank0" / rec["file"]))
+            got = [int(x) for x in t["input_ids"].tolist()]
+            if got and len(got) <= len(want) and want[len(want) - len(got):] == got:
+                return t
         return None
-    want = [int(t) for t in ids]
-    for rec in index.get(0, []):
-        if rec.get("mode") != mode:
-            continue
-        t = load_file(str(capture_dir / "rank0" / rec["file"]))
-        got = [int(x) for x in t["input_ids"].tolist()]
-        if got and len(got) <= len(want) and want[len(want) - len(got):] == got:
-            return t
-    return None
 
 
 def _read_config(folder: Optional[str]) -> Optional[dict]:
