@@ -15,6 +15,7 @@ from helpers.__main__ import main
 from helpers.engines.detect import detect, supported_text
 from helpers.errors import BadInput, SGLangError
 from support.fakeserver import free_port
+from support.vllm_answers import METRICS_1
 
 #: what the embedded vLLM 0.32.0 server answered (GET /version, GET /v1/models), trimmed
 VLLM_MODELS = {"object": "list", "data": [{"id": "/tmp/h64/target", "object": "model", "owned_by": "vllm",
@@ -116,3 +117,29 @@ def test_cli_server_start_vllm_refuses_sglang_only_flags_and_a_missing_target(ca
     assert main(["server", "start", "--engine", "vllm", "--target", "/t", "--faults", "[]x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--faults apply to SGLang only" in err[0]
+
+
+def test_attach_without_the_worker_extension_uses_vllms_rules_and_says_so(tmp_path):
+    """A vLLM server started by someone else (no dev mode, no extension): the draft is given, the ids come from vLLM
+    0.32.0's rules on its config (a top-level list wins over eagle_config), num_speculative_tokens from /metrics."""
+    from helpers.engines.vllm import VLLMAdapter
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8}))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                                   "eagle_aux_hidden_state_layer_ids": [2, 5, 7],
+                                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}))
+    models = {"data": [{"id": "t", "owned_by": "vllm", "root": str(target), "max_model_len": 512}]}
+    with serve({"/version": (200, {"version": "0.32.0"}), "/v1/models": (200, models),
+                "/metrics": (200, METRICS_1)}) as url:
+        ad = VLLMAdapter()
+        cfg = ad.spec_config(ad.client(url), draft=draft)
+    assert (cfg.num_speculative_tokens, cfg.method, cfg.target, cfg.draft) == (3, "eagle3", str(target), str(draft))
+    assert cfg.aux_layer_ids == [2, 5, 7] and cfg.aux_tensors == ["out(1)", "out(4)", "out(6)"]
+    assert "top" not in cfg.sources["aux_layer_ids"] and "eagle_aux_hidden_state_layer_ids" in cfg.sources[
+        "aux_layer_ids"] and "gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config" in cfg.sources[
+        "aux_layer_ids"]
+    assert any("no worker extension" in n for n in cfg.notes) and cfg.loaded is None

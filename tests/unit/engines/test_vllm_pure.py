@@ -12,6 +12,7 @@ from helpers.engines.vllm import parse_counters, record
 from helpers.engines.vllm_server import build_command, check_target, omp_bind
 from helpers.errors import BadServerInput
 from helpers.layers import vllm as rules
+from support.vllm_answers import METRICS_1
 
 N = 8
 
@@ -66,27 +67,6 @@ def test_known_versions():
     assert rules.is_known("0.32.0") and rules.is_known("0.32.0+cpu") and rules.is_known("v0.32.0rc1")
     assert not rules.is_known("0.31.2") and not rules.is_known("0.33.0") and not rules.is_known("dev")
     assert not rules.is_known(None)
-
-
-#: /metrics of the embedded vLLM 0.32.0 server after one 16-token completion with a random draft (trimmed), and after
-#: a second request: the delta is computed by hand below
-METRICS_1 = """# TYPE vllm:spec_decode_num_drafts counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="/tmp/h64/target"} 15.0
-vllm:spec_decode_num_drafts_created{engine="0",model_name="/tmp/h64/target"} 1.796207426856698e+09
-# TYPE vllm:spec_decode_num_draft_tokens counter
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/tmp/h64/target"} 45.0
-# TYPE vllm:spec_decode_num_accepted_tokens counter
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/tmp/h64/target"} 0.0
-# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/h64/target",position="0"} 0.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/h64/target",position="1"} 0.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/h64/target",position="2"} 0.0
-# TYPE vllm:generation_tokens counter
-vllm:generation_tokens_total{engine="0",model_name="/tmp/h64/target"} 16.0
-# TYPE vllm:request_success counter
-vllm:request_success_total{engine="0",finished_reason="length",model_name="/tmp/h64/target"} 1.0
-vllm:request_success_total{engine="0",finished_reason="stop",model_name="/tmp/h64/target"} 0.0
-"""
 
 
 def _second(text: str) -> str:
