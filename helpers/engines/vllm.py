@@ -247,50 +247,48 @@ class VLLMAdapter(EngineAdapter):
         config with vLLM's rules (:func:`helpers.layers.vllm.aux_layer_ids`), each with its source; a mismatch between
         the two is an override the engine made, listed in ``overrides``."""
         version = client.version()
-        sources: dict[str, str] = {"version": "GET /version"}
-        notes: list[str] = []
         models = client.models()
-        target = models[0].get("root") if models else None
-        sources["target"] = "GET /v1/models root"
-        counters = self.counters(client)
-        k = len(counters.accepted_per_position) if counters.accepted_per_position is not None else None
-        cfg = SpecConfig(engine="vllm", version=version, target=target, num_speculative_tokens=k,
-                         method="eagle3" if k else None, draft=os.fspath(draft) if draft else None,
-                         aux_layer_convention="vllm", sources=sources, notes=notes)
-        sources, notes = cfg.sources, cfg.notes     # pydantic copied them: keep filling the model's own
-        if k:
-            sources["num_speculative_tokens"] = "GET /metrics: positions of vllm:spec_decode_num_accepted_tokens_per_pos"
+        cfg = SpecConfig(engine="vllm", version=version, target=models[0].get("root") if models else None,
+                         draft=os.fspath(draft) if draft else None, aux_layer_convention="vllm",
+                         sources={"version": "GET /version", "target": "GET /v1/models root"})
+        sources, notes = cfg.sources, cfg.notes     # the model's own (pydantic copies what it is given)
         ranks = self.describe(client)
-        info = None if ranks else client.server_info()
-        if info:
-            sc = (info.get("vllm_config") or {}).get("speculative_config") or {}
-            pc = (info.get("vllm_config") or {}).get("parallel_config") or {}
-            cfg.method = sc.get("method", cfg.method)
-            cfg.num_speculative_tokens = sc.get("num_speculative_tokens", cfg.num_speculative_tokens)
-            cfg.draft = cfg.draft or sc.get("model")
-            cfg.tp_size = pc.get("tensor_parallel_size")
-            for f in ("method", "num_speculative_tokens", "tp_size"):
-                sources[f] = "GET /server_info (VLLM_SERVER_DEV_MODE) vllm_config"
-            sources.setdefault("draft", "GET /server_info speculative_config.model")
         n_layers = None
         if ranks:
             r0 = ranks[0]
             ids = {tuple(r.get("aux_layer_ids") or ()) for r in ranks}
             if len(ids) > 1:
                 notes.append(f"TP ranks capture different aux ids: {sorted(ids)}")
+            d = r0.get("draft") or {}
             cfg.aux_layer_ids = list(r0.get("aux_layer_ids") or [])
             n_layers = r0.get("num_layers")
-            cfg.tp_size = r0.get("tp_size", cfg.tp_size)
-            sources["aux_layer_ids"] = "worker extension e3f_describe: the target's aux_hidden_state_layers"
-            d = r0.get("draft") or {}
-            cfg.method = d.get("method", cfg.method)
-            cfg.num_speculative_tokens = d.get("num_speculative_tokens", cfg.num_speculative_tokens)
+            cfg.tp_size, cfg.method = r0.get("tp_size"), d.get("method")
+            cfg.num_speculative_tokens = d.get("num_speculative_tokens")
             cfg.draft = cfg.draft or d.get("model")
             cfg.loaded = {"draft": d, "target_class": r0.get("target_class"), "num_layers": n_layers,
                           "enforce_eager": r0.get("enforce_eager")}
+            for f in ("aux_layer_ids", "tp_size", "method", "num_speculative_tokens"):
+                sources[f] = "worker extension e3f_describe (the loaded modules; aux ids: aux_hidden_state_layers)"
+            sources.setdefault("draft", "worker extension e3f_describe (speculative_config.model)")
         else:
             notes.append("no worker extension on this server: aux ids computed from the draft config with vLLM's "
                          "rules, not read from the engine (" + EXTENSION_HINT + ")")
+            counters = self.counters(client)
+            k = len(counters.accepted_per_position) if counters.accepted_per_position is not None else None
+            cfg.num_speculative_tokens, cfg.method = k, ("eagle3" if k else None)
+            if k:
+                sources["num_speculative_tokens"] = ("GET /metrics: positions of "
+                                                     "vllm:spec_decode_num_accepted_tokens_per_pos")
+            info = client.server_info()
+            if info:
+                sc = (info.get("vllm_config") or {}).get("speculative_config") or {}
+                pc = (info.get("vllm_config") or {}).get("parallel_config") or {}
+                cfg.method = sc.get("method", cfg.method)
+                cfg.num_speculative_tokens = sc.get("num_speculative_tokens", cfg.num_speculative_tokens)
+                cfg.draft = cfg.draft or sc.get("model")
+                cfg.tp_size = pc.get("tensor_parallel_size")
+                for f in ("method", "num_speculative_tokens", "tp_size", "draft"):
+                    sources[f] = "GET /server_info (VLLM_SERVER_DEV_MODE) vllm_config"
         dcfg = _read_config(cfg.draft)
         tcfg = _read_config(cfg.target)
         if n_layers is None and tcfg:
@@ -316,7 +314,8 @@ class VLLMAdapter(EngineAdapter):
 
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, layers: bool = False,
-                       records: Optional[list] = None, progress: bool = False) -> Path:
+                       records: Optional[list] = None, progress: bool = False,
+                       capture_dir: str | Path | None = None) -> Path:
         """Dump what the server feeds its draft for ``prompts`` (token ids, training samples): the worker extension is
         armed on every rank for the capture; for each prompt the prefix cache is reset (``/reset_prefix_cache``), one
         completion of ``max_new_tokens`` greedy tokens runs, and rank 0's ``drafter.propose`` input of its prefill (its
@@ -326,6 +325,8 @@ class VLLMAdapter(EngineAdapter):
         ``engine_version``, the loaded config (``e3f_describe``), ``kind: served``.
 
         ``records``: when a list, one per-request row (:func:`record`) per prompt is appended.
+        ``capture_dir``: keep every rank's raw capture there (``rank<r>/index.jsonl`` + files, the format
+        ``helpers.capture.per_rank_dumps`` reads: one dump per TP rank); default a temporary folder, removed.
 
         Raises:
             helpers.errors.RequestRejected: the server lacks the worker extension / dev mode (one line, how to start
@@ -336,7 +337,10 @@ class VLLMAdapter(EngineAdapter):
         version = client.version()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        cap = Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir))
+        keep = capture_dir is not None
+        cap = Path(capture_dir) if keep else Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir))
+        if keep and cap.exists() and any(cap.iterdir()):
+            raise BadInput("the capture folder is not empty (captures are never overwritten)", path=cap)
         sent: list[tuple[str, list[int], dict]] = []
         samples, ref = [], []
         try:
@@ -372,7 +376,8 @@ class VLLMAdapter(EngineAdapter):
                                 "hidden": torch.cat([fwd[k] for k in need], -1).to(torch.float32),
                                 "first_position": int(fwd["positions"][0])})
         finally:
-            shutil.rmtree(cap, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(cap, ignore_errors=True)
         r0 = ranks[0]
         hidden = r0.get("hidden_size")
         extra = {"kind": "served", "engine": "vllm", "engine_version": version,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.capture import per_rank_dumps
 from helpers.engines.detect import detect
 from helpers.engines.vllm import VLLMAdapter
 from helpers.engines.vllm_server import listeners, start, vllm_python
@@ -144,7 +145,8 @@ def test_counters_match_per_request_data_and_a_hand_parse(client, models):
 
 
 def test_captured_aux_states_equal_hf_hidden_states(client, models, tmp_path):
-    dump = VLLMAdapter().capture_served(client, PROMPTS + [PROMPTS[0]], tmp_path, name="served", layers=True)
+    dump = VLLMAdapter().capture_served(client, PROMPTS + [PROMPTS[0]], tmp_path, name="served", layers=True,
+                                        capture_dir=tmp_path / "ranks")
     man = json.loads((dump / "manifest.json").read_text())
     assert (man["kind"], man["engine"], man["engine_version"], man["width"]) == ("served", "vllm", "0.32.0", 3 * 128)
     assert man["layer_plan"]["tensors"] == ["out(0)", "out(2)", "out(3)"] and man["layer_plan"]["convention"] == "vllm"
@@ -164,3 +166,7 @@ def test_captured_aux_states_equal_hf_hidden_states(client, models, tmp_path):
         assert torch.allclose(layers[:, :128], hs[0][0], rtol=1e-5, atol=1e-5)
         rows.append(served)
     assert torch.equal(rows[0], rows[2])          # the same prompt again, cache reset in between: the same rows
+    # the raw per-rank capture kept: one per-rank dump (TP 1: rank 0) whose draft inputs are the served rows
+    (rank0,) = per_rank_dumps(tmp_path / "ranks", tmp_path / "per-rank", key="aux", modes=("DRAFT_INPUT",))
+    fed = [x.load() for x in read_dump(rank0).samples]
+    assert len(fed) == 3 and all(torch.equal(a, b) for a, b in zip(fed, rows))
