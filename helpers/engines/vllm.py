@@ -105,8 +105,10 @@ class VLLMClient(HTTPClient):
 
         Raises: :class:`helpers.errors.RequestRejected` for an HTTP error (the message quotes the server)."""
         if model is None:
-            models = self.models()
-            model = models[0]["id"] if models else ""
+            if getattr(self, "_model_id", None) is None:
+                models = self.models()
+                self._model_id = models[0]["id"] if models else ""
+            model = self._model_id
         body = {"model": model, "prompt": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens),
                 "temperature": float(temperature), "ignore_eos": bool(ignore_eos), "return_token_ids": True,
                 **dict(extra or {})}
