@@ -116,7 +116,8 @@ def _body(argv: list[str]) -> int:
         bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
                               ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
                               ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
-                              ("--draft-tokens", args.draft_tokens != 4), ("--reference-draft", args.reference_draft)) if v]
+                              ("--draft-tokens", args.draft_tokens != 4),
+                              ("--reference-draft", args.reference_draft)) if v]
         if bad or args.target is None:
             why = (f"{', '.join(bad)} apply to SGLang only" if bad else
                    "--target is required (vLLM's CPU attention refuses the reference target's head_dim 16)")
@@ -189,9 +190,8 @@ def _run_vllm(args: argparse.Namespace, draft: str | None, extra: list[str]) -> 
     for state in states:
         register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path),
                  launch=launch)
-    print(f"vLLM reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, "
-          f"log {handle.log_path}, state {states[-1]}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it",
-          flush=True)
+    print(f"vLLM reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, log {handle.log_path}, "
+          f"state {states[-1]}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -148,7 +148,8 @@ def record(i: int, prompt_id: str, answer: Mapping[str, Any], kind: str = "measu
     lat = answer.get("latency_s")
     details = usage.get("prompt_tokens_details") or {}
     row.update(idx=i, prompt_id=prompt_id, kind=kind, prompt_tokens=usage.get("prompt_tokens"),
-               completion_tokens=ct, cached_tokens=details.get("cached_tokens"), finish_reason=choice.get("finish_reason"),
+               completion_tokens=ct, cached_tokens=details.get("cached_tokens"),
+               finish_reason=choice.get("finish_reason"),
                latency_s=lat, tok_s=(ct / lat) if ct and lat else None, has_spec=sd is not None)
     if sd:
         steps = int(sd.get("num_spec_steps") or 0)

@@ -28,7 +28,7 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import psutil
 

@@ -20,7 +20,8 @@ KNOWN_VERSIONS = ((0, 32, 0),)
 #: where each rule lives in vLLM 0.32.0 (file::function), for evidence and messages
 SOURCES = {
     "aux_ids": "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config",
-    "aux_default": "vllm/model_executor/models/interfaces.py::SupportsEagle3.get_eagle3_default_aux_hidden_state_layers",
+    "aux_default": "vllm/model_executor/models/interfaces.py::SupportsEagle3"
+                   ".get_eagle3_default_aux_hidden_state_layers",
     "aux_set": "vllm/model_executor/models/interfaces.py::EagleModelMixin._set_aux_hidden_state_layers",
     "aux_capture": "vllm/model_executor/models/interfaces.py::EagleModelMixin._maybe_add_hidden_state",
     "use_aux": "vllm/v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer"
