@@ -293,16 +293,27 @@ def capture_factory(config: dict) -> Any:
                 tensors[key] = value
         n = STASH.forwards
         STASH.forwards += 1
-        path = os.path.join(out_dir, f"rank{rank}", f"fwd{n:06d}.safetensors")
-        _atomic_save(tensors, path)
         mode = getattr(getattr(fb, "forward_mode", None), "name", None)
-        with open(os.path.join(out_dir, f"rank{rank}", "index.jsonl"), "a") as fh:
-            fh.write(json.dumps({"forward": n, "file": os.path.basename(path), "mode": mode,
-                                 "tokens": int(inputs[0].shape[0]), "tp_rank": rank,
-                                 "tp_size": tp, "keys": sorted(tensors)}) + "\n")
+        write_forward(out_dir, rank, tp, n, tensors, mode, int(inputs[0].shape[0]))
         return None
 
     return hook
+
+
+def write_forward(out_dir: str, rank: int, tp: int, n: int, tensors: dict[str, torch.Tensor], mode: Optional[str],
+                  tokens: int, prefix: str = "fwd") -> str:
+    """Write one recorded forward of TP rank ``rank``: ``out_dir/rank{rank}/{prefix}{n:06d}.safetensors`` (atomic) and
+    its line in ``out_dir/rank{rank}/index.jsonl`` (``forward``, ``file``, ``mode``, ``tokens``, ``tp_rank``,
+    ``tp_size``, ``keys``): the one capture-folder format :func:`helpers.capture.read_rank_capture` reads, written by
+    the SGLang hooks here and by the vLLM worker extension (``helpers.engines.vllm_worker``). Returns the file's
+    path."""
+    path = os.path.join(out_dir, f"rank{rank}", f"{prefix}{n:06d}.safetensors")
+    _atomic_save(tensors, path)
+    with open(os.path.join(out_dir, f"rank{rank}", "index.jsonl"), "a") as fh:
+        fh.write(json.dumps({"forward": n, "file": os.path.basename(path), "mode": mode,
+                             "tokens": int(tokens), "tp_rank": rank,
+                             "tp_size": tp, "keys": sorted(tensors)}) + "\n")
+    return path
 
 
 # --------------------------------------------------------------------------- spec builder

@@ -62,6 +62,7 @@ LAYERS = (
     ("server",),
     ("diagnosis", "acceptance"),
     ("draft", "capture"),
+    ("engines",),
     ("investigation",),
     ("views", "suite"),
     ("cli",),
