@@ -154,10 +154,10 @@ def main(argv=None) -> int:
                                     temperature=a.temperature, seed=a.seed)
         timings["regenerate_s"] = round(time.time() - t, 1)
         samples = [(p + g, [0] * len(p) + [1] * len(g)) for p, g in zip(prompts, gens)]
-        print(f"[regenerate] {len(samples)} continuations ({sequences}) of {a.new_tokens} tokens on "
-              f"{device} in {timings['regenerate_s']} s")
         sequences = sequences_label(n_greedy, a.num - n_greedy, a.temperature)
         gen_source = f"HF on {device}"
+        print(f"[regenerate] {len(samples)} continuations ({sequences}) of {a.new_tokens} tokens on "
+              f"{device} in {timings['regenerate_s']} s")
 
     # 2. capture
     a.out.mkdir(parents=True, exist_ok=True)
