@@ -147,38 +147,33 @@ def test_kimi_target_is_a_trained_lm_that_uses_every_expert(kimi_target, tokeniz
     assert log["saved_bf16"]["heldout_ppl"] < 100 and log["family"] == "kimi"
 
 
-def test_kimi_target_parses_in_sglang_model_config_with_both_drafts():
-    """SGLang 0.5.23's own config path (configs/model_config.py::ModelConfig) on the three folders."""
+@pytest.fixture(scope="module")
+def sglang_facts(tmp_path_factory):
+    """One SGLang-venv process (tests/support/sglang_mla_draft_load.py): the three Kimi folders through SGLang's
+    ModelConfig, and the MLA draft loaded by SGLang's own Eagle3DeepseekV2ForCausalLM."""
     py = Path(os.environ.get("E3F_SGLANG_PYTHON") or ROOT / "env" / "reference" / ".venv" / "bin" / "python")
     if not py.exists():
         pytest.skip("SGLang venv missing (env/reference/install.sh)")
-    code = (
-        "import json, sys\n"
-        "from sglang.srt.configs.model_config import ModelConfig\n"
-        "out = {}\n"
-        "for name, path, draft in json.loads(sys.argv[1]):\n"
-        "    m = ModelConfig(path, dtype='float32', is_draft_model=draft)\n"
-        "    c = m.hf_config\n"
-        "    out[name] = dict(arch=c.architectures, layers=m.num_hidden_layers, mla=m.attention_arch.name,\n"
-        "        nextn=m.num_nextn_predict_layers, scaling=getattr(m, 'scaling', None), ctx=m.context_len,\n"
-        "        eagle=getattr(c, 'eagle_config', None), draft_vocab=getattr(c, 'draft_vocab_size', None),\n"
-        "        tie=c.tie_word_embeddings, rope=getattr(c, 'rope_parameters', None),\n"
-        "        topk=getattr(c, 'topk_method', None), freq=getattr(c, 'moe_layer_freq', None))\n"
-        "print('E3F' + json.dumps(out))\n")
-    jobs = [["target", str(KIMI_TARGET), False], ["draft", str(KIMI_DRAFT), True],
-            ["draft_mla", str(KIMI_MLA), True]]
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1"}
-    res = subprocess.run([str(py), "-c", code, json.dumps(jobs)], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = tmp_path_factory.mktemp("sglang") / "facts.pt"
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "E3F_LOOPBACK_STORE": "1",
+           "PYTHONPATH": str(ROOT / "env" / "reference" / "standin")}
+    res = subprocess.run([str(py), str(ROOT / "tests" / "support" / "sglang_mla_draft_load.py"), str(KIMI_MLA),
+                          str(out), f"target={KIMI_TARGET}", f"draft={KIMI_DRAFT}:draft",
+                          f"draft_mla={KIMI_MLA}:draft"], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.split("E3F", 1)[1])
+    return torch.load(out, weights_only=True)
+
+
+def test_kimi_target_parses_in_sglang_model_config_with_both_drafts(sglang_facts):
+    """SGLang 0.5.23's own config path (configs/model_config.py::ModelConfig) on the three folders."""
+    out = sglang_facts["configs"]
     t, d, m = out["target"], out["draft"], out["draft_mla"]
-    assert t["arch"] == ["DeepseekV3ForCausalLM"] and t["layers"] == 8 and t["mla"].endswith("MLA")
+    assert t["arch"] == ["DeepseekV3ForCausalLM"] and t["layers"] == 8 and t["mla"] == "MLA"
     assert (t["topk"], t["freq"]) == ("noaux_tc", 1) and t["ctx"] == 512
     c = _cfg(KIMI_TARGET)
     assert t["scaling"] == pytest.approx((c["qk_nope_head_dim"] + c["qk_rope_head_dim"]) ** -0.5)  # mscale 1
     assert d["arch"] == ["LlamaForCausalLMEagle3"] and d["layers"] == 1 and d["tie"] is False
-    assert m["arch"] == ["Eagle3DeepseekV2ForCausalLM"] and m["layers"] == 1 and m["mla"].endswith("MLA")
+    assert m["arch"] == ["Eagle3DeepseekV2ForCausalLM"] and m["layers"] == 1 and m["mla"] == "MLA"
     assert m["nextn"] >= 1  # sizes the draft KV pool (model_runner_components/spec_aux_hidden_state.py)
     assert m["rope"]["rope_type"] == "yarn" and m["tie"] is False
     for x in (d, m):
@@ -234,22 +229,10 @@ def _check_vocab_maps(w: dict, c: dict, data: Path):
         assert torch.equal(sd2t, d2t) and torch.equal(st2d, t2d), split
 
 
-def test_mla_draft_loads_with_sglangs_own_module():
+def test_mla_draft_loads_with_sglangs_own_module(sglang_facts):
     """SGLang's Eagle3DeepseekV2ForCausalLM.load_weights on the committed checkpoint, compared tensor by tensor
     with the trainer module (tests/support/sglang_mla_draft_load.py runs in the SGLang venv)."""
-    py = Path(os.environ.get("E3F_SGLANG_PYTHON") or ROOT / "env" / "reference" / ".venv" / "bin" / "python")
-    if not py.exists():
-        pytest.skip("SGLang venv missing (env/reference/install.sh)")
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"e3f-sgl-mla-{os.getpid()}.pt"
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "E3F_LOOPBACK_STORE": "1",
-           "PYTHONPATH": str(ROOT / "env" / "reference" / "standin")}
-    try:
-        res = subprocess.run([str(py), str(ROOT / "tests" / "support" / "sglang_mla_draft_load.py"), str(KIMI_MLA),
-                              str(out)], capture_output=True, text=True, env=env, timeout=600)
-        assert res.returncode == 0, res.stderr[-2000:]
-        s = torch.load(out, weights_only=True)
-    finally:
-        out.unlink(missing_ok=True)
+    s = sglang_facts
     draft, _ = load_draft(KIMI_MLA, KIMI_TARGET)
     w = {k: v.float() for k, v in _weights(KIMI_MLA).items()}
     assert s["uninitialised"] == ["model.embed_tokens.weight"]  # shared from the target by set_embed

@@ -1,7 +1,10 @@
 """Load an MLA EAGLE-3 draft folder with SGLang 0.5.23's own ``Eagle3DeepseekV2ForCausalLM``, in the SGLang venv.
 
 Usage (env/reference/.venv/bin/python, SGLANG_USE_CPU_ENGINE=1, PYTHONPATH with env/reference/standin):
-``sglang_mla_draft_load.py DRAFT_DIR OUT.pt``. Builds the model from the folder's config.json as SGLang's draft
+``sglang_mla_draft_load.py DRAFT_DIR OUT.pt [NAME=DIR[:draft] ...]``. Each ``NAME=DIR`` is also parsed with SGLang's
+``ModelConfig`` (``:draft``: ``is_draft_model=True``) into OUT.pt's ``configs[NAME]`` (architectures, layers,
+attention arch, ``num_nextn_predict_layers``, MLA scaling, context length, eagle_config, draft vocab, tie,
+rope_parameters, topk_method, moe_layer_freq), so one SGLang import serves both checks. Builds the model from the folder's config.json as SGLang's draft
 worker does (``ModelConfig(..., is_draft_model=True)``, fp32 default dtype, TP 1 on a world-1 gloo group bound to
 127.0.0.1: ``sglang/test/layer_ut_utils.py::init_single_process_dist``), feeds the checkpoint through its own
 ``load_weights`` (name mapping, q_a / kv_a fusion, gate / up stacking, ``post_load_weights``' w_kc / w_vc split,
@@ -18,7 +21,19 @@ import torch
 from safetensors.torch import load_file
 
 
-def main(draft_dir: str, out: str) -> None:
+def config_facts(path: str, draft: bool) -> dict:
+    """What SGLang's own config path (configs/model_config.py::ModelConfig) makes of a model folder."""
+    from sglang.srt.configs.model_config import ModelConfig
+    m = ModelConfig(path, dtype="float32", is_draft_model=draft)
+    c = m.hf_config
+    return dict(arch=list(c.architectures), layers=m.num_hidden_layers, mla=m.attention_arch.name,
+                nextn=m.num_nextn_predict_layers, scaling=getattr(m, "scaling", None), ctx=m.context_len,
+                eagle=getattr(c, "eagle_config", None), draft_vocab=getattr(c, "draft_vocab_size", None),
+                tie=c.tie_word_embeddings, rope=dict(getattr(c, "rope_parameters", None) or {}),
+                topk=getattr(c, "topk_method", None), freq=getattr(c, "moe_layer_freq", None))
+
+
+def main(draft_dir: str, out: str, *configs: str) -> None:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -40,6 +55,11 @@ def main(draft_dir: str, out: str) -> None:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
 
+    facts = {}
+    for spec in configs:
+        name, path = spec.split("=", 1)
+        draft = path.endswith(":draft")
+        facts[name] = config_facts(path.removesuffix(":draft"), draft)
     cfg = ModelConfig(draft_dir, dtype="float32", is_draft_model=True).hf_config
     torch.set_default_dtype(torch.float32)
     model = Eagle3DeepseekV2ForCausalLM(cfg)
@@ -61,8 +81,9 @@ def main(draft_dir: str, out: str) -> None:
         "rope_class": type(rot).__name__,
         "fc_norm": model.model.fc_norm is not None,
         "num_aux_hidden_states": int(model.model.num_aux_hidden_states),
+        "configs": facts,
     }, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
