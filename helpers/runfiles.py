@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import pandas as pd
@@ -134,6 +134,35 @@ def _naming(exc: OSError, path: Path) -> OSError:
     if exc.errno is None:
         return exc
     return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
+
+
+@contextlib.contextmanager
+def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """A new temporary folder next to ``folder`` (``.<name>.<random>.tmp``, the umask's mode) to write a folder's
+    files into before the caller renames it into place (measurements, dumps): a reader never sees half a folder.
+    On any error inside the block the temporary folder is removed, and an OSError naming a path inside it is raised
+    again naming the same path under ``folder`` -- the file the user asked for, never the staging name (a full disk
+    is ``<run>/fixes/x/summary.json: no space left on the device``).
+
+    Yields: the temporary folder (empty). Raises: OSError naming ``folder`` or a file under it."""
+    folder = Path(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    except OSError as exc:
+        raise _naming(exc, folder) from None
+    try:
+        os.chmod(tmp, shared_mode(folder=True))     # mkdtemp makes 0700; a run folder is meant to be shared
+        yield tmp
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.filename is not None and exc.errno is not None:
+            try:
+                rel = Path(os.fsdecode(exc.filename)).relative_to(tmp)
+            except ValueError:
+                raise exc from None
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(folder / rel)) from None
+        raise
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: Optional[dict] = None) -> Path:

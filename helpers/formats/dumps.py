@@ -23,7 +23,6 @@ import os
 import pickle
 import re
 import struct
-import uuid
 import warnings
 import zipfile
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..runfiles import atomic_write_text, loads_json, read_json_file, write_safetensors
+from ..runfiles import atomic_write_text, loads_json, read_json_file, staged_folder, write_safetensors
 
 DUMP_FORMAT = "e3f-dump"
 DUMP_VERSION = 1
@@ -272,20 +271,12 @@ def write_dump(path: str | Path, samples: Iterable[Any], manifest_extra: Optiona
                 "layer_plan": extra.pop("layer_plan", None), "hidden_size": extra.pop("hidden_size", None),
                 "width": width, "dtype": str(dtype).replace("torch.", ""), **extra, "samples": entries}
     Manifest.model_validate(manifest)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_folder(path) as tmp:
         write_safetensors(tmp / "tensors.safetensors", tensors, metadata={"format": DUMP_FORMAT})
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         if path.exists():
             raise FileExistsError(errno.EEXIST, "the dump folder appeared while writing (not overwritten)", str(path))
         os.rename(tmp, path)
-    except BaseException:
-        for f in tmp.glob("*"):
-            f.unlink()
-        tmp.rmdir()
-        raise
     return path
 
 

@@ -121,6 +121,48 @@ def test_repeated_labels_never_overwrite_a_measurement(tmp_path, capsys):
     assert sorted(ledger["saved_to"]) == [f"fixes/{f}" for f in folders]
 
 
+def test_an_unreadable_ledger_keeps_the_new_measurement_and_is_rebuilt(tmp_path, capsys):
+    """Issue 30: a run folder whose ledger.parquet was truncated (a full disk, an editor): `measure --run-dir` keeps
+    the new measurement, leaves the ledger as it was, and says so in one line naming the file, what was expected and
+    the command that rebuilds it (exit 2, no debug suffix); that command rebuilds the ledger from fixes/ with the
+    old row as it was, and keeps the corrupt file beside it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with fake_server("ok") as url:
+        args = ["measure", "--url", url, "--num-prompts", "3", "--max-new-tokens", "4", "--run-dir", str(run),
+                "--quiet", "--timeout", "60", "--warmup", "0"]
+        assert main(args + ["--label", "a"]) == 0
+        capsys.readouterr()
+        before = pd.read_parquet(run / "ledger.parquet")
+        data = (run / "ledger.parquet").read_bytes()
+        (run / "ledger.parquet").write_bytes(data[:len(data) // 2])       # truncated as by a full disk
+        rc = main(args + ["--label", "x"])
+    line = _one_line_error(capsys, "measure")
+    assert rc == 2 and "E3F_DEBUG" not in line and "LedgerError" not in line, line
+    assert f"{run / 'ledger.parquet'}: the ledger cannot be read" in line and "expected the Parquet table" in line
+    assert f"kept in fixes/x" in line and f"python -m helpers measure --rebuild-ledger {run}" in line, line
+    assert (run / "ledger.parquet").read_bytes() == data[:len(data) // 2]
+    assert json.loads((run / "fixes" / "x" / "summary.json").read_text())["summary"]["label"] == "x"
+
+    assert main(["measure", "--rebuild-ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    (kept,) = run.glob("ledger.parquet.corrupt-*")
+    assert kept.read_bytes() == data[:len(data) // 2] and kept.name in out and "2 row(s)" in out, out
+    after = pd.read_parquet(run / "ledger.parquet")
+    assert list(after["saved_to"]) == ["fixes/a", "fixes/x"] and list(after["fix"]) == ["a", "x"]
+    pd.testing.assert_frame_equal(after.iloc[:1][before.columns], before)       # the old row, value for value
+    x = json.loads((run / "fixes" / "x" / "summary.json").read_text())
+    assert after["row_id"].iloc[1] == x["ledger"]["row_id"] and after["accept_length"].iloc[1] == \
+        x["summary"]["accept_length"]
+    # a rebuild of a readable ledger keeps that one too, under another name
+    assert main(["measure", "--rebuild-ledger", str(run)]) == 0
+    (older,) = run.glob("ledger.parquet.before-rebuild-*")
+    pd.testing.assert_frame_equal(pd.read_parquet(older), after)
+    pd.testing.assert_frame_equal(pd.read_parquet(run / "ledger.parquet"), after)
+    assert main(["measure", "--rebuild-ledger", str(tmp_path / "nope")]) == 2
+    assert "--rebuild-ledger must be an existing run folder" in _one_line_error(capsys, "measure")
+
+
 def test_bad_local_inputs_are_one_line_exit_2(tmp_path, training, capsys):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"text": "ok"}\nnot json\n')
@@ -152,6 +194,8 @@ def test_full_disk_is_one_line_and_leaves_no_partial_measurement(tmp_path, capsy
                        "--run-dir", str(mnt / "run"), "--quiet", "--timeout", "60", "--warmup", "0"])
         line = _one_line_error(capsys, "measure")
         assert rc == 1 and "no space left on the device" in line, line
+        # the file the user asked for (issue 30), never the temporary folder it is staged in
+        assert f"{mnt / 'run' / 'fixes' / 'full'}/" in line and ".tmp" not in line, line
         leftovers = [p.name for p in (mnt / "run").rglob("*")]
         assert not any(n.startswith("full") or n.endswith(".tmp") for n in leftovers), leftovers
     finally:

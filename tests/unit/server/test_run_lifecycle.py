@@ -221,6 +221,8 @@ def test_capture_on_a_full_disk_names_the_file(tmp_path):
         line = _error_line(cli, "capture")
         assert rc == 1 and "tensors.safetensors: no space left on the device" in line, line
         assert "Safetensor" not in line and "os error" not in line, line
+        # the dump folder the user will look for (issue 30), never the temporary folder it is staged in
+        assert f"{mnt / 'run' / 'dumps'}/served/tensors.safetensors:" in line and ".tmp" not in line, line
         assert [p.name for p in (mnt / "run").rglob("*")] == ["dumps"]
 
 
