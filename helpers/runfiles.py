@@ -7,6 +7,7 @@ and renamed into place, so a reader sees the old file or the new one, never a pa
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import io
 import json
@@ -206,10 +207,13 @@ def atomic_write_new(path: str | os.PathLike, data: bytes) -> Path:
     ``-3``, ... (an existing file is never overwritten; two writers at once get one name each: the temp file is
     hard-linked into place, which fails when the name exists).
 
-    Raises: OSError when the folder cannot be written."""
+    Raises: OSError when the folder cannot be written, naming ``path`` (never the temporary file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _naming(exc, path) from None
     try:
         os.fchmod(fd, shared_mode())
         with os.fdopen(fd, "wb") as fh:
@@ -224,7 +228,11 @@ def atomic_write_new(path: str | os.PathLike, data: bytes) -> Path:
                 continue
             _fsync_dir(path.parent)
             return dest
-        raise FileExistsError(f"{path}: no free name up to -9999")
+        raise FileExistsError(errno.EEXIST, "no free name up to -9999", str(path))
+    except OSError as exc:
+        if isinstance(exc, FileExistsError):
+            raise
+        raise _naming(exc, path) from None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -200,8 +200,8 @@ class AcceptanceResult:
         append its ledger row (:meth:`ledger_row` with ``saved_to`` and ``row``) to ``run_dir/ledger.parquet``: the
         one way a measurement joins a ledger (``measure``, ``measure --fixes``, the replay and the acceptance page).
 
-        The row's identity (``fix``, ``row_id``, ``appended_at``, ``writer_pid`` and ``row``) is written into ``summary.json``
-        (key ``ledger``) too, so the measurement folders hold everything the ledger indexes
+        The row's identity (``fix``, ``row_id``, ``appended_at``, ``writer_pid`` and ``row``) is written into
+        ``summary.json`` (key ``ledger``) too, so the measurement folders hold everything the ledger indexes
         (:func:`rebuild_ledger`). When this process fails to append the row (a full disk, a signal), the folder
         just saved is removed again, so no measurement is left without its row; when the ledger that was there
         cannot be read, the measurement is **kept** (another file's state never deletes it) and
