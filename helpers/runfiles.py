@@ -281,6 +281,10 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+#: Token ids read from any file (training data, prompt files) are below this: SGLang keeps them in int32 tensors, and
+#: no vocabulary comes near.
+MAX_TOKEN_ID = 2 ** 31
+
 #: Deepest JSON nesting read from a file or a server answer (arrays / objects inside each other). SGLang's answers
 #: nest about 5 deep (``meta_info.hidden_states[0][t][d]``), configs and manifests less than 10; deeper than this is
 #: refused before anything walks it (redaction, pydantic and the writers recurse once per level).
@@ -469,7 +473,7 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         The validated model instance.
 
     Raises:
-        ``error``: missing or unreadable file, invalid YAML (:func:`load_yaml_text`: also aliases that expand past
+        ``error``: missing or unreadable file, not UTF-8 text, invalid YAML (:func:`load_yaml_text`: also aliases that expand past
             :data:`MAX_YAML_NODES`), not a mapping, or an invalid field; one line naming the file and the field
             (``timeline.2.hypothesis.check``) and what was expected.
     """
@@ -483,11 +487,14 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         if path.is_dir():
             raise error(f"{what} expected, got a folder", path=path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise error(f"{what} does not exist", path=path) from None
         except OSError as exc:
             raise error(f"{what} cannot be read ({exc.strerror or exc})", path=path) from None
+        except UnicodeDecodeError as exc:
+            raise error(f"{what} is not a UTF-8 text file (byte {exc.start}: {exc.reason}); expected YAML",
+                        path=path) from None
         data = load_yaml_text(text, what, path=path, error=error)
     if prepare is not None:
         data = prepare(data)

@@ -58,8 +58,8 @@ from ..server.process import ServerProcess
 from ..redaction import redact
 from ..server.settings import SpecSettings
 from .ledger import Ledger
-from .measure import measure, measure_baseline
-from .prompts import load_prompts
+from .measure import MAX_TEMPERATURE, MIN_BOOT, measure, measure_baseline
+from .prompts import MAX_PROMPTS, load_prompts
 
 
 class LaunchSpec(BaseModel):
@@ -94,15 +94,15 @@ class MeasureSettings(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    count: Optional[int] = Field(None, ge=1, validation_alias=AliasChoices("count", "num_prompts"))
+    count: Optional[int] = Field(None, ge=1, le=MAX_PROMPTS, validation_alias=AliasChoices("count", "num_prompts"))
     max_new_tokens: int = Field(128, ge=1)
     concurrency: int = Field(1, ge=1)
     prompts: Optional[str] = None
     seed: int = 0
-    temperature: float = 0.0
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
     ignore_eos: bool = False
     warmup: int = Field(1, ge=0)
-    n_boot: int = Field(2000, ge=100)
+    n_boot: int = Field(2000, ge=MIN_BOOT)
     flush_cache: bool = True
 
     @property
@@ -140,6 +140,11 @@ class ServerSpec(BaseModel):
             raise ValueError("give either launch: (reference server) or command:/url:, not both")
         if self.command is not None and not self.command.strip():
             raise ValueError("command: is empty")
+        if self.command is not None:
+            try:
+                shlex.split(self.command)
+            except ValueError as exc:           # a quote left open: it could never be started
+                raise ValueError(f"command: is not a command line ({exc})") from None
         if self.command is not None and not self.url:
             raise ValueError("command: needs url: (where the started server answers)")
         return self

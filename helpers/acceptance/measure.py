@@ -421,6 +421,31 @@ def server_snapshot(info: Mapping[str, Any]) -> dict:
     return {k: v for k, v in redact(info).items() if k != "internal_states"}
 
 
+#: the highest sampling temperature a measurement takes (SGLang refuses a negative one and takes any finite one; past
+#: a few the draft's acceptance is noise)
+MAX_TEMPERATURE = 10.0
+#: the fewest bootstrap resamples behind a CI (as a fixes file's ``n_boot``)
+MIN_BOOT = 100
+
+
+def check_settings(*, max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,
+                   n_boot: Optional[int] = None, warmup: Optional[int] = None) -> None:
+    """The one check of a measurement's settings (``measure``, ``ablate``), given or not, before any request:
+    ``max_new_tokens`` >= 1, ``temperature`` finite in [0, :data:`MAX_TEMPERATURE`] (a NaN or inf cannot even be
+    sent as JSON), ``n_boot`` >= :data:`MIN_BOOT`, ``warmup`` >= 0.
+
+    Raises:
+        BadInput: the first setting out of range, naming its command-line flag."""
+    if max_new_tokens is not None and not max_new_tokens >= 1:
+        raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}", field="--max-new-tokens")
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise BadInput(f"expected a temperature in [0, {MAX_TEMPERATURE:g}], got {temperature}", field="--temperature")
+    if n_boot is not None and not n_boot >= MIN_BOOT:
+        raise BadInput(f"expected at least {MIN_BOOT} bootstrap resamples, got {n_boot}", field="--bootstrap")
+    if warmup is not None and not warmup >= 0:
+        raise BadInput(f"expected warm-up requests >= 0, got {warmup}", field="--warmup")
+
+
 def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_new_tokens: int = 128,
             concurrency: int = 1, *, num_prompts: Optional[int] = None,
             sampling_params: Optional[Mapping[str, Any]] = None, temperature: float = 0.0,
@@ -456,10 +481,10 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
         draft_config: draft config.json (mapping/path) for the algorithm check.
 
     Returns: :class:`AcceptanceResult`. Raises :class:`~helpers.errors.SGLangError` when the
-    server cannot be reached or every request failed; ValueError on bad arguments.
+    server cannot be reached or every request failed; :class:`~helpers.errors.BadInput` on bad arguments
+    (:func:`check_settings`), before any request.
     """
-    if max_new_tokens < 1:
-        raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}", field="--max-new-tokens")
+    check_settings(max_new_tokens=max_new_tokens, temperature=temperature, n_boot=n_boot, warmup=warmup)
     own = not isinstance(client_or_url, SGLangClient)
     client = as_client(client_or_url, api_key=api_key)
     try:

@@ -72,8 +72,8 @@ def cli_main(argv: Sequence[str]) -> int:
         outputs = out_folder(args.outputs, "--outputs")
         given_run = run_folder_arg(args.run_dir)
         text_arg(args.label, "--label")
-        if args.timeout is not None and args.timeout <= 0:
-            raise BadInput("--timeout must be > 0")
+        if args.timeout is not None and not args.timeout > 0:
+            raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
         if args.fixes:
             fixes = load_fixes(args.fixes)
             run_dir = given_run or new_run_dir(fixes.name, outputs=outputs)

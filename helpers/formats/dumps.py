@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Literal, Optional
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
 
 from ..errors import BadInput
@@ -177,10 +177,20 @@ class Manifest(BaseModel):
     tp_size: Optional[int] = None
     module: Optional[str] = None
     layer_plan: Optional[dict] = None
-    hidden_size: Optional[int] = None
+    hidden_size: Optional[int] = Field(None, gt=0)
     width: int = Field(gt=0)
     dtype: str
     samples: list[ManifestSample]
+
+    @field_validator("samples")
+    @classmethod
+    def _unique_keys(cls, v: list[ManifestSample]) -> list[ManifestSample]:
+        seen: set[str] = set()
+        for s in v:
+            if s.key in seen:
+                raise ValueError(f"sample key {s.key!r} is listed twice (each sample's tensors are stored once)")
+            seen.add(s.key)
+        return v
 
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.:#=\-]+$")

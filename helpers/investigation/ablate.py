@@ -233,6 +233,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         raise BadInput(f"max_new_tokens must be >= 2 (a verify step needs two tokens), got {max_new_tokens}",
                        field="--max-new-tokens")
     argv = relaunch_argv(relaunch) if relaunch else None
+    ps = load_prompts(prompts, n=num_prompts)       # a bad prompt file is bad input before any request
     dl = budget or Budget(budget_s, flag="--budget")
     t_start = time.perf_counter()
     own = client is None
@@ -250,7 +251,6 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         target_dir = readable(target) or readable(info.get("model_path"))
         log = find_training_log(draft_dir, training_log) if draft_dir is not None else None
         lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
-        ps = load_prompts(prompts, n=num_prompts)
         doc = {"format": FORMAT, "version": 1, "url": client.url, "sglang_version": info.get("version"),
                "device": info.get("device"), "limits": lim, "prompts": len(ps), "max_new_tokens": max_new_tokens,
                "temperature": temperature, "sweeps": {}, "toggles": [], "findings": [], "skipped": [],
