@@ -50,8 +50,7 @@ def summarize(per_request: pd.DataFrame, *, positions: Optional[int], wall_s: fl
     ok = per_request[per_request["error"].isna()]
     n_err = int(len(per_request) - len(ok))
     if n_err:
-        warn.append(f"{n_err} of {len(per_request)} requests failed and were left out "
-                    f"(first error: {per_request.loc[per_request['error'].notna(), 'error'].iloc[0]})")
+        warn.append(f"{failed_requests(per_request)} and were left out")
     spec = ok[ok["has_spec"].astype(bool)]
     n_missing = int(len(ok) - len(spec))
     s: dict[str, Any] = {"n_requests": int(len(ok)), "n_failed": n_err, "n_spec": int(len(spec)),
@@ -147,6 +146,17 @@ def summarize(per_request: pd.DataFrame, *, positions: Optional[int], wall_s: fl
                     "least once (max_new_tokens=1 or an immediate stop never verifies); they are "
                     "left out of the accept figures")
     return s, pos, hist, warn
+
+
+def failed_requests(per_request: pd.DataFrame) -> Optional[str]:
+    """One line for the requests of a measurement that failed -- ``3 of 8 requests failed (first: prompt p003: POST
+    .../generate (request 9f..): impossible spec counters: identity '...' broken: ...)`` -- or None when none did.
+    What ``measure`` says when it exits 1 for failed requests, and the summary's warning."""
+    bad = per_request[per_request["error"].notna()]
+    if not len(bad):
+        return None
+    return (f"{len(bad)} of {len(per_request)} requests failed (first: prompt {bad['prompt_id'].iloc[0]}: "
+            f"{bad['error'].iloc[0]})")
 
 
 @dataclasses.dataclass
@@ -520,8 +530,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
             return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
                                                                  else progress), keep_raw=keep_raw)
         if per_request["error"].notna().all():
-            raise SGLangError(f"all {len(per_request)} requests failed; first error: "
-                              f"{per_request['error'].iloc[0]}", endpoint="/generate")
+            raise SGLangError(failed_requests(per_request), endpoint="/generate")
         positions = info.get("speculative_num_steps") if spec_on else None
         s, pos, hist, w2 = summarize(per_request, positions=positions, wall_s=wall, n_boot=n_boot,
                                      level=level, seed=seed)

@@ -14,7 +14,14 @@ from typing import Sequence
 
 from ..acceptance.fixes import FixFailed, load_fixes, run_fixes
 from ..acceptance.ledger import Ledger
-from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure, rebuild_ledger
+from ..acceptance.measure import (
+    SUMMARY_COLUMNS,
+    _json_default,
+    failed_requests,
+    format_summary,
+    measure,
+    rebuild_ledger,
+)
 from ..acceptance.prompts import load_prompts
 from ..budget import Budget
 from ..errors import BadInput, RunFailed, printable
@@ -107,10 +114,9 @@ def cli_main(argv: Sequence[str]) -> int:
             with failure_guard("measure", run_dir, owned=given_run is None):
                 saved = res.record(run_dir, args.label or "server")
             print(f"run folder: {run_dir} (this measurement: {saved.relative_to(run_dir)})")
-        failed = int(res.summary.get("n_failed") or 0)
-        if failed:
-            raise RunFailed(f"{failed} of {failed + int(res.summary.get('n_requests') or 0)} requests failed (see "
-                            "per_request.parquet, column error); the measurement was saved with n_failed")
+        line = failed_requests(res.per_request)
+        if line:
+            raise RunFailed(f"{line}; see per_request.parquet, column error; the measurement was saved with n_failed")
         return 0
 
     return run("measure", body)

@@ -300,11 +300,11 @@ def test_yaml_alias_bombs_in_fixes_and_params_files_are_refused(tmp_path, capsys
         assert line.startswith(f"{args[0]}: error: {path}") and "aliases expand to more than" in line, line
 
 
-def _measure_some_failing(mode: str, n: int, tmp_path, capsys) -> tuple[str, dict, list[str]]:
-    """``measure`` of ``n`` prompts against the fake server ``mode``: (the error line, the saved summary, the
-    per-request errors)."""
+def _measure_some_failing(mode: str, n: int, tmp_path, capsys, tokens: int = 4) -> tuple[str, dict, list[str]]:
+    """``measure`` of ``n`` prompts (``tokens`` new tokens each) against the fake server ``mode``: (the error line,
+    the saved summary, the per-request errors)."""
     with fake_server(mode) as url:
-        rc = main(["measure", "--url", url, "--num-prompts", str(n), "--max-new-tokens", "4", "--warmup", "0",
+        rc = main(["measure", "--url", url, "--num-prompts", str(n), "--max-new-tokens", str(tokens), "--warmup", "0",
                    "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
     line = _one_line_error(capsys, "measure")
     assert rc == 1, line
@@ -326,6 +326,36 @@ def test_impossible_spec_counters_are_failed_requests_not_results(tmp_path, caps
     for what in ("spec_num_correct_drafts 50 > spec_num_proposed_drafts 3", "completion_tokens",
                  "64 completion tokens", "spec_correct_drafts_histogram has 7 bins"):
         assert what in text, (what, text)
+
+
+def test_counters_that_break_an_identity_fail_their_request_naming_it(tmp_path, capsys):
+    """Issue 27 item 5: a server (topk 2, 8 draft tokens) whose every 2nd answer breaks one identity of SGLang's
+    per-request counters in turn -- no verify step yet drafts, accepted > proposed, proposed != verify steps x 7, a
+    histogram too long / not summing to the verify steps / not weighting to the accepted drafts, more accepted than
+    3 steps allow, more tokens than the steps emit, a reported accept length or rate unlike the counters': each such
+    request fails with the request's id, the identity and the numbers, is left out of the figures, and the command
+    exits 1 naming the first; the answers that keep every identity are measured."""
+    from support.fakeserver import BROKEN_IDENTITIES
+
+    n = 2 * len(BROKEN_IDENTITIES)
+    line, s, errors = _measure_some_failing("identities", n, tmp_path, capsys, tokens=8)
+    assert f"{len(BROKEN_IDENTITIES)} of {n} requests failed (first: prompt " in line, line
+    assert "identity 'no verify step, no draft' broken: spec_num_correct_drafts 3 with spec_verify_ct 0" in line
+    assert s["n_failed"] == len(BROKEN_IDENTITIES) and s["n_requests"] == len(BROKEN_IDENTITIES)
+    # the answers kept: 4 verify steps of 8 tokens, 1 accepted of 7 proposed each
+    assert s["accept_length"] == 2.0 and s["accept_rate"] == pytest.approx(1 / 7) and s["verify_steps"] == 4 * 10
+    for k, (name, _) in enumerate(BROKEN_IDENTITIES):
+        (e,) = [e for e in errors if f"identity '{name}' broken" in e]
+        assert f"/generate (request req-{2 * (k + 1)}): impossible spec counters: identity '{name}' broken: " in e
+    text = " | ".join(errors)
+    for numbers in ("spec_num_correct_drafts 29 > spec_num_proposed_drafts 28",
+                    "spec_num_proposed_drafts 12 != spec_verify_ct 4 x (speculative_num_draft_tokens 8 - 1) = 28",
+                    "has 5 bins, more than num_steps + 1 = 4", "spec_num_correct_drafts 13 > 4 verify steps x 3",
+                    "10 completion tokens from 4 verify steps (4 accepted draft tokens", "[1, 4, 0, 0] sums to 5",
+                    "sum n x spec_correct_drafts_histogram[n] = 3, spec_num_correct_drafts is 4",
+                    "reported spec_accept_length 3.5, completion_tokens 8 / spec_verify_ct 4 = 2",
+                    "reported spec_accept_rate 0.5, spec_num_correct_drafts 4 / spec_num_proposed_drafts 28 = 0.142857"):
+        assert numbers in text, (numbers, text)
 
 
 def test_deep_json_answer_is_one_failed_request(tmp_path, capsys):
