@@ -473,8 +473,8 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         The validated model instance.
 
     Raises:
-        ``error``: missing or unreadable file, not UTF-8 text, invalid YAML (:func:`load_yaml_text`: also aliases that expand past
-            :data:`MAX_YAML_NODES`), not a mapping, or an invalid field; one line naming the file and the field
+        ``error``: missing or unreadable file, not UTF-8 text, invalid YAML (:func:`load_yaml_text`: also aliases
+            that expand past :data:`MAX_YAML_NODES`), not a mapping, or an invalid field; one line naming the file and the field
             (``timeline.2.hypothesis.check``) and what was expected.
     """
 

@@ -354,7 +354,8 @@ def test_counters_that_break_an_identity_fail_their_request_naming_it(tmp_path, 
                     "10 completion tokens from 4 verify steps (4 accepted draft tokens", "[1, 4, 0, 0] sums to 5",
                     "sum n x spec_correct_drafts_histogram[n] = 3, spec_num_correct_drafts is 4",
                     "reported spec_accept_length 3.5, completion_tokens 8 / spec_verify_ct 4 = 2",
-                    "reported spec_accept_rate 0.5, spec_num_correct_drafts 4 / spec_num_proposed_drafts 28 = 0.142857"):
+                    "reported spec_accept_rate 0.5, spec_num_correct_drafts 4 / spec_num_proposed_drafts 28 = "
+                    "0.142857"):
         assert numbers in text, (numbers, text)
 
 
