@@ -222,6 +222,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     run_dir = Path(run_dir)
     chosen = _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens)
     argv = relaunch_argv(relaunch) if relaunch else None
+    ps = load_prompts(prompts, n=num_prompts)       # a bad prompt file is bad input before any request
     dl = budget or Budget(budget_s, flag="--budget")
     own = client is None
     a = _Ablation(run_dir=run_dir, dl=dl, client=client or SGLangClient(url, api_key, budget=dl), progress=progress,
@@ -236,7 +237,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         target_dir = readable(target) or readable(info.get("model_path"))
         log = find_training_log(draft_dir, training_log) if draft_dir is not None else None
         a.lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
-        a.ps = load_prompts(prompts, n=num_prompts)
+        a.ps = ps
         a.doc = {"format": FORMAT, "version": 1, "url": a.client.url, "sglang_version": info.get("version"),
                  "device": info.get("device"), "limits": a.lim, "prompts": len(a.ps), "max_new_tokens": max_new_tokens,
                  "temperature": temperature, "sweeps": {}, "toggles": [], "findings": [], "skipped": [],

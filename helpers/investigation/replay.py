@@ -27,7 +27,6 @@ from typing import Any, Optional
 from tqdm.auto import tqdm
 
 from ..acceptance.fixes import Fix, LaunchSpec, ServerSpec, serve
-from ..acceptance.ledger import Ledger
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
@@ -109,11 +108,8 @@ class Replay:
         res = measure(client, prompts, max_new_tokens=m.max_new_tokens, concurrency=m.concurrency,
                       ignore_eos=m.ignore_eos, label=label, progress=self.progress, seed=m.seed,
                       requested=requested, baseline=(self.baseline or {}).get("tok_s"))
-        saved = res.save(self.run_dir / "acceptance" / safe_name(label))
-        row = res.ledger_row(label)
-        row["saved_to"] = str(saved.relative_to(self.run_dir))
-        Ledger(self.run_dir / "ledger.parquet").append([row])
-        return {**res.summary, "saved_to": row["saved_to"]}
+        saved = res.record(self.run_dir, label, under="acceptance")
+        return {**res.summary, "saved_to": str(saved.relative_to(self.run_dir))}
 
     # -- steps ----------------------------------------------------------------------------------
     def with_proposal(self, fix: Fix) -> Fix:

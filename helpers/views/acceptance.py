@@ -13,7 +13,6 @@ from ..acceptance.ledger import Ledger
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
-from ..runfiles import safe_name
 from .budget import budget_parts
 from .common import RunContext, connect, read_json_or_none
 from .investigation import load_investigation
@@ -72,11 +71,8 @@ def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens
                       concurrency=concurrency, ignore_eos=True, label=label, progress=False)
     finally:
         client.close()
-    saved = res.save(ctx.run_dir / "acceptance" / safe_name(label))
-    row = res.ledger_row(label)
-    row["saved_to"] = str(saved.relative_to(ctx.run_dir))
-    Ledger(ctx.run_dir / "ledger.parquet").append([row])
-    return {**res.summary, "saved_to": row["saved_to"]}
+    saved = res.record(ctx.run_dir, label, under="acceptance")
+    return {**res.summary, "saved_to": str(saved.relative_to(ctx.run_dir))}
 
 
 def investigation_measurements(run_dir: Path) -> pd.DataFrame:

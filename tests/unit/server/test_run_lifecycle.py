@@ -17,9 +17,10 @@ import pandas as pd
 import psutil
 import pytest
 
-from helpers.budget import Budget
+from helpers.budget import Budget, interrupt, reset_interrupt
 from helpers.errors import ServerTimeout
 from helpers.server.client import SGLangClient
+from helpers.server.process import INTERRUPT_GRACE_S, INTERRUPT_REAP_S, ServerProcess, stop_descendants
 
 from support import ROOT
 from support.fakerun import (
@@ -189,6 +190,52 @@ def test_a_signal_stops_measure_fixes_and_its_command_server(sig, tmp_path):
     assert sig in (run / "FAILED").read_text()
 
 
+#: a server look-alike whose leader and child both ignore SIGTERM (as SGLang's take 8 s to act on it on 2 loaded
+#: cores) and hold 200 MB each, so that their teardown after SIGKILL is not instant
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+ballast = bytearray(200 << 20)
+if sys.argv[1] == "leader":
+    subprocess.Popen([sys.executable, "-c", sys.argv[2], "child", sys.argv[2]])
+print("ready", sys.argv[1], flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_interrupted_stop_kills_the_whole_tree_within_its_share_of_the_2_s(tmp_path):
+    """Issue 30: after a signal, a server's tree that ignores SIGTERM gets SIGKILL after INTERRUPT_GRACE_S and is
+    waited for at most INTERRUPT_REAP_S (SGLang's 1 s grace, then an unbounded wait, made `measure --fixes` end
+    2.0-2.5 s after the signal); stop() does not raise for processes still being torn down, those are left out of
+    stop_descendants, and every process is gone soon after. Without a signal the same tree is waited for."""
+    for hurry in (True, False):
+        h = ServerProcess([sys.executable, "-c", STUBBORN, "leader", STUBBORN], "http://127.0.0.1:1",
+                          log_path=tmp_path / f"log-{hurry}")
+        try:
+            end = time.monotonic() + 60
+            while sum(ln.startswith("ready") for ln in (tmp_path / f"log-{hurry}").read_text().splitlines()) < 2:
+                assert time.monotonic() < end and h.is_alive(), (tmp_path / f"log-{hurry}").read_text()
+                time.sleep(0.05)
+            procs = h.processes()
+            assert len(procs) == 2
+            if hurry:
+                interrupt("interrupted by SIGTERM")
+            t = time.monotonic()
+            h.stop(timeout=0.5)
+            took = time.monotonic() - t
+            stopped_after = stop_descendants() if hurry else []
+        finally:
+            reset_interrupt()
+            h.stop(timeout=1)
+        if hurry:
+            assert took < INTERRUPT_GRACE_S + INTERRUPT_REAP_S + 0.3, took
+            assert stopped_after == []
+        end = time.monotonic() + 10
+        while not all(gone(p) for p in procs):
+            assert time.monotonic() < end, [p.pid for p in procs if not gone(p)]
+            time.sleep(0.05)
+
+
 # ------------------------------------------------------------------------------------------------ full disks
 
 def test_investigate_on_a_nearly_full_disk_marks_the_run_failed_with_the_path(models, tmp_path):
@@ -221,6 +268,8 @@ def test_capture_on_a_full_disk_names_the_file(tmp_path):
         line = _error_line(cli, "capture")
         assert rc == 1 and "tensors.safetensors: no space left on the device" in line, line
         assert "Safetensor" not in line and "os error" not in line, line
+        # the dump folder the user will look for (issue 30), never the temporary folder it is staged in
+        assert f"{mnt / 'run' / 'dumps'}/served/tensors.safetensors:" in line and ".tmp" not in line, line
         assert [p.name for p in (mnt / "run").rglob("*")] == ["dumps"]
 
 
