@@ -79,8 +79,13 @@ class CpuCapability:
     @classmethod
     def detect(cls) -> "CpuCapability":
         """This process's CPU as torch sees it (the environment overrides included)."""
-        get = getattr(getattr(torch, "cpu", None), "get_capabilities", None)
-        caps = dict(get()) if get is not None else {}
+        get = getattr(torch.cpu, "get_capabilities", None)
+        if get is not None:
+            caps = dict(get())
+        else:                    # torch before get_capabilities: its probes (every AMX CPU has AMX-BF16 with its tiles)
+            probes = {"avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported",
+                      "amx_fp16": "_is_amx_fp16_supported", "avx2": "_is_avx2_supported"}
+            caps = {k: bool(getattr(torch.cpu, f, lambda: False)()) for k, f in probes.items()}
         isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
         return cls(aten=str(torch.backends.cpu.get_cpu_capability()),
                    flags=frozenset(k for k, v in caps.items() if v is True),
