@@ -24,7 +24,10 @@ Phases (seconds, each printed as it ends, so the bench never sits silent):
     the time; ``--full-plain`` runs them all): the matmul work the simulation cannot avoid; ratio = plain / simulate.
   Peak RSS over the weights' bytes (goal < 1.5).
 
-    .venv/bin/python bench/bench_simulate.py [--capability both|native|avx2] [--dtype auto|float32|bfloat16]
+``--linear`` times only one 512 x 7168 x 18432 ``F.linear`` in float32 and bfloat16 per setting: whether the
+emulation is as slow as the CPU it emulates (issue 27: 6.2 s bf16 against 0.9 s float32 on an AVX2-only EPYC).
+
+    .venv/bin/python bench/bench_simulate.py [--capability both|native|avx2] [--dtype auto|float32|bfloat16] [--linear]
         [--device cpu|cuda] [--positions 512] [--steps 3] [--repeat 1] [--full-plain] [--small] [--json OUT]
 """
 from __future__ import annotations
@@ -138,6 +141,27 @@ def _timed(fn, acc: dict, key: str, dev):
     return run
 
 
+def one_linear(dev: str, repeat: int = 3) -> dict:
+    """Seconds of one 512 x 7168 x 18432 ``F.linear`` (the MLP's gate projection at 512 rows) in float32 and in
+    bfloat16: the minimum of ``repeat`` runs after a 64-row warm-up, with the runs."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, w = torch.randn(512, 7168, generator=g, device=dev), torch.randn(18432, 7168, generator=g, device=dev) * 0.02
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        xx, ww = x.to(dt), w.to(dt)
+        F.linear(xx[:64], ww)
+        runs = []
+        for _ in range(repeat):
+            _sync(dev)
+            t = time.perf_counter()
+            F.linear(xx, ww)
+            _sync(dev)
+            runs.append(time.perf_counter() - t)
+        out[str(dt).removeprefix("torch.")] = {"s": min(runs), "runs_s": runs}
+    out["bf16_over_fp32"] = out["bfloat16"]["s"] / out["float32"]["s"]
+    return out
+
+
 def child(a) -> dict:
     """One capability setting, in this process: the phases, each printed as it ends."""
     dev = a.device
@@ -145,20 +169,27 @@ def child(a) -> dict:
     if dev == "cpu":
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     cap = CpuCapability.detect()
+    if a.linear:
+        print(f"{tag} {cap.describe()}: one 512 x 7168 x 18432 linear, float32 and bfloat16 ...", file=sys.stderr,
+              flush=True)
+        return {"capability": a.capability, "cpu": cap.describe(), "threads": torch.get_num_threads(),
+                "linear": one_linear(dev), "load_avg": os.getloadavg()}
     choice = choose_dtype(torch.bfloat16, dev, requested=None if a.dtype == "auto" else DTYPE_NAMES[a.dtype])
     print(f"{tag} {cap.describe()}; compute dtype {choice.reason}", file=sys.stderr, flush=True)
     phases: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     t0 = time.perf_counter()
 
     @contextmanager
     def phase(name: str, note: str = ""):
         print(f"{tag} {name} ...{' ' + note if note else ''}", file=sys.stderr, flush=True)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         yield
         _sync(dev)
         phases[name] = time.perf_counter() - t
-        print(f"{tag} {name}: {phases[name]:.1f} s (total {time.perf_counter() - t0:.1f} s)", file=sys.stderr,
-              flush=True)
+        cpu[name] = cpu.get(name, 0.0) + time.process_time() - c
+        print(f"{tag} {name}: {phases[name]:.1f} s, {cpu[name]:.1f} CPU s (total {time.perf_counter() - t0:.1f} s)",
+              file=sys.stderr, flush=True)
 
     with phase("build", f"random {choice.name} weights"):
         d = build(SMALL if a.small else KIMI, dev, choice.dtype)
@@ -183,8 +214,8 @@ def child(a) -> dict:
         sims.append(phases["simulate"])
         extends.append(inner.get("extend", 0.0))
         steps.append(inner.get("steps", 0.0))
-        with phase("plain", "the same linears, nothing else" + ("" if a.full_plain else
-                                                                  f" (fc and one step, the steps scaled to {a.steps})")):
+        scaled = "" if a.full_plain else f" (fc and one step, the steps scaled to {a.steps})"
+        with phase("plain", "the same linears, nothing else" + scaled):
             plains.append(plain_pass(d, a.positions, a.steps, run_steps=None if a.full_plain else 1))
     # (to come) a teacher-forced pass over 2,000 positions: one more `with phase("teacher-forced", ...)` here, its
     # seconds then reported like the others (PHASES, the side-by-side table in main)
@@ -192,7 +223,9 @@ def child(a) -> dict:
     out = {"capability": a.capability, "cpu": cap.describe(), "dtype": choice.name, "dtype_reason": choice.reason,
            "device": torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu x {torch.get_num_threads()}",
            "positions": a.positions, "steps": a.steps, "shape": "small" if a.small else "kimi",
-           "weights_gib": wbytes / 2**30, "phases_s": phases, "ratio": phases["plain"] / phases["simulate"],
+           "weights_gib": wbytes / 2**30, "phases_s": phases, "phases_cpu_s": cpu,
+           "threads": torch.get_num_threads(), "cpu_s": time.process_time(),
+           "ratio": phases["plain"] / phases["simulate"],
            "sim_runs_s": sims, "plain_runs_s": plains, "total_s": time.perf_counter() - t0,
            "load_avg": os.getloadavg()}
     if dev.startswith("cuda"):
@@ -214,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="interleaved runs of simulate and plain (minimum reported)")
     ap.add_argument("--full-plain", action="store_true", help="run the plain pass over every step (default: fc and "
                     "one step, the steps' time scaled: the same shapes each step)")
+    ap.add_argument("--linear", action="store_true", help="time only one 512 x 7168 x 18432 linear in float32 and "
+                    "bfloat16 per setting (is the emulation as slow as the CPU it emulates?)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -230,18 +265,34 @@ def main(argv=None) -> int:
                 "--positions", str(a.positions), "--steps", str(a.steps), "--repeat", str(a.repeat)]
         args += ["--small"] if a.small else []
         args += ["--full-plain"] if a.full_plain else []
+        args += ["--linear"] if a.linear else []
         r = subprocess.run(args, env={**os.environ, **SETTINGS[cap]},
                            stdout=subprocess.PIPE, text=True)
         if r.returncode != 0:
             print(f"[bench_simulate] the {cap} run failed (exit {r.returncode})", file=sys.stderr)
             return 1
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    if a.linear:
+        for r in runs:
+            li = r["linear"]
+            print(f"{r['capability']} ({r['cpu']}, {r['threads']} threads): float32 {li['float32']['s']:.2f} s "
+                  f"{[round(x, 2) for x in li['float32']['runs_s']]}, bfloat16 {li['bfloat16']['s']:.2f} s "
+                  f"{[round(x, 2) for x in li['bfloat16']['runs_s']]}: bf16 / float32 {li['bf16_over_fp32']:.2f}")
+        out = {"runs": runs, "wall_s": time.perf_counter() - t0, "load_avg": os.getloadavg()}
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=1))
+        return 0
     cols = [f"{r['capability']} ({r['dtype']})" for r in runs]
     w = max(12, *map(len, cols))
     lines = ["phase (s)".ljust(24) + "".join(c.rjust(w + 2) for c in cols)]
     for ph in PHASES:
-        lines.append(ph.ljust(24) + "".join(f"{r['phases_s'].get(ph, float('nan')):.2f}".rjust(w + 2) for r in runs))
-    for key, fmt in (("total_s", "{:.1f}"), ("ratio", "{:.2f}"), ("peak_rss_over_weights", "{:.2f}"),
+        lines.append(ph.ljust(24) + "".join(f"{r['phases_s'].get(ph, float('nan')):.3g}".rjust(w + 2) for r in runs))
+    lines.append("CPU s (all runs; / threads ~ wall on idle cores)")
+    for ph in ("build", "warm-up", "simulate", "plain"):
+        lines.append(ph.ljust(24) + "".join(f"{r['phases_cpu_s'].get(ph, float('nan')):.3g}".rjust(w + 2)
+                                            for r in runs))
+    for key, fmt in (("cpu_s", "{:.1f}"), ("threads", "{}"), ("total_s", "{:.1f}"), ("ratio", "{:.3g}"),
+                     ("peak_rss_over_weights", "{:.2f}"),
                      ("peak_alloc_over_weights", "{:.2f}"), ("weights_gib", "{:.2f}")):
         if any(key in r for r in runs):
             lines.append(key.ljust(24) + "".join((fmt.format(r[key]) if key in r else "-").rjust(w + 2)
