@@ -49,13 +49,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def server_dtype(info: Mapping, draft_raw: Mapping) -> torch.dtype:
-    """The dtype the server computes the draft in: ``/server_info`` ``dtype``; ``auto`` or absent: the draft
-    config's ``torch_dtype`` / ``dtype`` (bfloat16 when it has neither), as ``sglang/srt/configs/model_config.py::
-    _get_and_verify_dtype`` keeps a bf16 / fp16 checkpoint's dtype. An unknown name gives float32."""
-    name = str(info.get("dtype") or "auto")
-    if name == "auto":
-        name = str(draft_raw.get("torch_dtype") or draft_raw.get("dtype") or "bfloat16")
-    return DTYPE_NAMES.get(name, torch.float32)
+    """The dtype the server computes the draft in: ``/server_info`` ``dtype``; ``auto`` or absent: as
+    ``sglang/srt/configs/model_config.py::_get_and_verify_dtype`` resolves it from the draft config: its ``dtype`` /
+    ``torch_dtype`` when bf16 / fp16; a float32 or unset one is downcast to float16 (bfloat16 for a ``gemma*``
+    ``model_type``). An unknown name gives float32."""
+    name = str(info.get("dtype") or "auto").lower()
+    if name != "auto":
+        return DTYPE_NAMES.get(name, torch.float32)
+    cfg = DTYPE_NAMES.get(str(draft_raw.get("dtype") or draft_raw.get("torch_dtype") or "float32"), torch.float32)
+    if cfg != torch.float32:
+        return cfg
+    return torch.bfloat16 if str(draft_raw.get("model_type") or "").startswith("gemma") else torch.float16
 
 
 @dataclass(frozen=True)

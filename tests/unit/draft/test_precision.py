@@ -82,7 +82,10 @@ def test_a_float32_server_a_gpu_and_a_requested_dtype():
     ({"dtype": "auto"}, {"torch_dtype": "bfloat16"}, BF16),
     ({}, {"dtype": "float16"}, FP16),
     ({"dtype": "half"}, {}, FP16),
-    ({}, {}, BF16),
+    # _get_and_verify_dtype: a float32 or unset config dtype is downcast under auto (gemma: to bf16)
+    ({"dtype": "auto"}, {"torch_dtype": "float32"}, FP16),
+    ({}, {}, FP16),
+    ({}, {"model_type": "gemma2"}, BF16),
 ])
 def test_server_dtype_reads_server_info_then_the_draft_config(info, raw, want):
     assert server_dtype(info, raw) == want
