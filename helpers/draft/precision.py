@@ -130,6 +130,7 @@ class DtypeChoice:
 
     @property
     def name(self) -> str:
+        """The dtype's name (``"float32"``)."""
         return dtype_name(self.dtype)
 
 
