@@ -28,7 +28,7 @@ Phases (seconds, each printed as it ends, so the bench never sits silent):
 emulation is as slow as the CPU it emulates (issue 27: 6.2 s bf16 against 0.9 s float32 on an AVX2-only EPYC).
 
     .venv/bin/python bench/bench_simulate.py [--capability both|native|avx2] [--dtype auto|float32|bfloat16] [--linear]
-        [--device cpu|cuda] [--positions 512] [--steps 3] [--repeat 1] [--full-plain] [--small] [--json OUT]
+        [--device cpu|cuda] [--positions 512] [--tf-positions 2000] [--steps 3] [--repeat 1] [--full-plain] [--small] [--json OUT]
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.draft.model import DraftArch, Eagle3Draft  # noqa: E402
 from helpers.draft.precision import DTYPE_NAMES, CpuCapability, choose_dtype  # noqa: E402
 from helpers.draft.simulate import DraftSettings, SimSequence, simulate_sequences  # noqa: E402
+from helpers.draft.teacher_forced import TFSequence, run as tf_run  # noqa: E402
 
 KIMI = dict(hidden=7168, target_hidden=7168, num_aux=3, heads=56, kv_heads=8, head_dim=128, intermediate=18432,
             layers=1, vocab=163840, draft_vocab=32000)
@@ -58,7 +59,7 @@ SMALL = dict(hidden=1024, target_hidden=1024, num_aux=3, heads=8, kv_heads=8, he
              layers=1, vocab=32000, draft_vocab=8000)
 #: capability setting -> environment overrides (an AVX2-only CPU emulated on a wider one)
 SETTINGS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
-PHASES = ("build", "warm-up", "simulate", "extend", "steps", "plain")
+PHASES = ("build", "warm-up", "simulate", "extend", "steps", "plain", "teacher-forced")
 
 
 def build(shape: dict, device: str, dtype: torch.dtype) -> Eagle3Draft:
@@ -217,8 +218,23 @@ def child(a) -> dict:
         scaled = "" if a.full_plain else f" (fc and one step, the steps scaled to {a.steps})"
         with phase("plain", "the same linears, nothing else" + scaled):
             plains.append(plain_pass(d, a.positions, a.steps, run_steps=None if a.full_plain else 1))
-    # (to come) a teacher-forced pass over 2,000 positions: one more `with phase("teacher-forced", ...)` here, its
-    # seconds then reported like the others (PHASES, the side-by-side table in main)
+    if a.tf_positions:
+        # the draft stage's pass: the checkpoint teacher-forced over every loss-masked position of its rows, the
+        # target's distribution from the rows' final hidden states and the target's lm_head (V x H, Kimi's 163840)
+        Ttf = a.tf_positions + 1
+        with phase("build target head", f"random {choice.name} lm_head [{d.arch.vocab}, {d.arch.target_hidden}]"):
+            head = torch.empty(d.arch.vocab, d.arch.target_hidden, dtype=choice.dtype, device=dev)
+            for row in range(0, d.arch.vocab, 8192):
+                head[row:row + 8192] = (torch.randn(min(8192, d.arch.vocab - row), d.arch.target_hidden,
+                                                    generator=g) * 0.02).to(choice.dtype)
+        tfs = TFSequence("bench-tf", torch.randint(0, d.arch.vocab, (Ttf,), generator=g),
+                         torch.cat([torch.zeros(8), torch.ones(Ttf - 8)]),
+                         torch.randn(Ttf, d.arch.target_hidden * d.arch.num_aux, generator=g).to(torch.bfloat16),
+                         torch.randn(Ttf, d.arch.target_hidden, generator=g).to(torch.bfloat16), head)
+        with phase("teacher-forced", f"{a.tf_positions} positions x {a.steps + 1} TTT steps (the draft stage)"):
+            tf_rows = tf_run(d, [tfs], a.steps + 1)
+        phases["teacher-forced rows/s"] = a.tf_positions / phases["teacher-forced"]
+        del head, tfs, tf_rows
     phases.update(simulate=min(sims), extend=min(extends), steps=min(steps), plain=min(plains))
     out = {"capability": a.capability, "cpu": cap.describe(), "dtype": choice.name, "dtype_reason": choice.reason,
            "device": torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu x {torch.get_num_threads()}",
@@ -242,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--positions", type=int, default=512)
+    ap.add_argument("--tf-positions", type=int, default=2000, help="positions of the teacher-forced pass (the draft "
+                    "stage: the target's logits over its whole vocabulary and the TTT steps; 0: skip)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="a 1024-wide draft (a quick check, not the Kimi figure)")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved runs of simulate and plain (minimum reported)")
@@ -262,7 +280,8 @@ def main(argv=None) -> int:
     runs = []
     for cap in wanted:
         args = [sys.executable, __file__, "--child", "--capability", cap, "--dtype", a.dtype, "--device", a.device,
-                "--positions", str(a.positions), "--steps", str(a.steps), "--repeat", str(a.repeat)]
+                "--positions", str(a.positions), "--steps", str(a.steps), "--repeat", str(a.repeat),
+                "--tf-positions", str(a.tf_positions)]
         args += ["--small"] if a.small else []
         args += ["--full-plain"] if a.full_plain else []
         args += ["--linear"] if a.linear else []

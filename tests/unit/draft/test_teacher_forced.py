@@ -123,12 +123,12 @@ def test_damaged_checkpoint_and_wrong_d2t_lose_accuracy_at_every_step(rows, seqs
 def test_rows_without_a_target_distribution_fall_back_to_recorded_tokens(seqs):
     s = seqs[0]
     r = tf.run_sequence(Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET),
-                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux, None), 2)
+                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux), 2)
     assert r.ce[0] is None
     res = tf.reduce([r], "e3f", 2, labels="recorded")
     assert res.loss is None and res.labels == "recorded" and 0 < res.acc[0] <= 1
-    with pytest.raises(BadInput, match="target logits"):
+    with pytest.raises(BadInput, match="final hidden states"):
         tf.run_sequence(Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET),
-                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux, torch.zeros(3, 5)), 2)
+                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux, torch.zeros(3, 5), torch.zeros(7, 5)), 2)
     with pytest.raises(BadInput, match="unknown trainer"):
         tf.reduce([r], "nope", 2)
