@@ -6,34 +6,13 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from helpers.acceptance.machine import LoadSampler, slowdown, speed_change, step_time_ratio
-from helpers.acceptance.measure import summarize
+from support.measurements import frame, machine, summary
 
 
-def _frame(rng, n, verify, ms_per_step, al):
-    """``n`` requests of ``verify`` verify steps each at ``ms_per_step`` (+-5 % noise), ``al`` tokens per step."""
-    v = np.full(n, verify)
-    lat = v * ms_per_step / 1e3 * rng.uniform(0.95, 1.05, n)
-    comp = np.round(v * al).astype(int)
-    return pd.DataFrame({"idx": range(n), "prompt_id": [f"p{i}" for i in range(n)], "kind": "x", "prompt_tokens": 20,
-                         "completion_tokens": comp, "cached_tokens": 0, "verify_ct": v,
-                         "correct_drafts": comp - v, "proposed_drafts": 3 * v, "hist_correct_drafts": None,
-                         "histogram": None, "accept_length": comp / v, "accept_rate": (comp - v) / (3 * v),
-                         "server_accept_length": None, "latency_s": lat, "e2e_latency_s": lat, "tok_s": comp / lat,
-                         "finish_reason": "length", "has_spec": True, "error": None})
-
-
-def _summary(frame, machine):
-    s, *_ = summarize(frame, positions=3, wall_s=float(frame["latency_s"].sum()))
-    return {**s, "num_steps": 3, "topk": 1, "num_draft_tokens": 4, "algorithm": "EAGLE3", "machine": machine}
-
-
-def _machine(runnable):
-    return {"cpu_count": 2, "loadavg_before": [runnable, 1.0, 1.0], "loadavg_after": [runnable, 1.0, 1.0],
-            "runnable_mean": runnable, "runnable_max": int(runnable) + 1, "samples": 40}
+_frame, _machine, _summary = frame, machine, summary
 
 
 @pytest.fixture()
