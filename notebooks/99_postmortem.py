@@ -31,7 +31,7 @@ ctx = R.context(run_dir, repo_root=repo_root)
 R.show(R.run_banner(ctx))
 doc, ledger, status = ctx.replay, acceptance.ledger_frame(ctx.run_dir), postmortem.suite_status(ctx.run_dir)
 inv = I.load_investigation(ctx.run_dir)
-for part in story.first_screen(ctx.run_dir, doc, inv, ledger):
+for part in story.first_screen(ctx.run_dir, doc, inv, acceptance.main_fixes(ledger)):
     R.show(part)
 
 # %% [markdown]

@@ -5,9 +5,10 @@ with the load whatever the server does. A measurement therefore records the load
 (:class:`LoadSampler`), and :func:`speed_change` says whether a change of tok/s between two measurements of the same
 prompts is what the fix did or what the machine did:
 
-* tok/s per request = accept length x verify steps per second (plus the prefill); a fix that changes only what
-  the draft is fed (layer ids, a vocab map) leaves the work of one verify step unchanged (same ``num_steps``, ``topk``,
-  ``num_draft_tokens``), so a change of the **time per verify step** is the machine's, not the fix's;
+* with the same settings (``num_steps``, ``topk``, ``num_draft_tokens``) a verify step runs the same forwards whatever
+  the draft is fed, so a fix that raises the accept length needs fewer of them for the same tokens: by itself it cannot
+  make a **token take longer**; a token that does take longer, paired per prompt, is the machine's (or something this
+  run did not record), not the fix's;
 * the load model: ``C`` cores shared by ``R`` runnable tasks (the kernel's instantaneous count, field 4 of
   ``/proc/loadavg``, sampled through the measurement; the sampler itself left out) give a task
   ``min(1, C / R)`` of a core, so a verify step takes ``max(1, R / C)`` times as long as on an idle machine;
@@ -118,25 +119,26 @@ def slowdown(machine: Optional[Mapping[str, Any]]) -> Optional[float]:
     return max(1.0, r / max(1, int(machine.get("cpu_count") or 1)))
 
 
-def step_time_ratio(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 4000, level: float = 0.95,
-                    seed: Optional[int] = 0) -> dict:
-    """Time per verify step after / before (wall-clock latency summed over requests / verify steps summed), paired per
-    prompt with a percentile-bootstrap CI (prompts resampled jointly).
+def time_per_token_ratio(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 4000, level: float = 0.95,
+                         seed: Optional[int] = 0) -> dict:
+    """How many times as long a completion token took after as before (wall-clock latency summed over requests /
+    completion tokens summed: the inverse of the tok/s ratio), paired per prompt with a percentile-bootstrap CI
+    (prompts resampled jointly).
 
     Args:
         before / after: ``per_request`` frames of :func:`helpers.acceptance.measure.measure` (``prompt_id``,
-            ``latency_s`` in seconds, ``verify_ct``, ``error``).
+            ``latency_s`` in seconds, ``completion_tokens``, ``error``).
 
     Returns:
-        ``{"n_paired", "before_ms", "after_ms", "ratio", "ratio_lo", "ratio_hi"}`` (milliseconds per verify step);
+        ``{"n_paired", "before_ms", "after_ms", "ratio", "ratio_lo", "ratio_hi"}`` (milliseconds per completion token);
         NaN where fewer than 2 prompts pair.
     """
-    cols = ["prompt_id", "latency_s", "verify_ct"]
+    cols = ["prompt_id", "latency_s", "completion_tokens"]
 
     def clean(df):
         if df is None or any(c not in df.columns for c in cols):
             return pd.DataFrame(columns=cols)
-        ok = pd.to_numeric(df["verify_ct"], errors="coerce").fillna(0) > 0
+        ok = pd.to_numeric(df["completion_tokens"], errors="coerce").fillna(0) > 0
         if "error" in df.columns:
             ok &= df["error"].isna() | df["error"].astype(str).isin(("", "None"))
         return df.loc[ok, cols].drop_duplicates("prompt_id")
@@ -147,13 +149,13 @@ def step_time_ratio(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 
            "ratio_hi": nan}
     if len(m) < 2:
         return out
-    la, va, lb, vb = (m[c].to_numpy(np.float64) for c in ("latency_s_a", "verify_ct_a", "latency_s_b",
-                                                          "verify_ct_b"))
-    out["before_ms"], out["after_ms"] = 1e3 * la.sum() / va.sum(), 1e3 * lb.sum() / vb.sum()
+    la, ca, lb, cb = (m[c].to_numpy(np.float64) for c in ("latency_s_a", "completion_tokens_a", "latency_s_b",
+                                                          "completion_tokens_b"))
+    out["before_ms"], out["after_ms"] = 1e3 * la.sum() / ca.sum(), 1e3 * lb.sum() / cb.sum()
     out["ratio"] = out["after_ms"] / out["before_ms"]
     w = _weights(len(m), n_boot, np.random.default_rng(seed))
     with np.errstate(invalid="ignore", divide="ignore"):
-        r = ((w @ lb) / (w @ vb)) / ((w @ la) / (w @ va))
+        r = ((w @ lb) / (w @ cb)) / ((w @ la) / (w @ ca))
     lo, hi = _percentile(r, level)
     out["ratio_lo"], out["ratio_hi"] = float(lo), float(hi)
     return out
@@ -184,21 +186,27 @@ def speed_change(before: Mapping[str, Any], after: Mapping[str, Any], before_fra
                  after_frame: Optional[pd.DataFrame], *, local: bool = True) -> dict:
     """Whether a change of tok/s between two measurements of the same prompts is the fix's or the machine's.
 
+    With the same settings (``num_steps``, ``topk``, ``num_draft_tokens``, algorithm) a verify step runs the same
+    forwards whatever the draft is fed, so a fix that raises the accept length needs fewer of them for the same tokens:
+    by itself it cannot make a token take longer. When tok/s nevertheless moves against the accept length beyond both
+    CIs, the time per token's change (paired per prompt, :func:`time_per_token_ratio`) is set against the slowdown the
+    machine's recorded load predicts (:func:`slowdown` after / before).
+
     Args:
         before / after: the two summaries (:func:`helpers.acceptance.measure.summarize` keys ``tok_s``, ``tok_s_lo``,
-            ``tok_s_hi``, ``accept_length`` with ``_lo`` / ``_hi``, the settings ``num_steps`` / ``topk`` /
-            ``num_draft_tokens`` / ``algorithm``, and ``machine``: :class:`LoadSampler`'s result, absent in runs
-            before it was recorded).
-        before_frame / after_frame: their ``per_request`` frames (for the time per verify step, paired per prompt).
+            ``tok_s_hi``, ``accept_length``, the settings ``num_steps`` / ``topk`` / ``num_draft_tokens`` /
+            ``algorithm``, and ``machine``: :class:`LoadSampler`'s result, absent in runs before it was recorded).
+        before_frame / after_frame: their ``per_request`` frames (the time per token, paired per prompt).
         local: the server runs on this machine (the load recorded is the server's).
 
     Returns:
         ``{"contradicts": bool, "tok_s": [before, after], "accept_length": [before, after], "outside_cis": bool,
-        "same_settings": bool, "step_time": step_time_ratio(...), "predicted": float|None, "explained": True|False|
-        None, "text": str}``: ``contradicts`` when tok/s moves against the accept length with both tok/s CIs apart;
-        ``explained`` True when the load change predicts at least the step-time ratio's CI bound nearest to 1 (the
-        load can account for it), False when it predicts less, None when the tool cannot tell (no load recorded, a
-        remote server, other settings); ``text`` says which, with the numbers (empty when nothing contradicts).
+        "same_settings": bool, "token_time": time_per_token_ratio(...), "predicted": float|None, "explained": True|
+        False|None, "local", "load": [before machine, after machine], "text": str}``: ``contradicts`` when tok/s
+        moves against the accept length with both tok/s CIs apart; ``explained`` True when the predicted slowdown
+        reaches the time-per-token ratio's CI bound nearest to 1 (the load can account for it all), False when it
+        does not, None when the tool cannot tell (no load recorded, a remote server, other settings); ``text`` says
+        which, with the numbers (empty when nothing contradicts).
     """
     t = [_f(before.get("tok_s")), _f(after.get("tok_s"))]
     al = [_f(before.get("accept_length")), _f(after.get("accept_length"))]
@@ -207,12 +215,12 @@ def speed_change(before: Mapping[str, Any], after: Mapping[str, Any], before_fra
     outside = all(math.isfinite(x) for x in (lo_a, hi_a, lo_b, hi_b)) and (lo_b > hi_a or hi_b < lo_a)
     against = all(math.isfinite(x) for x in t + al) and (t[1] - t[0]) * (al[1] - al[0]) < 0
     same = all(before.get(k) == after.get(k) for k in SETTINGS_KEYS)
-    st = step_time_ratio(before_frame, after_frame)
+    tt = time_per_token_ratio(before_frame, after_frame)
     ma, mb = before.get("machine"), after.get("machine")
     sa, sb = slowdown(ma), slowdown(mb)
     pred = None if sa is None or sb is None else sb / sa
     out = {"contradicts": bool(against and outside), "tok_s": t, "accept_length": al, "outside_cis": bool(outside),
-           "same_settings": same, "step_time": st, "predicted": pred, "explained": None, "local": local,
+           "same_settings": same, "token_time": tt, "predicted": pred, "explained": None, "local": local,
            "load": [ma, mb], "text": ""}
     if not out["contradicts"]:
         return out
@@ -224,29 +232,28 @@ def speed_change(before: Mapping[str, Any], after: Mapping[str, Any], before_fra
         out["text"] = (f"{head}: not attributable to the fix alone: the two servers ran other settings ({diff}), "
                        "so a verify step does different work")
         return out
-    r = st["ratio"]
-    step = (f"the time per verify step went {st['before_ms']:.0f} -> {st['after_ms']:.0f} ms (x{r:.2f} "
-            f"[{st['ratio_lo']:.2f}, {st['ratio_hi']:.2f}], paired over {st['n_paired']} prompts) with the same "
-            "settings, and the fix changes no work per verify step") if math.isfinite(r) else \
-        "the time per verify step could not be paired over the prompts"
+    r = tt["ratio"]
+    tok = (f"a token took {tt['before_ms']:.0f} -> {tt['after_ms']:.0f} ms (x{r:.2f} [{tt['ratio_lo']:.2f}, "
+           f"{tt['ratio_hi']:.2f}], paired over {tt['n_paired']} prompts) with the same settings, where a fix "
+           "that raises the accept length needs fewer verify steps of the same forwards") if math.isfinite(r) else \
+        "the time per token could not be paired over the prompts"
     if not local:
-        out["text"] = (f"{head}: not attributable to the fix: {step}; the server runs on another machine, whose load "
+        out["text"] = (f"{head}: not attributable to the fix: {tok}; the server runs on another machine, whose load "
                        "this tool cannot see")
         return out
     if pred is None or not math.isfinite(r):
-        out["text"] = (f"{head}: not attributable to the fix: {step}; this run recorded no machine load for the "
-                       "two measurements (runs before the load was recorded), so the tool cannot tell how much the "
-                       "machine explains")
+        out["text"] = (f"{head}: not attributable to the fix: {tok}; this run recorded no machine load for the "
+                       "two measurements, so the tool cannot tell how much the machine explains")
         return out
     load = f"the machine's load went from {_fmt_load(ma)} to {_fmt_load(mb)}, which predicts x{pred:.2f}"
     slower = r >= 1.0
-    if (pred >= st["ratio_lo"]) if slower else (pred <= st["ratio_hi"]):
+    bound = tt["ratio_lo"] if slower else tt["ratio_hi"]
+    if (pred >= bound) if slower else (pred <= bound):
         out["explained"] = True
-        out["text"] = (f"{head}: the machine, not the fix: {step}; {load}: the change lies within what the load "
+        out["text"] = (f"{head}: the machine, not the fix: {tok}; {load}: the change lies within what the load "
                        "change explains")
     else:
         out["explained"] = False
-        bound = st["ratio_lo"] if slower else st["ratio_hi"]
-        out["text"] = (f"{head}: not attributable to the fix: {step}; {load}, short of the x{bound:.2f} the CI "
-                       "allows at its nearest: the load this run recorded does not explain it all")
+        out["text"] = (f"{head}: not attributable to the fix: {tok}; {load}, short of the x{bound:.2f} the CI "
+                       "allows at its nearest: the load this run recorded does not explain it")
     return out

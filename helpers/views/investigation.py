@@ -274,10 +274,3 @@ def reproduce_command(ctx: RunContext, *, samples: int, prompts: int, timeout: O
     if ctx.api_key_env != "SGLANG_API_KEY":
         words += ["--api-key-env", ctx.api_key_env]
     return shlex.join(words)
-
-
-def effect_html(doc: Optional[InvestigationDoc]) -> str:
-    """The paired change the investigation measured (before / after its fix, same prompts) as one escaped
-    paragraph; "" when it measured none."""
-    m = (doc.measured or {}) if doc is not None else {}
-    return f"<p>{esc(_effect_line(m))}</p>" if "before" in m and "after" in m else ""

@@ -11,7 +11,7 @@ import pandas as pd
 
 from ..investigation.story import headline_text
 from ..records import InvestigationDoc
-from .acceptance import ledger_frame
+from .acceptance import ledger_frame, main_fixes
 from .common import esc, note, read_json_or_none
 from .investigation import load_investigation
 from .replay import fixes_frame, hypotheses_frame
@@ -91,7 +91,7 @@ def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.Da
     (:func:`helpers.views.story.before_after_frame` of :func:`helpers.views.story.measured_pair`: the investigation's
     measurement of its fix, else the replay's first and last fixes, else the ledger's). Empty with fewer than two
     fixes."""
-    return before_after_frame(measured_pair(run_dir, doc, inv, ledger))
+    return before_after_frame(measured_pair(run_dir, doc, inv, None if ledger is None else main_fixes(ledger)))
 
 
 def postmortem_record(run_dir: Path, doc: Optional[Mapping[str, Any]]) -> dict:
@@ -99,8 +99,7 @@ def postmortem_record(run_dir: Path, doc: Optional[Mapping[str, Any]]) -> dict:
     verdicts, before/after, fixes, failures."""
     inv = load_investigation(run_dir)
     parts = story_parts(doc, inv)
-    ledger = ledger_frame(run_dir)
-    pair = measured_pair(run_dir, doc, inv, ledger)
+    pair = measured_pair(run_dir, doc, inv, main_fixes(ledger_frame(run_dir)))
     return {"headline": headline_text(parts), "story": parts,
             "flags": flags(pair, inv.acceptance if inv is not None else None, doc),
             "investigation": None if inv is None else inv.sentence, "case": (doc or {}).get("case")

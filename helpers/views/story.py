@@ -67,7 +67,8 @@ def measured_pair(run_dir: Optional[Path], doc: Any = None, inv: Optional[Invest
 
     The investigation's measurement of its proposed fix first (a replay records it there once its step has measured
     the fix, :meth:`helpers.investigation.replay.Replay.tell_measured_fix`), else the replay's first and last fixes,
-    else the ledger's first and last rows (no paired change). The speed check is the recorded one, else computed from
+    else the first and last rows of ``ledger`` (the ledger's fixes without sweep rows:
+    :func:`helpers.views.acceptance.main_fixes`; no paired change). The speed check is the recorded one, else computed from
     the run folder's ``per_request.parquet`` files (a run from before it was recorded: without the machine's load)."""
     m = (inv.measured or {}) if inv is not None else {}
     if m.get("before") and m.get("after"):
@@ -86,12 +87,9 @@ def measured_pair(run_dir: Optional[Path], doc: Any = None, inv: Optional[Invest
         return {"labels": [a.name, b.name], "before": a.summary, "after": b.summary, "effect": eff, "speed": speed,
                 "source": f"this replay's step {b.index + 1} against step {a.index + 1}"}
     if ledger is not None and len(ledger) >= 2 and "fix" in ledger.columns:
-        from .acceptance import main_fixes
-        led = main_fixes(ledger)
-        if len(led) >= 2:
-            a, b = led.iloc[0].to_dict(), led.iloc[-1].to_dict()
-            return {"labels": [str(a["fix"]), str(b["fix"])], "before": a, "after": b, "effect": {}, "speed": None,
-                    "source": "the ledger's first and last fixes"}
+        a, b = ledger.iloc[0].to_dict(), ledger.iloc[-1].to_dict()
+        return {"labels": [str(a["fix"]), str(b["fix"])], "before": a, "after": b, "effect": {}, "speed": None,
+                "source": "the ledger's first and last fixes"}
     return None
 
 
@@ -178,6 +176,18 @@ def flags_html(items: list[dict]) -> str:
             + "".join(f"<li><b>{esc(f['figure'])}</b>: {esc(f['text'])}</li>" for f in items) + "</ol></div>")
 
 
+def measurement_parts(run_dir: Optional[Path], doc: Any = None, inv: Optional[InvestigationDoc] = None,
+                      ledger: Optional[pd.DataFrame] = None) -> list[str]:
+    """The before / after table and the flags, for a page that shows the measurements but not the headline
+    (``20_acceptance``): a heading, the table, the flags; ``[]`` with fewer than two measurements."""
+    pair = measured_pair(run_dir, doc, inv, ledger)
+    ba = before_after_frame(pair)
+    if not len(ba):
+        return []
+    return [f'<h3 class="e3f-h">Before and after the fix <span class="e3f-note">(95% CIs; {esc(pair["source"])})'
+            "</span></h3>", table_html(ba), flags_html(flags(pair, inv.acceptance if inv is not None else None, doc))]
+
+
 def first_screen(run_dir: Optional[Path], doc: Any = None, inv: Optional[InvestigationDoc] = None,
                  ledger: Optional[pd.DataFrame] = None) -> list[str]:
     """The first screen as one HTML block (a list of one string, ``<div class="e3f-first">``): the headline, the
@@ -186,7 +196,7 @@ def first_screen(run_dir: Optional[Path], doc: Any = None, inv: Optional[Investi
     pair = measured_pair(run_dir, doc, inv, ledger)
     ba = before_after_frame(pair)
     if len(ba):
-        parts.append(f'<h3 class="e3f-h">Before and after the fix <span class="e3f-note">(95% CIs; {esc(pair["source"])}'
+        parts.append(f'<h3 class="e3f-h">Before and after the fix <span class="e3f-note">(95% CIs; {esc(pair["source"])})'
                      "</span></h3>")
         parts.append(table_html(ba))
     budget = inv.acceptance if inv is not None else None

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers.acceptance.machine import LoadSampler, slowdown, speed_change, step_time_ratio
+from helpers.acceptance.machine import LoadSampler, slowdown, speed_change, time_per_token_ratio
 from support.measurements import frame, machine, summary
 
 
@@ -27,13 +27,16 @@ def test_tok_s_against_the_accept_length_is_explained_by_the_recorded_load(fix_o
     sa, sb = _summary(a, _machine(2.0)), _summary(b, _machine(4.1))       # 1 -> 2.05 x an idle machine
     assert sb["tok_s"] < sa["tok_s"] and sb["accept_length"] > sa["accept_length"]
     sp = speed_change(sa, sb, a, b)
-    st = sp["step_time"]
-    assert st["n_paired"] == 16 and st["ratio_lo"] < st["ratio"] < st["ratio_hi"]
-    assert st["ratio"] == pytest.approx(2.0, rel=0.05) and st["before_ms"] == pytest.approx(40, rel=0.05)
+    tt = sp["token_time"]
+    assert tt["n_paired"] == 16 and tt["ratio_lo"] < tt["ratio"] < tt["ratio_hi"]
+    # 40 ms per step at 1.9 tokens -> 80 ms per step at 2.7 tokens: x(80 / 2.7) / (40 / 1.9) = x1.41 per token
+    assert tt["ratio"] == pytest.approx(80 / 2.7 / (40 / 1.9), rel=0.03)
+    assert tt["before_ms"] == pytest.approx(40 / 1.9, rel=0.05)
     assert sp["contradicts"] and sp["outside_cis"] and sp["same_settings"]
     assert sp["predicted"] == pytest.approx(2.05) and sp["explained"] is True
     assert "the machine, not the fix" in sp["text"] and "x2.05" in sp["text"]
-    assert f"{sa['tok_s']:.1f} -> {sb['tok_s']:.1f}" in sp["text"] and "40 -> 80 ms" in sp["text"]
+    assert f"{sa['tok_s']:.1f} -> {sb['tok_s']:.1f}" in sp["text"]
+    assert f"a token took {tt['before_ms']:.0f} -> {tt['after_ms']:.0f} ms (x{tt['ratio']:.2f}" in sp["text"]
 
 
 def test_a_load_that_does_not_explain_it_or_was_not_recorded_is_not_attributable(fix_on_a_busier_machine):
@@ -56,15 +59,15 @@ def test_tok_s_that_moves_with_the_accept_length_is_not_flagged():
     a, b = _frame(rng, 16, 12, 40.0, 1.9), _frame(rng, 16, 12, 40.0, 2.7)
     sp = speed_change(_summary(a, _machine(2.0)), _summary(b, _machine(2.0)), a, b)
     assert not sp["contradicts"] and sp["text"] == "" and sp["tok_s"][1] > sp["tok_s"][0]
-    assert sp["step_time"]["ratio_lo"] < 1.0 < sp["step_time"]["ratio_hi"]
+    assert sp["token_time"]["ratio_hi"] < 1.0              # more tokens per verify step: a token takes less time
 
 
-def test_step_time_pairs_prompts_and_needs_two():
+def test_token_time_pairs_prompts_and_needs_two():
     rng = np.random.default_rng(2)
     a, b = _frame(rng, 4, 10, 50.0, 2.0), _frame(rng, 4, 10, 50.0, 2.0)
-    assert step_time_ratio(a, b.iloc[:1])["n_paired"] == 1 and np.isnan(step_time_ratio(a, b.iloc[:1])["ratio"])
+    assert time_per_token_ratio(a, b.iloc[:1])["n_paired"] == 1 and np.isnan(time_per_token_ratio(a, b.iloc[:1])["ratio"])
     b.loc[0, "error"] = "boom"
-    assert step_time_ratio(a, b)["n_paired"] == 3
+    assert time_per_token_ratio(a, b)["n_paired"] == 3
 
 
 def test_the_sampler_records_the_load_around_a_block():

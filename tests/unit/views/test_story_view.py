@@ -52,7 +52,8 @@ def _budget() -> dict:
 @pytest.fixture()
 def run_dir(tmp_path):
     """A live investigation's run folder: the fix raises accept length 1.9 -> 2.7 while the machine got busier (a
-    verify step 40 -> 80 ms; 2 -> 4.1 runnable tasks on 2 cores); server text with markup in the finding and fix."""
+    verify step 40 -> 80 ms, a token x1.41; 2 -> 4.1 runnable tasks on 2 cores); server text with markup in the finding
+    and fix."""
     rng = np.random.default_rng(0)
     a, b = frame(rng, 16, 12, 40.0, 1.9), frame(rng, 16, 12, 80.0, 2.7)
     sa, sb = summary(a, machine(2.0)), summary(b, machine(4.1))
@@ -109,7 +110,7 @@ def test_a_contradicting_tok_s_and_a_gain_are_flagged_with_why(run_dir):
     sp = inv.measured["speed"]
     assert sp["contradicts"] and sp["explained"] is True
     assert items[0] == "tok/s: " + sp["text"]
-    r = sp["step_time"]
+    r = sp["token_time"]
     assert f"x{r['ratio']:.2f} [{r['ratio_lo']:.2f}, {r['ratio_hi']:.2f}]" in items[0] and "predicts x2.05" in items[0]
     gain = next(i for i in items if i.startswith("draft loss"))
     assert "the checkpoint scores 2.40" in gain and "above its training log's 2.22" in gain and "beyond its CI" in gain
