@@ -215,6 +215,18 @@ class StepProgress:
                                     f'<pre style="margin:2px 0">{body}</pre></details>'))
 
 
+def headline_box(parts: list[dict]) -> str:
+    """A story's headline as one box (``parts``: ``{"label", "text", "source"}``, e.g.
+    :func:`helpers.investigation.story.headline_parts`): each part on its line, its source under it (escaped)."""
+    if not parts:
+        return '<div class="e3f-headline">No investigation and no replay in this run folder.</div>'
+    rows = "".join(
+        f'<div class="e3f-hl-part"><b>{esc(p["label"])}:</b> {esc(p["text"])}'
+        + (f'<div class="e3f-src">source: {esc(p["source"])}</div>' if p.get("source") else "") + "</div>"
+        for p in parts)
+    return f'<div class="e3f-headline e3f-story">{rows}</div>'
+
+
 def note(text: str) -> str:
     """A grey note paragraph (``text`` is escaped)."""
     return f'<p class="e3f-note">{esc(text)}</p>'

@@ -18,8 +18,9 @@ from ..investigation.live import investigate
 from ..records import HypothesisStep, InvestigationDoc
 from ..runfiles import atomic_write_text, read_json_file
 from .budget import budget_parts
-from .common import _CSS, RunContext, as_path, esc, findings_frame, plotlyjs_html, run_dir_line, table_html
-from .story import first_screen, headline_box, story_parts
+from .common import (_CSS, RunContext, as_path, esc, findings_frame, headline_box, plotlyjs_html, run_dir_line,
+                     table_html)
+from .story import first_screen, story_parts
 
 
 def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
@@ -75,7 +76,7 @@ def hypothesis_steps(doc: Optional[InvestigationDoc], check: str) -> list[Hypoth
 
 
 def headline_html(doc: InvestigationDoc, replay: Any = None) -> str:
-    """The headline box (:func:`helpers.views.story.headline_box`: what is wrong, the fix, its measured effect, each
+    """The headline box (:func:`helpers.views.common.headline_box`: what is wrong, the fix, its measured effect, each
     with its source) with a verdict badge; ``replay``: the run folder's replay, whose step times the investigation."""
     label, color = {"ok": ("no fault", "#2e7d32"), "mismatch": ("fault named", "#c62828")}.get(
         doc.verdict or "", ("no verdict", "#616161"))

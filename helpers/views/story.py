@@ -25,7 +25,7 @@ from ..investigation.story import headline_parts, named_text
 from ..records import InvestigationDoc
 from ..runfiles import read_parquet
 from .budget import ladder_frame, settings_text
-from .common import esc, table_html
+from .common import esc, headline_box, table_html
 from .replay import as_replay
 
 METRICS = (("accept_rate", "accept rate", True), ("accept_length", "accept length", False), ("tok_s", "tok/s", False))
@@ -40,17 +40,6 @@ def story_parts(doc: Any, inv: Optional[InvestigationDoc]) -> list[dict]:
     if inv is not None:
         return headline_parts(inv, named=named_text(inv.wall_s, inv.seconds_to_verdict))
     return []
-
-
-def headline_box(parts: list[dict]) -> str:
-    """The headline as one box: each part on its line, its source under it (escaped)."""
-    if not parts:
-        return '<div class="e3f-headline">No investigation and no replay in this run folder.</div>'
-    rows = "".join(
-        f'<div class="e3f-hl-part"><b>{esc(p["label"])}:</b> {esc(p["text"])}'
-        + (f'<div class="e3f-src">source: {esc(p["source"])}</div>' if p.get("source") else "") + "</div>"
-        for p in parts)
-    return f'<div class="e3f-headline e3f-story">{rows}</div>'
 
 
 def _num(x: Any) -> float:
