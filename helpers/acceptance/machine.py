@@ -201,9 +201,12 @@ def speed_change(before: Mapping[str, Any], after: Mapping[str, Any], before_fra
 
     Returns:
         ``{"contradicts": bool, "tok_s": [before, after], "accept_length": [before, after], "outside_cis": bool,
-        "same_settings": bool, "token_time": time_per_token_ratio(...), "predicted": float|None, "explained": True|
-        False|None, "local", "load": [before machine, after machine], "text": str}``: ``contradicts`` when tok/s
-        moves against the accept length with both tok/s CIs apart; ``explained`` True when the predicted slowdown
+        "paired_against": bool, "same_settings": bool, "token_time": time_per_token_ratio(...), "predicted":
+        float|None, "explained": True|False|None, "local", "load": [before machine, after machine], "lags": bool,
+        "text": str}``: ``contradicts`` when tok/s moves against the accept length with both tok/s CIs apart, or with
+        the paired time per token's CI beyond 1 (``paired_against``); ``lags`` when the accept length moved beyond its
+        CIs and tok/s did not follow beyond its own without contradicting (``text`` then gives the figures);
+        ``explained`` True when the predicted slowdown
         reaches the time-per-token ratio's CI bound nearest to 1 (the load can account for it all), False when it
         does not, None when the tool cannot tell (no load recorded, a remote server, other settings); ``text`` says
         which, with the numbers (empty when nothing contradicts).
@@ -213,19 +216,34 @@ def speed_change(before: Mapping[str, Any], after: Mapping[str, Any], before_fra
     lo_a, hi_a, lo_b, hi_b = (_f(x) for x in (before.get("tok_s_lo"), before.get("tok_s_hi"), after.get("tok_s_lo"),
                                               after.get("tok_s_hi")))
     outside = all(math.isfinite(x) for x in (lo_a, hi_a, lo_b, hi_b)) and (lo_b > hi_a or hi_b < lo_a)
+    al_bounds = [_f(x.get(k)) for x in (before, after) for k in ("accept_length_lo", "accept_length_hi")]
+    al_moved = all(math.isfinite(x) for x in al_bounds) and (al_bounds[2] > al_bounds[1] or al_bounds[3] < al_bounds[0])
     against = all(math.isfinite(x) for x in t + al) and (t[1] - t[0]) * (al[1] - al[0]) < 0
     same = all(before.get(k) == after.get(k) for k in SETTINGS_KEYS)
     tt = time_per_token_ratio(before_frame, after_frame)
+    # paired per prompt: a token took longer (accept length up) / less long (down) beyond the CI
+    paired_against = math.isfinite(tt["ratio_lo"]) and math.isfinite(al[1] - al[0]) and (
+        tt["ratio_lo"] > 1.0 if al[1] > al[0] else tt["ratio_hi"] < 1.0)
     ma, mb = before.get("machine"), after.get("machine")
     sa, sb = slowdown(ma), slowdown(mb)
     pred = None if sa is None or sb is None else sb / sa
-    out = {"contradicts": bool(against and outside), "tok_s": t, "accept_length": al, "outside_cis": bool(outside),
-           "same_settings": same, "token_time": tt, "predicted": pred, "explained": None, "local": local,
-           "load": [ma, mb], "text": ""}
+    out = {"contradicts": bool(against and (outside or paired_against)), "tok_s": t, "accept_length": al,
+           "outside_cis": bool(outside), "paired_against": bool(paired_against), "same_settings": same,
+           "token_time": tt, "predicted": pred, "explained": None, "local": local, "load": [ma, mb], "text": "",
+           "lags": False}
     if not out["contradicts"]:
+        if al_moved and not (outside and not against) and math.isfinite(tt["ratio"]) and \
+                tt["ratio_lo"] <= 1.0 <= tt["ratio_hi"]:
+            # the accept length moved beyond its CIs, tok/s did not follow beyond its own: say what is known
+            out["lags"] = True
+            load = "" if pred is None else f"; the load went from {_fmt_load(ma)} to {_fmt_load(mb)} (x{pred:.2f})"
+            out["text"] = (f"tok/s {t[0]:.1f} -> {t[1]:.1f} did not follow accept length {al[0]:.2f} -> {al[1]:.2f} "
+                           f"beyond its CIs: a token took x{tt['ratio']:.2f} [{tt['ratio_lo']:.2f}, "
+                           f"{tt['ratio_hi']:.2f}] as long, paired over {tt['n_paired']} prompts (the CI reaches 1: "
+                           f"this measurement cannot tell){load}")
         return out
-    head = (f"tok/s {t[0]:.1f} -> {t[1]:.1f} moves against accept length {al[0]:.2f} -> {al[1]:.2f}, outside both "
-            "95% CIs")
+    head = (f"tok/s {t[0]:.1f} -> {t[1]:.1f} moves against accept length {al[0]:.2f} -> {al[1]:.2f}"
+            + (", outside both 95% CIs" if outside else " (the tok/s CIs overlap; paired per prompt, beyond the CI)"))
     if not same:
         diff = ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in SETTINGS_KEYS
                          if before.get(k) != after.get(k))

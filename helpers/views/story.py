@@ -57,13 +57,14 @@ def measured_pair(run_dir: Optional[Path], doc: Any = None, inv: Optional[Invest
     The investigation's measurement of its proposed fix first (a replay records it there once its step has measured
     the fix, :meth:`helpers.investigation.replay.Replay.tell_measured_fix`), else the replay's first and last fixes,
     else the first and last rows of ``ledger`` (the ledger's fixes without sweep rows:
-    :func:`helpers.views.acceptance.main_fixes`; no paired change). The speed check is the recorded one, else computed from
-    the run folder's ``per_request.parquet`` files (a run from before it was recorded: without the machine's load)."""
+    :func:`helpers.views.acceptance.main_fixes`; no paired change). The speed check is computed from the run folder's
+    ``per_request.parquet`` files and the summaries' recorded load (a run from before the load was recorded: without
+    it), else the recorded one."""
     m = (inv.measured or {}) if inv is not None else {}
     if m.get("before") and m.get("after"):
         labels = m.get("labels") or ["before (as served)", "after (proposed fix)"]
         return {"labels": labels, "before": m["before"], "after": m["after"], "effect": m.get("effect") or {},
-                "speed": m.get("speed") or _speed_from_files(run_dir, m.get("saved_to"), m["before"], m["after"]),
+                "speed": _speed_from_files(run_dir, m.get("saved_to"), m["before"], m["after"]) or m.get("speed"),
                 "source": m.get("measured_by") or "the investigation's before / after"}
     d = as_replay(doc)
     fixes = [s for s in (d.of_kind("fix") if d else []) if not s.baseline and s.summary and not
@@ -71,8 +72,8 @@ def measured_pair(run_dir: Optional[Path], doc: Any = None, inv: Optional[Invest
     if len(fixes) >= 2:
         a, b = fixes[0], fixes[-1]
         eff = {k: v for k, v in (d.fix_effect or {}).items() if k not in ("before", "after", "speed", "error")}
-        speed = (d.fix_effect or {}).get("speed") or _speed_from_files(run_dir, [a.acceptance_dir, b.acceptance_dir],
-                                                                       a.summary, b.summary)
+        speed = _speed_from_files(run_dir, [a.acceptance_dir, b.acceptance_dir], a.summary, b.summary) or \
+            (d.fix_effect or {}).get("speed")
         return {"labels": [a.name, b.name], "before": a.summary, "after": b.summary, "effect": eff, "speed": speed,
                 "source": f"this replay's step {b.index + 1} against step {a.index + 1}"}
     if ledger is not None and len(ledger) >= 2 and "fix" in ledger.columns:
@@ -119,6 +120,8 @@ def before_after_frame(pair: Optional[dict]) -> pd.DataFrame:
             note = ("moves against the accept length: "
                     + ("the machine's load explains it" if speed.get("explained") else "not attributable to the fix")
                     + " (see the flags below)")
+        elif k == "tok_s" and speed.get("lags"):
+            note = "does not follow the accept length (see the flags below)"
         digits = 1 if k == "tok_s" else 2
         rows.append({"metric": label, f"before: {pair['labels'][0]}": format_ci(a, k, pct=pct, digits=digits),
                      f"after: {pair['labels'][1]}": format_ci(b, k, pct=pct, digits=digits),
@@ -134,11 +137,11 @@ def _disjoint(a: Any, b: Any) -> bool:
 
 def flags(pair: Optional[dict], budget: Optional[dict], doc: Any = None) -> list[dict]:
     """Every figure of the first screen that does not fit the story, each ``{"figure", "text"}`` (the text computed
-    from the run's data): tok/s against the accept length, a stage that gains, a stage whose offline estimate's CI
+    from the run's data): tok/s against the accept length (or not following it), a stage that gains, a stage whose offline estimate's CI
     misses the loss measured on the server, a recommended setting the replay's sweep measured otherwise."""
     out = []
     speed = (pair or {}).get("speed") or {}
-    if speed.get("contradicts"):
+    if speed.get("contradicts") or speed.get("lags"):
         out.append({"figure": "tok/s", "text": speed["text"]})
     b = budget or {}
     for g in gains(b):

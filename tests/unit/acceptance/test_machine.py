@@ -62,6 +62,18 @@ def test_tok_s_that_moves_with_the_accept_length_is_not_flagged():
     assert sp["token_time"]["ratio_hi"] < 1.0              # more tokens per verify step: a token takes less time
 
 
+def test_tok_s_that_does_not_follow_the_accept_length_says_what_is_known():
+    """Accept length 1.9 -> 2.7 (23 -> 32 tokens in 12 verify steps) while a verify step went 40 -> 56 ms: a token
+    takes as long as before."""
+    rng = np.random.default_rng(3)
+    a, b = _frame(rng, 16, 12, 40.0, 1.9), _frame(rng, 16, 12, 40.0 * 32 / 23, 2.7)
+    sp = speed_change(_summary(a, _machine(2.0)), _summary(b, _machine(2.0)), a, b)
+    tt = sp["token_time"]
+    assert not sp["contradicts"] and sp["lags"] and tt["ratio_lo"] < 1.0 < tt["ratio_hi"]
+    assert sp["text"].startswith(f"tok/s {sp['tok_s'][0]:.1f} -> {sp['tok_s'][1]:.1f} did not follow accept length")
+    assert f"x{tt['ratio']:.2f} [{tt['ratio_lo']:.2f}, {tt['ratio_hi']:.2f}]" in sp["text"] and "(x1.00)" in sp["text"]
+
+
 def test_token_time_pairs_prompts_and_needs_two():
     rng = np.random.default_rng(2)
     a, b = _frame(rng, 4, 10, 50.0, 2.0), _frame(rng, 4, 10, 50.0, 2.0)
