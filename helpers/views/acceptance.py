@@ -101,9 +101,12 @@ def investigation_measurements(run_dir: Path) -> pd.DataFrame:
 
 
 def measured_fixes(run_dir: Path, ledger: pd.DataFrame) -> pd.DataFrame:
-    """What the acceptance page draws: the investigation's before / after (:func:`investigation_measurements`), then
-    the ledger's fixes (:func:`main_fixes`)."""
-    parts = [f for f in (investigation_measurements(run_dir), main_fixes(ledger)) if f is not None and len(f)]
+    """What the acceptance page draws: the investigation's before / after (:func:`investigation_measurements`; a
+    measurement the ledger holds already, as a replay's fix does, once), then the ledger's fixes (:func:`main_fixes`)."""
+    inv, led = investigation_measurements(run_dir), main_fixes(ledger)
+    if len(inv) and led is not None and len(led) and "saved_to" in led.columns:
+        inv = inv[~inv["saved_to"].isin(set(led["saved_to"].astype(str)))]   # a replay's fix: in the ledger already
+    parts = [f for f in (inv, led) if f is not None and len(f)]
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
