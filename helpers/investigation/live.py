@@ -35,7 +35,7 @@ import psutil
 from ..acceptance.machine import speed_change
 from ..acceptance.measure import measure, server_snapshot
 from ..acceptance.prompts import load_prompts
-from ..acceptance.stats import format_ci, paired_effect
+from ..acceptance.stats import paired_effect
 from ..budget import Budget
 from ..capture import capture_every_layer, capture_reference_hf
 from ..diagnosis.detectors import finding
@@ -58,7 +58,7 @@ from .catalog import LIVE_CHECKS
 from .checks import run_check
 from .inputs import Investigation
 from .propose import draft_variant, propose_fix
-from .story import no_fix_text, provenance, reconcile as tell_one_story
+from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
 HOOK_FACTORY_PREFIX = "helpers.hooks:"
 
@@ -650,15 +650,11 @@ def _measured_text(m: Optional[dict]) -> str:
         return f"not measured: {m['not_measured']}"
     if "error" in m:
         return f"not measured: {m['error']}"
-    b, a, e = m["before"], m["after"], m["effect"]
-    delta = format_ci(e, "accept_rate_delta", pct=True, signed=True, unit="") + " points"
     after_note = ("" if "after_verdict" not in m else
                   "; the fixed server's aux states equal the training data" if m.get("after_verdict") == "ok" else
                   f"; the fixed server still shows {', '.join(m.get('after_findings') or [])}")
     by = f"by {m['measured_by']}" if m.get("measured_by") else f"on {m['prompts']} prompts"
-    return (f"measured {by}: accept rate {b['accept_rate']:.0%} -> {a['accept_rate']:.0%} "
-            f"(paired change {delta}), accept length {b['accept_length']:.2f} -> {a['accept_length']:.2f} tokens per "
-            f"verify step{after_note}")
+    return f"measured {by}: {measured_text(m)[0]}{after_note}"
 
 
 def sentence(doc: InvestigationDoc) -> str:

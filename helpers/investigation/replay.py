@@ -164,7 +164,12 @@ class Replay:
         rec.server_startup_s, rec.summary = round(startup, 1), _slim(summary)
         rec.acceptance_dir = summary.get("saved_to") or f"acceptance/{safe_name(fix.name)}"
         if fix.proposed and self.inv_doc is not None and self.investigated is not None:
-            self.tell_measured_fix(i, fix.name, summary)
+            try:
+                self.tell_measured_fix(i, fix.name, summary)
+            except Exception as exc:  # noqa: BLE001 - the fix's measurement stands; the record says why it is alone
+                self.inv_doc.notes.append(f"this replay's measurement of the fix (step {i + 1}) could not be put "
+                                          f"into the investigation: {type(exc).__name__}: {exc}")
+                write_json(self.run_dir / "investigation.json", self.inv_doc.model_dump(mode="json"))
         return rec
 
     def pair(self, a: dict, b: dict) -> dict:
