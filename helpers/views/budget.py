@@ -155,9 +155,9 @@ def cause_html(budget: dict) -> str:
     cause, losses = budget.get("cause"), budget.get("losses") or {}
     loss = losses.get(cause) or {}
     if loss.get("delta") is not None:
-        how = "measured on the server" if loss.get("on_server") else "estimated offline"
+        how = "" if loss.get("on_server") else "estimated offline: "        # a measured basis says "measured"
         why = (f"{_ci_of(loss['delta'], loss.get('ci'))} tokens per verify step lost at the {cause} stage "
-               f"({loss.get('decision')}; {how}: {loss.get('basis', '')})")
+               f"({loss.get('decision')}; {how}{loss.get('basis', '')})")
     elif cause == "none":
         why = "every required stage's CI rules out a material loss"
     else:
