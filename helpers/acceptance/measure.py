@@ -24,6 +24,7 @@ from ..server.client import SGLangClient, as_client
 from ..redaction import redact, redact_url
 from ..server.settings import EffectiveSpecConfig
 from .ledger import Ledger, LedgerUnreadable
+from .machine import LoadSampler
 from .prompts import Prompt, load_prompts, prompts_digest
 from .requests import run_requests
 from .stats import (
@@ -525,10 +526,11 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
                          sampling_params=sp, progress=False)
         if flush_cache:
             client.flush_cache()
-        per_request, wall, raw = run_requests(
-            client, plist, max_new_tokens=max_new_tokens, concurrency=concurrency, sampling_params=sp,
-            return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
-                                                                 else progress), keep_raw=keep_raw)
+        with LoadSampler() as load:     # the machine's load: tok/s is wall-clock speed (helpers.acceptance.machine)
+            per_request, wall, raw = run_requests(
+                client, plist, max_new_tokens=max_new_tokens, concurrency=concurrency, sampling_params=sp,
+                return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
+                                                                     else progress), keep_raw=keep_raw)
         if per_request["error"].notna().all():
             raise SGLangError(failed_requests(per_request), endpoint="/generate")
         positions = info.get("speculative_num_steps") if spec_on else None
@@ -547,7 +549,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
             "return_hidden_states": bool(return_hidden_states), "num_prompts": len(plist),
             "prompt_digest": prompts_digest(plist), "config_digest": config_digest(info),
             "overrides": [o.field for o in spec.overrides] if spec else [],
-            "timestamp": pd.Timestamp.now(tz="UTC").isoformat(),
+            "timestamp": pd.Timestamp.now(tz="UTC").isoformat(), "machine": load.result,
         })
         base_summary = None
         s["baseline_tok_s"] = s["baseline_tok_s_lo"] = s["baseline_tok_s_hi"] = float("nan")
