@@ -23,12 +23,24 @@ What SGLang does, and where (sglang 0.5.23):
   ``rope_scaling`` (neox style, as ``models/llama.py::LlamaAttention``); ``default``, ``linear`` and ``llama3`` are
   implemented here; other scaling types are refused with a clear line.
 
-``Eagle3DeepseekV2ForCausalLM`` (``models/kimi_k25_eagle3.py``, MLA attention) is refused with a clear line: its
-attention is not implemented here.
+``Eagle3DeepseekV2ForCausalLM`` (``models/kimi_k25_eagle3.py``, the Kimi-K2.5 MLA draft) shares that body -- fc
+(with ``fc_norm``, never ``norm_before_fc``: ``Eagle3MLAModel`` has no ``input_norm``), exactly one decoder layer over
+``cat([input_layernorm(embeds), hidden_norm(h)])``, ``post_attention_layernorm``, SiLU MLP (``deepseek_v2.py::
+DeepseekV2MLP``), ``norm``, lm_head over the draft vocab or the target's, d2t, the target's embedding
+(``Eagle3DeepseekV2ForCausalLM.set_embed``) -- and differs only in its attention, ``deepseek_v2.py::
+DeepseekV2AttentionMLA`` with the 2H-wide fused ``q_a`` / ``kv_a`` projection ``Eagle3MLADecoderLayer.__init__``
+puts in: :class:`MLAAttention`. The draft-extend and draft-decode passes run it weight-absorbed, as SGLang's
+dispatch does for every draft batch (``deepseek_common/attention_backend_handler.py``: only a non-speculative extend
+takes the expanded MHA): ``models/deepseek_common/attention_forward_methods/forward_mla.py::forward_absorb_prepare``
+/ ``forward_absorb_core``.
+
+The architecture picks its attention adapter (:data:`ATTENTIONS`, by ``architectures[0]`` of the draft config); the
+rest of the draft run is the same code for both.
 """
 from __future__ import annotations
 
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,35 +51,73 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
-from .params import resolve_name, sglang_parameters, shape_error
+from ..formats.configs import DraftConfig, read_draft_config, read_safetensors_index, read_target_config
+from .config_checks import effective_rope
+from .params import (CONFIG_DEFAULTS, K25, L3, LLAMA_CLASS, MLA_CLASS, SHARD_TENSORS, SGLangDraftParams,
+                     resolve_name, sglang_parameters, shape_error)
 
-#: draft architectures this module runs (``EntryClass`` of ``sglang/srt/models/llama_eagle3.py``)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-#: refused with a reason (``sglang/srt/models/kimi_k25_eagle3.py``)
-REFUSED_ARCHITECTURES = {"Eagle3DeepseekV2ForCausalLM": "an MLA draft (sglang/srt/models/kimi_k25_eagle3.py: "
-                                                        "DeepseekV2AttentionMLA); its attention is not implemented in "
-                                                        "the offline draft run"}
-_STACKED_BACK = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}
+_DS2 = "sglang/srt/models/deepseek_v2.py"
+_ROPE_VARIANT = "sglang/srt/layers/rotary_embedding/rope_variant.py"
 
 
 def _internal_name(param: str, shard) -> str:
-    """SGLang's ``(parameter, shard)`` -> this module's tensor name (``model.`` dropped, stacked shards split back:
-    ``qkv_proj`` q/k/v -> ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_up_proj`` 0/1 -> ``gate_proj`` / ``up_proj``)."""
+    """SGLang's ``(parameter, shard)`` -> this module's tensor name: ``model.`` dropped, the MLA draft's
+    ``midlayer.`` written ``layers.0.`` (its checkpoint name), stacked / fused shards split back into the tensors that
+    fill them (:data:`helpers.draft.params.SHARD_TENSORS`: ``qkv_proj`` q/k/v -> ``q_proj`` / ``k_proj`` /
+    ``v_proj``, ``gate_up_proj`` 0/1 -> ``gate_proj`` / ``up_proj``, ``fused_qkv_a_proj_with_mqa`` q_a/kv_a ->
+    ``q_a_proj`` / ``kv_a_proj_with_mqa``)."""
     n = param[len("model."):] if param.startswith("model.") else param
+    if n.startswith("midlayer."):
+        n = "layers.0." + n[len("midlayer."):]
     if shard is None:
         return n
-    return n.replace("qkv_proj", _STACKED_BACK[shard]).replace("gate_up_proj", _STACKED_BACK[shard])
+    for fused, parts in SHARD_TENSORS.items():
+        if f".{fused}." in n:
+            return n.replace(f".{fused}.", f".{parts[shard]}.")
+    raise ValueError(f"no shard {shard!r} in {param}")
+
+
+@dataclass
+class MLAShape:
+    """The MLA draft's attention as SGLang 0.5.23 builds it (``kimi_k25_eagle3.py::Eagle3MLADecoderLayer.__init__``
+    -> ``deepseek_v2.py::DeepseekV2AttentionMLA.__init__``).
+
+    Attributes:
+        q_lora / kv_lora: ``q_lora_rank`` / ``kv_lora_rank`` (the cached latent's width).
+        nope / rope / v: ``qk_nope_head_dim`` / ``qk_rope_head_dim`` / ``v_head_dim``.
+        interleave: the rotary embedding pairs (x[2i], x[2i+1]) (``rope_interleave``, default true: ``is_neox_style =
+            not rope_interleave``), else neox halves.
+        yarn: None (``rope_type`` default: plain rope) or the DeepSeek-yarn parameters every other rope type becomes
+            (``DeepseekV2AttentionMLA.__init__`` sets ``rope_scaling["rope_type"] = "deepseek_yarn"``;
+            ``rotary_embedding/factory.py::get_rope`` -> ``DeepseekScalingRotaryEmbedding``): ``factor``,
+            ``original_max_position`` (``original_max_position_embeddings``, default ``max_position_embeddings``),
+            ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``extrapolation_factor``, ``attn_factor``.
+        scaling: the softmax scale, ``(nope + rope) ** -0.5`` times ``yarn_get_mscale(factor, mscale_all_dim) ** 2``
+            for yarn unless ``apply_yarn_scaling`` / ``apply_scale`` is false (``configs/model_config.py::
+            compute_mla_mscale_scaling``).
+    """
+
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+    interleave: bool
+    yarn: Optional[dict]
+    scaling: float
 
 
 @dataclass
 class DraftArch:
-    """The draft's shape as SGLang 0.5.23 builds it from its config.json (``llama_eagle3.py::LlamaModel.__init__``).
+    """The draft's shape as SGLang 0.5.23 builds it from its config.json (``llama_eagle3.py::LlamaModel.__init__``,
+    ``kimi_k25_eagle3.py::Eagle3MLAModel.__init__``).
 
     Attributes: hidden (H), target_hidden (per-chunk width fed to ``fc``), num_aux (chunks), heads, kv_heads,
-    head_dim, intermediate, layers, eps, rope_theta, rope_scaling (dict or None), vocab (target vocab),
-    draft_vocab (lm_head rows), tie (``tie_word_embeddings``), lm_head_from_target (``draft_vocab_size`` None),
-    norm_before_fc, fc_norm, norm_output, fc_bias, max_position (``max_position_embeddings``).
+    head_dim (the MLA draft: its query heads, 1 -- every head attends to the one latent --, ``qk_nope + qk_rope``),
+    intermediate, layers, eps, rope_theta, rope_scaling (dict or None), vocab (target vocab), draft_vocab (lm_head
+    rows), tie (``tie_word_embeddings``), lm_head_from_target (``draft_vocab_size`` None), norm_before_fc, fc_norm,
+    norm_output, fc_bias, max_position (``max_position_embeddings``), architecture (``architectures[0]``: picks the
+    attention, :data:`ATTENTIONS`), mla (:class:`MLAShape` for the MLA draft, else None).
     """
 
     hidden: int
@@ -90,55 +140,32 @@ class DraftArch:
     norm_output: bool
     fc_bias: bool
     max_position: Optional[int]
-    architecture: str = ""
+    architecture: str = LLAMA_CLASS
+    mla: Optional[MLAShape] = None
 
     @classmethod
     def from_config(cls, path: Path) -> "DraftArch":
         """Read ``path`` (draft config.json or its folder); the shapes are the ones SGLang builds
-        (:func:`helpers.draft.params.sglang_parameters`, config fields left out get transformers' LlamaConfig defaults
-        as SGLang's AutoConfig load gives them).
+        (:func:`helpers.draft.params.sglang_parameters`: config fields left out get their config class's defaults as
+        SGLang's AutoConfig load gives them), the attention's fields from its adapter (:data:`ATTENTIONS`).
 
         Raises:
-            BadInput: not an SGLang EAGLE-3 draft this module runs (MLA drafts, EAGLE-1 drafts, attention bias), or a
-                field of the wrong type.
+            BadInput: not an SGLang EAGLE-3 draft this module runs (EAGLE-1 drafts, attention bias, a rope SGLang
+                cannot build), or a field of the wrong type.
         """
         dc = read_draft_config(path)
         raw = dc.raw
         arch = (dc.architectures or [""])[0]
-        if arch in REFUSED_ARCHITECTURES:
-            raise BadInput(f"{arch} is {REFUSED_ARCHITECTURES[arch]}", path=dc.path, field="architectures")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ATTENTIONS:
             raise BadInput(f"architecture {arch!r} is not an EAGLE-3 draft this tool can run offline (expected one of "
-                           f"{', '.join(SUPPORTED_ARCHITECTURES)}: sglang/srt/models/llama_eagle3.py)",
-                           path=dc.path, field="architectures")
+                           f"{', '.join(ATTENTIONS)}: {L3}, {K25})", path=dc.path, field="architectures")
         p = sglang_parameters(dc)
-        if p.attn_bias:
-            raise BadInput("attention_bias / bias is set: the offline draft run has no attention bias (the EAGLE-3 "
-                           "drafts SGLang serves have none)", path=dc.path, field="attention_bias")
-        rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
-        theta = raw.get("rope_theta")
-        if theta is None and isinstance(rope, dict):
-            theta = rope.get("rope_theta")
-        if rope is not None and not isinstance(rope, dict):
-            raise BadInput(f"expected an object {{rope_type, ...}} or null, got {rope!r} (sglang/srt/layers/"
-                           "rotary_embedding/factory.py::get_rope indexes it)", path=dc.path, field="rope_scaling")
-        if isinstance(rope, dict) and not (rope.get("rope_type") or rope.get("type")):
-            raise BadInput(f"no rope_type / type in {rope!r}: SGLang raises 'Unknown RoPE scaling type' (sglang/srt/"
-                           "layers/rotary_embedding/factory.py::get_rope)", path=dc.path, field="rope_scaling")
-        kind = str(rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else "default"
-        if isinstance(rope, dict) and raw.get("original_max_position_embeddings") is not None:
-            rope = {**rope, "original_max_position_embeddings": raw["original_max_position_embeddings"]}  # llama.py
-        if kind not in ("default", "linear", "llama3"):
-            raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
-                           "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
-                           field="rope_scaling")
-        return cls(hidden=dc.hidden_size, target_hidden=p.hidden_size_in, num_aux=p.num_aux, heads=p.heads,
-                   kv_heads=p.kv_heads, head_dim=p.head_dim, intermediate=p.intermediate, layers=p.layers,
-                   eps=float(raw.get("rms_norm_eps") or 1e-6), rope_theta=float(theta if theta is not None else 1e4),
-                   rope_scaling=rope if isinstance(rope, dict) else None, vocab=p.vocab, draft_vocab=p.draft_vocab,
+        return cls(hidden=dc.hidden_size, target_hidden=p.hidden_size_in, num_aux=p.num_aux,
+                   intermediate=p.intermediate, layers=p.layers,
+                   eps=float(raw.get("rms_norm_eps") or 1e-6), vocab=p.vocab, draft_vocab=p.draft_vocab,
                    tie=p.tie, lm_head_from_target=p.lm_from_target, norm_before_fc=p.norm_before_fc,
                    fc_norm=p.fc_norm, norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
-                   max_position=raw.get("max_position_embeddings"), architecture=arch)
+                   architecture=arch, **ATTENTIONS[arch].read_config(dc, p))
 
 
 # ------------------------------------------------------------------------------------------------ tensor reading
@@ -169,9 +196,14 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
     """``(name, file)`` of the one target tensor whose name ends with ``suffix`` (e.g. ``embed_tokens.weight``),
     read from the safetensors index / headers only; None when there is none.
 
+    Several tensors may end with ``suffix``: a multi-token-prediction layer's own copy next to the model's
+    (DeepSeek-V3 / Kimi-K2 checkpoints carry ``model.layers.61.embed_tokens.weight`` beside
+    ``model.embed_tokens.weight``; other checkpoints name it ``mtp``), or a wrapper's prefix
+    (``language_model.model.embed_tokens.weight``). Names with ``mtp`` or inside a decoder layer (``.layers.<n>.``)
+    are left out while another remains; of the rest, the shortest is taken.
+
     Raises:
-        BadInput: no weights in the folder, or several tensors end with ``suffix`` (an MTP layer's embedding next to
-            the model's: the shortest name, the main model's, is taken only when it is a prefix-free match).
+        BadInput: no weights in the folder.
     """
     if not any(Path(target_dir).glob("*.safetensors")) and not (Path(target_dir) / "model.safetensors.index.json"
                                                                  ).is_file():
@@ -180,6 +212,8 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
                        "set_embed shares the target's embedding with the draft)", path=target_dir)
     index = _safetensors_index(Path(target_dir))
     hits = sorted((k for k in index if k.endswith(suffix) and "mtp" not in k.lower()), key=len)
+    main = [k for k in hits if not re.search(r"(^|\.)layers\.\d+\.", k)]
+    hits = main or hits
     if not hits:
         return None
     return hits[0], index[hits[0]]
@@ -232,6 +266,297 @@ def _rope_scale(arch: DraftArch) -> float:
     return float(rs.get("factor", 1.0)) if kind == "linear" else 1.0
 
 
+# ------------------------------------------------------------------------------------------------ attention adapters
+
+def _number(sc: dict, key: str, default: float, dc: DraftConfig, where: str) -> float:
+    v = sc.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadInput(f"expected a number, got {v!r}", path=dc.path, field=f"{where}.{key}")
+    return float(v)
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """``sglang/srt/layers/rotary_embedding/yarn.py::yarn_get_mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_inv_freq(m: MLAShape, rope_theta: float) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [rope // 2] float32, cos/sin multiplier)`` of the MLA draft's rotary embedding, computed in float32
+    as SGLang computes it: plain (``rotary_embedding/base.py::RotaryEmbedding._compute_inv_freq``, multiplier 1) or
+    DeepSeek-yarn (``rope_variant.py::DeepseekScalingRotaryEmbedding._compute_inv_freq`` and its ``mscale``;
+    ``yarn.py::yarn_find_correction_range`` / ``yarn_linear_ramp_mask``)."""
+    rd = m.rope
+    pos_freqs = rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd)
+    if m.yarn is None:
+        return 1.0 / pos_freqs, 1.0
+    y = m.yarn
+
+    def corr_dim(rot: float) -> float:
+        return (rd * math.log(y["original_max_position"] / (rot * 2 * math.pi))) / (2 * math.log(rope_theta))
+
+    low = max(math.floor(corr_dim(y["beta_fast"])), 0)
+    high = min(math.ceil(corr_dim(y["beta_slow"])), rd - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rd // 2, dtype=torch.float) - low) / (high - low), 0, 1)
+    mask = (1 - ramp) * y["extrapolation_factor"]
+    inv = (1.0 / (y["factor"] * pos_freqs)) * (1 - mask) + (1.0 / pos_freqs) * mask
+    mscale = float(yarn_get_mscale(y["factor"], y["mscale"]) / yarn_get_mscale(y["factor"], y["mscale_all_dim"])
+                   * y["attn_factor"])
+    return inv, mscale
+
+
+class Attention:
+    """The seam between the shared EAGLE-3 draft body (:class:`Eagle3Draft`) and one architecture's attention.
+
+    An adapter reads its part of the draft config (:meth:`read_config`: the :class:`DraftArch` fields it owns), is built
+    from the loaded weights (internal names, :func:`_internal_name`), and computes, for rows ``x [N, 2H or H]`` at
+    positions ``pos [N]``: the queries in the space the keys are scored in and the rows' draft-KV-cache entry
+    (:meth:`qkv`), the keys and values of cache entries (:meth:`kv`: ``[N, groups, dk]`` and ``[N, groups, dv]``; query
+    head h reads group ``h // (heads / groups)``), and the per-head attention output mapped to ``o_proj``'s input
+    (:meth:`out`). The softmax runs in :class:`Eagle3Draft` with :attr:`scale`. A cache entry is a pair of tensors
+    indexed by row on dim 0 (the drafting replay slices and gathers it).
+    """
+
+    architecture = ""
+    scale = 1.0
+
+    @classmethod
+    def read_config(cls, dc: DraftConfig, p: SGLangDraftParams) -> dict:   # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple]:  # pragma: no cover
+        raise NotImplementedError
+
+    def kv(self, entry: tuple) -> tuple[torch.Tensor, torch.Tensor]:         # pragma: no cover
+        raise NotImplementedError
+
+    def out(self, i: int, o: torch.Tensor) -> torch.Tensor:                  # pragma: no cover
+        raise NotImplementedError
+
+
+class LlamaAttention(Attention):
+    """``LlamaForCausalLMEagle3``'s attention (``models/llama.py::LlamaAttention``): q / k / v projections, neox rotary
+    embedding (:func:`_inv_freq`), GQA over ``kv_heads`` groups, scale ``head_dim ** -0.5``. Cache entry: ``(k, v)``
+    each ``[N, kv_heads, head_dim]`` (keys roped)."""
+
+    architecture = LLAMA_CLASS
+
+    @classmethod
+    def read_config(cls, dc: DraftConfig, p: SGLangDraftParams) -> dict:
+        """``heads``, ``kv_heads``, ``head_dim``, ``rope_theta``, ``rope_scaling``, ``max_position`` of a Llama draft.
+
+        Raises:
+            BadInput: attention bias, or a rope SGLang's ``get_rope`` cannot build or this module does not run."""
+        raw = dc.raw
+        if p.attn_bias:
+            raise BadInput("attention_bias / bias is set: the offline draft run has no attention bias (the EAGLE-3 "
+                           "drafts SGLang serves have none)", path=dc.path, field="attention_bias")
+        rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
+        theta = raw.get("rope_theta")
+        if theta is None and isinstance(rope, dict):
+            theta = rope.get("rope_theta")
+        if rope is not None and not isinstance(rope, dict):
+            raise BadInput(f"expected an object {{rope_type, ...}} or null, got {rope!r} (sglang/srt/layers/"
+                           "rotary_embedding/factory.py::get_rope indexes it)", path=dc.path, field="rope_scaling")
+        if isinstance(rope, dict) and not (rope.get("rope_type") or rope.get("type")):
+            raise BadInput(f"no rope_type / type in {rope!r}: SGLang raises 'Unknown RoPE scaling type' (sglang/srt/"
+                           "layers/rotary_embedding/factory.py::get_rope)", path=dc.path, field="rope_scaling")
+        kind = str(rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else "default"
+        if isinstance(rope, dict) and raw.get("original_max_position_embeddings") is not None:
+            rope = {**rope, "original_max_position_embeddings": raw["original_max_position_embeddings"]}  # llama.py
+        if kind not in ("default", "linear", "llama3"):
+            raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
+                           "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
+                           field="rope_scaling")
+        return dict(heads=p.heads, kv_heads=p.kv_heads, head_dim=p.head_dim,
+                    rope_theta=float(theta if theta is not None else 1e4),
+                    rope_scaling=rope if isinstance(rope, dict) else None,
+                    max_position=raw.get("max_position_embeddings"))
+
+    def __init__(self, arch: DraftArch, w: dict[str, torch.Tensor], device: torch.device):
+        self.arch, self.w = arch, w
+        self._inv = _inv_freq(arch).to(device)
+        self._pos_scale = _rope_scale(arch)
+        self.scale = 1.0 / math.sqrt(arch.head_dim)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Neox-style rotary embedding of ``x [N, heads, hd]`` at positions ``pos [N]``."""
+        ang = (pos.to(torch.float32) / self._pos_scale)[:, None] * self._inv[None, :]
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        xf = x.float()
+        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """``(q [N, heads, hd] roped, (k [N, kv_heads, hd] roped, v [N, kv_heads, hd]))``."""
+        a, w, p = self.arch, self.w, f"layers.{i}.self_attn."
+        n = x.shape[0]
+        q = F.linear(x, w[p + "q_proj.weight"]).view(n, a.heads, a.head_dim)
+        k = F.linear(x, w[p + "k_proj.weight"]).view(n, a.kv_heads, a.head_dim)
+        v = F.linear(x, w[p + "v_proj.weight"]).view(n, a.kv_heads, a.head_dim)
+        return self._rope(q, pos), (self._rope(k, pos), v)
+
+    def kv(self, entry: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        return entry[0], entry[1]
+
+    def out(self, i: int, o: torch.Tensor) -> torch.Tensor:
+        return o.reshape(o.shape[0], -1)
+
+
+class MLAAttention(Attention):
+    """``Eagle3DeepseekV2ForCausalLM``'s attention: ``deepseek_v2.py::DeepseekV2AttentionMLA`` with the 2H-wide fused
+    q_a / kv_a projection (``kimi_k25_eagle3.py::Eagle3MLADecoderLayer.__init__``), run weight-absorbed as SGLang runs
+    every draft batch (``forward_mla.py::DeepseekMLAForwardMixin.forward_absorb_prepare`` / ``forward_absorb_core``):
+
+    * ``[q_a, latent, k_pe] = fused_qkv_a_proj_with_mqa(x)`` (``q_a_proj`` and ``kv_a_proj_with_mqa`` concatenated,
+      q first, as ``load_weights`` fuses them); ``q = q_b_proj(q_a_layernorm(q_a))`` split per head into
+      ``[q_nope, q_pe]``; ``latent = kv_a_layernorm(latent)`` (``k_pe`` is not normed);
+    * ``q_nope_out = bmm(q_nope, w_kc)`` (``w_kc [heads, nope, kv_lora]``, ``w_vc [heads, kv_lora, v]``: ``kv_b_proj``
+      split per head by ``Eagle3DeepseekV2ForCausalLM.post_load_weights``);
+    * ``q_pe``, ``k_pe`` rotated (:func:`mla_inv_freq`: interleaved unless ``rope_interleave`` is false, cos / sin times
+      the yarn multiplier, in float32);
+    * MQA: every head's ``[q_nope_out, q_pe]`` against each row's ``[latent, k_pe]`` times :attr:`MLAShape.scaling`,
+      the values the latents; then ``bmm(attn, w_vc)`` into ``o_proj``.
+
+    Cache entry: ``(latent [N, kv_lora], k_pe [N, rope])``, what SGLang's ``MLATokenToKVPool`` holds per token.
+    """
+
+    architecture = MLA_CLASS
+
+    @classmethod
+    def read_config(cls, dc: DraftConfig, p: SGLangDraftParams) -> dict:
+        """``heads``, ``kv_heads`` (1), ``head_dim`` (nope + rope), ``rope_theta``, ``rope_scaling``,
+        ``max_position`` and ``mla`` (:class:`MLAShape`) of an MLA draft, from the rope as transformers 5 folds it
+        (:func:`helpers.draft.config_checks.effective_rope`) and ``Eagle3MLADecoderLayer.__init__`` reads it (l. 80-89:
+        ``rope_parameters``; a ``default`` rope type is no scaling).
+
+        Raises:
+            BadInput: a rope field that is not a number."""
+        raw = dc.raw
+        r = effective_rope(raw, dc.path)
+        max_pos = raw.get("max_position_embeddings")
+        if max_pos is None:
+            max_pos = CONFIG_DEFAULTS.get(str(raw.get("model_type")), CONFIG_DEFAULTS["deepseek_v3"]).get(
+                "max_position_embeddings", 4096)
+        scaling = (p.qk_nope + p.qk_rope) ** -0.5           # DeepseekV2AttentionMLA.__init__: qk_head_dim ** -0.5
+        yarn = None
+        where = "rope_parameters" if isinstance(raw.get("rope_parameters"), dict) else "rope_scaling"
+        if r["rope_type"] != "default":
+            sc = r["scaling"]
+            yarn = {"factor": _number(sc, "factor", 1.0, dc, where),
+                    "original_max_position": _number(sc, "original_max_position_embeddings", max_pos, dc, where),
+                    "beta_fast": _number(sc, "beta_fast", 32, dc, where),
+                    "beta_slow": _number(sc, "beta_slow", 1, dc, where),
+                    "mscale": _number(sc, "mscale", 1, dc, where),
+                    "mscale_all_dim": _number(sc, "mscale_all_dim", 0, dc, where),
+                    "extrapolation_factor": _number(sc, "extrapolation_factor", 1, dc, where),
+                    "attn_factor": _number(sc, "attn_factor", 1, dc, where)}
+            if sc.get("apply_yarn_scaling", True) and sc.get("apply_scale", True):   # compute_mla_mscale_scaling
+                m = yarn_get_mscale(yarn["factor"], yarn["mscale_all_dim"])
+                scaling = scaling * m * m
+        mla = MLAShape(q_lora=p.q_lora, kv_lora=p.kv_lora, nope=p.qk_nope, rope=p.qk_rope, v=p.v_head,
+                       interleave=bool(raw.get("rope_interleave", True)), yarn=yarn, scaling=scaling)
+        return dict(heads=p.heads, kv_heads=p.kv_heads, head_dim=p.head_dim, rope_theta=r["rope_theta"],
+                    rope_scaling=None if yarn is None else {"rope_type": "deepseek_yarn", **r["scaling"]},
+                    max_position=max_pos, mla=mla)
+
+    def __init__(self, arch: DraftArch, w: dict[str, torch.Tensor], device: torch.device):
+        self.arch, self.w, self.m = arch, w, arch.mla
+        p = "layers.0.self_attn."
+        # Eagle3DeepseekV2ForCausalLM.load_weights: cat([q_a_proj, kv_a_proj_with_mqa]) -> fused_qkv_a_proj_with_mqa
+        self.fused = torch.cat([w[p + "q_a_proj.weight"], w[p + "kv_a_proj_with_mqa.weight"]], dim=0)
+        # post_load_weights: kv_b_proj.unflatten(0, (-1, nope + v)).split([nope, v], 1); w_vc transposed
+        w_kc, w_vc = w[p + "kv_b_proj.weight"].unflatten(0, (-1, self.m.nope + self.m.v)).split(
+            [self.m.nope, self.m.v], dim=1)
+        self.w_kc, self.w_vc = w_kc.contiguous(), w_vc.transpose(1, 2).contiguous()   # [nh, nope, c], [nh, c, v]
+        inv, self._mscale = mla_inv_freq(self.m, arch.rope_theta)
+        self._inv = inv.to(device)
+        self.scale = self.m.scaling
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x [N, heads, rope]`` at ``pos [N]`` in float32 (``rope_variant.py::
+        DeepseekScalingRotaryEmbedding.forward_native`` math, cos / sin from the float32 cache), result in x's
+        dtype."""
+        ang = pos.to(torch.float32)[:, None] * self._inv[None, :]
+        cos, sin = ang.cos() * self._mscale, ang.sin() * self._mscale
+        xf = x.float()
+        if self.m.interleave:                                      # rotate_gptj
+            cos, sin = cos.repeat_interleave(2, dim=-1)[:, None], sin.repeat_interleave(2, dim=-1)[:, None]
+            rot = torch.stack((-xf[..., 1::2], xf[..., ::2]), dim=-1).flatten(-2)
+        else:                                                      # rotate_neox
+            cos, sin = cos.repeat(1, 2)[:, None], sin.repeat(1, 2)[:, None]
+            half = xf.shape[-1] // 2
+            rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos + rot * sin).to(x.dtype)
+
+    def qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """``(q [N, heads, kv_lora + rope], (latent [N, kv_lora], k_pe [N, rope]))``."""
+        m, w, p, eps = self.m, self.w, "layers.0.self_attn.", self.arch.eps
+        n = x.shape[0]
+        q, cache = F.linear(x, self.fused).split([m.q_lora, m.kv_lora + m.rope], dim=-1)
+        latent = _rms(cache[..., : m.kv_lora], w[p + "kv_a_layernorm.weight"], eps)
+        q = F.linear(_rms(q, w[p + "q_a_layernorm.weight"], eps), w[p + "q_b_proj.weight"]).view(
+            n, self.arch.heads, m.nope + m.rope)
+        q_nope, q_pe = q.split([m.nope, m.rope], dim=-1)
+        q_nope_out = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)          # [N, heads, kv_lora]
+        q_pe = self._rope(q_pe, pos)
+        k_pe = self._rope(cache[..., m.kv_lora:][:, None, :], pos)[:, 0]
+        return torch.cat([q_nope_out, q_pe], dim=-1), (latent, k_pe)
+
+    def kv(self, entry: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        latent, k_pe = entry
+        return torch.cat([latent, k_pe], dim=-1)[:, None], latent[:, None]
+
+    def out(self, i: int, o: torch.Tensor) -> torch.Tensor:
+        """``[N, heads, kv_lora]`` -> ``bmm(., w_vc)`` -> ``[N, heads * v]``."""
+        return torch.bmm(o.transpose(0, 1), self.w_vc).transpose(0, 1).reshape(o.shape[0], -1)
+
+
+#: the attention adapter of each draft architecture SGLang 0.5.23 serves for EAGLE-3 (``architectures[0]``)
+ATTENTIONS: dict[str, type[Attention]] = {c.architecture: c for c in (LlamaAttention, MLAAttention)}
+#: the draft architectures this module runs
+SUPPORTED_ARCHITECTURES = tuple(ATTENTIONS)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q [B, heads, d]`` against ``k [T, groups, d]`` (query head h reads group ``h // (heads / groups)``) ->
+    ``[B, heads, T]``."""
+    B, nh, d = q.shape
+    g = k.shape[1]
+    if g == nh:
+        return torch.einsum("bhd,thd->bht", q, k)
+    return torch.einsum("bgrd,tgd->bgrt", q.view(B, g, nh // g, d), k).reshape(B, nh, -1)
+
+
+def _scores_own(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q [B, heads, d]`` against each row's own keys ``k [A, B, groups, d]`` (its ancestors and itself) ->
+    ``[B, heads, A]``."""
+    B, nh, d = q.shape
+    g = k.shape[2]
+    if g == nh:
+        return torch.stack([(q * kk).sum(-1) for kk in k], dim=-1)
+    return torch.einsum("bgrd,abgd->bgra", q.view(B, g, nh // g, d), k).reshape(B, nh, -1)
+
+
+def _mix_own(wts: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Weights ``[B, heads, A]`` over each row's own values ``v [A, B, groups, dv]`` -> ``[B, heads, dv]``."""
+    B, nh, A = wts.shape
+    g = v.shape[2]
+    if g == nh:
+        return torch.einsum("bha,abhd->bhd", wts, v)
+    return torch.einsum("bgra,abgd->bgrd", wts.view(B, g, nh // g, A), v).reshape(B, nh, -1)
+
+
+def _mix(wts: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Weights ``[B, heads, T]`` over values ``v [T, groups, dv]`` -> ``[B, heads, dv]``."""
+    B, nh, T = wts.shape
+    g = v.shape[1]
+    if g == nh:
+        return torch.einsum("bht,thd->bhd", wts, v)
+    return torch.einsum("bgrt,tgd->bgrd", wts.view(B, g, nh // g, T), v).reshape(B, nh, -1)
+
+
 @dataclass
 class ExtendOutput:
     """The draft-extend pass over one sequence (rows = positions).
@@ -239,18 +564,20 @@ class ExtendOutput:
     Attributes:
         hidden: ``[T, H]`` the hidden state carried to the next draft step (pre-norm unless ``norm_output``).
         logits: ``[T, V_draft]`` float32 logits over the draft vocabulary.
-        kv: per layer ``(k, v)``, each ``[T, kv_heads, head_dim]``, the draft KV cache of these rows.
+        kv: per layer, the draft KV cache entry of these rows (:class:`Attention`: ``(k, v)`` each ``[T, kv_heads,
+            head_dim]`` for the Llama draft; ``(latent [T, kv_lora], k_pe [T, rope])`` for the MLA draft).
     """
 
     hidden: torch.Tensor
     logits: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    #: per layer, the keys / values expanded to every query head in float32 (built once, read by every draft step)
+    #: per layer, the keys / values (:meth:`Attention.kv`) in float32 (built once, read by every draft step)
     kv_f32: dict = field(default_factory=dict, repr=False)
 
 
 class Eagle3Draft:
-    """An EAGLE-3 draft (``LlamaForCausalLMEagle3``) with the weights SGLang would load, run in pure torch.
+    """An EAGLE-3 draft (``LlamaForCausalLMEagle3`` or ``Eagle3DeepseekV2ForCausalLM``) with the weights SGLang would
+    load, run in pure torch; its attention is the adapter of its architecture (:data:`ATTENTIONS`).
 
     Build it with :meth:`load`. ``dtype`` is the compute dtype (the server's ``--dtype`` where this device computes it
     natively, else float32: :func:`helpers.draft.precision.choose_dtype`; the embedded CPU server runs ``float32``,
@@ -268,8 +595,7 @@ class Eagle3Draft:
         self.dtype = dtype
         self.sources = sources
         self.device = embed.device
-        self._inv = _inv_freq(arch).to(self.device)
-        self._pos_scale = _rope_scale(arch)
+        self.attn = ATTENTIONS[arch.architecture](arch, weights, self.device)
 
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
@@ -286,7 +612,7 @@ class Eagle3Draft:
         Raises:
             BadInput: unsupported architecture; a tensor the model needs is missing, or its shape does not match the
                 config (the file and key are named); the target embedding is needed but ``target_dir`` is None or
-                has no ``embed_tokens``.
+                has no ``embed_tokens``; a weight holds NaN / Inf.
         """
         draft_dir = Path(draft_dir)
         arch = DraftArch.from_config(draft_dir)
@@ -300,7 +626,7 @@ class Eagle3Draft:
             if where in ("d2t", "t2d"):
                 names[where] = key
                 continue
-            if where is None or where == "midlayer":
+            if where is None:
                 continue                     # SGLang drops it too (helpers.draft.checks reports it)
             expected = params.params[where][0]
             if tuple(info.shape) != tuple(expected):
@@ -317,10 +643,12 @@ class Eagle3Draft:
             if (param, shard) not in filled:
                 # SGLang keeps the initialised (random / ones) parameter when a name is absent: the draft it serves is
                 # then not the trained one. Refuse rather than guess.
+                loader = (f"{K25}::Eagle3DeepseekV2ForCausalLM.load_weights" if arch.architecture == MLA_CLASS
+                          else f"{L3}::LlamaForCausalLMEagle3.load_weights")
                 raise BadInput(f"the draft checkpoint has no tensor for {param}{'' if shard is None else f'[{shard}]'} "
-                               f"although its config implies one of shape {list(shape)} (sglang/srt/models/"
-                               "llama_eagle3.py::LlamaForCausalLMEagle3.load_weights skips missing names and serves "
-                               "an untrained parameter)", path=draft_dir, field=_internal_name(param, shard))
+                               f"although its config implies one of shape {list(shape)} ({loader} skips missing "
+                               "names and serves an untrained parameter)", path=draft_dir,
+                               field=_internal_name(param, shard))
             key, info = filled[(param, shard)]
             t = _read_tensor(info.file, key)
             _finite(t, info.file, key)
@@ -423,28 +751,12 @@ class Eagle3Draft:
                            for i, c in enumerate(x.chunk(a.num_aux, dim=-1))], dim=-1)
         return F.linear(x, w["fc.weight"], w.get("fc.bias"))
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Neox-style rotary embedding of ``x [N, heads, hd]`` at positions ``pos [N]``."""
-        ang = (pos.to(torch.float32) / self._pos_scale)[:, None] * self._inv[None, :]
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-        xf = x.float()
-        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
     def _layer_in(self, i: int, embeds: torch.Tensor, h: torch.Tensor, residual: Optional[torch.Tensor]):
         a, w, p = self.arch, self.w, f"layers.{i}."
         if i == 0:
             return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps),
                               _rms(h, w[p + "hidden_norm.weight"], a.eps)], dim=-1), h
         return _add_rms(h, residual, w[p + "hidden_norm.weight"], a.eps)
-
-    def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
-        a, w, p = self.arch, self.w, f"layers.{i}.self_attn."
-        n = x.shape[0]
-        q = F.linear(x, w[p + "q_proj.weight"]).view(n, a.heads, a.head_dim)
-        k = F.linear(x, w[p + "k_proj.weight"]).view(n, a.kv_heads, a.head_dim)
-        v = F.linear(x, w[p + "v_proj.weight"]).view(n, a.kv_heads, a.head_dim)
-        return self._rope(q, pos), self._rope(k, pos), v
 
     def _layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor):
         a, w, p = self.arch, self.w, f"layers.{i}."
@@ -458,10 +770,6 @@ class Eagle3Draft:
         normed, pre = _add_rms(m, residual, self.w["norm.weight"], self.arch.eps)
         logits = F.linear(normed, self.lm_head).float()
         return (normed if self.arch.norm_output else pre), logits
-
-    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        rep = self.arch.heads // self.arch.kv_heads
-        return t if rep == 1 else t.repeat_interleave(rep, dim=-2)
 
     # ----------------------------------------------------------------------------------------- passes
     @torch.no_grad()
@@ -485,15 +793,16 @@ class Eagle3Draft:
         h = self.project(aux)
         residual = None
         kv = []
-        scale = 1.0 / math.sqrt(self.arch.head_dim)
+        att = self.attn
         for i in range(self.arch.layers):
             x, residual = self._layer_in(i, emb, h, residual)
-            q, k, v = self._qkv(i, x, pos)
-            kv.append((k, v))
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self._expand_kv(k).transpose(0, 1)[None],
-                                               self._expand_kv(v).transpose(0, 1)[None], is_causal=True,
-                                               scale=scale)[0].transpose(0, 1).reshape(T, -1)
-            h, residual = self._layer_out(i, o, residual)
+            q, entry = att.qkv(i, x, pos)
+            kv.append(entry)
+            k, v = att.kv(entry)                                                      # [T, groups, dk / dv]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=True, scale=att.scale,
+                                               enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
+            h, residual = self._layer_out(i, att.out(i, o), residual)
         hidden, logits = self._finish(h, residual)
         return ExtendOutput(hidden=hidden, logits=logits, kv=kv)
 
@@ -505,18 +814,18 @@ class Eagle3Draft:
         """One draft decode step for ``B`` query nodes at once (``eagle_worker_v2.py::EAGLEWorkerV2.draft_forward``,
         one iteration of its loop): node b takes ``tokens[b]`` (target ids, embedded by the target's embedding)
         and the hidden state ``hidden[b]`` of its parent, at ``positions[b]``; it attends to the extend rows
-        ``0 .. ctx_len[b]-1`` of ``ext_kv`` (the :class:`ExtendOutput`, whose expanded float32 keys are then built
-        once, or its ``kv`` list), to its ancestors' keys (``path_kv[j]`` per ancestor, oldest first, each
-        a per-layer list of ``[B, kv_heads, hd]``) and to itself.
+        ``0 .. ctx_len[b]-1`` of ``ext_kv`` (the :class:`ExtendOutput`, whose float32 keys and values are then built
+        once, or its ``kv`` list), to its ancestors' cache entries (``path_kv[j]`` per ancestor, oldest first, each a
+        per-layer list of entries of ``B`` rows: :class:`Attention`) and to itself. Scores and softmax in float32.
 
-        Returns ``(hidden [B, H], logits [B, V_draft] float32, this step's per-layer (k, v) [B, kv_heads, hd])``.
+        Returns ``(hidden [B, H], logits [B, V_draft] float32, this step's per-layer cache entries of B rows)``.
         """
         dev = self.device
         tokens, hidden = tokens.to(dev), hidden.to(dev)
         B = tokens.shape[0]
         emb = self.embed[tokens]
         h, residual = hidden.to(self.dtype), None
-        scale = 1.0 / math.sqrt(self.arch.head_dim)
+        att = self.attn
         cache = ext_kv.kv_f32 if isinstance(ext_kv, ExtendOutput) else None
         if isinstance(ext_kv, ExtendOutput):
             ext_kv = ext_kv.kv
@@ -525,24 +834,24 @@ class Eagle3Draft:
         new_kv = []
         for i in range(self.arch.layers):
             x, residual = self._layer_in(i, emb, h, residual)
-            q, k, v = self._qkv(i, x, positions.to(dev))
-            new_kv.append((k, v))
-            qf = q.float()                                                             # [B, nh, hd]
+            q, entry = att.qkv(i, x, positions.to(dev))
+            new_kv.append(entry)
+            qf = q.float()                                                             # [B, nh, dk]
             if cache is not None and i in cache:
                 ke, ve = cache[i]
             else:
-                ke, ve = self._expand_kv(ext_kv[i][0]).float(), self._expand_kv(ext_kv[i][1]).float()  # [T, nh, hd]
+                ke, ve = (t.float() for t in att.kv(ext_kv[i]))                        # [T, groups, dk / dv]
                 if cache is not None:
                     cache[i] = (ke, ve)
-            s_ext = torch.einsum("bhd,thd->bht", qf, ke) * scale
+            s_ext = _scores(qf, ke) * att.scale
             s_ext = s_ext.masked_fill(~mask[:, None, :], float("-inf"))
-            anc_k = [self._expand_kv(p[i][0]).float() for p in path_kv] + [self._expand_kv(k).float()]
-            anc_v = [self._expand_kv(p[i][1]).float() for p in path_kv] + [self._expand_kv(v).float()]
-            s_anc = torch.stack([(qf * kk).sum(-1) for kk in anc_k], dim=-1) * scale   # [B, nh, A]
+            anc = [att.kv(p[i]) for p in path_kv] + [att.kv(entry)]                   # [B, groups, dk / dv] each
+            anc_k = torch.stack([kk.float() for kk, _ in anc], dim=0)                  # [A, B, groups, dk]
+            anc_v = torch.stack([vv.float() for _, vv in anc], dim=0)
+            s_anc = _scores_own(qf, anc_k) * att.scale                                 # [B, nh, A]
             wts = torch.softmax(torch.cat([s_ext, s_anc], dim=-1), dim=-1)
-            o = torch.einsum("bht,thd->bhd", wts[..., :T], ve)
-            o = o + torch.einsum("bha,abhd->bhd", wts[..., T:], torch.stack(anc_v, dim=0))
-            h, residual = self._layer_out(i, o.to(self.dtype).reshape(B, -1), residual)
+            o = _mix(wts[..., :T], ve) + _mix_own(wts[..., T:], anc_v)
+            h, residual = self._layer_out(i, att.out(i, o.to(self.dtype)), residual)
         hidden, logits = self._finish(h, residual)
         return hidden, logits, new_kv
 
