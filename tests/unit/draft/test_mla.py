@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from helpers.draft import teacher_forced as tf
 from helpers.draft.checks import inspect_draft
-from helpers.draft.model import (DraftArch, Eagle3Draft, find_target_tensor, mla_inv_freq, target_lm_head)
+from helpers.draft.attention import mla_inv_freq
+from helpers.draft.model import DraftArch, Eagle3Draft, find_target_tensor, target_lm_head
 from helpers.errors import BadInput
 from helpers.formats.training_data import TrainingData
 from support import ROOT, import_from
@@ -230,9 +231,10 @@ def test_the_target_embedding_and_lm_head_of_a_deepseek_checkpoint(tmp_path):
     (t / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
                                                "hidden_size": 8, "vocab_size": 16, "num_hidden_layers": 61,
                                                "tie_word_embeddings": False}))
-    save_file({"model.layers.61.embed_tokens.weight": torch.zeros(16, 8), "model.embed_tokens.weight": torch.ones(16, 8),
-               "model.layers.61.shared_head.head.weight": torch.zeros(16, 8), "lm_head.weight": torch.full((16, 8), 2.0),
-               "model.norm.weight": torch.ones(8)}, t / "model.safetensors")
+    save_file({"model.layers.61.embed_tokens.weight": torch.zeros(16, 8),
+               "model.embed_tokens.weight": torch.ones(16, 8),
+               "model.layers.61.shared_head.head.weight": torch.zeros(16, 8),
+               "lm_head.weight": torch.full((16, 8), 2.0), "model.norm.weight": torch.ones(8)}, t / "model.safetensors")
     assert find_target_tensor(t, "embed_tokens.weight")[0] == "model.embed_tokens.weight"
     head, src = target_lm_head(t)
     assert src.endswith(":lm_head.weight") and float(head[0, 0]) == 2.0

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from helpers.draft import simulate as sm
 from helpers.draft.budget import BudgetInputs, acceptance_budget, draft_cost, training_sequences
 from helpers.draft.draft_stage import budget_fields, draft_rows
-from helpers.draft.model import DraftArch, Eagle3Draft, _inv_freq
+from helpers.draft.attention import _inv_freq
+from helpers.draft.model import DraftArch, Eagle3Draft
 from helpers.draft.precision import FP32_VS_BF16
 from helpers.draft.training_log import predicted_accept_length, read_training_log
 from helpers.errors import BadInput
