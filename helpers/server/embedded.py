@@ -165,7 +165,10 @@ def check_draft_dir(path: Path, algorithm: str) -> dict:
     return cfg
 
 
-KEEP_MODEL_MODULES = {"llama": ("llama", "llama_eagle3")}
+#: model_type -> the ``sglang/srt/models`` modules its server imports: the target's and both EAGLE-3 draft classes'
+#: (``llama_eagle3``; ``kimi_k25_eagle3``, the MLA draft, which imports ``deepseek_v2`` itself)
+KEEP_MODEL_MODULES = {"llama": ("llama", "llama_eagle3"),
+                      "deepseek_v3": ("deepseek_v2", "llama", "llama_eagle3", "kimi_k25_eagle3")}
 
 
 def disabled_model_modules(python: Path, model_type: Optional[str]) -> Optional[str]:
