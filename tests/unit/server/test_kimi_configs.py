@@ -1,0 +1,105 @@
+"""A DeepSeek-family config SGLang 0.5.23 would refuse on the CPU reference server is refused before anything is
+launched, with one line naming the file and the field (helpers.server.embedded.check_cpu_config). No server: the
+check runs before the launch, so a config.json is all a folder needs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.errors import BadServerInput
+from helpers.server.embedded import check_cpu_config, start
+from support import ROOT
+from support.kimi import KIMI_SHAPE, SGLANG_KEYS, yarn_rope
+
+
+def _target_cfg(**changes) -> dict:
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **KIMI_SHAPE, **SGLANG_KEYS,
+           "rope_parameters": yarn_rope(512), "rope_interleave": True}
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def _mla_draft_cfg(**changes) -> dict:
+    cfg = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 1,
+           "hidden_size": 128, "q_lora_rank": 64, "kv_lora_rank": 64, "rope_parameters": yarn_rope(512),
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    cfg.update(changes)
+    return cfg
+
+
+def _folder(tmp_path: Path, name: str, cfg: dict) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "rope_parameters.rope_type"),
+    ({"rope_parameters": None}, "rope_parameters.rope_type"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "default"}}, "rope_scaling.type"),
+    ({"moe_layer_freq": None}, "moe_layer_freq"),
+    ({"topk_method": None}, "topk_method"),
+])
+def test_target_configs_sglang_refuses_on_cpu_name_file_and_field(tmp_path, changes, field):
+    d = _folder(tmp_path, "t", _target_cfg(**changes))
+    with pytest.raises(BadServerInput) as exc:
+        check_cpu_config(json.loads((d / "config.json").read_text()), d, "target")
+    msg = str(exc.value)
+    assert "\n" not in msg and str(d / "config.json") in msg and f"field {field}:" in msg
+
+
+def test_kimi_k25_text_config_is_the_one_checked(tmp_path):
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": _target_cfg(rope_parameters={"rope_type": "default"})}
+    with pytest.raises(BadServerInput, match=r"field text_config\.rope_parameters\.rope_type: is 'default'"):
+        check_cpu_config(wrapper, tmp_path, "target")
+    wrapper["text_config"] = _target_cfg()
+    check_cpu_config(wrapper, tmp_path, "target")
+
+
+@pytest.mark.parametrize("changes,field", [({"q_lora_rank": None}, "q_lora_rank"),
+                                           ({"num_hidden_layers": 2}, "num_hidden_layers"),
+                                           ({"rope_parameters": {"rope_type": "default"}}, "rope_parameters.rope_type")])
+def test_mla_draft_configs_sglang_refuses_name_file_and_field(tmp_path, changes, field):
+    d = _folder(tmp_path, "d", _mla_draft_cfg(**changes))
+    with pytest.raises(BadServerInput, match=rf"draft config {d / 'config.json'}: field {field}:"):
+        check_cpu_config(json.loads((d / "config.json").read_text()), d, "draft")
+
+
+def test_good_and_other_family_configs_pass(tmp_path):
+    check_cpu_config(_target_cfg(), tmp_path, "target")
+    check_cpu_config(_mla_draft_cfg(), tmp_path, "draft")
+    # not the DeepSeek family: its RoPE is not SGLang's deepseek_yarn path, nothing to check here
+    check_cpu_config({"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "default"}},
+                     tmp_path, "target")
+    check_cpu_config({"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}, tmp_path, "draft")
+
+
+def test_start_refuses_before_launching(tmp_path):
+    """embedded.start raises on the config before it looks for the SGLang interpreter or a port."""
+    bad = _folder(tmp_path, "t", _target_cfg(topk_method=None))
+    with pytest.raises(BadServerInput, match="field topk_method"):
+        start(bad, None, tp=1, python=tmp_path / "no-such-python")
+    good = _folder(tmp_path, "t2", _target_cfg())
+    draft = _folder(tmp_path, "d", _mla_draft_cfg(q_lora_rank=None))
+    with pytest.raises(BadServerInput, match="field q_lora_rank"):
+        start(good, draft, tp=1, python=tmp_path / "no-such-python")
+
+
+def test_server_start_cli_prints_one_line_and_exits_2(tmp_path):
+    bad = _folder(tmp_path, "t", _target_cfg(rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+    r = subprocess.run([sys.executable, "-m", "helpers", "server", "start", "--target", str(bad), "--tp", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("server: error: target config ")
+    assert "field rope_parameters.rope_type: is 'default'" in lines[0] and "get_rope_cpu" in lines[0]
