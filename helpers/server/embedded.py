@@ -410,6 +410,10 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
         "E3F_SHM_KEY": f"{os.getpid()}-{port}-{int(time.time() * 1e3) % 10**9}",
         # torch's TCPStore of the distributed init listens on 127.0.0.1 too (env/reference/standin/e3f_boot.py)
         "E3F_LOOPBACK_STORE": "1",
+        # a scheduler that dies (e.g. SGLang's RuntimeError for an aux layer id it never reaches) would otherwise make
+        # the launcher sleep 65 s for py-spy dumps and CUDA coredumps this CPU server cannot take
+        # (sglang/srt/managers/tokenizer_manager.py, SGLANG_PYSPY_DUMP_BEFORE_CRASH / SGLANG_CUDA_COREDUMP_BEFORE_CRASH)
+        "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
         # this checkout's stand-in (sgl_kernel, e3f_boot) ahead of the one the SGLang venv was installed from
         "PYTHONPATH": os.pathsep.join([str(STANDIN)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
     })
