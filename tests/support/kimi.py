@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -190,3 +191,67 @@ def build_llama_draft(out: Path, target_dir: Path, *, layer_ids: Optional[Sequen
          **_vocab_maps(v, draft_vocab)}
     save_file(w, os.fspath(out / "model.safetensors"))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- the models tests use
+#: the trained Kimi-class models (env/models/kimi/, made by env/models' trainers), when present
+TRAINED = ROOT / "env" / "models" / "kimi"
+
+
+@dataclass(frozen=True)
+class KimiModels:
+    """The Kimi-class target and its two EAGLE-3 drafts a test serves: ``trained`` (env/models/kimi/) or random."""
+
+    target: Path
+    llama_draft: Path
+    mla_draft: Path
+    trained: bool
+
+
+def kimi_models(scratch: Path) -> KimiModels:
+    """The trained models of :data:`TRAINED` when all three folders hold a config.json, else random ones of the same
+    shapes built under ``scratch`` (target seed 0, drafts with ids [1, 3, 4])."""
+    t, d, m = TRAINED / "target", TRAINED / "draft", TRAINED / "draft_mla"
+    if all((p / "config.json").is_file() for p in (t, d, m)):
+        return KimiModels(t, d, m, True)
+    scratch = Path(scratch)
+    target = build_deepseek_target(scratch / "target")
+    return KimiModels(target, build_llama_draft(scratch / "llama-draft", target),
+                      build_mla_draft(scratch / "mla-draft", target), False)
+
+
+def hf_layers(model, ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Every layer of an HF causal LM for one sequence: ``{"embedding": [T, H], "out(0)": ..., "out(n-1)": ...}``
+    (fp32; out(L) = HF ``hidden_states[L+1]`` for L < n-1, out(n-1) = the input of ``model.norm``, since HF's last
+    entry is after the final norm) and ``"mlp(L)"``: each layer's MLP (or MoE) block output, the sum SGLang's ranks
+    hold partials of."""
+    got: dict[str, torch.Tensor] = {}
+    hooks = [model.model.norm.register_forward_pre_hook(lambda m, a: got.__setitem__("pre_norm", a[0][0].detach()))]
+    for L, layer in enumerate(model.model.layers):
+        hooks.append(layer.mlp.register_forward_hook(
+            lambda m, a, o, L=L: got.__setitem__(f"mlp({L})", (o[0] if isinstance(o, tuple) else o)[0].detach())))
+    try:
+        with torch.no_grad():
+            hs = model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states
+    finally:
+        for h in hooks:
+            h.remove()
+    n = len(model.model.layers)
+    out = {"embedding": hs[0][0].float()}
+    out.update({f"out({L})": hs[L + 1][0].float() for L in range(n - 1)})
+    out[f"out({n - 1})"] = got.pop("pre_norm").float()
+    out.update({k: v.float() for k, v in got.items()})
+    return out
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| over the whole tensor (float64)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def identify(chunk: torch.Tensor, layers: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """The residual-stream tensor (``embedding`` / ``out(L)``) of ``layers`` closest to ``chunk``, and its rel diff."""
+    names = [k for k in layers if k == "embedding" or k.startswith("out(")]
+    best = min(names, key=lambda k: rel_diff(chunk, layers[k]))
+    return best, rel_diff(chunk, layers[best])
