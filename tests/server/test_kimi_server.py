@@ -277,18 +277,19 @@ class TestLlamaDraftTP2:
 
 
 # ---------------------------------------------------------------------------------------------- TP 8, MLA draft
+@pytest.fixture(scope="class")
+def tp8(kimi, tcfg, tmp_path_factory):
+    """The MLA draft with ids [1, 3, -1]: +1 -> [2, 4, 0], the embedding (all-reduced over 8 vocab shards) first."""
+    d = build_mla_draft(tmp_path_factory.mktemp("kimi-tp8") / "draft", kimi.target, layer_ids=[1, 3, -1])
+    cap = tmp_path_factory.mktemp("kimi-tp8-cap")
+    handle = _server(kimi.target, d, 8, _capture_hooks(tcfg.num_hidden_layers, cap / "ranks", None))
+    handle.draft_dir, handle.cap = d, cap
+    yield handle
+    _stop(handle)
+
+
 @pytest.mark.slow
 class TestTP8:
-    @pytest.fixture(scope="class")
-    def tp8(self, kimi, tcfg, tmp_path_factory):
-        """The MLA draft with ids [1, 3, -1]: +1 -> [2, 4, 0], the embedding (all-reduced over 8 vocab shards) first."""
-        d = build_mla_draft(tmp_path_factory.mktemp("kimi-tp8") / "draft", kimi.target, layer_ids=[1, 3, -1])
-        cap = tmp_path_factory.mktemp("kimi-tp8-cap")
-        handle = _server(kimi.target, d, 8, _capture_hooks(tcfg.num_hidden_layers, cap / "ranks", None))
-        handle.draft_dir, handle.cap = d, cap
-        yield handle
-        _stop(handle)
-
     def test_tp8_tokens_table_moe_ranks_and_listeners(self, tp8, hf, tcfg):
         _assert_greedy_equal(tp8.url, hf, PROMPTS[:1], n=12)
         _assert_loopback_only(tp8)
