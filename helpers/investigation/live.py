@@ -41,6 +41,7 @@ from ..diagnosis.detectors import finding
 from ..errors import BadInput, describe
 from ..formats.configs import read_config_json, read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
+from ..layers.sglang import target_rule
 from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
 from ..records import Finding, HypothesisEntry, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, safe_name, write_json
@@ -79,6 +80,7 @@ class Attachment:
             ``{"kind": "command", "argv": [...]}``), or None.
         findings: attach findings (the given draft differs from the served one).
         info: the redacted ``/server_info``.
+        caveats: capture paths this server runs that the CPU reference could not verify (:func:`capture_caveats`).
     """
 
     url: str
@@ -98,6 +100,7 @@ class Attachment:
     restart: Optional[dict] = None
     findings: list = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    caveats: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"url": self.url, "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
@@ -108,7 +111,7 @@ class Attachment:
                 "layers_dir": None if self.layers_dir is None else str(self.layers_dir),
                 "other_hooks": self.other_hooks,
                 "restart": None if self.restart is None else {"kind": self.restart["kind"]},
-                "findings": self.findings}
+                "findings": self.findings, "caveats": self.caveats}
 
 
 def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict]]:
@@ -134,6 +137,70 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
         else:
             others.append({"name": name, "target_modules": h.get("target_modules"), "hook_factory": factory})
     return ranks, layers, others
+
+
+#: what a GPU server of the DeepSeek family may run that the CPU reference cannot, each with the capture path it
+#: takes there (SGLang 0.5.23 line numbers; env/reference/README.md "What the DeepSeek family cannot show on CPU")
+UNVERIFIED_CAPTURE_PATHS = {
+    "two_batch_overlap": (
+        "two-batch overlap (enable_two_batch_overlap): on a TBO batch the layer loop stops at first_k_dense_replace "
+        "and the later layers run through batch_overlap/two_batch_overlap.py::model_forward_stages, which is passed no "
+        "aux collector (sglang/srt/models/deepseek_v2.py:3166-3173, 3202-3210, DeepseekV2Model.forward); an aux layer "
+        "id at or past first_k_dense_replace is then not captured on that batch and AuxHiddenStatePacker.finalize "
+        "would come up short (layers/aux_hidden_states.py). Whether EAGLE-3 target batches run under TBO was not "
+        "verified: the CPU reference cannot run TBO (it needs an EP all-to-all backend or DP attention, "
+        "arg_groups/validation_hook.py::check_two_batch_overlap)"),
+    "dp_attention": (
+        "DP attention (enable_dp_attention / attn_dp_size > 1): the aux capture goes through the attention-TP gather "
+        "of the stage input (layers/layer_boundary/stage.py:461-480 StageBoundary._prepare_attention with "
+        "entry.input_move = attn_tp_gather_input, layers/layer_boundary/boundary.py:582-614, EntryStep for TokenAxis.ATTN_TP), so each captured row "
+        "is gathered across the attention-DP ranks before it is packed; the CPU reference runs plain TP, where "
+        "input_move is None and only the no-gather branch was verified"),
+    "ep_all_to_all": (
+        "EP all-to-all MoE (moe_a2a_backend / ep_size > 1): the MoE output comes back through the all-to-all combine "
+        "(deepseek_v2.py:1074 `if not self._enable_a2a_moe` -> DeepseekV2MoE.forward_deepep, l.1524) instead of "
+        "the TP partial sums the CPU reference verified; the aux states are still read at the next layer's "
+        "attention entry, but that path, and what this tool's per-rank `mlp_partial` hook records there, are "
+        "unverified (DeepEP / Mooncake are CUDA-only)"),
+    "cuda_graph": (
+        "CUDA graphs: decode / target-verify forwards replay a captured graph, so --forward-hooks (this tool's "
+        "per-rank, every-layer and fault hooks) do not run on them, and the packed aux tensor the draft reads is the "
+        "graph's static output of AuxHiddenStatePacker (deepseek_v2.py:3175); the CPU reference runs eager only "
+        "(--disable-cuda-graph), so the graph path is unverified: capture on a replica started with "
+        "--disable-cuda-graph (env/gpu/launch_tp8.sh with LAYERS_DIR)"),
+}
+
+
+def capture_caveats(info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]) -> list[str]:
+    """The capture paths this server runs that the CPU reference could not verify, one sentence each (the
+    :data:`UNVERIFIED_CAPTURE_PATHS` entry), for a DeepSeek-family target (SGLang's ``deepseek`` id rule:
+    ``models/deepseek_v2.py`` and the models built on it, Kimi-K2.5 included); [] for any other target or a server
+    running none of them.
+
+    Read from ``/server_info`` (SGLang 0.5.23 field names): ``enable_two_batch_overlap``; ``enable_dp_attention`` or
+    ``attn_dp_size`` > 1; ``moe_a2a_backend`` other than ``none`` or ``ep_size`` > 1; CUDA graphs on a non-CPU
+    ``device`` unless ``disable_cuda_graph`` (or every ``cuda_graph_config`` phase's backend is ``disabled``).
+    """
+    if target_rule(architectures, model_type).rule != "deepseek":
+        return []
+
+    def count(key: str) -> int:
+        v = info.get(key)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 1
+
+    on = []
+    if info.get("enable_two_batch_overlap") is True:
+        on.append("two_batch_overlap")
+    if info.get("enable_dp_attention") is True or count("attn_dp_size") > 1:
+        on.append("dp_attention")
+    if str(info.get("moe_a2a_backend") or "none").lower() != "none" or count("ep_size") > 1:
+        on.append("ep_all_to_all")
+    graphs = info.get("cuda_graph_config")
+    phases = [p for p in graphs.values() if isinstance(p, dict)] if isinstance(graphs, dict) else []
+    all_disabled = bool(phases) and all(str(p.get("backend")) == "disabled" for p in phases)
+    if str(info.get("device") or "cuda") != "cpu" and info.get("disable_cuda_graph") is not True and not all_disabled:
+        on.append("cuda_graph")
+    return [f"unverified capture path on this DeepSeek-family server: {UNVERIFIED_CAPTURE_PATHS[k]}" for k in on]
 
 
 def _same_draft(a: Path, b: Path) -> Optional[dict]:
@@ -210,11 +277,13 @@ def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: 
         restart = {"kind": "embedded", **entry}
     spec = {"num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),
             "num_draft_tokens": info.get("speculative_num_draft_tokens")}
+    tcfg = read_target_config(target_dir)
     return Attachment(url=client.url, version=info.get("version"), tp=int(info.get("tp_size") or 1),
                       algorithm=info.get("speculative_algorithm"), spec=spec, served_draft=served_draft,
                       served_target=served_target, draft_dir=draft_dir, draft_source=draft_source,
                       target_dir=target_dir, target_source=target_source, rank_capture_dir=ranks, layers_dir=layers,
-                      other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info))
+                      other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info),
+                      caveats=capture_caveats(info, tcfg.architectures, tcfg.model_type))
 
 
 def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:
@@ -356,6 +425,9 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         doc.attach = att.to_json()
         done("attach", t, f"SGLang {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
                           f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
+        for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
+            doc.notes.append(caveat)
+            progress("caveat: " + caveat)
         if att.draft_dir is None:
             raise BadInput("the server runs no draft this machine can read and no --draft was given "
                            "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
