@@ -261,7 +261,9 @@ def disabled_model_modules(python: Path, model_type: Optional[str]) -> Optional[
     keep = KEEP_MODEL_MODULES.get(model_type or "")
     if keep is None:
         return None
-    lib = Path(python).resolve().parent.parent / "lib"
+    # the venv's own lib/, so the interpreter path is not resolved: a venv's bin/python is a symlink to the base
+    # interpreter (e.g. ~/.pyenv/versions/3.11.7/bin/python3.11), whose lib/ holds no sglang
+    lib = Path(os.path.abspath(python)).parent.parent / "lib"
     found = sorted(lib.glob("python3*/site-packages/sglang/srt/models"))
     if not found:
         return None

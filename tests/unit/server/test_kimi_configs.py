@@ -103,3 +103,23 @@ def test_server_start_cli_prints_one_line_and_exits_2(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("server: error: target config ")
     assert "field rope_parameters.rope_type: is 'default'" in lines[0] and "get_rope_cpu" in lines[0]
+
+
+def test_disabled_model_modules_reads_the_venv_behind_a_symlinked_interpreter(tmp_path):
+    """A venv's bin/python is a symlink to the base interpreter; the model modules are looked up in the venv's own
+    lib/ (resolving the link found none, so every server imported all ~250 SGLang model modules per process)."""
+    import os
+
+    from helpers.server.embedded import KEEP_MODEL_MODULES, disabled_model_modules
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, venv / "bin" / "python")
+    models = venv / "lib" / "python3.11" / "site-packages" / "sglang" / "srt" / "models"
+    models.mkdir(parents=True)
+    for name in ("__init__", "llama", "llama_eagle3", "deepseek_v2", "kimi_k25_eagle3", "qwen3", "falcon_mamba"):
+        (models / f"{name}.py").write_text("")
+    assert disabled_model_modules(venv / "bin" / "python", "deepseek_v3") == "falcon_mamba,qwen3"
+    assert disabled_model_modules(venv / "bin" / "python", "llama") == "deepseek_v2,falcon_mamba,kimi_k25_eagle3,qwen3"
+    assert disabled_model_modules(venv / "bin" / "python", "qwen3") is None          # unknown here: import all
+    assert set(KEEP_MODEL_MODULES["deepseek_v3"]) >= {"deepseek_v2", "llama_eagle3", "kimi_k25_eagle3"}
