@@ -148,20 +148,23 @@ UNVERIFIED_CAPTURE_PATHS = {
         "aux collector (sglang/srt/models/deepseek_v2.py:3166-3173, 3202-3210, DeepseekV2Model.forward); an aux layer "
         "id at or past first_k_dense_replace is then not captured on that batch and AuxHiddenStatePacker.finalize "
         "would come up short (layers/aux_hidden_states.py). Whether EAGLE-3 target batches run under TBO was not "
-        "verified: the CPU reference cannot run TBO (it needs an EP all-to-all backend or DP attention, "
-        "arg_groups/validation_hook.py::check_two_batch_overlap)"),
+        "verified: the CPU reference cannot run TBO (with DP attention it reaches model_forward_stages at the "
+        "warm-up and fails in batch_overlap/operations_strategy.py:106, torch.cuda.get_device_properties)"),
     "dp_attention": (
-        "DP attention (enable_dp_attention / attn_dp_size > 1): the aux capture goes through the attention-TP gather "
-        "of the stage input (layers/layer_boundary/stage.py:461-480 StageBoundary._prepare_attention with "
-        "entry.input_move = attn_tp_gather_input, layers/layer_boundary/boundary.py:582-614, EntryStep for TokenAxis.ATTN_TP), so each captured row "
-        "is gathered across the attention-DP ranks before it is packed; the CPU reference runs plain TP, where "
-        "input_move is None and only the no-gather branch was verified"),
+        "DP attention with more than one attention-TP rank per DP group (tp_size / attn_dp_size > 1): the aux capture "
+        "then reads the stage input through the attention-TP gather (layers/layer_boundary/stage.py:461-480, "
+        "StageBoundary._prepare_attention with entry.input_move = attn_tp_gather_input; "
+        "layers/layer_boundary/boundary.py:582-614, the TokenAxis.ATTN_TP entry step), a branch the CPU reference "
+        "did not run: it served DP attention only with one attention-TP rank per DP group (TP 2, attn_dp_size 2: "
+        "aux states equal to HF's layers), where that gather is a no-op"),
     "ep_all_to_all": (
-        "EP all-to-all MoE (moe_a2a_backend / ep_size > 1): the MoE output comes back through the all-to-all combine "
-        "(deepseek_v2.py:1074 `if not self._enable_a2a_moe` -> DeepseekV2MoE.forward_deepep, l.1524) instead of "
-        "the TP partial sums the CPU reference verified; the aux states are still read at the next layer's "
-        "attention entry, but that path, and what this tool's per-rank `mlp_partial` hook records there, are "
-        "unverified (DeepEP / Mooncake are CUDA-only)"),
+        "expert parallelism (moe_a2a_backend / ep_size > 1): the MoE output comes back through the all-to-all "
+        "combine (deepseek_v2.py:1074 `if not self._enable_a2a_moe` -> DeepseekV2MoE.forward_deepep, l.1524) or "
+        "from rank-local experts, not as the TP partial sums the CPU reference verified; the aux states are still "
+        "read at the next layer's attention entry, but that path, and what this tool's per-rank `mlp_partial` hook "
+        "records there, are unverified (the CPU reference cannot run EP: its fp32 MoE, "
+        "layers/moe/fused_moe_native.py:77 moe_forward_native, fails on the -1 ids of other ranks' experts; the "
+        "all-to-all backends are CUDA/ROCm/NPU libraries)"),
     "cuda_graph": (
         "CUDA graphs: decode / target-verify forwards replay a captured graph, so --forward-hooks (this tool's "
         "per-rank, every-layer and fault hooks) do not run on them, and the packed aux tensor the draft reads is the "
@@ -177,9 +180,11 @@ def capture_caveats(info: dict, architectures: Optional[Sequence[str]], model_ty
     ``models/deepseek_v2.py`` and the models built on it, Kimi-K2.5 included); [] for any other target or a server
     running none of them.
 
-    Read from ``/server_info`` (SGLang 0.5.23 field names): ``enable_two_batch_overlap``; ``enable_dp_attention`` or
-    ``attn_dp_size`` > 1; ``moe_a2a_backend`` other than ``none`` or ``ep_size`` > 1; CUDA graphs on a non-CPU
-    ``device`` unless ``disable_cuda_graph`` (or every ``cuda_graph_config`` phase's backend is ``disabled``).
+    Read from ``/server_info`` (SGLang 0.5.23 field names): ``enable_two_batch_overlap``; DP attention
+    (``enable_dp_attention`` or ``attn_dp_size`` > 1) with ``tp_size`` / ``attn_dp_size`` > 1 (one attention-TP rank
+    per DP group was verified on the CPU reference); ``moe_a2a_backend`` other than ``none`` or ``ep_size`` > 1; CUDA
+    graphs on a non-CPU ``device`` unless ``disable_cuda_graph`` (or every ``cuda_graph_config`` phase's backend is
+    ``disabled``).
     """
     if target_rule(architectures, model_type).rule != "deepseek":
         return []
@@ -191,7 +196,8 @@ def capture_caveats(info: dict, architectures: Optional[Sequence[str]], model_ty
     on = []
     if info.get("enable_two_batch_overlap") is True:
         on.append("two_batch_overlap")
-    if info.get("enable_dp_attention") is True or count("attn_dp_size") > 1:
+    attn_dp = count("attn_dp_size") if count("attn_dp_size") > 1 else count("dp_size")
+    if (info.get("enable_dp_attention") is True or count("attn_dp_size") > 1) and count("tp_size") // attn_dp > 1:
         on.append("dp_attention")
     if str(info.get("moe_a2a_backend") or "none").lower() != "none" or count("ep_size") > 1:
         on.append("ep_all_to_all")

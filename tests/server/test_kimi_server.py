@@ -2,8 +2,8 @@
 0.5.23 CPU server with either EAGLE-3 draft, against HF transformers on the same weights (fp32).
 
 One server per class (class-scoped, so only one runs at a time): TP 2 with the MLA draft (``Eagle3DeepseekV2ForCausalLM``)
-and the capture hooks; TP 2 with the Llama draft (``LlamaForCausalLMEagle3``) and a fault injected on the packed aux
-tensor; TP 8 (slow: where 8 ranks matter) with the MLA draft and the embedding among its ids. Each checks the SGLang
+and the capture hooks; TP 2 with the Llama draft (``LlamaForCausalLMEagle3``), DP attention and a fault injected on the
+packed aux tensor; TP 8 (slow: where 8 ranks matter) with the MLA draft and the embedding among its ids. Each checks the SGLang
 rule table's prediction for its draft's ids against what the server really feeds the draft
 (``helpers.diagnosis.conventions.served_plan``: first id 1 -> +1; first id 2 -> capture indices as-is; -1 with first
 id 1 -> the embedding), and two TP 1 starts check that an id the layer loop never reaches (the last layer, or -1
@@ -249,8 +249,9 @@ class TestMLADraftTP2:
 # ---------------------------------------------------------------------------------------------- TP 2, Llama draft
 @pytest.fixture(scope="class")
 def llama_tp2(kimi, tcfg, tmp_path_factory):
-    """The Llama draft with ids [2, 4, 5] (DeepSeek: capture indices as-is) and a chunk_order fault the tool's hook
-    applies to the packed aux tensor."""
+    """The Llama draft with ids [2, 4, 5] (DeepSeek: capture indices as-is), a chunk_order fault the tool's hook
+    applies to the packed aux tensor, and DP attention (``--attn-dp-size 2``: one attention-TP rank per DP group, the
+    DP-attention case the CPU reference can run)."""
     d = build_llama_draft(tmp_path_factory.mktemp("kimi-llama") / "draft", kimi.target, layer_ids=[2, 4, 5])
     if kimi.trained:      # the trained Llama draft's weights with these ids (fc width is the same)
         import shutil
@@ -258,15 +259,18 @@ def llama_tp2(kimi, tcfg, tmp_path_factory):
     cap = tmp_path_factory.mktemp("kimi-llama-tp2")
     hooks = _capture_hooks(tcfg.num_hidden_layers, cap / "ranks", None,
                            faults=[Fault("chunk_order", order=[2, 0, 1])])
-    handle = _server(kimi.target, d, 2, hooks)
+    handle = _server(kimi.target, d, 2, hooks, extra_args=["--attn-dp-size", "2"])
     handle.draft_dir = d
     yield handle
     _stop(handle)
 
 
 class TestLlamaDraftTP2:
-    def test_greedy_tokens_equal_hf(self, llama_tp2, hf):
+    def test_greedy_tokens_equal_hf_under_dp_attention(self, llama_tp2, hf):
+        info = httpx.get(llama_tp2.url + "/server_info", timeout=60).json()
+        assert info["enable_dp_attention"] is True and info["attn_dp_size"] == 2
         _assert_greedy_equal(llama_tp2.url, hf, PROMPTS[:1])
+        _assert_loopback_only(llama_tp2)
 
     def test_capture_index_ids_as_is_and_the_fault_on_the_packed_tensor(self, llama_tp2, hf, tcfg):
         """ids [2, 4, 5]: no +1 (first id is not 1) -> out(1), out(3), out(4); the fault hook reordered the packed

@@ -42,10 +42,11 @@ def test_a_cpu_reference_server_has_no_caveat():
 
 @pytest.mark.parametrize("change,path,cites", [
     ({"enable_two_batch_overlap": True}, "two-batch overlap", "deepseek_v2.py:3166-3173"),
-    ({"enable_dp_attention": True, "attn_dp_size": 8}, "DP attention", "stage.py:461-480"),
-    ({"attn_dp_size": 4}, "DP attention", "attn_tp_gather_input"),
-    ({"moe_a2a_backend": "deepep", "ep_size": 8}, "EP all-to-all", "forward_deepep"),
-    ({"ep_size": 8}, "EP all-to-all", "deepseek_v2.py:1074"),
+    ({"enable_dp_attention": True, "attn_dp_size": 4, "tp_size": 8}, "DP attention", "stage.py:461-480"),
+    ({"attn_dp_size": 2, "tp_size": 8}, "DP attention", "attn_tp_gather_input"),
+    ({"enable_dp_attention": True, "dp_size": 2, "tp_size": 8}, "DP attention", "boundary.py:582-614"),
+    ({"moe_a2a_backend": "deepep", "ep_size": 8}, "expert parallelism", "forward_deepep"),
+    ({"ep_size": 8}, "expert parallelism", "fused_moe_native.py:77"),
 ])
 def test_each_feature_names_its_unverified_capture_path(change, path, cites):
     notes = capture_caveats({**CPU, **change}, *DS)
@@ -57,8 +58,10 @@ def test_cuda_graphs_on_a_gpu_server_and_all_at_once():
     assert [n for n in capture_caveats(GPU, *DS) if "CUDA graphs" in n and "--disable-cuda-graph" in n]
     # a GPU server started with --disable-cuda-graph (e.g. env/gpu/launch_tp8.sh with LAYERS_DIR): no graph caveat
     assert capture_caveats({**GPU, "disable_cuda_graph": True}, *DS) == []
-    everything = {**GPU, "enable_two_batch_overlap": True, "enable_dp_attention": True, "attn_dp_size": 8,
-                  "moe_a2a_backend": "deepep", "ep_size": 8}
+    # DP attention with one attention-TP rank per DP group (attn_dp_size == tp_size) was served on the CPU reference
+    assert capture_caveats({**CPU, "enable_dp_attention": True, "attn_dp_size": 2, "tp_size": 2}, *DS) == []
+    everything = {**GPU, "enable_two_batch_overlap": True, "enable_dp_attention": True, "attn_dp_size": 2,
+                  "tp_size": 8, "moe_a2a_backend": "deepep", "ep_size": 8}
     assert len(capture_caveats(everything, *DS)) == 4
     # Kimi-K2.5 builds DeepSeek-V3 inside; the same caveats
     assert len(capture_caveats(everything, ["KimiK25ForConditionalGeneration"], "kimi_k25")) == 4
