@@ -96,7 +96,8 @@ def main() -> int:
         ll, kk = results[(tp, "llama")], results[(tp, "kimi")]
         for name, rows in (("Llama reference + EAGLE-3", ll), ("Kimi-class + MLA EAGLE-3", kk)):
             ratio = f"{med(kk, 'total') / med(ll, 'total'):.2f}" if rows is kk else ""
-            print(f"| {tp} | {name} | {med(rows, 'total'):.1f} ({', '.join(f'{x['total']:.0f}' for x in rows)}) | "
+            each = ", ".join(f"{x['total']:.0f}" for x in rows)
+            print(f"| {tp} | {name} | {med(rows, 'total'):.1f} ({each}) | "
                   f"{med(rows, 'imports'):.1f} | {med(rows, 'init_weights'):.1f} | {med(rows, 'ready'):.1f} | {ratio} |")
     return 0
 
