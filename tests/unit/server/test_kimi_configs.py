@@ -123,3 +123,37 @@ def test_disabled_model_modules_reads_the_venv_behind_a_symlinked_interpreter(tm
     assert disabled_model_modules(venv / "bin" / "python", "llama") == "deepseek_v2,falcon_mamba,kimi_k25_eagle3,qwen3"
     assert disabled_model_modules(venv / "bin" / "python", "qwen3") is None          # unknown here: import all
     assert set(KEEP_MODEL_MODULES["deepseek_v3"]) >= {"deepseek_v2", "llama_eagle3", "kimi_k25_eagle3"}
+
+
+def test_gpu_launch_script_places_hooks_on_the_target_family(tmp_path):
+    """env/gpu/launch_tp8.sh builds its --forward-hooks for the target's family: on Kimi-K2.5 (the DeepSeek text model
+    under language_model.) the capture hooks must name language_model.* modules or they would match nothing. The
+    script runs with a PYTHON that prints the sglang.launch_server argv instead of starting a server."""
+    import os
+
+    k25 = tmp_path / "kimi-k25"
+    k25.mkdir()
+    (k25 / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                 "model_type": "kimi_k25", "text_config": _target_cfg()}))
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!{sys.executable}
+import json, os, sys
+if sys.argv[1:3] == ["-m", "sglang.launch_server"]:
+    print(json.dumps(sys.argv[3:]))
+    sys.exit(0)
+os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "TARGET": str(k25), "DRAFT": str(tmp_path / "draft"), "PYTHON": str(fake),
+           "LAYERS_DIR": str(tmp_path / "layers"), "HOOKS_DIR": str(tmp_path / "ranks"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    r = subprocess.run(["bash", str(ROOT / "env" / "gpu" / "launch_tp8.sh")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    argv = json.loads(r.stdout.strip().splitlines()[-1])
+    hooks = json.loads(argv[argv.index("--forward-hooks") + 1])
+    modules = {m for h in hooks for m in h["target_modules"]}
+    assert "--disable-cuda-graph" in argv
+    assert modules and all(m.startswith("language_model.") for m in modules), modules
+    assert {"language_model.model.norm", "language_model.model.layers.1.input_layernorm",
+            "language_model.logits_processor"} <= modules
