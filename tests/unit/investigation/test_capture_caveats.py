@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers.investigation.live import attach, capture_caveats
+from helpers.investigation.attach import attach, capture_caveats
 
 #: what SGLang 0.5.23's /server_info says of these features on a plain CPU reference server (read from a live one)
 CPU = {"device": "cpu", "disable_cuda_graph": True, "enable_two_batch_overlap": False, "enable_dp_attention": False,
