@@ -18,6 +18,7 @@ from ..engines.detect import detect
 from ..errors import BadServerInput, ServerStartError
 from ..faults import Fault
 from ..formats.configs import read_target_config
+from ..hooks import model_family
 from ..runfiles import loads_json
 from ..paths import ROOT
 from ..server.embedded import (
@@ -131,9 +132,12 @@ def _body(argv: list[str]) -> int:
         hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
         faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
         if faults or args.capture_layers or args.capture_ranks:
-            n = read_target_config(args.target or REFERENCE_TARGET).num_hidden_layers
-            hooks = (hooks or []) + (server_hook_specs(n, faults=faults, rank_capture_dir=args.capture_ranks,
-                                                       layers_dir=args.capture_layers) or [])
+            tcfg = read_target_config(args.target or REFERENCE_TARGET)
+            hooks = (hooks or []) + (server_hook_specs(tcfg.num_hidden_layers, faults=faults,
+                                                       rank_capture_dir=args.capture_ranks,
+                                                       layers_dir=args.capture_layers,
+                                                       family=model_family(tcfg.architectures, tcfg.model_type))
+                                     or [])
         spec = SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
                             num_draft_tokens=args.draft_tokens)
         handle = start(args.target, draft, tp=args.tp, port=args.port, spec=spec, dtype=args.dtype,

@@ -176,6 +176,9 @@ def _stage_attach(r: Run) -> None:
     doc.attach = att.to_json()
     r.done("attach", t, f"SGLang {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
                         f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
+    for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
+        doc.notes.append(caveat)
+        r.progress("caveat: " + caveat)
     if att.draft_dir is None:
         raise BadInput("the server runs no draft this machine can read and no --draft was given "
                        "(speculative_draft_model_path)", path=att.served_draft, field="--draft")

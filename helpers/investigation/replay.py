@@ -34,6 +34,7 @@ from ..acceptance.stats import paired_effect
 from ..capture import server_hook_specs
 from ..errors import RunFailed
 from ..formats.configs import read_target_config
+from ..hooks import model_family
 from ..records import REPLAY_STEP, FixStep, HypothesisStep, InvestigationStep, ReplayDoc, SweepStep
 from ..runfiles import atomic_write_text, read_parquet, safe_name, write_json
 from ..server.settings import SpecSettings
@@ -56,7 +57,9 @@ class Replay:
         self.target = case.resolve(case.models.target)
         self.draft = case.resolve(case.models.draft)
         self.training = case.resolve(case.models.training_data) if case.models.training_data else None
-        self.num_layers = read_target_config(self.target).num_hidden_layers
+        tcfg = read_target_config(self.target)
+        self.num_layers = tcfg.num_hidden_layers
+        self.family = model_family(tcfg.architectures, tcfg.model_type)
         self.steps: list = []          # typed steps (helpers.records)
         self.server_cm = None   # the context manager of the running server
         self.server = None      # (client, handle)
@@ -89,7 +92,7 @@ class Replay:
                                                              fix.add_tensors.items()} or None)
         spec = self.case.server.spec.merged(fix.spec).merged(spec_override).merged({"algorithm": fix.algorithm})
         hooks = server_hook_specs(self.num_layers, faults=fix.faults, rank_capture_dir=capture_dir,
-                                  layers_dir=None if capture_dir is None else capture_dir / "layers")
+                                  layers_dir=None if capture_dir is None else capture_dir / "layers", family=self.family)
         ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=spec.with_launch_defaults(),
                         forward_hooks=hooks, **launch)
         return ServerSpec(launch=ls), draft
