@@ -1,10 +1,14 @@
 #!/usr/bin/env python
 """Speed and memory of the offline draft run (helpers.draft) on a Kimi-shaped EAGLE-3 draft, per CPU capability.
 
-Draft: hidden 7168, 56 heads x 128, 8 KV heads, intermediate 18432, draft vocab 32000, target vocab 163840 (Kimi-K2's),
-3 aux chunks, random weights built in memory (no checkpoint on disk) in the compute dtype. One sequence of 513 tokens:
-512 positions simulated at ``--speculative-num-steps 3`` (chain: the draft-extend pass and two draft steps over every
-row).
+Draft (``--arch llama``, the default): ``LlamaForCausalLMEagle3``, hidden 7168, 56 heads x 128, 8 KV heads,
+intermediate 18432, draft vocab 32000, target vocab 163840 (Kimi-K2's), 3 aux chunks. ``--arch mla``: Kimi-K2.5's MLA
+draft (``Eagle3DeepseekV2ForCausalLM``) as its public config describes it (tests/data/public_configs/torchspec/
+kimi_k25_eagle3_mla.json: hidden 7168, 64 heads, q_lora 1536, kv_lora 512, qk 128 + 64, v 128, intermediate 18432,
+draft vocab = target vocab 163840, yarn factor 64), every parameter SGLang builds from it
+(:func:`helpers.draft.params.sglang_parameters`). Random weights built in memory (no checkpoint on disk) in the compute
+dtype. One sequence of 513 tokens: 512 positions simulated at ``--speculative-num-steps 3`` (chain: the draft-extend
+pass and two draft steps over every row).
 
 The compute dtype is the one the tool itself picks (``--dtype auto``: :func:`helpers.draft.precision.choose_dtype` for a
 server computing in bfloat16, the usual GPU server): bfloat16 where the CPU has native bf16, float32 where it lacks it.
@@ -19,16 +23,23 @@ Phases (seconds, each printed as it ends, so the bench never sits silent):
   * ``warm-up``: one small plain pass (allocator, kernels);
   * ``simulate``: :func:`helpers.draft.simulate.simulate_sequences` wall time, with the time inside the draft-extend
     pass (``extend``) and inside the draft steps (``steps``) measured by wrapping the draft's methods;
-  * ``plain``: a plain ``F.linear`` pass over the same weights for the same rows (fc once, the decoder layer and
-    lm_head per step; by default fc and one step run, the steps' time scaled: the same shapes each step, a third of
-    the time; ``--full-plain`` runs them all): the matmul work the simulation cannot avoid; ratio = plain / simulate.
-  Peak RSS over the weights' bytes (goal < 1.5).
+  * ``plain``: a plain ``F.linear`` pass over the same weights for the same rows (fc once, every other matrix of the
+    decoder layer and lm_head per step -- for the MLA draft ``kv_b_proj`` stands for the absorbed ``w_kc`` / ``w_vc``
+    products, the same multiply-adds; by default fc and one step run, the steps' time scaled: the same shapes each
+    step, a third of the time; ``--full-plain`` runs them all): the matmul work the simulation cannot avoid; ratio =
+    plain / simulate;
+  * ``teacher-forced``: the draft stage's pass (:func:`helpers.draft.teacher_forced.run`) over ``--tf-positions``
+    positions of one sequence, ``steps + 1`` TTT steps, the target's distribution from random final hidden states and
+    a random target lm_head over the whole vocabulary (built in the phase before it).
+  Peak RSS over the weights' bytes (goal < 1.5), at the end and before the teacher-forced phase (its random target
+  lm_head and the target's logits are not the draft's weights).
 
 ``--linear`` times only one 512 x 7168 x 18432 ``F.linear`` in float32 and bfloat16 per setting: whether the
 emulation is as slow as the CPU it emulates (issue 27: 6.2 s bf16 against 0.9 s float32 on an AVX2-only EPYC).
 
-    .venv/bin/python bench/bench_simulate.py [--capability both|native|avx2] [--dtype auto|float32|bfloat16] [--linear]
-        [--device cpu|cuda] [--positions 512] [--tf-positions 2000] [--steps 3] [--repeat 1] [--full-plain] [--small] [--json OUT]
+    .venv/bin/python bench/bench_simulate.py [--arch llama|mla] [--capability both|native|avx2]
+        [--dtype auto|float32|bfloat16] [--linear] [--device cpu|cuda] [--positions 512] [--tf-positions 2000]
+        [--steps 3] [--repeat 1] [--full-plain] [--small] [--json OUT]
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,7 +60,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers.draft.model import DraftArch, Eagle3Draft  # noqa: E402
+from helpers.draft.model import DraftArch, Eagle3Draft, _internal_name  # noqa: E402
+from helpers.draft.params import INIT_RMSNORM, sglang_parameters  # noqa: E402
+from helpers.formats.configs import read_draft_config  # noqa: E402
 from helpers.draft.precision import DTYPE_NAMES, CpuCapability, choose_dtype  # noqa: E402
 from helpers.draft.simulate import DraftSettings, SimSequence, simulate_sequences  # noqa: E402
 from helpers.draft.teacher_forced import TFSequence, run as tf_run  # noqa: E402
@@ -57,9 +71,17 @@ KIMI = dict(hidden=7168, target_hidden=7168, num_aux=3, heads=56, kv_heads=8, he
             layers=1, vocab=163840, draft_vocab=32000)
 SMALL = dict(hidden=1024, target_hidden=1024, num_aux=3, heads=8, kv_heads=8, head_dim=128, intermediate=2816,
              layers=1, vocab=32000, draft_vocab=8000)
+ROOT = Path(__file__).resolve().parents[1]
+#: Kimi-K2.5's MLA draft config as TorchSpec publishes it
+KIMI_MLA_CONFIG = ROOT / "tests" / "data" / "public_configs" / "torchspec" / "kimi_k25_eagle3_mla.json"
+#: ``--small --arch mla``: the same config scaled down (MLA ranks and head dims kept in Kimi's proportions)
+SMALL_MLA = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8,
+                 q_lora_rank=384, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                 vocab_size=32000, draft_vocab_size=32000)
 #: capability setting -> environment overrides (an AVX2-only CPU emulated on a wider one)
 SETTINGS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
-PHASES = ("build", "warm-up", "simulate", "extend", "steps", "plain", "teacher-forced")
+PHASES = ("build", "warm-up", "simulate", "extend", "steps", "plain", "build target head", "teacher-forced",
+          "teacher-forced rows/s")
 
 
 def build(shape: dict, device: str, dtype: torch.dtype) -> Eagle3Draft:
@@ -96,18 +118,50 @@ def build(shape: dict, device: str, dtype: torch.dtype) -> Eagle3Draft:
     return Eagle3Draft(a, weights, embed, lm_head, hot.to(device), dtype=dtype, sources={"draft": "random"})
 
 
+def build_from_config(cfg: dict, device: str, dtype: torch.dtype) -> Eagle3Draft:
+    """A random draft of the architecture and shapes SGLang builds from the config ``cfg``: every parameter of the one
+    mirror (:func:`helpers.draft.params.sglang_parameters`) under the offline run's tensor names, RMSNorm scales ones,
+    matrices copies of one N(0, 0.02) block (see :func:`build`); the embedding stands for the target's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        a = DraftArch.from_config(Path(tmp))
+        params = sglang_parameters(read_draft_config(Path(tmp)))
+    g = torch.Generator(device=device).manual_seed(0)
+    widest = max(shape[-1] for shape, _ in params.params.values())
+    block = (torch.randn(1024, widest, generator=g, device=device) * 0.02).to(dtype)
+    weights: dict[str, torch.Tensor] = {}
+    for (param, shard), (shape, init) in params.params.items():
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=dtype, device=device) if init == INIT_RMSNORM else \
+                torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(shape, device=device, dtype=dtype)
+            for r in range(0, shape[0], block.shape[0]):
+                t[r:r + block.shape[0]] = block[: min(block.shape[0], shape[0] - r), :shape[1]]
+        weights[_internal_name(param, shard)] = t
+    embed = weights.pop("embed_tokens.weight")
+    lm_head = weights.pop("lm_head.weight")
+    hot = (torch.randperm(a.vocab, generator=torch.Generator().manual_seed(1))[: a.draft_vocab]).sort().values
+    return Eagle3Draft(a, weights, embed, lm_head, hot.to(device), dtype=dtype, sources={"draft": "random"})
+
+
+def build_mla(small: bool, device: str, dtype: torch.dtype) -> Eagle3Draft:
+    """Kimi-K2.5's MLA draft from its public config (:data:`KIMI_MLA_CONFIG`), or the :data:`SMALL_MLA` scale-down."""
+    cfg = json.loads(KIMI_MLA_CONFIG.read_text())
+    if small:
+        cfg.update(SMALL_MLA)
+    return build_from_config(cfg, device, dtype)
+
+
 def plain_pass(d: Eagle3Draft, rows: int, steps: int, *, run_steps: Optional[int] = None) -> float:
-    """F.linear over every weight for ``rows`` rows in the draft's dtype: fc once, the decoder layer + lm_head once
-    per step. Seconds. With ``run_steps`` < ``steps``, only that many steps are run and the steps' time is scaled to
-    ``steps`` (every step multiplies the same shapes)."""
+    """F.linear over every weight for ``rows`` rows in the draft's dtype: fc once, every other matrix of the decoder
+    layer + lm_head once per step. Seconds. With ``run_steps`` < ``steps``, only that many steps are run and the steps'
+    time is scaled to ``steps`` (every step multiplies the same shapes)."""
     dev, dt = d.device, d.dtype
     a = d.arch
     x_aux = torch.randn(rows, a.target_hidden * a.num_aux, device=dev).to(dt)
-    x2 = torch.randn(rows, 2 * a.hidden, device=dev).to(dt)
-    xh = torch.randn(rows, a.hidden, device=dev).to(dt)
-    xi = torch.randn(rows, a.intermediate, device=dev).to(dt)
-    xo = torch.randn(rows, a.heads * a.head_dim, device=dev).to(dt)
-    p = "layers.0."
+    mats = [w for k, w in d.w.items() if w.ndim == 2 and k != "fc.weight"] + [d.lm_head]
+    xs = {n: torch.randn(rows, n, device=dev).to(dt) for n in {w.shape[1] for w in mats}}
     run = steps if run_steps is None else max(1, min(steps, run_steps))
     _sync(dev)
     t = time.perf_counter()
@@ -115,13 +169,8 @@ def plain_pass(d: Eagle3Draft, rows: int, steps: int, *, run_steps: Optional[int
     _sync(dev)
     t_fc = time.perf_counter() - t
     for _ in range(run):
-        for k in ("q_proj", "k_proj", "v_proj"):
-            F.linear(x2, d.w[p + "self_attn." + k + ".weight"])
-        F.linear(xo, d.w[p + "self_attn.o_proj.weight"])
-        F.linear(xh, d.w[p + "mlp.gate_proj.weight"])
-        F.linear(xh, d.w[p + "mlp.up_proj.weight"])
-        F.linear(xi, d.w[p + "mlp.down_proj.weight"])
-        F.linear(xh, d.lm_head)
+        for w in mats:
+            F.linear(xs[w.shape[1]], w)
     _sync(dev)
     return t_fc + (time.perf_counter() - t - t_fc) * steps / run
 
@@ -192,8 +241,9 @@ def child(a) -> dict:
         print(f"{tag} {name}: {phases[name]:.1f} s, {cpu[name]:.1f} CPU s (total {time.perf_counter() - t0:.1f} s)",
               file=sys.stderr, flush=True)
 
-    with phase("build", f"random {choice.name} weights"):
-        d = build(SMALL if a.small else KIMI, dev, choice.dtype)
+    with phase("build", f"random {choice.name} weights ({a.arch}{', small' if a.small else ''})"):
+        d = build_mla(a.small, dev, choice.dtype) if a.arch == "mla" else build(SMALL if a.small else KIMI, dev,
+                                                                                 choice.dtype)
     wbytes = sum(t.numel() * t.element_size() for t in list(d.w.values()) + [d.embed, d.lm_head])
     T = a.positions + 1
     g = torch.Generator().manual_seed(2)
@@ -218,6 +268,8 @@ def child(a) -> dict:
         scaled = "" if a.full_plain else f" (fc and one step, the steps scaled to {a.steps})"
         with phase("plain", "the same linears, nothing else" + scaled):
             plains.append(plain_pass(d, a.positions, a.steps, run_steps=None if a.full_plain else 1))
+    if dev == "cpu":
+        out_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / wbytes
     if a.tf_positions:
         # the draft stage's pass: the checkpoint teacher-forced over every loss-masked position of its rows, the
         # target's distribution from the rows' final hidden states and the target's lm_head (V x H, Kimi's 163840)
@@ -238,7 +290,8 @@ def child(a) -> dict:
     phases.update(simulate=min(sims), extend=min(extends), steps=min(steps), plain=min(plains))
     out = {"capability": a.capability, "cpu": cap.describe(), "dtype": choice.name, "dtype_reason": choice.reason,
            "device": torch.cuda.get_device_name() if dev.startswith("cuda") else f"cpu x {torch.get_num_threads()}",
-           "positions": a.positions, "steps": a.steps, "shape": "small" if a.small else "kimi",
+           "positions": a.positions, "steps": a.steps, "shape": ("small" if a.small else "kimi") + f" {a.arch}",
+           "architecture": d.arch.architecture, "tf_positions": a.tf_positions,
            "weights_gib": wbytes / 2**30, "phases_s": phases, "phases_cpu_s": cpu,
            "threads": torch.get_num_threads(), "cpu_s": time.process_time(),
            "ratio": phases["plain"] / phases["simulate"],
@@ -249,11 +302,14 @@ def child(a) -> dict:
     else:
         # ru_maxrss: the process's peak resident set (KiB on Linux), weights included
         out["peak_rss_over_weights"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / wbytes
+        out["peak_rss_before_tf_over_weights"] = out_rss
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=("llama", "mla"), default="llama", help="the Kimi-shaped draft: Llama-style "
+                    "(LlamaForCausalLMEagle3) or Kimi-K2.5's MLA draft (Eagle3DeepseekV2ForCausalLM)")
     ap.add_argument("--capability", choices=("both", *SETTINGS), default="both")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     ap.add_argument("--device", default="cpu")
@@ -279,7 +335,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     runs = []
     for cap in wanted:
-        args = [sys.executable, __file__, "--child", "--capability", cap, "--dtype", a.dtype, "--device", a.device,
+        args = [sys.executable, __file__, "--child", "--arch", a.arch, "--capability", cap, "--dtype", a.dtype,
+                "--device", a.device,
                 "--positions", str(a.positions), "--steps", str(a.steps), "--repeat", str(a.repeat),
                 "--tf-positions", str(a.tf_positions)]
         args += ["--small"] if a.small else []
@@ -303,18 +360,20 @@ def main(argv=None) -> int:
         return 0
     cols = [f"{r['capability']} ({r['dtype']})" for r in runs]
     w = max(12, *map(len, cols))
-    lines = ["phase (s)".ljust(24) + "".join(c.rjust(w + 2) for c in cols)]
+    lw = 32                                    # the longest row label: peak_rss_before_tf_over_weights
+    lines = ["phase (s)".ljust(lw) + "".join(c.rjust(w + 2) for c in cols)]
     for ph in PHASES:
-        lines.append(ph.ljust(24) + "".join(f"{r['phases_s'].get(ph, float('nan')):.3g}".rjust(w + 2) for r in runs))
+        lines.append(ph.ljust(lw) + "".join(f"{r['phases_s'].get(ph, float('nan')):.3g}".rjust(w + 2)
+                                            for r in runs))
     lines.append("CPU s (all runs; / threads ~ wall on idle cores)")
     for ph in ("build", "warm-up", "simulate", "plain"):
-        lines.append(ph.ljust(24) + "".join(f"{r['phases_cpu_s'].get(ph, float('nan')):.3g}".rjust(w + 2)
+        lines.append(ph.ljust(lw) + "".join(f"{r['phases_cpu_s'].get(ph, float('nan')):.3g}".rjust(w + 2)
                                             for r in runs))
     for key, fmt in (("cpu_s", "{:.1f}"), ("threads", "{}"), ("total_s", "{:.1f}"), ("ratio", "{:.3g}"),
-                     ("peak_rss_over_weights", "{:.2f}"),
+                     ("peak_rss_over_weights", "{:.2f}"), ("peak_rss_before_tf_over_weights", "{:.2f}"),
                      ("peak_alloc_over_weights", "{:.2f}"), ("weights_gib", "{:.2f}")):
         if any(key in r for r in runs):
-            lines.append(key.ljust(24) + "".join((fmt.format(r[key]) if key in r else "-").rjust(w + 2)
+            lines.append(key.ljust(lw) + "".join((fmt.format(r[key]) if key in r else "-").rjust(w + 2)
                                                  for r in runs))
     print("\n".join(lines))
     for r in runs:

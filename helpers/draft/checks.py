@@ -352,7 +352,8 @@ def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs
             f"keep their initial value: " + ", ".join(f"{m['param']} ({m['init'].split(' (')[0]})"
                                                       for m in missing[:6]) + (" ..." if len(missing) > 6 else ""),
             missing=missing, config=str(d.path), files=facts["weights"]["files"],
-            source=f"{arch.source}; load_weights skips what it does not find (l. 363-378: no error)",
+            source=f"{arch.source}; load_weights skips what it does not find ("
+                   + (f"{K25} l. 436-499" if arch.cls == MLA_CLASS else f"{L3} l. 363-378") + ": no error)",
             hint=_missing_hint(arch, names)))
     if ignored:
         findings.append(D.finding(
@@ -369,6 +370,9 @@ def _missing_hint(arch: SGLangDraftParams, names: list[str]) -> str:
     if any(n.startswith("model.input_norm") for n in names):
         return ("norm_before_fc is set but the checkpoint has no input_norm.weight: unset it if training had no "
                 "such norm")
+    if any(".fused_qkv_a_proj_with_mqa." in n for n in names):
+        return ("SGLang fills fused_qkv_a_proj_with_mqa only once both q_a_proj and kv_a_proj_with_mqa are read "
+                f"({K25}::load_weights l. 467-492): with one missing, neither is loaded")
     if any(n.startswith("model.fc_norm") for n in names):
         return "fc_norm / use_aux_norm is set but the checkpoint has no fc_norm.<i>.weight: unset it if training " \
                "had no per-chunk norms"

@@ -23,12 +23,23 @@ What SGLang does, and where (sglang 0.5.23):
   ``rope_scaling`` (neox style, as ``models/llama.py::LlamaAttention``); ``default``, ``linear`` and ``llama3`` are
   implemented here; other scaling types are refused with a clear line.
 
-``Eagle3DeepseekV2ForCausalLM`` (``models/kimi_k25_eagle3.py``, MLA attention) is refused with a clear line: its
-attention is not implemented here.
+``Eagle3DeepseekV2ForCausalLM`` (``models/kimi_k25_eagle3.py``, the Kimi-K2.5 MLA draft) shares that body -- fc
+(with ``fc_norm``, never ``norm_before_fc``: ``Eagle3MLAModel`` has no ``input_norm``), exactly one decoder layer over
+``cat([input_layernorm(embeds), hidden_norm(h)])``, ``post_attention_layernorm``, SiLU MLP (``deepseek_v2.py::
+DeepseekV2MLP``), ``norm``, lm_head over the draft vocab or the target's, d2t, the target's embedding
+(``Eagle3DeepseekV2ForCausalLM.set_embed``) -- and differs only in its attention, ``deepseek_v2.py::
+DeepseekV2AttentionMLA`` with the 2H-wide fused ``q_a`` / ``kv_a`` projection ``Eagle3MLADecoderLayer.__init__``
+puts in: :class:`helpers.draft.attention.MLAAttention`. The draft-extend and draft-decode passes run it
+weight-absorbed, as SGLang's dispatch does for every draft batch (``deepseek_common/attention_backend_handler.py``:
+only a non-speculative extend takes the expanded MHA): ``models/deepseek_common/attention_forward_methods/
+forward_mla.py::forward_absorb_prepare`` / ``forward_absorb_core``.
+
+The architecture picks its attention adapter (:data:`helpers.draft.attention.ATTENTIONS`, by ``architectures[0]`` of
+the draft config); the rest of the draft run is the same code for both.
 """
 from __future__ import annotations
 
-import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,34 +51,38 @@ from safetensors import safe_open
 
 from ..errors import BadInput
 from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
-from .params import resolve_name, sglang_parameters, shape_error
-
-#: draft architectures this module runs (``EntryClass`` of ``sglang/srt/models/llama_eagle3.py``)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-#: refused with a reason (``sglang/srt/models/kimi_k25_eagle3.py``)
-REFUSED_ARCHITECTURES = {"Eagle3DeepseekV2ForCausalLM": "an MLA draft (sglang/srt/models/kimi_k25_eagle3.py: "
-                                                        "DeepseekV2AttentionMLA); its attention is not implemented in "
-                                                        "the offline draft run"}
-_STACKED_BACK = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}
+from .attention import ATTENTIONS, MLAShape, _mix, _mix_own, _rms, _scores, _scores_own
+from .params import K25, L3, LLAMA_CLASS, SHARD_TENSORS, resolve_name, sglang_parameters, shape_error
 
 
 def _internal_name(param: str, shard) -> str:
-    """SGLang's ``(parameter, shard)`` -> this module's tensor name (``model.`` dropped, stacked shards split back:
-    ``qkv_proj`` q/k/v -> ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_up_proj`` 0/1 -> ``gate_proj`` / ``up_proj``)."""
+    """SGLang's ``(parameter, shard)`` -> this module's tensor name: ``model.`` dropped, the MLA draft's
+    ``midlayer.`` written ``layers.0.`` (its checkpoint name), stacked / fused shards split back into the tensors that
+    fill them (:data:`helpers.draft.params.SHARD_TENSORS`: ``qkv_proj`` q/k/v -> ``q_proj`` / ``k_proj`` /
+    ``v_proj``, ``gate_up_proj`` 0/1 -> ``gate_proj`` / ``up_proj``, ``fused_qkv_a_proj_with_mqa`` q_a/kv_a ->
+    ``q_a_proj`` / ``kv_a_proj_with_mqa``)."""
     n = param[len("model."):] if param.startswith("model.") else param
+    if n.startswith("midlayer."):
+        n = "layers.0." + n[len("midlayer."):]
     if shard is None:
         return n
-    return n.replace("qkv_proj", _STACKED_BACK[shard]).replace("gate_up_proj", _STACKED_BACK[shard])
+    for fused, parts in SHARD_TENSORS.items():
+        if f".{fused}." in n:
+            return n.replace(f".{fused}.", f".{parts[shard]}.")
+    raise ValueError(f"no shard {shard!r} in {param}")
 
 
 @dataclass
 class DraftArch:
-    """The draft's shape as SGLang 0.5.23 builds it from its config.json (``llama_eagle3.py::LlamaModel.__init__``).
+    """The draft's shape as SGLang 0.5.23 builds it from its config.json (``llama_eagle3.py::LlamaModel.__init__``,
+    ``kimi_k25_eagle3.py::Eagle3MLAModel.__init__``).
 
     Attributes: hidden (H), target_hidden (per-chunk width fed to ``fc``), num_aux (chunks), heads, kv_heads,
-    head_dim, intermediate, layers, eps, rope_theta, rope_scaling (dict or None), vocab (target vocab),
-    draft_vocab (lm_head rows), tie (``tie_word_embeddings``), lm_head_from_target (``draft_vocab_size`` None),
-    norm_before_fc, fc_norm, norm_output, fc_bias, max_position (``max_position_embeddings``).
+    head_dim (the MLA draft: its query heads, 1 -- every head attends to the one latent --, ``qk_nope + qk_rope``),
+    intermediate, layers, eps, rope_theta, rope_scaling (dict or None), vocab (target vocab), draft_vocab (lm_head
+    rows), tie (``tie_word_embeddings``), lm_head_from_target (``draft_vocab_size`` None), norm_before_fc, fc_norm,
+    norm_output, fc_bias, max_position (``max_position_embeddings``), architecture (``architectures[0]``: picks the
+    attention, :data:`helpers.draft.attention.ATTENTIONS`), mla (:class:`MLAShape` for the MLA draft, else None).
     """
 
     hidden: int
@@ -90,55 +105,33 @@ class DraftArch:
     norm_output: bool
     fc_bias: bool
     max_position: Optional[int]
-    architecture: str = ""
+    architecture: str = LLAMA_CLASS
+    mla: Optional[MLAShape] = None
 
     @classmethod
     def from_config(cls, path: Path) -> "DraftArch":
         """Read ``path`` (draft config.json or its folder); the shapes are the ones SGLang builds
-        (:func:`helpers.draft.params.sglang_parameters`, config fields left out get transformers' LlamaConfig defaults
-        as SGLang's AutoConfig load gives them).
+        (:func:`helpers.draft.params.sglang_parameters`: config fields left out get their config class's defaults as
+        SGLang's AutoConfig load gives them), the attention's fields from its adapter
+        (:data:`helpers.draft.attention.ATTENTIONS`).
 
         Raises:
-            BadInput: not an SGLang EAGLE-3 draft this module runs (MLA drafts, EAGLE-1 drafts, attention bias), or a
-                field of the wrong type.
+            BadInput: not an SGLang EAGLE-3 draft this module runs (EAGLE-1 drafts, attention bias, a rope SGLang
+                cannot build), or a field of the wrong type.
         """
         dc = read_draft_config(path)
         raw = dc.raw
         arch = (dc.architectures or [""])[0]
-        if arch in REFUSED_ARCHITECTURES:
-            raise BadInput(f"{arch} is {REFUSED_ARCHITECTURES[arch]}", path=dc.path, field="architectures")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ATTENTIONS:
             raise BadInput(f"architecture {arch!r} is not an EAGLE-3 draft this tool can run offline (expected one of "
-                           f"{', '.join(SUPPORTED_ARCHITECTURES)}: sglang/srt/models/llama_eagle3.py)",
-                           path=dc.path, field="architectures")
+                           f"{', '.join(ATTENTIONS)}: {L3}, {K25})", path=dc.path, field="architectures")
         p = sglang_parameters(dc)
-        if p.attn_bias:
-            raise BadInput("attention_bias / bias is set: the offline draft run has no attention bias (the EAGLE-3 "
-                           "drafts SGLang serves have none)", path=dc.path, field="attention_bias")
-        rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
-        theta = raw.get("rope_theta")
-        if theta is None and isinstance(rope, dict):
-            theta = rope.get("rope_theta")
-        if rope is not None and not isinstance(rope, dict):
-            raise BadInput(f"expected an object {{rope_type, ...}} or null, got {rope!r} (sglang/srt/layers/"
-                           "rotary_embedding/factory.py::get_rope indexes it)", path=dc.path, field="rope_scaling")
-        if isinstance(rope, dict) and not (rope.get("rope_type") or rope.get("type")):
-            raise BadInput(f"no rope_type / type in {rope!r}: SGLang raises 'Unknown RoPE scaling type' (sglang/srt/"
-                           "layers/rotary_embedding/factory.py::get_rope)", path=dc.path, field="rope_scaling")
-        kind = str(rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else "default"
-        if isinstance(rope, dict) and raw.get("original_max_position_embeddings") is not None:
-            rope = {**rope, "original_max_position_embeddings": raw["original_max_position_embeddings"]}  # llama.py
-        if kind not in ("default", "linear", "llama3"):
-            raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
-                           "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
-                           field="rope_scaling")
-        return cls(hidden=dc.hidden_size, target_hidden=p.hidden_size_in, num_aux=p.num_aux, heads=p.heads,
-                   kv_heads=p.kv_heads, head_dim=p.head_dim, intermediate=p.intermediate, layers=p.layers,
-                   eps=float(raw.get("rms_norm_eps") or 1e-6), rope_theta=float(theta if theta is not None else 1e4),
-                   rope_scaling=rope if isinstance(rope, dict) else None, vocab=p.vocab, draft_vocab=p.draft_vocab,
+        return cls(hidden=dc.hidden_size, target_hidden=p.hidden_size_in, num_aux=p.num_aux,
+                   intermediate=p.intermediate, layers=p.layers,
+                   eps=float(raw.get("rms_norm_eps") or 1e-6), vocab=p.vocab, draft_vocab=p.draft_vocab,
                    tie=p.tie, lm_head_from_target=p.lm_from_target, norm_before_fc=p.norm_before_fc,
                    fc_norm=p.fc_norm, norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
-                   max_position=raw.get("max_position_embeddings"), architecture=arch)
+                   architecture=arch, **ATTENTIONS[arch].read_config(dc, p))
 
 
 # ------------------------------------------------------------------------------------------------ tensor reading
@@ -169,9 +162,14 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
     """``(name, file)`` of the one target tensor whose name ends with ``suffix`` (e.g. ``embed_tokens.weight``),
     read from the safetensors index / headers only; None when there is none.
 
+    Several tensors may end with ``suffix``: a multi-token-prediction layer's own copy next to the model's
+    (DeepSeek-V3 / Kimi-K2 checkpoints carry ``model.layers.61.embed_tokens.weight`` beside
+    ``model.embed_tokens.weight``; other checkpoints name it ``mtp``), or a wrapper's prefix
+    (``language_model.model.embed_tokens.weight``). Names with ``mtp`` or inside a decoder layer (``.layers.<n>.``)
+    are left out while another remains; of the rest, the shortest is taken.
+
     Raises:
-        BadInput: no weights in the folder, or several tensors end with ``suffix`` (an MTP layer's embedding next to
-            the model's: the shortest name, the main model's, is taken only when it is a prefix-free match).
+        BadInput: no weights in the folder.
     """
     if not any(Path(target_dir).glob("*.safetensors")) and not (Path(target_dir) / "model.safetensors.index.json"
                                                                  ).is_file():
@@ -180,18 +178,14 @@ def find_target_tensor(target_dir: Path, suffix: str) -> Optional[tuple[str, Pat
                        "set_embed shares the target's embedding with the draft)", path=target_dir)
     index = _safetensors_index(Path(target_dir))
     hits = sorted((k for k in index if k.endswith(suffix) and "mtp" not in k.lower()), key=len)
+    main = [k for k in hits if not re.search(r"(^|\.)layers\.\d+\.", k)]
+    hits = main or hits
     if not hits:
         return None
     return hits[0], index[hits[0]]
 
 
 # ------------------------------------------------------------------------------------------------ the model
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """SGLang ``RMSNorm.forward_native``: fp32 statistics and weight product, result in the input dtype (one fused
-    ``F.rms_norm``)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
-
 
 def _add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,36 +196,6 @@ def _add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: floa
     return F.rms_norm(s, (s.shape[-1],), w.float(), eps).to(x.dtype), s.to(x.dtype)
 
 
-def _inv_freq(arch: DraftArch) -> torch.Tensor:
-    """Rotary inverse frequencies (``sglang/srt/layers/rotary_embedding.py``: ``RotaryEmbedding``,
-    ``LinearScalingRotaryEmbedding`` is applied to positions, ``Llama3RotaryEmbedding._compute_inv_freq``; missing
-    keys default as ``rotary_embedding/factory.py::get_rope`` defaults them: factor 1, low 1, high 4, original max
-    position = ``max_position_embeddings``, 8192 when unset, as ``models/llama.py::LlamaDecoderLayer``)."""
-    hd = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    rs = arch.rope_scaling or {}
-    kind = str(rs.get("rope_type") or rs.get("type") or "default")
-    if kind == "llama3":
-        # rotary_embedding/factory.py::_get_rope_param: a missing key takes SGLang's default (with a warning there)
-        factor = float(rs.get("factor", 1.0))
-        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-        old = float(rs.get("original_max_position_embeddings", arch.max_position or 8192))
-        low_wl, high_wl = old / low, old / high
-        wl = 2 * math.pi / inv
-        smooth = (old / wl - low) / (high - low)
-        scaled = torch.where(wl > low_wl, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        is_mid = (wl <= low_wl) & (wl >= high_wl)
-        inv = torch.where(is_mid, mid, scaled)
-    return inv.float()
-
-
-def _rope_scale(arch: DraftArch) -> float:
-    rs = arch.rope_scaling or {}
-    kind = str(rs.get("rope_type") or rs.get("type") or "default")
-    return float(rs.get("factor", 1.0)) if kind == "linear" else 1.0
-
-
 @dataclass
 class ExtendOutput:
     """The draft-extend pass over one sequence (rows = positions).
@@ -239,18 +203,22 @@ class ExtendOutput:
     Attributes:
         hidden: ``[T, H]`` the hidden state carried to the next draft step (pre-norm unless ``norm_output``).
         logits: ``[T, V_draft]`` float32 logits over the draft vocabulary.
-        kv: per layer ``(k, v)``, each ``[T, kv_heads, head_dim]``, the draft KV cache of these rows.
+        kv: per layer, the draft KV cache entry of these rows (:class:`helpers.draft.attention.Attention`: ``(k, v)``
+            each ``[T, kv_heads, head_dim]`` for the Llama draft; ``(latent [T, kv_lora], k_pe [T, rope])`` for the MLA
+            draft).
     """
 
     hidden: torch.Tensor
     logits: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    #: per layer, the keys / values expanded to every query head in float32 (built once, read by every draft step)
+    #: per layer, the keys / values (:meth:`Attention.kv`) in float32 (built once, read by every draft step)
     kv_f32: dict = field(default_factory=dict, repr=False)
 
 
 class Eagle3Draft:
-    """An EAGLE-3 draft (``LlamaForCausalLMEagle3``) with the weights SGLang would load, run in pure torch.
+    """An EAGLE-3 draft (``LlamaForCausalLMEagle3`` or ``Eagle3DeepseekV2ForCausalLM``) with the weights SGLang would
+    load, run in pure torch; its attention is the adapter of its architecture
+    (:data:`helpers.draft.attention.ATTENTIONS`).
 
     Build it with :meth:`load`. ``dtype`` is the compute dtype (the server's ``--dtype`` where this device computes it
     natively, else float32: :func:`helpers.draft.precision.choose_dtype`; the embedded CPU server runs ``float32``,
@@ -268,8 +236,7 @@ class Eagle3Draft:
         self.dtype = dtype
         self.sources = sources
         self.device = embed.device
-        self._inv = _inv_freq(arch).to(self.device)
-        self._pos_scale = _rope_scale(arch)
+        self.attn = ATTENTIONS[arch.architecture](arch, weights, self.device)
 
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
@@ -286,7 +253,7 @@ class Eagle3Draft:
         Raises:
             BadInput: unsupported architecture; a tensor the model needs is missing, or its shape does not match the
                 config (the file and key are named); the target embedding is needed but ``target_dir`` is None or
-                has no ``embed_tokens``.
+                has no ``embed_tokens``; a weight holds NaN / Inf.
         """
         draft_dir = Path(draft_dir)
         arch = DraftArch.from_config(draft_dir)
@@ -300,7 +267,7 @@ class Eagle3Draft:
             if where in ("d2t", "t2d"):
                 names[where] = key
                 continue
-            if where is None or where == "midlayer":
+            if where is None:
                 continue                     # SGLang drops it too (helpers.draft.checks reports it)
             expected = params.params[where][0]
             if tuple(info.shape) != tuple(expected):
@@ -318,9 +285,10 @@ class Eagle3Draft:
                 # SGLang keeps the initialised (random / ones) parameter when a name is absent: the draft it serves is
                 # then not the trained one. Refuse rather than guess.
                 raise BadInput(f"the draft checkpoint has no tensor for {param}{'' if shard is None else f'[{shard}]'} "
-                               f"although its config implies one of shape {list(shape)} (sglang/srt/models/"
-                               "llama_eagle3.py::LlamaForCausalLMEagle3.load_weights skips missing names and serves "
-                               "an untrained parameter)", path=draft_dir, field=_internal_name(param, shard))
+                               f"although its config implies one of shape {list(shape)} "
+                               f"({ATTENTIONS[arch.architecture].loader} skips missing "
+                               "names and serves an untrained parameter)", path=draft_dir,
+                               field=_internal_name(param, shard))
             key, info = filled[(param, shard)]
             t = _read_tensor(info.file, key)
             _finite(t, info.file, key)
@@ -423,28 +391,12 @@ class Eagle3Draft:
                            for i, c in enumerate(x.chunk(a.num_aux, dim=-1))], dim=-1)
         return F.linear(x, w["fc.weight"], w.get("fc.bias"))
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Neox-style rotary embedding of ``x [N, heads, hd]`` at positions ``pos [N]``."""
-        ang = (pos.to(torch.float32) / self._pos_scale)[:, None] * self._inv[None, :]
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-        xf = x.float()
-        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
     def _layer_in(self, i: int, embeds: torch.Tensor, h: torch.Tensor, residual: Optional[torch.Tensor]):
         a, w, p = self.arch, self.w, f"layers.{i}."
         if i == 0:
             return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps),
                               _rms(h, w[p + "hidden_norm.weight"], a.eps)], dim=-1), h
         return _add_rms(h, residual, w[p + "hidden_norm.weight"], a.eps)
-
-    def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
-        a, w, p = self.arch, self.w, f"layers.{i}.self_attn."
-        n = x.shape[0]
-        q = F.linear(x, w[p + "q_proj.weight"]).view(n, a.heads, a.head_dim)
-        k = F.linear(x, w[p + "k_proj.weight"]).view(n, a.kv_heads, a.head_dim)
-        v = F.linear(x, w[p + "v_proj.weight"]).view(n, a.kv_heads, a.head_dim)
-        return self._rope(q, pos), self._rope(k, pos), v
 
     def _layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor):
         a, w, p = self.arch, self.w, f"layers.{i}."
@@ -458,10 +410,6 @@ class Eagle3Draft:
         normed, pre = _add_rms(m, residual, self.w["norm.weight"], self.arch.eps)
         logits = F.linear(normed, self.lm_head).float()
         return (normed if self.arch.norm_output else pre), logits
-
-    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        rep = self.arch.heads // self.arch.kv_heads
-        return t if rep == 1 else t.repeat_interleave(rep, dim=-2)
 
     # ----------------------------------------------------------------------------------------- passes
     @torch.no_grad()
@@ -485,15 +433,16 @@ class Eagle3Draft:
         h = self.project(aux)
         residual = None
         kv = []
-        scale = 1.0 / math.sqrt(self.arch.head_dim)
+        att = self.attn
         for i in range(self.arch.layers):
             x, residual = self._layer_in(i, emb, h, residual)
-            q, k, v = self._qkv(i, x, pos)
-            kv.append((k, v))
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self._expand_kv(k).transpose(0, 1)[None],
-                                               self._expand_kv(v).transpose(0, 1)[None], is_causal=True,
-                                               scale=scale)[0].transpose(0, 1).reshape(T, -1)
-            h, residual = self._layer_out(i, o, residual)
+            q, entry = att.qkv(i, x, pos)
+            kv.append(entry)
+            k, v = att.kv(entry)                                                      # [T, groups, dk / dv]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=True, scale=att.scale,
+                                               enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
+            h, residual = self._layer_out(i, att.out(i, o), residual)
         hidden, logits = self._finish(h, residual)
         return ExtendOutput(hidden=hidden, logits=logits, kv=kv)
 
@@ -505,18 +454,18 @@ class Eagle3Draft:
         """One draft decode step for ``B`` query nodes at once (``eagle_worker_v2.py::EAGLEWorkerV2.draft_forward``,
         one iteration of its loop): node b takes ``tokens[b]`` (target ids, embedded by the target's embedding)
         and the hidden state ``hidden[b]`` of its parent, at ``positions[b]``; it attends to the extend rows
-        ``0 .. ctx_len[b]-1`` of ``ext_kv`` (the :class:`ExtendOutput`, whose expanded float32 keys are then built
-        once, or its ``kv`` list), to its ancestors' keys (``path_kv[j]`` per ancestor, oldest first, each
-        a per-layer list of ``[B, kv_heads, hd]``) and to itself.
+        ``0 .. ctx_len[b]-1`` of ``ext_kv`` (the :class:`ExtendOutput`, whose float32 keys and values are then built
+        once, or its ``kv`` list), to its ancestors' cache entries (``path_kv[j]`` per ancestor, oldest first, each a
+        per-layer list of entries of ``B`` rows: :class:`helpers.draft.attention.Attention`) and to itself. Scores and
+        softmax in float32.
 
-        Returns ``(hidden [B, H], logits [B, V_draft] float32, this step's per-layer (k, v) [B, kv_heads, hd])``.
+        Returns ``(hidden [B, H], logits [B, V_draft] float32, this step's per-layer cache entries of B rows)``.
         """
         dev = self.device
         tokens, hidden = tokens.to(dev), hidden.to(dev)
-        B = tokens.shape[0]
         emb = self.embed[tokens]
         h, residual = hidden.to(self.dtype), None
-        scale = 1.0 / math.sqrt(self.arch.head_dim)
+        att = self.attn
         cache = ext_kv.kv_f32 if isinstance(ext_kv, ExtendOutput) else None
         if isinstance(ext_kv, ExtendOutput):
             ext_kv = ext_kv.kv
@@ -525,24 +474,24 @@ class Eagle3Draft:
         new_kv = []
         for i in range(self.arch.layers):
             x, residual = self._layer_in(i, emb, h, residual)
-            q, k, v = self._qkv(i, x, positions.to(dev))
-            new_kv.append((k, v))
-            qf = q.float()                                                             # [B, nh, hd]
+            q, entry = att.qkv(i, x, positions.to(dev))
+            new_kv.append(entry)
+            qf = q.float()                                                             # [B, nh, dk]
             if cache is not None and i in cache:
                 ke, ve = cache[i]
             else:
-                ke, ve = self._expand_kv(ext_kv[i][0]).float(), self._expand_kv(ext_kv[i][1]).float()  # [T, nh, hd]
+                ke, ve = (t.float() for t in att.kv(ext_kv[i]))                        # [T, groups, dk / dv]
                 if cache is not None:
                     cache[i] = (ke, ve)
-            s_ext = torch.einsum("bhd,thd->bht", qf, ke) * scale
+            s_ext = _scores(qf, ke) * att.scale
             s_ext = s_ext.masked_fill(~mask[:, None, :], float("-inf"))
-            anc_k = [self._expand_kv(p[i][0]).float() for p in path_kv] + [self._expand_kv(k).float()]
-            anc_v = [self._expand_kv(p[i][1]).float() for p in path_kv] + [self._expand_kv(v).float()]
-            s_anc = torch.stack([(qf * kk).sum(-1) for kk in anc_k], dim=-1) * scale   # [B, nh, A]
+            anc = [att.kv(p[i]) for p in path_kv] + [att.kv(entry)]                   # [B, groups, dk / dv] each
+            anc_k = torch.stack([kk.float() for kk, _ in anc], dim=0)                  # [A, B, groups, dk]
+            anc_v = torch.stack([vv.float() for _, vv in anc], dim=0)
+            s_anc = _scores_own(qf, anc_k) * att.scale                                 # [B, nh, A]
             wts = torch.softmax(torch.cat([s_ext, s_anc], dim=-1), dim=-1)
-            o = torch.einsum("bht,thd->bhd", wts[..., :T], ve)
-            o = o + torch.einsum("bha,abhd->bhd", wts[..., T:], torch.stack(anc_v, dim=0))
-            h, residual = self._layer_out(i, o.to(self.dtype).reshape(B, -1), residual)
+            o = _mix(wts[..., :T], ve) + _mix_own(wts[..., T:], anc_v)
+            h, residual = self._layer_out(i, att.out(i, o.to(self.dtype)), residual)
         hidden, logits = self._finish(h, residual)
         return hidden, logits, new_kv
 

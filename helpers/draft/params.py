@@ -4,7 +4,9 @@ checkpoint tensor: the model the draft checks (:mod:`helpers.draft.checks`) and 
 
 Mirrored from ``sglang/srt/models/llama_eagle3.py`` (``LlamaModel.__init__``, ``LlamaDecoderLayer.__init__``,
 ``LlamaForCausalLMEagle3.__init__`` / ``load_weights``) and ``sglang/srt/models/kimi_k25_eagle3.py``
-(``Eagle3MLAModel.__init__``, ``_get_eagle_aux_layer_count``).
+(``Eagle3MLAModel.__init__``, ``_get_eagle_aux_layer_count``, ``Eagle3MLADecoderLayer.__init__`` with the
+``DeepseekV2AttentionMLA`` / ``DeepseekV2MLP`` it builds from ``sglang/srt/models/deepseek_v2.py``,
+``Eagle3DeepseekV2ForCausalLM.__init__`` / ``load_weights``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,14 @@ _STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv
             (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
 _LEGACY = (("midlayer", "layers.0"), ("aux_norm_low", "fc_norm.0"), ("aux_norm_mid", "fc_norm.1"),
            ("aux_norm_high", "fc_norm.2"))
+# kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM.load_weights (l. 430-433: gate / up stacked; l. 467-492: q_a_proj and
+# kv_a_proj_with_mqa concatenated, q first, into fused_qkv_a_proj_with_mqa once both are read)
+_MLA_STACKED = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+MLA_FUSED = "fused_qkv_a_proj_with_mqa"
+#: a stacked / fused parameter's shard -> the checkpoint tensor that fills it (the inverse of load_weights' mapping)
+SHARD_TENSORS = {"qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
+                 "gate_up_proj": {0: "gate_proj", 1: "up_proj"},
+                 MLA_FUSED: {"q_a": "q_a_proj", "kv_a": "kv_a_proj_with_mqa"}}
 
 #: initial value of a parameter no tensor fills, per SGLang module
 INIT_RMSNORM = "ones (layers/layernorm.py::RMSNorm: torch.ones): the trained scale is lost"
@@ -52,7 +62,7 @@ class SGLangDraftParams:
     draft_vocab: int         # the lm_head's rows (draft_vocab_size, or vocab_size when it is absent)
     vocab: int
     lm_from_target: bool     # load_lm_head_from_target
-    midlayer_checked: bool   # the decoder layer's tensors are part of params (False for the MLA draft)
+    midlayer_checked: bool   # the decoder layer's tensors are part of params
     source: str
     heads: int = 0
     kv_heads: int = 0
@@ -60,6 +70,13 @@ class SGLangDraftParams:
     intermediate: int = 0
     layers: int = 1
     attn_bias: bool = False
+    #: the MLA draft's attention (``DeepseekV2AttentionMLA``): q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+    #: qk_rope_head_dim, v_head_dim; all 0 for the Llama draft
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
     #: parameters SGLang builds but its forward never reads (``layers.{i>0}.input_layernorm``: llama_eagle3.py
     #: ``LlamaDecoderLayer.forward`` l. 103-105 norms layers > 0 with ``hidden_norm`` only): absent, nothing changes
     unused: frozenset = frozenset()
@@ -73,13 +90,31 @@ class SGLangDraftParams:
 CONFIG_DEFAULTS = {
     "llama": {"vocab_size": 32000, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
               "max_position_embeddings": 2048, "rope_theta": 10000.0},
-    "deepseek_v2": {"max_position_embeddings": 2048, "rope_theta": 10000.0},
-    "deepseek_v3": {"max_position_embeddings": 4096, "rope_theta": 10000.0},
-    "kimi_k2": {"max_position_embeddings": 4096, "rope_theta": 10000.0},
+    "deepseek_v2": {"vocab_size": 102400, "intermediate_size": 11008, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 2048,
+                    "rope_theta": 10000.0},
+    "deepseek_v3": {"vocab_size": 129280, "intermediate_size": 18432, "num_hidden_layers": 61,
+                    "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 4096,
+                    "rope_theta": 10000.0},
 }
+CONFIG_DEFAULTS["kimi_k2"] = CONFIG_DEFAULTS["deepseek_v3"]
 #: the LlamaConfig defaults that size the draft's parameters (:func:`sglang_parameters`)
 LLAMA_DEFAULTS = {k: CONFIG_DEFAULTS["llama"][k] for k in ("vocab_size", "intermediate_size", "num_hidden_layers",
                                                              "num_attention_heads")}
+#: the fields that size the MLA draft's parameters; a field left out gets its config class's default (``model_type``
+#: ``deepseek_v2`` -> ``DeepseekV2Config``, ``deepseek_v3`` / ``kimi_k2`` -> ``DeepseekV3Config``, another -> the
+#: latter)
+MLA_FIELDS = ("vocab_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_defaults(raw: dict) -> dict:
+    """The config-class defaults of :data:`MLA_FIELDS` for an MLA draft config of this ``model_type``."""
+    table = CONFIG_DEFAULTS.get(str(raw.get("model_type")))
+    table = table if table is not None and "q_lora_rank" in table else CONFIG_DEFAULTS["deepseek_v3"]
+    return {k: table[k] for k in MLA_FIELDS}
 
 
 def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:
@@ -92,30 +127,38 @@ def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:
 
 
 def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
-    """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config."""
+    """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config:
+    ``{(parameter, shard): (shape, initial value)}`` with the config facts that size it.
+
+    Raises:
+        BadInput: a config SGLang cannot build (a size field that is not a positive integer, ``target_hidden_size:
+            null`` for the Llama draft, an MLA draft with another layer count than 1 or ``q_lora_rank: null``)."""
     raw, path = d.raw, d.path
     cls = d.architectures[0] if d.architectures else LLAMA_CLASS
     ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
     H = d.hidden_size
-    defaulted = {k: v for k, v in LLAMA_DEFAULTS.items() if raw.get(k) is None}
+    defaults = mla_defaults(raw) if cls == MLA_CLASS else LLAMA_DEFAULTS
+    defaulted = {k: v for k, v in defaults.items() if raw.get(k) is None and not (k == "q_lora_rank" and k in raw)}
 
     def field(key: str) -> int:
-        return _int(raw, key, path, LLAMA_DEFAULTS[key])
+        return _int(raw, key, path, defaults[key])
 
     V = field("vocab_size")
     dv = _int(raw, "draft_vocab_size", path)
-    tie = bool(raw.get("tie_word_embeddings", False))     # LlamaConfig default False
+    tie = bool(raw.get("tie_word_embeddings", False))     # LlamaConfig / DeepseekV3Config default False
     ids = ec.get("eagle_aux_hidden_state_layer_ids")
     if cls == MLA_CLASS:
         # kimi_k25_eagle3.py::_get_eagle_aux_layer_count (l. 48-59): eagle_config ids, top-level ids, else 3
         top = raw.get("eagle_aux_hidden_state_layer_ids")
         naux = len(ids) if ids is not None else len(top) if top is not None else 3
         hin = raw.get("target_hidden_size") or H                          # l. 208-210
-        source = f"{K25}::Eagle3MLAModel.__init__ (l. 191-255)"
-        if raw.get("num_hidden_layers", 1) != 1:
-            raise BadInput(f"num_hidden_layers is {raw.get('num_hidden_layers')}: SGLang's {MLA_CLASS} raises "
-                           f"'EAGLE3 currently only supports 1 layer' ({K25} l. 243-244); expected 1", path=path,
-                           field="num_hidden_layers")
+        source = (f"{K25}::Eagle3MLAModel.__init__ (l. 191-255), Eagle3MLADecoderLayer.__init__ (l. 70-149: "
+                  "sglang/srt/models/deepseek_v2.py::DeepseekV2AttentionMLA.__init__, DeepseekV2MLP)")
+        if field("num_hidden_layers") != 1:
+            raise BadInput(f"num_hidden_layers is {field('num_hidden_layers')}"
+                           f"{' (the config class default)' if raw.get('num_hidden_layers') is None else ''}: SGLang's "
+                           f"{MLA_CLASS} raises 'EAGLE3 currently only supports 1 layer' ({K25} l. 243-244); "
+                           "expected 1", path=path, field="num_hidden_layers")
         norm_before_fc = False                                            # Eagle3MLAModel has no input_norm
     else:
         # llama_eagle3.py::LlamaModel.__init__ l. 151-161: hasattr(config, "target_hidden_size") -- a null counts
@@ -148,10 +191,36 @@ def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
     params[("model.norm.weight", None)] = ((H,), INIT_RMSNORM)
     if not tie:
         params[("lm_head.weight", None)] = ((draft_vocab, H), INIT_EMPTY)
-    midlayer_checked = cls != MLA_CLASS
     nh = nkv = hd = inter = 0
+    mla = dict(q_lora=0, kv_lora=0, qk_nope=0, qk_rope=0, v_head=0)
     nlayers, attn_bias = 1, False
-    if midlayer_checked:
+    if cls == MLA_CLASS:
+        nh, inter = field("num_attention_heads"), field("intermediate_size")
+        if "q_lora_rank" in raw and raw["q_lora_rank"] is None:
+            raise BadInput(f"q_lora_rank is null: SGLang's {MLA_CLASS} raises 'Eagle3 MLA layer requires q_lora_rank "
+                           f"in the draft config' ({K25}::Eagle3MLADecoderLayer.__init__ l. 114-117); expected an "
+                           "integer", path=path, field="q_lora_rank")
+        mla = dict(q_lora=field("q_lora_rank"), kv_lora=field("kv_lora_rank"), qk_nope=field("qk_nope_head_dim"),
+                   qk_rope=field("qk_rope_head_dim"), v_head=field("v_head_dim"))
+        nkv, hd = 1, mla["qk_nope"] + mla["qk_rope"]     # every head attends to the one latent (MQA over kv_lora)
+        pre = "model.midlayer."                           # Eagle3MLAModel.midlayer (load_weights: layers.0. -> it)
+        a = pre + "self_attn."
+        # Eagle3MLADecoderLayer.__init__ l. 118-124: the fused q_a / kv_a projection takes the 2H-wide input
+        params[(a + MLA_FUSED + ".weight", "q_a")] = ((mla["q_lora"], 2 * H), INIT_EMPTY)
+        params[(a + MLA_FUSED + ".weight", "kv_a")] = ((mla["kv_lora"] + mla["qk_rope"], 2 * H), INIT_EMPTY)
+        # deepseek_v2.py::DeepseekV2AttentionMLA.__init__ (q_lora_rank set)
+        params[(a + "q_a_layernorm.weight", None)] = ((mla["q_lora"],), INIT_RMSNORM)
+        params[(a + "q_b_proj.weight", None)] = ((nh * hd, mla["q_lora"]), INIT_EMPTY)
+        params[(a + "kv_a_layernorm.weight", None)] = ((mla["kv_lora"],), INIT_RMSNORM)
+        params[(a + "kv_b_proj.weight", None)] = ((nh * (mla["qk_nope"] + mla["v_head"]), mla["kv_lora"]),
+                                                   INIT_EMPTY)
+        params[(a + "o_proj.weight", None)] = ((H, nh * mla["v_head"]), INIT_EMPTY)
+        params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), INIT_EMPTY)        # deepseek_v2.py::DeepseekV2MLP
+        params[(pre + "mlp.gate_up_proj.weight", 1)] = ((inter, H), INIT_EMPTY)
+        params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), INIT_EMPTY)
+        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            params[(pre + norm + ".weight", None)] = ((H,), INIT_RMSNORM)
+    else:
         nh = field("num_attention_heads")
         nkv = _int(raw, "num_key_value_heads", path, nh)
         hd = _int(raw, "head_dim", path, H // nh)
@@ -181,17 +250,19 @@ def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
     return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin,
                              fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
                              draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
-                             midlayer_checked=midlayer_checked, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
+                             midlayer_checked=True, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
                              intermediate=inter, layers=nlayers, attn_bias=attn_bias,
                              unused=frozenset((f"model.layers.{i}.input_layernorm.weight", None)
-                                              for i in range(1, nlayers)))
+                                              for i in range(1, nlayers)), **mla)
 
 
 def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
-    """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``, or
-    None (dropped silently; for the MLA draft's decoder layer, ``"midlayer"``: not modelled here)."""
+    """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``
+    (``shard``: q/k/v, 0/1 of gate/up, ``q_a`` / ``kv_a`` of the MLA draft's fused q_a / kv_a projection, else None),
+    or None (dropped: silently for the Llama draft, with a warning for the MLA draft)."""
     names = {p for p, _ in arch.params}
     if arch.cls == MLA_CLASS:
+        # kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM.load_weights, l. 436-499, in its order
         if name == "d2t" or name.endswith(".d2t"):
             return "d2t"
         if name == "t2d" or name.endswith(".t2d"):
@@ -199,8 +270,13 @@ def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
         mapped = re.sub(r"^layers\.0\.", "midlayer.", name)
         if not mapped.startswith("lm_head."):
             mapped = f"model.{mapped}"
-        if mapped.startswith("model.midlayer."):
-            return "midlayer"
+        for param_name, weight_name, shard in _MLA_STACKED:
+            if weight_name in mapped and mapped.replace(weight_name, param_name) in names:
+                return mapped.replace(weight_name, param_name), shard
+        if "q_a_proj" in mapped or "kv_a_proj_with_mqa" in mapped:
+            q_name = mapped if "q_a_proj" in mapped else mapped.replace("kv_a_proj_with_mqa", "q_a_proj")
+            fused = q_name.replace("q_a_proj", MLA_FUSED)
+            return (fused, "q_a" if "q_a_proj" in mapped else "kv_a") if fused in names else None
         return (mapped, None) if mapped in names else None
     for legacy, new in _LEGACY:
         if legacy in name:
@@ -243,6 +319,10 @@ def shape_error(arch: SGLangDraftParams, d: DraftConfig, key: str, info: TensorI
     elif param.startswith("model.layers."):
         why = (" (hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size of the config; "
                "layer 0's q/k/v take 2 x hidden_size)")
+    elif param.startswith("model.midlayer."):
+        why = (" (hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+               "v_head_dim, intermediate_size of the config; q_a_proj and kv_a_proj_with_mqa take 2 x hidden_size: "
+               f"{arch.source})")
     shard_txt = f" (shard {shard} of {param})" if shard is not None else ""
     return BadInput(f"shape {list(info.shape)} but SGLang {SGLANG_RULES} loads it into {param}{shard_txt} of shape "
                     f"{list(expected)}{why}; the server fails at load (weight_loader shape assert)",

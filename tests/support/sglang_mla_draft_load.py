@@ -33,13 +33,14 @@ def config_facts(path: str, draft: bool) -> dict:
                 topk=getattr(c, "topk_method", None), freq=getattr(c, "moe_layer_freq", None))
 
 
-def main(draft_dir: str, out: str, *configs: str) -> None:
+def init_single_process() -> None:
+    """A world-1 gloo group bound to 127.0.0.1 with SGLang's runtime context published (TP 1, CPU), as
+    ``sglang/test/layer_ut_utils.py::init_single_process_dist`` and ``test_utils.py::publish_build_topology`` do
+    (inlined: sglang.test.test_utils imports benchmark modules that need `datasets`, not installed here)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    # sglang/test/layer_ut_utils.py::init_single_process_dist and test_utils.py::publish_build_topology, inlined
-    # (sglang.test.test_utils imports benchmark modules that need `datasets`, not installed here)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
@@ -52,21 +53,32 @@ def main(draft_dir: str, out: str, *configs: str) -> None:
     from sglang.srt.runtime_context import get_parallel
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
+
+
+def build_loaded(draft_dir: str, dtype: str = "float32"):
+    """SGLang's own ``Eagle3DeepseekV2ForCausalLM`` built from ``draft_dir``'s config as the draft worker builds it
+    (``ModelConfig(..., is_draft_model=True)``, parameters in ``dtype``), every parameter first filled with NaN, then
+    the checkpoint fed through its own ``load_weights``."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+    cfg = ModelConfig(draft_dir, dtype=dtype, is_draft_model=True).hf_config
+    torch.set_default_dtype(getattr(torch, dtype))
+    model = Eagle3DeepseekV2ForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    model.load_weights(iter(load_file(os.path.join(draft_dir, "model.safetensors")).items()))
+    return model
 
+
+def main(draft_dir: str, out: str, *configs: str) -> None:
+    init_single_process()
     facts = {}
     for spec in configs:
         name, path = spec.split("=", 1)
         draft = path.endswith(":draft")
         facts[name] = config_facts(path.removesuffix(":draft"), draft)
-    cfg = ModelConfig(draft_dir, dtype="float32", is_draft_model=True).hf_config
-    torch.set_default_dtype(torch.float32)
-    model = Eagle3DeepseekV2ForCausalLM(cfg)
-    sentinel = float("nan")
-    for p in model.parameters():
-        p.data.fill_(sentinel)
-    model.load_weights(iter(load_file(os.path.join(draft_dir, "model.safetensors")).items()))
+    model = build_loaded(draft_dir)
     attn = model.model.midlayer.self_attn
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     rot = attn.rotary_emb

@@ -76,9 +76,9 @@ def test_rope_scaling_without_its_factors_takes_sglangs_defaults(tmp_path, rope)
     d = _draft(tmp_path, "rope", cfg={"rope_parameters": rope})
     plain = Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET)
     scaled = Eagle3Draft.load(d, REFERENCE_TARGET)
-    assert torch.allclose(scaled._inv, plain._inv, rtol=1e-6) and scaled._pos_scale == 1.0
+    assert torch.allclose(scaled.attn._inv, plain.attn._inv, rtol=1e-6) and scaled.attn._pos_scale == 1.0
     x = torch.randn(4, plain.arch.heads, plain.arch.head_dim)
-    assert torch.allclose(scaled._rope(x, torch.arange(4) * 100), plain._rope(x, torch.arange(4) * 100))
+    assert torch.allclose(scaled.attn._rope(x, torch.arange(4) * 100), plain.attn._rope(x, torch.arange(4) * 100))
 
 
 @pytest.mark.parametrize("rope", ["linear", {"rope_theta": 1e4, "factor": 2.0}])
