@@ -103,3 +103,28 @@ def test_main_postmortem_renders(main_run):
     r = render_page(run_dir / "postmortem.html", screenshot=run_dir / "postmortem.png")
     assert len(r["plots"]) >= 2 and all(p["svg_children"] > 20 for p in r["plots"])
     assert r["console_errors"] == [] and r["requests"] == []
+
+
+def test_main_job_replays_the_seeds_hunt_as_expected(main_run):
+    """The seeds' case as the main job replays it (once in CI: this module's run): every hypothesis and the blind
+    investigation as the case file expects, the proposed ids the training's, the steps sweep reusing the fix's own
+    measurement."""
+    from helpers.investigation.cases import load_case
+
+    _, run_dir, _ = main_run
+    doc = json.loads((run_dir / "results" / "replay-seeds-hunt.json").read_text())
+    case = load_case(ROOT / "env" / "cases" / "seeds_hunt.yaml")
+    for step, rec in zip(case.timeline, doc["steps"]):
+        assert not rec.get("error"), rec
+        if step.kind == "investigate" and (step.expect_finding or step.expect_fix):
+            assert rec["as_expected"] is True, (rec["findings"][:1], rec["proposed_fix"], rec["sentence"])
+        if step.kind == "hypothesis" and step.expect:
+            assert rec["verdict"] == step.expect and rec["as_expected"] is True, (rec["check"], rec["verdict"])
+    inv = next(s for s in doc["steps"] if s["kind"] == "investigate")
+    assert inv["findings"][0]["kind"] == "embedding_in_place_of_layer"
+    assert inv["seconds_to_verdict"] is not None and inv["seconds_to_verdict"] < 120
+    fixed = [s for s in doc["steps"] if s["kind"] == "fix"][-1]
+    assert fixed["proposed"] and fixed["draft_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    sweep = next(s for s in doc["steps"] if s["kind"] == "sweep")
+    assert [p["num_steps"] for p in sweep["points"]] == [2, 3] and sweep["best_num_steps"] in (2, 3)
+    assert sweep["points"][1].get("reused")  # num_steps=3 is the fix itself: not run twice
