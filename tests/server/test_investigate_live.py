@@ -5,7 +5,7 @@ draft config, the server flags and ``--forward-hooks``. Each server is started t
 For each: the named fault, no false finding, the proposed fix, the opening sentence. One clean server must give no
 finding (exit 0 through the CLI); the seeds' config fault is fixed on a restarted server and measured before/after;
 one TP 8 server with per-rank capture gives the TP sharding and embedding all-reduce hypotheses live verdicts with
-evidence. Servers run one at a time (2 cores)."""
+evidence, and returns the target's greedy tokens at 8 ranks (the only TP 8 SGLang server of the Llama tests). Servers run one at a time (2 cores)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,10 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from helpers.investigation.live import investigate
 from helpers.investigation.propose import draft_variant
@@ -199,6 +202,18 @@ def test_tp8_per_rank_hypotheses_get_live_verdicts(tmp_path):
     with server(tmp_path, draft=draft, tp=8) as url:
         doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, num_samples=2,
                           acceptance_budget=False)
+        # the one TP 8 server of the SGLang tests also checks the engine at 8 ranks: speculative decoding with a
+        # (miswired) EAGLE-3 draft still returns the target's own greedy tokens (HF transformers, same weights)
+        ids = [5, 17, 42, 99, 7, 250, 31, 8, 120, 64, 3, 77]
+        r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}, timeout=300)
+        r.raise_for_status()
+        out = r.json()
+    hf = AutoModelForCausalLM.from_pretrained(MODELS / "target", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                           pad_token_id=2)[0, len(ids):].tolist()
+    assert out["output_ids"] == want and out["meta_info"]["spec_verify_ct"] >= 1, (out["output_ids"], want)
     assert doc.attach["tp"] == 8 and "embedding_in_place_of_layer" in _kinds(doc)
     hyp = {h["check"]: h for h in doc.hypotheses}
     for check in ("tp_sharding", "embedding_all_reduce"):

@@ -19,7 +19,6 @@ import torch
 
 from helpers.server import embedded
 from helpers.errors import BadServerInput, ServerStartError
-from helpers.server.settings import SpecSettings
 from helpers.server.embedded import start
 
 pytestmark = pytest.mark.server
@@ -189,14 +188,3 @@ def test_api_key_is_redacted_from_the_log(tmp_path, tiny_target):
     text = (tmp_path / "srv.log").read_text()
     assert "api_key" in text and "<redacted>" in text
     assert key not in text
-
-
-@pytest.mark.slow
-def test_tp8_start_and_generate(tiny_target, tiny_draft, hf_model):
-    with start(tiny_target, tiny_draft, tp=8, timeout=600,
-               spec=SpecSettings(num_steps=3, topk=1, num_draft_tokens=4)) as srv:
-        info = httpx.get(srv.url + "/server_info", timeout=60).json()
-        assert info["tp_size"] == 8
-        out = _generate(srv.url, PROMPT_IDS[:6], n=8)
-        assert out["output_ids"] == _hf_greedy(hf_model, PROMPT_IDS[:6], n=8)
-        assert out["meta_info"]["spec_verify_ct"] >= 1
