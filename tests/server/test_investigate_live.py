@@ -173,6 +173,7 @@ def test_draft_without_vocab_map(tmp_path):
         # the user passes the original draft folder: the server runs another one, which is what gets diagnosed
         doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, draft=MODELS / "draft")
     assert _kinds(doc)[:2] == ["vocab_map_missing", "served_draft_differs"], _kinds(doc)
+    assert _verdicts(doc)["vocab_map"] == "confirmed"          # what the missing_d2t case (extended tier) expects
     # without d2t the draft's ids are read as target ids: the draft stage loses it, and the vocab map fix is proven
     # offline (the same draft with the training data's d2t, on the served states)
     assert set(_kinds(doc)[2:]) <= {"draft_underperforms"}, _kinds(doc)
