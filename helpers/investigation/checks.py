@@ -362,9 +362,22 @@ def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
         tail = (f" (chunk{'s' if len(other) > 1 else ''} {', '.join(map(str, other))} hold"
                 f"{'' if len(other) > 1 else 's'} other content, which the other checks explain)"
                 if other else "")
-        text = ("The order is as configured: every chunk that holds a configured tensor sits at the "
-                f"position the config gives it{tail}. The engine concatenates in ascending layer "
-                "order, which here is the configured order.")
+        plan = inv.diagnosis().served_plan
+        ids = (plan.engine_ids or plan.config_ids) if plan is not None else None
+        if ids is not None and list(ids.ids) != sorted(ids.ids):
+            sglang = plan.who.startswith("sglang")
+            engine = "SGLang" if sglang else "vLLM" if plan.who.startswith("vllm") else "the engine"
+            stored = f"{engine}'s layers_to_capture" if sglang else "the engine's capture indices"
+            text = (f"The order is the one {engine}'s rules predict: every chunk that holds a configured tensor sits "
+                    f"at the position the engine's plan gives it{tail}. The config lists {plan.config_ids}"
+                    + (f" ({stored} {list(ids.ids)})" if plan.engine_ids else "")
+                    + f", not in layer order: {engine} captures inside its layer loop, so the chunks come in "
+                      "ascending layer order, as its rules predict and as measured. The engine's reordering "
+                      "is not the fault.")
+        else:
+            text = ("The order is as configured: every chunk that holds a configured tensor sits at the "
+                    f"position the config gives it{tail}. The engine concatenates in ascending layer "
+                    "order, which here is the configured order.")
         short = ""
     fig = chunk_layer_figure(frame, "Aux chunk order: configured vs served (-1 = embedding)",
                               with_configured=True)
