@@ -205,6 +205,10 @@ def run_sequence(draft: Eagle3Draft, seq: TFSequence, steps: int) -> SeqRows:
     if seq.aux.shape[0] < T - 1:
         raise BadInput(f"sequence {seq.key}: {seq.aux.shape[0]} aux rows for {T} tokens", field="aux_hidden_state")
     hot = draft.hot_token_id.cpu() if draft.hot_token_id is not None else None
+    if hot is None and draft.arch.draft_vocab < draft.arch.vocab:
+        # no d2t over a smaller draft vocabulary: draft id i is target id i (``to_target_ids`` is the identity;
+        # eagle_worker_v2.py::init_lm_head keeps ``hot_token_id`` None), so the draft's vocabulary is the first draft_vocab target ids
+        hot = torch.arange(draft.arch.draft_vocab)
     if seq.has_target:
         if seq.final_hidden.shape[0] != T or seq.lm_head.shape[0] != draft.arch.vocab:
             raise BadInput(f"sequence {seq.key}: final hidden states {tuple(seq.final_hidden.shape)} and lm_head "

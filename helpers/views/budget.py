@@ -208,4 +208,9 @@ def budget_parts(budget: Optional[dict], *, with_ladder: bool = True, doc: Any =
         parts.append(f"<p class=\"e3f-note\">note: {esc(n)}</p>")
     if budget.get("missing"):
         parts.append("<p class=\"e3f-note\">missing: " + esc("; ".join(budget["missing"])) + "</p>")
+    src = budget.get("draft_sources") or {}
+    if src:
+        how = "; ".join(f"{k}: {v}" for k, v in src.items() if k != "dtype")
+        parts.append("<p class=\"e3f-note\">the draft run offline computed in " + esc(str(src.get("dtype", "?")))
+                     + (f" ({esc(how)})" if how else "") + "</p>")
     return parts

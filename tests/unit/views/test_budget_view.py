@@ -12,6 +12,7 @@ from helpers.draft.training_log import predicted_accept_length, read_training_lo
 from helpers.formats.training_data import TrainingData
 from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING, REFERENCE_VALIDATION
 from helpers.plots.budget import budget_ladder, budget_waterfall
+from helpers.views.common import esc
 from helpers.views.budget import budget_parts, ladder_frame, losses_frame, stages_frame
 from support.drafts import damaged_draft
 
@@ -49,3 +50,6 @@ def test_budget_parts_show_the_computed_stages(tmp_path):
     html = "".join(p for p in budget_parts(b) if isinstance(p, str))
     assert "<script>alert(1)" not in html and "&lt;script&gt;" in html and "<b>Cause: draft</b>" in html
     assert budget_parts(None) == ["<p>No acceptance budget in this run.</p>"]
+    # the offline run's compute dtype and where its tensors came from (the load's own record) are on the page
+    assert b["draft_sources"]["dtype"] == "float32" and "computed in float32" in html
+    assert esc(str(b["draft_sources"]["embed"])) in html
