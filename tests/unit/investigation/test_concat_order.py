@@ -41,6 +41,10 @@ def test_ids_out_of_layer_order_are_explained_by_the_engine(tmp_path):
     inv, plan = _inv(tmp_path, [1, 3, -1], ["embedding", "out(1)", "out(3)"])
     assert plan.tensors == ["embedding", "out(1)", "out(3)"]
     assert list(plan.engine_ids.ids) == [2, 4, 0]
+    order = [n for n in plan.notes if "is not ascending" in n]
+    assert len(order) == 1 and "ascending layer order [0, 2, 4]" in order[0]
+    assert order[0].endswith("deepseek_v2.py::DeepseekV2Model.forward (the captures fill an AuxHiddenStatePacker in "
+                             "loop order)")
     res = run_check("concat_order", inv)
     assert res.verdict == "refuted", res.explanation
     assert res.explanation.startswith("The order is the one SGLang's rules predict")
