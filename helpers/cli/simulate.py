@@ -18,16 +18,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..draft.budget import BudgetInputs, acceptance_budget, draft_cost, dump_sequences, training_sequences
+from ..draft.budget import acceptance_budget
 from ..draft.checks import draft_checks
-from ..draft.draft_stage import budget_fields, draft_rows
-from ..draft.model import DraftArch, Eagle3Draft
+from ..draft.offline import offline_inputs
 from ..draft.precision import DTYPE_NAMES, choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
+from ..draft.model import DraftArch
 from ..draft.training_log import find_training_log, read_training_log
 from ..errors import BadInput
 from ..formats.configs import read_draft_config, read_target_config
-from ..formats.training_data import TrainingData
 from .common import Parser, progress_line, rows_arg, run
 
 
@@ -93,32 +92,19 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         DraftArch.from_config(draft_dir)                                # the draft is checked before its log
         log_path = find_training_log(draft_dir, a.training_log)        # bad input is found before any work
         log = read_training_log(log_path) if log_path is not None else None
-        rows_word = rows_arg(a.rows)
         choice = choose_dtype(server_dtype({}, read_draft_config(draft_dir).raw), device,
                               requested=None if a.dtype == "auto" else DTYPE_NAMES[a.dtype],
                               server_note="the draft config's torch_dtype, as SGLang's --dtype auto")
         show(f"compute dtype {choice.reason}")
-        draft = Eagle3Draft.load(draft_dir, target_dir, dtype=choice.dtype, device=device, dtype_reason=choice.reason)
-        show(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
-             f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
-             f"d2t {draft.sources['d2t']}")
         H = read_target_config(target_dir).hidden_size
-        dr = draft_rows(draft, draft_dir=draft_dir, target_dir=target_dir, training=a.training, hidden_size=H,
-                        log=log, log_path=log_path, validation=a.validation, rows_word=rows_word, progress=show)
-        td = TrainingData(a.training, hidden_size=H, max_samples=a.samples)
-        skipped: list = []
-        train = training_sequences(td, skipped=skipped)
-        for where, why in skipped:
-            show(f"training sample {where} left out: {why}")
-        served = dump_sequences(a.served, starts={s.key: s.start for s in train}) if a.served else None
+        off = offline_inputs(draft_dir, target_dir, a.training, hidden_size=H, choice=choice, samples=a.samples,
+                             served=a.served, training_log=log_path, log=log, validation=a.validation,
+                             rows_word=rows_arg(a.rows), device=device, progress=show)
         findings = draft_checks(draft_dir, target_dir, training=Path(a.training))
-        cost, cost_src = draft_cost(draft_dir, target_dir)
-        show(f"simulating {len(train)} training sample(s)" + (f" and {len(served)} served" if served else "")
-             + f" at {st.label} ...")
-        required = ("draft", "settings") + (("wiring",) if served else ())
-        b = acceptance_budget(draft, BudgetInputs(settings=st, **budget_fields(dr, log), training=train,
-                                                  served_training=served, draft_cost=cost,
-                                                  draft_cost_source=cost_src), required=required)
+        show(f"simulating {len(off.training)} training sample(s)"
+             + (f" and {len(off.served)} served" if off.served else "") + f" at {st.label} ...")
+        required = ("draft", "settings") + (("wiring",) if off.served else ())
+        b = acceptance_budget(off.draft, off.budget_inputs(st), required=required)
         b["draft_findings"] = findings
         code = 0 if b["cause"] == "none" else 1
         if a.json:

@@ -200,9 +200,12 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
             effective.append((k, k))
     order = sorted(set(e for e, _ in effective))
     if [e for e, _ in effective] != sorted(e for e, _ in effective):
+        loop = ("sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward (the captures fill an "
+                "AuxHiddenStatePacker in loop order)" if family == "deepseek" else
+                "sglang/srt/models/llama.py::LlamaModel.forward")
         plan.notes.append(f"layers_to_capture {list(ltc)} is not ascending in the layer loop: SGLang captures inside "
                           f"its layer loop (`if i in self.layers_to_capture` / a per-layer flag), so chunks come in "
-                          f"ascending layer order {order} -- sglang/srt/models/llama.py::LlamaModel.forward")
+                          f"ascending layer order {order} -- {loop}")
     if len(set(e for e, _ in effective)) != len(ltc):
         plan.notes.append(f"layers_to_capture {list(ltc)} has duplicates: each index is captured once "
                           "(membership test in the layer loop), so fewer chunks than ids come back")

@@ -383,3 +383,57 @@ def read_target_config(path: str | Path) -> TargetConfig:
                         _int_field(d, "vocab_size", p, required=False),
                         torch_dtype=str(dtype) if dtype else None, raw=d, fields={"hidden_size": hname,
                                                                                  "num_hidden_layers": lname})
+
+
+#: config fields naming the routed experts of a MoE model (DeepSeek / Kimi, Mixtral, Qwen-MoE / OLMoE)
+EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
+
+
+def _pos_int(d: dict, key: str) -> int | None:
+    v = d.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def describe_architecture(path: str | Path) -> str:
+    """One line naming a model's architecture from its config.json (file or folder; a wrapper's text sub-config as
+    SGLang reads it), e.g. ``DeepseekV3ForCausalLM: MLA attention (8 heads, q_lora_rank 64, kv_lora_rank 64), MoE (8
+    routed experts, top-2, 1 shared; first 1 layer dense), 8 layers, hidden 128`` or ``LlamaForCausalLM: attention
+    (8 heads, 8 KV heads), dense MLP, 8 layers, hidden 128``. Attention is MLA when the config has ``kv_lora_rank``
+    (DeepSeek-V2/V3, Kimi-K2); MoE when it names routed experts (:data:`EXPERT_FIELDS`).
+
+    Raises:
+        BadInput: the config.json is missing or not a JSON object (:func:`read_config_json`).
+    """
+    p = _config_path(path, "model config")
+    d = read_config_json(p, "model config")
+    sub = next((d[k] for k in TEXT_CONFIG_KEYS if isinstance(d.get(k), dict)), None)
+    src = {**d, **sub} if sub else d
+    archs = _architectures(d, p) or [str(src.get("model_type") or "unknown architecture")]
+    heads = _pos_int(src, "num_attention_heads")
+    kv = _pos_int(src, "num_key_value_heads")
+    if _pos_int(src, "kv_lora_rank"):
+        inner = [f"{heads} heads"] if heads else []
+        inner += [f"q_lora_rank {src['q_lora_rank']}"] if _pos_int(src, "q_lora_rank") else []
+        inner.append(f"kv_lora_rank {src['kv_lora_rank']}")
+        attn = f"MLA attention ({', '.join(inner)})"
+    else:
+        inner = ([f"{heads} heads"] if heads else []) + ([f"{kv} KV heads"] if kv else [])
+        attn = "attention" + (f" ({', '.join(inner)})" if inner else "")
+    experts = next((_pos_int(src, k) for k in EXPERT_FIELDS if _pos_int(src, k)), None)
+    layers = next((_pos_int(src, k) for k in ("num_hidden_layers",) + FIELD_ALIASES["num_hidden_layers"]
+                   if _pos_int(src, k)), None)
+    dense = _pos_int(src, "first_k_dense_replace")
+    if experts and dense and layers and dense >= layers:      # e.g. the MLA draft: one layer, first_k_dense_replace 1
+        mlp = f"dense MLP (every layer below first_k_dense_replace {dense}; the MoE fields are unused)"
+    elif experts:
+        inner = [f"{experts} routed experts"]
+        inner += [f"top-{src['num_experts_per_tok']}"] if _pos_int(src, "num_experts_per_tok") else []
+        inner += [f"{src['n_shared_experts']} shared"] if _pos_int(src, "n_shared_experts") else []
+        mlp = f"MoE ({', '.join(inner)}" + (f"; first {dense} layer{'s' if dense > 1 else ''} dense" if dense else "") \
+            + ")"
+    else:
+        mlp = "dense MLP"
+    hidden = next((_pos_int(src, k) for k in ("hidden_size",) + FIELD_ALIASES["hidden_size"] if _pos_int(src, k)),
+                  None)
+    tail = ([f"{layers} layer{'s' if layers > 1 else ''}"] if layers else []) + ([f"hidden {hidden}"] if hidden else [])
+    return f"{archs[0]}: " + ", ".join([attn, mlp] + tail)

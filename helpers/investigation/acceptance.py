@@ -19,14 +19,12 @@ import torch
 from ..acceptance.prompts import load_prompts
 from ..capture import capture_served
 from ..diagnosis.detectors import finding
-from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_cost, dump_sequences, plan_sequences,
-                            training_sequences)
+from ..draft.budget import MIN_TOKENS, acceptance_budget, dump_sequences, plan_sequences, training_sequences
 from ..draft.model import Eagle3Draft
 from ..draft.precision import choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
-from ..draft.draft_stage import budget_fields, draft_rows
 from ..draft.teacher_forced import run as tf_run
-from ..draft.training_log import find_training_log, read_training_log
+from ..draft.offline import offline_inputs
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
 from ..kinds import PLAN_KINDS
@@ -92,29 +90,21 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     """
     choice = choose_dtype(server_dtype(info, _raw(draft_dir)), "cpu")     # what this CPU runs natively
     progress(f"offline draft run: compute dtype {choice.reason}")
-    draft = Eagle3Draft.load(draft_dir, target_dir, dtype=choice.dtype, dtype_reason=choice.reason)
-    log_path = find_training_log(draft_dir, training_log)
-    log = read_training_log(log_path) if log_path is not None else None
-    dr = draft_rows(draft, draft_dir=draft_dir, target_dir=target_dir, training=training, hidden_size=hidden_size,
-                    log=log, log_path=log_path, validation=validation, rows_word=rows_word, progress=progress)
-    td = TrainingData(training, hidden_size=hidden_size, max_samples=num_samples)
-    skipped: list = []
-    train_seqs = training_sequences(td, skipped=skipped)
-    for where, why in skipped:
+    off = offline_inputs(draft_dir, target_dir, training, hidden_size=hidden_size, choice=choice, samples=num_samples,
+                         served=served_dump, training_log=training_log, validation=validation, rows_word=rows_word,
+                         progress=progress)
+    draft, dr, train_seqs, served = off.draft, off.rows, off.training, off.served
+    for where, why in off.skipped:
         progress(f"training sample {where} left out: {why}")
-    starts = {s.key: s.start for s in train_seqs}
-    served = dump_sequences(served_dump, starts=starts) if served_dump is not None else None
     live_seqs = live = None
     if measure:
         live_seqs, live = _live(client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
     fix_in, draft_fix = _fix_inputs(fix, findings, training_tensors, reference, train_seqs, served, draft, dr)
-    cost, cost_src = draft_cost(draft_dir, target_dir)
 
     def compute() -> dict:
-        return acceptance_budget(draft, BudgetInputs(
-            settings=settings, **budget_fields(dr, log), draft_fix=draft_fix, training=train_seqs,
-            served_training=served, live_sequences=live_seqs, live=live, max_new_tokens=max_new_tokens, fix=fix_in,
-            draft_cost=cost, draft_cost_source=cost_src), progress=None)
+        return acceptance_budget(draft, off.budget_inputs(
+            settings, draft_fix=draft_fix, training=train_seqs, served_training=served, live_sequences=live_seqs,
+            live=live, max_new_tokens=max_new_tokens, fix=fix_in), progress=None)
 
     b = compute()
     grown = []

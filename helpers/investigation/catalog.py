@@ -44,6 +44,9 @@ CHECK_SPECS: tuple[CheckSpec, ...] = (
     CheckSpec("vocab_map", "Vocab map (d2t)", "Is the draft's pruned vocabulary mapped to target token ids?"),
     CheckSpec("num_steps_override", "num_steps / draft tokens override",
               "Did SGLang silently change the speculative settings?"),
+    # the draft alone, offline: a live investigation computes it inside its acceptance budget (draft stage)
+    CheckSpec("draft_standalone", "Standalone draft test",
+              "Run alone, outside the server, does the draft do what its training log says?", live=False),
     # needs a target-only baseline server: never run by a live investigation
     CheckSpec("verify_bottleneck", "Verify time is the bottleneck",
               "Once acceptance is right, does verify time bound tok/s?", live=False),

@@ -24,6 +24,10 @@ import pandas as pd
 import torch
 
 from ..diagnosis.detectors import detect_vocab_map_missing
+from ..draft.budget import acceptance_budget
+from ..draft.offline import offline_inputs
+from ..draft.precision import choose_dtype, server_dtype
+from ..draft.simulate import DraftSettings
 from ..diagnosis.static import static_check
 from ..formats.configs import read_draft_config, read_draft_weights
 from ..layers.ids import layer_index
@@ -358,9 +362,22 @@ def check_concat_order(inv: Investigation, **_: Any) -> HypothesisResult:
         tail = (f" (chunk{'s' if len(other) > 1 else ''} {', '.join(map(str, other))} hold"
                 f"{'' if len(other) > 1 else 's'} other content, which the other checks explain)"
                 if other else "")
-        text = ("The order is as configured: every chunk that holds a configured tensor sits at the "
-                f"position the config gives it{tail}. The engine concatenates in ascending layer "
-                "order, which here is the configured order.")
+        plan = inv.diagnosis().served_plan
+        ids = (plan.engine_ids or plan.config_ids) if plan is not None else None
+        if ids is not None and list(ids.ids) != sorted(ids.ids):
+            sglang = plan.who.startswith("sglang")
+            engine = "SGLang" if sglang else "vLLM" if plan.who.startswith("vllm") else "the engine"
+            stored = f"{engine}'s layers_to_capture" if sglang else "the engine's capture indices"
+            text = (f"The order is the one {engine}'s rules predict: every chunk that holds a configured tensor sits "
+                    f"at the position the engine's plan gives it{tail}. The config lists {plan.config_ids}"
+                    + (f" ({stored} {list(ids.ids)})" if plan.engine_ids else "")
+                    + f", not in layer order: {engine} captures inside its layer loop, so the chunks come in "
+                      "ascending layer order, as its rules predict and as measured. The engine's reordering "
+                      "is not the fault.")
+        else:
+            text = ("The order is as configured: every chunk that holds a configured tensor sits at the "
+                    f"position the config gives it{tail}. The engine concatenates in ascending layer "
+                    "order, which here is the configured order.")
         short = ""
     fig = chunk_layer_figure(frame, "Aux chunk order: configured vs served (-1 = embedding)",
                               with_configured=True)
@@ -485,6 +502,90 @@ def check_verify_bottleneck(inv: Investigation, *, ratio_threshold: float = 1.5,
     fig = bar_figure(["verify step", "decode step"], [verify_ms, decode_ms], "Time per step", "ms")
     return HypothesisResult("verify_bottleneck", "Verify time is the bottleneck", "", verdict, text,
                             pd.DataFrame(rows), fig, data)
+
+
+def _fmt_al(stage: Optional[dict]) -> str:
+    """``2.91 [2.60, 3.20]`` of a budget stage (accept length with its 95 % CI), or ``n/a``."""
+    if not stage or stage.get("accept_length") is None:
+        return "n/a"
+    lo, hi = (stage.get("ci") or [None, None])[:2]
+    return f"{stage['accept_length']:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "")
+
+
+def check_draft_standalone(inv: Investigation, *, samples: Optional[int] = None, **_: Any) -> HypothesisResult:
+    """The seeds' standalone test of the draft: run alone, outside the server (pure torch, as SGLang 0.5.23 runs it:
+    :mod:`helpers.draft`), does the checkpoint do what its training log says? The hypothesis of a fault is "the
+    draft itself underperforms": ``confirmed`` when the acceptance budget's draft loss (the log's accept length
+    minus the checkpoint's, teacher-forced on rows of the log's kind, like with like) counts, ``refuted`` when it is
+    clear, ``inconclusive`` when undecided (no log, unlike rows, too few rows).
+
+    Also run, for the explanation: the draft's drafting chain on the training data's aux states and, with a live
+    server, on the states the server feeds for the same tokens (the wiring stage: what the seeds concluded from
+    their standalone test, "the problem is in the wiring"). The server's effective ``(steps, topk, draft tokens)``
+    are the settings (3 / 1 / 4 without a server).
+
+    Args:
+        samples: training samples the drafting chain runs on (default: the investigation's ``num_samples``).
+    """
+    info: dict = {}
+    served = None
+    if inv.client is not None:
+        try:
+            info = inv.server_info()
+            served = inv.served_dump()
+        except Exception:  # noqa: BLE001 - a server that died at startup: the draft alone still runs
+            info, served = {}, None
+    steps = int(info.get("speculative_num_steps") or 3)
+    topk = int(info.get("speculative_eagle_topk") or 1)
+    ndt = int(info.get("speculative_num_draft_tokens") or (steps + 1 if topk == 1 else 2 * steps))
+    settings = DraftSettings(steps, topk, ndt).check()
+    choice = choose_dtype(server_dtype(info, read_draft_config(inv.draft_dir).raw), "cpu")
+    off = offline_inputs(inv.draft_dir, inv.target_dir, inv.training, hidden_size=inv.hidden_size, choice=choice,
+                         samples=samples or inv.num_samples, served=served)
+    b = acceptance_budget(off.draft, off.budget_inputs(settings),
+                          required=("draft",) + (("wiring",) if off.served else ()))
+    st = {x["name"]: x for x in b["stages"]}
+    log, ck = st.get("training log"), st.get("checkpoint (teacher-forced)")
+    tr, sv = st.get("offline on training states"), st.get("offline on served states")
+    dl, wl = b["losses"].get("draft") or {}, b["losses"].get("wiring") or {}
+    rows = [{"stage": n, "accept length": (st.get(n) or {}).get("accept_length"),
+             "ci low": ((st.get(n) or {}).get("ci") or [None, None])[0],
+             "ci high": ((st.get(n) or {}).get("ci") or [None, None])[1], "source": (st.get(n) or {}).get("source")}
+            for n in ("training log", "checkpoint (teacher-forced)", "offline on training states",
+                      "offline on served states") if n in st]
+    per_step = "; ".join(f"step {r['step']}: {r['acc']:.3f} vs log {r['log_acc']:.3f}"
+                         for r in (ck or {}).get("table") or [])
+    data = {"settings": b["settings"], "stages": [{k: x.get(k) for k in ("name", "accept_length", "ci")}
+                                                  for x in b["stages"]],
+            "draft_loss": {k: dl.get(k) for k in ("delta", "ci", "decision", "basis")},
+            "wiring_loss": {k: wl.get(k) for k in ("delta", "ci", "decision", "basis")} if sv is not None else None,
+            "draft_sources": b.get("draft_sources")}
+    run_alone = (f"Run alone ({settings.label}, compute dtype {choice.reason}), the checkpoint teacher-forced on "
+                 f"{((ck or {}).get('rows') or {}).get('sequences', 0)} row(s) of its log's kind scores "
+                 f"{per_step or 'no step'}: accept length {_fmt_al(ck)} against the log's {_fmt_al(log)}")
+    chain = f"; its drafting chain on the training states accepts {_fmt_al(tr)} tokens per verify step"
+    if sv is not None:
+        chain += (f", on the states this server feeds for the same tokens {_fmt_al(sv)} (wiring loss "
+                  f"{wl.get('delta', float('nan')):+.2f}, {wl.get('decision')})")
+    decision = dl.get("decision")
+    if decision == "counts":
+        verdict = "confirmed"
+        data["short"] = f"the draft alone scores below its training log (accept length {_fmt_al(ck)} vs {_fmt_al(log)})"
+        text = run_alone + chain + ". The checkpoint itself underperforms its log: look at the draft (export, " \
+                                   "weights, vocab map) before the server."
+    elif decision == "clear":
+        verdict = "refuted"
+        where = (" What the server feeds it costs acceptance: the fault is in the wiring between the server and the "
+                 "draft." if wl.get("decision") == "counts" else "")
+        text = run_alone + chain + ". The draft is as good as its training log says." + where
+    else:
+        verdict = "inconclusive"
+        text = run_alone + chain + f". Whether the draft itself is at fault is undecided: {dl.get('basis') or ''}"
+    names = [r["stage"] for r in rows]
+    fig = bar_figure(names, [r["accept length"] for r in rows], "The draft run alone: accept length by stage",
+                     "tokens per verify step")
+    return HypothesisResult("draft_standalone", "Standalone draft test", "", verdict, text, pd.DataFrame(rows), fig,
+                            data)
 
 
 def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None):

@@ -7,7 +7,8 @@
    prompt) or proven offline (the drafting chain on the states the fix would feed; the checkpoint with the fix's
    vocab map on the draft stage's rows). Such a loss is decided like any other
    (:func:`helpers.draft.decide.decide`); when it counts and the ladder's own estimate did not, it replaces it (the
-   ladder's estimate is kept beside it).
+   ladder's estimate is kept beside it). A fix that left the effective speculative settings as they were (it only
+   requests what SGLang already ran) gives the settings stage no share of a change measured on the server.
 2. The cause is recomputed (:func:`helpers.draft.budget.cause_of`); the sentence is rewritten.
 3. Every finding with a stage carries that stage's loss as evidence (``evidence["acceptance"]``); a stage that counts
    without a finding naming it gets the budget's own finding (``draft_underperforms``, ``wiring_loses_acceptance``,
@@ -71,9 +72,22 @@ def _merge(losses: dict, stage: str, new: dict, *, on_server: bool = False) -> N
     losses[stage] = old
 
 
+#: the effective speculative settings of a measurement (helpers.acceptance summaries)
+SPEC_FIELDS = ("num_steps", "topk", "num_draft_tokens")
+
+
+def same_effective_settings(measured: dict) -> bool:
+    """The fix's before and after ran the same effective speculative settings (every field of :data:`SPEC_FIELDS`
+    recorded on both sides and equal): e.g. a fix that only requests the draft tokens SGLang already ran
+    (``num_draft_tokens_overridden`` with topk 1)."""
+    a, b = (measured or {}).get("before") or {}, (measured or {}).get("after") or {}
+    return all(a.get(k) is not None and a.get(k) == b.get(k) for k in SPEC_FIELDS)
+
+
 def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict, bool]]:
     """Losses from the fix: ``(stage, loss, measured on the server)``, measured on the server first, then proven
-    offline."""
+    offline. The settings stage gets no share of a measured change when the fix left the effective settings as they
+    were (:func:`same_effective_settings`): the change came from the fix's other parts."""
     b = doc.acceptance or {}
     stages = _fix_stages(doc)
     out = []
@@ -81,10 +95,11 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict, bool]]:
     eff = m.get("effect") or {}
     d, lo, hi = (eff.get(k) for k in ("accept_length_delta", "accept_length_delta_lo", "accept_length_delta_hi"))
     before = (m.get("before") or {}).get("accept_length")
-    if stages and d is not None and lo is not None and hi is not None:
+    on_server = stages - {"settings"} if same_effective_settings(m) else stages
+    if on_server and d is not None and lo is not None and hi is not None:
         n = eff.get("n_paired")
         dec = decide(d, lo, hi, threshold(before), n=n, unit="prompts")
-        for st in stages:
+        for st in sorted(on_server):
             where = f" ({m['measured_by']})" if m.get("measured_by") else ""
             out.append((st, {"stage": st, "delta": d, "ci": [lo, hi], **dec, "n": n,
                              "counts": dec["decision"] == "counts", "material": d >= dec["threshold"],

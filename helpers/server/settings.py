@@ -386,7 +386,10 @@ class ServerSettings(SpecSettings):
         """Build from a ``/server_info`` dict or a dump manifest's ``server`` block.
 
         Accepted shapes: flat ServerArgs keys; ``{"effective": {...}, "requested": {...}}``; ``version`` or
-        ``sglang_version``. Unknown keys are ignored.
+        ``sglang_version``. Unknown keys are ignored. Without a ``requested`` block, a flat ``/server_info`` that
+        carries SGLang's own ``launch_command`` (the argv as typed, SGLang >= 0.5.2x) gives the requested values
+        (:func:`parse_launch_args`, as :meth:`helpers.server.client.SGLangClient.effective_spec_config` reads it),
+        so a silent override such as ``num_draft_tokens_overridden`` is seen from ``/server_info`` alone.
 
         Raises:
             BadInput: ``d`` is not an object or a numeric field is not an integer (names ``source`` and the key).
@@ -398,6 +401,13 @@ class ServerSettings(SpecSettings):
             raise BadInput(f"expected an object, got {type(d).__name__}", path=source, field="server")
         eff = d.get("effective") if isinstance(d.get("effective"), dict) else d
         req = d.get("requested") if isinstance(d.get("requested"), dict) else {}
+        if not req and eff is d and isinstance(d.get("launch_command"), (str, list)):
+            try:
+                req = parse_launch_args(d["launch_command"])
+            except ValueError:        # an unclosed quote: nothing is known of what was asked
+                req = {}
+            req = {k: v for k, v in req.items()          # a count typed as no integer is not known to be asked
+                   if k not in _INT_FIELDS or (isinstance(v, int) and not isinstance(v, bool))}
 
         def num(src: dict, k: str) -> Optional[int]:
             v = src.get(k)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import BadParams, CaseError
 from ..investigation.cases import load_case
 from ..paths import NOTEBOOK_DIR, ROOT
-from ..runfiles import load_yaml_model
+from ..runfiles import load_yaml_model, load_yaml_text
 
 DEFAULT_NOTEBOOKS = ["00_replay", "00_investigate", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
                      "11_hyp_embedding_allreduce", "12_hyp_layer_offset", "20_acceptance",
@@ -97,8 +97,28 @@ def _resolve(value: Optional[str], params_dir: Path) -> Optional[Path]:
     return (ROOT / p).resolve()
 
 
+#: the main job's params (``make postmortem``): a case file given as ``--params`` runs with these
+MAIN_PARAMS = ROOT / "env" / "cases" / "main.yaml"
+
+
+def _case_as_params(path: Path):
+    """``prepare`` for :func:`load_yaml_model`: a case file (a mapping with a ``timeline``) given where a params
+    file is expected becomes the main job's params (:data:`MAIN_PARAMS`) with that case and the case's name, so
+    ``suite run --params env/cases/<case>.yaml`` runs the main job on any case."""
+
+    def prepare(data: Any) -> Any:
+        if not (isinstance(data, dict) and "timeline" in data):
+            return data
+        base = load_yaml_text(MAIN_PARAMS.read_text(encoding="utf-8"), "params file", path=MAIN_PARAMS,
+                              error=BadParams) or {}
+        return {**base, "name": str(data.get("name") or path.stem), "case": str(path.resolve())}
+
+    return prepare
+
+
 def load_params(path: str | os.PathLike) -> SuiteParams:
-    """Read and validate a suite params YAML file.
+    """Read and validate a suite params YAML file, or a case file (:func:`_case_as_params`: the main job's params
+    with that case).
 
     Read with the suite's one YAML loader (:func:`helpers.runfiles.load_yaml_model`).
 
@@ -106,7 +126,7 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
         BadParams: file missing, not YAML, or a field invalid (the message names the file and the field).
     """
     path = Path(path)
-    params = load_yaml_model(path, SuiteParams, what="params file", error=BadParams)
+    params = load_yaml_model(path, SuiteParams, what="params file", error=BadParams, prepare=_case_as_params(path))
     if params.server.url is None and params.server.managed is None and params.case is None:
         raise BadParams(f"params file {path}: set case (replay a case file), server.url (attach) or "
                         "server.managed (start the embedded reference server)")

@@ -484,7 +484,7 @@ def context(run_dir: Any = "", *, case: Any = "", server_url: str = "", api_key_
     m = None
     if cp is not None and cp.exists():
         ctx.case_path = cp
-        m = _case_models(cp)
+        m = case_models(cp)
     elif cp is not None:
         ctx.notes.append(f"case file {cp} not found")
 
@@ -545,7 +545,7 @@ def load_replay(run_dir: Path) -> Optional[ReplayDoc]:
     return None if raw is None else ReplayDoc.model_validate(raw)
 
 
-def _case_models(path: Path):
+def case_models(path: Path):
     """The ``models`` block of a case file (helpers.investigation.cases.Models), read without validating the rest."""
 
 

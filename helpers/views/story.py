@@ -20,12 +20,15 @@ import pandas as pd
 from ..acceptance.machine import speed_change
 from ..acceptance.stats import format_ci
 from ..draft.budget import gains
+from ..errors import BadInput
+from ..formats.configs import describe_architecture
 from ..investigation import replay as replay_run
 from ..investigation.story import headline_parts, named_text
+from ..paths import ROOT
 from ..records import InvestigationDoc
 from ..runfiles import read_parquet
 from .budget import ladder_frame, settings_text
-from .common import esc, headline_box, table_html
+from .common import case_models, esc, headline_box, read_json_or_none, result_path, table_html
 from .replay import as_replay
 
 METRICS = (("accept_rate", "accept rate", True), ("accept_length", "accept length", False), ("tok_s", "tok/s", False))
@@ -180,11 +183,54 @@ def measurement_parts(run_dir: Optional[Path], doc: Any = None, inv: Optional[In
             "</span></h3>", table_html(ba), flags_html(flags(pair, inv.acceptance if inv is not None else None, doc))]
 
 
+def _architecture(path: Any) -> str:
+    try:
+        return describe_architecture(path)
+    except BadInput as exc:
+        return f"{path} ({exc})"
+
+
+def what_ran(run_dir: Optional[Path], doc: Any = None, inv: Optional[InvestigationDoc] = None) -> str:
+    """One line saying what ran: the target's and the draft's architecture (from their config.json,
+    :func:`helpers.formats.configs.describe_architecture`), the engine version, TP, algorithm and speculative settings,
+    and where that was read: the server the investigation attached to (``investigation.json`` ``attach``), else the
+    models of the case the replay ran (``results/00_replay.json`` ``case_path``). ``""`` when neither is there."""
+    att = (inv.attach if inv is not None else None) or {}
+    target, draft = att.get("served_target") or att.get("target_dir"), att.get("served_draft") or att.get("draft_dir")
+    source = "the investigated server's model_path and speculative_draft_model_path, their config.json"
+    tp = att.get("tp")
+    if not target and run_dir is not None:
+        cp = (read_json_or_none(result_path(Path(run_dir), "00_replay")) or {}).get("case_path")
+        try:
+            m = case_models(Path(cp)) if cp and Path(cp).exists() else None
+        except Exception:  # noqa: BLE001 - an unreadable case file leaves the line out, the replay page says why
+            m = None
+        if m is not None:
+            target, draft = ROOT / m.target, ROOT / m.draft
+            source = f"the models of the case file {cp}, their config.json"
+            tp = tp or getattr(as_replay(doc), "tp", None)
+    if not target:
+        return ""
+    text = f"Target {_architecture(target)}"
+    if draft:
+        text += f"; draft {_architecture(draft)}"
+    engine = [f"SGLang {att['version']}" if att.get("version") else "", f"TP {tp}" if tp else ""]
+    spec = att.get("spec") or {}
+    if att.get("algorithm"):
+        engine.append(att["algorithm"] + (f" (steps {spec.get('num_steps')}, topk {spec.get('topk')}, draft tokens "
+                                          f"{spec.get('num_draft_tokens')})" if spec else ""))
+    engine = [e for e in engine if e]
+    return text + (f"; {', '.join(engine)}" if engine else "") + f" [source: {source}]."
+
+
 def first_screen(run_dir: Optional[Path], doc: Any = None, inv: Optional[InvestigationDoc] = None,
                  ledger: Optional[pd.DataFrame] = None) -> list[str]:
-    """The first screen as one HTML block (a list of one string, ``<div class="e3f-first">``): the headline, the
-    before / after table, the flags, the ladder with the settings line."""
+    """The first screen as one HTML block (a list of one string, ``<div class="e3f-first">``): the headline, what ran
+    (:func:`what_ran`: the architectures), the before / after table, the flags, the ladder with the settings line."""
     parts = [headline_box(story_parts(doc, inv))]
+    ran = what_ran(run_dir, doc, inv)
+    if ran:
+        parts.append(f'<p class="e3f-note e3f-ran"><b>What ran:</b> {esc(ran)}</p>')
     pair = measured_pair(run_dir, doc, inv, ledger)
     ba = before_after_frame(pair)
     if len(ba):

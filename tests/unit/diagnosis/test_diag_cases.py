@@ -399,6 +399,32 @@ def test_num_draft_tokens_overridden(tmp_path, tiny_target, tiny_draft, runner32
     assert (ev["requested"], ev["effective"]) == (8, 4)
 
 
+def test_num_draft_tokens_overridden_from_a_flat_server_info_launch_command(tiny_target, tiny_draft):
+    """A live investigation passes /server_info as it comes (flat, effective values only): SGLang's own
+    launch_command in it says what was asked (the seeds' silent override: 16 draft tokens asked at topk 1)."""
+    from helpers.diagnosis.static import static_check
+    from helpers.server.settings import ServerSettings
+
+    info = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 4, "tp_size": 2, "version": "0.5.23",
+            "launch_command": "python -m sglang.launch_server --model-path /t --tp-size 2 --speculative-algorithm "
+                              "EAGLE3 --speculative-num-steps 3 --speculative-eagle-topk 1 "
+                              "--speculative-num-draft-tokens 16 --api-key s3cret"}
+    s = ServerSettings.from_dict(info)
+    assert s.requested["speculative_num_draft_tokens"] == 16 and s.num_draft_tokens == 4
+    assert "api_key" not in s.requested
+    rep = static_check(tiny_draft, tiny_target, server=info)
+    ov = [f for f in rep.findings if f["kind"] == "num_draft_tokens_overridden"]
+    assert len(ov) == 1 and (ov[0]["evidence"]["requested"], ov[0]["evidence"]["effective"]) == (16, 4)
+    # asked as run, a count that is no integer, an unreadable command, or a requested block: nothing is inferred
+    for cmd in ("--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+                "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens x16",
+                "--speculative-num-draft-tokens '16"):
+        rep = static_check(tiny_draft, tiny_target, server={**info, "launch_command": cmd})
+        assert not [f for f in rep.findings if f["kind"] == "num_draft_tokens_overridden"], cmd
+    assert ServerSettings.from_dict({"effective": info, "requested": {}}).requested == {}
+
+
 # ---------------------------------------------------------------------------------- response layouts
 
 def test_cached_prefix_and_missing_prompt_ids(tmp_path, tiny_target, tiny_draft, runner32, specs):

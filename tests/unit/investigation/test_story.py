@@ -146,3 +146,41 @@ def test_a_fix_measured_after_the_investigation_is_the_stage_loss_and_the_headli
     assert parts[2]["source"].startswith("this replay's step 7")
     text = headline_text(parts)
     assert text.count("[source: ") == 3 and text.startswith("What is wrong: ")
+
+
+def test_a_fix_that_leaves_the_effective_settings_gives_the_settings_stage_no_share():
+    """The Kimi case's fix: the ids (wiring) and --speculative-num-draft-tokens 4, which SGLang already ran in place of
+    the 16 asked (num_draft_tokens_overridden, settings stage). Both sides ran steps 3, topk 1, 4 draft tokens, so the
+    measured +0.68 is the wiring stage's loss only; the settings stage keeps the ladder's own estimate (clear) and no
+    flag says its 'measured' loss misses that estimate."""
+    from helpers.investigation.story import record_measured_fix, same_effective_settings
+
+    kinds = ["embedding_in_place_of_layer", "num_draft_tokens_overridden"]
+    doc = InvestigationDoc(verdict="mismatch", findings=[Finding(kind=k, detail=k) for k in kinds],
+                           acceptance=_budget(wiring="counts"),
+                           proposed_fix=ProposedFix(kind="config", summary="ids and flag", addresses=kinds,
+                                                    applicable=True))
+    m = _measured(0.68, 0.50, 0.87)
+    for side in ("before", "after"):
+        m[side].update(num_steps=3, topk=1, num_draft_tokens=4)
+    assert same_effective_settings(m)
+    record_measured_fix(doc, {**m, "measured_by": "step 9 against step 1", "prompts": 16})
+    losses = doc.acceptance["losses"]
+    assert losses["wiring"]["delta"] == pytest.approx(0.68) and losses["wiring"]["on_server"]
+    assert losses["settings"]["decision"] == "clear" and not losses["settings"].get("on_server")
+    assert losses["settings"]["delta"] == pytest.approx(0.01)
+    assert doc.acceptance["cause"] == "wiring"
+    # the same fix where the flag did change what ran (8 draft tokens at topk 2): both stages get the measured change
+    m2 = _measured(0.68, 0.50, 0.87)
+    m2["before"].update(num_steps=3, topk=1, num_draft_tokens=4)
+    m2["after"].update(num_steps=3, topk=2, num_draft_tokens=8)
+    assert not same_effective_settings(m2)
+    doc2 = InvestigationDoc(verdict="mismatch", findings=[Finding(kind=k, detail=k) for k in kinds],
+                            acceptance=_budget(wiring="counts"),
+                            proposed_fix=ProposedFix(kind="config", summary="ids and flag", addresses=kinds,
+                                                     applicable=True))
+    record_measured_fix(doc2, {**m2, "measured_by": "step 9 against step 1", "prompts": 16})
+    assert doc2.acceptance["losses"]["settings"]["delta"] == pytest.approx(0.68)
+    assert doc2.acceptance["losses"]["settings"]["on_server"]
+    # a measurement without recorded settings (older records) is attributed as before
+    assert not same_effective_settings(_measured())

@@ -148,3 +148,42 @@ def test_server_text_stays_escaped_on_the_first_screen(run_dir):
     rec = postmortem.postmortem_record(run_dir, None)
     assert [p["label"] for p in rec["story"]] == ["What is wrong", "The fix", "Measured effect"]
     assert rec["headline"].startswith("What is wrong: ") and json.dumps(rec)
+
+
+KIMI = story.ROOT / "env" / "models" / "kimi"
+
+
+@pytest.mark.skipif(not (KIMI / "target" / "config.json").exists(), reason="the Kimi-class models are not built")
+def test_the_first_screen_says_which_architecture_ran(tmp_path):
+    """From the server the investigation attached to (its model paths' config.json), else from the case the replay
+    ran; a draft config whose architecture name holds markup stays escaped; nothing recorded: no line."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    cfg = json.loads((KIMI / "draft" / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "architectures": [EVIL]}))
+    inv = InvestigationDoc(run_dir=str(tmp_path), attach={
+        "served_target": str(KIMI / "target"), "served_draft": str(draft), "version": "0.5.23", "tp": 2,
+        "algorithm": "EAGLE3", "spec": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}})
+    ran = story.what_ran(tmp_path, None, inv)
+    assert ran == ("Target DeepseekV3ForCausalLM: MLA attention (8 heads, q_lora_rank 64, kv_lora_rank 64), MoE (8 "
+                   "routed experts, top-2, 1 shared; first 1 layer dense), 8 layers, hidden 128; draft " + EVIL +
+                   ": attention (8 heads, 8 KV heads), dense MLP, 1 layer, hidden 128; SGLang 0.5.23, TP 2, EAGLE3 "
+                   "(steps 3, topk 1, draft tokens 4) [source: the investigated server's model_path and "
+                   "speculative_draft_model_path, their config.json].")
+    soup = BeautifulSoup("".join(story.first_screen(tmp_path, None, inv)), "html.parser")
+    line = soup.select_one("p.e3f-ran")
+    assert line is not None and line.get_text() == "What ran: " + ran
+    assert soup.find("script") is None and soup.find("img") is None
+    # no investigation: the models of the case the replay ran (results/00_replay.json)
+    (tmp_path / "results").mkdir()
+    case = story.ROOT / "env" / "cases" / "kimi_seeds_hunt.yaml"
+    (tmp_path / "results" / "00_replay.json").write_text(json.dumps({"notebook": "00_replay",
+                                                                     "case_path": str(case)}))
+    ran = story.what_ran(tmp_path, None, None)
+    assert ran.startswith("Target DeepseekV3ForCausalLM: MLA attention") and "draft LlamaForCausalLMEagle3: " in ran
+    assert ran.endswith(f"[source: the models of the case file {case}, their config.json].")
+    # nothing recorded: no line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert story.what_ran(empty, None, None) == ""
+    assert "What ran" not in "".join(story.first_screen(empty, None, None))
