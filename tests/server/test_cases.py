@@ -1,7 +1,7 @@
 """Every bundled case replays on the reference server: each hypothesis gets its expected verdict,
 and the fix raises accept length beyond the faulted configuration's 95% CI (bootstrap over
-requests). The seeds' hunt is the main job's case: tests/suite/test_suite_main.py replays it once and checks it there;
-the other cases are marked slow (still run in CI).
+requests). The main job's case (kimi_seeds_hunt) is replayed and checked by tests/suite/test_suite_main.py; the cases
+here are marked slow (still run in CI) or extended (make test-all: a CI test already checks their fault live).
 Case files validated without a server: tests/unit/investigation/test_case_validation.py.
 """
 from __future__ import annotations
@@ -60,10 +60,12 @@ def _assert_fix_helps(doc: dict, effect_test: str = "cis") -> None:
 #: the extended tier (make test-all): cases whose fault and hypothesis a CI test already checks live --
 #: algorithm_eagle and partial_sums in test_investigate_live.py (fc_bypass / tp_sharding confirmed), missing_d2t in
 #: test_investigate_live.py::test_draft_without_vocab_map (vocab_map confirmed), seeds_hook_variant's forward-hook
-#: capture in test_hooks_live.py and the seeds' embedding in the main job. Each replay is ~2-3 min of servers.
-EXTENDED_CASES = {"algorithm_eagle", "partial_sums", "missing_d2t", "seeds_hook_variant"}
+#: capture in test_hooks_live.py, and seeds_hunt (the seeds' embedding on the Llama target) in
+#: test_investigate_live.py::test_seeds_config_fault_is_named_fixed_and_measured and, on the Kimi-class target, the
+#: main job (tests/suite/test_suite_main.py). Each replay is ~2-3 min of servers.
+EXTENDED_CASES = {"algorithm_eagle", "partial_sums", "missing_d2t", "seeds_hook_variant", "seeds_hunt"}
 SLOW_CASES = [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c
-              for c in ["wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2t", "seeds_hook_variant",
+              for c in ["seeds_hunt", "wrong_convention", "algorithm_eagle", "partial_sums", "missing_d2t", "seeds_hook_variant",
                         "fallback_ids"]]
 
 

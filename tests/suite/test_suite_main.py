@@ -106,20 +106,23 @@ def test_main_postmortem_renders(main_run):
 
 
 def test_main_job_replays_the_seeds_hunt_as_expected(main_run):
-    """The seeds' case as the main job replays it (once in CI: this module's run): every hypothesis and the blind
-    investigation as the case file expects, the proposed ids the training's, the steps sweep reusing the fix's own
-    measurement."""
+    """The seeds' hunt on the seeds' architecture as the main job replays it (env/cases/kimi_seeds_hunt.yaml on the
+    Kimi-class DeepseekV3 target): every hypothesis and the blind investigation as the case file expects (the silent
+    draft-token override confirmed, the standalone draft test refuted), the proposed ids the training's with the 4
+    draft tokens SGLang ran, the steps sweep reusing the fix's own measurement, and the page saying what ran."""
     from helpers.investigation.cases import load_case
 
     _, run_dir, _ = main_run
-    doc = json.loads((run_dir / "results" / "replay-seeds-hunt.json").read_text())
-    case = load_case(ROOT / "env" / "cases" / "seeds_hunt.yaml")
+    doc = json.loads((run_dir / "results" / "replay-kimi-seeds-hunt.json").read_text())
+    case = load_case(ROOT / "env" / "cases" / "kimi_seeds_hunt.yaml")
     for step, rec in zip(case.timeline, doc["steps"]):
         assert not rec.get("error"), rec
         if step.kind == "investigate" and (step.expect_finding or step.expect_fix):
             assert rec["as_expected"] is True, (rec["findings"][:1], rec["proposed_fix"], rec["sentence"])
         if step.kind == "hypothesis" and step.expect:
             assert rec["verdict"] == step.expect and rec["as_expected"] is True, (rec["check"], rec["verdict"])
+    verdicts = {s["check"]: s["verdict"] for s in doc["steps"] if s["kind"] == "hypothesis"}
+    assert verdicts["num_steps_override"] == "confirmed" and verdicts["draft_standalone"] == "refuted", verdicts
     inv = next(s for s in doc["steps"] if s["kind"] == "investigate")
     assert inv["findings"][0]["kind"] == "embedding_in_place_of_layer"
     assert inv["seconds_to_verdict"] is not None and inv["seconds_to_verdict"] < 120
@@ -128,3 +131,5 @@ def test_main_job_replays_the_seeds_hunt_as_expected(main_run):
     sweep = next(s for s in doc["steps"] if s["kind"] == "sweep")
     assert [p["num_steps"] for p in sweep["points"]] == [2, 3] and sweep["best_num_steps"] in (2, 3)
     assert sweep["points"][1].get("reused")  # num_steps=3 is the fix itself: not run twice
+    page = (run_dir / "postmortem.html").read_text()
+    assert "DeepseekV3ForCausalLM" in page and "MLA" in page
