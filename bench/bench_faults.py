@@ -82,7 +82,7 @@ def summary(rows: list[dict], title: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ offline
 
-def offline(n: int, seed: int, out: Path) -> list[dict]:
+def offline(n: int, seed: int, out: Path, classes=CLASSES) -> list[dict]:
     from support.fault_offline import OfflineMatrix
 
     t0 = time.monotonic()
@@ -90,7 +90,7 @@ def offline(n: int, seed: int, out: Path) -> list[dict]:
     log(f"offline setup {time.monotonic() - t0:.0f} s (load {load()})")
     rows = []
     with open(out / "faults-offline.jsonl", "a") as fh:
-        for f in draws(n, seed):
+        for f in draws(n, seed, classes):
             try:
                 r = m.run(f)
             except Exception as exc:            # a draw the budget cannot run is a result too
@@ -135,7 +135,8 @@ class LiveSpy:
         live.run_budget = wrapped
 
 
-def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: int, out: Path) -> list[dict]:
+def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: int, out: Path,
+             classes=CLASSES, refs_dir: Path | None = None) -> list[dict]:
     from helpers.acceptance.stats import paired_effect
     from helpers.investigation.live import investigate
     from helpers.server.process import stop_pid
@@ -143,16 +144,23 @@ def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: in
     os.environ["E3F_SERVER_REGISTRY"] = str(out / "registry")
     spy = LiveSpy()
     deadline = time.monotonic() + minutes * 60
-    faults = [f for f in draws(n, seed) if f.cls != "clean"]
+    faults = [f for f in draws(n, seed, classes) if f.cls != "clean"]
     rows: list[dict] = []
     applied = 0
     fh = open(out / "faults-live.jsonl", "a")
+    import pandas as pd
+
     refs: dict[int, object] = {}
+    for tp in tps:                       # a clean reference measured by an earlier run (--refs): no clean server
+        f = (refs_dir or out) / f"ref-tp{tp}.parquet"
+        if refs_dir is not None and f.exists():
+            refs[tp] = pd.read_parquet(f)
+            log(f"TP {tp}: the clean server's live frame from {f}")
     # the clean server of every TP size first (the pairing reference), then the faults in turn over the TP sizes
     # (the TP size shifts by one every round of the classes, so every class meets every TP size)
-    k = len(CLASSES) - 1
-    plan = [(tp, GenFault(seed * 1000 + tp, "clean")) for tp in tps] + [(tps[(i + i // k) % len(tps)], f)
-                                                                        for i, f in enumerate(faults)]
+    k = max(1, len([c for c in classes if c != "clean"]))
+    plan = [(tp, GenFault(seed * 1000 + tp, "clean")) for tp in tps if tp not in refs]
+    plan += [(tps[(i + i // k) % len(tps)], f) for i, f in enumerate(faults)]
     for tp, f in plan:
         if time.monotonic() > deadline:
             log(f"time is up ({minutes} min): {f.label} at TP {tp} not started")
@@ -176,8 +184,9 @@ def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: in
             applied += int(apply)
             live = spy.last
             b = doc.acceptance
-            if f.cls == "clean":
+            if f.cls == "clean" and live is not None:
                 refs[tp] = live
+                live.to_parquet(out / f"ref-tp{tp}.parquet")
             loss = ci = None
             if live is not None and refs.get(tp) is not None:
                 e = paired_effect(refs[tp], live)
@@ -212,6 +221,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=50.0, help="no live fault is started after this")
     p.add_argument("--apply-wiring", type=int, default=2, help="wiring faults investigated with the fix applied")
+    p.add_argument("--classes", default=",".join(CLASSES), help="fault classes to draw")
+    p.add_argument("--refs", default=None, help="a folder of an earlier live run: its clean servers' live frames "
+                   "(ref-tp<N>.parquet) are the pairing reference, no clean server is started")
     p.add_argument("--out", default=None, help="output folder (default: a new one under outputs/)")
     a = p.parse_args()
     out = Path(a.out or ROOT / "outputs" / f"{time.strftime('%Y%m%d-%H%M%S')}-bench-faults")
@@ -220,11 +232,12 @@ def main() -> int:
     parts = []
     t0 = time.monotonic()
     if a.offline:
-        rows = offline(a.offline, a.seed, out)
+        rows = offline(a.offline, a.seed, out, a.classes.split(","))
         parts.append(summary(rows, f"offline, {len(rows)} draws, seed {a.seed}, {time.monotonic() - t0:.0f} s"))
     if a.live:
         t1 = time.monotonic()
-        rows = live_run(a.live, a.seed, [int(x) for x in a.tp.split(",")], a.minutes, a.apply_wiring, out)
+        rows = live_run(a.live, a.seed, [int(x) for x in a.tp.split(",")], a.minutes, a.apply_wiring, out,
+                        a.classes.split(","), Path(a.refs) if a.refs else None)
         parts.append(summary(rows, f"live, TP {a.tp}, seed {a.seed}, {time.monotonic() - t1:.0f} s"))
     text = "\n\n".join(parts)
     (out / "summary.md").write_text(text + "\n")
