@@ -423,6 +423,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         done("proposed fix", t, fix.summary)
 
         spec = att.spec or {}
+        withdrawn: Optional[str] = None
         if acceptance_budget and all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
             t = step("acceptance budget")
             try:
@@ -439,6 +440,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                                 measure=live_measure, progress=progress)
                 doc.acceptance = br.budget
                 if br.withdraw_fix:
+                    withdrawn = br.withdraw_fix
                     doc.notes.append(br.withdraw_fix)
                     fix.applicable = False
                     fix.summary = "none proven: " + br.withdraw_fix
@@ -477,17 +479,9 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                              "HOOKS_DIR) and investigate again")
 
         doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
-        if fix.kind == "none":
-            doc.measured = {"not_measured": no_fix_text(doc)}
-        elif not fix.applicable:
-            doc.measured = {"not_measured": "the fix is a change in the engine's capture path, which this tool "
-                                            "cannot apply; apply it and run investigate again"}
-        elif not apply_fix:
-            doc.measured = {"measured_by": measured_by} if measured_by else {"not_measured": not_applied}
-        elif att.restart is None:
-            doc.measured = {"not_measured": "this server cannot be restarted by the tool: pass --relaunch "
-                                            "'<launch command>' (or start it with `python -m helpers server start`)"}
-        else:
+        doc.measured = not_measured(doc, fix, withdrawn=withdrawn, apply_fix=apply_fix, measured_by=measured_by,
+                                    not_applied=not_applied, restartable=att.restart is not None)
+        if doc.measured is None:
             t = step("relaunch")
             doc.measured = _apply_and_measure(att, client, fix, inv, run_dir, training=training, api_key=api_key,
                                               num_samples=num_samples, prompts=measure_prompts,
@@ -506,6 +500,27 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         doc.sentence = sentence(doc)
         write_json(run_dir / "investigation.json", doc.model_dump(mode="json"))
     return doc
+
+
+def not_measured(doc: InvestigationDoc, fix: ProposedFix, *, withdrawn: Optional[str], apply_fix: bool,
+                 measured_by: Optional[str], not_applied: str, restartable: bool) -> Optional[dict]:
+    """``investigation.json`` ``measured`` when the fix is not measured, saying why; None when it is to be applied
+    and measured. A fix the acceptance budget withdrew (its offline proof ruled a material gain out) says so, whatever
+    its kind: it is neither "nothing to fix" nor an engine change."""
+    if withdrawn:
+        return {"not_measured": "the proposed fix was withdrawn before any restart (its offline proof rules a material "
+                                "gain out)", "withdrawn": withdrawn}
+    if fix.kind == "none":
+        return {"not_measured": no_fix_text(doc)}
+    if not fix.applicable:
+        return {"not_measured": "the fix is a change in the engine's capture path, which this tool cannot apply; apply "
+                                "it and run investigate again"}
+    if not apply_fix:
+        return {"measured_by": measured_by} if measured_by else {"not_measured": not_applied}
+    if not restartable:
+        return {"not_measured": "this server cannot be restarted by the tool: pass --relaunch '<launch command>' (or "
+                                "start it with `python -m helpers server start`)"}
+    return None
 
 
 def _reference(att: Attachment, client: SGLangClient, samples: Sequence[Any], run_dir: Path, num_layers: int

@@ -166,6 +166,9 @@ def record(f: GenFault, b: Optional[dict], *, loss: Optional[float], loss_ci, wa
     """One row of the matrix: the fault, its true loss, what the budget named, each stage's loss and decision."""
     losses = {} if b is None else {k: {"delta": v.get("delta"), "ci": v.get("ci"), "decision": v.get("decision"),
                                        "threshold": v.get("threshold")} for k, v in (b.get("losses") or {}).items()}
+    best = next((x for x in (b or {}).get("stages", []) if x["name"] == "best settings (simulated)"), {})
+    extra.setdefault("settings_gain", best.get("modelled_speedup_gain"))
+    extra.setdefault("recommended", None if b is None else b.get("recommended_settings"))
     return {**f.to_json(), "loss": loss, "loss_ci": loss_ci, "cause": None if b is None else b["cause"],
             "losses": losses, "sentence": None if b is None else b["sentence"], "wall_s": round(wall_s, 1), **extra}
 
