@@ -102,6 +102,55 @@ def offline(n: int, seed: int, out: Path, classes=CLASSES) -> list[dict]:
     return rows
 
 
+def wiring_sweep(out: Path) -> list[dict]:
+    """Every wiring fault of the generator's space (all config-id triples, all chunk orders): the wiring stage as a
+    live run computes it (the draft on the training data's samples, their trained plan vs the served plan, both taken
+    from an every-layer HF reference of the training tokens; paired, decided by ``helpers.draft.decide``) against the
+    true loss on the 64 greedy sequences of the offline matrix."""
+    import itertools
+
+    from helpers.capture import capture_reference_hf
+    from helpers.draft.budget import _loss, _paired_loss, plan_sequences, training_sequences
+    from helpers.draft.model import compute_threads
+    from helpers.draft.simulate import simulate_sequences, summary
+    from helpers.formats.training_data import TrainingData
+    from helpers.paths import REFERENCE_TARGET, REFERENCE_TRAINING
+    from support.fault_offline import CLEAN, OfflineMatrix
+    from support.faultgen import TRAINED_IDS
+
+    m = OfflineMatrix(out / "sweep")
+    train = training_sequences(TrainingData(REFERENCE_TRAINING, hidden_size=128))
+    with compute_threads(1):
+        ref = capture_reference_hf(REFERENCE_TARGET, [{"id": s.key, "input_ids": s.tokens.tolist()} for s in train],
+                                   out / "sweep", name="training-every-layer", progress=False)
+    faults = [GenFault(0, "layer_offset", {"ids": list(ids)}) for ids in itertools.combinations(range(-1, 7), 3)
+              if ids != TRAINED_IDS]
+    faults += [GenFault(0, "chunk_order", {"order": list(o)}) for o in itertools.permutations(range(3))
+               if list(o) != [0, 1, 2]]
+    st = CLEAN
+    t_frame = simulate_sequences(m.draft, plan_sequences(ref, ["out(1)", "out(3)", "out(4)"], train),
+                                 [st])["per_request"][st]
+    ref_al = summary(t_frame, st.steps)["accept_length"]
+    rows = []
+    with open(out / "wiring-sweep.jsonl", "a") as fh:
+        for f in faults:
+            plan = f.served_plan()
+            truth = simulate_sequences(m.draft, m.states(plan), [st])["per_request"][st]
+            e = __import__("helpers.acceptance.stats", fromlist=["paired_effect"]).paired_effect(m.clean_frame, truth)
+            s_frame = simulate_sequences(m.draft, plan_sequences(ref, plan, train), [st])["per_request"][st]
+            d, lo, hi, n = _paired_loss(t_frame, s_frame)
+            w = _loss("wiring", d, lo, hi, "sweep", ref_al, n=n)
+            r = {"label": f.label, "plan": plan, "loss": -e["accept_length_delta"],
+                 "loss_ci": [-e["accept_length_delta_hi"], -e["accept_length_delta_lo"]],
+                 "wiring": {k: w[k] for k in ("delta", "ci", "decision", "threshold")}, "n": n}
+            rows.append(r)
+            fh.write(json.dumps(r) + "\n")
+            log(f"{f.label:24} plan {plan}: true loss {fmt(r['loss'])} [{fmt(r['loss_ci'][0])}, "
+                f"{fmt(r['loss_ci'][1])}]; wiring stage on {n} training samples {fmt(d)} [{fmt(lo)}, {fmt(hi)}] "
+                f"{w['decision']}")
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ live
 
 def _cli(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
@@ -217,6 +266,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--offline", type=int, default=0, help="offline draws")
     p.add_argument("--live", type=int, default=0, help="live faults (clean servers come on top, one per TP)")
+    p.add_argument("--wiring-sweep", action="store_true", help="every wiring fault of the generator's space: the "
+                   "wiring stage on the training samples vs the true loss")
     p.add_argument("--tp", default="1,2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=50.0, help="no live fault is started after this")
@@ -234,6 +285,14 @@ def main() -> int:
     if a.offline:
         rows = offline(a.offline, a.seed, out, a.classes.split(","))
         parts.append(summary(rows, f"offline, {len(rows)} draws, seed {a.seed}, {time.monotonic() - t0:.0f} s"))
+    if a.wiring_sweep:
+        rows = wiring_sweep(out)
+        bad = [r for r in rows if r["wiring"]["decision"] == "clear" and r["loss"] >= MATERIAL_LIVE]
+        parts.append(f"### wiring sweep\n\n{len(rows)} wiring faults; the wiring stage on the training samples says "
+                     + ", ".join(f"{k} {sum(r['wiring']['decision'] == k for r in rows)}"
+                                 for k in ("counts", "clear", "undecided"))
+                     + f"; clear on a true loss >= {MATERIAL_LIVE}: {len(bad)} ("
+                     + "; ".join(f"{r['label']}: {fmt(r['loss'])} vs {fmt(r['wiring']['delta'])}" for r in bad) + ")")
     if a.live:
         t1 = time.monotonic()
         rows = live_run(a.live, a.seed, [int(x) for x in a.tp.split(",")], a.minutes, a.apply_wiring, out,
