@@ -28,6 +28,7 @@ import json
 import math
 import random
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -115,9 +116,10 @@ class GenFault:
 
             raw = json.loads((DRAFT / "config.json").read_text())
             raw["eagle_config"] = {**raw["eagle_config"], "eagle_aux_hidden_state_layer_ids": list(self.params["ids"])}
-            tmp = _scratch() / f"config-{self.seed}.json"
-            tmp.write_text(json.dumps(raw))
-            return list(served_plan(read_draft_config(tmp), read_target_config(target), version="0.5.23").tensors)
+            with tempfile.TemporaryDirectory(prefix="e3f-faultgen-") as tmp:
+                (Path(tmp) / "config.json").write_text(json.dumps(raw))
+                draft = read_draft_config(Path(tmp) / "config.json")
+            return list(served_plan(draft, read_target_config(target), version="0.5.23").tensors)
         return list(TRAINED_PLAN)
 
     def draft_copy(self, out: Path, src: Path = DRAFT) -> Path:
@@ -157,17 +159,6 @@ class GenFault:
         """SGLang ``--forward-hooks`` specs of a ``hook`` fault (one per module)."""
         return [{"name": f"gen-perturb-{i}", "target_modules": [m], "hook_factory": "helpers.hooks:perturb_factory",
                  "config": c} for i, (m, c) in enumerate(zip(self.params["modules"], self.params["configs"]))]
-
-
-_SCRATCH: list[Path] = []
-
-
-def _scratch() -> Path:
-    if not _SCRATCH:
-        import tempfile  # lazy: only the layer-offset plan writes a config
-
-        _SCRATCH.append(Path(tempfile.mkdtemp(prefix="e3f-faultgen-")))
-    return _SCRATCH[0]
 
 
 def damage(t: torch.Tensor, p: dict, g: torch.Generator) -> torch.Tensor:
