@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up both environments (idempotent):
+# Set up the three environments (idempotent):
 #   .venv                  the suite: helpers/, notebooks, tests (torch CPU, pandas, plotly, papermill...)
 #   env/reference/.venv    the embedded SGLang 0.5.23 CPU server (env/reference/install.sh)
-# SUITE_VENV / SGLANG_VENV override the locations. SKIP_SGLANG=1 skips the server environment
-# (enough to attach to a remote GPU server and to run the offline diagnosis).
+#   env/vllm/.venv         the embedded vLLM 0.32.0 CPU server (env/vllm/install.sh)
+# SUITE_VENV / SGLANG_VENV / VLLM_VENV override the locations. SKIP_SGLANG=1 / SKIP_VLLM=1 skip a server
+# environment (neither is needed to attach to a remote GPU server or to run the offline diagnosis).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SUITE_VENV:-$ROOT/.venv}"
@@ -30,5 +31,8 @@ else
 fi
 if [ "${SKIP_SGLANG:-0}" != "1" ]; then
   "$ROOT/env/reference/install.sh"
+fi
+if [ "${SKIP_VLLM:-0}" != "1" ]; then
+  "$ROOT/env/vllm/install.sh"
 fi
 log "ready: suite $VENV"

@@ -1,4 +1,5 @@
-"""``python -m helpers server start|stop``: the embedded SGLang CPU reference server from the shell."""
+"""``python -m helpers server start|stop``: the embedded SGLang (default) or vLLM (``--engine vllm``) CPU reference
+server from the shell."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +13,12 @@ import time
 from pathlib import Path
 
 from ..capture import server_hook_specs
+from ..engines.detect import adapter as engine_adapter
+from ..engines.detect import detect
 from ..errors import BadServerInput, ServerStartError
 from ..faults import Fault
 from ..formats.configs import read_target_config
+from ..hooks import model_family
 from ..runfiles import loads_json
 from ..paths import ROOT
 from ..server.embedded import (
@@ -60,6 +64,9 @@ def _body(argv: list[str]) -> int:
                                  description="Embedded SGLang CPU reference server")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start a server and keep it running until Ctrl-C")
+    s.add_argument("--engine", default="sglang", choices=("sglang", "vllm"),
+                   help="sglang (env/reference/.venv, default) or vllm (env/vllm/.venv: vLLM 0.32.0's CPU backend; "
+                        "needs --target with a head size it supports, e.g. 64)")
     s.add_argument("--target", default=None, help="target model folder (default: env/models/target)")
     s.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: none)")
     s.add_argument("--reference-draft", action="store_true", help="use env/models/draft")
@@ -68,7 +75,7 @@ def _body(argv: list[str]) -> int:
                    help="port on 127.0.0.1, or a range to take a free one from (default: a free port of "
                         "$E3F_PORT_RANGE, else 12000-19999)")
     s.add_argument("--algorithm", default="EAGLE3", choices=SPEC_ALGORITHMS)
-    s.add_argument("--steps", type=int, default=3)
+    s.add_argument("--steps", type=int, default=3, help="draft steps (vLLM: num_speculative_tokens)")
     s.add_argument("--topk", type=int, default=1)
     s.add_argument("--draft-tokens", type=int, default=4)
     s.add_argument("--dtype", default="float32")
@@ -91,22 +98,46 @@ def _body(argv: list[str]) -> int:
     s.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra sglang flags")
     t = sub.add_parser("stop", help="stop a server tree by the PID `start` printed")
     t.add_argument("pid", type=int)
+    d = sub.add_parser("detect", help="print the engine and release serving --url (exit 2: neither SGLang nor a "
+                                      "known vLLM)")
+    d.add_argument("--url", required=True)
+    d.add_argument("--timeout", type=float, default=30.0, help="seconds for the whole detection")
     args = ap.parse_args(argv)
+    if args.cmd == "detect":
+        found = detect(args.url, timeout=min(10.0, args.timeout), deadline_s=args.timeout)
+        print(f"{found.adapter.label} {found.version} at {args.url}")
+        return 0
     if args.cmd == "stop":
         ended = stop_pid(args.pid)
         print(f"stopped {len(ended)} process(es): {ended}" if ended else f"no process {args.pid}")
         return 0
     draft = args.draft or (REFERENCE_DRAFT if args.reference_draft else None)
     extra = [a for a in (args.extra or []) if a != "--"]
+    if args.engine == "vllm":
+        bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
+                              ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
+                              ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
+                              ("--draft-tokens", args.draft_tokens != 4),
+                              ("--reference-draft", args.reference_draft)) if v]
+        if bad or args.target is None:
+            why = (f"{', '.join(bad)} apply to SGLang only" if bad else
+                   "--target is required (vLLM's CPU attention refuses the reference target's head_dim 16)")
+            print(f"server: error: --engine vllm: {why}", file=sys.stderr)
+            return 2
     if args.detach:
         return _detach(argv, args)
+    if args.engine == "vllm":
+        return _run_vllm(args, draft, extra)
     try:
         hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
         faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
         if faults or args.capture_layers or args.capture_ranks:
-            n = read_target_config(args.target or REFERENCE_TARGET).num_hidden_layers
-            hooks = (hooks or []) + (server_hook_specs(n, faults=faults, rank_capture_dir=args.capture_ranks,
-                                                       layers_dir=args.capture_layers) or [])
+            tcfg = read_target_config(args.target or REFERENCE_TARGET)
+            hooks = (hooks or []) + (server_hook_specs(tcfg.num_hidden_layers, faults=faults,
+                                                       rank_capture_dir=args.capture_ranks,
+                                                       layers_dir=args.capture_layers,
+                                                       family=model_family(tcfg.architectures, tcfg.model_type))
+                                     or [])
         spec = SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
                             num_draft_tokens=args.draft_tokens)
         handle = start(args.target, draft, tp=args.tp, port=args.port, spec=spec, dtype=args.dtype,
@@ -138,6 +169,44 @@ def _body(argv: list[str]) -> int:
         for state in states:
             unregister(state)
             unregister(state.with_suffix(".out"))   # the detached supervisor's output, kept only when a start failed
+    print("stopped", flush=True)
+    return 0
+
+
+def _run_vllm(args: argparse.Namespace, draft: str | None, extra: list[str]) -> int:
+    """``server start --engine vllm`` in the foreground: start the embedded vLLM server, register it, wait for
+    Ctrl-C / SIGTERM / ``server stop PID``, stop it by PID."""
+    try:
+        handle = engine_adapter("vllm").start(args.target, draft, tp=args.tp, port=args.port,
+                                              num_speculative_tokens=args.steps, dtype=args.dtype,
+                                              log_path=args.log, timeout=args.timeout, extra_args=extra)
+    except (BadServerInput, ValueError) as exc:
+        print(f"server: error: {exc}", file=sys.stderr)
+        return 2
+    except ServerStartError as exc:
+        print(f"server: error: {exc}", file=sys.stderr)
+        return 1
+    states = list(dict.fromkeys([state_path(handle.port)] + ([Path(args.state_file)] if args.state_file else [])))
+    launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
+              "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
+              "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
+              "dtype": args.dtype}
+    for state in states:
+        register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path),
+                 launch=launch)
+    print(f"vLLM reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, log {handle.log_path}, "
+          f"state {states[-1]}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.is_set() and handle.is_alive():
+            stop.wait(1.0)
+    finally:
+        handle.stop()
+        for state in states:
+            unregister(state)
+            unregister(state.with_suffix(".out"))
     print("stopped", flush=True)
     return 0
 
@@ -180,7 +249,8 @@ def _detach(argv: list[str], args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         if state.exists():
             doc = json.loads(state.read_text())
-            print(f"SGLang reference server ready: {doc['url']} (pid {doc['pid']}; stop it with "
+            label = "vLLM" if (doc.get("launch") or {}).get("engine") == "vllm" else "SGLang"
+            print(f"{label} reference server ready: {doc['url']} (pid {doc['pid']}; stop it with "
                   f"`{_python()} -m helpers server stop {doc['pid']}`)\nstate file: {state}\nlog: {doc['log']}", flush=True)
             return 0
         if proc.poll() is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -219,6 +220,77 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
             (checked before any request: nothing is overwritten). ServerError: the server cannot be reached.
     """
     run_dir = Path(run_dir)
+    chosen = _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens)
+    argv = relaunch_argv(relaunch) if relaunch else None
+    ps = load_prompts(prompts, n=num_prompts)       # a bad prompt file is bad input before any request
+    dl = budget or Budget(budget_s, flag="--budget")
+    own = client is None
+    a = _Ablation(run_dir=run_dir, dl=dl, client=client or SGLangClient(url, api_key, budget=dl), progress=progress,
+                  t_start=time.perf_counter())
+    try:
+        info = a.client.server_info(refresh=True)
+        if not info.get("speculative_algorithm"):
+            raise BadInput("the server runs without speculative decoding: there is no acceptance to sweep",
+                           field="--url")
+        readable = lambda p: Path(p) if p and Path(p).is_dir() else None  # noqa: E731
+        draft_dir = readable(draft) or readable(info.get("speculative_draft_model_path"))
+        target_dir = readable(target) or readable(info.get("model_path"))
+        log = find_training_log(draft_dir, training_log) if draft_dir is not None else None
+        a.lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
+        a.ps = ps
+        a.doc = {"format": FORMAT, "version": 1, "url": a.client.url, "sglang_version": info.get("version"),
+                 "device": info.get("device"), "limits": a.lim, "prompts": len(a.ps), "max_new_tokens": max_new_tokens,
+                 "temperature": temperature, "sweeps": {}, "toggles": [], "findings": [], "skipped": [],
+                 "failed_requests": [], "budget_s": budget_s}
+        a.todo = [f"sweep {s}" for s in sweeps] + [f"toggle {t.name}" for t in chosen]
+        for s in sweeps:
+            _sweep(a, s, max_new_tokens=max_new_tokens, temperature=temperature, concurrency=concurrency,
+                   contexts=contexts)
+        # toggles: on restarted copies of the server
+        entry = lookup(a.client.url)
+        restart = ({"kind": "embedded", **entry} if entry is not None
+                   else {"kind": "command", "argv": argv} if argv else None)
+        if toggles is None:
+            chosen = list(TOGGLES) if restart is not None else []
+            if restart is None:
+                a.doc["skipped"].append("toggles: this server cannot be restarted by the tool (pass --relaunch CMD, "
+                                        "or start it with `python -m helpers server start`)")
+        _toggles(a, chosen, info, restart, max_new_tokens=max_new_tokens, api_key=api_key, port=port)
+        a.doc["skipped"] += [f"toggle {r['name']}: {r['reason']}" for r in a.doc["toggles"]
+                             if r["status"] != "measured"]
+        a.doc["wall_s"] = time.perf_counter() - a.t_start
+        write_json(run_dir / "results" / "ablate.json", a.doc)
+        return a.doc
+    except BaseException as exc:
+        if a.doc is not None and not (run_dir / "results" / "ablate.json").exists():
+            _write_cut_short(a.doc, run_dir, exc, a.running, a.todo, time.perf_counter() - a.t_start)
+        raise
+    finally:
+        if own:
+            a.client.close()
+
+
+@dataclass
+class _Ablation:
+    """The state an ablation run fills: the document, the prompts and limits, the reference measurement (the
+    unchanged server on these prompts), and for a run cut short what has not started and what runs now."""
+
+    run_dir: Path
+    dl: Budget
+    client: SGLangClient
+    progress: Callable[[str], None]
+    t_start: float
+    doc: Optional[dict] = None
+    lim: Optional[dict] = None
+    ps: Any = None
+    reference: Any = None
+    todo: list = field(default_factory=list)
+    running: list = field(default_factory=list)
+
+
+def _check_args(run_dir: Path, sweeps: Sequence[str], toggles: Optional[Sequence[str]], num_prompts: int,
+                max_new_tokens: int) -> list:
+    """Bad arguments are bad input before any request; returns the named toggles."""
     if (run_dir / "results" / "ablate.json").exists():
         raise BadInput("the run folder already holds ablation results (results/ablate.json); ablate into a new run "
                        "folder", path=run_dir)
@@ -235,124 +307,92 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     if max_new_tokens < 2:
         raise BadInput(f"max_new_tokens must be >= 2 (a verify step needs two tokens), got {max_new_tokens}",
                        field="--max-new-tokens")
-    argv = relaunch_argv(relaunch) if relaunch else None
-    dl = budget or Budget(budget_s, flag="--budget")
-    t_start = time.perf_counter()
-    own = client is None
-    client = client or SGLangClient(url, api_key, budget=dl)
-    doc: Optional[dict[str, Any]] = None
-    todo: list[str] = []         # for a run cut short: what has not started, and what runs now
-    running: list[str] = []
-    try:
-        info = client.server_info(refresh=True)
-        if not info.get("speculative_algorithm"):
-            raise BadInput("the server runs without speculative decoding: there is no acceptance to sweep",
-                           field="--url")
-        readable = lambda p: Path(p) if p and Path(p).is_dir() else None  # noqa: E731
-        draft_dir = readable(draft) or readable(info.get("speculative_draft_model_path"))
-        target_dir = readable(target) or readable(info.get("model_path"))
-        log = find_training_log(draft_dir, training_log) if draft_dir is not None else None
-        lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
-        ps = load_prompts(prompts, n=num_prompts)
-        doc = {"format": FORMAT, "version": 1, "url": client.url, "sglang_version": info.get("version"),
-               "device": info.get("device"), "limits": lim, "prompts": len(ps), "max_new_tokens": max_new_tokens,
-               "temperature": temperature, "sweeps": {}, "toggles": [], "findings": [], "skipped": [],
-               "failed_requests": [], "budget_s": budget_s}
-        todo = [f"sweep {s}" for s in sweeps] + [f"toggle {t.name}" for t in chosen]
-        reference = None
-        for s in sweeps:
-            todo.remove(f"sweep {s}")
-            running[:] = [f"sweep {s}"]
-            if dl.spent():
-                doc["skipped"].append(f"sweep {s}: budget spent")
-                progress(f"sweep {s}: skipped (budget spent)")
-                continue
-            progress(f"sweep {s} ...")
-            pts: list[Point] = []
-            doc["sweeps"][s] = {"points": [], "trend": None}
+    return chosen
 
-            def keep(p: Point, s: str = s, pts: list = pts) -> None:   # saved at once: a run cut short keeps it
-                if p.result is not None:
-                    p.summary["saved_to"] = _save(p.result, run_dir, s, p.label)
-                pts.append(p)
-                doc["sweeps"][s]["points"].append(p.to_json())
-            run_sweep(client, s, prompts=ps, max_new_tokens=max_new_tokens, budget=dl, limits=lim,
-                      temperatures=(0.0, temperature), concurrency=concurrency, contexts=contexts, progress=progress,
-                      on_point=keep)
-            if reference is None and pts and pts[0].result is not None:
-                reference = pts[0].result           # the unchanged server on these prompts (first reference point)
-            t = trend(pts, lim)
-            doc["sweeps"][s] = {"points": [p.to_json() for p in pts], "trend": t}
-            doc["skipped"] += [f"sweep {s}: {p.label}: {p.skipped}" for p in pts if p.skipped]
-            doc["failed_requests"] += [_failed(f"sweep {s}: {p.label}", p.result) for p in pts
-                                       if p.result is not None and p.result.summary.get("n_failed")]
-            if t is not None:
-                doc["findings"].append(sweep_finding(t, lim))
-            running.clear()
-        # toggles: on restarted copies of the server
-        entry = lookup(client.url)
-        restart = ({"kind": "embedded", **entry} if entry is not None
-                   else {"kind": "command", "argv": argv} if argv else None)
-        if toggles is None:
-            chosen = list(TOGGLES) if restart is not None else []
-            if restart is None:
-                doc["skipped"].append("toggles: this server cannot be restarted by the tool (pass --relaunch CMD, or "
-                                      "start it with `python -m helpers server start`)")
-        toggle_cost, measured_toggles = FIRST_TOGGLE_S, 0
-        todo = [f"toggle {t.name}" for t in chosen]
-        for t in chosen:
-            todo.remove(f"toggle {t.name}")
-            row = _toggle_row(t)
-            why = t.skip_reason(info)
-            if why is None and restart is None:
-                why = "this server cannot be restarted by the tool (pass --relaunch CMD)"
-            left = dl.remaining()
-            if why is None and left is not None and left < toggle_cost:
-                why = (f"budget: {max(0.0, left):.0f} s left, a restart and its measurement take ~{toggle_cost:.0f} s"
-                       + ("" if measured_toggles else " (the first toggle's estimate)"))
-            if why is not None:
-                row.update(status="skipped", reason=why)
-                doc["toggles"].append(row)
-                progress(f"toggle {t.name}: skipped ({why})")
-                continue
-            if reference is None:
-                progress("measuring the unchanged server for the toggles ...")
-                reference = measure(client, ps, max_new_tokens=max_new_tokens, label="unchanged", progress=False,
-                                    seed=0)
-                if reference.summary.get("n_failed"):
-                    doc["failed_requests"].append(_failed("the unchanged server (toggles' reference)", reference))
-            running[:] = [f"toggle {t.name}"]
-            try:
-                row = measure_toggle(t, restart=restart, client=client, before=reference, prompts=ps,
-                                     max_new_tokens=max_new_tokens, run_dir=run_dir, budget=dl, api_key=api_key,
-                                     port=port, progress=progress)
-                if (row.get("after") or {}).get("n_failed"):
-                    doc["failed_requests"].append(f"toggle {t.name}: {row['after']['n_failed']} of "
-                                                  f"{row['after']['n_failed'] + (row['after']['n_requests'] or 0)} "
-                                                  f"requests failed (kept in {row.get('saved_to')})")
-            except ServerError as exc:
-                row.update(status="failed" if not dl.spent() else "skipped",
-                           reason=("budget spent while it ran: " if dl.spent() else "") + str(exc).splitlines()[0])
-                progress(f"toggle {t.name}: {row['status']} ({row['reason']})")
-            running.clear()
+
+def _sweep(a: _Ablation, s: str, *, max_new_tokens: int, temperature: float, concurrency: Sequence[int],
+           contexts: Optional[Sequence[int]]) -> None:
+    """One workload sweep, each point saved as measured; its trend and finding."""
+    doc, progress = a.doc, a.progress
+    a.todo.remove(f"sweep {s}")
+    a.running[:] = [f"sweep {s}"]
+    if a.dl.spent():
+        doc["skipped"].append(f"sweep {s}: budget spent")
+        progress(f"sweep {s}: skipped (budget spent)")
+        return
+    progress(f"sweep {s} ...")
+    pts: list[Point] = []
+    doc["sweeps"][s] = {"points": [], "trend": None}
+
+    def keep(p: Point) -> None:                       # saved at once: a run cut short keeps it
+        if p.result is not None:
+            p.summary["saved_to"] = _save(p.result, a.run_dir, s, p.label)
+        pts.append(p)
+        doc["sweeps"][s]["points"].append(p.to_json())
+    run_sweep(a.client, s, prompts=a.ps, max_new_tokens=max_new_tokens, budget=a.dl, limits=a.lim,
+              temperatures=(0.0, temperature), concurrency=concurrency, contexts=contexts, progress=progress,
+              on_point=keep)
+    if a.reference is None and pts and pts[0].result is not None:
+        a.reference = pts[0].result           # the unchanged server on these prompts (first reference point)
+    t = trend(pts, a.lim)
+    doc["sweeps"][s] = {"points": [p.to_json() for p in pts], "trend": t}
+    doc["skipped"] += [f"sweep {s}: {p.label}: {p.skipped}" for p in pts if p.skipped]
+    doc["failed_requests"] += [_failed(f"sweep {s}: {p.label}", p.result) for p in pts
+                               if p.result is not None and p.result.summary.get("n_failed")]
+    if t is not None:
+        doc["findings"].append(sweep_finding(t, a.lim))
+    a.running.clear()
+
+
+def _toggles(a: _Ablation, chosen: list, info: dict, restart: Optional[dict], *, max_new_tokens: int,
+             api_key: Optional[str], port) -> None:
+    """The engine toggles, each on a restarted copy, paired with the unchanged server; skipped with a reason when
+    it does not apply or the budget cannot fit a restart and a measurement."""
+    doc, progress, dl = a.doc, a.progress, a.dl
+    toggle_cost, measured_toggles = FIRST_TOGGLE_S, 0
+    a.todo = [f"toggle {t.name}" for t in chosen]
+    for t in chosen:
+        a.todo.remove(f"toggle {t.name}")
+        row = _toggle_row(t)
+        why = t.skip_reason(info)
+        if why is None and restart is None:
+            why = "this server cannot be restarted by the tool (pass --relaunch CMD)"
+        left = dl.remaining()
+        if why is None and left is not None and left < toggle_cost:
+            why = (f"budget: {max(0.0, left):.0f} s left, a restart and its measurement take ~{toggle_cost:.0f} s"
+                   + ("" if measured_toggles else " (the first toggle's estimate)"))
+        if why is not None:
+            row.update(status="skipped", reason=why)
             doc["toggles"].append(row)
-            if row.get("status") == "measured":
-                measured_toggles += 1
-                toggle_cost = max(toggle_cost if measured_toggles > 1 else 0.0, row["wall_s"])
-            f = toggle_finding(row) if row.get("status") == "measured" else None
-            if f is not None:
-                doc["findings"].append(f)
-        doc["skipped"] += [f"toggle {r['name']}: {r['reason']}" for r in doc["toggles"] if r["status"] != "measured"]
-        doc["wall_s"] = time.perf_counter() - t_start
-        write_json(run_dir / "results" / "ablate.json", doc)
-        return doc
-    except BaseException as exc:
-        if doc is not None and not (run_dir / "results" / "ablate.json").exists():
-            _write_cut_short(doc, run_dir, exc, running, todo, time.perf_counter() - t_start)
-        raise
-    finally:
-        if own:
-            client.close()
+            progress(f"toggle {t.name}: skipped ({why})")
+            continue
+        if a.reference is None:
+            progress("measuring the unchanged server for the toggles ...")
+            a.reference = measure(a.client, a.ps, max_new_tokens=max_new_tokens, label="unchanged", progress=False,
+                                  seed=0)
+            if a.reference.summary.get("n_failed"):
+                doc["failed_requests"].append(_failed("the unchanged server (toggles' reference)", a.reference))
+        a.running[:] = [f"toggle {t.name}"]
+        try:
+            row = measure_toggle(t, restart=restart, client=a.client, before=a.reference, prompts=a.ps,
+                                 max_new_tokens=max_new_tokens, run_dir=a.run_dir, budget=dl, api_key=api_key,
+                                 port=port, progress=progress)
+            if (row.get("after") or {}).get("n_failed"):
+                doc["failed_requests"].append(f"toggle {t.name}: {row['after']['n_failed']} of "
+                                              f"{row['after']['n_failed'] + (row['after']['n_requests'] or 0)} "
+                                              f"requests failed (kept in {row.get('saved_to')})")
+        except ServerError as exc:
+            row.update(status="failed" if not dl.spent() else "skipped",
+                       reason=("budget spent while it ran: " if dl.spent() else "") + str(exc).splitlines()[0])
+            progress(f"toggle {t.name}: {row['status']} ({row['reason']})")
+        a.running.clear()
+        doc["toggles"].append(row)
+        if row.get("status") == "measured":
+            measured_toggles += 1
+            toggle_cost = max(toggle_cost if measured_toggles > 1 else 0.0, row["wall_s"])
+        f = toggle_finding(row) if row.get("status") == "measured" else None
+        if f is not None:
+            doc["findings"].append(f)
 
 
 def _failed(where: str, res) -> str:

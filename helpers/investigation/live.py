@@ -24,30 +24,28 @@ the postmortem.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import psutil
+import httpx
 
-from ..acceptance.measure import measure, server_snapshot
+from ..acceptance.machine import speed_change
+from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
-from ..acceptance.stats import format_ci, paired_effect
+from ..acceptance.stats import paired_effect
 from ..budget import Budget
 from ..capture import capture_every_layer, capture_reference_hf
-from ..diagnosis.detectors import finding
 from ..errors import BadInput, describe
-from ..formats.configs import read_config_json, read_draft_config, read_target_config
+from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
 from ..records import Finding, HypothesisEntry, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, safe_name, write_json
 from ..server.client import SGLangClient
 from ..server.embedded import parse_ports
-from ..server.registry import lookup
-from ..server.restart import LAYERS_HOOK, relaunch_argv, start_variant
+from ..server.restart import start_variant
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
@@ -56,184 +54,9 @@ from ..draft.budget import join_ablation
 from .catalog import LIVE_CHECKS
 from .checks import run_check
 from .inputs import Investigation
+from .attach import Attachment, attach, capture_hooks, hf_reference_fits
 from .propose import draft_variant, propose_fix
-from .story import no_fix_text, reconcile as tell_one_story
-
-HOOK_FACTORY_PREFIX = "helpers.hooks:"
-
-
-@dataclass
-class Attachment:
-    """What the server runs, read from ``/server_info`` (and the folders this machine sees).
-
-    Attributes:
-        url / version / tp / algorithm / spec: the server's URL, SGLang version, TP size, speculative algorithm and
-            ``{num_steps, topk, num_draft_tokens}``.
-        served_draft / served_target: the folders the server was started with (paths on the server's machine).
-        draft_dir / target_dir: the folders used here, with ``draft_source`` / ``target_source`` saying which
-            (``server`` or the given ``--draft`` / ``--target``).
-        rank_capture_dir / layers_dir: this tool's per-rank and every-layer capture folders (from the server's
-            ``forward_hooks``), None when not installed.
-        other_hooks: forward hooks that are not capture hooks (``name``, ``target_modules``): anything they do to the
-            residual stream is invisible to the config.
-        restart: how the server can be restarted with a fix (``{"kind": "embedded", ...registry entry}`` or
-            ``{"kind": "command", "argv": [...]}``), or None.
-        findings: attach findings (the given draft differs from the served one).
-        info: the redacted ``/server_info``.
-    """
-
-    url: str
-    version: Optional[str]
-    tp: int
-    algorithm: Optional[str]
-    spec: dict
-    served_draft: Optional[str]
-    served_target: Optional[str]
-    draft_dir: Optional[Path]
-    draft_source: str
-    target_dir: Path
-    target_source: str
-    rank_capture_dir: Optional[Path] = None
-    layers_dir: Optional[Path] = None
-    other_hooks: list = field(default_factory=list)
-    restart: Optional[dict] = None
-    findings: list = field(default_factory=list)
-    info: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {"url": self.url, "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
-                "spec": self.spec, "served_draft": self.served_draft, "served_target": self.served_target,
-                "draft_dir": None if self.draft_dir is None else str(self.draft_dir), "draft_source": self.draft_source,
-                "target_dir": str(self.target_dir), "target_source": self.target_source,
-                "rank_capture_dir": None if self.rank_capture_dir is None else str(self.rank_capture_dir),
-                "layers_dir": None if self.layers_dir is None else str(self.layers_dir),
-                "other_hooks": self.other_hooks,
-                "restart": None if self.restart is None else {"kind": self.restart["kind"]},
-                "findings": self.findings}
-
-
-def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict]]:
-    """``(per-rank capture folder, every-layer capture folder, other hooks)`` from ``/server_info``'s
-    ``forward_hooks`` (SGLang 0.5.23 reports the ``--forward-hooks`` list there: ``sglang/srt/arg_groups/fields/
-    observability.py`` ``forward_hooks``). Hook names and ``config`` values may be redacted by SGLang; the folder
-    (``config.out_dir``) and the factory survive."""
-    ranks = layers = None
-    others = []
-    for h in info.get("forward_hooks") or []:
-        if not isinstance(h, dict):
-            continue
-        factory = str(h.get("hook_factory") or "")
-        name = str(h.get("name") or "")
-        out_dir = (h.get("config") or {}).get("out_dir") if isinstance(h.get("config"), dict) else None
-        if factory == HOOK_FACTORY_PREFIX + "capture_factory" and out_dir:
-            if name == LAYERS_HOOK:
-                layers = Path(out_dir)
-            else:
-                ranks = Path(out_dir)
-        elif factory == HOOK_FACTORY_PREFIX + "stash_factory":
-            continue                                     # read-only stashes of this tool's hooks
-        else:
-            others.append({"name": name, "target_modules": h.get("target_modules"), "hook_factory": factory})
-    return ranks, layers, others
-
-
-def _same_draft(a: Path, b: Path) -> Optional[dict]:
-    """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
-    try:
-        ca, cb = (read_config_json(p, "draft config") for p in (a, b))
-    except (OSError, ValueError):
-        return None
-    diff = {}
-    if ca != cb:
-        keys = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
-        diff["config_keys"] = keys
-        ea, eb = (c.get("eagle_config") or {} for c in (ca, cb))
-        if ea != eb:
-            diff["eagle_config"] = {"server": eb, "given": ea}
-    wa = {p.name: p.stat().st_size for p in a.glob("*.safetensors")}
-    wb = {p.name: p.stat().st_size for p in b.glob("*.safetensors")}
-    if wa != wb:
-        diff["weights"] = {"server": wb, "given": wa}
-    return diff or None
-
-
-def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
-           relaunch: Optional[str] = None) -> Attachment:
-    """Read what the server runs (see :class:`Attachment`).
-
-    Raises:
-        ServerError: ``/server_info`` unreachable or not JSON.
-        BadInput: neither the server's target folder nor ``target`` is readable here; a given folder lacks
-            config.json.
-    """
-    info = client.server_info()
-    served_draft = info.get("speculative_draft_model_path")
-    served_target = info.get("model_path") or info.get("tokenizer_path")
-    findings: list[dict] = []
-
-    def readable(p: Any) -> Optional[Path]:
-        return Path(p) if p and (Path(p) / "config.json").is_file() else None
-
-    if target is not None:
-        target_dir, target_source = Path(target), "--target"
-        if not (target_dir / "config.json").is_file():
-            raise BadInput("no config.json in the target folder", path=target_dir)
-    elif readable(served_target):
-        target_dir, target_source = Path(served_target), "server (model_path)"
-    else:
-        raise BadInput(f"the server's target folder {served_target!r} is not readable on this machine: pass --target "
-                       "DIR (a folder with the target's config.json; weights optional)", path=served_target)
-    given = Path(draft) if draft is not None else None
-    if given is not None and not (given / "config.json").is_file():
-        raise BadInput("no config.json in the draft folder", path=given)
-    server_draft = readable(served_draft)
-    if server_draft is not None:
-        draft_dir, draft_source = server_draft, "server (speculative_draft_model_path)"
-        if given is not None and given.resolve() != server_draft.resolve():
-            diff = _same_draft(given, server_draft)
-            if diff is not None:
-                findings.append(finding(
-                    "served_draft_differs", None,
-                    f"the server runs the draft in {server_draft}, which differs from --draft {given} "
-                    f"({', '.join(sorted(diff))}); the investigation uses the server's",
-                    served=str(server_draft), given=str(given), differences=diff,
-                    source="/server_info speculative_draft_model_path"))
-    elif given is not None:
-        draft_dir, draft_source = given, "--draft (the server's draft folder is not readable here)"
-    else:
-        draft_dir, draft_source = None, "none"
-    ranks, layers, others = capture_hooks(info)
-    restart = None
-    entry = lookup(client.url)
-    if relaunch:
-        restart = {"kind": "command", "argv": relaunch_argv(relaunch)}
-    elif entry is not None:
-        restart = {"kind": "embedded", **entry}
-    spec = {"num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),
-            "num_draft_tokens": info.get("speculative_num_draft_tokens")}
-    return Attachment(url=client.url, version=info.get("version"), tp=int(info.get("tp_size") or 1),
-                      algorithm=info.get("speculative_algorithm"), spec=spec, served_draft=served_draft,
-                      served_target=served_target, draft_dir=draft_dir, draft_source=draft_source,
-                      target_dir=target_dir, target_source=target_source, rank_capture_dir=ranks, layers_dir=layers,
-                      other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info))
-
-
-def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:
-    """Whether HF transformers can load the target here (fp32 weights within ``share`` of available memory).
-
-    Returns ``(fits, why)``; ``why`` names the sizes (or the missing weights)."""
-    files = list(target_dir.glob("*.safetensors")) + list(target_dir.glob("*.bin"))
-    if not files:
-        return False, f"no weights in {target_dir} (config only)"
-    size = sum(f.stat().st_size for f in files)
-    dtype = read_target_config(target_dir).torch_dtype or "bfloat16"
-    fp32 = size * (2 if "16" in str(dtype) else 1)
-    avail = psutil.virtual_memory().available
-    if fp32 > share * avail:
-        return False, (f"the target's weights need about {fp32 / 2**30:.1f} GiB in fp32, more than {share:.0%} of the "
-                       f"{avail / 2**30:.1f} GiB available here")
-    return True, f"{fp32 / 2**30:.2f} GiB in fp32"
-
+from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
 Progress = Callable[[str], None]
 
@@ -242,35 +65,328 @@ def _noop(_: str) -> None:
     pass
 
 
-def _sweeps(doc: InvestigationDoc, sweeps: str | Sequence[str], seconds: float, *, client: SGLangClient, run_dir: Path,
-            dl: Budget, step, done, progress: Progress, **kw: Any) -> None:
-    """The investigation's workload sweeps (``investigate``'s ``sweeps``), their findings and the budget's cause."""
+@dataclass
+class Request:
+    """What was asked of an investigation (the arguments of :func:`investigate`, documented there)."""
+
+    url: str
+    training: str | Path
+    run_dir: Path
+    draft: Optional[str | Path] = None
+    target: Optional[str | Path] = None
+    relaunch: Optional[str] = None
+    api_key: Optional[str] = None
+    timeout: Optional[float] = 900.0
+    num_samples: int = 4
+    measure_prompts: int = 16
+    max_new_tokens: int = 32
+    concurrency: int = 4
+    apply_fix: bool = True
+    not_applied: str = "--no-apply: the fix was only proposed"
+    measured_by: Optional[str] = None
+    port: int | str | None = None
+    acceptance_budget: bool = True
+    live_measure: bool = True
+    training_log: Optional[str | Path] = None
+    sweeps: str | Sequence[str] = "auto"
+    sweep_budget: float = 120.0
+    validation: Optional[str | Path] = None
+    rows_word: tuple[Optional[str], Optional[str]] = (None, None)
+
+
+@dataclass
+class Run:
+    """The one state the stages of :func:`investigate` fill, in order (each stage reads what earlier ones left).
+
+    Attributes:
+        req: the request; doc: the document being written; dl: the run's one deadline; client: the server's client;
+            progress: the progress callback; timings: seconds per step.
+        att: the attachment (:func:`helpers.investigation.attach.attach`); tcfg: the target config; td: the training
+            data; inv: the :class:`helpers.investigation.inputs.Investigation` of the server; samples: the training
+            samples captured; ref: the every-layer reference dump or None; diag: the diagnosis; extra: findings from
+            outside the diagnosis (attach, draft checks); fix: the proposed fix; withdrawn: why the acceptance
+            budget withdrew it (its offline proof ruled a material gain out), else None.
+    """
+
+    req: Request
+    doc: InvestigationDoc
+    dl: Budget
+    client: SGLangClient
+    progress: Progress
+    timings: dict = field(default_factory=dict)
+    att: Optional[Attachment] = None
+    tcfg: Any = None
+    td: Optional[TrainingData] = None
+    inv: Optional[Investigation] = None
+    samples: list = field(default_factory=list)
+    ref: Optional[Path] = None
+    diag: Any = None
+    extra: list = field(default_factory=list)
+    fix: Optional[ProposedFix] = None
+    withdrawn: Optional[str] = None
+
+    def step(self, name: str) -> float:
+        self.dl.check(f"before the {name} step")
+        self.progress(f"{name} ...")
+        return time.monotonic()
+
+    def done(self, name: str, t: float, note: str = "") -> None:
+        self.timings[name] = round(time.monotonic() - t, 2)
+        self.progress(f"{name}: {note} ({self.timings[name]:.1f} s)" if note else
+                      f"{name}: done ({self.timings[name]:.1f} s)")
+
+
+def _sweeps(r: Run) -> None:
+    """The investigation's workload sweeps (``investigate``'s ``sweeps``), their findings, and the budget they join."""
+    doc, req = r.doc, r.req
     b = doc.acceptance or {}
-    if sweeps == "auto":
+    if req.sweeps == "auto":
         # only when the budget cannot decide: the sweeps then say which requests lose acceptance
         chosen = ["context", "concurrency"] if b.get("cause") == "undecided" and doc.acceptance else []
     else:
-        chosen = list(sweeps)
+        chosen = list(req.sweeps)
     if not chosen:
         return
-    left = dl.remaining()
-    secs = seconds if left is None else min(seconds, left - 60)
+    left = r.dl.remaining()
+    secs = req.sweep_budget if left is None else min(req.sweep_budget, left - 60)
     if secs < 20:
         doc.notes.append(f"workload sweeps ({', '.join(chosen)}) skipped: {max(0, left or 0):.0f} s left of the run")
         return
-    t = step("workload sweeps")
-    ab = run_ablation(client.url, run_dir=run_dir, sweeps=chosen, toggles=(), budget=Budget(secs, flag="--timeout"),
-                      budget_s=secs, client=client, draft=kw["draft"], target=kw["target"],
-                      training_log=kw["training_log"], api_key=kw["api_key"], num_prompts=max(2, min(kw["prompts"], 10)),
-                      max_new_tokens=kw["max_new_tokens"], progress=progress)
+    t = r.step("workload sweeps")
+    ab = run_ablation(r.client.url, run_dir=req.run_dir, sweeps=chosen, toggles=(), budget=Budget(secs, flag="--timeout"),
+                      budget_s=secs, client=r.client, draft=r.att.draft_dir, target=r.att.target_dir,
+                      training_log=req.training_log, api_key=req.api_key,
+                      num_prompts=max(2, min(req.measure_prompts, 10)), max_new_tokens=req.max_new_tokens,
+                      progress=r.progress)
     have = {f.kind for f in doc.findings}
     new = [f for f in ab["findings"] if f["kind"] not in have]
     doc.findings += [Finding(**f) for f in new]
     before = b.get("cause")
     doc.acceptance = join_ablation(b, ab["findings"])
     doc.notes += [f"workload sweeps: {s}" for s in ab["skipped"]]
-    done("workload sweeps", t, ablation_text(ab) + (f"; the budget's cause is now {doc.acceptance['cause']}"
-                                                   if doc.acceptance.get("cause") != before else ""))
+    r.done("workload sweeps", t, ablation_text(ab) + (f"; the budget's cause is now {doc.acceptance['cause']}"
+                                                      if doc.acceptance.get("cause") != before else ""))
+
+
+# ------------------------------------------------------------------------------------------------ the stages
+
+def _stage_attach(r: Run) -> None:
+    """What the server runs; the target config and training data it is compared with."""
+    req, doc = r.req, r.doc
+    t = r.step("attach")
+    att = r.att = attach(r.client, draft=req.draft, target=req.target, relaunch=req.relaunch)
+    doc.attach = att.to_json()
+    r.done("attach", t, f"SGLang {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
+                        f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
+    for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
+        doc.notes.append(caveat)
+        r.progress("caveat: " + caveat)
+    if att.draft_dir is None:
+        raise BadInput("the server runs no draft this machine can read and no --draft was given "
+                       "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
+    r.tcfg = read_target_config(att.target_dir)
+    r.td = TrainingData(req.training, hidden_size=r.tcfg.hidden_size, max_samples=req.num_samples)
+    if r.td.hidden_size is not None and r.td.hidden_size != r.tcfg.hidden_size:
+        raise BadInput(f"the training data is {r.td.hidden_size} wide per chunk but the target's hidden size is "
+                       f"{r.tcfg.hidden_size}", path=req.training)
+    r.inv = Investigation(req.run_dir, r.client, training=req.training, draft_dir=att.draft_dir,
+                          target_dir=att.target_dir, capture_dir=att.rank_capture_dir, name="server",
+                          num_samples=req.num_samples, reference=None, algorithm=att.algorithm)
+    r.samples = r.inv.training_samples()
+    if len(r.samples) < req.num_samples:
+        doc.notes.append(f"{req.num_samples} training samples were asked for; the training data hold "
+                         f"{len(r.samples)}, all of which were used")
+        r.progress("note: " + doc.notes[-1])
+    doc.samples = len(r.samples)
+    r.extra = list(att.findings)
+
+
+def _stage_capture(r: Run) -> None:
+    """What the draft receives for the training samples' tokens."""
+    t = r.step("capture")
+    served = r.inv.served_dump()
+    r.done("capture", t, f"{len(r.samples)} training sample(s) -> {served.relative_to(r.req.run_dir)}")
+
+
+def _stage_reference(r: Run) -> None:
+    """Every layer of the target for the same tokens (the server's own capture, else HF, else none)."""
+    t = r.step("reference")
+    r.ref, how, missing = _reference(r.att, r.client, r.samples, r.req.run_dir, r.tcfg.num_hidden_layers)
+    r.inv.reference_spec = r.ref                       # drops the reference resolved before
+    r.doc.reference = {"how": how, "path": None if r.ref is None else str(r.ref), "missing": missing}
+    r.done("reference", t, how if r.ref is not None else f"none ({missing})")
+
+
+def _stage_diagnosis(r: Run) -> None:
+    """The static check and the numeric comparison: the findings on the wiring."""
+    doc = r.doc
+    t = r.step("diagnosis")
+    r.diag = r.inv.diagnosis(reference=r.ref is not None)
+    doc.findings = [Finding(**f) for f in _measured_first(r.diag.findings + r.extra)]
+    doc.diagnosis = r.diag.to_json()
+    doc.verdict = "ok" if not doc.findings else "mismatch"
+    doc.seconds_to_verdict = round(r.dl.elapsed(), 1)
+    r.done("diagnosis", t, f"{doc.verdict}: " + (", ".join(dict.fromkeys(f.kind for f in doc.findings))
+                                                 or "no finding"))
+
+
+def _stage_draft_checks(r: Run) -> None:
+    """The draft checkpoint and its config against the target, no server needed."""
+    doc = r.doc
+    t = r.step("draft checks")
+    try:
+        dc = draft_checks(r.att.draft_dir, r.att.target_dir, training=Path(r.req.training),
+                          sglang_version=r.att.version or "0.5.23")
+    except BadInput as exc:
+        dc = []
+        doc.notes.append(f"draft checks not run: {exc}")
+    have = {f.kind for f in doc.findings}
+    new = [f for f in dc if f["kind"] not in have]
+    r.extra += new
+    doc.findings += [Finding(**f) for f in new]
+    if new:
+        doc.verdict = "mismatch"
+    r.done("draft checks", t, ", ".join(f["kind"] for f in new) or "no finding")
+
+
+def _stage_hypotheses(r: Run) -> None:
+    """Every live check, ordered by the evidence."""
+    t = r.step("hypotheses")
+    r.doc.hypotheses = _hypotheses(r.inv, r.req.run_dir)
+    r.done("hypotheses", t, ", ".join(f"{h['check']} {h['verdict']}" for h in r.doc.hypotheses
+                                      if h["verdict"] == "confirmed") or "none confirmed")
+
+
+def _stage_propose(r: Run) -> None:
+    """The fix the findings imply, under the server's SGLang rules."""
+    t = r.step("proposed fix")
+    td = r.td
+    r.fix = propose_fix(r.diag, draft=read_draft_config(r.att.draft_dir / "config.json"), target=r.tcfg,
+                        version=r.att.version, algorithm=r.att.algorithm,
+                        training_dir=td.path if td.path.is_dir() else td.path.parent, extra_findings=r.extra,
+                        hooks=r.att.other_hooks)
+    r.doc.proposed_fix = r.fix
+    r.done("proposed fix", t, r.fix.summary)
+
+
+def _settings_fix(fix: ProposedFix, budget: dict) -> None:
+    """The settings stage's recommendation as the fix (flags a relaunch applies and measures) when nothing else is."""
+    rec = budget.get("recommended_settings")
+    if budget["cause"] != "settings" or not rec or fix.kind != "none":
+        return
+    fix.server_args = {"--speculative-num-steps": rec["steps"], "--speculative-eagle-topk": rec["topk"],
+                       "--speculative-num-draft-tokens": rec["draft_tokens"]}
+    fix.kind, fix.applicable = "config", True
+    fix.parts = [f"launch with --speculative-num-steps {rec['steps']} --speculative-eagle-topk {rec['topk']} "
+                 f"--speculative-num-draft-tokens {rec['draft_tokens']}"]
+    fix.summary = fix.parts[0] + " (the acceptance budget's settings stage, simulated)"
+    fix.why.append(budget["losses"]["settings"]["basis"])
+    fix.addresses.append("spec_settings_low")
+
+
+def _stage_budget(r: Run) -> None:
+    """The acceptance budget (and the workload sweeps that join it)."""
+    req, doc, att = r.req, r.doc, r.att
+    spec = att.spec or {}
+    if not req.acceptance_budget:
+        return
+    if not all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
+        doc.notes.append("no acceptance budget: the server reports no speculative settings (speculative_num_steps, "
+                         "speculative_eagle_topk, speculative_num_draft_tokens in /server_info)")
+        return
+    t = r.step("acceptance budget")
+    try:
+        br = run_budget(client=r.client, info=att.info, draft_dir=att.draft_dir, target_dir=att.target_dir,
+                        training=req.training, hidden_size=r.tcfg.hidden_size, num_samples=req.num_samples,
+                        served_dump=r.inv.served_dump(), reference=r.ref, run_dir=req.run_dir,
+                        settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]),
+                                               int(spec["num_draft_tokens"])),
+                        fix=r.fix, findings=r.diag.findings + r.extra,
+                        training_tensors=(None if r.diag.training_plan is None
+                                          else list(r.diag.training_plan.tensors)),
+                        training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
+                        prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
+                        measure=req.live_measure, progress=r.progress)
+    except BadInput as exc:
+        # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a checkpoint
+        # unlike its config): the wiring diagnosis stands, the budget says why it is missing
+        doc.notes.append(f"acceptance budget not computed: {exc}")
+        r.done("acceptance budget", t, f"not computed: {exc}")
+        return
+    doc.acceptance = br.budget
+    if br.withdraw_fix:
+        r.withdrawn = br.withdraw_fix
+        doc.notes.append(br.withdraw_fix)
+        r.fix.applicable = False
+        r.fix.summary = "none proven: " + br.withdraw_fix
+    _settings_fix(r.fix, br.budget)
+    r.done("acceptance budget", t, f"cause {br.budget['cause']}: " + ", ".join(
+        f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"] if s.get("accept_length") is not None))
+    _sweeps(r)
+
+
+def _stage_caveats(r: Run) -> None:
+    """What this run could not see (one TP rank's states only)."""
+    att = r.att
+    if att.tp > 1 and att.rank_capture_dir is None:
+        hooks = (f"; it runs {len(att.other_hooks)} forward hook(s) that are not capture hooks "
+                 f"({', '.join(str(h.get('name')) for h in att.other_hooks)}), whose effect on other ranks was "
+                 "not seen") if att.other_hooks else ""
+        r.doc.notes.append(f"only TP rank 0's aux states were compared (what /generate returns) on this TP {att.tp} "
+                           f"server{hooks}; to compare every rank, start the server with the per-rank capture hooks "
+                           "(`python -m helpers server start --capture-ranks DIR`, env/gpu/launch_tp8.sh with "
+                           "HOOKS_DIR) and investigate again")
+
+
+def _stage_measure_fix(r: Run) -> None:
+    """The fix applied on a restarted copy and measured before / after on the same prompts, or why not."""
+    req, doc, fix = r.req, r.doc, r.fix
+    doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
+    doc.measured = not_measured(doc, fix, withdrawn=r.withdrawn, apply_fix=req.apply_fix,
+                                measured_by=req.measured_by, not_applied=req.not_applied,
+                                restartable=r.att.restart is not None)
+    if doc.measured is None:
+        t = r.step("relaunch")
+        doc.measured = _apply_and_measure(r.att, r.client, fix, r.inv, req.run_dir, training=req.training,
+                                          api_key=req.api_key, num_samples=req.num_samples,
+                                          prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
+                                          concurrency=req.concurrency, dl=r.dl, progress=r.progress, port=req.port)
+        r.done("relaunch", t, _measured_text(doc.measured))
+
+
+def not_measured(doc: InvestigationDoc, fix: ProposedFix, *, withdrawn: Optional[str], apply_fix: bool,
+                 measured_by: Optional[str], not_applied: str, restartable: bool) -> Optional[dict]:
+    """``investigation.json`` ``measured`` when the fix is not measured, saying why; None when it is to be applied
+    and measured. A fix the acceptance budget withdrew (its offline proof ruled a material gain out) says so, whatever
+    its kind: it is neither "nothing to fix" nor an engine change."""
+    if withdrawn:
+        return {"not_measured": "the proposed fix was withdrawn before any restart (its offline proof rules a material "
+                                "gain out)", "withdrawn": withdrawn}
+    if fix.kind == "none":
+        return {"not_measured": no_fix_text(doc)}
+    if not fix.applicable:
+        return {"not_measured": "the fix is a change in the engine's capture path, which this tool cannot apply; apply "
+                                "it and run investigate again"}
+    if not apply_fix:
+        return {"measured_by": measured_by} if measured_by else {"not_measured": not_applied}
+    if not restartable:
+        return {"not_measured": "this server cannot be restarted by the tool: pass --relaunch '<launch command>' (or "
+                                "start it with `python -m helpers server start`)"}
+    return None
+
+
+def _stage_story(r: Run) -> None:
+    """Cause, findings, verdict, measured fix and sentence agree (:func:`helpers.investigation.story.reconcile`)."""
+    tell_one_story(r.doc, budget_expected=r.req.acceptance_budget)
+    r.doc.hypotheses = reconcile(r.doc.hypotheses, r.doc.findings)
+
+
+#: the stages of an investigation, in order
+STAGES: tuple[tuple[str, Callable[[Run], None]], ...] = (
+    ("attach", _stage_attach), ("capture", _stage_capture), ("reference", _stage_reference),
+    ("diagnosis", _stage_diagnosis), ("draft checks", _stage_draft_checks), ("hypotheses", _stage_hypotheses),
+    ("proposed fix", _stage_propose), ("acceptance budget", _stage_budget), ("caveats", _stage_caveats),
+    ("measure the fix", _stage_measure_fix), ("one story", _stage_story))
 
 
 def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
@@ -328,199 +444,35 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             investigation (checked before any work: nothing is overwritten).
         ServerError: the server does not answer, or the budget ran out.
     """
-    run_dir = Path(run_dir)
+    req = Request(url=url, training=training, run_dir=Path(run_dir), draft=draft, target=target, relaunch=relaunch,
+                  api_key=api_key, timeout=timeout, num_samples=num_samples, measure_prompts=measure_prompts,
+                  max_new_tokens=max_new_tokens, concurrency=concurrency, apply_fix=apply_fix,
+                  not_applied=not_applied, measured_by=measured_by, port=port, acceptance_budget=acceptance_budget,
+                  live_measure=live_measure, training_log=training_log, sweeps=sweeps, sweep_budget=sweep_budget,
+                  validation=validation, rows_word=rows_word)
     parse_ports(port, what="--port")        # a bad port is bad input before any work
-    if (run_dir / "investigation.json").exists():
+    if (req.run_dir / "investigation.json").exists():
         raise BadInput("the run folder already holds an investigation (investigation.json); investigate into a new "
-                       "run folder", path=run_dir)
+                       "run folder", path=req.run_dir)
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
-    timings: dict[str, float] = {}
-    doc = InvestigationDoc(url=url, run_dir=str(run_dir), training=str(Path(training).resolve()))
-
-    def step(name: str):
-        dl.check(f"before the {name} step")
-        progress(f"{name} ...")
-        return time.monotonic()
-
-    def done(name: str, t: float, note: str = "") -> None:
-        timings[name] = round(time.monotonic() - t, 2)
-        progress(f"{name}: {note} ({timings[name]:.1f} s)" if note else f"{name}: done ({timings[name]:.1f} s)")
-
-    client = SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), budget=dl,
-                          on_wait=progress if progress is not _noop else None)
+    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve())),
+            dl=dl, client=SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), budget=dl,
+                                       on_wait=progress if progress is not _noop else None), progress=progress)
     try:
-        t = step("attach")
-        att = attach(client, draft=draft, target=target, relaunch=relaunch)
-        doc.attach = att.to_json()
-        done("attach", t, f"SGLang {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
-                          f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
-        if att.draft_dir is None:
-            raise BadInput("the server runs no draft this machine can read and no --draft was given "
-                           "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
-        tcfg = read_target_config(att.target_dir)
-        td = TrainingData(training, hidden_size=tcfg.hidden_size, max_samples=num_samples)
-        if td.hidden_size is not None and td.hidden_size != tcfg.hidden_size:
-            raise BadInput(f"the training data is {td.hidden_size} wide per chunk but the target's hidden size is "
-                           f"{tcfg.hidden_size}", path=training)
-        inv = Investigation(run_dir, client, training=training, draft_dir=att.draft_dir, target_dir=att.target_dir,
-                            capture_dir=att.rank_capture_dir, name="server", num_samples=num_samples,
-                            reference=None, algorithm=att.algorithm)
-        samples = inv.training_samples()
-        if len(samples) < num_samples:
-            doc.notes.append(f"{num_samples} training samples were asked for; the training data hold {len(samples)}, "
-                             "all of which were used")
-            progress("note: " + doc.notes[-1])
-        doc.samples = len(samples)
-
-        t = step("capture")
-        served = inv.served_dump()
-        done("capture", t, f"{len(samples)} training sample(s) -> {served.relative_to(run_dir)}")
-
-        t = step("reference")
-        ref, how, missing = _reference(att, client, samples, run_dir, tcfg.num_hidden_layers)
-        inv.reference_spec = ref                       # drops the reference resolved before
-        doc.reference = {"how": how, "path": None if ref is None else str(ref), "missing": missing}
-        done("reference", t, how if ref is not None else f"none ({missing})")
-
-        t = step("diagnosis")
-        diag = inv.diagnosis(reference=ref is not None)
-        extra = list(att.findings)
-        doc.findings = [Finding(**f) for f in _measured_first(diag.findings + extra)]
-        doc.diagnosis = diag.to_json()
-        doc.verdict = "ok" if not doc.findings else "mismatch"
-        doc.seconds_to_verdict = round(dl.elapsed(), 1)
-        done("diagnosis", t, f"{doc.verdict}: " + (", ".join(dict.fromkeys(f.kind for f in doc.findings))
-                                                   or "no finding"))
-
-        t = step("draft checks")
-        try:
-            dc = draft_checks(att.draft_dir, att.target_dir, training=Path(training),
-                              sglang_version=att.version or "0.5.23")
-        except BadInput as exc:
-            dc = []
-            doc.notes.append(f"draft checks not run: {exc}")
-        have = {f.kind for f in doc.findings}
-        new = [f for f in dc if f["kind"] not in have]
-        extra += new
-        doc.findings += [Finding(**f) for f in new]
-        if new:
-            doc.verdict = "mismatch"
-        done("draft checks", t, ", ".join(f["kind"] for f in new) or "no finding")
-
-        t = step("hypotheses")
-        doc.hypotheses = _hypotheses(inv, run_dir)
-        done("hypotheses", t, ", ".join(f"{h['check']} {h['verdict']}" for h in doc.hypotheses
-                                        if h["verdict"] == "confirmed") or "none confirmed")
-
-        t = step("proposed fix")
-        draft_cfg = read_draft_config(att.draft_dir / "config.json")
-        fix = propose_fix(diag, draft=draft_cfg, target=tcfg, version=att.version, algorithm=att.algorithm,
-                          training_dir=td.path if td.path.is_dir() else td.path.parent, extra_findings=extra,
-                          hooks=att.other_hooks)
-        doc.proposed_fix = fix
-        done("proposed fix", t, fix.summary)
-
-        spec = att.spec or {}
-        withdrawn: Optional[str] = None
-        if acceptance_budget and all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
-            t = step("acceptance budget")
-            try:
-                br = run_budget(client=client, info=att.info, draft_dir=att.draft_dir, target_dir=att.target_dir,
-                                training=training, hidden_size=tcfg.hidden_size, num_samples=num_samples,
-                                served_dump=inv.served_dump(), reference=ref, run_dir=run_dir,
-                                settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]),
-                                                       int(spec["num_draft_tokens"])),
-                                fix=fix, findings=diag.findings + extra,
-                                training_tensors=(None if diag.training_plan is None
-                                                  else list(diag.training_plan.tensors)),
-                                training_log=training_log, validation=validation, rows_word=rows_word,
-                                prompts=measure_prompts, max_new_tokens=max_new_tokens,
-                                measure=live_measure, progress=progress)
-                doc.acceptance = br.budget
-                if br.withdraw_fix:
-                    withdrawn = br.withdraw_fix
-                    doc.notes.append(br.withdraw_fix)
-                    fix.applicable = False
-                    fix.summary = "none proven: " + br.withdraw_fix
-                rec = br.budget.get("recommended_settings")
-                if br.budget["cause"] == "settings" and rec and fix.kind == "none":
-                    # the settings stage's recommendation is the fix: flags a relaunch applies and measures
-                    fix.server_args = {"--speculative-num-steps": rec["steps"], "--speculative-eagle-topk": rec["topk"],
-                                       "--speculative-num-draft-tokens": rec["draft_tokens"]}
-                    fix.kind, fix.applicable = "config", True
-                    fix.parts = [f"launch with --speculative-num-steps {rec['steps']} --speculative-eagle-topk "
-                                 f"{rec['topk']} --speculative-num-draft-tokens {rec['draft_tokens']}"]
-                    fix.summary = fix.parts[0] + " (the acceptance budget's settings stage, simulated)"
-                    fix.why.append(br.budget["losses"]["settings"]["basis"])
-                    fix.addresses.append("spec_settings_low")
-                done("acceptance budget", t, f"cause {br.budget['cause']}: " + ", ".join(
-                    f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"]
-                    if s.get("accept_length") is not None))
-                _sweeps(doc, sweeps, sweep_budget, client=client, run_dir=run_dir, dl=dl, draft=att.draft_dir,
-                        target=att.target_dir, training_log=training_log, api_key=api_key, step=step, done=done,
-                        progress=progress, prompts=measure_prompts, max_new_tokens=max_new_tokens)
-            except BadInput as exc:
-                # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a
-                # checkpoint unlike its config): the wiring diagnosis stands, the budget says why it is missing
-                doc.notes.append(f"acceptance budget not computed: {exc}")
-                done("acceptance budget", t, f"not computed: {exc}")
-        elif acceptance_budget:
-            doc.notes.append("no acceptance budget: the server reports no speculative settings (speculative_num_steps, "
-                             "speculative_eagle_topk, speculative_num_draft_tokens in /server_info)")
-        if att.tp > 1 and att.rank_capture_dir is None:
-            hooks = (f"; it runs {len(att.other_hooks)} forward hook(s) that are not capture hooks "
-                     f"({', '.join(str(h.get('name')) for h in att.other_hooks)}), whose effect on other ranks was "
-                     "not seen") if att.other_hooks else ""
-            doc.notes.append(f"only TP rank 0's aux states were compared (what /generate returns) on this TP {att.tp} "
-                             f"server{hooks}; to compare every rank, start the server with the per-rank capture hooks "
-                             "(`python -m helpers server start --capture-ranks DIR`, env/gpu/launch_tp8.sh with "
-                             "HOOKS_DIR) and investigate again")
-
-        doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
-        doc.measured = not_measured(doc, fix, withdrawn=withdrawn, apply_fix=apply_fix, measured_by=measured_by,
-                                    not_applied=not_applied, restartable=att.restart is not None)
-        if doc.measured is None:
-            t = step("relaunch")
-            doc.measured = _apply_and_measure(att, client, fix, inv, run_dir, training=training, api_key=api_key,
-                                              num_samples=num_samples, prompts=measure_prompts,
-                                              max_new_tokens=max_new_tokens, concurrency=concurrency, dl=dl,
-                                              progress=progress, port=port)
-            done("relaunch", t, _measured_text(doc.measured))
-        tell_one_story(doc, budget_expected=acceptance_budget)
-        doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
+        for _, stage in STAGES:
+            stage(r)
     except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
-        doc.error = describe(exc)
+        r.doc.error = describe(exc)
         raise
     finally:
-        client.close()
-        doc.timings = timings
-        doc.wall_s = round(dl.elapsed(), 1)
-        doc.sentence = sentence(doc)
-        write_json(run_dir / "investigation.json", doc.model_dump(mode="json"))
-    return doc
-
-
-def not_measured(doc: InvestigationDoc, fix: ProposedFix, *, withdrawn: Optional[str], apply_fix: bool,
-                 measured_by: Optional[str], not_applied: str, restartable: bool) -> Optional[dict]:
-    """``investigation.json`` ``measured`` when the fix is not measured, saying why; None when it is to be applied
-    and measured. A fix the acceptance budget withdrew (its offline proof ruled a material gain out) says so, whatever
-    its kind: it is neither "nothing to fix" nor an engine change."""
-    if withdrawn:
-        return {"not_measured": "the proposed fix was withdrawn before any restart (its offline proof rules a material "
-                                "gain out)", "withdrawn": withdrawn}
-    if fix.kind == "none":
-        return {"not_measured": no_fix_text(doc)}
-    if not fix.applicable:
-        return {"not_measured": "the fix is a change in the engine's capture path, which this tool cannot apply; apply "
-                                "it and run investigate again"}
-    if not apply_fix:
-        return {"measured_by": measured_by} if measured_by else {"not_measured": not_applied}
-    if not restartable:
-        return {"not_measured": "this server cannot be restarted by the tool: pass --relaunch '<launch command>' (or "
-                                "start it with `python -m helpers server start`)"}
-    return None
+        r.client.close()
+        r.doc.timings = r.timings
+        r.doc.wall_s = round(dl.elapsed(), 1)
+        r.doc.sentence = sentence(r.doc)
+        write_json(req.run_dir / "investigation.json", r.doc.model_dump(mode="json"))
+    return r.doc
 
 
 def _reference(att: Attachment, client: SGLangClient, samples: Sequence[Any], run_dir: Path, num_layers: int
@@ -624,13 +576,23 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
     finally:
         handle.stop()
     keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-            "accept_rate_hi", "tok_s", "n_requests", "n_failed")
+            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests", "n_failed", "num_steps", "topk",
+            "num_draft_tokens", "algorithm", "machine")
+    local = _is_local(att.url) and _is_local(handle.url)
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
             "effect": effect, "prompts": prompts, "max_new_tokens": max_new_tokens,
+            "labels": ["before (as served)", "after (proposed fix)"],
+            "speed": speed_change(before.summary, after.summary, before.per_request, after.per_request, local=local),
             "saved_to": [str(saved_before.relative_to(run_dir)), str(saved_after.relative_to(run_dir))],
             "after_verdict": diag2.verdict, "after_findings": [f["kind"] for f in diag2.findings],
             "fixed_server": {"url": handle.url, "draft": str(fixed_draft), "server_args": fix.server_args,
                              "log": str(getattr(handle, "log_path", ""))}}
+
+
+def _is_local(url: str) -> bool:
+    """The server at ``url`` runs on this machine (its load is the one the measurement records)."""
+    host = (httpx.URL(url).host or "").lower()
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str],
@@ -648,19 +610,17 @@ def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, 
 def _measured_text(m: Optional[dict]) -> str:
     if not m:
         return "not measured"
-    if "measured_by" in m:
+    if "measured_by" in m and not ("before" in m and "after" in m and "effect" in m):
         return f"measured by {m['measured_by']}"
     if "not_measured" in m:
         return f"not measured: {m['not_measured']}"
     if "error" in m:
         return f"not measured: {m['error']}"
-    b, a, e = m["before"], m["after"], m["effect"]
-    delta = format_ci(e, "accept_rate_delta", pct=True, signed=True, unit="") + " points"
-    after_note = ("the fixed server's aux states equal the training data" if m.get("after_verdict") == "ok" else
-                  f"the fixed server still shows {', '.join(m.get('after_findings') or [])}")
-    return (f"measured on {m['prompts']} prompts: accept rate {b['accept_rate']:.0%} -> {a['accept_rate']:.0%} "
-            f"(paired change {delta}), accept length {b['accept_length']:.2f} -> {a['accept_length']:.2f} tokens per "
-            f"verify step; {after_note}")
+    after_note = ("" if "after_verdict" not in m else
+                  "; the fixed server's aux states equal the training data" if m.get("after_verdict") == "ok" else
+                  f"; the fixed server still shows {', '.join(m.get('after_findings') or [])}")
+    by = f"by {m['measured_by']}" if m.get("measured_by") else f"on {m['prompts']} prompts"
+    return f"measured {by}: {measured_text(m)[0]}{after_note}"
 
 
 def sentence(doc: InvestigationDoc) -> str:
@@ -688,17 +648,8 @@ def sentence(doc: InvestigationDoc) -> str:
     fix = doc.proposed_fix
     fix_text = fix.summary if fix is not None else "none"
     head = "Draft checkpoint fault" if f.kind in DRAFT_KINDS else "Wrong wiring"
-    return (f"{head}: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
+    return (f"{head}: {what}{where} -- {f.detail} [evidence: {provenance(f)}].{also} Proposed fix: {fix_text}. "
             + _measured_text(doc.measured).capitalize() + "." + budget_text)
-
-
-def _provenance(f: Finding) -> str:
-    ev = f.evidence or {}
-    if ev.get("static"):
-        return "configs + SGLang rules"
-    if "reference" in json.dumps(ev) or ev.get("identified_as"):
-        return "served tensors vs training data and the every-layer reference"
-    return "served tensors vs training data"
 
 
 def default_run_dir(out: Optional[str | Path], url: str) -> Path:

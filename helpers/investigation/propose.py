@@ -108,23 +108,45 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
     measured = _measured(diag)
     engine_parts: list[str] = []
 
-    # -- algorithm / fc ---------------------------------------------------------------------------------------
-    if "fc_bypassed" in kinds:
-        algo = (algorithm or "").upper()
-        if algo in ("EAGLE", "NEXTN"):
-            fix.server_args["--speculative-algorithm"] = "EAGLE3"
-            fix.parts.append(f"serve with --speculative-algorithm EAGLE3 (the server runs {algo}, which feeds the "
-                             "final normed hidden state and skips the draft's fc)")
-            fix.why.append("sglang/srt/models/llama_eagle3.py::LlamaModel.forward applies fc only when the input "
-                           "width differs from the embedding width; spec_aux_hidden_state.py captures aux states "
-                           "only for EAGLE3")
-            fix.addresses.append("fc_bypassed")
-        elif draft is not None and draft.use_aux_hidden_state is False:
-            _merge(fix.draft_config, {"eagle_config": {"use_aux_hidden_state": True}})
-            fix.parts.append("set eagle_config.use_aux_hidden_state to true in the draft config")
-            fix.addresses.append("fc_bypassed")
+    _fix_fc(fix, kinds, draft, algorithm)
+    _fix_ids(fix, kinds, tplan, splan, measured, draft, target, version, engine_parts)
+    _fix_vocab_map(fix, kinds, training_dir, engine_parts)
+    _fix_settings(fix, findings)
+    _fix_engine(fix, findings, hooks, engine_parts)
+    fix.engine = list(dict.fromkeys(engine_parts))
+    fix.applicable = bool(fix.draft_config or fix.server_args or fix.add_tensors)
+    fix.kind = ("config" if fix.applicable and not fix.engine else "engine" if not fix.applicable else "mixed")
+    head = "; ".join(fix.parts) if fix.parts else ""
+    tail = "; ".join(fix.engine) if fix.engine else ""
+    fix.summary = (head + (" -- and in the engine: " + tail if tail else "")) if head else "engine change: " + tail
+    fix.addresses = list(dict.fromkeys(fix.addresses))
+    fix.unaddressed = list(dict.fromkeys(fix.unaddressed))
+    return fix
 
-    # -- which tensors go in which chunk -------------------------------------------------------------------------
+
+def _fix_fc(fix: ProposedFix, kinds: list[str], draft: Any, algorithm: Optional[str]) -> None:
+    """The draft's fc bypassed: the algorithm flag, or the draft config flag."""
+    if "fc_bypassed" not in kinds:
+        return
+    algo = (algorithm or "").upper()
+    if algo in ("EAGLE", "NEXTN"):
+        fix.server_args["--speculative-algorithm"] = "EAGLE3"
+        fix.parts.append(f"serve with --speculative-algorithm EAGLE3 (the server runs {algo}, which feeds the "
+                         "final normed hidden state and skips the draft's fc)")
+        fix.why.append("sglang/srt/models/llama_eagle3.py::LlamaModel.forward applies fc only when the input "
+                       "width differs from the embedding width; spec_aux_hidden_state.py captures aux states "
+                       "only for EAGLE3")
+        fix.addresses.append("fc_bypassed")
+    elif draft is not None and draft.use_aux_hidden_state is False:
+        _merge(fix.draft_config, {"eagle_config": {"use_aux_hidden_state": True}})
+        fix.parts.append("set eagle_config.use_aux_hidden_state to true in the draft config")
+        fix.addresses.append("fc_bypassed")
+
+
+def _fix_ids(fix: ProposedFix, kinds: list[str], tplan: Any, splan: Any, measured: Any, draft: Any, target: Any,
+             version: Optional[str], engine_parts: list[str]) -> None:
+    """Which tensors go in which chunk: the draft config ids SGLang's rules turn into the training plan, or why
+    none can (the capture path does not follow the rules)."""
     id_kinds = [k for k in kinds if k in ID_KINDS]
     if id_kinds and tplan is not None and tplan.tensors and draft is not None and target is not None:
         predicted = list(splan.tensors) if splan is not None else None
@@ -160,7 +182,9 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
                 fix.why.append(f"training plan [{describe(tplan.tensors)}] ({tplan.provenance}: {tplan.source})")
                 fix.addresses.extend(id_kinds)
 
-    # -- the vocab map -----------------------------------------------------------------------------------------
+
+def _fix_vocab_map(fix: ProposedFix, kinds: list[str], training_dir: Any, engine_parts: list[str]) -> None:
+    """The training data's d2t / t2d for a missing, trivial or different vocab map."""
     vocab_kinds = [k for k in VOCAB_MAP_KINDS if k in kinds]
     if vocab_kinds:
         vm = Path(training_dir) / "vocab_mapping" / "vocab_mapping.pt" if training_dir else None
@@ -177,7 +201,9 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
                                 "<output>/vocab_mapping/vocab_mapping.pt); none was found in the training folder")
             fix.unaddressed.extend(vocab_kinds)
 
-    # -- settings SGLang overrides -----------------------------------------------------------------------------
+
+def _fix_settings(fix: ProposedFix, findings: list[dict]) -> None:
+    """Speculative settings SGLang overrides."""
     for f in findings:
         if f["kind"] == "num_draft_tokens_overridden":
             ev = f["evidence"]
@@ -187,7 +213,9 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
             fix.why.append(str(ev.get("source")))
             fix.addresses.append("num_draft_tokens_overridden")
 
-    # -- faults in the engine ------------------------------------------------------------------------------------
+
+def _fix_engine(fix: ProposedFix, findings: list[dict], hooks: Any, engine_parts: list[str]) -> None:
+    """What no config fixes: the engine change, in words, with the first suspects."""
     for f in findings:
         k = f["kind"]
         if k in fix.addresses or k in fix.unaddressed:
@@ -205,15 +233,6 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
         names = ", ".join(f"{h.get('name')} on {', '.join(h.get('target_modules') or [])}" for h in hooks)
         engine_parts.append(f"first suspects: the server runs forward hooks that are not capture hooks ({names}; "
                             "/server_info forward_hooks)")
-    fix.engine = list(dict.fromkeys(engine_parts))
-    fix.applicable = bool(fix.draft_config or fix.server_args or fix.add_tensors)
-    fix.kind = ("config" if fix.applicable and not fix.engine else "engine" if not fix.applicable else "mixed")
-    head = "; ".join(fix.parts) if fix.parts else ""
-    tail = "; ".join(fix.engine) if fix.engine else ""
-    fix.summary = (head + (" -- and in the engine: " + tail if tail else "")) if head else "engine change: " + tail
-    fix.addresses = list(dict.fromkeys(fix.addresses))
-    fix.unaddressed = list(dict.fromkeys(fix.unaddressed))
-    return fix
 
 
 def _compensating_ids(draft: Any, measured: Sequence[Optional[str]], trained: Sequence[str]) -> Optional[list[int]]:

@@ -126,12 +126,16 @@ class _Waiting:
             self._thread.join(timeout=1)
 
 
-class SGLangClient:
-    """Synchronous httpx client for one SGLang server (thread-safe: share it between threads).
+class HTTPClient:
+    """Synchronous httpx client for one inference server (thread-safe: share it between threads): the plumbing every
+    engine's client shares (deadlines, retries, byte limits, redirects refused, the API key kept out of messages,
+    ``/health``, ``/metrics``). :class:`SGLangClient` adds SGLang's endpoints; ``helpers.engines.vllm.VLLMClient``
+    vLLM's. Class attributes name the engine in messages: ``ENGINE``, ``API_KEY_ENV`` (the default key's variable),
+    ``METRICS_HINT`` (how to turn ``/metrics`` on).
 
     Args:
         url: ``http://host:port`` of the server (a trailing ``/`` is fine).
-        api_key: bearer token; default ``$SGLANG_API_KEY``; None/empty: no header.
+        api_key: bearer token; default ``$<API_KEY_ENV>`` (``$SGLANG_API_KEY`` for SGLang); None/empty: no header.
         timeout: seconds for probe requests (connect and read).
         generate_timeout: read timeout in seconds for ``/generate`` (long generations on CPU).
         retries: extra attempts after a connection error, a connect/read timeout on idempotent
@@ -150,6 +154,10 @@ class SGLangClient:
     the endpoint and what to do; they never contain the API key.
     """
 
+    ENGINE = "SGLang"
+    API_KEY_ENV = "SGLANG_API_KEY"
+    METRICS_HINT = "start the server with --enable-metrics"
+
     def __init__(self, url: str, api_key: Optional[str] = None, *, timeout: float = 30.0,
                  generate_timeout: float = 600.0, retries: int = 3, backoff: float = 0.5,
                  transport: Optional[httpx.BaseTransport] = None, deadline_s: Optional[float] = None,
@@ -166,7 +174,7 @@ class SGLangClient:
             raise BadInput(f"url must look like http://host:port, got {shown!r}", field="--url")
         self.url = url.rstrip("/")
         self._shown_url = redact_url(self.url)
-        key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
+        key = api_key if api_key is not None else os.environ.get(self.API_KEY_ENV)
         self._api_key: Optional[str] = key or None
         remember(self._api_key)
         self.timeout = float(timeout)
@@ -206,12 +214,12 @@ class SGLangClient:
         return scrub(text, self.secrets)
 
     def __repr__(self) -> str:
-        return f"<SGLangClient {self._shown_url} api_key={'set' if self._api_key else 'none'}>"
+        return f"<{type(self).__name__} {self._shown_url} api_key={'set' if self._api_key else 'none'}>"
 
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "SGLangClient":
+    def __enter__(self) -> "HTTPClient":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -271,7 +279,7 @@ class SGLangClient:
                 raise ServerUnavailable(f"{where}: {last}", endpoint=path) from None
             if resp.status_code in (401, 403):
                 hint = ("the API key given was refused" if self._api_key else
-                        "the server was started with --api-key; pass api_key=... or set SGLANG_API_KEY")
+                        f"the server was started with --api-key; pass api_key=... or set {self.API_KEY_ENV}")
                 raise AuthError(f"{where}: HTTP {resp.status_code} ({hint})", endpoint=path,
                                 status=resp.status_code)
             if 300 <= resp.status_code < 400:
@@ -350,7 +358,7 @@ class SGLangClient:
                 raise SGLangError(f"GET {self._shown_url}{path}: expected a JSON object ({what}), got a "
                                   f"{_json_type(data)}", endpoint=path)
             return data
-        raise EndpointMissing(f"{self._shown_url}: none of {tried} exists ({what}); is this an SGLang "
+        raise EndpointMissing(f"{self._shown_url}: none of {tried} exists ({what}); is this an {self.ENGINE} "
                               "server?", endpoint=paths[0], status=404)
 
     # -- probes -----------------------------------------------------------------------------
@@ -385,6 +393,53 @@ class SGLangClient:
                 raise ServerUnavailable(f"{self._shown_url}/health not 200 after {timeout:.0f} s "
                                         f"(last: {last})", endpoint="/health")
             self.budget.sleep(poll)
+
+    def metrics_text(self) -> str:
+        """Raw Prometheus text of ``/metrics``; :class:`MetricsDisabled` without ``--enable-metrics``."""
+        resp = self._request("GET", "/metrics")
+        if resp.status_code == 404:
+            raise MetricsDisabled(f"GET {self._shown_url}/metrics: 404; {self.METRICS_HINT}", endpoint="/metrics",
+                                  status=404)
+        if resp.status_code >= 400:
+            raise RequestRejected(f"GET {self._shown_url}/metrics: HTTP {resp.status_code}: "
+                                  f"{self._body(resp)}", endpoint="/metrics", status=resp.status_code)
+        return resp.text
+
+    def metrics(self, prefix: str = "") -> "Any":
+        """``/metrics`` parsed with ``prometheus_client.parser`` into a DataFrame.
+
+        Columns: ``family``, ``type``, ``sample`` (sample name, e.g. ``..._total``), ``labels``
+        (dict), ``value`` (float). ``prefix`` keeps only families whose name starts with it
+        (e.g. ``"sglang:spec_"``). Names: ``sglang/srt/observability/metrics_collector.py``
+        (``sglang:spec_verify_calls_total`` counter: verify steps of finished requests;
+        ``sglang:spec_accept_length`` gauge: last log window only).
+        """
+
+        rows = []
+        for fam in text_string_to_metric_families(self.metrics_text()):
+            if prefix and not fam.name.startswith(prefix):
+                continue
+            for s in fam.samples:
+                rows.append({"family": fam.name, "type": fam.type, "sample": s.name,
+                             "labels": dict(s.labels), "value": float(s.value)})
+        return pd.DataFrame(rows, columns=["family", "type", "sample", "labels", "value"])
+
+    def metric_value(self, sample: str, **labels: str) -> Optional[float]:
+        """Sum of the samples named ``sample`` whose labels include ``labels`` (None if absent)."""
+        df = self.metrics()
+        if df.empty:
+            return None
+        sel = df[df["sample"] == sample]
+        if labels:
+            sel = sel[sel["labels"].map(lambda d: all(d.get(k) == v for k, v in labels.items()))]
+        return float(sel["value"].sum()) if len(sel) else None
+
+
+class SGLangClient(HTTPClient):
+    """Synchronous httpx client for one SGLang server (thread-safe: share it between threads): the plumbing of
+    :class:`HTTPClient` plus SGLang's ``/server_info``, ``/model_info``, ``/flush_cache``, ``/generate`` and the
+    effective speculative config.
+    """
 
     def server_info(self, refresh: bool = False) -> dict:
         """``/server_info`` (fallback ``/get_server_info``), checked and **redacted** (:func:`redact`).
@@ -421,46 +476,6 @@ class SGLangClient:
     def version(self) -> Optional[str]:
         """SGLang version string from ``/server_info``."""
         return self.server_info().get("version")
-
-    def metrics_text(self) -> str:
-        """Raw Prometheus text of ``/metrics``; :class:`MetricsDisabled` without ``--enable-metrics``."""
-        resp = self._request("GET", "/metrics")
-        if resp.status_code == 404:
-            raise MetricsDisabled(f"GET {self._shown_url}/metrics: 404; start the server with "
-                                  "--enable-metrics", endpoint="/metrics", status=404)
-        if resp.status_code >= 400:
-            raise RequestRejected(f"GET {self._shown_url}/metrics: HTTP {resp.status_code}: "
-                                  f"{self._body(resp)}", endpoint="/metrics", status=resp.status_code)
-        return resp.text
-
-    def metrics(self, prefix: str = "") -> "Any":
-        """``/metrics`` parsed with ``prometheus_client.parser`` into a DataFrame.
-
-        Columns: ``family``, ``type``, ``sample`` (sample name, e.g. ``..._total``), ``labels``
-        (dict), ``value`` (float). ``prefix`` keeps only families whose name starts with it
-        (e.g. ``"sglang:spec_"``). Names: ``sglang/srt/observability/metrics_collector.py``
-        (``sglang:spec_verify_calls_total`` counter: verify steps of finished requests;
-        ``sglang:spec_accept_length`` gauge: last log window only).
-        """
-
-        rows = []
-        for fam in text_string_to_metric_families(self.metrics_text()):
-            if prefix and not fam.name.startswith(prefix):
-                continue
-            for s in fam.samples:
-                rows.append({"family": fam.name, "type": fam.type, "sample": s.name,
-                             "labels": dict(s.labels), "value": float(s.value)})
-        return pd.DataFrame(rows, columns=["family", "type", "sample", "labels", "value"])
-
-    def metric_value(self, sample: str, **labels: str) -> Optional[float]:
-        """Sum of the samples named ``sample`` whose labels include ``labels`` (None if absent)."""
-        df = self.metrics()
-        if df.empty:
-            return None
-        sel = df[df["sample"] == sample]
-        if labels:
-            sel = sel[sel["labels"].map(lambda d: all(d.get(k) == v for k, v in labels.items()))]
-        return float(sel["value"].sum()) if len(sel) else None
 
     def flush_cache(self, timeout: float = 120.0, poll: float = 0.5) -> float:
         """``POST /flush_cache``, retried while the server is busy (400); returns seconds waited.
@@ -508,9 +523,10 @@ class SGLangClient:
         Raises :class:`RequestRejected` for 400/422 with the server's reason,
         :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``), :class:`SGLangError` for an answer
         that is not a JSON object, has a field of the wrong type or out of range (negative counts, a histogram
-        longer than 65 bins), or spec counters no server can produce
-        (:meth:`helpers.server.protocol.MetaInfo.spec_problem`, with the ``speculative_num_steps`` of
-        :meth:`server_info` once it was read: a measurement reads it first, so they fail that request).
+        longer than 65 bins), or spec counters that break an identity of SGLang's per-request counters
+        (:meth:`helpers.server.protocol.MetaInfo.spec_problem`, with the ``speculative_num_steps`` /
+        ``_num_draft_tokens`` / ``_adaptive`` of :meth:`server_info` once it was read: a measurement reads it first, so
+        they fail that request; the message names the server's request id and the identity, with the numbers).
         """
         if (input_ids is None) == (text is None):
             raise ValueError("generate(): pass exactly one of input_ids= or text=")
@@ -560,17 +576,24 @@ class SGLangClient:
             result = GenerateResult.model_validate({**data, "latency_s": latency})
         except ValidationError as exc:
             raise _invalid(exc, f"POST {self._shown_url}/generate", "/generate") from None
-        problem = result.meta_info.spec_problem(self._num_steps())
+        problem = result.meta_info.spec_problem(**self._spec_limits())
         if problem:
-            raise SGLangError(f"POST {self._shown_url}/generate: impossible spec counters: {problem}",
+            rid = result.meta_info.id
+            which = f" (request {printable(str(rid))[:80]})" if rid is not None else ""
+            raise SGLangError(f"POST {self._shown_url}/generate{which}: impossible spec counters: {problem}",
                               endpoint="/generate")
         return result
 
-    def _num_steps(self) -> Optional[int]:
-        """The server's ``speculative_num_steps`` when ``/server_info`` was read (checked) and speculative decoding is
-        on, else None."""
+    def _spec_limits(self) -> dict:
+        """What :meth:`helpers.server.protocol.MetaInfo.spec_problem` checks counters against: the server's
+        ``speculative_num_steps``, ``speculative_num_draft_tokens`` and ``speculative_adaptive`` when ``/server_info``
+        was read (checked) and speculative decoding is on, else nothing."""
         info = self._server_info or {}
-        return info.get("speculative_num_steps") if info.get("speculative_algorithm") else None
+        if not info.get("speculative_algorithm"):
+            return {}
+        return {"num_steps": info.get("speculative_num_steps"),
+                "num_draft_tokens": info.get("speculative_num_draft_tokens"),
+                "adaptive": bool(info.get("speculative_adaptive"))}
 
     # -- configuration ----------------------------------------------------------------------
 

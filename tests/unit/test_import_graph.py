@@ -62,6 +62,7 @@ LAYERS = (
     ("server",),
     ("diagnosis", "acceptance"),
     ("draft", "capture"),
+    ("engines",),
     ("investigation",),
     ("views", "suite"),
     ("cli",),
@@ -183,3 +184,20 @@ def test_light_entry_points_do_not_import_torch(module):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_modules_and_orchestrator_functions_stay_small():
+    """No module of helpers/ over 800 lines; no function of helpers/investigation/ (the orchestrators: investigate,
+    ablate, the budget's live inputs, the proposed fix) over 120 lines: a long orchestrator grows into named stages."""
+    import ast
+    big_modules, big_functions = [], []
+    for p in sorted((ROOT / "helpers").rglob("*.py")):
+        text = p.read_text()
+        if text.count("\n") > 800:
+            big_modules.append(f"{p.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        if p.parent.name != "investigation":
+            continue
+        for n in ast.walk(ast.parse(text)):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 120:
+                big_functions.append(f"{p.relative_to(ROOT)}::{n.name}: {n.end_lineno - n.lineno + 1} lines")
+    assert not big_modules and not big_functions, big_modules + big_functions

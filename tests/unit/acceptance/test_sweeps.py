@@ -130,13 +130,14 @@ def test_ablate_writes_once_and_its_findings_join_the_budget(engine, tmp_path, c
         assert (tmp_path / "run" / p["summary"]["saved_to"] / "per_request.parquet").exists()
     with pytest.raises(BadInput, match="already holds ablation results"):
         ablate(engine, run_dir=tmp_path / "run", sweeps=["context"], budget_s=5)
-    # a loss no stage explained (cause unknown) is put on the workload, with the measured change as its loss
-    b = {"cause": "unknown", "stages": [{"name": "live", "accept_length": 2.0}], "losses": {},
+    # a budget that cannot decide stays undecided: a workload sweep says which requests lose acceptance (a note and
+    # evidence), never the server's loss on the prompts measured
+    b = {"cause": "undecided", "stages": [{"name": "live", "accept_length": 2.0}], "losses": {},
          "missing": ["no training log"]}
     joined = join_ablation(b, doc["findings"])
-    t = doc["sweeps"]["context"]["trend"]
-    assert joined["cause"] == "workload" and joined["losses"]["workload"]["delta"] == pytest.approx(-t["delta"])
-    assert "Cause: workload" in joined["sentence"]
+    assert joined["cause"] == "undecided" and "workload" not in joined["losses"]
+    assert joined["ablation"]["workload"][0]["kind"] == "context_loses_acceptance"
+    assert "context_loses_acceptance" in joined["notes"][-1]
     # no loss on the measured prompts (none) or an explained loss: the cause stays, the sweep is evidence beside it
     kept = join_ablation({"cause": "none", "stages": [], "losses": {}, "missing": []}, doc["findings"])
     assert kept["cause"] == "none" and "context_loses_acceptance" in kept["notes"][-1]

@@ -1,0 +1,14 @@
+"""One adapter per serving engine behind one seam (DESIGN.md "Engines"): detect the engine and version of a server
+from its own endpoints, start and stop an embedded reference server, read the effective speculative config, the
+acceptance counters and the aux hidden states the engine feeds its EAGLE-3 draft.
+
+* :mod:`.base` -- the :class:`~helpers.engines.base.EngineAdapter` contract and its typed results;
+* :mod:`.detect` -- which engine a URL is (one line and exit 2 for neither, or a version whose rules are unknown);
+* :mod:`.sglang` -- SGLang (the existing ``helpers.server`` / ``helpers.capture`` code behind the contract);
+* :mod:`.vllm` -- vLLM: client, counters, effective config, capture;
+* :mod:`.vllm_server` -- the embedded vLLM CPU reference server (``env/vllm/install.sh``);
+* :mod:`.vllm_worker` -- runs inside vLLM's workers (``--worker-extension-cls``): what the engine loaded, capture.
+
+Nothing is imported here, so ``helpers.engines.vllm_worker`` imports inside the vLLM venv without the suite's
+dependencies.
+"""

@@ -1,0 +1,148 @@
+"""The engine seam: one :class:`EngineAdapter` per serving engine, and the typed results every adapter returns, so that
+attach, capture, the acceptance figures and the notebooks read one shape whatever the engine.
+
+Definitions shared by every engine (DESIGN.md "Words"): a **verify step** is one target forward that checks a
+request's drafts; **accept length** is tokens per verify step, the bonus token included, over a measurement =
+generated tokens / verify steps (SGLang's per-request ``spec_accept_length = completion_tokens / spec_verify_ct``,
+which also counts the prefill's token); **accept rate** is accepted drafts / proposed drafts.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..server.client import HTTPClient
+from ..server.process import ServerProcess
+
+
+class SpecConfig(BaseModel):
+    """The speculative config a server really runs, as its engine reports it (``sources`` says where each field came
+    from: an endpoint, the worker extension, or an engine rule with its file::function)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    engine: str
+    version: str
+    tp_size: Optional[int] = None
+    method: Optional[str] = None
+    target: Optional[str] = None
+    draft: Optional[str] = None
+    num_speculative_tokens: Optional[int] = Field(None, description="draft tokens per verify step (chain)")
+    aux_layer_ids: Optional[list[int]] = None
+    aux_layer_convention: Optional[str] = None
+    aux_tensors: Optional[list[Optional[str]]] = Field(None, description="physical tensor of each aux chunk")
+    rule_aux_layer_ids: Optional[list[int]] = Field(None, description="the ids the engine's rules give for the draft "
+                                                                      "config (compare with aux_layer_ids)")
+    loaded: Optional[dict[str, Any]] = Field(None, description="what the engine built, as it reports it")
+    overrides: list[str] = Field(default_factory=list, description="silent overrides the engine made")
+    sources: dict[str, str] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+
+
+class AcceptanceCounters(BaseModel):
+    """Cumulative speculative-decoding counters read from a server's ``/metrics`` (one snapshot); subtract two with
+    :meth:`delta` around a measurement. None where the engine exports no such counter."""
+
+    engine: str
+    verify_steps: float = 0.0
+    generation_tokens: Optional[float] = None
+    requests: Optional[float] = None
+    draft_tokens: Optional[float] = None
+    accepted_tokens: Optional[float] = None
+    accepted_per_position: Optional[list[float]] = None
+
+    def delta(self, before: "AcceptanceCounters") -> "AcceptanceCounters":
+        """``self - before`` field by field (None where either lacks the counter).
+
+        Raises:
+            ValueError: the snapshots are of different engines, or a counter went down (the server restarted or
+                reset its counters between them)."""
+        if before.engine != self.engine:
+            raise ValueError(f"counters of {before.engine} and {self.engine} cannot be subtracted")
+
+        def sub(a: Optional[float], b: Optional[float], name: str) -> Optional[float]:
+            if a is None or b is None:
+                return None
+            if a < b:
+                raise ValueError(f"counter {name} went down ({b} -> {a}): the server restarted or reset its counters")
+            return a - b
+
+        pos = None
+        if self.accepted_per_position is not None and before.accepted_per_position is not None:
+            if len(self.accepted_per_position) != len(before.accepted_per_position):
+                raise ValueError("the number of draft positions changed between the two snapshots")
+            pos = [sub(a, b, f"accepted_per_position[{i}]") for i, (a, b)
+                   in enumerate(zip(self.accepted_per_position, before.accepted_per_position))]
+        return AcceptanceCounters(
+            engine=self.engine, verify_steps=sub(self.verify_steps, before.verify_steps, "verify_steps") or 0.0,
+            generation_tokens=sub(self.generation_tokens, before.generation_tokens, "generation_tokens"),
+            requests=sub(self.requests, before.requests, "requests"),
+            draft_tokens=sub(self.draft_tokens, before.draft_tokens, "draft_tokens"),
+            accepted_tokens=sub(self.accepted_tokens, before.accepted_tokens, "accepted_tokens"),
+            accepted_per_position=pos)
+
+    def summary(self) -> dict[str, Optional[float]]:
+        """The figures of a delta, with the suite's definitions: ``accept_length`` = generated tokens / verify steps
+        (bonus and prefill token included, as SGLang's ``spec_accept_length``); ``accept_length_drafts`` = 1 +
+        accepted drafts / verify steps (vLLM's "mean acceptance length"); ``accept_rate`` = accepted / proposed
+        drafts; ``p_accept_ge`` = [P(accepted >= i + 1)] per draft position. None where a counter is missing or
+        there was no verify step."""
+        v = self.verify_steps
+        ok = v and v > 0
+        return {
+            "verify_steps": v,
+            "accept_length": (self.generation_tokens / v) if ok and self.generation_tokens is not None else None,
+            "accept_length_drafts": (1 + self.accepted_tokens / v) if ok and self.accepted_tokens is not None
+            else None,
+            "accept_rate": (self.accepted_tokens / self.draft_tokens) if self.accepted_tokens is not None
+            and self.draft_tokens else None,
+            "p_accept_ge": [a / v for a in self.accepted_per_position] if ok and self.accepted_per_position
+            is not None else None,
+        }
+
+
+class EngineAdapter(ABC):
+    """Everything engine-specific behind one contract (one subclass per engine; ``helpers.engines.detect`` picks
+    one from a URL). Callers (attach, capture, the budget, ablations, notebooks) never branch on the engine."""
+
+    #: short name (``sglang`` | ``vllm``), as in ``server start --engine``
+    name: ClassVar[str]
+    #: the name in messages (``SGLang`` | ``vLLM``)
+    label: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def supported(cls) -> str:
+        """The releases whose rules this adapter knows, for messages (``"vLLM 0.32.0"``)."""
+
+    @classmethod
+    @abstractmethod
+    def probe(cls, http: HTTPClient) -> Optional[tuple[str, dict]]:
+        """``(version, evidence)`` when the server at ``http.url`` is this engine (asked through its own
+        endpoints), None when it answers as something else. Never guesses: an answer that names this engine but
+        no version raises :class:`helpers.errors.BadInput`."""
+
+    @abstractmethod
+    def client(self, url: str, api_key: Optional[str] = None, **kwargs: Any) -> HTTPClient:
+        """This engine's HTTP client for ``url``."""
+
+    @abstractmethod
+    def start(self, target: str | Path, draft: str | Path | None, *, tp: int = 1, **kwargs: Any) -> ServerProcess:
+        """Start the embedded reference server of this engine on 127.0.0.1 (stopped by PID: ``handle.stop()``)."""
+
+    @abstractmethod
+    def spec_config(self, client: HTTPClient, *, draft: str | Path | None = None) -> SpecConfig:
+        """The effective speculative config (``draft``: the draft folder when the server does not tell it)."""
+
+    @abstractmethod
+    def counters(self, client: HTTPClient) -> AcceptanceCounters:
+        """A snapshot of the acceptance counters of ``/metrics``."""
+
+    @abstractmethod
+    def capture_served(self, client: HTTPClient, prompts: Sequence[Any], out_dir: str | Path, *,
+                       name: str = "served", **kwargs: Any) -> Path:
+        """Dump the aux hidden states the server feeds its draft for ``prompts`` (token-id sequences or training
+        samples) into ``out_dir/name`` (``helpers.formats.dumps`` format, kind ``served``, one row per token)."""

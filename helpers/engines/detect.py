@@ -1,0 +1,93 @@
+"""Which engine serves a URL, and which release: asked through the server's own endpoints, never guessed.
+
+SGLang answers ``GET /server_info`` with a ``version`` and its ServerArgs (``sglang/srt/entrypoints/http_server.py``);
+vLLM answers ``GET /version`` and names itself in ``GET /v1/models`` (``owned_by: "vllm"``; vLLM's ``/server_info``
+exists only in dev mode and has no top-level ``version``: ``env/vllm/README.md``). A server that is neither, or a
+vLLM release whose rules were not read, is bad input: one line naming what was found and what is supported, exit 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import BadInput, SGLangError
+from ..layers import vllm as vllm_rules
+from ..server.client import HTTPClient
+from .base import EngineAdapter
+from .sglang import SGLangAdapter
+from .vllm import VLLMAdapter
+
+#: every adapter, probed in this order (vLLM first: its ``/version`` answers at once, while its dev-mode
+#: ``/server_info``, which the SGLang probe asks, gathers the host's environment on the first call: 10+ s)
+ADAPTERS: tuple[type[EngineAdapter], ...] = (VLLMAdapter, SGLangAdapter)
+BY_NAME = {a.name: a for a in ADAPTERS}
+
+
+@dataclass
+class Detected:
+    """A detected server: ``adapter`` (an :class:`EngineAdapter` instance), ``engine`` (its name), ``version``
+    (as the server reports it), ``evidence`` (endpoint -> what it answered)."""
+
+    adapter: EngineAdapter
+    engine: str
+    version: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def supported_text() -> str:
+    """``"SGLang 0.5.6-0.5.23 (...); vLLM 0.32.0"``, for messages."""
+    return "; ".join(a.supported() for a in ADAPTERS)
+
+
+def adapter(name: str) -> EngineAdapter:
+    """The adapter named ``sglang`` or ``vllm``.
+
+    Raises:
+        BadInput: another name (field ``--engine``)."""
+    if name not in BY_NAME:
+        raise BadInput(f"unknown engine {name!r}; expected one of {sorted(BY_NAME)}", field="--engine")
+    return BY_NAME[name]()
+
+
+def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, deadline_s: float = 60.0) -> Detected:
+    """Detect the engine and release serving ``url`` (every request with a deadline: ``timeout`` per read,
+    ``deadline_s`` in all).
+
+    Raises:
+        helpers.errors.BadInput: the server is neither SGLang nor vLLM, or a vLLM release whose rules are not known
+            (one line: what each endpoint answered, what is supported).
+        helpers.errors.SGLangError: the server cannot be reached (a server error, exit 1).
+    """
+    http = HTTPClient(url, api_key=api_key, timeout=timeout, retries=0, deadline_s=deadline_s)
+    evidence: dict[str, Any] = {}
+    try:
+        for a in ADAPTERS:
+            found = a.probe(http)
+            if found is None:
+                continue
+            version, ev = found
+            evidence.update(ev)
+            if a is VLLMAdapter and not vllm_rules.is_known(version):
+                raise BadInput(f"{http._shown_url} is vLLM {version} (GET /version), whose rules this tool does not "
+                               f"know; supported: {supported_text()}", field="--url")
+            return Detected(a(), a.name, version, evidence)
+        for path in ("/server_info", "/version", "/v1/models"):
+            resp = http._request("GET", path, retries=0)
+            evidence[path] = f"HTTP {resp.status_code}"
+            if resp.status_code == 200 and path == "/v1/models":
+                evidence[path] += f" owned_by {_owned_by(http, resp)}"
+            elif resp.status_code == 200:
+                evidence[path] += f" {http._body(resp, 60)}"
+    finally:
+        http.close()
+    found_text = ", ".join(f"{k} -> {v}" for k, v in evidence.items())
+    raise BadInput(f"{http._shown_url} is neither SGLang nor vLLM ({found_text}); supported: {supported_text()}",
+                   field="--url")
+
+
+def _owned_by(http: HTTPClient, resp: Any) -> str:
+    try:
+        data = http._json(resp, "GET /v1/models", "/v1/models").get("data") or []
+        return str(sorted({str(m.get("owned_by")) for m in data if isinstance(m, dict)}))
+    except (SGLangError, AttributeError):
+        return "(unreadable)"

@@ -1,0 +1,97 @@
+"""SGLang behind the engine seam: the existing ``helpers.server`` client and embedded server and
+``helpers.capture.capture_served``, unchanged, under :class:`helpers.engines.base.EngineAdapter`'s contract.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..capture import capture_served
+from ..errors import SGLangError
+from ..layers.sglang import OLDEST_READ, TABLE_VERSION
+from ..server import embedded
+from ..server.client import HTTPClient, SGLangClient
+from ..server.process import ServerProcess
+from .base import AcceptanceCounters, EngineAdapter, SpecConfig
+
+#: ServerArgs fields only SGLang's /server_info carries (with a top-level "version")
+SERVER_INFO_MARKERS = ("tp_size", "speculative_algorithm", "model_path")
+
+
+def _v(t: tuple[int, ...]) -> str:
+    return ".".join(str(x) for x in t)
+
+
+def parse_counters(metrics_text: str) -> AcceptanceCounters:
+    """SGLang's cumulative counters of one ``/metrics`` text (``sglang/srt/observability/metrics_collector.py``):
+    ``sglang:spec_verify_calls_total`` (verify steps of finished requests), ``sglang:generation_tokens_total``,
+    ``sglang:num_requests_total``, summed over label sets. SGLang exports no accepted / proposed draft counters:
+    those stay None (per request they are in ``meta_info``)."""
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name in ("sglang:spec_verify_calls_total", "sglang:generation_tokens_total",
+                          "sglang:num_requests_total"):
+                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+    return AcceptanceCounters(engine="sglang", verify_steps=sums.get("sglang:spec_verify_calls_total", 0.0),
+                              generation_tokens=sums.get("sglang:generation_tokens_total"),
+                              requests=sums.get("sglang:num_requests_total"))
+
+
+class SGLangAdapter(EngineAdapter):
+    """SGLang (id rules read from 0.5.23 back to 0.5.6; older releases are assumed to follow 0.5.6, and the plans
+    say so: :mod:`helpers.layers.sglang`)."""
+
+    name = "sglang"
+    label = "SGLang"
+
+    @classmethod
+    def supported(cls) -> str:
+        return f"SGLang {_v(OLDEST_READ)}-{_v(TABLE_VERSION)} (rules read; other releases assumed as the nearest)"
+
+    @classmethod
+    def probe(cls, http: HTTPClient) -> Optional[tuple[str, dict]]:
+        """SGLang when ``GET /server_info`` (fallback ``/get_server_info``) answers a JSON object with a ``version``
+        and ServerArgs fields (:data:`SERVER_INFO_MARKERS`)."""
+        for path in ("/server_info", "/get_server_info"):
+            resp = http._request("GET", path, retries=0)
+            if resp.status_code != 200:
+                continue
+            try:
+                data = http._json(resp, f"GET {path}", path)
+            except SGLangError:
+                return None
+            if isinstance(data, dict) and isinstance(data.get("version"), str) and \
+                    any(k in data for k in SERVER_INFO_MARKERS):
+                return data["version"], {path: f"version {data['version']}"}
+            return None
+        return None
+
+    def client(self, url: str, api_key: Optional[str] = None, **kwargs: Any) -> SGLangClient:
+        return SGLangClient(url, api_key=api_key, **kwargs)
+
+    def start(self, target: str | Path, draft: str | Path | None, *, tp: int = 2, **kwargs: Any) -> ServerProcess:
+        return embedded.start(target, draft, tp=tp, **kwargs)
+
+    def spec_config(self, client: SGLangClient, *, draft: str | Path | None = None) -> SpecConfig:
+        """``SGLangClient.effective_spec_config`` in the common shape (aux ids: see
+        ``helpers.diagnosis.conventions``, which applies SGLang's rules per version; not repeated here)."""
+        eff = client.effective_spec_config(draft_config=draft)
+        info = client.server_info()
+        e = eff.effective
+        return SpecConfig(engine="sglang", version=str(eff.sglang_version), tp_size=eff.tp_size,
+                          method=e.algorithm, target=info.get("model_path"),
+                          draft=os.fspath(draft) if draft else info.get("speculative_draft_model_path"),
+                          num_speculative_tokens=(e.num_draft_tokens - 1) if e.num_draft_tokens else None,
+                          overrides=[str(o) for o in eff.overrides], aux_layer_convention="sglang_capture",
+                          sources={"*": "GET /server_info"}, notes=list(eff.notes))
+
+    def counters(self, client: HTTPClient) -> AcceptanceCounters:
+        return parse_counters(client.metrics_text())
+
+    def capture_served(self, client: SGLangClient, prompts: Sequence[Any], out_dir: str | Path, *,
+                       name: str = "served", **kwargs: Any) -> Path:
+        return capture_served(client, prompts, out_dir, name=name, **kwargs)

@@ -1,0 +1,252 @@
+"""A vLLM worker extension that reports what the engine really loaded and records the tensors it feeds the EAGLE-3
+draft, on every TP rank. It runs INSIDE vLLM's worker processes, through vLLM's own mechanisms:
+
+* ``--worker-extension-cls helpers.engines.vllm_worker.CaptureExtension`` makes vLLM add this class to its worker's
+  bases (``vllm/v1/worker/worker_base.py::WorkerWrapperBase.init_worker``, 0.32.0), so its ``e3f_*`` methods can be
+  called on every TP rank through ``collective_rpc``;
+* ``POST /collective_rpc {"method": "e3f_describe"|"e3f_capture_start"|"e3f_capture_stop", "args": [json]}`` is the
+  API server's route for that (``vllm/entrypoints/serve/dev/rpc/api_router.py::collective_rpc``, registered only
+  with ``VLLM_SERVER_DEV_MODE=1``, ``vllm/entrypoints/launchers/api_server/routers.py``); the answer is
+  ``{"results": [one dict per rank]}``.
+
+What is recorded while a capture is armed (``e3f_capture_start`` .. ``e3f_capture_stop``), one file per call, in the
+capture-folder format of :func:`helpers.hooks.write_forward` (``rank{r}/index.jsonl`` + safetensors):
+
+* ``fwd{n}``: a forward hook on the target model (``LlamaForCausalLM`` of ``vllm/model_executor/models/llama.py``,
+  whose ``forward`` returns its decoder stack's ``(hidden_states, aux_hidden_states)``; a hook on the decoder stack
+  ``model.model`` itself would never fire: ``@support_torch_compile`` gives it a ``__call__`` that calls ``forward``
+  directly, ``vllm/compilation/decorators.py``): ``input_ids`` [T], ``positions`` [T] and ``aux`` [T, k*H] =
+  ``torch.cat(aux_hidden_states, -1)``. Each aux chunk is
+  ``hidden_states + residual`` taken by ``EagleModelMixin._maybe_add_hidden_state`` at loop index i
+  (``vllm/model_executor/models/interfaces.py``): in(i), the pre-norm residual stream entering decoder layer i
+  (in(0) = the embedding), in ascending id order. ``mode`` is ``EXTEND`` when a request of the batch is still in
+  its prompt (``input_batch.num_computed_tokens_cpu < num_prompt_tokens``), else ``DECODE``. With ``layers`` the
+  same file also holds ``embedding`` (``model.embed_tokens`` output, all-reduced) and ``out(L)`` for every decoder
+  layer L (``layers[L]`` returns ``(hidden_states, residual)``; their sum is the stream leaving layer L, the very sum
+  vLLM's aux capture takes), cloned in the hook because vLLM's fused add-norm of the next layer writes into them.
+* ``prop{n}``: the arguments of ``drafter.propose`` (``vllm/v1/spec_decode/llm_base_proposer.py::
+  SpecDecodeBaseProposer.propose``): ``input_ids`` = ``target_token_ids``, ``positions`` = ``target_positions`` and
+  ``aux`` = ``target_hidden_states``, the tensor the draft's ``combine_hidden_states`` (norms, ``fc``) receives:
+  what vLLM feeds the draft, after the runner's row selection (``gpu_model_runner.py::propose_draft_token_ids``).
+  Mode ``DRAFT_INPUT``.
+
+Both are plain Python wrappers or module hooks: they fire on the eager path only (start the server with
+``--enforce-eager``; the embedded server does), and they cost nothing while disarmed (nothing is registered).
+
+This module must import in the vLLM venv: torch, safetensors and the standard library, plus :mod:`helpers.hooks`
+(which needs no more). Nothing of vLLM is imported at module level.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from ..hooks import write_forward
+
+#: the collective_rpc method names this extension adds to vLLM's worker (prefixed: vLLM refuses a name its worker has)
+METHODS = ("e3f_describe", "e3f_capture_start", "e3f_capture_stop")
+
+
+def _rank_and_size() -> tuple[int, int]:
+    try:
+        # lazy: vLLM is only importable inside the server's venv; this module is also imported by the suite's tests
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001  (no model-parallel group: a single process)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+
+def _digest(t: Optional[torch.Tensor]) -> Optional[str]:
+    if t is None:
+        return None
+    return hashlib.sha256(t.detach().to("cpu").contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def _tensor_of(obj: Any, name: str) -> Optional[torch.Tensor]:
+    v = getattr(obj, name, None)
+    if isinstance(v, torch.nn.Parameter):
+        return v.data
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _mode(runner: Any) -> str:
+    ib = getattr(runner, "input_batch", None)
+    try:
+        n = int(ib.num_reqs)
+        computed = ib.num_computed_tokens_cpu[:n]
+        prompt = ib.num_prompt_tokens[:n]
+        return "EXTEND" if bool((computed < prompt).any()) else "DECODE"
+    except Exception:  # noqa: BLE001  (another runner layout: say so rather than guess)
+        return "UNKNOWN"
+
+
+class _Capture:
+    """One armed capture on this rank: registered hooks, the counter, the stash of the current target forward."""
+
+    def __init__(self, out_dir: str, layers: bool, max_forwards: int) -> None:
+        self.out_dir = out_dir
+        self.layers = layers
+        self.max_forwards = max_forwards
+        self.handles: list[Any] = []
+        self.stash: dict[str, torch.Tensor] = {}
+        self.forwards = 0
+        self.proposes = 0
+        self.restore: Optional[tuple[Any, bool]] = None
+
+
+class CaptureExtension:
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``; ``self`` is the worker (``self.model_runner``)."""
+
+    # ------------------------------------------------------------------ what the engine loaded
+    def e3f_describe(self, *_: Any) -> dict:
+        """What this rank's engine really built, read from the loaded modules (JSON-able dict):
+
+        ``tp_rank``, ``tp_size``, ``target_class``, ``num_layers``, ``hidden_size``, ``aux_layer_ids`` (the tuple the
+        target captures, vLLM convention in(i): ``EagleModelMixin.aux_hidden_state_layers`` after
+        ``_set_aux_hidden_state_layers`` sorted and de-duplicated it), ``enforce_eager``, ``compilation_mode`` and, when
+        a drafter is loaded, ``draft``: class, ``method``, ``num_speculative_tokens``, ``has_own_embed_tokens`` /
+        ``has_own_lm_head`` (``vllm/model_executor/models/utils.py::process_eagle_weight``), ``embed_shared`` /
+        ``lm_head_shared`` (the draft's module IS the target's: ``llm_base_proposer.py::_maybe_share_embeddings`` /
+        ``_maybe_share_lm_head`` decided to share), ``draft_vocab_size``, ``d2t`` (present, size, digest of the
+        loaded ``draft_id_to_target_id``, how many entries are non-zero), ``use_aux_hidden_state``,
+        ``norm_before_fc``, ``fc_norm``, ``norm_output``, ``num_aux_hidden_states``, ``fc_input_size``."""
+        runner = self.model_runner
+        target = runner.get_model()
+        inner = getattr(target, "model", None)
+        rank, tp = _rank_and_size()
+        cfg = runner.vllm_config
+        out: dict[str, Any] = {
+            "tp_rank": rank, "tp_size": tp, "target_class": type(target).__name__,
+            "num_layers": len(getattr(inner, "layers", []) or []),
+            "hidden_size": int(cfg.model_config.get_hidden_size()),
+            "aux_layer_ids": [int(i) for i in getattr(inner, "aux_hidden_state_layers", ()) or ()],
+            "use_aux_hidden_state_outputs": bool(getattr(runner, "use_aux_hidden_state_outputs", False)),
+            "enforce_eager": bool(cfg.model_config.enforce_eager),
+            "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
+            "draft": None,
+        }
+        drafter = getattr(runner, "drafter", None)
+        dm = getattr(drafter, "model", None)
+        if dm is None:
+            return out
+        sc = cfg.speculative_config
+        dinner = getattr(dm, "model", None)
+        d2t = _tensor_of(dm, "draft_id_to_target_id")
+        t_lm = getattr(target, "lm_head", None)
+        t_emb = getattr(inner, "embed_tokens", None)
+        out["draft"] = {
+            "class": type(dm).__name__,
+            "method": getattr(sc, "method", None),
+            "model": getattr(sc, "model", None),
+            "num_speculative_tokens": getattr(sc, "num_speculative_tokens", None),
+            "has_own_embed_tokens": getattr(dm, "has_own_embed_tokens", None),
+            "has_own_lm_head": getattr(dm, "has_own_lm_head", None),
+            "embed_shared": t_emb is not None and getattr(dinner, "embed_tokens", None) is t_emb,
+            "lm_head_shared": t_lm is not None and getattr(dm, "lm_head", None) is t_lm,
+            "draft_vocab_size": getattr(getattr(dm, "config", None), "draft_vocab_size", None),
+            "d2t": None if d2t is None else {"size": int(d2t.numel()), "digest": _digest(d2t),
+                                             "nonzero": int((d2t != 0).sum())},
+            "use_aux_hidden_state": getattr(dinner, "use_aux_hidden_state", None),
+            "norm_before_fc": getattr(dinner, "norm_before_fc", None),
+            "fc_norm": getattr(dinner, "fc_norm", None) is not None,
+            "norm_output": getattr(dinner, "norm_output", None),
+            "num_aux_hidden_states": getattr(dinner, "num_aux_hidden_states", None),
+            "fc_input_size": getattr(dinner, "fc_input_size", None),
+        }
+        return out
+
+    # ------------------------------------------------------------------ capture
+    def e3f_capture_start(self, config: str = "{}") -> dict:
+        """Arm a capture on this rank. ``config`` (a JSON string: ``collective_rpc`` passes strings only):
+        ``out_dir`` (required; files go to ``out_dir/rank{r}/``), ``layers`` (also record ``embedding`` and every
+        ``out(L)``; default false), ``max_forwards`` (default 512). Returns ``{"tp_rank", "armed": true}``.
+        An armed capture is replaced (its hooks removed first)."""
+        cfg = json.loads(config) if isinstance(config, str) else dict(config)
+        self.e3f_capture_stop()
+        cap = _Capture(os.fspath(cfg["out_dir"]), bool(cfg.get("layers", False)), int(cfg.get("max_forwards", 512)))
+        runner = self.model_runner
+        target = runner.get_model()
+        inner = target.model
+        rank, tp = _rank_and_size()
+
+        def on_start(module, args, kwargs):
+            cap.stash = {}
+
+        def on_embed(module, args, output):
+            cap.stash["embedding"] = output.detach().clone()
+
+        def on_layer(index):
+            def hook(module, args, output):
+                hidden, residual = output
+                cap.stash[f"out({index})"] = (hidden + residual).detach().clone()
+            return hook
+
+        def on_target(module, args, kwargs, output):
+            if cap.forwards >= cap.max_forwards:
+                return None
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            tensors: dict[str, torch.Tensor] = {}
+            if isinstance(ids, torch.Tensor):
+                tensors["input_ids"] = ids.detach().to(torch.int64)
+            if isinstance(pos, torch.Tensor):
+                tensors["positions"] = pos.detach().to(torch.int64)
+            if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], list) and output[1]:
+                tensors["aux"] = torch.cat([t.detach() for t in output[1]], dim=-1)
+            tensors.update(cap.stash)
+            n = cap.forwards
+            cap.forwards += 1
+            write_forward(cap.out_dir, rank, tp, n, tensors, _mode(runner), int(tensors["input_ids"].shape[0])
+                          if "input_ids" in tensors else 0)
+            return None
+
+        cap.handles.append(target.register_forward_pre_hook(on_start, with_kwargs=True))
+        cap.handles.append(target.register_forward_hook(on_target, with_kwargs=True))
+        if cap.layers:
+            cap.handles.append(inner.embed_tokens.register_forward_hook(on_embed))
+            for i, layer in enumerate(inner.layers):
+                cap.handles.append(layer.register_forward_hook(on_layer(i)))
+
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and hasattr(drafter, "propose"):
+            original = drafter.propose
+
+            def propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **k):
+                if cap.proposes < cap.max_forwards:
+                    n = cap.proposes
+                    cap.proposes += 1
+                    write_forward(cap.out_dir, rank, tp, n,
+                                  {"input_ids": target_token_ids.detach().to(torch.int64),
+                                   "positions": target_positions.detach().to(torch.int64),
+                                   "aux": target_hidden_states.detach()},
+                                  "DRAFT_INPUT", int(target_token_ids.shape[0]), prefix="prop")
+                return original(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                                *a, **k)
+
+            cap.restore = (drafter, "propose" in vars(drafter))
+            drafter.propose = propose
+        self._e3f_capture = cap
+        return {"tp_rank": rank, "armed": True, "layers": cap.layers}
+
+    def e3f_capture_stop(self, *_: Any) -> dict:
+        """Disarm: remove every hook and the ``propose`` wrapper. Returns ``{"tp_rank", "forwards", "proposes"}``
+        (what the capture wrote; zeros when none was armed)."""
+        cap: Optional[_Capture] = getattr(self, "_e3f_capture", None)
+        rank, _ = _rank_and_size()
+        if cap is None:
+            return {"tp_rank": rank, "forwards": 0, "proposes": 0}
+        for h in cap.handles:
+            h.remove()
+        if cap.restore is not None:
+            drafter, own = cap.restore
+            if own:                       # an instance attribute before ours: never the case in vLLM 0.32.0
+                raise RuntimeError("drafter.propose was an instance attribute before the capture; not restored")
+            del drafter.propose           # the class's method again
+        self._e3f_capture = None
+        return {"tp_rank": rank, "forwards": cap.forwards, "proposes": cap.proposes}

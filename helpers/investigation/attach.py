@@ -1,0 +1,268 @@
+"""Attach to a running server: what it runs, read from ``/server_info`` and the folders this machine sees (the first
+step of :func:`helpers.investigation.live.investigate`; :func:`attach` is the one place that reads a server's own
+account of itself for the investigation)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import psutil
+
+from ..acceptance.measure import server_snapshot
+from ..diagnosis.detectors import finding
+from ..errors import BadInput
+from ..formats.configs import read_config_json, read_target_config
+from ..layers.sglang import target_rule
+from ..server.client import SGLangClient
+from ..server.registry import lookup
+from ..server.restart import LAYERS_HOOK, relaunch_argv
+
+HOOK_FACTORY_PREFIX = "helpers.hooks:"
+
+
+@dataclass
+class Attachment:
+    """What the server runs, read from ``/server_info`` (and the folders this machine sees).
+
+    Attributes:
+        url / version / tp / algorithm / spec: the server's URL, SGLang version, TP size, speculative algorithm and
+            ``{num_steps, topk, num_draft_tokens}``.
+        served_draft / served_target: the folders the server was started with (paths on the server's machine).
+        draft_dir / target_dir: the folders used here, with ``draft_source`` / ``target_source`` saying which
+            (``server`` or the given ``--draft`` / ``--target``).
+        rank_capture_dir / layers_dir: this tool's per-rank and every-layer capture folders (from the server's
+            ``forward_hooks``), None when not installed.
+        other_hooks: forward hooks that are not capture hooks (``name``, ``target_modules``): anything they do to the
+            residual stream is invisible to the config.
+        restart: how the server can be restarted with a fix (``{"kind": "embedded", ...registry entry}`` or
+            ``{"kind": "command", "argv": [...]}``), or None.
+        findings: attach findings (the given draft differs from the served one).
+        info: the redacted ``/server_info``.
+        caveats: capture paths this server runs that the CPU reference could not verify (:func:`capture_caveats`).
+    """
+
+    url: str
+    version: Optional[str]
+    tp: int
+    algorithm: Optional[str]
+    spec: dict
+    served_draft: Optional[str]
+    served_target: Optional[str]
+    draft_dir: Optional[Path]
+    draft_source: str
+    target_dir: Path
+    target_source: str
+    rank_capture_dir: Optional[Path] = None
+    layers_dir: Optional[Path] = None
+    other_hooks: list = field(default_factory=list)
+    restart: Optional[dict] = None
+    findings: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    caveats: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
+                "spec": self.spec, "served_draft": self.served_draft, "served_target": self.served_target,
+                "draft_dir": None if self.draft_dir is None else str(self.draft_dir), "draft_source": self.draft_source,
+                "target_dir": str(self.target_dir), "target_source": self.target_source,
+                "rank_capture_dir": None if self.rank_capture_dir is None else str(self.rank_capture_dir),
+                "layers_dir": None if self.layers_dir is None else str(self.layers_dir),
+                "other_hooks": self.other_hooks,
+                "restart": None if self.restart is None else {"kind": self.restart["kind"]},
+                "findings": self.findings, "caveats": self.caveats}
+
+
+def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict]]:
+    """``(per-rank capture folder, every-layer capture folder, other hooks)`` from ``/server_info``'s
+    ``forward_hooks`` (SGLang 0.5.23 reports the ``--forward-hooks`` list there: ``sglang/srt/arg_groups/fields/
+    observability.py`` ``forward_hooks``). Hook names and ``config`` values may be redacted by SGLang; the folder
+    (``config.out_dir``) and the factory survive."""
+    ranks = layers = None
+    others = []
+    for h in info.get("forward_hooks") or []:
+        if not isinstance(h, dict):
+            continue
+        factory = str(h.get("hook_factory") or "")
+        name = str(h.get("name") or "")
+        out_dir = (h.get("config") or {}).get("out_dir") if isinstance(h.get("config"), dict) else None
+        if factory == HOOK_FACTORY_PREFIX + "capture_factory" and out_dir:
+            if name == LAYERS_HOOK:
+                layers = Path(out_dir)
+            else:
+                ranks = Path(out_dir)
+        elif factory == HOOK_FACTORY_PREFIX + "stash_factory":
+            continue                                     # read-only stashes of this tool's hooks
+        else:
+            others.append({"name": name, "target_modules": h.get("target_modules"), "hook_factory": factory})
+    return ranks, layers, others
+
+
+#: what a GPU server of the DeepSeek family may run that the CPU reference cannot, each with the capture path it
+#: takes there (SGLang 0.5.23 line numbers; env/reference/README.md "What the DeepSeek family cannot show on CPU")
+UNVERIFIED_CAPTURE_PATHS = {
+    "two_batch_overlap": (
+        "two-batch overlap (enable_two_batch_overlap): on a TBO batch the layer loop stops at first_k_dense_replace "
+        "and the later layers run through batch_overlap/two_batch_overlap.py::model_forward_stages, which is passed no "
+        "aux collector (sglang/srt/models/deepseek_v2.py:3166-3173, 3202-3210, DeepseekV2Model.forward); an aux layer "
+        "id at or past first_k_dense_replace is then not captured on that batch and AuxHiddenStatePacker.finalize "
+        "would come up short (layers/aux_hidden_states.py). Whether EAGLE-3 target batches run under TBO was not "
+        "verified: the CPU reference cannot run TBO (with DP attention it reaches model_forward_stages at the "
+        "warm-up and fails in batch_overlap/operations_strategy.py:106, torch.cuda.get_device_properties)"),
+    "dp_attention": (
+        "DP attention with more than one attention-TP rank per DP group (tp_size / attn_dp_size > 1): the aux capture "
+        "then reads the stage input through the attention-TP gather (layers/layer_boundary/stage.py:461-480, "
+        "StageBoundary._prepare_attention with entry.input_move = attn_tp_gather_input; "
+        "layers/layer_boundary/boundary.py:582-614, the TokenAxis.ATTN_TP entry step), a branch the CPU reference "
+        "did not run: it served DP attention only with one attention-TP rank per DP group (TP 2, attn_dp_size 2: "
+        "aux states equal to HF's layers), where that gather is a no-op"),
+    "ep_all_to_all": (
+        "expert parallelism (moe_a2a_backend / ep_size > 1): the MoE output comes back through the all-to-all "
+        "combine (deepseek_v2.py:1074 `if not self._enable_a2a_moe` -> DeepseekV2MoE.forward_deepep, l.1524) or "
+        "from rank-local experts, not as the TP partial sums the CPU reference verified; the aux states are still "
+        "read at the next layer's attention entry, but that path, and what this tool's per-rank `mlp_partial` hook "
+        "records there, are unverified (the CPU reference cannot run EP: its fp32 MoE, "
+        "layers/moe/fused_moe_native.py:77 moe_forward_native, fails on the -1 ids of other ranks' experts; the "
+        "all-to-all backends are CUDA/ROCm/NPU libraries)"),
+    "cuda_graph": (
+        "CUDA graphs: decode / target-verify forwards replay a captured graph, so --forward-hooks (this tool's "
+        "per-rank, every-layer and fault hooks) do not run on them, and the packed aux tensor the draft reads is the "
+        "graph's static output of AuxHiddenStatePacker (deepseek_v2.py:3175); the CPU reference runs eager only "
+        "(--disable-cuda-graph), so the graph path is unverified: capture on a replica started with "
+        "--disable-cuda-graph (env/gpu/launch_tp8.sh with LAYERS_DIR)"),
+}
+
+
+def capture_caveats(info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]) -> list[str]:
+    """The capture paths this server runs that the CPU reference could not verify, one sentence each (the
+    :data:`UNVERIFIED_CAPTURE_PATHS` entry), for a DeepSeek-family target (SGLang's ``deepseek`` id rule:
+    ``models/deepseek_v2.py`` and the models built on it, Kimi-K2.5 included); [] for any other target or a server
+    running none of them.
+
+    Read from ``/server_info`` (SGLang 0.5.23 field names): ``enable_two_batch_overlap``; DP attention
+    (``enable_dp_attention`` or ``attn_dp_size`` > 1) with ``tp_size`` / ``attn_dp_size`` > 1 (one attention-TP rank
+    per DP group was verified on the CPU reference); ``moe_a2a_backend`` other than ``none`` or ``ep_size`` > 1; CUDA
+    graphs on a non-CPU ``device`` unless ``disable_cuda_graph`` (or every ``cuda_graph_config`` phase's backend is
+    ``disabled``).
+    """
+    if target_rule(architectures, model_type).rule != "deepseek":
+        return []
+
+    def count(key: str) -> int:
+        v = info.get(key)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 1
+
+    on = []
+    if info.get("enable_two_batch_overlap") is True:
+        on.append("two_batch_overlap")
+    attn_dp = count("attn_dp_size") if count("attn_dp_size") > 1 else count("dp_size")
+    if (info.get("enable_dp_attention") is True or count("attn_dp_size") > 1) and count("tp_size") // attn_dp > 1:
+        on.append("dp_attention")
+    if str(info.get("moe_a2a_backend") or "none").lower() != "none" or count("ep_size") > 1:
+        on.append("ep_all_to_all")
+    graphs = info.get("cuda_graph_config")
+    phases = [p for p in graphs.values() if isinstance(p, dict)] if isinstance(graphs, dict) else []
+    all_disabled = bool(phases) and all(str(p.get("backend")) == "disabled" for p in phases)
+    if str(info.get("device") or "cuda") != "cpu" and info.get("disable_cuda_graph") is not True and not all_disabled:
+        on.append("cuda_graph")
+    return [f"unverified capture path on this DeepSeek-family server: {UNVERIFIED_CAPTURE_PATHS[k]}" for k in on]
+
+
+def _same_draft(a: Path, b: Path) -> Optional[dict]:
+    """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
+    try:
+        ca, cb = (read_config_json(p, "draft config") for p in (a, b))
+    except (OSError, ValueError):
+        return None
+    diff = {}
+    if ca != cb:
+        keys = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
+        diff["config_keys"] = keys
+        ea, eb = (c.get("eagle_config") or {} for c in (ca, cb))
+        if ea != eb:
+            diff["eagle_config"] = {"server": eb, "given": ea}
+    wa = {p.name: p.stat().st_size for p in a.glob("*.safetensors")}
+    wb = {p.name: p.stat().st_size for p in b.glob("*.safetensors")}
+    if wa != wb:
+        diff["weights"] = {"server": wb, "given": wa}
+    return diff or None
+
+
+def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
+           relaunch: Optional[str] = None) -> Attachment:
+    """Read what the server runs (see :class:`Attachment`).
+
+    Raises:
+        ServerError: ``/server_info`` unreachable or not JSON.
+        BadInput: neither the server's target folder nor ``target`` is readable here; a given folder lacks
+            config.json.
+    """
+    info = client.server_info()
+    served_draft = info.get("speculative_draft_model_path")
+    served_target = info.get("model_path") or info.get("tokenizer_path")
+    findings: list[dict] = []
+
+    def readable(p: Any) -> Optional[Path]:
+        return Path(p) if p and (Path(p) / "config.json").is_file() else None
+
+    if target is not None:
+        target_dir, target_source = Path(target), "--target"
+        if not (target_dir / "config.json").is_file():
+            raise BadInput("no config.json in the target folder", path=target_dir)
+    elif readable(served_target):
+        target_dir, target_source = Path(served_target), "server (model_path)"
+    else:
+        raise BadInput(f"the server's target folder {served_target!r} is not readable on this machine: pass --target "
+                       "DIR (a folder with the target's config.json; weights optional)", path=served_target)
+    given = Path(draft) if draft is not None else None
+    if given is not None and not (given / "config.json").is_file():
+        raise BadInput("no config.json in the draft folder", path=given)
+    server_draft = readable(served_draft)
+    if server_draft is not None:
+        draft_dir, draft_source = server_draft, "server (speculative_draft_model_path)"
+        if given is not None and given.resolve() != server_draft.resolve():
+            diff = _same_draft(given, server_draft)
+            if diff is not None:
+                findings.append(finding(
+                    "served_draft_differs", None,
+                    f"the server runs the draft in {server_draft}, which differs from --draft {given} "
+                    f"({', '.join(sorted(diff))}); the investigation uses the server's",
+                    served=str(server_draft), given=str(given), differences=diff,
+                    source="/server_info speculative_draft_model_path"))
+    elif given is not None:
+        draft_dir, draft_source = given, "--draft (the server's draft folder is not readable here)"
+    else:
+        draft_dir, draft_source = None, "none"
+    ranks, layers, others = capture_hooks(info)
+    restart = None
+    entry = lookup(client.url)
+    if relaunch:
+        restart = {"kind": "command", "argv": relaunch_argv(relaunch)}
+    elif entry is not None:
+        restart = {"kind": "embedded", **entry}
+    spec = {"num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),
+            "num_draft_tokens": info.get("speculative_num_draft_tokens")}
+    tcfg = read_target_config(target_dir)
+    return Attachment(url=client.url, version=info.get("version"), tp=int(info.get("tp_size") or 1),
+                      algorithm=info.get("speculative_algorithm"), spec=spec, served_draft=served_draft,
+                      served_target=served_target, draft_dir=draft_dir, draft_source=draft_source,
+                      target_dir=target_dir, target_source=target_source, rank_capture_dir=ranks, layers_dir=layers,
+                      other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info),
+                      caveats=capture_caveats(info, tcfg.architectures, tcfg.model_type))
+
+
+def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:
+    """Whether HF transformers can load the target here (fp32 weights within ``share`` of available memory).
+
+    Returns ``(fits, why)``; ``why`` names the sizes (or the missing weights)."""
+    files = list(target_dir.glob("*.safetensors")) + list(target_dir.glob("*.bin"))
+    if not files:
+        return False, f"no weights in {target_dir} (config only)"
+    size = sum(f.stat().st_size for f in files)
+    dtype = read_target_config(target_dir).torch_dtype or "bfloat16"
+    fp32 = size * (2 if "16" in str(dtype) else 1)
+    avail = psutil.virtual_memory().available
+    if fp32 > share * avail:
+        return False, (f"the target's weights need about {fp32 / 2**30:.1f} GiB in fp32, more than {share:.0%} of the "
+                       f"{avail / 2**30:.1f} GiB available here")
+    return True, f"{fp32 / 2**30:.2f} GiB in fp32"

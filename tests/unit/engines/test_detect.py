@@ -1,0 +1,145 @@
+"""Engine and version detection from a server's own endpoints (issue 29, deliverable 2 and "bad input"): fake servers
+on 127.0.0.1 that answer like SGLang 0.5.23, vLLM 0.32.0 (the answers recorded from the embedded servers), a vLLM
+release whose rules are unknown, and servers that are neither; bad input is one line, exit 2, naming what was found
+and what is supported."""
+from __future__ import annotations
+
+import json
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from helpers.__main__ import main
+from helpers.engines.detect import detect, supported_text
+from helpers.errors import BadInput, SGLangError
+from support.fakeserver import free_port
+from support.vllm_answers import METRICS_1
+
+#: what the embedded vLLM 0.32.0 server answered (GET /version, GET /v1/models), trimmed
+VLLM_MODELS = {"object": "list", "data": [{"id": "/tmp/h64/target", "object": "model", "owned_by": "vllm",
+                                           "root": "/tmp/h64/target", "parent": None, "max_model_len": 512}]}
+SGLANG_INFO = {"version": "0.5.23", "tp_size": 2, "speculative_algorithm": "EAGLE3", "model_path": "/m/target"}
+
+
+@contextmanager
+def serve(routes: dict[str, tuple[int, object]]):
+    """An HTTP server on 127.0.0.1 answering GET ``path`` with ``routes[path] = (status, json or text)`` (404 for
+    any other path); stopped on exit."""
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            status, body = routes.get(self.path.split("?")[0], (404, {"detail": "Not Found"}))
+            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_vllm_0_32_is_detected_from_version_and_models():
+    with serve({"/version": (200, {"version": "0.32.0"}), "/v1/models": (200, VLLM_MODELS)}) as url:
+        found = detect(url)
+    assert (found.engine, found.version, found.adapter.label) == ("vllm", "0.32.0", "vLLM")
+    assert found.evidence["/version"] == "0.32.0" and found.evidence["/v1/models owned_by"] == ["vllm"]
+
+
+def test_sglang_is_detected_from_server_info():
+    with serve({"/server_info": (200, SGLANG_INFO), "/v1/models": (200, {"data": [{"owned_by": "sglang"}]})}) as url:
+        found = detect(url)
+    assert (found.engine, found.version) == ("sglang", "0.5.23")
+
+
+def test_unknown_vllm_release_is_one_line_naming_it_and_what_is_supported():
+    with serve({"/version": (200, {"version": "0.31.2"}), "/v1/models": (200, VLLM_MODELS)}) as url:
+        with pytest.raises(BadInput) as exc:
+            detect(url)
+    msg = str(exc.value)
+    assert "\n" not in msg and "vLLM 0.31.2" in msg and "vLLM 0.32.0" in msg and "SGLang 0.5.6-0.5.23" in msg
+
+
+def test_neither_engine_names_what_each_endpoint_answered():
+    routes = {"/v1/models": (200, {"data": [{"id": "m", "owned_by": "tgi"}]}), "/info": (200, {"version": "3.1"})}
+    with serve(routes) as url:
+        with pytest.raises(BadInput) as exc:
+            detect(url)
+    msg = str(exc.value)
+    assert "neither SGLang nor vLLM" in msg and "['tgi']" in msg and "/server_info -> HTTP 404" in msg
+    assert "/version -> HTTP 404" in msg and supported_text() in msg and "\n" not in msg
+
+
+def test_vllm_models_without_a_version_is_not_guessed():
+    with serve({"/v1/models": (200, VLLM_MODELS)}) as url:
+        with pytest.raises(BadInput, match="owned_by vllm but GET /version gives no version"):
+            detect(url)
+
+
+def test_sglang_server_info_without_server_args_is_not_taken_for_sglang():
+    # a /server_info with a version but none of SGLang's ServerArgs fields (e.g. another engine's) is not SGLang
+    with serve({"/server_info": (200, {"version": "1.0"}), "/version": (200, {"version": "1.0"})}) as url:
+        with pytest.raises(BadInput, match="neither SGLang nor vLLM"):
+            detect(url)
+
+
+def test_unreachable_server_is_a_server_error_not_bad_input():
+    with pytest.raises(SGLangError) as exc:
+        detect(f"http://127.0.0.1:{free_port()}", deadline_s=5)
+    assert not isinstance(exc.value, BadInput)
+
+
+def test_cli_detect_prints_the_engine_and_exits_2_on_neither(capsys):
+    with serve({"/version": (200, {"version": "0.32.0"}), "/v1/models": (200, VLLM_MODELS)}) as url:
+        assert main(["server", "detect", "--url", url]) == 0
+        assert capsys.readouterr().out.strip() == f"vLLM 0.32.0 at {url}"
+    with serve({"/v1/models": (200, {"data": [{"owned_by": "llama.cpp"}]})}) as url:
+        assert main(["server", "detect", "--url", url]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("server: error:") and "llama.cpp" in err[0]
+
+
+def test_cli_server_start_vllm_refuses_sglang_only_flags_and_a_missing_target(capsys):
+    assert main(["server", "start", "--engine", "vllm", "--draft", "/x"]) == 2
+    assert "--target is required" in capsys.readouterr().err
+    assert main(["server", "start", "--engine", "vllm", "--target", "/t", "--faults", "[]x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--faults apply to SGLang only" in err[0]
+
+
+def test_attach_without_the_worker_extension_uses_vllms_rules_and_says_so(tmp_path):
+    """A vLLM server started by someone else (no dev mode, no extension): the draft is given, the ids come from vLLM
+    0.32.0's rules on its config (a top-level list wins over eagle_config), num_speculative_tokens from /metrics."""
+    from helpers.engines.vllm import VLLMAdapter
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8}))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                                   "eagle_aux_hidden_state_layer_ids": [2, 5, 7],
+                                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}))
+    models = {"data": [{"id": "t", "owned_by": "vllm", "root": str(target), "max_model_len": 512}]}
+    with serve({"/version": (200, {"version": "0.32.0"}), "/v1/models": (200, models),
+                "/metrics": (200, METRICS_1)}) as url:
+        ad = VLLMAdapter()
+        cfg = ad.spec_config(ad.client(url), draft=draft)
+    assert (cfg.num_speculative_tokens, cfg.method, cfg.target, cfg.draft) == (3, "eagle3", str(target), str(draft))
+    assert cfg.aux_layer_ids == [2, 5, 7] and cfg.aux_tensors == ["out(1)", "out(4)", "out(6)"]
+    assert "top" not in cfg.sources["aux_layer_ids"] and "eagle_aux_hidden_state_layer_ids" in cfg.sources[
+        "aux_layer_ids"] and "gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config" in cfg.sources[
+        "aux_layer_ids"]
+    assert any("no worker extension" in n for n in cfg.notes) and cfg.loaded is None

@@ -1,0 +1,148 @@
+"""vLLM 0.32.0's rules as helpers.layers.vllm mirrors them, the counters of /metrics and the per-request record, and
+the embedded server's launch checks, without a server (the live checks are tests/server/test_vllm_server.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.acceptance.requests import PER_REQUEST_COLUMNS
+from helpers.engines.base import AcceptanceCounters
+from helpers.engines.vllm import parse_counters, record
+from helpers.engines.vllm_server import build_command, check_target, omp_bind
+from helpers.errors import BadServerInput
+from helpers.layers import vllm as rules
+from support.vllm_answers import METRICS_1
+
+N = 8
+
+
+@pytest.mark.parametrize("cfg, ids, source", [
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, (1, 3, 4), "eagle_config"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 5], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}},
+     (2, 5), "draft config eagle_aux_hidden_state_layer_ids"),            # top level wins
+    ({"eagle_aux_hidden_state_layer_ids": [], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [6]}}, (6,),
+     "eagle_config"),                                                     # empty top level falls through
+    ({"eagle_config": {"use_aux_hidden_state": True}}, (2, 4, 5), "default"),   # key missing -> default
+    ({}, (2, 4, 5), "default"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [4, 1, 3, 3]}}, (1, 3, 4), "eagle_config"),  # sorted, set
+    ({"dflash_config": {"target_layer_ids": [0, 3]}}, (1, 4), "dflash_config"),
+    ({"dflash_config": {"target_layer_ids": [0, 3]}, "eagle_config": {}}, (1, 4), "dflash"),  # {} is falsy
+    ({"dflash_config": {"target_layer_ids": [0]}, "eagle_config": {"x": 1}}, (2, 4, 5), "default"),  # None wins
+])
+def test_aux_layer_ids_follow_vllm_0_32(cfg, ids, source):
+    got, src = rules.aux_layer_ids(cfg, N)
+    assert got == ids and source in src
+
+
+def test_captured_tensors_use_the_in_i_convention_and_drop_unreachable_ids():
+    assert rules.captured([0, 1, 3, 4, N], N) == ["embedding", "out(0)", "out(2)", "out(3)", f"out({N - 1})"]
+    assert rules.captured([-1, N + 1], N) == [None, None]
+
+
+def test_fc_width_counts_only_nested_ids_and_use_aux_defaults_true():
+    assert rules.num_aux_hidden_states({"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}) == 3
+    assert rules.num_aux_hidden_states({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]}}) == 4
+    assert rules.num_aux_hidden_states({"num_aux_hidden_states": 2, "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}) == 2
+    assert rules.use_aux_hidden_state({}) and not rules.use_aux_hidden_state({"eagle_config": {
+        "use_aux_hidden_state": False}})
+
+
+def test_weight_sharing_and_d2t_rules():
+    names = ["fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight", "d2t", "t2d"]
+    assert rules.weight_sharing(names) == {"embedding": "target", "lm_head": "unknown"}
+    assert rules.weight_sharing(names, lm_head_equal=False) == {"embedding": "target", "lm_head": "draft"}
+    no_head = [n for n in names if "lm_head" not in n]
+    assert rules.weight_sharing(no_head)["lm_head"] == "target"     # the target's full-vocabulary head
+    assert rules.weight_sharing(names + ["embed_tokens.weight"], embed_equal=True)["embedding"] == "target"
+    assert rules.weight_sharing(names + ["embed_tokens.weight"], embed_equal=False)["embedding"] == "draft"
+    assert rules.weight_sharing(no_head, pipeline_parallel=2)["embedding"] == "draft"
+    assert rules.d2t_rule(names, 256, 384) == "checkpoint"
+    assert rules.d2t_rule(no_head[:2], 256, 384) == "zeros"
+    assert rules.d2t_rule(names, None, 384) == "none" and rules.d2t_rule(names, 384, 384) == "none"
+
+
+def test_known_versions():
+    assert rules.is_known("0.32.0") and rules.is_known("0.32.0+cpu") and rules.is_known("v0.32.0rc1")
+    assert not rules.is_known("0.31.2") and not rules.is_known("0.33.0") and not rules.is_known("dev")
+    assert not rules.is_known(None)
+
+
+def _second(text: str) -> str:
+    # a second request of 9 tokens: 4 verify steps, 12 drafted, 4 accepted (2 steps accepted 2 and 1, ... by hand)
+    repl = {"num_drafts_total{": "19.0", "num_draft_tokens_total{": "57.0", "num_accepted_tokens_total{": "4.0",
+            'position="0"': "3.0", 'position="1"': "1.0", 'position="2"': "0.0", "generation_tokens_total{": "25.0",
+            'finished_reason="length"': "2.0"}
+    out = []
+    for line in text.splitlines():
+        for k, v in repl.items():
+            if k in line and "_created" not in line:
+                line = line.rsplit(" ", 1)[0] + " " + v
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def test_counters_parse_delta_and_summary_by_hand():
+    a = parse_counters(METRICS_1)
+    assert (a.verify_steps, a.draft_tokens, a.accepted_tokens, a.generation_tokens, a.requests) == (15, 45, 0, 16, 1)
+    assert a.accepted_per_position == [0, 0, 0]
+    d = parse_counters(_second(METRICS_1)).delta(a)
+    assert (d.verify_steps, d.draft_tokens, d.accepted_tokens, d.generation_tokens, d.requests) == (4, 12, 4, 9, 1)
+    s = d.summary()
+    assert s["accept_length"] == pytest.approx(9 / 4)          # tokens per verify step, prefill's token included
+    assert s["accept_length_drafts"] == pytest.approx(1 + 4 / 4)  # vLLM's mean acceptance length
+    assert s["accept_rate"] == pytest.approx(4 / 12)
+    assert s["p_accept_ge"] == pytest.approx([3 / 4, 1 / 4, 0])
+    with pytest.raises(ValueError, match="went down"):
+        a.delta(parse_counters(_second(METRICS_1)))
+    with pytest.raises(ValueError, match="cannot be subtracted"):
+        d.delta(AcceptanceCounters(engine="sglang"))
+
+
+def test_a_server_without_speculation_has_no_spec_counters():
+    c = parse_counters('# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{engine="0"} 7.0\n')
+    assert c.verify_steps == 0 and c.accepted_tokens is None and c.accepted_per_position is None
+    assert c.summary()["accept_length"] is None
+
+
+#: the embedded server's answer to an 8-token completion (--per-request-spec-decode-metrics detailed), trimmed
+ANSWER = {"choices": [{"index": 0, "finish_reason": "length", "token_ids": [7, 7, 9, 7, 7, 7, 3, 7]}],
+          "usage": {"prompt_tokens": 20, "total_tokens": 28, "completion_tokens": 8, "prompt_tokens_details": None},
+          "metrics": {"speculative_decoding": {
+              "mean_acceptance_length": 1.75, "draft_acceptance_rate": 0.25, "acceptance_histogram": [1, 1, 1, 0],
+              "num_spec_steps": 3, "num_accepted_draft_tokens": 3, "num_draft_tokens": 9, "num_spec_tokens": 3,
+              "per_step_accepted": [0, 2, 1], "per_step_drafted": [3, 3, 3]}},
+          "latency_s": 0.5}
+
+
+def test_per_request_record_uses_sglangs_definitions():
+    row = record(0, "p0", ANSWER)
+    assert set(row) == set(PER_REQUEST_COLUMNS)
+    assert (row["verify_ct"], row["correct_drafts"], row["proposed_drafts"]) == (3, 3, 9)
+    assert row["accept_length"] == pytest.approx(8 / 3) and row["accept_rate"] == pytest.approx(3 / 9)
+    assert row["hist_correct_drafts"] == 0 * 1 + 1 * 1 + 2 * 1 and json.loads(row["histogram"]) == [1, 1, 1, 0]
+    assert row["server_accept_length"] == 1.75 and row["has_spec"] and row["tok_s"] == pytest.approx(16)
+    bare = record(1, "p1", {k: v for k, v in ANSWER.items() if k != "metrics"})
+    assert not bare["has_spec"] and bare["verify_ct"] is None and bare["completion_tokens"] == 8
+
+
+def _cfg(tmp_path, **kw):
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_attention_heads": 8,
+           "num_key_value_heads": 8, "num_hidden_layers": 8, **kw}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_launch_checks_head_size_and_tp(tmp_path):
+    with pytest.raises(BadServerInput, match="head_dim 16 is not one vLLM 0.32.0's CPU attention supports"):
+        check_target(_cfg(tmp_path, head_dim=16), 1)
+    assert check_target(_cfg(tmp_path, num_attention_heads=2, num_key_value_heads=2), 2)["hidden_size"] == 128
+    with pytest.raises(BadServerInput, match="do not divide by tp 4"):
+        check_target(_cfg(tmp_path, num_attention_heads=2, num_key_value_heads=2), 4)
+    assert omp_bind(1, [0, 1]) == "0" and omp_bind(2, [0, 1]) == "0|1" and omp_bind(4, [0, 1]) == "0|1|0|1"
+    cmd = build_command(tmp_path / "py", tmp_path, draft=tmp_path, tp=2, num_speculative_tokens=3, port=1234,
+                        dtype="float32", max_model_len=512, max_num_seqs=4, api_key=None, extra_args=["--x"])
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in cmd and cmd[-1] == "--x"
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["num_speculative_tokens"] == 3
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "helpers.engines.vllm_worker.CaptureExtension"
