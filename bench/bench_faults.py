@@ -138,16 +138,17 @@ def wiring_sweep(out: Path) -> list[dict]:
             truth = simulate_sequences(m.draft, m.states(plan), [st])["per_request"][st]
             e = __import__("helpers.acceptance.stats", fromlist=["paired_effect"]).paired_effect(m.clean_frame, truth)
             s_frame = simulate_sequences(m.draft, plan_sequences(ref, plan, train), [st])["per_request"][st]
-            d, lo, hi, n = _paired_loss(t_frame, s_frame)
-            w = _loss("wiring", d, lo, hi, "sweep", ref_al, n=n)
+            d, lo, hi, n, per = _paired_loss(t_frame, s_frame)
+            w = _loss("wiring", d, lo, hi, "sweep", ref_al, n=n, unit="training samples", per_sequence=per)
             r = {"label": f.label, "plan": plan, "loss": -e["accept_length_delta"],
                  "loss_ci": [-e["accept_length_delta_hi"], -e["accept_length_delta_lo"]],
-                 "wiring": {k: w[k] for k in ("delta", "ci", "decision", "threshold")}, "n": n}
+                 "wiring": {k: w.get(k) for k in ("delta", "ci", "decision", "threshold", "settle", "small_n")},
+                 "n": n}
             rows.append(r)
             fh.write(json.dumps(r) + "\n")
             log(f"{f.label:24} plan {plan}: true loss {fmt(r['loss'])} [{fmt(r['loss_ci'][0])}, "
-                f"{fmt(r['loss_ci'][1])}]; wiring stage on {n} training samples {fmt(d)} [{fmt(lo)}, {fmt(hi)}] "
-                f"{w['decision']}")
+                f"{fmt(r['loss_ci'][1])}]; wiring stage on {n} training samples {fmt(d)} [{fmt(w['ci'][0])}, "
+                f"{fmt(w['ci'][1])}] (bootstrap [{fmt(lo)}, {fmt(hi)}]) {w['decision']}")
     return rows
 
 
