@@ -3,7 +3,8 @@ state shows and the tool is not told about: a damaged draft checkpoint, a wrong 
 draft-side forward hook that makes the engine compute the draft differently. Each must be put at its stage (``draft``,
 ``draft``, ``settings``, ``engine``); a generated topk > 1 tree (``support.faultgen``) must be replayed offline exactly
 as the server verified it (no engine loss); the clean server (``none``, simulation within 0.1 of live) and the wiring fault
-(``wiring``, fix proven offline) are checked in test_investigate_live.py on the servers it starts anyway.
+(``wiring``, the fix run offline, kept and measured) are checked in test_investigate_live.py on the servers it starts
+anyway.
 
 TP 1 servers (the budget does not depend on TP), one at a time (2 cores), ``--no-apply`` (nothing to restart)."""
 from __future__ import annotations
