@@ -158,9 +158,10 @@ def paired_effect(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 40
 
     Returns:
         ``{"n_paired", "accept_length_delta", "accept_length_delta_lo", "accept_length_delta_hi",
-        "accept_rate_delta", "accept_rate_delta_lo", "accept_rate_delta_hi"}`` (accept length in
-        tokens per verify step, bonus token included; accept rate as a fraction); CI bounds are NaN
-        with fewer than 2 paired prompts.
+        "accept_rate_delta", "accept_rate_delta_lo", "accept_rate_delta_hi", "accept_length_per_prompt"}``
+        (accept length in tokens per verify step, bonus token included; accept rate as a fraction; the last is
+        each paired prompt's own accept length after minus before, in the order of ``before``, for the decision on few
+        prompts: :func:`helpers.draft.decide.decide`); CI bounds are NaN with fewer than 2 paired prompts.
 
     Raises:
         ValueError: a frame lacks one of the columns named above.
@@ -182,8 +183,11 @@ def paired_effect(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 40
     if len(m) == 0:
         for k in ("accept_length", "accept_rate"):
             out.update({f"{k}_delta": float("nan"), f"{k}_delta_lo": float("nan"), f"{k}_delta_hi": float("nan")})
+        out["accept_length_per_prompt"] = []
         return out
     f = lambda c: m[c].to_numpy(dtype=np.float64)  # noqa: E731
+    out["accept_length_per_prompt"] = [float(x) for x in f("completion_tokens_b") / f("verify_ct_b")
+                                       - f("completion_tokens_a") / f("verify_ct_a")]
     pairs = {"accept_length": (("completion_tokens_a", "verify_ct_a"), ("completion_tokens_b", "verify_ct_b")),
              "accept_rate": (("correct_drafts_a", "proposed_drafts_a"), ("correct_drafts_b", "proposed_drafts_b"))}
     w = _weights(len(m), n_boot, np.random.default_rng(seed)) if len(m) >= 2 else None

@@ -44,11 +44,11 @@ from ..formats.dumps import read_dump
 from ..formats.rows import RowsKind
 from ..formats.training_data import TrainingData
 from ..runfiles import jsonable
-from .decide import MATERIAL, MIN_TOKENS, decide, threshold
+from .decide import MATERIAL, MIN_TOKENS, SMALL_N, decide, threshold
 from .draft_stage import draft_stage
 from .model import Eagle3Draft
 from .simulate import DraftSettings, SimSequence, simulate_sequences, summary
-from .teacher_forced import SeqRows, accept_length_ci, bootstrap_index, reduce
+from .teacher_forced import SeqRows, accept_length_ci, bootstrap_index, per_sequence_accept_length, reduce
 from .training_log import TrainingLog, predicted_accept_length
 #: chain steps tried for the settings stage
 SETTINGS_STEPS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -213,13 +213,15 @@ def _stage(name: str, per_request: Optional[pd.DataFrame], steps: int, *, source
 
 
 def _loss(name: str, delta: float, lo: float, hi: float, basis: str, reference: Optional[float], *, n: Optional[int],
-          unit: str = "sequences", **extra) -> dict:
-    """One stage's loss with its decision (:func:`helpers.draft.decide.decide`); ``reference`` is the accept length
-    the material threshold is a share of."""
-    dec = decide(delta, lo, hi, threshold(reference), n=n, unit=unit)
-    return {"stage": name, "delta": delta, "ci": [lo, hi], "basis": basis, **dec, "n": n,
+          unit: str = "sequences", per_sequence: Optional[Sequence[float]] = None, **extra) -> dict:
+    """One stage's loss with its decision (:func:`helpers.draft.decide.decide`, which also widens the CI over few
+    sequences: ``ci`` is the CI decided on); ``reference`` is the accept length the material threshold is a share
+    of; ``per_sequence`` the loss on each sequence."""
+    dec = decide(delta, lo, hi, threshold(reference), n=n, unit=unit, per_sequence=per_sequence)
+    lo = dec["ci"][0]
+    return {"stage": name, "delta": delta, "basis": basis, **dec, "n": n,
             "counts": dec["decision"] == "counts", "material": bool(np.isfinite(delta) and delta >= dec["threshold"]),
-            "beyond_ci": bool(np.isfinite(lo) and lo > 0), **extra}
+            "beyond_ci": bool(lo is not None and np.isfinite(lo) and lo > 0), **extra}
 
 
 def _not_computed(name: str, why: str) -> dict:
@@ -229,10 +231,12 @@ def _not_computed(name: str, why: str) -> dict:
             "beyond_ci": False, "n": None}
 
 
-def _paired_loss(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float, float, int]:
-    """accept length of ``a`` minus ``b``, paired per request id (``paired_effect`` gives b - a)."""
+def _paired_loss(a: pd.DataFrame, b: pd.DataFrame) -> tuple[float, float, float, int, list[float]]:
+    """accept length of ``a`` minus ``b``, paired per request id (``paired_effect`` gives b - a): ``(loss, lo, hi,
+    n, the loss on each paired request)``."""
     e = paired_effect(a, b)
-    return (-e["accept_length_delta"], -e["accept_length_delta_hi"], -e["accept_length_delta_lo"], e["n_paired"])
+    return (-e["accept_length_delta"], -e["accept_length_delta_hi"], -e["accept_length_delta_lo"], e["n_paired"],
+            [-x for x in e["accept_length_per_prompt"]])
 
 
 @dataclass
@@ -323,6 +327,9 @@ def _draft_stage(L: _Ladder, inp: BudgetInputs, idx: Optional[np.ndarray]) -> No
         lo, hi = (float(x) for x in np.percentile(g, [2.5, 97.5]))
         stage["fix"] = {"label": df["label"], "accept_length": b, "ci": [blo, bhi], "gain": b - a, "gain_ci": [lo, hi],
                         "source": df.get("source", "")}
+        if len(inp.draft_rows) < SMALL_N:           # what the decision on few rows needs (decide's Student-t)
+            stage["fix"]["gain_per_sequence"] = [float(x) for x in per_sequence_accept_length(fres, S)
+                                                 - per_sequence_accept_length(res, S)]
 
 
 def _training_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
@@ -351,10 +358,10 @@ def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     L.stages.append(_stage("offline on served states", f, L.S,
                            source=f"the draft run offline on the aux states the server fed for the same "
                                   f"{len(inp.served_training)} training sample(s)"))
-    d, lo, hi, n = _paired_loss(L.train_frame, f)
+    d, lo, hi, n, per = _paired_loss(L.train_frame, f)
     ref = L.stages[-2].get("accept_length") if len(L.stages) >= 2 else None
     L.losses["wiring"] = _loss("wiring", d, lo, hi, f"training states vs served states, paired over {n} sample(s)",
-                               ref, n=n, unit="training samples")
+                               ref, n=n, unit="training samples", per_sequence=per)
 
 
 def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
@@ -372,10 +379,10 @@ def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                                   "request(s), the server's own greedy continuation"))
     L.stages.append(_stage("live", inp.live, L.S, source="the same /generate answers' spec_verify_ct and "
                                                           "spec_num_correct_drafts (SGLang's counters)"))
-    d, lo, hi, n = _paired_loss(live_sim, inp.live)
+    d, lo, hi, n, per = _paired_loss(live_sim, inp.live)
     L.losses["engine"] = _loss("engine", d, lo, hi, f"offline on served states vs live, paired over {n} request(s) "
                                "(same prompts, same tokens)", L.stages[-2].get("accept_length"), n=n,
-                               unit="prompts")
+                               unit="prompts", per_sequence=per)
 
 
 def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
@@ -411,9 +418,9 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     if rec is served or rec["steps"] < st.steps:
         # the served settings, a gain below the material share, or FEWER steps (they accept fewer tokens per verify
         # step but cost less: a throughput gain, not an acceptance loss; a note below) lose no acceptance
-        d, lo, hi = 0.0, 0.0, 0.0
+        d, lo, hi, per = 0.0, 0.0, 0.0, None
     else:
-        d, lo, hi, n = _paired_loss(rec["frame"], served["frame"])
+        d, lo, hi, n, per = _paired_loss(rec["frame"], served["frame"])
     L.rec = rec
     L.stages.append({"name": "best settings (simulated)", "accept_length": rec["accept_length"], "ci": rec["ci"],
                      "settings": {k: rec[k] for k in ("steps", "topk", "draft_tokens")}, "grid": grid_name,
@@ -430,7 +437,7 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     else:
         L.losses["settings"] = _loss("settings", d, lo, hi, f"recommended vs served settings, simulated on the same "
                                      f"{n} sequence(s); modelled tokens per unit time {gain:+.0%}",
-                                     served["accept_length"], n=n)
+                                     served["accept_length"], n=n, per_sequence=per)
     for t in table:
         t.pop("frame")
     L.settings_table = table
@@ -450,10 +457,12 @@ def _fix_stage(L: _Ladder, draft, inp: BudgetInputs) -> None:
     if inp.served_training:
         if L.served_frame is None:              # stage 4 did not run (no training frame): simulate them here
             L.served_frame = simulate_sequences(draft, inp.served_training, [st])["per_request"][st]
-        d, lo, hi, n = _paired_loss(f, L.served_frame)
+        d, lo, hi, n, per = _paired_loss(f, L.served_frame)
         ref = next((x.get("accept_length") for x in L.stages if x["name"] == "offline on served states"), None)
-        fo.update(gain=d, gain_ci=[lo, hi], n_paired=n, proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS),
-                  decision=decide(d, lo, hi, threshold(ref), n=n)["decision"])
+        dec = decide(d, lo, hi, threshold(ref), n=n, unit="training samples", per_sequence=per)
+        lo, hi = dec["ci"]
+        fo.update(gain=d, gain_ci=[lo, hi], n_paired=n, gain_per_sequence=per,
+                  proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS), decision=dec["decision"])
     L.fix_offline = fo
 
 
@@ -539,7 +548,8 @@ def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
             b.setdefault("losses", {})["engine"] = {
                 **(b.get("losses") or {}).get("engine", {}),
                 **_loss("engine", d, ci[0], ci[1], f"measured on the server (engine_feature_costs_acceptance): "
-                        f"{engine[0]['detail']}", None, n=eff.get("n_paired"), unit="prompts")}
+                        f"{engine[0]['detail']}", None, n=eff.get("n_paired"), unit="prompts",
+                        per_sequence=eff.get("accept_length_per_prompt"))}
             b["cause"] = cause_of(b["losses"], b.get("required") or REQUIRED_STAGES)
             b["sentence"] = budget_sentence(b)
             return jsonable(b)

@@ -27,7 +27,8 @@ from ..formats.training_data import TrainingData
 from .decide import decide, threshold
 from .model import Eagle3Draft, target_lm_head
 from .teacher_forced import (LOG_TRAINER, TRAINER_SOURCE, SeqRows, accept_length_ci, bootstrap_index,
-                             chain_accept_length, reduce, run as tf_run, target_view, tf_sequences)
+                             chain_accept_length, per_sequence_accept_length, reduce, run as tf_run, target_view,
+                             tf_sequences)
 from .training_log import TrainingLog, find_validation_data
 
 #: the most validation rows the draft stage reads (all of a typical shipped validation set; bounded for time)
@@ -142,9 +143,10 @@ def draft_stage(rows: Optional[list[SeqRows]], rows_kind: Optional[RowsKind], ro
         loss.update(delta=None, basis=basis + " -- not compared")
         return stage, loss
     d = log_al - al
-    dec = decide(d, log_al - hi, log_al - lo, thr, n=len(rows), unit="sequences")
-    loss = {"stage": "draft", "delta": d, "ci": [log_al - hi, log_al - lo], "basis": basis, **dec,
-            "counts": dec["decision"] == "counts", "material": d >= thr, "beyond_ci": (log_al - hi) > 0,
+    dec = decide(d, log_al - hi, log_al - lo, thr, n=len(rows), unit="sequences",
+                 per_sequence=log_al - per_sequence_accept_length(res, S))
+    loss = {"stage": "draft", "delta": d, "basis": basis, **dec,
+            "counts": dec["decision"] == "counts", "material": d >= thr, "beyond_ci": dec["ci"][0] > 0,
             "n": len(rows)}
     return stage, loss
 

@@ -401,6 +401,15 @@ def accept_length_ci(res: TFResult, steps: int, idx: np.ndarray) -> tuple[float,
     return point, float(lo), float(hi), draws
 
 
+def per_sequence_accept_length(res: TFResult, steps: int) -> np.ndarray:
+    """Each sequence's own accept length: :func:`accept_length_ci`'s formula on that sequence's rows alone ``[n]``
+    (for the decision on few sequences, :func:`helpers.draft.decide.decide`)."""
+    n = res.acc_num.shape[0]
+    if n < 2:
+        return np.full(n, accept_length_ci(res, steps, np.zeros((1, n), int))[0])
+    return accept_length_ci(res, steps, np.arange(n)[:, None])[3]
+
+
 def tf_sequences(samples, lm_head: Optional[torch.Tensor], *, skipped: Optional[list] = None) -> list[TFSequence]:
     """Training-data samples (:class:`helpers.formats.training_data.TrainingData` items) as :class:`TFSequence`:
     each sample's post-norm ``final_hidden`` with the target's ``lm_head [V, H]`` when both exist (else the labels fall

@@ -19,7 +19,7 @@ import torch
 from ..acceptance.prompts import load_prompts
 from ..capture import capture_served
 from ..diagnosis.detectors import finding
-from ..draft.budget import MIN_TOKENS, acceptance_budget, dump_sequences, plan_sequences, training_sequences
+from ..draft.budget import acceptance_budget, dump_sequences, plan_sequences, training_sequences
 from ..draft.model import Eagle3Draft
 from ..draft.precision import choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
@@ -136,12 +136,22 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                                     recommended_settings=b.get("recommended_settings"),
                                     source="simulation: the draft checkpoint run offline as SGLang runs it "
                                            "(helpers.draft), live counters from the same /generate answers"))
-    fo = b.get("fix_offline")
-    if fo is not None and fo.get("gain") is not None and fo["gain"] < MIN_TOKENS:
-        out.withdraw_fix = (f"{fo['label']} (served plan [{', '.join(fo.get('plan') or [])}]) was run offline on the "
-                            f"every-layer reference: accept length {fo['accept_length']:.2f}, a gain of "
-                            f"{fo['gain']:+.2f} over the served states: nil, so it is not proposed")
+    out.withdraw_fix = fix_withdrawal(b.get("fix_offline"))
     return out
+
+
+def fix_withdrawal(fo: Optional[dict]) -> Optional[str]:
+    """Why the proposed fix is withdrawn, or None to keep it: only when its offline proof (``fix_offline`` of
+    :func:`helpers.draft.budget.acceptance_budget`: the gain, its paired CI and its decision) rules a material gain
+    out (decision ``clear``). A gain that is small but undecided (its CI still holds a material gain, e.g. on a few
+    samples) is not "nil": the fix stays, unproven, to be measured."""
+    if not fo or fo.get("gain") is None or fo.get("decision") != "clear":
+        return None
+    ci = fo.get("gain_ci") or [None, None]
+    ci_txt = f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if None not in ci else ""
+    return (f"{fo['label']} (served plan [{', '.join(fo.get('plan') or [])}]) was run offline on the every-layer "
+            f"reference: accept length {fo['accept_length']:.2f}, a gain of {fo['gain']:+.2f}{ci_txt} over the served "
+            f"states on {fo.get('n_paired')} sample(s), which rules out a material gain, so it is not proposed")
 
 
 def _settle_n(b: dict, stage: str) -> Optional[int]:

@@ -104,7 +104,8 @@ class Run:
         att: the attachment (:func:`helpers.investigation.attach.attach`); tcfg: the target config; td: the training
             data; inv: the :class:`helpers.investigation.inputs.Investigation` of the server; samples: the training
             samples captured; ref: the every-layer reference dump or None; diag: the diagnosis; extra: findings from
-            outside the diagnosis (attach, draft checks); fix: the proposed fix.
+            outside the diagnosis (attach, draft checks); fix: the proposed fix; withdrawn: why the acceptance
+            budget withdrew it (its offline proof ruled a material gain out), else None.
     """
 
     req: Request
@@ -122,6 +123,7 @@ class Run:
     diag: Any = None
     extra: list = field(default_factory=list)
     fix: Optional[ProposedFix] = None
+    withdrawn: Optional[str] = None
 
     def step(self, name: str) -> float:
         self.dl.check(f"before the {name} step")
@@ -313,6 +315,7 @@ def _stage_budget(r: Run) -> None:
         return
     doc.acceptance = br.budget
     if br.withdraw_fix:
+        r.withdrawn = br.withdraw_fix
         doc.notes.append(br.withdraw_fix)
         r.fix.applicable = False
         r.fix.summary = "none proven: " + br.withdraw_fix
@@ -339,23 +342,37 @@ def _stage_measure_fix(r: Run) -> None:
     """The fix applied on a restarted copy and measured before / after on the same prompts, or why not."""
     req, doc, fix = r.req, r.doc, r.fix
     doc.hypotheses = reconcile(doc.hypotheses, doc.findings)
-    if fix.kind == "none":
-        doc.measured = {"not_measured": no_fix_text(doc)}
-    elif not fix.applicable:
-        doc.measured = {"not_measured": "the fix is a change in the engine's capture path, which this tool "
-                                        "cannot apply; apply it and run investigate again"}
-    elif not req.apply_fix:
-        doc.measured = {"measured_by": req.measured_by} if req.measured_by else {"not_measured": req.not_applied}
-    elif r.att.restart is None:
-        doc.measured = {"not_measured": "this server cannot be restarted by the tool: pass --relaunch "
-                                        "'<launch command>' (or start it with `python -m helpers server start`)"}
-    else:
+    doc.measured = not_measured(doc, fix, withdrawn=r.withdrawn, apply_fix=req.apply_fix,
+                                measured_by=req.measured_by, not_applied=req.not_applied,
+                                restartable=r.att.restart is not None)
+    if doc.measured is None:
         t = r.step("relaunch")
         doc.measured = _apply_and_measure(r.att, r.client, fix, r.inv, req.run_dir, training=req.training,
                                           api_key=req.api_key, num_samples=req.num_samples,
                                           prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
                                           concurrency=req.concurrency, dl=r.dl, progress=r.progress, port=req.port)
         r.done("relaunch", t, _measured_text(doc.measured))
+
+
+def not_measured(doc: InvestigationDoc, fix: ProposedFix, *, withdrawn: Optional[str], apply_fix: bool,
+                 measured_by: Optional[str], not_applied: str, restartable: bool) -> Optional[dict]:
+    """``investigation.json`` ``measured`` when the fix is not measured, saying why; None when it is to be applied
+    and measured. A fix the acceptance budget withdrew (its offline proof ruled a material gain out) says so, whatever
+    its kind: it is neither "nothing to fix" nor an engine change."""
+    if withdrawn:
+        return {"not_measured": "the proposed fix was withdrawn before any restart (its offline proof rules a material "
+                                "gain out)", "withdrawn": withdrawn}
+    if fix.kind == "none":
+        return {"not_measured": no_fix_text(doc)}
+    if not fix.applicable:
+        return {"not_measured": "the fix is a change in the engine's capture path, which this tool cannot apply; apply "
+                                "it and run investigate again"}
+    if not apply_fix:
+        return {"measured_by": measured_by} if measured_by else {"not_measured": not_applied}
+    if not restartable:
+        return {"not_measured": "this server cannot be restarted by the tool: pass --relaunch '<launch command>' (or "
+                                "start it with `python -m helpers server start`)"}
+    return None
 
 
 def _stage_story(r: Run) -> None:

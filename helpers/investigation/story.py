@@ -98,12 +98,13 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict, bool]]:
     on_server = stages - {"settings"} if same_effective_settings(m) else stages
     if on_server and d is not None and lo is not None and hi is not None:
         n = eff.get("n_paired")
-        dec = decide(d, lo, hi, threshold(before), n=n, unit="prompts")
+        dec = decide(d, lo, hi, threshold(before), n=n, unit="prompts",
+                     per_sequence=eff.get("accept_length_per_prompt"))
         for st in sorted(on_server):
             where = f" ({m['measured_by']})" if m.get("measured_by") else ""
-            out.append((st, {"stage": st, "delta": d, "ci": [lo, hi], **dec, "n": n,
+            out.append((st, {"stage": st, "delta": d, **dec, "n": n,
                              "counts": dec["decision"] == "counts", "material": d >= dec["threshold"],
-                             "beyond_ci": lo > 0,
+                             "beyond_ci": dec["ci"][0] > 0,
                              "basis": f"measured{where}: the proposed fix moved live accept length {before:.2f} -> "
                                       f"{(m.get('after') or {}).get('accept_length', float('nan')):.2f}, paired "
                                       f"over {n} prompt(s) (the fix restores what this stage lost)"}, True))
@@ -112,10 +113,11 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict, bool]]:
         lo, hi = fo["gain_ci"]
         ref = next((s.get("accept_length") for s in b.get("stages", []) if s["name"] == "offline on served states"),
                    None)
-        dec = decide(fo["gain"], lo, hi, threshold(ref), n=fo.get("n_paired"))
-        out.append(("wiring", {"stage": "wiring", "delta": fo["gain"], "ci": [lo, hi], **dec, "n": fo.get("n_paired"),
+        dec = decide(fo["gain"], lo, hi, threshold(ref), n=fo.get("n_paired"), unit="training samples",
+                     per_sequence=fo.get("gain_per_sequence"))
+        out.append(("wiring", {"stage": "wiring", "delta": fo["gain"], **dec, "n": fo.get("n_paired"),
                                "counts": dec["decision"] == "counts", "material": fo["gain"] >= dec["threshold"],
-                               "beyond_ci": lo > 0,
+                               "beyond_ci": dec["ci"][0] > 0,
                                "basis": f"proven offline: {fo['label']} (served plan [{', '.join(fo.get('plan') or [])}"
                                         f"]) run on the every-layer reference accepts {fo['gain']:+.2f} tokens per "
                                         "verify step over the served states, paired per sample"}, False))
@@ -124,10 +126,10 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict, bool]]:
     if stages & {"draft"} and dfix.get("gain") is not None:
         lo, hi = dfix["gain_ci"]
         dec = decide(dfix["gain"], lo, hi, threshold(ds.get("log_accept_length")),
-                     n=(ds.get("rows") or {}).get("sequences"))
-        out.append(("draft", {"stage": "draft", "delta": dfix["gain"], "ci": [lo, hi], **dec,
+                     n=(ds.get("rows") or {}).get("sequences"), per_sequence=dfix.get("gain_per_sequence"))
+        out.append(("draft", {"stage": "draft", "delta": dfix["gain"], **dec,
                               "counts": dec["decision"] == "counts", "material": dfix["gain"] >= dec["threshold"],
-                              "beyond_ci": lo > 0,
+                              "beyond_ci": dec["ci"][0] > 0,
                               "basis": f"proven offline: the checkpoint with {dfix['label']} ({dfix.get('source')}) "
                                        f"scores {dfix['gain']:+.2f} tokens per verify step more on the draft stage's "
                                        "rows, paired per sequence"}, False))

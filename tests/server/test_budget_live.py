@@ -1,8 +1,10 @@
 """The acceptance budget on live embedded servers started with faults *after* the capture point, which no aux hidden
 state shows and the tool is not told about: a damaged draft checkpoint, a wrong d2t, low speculative settings and a
 draft-side forward hook that makes the engine compute the draft differently. Each must be put at its stage (``draft``,
-``draft``, ``settings``, ``engine``); the clean server (``none``, simulation within 0.1 of live) and the wiring fault
-(``wiring``, fix proven offline) are checked in test_investigate_live.py on the servers it starts anyway.
+``draft``, ``settings``, ``engine``); a generated topk > 1 tree (``support.faultgen``) must be replayed offline exactly
+as the server verified it (no engine loss); the clean server (``none``, simulation within 0.1 of live) and the wiring fault
+(``wiring``, the fix run offline, kept and measured) are checked in test_investigate_live.py on the servers it starts
+anyway.
 
 TP 1 servers (the budget does not depend on TP), one at a time (2 cores), ``--no-apply`` (nothing to restart)."""
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 from helpers.investigation.live import investigate
 from support.drafts import damaged_draft, wrong_d2t_draft
+from support.faultgen import draw
 from test_investigate_live import MODELS, TRAINING, server  # noqa: F401  (registry fixture is autouse there)
 from test_investigate_live import registry  # noqa: F401
 
@@ -80,3 +83,22 @@ def test_draft_side_hook_is_put_at_the_engine_stage(tmp_path):
     # the wiring is right and the draft checkpoint is fine: those stages lose nothing material
     assert not b["losses"]["wiring"]["counts"] and not b["losses"]["draft"]["counts"]
     assert "engine_after_capture" in [f.kind for f in doc.findings]
+
+
+def test_generated_tree_settings_are_replayed_as_the_server_verifies_them(tmp_path):
+    """A generated settings fault with a topk > 1 tree of three levels (support.faultgen; the k x k beam, the top N-1
+    tree): the offline replay on the served states of the live answers predicts the server's own counters for them, so
+    the engine stage loses nothing; whether a chain would be faster is the settings stage's (cost model) to say: the
+    cause is ``settings`` or ``none``, never another stage."""
+    f = next(g for g in (draw(s, "settings") for s in range(100)) if g.params["settings"][1] > 1
+             and g.params["settings"][0] >= 3)
+    steps, topk, n = f.settings
+    with server(tmp_path, *f.server_args(), tp=1, capture=False) as url:
+        doc = _run(tmp_path, url)
+    b = doc.acceptance
+    assert b["settings"] == {"steps": steps, "topk": topk, "draft_tokens": n}, b["settings"]
+    sim, live = _stage(doc, "offline on live prompts' served states"), _stage(doc, "live")
+    assert abs(sim["accept_length"] - live["accept_length"]) <= 0.05, (sim, live)
+    assert b["losses"]["engine"]["decision"] == "clear", b["losses"]["engine"]
+    assert b["cause"] in ("settings", "none"), b["sentence"]
+    assert any((t["steps"], t["topk"], t["draft_tokens"]) == (steps, topk, n) for t in b["settings_table"])

@@ -23,7 +23,7 @@ def _budget(**decisions) -> dict:
     for st in REQUIRED_STAGES:
         d = decisions.get(st, "clear")
         args = {"clear": (0.01, -0.02, 0.04), "counts": (0.6, 0.4, 0.8), "undecided": (0.3, -0.1, 0.7)}[d]
-        losses[st] = _loss(st, *args, f"ladder {st}", 2.6, n=4)
+        losses[st] = _loss(st, *args, f"ladder {st}", 2.6, n=16)        # 16 prompts: a nonzero loss can be clear
         assert losses[st]["decision"] == d
     b = {"stages": [dict(s) for s in LADDER], "losses": losses, "required": list(REQUIRED_STAGES),
          "settings": {"steps": 3, "topk": 1, "draft_tokens": 4}, "notes": [], "missing": []}
@@ -113,6 +113,46 @@ def test_every_stage_kind_is_declared_with_a_required_or_workload_stage():
     assert set(KIND_STAGE.values()) <= set(REQUIRED_STAGES) | {"workload"}
     assert set(CAUSE_KINDS.values()) <= set(BY_NAME)
     assert all(KIND_STAGE[k] == s for s, k in CAUSE_KINDS.items())
+
+
+def test_a_withdrawn_fix_is_said_to_be_withdrawn_not_an_engine_change():
+    """A config fix the budget withdrew (its offline proof ruled a material gain out) is not an engine change: the
+    run says it was withdrawn (found with a generated fault, config ids [2, 4, 5] on a TP 2 server: the sentence said
+    "the fix is a change in the engine's capture path")."""
+    from helpers.investigation.live import not_measured
+
+    fix = ProposedFix(kind="config", summary="none proven: ...", applicable=False,
+                      draft_config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}})
+    doc = _doc("layer_offset", _budget(), fixed=True)
+    m = not_measured(doc, fix, withdrawn="the proposed fix ... rules out a material gain", apply_fix=True,
+                     measured_by=None, not_applied="", restartable=True)
+    assert "withdrawn" in m["not_measured"] and "engine" not in m["not_measured"] and m["withdrawn"], m
+    engine = ProposedFix(kind="engine", summary="feed the all-reduced embedding", applicable=False)
+    assert "engine's capture path" in not_measured(doc, engine, withdrawn=None, apply_fix=True, measured_by=None,
+                                                   not_applied="", restartable=True)["not_measured"]
+    applicable = ProposedFix(kind="config", summary="set ids", applicable=True)
+    assert not_measured(doc, applicable, withdrawn=None, apply_fix=True, measured_by=None, not_applied="",
+                        restartable=True) is None
+
+
+def test_a_fix_is_withdrawn_only_when_its_offline_proof_rules_a_material_gain_out():
+    """The offline proof of a fix on a few training samples: a gain near 0 whose CI still holds a material gain is
+    undecided, not "nil" (the fix stays, to be measured); only a CI that rules a material gain out withdraws it."""
+    from helpers.draft.decide import decide, threshold
+    from helpers.investigation.acceptance import fix_withdrawal
+
+    def fo(gain, lo, hi, n=3):
+        return {"label": "the proposed fix", "plan": ["out(1)", "out(3)", "out(4)"], "accept_length": 3.3,
+                "gain": gain, "gain_ci": [lo, hi], "n_paired": n,
+                "decision": decide(gain, lo, hi, threshold(3.3), n=n)["decision"]}
+
+    assert fix_withdrawal(fo(0.05, -0.3, 0.6)) is None                 # undecided: kept
+    assert fix_withdrawal(fo(0.9, 0.5, 1.3)) is None                   # proven: kept
+    # a narrow CI on 3 samples rules nothing out (fewer than SMALL_N sequences): kept, to be measured
+    assert fo(0.02, -0.05, 0.08)["decision"] == "undecided" and fix_withdrawal(fo(0.02, -0.05, 0.08)) is None
+    text = fix_withdrawal(fo(0.02, -0.05, 0.08, n=16))                 # rules a material gain out: withdrawn
+    assert text and "[-0.05, +0.08]" in text and "16 sample(s)" in text
+    assert fix_withdrawal(None) is None and fix_withdrawal({"gain": None}) is None
 
 
 def test_a_fix_measured_after_the_investigation_is_the_stage_loss_and_the_headline_says_so():
