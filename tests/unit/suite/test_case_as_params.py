@@ -16,11 +16,11 @@ CASES = ROOT / "env" / "cases"
 
 def test_a_case_file_runs_with_the_main_jobs_params():
     main = load_params(MAIN_PARAMS)
-    kimi = load_params(CASES / "kimi_seeds_hunt.yaml")
-    assert main.name == "seeds-hunt" and main.case == str((CASES / "seeds_hunt.yaml").resolve())
-    assert kimi.name == "kimi-seeds-hunt" and kimi.case == str((CASES / "kimi_seeds_hunt.yaml").resolve())
-    assert kimi.model_dump(exclude={"name", "case"}) == main.model_dump(exclude={"name", "case"})
-    assert kimi.timeout_per_notebook == 1800 and kimi.notebooks[0] == "00_replay"
+    llama = load_params(CASES / "seeds_hunt.yaml")
+    assert main.name == "kimi-seeds-hunt" and main.case == str((CASES / "kimi_seeds_hunt.yaml").resolve())
+    assert llama.name == "seeds-hunt" and llama.case == str((CASES / "seeds_hunt.yaml").resolve())
+    assert llama.model_dump(exclude={"name", "case"}) == main.model_dump(exclude={"name", "case"})
+    assert llama.timeout_per_notebook == 1800 and llama.notebooks[0] == "00_replay"
 
 
 def test_an_invalid_case_file_is_refused_naming_the_case(tmp_path, capsys):
