@@ -291,12 +291,10 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
             parse_version(version)
         except ValueError as e:
             raise BadInput(str(e), field="sglang version") from None
-    if rules is None:
-        rules = PlanRules(version)
-        inputs["sglang version"] = (f"{version} ({'given' if sglang_version else 'from the server'})" if version
-                                    else "not given: 0.5.23 rules assumed")
-    else:
-        inputs["engine"] = f"{rules.who} (the attached server's rules)"
+    rules = rules or PlanRules(version)
+    inputs[f"{rules.engine} version"] = (
+        f"{rules.version} ({'given' if sglang_version else 'from the server'})" if rules.version
+        else f"not given: the newest {rules.label} rules read are assumed")
     algo = (algorithm or settings.algorithm or "EAGLE3").upper()
     inputs["algorithm"] = algo
     try:

@@ -9,12 +9,17 @@ from typing import Any, Optional, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..capture import capture_served
+from ..acceptance.ablations import TOGGLES, Toggle
+from ..capture import capture_every_layer, capture_served
+from ..diagnosis.plan_rules import PlanRules
+from ..draft.checks import LoaderRules
+from ..hooks import ARM_FILE
 from ..errors import SGLangError
 from ..layers.sglang import OLDEST_READ, TABLE_VERSION
 from ..server import embedded
 from ..server.client import HTTPClient, SGLangClient
 from ..server.process import ServerProcess
+from ..server.restart import start_variant
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
 
 #: ServerArgs fields only SGLang's /server_info carries (with a top-level "version")
@@ -93,5 +98,55 @@ class SGLangAdapter(EngineAdapter):
         return parse_counters(client.metrics_text())
 
     def capture_served(self, client: SGLangClient, prompts: Sequence[Any], out_dir: str | Path, *,
-                       name: str = "served", **kwargs: Any) -> Path:
-        return capture_served(client, prompts, out_dir, name=name, **kwargs)
+                       name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
+                       rank_dir: str | Path | None = None, max_width: Optional[int] = None,
+                       progress: bool = False) -> Path:
+        """``helpers.capture.capture_served`` (``/generate`` with ``return_hidden_states``, the cache flushed before
+        each prompt); ``rank_dir``: the folder of the server's per-rank capture hooks, armed while it runs
+        (``helpers.hooks.ARM_FILE``)."""
+        flag = Path(rank_dir) / ARM_FILE if rank_dir is not None else None
+        if flag is not None:
+            flag.parent.mkdir(parents=True, exist_ok=True)
+            flag.write_text("armed by helpers.engines.sglang\n")
+        try:
+            return capture_served(client, prompts, out_dir, name=name, max_new_tokens=max_new_tokens,
+                                  progress=progress, max_width=max_width, records=records)
+        finally:
+            if flag is not None and flag.exists():
+                flag.unlink()
+
+    def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:
+        """The folder of the server's per-rank capture hooks (``server start --capture-ranks DIR``), or None."""
+        return hooks_ranks_dir
+
+    def rules(self, version: Optional[str]) -> PlanRules:
+        """SGLang's id rules of ``version`` (:class:`helpers.diagnosis.plan_rules.PlanRules`)."""
+        return PlanRules(version)
+
+    def loader_rules(self, version: Optional[str]) -> LoaderRules:
+        """SGLang 0.5.23's draft loader (:class:`helpers.draft.checks.LoaderRules`)."""
+        return LoaderRules(version)
+
+    def every_layer_source(self, client: HTTPClient, hooks_layers_dir: Optional[Path]) -> Optional[str]:
+        """The server's every-layer capture hooks (``server start --capture-layers DIR``), when it runs them."""
+        return None if hooks_layers_dir is None else f"the server's own every-layer capture ({hooks_layers_dir})"
+
+    def capture_every_layer(self, client: HTTPClient, prompts: Sequence[Any], out_dir: str | Path, *, name: str,
+                            num_layers: int, hooks_layers_dir: Optional[Path]) -> Path:
+        """``helpers.capture.capture_every_layer`` through the server's every-layer hooks."""
+        if hooks_layers_dir is None:
+            raise ValueError("the server runs no every-layer capture hooks")
+        return capture_every_layer(client, prompts, hooks_layers_dir, out_dir, num_layers=num_layers, name=name,
+                                   progress=False)
+
+    def start_variant(self, restart: dict, **kwargs: Any) -> ServerProcess:
+        """``helpers.server.restart.start_variant`` (SGLang's flags, the embedded launcher of the registry)."""
+        return start_variant(restart, **kwargs)
+
+    def toggles(self) -> tuple[Toggle, ...]:
+        """SGLang 0.5.23's toggles (:data:`helpers.acceptance.ablations.TOGGLES`)."""
+        return TOGGLES
+
+    def fix_flags(self, fix: Any) -> dict:
+        """The fix's ``server_args``, which are SGLang flags already."""
+        return {k: str(v) for k, v in (fix.server_args or {}).items()}

@@ -4,39 +4,40 @@ Rules and endpoints as read in vLLM 0.32.0 (``env/vllm/README.md``; the id rules
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import httpx
 from pydantic import ValidationError
-import torch
-from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file
 
-from ..acceptance.requests import PER_REQUEST_COLUMNS
-from ..capture import _prompt_fields, _safe_key, read_rank_capture
-from ..diagnosis.conventions import CapturePlan
-from ..diagnosis.detectors import finding
+from ..acceptance.ablations import Toggle
 from ..diagnosis.plan_rules import PlanRules
-from ..layers.ids import LayerIds
+from ..draft.checks import LoaderRules
 from ..errors import BadInput, EndpointMissing, HiddenStatesDisabled, RequestRejected, SGLangError
 from ..formats.configs import read_config_json
 from ..formats.dumps import write_dump
 from ..layers import vllm as rules
 from ..redaction import redact
 from ..server.client import HTTPClient, ServerClient
-from ..server.protocol import GenerateResult
-from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
+from ..server.embedded import pick_port
 from ..server.process import ServerProcess
+from ..server.protocol import GenerateResult
+from ..server.restart import set_flags
+from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
 from . import vllm_server
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
+from .vllm_answers import meta_info, parse_counters, record
+from .vllm_capture import _assemble, _now, _send
+from .vllm_rules import TOGGLES, VLLMLoaderRules, VLLMRules, draft_view
+from .vllm_server import relaunch_command
+
+__all__ = ["VLLMAdapter", "VLLMClient", "VLLMRules", "VLLMLoaderRules", "TOGGLES", "draft_view", "meta_info",
+           "parse_counters", "record", "relaunch_command"]
 
 #: the worker-extension route and what the tool needs the server started with to use it
 EXTENSION_HINT = ("start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
@@ -287,91 +288,6 @@ def httpx_timeout(read: float) -> httpx.Timeout:
     return httpx.Timeout(read, connect=10.0)
 
 
-def meta_info(answer: Mapping[str, Any]) -> dict:
-    """SGLang's ``meta_info`` fields (:class:`helpers.server.protocol.MetaInfo`) from one vLLM ``/v1/completions``
-    answer: ``prompt_tokens`` / ``completion_tokens`` / ``cached_tokens`` from ``usage``, ``finish_reason``, and from
-    ``metrics.speculative_decoding`` (``entrypoints/generate/base/protocol.py::SpeculativeDecodingMetrics``, present
-    with ``--per-request-spec-decode-metrics``): ``spec_verify_ct`` = ``num_spec_steps``, ``spec_num_correct_drafts``
-    = ``num_accepted_draft_tokens``, ``spec_num_proposed_drafts`` = ``num_draft_tokens``,
-    ``spec_correct_drafts_histogram`` = ``acceptance_histogram`` (index j: verify steps that accepted exactly j
-    drafts), ``spec_accept_length`` = completion tokens / verify steps (SGLang's definition; vLLM's own
-    ``mean_acceptance_length`` = 1 + accepted / steps is kept as ``vllm_mean_acceptance_length``)."""
-    usage = answer.get("usage") or {}
-    choice = (answer.get("choices") or [{}])[0]
-    sd = ((answer.get("metrics") or {}).get("speculative_decoding")) or None
-    ct = usage.get("completion_tokens")
-    m: dict[str, Any] = {"id": answer.get("id"), "finish_reason": choice.get("finish_reason"),
-                         "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": ct,
-                         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
-    if sd:
-        steps = int(sd.get("num_spec_steps") or 0)
-        m.update(spec_verify_ct=steps, spec_num_correct_drafts=sd.get("num_accepted_draft_tokens"),
-                 spec_num_proposed_drafts=sd.get("num_draft_tokens"),
-                 spec_correct_drafts_histogram=sd.get("acceptance_histogram"),
-                 spec_accept_length=(ct / steps) if steps and ct is not None else None,
-                 spec_accept_rate=sd.get("draft_acceptance_rate"),
-                 vllm_mean_acceptance_length=sd.get("mean_acceptance_length"))
-    return m
-
-
-def record(i: int, prompt_id: str, answer: Mapping[str, Any], kind: str = "measure") -> dict:
-    """One row of ``helpers.acceptance.requests.PER_REQUEST_COLUMNS`` from a vLLM ``/v1/completions`` answer, with
-    SGLang's definitions: ``verify_ct`` = ``num_spec_steps``, ``correct_drafts`` = ``num_accepted_draft_tokens``,
-    ``proposed_drafts`` = ``num_draft_tokens``, ``histogram`` = ``acceptance_histogram`` (index j: verify steps that
-    accepted j drafts), ``accept_length`` = completion tokens / verify steps (the prefill's token and the bonus
-    tokens included, as SGLang's ``spec_accept_length``), ``server_accept_length`` = vLLM's
-    ``mean_acceptance_length`` (1 + accepted / steps). Spec fields stay None when the server was started without
-    ``--per-request-spec-decode-metrics`` (``has_spec`` False)."""
-    row = {c: None for c in PER_REQUEST_COLUMNS}
-    usage = answer.get("usage") or {}
-    choice = (answer.get("choices") or [{}])[0]
-    sd = ((answer.get("metrics") or {}).get("speculative_decoding")) or None
-    ct = usage.get("completion_tokens")
-    lat = answer.get("latency_s")
-    details = usage.get("prompt_tokens_details") or {}
-    row.update(idx=i, prompt_id=prompt_id, kind=kind, prompt_tokens=usage.get("prompt_tokens"),
-               completion_tokens=ct, cached_tokens=details.get("cached_tokens"),
-               finish_reason=choice.get("finish_reason"),
-               latency_s=lat, tok_s=(ct / lat) if ct and lat else None, has_spec=sd is not None)
-    if sd:
-        steps = int(sd.get("num_spec_steps") or 0)
-        hist = [int(x) for x in sd.get("acceptance_histogram") or []]
-        row.update(verify_ct=steps, correct_drafts=sd.get("num_accepted_draft_tokens"),
-                   proposed_drafts=sd.get("num_draft_tokens"),
-                   hist_correct_drafts=sum(j * c for j, c in enumerate(hist)) if hist else None,
-                   histogram=json.dumps(hist) if hist else None,
-                   accept_length=(ct / steps) if steps and ct is not None else None,
-                   accept_rate=(sd["num_accepted_draft_tokens"] / sd["num_draft_tokens"])
-                   if sd.get("num_draft_tokens") else None,
-                   server_accept_length=sd.get("mean_acceptance_length"))
-    return row
-
-
-def parse_counters(metrics_text: str) -> AcceptanceCounters:
-    """The ``vllm:spec_decode_*`` counters (summed over engines), ``vllm:generation_tokens_total`` and
-    ``vllm:request_success_total`` of one ``/metrics`` text (``v1/spec_decode/metrics.py::SpecDecodingProm``,
-    ``v1/metrics/loggers.py``). A server without speculative decoding has no spec counters: ``verify_steps`` 0 and
-    None for the others."""
-    sums: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    for fam in text_string_to_metric_families(metrics_text):
-        for s in fam.samples:
-            if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                p = int(s.labels.get("position", -1))
-                per_pos[p] = per_pos.get(p, 0.0) + float(s.value)
-            elif s.name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                            "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total",
-                            "vllm:request_success_total"):
-                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
-    spec = "vllm:spec_decode_num_drafts_total" in sums
-    return AcceptanceCounters(
-        engine="vllm", verify_steps=sums.get("vllm:spec_decode_num_drafts_total", 0.0),
-        generation_tokens=sums.get("vllm:generation_tokens_total"), requests=sums.get("vllm:request_success_total"),
-        draft_tokens=sums.get("vllm:spec_decode_num_draft_tokens_total") if spec else None,
-        accepted_tokens=sums.get("vllm:spec_decode_num_accepted_tokens_total") if spec else None,
-        accepted_per_position=[per_pos[p] for p in sorted(per_pos)] if per_pos else None)
-
-
 class VLLMAdapter(EngineAdapter):
     """vLLM (rules of :data:`helpers.layers.vllm.KNOWN_VERSIONS`)."""
 
@@ -421,6 +337,96 @@ class VLLMAdapter(EngineAdapter):
     def describe(self, client: VLLMClient) -> Optional[list[dict]]:
         """The worker extension's report per TP rank (``e3f_describe``), or None when the server lacks it."""
         return client.describe()
+
+    def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:
+        """``run_dir/capture/<name>`` (a new folder): the worker extension writes every TP rank there."""
+        path, k = Path(run_dir) / "capture" / name, 2
+        while path.exists():
+            path, k = Path(run_dir) / "capture" / f"{name}-{k}", k + 1
+        return path
+
+    def rules(self, version: Optional[str]) -> PlanRules:
+        """vLLM's id rules (:class:`VLLMRules`)."""
+        return VLLMRules(version)
+
+    def loader_rules(self, version: Optional[str]) -> LoaderRules:
+        """vLLM's draft loader (:class:`VLLMLoaderRules`)."""
+        return VLLMLoaderRules(version)
+
+    def every_layer_source(self, client: VLLMClient, hooks_layers_dir: Optional[Path]) -> Optional[str]:
+        """The worker extension's forward hooks record ``embedding`` and every ``out(L)`` of the prefill, when the
+        server runs the extension."""
+        return ("the server's own every-layer capture (the worker extension's forward hooks, TP rank 0)"
+                if client.describe() else None)
+
+    def capture_every_layer(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *, name: str,
+                            num_layers: int, hooks_layers_dir: Optional[Path] = None) -> Path:
+        """A reference dump ``out_dir/name`` from the worker extension's every-layer capture of each prompt's
+        prefill (the served dump it records on the way is dropped)."""
+        out_dir = Path(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=".e3f-vllm-layers-", dir=out_dir))
+        try:
+            self.capture_served(client, prompts, tmp, name="served", layers=True)
+            (tmp / "served-layers").rename(out_dir / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out_dir / name
+
+    def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,
+                      keep_draft: bool = True, flags: Optional[dict] = None, capture_dir: Optional[Path] = None,
+                      api_key: Optional[str] = None, port: int | str | None = None,
+                      what: str = "the restarted server") -> ServerProcess:
+        """A copy of a vLLM server with another draft, without it, or with other flags. ``flags``: vLLM launch flags
+        (value None: a switch such as ``--no-enable-prefix-caching``) and ``speculative_config.<field>`` entries
+        merged into ``--speculative-config`` (``num_speculative_tokens``, ``draft_sample_method``, ...). An embedded
+        server (``{"kind": "embedded", "launch": ...}``, ``launch.engine`` vllm) restarts through
+        :func:`helpers.engines.vllm_server.start`; a launch command (``{"kind": "command", "argv"}``) gets
+        ``--host 127.0.0.1``, the chosen port, and its ``--speculative-config`` JSON rewritten."""
+        flags = dict(flags or {})
+        spec = {k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("speculative_config.")}
+        other = {k: v for k, v in flags.items() if not k.startswith("speculative_config.")}
+        if restart["kind"] == "embedded":
+            launch = dict(restart["launch"])
+            k = int(spec.pop("num_speculative_tokens", launch.get("num_speculative_tokens") or 3))
+            extra = set_flags(list(launch.get("extra_args") or []), other) if other else \
+                list(launch.get("extra_args") or [])
+            use_draft = (draft or launch.get("draft")) if keep_draft else None
+            return vllm_server.start(launch["target"], use_draft, tp=int(launch.get("tp") or 1),
+                                     num_speculative_tokens=k, port=port, dtype=launch.get("dtype") or "float32",
+                                     extra_args=extra, api_key=api_key, log_path=log_path, timeout=1800.0,
+                                     budget=budget, speculative={**dict(launch.get("speculative") or {}), **spec},
+                                     what=what)
+        argv = relaunch_command(list(restart["argv"]), draft=draft, keep_draft=keep_draft, flags=other, spec=spec,
+                                port=pick_port(port, what="--port"))
+        handle = ServerProcess(argv, f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", log_path=log_path,
+                               secrets=[api_key] if api_key else [], env=vllm_server.server_env(1))
+        try:
+            handle.wait_healthy(1800, api_key=api_key, what=what, budget=budget)
+        except BaseException:
+            handle.stop(timeout=5)
+            raise
+        return handle
+
+    def toggles(self) -> tuple[Toggle, ...]:
+        """vLLM 0.32.0's toggles (:data:`TOGGLES`)."""
+        return TOGGLES
+
+    def fix_flags(self, fix: Any) -> dict:
+        """A fix's ``server_args`` (the suite's vocabulary: ``--speculative-num-steps`` N, ``--speculative-algorithm``)
+        as vLLM flags: ``speculative_config.num_speculative_tokens`` N (vLLM drafts a chain; a topk above 1 or a
+        draft-token count other than N + 1 has no vLLM 0.32.0 counterpart and is left out, said in the fix's
+        ``why``), ``speculative_config.method``; other flags as given."""
+        out: dict = {}
+        for k, v in (fix.server_args or {}).items():
+            if k == "--speculative-num-steps":
+                out["speculative_config.num_speculative_tokens"] = int(v)
+            elif k == "--speculative-algorithm":
+                out["speculative_config.method"] = str(v).lower()
+            elif k in ("--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+                continue
+            else:
+                out[k] = None if v is None else str(v)
+        return out
 
     def spec_config(self, client: VLLMClient, *, draft: str | Path | None = None) -> SpecConfig:
         """The effective speculative config: the worker extension's report when the server has it (what the engine
@@ -495,68 +501,43 @@ class VLLMAdapter(EngineAdapter):
         return parse_counters(client.metrics_text())
 
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
-                       name: str = "served", max_new_tokens: int = 1, layers: bool = False,
-                       records: Optional[list] = None, progress: bool = False,
-                       capture_dir: str | Path | None = None) -> Path:
-        """Dump what the server feeds its draft for ``prompts`` (token ids, training samples): the worker extension is
-        armed on every rank for the capture; for each prompt the prefix cache is reset (``/reset_prefix_cache``), one
-        completion of ``max_new_tokens`` greedy tokens runs, and rank 0's ``drafter.propose`` input of its prefill (its
-        ``target_hidden_states`` = the concatenated aux states, one row per prompt token, ascending id order) becomes
-        the sample (``first_position`` = its first position). With ``layers`` a second dump ``<name>-layers`` holds
-        the target forward's ``embedding, out(0) .. out(n-1)`` (a reference dump). Manifest: ``engine: vllm``,
+                       name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
+                       rank_dir: str | Path | None = None, max_width: Optional[int] = None, progress: bool = False,
+                       layers: bool = False, capture_dir: str | Path | None = None) -> Path:
+        """Dump what the server feeds its draft for ``prompts`` (token ids, text, training samples): the worker
+        extension is armed on every rank for the capture; for each prompt the prefix cache is reset
+        (``/reset_prefix_cache``) and one completion of ``max_new_tokens`` greedy tokens runs. The sample's row at
+        position p is the last row rank 0's ``drafter.propose`` received for p (its ``target_hidden_states`` = the
+        concatenated aux states in ascending id order; the prefill gives the prompt's rows, each verify step the rows
+        of its tokens, and the last forward that covers a position always holds its final token on the final
+        prefix), else the target forward's own aux rows (a position no propose call received): rows = the prompt's,
+        then each generated token's but the last, as SGLang's ``meta_info.hidden_states`` lays them out
+        (``first_position`` = the first position). With ``layers`` a second dump ``<name>-layers`` holds the prefill
+        forward's ``embedding, out(0) .. out(n-1)`` (a reference dump). Manifest: ``engine: vllm``,
         ``engine_version``, the loaded config (``e3f_describe``), ``kind: served``.
 
         ``records``: when a list, one per-request row (:func:`record`) per prompt is appended.
-        ``capture_dir``: keep every rank's raw capture there (``rank<r>/index.jsonl`` + files, the format
-        ``helpers.capture.per_rank_dumps`` reads: one dump per TP rank); default a temporary folder, removed.
+        ``rank_dir`` (or ``capture_dir``): keep every rank's raw capture there (``rank<r>/index.jsonl`` + files, the
+        format ``helpers.capture.per_rank_dumps`` reads: one dump per TP rank); default a temporary folder, removed.
 
         Raises:
             helpers.errors.RequestRejected: the server lacks the worker extension / dev mode (one line, how to start
                 it).
-            helpers.errors.SGLangError: the server recorded no draft input for a prompt.
+            helpers.errors.SGLangError: the server recorded no draft input for a prompt, or rows wider than
+                ``max_width``.
             FileExistsError: the dump exists."""
         ranks = client.rpc("e3f_describe")
         version = client.version()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        keep = capture_dir is not None
-        cap = Path(capture_dir) if keep else Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir))
+        keep_dir = rank_dir if rank_dir is not None else capture_dir
+        keep = keep_dir is not None
+        cap = Path(keep_dir) if keep else Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir))
         if keep and cap.exists() and any(cap.iterdir()):
             raise BadInput("the capture folder is not empty (captures are never overwritten)", path=cap)
-        sent: list[tuple[str, list[int], dict]] = []
-        samples, ref = [], []
         try:
-            client.rpc("e3f_capture_start", {"out_dir": os.fspath(cap), "layers": bool(layers)})
-            try:
-                for i, p in enumerate(prompts):
-                    pid, ids, _ = _prompt_fields(p, i)
-                    if ids is None:
-                        raise BadInput(f"prompt {pid}: the vLLM capture needs token ids", field="prompts")
-                    client.reset_prefix_cache()
-                    ans = client.complete(ids, max_tokens=max_new_tokens)
-                    sent.append((pid, ids, ans))
-                    if records is not None:
-                        records.append(record(len(records), pid, ans, kind="capture"))
-            finally:
-                client.rpc("e3f_capture_stop")
-            fed_recs, fwd_recs = _Records(cap, "DRAFT_INPUT"), _Records(cap, "EXTEND")
-            for pid, ids, ans in sent:
-                key = _safe_key(pid)
-                fed = fed_recs.next_for(ids)
-                if fed is None:
-                    raise SGLangError(f"{client._shown_url}: the draft received no input for prompt {pid} (is "
-                                      "speculative decoding on?)", endpoint="/collective_rpc")
-                samples.append({"key": key, "sample_id": pid, "input_ids": fed["input_ids"],
-                                "hidden": fed["aux"].to(torch.float32), "first_position": int(fed["positions"][0]),
-                                "num_prompt_tokens": len(ids),
-                                "output_ids": ans["choices"][0].get("token_ids") or None})
-                fwd = fwd_recs.next_for(ids) if layers else None
-                if fwd is not None:
-                    n = sum(1 for k in fwd if k.startswith("out("))
-                    need = ["embedding"] + [f"out({L})" for L in range(n)]
-                    ref.append({"key": key, "sample_id": pid, "input_ids": fwd["input_ids"],
-                                "hidden": torch.cat([fwd[k] for k in need], -1).to(torch.float32),
-                                "first_position": int(fwd["positions"][0])})
+            sent = _send(client, prompts, cap, max_new_tokens, layers, records)
+            samples, ref = _assemble(client, cap, sent, layers, max_width)
         finally:
             if not keep:
                 shutil.rmtree(cap, ignore_errors=True)
@@ -565,7 +546,8 @@ class VLLMAdapter(EngineAdapter):
         extra = {"kind": "served", "engine": "vllm", "engine_version": version,
                  "source": {"type": "vllm_worker_extension", "url": client._shown_url, "captured": _now(),
                             "tensor": "drafter.propose target_hidden_states (torch.cat of the target's aux hidden "
-                                      "states, ascending ids, pre-norm residual stream in(i)), TP rank 0",
+                                      "states, ascending ids, pre-norm residual stream in(i)), TP rank 0; the last "
+                                      "row received per position",
                             "reset_prefix_cache": True, "max_new_tokens": max_new_tokens},
                  "server": {"engine": "vllm", "version": version, "loaded": redact(r0, client.secrets)},
                  "tp_size": r0.get("tp_size"), "hidden_size": hidden,
@@ -573,39 +555,19 @@ class VLLMAdapter(EngineAdapter):
                                 "ids": r0.get("aux_layer_ids"), "convention": "vllm"}}
         path = write_dump(out_dir / name, samples, extra)
         if layers and ref:
-            n = r0.get("num_layers") or 0
-            write_dump(out_dir / f"{name}-layers", ref,
-                       {"kind": "reference", "engine": "vllm", "engine_version": version, "hidden_size": hidden,
-                        "source": {"type": "vllm_worker_extension", "url": client._shown_url, "captured": _now(),
-                                   "tensor": "model.embed_tokens output; layers[L] output hidden + residual"},
-                        "tp_size": r0.get("tp_size"),
-                        "layer_plan": {"tensors": ["embedding"] + [f"out({L})" for L in range(n)]}})
+            self._write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
         return path
 
-
-class _Records:
-    """Rank 0's records of one ``mode`` in a capture folder, consumed in order: :meth:`next_for` returns the next
-    one whose token ids are the prompt or its uncached tail (a prefill), skipping others (decode steps)."""
-
-    def __init__(self, capture_dir: Path, mode: str) -> None:
-        self.dir = capture_dir
-        try:
-            recs = read_rank_capture(capture_dir).get(0, [])
-        except FileNotFoundError:
-            recs = []
-        self.recs = [r for r in recs if r.get("mode") == mode]
-        self.pos = 0
-
-    def next_for(self, ids: Sequence[int]) -> Optional[dict[str, torch.Tensor]]:
-        want = [int(t) for t in ids]
-        while self.pos < len(self.recs):
-            rec = self.recs[self.pos]
-            self.pos += 1
-            t = load_file(str(self.dir / "rank0" / rec["file"]))
-            got = [int(x) for x in t["input_ids"].tolist()]
-            if got and len(got) <= len(want) and want[len(want) - len(got):] == got:
-                return t
-        return None
+    @staticmethod
+    def _write_layers(path: Path, ref: list, r0: dict, version: str, client: VLLMClient) -> Path:
+        n = r0.get("num_layers") or 0
+        return write_dump(path, ref, {"kind": "reference", "engine": "vllm", "engine_version": version,
+                                      "hidden_size": r0.get("hidden_size"),
+                                      "source": {"type": "vllm_worker_extension", "url": client._shown_url,
+                                                 "captured": _now(), "tensor": "model.embed_tokens output; "
+                                                 "layers[L] output hidden + residual (prefill), TP rank 0"},
+                                      "tp_size": r0.get("tp_size"),
+                                      "layer_plan": {"tensors": ["embedding"] + [f"out({L})" for L in range(n)]}})
 
 
 def _read_config(folder: Optional[str]) -> Optional[dict]:
@@ -617,145 +579,3 @@ def _read_config(folder: Optional[str]) -> Optional[dict]:
         return None
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-# ------------------------------------------------------------------------------------------------ vLLM's id rules
-
-def draft_view(draft: Any) -> dict:
-    """The draft config as vLLM reads it (``transformers_utils/configs/eagle.py::EAGLEConfig`` copies every key of
-    ``config.json``), with the layer-id fields of a :class:`helpers.formats.configs.DraftConfig` as the truth (a copy
-    made by :meth:`VLLMRules.with_ids` changes only those fields)."""
-    view = dict(draft.raw or {})
-    top, nested = draft.top_level_layer_ids, draft.nested_layer_ids
-    view["eagle_aux_hidden_state_layer_ids"] = None if top is None else [int(i) for i in top]
-    ec = view.get("eagle_config")
-    if nested is not None:
-        ec = dict(ec) if isinstance(ec, Mapping) else {}
-        ec["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in nested]
-    elif isinstance(ec, Mapping):
-        ec = {k: v for k, v in ec.items() if k != "eagle_aux_hidden_state_layer_ids"}
-    if isinstance(ec, Mapping):
-        if draft.use_aux_hidden_state and ec.get("use_aux_hidden_state") is False:
-            ec["use_aux_hidden_state"] = True          # a copy made to try ids (with_ids) turns the capture on
-        view["eagle_config"] = ec
-    return view
-
-
-class VLLMRules(PlanRules):
-    """vLLM's rules for what it feeds an EAGLE-3 draft (:mod:`helpers.layers.vllm`, read in vLLM 0.32.0): ids from
-    the draft config (top-level first, else ``eagle_config``), verbatim as in(i), sorted and de-duplicated, the
-    target's default ``(2, n // 2, n - 3)`` when none is found. Given to the engine-neutral code by
-    :meth:`VLLMAdapter.rules`."""
-
-    engine = "vllm"
-    label = "vLLM"
-    convention = "vllm"
-    d2t_rule = (f"{rules.SOURCES['d2t']}: target id = draft id + d2t[draft id]; a checkpoint without d2t leaves the "
-                "parameter's zeros (target id = draft id) without a word")
-
-    def served_plan(self, draft: Any, target: Any, algorithm: Optional[str] = "EAGLE3") -> CapturePlan:
-        """The ordered physical tensors vLLM feeds the draft. ``EAGLE3`` with ``use_aux_hidden_state`` true: the ids
-        of :func:`helpers.layers.vllm.aux_layer_ids` as in(i) (an id the layer loop never meets is a
-        ``missing_chunk`` problem, and the draft's ``fc`` then gets fewer chunks than it takes: ``fatal``); ``EAGLE``
-        or ``use_aux_hidden_state`` false: the target's final normed hidden state. Raises ValueError for another
-        algorithm."""
-        algo = (algorithm or "EAGLE3").upper()
-        if algo not in ("EAGLE3", "EAGLE"):
-            raise ValueError(f"unsupported speculative method {algorithm!r} for vLLM's EAGLE plans (eagle3, eagle)")
-        n = int(target.num_hidden_layers)
-        plan = CapturePlan(tensors=[], role="served", who=f"vllm {self.version or '(version unknown)'}",
-                           provenance="rule")
-        view = draft_view(draft)
-        if algo == "EAGLE" or not rules.use_aux_hidden_state(view):
-            plan.tensors = ["final_norm"]
-            plan.rules.append("no aux capture: the draft gets the target's final normed hidden state -- "
-                              + rules.SOURCES["use_aux"])
-            plan.source = ("method eagle" if algo == "EAGLE" else "draft config eagle_config.use_aux_hidden_state "
-                           "false") + f" (vLLM {self.version} rule)"
-            return plan
-        ids, src = rules.aux_layer_ids(view, n)
-        lids = LayerIds(tuple(ids), "vllm")
-        plan.config_ids = None if src.startswith("default") else lids
-        plan.engine_ids = lids
-        plan.rules += [f"ids from the {src} -- {rules.SOURCES['aux_ids']}",
-                       f"kept as tuple(sorted(set(ids))) -- {rules.SOURCES['aux_set']}",
-                       f"id i captured as in(i) = out(i-1), verbatim (0 = the embedding), before layer i -- "
-                       f"{rules.SOURCES['aux_capture']}"]
-        tensors = rules.captured(ids, n)
-        for i, t in zip(ids, tensors):
-            if t is None:
-                plan.problems.append({"kind": "missing_chunk", "detail": f"vllm id {i} names no tensor of a {n}-layer "
-                                      f"target: vLLM's layer loop never meets it and captures nothing there"})
-            elif t == "embedding":
-                plan.problems.append({"kind": "embedding_in_place_of_layer",
-                                      "detail": "vllm id 0 captures the token embedding (in(0))"})
-        plan.tensors = [t for t in tensors if t is not None]
-        want = rules.num_aux_hidden_states(view)
-        if len(plan.tensors) != want:
-            plan.fatal = (f"the draft's fc takes {want} chunks ({rules.SOURCES['num_aux']}) but vLLM captures "
-                          f"{len(plan.tensors)}: the first request fails in the draft's fc (shape mismatch) -- "
-                          f"{rules.SOURCES['num_aux']}")
-        plan.source = f"{src} {list(ids)} + vLLM {self.version} rule (in(i), verbatim)"
-        if src.startswith("default"):
-            plan.notes.append(f"the draft config names no ids vLLM reads (top-level eagle_aux_hidden_state_layer_ids, "
-                              f"eagle_config.eagle_aux_hidden_state_layer_ids): vLLM falls back to the target's "
-                              f"default {list(ids)} -- {rules.SOURCES['aux_default']}")
-        if draft.top_level_layer_ids and draft.nested_layer_ids is not None \
-                and sorted(set(draft.top_level_layer_ids)) != sorted(set(draft.nested_layer_ids)):
-            plan.notes.append(f"the draft config has top-level ids {list(draft.top_level_layer_ids)} and "
-                              f"eagle_config ids {list(draft.nested_layer_ids)}: vLLM reads the top-level ones "
-                              f"(SGLang the nested ones) -- {rules.SOURCES['aux_ids']}")
-        return plan
-
-    def _reads_top(self, draft: Any) -> bool:
-        return bool(draft.top_level_layer_ids)
-
-    def with_ids(self, draft: Any, ids: Sequence[int]) -> Any:
-        """A copy of the draft config with ``ids`` where vLLM reads them: the top-level key when it is set (it wins),
-        else ``eagle_config.eagle_aux_hidden_state_layer_ids``."""
-        ids = tuple(int(i) for i in ids)
-        if self._reads_top(draft):
-            return dataclasses.replace(draft, top_level_layer_ids=ids, use_aux_hidden_state=True)
-        return dataclasses.replace(draft, nested_layer_ids=ids, use_aux_hidden_state=True)
-
-    def ids_override(self, draft: Any, ids: Sequence[int], kinds: Sequence[str]) -> tuple[dict, str]:
-        """``(config override, text)``: ``ids`` written where vLLM reads them (:meth:`with_ids`), in vLLM's
-        convention (in(i), verbatim)."""
-        ids = [int(i) for i in ids]
-        if self._reads_top(draft):
-            return ({"eagle_aux_hidden_state_layer_ids": ids},
-                    f"set the top-level eagle_aux_hidden_state_layer_ids to {ids} in the draft config (now "
-                    f"{list(draft.top_level_layer_ids)}; vLLM reads it first and takes id i as in(i), verbatim)")
-        now = list(draft.nested_layer_ids) if draft.nested_layer_ids is not None else "absent: vLLM's default"
-        return ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}},
-                f"set eagle_config.eagle_aux_hidden_state_layer_ids to {ids} in the draft config (now {now}; vLLM "
-                f"{self.version} takes id i as in(i) = out(i-1), verbatim: no +1)")
-
-    def id_candidates(self, layer: int, num_layers: int) -> list[int]:
-        """out(L) is vLLM id L + 1 (in(L+1)); the neighbours follow."""
-        return [c for c in dict.fromkeys((layer + 1, layer, layer + 2, layer - 1)) if 0 <= c <= num_layers]
-
-    def setup_findings(self, draft: Any, target: Any, plan: CapturePlan, algorithm: str) -> list[dict]:
-        """``unsupported_draft`` for a draft class vLLM 0.32.0 does not map to an Eagle3 model
-        (``model_executor/models/registry.py`` ``_SPECULATIVE_DECODING_MODELS``); vLLM reads ids at both places, so
-        no id is ignored."""
-        archs = list(draft.architectures or [])
-        if algorithm != "EAGLE3" or any(a in vllm_server.EAGLE3_DRAFT_CLASSES for a in archs):
-            return []
-        return [finding("unsupported_draft", None,
-                        f"draft architectures {archs} is not an EAGLE-3 draft class vLLM {self.version} maps to "
-                        f"its Eagle3 models {list(vllm_server.EAGLE3_DRAFT_CLASSES)}",
-                        architectures=archs, config=str(draft.path),
-                        source="vllm/model_executor/models/registry.py _SPECULATIVE_DECODING_MODELS")]
-
-    def supports_target(self, target: Any) -> bool:
-        return True
-
-    def readings(self, draft: Any, target: Any, plan: CapturePlan) -> Optional[dict]:
-        return None
-
-    def advisories(self, draft: Any, target: Any, plan: CapturePlan, training: Optional[CapturePlan],
-                   findings: list[dict], algorithm: str) -> list[str]:
-        return list(plan.notes)

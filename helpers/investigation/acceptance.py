@@ -2,10 +2,11 @@
 live requests that return both aux states and SGLang's counters, the every-layer reference, the proposed fix), the
 budget computed by :func:`helpers.draft.budget.acceptance_budget`, and the findings it implies.
 
-The live requests are plain greedy ``/generate`` calls with ``return_hidden_states`` (the cache flushed before each,
-so the prompt block is complete): one answer gives the aux states the server fed for its own continuation and the
-same request's ``spec_verify_ct`` / ``spec_num_correct_drafts``, so the offline run and the live counters are paired
-on identical tokens.
+The live requests go through the engine adapter's capture (SGLang: greedy ``/generate`` calls with
+``return_hidden_states``; vLLM: ``/v1/completions`` with the worker extension's capture and the per-request
+``metrics.speculative_decoding``), the prefix cache emptied before each so the prompt block is complete: one answer
+gives the aux states the server fed for its own continuation and the same request's verify steps and accepted drafts,
+so the offline run and the live counters are paired on identical tokens.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pandas as pd
 import torch
 
 from ..acceptance.prompts import load_prompts
-from ..capture import capture_served
 from ..diagnosis.detectors import finding
 from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_cost, dump_sequences, plan_sequences,
                             training_sequences)
@@ -26,6 +26,8 @@ from ..draft.simulate import DraftSettings
 from ..draft.draft_stage import budget_fields, draft_rows
 from ..draft.teacher_forced import run as tf_run
 from ..draft.training_log import find_training_log, read_training_log
+from ..engines.base import EngineAdapter
+from ..engines.sglang import SGLangAdapter
 from ..errors import BadInput
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
@@ -90,10 +92,13 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                training_tensors: Optional[list[str]], training_log: Optional[str | Path] = None,
                validation: Optional[str | Path] = None, rows_word: tuple[Optional[str], Optional[str]] = (None, None),
                prompts: int = 16, max_new_tokens: int = 32, measure: bool = True,
-               progress: Callable[[str], None] = lambda s: None) -> BudgetRun:
+               progress: Callable[[str], None] = lambda s: None,
+               adapter: Optional[EngineAdapter] = None) -> BudgetRun:
     """Gather the budget's inputs from the live run and compute it; a stage left ``undecided`` by too few samples
     is measured again on more (training samples captured from the server up to :data:`MAX_WIRING_SAMPLES`, live
-    prompts up to :data:`MAX_LIVE_PROMPTS`) when the data holds them, once.
+    prompts up to :data:`MAX_LIVE_PROMPTS`) when the data holds them, once. ``adapter``: the server's engine adapter
+    (its ``capture_served`` gives the live stage's states and per-request counters of the same answers; default
+    SGLang's).
 
     Raises:
         BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
@@ -111,9 +116,10 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
         progress(f"training sample {where} left out: {why}")
     starts = {s.key: s.start for s in train_seqs}
     served = dump_sequences(served_dump, starts=starts) if served_dump is not None else None
+    adapter = adapter or SGLangAdapter()
     live_seqs = live = None
     if measure:
-        live_seqs, live = _live(client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
+        live_seqs, live = _live(adapter, client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
     fix_in, draft_fix = _fix_inputs(fix, findings, training_tensors, reference, train_seqs, served, draft, dr)
     cost, cost_src = draft_cost(draft_dir, target_dir)
 
@@ -127,7 +133,7 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     grown = []
     need_w = _settle_n(b, "wiring")
     if need_w and served is not None and len(train_seqs) < min(need_w, MAX_WIRING_SAMPLES):
-        more = _more_training(client, training, hidden_size, len(train_seqs), min(need_w, MAX_WIRING_SAMPLES),
+        more = _more_training(adapter, client, training, hidden_size, len(train_seqs), min(need_w, MAX_WIRING_SAMPLES),
                               run_dir, progress)
         if more is not None:
             train_seqs, served = more
@@ -135,7 +141,7 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     need_e = _settle_n(b, "engine")
     if need_e and live is not None and len(live) < min(need_e, MAX_LIVE_PROMPTS):
         extra_n = min(need_e, MAX_LIVE_PROMPTS) - len(live)
-        s2, l2 = _live(client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
+        s2, l2 = _live(adapter, client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
         live_seqs, live = live_seqs + s2, pd.concat([live, l2], ignore_index=True)
         grown.append(f"engine: measured again on {len(live)} live prompts (undecided on fewer)")
     if grown:
@@ -169,28 +175,28 @@ def _settle_n(b: dict, stage: str) -> Optional[int]:
     return (loss.get("settle") or {}).get("n")
 
 
-def _live(client, run_dir: Path, first: int, n: int, max_new_tokens: int, hidden_size: int,
+def _live(adapter: EngineAdapter, client, run_dir: Path, first: int, n: int, max_new_tokens: int, hidden_size: int,
           progress: Callable[[str], None]) -> tuple[list, pd.DataFrame]:
     """``n`` live prompts (from the ``first``-th): their served states (the server's own continuation) and the
-    server's counters, from the same ``/generate`` answers."""
+    server's counters, from the same answers (the engine adapter's ``capture_served`` with ``records``)."""
     progress(f"live: {n} prompts x {max_new_tokens} tokens, aux states and counters from the same answers")
     recs: list = []
     ps = load_prompts(None, n=first + n)[first:]
-    dump = capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
-                          max_new_tokens=max_new_tokens, progress=False, records=recs, max_width=16 * hidden_size)
+    dump = adapter.capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
+                                  max_new_tokens=max_new_tokens, records=recs, max_width=16 * hidden_size)
     return dump_sequences(dump), pd.DataFrame(recs)
 
 
-def _more_training(client, training: str | Path, hidden_size: int, have: int, want: int, run_dir: Path,
-                   progress: Callable[[str], None]) -> Optional[tuple[list, list]]:
+def _more_training(adapter: EngineAdapter, client, training: str | Path, hidden_size: int, have: int, want: int,
+                   run_dir: Path, progress: Callable[[str], None]) -> Optional[tuple[list, list]]:
     """``want`` training samples and their served states (captured now), or None when the data holds no more."""
     td = TrainingData(training, hidden_size=hidden_size, max_samples=want)
     samples = list(td)
     if len(samples) <= have:
         return None
     progress(f"wiring undecided on {have} training sample(s): capturing {len(samples)}")
-    dump = capture_served(client, samples, run_dir / "dumps", name=_free(run_dir / "dumps", "served-more"),
-                          progress=False, max_width=16 * hidden_size)
+    dump = adapter.capture_served(client, samples, run_dir / "dumps", name=_free(run_dir / "dumps", "served-more"),
+                                  max_width=16 * hidden_size)
     seqs = training_sequences(TrainingData(training, hidden_size=hidden_size, max_samples=want))
     return seqs, dump_sequences(dump, starts={s.key: s.start for s in seqs})
 

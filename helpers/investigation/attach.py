@@ -1,6 +1,7 @@
-"""Attach to a running server: what it runs, read from ``/server_info`` and the folders this machine sees (the first
-step of :func:`helpers.investigation.live.investigate`; :func:`attach` is the one place that reads a server's own
-account of itself for the investigation)."""
+"""Attach to a running server: what it runs, read from its client's ``server_info`` (any engine's
+:class:`helpers.server.client.ServerClient`: SGLang's ``/server_info``, vLLM's worker extension or dev-mode config, in
+one vocabulary) and the folders this machine sees (the first step of :func:`helpers.investigation.live.investigate`;
+:func:`attach` is the one place that reads a server's own account of itself for the investigation)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from ..acceptance.measure import server_snapshot
 from ..diagnosis.detectors import finding
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
-from ..server.client import SGLangClient
+from ..server.client import ServerClient
 from ..server.registry import lookup
 from ..server.restart import LAYERS_HOOK, relaunch_argv
 
@@ -59,7 +60,7 @@ class Attachment:
     info: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"url": self.url, "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
+        return {"url": self.url, "engine": self.info.get("engine", "sglang"), "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
                 "spec": self.spec, "served_draft": self.served_draft, "served_target": self.served_target,
                 "draft_dir": None if self.draft_dir is None else str(self.draft_dir), "draft_source": self.draft_source,
                 "target_dir": str(self.target_dir), "target_source": self.target_source,
@@ -115,7 +116,7 @@ def _same_draft(a: Path, b: Path) -> Optional[dict]:
     return diff or None
 
 
-def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
+def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
            relaunch: Optional[str] = None) -> Attachment:
     """Read what the server runs (see :class:`Attachment`).
 

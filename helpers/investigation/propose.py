@@ -115,10 +115,11 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
     _fix_fc(fix, kinds, draft, algorithm)
     _fix_ids(fix, kinds, tplan, splan, measured, draft, target, rules_or_default(rules, version), engine_parts)
     _fix_vocab_map(fix, kinds, training_dir, engine_parts, rules_or_default(rules, version))
+    _fix_tensors(fix, findings)
     _fix_settings(fix, findings)
     _fix_engine(fix, findings, hooks, engine_parts)
     fix.engine = list(dict.fromkeys(engine_parts))
-    fix.applicable = bool(fix.draft_config or fix.server_args or fix.add_tensors)
+    fix.applicable = bool(fix.draft_config or fix.server_args or fix.add_tensors or fix.drop_tensors)
     fix.kind = ("config" if fix.applicable and not fix.engine else "engine" if not fix.applicable else "mixed")
     head = "; ".join(fix.parts) if fix.parts else ""
     tail = "; ".join(fix.engine) if fix.engine else ""
@@ -201,6 +202,18 @@ def _fix_vocab_map(fix: ProposedFix, kinds: list[str], training_dir: Any, engine
             engine_parts.append("ship the d2t map with the draft (SpecForge writes it to "
                                 "<output>/vocab_mapping/vocab_mapping.pt); none was found in the training folder")
             fix.unaddressed.extend(vocab_kinds)
+
+
+def _fix_tensors(fix: ProposedFix, findings: list[dict]) -> None:
+    """Draft tensors the engine's loader must not see (a finding's ``evidence.tensors_to_drop``, e.g. an embedding
+    vLLM would keep instead of sharing the target's)."""
+    for f in findings:
+        drop = (f.get("evidence") or {}).get("tensors_to_drop")
+        if f["kind"] in BY_NAME and BY_NAME[f["kind"]].fix == "drop_tensors" and drop:
+            fix.drop_tensors += [t for t in drop if t not in fix.drop_tensors]
+            fix.parts.append(f"drop {', '.join(drop)} from the draft weights")
+            fix.why.append(str(f["evidence"].get("source")))
+            fix.addresses.append(f["kind"])
 
 
 def _fix_settings(fix: ProposedFix, findings: list[dict]) -> None:
