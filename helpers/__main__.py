@@ -11,6 +11,7 @@ environment:
   simulate     the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
   measure      accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
   ablate       workload sweeps and engine toggles, each with a paired CI            (helpers.cli.ablate)
+  compare-engines  one draft on two servers (SGLang / vLLM), paired per prompt      (helpers.cli.compare_engines)
   replay       replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
   suite        run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
 """
@@ -31,6 +32,8 @@ commands:
   simulate   run the draft offline as SGLang does: accept length on training / served states
   measure    accept length / accept rate / tok/s per fix
   ablate     acceptance vs context / temperature / concurrency; engine features toggled on a restarted copy
+  compare-engines  the same draft on two servers (SGLang / vLLM): paired accept length, the stage a difference
+             comes from
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder
   suite      run the notebook suite with papermill, write postmortem.html
 
@@ -44,6 +47,7 @@ COMMANDS = {
     "simulate": "helpers.cli.simulate",
     "measure": "helpers.cli.measure",
     "ablate": "helpers.cli.ablate",
+    "compare-engines": "helpers.cli.compare_engines",
     "replay": "helpers.cli.replay",
     "suite": "helpers.cli.suite",
 }

@@ -201,6 +201,16 @@ class EngineAdapter(ABC):
         read from :meth:`helpers.server.client.ServerClient.server_info`)."""
 
     @abstractmethod
+    def cli_refusal(self, args: Any) -> Optional[str]:
+        """Why ``server start`` cannot start this engine's embedded server with these arguments (options of another
+        engine, a missing target), or None."""
+
+    @abstractmethod
+    def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+        """``server start``'s embedded server of this engine from its parsed arguments: ``(handle, launch)``, where
+        ``launch`` (with ``engine``) is what the registry keeps so that :meth:`start_variant` can restart it."""
+
+    @abstractmethod
     def fix_flags(self, fix: Any) -> dict:
         """The launch flags (this engine's) a proposed fix's ``server_args`` (SGLang's vocabulary:
         ``--speculative-num-steps`` ...) become when the fixed server is started."""

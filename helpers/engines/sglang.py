@@ -10,7 +10,11 @@ from typing import Any, Optional, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..acceptance.ablations import TOGGLES, Toggle
-from ..capture import capture_every_layer, capture_served
+from ..capture import capture_every_layer, capture_served, server_hook_specs
+from ..faults import Fault
+from ..formats.configs import read_target_config
+from ..runfiles import loads_json
+from ..server.settings import SpecSettings
 from ..diagnosis.plan_rules import PlanRules
 from ..draft.checks import LoaderRules
 from ..hooks import ARM_FILE
@@ -24,6 +28,14 @@ from .base import AcceptanceCounters, EngineAdapter, SpecConfig
 
 #: ServerArgs fields only SGLang's /server_info carries (with a top-level "version")
 SERVER_INFO_MARKERS = ("tp_size", "speculative_algorithm", "model_path")
+
+
+def sglang_env() -> dict[str, str]:
+    """The ``SGLANG_*`` environment variables of this launch (they change SGLang's behaviour, e.g.
+    ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``), so that a restart of the server gets them too; names that look
+    like secrets (``KEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``) are never recorded."""
+    secret = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+    return {k: v for k, v in os.environ.items() if k.startswith("SGLANG_") and not any(s in k for s in secret)}
 
 
 def _v(t: tuple[int, ...]) -> str:
@@ -146,6 +158,29 @@ class SGLangAdapter(EngineAdapter):
     def toggles(self) -> tuple[Toggle, ...]:
         """SGLang 0.5.23's toggles (:data:`helpers.acceptance.ablations.TOGGLES`)."""
         return TOGGLES
+
+    def cli_refusal(self, args: Any) -> Optional[str]:
+        """None: every ``server start`` option applies to SGLang."""
+        return None
+
+    def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+        """The embedded SGLang server with ``--forward-hooks``, ``--faults`` and the capture hooks of ``server start``
+        (:func:`helpers.server.embedded.start`); ``launch`` holds the ``SGLANG_*`` environment (:func:`sglang_env`)."""
+        hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
+        faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
+        if faults or args.capture_layers or args.capture_ranks:
+            n = read_target_config(args.target or embedded.REFERENCE_TARGET).num_hidden_layers
+            hooks = (hooks or []) + (server_hook_specs(n, faults=faults, rank_capture_dir=args.capture_ranks,
+                                                       layers_dir=args.capture_layers) or [])
+        spec = SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
+                            num_draft_tokens=args.draft_tokens)
+        handle = embedded.start(args.target, draft, tp=args.tp, port=args.port, spec=spec, dtype=args.dtype,
+                                forward_hooks=hooks, log_path=args.log, timeout=args.timeout, extra_args=extra)
+        launch = {"engine": "sglang", "target": str(Path(handle.target).resolve()),
+                  "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
+                  "spec": spec.model_dump(mode="json") if draft is not None else None, "forward_hooks": hooks,
+                  "extra_args": extra, "dtype": args.dtype, "env": sglang_env()}
+        return handle, launch
 
     def fix_flags(self, fix: Any) -> dict:
         """The fix's ``server_args``, which are SGLang flags already."""

@@ -151,8 +151,8 @@ class VLLMClient(ServerClient):
                 per_pos = parse_counters(self.metrics_text()).accepted_per_position
                 k = len(per_pos) if per_pos else None
                 method = "eagle3" if k else None
-                info["sources"]["settings"] = ("GET /metrics (positions of vllm:spec_decode_num_accepted_tokens_per_pos;"
-                                               " the method and draft are not reported without dev mode)")
+                info["sources"]["settings"] = ("GET /metrics (positions of vllm:spec_decode_num_accepted_tokens_per_"
+                                               "pos; the method and draft are not reported without dev mode)")
         info.update({"speculative_algorithm": str(method).upper() if method else None,
                      "speculative_draft_model_path": draft, "speculative_num_steps": k,
                      "speculative_eagle_topk": 1 if k else None,
@@ -410,6 +410,32 @@ class VLLMAdapter(EngineAdapter):
     def toggles(self) -> tuple[Toggle, ...]:
         """vLLM 0.32.0's toggles (:data:`TOGGLES`)."""
         return TOGGLES
+
+    def cli_refusal(self, args: Any) -> Optional[str]:
+        """SGLang's options (hooks, faults, capture hooks, algorithm, topk, draft tokens, the head_dim-16 reference
+        draft) do not apply; a target is required (vLLM's CPU attention refuses the reference target's head_dim
+        16)."""
+        bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
+                              ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
+                              ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
+                              ("--draft-tokens", args.draft_tokens != 4),
+                              ("--reference-draft", args.reference_draft)) if v]
+        if bad:
+            return f"{', '.join(bad)} apply to SGLang only (vLLM captures through its worker extension)"
+        if args.target is None:
+            return "--target is required (vLLM's CPU attention refuses the reference target's head_dim 16)"
+        return None
+
+    def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+        """The embedded vLLM server (:func:`helpers.engines.vllm_server.start`, ``--steps`` =
+        ``num_speculative_tokens``)."""
+        handle = vllm_server.start(args.target, draft, tp=args.tp, port=args.port, num_speculative_tokens=args.steps,
+                                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra)
+        launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
+                  "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
+                  "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
+                  "dtype": args.dtype}
+        return handle, launch
 
     def fix_flags(self, fix: Any) -> dict:
         """A fix's ``server_args`` (the suite's vocabulary: ``--speculative-num-steps`` N, ``--speculative-algorithm``)

@@ -96,7 +96,7 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
     return ranks, layers, others
 
 
-def _same_draft(a: Path, b: Path) -> Optional[dict]:
+def same_draft(a: Path, b: Path) -> Optional[dict]:
     """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
     try:
         ca, cb = (read_config_json(p, "draft config") for p in (a, b))
@@ -149,7 +149,7 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
     if server_draft is not None:
         draft_dir, draft_source = server_draft, "server (speculative_draft_model_path)"
         if given is not None and given.resolve() != server_draft.resolve():
-            diff = _same_draft(given, server_draft)
+            diff = same_draft(given, server_draft)
             if diff is not None:
                 findings.append(finding(
                     "served_draft_differs", None,
