@@ -114,9 +114,9 @@ class Run:
     req: Request
     doc: InvestigationDoc
     dl: Budget
-    client: ServerClient
     progress: Progress
-    adapter: EngineAdapter
+    client: Optional[ServerClient] = None
+    adapter: Optional[EngineAdapter] = None
     timings: dict = field(default_factory=dict)
     rules: Optional[PlanRules] = None
     att: Optional[Attachment] = None
@@ -173,6 +173,15 @@ def _sweeps(r: Run) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the stages
+
+def _connect(r: Run) -> None:
+    """The server's engine, detected once from its own endpoints (:func:`helpers.engines.detect.detect`: one line
+    and exit 2 for a server that is neither SGLang nor a known vLLM), and its client."""
+    req = r.req
+    r.adapter = detect(req.url, req.api_key, deadline_s=min(120.0, r.dl.remaining() or 120.0)).adapter
+    r.client = r.adapter.client(req.url, req.api_key, timeout=min(600.0, req.timeout or 600.0), budget=r.dl,
+                                on_wait=r.progress if r.progress is not _noop else None)
+
 
 def _stage_attach(r: Run) -> None:
     """What the server runs; the target config and training data it is compared with."""
@@ -444,19 +453,18 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
-    adapter = detect(url, api_key, deadline_s=min(120.0, timeout or 120.0)).adapter    # the engine, once
     r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve())),
-            dl=dl, client=adapter.client(url, api_key, timeout=min(600.0, timeout or 600.0), budget=dl,
-                                         on_wait=progress if progress is not _noop else None),
-            progress=progress, adapter=adapter)
+            dl=dl, progress=progress)
     try:
+        _connect(r)
         for _, stage in STAGES:
             stage(r)
     except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
         r.doc.error = describe(exc)
         raise
     finally:
-        r.client.close()
+        if r.client is not None:
+            r.client.close()
         r.doc.timings = r.timings
         r.doc.wall_s = round(dl.elapsed(), 1)
         r.doc.sentence = sentence(r.doc)
