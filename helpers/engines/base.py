@@ -201,6 +201,11 @@ class EngineAdapter(ABC):
         read from :meth:`helpers.server.client.ServerClient.server_info`)."""
 
     @abstractmethod
+    def sampling_rule(self, info: dict) -> str:
+        """How this engine verifies sampled draft tokens at temperature > 0, with its file::function (the temperature
+        sweep's finding says it), from the server's ``server_info``."""
+
+    @abstractmethod
     def cli_refusal(self, args: Any) -> Optional[str]:
         """Why ``server start`` cannot start this engine's embedded server with these arguments (options of another
         engine, a missing target), or None."""

@@ -159,6 +159,10 @@ class SGLangAdapter(EngineAdapter):
         """SGLang 0.5.23's toggles (:data:`helpers.acceptance.ablations.TOGGLES`)."""
         return TOGGLES
 
+    def sampling_rule(self, info: dict) -> str:
+        return ("SGLang verifies sampled tokens against the draft's proposals (tree speculative sampling, "
+                "sglang/srt/speculative/eagle_worker_v2.py), and fewer match at a higher temperature")
+
     def cli_refusal(self, args: Any) -> Optional[str]:
         """None: every ``server start`` option applies to SGLang."""
         return None

@@ -411,6 +411,17 @@ class VLLMAdapter(EngineAdapter):
         """vLLM 0.32.0's toggles (:data:`TOGGLES`)."""
         return TOGGLES
 
+    def sampling_rule(self, info: dict) -> str:
+        """The server's ``draft_sample_method`` / ``rejection_sample_method`` (its worker's ``SpeculativeConfig``)."""
+        dsm, rsm = info.get("draft_sample_method") or "greedy", info.get("rejection_sample_method") or "standard"
+        how = ("the draft's probabilities count as one-hot, so a draft token is accepted with the target's "
+               "probability of it (strict), not min(1, p/q)" if dsm == "greedy" else
+               "the draft samples from its distribution and a token is accepted with min(1, p/q)")
+        return (f"vLLM {info.get('version')} runs rejection_sample_method {rsm!r} with draft_sample_method {dsm!r}: "
+                f"{how} (vllm/config/speculative.py::SpeculativeConfig.draft_sample_method; "
+                "vllm/v1/sample/rejection_sampler.py::rejection_random_sample_kernel: draft_prob = 1 without draft "
+                "probs); at temperature 0 verification is greedy")
+
     def cli_refusal(self, args: Any) -> Optional[str]:
         """SGLang's options (hooks, faults, capture hooks, algorithm, topk, draft tokens, the head_dim-16 reference
         draft) do not apply; a target is required (vLLM's CPU attention refuses the reference target's head_dim

@@ -86,9 +86,10 @@ def _save(res, run_dir: Path, *parts: str) -> Optional[str]:
         return None
 
 
-def sweep_finding(t: dict, lim: dict) -> dict:
+def sweep_finding(t: dict, lim: dict, sampling_rule: Optional[str] = None) -> dict:
     """The finding of a sweep whose acceptance falls (:func:`helpers.acceptance.sweeps.trend`), with what the data and
-    the configs say of where it begins; it names no limit the data do not support."""
+    the configs say of where it begins; it names no limit the data do not support. ``sampling_rule``: how the server's
+    engine verifies sampled tokens (``EngineAdapter.sampling_rule``), said for the temperature sweep."""
     kind, cause = SWEEP_KINDS[t["sweep"]]
     ci = t["ci"]
     head = (f"accept length falls from {t['reference_accept_length']:.2f} ({t['reference']}) to "
@@ -111,8 +112,9 @@ def sweep_finding(t: dict, lim: dict) -> dict:
             where.append("nothing read here places the fall (settle it with the draft's training sequence length)")
         where.append("cause: workload (prompt + context length), not a wiring or engine fault")
     elif t["sweep"] == "temperature":
-        where.append("cause: workload (the requests' sampling temperature): SGLang verifies sampled tokens against "
-                     "the draft's proposals, and fewer match at a higher temperature")
+        where.append("cause: workload (the requests' sampling temperature): " + (
+            sampling_rule or "the engine verifies sampled tokens against the draft's proposals, and fewer match at a "
+                             "higher temperature"))
     else:
         where.append("cause: engine: the same prompts accept less when they share a batch (batch-dependent draft or "
                      "verify numerics, padding, or scheduling)")
@@ -239,7 +241,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     a = _Ablation(run_dir=run_dir, dl=dl, client=client or adapter.client(url, api_key, budget=dl),
                   progress=progress, t_start=time.perf_counter(), adapter=adapter)
     try:
-        info = a.client.server_info(refresh=True)
+        info = a.info = a.client.server_info(refresh=True)
         if not info.get("speculative_algorithm"):
             raise BadInput("the server runs without speculative decoding: there is no acceptance to sweep",
                            field="--url")
@@ -301,6 +303,7 @@ class _Ablation:
     todo: list = field(default_factory=list)
     running: list = field(default_factory=list)
     references: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
 
 
 def _all_toggles() -> tuple[Toggle, ...]:
@@ -363,7 +366,7 @@ def _sweep(a: _Ablation, s: str, *, max_new_tokens: int, temperature: float, con
     doc["failed_requests"] += [_failed(f"sweep {s}: {p.label}", p.result) for p in pts
                                if p.result is not None and p.result.summary.get("n_failed")]
     if t is not None:
-        doc["findings"].append(sweep_finding(t, a.lim))
+        doc["findings"].append(sweep_finding(t, a.lim, a.adapter.sampling_rule(a.info)))
     a.running.clear()
 
 
