@@ -91,3 +91,61 @@ def test_static_check_on_the_reference_pair_names_the_offset_with_vllms_rule(tar
     assert rep.inputs["vllm version"] == "0.32.0 (from the server)"
     # the same pair under SGLang's rules (the default) is served as trained
     assert static_check(H64 / "draft", H64 / "target", training=H64 / "data" / "sample").verdict == "ok"
+
+
+# ------------------------------------------------------------------------------------------------ the loader
+
+def _weights(tmp_path: Path, edit) -> Path:
+    """A copy of the h64 draft folder whose weights are ``edit(dict)``."""
+    from safetensors.torch import load_file, save_file
+    d = _draft(tmp_path)
+    w = load_file(str(d / "model.safetensors"))
+    save_file(edit(w), str(d / "model.safetensors"))
+    return d
+
+
+def _target_embed():
+    from safetensors.torch import load_file
+    return load_file(str(H64 / "target" / "model.safetensors"))["model.embed_tokens.weight"]
+
+
+def _checks(draft: Path):
+    from helpers.draft.checks import inspect_draft
+    from helpers.engines.vllm_rules import VLLMLoaderRules
+    return inspect_draft(draft, H64 / "target", H64 / "data" / "sample", loader=VLLMLoaderRules("0.32.0"))
+
+
+def test_vllm_loader_on_the_reference_draft_finds_nothing_and_says_what_it_shares():
+    rep = _checks(H64 / "draft")
+    assert rep["findings"] == []
+    assert rep["facts"]["embedding"]["source"] == "target" and rep["facts"]["lm_head"]["source"] == "draft"
+    assert rep["facts"]["d2t"]["rule"] == "checkpoint"
+    assert "_maybe_share_embeddings" in rep["facts"]["embedding"]["rule"]
+
+
+def test_an_own_embedding_unlike_the_targets_is_kept_by_vllm_and_named(tmp_path):
+    emb = _target_embed()
+    d = _weights(tmp_path, lambda w: {**w, "embed_tokens.weight": (emb + 0.05 * emb.std()).to(emb.dtype)})
+    f = {x["kind"]: x for x in _checks(d)["findings"]}["embedding_not_shared"]
+    assert f["evidence"]["tensors_to_drop"] == ["embed_tokens.weight"] and 0 < f["evidence"]["rel_diff"] < 1
+    # the target's own embedding copied in is shared (torch.equal): no finding
+    same = _weights(tmp_path / "same", lambda w: {**w, "embed_tokens.weight": emb.clone()})
+    assert not [x for x in _checks(same)["findings"] if x["kind"] == "embedding_not_shared"]
+
+
+def test_a_missing_lm_head_is_the_targets_on_vllm_and_fails_with_a_pruned_vocab(tmp_path):
+    d = _weights(tmp_path, lambda w: {k: v for k, v in w.items() if k != "lm_head.weight"})
+    f = {x["kind"]: x for x in _checks(d)["findings"]}["lm_head_missing"]
+    assert f["evidence"]["fatal"] is True and "compute_logits" in f["detail"] and "_maybe_share_lm_head" in \
+        f["evidence"]["source"]
+
+
+def test_a_missing_or_shuffled_d2t_follows_vllms_rule(tmp_path):
+    import torch
+    d = _weights(tmp_path, lambda w: {k: v for k, v in w.items() if k != "d2t"})
+    kinds = [x["kind"] for x in _checks(d)["findings"]]
+    assert "vocab_map_missing" in kinds
+    d2 = _weights(tmp_path / "perm", lambda w: {**w, "d2t": (w["d2t"] + torch.arange(2048))[torch.randperm(
+        2048, generator=torch.Generator().manual_seed(0))] - torch.arange(2048)})
+    f = {x["kind"]: x for x in _checks(d2)["findings"]}["vocab_map_differs"]
+    assert "llama_eagle3.py::Eagle3LlamaForCausalLM" in f["evidence"]["source"]
