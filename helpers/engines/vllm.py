@@ -586,7 +586,7 @@ class VLLMAdapter(EngineAdapter):
                                       "states, ascending ids, pre-norm residual stream in(i)), TP rank 0; the last "
                                       "row received per position",
                             "reset_prefix_cache": True, "max_new_tokens": max_new_tokens},
-                 "server": {"engine": "vllm", "version": version, "loaded": redact(r0, client.secrets)},
+                 "server": client.server_info(),      # the suite's vocabulary (engine, version, draft path, ...)
                  "tp_size": r0.get("tp_size"), "hidden_size": hidden,
                  "layer_plan": {"tensors": rules.captured(r0.get("aux_layer_ids") or [], r0.get("num_layers") or 0),
                                 "ids": r0.get("aux_layer_ids"), "convention": "vllm"}}
