@@ -12,13 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..acceptance.ablations import TOGGLES, Toggle
 from ..capture import capture_every_layer, capture_served, server_hook_specs
 from ..faults import Fault
-from ..formats.configs import read_target_config
+from ..formats.configs import read_draft_config, read_target_config
 from ..runfiles import loads_json
 from ..server.settings import SpecSettings
 from ..diagnosis.plan_rules import PlanRules
 from ..draft.checks import LoaderRules
 from ..hooks import ARM_FILE
-from ..errors import SGLangError
+from ..errors import BadInput, SGLangError
 from ..layers.sglang import OLDEST_READ, TABLE_VERSION
 from ..server import embedded
 from ..server.client import HTTPClient, SGLangClient
@@ -94,17 +94,29 @@ class SGLangAdapter(EngineAdapter):
         return embedded.start(target, draft, tp=tp, **kwargs)
 
     def spec_config(self, client: SGLangClient, *, draft: str | Path | None = None) -> SpecConfig:
-        """``SGLangClient.effective_spec_config`` in the common shape (aux ids: see
-        ``helpers.diagnosis.conventions``, which applies SGLang's rules per version; not repeated here)."""
+        """``SGLangClient.effective_spec_config`` in the common shape, with the aux ids SGLang's rules of the server's
+        version give for the draft config (``sglang_capture`` convention, the physical tensor of each:
+        :class:`helpers.diagnosis.plan_rules.PlanRules`) when the draft and target configs are readable here."""
         eff = client.effective_spec_config(draft_config=draft)
         info = client.server_info()
         e = eff.effective
-        return SpecConfig(engine="sglang", version=str(eff.sglang_version), tp_size=eff.tp_size,
-                          method=e.algorithm, target=info.get("model_path"),
-                          draft=os.fspath(draft) if draft else info.get("speculative_draft_model_path"),
-                          num_speculative_tokens=(e.num_draft_tokens - 1) if e.num_draft_tokens else None,
-                          overrides=[str(o) for o in eff.overrides], aux_layer_convention="sglang_capture",
-                          sources={"*": "GET /server_info"}, notes=list(eff.notes))
+        cfg = SpecConfig(engine="sglang", version=str(eff.sglang_version), tp_size=eff.tp_size,
+                         method=e.algorithm, target=info.get("model_path"),
+                         draft=os.fspath(draft) if draft else info.get("speculative_draft_model_path"),
+                         num_speculative_tokens=(e.num_draft_tokens - 1) if e.num_draft_tokens else None,
+                         overrides=[str(o) for o in eff.overrides], aux_layer_convention="sglang_capture",
+                         sources={"*": "GET /server_info"}, notes=list(eff.notes))
+        try:
+            d, t = read_draft_config(Path(cfg.draft)), read_target_config(Path(cfg.target))
+            plan = self.rules(cfg.version).served_plan(d, t, e.algorithm or "EAGLE3")
+        except (BadInput, OSError, TypeError, ValueError) as exc:
+            cfg.notes.append(f"aux ids not computed: the draft / target configs are not readable here ({exc})")
+            return cfg
+        if plan.engine_ids is not None:
+            cfg.aux_layer_ids = cfg.rule_aux_layer_ids = list(plan.engine_ids.ids)
+        cfg.aux_tensors = list(plan.tensors)
+        cfg.sources["aux_layer_ids"] = f"{plan.source} (SGLang's rules on the draft config)"
+        return cfg
 
     def counters(self, client: HTTPClient) -> AcceptanceCounters:
         return parse_counters(client.metrics_text())

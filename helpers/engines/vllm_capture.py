@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..capture import _prompt_fields, _safe_key, read_rank_capture
+from ..capture import prompt_fields, safe_key, read_rank_capture
 from ..errors import SGLangError
 from .vllm_answers import record
 
@@ -27,7 +27,7 @@ def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, l
     client.rpc("e3f_capture_start", {"out_dir": os.fspath(cap), "layers": bool(layers), "max_forwards": 100000})
     try:
         for i, p in enumerate(prompts):
-            pid, ids, text = _prompt_fields(p, i)
+            pid, ids, text = prompt_fields(p, i)
             client.reset_prefix_cache()
             ans = client.complete(ids if ids is not None else text, max_tokens=max_new_tokens)
             sent.append((pid, ids, ans))
@@ -84,7 +84,7 @@ def _assemble(client: Any, cap: Path, sent: list, layers: bool, max_width: Optio
                           endpoint="/collective_rpc")
     samples, ref = [], []
     for (pid, ids, ans), seg in zip(sent, segs):
-        key = _safe_key(pid)
+        key = safe_key(pid)
         p_ids, out_ids = _answer_ids(ans)
         prompt = ids if ids is not None else p_ids
         if prompt is None:

@@ -149,3 +149,27 @@ def test_a_missing_or_shuffled_d2t_follows_vllms_rule(tmp_path):
         2048, generator=torch.Generator().manual_seed(0))] - torch.arange(2048)})
     f = {x["kind"]: x for x in _checks(d2)["findings"]}["vocab_map_differs"]
     assert "llama_eagle3.py::Eagle3LlamaForCausalLM" in f["evidence"]["source"]
+
+
+def test_sglangs_adapter_reports_the_ids_its_rules_give_for_the_same_draft():
+    """The other side of the seam: SGLangAdapter.spec_config gives SGLang's capture indices (+1) for the same config
+    vLLM reads verbatim: [2, 4, 5] = out(1), out(3), out(4)."""
+    import httpx
+
+    from helpers.engines.sglang import SGLangAdapter
+    from helpers.server.client import SGLangClient
+
+    info = {"version": "0.5.23", "tp_size": 1, "model_path": str(H64 / "target"),
+            "speculative_draft_model_path": str(H64 / "draft"), "speculative_algorithm": "EAGLE3",
+            "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+
+    def handler(req):
+        return httpx.Response(200, json=info if "server_info" in req.url.path else
+                              {"architectures": ["LlamaForCausalLM"]})
+
+    c = SGLangClient("http://sglang.test:30000", transport=httpx.MockTransport(handler), retries=0)
+    cfg = SGLangAdapter().spec_config(c)
+    assert (cfg.aux_layer_ids, cfg.aux_layer_convention) == ([2, 4, 5], "sglang_capture")
+    assert cfg.aux_tensors == ["out(1)", "out(3)", "out(4)"] and cfg.num_speculative_tokens == 3
+    assert RULES.served_plan(read_draft_config(H64 / "draft"), read_target_config(H64 / "target")).tensors == \
+        ["out(0)", "out(2)", "out(3)"]                          # vLLM: the same config, one layer short
