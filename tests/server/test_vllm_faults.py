@@ -115,6 +115,13 @@ def test_the_reference_draft_is_one_layer_short_on_vllm_and_the_fix_is_measured(
     assert inv["engine"] == "vllm" and inv["engine_version"] == "0.32.0"
     assert inv["reference"]["how"].startswith("the server's own every-layer capture")
     assert (run / "postmortem.html").exists() and (run / "drafts" / "proposed" / "config.json").exists()
+    # the pages read the engine from the run folder: the dump is judged with vLLM's rules, the facts say vLLM
+    from helpers.records import InvestigationDoc
+    from helpers.views.compare import rules_for_dump
+    from helpers.views.investigation import facts_frame
+    assert rules_for_dump(run / "dumps" / "server-served").engine == "vllm"
+    facts = facts_frame(InvestigationDoc.model_validate(inv))
+    assert "vLLM version" in facts.iloc[:, 0].tolist(), facts
 
 
 def test_temperature_one_acceptance_is_named_with_vllms_rejection_rule(reference, tmp_path):
