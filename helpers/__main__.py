@@ -6,7 +6,7 @@ environment:
 
   investigate  name the fault of a live server, propose and measure the fix        (helpers.cli.investigate)
   diagnose     offline wiring diagnosis: served aux hidden states vs training data  (helpers.cli.diagnose)
-  server       start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
+  server       start / stop the embedded SGLang or vLLM CPU reference server      (helpers.cli.server)
   capture      dump the aux hidden states a live server feeds the draft            (helpers.cli.capture)
   simulate     the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
   measure      accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
@@ -27,7 +27,7 @@ USAGE = """usage: python -m helpers <command> [options]      (python -m helpers 
 commands:
   investigate  name the fault of a live server, propose the fix, measure it before/after
   diagnose   offline wiring diagnosis: served aux hidden states vs training data
-  server     start / stop the embedded SGLang CPU reference server
+  server     start / stop the embedded SGLang or vLLM CPU reference server
   capture    dump the aux hidden states a live server feeds the draft
   simulate   run the draft offline as SGLang does: accept length on training / served states
   measure    accept length / accept rate / tok/s per fix
