@@ -10,7 +10,7 @@ postmortem: setup
 	$(PY) -m helpers suite run --params env/cases/main.yaml
 
 test: setup
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -rs -m "not slow"

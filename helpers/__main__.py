@@ -82,7 +82,7 @@ def exit_with(code: int) -> NoReturn:
         # lazy: only after a signal (process imports psutil and httpx, which `--help` does not need)
         from .server.process import stop_descendants
 
-        stop_descendants(timeout=1.0)
+        stop_descendants()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -5,7 +5,7 @@ of a measurement.
 
 A budget also ends early: :meth:`Budget.cancel` (a measurement's main thread interrupted while its workers wait),
 or :func:`interrupt` (SIGINT / SIGTERM reached a command, :func:`helpers.cli.common.run`): every wait of every
-budget then ends at its next check, and servers this process started are stopped with a short grace
+budget then ends at its next check, and servers this process started are stopped with a 0.3 s grace
 (:meth:`helpers.server.process.ServerProcess.stop`).
 """
 from __future__ import annotations

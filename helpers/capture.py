@@ -47,7 +47,7 @@ from .acceptance.prompts import Prompt
 from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
 from .formats.configs import read_target_config
-from .hooks import ARM_FILE, CaptureConfig, every_layer_keys, hook_specs
+from .hooks import ARM_FILE, CaptureConfig, ModelFamily, every_layer_keys, hook_specs
 from .runfiles import loads_json
 from .server.client import as_client
 from .server.embedded import start
@@ -249,15 +249,17 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
                        "layer_plan": plan, "hidden_size": model.config.hidden_size})
 
 
-def every_layer_hook_specs(capture_dir: str | os.PathLike, num_layers: int) -> list[dict]:
+def every_layer_hook_specs(capture_dir: str | os.PathLike, num_layers: int,
+                           family: Optional[ModelFamily] = None) -> list[dict]:
     """The ``--forward-hooks`` specs that make a server record every layer (armed by
-    :func:`capture_every_layer` only while it captures). Llama-style module names (``model.embed_tokens``,
-    ``model.layers.{i}.input_layernorm``, ``model.norm``; verified on SGLang 0.5.23's Llama); pass them to
+    :func:`capture_every_layer` only while it captures). Module names of the target's ``family``
+    (:func:`helpers.hooks.model_family`; default Llama: ``model.embed_tokens``, ``model.layers.{i}.input_layernorm``,
+    ``model.norm``, the same on SGLang 0.5.23's DeepSeek-V2/V3; ``language_model.`` in front for Kimi-K2.5); pass them to
     ``helpers.server.embedded.start(forward_hooks=...)``, ``python -m helpers server start --capture-layers DIR`` or, on a
     GPU server, ``--forward-hooks '<json>' --disable-cuda-graph`` (``env/gpu/launch_tp8.sh`` with ``LAYERS_DIR``)."""
 
     specs = hook_specs(capture=CaptureConfig(out_dir=os.fspath(capture_dir), keys=every_layer_keys(num_layers),
-                                             armed_by_file=True), num_layers=num_layers)
+                                             armed_by_file=True), num_layers=num_layers, family=family)
     for s in specs:
         if s["name"] == "e3f-capture":     # distinct from a per-rank embedding capture on the same server
             s["name"] = "e3f-capture-layers"
@@ -270,11 +272,13 @@ the rank-local (pre-all-reduce) embedding (helpers.investigation.checks: tp_shar
 
 
 def server_hook_specs(num_layers: int, *, faults: Sequence[Any] = (), rank_capture_dir: Optional[str | os.PathLike] = None,
-                      layers_dir: Optional[str | os.PathLike] = None) -> Optional[list[dict]]:
+                      layers_dir: Optional[str | os.PathLike] = None,
+                      family: Optional[ModelFamily] = None) -> Optional[list[dict]]:
     """The one ``--forward-hooks`` list for a server of this tool: injected ``faults`` (helpers.faults.Fault or
     dicts), a per-rank capture into ``rank_capture_dir`` (armed by file, keys :data:`RANK_CAPTURE_KEYS` + aux) and an
-    every-layer reference capture into ``layers_dir`` (:func:`every_layer_hook_specs`). Stash specs shared by
-    several parts appear once. Returns None when nothing is asked for.
+    every-layer reference capture into ``layers_dir`` (:func:`every_layer_hook_specs`), on the module names of the
+    target's ``family`` (:func:`helpers.hooks.model_family`, default Llama). Stash specs shared by several parts
+    appear once. Returns None when nothing is asked for.
 
     The two capture folders are what ``investigate`` finds in ``/server_info`` ``forward_hooks`` (hook names
     ``e3f-capture`` and ``e3f-capture-layers``)."""
@@ -282,9 +286,9 @@ def server_hook_specs(num_layers: int, *, faults: Sequence[Any] = (), rank_captu
     if faults or rank_capture_dir is not None:
         cap = None if rank_capture_dir is None else CaptureConfig(
             out_dir=os.fspath(Path(rank_capture_dir).resolve()), keys=list(RANK_CAPTURE_KEYS), armed_by_file=True)
-        specs += hook_specs(list(faults), cap, num_layers=num_layers)
+        specs += hook_specs(list(faults), cap, num_layers=num_layers, family=family)
     if layers_dir is not None:
-        specs += every_layer_hook_specs(Path(layers_dir).resolve(), num_layers)
+        specs += every_layer_hook_specs(Path(layers_dir).resolve(), num_layers, family)
     out, seen = [], set()
     for spec in specs:
         key = json.dumps(spec, sort_keys=True)

@@ -30,6 +30,18 @@ probing the running reference server:
   embedding; its ``_embed_local_shard(input_ids)`` gives this rank's pre-all-reduce embedding
   (rows of ids outside the rank's vocab shard are zero).
 
+The same hook points hold on SGLang 0.5.23's DeepSeek-V2/V3 family (``sglang/srt/models/deepseek_v2.py``), probed
+on the running reference server at TP 2 against HF transformers (every ``out(L)``, ``resid_mid(L)`` and the sum over
+ranks of every partial equal HF's to ~1e-6 rel): its stage boundaries call ``input_layernorm`` / ``model.norm`` /
+``post_attention_layernorm`` as modules with ``(hidden, residual)``
+(``sglang/srt/layers/layer_boundary/residual/add_norm.py``). What differs is one :class:`ModelFamily` each
+(:func:`model_family`): a MoE layer has no ``mlp.down_proj`` (``DeepseekV2MoE`` with ``reduce_results=False``: the
+``mlp`` module's own output is this rank's un-reduced partial, on dense and MoE layers alike); Kimi-K2.5 nests the
+text model under ``language_model.`` (``sglang/srt/models/kimi_k25.py::KimiK25ForConditionalGeneration``); and
+the aux hidden states reach the logits processor as ONE packed ``[tokens, K * H]`` tensor
+(``AuxHiddenStatePacker``, ``sglang/srt/layers/aux_hidden_states.py``) where Llama passes a list of K tensors
+(:func:`aux_chunk_count` reads both).
+
 Tensors are stashed per process (one scheduler process = one TP rank) together with a forward
 sequence number; a fault or capture hook only uses entries written during the same forward.
 
@@ -52,11 +64,85 @@ import torch
 
 from .layers.ids import layer_index
 from .faults import FAULT_KINDS, Fault  # noqa: F401  (helpers.hooks.Fault is the public path)
+from .layers.sglang import target_rule
 from .paths import shared_mode
 
 HOOK_PREFIX = "helpers.hooks"
 ARM_FILE = "ARMED"  # with armed_by_file, the capture hook writes only while out_dir/ARMED exists
 TARGET_ARCH_EXCLUDE = ("Eagle", "MTP", "NextN")
+
+
+# --------------------------------------------------------------------------- model families
+@dataclass(frozen=True)
+class ModelFamily:
+    """Where one target family keeps, in SGLang's module tree (``named_modules()`` of the model SGLang builds), the
+    tensors the stash hooks record, and how its aux hidden states reach the logits processor.
+
+    Module templates take ``{L}`` (0-based decoder layer) and get :attr:`prefix` put in front.
+
+    Attributes:
+        name: ``llama`` | ``deepseek`` | ``kimi_k25``.
+        prefix: the text model's module prefix (``language_model.`` for a wrapper that nests it).
+        embedding: the (vocab-parallel) embedding; its output is the all-reduced embedding.
+        layer_input_norm: layer L's input add-norm; its output[1] is ``out(L-1)``.
+        final_norm: the final add-norm; its output[1] is ``out(n-1)``.
+        post_attention_norm: layer L's post-attention add-norm; output[1] is ``resid_mid(L)``.
+        mlp_partial: the module whose output is layer L's MLP output before the TP all-reduce.
+        attn_partial: the module whose output is layer L's attention output before the TP all-reduce.
+        logits_processor: the target's logits processor (inputs: ids, hidden, lm_head, forward batch, aux).
+        aux: ``list`` (one [T, H] tensor per capture) or ``packed`` (one [T, K*H] tensor), as SGLang passes them.
+        source: the SGLang file the names were read from.
+    """
+
+    name: str
+    source: str
+    prefix: str = ""
+    embedding: str = "model.embed_tokens"
+    layer_input_norm: str = "model.layers.{L}.input_layernorm"
+    final_norm: str = "model.norm"
+    post_attention_norm: str = "model.layers.{L}.post_attention_layernorm"
+    mlp_partial: str = "model.layers.{L}.mlp.down_proj"
+    attn_partial: str = "model.layers.{L}.self_attn.o_proj"
+    logits_processor: str = "logits_processor"
+    aux: str = "list"
+
+    def module(self, part: str, layer: Optional[int] = None) -> str:
+        """The full module name of ``part`` (a field name above), for decoder layer ``layer``."""
+        return self.prefix + getattr(self, part).format(L=layer)
+
+
+LLAMA = ModelFamily("llama", "sglang/srt/models/llama.py (LlamaModel, LlamaDecoderLayer, LlamaMLP.down_proj, "
+                             "AuxHiddenStateList)")
+DEEPSEEK = ModelFamily("deepseek", "sglang/srt/models/deepseek_v2.py (DeepseekV2Model, DeepseekV2DecoderLayer: "
+                                   "DeepseekV2MoE / DeepseekV2MLP with reduce_results=False; AuxHiddenStatePacker)",
+                       mlp_partial="model.layers.{L}.mlp", aux="packed")
+KIMI_K25 = ModelFamily("kimi_k25", "sglang/srt/models/kimi_k25.py (KimiK25ForConditionalGeneration.language_model = "
+                                   "DeepseekV3ForCausalLM) + deepseek_v2.py",
+                       prefix="language_model.", mlp_partial="model.layers.{L}.mlp", aux="packed")
+
+#: the SGLang model file of a target (the 0.5.23 architecture table's ``file``) -> its module family; every other
+#: registered target is taken to be Llama-shaped (verified on llama.py only)
+FAMILY_BY_FILE = {"sglang/srt/models/deepseek_v2.py": DEEPSEEK, "sglang/srt/models/kimi_k25.py": KIMI_K25}
+
+
+def model_family(architectures: Optional[list[str]] = None, model_type: Optional[str] = None) -> ModelFamily:
+    """The :class:`ModelFamily` of a target config's ``architectures`` / ``model_type`` (SGLang 0.5.23's model file
+    for it, :func:`helpers.layers.sglang.target_rule`); :data:`LLAMA` for any other or unknown architecture."""
+    source = target_rule(architectures, model_type).source      # "sglang/srt/models/<file>.py::<Class>.<method>"
+    return FAMILY_BY_FILE.get(source.split("::", 1)[0].split(" ", 1)[0], LLAMA)
+
+
+def aux_chunk_count(aux: Any, hidden_states: torch.Tensor) -> int:
+    """How many H-wide aux chunks the logits processor received: ``len(aux)`` for a list
+    (``AuxHiddenStateList``), ``aux.shape[-1] // H`` for one packed ``[T, K*H]`` tensor (``AuxHiddenStatePacker``),
+    where H is the width of ``hidden_states`` (the final hidden states, ``[T, H]``); 0 for None / empty. Mirrors
+    ``sglang/srt/layers/aux_hidden_states.py::pack_aux_hidden_states`` (the two representations of 0.5.23)."""
+    if aux is None:
+        return 0
+    if isinstance(aux, torch.Tensor):
+        h = int(hidden_states.shape[-1]) if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() else 0
+        return aux.shape[-1] // h if h and aux.dim() == 2 else 0
+    return len(aux)
 
 
 
@@ -209,9 +295,9 @@ def fault_factory(config: dict) -> Any:
             return None
         hs = getattr(output, "hidden_states", None)
         aux = inputs[4] if len(inputs) > 4 else None
-        if hs is None or hs.dim() != 2 or not aux:
+        n = aux_chunk_count(aux, inputs[1] if len(inputs) > 1 else None)
+        if hs is None or hs.dim() != 2 or n == 0:
             return None
-        n = len(aux)
         h = hs.shape[1] // n
         chunks = list(hs.split(h, dim=1))
         rank, tp = _rank_and_size()
@@ -322,21 +408,21 @@ _MLP_RE = re.compile(r"^mlp_partial\((\d+)\)$")
 _ATTN_RE = re.compile(r"^attn_partial\((\d+)\)$")
 
 
-def _stash_spec(key: str, num_layers: int) -> dict:
-    """The SGLang hook spec that records stash ``key`` on the target (Llama module names)."""
+def _stash_spec(key: str, num_layers: int, family: ModelFamily = LLAMA) -> dict:
+    """The SGLang hook spec that records stash ``key`` on the target (module names of ``family``)."""
     if key in ("embedding", "embedding_local"):
-        module, pick = "model.embed_tokens", "embedding"
+        module, pick = family.module("embedding"), "embedding"
     elif (L := layer_index(key)) is not None and L >= 0:
         if not 0 <= L < num_layers:
             raise ValueError(f"{key}: layer outside 0..{num_layers - 1}")
-        module = "model.norm" if L == num_layers - 1 else f"model.layers.{L + 1}.input_layernorm"
+        module = family.module("final_norm") if L == num_layers - 1 else family.module("layer_input_norm", L + 1)
         pick = "output[1]"
     elif m := _RESID_RE.match(key):
-        module, pick = f"model.layers.{int(m.group(1))}.post_attention_layernorm", "output[1]"
+        module, pick = family.module("post_attention_norm", int(m.group(1))), "output[1]"
     elif m := _MLP_RE.match(key):
-        module, pick = f"model.layers.{int(m.group(1))}.mlp.down_proj", "output"
+        module, pick = family.module("mlp_partial", int(m.group(1))), "output"
     elif m := _ATTN_RE.match(key):
-        module, pick = f"model.layers.{int(m.group(1))}.self_attn.o_proj", "output"
+        module, pick = family.module("attn_partial", int(m.group(1))), "output"
     else:
         raise ValueError(f"unknown stash key '{key}' (embedding, embedding_local, out(L), "
                          "resid_mid(L), mlp_partial(L), attn_partial(L))")
@@ -362,13 +448,14 @@ class CaptureConfig:
 
 
 def hook_specs(faults: list[Fault | dict] = (), capture: Optional[CaptureConfig] = None, *,
-               num_layers: int) -> list[dict]:
-    """The ``--forward-hooks`` list for faults and/or per-rank capture on a Llama target.
+               num_layers: int, family: Optional[ModelFamily] = None) -> list[dict]:
+    """The ``--forward-hooks`` list for faults and/or per-rank capture on a target.
 
     Args:
         faults: :class:`Fault` objects or dicts, applied in order to the aux hidden states.
         capture: per-rank capture settings, or None.
         num_layers: the target's ``num_hidden_layers`` (to place ``out(n-1)`` on ``model.norm``).
+        family: the target's :class:`ModelFamily` (:func:`model_family` of its config; default :data:`LLAMA`).
     Returns: JSON-serialisable hook specs for ``helpers.server.embedded.start(forward_hooks=...)`` or
         ``--forward-hooks`` on a GPU server (which must then run with ``--disable-cuda-graph``).
     """
@@ -378,21 +465,23 @@ def hook_specs(faults: list[Fault | dict] = (), capture: Optional[CaptureConfig]
         keys += f.stash_keys()
     if capture is not None:
         keys += list(capture.keys)
+    family = family or LLAMA
     specs, seen = [], set()
     for key in keys:
-        spec = _stash_spec(key, num_layers)
-        if spec["target_modules"][0] == "model.embed_tokens":
-            spec = _stash_spec("embedding", num_layers)
+        spec = _stash_spec(key, num_layers, family)
+        if spec["target_modules"][0] == family.module("embedding"):
+            spec = _stash_spec("embedding", num_layers, family)
         if spec["name"] in seen:
             continue
         seen.add(spec["name"])
         specs.append(spec)
+    logits = family.module("logits_processor")
     if faults:
-        specs.append({"name": "e3f-faults", "target_modules": ["logits_processor"],
+        specs.append({"name": "e3f-faults", "target_modules": [logits],
                       "hook_factory": f"{HOOK_PREFIX}:fault_factory",
                       "config": {"faults": [asdict(f) for f in faults]}})
     if capture is not None:
-        specs.append({"name": "e3f-capture", "target_modules": ["logits_processor"],
+        specs.append({"name": "e3f-capture", "target_modules": [logits],
                       "hook_factory": f"{HOOK_PREFIX}:capture_factory",
                       "config": {"out_dir": os.fspath(capture.out_dir), "keys": list(capture.keys) + ["aux"],
                                  "max_forwards": capture.max_forwards,

@@ -7,6 +7,7 @@ and renamed into place, so a reader sees the old file or the new one, never a pa
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import io
 import json
@@ -18,7 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import pandas as pd
@@ -136,6 +137,35 @@ def _naming(exc: OSError, path: Path) -> OSError:
     return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
 
 
+@contextlib.contextmanager
+def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """A new temporary folder next to ``folder`` (``.<name>.<random>.tmp``, the umask's mode) to write a folder's
+    files into before the caller renames it into place (measurements, dumps): a reader never sees half a folder.
+    On any error inside the block the temporary folder is removed, and an OSError naming a path inside it is raised
+    again naming the same path under ``folder`` -- the file the user asked for, never the staging name (a full disk
+    is ``<run>/fixes/x/summary.json: no space left on the device``).
+
+    Yields: the temporary folder (empty). Raises: OSError naming ``folder`` or a file under it."""
+    folder = Path(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    except OSError as exc:
+        raise _naming(exc, folder) from None
+    try:
+        os.chmod(tmp, shared_mode(folder=True))     # mkdtemp makes 0700; a run folder is meant to be shared
+        yield tmp
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.filename is not None and exc.errno is not None:
+            try:
+                rel = Path(os.fsdecode(exc.filename)).relative_to(tmp)
+            except ValueError:
+                raise exc from None
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(folder / rel)) from None
+        raise
+
+
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any], metadata: Optional[dict] = None) -> Path:
     """``safetensors.torch.save_file`` (it writes atomically itself) with the run folder's rules: the file gets the
     umask's mode (safetensors creates 0600), and a failed write is an OSError naming ``path`` (safetensors raises
@@ -177,10 +207,13 @@ def atomic_write_new(path: str | os.PathLike, data: bytes) -> Path:
     ``-3``, ... (an existing file is never overwritten; two writers at once get one name each: the temp file is
     hard-linked into place, which fails when the name exists).
 
-    Raises: OSError when the folder cannot be written."""
+    Raises: OSError when the folder cannot be written, naming ``path`` (never the temporary file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _naming(exc, path) from None
     try:
         os.fchmod(fd, shared_mode())
         with os.fdopen(fd, "wb") as fh:
@@ -195,7 +228,11 @@ def atomic_write_new(path: str | os.PathLike, data: bytes) -> Path:
                 continue
             _fsync_dir(path.parent)
             return dest
-        raise FileExistsError(f"{path}: no free name up to -9999")
+        raise FileExistsError(errno.EEXIST, "no free name up to -9999", str(path))
+    except OSError as exc:
+        if isinstance(exc, FileExistsError):
+            raise
+        raise _naming(exc, path) from None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -243,6 +280,10 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Atomically write ``obj`` as indented JSON (non-JSON values via ``str``)."""
     return atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
+
+#: Token ids read from any file (training data, prompt files) are below this: SGLang keeps them in int32 tensors, and
+#: no vocabulary comes near.
+MAX_TOKEN_ID = 2 ** 31
 
 #: Deepest JSON nesting read from a file or a server answer (arrays / objects inside each other). SGLang's answers
 #: nest about 5 deep (``meta_info.hidden_states[0][t][d]``), configs and manifests less than 10; deeper than this is
@@ -432,8 +473,8 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         The validated model instance.
 
     Raises:
-        ``error``: missing or unreadable file, invalid YAML (:func:`load_yaml_text`: also aliases that expand past
-            :data:`MAX_YAML_NODES`), not a mapping, or an invalid field; one line naming the file and the field
+        ``error``: missing or unreadable file, not UTF-8 text, invalid YAML (:func:`load_yaml_text`: also aliases
+            that expand past :data:`MAX_YAML_NODES`), not a mapping, or an invalid field; one line naming the file and the field
             (``timeline.2.hypothesis.check``) and what was expected.
     """
 
@@ -446,11 +487,14 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         if path.is_dir():
             raise error(f"{what} expected, got a folder", path=path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise error(f"{what} does not exist", path=path) from None
         except OSError as exc:
             raise error(f"{what} cannot be read ({exc.strerror or exc})", path=path) from None
+        except UnicodeDecodeError as exc:
+            raise error(f"{what} is not a UTF-8 text file (byte {exc.start}: {exc.reason}); expected YAML",
+                        path=path) from None
         data = load_yaml_text(text, what, path=path, error=error)
     if prepare is not None:
         data = prepare(data)

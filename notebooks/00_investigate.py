@@ -55,8 +55,8 @@ doc = I.ensure(ctx, samples=samples, apply_fix=apply_fix, relaunch=relaunch, tim
 # ## The investigation
 
 # %%
-for part in (I.sections_html(doc) if doc is not None else [R.note("No live server and no investigation.json in "
-                                                                   "this run folder.")]):
+for part in (I.sections_html(doc, replay=ctx.replay, run_dir=ctx.run_dir) if doc is not None else
+             [R.note("No live server and no investigation.json in this run folder.")]):
     R.show(part)
 
 # %% [markdown]

@@ -30,6 +30,7 @@ case = ""  # the case file to replay (empty: only show a replay already in run_d
 
 # %%
 from helpers.views import common as R
+from helpers.views import investigation as I
 from helpers.views import replay
 
 R.setup_notebook()
@@ -41,7 +42,7 @@ doc = replay.run_or_load_replay(ctx)
 # ## What was wrong
 
 # %%
-R.show(replay.headline_html(doc))
+R.show(replay.headline_html(doc, I.load_investigation(ctx.run_dir)))
 R.show(replay.story_html(doc))
 
 # %% [markdown]

@@ -34,7 +34,7 @@ max_new_tokens = 64  # live: tokens per request
 # %%
 from helpers.plots import acceptance as F
 from helpers.views import common as R
-from helpers.views import acceptance, postmortem, replay
+from helpers.views import acceptance, postmortem, replay, story
 from helpers.views import investigation as I
 
 R.setup_notebook()
@@ -49,12 +49,14 @@ inv = I.load_investigation(ctx.run_dir)
 # %% [markdown]
 # ## Measured fixes
 #
-# The investigation's before / after (with the paired change over the same prompts), then the ledger.
+# The ledger's fixes, then the fix's before / after (the paired change over the same prompts, and any figure that
+# does not fit the story, flagged with why), then the acceptance budget.
 
 # %%
 R.show(acceptance.acceptance_table(fixes) if len(fixes) else R.note("Nothing was measured in this run folder."))
-R.show(I.effect_html(inv))
-for part in acceptance.acceptance_budget(ctx.run_dir):
+for part in story.measurement_parts(ctx.run_dir, ctx.replay, inv, acceptance.main_fixes(ledger)):
+    R.show(part)
+for part in acceptance.acceptance_budget(ctx.run_dir, ctx.replay):
     R.show(part)
 
 # %% [markdown]
@@ -103,4 +105,4 @@ R.show(fig if fig is not None else R.note("No num_steps sweep in this run folder
 R.write_result(ctx, "20_acceptance", {
     "fixes": acceptance.acceptance_table(fixes).to_dict(orient="records"),
     "sweep": acceptance.acceptance_table(sweep).to_dict(orient="records"),
-    "before_after": postmortem.before_after(ctx.replay, ledger).to_dict(orient="records")})
+    "before_after": postmortem.before_after(ctx.replay, ledger, run_dir=ctx.run_dir, inv=inv).to_dict(orient="records")})

@@ -23,7 +23,7 @@ repo_root = ""  # checkout that relative paths are resolved against; empty: this
 # %%
 from helpers.plots import acceptance as F
 from helpers.views import common as R
-from helpers.views import acceptance, postmortem, replay
+from helpers.views import acceptance, postmortem, replay, story
 from helpers.views import investigation as I
 
 R.setup_notebook()
@@ -31,21 +31,17 @@ ctx = R.context(run_dir, repo_root=repo_root)
 R.show(R.run_banner(ctx))
 doc, ledger, status = ctx.replay, acceptance.ledger_frame(ctx.run_dir), postmortem.suite_status(ctx.run_dir)
 inv = I.load_investigation(ctx.run_dir)
-if inv is not None:
-    R.show(I.headline_html(inv))
-if doc is not None:
-    R.show(replay.headline_html(doc))
-elif inv is None:
-    R.show(R.note("No investigation and no replay in this run folder."))
+for part in story.first_screen(ctx.run_dir, doc, inv, acceptance.main_fixes(ledger)):
+    R.show(part)
 
 # %% [markdown]
 # ## The blind investigation
 #
-# What the tool found on its own: findings, the hypotheses ordered by evidence, the proposed fix and, when the
-# server could be restarted, its measured effect.
+# What the tool found on its own: findings, the hypotheses ordered by evidence, the proposed fix, its measurement
+# and the acceptance budget's details (the ladder is on the first screen above).
 
 # %%
-for part in (I.sections_html(inv, with_headline=False) if inv is not None else
+for part in (I.sections_html(inv, with_headline=False, replay=doc, ladder=False) if inv is not None else
              [R.note("No live investigation in this run folder.")]):
     R.show(part)
 
@@ -63,16 +59,11 @@ if compared.get("findings"):
     R.show(R.findings_frame(compared.get("findings")))
 
 # %% [markdown]
-# ## Before and after the fix
+# ## Acceptance per fix
+#
+# Every fix of the run along the timeline (the before / after of the fix is on the first screen above).
 
 # %%
-change = postmortem.before_after(doc, ledger)
-if len(change):
-    R.show(change)
-elif inv is None or "before" not in (inv.measured or {}):
-    R.show(R.note("Fewer than two fixes were measured."))
-else:
-    R.show(R.note("The fix was measured by the investigation (above)."))
 R.show(replay.timeline_figure(doc))
 fixes = acceptance.main_fixes(ledger)
 if len(fixes):

@@ -51,3 +51,12 @@ def specs(runner32):
 def target36(tmp_path_factory):
     """A 36-layer tiny Llama (gpt-oss-like depth) for the final-boundary case."""
     return build_target(tmp_path_factory.mktemp("models") / "tiny-target-36", layers=36, seed=3)
+
+
+@pytest.fixture(scope="session")
+def kimi(tmp_path_factory):
+    """The Kimi-class target (DeepseekV3ForCausalLM: MLA, 8 routed experts top-2 + 1 shared) and its two EAGLE-3
+    drafts (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM): trained ones from env/models/kimi/ when present,
+    else random ones of the same shapes (support.kimi.kimi_models)."""
+    from support.kimi import kimi_models
+    return kimi_models(tmp_path_factory.mktemp("kimi"))

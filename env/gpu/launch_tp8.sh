@@ -18,17 +18,21 @@ ARGS=(--model-path "$TARGET" --tp-size 8 --host 0.0.0.0 --port "$PORT"
       --enable-return-hidden-states --enable-metrics)
 if [ -n "${HOOKS_DIR:-}" ] || [ -n "${LAYERS_DIR:-}" ]; then
   N="${NUM_LAYERS:-$("$PY" -c "from helpers.formats.configs import read_target_config as r; import sys; print(r(sys.argv[1]).num_hidden_layers)" "$TARGET")}"
+  # module names of the target's family (helpers.hooks.model_family: Llama, DeepSeek-V2/V3, Kimi-K2.5's language_model.)
   HOOKS="$("$PY" -c "
 import json, sys
-from helpers.hooks import CaptureConfig, hook_specs
+from helpers.hooks import CaptureConfig, hook_specs, model_family
 from helpers.capture import every_layer_hook_specs
+from helpers.formats.configs import read_target_config
+t = read_target_config(sys.argv[4])
+fam = model_family(t.architectures, t.model_type)
 specs = []
 if sys.argv[1]:
-    specs += hook_specs(capture=CaptureConfig(out_dir=sys.argv[1], keys=['embedding', 'embedding_local']), num_layers=int(sys.argv[3]))
+    specs += hook_specs(capture=CaptureConfig(out_dir=sys.argv[1], keys=['embedding', 'embedding_local']), num_layers=int(sys.argv[3]), family=fam)
 if sys.argv[2]:
-    specs += [s for s in every_layer_hook_specs(sys.argv[2], int(sys.argv[3])) if s['name'] not in {x['name'] for x in specs}]
+    specs += [s for s in every_layer_hook_specs(sys.argv[2], int(sys.argv[3]), fam) if s['name'] not in {x['name'] for x in specs}]
 print(json.dumps(specs))
-" "${HOOKS_DIR:-}" "${LAYERS_DIR:-}" "$N")"
+" "${HOOKS_DIR:-}" "${LAYERS_DIR:-}" "$N" "$TARGET")"
   ARGS+=(--forward-hooks "$HOOKS" --disable-cuda-graph)
 fi
 # shellcheck disable=SC2086

@@ -38,19 +38,10 @@ FAULTS = {
 
 
 def load_draft(draft_dir: Path, target_dir: Path):
-    from safetensors.torch import load_file
-
-    from e3f_models.draft import Eagle3Draft
-    cfg = json.loads((draft_dir / "config.json").read_text())
-    w = load_file(str(draft_dir / "model.safetensors"))
-    tw = load_file(str(target_dir / "model.safetensors"))
-    emb = tw["model.embed_tokens.weight"].float()
-    d = Eagle3Draft(cfg, emb, w["d2t"], w["t2d"])
-    res = d.load_state_dict({k: (v.float() if v.is_floating_point() else v)
-                             for k, v in w.items()}, strict=False)
-    assert res.missing_keys == ["embed.weight"] and not res.unexpected_keys, res
-    d.eval()
-    return d, tw.get("lm_head.weight", emb).float()
+    """``(draft, target lm_head)``: ``e3f_models.draft_arch.load_draft`` (strict except the
+    shared embedding; either draft architecture)."""
+    from e3f_models.draft_arch import load_draft as _load
+    return _load(draft_dir, target_dir)
 
 
 @torch.no_grad()

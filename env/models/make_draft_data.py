@@ -63,6 +63,16 @@ def make_prompts(docs: list[str], tok, num: int, seed: int, min_len: int = 4,
     return out
 
 
+def sequences_label(n_greedy: int, n_sampled: int, temperature: float) -> str:
+    """How the continuations were chosen, in the words capture.json and the draft's training log
+    share: ``greedy``, ``sampled at temperature T`` or ``G greedy + S sampled at temperature T``."""
+    if n_sampled == 0:
+        return "greedy"
+    if n_greedy == 0:
+        return f"sampled at temperature {temperature}"
+    return f"{n_greedy} greedy + {n_sampled} sampled at temperature {temperature}"
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -122,6 +132,9 @@ def main(argv=None) -> int:
             r = read_record(p)
             samples.append((r["input_ids"].tolist(), r["loss_mask"].tolist()))
         print(f"[records] {len(samples)} samples from {a.records_from}")
+        rec_cap = a.records_from / "capture.json"
+        sequences = (json.loads(rec_cap.read_text()).get("sequences", "as recorded there")
+                     if rec_cap.exists() else "as recorded there")
         gen_source = f"records of {a.records_from}"
     else:
         import gzip
@@ -141,11 +154,10 @@ def main(argv=None) -> int:
                                     temperature=a.temperature, seed=a.seed)
         timings["regenerate_s"] = round(time.time() - t, 1)
         samples = [(p + g, [0] * len(p) + [1] * len(g)) for p, g in zip(prompts, gens)]
-        print(f"[regenerate] {len(samples)} greedy continuations of {a.new_tokens} tokens on "
+        sequences = sequences_label(n_greedy, a.num - n_greedy, a.temperature)
+        gen_source = f"HF on {device}"
+        print(f"[regenerate] {len(samples)} continuations ({sequences}) of {a.new_tokens} tokens on "
               f"{device} in {timings['regenerate_s']} s")
-        gen_source = (f"HF greedy on {device}" if n_greedy == a.num else
-                      f"HF on {device}: {n_greedy} greedy + {a.num - n_greedy} sampled at "
-                      f"temperature {a.temperature}")
 
     # 2. capture
     a.out.mkdir(parents=True, exist_ok=True)
@@ -200,12 +212,15 @@ def main(argv=None) -> int:
         "aux_order": "ascending layer id",
         "hidden_state": "after the target's final RMSNorm",
         "dtype": "bfloat16",
-        "target": {"path": str(a.target.name), "num_hidden_layers": n_layers,
+        "target": {"path": str(a.target.name), "architecture": (tcfg.get("architectures")
+                                                                 or [None])[0],
+                   "num_hidden_layers": n_layers,
                    "hidden_size": tcfg["hidden_size"], "vocab_size": target_vocab,
                    "model_safetensors_sha256": file_sha256(a.target / "model.safetensors")},
         "samples": len(samples), "tokens": n_tok,
         "loss_masked_tokens": sum(sum(m) for _, m in samples),
-        "sequences": gen_source, "new_tokens": a.new_tokens, "seed": a.seed,
+        "sequences": sequences, "generated_by": gen_source, "new_tokens": a.new_tokens,
+        "seed": a.seed,
         "draft_vocab": int(len(d2t)), "draft_vocab_coverage": coverage,
         "timings_s": timings, "device": str(device),
     })

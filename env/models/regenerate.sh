@@ -3,7 +3,7 @@
 # numbers, in order. Every step is seeded and prints progress.
 #
 #   env/models/regenerate.sh                 # CPU (nice 10): ~1 h on 2 idle cores, more when shared
-#   DEVICE=cuda env/models/regenerate.sh     # steps 1-3 on a GPU (~4 min on one H200)
+#   DEVICE=cuda env/models/regenerate.sh     # steps 1-3 and 7-9 on a GPU (~4 min + ~8 min on one H200)
 #
 # PY: the suite interpreter (default .venv/bin/python); the SGLang steps (4, 5) need the server venv
 # (env/reference/.venv or $E3F_SGLANG_PYTHON). The full training data (~0.5 GB) goes to
@@ -15,22 +15,42 @@ PY="${PY:-$ROOT/.venv/bin/python}"
 DEVICE="${DEVICE:-cpu}"
 RUN=(nice -n 10 "$PY")
 cd "$HERE"
-echo "[regenerate] 1/6 target (corpus -> tokenizer -> Llama 8x128)"
+echo "[regenerate] 1/9 target (corpus -> tokenizer -> Llama 8x128)"
 "${RUN[@]}" train_target.py --device "$DEVICE"
-echo "[regenerate] 2/6 draft training data: self-distilled, HF capture, SpecForge format"
+echo "[regenerate] 2/9 draft training data: self-distilled, HF capture, SpecForge format"
 "${RUN[@]}" make_draft_data.py --device "$DEVICE" --out cache/draft_data
-echo "[regenerate] 3/6 EAGLE-3 draft (TTT)"
+echo "[regenerate] 3/9 EAGLE-3 draft (TTT)"
 "${RUN[@]}" train_draft.py --device "$DEVICE" --data cache/draft_data
-echo "[regenerate] 4/6 committed samples: 3 records captured with HF (data/sample) and SGLang (data/sample_sglang)"
+echo "[regenerate] 4/9 committed samples: 3 records captured with HF (data/sample) and SGLang (data/sample_sglang)"
 "${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --out data/sample --vocab-from draft
 "${RUN[@]}" make_draft_data.py --backend sglang --records-from data/sample --num 3 \
   --out data/sample_sglang --vocab-from draft
-echo "[regenerate] 5/6 wiring-fault proxy and acceptance on real SGLang (TP 2) -> bench/RESULTS.md"
+echo "[regenerate] 5/9 wiring-fault proxy and acceptance on real SGLang (TP 2) -> bench/RESULTS.md"
 "${RUN[@]}" eval_draft_faults.py --device cpu --json draft/wiring_fault_eval.json
 "${RUN[@]}" measure_acceptance.py --num 64 --new-tokens 64 --hf-check --results bench/RESULTS.md
-echo "[regenerate] 6/6 second draft on out(4), out(5), out(6) for the fallback-ids case (draft_alt, data/sample_alt)"
+echo "[regenerate] 6/9 second draft on out(4), out(5), out(6) for the fallback-ids case (draft_alt, data/sample_alt)"
 "${RUN[@]}" make_draft_data.py --device "$DEVICE" --num 2400 --layer-ids 4 5 6 --vocab-from draft \
   --out cache/draft_data_alt
 "${RUN[@]}" train_draft.py --device "$DEVICE" --data cache/draft_data_alt --out draft_alt --epochs 6
 "${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --layer-ids 4 5 6 --out data/sample_alt \
   --vocab-from draft_alt
+echo "[regenerate] 7/9 validation rows of the reference draft: the first 64 of its log's validation split (data/validation)"
+"${RUN[@]}" export_validation.py --device "$DEVICE" --data cache/draft_data --draft draft --target target --num 64 \
+  --out data/validation
+echo "[regenerate] 8/9 Kimi-class target (DeepseekV3: MLA + MoE), its Llama-style and MLA drafts, samples, validation rows"
+"${RUN[@]}" train_target.py --device "$DEVICE" --family kimi --tokenizer-from target --out kimi/target
+"${RUN[@]}" make_draft_data.py --device "$DEVICE" --target kimi/target --batch-size 256 --out cache/kimi_data
+"${RUN[@]}" train_draft.py --device "$DEVICE" --target kimi/target --data cache/kimi_data --out kimi/draft
+"${RUN[@]}" train_draft.py --device "$DEVICE" --arch mla --target kimi/target --data cache/kimi_data --out kimi/draft_mla
+"${RUN[@]}" export_validation.py --device "$DEVICE" --data cache/kimi_data --draft kimi/draft --draft kimi/draft_mla \
+  --target kimi/target --num 48 --out kimi/data/validation
+"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --target kimi/target --out kimi/data/sample \
+  --vocab-from kimi/draft
+echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, validation rows"
+"${RUN[@]}" train_target.py --device "$DEVICE" --num-heads 2 --num-kv-heads 2 --tokenizer-from target --out llama_h64/target
+"${RUN[@]}" make_draft_data.py --device "$DEVICE" --target llama_h64/target --batch-size 256 --out cache/h64_data
+"${RUN[@]}" train_draft.py --device "$DEVICE" --target llama_h64/target --data cache/h64_data --out llama_h64/draft
+"${RUN[@]}" export_validation.py --device "$DEVICE" --data cache/h64_data --draft llama_h64/draft --target llama_h64/target \
+  --num 48 --out llama_h64/data/validation
+"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --target llama_h64/target --out llama_h64/data/sample \
+  --vocab-from llama_h64/draft

@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Train the EAGLE-3 draft on SpecForge-format data (make_draft_data.py) with unrolled TTT.
+"""Train an EAGLE-3 draft on SpecForge-format data (make_draft_data.py) with unrolled TTT.
 
     python env/models/train_draft.py --data env/models/cache/draft_data      # -> env/models/draft
+    python env/models/train_draft.py --arch mla --target env/models/kimi/target \
+        --data env/models/cache/kimi_data --out env/models/kimi/draft_mla   # MLA draft (Kimi)
 
-Writes ``--out``: config.json (``LlamaForCausalLMEagle3``, ``eagle_config`` with the SpecForge
-layer ids of the data's manifest), model.safetensors (bf16 weights + int64 d2t + bool t2d, SGLang /
-SpecForge names, no embeddings) and training_log.json. Deterministic: seeded init and batch order.
+Writes ``--out``: config.json (``--arch llama``: ``LlamaForCausalLMEagle3``; ``--arch mla``:
+``Eagle3DeepseekV2ForCausalLM``; ``eagle_config`` with the SpecForge layer ids of the data's
+manifest), model.safetensors (bf16 weights + int64 d2t + bool t2d, the names SGLang's
+``load_weights`` reads, no embeddings) and training_log.json. Deterministic: seeded init and
+batch order.
 """
 from __future__ import annotations
 
@@ -22,48 +26,22 @@ import torch  # noqa: E402
 
 from e3f_models import (CACHE_DIR, DRAFT_DIR, TARGET_DIR, pick_device,  # noqa: E402
                         seed_everything, write_json)
-from e3f_models.draft import Eagle3Draft, ttt_loss  # noqa: E402
+from e3f_models.draft import ttt_loss  # noqa: E402
+from e3f_models.draft_arch import DRAFT_ARCHS, load_draft  # noqa: E402
 from e3f_models.specforge_data import list_records, read_record, read_vocab_mapping  # noqa: E402
 
 
-def draft_config(target_cfg: dict, draft_vocab: int, layer_ids: list[int]) -> dict:
-    """config.json of the draft (SGLang ``LlamaForCausalLMEagle3`` / SpecForge draft config).
+def split_indices(n: int, val_frac: float, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """``(val, train)`` record indices: ``torch.randperm(n, generator=gen)``, the first
+    ``max(1, int(n * val_frac))`` for validation (in that order), the rest for training. ``gen``
+    goes on to order the training batches, as in every run of this script."""
+    perm = torch.randperm(n, generator=gen).tolist()
+    n_val = max(1, int(n * val_frac))
+    return perm[:n_val], perm[n_val:]
 
-    The target's Llama shape with 1 decoder layer, ``draft_vocab_size`` < ``vocab_size``,
-    ``tie_word_embeddings: false`` (SGLang would otherwise use the embedding as lm_head) and
-    ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SpecForge's out(i) convention: SGLang
-    reads the nested key (model_runner_components/spec_aux_hidden_state.py) and captures at loop
-    index i+1 (models/llama.py::set_eagle3_layers_to_capture).
-    """
-    rope = (target_cfg.get("rope_parameters") or {}).get("rope_theta",
-                                                          target_cfg.get("rope_theta", 10000.0))
-    h, nh = target_cfg["hidden_size"], target_cfg["num_attention_heads"]
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": h,
-        "intermediate_size": target_cfg["intermediate_size"],
-        "num_hidden_layers": 1,
-        "num_attention_heads": nh,
-        "num_key_value_heads": target_cfg["num_key_value_heads"],
-        "head_dim": target_cfg.get("head_dim") or h // nh,
-        "hidden_act": target_cfg.get("hidden_act", "silu"),
-        "max_position_embeddings": target_cfg["max_position_embeddings"],
-        "rms_norm_eps": target_cfg["rms_norm_eps"],
-        "rope_theta": rope,
-        "rope_parameters": {"rope_theta": rope, "rope_type": "default"},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "vocab_size": target_cfg["vocab_size"],
-        "draft_vocab_size": int(draft_vocab),
-        "tie_word_embeddings": False,
-        "bos_token_id": target_cfg.get("bos_token_id"),
-        "eos_token_id": target_cfg.get("eos_token_id"),
-        "pad_token_id": target_cfg.get("pad_token_id"),
-        "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids),
-                         "use_aux_hidden_state": True},
-    }
+
+VAL_SPLIT_RULE = ("train_draft.py split_indices: torch.randperm(records, generator seeded --seed)"
+                  "[:max(1, int(records * --val-frac))], in that order")
 
 
 def load_dataset(root: Path) -> list[dict]:
@@ -141,6 +119,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-steps", type=int, default=None, help="stop early (smoke runs)")
+    ap.add_argument("--arch", choices=sorted(DRAFT_ARCHS), default="llama",
+                    help="llama: LlamaForCausalLMEagle3 | mla: Eagle3DeepseekV2ForCausalLM (needs "
+                         "an MLA target)")
+    ap.add_argument("--fc-norm", action="store_true",
+                    help="--arch mla: per-chunk RMSNorm before fc (eagle3.1 fc_norm)")
     a = ap.parse_args(argv)
     t0 = time.time()
     seed_everything(a.seed, a.threads)
@@ -153,14 +136,18 @@ def main(argv=None) -> int:
     tw = load_file(str(a.target / "model.safetensors"))
     embed = tw["model.embed_tokens.weight"].float()
     target_head = (tw.get("lm_head.weight", embed)).float().to(device)  # tied: lm_head = embed
-    cfg = draft_config(tcfg, len(d2t), layer_ids)
+    arch = DRAFT_ARCHS[a.arch]
+    try:
+        cfg = arch.make_config(tcfg, len(d2t), layer_ids,
+                               **({"fc_norm": True} if a.fc_norm else {}))
+    except (TypeError, ValueError) as e:
+        ap.error(f"--arch {a.arch} with --target {a.target}: {e}")
 
     recs = load_dataset(a.data)
     g = torch.Generator().manual_seed(a.seed)
-    perm = torch.randperm(len(recs), generator=g).tolist()
-    n_val = max(1, int(len(recs) * a.val_frac))
-    val = [recs[i] for i in perm[:n_val]]
-    train = [recs[i] for i in perm[n_val:]]
+    val_idx, train_idx = split_indices(len(recs), a.val_frac, g)
+    val = [recs[i] for i in val_idx]
+    train = [recs[i] for i in train_idx]
     val_batches = [list(range(i, min(i + a.batch_size, len(val))))
                    for i in range(0, len(val), a.batch_size)]
     steps_per_epoch = math.ceil(len(train) / a.batch_size)
@@ -169,12 +156,13 @@ def main(argv=None) -> int:
           f"draft vocab {len(d2t)}; {total} steps ({a.epochs} epochs x {steps_per_epoch})")
 
     torch.manual_seed(a.seed)
-    draft = Eagle3Draft(cfg, embed, d2t, t2d)
+    draft = arch.module(cfg, embed, d2t, t2d)
     draft.init_weights(a.seed, lm_head_from=target_head.cpu())
     draft.to(device)
     params = [p for p in draft.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
-    print(f"[draft] hidden {cfg['hidden_size']}, 1 layer, fc {3 * tcfg['hidden_size']}->"
+    print(f"[draft] {arch.architecture}: hidden {cfg['hidden_size']}, 1 layer, fc "
+          f"{3 * tcfg['hidden_size']}->"
           f"{cfg['hidden_size']}, lm_head {len(d2t)}: {n_params / 1e6:.2f} M trainable params "
           f"on {device}")
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=a.weight_decay)
@@ -220,6 +208,10 @@ def main(argv=None) -> int:
     save_file(draft.sglang_state_dict(torch.bfloat16), str(a.out / "model.safetensors"),
               metadata={"format": "pt"})
     final = log[-1]["val"]
+    saved, _ = load_draft(a.out, a.target)  # the bf16 checkpoint, upcast to fp32
+    ckpt = evaluate(saved.to(device), val, val_batches, target_head, a.ttt_length, device)
+    print(f"[eval] saved bf16 checkpoint: val acc per step "
+          f"{[round(x, 4) for x in ckpt['acc_per_step']]}", flush=True)
     write_json(a.out / "training_log.json", {
         "trainer": "env/models/train_draft.py (compact re-implementation of SpecForge's offline "
                    "EAGLE-3 TTT trainer; see e3f_models/draft.py)",
@@ -227,12 +219,18 @@ def main(argv=None) -> int:
                                                    ("backend", "samples", "tokens",
                                                     "loss_masked_tokens", "layer_ids",
                                                     "draft_vocab_coverage", "sequences",
-                                                    "new_tokens")}},
+                                                    "new_tokens", "generated_by")
+                                                   if k in manifest},
+                 "validation_split": {"records": len(val), "rule": VAL_SPLIT_RULE}},
+        "architecture": arch.architecture,
         "hyper": {k: getattr(a, k) for k in ("epochs", "batch_size", "lr", "min_lr", "warmup",
                                              "weight_decay", "ttt_length", "val_frac", "seed",
-                                             "threads")},
+                                             "threads", "arch", "fc_norm")},
         "trainable_params": n_params, "steps": step,
         "val_before": before, "val_final": final,
+        "val_final_checkpoint": {**ckpt, "note": "the saved bf16 model.safetensors (upcast to "
+                                                 "fp32) on the same split; val_final is the fp32 "
+                                                 "weights at the end of training"},
         "train_loss_last20": sum(r["loss"] for r in log[-20:]) / min(20, len(log)),
         "train_wall_s": round(train_s, 1),
         "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda"

@@ -1,8 +1,12 @@
 #!/usr/bin/env python
-"""Train the reference target (tiny Llama) on the offline docstring/docs corpus.
+"""Train a reference target on the offline docstring/docs corpus (tiny Llama by default).
 
     nice -n 10 python env/models/train_target.py            # ~23 min on 2 idle cores, ~1 min on a GPU
     python env/models/train_target.py --steps 20 --out /tmp/t  # smoke run
+    python env/models/train_target.py --family kimi --tokenizer-from env/models/target \
+        --out env/models/kimi/target                        # Kimi-class DeepseekV3 (MLA + MoE)
+    python env/models/train_target.py --num-heads 2 --num-kv-heads 2 \
+        --tokenizer-from env/models/target --out env/models/llama_h64/target   # head_dim 64
 
 Writes ``--out`` (default env/models/target/): tokenizer, config.json, model.safetensors (bf16),
 training_log.json (loss, held-out loss / ppl, distinct-4-gram ratio of greedy continuations,
@@ -27,8 +31,8 @@ import torch  # noqa: E402
 from e3f_models import (CACHE_DIR, PROMPTS_FILE, TARGET_DIR, pick_device,  # noqa: E402
                         seed_everything, write_json)
 from e3f_models.corpus import build_corpus  # noqa: E402
-from e3f_models.target import (distinct_n, eval_loss, greedy_continue, load_target,  # noqa: E402
-                               pack_documents, target_config, train_target)
+from e3f_models.target import (FAMILIES, distinct_n, eval_loss, greedy_continue,  # noqa: E402
+                               load_target, pack_documents, train_target)
 from e3f_models.tok import train_tokenizer  # noqa: E402
 
 
@@ -84,14 +88,32 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda")
     ap.add_argument("--hidden-size", type=int, default=None, help="override TARGET_SHAPE")
     ap.add_argument("--intermediate-size", type=int, default=None, help="override TARGET_SHAPE")
+    ap.add_argument("--num-heads", type=int, default=None,
+                    help="override num_attention_heads (e.g. 2: head_dim 64 for vLLM's CPU backend)")
+    ap.add_argument("--num-kv-heads", type=int, default=None, help="override num_key_value_heads")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                    help="llama (LlamaForCausalLM) | kimi (DeepseekV3ForCausalLM: MLA + MoE)")
+    ap.add_argument("--tokenizer-from", type=Path, default=None,
+                    help="copy this target folder's tokenizer instead of training one (the kimi "
+                         "and head_dim-64 targets reuse env/models/target's 4096-id BPE)")
     a = ap.parse_args(argv)
     t_start = time.time()
     seed_everything(a.seed, a.threads)
 
     corpus = load_or_build_corpus(a.rebuild_corpus)
     a.out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(corpus["train"], a.out, a.vocab_size)
-    print(f"[tokenizer] byte-level BPE, vocab {len(tok)} -> {a.out}")
+    if a.tokenizer_from is not None:
+        import shutil
+
+        from transformers import AutoTokenizer
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (a.tokenizer_from / name).exists():
+                shutil.copyfile(a.tokenizer_from / name, a.out / name)
+        tok = AutoTokenizer.from_pretrained(str(a.out))
+        print(f"[tokenizer] {len(tok)} ids: files copied from {a.tokenizer_from} -> {a.out}")
+    else:
+        tok = train_tokenizer(corpus["train"], a.out, a.vocab_size)
+        print(f"[tokenizer] byte-level BPE, vocab {len(tok)} -> {a.out}")
     enc = lambda docs: tok(docs, add_special_tokens=True)["input_ids"]  # noqa: E731
     train_ids, held_ids = enc(corpus["train"]), enc(corpus["heldout"])
     rows = pack_documents(train_ids, a.seq_len)
@@ -100,26 +122,30 @@ def main(argv=None) -> int:
           f"{held_rows.numel()} held-out tokens; {a.steps * a.batch_size * a.seq_len / 1e6:.2f} M "
           f"tokens will be seen ({a.steps * a.batch_size / len(rows):.2f} epochs)")
 
-    from transformers import LlamaForCausalLM
+    family = FAMILIES[a.family]
     torch.manual_seed(a.seed)
     over = {k: v for k, v in (("hidden_size", a.hidden_size),
-                              ("intermediate_size", a.intermediate_size)) if v}
-    cfg = target_config(vocab_size=len(tok), **over)
-    model = LlamaForCausalLM(cfg)  # initialised on CPU: same init on every device
+                              ("intermediate_size", a.intermediate_size),
+                              ("num_attention_heads", a.num_heads),
+                              ("num_key_value_heads", a.num_kv_heads)) if v}
+    cfg = family.config(vocab_size=len(tok), **over)
+    model = family.new_model(cfg)  # initialised on CPU: same init on every device
     device = pick_device(a.device)
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[model] Llama: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
-          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, MLP "
-          f"{cfg.intermediate_size}, vocab {cfg.vocab_size} (tied): {n_params / 1e6:.2f} M params")
+    print(f"[model] {family.describe(cfg, n_params)}")
+    balancer = family.balancer(model)
     records = train_target(model, rows, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                            min_lr=a.min_lr, warmup=a.warmup, weight_decay=a.weight_decay,
-                           seed=a.seed, heldout_rows=held_rows, eval_every=a.eval_every)
+                           seed=a.seed, heldout_rows=held_rows, eval_every=a.eval_every,
+                           after_step=balancer.after_step if balancer else None)
+    if balancer is not None:
+        balancer.remove()
     t_train = time.time() - t_start
 
     # Save in bf16, then evaluate what was saved (bf16 weights upcast to fp32).
     model.config.use_cache = True
-    model.to(torch.bfloat16).save_pretrained(a.out)
+    family.save(model, a.out)
     saved = load_target(a.out, torch.float32).to(device)
     held_loss = eval_loss(saved, held_rows)
     train_loss = eval_loss(saved, rows[:64])
@@ -132,10 +158,7 @@ def main(argv=None) -> int:
     samples = [{"prompt": p, "continuation": tok.decode(g, skip_special_tokens=False)}
                for p, g in zip(prompts[:8], gens[:8])]
     summary = {
-        "shape": {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers",
-                                               "num_attention_heads", "num_key_value_heads",
-                                               "intermediate_size", "vocab_size",
-                                               "max_position_embeddings", "tie_word_embeddings")},
+        "shape": {k: getattr(cfg, k) for k in family.shape_keys},
         "params": n_params,
         "corpus": {"sources": corpus["sources"], "sha256": corpus["sha256"],
                    "train_documents": len(corpus["train"]),
@@ -151,6 +174,9 @@ def main(argv=None) -> int:
                    "fraction_with_eos": eos_frac,
                    "distinct_4": d4, "distinct_2": distinct_n(gens, 2)},
         "samples": samples,
+        **({"family": family.name, "architecture": type(model).__name__,
+            "expert_balancing": balancer.stats()} if balancer is not None else {}),
+        **({"tokenizer_from": str(a.tokenizer_from)} if a.tokenizer_from is not None else {}),
         "train_wall_s": round(t_train, 1),
         "device": str(device) + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda"
                                  else f" ({torch.get_num_threads()} threads)"),

@@ -14,8 +14,10 @@ reading its body:
                         an id of n-1 indexes ``layers[n]`` -> IndexError at start-up;
 
 and, as ``last_layer``, what capture index n (an id naming the last layer, after +1) does: ``missing`` (the loop
-never reaches it), ``index_error``, or ``boundary`` (the model's forward captures the last layer's output after
-the loop: ``gpt_oss.py``, ``gemma3_causal.py``, ``gemma4_causal.py``, ``minimax_m3.py``);
+never reaches it: the chunk is silently absent), ``index_error``, ``boundary`` (the model's forward captures the last
+layer's output after the loop: ``gpt_oss.py``, ``gemma3_causal.py``, ``gemma4_causal.py``, ``minimax_m3.py``), or
+``runtime_error`` (the captures go into an ``AuxHiddenStatePacker`` sized by the ids, whose ``finalize`` raises
+RuntimeError at the first forward when one is never reached: ``deepseek_v2.py``, and Kimi-K2.5 through it);
 * ``plus_one_default``  +1 applied to the default ids too (``models/minimax_m3_vl.py``);
 * ``none``              no such method: ``attention_backend_setup.py::configure_aux_hidden_state_capture``
                         raises ValueError, the server refuses EAGLE-3.
@@ -130,7 +132,21 @@ def build(models: Path) -> dict:
                 last = "boundary"
         if last == "missing" and "hasattr(self.model, \"set_eagle3_layers_to_capture\")" in body:
             last = "unknown"   # depends on which text model the config builds (dense: missing; MoE: IndexError)
+        # models that collect the captures into AuxHiddenStatePacker(len(layers_to_capture)) (deepseek_v2.py): an
+        # index the loop never reaches leaves the packer short, and finalize() raises RuntimeError("captured k of m
+        # aux hidden states") at the first forward (sglang/srt/layers/aux_hidden_states.py)
+        if last == "missing" and _packs(owner):
+            last = "runtime_error"
         return {"rule": rule or "plus_one", "method_in": where, "last_layer": last}
+
+    def _packs(cls: str, depth: int = 0) -> bool:
+        """Whether ``cls``'s forward, or that of the model it wraps (``self.model`` / ``self.language_model``, two
+        levels), collects the aux captures into an ``AuxHiddenStatePacker``."""
+        fwd = method(cls, "forward")
+        if fwd and "AuxHiddenStatePacker(" in fwd[2]:
+            return True
+        return depth < 2 and any(_packs(c, depth + 1) for attr in ("model", "language_model")
+                                 for c in attr_classes(cls, attr))
 
     def entry(tree: ast.Module) -> list[str]:
         for node in tree.body:

@@ -58,8 +58,8 @@ from ..server.process import ServerProcess
 from ..redaction import redact
 from ..server.settings import SpecSettings
 from .ledger import Ledger
-from .measure import measure, measure_baseline
-from .prompts import load_prompts
+from .measure import MAX_TEMPERATURE, MIN_BOOT, failed_requests, measure, measure_baseline
+from .prompts import MAX_PROMPTS, load_prompts
 
 
 class LaunchSpec(BaseModel):
@@ -94,15 +94,15 @@ class MeasureSettings(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    count: Optional[int] = Field(None, ge=1, validation_alias=AliasChoices("count", "num_prompts"))
+    count: Optional[int] = Field(None, ge=1, le=MAX_PROMPTS, validation_alias=AliasChoices("count", "num_prompts"))
     max_new_tokens: int = Field(128, ge=1)
     concurrency: int = Field(1, ge=1)
     prompts: Optional[str] = None
     seed: int = 0
-    temperature: float = 0.0
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
     ignore_eos: bool = False
     warmup: int = Field(1, ge=0)
-    n_boot: int = Field(2000, ge=100)
+    n_boot: int = Field(2000, ge=MIN_BOOT)
     flush_cache: bool = True
 
     @property
@@ -140,6 +140,11 @@ class ServerSpec(BaseModel):
             raise ValueError("give either launch: (reference server) or command:/url:, not both")
         if self.command is not None and not self.command.strip():
             raise ValueError("command: is empty")
+        if self.command is not None:
+            try:
+                shlex.split(self.command)
+            except ValueError as exc:           # a quote left open: it could never be started
+                raise ValueError(f"command: is not a command line ({exc})") from None
         if self.command is not None and not self.url:
             raise ValueError("command: needs url: (where the started server answers)")
         return self
@@ -323,7 +328,8 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     ``<run>/ledger.parquet``, ``<run>/figures.html``.
 
     Returns the run folder. Raises :class:`FixFailed` after all fixes ran if any failed (their
-    ledger rows carry ``error``).
+    ledger rows carry ``error``) or was measured with failed requests (kept with ``n_failed``; each failed request's
+    ``error`` in its ``per_request.parquet``: a server down mid-run, counters that break an identity).
     """
 
 
@@ -337,6 +343,7 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
     ledger = Ledger(run / "ledger.parquet")
     base = {"tok_s": float("nan"), "tok_s_lo": float("nan"), "tok_s_hi": float("nan")}
     failed: list[str] = []
+    partial: list[str] = []         # fixes measured with failed requests
 
     if ff.baseline is not None:
         m = ff.measure
@@ -381,6 +388,9 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
             s["server_mode"] = fix.mode
             s["started_at"] = started
             res.record(run, fix.name, error=None)
+            line = failed_requests(res.per_request)
+            if line:                            # measured and kept, but not every answer counted
+                partial.append(f"{fix.name}: {line}")
         except (FixFailed, SGLangError, RuntimeError, OSError) as exc:
             failed.append(fix.name)
             ledger.append({"fix": fix.name, "server_mode": fix.mode, "started_at": started,
@@ -393,9 +403,10 @@ def run_fixes(fixes: FixesFile | Path | str | Mapping, *, outputs: Path | str | 
             write_report(ledger.read(), run / "figures.html", title=f"Fixes: {ff.name}")
         except Exception as exc:  # noqa: BLE001 - figures must not lose the measurements
             atomic_write_text(run / "figures.error.txt", f"{type(exc).__name__}: {exc}\n")
-    if failed:
-        raise FixFailed(f"{len(failed)} fix(es) failed: {failed}; see {run / 'ledger.parquet'} "
-                        f"and {run / 'logs'}", run_dir=run)
+    if failed or partial:
+        what = [f"{len(failed)} fix(es) failed: {failed}"] if failed else []
+        what += [f"requests failed in fix {p} (the measurement is saved with n_failed)" for p in partial]
+        raise FixFailed(f"{'; '.join(what)}; see {run / 'ledger.parquet'} and {run / 'logs'}", run_dir=run)
     return run
 
 

@@ -11,16 +11,23 @@ summary figure with its CI, per-position rates and histogram as JSON. :meth:`Led
 an exclusive ``fcntl.flock`` on ``ledger.parquet.lock``, reads the current rows, writes old + new
 rows to a temp file, checks every old ``row_id`` survived, and renames it over the old file. Two
 processes appending at once therefore serialise and lose nothing; rows are never edited or dropped.
+
+A ledger that cannot be read (truncated by a full disk, edited by hand) is :class:`LedgerUnreadable` (bad input,
+exit 2) and is never written over; every row it indexed is also in the measurement folders it points to
+(``saved_to``), from which :meth:`Ledger.rebuild` writes a new one (``python -m helpers measure --rebuild-ledger
+RUN_DIR``: :func:`helpers.acceptance.measure.rebuild_ledger`), keeping the old file beside it.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import uuid
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import pandas as pd
 
@@ -33,11 +40,35 @@ from ..runfiles import (  # noqa: F401
     read_parquet,
     safe_name,
 )
+from ..errors import BadInput, RunFailed
 from ..redaction import redact
 
+#: what the command that rebuilds a run folder's ledger from its measurement folders is (one place for the hint)
+REBUILD_COMMAND = "python -m helpers measure --rebuild-ledger {run_dir}"
 
-class LedgerError(RuntimeError):
-    """The ledger file cannot be read (it is left untouched) or an append would lose rows."""
+
+class LedgerError(RunFailed):
+    """An append that would lose rows (the ledger is left as it was); exit 1."""
+
+
+class LedgerUnreadable(BadInput):
+    """The ledger file (or its lock file) cannot be read: bad input naming the file, what was expected, and the
+    command that rebuilds it from the measurement folders (:data:`REBUILD_COMMAND`); the file is left as is. Exit 2.
+
+    Args:
+        path: the ``ledger.parquet`` (or its lock file).
+        reason: what went wrong reading it (one clause).
+        kept: a measurement folder kept although its row could not be appended (relative to the run folder), if any.
+    """
+
+    def __init__(self, path: Path | str, reason: str, *, kept: str | None = None):
+        self.reason = reason
+        self.kept = kept
+        run_dir = Path(path).parent
+        what = "" if kept is None else f" and the new measurement was kept in {kept}"
+        super().__init__(f"the ledger cannot be read ({reason}); expected the Parquet table of measurements this "
+                         f"tool writes. It was left as is{what}: rebuild the ledger from the measurement folders "
+                         f"with `{REBUILD_COMMAND.format(run_dir=run_dir)}`", path=path)
 
 
 class Ledger:
@@ -57,7 +88,12 @@ class Ledger:
     @contextlib.contextmanager
     def _lock(self, exclusive: bool = True) -> Iterator[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)     # the umask decides, as for every file
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)     # the umask decides, as for every file
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):                   # our own write failed: a full disk
+                raise OSError(exc.errno, exc.strerror, str(self.lock_path)) from None
+            raise LedgerUnreadable(self.lock_path, f"its lock file cannot be opened: {exc.strerror or exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
@@ -73,12 +109,16 @@ class Ledger:
             return read_parquet(self.path.read_bytes())
         except FileNotFoundError:
             return pd.DataFrame()
+        except OSError as exc:
+            raise LedgerUnreadable(self.path, exc.strerror or str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any parquet/arrow error
-            raise LedgerError(f"ledger {self.path} is unreadable ({type(exc).__name__}: {exc}); "
-                              "it was left as is: move it away to start a new one") from None
+            raise LedgerUnreadable(self.path, f"not a Parquet file, or truncated: {exc}") from None
 
     def read(self) -> pd.DataFrame:
-        """All rows (empty DataFrame when the ledger does not exist yet)."""
+        """All rows (empty DataFrame when the ledger does not exist yet).
+
+        Raises:
+            LedgerUnreadable: the file (or its lock file) cannot be read; it is left as is."""
         with self._lock(exclusive=False):
             return self._read_unlocked()
 
@@ -91,6 +131,11 @@ class Ledger:
         Values that are lists/dicts are stored as JSON strings; secrets are never expected here
         (rows come from :meth:`helpers.acceptance.measure.AcceptanceResult.ledger_row`), but string
         cells are passed through :func:`helpers.redaction.redact` anyway.
+
+        Raises:
+            LedgerUnreadable: the current ledger (or its lock file) cannot be read: nothing is written.
+            LedgerError: the new file would lose a row (nothing is written).
+            OSError: the new file cannot be written (a full disk: naming ``ledger.parquet``); the old one stays.
         """
         if isinstance(rows, pd.DataFrame):
             recs = rows.to_dict(orient="records")
@@ -101,16 +146,7 @@ class Ledger:
         if not recs:
             raise ValueError("nothing to append")
         now = pd.Timestamp.now(tz="UTC").isoformat()
-        clean = []
-        for r in recs:
-            r = redact(r)
-            r = {k: (json.dumps(v, default=str) if isinstance(v, (list, dict, tuple)) else v)
-                 for k, v in r.items()}
-            r.setdefault("row_id", uuid.uuid4().hex)
-            r.setdefault("appended_at", now)
-            r.setdefault("writer_pid", os.getpid())
-            clean.append(r)
-        new = pd.DataFrame(clean)
+        new = pd.DataFrame(_flat(recs, now))
         with self._lock(exclusive=True):
             old = self._read_unlocked()
             merged = pd.concat([old, new], ignore_index=True) if len(old) else new
@@ -124,6 +160,59 @@ class Ledger:
                 raise LedgerError(f"refusing to write: expected {len(old) + len(new)} rows, got {len(check)}")
             atomic_write_bytes(self.path, data)
         return new
+
+    def rebuild(self, rows: Sequence[Mapping[str, Any]]) -> Optional[Path]:
+        """Replace the ledger with ``rows`` (those of the run folder's measurement folders, in order), under the file
+        lock; the file it replaces -- unreadable or not -- is kept beside it first, never written over:
+        ``ledger.parquet.corrupt-<YYYYmmdd-HHMMSS>`` when it could not be read, ``ledger.parquet.before-rebuild-<...>``
+        when it could (``-2``, ... when taken; a hard link, so ``ledger.parquet`` is never missing). The new file is
+        written atomically. Rows are flattened as by :meth:`append`.
+
+        Returns: the path the old ledger was kept at, or None when there was none.
+
+        Raises:
+            LedgerError: the written file does not read back with every row.
+            OSError: a file cannot be written (naming it).
+        """
+        now = pd.Timestamp.now(tz="UTC").isoformat()
+        new = _arrow_safe(pd.DataFrame(_flat([dict(r) for r in rows], now)))
+        data = parquet_bytes(new)
+        if len(read_parquet(data)) != len(new):
+            raise LedgerError(f"refusing to write: expected {len(new)} rows, got {len(read_parquet(data))}")
+        with self._lock(exclusive=True):
+            kept = None
+            if self.path.exists():
+                try:
+                    self._read_unlocked()
+                    tag = "before-rebuild"
+                except LedgerUnreadable:
+                    tag = "corrupt"
+                stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+                for i in range(1, 10000):
+                    kept = self.path.with_name(f"{self.path.name}.{tag}-{stamp}" + ("" if i == 1 else f"-{i}"))
+                    try:
+                        os.link(self.path, kept)        # never over an existing name; the ledger stays in place
+                        break
+                    except FileExistsError:
+                        continue
+                    except OSError as exc:
+                        raise OSError(exc.errno, exc.strerror, str(kept)) from None
+            atomic_write_bytes(self.path, data)
+        return kept
+
+
+def _flat(recs: Sequence[dict], now: str) -> list[dict]:
+    """Rows as the ledger stores them: redacted, lists / dicts as JSON strings, ``row_id`` / ``appended_at`` /
+    ``writer_pid`` filled where missing."""
+    clean = []
+    for r in recs:
+        r = redact(r)
+        r = {k: (json.dumps(v, default=str) if isinstance(v, (list, dict, tuple)) else v) for k, v in r.items()}
+        r.setdefault("row_id", uuid.uuid4().hex)
+        r.setdefault("appended_at", now)
+        r.setdefault("writer_pid", os.getpid())
+        clean.append(r)
+    return clean
 
 
 def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:

@@ -10,20 +10,21 @@ import json
 import math
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
+from pydantic import ValidationError
 
 from ..errors import BadInput, SGLangError
-from ..paths import shared_mode
-from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes, safe_name
+from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes, read_json_file, safe_name, staged_folder
 from ..server.client import ServerClient, as_client
 from ..redaction import redact, redact_url
 from ..server.settings import EffectiveSpecConfig
-from .ledger import Ledger
+from .ledger import Ledger, LedgerUnreadable
+from .machine import LoadSampler
 from .prompts import Prompt, load_prompts, prompts_digest
 from .requests import run_requests
 from .stats import (
@@ -50,8 +51,7 @@ def summarize(per_request: pd.DataFrame, *, positions: Optional[int], wall_s: fl
     ok = per_request[per_request["error"].isna()]
     n_err = int(len(per_request) - len(ok))
     if n_err:
-        warn.append(f"{n_err} of {len(per_request)} requests failed and were left out "
-                    f"(first error: {per_request.loc[per_request['error'].notna(), 'error'].iloc[0]})")
+        warn.append(f"{failed_requests(per_request)} and were left out")
     spec = ok[ok["has_spec"].astype(bool)]
     n_missing = int(len(ok) - len(spec))
     s: dict[str, Any] = {"n_requests": int(len(ok)), "n_failed": n_err, "n_spec": int(len(spec)),
@@ -149,6 +149,17 @@ def summarize(per_request: pd.DataFrame, *, positions: Optional[int], wall_s: fl
     return s, pos, hist, warn
 
 
+def failed_requests(per_request: pd.DataFrame) -> Optional[str]:
+    """One line for the requests of a measurement that failed -- ``3 of 8 requests failed (first: prompt p003: POST
+    .../generate (request 9f..): impossible spec counters: identity '...' broken: ...)`` -- or None when none did.
+    What ``measure`` says when it exits 1 for failed requests, and the summary's warning."""
+    bad = per_request[per_request["error"].notna()]
+    if not len(bad):
+        return None
+    return (f"{len(bad)} of {len(per_request)} requests failed (first: prompt {bad['prompt_id'].iloc[0]}: "
+            f"{bad['error'].iloc[0]})")
+
+
 @dataclasses.dataclass
 class AcceptanceResult:
     """Outcome of :func:`measure`.
@@ -195,47 +206,68 @@ class AcceptanceResult:
                                            if self.spec else [])
         return row
 
-    def record(self, run_dir: Path | str, fix: str, **row: Any) -> Path:
-        """Save this measurement into ``run_dir/fixes/<fix>`` (:meth:`save`: ``-2``, ``-3``, ... when taken) and append
-        its ledger row (:meth:`ledger_row` with ``saved_to`` and ``row``) to ``run_dir/ledger.parquet``, as one unit:
-        when the row cannot be appended (a full disk, a signal), the folder just saved is removed again, so no
-        measurement is ever left without its row. Returns the measurement's folder.
+    def record(self, run_dir: Path | str, fix: str, *, under: str = "fixes", **row: Any) -> Path:
+        """Save this measurement into ``run_dir/<under>/<fix>`` (:meth:`save`: ``-2``, ``-3``, ... when taken) and
+        append its ledger row (:meth:`ledger_row` with ``saved_to`` and ``row``) to ``run_dir/ledger.parquet``: the
+        one way a measurement joins a ledger (``measure``, ``measure --fixes``, the replay and the acceptance page).
+
+        The row's identity (``fix``, ``row_id``, ``appended_at``, ``writer_pid`` and ``row``) is written into
+        ``summary.json`` (key ``ledger``) too, so the measurement folders hold everything the ledger indexes
+        (:func:`rebuild_ledger`). When this process fails to append the row (a full disk, a signal), the folder
+        just saved is removed again, so no measurement is left without its row; when the ledger that was there
+        cannot be read, the measurement is **kept** (another file's state never deletes it) and
+        :class:`~helpers.acceptance.ledger.LedgerUnreadable` says where it is and how to rebuild the ledger.
+
+        Args:
+            run_dir: the run folder. fix: the fix's name (folder name via :func:`helpers.runfiles.safe_name`).
+            under: the folder of the run folder the measurement goes in (``fixes``; ``acceptance`` for the replay
+                and the notebook pages). row: more ledger columns (e.g. ``error=None``).
+
+        Returns: the measurement's folder.
 
         Raises:
+            LedgerUnreadable: the run folder's ledger cannot be read (exit 2); the measurement was kept.
             OSError: a file could not be written (the message names it); nothing of this measurement is left.
         """
         run_dir = Path(run_dir)
-        saved = self.save(run_dir / "fixes" / safe_name(fix))
+        entry = {"fix": fix, "row_id": uuid.uuid4().hex, "appended_at": pd.Timestamp.now(tz="UTC").isoformat(),
+                 "writer_pid": os.getpid(), **row}
+        saved = self.save(run_dir / under / safe_name(fix), ledger=entry)
+        rel = str(saved.relative_to(run_dir))
         try:
-            entry = self.ledger_row(fix)
-            entry["saved_to"] = str(saved.relative_to(run_dir))
-            entry.update(row)
-            Ledger(run_dir / "ledger.parquet").append(entry)
+            full = self.ledger_row(fix)
+            full.update(entry)
+            full["saved_to"] = rel
+            Ledger(run_dir / "ledger.parquet").append(full)
+        except LedgerUnreadable as exc:
+            raise LedgerUnreadable(exc.path, exc.reason, kept=rel) from None
         except BaseException:
             shutil.rmtree(saved, ignore_errors=True)
             raise
         return saved
 
-    def save(self, folder: Path | str) -> Path:
+    def save(self, folder: Path | str, *, ledger: Optional[Mapping[str, Any]] = None) -> Path:
         """Write ``summary.json``, ``per_request.parquet``, ``positions.csv`` (and ``raw_meta.json``) as one unit
         into a new folder and return it: ``folder`` itself when it does not exist yet, else ``folder-2``,
         ``folder-3``, ... -- a measurement is never overwritten, and two runs saving under one label at once get
-        one folder each (the files are written into a temporary folder next to it, which is then renamed into
-        place: ``rename`` of a folder onto a name that exists fails, so the loser takes the next suffix).
+        one folder each (the files are written into a temporary folder next to it,
+        :func:`helpers.runfiles.staged_folder`, which is then renamed into place: ``rename`` of a folder onto a name
+        that exists fails, so the loser takes the next suffix). ``ledger``: the ledger row's identity
+        (:meth:`record`), stored in ``summary.json``.
 
         Raises:
-            OSError: the folder cannot be written (e.g. ENOSPC; the temporary folder is removed).
+            OSError: the folder cannot be written (e.g. ENOSPC), naming the file under ``folder`` (never the
+                temporary folder's); the temporary folder is removed.
         """
         folder = Path(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-        try:
-            os.chmod(tmp, shared_mode(folder=True))     # mkdtemp makes 0700; a run folder is meant to be shared
+        with staged_folder(folder) as tmp:
             doc = {"summary": self.summary, "warnings": self.warnings,
                    "histogram": [int(x) for x in self.histogram],
                    "positions": json.loads(self.positions.to_json(orient="records")),
                    "spec": self.spec.model_dump() if self.spec else None, "baseline": self.baseline,
                    "server": self.server}
+            if ledger is not None:
+                doc["ledger"] = dict(ledger)
             atomic_write_text(tmp / "summary.json", json.dumps(doc, indent=1, default=_json_default))
             atomic_write_bytes(tmp / "per_request.parquet", parquet_bytes(self.per_request))
             atomic_write_text(tmp / "positions.csv", self.positions.to_csv(index=False))
@@ -254,9 +286,109 @@ class AcceptanceResult:
                         os.rename(tmp, dest)
                         return dest
             raise OSError(errno.EEXIST, "no free folder name", str(folder))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        raise AssertionError("unreachable")     # pragma: no cover - the block returns or raises
+
+    @classmethod
+    def from_summary(cls, folder: Path | str) -> tuple["AcceptanceResult", dict]:
+        """A saved measurement read back from its ``summary.json`` (:meth:`save`): summary, warnings, histogram,
+        positions, spec, baseline, server; ``per_request`` is left empty (read ``per_request.parquet`` for it).
+        Returns ``(result, doc)`` (``doc``: the parsed file, with ``ledger`` when :meth:`record` saved it).
+
+        Raises:
+            BadInput: no ``summary.json``, not JSON, or not a measurement (no ``summary`` object, a histogram that
+                is not a list of counts, positions that are not a list, a spec that is not this tool's), naming the
+                file and the field.
+        """
+        path = Path(folder) / "summary.json"
+        doc = read_json_file(path, "measurement summary", expected="the summary.json a measurement saves")
+        if not isinstance(doc, dict) or not isinstance(doc.get("summary"), dict):
+            raise BadInput("not a measurement summary (expected an object with a 'summary' object)", path=path,
+                           field="summary")
+        hist = doc.get("histogram") or []
+        if not isinstance(hist, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in hist):
+            raise BadInput("expected a list of counts", path=path, field="histogram")
+        positions = doc.get("positions") or []
+        if not isinstance(positions, list) or not all(isinstance(r, dict) for r in positions):
+            raise BadInput("expected a list of per-position objects", path=path, field="positions")
+        ledger = doc.get("ledger")
+        if ledger is not None and not (isinstance(ledger, dict) and isinstance(ledger.get("fix"), str)):
+            raise BadInput("expected an object with the fix's name", path=path, field="ledger")
+        try:
+            spec = EffectiveSpecConfig.model_validate(doc["spec"]) if doc.get("spec") is not None else None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise BadInput(f"{first['msg']} (expected the server's effective spec config)", path=path,
+                           field="spec." + ".".join(str(x) for x in first["loc"])) from None
+        warnings = doc.get("warnings") or []
+        res = cls(summary=doc["summary"], per_request=pd.DataFrame(), positions=pd.DataFrame(positions),
+                  histogram=np.asarray(hist, dtype=np.int64), spec=spec,
+                  server=doc.get("server") if isinstance(doc.get("server"), dict) else {},
+                  warnings=[str(w) for w in warnings] if isinstance(warnings, list) else [str(warnings)],
+                  baseline=doc.get("baseline") if isinstance(doc.get("baseline"), dict) else None)
+        return res, doc
+
+
+#: the folders of a run folder whose measurements are ledger rows (:meth:`AcceptanceResult.record`'s ``under``)
+LEDGER_FOLDERS = ("fixes", "acceptance")
+
+
+@dataclasses.dataclass
+class RebuiltLedger:
+    """What :func:`rebuild_ledger` did: ``path`` the new ledger, ``folders`` the measurement folders it indexes
+    (relative to the run folder, in row order), ``skipped`` one line per folder that could not be read (left
+    out, untouched), ``kept_old`` where the ledger it replaced was kept (None: there was none)."""
+
+    path: Path
+    folders: list
+    skipped: list
+    kept_old: Optional[Path]
+
+
+def rebuild_ledger(run_dir: Path | str) -> RebuiltLedger:
+    """Rebuild ``run_dir/ledger.parquet`` from the run folder's measurement folders (``python -m helpers measure
+    --rebuild-ledger RUN_DIR``): one row per folder of :data:`LEDGER_FOLDERS` saved by
+    :meth:`AcceptanceResult.record` (its ``summary.json`` has the row's identity; ``fixes/`` folders saved before
+    that are taken too, named by their label), built by :meth:`AcceptanceResult.ledger_row` as when it was
+    appended, with ``saved_to`` the folder, ordered by ``appended_at``. Measurements that never were ledger rows
+    (an investigation's ``acceptance/before``, ``after``; sweeps under ``ablate/``) are left out. The old ledger,
+    readable or not, is kept beside the new one (:meth:`Ledger.rebuild`); rows without a folder (a fix that
+    failed before it was measured) are only in that old file.
+
+    Raises:
+        BadInput: ``run_dir`` is not a folder.
+        OSError: the ledger cannot be written (naming it).
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BadInput("not a run folder (expected the folder holding ledger.parquet and fixes/)", path=run_dir)
+    found: list[tuple[str, str, dict]] = []
+    skipped: list[str] = []
+    for under in LEDGER_FOLDERS:
+        base = run_dir / under
+        if not base.is_dir():
+            continue
+        for folder in sorted(base.iterdir()):
+            if folder.name.startswith(".") or not folder.is_dir():      # a staging folder of a save in progress
+                continue
+            if not (folder / "summary.json").exists() and under != "fixes":
+                continue
+            try:
+                res, doc = AcceptanceResult.from_summary(folder)
+            except BadInput as exc:
+                skipped.append(str(exc))
+                continue
+            entry = doc.get("ledger")
+            if entry is None and under != "fixes":
+                continue                                                # a measurement that never was a ledger row
+            entry = dict(entry or {"fix": str(res.summary.get("label") or folder.name)})
+            row = res.ledger_row(entry["fix"])
+            row.update(entry)
+            row["saved_to"] = str(folder.relative_to(run_dir))
+            found.append((str(entry.get("appended_at") or res.summary.get("timestamp") or ""), row["saved_to"], row))
+    found.sort(key=lambda t: (t[0], t[1]))
+    ledger = Ledger(run_dir / "ledger.parquet")
+    kept = ledger.rebuild([row for _, _, row in found])
+    return RebuiltLedger(path=ledger.path, folders=[f for _, f, _ in found], skipped=skipped, kept_old=kept)
 
 
 def _json_default(o: Any) -> Any:
@@ -300,6 +432,31 @@ def server_snapshot(info: Mapping[str, Any]) -> dict:
     return {k: v for k, v in redact(info).items() if k != "internal_states"}
 
 
+#: the highest sampling temperature a measurement takes (SGLang refuses a negative one and takes any finite one; past
+#: a few the draft's acceptance is noise)
+MAX_TEMPERATURE = 10.0
+#: the fewest bootstrap resamples behind a CI (as a fixes file's ``n_boot``)
+MIN_BOOT = 100
+
+
+def check_settings(*, max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,
+                   n_boot: Optional[int] = None, warmup: Optional[int] = None) -> None:
+    """The one check of a measurement's settings (``measure``, ``ablate``), given or not, before any request:
+    ``max_new_tokens`` >= 1, ``temperature`` finite in [0, :data:`MAX_TEMPERATURE`] (a NaN or inf cannot even be
+    sent as JSON), ``n_boot`` >= :data:`MIN_BOOT`, ``warmup`` >= 0.
+
+    Raises:
+        BadInput: the first setting out of range, naming its command-line flag."""
+    if max_new_tokens is not None and not max_new_tokens >= 1:
+        raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}", field="--max-new-tokens")
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise BadInput(f"expected a temperature in [0, {MAX_TEMPERATURE:g}], got {temperature}", field="--temperature")
+    if n_boot is not None and not n_boot >= MIN_BOOT:
+        raise BadInput(f"expected at least {MIN_BOOT} bootstrap resamples, got {n_boot}", field="--bootstrap")
+    if warmup is not None and not warmup >= 0:
+        raise BadInput(f"expected warm-up requests >= 0, got {warmup}", field="--warmup")
+
+
 def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_new_tokens: int = 128,
             concurrency: int = 1, *, num_prompts: Optional[int] = None,
             sampling_params: Optional[Mapping[str, Any]] = None, temperature: float = 0.0,
@@ -335,10 +492,10 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
         draft_config: draft config.json (mapping/path) for the algorithm check.
 
     Returns: :class:`AcceptanceResult`. Raises :class:`~helpers.errors.SGLangError` when the
-    server cannot be reached or every request failed; ValueError on bad arguments.
+    server cannot be reached or every request failed; :class:`~helpers.errors.BadInput` on bad arguments
+    (:func:`check_settings`), before any request.
     """
-    if max_new_tokens < 1:
-        raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}", field="--max-new-tokens")
+    check_settings(max_new_tokens=max_new_tokens, temperature=temperature, n_boot=n_boot, warmup=warmup)
     own = not isinstance(client_or_url, ServerClient)
     client = as_client(client_or_url, api_key=api_key)
     try:
@@ -369,13 +526,13 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
                          sampling_params=sp, progress=False)
         if flush_cache:
             client.flush_cache()
-        per_request, wall, raw = run_requests(
-            client, plist, max_new_tokens=max_new_tokens, concurrency=concurrency, sampling_params=sp,
-            return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
-                                                                 else progress), keep_raw=keep_raw)
+        with LoadSampler() as load:     # the machine's load: tok/s is wall-clock speed (helpers.acceptance.machine)
+            per_request, wall, raw = run_requests(
+                client, plist, max_new_tokens=max_new_tokens, concurrency=concurrency, sampling_params=sp,
+                return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
+                                                                     else progress), keep_raw=keep_raw)
         if per_request["error"].notna().all():
-            raise SGLangError(f"all {len(per_request)} requests failed; first error: "
-                              f"{per_request['error'].iloc[0]}", endpoint="/generate")
+            raise SGLangError(failed_requests(per_request), endpoint="/generate")
         positions = info.get("speculative_num_steps") if spec_on else None
         s, pos, hist, w2 = summarize(per_request, positions=positions, wall_s=wall, n_boot=n_boot,
                                      level=level, seed=seed)
@@ -393,7 +550,7 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
             "return_hidden_states": bool(return_hidden_states), "num_prompts": len(plist),
             "prompt_digest": prompts_digest(plist), "config_digest": config_digest(info),
             "overrides": [o.field for o in spec.overrides] if spec else [],
-            "timestamp": pd.Timestamp.now(tz="UTC").isoformat(),
+            "timestamp": pd.Timestamp.now(tz="UTC").isoformat(), "machine": load.result,
         })
         base_summary = None
         s["baseline_tok_s"] = s["baseline_tok_s_lo"] = s["baseline_tok_s_hi"] = float("nan")

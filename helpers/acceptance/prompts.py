@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import BadInput
-from ..runfiles import JSONTooDeep, loads_json
+from ..runfiles import MAX_TOKEN_ID, JSONTooDeep, loads_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,32 +85,60 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
     prompts = []
     for i, it in enumerate(items):
         try:
-            if isinstance(it, Prompt):
-                prompts.append(it)
-            elif isinstance(it, str):
-                prompts.append(Prompt(id=f"u{i:03d}", text=it, kind="user"))
-            elif isinstance(it, Mapping):
-                ids = it.get("input_ids")
-                if it.get("text") is None and ids is None:
-                    raise ValueError("has neither text nor input_ids")
-                prompts.append(Prompt(id=str(it.get("id", f"u{i:03d}")), text=it.get("text"),
-                                      input_ids=tuple(int(t) for t in ids) if ids is not None else None,
-                                      kind=str(it.get("kind", ""))))
-            elif isinstance(it, (Sequence, np.ndarray)) and len(it) and not isinstance(it, bytes):
-                prompts.append(Prompt(id=f"t{i:03d}", input_ids=tuple(int(t) for t in it), kind="tokens"))
-            else:
-                raise ValueError(f"cannot use {type(it).__name__} as a prompt")
-        except (TypeError, ValueError) as exc:
+            prompts.append(_prompt(it, i))
+        except (TypeError, ValueError, OverflowError) as exc:
             raise BadInput(f"{where(i)}: {exc}", path=path) from None
     if not prompts:
         raise BadInput("the prompt set is empty", path=path)
     if n is not None:
-        if n <= 0:
-            raise BadInput(f"the number of prompts must be >= 1, got {n}", field="--num-prompts")
+        if not 1 <= n <= MAX_PROMPTS:
+            raise BadInput(f"the number of prompts must be from 1 to {MAX_PROMPTS}, got {n}", field="--num-prompts")
         prompts = [prompts[i % len(prompts)] if i < len(prompts) else
                    dataclasses.replace(prompts[i % len(prompts)], id=f"{prompts[i % len(prompts)].id}#{i // len(prompts)}")
                    for i in range(n)]
     return prompts
+
+
+#: the most prompts one measurement sends (``--num-prompts``, a fixes file's ``count``): a list of that many is built
+#: before anything is sent
+MAX_PROMPTS = 1_000_000
+
+
+def _prompt(it: Any, i: int) -> Prompt:
+    """One item of a prompt set as a :class:`Prompt`. Raises ValueError / TypeError saying what is wrong."""
+    if isinstance(it, Prompt):
+        return it
+    if isinstance(it, str):
+        return Prompt(id=f"u{i:03d}", text=it, kind="user")
+    if isinstance(it, Mapping):
+        text, ids = it.get("text"), it.get("input_ids")
+        if text is None and ids is None:
+            raise ValueError("has neither text nor input_ids")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        return Prompt(id=str(it.get("id", f"u{i:03d}")), text=text,
+                      input_ids=token_ids(ids) if ids is not None else None, kind=str(it.get("kind", "")))
+    if isinstance(it, (Sequence, np.ndarray)) and len(it) and not isinstance(it, bytes):
+        return Prompt(id=f"t{i:03d}", input_ids=token_ids(it), kind="tokens")
+    raise ValueError(f"cannot use {type(it).__name__} as a prompt")
+
+
+def token_ids(ids: Any) -> tuple[int, ...]:
+    """``ids`` as a non-empty tuple of token ids: integers in ``[0, 2^31)`` (JSON floats such as ``1.5``, ``1e400``
+    or NaN, booleans and strings are refused, not rounded).
+
+    Raises:
+        ValueError: not a list, empty, or an id that is not such an integer (its position and value)."""
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise ValueError(f"input_ids must be a list of token ids, got {type(ids).__name__}")
+    out = []
+    for k, t in enumerate(np.asarray(ids, dtype=object).reshape(-1).tolist() if isinstance(ids, np.ndarray) else ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN_ID:
+            raise ValueError(f"input_ids[{k}] is {t!r}; expected an integer token id from 0 to {MAX_TOKEN_ID - 1}")
+        out.append(t)
+    if not out:
+        raise ValueError("input_ids is empty")
+    return tuple(out)
 
 
 def prompts_from_samples(samples: Iterable[Any], *, max_prompt_tokens: Optional[int] = None,

@@ -11,6 +11,8 @@ import json
 import os
 from typing import Optional, Sequence
 
+from ..acceptance.measure import check_settings
+from ..acceptance.prompts import load_prompts
 from ..engines.detect import ADAPTERS
 
 #: every engine's toggle names (the server's engine decides which apply: ``EngineAdapter.toggles``)
@@ -18,6 +20,7 @@ BY_NAME = list(dict.fromkeys(t.name for a in ADAPTERS for t in a().toggles()))
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput, RunFailed
 from ..investigation.ablate import ablate, ablation_text
+from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
 from ..runfiles import new_run_dir, safe_name
 from ..views.common import run_dir_line
@@ -90,8 +93,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             relaunch_argv(a.relaunch)
         if not a.budget > 0:
             raise BadInput(f"must be > 0 seconds, got {a.budget}", field="--budget")
-        if not 0 <= a.temperature <= 10:
-            raise BadInput(f"expected a temperature in [0, 10], got {a.temperature}", field="--temperature")
+        check_settings(temperature=a.temperature)
+        parse_ports(a.port, what="--port")
+        # a bad prompt file is bad input before the run folder is made (fewer than 2 prompts: ablate's own message)
+        prompts = load_prompts(a.prompts, n=a.num_prompts) if a.num_prompts >= 2 else a.prompts
         out = out_folder(a.out, "--out")
         show = progress_line(prog)
         run_dir = new_run_dir("ablate-" + safe_name(a.url.split("://", 1)[-1].replace(":", "-").strip("/")), out)
@@ -99,7 +104,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         show(f"to open it in the notebooks, paste into their parameters cell: {run_dir_line(run_dir)}")
         with failure_guard(prog, run_dir):
             doc = ablate(a.url, run_dir=run_dir, sweeps=sweeps, toggles=toggles, budget_s=a.budget,
-                         prompts=a.prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
+                         prompts=prompts, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
                          temperature=a.temperature, concurrency=conc or (1, 2, 4, 8), contexts=ctx,
                          relaunch=a.relaunch, api_key=os.environ.get(a.api_key_env) or None, draft=a.draft,
                          target=a.target, training_log=a.training_log, port=a.port, progress=show)

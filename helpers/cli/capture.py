@@ -48,8 +48,13 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
-        if args.num_samples < 1 or args.timeout <= 0:
+        if args.num_samples < 1 or not args.timeout > 0:
             raise BadInput("--num-samples must be >= 1 and --timeout > 0")
+        if args.hidden_size is not None and args.hidden_size < 1:
+            raise BadInput(f"--hidden-size must be >= 1, got {args.hidden_size}")
+        if args.every_layer is not None and Path(args.every_layer).exists() and not Path(args.every_layer).is_dir():
+            raise BadInput("--every-layer must be the folder the server's every-layer hooks write to, not a file",
+                           path=args.every_layer)
         names = dump_names(args)
         H = args.hidden_size
         if H is None and args.reference_hf:

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput
+from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
 from ..investigation.live import default_run_dir, investigate
 from ..views.common import run_dir_line
@@ -72,6 +73,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
+        if args.timeout is not None and not args.timeout > 0:
+            raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+        parse_ports(args.port, what="--port")
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
         rows_word = rows_arg(args.rows)

@@ -1,7 +1,10 @@
 """``python -m helpers measure``: measure one server, or run a fixes file (managed mode).
 
 Exit codes (:mod:`helpers.cli.common`): 0 measured with every request answered; 1 the server failed, a request
-failed (the measurement is still saved, with ``n_failed``), or a fix could not be measured; 2 bad input."""
+failed (the measurement is still saved, with ``n_failed``), or a fix could not be measured; 2 bad input (a run
+folder whose ledger cannot be read: the new measurement is kept, and the message gives the command that rebuilds the
+ledger, ``measure --rebuild-ledger RUN_DIR``: 0 rebuilt, 1 a measurement folder could not be read and was left
+out)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +14,14 @@ from typing import Sequence
 
 from ..acceptance.fixes import FixFailed, load_fixes, run_fixes
 from ..acceptance.ledger import Ledger
-from ..acceptance.measure import SUMMARY_COLUMNS, _json_default, format_summary, measure
+from ..acceptance.measure import (
+    SUMMARY_COLUMNS,
+    _json_default,
+    failed_requests,
+    format_summary,
+    measure,
+    rebuild_ledger,
+)
 from ..acceptance.prompts import load_prompts
 from ..budget import Budget
 from ..errors import BadInput, RunFailed, printable
@@ -30,6 +40,9 @@ def build_parser() -> Parser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="server URL, e.g. http://127.0.0.1:30000")
     src.add_argument("--fixes", help="fixes YAML file (managed mode: a server per fix)")
+    src.add_argument("--rebuild-ledger", metavar="RUN_DIR",
+                     help="rebuild RUN_DIR/ledger.parquet from its measurement folders (fixes/, acceptance/), keeping "
+                          "the old file beside it (ledger.parquet.corrupt-<stamp>); measures nothing")
     ap.add_argument("--label", default=None, help="fix name for this measurement (a repeated label gets its own "
                                                   "folder: fixes/<label>-2, ...)")
     ap.add_argument("--prompts", default=None, help="prompt file (.jsonl/.json); default: bundled set")
@@ -61,11 +74,13 @@ def cli_main(argv: Sequence[str]) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv))
+        if args.rebuild_ledger is not None:
+            return _rebuild(run_folder_arg(args.rebuild_ledger, "--rebuild-ledger"))
         outputs = out_folder(args.outputs, "--outputs")
         given_run = run_folder_arg(args.run_dir)
         text_arg(args.label, "--label")
-        if args.timeout is not None and args.timeout <= 0:
-            raise BadInput("--timeout must be > 0")
+        if args.timeout is not None and not args.timeout > 0:
+            raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
         if args.fixes:
             fixes = load_fixes(args.fixes)
             run_dir = given_run or new_run_dir(fixes.name, outputs=outputs)
@@ -101,10 +116,24 @@ def cli_main(argv: Sequence[str]) -> int:
             with failure_guard("measure", run_dir, owned=given_run is None):
                 saved = res.record(run_dir, args.label or "server")
             print(f"run folder: {run_dir} (this measurement: {saved.relative_to(run_dir)})")
-        failed = int(res.summary.get("n_failed") or 0)
-        if failed:
-            raise RunFailed(f"{failed} of {failed + int(res.summary.get('n_requests') or 0)} requests failed (see "
-                            "per_request.parquet, column error); the measurement was saved with n_failed")
+        line = failed_requests(res.per_request)
+        if line:
+            raise RunFailed(f"{line}; see per_request.parquet, column error; the measurement was saved with n_failed")
         return 0
 
     return run("measure", body)
+
+
+def _rebuild(run_dir) -> int:
+    """``measure --rebuild-ledger RUN_DIR``: :func:`helpers.acceptance.measure.rebuild_ledger`, one line per folder
+    left out (stderr), one line of what was done (stdout); exit 1 when a folder was left out."""
+    done = rebuild_ledger(run_dir)
+    for line in done.skipped:
+        print(f"warning: left out: {printable(line)}", file=sys.stderr)
+    old = "" if done.kept_old is None else f"; the ledger it replaces was kept as {done.kept_old.name}"
+    print(printable(f"rebuilt {done.path}: {len(done.folders)} row(s) from "
+                    f"{', '.join(done.folders) or 'no measurement folder'}{old}"))
+    if done.skipped:
+        raise RunFailed(f"{len(done.skipped)} measurement folder(s) could not be read and are not in the rebuilt "
+                        f"ledger (first: {done.skipped[0]})")
+    return 0

@@ -22,14 +22,13 @@ from ..draft.budget import BudgetInputs, acceptance_budget, draft_cost, dump_seq
 from ..draft.checks import draft_checks
 from ..draft.draft_stage import budget_fields, draft_rows
 from ..draft.model import DraftArch, Eagle3Draft
+from ..draft.precision import DTYPE_NAMES, choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
 from ..draft.training_log import find_training_log, read_training_log
 from ..errors import BadInput
-from ..formats.configs import read_target_config
+from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from .common import Parser, progress_line, rows_arg, run
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> Parser:
@@ -53,8 +52,10 @@ def build_parser() -> Parser:
                    "(default: a 'validation' folder beside --training or in the draft folder, else --training)")
     p.add_argument("--rows", metavar="SPLIT[,TEXT]", help="what the draft stage's rows are when their capture.json "
                    "does not say, e.g. validation,sampled")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (the server's --dtype; "
-                   "default float32)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="compute dtype (default auto: the server's, taken as the draft config's torch_dtype as "
+                   "SGLang's --dtype auto does, where this device computes it natively, else float32; the output "
+                   "says which and why)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda when a GPU is here)")
     p.add_argument("--json", action="store_true", help="print the budget document as JSON")
     return p
@@ -93,7 +94,11 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         log_path = find_training_log(draft_dir, a.training_log)        # bad input is found before any work
         log = read_training_log(log_path) if log_path is not None else None
         rows_word = rows_arg(a.rows)
-        draft = Eagle3Draft.load(draft_dir, target_dir, dtype=DTYPES[a.dtype], device=device)
+        choice = choose_dtype(server_dtype({}, read_draft_config(draft_dir).raw), device,
+                              requested=None if a.dtype == "auto" else DTYPE_NAMES[a.dtype],
+                              server_note="the draft config's torch_dtype, as SGLang's --dtype auto")
+        show(f"compute dtype {choice.reason}")
+        draft = Eagle3Draft.load(draft_dir, target_dir, dtype=choice.dtype, device=device, dtype_reason=choice.reason)
         show(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
              f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
              f"d2t {draft.sources['d2t']}")
@@ -138,6 +143,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{t['accept_length']:.2f}")
         for f in findings:
             print(f"draft check: {f['kind']}: {f['detail']}")
+        print(f"compute dtype {choice.reason}")
         print(b["sentence"])
         return code
 

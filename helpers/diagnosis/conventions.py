@@ -28,6 +28,7 @@ from ..layers.sglang import (
     EMBEDDING_AT_INDEX0_SINCE,
     GPT_OSS_BOUNDARY_SINCE,
     OLDEST_READ,
+    PACKER_SINCE,
     RULE_TEXT,
     TABLE_VERSION,
     parse_version,
@@ -180,6 +181,12 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
     # the same in qwen3_next.py / qwen3_5.py; Qwen3MoeModel inherits it) index an nn.ModuleList: a negative
     # index wraps (Python indexing) to layer n+k, which then captures in(n+k); k >= n or k < -n is an IndexError.
     flags = rule.last_layer == "index_error"
+    # DeepSeek family (deepseek_v2.py::DeepseekV2Model.forward): the captures fill AuxHiddenStatePacker(len(ids)); an
+    # index the loop never reaches leaves it short and finalize() raises RuntimeError at the first forward, which is
+    # SGLang's start-up warm-up: the server never becomes healthy (checked live on 0.5.23). Not silently missing.
+    packs = rule.last_layer == "runtime_error" and v >= PACKER_SINCE
+    never = (": AuxHiddenStatePacker.finalize raises RuntimeError ('captured k of m aux hidden states') at the first "
+             "forward, SGLang's start-up warm-up -- sglang/srt/layers/aux_hidden_states.py") if packs else None
     effective: list[tuple[int, int]] = []          # (capture index as the loop sees it, index as stored)
     for k in ltc:
         if flags and -n <= k < 0:
@@ -219,12 +226,8 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
                 continue
             plan.problems.append({"kind": "missing_chunk",
                                   "detail": f"capture index {k} is never reached (negative; the layer loop tests "
-                                            "`i in self.layers_to_capture` for i in range(0, n)); that chunk is "
-                                            "missing"})
-            if family == "deepseek" and plan.fatal is None:
-                plan.fatal = (f"capture index {k} is never captured: SGLang {vs} raises RuntimeError in "
-                              "AuxHiddenStatePacker.finalize at the first forward -- sglang/srt/layers/"
-                              "aux_hidden_states.py")
+                                            "`i in self.layers_to_capture` for i in range(0, n))"
+                                            + (never or "; that chunk is missing")})
             continue
         if k == 0:
             if family != "deepseek" and v < EMBEDDING_AT_INDEX0_SINCE and family != "gpt_oss":
@@ -266,13 +269,15 @@ def _sglang_capture_to_tensors(ltc: Sequence[int], n: int, rule: Any, v: tuple[i
                               "detail": f"capture index {k} is never reached: the layer loop runs i in range(0, {n})"
                                         + (" and only gpt_oss.py (>= 0.5.17) captures the final boundary"
                                            if k == n else "")
-                                        + "; that chunk is silently missing"})
+                                        + (never or "; that chunk is silently missing")})
     plan.tensors = tensors
-    packer = family == "deepseek" and v >= VERIFIED_SGLANG
-    if packer and len(tensors) != len(ltc) and plan.fatal is None:
-        plan.fatal = (f"DeepSeek family (0.5.23) packs aux states with AuxHiddenStatePacker(len(layers_to_capture)="
-                      f"{len(ltc)}) but only {len(tensors)} indices are captured: RuntimeError 'captured "
-                      f"{len(tensors)} of {len(ltc)} aux hidden states' -- sglang/srt/layers/aux_hidden_states.py")
+    if packs and tensors and len(tensors) != len(ltc) and plan.fatal is None:
+        plan.fatal = (f"the DeepSeek family (SGLang {vs}) packs the aux states into AuxHiddenStatePacker("
+                      f"len(layers_to_capture)={len(ltc)}) but the layer loop captures {len(tensors)} of them "
+                      f"(capture indices {list(ltc)} of a {n}-layer target; each index once): RuntimeError 'captured "
+                      f"{len(tensors)} of {len(ltc)} aux hidden states' at the first forward, SGLang's start-up "
+                      "warm-up, so the server never becomes healthy -- sglang/srt/models/deepseek_v2.py::"
+                      "DeepseekV2Model.forward, sglang/srt/layers/aux_hidden_states.py::AuxHiddenStatePacker.finalize")
     if not tensors and plan.fatal is None:
         # set_eagle3_layers_to_capture set capture_aux_hidden_states = True, but nothing is captured: the model
         # returns the bare hidden states (`if len(aux_hidden_states) == 0: return hidden_states`) and the CausalLM

@@ -416,7 +416,8 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
         d, lo, hi, n = _paired_loss(rec["frame"], served["frame"])
     L.rec = rec
     L.stages.append({"name": "best settings (simulated)", "accept_length": rec["accept_length"], "ci": rec["ci"],
-                     "settings": {k: rec[k] for k in ("steps", "topk", "draft_tokens")},
+                     "settings": {k: rec[k] for k in ("steps", "topk", "draft_tokens")}, "grid": grid_name,
+                     "served_accept_length": served["accept_length"],
                      "source": f"the draft run offline on the {grid_name} at other --speculative-num-steps; chosen by "
                                f"accept length / (1 + steps x {r_cost:.3f}), the draft forward's cost relative to a "
                                f"verify step ({inp.draft_cost_source})", "modelled_speedup_gain": gain})
@@ -589,3 +590,56 @@ def budget_sentence(b: dict) -> str:
             why += f"; recommended --speculative-num-steps {r['steps']} --speculative-eagle-topk {r['topk']} " \
                    f"--speculative-num-draft-tokens {r['draft_tokens']}"
     return f"Accept length by stage: {'; '.join(parts)}. Cause: {cause}: {why}."
+
+
+def _stage_al(b: dict, name: str) -> Optional[dict]:
+    return next((s for s in b.get("stages") or [] if s["name"] == name and s.get("accept_length") is not None), None)
+
+
+def gains(b: dict) -> list[dict]:
+    """The losses that are gains (a stage accepts more than the one before it, by at least 0.005 tokens), each
+    ``{"stage", "delta", "ci", "text"}`` with why, from the budget's own figures: which two figures are compared, on
+    which rows, whether the gain lies beyond its CI, and what the decision says of it."""
+    out = []
+    for stage, loss in (b.get("losses") or {}).items():
+        d = loss.get("delta")
+        if d is None or not np.isfinite(d) or d > -0.005:
+            continue
+        lo, hi = (list(loss.get("ci") or []) + [None, None])[:2]
+        beyond = hi is not None and np.isfinite(hi) and hi < 0
+        ci = f" [{_fmt(lo)}, {_fmt(hi)}]" if lo is not None and hi is not None else ""
+        noise = ("beyond its CI" if beyond else "within its CI (no gain is shown: the CI reaches 0)")
+        if loss.get("on_server"):
+            why = f"the fix lowered live accept length by {-d:.2f}{ci} ({loss.get('basis', '')})"
+        elif stage == "draft":
+            ds, log = _stage_al(b, "checkpoint (teacher-forced)"), _stage_al(b, "training log")
+            rows = (ds or {}).get("rows") or {}
+            kind = rows.get("kind") or {}
+            steps = [r for r in (ds or {}).get("table") or [] if r.get("acc") is not None and r.get("log_acc")
+                     is not None]
+            above = [f"step {r['step']}: {r['acc']:.3f} vs the log's {r['log_acc']:.3f}" for r in steps
+                     if r["acc"] > r["log_acc"]]
+            why = (f"the checkpoint scores {_fmt((ds or {}).get('accept_length'))} teacher-forced on "
+                   f"{rows.get('sequences', '?')} sequence(s) of {rows.get('path', 'its rows')} (split "
+                   f"{kind.get('split', '?')}, text {kind.get('text', '?')}), above its training log's "
+                   f"{_fmt((log or {}).get('accept_length'))} (split {((ds or {}).get('log_kind') or {}).get('split', '?')})"
+                   + (f"; per TTT step it is above the log at {'; '.join(above)}" if above else "")
+                   + (f" ({ds['why']})" if (ds or {}).get("why") else ""))
+        elif stage == "wiring":
+            t, s_ = _stage_al(b, "offline on training states"), _stage_al(b, "offline on served states")
+            why = (f"the draft accepts {_fmt((s_ or {}).get('accept_length'))} on the states the server fed and "
+                   f"{_fmt((t or {}).get('accept_length'))} on the training data's states for the same tokens: the "
+                   "served states suit it at least as well")
+        elif stage == "engine":
+            s_, live = _stage_al(b, "offline on live prompts' served states"), _stage_al(b, "live")
+            why = (f"live accepts {_fmt((live or {}).get('accept_length'))}, the draft run offline on the states the "
+                   f"server fed for the same answers {_fmt((s_ or {}).get('accept_length'))}: the engine's drafts "
+                   "match the target more often than the offline replay's")
+        else:
+            why = loss.get("basis", "")
+        dec = loss.get("why") or loss.get("decision") or ""
+        out.append({"stage": stage, "delta": d, "ci": [lo, hi],
+                    "text": f"the {stage} stage gains {-d:.2f} tokens per verify step{ci}, {noise}: {why}"
+                            + (f"; decision {loss.get('decision')}: {dec}" if dec and dec != loss.get("decision")
+                               else f"; decision {loss.get('decision')}")})
+    return out

@@ -27,7 +27,7 @@ from ..formats.training_data import TrainingData
 from .decide import decide, threshold
 from .model import Eagle3Draft, target_lm_head
 from .teacher_forced import (LOG_TRAINER, TRAINER_SOURCE, SeqRows, accept_length_ci, bootstrap_index,
-                             chain_accept_length, reduce, run as tf_run, tf_sequences)
+                             chain_accept_length, reduce, run as tf_run, target_view, tf_sequences)
 from .training_log import TrainingLog, find_validation_data
 
 #: the most validation rows the draft stage reads (all of a typical shipped validation set; bounded for time)
@@ -186,14 +186,13 @@ def draft_rows(draft: Eagle3Draft, *, draft_dir: Path, target_dir: Path, trainin
     seqs = tf_sequences(td, head, skipped=skipped)
     for key, why in skipped:
         progress(f"row {key} left out of the draft stage: {why}")
-    labels = "target" if seqs and all(s.target_logits is not None for s in seqs) else "recorded"
+    labels = "target" if seqs and all(s.has_target for s in seqs) else "recorded"
     if kind.text is None and labels == "target" and seqs:
         same = total = 0
         for s in seqs:
             m = np.asarray(s.loss_mask).reshape(-1) > 0
-            arg = s.target_logits.argmax(-1)
-            nxt = s.input_ids[1:]
-            hit = (arg[:-1] == nxt).numpy() & m[1:]
+            arg = target_view(s.final_hidden, s.lm_head, None)[0]
+            hit = (arg[:-1] == s.input_ids[1:]).numpy() & m[1:]
             same, total = same + int(hit.sum()), total + int(m[1:].sum())
         share = same / total if total else float("nan")
         if share >= 0.98:

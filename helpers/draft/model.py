@@ -252,9 +252,9 @@ class ExtendOutput:
 class Eagle3Draft:
     """An EAGLE-3 draft (``LlamaForCausalLMEagle3``) with the weights SGLang would load, run in pure torch.
 
-    Build it with :meth:`load`. ``dtype`` is the compute dtype (the server's ``--dtype``: the embedded CPU server runs
-    ``float32``, GPU servers usually ``bfloat16``); norms and softmax are computed in float32 as SGLang's native
-    kernels do.
+    Build it with :meth:`load`. ``dtype`` is the compute dtype (the server's ``--dtype`` where this device computes it
+    natively, else float32: :func:`helpers.draft.precision.choose_dtype`; the embedded CPU server runs ``float32``,
+    GPU servers usually ``bfloat16``); norms and softmax are computed in float32 as SGLang's native kernels do.
     """
 
     def __init__(self, arch: DraftArch, weights: dict[str, torch.Tensor], embed: torch.Tensor,
@@ -274,8 +274,11 @@ class Eagle3Draft:
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
     def load(cls, draft_dir: str | Path, target_dir: Optional[str | Path] = None, *,
-             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Eagle3Draft":
-        """Load the draft of ``draft_dir`` (config.json + safetensors, sharded or not) as SGLang would.
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             dtype_reason: str = "") -> "Eagle3Draft":
+        """Load the draft of ``draft_dir`` (config.json + safetensors, sharded or not) as SGLang would, computing in
+        ``dtype`` (pick it with :func:`helpers.draft.precision.choose_dtype`, whose reason goes in ``dtype_reason``:
+        ``sources["dtype"]``, the budget document's ``draft_sources``).
 
         Only the target's ``embed_tokens`` (and, when the draft borrows it, its ``lm_head``) are read from
         ``target_dir``, through its safetensors index: never the whole target.
@@ -336,7 +339,7 @@ class Eagle3Draft:
             if int(hot.min()) < 0 or int(hot.max()) >= a.vocab:
                 raise BadInput(f"d2t maps draft ids outside the target vocabulary [0, {a.vocab})",
                                path=index[names["d2t"]], field="d2t")
-        sources: dict = {"draft": str(draft_dir)}
+        sources: dict = {"draft": str(draft_dir), "dtype": dtype_reason or str(dtype).removeprefix("torch.")}
         use_target_embed = a.target_hidden == a.hidden or "target_hidden_size" not in dc.raw
         if use_target_embed:
             if target_dir is None:

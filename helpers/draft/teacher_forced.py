@@ -79,16 +79,24 @@ class TFSequence:
         input_ids: int64 ``[T]`` the recorded tokens (prompt, then the continuation the data holds).
         loss_mask: ``[T]`` 0/1 as recorded (before any trainer's own zeroing).
         aux: ``[T, W]`` the aux hidden states of the data (row t = position t).
-        target_logits: float32 ``[T, V]`` the target's logits at each position (row t scores the token ``t+1``), or
-            None: then the recorded next token stands in for the target's argmax (only right for greedy rows) and no
-            loss can be computed.
+        final_hidden: ``[T, H]`` the target's post-norm final hidden state (SpecForge ``hidden_state``), or None: then
+            the recorded next token stands in for the target's argmax (only right for greedy rows) and no loss can be
+            computed.
+        lm_head: ``[V, H]`` the target's output projection (shared by every sequence of a data set), with
+            ``final_hidden``; the target's logits ``final_hidden @ lm_head.T`` are computed in row chunks when the
+            sequence is run, never kept whole (a 163840-token vocabulary x 2,000 rows would be 1.3 GB).
     """
 
     key: str
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux: torch.Tensor
-    target_logits: Optional[torch.Tensor] = None
+    final_hidden: Optional[torch.Tensor] = None
+    lm_head: Optional[torch.Tensor] = None
+
+    @property
+    def has_target(self) -> bool:
+        return self.final_hidden is not None and self.lm_head is not None
 
 
 @dataclass
@@ -147,12 +155,41 @@ class TFResult:
 
 # ------------------------------------------------------------------------------------------------ the pass
 
-def target_logits(final_hidden: torch.Tensor, lm_head: torch.Tensor, *, chunk: int = 512) -> torch.Tensor:
-    """The target's logits ``[T, V]`` float32 from its post-norm final hidden states ``[T, H]`` and lm_head ``[V, H]``
-    (SpecForge's ``target_head``: ``hidden_state @ lm_head.T``), computed in row chunks of ``chunk``."""
-    w = lm_head.float()
+#: rows of target logits computed at once (a chunk is rows x vocab float32)
+LOGIT_CHUNK = 256
+
+
+def target_view(final_hidden: torch.Tensor, lm_head: torch.Tensor, hot: Optional[torch.Tensor], *,
+                chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the trainers read of the target's distribution at each position, from its post-norm final hidden states
+    ``[T, H]`` and lm_head ``[V, H]`` (SpecForge's ``target_head``: ``hidden_state @ lm_head.T``), computed in row
+    chunks so the ``[T, V]`` logits never exist whole.
+
+    Returns ``(full_arg [T] int64, restr_arg [T] int64 target ids, inv [T] bool, restr_p [T, Vd] float32)``: the argmax
+    over the full vocabulary, the argmax over the draft vocabulary ``hot`` (target ids in draft-id order; None: the
+    full vocabulary), whether the full argmax is in the draft vocabulary, and the distribution restricted to it
+    (softmax over ``hot``: SpecForge ``_compute_target_p``'s ``target_p``)."""
+    w = lm_head
+    full, restr, inv, probs = [], [], [], []
+    member = None
+    if hot is not None:
+        member = torch.zeros(w.shape[0], dtype=torch.bool)
+        member[hot.cpu()] = True
     with compute_threads(w.shape[0] * w.shape[1]):
-        return torch.cat([final_hidden[i:i + chunk].float() @ w.T for i in range(0, final_hidden.shape[0], chunk)])
+        for i in range(0, final_hidden.shape[0], chunk):
+            lg = (final_hidden[i:i + chunk].to(w.dtype) @ w.T).float()
+            fa = lg.argmax(-1)
+            full.append(fa)
+            if hot is None:
+                restr.append(fa)
+                inv.append(torch.ones_like(fa, dtype=torch.bool))
+                probs.append(torch.softmax(lg, dim=-1))
+            else:
+                rl = lg[:, hot]
+                restr.append(hot[rl.argmax(-1)])
+                inv.append(member[fa])
+                probs.append(torch.softmax(rl, dim=-1))
+    return torch.cat(full), torch.cat(restr), torch.cat(inv), torch.cat(probs)
 
 
 @torch.no_grad()
@@ -167,22 +204,18 @@ def run_sequence(draft: Eagle3Draft, seq: TFSequence, steps: int) -> SeqRows:
         raise BadInput(f"sequence {seq.key}: {T} token(s), expected at least 3", field="input_ids")
     if seq.aux.shape[0] < T - 1:
         raise BadInput(f"sequence {seq.key}: {seq.aux.shape[0]} aux rows for {T} tokens", field="aux_hidden_state")
-    L = seq.target_logits
-    if L is not None and (L.dim() != 2 or L.shape[0] != T or L.shape[1] != draft.arch.vocab):
-        raise BadInput(f"sequence {seq.key}: target logits {tuple(L.shape)}, expected [{T}, {draft.arch.vocab}]",
-                       field="hidden_state")
     hot = draft.hot_token_id.cpu() if draft.hot_token_id is not None else None
-    if L is not None:
-        full_arg = L.argmax(-1)                                                  # [T] target ids
-        if hot is None:
-            restr_logits, restr_arg, inv = L, full_arg, torch.ones(T, dtype=torch.bool)
-        else:
-            restr_logits = L[:, hot]                                             # [T, Vd], draft-id order
-            restr_arg = hot[restr_logits.argmax(-1)]                             # target ids
-            member = torch.zeros(draft.arch.vocab, dtype=torch.bool)
-            member[hot] = True
-            inv = member[full_arg]
-        restr_p = torch.softmax(restr_logits.float(), dim=-1)
+    if hot is None and draft.arch.draft_vocab < draft.arch.vocab:
+        # no d2t over a smaller draft vocabulary: draft id i is target id i (``to_target_ids`` is the identity;
+        # eagle_worker_v2.py::init_lm_head keeps ``hot_token_id`` None), so the draft's vocabulary is the first draft_vocab target ids
+        hot = torch.arange(draft.arch.draft_vocab)
+    if seq.has_target:
+        if seq.final_hidden.shape[0] != T or seq.lm_head.shape[0] != draft.arch.vocab:
+            raise BadInput(f"sequence {seq.key}: final hidden states {tuple(seq.final_hidden.shape)} and lm_head "
+                           f"{tuple(seq.lm_head.shape)}, expected [{T}, H] and [{draft.arch.vocab}, H]",
+                           field="hidden_state")
+        full_arg, restr_arg, inv, restr_p = target_view(seq.final_hidden, seq.lm_head,
+                                                        None if hot is None else hot.to(torch.long))
     else:                                     # no target distribution: the recorded next token is the label
         full_arg = torch.cat([ids[1:], ids[-1:]])
         restr_arg = full_arg
@@ -370,9 +403,9 @@ def accept_length_ci(res: TFResult, steps: int, idx: np.ndarray) -> tuple[float,
 
 def tf_sequences(samples, lm_head: Optional[torch.Tensor], *, skipped: Optional[list] = None) -> list[TFSequence]:
     """Training-data samples (:class:`helpers.formats.training_data.TrainingData` items) as :class:`TFSequence`:
-    the target's logits from each sample's post-norm ``final_hidden`` and ``lm_head [V, H]`` when both exist, else
-    None (labels then fall back to the recorded tokens). A sample with no loss mask, or fewer than 3 tokens, is left
-    out (``skipped`` gets ``(key, why)``).
+    each sample's post-norm ``final_hidden`` with the target's ``lm_head [V, H]`` when both exist (else the labels fall
+    back to the recorded tokens). A sample with no loss mask, or fewer than 3 tokens, is left out (``skipped`` gets
+    ``(key, why)``).
 
     Raises:
         BadInput: aux hidden states that hold NaN / Inf (the file named)."""
@@ -391,6 +424,6 @@ def tf_sequences(samples, lm_head: Optional[torch.Tensor], *, skipped: Optional[
             raise BadInput(f"{int((~torch.isfinite(aux)).sum())} NaN / Inf values in the aux hidden states",
                            path=meta.get("path"), field="aux_hidden_state")
         final = meta.get("final_hidden")
-        logits = target_logits(final, lm_head) if final is not None and lm_head is not None else None
-        out.append(TFSequence(key, ids, torch.as_tensor(np.asarray(mask)), aux, logits))
+        out.append(TFSequence(key, ids, torch.as_tensor(np.asarray(mask)), aux,
+                              final if lm_head is not None else None, lm_head if final is not None else None))
     return out

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..diagnosis.plan_rules import PlanRules
-from ..draft.checks import LoaderRules
 from ..server.client import HTTPClient
 from ..server.process import ServerProcess
+
+if TYPE_CHECKING:          # annotations only: both import torch, and `measure` detects the engine without it
+    from ..diagnosis.plan_rules import PlanRules
+    from ..draft.checks import LoaderRules
 
 
 class SpecConfig(BaseModel):
@@ -199,6 +201,12 @@ class EngineAdapter(ABC):
     def toggles(self) -> tuple[Any, ...]:
         """This engine's ablation toggles (``helpers.acceptance.ablations.Toggle``: flags, the report, the skip rule
         read from :meth:`helpers.server.client.ServerClient.server_info`)."""
+
+    @abstractmethod
+    def capture_caveats(self, info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]
+                        ) -> list[str]:
+        """The capture paths this server runs that the CPU reference could not verify, one sentence each, from its
+        ``server_info`` and the target's architectures / model type ([] when none is known)."""
 
     @abstractmethod
     def sampling_rule(self, info: dict) -> str:

@@ -10,17 +10,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import httpx
 from pydantic import ValidationError
 
 from ..acceptance.ablations import Toggle
-from ..diagnosis.plan_rules import PlanRules
-from ..draft.checks import LoaderRules
 from ..errors import BadInput, EndpointMissing, HiddenStatesDisabled, RequestRejected, SGLangError
 from ..formats.configs import read_config_json
-from ..formats.dumps import write_dump
 from ..layers import vllm as rules
 from ..redaction import redact
 from ..server.client import HTTPClient, ServerClient
@@ -32,12 +29,25 @@ from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
 from . import vllm_server
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
 from .vllm_answers import meta_info, parse_counters, record
-from .vllm_capture import _assemble, _now, _send
-from .vllm_rules import TOGGLES, VLLMLoaderRules, VLLMRules, draft_view
 from .vllm_server import relaunch_command
+
+if TYPE_CHECKING:          # annotations only (torch)
+    from ..diagnosis.plan_rules import PlanRules
+    from ..draft.checks import LoaderRules
+
+#: names re-exported from :mod:`.vllm_rules`, imported when first asked for (it imports torch)
+_FROM_RULES = ("TOGGLES", "VLLMLoaderRules", "VLLMRules", "draft_view")
 
 __all__ = ["VLLMAdapter", "VLLMClient", "VLLMRules", "VLLMLoaderRules", "TOGGLES", "draft_view", "meta_info",
            "parse_counters", "record", "relaunch_command"]
+
+def __getattr__(name: str) -> Any:
+    """``VLLMRules``, ``VLLMLoaderRules``, ``TOGGLES``, ``draft_view`` from :mod:`.vllm_rules` on first use."""
+    if name in _FROM_RULES:
+        from . import vllm_rules  # lazy: torch (measure detects the engine without it)
+        return getattr(vllm_rules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: the worker-extension route and what the tool needs the server started with to use it
 EXTENSION_HINT = ("start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
@@ -347,10 +357,12 @@ class VLLMAdapter(EngineAdapter):
 
     def rules(self, version: Optional[str]) -> PlanRules:
         """vLLM's id rules (:class:`VLLMRules`)."""
+        from .vllm_rules import VLLMRules  # lazy: torch (measure detects the engine without it)
         return VLLMRules(version)
 
     def loader_rules(self, version: Optional[str]) -> LoaderRules:
         """vLLM's draft loader (:class:`VLLMLoaderRules`)."""
+        from .vllm_rules import VLLMLoaderRules  # lazy: torch (measure detects the engine without it)
         return VLLMLoaderRules(version)
 
     def every_layer_source(self, client: VLLMClient, hooks_layers_dir: Optional[Path]) -> Optional[str]:
@@ -409,7 +421,14 @@ class VLLMAdapter(EngineAdapter):
 
     def toggles(self) -> tuple[Toggle, ...]:
         """vLLM 0.32.0's toggles (:data:`TOGGLES`)."""
+        from .vllm_rules import TOGGLES  # lazy: torch (measure detects the engine without it)
         return TOGGLES
+
+    def capture_caveats(self, info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]
+                        ) -> list[str]:
+        """None known: the capture path read and checked here is vLLM 0.32.0's Llama target on the CPU backend
+        (``llama.py::LlamaModel.forward``, env/vllm/README.md); SGLang's DeepSeek-family caveats do not apply."""
+        return []
 
     def sampling_rule(self, info: dict) -> str:
         """The server's ``draft_sample_method`` / ``rejection_sample_method`` (its worker's ``SpeculativeConfig``)."""
@@ -563,6 +582,8 @@ class VLLMAdapter(EngineAdapter):
             helpers.errors.SGLangError: the server recorded no draft input for a prompt, or rows wider than
                 ``max_width``.
             FileExistsError: the dump exists."""
+        from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)
+        from .vllm_capture import _assemble, _now, _send  # lazy: torch (measure detects the engine without it)
         ranks = client.rpc("e3f_describe")
         version = client.version()
         out_dir = Path(out_dir)
@@ -597,6 +618,8 @@ class VLLMAdapter(EngineAdapter):
 
     @staticmethod
     def _write_layers(path: Path, ref: list, r0: dict, version: str, client: VLLMClient) -> Path:
+        from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)
+        from .vllm_capture import _now  # lazy: torch (measure detects the engine without it)
         n = r0.get("num_layers") or 0
         return write_dump(path, ref, {"kind": "reference", "engine": "vllm", "engine_version": version,
                                       "hidden_size": r0.get("hidden_size"),

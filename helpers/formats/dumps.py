@@ -23,7 +23,6 @@ import os
 import pickle
 import re
 import struct
-import uuid
 import warnings
 import zipfile
 from dataclasses import dataclass, field
@@ -33,11 +32,11 @@ from typing import Any, Callable, Iterable, Literal, Optional
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..runfiles import atomic_write_text, loads_json, read_json_file, write_safetensors
+from ..runfiles import atomic_write_text, loads_json, read_json_file, staged_folder, write_safetensors
 
 DUMP_FORMAT = "e3f-dump"
 DUMP_VERSION = 1
@@ -178,10 +177,20 @@ class Manifest(BaseModel):
     tp_size: Optional[int] = None
     module: Optional[str] = None
     layer_plan: Optional[dict] = None
-    hidden_size: Optional[int] = None
+    hidden_size: Optional[int] = Field(None, gt=0)
     width: int = Field(gt=0)
     dtype: str
     samples: list[ManifestSample]
+
+    @field_validator("samples")
+    @classmethod
+    def _unique_keys(cls, v: list[ManifestSample]) -> list[ManifestSample]:
+        seen: set[str] = set()
+        for s in v:
+            if s.key in seen:
+                raise ValueError(f"sample key {s.key!r} is listed twice (each sample's tensors are stored once)")
+            seen.add(s.key)
+        return v
 
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.:#=\-]+$")
@@ -272,20 +281,12 @@ def write_dump(path: str | Path, samples: Iterable[Any], manifest_extra: Optiona
                 "layer_plan": extra.pop("layer_plan", None), "hidden_size": extra.pop("hidden_size", None),
                 "width": width, "dtype": str(dtype).replace("torch.", ""), **extra, "samples": entries}
     Manifest.model_validate(manifest)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_folder(path) as tmp:
         write_safetensors(tmp / "tensors.safetensors", tensors, metadata={"format": DUMP_FORMAT})
         atomic_write_text(tmp / "manifest.json", json.dumps(manifest, indent=1))
         if path.exists():
             raise FileExistsError(errno.EEXIST, "the dump folder appeared while writing (not overwritten)", str(path))
         os.rename(tmp, path)
-    except BaseException:
-        for f in tmp.glob("*"):
-            f.unlink()
-        tmp.rmdir()
-        raise
     return path
 
 

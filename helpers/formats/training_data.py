@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..runfiles import loads_json
+from ..runfiles import MAX_TOKEN_ID, loads_json
 from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
 from .rows import data_manifest
 
@@ -85,16 +85,33 @@ def _strip_trailing_pad(ids: np.ndarray, loss_mask: Optional[np.ndarray]) -> int
 
 
 def _ids(t, path: Path, key: str, *, allow_float: bool = False) -> np.ndarray:
+    """A 1-D (or ``[1, L]``) tensor of token ids (or, ``allow_float``, a loss mask: bool, int or float) as int64.
+
+    Raises:
+        BadInput: not a tensor or a list of numbers, not 1-D, a dtype other than an integer (bool / float also
+            allowed for a mask), or, for token ids, an id outside ``[0, 2^31)``; naming the file and the key."""
     if not isinstance(t, torch.Tensor):
-        t = torch.as_tensor(t)
+        try:
+            t = torch.as_tensor(t)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise BadInput(f"expected a 1-D integer tensor, got {type(t).__name__}", path=path, field=key) from None
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
-    if t.dim() != 1 or (t.is_floating_point() and not allow_float):
+    ok = (not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool) or \
+        (allow_float and not t.is_complex())
+    if t.dim() != 1 or not ok:
         raise BadInput(f"expected a 1-D integer tensor, got {tuple(t.shape)} {t.dtype}", path=path, field=key)
-    return t.numpy().astype(np.int64)
+    out = t.numpy().astype(np.int64)
+    if not allow_float and len(out) and not (0 <= out.min() and out.max() < MAX_TOKEN_ID):
+        bad = int(out[(out < 0) | (out >= MAX_TOKEN_ID)][0])
+        raise BadInput(f"token id {bad} is not from 0 to {MAX_TOKEN_ID - 1}", path=path, field=key)
+    return out
 
 
 def _chunks(width: int, hidden_size: Optional[int], default_chunks: int, path: Path, key: str) -> tuple[int, int]:
+    if width < 1:
+        raise BadInput("rows are 0 wide (expected the aux hidden states, num_chunks x hidden size)", path=path,
+                       field=key)
     if hidden_size:
         if width % hidden_size:
             raise BadInput(f"width {width} is not a multiple of the target hidden size {hidden_size}", path=path,
@@ -213,7 +230,9 @@ def read_speculators_sample(path: str | Path, *, hidden_size: Optional[int] = No
     except Exception as e:
         raise BadInput(f"not a readable safetensors file ({' '.join(str(e).split())[:160]})", path=p) from None
     ids = _ids(ids_t, p, "token_ids")
-    if hs.dim() != 3 or hs.shape[0] != ids.shape[0] or hs.shape[1] < 2:
+    if not hs.is_floating_point():
+        raise BadInput(f"expected a floating-point tensor, got {hs.dtype}", path=p, field="hidden_states")
+    if hs.dim() != 3 or hs.shape[0] != ids.shape[0] or hs.shape[1] < 2 or hs.shape[2] < 1:
         raise BadInput(f"expected [L={ids.shape[0]}, slots>=2, H], got {tuple(hs.shape)}", path=p, field="hidden_states")
     H = int(hs.shape[2])
     if hidden_size and H != hidden_size:

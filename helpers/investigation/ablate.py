@@ -234,6 +234,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     run_dir = Path(run_dir)
     _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens, _all_toggles())
     argv = relaunch_argv(relaunch) if relaunch else None
+    ps = load_prompts(prompts, n=num_prompts)       # a bad prompt file is bad input before any request
     dl = budget or Budget(budget_s, flag="--budget")
     adapter = adapter or detect(url, api_key, deadline_s=min(60.0, dl.remaining() or 60.0)).adapter
     chosen = _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens, adapter.toggles())
@@ -250,7 +251,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         target_dir = readable(target) or readable(info.get("model_path"))
         log = find_training_log(draft_dir, training_log) if draft_dir is not None else None
         a.lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
-        a.ps = load_prompts(prompts, n=num_prompts)
+        a.ps = ps
         a.doc = {"format": FORMAT, "version": 1, "url": a.client.url, "engine": adapter.name,
                  "engine_version": info.get("version"), "sglang_version": info.get("sglang_version", info.get("version")),
                  "device": info.get("device"), "limits": a.lim, "prompts": len(a.ps), "max_new_tokens": max_new_tokens,

@@ -21,14 +21,14 @@ from ..acceptance.prompts import load_prompts
 from ..diagnosis.detectors import finding
 from ..draft.budget import (BudgetInputs, MIN_TOKENS, acceptance_budget, draft_cost, dump_sequences, plan_sequences,
                             training_sequences)
-from ..draft.model import Eagle3Draft, target_lm_head
+from ..draft.model import Eagle3Draft
+from ..draft.precision import choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
 from ..draft.draft_stage import budget_fields, draft_rows
 from ..draft.teacher_forced import run as tf_run
 from ..draft.training_log import find_training_log, read_training_log
 from ..engines.base import EngineAdapter
 from ..engines.sglang import SGLangAdapter
-from ..errors import BadInput
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
 from ..kinds import PLAN_KINDS
@@ -38,15 +38,6 @@ from ..records import ProposedFix
 CAUSE_KINDS = {"draft": "draft_underperforms", "wiring": "wiring_loses_acceptance",
                "engine": "engine_after_capture", "settings": "spec_settings_low",
                "workload": "workload_loses_acceptance"}
-
-
-def compute_dtype(info: dict, draft_raw: dict) -> torch.dtype:
-    """The dtype the server computes the draft in (``/server_info`` ``dtype``; ``auto``: the draft config's)."""
-    name = str(info.get("dtype") or "auto")
-    if name == "auto":
-        name = str(draft_raw.get("torch_dtype") or draft_raw.get("dtype") or "bfloat16")
-    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16, "half": torch.float16}.get(name, torch.float32)
 
 
 @dataclass
@@ -104,7 +95,9 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
         BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
             embedding, an unsupported architecture), unreadable training log or rows.
     """
-    draft = Eagle3Draft.load(draft_dir, target_dir, dtype=compute_dtype(info, _raw(draft_dir)))
+    choice = choose_dtype(server_dtype(info, _raw(draft_dir)), "cpu")     # what this CPU runs natively
+    progress(f"offline draft run: compute dtype {choice.reason}")
+    draft = Eagle3Draft.load(draft_dir, target_dir, dtype=choice.dtype, dtype_reason=choice.reason)
     log_path = find_training_log(draft_dir, training_log)
     log = read_training_log(log_path) if log_path is not None else None
     dr = draft_rows(draft, draft_dir=draft_dir, target_dir=target_dir, training=training, hidden_size=hidden_size,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import psutil
 
@@ -14,6 +14,7 @@ from ..acceptance.measure import server_snapshot
 from ..diagnosis.detectors import finding
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
+from ..engines.sglang import UNVERIFIED_CAPTURE_PATHS, capture_caveats  # noqa: F401  (re-exported)
 from ..server.client import ServerClient
 from ..server.registry import lookup
 from ..server.restart import LAYERS_HOOK, relaunch_argv
@@ -39,6 +40,7 @@ class Attachment:
             ``{"kind": "command", "argv": [...]}``), or None.
         findings: attach findings (the given draft differs from the served one).
         info: the redacted ``/server_info``.
+        caveats: capture paths this server runs that the CPU reference could not verify (:func:`capture_caveats`).
     """
 
     url: str
@@ -58,6 +60,7 @@ class Attachment:
     restart: Optional[dict] = None
     findings: list = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    caveats: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"url": self.url, "engine": self.info.get("engine", "sglang"), "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
@@ -68,7 +71,7 @@ class Attachment:
                 "layers_dir": None if self.layers_dir is None else str(self.layers_dir),
                 "other_hooks": self.other_hooks,
                 "restart": None if self.restart is None else {"kind": self.restart["kind"]},
-                "findings": self.findings}
+                "findings": self.findings, "caveats": self.caveats}
 
 
 def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict]]:
@@ -117,8 +120,10 @@ def same_draft(a: Path, b: Path) -> Optional[dict]:
 
 
 def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
-           relaunch: Optional[str] = None) -> Attachment:
-    """Read what the server runs (see :class:`Attachment`).
+           relaunch: Optional[str] = None, caveats: Optional[Callable[..., list[str]]] = None) -> Attachment:
+    """Read what the server runs (see :class:`Attachment`). ``caveats``: the server's engine's
+    ``capture_caveats(info, architectures, model_type)`` (:meth:`helpers.engines.base.EngineAdapter.capture_caveats`;
+    default SGLang's, :func:`capture_caveats`).
 
     Raises:
         ServerError: ``/server_info`` unreachable or not JSON.
@@ -170,11 +175,13 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
         restart = {"kind": "embedded", **entry}
     spec = {"num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),
             "num_draft_tokens": info.get("speculative_num_draft_tokens")}
+    tcfg = read_target_config(target_dir)
     return Attachment(url=client.url, version=info.get("version"), tp=int(info.get("tp_size") or 1),
                       algorithm=info.get("speculative_algorithm"), spec=spec, served_draft=served_draft,
                       served_target=served_target, draft_dir=draft_dir, draft_source=draft_source,
                       target_dir=target_dir, target_source=target_source, rank_capture_dir=ranks, layers_dir=layers,
-                      other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info))
+                      other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info),
+                      caveats=(caveats or capture_caveats)(info, tcfg.architectures, tcfg.model_type))
 
 
 def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:

@@ -38,6 +38,7 @@ from ..draft.budget import dump_sequences
 from ..draft.model import Eagle3Draft
 from ..draft.simulate import simulate_sequences
 from ..budget import Budget
+from ..draft.precision import choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
 from ..engines.base import EngineAdapter
 from ..engines.detect import detect
@@ -46,7 +47,7 @@ from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..runfiles import write_json
 from ..server.client import ServerClient
-from .acceptance import compute_dtype, run_budget
+from .acceptance import run_budget
 from .attach import Attachment, attach, same_draft
 
 Progress = Callable[[str], None]
@@ -94,7 +95,7 @@ def _stage_attach(p: Pair, api_key: Optional[str]) -> None:
     for s in (p.a, p.b):
         s.adapter = detect(s.url, api_key, deadline_s=min(60.0, p.dl.remaining() or 60.0)).adapter
         s.client = s.adapter.client(s.url, api_key, timeout=600.0, budget=p.dl)
-        s.att = attach(s.client)
+        s.att = attach(s.client, caveats=s.adapter.capture_caveats)
         if s.att.draft_dir is None:
             raise BadInput(f"server {s.label} runs no draft this machine can read", field=f"--{s.label}")
         p.progress(f"attach: {s.name()}, TP {s.att.tp}, draft {s.att.draft_dir}, spec {s.att.spec}")
@@ -137,7 +138,8 @@ def _offline_on_live(s: Side, p: Pair) -> tuple[pd.DataFrame, dict]:
     spec = s.att.spec
     settings = DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"]))
     draft = Eagle3Draft.load(s.att.draft_dir, s.att.target_dir,
-                             dtype=compute_dtype(s.att.info, read_draft_config(s.att.draft_dir).raw))
+                             dtype=choose_dtype(server_dtype(s.att.info, read_draft_config(s.att.draft_dir).raw),
+                                                "cpu").dtype)      # the budget's choice
     seqs = [q for d in dumps for q in dump_sequences(d)]
     sim = simulate_sequences(draft, seqs, [settings], max_new_tokens=p.max_new_tokens)
     return sim["per_request"][settings], {q.key: q.tokens.tolist() for q in seqs}

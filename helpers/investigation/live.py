@@ -24,16 +24,17 @@ the postmortem.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import httpx
 
+from ..acceptance.machine import speed_change
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
-from ..acceptance.stats import format_ci, paired_effect
+from ..acceptance.stats import paired_effect
 from ..budget import Budget
 from ..capture import capture_reference_hf
 from ..errors import BadInput, describe
@@ -57,7 +58,7 @@ from .checks import run_check
 from .inputs import Investigation
 from .attach import Attachment, attach, capture_hooks, hf_reference_fits
 from .propose import draft_variant, propose_fix
-from .story import no_fix_text, reconcile as tell_one_story
+from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
 Progress = Callable[[str], None]
 
@@ -187,12 +188,16 @@ def _stage_attach(r: Run) -> None:
     """What the server runs; the target config and training data it is compared with."""
     req, doc = r.req, r.doc
     t = r.step("attach")
-    att = r.att = attach(r.client, draft=req.draft, target=req.target, relaunch=req.relaunch)
+    att = r.att = attach(r.client, draft=req.draft, target=req.target, relaunch=req.relaunch,
+                         caveats=r.adapter.capture_caveats)
     r.rules = r.adapter.rules(att.version)
     doc.attach = att.to_json()
     doc.engine, doc.engine_version = r.adapter.name, att.version
     r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
                         f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
+    for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
+        doc.notes.append(caveat)
+        r.progress("caveat: " + caveat)
     if att.draft_dir is None:
         raise BadInput("the server runs no draft this machine can read and no --draft was given "
                        "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
@@ -565,9 +570,13 @@ def _apply_and_measure(r: Run, fix: ProposedFix) -> dict:
     finally:
         handle.stop()
     keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-            "accept_rate_hi", "tok_s", "n_requests", "n_failed")
+            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests", "n_failed", "num_steps", "topk",
+            "num_draft_tokens", "algorithm", "machine")
+    local = _is_local(att.url) and _is_local(handle.url)
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
             "effect": effect, "prompts": req.measure_prompts, "max_new_tokens": req.max_new_tokens,
+            "labels": ["before (as served)", "after (proposed fix)"],
+            "speed": speed_change(before.summary, after.summary, before.per_request, after.per_request, local=local),
             "saved_to": [str(saved_before.relative_to(run_dir)), str(saved_after.relative_to(run_dir))],
             "after_verdict": diag2.verdict, "after_findings": [f["kind"] for f in diag2.findings],
             "fixed_server": {"url": handle.url, "draft": str(fixed_draft), "server_args": fix.server_args,
@@ -595,24 +604,28 @@ def _diagnose_fixed(r: Run, fixed: ServerClient, fixed_draft: Path) -> Any:
     return inv2.diagnosis(reference=ref is not None)
 
 
+def _is_local(url: str) -> bool:
+    """The server at ``url`` runs on this machine (its load is the one the measurement records)."""
+    host = (httpx.URL(url).host or "").lower()
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
 # ------------------------------------------------------------------------------------------------ the sentence
 
 def _measured_text(m: Optional[dict]) -> str:
     if not m:
         return "not measured"
-    if "measured_by" in m:
+    if "measured_by" in m and not ("before" in m and "after" in m and "effect" in m):
         return f"measured by {m['measured_by']}"
     if "not_measured" in m:
         return f"not measured: {m['not_measured']}"
     if "error" in m:
         return f"not measured: {m['error']}"
-    b, a, e = m["before"], m["after"], m["effect"]
-    delta = format_ci(e, "accept_rate_delta", pct=True, signed=True, unit="") + " points"
-    after_note = ("the fixed server's aux states equal the training data" if m.get("after_verdict") == "ok" else
-                  f"the fixed server still shows {', '.join(m.get('after_findings') or [])}")
-    return (f"measured on {m['prompts']} prompts: accept rate {b['accept_rate']:.0%} -> {a['accept_rate']:.0%} "
-            f"(paired change {delta}), accept length {b['accept_length']:.2f} -> {a['accept_length']:.2f} tokens per "
-            f"verify step; {after_note}")
+    after_note = ("" if "after_verdict" not in m else
+                  "; the fixed server's aux states equal the training data" if m.get("after_verdict") == "ok" else
+                  f"; the fixed server still shows {', '.join(m.get('after_findings') or [])}")
+    by = f"by {m['measured_by']}" if m.get("measured_by") else f"on {m['prompts']} prompts"
+    return f"measured {by}: {measured_text(m)[0]}{after_note}"
 
 
 def sentence(doc: InvestigationDoc) -> str:
@@ -640,17 +653,8 @@ def sentence(doc: InvestigationDoc) -> str:
     fix = doc.proposed_fix
     fix_text = fix.summary if fix is not None else "none"
     head = "Draft checkpoint fault" if f.kind in DRAFT_KINDS else "Wrong wiring"
-    return (f"{head}: {what}{where} -- {f.detail} [evidence: {_provenance(f)}].{also} Proposed fix: {fix_text}. "
+    return (f"{head}: {what}{where} -- {f.detail} [evidence: {provenance(f)}].{also} Proposed fix: {fix_text}. "
             + _measured_text(doc.measured).capitalize() + "." + budget_text)
-
-
-def _provenance(f: Finding) -> str:
-    ev = f.evidence or {}
-    if ev.get("static"):
-        return "configs + SGLang rules"
-    if "reference" in json.dumps(ev) or ev.get("identified_as"):
-        return "served tensors vs training data and the every-layer reference"
-    return "served tensors vs training data"
 
 
 def default_run_dir(out: Optional[str | Path], url: str) -> Path:

@@ -27,21 +27,23 @@ from typing import Any, Optional
 from tqdm.auto import tqdm
 
 from ..acceptance.fixes import Fix, LaunchSpec, ServerSpec, serve
-from ..acceptance.ledger import Ledger
+from ..acceptance.machine import speed_change
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
 from ..capture import server_hook_specs
 from ..errors import RunFailed
 from ..formats.configs import read_target_config
+from ..hooks import model_family
 from ..records import REPLAY_STEP, FixStep, HypothesisStep, InvestigationStep, ReplayDoc, SweepStep
 from ..runfiles import atomic_write_text, read_parquet, safe_name, write_json
 from ..server.settings import SpecSettings
 from .cases import Case, load_case
 from .checks import run_check
 from .inputs import Investigation
-from .live import investigate
+from .live import investigate, sentence
 from .propose import draft_variant
+from .story import headline_parts as story_parts, headline_text, measured_text, named_text, record_measured_fix
 
 
 class Replay:
@@ -55,13 +57,17 @@ class Replay:
         self.target = case.resolve(case.models.target)
         self.draft = case.resolve(case.models.draft)
         self.training = case.resolve(case.models.training_data) if case.models.training_data else None
-        self.num_layers = read_target_config(self.target).num_hidden_layers
+        tcfg = read_target_config(self.target)
+        self.num_layers = tcfg.num_hidden_layers
+        self.family = model_family(tcfg.architectures, tcfg.model_type)
         self.steps: list = []          # typed steps (helpers.records)
         self.server_cm = None   # the context manager of the running server
         self.server = None      # (client, handle)
         self.current: Optional[dict] = None  # info about the current fix
         self.baseline: Optional[dict] = None
         self.proposed = None    # the latest investigation's ProposedFix
+        self.inv_doc = None     # the latest investigation (InvestigationDoc), told again once its fix is measured
+        self.investigated: Optional[dict] = None  # the fix that investigation ran on: step, name, summary
         self.results_path = self.run_dir / "results" / f"replay-{safe_name(case.name)}.json"
         self.t0 = time.monotonic()
         for sub in ("results", "figures", "logs", "acceptance", "drafts", "capture", "dumps"):
@@ -86,7 +92,7 @@ class Replay:
                                                              fix.add_tensors.items()} or None)
         spec = self.case.server.spec.merged(fix.spec).merged(spec_override).merged({"algorithm": fix.algorithm})
         hooks = server_hook_specs(self.num_layers, faults=fix.faults, rank_capture_dir=capture_dir,
-                                  layers_dir=None if capture_dir is None else capture_dir / "layers")
+                                  layers_dir=None if capture_dir is None else capture_dir / "layers", family=self.family)
         ls = LaunchSpec(target=str(self.target), draft=str(draft), spec=spec.with_launch_defaults(),
                         forward_hooks=hooks, **launch)
         return ServerSpec(launch=ls), draft
@@ -109,11 +115,8 @@ class Replay:
         res = measure(client, prompts, max_new_tokens=m.max_new_tokens, concurrency=m.concurrency,
                       ignore_eos=m.ignore_eos, label=label, progress=self.progress, seed=m.seed,
                       requested=requested, baseline=(self.baseline or {}).get("tok_s"))
-        saved = res.save(self.run_dir / "acceptance" / safe_name(label))
-        row = res.ledger_row(label)
-        row["saved_to"] = str(saved.relative_to(self.run_dir))
-        Ledger(self.run_dir / "ledger.parquet").append([row])
-        return {**res.summary, "saved_to": row["saved_to"]}
+        saved = res.record(self.run_dir, label, under="acceptance")
+        return {**res.summary, "saved_to": str(saved.relative_to(self.run_dir))}
 
     # -- steps ----------------------------------------------------------------------------------
     def with_proposal(self, fix: Fix) -> Fix:
@@ -159,7 +162,43 @@ class Replay:
                         "requested": requested, "summary": summary, "index": i, "inv": None}
         rec.server_startup_s, rec.summary = round(startup, 1), _slim(summary)
         rec.acceptance_dir = summary.get("saved_to") or f"acceptance/{safe_name(fix.name)}"
+        if fix.proposed and self.inv_doc is not None and self.investigated is not None:
+            try:
+                self.tell_measured_fix(i, fix.name, summary)
+            except Exception as exc:  # noqa: BLE001 - the fix's measurement stands; the record says why it is alone
+                self.inv_doc.notes.append(f"this replay's measurement of the fix (step {i + 1}) could not be put "
+                                          f"into the investigation: {type(exc).__name__}: {exc}")
+                write_json(self.run_dir / "investigation.json", self.inv_doc.model_dump(mode="json"))
         return rec
+
+    def pair(self, a: dict, b: dict) -> dict:
+        """Two measurements of this replay (summaries with ``saved_to``) compared over the same prompts: the paired
+        change of accept length / rate (:func:`helpers.acceptance.stats.paired_effect`) and whether tok/s moved
+        with it (:func:`helpers.acceptance.machine.speed_change`; the replay's servers run on this machine)."""
+        frames = [read_parquet(self.run_dir / s["saved_to"] / "per_request.parquet") for s in (a, b)]
+        return {**paired_effect(*frames), "speed": speed_change(a, b, *frames, local=True)}
+
+    def tell_measured_fix(self, i: int, name: str, summary: dict) -> None:
+        """The fix the investigation proposed, measured at step ``i``: put the measurement (against the fix the
+        investigation ran on, the same prompts) into the investigation and tell its story again
+        (:func:`helpers.investigation.story.record_measured_fix`): the stage's loss is now this measured change.
+        ``investigation.json`` is rewritten with it (the ladder's estimate and ``measured_by`` kept), and so is the
+        replay's investigation step."""
+        a = self.investigated
+        pair = self.pair(a["summary"], summary)
+        speed = pair.pop("speed")
+        record_measured_fix(self.inv_doc, {
+            "measured_by": f"this replay's step {i + 1} ('{name}') against step {a['index'] + 1} ('{a['name']}'), "
+                           f"the same {pair.get('n_paired')} prompts",
+            "labels": [a["name"], name], "before": _slim(a["summary"]), "after": _slim(summary), "effect": pair,
+            "speed": speed,
+            "prompts": pair.get("n_paired"), "saved_to": [a["summary"]["saved_to"], summary["saved_to"]]})
+        self.inv_doc.sentence = sentence(self.inv_doc)
+        write_json(self.run_dir / "investigation.json", self.inv_doc.model_dump(mode="json"))
+        for s in self.steps:
+            if s.kind == "investigate" and s.index == a.get("inv_step"):
+                s.verdict, s.sentence = self.inv_doc.verdict, self.inv_doc.sentence
+                s.findings = [f.model_dump(mode="json") for f in self.inv_doc.findings]
 
     def fix_effect(self) -> Optional[dict]:
         """Paired change (same prompts) from the first to the last measured fix
@@ -169,8 +208,8 @@ class Replay:
         if len(fixes) < 2:
             return None
         a, b = fixes[0], fixes[-1]
-        frames = [read_parquet(self.run_dir / s.acceptance_dir / "per_request.parquet") for s in (a, b)]
-        return {"before": a.name, "after": b.name, **paired_effect(*frames)}
+        return {"before": a.name, "after": b.name, **self.pair({**a.summary, "saved_to": a.acceptance_dir},
+                                                              {**b.summary, "saved_to": b.acceptance_dir})}
 
     def investigation(self):
 
@@ -221,6 +260,9 @@ class Replay:
                           not_applied="the case applies no proposed fix after this investigation",
                           measured_by=self._measured_by(i))
         self.proposed = doc.proposed_fix
+        self.inv_doc = doc
+        self.investigated = {"index": self.current["index"], "name": self.current["fix"].name,
+                             "summary": self.current["summary"], "inv_step": i} if self.current.get("summary") else None
         rec = InvestigationStep(index=i, on_fix=self.current["fix"].name, verdict=doc.verdict, sentence=doc.sentence,
                                 findings=[f.model_dump(mode="json") for f in doc.findings],
                                 proposed_fix=None if doc.proposed_fix is None else doc.proposed_fix.model_dump(mode="json"),
@@ -282,7 +324,7 @@ class Replay:
                 rec.index, rec.note, rec.wall_s = i, step.note, round(time.monotonic() - t, 1)
                 self.steps.append(rec)
                 doc.steps = self.steps
-                doc.headline = headline(self.case, self.steps)
+                doc.headline = headline(self.case, self.steps, inv=self.inv_doc)
                 write_json(self.results_path, doc.model_dump(mode="json"))
             doc.complete = True
             try:
@@ -293,7 +335,7 @@ class Replay:
             self._stop()
             doc.steps = self.steps
             doc.wall_s = round(time.monotonic() - self.t0, 1)
-            doc.headline = headline(self.case, self.steps, doc.fix_effect)
+            doc.headline = headline(self.case, self.steps, doc.fix_effect, inv=self.inv_doc)
             write_json(self.results_path, doc.model_dump(mode="json"))
         return doc
 
@@ -340,7 +382,7 @@ def _requested_args(spec) -> list[str]:
 SUMMARY_KEYS = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate",
                 "accept_rate_lo", "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests",
                 "completion_tokens", "speedup", "baseline_tok_s", "num_steps", "topk",
-                "num_draft_tokens", "algorithm")
+                "num_draft_tokens", "algorithm", "machine")
 
 
 def _slim(summary: dict) -> dict:
@@ -353,46 +395,57 @@ def _slim(summary: dict) -> dict:
     return out
 
 
-def headline(case: Case, steps: list, effect: Optional[dict] = None) -> str:
-    """One sentence: what was wrong, which step found it, and what the fix changed (with the paired
-    95% CI of the accept-length change when ``effect``, :meth:`Replay.fix_effect`, is given)."""
-    found = next((s for s in steps if s.kind == "hypothesis" and s.verdict == "confirmed"), None)
+def headline_parts(steps: list, effect: Optional[dict] = None, inv: Any = None) -> list[dict]:
+    """The replay's story in three parts, each ``{"label", "text", "source"}``: what is wrong, the fix, its measured
+    effect. With an investigation step and its record ``inv`` (:class:`helpers.records.InvestigationDoc`, told again
+    once its fix is measured): :func:`helpers.investigation.story.headline_parts`, named in the step's wall-clock
+    time. Without one: the confirmed hypothesis, the last fix, and ``effect`` (:meth:`Replay.fix_effect`)."""
     fixes = [s for s in steps if s.kind == "fix" and not s.baseline and s.summary]
-    inv = next((s for s in steps if s.kind == "investigate" and s.verdict), None)
-    parts = []
-    if inv is not None and inv.findings:
-        f = inv.findings[0]
-        when = f" in {inv.seconds_to_verdict:.0f} s" if inv.seconds_to_verdict is not None else ""
-        fix = (inv.proposed_fix or {}).get("summary") or "none"
-        parts.append(f"The tool named the fault blind{when} (step {inv.index + 1}): {f['kind']}: {f['detail']}; "
-                     f"it proposed: {fix}")
-    elif inv is not None:
-        parts.append(f"The blind investigation (step {inv.index + 1}) found no wiring fault")
-    if found and inv is None:
+    inv_step = next((s for s in steps if s.kind == "investigate" and s.verdict), None)
+    if inv_step is not None and inv is not None:
+        parts = story_parts(inv, named=named_text(inv_step.wall_s, inv_step.seconds_to_verdict,
+                                                  step=inv_step.index + 1))
+        m = inv.measured or {}
+        if not (m.get("before") and m.get("after")) and len(fixes) >= 2 and effect:
+            parts[2] = _fix_effect_part(fixes, effect)
+        return parts
+    found = next((s for s in steps if s.kind == "hypothesis" and s.verdict == "confirmed"), None)
+    if found is not None:
         what = (found.data or {}).get("short") or found.explanation.split(". ")[0].rstrip(".")
         lab = f" ({found.label})" if found.label else ""
-        parts.append(f"What was wrong: {what}; found by step {found.index + 1}{lab}, check '{found.check}'")
-    elif steps and inv is None:
-        parts.append("No hypothesis was confirmed")
+        wrong = {"label": "What is wrong", "text": what,
+                 "source": f"step {found.index + 1}{lab}: check '{found.check}' confirmed"}
+    else:
+        wrong = {"label": "What is wrong", "text": "no hypothesis was confirmed" if steps else "no step finished",
+                 "source": ""}
+    parts = [wrong]
     if len(fixes) >= 2:
-        a, b = fixes[0], fixes[-1]
-        ra, rb = a.summary.get("accept_rate"), b.summary.get("accept_rate")
-        la, lb = a.summary.get("accept_length"), b.summary.get("accept_length")
-        if None not in (ra, rb, la, lb):
-            name = b.name
-            name = name[4:].strip() if name.lower().startswith("fix:") else name
-            txt = (f"the fix of step {b.index + 1} ({name}) moved accept rate {100 * ra:.0f}% -> {100 * rb:.0f}% "
-                   f"and accept length {la:.2f} -> {lb:.2f}")
-            e = effect or {}
-            if e.get("n_paired", 0) >= 2 and all(isinstance(e.get(k), float) and math.isfinite(e[k]) for k in
-                                                 ("accept_length_delta_lo", "accept_length_delta_hi")):
-                txt += (f" ({e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
-                        f"{e['accept_length_delta_hi']:+.2f}], paired 95% CI over {e['n_paired']} prompts)")
-            parts.append(txt)
-    sweep = next((s for s in steps if s.kind == "sweep" and s.best_num_steps), None)
-    if sweep:
-        parts.append(f"best tok/s at num_steps={sweep.best_num_steps}")
-    return ("; ".join(parts) + ".") if parts else ""
+        b = fixes[-1]
+        parts.append({"label": "The fix", "text": b.name, "source": f"the case file's step {b.index + 1}"})
+        parts.append(_fix_effect_part(fixes, effect))
+    return parts
+
+
+def _fix_effect_part(fixes: list, effect: Optional[dict]) -> dict:
+    """The first and last fixes' change (with the paired CI of ``effect`` when the replay computed it)."""
+    a, b = fixes[0], fixes[-1]
+    src = f"this replay's step {b.index + 1} ('{b.name}') against step {a.index + 1} ('{a.name}')"
+    if effect and effect.get("n_paired"):
+        text, src = measured_text({"before": a.summary, "after": b.summary, "effect": effect, "measured_by": src})
+        return {"label": "Measured effect", "text": text, "source": src}
+    keys = ("accept_rate", "accept_length")
+    if any(x.summary.get(k) is None for x in (a, b) for k in keys):
+        return {"label": "Measured effect", "text": "not measured: a fix has no accept figures", "source": src}
+    return {"label": "Measured effect", "source": src,
+            "text": f"accept rate {a.summary['accept_rate']:.0%} -> {b.summary['accept_rate']:.0%}, accept length "
+                    f"{a.summary['accept_length']:.2f} -> {b.summary['accept_length']:.2f}"}
+
+
+def headline(case: Case, steps: list, effect: Optional[dict] = None, *, inv: Any = None) -> str:
+    """One plain-text headline: :func:`headline_parts` joined (what is wrong, the fix, its measured effect, each
+    with its source)."""
+    parts = headline_parts(steps, effect, inv)
+    return headline_text(parts) if steps else ""
 
 
 def replay_case(case: Case | str | os.PathLike, run_dir: str | os.PathLike, *, progress: bool = True,

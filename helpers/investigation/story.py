@@ -14,15 +14,22 @@
    ...), so a cause is never left without a finding and a finding is never left without its stage's loss.
 4. The verdict: ``mismatch`` when a finding stands or a stage counts; ``undecided`` when nothing is found but the
    budget cannot rule out a material loss; ``ok`` only when nothing is found and the cause is ``none``.
+
+:func:`record_measured_fix` is the same story when the fix is measured after the investigation by someone else (a
+replay's later step): the measurement is put into the record and :func:`reconcile` runs again, so the stage's loss is
+the fix's measured effect. :func:`headline_parts` tells the story in three parts (what is wrong, the fix, its measured
+effect), each with its source: the postmortem's headline and the replay's.
 """
 from __future__ import annotations
 
-from typing import Optional
+import json
+from typing import Any, Optional
 
+from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.budget import REQUIRED_STAGES, budget_sentence, cause_of
 from ..draft.decide import decide, threshold
-from ..kinds import KIND_STAGE
+from ..kinds import ACCEPTANCE_KINDS, KIND_STAGE, KIND_TEXT
 from ..records import Finding, InvestigationDoc
 from ..runfiles import jsonable
 
@@ -40,19 +47,33 @@ def _fix_stages(doc: InvestigationDoc) -> set[str]:
     return {KIND_STAGE[k] for k in (fix.addresses or []) if k in KIND_STAGE}
 
 
-def _merge(losses: dict, stage: str, new: dict) -> None:
-    """Put ``new`` (a loss measured another way) in place of the stage's ladder estimate when it decides more: it
-    counts and the ladder's did not. The ladder's estimate is kept under ``ladder``."""
+def _brief(loss: dict) -> dict:
+    return {k: loss.get(k) for k in ("delta", "ci", "decision", "basis")}
+
+
+def _merge(losses: dict, stage: str, new: dict, *, on_server: bool = False) -> None:
+    """Put ``new`` (a loss measured another way) in the stage's place when it decides more: it counts and the
+    ladder's estimate did not; a loss measured **on the server** (the fix's before / after over the same prompts)
+    that counts is the stage's loss whatever the ladder said: it is the direct measurement of what the fix restored.
+    The ladder's estimate is kept under ``ladder``, other estimates under ``also``. Idempotent: a loss merged before
+    (same basis) is not merged again (reconcile runs again after a later measurement)."""
     old = losses.get(stage) or {}
-    if old.get("decision") == "counts" or new.get("decision") != "counts":
-        old.setdefault("also", []).append({k: new.get(k) for k in ("delta", "ci", "decision", "basis")})
-        losses[stage] = old
+    if old.get("basis") == new.get("basis") or any(a.get("basis") == new.get("basis") for a in old.get("also") or []):
         return
-    losses[stage] = {**new, "ladder": {k: old.get(k) for k in ("delta", "ci", "decision", "basis")}}
+    if new.get("decision") == "counts" and (on_server or old.get("decision") != "counts"):
+        also = list(old.get("also") or [])
+        if old.get("ladder"):                         # a replacement before this one: kept beside
+            also.append(_brief(old))
+        losses[stage] = {**new, "on_server": on_server, "also": also,
+                         "ladder": old.get("ladder") or (_brief(old) if old else None)}
+        return
+    old.setdefault("also", []).append(_brief(new))
+    losses[stage] = old
 
 
-def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict]]:
-    """Losses from the fix: measured on the server, and proven offline."""
+def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict, bool]]:
+    """Losses from the fix: ``(stage, loss, measured on the server)``, measured on the server first, then proven
+    offline."""
     b = doc.acceptance or {}
     stages = _fix_stages(doc)
     out = []
@@ -64,12 +85,13 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict]]:
         n = eff.get("n_paired")
         dec = decide(d, lo, hi, threshold(before), n=n, unit="prompts")
         for st in stages:
+            where = f" ({m['measured_by']})" if m.get("measured_by") else ""
             out.append((st, {"stage": st, "delta": d, "ci": [lo, hi], **dec, "n": n,
                              "counts": dec["decision"] == "counts", "material": d >= dec["threshold"],
                              "beyond_ci": lo > 0,
-                             "basis": f"measured: the proposed fix moved live accept length {before:.2f} -> "
+                             "basis": f"measured{where}: the proposed fix moved live accept length {before:.2f} -> "
                                       f"{(m.get('after') or {}).get('accept_length', float('nan')):.2f}, paired "
-                                      f"over {n} prompt(s) (the fix restores what this stage lost)"}))
+                                      f"over {n} prompt(s) (the fix restores what this stage lost)"}, True))
     fo = b.get("fix_offline") or {}
     if stages & {"wiring"} and fo.get("gain") is not None and None not in (fo.get("gain_ci") or [None]):
         lo, hi = fo["gain_ci"]
@@ -81,7 +103,7 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict]]:
                                "beyond_ci": lo > 0,
                                "basis": f"proven offline: {fo['label']} (served plan [{', '.join(fo.get('plan') or [])}"
                                         f"]) run on the every-layer reference accepts {fo['gain']:+.2f} tokens per "
-                                        "verify step over the served states, paired per sample"}))
+                                        "verify step over the served states, paired per sample"}, False))
     ds = next((s for s in b.get("stages", []) if s["name"] == "checkpoint (teacher-forced)"), {})
     dfix = ds.get("fix") or {}
     if stages & {"draft"} and dfix.get("gain") is not None:
@@ -93,7 +115,7 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict]]:
                               "beyond_ci": lo > 0,
                               "basis": f"proven offline: the checkpoint with {dfix['label']} ({dfix.get('source')}) "
                                        f"scores {dfix['gain']:+.2f} tokens per verify step more on the draft stage's "
-                                       "rows, paired per sequence"}))
+                                       "rows, paired per sequence"}, False))
     return out
 
 
@@ -105,8 +127,8 @@ def reconcile(doc: InvestigationDoc, *, budget_expected: bool = False) -> Invest
     b = doc.acceptance
     if b:
         losses = b.setdefault("losses", {})
-        for st, loss in _measured_losses(doc):
-            _merge(losses, st, loss)
+        for st, loss, on_server in _measured_losses(doc):
+            _merge(losses, st, loss, on_server=on_server)
         b["cause"] = cause_of(losses, b.get("required") or REQUIRED_STAGES)
         b["sentence"] = budget_sentence(b)
         doc.acceptance = jsonable(b)
@@ -180,3 +202,123 @@ STAGE_ADVICE = {
     "settings": "launch with the recommended speculative settings of the acceptance budget and measure",
     "workload": "the requests, not the server, lose the acceptance (see the workload sweeps)",
 }
+
+
+def record_measured_fix(doc: InvestigationDoc, measurement: dict, *, budget_expected: bool = True) -> InvestigationDoc:
+    """The proposed fix measured after the investigation (a replay's step that applies it): ``measurement`` =
+    ``{"measured_by": str, "before": summary, "after": summary, "effect": paired_effect(...), "prompts": int,
+    "saved_to": [before, after], "speed": helpers.acceptance.machine.speed_change(...)}`` replaces ``doc.measured``
+    (its ``measured_by`` says who measured), then :func:`reconcile` makes the stage's loss the measured change (the
+    ladder's estimate kept beside it). Returns ``doc``, changed in place; the caller rewrites the sentence."""
+    doc.measured = {**(doc.measured or {}), **measurement}
+    return reconcile(doc, budget_expected=budget_expected)
+
+
+def provenance(f: Finding) -> str:
+    """Where a finding's identities come from, in words (its evidence)."""
+    ev = f.evidence or {}
+    if ev.get("static"):
+        return "configs + SGLang rules"
+    if "reference" in json.dumps(ev, default=str) or ev.get("identified_as"):
+        return "served tensors vs training data and the every-layer reference"
+    return "served tensors vs training data"
+
+
+def named_text(wall_s: Optional[float], seconds_to_verdict: Optional[float], *, step: Optional[int] = None) -> str:
+    """How long naming the fault took, with its clock: the wall-clock time of the whole investigation (attach to the
+    proposed fix and the acceptance budget; a replay's step time as the console prints it), and when the diagnosis's
+    verdict came within it (``InvestigationDoc.seconds_to_verdict``: monotonic seconds from attach)."""
+    where = f"step {step}, " if step is not None else ""
+    if wall_s is None:
+        return "" if seconds_to_verdict is None else f"(diagnosis verdict {seconds_to_verdict:.1f} s after attach)"
+    verdict = (f"; the diagnosis's verdict came {seconds_to_verdict:.1f} s after attach"
+               if seconds_to_verdict is not None else "")
+    return f"in {wall_s:.1f} s ({where}wall clock from attach to the proposed fix and acceptance budget{verdict})"
+
+
+def _ci_text(v: Any, ci: Any, *, signed: bool = False) -> str:
+    """``v [lo, hi]`` through the one CI formatter (:func:`helpers.acceptance.stats.format_ci`)."""
+    lo, hi = (list(ci) + [None, None])[:2] if ci else (None, None)
+    r = [None if x is None else round(float(x), 2) + 0.0 for x in (v, lo, hi)]     # no "-0.00"
+    return format_ci({"x": r[0], "x_lo": r[1], "x_hi": r[2]}, "x", signed=signed)
+
+
+def stage_loss_text(loss: Optional[dict]) -> str:
+    """``1.13 [0.43, 1.54] tokens per verify step (counts; measured on the server)`` for one stage's loss."""
+    if not loss or loss.get("delta") is None:
+        return ""
+    how = "measured on the server" if loss.get("on_server") else "estimated offline"
+    return f"{_ci_text(loss['delta'], loss.get('ci'))} tokens per verify step ({loss.get('decision')}; {how})"
+
+
+def measured_text(m: Optional[dict]) -> tuple[str, str]:
+    """The measured effect of the fix and its source: ``("accept rate 19% -> 47%, accept length 1.92 -> 2.61 (+0.69
+    [+0.5, +0.8] tokens per verify step, paired over 16 prompts)", "...")``; ``("not measured: why", "")``."""
+    m = m or {}
+    b, a, e = m.get("before") or {}, m.get("after") or {}, m.get("effect") or {}
+    if not (b and a and e):
+        if m.get("measured_by"):
+            return f"measured by {m['measured_by']}", ""
+        return f"not measured: {m.get('not_measured') or m.get('error') or 'no measurement'}", ""
+    d = e.get("accept_length_delta")
+    paired = (f" ({format_ci(e, 'accept_length_delta', signed=True)} tokens per verify step, paired over "
+              f"{e.get('n_paired')} prompts)") if d is not None else ""
+    rate = (f"accept rate {b['accept_rate']:.0%} -> {a['accept_rate']:.0%}, "
+            if b.get("accept_rate") is not None and a.get("accept_rate") is not None else "")
+    text = f"{rate}accept length {b['accept_length']:.2f} -> {a['accept_length']:.2f}{paired}"
+    src = m.get("measured_by") or ("the investigation's before / after on the same prompts, on the server as served "
+                                   "and on a restarted copy with the fix")
+    if m.get("saved_to"):
+        src += f" ({', '.join(m['saved_to'])})"
+    return text, src
+
+
+def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
+    """The story in three parts, each ``{"label", "text", "source"}``: what is wrong (the first finding the fix
+    addresses, else the budget's cause, with the stage's loss), the fix (the proposal and where it comes from), its
+    measured effect (:func:`measured_text`). ``named``: how long naming it took (:func:`named_text`)."""
+    b = doc.acceptance or {}
+    losses = b.get("losses") or {}
+    wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
+    parts = []
+    if wiring:
+        f = wiring[0]
+        where = "" if f.chunk is None or f.kind in ("layer_offset", "chunk_order") else f", chunk {f.chunk}"
+        cost = stage_loss_text(losses.get(KIND_STAGE.get(f.kind, "")))
+        text = f"{KIND_TEXT.get(f.kind, f.kind)} ({f.kind}{where}): {f.detail}"
+        if cost:
+            text += f"; the {KIND_STAGE[f.kind]} stage of the acceptance budget loses {cost}"
+        more = [k for k in dict.fromkeys(x.kind for x in wiring[1:]) if k != f.kind]
+        src = f"{provenance(f)}" + (f"; also found: {', '.join(more)}" if more else "")
+    elif b.get("cause") in CAUSE_KINDS:
+        c = b["cause"]
+        text = f"acceptance is lost at the {c} stage: {stage_loss_text(losses.get(c))}"
+        src = (losses.get(c) or {}).get("basis") or "the acceptance budget"
+    elif doc.verdict is not None:
+        text = {"ok": "no fault: the served aux states equal the training data and every stage of the acceptance "
+                      "budget rules out a material loss",
+                "undecided": "no fault found, but the acceptance budget cannot rule out a material loss"}.get(
+            doc.verdict, "no wiring fault found")
+        src = "the acceptance budget" if b else "served tensors vs training data"
+    else:
+        text, src = doc.error or "the investigation did not reach a verdict", ""
+    if named:
+        src = f"named blind {named}; " + src if src else f"named blind {named}"
+    parts.append({"label": "What is wrong", "text": text, "source": src})
+    fix = doc.proposed_fix
+    if fix is not None and fix.kind != "none":
+        parts.append({"label": "The fix", "text": fix.summary, "source": "; ".join(fix.why) or fix.kind})
+    else:
+        parts.append({"label": "The fix", "text": no_fix_text(doc), "source": ""})
+    text, src = measured_text(doc.measured)
+    parts.append({"label": "Measured effect", "text": text, "source": src})
+    return parts
+
+
+def headline_text(parts: list[dict]) -> str:
+    """:func:`headline_parts` as one plain-text headline (sources in brackets)."""
+    out = []
+    for p in parts:
+        t = p["text"].rstrip(".")
+        out.append(f"{p['label']}: {t}" + (f" [source: {p['source']}]" if p.get("source") else "") + ".")
+    return " ".join(out)

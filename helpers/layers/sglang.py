@@ -48,6 +48,9 @@ GPT_OSS_BOUNDARY_SINCE = (0, 5, 17)
 EMBEDDING_AT_INDEX0_SINCE = (0, 5, 22)
 #: the oldest release whose source was read for these rules.
 OLDEST_READ = (0, 5, 6)
+#: the release read with DeepSeek's AuxHiddenStatePacker (an id the layer loop never reaches: RuntimeError at the
+#: first forward; older releases were not read for it and are assumed to leave the chunk out silently).
+PACKER_SINCE = (0, 5, 23)
 
 RULE_TEXT = {
     "plus_one": "config id i -> capture index i+1 = out(i)",
@@ -75,7 +78,10 @@ class TargetRule:
             no ``set_eagle3_layers_to_capture``, so EAGLE-3 is refused too).
         last_layer: what capture index n (an id naming out(n-1) under +1) does: ``missing`` (the loop never
             reaches it: the chunk is silently absent), ``index_error`` (start-up crash), ``boundary``
-            (captured, pre-norm), ``unknown``, or None.
+            (captured, pre-norm), ``runtime_error`` (the captures fill an ``AuxHiddenStatePacker`` sized by the
+            ids, whose ``finalize`` raises RuntimeError "captured k of m aux hidden states" at the first forward,
+            i.e. SGLang's start-up warm-up: ``models/deepseek_v2.py::DeepseekV2Model.forward``, SGLang >= 0.5.23,
+            checked live), ``unknown``, or None.
         source: the SGLang file and method the rule comes from.
     """
 

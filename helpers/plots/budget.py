@@ -21,6 +21,21 @@ ORDER = ("training log", "checkpoint (teacher-forced)", "offline on training sta
 #: stages that start a new run of bars: another quantity (a drafting chain, not a teacher-forced formula) or other
 #: prompts, so the step from the bar before is not a loss
 NEW_RUN = ("offline on training states", "offline on live prompts' served states")
+#: the stage row each loss is measured at (the loss is the step from the row before it, within one run)
+LOSS_AT = {"draft": "checkpoint (teacher-forced)", "wiring": "offline on served states", "engine": "live",
+           "settings": "best settings (simulated)"}
+#: what each run of like-with-like stages compares (the runs start at ORDER[0] and at each NEW_RUN stage)
+RUNS = ("trainer's formula (teacher-forced)", "drafting chain, training tokens", "drafting chain, live prompts")
+
+
+def run_of(name: str) -> Optional[str]:
+    """The like-with-like run a stage belongs to (:data:`RUNS`); ``"other settings"`` for the settings stage, None
+    for a stage not in :data:`ORDER`."""
+    if name == LOSS_AT["settings"]:
+        return "other settings"
+    if name not in ORDER:
+        return None
+    return RUNS[sum(1 for n in NEW_RUN if ORDER.index(n) <= ORDER.index(name))]
 
 
 def _stages(budget: dict) -> list[dict]:

@@ -559,9 +559,10 @@ class SGLangClient(ServerClient):
         Raises :class:`RequestRejected` for 400/422 with the server's reason,
         :class:`ServerTimeout` past ``timeout`` (default ``generate_timeout``), :class:`SGLangError` for an answer
         that is not a JSON object, has a field of the wrong type or out of range (negative counts, a histogram
-        longer than 65 bins), or spec counters no server can produce
-        (:meth:`helpers.server.protocol.MetaInfo.spec_problem`, with the ``speculative_num_steps`` of
-        :meth:`server_info` once it was read: a measurement reads it first, so they fail that request).
+        longer than 65 bins), or spec counters that break an identity of SGLang's per-request counters
+        (:meth:`helpers.server.protocol.MetaInfo.spec_problem`, with the ``speculative_num_steps`` /
+        ``_num_draft_tokens`` / ``_adaptive`` of :meth:`server_info` once it was read: a measurement reads it first, so
+        they fail that request; the message names the server's request id and the identity, with the numbers).
         """
         if (input_ids is None) == (text is None):
             raise ValueError("generate(): pass exactly one of input_ids= or text=")
@@ -611,17 +612,24 @@ class SGLangClient(ServerClient):
             result = GenerateResult.model_validate({**data, "latency_s": latency})
         except ValidationError as exc:
             raise _invalid(exc, f"POST {self._shown_url}/generate", "/generate") from None
-        problem = result.meta_info.spec_problem(self._num_steps())
+        problem = result.meta_info.spec_problem(**self._spec_limits())
         if problem:
-            raise SGLangError(f"POST {self._shown_url}/generate: impossible spec counters: {problem}",
+            rid = result.meta_info.id
+            which = f" (request {printable(str(rid))[:80]})" if rid is not None else ""
+            raise SGLangError(f"POST {self._shown_url}/generate{which}: impossible spec counters: {problem}",
                               endpoint="/generate")
         return result
 
-    def _num_steps(self) -> Optional[int]:
-        """The server's ``speculative_num_steps`` when ``/server_info`` was read (checked) and speculative decoding is
-        on, else None."""
+    def _spec_limits(self) -> dict:
+        """What :meth:`helpers.server.protocol.MetaInfo.spec_problem` checks counters against: the server's
+        ``speculative_num_steps``, ``speculative_num_draft_tokens`` and ``speculative_adaptive`` when ``/server_info``
+        was read (checked) and speculative decoding is on, else nothing."""
         info = self._server_info or {}
-        return info.get("speculative_num_steps") if info.get("speculative_algorithm") else None
+        if not info.get("speculative_algorithm"):
+            return {}
+        return {"num_steps": info.get("speculative_num_steps"),
+                "num_draft_tokens": info.get("speculative_num_draft_tokens"),
+                "adaptive": bool(info.get("speculative_adaptive"))}
 
     # -- configuration ----------------------------------------------------------------------
 

@@ -40,8 +40,8 @@ from typing import Any, Optional, Sequence
 
 from ..budget import Budget
 from ..errors import BadServerInput, ServerStartError
-from ..formats.configs import read_config_json
-from ..layers.sglang import eagle3_draft_classes
+from ..formats.configs import TEXT_CONFIG_KEYS, read_config_json
+from ..layers.sglang import eagle3_draft_classes, target_rule
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
 from .process import ServerProcess
 from .settings import SpecSettings
@@ -154,6 +154,84 @@ def check_model_dir(path: Path, what: str) -> dict:
     return cfg
 
 
+#: the MLA EAGLE-3 draft class (sglang/srt/models/kimi_k25_eagle3.py)
+MLA_DRAFT = "Eagle3DeepseekV2ForCausalLM"
+
+
+def _rope_type(cfg: dict) -> tuple[str, Any]:
+    """(field, rope type) of a config: ``rope_parameters.rope_type`` (transformers 5), else the legacy
+    ``rope_scaling.rope_type`` / ``.type``; the type is None when neither names one."""
+    for key in ("rope_parameters", "rope_scaling"):
+        d = cfg.get(key)
+        if isinstance(d, dict):
+            for sub in ("rope_type", "type"):
+                if sub in d:
+                    return f"{key}.{sub}", d[sub]
+    return "rope_parameters.rope_type", None
+
+
+def check_cpu_config(cfg: dict, path: Path, role: str) -> None:
+    """Refuse, before anything is launched, a DeepSeek-family config that SGLang 0.5.23 would refuse on this CPU
+    server (at start-up, after a minute of loading), with one line naming the file and the field.
+
+    ``role`` is ``"target"`` (any architecture of the DeepSeek id rule: ``sglang/srt/models/deepseek_v2.py``, or
+    Kimi-K2.5's ``text_config``) or ``"draft"`` (checked only for the MLA draft ``Eagle3DeepseekV2ForCausalLM``).
+
+    * RoPE: DeepSeek attention builds its rotary embedding from ``rope_parameters`` unless its type is ``default``
+      (``deepseek_v2.py::DeepseekV2DecoderLayer.__init__``), renames any other type to ``deepseek_yarn``
+      (``DeepseekV2AttentionMLA.__init__``), and on CPU ``layers/rotary_embedding/factory.py::get_rope_cpu`` asserts
+      ``rope_scaling is not None and rope_type == "deepseek_yarn"``: a missing or ``default`` type fails there
+      (use yarn with ``factor: 1.0`` for plain RoPE).
+    * target with routed experts: ``moe_layer_freq`` (read by ``DeepseekV2DecoderLayer._is_layer_sparse``) and
+      ``topk_method`` (``MoEGate.__init__``) are not fields of transformers' ``DeepseekV3Config``: without them
+      SGLang raises AttributeError.
+    * MLA draft: ``q_lora_rank`` must be set and ``num_hidden_layers`` must be 1
+      (``kimi_k25_eagle3.py::Eagle3MLADecoderLayer`` / ``Eagle3MLAModel.__init__`` raise ValueError).
+
+    Raises:
+        BadServerInput: ``<role> config <path>/config.json: field <name>: <what SGLang does> (<where>)``.
+    """
+    file = Path(path) / "config.json"
+    archs = cfg.get("architectures") or []
+    if role == "draft":
+        if MLA_DRAFT not in archs:
+            return
+        text = cfg
+    else:
+        if target_rule(archs, cfg.get("model_type")).rule != "deepseek":
+            return
+        sub = next((k for k in TEXT_CONFIG_KEYS if isinstance(cfg.get(k), dict)), None)
+        text = cfg[sub] if sub else cfg
+    where = f"{role} config {file}: field " + ("" if role == "draft" or text is cfg else f"{sub}.")
+
+    def refuse(field: str, what: str) -> None:
+        raise BadServerInput(where + field + ": " + what)
+
+    field, rope = _rope_type(text)
+    if rope in (None, "default"):
+        refuse(field, f"is {rope!r}; SGLang 0.5.23 on CPU builds DeepSeek/MLA RoPE only as deepseek_yarn (any non-"
+                      "default type becomes deepseek_yarn; give rope_type 'yarn', with factor 1.0 for plain RoPE) -- "
+                      "sglang/srt/layers/rotary_embedding/factory.py::get_rope_cpu asserts it at start-up")
+    if role == "draft":
+        if text.get("q_lora_rank") is None:
+            refuse("q_lora_rank", "is missing or null; the MLA draft needs it (ValueError 'Eagle3 MLA layer requires "
+                                  "q_lora_rank') -- sglang/srt/models/kimi_k25_eagle3.py::Eagle3MLADecoderLayer")
+        if text.get("num_hidden_layers") != 1:
+            refuse("num_hidden_layers", f"is {text.get('num_hidden_layers')!r}; the MLA draft has exactly 1 layer "
+                                        "(ValueError 'EAGLE3 currently only supports 1 layer') -- "
+                                        "sglang/srt/models/kimi_k25_eagle3.py::Eagle3MLAModel")
+        return
+    if text.get("n_routed_experts") is not None:
+        if "moe_layer_freq" not in text:
+            refuse("moe_layer_freq", "is missing; SGLang reads it for every layer (AttributeError; transformers' "
+                                     "DeepseekV3Config has no default for it: add 1) -- sglang/srt/models/"
+                                     "deepseek_v2.py::DeepseekV2DecoderLayer._is_layer_sparse")
+        if "topk_method" not in text:
+            refuse("topk_method", "is missing; SGLang's MoE gate reads it (AttributeError; 'noaux_tc' is DeepSeek-V3's "
+                                  "sigmoid router with e_score_correction_bias) -- sglang/srt/models/deepseek_v2.py::"
+                                  "MoEGate.__init__")
+
+
 def check_draft_dir(path: Path, algorithm: str) -> dict:
     """Validate the draft folder for ``algorithm``; an EAGLE3 server needs an EAGLE-3 draft."""
     cfg = check_model_dir(path, "draft")
@@ -162,10 +240,14 @@ def check_draft_dir(path: Path, algorithm: str) -> dict:
         raise BadServerInput(
             f"draft config {Path(path) / 'config.json'}: architectures={archs} is not an EAGLE-3 "
             f"draft; --speculative-algorithm EAGLE3 needs one of {eagle3_draft_classes()}")
+    check_cpu_config(cfg, path, "draft")
     return cfg
 
 
-KEEP_MODEL_MODULES = {"llama": ("llama", "llama_eagle3")}
+#: model_type -> the ``sglang/srt/models`` modules its server imports: the target's and both EAGLE-3 draft classes'
+#: (``llama_eagle3``; ``kimi_k25_eagle3``, the MLA draft, which imports ``deepseek_v2`` itself)
+KEEP_MODEL_MODULES = {"llama": ("llama", "llama_eagle3"),
+                      "deepseek_v3": ("deepseek_v2", "llama", "llama_eagle3", "kimi_k25_eagle3")}
 
 
 def disabled_model_modules(python: Path, model_type: Optional[str]) -> Optional[str]:
@@ -179,7 +261,9 @@ def disabled_model_modules(python: Path, model_type: Optional[str]) -> Optional[
     keep = KEEP_MODEL_MODULES.get(model_type or "")
     if keep is None:
         return None
-    lib = Path(python).resolve().parent.parent / "lib"
+    # the venv's own lib/, so the interpreter path is not resolved: a venv's bin/python is a symlink to the base
+    # interpreter (e.g. ~/.pyenv/versions/3.11.7/bin/python3.11), whose lib/ holds no sglang
+    lib = Path(os.path.abspath(python)).parent.parent / "lib"
     found = sorted(lib.glob("python3*/site-packages/sglang/srt/models"))
     if not found:
         return None
@@ -257,7 +341,8 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
     ``command``, ``tp``, ``spec``, ``target``, ``draft``).
 
     Raises:
-        BadServerInput: missing model folder, a draft that is not EAGLE-3 under EAGLE3, port in
+        BadServerInput: missing model folder, a draft that is not EAGLE-3 under EAGLE3, a DeepSeek-family
+            config SGLang would refuse on CPU (:func:`check_cpu_config`), port in
             use, missing SGLang venv.
         ServerStartError: the server died during startup or missed ``timeout``; the message
             holds the log tail. No process of the attempt survives.
@@ -287,6 +372,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
     """One start attempt (see :func:`start`)."""
     target = Path(target) if target is not None else REFERENCE_TARGET
     target_cfg = check_model_dir(target, "target")
+    check_cpu_config(target_cfg, target, "target")
     if isinstance(spec, dict):
         spec = SpecSettings(**spec)
     draft_path = Path(draft) if draft is not None else None
@@ -326,6 +412,10 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
         "E3F_SHM_KEY": f"{os.getpid()}-{port}-{int(time.time() * 1e3) % 10**9}",
         # torch's TCPStore of the distributed init listens on 127.0.0.1 too (env/reference/standin/e3f_boot.py)
         "E3F_LOOPBACK_STORE": "1",
+        # a scheduler that dies (e.g. SGLang's RuntimeError for an aux layer id it never reaches) would otherwise make
+        # the launcher sleep 65 s for py-spy dumps and CUDA coredumps this CPU server cannot take
+        # (sglang/srt/managers/tokenizer_manager.py, SGLANG_PYSPY_DUMP_BEFORE_CRASH / SGLANG_CUDA_COREDUMP_BEFORE_CRASH)
+        "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
         # this checkout's stand-in (sgl_kernel, e3f_boot) ahead of the one the SGLang venv was installed from
         "PYTHONPATH": os.pathsep.join([str(STANDIN)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
     })

@@ -42,6 +42,23 @@ def _pump(stream, log_path: Path, secrets: list[str]) -> None:
     stream.close()
 
 
+#: while a command is interrupted: seconds a server's leader gets after SIGTERM before every process of its tree and
+#: group gets SIGKILL, and the longest wait for them to be gone after that (:meth:`ServerProcess.stop`,
+#: :func:`stop_descendants`); the two keep a signal's exit within 2 s (bench/bench_signal.py, bench/RESULTS.md)
+INTERRUPT_GRACE_S = 0.3
+INTERRUPT_REAP_S = 0.5
+#: processes (PID, start time) a stop() sent SIGKILL: being torn down by the kernel, no more code of theirs runs
+_KILLED: set[tuple[int, float]] = set()
+
+
+def _identity(p: psutil.Process) -> tuple[int, float]:
+    """``(pid, start time)``: one process, whatever later reuses its PID."""
+    try:
+        return p.pid, p.create_time()
+    except psutil.Error:
+        return p.pid, -1.0
+
+
 def _running(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -154,39 +171,48 @@ class ServerProcess:
         """Stop the process and every process it started; idempotent.
 
         SIGTERM goes to the leader (SGLang then stops its schedulers and detokenizer); after ``timeout``
-        seconds (1 s while this process is being interrupted: :func:`helpers.budget.interrupted`), or if anything
-        survives the leader, SIGKILL goes to the rest and to the process group.
+        seconds, or if anything survives the leader, SIGKILL goes to the rest and to the process group, and the
+        processes are waited for (10 s).
+
+        While this process is being interrupted (:func:`helpers.budget.interrupted`: SIGINT / SIGTERM reached the
+        command, which must end within 2 s), the grace is :data:`INTERRUPT_GRACE_S` and the wait after SIGKILL
+        :data:`INTERRUPT_REAP_S`: SGLang's own shutdown takes 8 s on 2 loaded cores (a longer grace only
+        delays the SIGKILL), and a killed scheduler's memory takes the kernel up to ~1 s to free there. A process
+        still being torn down after that has been sent SIGKILL -- it runs no more code -- and is not waited for.
 
         Raises:
-            RuntimeError: a process of the tree is still alive afterwards.
+            RuntimeError: a process of the tree is still alive afterwards (not while interrupted).
         """
         if self._stopped:
             return
-        if interrupted():
-            timeout = min(timeout, 1.0)
+        hurry = interrupted() is not None
+        grace = min(timeout, INTERRUPT_GRACE_S) if hurry else timeout
+        reap = INTERRUPT_REAP_S if hurry else 10.0
         self._remember_tree()
         if self.is_alive():
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=timeout)
+                self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
         survivors = self.processes()
         for p in survivors:
             with contextlib.suppress(psutil.Error):
                 p.kill()
+                _KILLED.add(_identity(p))
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
-        psutil.wait_procs(survivors, timeout=10)
+        t = time.monotonic()
+        psutil.wait_procs(survivors, timeout=reap)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=max(0.0, reap - (time.monotonic() - t)) if hurry else 5)
         if self._pump is not None:
-            self._pump.join(timeout=min(timeout, 5))
+            self._pump.join(timeout=0.1 if hurry else min(timeout, 5))
         self._stopped = True
         _LIVE.discard(self)
         left = self.processes()
-        if left:
+        if left and not hurry:
             raise RuntimeError(f"processes of server pid {self.pid} survived stop(): {[p.pid for p in left]}")
 
     def __enter__(self) -> "ServerProcess":
@@ -217,13 +243,15 @@ def stop_all(timeout: float = 5.0) -> None:
             pass
 
 
-def stop_descendants(timeout: float = 1.0) -> list[int]:
+def stop_descendants(timeout: float = INTERRUPT_GRACE_S, reap: float = INTERRUPT_REAP_S) -> list[int]:
     """Stop every process this process started that still runs -- children and their descendants, by PID, and the
-    process groups those lead -- SIGTERM, then SIGKILL after ``timeout`` seconds; returns their PIDs. What a command
-    does after SIGINT / SIGTERM, once its own clean-up ran (:func:`helpers.__main__.cli`): notebook workers and
-    their kernels, a server whose handle was never returned."""
+    process groups those lead -- SIGTERM, then SIGKILL after ``timeout`` seconds, then a wait of at most ``reap``
+    seconds for them to be gone; returns their PIDs. What a command does after SIGINT / SIGTERM, once its own
+    clean-up ran (:func:`helpers.__main__.exit_with`): notebook workers and their kernels, a server whose handle
+    was never returned. Processes already being torn down (killed by a server's :meth:`ServerProcess.stop`) are
+    left to the kernel."""
     try:
-        procs = psutil.Process().children(recursive=True)
+        procs = [p for p in psutil.Process().children(recursive=True) if _identity(p) not in _KILLED and _running(p)]
     except psutil.Error:
         return []
     leaders = []
@@ -239,7 +267,7 @@ def stop_descendants(timeout: float = 1.0) -> list[int]:
     for pgid in leaders:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=1.0)
+    psutil.wait_procs(alive, timeout=reap)
     return [p.pid for p in procs]
 
 

@@ -5,6 +5,7 @@ produce are named (:meth:`MetaInfo.spec_problem`).
 """
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -99,8 +100,8 @@ class MetaInfo(BaseModel):
     cached_tokens: Optional[Count] = None
     e2e_latency: Optional[float] = Field(None, ge=0)
     spec_verify_ct: Optional[Count] = None
-    spec_accept_length: Optional[float] = None
-    spec_accept_rate: Optional[float] = None
+    spec_accept_length: Optional[float] = Field(None, allow_inf_nan=False)
+    spec_accept_rate: Optional[float] = Field(None, allow_inf_nan=False)
     spec_num_correct_drafts: Optional[Count] = None
     spec_num_proposed_drafts: Optional[Count] = None
     spec_correct_drafts_histogram: Optional[list[Count]] = Field(None, max_length=MAX_NUM_STEPS + 1)
@@ -120,37 +121,105 @@ class MetaInfo(BaseModel):
         """True when the answer carries a positive ``spec_verify_ct`` (see class docstring)."""
         return bool(self.spec_verify_ct)
 
-    def spec_problem(self, num_steps: Optional[int]) -> Optional[str]:
-        """Why these spec counters cannot come from a server running ``num_steps`` draft steps (None: unknown), or
-        None when they can. Counts are already non-negative (the field types).
+    def spec_problem(self, num_steps: Optional[int] = None, *, num_draft_tokens: Optional[int] = None,
+                     adaptive: bool = False) -> Optional[str]:
+        """The first identity of SGLang's per-request spec counters these counters break, with the numbers, or None
+        when they satisfy every one that can be checked. Counts are already non-negative (the field types).
 
-        Each verify step accepts at most ``num_steps`` draft tokens (the chain length for topk 1, the tree depth
-        otherwise) and emits those plus one bonus token; the prefill samples one more token before any verify step
-        (``batch_result_processor.py``: ``spec_verify_ct += 1`` and ``update_spec_correct_drafts_histogram`` per
-        verify step; ``tokenizer_manager.py::_calculate_spec_decoding_metrics``). So: correct drafts <= proposed
-        drafts, correct drafts <= verify steps x num_steps, completion tokens <= verify steps x (num_steps + 1) + 1,
-        and the histogram has at most num_steps + 1 bins.
+        Args:
+            num_steps: the server's ``speculative_num_steps`` (None: unknown; the checks that need it are skipped).
+            num_draft_tokens: its ``speculative_num_draft_tokens`` (None: unknown).
+            adaptive: ``speculative_adaptive`` (the steps change at run time: the checks on the static steps and
+                draft tokens are skipped).
+
+        The identities (:data:`SPEC_IDENTITIES`), from SGLang 0.5.23's counting: per verify step of a request
+        ``scheduler_components/batch_result_processor.py`` adds 1 to ``spec_verify_ct``, the step's accepted draft
+        tokens n (at most ``num_steps``: the chain for topk 1, the tree depth for topk > 1) to
+        ``spec_num_correct_drafts`` and 1 to histogram bin n (``schedule_batch.py::Req.
+        update_spec_correct_drafts_histogram``), and emits n + 1 tokens (the bonus), fewer when the request ends
+        inside the run; the prefill emits one token before any step, one more after each retraction
+        (``num_retractions``). ``tokenizer_manager.py::TokenizerManager._calculate_spec_decoding_metrics`` sets the
+        fields only when ``spec_verify_ct > 0``, with ``spec_num_proposed_drafts = spec_verify_ct x
+        (speculative_num_draft_tokens - 1)``, ``spec_accept_rate = correct / proposed`` and ``spec_accept_length =
+        completion_tokens / spec_verify_ct``. An answer with ``spec_verify_ct`` 0 (servers of 2025 sent it on every
+        answer) accepted and proposed nothing.
         """
         v, c, p = self.spec_verify_ct, self.spec_num_correct_drafts, self.spec_num_proposed_drafts
-        if not v:
+        hist = self.spec_correct_drafts_histogram or None
+        ct, r = self.completion_tokens, self._retractions()
+
+        def broken(name: str, detail: str) -> str:
+            return f"identity '{name}' broken: {detail}"
+
+        if v is None:
+            return None
+        if v == 0:
+            for field, value in (("spec_num_correct_drafts", c), ("spec_num_proposed_drafts", p),
+                                 ("spec_correct_drafts_histogram", sum(hist or []) or None),
+                                 ("spec_accept_length", self.spec_accept_length or None)):
+                if value:
+                    return broken("no verify step, no draft", f"{field} {value} with spec_verify_ct 0")
             return None
         if c is not None and p is not None and c > p:
-            return (f"spec_num_correct_drafts {c} > spec_num_proposed_drafts {p} (more draft tokens accepted than "
-                    "proposed)")
-        if num_steps is None:
-            return None
-        hist = self.spec_correct_drafts_histogram
-        if hist is not None and len(hist) > num_steps + 1:
-            return (f"spec_correct_drafts_histogram has {len(hist)} bins, more than num_steps + 1 = {num_steps + 1} "
-                    "(a verify step accepts at most num_steps draft tokens)")
-        if c is not None and c > v * num_steps:
-            return (f"spec_num_correct_drafts {c} > {v} verify steps x {num_steps} draft steps (a verify step "
-                    "accepts at most num_steps draft tokens)")
-        ct = self.completion_tokens
-        if ct is not None and ct > v * (num_steps + 1) + 1:
-            return (f"{ct} completion tokens from {v} verify steps (at most {num_steps + 1} tokens each with "
-                    f"num_steps {num_steps}, plus the prefill token: {v * (num_steps + 1) + 1})")
+            return broken("accepted <= proposed", f"spec_num_correct_drafts {c} > spec_num_proposed_drafts {p} "
+                                                   "(more draft tokens accepted than proposed)")
+        static = not adaptive
+        if static and num_draft_tokens and p is not None and p != v * (num_draft_tokens - 1):
+            return broken("proposed = verify steps x (draft tokens - 1)",
+                          f"spec_num_proposed_drafts {p} != spec_verify_ct {v} x (speculative_num_draft_tokens "
+                          f"{num_draft_tokens} - 1) = {v * (num_draft_tokens - 1)}")
+        if static and num_steps is not None:
+            if hist is not None and len(hist) > num_steps + 1:
+                return broken("histogram bins <= num_steps + 1",
+                              f"spec_correct_drafts_histogram has {len(hist)} bins, more than num_steps + 1 = "
+                              f"{num_steps + 1} (a verify step accepts at most num_steps draft tokens)")
+            if c is not None and c > v * num_steps:
+                return broken("accepted <= verify steps x num_steps",
+                              f"spec_num_correct_drafts {c} > {v} verify steps x {num_steps} draft steps (a verify "
+                              "step accepts at most num_steps draft tokens)")
+        if ct is not None and (c is not None or (static and num_steps is not None)):
+            most = 1 + r + v + (c if c is not None else v * num_steps)
+            if ct > most:
+                accepted = f"{c} accepted draft tokens" if c is not None else f"at most {num_steps} draft tokens each"
+                return broken("completion tokens <= 1 + retractions + verify steps + accepted",
+                              f"{ct} completion tokens from {v} verify steps ({accepted}, a bonus token each, plus "
+                              f"the prefill token{f' and {r} after retractions' if r else ''}: at most {most})")
+        if hist is not None:
+            if sum(hist) != v:
+                return broken("histogram sums to the verify steps",
+                              f"spec_correct_drafts_histogram {hist} sums to {sum(hist)}, spec_verify_ct is {v}")
+            weighted = sum(n * h for n, h in enumerate(hist))
+            if c is not None and weighted != c:
+                return broken("histogram weights to the accepted drafts",
+                              f"sum n x spec_correct_drafts_histogram[n] = {weighted}, spec_num_correct_drafts is {c}")
+        if self.spec_accept_length is not None and ct is not None and not _same(self.spec_accept_length, ct / v):
+            return broken("spec_accept_length = completion_tokens / spec_verify_ct",
+                          f"the server reported spec_accept_length {self.spec_accept_length:g}, completion_tokens "
+                          f"{ct} / spec_verify_ct {v} = {ct / v:g}")
+        if self.spec_accept_rate is not None and c is not None and p and not _same(self.spec_accept_rate, c / p):
+            return broken("spec_accept_rate = correct / proposed",
+                          f"the server reported spec_accept_rate {self.spec_accept_rate:g}, spec_num_correct_drafts "
+                          f"{c} / spec_num_proposed_drafts {p} = {c / p:g}")
         return None
+
+    def _retractions(self) -> int:
+        """``num_retractions`` of the answer (SGLang 0.5.23 sets it on every answer), 0 when absent or not a count."""
+        r = (self.model_extra or {}).get("num_retractions")
+        return r if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 31 else 0
+
+
+#: the identities :meth:`MetaInfo.spec_problem` checks, in its order (each message starts ``identity '<name>'``)
+SPEC_IDENTITIES = (
+    "no verify step, no draft", "accepted <= proposed", "proposed = verify steps x (draft tokens - 1)",
+    "histogram bins <= num_steps + 1", "accepted <= verify steps x num_steps",
+    "completion tokens <= 1 + retractions + verify steps + accepted", "histogram sums to the verify steps",
+    "histogram weights to the accepted drafts", "spec_accept_length = completion_tokens / spec_verify_ct",
+    "spec_accept_rate = correct / proposed")
+
+
+def _same(reported: float, recomputed: float) -> bool:
+    """A reported ratio equals the one recomputed from the counters (JSON carries doubles: up to rounding)."""
+    return math.isclose(reported, recomputed, rel_tol=1e-9, abs_tol=1e-12)
 
 
 class GenerateResult(BaseModel):

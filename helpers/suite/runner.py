@@ -56,6 +56,7 @@ from tqdm import tqdm
 from ..capture import server_hook_specs
 from ..errors import BadParams, describe
 from ..formats.configs import read_target_config
+from ..hooks import model_family
 from ..paths import ROOT
 from ..records import ReplayDoc
 from ..runfiles import atomic_write_text, mark_failed, new_run_dir, write_json
@@ -146,9 +147,11 @@ def _start_managed(m: ManagedServer, run_dir: Path):
     draft = None
     if m.draft:
         draft = (ROOT / m.draft) if not Path(m.draft).is_absolute() else Path(m.draft)
-    n = read_target_config(target).num_hidden_layers
-    hooks = server_hook_specs(n, faults=m.faults, rank_capture_dir=run_dir / "capture" / "managed" / "ranks",
-                              layers_dir=run_dir / "capture" / "managed" / "layers")
+    tcfg = read_target_config(target)
+    hooks = server_hook_specs(tcfg.num_hidden_layers, faults=m.faults,
+                              rank_capture_dir=run_dir / "capture" / "managed" / "ranks",
+                              layers_dir=run_dir / "capture" / "managed" / "layers",
+                              family=model_family(tcfg.architectures, tcfg.model_type))
     spec = SpecSettings(**m.spec) if draft else None
     handle = start(target, draft, tp=m.tp, spec=spec, extra_args=m.extra_args, forward_hooks=hooks,
                    timeout=m.timeout, log_path=run_dir / "logs" / "server.log")

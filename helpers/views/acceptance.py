@@ -13,7 +13,6 @@ from ..acceptance.ledger import Ledger
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
-from ..runfiles import safe_name
 from .budget import budget_parts
 from .common import RunContext, connect, read_json_or_none
 from .investigation import load_investigation
@@ -72,11 +71,8 @@ def measure_live(ctx: RunContext, label: str, *, count: int = 24, max_new_tokens
                       concurrency=concurrency, ignore_eos=True, label=label, progress=False)
     finally:
         client.close()
-    saved = res.save(ctx.run_dir / "acceptance" / safe_name(label))
-    row = res.ledger_row(label)
-    row["saved_to"] = str(saved.relative_to(ctx.run_dir))
-    Ledger(ctx.run_dir / "ledger.parquet").append([row])
-    return {**res.summary, "saved_to": row["saved_to"]}
+    saved = res.record(ctx.run_dir, label, under="acceptance")
+    return {**res.summary, "saved_to": str(saved.relative_to(ctx.run_dir))}
 
 
 def investigation_measurements(run_dir: Path) -> pd.DataFrame:
@@ -101,17 +97,21 @@ def investigation_measurements(run_dir: Path) -> pd.DataFrame:
 
 
 def measured_fixes(run_dir: Path, ledger: pd.DataFrame) -> pd.DataFrame:
-    """What the acceptance page draws: the investigation's before / after (:func:`investigation_measurements`), then
-    the ledger's fixes (:func:`main_fixes`)."""
-    parts = [f for f in (investigation_measurements(run_dir), main_fixes(ledger)) if f is not None and len(f)]
+    """What the acceptance page draws: the investigation's before / after (:func:`investigation_measurements`; a
+    measurement the ledger holds already, as a replay's fix does, once), then the ledger's fixes (:func:`main_fixes`)."""
+    inv, led = investigation_measurements(run_dir), main_fixes(ledger)
+    if len(inv) and led is not None and len(led) and "saved_to" in led.columns:
+        inv = inv[~inv["saved_to"].isin(set(led["saved_to"].astype(str)))]   # a replay's fix: in the ledger already
+    parts = [f for f in (inv, led) if f is not None and len(f)]
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
-def acceptance_budget(run_dir: Path) -> list:
+def acceptance_budget(run_dir: Path, replay: Any = None) -> list:
     """The investigation's acceptance budget (``investigation.json`` key ``acceptance``) as the page parts of
-    :func:`helpers.views.budget.budget_parts` (a heading, the sentence, stages with CIs, the waterfall and ladder,
-    losses, other settings, the fix proven offline); an empty list when the investigation has none."""
+    :func:`helpers.views.budget.budget_parts` (a heading, the cause, the ladder with the settings line and the gains,
+    the waterfall and ladder figures, losses, other settings, the fix proven offline; ``replay``: the run folder's
+    replay, whose sweep the settings line compares); an empty list when the investigation has none."""
     doc = load_investigation(run_dir)
     if doc is None or not doc.acceptance:
         return []
-    return ["<h3>Acceptance budget: where the accept length goes</h3>"] + budget_parts(doc.acceptance)
+    return ["<h3>Acceptance budget: where the accept length goes</h3>"] + budget_parts(doc.acceptance, doc=replay)

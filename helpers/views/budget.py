@@ -1,13 +1,18 @@
-"""The acceptance budget as HTML parts (the investigation page and 20_acceptance): the sentence, one row per stage
-with its accept length, CI and source, the losses by stage, the settings table and the fix proven offline."""
+"""The acceptance budget as HTML parts (the investigation page, 20_acceptance, the postmortem's first screen): the
+cause, the ladder as one table (stage, accept length, the loss measured at it with its decision), the settings line
+consistent with ``recommended_settings``, the gains with why, the figures, the losses' decisions, the settings
+simulated and the fix proven offline."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import pandas as pd
 
-from ..plots.budget import budget_ladder, budget_waterfall, draft_steps
+from ..acceptance.stats import format_ci
+from ..draft.budget import gains
+from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps, run_of
 from .common import esc, table_html
+from .replay import sweep_points
 
 
 def _ci(ci) -> str:
@@ -38,22 +43,160 @@ def losses_frame(budget: dict) -> pd.DataFrame:
                          for k, v in (budget.get("losses") or {}).items()])
 
 
-def budget_parts(budget: Optional[dict]) -> list[Any]:
-    """HTML strings and plotly figures, in page order; one line when there is no budget."""
+def _r(x: Any) -> Any:
+    """``x`` rounded to 2 decimals, without a negative zero ("-0.00" reads as a loss of a sign)."""
+    return x if x is None else round(float(x), 2) + 0.0
+
+
+def _ci_of(v: Any, ci: Any, *, signed: bool = False) -> str:
+    lo, hi = (list(ci) + [None, None])[:2] if ci else (None, None)
+    return format_ci({"x": _r(v), "x_lo": _r(lo), "x_hi": _r(hi)}, "x", signed=signed)
+
+
+def ladder_frame(budget: dict) -> pd.DataFrame:
+    """The ladder as one table, in stage order: which like-with-like run the stage belongs to (a new run starts where
+    the quantity or the prompts change: the step into it is not a loss), its accept length with the 95 % CI, the loss
+    measured at it (from the stage before it in the same run; the settings stage: recommended vs served) with its CI
+    and decision, and a note: measured on the server (with the ladder's offline estimate), a gain, what would settle
+    an undecided loss."""
+    at = {v: k for k, v in LOSS_AT.items()}
+    losses = budget.get("losses") or {}
+    gained = {g["stage"] for g in gains(budget)}
+    rows, last = [], None
+    for s in budget.get("stages") or []:
+        name = s["name"]
+        run = run_of(name) or ""
+        loss = losses.get(at.get(name, "")) or {}
+        note = []
+        if loss.get("on_server"):
+            lad = loss.get("ladder") or {}
+            note.append("measured on the server" + (f" (offline estimate {_ci_of(lad.get('delta'), lad.get('ci'))})"
+                                                    if lad.get("delta") is not None else ""))
+        if at.get(name) in gained:
+            note.append("a gain (see the flags)")
+        if loss.get("decision") == "undecided":
+            note.append((loss.get("settle") or {}).get("text") or loss.get("why") or "")
+        if name == LOSS_AT["settings"] and s.get("settings"):
+            r, sv = s["settings"], budget.get("settings") or {}
+            note.append(f"steps {r.get('steps')} topk {r.get('topk')} draft tokens {r.get('draft_tokens')} (served "
+                        f"{sv.get('steps')} / {sv.get('topk')} / {sv.get('draft_tokens')})")
+        rows.append({"like with like": "" if run == last else run, "stage": name,
+                     "accept length [95% CI]": _ci_of(s.get("accept_length"), s.get("ci")),
+                     "lost at this stage [95% CI]": _ci_of(loss.get("delta"), loss.get("ci")) if loss else "",
+                     "decision": loss.get("decision") or "", "note": "; ".join(n for n in note if n)})
+        last = run
+    return pd.DataFrame(rows)
+
+
+def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optional[str]]:
+    """The settings line, consistent with ``budget["recommended_settings"]``: what the budget recommends over the
+    served settings, modelled how and on which states, and what the replay's ``num_steps`` sweep (``doc``, the replay
+    document) measured for the two; plus a flag when the sweep measured the other one faster beyond both tok/s CIs.
+    ``("", None)`` without a budget."""
+    b = budget or {}
+    served, rec = b.get("settings") or {}, b.get("recommended_settings")
+    if not b:
+        return "", None
+    if not rec:
+        why = "; ".join(m for m in b.get("missing") or [] if m.startswith("settings")) or "no settings stage"
+        return f"Settings: none recommended ({why}).", None
+    st = next((s for s in b.get("stages") or [] if s["name"] == LOSS_AT["settings"]), {})
+    on = f" on the {st['grid']}" if st.get("grid") else ""
+    gain = st.get("modelled_speedup_gain")
+    flags = f"--speculative-num-steps {rec['steps']} --speculative-eagle-topk {rec['topk']} " \
+            f"--speculative-num-draft-tokens {rec['draft_tokens']}"
+    same = all(rec.get(k) == served.get(k) for k in ("steps", "topk", "draft_tokens"))
+    if same:
+        text = (f"Settings: the acceptance budget keeps the served {flags}: no other steps is modelled a material "
+                f"share faster (simulated{on})")
+    else:
+        al = _ci_of(st.get("accept_length"), st.get("ci"))
+        sal = st.get("served_accept_length")
+        text = (f"Settings: the acceptance budget recommends {flags} over the served {served.get('steps')} steps: "
+                f"accept length {al}" + (f" vs {sal:.2f}" if sal is not None else "")
+                + (f", modelled tokens per unit time {gain:+.0%}" if gain is not None else "")
+                + f" (simulated{on}; to be measured before it is adopted)")
+        if b.get("cause") in ("wiring", "draft") and "served" in on:
+            text += (f"; it was simulated on the states before the fix of the {b['cause']} stage, which the fix "
+                     "changes")
+    flag = None
+    pts = sweep_points(doc)
+    if pts and not same:
+        got = {p.get("num_steps"): p for p in pts if (p.get("topk") or 1) == 1}
+        r, s_ = got.get(rec["steps"]), got.get(served.get("steps"))
+        if r and s_ and r.get("tok_s") is not None and s_.get("tok_s") is not None:
+            tr, ts = format_ci(r, "tok_s", digits=1), format_ci(s_, "tok_s", digits=1)
+            text += f". The replay's num_steps sweep measured {rec['steps']} steps {tr} tok/s, {served.get('steps')} " \
+                    f"steps {ts} tok/s"
+            lo_r, hi_r, lo_s, hi_s = (r.get("tok_s_lo"), r.get("tok_s_hi"), s_.get("tok_s_lo"), s_.get("tok_s_hi"))
+            if None in (lo_r, hi_r, lo_s, hi_s):
+                text += " (no CIs to compare)"
+            elif hi_r < lo_s:
+                loads = "; ".join(f"{n} steps: {_load(p)}" for n, p in ((rec["steps"], r), (served.get("steps"), s_)))
+                flag = (f"the budget recommends {rec['steps']} steps (modelled), the sweep measured {served.get('steps')}"
+                        f" steps faster beyond both tok/s CIs ({ts} vs {tr}); the machine's load during the two: "
+                        f"{loads}")
+                text += " (the served steps faster: see the flags)"
+            elif lo_r > hi_s:
+                text += " (the recommended steps faster, beyond both CIs)"
+            else:
+                text += " (the CIs overlap: the sweep cannot tell them apart)"
+    return text + ".", flag
+
+
+def _load(p: dict) -> str:
+    m = p.get("machine") or {}
+    r = m.get("runnable_mean")
+    return f"{r:.1f} runnable task(s) on {m.get('cpu_count')} core(s)" if r is not None else "not recorded"
+
+
+def cause_html(budget: dict) -> str:
+    """One line: the budget's cause and the loss that makes it (or why there is none), escaped."""
+    cause, losses = budget.get("cause"), budget.get("losses") or {}
+    loss = losses.get(cause) or {}
+    if loss.get("delta") is not None:
+        how = "" if loss.get("on_server") else "estimated offline: "        # a measured basis says "measured"
+        why = (f"{_ci_of(loss['delta'], loss.get('ci'))} tokens per verify step lost at the {cause} stage "
+               f"({loss.get('decision')}; {how}{loss.get('basis', '')})")
+    elif cause == "none":
+        why = "every required stage's CI rules out a material loss"
+    else:
+        why = "a material loss is not ruled out at " + "; ".join(
+            f"{k} ({(v.get('settle') or {}).get('text') or v.get('why') or 'not computed'})"
+            for k, v in losses.items() if v.get("decision") == "undecided")
+    return f"<p><b>Cause: {esc(cause)}</b>: {esc(why)}</p>"
+
+
+def budget_parts(budget: Optional[dict], *, with_ladder: bool = True, doc: Any = None) -> list[Any]:
+    """HTML strings and plotly figures, in page order: the cause, the ladder table (:func:`ladder_frame`; left out
+    with ``with_ladder=False`` where the page's first screen shows it), the settings line (:func:`settings_text`,
+    ``doc`` the replay for its sweep), the gains with why, the waterfall, the draft stage per step, P(accepted >= j)
+    per stage, each loss's decision, the settings simulated, the fix proven offline, notes and what is missing. One
+    line when there is no budget."""
     if not budget:
         return ["<p>No acceptance budget in this run.</p>"]
-    parts: list[Any] = [f"<p><b>{esc(budget.get('sentence', ''))}</b></p>", table_html(stages_frame(budget))]
+    parts: list[Any] = [cause_html(budget)]
+    if with_ladder:
+        parts.append(table_html(ladder_frame(budget)))
+        text, flag = settings_text(budget, doc)
+        parts.append(f'<p class="e3f-note">{esc(text)}</p>')
+        items = [g["text"] for g in gains(budget)] + ([flag] if flag else [])
+        if items:
+            parts.append("<p><b>Figures that do not fit the story</b></p><ul>"
+                         + "".join(f"<li>{esc(t)}</li>" for t in items) + "</ul>")
     for fig in (budget_waterfall(budget), draft_steps(budget), budget_ladder(budget)):
         if fig is not None:
             parts.append(fig)
-    parts.append("<h4>Losses by stage</h4>")
+    parts.append("<h4>Losses by stage: how each is decided</h4>")
     parts.append(table_html(losses_frame(budget)))
     if budget.get("settings_table"):
         parts.append("<h4>Other settings, simulated on the same states</h4>")
         parts.append(table_html(pd.DataFrame([{"steps": t["steps"], "topk": t["topk"],
                                                "draft tokens": t["draft_tokens"],
                                                "accept length": round(t["accept_length"], 2),
-                                               "95% CI": _ci(t.get("ci"))} for t in budget["settings_table"]])))
+                                               "95% CI": _ci(t.get("ci")),
+                                               "modelled tokens per unit time": None if t.get("speedup_model") is None
+                                               else round(t["speedup_model"], 3)} for t in budget["settings_table"]])))
     fo = budget.get("fix_offline")
     if fo:
         gain = "" if fo.get("gain") is None else (f": {fo['gain']:+.2f} tokens per verify step over the served "

@@ -115,6 +115,14 @@ _CSS = """<style>
 .e3f-step { border: 1px solid #ddd; border-radius: 6px; padding: 8px 12px; margin: 10px 0; }
 .e3f-note { color: #555; font-size: 13px; }
 .e3f-run { border-left: 4px solid #757575; padding: 4px 10px; margin: 4px 0 10px 0; background: #fafafa; }
+.e3f-story { font-size: 14px; }
+.e3f-hl-part { margin: 1px 0 4px 0; }
+.e3f-src { color: #555; font-size: 11px; margin-left: 1em; }
+.e3f-first .e3f-table { font-size: 12px; margin: 2px 0 6px 0; }
+.e3f-first .e3f-table th, .e3f-first .e3f-table td { padding: 1px 6px; }
+.e3f-flags { border-left: 5px solid #ef6c00; background: #fff3e0; padding: 6px 12px; font-size: 13px; margin: 6px 0; }
+.e3f-flags ol { margin: 4px 0; padding-left: 20px; }
+h3.e3f-h { margin: 12px 0 4px 0; font-size: 16px; }
 </style>"""
 
 
@@ -205,6 +213,18 @@ class StepProgress:
             self.handle.update(HTML(f'<details class="e3f-progress"><summary class="e3f-note">{esc(self.title)}: '
                                     f'{len(self.lines)} steps in {self._clock() - self.t0:.0f} s</summary>'
                                     f'<pre style="margin:2px 0">{body}</pre></details>'))
+
+
+def headline_box(parts: list[dict]) -> str:
+    """A story's headline as one box (``parts``: ``{"label", "text", "source"}``, e.g.
+    :func:`helpers.investigation.story.headline_parts`): each part on its line, its source under it (escaped)."""
+    if not parts:
+        return '<div class="e3f-headline">No investigation and no replay in this run folder.</div>'
+    rows = "".join(
+        f'<div class="e3f-hl-part"><b>{esc(p["label"])}:</b> {esc(p["text"])}'
+        + (f'<div class="e3f-src">source: {esc(p["source"])}</div>' if p.get("source") else "") + "</div>"
+        for p in parts)
+    return f'<div class="e3f-headline e3f-story">{rows}</div>'
 
 
 def note(text: str) -> str:

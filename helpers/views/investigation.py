@@ -18,8 +18,9 @@ from ..investigation.live import investigate
 from ..records import HypothesisStep, InvestigationDoc
 from ..runfiles import atomic_write_text, read_json_file
 from .budget import budget_parts
-from .common import (_CSS, RunContext, as_path, engine_label, esc, findings_frame, plotlyjs_html, run_dir_line,
-                     table_html)
+from .common import (_CSS, RunContext, as_path, engine_label, esc, findings_frame, headline_box, plotlyjs_html,
+                     run_dir_line, table_html)
+from .story import first_screen, story_parts
 
 
 def load_investigation(run_dir: Path) -> Optional[InvestigationDoc]:
@@ -74,15 +75,14 @@ def hypothesis_steps(doc: Optional[InvestigationDoc], check: str) -> list[Hypoth
     return [h.as_step(label="live investigation", on_fix="live server") for h in doc.hypotheses if h.check == check]
 
 
-def headline_html(doc: InvestigationDoc) -> str:
-    """The sentence in the headline box, with a verdict badge and the time from attach to verdict."""
+def headline_html(doc: InvestigationDoc, replay: Any = None) -> str:
+    """The headline box (:func:`helpers.views.common.headline_box`: what is wrong, the fix, its measured effect, each
+    with its source) with a verdict badge; ``replay``: the run folder's replay, whose step times the investigation."""
     label, color = {"ok": ("no fault", "#2e7d32"), "mismatch": ("fault named", "#c62828")}.get(
         doc.verdict or "", ("no verdict", "#616161"))
-    took = (f" Named in {doc.seconds_to_verdict:.0f} s from attach to verdict."
-            if doc.seconds_to_verdict is not None else "")
     badge = (f'<span class="e3f-verdict" style="background:{color};color:#fff;padding:1px 8px;border-radius:9px;'
              f'font-weight:600">{esc(label)}</span>')
-    return f'<div class="e3f-headline">{badge} {esc(doc.sentence)}<span class="e3f-note">{esc(took)}</span></div>'
+    return badge + headline_box(story_parts(replay, doc))
 
 
 def hypotheses_frame(doc: InvestigationDoc) -> pd.DataFrame:
@@ -172,11 +172,21 @@ def facts_frame(doc: InvestigationDoc) -> pd.DataFrame:
     return pd.DataFrame([{"fact": k, "value": "" if v is None else str(v)} for k, v in rows])
 
 
-def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[Any]:
-    """The investigation as a list of displayable parts (HTML strings and plotly figures), in page order."""
+def sections_html(doc: InvestigationDoc, *, with_headline: bool = True, replay: Any = None,
+                  run_dir: Optional[Path] = None, ladder: Optional[bool] = None) -> list[Any]:
+    """The investigation as a list of displayable parts (HTML strings and plotly figures), in page order: with the
+    headline, the first screen (:func:`helpers.views.story.first_screen`: headline, before / after, the ladder, the
+    flags), then findings, hypotheses, the proposed fix, the measurement, the acceptance budget's details, the server.
+    ``replay``: the run folder's replay (its investigation step's time, its sweep); ``run_dir``: where the measurements
+    are (default the investigation's); ``ladder``: show the ladder table in the budget's section (default: only
+    without the first screen, which shows it)."""
     parts: list[Any] = []
     if with_headline:
-        parts.append(headline_html(doc))
+        label, color = {"ok": ("no fault", "#2e7d32"), "mismatch": ("fault named", "#c62828")}.get(
+            doc.verdict or "", ("no verdict", "#616161"))
+        parts.append(f'<span class="e3f-verdict" style="background:{color};color:#fff;padding:1px 8px;'
+                     f'border-radius:9px;font-weight:600">{esc(label)}</span>')
+        parts += first_screen(run_dir or (Path(doc.run_dir) if doc.run_dir else None), replay, doc)
     parts.append("<h3>Findings</h3>")
     parts.append(table_html(findings_frame([f.model_dump() for f in doc.findings])) if doc.findings
                  else "<p>No finding: every served chunk equals its training chunk.</p>")
@@ -195,7 +205,7 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[
     else:
         parts.append(f"<p>Not measured: {esc(m.get('not_measured') or m.get('error') or 'no measurement')}</p>")
     parts.append("<h3>Acceptance budget: where the accept length goes</h3>")
-    parts += budget_parts(doc.acceptance)
+    parts += budget_parts(doc.acceptance, with_ladder=(not with_headline) if ladder is None else ladder, doc=replay)
     parts.append("<h3>What the server runs</h3>")
     parts.append(table_html(facts_frame(doc), max_rows=40))
     if doc.error:
@@ -205,11 +215,12 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True) -> list[
 
 def _effect_line(m: dict) -> str:
     e = m.get("effect") or {}
-    after = ("after the fix the served aux states equal the training data" if m.get("after_verdict") == "ok"
-             else f"after the fix the diagnosis still finds {', '.join(m.get('after_findings') or [])}")
+    after = ("" if "after_verdict" not in m else
+             "; after the fix the served aux states equal the training data" if m.get("after_verdict") == "ok"
+             else f"; after the fix the diagnosis still finds {', '.join(m.get('after_findings') or [])}")
     return (f"{e.get('n_paired')} prompts paired: accept rate change {e.get('accept_rate_delta', float('nan')):+.1%} "
             f"[{e.get('accept_rate_delta_lo', float('nan')):+.1%}, {e.get('accept_rate_delta_hi', float('nan')):+.1%}], "
-            f"accept length change {e.get('accept_length_delta', float('nan')):+.2f} tokens per verify step; {after}.")
+            f"accept length change {e.get('accept_length_delta', float('nan')):+.2f} tokens per verify step{after}.")
 
 
 def page_html(doc: InvestigationDoc, title: str = "EAGLE-3 live investigation") -> str:
@@ -267,10 +278,3 @@ def reproduce_command(ctx: RunContext, *, samples: int, prompts: int, timeout: O
     if ctx.api_key_env != "SGLANG_API_KEY":
         words += ["--api-key-env", ctx.api_key_env]
     return shlex.join(words)
-
-
-def effect_html(doc: Optional[InvestigationDoc]) -> str:
-    """The paired change the investigation measured (before / after its fix, same prompts) as one escaped
-    paragraph; "" when it measured none."""
-    m = (doc.measured or {}) if doc is not None else {}
-    return f"<p>{esc(_effect_line(m))}</p>" if "before" in m and "after" in m else ""

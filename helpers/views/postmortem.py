@@ -1,19 +1,21 @@
-"""The postmortem page (``99_postmortem``): suite status and failures, links to the notebooks' pages, the verdict
-summary, before / after, and the record the page passes on.
+"""The postmortem page (``99_postmortem``): its first screen is :func:`helpers.views.story.first_screen` (one
+headline, before / after, the ladder, the flags); then suite status and failures, links to the notebooks' pages, the
+verdict summary, and the record the page passes on.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import pandas as pd
 
-from ..acceptance.stats import format_ci
+from ..investigation.story import headline_text
+from ..records import InvestigationDoc
 from .acceptance import ledger_frame, main_fixes
 from .common import esc, note, read_json_or_none
 from .investigation import load_investigation
-from .replay import _num, fixes_frame, headline, hypotheses_frame
+from .replay import fixes_frame, hypotheses_frame
+from .story import before_after_frame, flags, measured_pair, story_parts
 
 
 def suite_status(run_dir: Path) -> dict:
@@ -82,51 +84,27 @@ def verdict_summary(run_dir: Path, doc: Optional[Mapping[str, Any]] = None) -> p
     return pd.DataFrame(rows)
 
 
-def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.DataFrame] = None) -> pd.DataFrame:
-    """Accept rate / length / tok/s of the first fix (before) and the last fix (after) with 95% CIs, and
-    whether the change is outside both CIs, and the paired CI of the change over the same prompts
-    (the replay's ``fix_effect``, :func:`helpers.acceptance.stats.paired_effect`). From the replay (or, without one, the ledger's first and last
-    main-fix rows). Empty with fewer than two fixes."""
-    fx = fixes_frame(doc)
-    if len(fx):
-        fx = fx[~fx["baseline"] & (fx["error"] == "")]
-    elif ledger is not None and len(main_fixes(ledger)):
-        led = main_fixes(ledger)
-        fx = pd.DataFrame({k: pd.to_numeric(led.get(k), errors="coerce") for k in
-                           ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate",
-                            "accept_rate_lo", "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi")})
-        fx["fix"] = led["fix"].astype(str)
-    if len(fx) < 2:
-        return pd.DataFrame()
-    a, b = fx.iloc[0], fx.iloc[-1]
-    eff = (doc or {}).get("fix_effect") or {}
-    rows = []
-    for k, label, pct in (("accept_rate", "accept rate", True), ("accept_length", "accept length", False),
-                          ("tok_s", "tok/s", False)):
-        sep = ""
-        if all(math.isfinite(_num(v)) for v in (a[k + "_lo"], a[k + "_hi"], b[k + "_lo"], b[k + "_hi"])):
-            sep = "yes" if (b[k + "_lo"] > a[k + "_hi"] or b[k + "_hi"] < a[k + "_lo"]) else "no"
-        paired = ""
-        if all(math.isfinite(_num(eff.get(f"{k}_delta{x}"))) for x in ("", "_lo", "_hi")):
-            paired = (format_ci(eff, f"{k}_delta", pct=pct, signed=True, unit="")
-                      + f"{' points' if pct else ''} over {eff.get('n_paired')} prompts")
-        elif k == "tok_s" and eff:
-            paired = "n/a (wall-clock speed of two servers is not paired per prompt)"
-        rows.append({"metric": label, f"before: {a['fix']}": format_ci(a, k, pct=pct),
-                     f"after: {b['fix']}": format_ci(b, k, pct=pct),
-                     "change": (f"{b[k] - a[k]:+.2f}" if not pct else f"{100 * (b[k] - a[k]):+.1f} points")
-                     if math.isfinite(_num(a[k])) and math.isfinite(_num(b[k])) else "",
-                     "outside both 95% CIs": sep,
-                     "paired 95% CI of the change": paired})
-    return pd.DataFrame(rows)
+def before_after(doc: Optional[Mapping[str, Any]] = None, ledger: Optional[pd.DataFrame] = None, *,
+                 run_dir: Optional[Path] = None, inv: Optional[InvestigationDoc] = None) -> pd.DataFrame:
+    """Accept rate / length / tok/s before and after the fix with 95% CIs, the change, its paired CI over the same
+    prompts, whether it lies outside both CIs, and a note where tok/s does not fit the story
+    (:func:`helpers.views.story.before_after_frame` of :func:`helpers.views.story.measured_pair`: the investigation's
+    measurement of its fix, else the replay's first and last fixes, else the ledger's). Empty with fewer than two
+    fixes."""
+    return before_after_frame(measured_pair(run_dir, doc, inv, None if ledger is None else main_fixes(ledger)))
 
 
 def postmortem_record(run_dir: Path, doc: Optional[Mapping[str, Any]]) -> dict:
-    """The postmortem's data (``results/99_postmortem.json``): headline, verdicts, before/after, failures."""
+    """The postmortem's data (``results/99_postmortem.json``): the headline (plain text) and its parts, the flags,
+    verdicts, before/after, fixes, failures."""
     inv = load_investigation(run_dir)
-    return {"headline": inv.sentence if inv is not None and not doc else headline(doc),
-            "investigation": None if inv is None else inv.sentence, "case": (doc or {}).get("case"),
+    parts = story_parts(doc, inv)
+    pair = measured_pair(run_dir, doc, inv, main_fixes(ledger_frame(run_dir)))
+    return {"headline": headline_text(parts), "story": parts,
+            "flags": flags(pair, inv.acceptance if inv is not None else None, doc),
+            "investigation": None if inv is None else inv.sentence, "case": (doc or {}).get("case")
+            if isinstance(doc, Mapping) else getattr(doc, "case", None),
             "verdicts": verdict_summary(run_dir, doc).to_dict(orient="records"),
-            "before_after": before_after(doc, ledger_frame(run_dir)).to_dict(orient="records"),
+            "before_after": before_after_frame(pair).to_dict(orient="records"),
             "fixes": fixes_frame(doc).to_dict(orient="records"),
             "failures": failures_frame(suite_status(run_dir)).to_dict(orient="records")}

@@ -16,10 +16,10 @@ from plotly.subplots import make_subplots
 from ..acceptance.stats import format_ci
 from ..errors import BadInput
 from ..investigation.catalog import CATALOG
-from ..investigation.replay import replay_case
+from ..investigation.replay import headline_parts, replay_case
 from ..plots.acceptance import nice_step, tok_s_vs_steps
 from ..records import REPLAY_STEP, ReplayDoc
-from .common import VERDICT_COLORS, RunContext, esc, show, verdict_badge, write_result
+from .common import VERDICT_COLORS, RunContext, esc, headline_box, show, verdict_badge, write_result
 
 
 def as_replay(doc: Any) -> Optional[ReplayDoc]:
@@ -74,12 +74,15 @@ def headline(doc: Optional[Mapping[str, Any]]) -> str:
     return str(doc.headline or "The replay recorded no headline (no step finished).")
 
 
-def headline_html(doc: Optional[Mapping[str, Any]]) -> str:
-    """:func:`headline` in a highlighted, escaped block, with the case title."""
+def headline_html(doc: Optional[Mapping[str, Any]], inv: Any = None) -> str:
+    """The replay's headline as one escaped box (:func:`helpers.views.common.headline_box` of
+    :func:`helpers.investigation.replay.headline_parts`; ``inv``: the run folder's investigation record, told again
+    once the replay measured its fix), with the case title."""
     d = as_replay(doc)
-    title = esc(d.title if d else "")
-    sub = f'<div class="e3f-note">Case: {title}</div>' if title else ""
-    return f'<div class="e3f-headline">{esc(headline(doc))}{sub}</div>'
+    if not d or not d.steps:
+        return f'<div class="e3f-headline">{esc(headline(doc))}</div>'
+    title = f'<div class="e3f-note">Case: {esc(d.title)}</div>' if d.title else ""
+    return headline_box(headline_parts(list(d.steps), d.fix_effect, inv)) + title
 
 
 def story_html(doc: Optional[Mapping[str, Any]]) -> str:

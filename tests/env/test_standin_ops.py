@@ -225,6 +225,152 @@ def test_attention_unsupported_features_raise():
                                  torch.tensor([3]), 1.0, 0.0, False, 128, None, None)
 
 
+def test_extend_attention_mha_prefill_over_mla_pool_matches_sdpa():
+    """DeepSeek's MHA prefill: q/k [T, H, nope + rope], v [T, H, v_head] while the pool holds MLA rows
+    [N, 1, kv_lora + rope] (v a narrow view of k); no cached prefix, so the pool is not read."""
+    lens, h, dqk, dv = [5, 3], 4, 24, 16
+    pool_k = randn(64, 1, 72)
+    pool_v = pool_k[..., :64]
+    before = pool_k.clone()
+    _, _, r2t, rpi = _paged_setup(lens, 1, 72)
+    n = sum(lens)
+    q, k, v = randn(n, h, dqk), randn(n, h, dqk), randn(n, h, dv)
+    out = torch.zeros(n, h, dv)
+    starts = torch.tensor([0, 5])
+    OPS.extend_attention_cpu(q, k, v, out, pool_k, pool_v, 1.0, 1.0, r2t, rpi, torch.tensor(lens),
+                             torch.tensor(lens), starts, max(lens), 0.2, 0.0, False, 0, None, None, None, True)
+    for b, m in enumerate(lens):
+        sl = slice(int(starts[b]), int(starts[b]) + m)
+        causal = torch.tril(torch.ones(m, m, dtype=torch.bool))
+        torch.testing.assert_close(out[sl], _sdpa(q[sl], k[sl], v[sl], causal, 0.2), atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool_k, before)      # the op does not write the pool (set_kv_buffer does)
+    # a cached prefix in a pool laid out unlike the extend tensors cannot be attended to: a clear error
+    with pytest.raises(ValueError, match="pool layout"):
+        OPS.extend_attention_cpu(q[:2], k[:2], v[:2], out[:2], pool_k, pool_v, 1.0, 1.0, r2t, rpi,
+                                 torch.tensor([4]), torch.tensor([2]), torch.tensor([0]), 2, 0.2, 0.0, False, 0,
+                                 None, None, None, True)
+
+
+def _mla_pool(lens, kv_lora=16, rope=8, pool=64):
+    """An MLA KV pool as MLATokenToKVPool lays it out (sglang/srt/mem_cache/memory_pool.py): one buffer
+    [N, 1, kv_lora + rope], the value buffer its first kv_lora columns (a view)."""
+    k_buf = randn(pool, 1, kv_lora + rope)
+    _, _, r2t, rpi = _paged_setup(lens, 1, kv_lora + rope, pool)
+    return k_buf, k_buf[..., :kv_lora], r2t, rpi
+
+
+def test_decode_attention_mla_shapes_match_sdpa_and_write_through_the_view():
+    """Absorbed MLA decode: MQA with Hkv 1, D = kv_lora + rope, Dv = kv_lora (forward_mla.py -> attn_mqa)."""
+    lens, hq, kv_lora, rope = [4, 9], 8, 16, 8
+    k_buf, v_buf, r2t, rpi = _mla_pool(lens, kv_lora, rope)
+    q = randn(2, hq, kv_lora + rope)
+    k_new = randn(2, 1, kv_lora + rope)
+    loc = torch.stack([r2t[rpi[b], n - 1] for b, n in enumerate(lens)]).to(torch.int64)
+    out = torch.empty(2, hq, kv_lora)
+    OPS.decode_attention_cpu(q, k_buf, v_buf, 1.0, 1.0, out, k_new, k_new[..., :kv_lora], loc,
+                             torch.zeros(2, hq, 8, kv_lora + 1), r2t, rpi, torch.tensor(lens), 0.3, 0.0, False, 0,
+                             None, None)
+    for b, n in enumerate(lens):
+        assert torch.equal(k_buf[loc[b]], k_new[b])
+        rows = r2t[rpi[b], :n].long()
+        kk = k_buf[rows, 0]
+        probs = torch.softmax((q[b] @ kk.T) * 0.3, dim=-1)                 # naive MQA: every head, one KV head
+        torch.testing.assert_close(out[b], probs @ kk[:, :kv_lora], atol=1e-5, rtol=1e-5)
+
+
+def test_extend_attention_mla_shapes_with_prefix_match_naive():
+    """Absorbed MLA extend (target verify / draft extend): prefix rows from the MLA pool, extend rows given."""
+    totals, ext, hq, kv_lora, rope = [7, 5], [3, 5], 4, 16, 8
+    k_buf, v_buf, r2t, rpi = _mla_pool(totals, kv_lora, rope)
+    n = sum(ext)
+    q, ke = randn(n, hq, kv_lora + rope), randn(n, 1, kv_lora + rope)
+    out = torch.zeros(n, hq, kv_lora)
+    starts = torch.tensor([0, 3])
+    OPS.extend_attention_cpu(q, ke, ke[..., :kv_lora], out, k_buf, v_buf, 1.0, 1.0, r2t, rpi, torch.tensor(totals),
+                             torch.tensor(ext), starts, max(ext), 0.25, 0.0, False, 0, None, None, None, True)
+    for b in range(2):
+        p, s, m = totals[b] - ext[b], int(starts[b]), ext[b]
+        kk = torch.cat((k_buf[r2t[rpi[b], :p].long(), 0], ke[s:s + m, 0]))
+        scores = (q[s:s + m] @ kk.T) * 0.25                                 # [m, Hq, p + m]
+        mask = torch.ones(m, p + m, dtype=torch.bool)
+        mask[:, p:] = torch.tril(torch.ones(m, m, dtype=torch.bool))
+        probs = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+        torch.testing.assert_close(out[s:s + m], probs @ kk[:, :kv_lora], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- MoE routing
+def _hf_router(e, groups, topk_group, topk, norm, rsf, seed):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=e, n_group=groups, topk_group=topk_group,
+                           num_experts_per_tok=topk, norm_topk_prob=norm, routed_scaling_factor=rsf)
+    router = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(e, generator=g) * 0.5)
+    return router
+
+
+@pytest.mark.parametrize("e,groups,topk_group,topk,norm", [(8, 1, 1, 2, True), (16, 4, 2, 3, True),
+                                                           (64, 8, 3, 6, False), (8, 2, 1, 2, True)])
+def test_biased_grouped_topk_matches_hf_deepseek_v3_router(e, groups, topk_group, topk, norm):
+    """The DeepSeek-V3 noaux_tc router: same experts and weights as HF's DeepseekV3TopkRouter (sigmoid, bias
+    for the choice only, group top-2 sums, renormalised with +1e-20, times routed_scaling_factor)."""
+    rsf = 2.827
+    router = _hf_router(e, groups, topk_group, topk, norm, rsf, seed=e + groups)
+    x = randn(37, 32)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(x)
+    bias = router.e_score_correction_bias.clone()
+    w, ids = OPS.biased_grouped_topk_cpu(x, logits, bias, topk, norm, groups, topk_group, 0, rsf,
+                                         num_token_non_padded=None)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (37, topk)
+    dense, ref = torch.zeros(37, e), torch.zeros(37, e)
+    dense.scatter_(1, ids.long(), w)
+    ref.scatter_(1, ref_ids.long(), ref_w)
+    torch.testing.assert_close(dense, ref, atol=1e-6, rtol=1e-6)
+    # without the scaling factor (SGLang passes None unless the router applies it): weights / rsf
+    w1, ids1 = OPS.biased_grouped_topk_cpu(x, logits, bias, topk, norm, groups, topk_group, 0, None)
+    assert torch.equal(ids1, ids)
+    torch.testing.assert_close(w1 * rsf, w, atol=1e-6, rtol=1e-6)
+
+
+def test_biased_grouped_topk_bias_changes_the_choice_not_the_weight():
+    """A large bias on one expert makes it chosen for every token while its weight stays its own sigmoid score:
+    the correction bias only steers selection (DeepSeek-V3's auxiliary-loss-free balancing)."""
+    logits = randn(10, 8)
+    bias = torch.zeros(8)
+    bias[5] = 10.0
+    w, ids = OPS.biased_grouped_topk_cpu(torch.zeros(10, 4), logits, bias, 2, False, 1, 1)
+    assert (ids == 5).any(dim=1).all()
+    pos = (ids == 5).long().argmax(dim=1)
+    torch.testing.assert_close(w[torch.arange(10), pos], logits[:, 5].sigmoid())
+    with pytest.raises(NotImplementedError, match="fused shared experts"):
+        OPS.biased_grouped_topk_cpu(torch.zeros(10, 4), logits, bias, 2, False, 1, 1, 1)
+
+
+def test_boot_hook_makes_cuda_synchronize_a_no_op_on_cpu_torch():
+    """kimi_k25_eagle3.py's set_embed calls torch.cuda.synchronize(); CPU torch raises there unless the boot hook
+    (E3F_STANDIN_AMX=1) replaced it. Run in fresh interpreters: with and without the variable."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch: the hook leaves torch.cuda alone")
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import torch; torch.cuda.synchronize(); "
+            "print('synchronized')")
+    boot = str(ROOT / "env" / "reference" / "standin" / "e3f_boot.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("E3F_STANDIN_AMX", "E3F_LOOPBACK_STORE")}
+    off = subprocess.run([sys.executable, "-c", code, boot], env=env, capture_output=True, text=True, timeout=120)
+    assert off.returncode != 0 and "not compiled with CUDA" in off.stderr
+    on = subprocess.run([sys.executable, "-c", code, boot], env={**env, "E3F_STANDIN_AMX": "1"},
+                        capture_output=True, text=True, timeout=120)
+    assert on.returncode == 0 and on.stdout.strip() == "synchronized", on.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- EAGLE tree
 def _eagle_tree_inputs(bs, topk, depth, n, seed):
     """(parent_list, top_scores_index, parent_of) laid out as SGLang's select_top_k_tokens and

@@ -19,6 +19,7 @@ from helpers.server import embedded
 from helpers.acceptance.prompts import load_prompts, prompts_from_samples
 from helpers.acceptance.measure import measure
 from helpers.acceptance.stats import position_rates, sum_histograms
+from helpers.server.protocol import MetaInfo
 from helpers.server.settings import SpecSettings
 from helpers.server.embedded import start
 from helpers.runfiles import read_parquet
@@ -108,6 +109,38 @@ def test_token_id_prompts_from_training_samples(server):
     assert res.summary["n_spec"] == 2
 
 
+def _assert_spec_identities(raw: list, num_steps: int, num_draft_tokens: int) -> int:
+    """Every identity of SGLang's per-request counters, recomputed here from each raw ``meta_info`` (not through
+    MetaInfo.spec_problem, which must agree); returns the number of answers with verify steps."""
+    n = 0
+    for r in raw:
+        m = r["meta_info"]
+        v, ct = m.get("spec_verify_ct"), m["completion_tokens"]
+        if not v:                      # no verify step: no spec field at all (tokenizer_manager.py sets none)
+            assert not any(m.get(k) for k in ("spec_num_correct_drafts", "spec_num_proposed_drafts",
+                                              "spec_correct_drafts_histogram", "spec_accept_length")), m
+            continue
+        n += 1
+        c, p, h = m["spec_num_correct_drafts"], m["spec_num_proposed_drafts"], m["spec_correct_drafts_histogram"]
+        assert p == v * (num_draft_tokens - 1) and c <= p and c <= v * num_steps, m
+        assert len(h) <= num_steps + 1 and sum(h) == v and sum(k * x for k, x in enumerate(h)) == c, m
+        assert len(r["output_ids"]) == ct <= 1 + m.get("num_retractions", 0) + v + c, m
+        assert m["spec_accept_length"] == pytest.approx(ct / v, rel=1e-12), m
+        assert m["spec_accept_rate"] == pytest.approx(c / p, rel=1e-12), m
+        assert MetaInfo.model_validate(m).spec_problem(num_steps, num_draft_tokens=num_draft_tokens) is None
+    return n
+
+
+def test_real_answers_satisfy_every_spec_identity(server):
+    """Issue 27 item 5: the real server's per-request counters keep every identity MetaInfo.spec_problem checks,
+    with requests batched together (concurrency 3), sampled (temperature 0.8) and free to stop at EOS, so none of
+    its answers is refused (n_failed 0)."""
+    res = measure(server.url, load_prompts(n=9), max_new_tokens=24, concurrency=3, temperature=0.8, warmup=0,
+                  n_boot=200, keep_raw=True, progress=False)
+    assert res.summary["n_failed"] == 0 and len(res.raw) == 9
+    assert _assert_spec_identities(res.raw, 3, 4) == res.summary["n_spec"] == 9
+
+
 def test_cli_measure_writes_a_run_folder(server, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "helpers", "measure", "--url", server.url, "--num-prompts", "3",
@@ -138,8 +171,10 @@ _HAVE_REFERENCE = (embedded.REFERENCE_TARGET / "config.json").exists() and \
                     "env/models/draft) not built yet: real acceptance needs them")
 def test_trained_reference_draft_accepts_and_positions_decay():
     with start(None, embedded.REFERENCE_DRAFT, tp=1, timeout=600) as srv:
-        res = measure(srv.url, num_prompts=24, max_new_tokens=48, n_boot=500, progress=False)
+        res = measure(srv.url, num_prompts=24, max_new_tokens=48, n_boot=500, progress=False, keep_raw=True)
     s, pos = res.summary, res.positions
+    # a draft that accepts several tokens per step keeps every identity of the counters too (issue 27 item 5)
+    assert s["n_failed"] == 0 and _assert_spec_identities(res.raw, s["num_steps"], s["num_draft_tokens"]) == 24
     assert s["accept_length_lo"] > 1.5, s
     assert (np.diff(pos["marginal"].to_numpy()) <= 1e-12).all()  # r_i never increases with i
     assert s["accept_length_hi"] - s["accept_length_lo"] < 0.6

@@ -63,8 +63,9 @@ def test_seeds_hunt_replays_with_expected_verdicts(tmp_path):
     doc = _replay("seeds_hunt", tmp_path)
     _check_verdicts(doc, ROOT / "env" / "cases" / "seeds_hunt.yaml")
     _assert_fix_helps(doc)
-    assert "embedding" in doc["headline"] and "named the fault blind" in doc["headline"], doc["headline"]
     inv = next(s for s in doc["steps"] if s["kind"] == "investigate")
+    assert "embedding" in doc["headline"] and f"named blind in {inv['wall_s']:.1f} s" in doc["headline"], \
+        doc["headline"]
     assert inv["findings"][0]["kind"] == "embedding_in_place_of_layer"
     assert inv["seconds_to_verdict"] is not None and inv["seconds_to_verdict"] < 120
     fixed = [s for s in doc["steps"] if s["kind"] == "fix"][-1]

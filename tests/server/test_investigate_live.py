@@ -91,7 +91,9 @@ def test_clean_server_gives_no_finding_through_the_cli(tmp_path):
     assert "confirmed" not in {h["verdict"] for h in inv["hypotheses"]}, inv["hypotheses"]
     assert inv["reference"]["how"].startswith("the server's own every-layer capture")
     page = (run / "postmortem.html").read_text()
-    assert "No wiring fault" in page and check_html(run / "postmortem.html")["offline"]
+    # the page's one headline tells the same story as the CLI's verdict (no fault, every stage rules a loss out)
+    assert "no fault: the served aux states equal the training data" in page, page[:3000]
+    assert "rules out a material loss" in page and check_html(run / "postmortem.html")["offline"]
     assert "[investigate] capture" in out.stderr and "[investigate] diagnosis: ok" in out.stderr
     # the acceptance budget: nothing lost, and the draft run offline on the served states of the live requests
     # predicts the live accept length of the same requests (greedy, same tokens)

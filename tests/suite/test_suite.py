@@ -179,15 +179,31 @@ def test_html_pages_are_offline_and_embed_plotly_once(suite_run):
 
 
 def test_postmortem_page_content(suite_run):
+    from bs4 import BeautifulSoup
+
     _, run_dir, _, _ = suite_run
     text = (run_dir / "postmortem.html").read_text()
-    doc = json.loads((run_dir / "results" / "replay-tiny-seeds.json").read_text())
-    import html as _html
-
-    head = text.index(_html.escape(doc["headline"], quote=False))
-    assert head < text.index("Verdicts"), "the headline comes first"
+    pm = json.loads((run_dir / "results" / "99_postmortem.json").read_text())
+    soup = BeautifulSoup(text, "html.parser")
+    # the first screen: one headline in three parts with sources, then one before / after table with CIs
+    heads = soup.select(".e3f-headline")
+    assert len(heads) == 1, "one headline"
+    parts = heads[0].select(".e3f-hl-part")
+    assert [p.b.get_text() for p in parts] == ["What is wrong:", "The fix:", "Measured effect:"]
+    for p, rec in zip(parts, pm["story"]):
+        assert rec["text"] in p.get_text() and p.select_one(".e3f-src").get_text() == f"source: {rec['source']}"
+    assert text.index("e3f-headline") < text.index("Verdicts"), "the headline comes first"
+    first = soup.select_one(".e3f-first")
+    rows = {tr.td.get_text(): [td.get_text() for td in tr.select("td")] for tr in first.select("table tr") if tr.td}
+    assert list(rows) == ["accept rate", "accept length", "tok/s"]
+    assert [r["metric"] for r in pm["before_after"]] == list(rows)
+    assert all("[" in rows[m][1] and "[" in rows[m][2] for m in rows), rows     # 95% CIs before and after
+    flagged = [li.get_text() for li in first.select(".e3f-flags li")]
+    assert bool(rows["tok/s"][-1]) == any(f.startswith("tok/s: ") for f in flagged), (rows["tok/s"], flagged)
+    assert [f["text"] for f in pm["flags"]] == [f.split(": ", 1)[1] for f in flagged]
     assert "embedding_included" in text and "confirmed" in text and "refuted" in text
-    assert "Tiny seeds hunt &lt;b&gt;(test)&lt;/b&gt;" in text, "case text is escaped"
+    assert "Tiny seeds hunt &lt;b&gt;(test)&lt;/b&gt;" in (run_dir / "html" / "00_replay.html").read_text(), \
+        "case text is escaped"
     for nb in suite_params.DEFAULT_NOTEBOOKS[:-1]:
         assert f'href="html/{nb}.html"' in text
         assert (run_dir / "html" / f"{nb}.html").exists()

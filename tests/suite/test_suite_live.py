@@ -7,6 +7,7 @@ postmortem opens with the investigation's sentence. (03_compare and 12_ read the
 modes: tests/suite/test_suite.py.) Slow: one server through all notebooks."""
 from __future__ import annotations
 
+import html
 import json
 import os
 from pathlib import Path
@@ -85,7 +86,7 @@ def test_live_hypotheses_and_measurement(live_run):
     pm = json.loads((run_dir / "results" / "99_postmortem.json").read_text())
     assert set(got) <= {v["check"] for v in pm["verdicts"]}
     assert all(v["source"].startswith("investigation") for v in pm["verdicts"])
-    assert pm["headline"].startswith("Wrong wiring:") and "embedding" in pm["headline"]
+    assert pm["headline"].startswith("What is wrong: ") and "embedding" in pm["headline"]
     page = (run_dir / "postmortem.html").read_text()
-    assert "Wrong wiring:" in page and "No replay in this run folder" not in page
+    assert html.escape(pm["story"][0]["text"], quote=False) in page and "No replay in this run folder" not in page
     assert not list((run_dir / "results").glob("replay-*.json")), "no case: nothing is replayed"

@@ -78,10 +78,20 @@ def test_main_job_verdicts_and_accept_rate_jump(main_run):
 
 
 def test_main_postmortem_names_the_fault_first(main_run):
+    """One story: the headline's parts first, the replay's headline their join, the time the step's wall clock (what
+    the console printed), and the wiring stage's loss the fix's measured change."""
     _, run_dir, _ = main_run
     doc = next(json.loads(p.read_text()) for p in (run_dir / "results").glob("replay-*.json"))
     text = (run_dir / "postmortem.html").read_text()
-    assert text.index(html.escape(doc["headline"], quote=False)) < text.index("Verdicts")
+    pm = json.loads((run_dir / "results" / "99_postmortem.json").read_text())
+    assert pm["headline"] == doc["headline"]
+    assert text.index(html.escape(pm["story"][0]["text"], quote=False)) < text.index("Verdicts")
+    inv_step = next(s for s in doc["steps"] if s["kind"] == "investigate")
+    assert f"named blind in {inv_step['wall_s']:.1f} s (step {inv_step['index'] + 1}, wall clock" in doc["headline"]
+    inv = json.loads((run_dir / "investigation.json").read_text())
+    loss, eff = inv["acceptance"]["losses"]["wiring"], inv["measured"]["effect"]
+    assert loss["on_server"] and loss["delta"] == eff["accept_length_delta"] and loss["ladder"]["delta"] is not None
+    assert f"{eff['accept_length_delta']:+.2f} [" in pm["story"][2]["text"]
 
 
 def test_main_postmortem_renders(main_run):

@@ -13,6 +13,9 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
 * ``impossible``: every 2nd ``/generate`` carries spec counters no server can produce (cycling: more correct drafts
   than proposed, negative counters, more tokens than the verify steps can emit, a histogram longer than
   num_steps + 1);
+* ``identities`` (issue 27): topk 2 and 8 draft tokens; every 2nd ``/generate`` breaks one identity of SGLang's
+  per-request counters, in turn (:data:`BROKEN_IDENTITIES`), the others satisfy all of them (and report
+  ``spec_accept_length`` / ``spec_accept_rate`` as SGLang does);
 * ``deep``: every 2nd ``/generate`` answer is JSON nested 200000 deep;
 * ``hugesteps``: ``/server_info`` reports ``speculative_num_steps`` 3e6; ``infolist``: ``/server_info`` is a JSON
   list; ``tpstring``: ``tp_size`` is ``"two"``; ``redirect``: every endpoint but /health answers 307 with a JSON body;
@@ -59,6 +62,25 @@ IMPOSSIBLE = (
 )
 
 
+#: mode ``identities`` (8 new tokens: 4 verify steps accepting 1 draft token each of 7 proposed, topk 2, 3 steps, 8
+#: draft tokens): every 2nd answer breaks one identity of SGLang's per-request counters, in turn -- the identity's
+#: name (:data:`helpers.server.protocol.SPEC_IDENTITIES`) and what the answer changes
+BROKEN_IDENTITIES = (
+    ("no verify step, no draft", {"spec_verify_ct": 0, "spec_num_correct_drafts": 3}),
+    ("accepted <= proposed", {"spec_num_correct_drafts": 29, "spec_correct_drafts_histogram": None}),
+    ("proposed = verify steps x (draft tokens - 1)", {"spec_num_proposed_drafts": 12}),
+    ("histogram bins <= num_steps + 1", {"spec_correct_drafts_histogram": [0, 3, 0, 0, 1]}),
+    ("accepted <= verify steps x num_steps", {"spec_num_correct_drafts": 13, "completion_tokens": 8,
+                                              "spec_correct_drafts_histogram": None}),
+    ("completion tokens <= 1 + retractions + verify steps + accepted", {"completion_tokens": 10,
+                                                                        "spec_accept_length": 2.5}),
+    ("histogram sums to the verify steps", {"spec_correct_drafts_histogram": [1, 4, 0, 0]}),
+    ("histogram weights to the accepted drafts", {"spec_correct_drafts_histogram": [1, 3, 0, 0]}),
+    ("spec_accept_length = completion_tokens / spec_verify_ct", {"spec_accept_length": 3.5}),
+    ("spec_accept_rate = correct / proposed", {"spec_accept_rate": 0.5}),
+)
+
+
 def server_info(mode: str) -> dict:
     info = {"version": "0.5.23", "tp_size": 1, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "model_path": "/nonexistent/target",
@@ -74,6 +96,8 @@ def server_info(mode: str) -> dict:
         info["speculative_num_steps"] = 3e6
     if mode == "tpstring":
         info["tp_size"] = "two"
+    if mode == "identities":
+        info.update(speculative_eagle_topk=2, speculative_num_draft_tokens=8)
     if mode == "workload":
         info.update(device="cpu", context_length=1024, disable_radix_cache=False, disable_overlap_schedule=True,
                     chunked_prefill_size=4096, attention_backend="intel_amx", sampling_backend="pytorch")
@@ -88,10 +112,15 @@ def generate_answer(body: dict, mode: str) -> dict:
     ids = body.get("input_ids") or [1, 2, 3]
     n_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 4))
     width = 200000 if mode == "oversize" else 3 * H
-    meta = {"id": "r", "prompt_tokens": len(ids), "completion_tokens": n_new, "cached_tokens": 0,
-            "finish_reason": {"type": "length"}, "spec_verify_ct": max(1, n_new // 2),
-            "spec_num_correct_drafts": n_new // 2, "spec_num_proposed_drafts": 3 * max(1, n_new // 2),
-            "spec_correct_drafts_histogram": [0, max(1, n_new // 2), 0, 0]}
+    v, c = max(1, n_new // 2), n_new // 2           # every verify step accepts one draft token (none for 1 token)
+    meta = {"id": f"req-{STATE['generate']}", "prompt_tokens": len(ids), "completion_tokens": n_new,
+            "cached_tokens": 0, "finish_reason": {"type": "length"}, "spec_verify_ct": v,
+            "spec_num_correct_drafts": c, "spec_num_proposed_drafts": 3 * v,
+            "spec_correct_drafts_histogram": [v - c, c, 0, 0], "num_retractions": 0}
+    if mode == "identities":                        # topk 2, 8 draft tokens: 7 proposed per verify step
+        meta.update(spec_num_proposed_drafts=7 * v, spec_accept_length=n_new / v, spec_accept_rate=c / (7 * v))
+        if STATE["generate"] % 2 == 0:
+            meta.update(BROKEN_IDENTITIES[(STATE["generate"] // 2 - 1) % len(BROKEN_IDENTITIES)][1])
     if mode == "workload":
         text = body.get("text")
         n_prompt = len(body["input_ids"]) if body.get("input_ids") else max(1, len(text or "") // 4)

@@ -79,3 +79,67 @@ def test_hook_specs_place_stash_hooks_on_sglang_module_names():
     json.dumps(specs)  # must travel as --forward-hooks JSON
     with pytest.raises(ValueError, match="layer outside"):
         hook_specs([Fault("wrong_layer", chunk=0, layer=8)], num_layers=8)
+
+
+# ---------------------------------------------------------------- model families (one adapter per target family)
+def test_model_family_from_the_target_config():
+    from helpers.hooks import DEEPSEEK, KIMI_K25, LLAMA, model_family
+
+    assert model_family(["DeepseekV3ForCausalLM"]) is DEEPSEEK
+    assert model_family(["DeepseekV2ForCausalLM"]) is DEEPSEEK
+    assert model_family(None, "deepseek_v3") is DEEPSEEK              # architecture inferred from model_type
+    assert model_family(["KimiK25ForConditionalGeneration"]) is KIMI_K25
+    assert model_family(["LlamaForCausalLM"]) is LLAMA
+    assert model_family(["NotAnSGLangModel"]) is LLAMA
+
+
+def test_hook_specs_on_deepseek_and_kimi_k25_module_names():
+    """MoE layers have no mlp.down_proj: the mlp module's own output is the rank's partial; Kimi-K2.5 nests the
+    DeepSeek text model under language_model. (logits processor included)."""
+    from helpers.hooks import DEEPSEEK, KIMI_K25
+
+    faults = [Fault("tp_partial_sum", chunk=1, layer=3), Fault("wrong_layer", chunk=0, layer=7)]
+    cap = CaptureConfig(out_dir="/tmp/x", keys=["embedding_local", "out(2)", "attn_partial(1)"])
+    ds = {s["name"]: s["target_modules"][0] for s in hook_specs(faults, cap, num_layers=8, family=DEEPSEEK)}
+    assert ds["e3f-stash-mlp_partial(3)"] == "model.layers.3.mlp"
+    assert ds["e3f-stash-resid_mid(3)"] == "model.layers.3.post_attention_layernorm"
+    assert ds["e3f-stash-out(7)"] == "model.norm" and ds["e3f-stash-out(2)"] == "model.layers.3.input_layernorm"
+    assert ds["e3f-stash-attn_partial(1)"] == "model.layers.1.self_attn.o_proj"
+    assert ds["e3f-faults"] == ds["e3f-capture"] == "logits_processor"
+    kimi = {s["name"]: s["target_modules"][0] for s in hook_specs(faults, cap, num_layers=8, family=KIMI_K25)}
+    assert kimi["e3f-stash-embedding"] == "language_model.model.embed_tokens"
+    assert kimi["e3f-stash-mlp_partial(3)"] == "language_model.model.layers.3.mlp"
+    assert kimi["e3f-stash-out(7)"] == "language_model.model.norm"
+    assert kimi["e3f-faults"] == kimi["e3f-capture"] == "language_model.logits_processor"
+
+
+class _LogitsOut:
+    def __init__(self, hidden_states):
+        self.hidden_states = hidden_states
+
+
+class _FakeLogitsProcessor(torch.nn.Module):
+    def __init__(self, arch):
+        super().__init__()
+        self.config = type("C", (), {"architectures": [arch]})()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["list (Llama)", "packed (DeepSeek)"])
+def test_fault_hook_reads_listed_and_packed_aux(packed):
+    """The logits processor receives the aux states as a list of K [T, H] tensors (AuxHiddenStateList, Llama) or as
+    ONE [T, K*H] tensor (AuxHiddenStatePacker, DeepSeek): the fault hook splits both into K chunks."""
+    from helpers.hooks import aux_chunk_count, fault_factory
+
+    t, h = 5, 16
+    chunks = _chunks(t, h, 3, seed=4)
+    cat = torch.cat(chunks, dim=1)
+    aux = cat.clone() if packed else [c.clone() for c in chunks]
+    final = torch.randn(t, h)
+    assert aux_chunk_count(aux, final) == 3
+    assert aux_chunk_count(None, final) == 0 and aux_chunk_count([], final) == 0
+    hook = fault_factory({"faults": [{"kind": "chunk_order", "order": [2, 0, 1]}]})
+    module = _FakeLogitsProcessor("DeepseekV3ForCausalLM" if packed else "LlamaForCausalLM")
+    out = hook(module, (torch.arange(t), final, None, None, aux), _LogitsOut(cat.clone()))
+    torch.testing.assert_close(out.hidden_states, torch.cat([chunks[2], chunks[0], chunks[1]], dim=1))
+    draft = _FakeLogitsProcessor("Eagle3DeepseekV2ForCausalLM")            # the MLA draft's processor: untouched
+    assert hook(draft, (torch.arange(t), final, None, None, aux), _LogitsOut(cat.clone())) is None

@@ -2,6 +2,7 @@
 converter, and the reader of user-named JSON files."""
 from __future__ import annotations
 
+import errno
 import math
 import os
 import stat
@@ -12,7 +13,14 @@ import pytest
 import torch
 
 from helpers.errors import BadInput
-from helpers.runfiles import atomic_write_text, jsonable, read_json_file
+from helpers.runfiles import (
+    atomic_write_bytes,
+    atomic_write_new,
+    atomic_write_text,
+    jsonable,
+    read_json_file,
+    staged_folder,
+)
 from support import alias_bomb
 
 
@@ -86,3 +94,24 @@ def test_json_depth_is_bounded(tmp_path):
     wide = {"rows": [[0.5] * 1000 for _ in range(100)], "deep": [[[[[[1]]]]]]}
     import json as _json
     assert loads_json(_json.dumps(wide)) == wide
+
+
+def test_full_disk_errors_name_the_users_file_never_a_staging_name(tmp_path):
+    """Issue 30: on a full disk, a folder staged before its rename (measurements, dumps) and a file written under a
+    new name (results/<notebook>-2.json) are named as the user will look for them, not by their temporary name."""
+    from support.fakerun import fill, small_tmpfs
+
+    with small_tmpfs(tmp_path / "small", "64k") as mnt:
+        if mnt is None:
+            pytest.skip("cannot mount a small tmpfs here (needs root)")
+        fill(mnt)
+        with pytest.raises(OSError) as err:
+            with staged_folder(mnt / "run" / "fixes" / "x") as tmp:
+                atomic_write_bytes(tmp / "summary.json", b"{}" * 50_000)
+        assert err.value.errno == errno.ENOSPC and err.value.filename == str(mnt / "run" / "fixes" / "x" /
+                                                                            "summary.json")
+        assert [p.name for p in (mnt / "run" / "fixes").iterdir()] == []          # the staging folder is gone
+        with pytest.raises(OSError) as err:
+            atomic_write_new(mnt / "results" / "20_acceptance.json", b"x" * 200_000)
+        assert err.value.errno == errno.ENOSPC and err.value.filename == str(mnt / "results" / "20_acceptance.json")
+        assert not list((mnt / "results").iterdir())

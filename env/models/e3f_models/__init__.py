@@ -1,11 +1,15 @@
-"""eagle3-forensics reference models: a tiny real-text Llama target and its EAGLE-3 draft.
+"""eagle3-forensics reference models: tiny real-text targets and their EAGLE-3 drafts.
 
 Layout (all under ``env/models/``):
-  target/                 HF ``save_pretrained`` target + tokenizer (bf16 safetensors)
+  target/                 HF ``save_pretrained`` Llama target + tokenizer (bf16 safetensors)
   draft/                  EAGLE-3 draft in SGLang's ``LlamaForCausalLMEagle3`` layout
   prompts.json            held-out prompts (acceptance, distinct-4-gram)
   data/sample/            3 SpecForge-format records captured with HF transformers (as the draft's
                           training data was); data/sample_sglang/: the same records captured on SGLang
+  data/validation/        the first 64 records of the draft's training-log validation split
+  kimi/                   Kimi-class target (DeepseekV3: MLA + MoE), its Llama-style draft (draft/),
+                          its MLA draft (draft_mla/, Eagle3DeepseekV2ForCausalLM), data/{sample,validation}
+  llama_h64/              Llama target with 2 x 64 heads (vLLM CPU), its draft, data/{sample,validation}
   cache/                  git-ignored: corpus, full training data, logs
 
 Import from a script or test with ``sys.path.insert(0, "<repo>/env/models")``.
@@ -27,6 +31,9 @@ DRAFT_DIR = MODELS_DIR / "draft"
 PROMPTS_FILE = MODELS_DIR / "prompts.json"
 SAMPLE_DIR = MODELS_DIR / "data" / "sample"
 SAMPLE_SGLANG_DIR = MODELS_DIR / "data" / "sample_sglang"
+VALIDATION_DIR = MODELS_DIR / "data" / "validation"
+KIMI_DIR = MODELS_DIR / "kimi"
+LLAMA_H64_DIR = MODELS_DIR / "llama_h64"
 CACHE_DIR = Path(os.environ.get("E3F_MODELS_CACHE", MODELS_DIR / "cache"))
 
 # SpecForge's default aux layer ids for an n-layer target, in SpecForge's out(i) convention

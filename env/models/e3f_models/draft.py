@@ -58,6 +58,23 @@ def _rope(x, pos, theta: float):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def ttt_attend(q, k, v, cache: list, scale: float, causal_bias):
+    """Attention of one TTT step: causal over the step-0 keys plus each row's own key of every
+    later step (SpecForge HEAD's TTT mask). ``q``/``k`` [B, nh, T, Dqk], ``v`` [B, nh, T, Dv];
+    ``cache`` list of ``(k, v)`` of earlier steps (step 0 first), this step's appended in place;
+    ``causal_bias`` [T, T] additive. Returns ``[B, nh, T, Dv]``."""
+    T = q.shape[-2]
+    cache.append((k, v))
+    k0, v0 = cache[0]
+    s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale + causal_bias  # [B, nh, T, T]
+    sd = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]  # [B, nh, T, 1]
+    w = torch.softmax(torch.cat([s0] + sd, dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.matmul(w[..., :T], v0)
+    for j, (_, vj) in enumerate(cache[1:]):
+        out = out + w[..., T + j:T + j + 1] * vj
+    return out
+
+
 class MidLayer(nn.Module):
     """The single EAGLE-3 decoder layer (``midlayer.*``)."""
 
@@ -98,15 +115,7 @@ class MidLayer(nn.Module):
         rep = self.nh // self.nkv
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        cache.append((k, v))
-        scale = 1.0 / math.sqrt(self.hd)
-        k0, v0 = cache[0]
-        s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale + causal_bias  # [B, nh, T, T]
-        sd = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]  # [B, nh, T, 1]
-        w = torch.softmax(torch.cat([s0] + sd, dim=-1).float(), dim=-1).to(q.dtype)
-        out = torch.matmul(w[..., :T], v0)
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + w[..., T + j:T + j + 1] * vj
+        out = ttt_attend(q, k, v, cache, 1.0 / math.sqrt(self.hd), causal_bias)
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         h = residual + a.o_proj(out)
         m = self.mlp
@@ -115,7 +124,11 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """EAGLE-3 draft with a frozen copy of the target's input embedding."""
+    """EAGLE-3 draft (SGLang ``LlamaForCausalLMEagle3``) with a frozen copy of the target's input
+    embedding. ``midlayer_cls``: the decoder layer (``MidLayer``; the MLA draft overrides it)."""
+
+    midlayer_cls = MidLayer
+    architecture = "LlamaForCausalLMEagle3"
 
     def __init__(self, cfg: dict, embed_weight: torch.Tensor, d2t: torch.Tensor,
                  t2d: torch.Tensor):
@@ -124,9 +137,10 @@ class Eagle3Draft(nn.Module):
         th = cfg.get("target_hidden_size") or h
         n_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         self.cfg = cfg
+        self.n_aux = n_aux
         self.embed = nn.Embedding.from_pretrained(embed_weight.float().clone(), freeze=True)
         self.fc = nn.Linear(n_aux * th, h, bias=False)
-        self.midlayer = MidLayer(cfg)
+        self.midlayer = self.midlayer_cls(cfg)
         self.norm = RMSNorm(h, cfg["rms_norm_eps"])
         self.lm_head = nn.Linear(h, cfg["draft_vocab_size"], bias=False)
         self.register_buffer("d2t", d2t.to(torch.long).clone())
@@ -145,6 +159,16 @@ class Eagle3Draft(nn.Module):
             with torch.no_grad():
                 self.lm_head.weight.copy_(lm_head_from[used].float())
 
+    def aux_to_hidden(self, aux: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the concatenated aux chunks ``[.., n_aux * H_target]`` -> ``[.., H]``."""
+        return self.fc(aux)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """Module parameter name -> checkpoint name (identity: SpecForge / SGLang use
+        ``midlayer.*``, which ``llama_eagle3.py::load_weights`` maps itself)."""
+        return name
+
     def sglang_state_dict(self, dtype=torch.bfloat16) -> dict:
         """Weights under SpecForge / SGLang names (no ``embed_tokens``; d2t int64, t2d bool)."""
         out = {}
@@ -152,10 +176,67 @@ class Eagle3Draft(nn.Module):
             if k.startswith("embed."):
                 continue
             if k in ("d2t", "t2d"):
-                out[k] = v.detach().cpu().clone()
+                out[self.checkpoint_name(k)] = v.detach().cpu().clone()
             else:
-                out[k] = v.detach().cpu().to(dtype).contiguous()
+                out[self.checkpoint_name(k)] = v.detach().cpu().to(dtype).contiguous()
         return out
+
+    def load_sglang_state_dict(self, w: dict) -> None:
+        """Load a checkpoint written by ``sglang_state_dict`` (fp32 upcast), strictly: every
+        module tensor but the shared embedding must be present, and nothing else.
+        Raises ValueError naming the missing / unexpected keys."""
+        own = {self.checkpoint_name(k): k for k in self.state_dict() if not k.startswith("embed.")}
+        missing = sorted(set(own) - set(w))
+        unexpected = sorted(set(w) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"draft checkpoint: missing {missing}, unexpected {unexpected} "
+                             f"(expected {self.architecture} names)")
+        sd = {own[k]: (v.float() if v.is_floating_point() else v) for k, v in w.items()}
+        res = self.load_state_dict(sd, strict=False)
+        assert res.missing_keys == ["embed.weight"] and not res.unexpected_keys, res
+
+
+def llama_draft_config(target_cfg: dict, draft_vocab: int, layer_ids: list[int]) -> dict:
+    """config.json of a Llama-style draft (SGLang ``LlamaForCausalLMEagle3`` / SpecForge draft
+    config) for the target whose config.json dict is ``target_cfg``.
+
+    One decoder layer of the shape the target's family gives (``TargetFamily.draft_shape``: for a
+    Llama target its own heads / head_dim / MLP / RoPE theta), ``draft_vocab_size`` <
+    ``vocab_size``, ``tie_word_embeddings: false`` (SGLang would otherwise use the embedding as
+    lm_head) and ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SpecForge's out(i)
+    convention: SGLang reads the nested key (model_runner_components/spec_aux_hidden_state.py)
+    and captures at loop index i+1 (models/llama.py::set_eagle3_layers_to_capture; the DeepSeek
+    family's deepseek_v2.py::set_eagle3_layers_to_capture adds +1 when the first id is 1).
+    """
+    from .target import family_of
+    sh = family_of(target_cfg).draft_shape(target_cfg)
+    rope = sh["rope_theta"]
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": sh["hidden_size"],
+        "intermediate_size": sh["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": sh["num_attention_heads"],
+        "num_key_value_heads": sh["num_key_value_heads"],
+        "head_dim": sh["head_dim"],
+        "hidden_act": sh["hidden_act"],
+        "max_position_embeddings": sh["max_position_embeddings"],
+        "rms_norm_eps": sh["rms_norm_eps"],
+        "rope_theta": rope,
+        "rope_parameters": {"rope_theta": rope, "rope_type": "default"},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": target_cfg["vocab_size"],
+        "draft_vocab_size": int(draft_vocab),
+        "tie_word_embeddings": False,
+        "bos_token_id": target_cfg.get("bos_token_id"),
+        "eos_token_id": target_cfg.get("eos_token_id"),
+        "pad_token_id": target_cfg.get("pad_token_id"),
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids),
+                         "use_aux_hidden_state": True},
+    }
 
 
 def _shift_left(x: torch.Tensor, n: int = 1) -> torch.Tensor:
@@ -173,7 +254,7 @@ def ttt_loss(draft: Eagle3Draft, batch: dict, target_head: torch.Tensor, length:
     ``batch``: ``input_ids`` int64 [B, T], ``loss_mask`` [B, T] (0 on padding; the last valid
     position is also zeroed, as SpecForge's ``normalize_offline_sample`` does),
     ``aux_hidden_state`` [B, T, 3H], ``hidden_state`` [B, T, H] (post-norm), all on one device.
-    ``target_head`` [V, H]: the target's lm_head (here the tied embedding).
+    ``target_head`` [V, H]: the target's lm_head (the tied embedding for the Llama targets).
     Returns ``(loss, metrics)`` with per-step accuracy (draft argmax == target argmax on masked
     rows) and per-step loss.
     """
@@ -190,7 +271,7 @@ def ttt_loss(draft: Eagle3Draft, batch: dict, target_head: torch.Tensor, length:
         tp = torch.cat([tp, tp.new_zeros(B, length, tp.shape[-1])], dim=1)
         t_arg = torch.cat([t_arg, t_arg.new_zeros(B, length)], dim=1)
     ids = _shift_left(ids, 1)
-    hidden = draft.fc(aux)
+    hidden = draft.aux_to_hidden(aux)
     pos = torch.arange(T, device=ids.device)
     causal = torch.full((T, T), float("-inf"), device=ids.device).triu(1)
     cache: list = []

@@ -6,7 +6,8 @@ When ``E3F_STANDIN_AMX=1`` is set (the launcher sets it for the server it starts
 attention backend, the only CPU backend it allows for EAGLE (``sglang/srt/speculative/
 draft_utils.py``), and routes all of that path's kernels to ``torch.ops.sgl_kernel``, which the
 pure-torch stand-in provides. No AMX instruction is executed by the stand-in; it only has to be
-*selected*. Without the variable nothing is changed.
+*selected*. On a CPU build of torch it also makes ``torch.cuda.synchronize()`` a no-op (below). Without the
+variable nothing is changed.
 """
 import os
 
@@ -14,6 +15,17 @@ if os.environ.get("E3F_STANDIN_AMX") == "1":
     import torch
 
     torch.cpu._is_amx_tile_supported = lambda: True  # noqa: SLF001
+
+    if not torch.cuda.is_available() and torch.version.cuda is None:
+        # CPU torch raises "Torch not compiled with CUDA enabled" from torch.cuda.synchronize(). SGLang's MLA EAGLE-3
+        # draft calls it unconditionally after sharing the target's embedding
+        # (sglang/srt/models/kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM.set_embed / set_embed_and_head, reached
+        # from speculative/eagle_worker_v2.py); there is no device to wait for on a CPU build, so it waits for
+        # nothing. (torch.cuda.empty_cache() already returns quietly when CUDA was never initialised.)
+        def _no_device_to_synchronize(device=None):
+            return None
+
+        torch.cuda.synchronize = _no_device_to_synchronize
 
 
 if os.environ.get("E3F_LOOPBACK_STORE") == "1":

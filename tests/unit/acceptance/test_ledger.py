@@ -14,10 +14,14 @@ import pandas as pd
 import pytest
 import yaml
 
+from helpers.__main__ import main
 from helpers.acceptance.fixes import load_fixes
-from helpers.acceptance.ledger import Ledger, LedgerError
+from helpers.acceptance.ledger import Ledger, LedgerUnreadable
+from helpers.acceptance.measure import measure, rebuild_ledger
+from helpers.errors import BadInput
 from helpers.runfiles import atomic_write_text, new_run_dir
 from support import ROOT
+from support.fakeserver import fake_server
 
 
 WRITER = textwrap.dedent("""
@@ -71,9 +75,62 @@ def test_ledger_keeps_rows_and_schema_grows(tmp_path):
 def test_unreadable_ledger_is_never_overwritten(tmp_path):
     p = tmp_path / "ledger.parquet"
     p.write_bytes(b"not parquet at all")
-    with pytest.raises(LedgerError, match="left as is"):
+    with pytest.raises(LedgerUnreadable, match="left as is") as err:
         Ledger(p).append({"fix": "x"})
+    assert isinstance(err.value, BadInput) and err.value.exit_code == 2 and str(err.value).startswith(f"{p}: ")
+    assert f"--rebuild-ledger {tmp_path}" in str(err.value)
     assert p.read_bytes() == b"not parquet at all"
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """One real measurement of a fake server on 127.0.0.1 (3 prompts x 4 tokens)."""
+    with fake_server("ok") as url:
+        return measure(url, None, max_new_tokens=4, num_prompts=3, warmup=0, progress=False, n_boot=200,
+                       label="m")
+
+
+def test_rebuild_takes_exactly_the_ledger_measurements(measured, tmp_path, capsys):
+    """Issue 30: rebuild_ledger gives back every row record() appended (value for value, in order) from fixes/ and
+    acceptance/, and nothing else: not an investigation's acceptance/before (never a ledger row), not a staging
+    folder; a damaged summary.json is left out with a line naming it (CLI exit 1), the old ledger kept beside."""
+    run = tmp_path / "run"
+    measured.record(run, "m")
+    measured.record(run, "m", error=None)                       # fixes/m-2, with an extra column
+    measured.record(run, "replay step", under="acceptance")      # the replay's and the acceptance page's folder
+    measured.save(run / "acceptance" / "before")                 # investigate's: no ledger row
+    staging = run / "fixes" / ".m.abc123.tmp"
+    staging.mkdir()
+    (staging / "summary.json").write_text((run / "fixes" / "m" / "summary.json").read_text())
+    original = Ledger(run / "ledger.parquet").read()
+    assert list(original["saved_to"]) == ["fixes/m", "fixes/m-2", "acceptance/replay-step"]
+
+    done = rebuild_ledger(run)
+    assert done.folders == ["fixes/m", "fixes/m-2", "acceptance/replay-step"] and not done.skipped
+    rebuilt = Ledger(run / "ledger.parquet").read()
+    # value for value (the column "error", None in every row, may read back as float NaN instead of object None)
+    assert rebuilt["error"].isna().all() and original["error"].isna().all()
+    pd.testing.assert_frame_equal(rebuilt[original.columns].drop(columns="error"), original.drop(columns="error"))
+    assert done.kept_old is not None and done.kept_old.name.startswith("ledger.parquet.before-rebuild-")
+
+    (run / "fixes" / "m-2" / "summary.json").write_text('{"summary": {"label": "m"')     # truncated
+    assert main(["measure", "--rebuild-ledger", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert f"{run / 'fixes' / 'm-2' / 'summary.json'}: measurement summary is not valid JSON" in err, err
+    assert "measure: error: 1 measurement folder(s) could not be read" in err, err
+    assert list(Ledger(run / "ledger.parquet").read()["saved_to"]) == ["fixes/m", "acceptance/replay-step"]
+    assert len(list(run.glob("ledger.parquet.before-rebuild-*"))) == 2
+
+
+def test_a_ledger_whose_lock_cannot_be_opened_keeps_the_measurement(measured, tmp_path):
+    """Issue 30: a measurement is never deleted because of another file's state: the ledger's lock file being a
+    folder is bad input naming it, and the measurement just saved stays."""
+    run = tmp_path / "run"
+    (run / "ledger.parquet.lock").mkdir(parents=True)
+    with pytest.raises(LedgerUnreadable, match="lock file cannot be opened") as err:
+        measured.record(run, "kept")
+    assert str(err.value).startswith(f"{run / 'ledger.parquet.lock'}: ") and "kept in fixes/kept" in str(err.value)
+    assert (run / "fixes" / "kept" / "summary.json").exists()
 
 
 THREADS = textwrap.dedent("""

@@ -112,6 +112,24 @@ def test_served_plan_deepseek_family_and_the_seed_config():
     assert p.tensors == ["out(1)", "out(29)"] and "RuntimeError" in p.fatal
 
 
+def test_deepseek_unreached_ids_raise_at_the_first_forward_not_silently_missing():
+    """0.5.23's DeepSeek family packs the captures (AuxHiddenStatePacker): an id naming the last layer or a negative id
+    without first id 1 is never reached and the first forward (the start-up warm-up) raises; checked live in
+    tests/server/test_kimi_rules_live.py. -1 with first id 1 is capture index 0, the embedding, packed in layer order."""
+    ds = target(8, "DeepseekV3ForCausalLM", "deepseek_v3")
+    for ids in ([1, 3, 7], [2, 4, -1], [2, 4, 8], [1, 3, 3]):
+        p = served_plan(draft(ids), ds, version="0.5.23")
+        assert p.fatal and "RuntimeError 'captured 2 of 3 aux hidden states'" in p.fatal, ids
+        assert "start-up warm-up" in p.fatal
+        assert not any("silently" in x["detail"] for x in p.problems), ids
+    p = served_plan(draft([1, 3, -1]), ds, version="0.5.23")
+    assert p.fatal is None and p.tensors == ["embedding", "out(1)", "out(3)"]
+    assert p.problems[0]["kind"] == "embedding_in_place_of_layer"
+    # a Llama target leaves the unreached chunk out, silently (AuxHiddenStateList): no fatal
+    p = served_plan(draft([1, 3, 7]), target(8), version="0.5.23")
+    assert p.fatal is None and p.tensors == ["out(1)", "out(3)"] and "silently" in p.problems[0]["detail"]
+
+
 def test_gpt_oss_boundary_is_version_dependent():
     t = target(36, "GptOssForCausalLM", "gpt_oss")
     assert served_plan(draft([24, 30, 36]), t, version="0.5.23").tensors == ["out(23)", "out(29)", "out(35)"]
@@ -181,6 +199,7 @@ SOURCE_QUOTES = [
     ("srt/models/llama_eagle3.py", "if hidden_states.shape[-1] != embeds.shape[-1]:"),
     ("srt/arg_groups/speculative_hook.py", "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1"),
     ("srt/layers/aux_hidden_states.py", "captured {self._idx} of {self._num_captures} aux hidden states"),
+    ("srt/models/deepseek_v2.py", "aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))"),
     ("srt/models/qwen2_moe.py", 'setattr(self.layers[layer_id], "_is_layer_to_capture", True)'),
     ("srt/models/llama.py", "hidden_states, aux_hidden_states = hidden_states"),
     ("srt/models/llama_eagle3.py", "self.num_aux_hidden_states = len(layer_ids) if layer_ids else 3"),

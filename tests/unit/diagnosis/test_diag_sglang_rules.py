@@ -33,6 +33,10 @@ def test_rules_the_diagnosis_relies_on():
     assert (gpt.rule, gpt.last_layer) == ("gpt_oss", "boundary")
     assert R.target_rule(["Qwen3MoeForCausalLM"]).last_layer == "index_error"
     assert R.target_rule(["Gemma4ForConditionalGeneration"]).last_layer == "boundary"
+    # the DeepSeek family packs its captures: an unreached id raises at the first forward (deepseek_v2.py)
+    assert R.target_rule(["DeepseekV3ForCausalLM"]).last_layer == "runtime_error"
+    assert R.target_rule(["KimiK25ForConditionalGeneration"]).last_layer == "runtime_error"
+    assert R.target_rule(["LlamaForCausalLM"]).last_layer == "missing"
     assert R.target_rule(["MiniMaxM3SparseForConditionalGeneration"]).rule == "plus_one_default"
     assert not R.target_rule(["GPT2LMHeadModel"]).supports_eagle3                     # registered, no setter
     assert R.target_rule(["NoSuchModelForCausalLM"]).rule == "unregistered"

@@ -123,12 +123,35 @@ def test_damaged_checkpoint_and_wrong_d2t_lose_accuracy_at_every_step(rows, seqs
 def test_rows_without_a_target_distribution_fall_back_to_recorded_tokens(seqs):
     s = seqs[0]
     r = tf.run_sequence(Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET),
-                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux, None), 2)
+                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux), 2)
     assert r.ce[0] is None
     res = tf.reduce([r], "e3f", 2, labels="recorded")
     assert res.loss is None and res.labels == "recorded" and 0 < res.acc[0] <= 1
-    with pytest.raises(BadInput, match="target logits"):
+    with pytest.raises(BadInput, match="final hidden states"):
         tf.run_sequence(Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET),
-                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux, torch.zeros(3, 5)), 2)
+                        tf.TFSequence(s.key, s.input_ids, s.loss_mask, s.aux, torch.zeros(3, 5), torch.zeros(7, 5)), 2)
     with pytest.raises(BadInput, match="unknown trainer"):
         tf.reduce([r], "nope", 2)
+
+
+def test_draft_without_d2t_reads_its_ids_as_the_first_target_ids(seqs, tmp_path):
+    """No d2t over a draft vocabulary smaller than the target's: SGLang keeps hot_token_id None, so draft id i is
+    target id i; the trainers' restricted distribution is then over target ids [0, draft_vocab) (a draft that lost
+    its d2t loses accuracy, and the pass does not break on the width mismatch)."""
+    from safetensors.torch import load_file, save_file
+    import json
+    import shutil
+    d = tmp_path / "nod2t"
+    shutil.copytree(REFERENCE_DRAFT, d)
+    for f in d.glob("*.safetensors"):
+        t = load_file(f)
+        save_file({k: v for k, v in t.items() if k not in ("d2t", "t2d")}, f)
+    draft = Eagle3Draft.load(d, REFERENCE_TARGET)
+    assert draft.hot_token_id is None and draft.arch.draft_vocab < draft.arch.vocab
+    s = seqs[0]
+    r = tf.run_sequence(draft, s, 2)
+    assert r.ce[0] is not None and r.ce[0].shape == r.hit_restr[0].shape
+    bad = tf.reduce([r], "e3f", 2)
+    good = tf.reduce([tf.run_sequence(Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET), s, 2)], "e3f", 2)
+    assert bad.acc[0] < good.acc[0] - 0.1 and bad.loss[0] > good.loss[0], (bad.acc, good.acc, bad.loss, good.loss)
+    assert json.loads((d / "config.json").read_text())["draft_vocab_size"] == draft.arch.draft_vocab

@@ -113,3 +113,36 @@ def test_every_stage_kind_is_declared_with_a_required_or_workload_stage():
     assert set(KIND_STAGE.values()) <= set(REQUIRED_STAGES) | {"workload"}
     assert set(CAUSE_KINDS.values()) <= set(BY_NAME)
     assert all(KIND_STAGE[k] == s for s, k in CAUSE_KINDS.items())
+
+
+def test_a_fix_measured_after_the_investigation_is_the_stage_loss_and_the_headline_says_so():
+    """A replay measures the proposed fix at a later step: the stage's loss becomes that measured change even though
+    the ladder's offline estimate counted already (kept beside it), telling the story again changes nothing more, and
+    the headline's three parts carry the same numbers."""
+    from helpers.investigation.story import headline_parts, headline_text, named_text, record_measured_fix
+
+    kind = "embedding_in_place_of_layer"
+    doc = reconcile(_doc(kind, _budget(wiring="counts"), measured={"measured_by": "step 7"}, fixed=True))
+    assert doc.acceptance["losses"]["wiring"]["delta"] == pytest.approx(0.6)      # the ladder's, until measured
+    m = _measured()
+    m["before"]["accept_rate"], m["after"]["accept_rate"] = 0.30, 0.56
+    record_measured_fix(doc, {**m, "measured_by": "this replay's step 7 ('fix') against step 1 ('as deployed')",
+                              "prompts": 16})
+    loss = doc.acceptance["losses"]["wiring"]
+    assert loss["delta"] == pytest.approx(0.45) and loss["on_server"] and loss["decision"] == "counts"
+    assert loss["ladder"]["delta"] == pytest.approx(0.6) and "step 7" in loss["basis"]
+    assert doc.acceptance["cause"] == "wiring" and "0.45 tokens per verify step lost at the wiring" in \
+        doc.acceptance["sentence"]
+    again = reconcile(doc.model_copy(deep=True), budget_expected=True)
+    assert again.acceptance["losses"] == doc.acceptance["losses"]
+    parts = headline_parts(doc, named=named_text(43.4, 2.5, step=2))
+    assert [p["label"] for p in parts] == ["What is wrong", "The fix", "Measured effect"]
+    assert "0.45 [0.30, 0.60] tokens per verify step (counts; measured on the server)" in parts[0]["text"]
+    assert parts[0]["source"].startswith("named blind in 43.4 s (step 2, wall clock") and "2.5 s after attach" in \
+        parts[0]["source"]
+    assert parts[1]["text"] == "a fix"
+    assert parts[2]["text"] == ("accept rate 30% -> 56%, accept length 2.20 -> 2.65 (+0.45 [+0.30, +0.60] tokens per "
+                                "verify step, paired over 16 prompts)")
+    assert parts[2]["source"].startswith("this replay's step 7")
+    text = headline_text(parts)
+    assert text.count("[source: ") == 3 and text.startswith("What is wrong: ")

@@ -121,6 +121,48 @@ def test_repeated_labels_never_overwrite_a_measurement(tmp_path, capsys):
     assert sorted(ledger["saved_to"]) == [f"fixes/{f}" for f in folders]
 
 
+def test_an_unreadable_ledger_keeps_the_new_measurement_and_is_rebuilt(tmp_path, capsys):
+    """Issue 30: a run folder whose ledger.parquet was truncated (a full disk, an editor): `measure --run-dir` keeps
+    the new measurement, leaves the ledger as it was, and says so in one line naming the file, what was expected and
+    the command that rebuilds it (exit 2, no debug suffix); that command rebuilds the ledger from fixes/ with the
+    old row as it was, and keeps the corrupt file beside it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with fake_server("ok") as url:
+        args = ["measure", "--url", url, "--num-prompts", "3", "--max-new-tokens", "4", "--run-dir", str(run),
+                "--quiet", "--timeout", "60", "--warmup", "0"]
+        assert main(args + ["--label", "a"]) == 0
+        capsys.readouterr()
+        before = pd.read_parquet(run / "ledger.parquet")
+        data = (run / "ledger.parquet").read_bytes()
+        (run / "ledger.parquet").write_bytes(data[:len(data) // 2])       # truncated as by a full disk
+        rc = main(args + ["--label", "x"])
+    line = _one_line_error(capsys, "measure")
+    assert rc == 2 and "E3F_DEBUG" not in line and "LedgerError" not in line, line
+    assert f"{run / 'ledger.parquet'}: the ledger cannot be read" in line and "expected the Parquet table" in line
+    assert f"kept in fixes/x" in line and f"python -m helpers measure --rebuild-ledger {run}" in line, line
+    assert (run / "ledger.parquet").read_bytes() == data[:len(data) // 2]
+    assert json.loads((run / "fixes" / "x" / "summary.json").read_text())["summary"]["label"] == "x"
+
+    assert main(["measure", "--rebuild-ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    (kept,) = run.glob("ledger.parquet.corrupt-*")
+    assert kept.read_bytes() == data[:len(data) // 2] and kept.name in out and "2 row(s)" in out, out
+    after = pd.read_parquet(run / "ledger.parquet")
+    assert list(after["saved_to"]) == ["fixes/a", "fixes/x"] and list(after["fix"]) == ["a", "x"]
+    pd.testing.assert_frame_equal(after.iloc[:1][before.columns], before)       # the old row, value for value
+    x = json.loads((run / "fixes" / "x" / "summary.json").read_text())
+    assert after["row_id"].iloc[1] == x["ledger"]["row_id"] and after["accept_length"].iloc[1] == \
+        x["summary"]["accept_length"]
+    # a rebuild of a readable ledger keeps that one too, under another name
+    assert main(["measure", "--rebuild-ledger", str(run)]) == 0
+    (older,) = run.glob("ledger.parquet.before-rebuild-*")
+    pd.testing.assert_frame_equal(pd.read_parquet(older), after)
+    pd.testing.assert_frame_equal(pd.read_parquet(run / "ledger.parquet"), after)
+    assert main(["measure", "--rebuild-ledger", str(tmp_path / "nope")]) == 2
+    assert "--rebuild-ledger must be an existing run folder" in _one_line_error(capsys, "measure")
+
+
 def test_bad_local_inputs_are_one_line_exit_2(tmp_path, training, capsys):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"text": "ok"}\nnot json\n')
@@ -152,6 +194,8 @@ def test_full_disk_is_one_line_and_leaves_no_partial_measurement(tmp_path, capsy
                        "--run-dir", str(mnt / "run"), "--quiet", "--timeout", "60", "--warmup", "0"])
         line = _one_line_error(capsys, "measure")
         assert rc == 1 and "no space left on the device" in line, line
+        # the file the user asked for (issue 30), never the temporary folder it is staged in
+        assert f"{mnt / 'run' / 'fixes' / 'full'}/" in line and ".tmp" not in line, line
         leftovers = [p.name for p in (mnt / "run").rglob("*")]
         assert not any(n.startswith("full") or n.endswith(".tmp") for n in leftovers), leftovers
     finally:
@@ -256,11 +300,11 @@ def test_yaml_alias_bombs_in_fixes_and_params_files_are_refused(tmp_path, capsys
         assert line.startswith(f"{args[0]}: error: {path}") and "aliases expand to more than" in line, line
 
 
-def _measure_some_failing(mode: str, n: int, tmp_path, capsys) -> tuple[str, dict, list[str]]:
-    """``measure`` of ``n`` prompts against the fake server ``mode``: (the error line, the saved summary, the
-    per-request errors)."""
+def _measure_some_failing(mode: str, n: int, tmp_path, capsys, tokens: int = 4) -> tuple[str, dict, list[str]]:
+    """``measure`` of ``n`` prompts (``tokens`` new tokens each) against the fake server ``mode``: (the error line,
+    the saved summary, the per-request errors)."""
     with fake_server(mode) as url:
-        rc = main(["measure", "--url", url, "--num-prompts", str(n), "--max-new-tokens", "4", "--warmup", "0",
+        rc = main(["measure", "--url", url, "--num-prompts", str(n), "--max-new-tokens", str(tokens), "--warmup", "0",
                    "--outputs", str(tmp_path), "--quiet", "--timeout", "60"])
     line = _one_line_error(capsys, "measure")
     assert rc == 1, line
@@ -282,6 +326,37 @@ def test_impossible_spec_counters_are_failed_requests_not_results(tmp_path, caps
     for what in ("spec_num_correct_drafts 50 > spec_num_proposed_drafts 3", "completion_tokens",
                  "64 completion tokens", "spec_correct_drafts_histogram has 7 bins"):
         assert what in text, (what, text)
+
+
+def test_counters_that_break_an_identity_fail_their_request_naming_it(tmp_path, capsys):
+    """Issue 27 item 5: a server (topk 2, 8 draft tokens) whose every 2nd answer breaks one identity of SGLang's
+    per-request counters in turn -- no verify step yet drafts, accepted > proposed, proposed != verify steps x 7, a
+    histogram too long / not summing to the verify steps / not weighting to the accepted drafts, more accepted than
+    3 steps allow, more tokens than the steps emit, a reported accept length or rate unlike the counters': each such
+    request fails with the request's id, the identity and the numbers, is left out of the figures, and the command
+    exits 1 naming the first; the answers that keep every identity are measured."""
+    from support.fakeserver import BROKEN_IDENTITIES
+
+    n = 2 * len(BROKEN_IDENTITIES)
+    line, s, errors = _measure_some_failing("identities", n, tmp_path, capsys, tokens=8)
+    assert f"{len(BROKEN_IDENTITIES)} of {n} requests failed (first: prompt " in line, line
+    assert "identity 'no verify step, no draft' broken: spec_num_correct_drafts 3 with spec_verify_ct 0" in line
+    assert s["n_failed"] == len(BROKEN_IDENTITIES) and s["n_requests"] == len(BROKEN_IDENTITIES)
+    # the answers kept: 4 verify steps of 8 tokens, 1 accepted of 7 proposed each
+    assert s["accept_length"] == 2.0 and s["accept_rate"] == pytest.approx(1 / 7) and s["verify_steps"] == 4 * 10
+    for k, (name, _) in enumerate(BROKEN_IDENTITIES):
+        (e,) = [e for e in errors if f"identity '{name}' broken" in e]
+        assert f"/generate (request req-{2 * (k + 1)}): impossible spec counters: identity '{name}' broken: " in e
+    text = " | ".join(errors)
+    for numbers in ("spec_num_correct_drafts 29 > spec_num_proposed_drafts 28",
+                    "spec_num_proposed_drafts 12 != spec_verify_ct 4 x (speculative_num_draft_tokens 8 - 1) = 28",
+                    "has 5 bins, more than num_steps + 1 = 4", "spec_num_correct_drafts 13 > 4 verify steps x 3",
+                    "10 completion tokens from 4 verify steps (4 accepted draft tokens", "[1, 4, 0, 0] sums to 5",
+                    "sum n x spec_correct_drafts_histogram[n] = 3, spec_num_correct_drafts is 4",
+                    "reported spec_accept_length 3.5, completion_tokens 8 / spec_verify_ct 4 = 2",
+                    "reported spec_accept_rate 0.5, spec_num_correct_drafts 4 / spec_num_proposed_drafts 28 = "
+                    "0.142857"):
+        assert numbers in text, (numbers, text)
 
 
 def test_deep_json_answer_is_one_failed_request(tmp_path, capsys):

@@ -328,6 +328,41 @@ def test_spec_problem_names_counters_no_server_produces():
             MetaInfo(**bad)
 
 
+def test_spec_identities_respect_what_sglang_allows():
+    """Issue 27 item 5: what SGLang 0.5.23 may send is never refused -- an answer with no verify step and zero
+    counters (2025 servers sent spec_verify_ct 0 on every answer), tokens after a retraction's re-prefill, an
+    adaptive server's other draft lengths, reported ratios up to float rounding -- and what it cannot send is."""
+    from pydantic import ValidationError
+
+    from helpers.server.protocol import SPEC_IDENTITIES, MetaInfo
+
+    ok = {"spec_verify_ct": 4, "completion_tokens": 9, "spec_num_correct_drafts": 4, "spec_num_proposed_drafts": 28,
+          "spec_correct_drafts_histogram": [0, 4], "spec_accept_length": 9 / 4, "spec_accept_rate": 4 / 28}
+
+    def problem(adaptive=False, **meta):
+        return MetaInfo(**{**ok, **meta}).spec_problem(3, num_draft_tokens=8, adaptive=adaptive)
+
+    assert problem() is None
+    assert MetaInfo(spec_verify_ct=0, spec_accept_length=0, spec_num_correct_drafts=0).spec_problem(3) is None
+    assert "'no verify step, no draft'" in MetaInfo(spec_verify_ct=0, spec_accept_length=2.0).spec_problem(3)
+    # a retracted request is prefilled again: one more token per retraction
+    assert "completion tokens <= 1 + retractions" in problem(completion_tokens=11, spec_accept_length=11 / 4)
+    assert problem(completion_tokens=11, spec_accept_length=11 / 4, num_retractions=2) is None
+    # adaptive: steps and draft tokens change at run time; the static bounds are not checked, the rest is
+    assert "'proposed = verify steps x (draft tokens - 1)'" in problem(spec_num_proposed_drafts=20,
+                                                                       spec_accept_rate=4 / 20)
+    assert problem(adaptive=True, spec_num_proposed_drafts=20, spec_accept_rate=4 / 20) is None
+    assert problem(adaptive=True, spec_num_correct_drafts=15, completion_tokens=18, spec_accept_length=4.5,
+                   spec_accept_rate=15 / 28, spec_correct_drafts_histogram=[0, 0, 0, 1, 3]) is None
+    assert "'histogram weights" in problem(adaptive=True, spec_correct_drafts_histogram=[1, 2, 0, 1])
+    assert problem(spec_accept_length=9 / 4 * (1 + 1e-12)) is None              # a double's rounding
+    assert "'spec_accept_length = " in problem(spec_accept_length=2.3)
+    # each identity message starts with its declared name
+    assert all(name in SPEC_IDENTITIES for name in ("accepted <= proposed", "histogram sums to the verify steps"))
+    with pytest.raises(ValidationError, match="spec_accept_length"):
+        MetaInfo(**{**ok, "spec_accept_length": float("nan")})
+
+
 # ------------------------------------------------------------------------------------------------ ports
 
 def test_ports_a_port_a_range_and_the_environment(monkeypatch):

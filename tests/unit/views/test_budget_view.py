@@ -12,7 +12,7 @@ from helpers.draft.training_log import predicted_accept_length, read_training_lo
 from helpers.formats.training_data import TrainingData
 from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING, REFERENCE_VALIDATION
 from helpers.plots.budget import budget_ladder, budget_waterfall
-from helpers.views.budget import budget_parts, losses_frame, stages_frame
+from helpers.views.budget import budget_parts, ladder_frame, losses_frame, stages_frame
 from support.drafts import damaged_draft
 
 
@@ -27,7 +27,7 @@ def test_budget_parts_show_the_computed_stages(tmp_path):
                     log=tl, log_path=None, validation=REFERENCE_VALIDATION)
     b = acceptance_budget(draft, BudgetInputs(settings=DraftSettings.chain(3), **budget_fields(dr, tl), training=seqs,
                                               draft_cost=cost, draft_cost_source=src))
-    b["sentence"] += " <script>alert(1)</script>"          # server-provided text is escaped
+    b["losses"]["draft"]["basis"] += " <script>alert(1)</script>"          # file-provided text is escaped
     st = stages_frame(b)
     assert list(st["stage"][:3]) == ["training log", "checkpoint (teacher-forced)", "offline on training states"]
     assert abs(st["accept length"][0] - round(log["accept_length"], 2)) < 1e-9
@@ -37,6 +37,15 @@ def test_budget_parts_show_the_computed_stages(tmp_path):
     assert isinstance(wf, go.Figure) and wf.data[0].text[1] == f"{b['stages'][1]['accept_length']:.2f}"
     lad = budget_ladder(b)
     assert list(lad.data[0].y) == b["stages"][0]["p_accept_ge"]
+    lad = ladder_frame(b).set_index("stage")
+    ds = b["stages"][1]
+    assert lad.loc["checkpoint (teacher-forced)", "accept length [95% CI]"] == \
+        f"{ds['accept_length']:.2f} [{ds['ci'][0]:.2f}, {ds['ci'][1]:.2f}]"
+    assert lad.loc["checkpoint (teacher-forced)", "decision"] == "counts"
+    assert lad.loc["checkpoint (teacher-forced)", "lost at this stage [95% CI]"].startswith(
+        f"{b['losses']['draft']['delta']:.2f} [")
+    assert lad.loc["training log", "like with like"].startswith("trainer's formula") and \
+        lad.loc["checkpoint (teacher-forced)", "like with like"] == ""          # one run, named once
     html = "".join(p for p in budget_parts(b) if isinstance(p, str))
-    assert "<script>alert(1)" not in html and "&lt;script&gt;" in html and "Cause: draft" in html
+    assert "<script>alert(1)" not in html and "&lt;script&gt;" in html and "<b>Cause: draft</b>" in html
     assert budget_parts(None) == ["<p>No acceptance budget in this run.</p>"]

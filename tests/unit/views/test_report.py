@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from helpers.investigation.replay import headline as replay_headline
 from helpers.records import InvestigationDoc
 from helpers.suite import html as suite_html
 from helpers.views import attach as views_attach
@@ -89,7 +90,7 @@ def test_fixes_hypotheses_and_before_after():
     assert list(hy["verdict"]) == ["refuted", "confirmed"] and list(hy["as expected"]) == ["yes", "NO"]
     ba = views_postmortem.before_after(doc)
     row = ba.set_index("metric").loc["accept rate"]
-    assert row["outside both 95% CIs"] == "yes" and row["change"] == "+55.0 points"
+    assert row["outside both 95% CIs"] == "yes" and row["change (paired 95% CI)"] == "+55.0 points"
     assert "60.0% [55.0%, 65.0%]" in row["after: revert"]
     disp = views_replay.fixes_display(doc)
     assert disp["accept length [95% CI]"].iloc[1] == "2.60 [2.50, 2.70]"
@@ -143,6 +144,7 @@ def test_hypothesis_steps_and_verdict_summary(tmp_path):
     views_common.write_result(tmp_path, "10_hyp_tp_sharding", views_hypotheses.hypothesis_result(
         "10_hyp_tp_sharding", "tp_sharding", [{"verdict": "inconclusive", "label": "live"}], "live"))
     inv = InvestigationDoc(url="http://x", verdict="mismatch", sentence="Wrong wiring: <b>x</b>",
+                           findings=[{"kind": "embedding_in_place_of_layer", "chunk": 0, "detail": "served <b>x</b>"}],
                            hypotheses=[{"check": "tp_sharding", "verdict": "refuted", "question": "q"}])
     (tmp_path / "investigation.json").write_text(inv.model_dump_json())
     vs = views_postmortem.verdict_summary(tmp_path, doc)
@@ -150,9 +152,12 @@ def test_hypothesis_steps_and_verdict_summary(tmp_path):
     assert vs["source"].iloc[-1] == "investigation (investigation.json)" and vs["verdict"].iloc[-1] == "refuted"
     rec = views_postmortem.postmortem_record(tmp_path, doc)
     json.dumps(rec)  # JSON-safe
-    assert rec["headline"] == doc["headline"] and rec["investigation"] == inv.sentence
+    # the replay's own headline function (no investigation step in this replay: the confirmed hypothesis)
+    steps = list(views_replay.as_replay(doc).steps)
+    assert rec["headline"] == replay_headline(None, steps, None) and rec["investigation"] == inv.sentence
+    assert rec["headline"].startswith("What is wrong: found [source: step 3: check 'embedding_included' confirmed].")
     page = views_investigation.page_html(inv)
-    assert "Wrong wiring: &lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page   # server text escaped
+    assert "served &lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page   # server text escaped
 
 
 def test_per_token_rel_diff_and_shared_bins():
@@ -279,7 +284,7 @@ def test_investigation_says_once_what_was_measured_and_which_file_to_edit(tmp_pa
     doc.sentence = sentence(doc)
     assert doc.sentence.endswith("Measured by this replay as its step 'fix' (before and after the fix, on this page).")
     page = "".join(p for p in views_investigation.sections_html(doc) if isinstance(p, str))
-    assert "not measured" not in page.lower() and page.count("Measured by this replay") == 2   # headline + section
+    assert "not measured" not in page.lower() and page.lower().count("measured by this replay") == 2  # headline, section
     assert "file to edit: <code>/models/edited-draft/config.json</code>" in page
     assert str(tmp_path / "drafts" / "proposed" / "config.json") in page
     # the headline states the proposed fix; the fix section below it does not repeat the sentence

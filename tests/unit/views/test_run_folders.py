@@ -119,3 +119,9 @@ def test_acceptance_page_reads_the_investigations_measurements(tmp_path):
     table = views_acceptance.acceptance_table(fixes)
     assert list(table["accept rate [95% CI]"].str.startswith(("30", "56"))) == [True, True], table
     assert views_acceptance.acceptance_budget(run) == []      # the budget itself: tests/unit/views/test_budget_view.py
+    # a replay's fix is in the ledger and in the investigation's measurement: drawn once
+    from helpers.acceptance.ledger import Ledger
+    Ledger(run / "ledger.parquet").append([{"fix": "fix: the proposal", "saved_to": "acceptance/after",
+                                            "accept_rate": 0.56, "accept_length": 2.68}])
+    fixes = views_acceptance.measured_fixes(run, views_acceptance.ledger_frame(run))
+    assert list(fixes["fix"]) == ["before (as served)", "fix: the proposal"]

@@ -5,7 +5,7 @@ EAGLE path needs the ``intel_amx`` attention backend, whose kernels live in the 
 ``sgl_kernel`` (C++/AMX, source only in the SGLang repository, no wheel). This package provides:
 
 * the ~20 ops the Llama + EAGLE-3 path calls (``layers``, ``attention``, ``speculative``,
-  ``comm``), registered as ``torch.ops.sgl_kernel.<op>`` or exported as Python functions exactly
+  ``comm``) and the DeepSeek-V3 router (``moe``), registered as ``torch.ops.sgl_kernel.<op>`` or exported as Python functions exactly
   where SGLang expects them;
 * for every other name SGLang imports, a stub that raises ``NotImplementedError`` naming the op
   when called (importing it is harmless, as SGLang imports far more than it calls).
@@ -22,7 +22,7 @@ import os
 import sys
 import types
 
-from . import attention, comm, layers, speculative
+from . import attention, comm, layers, moe, speculative
 from ._dispatch import define, define_stub, not_implemented, trace
 
 __version__ = "0.0.0+e3f.standin"
@@ -51,6 +51,10 @@ define("extend_attention_cpu(Tensor q_extend, Tensor k_extend, Tensor v_extend, 
        "int? max_len_extend, float sm_scale, float logit_cap, bool is_cross_attn=False, "
        "int sliding_window=0, Tensor? encoder_lens=None, Tensor? sinks=None, Tensor? tree_mask=None, "
        "bool is_causal=True) -> ()", attention.extend_attention_cpu)
+define("biased_grouped_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor correction_bias, int topk, "
+       "bool renormalize, int? num_expert_group, int? topk_group, int num_fused_shared_experts=0, "
+       "float? routed_scaling_factor=None, Tensor? num_token_non_padded=None) -> (Tensor, Tensor)",
+       moe.biased_grouped_topk_cpu)
 define("shm_allreduce(Tensor(a!) data, int reduce_op) -> ()", comm.shm_allreduce)
 define("shm_allgather(Tensor data, int dim) -> Tensor", comm.shm_allgather)
 define("init_cpu_threads_env(str cpu_ids) -> str", comm.init_cpu_threads_env)

@@ -11,7 +11,9 @@ from ``k_extend``/``v_extend``, causal or tree-masked), as called by
 ``sglang/srt/layers/attention/intel_amx_backend.py::IntelAMXAttnBackend``.
 
 Not covered (a clear ``NotImplementedError`` is raised): sliding windows, attention sinks,
-cross attention / encoder lengths, fp8 KV caches, and K/V head dims that differ from Q's.
+cross attention / encoder lengths, fp8 KV caches. K/V head dims may differ from Q's (MLA: the absorbed path's
+MQA with D = kv_lora + rope, Dv = kv_lora, ``v_buffer`` a narrow view of ``k_buffer``; the MHA prefill of
+DeepSeek models, whose extend tensors are laid out unlike the MLA pool, with no cached prefix).
 """
 from __future__ import annotations
 
@@ -162,10 +164,23 @@ def extend_attention_cpu(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
         q[b, :n] = q_extend[s:s + n]
         ke[b, :n] = k_extend[s:s + n]
         ve[b, :n] = v_extend[s:s + n]
-    kp = _gather_pool(k_buffer, req_to_token, req_pool_indices, prefix).to(ke.dtype) * k_scale
-    vp = _gather_pool(v_buffer, req_to_token, req_pool_indices, prefix).to(ve.dtype) * v_scale
-    k = torch.cat((kp, ke), dim=1)
-    v = torch.cat((vp, ve), dim=1)
+    if max_p == 0:
+        # No request has a cached prefix: the pool is not read. This is also the only way SGLang calls the op when the
+        # pool's layout differs from the extend tensors': the DeepSeek MHA prefill (q/k [T, H, nope + rope], v
+        # [T, H, v_head]) over an MLA pool ([N, 1, kv_lora + rope]), chosen only for a prefill without a cached prefix
+        # (sglang/srt/models/deepseek_common/attention_backend_handler.py::handle_attention_triton). The C++ kernel
+        # attends to the prefix and the extend part in two separate passes, so it never reads the pool either.
+        k, v = ke, ve
+    else:
+        if tuple(k_buffer.shape[1:]) != tuple(k_extend.shape[1:]) or v_buffer.shape[-1] != v_extend.shape[-1]:
+            raise ValueError(f"extend attention: cached prefixes {prefix} in a pool of rows {tuple(k_buffer.shape[1:])}"
+                             f" / {tuple(v_buffer.shape[1:])} cannot join extend keys {tuple(k_extend.shape[1:])} / "
+                             f"values {tuple(v_extend.shape[1:])} (a pool layout other than the extend tensors' is "
+                             "only valid without a cached prefix)")
+        kp = _gather_pool(k_buffer, req_to_token, req_pool_indices, prefix).to(ke.dtype) * k_scale
+        vp = _gather_pool(v_buffer, req_to_token, req_pool_indices, prefix).to(ve.dtype) * v_scale
+        k = torch.cat((kp, ke), dim=1)
+        v = torch.cat((vp, ve), dim=1)
     p_idx = torch.arange(max_p)
     e_idx = torch.arange(max_q)
     lens_p = torch.tensor(prefix)
