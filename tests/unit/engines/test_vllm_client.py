@@ -28,13 +28,15 @@ DESCRIBE = {"tp_rank": 0, "tp_size": 1, "target_class": "LlamaForCausalLM", "num
                          "max_num_seqs": 8},
             "draft": {"class": "Eagle3LlamaForCausalLM", "method": "eagle3", "model": "/m/draft",
                       "num_speculative_tokens": 3, "embed_shared": True, "lm_head_shared": False}}
-#: one /v1/completions answer of that server (16 tokens: the prefill's, then 4 verify steps; the last step cut at 3)
+#: one /v1/completions answer of that server (16 tokens: the prefill's, then 4 verify steps; the last step cut at 3);
+#: the rates unrounded, as vLLM computes them (v1/metrics/stats.py::RequestSpecDecodeMetrics.to_dict), which the spec
+#: counter identities (helpers.server.protocol.SPEC_IDENTITIES) check to double precision
 ANSWER = {"id": "cmpl-1", "choices": [{"text": "x", "token_ids": list(range(100, 116)), "finish_reason": "length",
                                        "prompt_token_ids": [5, 6, 7]}],
           "usage": {"prompt_tokens": 3, "completion_tokens": 16},
           "metrics": {"speculative_decoding": {"num_spec_steps": 5, "num_accepted_draft_tokens": 10,
                                                "num_draft_tokens": 15, "acceptance_histogram": [1, 0, 2, 2],
-                                               "mean_acceptance_length": 3.0, "draft_acceptance_rate": 0.6667}}}
+                                               "mean_acceptance_length": 3.0, "draft_acceptance_rate": 10 / 15}}}
 
 
 @contextmanager
