@@ -197,25 +197,29 @@ def _more_training(adapter: EngineAdapter, client, training: str | Path, hidden_
 def _fix_inputs(fix: Optional[ProposedFix], findings: list[dict], training_tensors: Optional[list[str]],
                 reference: Optional[Path], train_seqs: list, served: Optional[list], draft: Eagle3Draft,
                 dr: dict) -> tuple[Optional[dict], Optional[dict]]:
-    """The proposed fix applied offline: the served plan it yields (from the every-layer reference) for the drafting
-    chain, and a vocab-map fix for both the drafting chain and the draft stage's teacher-forced rows."""
-    fix_in = draft_fix = None
-    fp = fix_plan(fix, findings, training_tensors)
-    if fp is not None and reference is not None:
-        try:
-            fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
-        except KeyError:
-            fix_in = None
-    elif fix is not None and "d2t" in (fix.add_tensors or {}):
+    """The proposed fix applied offline, every part of it: the served plan it yields (from the every-layer reference)
+    for the drafting chain, and its vocab map (a d2t it adds) for both the drafting chain and the draft stage's
+    teacher-forced rows (a fix that rewires the ids and replaces the d2t gets both; the draft stage's rows are the
+    training data's own states, so the vocab map is measured there whatever the plan)."""
+    fix_in = draft_fix = fixed = None
+    if fix is not None and "d2t" in (fix.add_tensors or {}):
         src = fix.add_tensors["d2t"]
         obj = torch.load(src, map_location="cpu", weights_only=True)
         if isinstance(obj, dict) and "d2t" in obj:
             fixed = draft.with_vocab_map(obj["d2t"], src)
-            if served:
-                fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served, "draft": fixed}
             if dr.get("seqs"):
                 draft_fix = {"label": "the proposed vocab map", "source": str(src),
                              "rows": tf_run(fixed, dr["seqs"], dr["steps"])}
+    fp = fix_plan(fix, findings, training_tensors)
+    if fp is not None and reference is not None:
+        try:
+            fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
+            if fixed is not None:
+                fix_in.update(label=f"{fp[0]} with the proposed vocab map", draft=fixed)
+        except KeyError:
+            fix_in = None
+    elif fixed is not None and served:
+        fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served, "draft": fixed}
     return fix_in, draft_fix
 
 
