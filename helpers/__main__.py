@@ -6,11 +6,12 @@ environment:
 
   investigate  name the fault of a live server, propose and measure the fix        (helpers.cli.investigate)
   diagnose     offline wiring diagnosis: served aux hidden states vs training data  (helpers.cli.diagnose)
-  server       start / stop the embedded SGLang CPU reference server              (helpers.cli.server)
+  server       start / stop the embedded SGLang or vLLM CPU reference server      (helpers.cli.server)
   capture      dump the aux hidden states a live server feeds the draft            (helpers.cli.capture)
   simulate     the draft run offline as SGLang runs it: accept length by stage      (helpers.cli.simulate)
   measure      accept length / accept rate / tok/s per fix                         (helpers.cli.measure)
   ablate       workload sweeps and engine toggles, each with a paired CI            (helpers.cli.ablate)
+  compare-engines  one draft on two servers (SGLang / vLLM), paired per prompt      (helpers.cli.compare_engines)
   replay       replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
   suite        run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
 """
@@ -26,11 +27,13 @@ USAGE = """usage: python -m helpers <command> [options]      (python -m helpers 
 commands:
   investigate  name the fault of a live server, propose the fix, measure it before/after
   diagnose   offline wiring diagnosis: served aux hidden states vs training data
-  server     start / stop the embedded SGLang CPU reference server
+  server     start / stop the embedded SGLang or vLLM CPU reference server
   capture    dump the aux hidden states a live server feeds the draft
   simulate   run the draft offline as SGLang does: accept length on training / served states
   measure    accept length / accept rate / tok/s per fix
   ablate     acceptance vs context / temperature / concurrency; engine features toggled on a restarted copy
+  compare-engines  the same draft on two servers (SGLang / vLLM): paired accept length, the stage a difference
+             comes from
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder
   suite      run the notebook suite with papermill, write postmortem.html
 
@@ -44,6 +47,7 @@ COMMANDS = {
     "simulate": "helpers.cli.simulate",
     "measure": "helpers.cli.measure",
     "ablate": "helpers.cli.ablate",
+    "compare-engines": "helpers.cli.compare_engines",
     "replay": "helpers.cli.replay",
     "suite": "helpers.cli.suite",
 }

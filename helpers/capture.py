@@ -61,8 +61,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _prompt_fields(p: Any, i: int) -> tuple[str, Optional[list[int]], Optional[str]]:
-    """(id, input_ids, text) from a Prompt, a token-id sequence, a string or a training Sample."""
+def prompt_fields(p: Any, i: int) -> tuple[str, Optional[list[int]], Optional[str]]:
+    """``(id, input_ids, text)`` of prompt ``i``: a :class:`helpers.acceptance.prompts.Prompt`, a token-id sequence, a
+    string, a dict with ``input_ids`` / ``text``, or a training :class:`helpers.formats.dumps.Sample` (ids as ints;
+    the one not given is None)."""
     if isinstance(p, Sample):
         return str(p.sample_id or p.key), [int(t) for t in np.asarray(p.input_ids).tolist()], None
     if isinstance(p, str):
@@ -77,8 +79,9 @@ def _prompt_fields(p: Any, i: int) -> tuple[str, Optional[list[int]], Optional[s
     return f"p{i:03d}", [int(t) for t in p], None
 
 
-def _safe_key(s: str) -> str:
-
+def safe_key(s: str) -> str:
+    """A dump sample key from a prompt or sample id: characters other than ``A-Za-z0-9_.:#=-`` become ``-``, at most
+    80 characters (``"sample"`` for an empty result)."""
     return re.sub(r"[^A-Za-z0-9_.:#=-]+", "-", s)[:80] or "sample"
 
 
@@ -126,7 +129,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
     notes: list[str] = []
     for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt",
                                disable=not progress)):
-        pid, ids, text = _prompt_fields(p, i)
+        pid, ids, text = prompt_fields(p, i)
         if flush:
             client.flush_cache()
         res = client.generate(input_ids=ids, text=text if ids is None else None,
@@ -150,7 +153,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
                                   f"the limit of {max_width} (16 x the target's hidden size); nothing was written",
                                   endpoint="/generate")
         for s in got:
-            key = _safe_key(pid)
+            key = safe_key(pid)
             while key in keys:
                 key += "+"
             keys.add(key)
@@ -228,13 +231,13 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
     try:
         for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt",
                                    disable=not progress)):
-            pid, ids, text = _prompt_fields(p, i)
+            pid, ids, text = prompt_fields(p, i)
             if ids is None:
                 raise ValueError(f"prompt {pid}: HF reference capture needs token ids")
             with torch.no_grad():
                 hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
             chunks = [hs[k][0] for k in range(n)] + [captured["pre_norm"][0]]
-            samples.append({"key": _safe_key(pid), "sample_id": pid, "input_ids": ids,
+            samples.append({"key": safe_key(pid), "sample_id": pid, "input_ids": ids,
                             "hidden": torch.cat(chunks, dim=-1).to(torch.float32)})
     finally:
         handle.remove()
@@ -329,7 +332,7 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
     sent: list[tuple[str, list[int]]] = []
     try:
         for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt", disable=not progress)):
-            pid, ids, text = _prompt_fields(p, i)
+            pid, ids, text = prompt_fields(p, i)
             if ids is None:
                 raise BadInput(f"prompt {pid}: the every-layer capture needs token ids", field="prompts")
             client.flush_cache()
@@ -364,7 +367,7 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
         if t is None:
             missing.append(pid)
             continue
-        samples.append({"key": _safe_key(pid), "sample_id": pid, "input_ids": ids,
+        samples.append({"key": safe_key(pid), "sample_id": pid, "input_ids": ids,
                         "hidden": torch.cat([t[k] for k in need], dim=-1)})
     if not samples:
         raise BadInput(f"no recorded forward carries the prompts' token ids (rank {rank}, {len(recs)} forwards "

@@ -22,11 +22,12 @@ from typing import Literal, Optional
 #: (helpers/draft/checks.py); ``acceptance``: the acceptance budget (helpers/draft/budget.py) and the ablations and
 #: workload sweeps that join it (helpers/investigation/ablate.py).
 Group = Literal["setup", "tensor", "draft", "acceptance"]
-#: the fix a kind implies (helpers.investigation.propose): ``config_ids`` (draft config layer ids under SGLang's
-#: rules), ``flag`` (a server flag or draft config flag), ``vocab_map`` (d2t / t2d tensors), ``engine`` (a change
+#: the fix a kind implies (helpers.investigation.propose): ``config_ids`` (draft config layer ids under the engine's
+#: rules), ``flag`` (a server flag or draft config flag), ``vocab_map`` (d2t / t2d tensors), ``drop_tensors`` (draft
+#: tensors the engine's loader must not see: the finding's ``evidence.tensors_to_drop``), ``engine`` (a change
 #: in the capture path, in the words of ``engine_fix``), ``detail`` (no config fixes it; the finding's detail is
 #: the engine part), None (nothing to propose).
-Fix = Literal["config_ids", "flag", "vocab_map", "engine", "detail"]
+Fix = Literal["config_ids", "flag", "vocab_map", "engine", "detail", "drop_tensors"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ KINDS: tuple[Kind, ...] = (
        checks=("vocab_map",)),
     _k("lm_head_missing", "draft", "the draft's lm_head is missing and left uninitialised"),
     _k("lm_head_replaced", "draft", "SGLang replaces the draft's trained lm_head"),
+    _k("embedding_not_shared", "draft", "the engine keeps the draft checkpoint's own embedding, not the target's",
+       fix="drop_tensors", stage="engine"),
     _k("vocab_map_trivial", "draft", "the draft's d2t is all zeros", fix="vocab_map", checks=("vocab_map",)),
     _k("vocab_map_differs", "draft", "the draft's d2t differs from the training data's vocab mapping",
        fix="vocab_map", checks=("vocab_map",)),

@@ -43,8 +43,8 @@ class ProposedFix(Record):
     ``kind``: ``none`` (nothing to fix), ``config`` (draft config / server flags / draft tensors: ``applicable``, a
     relaunch can apply and measure it), ``engine`` (a change in the engine's capture path, in words), ``mixed``.
     ``draft_config``: overrides deep-merged into the draft's config.json (None removes a key); ``server_args``:
-    launch flags to set; ``add_tensors``: ``{tensor: file}`` to add to the draft weights; ``expected_served``: the
-    served plan after the fix under the server's SGLang rules; ``why``: where each part comes from;
+    launch flags to set; ``add_tensors``: ``{tensor: file}`` to add to the draft weights; ``drop_tensors``: draft
+    tensors to leave out; ``expected_served``: the served plan after the fix under the server's engine rules; ``why``: where each part comes from;
     ``workaround``: a stopgap config when the real fix is in the engine (untested unless measured)."""
 
     kind: str = "none"
@@ -54,6 +54,7 @@ class ProposedFix(Record):
     draft_config: dict = Field(default_factory=dict)
     server_args: dict = Field(default_factory=dict)
     add_tensors: dict = Field(default_factory=dict)
+    drop_tensors: list[str] = Field(default_factory=list)
     expected_served: Optional[list[str]] = None
     why: list[str] = Field(default_factory=list)
     addresses: list[str] = Field(default_factory=list)
@@ -104,6 +105,8 @@ class InvestigationDoc(Record):
     url: str = ""
     run_dir: str = ""
     training: str = ""
+    engine: str = "sglang"
+    engine_version: Optional[str] = None
     verdict: Optional[str] = None
     sentence: str = ""
     samples: int = 0

@@ -19,7 +19,8 @@ CHECKED_VERSION = "0.5.23"
 
 @dataclasses.dataclass(frozen=True)
 class Toggle:
-    """One engine feature turned off (or switched) by SGLang flags.
+    """One engine feature turned off (or switched) by an engine's launch flags (this module: SGLang 0.5.23's;
+    ``helpers.engines.vllm.TOGGLES``: vLLM 0.32.0's).
 
     ``flags``: flag -> value (None: a switch such as ``--disable-radix-cache``); ``speculative=False`` is the
     non-speculative baseline (every ``--speculative-*`` flag dropped: the target alone, for tok/s); ``report``: the
@@ -31,6 +32,9 @@ class Toggle:
     why: str
     check: Callable[[Mapping], Optional[str]] = dataclasses.field(default=lambda info: None, repr=False)
     speculative: bool = True
+    #: measured at the ablation's temperature (before and after alike): a verification-sampling toggle, which
+    #: changes nothing under greedy verification
+    sampled: bool = False
 
     def skip_reason(self, info: Mapping) -> Optional[str]:
         """Why this toggle does not apply to the server of ``info`` (``/server_info``), or None when it does."""

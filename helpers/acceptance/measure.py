@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import BadInput, SGLangError
 from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes, read_json_file, safe_name, staged_folder
-from ..server.client import SGLangClient, as_client
+from ..server.client import ServerClient, as_client
 from ..redaction import redact, redact_url
 from ..server.settings import EffectiveSpecConfig
 from .ledger import Ledger, LedgerUnreadable
@@ -457,7 +457,7 @@ def check_settings(*, max_new_tokens: Optional[int] = None, temperature: Optiona
         raise BadInput(f"expected warm-up requests >= 0, got {warmup}", field="--warmup")
 
 
-def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_new_tokens: int = 128,
+def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_new_tokens: int = 128,
             concurrency: int = 1, *, num_prompts: Optional[int] = None,
             sampling_params: Optional[Mapping[str, Any]] = None, temperature: float = 0.0,
             ignore_eos: bool = False, api_key: Optional[str] = None, baseline: Any = None,
@@ -468,7 +468,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
     """Measure accept length / accept rate / per-position acceptance / tok/s on a live server.
 
     Args:
-        client_or_url: :class:`~helpers.server.client.SGLangClient`, URL, or ``ServerHandle``.
+        client_or_url: any engine's :class:`~helpers.server.client.ServerClient`, URL (SGLang), or ``ServerHandle``.
         prompts: None (bundled 48 prompts), a file, or a list (see :func:`load_prompts`;
             training samples via :func:`prompts_from_samples`).
         max_new_tokens: tokens to generate per request (must be >= 2 for any verify step).
@@ -496,7 +496,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
     (:func:`check_settings`), before any request.
     """
     check_settings(max_new_tokens=max_new_tokens, temperature=temperature, n_boot=n_boot, warmup=warmup)
-    own = not isinstance(client_or_url, SGLangClient)
+    own = not isinstance(client_or_url, ServerClient)
     client = as_client(client_or_url, api_key=api_key)
     try:
         plist = load_prompts(prompts, n=num_prompts)
@@ -538,7 +538,8 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
                                      level=level, seed=seed)
         warn.extend(w2)
         s.update({
-            "label": label, "url": redact_url(client.url), "sglang_version": info.get("version"),
+            "label": label, "url": redact_url(client.url), "engine": info.get("engine", "sglang"),
+            "sglang_version": info.get("sglang_version", info.get("version")), "engine_version": info.get("version"),
             "algorithm": info.get("speculative_algorithm"), "num_steps": info.get("speculative_num_steps"),
             "topk": info.get("speculative_eagle_topk"),
             "num_draft_tokens": info.get("speculative_num_draft_tokens"), "tp_size": info.get("tp_size"),
@@ -557,7 +558,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
             if isinstance(baseline, (int, float)):
                 s["baseline_tok_s"] = float(baseline)
             else:
-                bclient = as_client(baseline, api_key=api_key if not isinstance(baseline, SGLangClient)
+                bclient = as_client(baseline, api_key=api_key if not isinstance(baseline, ServerClient)
                                     else None)
                 try:
                     base_summary = measure_baseline(bclient, plist, max_new_tokens=max_new_tokens,
@@ -565,7 +566,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
                                                     warmup=warmup, n_boot=n_boot, level=level, seed=seed,
                                                     progress=progress)
                 finally:
-                    if not isinstance(baseline, SGLangClient):
+                    if not isinstance(baseline, ServerClient):
                         bclient.close()
                 s["baseline_tok_s"] = base_summary["tok_s"]
                 s["baseline_tok_s_lo"] = base_summary["tok_s_lo"]
@@ -580,7 +581,7 @@ def measure(client_or_url: "SGLangClient | str | Any", prompts: Any = None, max_
             client.close()
 
 
-def measure_baseline(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
+def measure_baseline(client: ServerClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
                      concurrency: int = 1, sampling_params: Optional[Mapping[str, Any]] = None,
                      warmup: int = 1, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
                      progress: bool = True) -> dict:

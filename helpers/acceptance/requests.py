@@ -13,7 +13,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ..errors import BadInput, SGLangError
-from ..server.client import SGLangClient
+from ..server.client import ServerClient
 from ..server.protocol import GenerateResult
 from .prompts import Prompt
 from .stats import accepted_drafts
@@ -50,7 +50,7 @@ def record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[str
     return row
 
 
-def run_requests(client: SGLangClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
+def run_requests(client: ServerClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
                  concurrency: int = 1, sampling_params: Optional[Mapping[str, Any]] = None,
                  return_hidden_states: bool = False, progress: bool | str = True,
                  keep_raw: bool = False, fail_fast: bool = False

@@ -11,9 +11,12 @@ import json
 import os
 from typing import Optional, Sequence
 
-from ..acceptance.ablations import BY_NAME
 from ..acceptance.measure import check_settings
 from ..acceptance.prompts import load_prompts
+from ..engines.detect import ADAPTERS
+
+#: every engine's toggle names (the server's engine decides which apply: ``EngineAdapter.toggles``)
+BY_NAME = list(dict.fromkeys(t.name for a in ADAPTERS for t in a().toggles()))
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput, RunFailed
 from ..investigation.ablate import ablate, ablation_text
@@ -84,7 +87,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     def body() -> int:
         a = build_parser().parse_args(list(argv) if argv is not None else None)
         sweeps = subset_arg(a.sweeps, SWEEPS, "--sweeps") or []
-        toggles = subset_arg(a.toggles, list(BY_NAME), "--toggles")
+        toggles = subset_arg(a.toggles, BY_NAME, "--toggles")
         conc, ctx = _ints(a.concurrency, "--concurrency", MAX_CONCURRENCY), _ints(a.contexts, "--contexts", MAX_CONTEXT)
         if a.relaunch is not None:
             relaunch_argv(a.relaunch)

@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..capture import capture_every_layer, capture_reference_hf, capture_served
+from ..capture import capture_every_layer, capture_reference_hf
 from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.training_data import TrainingData
 from ..runfiles import new_run_dir
-from ..server.client import SGLangClient
+from ..engines.detect import detect_or
 from .common import Parser, failure_guard, progress_line, run, run_folder_arg, text_arg
 
 DEFAULT_TIMEOUT = 1800.0
@@ -70,11 +70,12 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir = given_run or new_run_dir("capture")
         dumps = run_dir / "dumps"
         show = progress_line("capture")
-        client = SGLangClient(args.url, os.environ.get("SGLANG_API_KEY") or None, deadline_s=args.timeout,
-                              on_wait=show)
+        key = os.environ.get("SGLANG_API_KEY") or None
+        adapter = detect_or(args.url, key, deadline_s=min(60.0, args.timeout or 60.0))   # the engine, once
+        client = adapter.client(args.url, key, deadline_s=args.timeout, on_wait=show)
         try:
             with failure_guard("capture", run_dir, owned=given_run is None):   # removed if empty, else marked
-                return _capture(args, client, samples, dumps, H)
+                return _capture(args, adapter, client, samples, dumps, H)
         finally:
             client.close()
 
@@ -97,10 +98,11 @@ def dump_names(args) -> list[str]:
         [f"{name}-reference-server"] if args.every_layer else [])
 
 
-def _capture(args, client, samples, dumps, H) -> int:
-    """The dumps of one ``capture`` run (served, then the references asked for); prints each folder."""
-    print(capture_served(client, samples, dumps, name=args.name, max_new_tokens=1, progress=True,
-                         max_width=None if not H else 16 * H))
+def _capture(args, adapter, client, samples, dumps, H) -> int:
+    """The dumps of one ``capture`` run (served through the server's engine adapter, then the references asked
+    for); prints each folder."""
+    print(adapter.capture_served(client, samples, dumps, name=args.name, max_new_tokens=1, progress=True,
+                                 max_width=None if not H else 16 * H))
     if args.reference_hf:
         print(capture_reference_hf(args.reference_hf, samples, dumps, name=f"{args.name}-reference-hf",
                                    progress=True))

@@ -20,7 +20,8 @@ from .common import Parser, failure_guard, out_folder, progress_line, rows_arg, 
 
 def build_parser() -> Parser:
     p = Parser(prog="python -m helpers investigate",
-               description="Attach to a running SGLang server with an EAGLE-3 draft, capture what it feeds the draft, "
+               description="Attach to a running SGLang or vLLM server with an EAGLE-3 draft (the engine is detected "
+                           "from its own endpoints), capture what it feeds the draft, "
                            "compare with the training data (and every layer of the target), name the fault, propose "
                            "the fix and, when the server can be restarted, measure the fix before/after.")
     p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:30000")

@@ -26,7 +26,7 @@ from ..acceptance.prompts import load_prompts
 from ..budget import Budget
 from ..errors import BadInput, RunFailed, printable
 from ..runfiles import new_run_dir
-from ..server.client import SGLangClient
+from ..engines.detect import detect_or
 from .common import Parser, failure_guard, out_folder, progress_line, run, run_folder_arg, text_arg
 
 DEFAULT_TIMEOUT = 3600.0
@@ -92,8 +92,10 @@ def cli_main(argv: Sequence[str]) -> int:
             print(f"run folder: {run_dir}")
             return 0
         prompts = load_prompts(args.prompts, n=args.num_prompts)
-        client = SGLangClient(args.url, os.environ.get("SGLANG_API_KEY") or None,
-                              deadline_s=args.timeout or DEFAULT_TIMEOUT, on_wait=progress_line("measure"))
+        key = os.environ.get("SGLANG_API_KEY") or None
+        adapter = detect_or(args.url, key, deadline_s=min(60.0, args.timeout or 60.0))    # the engine, once
+        client = adapter.client(args.url, key, deadline_s=args.timeout or DEFAULT_TIMEOUT,
+                                on_wait=progress_line("measure"))
         try:
             res = measure(client, prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
                           temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup,

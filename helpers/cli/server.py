@@ -12,35 +12,15 @@ import threading
 import time
 from pathlib import Path
 
-from ..capture import server_hook_specs
 from ..engines.detect import adapter as engine_adapter
 from ..engines.detect import detect
 from ..errors import BadServerInput, ServerStartError
-from ..faults import Fault
-from ..formats.configs import read_target_config
-from ..hooks import model_family
-from ..runfiles import loads_json
 from ..paths import ROOT
-from ..server.embedded import (
-    REFERENCE_DRAFT,
-    REFERENCE_TARGET,
-    SPEC_ALGORITHMS,
-    pick_port,
-    start,
-)
+from ..server.embedded import REFERENCE_DRAFT, SPEC_ALGORITHMS, pick_port
 from ..server.process import stop_pid
 from ..server.registry import register, state_path, unregister
-from ..server.settings import SpecSettings
 from .common import Parser, run
 
-
-
-def sglang_env() -> dict[str, str]:
-    """The ``SGLANG_*`` environment variables of this launch (they change SGLang's behaviour, e.g.
-    ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``), so that a restart of the server gets them too; names that look
-    like secrets (``KEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``) are never recorded."""
-    secret = ("KEY", "TOKEN", "SECRET", "PASSWORD")
-    return {k: v for k, v in os.environ.items() if k.startswith("SGLANG_") and not any(s in k for s in secret)}
 
 
 def _python() -> str:
@@ -113,35 +93,15 @@ def _body(argv: list[str]) -> int:
         return 0
     draft = args.draft or (REFERENCE_DRAFT if args.reference_draft else None)
     extra = [a for a in (args.extra or []) if a != "--"]
-    if args.engine == "vllm":
-        bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
-                              ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
-                              ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
-                              ("--draft-tokens", args.draft_tokens != 4),
-                              ("--reference-draft", args.reference_draft)) if v]
-        if bad or args.target is None:
-            why = (f"{', '.join(bad)} apply to SGLang only" if bad else
-                   "--target is required (vLLM's CPU attention refuses the reference target's head_dim 16)")
-            print(f"server: error: --engine vllm: {why}", file=sys.stderr)
-            return 2
+    engine = engine_adapter(args.engine)
+    why = engine.cli_refusal(args)
+    if why:
+        print(f"server: error: --engine {args.engine}: {why}", file=sys.stderr)
+        return 2
     if args.detach:
         return _detach(argv, args)
-    if args.engine == "vllm":
-        return _run_vllm(args, draft, extra)
     try:
-        hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
-        faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
-        if faults or args.capture_layers or args.capture_ranks:
-            tcfg = read_target_config(args.target or REFERENCE_TARGET)
-            hooks = (hooks or []) + (server_hook_specs(tcfg.num_hidden_layers, faults=faults,
-                                                       rank_capture_dir=args.capture_ranks,
-                                                       layers_dir=args.capture_layers,
-                                                       family=model_family(tcfg.architectures, tcfg.model_type))
-                                     or [])
-        spec = SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
-                            num_draft_tokens=args.draft_tokens)
-        handle = start(args.target, draft, tp=args.tp, port=args.port, spec=spec, dtype=args.dtype,
-                       forward_hooks=hooks, log_path=args.log, timeout=args.timeout, extra_args=extra)
+        handle, launch = engine.start_from_cli(args, draft, extra)
     except (BadServerInput, json.JSONDecodeError, TypeError, ValueError) as exc:
         print(f"server: error: {exc}", file=sys.stderr)
         return 2
@@ -149,15 +109,12 @@ def _body(argv: list[str]) -> int:
         print(f"server: error: {exc}", file=sys.stderr)
         return 1
     states = list(dict.fromkeys([state_path(handle.port)] + ([Path(args.state_file)] if args.state_file else [])))
-    launch = {"target": str(Path(handle.target).resolve()), "draft": None if draft is None else str(Path(draft).resolve()),
-              "tp": args.tp, "spec": spec.model_dump(mode="json") if draft is not None else None,
-              "forward_hooks": hooks, "extra_args": extra, "dtype": args.dtype, "env": sglang_env()}
     for state in states:
         register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path),
                  launch=launch)
-    print(f"SGLang reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, "
-          f"log {handle.log_path}, state {states[-1]}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it",
-          flush=True)
+    print(f"{engine.label} reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, "
+          f"log {handle.log_path}, state {states[-1]}); Ctrl-C or `python -m helpers server stop {os.getpid()}` "
+          "stops it", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -169,44 +126,6 @@ def _body(argv: list[str]) -> int:
         for state in states:
             unregister(state)
             unregister(state.with_suffix(".out"))   # the detached supervisor's output, kept only when a start failed
-    print("stopped", flush=True)
-    return 0
-
-
-def _run_vllm(args: argparse.Namespace, draft: str | None, extra: list[str]) -> int:
-    """``server start --engine vllm`` in the foreground: start the embedded vLLM server, register it, wait for
-    Ctrl-C / SIGTERM / ``server stop PID``, stop it by PID."""
-    try:
-        handle = engine_adapter("vllm").start(args.target, draft, tp=args.tp, port=args.port,
-                                              num_speculative_tokens=args.steps, dtype=args.dtype,
-                                              log_path=args.log, timeout=args.timeout, extra_args=extra)
-    except (BadServerInput, ValueError) as exc:
-        print(f"server: error: {exc}", file=sys.stderr)
-        return 2
-    except ServerStartError as exc:
-        print(f"server: error: {exc}", file=sys.stderr)
-        return 1
-    states = list(dict.fromkeys([state_path(handle.port)] + ([Path(args.state_file)] if args.state_file else [])))
-    launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
-              "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
-              "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
-              "dtype": args.dtype}
-    for state in states:
-        register(state, url=handle.url, pid=os.getpid(), server_pid=handle.pid, log=str(handle.log_path),
-                 launch=launch)
-    print(f"vLLM reference server ready: {handle.url} (pid {os.getpid()}, tp {handle.tp}, log {handle.log_path}, "
-          f"state {states[-1]}); Ctrl-C or `python -m helpers server stop {os.getpid()}` stops it", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        while not stop.is_set() and handle.is_alive():
-            stop.wait(1.0)
-    finally:
-        handle.stop()
-        for state in states:
-            unregister(state)
-            unregister(state.with_suffix(".out"))
     print("stopped", flush=True)
     return 0
 
@@ -249,7 +168,7 @@ def _detach(argv: list[str], args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         if state.exists():
             doc = json.loads(state.read_text())
-            label = "vLLM" if (doc.get("launch") or {}).get("engine") == "vllm" else "SGLang"
+            label = engine_adapter((doc.get("launch") or {}).get("engine") or "sglang").label
             print(f"{label} reference server ready: {doc['url']} (pid {doc['pid']}; stop it with "
                   f"`{_python()} -m helpers server stop {doc['pid']}`)\nstate file: {state}\nlog: {doc['log']}", flush=True)
             return 0

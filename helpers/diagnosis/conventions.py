@@ -35,7 +35,6 @@ from ..layers.sglang import (
     target_rule,
 )
 
-ENGINES = ("sglang", "vllm")
 TRAINERS = ("specforge", "speculators", "eagle3", "eagle12")
 
 #: The newest SGLang release whose source this module was checked against.
@@ -303,8 +302,9 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
             ``top_level_layer_ids``, ``use_aux_hidden_state``).
         target: a :class:`helpers.formats.configs.TargetConfig` (``num_hidden_layers``, ``architectures``,
             ``model_type``).
-        engine: ``"sglang"`` or ``"vllm"``.
-        version: engine version (``"0.5.23"``); None = the newest verified SGLang (0.5.23), noted in the plan.
+        engine: ``"sglang"`` (another engine's plan is its adapter's rules:
+            :class:`helpers.diagnosis.plan_rules.PlanRules`).
+        version: SGLang version (``"0.5.23"``); None = the newest verified SGLang (0.5.23), noted in the plan.
         algorithm: ``--speculative-algorithm`` (``EAGLE3``, ``EAGLE``, ``NEXTN``).
 
     Returns:
@@ -312,7 +312,7 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
         ``set_eagle3_layers_to_capture`` gets ``fatal`` set (EAGLE-3 refused at start-up) and no tensors.
 
     Raises:
-        ValueError: unknown engine or algorithm.
+        ValueError: an engine other than SGLang, or an unknown algorithm.
 
     SGLang rules mirrored (0.5.23; version gates in :mod:`helpers.layers.sglang`):
       * ids are read ONLY from the nested ``eagle_config.eagle_aux_hidden_state_layer_ids``, inside a bare
@@ -330,99 +330,75 @@ def served_plan(draft: Any, target: Any, engine: str = "sglang", version: str | 
     algo = (algorithm or "EAGLE3").upper()
     if algo not in ("EAGLE3", "EAGLE", "NEXTN"):
         raise ValueError(f"unsupported speculative algorithm {algorithm!r} (expected EAGLE3, EAGLE or NEXTN)")
+    if engine != "sglang":
+        raise ValueError(f"served_plan holds SGLang's rules; the {engine!r} plan comes from its engine adapter's "
+                         "rules (helpers.diagnosis.plan_rules.PlanRules; vLLM: helpers.engines.vllm.VLLMRules)")
     n = int(target.num_hidden_layers)
-    if engine == "sglang":
-        rule = target_rule(getattr(target, "architectures", None), getattr(target, "model_type", None))
-        family = rule.rule
-        v = parse_version(version)
-        who = f"sglang {'.'.join(map(str, v)) if v else '(version unknown)'}"
-        plan = CapturePlan(tensors=[], role="served", who=who, provenance="rule")
-        if v is None:
-            v = VERIFIED_SGLANG
-            plan.notes.append("SGLang version unknown: the rules of 0.5.23 (the release checked) are assumed")
-        elif v > VERIFIED_SGLANG:
-            plan.notes.append(f"SGLang {'.'.join(map(str, v))} is newer than the release checked (0.5.23); "
-                              "its rules are assumed")
-        elif v < OLDEST_READ:
-            plan.notes.append(f"SGLang {'.'.join(map(str, v))} is older than any release read (0.5.6); the rules of "
-                              "0.5.6-0.5.12 are assumed")
-        if v != TABLE_VERSION and family not in ("none", "unregistered"):
-            plan.notes.append(f"{rule.architecture}: its id rule ({family}) is taken from SGLang 0.5.23's model "
-                              "file; version-dependent rules use the release given")
-        vs = ".".join(map(str, v))
-        if algo in ("EAGLE", "NEXTN"):
-            plan.tensors = [FINAL_NORM]
-            plan.rules.append(f"algorithm {algo}: no aux capture (only EAGLE3 sets layers_to_capture -- "
-                              "spec_aux_hidden_state.py `if spec_algorithm.is_eagle3()`); the target's final normed "
-                              "hidden state (width H) is fed -- layers/logits_processor.py::_get_hidden_states_to_store")
-            plan.source = f"--speculative-algorithm {algo} (SGLang {vs} rule)"
-            return plan
-        nested = getattr(draft, "nested_layer_ids", None)
-        top = getattr(draft, "top_level_layer_ids", None)
-        if getattr(draft, "use_aux_hidden_state", True) is False:
-            plan.tensors = [FINAL_NORM]
-            plan.rules.append("eagle_config.use_aux_hidden_state is false: no aux capture, final normed hidden "
-                              "state fed -- spec_aux_hidden_state.py / attention_backend_setup.py")
-            plan.source = "draft config eagle_config.use_aux_hidden_state=false"
-            return plan
-        if not rule.supports_eagle3:
-            plan.fatal = (f"target architecture {rule.architecture or '(none given)'}: "
-                          + ("its SGLang model class has no set_eagle3_layers_to_capture"
-                             if family == "none" else "not a model class of SGLang 0.5.23 (the Transformers "
-                             "fallback backend has no set_eagle3_layers_to_capture)")
-                          + f": ValueError at start-up, EAGLE-3 refused -- {rule.source}; "
-                          "model_executor/model_runner_components/attention_backend_setup.py::"
-                          "configure_aux_hidden_state_capture")
-            plan.rules.append(RULE_TEXT["none"])
-            plan.source = f"target architecture {rule.architecture} ({rule.source})"
-            return plan
-        if nested is None and top is not None:
-            plan.notes.append(f"the draft config has a top-level eagle_aux_hidden_state_layer_ids {list(top)} but no "
-                              "nested eagle_config: SGLang reads only eagle_config[...] and silently falls back to "
-                              "its default -- spec_aux_hidden_state.py::_resolve_eagle_aux_hidden_state "
-                              "(eagle_utils.py::get_draft_input_from_target_hidden_dim does read the top-level key "
-                              "for the draft input buffer width)")
-        plan.config_ids = None if nested is None else LayerIds(tuple(int(i) for i in nested), "specforge")
-        ltc, rules = sglang_layers_to_capture(nested, n, family, v)
-        plan.rules.extend(rules)
-        plan.rules.append("ids read from eagle_config.eagle_aux_hidden_state_layer_ids only -- "
-                          "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py")
-        plan.engine_ids = LayerIds(tuple(ltc), "sglang_capture")
-        _sglang_capture_to_tensors(ltc, n, rule, v, plan)
-        ids_txt = "no ids (default)" if nested is None else f"ids {list(nested)}"
-        plan.source = (f"draft config eagle_config ({ids_txt}) + SGLang {vs} rule for {rule.architecture} "
-                       f"({RULE_TEXT.get(family, family)}) -- {rule.source}")
-        if family == "deepseek" and nested and nested[0] != 1 and v >= (0, 5, 13):
-            plan.notes.append(f"DeepSeek-family ids {list(nested)} do not start with 1: SGLang {vs} takes them as "
-                              "capture indices (in(i)). Drafts are published under both conventions (PR 25454): "
-                              "whether this matches training depends on the convention the trainer wrote")
+    rule = target_rule(getattr(target, "architectures", None), getattr(target, "model_type", None))
+    family = rule.rule
+    v = parse_version(version)
+    who = f"sglang {'.'.join(map(str, v)) if v else '(version unknown)'}"
+    plan = CapturePlan(tensors=[], role="served", who=who, provenance="rule")
+    if v is None:
+        v = VERIFIED_SGLANG
+        plan.notes.append("SGLang version unknown: the rules of 0.5.23 (the release checked) are assumed")
+    elif v > VERIFIED_SGLANG:
+        plan.notes.append(f"SGLang {'.'.join(map(str, v))} is newer than the release checked (0.5.23); "
+                          "its rules are assumed")
+    elif v < OLDEST_READ:
+        plan.notes.append(f"SGLang {'.'.join(map(str, v))} is older than any release read (0.5.6); the rules of "
+                          "0.5.6-0.5.12 are assumed")
+    if v != TABLE_VERSION and family not in ("none", "unregistered"):
+        plan.notes.append(f"{rule.architecture}: its id rule ({family}) is taken from SGLang 0.5.23's model "
+                          "file; version-dependent rules use the release given")
+    vs = ".".join(map(str, v))
+    if algo in ("EAGLE", "NEXTN"):
+        plan.tensors = [FINAL_NORM]
+        plan.rules.append(f"algorithm {algo}: no aux capture (only EAGLE3 sets layers_to_capture -- "
+                          "spec_aux_hidden_state.py `if spec_algorithm.is_eagle3()`); the target's final normed "
+                          "hidden state (width H) is fed -- layers/logits_processor.py::_get_hidden_states_to_store")
+        plan.source = f"--speculative-algorithm {algo} (SGLang {vs} rule)"
         return plan
-    if engine == "vllm":
-        plan = CapturePlan(tensors=[], role="served", who=f"vllm {version or '(version unknown)'}")
-        if algo != "EAGLE3":
-            plan.tensors = [FINAL_NORM]
-            return plan
-        ids = getattr(draft, "top_level_layer_ids", None)
-        if ids is None:
-            ids = getattr(draft, "nested_layer_ids", None)
-        if ids is None:
-            lids = vllm_default_ids(n)
-            plan.rules.append("no ids: vLLM default [2, n//2, n-3] (in(i))")
-        else:
-            lids = LayerIds(tuple(int(i) for i in ids), "vllm")
-            plan.rules.append("ids used verbatim as in(i) (no +1) -- vLLM gpu_model_runner "
-                              "_get_eagle3_aux_layers_from_config")
-        plan.config_ids = lids if ids is not None else None
-        plan.engine_ids = lids
-        tensors = []
-        for i in sorted(set(lids.ids)):
-            try:
-                tensors.append(physical(i, "vllm", n))
-            except ValueError as e:
-                plan.problems.append({"kind": "missing_chunk", "detail": str(e)})
-        plan.tensors = tensors
+    nested = getattr(draft, "nested_layer_ids", None)
+    top = getattr(draft, "top_level_layer_ids", None)
+    if getattr(draft, "use_aux_hidden_state", True) is False:
+        plan.tensors = [FINAL_NORM]
+        plan.rules.append("eagle_config.use_aux_hidden_state is false: no aux capture, final normed hidden "
+                          "state fed -- spec_aux_hidden_state.py / attention_backend_setup.py")
+        plan.source = "draft config eagle_config.use_aux_hidden_state=false"
         return plan
-    raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+    if not rule.supports_eagle3:
+        plan.fatal = (f"target architecture {rule.architecture or '(none given)'}: "
+                      + ("its SGLang model class has no set_eagle3_layers_to_capture"
+                         if family == "none" else "not a model class of SGLang 0.5.23 (the Transformers "
+                         "fallback backend has no set_eagle3_layers_to_capture)")
+                      + f": ValueError at start-up, EAGLE-3 refused -- {rule.source}; "
+                      "model_executor/model_runner_components/attention_backend_setup.py::"
+                      "configure_aux_hidden_state_capture")
+        plan.rules.append(RULE_TEXT["none"])
+        plan.source = f"target architecture {rule.architecture} ({rule.source})"
+        return plan
+    if nested is None and top is not None:
+        plan.notes.append(f"the draft config has a top-level eagle_aux_hidden_state_layer_ids {list(top)} but no "
+                          "nested eagle_config: SGLang reads only eagle_config[...] and silently falls back to "
+                          "its default -- spec_aux_hidden_state.py::_resolve_eagle_aux_hidden_state "
+                          "(eagle_utils.py::get_draft_input_from_target_hidden_dim does read the top-level key "
+                          "for the draft input buffer width)")
+    plan.config_ids = None if nested is None else LayerIds(tuple(int(i) for i in nested), "specforge")
+    ltc, rules = sglang_layers_to_capture(nested, n, family, v)
+    plan.rules.extend(rules)
+    plan.rules.append("ids read from eagle_config.eagle_aux_hidden_state_layer_ids only -- "
+                      "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py")
+    plan.engine_ids = LayerIds(tuple(ltc), "sglang_capture")
+    _sglang_capture_to_tensors(ltc, n, rule, v, plan)
+    ids_txt = "no ids (default)" if nested is None else f"ids {list(nested)}"
+    plan.source = (f"draft config eagle_config ({ids_txt}) + SGLang {vs} rule for {rule.architecture} "
+                   f"({RULE_TEXT.get(family, family)}) -- {rule.source}")
+    if family == "deepseek" and nested and nested[0] != 1 and v >= (0, 5, 13):
+        plan.notes.append(f"DeepSeek-family ids {list(nested)} do not start with 1: SGLang {vs} takes them as "
+                          "capture indices (in(i)). Drafts are published under both conventions (PR 25454): "
+                          "whether this matches training depends on the convention the trainer wrote")
+    return plan
 
 
 def training_plan(draft: Any, target: Any, trainer: str = "specforge",

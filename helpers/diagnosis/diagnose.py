@@ -30,6 +30,7 @@ from . import detectors as D
 from .compare import compare
 from .comparison import Comparison
 from .conventions import CapturePlan
+from .plan_rules import PlanRules
 from .static import StaticReport, load_draft, resolve_training_plan, static_check
 
 
@@ -140,7 +141,8 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
              draft_config: Optional[str | Path] = None, target_config: Optional[str | Path] = None,
              reference: Optional[str | Path] = None, server: Optional[dict] = None,
              sglang_version: Optional[str] = None, tolerance: Optional[float] = None,
-             max_samples: Optional[int] = None, trained_layer_ids: Optional[Sequence[int]] = None) -> Diagnosis:
+             max_samples: Optional[int] = None, trained_layer_ids: Optional[Sequence[int]] = None,
+             rules: Optional[PlanRules] = None) -> Diagnosis:
     """Diagnose the wiring between what a server feeds an EAGLE-3 draft and what it was trained on.
 
     Args:
@@ -157,6 +159,8 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
         tolerance: per-row rel_diff tolerance override (default from the dtypes).
         max_samples: stop after this many training samples.
         trained_layer_ids: the ids training used (run record, SpecForge out(i)); the most trusted source.
+        rules: the serving engine's rules (:class:`helpers.diagnosis.plan_rules.PlanRules`, from the engine adapter
+            of the server that was captured); None: SGLang's of ``sglang_version``.
 
     Returns:
         :class:`Diagnosis`.
@@ -200,7 +204,7 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
     layout_static: list[dict] = []
     if draft is not None and target is not None:
         report = static_check(draft, target, weights=weights, sglang_version=version, server=settings,
-                              training=td, trained_layer_ids=trained_layer_ids)
+                              training=td, trained_layer_ids=trained_layer_ids, rules=rules)
         if weights_note:
             report.inputs["draft weights"] = weights_note
         sp, tp = report.served_plan, report.training_plan

@@ -42,21 +42,16 @@ from ..formats.training_data import TrainingData, recorded_layer_ids
 from ..kinds import LAYOUT_KINDS, sort_findings
 from ..server.settings import ServerSettings
 from . import detectors as D
-from ..layers.ids import physical
-from ..layers.sglang import parse_version, target_rule
+from ..layers.sglang import parse_version
 from .conventions import (
     CapturePlan,
     compare_plans,
     describe,
-    served_plan,
     training_plan,
 )
+from .plan_rules import SETTLE, PlanRules
 
 VERDICTS = ("ok", "mismatch", "ambiguous")
-
-SETTLE = ("record what training used: pass --trained-layer-ids (SpecForge run YAML model.aux_hidden_state_layer_ids, "
-          "SpecForge output-of-layer ids) or keep the data's capture.json; or compare live: python -m helpers capture "
-          "(served aux states) and diagnose --training DATA --served DUMP (--reference every-layer capture)")
 
 
 @dataclass
@@ -225,29 +220,6 @@ def resolve_training_plan(draft: Optional[DraftConfig], target: TargetConfig, *,
 
 # ------------------------------------------------------------------------------------------- check
 
-def _deepseek_readings(draft: DraftConfig, target: TargetConfig, sp: CapturePlan) -> Optional[dict]:
-    """Two readings of DeepSeek-family ids whose first id is not 1 (PR 25454): output-of-layer vs capture-index."""
-    ids = list(draft.nested_layer_ids or [])
-    n = target.num_hidden_layers
-    if not ids or ids[0] == 1 or target_rule(target.architectures, target.model_type).rule != "deepseek":
-        return None
-    readings = []
-    for conv, name in (("specforge", "output-of-layer ids (SpecForge's convention: id i = out(i))"),
-                       ("sglang_capture", "capture indices (in(i) = out(i-1): written for SGLang >= 0.5.13 / PR 25454, "
-                                          "or vLLM-style)")):
-        try:
-            tensors = [physical(i, conv, n) for i in sorted(set(ids))]
-        except ValueError as e:
-            tensors = [f"<{e}>"]
-        same = tensors == sp.tensors
-        readings.append({"reading": name, "training": tensors,
-                         "outcome": "the server feeds exactly these" if same else
-                         f"the server feeds {describe(sp.tensors)}: mismatch"})
-    if all("mismatch" in r["outcome"] for r in readings) or not any("mismatch" in r["outcome"] for r in readings):
-        return None
-    return {"readings": readings, "settle": SETTLE}
-
-
 def _plan_readings(tp: CapturePlan, sp: CapturePlan) -> Optional[dict]:
     """The training plan's own two readings (ids no SpecForge run can have used, e.g. a negative id: see
     :func:`helpers.diagnosis.conventions._specforge_tensors`) against the served plan; None when both readings
@@ -267,7 +239,8 @@ def _plan_readings(tp: CapturePlan, sp: CapturePlan) -> Optional[dict]:
 def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | Path, *,
                  weights: Any = "auto", sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
                  server: Optional[ServerSettings | dict] = None, training: Any = None,
-                 trained_layer_ids: Optional[Sequence[int]] = None) -> StaticReport:
+                 trained_layer_ids: Optional[Sequence[int]] = None, rules: Optional[PlanRules] = None
+                 ) -> StaticReport:
     """Run the static wiring check (module docstring).
 
     Args:
@@ -281,6 +254,8 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         server: the server's settings (``/server_info`` dict or :class:`ServerSettings`) for the override check.
         training: training data folder / file / TrainingData (only its manifest and layout are read).
         trained_layer_ids: ids from the run's record (SpecForge out(i)); the most trusted training source.
+        rules: the serving engine's rules (:class:`helpers.diagnosis.plan_rules.PlanRules`, from the engine adapter
+            of the attached server); None: SGLang's of ``sglang_version`` (or the server settings' version).
 
     Returns:
         :class:`StaticReport`.
@@ -316,25 +291,20 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
             parse_version(version)
         except ValueError as e:
             raise BadInput(str(e), field="sglang version") from None
-    inputs["sglang version"] = (f"{version} ({'given' if sglang_version else 'from the server'})" if version
-                                else "not given: 0.5.23 rules assumed")
+    rules = rules or PlanRules(version)
+    inputs[f"{rules.engine} version"] = (
+        f"{rules.version} ({'given' if sglang_version else 'from the server'})" if rules.version
+        else f"not given: the newest {rules.label} rules read are assumed")
     algo = (algorithm or settings.algorithm or "EAGLE3").upper()
     inputs["algorithm"] = algo
     try:
-        sp = served_plan(d, t, "sglang", version, algo)
+        sp = rules.served_plan(d, t, algo)
     except ValueError as e:
         raise BadInput(str(e), field="speculative algorithm") from None
     tp = resolve_training_plan(d, t, training=training, trained_layer_ids=trained_layer_ids)
     findings: list[dict] = []
-    advisories: list[str] = []
 
-    if algo == "EAGLE3":
-        findings += D.detect_unsupported_draft(d)
-    rule = target_rule(t.architectures, t.model_type)
-    if not rule.supports_eagle3 and algo == "EAGLE3":
-        findings.append(D.finding("unsupported_target", None, sp.fatal or f"target {rule.architecture} refuses EAGLE-3",
-                                  architecture=rule.architecture, rule=rule.rule, source=rule.source))
-    findings += D.detect_config_ids_ignored(d, t, sp)
+    findings += rules.setup_findings(d, t, sp, algo)
     if tp is not None and tp.provenance == "manifest" and d.nested_layer_ids is not None and tp.config_ids is not None \
             and list(d.nested_layer_ids) != list(tp.config_ids.ids) and sp.tensors != tp.tensors:
         # (equal tensors under other numbers = another convention, e.g. DeepSeek capture indices: not an edit)
@@ -350,7 +320,7 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
     fed_crash = next((f["evidence"]["fatal"] for f in fc if f["kind"] == "width_mismatch"), None)
     findings += fc
     fatal = sp.fatal or fed_crash
-    if rule.supports_eagle3 and not fc:
+    if rules.supports_target(t) and not fc:
         layer = D.static_layer_findings(sp, tp, d, w, t)
         for f in layer:
             f["evidence"]["served_plan_source"] = sp.source
@@ -363,33 +333,20 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         findings = [f for f in findings if not (f["kind"] in LAYOUT_KINDS or
                                                 (f["kind"] == "width_mismatch" and "served_width" in f["evidence"]))]
         if sp.fatal and not any(f["kind"] == "unsupported_target" for f in findings):
-            m = re.search(r"sglang/srt/\S+", sp.fatal)
-            src = sp.fatal.rsplit(" -- ", 1)[1] if " -- " in sp.fatal else m.group(0) if m else rule.source
+            m = re.search(r"(sglang/srt|vllm)/\S+", sp.fatal)
+            src = sp.fatal.rsplit(" -- ", 1)[1] if " -- " in sp.fatal else m.group(0) if m else sp.source
             findings.append(D.finding("server_fatal", None, f"the server will not serve this draft: {sp.fatal}",
                                       static=True, fatal=sp.fatal, served_plan=sp.tensors, rules=sp.rules,
                                       source=src, served_plan_source=sp.source))
     ambiguity = None
     if not fatal and (tp is None or tp.provenance != "manifest"):
-        ambiguity = _deepseek_readings(d, t, sp)
+        ambiguity = rules.readings(d, t, sp)
     if not fatal and ambiguity is None and tp is not None and tp.ambiguity:
         ambiguity = _plan_readings(tp, sp)
     if ambiguity is not None:
         # the config alone cannot tell; the layer findings derived from one reading are not facts
         findings = [f for f in findings if not (f["evidence"].get("static") and f["kind"] in LAYOUT_KINDS)]
-    aux = d.use_aux_hidden_state is not False and algo == "EAGLE3"       # else no ids are read at all
-    if (d.nested_layer_ids is None and d.top_level_layer_ids is not None and rule.supports_eagle3 and aux
-            and not any(f["kind"] == "config_ids_ignored" for f in findings)):
-        advisories.append(f"SGLang ignores the top-level eagle_aux_hidden_state_layer_ids {list(d.top_level_layer_ids)} "
-                          f"(it reads only eagle_config; spec_aux_hidden_state.py) and falls back to {sp.engine_ids} = "
-                          f"{describe(sp.tensors)}, which is what those ids name: nothing is wrong today, but move them "
-                          "under eagle_config before anyone changes them")
-    if d.nested_layer_ids is None and d.top_level_layer_ids is None and rule.supports_eagle3 and aux:
-        advisories.append(f"the draft config has no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang falls back to "
-                          f"{sp.engine_ids} = {describe(sp.tensors)}"
-                          + (" (the same layers as SpecForge's default [1, n//2-1, n-4])"
-                             if tp is not None and tp.tensors == sp.tensors else "")
-                          + "; if training used other layers (a SpecForge run override is not written into the "
-                            "exported config), write them under eagle_config")
+    advisories = rules.advisories(d, t, sp, tp, findings, algo)
     if tp is not None and tp.provenance == "claimed":
         advisories.append("the training layers are what the draft config claims (no manifest): a config edited after "
                           "training cannot be told from the original; " + SETTLE)

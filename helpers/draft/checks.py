@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from ..diagnosis import detectors as D
-from ..diagnosis.conventions import served_plan
+from ..diagnosis.plan_rules import PlanRules
 from ..errors import BadInput
 from ..formats.configs import (
     DraftConfig,
@@ -158,11 +158,11 @@ def _load_mapping(path: Path) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, training: Optional[Path], findings: list,
-           facts: dict) -> np.ndarray:
+def _vocab(loader: "LoaderRules", d: DraftConfig, tensors: dict, vocab: int, training: Optional[Path],
+           findings: list, facts: dict) -> np.ndarray:
     """The d2t checks; returns the target ids the draft can propose (SGLang's hot_token_id, or 0..dv-1)."""
-    dv = arch.draft_vocab
-    d2t_keys = [k for k in tensors if resolve_name(arch, k) == "d2t"]
+    dv = loader.draft_vocab(d)
+    d2t_keys = loader.d2t_keys(d, tensors)
     facts["vocab"] = {"vocab_size": vocab, "draft_vocab_size": dv, "d2t": d2t_keys[0] if d2t_keys else None}
     mapping_files = _find_vocab_mapping(training) if training is not None else []
     if not d2t_keys:
@@ -179,15 +179,14 @@ def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, t
     d2t = d2t.to(torch.int64)
     if d2t.numel() != dv:
         raise BadInput(f"{d2t.numel()} entries but the lm_head has {dv} rows "
-                       f"({'draft_vocab_size' if not arch.lm_from_target else 'vocab_size: draft_vocab_size absent'}); "
-                       f"SGLang maps each drafted id through it ({_W2} l. 757-758: hot_token_id[topk_index]), so it "
-                       f"must have {dv}", path=info.file, field=key)
+                       f"({loader.draft_vocab_field(d)}); {loader.label} maps each drafted id through it "
+                       f"({loader.d2t_source}), so it must have {dv}", path=info.file, field=key)
     hot = d2t + torch.arange(dv)
     bad = ((hot < 0) | (hot >= vocab)).nonzero().flatten()
     if bad.numel():
         i = int(bad[0])
         raise BadInput(f"maps draft id {i} to target id {int(hot[i])}, outside the target vocab [0, {vocab}) "
-                       f"({bad.numel()} such entries; hot_token_id = d2t + arange, {L3} l. 350-353)",
+                       f"({bad.numel()} such entries; target id = draft id + d2t[draft id], {loader.d2t_source})",
                        path=info.file, field=key)
     hot_np = hot.numpy()
     n_unique = int(np.unique(hot_np).size)
@@ -196,11 +195,10 @@ def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, t
         facts["vocab"]["map"] = "trivial: all zeros"
         findings.append(D.finding(
             "vocab_map_trivial", None,
-            f"d2t is all zeros while the draft vocab ({dv}) is smaller than the target's ({vocab}): SGLang proposes "
-            f"draft id i as target id i, i.e. only target ids 0..{dv - 1} (the d2t buffer was saved before the vocab "
-            "mapping was loaded into it)",
-            tensor=key, file=str(info.file), draft_vocab_size=dv, vocab_size=vocab,
-            source=f"{L3}::load_weights l. 350-353 (hot_token_id = d2t + arange); {_W2} l. 757-758",
+            f"d2t is all zeros while the draft vocab ({dv}) is smaller than the target's ({vocab}): {loader.label} "
+            f"proposes draft id i as target id i, i.e. only target ids 0..{dv - 1} (the d2t buffer was saved before "
+            "the vocab mapping was loaded into it)",
+            tensor=key, file=str(info.file), draft_vocab_size=dv, vocab_size=vocab, source=loader.d2t_source,
             fix="write the training run's vocab_mapping d2t into the checkpoint"
                 + (f" ({mapping_files[0]})" if mapping_files else "")))
     if mapping_files:
@@ -229,7 +227,7 @@ def _vocab(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, vocab: int, t
                 tensor=key, file=str(info.file), training_mapping=str(f), differing_share=share,
                 draft_ids=dv, training_entries=n, target_ids_only_in_training=only_train,
                 target_ids_only_in_checkpoint=only_draft, candidates=[str(x) for x in mapping_files],
-                source=f"{L3}::load_weights l. 350-353; SpecForge vocab_mapping (d2t, t2d)",
+                source=f"{loader.d2t_source}; SpecForge vocab_mapping (d2t, t2d)",
                 fix=f"write d2t from {f} into the checkpoint"))
     elif training is not None:
         facts["vocab"]["training_mapping"] = None
@@ -393,63 +391,108 @@ def _ignored_hint(arch: SGLangDraftParams, d: DraftConfig, keys: list[str]) -> s
 
 # ------------------------------------------------------------------------------------------------ entry
 
+class LoaderRules:
+    """An engine's draft loader, as the server-free draft checks need it: SGLang 0.5.23's here (the module
+    docstring's lines); one subclass per engine (``helpers.engines.vllm.VLLMLoaderRules``), handed out by the engine
+    adapter (``EngineAdapter.loader_rules``), so :func:`inspect_draft` never asks which engine it checks for.
+
+    Attributes: ``label`` (``SGLang``), ``version``, ``d2t_source`` (where the engine maps draft ids through d2t)."""
+
+    label = "SGLang"
+    d2t_source = f"{L3}::load_weights l. 350-353 (hot_token_id = d2t + arange); {_W2} l. 757-758"
+
+    def __init__(self, version: Optional[str] = None) -> None:
+        self.version = version or SGLANG_RULES
+
+    def config_checks(self, d: DraftConfig, target: Any) -> Any:
+        """The config-only checks (:func:`helpers.draft.config_checks.check_draft_config`)."""
+        return check_draft_config(d, target, self.version)
+
+    def plan_rules(self) -> PlanRules:
+        """The engine's id rules (the served width check)."""
+        return PlanRules(self.version)
+
+    def draft_vocab(self, d: DraftConfig) -> int:
+        """Rows of the draft's lm_head as the engine builds it."""
+        return sglang_parameters(d).draft_vocab
+
+    def draft_vocab_field(self, d: DraftConfig) -> str:
+        return "draft_vocab_size" if not sglang_parameters(d).lm_from_target else \
+            "vocab_size: draft_vocab_size absent"
+
+    def d2t_keys(self, d: DraftConfig, tensors: dict) -> list[str]:
+        """The checkpoint tensors the engine loads as d2t."""
+        arch = sglang_parameters(d)
+        return [k for k in tensors if resolve_name(arch, k) == "d2t"]
+
+    def weights(self, d: DraftConfig, weights: Any, target: Any, target_dir: Optional[Path], findings: list,
+                facts: dict) -> None:
+        """Every checkpoint tensor against the parameters the engine builds, the lm_head, the vocab map's presence
+        and the fc flags (findings and facts appended)."""
+        arch = sglang_parameters(d)
+        hin_differs = "target_hidden_size" in d.raw and arch.hidden_size_in != d.hidden_size
+        _weights(arch, d, weights.tensors, hin_differs, findings, facts)
+        _lm_head(arch, d, weights.tensors, None if target is None else target.raw, hin_differs, findings, facts)
+        findings += D.detect_vocab_map_missing(d, weights)
+        findings += D.detect_fc_bypassed(d, None, None, weights, target)
+
+
 def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: Optional[Path] = None,
                   target_tokens: Optional[Sequence[int]] = None, sglang_version: str = SGLANG_RULES, *,
-                  steps: int = 3, outside_share_limit: float = OUTSIDE_SHARE_LIMIT) -> dict:
+                  steps: int = 3, outside_share_limit: float = OUTSIDE_SHARE_LIMIT,
+                  loader: Optional[LoaderRules] = None) -> dict:
     """All the server-free checks of a draft, and the facts they rest on.
 
     Args:
         draft_dir: the draft's folder (config.json + safetensors, sharded through ``model.safetensors.index.json``
             or not).
-        target_dir: the target's folder or config.json (only the config is read): rope, context length, sliding
-            window, vocab size and its lm_head tying.
+        target_dir: the target's folder or config.json (only the config is read, and by an engine whose loader
+            compares the draft's tensors with the target's, the target's embed_tokens / lm_head): rope, context
+            length, sliding window, vocab size and its lm_head tying.
         training: training data (SpecForge ``rows_*/data_*.ckpt``, speculators ``hs_*.safetensors``, a dump):
             its loss-masked token ids for the vocab coverage, its ``vocab_mapping/*.pt`` for d2t.
         target_tokens: the user's target token ids (used when ``training`` is None).
-        sglang_version: the server's SGLang; the rules are those of 0.5.23 (``facts["sglang"]`` says so when it
-            differs).
+        sglang_version: the server's SGLang when ``loader`` is None; the rules are those of 0.5.23
+            (``facts["sglang"]`` says so when it differs).
         steps: draft steps for the acceptance ceiling.
         outside_share_limit: a ``draft_vocab_coverage`` finding above this share of tokens outside the draft vocab.
+        loader: the serving engine's loader rules (:class:`LoaderRules`, from the engine adapter); default SGLang's.
 
     Returns:
         ``{"findings": [finding dicts, in :data:`KIND_ORDER`], "facts": {"sglang", "architecture", "lm_head",
         "embedding", "vocab", "vocab_sizes", "coverage", "rope", "context_length", "sliding_window", "fc",
         "weights"}, "notes": [sentences]}`` (facts only for what was checked; the config-only part and the notes
-        are :func:`helpers.draft.config_checks.check_draft_config`'s).
+        are the loader's ``config_checks``).
 
     Raises:
-        BadInput: unreadable config / weights / training data; a tensor whose shape SGLang cannot load (file, key,
-            expected shape); a d2t of the wrong length or out of the target vocab; token ids outside the vocab.
+        BadInput: unreadable config / weights / training data; a tensor whose shape the engine cannot load (file,
+            key, expected shape); a d2t of the wrong length or out of the target vocab; token ids outside the vocab.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise BadInput(f"expected a positive number of draft steps, got {steps!r}", field="steps")
+    loader = loader or LoaderRules(sglang_version)
     draft_dir = Path(draft_dir)
     if not draft_dir.is_dir():
         raise BadInput("expected the draft's folder (config.json and *.safetensors)", path=draft_dir)
     d = read_draft_config(draft_dir)
     target = read_target_config(target_dir) if target_dir is not None else None
-    cc = check_draft_config(d, target, sglang_version)          # the config-only part: the same code as diagnose's
+    cc = loader.config_checks(d, target)          # the config-only part: the same code as diagnose's
     findings: list[dict] = list(cc.findings)
     facts: dict[str, Any] = dict(cc.facts)
     if any(f["kind"] == "unsupported_draft" for f in findings):
         return {"findings": findings, "facts": facts, "notes": cc.notes}
-    arch = sglang_parameters(d)
     weights = read_draft_weights(draft_dir)
     tensors = weights.tensors
-    vocab = target.vocab_size if target is not None and target.vocab_size else arch.vocab
-    hin_differs = "target_hidden_size" in d.raw and arch.hidden_size_in != d.hidden_size
+    vocab = target.vocab_size if target is not None and target.vocab_size else (d.vocab_size or loader.draft_vocab(d))
 
-    _weights(arch, d, tensors, hin_differs, findings, facts)
-    _lm_head(arch, d, tensors, None if target is None else target.raw, hin_differs, findings, facts)
-    findings += D.detect_vocab_map_missing(d, weights)
+    loader.weights(d, weights, target, None if target_dir is None else Path(target_dir), findings, facts)
     training = Path(training) if training is not None else None
-    hot = _vocab(arch, d, tensors, vocab, training, findings, facts)
+    hot = _vocab(loader, d, tensors, vocab, training, findings, facts)
     seqs = _tokens(training, target_tokens, vocab, None if target is None else target.hidden_size)
     if seqs is not None:
         _coverage(hot, vocab, seqs[0], seqs[1], steps, outside_share_limit, len(np.unique(hot)), findings, facts)
-    findings += D.detect_fc_bypassed(d, None, None, weights, target)
     if target is not None:
-        sp = served_plan(d, target, "sglang", sglang_version, "EAGLE3")
+        sp = loader.plan_rules().served_plan(d, target, "EAGLE3")
         if not sp.fatal and d.use_aux_hidden_state is not False:
             findings += [f for f in D.static_layer_findings(sp, None, d, weights, target)
                          if f["kind"] == "width_mismatch" and "served_width" in f["evidence"]]
@@ -459,11 +502,12 @@ def inspect_draft(draft_dir: Path, target_dir: Optional[Path] = None, training: 
 
 
 def draft_checks(draft_dir: Path, target_dir: Path | None = None, training: Path | None = None,
-                 target_tokens: Sequence[int] | None = None, sglang_version: str = "0.5.23") -> list[dict]:
+                 target_tokens: Sequence[int] | None = None, sglang_version: str = "0.5.23",
+                 loader: Optional[LoaderRules] = None) -> list[dict]:
     """The findings of :func:`inspect_draft` (``{"kind", "chunk": None, "detail", "evidence"}``, DESIGN.md
-    "Findings"); an empty list for a draft SGLang will serve as it was trained.
+    "Findings"); an empty list for a draft the engine will serve as it was trained.
 
     Raises:
         BadInput: as :func:`inspect_draft`.
     """
-    return inspect_draft(draft_dir, target_dir, training, target_tokens, sglang_version)["findings"]
+    return inspect_draft(draft_dir, target_dir, training, target_tokens, sglang_version, loader=loader)["findings"]

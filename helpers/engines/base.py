@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..server.client import HTTPClient
 from ..server.process import ServerProcess
+
+if TYPE_CHECKING:          # annotations only: both import torch, and `measure` detects the engine without it
+    from ..diagnosis.plan_rules import PlanRules
+    from ..draft.checks import LoaderRules
 
 
 class SpecConfig(BaseModel):
@@ -143,6 +147,83 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def capture_served(self, client: HTTPClient, prompts: Sequence[Any], out_dir: str | Path, *,
-                       name: str = "served", **kwargs: Any) -> Path:
-        """Dump the aux hidden states the server feeds its draft for ``prompts`` (token-id sequences or training
-        samples) into ``out_dir/name`` (``helpers.formats.dumps`` format, kind ``served``, one row per token)."""
+                       name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
+                       rank_dir: str | Path | None = None, max_width: Optional[int] = None,
+                       progress: bool = False) -> Path:
+        """Dump the aux hidden states the server feeds its draft for ``prompts`` (token-id sequences, text prompts or
+        training samples) into ``out_dir/name`` (``helpers.formats.dumps`` format, kind ``served``, one row per token:
+        the prompt's, then each generated token's but the last, as the server computed them while generating
+        ``max_new_tokens`` greedy tokens, the prefix cache emptied before each prompt).
+
+        ``records``: a list that gets one row of ``helpers.acceptance.requests.PER_REQUEST_COLUMNS`` per prompt, from
+        the same answer (the budget's live stage pairs the states and the counters of one request).
+        ``rank_dir``: the per-TP-rank capture folder (``rank<r>/index.jsonl``, ``helpers.capture.per_rank_dumps``):
+        where the engine's capture writes every rank while this runs, when it can.
+        ``max_width``: the widest row accepted (16 x the hidden size)."""
+
+    @abstractmethod
+    def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:
+        """Where the per-TP-rank states of a capture are written (``capture_served(rank_dir=...)``): the folder of
+        the server's own per-rank capture hooks (``hooks_ranks_dir``, from what it reports), or a new folder of the
+        run that the engine's capture writes, or None when the server records no rank."""
+
+    @abstractmethod
+    def rules(self, version: Optional[str]) -> PlanRules:
+        """This engine's rules for what it feeds the draft (:class:`helpers.diagnosis.plan_rules.PlanRules`), of
+        ``version``."""
+
+    @abstractmethod
+    def loader_rules(self, version: Optional[str]) -> LoaderRules:
+        """This engine's draft loader rules (:class:`helpers.draft.checks.LoaderRules`: lm_head, embedding, d2t,
+        the weights and the config) of ``version``, for the server-free draft checks."""
+
+    @abstractmethod
+    def every_layer_source(self, client: HTTPClient, hooks_layers_dir: Optional[Path]) -> Optional[str]:
+        """How the server itself can record every layer of the target for given tokens (its every-layer capture),
+        or None when it cannot."""
+
+    @abstractmethod
+    def capture_every_layer(self, client: HTTPClient, prompts: Sequence[Any], out_dir: str | Path, *, name: str,
+                            num_layers: int, hooks_layers_dir: Optional[Path]) -> Path:
+        """A reference dump ``out_dir/name`` (chunks ``embedding, out(0) .. out(n-1)``) recorded by the server for
+        ``prompts`` (only when :meth:`every_layer_source` says it can)."""
+
+    @abstractmethod
+    def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,
+                      keep_draft: bool = True, flags: Optional[dict] = None, capture_dir: Optional[Path] = None,
+                      api_key: Optional[str] = None, port: int | str | None = None,
+                      what: str = "the restarted server") -> ServerProcess:
+        """Start a copy of a server this tool can restart (``restart``: ``{"kind": "embedded", "launch": ...}`` of
+        the registry, or ``{"kind": "command", "argv": [...]}``) with another draft, without the draft, or with
+        ``flags`` (this engine's launch flags), on 127.0.0.1; wait until it is healthy within ``budget``."""
+
+    @abstractmethod
+    def toggles(self) -> tuple[Any, ...]:
+        """This engine's ablation toggles (``helpers.acceptance.ablations.Toggle``: flags, the report, the skip rule
+        read from :meth:`helpers.server.client.ServerClient.server_info`)."""
+
+    @abstractmethod
+    def capture_caveats(self, info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]
+                        ) -> list[str]:
+        """The capture paths this server runs that the CPU reference could not verify, one sentence each, from its
+        ``server_info`` and the target's architectures / model type ([] when none is known)."""
+
+    @abstractmethod
+    def sampling_rule(self, info: dict) -> str:
+        """How this engine verifies sampled draft tokens at temperature > 0, with its file::function (the temperature
+        sweep's finding says it), from the server's ``server_info``."""
+
+    @abstractmethod
+    def cli_refusal(self, args: Any) -> Optional[str]:
+        """Why ``server start`` cannot start this engine's embedded server with these arguments (options of another
+        engine, a missing target), or None."""
+
+    @abstractmethod
+    def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+        """``server start``'s embedded server of this engine from its parsed arguments: ``(handle, launch)``, where
+        ``launch`` (with ``engine``) is what the registry keeps so that :meth:`start_variant` can restart it."""
+
+    @abstractmethod
+    def fix_flags(self, fix: Any) -> dict:
+        """The launch flags (this engine's) a proposed fix's ``server_args`` (SGLang's vocabulary:
+        ``--speculative-num-steps`` ...) become when the fixed server is started."""

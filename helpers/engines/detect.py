@@ -85,6 +85,35 @@ def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, de
                    field="--url")
 
 
+def detect_or(url: str, api_key: Optional[str] = None, *, default: str = "sglang", timeout: float = 10.0,
+              deadline_s: float = 60.0) -> EngineAdapter:
+    """The adapter of the engine serving ``url`` when an engine other than ``default`` recognises it through its own
+    endpoints, else ``default``'s, unchecked: for the commands that read every answer of the server through their
+    client anyway (``measure``, ``capture``), so a malformed answer stays a server error naming its endpoint and
+    field (exit 1) rather than "neither engine".
+
+    Raises:
+        helpers.errors.BadInput: the server is vLLM of a release whose rules are not known.
+    (A server that cannot be reached, or answers a probe with an error, gets ``default``: its client reports it.)"""
+    http = HTTPClient(url, api_key=api_key, timeout=timeout, retries=0, deadline_s=deadline_s)
+    try:
+        for a in ADAPTERS:
+            if a.name == default:
+                continue
+            try:
+                found = a.probe(http)
+            except SGLangError:          # unreachable, a redirect, an oversized answer: the client says it
+                found = None
+            if found is not None:
+                if a is VLLMAdapter and not vllm_rules.is_known(found[0]):
+                    raise BadInput(f"{http._shown_url} is vLLM {found[0]} (GET /version), whose rules this tool does "
+                                   f"not know; supported: {supported_text()}", field="--url")
+                return a()
+    finally:
+        http.close()
+    return BY_NAME[default]()
+
+
 def _owned_by(http: HTTPClient, resp: Any) -> str:
     try:
         data = http._json(resp, "GET /v1/models", "/v1/models").get("data") or []

@@ -5,20 +5,37 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..capture import capture_served
-from ..errors import SGLangError
-from ..layers.sglang import OLDEST_READ, TABLE_VERSION
+from ..acceptance.ablations import TOGGLES, Toggle
+from ..faults import Fault
+from ..formats.configs import read_draft_config, read_target_config
+from ..runfiles import loads_json
+from ..server.settings import SpecSettings
+from ..errors import BadInput, SGLangError
+from ..layers.sglang import OLDEST_READ, TABLE_VERSION, target_rule
 from ..server import embedded
 from ..server.client import HTTPClient, SGLangClient
 from ..server.process import ServerProcess
+from ..server.restart import start_variant
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
+
+if TYPE_CHECKING:          # annotations only (torch)
+    from ..diagnosis.plan_rules import PlanRules
+    from ..draft.checks import LoaderRules
 
 #: ServerArgs fields only SGLang's /server_info carries (with a top-level "version")
 SERVER_INFO_MARKERS = ("tp_size", "speculative_algorithm", "model_path")
+
+
+def sglang_env() -> dict[str, str]:
+    """The ``SGLANG_*`` environment variables of this launch (they change SGLang's behaviour, e.g.
+    ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``), so that a restart of the server gets them too; names that look
+    like secrets (``KEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``) are never recorded."""
+    secret = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+    return {k: v for k, v in os.environ.items() if k.startswith("SGLANG_") and not any(s in k for s in secret)}
 
 
 def _v(t: tuple[int, ...]) -> str:
@@ -39,6 +56,76 @@ def parse_counters(metrics_text: str) -> AcceptanceCounters:
     return AcceptanceCounters(engine="sglang", verify_steps=sums.get("sglang:spec_verify_calls_total", 0.0),
                               generation_tokens=sums.get("sglang:generation_tokens_total"),
                               requests=sums.get("sglang:num_requests_total"))
+
+
+#: what a GPU server of the DeepSeek family may run that the CPU reference cannot, each with the capture path it
+#: takes there (SGLang 0.5.23 line numbers; env/reference/README.md "What the DeepSeek family cannot show on CPU")
+UNVERIFIED_CAPTURE_PATHS = {
+    "two_batch_overlap": (
+        "two-batch overlap (enable_two_batch_overlap): on a TBO batch the layer loop stops at first_k_dense_replace "
+        "and the later layers run through batch_overlap/two_batch_overlap.py::model_forward_stages, which is passed no "
+        "aux collector (sglang/srt/models/deepseek_v2.py:3166-3173, 3202-3210, DeepseekV2Model.forward); an aux layer "
+        "id at or past first_k_dense_replace is then not captured on that batch and AuxHiddenStatePacker.finalize "
+        "would come up short (layers/aux_hidden_states.py). Whether EAGLE-3 target batches run under TBO was not "
+        "verified: the CPU reference cannot run TBO (with DP attention it reaches model_forward_stages at the "
+        "warm-up and fails in batch_overlap/operations_strategy.py:106, torch.cuda.get_device_properties)"),
+    "dp_attention": (
+        "DP attention with more than one attention-TP rank per DP group (tp_size / attn_dp_size > 1): the aux capture "
+        "then reads the stage input through the attention-TP gather (layers/layer_boundary/stage.py:461-480, "
+        "StageBoundary._prepare_attention with entry.input_move = attn_tp_gather_input; "
+        "layers/layer_boundary/boundary.py:582-614, the TokenAxis.ATTN_TP entry step), a branch the CPU reference "
+        "did not run: it served DP attention only with one attention-TP rank per DP group (TP 2, attn_dp_size 2: "
+        "aux states equal to HF's layers), where that gather is a no-op"),
+    "ep_all_to_all": (
+        "expert parallelism (moe_a2a_backend / ep_size > 1): the MoE output comes back through the all-to-all "
+        "combine (deepseek_v2.py:1074 `if not self._enable_a2a_moe` -> DeepseekV2MoE.forward_deepep, l.1524) or "
+        "from rank-local experts, not as the TP partial sums the CPU reference verified; the aux states are still "
+        "read at the next layer's attention entry, but that path, and what this tool's per-rank `mlp_partial` hook "
+        "records there, are unverified (the CPU reference cannot run EP: its fp32 MoE, "
+        "layers/moe/fused_moe_native.py:77 moe_forward_native, fails on the -1 ids of other ranks' experts; the "
+        "all-to-all backends are CUDA/ROCm/NPU libraries)"),
+    "cuda_graph": (
+        "CUDA graphs: decode / target-verify forwards replay a captured graph, so --forward-hooks (this tool's "
+        "per-rank, every-layer and fault hooks) do not run on them, and the packed aux tensor the draft reads is the "
+        "graph's static output of AuxHiddenStatePacker (deepseek_v2.py:3175); the CPU reference runs eager only "
+        "(--disable-cuda-graph), so the graph path is unverified: capture on a replica started with "
+        "--disable-cuda-graph (env/gpu/launch_tp8.sh with LAYERS_DIR)"),
+}
+
+
+def capture_caveats(info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]) -> list[str]:
+    """The capture paths this server runs that the CPU reference could not verify, one sentence each (the
+    :data:`UNVERIFIED_CAPTURE_PATHS` entry), for a DeepSeek-family target (SGLang's ``deepseek`` id rule:
+    ``models/deepseek_v2.py`` and the models built on it, Kimi-K2.5 included); [] for any other target or a server
+    running none of them.
+
+    Read from ``/server_info`` (SGLang 0.5.23 field names): ``enable_two_batch_overlap``; DP attention
+    (``enable_dp_attention`` or ``attn_dp_size`` > 1) with ``tp_size`` / ``attn_dp_size`` > 1 (one attention-TP rank
+    per DP group was verified on the CPU reference); ``moe_a2a_backend`` other than ``none`` or ``ep_size`` > 1; CUDA
+    graphs on a non-CPU ``device`` unless ``disable_cuda_graph`` (or every ``cuda_graph_config`` phase's backend is
+    ``disabled``).
+    """
+    if target_rule(architectures, model_type).rule != "deepseek":
+        return []
+
+    def count(key: str) -> int:
+        v = info.get(key)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 1
+
+    on = []
+    if info.get("enable_two_batch_overlap") is True:
+        on.append("two_batch_overlap")
+    attn_dp = count("attn_dp_size") if count("attn_dp_size") > 1 else count("dp_size")
+    if (info.get("enable_dp_attention") is True or count("attn_dp_size") > 1) and count("tp_size") // attn_dp > 1:
+        on.append("dp_attention")
+    if str(info.get("moe_a2a_backend") or "none").lower() != "none" or count("ep_size") > 1:
+        on.append("ep_all_to_all")
+    graphs = info.get("cuda_graph_config")
+    phases = [p for p in graphs.values() if isinstance(p, dict)] if isinstance(graphs, dict) else []
+    all_disabled = bool(phases) and all(str(p.get("backend")) == "disabled" for p in phases)
+    if str(info.get("device") or "cuda") != "cpu" and info.get("disable_cuda_graph") is not True and not all_disabled:
+        on.append("cuda_graph")
+    return [f"unverified capture path on this DeepSeek-family server: {UNVERIFIED_CAPTURE_PATHS[k]}" for k in on]
 
 
 class SGLangAdapter(EngineAdapter):
@@ -77,21 +164,125 @@ class SGLangAdapter(EngineAdapter):
         return embedded.start(target, draft, tp=tp, **kwargs)
 
     def spec_config(self, client: SGLangClient, *, draft: str | Path | None = None) -> SpecConfig:
-        """``SGLangClient.effective_spec_config`` in the common shape (aux ids: see
-        ``helpers.diagnosis.conventions``, which applies SGLang's rules per version; not repeated here)."""
+        """``SGLangClient.effective_spec_config`` in the common shape, with the aux ids SGLang's rules of the server's
+        version give for the draft config (``sglang_capture`` convention, the physical tensor of each:
+        :class:`helpers.diagnosis.plan_rules.PlanRules`) when the draft and target configs are readable here."""
         eff = client.effective_spec_config(draft_config=draft)
         info = client.server_info()
         e = eff.effective
-        return SpecConfig(engine="sglang", version=str(eff.sglang_version), tp_size=eff.tp_size,
-                          method=e.algorithm, target=info.get("model_path"),
-                          draft=os.fspath(draft) if draft else info.get("speculative_draft_model_path"),
-                          num_speculative_tokens=(e.num_draft_tokens - 1) if e.num_draft_tokens else None,
-                          overrides=[str(o) for o in eff.overrides], aux_layer_convention="sglang_capture",
-                          sources={"*": "GET /server_info"}, notes=list(eff.notes))
+        cfg = SpecConfig(engine="sglang", version=str(eff.sglang_version), tp_size=eff.tp_size,
+                         method=e.algorithm, target=info.get("model_path"),
+                         draft=os.fspath(draft) if draft else info.get("speculative_draft_model_path"),
+                         num_speculative_tokens=(e.num_draft_tokens - 1) if e.num_draft_tokens else None,
+                         overrides=[str(o) for o in eff.overrides], aux_layer_convention="sglang_capture",
+                         sources={"*": "GET /server_info"}, notes=list(eff.notes))
+        try:
+            d, t = read_draft_config(Path(cfg.draft)), read_target_config(Path(cfg.target))
+            plan = self.rules(cfg.version).served_plan(d, t, e.algorithm or "EAGLE3")
+        except (BadInput, OSError, TypeError, ValueError) as exc:
+            cfg.notes.append(f"aux ids not computed: the draft / target configs are not readable here ({exc})")
+            return cfg
+        if plan.engine_ids is not None:
+            cfg.aux_layer_ids = cfg.rule_aux_layer_ids = list(plan.engine_ids.ids)
+        cfg.aux_tensors = list(plan.tensors)
+        cfg.sources["aux_layer_ids"] = f"{plan.source} (SGLang's rules on the draft config)"
+        return cfg
 
     def counters(self, client: HTTPClient) -> AcceptanceCounters:
         return parse_counters(client.metrics_text())
 
     def capture_served(self, client: SGLangClient, prompts: Sequence[Any], out_dir: str | Path, *,
-                       name: str = "served", **kwargs: Any) -> Path:
-        return capture_served(client, prompts, out_dir, name=name, **kwargs)
+                       name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
+                       rank_dir: str | Path | None = None, max_width: Optional[int] = None,
+                       progress: bool = False) -> Path:
+        """``helpers.capture.capture_served`` (``/generate`` with ``return_hidden_states``, the cache flushed before
+        each prompt); ``rank_dir``: the folder of the server's per-rank capture hooks, armed while it runs
+        (``helpers.hooks.ARM_FILE``)."""
+        from ..capture import capture_served  # lazy: torch (measure detects the engine without it)
+        from ..hooks import ARM_FILE  # lazy: torch (measure detects the engine without it)
+        flag = Path(rank_dir) / ARM_FILE if rank_dir is not None else None
+        if flag is not None:
+            flag.parent.mkdir(parents=True, exist_ok=True)
+            flag.write_text("armed by helpers.engines.sglang\n")
+        try:
+            return capture_served(client, prompts, out_dir, name=name, max_new_tokens=max_new_tokens,
+                                  progress=progress, max_width=max_width, records=records)
+        finally:
+            if flag is not None and flag.exists():
+                flag.unlink()
+
+    def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:
+        """The folder of the server's per-rank capture hooks (``server start --capture-ranks DIR``), or None."""
+        return hooks_ranks_dir
+
+    def rules(self, version: Optional[str]) -> PlanRules:
+        """SGLang's id rules of ``version`` (:class:`helpers.diagnosis.plan_rules.PlanRules`)."""
+        from ..diagnosis.plan_rules import PlanRules  # lazy: torch (measure detects the engine without it)
+        return PlanRules(version)
+
+    def loader_rules(self, version: Optional[str]) -> LoaderRules:
+        """SGLang 0.5.23's draft loader (:class:`helpers.draft.checks.LoaderRules`)."""
+        from ..draft.checks import LoaderRules  # lazy: torch (measure detects the engine without it)
+        return LoaderRules(version)
+
+    def every_layer_source(self, client: HTTPClient, hooks_layers_dir: Optional[Path]) -> Optional[str]:
+        """The server's every-layer capture hooks (``server start --capture-layers DIR``), when it runs them."""
+        return None if hooks_layers_dir is None else f"the server's own every-layer capture ({hooks_layers_dir})"
+
+    def capture_every_layer(self, client: HTTPClient, prompts: Sequence[Any], out_dir: str | Path, *, name: str,
+                            num_layers: int, hooks_layers_dir: Optional[Path]) -> Path:
+        """``helpers.capture.capture_every_layer`` through the server's every-layer hooks."""
+        from ..capture import capture_every_layer  # lazy: torch (measure detects the engine without it)
+        if hooks_layers_dir is None:
+            raise ValueError("the server runs no every-layer capture hooks")
+        return capture_every_layer(client, prompts, hooks_layers_dir, out_dir, num_layers=num_layers, name=name,
+                                   progress=False)
+
+    def start_variant(self, restart: dict, **kwargs: Any) -> ServerProcess:
+        """``helpers.server.restart.start_variant`` (SGLang's flags, the embedded launcher of the registry)."""
+        return start_variant(restart, **kwargs)
+
+    def toggles(self) -> tuple[Toggle, ...]:
+        """SGLang 0.5.23's toggles (:data:`helpers.acceptance.ablations.TOGGLES`)."""
+        return TOGGLES
+
+    def capture_caveats(self, info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]
+                        ) -> list[str]:
+        """SGLang 0.5.23's DeepSeek-family paths the CPU reference could not run (:func:`capture_caveats`)."""
+        return capture_caveats(info, architectures, model_type)
+
+    def sampling_rule(self, info: dict) -> str:
+        return ("SGLang verifies sampled tokens against the draft's proposals (tree speculative sampling, "
+                "sglang/srt/speculative/eagle_worker_v2.py), and fewer match at a higher temperature")
+
+    def cli_refusal(self, args: Any) -> Optional[str]:
+        """None: every ``server start`` option applies to SGLang."""
+        return None
+
+    def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+        """The embedded SGLang server with ``--forward-hooks``, ``--faults`` and the capture hooks of ``server start``
+        (:func:`helpers.server.embedded.start`); ``launch`` holds the ``SGLANG_*`` environment (:func:`sglang_env`)."""
+        from ..capture import server_hook_specs  # lazy: torch (measure detects the engine without it)
+        from ..hooks import model_family  # lazy: torch (measure detects the engine without it)
+        hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
+        faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
+        if faults or args.capture_layers or args.capture_ranks:
+            tcfg = read_target_config(args.target or embedded.REFERENCE_TARGET)
+            hooks = (hooks or []) + (server_hook_specs(tcfg.num_hidden_layers, faults=faults,
+                                                       rank_capture_dir=args.capture_ranks,
+                                                       layers_dir=args.capture_layers,
+                                                       family=model_family(tcfg.architectures, tcfg.model_type))
+                                     or [])
+        spec = SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
+                            num_draft_tokens=args.draft_tokens)
+        handle = embedded.start(args.target, draft, tp=args.tp, port=args.port, spec=spec, dtype=args.dtype,
+                                forward_hooks=hooks, log_path=args.log, timeout=args.timeout, extra_args=extra)
+        launch = {"engine": "sglang", "target": str(Path(handle.target).resolve()),
+                  "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
+                  "spec": spec.model_dump(mode="json") if draft is not None else None, "forward_hooks": hooks,
+                  "extra_args": extra, "dtype": args.dtype, "env": sglang_env()}
+        return handle, launch
+
+    def fix_flags(self, fix: Any) -> dict:
+        """The fix's ``server_args``, which are SGLang flags already."""
+        return {k: str(v) for k, v in (fix.server_args or {}).items()}

@@ -9,26 +9,45 @@ import os
 import shutil
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import httpx
-import torch
-from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file
+from pydantic import ValidationError
 
-from ..acceptance.requests import PER_REQUEST_COLUMNS
-from ..capture import _prompt_fields, _safe_key, read_rank_capture
-from ..errors import BadInput, RequestRejected, SGLangError
+from ..acceptance.ablations import Toggle
+from ..errors import BadInput, EndpointMissing, HiddenStatesDisabled, RequestRejected, SGLangError
 from ..formats.configs import read_config_json
-from ..formats.dumps import write_dump
 from ..layers import vllm as rules
 from ..redaction import redact
-from ..server.client import HTTPClient
+from ..server.client import HTTPClient, ServerClient
+from ..server.embedded import pick_port
 from ..server.process import ServerProcess
+from ..server.protocol import GenerateResult
+from ..server.restart import set_flags
+from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
 from . import vllm_server
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
+from .vllm_answers import meta_info, parse_counters, record
+from .vllm_server import relaunch_command
+
+if TYPE_CHECKING:          # annotations only (torch)
+    from ..diagnosis.plan_rules import PlanRules
+    from ..draft.checks import LoaderRules
+
+#: names re-exported from :mod:`.vllm_rules`, imported when first asked for (it imports torch)
+_FROM_RULES = ("TOGGLES", "VLLMLoaderRules", "VLLMRules", "draft_view")
+
+__all__ = ["VLLMAdapter", "VLLMClient", "VLLMRules", "VLLMLoaderRules", "TOGGLES", "draft_view", "meta_info",
+           "parse_counters", "record", "relaunch_command"]
+
+def __getattr__(name: str) -> Any:
+    """``VLLMRules``, ``VLLMLoaderRules``, ``TOGGLES``, ``draft_view`` from :mod:`.vllm_rules` on first use."""
+    if name in _FROM_RULES:
+        from . import vllm_rules  # lazy: torch (measure detects the engine without it)
+        return getattr(vllm_rules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: the worker-extension route and what the tool needs the server started with to use it
 EXTENSION_HINT = ("start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
@@ -36,11 +55,23 @@ EXTENSION_HINT = ("start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-c
                   "(python -m helpers server start --engine vllm does)")
 
 
-class VLLMClient(HTTPClient):
-    """:class:`helpers.server.client.HTTPClient` for a vLLM OpenAI-compatible server (deadlines, byte limits, the API
-    key ``$VLLM_API_KEY`` kept out of messages) with vLLM 0.32.0's endpoints (``env/vllm/README.md``)."""
+class VLLMClient(ServerClient):
+    """The suite's client contract (:class:`helpers.server.client.ServerClient`) for a vLLM OpenAI-compatible server:
+    deadlines, byte limits, the API key ``$VLLM_API_KEY`` kept out of messages, and vLLM 0.32.0's endpoints
+    (``env/vllm/README.md``) behind the methods measurement and capture call:
+
+    * :meth:`server_info` -- the effective settings in the suite's vocabulary, from what the engine reports: the
+      worker extension's ``e3f_describe`` (what it built), else the dev-mode ``/server_info`` ``vllm_config``, else
+      ``/v1/models`` and ``/metrics``;
+    * :meth:`generate` -- ``/v1/completions`` with the per-request ``metrics.speculative_decoding`` mapped to SGLang's
+      ``meta_info`` names (``num_spec_steps`` -> ``spec_verify_ct`` ...: :func:`meta_info`);
+    * :meth:`flush_cache` -- ``POST /reset_prefix_cache``;
+    * :meth:`effective_spec_config` -- the speculative settings (vLLM makes no silent override of them: a chain of
+      ``num_speculative_tokens`` drafts, topk 1).
+    """
 
     ENGINE = "vLLM"
+    ENGINE_NAME = "vllm"
     API_KEY_ENV = "VLLM_API_KEY"
     METRICS_HINT = "vLLM serves /metrics by default: is this a vLLM server?"
 
@@ -48,20 +79,22 @@ class VLLMClient(HTTPClient):
         """``GET /version`` -> ``{"version": ...}`` (``entrypoints/serve/instrumentator/basic.py::show_version``).
 
         Raises: :class:`helpers.errors.SGLangError` (a server error) when it is missing or has no version string."""
-        v = self._get_json(["/version"], "version").get("version")
-        if not isinstance(v, str) or not v:
-            raise SGLangError(f"GET {self._shown_url}/version: no version string", endpoint="/version")
-        return v
+        if getattr(self, "_version", None) is None:
+            v = self._get_json(["/version"], "version").get("version")
+            if not isinstance(v, str) or not v:
+                raise SGLangError(f"GET {self._shown_url}/version: no version string", endpoint="/version")
+            self._version = v
+        return self._version
 
     def models(self) -> list[dict]:
         """``GET /v1/models`` ``data`` (``id``, ``root`` = the target path, ``max_model_len``, ``owned_by``)."""
         data = self._get_json(["/v1/models"], "models").get("data")
         return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
 
-    def server_info(self) -> Optional[dict]:
-        """``GET /server_info?config_format=json`` (dev mode only: ``VLLM_SERVER_DEV_MODE=1``), redacted; None when
-        the server does not serve it. The first call gathers the host's environment (``collect_env``: 10+ s on a
-        busy machine), hence a 120 s read timeout."""
+    def dev_server_info(self) -> Optional[dict]:
+        """vLLM's own ``GET /server_info?config_format=json`` (dev mode only: ``VLLM_SERVER_DEV_MODE=1``), redacted;
+        None when the server does not serve it. The first call gathers the host's environment (``collect_env``: 10+ s
+        on a busy machine), hence a 120 s read timeout."""
         resp = self._request("GET", "/server_info", params={"config_format": "json"}, timeout=httpx_timeout(120.0))
         if resp.status_code == 404:
             return None
@@ -70,6 +103,138 @@ class VLLMClient(HTTPClient):
                                   endpoint="/server_info", status=resp.status_code)
         data = self._json(resp, f"GET {self._shown_url}/server_info", "/server_info")
         return redact(data, self.secrets) if isinstance(data, dict) else None
+
+    def describe(self) -> Optional[list[dict]]:
+        """The worker extension's ``e3f_describe`` per TP rank (cached), or None when the server lacks it."""
+        if getattr(self, "_ranks", None) is None:
+            try:
+                self._ranks = self.rpc("e3f_describe")
+            except RequestRejected:
+                self._ranks = []
+        return self._ranks or None
+
+    def server_info(self, refresh: bool = False) -> dict:
+        """The server's effective settings in the suite's vocabulary (:class:`helpers.server.client.ServerClient`),
+        redacted and cached (``refresh`` asks again). Keys: ``engine`` ``vllm``, ``version``, ``sglang_version``
+        None, ``model_path`` (``/v1/models`` ``root``), ``context_length`` (``max_model_len``),
+        ``speculative_algorithm`` (vLLM's ``method`` upper-cased: ``EAGLE3``), ``speculative_draft_model_path``,
+        ``speculative_num_steps`` = ``num_speculative_tokens``, ``speculative_eagle_topk`` 1 and
+        ``speculative_num_draft_tokens`` = ``num_speculative_tokens`` + 1 (vLLM drafts a chain: ``v1/spec_decode/
+        llm_base_proposer.py::SpecDecodeBaseProposer.propose``), ``tp_size``, ``device``, ``dtype``; vLLM's own:
+        ``enable_prefix_caching``, ``async_scheduling``, ``rejection_sample_method``, ``draft_sample_method``,
+        ``max_num_seqs``, ``worker_extension`` (the tool's extension answers), ``aux_layer_ids`` (vLLM convention
+        in(i)), ``loaded`` (rank 0's ``e3f_describe``), ``sources`` (where each came from)."""
+        if getattr(self, "_info", None) is not None and not refresh:
+            return self._info
+        models = self.models()
+        m0 = models[0] if models else {}
+        info: dict[str, Any] = {"engine": "vllm", "version": self.version(), "sglang_version": None,
+                                "model_path": m0.get("root"), "context_length": m0.get("max_model_len"),
+                                "worker_extension": False, "sources": {"version": "GET /version",
+                                                                       "model_path": "GET /v1/models root"}}
+        ranks = self.describe()
+        method = k = draft = tp = None
+        settings: dict[str, Any] = {}
+        if ranks:
+            r0 = ranks[0]
+            d = r0.get("draft") or {}
+            method, k, draft, tp = d.get("method"), d.get("num_speculative_tokens"), d.get("model"), r0.get("tp_size")
+            settings = dict(r0.get("settings") or {})
+            info.update(worker_extension=True, aux_layer_ids=r0.get("aux_layer_ids"), loaded=r0,
+                        enforce_eager=r0.get("enforce_eager"))
+            info["sources"]["settings"] = "worker extension e3f_describe (the worker's VllmConfig, TP rank 0)"
+        else:
+            dev = self.dev_server_info()
+            vc = (dev or {}).get("vllm_config") or {}
+            if vc:
+                sc = vc.get("speculative_config") or {}
+                method, k, draft = sc.get("method"), sc.get("num_speculative_tokens"), sc.get("model")
+                tp = (vc.get("parallel_config") or {}).get("tensor_parallel_size")
+                settings = {"enable_prefix_caching": (vc.get("cache_config") or {}).get("enable_prefix_caching"),
+                            "async_scheduling": (vc.get("scheduler_config") or {}).get("async_scheduling"),
+                            "rejection_sample_method": sc.get("rejection_sample_method"),
+                            "draft_sample_method": sc.get("draft_sample_method"),
+                            "dtype": (vc.get("model_config") or {}).get("dtype"),
+                            "device": (vc.get("device_config") or {}).get("device_type")}
+                info["sources"]["settings"] = "GET /server_info (VLLM_SERVER_DEV_MODE) vllm_config"
+            else:
+                per_pos = parse_counters(self.metrics_text()).accepted_per_position
+                k = len(per_pos) if per_pos else None
+                method = "eagle3" if k else None
+                info["sources"]["settings"] = ("GET /metrics (positions of vllm:spec_decode_num_accepted_tokens_per_"
+                                               "pos; the method and draft are not reported without dev mode)")
+        info.update({"speculative_algorithm": str(method).upper() if method else None,
+                     "speculative_draft_model_path": draft, "speculative_num_steps": k,
+                     "speculative_eagle_topk": 1 if k else None,
+                     "speculative_num_draft_tokens": (int(k) + 1) if k else None, "tp_size": tp or 1})
+        info.update({key: settings.get(key) for key in ("enable_prefix_caching", "async_scheduling",
+                                                         "rejection_sample_method", "draft_sample_method", "dtype",
+                                                         "device", "max_num_seqs")})
+        self._info = redact(info, self.secrets)
+        return self._info
+
+    def flush_cache(self, timeout: float = 120.0, poll: float = 0.5) -> float:
+        """``POST /reset_prefix_cache`` (dev mode); returns the seconds it took.
+
+        Raises: :class:`helpers.errors.EndpointMissing` without dev mode (no such route)."""
+        t0 = time.monotonic()
+        resp = self._request("POST", "/reset_prefix_cache", idempotent=False)
+        if resp.status_code == 404:
+            raise EndpointMissing(f"POST {self._shown_url}/reset_prefix_cache: 404 (vLLM serves it only with "
+                                  "VLLM_SERVER_DEV_MODE=1)", endpoint="/reset_prefix_cache", status=404)
+        if resp.status_code != 200:
+            raise RequestRejected(f"POST {self._shown_url}/reset_prefix_cache: HTTP {resp.status_code}: "
+                                  f"{self._body(resp)}", endpoint="/reset_prefix_cache", status=resp.status_code)
+        return time.monotonic() - t0
+
+    def generate(self, input_ids: Optional[Sequence[int]] = None, text: Optional[str] = None, *,
+                 sampling_params: Optional[Mapping[str, Any]] = None, max_new_tokens: Optional[int] = None,
+                 return_hidden_states: bool = False, timeout: Optional[float] = None, **_: Any) -> GenerateResult:
+        """One ``/v1/completions`` request (token ids or text; SGLang's ``sampling_params`` names: ``max_new_tokens``
+        -> ``max_tokens``, the rest as vLLM's ``temperature`` / ``top_p`` / ``top_k`` / ``ignore_eos`` / ``seed``)
+        as a :class:`helpers.server.protocol.GenerateResult` (:func:`meta_info`).
+
+        Raises:
+            helpers.errors.HiddenStatesDisabled: ``return_hidden_states`` (vLLM returns no hidden states over HTTP:
+                the adapter's ``capture_served`` reads them through the worker extension).
+            helpers.errors.RequestRejected / SGLangError: an HTTP error, or spec counters no server can produce."""
+        if (input_ids is None) == (text is None):
+            raise ValueError("generate(): pass exactly one of input_ids= or text=")
+        if return_hidden_states:
+            raise HiddenStatesDisabled(f"{self._shown_url}: vLLM returns no hidden states in its answers; capture them "
+                                       "with the vLLM adapter's capture_served (the worker extension)",
+                                       endpoint="/v1/completions")
+        sp = {"temperature": 0.0, **dict(sampling_params or {})}
+        if max_new_tokens is not None:
+            sp["max_new_tokens"] = int(max_new_tokens)
+        n = int(sp.pop("max_new_tokens", 16))
+        temperature = float(sp.pop("temperature", 0.0))
+        ignore_eos = bool(sp.pop("ignore_eos", False))
+        ans = self.complete(input_ids if input_ids is not None else text, max_tokens=n, temperature=temperature,
+                            ignore_eos=ignore_eos, extra=sp, timeout=timeout)
+        try:
+            result = GenerateResult.model_validate({"text": ans["choices"][0].get("text"),
+                                                    "output_ids": ans["choices"][0].get("token_ids") or [],
+                                                    "meta_info": meta_info(ans), "latency_s": ans["latency_s"],
+                                                    "prompt_token_ids": ans.get("prompt_token_ids")})
+        except ValidationError as exc:
+            raise SGLangError(f"POST {self._shown_url}/v1/completions: {str(exc).splitlines()[0]}",
+                              endpoint="/v1/completions") from None
+        info = getattr(self, "_info", None) or {}
+        problem = result.meta_info.spec_problem(info.get("speculative_num_steps"))
+        if problem:
+            raise SGLangError(f"POST {self._shown_url}/v1/completions: impossible spec counters: {problem}",
+                              endpoint="/v1/completions")
+        return result
+
+    def effective_spec_config(self, requested: Any = None, *, draft_config: Any = None) -> EffectiveSpecConfig:
+        """The speculative settings the server runs (:meth:`server_info`); vLLM 0.32.0 runs the
+        ``num_speculative_tokens`` it was given as a chain (``config/speculative.py::SpeculativeConfig``), so no
+        override of these is detected; ``notes`` say where the settings came from."""
+        info = self.server_info()
+        return EffectiveSpecConfig(effective=spec_settings(info), requested=SpecSettings(), requested_from="none",
+                                   sglang_version=None, tp_size=info.get("tp_size"),
+                                   notes=[f"vLLM {info.get('version')}: settings from {info['sources']['settings']}"])
 
     def rpc(self, method: str, *args: Any, timeout: float = 120.0) -> list[dict]:
         """``POST /collective_rpc`` calling ``method`` of the worker extension on every TP rank (arguments sent as
@@ -97,11 +262,11 @@ class VLLMClient(HTTPClient):
         resp = self._request("POST", "/reset_prefix_cache", idempotent=False)
         return resp.status_code == 200
 
-    def complete(self, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
+    def complete(self, prompt_ids: Sequence[int] | str, *, max_tokens: int, temperature: float = 0.0,
                  ignore_eos: bool = True, model: Optional[str] = None, extra: Optional[Mapping[str, Any]] = None,
                  timeout: Optional[float] = None) -> dict:
-        """``POST /v1/completions`` for one prompt of token ids (non-streaming, ``return_token_ids``). Returns the
-        answer's JSON with ``latency_s`` added.
+        """``POST /v1/completions`` for one prompt of token ids, or a text (non-streaming, ``return_token_ids``).
+        Returns the answer's JSON with ``latency_s`` added.
 
         Raises: :class:`helpers.errors.RequestRejected` for an HTTP error (the message quotes the server)."""
         if model is None:
@@ -109,7 +274,8 @@ class VLLMClient(HTTPClient):
                 models = self.models()
                 self._model_id = models[0]["id"] if models else ""
             model = self._model_id
-        body = {"model": model, "prompt": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens),
+        prompt = prompt_ids if isinstance(prompt_ids, str) else [int(t) for t in prompt_ids]
+        body = {"model": model, "prompt": prompt, "max_tokens": int(max_tokens),
                 "temperature": float(temperature), "ignore_eos": bool(ignore_eos), "return_token_ids": True,
                 **dict(extra or {})}
         t0 = time.monotonic()
@@ -130,64 +296,6 @@ class VLLMClient(HTTPClient):
 def httpx_timeout(read: float) -> httpx.Timeout:
     """A timeout whose read part is ``read`` seconds (generation on CPU), connect 10 s."""
     return httpx.Timeout(read, connect=10.0)
-
-
-def record(i: int, prompt_id: str, answer: Mapping[str, Any], kind: str = "measure") -> dict:
-    """One row of ``helpers.acceptance.requests.PER_REQUEST_COLUMNS`` from a vLLM ``/v1/completions`` answer, with
-    SGLang's definitions: ``verify_ct`` = ``num_spec_steps``, ``correct_drafts`` = ``num_accepted_draft_tokens``,
-    ``proposed_drafts`` = ``num_draft_tokens``, ``histogram`` = ``acceptance_histogram`` (index j: verify steps that
-    accepted j drafts), ``accept_length`` = completion tokens / verify steps (the prefill's token and the bonus
-    tokens included, as SGLang's ``spec_accept_length``), ``server_accept_length`` = vLLM's
-    ``mean_acceptance_length`` (1 + accepted / steps). Spec fields stay None when the server was started without
-    ``--per-request-spec-decode-metrics`` (``has_spec`` False)."""
-    row = {c: None for c in PER_REQUEST_COLUMNS}
-    usage = answer.get("usage") or {}
-    choice = (answer.get("choices") or [{}])[0]
-    sd = ((answer.get("metrics") or {}).get("speculative_decoding")) or None
-    ct = usage.get("completion_tokens")
-    lat = answer.get("latency_s")
-    details = usage.get("prompt_tokens_details") or {}
-    row.update(idx=i, prompt_id=prompt_id, kind=kind, prompt_tokens=usage.get("prompt_tokens"),
-               completion_tokens=ct, cached_tokens=details.get("cached_tokens"),
-               finish_reason=choice.get("finish_reason"),
-               latency_s=lat, tok_s=(ct / lat) if ct and lat else None, has_spec=sd is not None)
-    if sd:
-        steps = int(sd.get("num_spec_steps") or 0)
-        hist = [int(x) for x in sd.get("acceptance_histogram") or []]
-        row.update(verify_ct=steps, correct_drafts=sd.get("num_accepted_draft_tokens"),
-                   proposed_drafts=sd.get("num_draft_tokens"),
-                   hist_correct_drafts=sum(j * c for j, c in enumerate(hist)) if hist else None,
-                   histogram=json.dumps(hist) if hist else None,
-                   accept_length=(ct / steps) if steps and ct is not None else None,
-                   accept_rate=(sd["num_accepted_draft_tokens"] / sd["num_draft_tokens"])
-                   if sd.get("num_draft_tokens") else None,
-                   server_accept_length=sd.get("mean_acceptance_length"))
-    return row
-
-
-def parse_counters(metrics_text: str) -> AcceptanceCounters:
-    """The ``vllm:spec_decode_*`` counters (summed over engines), ``vllm:generation_tokens_total`` and
-    ``vllm:request_success_total`` of one ``/metrics`` text (``v1/spec_decode/metrics.py::SpecDecodingProm``,
-    ``v1/metrics/loggers.py``). A server without speculative decoding has no spec counters: ``verify_steps`` 0 and
-    None for the others."""
-    sums: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    for fam in text_string_to_metric_families(metrics_text):
-        for s in fam.samples:
-            if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                p = int(s.labels.get("position", -1))
-                per_pos[p] = per_pos.get(p, 0.0) + float(s.value)
-            elif s.name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                            "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total",
-                            "vllm:request_success_total"):
-                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
-    spec = "vllm:spec_decode_num_drafts_total" in sums
-    return AcceptanceCounters(
-        engine="vllm", verify_steps=sums.get("vllm:spec_decode_num_drafts_total", 0.0),
-        generation_tokens=sums.get("vllm:generation_tokens_total"), requests=sums.get("vllm:request_success_total"),
-        draft_tokens=sums.get("vllm:spec_decode_num_draft_tokens_total") if spec else None,
-        accepted_tokens=sums.get("vllm:spec_decode_num_accepted_tokens_total") if spec else None,
-        accepted_per_position=[per_pos[p] for p in sorted(per_pos)] if per_pos else None)
 
 
 class VLLMAdapter(EngineAdapter):
@@ -238,10 +346,143 @@ class VLLMAdapter(EngineAdapter):
 
     def describe(self, client: VLLMClient) -> Optional[list[dict]]:
         """The worker extension's report per TP rank (``e3f_describe``), or None when the server lacks it."""
+        return client.describe()
+
+    def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:
+        """``run_dir/capture/<name>`` (a new folder): the worker extension writes every TP rank there."""
+        path, k = Path(run_dir) / "capture" / name, 2
+        while path.exists():
+            path, k = Path(run_dir) / "capture" / f"{name}-{k}", k + 1
+        return path
+
+    def rules(self, version: Optional[str]) -> PlanRules:
+        """vLLM's id rules (:class:`VLLMRules`)."""
+        from .vllm_rules import VLLMRules  # lazy: torch (measure detects the engine without it)
+        return VLLMRules(version)
+
+    def loader_rules(self, version: Optional[str]) -> LoaderRules:
+        """vLLM's draft loader (:class:`VLLMLoaderRules`)."""
+        from .vllm_rules import VLLMLoaderRules  # lazy: torch (measure detects the engine without it)
+        return VLLMLoaderRules(version)
+
+    def every_layer_source(self, client: VLLMClient, hooks_layers_dir: Optional[Path]) -> Optional[str]:
+        """The worker extension's forward hooks record ``embedding`` and every ``out(L)`` of the prefill, when the
+        server runs the extension."""
+        return ("the server's own every-layer capture (the worker extension's forward hooks, TP rank 0)"
+                if client.describe() else None)
+
+    def capture_every_layer(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *, name: str,
+                            num_layers: int, hooks_layers_dir: Optional[Path] = None) -> Path:
+        """A reference dump ``out_dir/name`` from the worker extension's every-layer capture of each prompt's
+        prefill (the served dump it records on the way is dropped)."""
+        out_dir = Path(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=".e3f-vllm-layers-", dir=out_dir))
         try:
-            return client.rpc("e3f_describe")
-        except RequestRejected:
-            return None
+            self.capture_served(client, prompts, tmp, name="served", layers=True)
+            (tmp / "served-layers").rename(out_dir / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out_dir / name
+
+    def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,
+                      keep_draft: bool = True, flags: Optional[dict] = None, capture_dir: Optional[Path] = None,
+                      api_key: Optional[str] = None, port: int | str | None = None,
+                      what: str = "the restarted server") -> ServerProcess:
+        """A copy of a vLLM server with another draft, without it, or with other flags. ``flags``: vLLM launch flags
+        (value None: a switch such as ``--no-enable-prefix-caching``) and ``speculative_config.<field>`` entries
+        merged into ``--speculative-config`` (``num_speculative_tokens``, ``draft_sample_method``, ...). An embedded
+        server (``{"kind": "embedded", "launch": ...}``, ``launch.engine`` vllm) restarts through
+        :func:`helpers.engines.vllm_server.start`; a launch command (``{"kind": "command", "argv"}``) gets
+        ``--host 127.0.0.1``, the chosen port, and its ``--speculative-config`` JSON rewritten."""
+        flags = dict(flags or {})
+        spec = {k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("speculative_config.")}
+        other = {k: v for k, v in flags.items() if not k.startswith("speculative_config.")}
+        if restart["kind"] == "embedded":
+            launch = dict(restart["launch"])
+            k = int(spec.pop("num_speculative_tokens", launch.get("num_speculative_tokens") or 3))
+            extra = set_flags(list(launch.get("extra_args") or []), other) if other else \
+                list(launch.get("extra_args") or [])
+            use_draft = (draft or launch.get("draft")) if keep_draft else None
+            return vllm_server.start(launch["target"], use_draft, tp=int(launch.get("tp") or 1),
+                                     num_speculative_tokens=k, port=port, dtype=launch.get("dtype") or "float32",
+                                     extra_args=extra, api_key=api_key, log_path=log_path, timeout=1800.0,
+                                     budget=budget, speculative={**dict(launch.get("speculative") or {}), **spec},
+                                     what=what)
+        argv = relaunch_command(list(restart["argv"]), draft=draft, keep_draft=keep_draft, flags=other, spec=spec,
+                                port=pick_port(port, what="--port"))
+        handle = ServerProcess(argv, f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", log_path=log_path,
+                               secrets=[api_key] if api_key else [], env=vllm_server.server_env(1))
+        try:
+            handle.wait_healthy(1800, api_key=api_key, what=what, budget=budget)
+        except BaseException:
+            handle.stop(timeout=5)
+            raise
+        return handle
+
+    def toggles(self) -> tuple[Toggle, ...]:
+        """vLLM 0.32.0's toggles (:data:`TOGGLES`)."""
+        from .vllm_rules import TOGGLES  # lazy: torch (measure detects the engine without it)
+        return TOGGLES
+
+    def capture_caveats(self, info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]
+                        ) -> list[str]:
+        """None known: the capture path read and checked here is vLLM 0.32.0's Llama target on the CPU backend
+        (``llama.py::LlamaModel.forward``, env/vllm/README.md); SGLang's DeepSeek-family caveats do not apply."""
+        return []
+
+    def sampling_rule(self, info: dict) -> str:
+        """The server's ``draft_sample_method`` / ``rejection_sample_method`` (its worker's ``SpeculativeConfig``)."""
+        dsm, rsm = info.get("draft_sample_method") or "greedy", info.get("rejection_sample_method") or "standard"
+        how = ("the draft's probabilities count as one-hot, so a draft token is accepted with the target's "
+               "probability of it (strict), not min(1, p/q)" if dsm == "greedy" else
+               "the draft samples from its distribution and a token is accepted with min(1, p/q)")
+        return (f"vLLM {info.get('version')} runs rejection_sample_method {rsm!r} with draft_sample_method {dsm!r}: "
+                f"{how} (vllm/config/speculative.py::SpeculativeConfig.draft_sample_method; "
+                "vllm/v1/sample/rejection_sampler.py::rejection_random_sample_kernel: draft_prob = 1 without draft "
+                "probs); at temperature 0 verification is greedy")
+
+    def cli_refusal(self, args: Any) -> Optional[str]:
+        """SGLang's options (hooks, faults, capture hooks, algorithm, topk, draft tokens, the head_dim-16 reference
+        draft) do not apply; a target is required (vLLM's CPU attention refuses the reference target's head_dim
+        16)."""
+        bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
+                              ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
+                              ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
+                              ("--draft-tokens", args.draft_tokens != 4),
+                              ("--reference-draft", args.reference_draft)) if v]
+        if bad:
+            return f"{', '.join(bad)} apply to SGLang only (vLLM captures through its worker extension)"
+        if args.target is None:
+            return "--target is required (vLLM's CPU attention refuses the reference target's head_dim 16)"
+        return None
+
+    def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+        """The embedded vLLM server (:func:`helpers.engines.vllm_server.start`, ``--steps`` =
+        ``num_speculative_tokens``)."""
+        handle = vllm_server.start(args.target, draft, tp=args.tp, port=args.port, num_speculative_tokens=args.steps,
+                                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra)
+        launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
+                  "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
+                  "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
+                  "dtype": args.dtype}
+        return handle, launch
+
+    def fix_flags(self, fix: Any) -> dict:
+        """A fix's ``server_args`` (the suite's vocabulary: ``--speculative-num-steps`` N, ``--speculative-algorithm``)
+        as vLLM flags: ``speculative_config.num_speculative_tokens`` N (vLLM drafts a chain; a topk above 1 or a
+        draft-token count other than N + 1 has no vLLM 0.32.0 counterpart and is left out, said in the fix's
+        ``why``), ``speculative_config.method``; other flags as given."""
+        out: dict = {}
+        for k, v in (fix.server_args or {}).items():
+            if k == "--speculative-num-steps":
+                out["speculative_config.num_speculative_tokens"] = int(v)
+            elif k == "--speculative-algorithm":
+                out["speculative_config.method"] = str(v).lower()
+            elif k in ("--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+                continue
+            else:
+                out[k] = None if v is None else str(v)
+        return out
 
     def spec_config(self, client: VLLMClient, *, draft: str | Path | None = None) -> SpecConfig:
         """The effective speculative config: the worker extension's report when the server has it (what the engine
@@ -282,7 +523,7 @@ class VLLMAdapter(EngineAdapter):
             if k:
                 sources["num_speculative_tokens"] = ("GET /metrics: positions of "
                                                      "vllm:spec_decode_num_accepted_tokens_per_pos")
-            info = client.server_info()
+            info = client.dev_server_info()
             if info:
                 sc = (info.get("vllm_config") or {}).get("speculative_config") or {}
                 pc = (info.get("vllm_config") or {}).get("parallel_config") or {}
@@ -316,68 +557,45 @@ class VLLMAdapter(EngineAdapter):
         return parse_counters(client.metrics_text())
 
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
-                       name: str = "served", max_new_tokens: int = 1, layers: bool = False,
-                       records: Optional[list] = None, progress: bool = False,
-                       capture_dir: str | Path | None = None) -> Path:
-        """Dump what the server feeds its draft for ``prompts`` (token ids, training samples): the worker extension is
-        armed on every rank for the capture; for each prompt the prefix cache is reset (``/reset_prefix_cache``), one
-        completion of ``max_new_tokens`` greedy tokens runs, and rank 0's ``drafter.propose`` input of its prefill (its
-        ``target_hidden_states`` = the concatenated aux states, one row per prompt token, ascending id order) becomes
-        the sample (``first_position`` = its first position). With ``layers`` a second dump ``<name>-layers`` holds
-        the target forward's ``embedding, out(0) .. out(n-1)`` (a reference dump). Manifest: ``engine: vllm``,
+                       name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
+                       rank_dir: str | Path | None = None, max_width: Optional[int] = None, progress: bool = False,
+                       layers: bool = False, capture_dir: str | Path | None = None) -> Path:
+        """Dump what the server feeds its draft for ``prompts`` (token ids, text, training samples): the worker
+        extension is armed on every rank for the capture; for each prompt the prefix cache is reset
+        (``/reset_prefix_cache``) and one completion of ``max_new_tokens`` greedy tokens runs. The sample's row at
+        position p is the last row rank 0's ``drafter.propose`` received for p (its ``target_hidden_states`` = the
+        concatenated aux states in ascending id order; the prefill gives the prompt's rows, each verify step the rows
+        of its tokens, and the last forward that covers a position always holds its final token on the final
+        prefix), else the target forward's own aux rows (a position no propose call received): rows = the prompt's,
+        then each generated token's but the last, as SGLang's ``meta_info.hidden_states`` lays them out
+        (``first_position`` = the first position). With ``layers`` a second dump ``<name>-layers`` holds the prefill
+        forward's ``embedding, out(0) .. out(n-1)`` (a reference dump). Manifest: ``engine: vllm``,
         ``engine_version``, the loaded config (``e3f_describe``), ``kind: served``.
 
         ``records``: when a list, one per-request row (:func:`record`) per prompt is appended.
-        ``capture_dir``: keep every rank's raw capture there (``rank<r>/index.jsonl`` + files, the format
-        ``helpers.capture.per_rank_dumps`` reads: one dump per TP rank); default a temporary folder, removed.
+        ``rank_dir`` (or ``capture_dir``): keep every rank's raw capture there (``rank<r>/index.jsonl`` + files, the
+        format ``helpers.capture.per_rank_dumps`` reads: one dump per TP rank); default a temporary folder, removed.
 
         Raises:
             helpers.errors.RequestRejected: the server lacks the worker extension / dev mode (one line, how to start
                 it).
-            helpers.errors.SGLangError: the server recorded no draft input for a prompt.
+            helpers.errors.SGLangError: the server recorded no draft input for a prompt, or rows wider than
+                ``max_width``.
             FileExistsError: the dump exists."""
+        from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)
+        from .vllm_capture import _assemble, _now, _send  # lazy: torch (measure detects the engine without it)
         ranks = client.rpc("e3f_describe")
         version = client.version()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        keep = capture_dir is not None
-        cap = Path(capture_dir) if keep else Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir))
+        keep_dir = rank_dir if rank_dir is not None else capture_dir
+        keep = keep_dir is not None
+        cap = Path(keep_dir) if keep else Path(tempfile.mkdtemp(prefix=".e3f-vllm-capture-", dir=out_dir))
         if keep and cap.exists() and any(cap.iterdir()):
             raise BadInput("the capture folder is not empty (captures are never overwritten)", path=cap)
-        sent: list[tuple[str, list[int], dict]] = []
-        samples, ref = [], []
         try:
-            client.rpc("e3f_capture_start", {"out_dir": os.fspath(cap), "layers": bool(layers)})
-            try:
-                for i, p in enumerate(prompts):
-                    pid, ids, _ = _prompt_fields(p, i)
-                    if ids is None:
-                        raise BadInput(f"prompt {pid}: the vLLM capture needs token ids", field="prompts")
-                    client.reset_prefix_cache()
-                    ans = client.complete(ids, max_tokens=max_new_tokens)
-                    sent.append((pid, ids, ans))
-                    if records is not None:
-                        records.append(record(len(records), pid, ans, kind="capture"))
-            finally:
-                client.rpc("e3f_capture_stop")
-            fed_recs, fwd_recs = _Records(cap, "DRAFT_INPUT"), _Records(cap, "EXTEND")
-            for pid, ids, ans in sent:
-                key = _safe_key(pid)
-                fed = fed_recs.next_for(ids)
-                if fed is None:
-                    raise SGLangError(f"{client._shown_url}: the draft received no input for prompt {pid} (is "
-                                      "speculative decoding on?)", endpoint="/collective_rpc")
-                samples.append({"key": key, "sample_id": pid, "input_ids": fed["input_ids"],
-                                "hidden": fed["aux"].to(torch.float32), "first_position": int(fed["positions"][0]),
-                                "num_prompt_tokens": len(ids),
-                                "output_ids": ans["choices"][0].get("token_ids") or None})
-                fwd = fwd_recs.next_for(ids) if layers else None
-                if fwd is not None:
-                    n = sum(1 for k in fwd if k.startswith("out("))
-                    need = ["embedding"] + [f"out({L})" for L in range(n)]
-                    ref.append({"key": key, "sample_id": pid, "input_ids": fwd["input_ids"],
-                                "hidden": torch.cat([fwd[k] for k in need], -1).to(torch.float32),
-                                "first_position": int(fwd["positions"][0])})
+            sent = _send(client, prompts, cap, max_new_tokens, layers, records)
+            samples, ref = _assemble(client, cap, sent, layers, max_width)
         finally:
             if not keep:
                 shutil.rmtree(cap, ignore_errors=True)
@@ -386,47 +604,30 @@ class VLLMAdapter(EngineAdapter):
         extra = {"kind": "served", "engine": "vllm", "engine_version": version,
                  "source": {"type": "vllm_worker_extension", "url": client._shown_url, "captured": _now(),
                             "tensor": "drafter.propose target_hidden_states (torch.cat of the target's aux hidden "
-                                      "states, ascending ids, pre-norm residual stream in(i)), TP rank 0",
+                                      "states, ascending ids, pre-norm residual stream in(i)), TP rank 0; the last "
+                                      "row received per position",
                             "reset_prefix_cache": True, "max_new_tokens": max_new_tokens},
-                 "server": {"engine": "vllm", "version": version, "loaded": redact(r0, client.secrets)},
+                 "server": client.server_info(),      # the suite's vocabulary (engine, version, draft path, ...)
                  "tp_size": r0.get("tp_size"), "hidden_size": hidden,
                  "layer_plan": {"tensors": rules.captured(r0.get("aux_layer_ids") or [], r0.get("num_layers") or 0),
                                 "ids": r0.get("aux_layer_ids"), "convention": "vllm"}}
         path = write_dump(out_dir / name, samples, extra)
         if layers and ref:
-            n = r0.get("num_layers") or 0
-            write_dump(out_dir / f"{name}-layers", ref,
-                       {"kind": "reference", "engine": "vllm", "engine_version": version, "hidden_size": hidden,
-                        "source": {"type": "vllm_worker_extension", "url": client._shown_url, "captured": _now(),
-                                   "tensor": "model.embed_tokens output; layers[L] output hidden + residual"},
-                        "tp_size": r0.get("tp_size"),
-                        "layer_plan": {"tensors": ["embedding"] + [f"out({L})" for L in range(n)]}})
+            self._write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
         return path
 
-
-class _Records:
-    """Rank 0's records of one ``mode`` in a capture folder, consumed in order: :meth:`next_for` returns the next
-    one whose token ids are the prompt or its uncached tail (a prefill), skipping others (decode steps)."""
-
-    def __init__(self, capture_dir: Path, mode: str) -> None:
-        self.dir = capture_dir
-        try:
-            recs = read_rank_capture(capture_dir).get(0, [])
-        except FileNotFoundError:
-            recs = []
-        self.recs = [r for r in recs if r.get("mode") == mode]
-        self.pos = 0
-
-    def next_for(self, ids: Sequence[int]) -> Optional[dict[str, torch.Tensor]]:
-        want = [int(t) for t in ids]
-        while self.pos < len(self.recs):
-            rec = self.recs[self.pos]
-            self.pos += 1
-            t = load_file(str(self.dir / "rank0" / rec["file"]))
-            got = [int(x) for x in t["input_ids"].tolist()]
-            if got and len(got) <= len(want) and want[len(want) - len(got):] == got:
-                return t
-        return None
+    @staticmethod
+    def _write_layers(path: Path, ref: list, r0: dict, version: str, client: VLLMClient) -> Path:
+        from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)
+        from .vllm_capture import _now  # lazy: torch (measure detects the engine without it)
+        n = r0.get("num_layers") or 0
+        return write_dump(path, ref, {"kind": "reference", "engine": "vllm", "engine_version": version,
+                                      "hidden_size": r0.get("hidden_size"),
+                                      "source": {"type": "vllm_worker_extension", "url": client._shown_url,
+                                                 "captured": _now(), "tensor": "model.embed_tokens output; "
+                                                 "layers[L] output hidden + residual (prefill), TP rank 0"},
+                                      "tp_size": r0.get("tp_size"),
+                                      "layer_plan": {"tensors": ["embedding"] + [f"out({L})" for L in range(n)]}})
 
 
 def _read_config(folder: Optional[str]) -> Optional[dict]:
@@ -438,5 +639,3 @@ def _read_config(folder: Optional[str]) -> Optional[dict]:
         return None
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")

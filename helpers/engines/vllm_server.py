@@ -28,15 +28,16 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import psutil
 
 from ..budget import Budget
-from ..errors import BadServerInput, ServerStartError
+from ..errors import BadInput, BadServerInput, ServerStartError
 from ..paths import ROOT
 from ..server.embedded import check_model_dir, free_port, parse_ports, port_in_use
 from ..server.process import ServerProcess
+from ..server.restart import set_flags
 
 #: the interpreter of the vLLM venv (env/vllm/install.sh); ``$E3F_VLLM_PYTHON`` overrides it
 DEFAULT_VLLM_PYTHON = ROOT / "env" / "vllm" / ".venv" / "bin" / "python"
@@ -102,15 +103,18 @@ def check_draft(draft: Path) -> dict:
 
 def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int, num_speculative_tokens: int,
                   port: int, dtype: str, max_model_len: int, max_num_seqs: int, api_key: Optional[str],
-                  extra_args: Sequence[str]) -> list[str]:
-    """The ``vllm.entrypoints.openai.api_server`` argv of the embedded server (see the module docstring)."""
+                  extra_args: Sequence[str], speculative: Optional[dict] = None) -> list[str]:
+    """The ``vllm.entrypoints.openai.api_server`` argv of the embedded server (see the module docstring);
+    ``speculative``: further ``--speculative-config`` fields (``draft_sample_method``, ``rejection_sample_method``,
+    ... of ``vllm/config/speculative.py::SpeculativeConfig``)."""
     cmd = [os.fspath(python), "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(target),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--tensor-parallel-size", str(tp), "--enforce-eager",
            "--worker-extension-cls", WORKER_EXTENSION]
     if draft is not None:
         cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": os.fspath(draft),
-                                                    "num_speculative_tokens": int(num_speculative_tokens)}),
+                                                    "num_speculative_tokens": int(num_speculative_tokens),
+                                                    **dict(speculative or {})}),
                 "--per-request-spec-decode-metrics", "detailed"]
     if api_key:
         cmd += ["--api-key", api_key]
@@ -153,7 +157,8 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
           max_model_len: int = 512, max_num_seqs: int = 8, extra_args: Sequence[str] = (),
           api_key: Optional[str] = None, log_path: os.PathLike | str | None = None, timeout: float = 600.0,
           budget: Optional[Budget] = None, python: os.PathLike | str | None = None,
-          env: Optional[dict[str, str]] = None, cpus: Optional[Sequence[int]] = None) -> ServerProcess:
+          env: Optional[dict[str, str]] = None, cpus: Optional[Sequence[int]] = None,
+          speculative: Optional[dict] = None, what: str = "vLLM server") -> ServerProcess:
     """Start the embedded vLLM CPU server and wait until ``/health`` answers 200.
 
     Args:
@@ -173,6 +178,8 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
         python: the vLLM venv's interpreter (:func:`vllm_python`).
         env: extra environment variables for the server.
         cpus: CPUs to bind ranks to (:func:`omp_bind`).
+        speculative: further ``--speculative-config`` fields (:func:`build_command`).
+        what: the server's name in messages.
 
     Returns: a :class:`helpers.server.process.ServerProcess` (``url``, ``pid``, ``port``, ``log_path``, ``tp``,
     ``target``, ``draft``, ``engine="vllm"``, ``num_speculative_tokens``).
@@ -201,13 +208,13 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
         log_path = Path(tempfile.mkdtemp(prefix="e3f-vllm-")) / f"vllm-{chosen}.log"
     cmd = build_command(python, target, draft=draft_path, tp=tp, num_speculative_tokens=num_speculative_tokens,
                         port=chosen, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        api_key=api_key, extra_args=extra_args)
+                        api_key=api_key, extra_args=extra_args, speculative=speculative)
     handle = ServerProcess(cmd, f"http://127.0.0.1:{chosen}", log_path=Path(log_path), env=server_env(tp, cpus, env),
                            cwd=os.fspath(ROOT), port=chosen, tp=tp, target=target, draft=draft_path, engine="vllm",
                            num_speculative_tokens=num_speculative_tokens if draft_path is not None else None,
-                           spec=None)
+                           spec=None, speculative=dict(speculative or {}))
     try:
-        handle.wait_healthy(timeout, api_key=api_key, what="vLLM server", budget=budget)
+        handle.wait_healthy(timeout, api_key=api_key, what=what, budget=budget)
     except BaseException:
         handle.stop(timeout=5)
         raise
@@ -216,3 +223,32 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
 
 __all__ = ["start", "listeners", "build_command", "server_env", "omp_bind", "check_target", "check_draft",
            "vllm_python", "ServerStartError", "WORKER_EXTENSION", "CPU_HEAD_SIZES", "EAGLE3_DRAFT_CLASSES"]
+
+
+def relaunch_command(argv: list[str], *, draft: Optional[Path | str], keep_draft: bool, flags: Mapping[str, Any],
+                     spec: Mapping[str, Any], port: int) -> list[str]:
+    """A vLLM launch command (``vllm serve ...`` / ``python -m vllm.entrypoints.openai.api_server ...``) for a restarted
+    copy: ``--host 127.0.0.1``, ``--port``, ``flags`` set (:func:`helpers.server.restart.set_flags`), the
+    ``--speculative-config`` JSON with ``model`` = ``draft`` and ``spec`` merged, or, without the draft, every
+    speculative flag dropped.
+
+    Raises:
+        BadInput: the command's ``--speculative-config`` is not a JSON object (field ``--relaunch``)."""
+    cfg: dict = {}
+    for i, a in enumerate(argv):
+        name, _, inline = a.partition("=")
+        if name == "--speculative-config":
+            text = inline or (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                cfg = json.loads(text)
+            except json.JSONDecodeError:
+                cfg = None
+            if not isinstance(cfg, dict):
+                raise BadInput(f"--speculative-config {text[:80]!r} is not a JSON object", field="--relaunch")
+    host = {"--host": "127.0.0.1", "--port": str(port), **dict(flags)}
+    if not keep_draft:
+        return set_flags(argv, host, drop_prefixes=("--speculative-config", "--per-request-spec-decode-metrics"))
+    if draft is not None:
+        cfg["model"] = os.fspath(draft)
+    cfg.update(spec)
+    return set_flags(argv, {**host, "--speculative-config": json.dumps(cfg)} if cfg else host)

@@ -75,6 +75,27 @@ def _tensor_of(obj: Any, name: str) -> Optional[torch.Tensor]:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def _settings(cfg: Any) -> dict:
+    """The engine settings the ablations and the attach read, from the worker's ``VllmConfig`` (0.32.0 names:
+    ``config/cache.py::CacheConfig.enable_prefix_caching``, ``config/scheduler.py::SchedulerConfig.async_scheduling``,
+    ``config/speculative.py::SpeculativeConfig.rejection_sample_method`` / ``draft_sample_method``,
+    ``config/model.py::ModelConfig.dtype`` / ``max_model_len``, ``config/device.py::DeviceConfig.device_type``)."""
+    def get(obj: Any, name: str) -> Any:
+        v = getattr(obj, name, None) if obj is not None else None
+        return v if isinstance(v, (bool, int, float, str)) or v is None else str(v)
+    sc = getattr(cfg, "speculative_config", None)
+    mc = getattr(cfg, "model_config", None)
+    dtype = get(mc, "dtype")
+    return {"enable_prefix_caching": get(getattr(cfg, "cache_config", None), "enable_prefix_caching"),
+            "async_scheduling": get(getattr(cfg, "scheduler_config", None), "async_scheduling"),
+            "max_num_seqs": get(getattr(cfg, "scheduler_config", None), "max_num_seqs"),
+            "rejection_sample_method": get(sc, "rejection_sample_method"),
+            "draft_sample_method": get(sc, "draft_sample_method"),
+            "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+            "max_model_len": get(mc, "max_model_len"),
+            "device": get(getattr(cfg, "device_config", None), "device_type")}
+
+
 def _mode(runner: Any) -> str:
     ib = getattr(runner, "input_batch", None)
     try:
@@ -129,6 +150,7 @@ class CaptureExtension:
             "use_aux_hidden_state_outputs": bool(getattr(runner, "use_aux_hidden_state_outputs", False)),
             "enforce_eager": bool(cfg.model_config.enforce_eager),
             "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
+            "settings": _settings(cfg),
             "draft": None,
         }
         drafter = getattr(runner, "drafter", None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from ..acceptance.ablations import TOGGLES, Toggle, flag_text, toggles as named_toggles
+from ..acceptance.ablations import Toggle, flag_text
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci, paired_effect
@@ -27,9 +27,12 @@ from ..draft.training_log import find_training_log
 from ..errors import BadInput, ServerError, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..runfiles import read_json_file, safe_name, write_json
-from ..server.client import SGLangClient
+from ..engines.base import EngineAdapter
+from ..engines.detect import BY_NAME as BY_ENGINE, adapter as adapter_named, detect
+from ..engines.sglang import SGLangAdapter
+from ..server.client import ServerClient
 from ..server.registry import lookup
-from ..server.restart import relaunch_argv, start_variant
+from ..server.restart import relaunch_argv
 
 FORMAT = "e3f-ablate"
 #: seconds a toggle is assumed to take (restart + one measurement) before one was measured: a toggle is not started
@@ -83,9 +86,10 @@ def _save(res, run_dir: Path, *parts: str) -> Optional[str]:
         return None
 
 
-def sweep_finding(t: dict, lim: dict) -> dict:
+def sweep_finding(t: dict, lim: dict, sampling_rule: Optional[str] = None) -> dict:
     """The finding of a sweep whose acceptance falls (:func:`helpers.acceptance.sweeps.trend`), with what the data and
-    the configs say of where it begins; it names no limit the data do not support."""
+    the configs say of where it begins; it names no limit the data do not support. ``sampling_rule``: how the server's
+    engine verifies sampled tokens (``EngineAdapter.sampling_rule``), said for the temperature sweep."""
     kind, cause = SWEEP_KINDS[t["sweep"]]
     ci = t["ci"]
     head = (f"accept length falls from {t['reference_accept_length']:.2f} ({t['reference']}) to "
@@ -108,8 +112,9 @@ def sweep_finding(t: dict, lim: dict) -> dict:
             where.append("nothing read here places the fall (settle it with the draft's training sequence length)")
         where.append("cause: workload (prompt + context length), not a wiring or engine fault")
     elif t["sweep"] == "temperature":
-        where.append("cause: workload (the requests' sampling temperature): SGLang verifies sampled tokens against "
-                     "the draft's proposals, and fewer match at a higher temperature")
+        where.append("cause: workload (the requests' sampling temperature): " + (
+            sampling_rule or "the engine verifies sampled tokens against the draft's proposals, and fewer match at a "
+                             "higher temperature"))
     else:
         where.append("cause: engine: the same prompts accept less when they share a batch (batch-dependent draft or "
                      "verify numerics, padding, or scheduling)")
@@ -123,21 +128,26 @@ def _toggle_row(t: Toggle) -> dict:
             "speculative": t.speculative}
 
 
-def measure_toggle(t: Toggle, *, restart: dict, client: SGLangClient, before, prompts, max_new_tokens: int,
+def measure_toggle(t: Toggle, *, restart: dict, client: ServerClient, before, prompts, max_new_tokens: int,
                    run_dir: Path, budget: Budget, api_key: Optional[str] = None, port=None,
-                   progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Start the server with toggle ``t``, measure it on ``prompts`` and compare with ``before`` (the unchanged
-    server's measurement of the same prompts): ``{"status": "measured", "after", "effect", "recovers",
-    "baseline_faster", ...}``. The variant is stopped by its PID before this returns."""
+                   progress: Callable[[str], None] = lambda s: None, adapter: Optional[EngineAdapter] = None,
+                   temperature: float = 0.0) -> dict:
+    """Start the server with toggle ``t`` (the engine adapter's restart, its flags), measure it on ``prompts`` and
+    compare with ``before`` (the unchanged server's measurement of the same prompts, at ``temperature`` for a
+    sampling toggle): ``{"status": "measured", "after", "effect", "recovers", "baseline_faster", ...}``. The variant
+    is stopped by its PID before this returns."""
+    adapter = adapter or SGLangAdapter()
     row = _toggle_row(t)
     progress(f"toggle {t.name}: starting the server with {flag_text(t.flags) or 'no draft'} ...")
     t0 = time.perf_counter()
-    handle = start_variant(restart, keep_draft=t.speculative, flags=t.flags, api_key=api_key, port=port,
-                           log_path=run_dir / "logs" / f"toggle-{t.name}.log", budget=budget,
-                           capture_dir=run_dir / "capture" / f"toggle-{t.name}", what=f"the server with {t.name}")
+    handle = adapter.start_variant(restart, keep_draft=t.speculative, flags=t.flags, api_key=api_key, port=port,
+                                   log_path=run_dir / "logs" / f"toggle-{t.name}.log", budget=budget,
+                                   capture_dir=run_dir / "capture" / f"toggle-{t.name}",
+                                   what=f"the server with {t.name}")
     try:
-        with SGLangClient(handle.url, api_key, timeout=client.timeout, budget=budget) as c2:
-            after = measure(c2, prompts, max_new_tokens=max_new_tokens, label=t.name, progress=False, seed=0)
+        with adapter.client(handle.url, api_key, timeout=client.timeout, budget=budget) as c2:
+            after = measure(c2, prompts, max_new_tokens=max_new_tokens, label=t.name, progress=False, seed=0,
+                            temperature=temperature if t.sampled else 0.0)
     finally:
         handle.stop()
     row["saved_to"] = _save(after, run_dir, "toggles", t.name)
@@ -189,16 +199,18 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
            max_new_tokens: int = 32, temperature: float = 1.0, concurrency: Sequence[int] = (1, 2, 4, 8),
            contexts: Optional[Sequence[int]] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
            draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
-           training_log: Optional[str | Path] = None, port=None, client: Optional[SGLangClient] = None,
-           progress: Callable[[str], None] = lambda s: None) -> dict:
+           training_log: Optional[str | Path] = None, port=None, client: Optional[ServerClient] = None,
+           adapter: Optional[EngineAdapter] = None, progress: Callable[[str], None] = lambda s: None) -> dict:
     """Run the sweeps, then the toggles, within ``budget_s`` seconds; write ``results/ablate.json`` into ``run_dir``.
 
     Args:
         url: the server (``/server_info``, ``/generate``, ``/flush_cache``).
         sweeps: a subset of :data:`helpers.acceptance.sweeps.SWEEPS`, in order.
-        toggles: names of :data:`helpers.acceptance.ablations.TOGGLES`; None: every toggle when the server can be
-            restarted (an embedded server of the registry, or ``relaunch``), none otherwise (listed as skipped);
-            ``()``: none.
+        toggles: names of the server's engine toggles (``adapter.toggles()``: SGLang's
+            :data:`helpers.acceptance.ablations.TOGGLES`, vLLM's ``helpers.engines.vllm.TOGGLES``); None: every toggle
+            when the server can be restarted (an embedded server of the registry, or ``relaunch``), none otherwise
+            (listed as skipped); ``()``: none.
+        adapter: the server's engine adapter (default: detected from ``url``); client: its client.
         temperature: the user's temperature, measured against 0 (the temperature sweep).
         prompts / num_prompts: the prompt set (default: the bundled prompts), the same ids at every point.
         max_new_tokens: tokens generated per request at every point.
@@ -220,15 +232,17 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
             (checked before any request: nothing is overwritten). ServerError: the server cannot be reached.
     """
     run_dir = Path(run_dir)
-    chosen = _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens)
+    _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens, _all_toggles())
     argv = relaunch_argv(relaunch) if relaunch else None
     ps = load_prompts(prompts, n=num_prompts)       # a bad prompt file is bad input before any request
     dl = budget or Budget(budget_s, flag="--budget")
+    adapter = adapter or detect(url, api_key, deadline_s=min(60.0, dl.remaining() or 60.0)).adapter
+    chosen = _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens, adapter.toggles())
     own = client is None
-    a = _Ablation(run_dir=run_dir, dl=dl, client=client or SGLangClient(url, api_key, budget=dl), progress=progress,
-                  t_start=time.perf_counter())
+    a = _Ablation(run_dir=run_dir, dl=dl, client=client or adapter.client(url, api_key, budget=dl),
+                  progress=progress, t_start=time.perf_counter(), adapter=adapter)
     try:
-        info = a.client.server_info(refresh=True)
+        info = a.info = a.client.server_info(refresh=True)
         if not info.get("speculative_algorithm"):
             raise BadInput("the server runs without speculative decoding: there is no acceptance to sweep",
                            field="--url")
@@ -238,7 +252,8 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         log = find_training_log(draft_dir, training_log) if draft_dir is not None else None
         a.lim = limits(info, draft_dir=draft_dir, target_dir=target_dir, training_log=log)
         a.ps = ps
-        a.doc = {"format": FORMAT, "version": 1, "url": a.client.url, "sglang_version": info.get("version"),
+        a.doc = {"format": FORMAT, "version": 1, "url": a.client.url, "engine": adapter.name,
+                 "engine_version": info.get("version"), "sglang_version": info.get("sglang_version", info.get("version")),
                  "device": info.get("device"), "limits": a.lim, "prompts": len(a.ps), "max_new_tokens": max_new_tokens,
                  "temperature": temperature, "sweeps": {}, "toggles": [], "findings": [], "skipped": [],
                  "failed_requests": [], "budget_s": budget_s}
@@ -251,11 +266,12 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
         restart = ({"kind": "embedded", **entry} if entry is not None
                    else {"kind": "command", "argv": argv} if argv else None)
         if toggles is None:
-            chosen = list(TOGGLES) if restart is not None else []
+            chosen = list(adapter.toggles()) if restart is not None else []
             if restart is None:
                 a.doc["skipped"].append("toggles: this server cannot be restarted by the tool (pass --relaunch CMD, "
                                         "or start it with `python -m helpers server start`)")
-        _toggles(a, chosen, info, restart, max_new_tokens=max_new_tokens, api_key=api_key, port=port)
+        _toggles(a, chosen, info, restart, max_new_tokens=max_new_tokens, api_key=api_key, port=port,
+                 temperature=temperature)
         a.doc["skipped"] += [f"toggle {r['name']}: {r['reason']}" for r in a.doc["toggles"]
                              if r["status"] != "measured"]
         a.doc["wall_s"] = time.perf_counter() - a.t_start
@@ -277,20 +293,29 @@ class _Ablation:
 
     run_dir: Path
     dl: Budget
-    client: SGLangClient
+    client: ServerClient
     progress: Callable[[str], None]
     t_start: float
+    adapter: EngineAdapter = field(default_factory=lambda: SGLangAdapter())
     doc: Optional[dict] = None
     lim: Optional[dict] = None
     ps: Any = None
     reference: Any = None
     todo: list = field(default_factory=list)
     running: list = field(default_factory=list)
+    references: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+
+def _all_toggles() -> tuple[Toggle, ...]:
+    """Every engine's toggles (a name no engine knows is bad input before any request)."""
+    return tuple(t for name in sorted(BY_ENGINE) for t in adapter_named(name).toggles())
 
 
 def _check_args(run_dir: Path, sweeps: Sequence[str], toggles: Optional[Sequence[str]], num_prompts: int,
-                max_new_tokens: int) -> list:
-    """Bad arguments are bad input before any request; returns the named toggles."""
+                max_new_tokens: int, known: Sequence[Toggle]) -> list:
+    """Bad arguments are bad input (before any request when ``known`` is every engine's toggles); returns the named
+    toggles of ``known``."""
     if (run_dir / "results" / "ablate.json").exists():
         raise BadInput("the run folder already holds ablation results (results/ablate.json); ablate into a new run "
                        "folder", path=run_dir)
@@ -298,10 +323,11 @@ def _check_args(run_dir: Path, sweeps: Sequence[str], toggles: Optional[Sequence
         if s not in SWEEPS:
             raise BadInput(f"unknown sweep {s!r}; expected a comma-separated subset of {','.join(SWEEPS)}",
                            field="--sweeps")
-    try:
-        chosen = named_toggles(list(toggles)) if toggles else []
-    except ValueError as exc:
-        raise BadInput(str(exc), field="--toggles") from None
+    table = {t.name: t for t in known}
+    unknown = [n for n in (toggles or []) if n not in table]
+    if unknown:
+        raise BadInput(f"unknown toggle {unknown[0]!r}; known: {', '.join(table)}", field="--toggles")
+    chosen = [table[n] for n in (toggles or [])]
     if num_prompts < 2:
         raise BadInput(f"need at least 2 prompts for a paired CI, got {num_prompts}", field="--num-prompts")
     if max_new_tokens < 2:
@@ -334,18 +360,19 @@ def _sweep(a: _Ablation, s: str, *, max_new_tokens: int, temperature: float, con
               on_point=keep)
     if a.reference is None and pts and pts[0].result is not None:
         a.reference = pts[0].result           # the unchanged server on these prompts (first reference point)
+        a.references.setdefault("greedy", a.reference)
     t = trend(pts, a.lim)
     doc["sweeps"][s] = {"points": [p.to_json() for p in pts], "trend": t}
     doc["skipped"] += [f"sweep {s}: {p.label}: {p.skipped}" for p in pts if p.skipped]
     doc["failed_requests"] += [_failed(f"sweep {s}: {p.label}", p.result) for p in pts
                                if p.result is not None and p.result.summary.get("n_failed")]
     if t is not None:
-        doc["findings"].append(sweep_finding(t, a.lim))
+        doc["findings"].append(sweep_finding(t, a.lim, a.adapter.sampling_rule(a.info)))
     a.running.clear()
 
 
 def _toggles(a: _Ablation, chosen: list, info: dict, restart: Optional[dict], *, max_new_tokens: int,
-             api_key: Optional[str], port) -> None:
+             api_key: Optional[str], port, temperature: float = 1.0) -> None:
     """The engine toggles, each on a restarted copy, paired with the unchanged server; skipped with a reason when
     it does not apply or the budget cannot fit a restart and a measurement."""
     doc, progress, dl = a.doc, a.progress, a.dl
@@ -366,17 +393,20 @@ def _toggles(a: _Ablation, chosen: list, info: dict, restart: Optional[dict], *,
             doc["toggles"].append(row)
             progress(f"toggle {t.name}: skipped ({why})")
             continue
-        if a.reference is None:
-            progress("measuring the unchanged server for the toggles ...")
-            a.reference = measure(a.client, a.ps, max_new_tokens=max_new_tokens, label="unchanged", progress=False,
-                                  seed=0)
-            if a.reference.summary.get("n_failed"):
-                doc["failed_requests"].append(_failed("the unchanged server (toggles' reference)", a.reference))
+        key = "sampled" if t.sampled else "greedy"
+        if a.references.get(key) is None:
+            progress(f"measuring the unchanged server for the toggles ({key}) ...")
+            a.references[key] = measure(a.client, a.ps, max_new_tokens=max_new_tokens, label=f"unchanged ({key})",
+                                        progress=False, seed=0, temperature=temperature if t.sampled else 0.0)
+            if a.references[key].summary.get("n_failed"):
+                doc["failed_requests"].append(_failed("the unchanged server (toggles' reference)", a.references[key]))
+        if a.reference is None and not t.sampled:
+            a.reference = a.references[key]
         a.running[:] = [f"toggle {t.name}"]
         try:
-            row = measure_toggle(t, restart=restart, client=a.client, before=a.reference, prompts=a.ps,
+            row = measure_toggle(t, restart=restart, client=a.client, before=a.references[key], prompts=a.ps,
                                  max_new_tokens=max_new_tokens, run_dir=a.run_dir, budget=dl, api_key=api_key,
-                                 port=port, progress=progress)
+                                 port=port, progress=progress, adapter=a.adapter, temperature=temperature)
             if (row.get("after") or {}).get("n_failed"):
                 doc["failed_requests"].append(f"toggle {t.name}: {row['after']['n_failed']} of "
                                               f"{row['after']['n_failed'] + (row['after']['n_requests'] or 0)} "

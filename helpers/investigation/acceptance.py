@@ -2,10 +2,11 @@
 live requests that return both aux states and SGLang's counters, the every-layer reference, the proposed fix), the
 budget computed by :func:`helpers.draft.budget.acceptance_budget`, and the findings it implies.
 
-The live requests are plain greedy ``/generate`` calls with ``return_hidden_states`` (the cache flushed before each,
-so the prompt block is complete): one answer gives the aux states the server fed for its own continuation and the
-same request's ``spec_verify_ct`` / ``spec_num_correct_drafts``, so the offline run and the live counters are paired
-on identical tokens.
+The live requests go through the engine adapter's capture (SGLang: greedy ``/generate`` calls with
+``return_hidden_states``; vLLM: ``/v1/completions`` with the worker extension's capture and the per-request
+``metrics.speculative_decoding``), the prefix cache emptied before each so the prompt block is complete: one answer
+gives the aux states the server fed for its own continuation and the same request's verify steps and accepted drafts,
+so the offline run and the live counters are paired on identical tokens.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pandas as pd
 import torch
 
 from ..acceptance.prompts import load_prompts
-from ..capture import capture_served
 from ..diagnosis.detectors import finding
 from ..draft.budget import acceptance_budget, dump_sequences, plan_sequences, training_sequences
 from ..draft.model import Eagle3Draft
@@ -25,6 +25,8 @@ from ..draft.precision import choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
 from ..draft.teacher_forced import run as tf_run
 from ..draft.offline import offline_inputs
+from ..engines.base import EngineAdapter
+from ..engines.sglang import SGLangAdapter
 from ..formats.configs import read_draft_config
 from ..formats.training_data import TrainingData
 from ..kinds import PLAN_KINDS
@@ -79,10 +81,13 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                training_tensors: Optional[list[str]], training_log: Optional[str | Path] = None,
                validation: Optional[str | Path] = None, rows_word: tuple[Optional[str], Optional[str]] = (None, None),
                prompts: int = 16, max_new_tokens: int = 32, measure: bool = True,
-               progress: Callable[[str], None] = lambda s: None) -> BudgetRun:
+               progress: Callable[[str], None] = lambda s: None,
+               adapter: Optional[EngineAdapter] = None) -> BudgetRun:
     """Gather the budget's inputs from the live run and compute it; a stage left ``undecided`` by too few samples
     is measured again on more (training samples captured from the server up to :data:`MAX_WIRING_SAMPLES`, live
-    prompts up to :data:`MAX_LIVE_PROMPTS`) when the data holds them, once.
+    prompts up to :data:`MAX_LIVE_PROMPTS`) when the data holds them, once. ``adapter``: the server's engine adapter
+    (its ``capture_served`` gives the live stage's states and per-request counters of the same answers; default
+    SGLang's).
 
     Raises:
         BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
@@ -96,9 +101,10 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     draft, dr, train_seqs, served = off.draft, off.rows, off.training, off.served
     for where, why in off.skipped:
         progress(f"training sample {where} left out: {why}")
+    adapter = adapter or SGLangAdapter()
     live_seqs = live = None
     if measure:
-        live_seqs, live = _live(client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
+        live_seqs, live = _live(adapter, client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
     fix_in, draft_fix = _fix_inputs(fix, findings, training_tensors, reference, train_seqs, served, draft, dr)
 
     def compute() -> dict:
@@ -110,7 +116,7 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     grown = []
     need_w = _settle_n(b, "wiring")
     if need_w and served is not None and len(train_seqs) < min(need_w, MAX_WIRING_SAMPLES):
-        more = _more_training(client, training, hidden_size, len(train_seqs), min(need_w, MAX_WIRING_SAMPLES),
+        more = _more_training(adapter, client, training, hidden_size, len(train_seqs), min(need_w, MAX_WIRING_SAMPLES),
                               run_dir, progress)
         if more is not None:
             train_seqs, served = more
@@ -118,7 +124,7 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     need_e = _settle_n(b, "engine")
     if need_e and live is not None and len(live) < min(need_e, MAX_LIVE_PROMPTS):
         extra_n = min(need_e, MAX_LIVE_PROMPTS) - len(live)
-        s2, l2 = _live(client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
+        s2, l2 = _live(adapter, client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
         live_seqs, live = live_seqs + s2, pd.concat([live, l2], ignore_index=True)
         grown.append(f"engine: measured again on {len(live)} live prompts (undecided on fewer)")
     if grown:
@@ -162,28 +168,28 @@ def _settle_n(b: dict, stage: str) -> Optional[int]:
     return (loss.get("settle") or {}).get("n")
 
 
-def _live(client, run_dir: Path, first: int, n: int, max_new_tokens: int, hidden_size: int,
+def _live(adapter: EngineAdapter, client, run_dir: Path, first: int, n: int, max_new_tokens: int, hidden_size: int,
           progress: Callable[[str], None]) -> tuple[list, pd.DataFrame]:
     """``n`` live prompts (from the ``first``-th): their served states (the server's own continuation) and the
-    server's counters, from the same ``/generate`` answers."""
+    server's counters, from the same answers (the engine adapter's ``capture_served`` with ``records``)."""
     progress(f"live: {n} prompts x {max_new_tokens} tokens, aux states and counters from the same answers")
     recs: list = []
     ps = load_prompts(None, n=first + n)[first:]
-    dump = capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
-                          max_new_tokens=max_new_tokens, progress=False, records=recs, max_width=16 * hidden_size)
+    dump = adapter.capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
+                                  max_new_tokens=max_new_tokens, records=recs, max_width=16 * hidden_size)
     return dump_sequences(dump), pd.DataFrame(recs)
 
 
-def _more_training(client, training: str | Path, hidden_size: int, have: int, want: int, run_dir: Path,
-                   progress: Callable[[str], None]) -> Optional[tuple[list, list]]:
+def _more_training(adapter: EngineAdapter, client, training: str | Path, hidden_size: int, have: int, want: int,
+                   run_dir: Path, progress: Callable[[str], None]) -> Optional[tuple[list, list]]:
     """``want`` training samples and their served states (captured now), or None when the data holds no more."""
     td = TrainingData(training, hidden_size=hidden_size, max_samples=want)
     samples = list(td)
     if len(samples) <= have:
         return None
     progress(f"wiring undecided on {have} training sample(s): capturing {len(samples)}")
-    dump = capture_served(client, samples, run_dir / "dumps", name=_free(run_dir / "dumps", "served-more"),
-                          progress=False, max_width=16 * hidden_size)
+    dump = adapter.capture_served(client, samples, run_dir / "dumps", name=_free(run_dir / "dumps", "served-more"),
+                                  max_width=16 * hidden_size)
     seqs = training_sequences(TrainingData(training, hidden_size=hidden_size, max_samples=want))
     return seqs, dump_sequences(dump, starts={s.key: s.start for s in seqs})
 
@@ -191,25 +197,29 @@ def _more_training(client, training: str | Path, hidden_size: int, have: int, wa
 def _fix_inputs(fix: Optional[ProposedFix], findings: list[dict], training_tensors: Optional[list[str]],
                 reference: Optional[Path], train_seqs: list, served: Optional[list], draft: Eagle3Draft,
                 dr: dict) -> tuple[Optional[dict], Optional[dict]]:
-    """The proposed fix applied offline: the served plan it yields (from the every-layer reference) for the drafting
-    chain, and a vocab-map fix for both the drafting chain and the draft stage's teacher-forced rows."""
-    fix_in = draft_fix = None
-    fp = fix_plan(fix, findings, training_tensors)
-    if fp is not None and reference is not None:
-        try:
-            fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
-        except KeyError:
-            fix_in = None
-    elif fix is not None and "d2t" in (fix.add_tensors or {}):
+    """The proposed fix applied offline, every part of it: the served plan it yields (from the every-layer reference)
+    for the drafting chain, and its vocab map (a d2t it adds) for both the drafting chain and the draft stage's
+    teacher-forced rows (a fix that rewires the ids and replaces the d2t gets both; the draft stage's rows are the
+    training data's own states, so the vocab map is measured there whatever the plan)."""
+    fix_in = draft_fix = fixed = None
+    if fix is not None and "d2t" in (fix.add_tensors or {}):
         src = fix.add_tensors["d2t"]
         obj = torch.load(src, map_location="cpu", weights_only=True)
         if isinstance(obj, dict) and "d2t" in obj:
             fixed = draft.with_vocab_map(obj["d2t"], src)
-            if served:
-                fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served, "draft": fixed}
             if dr.get("seqs"):
                 draft_fix = {"label": "the proposed vocab map", "source": str(src),
                              "rows": tf_run(fixed, dr["seqs"], dr["steps"])}
+    fp = fix_plan(fix, findings, training_tensors)
+    if fp is not None and reference is not None:
+        try:
+            fix_in = {"label": fp[0], "plan": fp[1], "sequences": plan_sequences(reference, fp[1], train_seqs)}
+            if fixed is not None:
+                fix_in.update(label=f"{fp[0]} with the proposed vocab map", draft=fixed)
+        except KeyError:
+            fix_in = None
+    elif fixed is not None and served:
+        fix_in = {"label": "the proposed vocab map", "plan": None, "sequences": served, "draft": fixed}
     return fix_in, draft_fix
 
 

@@ -1,11 +1,12 @@
-"""Attach to a running server: what it runs, read from ``/server_info`` and the folders this machine sees (the first
-step of :func:`helpers.investigation.live.investigate`; :func:`attach` is the one place that reads a server's own
-account of itself for the investigation)."""
+"""Attach to a running server: what it runs, read from its client's ``server_info`` (any engine's
+:class:`helpers.server.client.ServerClient`: SGLang's ``/server_info``, vLLM's worker extension or dev-mode config, in
+one vocabulary) and the folders this machine sees (the first step of :func:`helpers.investigation.live.investigate`;
+:func:`attach` is the one place that reads a server's own account of itself for the investigation)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import psutil
 
@@ -13,8 +14,8 @@ from ..acceptance.measure import server_snapshot
 from ..diagnosis.detectors import finding
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
-from ..layers.sglang import target_rule
-from ..server.client import SGLangClient
+from ..engines.sglang import UNVERIFIED_CAPTURE_PATHS, capture_caveats  # noqa: F401  (re-exported)
+from ..server.client import ServerClient
 from ..server.registry import lookup
 from ..server.restart import LAYERS_HOOK, relaunch_argv
 
@@ -62,7 +63,7 @@ class Attachment:
     caveats: list = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"url": self.url, "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
+        return {"url": self.url, "engine": self.info.get("engine", "sglang"), "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
                 "spec": self.spec, "served_draft": self.served_draft, "served_target": self.served_target,
                 "draft_dir": None if self.draft_dir is None else str(self.draft_dir), "draft_source": self.draft_source,
                 "target_dir": str(self.target_dir), "target_source": self.target_source,
@@ -98,77 +99,7 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
     return ranks, layers, others
 
 
-#: what a GPU server of the DeepSeek family may run that the CPU reference cannot, each with the capture path it
-#: takes there (SGLang 0.5.23 line numbers; env/reference/README.md "What the DeepSeek family cannot show on CPU")
-UNVERIFIED_CAPTURE_PATHS = {
-    "two_batch_overlap": (
-        "two-batch overlap (enable_two_batch_overlap): on a TBO batch the layer loop stops at first_k_dense_replace "
-        "and the later layers run through batch_overlap/two_batch_overlap.py::model_forward_stages, which is passed no "
-        "aux collector (sglang/srt/models/deepseek_v2.py:3166-3173, 3202-3210, DeepseekV2Model.forward); an aux layer "
-        "id at or past first_k_dense_replace is then not captured on that batch and AuxHiddenStatePacker.finalize "
-        "would come up short (layers/aux_hidden_states.py). Whether EAGLE-3 target batches run under TBO was not "
-        "verified: the CPU reference cannot run TBO (with DP attention it reaches model_forward_stages at the "
-        "warm-up and fails in batch_overlap/operations_strategy.py:106, torch.cuda.get_device_properties)"),
-    "dp_attention": (
-        "DP attention with more than one attention-TP rank per DP group (tp_size / attn_dp_size > 1): the aux capture "
-        "then reads the stage input through the attention-TP gather (layers/layer_boundary/stage.py:461-480, "
-        "StageBoundary._prepare_attention with entry.input_move = attn_tp_gather_input; "
-        "layers/layer_boundary/boundary.py:582-614, the TokenAxis.ATTN_TP entry step), a branch the CPU reference "
-        "did not run: it served DP attention only with one attention-TP rank per DP group (TP 2, attn_dp_size 2: "
-        "aux states equal to HF's layers), where that gather is a no-op"),
-    "ep_all_to_all": (
-        "expert parallelism (moe_a2a_backend / ep_size > 1): the MoE output comes back through the all-to-all "
-        "combine (deepseek_v2.py:1074 `if not self._enable_a2a_moe` -> DeepseekV2MoE.forward_deepep, l.1524) or "
-        "from rank-local experts, not as the TP partial sums the CPU reference verified; the aux states are still "
-        "read at the next layer's attention entry, but that path, and what this tool's per-rank `mlp_partial` hook "
-        "records there, are unverified (the CPU reference cannot run EP: its fp32 MoE, "
-        "layers/moe/fused_moe_native.py:77 moe_forward_native, fails on the -1 ids of other ranks' experts; the "
-        "all-to-all backends are CUDA/ROCm/NPU libraries)"),
-    "cuda_graph": (
-        "CUDA graphs: decode / target-verify forwards replay a captured graph, so --forward-hooks (this tool's "
-        "per-rank, every-layer and fault hooks) do not run on them, and the packed aux tensor the draft reads is the "
-        "graph's static output of AuxHiddenStatePacker (deepseek_v2.py:3175); the CPU reference runs eager only "
-        "(--disable-cuda-graph), so the graph path is unverified: capture on a replica started with "
-        "--disable-cuda-graph (env/gpu/launch_tp8.sh with LAYERS_DIR)"),
-}
-
-
-def capture_caveats(info: dict, architectures: Optional[Sequence[str]], model_type: Optional[str]) -> list[str]:
-    """The capture paths this server runs that the CPU reference could not verify, one sentence each (the
-    :data:`UNVERIFIED_CAPTURE_PATHS` entry), for a DeepSeek-family target (SGLang's ``deepseek`` id rule:
-    ``models/deepseek_v2.py`` and the models built on it, Kimi-K2.5 included); [] for any other target or a server
-    running none of them.
-
-    Read from ``/server_info`` (SGLang 0.5.23 field names): ``enable_two_batch_overlap``; DP attention
-    (``enable_dp_attention`` or ``attn_dp_size`` > 1) with ``tp_size`` / ``attn_dp_size`` > 1 (one attention-TP rank
-    per DP group was verified on the CPU reference); ``moe_a2a_backend`` other than ``none`` or ``ep_size`` > 1; CUDA
-    graphs on a non-CPU ``device`` unless ``disable_cuda_graph`` (or every ``cuda_graph_config`` phase's backend is
-    ``disabled``).
-    """
-    if target_rule(architectures, model_type).rule != "deepseek":
-        return []
-
-    def count(key: str) -> int:
-        v = info.get(key)
-        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 1
-
-    on = []
-    if info.get("enable_two_batch_overlap") is True:
-        on.append("two_batch_overlap")
-    attn_dp = count("attn_dp_size") if count("attn_dp_size") > 1 else count("dp_size")
-    if (info.get("enable_dp_attention") is True or count("attn_dp_size") > 1) and count("tp_size") // attn_dp > 1:
-        on.append("dp_attention")
-    if str(info.get("moe_a2a_backend") or "none").lower() != "none" or count("ep_size") > 1:
-        on.append("ep_all_to_all")
-    graphs = info.get("cuda_graph_config")
-    phases = [p for p in graphs.values() if isinstance(p, dict)] if isinstance(graphs, dict) else []
-    all_disabled = bool(phases) and all(str(p.get("backend")) == "disabled" for p in phases)
-    if str(info.get("device") or "cuda") != "cpu" and info.get("disable_cuda_graph") is not True and not all_disabled:
-        on.append("cuda_graph")
-    return [f"unverified capture path on this DeepSeek-family server: {UNVERIFIED_CAPTURE_PATHS[k]}" for k in on]
-
-
-def _same_draft(a: Path, b: Path) -> Optional[dict]:
+def same_draft(a: Path, b: Path) -> Optional[dict]:
     """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
     try:
         ca, cb = (read_config_json(p, "draft config") for p in (a, b))
@@ -188,9 +119,11 @@ def _same_draft(a: Path, b: Path) -> Optional[dict]:
     return diff or None
 
 
-def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
-           relaunch: Optional[str] = None) -> Attachment:
-    """Read what the server runs (see :class:`Attachment`).
+def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: Optional[str | Path] = None,
+           relaunch: Optional[str] = None, caveats: Optional[Callable[..., list[str]]] = None) -> Attachment:
+    """Read what the server runs (see :class:`Attachment`). ``caveats``: the server's engine's
+    ``capture_caveats(info, architectures, model_type)`` (:meth:`helpers.engines.base.EngineAdapter.capture_caveats`;
+    default SGLang's, :func:`capture_caveats`).
 
     Raises:
         ServerError: ``/server_info`` unreachable or not JSON.
@@ -221,7 +154,7 @@ def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: 
     if server_draft is not None:
         draft_dir, draft_source = server_draft, "server (speculative_draft_model_path)"
         if given is not None and given.resolve() != server_draft.resolve():
-            diff = _same_draft(given, server_draft)
+            diff = same_draft(given, server_draft)
             if diff is not None:
                 findings.append(finding(
                     "served_draft_differs", None,
@@ -248,7 +181,7 @@ def attach(client: SGLangClient, *, draft: Optional[str | Path] = None, target: 
                       served_target=served_target, draft_dir=draft_dir, draft_source=draft_source,
                       target_dir=target_dir, target_source=target_source, rank_capture_dir=ranks, layers_dir=layers,
                       other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info),
-                      caveats=capture_caveats(info, tcfg.architectures, tcfg.model_type))
+                      caveats=(caveats or capture_caveats)(info, tcfg.architectures, tcfg.model_type))
 
 
 def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:

@@ -602,7 +602,7 @@ def static_findings(inv: Investigation, trained_layer_ids: Optional[Sequence[int
     algorithm = info.get("speculative_algorithm") or inv.algorithm or "EAGLE3"
     return static_check(inv.draft_dir, inv.target_dir, sglang_version=info.get("version"), algorithm=algorithm,
                         server=info or None, training=inv.training if inv.training.exists() else None,
-                        trained_layer_ids=trained_layer_ids)
+                        trained_layer_ids=trained_layer_ids, rules=inv.rules)
 
 
 def check_static_wiring(inv: Investigation, trained_layer_ids: Optional[Sequence[int]] = None,

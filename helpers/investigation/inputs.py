@@ -4,20 +4,21 @@ and keeping it for the next check. The checks themselves are :mod:`helpers.inves
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ..capture import capture_reference_hf, capture_served, per_rank_dumps
+from ..capture import capture_reference_hf, per_rank_dumps
 from ..diagnosis.diagnose import diagnose
+from ..diagnosis.plan_rules import PlanRules
 from ..formats.configs import read_config_json
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
-from ..hooks import ARM_FILE
 from ..runfiles import safe_name
+from ..engines.base import EngineAdapter
+from ..engines.sglang import SGLangAdapter
 from ..server.client import as_client
 
 
@@ -39,6 +40,8 @@ class Investigation:
         name: prefix of this server's dumps (e.g. the fix name).
         num_samples: training samples to capture (full sequences, one served row per token).
         reference: ``"hf"`` (HF transformers on ``target_dir``), a dump path, or None.
+        adapter: the server's engine adapter (:mod:`helpers.engines`; default SGLang's): its capture.
+        rules: the engine's id rules for the diagnosis (default: the adapter's of the server's version).
     """
 
     def __init__(self, run_dir: str | os.PathLike, client_or_url: Any, *, training: str | os.PathLike,
@@ -46,10 +49,13 @@ class Investigation:
                  capture_dir: Optional[str | os.PathLike] = None, requested: Any = None,
                  name: str = "server", num_samples: int = 4, reference: Any = "hf",
                  baseline: Optional[dict] = None, acceptance: Optional[dict] = None,
-                 algorithm: Optional[str] = None):
+                 algorithm: Optional[str] = None, adapter: Optional[EngineAdapter] = None,
+                 rules: Optional[PlanRules] = None):
 
         self.run_dir = Path(run_dir)
+        self.adapter = adapter or SGLangAdapter()
         self.client = as_client(client_or_url) if client_or_url is not None else None
+        self._rules = rules
         self.algorithm = algorithm
         self.training = Path(training)
         self.draft_dir = Path(draft_dir)
@@ -95,6 +101,19 @@ class Investigation:
                                "checks (static_wiring, vocab_map) can run")
         return self.client.server_info()
 
+    @property
+    def rules(self) -> PlanRules:
+        """The serving engine's id rules (given, else the adapter's for the server's version, else SGLang's)."""
+        if self._rules is None:
+            version = None
+            if self.client is not None:
+                try:
+                    version = self.server_info().get("version")
+                except Exception:  # noqa: BLE001 - a server that died at startup: its configs' rules
+                    version = None
+            self._rules = self.adapter.rules(version)
+        return self._rules
+
     def training_samples(self) -> list:
         """The first ``num_samples`` training samples (helpers.formats.dumps.Sample, pad stripped)."""
         if self._training is None:
@@ -113,13 +132,9 @@ class Investigation:
         if self._served is None:
             path = self.dumps_dir / self._dump_name("served")
             if not (path / "manifest.json").exists():
-                self._arm(True)
-                try:
-                    capture_served(self.client, self.training_samples(), self.dumps_dir,
-                                   name=path.name, max_new_tokens=1, progress=False,
-                                   max_width=16 * self.hidden_size)
-                finally:
-                    self._arm(False)
+                self.adapter.capture_served(self.client, self.training_samples(), self.dumps_dir, name=path.name,
+                                            max_new_tokens=1, rank_dir=self.capture_dir,
+                                            max_width=16 * self.hidden_size)
             self._served = path
         return self._served
 
@@ -138,17 +153,6 @@ class Investigation:
             else:
                 self._reference = (Path(ref),)
         return self._reference[0]
-
-    def _arm(self, on: bool) -> None:
-        if self.capture_dir is None:
-            return
-
-        flag = self.capture_dir / ARM_FILE
-        if on:
-            self.capture_dir.mkdir(parents=True, exist_ok=True)
-            flag.write_text("armed by helpers.investigation.checks\n")
-        elif flag.exists():
-            flag.unlink()
 
     def rank_dumps(self, key: str) -> list[Path]:
         """Per-TP-rank dumps of stash ``key`` recorded while :meth:`served_dump` ran."""
@@ -180,7 +184,8 @@ class Investigation:
             self._diagnoses[reference] = diagnose(self.training, served,
                                                   draft_config=self.draft_dir, target_config=self.target_dir,
                                                   reference=self.reference_dump() if reference else None,
-                                                  server=self.server_info(), max_samples=self.num_samples)
+                                                  server=self.server_info(), max_samples=self.num_samples,
+                                                  rules=self.rules)
         return self._diagnoses[reference]
 
     def spec_config(self):

@@ -36,16 +36,18 @@ from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
 from ..budget import Budget
-from ..capture import capture_every_layer, capture_reference_hf
+from ..capture import capture_reference_hf
 from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
 from ..records import Finding, HypothesisEntry, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, safe_name, write_json
-from ..server.client import SGLangClient
+from ..diagnosis.plan_rules import PlanRules
+from ..engines.base import EngineAdapter
+from ..engines.detect import detect
+from ..server.client import ServerClient
 from ..server.embedded import parse_ports
-from ..server.restart import start_variant
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
@@ -99,8 +101,11 @@ class Run:
     """The one state the stages of :func:`investigate` fill, in order (each stage reads what earlier ones left).
 
     Attributes:
-        req: the request; doc: the document being written; dl: the run's one deadline; client: the server's client;
-            progress: the progress callback; timings: seconds per step.
+        req: the request; doc: the document being written; dl: the run's one deadline; client: the server's client
+            (its engine's :class:`helpers.server.client.ServerClient`); progress: the progress callback; adapter: the
+            server's engine adapter (:mod:`helpers.engines`, detected once from its own endpoints: every engine-
+            specific step goes through it); timings: seconds per step; rules: the engine's id rules of the server's
+            version (set at attach).
         att: the attachment (:func:`helpers.investigation.attach.attach`); tcfg: the target config; td: the training
             data; inv: the :class:`helpers.investigation.inputs.Investigation` of the server; samples: the training
             samples captured; ref: the every-layer reference dump or None; diag: the diagnosis; extra: findings from
@@ -111,9 +116,11 @@ class Run:
     req: Request
     doc: InvestigationDoc
     dl: Budget
-    client: SGLangClient
     progress: Progress
+    client: Optional[ServerClient] = None
+    adapter: Optional[EngineAdapter] = None
     timings: dict = field(default_factory=dict)
+    rules: Optional[PlanRules] = None
     att: Optional[Attachment] = None
     tcfg: Any = None
     td: Optional[TrainingData] = None
@@ -154,7 +161,7 @@ def _sweeps(r: Run) -> None:
         return
     t = r.step("workload sweeps")
     ab = run_ablation(r.client.url, run_dir=req.run_dir, sweeps=chosen, toggles=(), budget=Budget(secs, flag="--timeout"),
-                      budget_s=secs, client=r.client, draft=r.att.draft_dir, target=r.att.target_dir,
+                      budget_s=secs, client=r.client, adapter=r.adapter, draft=r.att.draft_dir, target=r.att.target_dir,
                       training_log=req.training_log, api_key=req.api_key,
                       num_prompts=max(2, min(req.measure_prompts, 10)), max_new_tokens=req.max_new_tokens,
                       progress=r.progress)
@@ -170,13 +177,25 @@ def _sweeps(r: Run) -> None:
 
 # ------------------------------------------------------------------------------------------------ the stages
 
+def _connect(r: Run) -> None:
+    """The server's engine, detected once from its own endpoints (:func:`helpers.engines.detect.detect`: one line
+    and exit 2 for a server that is neither SGLang nor a known vLLM), and its client."""
+    req = r.req
+    r.adapter = detect(req.url, req.api_key, deadline_s=min(120.0, r.dl.remaining() or 120.0)).adapter
+    r.client = r.adapter.client(req.url, req.api_key, timeout=min(600.0, req.timeout or 600.0), budget=r.dl,
+                                on_wait=r.progress if r.progress is not _noop else None)
+
+
 def _stage_attach(r: Run) -> None:
     """What the server runs; the target config and training data it is compared with."""
     req, doc = r.req, r.doc
     t = r.step("attach")
-    att = r.att = attach(r.client, draft=req.draft, target=req.target, relaunch=req.relaunch)
+    att = r.att = attach(r.client, draft=req.draft, target=req.target, relaunch=req.relaunch,
+                         caveats=r.adapter.capture_caveats)
+    r.rules = r.adapter.rules(att.version)
     doc.attach = att.to_json()
-    r.done("attach", t, f"SGLang {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
+    doc.engine, doc.engine_version = r.adapter.name, att.version
+    r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
                         f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
@@ -190,8 +209,9 @@ def _stage_attach(r: Run) -> None:
         raise BadInput(f"the training data is {r.td.hidden_size} wide per chunk but the target's hidden size is "
                        f"{r.tcfg.hidden_size}", path=req.training)
     r.inv = Investigation(req.run_dir, r.client, training=req.training, draft_dir=att.draft_dir,
-                          target_dir=att.target_dir, capture_dir=att.rank_capture_dir, name="server",
-                          num_samples=req.num_samples, reference=None, algorithm=att.algorithm)
+                          target_dir=att.target_dir, name="server", num_samples=req.num_samples, reference=None,
+                          algorithm=att.algorithm, adapter=r.adapter, rules=r.rules,
+                          capture_dir=r.adapter.rank_capture_dir(att.rank_capture_dir, req.run_dir, "server"))
     r.samples = r.inv.training_samples()
     if len(r.samples) < req.num_samples:
         doc.notes.append(f"{req.num_samples} training samples were asked for; the training data hold "
@@ -211,7 +231,8 @@ def _stage_capture(r: Run) -> None:
 def _stage_reference(r: Run) -> None:
     """Every layer of the target for the same tokens (the server's own capture, else HF, else none)."""
     t = r.step("reference")
-    r.ref, how, missing = _reference(r.att, r.client, r.samples, r.req.run_dir, r.tcfg.num_hidden_layers)
+    r.ref, how, missing = _reference(r.adapter, r.att, r.client, r.samples, r.req.run_dir,
+                                     r.tcfg.num_hidden_layers)
     r.inv.reference_spec = r.ref                       # drops the reference resolved before
     r.doc.reference = {"how": how, "path": None if r.ref is None else str(r.ref), "missing": missing}
     r.done("reference", t, how if r.ref is not None else f"none ({missing})")
@@ -236,7 +257,7 @@ def _stage_draft_checks(r: Run) -> None:
     t = r.step("draft checks")
     try:
         dc = draft_checks(r.att.draft_dir, r.att.target_dir, training=Path(r.req.training),
-                          sglang_version=r.att.version or "0.5.23")
+                          loader=r.adapter.loader_rules(r.att.version))
     except BadInput as exc:
         dc = []
         doc.notes.append(f"draft checks not run: {exc}")
@@ -258,13 +279,13 @@ def _stage_hypotheses(r: Run) -> None:
 
 
 def _stage_propose(r: Run) -> None:
-    """The fix the findings imply, under the server's SGLang rules."""
+    """The fix the findings imply, under the server's engine rules."""
     t = r.step("proposed fix")
     td = r.td
     r.fix = propose_fix(r.diag, draft=read_draft_config(r.att.draft_dir / "config.json"), target=r.tcfg,
                         version=r.att.version, algorithm=r.att.algorithm,
                         training_dir=td.path if td.path.is_dir() else td.path.parent, extra_findings=r.extra,
-                        hooks=r.att.other_hooks)
+                        hooks=r.att.other_hooks, rules=r.rules)
     r.doc.proposed_fix = r.fix
     r.done("proposed fix", t, r.fix.summary)
 
@@ -291,8 +312,8 @@ def _stage_budget(r: Run) -> None:
     if not req.acceptance_budget:
         return
     if not all(spec.get(k) for k in ("num_steps", "topk", "num_draft_tokens")):
-        doc.notes.append("no acceptance budget: the server reports no speculative settings (speculative_num_steps, "
-                         "speculative_eagle_topk, speculative_num_draft_tokens in /server_info)")
+        doc.notes.append("no acceptance budget: the server reports no speculative settings (num_steps, topk, "
+                         "num_draft_tokens: the client's server_info)")
         return
     t = r.step("acceptance budget")
     try:
@@ -306,7 +327,7 @@ def _stage_budget(r: Run) -> None:
                                           else list(r.diag.training_plan.tensors)),
                         training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
                         prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
-                        measure=req.live_measure, progress=r.progress)
+                        measure=req.live_measure, progress=r.progress, adapter=r.adapter)
     except BadInput as exc:
         # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a checkpoint
         # unlike its config): the wiring diagnosis stands, the budget says why it is missing
@@ -328,7 +349,7 @@ def _stage_budget(r: Run) -> None:
 def _stage_caveats(r: Run) -> None:
     """What this run could not see (one TP rank's states only)."""
     att = r.att
-    if att.tp > 1 and att.rank_capture_dir is None:
+    if att.tp > 1 and r.inv.capture_dir is None:
         hooks = (f"; it runs {len(att.other_hooks)} forward hook(s) that are not capture hooks "
                  f"({', '.join(str(h.get('name')) for h in att.other_hooks)}), whose effect on other ranks was "
                  "not seen") if att.other_hooks else ""
@@ -347,10 +368,7 @@ def _stage_measure_fix(r: Run) -> None:
                                 restartable=r.att.restart is not None)
     if doc.measured is None:
         t = r.step("relaunch")
-        doc.measured = _apply_and_measure(r.att, r.client, fix, r.inv, req.run_dir, training=req.training,
-                                          api_key=req.api_key, num_samples=req.num_samples,
-                                          prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
-                                          concurrency=req.concurrency, dl=r.dl, progress=r.progress, port=req.port)
+        doc.measured = _apply_and_measure(r, fix)
         r.done("relaunch", t, _measured_text(doc.measured))
 
 
@@ -458,16 +476,17 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
     r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve())),
-            dl=dl, client=SGLangClient(url, api_key, timeout=min(600.0, timeout or 600.0), budget=dl,
-                                       on_wait=progress if progress is not _noop else None), progress=progress)
+            dl=dl, progress=progress)
     try:
+        _connect(r)
         for _, stage in STAGES:
             stage(r)
     except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
         r.doc.error = describe(exc)
         raise
     finally:
-        r.client.close()
+        if r.client is not None:
+            r.client.close()
         r.doc.timings = r.timings
         r.doc.wall_s = round(dl.elapsed(), 1)
         r.doc.sentence = sentence(r.doc)
@@ -475,22 +494,25 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
     return r.doc
 
 
-def _reference(att: Attachment, client: SGLangClient, samples: Sequence[Any], run_dir: Path, num_layers: int
-               ) -> tuple[Optional[Path], str, Optional[str]]:
-    """(reference dump, how it was made, what is missing when there is none)."""
-    if att.layers_dir is not None:
-        path = capture_every_layer(client, samples, att.layers_dir, run_dir / "dumps", num_layers=num_layers,
-                                   name="reference-server", progress=False)
-        return path, f"the server's own every-layer capture ({att.layers_dir})", None
+def _reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any], run_dir: Path,
+               num_layers: int) -> tuple[Optional[Path], str, Optional[str]]:
+    """(reference dump, how it was made, what is missing when there is none): the server's own every-layer capture
+    when its engine adapter can record one, else HF on the target folder when it fits, else none."""
+    own = adapter.every_layer_source(client, att.layers_dir)
+    if own is not None:
+        path = adapter.capture_every_layer(client, samples, run_dir / "dumps", name="reference-server",
+                                           num_layers=num_layers, hooks_layers_dir=att.layers_dir)
+        return path, own, None
     fits, why = hf_reference_fits(att.target_dir)
     if fits:
         path = capture_reference_hf(att.target_dir, samples, run_dir / "dumps", name="reference-hf", progress=False)
         return path, f"HF transformers on {att.target_dir} ({why})", None
-    return None, "none", (f"no every-layer reference: the server has no every-layer capture hooks and HF cannot load "
+    return None, "none", (f"no every-layer reference: the server records no every layer itself and HF cannot load "
                           f"the target here ({why}). Without one, which layer each chunk holds cannot be measured (a "
                           "layer offset looks like a rotated basis or a wrong layer); restart the server with "
-                          "`python -m helpers server start --capture-layers DIR` (embedded) or "
-                          "env/gpu/launch_tp8.sh with LAYERS_DIR (GPU) to settle it")
+                          "`python -m helpers server start --capture-layers DIR` (embedded SGLang), "
+                          "env/gpu/launch_tp8.sh with LAYERS_DIR (GPU SGLang), or the tool's worker extension "
+                          "(vLLM: `python -m helpers server start --engine vllm`) to settle it")
 
 
 _ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}
@@ -536,42 +558,31 @@ def _hypotheses(inv: Investigation, run_dir: Path) -> list[HypothesisEntry]:
     return sorted(out, key=lambda h: _ORDER.get(h.verdict, 3))
 
 
-def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, inv: Investigation, run_dir: Path, *,
-                       training: Any, api_key: Optional[str], num_samples: int, prompts: int, max_new_tokens: int,
-                       concurrency: int, dl: Budget, progress: Progress, port: int | str | None = None) -> dict:
-    """Start a fresh server with the fix, measure both servers on the same prompts, diagnose the fixed one."""
+def _apply_and_measure(r: Run, fix: ProposedFix) -> dict:
+    """Start a fresh server with the fix (the engine adapter's restart), measure both servers on the same prompts,
+    diagnose the fixed one."""
+    att, req, dl, progress, run_dir = r.att, r.req, r.dl, r.progress, r.req.run_dir
     fixed_draft = draft_variant(att.draft_dir, fix.draft_config, run_dir / "drafts" / "proposed",
-                                add_tensors=fix.add_tensors or None)
-    ps = load_prompts(None, n=prompts)
-    progress(f"measure before: {prompts} prompts x {max_new_tokens} tokens on {att.url}")
-    before = measure(client, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="before (as served)",
-                     progress=False, seed=0)
+                                add_tensors=fix.add_tensors or None, drop_tensors=fix.drop_tensors or None)
+    ps = load_prompts(None, n=req.measure_prompts)
+    progress(f"measure before: {req.measure_prompts} prompts x {req.max_new_tokens} tokens on {att.url}")
+    kw = dict(max_new_tokens=req.max_new_tokens, concurrency=req.concurrency, progress=False, seed=0)
+    before = measure(r.client, ps, label="before (as served)", **kw)
     saved_before = before.save(run_dir / "acceptance" / "before")
     dl.check("before starting the fixed server")
     progress("starting the fixed server ...")
-    handle = _start_fixed(att, fix, fixed_draft, run_dir, api_key, dl, port)
+    handle = r.adapter.start_variant(att.restart, draft=fixed_draft, flags=r.adapter.fix_flags(fix),
+                                     capture_dir=run_dir / "capture" / "fixed", api_key=req.api_key, port=req.port,
+                                     log_path=run_dir / "logs" / "fixed-server.log", budget=dl,
+                                     what="the fixed server (--relaunch)")
     try:
-        fixed = SGLangClient(handle.url, api_key, timeout=client.timeout, budget=dl)
+        fixed = r.adapter.client(handle.url, req.api_key, timeout=r.client.timeout, budget=dl)
         progress(f"fixed server up at {handle.url}; measure after")
-        after = measure(fixed, ps, max_new_tokens=max_new_tokens, concurrency=concurrency, label="after (proposed fix)",
-                        progress=False, seed=0)
+        after = measure(fixed, ps, label="after (proposed fix)", **kw)
         saved_after = after.save(run_dir / "acceptance" / "after")
         effect = paired_effect(before.per_request, after.per_request)
         dl.check("before diagnosing the fixed server")
-        info = fixed.server_info()
-        ranks, layers, _ = capture_hooks(info)
-        inv2 = Investigation(run_dir, fixed, training=training, draft_dir=fixed_draft, target_dir=att.target_dir,
-                             capture_dir=ranks, name="fixed", num_samples=num_samples, reference=None,
-                             algorithm=info.get("speculative_algorithm"))
-        ref = None
-        if layers is not None:
-            ref = capture_every_layer(fixed, inv2.training_samples(), layers, run_dir / "dumps",
-                                      num_layers=read_target_config(att.target_dir).num_hidden_layers,
-                                      name="fixed-reference-server", progress=False)
-        elif inv.reference_dump() is not None:
-            ref = inv.reference_dump()
-        inv2.reference_spec = ref
-        diag2 = inv2.diagnosis(reference=ref is not None)
+        diag2 = _diagnose_fixed(r, fixed, fixed_draft)
         fixed.close()
     finally:
         handle.stop()
@@ -580,7 +591,7 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
             "num_draft_tokens", "algorithm", "machine")
     local = _is_local(att.url) and _is_local(handle.url)
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
-            "effect": effect, "prompts": prompts, "max_new_tokens": max_new_tokens,
+            "effect": effect, "prompts": req.measure_prompts, "max_new_tokens": req.max_new_tokens,
             "labels": ["before (as served)", "after (proposed fix)"],
             "speed": speed_change(before.summary, after.summary, before.per_request, after.per_request, local=local),
             "saved_to": [str(saved_before.relative_to(run_dir)), str(saved_after.relative_to(run_dir))],
@@ -589,20 +600,31 @@ def _apply_and_measure(att: Attachment, client: SGLangClient, fix: ProposedFix, 
                              "log": str(getattr(handle, "log_path", ""))}}
 
 
+def _diagnose_fixed(r: Run, fixed: ServerClient, fixed_draft: Path) -> Any:
+    """The fixed server's aux states diagnosed against the training data (with its own every-layer reference when it
+    records one, else the first server's)."""
+    run_dir = r.req.run_dir
+    info = fixed.server_info()
+    ranks, layers, _ = capture_hooks(info)
+    inv2 = Investigation(run_dir, fixed, training=r.req.training, draft_dir=fixed_draft, target_dir=r.att.target_dir,
+                         capture_dir=r.adapter.rank_capture_dir(ranks, run_dir, "fixed-server"), name="fixed",
+                         num_samples=r.req.num_samples, reference=None, algorithm=info.get("speculative_algorithm"),
+                         adapter=r.adapter, rules=r.adapter.rules(info.get("version")))
+    ref = None
+    if r.adapter.every_layer_source(fixed, layers) is not None:
+        ref = r.adapter.capture_every_layer(fixed, inv2.training_samples(), run_dir / "dumps",
+                                            name="fixed-reference-server", hooks_layers_dir=layers,
+                                            num_layers=read_target_config(r.att.target_dir).num_hidden_layers)
+    elif r.inv.reference_dump() is not None:
+        ref = r.inv.reference_dump()
+    inv2.reference_spec = ref
+    return inv2.diagnosis(reference=ref is not None)
+
+
 def _is_local(url: str) -> bool:
     """The server at ``url`` runs on this machine (its load is the one the measurement records)."""
     host = (httpx.URL(url).host or "").lower()
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-
-
-def _start_fixed(att: Attachment, fix: ProposedFix, draft: Path, run_dir: Path, api_key: Optional[str],
-                 budget: Budget, port: int | str | None = None):
-    """A fresh server like the attached one, with the fix applied, on ``port`` (a port or a range; default a free
-    one); capture hooks write into this run folder. Waits for it within ``budget`` (the investigation's)."""
-    return start_variant(att.restart, draft=draft, flags={k: str(v) for k, v in fix.server_args.items()},
-                         capture_dir=run_dir / "capture" / "fixed", api_key=api_key, port=port,
-                         log_path=run_dir / "logs" / "fixed-server.log", budget=budget,
-                         what="the fixed server (--relaunch)")
 
 
 # ------------------------------------------------------------------------------------------------ the sentence

@@ -15,7 +15,6 @@ draft was trained on, and how to apply it to a draft folder.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -24,50 +23,52 @@ from typing import Any, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..diagnosis.conventions import CapturePlan, describe, served_plan
+from ..diagnosis.conventions import CapturePlan, describe
+from ..diagnosis.plan_rules import PlanRules, rules_or_default
 from ..formats.configs import read_config_json
 from ..kinds import BY_NAME, ENGINE_FIXES, ID_KINDS, VOCAB_MAP_KINDS
 from ..layers.ids import layer_index
 from ..records import ProposedFix
 from ..runfiles import atomic_write_text, write_safetensors
 
-def ids_for_plan(wanted: Sequence[str], draft: Any, target: Any, version: Optional[str]
-                 ) -> tuple[Optional[list[int]], Optional[CapturePlan], str]:
-    """Draft config ids (``eagle_config.eagle_aux_hidden_state_layer_ids``) under which SGLang ``version`` feeds
-    exactly ``wanted`` (physical tensor names, concatenation order).
+def ids_for_plan(wanted: Sequence[str], draft: Any, target: Any, version: Optional[str] = None,
+                 rules: Optional[PlanRules] = None) -> tuple[Optional[list[int]], Optional[CapturePlan], str]:
+    """Draft config ids under which the serving engine feeds exactly ``wanted`` (physical tensor names, concatenation
+    order).
 
-    Candidates per chunk are the SpecForge out(L) id L first, then L-1, L+1, L+2 (the +1 / no +1 / boundary rules);
-    each combination is run through :func:`helpers.diagnosis.conventions.served_plan` and the first whose plan
-    equals ``wanted`` with no problem and no fatal error wins.
+    Candidates per chunk come from the engine's rules (:meth:`helpers.diagnosis.plan_rules.PlanRules.id_candidates`:
+    the SpecForge out(L) id L first, then L-1, L+1, L+2); each combination is written where the engine reads ids
+    (:meth:`~helpers.diagnosis.plan_rules.PlanRules.with_ids`) and run through the engine's own served plan, and the
+    first whose plan equals ``wanted`` with no problem and no fatal error wins -- so no inverse rule is written twice.
 
     Args:
         wanted: e.g. ``["out(1)", "out(3)", "out(4)"]``.
         draft: :class:`helpers.formats.configs.DraftConfig` (its other fields are kept).
         target: :class:`helpers.formats.configs.TargetConfig`.
-        version: SGLang version string, or None (newest verified rules).
+        version: SGLang version string when ``rules`` is None (None: newest verified rules).
+        rules: the serving engine's rules (default: SGLang's of ``version``).
 
     Returns:
         ``(ids, plan, why)``: ids and the served plan they give, or ``(None, None, why)`` with the reason no id list
-        can (a tensor SGLang cannot capture, an order SGLang never produces).
+        can (a tensor the engine cannot capture, an order it never produces).
     """
+    rules = rules_or_default(rules, version)
     layers = [layer_index(t) for t in wanted]
     if any(L is None for L in layers):
         bad = [t for t, L in zip(wanted, layers) if L is None]
-        return None, None, f"SGLang's aux capture cannot feed {', '.join(bad)} (only the embedding and out(L))"
+        return None, None, f"{rules.label}'s aux capture cannot feed {', '.join(bad)} (only the embedding and out(L))"
     if list(layers) != sorted(set(layers)):
-        return None, None, (f"the wanted order [{', '.join(wanted)}] is not ascending: SGLang captures inside its "
-                            "layer loop, so chunks always come in ascending layer order (sglang/srt/models/llama.py "
-                            "LlamaModel.forward)")
+        return None, None, (f"the wanted order [{', '.join(wanted)}] is not ascending: {rules.label} captures inside "
+                            "its layer loop, so chunks always come in ascending layer order")
     n = int(target.num_hidden_layers)
-    cands = [[c for c in dict.fromkeys((L, L - 1, L + 1, L + 2)) if -1 <= c <= n] for L in layers]
+    cands = [rules.id_candidates(L, n) for L in layers]
     for combo in itertools.product(*cands):
-        d = dataclasses.replace(draft, nested_layer_ids=tuple(combo), use_aux_hidden_state=True)
-        plan = served_plan(d, target, version=version)
+        plan = rules.served_plan(rules.with_ids(draft, combo), target, "EAGLE3")
         problems = [p for p in plan.problems if not (p["kind"] == "embedding_in_place_of_layer" and
                                                      "embedding" in wanted)]
         if list(plan.tensors) == list(wanted) and plan.fatal is None and not problems:
             return list(combo), plan, plan.source
-    return None, None, f"no id list of the form L-1..L+2 gives [{', '.join(wanted)}] under SGLang {version or '0.5.23'}"
+    return None, None, f"no id list of the form L-1..L+2 gives [{', '.join(wanted)}] under {rules.who}"
 
 
 def _measured(diag: Any) -> Optional[list[Optional[str]]]:
@@ -79,7 +80,8 @@ def _measured(diag: Any) -> Optional[list[Optional[str]]]:
 
 def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Optional[str] = None,
                 algorithm: Optional[str] = None, training_dir: Optional[str | Path] = None,
-                extra_findings: Sequence[dict] = (), hooks: Sequence[dict] = ()) -> ProposedFix:
+                extra_findings: Sequence[dict] = (), hooks: Sequence[dict] = (),
+                rules: Optional[PlanRules] = None) -> ProposedFix:
     """The fix for the findings of ``diag`` (a :class:`helpers.diagnosis.diagnose.Diagnosis`).
 
     Args:
@@ -92,6 +94,8 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
         extra_findings: findings of the attach step (e.g. a draft folder that differs from the server's).
         hooks: forward hooks the server runs that are not capture hooks (``name``, ``target_modules``): named as the
             first suspects when the fault is in the capture path.
+        rules: the serving engine's rules (:class:`helpers.diagnosis.plan_rules.PlanRules`; default SGLang's of
+            ``version``): the ids and where they are written.
 
     Returns:
         :class:`helpers.records.ProposedFix`; ``kind`` ``none`` when no finding calls for a fix (the acceptance budget
@@ -109,12 +113,13 @@ def propose_fix(diag: Any, *, draft: Any = None, target: Any = None, version: Op
     engine_parts: list[str] = []
 
     _fix_fc(fix, kinds, draft, algorithm)
-    _fix_ids(fix, kinds, tplan, splan, measured, draft, target, version, engine_parts)
-    _fix_vocab_map(fix, kinds, training_dir, engine_parts)
+    _fix_ids(fix, kinds, tplan, splan, measured, draft, target, rules_or_default(rules, version), engine_parts)
+    _fix_vocab_map(fix, kinds, training_dir, engine_parts, rules_or_default(rules, version))
+    _fix_tensors(fix, findings)
     _fix_settings(fix, findings)
     _fix_engine(fix, findings, hooks, engine_parts)
     fix.engine = list(dict.fromkeys(engine_parts))
-    fix.applicable = bool(fix.draft_config or fix.server_args or fix.add_tensors)
+    fix.applicable = bool(fix.draft_config or fix.server_args or fix.add_tensors or fix.drop_tensors)
     fix.kind = ("config" if fix.applicable and not fix.engine else "engine" if not fix.applicable else "mixed")
     head = "; ".join(fix.parts) if fix.parts else ""
     tail = "; ".join(fix.engine) if fix.engine else ""
@@ -144,8 +149,8 @@ def _fix_fc(fix: ProposedFix, kinds: list[str], draft: Any, algorithm: Optional[
 
 
 def _fix_ids(fix: ProposedFix, kinds: list[str], tplan: Any, splan: Any, measured: Any, draft: Any, target: Any,
-             version: Optional[str], engine_parts: list[str]) -> None:
-    """Which tensors go in which chunk: the draft config ids SGLang's rules turn into the training plan, or why
+             rules: PlanRules, engine_parts: list[str]) -> None:
+    """Which tensors go in which chunk: the draft config ids the engine's rules turn into the training plan, or why
     none can (the capture path does not follow the rules)."""
     id_kinds = [k for k in kinds if k in ID_KINDS]
     if id_kinds and tplan is not None and tplan.tensors and draft is not None and target is not None:
@@ -154,36 +159,35 @@ def _fix_ids(fix: ProposedFix, kinds: list[str], tplan: Any, splan: Any, measure
         if not follows_rules:
             shown = ", ".join(m or "?" for m in measured)
             engine_parts.append(
-                f"the server feeds [{shown}] where SGLang {version or '0.5.23'}'s rule for the deployed ids gives "
+                f"the server feeds [{shown}] where {rules.who}'s rule for the deployed ids gives "
                 f"[{', '.join(predicted)}]: something in the capture path (a patched model file, a forward hook) "
-                "changes which tensor goes in which chunk; no draft config change under SGLang's rules fixes that")
+                f"changes which tensor goes in which chunk; no draft config change under {rules.label}'s rules fixes "
+                "that")
             fix.why.append("data: each served chunk identified against the every-layer reference for the same tokens")
             comp = _compensating_ids(draft, measured, tplan.tensors)
             if comp is not None:
-                fix.workaround = {"draft_config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": comp}},
+                fix.workaround = {"draft_config": rules.ids_override(draft, comp, kinds)[0],
                                   "why": "ids shifted by the measured offset of each chunk; only a stopgap while the "
                                          "capture path is wrong, and valid only if the offset does not depend on ids"}
             fix.unaddressed.extend(id_kinds)
         else:
-            ids, plan, why = ids_for_plan(tplan.tensors, draft, target, version)
+            ids, plan, why = ids_for_plan(tplan.tensors, draft, target, rules=rules)
             if ids is None:
-                engine_parts.append(f"the training plan [{', '.join(tplan.tensors)}] cannot be served by SGLang: {why}")
+                engine_parts.append(f"the training plan [{', '.join(tplan.tensors)}] cannot be served by "
+                                    f"{rules.label}: {why}")
                 fix.unaddressed.extend(id_kinds)
             else:
-                overrides: dict = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
-                if draft.top_level_layer_ids is not None and "config_ids_ignored" in kinds:
-                    overrides["eagle_aux_hidden_state_layer_ids"] = None   # the key SGLang ignores goes away
+                overrides, text = rules.ids_override(draft, ids, kinds)
                 _merge(fix.draft_config, overrides)
-                current = None if draft.nested_layer_ids is None else list(draft.nested_layer_ids)
-                fix.parts.append(f"set eagle_config.eagle_aux_hidden_state_layer_ids to {ids} in the draft config "
-                                 f"(now {current if current is not None else 'absent: SGLang default'})")
+                fix.parts.append(text)
                 fix.expected_served = list(plan.tensors)
                 fix.why.append(f"{why} -> [{describe(plan.tensors)}]")
                 fix.why.append(f"training plan [{describe(tplan.tensors)}] ({tplan.provenance}: {tplan.source})")
                 fix.addresses.extend(id_kinds)
 
 
-def _fix_vocab_map(fix: ProposedFix, kinds: list[str], training_dir: Any, engine_parts: list[str]) -> None:
+def _fix_vocab_map(fix: ProposedFix, kinds: list[str], training_dir: Any, engine_parts: list[str],
+                   rules: PlanRules) -> None:
     """The training data's d2t / t2d for a missing, trivial or different vocab map."""
     vocab_kinds = [k for k in VOCAB_MAP_KINDS if k in kinds]
     if vocab_kinds:
@@ -192,14 +196,24 @@ def _fix_vocab_map(fix: ProposedFix, kinds: list[str], training_dir: Any, engine
             fix.add_tensors = {"d2t": str(vm), "t2d": str(vm)}
             fix.parts.append(f"{'add' if 'vocab_map_missing' in vocab_kinds else 'replace'} the d2t / t2d vocab map "
                              f"from {vm} {'to' if 'vocab_map_missing' in vocab_kinds else 'in'} the draft weights")
-            fix.why.append("sglang/srt/models/llama_eagle3.py::LlamaForCausalLMEagle3.load_weights reads d2t from "
-                           "the draft weights (hot_token_id = d2t + arange); without it draft ids are read as "
-                           "target ids")
+            fix.why.append(rules.d2t_rule)
             fix.addresses.extend(vocab_kinds)
         else:
             engine_parts.append("ship the d2t map with the draft (SpecForge writes it to "
                                 "<output>/vocab_mapping/vocab_mapping.pt); none was found in the training folder")
             fix.unaddressed.extend(vocab_kinds)
+
+
+def _fix_tensors(fix: ProposedFix, findings: list[dict]) -> None:
+    """Draft tensors the engine's loader must not see (a finding's ``evidence.tensors_to_drop``, e.g. an embedding
+    vLLM would keep instead of sharing the target's)."""
+    for f in findings:
+        drop = (f.get("evidence") or {}).get("tensors_to_drop")
+        if f["kind"] in BY_NAME and BY_NAME[f["kind"]].fix == "drop_tensors" and drop:
+            fix.drop_tensors += [t for t in drop if t not in fix.drop_tensors]
+            fix.parts.append(f"drop {', '.join(drop)} from the draft weights")
+            fix.why.append(str(f["evidence"].get("source")))
+            fix.addresses.append(f["kind"])
 
 
 def _fix_settings(fix: ProposedFix, findings: list[dict]) -> None:

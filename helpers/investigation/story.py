@@ -136,6 +136,20 @@ def _measured_losses(doc: InvestigationDoc) -> list[tuple[str, dict, bool]]:
     return out
 
 
+def draft_residual(b: dict) -> Optional[dict]:
+    """The draft stage's loss that the proposed fix's vocab map leaves: when the checkpoint with it (the draft stage's
+    ``fix``: the same rows, paired) still scores a material loss below its training log beyond the CI (the upper
+    bound short of the log by more than :func:`helpers.draft.decide.threshold`), ``{"label", "accept_length", "ci",
+    "log"}``: the checkpoint itself is below its log (damaged, mis-exported or another run's), whatever its d2t.
+    None otherwise."""
+    ds = next((s for s in b.get("stages", []) if s.get("name") == "checkpoint (teacher-forced)"), {})
+    fx, log = ds.get("fix") or {}, ds.get("log_accept_length")
+    ci = fx.get("ci") or [None, None]
+    if log is None or fx.get("accept_length") is None or ci[1] is None or log - ci[1] < threshold(log):
+        return None
+    return {"label": fx.get("label"), "accept_length": fx["accept_length"], "ci": list(ci), "log": log}
+
+
 def reconcile(doc: InvestigationDoc, *, budget_expected: bool = False) -> InvestigationDoc:
     """Make the investigation tell one story (module docstring); returns ``doc``, changed in place.
 
@@ -154,7 +168,8 @@ def reconcile(doc: InvestigationDoc, *, budget_expected: bool = False) -> Invest
         # the budget's own finding for a counted cause no other finding names
         named = {KIND_STAGE.get(f.kind) for f in doc.findings if f.kind not in CAUSE_KINDS.values()}
         doc.findings = [f for f in doc.findings if not (f.kind in CAUSE_KINDS.values() and
-                                                        f.kind != CAUSE_KINDS.get(b["cause"]))]
+                                                        f.kind != CAUSE_KINDS.get(b["cause"]) and
+                                                        not (f.evidence or {}).get("residual"))]
         cause = b["cause"]
         if cause in CAUSE_KINDS and cause not in named and not any(f.kind == CAUSE_KINDS[cause]
                                                                   for f in doc.findings):
@@ -166,6 +181,7 @@ def reconcile(doc: InvestigationDoc, *, budget_expected: bool = False) -> Invest
                 recommended_settings=b.get("recommended_settings"),
                 source="the acceptance budget: the draft checkpoint run offline as SGLang runs it (helpers.draft), "
                        "live counters from the same /generate answers")))
+        _add_draft_residual(doc, b, named)
         for f in doc.findings:
             st = KIND_STAGE.get(f.kind)
             if st and st in losses:
@@ -175,6 +191,23 @@ def reconcile(doc: InvestigationDoc, *, budget_expected: bool = False) -> Invest
                     "basis": l.get("basis"), "cause": cause}}
     doc.verdict = verdict(doc, budget_expected=budget_expected)
     return doc
+
+
+def _add_draft_residual(doc: InvestigationDoc, b: dict, named: set) -> None:
+    """A finding that names the draft stage (a d2t unlike the training data's) does not hide a checkpoint that is
+    below its log anyway: ``draft_underperforms`` for the loss its fix leaves (:func:`draft_residual`), once."""
+    res = draft_residual(b) if "draft" in named else None
+    if res is None or any(f.kind == "draft_underperforms" for f in doc.findings):
+        return
+    by = ", ".join(sorted(f.kind for f in doc.findings if KIND_STAGE.get(f.kind) == "draft"))
+    doc.findings.append(Finding(**finding(
+        "draft_underperforms", None,
+        f"the checkpoint with {res['label']} still scores {_ci_text(res['accept_length'], res['ci'])} tokens per "
+        f"verify step on the draft stage's rows where its training log says {res['log']:.2f}: {by} does not explain "
+        "the draft stage's loss; the checkpoint itself is below its log (damaged, mis-exported or another run's)",
+        stage="draft", residual=True, fixed=res, loss=(b.get("losses") or {}).get("draft"),
+        source="the acceptance budget's draft stage: the checkpoint teacher-forced on rows of its log's kind, with "
+               "the proposed fix's vocab map (helpers.draft.draft_stage)")))
 
 
 def verdict(doc: InvestigationDoc, *, budget_expected: bool = False) -> Optional[str]:

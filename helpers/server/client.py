@@ -435,7 +435,46 @@ class HTTPClient:
         return float(sel["value"].sum()) if len(sel) else None
 
 
-class SGLangClient(HTTPClient):
+class ServerClient(HTTPClient):
+    """The client contract every engine's client keeps (what measurement, sweeps, capture of the training tokens and
+    the investigation call), so that code above the engine seam never branches on the engine:
+
+    * :meth:`server_info` -- the server's effective settings in the suite's vocabulary (SGLang's ServerArgs names:
+      ``version``, ``model_path``, ``speculative_algorithm``, ``speculative_draft_model_path``,
+      ``speculative_num_steps``, ``speculative_eagle_topk``, ``speculative_num_draft_tokens``, ``tp_size``,
+      ``device``, ``dtype``, ...) plus ``engine`` (``sglang`` | ``vllm``); an engine's own settings under their own
+      names;
+    * :meth:`generate` -- one non-streaming request, a :class:`helpers.server.protocol.GenerateResult` whose
+      ``meta_info`` carries the per-request spec counters with SGLang's definitions;
+    * :meth:`flush_cache` -- empty the prefix cache (every request then prefills its whole prompt);
+    * :meth:`effective_spec_config` -- :class:`helpers.server.settings.EffectiveSpecConfig`.
+
+    Subclasses: :class:`SGLangClient` here, ``helpers.engines.vllm.VLLMClient``.
+    """
+
+    #: the engine name in :meth:`server_info` ``engine``
+    ENGINE_NAME = "sglang"
+
+    def server_info(self, refresh: bool = False) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def flush_cache(self, timeout: float = 120.0, poll: float = 0.5) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def generate(self, input_ids: Optional[Sequence[int]] = None, text: Optional[str] = None, **kw: Any
+                 ) -> GenerateResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def effective_spec_config(self, requested: Any = None, *, draft_config: Any = None
+                              ) -> EffectiveSpecConfig:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def version(self) -> Optional[str]:
+        """The engine's version string (``server_info()["version"]``)."""
+        return self.server_info().get("version")
+
+
+class SGLangClient(ServerClient):
     """Synchronous httpx client for one SGLang server (thread-safe: share it between threads): the plumbing of
     :class:`HTTPClient` plus SGLang's ``/server_info``, ``/model_info``, ``/flush_cache``, ``/generate`` and the
     effective speculative config.
@@ -457,6 +496,7 @@ class SGLangClient(HTTPClient):
             raw = self._get_json(["/server_info", "/get_server_info"], "server info")
             checked = _validated(ServerInfo, raw, f"GET {self._shown_url}/server_info", "/server_info")
             raw.update({k: getattr(checked, k) for k in ServerInfo.model_fields if k in raw})
+            raw.setdefault("engine", self.ENGINE_NAME)
             self._server_info = redact(raw, self.secrets)
         return self._server_info
 
@@ -472,10 +512,6 @@ class SGLangClient(HTTPClient):
                                   f"names, got {printable(repr(archs))[:80]}", endpoint="/model_info")
             self._model_info = redact(info, self.secrets)
         return self._model_info
-
-    def version(self) -> Optional[str]:
-        """SGLang version string from ``/server_info``."""
-        return self.server_info().get("version")
 
     def flush_cache(self, timeout: float = 120.0, poll: float = 0.5) -> float:
         """``POST /flush_cache``, retried while the server is busy (400); returns seconds waited.
@@ -690,13 +726,14 @@ def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Option
     return [str(a) for a in archs] if isinstance(archs, list) and archs else None
 
 
-def as_client(client_or_url: "SGLangClient | str", api_key: Optional[str] = None,
-              **kwargs: Any) -> "SGLangClient":
-    """Return ``client_or_url`` if it is a client, else a new :class:`SGLangClient` for the URL.
+def as_client(client_or_url: "ServerClient | str", api_key: Optional[str] = None,
+              **kwargs: Any) -> "ServerClient":
+    """Return ``client_or_url`` if it is a client (any engine's :class:`ServerClient`), else a new
+    :class:`SGLangClient` for the URL.
 
     Also accepts an object with a ``url`` attribute (``helpers.server.process.ServerProcess``).
     """
-    if isinstance(client_or_url, SGLangClient):
+    if isinstance(client_or_url, ServerClient):
         return client_or_url
     url = getattr(client_or_url, "url", client_or_url)
     return SGLangClient(str(url), api_key=api_key, **kwargs)

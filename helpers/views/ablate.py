@@ -14,7 +14,7 @@ from ..acceptance.stats import format_ci
 from ..acceptance.sweeps import SWEEPS
 from ..investigation.ablate import ablate
 from ..plots.sweeps import sweep_figure
-from .common import RunContext, esc, findings_frame, read_json_or_none, table_html
+from .common import RunContext, engine_label, esc, findings_frame, read_json_or_none, table_html
 
 
 def results_path(run_dir: Path) -> Path:
@@ -87,7 +87,8 @@ def ablation_parts(doc: Optional[dict]) -> list[Any]:
         return ["<p>No ablation in this run folder (run <code>python -m helpers ablate --url URL</code>, or this page "
                 "with <code>server_url</code> set).</p>"]
     secs = {k: f"{doc[k]:.0f}" if _num(doc.get(k)) else "?" for k in ("wall_s", "budget_s")}
-    parts: list[Any] = [f"<p>{esc(doc.get('url', ''))}: SGLang {esc(doc.get('sglang_version'))} on "
+    parts: list[Any] = [f"<p>{esc(doc.get('url', ''))}: {esc(engine_label(doc.get('engine')))} "
+                        f"{esc(doc.get('engine_version') or doc.get('sglang_version'))} on "
                         f"{esc(doc.get('device'))}, {esc(doc.get('prompts'))} prompts x "
                         f"{esc(doc.get('max_new_tokens'))} tokens per point, {secs['wall_s']} s of a "
                         f"{secs['budget_s']} s budget.</p>"]

@@ -14,6 +14,7 @@ from ..diagnosis.static import plans_frame_rows, static_check
 from ..formats.training_data import TrainingData
 from ..runfiles import loads_json, safe_name
 from ..redaction import redact_url
+from ..engines.detect import adapter as engine_adapter
 from .common import (
     RunContext,
     as_path,
@@ -26,7 +27,8 @@ from .common import (
 )
 from .replay import as_replay
 
-FACT_KEYS = [("version", "SGLang version"), ("model_path", "target"), ("speculative_algorithm", "algorithm"),
+FACT_KEYS = [("engine", "engine"), ("version", "version"), ("model_path", "target"),
+             ("speculative_algorithm", "algorithm"),
              ("speculative_draft_model_path", "draft"), ("speculative_num_steps", "num_steps"),
              ("speculative_eagle_topk", "topk"), ("speculative_num_draft_tokens", "num_draft_tokens"),
              ("tp_size", "TP size"), ("dp_size", "DP size"), ("dtype", "dtype"), ("device", "device"),
@@ -72,7 +74,7 @@ def _s(v: Any) -> str:
 
 
 def overrides_frame(spec: Optional[Mapping[str, Any]]) -> pd.DataFrame:
-    """The silent overrides SGLang made (field, requested, effective, message)."""
+    """The silent overrides the engine made (field, requested, effective, message)."""
     ovs = (spec or {}).get("overrides") or []
     return pd.DataFrame([{"field": o.get("field"), "requested": _s(o.get("requested")),
                           "effective": _s(o.get("effective")), "message": o.get("message")} for o in ovs])
@@ -150,8 +152,8 @@ def static_wiring(draft_dir: Optional[Path], target_dir: Optional[Path], server:
         except Exception as exc:  # noqa: BLE001 - a note, the check goes on with the draft config's claim
             notes.append(f"training data not readable ({type(exc).__name__}: {exc}); the draft config's ids are used")
     info = dict(server) if server else {}
-    rep = static_check(Path(draft_dir), Path(target_dir), server=info or None, sglang_version=info.get("version"),
-                       training=td)
+    rules = engine_adapter(info.get("engine") or "sglang").rules(info.get("version"))   # the server's own engine
+    rep = static_check(Path(draft_dir), Path(target_dir), server=info or None, training=td, rules=rules)
     sp, tp = rep.served_plan, rep.training_plan
     notes += list(sp.notes) + ([] if tp is None else list(tp.notes)) + list(rep.advisories)
     if rep.ambiguity:
@@ -175,9 +177,9 @@ def show_attach(rec: Mapping[str, Any], ctx: RunContext) -> dict:
         show(sf)
     ov = overrides_frame(rec.get("spec"))
     show("<b>Silent overrides</b>")
-    show(ov if len(ov) else note("SGLang changed none of the requested speculative settings."))
+    show(ov if len(ov) else note("The engine changed none of the requested speculative settings."))
     sw = static_wiring(rec.get("draft_dir"), ctx.target_dir, rec.get("server"), ctx.training)
-    show("<b>Static wiring check</b> (configs only: the layers SGLang will capture for this draft vs the "
+    show("<b>Static wiring check</b> (configs only: the layers the engine will capture for this draft vs the "
          "layers the draft was trained on)")
     show(sw["plans"] if len(sw["plans"]) else note("; ".join(sw["notes"]) or "no plans"))
     show(findings_frame(sw["findings"]) if sw["findings"] else

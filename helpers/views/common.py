@@ -50,7 +50,7 @@ from ..investigation.cases import Models, load_case
 from ..paths import ROOT, outputs_dir
 from ..records import NOTEBOOK_RESULT, ReplayDoc
 from ..runfiles import atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_json_file, write_json
-from ..server.client import SGLangClient
+from ..engines.detect import adapter as engine_adapter, detect
 
 DEFAULT_TARGET = "env/models/target"
 
@@ -557,11 +557,18 @@ def case_models(path: Path):
 
 
 def connect(ctx: RunContext):
-    """An :class:`helpers.server.client.SGLangClient` for ``ctx.server_url``; the API key is read from the
-    environment variable named ``ctx.api_key_env`` (never passed around or written)."""
+    """The client of ``ctx.server_url``'s engine (:class:`helpers.server.client.ServerClient`, the engine detected
+    from the server's own endpoints: ``helpers.engines.detect``); the API key is read from the environment variable
+    named ``ctx.api_key_env`` (never passed around or written)."""
 
     key = os.environ.get(ctx.api_key_env) or None
-    return SGLangClient(ctx.server_url, api_key=key or "")
+    return detect(ctx.server_url, key).adapter.client(ctx.server_url, api_key=key or "")
+
+
+def engine_label(name: Optional[str]) -> str:
+    """``SGLang`` / ``vLLM`` for an engine name recorded in a run folder (``investigation.json`` ``engine``, a
+    measurement's or an ablation's ``engine``; default ``sglang``, as run folders made before vLLM say nothing)."""
+    return engine_adapter(name or "sglang").label
 
 
 def result_path(run_dir: Path, notebook: str) -> Path:

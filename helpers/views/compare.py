@@ -13,6 +13,8 @@ import plotly.graph_objects as go
 import torch
 
 from ..diagnosis.diagnose import diagnose
+from ..diagnosis.plan_rules import PlanRules
+from ..engines.detect import adapter as engine_adapter
 from ..formats.dumps import read_dump
 from ..formats.training_data import TrainingData
 from ..plots.acceptance import PALETTE
@@ -26,7 +28,15 @@ def run_diagnosis(ctx: RunContext, served: Path, *, reference: Optional[Path] = 
     training samples read; served samples beyond them are left out with a note, never a finding."""
 
     return diagnose(ctx.training, [served], draft_config=draft_for_dump(ctx, served)[0],
-                    target_config=ctx.target_dir, reference=reference, max_samples=max_samples)
+                    target_config=ctx.target_dir, reference=reference, max_samples=max_samples,
+                    rules=rules_for_dump(served))
+
+
+def rules_for_dump(served: Path) -> PlanRules:
+    """The id rules of the engine that served the dump, read from its manifest (``engine``, ``engine_version``;
+    a dump without them is SGLang's, of its ``sglang_version``)."""
+    m = read_json_or_none(Path(served) / "manifest.json") or {}
+    return engine_adapter(m.get("engine") or "sglang").rules(m.get("engine_version") or m.get("sglang_version"))
 
 
 def draft_for_dump(ctx: RunContext, served: Path) -> tuple[Optional[Path], str]:

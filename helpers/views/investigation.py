@@ -18,8 +18,8 @@ from ..investigation.live import investigate
 from ..records import HypothesisStep, InvestigationDoc
 from ..runfiles import atomic_write_text, read_json_file
 from .budget import budget_parts
-from .common import (_CSS, RunContext, as_path, esc, findings_frame, headline_box, plotlyjs_html, run_dir_line,
-                     table_html)
+from .common import (_CSS, RunContext, as_path, engine_label, esc, findings_frame, headline_box, plotlyjs_html,
+                     run_dir_line, table_html)
 from .story import first_screen, story_parts
 
 
@@ -111,8 +111,11 @@ def fix_html(doc: InvestigationDoc, *, summary: bool = True) -> str:
         out += "<p>server flags: <code>" + esc(" ".join(f"{k} {v}" for k, v in fix.server_args.items())) + "</code></p>"
     if fix.add_tensors:
         out += "<p>draft tensors to add: " + esc(", ".join(f"{k} from {v}" for k, v in fix.add_tensors.items())) + "</p>"
+    if fix.drop_tensors:
+        out += "<p>draft tensors to leave out: " + esc(", ".join(fix.drop_tensors)) + "</p>"
     if fix.expected_served:
-        out += f"<p>served after the fix (SGLang rules): [{esc(', '.join(fix.expected_served))}]</p>"
+        out += (f"<p>served after the fix ({esc(engine_label(doc.engine))} rules): "
+                f"[{esc(', '.join(fix.expected_served))}]</p>")
     if fix.workaround:
         out += f"<p>stopgap (untested): <code>{esc(json.dumps(fix.workaround.get('draft_config')))}</code> -- " \
                f"{esc(fix.workaround.get('why'))}</p>"
@@ -153,7 +156,7 @@ def measured_figure(doc: InvestigationDoc) -> Optional[go.Figure]:
 def facts_frame(doc: InvestigationDoc) -> pd.DataFrame:
     """What the server runs and what the investigation used (attach + reference + timings)."""
     a = doc.attach or {}
-    rows = [("server", doc.url), ("SGLang version", a.get("version")), ("TP size", a.get("tp")),
+    rows = [("server", doc.url), (f"{engine_label(doc.engine)} version", a.get("version")), ("TP size", a.get("tp")),
             ("speculative algorithm", a.get("algorithm")), ("spec settings", json.dumps(a.get("spec"))),
             ("draft used", f"{a.get('draft_dir')} [{a.get('draft_source')}]"),
             ("target used", f"{a.get('target_dir')} [{a.get('target_source')}]"),

@@ -143,3 +143,17 @@ def test_attach_without_the_worker_extension_uses_vllms_rules_and_says_so(tmp_pa
         "aux_layer_ids"] and "gpu_model_runner.py::GPUModelRunner._get_eagle3_aux_layers_from_config" in cfg.sources[
         "aux_layer_ids"]
     assert any("no worker extension" in n for n in cfg.notes) and cfg.loaded is None
+
+
+def test_measure_and_capture_take_vllm_when_it_answers_and_sglang_otherwise():
+    """detect_or: vLLM recognised from its own endpoints, anything else left to SGLang's client (whose checks name
+    a malformed /server_info), an unknown vLLM release still bad input."""
+    from helpers.engines.detect import detect_or
+
+    with serve({"/version": (200, {"version": "0.32.0"}), "/v1/models": (200, VLLM_MODELS)}) as url:
+        assert detect_or(url).name == "vllm"
+    with serve({"/server_info": (200, [1, 2])}) as url:
+        assert detect_or(url).name == "sglang"
+    with serve({"/version": (200, {"version": "0.40.1"}), "/v1/models": (200, VLLM_MODELS)}) as url:
+        with pytest.raises(BadInput, match="0.40.1"):
+            detect_or(url)

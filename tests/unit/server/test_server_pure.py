@@ -167,7 +167,7 @@ def test_client_falls_back_to_old_endpoints():
 
     c = _mock(handler)
     info = c.server_info()
-    assert info == {"tp_size": 8, "version": "0.4.9"}
+    assert info == {"tp_size": 8, "version": "0.4.9", "engine": "sglang"}   # the client contract's engine name
     assert c.model_info()["architectures"] == ["LlamaForCausalLM"]
     assert paths == ["/server_info", "/get_server_info", "/model_info", "/get_model_info"]
 
@@ -289,7 +289,8 @@ def test_client_refuses_malformed_server_info(answer, expect):
 def test_client_server_info_values_are_the_checked_ones():
     info = _mock(lambda r: httpx.Response(200, json={"tp_size": "2", "speculative_num_steps": 3.0, "version":
                                                      "0.5.23\x1b]0;title\x07", "other": {"x": 1}})).server_info()
-    assert info == {"tp_size": 2, "speculative_num_steps": 3, "version": "0.5.23", "other": {"x": 1}}
+    assert info == {"tp_size": 2, "speculative_num_steps": 3, "version": "0.5.23", "other": {"x": 1},
+                    "engine": "sglang"}
 
 
 def test_flush_cache_gives_up_at_once_on_an_unexpected_status():

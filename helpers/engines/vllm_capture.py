@@ -1,0 +1,130 @@
+"""The vLLM capture of what the engine feeds the draft, through the tool's worker extension
+(:mod:`helpers.engines.vllm_worker`): prompts sent one at a time with the capture armed on every rank, then rank 0's
+records (``drafter.propose`` inputs and target forwards, in the order written) assembled into one served sample per
+prompt, the prompt's rows and each generated token's, as the server computed them
+(:meth:`helpers.engines.vllm.VLLMAdapter.capture_served`).
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from ..capture import prompt_fields, safe_key, read_rank_capture
+from ..errors import SGLangError
+from .vllm_answers import record
+
+
+def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, layers: bool,
+          records: Optional[list]) -> list[tuple[str, Optional[list[int]], dict]]:
+    """Arm the capture on every rank, send each prompt alone (prefix cache reset first), disarm. Returns
+    ``(prompt id, prompt token ids or None for text, answer)`` per prompt."""
+    sent: list[tuple[str, Optional[list[int]], dict]] = []
+    client.rpc("e3f_capture_start", {"out_dir": os.fspath(cap), "layers": bool(layers), "max_forwards": 100000})
+    try:
+        for i, p in enumerate(prompts):
+            pid, ids, text = prompt_fields(p, i)
+            client.reset_prefix_cache()
+            ans = client.complete(ids if ids is not None else text, max_tokens=max_new_tokens)
+            sent.append((pid, ids, ans))
+            if records is not None:
+                records.append(record(len(records), pid, ans, kind="capture"))
+    finally:
+        client.rpc("e3f_capture_stop")
+    return sent
+
+
+def _answer_ids(ans: Mapping[str, Any]) -> tuple[Optional[list[int]], list[int]]:
+    """(prompt token ids, generated token ids) of a ``return_token_ids`` answer."""
+    ch = (ans.get("choices") or [{}])[0]
+    prompt = ch.get("prompt_token_ids") or ans.get("prompt_token_ids")
+    return ([int(t) for t in prompt] if prompt else None), [int(t) for t in (ch.get("token_ids") or [])]
+
+
+def _segments(cap: Path) -> list[list[tuple[dict, dict[str, torch.Tensor]]]]:
+    """Rank 0's records in the order written, split per request: a request starts at its prefill (the first record
+    whose first position is 0 after a record that was not a prefill of the same request)."""
+    try:
+        recs = read_rank_capture(cap).get(0, [])
+    except FileNotFoundError:
+        recs = []
+    segs: list[list[tuple[dict, dict[str, torch.Tensor]]]] = []
+    seen_prefixes: set = set()
+    for rec in recs:
+        t = load_file(str(cap / "rank0" / rec["file"]))
+        pos = t.get("positions")
+        starts = pos is not None and pos.numel() and int(pos.reshape(-1)[0]) == 0
+        prefix = rec["file"][:4]
+        if starts and (not segs or prefix in seen_prefixes or not _all_prefill(segs[-1])):
+            segs.append([])
+            seen_prefixes = set()
+        if segs:
+            segs[-1].append((rec, t))
+            if starts:
+                seen_prefixes.add(prefix)
+    return segs
+
+
+def _all_prefill(seg: list) -> bool:
+    return all(int(t["positions"].reshape(-1)[0]) == 0 for _, t in seg)
+
+
+def _assemble(client: Any, cap: Path, sent: list, layers: bool, max_width: Optional[int]
+              ) -> tuple[list[dict], list[dict]]:
+    """The served samples (and the reference samples with ``layers``) from the capture folder (see
+    :meth:`VLLMAdapter.capture_served`)."""
+    segs = _segments(cap)
+    if len(segs) != len(sent):
+        raise SGLangError(f"{client._shown_url}: the capture recorded {len(segs)} request(s) for {len(sent)} prompt(s) "
+                          "(is speculative decoding on, and no other client sending requests?)",
+                          endpoint="/collective_rpc")
+    samples, ref = [], []
+    for (pid, ids, ans), seg in zip(sent, segs):
+        key = safe_key(pid)
+        p_ids, out_ids = _answer_ids(ans)
+        prompt = ids if ids is not None else p_ids
+        if prompt is None:
+            raise SGLangError(f"{client._shown_url}: no prompt_token_ids in the answer for prompt {pid}",
+                              endpoint="/v1/completions")
+        seq = list(prompt) + list(out_ids[:-1])
+        rows: dict[int, tuple[int, torch.Tensor]] = {}
+        for want in ("prop", "fwd"):
+            for rec, t in seg:
+                if not rec["file"].startswith(want) or "aux" not in t:
+                    continue
+                for k, p in enumerate(t["positions"].reshape(-1).tolist()):
+                    if 0 <= p < len(seq) and (want == "prop" or p not in rows or rows[p][2] == "fwd"):
+                        rows[p] = (int(t["input_ids"][k]), t["aux"][k], want)
+        first = min(rows) if rows else None
+        if first is None or any(p not in rows for p in range(first, len(seq))):
+            raise SGLangError(f"{client._shown_url}: the draft received no input for prompt {pid} at positions "
+                              f"{[p for p in range(first or 0, len(seq)) if p not in rows][:5]} (is speculative "
+                              "decoding on?)", endpoint="/collective_rpc")
+        got = [rows[p][0] for p in range(first, len(seq))]
+        if got != seq[first:]:
+            bad = next(p for p in range(first, len(seq)) if rows[p][0] != seq[p])
+            raise SGLangError(f"{client._shown_url}: prompt {pid}: the captured token at position {bad} is "
+                              f"{rows[bad][0]}, the answer's {seq[bad]}", endpoint="/collective_rpc")
+        hidden = torch.stack([rows[p][1] for p in range(first, len(seq))]).to(torch.float32)
+        if max_width is not None and hidden.shape[-1] > max_width:
+            raise SGLangError(f"{client._shown_url} ({pid}): hidden-state rows are {hidden.shape[-1]} wide, over the "
+                              f"limit of {max_width}; nothing was written", endpoint="/collective_rpc")
+        samples.append({"key": key, "sample_id": pid, "input_ids": torch.tensor(seq[first:], dtype=torch.int64),
+                        "hidden": hidden, "first_position": first, "num_prompt_tokens": len(prompt),
+                        "num_output_tokens": len(out_ids), "output_ids": out_ids or None})
+        fwd = next((t for rec, t in seg if rec["file"].startswith("fwd") and "embedding" in t), None)
+        if layers and fwd is not None:
+            n = sum(1 for k in fwd if k.startswith("out("))
+            need = ["embedding"] + [f"out({L})" for L in range(n)]
+            ref.append({"key": key, "sample_id": pid, "input_ids": fwd["input_ids"].to(torch.int64),
+                        "hidden": torch.cat([fwd[k] for k in need], -1).to(torch.float32),
+                        "first_position": int(fwd["positions"].reshape(-1)[0])})
+    return samples, ref
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
