@@ -435,8 +435,12 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     if inp.draft_cost is None:
         L.losses["settings"] = _not_computed("settings", "no draft-step cost: no setting can be recommended")
     else:
+        kept = "" if rec is not served or best is served else (
+            f" (the best, --speculative-num-steps {best['steps']}, is modelled {gain:+.1%}: below the {MATERIAL:.0%} "
+            f"a change needs, so the served settings are kept)")
         L.losses["settings"] = _loss("settings", d, lo, hi, f"recommended vs served settings, simulated on the same "
-                                     f"{n} sequence(s); modelled tokens per unit time {gain:+.0%}",
+                                     f"{n} sequence(s); modelled tokens per unit time "
+                                     f"{(gain if rec is not served else 0.0):+.0%}{kept}",
                                      served["accept_length"], n=n, per_sequence=per)
     for t in table:
         t.pop("frame")
@@ -524,6 +528,22 @@ def cause_of(losses: dict, required: Sequence[str] = REQUIRED_STAGES) -> str:
     return "undecided"
 
 
+#: the opening of join_ablation's note when no stage counts (reconcile drops it once a stage does: a fix measured later)
+NO_STAGE_COUNTS = "no stage loses a material share on the prompts measured here"
+
+#: the stages a workload sweep (context, concurrency: the requests sent) can speak to; an undecided wiring, draft or
+#: settings stage is settled by more training samples or rows, not by sweeping the requests
+SWEEPABLE_STAGES = ("engine", "workload")
+
+
+def sweeps_can_settle(b: dict) -> bool:
+    """Whether ``investigate``'s automatic workload sweeps can tell anything the budget ``b`` leaves open: its cause
+    is ``undecided`` and one of the undecided stages is one the requests decide (:data:`SWEEPABLE_STAGES`)."""
+    if not b or b.get("cause") != "undecided":
+        return False
+    return any((b.get("losses") or {}).get(s, {}).get("decision") == "undecided" for s in SWEEPABLE_STAGES)
+
+
 def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
     """Put the evidence of ablations and workload sweeps (findings of :mod:`helpers.investigation.ablate`) into the
     budget ``b`` and return it: each becomes ``b["ablation"][cause]`` evidence. When no stage of the budget counts
@@ -554,7 +574,7 @@ def join_ablation(b: dict, findings: Sequence[dict]) -> dict:
             b["sentence"] = budget_sentence(b)
             return jsonable(b)
     b.setdefault("notes", []).append(
-        "no stage loses a material share on the prompts measured here; " + "; ".join(
+        NO_STAGE_COUNTS + "; " + "; ".join(
             f"{f['kind']}: {f['detail']}" for fs in ev.values() for f in fs)
         + " (a cause of low acceptance where production requests are like these, not of a loss measured here)")
     return jsonable(b)

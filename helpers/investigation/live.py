@@ -52,7 +52,7 @@ from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
 from .acceptance import run_budget
-from ..draft.budget import join_ablation
+from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check
 from .inputs import Investigation
@@ -148,8 +148,12 @@ def _sweeps(r: Run) -> None:
     doc, req = r.doc, r.req
     b = doc.acceptance or {}
     if req.sweeps == "auto":
-        # only when the budget cannot decide: the sweeps then say which requests lose acceptance
-        chosen = ["context", "concurrency"] if b.get("cause") == "undecided" and doc.acceptance else []
+        # only when the budget leaves open a stage the requests decide: the sweeps then say which requests lose
+        # acceptance (an undecided wiring or draft stage wants more samples or rows, which the budget says)
+        chosen = ["context", "concurrency"] if sweeps_can_settle(b) else []
+        if b.get("cause") == "undecided" and not chosen:
+            doc.notes.append("workload sweeps not run: the budget's undecided stages are settled by more training "
+                             "samples or rows, not by sweeping the requests (--sweeps context,concurrency runs them)")
     else:
         chosen = list(req.sweeps)
     if not chosen:

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
-from ..draft.budget import REQUIRED_STAGES, budget_sentence, cause_of
+from ..draft.budget import NO_STAGE_COUNTS, REQUIRED_STAGES, budget_sentence, cause_of
 from ..draft.decide import decide, threshold
 from ..kinds import ACCEPTANCE_KINDS, KIND_STAGE, KIND_TEXT
 from ..records import Finding, InvestigationDoc
@@ -162,6 +162,8 @@ def reconcile(doc: InvestigationDoc, *, budget_expected: bool = False) -> Invest
             _merge(losses, st, loss, on_server=on_server)
         b["cause"] = cause_of(losses, b.get("required") or REQUIRED_STAGES)
         b["sentence"] = budget_sentence(b)
+        if b["cause"] in CAUSE_KINDS:               # a stage counts now (e.g. the fix measured): that note is stale
+            b["notes"] = [n for n in b.get("notes") or [] if not n.startswith(NO_STAGE_COUNTS)]
         doc.acceptance = jsonable(b)
         b = doc.acceptance
         losses = b["losses"]

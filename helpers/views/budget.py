@@ -121,26 +121,38 @@ def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optiona
                      "changes")
     flag = None
     pts = sweep_points(doc)
-    if pts and not same:
-        got = {p.get("num_steps"): p for p in pts if (p.get("topk") or 1) == 1}
-        r, s_ = got.get(rec["steps"]), got.get(served.get("steps"))
-        if r and s_ and r.get("tok_s") is not None and s_.get("tok_s") is not None:
-            tr, ts = format_ci(r, "tok_s", digits=1), format_ci(s_, "tok_s", digits=1)
-            text += f". The replay's num_steps sweep measured {rec['steps']} steps {tr} tok/s, {served.get('steps')} " \
-                    f"steps {ts} tok/s"
-            lo_r, hi_r, lo_s, hi_s = (r.get("tok_s_lo"), r.get("tok_s_hi"), s_.get("tok_s_lo"), s_.get("tok_s_hi"))
-            if None in (lo_r, hi_r, lo_s, hi_s):
-                text += " (no CIs to compare)"
-            elif hi_r < lo_s:
-                loads = "; ".join(f"{n} steps: {_load(p)}" for n, p in ((rec["steps"], r), (served.get("steps"), s_)))
-                flag = (f"the budget recommends {rec['steps']} steps (modelled), the sweep measured {served.get('steps')}"
-                        f" steps faster beyond both tok/s CIs ({ts} vs {tr}); the machine's load during the two: "
-                        f"{loads}")
-                text += " (the served steps faster: see the flags)"
-            elif lo_r > hi_s:
-                text += " (the recommended steps faster, beyond both CIs)"
-            else:
-                text += " (the CIs overlap: the sweep cannot tell them apart)"
+    got = {p.get("num_steps"): p for p in pts if (p.get("topk") or 1) == 1 and p.get("tok_s") is not None}
+    s_ = got.get(served.get("steps"))
+    if same:      # the budget keeps the served steps: set it against the fastest other steps the sweep measured
+        others = [p for n, p in got.items() if n != served.get("steps")]
+        r = max(others, key=lambda p: p["tok_s"]) if others else None
+    else:
+        r = got.get(rec["steps"])
+    if r and s_:
+        r_steps = r.get("num_steps")
+        tr, ts = format_ci(r, "tok_s", digits=1), format_ci(s_, "tok_s", digits=1)
+        text += f". The replay's num_steps sweep measured {r_steps} steps {tr} tok/s, {served.get('steps')} " \
+                f"steps {ts} tok/s"
+        lo_r, hi_r, lo_s, hi_s = (r.get("tok_s_lo"), r.get("tok_s_hi"), s_.get("tok_s_lo"), s_.get("tok_s_hi"))
+        loads = "; ".join(f"{n} steps: {_load(p)}" for n, p in ((r_steps, r), (served.get("steps"), s_)))
+        if None in (lo_r, hi_r, lo_s, hi_s):
+            text += " (no CIs to compare)"
+        elif not same and hi_r < lo_s:
+            flag = (f"the budget recommends {r_steps} steps (modelled), the sweep measured {served.get('steps')}"
+                    f" steps faster beyond both tok/s CIs ({ts} vs {tr}); the machine's load during the two: "
+                    f"{loads}")
+            text += " (the served steps faster: see the flags)"
+        elif same and lo_r > hi_s:
+            flag = (f"the budget keeps the served {served.get('steps')} steps (modelled), the sweep measured "
+                    f"{r_steps} steps faster beyond both tok/s CIs ({tr} vs {ts}); the machine's load during the two: "
+                    f"{loads}")
+            text += f" ({r_steps} steps faster: see the flags)"
+        elif not same and lo_r > hi_s:
+            text += " (the recommended steps faster, beyond both CIs)"
+        elif same and hi_r < lo_s:
+            text += " (the served steps faster, beyond both CIs)"
+        else:
+            text += " (the CIs overlap: the sweep cannot tell them apart)"
     return text + ".", flag
 
 

@@ -224,3 +224,19 @@ def test_a_fix_that_leaves_the_effective_settings_gives_the_settings_stage_no_sh
     assert doc2.acceptance["losses"]["settings"]["on_server"]
     # a measurement without recorded settings (older records) is attributed as before
     assert not same_effective_settings(_measured())
+
+
+def test_sweeps_run_only_for_stages_the_requests_decide_and_a_stale_note_goes_when_a_stage_counts():
+    """investigate's automatic workload sweeps: an undecided wiring or draft stage (too few training samples) is not
+    settled by sweeping the requests, an undecided engine stage is; join_ablation's "no stage loses a material share"
+    note (written while nothing counted) is dropped once the measured fix makes a stage count."""
+    from helpers.draft.budget import NO_STAGE_COUNTS, join_ablation, sweeps_can_settle
+
+    for stage, want in (("wiring", False), ("draft", False), ("settings", False), ("engine", True)):
+        assert sweeps_can_settle(_budget(**{stage: "undecided"})) is want, stage
+    assert not sweeps_can_settle(_budget()) and not sweeps_can_settle(_budget(engine="counts"))
+    b = join_ablation(_budget(wiring="undecided"), [{"kind": "context_loses_acceptance", "detail": "falls past 190"}])
+    assert b["cause"] == "undecided" and b["notes"][-1].startswith(NO_STAGE_COUNTS)
+    doc = reconcile(_doc("layer_offset", b, measured=_measured(), fixed=True))
+    assert doc.acceptance["cause"] == "wiring"
+    assert not any(n.startswith(NO_STAGE_COUNTS) for n in doc.acceptance["notes"]), doc.acceptance["notes"]

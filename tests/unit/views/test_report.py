@@ -290,3 +290,25 @@ def test_investigation_says_once_what_was_measured_and_which_file_to_edit(tmp_pa
     # the headline states the proposed fix; the fix section below it does not repeat the sentence
     assert page.count(doc.proposed_fix.summary) == 1
     assert views_investigation.sections_html(doc, with_headline=False)[5].count(doc.proposed_fix.summary) == 1
+
+
+def test_a_kept_setting_the_sweep_measured_slower_is_flagged():
+    """The budget keeps the served steps (nothing else modelled a material share faster) while the replay's sweep
+    measured other steps faster beyond both tok/s CIs: the settings line says so and raises a flag (the fresh-user run
+    of the Kimi main job: kept 3, sweep 2 steps 29.4 [27.2, 31.7] vs 3 steps 22.4 [20.7, 24.3] tok/s, unflagged)."""
+    from helpers.views.budget import settings_text
+
+    served = {"steps": 3, "topk": 1, "draft_tokens": 4}
+    b = {"settings": served, "recommended_settings": dict(served), "cause": "wiring", "missing": [],
+         "stages": [{"name": "best settings (simulated)", "grid": "served states", "modelled_speedup_gain": 0.076}]}
+    doc = _doc()
+    text, flag = settings_text(b, doc)                       # the synthetic sweep: 3 steps (24) is the fastest
+    assert flag is None and "keeps the served" in text and "4 steps 22.0" in text and "cannot tell them apart" in text
+    pts = doc["steps"][-1]["points"]
+    pts[0].update(tok_s=29.4, tok_s_lo=27.2, tok_s_hi=31.7)   # 2 steps now measured faster beyond both CIs
+    text, flag = settings_text(b, doc)
+    assert flag is not None and flag.startswith("the budget keeps the served 3 steps") and "2 steps faster" in flag
+    assert "29.4 [27.2, 31.7]" in text and "see the flags" in text
+    pts[0].update(tok_s=24.5, tok_s_lo=23.0, tok_s_hi=26.0)   # overlapping CIs: no flag
+    text, flag = settings_text(b, doc)
+    assert flag is None and "cannot tell them apart" in text
