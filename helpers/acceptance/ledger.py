@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import pandas as pd
+import pyarrow as pa
 
 from ..runfiles import (  # noqa: F401
     DEFAULT_OUTPUTS,
@@ -149,15 +150,24 @@ class Ledger:
         new = pd.DataFrame(_flat(recs, now))
         with self._lock(exclusive=True):
             old = self._read_unlocked()
-            merged = pd.concat([old, new], ignore_index=True) if len(old) else new
-            merged = _arrow_safe(merged)
-            data = parquet_bytes(merged)
-            check = read_parquet(data)
-            if len(old) and "row_id" in old.columns and \
-                    not set(old["row_id"].dropna()).issubset(set(check["row_id"])):
-                raise LedgerError("refusing to write: the new ledger would lose rows")
-            if len(check) != len(old) + len(new):
-                raise LedgerError(f"refusing to write: expected {len(old) + len(new)} rows, got {len(check)}")
+            try:
+                merged = pd.concat([old, new], ignore_index=True) if len(old) else new
+                merged = _arrow_safe(merged)
+                data = parquet_bytes(merged)
+                check = read_parquet(data)
+                if len(old) and "row_id" in old.columns and \
+                        not set(old["row_id"].dropna()).issubset(set(check["row_id"])):
+                    raise LedgerError("the new ledger would lose rows")
+                if len(check) != len(old) + len(new):
+                    raise LedgerError(f"expected {len(old) + len(new)} rows, got {len(check)}")
+            except (LedgerError, ValueError, TypeError, KeyError, pa.ArrowException) as exc:
+                if not len(old):
+                    raise
+                # the old ledger's rows are readable but not the table this tool writes (a column of another type,
+                # one it never writes): that file's state, not this append's -- bad input naming it; the caller
+                # keeps the measurement (AcceptanceResult.record), the ledger is left as it was
+                raise LedgerUnreadable(self.path, f"its rows cannot take a new one without loss ({exc}); refusing "
+                                                  "to write") from None
             atomic_write_bytes(self.path, data)
         return new
 

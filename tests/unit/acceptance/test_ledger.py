@@ -133,6 +133,29 @@ def test_a_ledger_whose_lock_cannot_be_opened_keeps_the_measurement(measured, tm
     assert (run / "fixes" / "kept" / "summary.json").exists()
 
 
+def test_a_readable_ledger_of_another_shape_keeps_the_measurement(measured, tmp_path):
+    """Issue 30, found by an adversarial run: a valid Parquet ledger whose rows are not the table this tool writes
+    (``row_id`` stored as integers; a map-typed column it never writes) cannot take the new row without loss. That is
+    the old file's state: bad input naming the ledger (exit 2), the ledger left byte for byte, the measurement kept so
+    that ``--rebuild-ledger`` indexes it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, table in (
+            ("row_id_int", pa.table({"fix": ["old"], "row_id": [7], "accept_length": [2.0]})),
+            ("map_column", pa.table({"fix": ["old"], "row_id": ["a1"], "accept_length": [2.0],
+                                     "extra": pa.array([[("k", 1)]], type=pa.map_(pa.string(), pa.int64()))}))):
+        run = tmp_path / name
+        run.mkdir()
+        pq.write_table(table, run / "ledger.parquet")
+        before = (run / "ledger.parquet").read_bytes()
+        with pytest.raises(LedgerUnreadable, match="cannot take a new one without loss") as err:
+            measured.record(run, "new")
+        assert str(err.value).startswith(f"{run / 'ledger.parquet'}: ") and "kept in fixes/new" in str(err.value)
+        assert (run / "fixes" / "new" / "summary.json").exists(), name
+        assert (run / "ledger.parquet").read_bytes() == before, name
+
+
 THREADS = textwrap.dedent("""
     import io, os, sys
     import pandas as pd
