@@ -179,9 +179,6 @@ class LlamaAttention(Attention):
             raise BadInput("attention_bias / bias is set: the offline draft run has no attention bias (the EAGLE-3 "
                            "drafts SGLang serves have none)", path=dc.path, field="attention_bias")
         rope = raw.get("rope_parameters") if raw.get("rope_parameters") is not None else raw.get("rope_scaling")
-        theta = raw.get("rope_theta")
-        if theta is None and isinstance(rope, dict):
-            theta = rope.get("rope_theta")
         if rope is not None and not isinstance(rope, dict):
             raise BadInput(f"expected an object {{rope_type, ...}} or null, got {rope!r} (sglang/srt/layers/"
                            "rotary_embedding/factory.py::get_rope indexes it)", path=dc.path, field="rope_scaling")
@@ -195,8 +192,10 @@ class LlamaAttention(Attention):
             raise BadInput(f"rope type {kind!r}: the offline draft run implements default, linear and llama3 "
                            "(sglang/srt/layers/rotary_embedding.py::get_rope has more)", path=dc.path,
                            field="rope_scaling")
-        return dict(heads=p.heads, kv_heads=p.kv_heads, head_dim=p.head_dim,
-                    rope_theta=float(theta if theta is not None else 1e4),
+        # the theta SGLang's LlamaDecoderLayer reads (one rule, shared with the config checks: a theta inside
+        # rope_parameters / rope_scaling wins over the top-level one; a non-number is bad input naming the field)
+        theta = effective_rope(raw, dc.path)["rope_theta"]
+        return dict(heads=p.heads, kv_heads=p.kv_heads, head_dim=p.head_dim, rope_theta=theta,
                     rope_scaling=rope if isinstance(rope, dict) else None,
                     max_position=raw.get("max_position_embeddings"))
 

@@ -292,3 +292,23 @@ def test_aux_states_as_wide_as_the_embedding_skip_fc_as_sglang_does(tmp_path):
     assert torch.equal(ea.logits, eb.logits)
     ref = Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET)
     assert not torch.equal(ea.logits, ref.extend(ids, torch.cat([aux] * 3, -1)).logits)
+
+
+def test_the_offline_run_takes_the_rope_theta_the_config_checks_say_sglang_uses(tmp_path):
+    """One rule for the theta (helpers.draft.config_checks.effective_rope): a theta inside rope_parameters wins over
+    the top-level one, as transformers 5 loads it for llama.py (found by an adversarial run: the offline run took the
+    top-level 10000 while the config checks said SGLang runs 500000); a theta that is not a number is bad input."""
+    from helpers.draft.config_checks import effective_rope
+
+    d = _draft(tmp_path, "theta", cfg={"rope_theta": 10000.0,
+                                       "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
+    raw = json.loads((d / "config.json").read_text())
+    assert effective_rope(raw)["rope_theta"] == 500000.0
+    draft = Eagle3Draft.load(d, REFERENCE_TARGET)
+    hd = draft.arch.head_dim
+    want = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    assert draft.arch.rope_theta == 500000.0
+    assert torch.allclose(draft.attn._inv.double().cpu(), want, rtol=1e-6)
+    bad = _draft(tmp_path, "theta-abc", cfg={"rope_theta": "abc", "rope_parameters": None})
+    with pytest.raises(BadInput, match="rope_theta"):
+        Eagle3Draft.load(bad, REFERENCE_TARGET)
