@@ -16,7 +16,7 @@ import httpx
 from pydantic import ValidationError
 
 from ..acceptance.ablations import Toggle
-from ..errors import BadInput, EndpointMissing, HiddenStatesDisabled, RequestRejected, SGLangError
+from ..errors import BadInput, EndpointMissing, HiddenStatesDisabled, RequestRejected, ServerError, SGLangError
 from ..formats.configs import read_config_json
 from ..layers import vllm as rules
 from ..redaction import redact
@@ -126,6 +126,15 @@ class VLLMClient(ServerClient):
         in(i)), ``loaded`` (rank 0's ``e3f_describe``), ``sources`` (where each came from)."""
         if getattr(self, "_info", None) is not None and not refresh:
             return self._info
+        try:
+            return self._vllm_server_info()
+        except (TypeError, AttributeError, ValueError, KeyError) as exc:
+            # a field of another type than vLLM writes it (a string for speculative_config, a list for vllm_config,
+            # "three" tokens, ...): the server's answer is unusable, said in one line naming where it came from
+            raise ServerError(f"{self.url}: the server's GET /v1/models, /server_info, /metrics or worker answers "
+                              f"are not what vLLM 0.32.0 writes ({type(exc).__name__}: {exc})") from None
+
+    def _vllm_server_info(self) -> dict:
         models = self.models()
         m0 = models[0] if models else {}
         info: dict[str, Any] = {"engine": "vllm", "version": self.version(), "sglang_version": None,
@@ -319,7 +328,7 @@ class VLLMAdapter(EngineAdapter):
             try:
                 data = http._json(resp, "GET /v1/models", "/v1/models").get("data") or []
                 owned = sorted({str(m.get("owned_by")) for m in data if isinstance(m, dict)})
-            except (SGLangError, AttributeError):
+            except (SGLangError, AttributeError, TypeError):
                 owned = None
         evidence["/v1/models owned_by"] = owned if owned is not None else f"HTTP {resp.status_code}"
         resp = http._request("GET", "/version", retries=0)

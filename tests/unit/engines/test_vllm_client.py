@@ -124,3 +124,19 @@ def test_impossible_counters_are_refused_and_a_missing_reset_is_said():
             c.generate(input_ids=[1, 2], max_new_tokens=16)
         with pytest.raises(EndpointMissing, match="VLLM_SERVER_DEV_MODE"):
             c.flush_cache()
+
+
+@pytest.mark.parametrize("draft", ["/m/draft as a string", {**DESCRIBE["draft"], "num_speculative_tokens": "three"}])
+def test_a_worker_answer_of_another_shape_is_one_server_error(monkeypatch, draft):
+    """Found by an adversarial run: a field of another type than vLLM 0.32.0 writes it (the draft as a string, the
+    token count as a word) was a bare AttributeError / ValueError with the E3F_DEBUG hint; it is one ServerError line
+    naming the server and what was wrong."""
+    from helpers.cli.common import describe
+    from helpers.errors import ServerError
+
+    monkeypatch.setitem(DESCRIBE, "draft", draft)
+    with vllm_server() as (url, _), VLLMClient(url) as c:
+        with pytest.raises(ServerError) as err:
+            c.server_info()
+    msg = describe(err.value)
+    assert msg.startswith(url) and "not what vLLM 0.32.0 writes" in msg and "\n" not in msg, msg
