@@ -123,6 +123,13 @@ class EngineAdapter(ABC):
         """The releases whose rules this adapter knows, for messages (``"vLLM 0.32.0"``)."""
 
     @classmethod
+    def version_refusal(cls, version: str, where: str) -> Optional[str]:
+        """Why a server of this engine answering ``version`` (at ``where``, e.g. ``GET /version``) cannot be worked
+        with -- a release whose rules are not known, a version that is not one -- or None to go on. Detection
+        (:func:`helpers.engines.detect.detect`) turns it into one line of bad input, exit 2."""
+        return None
+
+    @classmethod
     @abstractmethod
     def probe(cls, http: HTTPClient) -> Optional[tuple[str, dict]]:
         """``(version, evidence)`` when the server at ``http.url`` is this engine (asked through its own

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import BadInput, SGLangError
-from ..layers import vllm as vllm_rules
 from ..server.client import HTTPClient
 from .base import EngineAdapter
 from .sglang import SGLangAdapter
@@ -67,9 +66,9 @@ def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, de
                 continue
             version, ev = found
             evidence.update(ev)
-            if a is VLLMAdapter and not vllm_rules.is_known(version):
-                raise BadInput(f"{http._shown_url} is vLLM {version} (GET /version), whose rules this tool does not "
-                               f"know; supported: {supported_text()}", field="--url")
+            why = a.version_refusal(version, ", ".join(ev) or "its version endpoint")
+            if why:
+                raise BadInput(f"{http._shown_url} {why}; supported: {supported_text()}", field="--url")
             return Detected(a(), a.name, version, evidence)
         for path in ("/server_info", "/version", "/v1/models"):
             resp = http._request("GET", path, retries=0)
@@ -105,9 +104,9 @@ def detect_or(url: str, api_key: Optional[str] = None, *, default: str = "sglang
             except SGLangError:          # unreachable, a redirect, an oversized answer: the client says it
                 found = None
             if found is not None:
-                if a is VLLMAdapter and not vllm_rules.is_known(found[0]):
-                    raise BadInput(f"{http._shown_url} is vLLM {found[0]} (GET /version), whose rules this tool does "
-                                   f"not know; supported: {supported_text()}", field="--url")
+                why = a.version_refusal(found[0], ", ".join(found[1]) or "its version endpoint")
+                if why:
+                    raise BadInput(f"{http._shown_url} {why}; supported: {supported_text()}", field="--url")
                 return a()
     finally:
         http.close()

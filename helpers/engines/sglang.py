@@ -15,7 +15,7 @@ from ..formats.configs import read_draft_config, read_target_config
 from ..runfiles import loads_json
 from ..server.settings import SpecSettings
 from ..errors import BadInput, SGLangError
-from ..layers.sglang import OLDEST_READ, TABLE_VERSION, target_rule
+from ..layers.sglang import OLDEST_READ, TABLE_VERSION, parse_version, target_rule
 from ..server import embedded
 from ..server.client import HTTPClient, SGLangClient
 from ..server.process import ServerProcess
@@ -138,6 +138,16 @@ class SGLangAdapter(EngineAdapter):
     @classmethod
     def supported(cls) -> str:
         return f"SGLang {_v(OLDEST_READ)}-{_v(TABLE_VERSION)} (rules read; other releases assumed as the nearest)"
+
+    @classmethod
+    def version_refusal(cls, version: str, where: str) -> Optional[str]:
+        """SGLang's rules are taken from the nearest release read, which needs an ``X.Y[.Z]`` version: one that is
+        not (``"banana"``) is refused here, before anything is captured."""
+        try:
+            parse_version(version)
+        except ValueError:
+            return f"is SGLang by its answers, but its version {version!r} ({where}) is not an X.Y.Z release"
+        return None
 
     @classmethod
     def probe(cls, http: HTTPClient) -> Optional[tuple[str, dict]]:

@@ -318,6 +318,11 @@ class VLLMAdapter(EngineAdapter):
         return f"vLLM {rules.known_versions_text()}"
 
     @classmethod
+    def version_refusal(cls, version: str, where: str) -> Optional[str]:
+        """vLLM's rules are read per release: another is refused."""
+        return None if rules.is_known(version) else f"is vLLM {version} (GET /version), whose rules this tool does not know"
+
+    @classmethod
     def probe(cls, http: HTTPClient) -> Optional[tuple[str, dict]]:
         """vLLM when ``GET /v1/models`` names ``owned_by: "vllm"`` or ``GET /version`` answers ``{"version"}`` while
         ``/server_info`` is not SGLang's; returns ``(version, evidence)``."""

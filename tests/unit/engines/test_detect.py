@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from helpers.__main__ import main
-from helpers.engines.detect import detect, supported_text
+from helpers.engines.detect import detect, detect_or, supported_text
 from helpers.errors import BadInput, SGLangError
 from support.fakeserver import free_port
 from support.vllm_answers import METRICS_1
@@ -157,3 +157,19 @@ def test_measure_and_capture_take_vllm_when_it_answers_and_sglang_otherwise():
     with serve({"/version": (200, {"version": "0.40.1"}), "/v1/models": (200, VLLM_MODELS)}) as url:
         with pytest.raises(BadInput, match="0.40.1"):
             detect_or(url)
+
+
+def test_an_sglang_version_that_is_not_a_release_is_refused_before_any_capture():
+    """Found by an adversarial run: /server_info with ``version "banana"`` was taken for SGLang, captured and built
+    the HF reference (~15 s) before failing on the version; it is one line at detection naming the endpoint and what
+    is supported (each adapter's version_refusal, no engine branch in detect). A /v1/models whose ``data`` is not a
+    list is not vLLM evidence (no TypeError)."""
+    with serve({"/server_info": (200, {**SGLANG_INFO, "version": "banana"})}) as url:
+        with pytest.raises(BadInput) as exc:
+            detect(url)
+        with pytest.raises(BadInput):
+            detect_or(url, default="vllm")
+    msg = str(exc.value)
+    assert "\n" not in msg and "'banana'" in msg and "/server_info" in msg and "SGLang 0.5.6-0.5.23" in msg, msg
+    with serve({"/v1/models": (200, {"data": 5}), "/server_info": (200, SGLANG_INFO)}) as url:
+        assert detect(url).engine == "sglang"
