@@ -59,15 +59,7 @@ def teacher_forced_ids(draft: Eagle3Draft, seq: SimSequence, steps: int) -> list
     ext = draft.extend(seq.tokens[1:], seq.aux[: T - 1])
     r0 = seq.start - 1
     out = [draft.to_target_ids(ext.logits.argmax(-1))[r0:].numpy()]
-    hidden, path = ext.hidden[r0:], []
-    for k in range(1, steps):
-        r = torch.arange(r0, T - 1 - k)
-        if r.numel() == 0:
-            break
-        n = r.shape[0]
-        path = [[(kk[:n], vv[:n]) for kk, vv in p] for p in path]
-        hidden, logits, kv = draft.step(y[r + 1 + k], hidden[:n], r + k, r + 1, ext, path)
-        path.append(kv)
+    for _, _, logits in draft.ttt_steps(ext, y, steps, r0):
         out.append(draft.to_target_ids(logits.argmax(-1)).numpy())
     return out
 

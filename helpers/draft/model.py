@@ -495,6 +495,27 @@ class Eagle3Draft:
         hidden, logits = self._finish(h, residual)
         return hidden, logits, new_kv
 
+    def ttt_steps(self, ext: "ExtendOutput", tokens: torch.Tensor, steps: int, start: int = 0
+                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The teacher-forced unroll after the draft-extend pass ``ext`` over ``tokens`` ``[T]`` (target ids): for
+        TTT step ``k`` = 1 .. ``steps`` - 1, every extend row ``t`` from ``start`` whose step-k input token
+        ``tokens[t + 1 + k]`` exists takes it and row t's hidden state of step k-1 at position ``t + k``, attending to
+        the extend rows up to t and its own earlier steps (:meth:`step`; SpecForge's TTT loop,
+        ``specforge/core/eagle3.py::OnlineEagle3Model.forward``). Yields ``(k, rows [n] int64, logits [n, V_draft])``
+        and stops when no row is left. Used by the drafting replay (:mod:`helpers.draft.simulate`) and the trainers'
+        per-step metric (:mod:`helpers.draft.teacher_forced`)."""
+        T = int(tokens.shape[0])
+        hidden, path = ext.hidden[start:], []
+        for k in range(1, steps):
+            r = torch.arange(start, T - 1 - k)              # rows whose step-k input token exists
+            if r.numel() == 0:
+                return
+            n = r.shape[0]
+            path = [[(kk[:n], vv[:n]) for kk, vv in p] for p in path]
+            hidden, logits, kv = self.step(tokens[r + 1 + k], hidden[:n], r + k, r + 1, ext, path)
+            path.append(kv)
+            yield k, r, logits
+
 
 def target_lm_head(target_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, str]:
     """The target's output projection ``[vocab, H]`` (``lm_head.weight``, or the embedding when tied), read from the

@@ -105,15 +105,7 @@ def _teacher_forced(draft: Eagle3Draft, ext, seq: SimSequence, steps: int, y: to
     pred = draft.to_target_ids(ext.logits.argmax(-1)).cpu()
     ok = rows + 2 <= T - 1
     match[0, ok.numpy()] = (pred[ok] == y[rows[ok] + 2]).numpy().astype(np.int8)
-    hidden, path = ext.hidden[r0:], []
-    for k in range(1, steps):
-        r = torch.arange(r0, T - 1 - k)                  # rows whose step-k input token exists
-        if r.numel() == 0:
-            break
-        n = r.shape[0]
-        path = [[(kk[:n], vv[:n]) for kk, vv in p] for p in path]
-        hidden, logits, kv = draft.step(y[r + 1 + k], hidden[:n], r + k, r + 1, ext, path)
-        path.append(kv)
+    for k, r, logits in draft.ttt_steps(ext, y, steps, r0):
         pred = draft.to_target_ids(logits.argmax(-1)).cpu()
         ok = r + 2 + k <= T - 1
         match[k, r[ok].numpy()] = (pred[ok] == y[r[ok] + 2 + k]).numpy().astype(np.int8)

@@ -243,15 +243,7 @@ def run_sequence(draft: Eagle3Draft, seq: TFSequence, steps: int) -> SeqRows:
 
     # step 0: rows 0..T-2 (row T-1 would score position T, which does not exist)
     score(ext.logits, 0)
-    hidden, path = ext.hidden, []
-    for k in range(1, steps):
-        n = T - 1 - k                                         # rows whose step-k input token x[t+1+k] exists
-        if n <= 0:
-            break
-        r = torch.arange(n)
-        path = [[(kk[:n], vv[:n]) for kk, vv in p] for p in path]
-        hidden, logits, kv = draft.step(ids[r + 1 + k], hidden[:n], r + k, r + 1, ext, path)
-        path.append(kv)
+    for k, _, logits in draft.ttt_steps(ext, ids, steps):     # rows 0 .. T-2-k: step-k input x[t+1+k] exists
         score(logits, k)
     return out
 
