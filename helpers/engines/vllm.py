@@ -424,14 +424,9 @@ class VLLMAdapter(EngineAdapter):
                                      what=what)
         argv = relaunch_command(list(restart["argv"]), draft=draft, keep_draft=keep_draft, flags=other, spec=spec,
                                 port=pick_port(port, what="--port"))
-        handle = ServerProcess(argv, f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", log_path=log_path,
-                               secrets=[api_key] if api_key else [], env=vllm_server.server_env(1))
-        try:
-            handle.wait_healthy(1800, api_key=api_key, what=what, budget=budget)
-        except BaseException:
-            handle.stop(timeout=5)
-            raise
-        return handle
+        return ServerProcess.launch_healthy(argv, f"http://127.0.0.1:{argv[argv.index('--port') + 1]}",
+                                            log_path=log_path, api_key=api_key, what=what, budget=budget,
+                                            env=vllm_server.server_env(1))
 
     def toggles(self) -> tuple[Toggle, ...]:
         """vLLM 0.32.0's toggles (:data:`TOGGLES`)."""

@@ -167,6 +167,22 @@ class ServerProcess:
                                            f"{timeout:.0f} s", self.log_tail(), self.log_path)
                 budget.sleep(1.0)
 
+    @classmethod
+    def launch_healthy(cls, argv: Sequence[str], url: str, *, log_path: Path, api_key: Optional[str] = None,
+                       what: str = "server", budget: Optional[Budget] = None, timeout: float = 1800,
+                       env: Optional[Mapping[str, str]] = None) -> "ServerProcess":
+        """Start ``argv`` (serving ``url``; ``api_key`` redacted from its log) and wait until it is healthy
+        (:meth:`wait_healthy`, ``timeout`` seconds, never past ``budget``); a server that does not come up is
+        stopped before the error propagates. What every restart of a server with another setting does (SGLang:
+        :func:`helpers.server.restart.start_variant`; vLLM: ``VLLMAdapter.start_variant``)."""
+        handle = cls(argv, url, log_path=log_path, secrets=[api_key] if api_key else [], env=env)
+        try:
+            handle.wait_healthy(timeout, api_key=api_key, what=what, budget=budget)
+        except BaseException:
+            handle.stop(timeout=5)
+            raise
+        return handle
+
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the process and every process it started; idempotent.
 

@@ -117,10 +117,5 @@ def start_variant(restart: dict, *, log_path: Path, budget: Budget, draft: Optio
     if keep_draft and draft is not None:
         host["--speculative-draft-model-path"] = str(draft)
     argv = set_flags(argv, {**host, **flags}, drop_prefixes=() if keep_draft else ("--speculative-",))
-    handle = ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=log_path, secrets=[api_key] if api_key else [])
-    try:
-        handle.wait_healthy(1800, api_key=api_key, what=what, budget=budget)
-    except BaseException:
-        handle.stop(timeout=5)
-        raise
-    return handle
+    return ServerProcess.launch_healthy(argv, f"http://127.0.0.1:{port}", log_path=log_path, api_key=api_key,
+                                        what=what, budget=budget)
