@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support.fault_offline import (MATERIAL_LIVE, confusion, fmt, goal_checks, record,  # noqa: E402
                                    table_markdown)
-from support.faultgen import CLASSES, DRAFT, GenFault, draws  # noqa: E402
+from support.faultgen import CLASSES, SYSTEMS, GenFault, System, draws  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
 TRAINING = ROOT / "env" / "models" / "data" / "sample"
@@ -186,7 +186,7 @@ class LiveSpy:
 
 
 def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: int, out: Path,
-             classes=CLASSES, refs_dir: Path | None = None) -> list[dict]:
+             classes=CLASSES, refs_dir: Path | None = None, system: System = SYSTEMS["llama"]) -> list[dict]:
     from helpers.acceptance.stats import paired_effect
     from helpers.investigation.live import investigate
     from helpers.server.process import stop_pid
@@ -194,7 +194,7 @@ def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: in
     os.environ["E3F_SERVER_REGISTRY"] = str(out / "registry")
     spy = LiveSpy()
     deadline = time.monotonic() + minutes * 60
-    faults = [f for f in draws(n, seed, classes) if f.cls != "clean"]
+    faults = [f for f in draws(n, seed, classes, system) if f.cls != "clean"]
     rows: list[dict] = []
     applied = 0
     fh = open(out / "faults-live.jsonl", "a")
@@ -208,8 +208,8 @@ def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: in
             log(f"TP {tp}: the clean server's live frame from {f}")
     # the clean server of every TP size first (the pairing reference), then the faults in turn over the TP sizes
     # (the TP size shifts by one every round of the classes, so every class meets every TP size)
-    k = max(1, len([c for c in classes if c != "clean"]))
-    plan = [(tp, GenFault(seed * 1000 + tp, "clean")) for tp in tps if tp not in refs]
+    k = max(1, len([c for c in classes if c != "clean" and c in system.classes]))
+    plan = [(tp, GenFault(seed * 1000 + tp, "clean", {}, system)) for tp in tps if tp not in refs]
     plan += [(tps[(i + i // k) % len(tps)], f) for i, f in enumerate(faults)]
     for tp, f in plan:
         if time.monotonic() > deadline:
@@ -229,7 +229,7 @@ def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: in
             log(f"TP {tp} {f.label}: server up in {t_start:.0f} s (load {load()})")
             apply = f.stage == "wiring" and applied < apply_wiring
             spy.last = None
-            doc = investigate(url, training=TRAINING, run_dir=tmp / "run", apply_fix=apply, measure_prompts=16,
+            doc = investigate(url, training=system.training, run_dir=tmp / "run", apply_fix=apply, measure_prompts=16,
                               max_new_tokens=32, sweeps=(), timeout=1500)
             applied += int(apply)
             live = spy.last
@@ -242,14 +242,14 @@ def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: in
                 e = paired_effect(refs[tp], live)
                 loss, ci = -e["accept_length_delta"], [-e["accept_length_delta_hi"], -e["accept_length_delta_lo"]]
             st = {s["name"]: s.get("accept_length") for s in (b or {}).get("stages", [])}
-            rec = record(f, b, loss=loss, loss_ci=ci, wall_s=time.monotonic() - t0, tp=tp,
+            rec = record(f, b, loss=loss, loss_ci=ci, wall_s=time.monotonic() - t0, tp=tp, system=system.name,
                          verdict=doc.verdict, findings=[x.kind for x in doc.findings],
                          proposed_fix=doc.proposed_fix.summary if doc.proposed_fix else None,
                          measured={k: (doc.measured or {}).get(k) for k in ("effect", "after_verdict")}
                          if apply else None, server_start_s=round(t_start, 1),
                          investigate_s=doc.wall_s, stages=st, applied=apply, run_dir=str(tmp / "run"))
         except Exception as exc:
-            rec = record(f, None, loss=None, loss_ci=None, wall_s=time.monotonic() - t0, tp=tp,
+            rec = record(f, None, loss=None, loss_ci=None, wall_s=time.monotonic() - t0, tp=tp, system=system.name,
                          error=f"{type(exc).__name__}: {str(exc)[-800:]}")
             log(traceback.format_exc(limit=3))
         finally:
@@ -276,11 +276,19 @@ def main() -> int:
     p.add_argument("--classes", default=",".join(CLASSES), help="fault classes to draw")
     p.add_argument("--refs", default=None, help="a folder of an earlier live run: its clean servers' live frames "
                    "(ref-tp<N>.parquet) are the pairing reference, no clean server is started")
+    p.add_argument("--system", default="llama", choices=sorted(SYSTEMS),
+                   help="the served system faults are drawn for (tests/support/faultgen.py SYSTEMS): llama (the "
+                        "reference, SGLang), kimi / kimi-mla (the Kimi-class target with its Llama-style / MLA draft, "
+                        "SGLang), vllm (the head_dim-64 pair on vLLM 0.32.0); --offline and --wiring-sweep: llama only")
     p.add_argument("--out", default=None, help="output folder (default: a new one under outputs/)")
     a = p.parse_args()
     out = Path(a.out or ROOT / "outputs" / f"{time.strftime('%Y%m%d-%H%M%S')}-bench-faults")
     out.mkdir(parents=True, exist_ok=True)
-    log(f"out {out}; load {load()}; classes {', '.join(CLASSES)}; draft {DRAFT}")
+    system = SYSTEMS[a.system]
+    if system.name != "llama" and (a.offline or a.wiring_sweep):
+        p.error(f"--offline and --wiring-sweep run on the Llama reference only (not --system {a.system})")
+    log(f"out {out}; load {load()}; system {system.name} ({system.engine}, target {system.target}, draft "
+        f"{system.draft}); classes {', '.join(c for c in a.classes.split(',') if c in system.classes)}")
     parts = []
     t0 = time.monotonic()
     if a.offline:
@@ -297,8 +305,9 @@ def main() -> int:
     if a.live:
         t1 = time.monotonic()
         rows = live_run(a.live, a.seed, [int(x) for x in a.tp.split(",")], a.minutes, a.apply_wiring, out,
-                        a.classes.split(","), Path(a.refs) if a.refs else None)
-        parts.append(summary(rows, f"live, TP {a.tp}, seed {a.seed}, {time.monotonic() - t1:.0f} s"))
+                        a.classes.split(","), Path(a.refs) if a.refs else None, system)
+        parts.append(summary(rows, f"live, {system.name} ({system.engine}), TP {a.tp}, seed {a.seed}, "
+                                   f"{time.monotonic() - t1:.0f} s"))
     text = "\n\n".join(parts)
     (out / "summary.md").write_text(text + "\n")
     print(text)

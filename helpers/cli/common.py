@@ -188,12 +188,15 @@ def rows_arg(value: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """``--rows SPLIT[,TEXT]`` (either part, any order) as ``(split, text)``.
 
     Raises:
-        BadInput: a part that is neither a split (validation / training / val / eval / test / train) nor a text kind
+        BadInput: an empty value, or a part that is neither a split (validation / training / val / eval / test / train) nor a text kind
             (sampled / greedy / mixed / dataset)."""
     if value is None:
         return None, None
+    parts = [p.strip() for p in str(value).split(",") if p.strip()]
+    if not parts:
+        raise BadInput(f"{value!r} names nothing: expected SPLIT[,TEXT], e.g. validation,sampled", field="--rows")
     split = text = None
-    for part in (p.strip() for p in str(value).split(",") if p.strip()):
+    for part in parts:
         if split_word(part):
             split = part
         elif part in TEXT_KINDS:

@@ -260,6 +260,10 @@ class MLAAttention(Attention):
         Raises:
             BadInput: a rope field that is not a number."""
         raw = dc.raw
+        for key in ("rope_parameters", "rope_scaling"):
+            if raw.get(key) is not None and not isinstance(raw[key], dict):
+                raise BadInput(f"expected an object {{rope_type, ...}} or null, got {raw[key]!r} (sglang/srt/layers/"
+                               "rotary_embedding/factory.py::get_rope indexes it)", path=dc.path, field=key)
         r = effective_rope(raw, dc.path)
         max_pos = raw.get("max_position_embeddings")
         if max_pos is None:
@@ -278,6 +282,12 @@ class MLAAttention(Attention):
                     "mscale_all_dim": _number(sc, "mscale_all_dim", 0, dc, where),
                     "extrapolation_factor": _number(sc, "extrapolation_factor", 1, dc, where),
                     "attn_factor": _number(sc, "attn_factor", 1, dc, where)}
+            for key in ("factor", "original_max_position"):   # yarn divides by both (yarn.py, rope_variant.py)
+                if yarn[key] <= 0:
+                    raise BadInput(f"expected a positive number, got {yarn[key]:g} (DeepSeek-yarn divides by it: "
+                                   "sglang/srt/layers/rotary_embedding/rope_variant.py::DeepseekScalingRotaryEmbedding"
+                                   "._compute_inv_freq)", path=dc.path,
+                                   field=f"{where}.{'factor' if key == 'factor' else 'original_max_position_embeddings'}")
             if sc.get("apply_yarn_scaling", True) and sc.get("apply_scale", True):   # compute_mla_mscale_scaling
                 m = yarn_get_mscale(yarn["factor"], yarn["mscale_all_dim"])
                 scaling = scaling * m * m

@@ -149,10 +149,21 @@ def _read_tensor(path: Path, key: str) -> torch.Tensor:
         raise BadInput(f"cannot read tensor {key!r} ({' '.join(str(e).split())})", path=path) from None
 
 
+#: the weight dtypes the offline run reads as SGLang's unquantised loader does (``default_weight_loader``'s copy_)
+PLAIN_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _finite(t: torch.Tensor, path: Path, name: str) -> None:
     """Raise :class:`BadInput` naming ``path [name]`` when the weight ``t`` holds NaN or Inf: SGLang would load and
-    serve it (every draft logit NaN), so no accept length the offline run gives would say why."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    serve it (every draft logit NaN), so no accept length the offline run gives would say why; or when it is not a
+    plain float tensor: an FP8 / integer weight is a quantised checkpoint, whose scales live in a quantization
+    config this run does not apply (``sglang/srt/model_loader/weight_utils.py::default_weight_loader`` would copy_
+    the raw values into a float parameter, casting them), so any figure computed from it would be of another model."""
+    if t.dtype not in PLAIN_FLOAT:
+        raise BadInput(f"dtype {str(t.dtype).replace('torch.', '')}: a quantised weight (FP8 / integer); the offline "
+                       "run reads unquantised float32 / bfloat16 / float16 drafts only (dequantise it first, with its "
+                       "scales)", path=path, field=name)
+    if not bool(torch.isfinite(t).all()):
         nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         raise BadInput(f"{nan} NaN, {inf} Inf of {t.numel()} values: a damaged checkpoint (expected finite weights)",
                        path=path, field=name)

@@ -93,8 +93,15 @@ class Pair:
 def _stage_attach(p: Pair, api_key: Optional[str]) -> None:
     """Each server's engine and what it serves; the same draft on both, or the difference said."""
     for s in (p.a, p.b):
-        s.adapter = detect(s.url, api_key, deadline_s=min(60.0, p.dl.remaining() or 60.0)).adapter
-        s.client = s.adapter.client(s.url, api_key, timeout=600.0, budget=p.dl)
+        try:
+            s.adapter = detect(s.url, api_key, deadline_s=min(60.0, p.dl.remaining() or 60.0)).adapter
+            s.client = s.adapter.client(s.url, api_key, timeout=600.0, budget=p.dl)
+        except BadInput as exc:    # detect / the client name --url: here the server is --a or --b
+            if exc.field != "--url":
+                raise
+            msg = str(exc)
+            raise BadInput(msg[len("[--url]: "):] if msg.startswith("[--url]: ") else msg,
+                           field=f"--{s.label}") from None
         s.att = attach(s.client, caveats=s.adapter.capture_caveats)
         if s.att.draft_dir is None:
             raise BadInput(f"server {s.label} runs no draft this machine can read", field=f"--{s.label}")

@@ -27,10 +27,10 @@ class SpecSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     algorithm: Optional[str] = None
     draft_model_path: Optional[str] = None
-    num_steps: Optional[int] = None
-    topk: Optional[int] = None
-    num_draft_tokens: Optional[int] = None
-    max_running_requests: Optional[int] = None
+    num_steps: Optional[int] = Field(None, ge=1)
+    topk: Optional[int] = Field(None, ge=1)
+    num_draft_tokens: Optional[int] = Field(None, ge=1)
+    max_running_requests: Optional[int] = Field(None, ge=1)
     adaptive: Optional[bool] = None
 
     #: what the embedded server launches with when a field is not given

@@ -116,6 +116,12 @@ def _case_as_params(path: Path):
     return prepare
 
 
+def _must_exist(path: Path, field: str, value: str) -> None:
+    """BadParams naming the params file and ``field`` when the resolved folder ``value`` does not exist."""
+    if not Path(value).exists():
+        raise BadParams(f"params file {path}: field '{field}': {value} not found")
+
+
 def load_params(path: str | os.PathLike) -> SuiteParams:
     """Read and validate a suite params YAML file, or a case file (:func:`_case_as_params`: the main job's params
     with that case).
@@ -123,7 +129,10 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
     Read with the suite's one YAML loader (:func:`helpers.runfiles.load_yaml_model`).
 
     Raises:
-        BadParams: file missing, not YAML, or a field invalid (the message names the file and the field).
+        BadParams: file missing, not YAML, or a field invalid (the message names the file and the field): a model
+            or data folder (``target_dir``, ``draft_dir``, ``training_data``, ``server.managed.target`` / ``draft``,
+            the case's ``models.*``) that does not exist, a ``server.url`` that is not http(s)://, a speculative
+            setting below 1.
     """
     path = Path(path)
     params = load_yaml_model(path, SuiteParams, what="params file", error=BadParams, prepare=_case_as_params(path))
@@ -136,6 +145,16 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
     for key in ("target_dir", "draft_dir", "training_data"):
         if getattr(params, key):
             setattr(params, key, str(_resolve(getattr(params, key), here)))
+            _must_exist(path, key, getattr(params, key))
+    url = params.server.url
+    if url is not None and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
+        raise BadParams(f"params file {path}: field 'server.url': {url!r} is not an http(s):// URL "
+                        "(e.g. http://127.0.0.1:30000)")
+    if params.server.managed is not None:
+        m = params.server.managed
+        for key in ("target", "draft"):
+            if getattr(m, key):
+                _must_exist(path, f"server.managed.{key}", str(_resolve(getattr(m, key), here)))
     if params.case:
 
         case = _resolve(params.case, here)
@@ -143,9 +162,15 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
             raise BadParams(f"params file {path}: field 'case': case file {params.case} not found "
                             f"(looked in {ROOT} and {here})")
         try:
-            load_case(case)
+            c = load_case(case)
         except CaseError as exc:
             raise BadParams(f"params file {path}: field 'case': {exc}") from None
+        for key in ("target", "draft", "training_data"):     # a case's models: repository-relative (Case.resolve)
+            if getattr(c.models, key):
+                where = c.resolve(getattr(c.models, key))
+                if not where.exists():
+                    raise BadParams(f"case file {case}: field 'models.{key}': {getattr(c.models, key)} not found "
+                                    f"(looked at {where})")
         params.case = str(case)
     missing = [nb for nb in params.notebooks if not params.notebook_path(nb).exists()]
     if missing:

@@ -19,6 +19,18 @@ Classes (true stage in brackets):
   ``LlamaForCausalLMEagle3`` (``model.fc``, ``model.layers.0.hidden_norm``; the target has neither) with random
   noise (0.05 .. 1.5 x the output's RMS) and / or scale.
 
+Systems (:data:`SYSTEMS`, ``--system`` of ``bench/bench_faults.py``): the faults are drawn for one served system, a
+target, its draft, its training data and the engine that serves them; what a class may touch follows from it (the
+draft checkpoint's own tensors, the engine's id rules, the options the engine takes):
+
+* ``llama`` (default): the Llama reference target and draft on SGLang 0.5.23 (every class);
+* ``kimi`` / ``kimi-mla``: the Kimi-class target (``DeepseekV3ForCausalLM``: MLA + MoE) with its Llama-style or MLA
+  draft (``Eagle3DeepseekV2ForCausalLM``) on SGLang 0.5.23, config ids under ``deepseek_v2.py``'s rule (+1 only when
+  the first id is 1; a triple whose capture would raise at the first forward is not drawn);
+* ``vllm``: the head_dim-64 Llama pair on vLLM 0.32.0 (ids verbatim as in(i), so the clean server's config says
+  [2, 4, 5]; no ``--faults`` / ``--forward-hooks`` there, no topk trees: classes ``clean``, ``tensor``, ``d2t``,
+  ``layer_offset``, ``settings`` as ``num_speculative_tokens``).
+
 A strength is random within the class: a draw may cost nothing measurable (a mild one) or everything (a severe one);
 its loss is measured, never assumed (:mod:`tests.unit.draft.test_fault_matrix`, ``bench/bench_faults.py``).
 """
@@ -61,12 +73,88 @@ CLEAN_SETTINGS = (3, 1, 4)
 
 
 @dataclass(frozen=True)
+class System:
+    """One served system faults are drawn for: ``engine`` (``sglang`` / ``vllm``), ``target`` and ``draft`` folders,
+    ``training`` (SpecForge-format samples of the draft's training kind), ``clean_ids`` (the config ids a clean server
+    is given, in the engine's convention; None: the draft's own), ``classes`` (the fault classes that apply) and
+    ``version`` (the engine release whose id rules decide a config's served plan)."""
+
+    name: str
+    engine: str
+    target: Path
+    draft: Path
+    training: Path
+    clean_ids: Optional[tuple] = None
+    classes: tuple = CLASSES
+    version: str = "0.5.23"
+
+    @property
+    def tensors(self) -> tuple:
+        """The draft checkpoint's float tensors (every one the engine loads; d2t / t2d are the vocab map)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.draft / "model.safetensors"), "pt") as f:
+            return tuple(k for k in f.keys() if k not in ("d2t", "t2d") and f.get_slice(k).get_dtype()
+                         in ("F32", "BF16", "F16"))
+
+    def _rules(self):
+        if self.engine == "vllm":
+            from helpers.engines.vllm_rules import VLLMRules
+
+            return VLLMRules(self.version)
+        from helpers.diagnosis.plan_rules import PlanRules
+
+        return PlanRules(self.version)
+
+    def plan_for(self, ids: Sequence[int]):
+        """The engine's served :class:`~helpers.diagnosis.conventions.CapturePlan` of the draft config with ``ids``."""
+        from helpers.formats.configs import read_draft_config, read_target_config
+
+        raw = json.loads((self.draft / "config.json").read_text())
+        raw["eagle_config"] = {**raw["eagle_config"], "eagle_aux_hidden_state_layer_ids": list(ids)}
+        with tempfile.TemporaryDirectory(prefix="e3f-faultgen-") as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(raw))
+            draft = read_draft_config(Path(tmp) / "config.json")
+        return self._rules().served_plan(draft, read_target_config(self.target))
+
+    def wiring_ok(self, ids: Sequence[int]) -> bool:
+        """``ids`` make a wiring fault here: three distinct ids the engine serves (no start-up or first-forward
+        error, three chunks) as another plan than the trained one."""
+        if len(set(ids)) != 3:
+            return False
+        if self.name == "llama":     # the draws recorded in bench/RESULTS.md: capture indices 0 .. 7 on 8 layers
+            return all(-1 <= i <= 6 for i in ids) and tuple(ids) != TRAINED_IDS
+        plan = self.plan_for(ids)
+        return plan.fatal is None and len(plan.tensors) == 3 and tuple(plan.tensors) != TRAINED_PLAN
+
+
+_MODELS = ROOT / "env" / "models"
+#: the systems faults are drawn for (bench/bench_faults.py --system)
+SYSTEMS = {
+    "llama": System("llama", "sglang", TARGET, DRAFT, _MODELS / "data" / "sample"),
+    "kimi": System("kimi", "sglang", _MODELS / "kimi" / "target", _MODELS / "kimi" / "draft",
+                   _MODELS / "kimi" / "data" / "sample"),
+    "kimi-mla": System("kimi-mla", "sglang", _MODELS / "kimi" / "target", _MODELS / "kimi" / "draft_mla",
+                       _MODELS / "kimi" / "data" / "sample"),
+    "vllm": System("vllm", "vllm", _MODELS / "llama_h64" / "target", _MODELS / "llama_h64" / "draft",
+                   _MODELS / "llama_h64" / "data" / "sample", clean_ids=(2, 4, 5),
+                   classes=("clean", "tensor", "d2t", "layer_offset", "settings"), version="0.32.0"),
+}
+LLAMA = SYSTEMS["llama"]
+
+
+@dataclass(frozen=True)
 class GenFault:
     """One drawn fault: ``cls`` (:data:`CLASSES`), ``seed`` and the class's parameters (JSON-able)."""
 
     seed: int
     cls: str
     params: dict = field(default_factory=dict)
+    system: System = field(default=None, compare=False)   # None: the Llama reference (LLAMA)
+
+    @property
+    def sys(self) -> System:
+        return self.system or LLAMA
 
     @property
     def stage(self) -> str:
@@ -96,7 +184,7 @@ class GenFault:
 
     def to_json(self) -> dict:
         return {"seed": self.seed, "class": self.cls, "stage": self.stage, "label": self.label,
-                "params": self.params}
+                "params": self.params, "system": self.sys.name}
 
     # --------------------------------------------------------------------------------------- how it is applied
     @property
@@ -105,36 +193,35 @@ class GenFault:
         return tuple(self.params["settings"]) if self.cls == "settings" else CLEAN_SETTINGS
 
     def served_plan(self, target: Path = TARGET) -> list[str]:
-        """The tensors the server feeds the draft, in order (SGLang 0.5.23's rules for a draft config's ids, the
-        chunk permutation of a ``chunk_order`` hook; the trained plan otherwise)."""
+        """The tensors the server feeds the draft, in order (the engine's rules for a draft config's ids, the chunk
+        permutation of a ``chunk_order`` hook; the trained plan otherwise)."""
         if self.cls == "chunk_order":
             return [TRAINED_PLAN[i] for i in self.params["order"]]
         if self.cls == "layer_offset":
-            # lazy: the diagnosis package is only needed by this class's offline plan
-            from helpers.diagnosis.conventions import served_plan
-            from helpers.formats.configs import read_draft_config, read_target_config
+            if self.system is None and target != TARGET:       # the Llama reference's rules on another target
+                from dataclasses import replace
 
-            raw = json.loads((DRAFT / "config.json").read_text())
-            raw["eagle_config"] = {**raw["eagle_config"], "eagle_aux_hidden_state_layer_ids": list(self.params["ids"])}
-            with tempfile.TemporaryDirectory(prefix="e3f-faultgen-") as tmp:
-                (Path(tmp) / "config.json").write_text(json.dumps(raw))
-                draft = read_draft_config(Path(tmp) / "config.json")
-            return list(served_plan(draft, read_target_config(target), version="0.5.23").tensors)
+                return list(replace(LLAMA, target=Path(target)).plan_for(self.params["ids"]).tensors)
+            return list(self.sys.plan_for(self.params["ids"]).tensors)
         return list(TRAINED_PLAN)
 
-    def draft_copy(self, out: Path, src: Path = DRAFT) -> Path:
-        """The draft folder the server loads: ``src`` itself, or a copy under ``out`` with the damaged tensor, the
-        permuted d2t or the shifted config ids."""
-        if self.cls not in ("tensor", "d2t", "layer_offset"):
+    def draft_copy(self, out: Path, src: Optional[Path] = None) -> Path:
+        """The draft folder the server loads: the system's draft itself (``src`` when given), or a copy under ``out``
+        with the damaged tensor, the permuted d2t, the shifted config ids, or the system's clean ids."""
+        src = Path(src or self.sys.draft)
+        ids = self.params["ids"] if self.cls == "layer_offset" else self.sys.clean_ids
+        if self.cls not in ("tensor", "d2t") and ids is None:
             return src
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
-            shutil.copy(f, out / f.name)
-        if self.cls == "layer_offset":
+            if f.is_file():
+                shutil.copy(f, out / f.name)
+        if ids is not None:
             raw = json.loads((src / "config.json").read_text())
-            raw["eagle_config"] = {**raw["eagle_config"], "eagle_aux_hidden_state_layer_ids": list(self.params["ids"])}
+            raw["eagle_config"] = {**raw["eagle_config"], "eagle_aux_hidden_state_layer_ids": list(ids)}
             (out / "config.json").write_text(json.dumps(raw, indent=2))
+        if self.cls not in ("tensor", "d2t"):
             return out
         w = load_file(str(src / "model.safetensors"))
         g = torch.Generator().manual_seed(self.seed)
@@ -146,9 +233,15 @@ class GenFault:
         return out
 
     def server_args(self) -> list[str]:
-        """``python -m helpers server start`` flags: the settings, a ``--faults`` hook, ``--forward-hooks``."""
+        """``python -m helpers server start`` flags: the engine and target of a system other than the Llama
+        reference, the settings (vLLM: ``--steps`` = num_speculative_tokens), a ``--faults`` hook,
+        ``--forward-hooks``."""
         s = self.settings
-        args = ["--steps", str(s[0]), "--topk", str(s[1]), "--draft-tokens", str(s[2])]
+        args = [] if self.system is None or self.sys.name == "llama" else \
+            ["--engine", self.sys.engine, "--target", str(self.sys.target)]
+        args += ["--steps", str(s[0])]
+        if self.sys.engine == "sglang":
+            args += ["--topk", str(s[1]), "--draft-tokens", str(s[2])]
         if self.cls == "chunk_order":
             args += ["--faults", json.dumps([{"kind": "chunk_order", "order": list(self.params["order"])}])]
         if self.cls == "hook":
@@ -193,15 +286,19 @@ def _loguniform(r: random.Random, lo: float, hi: float) -> float:
     return math.exp(r.uniform(math.log(lo), math.log(hi)))
 
 
-def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES) -> GenFault:
-    """One fault drawn from ``seed``: the class (``cls``, or uniform over ``classes``) and its parameters."""
+def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES,
+         system: Optional[System] = None) -> GenFault:
+    """One fault drawn from ``seed`` for ``system`` (None: the Llama reference): the class (``cls``, or uniform over
+    ``classes``) and its parameters. Raises ValueError for a class unknown or not applicable to the system."""
     r = random.Random(seed)
     cls = cls or r.choice(list(classes))
-    if cls not in STAGE:
-        raise ValueError(f"unknown fault class {cls!r} (expected one of {', '.join(CLASSES)})")
+    sysm = system or LLAMA
+    if cls not in STAGE or cls not in sysm.classes:
+        raise ValueError(f"unknown fault class {cls!r} for system {sysm.name} (expected one of "
+                         f"{', '.join(sysm.classes)})")
     p: dict = {}
     if cls == "tensor":
-        p["tensor"] = r.choice(TENSORS)
+        p["tensor"] = r.choice(TENSORS if sysm.name == "llama" else sysm.tensors)
         p["mode"] = r.choice(("noise", "noise", "scale_rows", "zero_rows"))
         if p["mode"] == "noise":
             p["strength"] = round(_loguniform(r, 0.03, 3.0), 3)
@@ -212,17 +309,18 @@ def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES)
     elif cls == "d2t":
         p["fraction"] = round(r.uniform(0.05, 0.6), 3)
     elif cls == "layer_offset":
+        base = list(sysm.clean_ids or TRAINED_IDS)
         while True:
             if r.random() < 0.5:
                 s = r.choice((-2, -1, 1, 2))
-                ids = [i + s for i in TRAINED_IDS]
+                ids = [i + s for i in base]
             else:
-                ids = list(TRAINED_IDS)
+                ids = list(base)
                 c = r.randrange(3)
                 ids[c] += r.choice((-2, -1, 1, 2))
             ids = sorted(ids)
-            # SGLang 0.5.23 on this 8-layer Llama: ids -1 .. 6 (capture index 0 .. 7; -1 is the embedding), distinct
-            if all(-1 <= i <= 6 for i in ids) and len(set(ids)) == 3 and tuple(ids) != TRAINED_IDS:
+            # ids the engine serves as another plan (Llama reference: -1 .. 6, capture index 0 .. 7, distinct)
+            if sysm.wiring_ok(ids):
                 break
         p["ids"] = ids
     elif cls == "chunk_order":
@@ -230,6 +328,9 @@ def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES)
         while order == [0, 1, 2]:
             r.shuffle(order)
         p["order"] = order
+    elif cls == "settings" and sysm.engine == "vllm":     # a chain only: num_speculative_tokens
+        s = r.choice((1, 2, 4, 5))
+        p["settings"] = [s, 1, s + 1]
     elif cls == "settings":
         if r.random() < 0.5:
             s = r.choice((1, 2))
@@ -244,13 +345,14 @@ def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES)
         p["configs"] = [{"noise": round(_loguniform(r, 0.05, 1.5), 3),
                          "scale": round(r.choice((1.0, 1.0, r.uniform(0.5, 2.0))), 3),
                          "seed": r.randrange(1000)} for _ in mods]
-    return GenFault(seed, cls, p)
+    return GenFault(seed, cls, p, system)
 
 
-def draws(n: int, seed: int = 0, classes: Sequence[str] = CLASSES) -> list[GenFault]:
-    """``n`` faults from ``seed``: the classes in turn (every class appears once ``n >= len(classes)``), each with
-    its own seed and random strength."""
+def draws(n: int, seed: int = 0, classes: Sequence[str] = CLASSES, system: Optional[System] = None) -> list[GenFault]:
+    """``n`` faults from ``seed`` for ``system`` (None: the Llama reference): the classes in turn (every class appears
+    once ``n >= len(classes)``; a class the system does not take is left out), each with its own seed and random
+    strength."""
     r = random.Random(seed)
-    order = list(classes)
+    order = [c for c in classes if c in (system or LLAMA).classes]
     r.shuffle(order)
-    return [draw(r.randrange(2 ** 31), order[i % len(order)]) for i in range(n)]
+    return [draw(r.randrange(2 ** 31), order[i % len(order)], system=system) for i in range(n)]
