@@ -182,3 +182,13 @@ def test_capture_arguments_out_of_range_are_bad_input(tmp_path, closed_url, caps
     assert f"{f}: --every-layer must be the folder" in _line(capsys, "capture")
     assert main(args + ["--timeout", "nan"]) == 2
     _line(capsys, "capture")
+
+
+def test_an_empty_rows_value_is_bad_input_naming_the_flag():
+    from helpers.cli.common import rows_arg
+    from helpers.errors import BadInput
+
+    for value in ("", " , "):
+        with pytest.raises(BadInput, match=r"\[--rows\].*names nothing"):
+            rows_arg(value)
+    assert rows_arg("greedy, validation") == ("validation", "greedy")

@@ -289,3 +289,26 @@ def test_simulate_budget_with_the_mla_draft(tmp_path):
     assert doc["cause"] == "draft" and doc["losses"]["draft"]["decision"] == "counts", doc["sentence"]
     table = next(s for s in doc["stages"] if s["name"] == "checkpoint (teacher-forced)")["table"]
     assert all(r["acc_ci"][1] < r["log_acc"] - 0.1 for r in table), table
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"rope_parameters": ["yarn", 1.0]}, "rope_parameters"),
+    ({"rope_parameters": "__factor__-4"}, r"rope_parameters\.factor"),
+    ({"rope_parameters": "__original_max_position_embeddings__0"}, r"rope_parameters\.original_max_position_embeddings"),
+])
+def test_an_mla_rope_sglang_cannot_build_is_one_line_naming_the_field(tmp_path, edit, field):
+    """A rope block that is not an object, or a DeepSeek-yarn factor / original length that is not positive (yarn
+    divides by both), is refused naming the field; before, it ran with default rope or negative frequencies."""
+    out = tmp_path / "d"
+    shutil.copytree(MLA, out)
+    cfg = json.loads((out / "config.json").read_text())
+    v = edit["rope_parameters"]
+    if isinstance(v, str):
+        key, val = v.strip("_").rsplit("__", 1)
+        cfg["rope_parameters"] = {**cfg["rope_parameters"], key: float(val)}
+    else:
+        cfg["rope_parameters"] = v
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInput, match=rf"config\.json \[{field}\]") as e:
+        Eagle3Draft.load(out, TARGET)
+    assert "\n" not in str(e.value)

@@ -34,3 +34,37 @@ def test_an_invalid_case_file_is_refused_naming_the_case(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "no_such_check" in err and "\n" not in err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"draft_dir": "no/such/draft"}, "draft_dir"),
+    ({"training_data": "env/models/data/no_such_sample"}, "training_data"),
+    ({"server": {"url": "127.0.0.1:30000"}}, "server.url"),
+    ({"server": {"managed": {"draft": "env/models/no_such_draft"}}}, "server.managed.draft"),
+])
+def test_a_params_file_naming_what_does_not_exist_is_refused_before_anything_runs(tmp_path, edit, field):
+    """A model folder that does not exist, or a server URL without its scheme, is one line naming the field at load
+    time, not a notebook failing half way through the run."""
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump({"name": "x", "notebooks": ["00_investigate"], "server": {"url": "http://127.0.0.1:1"},
+                                 **edit}))
+    with pytest.raises(BadParams, match=rf"params\.yaml: field '{field}'") as e:
+        load_params(p)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("models, spec, match", [
+    ({"draft": "env/models/no_such_draft"}, None, r"field 'models\.draft': env/models/no_such_draft not found"),
+    ({"training_data": "env/models/data/nothing"}, None, r"field 'models\.training_data'"),
+    (None, {"num_steps": -1}, r"num_steps.*greater than or equal to 1"),
+])
+def test_a_case_whose_models_are_missing_or_steps_negative_is_refused(tmp_path, models, spec, match):
+    case = yaml.safe_load((CASES / "seeds_hunt.yaml").read_text())
+    if models:
+        case["models"] = {**case.get("models", {}), **models}
+    if spec:
+        case["server"]["spec"] = {**case["server"]["spec"], **spec}
+    p = tmp_path / "case.yaml"
+    p.write_text(yaml.safe_dump(case))
+    with pytest.raises(BadParams, match=match):
+        load_params(p)
