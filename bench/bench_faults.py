@@ -33,6 +33,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -61,7 +62,33 @@ def line(r: dict) -> str:
             f"{('verdict ' + r['verdict']) if r.get('verdict') else ''} {dec} ({r['wall_s']} s)")
 
 
+def live_throughput_loss(r: dict) -> Optional[float]:
+    """A live settings draw's loss in the budget's own terms: tokens per served verify step it loses against the
+    clean server's chain (steps 3) in the cost model the settings stage uses (accept length / (1 + steps x draft
+    cost)), from the two servers' LIVE accept lengths (the faulty one, and the clean one = faulty + live loss) and
+    the cost the budget applied to each setting (its settings table: accept length / modelled speedup); 0 when the
+    served setting is as fast or faster. None for another class or a record without its run folder."""
+    if r.get("class") != "settings" or r.get("loss") is None or not r.get("run_dir"):
+        return None
+    try:
+        doc = json.loads((Path(r["run_dir"]) / "investigation.json").read_text())
+    except (OSError, ValueError):
+        return None
+    table = {(x["steps"], x["topk"], x["draft_tokens"]): x for x in (doc.get("acceptance") or {}).get(
+        "settings_table") or []}
+    served, clean = tuple(r["params"]["settings"]), (3, 1, 4)
+    if served not in table or clean not in table or not (r.get("stages") or {}).get("live"):
+        return None
+    denom = {k: table[k]["accept_length"] / table[k]["speedup_model"] for k in (served, clean)}
+    al_f = r["stages"]["live"]
+    al_c = al_f + r["loss"]
+    return max(0.0, al_c / denom[clean] - al_f / denom[served]) * denom[served]
+
+
 def summary(rows: list[dict], title: str) -> str:
+    for r in rows:                          # a live settings draw: the loss the budget answers for (throughput)
+        if r.get("throughput_loss") is None and r.get("class") == "settings":
+            r["throughput_loss"] = live_throughput_loss(r)
     g = goal_checks(rows)
     out = [f"### {title}", "", f"{len(rows)} faults; load {load()} at the end", "",
            table_markdown(confusion(rows)), "",
@@ -72,6 +99,11 @@ def summary(rows: list[dict], title: str) -> str:
     if "verdict" in (rows[0] if rows else {}):
         ok_loss = [r for r in rows if r.get("verdict") == "ok" and (r.get("loss") or 0) >= MATERIAL_LIVE]
         out.append(f"* verdict `ok` on a live loss >= {MATERIAL_LIVE}: {len(ok_loss)}")
+    for r in rows:
+        if r.get("class") == "settings":
+            out.append(f"  * settings draw {r['label']} (TP {r.get('tp')}): accept-length loss {fmt(r.get('loss'))}, "
+                       f"throughput loss in the budget's cost model {fmt(r.get('throughput_loss'))} -> "
+                       f"{r.get('cause')}")
     for name in ("wrong_cause", "false_alarm", "none_on_material_loss", "undecided"):
         for r in g[name]:
             out.append(f"  * {name}: {r['label']} (seed {r['seed']}): true loss {fmt(r.get('loss'))}, cause "
@@ -280,8 +312,15 @@ def main() -> int:
                    help="the served system faults are drawn for (tests/support/faultgen.py SYSTEMS): llama (the "
                         "reference, SGLang), kimi / kimi-mla (the Kimi-class target with its Llama-style / MLA draft, "
                         "SGLang), vllm (the head_dim-64 pair on vLLM 0.32.0); --offline and --wiring-sweep: llama only")
+    p.add_argument("--report", nargs="+", default=None, metavar="DIR",
+                   help="no run: the tables of earlier live runs' folders (their faults-live.jsonl) together")
     p.add_argument("--out", default=None, help="output folder (default: a new one under outputs/)")
     a = p.parse_args()
+    if a.report:
+        rows = [json.loads(x) for d in a.report for x in (Path(d) / "faults-live.jsonl").read_text().splitlines()
+                if x.strip()]
+        print(summary(rows, f"live, {len(rows)} servers from {', '.join(Path(d).name for d in a.report)}"))
+        return 0
     out = Path(a.out or ROOT / "outputs" / f"{time.strftime('%Y%m%d-%H%M%S')}-bench-faults")
     out.mkdir(parents=True, exist_ok=True)
     system = SYSTEMS[a.system]
