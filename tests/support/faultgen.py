@@ -87,6 +87,8 @@ class System:
     clean_ids: Optional[tuple] = None
     classes: tuple = CLASSES
     version: str = "0.5.23"
+    #: draft modules the target does not have, by their name in the engine's draft class (a ``hook`` fault's targets)
+    draft_only_modules: tuple = DRAFT_ONLY_MODULES
 
     @property
     def tensors(self) -> tuple:
@@ -134,8 +136,11 @@ SYSTEMS = {
     "llama": System("llama", "sglang", TARGET, DRAFT, _MODELS / "data" / "sample"),
     "kimi": System("kimi", "sglang", _MODELS / "kimi" / "target", _MODELS / "kimi" / "draft",
                    _MODELS / "kimi" / "data" / "sample"),
+    # Eagle3DeepseekV2ForCausalLM's one decoder layer is model.midlayer (sglang/srt/models/kimi_k25_eagle3.py::
+    # Eagle3MLAModel.__init__), not LlamaForCausalLMEagle3's model.layers.0
     "kimi-mla": System("kimi-mla", "sglang", _MODELS / "kimi" / "target", _MODELS / "kimi" / "draft_mla",
-                       _MODELS / "kimi" / "data" / "sample"),
+                       _MODELS / "kimi" / "data" / "sample",
+                       draft_only_modules=("model.fc", "model.midlayer.hidden_norm")),
     "vllm": System("vllm", "vllm", _MODELS / "llama_h64" / "target", _MODELS / "llama_h64" / "draft",
                    _MODELS / "llama_h64" / "data" / "sample", clean_ids=(2, 4, 5),
                    classes=("clean", "tensor", "d2t", "layer_offset", "settings"), version="0.32.0"),
@@ -340,7 +345,8 @@ def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES,
             most = min(k + (s - 1) * k * k + 1, 8)
             p["settings"] = [s, k, r.randint(2, most)]
     elif cls == "hook":
-        mods = r.choice((DRAFT_ONLY_MODULES[:1], DRAFT_ONLY_MODULES[1:], DRAFT_ONLY_MODULES))
+        m = sysm.draft_only_modules
+        mods = r.choice((m[:1], m[1:], m))
         p["modules"] = list(mods)
         p["configs"] = [{"noise": round(_loguniform(r, 0.05, 1.5), 3),
                          "scale": round(r.choice((1.0, 1.0, r.uniform(0.5, 2.0))), 3),

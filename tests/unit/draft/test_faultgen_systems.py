@@ -67,3 +67,21 @@ def test_the_llama_reference_draws_are_the_recorded_ones():
     assert labels[:6] == ["chunk order [2, 1, 0]", "d2t 8% of slots permuted", "tensor self_attn.q_proj zero_rows 36%",
                           "clean", "steps 2 topk 1 draft tokens 3", "config ids [1, 4, 5]"]
     assert all(f.system is None and f.sys is LLAMA for f in draws(7, 0))
+
+
+@pytest.mark.parametrize("name", sorted(SYSTEMS))
+def test_hook_faults_name_modules_the_engines_draft_class_has(name):
+    """A ``hook`` fault's modules exist in the engine's draft class, by SGLang's parameter names
+    (helpers.draft.params mirrors each class's construction): a hook on a name the draft does not have is never
+    registered and the fault would be a clean server (the MLA draft's layer is ``model.midlayer``, not
+    ``model.layers.0``)."""
+    from helpers.draft.params import sglang_parameters
+    from helpers.formats.configs import read_draft_config
+
+    s = SYSTEMS[name]
+    names = {k[0] for k in sglang_parameters(read_draft_config(s.draft / "config.json")).params}
+    for m in s.draft_only_modules:
+        assert f"{m}.weight" in names, (name, m, sorted(names)[:8])
+    if "hook" in s.classes:
+        f = draw(3, "hook", system=s)
+        assert set(f.params["modules"]) <= set(s.draft_only_modules)
