@@ -7,7 +7,7 @@
 #
 # PY: the suite interpreter (default .venv/bin/python); the SGLang steps (4, 5) need the server venv
 # (env/reference/.venv or $E3F_SGLANG_PYTHON). The full training data (~0.5 GB) goes to
-# env/models/cache/draft_data (git-ignored); only a 3-record sample is committed.
+# env/models/cache/draft_data (git-ignored); only a 16-record sample is committed (enough for the budget to decide the wiring stage, >= SMALL_N = 10 sequences).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -21,8 +21,8 @@ echo "[regenerate] 2/9 draft training data: self-distilled, HF capture, SpecForg
 "${RUN[@]}" make_draft_data.py --device "$DEVICE" --out cache/draft_data
 echo "[regenerate] 3/9 EAGLE-3 draft (TTT)"
 "${RUN[@]}" train_draft.py --device "$DEVICE" --data cache/draft_data
-echo "[regenerate] 4/9 committed samples: 3 records captured with HF (data/sample) and SGLang (data/sample_sglang)"
-"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --out data/sample --vocab-from draft
+echo "[regenerate] 4/9 committed samples: 16 records captured with HF (data/sample), the first 3 on SGLang (data/sample_sglang)"
+"${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --out data/sample --vocab-from draft
 "${RUN[@]}" make_draft_data.py --backend sglang --records-from data/sample --num 3 \
   --out data/sample_sglang --vocab-from draft
 echo "[regenerate] 5/9 wiring-fault proxy and acceptance on real SGLang (TP 2) -> bench/RESULTS.md"
