@@ -44,7 +44,7 @@ echo "[regenerate] 8/9 Kimi-class target (DeepseekV3: MLA + MoE), its Llama-styl
 "${RUN[@]}" train_draft.py --device "$DEVICE" --arch mla --target kimi/target --data cache/kimi_data --out kimi/draft_mla
 "${RUN[@]}" export_validation.py --device "$DEVICE" --data cache/kimi_data --draft kimi/draft --draft kimi/draft_mla \
   --target kimi/target --num 48 --out kimi/data/validation
-"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --target kimi/target --out kimi/data/sample \
+"${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --target kimi/target --out kimi/data/sample \
   --vocab-from kimi/draft
 echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, validation rows"
 "${RUN[@]}" train_target.py --device "$DEVICE" --num-heads 2 --num-kv-heads 2 --tokenizer-from target --out llama_h64/target
