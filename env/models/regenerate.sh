@@ -52,5 +52,5 @@ echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, v
 "${RUN[@]}" train_draft.py --device "$DEVICE" --target llama_h64/target --data cache/h64_data --out llama_h64/draft
 "${RUN[@]}" export_validation.py --device "$DEVICE" --data cache/h64_data --draft llama_h64/draft --target llama_h64/target \
   --num 48 --out llama_h64/data/validation
-"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --target llama_h64/target --out llama_h64/data/sample \
+"${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --target llama_h64/target --out llama_h64/data/sample \
   --vocab-from llama_h64/draft
