@@ -7,7 +7,7 @@
 #
 # PY: the suite interpreter (default .venv/bin/python); the SGLang steps (4, 5) need the server venv
 # (env/reference/.venv or $E3F_SGLANG_PYTHON). The full training data (~0.5 GB) goes to
-# env/models/cache/draft_data (git-ignored); only a 3-record sample is committed.
+# env/models/cache/draft_data (git-ignored); only a 16-record sample is committed (enough for the budget to decide the wiring stage, >= SMALL_N = 10 sequences).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -21,8 +21,8 @@ echo "[regenerate] 2/9 draft training data: self-distilled, HF capture, SpecForg
 "${RUN[@]}" make_draft_data.py --device "$DEVICE" --out cache/draft_data
 echo "[regenerate] 3/9 EAGLE-3 draft (TTT)"
 "${RUN[@]}" train_draft.py --device "$DEVICE" --data cache/draft_data
-echo "[regenerate] 4/9 committed samples: 3 records captured with HF (data/sample) and SGLang (data/sample_sglang)"
-"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --out data/sample --vocab-from draft
+echo "[regenerate] 4/9 committed samples: 16 records captured with HF (data/sample), the first 3 on SGLang (data/sample_sglang)"
+"${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --out data/sample --vocab-from draft
 "${RUN[@]}" make_draft_data.py --backend sglang --records-from data/sample --num 3 \
   --out data/sample_sglang --vocab-from draft
 echo "[regenerate] 5/9 wiring-fault proxy and acceptance on real SGLang (TP 2) -> bench/RESULTS.md"
@@ -44,7 +44,7 @@ echo "[regenerate] 8/9 Kimi-class target (DeepseekV3: MLA + MoE), its Llama-styl
 "${RUN[@]}" train_draft.py --device "$DEVICE" --arch mla --target kimi/target --data cache/kimi_data --out kimi/draft_mla
 "${RUN[@]}" export_validation.py --device "$DEVICE" --data cache/kimi_data --draft kimi/draft --draft kimi/draft_mla \
   --target kimi/target --num 48 --out kimi/data/validation
-"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --target kimi/target --out kimi/data/sample \
+"${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --target kimi/target --out kimi/data/sample \
   --vocab-from kimi/draft
 echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, validation rows"
 "${RUN[@]}" train_target.py --device "$DEVICE" --num-heads 2 --num-kv-heads 2 --tokenizer-from target --out llama_h64/target
@@ -52,5 +52,5 @@ echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, v
 "${RUN[@]}" train_draft.py --device "$DEVICE" --target llama_h64/target --data cache/h64_data --out llama_h64/draft
 "${RUN[@]}" export_validation.py --device "$DEVICE" --data cache/h64_data --draft llama_h64/draft --target llama_h64/target \
   --num 48 --out llama_h64/data/validation
-"${RUN[@]}" make_draft_data.py --device cpu --num 3 --sampled-frac 0 --target llama_h64/target --out llama_h64/data/sample \
+"${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --target llama_h64/target --out llama_h64/data/sample \
   --vocab-from llama_h64/draft

@@ -129,11 +129,12 @@ def test_unusable_samples_are_skipped_and_named(tmp_path):
     d = _training(tmp_path, "tr", {0: _short, 2: lambda x: {**x, "loss_mask": torch.zeros_like(x["loss_mask"])}})
     skipped: list = []
     seqs = training_sequences(TrainingData(d, hidden_size=128), skipped=skipped)
-    assert [s.key for s in seqs] == ["data_1"]
+    n = len(list((REFERENCE_TRAINING / "rows_0-2000").glob("data_*.ckpt")))
+    assert [s.key for s in seqs] == ["data_1"] + [f"data_{i}" for i in range(3, n)]
     assert sorted(p.rsplit("/", 1)[-1] for p, _ in skipped) == ["data_0.ckpt", "data_2.ckpt"]
     why = {p.rsplit("/", 1)[-1]: w for p, w in skipped}
     assert why == {"data_0.ckpt": "2 token(s), expected at least 3", "data_2.ckpt": "loss_mask is all zero"}
-    only_bad = _training(tmp_path, "bad", {0: _short, 1: None, 2: None})
+    only_bad = _training(tmp_path, "bad", {0: _short, 1: None, **{i: None for i in range(2, n)}})
     with pytest.raises(BadInput) as e:
         training_sequences(TrainingData(only_bad, hidden_size=128))
     assert "data_0.ckpt [input_ids]: " in str(e.value) and "2 token(s), expected at least 3" in str(e.value)

@@ -44,6 +44,11 @@ def hot_ids():
     return (d2t + torch.arange(d2t.numel())).numpy()
 
 
+#: loss-masked tokens of the reference training sample, as its capture.json records them (the .ckpt files are read
+#: by training_tokens, independently)
+MASKED = json.loads((REFERENCE_TRAINING / "capture.json").read_text())["loss_masked_tokens"]
+
+
 def training_tokens():
     """The loss-masked token ids of the reference training sample, read straight from the .ckpt files."""
     toks = []
@@ -80,7 +85,7 @@ def test_reference_draft_is_clean_and_its_facts_are_right():
     toks = training_tokens()
     outside = int((~np.isin(toks, hot_ids())).sum())
     cov = facts["coverage"]
-    assert cov["tokens"] == toks.size == 288 and cov["outside"] == outside
+    assert cov["tokens"] == toks.size == MASKED and cov["outside"] == outside
     assert cov["ceiling_p_accept_ge"][0] == pytest.approx(1 - outside / toks.size)
     # the same through the public list-only API, and with the user's tokens instead of the training data
     assert draft_checks(REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING) == []
@@ -152,8 +157,8 @@ def test_zero_d2t_is_trivial_and_its_coverage_is_measured(tmp_path):
     share = float((toks >= 2048).mean())
     cov = out["facts"]["coverage"]
     assert cov["outside_share"] == pytest.approx(share) and cov["ceiling_p_accept_ge"][0] == pytest.approx(1 - share)
-    assert cov["outside"] == int((toks >= 2048).sum()) and cov["tokens"] == 288
-    # on this sample the target's tokens are nearly all below 2048 (1 of 288 is not): under the 10 % limit
+    assert cov["outside"] == int((toks >= 2048).sum()) and cov["tokens"] == MASKED
+    # on this sample most of the target's tokens are below 2048 (73 of 1536 are not): under the 10 % limit
     assert share < 0.10 and "draft_vocab_coverage" not in kinds(out["findings"])
 
 

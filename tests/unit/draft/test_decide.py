@@ -94,9 +94,9 @@ def test_from_ten_sequences_the_bootstrap_decides_unchanged():
 
 # ------------------------------------------------------------------------------------------------ real tensors
 
-@pytest.fixture(scope="module")
-def wiring_on_training_samples(tmp_path_factory):
-    """The wiring stage as a live run computes it on the 3 training samples of env/models/data/sample: the draft
+def _wiring_stage(tmp_path_factory, max_samples):
+    """The wiring stage as a live run computes it on the first ``max_samples`` training samples of
+    env/models/data/sample: the draft
     (env/models/draft) on the trained plan vs a served plan, both taken from an every-layer HF reference of the
     samples' tokens (the target in env/models/target)."""
     from helpers.capture import capture_reference_hf
@@ -108,7 +108,7 @@ def wiring_on_training_samples(tmp_path_factory):
     from support.faultgen import TRAINED_PLAN, GenFault
 
     draft = Eagle3Draft.load(REFERENCE_DRAFT, REFERENCE_TARGET)
-    train = training_sequences(TrainingData(REFERENCE_TRAINING, hidden_size=128))
+    train = training_sequences(TrainingData(REFERENCE_TRAINING, hidden_size=128, max_samples=max_samples))
     with compute_threads(1):
         ref = capture_reference_hf(REFERENCE_TARGET, [{"id": s.key, "input_ids": s.tokens.tolist()} for s in train],
                                    tmp_path_factory.mktemp("every-layer"), name="ref", progress=False)
@@ -123,8 +123,21 @@ def wiring_on_training_samples(tmp_path_factory):
             d, lo, hi, n, per = _paired_loss(trained, frame(plan))
             return _loss("wiring", d, lo, hi, "test", ref_al, n=n, unit="training samples", per_sequence=per), \
                 (d, lo, hi)
-        yield {"wiring": wiring, "trained": list(TRAINED_PLAN),
-               "shifted": GenFault(0, "layer_offset", {"ids": [2, 4, 5]}).served_plan(), "ref_al": ref_al}
+        return {"wiring": wiring, "trained": list(TRAINED_PLAN),
+                "shifted": GenFault(0, "layer_offset", {"ids": [2, 4, 5]}).served_plan(), "ref_al": ref_al,
+                "n": len(train), "frame": frame}
+
+
+@pytest.fixture(scope="module")
+def wiring_on_training_samples(tmp_path_factory):
+    """The 3-sample case (the sample env/models shipped before it held 16 records): the hole the count rule closes."""
+    return _wiring_stage(tmp_path_factory, 3)
+
+
+@pytest.fixture(scope="module")
+def wiring_on_all_samples(tmp_path_factory):
+    """Every record env/models/data/sample holds (16): what `investigate`'s wiring stage grows to when undecided."""
+    return _wiring_stage(tmp_path_factory, None)
 
 
 def test_config_ids_245_on_three_training_samples_are_undecided_not_clear(wiring_on_training_samples):
@@ -149,3 +162,19 @@ def test_the_trained_plan_served_is_an_exact_zero_and_clear(wiring_on_training_s
     loss, (d, lo, hi) = w["wiring"](w["trained"])
     assert (d, lo, hi) == (0.0, 0.0, 0.0) and loss["small_n"]["per_sequence"] == [0.0, 0.0, 0.0]
     assert loss["decision"] == "clear" and loss["ci"] == [0.0, 0.0]
+
+
+def test_on_the_shipped_sixteen_samples_the_wiring_stage_decides(wiring_on_all_samples):
+    """With the 16 records env/models ships (>= SMALL_N), the count rule no longer applies: a wiring fault whose loss
+    is large counts, and the trained plan is an exact zero, cleared; the CI is the bootstrap's, narrower than the
+    Student-t hull the 3-sample stage needed."""
+    w = wiring_on_all_samples
+    assert w["n"] >= SMALL_N
+    from support.faultgen import GenFault
+
+    seeds = GenFault(0, "layer_offset", {"ids": [-1, 1, 3]}).served_plan()       # the seeds' config on this depth
+    loss, (d, lo, hi) = w["wiring"](seeds)
+    assert loss["n"] == w["n"] and "small_n" not in loss
+    assert loss["ci"] == pytest.approx([lo, hi]) and lo >= loss["threshold"] and loss["decision"] == "counts"
+    clean, _ = w["wiring"](w["trained"])
+    assert clean["decision"] == "clear" and clean["ci"] == [0.0, 0.0]

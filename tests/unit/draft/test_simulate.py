@@ -123,7 +123,7 @@ def test_damaged_and_remapped_drafts_lose_acceptance_offline(draft, seqs, tmp_pa
     worse = sm.summary(sm.simulate_sequences(bad, seqs, [st])["per_request"][st], 3)["accept_length"]
     d2t = Eagle3Draft.load(wrong_d2t_draft(tmp_path / "m"), REFERENCE_TARGET)
     wrong = sm.simulate_sequences(d2t, seqs, [st])
-    assert clean > 3.0 and worse < 2.0 and clean - worse > 1.0, (clean, worse)
+    assert clean > 2.5 and worse < 2.0 and clean - worse > 1.0, (clean, worse)
     assert max(wrong["marginal"]) < 0.05                  # the right draft ids, mapped to the wrong target tokens
 
 
@@ -227,8 +227,9 @@ def test_simulate_cli_json_and_bad_input(tmp_path):
     assert f"[simulate] compute dtype {why}" in out.stderr
     st = {s["name"]: s for s in doc["stages"]}
     assert math.isclose(st["training log"]["accept_length"], 2.2228, abs_tol=1e-3)
-    # float32 compute: 3.349 (bf16 compute gives 3.273 on these 3 samples, bench/RESULTS.md)
-    assert math.isclose(st["offline on training states"]["accept_length"], 3.3488, abs_tol=1e-3), st
+    # float32 compute on the 16 shipped samples (--samples 16, the default): 2.778; on their first 3 it was 3.349
+    # (bf16 compute 3.273, bench/RESULTS.md): the first three are the most predictable of the sixteen
+    assert math.isclose(st["offline on training states"]["accept_length"], 2.7776, abs_tol=1e-3), st
     assert doc["cause"] == "none"
     # the validation rows beside the training data were found and are of the log's kind
     ds = st["checkpoint (teacher-forced)"]
