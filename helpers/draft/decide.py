@@ -21,7 +21,7 @@ every stage is decided) therefore
   (every per-sequence loss exactly 0, or loss and CI all exactly 0 when no per-sequence losses are given: the
   served plan is the trained plan, the fix changes nothing, the recommended settings are the served ones). A
   nonzero loss on fewer sequences is ``undecided``, with at least :data:`SMALL_N` sequences as its settle count.
-  (The clean reference server's wiring stage on the 3 bundled training samples is such an identity: their bf16
+  (The clean reference server's wiring stage on the first 3 bundled training samples is such an identity: their bf16
   training states and the float32 HF every-layer reference of the same tokens give the same verify steps on all
   three. A served capture whose rounding flipped one draft token on one of few samples would be undecided: that is
   the honest answer on so few.)
