@@ -317,8 +317,18 @@ def main() -> int:
     p.add_argument("--out", default=None, help="output folder (default: a new one under outputs/)")
     a = p.parse_args()
     if a.report:
-        rows = [json.loads(x) for d in a.report for x in (Path(d) / "faults-live.jsonl").read_text().splitlines()
-                if x.strip()]
+        rows = []
+        for d in a.report:
+            f = Path(d) / "faults-live.jsonl"
+            if not f.is_file():
+                p.error(f"--report {d}: no faults-live.jsonl there (expected the folder of a live run)")
+            for i, x in enumerate(f.read_text().splitlines(), 1):
+                try:
+                    rows += [json.loads(x)] if x.strip() else []
+                except ValueError as exc:
+                    p.error(f"--report {f}:{i}: not a JSON record ({exc})")
+        if not rows:
+            p.error(f"--report {', '.join(a.report)}: no fault records")
         print(summary(rows, f"live, {len(rows)} servers from {', '.join(Path(d).name for d in a.report)}"))
         return 0
     out = Path(a.out or ROOT / "outputs" / f"{time.strftime('%Y%m%d-%H%M%S')}-bench-faults")

@@ -188,7 +188,7 @@ def rows_arg(value: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """``--rows SPLIT[,TEXT]`` (either part, any order) as ``(split, text)``.
 
     Raises:
-        BadInput: an empty value, or a part that is neither a split (validation / training / val / eval / test / train) nor a text kind
+        BadInput: an empty value, two splits or two text kinds, or a part that is neither a split (validation / training / val / eval / test / train) nor a text kind
             (sampled / greedy / mixed / dataset)."""
     if value is None:
         return None, None
@@ -198,8 +198,14 @@ def rows_arg(value: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     split = text = None
     for part in parts:
         if split_word(part):
+            if split is not None:
+                raise BadInput(f"{value!r} names two splits ({split}, {part}): expected one SPLIT and at most one "
+                               "TEXT", field="--rows")
             split = part
         elif part in TEXT_KINDS:
+            if text is not None:
+                raise BadInput(f"{value!r} names two text kinds ({text}, {part}): expected one SPLIT and at most "
+                               "one TEXT", field="--rows")
             text = part
         else:
             raise BadInput(f"{part!r} is neither a split ({', '.join(SPLITS)}) nor a text kind "

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from ..errors import BadInput
 from ..investigation.cross_engine import compare_engines
+from ..server.client import check_url
 from ..runfiles import new_run_dir, safe_name
 from .common import Parser, failure_guard, out_folder, progress_line, run
 
@@ -41,6 +42,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
+        for flag, url in (("--a", args.a), ("--b", args.b)):     # both before any request
+            check_url(url, flag)
         if args.prompts < 2 or args.samples < 1 or args.max_new_tokens < 2:
             raise BadInput("--prompts must be >= 2 (a paired CI), --samples >= 1, --max-new-tokens >= 2")
         out = out_folder(args.out, "--out")

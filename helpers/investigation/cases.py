@@ -46,6 +46,8 @@ before the first hypothesis.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import os
 import re
 from pathlib import Path
@@ -97,7 +99,7 @@ class Hypothesis(BaseModel):
 class Sweep(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Literal["num_steps"] = "num_steps"
-    values: list[int] = Field(min_length=1)
+    values: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
 
 
 class Investigate(BaseModel):

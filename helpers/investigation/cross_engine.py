@@ -42,7 +42,7 @@ from ..draft.precision import choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
 from ..engines.base import EngineAdapter
 from ..engines.detect import detect
-from ..errors import BadInput
+from ..errors import BadInput, ServerError
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..runfiles import write_json
@@ -102,6 +102,8 @@ def _stage_attach(p: Pair, api_key: Optional[str]) -> None:
             msg = str(exc)
             raise BadInput(msg[len("[--url]: "):] if msg.startswith("[--url]: ") else msg,
                            field=f"--{s.label}") from None
+        except ServerError as exc:    # cannot connect, refused...: say which of the two servers
+            raise ServerError(f"--{s.label}: {exc}") from None
         s.att = attach(s.client, caveats=s.adapter.capture_caveats)
         if s.att.draft_dir is None:
             raise BadInput(f"server {s.label} runs no draft this machine can read", field=f"--{s.label}")

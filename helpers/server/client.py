@@ -126,6 +126,23 @@ class _Waiting:
             self._thread.join(timeout=1)
 
 
+
+def check_url(url: Optional[str], field: str = "--url") -> str:
+    """``url`` when it is ``http(s)://host[:port][/path]`` (a host, a numeric port, no whitespace).
+
+    Raises:
+        BadInput: naming ``field``, the URL shown without credentials."""
+    try:
+        parts = urlsplit(url or "")
+        parts.port                       # raises ValueError on a port that is not a number in 0-65535
+    except ValueError:
+        parts = None
+    if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+            or any(c.isspace() for c in str(url))):
+        shown = redact_url(str(url)) if parts is not None else "an address urllib cannot parse"
+        raise BadInput(f"url must look like http://host:port, got {shown!r}", field=field)
+    return str(url)
+
 class HTTPClient:
     """Synchronous httpx client for one inference server (thread-safe: share it between threads): the plumbing every
     engine's client shares (deadlines, retries, byte limits, redirects refused, the API key kept out of messages,
@@ -164,14 +181,7 @@ class HTTPClient:
                  budget: Optional[Budget] = None, on_wait: Optional[Callable[[str], None]] = None,
                  wait_every: float = 15.0,
                  max_info_bytes: int = MAX_INFO_BYTES, max_generate_bytes: int = MAX_GENERATE_BYTES):
-        try:
-            parts = urlsplit(url or "")
-            parts.port                       # raises ValueError on a port that is not a number in 0-65535
-        except ValueError:
-            parts = None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            shown = redact_url(str(url)) if parts is not None else "an address urllib cannot parse"
-            raise BadInput(f"url must look like http://host:port, got {shown!r}", field="--url")
+        check_url(url)
         self.url = url.rstrip("/")
         self._shown_url = redact_url(self.url)
         key = api_key if api_key is not None else os.environ.get(self.API_KEY_ENV)

@@ -7,12 +7,14 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import BadParams, CaseError
+from ..errors import BadInput, BadParams, CaseError
 from ..investigation.cases import load_case
 from ..paths import NOTEBOOK_DIR, ROOT
 from ..runfiles import load_yaml_model, load_yaml_text
+from ..server.client import check_url
+from ..server.settings import SpecSettings
 
 DEFAULT_NOTEBOOKS = ["00_replay", "00_investigate", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
                      "11_hyp_embedding_allreduce", "12_hyp_layer_offset", "20_acceptance",
@@ -37,14 +39,14 @@ class ManagedServer(BaseModel):
     """The embedded reference server the runner starts (helpers.server.embedded.start)."""
 
     model_config = ConfigDict(extra="forbid")
-    target: str = "env/models/target"
+    target: str = Field("env/models/target", min_length=1)
     draft: Optional[str] = "env/models/draft"
-    tp: int = 2
+    tp: int = Field(2, ge=1)
     spec: dict[str, Any] = Field(default_factory=lambda: {"num_steps": 3, "topk": 1,
                                                           "num_draft_tokens": 4})
     faults: list[dict[str, Any]] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list)
-    timeout: float = 600.0
+    timeout: float = Field(600.0, gt=0)
 
 
 class ServerParams(BaseModel):
@@ -116,10 +118,18 @@ def _case_as_params(path: Path):
     return prepare
 
 
-def _must_exist(path: Path, field: str, value: str) -> None:
-    """BadParams naming the params file and ``field`` when the resolved folder ``value`` does not exist."""
-    if not Path(value).exists():
-        raise BadParams(f"params file {path}: field '{field}': {value} not found")
+def _must_exist(path: Path, field: str, value: str, folder: bool = False) -> None:
+    """BadParams naming the params file and ``field`` when the resolved path ``value`` does not exist (is not a
+    folder, with ``folder``)."""
+    if not Path(value).exists() or (folder and not Path(value).is_dir()):
+        raise BadParams(f"params file {path}: field '{field}': {value} not found{' as a folder' if folder else ''}")
+
+
+def _one_line(exc: Exception) -> str:
+    """A pydantic ValidationError (or another error) as one line: ``field: message; ...``."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+    return " ".join(str(exc).split())
 
 
 def load_params(path: str | os.PathLike) -> SuiteParams:
@@ -136,6 +146,9 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
     """
     path = Path(path)
     params = load_yaml_model(path, SuiteParams, what="params file", error=BadParams, prepare=_case_as_params(path))
+    for key in ("case", "target_dir", "draft_dir", "training_data", "notebook_dir"):
+        if getattr(params, key) is not None and not str(getattr(params, key)).strip():
+            raise BadParams(f"params file {path}: field '{key}' is empty (leave it out, or name a path)")
     if params.server.url is None and params.server.managed is None and params.case is None:
         raise BadParams(f"params file {path}: set case (replay a case file), server.url (attach) or "
                         "server.managed (start the embedded reference server)")
@@ -147,14 +160,21 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
             setattr(params, key, str(_resolve(getattr(params, key), here)))
             _must_exist(path, key, getattr(params, key))
     url = params.server.url
-    if url is not None and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
-        raise BadParams(f"params file {path}: field 'server.url': {url!r} is not an http(s):// URL "
-                        "(e.g. http://127.0.0.1:30000)")
+    if url is not None:
+        try:
+            check_url(url)
+        except BadInput as exc:
+            raise BadParams(f"params file {path}: field 'server.url': {str(exc).split(': ', 1)[-1]} "
+                            "(e.g. http://127.0.0.1:30000)") from None
     if params.server.managed is not None:
         m = params.server.managed
         for key in ("target", "draft"):
             if getattr(m, key):
-                _must_exist(path, f"server.managed.{key}", str(_resolve(getattr(m, key), here)))
+                _must_exist(path, f"server.managed.{key}", str(_resolve(getattr(m, key), here)), folder=True)
+        try:
+            SpecSettings(**m.spec)
+        except (ValidationError, TypeError) as exc:
+            raise BadParams(f"params file {path}: field 'server.managed.spec': {_one_line(exc)}") from None
     if params.case:
 
         case = _resolve(params.case, here)
@@ -168,9 +188,9 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
         for key in ("target", "draft", "training_data"):     # a case's models: repository-relative (Case.resolve)
             if getattr(c.models, key):
                 where = c.resolve(getattr(c.models, key))
-                if not where.exists():
+                if not where.is_dir():
                     raise BadParams(f"case file {case}: field 'models.{key}': {getattr(c.models, key)} not found "
-                                    f"(looked at {where})")
+                                    f"as a folder (looked at {where})")
         params.case = str(case)
     missing = [nb for nb in params.notebooks if not params.notebook_path(nb).exists()]
     if missing:

@@ -296,8 +296,8 @@ def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES,
     """One fault drawn from ``seed`` for ``system`` (None: the Llama reference): the class (``cls``, or uniform over
     ``classes``) and its parameters. Raises ValueError for a class unknown or not applicable to the system."""
     r = random.Random(seed)
-    cls = cls or r.choice(list(classes))
     sysm = system or LLAMA
+    cls = cls or r.choice([c for c in classes if c in sysm.classes] or list(classes))
     if cls not in STAGE or cls not in sysm.classes:
         raise ValueError(f"unknown fault class {cls!r} for system {sysm.name} (expected one of "
                          f"{', '.join(sysm.classes)})")
@@ -360,5 +360,8 @@ def draws(n: int, seed: int = 0, classes: Sequence[str] = CLASSES, system: Optio
     strength."""
     r = random.Random(seed)
     order = [c for c in classes if c in (system or LLAMA).classes]
+    if not order:
+        raise ValueError(f"none of the classes {list(classes)} applies to system {(system or LLAMA).name} "
+                         f"(expected some of {', '.join((system or LLAMA).classes)})")
     r.shuffle(order)
     return [draw(r.randrange(2 ** 31), order[i % len(order)], system=system) for i in range(n)]

@@ -192,3 +192,15 @@ def test_an_empty_rows_value_is_bad_input_naming_the_flag():
         with pytest.raises(BadInput, match=r"\[--rows\].*names nothing"):
             rows_arg(value)
     assert rows_arg("greedy, validation") == ("validation", "greedy")
+    for value, what in (("validation,training", "two splits"), ("sampled,greedy", "two text kinds")):
+        with pytest.raises(BadInput, match=rf"\[--rows\].*{what}"):
+            rows_arg(value)
+
+
+def test_compare_engines_checks_both_urls_before_any_request(capsys):
+    from helpers.cli.compare_engines import cli_main
+
+    assert cli_main(["--a", "http://127.0.0.1:1", "--b", "notaurl", "--training", "env/models/data/sample",
+                     "--out", "/nonexistent-e3f-should-not-be-made"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "[--b]" in err and "http://host:port" in err and "\n" not in err

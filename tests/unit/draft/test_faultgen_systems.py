@@ -85,3 +85,12 @@ def test_hook_faults_name_modules_the_engines_draft_class_has(name):
     if "hook" in s.classes:
         f = draw(3, "hook", system=s)
         assert set(f.params["modules"]) <= set(s.draft_only_modules)
+
+
+def test_a_class_is_drawn_from_the_systems_own_classes():
+    """Without a class named, a vLLM draw never lands on a class vLLM does not take (hooks, chunk order); a class
+    list with none for the system is one clear error."""
+    v = SYSTEMS["vllm"]
+    assert {draw(seed, system=v).cls for seed in range(40)} <= set(v.classes)
+    with pytest.raises(ValueError, match="none of the classes"):
+        draws(3, 0, classes=["hook"], system=v)
