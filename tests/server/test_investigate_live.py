@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.draft.decide import SMALL_N
 from helpers.investigation.live import investigate
 from helpers.investigation.propose import draft_variant
 from helpers.server.process import stop_pid
@@ -128,14 +129,15 @@ def test_seeds_config_fault_is_named_fixed_and_measured(tmp_path, registry):
     assert doc.seconds_to_verdict < 90
     # the budget puts the loss at the wiring stage: the fix's change measured on the server (16 prompts). Before the
     # restart the fix was run offline: the draft on the every-layer reference's out(1), out(3), out(4) accepts more
-    # than on the served states, but on the 3 training samples (fewer than decide.SMALL_N) that is not a proof: the
-    # gain is undecided, so the fix is kept and measured
+    # than on the served states: on the 4 training samples investigate captures by default (the bundled data holds 16;
+    # with the 3 it held before, the gain was undecided) it is large and consistent enough to count even on the
+    # Student-t interval (fewer than decide.SMALL_N): proven before the restart (recorded: gain 1.14 [0.33, 1.82])
     b = doc.acceptance
     assert b["cause"] == "wiring" and b["losses"]["wiring"]["ci"][0] > 0, b["sentence"]
     assert b["losses"]["wiring"]["on_server"], b["losses"]["wiring"]
     fo = b["fix_offline"]
-    assert fo["plan"] == ["out(1)", "out(3)", "out(4)"] and fo["gain"] > 0.3 and fo["n_paired"] == 3, fo
-    assert fo["decision"] == "undecided" and not fo["proven"] and fo["gain_ci"][0] < 0 < fo["gain_ci"][1], fo
+    assert fo["plan"] == ["out(1)", "out(3)", "out(4)"] and fo["gain"] > 0.3, fo
+    assert fo["n_paired"] == 4 < SMALL_N and fo["decision"] == "counts" and fo["proven"] and fo["gain_ci"][0] > 0, fo
 
 
 def test_server_flag_algorithm_eagle_bypasses_fc(tmp_path):
