@@ -160,9 +160,9 @@ def _finite(t: torch.Tensor, path: Path, name: str) -> None:
     config this run does not apply (``sglang/srt/model_loader/weight_utils.py::default_weight_loader`` would copy_
     the raw values into a float parameter, casting them), so any figure computed from it would be of another model."""
     if t.dtype not in PLAIN_FLOAT:
-        raise BadInput(f"dtype {str(t.dtype).replace('torch.', '')}: a quantised weight (FP8 / integer); the offline "
-                       "run reads unquantised float32 / bfloat16 / float16 drafts only (dequantise it first, with its "
-                       "scales)", path=path, field=name)
+        raise BadInput(f"dtype {str(t.dtype).replace('torch.', '')}: not a plain float weight (a quantised FP8 / "
+                       "integer checkpoint, or a mistyped tensor); the offline run reads unquantised float32 / "
+                       "bfloat16 / float16 drafts only (dequantise it first, with its scales)", path=path, field=name)
     if not bool(torch.isfinite(t).all()):
         nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         raise BadInput(f"{nan} NaN, {inf} Inf of {t.numel()} values: a damaged checkpoint (expected finite weights)",

@@ -315,7 +315,7 @@ def test_the_offline_run_takes_the_rope_theta_the_config_checks_say_sglang_uses(
         Eagle3Draft.load(bad, REFERENCE_TARGET)
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.bool])
 def test_a_quantised_draft_tensor_is_one_line_naming_it(tmp_path, dtype):
     """An FP8 or integer weight (a quantised checkpoint whose scales this run does not apply) is refused naming the
     file and tensor, instead of a crash (FP8) or a silent cast (integer) that would measure another model."""
@@ -323,6 +323,6 @@ def test_a_quantised_draft_tensor_is_one_line_naming_it(tmp_path, dtype):
                edit=lambda w: w.__setitem__("midlayer.mlp.up_proj.weight",
                                             (w["midlayer.mlp.up_proj.weight"].float() * 100).to(dtype)))
     with pytest.raises(BadInput, match=r"model\.safetensors \[midlayer\.mlp\.up_proj\.weight\]: dtype "
-                                       rf"{str(dtype).split('.')[-1]}: a quantised weight") as e:
+                                       rf"{str(dtype).split('.')[-1]}: not a plain float weight") as e:
         Eagle3Draft.load(d, REFERENCE_TARGET)
     assert "\n" not in str(e.value)
