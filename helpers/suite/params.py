@@ -73,7 +73,7 @@ class SuiteParams(BaseModel):
     target_dir: Optional[str] = None
     draft_dir: Optional[str] = None
     training_data: Optional[str] = None
-    notebooks: list[str] = Field(default_factory=lambda: list(DEFAULT_NOTEBOOKS))
+    notebooks: list[str] = Field(default_factory=lambda: list(DEFAULT_NOTEBOOKS), min_length=1)
     notebook_dir: Optional[str] = None
     common: dict[str, Any] = Field(default_factory=dict)
     notebook_params: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -47,6 +47,7 @@ def test_an_invalid_case_file_is_refused_naming_the_case(tmp_path, capsys):
     ({"server": {"url": "http://:"}}, "server.url"),
     ({"server": {"url": "http:// x"}}, "server.url"),
     ({"case": ""}, "case"),
+    ({"notebooks": []}, "notebooks"),
 ])
 def test_a_params_file_naming_what_does_not_exist_is_refused_before_anything_runs(tmp_path, edit, field):
     """A model folder that does not exist, or a server URL without its scheme, is one line naming the field at load
