@@ -209,16 +209,12 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
     cmd = build_command(python, target, draft=draft_path, tp=tp, num_speculative_tokens=num_speculative_tokens,
                         port=chosen, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         api_key=api_key, extra_args=extra_args, speculative=speculative)
-    handle = ServerProcess(cmd, f"http://127.0.0.1:{chosen}", log_path=Path(log_path), env=server_env(tp, cpus, env),
-                           cwd=os.fspath(ROOT), port=chosen, tp=tp, target=target, draft=draft_path, engine="vllm",
-                           num_speculative_tokens=num_speculative_tokens if draft_path is not None else None,
-                           spec=None, speculative=dict(speculative or {}))
-    try:
-        handle.wait_healthy(timeout, api_key=api_key, what=what, budget=budget)
-    except BaseException:
-        handle.stop(timeout=5)
-        raise
-    return handle
+    return ServerProcess.launch_healthy(
+        cmd, f"http://127.0.0.1:{chosen}", log_path=Path(log_path), api_key=api_key, what=what, budget=budget,
+        timeout=timeout, env=server_env(tp, cpus, env), cwd=os.fspath(ROOT), port=chosen, tp=tp, target=target,
+        draft=draft_path, engine="vllm",
+        num_speculative_tokens=num_speculative_tokens if draft_path is not None else None, spec=None,
+        speculative=dict(speculative or {}))
 
 
 __all__ = ["start", "listeners", "build_command", "server_env", "omp_bind", "check_target", "check_draft",

@@ -423,12 +423,7 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
     if disabled and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:
         server_env["SGLANG_DISABLED_MODEL_ARCHS"] = disabled
     server_env.update(env or {})
-    handle = ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=log_path, env=server_env,
-                           cwd=os.fspath(ROOT), port=port, tp=tp, spec=spec, target=target,
-                           draft=draft_path)
-    try:
-        handle.wait_healthy(timeout, api_key=api_key, what="SGLang server", budget=budget)
-    except BaseException:
-        handle.stop(timeout=5)
-        raise
-    return handle
+    return ServerProcess.launch_healthy(cmd, f"http://127.0.0.1:{port}", log_path=log_path, api_key=api_key,
+                                        what="SGLang server", budget=budget, timeout=timeout, env=server_env,
+                                        cwd=os.fspath(ROOT), port=port, tp=tp, spec=spec, target=target,
+                                        draft=draft_path)

@@ -170,12 +170,15 @@ class ServerProcess:
     @classmethod
     def launch_healthy(cls, argv: Sequence[str], url: str, *, log_path: Path, api_key: Optional[str] = None,
                        what: str = "server", budget: Optional[Budget] = None, timeout: float = 1800,
-                       env: Optional[Mapping[str, str]] = None) -> "ServerProcess":
-        """Start ``argv`` (serving ``url``; ``api_key`` redacted from its log) and wait until it is healthy
-        (:meth:`wait_healthy`, ``timeout`` seconds, never past ``budget``); a server that does not come up is
-        stopped before the error propagates. What every restart of a server with another setting does (SGLang:
-        :func:`helpers.server.restart.start_variant`; vLLM: ``VLLMAdapter.start_variant``)."""
-        handle = cls(argv, url, log_path=log_path, secrets=[api_key] if api_key else [], env=env)
+                       env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                       **info: Any) -> "ServerProcess":
+        """Start ``argv`` (serving ``url``; ``api_key`` redacted from its log; ``cwd`` and ``info`` as the
+        constructor takes them) and wait until it is healthy (:meth:`wait_healthy`, ``timeout`` seconds, never past
+        ``budget``); a server that does not come up is stopped before the error propagates. What every start of an
+        embedded server does (SGLang: :func:`helpers.server.embedded.start`, its restarts
+        :func:`helpers.server.restart.start_variant`; vLLM: :func:`helpers.engines.vllm_server.start`,
+        ``VLLMAdapter.start_variant``)."""
+        handle = cls(argv, url, log_path=log_path, secrets=[api_key] if api_key else [], env=env, cwd=cwd, **info)
         try:
             handle.wait_healthy(timeout, api_key=api_key, what=what, budget=budget)
         except BaseException:
