@@ -41,6 +41,7 @@ class BadInput(E3FError, ValueError):
     exit_code = 2
 
     def __init__(self, message: str, *, path: str | Path | None = None, field: str | None = None):
+        self.message = message           # without the path / field prefix (to say it again under another name)
         self.path = None if path is None else str(path)
         self.field = field
         where = ""

@@ -66,9 +66,7 @@ def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, de
                 continue
             version, ev = found
             evidence.update(ev)
-            why = a.version_refusal(version, ", ".join(ev) or "its version endpoint")
-            if why:
-                raise BadInput(f"{http._shown_url} {why}; supported: {supported_text()}", field="--url")
+            _refuse_version(http, a, version, ev)
             return Detected(a(), a.name, version, evidence)
         for path in ("/server_info", "/version", "/v1/models"):
             resp = http._request("GET", path, retries=0)
@@ -82,6 +80,14 @@ def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, de
     found_text = ", ".join(f"{k} -> {v}" for k, v in evidence.items())
     raise BadInput(f"{http._shown_url} is neither SGLang nor vLLM ({found_text}); supported: {supported_text()}",
                    field="--url")
+
+
+def _refuse_version(http: HTTPClient, adapter: type[EngineAdapter], version: str, evidence: dict) -> None:
+    """BadInput (one line, ``--url``) when ``adapter`` cannot work with the ``version`` its probe found
+    (:meth:`EngineAdapter.version_refusal`); nothing otherwise."""
+    why = adapter.version_refusal(version, ", ".join(evidence) or "its version endpoint")
+    if why:
+        raise BadInput(f"{http._shown_url} {why}; supported: {supported_text()}", field="--url")
 
 
 def detect_or(url: str, api_key: Optional[str] = None, *, default: str = "sglang", timeout: float = 10.0,
@@ -104,9 +110,7 @@ def detect_or(url: str, api_key: Optional[str] = None, *, default: str = "sglang
             except SGLangError:          # unreachable, a redirect, an oversized answer: the client says it
                 found = None
             if found is not None:
-                why = a.version_refusal(found[0], ", ".join(found[1]) or "its version endpoint")
-                if why:
-                    raise BadInput(f"{http._shown_url} {why}; supported: {supported_text()}", field="--url")
+                _refuse_version(http, a, *found)
                 return a()
     finally:
         http.close()

@@ -46,12 +46,10 @@ before the first hypothesis.
 """
 from __future__ import annotations
 
-from typing import Annotated
-
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 

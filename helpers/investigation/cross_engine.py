@@ -99,9 +99,7 @@ def _stage_attach(p: Pair, api_key: Optional[str]) -> None:
         except BadInput as exc:    # detect / the client name --url: here the server is --a or --b
             if exc.field != "--url":
                 raise
-            msg = str(exc)
-            raise BadInput(msg[len("[--url]: "):] if msg.startswith("[--url]: ") else msg,
-                           field=f"--{s.label}") from None
+            raise BadInput(exc.message, field=f"--{s.label}") from None
         except ServerError as exc:    # cannot connect, refused...: say which of the two servers
             raise ServerError(f"--{s.label}: {exc}") from None
         s.att = attach(s.client, caveats=s.adapter.capture_caveats)

@@ -126,7 +126,6 @@ class _Waiting:
             self._thread.join(timeout=1)
 
 
-
 def check_url(url: Optional[str], field: str = "--url") -> str:
     """``url`` when it is ``http(s)://host[:port][/path]`` (a host, a numeric port, no whitespace).
 
@@ -142,6 +141,7 @@ def check_url(url: Optional[str], field: str = "--url") -> str:
         shown = redact_url(str(url)) if parts is not None else "an address urllib cannot parse"
         raise BadInput(f"url must look like http://host:port, got {shown!r}", field=field)
     return str(url)
+
 
 class HTTPClient:
     """Synchronous httpx client for one inference server (thread-safe: share it between threads): the plumbing every

@@ -62,7 +62,6 @@ from ..records import ReplayDoc
 from ..runfiles import atomic_write_text, mark_failed, new_run_dir, write_json
 from ..server.embedded import start
 from ..server.registry import register, state_path, unregister
-from ..server.settings import SpecSettings
 from .html import HTML_BUDGET_BYTES, check_html, export_html
 from .params import INVESTIGATE, POSTMORTEM, REPLAY, ManagedServer, load_params
 
@@ -172,7 +171,7 @@ def _start_managed(m: ManagedServer, run_dir: Path):
                               rank_capture_dir=run_dir / "capture" / "managed" / "ranks",
                               layers_dir=run_dir / "capture" / "managed" / "layers",
                               family=model_family(tcfg.architectures, tcfg.model_type))
-    spec = SpecSettings(**m.spec) if draft else None
+    spec = m.spec if draft else None
     handle = start(target, draft, tp=m.tp, spec=spec, extra_args=m.extra_args, forward_hooks=hooks,
                    timeout=m.timeout, log_path=run_dir / "logs" / "server.log")
     launch = {"target": str(target.resolve()), "draft": None if draft is None else str(draft.resolve()), "tp": m.tp,
