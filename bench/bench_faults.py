@@ -41,10 +41,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support.fault_offline import (MATERIAL_LIVE, confusion, fmt, goal_checks, record,  # noqa: E402
                                    table_markdown)
-from support.faultgen import CLASSES, SYSTEMS, GenFault, System, draws  # noqa: E402
+from support.faultgen import CLASSES, CLEAN_SETTINGS, SYSTEMS, GenFault, System, draws  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
-TRAINING = ROOT / "env" / "models" / "data" / "sample"
 
 
 def log(msg: str) -> None:
@@ -76,7 +75,7 @@ def live_throughput_loss(r: dict) -> Optional[float]:
         return None
     table = {(x["steps"], x["topk"], x["draft_tokens"]): x for x in (doc.get("acceptance") or {}).get(
         "settings_table") or []}
-    served, clean = tuple(r["params"]["settings"]), (3, 1, 4)
+    served, clean = tuple(r["params"]["settings"]), CLEAN_SETTINGS
     if served not in table or clean not in table or not (r.get("stages") or {}).get("live"):
         return None
     denom = {k: table[k]["accept_length"] / table[k]["speedup_model"] for k in (served, clean)}

@@ -197,16 +197,12 @@ class GenFault:
         """The served ``(steps, topk, draft_tokens)``."""
         return tuple(self.params["settings"]) if self.cls == "settings" else CLEAN_SETTINGS
 
-    def served_plan(self, target: Path = TARGET) -> list[str]:
-        """The tensors the server feeds the draft, in order (the engine's rules for a draft config's ids, the chunk
-        permutation of a ``chunk_order`` hook; the trained plan otherwise)."""
+    def served_plan(self) -> list[str]:
+        """The tensors the server feeds the draft, in order (the system's engine rules for a draft config's ids, the
+        chunk permutation of a ``chunk_order`` hook; the trained plan otherwise)."""
         if self.cls == "chunk_order":
             return [TRAINED_PLAN[i] for i in self.params["order"]]
         if self.cls == "layer_offset":
-            if self.system is None and target != TARGET:       # the Llama reference's rules on another target
-                from dataclasses import replace
-
-                return list(replace(LLAMA, target=Path(target)).plan_for(self.params["ids"]).tensors)
             return list(self.sys.plan_for(self.params["ids"]).tensors)
         return list(TRAINED_PLAN)
 
