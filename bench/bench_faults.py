@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support.fault_offline import (MATERIAL_LIVE, confusion, fmt, goal_checks, record,  # noqa: E402
+from support.fault_offline import (MATERIAL_LIVE, confusion, dominated_loss, fmt, goal_checks, record,  # noqa: E402
                                    table_markdown)
 from support.faultgen import CLASSES, CLEAN_SETTINGS, SYSTEMS, GenFault, System, draws  # noqa: E402
 
@@ -61,12 +61,13 @@ def line(r: dict) -> str:
             f"{('verdict ' + r['verdict']) if r.get('verdict') else ''} {dec} ({r['wall_s']} s)")
 
 
-def live_throughput_loss(r: dict) -> Optional[float]:
-    """A live settings draw's loss in the budget's own terms: tokens per served verify step it loses against the
-    clean server's chain (steps 3) in the cost model the settings stage uses (accept length / (1 + steps x draft
-    cost)), from the two servers' LIVE accept lengths (the faulty one, and the clean one = faulty + live loss) and
-    the cost the budget applied to each setting (its settings table: accept length / modelled speedup); 0 when the
-    served setting is as fast or faster. None for another class or a record without its run folder."""
+def live_settings_loss(r: dict) -> Optional[float]:
+    """A live settings draw's loss in the budget's own terms: the live accept length it loses against the clean
+    server's chain (steps 3) when that chain dominates it in the cost model the settings stage uses (accept length /
+    (1 + steps x draft cost)), from the two servers' LIVE accept lengths (the faulty one, and the clean one = faulty +
+    live loss) and the cost the budget applied to each setting (its settings table: accept length / modelled
+    speedup); 0 for settings modelled faster (a trade: the budget notes it). None for another class or a record
+    without its run folder."""
     if r.get("class") != "settings" or r.get("loss") is None or not r.get("run_dir"):
         return None
     try:
@@ -78,16 +79,15 @@ def live_throughput_loss(r: dict) -> Optional[float]:
     served, clean = tuple(r["params"]["settings"]), CLEAN_SETTINGS
     if served not in table or clean not in table or not (r.get("stages") or {}).get("live"):
         return None
-    denom = {k: table[k]["accept_length"] / table[k]["speedup_model"] for k in (served, clean)}
+    cost = {k: table[k]["accept_length"] / table[k]["speedup_model"] for k in (served, clean)}
     al_f = r["stages"]["live"]
-    al_c = al_f + r["loss"]
-    return max(0.0, al_c / denom[clean] - al_f / denom[served]) * denom[served]
+    return dominated_loss(al_f + r["loss"], al_f, cost[clean], cost[served])
 
 
 def summary(rows: list[dict], title: str) -> str:
-    for r in rows:                          # a live settings draw: the loss the budget answers for (throughput)
-        if r.get("throughput_loss") is None and r.get("class") == "settings":
-            r["throughput_loss"] = live_throughput_loss(r)
+    for r in rows:                          # a live settings draw: the loss the budget answers for
+        if r.get("settings_loss") is None and r.get("class") == "settings":
+            r["settings_loss"] = live_settings_loss(r)
     g = goal_checks(rows)
     out = [f"### {title}", "", f"{len(rows)} faults; load {load()} at the end", "",
            table_markdown(confusion(rows)), "",
@@ -101,8 +101,8 @@ def summary(rows: list[dict], title: str) -> str:
     for r in rows:
         if r.get("class") == "settings":
             out.append(f"  * settings draw {r['label']} (TP {r.get('tp')}): accept-length loss {fmt(r.get('loss'))}, "
-                       f"throughput loss in the budget's cost model {fmt(r.get('throughput_loss'))} -> "
-                       f"{r.get('cause')}")
+                       f"of it lost to settings the clean chain dominates in the budget's cost model "
+                       f"{fmt(r.get('settings_loss'))} -> {r.get('cause')}")
     for name in ("wrong_cause", "false_alarm", "none_on_material_loss", "undecided"):
         for r in g[name]:
             out.append(f"  * {name}: {r['label']} (seed {r['seed']}): true loss {fmt(r.get('loss'))}, cause "

@@ -20,9 +20,13 @@ same; each loss decided by equivalence, :mod:`helpers.draft.decide`: ``counts`` 
    paired per request.
 6. ``best settings``: the simulation on the live prompts' served states at other ``steps`` (chain), each scored by
    ``accept_length / (1 + steps x r)`` with ``r`` one draft forward's cost relative to a verify step (from the
-   weights each reads: a decode step at small batch is bound by the bytes it reads); the **settings** loss is the
-   recommended settings' accept length minus the served settings', when the modelled gain is material and more
-   steps are recommended (fewer steps are a throughput note, not an acceptance loss).
+   weights each reads: a decode step at small batch is bound by the bytes it reads). The **settings** loss is in
+   accept length like every other stage: the accept length of the *acceptance reference* minus the served
+   settings', paired per sequence. The reference (:func:`acceptance_reference`) is the fastest chain by the cost
+   model among those that accept more tokens per verify step and are modelled at least as fast as the served
+   settings: served settings it dominates give up accepted tokens and buy no modelled throughput for them
+   (``--speculative-num-steps 2`` where 3 accepts more and is modelled as fast). Settings that accept fewer tokens but are modelled faster than every
+   chain that accepts more are a trade, not a loss: the budget's ``settings_trade`` says what they give up and buy.
 
 The cause is the largest loss that ``counts``; ``none`` only when every required stage is ``clear`` (its CI rules a
 material loss out); ``undecided`` otherwise, with what would settle each open stage (never "no loss").
@@ -52,7 +56,9 @@ from .teacher_forced import SeqRows, accept_length_ci, bootstrap_index, per_sequ
 from .training_log import TrainingLog, predicted_accept_length
 #: chain steps tried for the settings stage
 SETTINGS_STEPS = (1, 2, 3, 4, 5, 6, 7, 8)
-#: the recommended steps: the fewest whose accept length is within this share of the best
+#: the cost model's resolution (it counts weight bytes only: no kernel launch, attention or sampling cost): a chain
+#: modelled within this share slower than the served settings that accepts materially more is named in the
+#: settings trade note (to be measured), never decided on
 NEAR_BEST = 0.05
 CAUSES = ("none", "draft", "wiring", "engine", "settings", "workload", "undecided")
 #: ablation findings that are evidence for a cause (helpers.investigation.ablate)
@@ -293,6 +299,7 @@ class _Ladder:
     train_frame: Optional[pd.DataFrame] = None
     served_frame: Optional[pd.DataFrame] = None
     rec: Optional[dict] = None
+    trade: Optional[dict] = None
     settings_table: list = field(default_factory=list)
     fix_offline: Optional[dict] = None
 
@@ -385,8 +392,37 @@ def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                                unit="prompts", per_sequence=per)
 
 
+def acceptance_reference(table: Sequence[dict], served: dict) -> Optional[dict]:
+    """The settings stage's acceptance reference: of the chains (topk 1) in ``table`` that accept more tokens per
+    verify step than ``served`` and whose modelled tokens per unit time (``speedup_model``) is at least the served
+    settings' (they dominate them), the one the cost model puts fastest (the higher ``accept_length`` on a tie); None
+    when no chain dominates the served settings. It is also what the stage recommends when its loss counts, so the
+    loss is what the recommendation is simulated to restore.
+
+    ``table``: rows ``{"steps", "topk", "draft_tokens", "accept_length", "speedup_model", ...}``; ``served`` one of
+    them."""
+    dom = [t for t in table if t["topk"] == 1 and t is not served and t["speedup_model"] >= served["speedup_model"]
+           and t["accept_length"] > served["accept_length"]]
+    return max(dom, key=lambda t: (t["speedup_model"], t["accept_length"])) if dom else None
+
+
+def settings_trade(table: Sequence[dict], served: dict, material: float) -> Optional[dict]:
+    """What served settings that no chain dominates give up: the chain accepting the most tokens per verify step,
+    at least ``material`` more than ``served``, among those modelled at most :data:`NEAR_BEST` slower; None when
+    none. ``{"steps", "accept_length", "served_accept_length", "modelled_speedup_change"}``."""
+    near = [t for t in table if t["topk"] == 1 and t is not served
+            and t["speedup_model"] >= served["speedup_model"] * (1.0 - NEAR_BEST)
+            and t["accept_length"] - served["accept_length"] >= material]
+    if not near or not served["speedup_model"]:
+        return None
+    t = max(near, key=lambda x: (x["accept_length"], -x["steps"]))
+    return {"steps": t["steps"], "accept_length": t["accept_length"], "served_accept_length": served["accept_length"],
+            "modelled_speedup_change": t["speedup_model"] / served["speedup_model"] - 1.0}
+
+
 def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
-    """6 -- other ``--speculative-num-steps`` simulated on the same states, scored by a cost model."""
+    """6 -- other ``--speculative-num-steps`` simulated on the same states, scored by a cost model; the loss in accept
+    length against the acceptance reference (:func:`acceptance_reference`)."""
     st = inp.settings
     grid_src = inp.live_sequences or inp.served_training or inp.training
     if not grid_src:
@@ -407,41 +443,67 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
         t["speedup_model"] = t["accept_length"] / (1.0 + t["steps"] * r_cost)
     served = next(t for t in table if (t["steps"], t["topk"], t["draft_tokens"]) == (st.steps, st.topk, st.draft_tokens))
     best = max((t for t in table if t["topk"] == 1), key=lambda t: t["speedup_model"])
+
+    def change(t: dict) -> float:
+        return t["speedup_model"] / served["speedup_model"] - 1.0 if served["speedup_model"] else 0.0
+
+    n = len(served["frame"])
+    ref = acceptance_reference(table, served) if inp.draft_cost is not None else None
+    if ref is not None:
+        d, lo, hi, n, per = _paired_loss(ref["frame"], served["frame"])
+    else:
+        d, lo, hi, per = 0.0, 0.0, 0.0, None                 # no chain accepts more at no modelled throughput cost
     if inp.draft_cost is None:
         # without a cost for a draft step more steps always look better: nothing is recommended, nothing decided
         L.missing.append("settings: no draft-step cost (draft_cost); the table is shown, nothing is recommended")
-        rec, gain = served, 0.0
+        L.losses["settings"] = _not_computed("settings", "no draft-step cost: no setting can be recommended")
+        rec = served
     else:
-        gain = best["speedup_model"] / served["speedup_model"] - 1.0 if served["speedup_model"] else 0.0
-        rec = best if gain >= MATERIAL else served        # nothing else is recommended for less than a material gain
-    n = len(served["frame"])
-    if rec is served or rec["steps"] < st.steps:
-        # the served settings, a gain below the material share, or FEWER steps (they accept fewer tokens per verify
-        # step but cost less: a throughput gain, not an acceptance loss; a note below) lose no acceptance
-        d, lo, hi, per = 0.0, 0.0, 0.0, None
-    else:
-        d, lo, hi, n, per = _paired_loss(rec["frame"], served["frame"])
+        if ref is None:
+            basis = (f"no chain that the cost model puts at least as fast as the served settings accepts more tokens "
+                     f"per verify step, simulated on the same {n} sequence(s)")
+        else:
+            basis = (f"--speculative-num-steps {ref['steps']} (chain) accepts {d:+.2f} tokens per verify step over "
+                     f"the served settings, simulated on the same {n} sequence(s) and paired, at modelled tokens per "
+                     f"unit time {change(ref):+.1%}: the served settings buy no modelled throughput for the tokens "
+                     "they do not accept")
+        L.losses["settings"] = _loss("settings", d, lo, hi, basis, served["accept_length"], n=n, per_sequence=per)
+        if L.losses["settings"]["counts"]:
+            rec = ref                                         # accepts more at a throughput the model cannot fault
+        elif change(best) >= MATERIAL:
+            rec = best                                        # a material modelled gain (fewer steps: a note below)
+        else:
+            rec = served
+    gain = change(rec)
     L.rec = rec
     L.stages.append({"name": "best settings (simulated)", "accept_length": rec["accept_length"], "ci": rec["ci"],
                      "settings": {k: rec[k] for k in ("steps", "topk", "draft_tokens")}, "grid": grid_name,
                      "served_accept_length": served["accept_length"],
-                     "source": f"the draft run offline on the {grid_name} at other --speculative-num-steps; chosen by "
+                     "acceptance_reference": None if ref is None else {
+                         **{k: ref[k] for k in ("steps", "topk", "draft_tokens", "accept_length")},
+                         "modelled_speedup_change": change(ref)},
+                     "source": f"the draft run offline on the {grid_name} at other --speculative-num-steps; scored by "
                                f"accept length / (1 + steps x {r_cost:.3f}), the draft forward's cost relative to a "
-                               f"verify step ({inp.draft_cost_source})", "modelled_speedup_gain": gain})
+                               f"verify step ({inp.draft_cost_source}); the acceptance reference is the fastest chain "
+                               "among those that accept more and are modelled at least as fast as the served "
+                               "settings",
+                     "modelled_speedup_gain": gain})
     if rec["steps"] < st.steps:
         L.notes.append(f"the cost model favours --speculative-num-steps {rec['steps']} (fewer than the served "
                        f"{st.steps}: accept length {rec['accept_length']:.2f}, modelled tokens per unit time "
                        f"{gain:+.0%}); it is the recommended setting, to be measured before it is adopted")
-    if inp.draft_cost is None:
-        L.losses["settings"] = _not_computed("settings", "no draft-step cost: no setting can be recommended")
-    else:
-        kept = "" if rec is not served or best is served else (
-            f" (the best, --speculative-num-steps {best['steps']}, is modelled {gain:+.1%}: below the {MATERIAL:.0%} "
-            f"a change needs, so the served settings are kept)")
-        L.losses["settings"] = _loss("settings", d, lo, hi, f"recommended vs served settings, simulated on the same "
-                                     f"{n} sequence(s); modelled tokens per unit time "
-                                     f"{(gain if rec is not served else 0.0):+.0%}{kept}",
-                                     served["accept_length"], n=n, per_sequence=per)
+    trade = None
+    if inp.draft_cost is not None and ref is None:
+        trade = settings_trade(table, served, threshold(served["accept_length"]))
+        if trade is not None:
+            L.notes.append(f"the served settings trade accepted tokens for modelled throughput: "
+                           f"--speculative-num-steps {trade['steps']} would accept "
+                           f"{trade['accept_length'] - served['accept_length']:.2f} more tokens per verify step "
+                           f"({trade['accept_length']:.2f} vs {served['accept_length']:.2f}, simulated) at modelled "
+                           f"tokens per unit time {trade['modelled_speedup_change']:+.1%}, within the cost model's "
+                           f"resolution ({NEAR_BEST:.0%}): a lower accept length that is the settings', not a fault; "
+                           "measure tok/s at both to choose")
+    L.trade = trade
     for t in table:
         t.pop("frame")
     L.settings_table = table
@@ -479,8 +541,9 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None,
 
     Returns ``{"settings", "stages": [{name, accept_length, ci, ...}], "losses": {draft|wiring|engine|settings:
     {delta, ci, decision (counts|clear|undecided), threshold, settle, basis, counts}}, "cause", "sentence",
-    "recommended_settings", "settings_table", "fix_offline", "missing": [...], "notes", "draft_sources",
-    "workload"}`` (accept lengths in tokens per verify step, bonus token included).
+    "recommended_settings", "settings_table", "settings_trade" (:func:`settings_trade`, or None), "fix_offline",
+    "missing": [...], "notes", "draft_sources", "workload"}`` (accept lengths in tokens per verify step, bonus token
+    included).
     """
     st = inp.settings.check()
     L = _Ladder(S=st.steps)
@@ -506,8 +569,8 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None,
     out = {"settings": {"steps": st.steps, "topk": st.topk, "draft_tokens": st.draft_tokens},
            "stages": L.stages, "losses": L.losses, "missing": L.missing, "notes": L.notes,
            "recommended_settings": None if L.rec is None else {k: L.rec[k] for k in ("steps", "topk", "draft_tokens")},
-           "settings_table": L.settings_table, "fix_offline": L.fix_offline, "draft_sources": draft.sources,
-           "workload": workload, "required": list(required)}
+           "settings_table": L.settings_table, "settings_trade": L.trade, "fix_offline": L.fix_offline,
+           "draft_sources": draft.sources, "workload": workload, "required": list(required)}
     out["cause"] = cause_of(L.losses, required)
     out["sentence"] = budget_sentence(out)
     return jsonable(out)
@@ -607,6 +670,11 @@ def budget_sentence(b: dict) -> str:
         if w and w["delta"] >= MIN_TOKENS:
             why += (f"; the live prompts are less predictable for this draft than its training samples "
                     f"({w['live_prompts']:.2f} vs {w['training_samples']:.2f} offline): the text, not the server")
+        t = b.get("settings_trade")
+        if t:
+            why += (f"; the served settings accept {t['accept_length'] - t['served_accept_length']:.2f} fewer tokens "
+                    f"per verify step than --speculative-num-steps {t['steps']} would (simulated), which the cost "
+                    f"model puts {t['modelled_speedup_change']:+.1%}: the settings' trade, not a fault")
     elif cause == "undecided":
         open_ = [k for k in (b.get("required") or REQUIRED_STAGES) if (L.get(k) or {}).get("decision") != "clear"]
         why = ("no stage loses a material share beyond its CI, and a material loss is not ruled out at " + "; ".join(

@@ -107,8 +107,14 @@ def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optiona
             f"--speculative-num-draft-tokens {rec['draft_tokens']}"
     same = all(rec.get(k) == served.get(k) for k in ("steps", "topk", "draft_tokens"))
     if same:
-        text = (f"Settings: the acceptance budget keeps the served {flags}: no other steps is modelled a material "
-                f"share faster (simulated{on})")
+        text = (f"Settings: the acceptance budget keeps the served {flags}: no chain accepts more tokens per verify "
+                f"step at a modelled throughput at least the served settings', and none is modelled a material share "
+                f"faster (simulated{on})")
+        t = b.get("settings_trade")
+        if t:
+            text += (f"; --speculative-num-steps {t['steps']} would accept {t['accept_length']:.2f} vs "
+                     f"{t['served_accept_length']:.2f} at modelled tokens per unit time "
+                     f"{t['modelled_speedup_change']:+.1%} (a trade within the model's resolution: measure tok/s)")
     else:
         al = _ci_of(st.get("accept_length"), st.get("ci"))
         sal = st.get("served_accept_length")

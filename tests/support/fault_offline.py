@@ -123,20 +123,17 @@ class OfflineMatrix:
             self._plans[key] = plan_sequences(self.ref, list(plan), self.like)
         return self._plans[key]
 
-    def throughput_loss(self, settings: tuple[int, int, int]) -> float:
-        """Tokens per served verify step that ``settings`` lose against the best chain in the budget's cost model
-        (accept length / (1 + steps x draft cost), the draft cost from the weight bytes), on all the greedy
-        sequences with the clean draft: computed here, independently of the budget's settings stage. Fewer steps
-        than served are not counted (the budget calls them a throughput note, not an acceptance loss)."""
-        seqs = self.states(TRAINED_PLAN)
+    def settings_loss(self, settings: tuple[int, int, int]) -> float:
+        """The accept length (tokens per verify step) that ``settings`` lose against the clean server's chain
+        (steps 3) when that chain dominates them in the budget's cost model (it accepts more and its modelled tokens
+        per unit time, accept length / (1 + steps x draft cost), is at least theirs); 0 when it does not (settings
+        modelled faster than the clean chain trade accepted tokens for throughput: the budget notes the trade, it is
+        not a loss). On all the greedy sequences with the clean draft, computed here, independently of the budget's
+        settings stage."""
         st = DraftSettings(*settings)
-        grid = sorted({DraftSettings.chain(k) for k in range(1, 9)} | {st}, key=lambda x: (x.topk, x.steps))
-        r = simulate_sequences(self.draft, seqs, grid)["per_request"]
-        speed = {g: summary(r[g], g.steps)["accept_length"] / (1 + g.steps * self.cost) for g in grid}
-        best = max((g for g in grid if g.topk == 1), key=lambda g: speed[g])
-        if best.steps < st.steps:
-            return 0.0
-        return float((speed[best] - speed[st]) * (1 + st.steps * self.cost))
+        r = simulate_sequences(self.draft, self.states(TRAINED_PLAN), sorted({st, CLEAN}, key=lambda x: (x.topk, x.steps)))
+        al = {g: summary(r["per_request"][g], g.steps)["accept_length"] for g in (st, CLEAN)}
+        return dominated_loss(al[CLEAN], al[st], 1 + CLEAN.steps * self.cost, 1 + st.steps * self.cost)
 
     def run(self, f: GenFault) -> dict:
         """The budget on one fault, with its true offline loss. Returns a JSON-able record."""
@@ -156,7 +153,7 @@ class OfflineMatrix:
             settings=st, **budget_fields(rows, self.log), training=train, served_training=served,
             live_sequences=served, live=live, max_new_tokens=None, draft_cost=self.cost,
             draft_cost_source=self.cost_src), required=REQUIRED)
-        extra = {"throughput_loss": self.throughput_loss(f.settings)} if f.cls == "settings" else {}
+        extra = {"settings_loss": self.settings_loss(f.settings)} if f.cls == "settings" else {}
         return record(f, b, loss=-e["accept_length_delta"],
                       loss_ci=[-e["accept_length_delta_hi"], -e["accept_length_delta_lo"]],
                       wall_s=time.monotonic() - t0, **extra)
@@ -191,10 +188,18 @@ def confusion(rows: list[dict], *, named_key: str = "cause") -> dict:
     return t
 
 
+def dominated_loss(al_clean: float, al_served: float, cost_clean: float, cost_served: float) -> float:
+    """The accept length the served settings lose against the clean chain when the clean chain dominates them in the
+    cost model (``al / cost`` at least theirs, ``cost`` = 1 + steps x draft cost), else 0: a trade, not a loss."""
+    if al_clean > al_served and al_clean / cost_clean >= al_served / cost_served:
+        return float(al_clean - al_served)
+    return 0.0
+
+
 def budget_loss(r: dict) -> Optional[float]:
-    """The true loss the budget answers for: the accept-length loss, except for a settings draw measured offline,
-    whose loss is the modelled throughput loss (``throughput_loss``)."""
-    return r["throughput_loss"] if r.get("throughput_loss") is not None else r.get("loss")
+    """The true loss the budget answers for: the accept-length loss; for a settings draw, the accept length lost to
+    settings the clean chain dominates in the cost model (``settings_loss``: 0 for a trade)."""
+    return r["settings_loss"] if r.get("settings_loss") is not None else r.get("loss")
 
 
 def goal_checks(rows: list[dict], *, loss=budget_loss) -> dict:

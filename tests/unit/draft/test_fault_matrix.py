@@ -6,9 +6,9 @@ draft, wiring, engine and settings stages all required (``support.fault_offline`
 What must hold, for every draw: no counted cause other than the fault's true stage; no counted cause on a clean
 draw; a fault whose true loss (the drafting chain of the clean server minus the faulty one on 64 greedy sequences,
 paired) is at least 0.2 tokens per verify step is never put at ``none``. For settings draws the loss the budget
-answers for is the modelled throughput (accept length / (1 + steps x draft cost)): fewer steps accept fewer tokens
-per verify step but verify more often at less cost, so their true loss here is the throughput loss in tokens per
-served verify step (``OfflineMatrix.throughput_loss``), not the accept-length difference.
+answers for is the accept length lost to settings that the clean chain dominates in the budget's cost model (accepts
+more at a modelled throughput, accept length / (1 + steps x draft cost), at least theirs); settings modelled faster
+than it trade accepted tokens for throughput, a note, not a loss (``OfflineMatrix.settings_loss``).
 
 ``E3F_FAULT_SEED`` picks other draws (default 0); bench/bench_faults.py --offline runs more of them."""
 from __future__ import annotations
