@@ -262,6 +262,10 @@ class BudgetInputs:
         served_training: the served aux states for the same training tokens (:func:`dump_sequences` with starts).
         live_sequences: the served aux states of the live prompts with the server's own continuation.
         live: the live per-request frame of the same answers.
+        live_trained: the training data's layer plan on the live prompts' tokens (the every-layer reference of the
+            same prompt + continuation tokens as ``live_sequences``, matched by key): when the wiring stage is
+            undecided on the training samples, it is measured again on the live prompts (trained plan vs served
+            states, paired per prompt).
         max_new_tokens: the live requests' max_new_tokens.
         fix: ``{"label", "sequences", "plan", "draft"?}``: the proposed fix applied offline: the served plan it yields
             taken from the every-layer reference, and/or the draft it yields (a corrected d2t), or None.
@@ -280,6 +284,7 @@ class BudgetInputs:
     served_training: Optional[list[SimSequence]] = None
     live_sequences: Optional[list[SimSequence]] = None
     live: Optional[pd.DataFrame] = None
+    live_trained: Optional[list[SimSequence]] = None
     max_new_tokens: Optional[int] = None
     fix: Optional[dict] = None
     draft_cost: Optional[float] = None
@@ -369,6 +374,37 @@ def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     ref = L.stages[-2].get("accept_length") if len(L.stages) >= 2 else None
     L.losses["wiring"] = _loss("wiring", d, lo, hi, f"training states vs served states, paired over {n} sample(s)",
                                ref, n=n, unit="training samples", per_sequence=per)
+    if L.losses["wiring"]["decision"] == "undecided" and inp.live_trained and inp.live_sequences:
+        _wiring_on_live_prompts(L, inp, sim)
+
+
+def _wiring_on_live_prompts(L: _Ladder, inp: BudgetInputs, sim) -> None:
+    """4b -- a wiring stage undecided on the training samples, measured again on the live prompts' tokens: the draft
+    on the training data's layer plan (the every-layer reference of the same tokens) vs on the states the server fed,
+    paired per prompt, both cut at the live requests' max_new_tokens. When it decides (counts or clear) it is the
+    wiring loss, the training samples' measurement kept beside it (``also``); otherwise it is kept beside that one."""
+    keys = {s.key for s in inp.live_trained}
+    served = [s for s in inp.live_sequences if s.key in keys]
+    if not served:
+        return
+    # the two arms run apart: they share the prompts' keys, which pair them
+    a = sim(inp.live_trained, [inp.settings], inp.max_new_tokens)["per_request"][inp.settings]
+    b = sim(served, [inp.settings], inp.max_new_tokens)["per_request"][inp.settings]
+    d, lo, hi, n, per = _paired_loss(a, b)
+    ref = summary(a, L.S)["accept_length"]
+    live_loss = _loss("wiring", d, lo, hi, f"the training data's layer plan (every-layer reference of the same "
+                      f"tokens) vs the served states on the live prompts' tokens, paired over {n} prompt(s) (the "
+                      "training samples left the stage undecided)", ref, n=n, unit="prompts", per_sequence=per)
+    old = L.losses["wiring"]
+    brief = {k: old.get(k) for k in ("delta", "ci", "decision", "basis")}
+    if live_loss["decision"] in ("counts", "clear"):
+        L.losses["wiring"] = {**live_loss, "also": [brief]}
+    else:
+        old.setdefault("also", []).append({k: live_loss.get(k) for k in ("delta", "ci", "decision", "basis")})
+    L.stages.append(_stage("offline on live prompts, training plan", a, L.S,
+                           source=f"the draft run offline on the every-layer reference of the live prompts' tokens "
+                                  f"at the training data's layer plan ({len(inp.live_trained)} prompt(s)): the wiring "
+                                  "stage measured again on the live prompts"))
 
 
 def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:

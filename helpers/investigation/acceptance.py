@@ -82,12 +82,15 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                validation: Optional[str | Path] = None, rows_word: tuple[Optional[str], Optional[str]] = (None, None),
                prompts: int = 16, max_new_tokens: int = 32, measure: bool = True,
                progress: Callable[[str], None] = lambda s: None,
-               adapter: Optional[EngineAdapter] = None) -> BudgetRun:
+               adapter: Optional[EngineAdapter] = None,
+               live_reference: Optional[Callable[[list[dict], str], Optional[Path]]] = None) -> BudgetRun:
     """Gather the budget's inputs from the live run and compute it; a stage left ``undecided`` by too few samples
     is measured again on more (training samples captured from the server up to :data:`MAX_WIRING_SAMPLES`, live
     prompts up to :data:`MAX_LIVE_PROMPTS`) when the data holds them, once. ``adapter``: the server's engine adapter
     (its ``capture_served`` gives the live stage's states and per-request counters of the same answers; default
-    SGLang's).
+    SGLang's). ``live_reference(prompts, name)``: an every-layer reference dump of ``prompts`` (``{"id",
+    "input_ids"}``), or None; when the wiring stage is still undecided on the training samples it is measured again
+    on the live prompts' tokens at the training data's layer plan (``training_tensors``) from that reference.
 
     Raises:
         BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
@@ -107,10 +110,13 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
         live_seqs, live = _live(adapter, client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
     fix_in, draft_fix = _fix_inputs(fix, findings, training_tensors, reference, train_seqs, served, draft, dr)
 
-    def compute() -> dict:
+    def compute_with(live_trained: Optional[list] = None) -> dict:
         return acceptance_budget(draft, off.budget_inputs(
             settings, draft_fix=draft_fix, training=train_seqs, served_training=served, live_sequences=live_seqs,
-            live=live, max_new_tokens=max_new_tokens, fix=fix_in), progress=None)
+            live=live, live_trained=live_trained, max_new_tokens=max_new_tokens, fix=fix_in), progress=None)
+
+    def compute() -> dict:
+        return compute_with(None)
 
     b = compute()
     grown = []
@@ -129,6 +135,15 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
         grown.append(f"engine: measured again on {len(live)} live prompts (undecided on fewer)")
     if grown:
         b = compute()
+    live_trained = None
+    if (b["losses"].get("wiring") or {}).get("decision") == "undecided" and live_seqs and live_reference is not None \
+            and training_tensors:
+        live_trained = _live_trained(live_reference, live_seqs, training_tensors, progress)
+        if live_trained:
+            b = compute_with(live_trained)
+            grown.append(f"wiring: measured again on {len(live_trained)} live prompts' tokens at the training plan "
+                         "(every-layer reference; undecided on the training samples)")
+    if grown:
         b.setdefault("notes", []).extend(grown)
     out = BudgetRun(budget=b, live=live)
     cause = b["cause"]
@@ -178,6 +193,22 @@ def _live(adapter: EngineAdapter, client, run_dir: Path, first: int, n: int, max
     dump = adapter.capture_served(client, ps, run_dir / "dumps", name=_free(run_dir / "dumps", "live-continuations"),
                                   max_new_tokens=max_new_tokens, records=recs, max_width=16 * hidden_size)
     return dump_sequences(dump), pd.DataFrame(recs)
+
+
+def _live_trained(live_reference: Callable[[list[dict], str], Optional[Path]], live_seqs: list,
+                  training_tensors: list[str], progress: Callable[[str], None]) -> Optional[list]:
+    """The training data's layer plan on the live prompts' tokens (prompt and the server's continuation), from an
+    every-layer reference of those tokens; None when none can be made or it lacks a tensor of the plan."""
+    progress(f"wiring undecided on the training samples: every-layer reference of {len(live_seqs)} live prompts")
+    path = live_reference([{"id": s.key, "input_ids": [int(t) for t in s.tokens]} for s in live_seqs],
+                          "reference-live")
+    if path is None:
+        return None
+    try:
+        return plan_sequences(path, training_tensors, live_seqs)
+    except KeyError as exc:
+        progress(f"wiring on the live prompts not measured: {exc}")
+        return None
 
 
 def _more_training(adapter: EngineAdapter, client, training: str | Path, hidden_size: int, have: int, want: int,

@@ -331,7 +331,10 @@ def _stage_budget(r: Run) -> None:
                                           else list(r.diag.training_plan.tensors)),
                         training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
                         prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
-                        measure=req.live_measure, progress=r.progress, adapter=r.adapter)
+                        measure=req.live_measure, progress=r.progress, adapter=r.adapter,
+                        live_reference=lambda prompts, name: _reference(r.adapter, att, r.client, prompts,
+                                                                        req.run_dir, r.tcfg.num_hidden_layers,
+                                                                        name=name)[0])
     except BadInput as exc:
         # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a checkpoint
         # unlike its config): the wiring diagnosis stands, the budget says why it is missing
@@ -499,17 +502,18 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
 
 
 def _reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any], run_dir: Path,
-               num_layers: int) -> tuple[Optional[Path], str, Optional[str]]:
+               num_layers: int, *, name: str = "reference") -> tuple[Optional[Path], str, Optional[str]]:
     """(reference dump, how it was made, what is missing when there is none): the server's own every-layer capture
-    when its engine adapter can record one, else HF on the target folder when it fits, else none."""
+    when its engine adapter can record one, else HF on the target folder when it fits, else none. The dump is
+    ``run_dir/dumps/<name>-server`` or ``<name>-hf``."""
     own = adapter.every_layer_source(client, att.layers_dir)
     if own is not None:
-        path = adapter.capture_every_layer(client, samples, run_dir / "dumps", name="reference-server",
+        path = adapter.capture_every_layer(client, samples, run_dir / "dumps", name=f"{name}-server",
                                            num_layers=num_layers, hooks_layers_dir=att.layers_dir)
         return path, own, None
     fits, why = hf_reference_fits(att.target_dir)
     if fits:
-        path = capture_reference_hf(att.target_dir, samples, run_dir / "dumps", name="reference-hf", progress=False)
+        path = capture_reference_hf(att.target_dir, samples, run_dir / "dumps", name=f"{name}-hf", progress=False)
         return path, f"HF transformers on {att.target_dir} ({why})", None
     return None, "none", (f"no every-layer reference: the server records no every layer itself and HF cannot load "
                           f"the target here ({why}). Without one, which layer each chunk holds cannot be measured (a "

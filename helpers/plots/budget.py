@@ -17,15 +17,18 @@ from .acceptance import PALETTE
 
 #: the stages in ladder order (the settings stage is drawn apart: it is another configuration)
 ORDER = ("training log", "checkpoint (teacher-forced)", "offline on training states", "offline on served states",
-         "offline on live prompts' served states", "live")
+         "offline on live prompts, training plan", "offline on live prompts' served states", "live")
 #: stages that start a new run of bars: another quantity (a drafting chain, not a teacher-forced formula) or other
-#: prompts, so the step from the bar before is not a loss
-NEW_RUN = ("offline on training states", "offline on live prompts' served states")
+#: prompts or states, so the step from the bar before is not a loss (the wiring stage measured again on the live
+#: prompts, when the training samples left it undecided, is its own run: its loss is in the wiring row's note)
+NEW_RUN = ("offline on training states", "offline on live prompts, training plan",
+           "offline on live prompts' served states")
 #: the stage row each loss is measured at (the loss is the step from the row before it, within one run)
 LOSS_AT = {"draft": "checkpoint (teacher-forced)", "wiring": "offline on served states", "engine": "live",
            "settings": "best settings (simulated)"}
 #: what each run of like-with-like stages compares (the runs start at ORDER[0] and at each NEW_RUN stage)
-RUNS = ("trainer's formula (teacher-forced)", "drafting chain, training tokens", "drafting chain, live prompts")
+RUNS = ("trainer's formula (teacher-forced)", "drafting chain, training tokens",
+        "drafting chain, live prompts, training plan", "drafting chain, live prompts")
 
 
 def run_of(name: str) -> Optional[str]:
