@@ -241,7 +241,8 @@ def live_run(n: int, seed: int, tps: list[int], minutes: float, apply_wiring: in
     # (the TP size shifts by one every round of the classes, so every class meets every TP size)
     k = max(1, len([c for c in classes if c != "clean" and c in system.classes]))
     plan = [(tp, GenFault(seed * 1000 + tp, "clean", {}, system)) for tp in tps if tp not in refs]
-    plan += [(tps[(i + i // k) % len(tps)], f) for i, f in enumerate(faults)]
+    # the c-th class of round r at TP (c + r): every class meets every TP over the rounds (one class alternates)
+    plan += [(tps[(i % k + i // k) % len(tps)], f) for i, f in enumerate(faults)]
     for tp, f in plan:
         if time.monotonic() > deadline:
             log(f"time is up ({minutes} min): {f.label} at TP {tp} not started")
