@@ -72,6 +72,11 @@ def ladder_frame(budget: dict) -> pd.DataFrame:
             lad = loss.get("ladder") or {}
             note.append("measured on the server" + (f" (offline estimate {_ci_of(lad.get('delta'), lad.get('ci'))})"
                                                     if lad.get("delta") is not None else ""))
+        elif name == LOSS_AT["wiring"] and "live prompts" in (loss.get("basis") or ""):
+            tr = next((a for a in loss.get("also") or [] if a.get("delta") is not None), None)
+            note.append("decided on the live prompts' tokens (the row 'offline on live prompts, training plan')"
+                        + (f"; on the training samples {_ci_of(tr['delta'], tr.get('ci'))} {tr.get('decision')}"
+                           if tr else ""))
         if at.get(name) in gained:
             note.append("a gain (see the flags)")
         if loss.get("decision") == "undecided":

@@ -79,3 +79,17 @@ def test_a_decided_training_measurement_is_not_measured_again(world):
     b = _budget(world, served_training_plan=list(TRAINED_PLAN), live_plan=SHIFTED)
     assert b["losses"]["wiring"]["decision"] == "clear" and "also" not in b["losses"]["wiring"]
     assert "offline on live prompts, training plan" not in [s["name"] for s in b["stages"]]
+
+
+def test_the_budget_table_says_where_the_wiring_stage_was_decided(world):
+    """The page's budget table: the wiring row carries the loss decided on the live prompts and the training samples'
+    undecided figure; the live training-plan row is its own like-with-like run."""
+    from helpers.views.budget import ladder_frame
+
+    b = _budget(world, served_training_plan=SHIFTED, live_plan=SHIFTED)
+    t = ladder_frame(b).set_index("stage")
+    assert t.loc["offline on served states", "decision"] == "counts"
+    assert "decided on the live prompts' tokens" in t.loc["offline on served states", "note"]
+    assert "undecided" in t.loc["offline on served states", "note"]
+    assert t.loc["offline on live prompts, training plan", "like with like"] == \
+        "drafting chain, live prompts, training plan"
