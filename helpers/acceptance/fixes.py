@@ -289,11 +289,12 @@ def serve(spec: ServerSpec, *, log_path: Path, base_dir: Optional[str] = None,
         elif spec.mode == "command":
             client = SGLangClient(spec.url, api_key=api_key, budget=budget)
             argv = [os.path.expandvars(a) for a in shlex.split(spec.command)]
-            handle = ServerProcess(argv, spec.url, log_path=log_path, env={**os.environ, **(spec.env or {})},
-                                   cwd=spec.cwd or base_dir, secrets=client.secrets)
+            key = client.secrets[0] if client.secrets else None       # $SGLANG_API_KEY too: redacted from the log
             try:
-                handle.wait_healthy(spec.startup_timeout, api_key=api_key, what="server of the launch command",
-                                    budget=budget)
+                handle = ServerProcess.launch_healthy(argv, spec.url, log_path=log_path, api_key=key,
+                                                      what="server of the launch command", budget=budget,
+                                                      timeout=spec.startup_timeout,
+                                                      env={**os.environ, **(spec.env or {})}, cwd=spec.cwd or base_dir)
             except ServerStartError as exc:
                 raise FixFailed(str(exc)) from None
         else:

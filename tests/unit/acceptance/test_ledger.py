@@ -230,3 +230,33 @@ def test_fixes_file_loads_from_yaml(tmp_path):
     out = subprocess.run([sys.executable, "-m", "helpers", "measure", "--fixes", str(bad)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "not valid YAML" in out.stderr
+
+
+def test_a_launch_command_that_never_becomes_healthy_is_stopped(tmp_path):
+    """Command mode: a launched process that never answers /health within ``startup_timeout`` fails the fix with
+    one line naming the launch command's server, and the process (and its group) is gone afterwards."""
+    import socket
+
+    from helpers.acceptance.fixes import FixFailed, ServerSpec, serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pidfile = tmp_path / "pid"
+    cmd = f"{sys.executable} -c \"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); " \
+          "time.sleep(120)\""
+    spec = ServerSpec(command=cmd, url=f"http://127.0.0.1:{port}", startup_timeout=3)
+    t0 = time.monotonic()
+    with pytest.raises(FixFailed, match="server of the launch command"):
+        with serve(spec, log_path=tmp_path / "server.log"):
+            pass
+    assert time.monotonic() - t0 < 30
+    pid = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the launched process {pid} outlived the failed start")
