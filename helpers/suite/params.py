@@ -184,4 +184,10 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
     if missing:
         raise BadParams(f"params file {path}: field 'notebooks': no notebook {missing} in "
                         f"{params.notebook_path('x').parent}")
+    given = params.needs if "needs" in params.model_fields_set else {}      # the defaults name the shipped notebooks
+    unknown = sorted(n for n in {n for k, v in given.items() for n in [k, *v]}
+                     if n not in params.notebooks and not params.notebook_path(n).exists())
+    if unknown:
+        raise BadParams(f"params file {path}: field 'needs': no notebook {unknown} in "
+                        f"{params.notebook_path('x').parent}")
     return params

@@ -105,6 +105,7 @@ def test_postmortem_failure_falls_back_to_a_runner_page(failing_params, tmp_path
     ("name: x\ncase: no/such/case.yaml\n", "field 'case'"),
     ("name: x\nserver: {url: 'http://h:1'}\nnotebooks: [no_such_notebook]\n", "field 'notebooks'"),
     ("name: x\nserver: {url: 'http://h:1'}\nunknown_field: 1\n", "unknown_field"),
+    ("name: x\nserver: {url: 'http://h:1'}\nneeds: {03_compare: [02_dumb]}\n", "field 'needs': no notebook ['02_dumb']"),
     ("name: [unclosed\n", "not valid YAML"),
 ])
 def test_bad_params_exit_2_with_one_line(tmp_path, capsys, content, message):
