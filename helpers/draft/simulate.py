@@ -60,6 +60,11 @@ class DraftSettings:
         if k == 1 and n != s + 1:
             raise BadInput(f"topk 1 drafts a chain of {s} tokens, so draft tokens must be {s + 1} (got {n})",
                            field="--draft-tokens")
+        if k > 1 and n < s + 1:
+            raise BadInput(f"a topk-{k} tree of {s} steps needs at least {s + 1} draft tokens (got {n}): SGLang 0.5.23 "
+                           "moves the accepted path (steps + 1 tokens) to the front of the draft tokens' slots "
+                           "(sglang/srt/speculative/eagle_worker_common.py::_compact_accept_to_front) and fails at the "
+                           "first verify step", field="--draft-tokens")
         if n - 1 > k + (s - 1) * k * k:
             c = k + (s - 1) * k * k
             raise BadInput(f"{n} draft tokens (the verified root and {n - 1} drafted), but {s} steps of topk {k} give "

@@ -14,7 +14,7 @@ Classes (true stage in brackets):
   while the weights were trained on ``out(1), out(3), out(4)``.
 * ``chunk_order`` (wiring): the served chunks permuted (``--faults`` ``chunk_order``, a forward hook on the target).
 * ``settings`` (settings): ``--speculative-num-steps`` 1 or 2 (chain), or a topk 2-4 tree with steps 1-3 and a
-  random valid draft-token count.
+  random draft-token count SGLang 0.5.23 serves (steps + 1 .. 8).
 * ``hook`` (engine): ``helpers.hooks:perturb_factory`` on one or both draft-only modules of SGLang's
   ``LlamaForCausalLMEagle3`` (``model.fc``, ``model.layers.0.hidden_norm``; the target has neither) with random
   noise (0.05 .. 1.5 x the output's RMS) and / or scale.
@@ -339,7 +339,7 @@ def draw(seed: int, cls: Optional[str] = None, classes: Sequence[str] = CLASSES,
         else:
             s, k = r.choice((1, 2, 3)), r.choice((2, 3, 4))
             most = min(k + (s - 1) * k * k + 1, 8)
-            p["settings"] = [s, k, r.randint(2, most)]
+            p["settings"] = [s, k, r.randint(s + 1, most)]     # fewer than steps + 1: SGLang fails at verify
     elif cls == "hook":
         m = sysm.draft_only_modules
         mods = r.choice((m[:1], m[1:], m))

@@ -114,6 +114,12 @@ def test_settings_sglang_refuses_are_bad_input():
         sm.DraftSettings(3, 1, 5).check()
     with pytest.raises(BadInput, match="give only"):
         sm.DraftSettings(1, 2, 8).check()
+    # the trees SGLang 0.5.23 fails on at the first verify step (seen on the embedded server: steps 2 topk 3 draft
+    # tokens 2, steps 3 topk 4 draft tokens 3, steps 3 topk 3 draft tokens 2); steps 1 topk 4 draft tokens 3 serves
+    for s, k, n in ((2, 3, 2), (3, 4, 3), (3, 3, 2)):
+        with pytest.raises(BadInput, match="_compact_accept_to_front"):
+            sm.DraftSettings(s, k, n).check()
+    assert sm.DraftSettings(1, 4, 3).check().draft_tokens == 3 and sm.DraftSettings(2, 2, 3).check().steps == 2
 
 
 def test_damaged_and_remapped_drafts_lose_acceptance_offline(draft, seqs, tmp_path):
