@@ -85,8 +85,8 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                adapter: Optional[EngineAdapter] = None,
                live_reference: Optional[Callable[[list[dict], str], Optional[Path]]] = None) -> BudgetRun:
     """Gather the budget's inputs from the live run and compute it; a stage left ``undecided`` by too few samples
-    is measured again on more (training samples captured from the server up to :data:`MAX_WIRING_SAMPLES`, live
-    prompts up to :data:`MAX_LIVE_PROMPTS`) when the data holds them, once. ``adapter``: the server's engine adapter
+    is measured again on more (training samples captured from the server up to :data:`MAX_WIRING_SAMPLES`; live
+    prompts up to :data:`MAX_LIVE_PROMPTS` for the engine and settings stages) when the data holds them, once. ``adapter``: the server's engine adapter
     (its ``capture_served`` gives the live stage's states and per-request counters of the same answers; default
     SGLang's). ``live_reference(prompts, name)``: an every-layer reference dump of ``prompts`` (``{"id",
     "input_ids"}``), or None; when the wiring stage is still undecided on the training samples it is measured again
@@ -127,12 +127,14 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
         if more is not None:
             train_seqs, served = more
             grown.append(f"wiring: measured again on {len(train_seqs)} training samples (undecided on fewer)")
-    need_e = _settle_n(b, "engine")
+    # the engine stage pairs the live prompts; the settings stage simulates on their served states: either grows them
+    open_live = {st: n for st in ("engine", "settings") if (n := _settle_n(b, st))}
+    need_e = max(open_live.values(), default=None)
     if need_e and live is not None and len(live) < min(need_e, MAX_LIVE_PROMPTS):
         extra_n = min(need_e, MAX_LIVE_PROMPTS) - len(live)
         s2, l2 = _live(adapter, client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
         live_seqs, live = live_seqs + s2, pd.concat([live, l2], ignore_index=True)
-        grown.append(f"engine: measured again on {len(live)} live prompts (undecided on fewer)")
+        grown.append(f"{' and '.join(open_live)}: measured again on {len(live)} live prompts (undecided on fewer)")
     if grown:
         b = compute()
     live_trained = None
