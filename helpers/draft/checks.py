@@ -49,9 +49,9 @@ from .params import (
     INIT_EMPTY,
     K25,
     L3,
-    MLA_CLASS,
     SGLANG_RULES,
     SGLangDraftParams,
+    draft_class,
     resolve_name,
     sglang_parameters,
     shape_error,
@@ -114,8 +114,7 @@ def _lm_head(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, target_raw:
         facts["lm_head"] = {"source": "the draft checkpoint", "tensor": used[0], "rows": arch.draft_vocab,
                             "rule": f"{L3} l. 309-314, load_weights l. 370-378"}
         return
-    build = (f"{K25}::Eagle3DeepseekV2ForCausalLM.__init__ l. 348-363" if arch.cls == MLA_CLASS else
-             f"{L3}::LlamaForCausalLMEagle3.__init__ l. 305-314")
+    build = draft_class(arch.cls).lm_head_build
     facts["lm_head"] = {"source": "none: left uninitialised", "rows": arch.draft_vocab,
                         "rule": f"{build} (load_lm_head_from_target only when draft_vocab_size is absent)"}
     unread = f" ({', '.join(lm_keys)} is there, under a name load_weights does not map to lm_head)" if lm_keys else ""
@@ -351,7 +350,7 @@ def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs
                                                       for m in missing[:6]) + (" ..." if len(missing) > 6 else ""),
             missing=missing, config=str(d.path), files=facts["weights"]["files"],
             source=f"{arch.source}; load_weights skips what it does not find ("
-                   + (f"{K25} l. 436-499" if arch.cls == MLA_CLASS else f"{L3} l. 363-378") + ": no error)",
+                   + draft_class(arch.cls).load_skips + ": no error)",
             hint=_missing_hint(arch, names)))
     if ignored:
         findings.append(D.finding(
@@ -360,8 +359,7 @@ def _weights(arch: SGLangDraftParams, d: DraftConfig, tensors: dict, hin_differs
             f"are dropped without a word: " + ", ".join(ignored[:6]) + (" ..." if len(ignored) > 6 else "")
             + _ignored_hint(arch, d, ignored),
             tensors=ignored, config=str(d.path), files=facts["weights"]["files"],
-            source=f"{L3}::LlamaForCausalLMEagle3.load_weights l. 358-378 (a name not in params_dict is skipped)"
-            if arch.cls != MLA_CLASS else f"{K25}::load_weights l. 494-496 (warning 'skipping unexpected weight')"))
+            source=draft_class(arch.cls).unexpected_weight))
 
 
 def _missing_hint(arch: SGLangDraftParams, names: list[str]) -> str:

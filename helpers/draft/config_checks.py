@@ -54,12 +54,11 @@ from ..formats.configs import TEXT_CONFIG_KEYS, DraftConfig, TargetConfig, read_
 from ..formats.training_data import TrainingData
 from ..kinds import sort_findings
 from ..layers.sglang import parse_version
-from .params import CONFIG_DEFAULTS, K25, L3, LLAMA_CLASS, MLA_CLASS, SGLANG_RULES, SGLangDraftParams, sglang_parameters
+from .params import (CONFIG_DEFAULTS, DRAFT_CLASSES, L3, LLAMA_CLASS, SGLANG_RULES, SGLangDraftParams, draft_class,
+                     sglang_parameters)
 
 _W2 = "sglang/srt/speculative/eagle_worker_v2.py"
 _LLAMA = "sglang/srt/models/llama.py"
-_ROPE_READ = f"{_LLAMA}::LlamaDecoderLayer.__init__ l. 322-336 (rope_parameters -> get_rope)"
-_ROPE_READ_MLA = f"{K25}::Eagle3MLADecoderLayer.__init__ l. 80-89 (rope_parameters -> DeepseekV2AttentionMLA)"
 _CTX_RULE = (f"{_W2}::EagleDraftWorker.__init__ l. 229 (the draft gets the target's context length); "
              "sglang/srt/configs/model_config.py::ModelConfig._derive_context_length l. 1291-1329 (ValueError at "
              "start-up, or with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 the draft's max_position_embeddings is set "
@@ -235,7 +234,7 @@ def _position(d: DraftConfig, dcfg: dict, prefix: str, target: TargetConfig, cls
     tprefix = "" if tcfg is target.raw else next(f"{k}." for k in TEXT_CONFIG_KEYS if target.raw.get(k) is tcfg)
     dr, tr = effective_rope(dcfg, d.path, prefix), effective_rope(tcfg, target.path, tprefix)
     dctx, tctx = derived_context(dcfg, d.path, prefix), derived_context(tcfg, target.path, tprefix)
-    read = _ROPE_READ_MLA if cls == MLA_CLASS else _ROPE_READ
+    read = draft_class(cls).rope_read
     # -- the position limit: the draft runs at the target's context (eagle_worker_v2.py l. 229)
     short = dctx["value"] < tctx["value"]
     facts["context_length"] = {
@@ -269,7 +268,7 @@ def _position(d: DraftConfig, dcfg: dict, prefix: str, target: TargetConfig, cls
     served = dict(dr, scaling=dict(dr["scaling"]))
     changes = {}
     top_orig = dcfg.get("original_max_position_embeddings")
-    if cls != MLA_CLASS and top_orig and served["rope_type"] in _USES_ORIGINAL:
+    if draft_class(cls).top_level_original_max_position and top_orig and served["rope_type"] in _USES_ORIGINAL:
         # transformers 5 keeps rope_parameters' value (filled from max_position_embeddings when absent); llama.py
         # l. 329-334 overwrites it with the top-level one
         own = served["scaling"].get("original_max_position_embeddings", dcfg.get("max_position_embeddings"))
@@ -321,10 +320,10 @@ def _position(d: DraftConfig, dcfg: dict, prefix: str, target: TargetConfig, cls
     tw, _ = declared_window(tcfg)
     facts["sliding_window"] = {"draft": dw, "draft_how": how, "target": tw if tw is not None else
                                tcfg.get("sliding_window"), "served_context": tctx["value"]}
-    if dw is not None and cls == LLAMA_CLASS and dw < tctx["value"]:
+    if dw is not None and draft_class(cls).window_flag_ignored and dw < tctx["value"]:
         findings.append(D.finding(
             "sliding_window_ignored", None,
-            f"the draft config turns on a sliding window of {dw} tokens ({prefix}{how}); SGLang's {LLAMA_CLASS} "
+            f"the draft config turns on a sliding window of {dw} tokens ({prefix}{how}); SGLang's {cls} "
             f"ignores it and attends the whole context (up to {tctx['value']}) unless the server gets "
             f"--speculative-draft-window-size {dw}",
             draft_sliding_window=dw, how=prefix + how, served_context=tctx["value"], draft_config=dpath,
@@ -403,10 +402,11 @@ def _flags(arch: SGLangDraftParams, d: DraftConfig, findings: list) -> None:
             ignored.append({"flag": f"eagle_config.{flag}", "value": ec.get(flag),
                             "effect": f"SGLang reads {flag} only at the top level of the config",
                             "rule": f"{L3}::LlamaModel.__init__ {line} (getattr(config, '{flag}'))"})
-    if arch.cls == MLA_CLASS and bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False))):
+    dc = draft_class(arch.cls)
+    if not dc.has_input_norm and bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False))):
         ignored.append({"flag": "norm_before_fc", "value": True,
-                        "effect": f"{MLA_CLASS} has no input_norm: the concatenated aux states reach fc unnormalised",
-                        "rule": f"{K25}::Eagle3MLAModel.__init__ l. 191-255"})
+                        "effect": f"{dc.name} has no input_norm: the concatenated aux states reach fc unnormalised",
+                        "rule": f"{dc.module}::Eagle3MLAModel.__init__ l. 191-255"})
     if ignored:
         findings.append(D.finding(
             "draft_flag_ignored", None,
@@ -499,7 +499,7 @@ def check_configs(draft_config: str | Path, target_config: str | Path, *, traini
     rep = static_check(draft_config, target_config, sglang_version=sglang_version, algorithm=algorithm,
                        training=td, trained_layer_ids=trained_layer_ids)
     if (algorithm or "EAGLE3").upper() != "EAGLE3":
-        note = (f"draft config checks not run: they follow SGLang's EAGLE-3 draft classes ({LLAMA_CLASS}, {MLA_CLASS}) "
+        note = (f"draft config checks not run: they follow SGLang's EAGLE-3 draft classes ({', '.join(DRAFT_CLASSES)}) "
                 f"and the algorithm is {algorithm}")
         return replace(rep, advisories=list(rep.advisories) + [note], draft_checks={"facts": {}, "notes": [note]})
     cc = check_draft_config(read_draft_config(draft_config), read_target_config(target_config),

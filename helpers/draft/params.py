@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import BadInput
 from ..formats.configs import DraftConfig, TensorInfo
@@ -126,158 +126,107 @@ def _int(raw: dict, key: str, path: Path, default: Any = None) -> Any:
     return v
 
 
-def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
-    """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config:
-    ``{(parameter, shard): (shape, initial value)}`` with the config facts that size it.
+# ------------------------------------------------------------------------------------------------ the draft classes
 
-    Raises:
-        BadInput: a config SGLang cannot build (a size field that is not a positive integer, ``target_hidden_size:
-            null`` for the Llama draft, an MLA draft with another layer count than 1 or ``q_lora_rank: null``)."""
-    raw, path = d.raw, d.path
-    cls = d.architectures[0] if d.architectures else LLAMA_CLASS
-    ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    H = d.hidden_size
-    defaults = mla_defaults(raw) if cls == MLA_CLASS else LLAMA_DEFAULTS
-    defaulted = {k: v for k, v in defaults.items() if raw.get(k) is None and not (k == "q_lora_rank" and k in raw)}
-
-    def field(key: str) -> int:
-        return _int(raw, key, path, defaults[key])
-
-    V = field("vocab_size")
-    dv = _int(raw, "draft_vocab_size", path)
-    tie = bool(raw.get("tie_word_embeddings", False))     # LlamaConfig / DeepseekV3Config default False
+def _llama_inputs(raw: dict, path: Path, H: int, ec: dict, field) -> tuple[int, int, bool, str]:
+    """(aux chunks, chunk width, input_norm built, source) of ``LlamaForCausalLMEagle3``."""
     ids = ec.get("eagle_aux_hidden_state_layer_ids")
-    if cls == MLA_CLASS:
-        # kimi_k25_eagle3.py::_get_eagle_aux_layer_count (l. 48-59): eagle_config ids, top-level ids, else 3
-        top = raw.get("eagle_aux_hidden_state_layer_ids")
-        naux = len(ids) if ids is not None else len(top) if top is not None else 3
-        hin = raw.get("target_hidden_size") or H                          # l. 208-210
-        source = (f"{K25}::Eagle3MLAModel.__init__ (l. 191-255), Eagle3MLADecoderLayer.__init__ (l. 70-149: "
-                  "sglang/srt/models/deepseek_v2.py::DeepseekV2AttentionMLA.__init__, DeepseekV2MLP)")
-        if field("num_hidden_layers") != 1:
-            raise BadInput(f"num_hidden_layers is {field('num_hidden_layers')}"
-                           f"{' (the config class default)' if raw.get('num_hidden_layers') is None else ''}: SGLang's "
-                           f"{MLA_CLASS} raises 'EAGLE3 currently only supports 1 layer' ({K25} l. 243-244); "
-                           "expected 1", path=path, field="num_hidden_layers")
-        norm_before_fc = False                                            # Eagle3MLAModel has no input_norm
-    else:
-        # llama_eagle3.py::LlamaModel.__init__ l. 151-161: hasattr(config, "target_hidden_size") -- a null counts
-        if "target_hidden_size" in raw and raw["target_hidden_size"] is None:
-            raise BadInput("target_hidden_size is null: SGLang takes it as set (hasattr) and cannot build fc "
-                           f"({L3} l. 151-154); expected an integer or no key", path=path, field="target_hidden_size")
-        hin = _int(raw, "target_hidden_size", path, H)
-        naux = raw.get("num_aux_hidden_states")
-        if naux is None:
-            naux = len(ids) if ids else 3
-        elif isinstance(naux, bool) or not isinstance(naux, int) or naux <= 0:
-            raise BadInput(f"expected a positive integer, got {naux!r}", path=path, field="num_aux_hidden_states")
-        norm_before_fc = bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False)))   # l. 173-175
-        source = f"{L3}::LlamaModel.__init__ (l. 122-207), LlamaDecoderLayer.__init__ (l. 46-86)"
-    fc_norm = bool(raw.get("fc_norm") or raw.get("use_aux_norm", False))                    # l. 185-187
-    norm_output = bool(raw.get("norm_output", False))                                       # l. 207
-    lm_from_target = not tie and dv is None                                                  # l. 302-308
-    draft_vocab = V if dv is None else dv
+    # llama_eagle3.py::LlamaModel.__init__ l. 151-161: hasattr(config, "target_hidden_size") -- a null counts
+    if "target_hidden_size" in raw and raw["target_hidden_size"] is None:
+        raise BadInput("target_hidden_size is null: SGLang takes it as set (hasattr) and cannot build fc "
+                       f"({L3} l. 151-154); expected an integer or no key", path=path, field="target_hidden_size")
+    hin = _int(raw, "target_hidden_size", path, H)
+    naux = raw.get("num_aux_hidden_states")
+    if naux is None:
+        naux = len(ids) if ids else 3
+    elif isinstance(naux, bool) or not isinstance(naux, int) or naux <= 0:
+        raise BadInput(f"expected a positive integer, got {naux!r}", path=path, field="num_aux_hidden_states")
+    norm_before_fc = bool(ec.get("norm_before_fc", raw.get("norm_before_fc", False)))   # l. 173-175
+    return naux, hin, norm_before_fc, f"{L3}::LlamaModel.__init__ (l. 122-207), LlamaDecoderLayer.__init__ (l. 46-86)"
 
-    params: dict = {}
-    params[("model.embed_tokens.weight", None)] = ((V, H), INIT_EMPTY)
-    params[("model.fc.weight", None)] = ((H, hin * naux), INIT_LINEAR if cls != MLA_CLASS else INIT_EMPTY)
-    if raw.get("bias"):
-        params[("model.fc.bias", None)] = ((H,), INIT_LINEAR)
-    if norm_before_fc:
-        params[("model.input_norm.weight", None)] = ((hin * naux,), INIT_RMSNORM)
-    if fc_norm:
-        for i in range(naux):
-            params[(f"model.fc_norm.{i}.weight", None)] = ((hin,), INIT_RMSNORM)
-    params[("model.norm.weight", None)] = ((H,), INIT_RMSNORM)
-    if not tie:
-        params[("lm_head.weight", None)] = ((draft_vocab, H), INIT_EMPTY)
-    nh = nkv = hd = inter = 0
-    mla = dict(q_lora=0, kv_lora=0, qk_nope=0, qk_rope=0, v_head=0)
-    nlayers, attn_bias = 1, False
-    if cls == MLA_CLASS:
-        nh, inter = field("num_attention_heads"), field("intermediate_size")
-        if "q_lora_rank" in raw and raw["q_lora_rank"] is None:
-            raise BadInput(f"q_lora_rank is null: SGLang's {MLA_CLASS} raises 'Eagle3 MLA layer requires q_lora_rank "
-                           f"in the draft config' ({K25}::Eagle3MLADecoderLayer.__init__ l. 114-117); expected an "
-                           "integer", path=path, field="q_lora_rank")
-        mla = dict(q_lora=field("q_lora_rank"), kv_lora=field("kv_lora_rank"), qk_nope=field("qk_nope_head_dim"),
-                   qk_rope=field("qk_rope_head_dim"), v_head=field("v_head_dim"))
-        nkv, hd = 1, mla["qk_nope"] + mla["qk_rope"]     # every head attends to the one latent (MQA over kv_lora)
-        pre = "model.midlayer."                           # Eagle3MLAModel.midlayer (load_weights: layers.0. -> it)
-        a = pre + "self_attn."
-        # Eagle3MLADecoderLayer.__init__ l. 118-124: the fused q_a / kv_a projection takes the 2H-wide input
-        params[(a + MLA_FUSED + ".weight", "q_a")] = ((mla["q_lora"], 2 * H), INIT_EMPTY)
-        params[(a + MLA_FUSED + ".weight", "kv_a")] = ((mla["kv_lora"] + mla["qk_rope"], 2 * H), INIT_EMPTY)
-        # deepseek_v2.py::DeepseekV2AttentionMLA.__init__ (q_lora_rank set)
-        params[(a + "q_a_layernorm.weight", None)] = ((mla["q_lora"],), INIT_RMSNORM)
-        params[(a + "q_b_proj.weight", None)] = ((nh * hd, mla["q_lora"]), INIT_EMPTY)
-        params[(a + "kv_a_layernorm.weight", None)] = ((mla["kv_lora"],), INIT_RMSNORM)
-        params[(a + "kv_b_proj.weight", None)] = ((nh * (mla["qk_nope"] + mla["v_head"]), mla["kv_lora"]),
-                                                   INIT_EMPTY)
-        params[(a + "o_proj.weight", None)] = ((H, nh * mla["v_head"]), INIT_EMPTY)
-        params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), INIT_EMPTY)        # deepseek_v2.py::DeepseekV2MLP
+
+def _mla_inputs(raw: dict, path: Path, H: int, ec: dict, field) -> tuple[int, int, bool, str]:
+    """(aux chunks, chunk width, input_norm built, source) of ``Eagle3DeepseekV2ForCausalLM``."""
+    ids = ec.get("eagle_aux_hidden_state_layer_ids")
+    # kimi_k25_eagle3.py::_get_eagle_aux_layer_count (l. 48-59): eagle_config ids, top-level ids, else 3
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    naux = len(ids) if ids is not None else len(top) if top is not None else 3
+    hin = raw.get("target_hidden_size") or H                          # l. 208-210
+    if field("num_hidden_layers") != 1:
+        raise BadInput(f"num_hidden_layers is {field('num_hidden_layers')}"
+                       f"{' (the config class default)' if raw.get('num_hidden_layers') is None else ''}: SGLang's "
+                       f"{MLA_CLASS} raises 'EAGLE3 currently only supports 1 layer' ({K25} l. 243-244); "
+                       "expected 1", path=path, field="num_hidden_layers")
+    return naux, hin, False, (f"{K25}::Eagle3MLAModel.__init__ (l. 191-255), Eagle3MLADecoderLayer.__init__ (l. 70-149: "
+                              "sglang/srt/models/deepseek_v2.py::DeepseekV2AttentionMLA.__init__, DeepseekV2MLP)")
+
+
+def _llama_layers(raw: dict, path: Path, H: int, field, params: dict) -> dict:
+    """The decoder layers ``LlamaForCausalLMEagle3`` builds (into ``params``) and their sizes."""
+    nh = field("num_attention_heads")
+    nkv = _int(raw, "num_key_value_heads", path, nh)
+    hd = _int(raw, "head_dim", path, H // nh)
+    if raw.get("model_type") == "llama4_text":
+        inter = _int(raw, "intermediate_size_mlp", path)
+        if inter is None:
+            raise BadInput("missing integer field (SGLang builds a llama4_text draft's MLP from it)", path=path,
+                           field="intermediate_size_mlp")
+    else:
+        inter = field("intermediate_size")
+    attn_bias = bool(raw.get("attention_bias", False) or raw.get("bias", False))   # llama.py l. 339-341
+    nlayers = field("num_hidden_layers")
+    for layer in range(nlayers):
+        pre = f"model.layers.{layer}."
+        width = 2 * H if layer == 0 else H                           # llama_eagle3.py l. 62-64
+        params[(pre + "self_attn.qkv_proj.weight", "q")] = ((nh * hd, width), INIT_EMPTY)
+        params[(pre + "self_attn.qkv_proj.weight", "k")] = ((nkv * hd, width), INIT_EMPTY)
+        params[(pre + "self_attn.qkv_proj.weight", "v")] = ((nkv * hd, width), INIT_EMPTY)
+        params[(pre + "self_attn.o_proj.weight", None)] = ((H, nh * hd), INIT_EMPTY)
+        if attn_bias:
+            params[(pre + "self_attn.o_proj.bias", None)] = ((H,), INIT_EMPTY)
+        params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), INIT_EMPTY)
         params[(pre + "mlp.gate_up_proj.weight", 1)] = ((inter, H), INIT_EMPTY)
         params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), INIT_EMPTY)
-        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
             params[(pre + norm + ".weight", None)] = ((H,), INIT_RMSNORM)
-    else:
-        nh = field("num_attention_heads")
-        nkv = _int(raw, "num_key_value_heads", path, nh)
-        hd = _int(raw, "head_dim", path, H // nh)
-        if raw.get("model_type") == "llama4_text":
-            inter = _int(raw, "intermediate_size_mlp", path)
-            if inter is None:
-                raise BadInput("missing integer field (SGLang builds a llama4_text draft's MLP from it)", path=path,
-                               field="intermediate_size_mlp")
-        else:
-            inter = field("intermediate_size")
-        attn_bias = bool(raw.get("attention_bias", False) or raw.get("bias", False))   # llama.py l. 339-341
-        nlayers = field("num_hidden_layers")
-        for layer in range(nlayers):
-            pre = f"model.layers.{layer}."
-            width = 2 * H if layer == 0 else H                           # llama_eagle3.py l. 62-64
-            params[(pre + "self_attn.qkv_proj.weight", "q")] = ((nh * hd, width), INIT_EMPTY)
-            params[(pre + "self_attn.qkv_proj.weight", "k")] = ((nkv * hd, width), INIT_EMPTY)
-            params[(pre + "self_attn.qkv_proj.weight", "v")] = ((nkv * hd, width), INIT_EMPTY)
-            params[(pre + "self_attn.o_proj.weight", None)] = ((H, nh * hd), INIT_EMPTY)
-            if attn_bias:
-                params[(pre + "self_attn.o_proj.bias", None)] = ((H,), INIT_EMPTY)
-            params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), INIT_EMPTY)
-            params[(pre + "mlp.gate_up_proj.weight", 1)] = ((inter, H), INIT_EMPTY)
-            params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), INIT_EMPTY)
-            for norm in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
-                params[(pre + norm + ".weight", None)] = ((H,), INIT_RMSNORM)
-    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin,
-                             fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
-                             draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
-                             midlayer_checked=True, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
-                             intermediate=inter, layers=nlayers, attn_bias=attn_bias,
-                             unused=frozenset((f"model.layers.{i}.input_layernorm.weight", None)
-                                              for i in range(1, nlayers)), **mla)
+    return {"heads": nh, "kv_heads": nkv, "head_dim": hd, "intermediate": inter, "layers": nlayers,
+            "attn_bias": attn_bias, "mla": dict(q_lora=0, kv_lora=0, qk_nope=0, qk_rope=0, v_head=0)}
 
 
-def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
-    """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``
-    (``shard``: q/k/v, 0/1 of gate/up, ``q_a`` / ``kv_a`` of the MLA draft's fused q_a / kv_a projection, else None),
-    or None (dropped: silently for the Llama draft, with a warning for the MLA draft)."""
-    names = {p for p, _ in arch.params}
-    if arch.cls == MLA_CLASS:
-        # kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM.load_weights, l. 436-499, in its order
-        if name == "d2t" or name.endswith(".d2t"):
-            return "d2t"
-        if name == "t2d" or name.endswith(".t2d"):
-            return "t2d"
-        mapped = re.sub(r"^layers\.0\.", "midlayer.", name)
-        if not mapped.startswith("lm_head."):
-            mapped = f"model.{mapped}"
-        for param_name, weight_name, shard in _MLA_STACKED:
-            if weight_name in mapped and mapped.replace(weight_name, param_name) in names:
-                return mapped.replace(weight_name, param_name), shard
-        if "q_a_proj" in mapped or "kv_a_proj_with_mqa" in mapped:
-            q_name = mapped if "q_a_proj" in mapped else mapped.replace("kv_a_proj_with_mqa", "q_a_proj")
-            fused = q_name.replace("q_a_proj", MLA_FUSED)
-            return (fused, "q_a" if "q_a_proj" in mapped else "kv_a") if fused in names else None
-        return (mapped, None) if mapped in names else None
+def _mla_layers(raw: dict, path: Path, H: int, field, params: dict) -> dict:
+    """The one ``Eagle3MLADecoderLayer`` ``Eagle3DeepseekV2ForCausalLM`` builds (into ``params``) and its sizes."""
+    nh, inter = field("num_attention_heads"), field("intermediate_size")
+    if "q_lora_rank" in raw and raw["q_lora_rank"] is None:
+        raise BadInput(f"q_lora_rank is null: SGLang's {MLA_CLASS} raises 'Eagle3 MLA layer requires q_lora_rank "
+                       f"in the draft config' ({K25}::Eagle3MLADecoderLayer.__init__ l. 114-117); expected an "
+                       "integer", path=path, field="q_lora_rank")
+    mla = dict(q_lora=field("q_lora_rank"), kv_lora=field("kv_lora_rank"), qk_nope=field("qk_nope_head_dim"),
+               qk_rope=field("qk_rope_head_dim"), v_head=field("v_head_dim"))
+    nkv, hd = 1, mla["qk_nope"] + mla["qk_rope"]     # every head attends to the one latent (MQA over kv_lora)
+    pre = "model.midlayer."                           # Eagle3MLAModel.midlayer (load_weights: layers.0. -> it)
+    a = pre + "self_attn."
+    # Eagle3MLADecoderLayer.__init__ l. 118-124: the fused q_a / kv_a projection takes the 2H-wide input
+    params[(a + MLA_FUSED + ".weight", "q_a")] = ((mla["q_lora"], 2 * H), INIT_EMPTY)
+    params[(a + MLA_FUSED + ".weight", "kv_a")] = ((mla["kv_lora"] + mla["qk_rope"], 2 * H), INIT_EMPTY)
+    # deepseek_v2.py::DeepseekV2AttentionMLA.__init__ (q_lora_rank set)
+    params[(a + "q_a_layernorm.weight", None)] = ((mla["q_lora"],), INIT_RMSNORM)
+    params[(a + "q_b_proj.weight", None)] = ((nh * hd, mla["q_lora"]), INIT_EMPTY)
+    params[(a + "kv_a_layernorm.weight", None)] = ((mla["kv_lora"],), INIT_RMSNORM)
+    params[(a + "kv_b_proj.weight", None)] = ((nh * (mla["qk_nope"] + mla["v_head"]), mla["kv_lora"]),
+                                               INIT_EMPTY)
+    params[(a + "o_proj.weight", None)] = ((H, nh * mla["v_head"]), INIT_EMPTY)
+    params[(pre + "mlp.gate_up_proj.weight", 0)] = ((inter, H), INIT_EMPTY)        # deepseek_v2.py::DeepseekV2MLP
+    params[(pre + "mlp.gate_up_proj.weight", 1)] = ((inter, H), INIT_EMPTY)
+    params[(pre + "mlp.down_proj.weight", None)] = ((H, inter), INIT_EMPTY)
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        params[(pre + norm + ".weight", None)] = ((H,), INIT_RMSNORM)
+    return {"heads": nh, "kv_heads": nkv, "head_dim": hd, "intermediate": inter, "layers": 1, "attn_bias": False,
+            "mla": mla}
+
+
+def _llama_resolve(names: set, name: str) -> Any:
+    """llama_eagle3.py::LlamaForCausalLMEagle3.load_weights (l. 328-378): legacy names, d2t / t2d, stacked q/k/v and
+    gate/up; a name it does not know is dropped silently."""
     for legacy, new in _LEGACY:
         if legacy in name:
             name = name.replace(legacy, new)
@@ -293,6 +242,154 @@ def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
         return (param, shard) if param in names else None
     param = name if name in names else f"model.{name}"
     return (param, None) if param in names else None
+
+
+def _mla_resolve(names: set, name: str) -> Any:
+    """kimi_k25_eagle3.py::Eagle3DeepseekV2ForCausalLM.load_weights (l. 436-499), in its order; a name it does not know
+    is dropped with a warning."""
+    if name == "d2t" or name.endswith(".d2t"):
+        return "d2t"
+    if name == "t2d" or name.endswith(".t2d"):
+        return "t2d"
+    mapped = re.sub(r"^layers\.0\.", "midlayer.", name)
+    if not mapped.startswith("lm_head."):
+        mapped = f"model.{mapped}"
+    for param_name, weight_name, shard in _MLA_STACKED:
+        if weight_name in mapped and mapped.replace(weight_name, param_name) in names:
+            return mapped.replace(weight_name, param_name), shard
+    if "q_a_proj" in mapped or "kv_a_proj_with_mqa" in mapped:
+        q_name = mapped if "q_a_proj" in mapped else mapped.replace("kv_a_proj_with_mqa", "q_a_proj")
+        fused = q_name.replace("q_a_proj", MLA_FUSED)
+        return (fused, "q_a" if "q_a_proj" in mapped else "kv_a") if fused in names else None
+    return (mapped, None) if mapped in names else None
+
+
+@dataclass(frozen=True)
+class DraftClass:
+    """One of SGLang 0.5.23's EAGLE-3 draft classes: what the tool mirrors of it, each fact with its SGLang source.
+    The one seam per draft class: the parameter mirror (:func:`sglang_parameters`), the weight-name resolver
+    (:func:`resolve_name`), the weight checks (:mod:`helpers.draft.checks`) and the config checks
+    (:mod:`helpers.draft.config_checks`) read these instead of comparing class names; the forward is the attention
+    adapter's (:data:`helpers.draft.attention.ATTENTIONS`).
+
+    Attributes:
+        name: ``architectures[0]``; module: the SGLang file it lives in.
+        defaults: the config-class defaults of the fields that size its parameters (``raw`` -> ``{field: value}``).
+        inputs / layers / resolve: the construction mirrored (aux chunks and their width; the decoder layers) and
+            where ``load_weights`` puts a checkpoint name.
+        fc_init: fc's initial value when no tensor fills it.
+        lm_head_build / load_skips / unexpected_weight: the lines that build lm_head, skip a missing tensor, and
+            drop an unexpected one (and how).
+        has_input_norm: ``norm_before_fc`` builds ``model.input_norm`` (else the flag is ignored).
+        rope_read: where the decoder layer reads its rope.
+        top_level_original_max_position: a top-level ``original_max_position_embeddings`` replaces rope_parameters'
+            (``sglang/srt/models/llama.py::LlamaDecoderLayer.__init__`` l. 329-334).
+        window_flag_ignored: a config's sliding window is ignored unless ``--speculative-draft-window-size``.
+    """
+
+    name: str
+    module: str
+    defaults: Callable[[dict], dict]
+    inputs: Callable[..., tuple[int, int, bool, str]]
+    layers: Callable[..., dict]
+    resolve: Callable[[set, str], Any]
+    fc_init: str
+    lm_head_build: str
+    load_skips: str
+    unexpected_weight: str
+    has_input_norm: bool
+    rope_read: str
+    top_level_original_max_position: bool
+    window_flag_ignored: bool
+
+
+_LLAMA_FILE = "sglang/srt/models/llama.py"
+#: SGLang's EAGLE-3 draft classes by ``architectures[0]`` (another name is mirrored as the Llama class; the checks say
+#: it is not one of these)
+DRAFT_CLASSES = {
+    LLAMA_CLASS: DraftClass(
+        name=LLAMA_CLASS, module=L3, defaults=lambda raw: LLAMA_DEFAULTS, inputs=_llama_inputs, layers=_llama_layers,
+        resolve=_llama_resolve, fc_init=INIT_LINEAR, lm_head_build=f"{L3}::LlamaForCausalLMEagle3.__init__ l. 305-314",
+        load_skips=f"{L3} l. 363-378",
+        unexpected_weight=f"{L3}::LlamaForCausalLMEagle3.load_weights l. 358-378 (a name not in params_dict is "
+                          "skipped)",
+        has_input_norm=True, rope_read=f"{_LLAMA_FILE}::LlamaDecoderLayer.__init__ l. 322-336 (rope_parameters -> "
+                                       "get_rope)",
+        top_level_original_max_position=True, window_flag_ignored=True),
+    MLA_CLASS: DraftClass(
+        name=MLA_CLASS, module=K25, defaults=mla_defaults, inputs=_mla_inputs, layers=_mla_layers,
+        resolve=_mla_resolve, fc_init=INIT_EMPTY,
+        lm_head_build=f"{K25}::Eagle3DeepseekV2ForCausalLM.__init__ l. 348-363", load_skips=f"{K25} l. 436-499",
+        unexpected_weight=f"{K25}::load_weights l. 494-496 (warning 'skipping unexpected weight')",
+        has_input_norm=False,
+        rope_read=f"{K25}::Eagle3MLADecoderLayer.__init__ l. 80-89 (rope_parameters -> DeepseekV2AttentionMLA)",
+        top_level_original_max_position=False, window_flag_ignored=False),
+}
+
+
+def draft_class(name: str) -> DraftClass:
+    """The :class:`DraftClass` of ``architectures[0]`` (the Llama class for a name SGLang does not register as an
+    EAGLE-3 draft: the checks report that apart)."""
+    return DRAFT_CLASSES.get(name, DRAFT_CLASSES[LLAMA_CLASS])
+
+
+def sglang_parameters(d: DraftConfig) -> "SGLangDraftParams":
+    """Mirror of ``LlamaForCausalLMEagle3`` / ``Eagle3DeepseekV2ForCausalLM`` construction from the config:
+    ``{(parameter, shard): (shape, initial value)}`` with the config facts that size it.
+
+    Raises:
+        BadInput: a config SGLang cannot build (a size field that is not a positive integer, ``target_hidden_size:
+            null`` for the Llama draft, an MLA draft with another layer count than 1 or ``q_lora_rank: null``)."""
+    raw, path = d.raw, d.path
+    cls = d.architectures[0] if d.architectures else LLAMA_CLASS
+    dc = draft_class(cls)
+    ec = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    H = d.hidden_size
+    defaults = dc.defaults(raw)
+    defaulted = {k: v for k, v in defaults.items() if raw.get(k) is None and not (k == "q_lora_rank" and k in raw)}
+
+    def field(key: str) -> int:
+        return _int(raw, key, path, defaults[key])
+
+    V = field("vocab_size")
+    dv = _int(raw, "draft_vocab_size", path)
+    tie = bool(raw.get("tie_word_embeddings", False))     # LlamaConfig / DeepseekV3Config default False
+    naux, hin, norm_before_fc, source = dc.inputs(raw, path, H, ec, field)
+    fc_norm = bool(raw.get("fc_norm") or raw.get("use_aux_norm", False))                    # l. 185-187
+    norm_output = bool(raw.get("norm_output", False))                                       # l. 207
+    lm_from_target = not tie and dv is None                                                  # l. 302-308
+    draft_vocab = V if dv is None else dv
+
+    params: dict = {}
+    params[("model.embed_tokens.weight", None)] = ((V, H), INIT_EMPTY)
+    params[("model.fc.weight", None)] = ((H, hin * naux), dc.fc_init)
+    if raw.get("bias"):
+        params[("model.fc.bias", None)] = ((H,), INIT_LINEAR)
+    if norm_before_fc:
+        params[("model.input_norm.weight", None)] = ((hin * naux,), INIT_RMSNORM)
+    if fc_norm:
+        for i in range(naux):
+            params[(f"model.fc_norm.{i}.weight", None)] = ((hin,), INIT_RMSNORM)
+    params[("model.norm.weight", None)] = ((H,), INIT_RMSNORM)
+    if not tie:
+        params[("lm_head.weight", None)] = ((draft_vocab, H), INIT_EMPTY)
+    L = dc.layers(raw, path, H, field, params)
+    nh, nkv, hd, inter, nlayers, attn_bias, mla = (L[k] for k in ("heads", "kv_heads", "head_dim", "intermediate",
+                                                                  "layers", "attn_bias", "mla"))
+    return SGLangDraftParams(cls=cls, params=params, defaulted=defaulted, num_aux=naux, hidden_size_in=hin,
+                             fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output, tie=tie,
+                             draft_vocab=draft_vocab, vocab=V, lm_from_target=lm_from_target,
+                             midlayer_checked=True, source=source, heads=nh, kv_heads=nkv, head_dim=hd,
+                             intermediate=inter, layers=nlayers, attn_bias=attn_bias,
+                             unused=frozenset((f"model.layers.{i}.input_layernorm.weight", None)
+                                              for i in range(1, nlayers)), **mla)
+
+
+def resolve_name(arch: SGLangDraftParams, name: str) -> Any:
+    """Where SGLang's ``load_weights`` puts checkpoint tensor ``name``: ``"d2t"``, ``"t2d"``, ``(param, shard)``
+    (``shard``: q/k/v, 0/1 of gate/up, ``q_a`` / ``kv_a`` of the MLA draft's fused q_a / kv_a projection, else None),
+    or None (dropped: silently for the Llama draft, with a warning for the MLA draft)."""
+    return draft_class(arch.cls).resolve({p for p, _ in arch.params}, name)
 
 
 def shape_error(arch: SGLangDraftParams, d: DraftConfig, key: str, info: TensorInfo, param: str, shard: Any,
