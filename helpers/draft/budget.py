@@ -442,6 +442,15 @@ def acceptance_reference(table: Sequence[dict], served: dict) -> Optional[dict]:
     return max(dom, key=lambda t: (t["speedup_model"], t["accept_length"])) if dom else None
 
 
+def trade_text(t: dict) -> str:
+    """The settings trade (:func:`settings_trade`) in words: what the served settings give up and what the cost model
+    says they buy."""
+    return (f"the served settings accept {t['accept_length'] - t['served_accept_length']:.2f} fewer tokens per verify "
+            f"step than --speculative-num-steps {t['steps']} would ({t['accept_length']:.2f} vs "
+            f"{t['served_accept_length']:.2f}, simulated), which the cost model puts "
+            f"{t['modelled_speedup_change']:+.1%}: the settings' trade, not a fault (measure tok/s at both to choose)")
+
+
 def settings_trade(table: Sequence[dict], served: dict, material: float) -> Optional[dict]:
     """What served settings that no chain dominates give up: the chain accepting the most tokens per verify step,
     at least ``material`` more than ``served``, among those modelled at most :data:`NEAR_BEST` slower; None when
@@ -532,13 +541,7 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     if inp.draft_cost is not None and ref is None:
         trade = settings_trade(table, served, threshold(served["accept_length"]))
         if trade is not None:
-            L.notes.append(f"the served settings trade accepted tokens for modelled throughput: "
-                           f"--speculative-num-steps {trade['steps']} would accept "
-                           f"{trade['accept_length'] - served['accept_length']:.2f} more tokens per verify step "
-                           f"({trade['accept_length']:.2f} vs {served['accept_length']:.2f}, simulated) at modelled "
-                           f"tokens per unit time {trade['modelled_speedup_change']:+.1%}, within the cost model's "
-                           f"resolution ({NEAR_BEST:.0%}): a lower accept length that is the settings', not a fault; "
-                           "measure tok/s at both to choose")
+            L.notes.append(f"{trade_text(trade)}; within the cost model's resolution ({NEAR_BEST:.0%})")
     L.trade = trade
     for t in table:
         t.pop("frame")
@@ -706,11 +709,8 @@ def budget_sentence(b: dict) -> str:
         if w and w["delta"] >= MIN_TOKENS:
             why += (f"; the live prompts are less predictable for this draft than its training samples "
                     f"({w['live_prompts']:.2f} vs {w['training_samples']:.2f} offline): the text, not the server")
-        t = b.get("settings_trade")
-        if t:
-            why += (f"; the served settings accept {t['accept_length'] - t['served_accept_length']:.2f} fewer tokens "
-                    f"per verify step than --speculative-num-steps {t['steps']} would (simulated), which the cost "
-                    f"model puts {t['modelled_speedup_change']:+.1%}: the settings' trade, not a fault")
+        if b.get("settings_trade"):
+            why += "; " + trade_text(b["settings_trade"])
     elif cause == "undecided":
         open_ = [k for k in (b.get("required") or REQUIRED_STAGES) if (L.get(k) or {}).get("decision") != "clear"]
         why = ("no stage loses a material share beyond its CI, and a material loss is not ruled out at " + "; ".join(

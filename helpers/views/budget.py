@@ -9,7 +9,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from ..acceptance.stats import format_ci
-from ..draft.budget import gains
+from ..draft.budget import gains, trade_text
 from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps, run_of
 from .common import esc, table_html
 from .replay import sweep_points
@@ -115,11 +115,8 @@ def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optiona
         text = (f"Settings: the acceptance budget keeps the served {flags}: no chain accepts more tokens per verify "
                 f"step at a modelled throughput at least the served settings', and none is modelled a material share "
                 f"faster (simulated{on})")
-        t = b.get("settings_trade")
-        if t:
-            text += (f"; --speculative-num-steps {t['steps']} would accept {t['accept_length']:.2f} vs "
-                     f"{t['served_accept_length']:.2f} at modelled tokens per unit time "
-                     f"{t['modelled_speedup_change']:+.1%} (a trade within the model's resolution: measure tok/s)")
+        if b.get("settings_trade"):
+            text += "; " + trade_text(b["settings_trade"])
     else:
         al = _ci_of(st.get("accept_length"), st.get("ci"))
         sal = st.get("served_accept_length")

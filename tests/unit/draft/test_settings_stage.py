@@ -113,4 +113,4 @@ def test_a_trade_is_named_in_the_sentence_when_nothing_is_lost(pair):
     assert b["cause"] == "none" and tr is not None, b["sentence"]
     assert "the settings' trade, not a fault" in b["sentence"] and f"--speculative-num-steps {tr['steps']}" in \
         b["sentence"]
-    assert any("trade accepted tokens" in n for n in b["notes"])
+    assert any("the settings' trade, not a fault" in n for n in b["notes"])
