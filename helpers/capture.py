@@ -222,7 +222,7 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
     # lazy: transformers is heavy (seconds to import) and only an HF reference needs it
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
     n = model.config.num_hidden_layers
     captured: dict[str, torch.Tensor] = {}
     handle = model.model.norm.register_forward_pre_hook(

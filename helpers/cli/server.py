@@ -19,6 +19,7 @@ from ..paths import ROOT
 from ..server.embedded import REFERENCE_DRAFT, SPEC_ALGORITHMS, pick_port
 from ..server.process import stop_pid
 from ..server.registry import register, state_path, unregister
+from ..server.settings import default_draft_tokens
 from .common import Parser, run
 
 
@@ -57,7 +58,9 @@ def _body(argv: list[str]) -> int:
     s.add_argument("--algorithm", default="EAGLE3", choices=SPEC_ALGORITHMS)
     s.add_argument("--steps", type=int, default=3, help="draft steps (vLLM: num_speculative_tokens)")
     s.add_argument("--topk", type=int, default=1)
-    s.add_argument("--draft-tokens", type=int, default=4)
+    s.add_argument("--draft-tokens", type=int, default=None,
+                   help="speculative draft tokens per verify step (default: steps + 1 with topk 1, which SGLang runs "
+                        "whatever is asked; else 2 x steps)")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--forward-hooks", default=None, help="JSON list of SGLang hook specs")
     s.add_argument("--faults", default=None, metavar="JSON",
@@ -98,6 +101,8 @@ def _body(argv: list[str]) -> int:
     if why:
         print(f"server: error: --engine {args.engine}: {why}", file=sys.stderr)
         return 2
+    if args.draft_tokens is None:
+        args.draft_tokens = default_draft_tokens(args.steps, args.topk)
     if args.detach:
         return _detach(argv, args)
     try:

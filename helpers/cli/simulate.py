@@ -23,6 +23,7 @@ from ..draft.checks import draft_checks
 from ..draft.offline import offline_inputs
 from ..draft.precision import DTYPE_NAMES, choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
+from ..server.settings import default_draft_tokens
 from ..draft.model import DraftArch
 from ..draft.training_log import find_training_log, read_training_log
 from ..errors import BadInput
@@ -85,7 +86,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         if a.samples < 1:
             raise BadInput("--samples must be >= 1", field="--samples")
         st = DraftSettings(a.steps, a.topk, a.draft_tokens if a.draft_tokens is not None else
-                           (a.steps + 1 if a.topk == 1 else 2 * a.steps)).check()
+                           default_draft_tokens(a.steps, a.topk)).check()
         device = _device(a.device)
         show = progress_line(prog)
         draft_dir, target_dir = Path(a.draft), Path(a.target)

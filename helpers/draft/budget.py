@@ -54,6 +54,10 @@ from .model import Eagle3Draft
 from .simulate import DraftSettings, SimSequence, simulate_sequences, summary
 from .teacher_forced import SeqRows, accept_length_ci, bootstrap_index, per_sequence_accept_length, reduce
 from .training_log import TrainingLog, predicted_accept_length
+#: the wiring loss's basis on the training samples, and measured again on the live prompts' tokens
+TRAINING_WIRING = "training states vs served states"
+LIVE_WIRING = ("the training data's layer plan (every-layer reference of the same tokens) vs the served states on the "
+               "live prompts' tokens")
 #: chain steps tried for the settings stage
 SETTINGS_STEPS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: the cost model's resolution (it counts weight bytes only: no kernel launch, attention or sampling cost): a chain
@@ -372,7 +376,7 @@ def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                                   f"{len(inp.served_training)} training sample(s)"))
     d, lo, hi, n, per = _paired_loss(L.train_frame, f)
     ref = L.stages[-2].get("accept_length") if len(L.stages) >= 2 else None
-    L.losses["wiring"] = _loss("wiring", d, lo, hi, f"training states vs served states, paired over {n} sample(s)",
+    L.losses["wiring"] = _loss("wiring", d, lo, hi, f"{TRAINING_WIRING}, paired over {n} sample(s)",
                                ref, n=n, unit="training samples", per_sequence=per)
     if L.losses["wiring"]["decision"] == "undecided" and inp.live_trained and inp.live_sequences:
         _wiring_on_live_prompts(L, inp, sim)
@@ -392,9 +396,8 @@ def _wiring_on_live_prompts(L: _Ladder, inp: BudgetInputs, sim) -> None:
     b = sim(served, [inp.settings], inp.max_new_tokens)["per_request"][inp.settings]
     d, lo, hi, n, per = _paired_loss(a, b)
     ref = summary(a, L.S)["accept_length"]
-    live_loss = _loss("wiring", d, lo, hi, f"the training data's layer plan (every-layer reference of the same "
-                      f"tokens) vs the served states on the live prompts' tokens, paired over {n} prompt(s) (the "
-                      "training samples left the stage undecided)", ref, n=n, unit="prompts", per_sequence=per)
+    live_loss = _loss("wiring", d, lo, hi, f"{LIVE_WIRING}, paired over {n} prompt(s) (the training samples left "
+                      "the stage undecided)", ref, n=n, unit="prompts", per_sequence=per)
     old = L.losses["wiring"]
     brief = {k: old.get(k) for k in ("delta", "ci", "decision", "basis")}
     if live_loss["decision"] in ("counts", "clear"):

@@ -80,6 +80,7 @@ class DraftSettings:
         return cls(steps, 1, steps + 1)
 
 
+
 @dataclass
 class SimSequence:
     """One sequence to simulate.

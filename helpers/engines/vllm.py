@@ -457,7 +457,7 @@ class VLLMAdapter(EngineAdapter):
         bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
                               ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
                               ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
-                              ("--draft-tokens", args.draft_tokens != 4),
+                              ("--draft-tokens", args.draft_tokens is not None),
                               ("--reference-draft", args.reference_draft)) if v]
         if bad:
             return f"{', '.join(bad)} apply to SGLang only (vLLM captures through its worker extension)"

@@ -294,16 +294,31 @@ def _stage_propose(r: Run) -> None:
     r.done("proposed fix", t, r.fix.summary)
 
 
+#: the launch flags of the speculative settings (a fix made only of these is superseded by the settings stage's)
+SPEC_FLAGS = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
+
+
 def _settings_fix(fix: ProposedFix, budget: dict) -> None:
-    """The settings stage's recommendation as the fix (flags a relaunch applies and measures) when nothing else is."""
+    """The settings stage's recommendation as the fix (flags a relaunch applies and measures) when nothing else is,
+    or when the fix proposed so far only requests speculative flags (e.g. the draft tokens SGLang already runs, for
+    ``num_draft_tokens_overridden``): the recommended settings replace those flags (a chain's draft tokens are
+    steps + 1, so they also answer the override) and the fix keeps its other parts' findings."""
     rec = budget.get("recommended_settings")
-    if budget["cause"] != "settings" or not rec or fix.kind != "none":
+    if budget["cause"] != "settings" or not rec:
         return
-    fix.server_args = {"--speculative-num-steps": rec["steps"], "--speculative-eagle-topk": rec["topk"],
-                       "--speculative-num-draft-tokens": rec["draft_tokens"]}
+    only_spec = fix.kind == "config" and fix.server_args and set(fix.server_args) <= set(SPEC_FLAGS) \
+        and not (fix.draft_config or fix.add_tensors or fix.drop_tensors)
+    if fix.kind != "none" and not only_spec:
+        return
+    flags = {"--speculative-num-steps": rec["steps"], "--speculative-eagle-topk": rec["topk"],
+             "--speculative-num-draft-tokens": rec["draft_tokens"]}
+    part = " ".join(f"{k} {v}" for k, v in flags.items())
+    if only_spec:
+        fix.why.append(f"the settings stage's recommendation replaces the requested {fix.server_args} (it sets the "
+                       "same flags)")
+    fix.server_args = flags
     fix.kind, fix.applicable = "config", True
-    fix.parts = [f"launch with --speculative-num-steps {rec['steps']} --speculative-eagle-topk {rec['topk']} "
-                 f"--speculative-num-draft-tokens {rec['draft_tokens']}"]
+    fix.parts = [f"launch with {part}"]
     fix.summary = fix.parts[0] + " (the acceptance budget's settings stage, simulated)"
     fix.why.append(budget["losses"]["settings"]["basis"])
     fix.addresses.append("spec_settings_low")

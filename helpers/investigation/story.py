@@ -276,16 +276,34 @@ def provenance(f: Finding) -> str:
     return "served tensors vs training data"
 
 
-def named_text(wall_s: Optional[float], seconds_to_verdict: Optional[float], *, step: Optional[int] = None) -> str:
+#: the investigation's steps that come after naming the fault (a relaunch measures the fix; sweeps and ablations
+#: explain the workload): left out of the time it took to name it
+AFTER_NAMING = ("relaunch", "workload sweeps")
+
+
+def naming_seconds(doc: InvestigationDoc) -> tuple[Optional[float], float]:
+    """``(seconds, left out)``: the investigation's wall-clock seconds without the steps after the fault was named
+    (:data:`AFTER_NAMING`: the relaunch that measures the fix, the workload sweeps), from its recorded step timings,
+    and the seconds taken out; ``(None, 0)`` without a wall time."""
+    if doc.wall_s is None:
+        return None, 0.0
+    after = sum(float(v) for k, v in (doc.timings or {}).items() if k in AFTER_NAMING)
+    return max(0.0, float(doc.wall_s) - after), after
+
+
+def named_text(wall_s: Optional[float], seconds_to_verdict: Optional[float], *, step: Optional[int] = None,
+               left_out: float = 0.0) -> str:
     """How long naming the fault took, with its clock: the wall-clock time of the whole investigation (attach to the
     proposed fix and the acceptance budget; a replay's step time as the console prints it), and when the diagnosis's
-    verdict came within it (``InvestigationDoc.seconds_to_verdict``: monotonic seconds from attach)."""
+    verdict came within it (``InvestigationDoc.seconds_to_verdict``: monotonic seconds from attach). ``left_out``:
+    seconds of the steps after naming already taken out of ``wall_s`` (:func:`naming_seconds`), said when any."""
     where = f"step {step}, " if step is not None else ""
     if wall_s is None:
         return "" if seconds_to_verdict is None else f"(diagnosis verdict {seconds_to_verdict:.1f} s after attach)"
     verdict = (f"; the diagnosis's verdict came {seconds_to_verdict:.1f} s after attach"
                if seconds_to_verdict is not None else "")
-    return f"in {wall_s:.1f} s ({where}wall clock from attach to the proposed fix and acceptance budget{verdict})"
+    out = f"; the {left_out:.1f} s of the restart that measures the fix left out" if left_out >= 0.05 else ""
+    return f"in {wall_s:.1f} s ({where}wall clock from attach to the proposed fix and acceptance budget{out}{verdict})"
 
 
 def _ci_text(v: Any, ci: Any, *, signed: bool = False) -> str:

@@ -148,6 +148,14 @@ _INT_FIELDS = {"speculative_num_steps", "speculative_eagle_topk", "speculative_n
 _BOOL_FLAGS = {"speculative_adaptive", "enable_return_hidden_states", "enable_metrics"}
 
 
+def default_draft_tokens(steps: int, topk: int) -> int:
+    """The draft-token count this tool uses when none is given (``server start``, ``simulate``): ``steps + 1`` for a
+    chain (topk 1: what SGLang runs whatever is asked, ``sglang/srt/arg_groups/speculative_hook.py::
+    _handle_eagle_family``), else ``2 x steps`` (at least the ``steps + 1`` a tree needs: SGLang 0.5.23 fails on fewer
+    at the first verify step, ``sglang/srt/speculative/eagle_worker_common.py::_compact_accept_to_front``)."""
+    return steps + 1 if topk == 1 else 2 * steps
+
+
 def _field_name(name: str) -> str:
     n = name.lstrip("-").replace("-", "_")
     n = FLAG_ALIASES.get(n, n)

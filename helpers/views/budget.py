@@ -9,7 +9,8 @@ from typing import Any, Optional
 import pandas as pd
 
 from ..acceptance.stats import format_ci
-from ..draft.budget import gains, trade_text
+from ..draft.budget import LIVE_WIRING, TRAINING_WIRING, gains, trade_text
+from ..draft.decide import MATERIAL
 from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps, run_of
 from .common import esc, table_html
 from .replay import sweep_points
@@ -72,11 +73,13 @@ def ladder_frame(budget: dict) -> pd.DataFrame:
             lad = loss.get("ladder") or {}
             note.append("measured on the server" + (f" (offline estimate {_ci_of(lad.get('delta'), lad.get('ci'))})"
                                                     if lad.get("delta") is not None else ""))
-        elif name == LOSS_AT["wiring"] and "live prompts" in (loss.get("basis") or ""):
-            tr = next((a for a in loss.get("also") or [] if a.get("delta") is not None), None)
-            note.append("decided on the live prompts' tokens (the row 'offline on live prompts, training plan')"
-                        + (f"; on the training samples {_ci_of(tr['delta'], tr.get('ci'))} {tr.get('decision')}"
-                           if tr else ""))
+        if name == LOSS_AT["wiring"] and any(LIVE_WIRING in (x.get("basis") or "") for x in
+                                              [loss, loss.get("ladder") or {}, *(loss.get("also") or [])]):
+            tr = next((a for a in [loss.get("ladder") or {}, *(loss.get("also") or [])]
+                       if (a.get("basis") or "").startswith(TRAINING_WIRING)), None)
+            note.append("measured again on the live prompts' tokens (the row 'offline on live prompts, training "
+                        "plan')" + (f"; on the training samples {_ci_of(tr['delta'], tr.get('ci'))} "
+                                    f"{tr.get('decision')}" if tr else ""))
         if at.get(name) in gained:
             note.append("a gain (see the flags)")
         if loss.get("decision") == "undecided":
@@ -114,7 +117,7 @@ def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optiona
     if same:
         text = (f"Settings: the acceptance budget keeps the served {flags}: no chain accepts more tokens per verify "
                 f"step at a modelled throughput at least the served settings', and none is modelled a material share "
-                f"faster (simulated{on})")
+                f"faster (at least {MATERIAL:.0%}; simulated{on})")
         if b.get("settings_trade"):
             text += "; " + trade_text(b["settings_trade"])
     else:

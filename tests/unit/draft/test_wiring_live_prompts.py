@@ -89,7 +89,22 @@ def test_the_budget_table_says_where_the_wiring_stage_was_decided(world):
     b = _budget(world, served_training_plan=SHIFTED, live_plan=SHIFTED)
     t = ladder_frame(b).set_index("stage")
     assert t.loc["offline on served states", "decision"] == "counts"
-    assert "decided on the live prompts' tokens" in t.loc["offline on served states", "note"]
+    assert "measured again on the live prompts' tokens" in t.loc["offline on served states", "note"]
     assert "undecided" in t.loc["offline on served states", "note"]
     assert t.loc["offline on live prompts, training plan", "like with like"] == \
         "drafting chain, live prompts, training plan"
+
+
+def test_the_table_keeps_the_training_figure_when_a_measured_fix_replaces_the_loss(world):
+    """After the restart the measured fix is the wiring loss (story.reconcile puts the ladder's estimate under
+    ``ladder``, the rest under ``also``): the note still gives the training samples' undecided figure."""
+    from helpers.investigation.story import _merge
+    from helpers.views.budget import ladder_frame
+
+    b = _budget(world, served_training_plan=SHIFTED, live_plan=SHIFTED)
+    tr = b["losses"]["wiring"]["also"][0]
+    _merge(b["losses"], "wiring", {"stage": "wiring", "delta": 0.43, "ci": [0.31, 0.55], "decision": "counts",
+                                   "basis": "measured: the proposed fix moved live accept length"}, on_server=True)
+    note = ladder_frame(b).set_index("stage").loc["offline on served states", "note"]
+    assert "measured on the server" in note and "measured again on the live prompts' tokens" in note
+    assert f"{tr['delta']:.2f}" in note and "undecided" in note
