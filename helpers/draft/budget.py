@@ -27,6 +27,8 @@ same; each loss decided by equivalence, :mod:`helpers.draft.decide`: ``counts`` 
    settings: served settings it dominates give up accepted tokens and buy no modelled throughput for them
    (``--speculative-num-steps 2`` where 3 accepts more and is modelled as fast). Settings that accept fewer tokens but are modelled faster than every
    chain that accepts more are a trade, not a loss: the budget's ``settings_trade`` says what they give up and buy.
+   Below :data:`helpers.draft.decide.SMALL_N` sequences served settings no chain dominates are ``undecided``, not
+   clear: the chains' order near the cost model's optimum is no evidence over so few (:func:`_no_reference`).
 
 The cause is the largest loss that ``counts``; ``none`` only when every required stage is ``clear`` (its CI rules a
 material loss out); ``undecided`` otherwise, with what would settle each open stage (never "no loss").
@@ -434,9 +436,10 @@ def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
 def acceptance_reference(table: Sequence[dict], served: dict) -> Optional[dict]:
     """The settings stage's acceptance reference: of the chains (topk 1) in ``table`` that accept more tokens per
     verify step than ``served`` and whose modelled tokens per unit time (``speedup_model``) is at least the served
-    settings' (they dominate them), the one the cost model puts fastest (the higher ``accept_length`` on a tie); None
-    when no chain dominates the served settings. It is also what the stage recommends when its loss counts, so the
-    loss is what the recommendation is simulated to restore.
+    settings' (they dominate them, on the point estimates), the one the cost model puts fastest (the higher
+    ``accept_length`` on a tie); None when no chain dominates the served settings. It is also what the stage
+    recommends when its loss counts, so the loss is what the recommendation is simulated to restore. Below
+    :data:`helpers.draft.decide.SMALL_N` sequences a None is not read as clear (:func:`_no_reference`).
 
     ``table``: rows ``{"steps", "topk", "draft_tokens", "accept_length", "speedup_model", ...}``; ``served`` one of
     them."""
@@ -468,6 +471,30 @@ def settings_trade(table: Sequence[dict], served: dict, material: float) -> Opti
             "modelled_speedup_change": t["speedup_model"] / served["speedup_model"] - 1.0}
 
 
+def _no_reference(served: dict, table: Sequence[dict], thr: float, n: int) -> dict:
+    """The settings loss when no chain dominates the served settings on the estimates (:func:`acceptance_reference`):
+    clear from :data:`helpers.draft.decide.SMALL_N` sequences on; below, ``undecided`` (the few-sequence rule of
+    :func:`helpers.draft.decide.decide`: on 3 training samples of the Kimi-class draft steps 3 came out 0.04 % slower
+    than the served steps 2 in the cost model, a trade, while on 16 live prompts it is 4 % faster and accepts 0.38
+    more: the chains' order near the cost model's optimum is no evidence over so few)."""
+    more = [t for t in table if t["topk"] == 1 and t is not served and t["accept_length"] > served["accept_length"]]
+    if more:
+        near = max(more, key=lambda t: t["speedup_model"])
+        why = (f"no chain that accepts more tokens per verify step is modelled at least as fast as the served settings "
+               f"on the same {n} sequence(s) (the nearest, --speculative-num-steps {near['steps']}, accepts "
+               f"{near['accept_length'] - served['accept_length']:+.2f} at modelled tokens per unit time "
+               f"{near['speedup_model'] / served['speedup_model'] - 1.0:+.1%})")
+    else:
+        why = f"no chain accepts more tokens per verify step than the served settings on the same {n} sequence(s)"
+    out = {"stage": "settings", "delta": 0.0, "basis": why, "threshold": thr, "n": n, "counts": False,
+           "material": False, "beyond_ci": False}
+    if n < SMALL_N:
+        return {**out, "ci": [None, None], "decision": "undecided",
+                "settle": {"n": SMALL_N, "text": f"about {SMALL_N} sequences (now {n}) would settle it"},
+                "why": f"{why}; below {SMALL_N} sequences the chains' order in the cost model is no evidence"}
+    return {**out, "ci": [0.0, 0.0], "decision": "clear", "settle": None, "why": why}
+
+
 def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     """6 -- other ``--speculative-num-steps`` simulated on the same states, scored by a cost model; the loss in accept
     length against the acceptance reference (:func:`acceptance_reference`)."""
@@ -497,25 +524,22 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
 
     n = len(served["frame"])
     ref = acceptance_reference(table, served) if inp.draft_cost is not None else None
-    if ref is not None:
-        d, lo, hi, n, per = _paired_loss(ref["frame"], served["frame"])
-    else:
-        d, lo, hi, per = 0.0, 0.0, 0.0, None                 # no chain accepts more at no modelled throughput cost
+    thr = threshold(served["accept_length"])
     if inp.draft_cost is None:
         # without a cost for a draft step more steps always look better: nothing is recommended, nothing decided
         L.missing.append("settings: no draft-step cost (draft_cost); the table is shown, nothing is recommended")
         L.losses["settings"] = _not_computed("settings", "no draft-step cost: no setting can be recommended")
         rec = served
     else:
-        if ref is None:
-            basis = (f"no chain that the cost model puts at least as fast as the served settings accepts more tokens "
-                     f"per verify step, simulated on the same {n} sequence(s)")
-        else:
+        if ref is not None:
+            d, lo, hi, n, per = _paired_loss(ref["frame"], served["frame"])
             basis = (f"--speculative-num-steps {ref['steps']} (chain) accepts {d:+.2f} tokens per verify step over "
                      f"the served settings, simulated on the same {n} sequence(s) and paired, at modelled tokens per "
                      f"unit time {change(ref):+.1%}: the served settings buy no modelled throughput for the tokens "
                      "they do not accept")
-        L.losses["settings"] = _loss("settings", d, lo, hi, basis, served["accept_length"], n=n, per_sequence=per)
+            L.losses["settings"] = _loss("settings", d, lo, hi, basis, served["accept_length"], n=n, per_sequence=per)
+        else:
+            L.losses["settings"] = _no_reference(served, table, thr, n)
         if L.losses["settings"]["counts"]:
             rec = ref                                         # accepts more at a throughput the model cannot fault
         elif change(best) >= MATERIAL:
@@ -541,8 +565,8 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                        f"{st.steps}: accept length {rec['accept_length']:.2f}, modelled tokens per unit time "
                        f"{gain:+.0%}); it is the recommended setting, to be measured before it is adopted")
     trade = None
-    if inp.draft_cost is not None and ref is None:
-        trade = settings_trade(table, served, threshold(served["accept_length"]))
+    if inp.draft_cost is not None and ref is None and L.losses["settings"]["decision"] == "clear":
+        trade = settings_trade(table, served, thr)
         if trade is not None:
             L.notes.append(f"{trade_text(trade)}; within the cost model's resolution ({NEAR_BEST:.0%})")
     L.trade = trade

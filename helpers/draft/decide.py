@@ -98,7 +98,8 @@ def decide(delta: Optional[float], lo: Optional[float], hi: Optional[float], thr
         None, "why"}``, and below :data:`SMALL_N` sequences ``"small_n": {"min_n", "bootstrap_ci", "t_ci",
         "per_sequence", "identity"}``; ``settle`` is given for ``undecided`` only: the sample count at which the CI,
         shrinking as 1/sqrt(n) around the same estimate, would either exclude 0 (a material loss counts) or fall below
-        the threshold (cleared), whichever comes first, and at least :data:`SMALL_N` where only that many can clear.
+        the threshold (cleared), whichever comes first (each from its own side's half-width), always more than n, and
+        at least :data:`SMALL_N` where only that many can clear.
     """
     if per_sequence is not None:
         per_sequence = [float(x) for x in per_sequence if x is not None and math.isfinite(float(x))]
@@ -129,13 +130,18 @@ def decide(delta: Optional[float], lo: Optional[float], hi: Optional[float], thr
         return {"decision": "clear", **out, "settle": None,
                 "why": (f"the CI [{lo:.2f}, {hi:.2f}] rules out a material loss (< {thr:.2f})" if small is None else
                         f"no loss: both arms gave the same result on each of the {n} {unit}")}
-    half = max(b_half, 1e-12)
+    # each side's own half-width (a bootstrap CI need not be symmetric: with the mean half-width an undecided loss
+    # could be "settled" by fewer sequences than it has), at least the normal one below SMALL_N
+    up, down = max(hi - delta, b_half if small is not None else 0.0, 1e-12), \
+        max(delta - lo, b_half if small is not None else 0.0, 1e-12)
     need = []
     if delta < thr:                       # clear when the upper bound drops below the threshold
-        need.append(n * (half / (thr - delta)) ** 2 if n and thr - delta > 0 else math.inf)
+        need.append(n * (up / (thr - delta)) ** 2 if n and thr - delta > 0 else math.inf)
     if delta >= thr and delta > 0:        # counts when the lower bound rises above 0
-        need.append(n * (half / delta) ** 2 if n else math.inf)
+        need.append(n * (down / delta) ** 2 if n else math.inf)
     n_need = min(need) if need else math.inf
+    if n and math.isfinite(n_need):       # an undecided loss is never settled by the sequences it already has
+        n_need = max(n_need, n + 1)
     if small is not None and math.isfinite(n_need):
         n_need = max(n_need, SMALL_N)
     if n and math.isfinite(n_need) and n_need <= MAX_FACTOR * n:

@@ -39,7 +39,7 @@ def test_the_settle_count_decides(mean):
     assert d["decision"] == "undecided", d
     n = d["settle"]["n"]
     assert n is not None and n > 4
-    big = decide(*_ci(pop(int(n * 1.5)), seed=2), thr, n=int(n * 1.5))
+    big = decide(*_ci(pop(int(n * 2)), seed=2), thr, n=int(n * 2))     # a margin: the estimate is from 4
     assert big["decision"] == ("counts" if mean > thr else "clear"), (n, big)
 
 
@@ -178,3 +178,14 @@ def test_on_the_shipped_sixteen_samples_the_wiring_stage_decides(wiring_on_all_s
     assert loss["ci"] == pytest.approx([lo, hi]) and lo >= loss["threshold"] and loss["decision"] == "counts"
     clean, _ = w["wiring"](w["trained"])
     assert clean["decision"] == "clear" and clean["ci"] == [0.0, 0.0]
+
+
+def test_an_asymmetric_ci_never_settles_below_the_current_count():
+    """A bootstrap CI skewed towards a loss (here 0.05 [0.04, 0.30] on 40 sequences against a material 0.2) is
+    undecided, and the count that would settle it is more than the 40 it has: the upper side's own half-width, not
+    the CI's mean one (which would say 7)."""
+    d = decide(0.05, 0.04, 0.30, 0.2, n=40)
+    assert d["decision"] == "undecided"
+    assert d["settle"]["n"] > 40
+    # the upper bound must fall from 0.30 to below 0.2: its half-width 0.25 against the 0.15 to go -> 40 x (0.25/0.15)^2
+    assert d["settle"]["n"] == int(__import__("math").ceil(40 * (0.25 / 0.15) ** 2))
