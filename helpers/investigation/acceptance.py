@@ -19,7 +19,7 @@ import torch
 
 from ..acceptance.prompts import load_prompts
 from ..diagnosis.detectors import finding
-from ..draft.budget import acceptance_budget, dump_sequences, plan_sequences, training_sequences
+from ..draft.budget import LIVE_WIRING, acceptance_budget, dump_sequences, plan_sequences, training_sequences
 from ..draft.model import Eagle3Draft
 from ..draft.precision import choose_dtype, server_dtype
 from ..draft.simulate import DraftSettings
@@ -89,8 +89,8 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     prompts up to :data:`MAX_LIVE_PROMPTS` for the engine and settings stages) when the data holds them, once. ``adapter``: the server's engine adapter
     (its ``capture_served`` gives the live stage's states and per-request counters of the same answers; default
     SGLang's). ``live_reference(prompts, name)``: an every-layer reference dump of ``prompts`` (``{"id",
-    "input_ids"}``), or None; when the wiring stage is still undecided on the training samples it is measured again
-    on the live prompts' tokens at the training data's layer plan (``training_tensors``) from that reference.
+    "input_ids"}``), or None; with it the wiring stage is measured on the live prompts' tokens too, at the training
+    data's layer plan (``training_tensors``) from that reference (:func:`helpers.draft.budget._wiring_on_live_prompts`).
 
     Raises:
         BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
@@ -115,38 +115,44 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
             settings, draft_fix=draft_fix, training=train_seqs, served_training=served, live_sequences=live_seqs,
             live=live, live_trained=live_trained, max_new_tokens=max_new_tokens, fix=fix_in), progress=None)
 
-    def compute() -> dict:
-        return compute_with(None)
+    def trained_on_live() -> tuple[Optional[list], Optional[str]]:
+        if not (live_seqs and live_reference is not None and training_tensors):
+            return None, None
+        name, k = "reference-live", 2            # a new dump per call (the reference adds -hf or -server)
+        while any((run_dir / "dumps" / f"{name}-{x}").exists() for x in ("hf", "server")):
+            name, k = f"reference-live-{k}", k + 1
+        return _live_trained(live_reference, live_seqs, training_tensors, progress, name)
 
-    b = compute()
-    grown = []
+    grown, notes = [], []
+    live_trained, why = trained_on_live()
+    if why:
+        notes.append(why)
+    b = compute_with(live_trained)
     need_w = _settle_n(b, "wiring")
-    if need_w and served is not None and len(train_seqs) < min(need_w, MAX_WIRING_SAMPLES):
+    on_live = LIVE_WIRING in ((b["losses"].get("wiring") or {}).get("basis") or "")
+    if need_w and not on_live and served is not None and len(train_seqs) < min(need_w, MAX_WIRING_SAMPLES):
         more = _more_training(adapter, client, training, hidden_size, len(train_seqs), min(need_w, MAX_WIRING_SAMPLES),
                               run_dir, progress)
         if more is not None:
             train_seqs, served = more
             grown.append(f"wiring: measured again on {len(train_seqs)} training samples (undecided on fewer)")
-    # the engine stage pairs the live prompts; the settings stage simulates on their served states: either grows them
+    # the engine stage pairs the live prompts; the settings stage simulates on their served states; the wiring stage,
+    # when the live prompts decide it, pairs them too: any of them grows the live prompts
     open_live = {st: n for st in ("engine", "settings") if (n := _settle_n(b, st))}
+    if need_w and on_live:
+        open_live["wiring"] = need_w
     need_e = max(open_live.values(), default=None)
     if need_e and live is not None and len(live) < min(need_e, MAX_LIVE_PROMPTS):
         extra_n = min(need_e, MAX_LIVE_PROMPTS) - len(live)
         s2, l2 = _live(adapter, client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
         live_seqs, live = live_seqs + s2, pd.concat([live, l2], ignore_index=True)
         grown.append(f"{' and '.join(open_live)}: measured again on {len(live)} live prompts (undecided on fewer)")
+        if live_trained is not None:
+            live_trained, _ = trained_on_live()
     if grown:
-        b = compute()
-    live_trained = None
-    if (b["losses"].get("wiring") or {}).get("decision") == "undecided" and live_seqs and live_reference is not None \
-            and training_tensors:
-        live_trained = _live_trained(live_reference, live_seqs, training_tensors, progress)
-        if live_trained:
-            b = compute_with(live_trained)
-            grown.append(f"wiring: measured again on {len(live_trained)} live prompts' tokens at the training plan "
-                         "(every-layer reference; undecided on the training samples)")
-    if grown:
-        b.setdefault("notes", []).extend(grown)
+        b = compute_with(live_trained)
+    if grown or notes:
+        b.setdefault("notes", []).extend(notes + grown)
     out = BudgetRun(budget=b, live=live)
     cause = b["cause"]
     if cause in CAUSE_KINDS and not (cause == "wiring" and any(f["kind"] != "config_ids_mismatch" for f in findings)):
@@ -198,19 +204,23 @@ def _live(adapter: EngineAdapter, client, run_dir: Path, first: int, n: int, max
 
 
 def _live_trained(live_reference: Callable[[list[dict], str], Optional[Path]], live_seqs: list,
-                  training_tensors: list[str], progress: Callable[[str], None]) -> Optional[list]:
+                  training_tensors: list[str], progress: Callable[[str], None],
+                  name: str = "reference-live") -> tuple[Optional[list], Optional[str]]:
     """The training data's layer plan on the live prompts' tokens (prompt and the server's continuation), from an
-    every-layer reference of those tokens; None when none can be made or it lacks a tensor of the plan."""
-    progress(f"wiring undecided on the training samples: every-layer reference of {len(live_seqs)} live prompts")
+    every-layer reference of those tokens, and why not (None and the reason when none can be made or it lacks a
+    tensor of the plan)."""
+    progress(f"wiring on the live prompts: every-layer reference of {len(live_seqs)} live prompts")
     path = live_reference([{"id": s.key, "input_ids": [int(t) for t in s.tokens]} for s in live_seqs],
-                          "reference-live")
+                          name)
     if path is None:
-        return None
+        return None, "wiring on the live prompts not measured: no every-layer reference of their tokens"
     try:
-        return plan_sequences(path, training_tensors, live_seqs)
+        return plan_sequences(path, training_tensors, live_seqs), None
     except KeyError as exc:
-        progress(f"wiring on the live prompts not measured: {exc}")
-        return None
+        why = (f"wiring on the live prompts not measured: the training data's layer plan "
+               f"[{', '.join(training_tensors)}] names a tensor the target does not have ({exc.args[0]})")
+        progress(why)
+        return None, why
 
 
 def _more_training(adapter: EngineAdapter, client, training: str | Path, hidden_size: int, have: int, want: int,

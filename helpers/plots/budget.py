@@ -20,7 +20,7 @@ ORDER = ("training log", "checkpoint (teacher-forced)", "offline on training sta
          "offline on live prompts, training plan", "offline on live prompts' served states", "live")
 #: stages that start a new run of bars: another quantity (a drafting chain, not a teacher-forced formula) or other
 #: prompts or states, so the step from the bar before is not a loss (the wiring stage measured again on the live
-#: prompts, when the training samples left it undecided, is its own run: its loss is in the wiring row's note)
+#: prompts is its own run: its loss is in the wiring row's note)
 NEW_RUN = ("offline on training states", "offline on live prompts, training plan",
            "offline on live prompts' served states")
 #: the stage row each loss is measured at (the loss is the step from the row before it, within one run)

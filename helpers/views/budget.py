@@ -77,7 +77,7 @@ def ladder_frame(budget: dict) -> pd.DataFrame:
                                               [loss, loss.get("ladder") or {}, *(loss.get("also") or [])]):
             tr = next((a for a in [loss.get("ladder") or {}, *(loss.get("also") or [])]
                        if (a.get("basis") or "").startswith(TRAINING_WIRING)), None)
-            note.append("measured again on the live prompts' tokens (the row 'offline on live prompts, training "
+            note.append("measured on the live prompts' tokens too (the row 'offline on live prompts, training "
                         "plan')" + (f"; on the training samples {_ci_of(tr['delta'], tr.get('ci'))} "
                                     f"{tr.get('decision')}" if tr else ""))
         if at.get(name) in gained:
