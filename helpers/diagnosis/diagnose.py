@@ -118,6 +118,16 @@ class Diagnosis:
         return "\n".join(lines)
 
 
+def _out_ids(tensors) -> Optional[list[int]]:
+    """SpecForge output-of-layer ids of a plan made only of ``out(i)`` tensors, else None."""
+    ids = []
+    for t in tensors:
+        if not (t.startswith("out(") and t.endswith(")") and t[4:-1].isdigit()):
+            return None
+        ids.append(int(t[4:-1]))
+    return ids
+
+
 def _inferred_training_plan(cmp, current):
     """The training plan identified in the data against the reference (provenance ``inferred``), when every
     training chunk is equal to one reference layer; else None."""
@@ -223,8 +233,27 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
     if inferred is not None and (tp is None or tp.provenance != "manifest"):
         tp = inferred
     elif inferred is not None and tp is not None and inferred.tensors != tp.tensors:
-        notes.append(f"the training manifest says [{', '.join(tp.tensors)}] but the training chunks equal "
-                     f"[{', '.join(inferred.tensors)}] of the reference: the manifest does not describe this data")
+        # the data are what the draft was trained on: their plan replaces the manifest's, and the static check is
+        # run again against it (a config_ids_mismatch or layer offset read from the manifest alone would be false)
+        notes.append(f"the training manifest says [{', '.join(tp.tensors)}] ({tp.source}) but the training chunks "
+                     f"equal [{', '.join(inferred.tensors)}] of the reference: the manifest does not describe this "
+                     "data; the data's plan is used")
+        ids = _out_ids(inferred.tensors)
+        if report is not None and ids is not None:
+            plan = resolve_training_plan(draft, target, trained_layer_ids=ids)
+            plan.provenance, plan.source, plan.who = "inferred", inferred.source, inferred.who
+            plan.notes = list(inferred.notes)
+            report = static_check(draft, target, weights=weights, sglang_version=version, server=settings,
+                                  training=td, rules=rules, training_plan_override=plan)
+            if weights_note:
+                report.inputs["draft weights"] = weights_note
+            sp, tp = report.served_plan, report.training_plan
+            static, layout_static = [], []
+            for f in report.findings:
+                (layout_static if f["evidence"].get("static") and f["kind"] in LAYOUT_KINDS + ("width_mismatch",)
+                 else static).append(f)
+        else:
+            tp = inferred
     ctx = D.Context(cmp=cmp, served_plan=sp, training_plan=tp, draft=draft, weights=weights, target=target,
                     server=settings)
     numeric = D.run_numeric(ctx)

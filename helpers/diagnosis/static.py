@@ -239,8 +239,8 @@ def _plan_readings(tp: CapturePlan, sp: CapturePlan) -> Optional[dict]:
 def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | Path, *,
                  weights: Any = "auto", sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
                  server: Optional[ServerSettings | dict] = None, training: Any = None,
-                 trained_layer_ids: Optional[Sequence[int]] = None, rules: Optional[PlanRules] = None
-                 ) -> StaticReport:
+                 trained_layer_ids: Optional[Sequence[int]] = None, rules: Optional[PlanRules] = None,
+                 training_plan_override: Optional[CapturePlan] = None) -> StaticReport:
     """Run the static wiring check (module docstring).
 
     Args:
@@ -256,6 +256,8 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         trained_layer_ids: ids from the run's record (SpecForge out(i)); the most trusted training source.
         rules: the serving engine's rules (:class:`helpers.diagnosis.plan_rules.PlanRules`, from the engine adapter
             of the attached server); None: SGLang's of ``sglang_version`` (or the server settings' version).
+        training_plan_override: the training plan to check against instead of resolving one (the plan identified
+            in the training data when it contradicts the data's manifest: :func:`helpers.diagnosis.diagnose.diagnose`).
 
     Returns:
         :class:`StaticReport`.
@@ -301,11 +303,12 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         sp = rules.served_plan(d, t, algo)
     except ValueError as e:
         raise BadInput(str(e), field="speculative algorithm") from None
-    tp = resolve_training_plan(d, t, training=training, trained_layer_ids=trained_layer_ids)
+    tp = training_plan_override or resolve_training_plan(d, t, training=training, trained_layer_ids=trained_layer_ids)
     findings: list[dict] = []
 
     findings += rules.setup_findings(d, t, sp, algo)
-    if tp is not None and tp.provenance == "manifest" and d.nested_layer_ids is not None and tp.config_ids is not None \
+    if tp is not None and tp.provenance in ("manifest", "inferred") and d.nested_layer_ids is not None \
+            and tp.config_ids is not None \
             and list(d.nested_layer_ids) != list(tp.config_ids.ids) and sp.tensors != tp.tensors:
         # (equal tensors under other numbers = another convention, e.g. DeepSeek capture indices: not an edit)
         findings.append(D.finding(

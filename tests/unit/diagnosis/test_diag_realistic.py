@@ -448,3 +448,22 @@ def test_a_negative_scale_says_the_rows_point_the_opposite_way(worlds):
                  target_config=td)
     assert kinds(d) == [("scaled_chunk", 1)], d.render_text()
     assert abs(d.findings[0]["evidence"]["factor"] + 3) < 0.03 and "opposite way" in d.findings[0]["detail"]
+
+
+@pytest.mark.parametrize("n", [32, 61])
+def test_a_manifest_the_data_contradict_gives_way_to_the_data(worlds, n):
+    """The training data hold the default layers but their manifest was edited to ids + 1 (the draft config and the
+    server are right): without a reference the manifest is all there is (config_ids_mismatch, offsets); with the
+    every-layer reference the training chunks are identified, their plan replaces the manifest's, the static check
+    is run against it (no config_ids_mismatch, no offset) and a note says the manifest does not describe the data."""
+    w = worlds[n]
+    ids = specforge_default(n)
+    served = w.served_json(outs(ids))
+    dd, td = w.configs(ids)
+    lying = w.training(outs(ids), manifest_ids=[i + 1 for i in ids])
+    d = diagnose(lying, [served], draft_config=dd, target_config=td)
+    assert ("config_ids_mismatch", -1) in kinds(d), d.render_text()
+    d2 = diagnose(lying, [served], draft_config=dd, target_config=td, reference=w.reference())
+    assert kinds(d2) == [], d2.render_text()
+    assert d2.training_plan.provenance == "inferred" and d2.training_plan.tensors == outs(ids)
+    assert any("the manifest does not describe this data" in x for x in d2.notes)
