@@ -77,6 +77,10 @@ def _device(name: str) -> torch.device:
     return dev
 
 
+#: the most --speculative-num-steps the simulation takes
+MAX_STEPS = 64
+
+
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m helpers simulate ...`` (module docstring)."""
     prog = "simulate"
@@ -85,6 +89,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         a = build_parser().parse_args(list(argv) if argv is not None else None)
         if a.samples < 1:
             raise BadInput("--samples must be >= 1", field="--samples")
+        if a.steps > MAX_STEPS:
+            raise BadInput(f"--steps {a.steps}: expected at most {MAX_STEPS} (the simulation grows with the steps; "
+                           "EAGLE-3 trainers train 7-8 TTT steps)", field="--steps")
         st = DraftSettings(a.steps, a.topk, a.draft_tokens if a.draft_tokens is not None else
                            default_draft_tokens(a.steps, a.topk)).check()
         device = _device(a.device)
@@ -102,6 +109,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                              served=a.served, training_log=log_path, log=log, validation=a.validation,
                              rows_word=rows_arg(a.rows), device=device, progress=show)
         findings = draft_checks(draft_dir, target_dir, training=Path(a.training))
+        if len(off.training) < a.samples:
+            show(f"--samples {a.samples}: the training data give {len(off.training)} usable sample(s); all are used")
         show(f"simulating {len(off.training)} training sample(s)"
              + (f" and {len(off.served)} served" if off.served else "") + f" at {st.label} ...")
         required = ("draft", "settings") + (("wiring",) if off.served else ())

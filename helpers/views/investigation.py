@@ -153,6 +153,14 @@ def measured_figure(doc: InvestigationDoc) -> Optional[go.Figure]:
     return fig
 
 
+def _budget_samples(doc: InvestigationDoc) -> Optional[int]:
+    """How many training samples the acceptance budget's wiring stage ran on (it may grow past the diagnosis's)."""
+    st = next((s for s in (doc.acceptance or {}).get("stages") or [] if s.get("name") == "offline on served states"),
+              None) or next((s for s in (doc.acceptance or {}).get("stages") or []
+                             if s.get("name") == "offline on training states"), None)
+    return None if st is None else st.get("sequences")
+
+
 def facts_frame(doc: InvestigationDoc) -> pd.DataFrame:
     """What the server runs and what the investigation used (attach + reference + timings)."""
     a = doc.attach or {}
@@ -164,7 +172,8 @@ def facts_frame(doc: InvestigationDoc) -> pd.DataFrame:
             ("every-layer capture", a.get("layers_dir") or "none"),
             ("other forward hooks", ", ".join(str(h.get("name")) for h in a.get("other_hooks") or []) or "none"),
             ("reference", (doc.reference or {}).get("how") or "none"),
-            ("training samples compared", doc.samples),
+            ("training samples compared (diagnosis)", doc.samples),
+            ("training samples in the acceptance budget", _budget_samples(doc)),
             ("timings (s)", ", ".join(f"{k} {v}" for k, v in (doc.timings or {}).items()))]
     if (doc.reference or {}).get("missing"):
         rows.append(("missing", doc.reference["missing"]))

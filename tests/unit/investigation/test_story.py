@@ -254,3 +254,16 @@ def test_naming_time_leaves_out_the_restart_that_measures_the_fix():
     text = named_text(secs, doc.seconds_to_verdict, left_out=out)
     assert text.startswith("in 31.8 s (") and "the 69.8 s of the restart that measures the fix left out" in text
     assert naming_seconds(InvestigationDoc(wall_s=20.0))[0] == 20.0 and naming_seconds(InvestigationDoc()) == (None, 0.0)
+
+
+def test_the_facts_say_how_many_training_samples_each_part_used():
+    """The diagnosis compared 4 training samples; the budget's wiring stage grew to 16: the facts table gives both
+    (it said 'training samples compared: 4' while the budget ran on 16)."""
+    from helpers.views.investigation import facts_frame
+
+    budget = {"stages": [{"name": "offline on training states", "sequences": 16},
+                         {"name": "offline on served states", "sequences": 16}]}
+    doc = InvestigationDoc(verdict="ok", samples=4, acceptance=budget)
+    f = facts_frame(doc).set_index("fact")["value"]
+    assert f["training samples compared (diagnosis)"] == "4"
+    assert f["training samples in the acceptance budget"] == "16"
