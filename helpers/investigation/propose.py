@@ -172,6 +172,11 @@ def _fix_ids(fix: ProposedFix, kinds: list[str], tplan: Any, splan: Any, measure
             fix.unaddressed.extend(id_kinds)
         else:
             ids, plan, why = ids_for_plan(tplan.tensors, draft, target, rules=rules)
+            want = getattr(draft, "sglang_num_aux", None)
+            if ids is not None and isinstance(want, int) and len(tplan.tensors) != want:
+                ids, plan, why = None, None, (
+                    f"it has {len(tplan.tensors)} chunks while the draft reads {want} (its fc takes {want} x the "
+                    f"hidden size: {draft.path}), so ids that feed it would not serve")
             if ids is None:
                 engine_parts.append(f"the training plan [{', '.join(tplan.tensors)}] cannot be served by "
                                     f"{rules.label}: {why}")

@@ -150,3 +150,16 @@ def test_draft_variant_applies_config_and_tensors(tmp_path):
     with pytest.raises(ValueError, match="no tensor 'nope'"):
         draft_variant(src, {}, tmp_path / "bad", add_tensors={"nope": str(vm)})
     assert Path(out).name == "fixed"
+
+
+def test_a_training_plan_of_another_length_than_the_draft_reads_is_not_proposed(world):
+    """Training data of four chunks for a draft whose fc reads three: ids that feed the four would make a server
+    that does not start (fc width), so none are proposed and the fix says why."""
+    four = [1, 8, 15, 28]
+    training = world.training(outs(four), manifest_ids=four)
+    d, draft, target = _diagnose(world, training, [2, 16, 29], outs([2, 16, 29]), reference=False)
+    assert draft.sglang_num_aux == 3 and len(d.training_plan.tensors) == 4
+    fix = propose_fix(d, draft=draft, target=target, version="0.5.23", algorithm="EAGLE3")
+    ids = ((fix.draft_config or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    assert ids is None or len(ids) == 3, fix
+    assert any("4 chunks while the draft reads 3" in e for e in fix.engine), fix.engine
