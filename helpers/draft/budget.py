@@ -697,8 +697,12 @@ def _fix_stage(L: _Ladder, draft, inp: BudgetInputs) -> None:
         ref = next((x.get("accept_length") for x in L.stages if x["name"] == "offline on served states"), None)
         dec = decide(d, lo, hi, threshold(ref), n=n, unit="training samples", per_sequence=per)
         lo, hi = dec["ci"]
-        fo.update(gain=d, gain_ci=[lo, hi], n_paired=n, gain_per_sequence=per,
-                  proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS), decision=dec["decision"])
+        decision = dec["decision"]
+        diff = states_difference(inp.fix["sequences"], inp.served_training)
+        if decision == "clear" and per and all(x == 0 for x in per) and (diff is None or diff >= SAME_STATES):
+            decision = "undecided"           # the same verify steps from other states: too few to show a gain
+        fo.update(gain=d, gain_ci=[lo, hi], n_paired=n, gain_per_sequence=per, states_difference=diff,
+                  proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS), decision=decision)
     L.fix_offline = fo
 
 

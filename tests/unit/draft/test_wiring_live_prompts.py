@@ -152,3 +152,25 @@ def test_the_table_keeps_the_training_figure_when_a_measured_fix_replaces_the_lo
     note = ladder_frame(b).set_index("stage").loc["offline on served states", "note"]
     assert "measured on the server" in note and "measured on the live prompts' tokens too" in note
     assert f"{tr['delta']:.2f}" in note and "undecided" in note
+
+
+def test_a_fix_proven_on_one_verify_step_per_sample_is_not_withdrawn(world):
+    """The proposed fix (the trained plan) against the shifted served states on training samples cut to two generated
+    tokens: both give the same verify step on each of the 3 samples, while the states differ by far more than
+    SAME_STATES. That identity is no evidence the fix gains nothing: its decision is undecided, not clear (a clear
+    one withdraws the fix)."""
+    from helpers.draft.simulate import SimSequence
+    from helpers.investigation.acceptance import fix_withdrawal
+
+    def cut(seqs, k=2):
+        return [SimSequence(s.key, s.tokens[:s.start + k], s.aux[:s.start + k], s.start,
+                            None if s.targets is None else s.targets[:s.start + k]) for s in seqs]
+
+    fix = cut(world["train_plan"](list(TRAINED_PLAN)))
+    b = acceptance_budget(world["draft"], BudgetInputs(
+        settings=ST, training=cut(world["train"]), served_training=cut(world["train_plan"](SHIFTED)),
+        fix={"label": "the training plan", "sequences": fix, "plan": list(TRAINED_PLAN)}, draft_cost=world["cost"]),
+        required=("wiring",))
+    fo = b["fix_offline"]
+    assert fo["gain_per_sequence"] == [0, 0, 0] and fo["states_difference"] > SAME_STATES
+    assert fo["decision"] == "undecided" and fix_withdrawal(fo) is None
