@@ -45,6 +45,9 @@ def build_parser() -> Parser:
     p.add_argument("--rows", metavar="SPLIT[,TEXT]", help="what the draft stage's rows are, when their capture.json "
                    "does not say: a split (validation|training) and/or a text kind (sampled|greedy|mixed|dataset), "
                    "e.g. validation,sampled")
+    p.add_argument("--draft-cost", type=float, metavar="R", help="one draft forward's cost relative to one verify "
+                   "step, for the settings stage (default: the ratio of parameters from the safetensors headers; give a "
+                   "timing's ratio for a mixture-of-experts target, whose tokens read only their experts)")
     p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
                    "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
     p.add_argument("--sweeps", default="auto", help="workload sweeps after the acceptance budget (no restart): auto "
@@ -75,6 +78,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput("--samples and --prompts must be >= 1")
         if args.timeout is not None and not args.timeout > 0:
             raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+        if args.draft_cost is not None and not 0 < args.draft_cost < 10:
+            raise BadInput(f"--draft-cost {args.draft_cost}: expected a ratio above 0 (a draft forward's cost over a "
+                           "verify step's, e.g. 0.05)", field="--draft-cost")
         parse_ports(args.port, what="--port")
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
@@ -92,7 +98,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                               timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
                               max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
                               acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
-                              training_log=args.training_log, sweeps=sweeps, progress=show)
+                              training_log=args.training_log, sweeps=sweeps, draft_cost=args.draft_cost,
+                              progress=show)
             report = write_report(run_dir, doc)
         if args.json:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],

@@ -43,6 +43,9 @@ def build_parser() -> Parser:
     p.add_argument("--training", required=True, help="the draft's training data (SpecForge, speculators, EAGLE, dump)")
     p.add_argument("--served", help="a served capture of the same training tokens (a dump from `capture`, or the "
                    "run folder's dumps/server-served): the wiring stage, paired per sample")
+    p.add_argument("--draft-cost", type=float, metavar="R", help="one draft forward's cost relative to one verify "
+                   "step, for the settings stage (default: the ratio of parameters from the safetensors headers; give a "
+                   "timing's ratio for a mixture-of-experts target, whose tokens read only their experts)")
     p.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (default 3)")
     p.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk (default 1)")
     p.add_argument("--draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default steps + 1)")
@@ -107,7 +110,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         H = read_target_config(target_dir).hidden_size
         off = offline_inputs(draft_dir, target_dir, a.training, hidden_size=H, choice=choice, samples=a.samples,
                              served=a.served, training_log=log_path, log=log, validation=a.validation,
-                             rows_word=rows_arg(a.rows), device=device, progress=show)
+                             rows_word=rows_arg(a.rows), device=device, draft_cost=a.draft_cost, progress=show)
         findings = draft_checks(draft_dir, target_dir, training=Path(a.training))
         if len(off.training) < a.samples:
             show(f"--samples {a.samples}: the training data give {len(off.training)} usable sample(s); all are used")

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..errors import BadInput
 from ..formats.training_data import TrainingData
-from .budget import BudgetInputs, draft_cost, dump_sequences, training_sequences
+from .budget import BudgetInputs, dump_sequences, training_sequences
+from .budget import draft_cost as step_cost
 from .draft_stage import budget_fields, draft_rows
 from .model import DraftArch, Eagle3Draft
 from .precision import DtypeChoice
@@ -65,7 +67,7 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
                    training_log: Optional[str | Path] = None, log: Optional[TrainingLog] = None,
                    validation: Optional[str | Path] = None,
                    rows_word: tuple[Optional[str], Optional[str]] = (None, None), device: Any = "cpu",
-                   progress: Callable[[str], None] = lambda s: None) -> OfflineInputs:
+                   draft_cost: Optional[float] = None, progress: Callable[[str], None] = lambda s: None) -> OfflineInputs:
     """Gather the draft's offline inputs (module docstring).
 
     Args:
@@ -80,6 +82,7 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
             when the caller has read it already, the log itself; the draft stage's rows (default: a ``validation`` folder beside the training data or in the draft folder), and what the
             rows are when their capture.json does not say (``(split, text)``).
         device: torch device of the offline run.
+        draft_cost: one draft forward's cost relative to one verify step (None: from the parameter counts).
         progress: called with one line per step.
 
     Raises:
@@ -88,6 +91,9 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
             file and field named).
     """
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
+    if draft_cost is not None and not (0 < draft_cost < 10):
+        raise BadInput(f"--draft-cost {draft_cost}: expected a ratio above 0 (a draft forward's cost over a verify "
+                       "step's, e.g. 0.05)", field="--draft-cost")
     DraftArch.from_config(draft_dir)                                    # the draft is checked before its log
     log_path = Path(training_log) if log is not None and training_log is not None else \
         find_training_log(draft_dir, training_log)
@@ -104,6 +110,6 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
     for where, why in skipped:
         progress(f"training sample {where} left out: {why}")
     served_seqs = dump_sequences(served, starts={s.key: s.start for s in train}) if served is not None else None
-    cost, cost_src = draft_cost(draft_dir, target_dir)
+    cost, cost_src = step_cost(draft_dir, target_dir, draft_cost=draft_cost)
     return OfflineInputs(draft=draft, log=log, log_path=log_path, rows=rows, training=train, served=served_seqs,
                          cost=cost, cost_source=cost_src, skipped=skipped)

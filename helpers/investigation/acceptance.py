@@ -80,6 +80,7 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
                settings: DraftSettings, fix: Optional[ProposedFix], findings: list[dict],
                training_tensors: Optional[list[str]], training_log: Optional[str | Path] = None,
                validation: Optional[str | Path] = None, rows_word: tuple[Optional[str], Optional[str]] = (None, None),
+               draft_cost: Optional[float] = None,
                prompts: int = 16, max_new_tokens: int = 32, measure: bool = True,
                progress: Callable[[str], None] = lambda s: None,
                adapter: Optional[EngineAdapter] = None,
@@ -100,6 +101,7 @@ def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, trainin
     progress(f"offline draft run: compute dtype {choice.reason}")
     off = offline_inputs(draft_dir, target_dir, training, hidden_size=hidden_size, choice=choice, samples=num_samples,
                          served=served_dump, training_log=training_log, validation=validation, rows_word=rows_word,
+                         draft_cost=draft_cost,
                          progress=progress)
     draft, dr, train_seqs, served = off.draft, off.rows, off.training, off.served
     for where, why in off.skipped:

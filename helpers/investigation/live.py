@@ -94,6 +94,7 @@ class Request:
     sweep_budget: float = 120.0
     validation: Optional[str | Path] = None
     rows_word: tuple[Optional[str], Optional[str]] = (None, None)
+    draft_cost: Optional[float] = None
 
 
 @dataclass
@@ -345,7 +346,7 @@ def _stage_budget(r: Run) -> None:
                         training_tensors=(None if r.diag.training_plan is None
                                           else list(r.diag.training_plan.tensors)),
                         training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
-                        prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
+                        draft_cost=req.draft_cost, prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
                         measure=req.live_measure, progress=r.progress, adapter=r.adapter,
                         live_reference=lambda prompts, name: _reference(r.adapter, att, r.client, prompts,
                                                                         req.run_dir, r.tcfg.num_hidden_layers,
@@ -439,7 +440,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 sweeps: str | Sequence[str] = "auto", sweep_budget: float = 120.0,
                 validation: Optional[str | Path] = None,
                 rows_word: tuple[Optional[str], Optional[str]] = (None, None),
-                progress: Progress = _noop) -> InvestigationDoc:
+                draft_cost: Optional[float] = None, progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
     Args:
@@ -465,6 +466,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             beside the training data or the draft, else the training data; :func:`helpers.investigation.acceptance.
             draft_rows`).
         rows_word: ``(split, text)`` the user's word on what those rows are (``--rows``), each None when not given.
+        draft_cost: one draft forward's cost relative to one verify step for the settings stage (None: from the
+            parameter counts, :func:`helpers.draft.budget.draft_cost`).
         sweeps: workload sweeps after the acceptance budget (:mod:`helpers.investigation.ablate`, no restart):
             ``"auto"`` runs the context and concurrency sweeps only when the budget leaves the loss unexplained (cause
             ``unknown``) and the run's time allows; a list (e.g. ``["context"]``) runs those; ``()`` none. A sweep that
@@ -489,7 +492,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                   max_new_tokens=max_new_tokens, concurrency=concurrency, apply_fix=apply_fix,
                   not_applied=not_applied, measured_by=measured_by, port=port, acceptance_budget=acceptance_budget,
                   live_measure=live_measure, training_log=training_log, sweeps=sweeps, sweep_budget=sweep_budget,
-                  validation=validation, rows_word=rows_word)
+                  validation=validation, rows_word=rows_word, draft_cost=draft_cost)
     parse_ports(port, what="--port")        # a bad port is bad input before any work
     if (req.run_dir / "investigation.json").exists():
         raise BadInput("the run folder already holds an investigation (investigation.json); investigate into a new "

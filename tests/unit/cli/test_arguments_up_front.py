@@ -85,3 +85,13 @@ def test_investigate_refuses_a_relaunch_that_cannot_run_before_any_request(train
     line = _line(capsys, "investigate")
     assert "--relaunch" in line and why in line, line
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("cost", ["0", "-0.5", "nan"])
+def test_investigate_draft_cost_that_is_no_ratio_is_refused_before_attaching(tmp_path, closed_url, training, capsys,
+                                                                              cost):
+    assert main(["investigate", "--url", closed_url, "--training", str(training), "--out", str(tmp_path),
+                 "--draft-cost", cost]) == 2
+    line = _line(capsys, "investigate")
+    assert f"--draft-cost {float(cost)}" in line and "expected a ratio above 0" in line, line
+    assert not any(tmp_path.iterdir())
