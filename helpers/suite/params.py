@@ -190,4 +190,33 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
     if unknown:
         raise BadParams(f"params file {path}: field 'needs': no notebook {unknown} in "
                         f"{params.notebook_path('x').parent}")
+    if given:          # a given entry replaces that notebook's default needs; the other defaults stay
+        params.needs = {**{k: list(v) for k, v in NEEDS.items()}, **{k: list(v) for k, v in given.items()}}
+    cycle = _needs_cycle(params.needs)
+    if cycle:
+        raise BadParams(f"params file {path}: field 'needs': a cycle {' -> '.join(cycle)} (no notebook of it could "
+                        "ever start)")
     return params
+
+
+def _needs_cycle(needs: dict[str, list[str]]) -> Optional[list[str]]:
+    """A cycle in the ``needs`` graph (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> Optional[list[str]]:
+        state[n] = 1
+        stack.append(n)
+        for m in needs.get(n, []):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if state.get(m) is None and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in list(needs):
+        if state.get(n) is None and (c := visit(n)):
+            return c
+    return None

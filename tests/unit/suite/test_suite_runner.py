@@ -106,6 +106,8 @@ def test_postmortem_failure_falls_back_to_a_runner_page(failing_params, tmp_path
     ("name: x\nserver: {url: 'http://h:1'}\nnotebooks: [no_such_notebook]\n", "field 'notebooks'"),
     ("name: x\nserver: {url: 'http://h:1'}\nunknown_field: 1\n", "unknown_field"),
     ("name: x\nserver: {url: 'http://h:1'}\nneeds: {03_compare: [02_dumb]}\n", "field 'needs': no notebook ['02_dumb']"),
+    ("name: x\nserver: {url: 'http://h:1'}\nneeds: {02_dump: [03_compare]}\n",
+     "field 'needs': a cycle 03_compare -> 02_dump -> 03_compare"),
     ("name: [unclosed\n", "not valid YAML"),
 ])
 def test_bad_params_exit_2_with_one_line(tmp_path, capsys, content, message):
@@ -115,6 +117,17 @@ def test_bad_params_exit_2_with_one_line(tmp_path, capsys, content, message):
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_given_needs_replace_only_their_own_notebooks_defaults(tmp_path):
+    """A params file's ``needs`` for one notebook replaces that notebook's default; the others keep theirs."""
+    from helpers.suite.params import NEEDS, load_params
+
+    p = tmp_path / "params.yaml"
+    p.write_text("name: x\nserver: {url: 'http://h:1'}\nneeds: {03_compare: []}\n")
+    params = load_params(p)
+    assert params.needs["03_compare"] == []
+    assert params.needs["12_hyp_layer_offset"] == NEEDS["12_hyp_layer_offset"]
 
 
 def test_only_with_an_unknown_notebook_exits_2_before_any_run_folder(failing_params, tmp_path, capsys):
