@@ -79,8 +79,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.timeout is not None and not args.timeout > 0:
             raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
         if args.draft_cost is not None and not 0 < args.draft_cost < 10:
-            raise BadInput(f"--draft-cost {args.draft_cost}: expected a ratio above 0 (a draft forward's cost over a "
-                           "verify step's, e.g. 0.05)", field="--draft-cost")
+            raise BadInput(f"{args.draft_cost} is no ratio in (0, 10) (a draft forward's cost over a verify "
+                           "step's, e.g. 0.05)", field="--draft-cost")
         parse_ports(args.port, what="--port")
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")

@@ -29,8 +29,9 @@ same; each loss decided by equivalence, :mod:`helpers.draft.decide`: ``counts`` 
    settings: served settings it dominates give up accepted tokens and buy no modelled throughput for them
    (``--speculative-num-steps 2`` where 3 accepts more and is modelled as fast). Settings that accept fewer tokens but are modelled faster than every
    chain that accepts more are a trade, not a loss: the budget's ``settings_trade`` says what they give up and buy.
-   Below :data:`helpers.draft.decide.SMALL_N` sequences served settings no chain dominates are ``undecided``, not
-   clear: the chains' order near the cost model's optimum is no evidence over so few (:func:`_no_reference`).
+   Below :data:`helpers.draft.decide.SMALL_N` sequences the stage is ``undecided`` whatever the estimates say (a
+   dominating chain, none, a trade): the chains' order in the cost model is no evidence over so few
+   (:func:`_no_reference`).
 
 The cause is the largest loss that ``counts``; ``none`` only when every required stage is ``clear`` (its CI rules a
 material loss out); ``undecided`` otherwise, with what would settle each open stage (never "no loss").
@@ -516,6 +517,30 @@ def _wiring_on_live_prompts(L: _Ladder, inp: BudgetInputs, sim) -> None:
                                   "stage measured on the live prompts"))
 
 
+#: a live measurement whose requests average fewer verify steps than this cannot tell settings or an engine apart:
+#: with --max-new-tokens 2 every chain and the server give one verify step of 2 tokens per prompt
+MIN_VERIFY_STEPS = 2.0
+
+
+def _verify_steps_per_sequence(frame: Optional[pd.DataFrame]) -> Optional[float]:
+    """Verify steps per sequence of a per-request frame (None when it has none)."""
+    if frame is None or not len(frame) or "verify_ct" not in frame.columns:
+        return None
+    return float(frame["verify_ct"].fillna(0).sum()) / len(frame)
+
+
+def _too_few_verify_steps(name: str, loss: dict, vs: Optional[float], max_new_tokens: Optional[int]) -> dict:
+    """``loss`` made undecided when its sequences average fewer than :data:`MIN_VERIFY_STEPS` verify steps (the
+    outcomes are capped by the tokens each request asked for, not decided by the stage)."""
+    if vs is None or vs >= MIN_VERIFY_STEPS or loss.get("decision") == "undecided":
+        return loss
+    why = (f"{vs:.1f} verify step(s) per prompt: the live requests' --max-new-tokens ({max_new_tokens}) caps every "
+           f"arm's accept length, so the {name} stage cannot be told from them; more tokens per prompt would settle "
+           "it")
+    return {**loss, "decision": "undecided", "counts": False, "why": why,
+            "settle": {"n": None, "text": f"more tokens per prompt (--max-new-tokens, now {max_new_tokens})"}}
+
+
 def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     """5 -- the live prompts: the draft offline on the served states of the server's own continuation, against the
     server's counters for the same answers, paired per request."""
@@ -532,9 +557,10 @@ def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     L.stages.append(_stage("live", inp.live, L.S, source="the same /generate answers' spec_verify_ct and "
                                                           "spec_num_correct_drafts (SGLang's counters)"))
     d, lo, hi, n, per = _paired_loss(live_sim, inp.live)
-    L.losses["engine"] = _loss("engine", d, lo, hi, f"offline on served states vs live, paired over {n} request(s) "
-                               "(same prompts, same tokens)", L.stages[-2].get("accept_length"), n=n,
-                               unit="prompts", per_sequence=per)
+    L.losses["engine"] = _too_few_verify_steps("engine", _loss(
+        "engine", d, lo, hi, f"offline on served states vs live, paired over {n} request(s) (same prompts, same "
+        "tokens)", L.stages[-2].get("accept_length"), n=n, unit="prompts", per_sequence=per),
+        _verify_steps_per_sequence(inp.live), inp.max_new_tokens)
 
 
 def acceptance_reference(table: Sequence[dict], served: dict) -> Optional[dict]:
@@ -642,11 +668,25 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                      f"unit time {change(ref):+.1%}: the served settings buy no modelled throughput for the tokens "
                      "they do not accept")
             L.losses["settings"] = _loss("settings", d, lo, hi, basis, served["accept_length"], n=n, per_sequence=per)
+            if n < SMALL_N:
+                # dominance is an order of chains in the cost model, read on the estimates: over so few sequences it
+                # is no evidence either way (on 3 Llama samples steps 5 dominated the served steps 3 by 1.15 tokens,
+                # on 16 steps 4 is modelled 3.6 % slower and nothing dominates)
+                k = max(SMALL_N, (L.losses["settings"].get("settle") or {}).get("n") or 0)
+                L.losses["settings"].update(
+                    decision="undecided", counts=False,
+                    settle={"n": k, "text": f"about {k} sequences (now {n}) would settle it"},
+                    why=f"{basis}; below {SMALL_N} sequences the chains' order in the cost model is no evidence")
         else:
             L.losses["settings"] = _no_reference(served, table, thr, n)
+        if grid_src is inp.live_sequences:
+            L.losses["settings"] = _too_few_verify_steps("settings", L.losses["settings"],
+                                                         _verify_steps_per_sequence(served["frame"]),
+                                                         inp.max_new_tokens)
+        capped = "--max-new-tokens" in ((L.losses["settings"].get("settle") or {}).get("text") or "")
         if L.losses["settings"]["counts"]:
             rec = ref                                         # accepts more at a throughput the model cannot fault
-        elif change(best) >= MATERIAL:
+        elif change(best) >= MATERIAL and not capped:
             rec = best                                        # a material modelled gain (fewer steps: a note below)
         else:
             rec = served
@@ -660,8 +700,10 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                          "modelled_speedup_change": change(ref)},
                      "source": f"the draft run offline on the {grid_name} at other --speculative-num-steps; scored by "
                                f"accept length / (1 + steps x {r_cost:.3f}), the draft forward's cost relative to a "
-                               f"verify step ({inp.draft_cost_source}); the acceptance reference is the fastest chain "
-                               "among those that accept more and are modelled at least as fast as the served "
+                               f"verify step ({inp.draft_cost_source}); this row is the recommended setting: the "
+                               "acceptance reference (the fastest chain among those that accept more and are modelled "
+                               "at least as fast as the served settings) when its loss counts, else the cost model's "
+                               f"best chain when it is modelled at least {MATERIAL:.0%} faster, else the served "
                                "settings",
                      "modelled_speedup_gain": gain})
     if rec["steps"] < st.steps:
@@ -846,6 +888,14 @@ def budget_sentence(b: dict) -> str:
                     f"({w['live_prompts']:.2f} vs {w['training_samples']:.2f} offline): the text, not the server")
         if b.get("settings_trade"):
             why += "; " + trade_text(b["settings_trade"])
+        r, sv = b.get("recommended_settings"), b.get("settings") or {}
+        st = next((s for s in b["stages"] if s["name"] == "best settings (simulated)"), {})
+        if r and sv and (r.get("steps"), r.get("topk")) != (sv.get("steps"), sv.get("topk")) \
+                and st.get("modelled_speedup_gain") is not None:
+            why += (f"; the cost model puts --speculative-num-steps {r['steps']} {st['modelled_speedup_gain']:+.0%} "
+                    f"in tokens per unit time while it accepts {_fmt(st.get('accept_length'))} tokens per verify "
+                    f"step against the served {_fmt(st.get('served_accept_length'))}: not a loss of accepted tokens, "
+                    "a throughput to measure (tok/s at both)")
     elif cause == "undecided":
         open_ = [k for k in (b.get("required") or REQUIRED_STAGES) if (L.get(k) or {}).get("decision") != "clear"]
         why = ("no stage loses a material share beyond its CI, and a material loss is not ruled out at " + "; ".join(

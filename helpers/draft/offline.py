@@ -92,8 +92,8 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
     """
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
     if draft_cost is not None and not (0 < draft_cost < 10):
-        raise BadInput(f"--draft-cost {draft_cost}: expected a ratio above 0 (a draft forward's cost over a verify "
-                       "step's, e.g. 0.05)", field="--draft-cost")
+        raise BadInput(f"{draft_cost} is no ratio in (0, 10) (a draft forward's cost over a verify step's, "
+                       "e.g. 0.05)", field="--draft-cost")
     DraftArch.from_config(draft_dir)                                    # the draft is checked before its log
     log_path = Path(training_log) if log is not None and training_log is not None else \
         find_training_log(draft_dir, training_log)

@@ -153,8 +153,9 @@ def _sweeps(r: Run) -> None:
         # acceptance (an undecided wiring or draft stage wants more samples or rows, which the budget says)
         chosen = ["context", "concurrency"] if sweeps_can_settle(b) else []
         if b.get("cause") == "undecided" and not chosen:
-            doc.notes.append("workload sweeps not run: the budget's undecided stages are settled by more training "
-                             "samples or rows, not by sweeping the requests (--sweeps context,concurrency runs them)")
+            doc.notes.append("workload sweeps not run: the budget's undecided stages are settled by what each says "
+                             "(more samples, rows, prompts or tokens per prompt), not by sweeping the requests "
+                             "(--sweeps context,concurrency runs them)")
     else:
         chosen = list(req.sweeps)
     if not chosen:
@@ -248,6 +249,10 @@ def _stage_diagnosis(r: Run) -> None:
     doc = r.doc
     t = r.step("diagnosis")
     r.diag = r.inv.diagnosis(reference=r.ref is not None)
+    for n in getattr(r.diag, "notes", None) or []:
+        if "the manifest does not describe this data" in n:       # the plan every later step uses: say it
+            r.doc.notes.append(n)
+            r.progress("note: " + n)
     doc.findings = [Finding(**f) for f in _measured_first(r.diag.findings + r.extra)]
     doc.diagnosis = r.diag.to_json()
     doc.verdict = "ok" if not doc.findings else "mismatch"

@@ -37,4 +37,4 @@ def test_a_given_draft_cost_is_used_and_said(capsys):
     best = max(b["settings_table"], key=lambda t: t["speedup_model"])
     assert best["steps"] <= 2, b["settings_table"]
     assert main(ARGS + ["--draft-cost", "-1"]) == 2
-    assert "--draft-cost -1" in capsys.readouterr().err
+    assert "[--draft-cost]: -1.0 is no ratio in (0, 10)" in capsys.readouterr().err

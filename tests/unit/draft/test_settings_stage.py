@@ -117,19 +117,29 @@ def test_a_trade_is_named_in_the_sentence_when_nothing_is_lost(pair):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_on_fewer_than_small_n_sequences_no_dominating_chain_is_undecided_not_clear(pair, k):
-    """On the first k training samples (fewer than SMALL_N) served settings that no chain dominates are undecided, with
-    SMALL_N sequences as what would settle it: never clear and never a trade (on 3 samples of the Kimi-class draft
-    steps 3 came out 0.04 % slower than steps 2 in the cost model and the budget said 'cause none'). Served settings
-    that a chain does dominate on those samples keep their decision from the accept length's CI."""
+def test_on_fewer_than_small_n_sequences_the_settings_stage_is_undecided(pair, k):
+    """On the first k training samples (fewer than SMALL_N) the settings stage is undecided, with SMALL_N sequences as
+    what would settle it, whether a chain dominates the served settings on those samples or none does: never clear,
+    never a trade, never counted (on 3 samples of the Kimi-class draft steps 3 came out 0.04 % slower than steps 2 in
+    the cost model and the budget said 'cause none'; on 3 Llama samples steps 5 dominated the served steps 3 by 1.15
+    tokens, which 16 samples refute)."""
     name, draft, seqs, cost, src, _ = pair
     few = seqs[:k]
-    for steps in (2, 3):
+    for steps in (1, 2, 3):
         b = _budget(draft, few, cost, src, DraftSettings.chain(steps))
         loss = b["losses"]["settings"]
-        ref = next(s for s in b["stages"] if s["name"] == "best settings (simulated)")["acceptance_reference"]
-        assert b["cause"] != "none" and loss["decision"] != "clear", (name, k, steps, loss)
+        assert b["cause"] == "undecided" and loss["decision"] == "undecided", (name, k, steps, loss)
         assert b["settings_trade"] is None
-        if ref is None:
-            assert loss["decision"] == "undecided" and loss["settle"]["n"] == SMALL_N, (name, k, steps, loss)
-            assert f"below {SMALL_N} sequences" in loss["why"]
+        assert loss["settle"]["n"] >= SMALL_N and f"below {SMALL_N} sequences" in loss["why"], (name, k, steps, loss)
+
+
+def test_a_faster_chain_that_accepts_fewer_tokens_is_said_in_the_sentence(pair):
+    """With a draft step costing 0.9 of a verify step the cost model favours fewer steps than the served 3 by more than
+    MATERIAL: no accepted tokens are lost (cause none), and the sentence says what the cost model favours and that it
+    is a throughput to measure (the recommendation was only in the notes)."""
+    name, draft, seqs, _, _, _ = pair
+    b = _budget(draft, seqs, 0.9, "given", DraftSettings.chain(3))
+    r = b["recommended_settings"]
+    assert b["cause"] == "none" and r["steps"] < 3, (name, b["sentence"])
+    assert f"the cost model puts --speculative-num-steps {r['steps']}" in b["sentence"]
+    assert "a throughput to measure" in b["sentence"]

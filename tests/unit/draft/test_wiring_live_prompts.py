@@ -174,3 +174,25 @@ def test_a_fix_proven_on_one_verify_step_per_sample_is_not_withdrawn(world):
     fo = b["fix_offline"]
     assert fo["gain_per_sequence"] == [0, 0, 0] and fo["states_difference"] > SAME_STATES
     assert fo["decision"] == "undecided" and fix_withdrawal(fo) is None
+
+
+@pytest.mark.parametrize("max_new_tokens", [2, 32])
+def test_a_cap_of_one_verify_step_per_prompt_decides_neither_engine_nor_settings(world, max_new_tokens):
+    """The live prompts at the trained plan, the server's counters taken as the offline run of the same states (an
+    engine that does what the simulation does). With --max-new-tokens 2 every chain and the server give one verify
+    step of 2 tokens per prompt: the engine identity and 'no chain accepts more' are the cap's, so both stages are
+    undecided (more tokens per prompt) and no setting is recommended; with 32 tokens both are decided."""
+    from helpers.draft.simulate import simulate_sequences
+
+    live_seqs = world["live_plan"](list(TRAINED_PLAN))
+    live = simulate_sequences(world["draft"], live_seqs, [ST], max_new_tokens=max_new_tokens)["per_request"][ST]
+    b = acceptance_budget(world["draft"], BudgetInputs(
+        settings=ST, live_sequences=live_seqs, live=live, max_new_tokens=max_new_tokens, draft_cost=world["cost"],
+        draft_cost_source=world["src"]), required=("engine", "settings"))
+    e, s = b["losses"]["engine"], b["losses"]["settings"]
+    if max_new_tokens == 2:
+        assert e["decision"] == s["decision"] == "undecided", (e, s)
+        assert "--max-new-tokens" in e["settle"]["text"] and "--max-new-tokens" in s["settle"]["text"]
+        assert b["recommended_settings"] == b["settings"] and b["cause"] == "undecided"
+    else:
+        assert e["decision"] == "clear" and s["decision"] in ("clear", "counts"), (e, s)
