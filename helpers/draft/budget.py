@@ -38,30 +38,25 @@ material loss out); ``undecided`` otherwise, with what would settle each open st
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
-from safetensors import safe_open
 
 from ..acceptance.stats import paired_effect
-from ..errors import BadInput
-from ..formats.configs import read_draft_config, read_target_config
-from ..formats.dumps import read_dump
 from ..formats.rows import RowsKind
-from ..formats.training_data import TrainingData
 from ..runfiles import jsonable
+from .cost import draft_cost  # noqa: F401  (the budget's draft-step cost; callers import it from here)
 from .decide import MATERIAL, MIN_TOKENS, SMALL_N, decide, threshold
 from .draft_stage import draft_stage
 from .model import Eagle3Draft
-from .params import resolve_name, sglang_parameters
+from .sequences import (SAME_STATES, dump_sequences, plan_sequences, states_difference,  # noqa: F401
+                        training_sequences)
 from .simulate import DraftSettings, SimSequence, simulate_sequences, summary
 from .teacher_forced import SeqRows, accept_length_ci, bootstrap_index, per_sequence_accept_length, reduce
 from .training_log import TrainingLog, predicted_accept_length
+
 #: the wiring loss's basis on the training samples, and measured again on the live prompts' tokens
 TRAINING_WIRING = "training states vs served states"
 LIVE_WIRING = ("the training data's layer plan (every-layer reference of the same tokens) vs the served states on the "
@@ -81,197 +76,6 @@ ABLATION_CAUSES = {"engine_feature_costs_acceptance": "engine", "concurrency_los
 
 
 # ------------------------------------------------------------------------------------------------ sequences
-
-def _start_from_mask(mask: Any, n: int) -> int:
-    if mask is None:
-        return 1
-    m = np.asarray(mask).reshape(-1)[:n]
-    nz = np.nonzero(m > 0)[0]
-    return int(nz[0]) if len(nz) else n
-
-
-def training_sequences(td: TrainingData, *, lm_head: Optional[torch.Tensor] = None,
-                       skipped: Optional[list] = None) -> list[SimSequence]:
-    """The training data's samples as sequences: aux rows as recorded, the continuation from the first loss-masked
-    token; when the sample records the target's final (post-norm) hidden state and ``lm_head [V, H]`` is given, the
-    target's own greedy token at each position (else the recorded tokens are taken as the target's).
-
-    A sample with no continuation to draft on (fewer than 3 tokens, an all-zero ``loss_mask``, a mask starting on
-    the last two tokens) is left out, as it adds nothing to a trainer's loss either; ``skipped`` (when given)
-    receives ``(file, why)`` for each.
-
-    Raises:
-        BadInput: a sample's aux hidden states hold NaN / Inf (the file and key named), or no sample is usable (the
-            first file named).
-    """
-    out, left = [], []
-    for s in td:
-        ids = torch.as_tensor(np.asarray(s.input_ids), dtype=torch.long)
-        where = (s.meta or {}).get("path") or str(s.sample_id or s.key)
-        mask = (s.meta or {}).get("loss_mask")
-        start = max(1, _start_from_mask(mask, len(ids)))
-        if start > len(ids) - 2:
-            all_zero = mask is not None and not (np.asarray(mask).reshape(-1) > 0).any()
-            why, fld = ((f"{len(ids)} token(s), expected at least 3", "input_ids") if len(ids) < 3 else
-                        ("loss_mask is all zero", "loss_mask") if all_zero else
-                        (f"the loss mask starts at token {start} of {len(ids)}: expected a prompt token and at "
-                         "least 2 loss-masked tokens", "loss_mask"))
-            left.append((where, why, fld))
-            continue
-        aux = s.load()
-        if not bool(torch.isfinite(aux).all()):
-            raise BadInput(f"{int((~torch.isfinite(aux)).sum())} NaN / Inf values in the aux hidden states "
-                           "(expected finite)", path=where, field=str((s.meta or {}).get("aux_key") or
-                                                                       "aux_hidden_state"))
-        out.append(SimSequence(str(s.sample_id or s.key), ids, aux, start, None))
-    if skipped is not None:
-        skipped.extend((w, why) for w, why, _ in left)
-    if left and not out:
-        w, why, fld = left[0]
-        raise BadInput(f"no sample has a continuation to draft on ({len(left)} sample(s); this one: {why})",
-                       path=w, field=fld)
-    return out
-
-
-def dump_sequences(path, *, starts: Optional[dict[str, int]] = None) -> list[SimSequence]:
-    """A project dump's samples as sequences. Row t of a served dump is position t of ``input_ids`` followed by
-    ``output_ids[:-1]``; the continuation starts at ``num_prompt_tokens`` (a capture with a greedy continuation) or
-    at ``starts[sample_id]`` (the training tokens replayed with ``max_new_tokens=1``; with ``starts``, samples whose id
-    is not in it are left out).
-
-    Raises:
-        BadInput: ``starts`` is given and no sample id of the dump is in it (the manifest named)."""
-    src = read_dump(path)
-    out = []
-    if starts is not None:
-        ids = [str(s.sample_id or s.key) for s in src.samples]
-        if not set(ids) & set(starts):
-            raise BadInput(f"none of the dump's sample ids ({', '.join(ids[:4])}{' ...' if len(ids) > 4 else ''}) "
-                           f"is a training sample ({', '.join(list(starts)[:4])}{' ...' if len(starts) > 4 else ''}"
-                           "): expected a capture of the same training tokens", path=Path(path) / "manifest.json",
-                           field="sample_id")
-    for s in src.samples:
-        if starts is not None and str(s.sample_id or s.key) not in starts:
-            continue                        # not one of these training samples: nothing to pair it with
-        ids = np.asarray(s.input_ids).reshape(-1)
-        outs = np.asarray(s.output_ids).reshape(-1) if s.output_ids is not None else np.zeros(0, dtype=np.int64)
-        sid = str(s.sample_id or s.key)
-        if starts is not None and sid in starts:
-            tokens, start = ids, starts[sid]
-        else:
-            tokens = np.concatenate([ids[: s.num_prompt_tokens or len(ids)], outs]) if len(outs) else ids
-            start = int(s.num_prompt_tokens or len(ids))
-        if s.first_position:
-            continue                        # a cached / chunked prefix: the rows do not start at position 0
-        out.append(SimSequence(sid, torch.as_tensor(tokens, dtype=torch.long), s.load(), start))
-    return out
-
-
-def plan_sequences(reference_path, plan: Sequence[str], like: Sequence[SimSequence]) -> list[SimSequence]:
-    """Sequences whose aux states are the every-layer reference's tensors ``plan`` (e.g. ``["out(1)", "out(3)",
-    "out(4)"]``: the served plan a proposed fix yields), on the tokens of ``like`` (matched by sample id)."""
-    src = read_dump(reference_path)
-    names = list((src.layer_plan or {}).get("tensors") or [])
-    H = src.hidden_size or (src.width // max(1, len(names)))
-    idx = []
-    for t in plan:
-        if t not in names:
-            raise KeyError(f"the reference dump holds no {t!r} (it has {', '.join(names[:6])}, ...)")
-        idx.append(names.index(t))
-    by_id = {str(s.sample_id or s.key): s for s in src.samples}
-    out = []
-    for seq in like:
-        s = by_id.get(seq.key)
-        if s is None:
-            continue
-        rows = s.load()
-        n = min(rows.shape[0], int(seq.tokens.shape[0]))
-        aux = torch.cat([rows[:n, i * H:(i + 1) * H] for i in idx], dim=-1)
-        out.append(SimSequence(seq.key, seq.tokens[:n], aux, seq.start, None if seq.targets is None
-                               else seq.targets[:n]))
-    return [s for s in out if s.start <= int(s.tokens.shape[0]) - 2]
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The model's own safetensors files: those its index (``model.safetensors.index.json``) maps, else every
-    ``*.safetensors`` in the folder."""
-    idx = folder / "model.safetensors.index.json"
-    if idx.is_file():
-        try:
-            wm = json.loads(idx.read_text()).get("weight_map") or {}
-            files = sorted({folder / f for f in wm.values()})
-            if files and all(f.is_file() for f in files):
-                return files
-        except (OSError, ValueError, AttributeError):
-            pass
-    return sorted(folder.glob("*.safetensors"))
-
-
-def _parameter_counts(folder: Path) -> dict[str, int]:
-    """``{tensor name: element count}`` of the floating-point tensors in the model's weight files, from the
-    safetensors headers (nothing is loaded; index tensors such as ``d2t`` / ``t2d`` are integer or bool and left
-    out)."""
-    out: dict[str, int] = {}
-    for f in _weight_files(folder):
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    sl = h.get_slice(k)
-                    if sl.get_dtype() in ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"):
-                        out[k] = int(np.prod(sl.get_shape(), dtype=np.int64))
-        except Exception as exc:              # a file that is not safetensors: say which
-            raise BadInput(f"cannot read its safetensors header ({exc})", path=f) from None
-    return out
-
-
-def _draft_parameters(draft_dir: Path) -> int:
-    """Parameters one draft forward multiplies by: the floating tensors SGLang's ``load_weights`` puts into the draft
-    (:func:`helpers.draft.params.resolve_name`: a stray tensor it drops is not read), the embedding left out (a
-    lookup reads a few rows; SpecForge checkpoints may ship it)."""
-    counts = _parameter_counts(draft_dir)
-    try:
-        arch = sglang_parameters(read_draft_config(draft_dir))
-    except BadInput:
-        arch = None
-    n = 0
-    for k, v in counts.items():
-        where = resolve_name(arch, k) if arch is not None else k
-        if where is None or where in ("d2t", "t2d"):
-            continue
-        param = where[0] if isinstance(where, tuple) else str(where)
-        if "embed_tokens" in param:
-            continue
-        n += v
-    return n
-
-
-def draft_cost(draft_dir: Path, target_dir: Path, *, draft_cost: Optional[float] = None) -> tuple[float, str]:
-    """One draft forward's cost relative to one verify step, and where the figure comes from.
-
-    At the small batches where speculative decoding pays, a forward is bound by the weight bytes it reads, and the
-    draft and the target are served in one dtype: the ratio of the parameters the draft multiplies by
-    (:func:`_draft_parameters`: what SGLang loads into it, its embedding left out) to the target's (every
-    floating tensor of its weight files), counted from the safetensors headers, so a float32 checkpoint served in
-    bf16 or a stray file beside the weights does not change it. A mixture-of-experts target reads only the experts
-    its tokens are routed to, and an untied target embedding is a lookup: the ratio then underestimates the draft's
-    share (give ``--draft-cost`` from a timing to override). Without the target's weights here, the target's
-    parameters are estimated from its config (12 x hidden^2 x layers + vocab x hidden).
-
-    Raises:
-        BadInput: a weight file whose safetensors header cannot be read (names the file)."""
-    if draft_cost is not None:
-        return float(draft_cost), "given"
-    d = _draft_parameters(draft_dir)
-    t = sum(_parameter_counts(target_dir).values())
-    if d and t:
-        return d / t, f"parameters: draft {d / 1e6:.2f} M / target {t / 1e6:.2f} M (safetensors headers)"
-    tc = read_target_config(target_dir)
-    vocab = int(tc.raw.get("vocab_size") or 0)
-    params = 12 * tc.hidden_size ** 2 * tc.num_hidden_layers + vocab * tc.hidden_size
-    if d and params:
-        return d / params, "draft parameters / target parameters estimated from its config"
-    return 0.1, "unknown (no weights here): 0.1 assumed"
-
 
 # ------------------------------------------------------------------------------------------------ statistics
 
@@ -444,32 +248,6 @@ def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                                    ref, n=n, unit="training samples", per_sequence=per)
     if inp.live_trained and inp.live_sequences:
         _wiring_on_live_prompts(L, inp, sim)
-
-
-#: relative difference (Frobenius, over every position from the first generated token) under which the served aux
-#: states are the training plan's tensors up to rounding (measured on the embedded TP 2 server's live capture against
-#: the HF every-layer reference of the same tokens: 0.000 for the chunks at the right layer; a layer one off 0.28 and
-#: more)
-SAME_STATES = 0.05
-
-
-def states_difference(a: Sequence[SimSequence], b: Sequence[SimSequence]) -> Optional[float]:
-    """The largest relative difference ``||a - b||_F / ||b||_F`` between the aux states of sequences paired by key, over
-    the rows both hold from ``start - 1`` on (float32); None when none pair or widths differ."""
-    by = {s.key: s for s in b}
-    worst = None
-    for s in a:
-        t = by.get(s.key)
-        if t is None or s.aux.shape[-1] != t.aux.shape[-1]:
-            continue
-        r0, r1 = max(s.start - 1, 0), min(int(s.aux.shape[0]), int(t.aux.shape[0]))
-        if r1 <= r0:
-            continue
-        x, y = s.aux[r0:r1].float(), t.aux[r0:r1].float()
-        den = float(torch.linalg.vector_norm(y)) or 1.0
-        d = float(torch.linalg.vector_norm(x - y)) / den
-        worst = d if worst is None else max(worst, d)
-    return worst
 
 
 def _wiring_on_live_prompts(L: _Ladder, inp: BudgetInputs, sim) -> None:

@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional
 
 from ..errors import BadInput
 from ..formats.training_data import TrainingData
-from .budget import BudgetInputs, dump_sequences, training_sequences
-from .budget import draft_cost as step_cost
+from .budget import BudgetInputs
+from .cost import draft_cost as step_cost
+from .sequences import dump_sequences, training_sequences
 from .draft_stage import budget_fields, draft_rows
 from .model import DraftArch, Eagle3Draft
 from .precision import DtypeChoice
