@@ -250,6 +250,17 @@ def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
         _wiring_on_live_prompts(L, inp, sim)
 
 
+def _blind_identity(per: Optional[Sequence[float]], diff: Optional[float]) -> bool:
+    """Both arms gave the same result on every sequence while their aux states differ (:func:`states_difference` at
+    least :data:`SAME_STATES`, or unknown): too few verify steps to show a difference, not evidence of none."""
+    return bool(per) and all(x == 0 for x in per) and (diff is None or diff >= SAME_STATES)
+
+
+def _more_tokens(max_new_tokens: Optional[int]) -> dict:
+    """The settle of a stage the live requests' token cap leaves undecided."""
+    return {"n": None, "text": f"more tokens per prompt (--max-new-tokens, now {max_new_tokens})"}
+
+
 def _wiring_on_live_prompts(L: _Ladder, inp: BudgetInputs, sim) -> None:
     """4b -- the wiring stage on the live prompts' tokens: the draft on the training data's layer plan (the every-layer
     reference of the same tokens) vs on the states the server fed, paired per prompt, both cut at the live requests'
@@ -272,15 +283,13 @@ def _wiring_on_live_prompts(L: _Ladder, inp: BudgetInputs, sim) -> None:
     diff = states_difference(served, inp.live_trained)
     live_loss = _loss("wiring", d, lo, hi, f"{LIVE_WIRING}, paired over {n} prompt(s)", ref, n=n, unit="prompts",
                       per_sequence=per, states_difference=diff)
-    if live_loss["decision"] == "clear" and per and all(x == 0 for x in per) and (diff is None or diff >= SAME_STATES):
+    if live_loss["decision"] == "clear" and _blind_identity(per, diff):
         steps = int(b["verify_ct"].sum()) if "verify_ct" in b.columns else None
         why = (f"both arms gave the same accept length on each of the {n} prompts, but the served states differ from "
                f"the training plan's by {'?' if diff is None else f'{diff:.2f}'} (relative; the same tensors differ "
                f"by less than {SAME_STATES}): {steps} verify steps could not show a loss; more tokens per prompt "
                f"(--max-new-tokens, now {inp.max_new_tokens}) would settle it")
-        live_loss.update(decision="undecided", why=why, counts=False,
-                         settle={"n": None, "text": f"more tokens per prompt (--max-new-tokens, now "
-                                                    f"{inp.max_new_tokens})"})
+        live_loss.update(decision="undecided", why=why, counts=False, settle=_more_tokens(inp.max_new_tokens))
     old = L.losses.get("wiring")
     brief = lambda x: {k: x.get(k) for k in ("delta", "ci", "decision", "basis")}  # noqa: E731
     if old is None or old.get("delta") is None:
@@ -316,7 +325,7 @@ def _too_few_verify_steps(name: str, loss: dict, vs: Optional[float], max_new_to
            f"arm's accept length, so the {name} stage cannot be told from them; more tokens per prompt would settle "
            "it")
     return {**loss, "decision": "undecided", "counts": False, "why": why,
-            "settle": {"n": None, "text": f"more tokens per prompt (--max-new-tokens, now {max_new_tokens})"}}
+            "settle": _more_tokens(max_new_tokens)}
 
 
 def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
@@ -457,11 +466,9 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                     why=f"{basis}; below {SMALL_N} sequences the chains' order in the cost model is no evidence")
         else:
             L.losses["settings"] = _no_reference(served, table, thr, n)
-        if grid_src is inp.live_sequences:
-            L.losses["settings"] = _too_few_verify_steps("settings", L.losses["settings"],
-                                                         _verify_steps_per_sequence(served["frame"]),
-                                                         inp.max_new_tokens)
-        capped = "--max-new-tokens" in ((L.losses["settings"].get("settle") or {}).get("text") or "")
+        vs = _verify_steps_per_sequence(served["frame"]) if grid_src is inp.live_sequences else None
+        capped = vs is not None and vs < MIN_VERIFY_STEPS and L.losses["settings"]["decision"] != "undecided"
+        L.losses["settings"] = _too_few_verify_steps("settings", L.losses["settings"], vs, inp.max_new_tokens)
         if L.losses["settings"]["counts"]:
             rec = ref                                         # accepts more at a throughput the model cannot fault
         elif change(best) >= MATERIAL and not capped:
@@ -519,7 +526,7 @@ def _fix_stage(L: _Ladder, draft, inp: BudgetInputs) -> None:
         lo, hi = dec["ci"]
         decision = dec["decision"]
         diff = states_difference(inp.fix["sequences"], inp.served_training)
-        if decision == "clear" and per and all(x == 0 for x in per) and (diff is None or diff >= SAME_STATES):
+        if decision == "clear" and _blind_identity(per, diff):
             decision = "undecided"           # the same verify steps from other states: too few to show a gain
         fo.update(gain=d, gain_ci=[lo, hi], n_paired=n, gain_per_sequence=per, states_difference=diff,
                   proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS), decision=decision)
@@ -667,7 +674,7 @@ def budget_sentence(b: dict) -> str:
         if b.get("settings_trade"):
             why += "; " + trade_text(b["settings_trade"])
         r, sv = b.get("recommended_settings"), b.get("settings") or {}
-        st = next((s for s in b["stages"] if s["name"] == "best settings (simulated)"), {})
+        st = _stage_al(b, "best settings (simulated)") or {}
         if r and sv and (r.get("steps"), r.get("topk")) != (sv.get("steps"), sv.get("topk")) \
                 and st.get("modelled_speedup_gain") is not None:
             why += (f"; the cost model puts --speculative-num-steps {r['steps']} {st['modelled_speedup_gain']:+.0%} "
