@@ -194,6 +194,18 @@ KINDS: tuple[Kind, ...] = (
     _k("engine_feature_costs_acceptance", "acceptance",
        "an engine feature costs acceptance: the server with it off accepts more", stage="engine"),
     _k("speculation_slower", "acceptance", "the target alone is faster than with the draft"),
+    # -- engine-state probes (helpers.investigation.probes): measured on the server in a condition -------------
+    _k("cache_state_loses_acceptance", "acceptance",
+       "acceptance falls in a cache state a cold probe never sees (a prefix-cache hit, a prefill in chunks)",
+       fix="engine", stage="engine",
+       engine_fix="the draft's KV for cached or chunked tokens: the draft's KV pool must hold, for every slot the "
+                  "target's KV is reused from, what the draft computes for that token (check the cache restore / "
+                  "chunk border path of the draft's KV; --disable-radix-cache or a larger --chunked-prefill-size "
+                  "avoids the condition at a prefill cost)"),
+    _k("speculation_not_lossless", "acceptance",
+       "at temperature 0 speculation emits other tokens than the target alone", fix="engine", stage="engine",
+       engine_fix="verification: at temperature 0 the verify step must accept exactly the target's argmax tokens "
+                  "(check the verify kernel's comparison, the target's positions and KV in verify)"),
 )
 
 #: name -> :class:`Kind`

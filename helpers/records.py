@@ -118,6 +118,7 @@ class InvestigationDoc(Record):
     proposed_fix: Optional[ProposedFix] = None
     measured: Optional[dict] = None
     acceptance: Optional[dict] = None
+    engine_state: Optional[dict] = None
     timings: dict = Field(default_factory=dict)
     seconds_to_verdict: Optional[float] = None
     wall_s: Optional[float] = None

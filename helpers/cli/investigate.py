@@ -48,6 +48,11 @@ def build_parser() -> Parser:
     p.add_argument("--draft-cost", type=float, metavar="R", help="one draft forward's cost relative to one verify "
                    "step, for the settings stage (default: the ratio of parameters from the safetensors headers; give a "
                    "timing's ratio for a mixture-of-experts target, whose tokens read only their experts)")
+    p.add_argument("--engine-probes", default="cheap", choices=("none", "cheap", "all"),
+                   help="engine-state probes after the acceptance budget: cheap (default: on the live server, the "
+                   "prompts with their prefix in the radix cache against cold), all (also restarted copies: chunked "
+                   "prefill, the target alone at temperature 0 for greedy losslessness; needs a server the tool can "
+                   "restart), none")
     p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
                    "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
     p.add_argument("--sweeps", default="auto", help="workload sweeps after the acceptance budget (no restart): auto "
@@ -99,13 +104,13 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                               max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
                               acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
                               training_log=args.training_log, sweeps=sweeps, draft_cost=args.draft_cost,
-                              progress=show)
+                              engine_probes=args.engine_probes, progress=show)
             report = write_report(run_dir, doc)
         if args.json:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],
                               "proposed_fix": None if doc.proposed_fix is None else doc.proposed_fix.model_dump(
                                   mode="json"), "measured": doc.measured, "sentence": doc.sentence,
-                              "acceptance": doc.acceptance, "notes": doc.notes,
+                              "acceptance": doc.acceptance, "engine_state": doc.engine_state, "notes": doc.notes,
                               "seconds_to_verdict": doc.seconds_to_verdict, "run_dir": str(run_dir)}, indent=1))
         else:
             print(doc.sentence)

@@ -195,6 +195,12 @@ class EngineAdapter(ABC):
         """A reference dump ``out_dir/name`` (chunks ``embedding, out(0) .. out(n-1)``) recorded by the server for
         ``prompts`` (only when :meth:`every_layer_source` says it can)."""
 
+    def chunked_prefill_flags(self, tokens: int) -> Optional[dict]:
+        """The launch flags that make this engine prefill a prompt in chunks of ``tokens`` tokens (the engine-state
+        probe ``chunked_prefill``), or None when this tool has not read the engine's flag (the probe is skipped,
+        saying so)."""
+        return None
+
     @abstractmethod
     def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,
                       keep_draft: bool = True, flags: Optional[dict] = None, capture_dir: Optional[Path] = None,

@@ -293,6 +293,11 @@ class SGLangAdapter(EngineAdapter):
                   "extra_args": extra, "dtype": args.dtype, "env": sglang_env()}
         return handle, launch
 
+    def chunked_prefill_flags(self, tokens: int) -> Optional[dict]:
+        """``--chunked-prefill-size N`` (``sglang/srt/server_args.py::ServerArgs.chunked_prefill_size``: the scheduler
+        splits an extend longer than N tokens into chunks, ``sglang/srt/managers/scheduler.py``)."""
+        return {"--chunked-prefill-size": str(int(tokens))}
+
     def fix_flags(self, fix: Any) -> dict:
         """The fix's ``server_args``, which are SGLang flags already."""
         return {k: str(v) for k, v in (fix.server_args or {}).items()}

@@ -57,6 +57,7 @@ from .catalog import LIVE_CHECKS
 from .checks import run_check
 from .inputs import Investigation
 from .attach import Attachment, attach, capture_hooks, hf_reference_fits
+from .probes import ProbeContext, check_choice, join_engine_state, run_probes
 from .propose import draft_variant, propose_fix
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
@@ -95,6 +96,7 @@ class Request:
     validation: Optional[str | Path] = None
     rows_word: tuple[Optional[str], Optional[str]] = (None, None)
     draft_cost: Optional[float] = None
+    engine_probes: str = "cheap"
 
 
 @dataclass
@@ -374,6 +376,28 @@ def _stage_budget(r: Run) -> None:
     _sweeps(r)
 
 
+def _stage_engine_state(r: Run) -> None:
+    """The engine-state probes (:mod:`helpers.investigation.probes`): the live prompts in conditions a cold greedy
+    probe never sees (a prefix-cache hit; with ``--engine-probes all`` restarted copies: chunked prefill, the target
+    alone at temperature 0), folded into the budget's engine stage; each probe not run says why."""
+    req, doc = r.req, r.doc
+    if not (r.att.spec or {}).get("num_steps") or not req.live_measure:
+        doc.notes.append("engine-state probes not run: " + ("--no-measure (no live requests)" if not req.live_measure
+                                                            else "the server reports no speculative settings"))
+        return
+    t = r.step("engine state")
+    ctx = ProbeContext(client=r.client, adapter=r.adapter, att=r.att, run_dir=req.run_dir,
+                       prompts=load_prompts(None, n=req.measure_prompts), max_new_tokens=req.max_new_tokens, dl=r.dl,
+                       progress=r.progress, api_key=req.api_key, port=req.port)
+    state = run_probes(ctx, req.engine_probes)
+    have = {f.kind for f in doc.findings}
+    doc.findings += [Finding(**f) for f in state["findings"] if f["kind"] not in have]
+    doc.engine_state = state
+    doc.acceptance = join_engine_state(doc.acceptance, state)
+    ran = [p for p in state["probes"] if p["status"] == "ran"]
+    r.done("engine state", t, ", ".join(f"{p['probe']} {p['decision']}" for p in ran) or "no probe ran")
+
+
 def _stage_caveats(r: Run) -> None:
     """What this run could not see (one TP rank's states only)."""
     att = r.att
@@ -431,7 +455,8 @@ def _stage_story(r: Run) -> None:
 STAGES: tuple[tuple[str, Callable[[Run], None]], ...] = (
     ("attach", _stage_attach), ("capture", _stage_capture), ("reference", _stage_reference),
     ("diagnosis", _stage_diagnosis), ("draft checks", _stage_draft_checks), ("hypotheses", _stage_hypotheses),
-    ("proposed fix", _stage_propose), ("acceptance budget", _stage_budget), ("caveats", _stage_caveats),
+    ("proposed fix", _stage_propose), ("acceptance budget", _stage_budget),
+    ("engine state", _stage_engine_state), ("caveats", _stage_caveats),
     ("measure the fix", _stage_measure_fix), ("one story", _stage_story))
 
 
@@ -445,7 +470,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 sweeps: str | Sequence[str] = "auto", sweep_budget: float = 120.0,
                 validation: Optional[str | Path] = None,
                 rows_word: tuple[Optional[str], Optional[str]] = (None, None),
-                draft_cost: Optional[float] = None, progress: Progress = _noop) -> InvestigationDoc:
+                draft_cost: Optional[float] = None, engine_probes: str = "cheap",
+                progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
     Args:
@@ -479,6 +505,9 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             shows a CI-supported fall is a finding; when the budget's loss was unexplained it makes the cause
             ``workload`` or ``engine`` (:func:`helpers.draft.budget.join_ablation`).
         sweep_budget: seconds the sweeps may take at most (also capped by what the run has left, less 60 s).
+        engine_probes: the engine-state probes to run (:data:`helpers.investigation.probes.CHOICES`): ``"cheap"``
+            (default: on the live server, e.g. the prefix-cache hit), ``"all"`` (also those that restart a copy of
+            the server: chunked prefill, greedy losslessness), ``"none"``; each probe not run is listed with why.
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         measured_by: with ``apply_fix=False``, who measures the fix instead (a replay's later step): recorded as
             ``measured = {"measured_by": ...}`` and said once, in place of a "not measured" note.
@@ -497,7 +526,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                   max_new_tokens=max_new_tokens, concurrency=concurrency, apply_fix=apply_fix,
                   not_applied=not_applied, measured_by=measured_by, port=port, acceptance_budget=acceptance_budget,
                   live_measure=live_measure, training_log=training_log, sweeps=sweeps, sweep_budget=sweep_budget,
-                  validation=validation, rows_word=rows_word, draft_cost=draft_cost)
+                  validation=validation, rows_word=rows_word, draft_cost=draft_cost,
+                  engine_probes=check_choice(engine_probes))
     parse_ports(port, what="--port")        # a bad port is bad input before any work
     if (req.run_dir / "investigation.json").exists():
         raise BadInput("the run folder already holds an investigation (investigation.json); investigate into a new "

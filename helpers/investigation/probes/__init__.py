@@ -1,0 +1,156 @@
+"""Engine-state probes: where a server that accepts well when freshly probed loses accepted tokens in production.
+
+The acceptance budget (:mod:`helpers.draft.budget`) measures a server the way a fresh start sees it: short greedy
+prompts, the prefix cache flushed before each. Accepted tokens are also lost where that never looks: the draft's KV
+after a prefix-cache hit, chunked prefill boundaries, verification that is not lossless, the served draft's weights
+after lifecycle events. Each such question is one :class:`Probe` of :data:`PROBES`, run by the investigation's
+``engine state`` stage (:func:`run_probes`; ``investigate --engine-probes cheap|all|none``), never a branch in it:
+
+* ``cheap`` probes run on the live server itself (a few more requests: seconds on the embedded server);
+* ``restart`` probes start a copy of the server with other flags (``--chunked-prefill-size``, speculation off)
+  within the run's restart budget, only with ``--engine-probes all`` and only when the tool can restart the server.
+
+A probe's result is one :class:`ProbeResult`: a condition's accept length against the cold one, paired per prompt
+and decided like every budget stage (:func:`helpers.draft.decide.decide`: ``counts`` / ``clear`` / ``undecided``),
+or a check with a decision of its own (greedy losslessness); its findings name the condition and the evidence.
+:func:`join_engine_state` folds the results into the budget's engine stage: the engine stage is the worst of its
+parts (a counted probe loss is the engine loss, measured on the server; an undecided probe keeps an otherwise clear
+engine stage open), so the cause, the sentence and the verdict follow (``investigation.story.reconcile``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from ...draft.budget import REQUIRED_STAGES, budget_sentence, cause_of
+from ...errors import BadInput, ServerError, ServerTimeout
+from ...runfiles import jsonable
+from .base import CHOICES, Probe, ProbeContext, ProbeResult, paired_condition_loss
+from .cache import CHUNKED_PREFILL, RADIX_HIT
+from .lossless import GREEDY_LOSSLESS
+
+#: every probe, in the order they run (cheap first)
+PROBES: tuple[Probe, ...] = (RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
+
+
+def probes() -> tuple[Probe, ...]:
+    """Every probe, in the order they run (cheap first)."""
+    return tuple(sorted(PROBES, key=lambda p: 0 if p.cost == "cheap" else 1))
+
+
+def check_choice(which: str) -> str:
+    """``which`` if it is one of :data:`CHOICES`; else BadInput naming ``--engine-probes``."""
+    if which not in CHOICES:
+        raise BadInput(f"expected one of {', '.join(CHOICES)}, got {which!r}", field="--engine-probes")
+    return which
+
+
+def run_probes(ctx: ProbeContext, which: str = "cheap") -> dict:
+    """Run the probes ``which`` asks for (:data:`CHOICES`) and return ``{"asked": which, "probes": [ProbeResult
+    JSON, ...], "findings": [...], "seconds": total}``; every probe not run is listed ``skipped`` with why.
+
+    A probe's own failure (a restarted copy that does not start, a request the server refuses) is ``failed`` with
+    its one-line reason and the others still run; the run's deadline running out (``ServerTimeout``) or a signal
+    propagates."""
+    check_choice(which)
+    out, t_all = [], time.monotonic()
+    for p in probes():
+        res = _one(p, ctx, which)
+        out.append(res.to_json())
+        ctx.progress(f"engine state: {p.name}: " + (f"{res.decision}" + _loss_text(res.loss) if res.status == "ran"
+                                                    else f"{res.status} ({res.why})") + f" ({res.seconds:.1f} s)")
+    findings = [f for r in out for f in r["findings"]]
+    return {"asked": which, "probes": out, "findings": findings, "seconds": round(time.monotonic() - t_all, 2)}
+
+
+def _loss_text(loss: Optional[dict]) -> str:
+    if not loss or loss.get("delta") is None:
+        return ""
+    lo, hi = (list(loss.get("ci") or []) + [None, None])[:2]
+    ci = "" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}]"
+    return f", {loss['delta']:.2f}{ci} tokens per verify step lost"
+
+
+def _one(p: Probe, ctx: ProbeContext, which: str) -> ProbeResult:
+    skip = None
+    if which == "none" or (which == "cheap" and p.cost == "restart"):
+        skip = (f"not asked for (--engine-probes {which}; " +
+                ("--engine-probes cheap runs it)" if p.cost == "cheap" else "--engine-probes all runs it: it "
+                 "restarts a copy of the server)"))
+    elif p.cost == "restart" and getattr(ctx.att, "restart", None) is None:
+        skip = ("this server cannot be restarted by the tool (start it with `python -m helpers server start` or "
+                "pass --relaunch)")
+    else:
+        skip = p.applies(ctx)
+    if skip is None:
+        left = ctx.dl.remaining()
+        need = p.estimate_s(ctx)
+        if left is not None and left - 60 < need:
+            skip = f"{max(0.0, left):.0f} s left of the run; it needs about {need:.0f} s (--timeout)"
+    if skip is not None:
+        return ProbeResult(p.name, p.cost, p.condition, status="skipped", why=skip)
+    t = time.monotonic()
+    ctx.dl.check(f"before the engine-state probe {p.name}")
+    try:
+        res = p.run(ctx)
+    except ServerTimeout:
+        raise                                        # the run's own deadline: not this probe's failure
+    except (ServerError, BadInput) as exc:
+        res = ProbeResult(p.name, p.cost, p.condition, status="failed", why=str(exc).splitlines()[0][:400])
+    res.seconds = round(time.monotonic() - t, 2)
+    return res
+
+
+def join_engine_state(b: Optional[dict], state: dict) -> Optional[dict]:
+    """Fold the probes' results (:func:`run_probes`) into the budget ``b`` (returned, changed in place) as parts of
+    its engine stage: ``b["engine_state"] = state``; a probe loss that counts and is larger than the engine stage's
+    own counted loss becomes ``b["losses"]["engine"]`` (``on_server``: measured on the server, its basis naming the
+    condition); when no engine loss counts and a probe that ran is ``undecided``, an engine stage that was ``clear``
+    becomes ``undecided`` with that probe's settle text (the cold measurement does not rule out a loss the condition
+    may show). The cause and the sentence are recomputed. A budget of None is returned as is (the findings carry the
+    probes' evidence alone)."""
+    if not b:
+        return b
+    b["engine_state"] = state
+    losses = b.setdefault("losses", {})
+    engine = dict(losses.get("engine") or {})
+    ran = [r for r in state.get("probes") or [] if r.get("status") == "ran" and r.get("decision")]
+    counted = [r for r in ran if r["decision"] == "counts"]
+    best = max(counted, key=lambda r: (r.get("loss") or {}).get("delta") or 0.0, default=None)
+    if best is not None:
+        own = engine.get("delta") if engine.get("decision") == "counts" else None
+        pl = best.get("loss")
+        if pl is not None and pl.get("delta") is not None and (own is None or pl["delta"] > own):
+            losses["engine"] = {**pl, "stage": "engine", "on_server": True, "probe": best["probe"],
+                                "basis": f"measured on the server, {best['condition']}: {pl.get('basis', '')}",
+                                "cold": {k: engine.get(k) for k in ("delta", "ci", "decision")}}
+        elif pl is None and engine.get("decision") != "counts":
+            # a check without an accept-length loss (greedy losslessness): the engine stage cannot be clear
+            losses["engine"] = {**engine, "decision": "undecided", "counts": False, "probe": best["probe"],
+                                "settle": {"n": None, "text": f"{best['probe']} found a fault the accept length does "
+                                                              "not measure: see its finding"}}
+    elif engine.get("decision") == "clear":
+        open_ = [r for r in ran if r["decision"] == "undecided"]
+        if open_:
+            r = open_[0]
+            settle = ((r.get("loss") or {}).get("settle") or {}).get("text") or r.get("why") or "more prompts"
+            losses["engine"] = {**engine, "decision": "undecided", "counts": False, "probe": r["probe"],
+                                "settle": {"n": None, "text": f"{r['probe']} ({r['condition']}) undecided: {settle}"}}
+    b["cause"] = cause_of(losses, b.get("required") or REQUIRED_STAGES)
+    b["sentence"] = budget_sentence(b)
+    return jsonable(b)
+
+
+def probe_lines(state: Optional[dict]) -> list[str]:
+    """One line per probe for the terminal and the page: name, condition, decision with its loss, or why not run."""
+    out = []
+    for r in (state or {}).get("probes") or []:
+        if r.get("status") == "ran":
+            out.append(f"{r['probe']} ({r['condition']}): {r['decision']}{_loss_text(r.get('loss'))}")
+        else:
+            out.append(f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}")
+    return out
+
+
+__all__ = ["CHOICES", "Probe", "ProbeContext", "ProbeResult", "check_choice", "join_engine_state",
+           "paired_condition_loss", "probe_lines", "probes", "run_probes"]

@@ -1,0 +1,129 @@
+"""The types every engine-state probe shares (:class:`Probe`, :class:`ProbeContext`, :class:`ProbeResult`) and the
+paired condition loss; the registry and the runner are :mod:`helpers.investigation.probes`."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import pandas as pd
+
+from ...budget import Budget
+from ...draft.budget import _loss, _paired_loss
+from ...draft.simulate import summary
+from ...runfiles import jsonable
+
+Cost = Literal["cheap", "restart"]
+#: ``investigate --engine-probes`` values: which probes run
+CHOICES = ("none", "cheap", "all")
+
+
+@dataclass
+class ProbeContext:
+    """What a probe may use: the live server, its adapter, the run folder, the live prompts and their cold answers.
+
+    Attributes:
+        client: the server's :class:`helpers.server.client.ServerClient`; adapter: its engine adapter
+            (:class:`helpers.engines.base.EngineAdapter`: restarts, flags); att: the
+            :class:`helpers.investigation.attach.Attachment` (``restart`` is None when the tool cannot restart it);
+        run_dir: the run folder (a probe writes under ``run_dir/engine_state/<probe>/``, a new folder each);
+        prompts: the live prompts (:class:`helpers.acceptance.prompts.Prompt`), the budget's own;
+        cold: the budget's live per-request frame of those prompts (cold cache: flushed before each request;
+            :data:`helpers.acceptance.requests.PER_REQUEST_COLUMNS`), or None (a probe then measures its own);
+        max_new_tokens: tokens per request (the budget's); dl: the run's one deadline; progress: a line per step;
+        api_key, port: for restarted copies (never written).
+    """
+
+    client: Any
+    adapter: Any
+    att: Any
+    run_dir: Path
+    prompts: list
+    max_new_tokens: int
+    dl: Budget
+    progress: Callable[[str], None] = lambda s: None
+    cold: Optional[pd.DataFrame] = None
+    api_key: Optional[str] = None
+    port: int | str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def folder(self, name: str) -> Path:
+        """A new folder ``run_dir/engine_state/<name>`` (``<name>-2``, ... when it exists: never reused)."""
+        base = self.run_dir / "engine_state"
+        base.mkdir(parents=True, exist_ok=True)
+        path, i = base / name, 1
+        while True:
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                i += 1
+                path = base / f"{name}-{i}"
+
+
+@dataclass
+class ProbeResult:
+    """One probe's outcome (``investigation.json`` ``acceptance.engine_state.probes[]``).
+
+    Attributes:
+        probe / cost / condition: the probe's name, cost class and the condition in words.
+        status: ``ran``, ``skipped`` (``why`` says why: not asked for, no restart, no time) or ``failed`` (``why``:
+            the error, one line).
+        decision: ``counts`` / ``clear`` / ``undecided`` (``ran`` only).
+        loss: for a condition measured in accept length, the budget-style loss (:func:`helpers.draft.budget._loss`:
+            ``delta`` tokens per verify step lost in the condition against cold, ``ci``, ``decision``, ``threshold``,
+            ``settle``, ``basis``, ``n``), else None.
+        findings: finding dicts (:func:`helpers.diagnosis.detectors.finding`) when the decision is ``counts``.
+        evidence: what was measured (accept lengths per arm, tokens cached, first divergences, ...).
+        seconds: wall time of the probe; saved_to: folders under the run folder it wrote.
+    """
+
+    probe: str
+    cost: str
+    condition: str
+    status: str = "ran"
+    decision: Optional[str] = None
+    loss: Optional[dict] = None
+    findings: list = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)
+    why: Optional[str] = None
+    seconds: float = 0.0
+    saved_to: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return jsonable(asdict(self))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One engine-state question.
+
+    Attributes:
+        name: the probe's name (``--engine-probes`` lists, ``investigation.json``).
+        cost: ``cheap`` (the live server) or ``restart`` (a restarted copy of it).
+        condition: the condition it measures, in words (the story's and the page's).
+        question: what it asks.
+        run: ``run(ctx) -> ProbeResult``; raises :class:`helpers.errors.ServerError` / ``BadInput`` when it cannot.
+        applies: ``applies(ctx) -> None`` or why the probe cannot run on this server (then ``skipped``).
+        estimate_s: ``estimate_s(ctx) -> seconds`` it is expected to take (a probe is skipped, saying so, when the
+            run has less time left).
+    """
+
+    name: str
+    cost: Cost
+    condition: str
+    question: str
+    run: Callable[[ProbeContext], ProbeResult]
+    applies: Callable[[ProbeContext], Optional[str]] = lambda ctx: None
+    estimate_s: Callable[[ProbeContext], float] = lambda ctx: 10.0
+
+
+def paired_condition_loss(name: str, cold: pd.DataFrame, cond: pd.DataFrame, basis: str) -> dict:
+    """The accept length lost in a condition against cold, paired per prompt (``prompt_id``), decided like every
+    budget stage (:func:`helpers.draft.budget._loss`, threshold from the cold accept length): ``delta`` = cold minus
+    condition (tokens per verify step, bonus token included; positive = lost in the condition)."""
+    d, lo, hi, n, per = _paired_loss(cold, cond)
+    ref = summary(cold, 1)["accept_length"] if len(cold) else None
+    return _loss(name, d, lo, hi, basis, ref, n=n, unit="prompts", per_sequence=per)
+
+

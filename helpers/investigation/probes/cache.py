@@ -1,0 +1,184 @@
+"""Cache state as a condition: the same prompts measured cold (the prefix cache flushed before each request) and
+
+* ``radix_hit`` (cheap, the live server): each prompt sent once to fill the prefix cache (one token), then measured
+  with its whole prompt but the last token served from the cache. SGLang 0.5.23 matches the new request against the
+  radix tree (``sglang/srt/mem_cache/radix_cache.py::RadixCache.match_prefix``) and reuses the KV of the matched
+  slots for the target *and* the draft: the EAGLE draft's KV pool is indexed by the same ``req_to_token`` slots
+  (``sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker``, the draft runner built with the target's
+  ``req_to_token_pool``), so a draft KV that is not what the draft would compute for those tokens (a hierarchical
+  cache or a storage backend restoring only the target's KV; a draft slot written one position off) costs accepted
+  tokens only on a hit. The answer's ``meta_info.cached_tokens`` says the hit happened
+  (``sglang/srt/managers/schedule_batch.py::Req.cached_tokens``); a measured arm with no cached token is no evidence
+  and the probe says so.
+* ``chunked_prefill`` (restart): a restarted copy of the server with a prefill chunk shorter than the prompts
+  (SGLang ``--chunked-prefill-size``, ``sglang/srt/managers/scheduler.py`` splitting an extend into chunks; the
+  draft's extend must keep the aux states and the shifted input ids across each border), measured on the same
+  prompts, cold.
+
+Greedy at temperature 0 on both arms, one request at a time (the batch a request shares changes kernels, not the
+tokens' order): a clean engine gives the same verify steps per prompt, so the loss (cold minus condition, paired per
+prompt, :func:`helpers.investigation.probes.base.paired_condition_loss`) is an exact identity; a fault of the
+condition shows as a loss with its CI.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+
+from ...acceptance.requests import record
+from ...diagnosis.detectors import finding
+from ...errors import SGLangError
+from ...draft.simulate import summary
+from .base import Probe, ProbeContext, ProbeResult, paired_condition_loss
+
+
+def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
+    """The live prompts measured cold on the server: ``/flush_cache`` before each request, greedy, one at a time;
+    ``(per-request frame, output ids per prompt)``. Kept in ``ctx.extra["cold"]`` so the probes of one run share it
+    (one cold arm per run: the conditions are compared with the same answers)."""
+    if "cold" in ctx.extra:
+        return ctx.extra["cold"]
+    ctx.progress(f"engine state: cold arm: {len(ctx.prompts)} prompts x {ctx.max_new_tokens} tokens, the prefix "
+                 "cache flushed before each")
+    rows, outs = [], []
+    for i, p in enumerate(ctx.prompts):
+        ctx.client.flush_cache()
+        res, err = _send(ctx, p, ctx.max_new_tokens)
+        rows.append(record(i, p, res, err))
+        outs.append(list(res.output_ids) if res is not None else [])
+    ctx.extra["cold"] = (pd.DataFrame(rows), outs)
+    return ctx.extra["cold"]
+
+
+def _send(ctx: ProbeContext, p, max_new_tokens: int):
+    try:
+        return ctx.client.generate(**p.request(), sampling_params={"temperature": 0.0},
+                                   max_new_tokens=max_new_tokens), None
+    except SGLangError as exc:
+        if type(exc).__name__ == "ServerTimeout":
+            raise
+        return None, str(exc).splitlines()[0][:300]
+
+
+def _radix_applies(ctx: ProbeContext) -> Optional[str]:
+    info = ctx.client.server_info()
+    if info.get("disable_radix_cache"):
+        return "the server runs without a prefix cache (--disable-radix-cache): no hit to probe"
+    if ctx.max_new_tokens < 2:
+        return "fewer than 2 tokens per request: no verify step to count"
+    return None
+
+
+def _radix_run(ctx: ProbeContext) -> ProbeResult:
+    cold, _ = cold_arm(ctx)
+    ctx.progress(f"engine state: radix hit: {len(ctx.prompts)} prompts, each sent once to fill the cache, then "
+                 "measured with its prefix cached")
+    ctx.client.flush_cache()
+    rows = []
+    for i, p in enumerate(ctx.prompts):
+        _send(ctx, p, 1)                                     # fills the radix cache with the prompt's KV
+        res, err = _send(ctx, p, ctx.max_new_tokens)
+        rows.append(record(i, p, res, err))
+    warm = pd.DataFrame(rows)
+    folder = ctx.folder("radix_hit")
+    cold.to_parquet(folder / "cold.parquet")
+    warm.to_parquet(folder / "radix_hit.parquet")
+    return condition_result(RADIX_HIT, ctx, cold, warm, folder, "radix_hit",
+                            basis="the same prompts cold (flushed) vs their prefix in the radix cache, paired per "
+                                  "prompt, greedy",
+                            cached_rule=True)
+
+
+def condition_result(probe: Probe, ctx: ProbeContext, cold: pd.DataFrame, cond: pd.DataFrame, folder, name: str, *,
+                     basis: str, cached_rule: bool = False, extra: Optional[dict] = None) -> ProbeResult:
+    """The result of a condition measured on the same prompts as the cold arm: the paired loss, decided; the
+    finding ``cache_state_loses_acceptance`` when it counts. ``cached_rule``: the condition is a prefix hit, so a
+    measured arm without a cached token is no evidence (undecided, saying so)."""
+    loss = paired_condition_loss(name, cold, cond, basis)
+    ok = cond["verify_ct"].fillna(0) > 0
+    cached = [int(x) for x in cond.loc[ok, "cached_tokens"].fillna(0)] if "cached_tokens" in cond else []
+    ev = {"cold_accept_length": _al(cold), "condition_accept_length": _al(cond), "prompts": int(len(cond)),
+          "failed": int(cond["error"].notna().sum()), "saved_to": str(folder.relative_to(ctx.run_dir)),
+          **(extra or {})}
+    if cached_rule:
+        ev["cached_tokens"] = {"min": min(cached, default=0), "max": max(cached, default=0),
+                               "prompts_with_hit": sum(1 for c in cached if c > 0)}
+    res = ProbeResult(probe.name, probe.cost, probe.condition, decision=loss["decision"], loss=loss, evidence=ev,
+                      saved_to=[ev["saved_to"]])
+    if cached_rule and ev["cached_tokens"]["prompts_with_hit"] == 0:
+        loss.update(decision="undecided", counts=False,
+                    settle={"n": None, "text": "no measured request was served from the prefix cache "
+                                               "(meta_info.cached_tokens 0): the hit did not happen"})
+        res.decision = "undecided"
+        return res
+    if loss["decision"] == "counts":
+        res.findings.append(finding(
+            "cache_state_loses_acceptance", None,
+            f"{probe.condition}: accept length {ev['condition_accept_length']:.2f} against {ev['cold_accept_length']:.2f} "
+            f"cold on the same {loss['n']} prompts, {loss['delta']:.2f} [{loss['ci'][0]:.2f}, {loss['ci'][1]:.2f}] "
+            "tokens per verify step lost",
+            condition=probe.name, loss=loss, probe=ev,
+            source=f"engine-state probe {probe.name}: the same greedy prompts measured on the server cold and "
+                   f"{probe.condition} (helpers.investigation.probes.cache)"))
+    return res
+
+
+def _al(df: pd.DataFrame) -> Optional[float]:
+    ok = df[df["verify_ct"].fillna(0) > 0]
+    return None if not len(ok) else float(summary(ok, 1)["accept_length"])
+
+
+def _chunk_size(cold: pd.DataFrame) -> Optional[int]:
+    """A prefill chunk shorter than every measured prompt (half the shortest, at least 2 tokens), or None."""
+    n = cold["prompt_tokens"].dropna()
+    if not len(n) or int(n.min()) < 4:
+        return None
+    return max(2, int(n.min()) // 2)
+
+
+def _chunked_applies(ctx: ProbeContext) -> Optional[str]:
+    if ctx.adapter.chunked_prefill_flags(16) is None:
+        return f"{ctx.adapter.label}'s chunked-prefill flag was not read by this tool"
+    return None
+
+
+def _chunked_run(ctx: ProbeContext) -> ProbeResult:
+    cold, _ = cold_arm(ctx)
+    size = _chunk_size(cold)
+    if size is None:
+        return ProbeResult(CHUNKED_PREFILL.name, CHUNKED_PREFILL.cost, CHUNKED_PREFILL.condition, status="skipped",
+                           why="the prompts are too short to split (fewer than 4 tokens)")
+    flags = ctx.adapter.chunked_prefill_flags(size)
+    folder = ctx.folder("chunked_prefill")
+    ctx.progress(f"engine state: chunked prefill: starting a copy with {flags} ...")
+    handle = ctx.adapter.start_variant(ctx.att.restart, flags=flags, capture_dir=folder / "capture",
+                                       api_key=ctx.api_key, port=ctx.port, log_path=folder / "server.log",
+                                       budget=ctx.dl, what="the chunked-prefill copy (--engine-probes all)")
+    try:
+        client = ctx.adapter.client(handle.url, ctx.api_key, timeout=ctx.client.timeout, budget=ctx.dl)
+        try:
+            sub = ProbeContext(client=client, adapter=ctx.adapter, att=ctx.att, run_dir=ctx.run_dir,
+                               prompts=ctx.prompts, max_new_tokens=ctx.max_new_tokens, dl=ctx.dl,
+                               progress=ctx.progress)
+            cond, _ = cold_arm(sub)
+        finally:
+            client.close()
+    finally:
+        handle.stop()
+    cold.to_parquet(folder / "cold.parquet")
+    cond.to_parquet(folder / "chunked_prefill.parquet")
+    return condition_result(CHUNKED_PREFILL, ctx, cold, cond, folder, "chunked_prefill",
+                            basis=f"the same prompts cold on the server vs on a copy prefilling {size}-token chunks, "
+                                  "paired per prompt, greedy",
+                            extra={"chunk_tokens": size, "flags": flags})
+
+
+RADIX_HIT = Probe("radix_hit", "cheap", "with the prompt's prefix in the radix cache",
+                  "does the draft accept less when the prompt's KV comes from the prefix cache?", _radix_run,
+                  applies=_radix_applies,
+                  estimate_s=lambda ctx: 3.0 + 0.1 * len(ctx.prompts) * ctx.max_new_tokens)
+CHUNKED_PREFILL = Probe("chunked_prefill", "restart", "with the prompt prefilled in chunks shorter than it",
+                        "does the draft accept less when the prompt crosses prefill chunk borders?", _chunked_run,
+                        applies=_chunked_applies,
+                        estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens)
