@@ -30,7 +30,7 @@ from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.budget import NO_STAGE_COUNTS, REQUIRED_STAGES, budget_sentence, cause_of
 from ..draft.decide import decide, threshold
-from ..kinds import ACCEPTANCE_KINDS, KIND_STAGE, KIND_TEXT
+from ..kinds import ACCEPTANCE_KINDS, BY_NAME, KIND_STAGE, KIND_TEXT
 from ..records import Finding, InvestigationDoc
 from ..runfiles import jsonable
 
@@ -239,6 +239,12 @@ def no_fix_text(doc: InvestigationDoc) -> str:
         return "no fix proposed: the acceptance budget is undecided (a material loss is not ruled out): " + \
             "; ".join(f"{k}: {(v.get('settle') or {}).get('text') or v.get('why', '')}"
                       for k, v in (b.get("losses") or {}).items() if v.get("decision") == "undecided")
+    probe = ((b.get("losses") or {}).get(cause) or {}).get("probe")
+    if probe:                 # the loss was measured by an engine-state probe: its finding says the mechanism
+        f = next((x for x in doc.findings if (x.evidence or {}).get("condition") == probe), None)
+        k = BY_NAME.get(f.kind) if f is not None else None
+        if k is not None and k.engine_fix:
+            return f"no fix the tool can apply ({f.kind}, engine-state probe {probe}): {k.engine_fix}"
     return f"no fix the tool can apply: {STAGE_ADVICE.get(cause, 'see the acceptance budget')}"
 
 

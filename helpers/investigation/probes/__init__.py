@@ -63,12 +63,16 @@ def run_probes(ctx: ProbeContext, which: str = "cheap") -> dict:
     return {"asked": which, "probes": out, "findings": findings, "seconds": round(time.monotonic() - t_all, 2)}
 
 
+def _f(x: float) -> str:
+    return f"{0.0 if abs(x) < 0.005 else x:.2f}"          # no "-0.00" for an identity
+
+
 def _loss_text(loss: Optional[dict]) -> str:
     if not loss or loss.get("delta") is None:
         return ""
     lo, hi = (list(loss.get("ci") or []) + [None, None])[:2]
-    ci = "" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}]"
-    return f", {loss['delta']:.2f}{ci} tokens per verify step lost"
+    ci = "" if lo is None or hi is None else f" [{_f(lo)}, {_f(hi)}]"
+    return f", {_f(loss['delta'])}{ci} tokens per verify step lost"
 
 
 def _one(p: Probe, ctx: ProbeContext, which: str) -> ProbeResult:

@@ -106,6 +106,12 @@ def condition_result(probe: Probe, ctx: ProbeContext, cold: pd.DataFrame, cond: 
                                "prompts_with_hit": sum(1 for c in cached if c > 0)}
     res = ProbeResult(probe.name, probe.cost, probe.condition, decision=loss["decision"], loss=loss, evidence=ev,
                       saved_to=[ev["saved_to"]])
+    if not ok.any():                        # the server answered none of the condition's requests
+        errors = cond["error"].dropna()
+        res.status, res.decision = "failed", None
+        res.why = (f"no request of the condition was answered with spec counters"
+                   + (f" (first error: {errors.iloc[0]})" if len(errors) else ""))
+        return res
     if cached_rule and ev["cached_tokens"]["prompts_with_hit"] == 0:
         loss.update(decision="undecided", counts=False,
                     settle={"n": None, "text": "no measured request was served from the prefix cache "
