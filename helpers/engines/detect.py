@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..budget import Budget
 from ..errors import BadInput, SGLangError
 from ..server.client import HTTPClient
 from .base import EngineAdapter
@@ -48,16 +49,19 @@ def adapter(name: str) -> EngineAdapter:
     return BY_NAME[name]()
 
 
-def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, deadline_s: float = 60.0) -> Detected:
+def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, deadline_s: float = 60.0,
+           budget: Optional[Budget] = None) -> Detected:
     """Detect the engine and release serving ``url`` (every request with a deadline: ``timeout`` per read,
-    ``deadline_s`` in all).
+    ``deadline_s`` in all, or the command's ``budget`` when given: then detection spends the command's one
+    ``--timeout`` like its other waits).
 
     Raises:
         helpers.errors.BadInput: the server is neither SGLang nor vLLM, or a vLLM release whose rules are not known
             (one line: what each endpoint answered, what is supported).
-        helpers.errors.SGLangError: the server cannot be reached (a server error, exit 1).
+        helpers.errors.SGLangError: the server cannot be reached (a server error, exit 1), or it is SGLang by its
+            answers and its ``/server_info`` is malformed (:meth:`SGLangAdapter.probe`: the endpoint and the field).
     """
-    http = HTTPClient(url, api_key=api_key, timeout=timeout, retries=0, deadline_s=deadline_s)
+    http = HTTPClient(url, api_key=api_key, timeout=timeout, retries=0, deadline_s=deadline_s, budget=budget)
     evidence: dict[str, Any] = {}
     try:
         for a in ADAPTERS:
@@ -91,16 +95,21 @@ def _refuse_version(http: HTTPClient, adapter: type[EngineAdapter], version: str
 
 
 def detect_or(url: str, api_key: Optional[str] = None, *, default: str = "sglang", timeout: float = 10.0,
-              deadline_s: float = 60.0) -> EngineAdapter:
+              deadline_s: float = 60.0, budget: Optional[Budget] = None, on_wait: Any = None) -> EngineAdapter:
     """The adapter of the engine serving ``url`` when an engine other than ``default`` recognises it through its own
     endpoints, else ``default``'s, unchecked: for the commands that read every answer of the server through their
     client anyway (``measure``, ``capture``), so a malformed answer stays a server error naming its endpoint and
-    field (exit 1) rather than "neither engine".
+    field (exit 1) rather than "neither engine". ``budget``: the command's :class:`helpers.budget.Budget` (its one
+    ``--timeout``, shared with the client the command builds next: detection is part of the command's time, and the
+    elapsed time a deadline message gives counts it); else ``deadline_s`` of its own. ``on_wait``: the command's
+    progress line while a probe is in flight.
 
     Raises:
         helpers.errors.BadInput: the server is vLLM of a release whose rules are not known.
+        helpers.errors.ServerTimeout: ``budget`` was spent (or the command interrupted) during detection.
     (A server that cannot be reached, or answers a probe with an error, gets ``default``: its client reports it.)"""
-    http = HTTPClient(url, api_key=api_key, timeout=timeout, retries=0, deadline_s=deadline_s)
+    http = HTTPClient(url, api_key=api_key, timeout=timeout, retries=0, deadline_s=deadline_s, budget=budget,
+                      on_wait=on_wait)
     try:
         for a in ADAPTERS:
             if a.name == default:
@@ -108,6 +117,8 @@ def detect_or(url: str, api_key: Optional[str] = None, *, default: str = "sglang
             try:
                 found = a.probe(http)
             except SGLangError:          # unreachable, a redirect, an oversized answer: the client says it
+                if http.budget.spent():  # ... unless the command's time is up: then that is the error
+                    raise
                 found = None
             if found is not None:
                 _refuse_version(http, a, *found)

@@ -2,6 +2,7 @@
 ``python -m support.fakeserver MODE PORT`` (stopped by its PID by :func:`fake_server`).
 
 Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states), ``hang`` (/generate never answers),
+``hangall`` (issue 40: no endpoint ever answers, /health included, so engine detection waits too),
 ``trickle`` (/generate sends one byte every 0.5 s, forever), ``die`` (the process exits at the 3rd /generate),
 ``oversize`` (/server_info is 20 MiB; /generate rows are 200000 wide), ``malformed`` (/generate answers without
 ``meta_info``, or with wrong types), and (issue 21):
@@ -172,6 +173,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.path = self.path.split("?")[0]
+        if self.mode == "hangall":
+            time.sleep(3600)
         if self._refused():
             return None
         if self.path in ("/health", "/flush_cache"):
@@ -192,6 +195,8 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         self.path = self.path.split("?")[0]
+        if self.mode == "hangall":
+            time.sleep(3600)
         if self._refused():
             return None
         if self.path == "/flush_cache":

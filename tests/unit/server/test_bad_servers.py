@@ -399,3 +399,23 @@ def test_server_error_bodies_reach_the_terminal_without_control_characters(capsy
     err = capsys.readouterr().err
     assert rc == 1 and "bad request" in err and "HTTP 400" in err, err
     assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) < 0xa0 for c in err), repr(err)
+
+
+# ---------------------------------------------------------------------------------------------------- issue 40 (B)
+
+@pytest.mark.parametrize("prog", ["capture", "measure"])
+def test_one_deadline_covers_engine_detection(prog, training, tmp_path, capsys):
+    """Issue 40: against a server that answers no endpoint at all, `capture` / `measure --timeout 3` waited about
+    twice the timeout (engine detection had a deadline of its own) while the message said "3 s elapsed": one budget
+    now covers detection and the requests, so the whole command ends at the timeout and the elapsed time is true."""
+    args = {"capture": ["capture", "--training", str(training), "--run-dir", str(tmp_path), "--num-samples", "1"],
+            "measure": ["measure", "--num-prompts", "2", "--max-new-tokens", "4", "--outputs", str(tmp_path / "m"),
+                        "--quiet"]}[prog]
+    with fake_server("hangall") as url:
+        t = time.monotonic()
+        rc = main(args + ["--url", url, "--timeout", "3"])
+        took = time.monotonic() - t
+    line = _one_line_error(capsys, prog)
+    assert rc == 1 and 3.0 <= took <= 3.0 + 1.5, (took, line)
+    assert "the overall deadline of 3 s passed (3 s elapsed" in line and url in line, line
+    assert not (tmp_path / "dumps").exists() and not (tmp_path / "m").exists()
