@@ -3,7 +3,10 @@
 SGLang answers ``GET /server_info`` with a ``version`` and its ServerArgs (``sglang/srt/entrypoints/http_server.py``);
 vLLM answers ``GET /version`` and names itself in ``GET /v1/models`` (``owned_by: "vllm"``; vLLM's ``/server_info``
 exists only in dev mode and has no top-level ``version``: ``env/vllm/README.md``). A server that is neither, or a
-vLLM release whose rules were not read, is bad input: one line naming what was found and what is supported, exit 2.
+vLLM release whose rules were not read, is bad input: one line naming what each endpoint answered and what is
+supported, exit 2. A server that is SGLang by its answers but whose ``/server_info`` is malformed is a server error
+naming the endpoint and the field, exit 1 (:meth:`helpers.engines.sglang.SGLangAdapter.probe` says what tells the
+two apart).
 """
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..budget import Budget
-from ..errors import BadInput, SGLangError
-from ..server.client import HTTPClient
+from ..errors import BadInput, SGLangError, printable
+from ..server.client import HTTPClient, answer_kind
 from .base import EngineAdapter
 from .sglang import SGLangAdapter
 from .vllm import VLLMAdapter
@@ -72,13 +75,13 @@ def detect(url: str, api_key: Optional[str] = None, *, timeout: float = 10.0, de
             evidence.update(ev)
             _refuse_version(http, a, version, ev)
             return Detected(a(), a.name, version, evidence)
-        for path in ("/server_info", "/version", "/v1/models"):
+        for path in ("/server_info", "/model_info", "/version", "/v1/models"):
             resp = http._request("GET", path, retries=0)
             evidence[path] = f"HTTP {resp.status_code}"
             if resp.status_code == 200 and path == "/v1/models":
                 evidence[path] += f" owned_by {_owned_by(http, resp)}"
             elif resp.status_code == 200:
-                evidence[path] += f" {http._body(resp, 60)}"
+                evidence[path] += f" {_answered(http, resp, path)}"
     finally:
         http.close()
     found_text = ", ".join(f"{k} -> {v}" for k, v in evidence.items())
@@ -126,6 +129,18 @@ def detect_or(url: str, api_key: Optional[str] = None, *, default: str = "sglang
     finally:
         http.close()
     return BY_NAME[default]()
+
+
+def _answered(http: HTTPClient, resp: Any, path: str) -> str:
+    """What a 200 answer of ``path`` was, for the "neither" line: its JSON kind (``a JSON list``, ``a JSON object with
+    keys [...]``) or, not JSON, its content type and first 60 characters."""
+    try:
+        return answer_kind(http._json(resp, f"GET {path}", path))
+    except SGLangError as exc:
+        if "too deeply" in str(exc):
+            return "JSON nested too deeply"
+        kind = str(resp.headers.get("content-type") or "no content type").split(";")[0]
+        return f"not JSON ({printable(kind)[:40]}): {http._body(resp, 60)}"
 
 
 def _owned_by(http: HTTPClient, resp: Any) -> str:

@@ -504,8 +504,7 @@ class SGLangClient(ServerClient):
         """
         if self._server_info is None or refresh:
             raw = self._get_json(["/server_info", "/get_server_info"], "server info")
-            checked = _validated(ServerInfo, raw, f"GET {self._shown_url}/server_info", "/server_info")
-            raw.update({k: getattr(checked, k) for k in ServerInfo.model_fields if k in raw})
+            checked_server_info(raw, f"GET {self._shown_url}/server_info", "/server_info")
             raw.setdefault("engine", self.ENGINE_NAME)
             self._server_info = redact(raw, self.secrets)
         return self._server_info
@@ -712,6 +711,28 @@ def _invalid(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
     got = printable(repr(err.get("input")))
     more = f" ({len(exc.errors())} problem(s) in the answer)" if len(exc.errors()) > 1 else ""
     return SGLangError(f"{where}: field {field}: {err.get('msg')}, got {got[:80]}{more}", endpoint=endpoint)
+
+
+def checked_server_info(raw: dict, where: str, endpoint: str) -> ServerInfo:
+    """SGLang's ``/server_info`` object ``raw`` checked (:class:`helpers.server.protocol.ServerInfo`: the fields this
+    suite reads typed and range-checked, text without control characters); the checked values replace the raw ones
+    in ``raw``. The one check of that answer: :meth:`SGLangClient.server_info` and the engine detection
+    (``helpers.engines.sglang.SGLangAdapter.probe``).
+
+    Raises:
+        SGLangError: a field of the wrong type or out of range: ``<where>: field <name>: <what was expected>, got
+            <value>``."""
+    checked = _validated(ServerInfo, raw, where, endpoint)
+    raw.update({k: getattr(checked, k) for k in ServerInfo.model_fields if k in raw})
+    return checked
+
+
+def answer_kind(data: Any) -> str:
+    """What a JSON answer is, for messages: ``a JSON list``, ``a JSON object with keys [...]`` (the first 6)."""
+    if isinstance(data, dict):
+        keys = [printable(str(k))[:40] for k in list(data)[:6]]
+        return f"a JSON object with keys {keys}{' ...' if len(data) > 6 else ''}"
+    return f"a JSON {_json_type(data)}"
 
 
 def _validated(model: Any, data: Any, where: str, endpoint: str) -> Any:
