@@ -620,7 +620,7 @@ class SGLangClient(ServerClient):
         try:
             result = GenerateResult.model_validate({**data, "latency_s": latency})
         except ValidationError as exc:
-            raise _invalid(exc, f"POST {self._shown_url}/generate", "/generate") from None
+            raise answer_error(exc, f"POST {self._shown_url}/generate", "/generate") from None
         problem = result.meta_info.spec_problem(**self._spec_limits())
         if problem:
             rid = result.meta_info.id
@@ -703,7 +703,7 @@ def _json_type(x: Any) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(x), "number")
 
 
-def _invalid(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
+def answer_error(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
     """One line for a pydantic error in a server answer: the endpoint, the first field, what was expected, the value
     (shortened, printable)."""
     err = exc.errors()[0]
@@ -739,7 +739,7 @@ def _validated(model: Any, data: Any, where: str, endpoint: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _invalid(exc, where, endpoint) from None
+        raise answer_error(exc, where, endpoint) from None
 
 
 def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Optional[list[str]]:
