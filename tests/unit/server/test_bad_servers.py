@@ -403,22 +403,24 @@ def test_server_error_bodies_reach_the_terminal_without_control_characters(capsy
 
 # ---------------------------------------------------------------------------------------------------- issue 40 (B)
 
-@pytest.mark.parametrize("prog", ["capture", "measure"])
+@pytest.mark.parametrize("prog", ["capture", "measure", "compare-engines"])
 def test_one_deadline_covers_engine_detection(prog, training, tmp_path, capsys):
     """Issue 40: against a server that answers no endpoint at all, `capture` / `measure --timeout 3` waited about
     twice the timeout (engine detection had a deadline of its own) while the message said "3 s elapsed": one budget
     now covers detection and the requests, so the whole command ends at the timeout and the elapsed time is true."""
     args = {"capture": ["capture", "--training", str(training), "--run-dir", str(tmp_path), "--num-samples", "1"],
             "measure": ["measure", "--num-prompts", "2", "--max-new-tokens", "4", "--outputs", str(tmp_path / "m"),
-                        "--quiet"]}[prog]
+                        "--quiet"],
+            "compare-engines": ["compare-engines", "--training", str(training), "--out", str(tmp_path / "m")]}[prog]
     with fake_server("hangall") as url:
         t = time.monotonic()
-        rc = main(args + ["--url", url, "--timeout", "3"])
+        where = ["--a", url, "--b", url] if prog == "compare-engines" else ["--url", url]
+        rc = main(args + where + ["--timeout", "3"])
         took = time.monotonic() - t
     line = _one_line_error(capsys, prog)
     assert rc == 1 and 3.0 <= took <= 3.0 + 1.5, (took, line)
     assert "the overall deadline of 3 s passed (3 s elapsed" in line and url in line, line
-    assert not (tmp_path / "dumps").exists() and not (tmp_path / "m").exists()
+    assert not (tmp_path / "dumps").exists() and not list((tmp_path / "m").rglob("*.json"))
 
 
 @pytest.mark.parametrize("mode, expect", [
