@@ -43,7 +43,7 @@ ANSWER = {"id": "cmpl-1", "choices": [{"text": "x", "token_ids": list(range(100,
 
 @contextmanager
 def vllm_server(*, extension: bool = True, answer: dict = ANSWER, dev: bool = True, models: dict = MODELS,
-                ranks: list | None = None, metrics: str = METRICS_1, hang: bool = False):
+                ranks: list | None = None, metrics: str = METRICS_1, hang: bool = False, dev_info: dict | None = None):
     """A fake vLLM 0.32.0 server; ``seen`` collects the completion bodies. ``ranks``: the e3f_describe answer
     (default ``[DESCRIBE]``); other worker-extension methods answer one empty object per rank; ``hang``: completions
     never answer (until the server is stopped)."""
@@ -63,6 +63,8 @@ def vllm_server(*, extension: bool = True, answer: dict = ANSWER, dev: bool = Tr
             path = self.path.split("?")[0]
             routes = {"/version": (200, {"version": "0.32.0"}), "/v1/models": (200, models),
                       "/metrics": (200, metrics)}
+            if dev_info is not None:
+                routes["/server_info"] = (200, dev_info)
             self._send(*routes.get(path, (404, {"detail": "Not Found"})))
 
         def do_POST(self):  # noqa: N802
@@ -185,6 +187,12 @@ def test_a_model_path_of_another_type_is_named(tmp_path, capsys):
                    "--quiet", "--outputs", str(tmp_path), "--timeout", "30"])
     line = _one_error(capsys, "measure")
     assert rc == 1 and "/v1/models (data.0): field root: Input should be a valid string, got 5" in line, line
+    dev = {"vllm_config": {"speculative_config": {"method": "eagle3", "model": 5, "num_speculative_tokens": 3}}}
+    with vllm_server(extension=False, dev_info=dev) as (url, _), VLLMClient(url) as c:
+        with pytest.raises(SGLangError) as err:
+            c.server_info()
+    assert str(err.value) == (f"GET {url}/server_info: field vllm_config.speculative_config.model: Input should be a "
+                              "valid string, got 5")
     with vllm_server(models=_models(id=7)) as (url, _), VLLMClient(url) as c:
         with pytest.raises(SGLangError, match=r"\(data.0\): field id: Input should be a valid string, got 7"):
             c.models()
