@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from .layers.ids import layer_index
-from .errors import BadInput, SGLangError, one_line
+from .errors import BadInput, SGLangError, one_line, printable
 from .acceptance.prompts import Prompt
 from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
@@ -392,17 +392,36 @@ def _rank_index(capture_dir: Path) -> dict[int, list[dict]]:
 
 
 def read_rank_capture(capture_dir: str | os.PathLike) -> dict[int, list[dict]]:
-    """Index of a ``helpers.hooks`` capture folder: ``{rank: [index.jsonl records]}``."""
+    """Index of a ``helpers.hooks`` capture folder: ``{rank: [index.jsonl records]}``. Every record's ``file`` is a
+    file name inside its own ``rank<r>/`` folder (checked here, so ``capture_dir / f"rank{r}" / rec["file"]`` never
+    opens a file elsewhere: the index is written by the server's processes).
+
+    Raises:
+        SGLangError: a record that is not an object, or whose ``file`` is not a plain file name in its rank folder
+            (``../x``, an absolute path, a link out of the folder), naming the index and the line.
+        FileNotFoundError: no ``rank*/index.jsonl``."""
     out: dict[int, list[dict]] = {}
     for d in sorted(Path(capture_dir).glob("rank*")):
         idx = d / "index.jsonl"
-        if idx.exists():
-            recs = [loads_json(line) for line in idx.read_text().splitlines() if line.strip()]
+        if idx.exists() and d.name[4:].isdigit():
+            lines = [(n, line) for n, line in enumerate(idx.read_text().splitlines(), 1) if line.strip()]
+            recs = [_rank_record(d, idx, n, loads_json(line)) for n, line in lines]
             out[int(d.name[4:])] = recs
     if not out:
         raise FileNotFoundError(f"{capture_dir}: no rank*/index.jsonl (was the server started "
                                 "with helpers.hooks capture specs, and did a request run?)")
     return out
+
+
+def _rank_record(rank_dir: Path, idx: Path, line: int, rec: Any) -> dict:
+    """``rec`` (line ``line`` of ``idx``) when it is an object whose ``file`` names a file inside ``rank_dir``."""
+    name = rec.get("file") if isinstance(rec, dict) else None
+    inside = (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+              and "\0" not in name and (rank_dir / name).resolve().parent == rank_dir.resolve())
+    if not inside:
+        raise SGLangError(f"{idx}: line {line}: field file: {printable(repr(name))[:240]} is not a file name inside "
+                          f"{rank_dir} (a capture record names its tensor file in its own rank folder)")
+    return rec
 
 
 def per_rank_dumps(capture_dir: str | os.PathLike, out_dir: str | os.PathLike, *,

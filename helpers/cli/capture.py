@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..budget import Budget
 from ..capture import capture_every_layer, capture_reference_hf
 from ..errors import BadInput
 from ..formats.configs import read_target_config
@@ -71,8 +72,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         dumps = run_dir / "dumps"
         show = progress_line("capture")
         key = os.environ.get("SGLANG_API_KEY") or None
-        adapter = detect_or(args.url, key, deadline_s=min(60.0, args.timeout or 60.0))   # the engine, once
-        client = adapter.client(args.url, key, deadline_s=args.timeout, on_wait=show)
+        budget = Budget(args.timeout)          # the command's one deadline: detection, then every request
+        adapter = detect_or(args.url, key, budget=budget, on_wait=show)   # the engine, once
+        client = adapter.client(args.url, key, budget=budget, on_wait=show)
         try:
             with failure_guard("capture", run_dir, owned=given_run is None):   # removed if empty, else marked
                 return _capture(args, adapter, client, samples, dumps, H)

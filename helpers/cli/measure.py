@@ -93,9 +93,10 @@ def cli_main(argv: Sequence[str]) -> int:
             return 0
         prompts = load_prompts(args.prompts, n=args.num_prompts)
         key = os.environ.get("SGLANG_API_KEY") or None
-        adapter = detect_or(args.url, key, deadline_s=min(60.0, args.timeout or 60.0))    # the engine, once
-        client = adapter.client(args.url, key, deadline_s=args.timeout or DEFAULT_TIMEOUT,
-                                on_wait=progress_line("measure"))
+        budget = Budget(args.timeout or DEFAULT_TIMEOUT)   # the command's one deadline: detection, then requests
+        show = progress_line("measure")
+        adapter = detect_or(args.url, key, budget=budget, on_wait=show)    # the engine, once
+        client = adapter.client(args.url, key, budget=budget, on_wait=show)
         try:
             res = measure(client, prompts, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
                           temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup,

@@ -17,7 +17,7 @@ from ..server.settings import SpecSettings
 from ..errors import BadInput, SGLangError
 from ..layers.sglang import OLDEST_READ, TABLE_VERSION, parse_version, target_rule
 from ..server import embedded
-from ..server.client import HTTPClient, SGLangClient
+from ..server.client import HTTPClient, SGLangClient, answer_kind, checked_server_info
 from ..server.process import ServerProcess
 from ..server.restart import start_variant
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
@@ -36,6 +36,33 @@ def sglang_env() -> dict[str, str]:
     like secrets (``KEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``) are never recorded."""
     secret = ("KEY", "TOKEN", "SECRET", "PASSWORD")
     return {k: v for k, v in os.environ.items() if k.startswith("SGLANG_") and not any(s in k for s in secret)}
+
+
+def sglang_elsewhere(http: HTTPClient) -> Optional[str]:
+    """Where a server says it is SGLang other than ``/server_info``: ``GET /model_info`` (fallback
+    ``/get_model_info``) answering a JSON object with ``model_path`` (SGLang's own endpoint,
+    ``sglang/srt/entrypoints/http_server.py::model_info``; vLLM has none), or ``GET /v1/models`` naming ``owned_by:
+    "sglang"`` (``sglang/srt/entrypoints/openai/protocol.py::ModelCard``); None when neither does."""
+    for path in ("/model_info", "/get_model_info"):
+        resp = http._request("GET", path, retries=0)
+        if resp.status_code == 404:
+            continue
+        try:
+            data = http._json(resp, f"GET {path}", path) if resp.status_code == 200 else None
+        except SGLangError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("model_path"), str):
+            return f"GET {path} (SGLang's model info, model_path)"
+        break
+    resp = http._request("GET", "/v1/models", retries=0)
+    try:
+        data = http._json(resp, "GET /v1/models", "/v1/models") if resp.status_code == 200 else None
+    except SGLangError:
+        data = None
+    models = data.get("data") if isinstance(data, dict) else None
+    if isinstance(models, list) and any(isinstance(m, dict) and m.get("owned_by") == "sglang" for m in models):
+        return 'GET /v1/models (owned_by "sglang")'
+    return None
 
 
 def _v(t: tuple[int, ...]) -> str:
@@ -152,19 +179,45 @@ class SGLangAdapter(EngineAdapter):
     @classmethod
     def probe(cls, http: HTTPClient) -> Optional[tuple[str, dict]]:
         """SGLang when ``GET /server_info`` (fallback ``/get_server_info``) answers a JSON object with a ``version``
-        and ServerArgs fields (:data:`SERVER_INFO_MARKERS`)."""
+        and ServerArgs fields (:data:`SERVER_INFO_MARKERS`); that answer is then checked as the client checks it
+        (:func:`helpers.server.client.checked_server_info`). None when the server is not SGLang.
+
+        What tells "SGLang with a malformed answer" (a server error, exit 1) from "not SGLang" (None: detection's
+        "neither", exit 2): a ``/server_info`` object with a ``version`` key and a ServerArgs field is SGLang's
+        (``sglang/srt/utils/common.py::build_server_info``), whatever the types inside; any other ``/server_info``
+        answer (HTML, a JSON list, JSON nested too deeply, an object without those fields) is SGLang's only when
+        SGLang's other endpoints say so (:func:`sglang_elsewhere`: ``/model_info``, ``/v1/models``), else the server
+        is not taken for SGLang and detection names what each endpoint answered.
+
+        Raises:
+            helpers.errors.SGLangError: SGLang by its answers, and ``/server_info`` is malformed: one line naming the
+                endpoint and the field (``field tp_size: ...``, ``field version: ...``) or what it answered."""
         for path in ("/server_info", "/get_server_info"):
             resp = http._request("GET", path, retries=0)
             if resp.status_code != 200:
                 continue
+            where = f"GET {http._shown_url}{path}"
             try:
-                data = http._json(resp, f"GET {path}", path)
-            except SGLangError:
-                return None
-            if isinstance(data, dict) and isinstance(data.get("version"), str) and \
-                    any(k in data for k in SERVER_INFO_MARKERS):
-                return data["version"], {path: f"version {data['version']}"}
-            return None
+                data = http._json(resp, where, path)
+            except SGLangError as exc:           # not JSON (HTML, text), nested too deeply
+                return cls._malformed(http, str(exc), path)
+            if isinstance(data, dict) and "version" in data and any(k in data for k in SERVER_INFO_MARKERS):
+                version = checked_server_info(data, where, path).version
+                if not version:
+                    raise SGLangError(f"{where}: field version: expected SGLang's release (X.Y.Z), got "
+                                      f"{version!r}", endpoint=path)
+                return version, {path: f"version {version}"}
+            return cls._malformed(http, f"{where}: expected SGLang's server info (a JSON object with a version and "
+                                        f"its ServerArgs fields), got {answer_kind(data)}", path)
+        return None
+
+    @classmethod
+    def _malformed(cls, http: HTTPClient, message: str, path: str) -> None:
+        """Raise ``message`` as a server error when SGLang's other endpoints say the server is SGLang; else None (the
+        server is not taken for SGLang)."""
+        why = sglang_elsewhere(http)
+        if why:
+            raise SGLangError(f"{message} (the server is SGLang by {why})", endpoint=path)
         return None
 
     def client(self, url: str, api_key: Optional[str] = None, **kwargs: Any) -> SGLangClient:

@@ -16,11 +16,19 @@ import httpx
 from pydantic import ValidationError
 
 from ..acceptance.ablations import Toggle
-from ..errors import BadInput, EndpointMissing, HiddenStatesDisabled, RequestRejected, ServerError, SGLangError
+from ..errors import (
+    BadInput,
+    EndpointMissing,
+    HiddenStatesDisabled,
+    RequestRejected,
+    ServerError,
+    SGLangError,
+    printable,
+)
 from ..formats.configs import read_config_json
 from ..layers import vllm as rules
 from ..redaction import redact
-from ..server.client import HTTPClient, ServerClient
+from ..server.client import HTTPClient, ServerClient, answer_error
 from ..server.embedded import pick_port
 from ..server.process import ServerProcess
 from ..server.protocol import GenerateResult
@@ -28,7 +36,16 @@ from ..server.restart import set_flags
 from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
 from . import vllm_server
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
-from .vllm_answers import meta_info, parse_counters, record
+from .vllm_answers import (
+    Completion,
+    DevServerInfo,
+    ModelCard,
+    checked,
+    checked_ranks,
+    meta_info,
+    parse_counters,
+    record,
+)
 from .vllm_server import relaunch_command
 
 if TYPE_CHECKING:          # annotations only (torch)
@@ -87,9 +104,27 @@ class VLLMClient(ServerClient):
         return self._version
 
     def models(self) -> list[dict]:
-        """``GET /v1/models`` ``data`` (``id``, ``root`` = the target path, ``max_model_len``, ``owned_by``)."""
+        """``GET /v1/models`` ``data`` (``id``, ``root`` = the target path, ``max_model_len``, ``owned_by``), each
+        entry checked (:class:`helpers.engines.vllm_answers.ModelCard`).
+
+        Raises: :class:`helpers.errors.SGLangError` naming the entry and the field (``data.0.root``: a number for a
+        path, ...), or ``data`` that is not a list."""
         data = self._get_json(["/v1/models"], "models").get("data")
-        return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        where = f"GET {self._shown_url}/v1/models"
+        if data is None:
+            return []
+        if not isinstance(data, list):
+            raise SGLangError(f"{where}: field data: expected a list of models, got {str(data)[:60]!r}",
+                              endpoint="/v1/models")
+        return [checked(ModelCard, m, f"{where} (data.{i})", "/v1/models") for i, m in enumerate(data)]
+
+    def target_layers(self) -> Optional[int]:
+        """``num_hidden_layers`` of the target's ``config.json`` (``/v1/models`` ``root``) when that folder is readable
+        here, else None."""
+        models = self.models()
+        cfg = _read_config(models[0].get("root")) if models else None
+        n = (cfg or {}).get("num_hidden_layers")
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
 
     def dev_server_info(self) -> Optional[dict]:
         """vLLM's own ``GET /server_info?config_format=json`` (dev mode only: ``VLLM_SERVER_DEV_MODE=1``), redacted;
@@ -102,15 +137,32 @@ class VLLMClient(ServerClient):
             raise RequestRejected(f"GET {self._shown_url}/server_info: HTTP {resp.status_code}: {self._body(resp)}",
                                   endpoint="/server_info", status=resp.status_code)
         data = self._json(resp, f"GET {self._shown_url}/server_info", "/server_info")
-        return redact(data, self.secrets) if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return None
+        checked(DevServerInfo, data, f"GET {self._shown_url}/server_info", "/server_info")
+        return redact(data, self.secrets)
 
-    def describe(self) -> Optional[list[dict]]:
-        """The worker extension's ``e3f_describe`` per TP rank (cached), or None when the server lacks it."""
+    def describe(self, required: bool = False) -> Optional[list[dict]]:
+        """The worker extension's ``e3f_describe`` per TP rank (cached, checked:
+        :func:`helpers.engines.vllm_answers.checked_ranks`, the layer count against the target's config), or None
+        when the server lacks it.
+
+        Raises:
+            helpers.errors.RequestRejected: ``required`` and the server lacks the extension (how to start it).
+            helpers.errors.SGLangError: an answer of another shape (no rank, a field of another type or out of
+                range, more layers than the target has)."""
         if getattr(self, "_ranks", None) is None:
             try:
-                self._ranks = self.rpc("e3f_describe")
-            except RequestRejected:
-                self._ranks = []
+                ranks = self.rpc("e3f_describe")
+            except RequestRejected as exc:
+                self._ranks, self._no_extension = [], exc
+            else:
+                layers = self.target_layers()
+                models = self.models()
+                self._ranks = checked_ranks(ranks, f"POST {self._shown_url}/collective_rpc e3f_describe", layers,
+                                            models[0].get("root") if models else None)
+        if required and not self._ranks:
+            raise self._no_extension
         return self._ranks or None
 
     def server_info(self, refresh: bool = False) -> dict:
@@ -131,7 +183,7 @@ class VLLMClient(ServerClient):
         except (TypeError, AttributeError, ValueError, KeyError) as exc:
             # a field of another type than vLLM writes it (a string for speculative_config, a list for vllm_config,
             # "three" tokens, ...): the server's answer is unusable, said in one line naming where it came from
-            raise ServerError(f"{self.url}: the server's GET /v1/models, /server_info, /metrics or worker answers "
+            raise ServerError(f"{self._shown_url}: the server's GET /v1/models, /server_info, /metrics or worker answers "
                               f"are not what vLLM 0.32.0 writes ({type(exc).__name__}: {exc})") from None
 
     def _vllm_server_info(self) -> dict:
@@ -227,14 +279,28 @@ class VLLMClient(ServerClient):
                                                     "meta_info": meta_info(ans), "latency_s": ans["latency_s"],
                                                     "prompt_token_ids": ans.get("prompt_token_ids")})
         except ValidationError as exc:
-            raise SGLangError(f"POST {self._shown_url}/v1/completions: {str(exc).splitlines()[0]}",
-                              endpoint="/v1/completions") from None
-        info = getattr(self, "_info", None) or {}
-        problem = result.meta_info.spec_problem(info.get("speculative_num_steps"))
+            raise answer_error(exc, f"POST {self._shown_url}/v1/completions", "/v1/completions") from None
+        problem = result.meta_info.spec_problem(**self._spec_limits())
         if problem:
-            raise SGLangError(f"POST {self._shown_url}/v1/completions: impossible spec counters: {problem}",
+            rid = result.meta_info.id
+            which = f" (request {printable(str(rid))[:80]})" if rid is not None else ""
+            source = (getattr(self, "_info", None) or {}).get("sources", {}).get("settings")
+            raise SGLangError(f"POST {self._shown_url}/v1/completions{which}: impossible spec counters: {problem}"
+                              + (f" (num_speculative_tokens from {source})" if source else ""),
                               endpoint="/v1/completions")
         return result
+
+    def _spec_limits(self) -> dict:
+        """What :meth:`helpers.server.protocol.MetaInfo.spec_problem` checks a vLLM answer against once
+        :meth:`server_info` was read with speculative decoding on: ``num_steps`` = ``num_speculative_tokens`` k, a
+        chain of k drafts per verify step at most (``proposed_exact`` False: the scheduler trims a step's drafts to the
+        token budget, ``v1/core/sched/scheduler.py::Scheduler.schedule``), and the dense histogram of k + 1 bins
+        (``v1/metrics/stats.py::RequestSpecDecodeMetrics.new``); else nothing."""
+        info = getattr(self, "_info", None) or {}
+        k = info.get("speculative_num_steps")
+        if not info.get("speculative_algorithm") or not isinstance(k, int):
+            return {}
+        return {"num_steps": k, "num_draft_tokens": k + 1, "proposed_exact": False, "histogram_bins": k + 1}
 
     def effective_spec_config(self, requested: Any = None, *, draft_config: Any = None) -> EffectiveSpecConfig:
         """The speculative settings the server runs (:meth:`server_info`); vLLM 0.32.0 runs the
@@ -298,6 +364,7 @@ class VLLMClient(ServerClient):
         if not isinstance(out, dict) or not out.get("choices"):
             raise SGLangError(f"POST {self._shown_url}/v1/completions: no choices in the answer",
                               endpoint="/v1/completions")
+        checked(Completion, out, f"POST {self._shown_url}/v1/completions", "/v1/completions")
         out["latency_s"] = time.monotonic() - t0
         return out
 
@@ -593,7 +660,7 @@ class VLLMAdapter(EngineAdapter):
             FileExistsError: the dump exists."""
         from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)
         from .vllm_capture import _assemble, _now, _send  # lazy: torch (measure detects the engine without it)
-        ranks = client.rpc("e3f_describe")
+        ranks = client.describe(required=True)
         version = client.version()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

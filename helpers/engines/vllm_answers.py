@@ -6,12 +6,157 @@ bonus tokens included; ``env/vllm/README.md`` "Acceptance figures" says where ea
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..acceptance.requests import PER_REQUEST_COLUMNS
+from ..errors import SGLangError
+from ..server.client import answer_error
+from ..server.protocol import MAX_NUM_STEPS, MAX_PARALLEL, Count
 from .base import AcceptanceCounters
+
+#: the most decoder layers a worker may report (the deepest open models have ~126: Llama 3.1 405B); a count past it,
+#: or one unlike the target's config.json, is a broken answer, never the size of a list built here
+MAX_LAYERS = 1024
+#: the widest hidden size a worker may report (open models stay below 32768)
+MAX_HIDDEN = 1 << 20
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SpecDecoding(_Answer):
+    """``metrics.speculative_decoding`` of one answer (``v1/metrics/stats.py::RequestSpecDecodeMetrics.to_dict``)."""
+
+    num_spec_steps: Optional[Count] = None
+    num_accepted_draft_tokens: Optional[Count] = None
+    num_draft_tokens: Optional[Count] = None
+    num_spec_tokens: Optional[int] = Field(None, ge=0, le=MAX_NUM_STEPS)
+    acceptance_histogram: Optional[list[Count]] = Field(None, max_length=MAX_NUM_STEPS + 1)
+    mean_acceptance_length: Optional[float] = Field(None, allow_inf_nan=False)
+    draft_acceptance_rate: Optional[float] = Field(None, allow_inf_nan=False)
+
+
+class _Metrics(_Answer):
+    speculative_decoding: Optional[SpecDecoding] = None
+
+
+class _Details(_Answer):
+    cached_tokens: Optional[Count] = None
+
+
+class _Usage(_Answer):
+    prompt_tokens: Optional[Count] = None
+    completion_tokens: Optional[Count] = None
+    prompt_tokens_details: Optional[_Details] = None
+
+
+class _Choice(_Answer):
+    text: Optional[str] = None
+    token_ids: Optional[list[Count]] = None
+    prompt_token_ids: Optional[list[Count]] = None
+
+
+class Completion(_Answer):
+    """The fields of a ``/v1/completions`` answer read here (``entrypoints/openai/completion/protocol.py::
+    CompletionResponse``, ``return_token_ids``): at least one choice, token ids and counts that are non-negative
+    integers, ratios that are finite numbers."""
+
+    choices: list[_Choice] = Field(min_length=1)
+    usage: Optional[_Usage] = None
+    metrics: Optional[_Metrics] = None
+    prompt_token_ids: Optional[list[Count]] = None
+
+
+class ModelCard(_Answer):
+    """One ``/v1/models`` entry (``entrypoints/serve/engine/protocol.py::ModelCard``): ``id`` and ``root`` (the
+    target's path) are strings, ``max_model_len`` a positive integer."""
+
+    id: str
+    root: Optional[str] = None
+    owned_by: Optional[str] = None
+    max_model_len: Optional[int] = Field(None, ge=1)
+
+
+class DraftReport(_Answer):
+    """``draft`` of the worker extension's ``e3f_describe`` (:meth:`helpers.engines.vllm_worker.CaptureExtension.
+    e3f_describe`)."""
+
+    method: Optional[str] = None
+    model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = Field(None, ge=1, le=MAX_NUM_STEPS)
+
+
+class RankReport(_Answer):
+    """One TP rank's ``e3f_describe``: rank and size within :data:`helpers.server.protocol.MAX_PARALLEL`, layers within
+    :data:`MAX_LAYERS`, aux ids integers, ``settings`` an object."""
+
+    tp_rank: Optional[int] = Field(None, ge=0, lt=MAX_PARALLEL)
+    tp_size: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL)
+    num_layers: Optional[int] = Field(None, ge=0, le=MAX_LAYERS)
+    hidden_size: Optional[int] = Field(None, ge=1, le=MAX_HIDDEN)
+    aux_layer_ids: Optional[list[int]] = Field(None, max_length=MAX_LAYERS)
+    target_class: Optional[str] = None
+    settings: Optional[dict] = None
+    draft: Optional[DraftReport] = None
+
+
+class _DevSpec(_Answer):
+    method: Optional[str] = None
+    model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = Field(None, ge=1, le=MAX_NUM_STEPS)
+
+
+class _DevParallel(_Answer):
+    tensor_parallel_size: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL)
+
+
+class _DevConfig(_Answer):
+    speculative_config: Optional[_DevSpec] = None
+    parallel_config: Optional[_DevParallel] = None
+
+
+class DevServerInfo(_Answer):
+    """The part of vLLM's dev-mode ``/server_info?config_format=json`` read here (``vllm_config``: the speculative
+    config's method / draft path / token count, the TP size; ``entrypoints/serve/dev/server_info/api_router.py``)."""
+
+    vllm_config: Optional[_DevConfig] = None
+
+
+def checked(model: type[BaseModel], data: Any, where: str, endpoint: str) -> Any:
+    """``data`` when ``model`` accepts it (its own values, unchanged).
+
+    Raises:
+        helpers.errors.SGLangError: ``<where>: field <name>: <what was expected>, got <value>`` (the first field).
+    """
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        raise answer_error(exc, where, endpoint) from None
+    return data
+
+
+def checked_ranks(ranks: list, where: str, target_layers: Optional[int], target: Optional[str]) -> list[dict]:
+    """The worker extension's ``e3f_describe`` answer (one dict per TP rank), checked: at least one rank, each a
+    :class:`RankReport`, and each rank's ``num_layers`` equal to the target config's ``num_hidden_layers`` when that
+    config is readable here (``target_layers``; vLLM's model holds every layer of it, PP placeholders included:
+    ``models/llama.py::LlamaModel.__init__``, ``make_layers``).
+
+    Raises:
+        helpers.errors.SGLangError: no rank, a field of another type or out of range (named with the rank), a layer
+            count unlike the target's."""
+    if not ranks:
+        raise SGLangError(f"{where}: no rank answered (expected one object per TP rank)", endpoint="/collective_rpc")
+    for i, r in enumerate(ranks):
+        checked(RankReport, r, f"{where} (rank {i})", "/collective_rpc")
+        n = r.get("num_layers")
+        if target_layers is not None and n is not None and n != target_layers:
+            raise SGLangError(f"{where} (rank {i}): field num_layers: {n} layers, but the target's config.json "
+                              f"({target}) has num_hidden_layers {target_layers}", endpoint="/collective_rpc")
+    return ranks
 
 
 def meta_info(answer: Mapping[str, Any]) -> dict:

@@ -6,6 +6,7 @@ prompt, the prompt's rows and each generated token's, as the server computed the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,7 +23,12 @@ from .vllm_answers import record
 def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, layers: bool,
           records: Optional[list]) -> list[tuple[str, Optional[list[int]], dict]]:
     """Arm the capture on every rank, send each prompt alone (prefix cache reset first), disarm. Returns
-    ``(prompt id, prompt token ids or None for text, answer)`` per prompt."""
+    ``(prompt id, prompt token ids or None for text, answer)`` per prompt.
+
+    When a prompt fails or the command is interrupted (:class:`helpers.errors.Interrupted`, a signal), that error is
+    the one raised: the disarm is then tried, and its own failure (after a signal every wait of the budget ends at
+    once) does not replace it, so a signal still exits 130 / 143. The worker stops recording by itself after
+    ``max_forwards``."""
     sent: list[tuple[str, Optional[list[int]], dict]] = []
     client.rpc("e3f_capture_start", {"out_dir": os.fspath(cap), "layers": bool(layers), "max_forwards": 100000})
     try:
@@ -33,8 +39,11 @@ def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, l
             sent.append((pid, ids, ans))
             if records is not None:
                 records.append(record(len(records), pid, ans, kind="capture"))
-    finally:
-        client.rpc("e3f_capture_stop")
+    except BaseException:
+        with contextlib.suppress(SGLangError):
+            client.rpc("e3f_capture_stop")
+        raise
+    client.rpc("e3f_capture_stop")
     return sent
 
 

@@ -236,7 +236,7 @@ def ablate(url: str, *, run_dir: str | Path, sweeps: Sequence[str] = SWEEPS, tog
     argv = relaunch_argv(relaunch) if relaunch else None
     ps = load_prompts(prompts, n=num_prompts)       # a bad prompt file is bad input before any request
     dl = budget or Budget(budget_s, flag="--budget")
-    adapter = adapter or detect(url, api_key, deadline_s=min(60.0, dl.remaining() or 60.0)).adapter
+    adapter = adapter or detect(url, api_key, budget=dl).adapter      # detection spends the one budget too
     chosen = _check_args(run_dir, sweeps, toggles, num_prompts, max_new_tokens, adapter.toggles())
     own = client is None
     a = _Ablation(run_dir=run_dir, dl=dl, client=client or adapter.client(url, api_key, budget=dl),

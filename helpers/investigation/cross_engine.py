@@ -94,7 +94,7 @@ def _stage_attach(p: Pair, api_key: Optional[str]) -> None:
     """Each server's engine and what it serves; the same draft on both, or the difference said."""
     for s in (p.a, p.b):
         try:
-            s.adapter = detect(s.url, api_key, deadline_s=min(60.0, p.dl.remaining() or 60.0)).adapter
+            s.adapter = detect(s.url, api_key, budget=p.dl).adapter     # the command's one deadline (--timeout)
             s.client = s.adapter.client(s.url, api_key, timeout=600.0, budget=p.dl)
         except BadInput as exc:    # detect / the client name --url: here the server is --a or --b
             if exc.field != "--url":

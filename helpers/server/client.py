@@ -504,8 +504,7 @@ class SGLangClient(ServerClient):
         """
         if self._server_info is None or refresh:
             raw = self._get_json(["/server_info", "/get_server_info"], "server info")
-            checked = _validated(ServerInfo, raw, f"GET {self._shown_url}/server_info", "/server_info")
-            raw.update({k: getattr(checked, k) for k in ServerInfo.model_fields if k in raw})
+            checked_server_info(raw, f"GET {self._shown_url}/server_info", "/server_info")
             raw.setdefault("engine", self.ENGINE_NAME)
             self._server_info = redact(raw, self.secrets)
         return self._server_info
@@ -621,7 +620,7 @@ class SGLangClient(ServerClient):
         try:
             result = GenerateResult.model_validate({**data, "latency_s": latency})
         except ValidationError as exc:
-            raise _invalid(exc, f"POST {self._shown_url}/generate", "/generate") from None
+            raise answer_error(exc, f"POST {self._shown_url}/generate", "/generate") from None
         problem = result.meta_info.spec_problem(**self._spec_limits())
         if problem:
             rid = result.meta_info.id
@@ -704,7 +703,7 @@ def _json_type(x: Any) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(x), "number")
 
 
-def _invalid(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
+def answer_error(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
     """One line for a pydantic error in a server answer: the endpoint, the first field, what was expected, the value
     (shortened, printable)."""
     err = exc.errors()[0]
@@ -714,11 +713,33 @@ def _invalid(exc: ValidationError, where: str, endpoint: str) -> SGLangError:
     return SGLangError(f"{where}: field {field}: {err.get('msg')}, got {got[:80]}{more}", endpoint=endpoint)
 
 
+def checked_server_info(raw: dict, where: str, endpoint: str) -> ServerInfo:
+    """SGLang's ``/server_info`` object ``raw`` checked (:class:`helpers.server.protocol.ServerInfo`: the fields this
+    suite reads typed and range-checked, text without control characters); the checked values replace the raw ones
+    in ``raw``. The one check of that answer: :meth:`SGLangClient.server_info` and the engine detection
+    (``helpers.engines.sglang.SGLangAdapter.probe``).
+
+    Raises:
+        SGLangError: a field of the wrong type or out of range: ``<where>: field <name>: <what was expected>, got
+            <value>``."""
+    checked = _validated(ServerInfo, raw, where, endpoint)
+    raw.update({k: getattr(checked, k) for k in ServerInfo.model_fields if k in raw})
+    return checked
+
+
+def answer_kind(data: Any) -> str:
+    """What a JSON answer is, for messages: ``a JSON list``, ``a JSON object with keys [...]`` (the first 6)."""
+    if isinstance(data, dict):
+        keys = [printable(str(k))[:40] for k in list(data)[:6]]
+        return f"a JSON object with keys {keys}{' ...' if len(data) > 6 else ''}"
+    return f"a JSON {_json_type(data)}"
+
+
 def _validated(model: Any, data: Any, where: str, endpoint: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _invalid(exc, where, endpoint) from None
+        raise answer_error(exc, where, endpoint) from None
 
 
 def _draft_architectures(draft_config: Any, draft_path: Optional[str]) -> Optional[list[str]]:

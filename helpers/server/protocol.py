@@ -122,7 +122,8 @@ class MetaInfo(BaseModel):
         return bool(self.spec_verify_ct)
 
     def spec_problem(self, num_steps: Optional[int] = None, *, num_draft_tokens: Optional[int] = None,
-                     adaptive: bool = False) -> Optional[str]:
+                     adaptive: bool = False, proposed_exact: bool = True,
+                     histogram_bins: Optional[int] = None) -> Optional[str]:
         """The first identity of SGLang's per-request spec counters these counters break, with the numbers, or None
         when they satisfy every one that can be checked. Counts are already non-negative (the field types).
 
@@ -131,6 +132,12 @@ class MetaInfo(BaseModel):
             num_draft_tokens: its ``speculative_num_draft_tokens`` (None: unknown).
             adaptive: ``speculative_adaptive`` (the steps change at run time: the checks on the static steps and
                 draft tokens are skipped).
+            proposed_exact: the engine proposes ``num_draft_tokens - 1`` drafts at every verify step (SGLang); False:
+                at most that many (vLLM 0.32.0 trims a step's drafts to the token budget and leaves out drafts a
+                grammar invalidated: ``v1/core/sched/scheduler.py::Scheduler.schedule``, ``update_from_output``).
+            histogram_bins: the histogram's exact length when the engine writes it dense (vLLM:
+                ``num_speculative_tokens + 1``, ``v1/metrics/stats.py::RequestSpecDecodeMetrics.new``); None: SGLang's
+                grows on demand.
 
         The identities (:data:`SPEC_IDENTITIES`), from SGLang 0.5.23's counting: per verify step of a request
         ``scheduler_components/batch_result_processor.py`` adds 1 to ``spec_verify_ct``, the step's accepted draft
@@ -164,10 +171,18 @@ class MetaInfo(BaseModel):
             return broken("accepted <= proposed", f"spec_num_correct_drafts {c} > spec_num_proposed_drafts {p} "
                                                    "(more draft tokens accepted than proposed)")
         static = not adaptive
-        if static and num_draft_tokens and p is not None and p != v * (num_draft_tokens - 1):
+        if static and num_draft_tokens and p is not None and proposed_exact and p != v * (num_draft_tokens - 1):
             return broken("proposed = verify steps x (draft tokens - 1)",
                           f"spec_num_proposed_drafts {p} != spec_verify_ct {v} x (speculative_num_draft_tokens "
                           f"{num_draft_tokens} - 1) = {v * (num_draft_tokens - 1)}")
+        if static and num_draft_tokens and p is not None and not proposed_exact and p > v * (num_draft_tokens - 1):
+            return broken("proposed <= verify steps x (draft tokens - 1)",
+                          f"spec_num_proposed_drafts {p} > spec_verify_ct {v} x (speculative_num_draft_tokens "
+                          f"{num_draft_tokens} - 1) = {v * (num_draft_tokens - 1)}")
+        if static and histogram_bins is not None and hist is not None and len(hist) != histogram_bins:
+            return broken("dense histogram of num_steps + 1 bins",
+                          f"spec_correct_drafts_histogram has {len(hist)} bins, the engine writes num_steps + 1 = "
+                          f"{histogram_bins}")
         if static and num_steps is not None:
             if hist is not None and len(hist) > num_steps + 1:
                 return broken("histogram bins <= num_steps + 1",
@@ -208,9 +223,11 @@ class MetaInfo(BaseModel):
         return r if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 31 else 0
 
 
-#: the identities :meth:`MetaInfo.spec_problem` checks, in its order (each message starts ``identity '<name>'``)
+#: the identities :meth:`MetaInfo.spec_problem` checks, in its order (each message starts ``identity '<name>'``); the
+#: 4th and 5th are vLLM's form of the 3rd (``proposed_exact=False``, ``histogram_bins``)
 SPEC_IDENTITIES = (
     "no verify step, no draft", "accepted <= proposed", "proposed = verify steps x (draft tokens - 1)",
+    "proposed <= verify steps x (draft tokens - 1)", "dense histogram of num_steps + 1 bins",
     "histogram bins <= num_steps + 1", "accepted <= verify steps x num_steps",
     "completion tokens <= 1 + retractions + verify steps + accepted", "histogram sums to the verify steps",
     "histogram weights to the accepted drafts", "spec_accept_length = completion_tokens / spec_verify_ct",

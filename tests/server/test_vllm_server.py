@@ -142,6 +142,12 @@ def test_counters_match_per_request_data_and_a_hand_parse(client, models):
     # the drafts are the fixed token: an accepted draft is that token in the target's greedy output
     for p, a in zip(MEASURE, answers):
         assert a["choices"][0]["token_ids"] == _greedy(models["hf"], p, NEW_TOKENS)
+    # issue 40: a real answer keeps vLLM's identities the client checks (a dense histogram of k + 1 bins, proposed <=
+    # steps x k) with k from the server, and the client's shape checks
+    assert client.server_info()["speculative_num_steps"] == 3
+    r = client.generate(input_ids=MEASURE[0], max_new_tokens=NEW_TOKENS)
+    assert len(r.meta_info.spec_correct_drafts_histogram) == 3 + 1 and r.output_ids == answers[0]["choices"][0][
+        "token_ids"]
 
 
 def test_captured_aux_states_equal_hf_hidden_states(client, models, tmp_path):

@@ -2,6 +2,7 @@
 ``python -m support.fakeserver MODE PORT`` (stopped by its PID by :func:`fake_server`).
 
 Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states), ``hang`` (/generate never answers),
+``hangall`` (issue 40: no endpoint ever answers, /health included, so engine detection waits too),
 ``trickle`` (/generate sends one byte every 0.5 s, forever), ``die`` (the process exits at the 3rd /generate),
 ``oversize`` (/server_info is 20 MiB; /generate rows are 200000 wide), ``malformed`` (/generate answers without
 ``meta_info``, or with wrong types), and (issue 21):
@@ -19,6 +20,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
 * ``deep``: every 2nd ``/generate`` answer is JSON nested 200000 deep;
 * ``hugesteps``: ``/server_info`` reports ``speculative_num_steps`` 3e6; ``infolist``: ``/server_info`` is a JSON
   list; ``tpstring``: ``tp_size`` is ``"two"``; ``redirect``: every endpoint but /health answers 307 with a JSON body;
+* ``infohtml`` / ``infodeep`` / ``infoversion`` (issue 40): ``/server_info`` is an HTML page, JSON nested 200000
+  deep, or has ``version`` 5 (a number); its ``/model_info`` is SGLang's, so the server is SGLang by its answers;
 * ``escape``: ``/generate`` answers 400 with terminal escape sequences in its body (screen clear, window title,
   OSC 52 clipboard);
 * ``workload`` (issue 23): an engine whose acceptance depends on the request as public reports describe: per prompt an
@@ -172,11 +175,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.path = self.path.split("?")[0]
+        if self.mode == "hangall":
+            time.sleep(3600)
         if self._refused():
             return None
         if self.path in ("/health", "/flush_cache"):
             return self._json({})
         if self.path in ("/server_info", "/get_server_info"):
+            if self.mode == "infohtml":
+                return self._json(b"<!doctype html><html><body>Welcome</body></html>")
+            if self.mode == "infodeep":
+                return self._json(_deep(200000))
+            if self.mode == "infoversion":
+                return self._json({**server_info("ok"), "version": 5})
             return self._json([server_info("ok")] if self.mode == "infolist" else server_info(self.mode))
         if self.path in ("/model_info", "/get_model_info"):
             return self._json({"model_path": "/nonexistent/target", "architectures": ["LlamaForCausalLM"]})
@@ -192,6 +203,8 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         self.path = self.path.split("?")[0]
+        if self.mode == "hangall":
+            time.sleep(3600)
         if self._refused():
             return None
         if self.path == "/flush_cache":

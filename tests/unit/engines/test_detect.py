@@ -173,3 +173,34 @@ def test_an_sglang_version_that_is_not_a_release_is_refused_before_any_capture()
     assert "\n" not in msg and "'banana'" in msg and "/server_info" in msg and "SGLang 0.5.6-0.5.23" in msg, msg
     with serve({"/v1/models": (200, {"data": 5}), "/server_info": (200, SGLANG_INFO)}) as url:
         assert detect(url).engine == "sglang"
+
+
+def test_what_tells_a_malformed_sglang_from_a_server_that_is_not_sglang():
+    """Issue 40: a /server_info answer that is not SGLang's object (HTML, a JSON list) is SGLang's malformed answer
+    only when SGLang's other endpoints say it is SGLang (/model_info with model_path, /v1/models owned_by sglang):
+    then a server error naming the endpoint, what it answered and why (exit 1); otherwise "neither", naming what each
+    endpoint answered (exit 2). An object with a version and ServerArgs fields is SGLang's whatever its types: a
+    wrongly-typed field is named."""
+    page = "<html><body>router</body></html>"
+    with serve({p: (200, page) for p in ("/server_info", "/model_info", "/version", "/v1/models")}) as url:
+        with pytest.raises(BadInput) as exc:          # a web page on every path: not an engine
+            detect(url)
+    msg = str(exc.value)
+    assert "neither SGLang nor vLLM" in msg and "\n" not in msg, msg
+    assert f"/server_info -> HTTP 200 not JSON (application/json): {page}" in msg, msg
+    assert f"/model_info -> HTTP 200 not JSON" in msg and "/v1/models -> HTTP 200 owned_by (unreadable)" in msg, msg
+    with serve({"/server_info": (200, [SGLANG_INFO])}) as url:
+        with pytest.raises(BadInput, match=r"/server_info -> HTTP 200 a JSON list, /model_info -> HTTP 404"):
+            detect(url)
+    sglang_models = {"data": [{"id": "m", "owned_by": "sglang"}]}
+    with serve({"/server_info": (200, [SGLANG_INFO]), "/v1/models": (200, sglang_models)}) as url:
+        with pytest.raises(SGLangError) as exc:
+            detect(url)
+    msg = str(exc.value)
+    assert not isinstance(exc.value, BadInput) and msg.startswith(f"GET {url}/server_info: expected SGLang's server "
+                                                                  "info"), msg
+    assert msg.endswith("got a JSON list (the server is SGLang by GET /v1/models (owned_by \"sglang\"))"), msg
+    with serve({"/server_info": (200, {**SGLANG_INFO, "speculative_num_steps": "three"})}) as url:
+        with pytest.raises(SGLangError, match=f"GET {url}/server_info: field speculative_num_steps: Input should be "
+                                              "a valid integer"):
+            detect(url)

@@ -399,3 +399,49 @@ def test_server_error_bodies_reach_the_terminal_without_control_characters(capsy
     err = capsys.readouterr().err
     assert rc == 1 and "bad request" in err and "HTTP 400" in err, err
     assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) < 0xa0 for c in err), repr(err)
+
+
+# ---------------------------------------------------------------------------------------------------- issue 40 (B)
+
+@pytest.mark.parametrize("prog", ["capture", "measure", "compare-engines"])
+def test_one_deadline_covers_engine_detection(prog, training, tmp_path, capsys):
+    """Issue 40: against a server that answers no endpoint at all, `capture` / `measure --timeout 3` waited about
+    twice the timeout (engine detection had a deadline of its own) while the message said "3 s elapsed": one budget
+    now covers detection and the requests, so the whole command ends at the timeout and the elapsed time is true."""
+    args = {"capture": ["capture", "--training", str(training), "--run-dir", str(tmp_path), "--num-samples", "1"],
+            "measure": ["measure", "--num-prompts", "2", "--max-new-tokens", "4", "--outputs", str(tmp_path / "m"),
+                        "--quiet"],
+            "compare-engines": ["compare-engines", "--training", str(training), "--out", str(tmp_path / "m")]}[prog]
+    with fake_server("hangall") as url:
+        t = time.monotonic()
+        where = ["--a", url, "--b", url] if prog == "compare-engines" else ["--url", url]
+        rc = main(args + where + ["--timeout", "3"])
+        took = time.monotonic() - t
+    line = _one_line_error(capsys, prog)
+    assert rc == 1 and 3.0 <= took <= 3.0 + 1.5, (took, line)
+    assert "the overall deadline of 3 s passed (3 s elapsed" in line and url in line, line
+    assert not (tmp_path / "dumps").exists() and not list((tmp_path / "m").rglob("*.json"))
+
+
+@pytest.mark.parametrize("mode, expect", [
+    ("infohtml", "answer is not JSON: <!doctype html>"),
+    ("infolist", "expected SGLang's server info (a JSON object with a version and its ServerArgs fields), got a "
+                 "JSON list"),
+    ("infodeep", "the answer nests arrays/objects too deeply (more than 100 levels)"),
+    ("infoversion", "field version: Input should be a valid string, got 5"),
+    ("tpstring", "field tp_size: Input should be a valid integer"),
+])
+def test_a_malformed_sglang_server_info_is_named_at_detection(mode, expect, tmp_path, capsys):
+    """Issue 40: an SGLang server (by its /model_info) whose /server_info is HTML, a JSON list, JSON nested 200000
+    deep, or has a field of the wrong type was "neither SGLang nor vLLM", exit 2, the field unnamed, in every command
+    that detects the engine (investigate, compare-engines, ablate, server detect): it is one line naming the endpoint
+    and the field (or what it answered) and why the server is taken for SGLang, exit 1, as the README's table says."""
+    with fake_server(mode) as url:
+        t = time.monotonic()
+        rc = main(["server", "detect", "--url", url, "--timeout", "20"])
+        line = _one_line_error(capsys, "server")
+        assert rc == 1 and time.monotonic() - t < 10, line
+        assert f"GET {url}/server_info: " in line and expect in line, line
+        assert "neither" not in line, line
+        if mode in ("infohtml", "infolist", "infodeep"):    # not an object with SGLang's fields: why it is SGLang
+            assert line.endswith("(the server is SGLang by GET /model_info (SGLang's model info, model_path))"), line
