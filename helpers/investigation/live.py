@@ -189,7 +189,7 @@ def _connect(r: Run) -> None:
     """The server's engine, detected once from its own endpoints (:func:`helpers.engines.detect.detect`: one line
     and exit 2 for a server that is neither SGLang nor a known vLLM), and its client."""
     req = r.req
-    r.adapter = detect(req.url, req.api_key, deadline_s=min(120.0, r.dl.remaining() or 120.0)).adapter
+    r.adapter = detect(req.url, req.api_key, budget=r.dl).adapter     # the run's one deadline covers detection
     r.client = r.adapter.client(req.url, req.api_key, timeout=min(600.0, req.timeout or 600.0), budget=r.dl,
                                 on_wait=r.progress if r.progress is not _noop else None)
 

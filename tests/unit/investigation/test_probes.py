@@ -1,0 +1,190 @@
+"""The engine-state probes without a server: the radix-hit probe against a fake engine whose prefix cache and
+acceptance the test controls, the losslessness classification, the probes' skips, and how their results join the
+acceptance budget's engine stage."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from helpers.acceptance.prompts import load_prompts
+from helpers.budget import Budget
+from helpers.draft.budget import _loss, budget_sentence
+from helpers.errors import BadInput
+from helpers.investigation.probes import (ProbeContext, check_choice, join_engine_state, probe_lines, probes,
+                                          run_probes)
+from helpers.investigation.probes.lossless import NEAR_TIE, classify, first_divergence, top2
+from helpers.server.protocol import GenerateResult
+
+
+class FakeEngine:
+    """A greedy engine with a prefix cache: a prompt sent before (since the last flush) is a hit
+    (``cached_tokens`` = its length - 1). ``accepted(prompt_index, hit)`` gives the accepted drafts per verify step
+    of each answer (3 draft tokens per step, ``max_new_tokens`` tokens per answer)."""
+
+    def __init__(self, accepted, *, tokens_per_prompt=12):
+        self.accepted, self.n = accepted, tokens_per_prompt
+        self.cache: set = set()
+        self.calls: list = []
+        self.timeout = 5.0
+
+    def server_info(self, refresh=False):
+        return {"disable_radix_cache": False, "speculative_algorithm": "EAGLE3"}
+
+    def flush_cache(self):
+        self.cache.clear()
+
+    def generate(self, text=None, input_ids=None, sampling_params=None, max_new_tokens=None, **kw):
+        key = text if text is not None else tuple(input_ids)
+        hit = key in self.cache
+        self.cache.add(key)
+        self.calls.append((key, max_new_tokens, hit))
+        i = int(str(key).split("|")[0]) if "|" in str(key) else 0
+        if max_new_tokens < 2:
+            meta = {"prompt_tokens": self.n, "completion_tokens": 1, "cached_tokens": self.n - 1 if hit else 0}
+            return GenerateResult.model_validate({"output_ids": [1], "meta_info": meta, "latency_s": 0.01})
+        a = self.accepted(i, hit)                     # accepted drafts per verify step
+        steps = -(-(max_new_tokens - 1) // (a + 1))  # first token from prefill, then a + 1 per verify step
+        meta = {"prompt_tokens": self.n, "completion_tokens": 1 + steps * (a + 1),
+                "cached_tokens": self.n - 1 if hit else 0, "spec_verify_ct": steps,
+                "spec_num_correct_drafts": steps * a, "spec_num_proposed_drafts": steps * 3,
+                "spec_accept_length": (1 + steps * (a + 1)) / steps}
+        return GenerateResult.model_validate({"output_ids": list(range(1 + steps * (a + 1))), "meta_info": meta,
+                                              "latency_s": 0.01})
+
+
+def _prompts(n):
+    return load_prompts([{"id": f"p{i}", "text": f"{i}|prompt {i}"} for i in range(n)])
+
+
+def _ctx(tmp_path: Path, engine, n=12, restart=None, timeout=600.0) -> ProbeContext:
+    return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake"),
+                        att=SimpleNamespace(restart=restart), run_dir=tmp_path, prompts=_prompts(n),
+                        max_new_tokens=25, dl=Budget(timeout))
+
+
+def test_radix_hit_clear_on_an_engine_whose_hits_accept_the_same(tmp_path):
+    eng = FakeEngine(lambda i, hit: 1 + i % 3)
+    st = run_probes(_ctx(tmp_path, eng), "cheap")
+    r = {p["probe"]: p for p in st["probes"]}["radix_hit"]
+    assert r["status"] == "ran" and r["decision"] == "clear"
+    assert r["loss"]["delta"] == 0 and r["findings"] == []
+    assert r["evidence"]["cached_tokens"]["prompts_with_hit"] == 12
+    # each prompt: one cold answer (flushed), one 1-token fill, one measured hit
+    assert sum(1 for _, m, hit in eng.calls if m == 25 and hit) == 12
+    assert (tmp_path / "engine_state" / "radix_hit" / "radix_hit.parquet").exists()
+
+
+def test_radix_hit_counts_when_hits_lose_accepted_drafts(tmp_path):
+    eng = FakeEngine(lambda i, hit: (0 if hit else 2) if i % 4 else 2)
+    st = run_probes(_ctx(tmp_path, eng), "cheap")
+    r = {p["probe"]: p for p in st["probes"]}["radix_hit"]
+    assert r["decision"] == "counts"
+    assert r["loss"]["delta"] > 1.0 and r["loss"]["ci"][0] > 0
+    (f,) = r["findings"]
+    assert f["kind"] == "cache_state_loses_acceptance" and f["evidence"]["condition"] == "radix_hit"
+    assert st["findings"] == r["findings"]
+
+
+def test_radix_hit_without_a_cached_token_is_no_evidence(tmp_path):
+    eng = FakeEngine(lambda i, hit: 2)
+    eng.generate_orig = eng.generate
+
+    def no_cache(**kw):
+        eng.cache.clear()                               # an engine that never keeps a prefix
+        return eng.generate_orig(**kw)
+    eng.generate = no_cache
+    r = run_probes(_ctx(tmp_path, eng), "cheap")["probes"][0]
+    assert r["decision"] == "undecided" and "cached_tokens 0" in r["loss"]["settle"]["text"]
+
+
+def test_restart_probes_skip_with_why(tmp_path):
+    st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, h: 2)), "cheap")
+    skipped = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
+    assert set(skipped) == {"chunked_prefill", "greedy_lossless"}
+    assert all("--engine-probes all" in w for w in skipped.values())
+    st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, h: 2)), "all")
+    why = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
+    assert "cannot be restarted" in why["greedy_lossless"] and "cannot be restarted" in why["chunked_prefill"]
+    st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, h: 2), restart={"kind": "embedded"}, timeout=70.0), "all")
+    why = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
+    assert "chunked-prefill flag was not read" in why["chunked_prefill"]
+    assert "left of the run" in why["greedy_lossless"]
+    assert [p.name for p in probes()][0] == "radix_hit"          # cheap first
+    assert all(len(line) > 10 for line in probe_lines(st))
+
+
+def test_engine_probes_choice_is_checked():
+    assert check_choice("all") == "all"
+    with pytest.raises(BadInput, match="--engine-probes"):
+        check_choice("some")
+
+
+def test_first_divergence_and_near_ties():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    meta = {"output_top_logprobs": [[[-0.1, 7, None], [-2.0, 9, None]], [[-0.693, 4, None], [-0.695, 8, None]]]}
+    assert top2(meta, 1) == [(-0.693, 4), (-0.695, 8)] and top2(meta, 5) is None and top2({}, 0) is None
+    tie = classify([7, 8], [7, 4], top2(meta, 1), 1)
+    assert tie["near_tie"] is True and tie["margin"] == pytest.approx(0.002) and tie["margin"] < NEAR_TIE
+    real = classify([9, 4], [7, 4], top2(meta, 0), 0)
+    assert real["near_tie"] is False and real["margin"] == pytest.approx(1.9)
+    outside = classify([3, 4], [7, 4], top2(meta, 0), 0)        # not even the runner-up
+    assert outside["near_tie"] is False and outside["margin"] is None
+    assert classify([3], [7], None, 0)["near_tie"] is None
+
+
+def _budget(engine_delta, engine_lo, engine_hi, n=16):
+    per = [engine_delta] * n
+    losses = {s: _loss(s, 0.0, -0.02, 0.02, "x", 3.0, n=n, per_sequence=[0.0] * n)
+              for s in ("draft", "wiring", "settings")}
+    losses["engine"] = _loss("engine", engine_delta, engine_lo, engine_hi, "sim - live", 3.0, n=n, unit="prompts",
+                             per_sequence=per)
+    b = {"stages": [{"name": "live", "accept_length": 2.7}], "losses": losses}
+    from helpers.draft.budget import cause_of
+    b["cause"] = cause_of(losses)
+    b["sentence"] = budget_sentence(b)
+    return b
+
+
+def _probe(name, decision, delta=None, ci=(None, None), n=16):
+    loss = None if delta is None else _loss(name, delta, ci[0], ci[1], f"{name} basis", 2.7, n=n, unit="prompts")
+    return {"probe": name, "cost": "cheap", "condition": f"in condition {name}", "status": "ran",
+            "decision": decision if loss is None else loss["decision"], "loss": loss, "findings": []}
+
+
+def test_join_engine_state_a_counted_probe_is_the_engine_loss():
+    b = _budget(0.0, -0.01, 0.01)
+    assert b["cause"] == "none"
+    out = join_engine_state(b, {"probes": [_probe("radix_hit", "counts", 1.0, (0.85, 1.15))]})
+    assert out["cause"] == "engine"
+    e = out["losses"]["engine"]
+    assert e["probe"] == "radix_hit" and e["on_server"] and e["delta"] == 1.0
+    assert e["cold"]["decision"] == "clear"
+    assert "in condition radix_hit" in out["sentence"]
+
+
+def test_join_engine_state_an_undecided_probe_keeps_the_engine_stage_open():
+    b = _budget(0.0, -0.01, 0.01)
+    out = join_engine_state(b, {"probes": [_probe("radix_hit", "undecided", 0.12, (-0.2, 0.4))]})
+    assert out["cause"] == "undecided" and out["losses"]["engine"]["decision"] == "undecided"
+    assert "radix_hit" in out["losses"]["engine"]["settle"]["text"]
+
+
+def test_join_engine_state_a_clear_probe_changes_nothing_and_a_larger_cold_loss_stays():
+    b = _budget(0.0, -0.01, 0.01)
+    out = join_engine_state(b, {"probes": [_probe("radix_hit", "clear", 0.0, (0.0, 0.0))]})
+    assert out["cause"] == "none" and "probe" not in out["losses"]["engine"]
+    b = _budget(1.5, 1.3, 1.7)
+    out = join_engine_state(b, {"probes": [_probe("radix_hit", "counts", 0.5, (0.3, 0.7))]})
+    assert out["losses"]["engine"]["delta"] == 1.5 and "probe" not in out["losses"]["engine"]
+
+
+def test_join_engine_state_a_lossless_fault_leaves_no_clear_engine_stage():
+    b = _budget(0.0, -0.01, 0.01)
+    out = join_engine_state(b, {"probes": [_probe("greedy_lossless", "counts")]})
+    assert out["losses"]["engine"]["decision"] == "undecided" and out["cause"] == "undecided"
+    assert join_engine_state(None, {"probes": []}) is None
