@@ -550,7 +550,8 @@ def case_models(path: Path):
 
 
     try:
-        raw = load_yaml_text(Path(path).read_text(), "case file", path=path, error=CaseError) or {}
+        raw = load_yaml_text(read_file_text(path, "case file", error=CaseError, expected="YAML"), "case file", path=path,
+                              error=CaseError) or {}
         return Models.model_validate((raw.get("models") if isinstance(raw, dict) else None) or {})
     except ValidationError as exc:
         raise CaseError(f"case file {path}: field 'models': {exc.errors()[0]['msg']}") from None
