@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput
+from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
 from ..investigation.live import default_run_dir, investigate
@@ -74,6 +75,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
+        check_url(args.url)                        # before the run folder is made (a FAILED folder otherwise)
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
         if args.timeout is not None and not args.timeout > 0:

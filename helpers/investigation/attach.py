@@ -4,6 +4,7 @@ one vocabulary) and the folders this machine sees (the first step of :func:`help
 :func:`attach` is the one place that reads a server's own account of itself for the investigation)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -100,9 +101,34 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
 
 
 def same_draft(a: Path, b: Path) -> Optional[dict]:
-    """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
+    """None when the two draft folders hold the same config and weight files (by size and name), else what differs
+    (:func:`same_model`)."""
+    return same_model(a, b, "draft config")
+
+
+#: bytes of each safetensors file's tensor data hashed by :func:`same_model` (``fingerprint``): two checkpoints of
+#: one architecture have the same header and sizes, their first tensor's bytes differ
+FINGERPRINT_BYTES = 1 << 20
+
+
+def _fingerprint(f: Path) -> str:
+    """sha256 of a safetensors file's header and its first :data:`FINGERPRINT_BYTES` of tensor data."""
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        h.update(head + fh.read(min(n, 100 << 20) + FINGERPRINT_BYTES))
+    return h.hexdigest()[:16]
+
+
+def same_model(a: Path, b: Path, what: str, *, ignore: tuple = (), fingerprint: bool = False) -> Optional[dict]:
+    """None when the two model folders hold the same model, else what differs: ``config_keys`` (config.json keys
+    whose values differ, ``ignore`` left out; ``eagle_config`` when that differs), ``weights`` (``*.safetensors``
+    names and sizes) and, with ``fingerprint``, ``weight_bytes`` (files whose header and first MiB of tensor data
+    differ: another checkpoint of the same architecture). Folders whose config cannot be read are not compared
+    (None). Weights are compared only where both folders hold some (a config-only copy is no difference)."""
     try:
-        ca, cb = (read_config_json(p, "draft config") for p in (a, b))
+        ca, cb = ({k: v for k, v in read_config_json(p, what).items() if k not in ignore} for p in (a, b))
     except (OSError, ValueError):
         return None
     diff = {}
@@ -114,8 +140,15 @@ def same_draft(a: Path, b: Path) -> Optional[dict]:
             diff["eagle_config"] = {"server": eb, "given": ea}
     wa = {p.name: p.stat().st_size for p in a.glob("*.safetensors")}
     wb = {p.name: p.stat().st_size for p in b.glob("*.safetensors")}
-    if wa != wb:
+    if wa != wb and (not fingerprint or (wa and wb)):
         diff["weights"] = {"server": wb, "given": wa}
+    elif fingerprint and wa and wa == wb:
+        try:
+            other = sorted(n for n in wa if _fingerprint(a / n) != _fingerprint(b / n))
+        except OSError:
+            other = []
+        if other:
+            diff["weight_bytes"] = other
     return diff or None
 
 

@@ -27,7 +27,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   0.8 x temperature less at temperature > 0, and the same at every concurrency; ``/server_info`` says CPU and a
   ``context_length`` of 1024.
 
-Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``); other
+Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``);
+``--model-path P`` / ``--draft-path D`` (what ``/server_info`` says the server runs; default ``/nonexistent/...``); other
 flags (``--speculative-draft-model-path D`` from a relaunch) are ignored.
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ STATE = {"generate": 0}
 KEY = "sk-fake-7d1e0c9a4b"
 ADMIN_KEY = "adm-fake-3b8f2a6e51"
 KEYS = {"api_key": KEY, "admin_api_key": ADMIN_KEY}
+#: the folders /server_info names (--model-path / --draft-path)
+PATHS = {"model_path": "/nonexistent/target", "draft_path": "/nonexistent/draft"}
 #: what mode ``escape`` puts in its error bodies: clear screen, set the window title, write the clipboard (OSC 52)
 ESCAPES = "\x1b[2J\x1b[H\x1b]0;owned\x07\x1b]52;c;ZWNobyBvd25lZA==\x07\x9b31m"
 #: every 2nd answer of mode ``impossible``, in turn
@@ -83,8 +86,8 @@ BROKEN_IDENTITIES = (
 
 def server_info(mode: str) -> dict:
     info = {"version": "0.5.23", "tp_size": 1, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
-            "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "model_path": "/nonexistent/target",
-            "speculative_draft_model_path": "/nonexistent/draft", "launch_command": "--port 1"}
+            "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "model_path": PATHS["model_path"],
+            "speculative_draft_model_path": PATHS["draft_path"], "launch_command": "--port 1"}
     if mode == "oversize":
         info["padding"] = "x" * (20 << 20)
     if mode == "keyed":
@@ -179,7 +182,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path in ("/server_info", "/get_server_info"):
             return self._json([server_info("ok")] if self.mode == "infolist" else server_info(self.mode))
         if self.path in ("/model_info", "/get_model_info"):
-            return self._json({"model_path": "/nonexistent/target", "architectures": ["LlamaForCausalLM"]})
+            return self._json({"model_path": PATHS["model_path"], "architectures": ["LlamaForCausalLM"]})
         if self.path == "/metrics":
             data = b"# no metrics\n"
             self.send_response(200)
@@ -233,11 +236,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def fake_server(mode: str):
-    """Start ``python -m support.fakeserver MODE PORT`` on 127.0.0.1, yield its URL, stop it by PID."""
+def fake_server(mode: str, *extra: str):
+    """Start ``python -m support.fakeserver MODE PORT [EXTRA...]`` on 127.0.0.1, yield its URL, stop it by PID."""
     port = free_port()
     tests = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "support.fakeserver", mode, str(port)], cwd=tests,
+    proc = subprocess.Popen([sys.executable, "-m", "support.fakeserver", mode, str(port), *extra], cwd=tests,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -262,12 +265,14 @@ def main() -> None:
     while i < len(rest):
         a = rest[i]
         name, eq, value = a.partition("=")
-        if name in ("--port", "--api-key", "--admin-api-key") and not eq:
+        if name in ("--port", "--api-key", "--admin-api-key", "--model-path", "--draft-path") and not eq:
             value, i = rest[i + 1], i + 1
         if name == "--port":
             port = int(value)
         elif name in ("--api-key", "--admin-api-key"):
             KEYS[name[2:].replace("-", "_")] = value
+        elif name in ("--model-path", "--draft-path"):
+            PATHS[name[2:].replace("-", "_")] = value
         elif i == 0 and a.isdigit():
             port = int(a)
         i += 1
