@@ -558,6 +558,9 @@ def load_yaml_text(text: str, what: str, *, path: Any = None, error: type = None
     error = error or BadInput
     try:
         return yaml.load(text, Loader=_BoundedLoader)   # noqa: S506 - a SafeLoader subclass
+    except RecursionError:      # "[[[[...": PyYAML's composer recurses once per level
+        raise error(f"{what} nests sequences/mappings too deeply (more than Python's parser can follow)",
+                    path=path) from None
     except YAMLTooLarge as exc:
         raise error(f"{what}: {exc}", path=path) from None
     except yaml.YAMLError as exc:

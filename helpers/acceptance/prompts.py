@@ -75,7 +75,8 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
                 try:
                     items.append(loads_json(line))
                 except (json.JSONDecodeError, JSONTooDeep) as exc:
-                    raise BadInput(f"line {n_line} is not JSON ({exc.msg}); expected one object per line such as "
+                    raise BadInput(f"line {n_line} is not JSON ({getattr(exc, 'msg', None) or exc}); expected one "
+                                   "object per line such as "
                                    '{"text": ...} or {"input_ids": [...]}', path=path) from None
     else:
         items = list(source)

@@ -247,6 +247,7 @@ def position_effect(a: pd.DataFrame, b: pd.DataFrame, positions: int, *, n_boot:
             ok &= df["error"].isna()
         return df.loc[ok, ["prompt_id", "histogram"]].drop_duplicates("prompt_id")
     m = clean(a).merge(clean(b), on="prompt_id", suffixes=("_a", "_b"))
+    m = m.assign(_key=m["prompt_id"].astype(str)).sort_values("_key", kind="stable")   # any row order, one CI
     if not len(m):
         return []
     ha = histogram_matrix([_hist(x) for x in m["histogram_a"]], positions + 1)
