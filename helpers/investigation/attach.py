@@ -217,18 +217,38 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
                       caveats=(caveats or capture_caveats)(info, tcfg.architectures, tcfg.model_type))
 
 
+#: targets HF was found to fit for in this process (resolved folder -> why): every later reference of the process
+#: (the diagnosis's, then the live prompts' of the acceptance budget, once more when it grows) makes the same choice,
+#: so one run never measures its wiring stage with a reference for some prompts and without for others
+_FITS: dict[str, str] = {}
+
+
 def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:
-    """Whether HF transformers can load the target here (fp32 weights within ``share`` of available memory).
+    """Whether HF transformers can load the target here (fp32 weights within ``share`` of the memory available now).
+
+    The choice decides which evidence an investigation has (without a reference the wiring stage rests on the few
+    training samples, and a run with one may clear what a run without one leaves undecided), so the reason says
+    whether it is this machine's size (the same every run) or the memory free now (another run may choose
+    otherwise). A target found to fit once fits for the rest of the process (:data:`_FITS`).
 
     Returns ``(fits, why)``; ``why`` names the sizes (or the missing weights)."""
+    key = str(Path(target_dir).resolve())
+    if key in _FITS:
+        return True, _FITS[key]
     files = list(target_dir.glob("*.safetensors")) + list(target_dir.glob("*.bin"))
     if not files:
         return False, f"no weights in {target_dir} (config only)"
     size = sum(f.stat().st_size for f in files)
     dtype = read_target_config(target_dir).torch_dtype or "bfloat16"
     fp32 = size * (2 if "16" in str(dtype) else 1)
-    avail = psutil.virtual_memory().available
-    if fp32 > share * avail:
+    mem = psutil.virtual_memory()
+    if fp32 > share * mem.total:
         return False, (f"the target's weights need about {fp32 / 2**30:.1f} GiB in fp32, more than {share:.0%} of the "
-                       f"{avail / 2**30:.1f} GiB available here")
-    return True, f"{fp32 / 2**30:.2f} GiB in fp32"
+                       f"{mem.total / 2**30:.1f} GiB this machine has")
+    if fp32 > share * mem.available:
+        return False, (f"the target's weights need about {fp32 / 2**30:.1f} GiB in fp32, more than {share:.0%} of the "
+                       f"{mem.available / 2**30:.1f} GiB available now (of {mem.total / 2**30:.1f} GiB): with more "
+                       "memory free, a run of the same investigation makes an HF reference and may decide what this "
+                       "one leaves undecided")
+    _FITS[key] = f"{fp32 / 2**30:.2f} GiB in fp32"
+    return True, _FITS[key]

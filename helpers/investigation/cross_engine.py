@@ -33,6 +33,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pandas as pd
 
+from ..acceptance.prompts import load_prompts
+from ..acceptance.requests import repeatability
 from ..acceptance.stats import histogram_matrix, paired_effect, position_rates
 from ..draft.budget import dump_sequences
 from ..draft.model import Eagle3Draft
@@ -268,6 +270,18 @@ def _hist(x: Any) -> list[int]:
     return [int(v) for v in (json.loads(x) if isinstance(x, str) else x)]
 
 
+def _stage_repeat(p: Pair) -> None:
+    """Each server asked one greedy request twice (:func:`helpers.acceptance.requests.repeatability`): a server whose
+    answers move between calls is said, since its side of the comparison would too."""
+    first = load_prompts(None, n=1)[0]
+    p.doc["repeatable"] = {}
+    for s in (p.a, p.b):
+        rep = repeatability(s.client, first, max_new_tokens=p.max_new_tokens)
+        p.doc["repeatable"][s.label] = rep["same"]
+        if rep["note"]:
+            p.doc.setdefault("notes", []).append(f"server {s.label}: {rep['note']}")
+
+
 def _stage_paired(p: Pair) -> None:
     """The live answers paired per prompt: accept length and per-position acceptance."""
     e = paired_effect(p.a.live, p.b.live)
@@ -383,6 +397,7 @@ def compare_engines(url_a: str, url_b: str, *, training: str | Path, run_dir: st
     try:
         _stage_attach(p, api_key, None if target is None else Path(target))
         _stage_budget(p)
+        _stage_repeat(p)
         _stage_paired(p)
         _stage_attribute(p)
     finally:

@@ -19,6 +19,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
 * ``deep``: every 2nd ``/generate`` answer is JSON nested 200000 deep;
 * ``hugesteps``: ``/server_info`` reports ``speculative_num_steps`` 3e6; ``infolist``: ``/server_info`` is a JSON
   list; ``tpstring``: ``tp_size`` is ``"two"``; ``redirect``: every endpoint but /health answers 307 with a JSON body;
+* ``flaky`` (issue 40): every 2nd ``/generate`` answer to the same greedy request differs (output token 2, one verify
+  step more and one accepted draft fewer; the counters' identities hold), as a server whose kernels depend on the batch;
 * ``escape``: ``/generate`` answers 400 with terminal escape sequences in its body (screen clear, window title,
   OSC 52 clipboard);
 * ``workload`` (issue 23): an engine whose acceptance depends on the request as public reports describe: per prompt an
@@ -116,6 +118,9 @@ def generate_answer(body: dict, mode: str) -> dict:
     n_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 4))
     width = 200000 if mode == "oversize" else 3 * H
     v, c = max(1, n_new // 2), n_new // 2           # every verify step accepts one draft token (none for 1 token)
+    flaky = mode == "flaky" and STATE["generate"] % 2 == 0 and c > 0
+    if flaky:                                       # one verify step more, one accepted draft fewer
+        v, c = v + 1, c - 1
     meta = {"id": f"req-{STATE['generate']}", "prompt_tokens": len(ids), "completion_tokens": n_new,
             "cached_tokens": 0, "finish_reason": {"type": "length"}, "spec_verify_ct": v,
             "spec_num_correct_drafts": c, "spec_num_proposed_drafts": 3 * v,
@@ -140,6 +145,8 @@ def generate_answer(body: dict, mode: str) -> dict:
         block = [[0.01 * (t + 1)] * width for t in range(len(ids))]
         meta["hidden_states"] = [block] + [[0.02] * width for _ in range(n_new - 1)]
     out = {"text": "x", "output_ids": list(range(n_new)), "meta_info": meta}
+    if flaky and n_new > 2:
+        out["output_ids"][2] = 99
     if body.get("return_prompt_token_ids"):
         out["prompt_token_ids"] = ids
     return out
