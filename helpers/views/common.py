@@ -49,7 +49,8 @@ from ..formats.configs import read_config_json
 from ..investigation.cases import Models, load_case
 from ..paths import ROOT, outputs_dir
 from ..records import NOTEBOOK_RESULT, ReplayDoc
-from ..runfiles import atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_json_file, write_json
+from ..runfiles import (atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_file_text, read_json_file,
+                        write_json)
 from ..engines.detect import adapter as engine_adapter, detect
 
 DEFAULT_TARGET = "env/models/target"
