@@ -15,6 +15,8 @@ import math
 import os
 import re
 import shutil
+import stat
+import sys
 import tempfile
 from collections.abc import Mapping
 from datetime import datetime
@@ -295,6 +297,101 @@ class JSONTooDeep(ValueError):
     """JSON nested deeper than :data:`MAX_JSON_DEPTH` (or than Python's parser can follow)."""
 
 
+class JSONNumberTooLong(JSONTooDeep):
+    """An integer literal longer than Python converts (``sys.get_int_max_str_digits()``, 4300 digits by default).
+    A :class:`JSONTooDeep` so every handler of the parser's limits takes it too."""
+
+
+#: Largest file (bytes) the readers of user-named files take by default (:func:`read_file_bytes`): a config, a
+#: manifest, a params / case / fixes file or a prompt file is far smaller (a 1T-parameter model's safetensors index
+#: is ~10 MiB); a saved ``/generate`` answer is read up to the client's own ``/generate`` limit instead.
+MAX_FILE_BYTES = 64 * 2 ** 20
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words (``"a FIFO (named pipe)"``, ``"a character device"``, ...)."""
+    return next((w for test, w in _KINDS if test(mode)), "not a regular file")
+
+
+def regular_file(path: str | os.PathLike, what: str, *, max_bytes: Optional[int] = None,
+                 error: type = BadInput) -> Path:
+    """``path`` when it is a regular file (symlinks followed) of at most ``max_bytes`` bytes (None: any size): the
+    check before a reader opens a user-named file it cannot read without blocking or without bound (safetensors,
+    ``torch.load``), so a FIFO, ``/dev/zero``, a socket or a symlink loop is refused at once.
+
+    Raises:
+        ``error`` (default BadInput) naming the file and ``what``: missing, a symlink loop or unreadable metadata,
+        not a regular file (saying what it is), or larger than ``max_bytes`` (both sizes named)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise error(f"{what} not found", path=p) from None
+    except OSError as e:
+        raise error(f"cannot read {what}: {e.strerror or e}", path=p) from None
+    _check_stat(st, p, what, max_bytes, error)
+    return p
+
+
+def _check_stat(st: os.stat_result, p: Path, what: str, max_bytes: Optional[int], error: type) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} is {file_kind(st.st_mode)}, not a regular file (expected a file to read)", path=p)
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise error(f"{what} is {st.st_size / 2**20:.1f} MiB, over the limit of {max_bytes / 2**20:.0f} MiB for "
+                    "this file (is it the right file?)", path=p)
+
+
+def read_file_bytes(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_FILE_BYTES,
+                    error: type = BadInput) -> bytes:
+    """The bytes of a user-named file, read only when it is a regular file of at most ``max_bytes`` bytes
+    (:data:`MAX_FILE_BYTES` by default): opened without blocking (a FIFO never hangs the reader) and checked on the
+    opened descriptor, then read at most ``max_bytes + 1`` bytes (a file growing meanwhile is refused too).
+
+    Raises:
+        ``error`` (default BadInput) naming the file and ``what``: missing, unreadable (a symlink loop, no
+        permission), not a regular file (a FIFO, a device such as ``/dev/zero``, a socket, a folder), over the limit.
+    """
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"{what} not found", path=p) from None
+    except OSError as e:
+        with contextlib.suppress(OSError):      # a socket cannot be opened (ENXIO): say what it is
+            _check_stat(os.stat(p), p, what, None, error)
+        raise error(f"cannot read {what}: {e.strerror or e}", path=p) from None
+    try:
+        _check_stat(os.fstat(fd), p, what, max_bytes, error)
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"cannot read {what}: {e.strerror or e}", path=p) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > max_bytes:
+        raise error(f"{what} grew over the limit of {max_bytes / 2**20:.0f} MiB while being read", path=p)
+    return data
+
+
+def read_file_text(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_FILE_BYTES, error: type = BadInput,
+                   expected: str = "text") -> str:
+    """:func:`read_file_bytes` decoded as UTF-8.
+
+    Raises:
+        ``error``: as :func:`read_file_bytes`, or not UTF-8 (the byte offset named, ``expected`` said)."""
+    data = read_file_bytes(path, what, max_bytes=max_bytes, error=error)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} is not a UTF-8 text file (byte {e.start}: {e.reason}); expected {expected}",
+                    path=path) from None
+
+
 def loads_json(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads`` with the nesting bounded: the one JSON parser of files and server answers.
 
@@ -307,6 +404,13 @@ def loads_json(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         obj = json.loads(data)
     except RecursionError:
         raise JSONTooDeep(f"nests arrays/objects too deeply (more than {max_depth} levels)") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:     # int('9' * 5000): "Exceeds the limit (4300 digits) for integer string conversion"
+        if "digits" not in str(e):
+            raise
+        raise JSONNumberTooLong(f"holds an integer of more than {_int_digits()} digits (the most Python converts; "
+                                "no count or id needs that many)") from None
     level = [obj] if isinstance(obj, (list, dict)) else []
     depth = 0
     while level:
@@ -322,20 +426,18 @@ def loads_json(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return obj
 
 
-def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput, expected: str = "a JSON object") -> Any:
+def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput, expected: str = "a JSON object",
+                   max_bytes: int = MAX_FILE_BYTES) -> Any:
     """The parsed JSON of a file the user named (a config, a manifest, a saved server answer).
 
     Raises ``error`` (a :class:`helpers.errors.BadInput` subclass, default BadInput) with the path and ``what`` in
-    one line when the file is missing, unreadable, empty (``expected`` says what it should hold), not valid JSON
-    (message, line and column) or nested deeper than :data:`MAX_JSON_DEPTH`. The one reader of user-named JSON
-    files."""
+    one line when the file is missing, unreadable, not a regular file (a FIFO, ``/dev/zero``: never opened for a
+    blocking read), over ``max_bytes`` (:data:`MAX_FILE_BYTES` by default; :func:`read_file_bytes`), not UTF-8, empty
+    (``expected`` says what it should hold), not valid JSON (message, line and column), nested deeper than
+    :data:`MAX_JSON_DEPTH` or holding an integer too long to convert (:class:`JSONNumberTooLong`). The one reader of
+    user-named JSON files."""
     p = Path(path)
-    if not p.exists():
-        raise error(f"{what} not found", path=p)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise error(f"cannot read {what}: {getattr(e, 'strerror', None) or e}", path=p) from None
+    text = read_file_text(p, what, max_bytes=max_bytes, error=error, expected=expected)
     if not text.strip():
         raise error(f"{what} is an empty file (expected {expected})", path=p)
     try:
@@ -345,6 +447,10 @@ def read_json_file(path: str | os.PathLike, what: str, *, error: type = BadInput
                     path=p) from None
     except JSONTooDeep as e:
         raise error(f"{what} {e} (expected {expected})", path=p) from None
+
+
+def _int_digits() -> int:
+    return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
 
 
 def parquet_bytes(df: pd.DataFrame) -> bytes:
@@ -452,10 +558,18 @@ def load_yaml_text(text: str, what: str, *, path: Any = None, error: type = None
     error = error or BadInput
     try:
         return yaml.load(text, Loader=_BoundedLoader)   # noqa: S506 - a SafeLoader subclass
+    except RecursionError:      # "[[[[...": PyYAML's composer recurses once per level
+        raise error(f"{what} nests sequences/mappings too deeply (more than Python's parser can follow)",
+                    path=path) from None
     except YAMLTooLarge as exc:
         raise error(f"{what}: {exc}", path=path) from None
     except yaml.YAMLError as exc:
         raise error(f"{what} is not valid YAML ({' '.join(str(exc).split())})", path=path) from None
+    except ValueError as exc:     # an int of more than 4300 digits: int() refuses it while the loader builds it
+        if "digits" not in str(exc):
+            raise
+        raise error(f"{what} holds an integer of more than {_int_digits()} digits (the most Python converts)",
+                    path=path) from None
 
 
 def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, prepare: Any = None) -> Any:
@@ -486,15 +600,9 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         path = Path(source)
         if path.is_dir():
             raise error(f"{what} expected, got a folder", path=path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise error(f"{what} does not exist", path=path) from None
-        except OSError as exc:
-            raise error(f"{what} cannot be read ({exc.strerror or exc})", path=path) from None
-        except UnicodeDecodeError as exc:
-            raise error(f"{what} is not a UTF-8 text file (byte {exc.start}: {exc.reason}); expected YAML",
-                        path=path) from None
+        if not path.exists() and not path.is_symlink():
+            raise error(f"{what} does not exist", path=path)
+        text = read_file_text(path, what, error=error, expected="YAML")    # regular, bounded, UTF-8
         data = load_yaml_text(text, what, path=path, error=error)
     if prepare is not None:
         data = prepare(data)

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import BadInput
-from ..runfiles import MAX_TOKEN_ID, JSONTooDeep, loads_json
+from ..runfiles import MAX_TOKEN_ID, JSONTooDeep, loads_json, read_file_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +54,10 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
         path = Path(source)
         if path.is_dir():
             raise BadInput("is a folder; expected a .jsonl or .json prompt file", path=path)
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():
             raise BadInput("prompt file not found", path=path)
-        try:
-            text = path.read_text()
-        except UnicodeDecodeError:
-            raise BadInput("not a text file (expected JSON lines)", path=path) from None
+        # a regular file of at most MAX_FILE_BYTES (a FIFO, /dev/zero, a symlink loop: one line, never a hang)
+        text = read_file_text(path, "prompt file", expected="JSON lines")
         if path.suffix == ".json":
             try:
                 items = loads_json(text)
@@ -77,7 +75,8 @@ def load_prompts(source: Any = None, n: Optional[int] = None) -> list[Prompt]:
                 try:
                     items.append(loads_json(line))
                 except (json.JSONDecodeError, JSONTooDeep) as exc:
-                    raise BadInput(f"line {n_line} is not JSON ({exc.msg}); expected one object per line such as "
+                    raise BadInput(f"line {n_line} is not JSON ({getattr(exc, 'msg', None) or exc}); expected one "
+                                   "object per line such as "
                                    '{"text": ...} or {"input_ids": [...]}', path=path) from None
     else:
         items = list(source)

@@ -134,3 +134,49 @@ def _in_workers(fn: Callable[[int], None], n: int, workers: int, on_done: Callab
             on_done()
     finally:
         stop.set()
+
+
+#: the counters two answers to one greedy request are compared on (besides the tokens)
+REPEAT_FIELDS = ("spec_verify_ct", "spec_num_correct_drafts", "completion_tokens")
+
+
+def repeatability(client: ServerClient, prompt: Prompt, *, max_new_tokens: int, times: int = 2) -> dict:
+    """Whether the server answers one greedy request (``temperature 0``, ``ignore_eos``, the prefix cache emptied
+    before each) the same ``times`` times: the condition for the same investigation to reach the same verdict twice
+    on this server. The tool's own computation is deterministic (seeded bootstraps in a canonical order, stable
+    orders, :mod:`helpers.draft` on one thread for small drafts); what it cannot make equal is a server whose greedy
+    tokens or speculative counters move between calls (batch-dependent kernels, a draft with sampling on, other
+    clients' requests batched beside ours), and a verdict resting on a decision near its threshold may then flip.
+
+    Returns: ``{"prompt", "same" (bool), "answers" ([{"tokens": first differing index or None, fields...}]),
+    "note" (None when the answers agree, else one sentence naming the prompt, the first token that differs and the
+    counters)}``.
+
+    Raises: what ``client.generate`` / ``flush_cache`` raise (:class:`helpers.errors.ServerError`)."""
+    sp = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": int(max_new_tokens)}
+    answers = []
+    for _ in range(max(2, times)):
+        client.flush_cache()
+        res = client.generate(**prompt.request(), sampling_params=sp)
+        m = res.meta_info
+        answers.append({"output_ids": list(res.output_ids), **{f: getattr(m, f, None) for f in REPEAT_FIELDS}})
+    first = answers[0]
+    diffs = []
+    for k, a in enumerate(answers[1:], 2):
+        at = next((j for j, (x, y) in enumerate(zip(first["output_ids"], a["output_ids"])) if x != y),
+                  None if len(first["output_ids"]) == len(a["output_ids"]) else
+                  min(len(first["output_ids"]), len(a["output_ids"])))
+        fields = [f"{f} {first[f]} vs {a[f]}" for f in REPEAT_FIELDS if first[f] != a[f]]
+        if at is not None or fields:
+            diffs.append((k, at, fields))
+    note = None
+    if diffs:
+        k, at, fields = diffs[0]
+        what = ([f"the greedy tokens differ from output position {at}"] if at is not None else []) + fields
+        note = (f"the server answered one greedy request (prompt {prompt.id}, the cache emptied before each) "
+                f"differently on call {k} than on call 1 ({'; '.join(what)}): its acceptance moves between calls, so "
+                "a measurement, and a decision near its threshold, can differ from one run of the same investigation "
+                "to the next (the tool's own computation gives the same result on the same answers)")
+    return {"prompt": prompt.id, "same": not diffs,
+            "answers": [{k: v for k, v in a.items() if k != "output_ids"} | {"n_tokens": len(a["output_ids"])}
+                        for a in answers], "note": note}

@@ -161,7 +161,9 @@ def paired_effect(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 40
         "accept_rate_delta", "accept_rate_delta_lo", "accept_rate_delta_hi", "accept_length_per_prompt"}``
         (accept length in tokens per verify step, bonus token included; accept rate as a fraction; the last is
         each paired prompt's own accept length after minus before, in the order of ``before``, for the decision on few
-        prompts: :func:`helpers.draft.decide.decide`); CI bounds are NaN with fewer than 2 paired prompts.
+        prompts: :func:`helpers.draft.decide.decide`); CI bounds are NaN with fewer than 2 paired prompts. The
+        bootstrap resamples the paired prompts sorted by ``prompt_id`` (seed ``seed``): the same measurements give the
+        same CI in any row order.
 
     Raises:
         ValueError: a frame lacks one of the columns named above.
@@ -179,6 +181,10 @@ def paired_effect(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 40
         return df.loc[ok, cols].drop_duplicates("prompt_id")
 
     m = clean(before).merge(clean(after), on="prompt_id", suffixes=("_a", "_b"))
+    per_prompt_order = m
+    # the bootstrap resamples prompts in one canonical order (by prompt id), so the same measurements give the same
+    # CI whatever order their rows came in (a concurrent measurement's, a rebuilt ledger's, another run's)
+    m = m.assign(_key=m["prompt_id"].astype(str)).sort_values("_key", kind="stable").reset_index(drop=True)
     out: dict[str, Any] = {"n_paired": int(len(m))}
     if len(m) == 0:
         for k in ("accept_length", "accept_rate"):
@@ -186,8 +192,9 @@ def paired_effect(before: pd.DataFrame, after: pd.DataFrame, *, n_boot: int = 40
         out["accept_length_per_prompt"] = []
         return out
     f = lambda c: m[c].to_numpy(dtype=np.float64)  # noqa: E731
-    out["accept_length_per_prompt"] = [float(x) for x in f("completion_tokens_b") / f("verify_ct_b")
-                                       - f("completion_tokens_a") / f("verify_ct_a")]
+    g = lambda c: per_prompt_order[c].to_numpy(dtype=np.float64)  # noqa: E731
+    out["accept_length_per_prompt"] = [float(x) for x in g("completion_tokens_b") / g("verify_ct_b")
+                                       - g("completion_tokens_a") / g("verify_ct_a")]
     pairs = {"accept_length": (("completion_tokens_a", "verify_ct_a"), ("completion_tokens_b", "verify_ct_b")),
              "accept_rate": (("correct_drafts_a", "proposed_drafts_a"), ("correct_drafts_b", "proposed_drafts_b"))}
     w = _weights(len(m), n_boot, np.random.default_rng(seed)) if len(m) >= 2 else None

@@ -20,6 +20,7 @@ BY_NAME = list(dict.fromkeys(t.name for a in ADAPTERS for t in a().toggles()))
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput, RunFailed
 from ..investigation.ablate import ablate, ablation_text
+from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
 from ..runfiles import new_run_dir, safe_name
@@ -86,6 +87,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         a = build_parser().parse_args(list(argv) if argv is not None else None)
+        check_url(a.url)                           # before the run folder is made
         sweeps = subset_arg(a.sweeps, SWEEPS, "--sweeps") or []
         toggles = subset_arg(a.toggles, BY_NAME, "--toggles")
         conc, ctx = _ints(a.concurrency, "--concurrency", MAX_CONCURRENCY), _ints(a.contexts, "--contexts", MAX_CONTEXT)

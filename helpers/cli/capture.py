@@ -12,6 +12,7 @@ from ..errors import BadInput
 from ..formats.configs import read_target_config
 from ..formats.training_data import TrainingData
 from ..runfiles import new_run_dir
+from ..server.client import check_url
 from ..engines.detect import detect_or
 from .common import Parser, failure_guard, progress_line, run, run_folder_arg, text_arg
 
@@ -49,6 +50,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
+        check_url(args.url)                        # before the run folder is made
         if args.num_samples < 1 or not args.timeout > 0:
             raise BadInput("--num-samples must be >= 1 and --timeout > 0")
         if args.hidden_size is not None and args.hidden_size < 1:

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import signal
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from ..budget import interrupt, reset_interrupt
 from ..errors import BadInput, E3FError, Interrupted, describe, printable
 from ..formats.rows import SPLITS, TEXT_KINDS, split_word
-from ..runfiles import mark_failed
+from ..runfiles import file_kind, mark_failed
 from ..server.process import stop_all
 
 
@@ -140,6 +141,33 @@ def run_folder_arg(value: Optional[str], flag: str = "--run-dir") -> Optional[Pa
     if not Path(value).is_dir():
         raise BadInput(f"{flag} must be an existing run folder (omit it for a new one)", path=value)
     return Path(value)
+
+
+def input_path_arg(value: Optional[str], flag: str, *, folder: Optional[bool] = None) -> Optional[Path]:
+    """A path the command reads (``--training``, ``--draft``, ``--target``, ``--training-log`` ...), checked before
+    any work: UTF-8 (:func:`text_arg`), present, not a symlink loop, and a folder (``folder=True``), a regular file
+    (``False``) or either (None): a FIFO or a device is refused by name (:func:`helpers.runfiles.file_kind`). None
+    when not given.
+
+    Raises:
+        BadInput: naming the path and ``flag``."""
+    if text_arg(value, flag) is None:
+        return None
+    p = Path(value)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        raise BadInput("not found", path=p, field=flag) from None
+    except OSError as exc:                       # ELOOP (a symlink loop), EACCES, ENAMETOOLONG ...
+        raise BadInput(f"cannot be read: {exc.strerror or exc}", path=p, field=flag) from None
+    is_dir, is_file = stat.S_ISDIR(mode), stat.S_ISREG(mode)
+    if folder is True and not is_dir:
+        raise BadInput(f"expected a folder, got {'a file' if is_file else file_kind(mode)}", path=p, field=flag)
+    if folder is False and not is_file:
+        raise BadInput(f"expected a file, got {file_kind(mode)}", path=p, field=flag)
+    if folder is None and not (is_dir or is_file):
+        raise BadInput(f"expected a file or a folder, got {file_kind(mode)}", path=p, field=flag)
+    return p
 
 
 @contextlib.contextmanager

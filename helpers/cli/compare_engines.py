@@ -11,7 +11,9 @@ from typing import Optional, Sequence
 
 from ..errors import BadInput
 from ..investigation.cross_engine import compare_engines
-from ..server.client import check_url
+from ..formats.configs import read_target_config
+from ..redaction import redact_url
+from ..server.client import check_url, server_key
 from ..runfiles import new_run_dir, safe_name
 from .common import Parser, failure_guard, out_folder, progress_line, run
 
@@ -25,6 +27,9 @@ def build_parser() -> Parser:
     p.add_argument("--a", required=True, metavar="URL", help="the first server's base URL")
     p.add_argument("--b", required=True, metavar="URL", help="the second server's base URL")
     p.add_argument("--training", required=True, help="the draft's training data (the wiring stage's tokens)")
+    p.add_argument("--target", metavar="DIR", help="the target folder (its config.json; weights optional) read here "
+                   "for a server whose own model_path is not readable on this machine; both servers must serve this "
+                   "target")
     p.add_argument("--prompts", type=int, default=16, help="live prompts, the same on both (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     p.add_argument("--samples", type=int, default=4, help="training samples for the wiring stage (default 4)")
@@ -44,6 +49,14 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
         for flag, url in (("--a", args.a), ("--b", args.b)):     # both before any request
             check_url(url, flag)
+        if server_key(args.a) == server_key(args.b):
+            raise BadInput(f"--a and --b name the same server ({redact_url(args.b)}): compare-engines compares two "
+                           "servers (the same draft on two engines or two settings); pass the second one's URL as --b")
+        if args.target is not None:                  # a folder with a readable config.json, before any request
+            try:
+                read_target_config(args.target)
+            except BadInput as exc:
+                raise BadInput(str(exc), field="--target") from None
         if args.prompts < 2 or args.samples < 1 or args.max_new_tokens < 2:
             raise BadInput("--prompts must be >= 2 (a paired CI), --samples >= 1, --max-new-tokens >= 2")
         out = out_folder(args.out, "--out")
@@ -55,7 +68,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             doc = compare_engines(args.a, args.b, training=args.training, run_dir=run_dir, prompts=args.prompts,
                                   max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                                   api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
-                                  timeout=args.timeout, progress=show)
+                                  timeout=args.timeout, target=args.target, progress=show)
         if args.json:
             print(json.dumps(doc, indent=1, default=str))
         else:

@@ -10,12 +10,14 @@ from typing import Optional, Sequence
 
 from ..acceptance.sweeps import SWEEPS
 from ..errors import BadInput
+from ..formats.configs import read_draft_config, read_target_config
+from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
 from ..investigation.live import default_run_dir, investigate
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
-from .common import Parser, failure_guard, out_folder, progress_line, rows_arg, run, subset_arg
+from .common import Parser, failure_guard, input_path_arg, out_folder, progress_line, rows_arg, run, subset_arg
 
 
 def build_parser() -> Parser:
@@ -79,6 +81,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
+        check_url(args.url)                        # before the run folder is made (a FAILED folder otherwise)
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
         if args.timeout is not None and not args.timeout > 0:
@@ -87,6 +90,17 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             raise BadInput(f"{args.draft_cost} is no ratio in (0, 10) (a draft forward's cost over a verify "
                            "step's, e.g. 0.05)", field="--draft-cost")
         parse_ports(args.port, what="--port")
+        # the files it reads, before any request or folder (a symlink loop, a FIFO, an unreadable config.json)
+        input_path_arg(args.training, "--training")
+        input_path_arg(args.training_log, "--training-log", folder=False)
+        input_path_arg(args.validation, "--validation")
+        for flag, folder, read in (("--draft", args.draft, read_draft_config),
+                                   ("--target", args.target, read_target_config)):
+            if input_path_arg(folder, flag) is not None:
+                try:
+                    read(folder)               # the readers the investigation uses on them, before any work
+                except BadInput as exc:
+                    raise BadInput(str(exc), field=exc.field or flag) from None
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
         rows_word = rows_arg(args.rows)

@@ -26,6 +26,7 @@ from ..acceptance.prompts import load_prompts
 from ..budget import Budget
 from ..errors import BadInput, RunFailed, printable
 from ..runfiles import new_run_dir
+from ..server.client import check_url
 from ..engines.detect import detect_or
 from .common import Parser, failure_guard, out_folder, progress_line, run, run_folder_arg, text_arg
 
@@ -74,6 +75,9 @@ def cli_main(argv: Sequence[str]) -> int:
 
     def body() -> int:
         args = build_parser().parse_args(list(argv))
+        for flag, url in (("--url", args.url), ("--baseline-url", args.baseline_url)):
+            if url is not None:
+                check_url(url, flag)               # before any folder or request
         if args.rebuild_ledger is not None:
             return _rebuild(run_folder_arg(args.rebuild_ledger, "--rebuild-ledger"))
         outputs = out_folder(args.outputs, "--outputs")

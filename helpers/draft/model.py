@@ -51,6 +51,7 @@ from safetensors import safe_open
 
 from ..errors import BadInput
 from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
+from ..formats.dumps import PLAIN_FLOAT
 from .attention import ATTENTIONS, MLAShape, _mix, _mix_own, _rms, _scores, _scores_own
 from .params import K25, L3, LLAMA_CLASS, SHARD_TENSORS, resolve_name, sglang_parameters, shape_error
 
@@ -149,8 +150,8 @@ def _read_tensor(path: Path, key: str) -> torch.Tensor:
         raise BadInput(f"cannot read tensor {key!r} ({' '.join(str(e).split())})", path=path) from None
 
 
-#: the weight dtypes the offline run reads as SGLang's unquantised loader does (``default_weight_loader``'s copy_)
-PLAIN_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: the weight dtypes the offline run reads as SGLang's unquantised loader does (``default_weight_loader``'s copy_):
+#: :data:`helpers.formats.dumps.PLAIN_FLOAT`, the hidden states' too
 
 
 def _finite(t: torch.Tensor, path: Path, name: str) -> None:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import BadInput
 from ..formats.rows import text_kind
-from ..runfiles import JSONTooDeep, loads_json
+from ..runfiles import JSONTooDeep, loads_json, read_file_bytes
 
 Format = Literal["specforge", "torchspec", "speculators", "eagle", "e3f"]
 Kind = Literal["marginal", "joint", "conditional"]
@@ -38,6 +38,8 @@ EXPECTED = ("SpecForge / TorchSpec 'eval/acc_<i>', 'train/acc_<i>' or 'eval/per_
 
 #: splits, most preferred first (validation before training)
 _VALIDATION = ("eval", "val", "validation", "test")
+#: the largest training log read (bytes): a 100k-step trainer_state.json is ~30 MiB
+MAX_LOG_BYTES = 512 * 2 ** 20
 
 _SPEC_RE = re.compile(r"^(?:(?P<split>[A-Za-z_]+)/)?(?P<which>full|cond)_acc_(?P<k>\d+)(?P<agg>_sum|_total)?$")
 _EPOCH_RE = re.compile(r"^(?P<split>train|test)/epochacc_(?P<k>\d+)$")
@@ -325,12 +327,9 @@ def read_training_log(path: str | Path) -> TrainingLog:
     p = Path(path)
     if p.is_dir():
         raise BadInput("is a folder (expected a training log file: JSON, JSONL or text)", path=p)
-    if not p.exists():
+    if not p.exists() and not p.is_symlink():
         raise BadInput("training log not found", path=p)
-    try:
-        text = p.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise BadInput(f"cannot read the training log: {e.strerror or e}", path=p) from None
+    text = read_file_bytes(p, "training log", max_bytes=MAX_LOG_BYTES).decode("utf-8", errors="replace")
     if not text.strip():
         raise BadInput(f"empty file (expected a training log: {EXPECTED})", path=p)
 
@@ -494,8 +493,9 @@ def find_validation_data(draft_dir: Path, *, training: Optional[str | Path] = No
         return p, "--validation"
     if log_path is not None and log_path.suffix == ".json":
         try:
-            doc = loads_json(log_path.read_text(encoding="utf-8", errors="replace"))
-        except (OSError, ValueError, JSONTooDeep):
+            doc = loads_json(read_file_bytes(log_path, "training log", max_bytes=MAX_LOG_BYTES).decode(
+                "utf-8", errors="replace"))
+        except (OSError, ValueError, JSONTooDeep):     # BadInput is a ValueError: no reference, the other places
             doc = None
         ref = doc.get("validation_data") if isinstance(doc, dict) else None
         if isinstance(ref, str) and (log_path.parent / ref).exists():

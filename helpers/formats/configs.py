@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from ..errors import BadInput
 from ..layers.sglang import target_family
-from ..runfiles import read_json_file
+from ..runfiles import read_json_file, regular_file
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -23,9 +23,14 @@ def _config_path(path: str | Path, what: str, error: type = BadInput) -> Path:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.exists():
+    if not p.exists() and not p.is_symlink():     # a symlink loop is said as such by read_json_file
         raise error(f"{what} not found (expected a config.json or a folder holding one)", path=p)
     return p
+
+
+#: the largest config.json read (bytes): public ones are a few KiB (Kimi-K2.5's, with its vision and text configs:
+#: tests/data/public_configs/aiconfigurator/moonshotai--Kimi-K2.5_config.json)
+MAX_CONFIG_BYTES = 4 * 2 ** 20
 
 
 def read_config_json(path: str | Path, what: str = "config", *, error: type = BadInput) -> dict:
@@ -34,11 +39,12 @@ def read_config_json(path: str | Path, what: str = "config", *, error: type = Ba
 
     Raises:
         ``error`` (:class:`helpers.errors.BadInput` or a subclass), one line naming the file and ``what``: no such
-        file, unreadable, empty, not valid JSON, nested too deeply (:func:`helpers.runfiles.read_json_file`), or not
-        a JSON object.
+        file, unreadable, not a regular file (a FIFO, a device), over :data:`MAX_CONFIG_BYTES`, empty, not valid
+        JSON, nested too deeply, an integer too long to convert (:func:`helpers.runfiles.read_json_file`), or not a
+        JSON object.
     """
     p = _config_path(path, what, error)
-    d = read_json_file(p, what, error=error)
+    d = read_json_file(p, what, error=error, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(d, dict):
         raise error(f"expected a JSON object, got {type(d).__name__}", path=p)
     return d
@@ -235,7 +241,7 @@ def read_safetensors_index(path: str | Path) -> dict[str, TensorInfo]:
         raise BadInput("no draft weights found (expected *.safetensors or model.safetensors.index.json)", path=p)
     out: dict[str, TensorInfo] = {}
     for f in files:
-        if f.stat().st_size == 0:
+        if regular_file(f, "safetensors file").stat().st_size == 0:     # a FIFO / device is never opened
             raise BadInput("empty file (expected a safetensors file)", path=f)
         try:
             with safe_open(str(f), framework="pt") as sf:

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..runfiles import atomic_write_text, loads_json, read_json_file, staged_folder, write_safetensors
+from ..runfiles import atomic_write_text, loads_json, read_json_file, regular_file, staged_folder, write_safetensors
 
 DUMP_FORMAT = "e3f-dump"
 DUMP_VERSION = 1
@@ -98,7 +98,7 @@ def readahead(path: str | Path, offset: int = 0, length: int = 0) -> None:
     if not hasattr(os, "posix_fadvise"):
         return
     try:
-        fd = os.open(str(path), os.O_RDONLY)
+        fd = os.open(str(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))    # a FIFO never blocks here
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         finally:
@@ -314,13 +314,16 @@ def read_dump(path: str | Path) -> SampleSource:
     if man.version != DUMP_VERSION:
         raise BadInput(f"dump version {man.version} is not supported (expected {DUMP_VERSION})", path=mpath,
                        field="version")
-    if not tpath.exists() or tpath.stat().st_size == 0:
+    if regular_file(tpath, "tensors file").stat().st_size == 0:
         raise BadInput("missing or empty tensors file", path=tpath)
     try:
         with safe_open(str(tpath), framework="pt") as sf:
             shapes = {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
+            dtypes = {k: sf.get_slice(k).get_dtype() for k in sf.keys() if k.endswith("/hidden")}
     except Exception as e:
         raise BadInput(f"corrupt or truncated safetensors file ({' '.join(str(e).split())})", path=tpath) from None
+    for k, dt in dtypes.items():
+        plain_float_states(dt, tpath, k)
     try:
         offsets = _safetensors_offsets(tpath)
     except Exception:
@@ -473,6 +476,11 @@ def samples_from_generate(obj: Any, *, source: str | Path = "<response>", tp_ran
     return out
 
 
+#: the largest saved ``/generate`` answer read: the client's own ``/generate`` limit
+#: (``helpers.server.client.MAX_GENERATE_BYTES``, 1 GiB; a TP 8 capture of a 2k-token prompt is ~500 MiB)
+MAX_GENERATE_FILE_BYTES = 1 << 30
+
+
 def read_generate_response(path: str | Path, *, tp_rank: Optional[int] = None,
                            tp_size: Optional[int] = None) -> SampleSource:
     """Read a JSON file holding one SGLang ``/generate`` response or a list of them.
@@ -481,7 +489,8 @@ def read_generate_response(path: str | Path, *, tp_rank: Optional[int] = None,
         BadInput: missing/empty/invalid JSON, or see :func:`samples_from_generate`.
     """
     p = Path(path)
-    obj = read_json_file(p, "saved /generate response", expected="a /generate response JSON")
+    obj = read_json_file(p, "saved /generate response", expected="a /generate response JSON",
+                         max_bytes=MAX_GENERATE_FILE_BYTES)
     samples = samples_from_generate(obj, source=p, tp_rank=tp_rank, tp_size=tp_size)
     return SampleSource(path=p, kind="served", format="sglang-generate", samples=samples, dtype=None,
                         tp_rank=tp_rank, tp_size=tp_size)
@@ -634,6 +643,27 @@ def _utf8_name(path: Path) -> bool:
         return False
 
 
+#: the dtypes hidden states and draft weights are read in (SGLang's unquantised paths hold these); an FP8 / integer
+#: tensor is a quantised one whose scales live elsewhere (``draft.model`` refuses such weights, the readers here such
+#: states): every figure computed from it would be of other numbers
+PLAIN_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: the same as safetensors header dtype names
+PLAIN_FLOAT_HEADER = ("F32", "BF16", "F16", "F64")
+
+
+def plain_float_states(dtype: Any, path: str | Path, name: str) -> None:
+    """Raise :class:`BadInput` naming ``path [name]`` when hidden states of ``dtype`` (a torch dtype or a safetensors
+    header name such as ``F8_E4M3``) are not a plain float tensor: FP8 training / served states (the trainers and
+    SGLang's ``return_hidden_states`` keep them in the model's float dtype; an FP8 copy carries scales this tool
+    does not know, and torch computes few operations on float8 at all), integer or bool tensors."""
+    if dtype in PLAIN_FLOAT or dtype in PLAIN_FLOAT_HEADER:
+        return
+    shown = str(dtype).replace("torch.", "")
+    raise BadInput(f"dtype {shown}: not plain float hidden states (an FP8-quantised copy, or a mistyped tensor); the "
+                   "comparison reads float32 / bfloat16 / float16 states only (save them in the model's float dtype, "
+                   "or dequantise them with their scales)", path=path, field=name)
+
+
 def safe_torch_load(path: str | Path) -> Any:
     """``torch.load(weights_only=True)`` of a ``.pt``/``.ckpt`` or gzip ``.ckpt.gz`` file, never executing
     a pickled payload (the weights-only unpickler accepts tensors, containers and primitives only).
@@ -646,9 +676,7 @@ def safe_torch_load(path: str | Path) -> Any:
             (the message says the payload was not executed).
     """
 
-    p = Path(path)
-    if not p.exists():
-        raise BadInput("file not found", path=p)
+    p = regular_file(path, "torch.save file")     # a FIFO or /dev/zero is never opened
     if p.stat().st_size == 0:
         raise BadInput("empty file (expected a torch.save payload)", path=p)
 

@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..runfiles import MAX_TOKEN_ID, loads_json
-from .dumps import Sample, SampleSource, read_dump, readahead, safe_torch_load
+from ..runfiles import MAX_TOKEN_ID, loads_json, regular_file
+from .dumps import Sample, SampleSource, plain_float_states, read_dump, readahead, safe_torch_load
 from .rows import data_manifest
 
 _NUM_RE = re.compile(r"(\d+)")
@@ -173,6 +173,7 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
     aux = d[key]
     if not isinstance(aux, torch.Tensor) or not aux.is_floating_point():
         raise BadInput("expected a floating-point tensor", path=p, field=key)
+    plain_float_states(aux.dtype, p, key)
     if aux.dim() == 3 and aux.shape[0] == 1:
         aux = aux[0]
     if aux.dim() != 2:
@@ -197,6 +198,7 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
         if fh.dim() != 2 or fh.shape[0] != ids.shape[0] or not fh.is_floating_point():
             raise BadInput(f"expected [1, {ids.shape[0]}, H] floats (the target's post-norm final hidden state), got "
                            f"{tuple(d['hidden_state'].shape)} {d['hidden_state'].dtype}", path=p, field="hidden_state")
+        plain_float_states(fh.dtype, p, "hidden_state")
         final = fh[:L]
     return Sample(key=stem, rows=L, width=int(aux.shape[1]), loader=(lambda t=rows: t), input_ids=ids[:L].copy(),
                   sample_id=stem, dtype=str(aux.dtype).replace("torch.", ""),
@@ -214,7 +216,7 @@ def read_speculators_sample(path: str | Path, *, hidden_size: Optional[int] = No
     """
 
     p = Path(path)
-    if not p.exists() or p.stat().st_size == 0:
+    if regular_file(p, "speculators hidden-state file").stat().st_size == 0:
         raise BadInput("missing or empty file (expected a speculators hs_*.safetensors)", path=p)
     try:
         with safe_open(str(p), framework="pt") as sf:
@@ -232,6 +234,7 @@ def read_speculators_sample(path: str | Path, *, hidden_size: Optional[int] = No
     ids = _ids(ids_t, p, "token_ids")
     if not hs.is_floating_point():
         raise BadInput(f"expected a floating-point tensor, got {hs.dtype}", path=p, field="hidden_states")
+    plain_float_states(hs.dtype, p, "hidden_states")
     if hs.dim() != 3 or hs.shape[0] != ids.shape[0] or hs.shape[1] < 2 or hs.shape[2] < 1:
         raise BadInput(f"expected [L={ids.shape[0]}, slots>=2, H], got {tuple(hs.shape)}", path=p, field="hidden_states")
     H = int(hs.shape[2])

@@ -4,6 +4,7 @@ one vocabulary) and the folders this machine sees (the first step of :func:`help
 :func:`attach` is the one place that reads a server's own account of itself for the investigation)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -100,9 +101,34 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
 
 
 def same_draft(a: Path, b: Path) -> Optional[dict]:
-    """None when the two draft folders hold the same config and weight files (by size and name), else what differs."""
+    """None when the two draft folders hold the same config and weight files (by size and name), else what differs
+    (:func:`same_model`)."""
+    return same_model(a, b, "draft config")
+
+
+#: bytes of each safetensors file's tensor data hashed by :func:`same_model` (``fingerprint``): two checkpoints of
+#: one architecture have the same header and sizes, their first tensor's bytes differ
+FINGERPRINT_BYTES = 1 << 20
+
+
+def _fingerprint(f: Path) -> str:
+    """sha256 of a safetensors file's header and its first :data:`FINGERPRINT_BYTES` of tensor data."""
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        h.update(head + fh.read(min(n, 100 << 20) + FINGERPRINT_BYTES))
+    return h.hexdigest()[:16]
+
+
+def same_model(a: Path, b: Path, what: str, *, ignore: tuple = (), fingerprint: bool = False) -> Optional[dict]:
+    """None when the two model folders hold the same model, else what differs: ``config_keys`` (config.json keys
+    whose values differ, ``ignore`` left out; ``eagle_config`` when that differs), ``weights`` (``*.safetensors``
+    names and sizes) and, with ``fingerprint``, ``weight_bytes`` (files whose header and first MiB of tensor data
+    differ: another checkpoint of the same architecture). Folders whose config cannot be read are not compared
+    (None). Weights are compared only where both folders hold some (a config-only copy is no difference)."""
     try:
-        ca, cb = (read_config_json(p, "draft config") for p in (a, b))
+        ca, cb = ({k: v for k, v in read_config_json(p, what).items() if k not in ignore} for p in (a, b))
     except (OSError, ValueError):
         return None
     diff = {}
@@ -114,8 +140,15 @@ def same_draft(a: Path, b: Path) -> Optional[dict]:
             diff["eagle_config"] = {"server": eb, "given": ea}
     wa = {p.name: p.stat().st_size for p in a.glob("*.safetensors")}
     wb = {p.name: p.stat().st_size for p in b.glob("*.safetensors")}
-    if wa != wb:
+    if wa != wb and (not fingerprint or (wa and wb)):
         diff["weights"] = {"server": wb, "given": wa}
+    elif fingerprint and wa and wa == wb:
+        try:
+            other = sorted(n for n in wa if _fingerprint(a / n) != _fingerprint(b / n))
+        except OSError:
+            other = []
+        if other:
+            diff["weight_bytes"] = other
     return diff or None
 
 
@@ -184,18 +217,38 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
                       caveats=(caveats or capture_caveats)(info, tcfg.architectures, tcfg.model_type))
 
 
+#: targets HF was found to fit for in this process (resolved folder -> why): every later reference of the process
+#: (the diagnosis's, then the live prompts' of the acceptance budget, once more when it grows) makes the same choice,
+#: so one run never measures its wiring stage with a reference for some prompts and without for others
+_FITS: dict[str, str] = {}
+
+
 def hf_reference_fits(target_dir: Path, *, share: float = 0.5) -> tuple[bool, str]:
-    """Whether HF transformers can load the target here (fp32 weights within ``share`` of available memory).
+    """Whether HF transformers can load the target here (fp32 weights within ``share`` of the memory available now).
+
+    The choice decides which evidence an investigation has (without a reference the wiring stage rests on the few
+    training samples, and a run with one may clear what a run without one leaves undecided), so the reason says
+    whether it is this machine's size (the same every run) or the memory free now (another run may choose
+    otherwise). A target found to fit once fits for the rest of the process (:data:`_FITS`).
 
     Returns ``(fits, why)``; ``why`` names the sizes (or the missing weights)."""
+    key = str(Path(target_dir).resolve())
+    if key in _FITS:
+        return True, _FITS[key]
     files = list(target_dir.glob("*.safetensors")) + list(target_dir.glob("*.bin"))
     if not files:
         return False, f"no weights in {target_dir} (config only)"
     size = sum(f.stat().st_size for f in files)
     dtype = read_target_config(target_dir).torch_dtype or "bfloat16"
     fp32 = size * (2 if "16" in str(dtype) else 1)
-    avail = psutil.virtual_memory().available
-    if fp32 > share * avail:
+    mem = psutil.virtual_memory()
+    if fp32 > share * mem.total:
         return False, (f"the target's weights need about {fp32 / 2**30:.1f} GiB in fp32, more than {share:.0%} of the "
-                       f"{avail / 2**30:.1f} GiB available here")
-    return True, f"{fp32 / 2**30:.2f} GiB in fp32"
+                       f"{mem.total / 2**30:.1f} GiB this machine has")
+    if fp32 > share * mem.available:
+        return False, (f"the target's weights need about {fp32 / 2**30:.1f} GiB in fp32, more than {share:.0%} of the "
+                       f"{mem.available / 2**30:.1f} GiB available now (of {mem.total / 2**30:.1f} GiB): with more "
+                       "memory free, a run of the same investigation makes an HF reference and may decide what this "
+                       "one leaves undecided")
+    _FITS[key] = f"{fp32 / 2**30:.2f} GiB in fp32"
+    return True, _FITS[key]

@@ -33,6 +33,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pandas as pd
 
+from ..acceptance.prompts import load_prompts
+from ..acceptance.requests import repeatability
 from ..acceptance.stats import histogram_matrix, paired_effect, position_rates
 from ..draft.budget import dump_sequences
 from ..draft.model import Eagle3Draft
@@ -48,7 +50,7 @@ from ..formats.training_data import TrainingData
 from ..runfiles import write_json
 from ..server.client import ServerClient
 from .acceptance import run_budget
-from .attach import Attachment, attach, same_draft
+from .attach import Attachment, attach, same_draft, same_model
 
 Progress = Callable[[str], None]
 #: the budget stages a cross-engine difference can come from, in the order they are named
@@ -90,8 +92,10 @@ class Pair:
     doc: dict = field(default_factory=dict)
 
 
-def _stage_attach(p: Pair, api_key: Optional[str]) -> None:
-    """Each server's engine and what it serves; the same draft on both, or the difference said."""
+def _stage_attach(p: Pair, api_key: Optional[str], target: Optional[Path] = None) -> None:
+    """Each server's engine and what it serves (``target``: the target folder to read here where a server's own
+    ``model_path`` is not readable, ``--target``); the same target on both (:func:`check_targets`), and the same
+    draft on both or the difference said."""
     for s in (p.a, p.b):
         try:
             s.adapter = detect(s.url, api_key, budget=p.dl).adapter     # the command's one deadline (--timeout)
@@ -102,15 +106,60 @@ def _stage_attach(p: Pair, api_key: Optional[str]) -> None:
             raise BadInput(exc.message, field=f"--{s.label}") from None
         except ServerError as exc:    # cannot connect, refused...: say which of the two servers
             raise ServerError(f"--{s.label}: {exc}") from None
-        s.att = attach(s.client, caveats=s.adapter.capture_caveats)
+        try:
+            s.att = attach(s.client, target=target, caveats=s.adapter.capture_caveats)
+        except BadInput as exc:     # which of the two servers ("pass --target DIR": compare-engines has it)
+            raise BadInput(str(exc), field=exc.field or f"--{s.label}") from None
         if s.att.draft_dir is None:
             raise BadInput(f"server {s.label} runs no draft this machine can read", field=f"--{s.label}")
         p.progress(f"attach: {s.name()}, TP {s.att.tp}, draft {s.att.draft_dir}, spec {s.att.spec}")
+    note = check_targets(p.a.att, p.b.att)
+    p.doc["same_target"] = note is None
+    if note:
+        p.doc.setdefault("notes", []).append(note)
     diff = same_draft(p.a.att.draft_dir, p.b.att.draft_dir)
     p.doc["same_draft"] = diff is None
     if diff is not None:
         p.doc.setdefault("notes", []).append(f"the two servers load different drafts ({', '.join(sorted(diff))}): "
                                              "the draft stage says what that costs")
+
+
+#: config.json keys that say where or with what a model was saved, not what it is
+TARGET_IGNORED_KEYS = ("_name_or_path", "transformers_version")
+
+
+def check_targets(a: Attachment, b: Attachment) -> Optional[str]:
+    """Whether the two servers serve one target, from each server's own model path (``/server_info``
+    ``model_path``; vLLM: ``/v1/models`` ``root``) and the config and weights found there
+    (:func:`helpers.investigation.attach.same_model`).
+
+    Returns: None when both folders are readable here and hold the same model (or name one folder); a note when
+    the servers name different folders that cannot both be read here (the comparison then reads ``--target`` or
+    the readable one for both, and cannot tell).
+
+    Raises:
+        BadInput (``--b``): both folders are readable and hold different models (config keys or weights named):
+            the engines' difference would be the targets'.
+    """
+    sa, sb = a.served_target, b.served_target
+    if not sa or not sb or str(sa) == str(sb):
+        return None
+    ra, rb = (Path(x) if (Path(x) / "config.json").is_file() else None for x in (sa, sb))
+    if ra is None or rb is None:
+        return (f"the servers name different target folders (a: {sa}, b: {sb}) and "
+                f"{'neither is' if ra is None and rb is None else 'only one is'} readable here, so whether they serve "
+                f"one model is not known: the comparison reads {a.target_dir} for a and {b.target_dir} for b")
+    if ra.resolve() == rb.resolve():
+        return None
+    diff = same_model(ra, rb, "target config", ignore=TARGET_IGNORED_KEYS, fingerprint=True)
+    if diff is None:
+        return None
+    what = "; ".join(f"config keys {', '.join(diff['config_keys'][:6])}" if k == "config_keys" else
+                     f"weight files {', '.join(diff['weight_bytes'][:3])} hold other values" if k == "weight_bytes"
+                     else "weight files of other names or sizes" for k in diff if k != "eagle_config")
+    raise BadInput(f"the two servers serve different targets (a: {sa}, b: {sb}; they differ in {what}): "
+                   "compare-engines compares one draft on one target served by two engines; serve the same target "
+                   "on both", field="--b")
 
 
 def _stage_budget(p: Pair) -> None:
@@ -200,6 +249,7 @@ def position_effect(a: pd.DataFrame, b: pd.DataFrame, positions: int, *, n_boot:
             ok &= df["error"].isna()
         return df.loc[ok, ["prompt_id", "histogram"]].drop_duplicates("prompt_id")
     m = clean(a).merge(clean(b), on="prompt_id", suffixes=("_a", "_b"))
+    m = m.assign(_key=m["prompt_id"].astype(str)).sort_values("_key", kind="stable")   # any row order, one CI
     if not len(m):
         return []
     ha = histogram_matrix([_hist(x) for x in m["histogram_a"]], positions + 1)
@@ -218,6 +268,18 @@ def position_effect(a: pd.DataFrame, b: pd.DataFrame, positions: int, *, n_boot:
 
 def _hist(x: Any) -> list[int]:
     return [int(v) for v in (json.loads(x) if isinstance(x, str) else x)]
+
+
+def _stage_repeat(p: Pair) -> None:
+    """Each server asked one greedy request twice (:func:`helpers.acceptance.requests.repeatability`): a server whose
+    answers move between calls is said, since its side of the comparison would too."""
+    first = load_prompts(None, n=1)[0]
+    p.doc["repeatable"] = {}
+    for s in (p.a, p.b):
+        rep = repeatability(s.client, first, max_new_tokens=p.max_new_tokens)
+        p.doc["repeatable"][s.label] = rep["same"]
+        if rep["note"]:
+            p.doc.setdefault("notes", []).append(f"server {s.label}: {rep['note']}")
 
 
 def _stage_paired(p: Pair) -> None:
@@ -301,7 +363,8 @@ def _sentence(p: Pair, e: dict, named: list, beyond: bool) -> str:
 
 def compare_engines(url_a: str, url_b: str, *, training: str | Path, run_dir: str | Path, prompts: int = 16,
                     max_new_tokens: int = 32, num_samples: int = 4, api_key: Optional[str] = None,
-                    timeout: Optional[float] = 1800.0, progress: Progress = lambda s: None) -> dict:
+                    timeout: Optional[float] = 1800.0, target: Optional[str | Path] = None,
+                    progress: Progress = lambda s: None) -> dict:
     """Compare the servers at ``url_a`` and ``url_b`` (module docstring) and write ``results/compare-engines.json``.
 
     Args:
@@ -312,15 +375,18 @@ def compare_engines(url_a: str, url_b: str, *, training: str | Path, run_dir: st
         num_samples: training samples for the wiring stage.
         api_key: the servers' API key (never written).
         timeout: the one budget of the run (seconds).
+        target: the target folder read here for a server whose own ``model_path`` is not readable (``--target``).
 
     Returns: ``{"a", "b" (engine, version, url, draft, spec, budget stages and losses), "same_draft", "live":
     {"effect" (paired accept length / rate change b - a with CIs), "positions" ([{position, a, b, delta, delta_lo,
-    delta_hi}]: P(accepted >= j)), "accept_length"}, "stages" ([{stage, a, b, differs}]), "named", "beyond_ci",
+    delta_hi}]: P(accepted >= j)), "accept_length"}, "same_target", "stages" ([{stage, a, b, differs}]), "named",
+    "beyond_ci",
     "sentence", "notes", "wall_s"}``.
 
     Raises:
         BadInput: a server that is neither SGLang nor a known vLLM, unreadable training data, a run folder that
-            holds a comparison already. ServerError: a server failed or the budget ran out.
+            holds a comparison already, a target not readable here (``--a`` / ``--b``: pass ``target``), two servers
+            serving different targets (:func:`check_targets`). ServerError: a server failed or the budget ran out.
     """
     run_dir = Path(run_dir)
     if (run_dir / "results" / "compare-engines.json").exists():
@@ -329,8 +395,9 @@ def compare_engines(url_a: str, url_b: str, *, training: str | Path, run_dir: st
              max_new_tokens=max_new_tokens, num_samples=num_samples, dl=Budget(timeout), progress=progress)
     t0 = time.monotonic()
     try:
-        _stage_attach(p, api_key)
+        _stage_attach(p, api_key, None if target is None else Path(target))
         _stage_budget(p)
+        _stage_repeat(p)
         _stage_paired(p)
         _stage_attribute(p)
     finally:

@@ -143,6 +143,21 @@ def check_url(url: Optional[str], field: str = "--url") -> str:
     return str(url)
 
 
+#: host names of this machine's loopback interface: one server whichever of them a URL names
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "ip6-localhost", "0.0.0.0")
+
+
+def server_key(url: str) -> tuple:
+    """What identifies the server a checked URL (:func:`check_url`) names: ``(scheme, host, port, path)`` with the
+    host lower-cased and loopback names as one (:data:`LOOPBACK_HOSTS`), the scheme's default port made explicit,
+    trailing ``/`` and credentials dropped; two URLs with equal keys reach the same server."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    host = "127.0.0.1" if host in LOOPBACK_HOSTS else host
+    return parts.scheme.lower(), host, parts.port or (443 if parts.scheme.lower() == "https" else 80), \
+        parts.path.rstrip("/")
+
+
 class HTTPClient:
     """Synchronous httpx client for one inference server (thread-safe: share it between threads): the plumbing every
     engine's client shares (deadlines, retries, byte limits, redirects refused, the API key kept out of messages,

@@ -49,7 +49,8 @@ from ..formats.configs import read_config_json
 from ..investigation.cases import Models, load_case
 from ..paths import ROOT, outputs_dir
 from ..records import NOTEBOOK_RESULT, ReplayDoc
-from ..runfiles import atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_json_file, write_json
+from ..runfiles import (atomic_write_new, jsonable, load_yaml_text, new_run_dir, read_file_text, read_json_file,
+                        write_json)
 from ..engines.detect import adapter as engine_adapter, detect
 
 DEFAULT_TARGET = "env/models/target"
@@ -550,7 +551,8 @@ def case_models(path: Path):
 
 
     try:
-        raw = load_yaml_text(Path(path).read_text(), "case file", path=path, error=CaseError) or {}
+        raw = load_yaml_text(read_file_text(path, "case file", error=CaseError, expected="YAML"), "case file", path=path,
+                              error=CaseError) or {}
         return Models.model_validate((raw.get("models") if isinstance(raw, dict) else None) or {})
     except ValidationError as exc:
         raise CaseError(f"case file {path}: field 'models': {exc.errors()[0]['msg']}") from None

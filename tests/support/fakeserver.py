@@ -22,6 +22,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   list; ``tpstring``: ``tp_size`` is ``"two"``; ``redirect``: every endpoint but /health answers 307 with a JSON body;
 * ``infohtml`` / ``infodeep`` / ``infoversion`` (issue 40): ``/server_info`` is an HTML page, JSON nested 200000
   deep, or has ``version`` 5 (a number); its ``/model_info`` is SGLang's, so the server is SGLang by its answers;
+* ``flaky`` (issue 40): every 2nd ``/generate`` answer to the same greedy request differs (output token 2, one verify
+  step more and one accepted draft fewer; the counters' identities hold), as a server whose kernels depend on the batch;
 * ``escape``: ``/generate`` answers 400 with terminal escape sequences in its body (screen clear, window title,
   OSC 52 clipboard);
 * ``workload`` (issue 23): an engine whose acceptance depends on the request as public reports describe: per prompt an
@@ -30,7 +32,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   0.8 x temperature less at temperature > 0, and the same at every concurrency; ``/server_info`` says CPU and a
   ``context_length`` of 1024.
 
-Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``); other
+Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``);
+``--model-path P`` / ``--draft-path D`` (what ``/server_info`` says the server runs; default ``/nonexistent/...``); other
 flags (``--speculative-draft-model-path D`` from a relaunch) are ignored.
 """
 from __future__ import annotations
@@ -54,6 +57,8 @@ STATE = {"generate": 0}
 KEY = "sk-fake-7d1e0c9a4b"
 ADMIN_KEY = "adm-fake-3b8f2a6e51"
 KEYS = {"api_key": KEY, "admin_api_key": ADMIN_KEY}
+#: the folders /server_info names (--model-path / --draft-path)
+PATHS = {"model_path": "/nonexistent/target", "draft_path": "/nonexistent/draft"}
 #: what mode ``escape`` puts in its error bodies: clear screen, set the window title, write the clipboard (OSC 52)
 ESCAPES = "\x1b[2J\x1b[H\x1b]0;owned\x07\x1b]52;c;ZWNobyBvd25lZA==\x07\x9b31m"
 #: every 2nd answer of mode ``impossible``, in turn
@@ -86,8 +91,8 @@ BROKEN_IDENTITIES = (
 
 def server_info(mode: str) -> dict:
     info = {"version": "0.5.23", "tp_size": 1, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
-            "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "model_path": "/nonexistent/target",
-            "speculative_draft_model_path": "/nonexistent/draft", "launch_command": "--port 1"}
+            "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "model_path": PATHS["model_path"],
+            "speculative_draft_model_path": PATHS["draft_path"], "launch_command": "--port 1"}
     if mode == "oversize":
         info["padding"] = "x" * (20 << 20)
     if mode == "keyed":
@@ -116,6 +121,9 @@ def generate_answer(body: dict, mode: str) -> dict:
     n_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 4))
     width = 200000 if mode == "oversize" else 3 * H
     v, c = max(1, n_new // 2), n_new // 2           # every verify step accepts one draft token (none for 1 token)
+    flaky = mode == "flaky" and STATE["generate"] % 2 == 0 and c > 0
+    if flaky:                                       # one verify step more, one accepted draft fewer
+        v, c = v + 1, c - 1
     meta = {"id": f"req-{STATE['generate']}", "prompt_tokens": len(ids), "completion_tokens": n_new,
             "cached_tokens": 0, "finish_reason": {"type": "length"}, "spec_verify_ct": v,
             "spec_num_correct_drafts": c, "spec_num_proposed_drafts": 3 * v,
@@ -140,6 +148,8 @@ def generate_answer(body: dict, mode: str) -> dict:
         block = [[0.01 * (t + 1)] * width for t in range(len(ids))]
         meta["hidden_states"] = [block] + [[0.02] * width for _ in range(n_new - 1)]
     out = {"text": "x", "output_ids": list(range(n_new)), "meta_info": meta}
+    if flaky and n_new > 2:
+        out["output_ids"][2] = 99
     if body.get("return_prompt_token_ids"):
         out["prompt_token_ids"] = ids
     return out
@@ -190,7 +200,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self._json({**server_info("ok"), "version": 5})
             return self._json([server_info("ok")] if self.mode == "infolist" else server_info(self.mode))
         if self.path in ("/model_info", "/get_model_info"):
-            return self._json({"model_path": "/nonexistent/target", "architectures": ["LlamaForCausalLM"]})
+            return self._json({"model_path": PATHS["model_path"], "architectures": ["LlamaForCausalLM"]})
         if self.path == "/metrics":
             data = b"# no metrics\n"
             self.send_response(200)
@@ -246,11 +256,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def fake_server(mode: str):
-    """Start ``python -m support.fakeserver MODE PORT`` on 127.0.0.1, yield its URL, stop it by PID."""
+def fake_server(mode: str, *extra: str):
+    """Start ``python -m support.fakeserver MODE PORT [EXTRA...]`` on 127.0.0.1, yield its URL, stop it by PID."""
     port = free_port()
     tests = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "support.fakeserver", mode, str(port)], cwd=tests,
+    proc = subprocess.Popen([sys.executable, "-m", "support.fakeserver", mode, str(port), *extra], cwd=tests,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -275,12 +285,14 @@ def main() -> None:
     while i < len(rest):
         a = rest[i]
         name, eq, value = a.partition("=")
-        if name in ("--port", "--api-key", "--admin-api-key") and not eq:
+        if name in ("--port", "--api-key", "--admin-api-key", "--model-path", "--draft-path") and not eq:
             value, i = rest[i + 1], i + 1
         if name == "--port":
             port = int(value)
         elif name in ("--api-key", "--admin-api-key"):
             KEYS[name[2:].replace("-", "_")] = value
+        elif name in ("--model-path", "--draft-path"):
+            PATHS[name[2:].replace("-", "_")] = value
         elif i == 0 and a.isdigit():
             port = int(a)
         i += 1

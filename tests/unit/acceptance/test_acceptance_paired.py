@@ -64,3 +64,18 @@ def test_missing_column_is_named():
     a, b = _pair()
     with pytest.raises(ValueError, match=r"after per_request frame lacks columns \['verify_ct'\]"):
         paired_effect(a, b.drop(columns=["verify_ct"]))
+
+
+def test_the_ci_is_the_same_in_any_row_order():
+    """The same measurements in another row order (a concurrent measurement, a rebuilt ledger) give the same CI, to
+    the bit: the bootstrap resamples the prompts in id order (issue 40: the same investigation twice on one server
+    must give the same verdict). Before, the resampling followed the rows' order and the bounds moved (0.0697 against 0.0694
+    here) -- enough to flip a decision whose bound sits at the material threshold."""
+    a, b = _pair(shift=0.03)
+    e = paired_effect(a, b)
+    for state in range(5):
+        perm = np.random.default_rng(state).permutation(len(a))
+        e2 = paired_effect(a.iloc[perm], b.iloc[perm[::-1]])
+        for k in ("accept_length_delta_lo", "accept_length_delta_hi", "accept_rate_delta_lo", "accept_rate_delta_hi"):
+            assert e2[k] == e[k], (k, state)
+        assert sorted(e2["accept_length_per_prompt"]) == pytest.approx(sorted(e["accept_length_per_prompt"]))
