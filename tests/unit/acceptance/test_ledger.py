@@ -205,6 +205,8 @@ def test_new_run_dir_never_reuses_a_folder(tmp_path):
     ({"fixes": [{"name": "a", "launch": {"tp": 2, "spec": {"steps": 3}}}]}, "fixes.0.launch.spec.steps"),
     ({"fixes": [{"name": "a", "launch": {}, "measure": {"concurency": 2}}]}, "concurency"),
     ({"fixes": []}, "at least 1"),
+    ({"fixes": [{"name": "a", "launch": {"extra_args": ["--port=1"]}}]}, "extra_args.*'--port=1' among extra_args sets "
+                                                                         "--port"),
 ])
 def test_fixes_file_validation_names_the_problem(data, message):
     with pytest.raises(ValueError, match=message):
