@@ -47,10 +47,11 @@ MIN_SECRET_LEN = 4
 
 _KNOWN: set[str] = set()
 
-#: the ``user:password@`` of a URL in free text (``scheme://`` then everything up to the netloc's last ``@``; no
+#: the ``user:password@`` of a URL in free text (after a ``://``, everything up to the netloc's last ``@``; no
 #: whitespace, quote, ``/``, ``?``, ``#`` or angle bracket in between, so a JSON string or an HTML attribute is never
-#: crossed)
-URL_USERINFO_RE = re.compile(r"""(\b[A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#"'<>@]*(?:@[^\s/?#"'<>@]*)*@""")
+#: crossed; the look-behind keeps a 5 MB page at ~0.1 s)
+URL_USERINFO_RE = re.compile(r"""(?<=://)[^\s/?#"'<>@]*(?:@[^\s/?#"'<>@]*)*@""")
+
 _LOCK = threading.Lock()
 
 
@@ -72,7 +73,7 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with every remembered secret and every one of ``secrets`` replaced by ``<redacted>``, and the
     credentials of every URL in it (``http://user:pw@host`` -> ``http://<redacted>@host``: :data:`URL_USERINFO_RE`)."""
     if "://" in text and "@" in text:
-        text = URL_USERINFO_RE.sub(r"\1" + REDACTED + "@", text)
+        text = URL_USERINFO_RE.sub(REDACTED + "@", text)
     extra = [s for s in secrets if s]
     for secret in sorted(set(extra) | _KNOWN, key=len, reverse=True) if (extra or _KNOWN) else ():
         if secret in text:
@@ -83,7 +84,7 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
 def scrub_bytes(data: bytes, secrets: Iterable[str] = ()) -> bytes:
     """Bytes version of :func:`scrub` (a server's log output; secrets as UTF-8)."""
     if b"://" in data and b"@" in data:
-        data = _URL_USERINFO_BYTES.sub(rb"\1" + REDACTED.encode() + b"@", data)
+        data = _URL_USERINFO_BYTES.sub(REDACTED.encode() + b"@", data)
     extra = [s for s in secrets if s]
     for secret in sorted(set(extra) | _KNOWN, key=len, reverse=True) if (extra or _KNOWN) else ():
         raw = secret.encode()
@@ -270,7 +271,7 @@ def url_label(url: str) -> str:
     try:
         shown = redact_url(str(url))
     except ValueError:
-        shown = URL_USERINFO_RE.sub(r"\1", str(url)).split("?", 1)[0].split("#", 1)[0]
+        shown = URL_USERINFO_RE.sub("", str(url)).split("?", 1)[0].split("#", 1)[0]
     return shown.split("://", 1)[-1].replace(":", "-").strip("/")
 
 
