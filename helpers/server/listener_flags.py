@@ -33,6 +33,9 @@ LISTENER_FLAGS: dict[str, dict[str, str]] = {
         "--load-publish-endpoint": "the load publisher's bind address "
                                    "(sglang/srt/disaggregation/kv_events.py, observability.py::load_publish_endpoint)",
         "--decoupled-spec-bind-endpoint": "a ZMQ bind endpoint (sglang/srt/arg_groups/fields/disagg.py)",
+        "--disaggregation-mode": "prefill / decode disaggregation, whose KV sockets bind the machine's own address "
+                                 "(sglang/srt/disaggregation/common/conn.py: get_local_ip_auto, "
+                                 "sglang/srt/utils/network.py)",
         "--config": "a YAML file of flags, --host among them "
                     "(sglang/srt/server_args.py::prepare_server_args, ConfigArgumentMerger)",
     },

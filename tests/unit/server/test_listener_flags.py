@@ -26,7 +26,7 @@ VALUES = {"--port": "31999", "--uds": "/tmp/e3f-test.sock", "--dist-init-addr": 
           "--nccl-init-addr": "0.0.0.0:5000", "--kv-events-config": '{"endpoint": "tcp://*:5557"}',
           "--kv-transfer-config": '{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 15000}',
           "--ec-transfer-config": '{"ec_connector": "X", "ec_role": "ec_both", "ec_ip": "0.0.0.0"}',
-          "--load-publish-endpoint": "tcp://0.0.0.0:6000", "--decoupled-spec-bind-endpoint": "tcp://0.0.0.0:6001"}
+          "--load-publish-endpoint": "tcp://0.0.0.0:6000", "--decoupled-spec-bind-endpoint": "tcp://0.0.0.0:6001", "--disaggregation-mode": "prefill"}
 
 #: run in the engine's venv: argv JSON {engine, flags: {flag: value}, config: path}; prints every option string with
 #: its dest and, per spelling of each flag (plain, =, the shortest abbreviation argparse expands, vLLM's underscores
