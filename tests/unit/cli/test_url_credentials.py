@@ -65,12 +65,17 @@ def test_an_investigation_and_a_comparison_keep_no_password(models, tmp_path):
         cmp = ["compare-engines", "--a", cred, "--b", cred, "--training", str(models["training"]), "--out",
                str(tmp_path / "cmp"), "--prompts", "2", "--max-new-tokens", "4", "--samples", "1", "--timeout", "120"]
         rc_cmp, _ = run_cli(cmp, tmp_path, name="compare", timeout=200)
-    assert rc_inv in (0, 1) and rc_cmp in (0, 1, 2), (rc_inv, rc_cmp)
+        abl = ["ablate", "--url", cred, "--sweeps", "concurrency", "--concurrency", "1,2", "--toggles", "none",
+               "--num-prompts", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "abl")]
+        rc_abl, _ = run_cli(abl, tmp_path, name="ablate", timeout=200)
+    assert rc_inv in (0, 1) and rc_cmp in (0, 1, 2) and rc_abl == 0, (rc_inv, rc_cmp, rc_abl)
     (run,) = (tmp_path / "inv").iterdir()
     port = url.rsplit(":", 1)[1]
     assert run.name.endswith(f"-investigate-127.0.0.1-{port}"), run.name
     doc = (run / "investigation.json").read_text()
     assert f"http://{REDACTED}@127.0.0.1:{port}" in doc                  # the URL is recorded, redacted
+    (abl_run,) = (tmp_path / "abl").iterdir()
+    assert abl_run.name.endswith(f"-ablate-127.0.0.1-{port}"), abl_run.name
     shown = [ln for ln in (tmp_path / "compare.stderr").read_text().splitlines() if "run folder" in ln]
     assert shown and shown[0].endswith(f"-compare-engines-127.0.0.1-{port}"), shown     # (removed when left empty)
     # stdout / stderr of both commands are files of tmp_path too
