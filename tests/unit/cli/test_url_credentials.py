@@ -1,6 +1,6 @@
 """Credentials in a server URL (``http://user:secret@host``, issue 40) are never written anywhere -- run-folder
-names, records, logs, pages, stdout, stderr -- and are shown redacted where the URL is echoed: an investigation and a
-compare-engines run against a fake server on 127.0.0.1 (tests/support/fakeserver.py), every path and every byte
+names, records, logs, pages, stdout, stderr -- and are shown redacted where the URL is echoed: an investigation, a
+compare-engines run and an ablation against a fake server on 127.0.0.1 (tests/support/fakeserver.py), every path and every byte
 they leave searched for the password."""
 from __future__ import annotations
 
