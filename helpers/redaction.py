@@ -4,17 +4,24 @@ use a key as a dict key), launch commands and argv (:func:`redact_argv`, :func:`
 (:func:`scrub_bytes`), error messages (:func:`scrub`), every text file the suite writes
 (``helpers.runfiles.atomic_write_text`` scrubs :func:`known_secrets`) and URLs (credentials, query).
 
+Credentials in a URL (``http://user:secret@host``) are never kept: :func:`scrub` replaces the ``user:secret`` of any
+``scheme://user:secret@`` it meets by ``<redacted>`` (whatever their length), :func:`remember_url` (called by
+``helpers.server.client.check_url``, which every command runs on each URL before using it) adds the password, the
+``user:password`` pair and its HTTP Basic form to the remembered secrets, and :func:`url_label` gives the
+credential-free ``host-port`` that run-folder names are made of.
+
 Every secret value met once (the client's API key, a secret flag's value in a launch command, a value held under a
 secret key of a server answer) is remembered for the life of the process (:func:`remember`), so a key that shows up
 later somewhere else (a server's own log line, a dict key, an error body) is scrubbed there too.
 """
 from __future__ import annotations
 
+import base64
 import re
 import shlex
 import threading
 from typing import Any, Iterable, Mapping, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 #: ServerArgs fields (and any dict key) whose value is a secret. ``api_key``/``admin_api_key``
 #: are returned in clear text by ``/server_info`` (``dataclasses.asdict(server_args)``);
@@ -39,6 +46,12 @@ REDACTED = "<redacted>"
 MIN_SECRET_LEN = 4
 
 _KNOWN: set[str] = set()
+
+#: the ``user:password@`` of a URL in free text (after a ``://``, everything up to the netloc's last ``@``; no
+#: whitespace, quote, ``/``, ``?``, ``#`` or angle bracket in between, so a JSON string or an HTML attribute is never
+#: crossed; the look-behind keeps a 5 MB page at ~0.1 s)
+URL_USERINFO_RE = re.compile(r"""(?<=://)[^\s/?#"'<>@]*(?:@[^\s/?#"'<>@]*)*@""")
+
 _LOCK = threading.Lock()
 
 
@@ -57,7 +70,10 @@ def known_secrets() -> list[str]:
 
 
 def scrub(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with every remembered secret and every one of ``secrets`` replaced by ``<redacted>``."""
+    """``text`` with every remembered secret and every one of ``secrets`` replaced by ``<redacted>``, and the
+    credentials of every URL in it (``http://user:pw@host`` -> ``http://<redacted>@host``: :data:`URL_USERINFO_RE`)."""
+    if "://" in text and "@" in text:
+        text = URL_USERINFO_RE.sub(REDACTED + "@", text)
     extra = [s for s in secrets if s]
     for secret in sorted(set(extra) | _KNOWN, key=len, reverse=True) if (extra or _KNOWN) else ():
         if secret in text:
@@ -67,12 +83,17 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
 
 def scrub_bytes(data: bytes, secrets: Iterable[str] = ()) -> bytes:
     """Bytes version of :func:`scrub` (a server's log output; secrets as UTF-8)."""
+    if b"://" in data and b"@" in data:
+        data = _URL_USERINFO_BYTES.sub(REDACTED.encode() + b"@", data)
     extra = [s for s in secrets if s]
     for secret in sorted(set(extra) | _KNOWN, key=len, reverse=True) if (extra or _KNOWN) else ():
         raw = secret.encode()
         if raw in data:
             data = data.replace(raw, REDACTED.encode())
     return data
+
+
+_URL_USERINFO_BYTES = re.compile(URL_USERINFO_RE.pattern.encode())
 
 
 def is_secret_key(name: str) -> bool:
@@ -218,6 +239,40 @@ def redact(obj: Any, secrets: Iterable[str] = ()) -> Any:
         return o
 
     return walk(obj)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials a URL carries (``http://user:pw@host``): the ``user:pw`` as written, the password as written
+    and percent-decoded, and the HTTP Basic token (base64 of ``user:pw``) a client sends for them; [] without any."""
+    try:
+        parts = urlsplit(str(url))
+    except ValueError:
+        return []
+    if "@" not in parts.netloc:
+        return []
+    userinfo = parts.netloc.rpartition("@")[0]
+    user, _, password = userinfo.partition(":")
+    plain = f"{unquote(user)}:{unquote(password)}"
+    found = [userinfo, plain, password, unquote(password), base64.b64encode(plain.encode()).decode()]
+    return [s for s in dict.fromkeys(found) if s]
+
+
+def remember_url(url: str) -> str:
+    """Remember the credentials of ``url`` (:func:`url_secrets`) so that every text written or shown after is scrubbed
+    of them (:func:`scrub`); returns ``url`` unchanged (the client needs them)."""
+    remember(*url_secrets(url))
+    return url
+
+
+def url_label(url: str) -> str:
+    """``url`` without credentials, query and fragment, as a name part: ``http://user:pw@127.0.0.1:8000/v1`` ->
+    ``127.0.0.1-8000-v1`` (what follows the scheme of :func:`redact_url`, ``:`` as ``-``, no ``/`` at the ends;
+    the caller still passes it through ``helpers.runfiles.safe_name``)."""
+    try:
+        shown = redact_url(str(url))
+    except ValueError:
+        shown = URL_USERINFO_RE.sub("", str(url)).split("?", 1)[0].split("#", 1)[0]
+    return shown.split("://", 1)[-1].replace(":", "-").strip("/")
 
 
 def redact_url(url: str) -> str:

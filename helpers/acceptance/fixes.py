@@ -54,6 +54,7 @@ from ..runfiles import (  # noqa: F401
 )
 from ..server import embedded
 from ..server.client import SGLangClient
+from ..server.listener_flags import refuse_listener_flags
 from ..server.process import ServerProcess
 from ..redaction import redact
 from ..server.settings import SpecSettings
@@ -78,6 +79,12 @@ class LaunchSpec(BaseModel):
     extra_args: list[str] = Field(default_factory=list)
     forward_hooks: Optional[list[dict]] = None
     dtype: str = "float32"
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_listener_flag(cls, v):
+        refuse_listener_flags(v, "sglang", where="extra_args")    # a BadInput is a ValueError: the field is named
+        return v
     max_total_tokens: int = 8192
     return_hidden_states: bool = True
     enable_metrics: bool = True

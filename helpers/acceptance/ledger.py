@@ -12,7 +12,8 @@ an exclusive ``fcntl.flock`` on ``ledger.parquet.lock``, reads the current rows,
 rows to a temp file, checks every old ``row_id`` survived, and renames it over the old file. Two
 processes appending at once therefore serialise and lose nothing; rows are never edited or dropped.
 
-A ledger that cannot be read (truncated by a full disk, edited by hand) is :class:`LedgerUnreadable` (bad input,
+A ledger that cannot be read (truncated by a full disk, edited by hand), or a Parquet file of another table in its
+place (without the columns :data:`LEDGER_COLUMNS` every ledger row has), is :class:`LedgerUnreadable` (bad input,
 exit 2) and is never written over; every row it indexed is also in the measurement folders it points to
 (``saved_to``), from which :meth:`Ledger.rebuild` writes a new one (``python -m helpers measure --rebuild-ledger
 RUN_DIR``: :func:`helpers.acceptance.measure.rebuild_ledger`), keeping the old file beside it.
@@ -46,6 +47,11 @@ from ..redaction import redact
 
 #: what the command that rebuilds a run folder's ledger from its measurement folders is (one place for the hint)
 REBUILD_COMMAND = "python -m helpers measure --rebuild-ledger {run_dir}"
+
+
+#: the columns every row of a ledger has had since the first ledger (the fix's name; the id :func:`_flat` gives each
+#: row): a Parquet file without them is another table, not a ledger (issue 40)
+LEDGER_COLUMNS = ("fix", "row_id")
 
 
 class LedgerError(RunFailed):
@@ -107,19 +113,28 @@ class Ledger:
             return pd.DataFrame()
         try:
             # one open() = one consistent file (a concurrent os.replace cannot mix two versions)
-            return read_parquet(self.path.read_bytes())
+            df = read_parquet(self.path.read_bytes())
         except FileNotFoundError:
             return pd.DataFrame()
         except OSError as exc:
             raise LedgerUnreadable(self.path, exc.strerror or str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any parquet/arrow error
             raise LedgerUnreadable(self.path, f"not a Parquet file, or truncated: {exc}") from None
+        missing = [c for c in LEDGER_COLUMNS if c not in df.columns]
+        if len(df.columns) and missing:       # (a rebuild from no measurement folder writes a table of no column)
+            cols = [str(c) for c in df.columns]
+            shown = ", ".join(cols[:8]) + (f", ... ({len(cols)} in all)" if len(cols) > 8 else "")
+            raise LedgerUnreadable(self.path, f"a Parquet table of another shape: its columns are {shown}; a ledger's "
+                                              f"rows all have {', '.join(LEDGER_COLUMNS)}, it lacks "
+                                              f"{', '.join(missing)}")
+        return df
 
     def read(self) -> pd.DataFrame:
         """All rows (empty DataFrame when the ledger does not exist yet).
 
         Raises:
-            LedgerUnreadable: the file (or its lock file) cannot be read; it is left as is."""
+            LedgerUnreadable: the file (or its lock file) cannot be read, or is a Parquet table without the ledger's
+                columns (:data:`LEDGER_COLUMNS`); it is left as is."""
         with self._lock(exclusive=False):
             return self._read_unlocked()
 

@@ -23,6 +23,7 @@ from ..investigation.ablate import ablate, ablation_text
 from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
+from ..redaction import url_label
 from ..runfiles import new_run_dir, safe_name
 from ..views.common import run_dir_line
 from .common import Parser, failure_guard, out_folder, progress_line, run, subset_arg
@@ -101,7 +102,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         prompts = load_prompts(a.prompts, n=a.num_prompts) if a.num_prompts >= 2 else a.prompts
         out = out_folder(a.out, "--out")
         show = progress_line(prog)
-        run_dir = new_run_dir("ablate-" + safe_name(a.url.split("://", 1)[-1].replace(":", "-").strip("/")), out)
+        run_dir = new_run_dir("ablate-" + safe_name(url_label(a.url)), out)      # no credentials in a folder name
         show(f"run folder {run_dir}")
         show(f"to open it in the notebooks, paste into their parameters cell: {run_dir_line(run_dir)}")
         with failure_guard(prog, run_dir):

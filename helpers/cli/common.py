@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from ..budget import interrupt, reset_interrupt
 from ..errors import BadInput, E3FError, Interrupted, describe, printable
 from ..formats.rows import SPLITS, TEXT_KINDS, split_word
+from ..redaction import scrub
 from ..runfiles import file_kind, mark_failed
 from ..server.process import stop_all
 
@@ -54,6 +55,32 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(s, h)
 
 
+class _Scrubbed:
+    """A text stream whose writes are scrubbed of secrets (:func:`helpers.redaction.scrub`: remembered keys, URL
+    credentials) before they reach ``stream``; everything else is the stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        return self._stream.write(scrub(text) if isinstance(text, str) else text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _streams_scrubbed() -> Iterator[None]:
+    """``sys.stdout`` / ``sys.stderr`` scrubbed of secrets while the block runs (a URL's ``user:password@`` never
+    reaches the terminal, whichever line echoes it); restored after."""
+    old = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Scrubbed(old[0]), _Scrubbed(old[1])
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = old
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors raise :class:`BadInput` (one line, exit 2) instead of printing usage + exit."""
 
@@ -79,8 +106,8 @@ def exit_code(exc: BaseException, unexpected: int = 1) -> int:
 
 def run(prog: str, body: Callable[[], int], *, unexpected_exit: int = 1) -> int:
     """Run a command body under the error contract and the signal handling (module docstring); returns its exit
-    code."""
-    with _signals_raise():
+    code. Whatever it prints is scrubbed of secrets (:func:`_streams_scrubbed`)."""
+    with _signals_raise(), _streams_scrubbed():
         try:
             return int(body() or 0)
         except SystemExit as e:          # --help / --version

@@ -10,6 +10,7 @@ import os
 from typing import Optional, Sequence
 
 from ..errors import BadInput
+from ..redaction import url_label
 from ..investigation.cross_engine import compare_engines
 from ..formats.configs import read_target_config
 from ..redaction import redact_url
@@ -60,7 +61,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.prompts < 2 or args.samples < 1 or args.max_new_tokens < 2:
             raise BadInput("--prompts must be >= 2 (a paired CI), --samples >= 1, --max-new-tokens >= 2")
         out = out_folder(args.out, "--out")
-        host = safe_name(args.b.split("://", 1)[-1].replace(":", "-").strip("/"))
+        host = safe_name(url_label(args.b))          # no credentials in a folder name
         run_dir = new_run_dir(f"compare-engines-{host}", out)
         show = progress_line(prog)
         show(f"run folder {run_dir}")

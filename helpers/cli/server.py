@@ -16,7 +16,8 @@ from ..engines.detect import adapter as engine_adapter
 from ..engines.detect import detect
 from ..errors import BadServerInput, ServerStartError
 from ..paths import ROOT
-from ..server.embedded import REFERENCE_DRAFT, SPEC_ALGORITHMS, pick_port
+from ..server.embedded import REFERENCE_DRAFT, SPEC_ALGORITHMS, parse_ports, pick_port
+from ..server.listener_flags import refuse_listener_flags
 from ..server.process import stop_pid
 from ..server.registry import register, state_path, unregister
 from ..server.settings import default_draft_tokens
@@ -101,6 +102,10 @@ def _body(argv: list[str]) -> int:
     if why:
         print(f"server: error: --engine {args.engine}: {why}", file=sys.stderr)
         return 2
+    check_start_flags(args)                                 # all before any server (or supervisor) starts
+    refuse_listener_flags(extra, args.engine, where=f"the extra {args.engine} flags after --")
+    if args.state_file and not args.detach:
+        refuse_existing_state(Path(args.state_file), out_too=False)
     if args.draft_tokens is None:
         args.draft_tokens = default_draft_tokens(args.steps, args.topk)
     if args.detach:
@@ -130,9 +135,57 @@ def _body(argv: list[str]) -> int:
         handle.stop()
         for state in states:
             unregister(state)
-            unregister(state.with_suffix(".out"))   # the detached supervisor's output, kept only when a start failed
+        if os.environ.get(DETACHED_OUT_ENV):     # the output file a detaching `server start` made for this supervisor
+            unregister(Path(os.environ[DETACHED_OUT_ENV]))    # (kept only when a start failed)
     print("stopped", flush=True)
     return 0
+
+
+#: the environment variable naming the output file of a detached supervisor (removed when it stops normally)
+DETACHED_OUT_ENV = "E3F_DETACHED_OUT"
+
+#: the ``--dtype`` values both engines take: SGLang 0.5.23's ``choices`` (sglang/srt/arg_groups/fields/model.py::
+#: dtype) and vLLM 0.32.0's ``ModelDType`` (vllm/config/model.py) are the same six
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def check_start_flags(args: argparse.Namespace) -> None:
+    """``server start``'s own flags, checked before any server starts: ``--tp``, ``--steps``, ``--topk`` and
+    ``--draft-tokens`` at least 1 (SGLang's ``SpecSettings`` fields are ``ge=1``; vLLM 0.32.0 refuses
+    ``num_speculative_tokens`` <= 0: vllm/config/speculative.py::SpeculativeConfig.__post_init__, and a TP of 0
+    divides by zero in :func:`helpers.engines.vllm_server.omp_bind`), ``--dtype`` one of :data:`DTYPES`,
+    ``--timeout`` a finite number of seconds above 0 (not nan / inf), ``--port`` a port or ``LOW-HIGH``.
+
+    Raises:
+        BadServerInput: one line naming the flag and what it takes (exit 2)."""
+    for flag, value in (("--tp", args.tp), ("--steps", args.steps), ("--topk", args.topk),
+                        ("--draft-tokens", args.draft_tokens)):
+        if value is not None and value < 1:
+            raise BadServerInput(f"{flag} must be at least 1, got {value}")
+    if args.dtype not in DTYPES:
+        raise BadServerInput(f"--dtype {args.dtype!r} is not one {args.engine} takes: expected one of "
+                             f"{', '.join(DTYPES)}")
+    if not (args.timeout > 0 and args.timeout != float("inf")):
+        raise BadServerInput(f"--timeout must be a finite number of seconds above 0, got {args.timeout}")
+    parse_ports(args.port, what="--port")
+
+
+def refuse_existing_state(state: Path, *, out_too: bool) -> None:
+    """``--state-file PATH`` must name no file yet (and, with ``--detach``, neither may its ``.out`` sibling, the
+    background server's output): this command never deletes nor overwrites a file the user has, even one it wrote
+    for an earlier server (``server stop`` and a foreground start's exit remove those themselves).
+
+    Raises:
+        BadServerInput: one line naming the file (exit 2), before any server starts."""
+    if out_too and state.suffix == ".out":
+        raise BadServerInput(f"--state-file {state}: a name ending in .out is the background server's output file "
+                             "(PATH with .out for its suffix); pick a state file name with another suffix (.json)")
+    for path, what in ((state, "--state-file"),) + (((state.with_suffix(".out"), "the output file of --detach"),)
+                                                    if out_too else ()):
+        if os.path.lexists(path):
+            raise BadServerInput(f"{path} exists ({what}): a state file and its output are never overwritten nor "
+                                 "deleted; remove it (a server it names is stopped with `server stop PID`) or pick "
+                                 "another --state-file")
 
 
 def _without_port(argv: list[str]) -> list[str]:
@@ -158,17 +211,22 @@ def _detach(argv: list[str], args: argparse.Namespace) -> int:
     except BadServerInput as exc:
         print(f"server: error: {exc}", file=sys.stderr)
         return 2
-    state = Path(args.state_file) if args.state_file else state_path(port)
-    if state.exists():
-        unregister(state)        # a stale file of an earlier server on this port (the port is free again)
+    if args.state_file:
+        state = Path(args.state_file)
+        refuse_existing_state(state, out_too=True)           # the user's path: never deleted nor overwritten
+    else:
+        state = state_path(port)
+        if state.exists():
+            unregister(state)    # the registry's stale file of an earlier server on this port (it is free again)
     rest = _without_port([a for a in argv[1:] if a != "--detach"])          # argv[0] is "start"
     child = ["start", "--port", str(port)] + rest
     state.parent.mkdir(parents=True, exist_ok=True)
     out_path = state.with_suffix(".out")
-    with open(out_path, "wb") as out:
+    with open(out_path, "xb" if args.state_file else "wb") as out:     # "x": never over a file of the user's
         proc = subprocess.Popen([sys.executable, "-m", "helpers", "server", *child],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=str(ROOT))
+                                start_new_session=True, cwd=str(ROOT),
+                                env={**os.environ, DETACHED_OUT_ENV: str(out_path)})
     deadline = time.monotonic() + args.timeout + 30
     while time.monotonic() < deadline:
         if state.exists():

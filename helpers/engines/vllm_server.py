@@ -36,6 +36,7 @@ from ..budget import Budget
 from ..errors import BadInput, BadServerInput, ServerStartError
 from ..paths import ROOT
 from ..server.embedded import check_model_dir, free_port, parse_ports, port_in_use
+from ..server.listener_flags import refuse_listener_flags
 from ..server.process import ServerProcess
 from ..server.restart import set_flags
 
@@ -106,7 +107,12 @@ def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
                   extra_args: Sequence[str], speculative: Optional[dict] = None) -> list[str]:
     """The ``vllm.entrypoints.openai.api_server`` argv of the embedded server (see the module docstring);
     ``speculative``: further ``--speculative-config`` fields (``draft_sample_method``, ``rejection_sample_method``,
-    ... of ``vllm/config/speculative.py::SpeculativeConfig``)."""
+    ... of ``vllm/config/speculative.py::SpeculativeConfig``).
+
+    Raises:
+        BadServerInput: a flag of ``extra_args`` that would move a listener off 127.0.0.1 or off ``port``
+            (:func:`helpers.server.listener_flags.refuse_listener_flags`)."""
+    refuse_listener_flags(extra_args, "vllm")
     cmd = [os.fspath(python), "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(target),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--tensor-parallel-size", str(tp), "--enforce-eager",
@@ -169,7 +175,8 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
             ``--speculative-num-steps`` for a chain, ``num_draft_tokens - 1``).
         port: a port on 127.0.0.1 or a range ``LOW-HIGH`` (default a free one of ``$E3F_PORT_RANGE``).
         dtype, max_model_len, max_num_seqs: vLLM flags.
-        extra_args: further vLLM flags, appended last.
+        extra_args: further vLLM flags, appended last; none may set a listener's address or port
+            (:func:`helpers.server.listener_flags.refuse_listener_flags`).
         api_key: ``--api-key`` (redacted from the log as it is written).
         log_path: the log file (default a new temp file).
         timeout: seconds to wait for ``/health`` (the first start on a machine compiles nothing with
@@ -185,10 +192,12 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
     ``target``, ``draft``, ``engine="vllm"``, ``num_speculative_tokens``).
 
     Raises:
-        BadServerInput: a missing folder, a head size or draft class vLLM cannot serve, a port in use, no vLLM venv.
+        BadServerInput: a missing folder, a head size or draft class vLLM cannot serve, a port in use, no vLLM venv,
+            a listener flag among ``extra_args``.
         ServerStartError: the server died during startup or missed ``timeout`` (with the log tail); nothing of it
             survives.
     """
+    refuse_listener_flags(extra_args, "vllm")
     target = Path(target)
     check_target(target, tp)
     draft_path = Path(draft) if draft is not None else None

@@ -57,6 +57,7 @@ from ..acceptance.fixes import CASE_MEASURE_DEFAULTS, Fix, MeasureSettings
 from ..errors import CaseError
 from ..paths import ROOT
 from ..runfiles import load_yaml_model
+from ..server.listener_flags import refuse_listener_flags
 from ..server.settings import SpecSettings
 from .catalog import CATALOG
 
@@ -76,6 +77,12 @@ class ServerDefaults(BaseModel):
     tp: int = Field(2, ge=1)
     spec: SpecSettings = Field(default_factory=lambda: SpecSettings(num_steps=3, topk=1, num_draft_tokens=4))
     extra_args: list[str] = Field(default_factory=list)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_listener_flag(cls, v):
+        refuse_listener_flags(v, "sglang", where="extra_args")    # a BadInput is a ValueError: the field is named
+        return v
 
 
 class Hypothesis(BaseModel):

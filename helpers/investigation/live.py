@@ -736,8 +736,10 @@ def sentence(doc: InvestigationDoc) -> str:
 
 
 def default_run_dir(out: Optional[str | Path], url: str) -> Path:
-    """A new run folder ``<out or outputs>/<YYYYmmdd-HHMMSS>-investigate-<host-port>/`` (never an existing one)."""
-    host = safe_name(url.split("://", 1)[-1].replace(":", "-").strip("/"))
+    """A new run folder ``<out or outputs>/<YYYYmmdd-HHMMSS>-investigate-<host-port>/`` (never an existing one); the
+    name holds no credentials of the URL (:func:`helpers.redaction.url_label`)."""
+    from ..redaction import url_label  # lazy: the one function of this module the reliability round may edit
+    host = safe_name(url_label(url))
     return new_run_dir(f"investigate-{host}", out)
 
 

@@ -62,7 +62,7 @@ from ..errors import (
     printable,
 )
 from ..formats.configs import read_config_json
-from ..redaction import redact, redact_url, remember, scrub
+from ..redaction import redact, redact_url, remember, remember_url, scrub
 from ..runfiles import JSONTooDeep, loads_json
 from .protocol import GenerateResult, ServerInfo
 from .settings import (
@@ -129,8 +129,12 @@ class _Waiting:
 def check_url(url: Optional[str], field: str = "--url") -> str:
     """``url`` when it is ``http(s)://host[:port][/path]`` (a host, a numeric port, no whitespace).
 
+    Credentials in it (``http://user:pw@host``) are remembered as secrets
+    (:func:`helpers.redaction.remember_url`): from here on no file this process writes and no line it prints holds them.
+
     Raises:
         BadInput: naming ``field``, the URL shown without credentials."""
+    remember_url(str(url or ""))
     try:
         parts = urlsplit(url or "")
         parts.port                       # raises ValueError on a port that is not a number in 0-65535

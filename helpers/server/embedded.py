@@ -43,6 +43,7 @@ from ..errors import BadServerInput, ServerStartError
 from ..formats.configs import TEXT_CONFIG_KEYS, read_config_json
 from ..layers.sglang import eagle3_draft_classes, target_rule
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
+from .listener_flags import refuse_listener_flags
 from .process import ServerProcess
 from .settings import SpecSettings
 
@@ -276,7 +277,12 @@ def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
                   return_hidden_states: bool, enable_metrics: bool,
                   forward_hooks: Optional[list[dict]], api_key: Optional[str],
                   extra_args: Sequence[str]) -> list[str]:
-    """The ``sglang.launch_server`` argv for the CPU reference server (see module docstring)."""
+    """The ``sglang.launch_server`` argv for the CPU reference server (see module docstring).
+
+    Raises:
+        BadServerInput: a flag of ``extra_args`` that would move a listener off 127.0.0.1 or off ``port``
+            (:func:`helpers.server.listener_flags.refuse_listener_flags`)."""
+    refuse_listener_flags(extra_args, "sglang")
     cmd = [os.fspath(python), "-m", "sglang.launch_server",
            "--model-path", os.fspath(target), "--device", "cpu", "--dtype", dtype,
            "--attention-backend", "intel_amx", "--sampling-backend", "pytorch",
@@ -312,7 +318,8 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
         tp: tensor-parallel size (1, 2 and 8 are tested; heads must divide by it).
         spec: :class:`helpers.server.settings.SpecSettings` or a dict of its fields; unset fields default
             to EAGLE3, 3 steps, topk 1, 4 draft tokens; ignored without a draft.
-        extra_args: further ``sglang.launch_server`` flags, appended last.
+        extra_args: further ``sglang.launch_server`` flags, appended last; none may set a listener's address or
+            port (:func:`helpers.server.listener_flags.refuse_listener_flags`).
         forward_hooks: SGLang ``--forward-hooks`` specs (list of dicts with ``name``,
             ``target_modules``, ``hook_factory``, ``config``), e.g. from :mod:`helpers.hooks`.
         port: TCP port on 127.0.0.1, or a range ``"LOW-HIGH"`` to take a free one from (default: a free one of
@@ -343,10 +350,11 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
     Raises:
         BadServerInput: missing model folder, a draft that is not EAGLE-3 under EAGLE3, a DeepSeek-family
             config SGLang would refuse on CPU (:func:`check_cpu_config`), port in
-            use, missing SGLang venv.
+            use, missing SGLang venv, a listener flag among ``extra_args``.
         ServerStartError: the server died during startup or missed ``timeout``; the message
             holds the log tail. No process of the attempt survives.
     """
+    refuse_listener_flags(extra_args, "sglang")
     ports = parse_ports(port)
     fixed = ports is not None and ports[0] == ports[1]
     attempts = 1 if fixed else 3

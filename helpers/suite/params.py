@@ -13,7 +13,9 @@ from ..errors import BadInput, BadParams, CaseError
 from ..investigation.cases import load_case
 from ..paths import NOTEBOOK_DIR, ROOT
 from ..runfiles import load_yaml_model, load_yaml_text
+from ..redaction import url_secrets
 from ..server.client import check_url
+from ..server.listener_flags import refuse_listener_flags
 from ..server.settings import SpecSettings
 
 DEFAULT_NOTEBOOKS = ["00_replay", "00_investigate", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
@@ -117,6 +119,26 @@ def _case_as_params(path: Path):
     return prepare
 
 
+#: notebook parameters the runner sets itself (where the notebooks write, what relative paths mean): a params file's
+#: ``common`` / ``notebook_params`` may not set them, so that a run writes into its own run folder only
+RUNNER_PARAMETERS = ("run_dir", "repo_root")
+
+
+def plain_name(path: Path, field: str, name: Any) -> str:
+    """``name`` when it is a plain file-name stem (a notebook's name): a non-empty string, no ``/`` or ``\\``, not
+    ``.`` / ``..``, no NUL, no leading ``-`` -- so that ``<folder>/<name>.ipynb`` and ``<run>/html/<name>.html`` stay
+    in their folders.
+
+    Raises:
+        BadParams: naming the params file and ``field``."""
+    text = str(name)
+    if (not isinstance(name, str) or not text.strip() or text in (".", "..") or "/" in text or "\\" in text
+            or "\x00" in text or text.startswith("-")):
+        raise BadParams(f"params file {path}: field '{field}': {text[:80]!r} is not a notebook name (a plain name "
+                        "such as 20_acceptance: no '/', no '..', not absolute)")
+    return text
+
+
 def _must_exist(path: Path, field: str, value: str, folder: bool = False) -> None:
     """BadParams naming the params file and ``field`` when the resolved path ``value`` does not exist (is not a
     folder, with ``folder``)."""
@@ -133,11 +155,27 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
     Raises:
         BadParams: file missing, not YAML, or a field invalid (the message names the file and the field): a model
             or data folder (``target_dir``, ``draft_dir``, ``training_data``, ``server.managed.target`` / ``draft``,
-            the case's ``models.*``) that does not exist, a ``server.url`` that is not http(s)://, a speculative
-            setting below 1.
+            the case's ``models.*``) that does not exist, a ``server.url`` that is not http(s):// or carries
+            credentials (papermill writes its parameters into every executed notebook), a speculative setting below
+            1; a notebook name (``notebooks``, ``needs``, ``notebook_params``) that is not a plain name
+            (:func:`plain_name`); ``run_dir`` / ``repo_root`` in ``common`` or ``notebook_params``
+            (:data:`RUNNER_PARAMETERS`); a listener flag in ``server.managed.extra_args``
+            (:func:`helpers.server.listener_flags.refuse_listener_flags`).
     """
     path = Path(path)
     params = load_yaml_model(path, SuiteParams, what="params file", error=BadParams, prepare=_case_as_params(path))
+    for i, nb in enumerate(params.notebooks):
+        plain_name(path, f"notebooks[{i}]", nb)
+    for key, names in params.needs.items():
+        plain_name(path, "needs", key)
+        for nb in names:
+            plain_name(path, f"needs.{key}", nb)
+    for key, values in [("common", params.common)] + [(f"notebook_params.{plain_name(path, 'notebook_params', k)}",
+                                                       v) for k, v in params.notebook_params.items()]:
+        for name in RUNNER_PARAMETERS:
+            if name in values:
+                raise BadParams(f"params file {path}: field '{key}.{name}': the runner sets {name} itself (the "
+                                "notebooks write into the run folder only); leave it out")
     for key in ("case", "target_dir", "draft_dir", "training_data", "notebook_dir"):
         if getattr(params, key) is not None and not str(getattr(params, key)).strip():
             raise BadParams(f"params file {path}: field '{key}' is empty (leave it out, or name a path)")
@@ -158,8 +196,16 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
         except BadInput as exc:
             raise BadParams(f"params file {path}: field 'server.url': {exc.message} "
                             "(e.g. http://127.0.0.1:30000)") from None
+        if url_secrets(url):
+            raise BadParams(f"params file {path}: field 'server.url': credentials in the URL (user:password@) would "
+                            "be written into every executed notebook (papermill records its parameters); give the "
+                            "address without them (an API key goes through server.api_key_env)")
     if params.server.managed is not None:
         m = params.server.managed
+        try:
+            refuse_listener_flags(m.extra_args, "sglang", where="server.managed.extra_args")
+        except BadInput as exc:
+            raise BadParams(f"params file {path}: field 'server.managed.extra_args': {exc.message}") from None
         for key in ("target", "draft"):
             if getattr(m, key):
                 _must_exist(path, f"server.managed.{key}", str(_resolve(getattr(m, key), here)), folder=True)

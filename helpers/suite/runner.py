@@ -57,13 +57,13 @@ from ..capture import server_hook_specs
 from ..errors import BadParams, describe
 from ..formats.configs import read_target_config
 from ..hooks import model_family
-from ..paths import ROOT
+from ..paths import NOTEBOOK_DIR, ROOT, outputs_dir
 from ..records import ReplayDoc
 from ..runfiles import atomic_write_text, mark_failed, new_run_dir, write_json
 from ..server.embedded import start
 from ..server.registry import register, state_path, unregister
 from .html import HTML_BUDGET_BYTES, check_html, export_html
-from .params import INVESTIGATE, POSTMORTEM, REPLAY, ManagedServer, load_params
+from .params import INVESTIGATE, POSTMORTEM, REPLAY, ManagedServer, load_params, plain_name
 
 #: notebooks that read what another one writes (they start after it finishes): the served dump of
 #: 02_dump (live mode), the reference comparison in results/03_compare.json
@@ -180,6 +180,22 @@ def _start_managed(m: ManagedServer, run_dir: Path):
     state = register(state_path(handle.port), url=handle.url, pid=os.getpid(), server_pid=handle.pid,
                      log=str(handle.log_path), launch=launch)
     return handle, state
+
+
+def _confined(params, params_path, notebooks: list[str], parent: Path) -> None:
+    """A run writes into its own run folder only (issue 40): every notebook name plain (:func:`plain_name`, as
+    :func:`load_params` checked, for params built another way), the run folder's parent (``--out``) not inside a
+    notebook folder (``notebooks/`` or the params' ``notebook_dir``).
+
+    Raises:
+        BadParams: naming the name or ``--out``, before the run folder exists."""
+    for nb in notebooks:
+        plain_name(Path(params_path), "notebooks", nb)
+    where = parent.resolve()
+    for folder in {NOTEBOOK_DIR.resolve(), *([Path(params.notebook_dir).resolve()] if params.notebook_dir else [])}:
+        if where == folder or folder in where.parents:
+            raise BadParams(f"--out {parent}: inside the notebook folder {folder}; a suite run writes nothing there "
+                            "(give another folder for the run folders)")
 
 
 def _failure(exc: BaseException) -> dict:
@@ -320,6 +336,7 @@ def _run_suite(params, params_path, out, only, argv, holder: dict) -> tuple[Path
             raise BadParams(f"--only: unknown notebook(s) {unknown}; the params file "
                             f"{params_path} runs {list(params.notebooks)}")
     notebooks = [nb for nb in params.notebooks if not only or nb in only]
+    _confined(params, params_path, notebooks, Path(out) if out else outputs_dir())
     skipped = {}
     if (params.server.url or params.server.managed) and not params.case and REPLAY in notebooks:
         notebooks.remove(REPLAY)   # never replay a bundled case on a live run unless the params name one

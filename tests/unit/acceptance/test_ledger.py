@@ -205,6 +205,8 @@ def test_new_run_dir_never_reuses_a_folder(tmp_path):
     ({"fixes": [{"name": "a", "launch": {"tp": 2, "spec": {"steps": 3}}}]}, "fixes.0.launch.spec.steps"),
     ({"fixes": [{"name": "a", "launch": {}, "measure": {"concurency": 2}}]}, "concurency"),
     ({"fixes": []}, "at least 1"),
+    ({"fixes": [{"name": "a", "launch": {"extra_args": ["--port=1"]}}]}, "extra_args.*'--port=1' among extra_args sets "
+                                                                         "--port"),
 ])
 def test_fixes_file_validation_names_the_problem(data, message):
     with pytest.raises(ValueError, match=message):
@@ -260,3 +262,40 @@ def test_a_launch_command_that_never_becomes_healthy_is_stopped(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the launched process {pid} outlived the failed start")
+
+
+def test_a_foreign_parquet_file_as_the_ledger_is_bad_input(measured, tmp_path, capsys):
+    """Issue 40: a valid Parquet file of another table (no ``fix``, no ``row_id``) in a run folder's place of the
+    ledger is never merged with the new row (it was rewritten as a merged table, exit 0): bad input naming the file and
+    the columns a ledger has, the file left byte for byte, the new measurement kept in its folder -- through the API
+    and through `measure --run-dir` against a fake server."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    run.mkdir()
+    pq.write_table(pa.table({"city": ["Oslo", "Lima"], "population": [709000, 10000000]}), run / "ledger.parquet")
+    before = (run / "ledger.parquet").read_bytes()
+    with pytest.raises(LedgerUnreadable) as err:
+        measured.record(run, "new")
+    msg = str(err.value)
+    assert msg.startswith(f"{run / 'ledger.parquet'}: the ledger cannot be read (a Parquet table of another shape: "
+                          "its columns are city, population; a ledger's rows all have fix, row_id, it lacks fix, "
+                          "row_id)"), msg
+    assert "kept in fixes/new" in msg and err.value.exit_code == 2
+    assert (run / "fixes" / "new" / "summary.json").exists()
+    assert (run / "ledger.parquet").read_bytes() == before
+    with pytest.raises(LedgerUnreadable, match="another shape"):
+        Ledger(run / "ledger.parquet").read()
+    with fake_server("ok") as url:
+        rc = main(["measure", "--url", url, "--run-dir", str(run), "--label", "cli", "--num-prompts", "2",
+                   "--max-new-tokens", "4", "--warmup", "0", "--quiet", "--timeout", "60"])
+    err_lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if "error" in ln and
+                 not ln.startswith("warning:")]
+    assert rc == 2 and len(err_lines) == 1, err_lines
+    assert err_lines[0].startswith(f"measure: error: {run / 'ledger.parquet'}: the ledger cannot be read (a Parquet "
+                                   "table of another shape") and "kept in fixes/cli" in err_lines[0], err_lines
+    assert (run / "fixes" / "cli" / "summary.json").exists() and (run / "ledger.parquet").read_bytes() == before
+    # an empty table (a rebuild from no measurement folder) is a ledger of no row
+    pq.write_table(pa.table({}), tmp_path / "empty.parquet")
+    assert Ledger(tmp_path / "empty.parquet").read().empty

@@ -34,6 +34,13 @@ def test_case_validation_names_the_field(tmp_path):
         load_case(bad)
     with pytest.raises(CaseError, match="does not exist"):
         load_case(tmp_path / "missing.yaml")
+    # issue 40: no extra flag may move the replay's servers off 127.0.0.1 (the case's server block or a fix's launch)
+    bad.write_text("name: x\ntitle: t\nserver: {extra_args: ['--host', '0.0.0.0']}\ntimeline:\n  - fix: {name: f}\n")
+    with pytest.raises(CaseError, match=r"server\.extra_args.*'--host' among extra_args sets --host"):
+        load_case(bad)
+    bad.write_text("name: x\ntitle: t\ntimeline:\n  - fix: {name: f, launch: {extra_args: ['--dist-init-addr=h:1']}}\n")
+    with pytest.raises(CaseError, match=r"extra_args.*sets --dist-init-addr"):
+        load_case(bad)
 
 
 def test_replay_cli_rejects_a_bad_case_with_status_2(tmp_path, capsys):

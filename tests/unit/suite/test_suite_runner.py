@@ -190,3 +190,48 @@ def test_the_console_says_when_a_steps_sweep_cannot_tell_its_points_apart():
     assert line.endswith("the CIs overlap, the sweep cannot tell them apart")
     pts[0].update(tok_s=41.6, tok_s_lo=38.8, tok_s_hi=44.6)
     assert "overlap" not in _sweep_line(SweepStep(index=9, points=pts, best_num_steps=2))
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("notebooks", ["../escaped"], "field 'notebooks[0]': '../escaped' is not a notebook name"),
+    ("notebooks", ["/tmp/abs"], "field 'notebooks[0]': '/tmp/abs' is not a notebook name"),
+    ("notebooks", ["01_ok", ".."], "field 'notebooks[1]': '..' is not a notebook name"),
+    ("notebooks", ["sub/01_ok"], "field 'notebooks[0]': 'sub/01_ok' is not a notebook name"),
+    ("needs", {"01_ok": ["../x"]}, "field 'needs.01_ok': '../x' is not a notebook name"),
+    ("notebook_params", {"../x": {}}, "field 'notebook_params': '../x' is not a notebook name"),
+    ("common", {"run_dir": "/tmp/elsewhere"}, "field 'common.run_dir': the runner sets run_dir itself"),
+    ("notebook_params", {"01_ok": {"repo_root": "/"}}, "field 'notebook_params.01_ok.repo_root'"),
+    ("server", {"url": "http://user:hunter2-pw@127.0.0.1:9"}, "field 'server.url': credentials in the URL"),
+    ("server", {"managed": {"extra_args": ["--host", "0.0.0.0"]}},
+     "field 'server.managed.extra_args': '--host' among server.managed.extra_args sets --host"),
+])
+def test_names_from_a_params_file_stay_in_their_folders(failing_params, tmp_path, capsys, field, value, named):
+    """Issue 40: a notebook named ``../something`` ran a notebook outside the notebook folder, wrote its executed
+    copy over the source and its HTML outside the run folder. Now every name is a plain name, the runner's own
+    parameters cannot be overridden, a URL's credentials and a listener flag are refused: one line naming the
+    field, exit 2, no run folder, nothing written next to the notebooks or the params file."""
+    outside = failing_params.parent           # holds notebooks/ (notebook_dir): "../escaped" names escaped.ipynb here
+    (outside / "escaped.ipynb").write_bytes((failing_params.parent / "notebooks" / "01_ok.ipynb").read_bytes())
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    p = yaml.safe_load(failing_params.read_text())
+    p[field] = value
+    if field == "server" and "managed" in value:
+        p["server"] = {"managed": {"target": str(tmp_path), "draft": None, **value["managed"]}}
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(p))
+    assert suite_cli.cli_main(["run", "--params", str(params), "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"suite: error: params file {params}: {named}"), err
+    assert "hunter2" not in err
+    assert not (tmp_path / "runs").exists()
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
+def test_a_run_folder_inside_the_notebook_folder_is_refused(failing_params, capsys):
+    nbdir = failing_params.parent / "notebooks"
+    before = sorted(nbdir.rglob("*"))
+    assert suite_cli.cli_main(["run", "--params", str(failing_params), "--out", str(nbdir / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"suite: error: --out {nbdir / 'runs'}: inside the notebook folder {nbdir}; a suite run writes "
+                   "nothing there (give another folder for the run folders)"), err
+    assert sorted(nbdir.rglob("*")) == before

@@ -1,0 +1,102 @@
+"""``server start`` (issue 40): its own flags checked before any server starts (``--tp 0``, ``--steps 0``, ``--dtype
+bogus``, ``--timeout nan`` / ``-5``: one line naming the flag, exit 2, no process launched), and ``--state-file PATH``
+never deleting nor overwriting a file the user has (PATH, or with ``--detach`` its ``.out`` sibling), even when the
+start then fails."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers.__main__ import main
+from helpers.server import process as server_process
+
+from support import ROOT
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Every way a server (or the detached supervisor) is launched fails the test."""
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(a)
+        raise AssertionError(f"a process was launched: {a[:1]}")
+
+    monkeypatch.setattr(server_process.ServerProcess, "launch_healthy", classmethod(refuse))
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    return calls
+
+
+def _target(tmp_path):
+    t = tmp_path / "target"
+    t.mkdir(parents=True)
+    (t / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                               "hidden_size": 64, "num_attention_heads": 1,
+                                               "num_key_value_heads": 1, "num_hidden_layers": 2}))
+    return t
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("flags,named", [(["--tp", "0"], "--tp must be at least 1, got 0"),
+                                         (["--steps", "0"], "--steps must be at least 1, got 0"),
+                                         (["--dtype", "bogus"], "--dtype 'bogus' is not one"),
+                                         (["--timeout", "nan"], "--timeout must be a finite number"),
+                                         (["--timeout", "-5"], "--timeout must be a finite number"),
+                                         (["--timeout", "inf"], "--timeout must be a finite number"),
+                                         (["--port", "99999"], "--port: expected ports within 1-65535")])
+def test_flags_are_checked_before_any_server_starts(engine, flags, named, tmp_path, capsys, no_launch):
+    for detach in ([], ["--detach"]):
+        rc = main(["server", "start", "--engine", engine, "--target", str(_target(tmp_path / engine / str(len(detach)))),
+                   *detach, *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(f"server: error: {named}"), (rc, err)
+    assert no_launch == []
+
+
+def test_vllm_tp_0_no_longer_divides_by_zero(tmp_path, capsys, no_launch):
+    assert main(["server", "start", "--engine", "vllm", "--target", str(_target(tmp_path)), "--tp", "0"]) == 2
+    assert "ZeroDivisionError" not in capsys.readouterr().err
+
+
+def _start(tmp_path, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "helpers", "server", "start", "--detach", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_an_existing_state_file_or_its_out_sibling_is_never_touched(tmp_path):
+    state, out = tmp_path / "state.json", tmp_path / "state.out"
+    state.write_bytes(b"my notes\x00\xff")
+    r = _start(tmp_path, "--state-file", str(state), "--target", str(tmp_path / "none"))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"server: error: {state} exists (--state-file): a state file and its output are never overwritten nor "
+        "deleted; remove it (a server it names is stopped with `server stop PID`) or pick another --state-file")
+    assert state.read_bytes() == b"my notes\x00\xff" and not out.exists()
+    state.unlink()
+    out.write_text("my other notes")
+    r = _start(tmp_path, "--state-file", str(state), "--target", str(tmp_path / "none"))
+    assert r.returncode == 2 and f"{out} exists (the output file of --detach)" in r.stderr, r.stderr
+    assert out.read_text() == "my other notes" and not state.exists()
+    # the foreground start refuses an existing state file too (it would write over it once healthy)
+    state.write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "helpers", "server", "start", "--state-file", str(state)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"{state} exists (--state-file)" in r.stderr and state.read_text() == "{}"
+    r = _start(tmp_path, "--state-file", str(tmp_path / "x.out"))
+    assert r.returncode == 2 and "a name ending in .out" in r.stderr and not (tmp_path / "x.out").exists()
+
+
+def test_a_start_that_fails_leaves_its_output_and_no_state_file(tmp_path):
+    """The background start fails (no config.json in the target): the error names the output file, which is kept
+    (nothing of the user's was there); no state file is written; the next start with the same PATH is refused
+    rather than overwriting that output."""
+    (tmp_path / "empty").mkdir()
+    state = tmp_path / "s.json"
+    r = _start(tmp_path, "--state-file", str(state), "--target", str(tmp_path / "empty"))
+    assert r.returncode == 2 and f"(output: {tmp_path / 's.out'})" in r.stderr, r.stderr
+    assert not state.exists() and "config.json" in (tmp_path / "s.out").read_text()
+    before = (tmp_path / "s.out").read_bytes()
+    r = _start(tmp_path, "--state-file", str(state), "--target", str(tmp_path / "empty"))
+    assert r.returncode == 2 and "s.out exists" in r.stderr and (tmp_path / "s.out").read_bytes() == before
