@@ -113,7 +113,8 @@ class Run:
             data; inv: the :class:`helpers.investigation.inputs.Investigation` of the server; samples: the training
             samples captured; ref: the every-layer reference dump or None; diag: the diagnosis; extra: findings from
             outside the diagnosis (attach, draft checks); fix: the proposed fix; withdrawn: why the acceptance
-            budget withdrew it (its offline proof ruled a material gain out), else None.
+            budget withdrew it (its offline proof ruled a material gain out), else None; live: the budget's live
+            per-request frame (the engine-state probes' cold arm).
     """
 
     req: Request
@@ -134,6 +135,7 @@ class Run:
     extra: list = field(default_factory=list)
     fix: Optional[ProposedFix] = None
     withdrawn: Optional[str] = None
+    live: Any = None
 
     def step(self, name: str) -> float:
         self.dl.check(f"before the {name} step")
@@ -343,6 +345,14 @@ def _stage_budget(r: Run) -> None:
                          "num_draft_tokens: the client's server_info)")
         return
     t = r.step("acceptance budget")
+    missing: list[str] = []
+
+    def live_reference(prompts, name):
+        path, _, why = _reference(r.adapter, att, r.client, prompts, req.run_dir, r.tcfg.num_hidden_layers, name=name)
+        if path is None and why and why not in missing:
+            missing.append(why)            # why the wiring stage is not measured on the live prompts: said
+        return path
+
     try:
         br = run_budget(client=r.client, info=att.info, draft_dir=att.draft_dir, target_dir=att.target_dir,
                         training=req.training, hidden_size=r.tcfg.hidden_size, num_samples=req.num_samples,
@@ -355,16 +365,15 @@ def _stage_budget(r: Run) -> None:
                         training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
                         draft_cost=req.draft_cost, prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
                         measure=req.live_measure, progress=r.progress, adapter=r.adapter,
-                        live_reference=lambda prompts, name: _reference(r.adapter, att, r.client, prompts,
-                                                                        req.run_dir, r.tcfg.num_hidden_layers,
-                                                                        name=name)[0])
+                        live_reference=live_reference)
     except BadInput as exc:
         # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a checkpoint
         # unlike its config): the wiring diagnosis stands, the budget says why it is missing
         doc.notes.append(f"acceptance budget not computed: {exc}")
         r.done("acceptance budget", t, f"not computed: {exc}")
         return
-    doc.acceptance = br.budget
+    doc.acceptance, r.live = br.budget, br.live
+    doc.notes += [f"wiring on the live prompts not measured: {m}" for m in missing]
     if br.withdraw_fix:
         r.withdrawn = br.withdraw_fix
         doc.notes.append(br.withdraw_fix)
@@ -388,11 +397,12 @@ def _stage_engine_state(r: Run) -> None:
     t = r.step("engine state")
     ctx = ProbeContext(client=r.client, adapter=r.adapter, att=r.att, run_dir=req.run_dir,
                        prompts=load_prompts(None, n=req.measure_prompts), max_new_tokens=req.max_new_tokens, dl=r.dl,
-                       progress=r.progress, api_key=req.api_key, port=req.port)
+                       progress=r.progress, api_key=req.api_key, port=req.port, cold=r.live)
     state = run_probes(ctx, req.engine_probes)
     have = {f.kind for f in doc.findings}
     doc.findings += [Finding(**f) for f in state["findings"] if f["kind"] not in have]
     doc.engine_state = state
+    doc.notes += state["notes"]
     doc.acceptance = join_engine_state(doc.acceptance, state)
     ran = [p for p in state["probes"] if p["status"] == "ran"]
     r.done("engine state", t, ", ".join(f"{p['probe']} {p['decision']}" for p in ran) or "no probe ran")

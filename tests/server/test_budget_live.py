@@ -15,6 +15,7 @@ import pytest
 
 from helpers.investigation.live import investigate
 from support.drafts import damaged_draft, wrong_d2t_draft
+from support.engine_faults import spec as engine_fault
 from support.faultgen import draw
 from test_investigate_live import MODELS, TRAINING, server  # noqa: F401  (registry fixture is autouse there)
 from test_investigate_live import registry  # noqa: F401
@@ -102,3 +103,24 @@ def test_generated_tree_settings_are_replayed_as_the_server_verifies_them(tmp_pa
     assert b["losses"]["engine"]["decision"] == "clear", b["losses"]["engine"]
     assert b["cause"] in ("settings", "none"), b["sentence"]
     assert any((t["steps"], t["topk"], t["draft_tokens"]) == (steps, topk, n) for t in b["settings_table"])
+
+
+def test_stale_draft_kv_after_a_prefix_hit_is_named_by_the_radix_probe(tmp_path):
+    """An engine-state fault a cold probe never sees (support.engine_faults: after the draft's prefill extend of a
+    request whose prefix was in the KV, the draft's KV of those slots is noise, as a cache restore that brought back
+    only the target's KV): every stage of the cold budget clears, the radix-hit probe (run by default) measures the
+    loss on the same prompts with their prefix cached, and the budget's engine stage and the finding say so."""
+    hook = [engine_fault("draft_kv_stale", strength=1.0, seed=5)]
+    with server(tmp_path, "--forward-hooks", json.dumps(hook), tp=1, capture=False) as url:
+        doc = _run(tmp_path, url)
+    es = {p["probe"]: p for p in doc.engine_state["probes"]}
+    r = es["radix_hit"]
+    assert r["decision"] == "counts" and r["loss"]["delta"] > 0.5 and r["loss"]["ci"][0] > 0, r
+    assert r["evidence"]["cold_arm"].startswith("the acceptance budget's live answers")
+    b = doc.acceptance
+    assert b["cause"] == "engine", b["sentence"]
+    e = b["losses"]["engine"]
+    assert e["probe"] == "radix_hit" and e["on_server"]
+    assert e["cold"]["decision"] != "counts", e["cold"]            # cold, the engine computes the draft as offline
+    assert [f.kind for f in doc.findings] == ["cache_state_loses_acceptance"], [f.kind for f in doc.findings]
+    assert "radix cache" in doc.sentence and doc.verdict == "mismatch"

@@ -108,6 +108,13 @@ def test_clean_server_gives_no_finding_through_the_cli(tmp_path):
     assert abs(sim - live) <= 0.1, (sim, live)
     assert abs(st["offline on training states"]["accept_length"] - st["offline on served states"]["accept_length"]) < 0.05
     assert b["recommended_settings"] == {"steps": 3, "topk": 1, "draft_tokens": 4}
+    # the cheap engine-state probes ran by default and clear a clean server: the prompts with their prefix in the
+    # radix cache accept exactly what they accept cold; the restart probes were not asked for and say so
+    es = {p["probe"]: p for p in doc["engine_state"]["probes"]}
+    assert es["radix_hit"]["decision"] == "clear", es["radix_hit"]
+    assert es["radix_hit"]["evidence"]["cached_tokens"]["prompts_with_hit"] == es["radix_hit"]["evidence"]["prompts"]
+    assert es["repeatable"]["evidence"]["same"] is True
+    assert es["greedy_lossless"]["status"] == "skipped" and "--engine-probes all" in es["greedy_lossless"]["why"]
 
 
 def test_seeds_config_fault_is_named_fixed_and_measured(tmp_path, registry):

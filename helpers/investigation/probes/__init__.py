@@ -28,9 +28,10 @@ from ...runfiles import jsonable
 from .base import CHOICES, Probe, ProbeContext, ProbeResult, paired_condition_loss
 from .cache import CHUNKED_PREFILL, RADIX_HIT
 from .lossless import GREEDY_LOSSLESS
+from .repeat import REPEATABLE
 
 #: every probe, in the order they run (cheap first)
-PROBES: tuple[Probe, ...] = (RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
+PROBES: tuple[Probe, ...] = (REPEATABLE, RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
 
 
 def probes() -> tuple[Probe, ...]:
@@ -57,10 +58,14 @@ def run_probes(ctx: ProbeContext, which: str = "cheap") -> dict:
     for p in probes():
         res = _one(p, ctx, which)
         out.append(res.to_json())
-        ctx.progress(f"engine state: {p.name}: " + (f"{res.decision}" + _loss_text(res.loss) if res.status == "ran"
+        ctx.progress(f"engine state: {p.name}: " + (f"{res.decision or res.why or 'done'}" + _loss_text(res.loss)
+                                                    if res.status == "ran"
                                                     else f"{res.status} ({res.why})") + f" ({res.seconds:.1f} s)")
     findings = [f for r in out for f in r["findings"]]
-    return {"asked": which, "probes": out, "findings": findings, "seconds": round(time.monotonic() - t_all, 2)}
+    notes = [f"engine state: {r['probe']}: {r['why']}" for r in out
+             if r["status"] in ("ran", "failed") and r.get("why")]
+    return {"asked": which, "probes": out, "findings": findings, "notes": notes,
+            "seconds": round(time.monotonic() - t_all, 2)}
 
 
 def _f(x: float) -> str:

@@ -14,6 +14,9 @@ from ...draft.simulate import summary
 from ...runfiles import jsonable
 
 Cost = Literal["cheap", "restart"]
+#: every probe request's sampling: greedy, full length (the acceptance budget's live capture sends the same, so its
+#: answers are a probe's cold arm: ``helpers.capture.capture_served``)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
 #: ``investigate --engine-probes`` values: which probes run
 CHOICES = ("none", "cheap", "all")
 

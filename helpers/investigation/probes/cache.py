@@ -30,7 +30,7 @@ from ...acceptance.requests import record
 from ...diagnosis.detectors import finding
 from ...errors import SGLangError
 from ...draft.simulate import summary
-from .base import Probe, ProbeContext, ProbeResult, paired_condition_loss
+from .base import GREEDY, Probe, ProbeContext, ProbeResult, paired_condition_loss
 
 
 def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
@@ -53,7 +53,7 @@ def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
 
 def _send(ctx: ProbeContext, p, max_new_tokens: int):
     try:
-        return ctx.client.generate(**p.request(), sampling_params={"temperature": 0.0},
+        return ctx.client.generate(**p.request(), sampling_params=GREEDY,
                                    max_new_tokens=max_new_tokens), None
     except SGLangError as exc:
         if type(exc).__name__ == "ServerTimeout":
@@ -71,7 +71,17 @@ def _radix_applies(ctx: ProbeContext) -> Optional[str]:
 
 
 def _radix_run(ctx: ProbeContext) -> ProbeResult:
-    cold, _ = cold_arm(ctx)
+    # the cold arm: the acceptance budget's live answers of the same prompts when the run has them (greedy, the
+    # prefix cache flushed before each, one at a time: this probe's own cold arm in all but the aux states they also
+    # returned, which SGLang copies out of the forward and the draft never reads back), else measured here
+    ids = {p.id for p in ctx.prompts}
+    given = ctx.cold if ctx.cold is not None and len(ctx.cold) and "prompt_id" in ctx.cold else None
+    if given is not None and ids <= set(given["prompt_id"]):
+        cold = given[given["prompt_id"].isin(ids)].reset_index(drop=True)
+        ctx.extra["cold_source"] = "the acceptance budget's live answers (cache flushed before each)"
+    else:
+        cold, _ = cold_arm(ctx)
+        ctx.extra["cold_source"] = "measured by the probe (cache flushed before each)"
     ctx.progress(f"engine state: radix hit: {len(ctx.prompts)} prompts, each sent once to fill the cache, then "
                  "measured with its prefix cached")
     ctx.client.flush_cache()
@@ -87,7 +97,7 @@ def _radix_run(ctx: ProbeContext) -> ProbeResult:
     return condition_result(RADIX_HIT, ctx, cold, warm, folder, "radix_hit",
                             basis="the same prompts cold (flushed) vs their prefix in the radix cache, paired per "
                                   "prompt, greedy",
-                            cached_rule=True)
+                            cached_rule=True, extra={"cold_arm": ctx.extra["cold_source"]})
 
 
 def condition_result(probe: Probe, ctx: ProbeContext, cold: pd.DataFrame, cond: pd.DataFrame, folder, name: str, *,

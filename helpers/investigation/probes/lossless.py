@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ...diagnosis.detectors import finding
 from ...errors import RequestRejected
 from ...runfiles import write_json
-from .base import Probe, ProbeContext, ProbeResult
+from .base import GREEDY, Probe, ProbeContext, ProbeResult
 from .cache import cold_arm
 
 #: log-probability gap (nats) between the target's two best tokens under which a divergence is a near tie
@@ -130,10 +130,10 @@ def _greedy_with_margins(client, q, max_new_tokens: int):
     """The copy's greedy answer with its top-2 log-probabilities per output position (SGLang ``return_logprob``),
     or without them when the server refuses the fields."""
     try:
-        return client.generate(**q.request(), sampling_params={"temperature": 0.0}, max_new_tokens=max_new_tokens,
+        return client.generate(**q.request(), sampling_params=GREEDY, max_new_tokens=max_new_tokens,
                                extra={"return_logprob": True, "top_logprobs_num": 2})
     except RequestRejected:
-        return client.generate(**q.request(), sampling_params={"temperature": 0.0}, max_new_tokens=max_new_tokens)
+        return client.generate(**q.request(), sampling_params=GREEDY, max_new_tokens=max_new_tokens)
 
 
 def _applies(ctx: ProbeContext) -> Optional[str]:

@@ -37,6 +37,7 @@ class FakeEngine:
         self.cache.clear()
 
     def generate(self, text=None, input_ids=None, sampling_params=None, max_new_tokens=None, **kw):
+        max_new_tokens = max_new_tokens or (sampling_params or {}).get("max_new_tokens")
         key = text if text is not None else tuple(input_ids)
         hit = key in self.cache
         self.cache.add(key)
@@ -96,8 +97,20 @@ def test_radix_hit_without_a_cached_token_is_no_evidence(tmp_path):
         eng.cache.clear()                               # an engine that never keeps a prefix
         return eng.generate_orig(**kw)
     eng.generate = no_cache
-    r = run_probes(_ctx(tmp_path, eng), "cheap")["probes"][0]
+    r = {p["probe"]: p for p in run_probes(_ctx(tmp_path, eng), "cheap")["probes"]}["radix_hit"]
     assert r["decision"] == "undecided" and "cached_tokens 0" in r["loss"]["settle"]["text"]
+
+
+def test_repeatable_notes_a_server_whose_greedy_answers_move(tmp_path):
+    st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, hit: 2)), "cheap")
+    r = {p["probe"]: p for p in st["probes"]}["repeatable"]
+    assert r["evidence"]["same"] is True and r["why"] is None and st["notes"] == []
+    calls = iter(range(100))
+    eng = FakeEngine(lambda i, hit: 1 + next(calls) % 2)           # another accept count on every call
+    st = run_probes(_ctx(tmp_path, eng), "cheap")
+    r = {p["probe"]: p for p in st["probes"]}["repeatable"]
+    assert r["evidence"]["same"] is False and r["decision"] is None
+    assert any("differently on call 2" in n for n in st["notes"])
 
 
 def test_restart_probes_skip_with_why(tmp_path):
@@ -112,7 +125,7 @@ def test_restart_probes_skip_with_why(tmp_path):
     why = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
     assert "chunked-prefill flag was not read" in why["chunked_prefill"]
     assert "left of the run" in why["greedy_lossless"]
-    assert [p.name for p in probes()][0] == "radix_hit"          # cheap first
+    assert [p.cost for p in probes()] == ["cheap", "cheap", "restart", "restart"]          # cheap first
     assert all(len(line) > 10 for line in probe_lines(st))
 
 
