@@ -56,13 +56,14 @@ def _leaks(folder: Path) -> list[str]:
 
 
 def test_an_investigation_and_a_comparison_keep_no_password(models, tmp_path):
-    with fake_server("ok") as url:
+    with fake_server("ok") as url, fake_server("ok") as url_b:
         cred = url.replace("http://", f"http://user:{PASSWORD}@")
+        cred_b = url_b.replace("http://", f"http://user:{PASSWORD}@")     # --a equal to --b is refused up front
         inv = ["investigate", "--url", cred, "--training", str(models["training"]), "--target",
                str(models["target"]), "--draft", str(models["draft"]), "--out", str(tmp_path / "inv"), "--prompts",
                "2", "--max-new-tokens", "4", "--timeout", "120", "--no-apply"]
         rc_inv, _ = run_cli(inv, tmp_path, name="investigate", timeout=200)
-        cmp = ["compare-engines", "--a", cred, "--b", cred, "--training", str(models["training"]), "--out",
+        cmp = ["compare-engines", "--a", cred, "--b", cred_b, "--training", str(models["training"]), "--out",
                str(tmp_path / "cmp"), "--prompts", "2", "--max-new-tokens", "4", "--samples", "1", "--timeout", "120"]
         rc_cmp, _ = run_cli(cmp, tmp_path, name="compare", timeout=200)
         abl = ["ablate", "--url", cred, "--sweeps", "concurrency", "--concurrency", "1,2", "--toggles", "none",
@@ -77,7 +78,8 @@ def test_an_investigation_and_a_comparison_keep_no_password(models, tmp_path):
     (abl_run,) = (tmp_path / "abl").iterdir()
     assert abl_run.name.endswith(f"-ablate-127.0.0.1-{port}"), abl_run.name
     shown = [ln for ln in (tmp_path / "compare.stderr").read_text().splitlines() if "run folder" in ln]
-    assert shown and shown[0].endswith(f"-compare-engines-127.0.0.1-{port}"), shown     # (removed when left empty)
+    ports = {port, url_b.rsplit(":", 1)[1]}
+    assert shown and any(shown[0].endswith(f"-compare-engines-127.0.0.1-{p}") for p in ports), shown  # (removed when left empty)
     # stdout / stderr of both commands are files of tmp_path too
     assert (tmp_path / "investigate.stderr").read_text().strip()
     assert _leaks(tmp_path) == []
