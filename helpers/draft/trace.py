@@ -17,7 +17,8 @@ draft forward, the proposing rows' positions, input ids and top-k proposals (tar
   between the two exceeds :data:`NEAR_TIE` (a near tie is rounding), when the served step-1 input id is not the
   sequence's token ``x[p+1]``, or when a step-k row does not sit at position ``p + k - 1``.
 
-The first diverging (cycle, step) per request names the mechanism (:func:`mechanism`): from step 1 on, the served
+The first diverging step per request (the lowest draft step with a diverging row, :func:`first_divergence`) names
+the mechanism (:func:`mechanism`): from step 1 on, the served
 draft's weights or its inputs (``served_draft_differs``); only from step 2, the draft's own KV or positions
 (``draft_kv_diverges``). Trees (topk > 1) are compared at step 1 only (the decode rows are beams re-ordered by
 ``select_top_k_tokens``; said in the result).
@@ -134,18 +135,24 @@ def request_cycles(records: Iterable[dict]) -> dict[str, list[Cycle]]:
     return out
 
 
-def served_sequence(res: Any, prompt_ids: Sequence[int]) -> SimSequence:
+def served_sequence(res: Any, prompt_ids: Optional[Sequence[int]] = None) -> SimSequence:
     """The :class:`SimSequence` of one ``/generate`` answer with ``return_hidden_states`` (tokens = prompt + output,
-    aux row t = position t, ``start`` = prompt length), keyed by its ``meta_info.id`` (the rid).
+    aux row t = position t, ``start`` = prompt length), keyed by its ``meta_info.id`` (the rid). The prompt's ids are
+    ``prompt_ids`` or the answer's ``prompt_token_ids`` (``return_prompt_token_ids``).
 
     Raises:
-        BadInput: the answer carries no usable hidden states, or its prompt block does not start at position 0 (a
-            cached prefix: the probe flushes the cache first)."""
+        BadInput: the answer carries no usable hidden states or no prompt ids, or its prompt block does not start at
+            position 0 (a cached prefix: the probe flushes the cache first)."""
     raw = res.model_dump(exclude={"latency_s"}) if hasattr(res, "model_dump") else dict(res)
     (s,) = samples_from_generate(raw, source="trace probe /generate")
     if s.first_position:
         raise BadInput(f"the prompt block starts at position {s.first_position} (a cached prefix): flush the cache "
                        "before a traced request", field="meta_info.hidden_states")
+    if prompt_ids is None:
+        if s.input_ids is None:
+            raise BadInput("the answer carries no prompt_token_ids (request it with return_prompt_token_ids)",
+                           field="prompt_token_ids")
+        prompt_ids = [int(x) for x in list(s.input_ids)[: s.num_prompt_tokens or len(s.input_ids)]]
     outs = [int(x) for x in (s.output_ids or [])]
     tokens = torch.as_tensor([int(x) for x in prompt_ids] + outs, dtype=torch.long)
     rid = str((raw.get("meta_info") or {}).get("id") or s.key)
@@ -223,9 +230,12 @@ def _summary(rid: str, cycles: Sequence[Cycle], rows: list[dict], ties: int) -> 
 
 
 def first_divergence(rows: Sequence[dict]) -> Optional[dict]:
-    """The first row that does not match, in (cycle, step) order, or None."""
+    """The request's first diverging draft step: the row that does not match with the lowest ``step``, the earliest
+    cycle among them; None when every row matches. By step first, not by time: a damaged draft need not miss at step 1
+    in its very first cycle (live: the weight fault's first miss in time was a step-3 row of cycle 0, its step-1 rows
+    missed from cycle 2 on), while a fault of the draft's own KV never makes step 1 miss."""
     bad = [r for r in rows if not r["match"]]
-    return min(bad, key=lambda r: (r["cycle"], r["step"])) if bad else None
+    return min(bad, key=lambda r: (r["step"], r["cycle"])) if bad else None
 
 
 def mechanism(first_steps: Sequence[Optional[int]]) -> Optional[str]:

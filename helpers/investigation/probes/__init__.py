@@ -28,9 +28,10 @@ from ...runfiles import jsonable
 from .base import CHOICES, Probe, ProbeContext, ProbeResult, paired_condition_loss
 from .cache import CHUNKED_PREFILL, RADIX_HIT
 from .lossless import GREEDY_LOSSLESS
+from .trace import SERVED_DRAFT, STEP_TRACE
 
 #: every probe, in the order they run (cheap first)
-PROBES: tuple[Probe, ...] = (RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
+PROBES: tuple[Probe, ...] = (SERVED_DRAFT, STEP_TRACE, RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
 
 
 def probes() -> tuple[Probe, ...]:
