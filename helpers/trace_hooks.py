@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 import torch
 
-from .hooks import ARM_FILE, write_forward
+from .hooks import ARM_FILE, _rank_and_size, write_forward
 
 TRACE_HOOK = "e3f-trace-draft"
 TRACE_FACTORY = "helpers.trace_hooks:draft_trace_factory"
@@ -123,8 +123,6 @@ def draft_trace_factory(config: dict) -> Any:
             return None
         if not state["hot_read"]:
             state["hot"], state["hot_read"] = load_hot_token_id(config.get("draft_dir")), True
-        from .hooks import _rank_and_size
-
         rank, tp = _rank_and_size()
         positions = fb.positions.detach().to("cpu", torch.int64).clone()
         ids = inputs[0].detach().to("cpu", torch.int64).clone()
