@@ -206,3 +206,14 @@ def test_the_probe_finds_the_trace_folder_or_says_how_to_start_it(tmp_path):
 def test_untraced_requests_are_listed(draft, seq):
     res = compare_trace(draft, [seq], [])
     assert res["untraced"] == ["r0"] and res["requests"] == [] and res["mechanism"] is None
+
+
+def test_server_hook_specs_add_the_trace_and_nothing_else_for_it(tmp_path):
+    from helpers.capture import server_hook_specs
+
+    assert server_hook_specs(8) is None
+    specs = server_hook_specs(8, trace_dir=tmp_path / "t", draft_dir=REFERENCE_DRAFT)
+    assert [s["name"] for s in specs] == ["e3f-trace-draft"]
+    assert specs[0]["config"]["draft_dir"] == str(REFERENCE_DRAFT.resolve())
+    both = server_hook_specs(8, rank_capture_dir=tmp_path / "r", trace_dir=tmp_path / "t")
+    assert both[-1]["name"] == "e3f-trace-draft" and any(s["name"] == "e3f-capture" for s in both)
