@@ -103,7 +103,9 @@ def _rows(mode: str, fb: Any, n_logits: int, positions: torch.Tensor) -> tuple[t
 def draft_trace_factory(config: dict) -> Any:
     """Hook for the draft's ``logits_processor`` writing one trace file per draft forward per rank (see the module
     docstring). ``config``: ``out_dir``, ``topk`` (ids kept per row, default 4), ``max_forwards`` (default 100000),
-    ``draft_dir`` (where ``d2t`` is read), ``armed_by_file`` (default True)."""
+    ``draft_dir`` (where ``d2t`` is read), ``armed_by_file`` (default True). An error while recording never reaches
+    the server: it is written once to ``out_dir/ERROR`` and the trace stays off in that process (the probes then find
+    no records and say so)."""
     out_dir = config["out_dir"]
     k_keep = int(config.get("topk", 4))
     max_forwards = int(config.get("max_forwards", 100000))
@@ -111,10 +113,23 @@ def draft_trace_factory(config: dict) -> Any:
     state = {"n": 0, "hot": None, "hot_read": False}
 
     def hook(module, inputs, output):
-        if not _is_draft_logits(module) or state["n"] >= max_forwards:
+        if not _is_draft_logits(module) or state["n"] >= max_forwards or state.get("failed"):
             return None
         if arm is not None and not os.path.exists(arm):
             return None
+        try:
+            return _record(inputs, output)
+        except Exception as exc:              # never take the server down: say why once, then stay off
+            state["failed"] = True
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+                with open(os.path.join(out_dir, "ERROR"), "a") as fh:
+                    fh.write(f"helpers.trace_hooks: {type(exc).__name__}: {exc}; the trace is off in this process\n")
+            except OSError:
+                pass
+            return None
+
+    def _record(inputs, output):
         logits = getattr(output, "next_token_logits", None)
         fb = inputs[3] if len(inputs) > 3 else None
         mode = getattr(getattr(fb, "forward_mode", None), "name", None)
@@ -128,15 +143,14 @@ def draft_trace_factory(config: dict) -> Any:
         ids = inputs[0].detach().to("cpu", torch.int64).clone()
         with torch.no_grad():
             rows, req = _rows(mode, fb, int(logits.shape[0]), positions)
-            if mode == "EXTEND":
-                sel_logits = logits                          # already the last row per request
-                tok_rows = rows
-            elif mode == "DRAFT_EXTEND_V2" and int(logits.shape[0]) != int(positions.shape[0]):
-                sel_logits, tok_rows = logits, rows          # a graph path that selected rows already
+            if int(logits.shape[0]) == int(positions.shape[0]):
+                sel_logits = logits[rows.to(logits.device)]  # every row's logits (DECODE, DRAFT_EXTEND_V2 eager)
+            elif int(logits.shape[0]) == int(rows.shape[0]):
+                sel_logits = logits                          # already the proposing rows (EXTEND: the last per request)
             else:
-                sel_logits = logits[rows.to(logits.device)]
-                tok_rows = rows
+                return None                                  # a layout this hook does not know: record nothing
             top = sel_logits.float().topk(min(k_keep, int(logits.shape[-1])), dim=-1).indices.to("cpu", torch.int64)
+        tok_rows = rows
         hot = state["hot"]
         tgt = hot[top] if hot is not None else top
         tensors = {"positions": positions[tok_rows], "input_ids": ids[tok_rows], "topk": tgt, "topk_draft": top,

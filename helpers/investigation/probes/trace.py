@@ -60,6 +60,9 @@ def trace_dir(info: dict) -> Optional[Path]:
 def _applies(ctx: ProbeContext) -> Optional[str]:
     d = trace_dir(ctx.client.server_info())
     if d is None:
+        if str(getattr(getattr(ctx, "adapter", None), "label", "") or "").lower().startswith("vllm"):
+            return ("the draft step trace runs inside SGLang only (helpers.trace_hooks); vLLM's worker extension "
+                    "(helpers.engines.vllm_worker) does not record draft steps yet")
         return HOW
     if not d.is_dir():
         return f"the trace folder {d} is not readable on this machine (the probe reads the server's trace files)"
@@ -106,8 +109,10 @@ def traced(ctx: ProbeContext, prompts: list, max_new_tokens: int, tag: str) -> d
             arm.unlink()
     records = read_trace(d, since=since)
     if not records:
-        raise BadInput(f"the server wrote no trace records under {d} while it was armed: is this the folder it writes "
-                       "to?", path=d)
+        err = d / "ERROR"
+        said = err.read_text().strip().splitlines()[-1] if err.exists() else ""
+        raise BadInput(f"the server wrote no trace records under {d} while it was armed: " +
+                       (said if said else "is this the folder it writes to?"), path=d)
     out = compare_trace(_draft(ctx), seqs, records)
     out["prompt_ids"] = names
     return out

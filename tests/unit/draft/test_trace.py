@@ -185,6 +185,13 @@ def test_the_hook_records_the_proposing_rows_in_target_ids(tmp_path):
     assert recs[1]["topk_draft"][:, 0].tolist() == [int(logits2[1].argmax()), int(logits2[3].argmax())]
     assert json.loads((out / "rank0" / "index.jsonl").read_text().splitlines()[0])["file"] == "trace000000.safetensors"
     assert set(load_file(str(out / "rank0" / "trace000001.safetensors"))) >= {"topk", "positions", "row_req"}
+    # an error while recording never reaches the server: said once in ERROR, then the hook stays off
+    broken = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"))          # no positions
+    assert hook(_mod("LlamaForCausalLMEagle3"), (ids, None, None, broken), SimpleNamespace(next_token_logits=logits)) \
+        is None
+    assert "AttributeError" in (out / "ERROR").read_text()
+    hook(_mod("LlamaForCausalLMEagle3"), (ids, None, None, fb), SimpleNamespace(next_token_logits=logits))
+    assert trace_counts(out) == {0: 2}
 
 
 def test_the_probe_finds_the_trace_folder_or_says_how_to_start_it(tmp_path):
@@ -195,6 +202,7 @@ def test_the_probe_finds_the_trace_folder_or_says_how_to_start_it(tmp_path):
     ctx = SimpleNamespace(client=SimpleNamespace(server_info=lambda: {"forward_hooks": []}),
                           att=SimpleNamespace(draft_dir=REFERENCE_DRAFT), max_new_tokens=8)
     assert _applies(ctx) == HOW and "--trace-draft DIR" in HOW
+    assert "SGLang only" in _applies(SimpleNamespace(**vars(ctx), adapter=SimpleNamespace(label="vLLM")))
     ctx.client = SimpleNamespace(server_info=lambda: {"forward_hooks": spec})
     assert "not readable on this machine" in _applies(ctx)
     (tmp_path / "t").mkdir()
