@@ -48,6 +48,7 @@ from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
 from .formats.configs import read_target_config
 from .hooks import ARM_FILE, CaptureConfig, ModelFamily, every_layer_keys, hook_specs
+from .trace_hooks import trace_hook_specs
 from .runfiles import loads_json
 from .server.client import as_client
 from .server.embedded import start
@@ -273,12 +274,14 @@ the rank-local (pre-all-reduce) embedding (helpers.investigation.checks: tp_shar
 
 def server_hook_specs(num_layers: int, *, faults: Sequence[Any] = (), rank_capture_dir: Optional[str | os.PathLike] = None,
                       layers_dir: Optional[str | os.PathLike] = None,
-                      family: Optional[ModelFamily] = None) -> Optional[list[dict]]:
+                      family: Optional[ModelFamily] = None, trace_dir: Optional[str | os.PathLike] = None,
+                      draft_dir: Optional[str | os.PathLike] = None) -> Optional[list[dict]]:
     """The one ``--forward-hooks`` list for a server of this tool: injected ``faults`` (helpers.faults.Fault or
     dicts), a per-rank capture into ``rank_capture_dir`` (armed by file, keys :data:`RANK_CAPTURE_KEYS` + aux) and an
     every-layer reference capture into ``layers_dir`` (:func:`every_layer_hook_specs`), on the module names of the
-    target's ``family`` (:func:`helpers.hooks.model_family`, default Llama). Stash specs shared by several parts
-    appear once. Returns None when nothing is asked for.
+    target's ``family`` (:func:`helpers.hooks.model_family`, default Llama), and the draft step trace into
+    ``trace_dir`` (:func:`helpers.trace_hooks.trace_hook_specs`, the hot-token map read from ``draft_dir``). Stash
+    specs shared by several parts appear once. Returns None when nothing is asked for.
 
     The two capture folders are what ``investigate`` finds in ``/server_info`` ``forward_hooks`` (hook names
     ``e3f-capture`` and ``e3f-capture-layers``)."""
@@ -289,6 +292,8 @@ def server_hook_specs(num_layers: int, *, faults: Sequence[Any] = (), rank_captu
         specs += hook_specs(list(faults), cap, num_layers=num_layers, family=family)
     if layers_dir is not None:
         specs += every_layer_hook_specs(Path(layers_dir).resolve(), num_layers, family)
+    if trace_dir is not None:
+        specs += trace_hook_specs(trace_dir, draft_dir)
     out, seen = [], set()
     for spec in specs:
         key = json.dumps(spec, sort_keys=True)

@@ -173,7 +173,11 @@ KINDS: tuple[Kind, ...] = (
        fix="config_ids", changes_plan=True),
     _k("missing_chunk", "tensor", "an aux chunk the draft was trained on is missing", layout=True, aligned=True,
        fix="config_ids", changes_plan=True),
-    _k("served_draft_differs", "setup", "the server runs another draft than the one given"),
+    _k("served_draft_differs", "setup", "the server runs another draft than the one given", fix="engine",
+       engine_fix="reload the draft: the served draft is not its checkpoint (another folder than the one given, or "
+                  "its proposals differ from the checkpoint's on the very states the server fed: weights changed "
+                  "after a weight sync, a release / resume or a sleep / wake); restart the server with the draft "
+                  "checkpoint, or make the weight update reach the draft model as well"),
     # -- the acceptance budget ----------------------------------------------------------------------------------
     _k("draft_underperforms", "acceptance",
        "the draft checkpoint scores below its training log on rows of the log's kind", stage="draft"),
@@ -206,6 +210,13 @@ KINDS: tuple[Kind, ...] = (
        "at temperature 0 speculation emits other tokens than the target alone", fix="engine", stage="engine",
        engine_fix="verification: at temperature 0 the verify step must accept exactly the target's argmax tokens "
                   "(check the verify kernel's comparison, the target's positions and KV in verify)"),
+    _k("draft_kv_diverges", "acceptance",
+       "the served draft's proposals match the checkpoint at step 1 but not from step 2 on: the draft's own KV or "
+       "positions", fix="engine", stage="engine",
+       engine_fix="the draft's decode steps: each draft step must write its KV to its own slot (out_cache_loc of "
+                  "that step) at its own position and attend to the context's draft KV and its ancestors' (check the "
+                  "draft decode's cache locations, positions and attention metadata: the step trace names the first "
+                  "diverging step and position)"),
 )
 
 #: name -> :class:`Kind`

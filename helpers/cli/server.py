@@ -71,6 +71,9 @@ def _body(argv: list[str]) -> int:
                    help="add the per-rank capture hooks writing to DIR (armed while a capture runs)")
     s.add_argument("--capture-layers", default=None, metavar="DIR",
                    help="add the every-layer capture hooks writing to DIR (armed by `capture --every-layer DIR`)")
+    s.add_argument("--trace-draft", default=None, metavar="DIR",
+                   help="add the draft step trace hook writing the served draft's proposals per draft forward to DIR "
+                        "(armed while a probe traces: `investigate` probes step_trace / served_draft)")
     s.add_argument("--log", default=None, help="log file path")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be healthy")
     s.add_argument("--detach", action="store_true",

@@ -512,19 +512,41 @@ class Eagle3Draft:
         """The teacher-forced unroll after the draft-extend pass ``ext`` over ``tokens`` ``[T]`` (target ids): for
         TTT step ``k`` = 1 .. ``steps`` - 1, every extend row ``t`` from ``start`` whose step-k input token
         ``tokens[t + 1 + k]`` exists takes it and row t's hidden state of step k-1 at position ``t + k``, attending to
-        the extend rows up to t and its own earlier steps (:meth:`step`; SpecForge's TTT loop,
+        the extend rows up to t and its own earlier steps (:meth:`unroll`; SpecForge's TTT loop,
         ``specforge/core/eagle3.py::OnlineEagle3Model.forward``). Yields ``(k, rows [n] int64, logits [n, V_draft])``
         and stops when no row is left. Used by the drafting replay (:mod:`helpers.draft.simulate`) and the trainers'
         per-step metric (:mod:`helpers.draft.teacher_forced`)."""
         T = int(tokens.shape[0])
-        hidden, path = ext.hidden[start:], []
-        for k in range(1, steps):
-            r = torch.arange(start, T - 1 - k)              # rows whose step-k input token exists
-            if r.numel() == 0:
+        rows = torch.arange(start, max(start, T - 1))
+        k = torch.arange(1, max(steps, 1))
+        idx = rows[:, None] + 1 + k[None, :]                                    # [R, steps-1]
+        inputs = torch.where(idx <= T - 1, tokens[idx.clamp(max=max(T - 1, 0))], torch.full_like(idx, -1))
+        yield from self.unroll(ext, rows, inputs)
+
+    def unroll(self, ext: "ExtendOutput", rows: torch.Tensor, inputs: torch.Tensor
+               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The draft decode chain after the draft-extend pass ``ext``, as SGLang's draft loop runs it
+        (``eagle_worker_v2.py::EagleDraftWorker.draft_forward``, topk 1): draft step ``k`` (1-based, after the
+        extend) of extend row ``rows[j]`` takes the token ``inputs[j, k-1]`` (target ids) and the hidden state of
+        step k-1 (the extend row's for k = 1) at position ``rows[j] + k``, attending to the extend rows up to
+        ``rows[j]`` and its own earlier steps (:meth:`step`).
+
+        Args:
+            ext: the draft-extend pass over the sequence.
+            rows: int64 ``[R]`` extend rows (position of the row that proposed step 1).
+            inputs: int64 ``[R, K]``; -1 where a row has no input at that step (it then stops; the rows that go on
+                at step k must come first: a prefix of ``rows``).
+        Yields ``(k, rows [n] int64, logits [n, V_draft] float32)`` for k = 1 .. K (the proposal of draft step
+        k + 1) while a row is left. The teacher-forced unroll (:meth:`ttt_steps`) and the served draft's step trace
+        (:mod:`helpers.draft.trace`: the served proposals as inputs) are its two uses."""
+        hidden, path = ext.hidden[rows], []
+        for k in range(1, int(inputs.shape[1]) + 1 if inputs.dim() == 2 else 1):
+            n = int((inputs[:, k - 1] >= 0).sum())
+            if n == 0:
                 return
-            n = r.shape[0]
             path = [[(kk[:n], vv[:n]) for kk, vv in p] for p in path]
-            hidden, logits, kv = self.step(tokens[r + 1 + k], hidden[:n], r + k, r + 1, ext, path)
+            r = rows[:n]
+            hidden, logits, kv = self.step(inputs[:n, k - 1], hidden[:n], r + k, r + 1, ext, path)
             path.append(kv)
             yield k, r, logits
 

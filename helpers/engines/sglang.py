@@ -323,18 +323,21 @@ class SGLangAdapter(EngineAdapter):
         return None
 
     def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
-        """The embedded SGLang server with ``--forward-hooks``, ``--faults`` and the capture hooks of ``server start``
+        """The embedded SGLang server with ``--forward-hooks``, ``--faults``, the capture hooks and the draft step trace
+        (``--trace-draft``) of ``server start``
         (:func:`helpers.server.embedded.start`); ``launch`` holds the ``SGLANG_*`` environment (:func:`sglang_env`)."""
         from ..capture import server_hook_specs  # lazy: torch (measure detects the engine without it)
         from ..hooks import model_family  # lazy: torch (measure detects the engine without it)
         hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
         faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
-        if faults or args.capture_layers or args.capture_ranks:
+        trace = getattr(args, "trace_draft", None)
+        if faults or args.capture_layers or args.capture_ranks or trace:
             tcfg = read_target_config(args.target or embedded.REFERENCE_TARGET)
             hooks = (hooks or []) + (server_hook_specs(tcfg.num_hidden_layers, faults=faults,
                                                        rank_capture_dir=args.capture_ranks,
                                                        layers_dir=args.capture_layers,
-                                                       family=model_family(tcfg.architectures, tcfg.model_type))
+                                                       family=model_family(tcfg.architectures, tcfg.model_type),
+                                                       trace_dir=trace, draft_dir=draft if trace else None)
                                      or [])
         spec = SpecSettings(algorithm=args.algorithm, num_steps=args.steps, topk=args.topk,
                             num_draft_tokens=args.draft_tokens)

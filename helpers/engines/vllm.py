@@ -523,6 +523,7 @@ class VLLMAdapter(EngineAdapter):
         16)."""
         bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
                               ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
+                              ("--trace-draft", getattr(args, "trace_draft", None)),
                               ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
                               ("--draft-tokens", args.draft_tokens is not None),
                               ("--reference-draft", args.reference_draft)) if v]

@@ -21,6 +21,8 @@ from ..server.registry import lookup
 from ..server.restart import LAYERS_HOOK, relaunch_argv
 
 HOOK_FACTORY_PREFIX = "helpers.hooks:"
+#: helpers.trace_hooks.TRACE_FACTORY, spelled here so that attaching does not import torch (tests/unit check they agree)
+TRACE_FACTORY = "helpers.trace_hooks:draft_trace_factory"
 
 
 @dataclass
@@ -93,8 +95,8 @@ def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict
                 layers = Path(out_dir)
             else:
                 ranks = Path(out_dir)
-        elif factory == HOOK_FACTORY_PREFIX + "stash_factory":
-            continue                                     # read-only stashes of this tool's hooks
+        elif factory in (HOOK_FACTORY_PREFIX + "stash_factory", TRACE_FACTORY):
+            continue                                     # read-only stashes and the draft step trace of this tool
         else:
             others.append({"name": name, "target_modules": h.get("target_modules"), "hook_factory": factory})
     return ranks, layers, others

@@ -101,3 +101,64 @@ def test_per_rank_capture_shows_tp_structure(faulted, hf_states, tiny_target):
     # the faulted aux chunk 1 of both ranks sums to the true out(3)
     a0, a1 = ranks[0]["aux"][:, h:2 * h], ranks[1]["aux"][:, h:2 * h]
     torch.testing.assert_close(a0 + a1, hf_states[4][0], atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- the draft step trace, live
+@pytest.mark.server
+def test_step_trace_names_engine_faults_of_the_served_draft(tmp_path):
+    """One TP 1 server with the reference draft, the draft step trace (``--trace-draft``) and two test-only faults
+    (support.engine_faults, armed by file): clean, every traced draft step equals the checkpoint's; with the draft
+    decode's KV over the previous slot, ``draft_kv_diverges`` (step 1 intact); with the draft's fc scaled after 2
+    requests, ``served_draft_differs`` from step 1."""
+    from helpers.acceptance.prompts import load_prompts
+    from helpers.budget import Budget
+    from helpers.investigation.attach import attach
+    from helpers.investigation.probes import ProbeContext, run_probes
+    from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET
+    from helpers.server.client import as_client
+    from helpers.server.embedded import start
+    from helpers.trace_hooks import trace_hook_specs
+    from support.engine_faults import specs as fault_specs
+
+    faults, arm_weights, arm_kv = fault_specs(str(tmp_path / "faults"), after_requests=2, scale=0.25)
+    (tmp_path / "faults").mkdir()
+    hooks = trace_hook_specs(tmp_path / "trace", REFERENCE_DRAFT) + faults
+    with start(REFERENCE_TARGET, REFERENCE_DRAFT, tp=1, forward_hooks=hooks, timeout=300) as srv:
+        (tmp_path / "trace").mkdir()
+        client = as_client(srv.url)
+        att = attach(client)
+        assert att.other_hooks and all(h["name"].startswith("test-") for h in att.other_hooks)  # the trace is ours
+
+        def probes(tag):
+            ctx = ProbeContext(client=client, adapter=None, att=att, run_dir=tmp_path / tag, prompts=load_prompts(
+                None, n=3), max_new_tokens=16, dl=Budget(600))
+            (tmp_path / tag).mkdir()
+            st = run_probes(ctx, "cheap")
+            return {p["probe"]: p for p in st["probes"]}, st["findings"]
+
+        clean, found = probes("clean")
+        for name in ("served_draft", "step_trace"):
+            ev = clean[name]["evidence"]
+            assert clean[name]["decision"] == "clear", clean[name]
+            rows = sum(sum(r["compared"].values()) for r in ev["requests"])
+            assert rows >= 3 * 4 and all(not r["diverged"] for r in ev["requests"]), ev
+        assert sum(sum(r["compared"].values()) for r in clean["step_trace"]["evidence"]["requests"]) >= 3 * 3 * 3
+        assert not [f for f in found if f["kind"] in ("served_draft_differs", "draft_kv_diverges")]
+
+        Path(arm_kv).write_text("")
+        kv, found = probes("kv")
+        Path(arm_kv).unlink()
+        assert kv["step_trace"]["decision"] == "counts"
+        f = next(f for f in found if f["kind"] == "draft_kv_diverges")
+        per = f["evidence"]["diverged_per_step"]
+        assert "1" not in per and 1 not in per and sum(per.values()) > 0, per
+        assert not [f for f in found if f["kind"] == "served_draft_differs"]
+
+        Path(arm_weights).write_text("")          # counts from here: the third request on drafts with fc x 0.25
+        for n in range(3):
+            client.generate(input_ids=[1, 2, 3, 4, 5, 6], max_new_tokens=2)
+        bad, found = probes("weights")
+        sd = next(f for f in found if f["kind"] == "served_draft_differs" and f["evidence"]["probe"] == "served_draft")
+        assert sd["evidence"]["first_steps"] and set(sd["evidence"]["first_steps"].values()) == {1}
+        assert "reload the draft" in sd["detail"]
+        assert bad["step_trace"]["decision"] == "counts"

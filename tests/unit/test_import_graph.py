@@ -59,7 +59,7 @@ LAYERS = (
     ("__init__", "errors", "paths", "redaction", "kinds", "faults", "layers"),
     ("budget", "runfiles", "records"),
     ("formats", "hooks", "plots"),
-    ("server",),
+    ("server", "trace_hooks"),
     ("diagnosis", "acceptance"),
     ("draft", "capture"),
     ("engines",),

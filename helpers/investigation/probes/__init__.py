@@ -3,7 +3,8 @@
 The acceptance budget (:mod:`helpers.draft.budget`) measures a server the way a fresh start sees it: short greedy
 prompts, the prefix cache flushed before each. Accepted tokens are also lost where that never looks: the draft's KV
 after a prefix-cache hit, chunked prefill boundaries, verification that is not lossless, the served draft's weights
-after lifecycle events. Each such question is one :class:`Probe` of :data:`PROBES`, run by the investigation's
+after lifecycle events (``served_draft``, ``step_trace``: the served draft's proposals step by step against its
+checkpoint's, :mod:`.trace`). Each such question is one :class:`Probe` of :data:`PROBES`, run by the investigation's
 ``engine state`` stage (:func:`run_probes`; ``investigate --engine-probes cheap|all|none``), never a branch in it:
 
 * ``cheap`` probes run on the live server itself (a few more requests: seconds on the embedded server);
@@ -29,9 +30,10 @@ from .base import CHOICES, Probe, ProbeContext, ProbeResult, paired_condition_lo
 from .cache import CHUNKED_PREFILL, RADIX_HIT
 from .lossless import GREEDY_LOSSLESS
 from .repeat import REPEATABLE
+from .trace import SERVED_DRAFT, STEP_TRACE
 
 #: every probe, in the order they run (cheap first)
-PROBES: tuple[Probe, ...] = (REPEATABLE, RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
+PROBES: tuple[Probe, ...] = (REPEATABLE, SERVED_DRAFT, STEP_TRACE, RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
 
 
 def probes() -> tuple[Probe, ...]:

@@ -117,6 +117,9 @@ def test_cli_server_start_vllm_refuses_sglang_only_flags_and_a_missing_target(ca
     assert main(["server", "start", "--engine", "vllm", "--target", "/t", "--faults", "[]x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--faults apply to SGLang only" in err[0]
+    assert main(["server", "start", "--engine", "vllm", "--target", "/t", "--trace-draft", "/tmp/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--trace-draft apply to SGLang only" in err[0]
 
 
 def test_attach_without_the_worker_extension_uses_vllms_rules_and_says_so(tmp_path):

@@ -1,0 +1,287 @@
+"""The served draft's step trace against the checkpoint run offline on the very states the server fed.
+
+The trace (:mod:`helpers.trace_hooks`, a forward hook on the draft's logits processor inside SGLang) records, per
+draft forward, the proposing rows' positions, input ids and top-k proposals (target ids). Here it is
+
+* read and grouped per request (SGLang's ``rid``, which the probe sets itself on ``/generate``) into **verify
+  cycles**: a draft-extend row (``EXTEND`` for the prompt, ``DRAFT_EXTEND_V2`` after each verify) is draft step 1,
+  the ``speculative_num_steps - 1`` ``DECODE`` rows after it are steps 2 ..
+  (``sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker.draft_forward``);
+* aligned with the same ``/generate`` answer's aux hidden states (``return_hidden_states``: row t = position t,
+  :func:`helpers.formats.dumps.samples_from_generate`) and tokens (prompt + output), and replayed offline by the
+  checkpoint (:class:`helpers.draft.model.Eagle3Draft`): step 1 from the draft-extend pass over the sequence
+  (:meth:`Eagle3Draft.extend`, row ``p`` = token ``x[p+1]`` with aux row ``p``, as the worker rotates the ids), steps
+  2 .. from the decode chain fed the **served** draft's own proposals (:meth:`Eagle3Draft.unroll`), so every step is
+  compared on the inputs the server used;
+* compared step by step: a row diverges when the served top-1 is not the checkpoint's and the checkpoint's logit gap
+  between the two exceeds :data:`NEAR_TIE` (a near tie is rounding), when the served step-1 input id is not the
+  sequence's token ``x[p+1]``, or when a step-k row does not sit at position ``p + k - 1``.
+
+The first diverging step per request (the lowest draft step with a diverging row, :func:`first_divergence`) names
+the mechanism (:func:`mechanism`): from step 1 on, the served
+draft's weights or its inputs (``served_draft_differs``); only from step 2, the draft's own KV or positions
+(``draft_kv_diverges``). Trees (topk > 1) are compared at step 1 only (the decode rows are beams re-ordered by
+``select_top_k_tokens``; said in the result).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from ..errors import BadInput
+from ..formats.dumps import samples_from_generate
+from ..runfiles import loads_json
+from .model import Eagle3Draft, compute_threads
+from .simulate import SimSequence
+
+#: logit gap (float32 logits of the checkpoint) under which a served top-1 other than the checkpoint's is a near tie
+#: (rounding between the server's kernels and this replay), not a divergence. Measured on the embedded CPU server
+#: (helpers.trace_hooks on env/models/draft): the clean server's served top-1 equals the checkpoint's on every row.
+NEAR_TIE = 1e-3
+DRAFT_MODES = ("EXTEND", "DRAFT_EXTEND_V2")
+
+
+@dataclass
+class StepRow:
+    """One proposing row of the served draft: ``step`` (1-based draft step in its cycle), ``position`` (the draft
+    row's position p: it holds the token of p + 1 and proposes the token of p + 2), ``input_id``, ``topk`` (target
+    ids, best first), ``topk_draft`` (draft-vocab ids), ``forward`` (trace file number), ``mode``."""
+
+    step: int
+    position: int
+    input_id: int
+    topk: list
+    topk_draft: list
+    forward: int
+    mode: str
+
+
+@dataclass
+class Cycle:
+    """One verify cycle of one request: its draft steps in order; ``tree`` when a decode step had several rows."""
+
+    steps: list = field(default_factory=list)
+    tree: bool = False
+
+
+def trace_counts(trace_dir: str | Path) -> dict[int, int]:
+    """Records per rank already in a trace folder (``{rank: n}``), to read only what comes after."""
+    out = {}
+    for d in sorted(Path(trace_dir).glob("rank*")):
+        idx = d / "index.jsonl"
+        out[int(d.name[4:])] = sum(1 for line in idx.read_text().splitlines() if line.strip()) if idx.exists() else 0
+    return out
+
+
+def read_trace(trace_dir: str | Path, *, rank: int = 0, since: Optional[dict[int, int]] = None) -> list[dict]:
+    """The trace records of TP rank ``rank`` (every rank runs the same draft; rank 0 is read), after the first
+    ``since[rank]``: ``{"forward", "mode", "rids", **tensors}`` in forward order.
+
+    Raises:
+        BadInput: the folder holds no trace of that rank (the server was not started with ``--trace-draft``, or the
+            folder is not this machine's view of it)."""
+    d = Path(trace_dir) / f"rank{rank}"
+    idx = d / "index.jsonl"
+    if not idx.exists():
+        raise BadInput(f"no draft step trace for TP rank {rank} (no {idx.name}): start the server with "
+                       "`python -m helpers server start --trace-draft DIR` and read DIR on this machine", path=d)
+    recs = [loads_json(line) for line in idx.read_text().splitlines() if line.strip()]
+    rids: dict[int, list] = {}
+    rid_file = d / "rids.jsonl"
+    if rid_file.exists():
+        for line in rid_file.read_text().splitlines():
+            if line.strip():
+                r = loads_json(line)
+                rids[int(r["forward"])] = list(r["rids"])
+    out = []
+    for rec in recs[(since or {}).get(rank, 0):]:
+        t = load_file(str(d / rec["file"]))
+        out.append({"forward": int(rec["forward"]), "mode": rec.get("mode"), "rids": rids.get(int(rec["forward"])),
+                    **t})
+    return out
+
+
+def request_cycles(records: Iterable[dict]) -> dict[str, list[Cycle]]:
+    """Group trace records into per-request verify cycles (see the module docstring). A request's id is its SGLang
+    ``rid`` (``ForwardBatch.rids``; ``"b<index>"`` when the trace has none). A decode row before any draft-extend row
+    of its request is dropped (the request's first cycle began before the trace was armed)."""
+    out: dict[str, list[Cycle]] = {}
+    for rec in records:
+        mode = rec["mode"]
+        rids = rec.get("rids")
+        req = rec["row_req"].tolist()
+        pos, ids = rec["positions"].tolist(), rec["input_ids"].tolist()
+        top, topd = rec["topk"].tolist(), rec["topk_draft"].tolist()
+        seen: dict[str, int] = {}
+        for j, b in enumerate(req):
+            rid = str(rids[b]) if rids is not None and b < len(rids) else f"b{b}"
+            cycles = out.setdefault(rid, [])
+            if mode in DRAFT_MODES:
+                cycles.append(Cycle([StepRow(1, pos[j], ids[j], top[j], topd[j], rec["forward"], mode)]))
+                continue
+            if not cycles:
+                continue
+            c = cycles[-1]
+            seen[rid] = seen.get(rid, 0) + 1
+            if seen[rid] > 1:
+                c.tree = True                    # topk > 1: several beams per request and step
+                continue
+            c.steps.append(StepRow(len(c.steps) + 1, pos[j], ids[j], top[j], topd[j], rec["forward"], mode))
+    return out
+
+
+def served_sequence(res: Any, prompt_ids: Optional[Sequence[int]] = None) -> SimSequence:
+    """The :class:`SimSequence` of one ``/generate`` answer with ``return_hidden_states`` (tokens = prompt + output,
+    aux row t = position t, ``start`` = prompt length), keyed by its ``meta_info.id`` (the rid). The prompt's ids are
+    ``prompt_ids`` or the answer's ``prompt_token_ids`` (``return_prompt_token_ids``).
+
+    Raises:
+        BadInput: the answer carries no usable hidden states or no prompt ids, or its prompt block does not start at
+            position 0 (a cached prefix: the probe flushes the cache first)."""
+    raw = res.model_dump(exclude={"latency_s"}) if hasattr(res, "model_dump") else dict(res)
+    (s,) = samples_from_generate(raw, source="trace probe /generate")
+    if s.first_position:
+        raise BadInput(f"the prompt block starts at position {s.first_position} (a cached prefix): flush the cache "
+                       "before a traced request", field="meta_info.hidden_states")
+    if prompt_ids is None:
+        if s.input_ids is None:
+            raise BadInput("the answer carries no prompt_token_ids (request it with return_prompt_token_ids)",
+                           field="prompt_token_ids")
+        prompt_ids = [int(x) for x in list(s.input_ids)[: s.num_prompt_tokens or len(s.input_ids)]]
+    outs = [int(x) for x in (s.output_ids or [])]
+    tokens = torch.as_tensor([int(x) for x in prompt_ids] + outs, dtype=torch.long)
+    rid = str((raw.get("meta_info") or {}).get("id") or s.key)
+    return SimSequence(rid, tokens, s.load(), len(prompt_ids))
+
+
+def _gap(logits: torch.Tensor, served_draft_id: int) -> float:
+    """The checkpoint's logit of its own best token minus that of the served one (>= 0; 0 when they agree)."""
+    return float(logits.max() - logits[served_draft_id])
+
+
+@torch.no_grad()
+def compare_request(draft: Eagle3Draft, seq: SimSequence, cycles: Sequence[Cycle], *, near_tie: float = NEAR_TIE
+                    ) -> dict:
+    """Replay one request's traced cycles offline on its served states (see the module docstring).
+
+    Returns ``{"rid", "cycles", "compared": {step: rows}, "diverged": {step: rows}, "near_ties": n,
+    "rows": [per-row dicts: cycle, step, position, served, offline, input_served, input_expected, gap, match,
+    why]}``; rows past the sequence's states (the draft runs after the last verify too) are left out."""
+    T = int(seq.tokens.shape[0])
+    toks = seq.tokens.to(torch.long)
+    ext = draft.extend(toks[1:], seq.aux[: T - 1])
+    keep = [(i, c) for i, c in enumerate(cycles) if c.steps and 0 <= c.steps[0].position <= T - 2]
+    rows_out: list[dict] = []
+    if not keep:
+        return _summary(seq.key, cycles, rows_out, 0)
+    # the decode chain fed the served proposals: chains only, grouped by length so each unroll is one batch
+    by_len: dict[int, list] = {}
+    for i, c in keep:
+        by_len.setdefault(0 if c.tree else len(c.steps), []).append((i, c))
+    later: dict[tuple[int, int], torch.Tensor] = {}
+    for n, group in by_len.items():
+        if n < 2:
+            continue
+        rows = torch.tensor([c.steps[0].position for _, c in group], dtype=torch.long)
+        inputs = torch.tensor([[s.topk[0] for s in c.steps[:n - 1]] for _, c in group], dtype=torch.long)
+        for k, r, logits in draft.unroll(ext, rows, inputs):
+            for j in range(int(r.shape[0])):
+                later[(group[j][0], k + 1)] = logits[j]
+    ties = 0
+    for i, c in keep:
+        p = c.steps[0].position
+        for s in c.steps if not c.tree else c.steps[:1]:
+            logits = ext.logits[p] if s.step == 1 else later.get((i, s.step))
+            if logits is None:
+                continue
+            offline = int(draft.to_target_ids(logits.argmax()).item())
+            gap = _gap(logits, int(s.topk_draft[0]))
+            expect_in = int(toks[p + 1]) if s.step == 1 else int(c.steps[s.step - 2].topk[0])
+            why = None
+            if s.step > 1 and s.position != p + s.step - 1:
+                why = f"position {s.position}, expected {p + s.step - 1}"
+            elif s.input_id != expect_in:
+                why = f"input token {s.input_id}, expected {expect_in}"
+            elif int(s.topk[0]) != offline:
+                if gap > near_tie:
+                    why = f"proposed {s.topk[0]}, the checkpoint {offline} (logit gap {gap:.4g})"
+                else:
+                    ties += 1
+            rows_out.append({"cycle": i, "step": s.step, "position": s.position, "served": int(s.topk[0]),
+                             "offline": offline, "input_served": s.input_id, "input_expected": expect_in,
+                             "gap": round(gap, 6), "match": why is None, "why": why})
+    return _summary(seq.key, cycles, rows_out, ties)
+
+
+def _summary(rid: str, cycles: Sequence[Cycle], rows: list[dict], ties: int) -> dict:
+    compared: dict[int, int] = {}
+    diverged: dict[int, int] = {}
+    for r in rows:
+        compared[r["step"]] = compared.get(r["step"], 0) + 1
+        if not r["match"]:
+            diverged[r["step"]] = diverged.get(r["step"], 0) + 1
+    return {"rid": rid, "cycles": len(cycles), "tree": any(c.tree for c in cycles), "compared": compared,
+            "diverged": diverged, "near_ties": ties, "first": first_divergence(rows), "rows": rows}
+
+
+def first_divergence(rows: Sequence[dict]) -> Optional[dict]:
+    """The request's first diverging draft step: the row that does not match with the lowest ``step``, the earliest
+    cycle among them; None when every row matches. By step first, not by time: a damaged draft need not miss at step 1
+    in its very first cycle (live: the weight fault's first miss in time was a step-3 row of cycle 0, its step-1 rows
+    missed from cycle 2 on), while a fault of the draft's own KV never makes step 1 miss."""
+    bad = [r for r in rows if not r["match"]]
+    return min(bad, key=lambda r: (r["step"], r["cycle"])) if bad else None
+
+
+def mechanism(first_steps: Sequence[Optional[int]]) -> Optional[str]:
+    """The finding kind the first diverging steps of the requests point to: ``served_draft_differs`` when any
+    request diverges at step 1 (the served draft's weights or its inputs), ``draft_kv_diverges`` when requests
+    diverge and none at step 1 (the draft's own KV or positions), None when none diverges."""
+    steps = [s for s in first_steps if s is not None]
+    if not steps:
+        return None
+    return "served_draft_differs" if min(steps) == 1 else "draft_kv_diverges"
+
+
+def compare_trace(draft: Eagle3Draft, seqs: Sequence[SimSequence], records: Sequence[dict], *,
+                  near_tie: float = NEAR_TIE) -> dict:
+    """Every traced request of ``seqs`` (matched by rid) compared offline: ``{"requests": [compare_request ...],
+    "untraced": [rids with no trace], "mechanism": kind or None, "first_steps": {rid: step}}``."""
+    cycles = request_cycles(records)
+    out, missing = [], []
+    with compute_threads(draft):
+        for seq in seqs:
+            c = cycles.get(seq.key)
+            if not c:
+                missing.append(seq.key)
+                continue
+            out.append(compare_request(draft, seq, c, near_tie=near_tie))
+    firsts = {r["rid"]: (r["first"] or {}).get("step") for r in out}
+    return {"requests": out, "untraced": missing, "mechanism": mechanism(list(firsts.values())),
+            "first_steps": firsts}
+
+
+def brief(result: dict, rows: int = 3) -> dict:
+    """A JSON-small view of :func:`compare_trace` for evidence: per request the counts and the first divergence,
+    and the first ``rows`` diverging rows."""
+    reqs = []
+    for r in result["requests"]:
+        reqs.append({k: r[k] for k in ("rid", "cycles", "tree", "compared", "diverged", "near_ties", "first")} |
+                    {"diverging_rows": [x for x in r["rows"] if not x["match"]][:rows]})
+    return {"requests": reqs, "untraced": result["untraced"], "mechanism": result["mechanism"],
+            "first_steps": result["first_steps"]}
+
+
+def write_result(path: str | Path, result: dict) -> None:
+    """The full comparison (every row) as JSON."""
+    Path(path).write_text(json.dumps(result, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
+                                     else str(o), indent=1))
+
+
+__all__ = ["NEAR_TIE", "Cycle", "StepRow", "brief", "compare_request", "compare_trace", "first_divergence",
+           "mechanism", "read_trace", "request_cycles", "served_sequence", "trace_counts", "write_result"]

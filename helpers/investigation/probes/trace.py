@@ -1,0 +1,196 @@
+"""The served draft's own computation, step by step: two cheap probes on a server that runs the draft step trace
+(:mod:`helpers.trace_hooks`; ``python -m helpers server start --trace-draft DIR``).
+
+* ``step_trace``: the live prompts sent greedy, one at a time, the prefix cache flushed before each, with
+  ``return_hidden_states`` and the trace armed; every draft step the server proposed is compared with the
+  checkpoint's proposal on the very states it fed (:func:`helpers.draft.trace.compare_trace`). A request whose draft
+  diverges at step 1 is ``served_draft_differs`` (the served draft's weights or its inputs), one that diverges only
+  from step 2 on is ``draft_kv_diverges`` (the draft's own KV or positions).
+* ``served_draft``: one short fixed prompt (:data:`FIXED_PROMPT`, a few cycles), the same comparison: the served
+  draft against its checkpoint on a known input, cheap enough to run at attach and after a weight sync or a resume.
+
+Tensor-level check: SGLang 0.5.23's ``/get_weights_by_name`` does **not** reach the draft. The route
+(``sglang/srt/entrypoints/http_server.py::get_weights_by_name``) goes through
+``managers/tokenizer_control_mixin.py::get_weights_by_name`` to the scheduler's
+``managers/scheduler_components/weight_updater.py::WeightUpdater.get_weights_by_name``, which asks ``self.tp_worker``
+(the target's ``TpModelWorker``, ``managers/tp_worker.py::TpModelWorker.get_weights_by_name`` ->
+``model_runner_components/weight_exporter.py::get_weights_by_name`` -> the target model's ``get_weights_by_name``);
+``GetWeightsByNameReqInput`` (``managers/io_struct.py``) has only ``name`` and ``truncate_size``, no role, unlike the
+weight updates that take ``roles`` and reach ``self.draft_worker``. So the served draft is compared by its
+proposals, not its tensors.
+
+Skipped, saying how to enable it, when the server runs no trace hook or its folder is not readable here; both need the
+draft checkpoint and the target's embedding on this machine (:meth:`helpers.draft.model.Eagle3Draft.load`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ...acceptance.prompts import Prompt
+from ...diagnosis.detectors import finding
+from ...draft.model import Eagle3Draft
+from ...draft.precision import choose_dtype, server_dtype
+from ...draft.trace import brief, compare_trace, read_trace, served_sequence, trace_counts, write_result
+from ...errors import BadInput
+from ...formats.configs import read_draft_config
+from ...hooks import ARM_FILE
+from ...trace_hooks import TRACE_FACTORY
+from .base import Probe, ProbeContext, ProbeResult
+
+#: the fixed input of ``served_draft``: token ids below every vocabulary this tool serves (the reference target's is
+#: 4096), the same on every run so two runs of one server compare
+FIXED_PROMPT = (1, 450, 496, 1735, 1701, 432, 1720, 975, 278, 1736, 1120, 2988)
+FIXED_NEW_TOKENS = 16
+HOW = ("the server runs no draft step trace: start it with `python -m helpers server start --trace-draft DIR` (or "
+       "add helpers.trace_hooks.trace_hook_specs(DIR, DRAFT) to --forward-hooks; GPUs: --disable-cuda-graph)")
+
+
+def trace_dir(info: dict) -> Optional[Path]:
+    """The trace folder of the server's ``helpers.trace_hooks`` hook (``/server_info`` ``forward_hooks``, the
+    hook's ``config.out_dir``), or None."""
+    for h in info.get("forward_hooks") or []:
+        if isinstance(h, dict) and str(h.get("hook_factory") or "") == TRACE_FACTORY:
+            out = (h.get("config") or {}).get("out_dir") if isinstance(h.get("config"), dict) else None
+            if out:
+                return Path(out)
+    return None
+
+
+def _applies(ctx: ProbeContext) -> Optional[str]:
+    d = trace_dir(ctx.client.server_info())
+    if d is None:
+        if str(getattr(getattr(ctx, "adapter", None), "label", "") or "").lower().startswith("vllm"):
+            return ("the draft step trace runs inside SGLang only (helpers.trace_hooks); vLLM's worker extension "
+                    "(helpers.engines.vllm_worker) does not record draft steps yet")
+        return HOW
+    if not d.is_dir():
+        return f"the trace folder {d} is not readable on this machine (the probe reads the server's trace files)"
+    if getattr(ctx.att, "draft_dir", None) is None:
+        return "the draft checkpoint is not readable here (pass --draft): nothing to compare the served draft with"
+    if ctx.max_new_tokens < 2:
+        return "fewer than 2 tokens per request: no verify step to trace"
+    return None
+
+
+def _draft(ctx: ProbeContext) -> Eagle3Draft:
+    if "trace_draft" not in ctx.extra:
+        att = ctx.att
+        choice = choose_dtype(server_dtype(ctx.client.server_info(), read_draft_config(att.draft_dir).raw), "cpu")
+        ctx.extra["trace_draft"] = Eagle3Draft.load(att.draft_dir, att.target_dir, dtype=choice.dtype,
+                                                    dtype_reason=choice.reason)
+    return ctx.extra["trace_draft"]
+
+
+def traced(ctx: ProbeContext, prompts: list, max_new_tokens: int, tag: str) -> dict:
+    """Send ``prompts`` (:class:`helpers.acceptance.prompts.Prompt`: text or token ids) greedy, one at a time, the
+    cache flushed before each, with the trace armed, and compare (see the module docstring); returns
+    :func:`helpers.draft.trace.compare_trace`'s result with ``prompt_ids`` (rid -> prompt id) added.
+
+    Raises:
+        BadInput: the server wrote no trace for them (the folder is not the one it writes to)."""
+    d = trace_dir(ctx.client.server_info())
+    since = trace_counts(d)
+    arm = d / ARM_FILE
+    seqs, names = [], {}
+    arm.write_text(f"armed by helpers.investigation.probes.trace ({tag})\n")
+    try:
+        for i, q in enumerate(prompts):
+            ctx.client.flush_cache()
+            rid = f"e3f-{tag}-{i}-{ctx.run_dir.name}"[:120]
+            res = ctx.client.generate(**q.request(), max_new_tokens=max_new_tokens, return_hidden_states=True,
+                                      return_prompt_token_ids=True, rid=rid,
+                                      sampling_params={"temperature": 0.0, "ignore_eos": True})
+            seq = served_sequence(res, None if q.input_ids is None else list(q.input_ids))
+            seqs.append(seq)
+            names[seq.key] = str(q.id)
+    finally:
+        if arm.exists():
+            arm.unlink()
+    records = read_trace(d, since=since)
+    if not records:
+        err = d / "ERROR"
+        said = err.read_text().strip().splitlines()[-1] if err.exists() else ""
+        raise BadInput(f"the server wrote no trace records under {d} while it was armed: " +
+                       (said if said else "is this the folder it writes to?"), path=d)
+    out = compare_trace(_draft(ctx), seqs, records)
+    out["prompt_ids"] = names
+    return out
+
+
+def _result(p: Probe, ctx: ProbeContext, cmp: dict, what: str) -> ProbeResult:
+    folder = ctx.folder(p.name)
+    write_result(folder / "trace_comparison.json", cmp)
+    ev = brief(cmp) | {"saved_to": str(folder.relative_to(ctx.run_dir)), "compared_on": what}
+    res = ProbeResult(p.name, p.cost, p.condition, evidence=ev, saved_to=[ev["saved_to"]])
+    reqs = cmp["requests"]
+    if not reqs:
+        res.decision, res.why = "undecided", "no traced request could be aligned with its served states"
+        return res
+    kind = cmp["mechanism"]
+    if kind is None:
+        rows = sum(sum(r["compared"].values()) for r in reqs)
+        res.decision, res.why = "clear", f"{rows} draft steps of {len(reqs)} request(s) equal the checkpoint's"
+        return res
+    res.decision = "counts"
+    bad = [r for r in reqs if r["first"] is not None]
+    step1 = [r for r in bad if r["first"]["step"] == 1]
+    shown = (step1 or bad)[:3]
+    where = "; ".join(f"{cmp['prompt_ids'].get(r['rid'], r['rid'])}: step {r['first']['step']} at position "
+                      f"{r['first']['position']} ({r['first']['why']})" for r in shown)
+    per_step: dict = {}
+    for r in reqs:
+        for s, n in r["diverged"].items():
+            per_step[s] = per_step.get(s, 0) + n
+    common = dict(first_steps=cmp["first_steps"], diverged_per_step=per_step, requests=len(reqs),
+                  diverging_requests=len(bad), probe=p.name, trace=ev["saved_to"])
+    if kind == "served_draft_differs":
+        res.findings.append(finding(
+            kind, None,
+            f"the served draft's step-1 proposals differ from its checkpoint's on the very states the server fed "
+            f"({len(step1)} of {len(reqs)} request(s), {what}): {where}; its weights or inputs are not the "
+            "checkpoint's: reload the draft",
+            **common, fix_words="reload the draft from its checkpoint (restart the server with it, or make the weight "
+                                "update reach the draft model)",
+            source=f"engine-state probe {p.name}: the draft step trace (helpers.trace_hooks) against "
+                   "helpers.draft.trace.compare_trace"))
+    else:
+        res.findings.append(finding(
+            kind, None,
+            f"the served draft's proposals equal its checkpoint's at step 1 and differ from step 2 on ({len(bad)} of "
+            f"{len(reqs)} request(s), {what}): {where}; the draft's own KV or positions in its decode steps",
+            **common, source=f"engine-state probe {p.name}: the draft step trace (helpers.trace_hooks) against "
+                             "helpers.draft.trace.compare_trace"))
+    return res
+
+
+def _step_trace_run(ctx: ProbeContext) -> ProbeResult:
+    prompts = list(ctx.prompts)
+    ctx.progress(f"engine state: step trace: {len(prompts)} prompts x {ctx.max_new_tokens} tokens, traced")
+    cmp = traced(ctx, prompts, ctx.max_new_tokens, "step-trace")
+    return _result(STEP_TRACE, ctx, cmp, f"the {len(prompts)} live prompts")
+
+
+def _served_draft_run(ctx: ProbeContext) -> ProbeResult:
+    ctx.progress(f"engine state: served draft: the fixed prompt ({len(FIXED_PROMPT)} tokens) x {FIXED_NEW_TOKENS}, "
+                 "traced")
+    cmp = traced(ctx, [Prompt(id="fixed", input_ids=FIXED_PROMPT, kind="fixed")], FIXED_NEW_TOKENS, "served-draft")
+    return _result(SERVED_DRAFT, ctx, cmp, "the fixed prompt")
+
+
+def _served_applies(ctx: ProbeContext) -> Optional[str]:
+    why = _applies(ctx)
+    if why is not None and why.startswith("fewer than 2"):
+        return None                                  # the fixed prompt has its own length
+    return why
+
+
+STEP_TRACE = Probe("step_trace", "cheap", "the served draft step by step on the live prompts",
+                   "does the served draft propose, step by step, what its checkpoint proposes on the same states?",
+                   _step_trace_run, applies=_applies,
+                   estimate_s=lambda ctx: 5.0 + 0.15 * len(ctx.prompts) * ctx.max_new_tokens)
+SERVED_DRAFT = Probe("served_draft", "cheap", "the served draft on a fixed input",
+                     "is the served draft its checkpoint (its step-1 proposals on a fixed prompt)?",
+                     _served_draft_run, applies=_served_applies, estimate_s=lambda ctx: 8.0)
+
+__all__ = ["FIXED_PROMPT", "SERVED_DRAFT", "STEP_TRACE", "trace_dir", "traced"]
