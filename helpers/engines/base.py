@@ -201,6 +201,11 @@ class EngineAdapter(ABC):
         saying so)."""
         return None
 
+    def oracle_flags(self) -> Optional[dict]:
+        """The launch flags that serve a model as its own draft (the perfect-draft oracle of the engine-state probe
+        ``oracle``: the target drafting for itself), or None when this tool has not read how this engine does it."""
+        return None
+
     @abstractmethod
     def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,
                       keep_draft: bool = True, flags: Optional[dict] = None, capture_dir: Optional[Path] = None,

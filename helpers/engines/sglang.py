@@ -354,6 +354,12 @@ class SGLangAdapter(EngineAdapter):
         splits an extend longer than N tokens into chunks, ``sglang/srt/managers/scheduler.py``)."""
         return {"--chunked-prefill-size": str(int(tokens))}
 
+    def oracle_flags(self) -> Optional[dict]:
+        """``--speculative-algorithm STANDALONE`` (``sglang/srt/speculative/spec_info.py::SpeculativeAlgorithm.
+        STANDALONE``: any model drafts, no hidden states, the EAGLE V2 worker's verify path; the restart gives the
+        target's folder as ``--speculative-draft-model-path``)."""
+        return {"--speculative-algorithm": "STANDALONE"}
+
     def fix_flags(self, fix: Any) -> dict:
         """The fix's ``server_args``, which are SGLang flags already."""
         return {k: str(v) for k, v in (fix.server_args or {}).items()}

@@ -50,7 +50,10 @@ from .settings import SpecSettings
 #: the pure-torch sgl_kernel stand-in and the process start hook of the SGLang venv (env/reference/install.sh)
 STANDIN = ROOT / "env" / "reference" / "standin"
 
-SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
+#: the speculative algorithms the embedded server starts: EAGLE3 / EAGLE with an EAGLE draft; STANDALONE with any causal
+#: LM of the target's vocabulary as its own draft (sglang/srt/speculative/spec_info.py::SpeculativeAlgorithm, the
+#: EAGLE V2 worker's verify path; the engine-state probe ``oracle`` serves the target as its own draft)
+SPEC_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE")
 
 
 #: the environment variable that sets the port range of every server this tool starts ("LOW-HIGH", inclusive)

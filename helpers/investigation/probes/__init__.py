@@ -29,11 +29,13 @@ from ...runfiles import jsonable
 from .base import CHOICES, Probe, ProbeContext, ProbeResult, paired_condition_loss
 from .cache import CHUNKED_PREFILL, RADIX_HIT
 from .lossless import GREEDY_LOSSLESS
+from .oracle import ORACLE
 from .repeat import REPEATABLE
 from .trace import SERVED_DRAFT, STEP_TRACE
 
 #: every probe, in the order they run (cheap first)
-PROBES: tuple[Probe, ...] = (REPEATABLE, SERVED_DRAFT, STEP_TRACE, RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS)
+PROBES: tuple[Probe, ...] = (REPEATABLE, SERVED_DRAFT, STEP_TRACE, RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS,
+                               ORACLE)
 
 
 def probes() -> tuple[Probe, ...]:
