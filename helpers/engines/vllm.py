@@ -28,7 +28,7 @@ from ..server.restart import set_flags
 from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
 from . import vllm_server
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
-from .vllm_answers import meta_info, parse_counters, record
+from .vllm_answers import meta_info, parse_counters, parse_watch, record
 from .vllm_server import relaunch_command
 
 if TYPE_CHECKING:          # annotations only (torch)
@@ -564,6 +564,9 @@ class VLLMAdapter(EngineAdapter):
 
     def counters(self, client: HTTPClient) -> AcceptanceCounters:
         return parse_counters(client.metrics_text())
+
+    def watch_snapshot(self, metrics_text: str) -> dict:
+        return parse_watch(metrics_text)
 
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
