@@ -53,8 +53,8 @@ def test_a_step_up_or_an_immaterial_step_does_not_trigger():
 
 def test_flat_noisy_series_false_alarm_rate():
     """200 flat series (accept length 2.5, sd 0.2, 60 samples), one look each: triggers at most 3 of 200. Under the
-    null the block permutation test alone fires at rate ALPHA = 0.005 (1 expected of 200; P(X > 3) < 2 % for
-    Binomial(200, 0.005)), and the materiality and CI conditions only remove triggers. Measured: 0 of 200."""
+    null the permutation test alone fires at rate ALPHA = 0.002 (0.4 expected of 200; P(X > 3) < 0.1 % for
+    Binomial(200, 0.002)), and the materiality and CI conditions only remove triggers. Measured: 0 of 200."""
     fired = 0
     for seed in range(200):
         x = np.random.default_rng(10_000 + seed).normal(2.5, 0.2, 60)
@@ -64,8 +64,9 @@ def test_flat_noisy_series_false_alarm_rate():
 
 def test_flat_series_false_alarm_over_a_watchs_looks():
     """A watch looks again at every sample: 40 flat series looked at every 5th sample from 10 to 60 (11 looks each,
-    correlated) trigger in at most 2 of 40 series (5 %): the per-look rate 0.005 times 11 looks bounds the union
-    at 5.5 %, and the looks share most samples. Measured: 0 of 40."""
+    correlated) trigger in at most 2 of 40 series (5 %): the per-look rate 0.002 times 11 looks bounds the union
+    at 2.2 % (0.9 expected of 40; P(X > 2) < 6 %). Measured: 0 of 40 (and 1 of 50 series looked at every sample
+    from 10 to 60, 51 looks: the rate a watch of 30-second samples pays per half hour, bounded by the cooldown)."""
     fired = 0
     for s in range(40):
         x = np.random.default_rng(20_000 + s).normal(2.5, 0.2, 60)
