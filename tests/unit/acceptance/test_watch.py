@@ -234,11 +234,12 @@ def test_resume_of_a_folder_that_is_not_a_watch_run(tmp_path, capsys):
     assert "no watch.jsonl" in capsys.readouterr().err
 
 
-def test_a_server_without_metrics_is_exit_1_and_no_folder(tmp_path, capsys):
-    with fake_server("ok") as url:          # /metrics answers, but no SGLang counter: still a readable snapshot
-        pass
+def test_an_unreachable_server_is_exit_1_and_no_folder(tmp_path, capsys):
+    with fake_server("ok") as url:
+        pass                                # stopped: nothing listens there any more
     assert main(["watch", "--url", url, "--samples", "1", "--outputs", str(tmp_path), "--quiet"]) == 1
-    assert "watch: error:" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    err = capsys.readouterr().err
+    assert err.startswith("watch: error:") and "connect" in err and not list(tmp_path.iterdir())
 
 
 def test_sigint_leaves_a_complete_jsonl(tmp_path):
