@@ -1,9 +1,9 @@
 """The load ``watch`` puts on the server it watches (issue 36: under 1 %), against a fake SGLang server in this process
 (tests/support/fakeserver.py mode ``metrics``) whose counters grow at a stated load besides the probe.
 
-A thread adds ``--load`` generated tokens per second to the fake's cumulative counters (``sglang:generation_tokens_total``
-and ``sglang:spec_verify_calls_total`` at an accept length of 2.5), as other users' traffic would; ``watch``'s own
-sampler (:class:`helpers.acceptance.watch.Watcher`, the probe of ``--probe-tokens`` greedy tokens and one ``/metrics``
+A thread adds ``--load`` generated tokens per second to the fake's cumulative counters
+(``sglang:generation_tokens_total`` and ``sglang:spec_verify_calls_total`` at an accept length of 2.5), as other
+users' traffic would; ``watch``'s own sampler (:class:`helpers.acceptance.watch.Watcher`, the probe of ``--probe-tokens`` greedy tokens and one ``/metrics``
 read per interval) runs ``--samples`` intervals of ``--interval`` s. Printed per run, from the samples' own ``load``
 records (what ``watch`` records and prints on every line):
 
@@ -90,10 +90,11 @@ def main() -> int:
     tok = [r["load"]["probe_token_share"] for r in recs if r["load"]["probe_token_share"] is not None]
     tim = [r["load"]["probe_time_share"] for r in recs if r["load"]["probe_time_share"] is not None]
     at30 = args.probe_tokens / (args.load * 30.0)
+    expected = args.probe_tokens / (args.probe_tokens + args.load * args.interval)
     print(f"load {args.load:.0f} tok/s, interval {args.interval:g} s, {len(recs)} intervals, probe "
           f"{args.probe_tokens} tokens: token share median {100 * statistics.median(tok):.3f} % max "
-          f"{100 * max(tok):.3f} % (expected {100 * args.probe_tokens / (args.probe_tokens + args.load * args.interval):.3f}"
-          f" %); time share median {100 * statistics.median(tim):.3f} %; sampler {1000 * statistics.median(took):.1f} ms"
+          f"{100 * max(tok):.3f} % (expected {100 * expected:.3f} %); time share median "
+          f"{100 * statistics.median(tim):.3f} %; sampler {1000 * statistics.median(took):.1f} ms"
           f" per sample; at the default 30 s interval: token share {100 * at30:.4f} %; host load "
           f"{os.getloadavg()[0]:.1f}")
     return 0

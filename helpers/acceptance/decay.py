@@ -212,7 +212,8 @@ def decide_drop(change: Optional[ChangePoint], *, material: float, alpha: float 
              "ci_excludes_0": f"effect {c.effect:+.3f} CI [{c.effect_ci[0]:+.3f}, {c.effect_ci[1]:+.3f}]",
              "material": f"drop {c.drop:.3f} {'>=' if cond['material'] else '<'} material {material:.3f}",
              "below": f"after {c.after:.3f} vs --drop-below {below}",
-             "frac": f"after {c.after:.3f} vs (1 - {frac}) x baseline {baseline if baseline is None else round(baseline, 3)}"}
+             "frac": f"after {c.after:.3f} vs (1 - {frac}) x baseline "
+                     f"{baseline if baseline is None else round(baseline, 3)}"}
     failed = [k for k, ok in cond.items() if not ok]
     reason = ("; ".join(words[k] for k in cond) if not failed
               else "no trigger: " + "; ".join(words[k] for k in failed))

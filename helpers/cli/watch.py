@@ -82,7 +82,8 @@ def _check(args: Any) -> None:
             raise BadInput(f"{flag} must be > 0 seconds, got {v}")
     if args.duration is not None and not args.duration > 0:
         raise BadInput(f"--duration must be > 0 seconds, got {args.duration}")
-    for flag, v, low in (("--samples", args.samples, 1), ("--window", args.window, 10), ("--baseline", args.baseline, 1),
+    for flag, v, low in (("--samples", args.samples, 1), ("--window", args.window, 10),
+                         ("--baseline", args.baseline, 1),
                          ("--max-failures", args.max_failures, 1), ("--probe-tokens", args.probe_tokens, 0)):
         if v is not None and v < low:
             raise BadInput(f"{flag} must be >= {low}, got {v}")

@@ -34,7 +34,8 @@ COLUMNS = ("i", "time", "accept_length", "probe_accept_length", "accept_length_s
 @dataclass
 class WatchData:
     """One watch run as read: ``samples`` (module docstring), ``last_change``: the change point shown, the newest
-    sample's when significant, else the last drop's, else the newest sample's (the detector's dict: ``i``, ``t``, ``t_ci``, ``before``, ``after``, ``effect``, ``effect_ci``, ``p_value``,
+    sample's when significant, else the last drop's, else the newest sample's (the detector's dict: ``i``, ``t``,
+    ``t_ci``, ``before``, ``after``, ``effect``, ``effect_ci``, ``p_value``,
     ``moves_with``, ``shape``), the ``drops`` and ``investigations`` records, the ``starts``, the ``errors`` count,
     the lines ``skipped`` (torn or not JSON) and the ``stop`` record (None while it runs)."""
 

@@ -32,7 +32,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   ``num_requests_total``) counting every ``/generate`` answered plus whatever :data:`METRICS` says was served besides
   (a test or bench adds to it), and its gauges from :data:`METRICS` (``token_usage``, ``num_running_reqs``,
   ``cache_hit_rate``, ``spec_accept_length``); each answer accepts ``METRICS["accept_length"]`` tokens per verify
-  step (``METRICS["accept_length_after"]`` once ``METRICS["drop_after"]`` requests were served). ``POST /fake_metrics`` with a JSON object updates :data:`METRICS` (a subprocess server).
+  step (``METRICS["accept_length_after"]`` once ``METRICS["drop_after"]`` requests were served). ``POST
+  /fake_metrics`` with a JSON object updates :data:`METRICS` (a subprocess server).
 
 Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``); other
 flags (``--speculative-draft-model-path D`` from a relaunch) are ignored.

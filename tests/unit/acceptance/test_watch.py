@@ -269,3 +269,43 @@ def test_sigint_leaves_a_complete_jsonl(tmp_path):
     assert lines[0]["kind"] == "start" and lines[-1]["kind"] == "stop" and "SIGINT" in lines[-1]["reason"]
     assert sum(r["kind"] == "sample" for r in lines) >= 3
     assert not (log.parent / "FAILED").exists()
+
+
+def test_each_engines_snapshot_from_its_own_metric_names():
+    """SGLang 0.5.23: counters summed over label sets, a per-rank ratio gauge averaged; vLLM 0.32.0: the spec-decode
+    and prefix-cache counters, ``kv_cache_usage_perc`` averaged over engines, the process start time as uptime's
+    origin. Through the adapters (``watch_snapshot``), as ``watch`` reads them."""
+    from helpers.engines.detect import adapter
+
+    sg = adapter("sglang").watch_snapshot(
+        '# TYPE sglang:generation_tokens_total counter\n'
+        'sglang:generation_tokens_total{is_streaming="false"} 900\n'
+        'sglang:generation_tokens_total{is_streaming="true"} 100\n'
+        '# TYPE sglang:spec_verify_calls_total counter\nsglang:spec_verify_calls_total{dp="0"} 250\n'
+        'sglang:spec_verify_calls_total{dp="1"} 150\n'
+        '# TYPE sglang:token_usage gauge\nsglang:token_usage{dp="0"} 0.2\nsglang:token_usage{dp="1"} 0.6\n'
+        '# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{dp="0"} 3\nsglang:num_running_reqs{dp="1"} 4\n')
+    assert sg["generation_tokens"] == 1000 and sg["verify_steps"] == 400 and sg["running_reqs"] == 7
+    assert sg["kv_cache_use"] == pytest.approx(0.4) and sg["start_time"] is None and sg["engine"] == "sglang"
+    assert "metrics_collector.py" in sg["sources"]["verify_steps"]
+    vl = adapter("vllm").watch_snapshot(
+        '# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{engine="0"} 500\n'
+        '# TYPE vllm:spec_decode_num_drafts_total counter\nvllm:spec_decode_num_drafts_total{engine="0"} 200\n'
+        '# TYPE vllm:spec_decode_num_accepted_tokens_total counter\n'
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 290\n'
+        '# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{engine="0"} 1000\n'
+        '# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{engine="0"} 250\n'
+        '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.3\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.5\n'
+        '# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7e9\n')
+    assert vl["verify_steps"] == 200 and vl["accepted_tokens"] == 290 and vl["prompt_tokens"] == 1000
+    assert vl["cached_tokens"] == 250 and vl["kv_cache_use"] == pytest.approx(0.4) and vl["start_time"] == 1.7e9
+    assert vl["accept_length_gauge"] is None and vl["engine"] == "vllm"
+
+
+def test_uptime_from_the_servers_own_start_time(tmp_path):
+    w = Watcher(WatchLog(tmp_path), snapshot=lambda: {"generation_tokens": 10.0, "verify_steps": 4.0,
+                                                      "start_time": 1000.0}, clock=lambda: 4600.0)
+    rec = w.step()
+    w.log.close()
+    assert rec["uptime_s"] == 3600.0 and rec["uptime_source"].startswith("server start time")
