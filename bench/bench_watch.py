@@ -5,7 +5,8 @@ A thread adds ``--load`` generated tokens per second to the fake's cumulative co
 (``sglang:generation_tokens_total`` and ``sglang:spec_verify_calls_total`` at an accept length of 2.5), as other
 users' traffic would; ``watch``'s own sampler (:class:`helpers.acceptance.watch.Watcher`, the probe of
 ``--probe-tokens`` greedy tokens and one ``/metrics`` read per interval) runs ``--samples`` intervals of
-``--interval`` s. Printed per run, from the samples' own ``load`` records (what ``watch`` records and prints on every line):
+``--interval`` s. Printed per run, from the samples' own ``load`` records (what ``watch`` records and prints on
+every line):
 
 * ``token share``: the probe's tokens / the server's generated tokens over each interval (median, max);
 * ``time share``: the probe's request seconds / the interval (on the fake, which answers at once: an upper bound
