@@ -167,12 +167,23 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
     settings = WatchSettings(window=args.window, baseline_n=args.baseline, drop_below=args.drop_below,
                              drop_frac=args.drop_frac, cooldown_s=args.cooldown, material=threshold)
     cycle = itertools.cycle(prompts) if prompts else None
-    probe = (lambda: probe_once(client, next(cycle), max_new_tokens=args.probe_tokens,
-                                timeout=args.probe_timeout)) if cycle else None
+
+    def bounded(fn: Any, seconds: float, flag: str) -> Any:
+        """``fn`` under its own overall deadline (a fresh budget of the client per request: a server trickling
+        bytes never holds a sample past it)."""
+        def call() -> Any:
+            client.budget = Budget(seconds, flag=flag)
+            return fn()
+        return call
+
+    probe = bounded(lambda: probe_once(client, next(cycle), max_new_tokens=args.probe_tokens,
+                                       timeout=args.probe_timeout), args.probe_timeout + 1.0,
+                    "--probe-timeout") if cycle else None
+    snapshot = bounded(lambda: found.adapter.watch_snapshot(client.metrics_text()), 2 * args.request_timeout,
+                       "--request-timeout")
     log = WatchLog(run_dir)
     on_drop = _investigator(args, url, key, run_dir, show) if args.on_drop == "investigate" else None
-    watcher = Watcher(log, snapshot=lambda: found.adapter.watch_snapshot(client.metrics_text()), probe=probe,
-                      settings=settings, on_drop=on_drop)
+    watcher = Watcher(log, snapshot=snapshot, probe=probe, settings=settings, on_drop=on_drop)
     try:
         if resumed:
             n = watcher.resume(log.path)
@@ -189,7 +200,7 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
         why = "stopped"
         try:
             why = run_loop(watcher, interval=args.interval, samples=args.samples, duration=args.duration, show=show,
-                           max_failures=args.max_failures, sleep=lambda s: client.budget.sleep(s))
+                           max_failures=args.max_failures, sleep=Budget(None).sleep)
         except BaseException as exc:         # noqa: BLE001 - the stop line says why, then the error goes on
             why = str(exc) or type(exc).__name__
             raise

@@ -309,3 +309,19 @@ def test_uptime_from_the_servers_own_start_time(tmp_path):
     rec = w.step()
     w.log.close()
     assert rec["uptime_s"] == 3600.0 and rec["uptime_source"].startswith("server start time")
+
+
+def test_a_trickling_probe_is_cut_at_its_deadline_and_the_watch_goes_on(tmp_path):
+    """A server whose /generate sends one byte every 0.5 s forever: each probe ends at --probe-timeout (its own
+    overall deadline, not the per-read one the bytes keep resetting), is recorded as the sample's probe_error, and the
+    counters are still sampled."""
+    with fake_server("trickle") as url:
+        t0 = time.monotonic()
+        rc = main(["watch", "--url", url, "--interval", "0.1", "--samples", "2", "--probe-timeout", "1",
+                   "--outputs", str(tmp_path), "--quiet"])
+        took = time.monotonic() - t0
+    assert rc == 0 and took < 15, took
+    (run,) = tmp_path.iterdir()
+    samples = [r for r in read_log(run / LOG_NAME).records if r["kind"] == "sample"]
+    assert len(samples) == 2 and all("deadline" in (s["probe_error"] or "") for s in samples), samples[0]
+    assert all(s["probe"] is None and s["accept_length"] is None for s in samples)
