@@ -325,3 +325,23 @@ def test_a_trickling_probe_is_cut_at_its_deadline_and_the_watch_goes_on(tmp_path
     samples = [r for r in read_log(run / LOG_NAME).records if r["kind"] == "sample"]
     assert len(samples) == 2 and all("deadline" in (s["probe_error"] or "") for s in samples), samples[0]
     assert all(s["probe"] is None and s["accept_length"] is None for s in samples)
+
+
+def test_duration_stops_the_loop_and_failures_in_a_row_end_it(tmp_path):
+    from helpers.acceptance.watch import run_loop
+
+    now = [0.0]
+    w = Watcher(WatchLog(tmp_path), snapshot=lambda: {"generation_tokens": 10.0 * now[0], "verify_steps": 4.0 * now[0]},
+                clock=lambda: now[0])
+    why = run_loop(w, interval=10.0, duration=35.0, sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert w.n_samples == 4 and "--duration" in why            # at 0, 10, 20, 30 s
+
+    def broken():
+        raise RuntimeError("metrics gone")
+
+    (tmp_path / "b").mkdir()
+    w2 = Watcher(WatchLog(tmp_path / "b"), snapshot=broken, clock=lambda: now[0])
+    with pytest.raises(RuntimeError, match="metrics gone"):
+        run_loop(w2, interval=1.0, max_failures=3, sleep=lambda s: None)
+    errors = [r for r in read_log(tmp_path / "b" / LOG_NAME).records if r["kind"] == "error"]
+    assert [e["in_a_row"] for e in errors] == [1, 2, 3]
