@@ -13,6 +13,7 @@ environment:
   ablate       workload sweeps and engine toggles, each with a paired CI            (helpers.cli.ablate)
   compare-engines  one draft on two servers (SGLang / vLLM), paired per prompt      (helpers.cli.compare_engines)
   replay       replay a case file (fixes, hypotheses, sweep) into a run folder       (helpers.cli.replay)
+  watch        acceptance over time: counters + a light probe, a decay detector      (helpers.cli.watch)
   suite        run the notebook suite with papermill, write postmortem.html        (helpers.cli.suite)
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ commands:
   compare-engines  the same draft on two servers (SGLang / vLLM): paired accept length, the stage a difference
              comes from
   replay     replay a case file (fixes, hypotheses, sweep) into a run folder
+  watch      acceptance over time on a running server: a line per interval, a change point with its CI,
+             --on-drop investigate
   suite      run the notebook suite with papermill, write postmortem.html
 
 exit codes: 0 ok, 1 findings / failed notebooks / unexpected verdicts, 2 bad input"""
@@ -49,6 +52,7 @@ COMMANDS = {
     "ablate": "helpers.cli.ablate",
     "compare-engines": "helpers.cli.compare_engines",
     "replay": "helpers.cli.replay",
+    "watch": "helpers.cli.watch",
     "suite": "helpers.cli.suite",
 }
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
+import math
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..server.client import HTTPClient
@@ -108,6 +110,44 @@ class AcceptanceCounters(BaseModel):
         }
 
 
+#: the fields of a ``watch`` snapshot (:meth:`EngineAdapter.watch_snapshot`): cumulative counters (tokens, steps,
+#: requests since the server started), then gauges (their value now, over a window the engine chooses)
+WATCH_COUNTERS = ("generation_tokens", "verify_steps", "requests", "prompt_tokens", "cached_tokens", "draft_tokens",
+                  "accepted_tokens")
+WATCH_GAUGES = ("running_reqs", "queue_reqs", "kv_cache_use", "cache_hit_rate_gauge", "accept_length_gauge",
+                "accept_rate_gauge", "start_time")
+
+
+def prometheus_sums(metrics_text: str, names: Sequence[str]) -> dict[str, float]:
+    """The sum over label sets of each sample named in ``names`` found in one Prometheus text (absent names left
+    out). ``process_start_time_seconds`` (prometheus_client's ProcessCollector: the serving process's start, Unix
+    seconds) is read as is, never summed twice."""
+    want = set(names)
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name in want and math.isfinite(float(s.value)):
+                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+    return sums
+
+
+def watch_fields(sums: Mapping[str, float], names: Mapping[str, str], *, mean_of: Mapping[str, int] = {}) -> dict:
+    """A ``watch`` snapshot from ``sums`` (:func:`prometheus_sums`): field -> value for each ``names`` entry (field ->
+    sample name) found, None otherwise, and ``sources`` (field -> the sample name read). ``mean_of``: fields whose
+    sum over label sets is divided by a count (a gauge exported once per engine / DP rank)."""
+    out: dict[str, Any] = {}
+    sources = {}
+    for fld, sample in names.items():
+        v = sums.get(sample)
+        if v is not None and fld in mean_of and mean_of[fld] > 0:
+            v = v / mean_of[fld]
+        out[fld] = v
+        if v is not None:
+            sources[fld] = sample
+    out["sources"] = sources
+    return out
+
+
 class EngineAdapter(ABC):
     """Everything engine-specific behind one contract (one subclass per engine; ``helpers.engines.detect`` picks
     one from a URL). Callers (attach, capture, the budget, ablations, notebooks) never branch on the engine."""
@@ -151,6 +191,15 @@ class EngineAdapter(ABC):
     @abstractmethod
     def counters(self, client: HTTPClient) -> AcceptanceCounters:
         """A snapshot of the acceptance counters of ``/metrics``."""
+
+    @abstractmethod
+    def watch_snapshot(self, metrics_text: str) -> dict:
+        """What ``watch`` samples from one ``/metrics`` text: a dict of :data:`WATCH_COUNTERS` (cumulative, tokens /
+        steps / requests; None where the engine exports no such counter) and :data:`WATCH_GAUGES` (``running_reqs``,
+        ``queue_reqs``: requests; ``kv_cache_use``: the share 0-1 of the KV pool in use; the engine's own
+        ``cache_hit_rate_gauge``, ``accept_length_gauge``, ``accept_rate_gauge`` over a window it chooses;
+        ``start_time``: the serving process's start in Unix seconds when the engine reports it), with ``engine``
+        and ``sources`` (field -> the metric read, with the engine file that defines it)."""
 
     @abstractmethod
     def capture_served(self, client: HTTPClient, prompts: Sequence[Any], out_dir: str | Path, *,

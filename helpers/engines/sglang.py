@@ -20,7 +20,7 @@ from ..server import embedded
 from ..server.client import HTTPClient, SGLangClient, answer_kind, checked_server_info
 from ..server.process import ServerProcess
 from ..server.restart import start_variant
-from .base import AcceptanceCounters, EngineAdapter, SpecConfig
+from .base import AcceptanceCounters, EngineAdapter, SpecConfig, prometheus_sums, watch_fields
 
 if TYPE_CHECKING:          # annotations only (torch)
     from ..diagnosis.plan_rules import PlanRules
@@ -83,6 +83,40 @@ def parse_counters(metrics_text: str) -> AcceptanceCounters:
     return AcceptanceCounters(engine="sglang", verify_steps=sums.get("sglang:spec_verify_calls_total", 0.0),
                               generation_tokens=sums.get("sglang:generation_tokens_total"),
                               requests=sums.get("sglang:num_requests_total"))
+
+
+#: ``watch`` field -> SGLang 0.5.23 sample (``sglang/srt/observability/metrics_collector.py``: the counters are
+#: ``TokenizerMetricsCollector``'s, incremented once per finished request in ``observe_one_finished_request``, where
+#: ``prompt_tokens`` counts the whole prompt, cached part included, and ``cached_tokens_total`` the cached part;
+#: the gauges are ``SchedulerMetricsCollector``'s, set by ``log_stats`` each logging window: ``token_usage`` is the
+#: share of the KV pool in use, ``spec_accept_length`` / ``cache_hit_rate`` the last window's). SGLang exports no
+#: accepted / proposed draft counter and, its registry being multiprocess (``utils/common.py``
+#: ``MultiProcessCollector``), no ``process_start_time_seconds``.
+WATCH_METRICS = {"generation_tokens": "sglang:generation_tokens_total",
+                 "verify_steps": "sglang:spec_verify_calls_total", "requests": "sglang:num_requests_total",
+                 "prompt_tokens": "sglang:prompt_tokens_total", "cached_tokens": "sglang:cached_tokens_total",
+                 "running_reqs": "sglang:num_running_reqs", "queue_reqs": "sglang:num_queue_reqs",
+                 "kv_cache_use": "sglang:token_usage", "cache_hit_rate_gauge": "sglang:cache_hit_rate",
+                 "accept_length_gauge": "sglang:spec_accept_length", "accept_rate_gauge": "sglang:spec_accept_rate",
+                 "start_time": "process_start_time_seconds"}
+#: gauges exported once per scheduler (TP / DP rank label sets): averaged, not summed
+_SGLANG_MEAN = ("kv_cache_use", "cache_hit_rate_gauge", "accept_length_gauge", "accept_rate_gauge")
+
+
+def parse_watch(metrics_text: str) -> dict:
+    """:meth:`EngineAdapter.watch_snapshot` of SGLang (:data:`WATCH_METRICS`): counters and the running / queued
+    requests summed over label sets, the ratio gauges averaged over the label sets that export them."""
+    # one pass counting the label sets of each ratio gauge, so a DP server's per-rank gauges are averaged
+    counts: dict[str, int] = {}
+    ratio = {WATCH_METRICS[f]: f for f in _SGLANG_MEAN}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s_ in fam.samples:
+            if s_.name in ratio:
+                counts[ratio[s_.name]] = counts.get(ratio[s_.name], 0) + 1
+    snap = watch_fields(prometheus_sums(metrics_text, list(WATCH_METRICS.values())), WATCH_METRICS, mean_of=counts)
+    snap.update(engine="sglang", draft_tokens=None, accepted_tokens=None)
+    snap["sources"] = {k: f"{v} (sglang/srt/observability/metrics_collector.py)" for k, v in snap["sources"].items()}
+    return snap
 
 
 #: what a GPU server of the DeepSeek family may run that the CPU reference cannot, each with the capture path it
@@ -253,6 +287,9 @@ class SGLangAdapter(EngineAdapter):
 
     def counters(self, client: HTTPClient) -> AcceptanceCounters:
         return parse_counters(client.metrics_text())
+
+    def watch_snapshot(self, metrics_text: str) -> dict:
+        return parse_watch(metrics_text)
 
     def capture_served(self, client: SGLangClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,

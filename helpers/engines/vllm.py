@@ -44,6 +44,7 @@ from .vllm_answers import (
     checked_ranks,
     meta_info,
     parse_counters,
+    parse_watch,
     record,
 )
 from .vllm_server import relaunch_command
@@ -632,6 +633,9 @@ class VLLMAdapter(EngineAdapter):
 
     def counters(self, client: HTTPClient) -> AcceptanceCounters:
         return parse_counters(client.metrics_text())
+
+    def watch_snapshot(self, metrics_text: str) -> dict:
+        return parse_watch(metrics_text)
 
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,

@@ -15,7 +15,33 @@ from ..acceptance.requests import PER_REQUEST_COLUMNS
 from ..errors import SGLangError
 from ..server.client import answer_error
 from ..server.protocol import MAX_NUM_STEPS, MAX_PARALLEL, Count
-from .base import AcceptanceCounters
+from .base import AcceptanceCounters, prometheus_sums, watch_fields
+
+#: ``watch`` field -> vLLM 0.32.0 sample (``v1/metrics/loggers.py::PrometheusStatLogger``: ``generation_tokens``,
+#: ``request_success``, ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens queried / found in the prefix
+#: cache), ``num_requests_running`` / ``_waiting``, ``kv_cache_usage_perc`` (1 = 100 %); the spec counters of
+#: ``v1/spec_decode/metrics.py::SpecDecodingProm``). ``process_start_time_seconds`` is prometheus_client's
+#: ProcessCollector of the API server, present unless ``PROMETHEUS_MULTIPROC_DIR`` makes the registry multiprocess
+#: (``v1/metrics/prometheus.py::get_prometheus_registry``). vLLM has no accept-length gauge.
+WATCH_METRICS = {"generation_tokens": "vllm:generation_tokens_total",
+                 "verify_steps": "vllm:spec_decode_num_drafts_total", "requests": "vllm:request_success_total",
+                 "prompt_tokens": "vllm:prefix_cache_queries_total", "cached_tokens": "vllm:prefix_cache_hits_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+                 "running_reqs": "vllm:num_requests_running", "queue_reqs": "vllm:num_requests_waiting",
+                 "kv_cache_use": "vllm:kv_cache_usage_perc", "start_time": "process_start_time_seconds"}
+
+
+def parse_watch(metrics_text: str) -> dict:
+    """``EngineAdapter.watch_snapshot`` of vLLM (:data:`WATCH_METRICS`): summed over engines, ``kv_cache_usage_perc``
+    averaged over them; no gauge of the hit rate, accept length or rate (None)."""
+    engines = sum(1 for fam in text_string_to_metric_families(metrics_text) for s in fam.samples
+                  if s.name == "vllm:kv_cache_usage_perc")
+    snap = watch_fields(prometheus_sums(metrics_text, list(WATCH_METRICS.values())), WATCH_METRICS,
+                        mean_of={"kv_cache_use": engines})
+    snap.update(engine="vllm", cache_hit_rate_gauge=None, accept_length_gauge=None, accept_rate_gauge=None)
+    snap["sources"] = {k: f"{v} (vllm/v1/metrics/loggers.py)" for k, v in snap["sources"].items()}
+    return snap
 
 #: the most decoder layers a worker may report (the deepest open models have ~126: Llama 3.1 405B); a count past it,
 #: or one unlike the target's config.json, is a broken answer, never the size of a list built here

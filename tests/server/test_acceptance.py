@@ -178,3 +178,24 @@ def test_trained_reference_draft_accepts_and_positions_decay():
     assert s["accept_length_lo"] > 1.5, s
     assert (np.diff(pos["marginal"].to_numpy()) <= 1e-12).all()  # r_i never increases with i
     assert s["accept_length_hi"] - s["accept_length_lo"] < 0.6
+
+
+def test_watch_reads_the_real_counters(server, tmp_path):
+    """``watch`` on the real SGLang 0.5.23 (the shared server, idle but for the probe): its /metrics counters parse,
+    and each interval's accept length from their deltas equals the probe's own (meta_info), the probe being the
+    interval's only request; its token share is then all of it."""
+    from helpers.__main__ import main
+    from helpers.acceptance.watch import LOG_NAME, read_log
+
+    assert main(["watch", "--url", server.url, "--interval", "0.5", "--samples", "3", "--probe-tokens", "8",
+                 "--probe-timeout", "120", "--outputs", str(tmp_path), "--quiet"]) == 0
+    (run,) = tmp_path.iterdir()
+    samples = [r for r in read_log(run / LOG_NAME).records if r["kind"] == "sample"]
+    assert len(samples) == 3
+    assert samples[0]["counters"]["verify_steps"] > 0 and samples[0]["kv_cache_use"] is not None
+    for s in samples[1:]:
+        assert s["accept_length_source"] == "counters"
+        assert s["delta"]["generation_tokens"] == s["probe"]["completion_tokens"]
+        assert s["accept_length"] == pytest.approx(s["probe"]["accept_length"])
+        assert s["load"]["probe_token_share"] == pytest.approx(1.0)
+    assert samples[-1]["uptime_source"] == "since the first sample"

@@ -32,6 +32,14 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   0.8 x temperature less at temperature > 0, and the same at every concurrency; ``/server_info`` says CPU and a
   ``context_length`` of 1024.
 
+* ``metrics`` (issue 36, ``watch``): ``/metrics`` in SGLang 0.5.23's names, its cumulative counters
+  (``generation_tokens_total``, ``spec_verify_calls_total``, ``prompt_tokens_total``, ``cached_tokens_total``,
+  ``num_requests_total``) counting every ``/generate`` answered plus whatever :data:`METRICS` says was served besides
+  (a test or bench adds to it), and its gauges from :data:`METRICS` (``token_usage``, ``num_running_reqs``,
+  ``cache_hit_rate``, ``spec_accept_length``); each answer accepts ``METRICS["accept_length"]`` tokens per verify
+  step (``METRICS["accept_length_after"]`` once ``METRICS["drop_after"]`` requests were served). ``POST
+  /fake_metrics`` with a JSON object updates :data:`METRICS` (a subprocess server).
+
 Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``);
 ``--model-path P`` / ``--draft-path D`` (what ``/server_info`` says the server runs; default ``/nonexistent/...``); other
 flags (``--speculative-draft-model-path D`` from a relaunch) are ignored.
@@ -53,6 +61,31 @@ H = 16
 #: mode ``workload``: acceptance falls past this many tokens of context
 WORKLOAD_LIMIT = 150
 STATE = {"generate": 0}
+#: mode ``metrics``: the counters and gauges its /metrics reports (module docstring)
+METRICS = {"accept_length": 2.5, "generation_tokens": 0.0, "verify_steps": 0.0, "prompt_tokens": 0.0,
+           "cached_tokens": 0.0, "requests": 0.0, "token_usage": 0.1, "running": 0.0, "cache_hit_rate": 0.0,
+           "spec_accept_length": 2.5, "drop_after": None, "accept_length_after": 1.5}
+
+
+def metrics_text() -> str:
+    """Mode ``metrics``' /metrics (SGLang 0.5.23's sample names and label sets)."""
+    m = METRICS
+    return "".join([
+        "# TYPE sglang:generation_tokens_total counter\n",
+        f'sglang:generation_tokens_total{{is_streaming="false",model_name="t"}} {m["generation_tokens"]}\n',
+        "# TYPE sglang:spec_verify_calls_total counter\n",
+        f'sglang:spec_verify_calls_total{{model_name="t"}} {m["verify_steps"]}\n',
+        "# TYPE sglang:prompt_tokens_total counter\n",
+        f'sglang:prompt_tokens_total{{is_streaming="false",model_name="t"}} {m["prompt_tokens"]}\n',
+        "# TYPE sglang:cached_tokens_total counter\n",
+        f'sglang:cached_tokens_total{{cache_source="device",model_name="t"}} {m["cached_tokens"]}\n',
+        "# TYPE sglang:num_requests_total counter\n",
+        f'sglang:num_requests_total{{is_streaming="false",model_name="t"}} {m["requests"]}\n',
+        "# TYPE sglang:token_usage gauge\n", f'sglang:token_usage{{model_name="t"}} {m["token_usage"]}\n',
+        "# TYPE sglang:num_running_reqs gauge\n", f'sglang:num_running_reqs{{model_name="t"}} {m["running"]}\n',
+        "# TYPE sglang:cache_hit_rate gauge\n", f'sglang:cache_hit_rate{{model_name="t"}} {m["cache_hit_rate"]}\n',
+        "# TYPE sglang:spec_accept_length gauge\n",
+        f'sglang:spec_accept_length{{model_name="t"}} {m["spec_accept_length"]}\n'])
 #: the API keys of mode ``keyed`` unless --api-key / --admin-api-key say otherwise
 KEY = "sk-fake-7d1e0c9a4b"
 ADMIN_KEY = "adm-fake-3b8f2a6e51"
@@ -142,6 +175,19 @@ def generate_answer(body: dict, mode: str) -> dict:
         verify = max(1, min(n_new, round(n_new / max(1.0, al))))
         meta.update(prompt_tokens=n_prompt, spec_verify_ct=verify, spec_num_correct_drafts=n_new - verify,
                     spec_num_proposed_drafts=3 * verify, spec_correct_drafts_histogram=None)
+    if mode == "metrics":
+        al = float(METRICS["accept_length"])
+        if METRICS.get("drop_after") is not None and METRICS["requests"] >= METRICS["drop_after"]:
+            al = float(METRICS["accept_length_after"])
+        verify = max(1, min(n_new, round(n_new / max(1.0, al))))
+        meta.update(spec_verify_ct=verify, spec_num_correct_drafts=n_new - verify, spec_num_proposed_drafts=3 * verify,
+                    spec_correct_drafts_histogram=None)
+        text = body.get("text")
+        n_prompt = len(body["input_ids"]) if body.get("input_ids") else max(1, len(text or "") // 4)
+        meta["prompt_tokens"] = n_prompt
+        for k, v in (("generation_tokens", n_new), ("verify_steps", verify), ("prompt_tokens", n_prompt),
+                     ("requests", 1)):
+            METRICS[k] += v
     if mode == "impossible" and STATE["generate"] % 2 == 0:
         meta.update(IMPOSSIBLE[(STATE["generate"] // 2 - 1) % len(IMPOSSIBLE)])
     if body.get("return_hidden_states"):
@@ -202,7 +248,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path in ("/model_info", "/get_model_info"):
             return self._json({"model_path": PATHS["model_path"], "architectures": ["LlamaForCausalLM"]})
         if self.path == "/metrics":
-            data = b"# no metrics\n"
+            data = metrics_text().encode() if self.mode == "metrics" else b"# no metrics\n"
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -219,6 +265,9 @@ class Handler(BaseHTTPRequestHandler):
             return None
         if self.path == "/flush_cache":
             return self._json({})
+        if self.path == "/fake_metrics" and self.mode == "metrics":
+            METRICS.update({k: float(v) for k, v in body.items() if k in METRICS})
+            return self._json(METRICS)
         if self.path != "/generate":
             return self._json({"error": "not found"}, 404)
         STATE["generate"] += 1

@@ -61,7 +61,8 @@ def _prompts(n):
 
 
 def _ctx(tmp_path: Path, engine, n=12, restart=None, timeout=600.0) -> ProbeContext:
-    return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake"),
+    return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake",
+                                                               oracle_flags=lambda: None),
                         att=SimpleNamespace(restart=restart), run_dir=tmp_path, prompts=_prompts(n),
                         max_new_tokens=25, dl=Budget(timeout))
 
@@ -116,8 +117,8 @@ def test_repeatable_notes_a_server_whose_greedy_answers_move(tmp_path):
 def test_restart_probes_skip_with_why(tmp_path):
     st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, h: 2)), "cheap")
     skipped = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
-    assert {"chunked_prefill", "greedy_lossless"} <= set(skipped)
-    assert all("--engine-probes all" in skipped[k] for k in ("chunked_prefill", "greedy_lossless"))
+    assert {"chunked_prefill", "greedy_lossless", "oracle"} <= set(skipped)
+    assert all("--engine-probes all" in skipped[k] for k in ("chunked_prefill", "greedy_lossless", "oracle"))
     assert all("--trace-draft" in skipped[k] for k in ("served_draft", "step_trace"))   # no trace hook here
     st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, h: 2)), "all")
     why = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
@@ -125,9 +126,10 @@ def test_restart_probes_skip_with_why(tmp_path):
     st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, h: 2), restart={"kind": "embedded"}, timeout=70.0), "all")
     why = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
     assert "chunked-prefill flag was not read" in why["chunked_prefill"]
+    assert "self-drafting algorithm was not read" in why["oracle"]
     assert "left of the run" in why["greedy_lossless"]
     costs = [p.cost for p in probes()]
-    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 2     # cheap first
+    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 3     # cheap first
     assert all(len(line) > 10 for line in probe_lines(st))
 
 

@@ -1,0 +1,427 @@
+"""Acceptance over time (``python -m helpers watch``): one sample per interval of a running server's own counters and
+of a light probe, appended to a run folder that survives a crash, and the decay detector run on each new sample.
+
+**What a sample is** (one ``kind: "sample"`` line of ``watch.jsonl``):
+
+* the engine's snapshot of ``/metrics`` (``EngineAdapter.watch_snapshot``: cumulative counters and gauges), kept as
+  ``counters`` so the next sample (or a resumed run) can subtract it;
+* ``accept_length``: over the interval, from the **delta of cumulative counters** (delta generation tokens / delta
+  verify steps, ``accept_length_source: "counters"``), which counts every request that finished in the interval,
+  the probe's included; when no verify step finished in the interval, the probe's own (``"probe"``); else the
+  engine's gauge (``"gauge"``: SGLang's ``spec_accept_length`` of its last logging window, a window this tool does
+  not know); ``None`` otherwise. The series the detector reads;
+* ``probe``: one short greedy request on fixed prompts (the bundled set, in turn): its tokens, verify steps, accept
+  length and rate from its ``meta_info``, its wall seconds;
+* covariates: ``uptime_s`` (from the server's own start time when it reports one, ``uptime_source``, else since the
+  run's first sample or the last server restart seen), ``kv_cache_use`` (0-1), ``cache_hit_rate`` (delta cached /
+  delta prompt tokens over the interval, ``cache_hit_rate_source: "counters"``, else the engine's gauge), and
+  ``running_reqs``;
+* ``load``: the watch's own load on the server: ``probe_token_share`` = the probe's tokens / the server's generated
+  tokens over the interval, ``probe_time_share`` = the probe's request seconds / the interval's seconds;
+* ``change``: the detector's change point over the window (:mod:`helpers.acceptance.decay`), with the covariates'
+  steps, and ``decision``.
+
+Other lines: ``start`` (each start or resume: URL without credentials, engine, settings), ``error`` (a sample that
+failed, with the reason; the watch goes on), ``drop`` (a triggered drop: the decision with its CI), ``investigation``
+(what the drop handler returned), ``stop`` (why the watch ended).
+
+**Durability.** Each line is one ``os.write`` of the whole line to a file opened ``O_APPEND``, then ``fsync``: a
+crash or a signal leaves at most the line being written torn, which :func:`read_log` skips (counted, never fatal);
+a resumed run first ends a torn last line with a newline, so nothing is ever rewritten. **Memory** is bounded over
+days: the detector's window (``window`` samples), the run's first ``baseline_n`` accept lengths and the last
+sample's counters; nothing else is kept.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from ..errors import BadInput
+from ..paths import shared_mode
+from ..redaction import scrub
+from ..runfiles import jsonable, loads_json
+from .decay import ALPHA, MIN_SEGMENT, DropDecision, change_point, covariate_steps, decide_drop
+
+LOG_NAME = "watch.jsonl"
+#: the covariates the detector relates to a change, in the order reported
+COVARIATES = ("uptime_s", "kv_cache_use", "cache_hit_rate", "running_reqs")
+FORMAT = {"format": "e3f-watch", "version": 1}
+
+
+@dataclass
+class LogRead:
+    """What :func:`read_log` found: the records (dicts, in order) and the lines it skipped (torn or not JSON)."""
+
+    records: list
+    skipped: int = 0
+
+
+def iter_log(path: str | os.PathLike, skipped: Optional[list] = None) -> Iterator[dict]:
+    """The records of a ``watch.jsonl``, one at a time (bounded memory). A line that is not a JSON object -- the torn
+    last line after a crash, an empty line -- is skipped; its 1-based number is appended to ``skipped`` when given.
+
+    Raises:
+        BadInput: the file does not exist or cannot be read."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"no {LOG_NAME} here: expected a watch run folder (python -m helpers watch)", path=p)
+    with open(p, "rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                rec = loads_json(raw.decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                rec = None
+            if isinstance(rec, dict) and "kind" in rec:
+                yield rec
+            elif raw.strip() and skipped is not None:
+                skipped.append(i)
+
+
+def read_log(path: str | os.PathLike) -> LogRead:
+    """Every record of a ``watch.jsonl`` (:func:`iter_log`), for the notebook page and the tests."""
+    skipped: list = []
+    recs = list(iter_log(path, skipped))
+    return LogRead(recs, len(skipped))
+
+
+class WatchLog:
+    """The append-only ``watch.jsonl`` of a run folder (module docstring: one write + fsync per line)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOG_NAME
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, shared_mode())
+        if os.fstat(self._fd).st_size:               # a resumed log: end a torn last line so it stays one line
+            with open(self.path, "rb") as fh:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    os.write(self._fd, b"\n")
+
+    def append(self, record: dict) -> None:
+        """Write ``record`` as one JSON line (secrets scrubbed), then fsync."""
+        line = scrub(json.dumps(jsonable(record), default=str, allow_nan=False)) + "\n"
+        os.write(self._fd, line.encode("utf-8"))
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _now_iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+
+
+def _finite(x: Any) -> Optional[float]:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _delta(now: dict, before: Optional[dict], name: str) -> Optional[float]:
+    a, b = _finite(now.get(name)), _finite((before or {}).get(name))
+    return None if a is None or b is None else a - b
+
+
+def probe_once(client: Any, prompt: Any, *, max_new_tokens: int, timeout: float) -> dict:
+    """One short greedy request (``client.generate``, the client contract of every engine) of ``prompt`` (a
+    :class:`helpers.acceptance.prompts.Prompt`), read from its ``meta_info``: ``prompt_id``, ``completion_tokens``,
+    ``verify_ct``, ``accept_length`` (= completion tokens / verify steps, None without a verify step),
+    ``accept_rate`` (correct / proposed drafts), ``cached_tokens``, ``latency_s`` (client wall seconds).
+
+    Raises what ``generate`` raises (:class:`helpers.errors.SGLangError` and its kinds) past ``timeout`` seconds."""
+    r = client.generate(**prompt.request(), max_new_tokens=int(max_new_tokens), timeout=float(timeout))
+    m = r.meta_info
+    ct, v = m.completion_tokens, m.spec_verify_ct
+    acc = getattr(m, "spec_num_correct_drafts", None)
+    prop = getattr(m, "spec_num_proposed_drafts", None)
+    return {"prompt_id": prompt.id, "completion_tokens": ct, "verify_ct": v,
+            "accept_length": (ct / v) if ct is not None and v else None,
+            "accept_rate": (acc / prop) if acc is not None and prop else None,
+            "cached_tokens": m.cached_tokens, "latency_s": r.latency_s}
+
+
+@dataclass
+class WatchSettings:
+    """The detector's and the trigger's settings (the CLI's flags): ``window`` samples the detector sees,
+    ``baseline_n`` first samples whose mean is the run's baseline, ``min_segment``, ``alpha``, ``drop_below``
+    (absolute accept length), ``drop_frac`` (share of the baseline lost), ``cooldown_s`` between two triggers,
+    ``material`` (the smallest drop that matters from a reference accept length: the CLI passes
+    ``helpers.draft.decide.threshold``)."""
+
+    window: int = 240
+    baseline_n: int = 10
+    min_segment: int = MIN_SEGMENT
+    alpha: float = ALPHA
+    drop_below: Optional[float] = None
+    drop_frac: Optional[float] = None
+    cooldown_s: float = 1800.0
+    material: Callable[[Optional[float]], float] = field(default=lambda ref: max(0.1, 0.08 * (ref or 0.0)))
+
+
+class Watcher:
+    """The sampling state of one watch run (module docstring): ``snapshot()`` returns the engine's ``/metrics``
+    snapshot, ``probe()`` the probe's dict (or None without a probe), ``on_drop(n, decision)`` is called once per
+    triggered drop (n = 1, 2, ...) and returns what to record (or None: only the drop is recorded). ``clock``: Unix
+    seconds (tests pass a fake)."""
+
+    def __init__(self, log: WatchLog, *, snapshot: Callable[[], dict], probe: Optional[Callable[[], dict]] = None,
+                 settings: Optional[WatchSettings] = None,
+                 on_drop: Optional[Callable[[int, DropDecision], Optional[dict]]] = None,
+                 clock: Callable[[], float] = time.time):
+        self.log, self.snapshot, self.probe, self.on_drop, self.clock = log, snapshot, probe, on_drop, clock
+        self.s = settings or WatchSettings()
+        self.window: deque = deque(maxlen=int(self.s.window))
+        self.baseline_values: list[float] = []
+        self.n_samples = 0
+        self.n_drops = 0
+        self.last_trigger_t: Optional[float] = None
+        self.first_t: Optional[float] = None
+        self.uptime_origin: Optional[float] = None
+        self.prev: Optional[dict] = None
+        self.prev_t: Optional[float] = None
+        self.skipped_on_resume = 0
+
+    # -- state ----------------------------------------------------------------------------------------------------
+
+    @property
+    def baseline(self) -> Optional[float]:
+        """The mean accept length of the run's first ``baseline_n`` samples (None until there are that many)."""
+        v = self.baseline_values
+        return sum(v) / len(v) if len(v) >= self.s.baseline_n else None
+
+    def _remember(self, rec: dict) -> None:
+        """Fold one sample record into the bounded state (also used on resume)."""
+        self.n_samples = max(self.n_samples, int(rec.get("i", 0)) + 1)
+        t = _finite(rec.get("t"))
+        if self.first_t is None:
+            self.first_t = t
+        if rec.get("server_restarted") or self.uptime_origin is None:
+            self.uptime_origin = t
+        if rec.get("counters") is not None:
+            self.prev, self.prev_t = rec["counters"], t
+        al = _finite(rec.get("accept_length"))
+        if al is not None and len(self.baseline_values) < self.s.baseline_n:
+            self.baseline_values.append(al)
+        self.window.append({"i": rec.get("i"), "t": t, "accept_length": al,
+                            **{c: _finite(rec.get(c)) for c in COVARIATES}})
+
+    def _reset_window(self, from_i: int) -> None:
+        """After a trigger: keep only the samples from the change on (the new level), so one drop triggers once."""
+        kept = [w for w in self.window if w["i"] is not None and w["i"] >= from_i]
+        self.window.clear()
+        self.window.extend(kept)
+
+    def resume(self, path: str | os.PathLike) -> int:
+        """Rebuild the state from an existing log (streamed: bounded memory); returns the samples read."""
+        skipped: list = []
+        for rec in iter_log(path, skipped):
+            k = rec.get("kind")
+            if k == "sample":
+                self._remember(rec)
+            elif k == "drop":
+                self.n_drops = max(self.n_drops, int(rec.get("n", 0)))
+                self.last_trigger_t = _finite(rec.get("t"))
+                if rec.get("reset_from") is not None:
+                    self._reset_window(int(rec["reset_from"]))
+        self.skipped_on_resume = len(skipped)
+        return self.n_samples
+
+    # -- one sample -----------------------------------------------------------------------------------------------
+
+    def step(self) -> dict:
+        """Take one sample (probe first, then ``/metrics``, so the interval's counters hold the probe), run the
+        detector, record everything; returns the sample record. A failure of the probe is recorded in the sample
+        (``probe_error``) and the counters still read; a failure of ``/metrics`` raises (the caller records it)."""
+        t0 = self.clock()
+        probe, probe_error = None, None
+        if self.probe is not None:
+            try:
+                probe = self.probe()
+            except Exception as exc:          # noqa: BLE001 - a failed probe is data; signals are BaseException
+                probe_error = f"{type(exc).__name__}: {exc}"[:300]
+        snap = self.snapshot()
+        t = self.clock()
+        rec = self._sample(snap, probe, probe_error, t, t0)
+        self._remember(rec)
+        decision = self._detect(rec)
+        self.log.append(rec)
+        if decision is not None and decision.trigger:
+            self._trigger(decision, rec)
+        return rec
+
+    def _sample(self, snap: dict, probe: Optional[dict], probe_error: Optional[str], t: float, t0: float) -> dict:
+        prev = self.prev
+        restarted = False
+        d = {k: _delta(snap, prev, k) for k in ("generation_tokens", "verify_steps", "prompt_tokens",
+                                                "cached_tokens", "requests")}
+        if any(v is not None and v < 0 for v in d.values()):
+            restarted, d = True, {k: None for k in d}          # counters went down: the server restarted
+        interval = (t - self.prev_t) if self.prev_t is not None and not restarted else None
+        al, src = None, None
+        if d["verify_steps"] and d["generation_tokens"] is not None:
+            al, src = d["generation_tokens"] / d["verify_steps"], "counters"
+        elif probe and probe.get("accept_length") is not None:
+            al, src = probe["accept_length"], "probe"
+        elif _finite(snap.get("accept_length_gauge")) is not None:
+            al, src = float(snap["accept_length_gauge"]), "gauge"
+        hit, hit_src = None, None
+        if d["prompt_tokens"] and d["cached_tokens"] is not None:
+            hit, hit_src = d["cached_tokens"] / d["prompt_tokens"], "counters"
+        elif _finite(snap.get("cache_hit_rate_gauge")) is not None:
+            hit, hit_src = float(snap["cache_hit_rate_gauge"]), "gauge"
+        start = _finite(snap.get("start_time"))
+        if start is not None:
+            uptime, up_src = t - start, "server start time (process_start_time_seconds)"
+        else:
+            origin = t if restarted or self.uptime_origin is None else self.uptime_origin
+            uptime, up_src = t - origin, "since the first sample" + (" after a server restart" if restarted or (
+                self.uptime_origin is not None and self.uptime_origin != self.first_t) else "")
+        pt = (probe or {}).get("completion_tokens")
+        load = {"probe_tokens": pt, "server_tokens": d["generation_tokens"],
+                "probe_token_share": (pt / d["generation_tokens"]) if pt is not None and d["generation_tokens"]
+                else None,
+                "probe_s": (probe or {}).get("latency_s"),
+                "probe_time_share": ((probe or {}).get("latency_s") or 0.0) / interval if probe and interval
+                else None}
+        return {"kind": "sample", "i": self.n_samples, "t": t, "time": _now_iso(t), "interval_s": interval,
+                "sample_s": t - t0, "accept_length": al, "accept_length_source": src,
+                "accept_length_gauge": snap.get("accept_length_gauge"), "delta": d,
+                "accept_rate_gauge": snap.get("accept_rate_gauge"),
+                "uptime_s": uptime, "uptime_source": up_src, "kv_cache_use": snap.get("kv_cache_use"),
+                "cache_hit_rate": hit, "cache_hit_rate_source": hit_src, "running_reqs": snap.get("running_reqs"),
+                "queue_reqs": snap.get("queue_reqs"), "probe": probe, "probe_error": probe_error, "load": load,
+                "server_restarted": restarted or None, "counters": {k: v for k, v in snap.items() if k != "sources"}}
+
+    def _detect(self, rec: dict) -> Optional[DropDecision]:
+        """The change point over the window, recorded in ``rec["change"]`` / ``rec["decision"]``."""
+        w = [x for x in self.window if x["accept_length"] is not None]
+        cp = change_point([x["accept_length"] for x in w], min_segment=self.s.min_segment, seed=self.n_samples)
+        if cp is None:
+            rec["change"] = None
+            return None
+        base = self.baseline
+        ref = base if base is not None else cp.before
+        decision = decide_drop(cp, material=self.s.material(ref), alpha=self.s.alpha, below=self.s.drop_below,
+                               frac=self.s.drop_frac if base is not None else None, baseline=base)
+        if self.s.drop_frac is not None and base is None:
+            decision = DropDecision(False, f"no trigger: the baseline needs {self.s.baseline_n} samples",
+                                    cp, decision.material, None, decision.conditions)
+        if (decision.trigger and self.last_trigger_t is not None
+                and rec["t"] - self.last_trigger_t < self.s.cooldown_s):
+            decision = DropDecision(False, f"no trigger: cooldown ({rec['t'] - self.last_trigger_t:.0f} s of "
+                                    f"{self.s.cooldown_s:.0f} s since the last drop)", cp, decision.material,
+                                    base, decision.conditions)
+        covs = covariate_steps([x["accept_length"] for x in w], {c: [x[c] for x in w] for c in COVARIATES},
+                               cp.index, uptime=[x["uptime_s"] for x in w])
+        lo, hi = cp.index_ci
+        rec["change"] = {**cp.to_json(), "i": w[cp.index]["i"], "t": w[cp.index]["t"],
+                         "i_ci": [w[lo]["i"], w[min(hi, len(w) - 1)]["i"]],
+                         "t_ci": [w[lo]["t"], w[min(hi, len(w) - 1)]["t"]], **covs}
+        rec["decision"] = {"trigger": decision.trigger, "reason": decision.reason, "material": decision.material,
+                           "baseline": base}
+        return decision
+
+    def _trigger(self, decision: DropDecision, rec: dict) -> None:
+        self.n_drops += 1
+        self.last_trigger_t = rec["t"]
+        reset_from = rec["change"]["i"]
+        self.log.append({"kind": "drop", "n": self.n_drops, "t": rec["t"], "time": rec["time"], "i": rec["i"],
+                         "reset_from": reset_from, "decision": decision.to_json(),
+                         "change": rec["change"], "action": "investigate" if self.on_drop else "record"})
+        self._reset_window(reset_from)
+        if self.on_drop is not None:
+            t0 = self.clock()
+            try:
+                out = self.on_drop(self.n_drops, decision)
+                self.log.append({"kind": "investigation", "n": self.n_drops, "t": self.clock(),
+                                 "seconds": self.clock() - t0, **(out or {})})
+            except Exception as exc:         # noqa: BLE001 - recorded; the watch goes on (signals propagate)
+                self.log.append({"kind": "investigation", "n": self.n_drops, "t": self.clock(),
+                                 "seconds": self.clock() - t0, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            # the investigation took the server's time: the next interval starts now
+            self.prev = None
+            self.prev_t = None
+
+
+def format_line(rec: dict) -> str:
+    """The terminal line of one sample (``helpers.cli.common.progress_line`` prints it)."""
+    def f(x: Any, spec: str = ".2f", pct: bool = False) -> str:
+        v = _finite(x)
+        return "-" if v is None else (f"{100 * v:.0f}%" if pct else format(v, spec))
+
+    up = _finite(rec.get("uptime_s")) or 0.0
+    h, rem = divmod(int(up), 3600)
+    d = rec.get("delta") or {}
+    probe = rec.get("probe") or {}
+    load = rec.get("load") or {}
+    ch = rec.get("change") or {}
+    dec = rec.get("decision") or {}
+    change = ("change: -" if not ch else
+              f"change at #{ch.get('i')} {f(ch.get('before'))}->{f(ch.get('after'))} p {ch.get('p_value', 1):.3g}"
+              + (" DROP" if dec.get("trigger") else ""))
+    src = {"counters": f"{f(d.get('generation_tokens'), '.0f')} tok/{f(d.get('verify_steps'), '.0f')} verify",
+           "probe": "probe", "gauge": "gauge"}.get(rec.get("accept_length_source"), "no data")
+    return (f"#{rec.get('i')} up {h}h{rem // 60:02d}m  accept length {f(rec.get('accept_length'))} ({src})  "
+            f"probe {f(probe.get('accept_length'))}  KV {f(rec.get('kv_cache_use'), pct=True)}  "
+            f"hit {f(rec.get('cache_hit_rate'), pct=True)}  running {f(rec.get('running_reqs'), '.0f')}  "
+            f"load {f(load.get('probe_token_share'), '.2%') if load.get('probe_token_share') is not None else '-'}"
+            f" tok / {f(load.get('probe_time_share'), '.2%') if load.get('probe_time_share') is not None else '-'}"
+            f" time  {change}" + (f"  probe error: {rec['probe_error'][:80]}" if rec.get("probe_error") else ""))
+
+
+def run_loop(watcher: Watcher, *, interval: float, samples: Optional[int] = None, duration: Optional[float] = None,
+             show: Callable[[str], None] = lambda line: None, max_failures: int = 3,
+             sleep: Callable[[float], None] = time.sleep) -> str:
+    """Sample every ``interval`` seconds until ``samples`` were taken or ``duration`` seconds passed (None: until a
+    signal); each sample's line goes to ``show``. A sample that fails is an ``error`` line and the watch goes on,
+    unless ``max_failures`` fail in a row (the last error is raised). Returns why it stopped.
+
+    Raises:
+        the sample's error after ``max_failures`` failures in a row; :class:`helpers.errors.Interrupted` on a signal
+        (the caller writes the ``stop`` line)."""
+    start = watcher.clock()
+    taken, failures = 0, 0
+    next_t = start
+    while True:
+        try:
+            rec = watcher.step()
+            failures = 0
+            show(format_line(rec))
+        except Exception as exc:             # noqa: BLE001 - recorded; after max_failures the error goes on
+            failures += 1
+            watcher.log.append({"kind": "error", "t": watcher.clock(), "time": _now_iso(watcher.clock()),
+                                "error": f"{type(exc).__name__}: {exc}"[:500], "in_a_row": failures})
+            show(f"sample failed ({failures} in a row): {exc}")
+            if failures >= max_failures:
+                raise
+        taken += 1
+        if samples is not None and taken >= samples:
+            return f"{taken} sample(s) taken (--samples)"
+        next_t += interval
+        now = watcher.clock()
+        if duration is not None and next_t - start > duration:
+            return f"{duration:g} s watched (--duration)"
+        if next_t > now:
+            sleep(next_t - now)
+        else:                                # a slow sample or an investigation: do not catch up in a burst
+            next_t = now
+
+
+def start_record(*, url: str, engine: str, version: Optional[str], settings: WatchSettings, interval: float,
+                 probe: Optional[dict], resumed: bool, argv: Sequence[str], extra: Optional[dict] = None) -> dict:
+    """The ``start`` line of a run (or of a resume)."""
+    t = time.time()
+    s = {k: v for k, v in vars(settings).items() if k != "material"}
+    return {"kind": "start", **FORMAT, "t": t, "time": _now_iso(t), "url": url, "engine": engine,
+            "engine_version": version, "interval_s": interval, "probe": probe, "settings": s, "resumed": resumed,
+            "argv": list(argv), **(extra or {})}

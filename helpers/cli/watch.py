@@ -1,0 +1,213 @@
+"""``python -m helpers watch``: acceptance over time on a running server (:mod:`helpers.acceptance.watch`).
+
+Every ``--interval`` seconds: one light probe (a short greedy request on the bundled prompts, in turn) and the
+server's ``/metrics`` through its engine adapter; one terminal line and one line of ``<run>/watch.jsonl`` per sample;
+the decay detector (:mod:`helpers.acceptance.decay`) on the window. ``--on-drop investigate`` starts the live
+investigation (``helpers.investigation.live.investigate``, the fix only proposed) into ``<run>/investigation-N`` once
+per drop.
+
+Exit codes (:mod:`helpers.cli.common`): 0 stopped by ``--samples`` / ``--duration``; 2 bad input (a flag, a run
+folder to resume that is not one, a server that is neither SGLang nor vLLM); 1 the server failed (``/metrics``
+unreadable at the start, or ``--max-failures`` samples in a row); 130 / 143 on SIGINT / SIGTERM, after a ``stop``
+line: every sample taken is in the log."""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ..acceptance.prompts import load_prompts
+from ..acceptance.watch import LOG_NAME, Watcher, WatchLog, WatchSettings, iter_log, probe_once, run_loop, \
+    start_record
+from ..budget import Budget
+from ..draft.decide import threshold
+from ..engines.detect import detect
+from ..errors import BadInput, Interrupted
+from ..redaction import redact_url
+from ..runfiles import new_run_dir
+from .common import Parser, failure_guard, out_folder, progress_line, run, run_folder_arg, text_arg
+
+PROG = "watch"
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m helpers watch",
+               description="Sample a running SGLang / vLLM server's own acceptance counters (/metrics) and a light "
+                           "probe at an interval, with uptime, KV-cache use, cache hit rate and running requests; "
+                           "append them to <run>/watch.jsonl; find a change point in the accept length with its CI, "
+                           "and optionally start the investigation on a drop. The API key is read from the "
+                           "environment variable --api-key-env names.")
+    p.add_argument("--url", help="the server's base URL (with --resume: default the run's own)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="append to this watch run folder (its watch.jsonl)")
+    p.add_argument("--interval", type=float, default=30.0, help="seconds between samples (default 30)")
+    p.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
+    p.add_argument("--samples", type=int, help="stop after this many samples (default: until Ctrl-C)")
+    p.add_argument("--prompts", help="prompt file for the probe (.jsonl/.json; default: the bundled set)")
+    p.add_argument("--probe-tokens", type=int, default=16, help="tokens the probe generates (default 16; 0: no "
+                   "probe)")
+    p.add_argument("--probe-timeout", type=float, default=20.0, help="seconds the probe may take (default 20)")
+    p.add_argument("--request-timeout", type=float, default=10.0, help="seconds per /metrics read (default 10)")
+    p.add_argument("--window", type=int, default=240, help="samples the detector sees (default 240: 2 h at 30 s)")
+    p.add_argument("--baseline", type=int, default=10, help="first samples whose mean is the run's baseline "
+                   "(default 10)")
+    p.add_argument("--drop-below", type=float, metavar="X", help="a drop counts when the accept length after the "
+                   "change point is below X")
+    p.add_argument("--drop-frac", type=float, metavar="F", help="a drop counts when the accept length after the "
+                   "change point lost at least F (0-1) of the baseline")
+    p.add_argument("--on-drop", choices=("record", "investigate"), default="record",
+                   help="on a drop: record it (default), or also start the investigation (needs --training)")
+    p.add_argument("--cooldown", type=float, default=1800.0, help="seconds between two triggered drops (default "
+                   "1800)")
+    p.add_argument("--training", help="the draft's training data, for --on-drop investigate")
+    p.add_argument("--draft", help="the draft folder, for --on-drop investigate (when the server's is not readable)")
+    p.add_argument("--target", help="the target folder, for --on-drop investigate")
+    p.add_argument("--investigate-timeout", type=float, default=900.0, help="budget in seconds of each "
+                   "investigation (default 900)")
+    p.add_argument("--max-failures", type=int, default=3, help="samples failing in a row before exit 1 (default 3)")
+    p.add_argument("--outputs", help="folder under which the run folder is created (default outputs/)")
+    p.add_argument("--api-key-env", default="SGLANG_API_KEY", help="NAME of the environment variable holding the "
+                   "API key (never the key)")
+    p.add_argument("--quiet", action="store_true", help="no line per sample")
+    return p
+
+
+def _check(args: Any) -> None:
+    """Every flag checked before any work (one line, exit 2)."""
+    pos = {"--interval": args.interval, "--probe-timeout": args.probe_timeout,
+           "--request-timeout": args.request_timeout, "--investigate-timeout": args.investigate_timeout}
+    for flag, v in pos.items():
+        if not v > 0:
+            raise BadInput(f"{flag} must be > 0 seconds, got {v}")
+    if args.duration is not None and not args.duration > 0:
+        raise BadInput(f"--duration must be > 0 seconds, got {args.duration}")
+    for flag, v, low in (("--samples", args.samples, 1), ("--window", args.window, 10),
+                         ("--baseline", args.baseline, 1),
+                         ("--max-failures", args.max_failures, 1), ("--probe-tokens", args.probe_tokens, 0)):
+        if v is not None and v < low:
+            raise BadInput(f"{flag} must be >= {low}, got {v}")
+    if args.cooldown < 0:
+        raise BadInput(f"--cooldown must be >= 0 seconds, got {args.cooldown}")
+    if args.drop_frac is not None and not 0 < args.drop_frac < 1:
+        raise BadInput(f"--drop-frac must be between 0 and 1 (a share of the baseline), got {args.drop_frac}")
+    if args.drop_below is not None and not args.drop_below > 1:
+        raise BadInput(f"--drop-below must be an accept length > 1 (tokens per verify step), got {args.drop_below}")
+    if args.on_drop == "investigate":
+        if not args.training:
+            raise BadInput("--on-drop investigate needs --training (the draft's training data)")
+        if not Path(args.training).exists():
+            raise BadInput("--training not found", path=args.training)
+    for flag in ("--training", "--draft", "--target", "--prompts"):
+        text_arg(getattr(args, flag[2:].replace("-", "_")), flag)
+
+
+def _resumed_url(run_dir: Path) -> Optional[str]:
+    """The URL of the run's first ``start`` line."""
+    for rec in iter_log(run_dir / LOG_NAME):
+        if rec.get("kind") == "start":
+            return rec.get("url")
+    return None
+
+
+def _investigator(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any):
+    """The ``on_drop`` handler of ``--on-drop investigate``: the live investigation into ``run_dir/investigation-N``
+    (the fix only proposed: a monitor never restarts the server), returning what the log records."""
+
+    def on_drop(n: int, decision: Any) -> dict:
+        # lazy: the investigation imports torch and the whole diagnosis; a watch without --on-drop never needs it
+        from ..investigation import live
+
+        out = run_dir / f"investigation-{n}"
+        show(f"drop #{n}: {decision.reason}; investigating into {out}")
+        doc = live.investigate(url, training=args.training, run_dir=out, draft=args.draft, target=args.target,
+                               api_key=key, timeout=args.investigate_timeout, apply_fix=False,
+                               not_applied="started by watch on a drop: the fix is only proposed",
+                               progress=lambda line: show(f"investigation-{n}: {line}"))
+        return {"run_dir": str(out), "verdict": getattr(doc, "verdict", None),
+                "sentence": getattr(doc, "sentence", None)}
+
+    return on_drop
+
+
+def cli_main(argv: Sequence[str]) -> int:
+    """``python -m helpers watch ...`` (module docstring)."""
+
+    def body() -> int:
+        args = build_parser().parse_args(list(argv))
+        _check(args)
+        outputs = out_folder(args.outputs, "--outputs")
+        resume = run_folder_arg(args.resume, "--resume")
+        if resume is not None and not (resume / LOG_NAME).is_file():
+            raise BadInput(f"--resume: no {LOG_NAME} in this folder (not a watch run folder)", path=resume)
+        url = args.url or (_resumed_url(resume) if resume is not None else None)
+        if not url:
+            raise BadInput("--url is required (or --resume a run folder whose watch.jsonl names its server)")
+        if resume is not None and args.url is None and "<redacted>" in url:
+            raise BadInput("the run's URL was recorded without its credentials: give --url", field="--url")
+        prompts = load_prompts(args.prompts) if args.probe_tokens else []
+        key = os.environ.get(args.api_key_env) or None
+        found = detect(url, key, timeout=args.request_timeout, deadline_s=max(30.0, 3 * args.request_timeout))
+        client = found.adapter.client(url, key, timeout=args.request_timeout, retries=0,
+                                      generate_timeout=args.probe_timeout, budget=Budget(None))
+        show = progress_line(PROG) if not args.quiet else (lambda line: None)
+        try:
+            found.adapter.watch_snapshot(client.metrics_text())        # /metrics readable, before any folder
+            run_dir = resume or new_run_dir("watch", outputs=outputs)
+            with failure_guard(PROG, run_dir, owned=resume is None, complete=(Interrupted,)):
+                return _watch(args, url, key, found, client, prompts, run_dir, resume is not None, argv, show)
+        finally:
+            client.close()
+
+    return run(PROG, body)
+
+
+def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, prompts: list, run_dir: Path,
+           resumed: bool, argv: Sequence[str], show: Any) -> int:
+    settings = WatchSettings(window=args.window, baseline_n=args.baseline, drop_below=args.drop_below,
+                             drop_frac=args.drop_frac, cooldown_s=args.cooldown, material=threshold)
+    cycle = itertools.cycle(prompts) if prompts else None
+
+    def bounded(fn: Any, seconds: float, flag: str) -> Any:
+        """``fn`` under its own overall deadline (a fresh budget of the client per request: a server trickling
+        bytes never holds a sample past it)."""
+        def call() -> Any:
+            client.budget = Budget(seconds, flag=flag)
+            return fn()
+        return call
+
+    probe = bounded(lambda: probe_once(client, next(cycle), max_new_tokens=args.probe_tokens,
+                                       timeout=args.probe_timeout), args.probe_timeout + 1.0,
+                    "--probe-timeout") if cycle else None
+    snapshot = bounded(lambda: found.adapter.watch_snapshot(client.metrics_text()), 2 * args.request_timeout,
+                       "--request-timeout")
+    log = WatchLog(run_dir)
+    on_drop = _investigator(args, url, key, run_dir, show) if args.on_drop == "investigate" else None
+    watcher = Watcher(log, snapshot=snapshot, probe=probe, settings=settings, on_drop=on_drop)
+    try:
+        if resumed:
+            n = watcher.resume(log.path)
+            show(f"resuming {run_dir}: {n} sample(s) read" + (f", {watcher.skipped_on_resume} torn line(s) skipped"
+                                                               if watcher.skipped_on_resume else ""))
+        log.append(start_record(url=redact_url(url), engine=found.engine, version=found.version, settings=settings,
+                                interval=args.interval, resumed=resumed, argv=argv,
+                                probe={"max_new_tokens": args.probe_tokens, "timeout_s": args.probe_timeout,
+                                       "prompts": args.prompts or "bundled", "temperature": 0.0} if probe else None,
+                                extra={"on_drop": args.on_drop, "accept_length": "delta generation tokens / delta "
+                                       "verify steps between samples (counters), else the probe's, else the "
+                                       "engine's gauge; each sample says which"}))
+        print(f"run folder: {run_dir} ({LOG_NAME})", file=sys.stderr, flush=True)
+        why = "stopped"
+        try:
+            why = run_loop(watcher, interval=args.interval, samples=args.samples, duration=args.duration, show=show,
+                           max_failures=args.max_failures, sleep=Budget(None).sleep)
+        except BaseException as exc:         # noqa: BLE001 - the stop line says why, then the error goes on
+            why = str(exc) or type(exc).__name__
+            raise
+        finally:
+            log.append({"kind": "stop", "t": watcher.clock(), "reason": why[:300], "samples": watcher.n_samples,
+                        "drops": watcher.n_drops})
+    finally:
+        log.close()
+    print(f"run folder: {run_dir}: {watcher.n_samples} sample(s), {watcher.n_drops} drop(s); {why}")
+    return 0
