@@ -412,9 +412,10 @@ def test_one_deadline_covers_engine_detection(prog, training, tmp_path, capsys):
             "measure": ["measure", "--num-prompts", "2", "--max-new-tokens", "4", "--outputs", str(tmp_path / "m"),
                         "--quiet"],
             "compare-engines": ["compare-engines", "--training", str(training), "--out", str(tmp_path / "m")]}[prog]
-    with fake_server("hangall") as url:
+    with fake_server("hangall") as url, fake_server("hangall") as url_b:
         t = time.monotonic()
-        where = ["--a", url, "--b", url] if prog == "compare-engines" else ["--url", url]
+        # two servers: --a equal to --b is refused before any request
+        where = ["--a", url, "--b", url_b] if prog == "compare-engines" else ["--url", url]
         rc = main(args + where + ["--timeout", "3"])
         took = time.monotonic() - t
     line = _one_line_error(capsys, prog)
