@@ -51,6 +51,28 @@ def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
     return ctx.extra["cold"]
 
 
+def on_copy(ctx: ProbeContext, folder, *, what: str, flags: Optional[dict] = None, draft=None) -> pd.DataFrame:
+    """The live prompts' cold arm (:func:`cold_arm`) measured on a restarted copy of the server (the engine adapter's
+    ``start_variant``: ``flags``, another ``draft``; its log and capture hooks under ``folder``), the copy stopped
+    whatever happens. Raises what the start and the requests raise (``ServerError``: the probe is ``failed``)."""
+    ctx.progress(f"engine state: starting {what} ...")
+    handle = ctx.adapter.start_variant(ctx.att.restart, draft=draft, flags=flags, capture_dir=folder / "capture",
+                                       api_key=ctx.api_key, port=ctx.port, log_path=folder / "server.log",
+                                       budget=ctx.dl, what=what)
+    try:
+        client = ctx.adapter.client(handle.url, ctx.api_key, timeout=ctx.client.timeout, budget=ctx.dl)
+        try:
+            sub = ProbeContext(client=client, adapter=ctx.adapter, att=ctx.att, run_dir=ctx.run_dir,
+                               prompts=ctx.prompts, max_new_tokens=ctx.max_new_tokens, dl=ctx.dl,
+                               progress=ctx.progress)
+            frame, _ = cold_arm(sub)
+        finally:
+            client.close()
+    finally:
+        handle.stop()
+    return frame
+
+
 def _send(ctx: ProbeContext, p, max_new_tokens: int):
     try:
         return ctx.client.generate(**p.request(), sampling_params=GREEDY,
@@ -167,21 +189,7 @@ def _chunked_run(ctx: ProbeContext) -> ProbeResult:
                            why="the prompts are too short to split (fewer than 4 tokens)")
     flags = ctx.adapter.chunked_prefill_flags(size)
     folder = ctx.folder("chunked_prefill")
-    ctx.progress(f"engine state: chunked prefill: starting a copy with {flags} ...")
-    handle = ctx.adapter.start_variant(ctx.att.restart, flags=flags, capture_dir=folder / "capture",
-                                       api_key=ctx.api_key, port=ctx.port, log_path=folder / "server.log",
-                                       budget=ctx.dl, what="the chunked-prefill copy (--engine-probes all)")
-    try:
-        client = ctx.adapter.client(handle.url, ctx.api_key, timeout=ctx.client.timeout, budget=ctx.dl)
-        try:
-            sub = ProbeContext(client=client, adapter=ctx.adapter, att=ctx.att, run_dir=ctx.run_dir,
-                               prompts=ctx.prompts, max_new_tokens=ctx.max_new_tokens, dl=ctx.dl,
-                               progress=ctx.progress)
-            cond, _ = cold_arm(sub)
-        finally:
-            client.close()
-    finally:
-        handle.stop()
+    cond = on_copy(ctx, folder, flags=flags, what="the chunked-prefill copy (--engine-probes all)")
     cold.to_parquet(folder / "cold.parquet")
     cond.to_parquet(folder / "chunked_prefill.parquet")
     return condition_result(CHUNKED_PREFILL, ctx, cold, cond, folder, "chunked_prefill",

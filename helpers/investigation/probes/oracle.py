@@ -24,7 +24,7 @@ import pandas as pd
 
 from ...draft.budget import _loss
 from .base import Probe, ProbeContext, ProbeResult
-from .cache import cold_arm
+from .cache import on_copy
 
 
 def perfect_accept_length(completion: int, steps: int) -> float:
@@ -63,22 +63,8 @@ def _run(ctx: ProbeContext) -> ProbeResult:
     p = ORACLE
     steps = int((ctx.att.spec or {}).get("num_steps") or 0)
     folder = ctx.folder("oracle")
-    ctx.progress("engine state: oracle: starting a copy with the target as its own draft (STANDALONE) ...")
-    handle = ctx.adapter.start_variant(ctx.att.restart, draft=ctx.att.target_dir, flags=ctx.adapter.oracle_flags(),
-                                       capture_dir=folder / "capture", api_key=ctx.api_key, port=ctx.port,
-                                       log_path=folder / "server.log", budget=ctx.dl,
-                                       what="the perfect-draft oracle (--engine-probes all)")
-    try:
-        client = ctx.adapter.client(handle.url, ctx.api_key, timeout=ctx.client.timeout, budget=ctx.dl)
-        try:
-            sub = ProbeContext(client=client, adapter=ctx.adapter, att=ctx.att, run_dir=ctx.run_dir,
-                               prompts=ctx.prompts, max_new_tokens=ctx.max_new_tokens, dl=ctx.dl,
-                               progress=ctx.progress)
-            frame, _ = cold_arm(sub)
-        finally:
-            client.close()
-    finally:
-        handle.stop()
+    frame = on_copy(ctx, folder, draft=ctx.att.target_dir, flags=ctx.adapter.oracle_flags(),
+                    what="the perfect-draft oracle: the target as its own draft (--engine-probes all)")
     frame.to_parquet(folder / "oracle.parquet")
     per = oracle_losses(frame, steps)
     ev = {"steps": steps, "prompts": int(len(frame)), "answered": len(per),

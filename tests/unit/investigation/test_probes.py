@@ -216,3 +216,63 @@ def test_oracle_perfect_accept_length_and_losses():
     frame = pd.DataFrame({"completion_tokens": [32, 32, 32], "verify_ct": [8, 9, None],
                           "error": [None, None, "boom"]})
     assert oracle_losses(frame, 3) == [0.0, pytest.approx(4.0 - 32 / 9)]
+
+
+class FakeCopies:
+    """An engine adapter whose restarted copies are fake engines the test gives per kind of copy (chunked prefill,
+    the target alone, the oracle): the restart probes' own path (start, measure cold, stop) without a server."""
+
+    label = "fake"
+
+    def __init__(self, copies):
+        self.copies, self.started, self.stopped = copies, [], 0
+
+    def chunked_prefill_flags(self, tokens):
+        return {"--chunked-prefill-size": str(tokens)}
+
+    def oracle_flags(self):
+        return {"--speculative-algorithm": "STANDALONE"}
+
+    def start_variant(self, restart, *, draft=None, keep_draft=True, flags=None, **kw):
+        kind = "alone" if not keep_draft else "oracle" if (flags or {}).get("--speculative-algorithm") else "chunked"
+        self.started.append((kind, dict(flags or {}), draft))
+
+        def stop():
+            self.stopped += 1
+        return SimpleNamespace(url=f"fake://{kind}", stop=stop)
+
+    def client(self, url, api_key=None, **kw):
+        eng = self.copies[url.split("://")[1]]
+        eng.close = lambda: None
+        return eng
+
+
+def test_restart_probes_measure_their_copies_and_stop_them(tmp_path):
+    def alone_outputs(**kw):                      # the target alone: its greedy tokens differ at output 3 from i = 0
+        res = FakeEngine(lambda i, hit: 2).generate(**kw)
+        if kw.get("text", "").startswith("0|"):
+            res.output_ids[3] = 999
+            res.meta_info.__pydantic_extra__["output_top_logprobs"] = [[[-0.1, 7, None], [-3.0, 8, None]]] * 40
+        return res
+    alone = SimpleNamespace(flush_cache=lambda: None, generate=alone_outputs, timeout=5.0)
+    copies = FakeCopies({"chunked": FakeEngine(lambda i, hit: 0 if i % 2 else 2),     # chunk borders lose drafts
+                         "oracle": FakeEngine(lambda i, hit: 3), "alone": alone})
+    ctx = _ctx(tmp_path, FakeEngine(lambda i, hit: 2), restart={"kind": "embedded"})
+    ctx.adapter = copies
+    ctx.att = SimpleNamespace(restart={"kind": "embedded"}, target_dir=tmp_path / "target",
+                              spec={"num_steps": 3, "topk": 1})
+    st = run_probes(ctx, "all")
+    r = {p["probe"]: p for p in st["probes"]}
+    assert [k for k, _, _ in copies.started] == ["chunked", "alone", "oracle"] and copies.stopped == 3
+    assert copies.started[2][2] == tmp_path / "target"                         # the oracle drafts with the target
+    assert r["chunked_prefill"]["decision"] == "counts" and r["chunked_prefill"]["evidence"]["chunk_tokens"] >= 2
+    assert r["chunked_prefill"]["findings"][0]["kind"] == "cache_state_loses_acceptance"
+    assert r["greedy_lossless"]["decision"] == "counts", r["greedy_lossless"]
+    (d,) = r["greedy_lossless"]["findings"][0]["evidence"]["divergences"]
+    assert d["prompt_id"] == "p0" and d["position"] == 3 and d["margin"] is None and d["near_tie"] is False
+    o = r["oracle"]
+    assert o["status"] == "ran" and o["decision"] is None and "engine's floor" in o["why"]
+    assert o["evidence"]["floor"]["delta"] == pytest.approx(0.0) and o["evidence"]["perfect_accept_length"] == pytest.approx(25 / 6)
+    # the oracle is no stage loss: joined into a budget it changes nothing
+    b = join_engine_state(_budget(0.0, -0.01, 0.01), {"probes": [o]})
+    assert b["cause"] == "none"
