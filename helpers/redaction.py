@@ -20,7 +20,7 @@ import base64
 import re
 import shlex
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 #: ServerArgs fields (and any dict key) whose value is a secret. ``api_key``/``admin_api_key``
@@ -241,16 +241,60 @@ def redact(obj: Any, secrets: Iterable[str] = ()) -> Any:
     return walk(obj)
 
 
-def url_secrets(url: str) -> list[str]:
-    """The credentials a URL carries (``http://user:pw@host``): the ``user:pw`` as written, the password as written
-    and percent-decoded, and the HTTP Basic token (base64 of ``user:pw``) a client sends for them; [] without any."""
+#: the scheme-like start of a URL given for a server, well-formed or not (``http://``, ``http:/``, ``https//``,
+#: ``http:``, ``ftp://``): what precedes its authority (``host`` or ``user:pw@host``)
+_URL_START_RE = re.compile(r"(?i:https?)(?::/*|/+)|[A-Za-z][A-Za-z0-9+.-]*:/+")
+
+
+def url_userinfo(url: str) -> Optional[str]:
+    """The ``user:password`` part of ``url`` (before the authority's last ``@``), also when ``url`` is malformed
+    (``u:pw@host:1``, ``http:/u:pw@host``, ``https//u:pw@host:1``, ``http://u:pw@[::1``), so that an error message
+    that echoes it can hide it; None without one.
+
+    A URL with an authority (``scheme://host...``, as :func:`urllib.parse.urlsplit` reads it) has credentials only
+    there; one without (malformed): after a scheme-like start (:data:`_URL_START_RE`), what precedes the last ``@``
+    before the first ``/``, ``?`` or ``#``, else everything before the last ``@``."""
+    text = str(url)
     try:
-        parts = urlsplit(str(url))
-    except ValueError:
+        netloc = urlsplit(text).netloc
+    except ValueError:                  # an unbalanced [ of an IPv6 host: no netloc to trust
+        netloc = ""
+    if netloc:
+        return netloc.rpartition("@")[0] or None if "@" in netloc else None
+    if "@" not in text:
+        return None
+    start = _URL_START_RE.match(text)
+    rest = text[start.end():] if start else text
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    return (authority if "@" in authority else rest).rpartition("@")[0] or None
+
+
+def shown_url(url: str) -> str:
+    """``url`` as a message may echo it: its credentials (:func:`url_userinfo`, also of a malformed URL) replaced by
+    ``<redacted>``, no query string or fragment (they may hold tokens), every remembered secret scrubbed
+    (:func:`scrub`): ``u:pw@127.0.0.1:1`` -> ``<redacted>@127.0.0.1:1``."""
+    text = str(url)
+    info = url_userinfo(text)
+    if info:
+        i = text.find(info + "@")
+        text = text[:i] + REDACTED + text[i + len(info):]
+    text = re.split(r"[?#]", text, maxsplit=1)[0]
+    return scrub(text, url_secrets(url))
+
+
+def has_url_credentials(text: str) -> bool:
+    """True when ``text`` holds a URL with credentials (``scheme://user:pw@host``, anywhere in it: the rule
+    :func:`scrub` hides them by, :data:`URL_USERINFO_RE`; an empty ``http://@host`` is not one)."""
+    return "://" in text and any(len(m.group(0)) > 1 for m in URL_USERINFO_RE.finditer(text))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials a URL carries (``http://user:pw@host``, or a malformed ``u:pw@host``: :func:`url_userinfo`):
+    the ``user:pw`` as written, the password as written and percent-decoded, and the HTTP Basic token (base64 of
+    ``user:pw``) a client sends for them; [] without any."""
+    userinfo = url_userinfo(url)
+    if not userinfo:
         return []
-    if "@" not in parts.netloc:
-        return []
-    userinfo = parts.netloc.rpartition("@")[0]
     user, _, password = userinfo.partition(":")
     plain = f"{unquote(user)}:{unquote(password)}"
     found = [userinfo, plain, password, unquote(password), base64.b64encode(plain.encode()).decode()]

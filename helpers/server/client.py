@@ -62,7 +62,7 @@ from ..errors import (
     printable,
 )
 from ..formats.configs import read_config_json
-from ..redaction import redact, redact_url, remember, remember_url, scrub
+from ..redaction import redact, redact_url, remember, remember_url, scrub, shown_url
 from ..runfiles import JSONTooDeep, loads_json
 from .protocol import GenerateResult, ServerInfo
 from .settings import (
@@ -127,23 +127,29 @@ class _Waiting:
 
 
 def check_url(url: Optional[str], field: str = "--url") -> str:
-    """``url`` when it is ``http(s)://host[:port][/path]`` (a host, a numeric port, no whitespace).
+    """``url`` when it is ``http(s)://host[:port][/path]`` (a host, a numeric port, no whitespace, no query string or
+    fragment: the server's base URL).
 
-    Credentials in it (``http://user:pw@host``) are remembered as secrets
-    (:func:`helpers.redaction.remember_url`): from here on no file this process writes and no line it prints holds them.
+    Credentials in it (``http://user:pw@host``, also in a URL that fails the check: ``u:pw@host:1``,
+    ``http:/u:pw@host``) are remembered as secrets (:func:`helpers.redaction.remember_url`): from here on no file this
+    process writes and no line it prints holds them; the message of a refused URL shows it without them
+    (:func:`helpers.redaction.shown_url`).
 
     Raises:
-        BadInput: naming ``field``, the URL shown without credentials."""
+        BadInput: naming ``field``, the URL shown without credentials, query or fragment."""
     remember_url(str(url or ""))
     try:
         parts = urlsplit(url or "")
         parts.port                       # raises ValueError on a port that is not a number in 0-65535
     except ValueError:
         parts = None
+    shown = printable(shown_url(str(url or "")))[:200]
     if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
             or any(c.isspace() for c in str(url))):
-        shown = redact_url(str(url)) if parts is not None else "an address urllib cannot parse"
         raise BadInput(f"url must look like http://host:port, got {shown!r}", field=field)
+    if "?" in str(url) or "#" in str(url):
+        raise BadInput(f"give the server's base URL (http://host:port[/path]), without a query string or fragment; "
+                       f"got {shown!r} followed by one", field=field)
     return str(url)
 
 

@@ -10,10 +10,12 @@ import shutil
 import pytest
 
 from helpers.__main__ import main
-from helpers.errors import BadInput
+from helpers.errors import BadInput, BadParams
 from helpers.investigation.attach import Attachment, same_model
 from helpers.investigation.cross_engine import check_targets
-from helpers.server.client import server_key
+from helpers.redaction import REDACTED, scrub
+from helpers.server.client import check_url, server_key
+from helpers.suite.params import load_params
 from support.fakeserver import fake_server, free_port
 
 
@@ -127,3 +129,70 @@ def test_a_url_without_a_scheme_makes_no_folder(url, tmp_path, monkeypatch, caps
         flag = "--baseline-url" if "--baseline-url" in argv else "--url"
         assert f"[{flag}]: url must look like http://host:port" in line, line
         assert not list((tmp_path / "outputs").iterdir()), argv
+
+
+def _url_commands(url: str, tmp_path) -> list[tuple[list[str], str]]:
+    """(argv, the flag its message names) of every command that takes a server URL, ``url`` in that flag."""
+    out = ["--out", str(tmp_path / "outputs")]
+    good = f"http://127.0.0.1:{free_port()}"
+    return [(["investigate", "--url", url, "--training", "env/models/data/sample", *out], "--url"),
+            (["ablate", "--url", url, *out], "--url"),
+            (["capture", "--url", url, "--training", "env/models/data/sample"], "--url"),
+            (["measure", "--url", url, "--outputs", str(tmp_path / "outputs")], "--url"),
+            (["measure", "--url", good, "--baseline-url", url, "--outputs", str(tmp_path / "outputs")],
+             "--baseline-url"),
+            (["watch", "--url", url, "--outputs", str(tmp_path / "outputs"), "--samples", "1"], "--url"),
+            (["server", "detect", "--url", url, "--timeout", "5"], "--url"),
+            (["compare-engines", "--a", url, "--b", good, "--training", "env/models/data/sample", *out], "--a"),
+            (["compare-engines", "--a", good, "--b", url, "--training", "env/models/data/sample", *out], "--b")]
+
+
+#: malformed URLs with credentials (issue 40 follow-up): no scheme, one slash, no colon, a port that is no number,
+#: an unbalanced IPv6 bracket, a scheme urllib reads as the user name
+MALFORMED_WITH_PASSWORD = ["u:{pw}@127.0.0.1:1", "http:/u:{pw}@127.0.0.1:1", "https//u:{pw}@host:1",
+                           "http://u:{pw}@127.0.0.1:notaport", "http://u:{pw}@[::1", "http:u:{pw}@127.0.0.1:1"]
+
+
+@pytest.mark.parametrize("shape", MALFORMED_WITH_PASSWORD)
+def test_a_refused_url_is_echoed_without_its_password(shape, tmp_path, monkeypatch, capsys):
+    pw = f"pw-{MALFORMED_WITH_PASSWORD.index(shape)}-7c1e9a"          # one password per shape (secrets stay known)
+    url = shape.format(pw=pw)
+    with pytest.raises(BadInput) as exc:                       # the message itself, before any stream is scrubbed
+        check_url(url, "--url")
+    assert pw not in str(exc.value) and REDACTED in str(exc.value), str(exc.value)
+    assert str(exc.value).startswith("[--url]: url must look like http://host:port, got "), str(exc.value)
+    assert pw not in scrub(f"the server said {pw}")            # learnt: later output is scrubbed of it too
+    monkeypatch.setenv("E3F_OUTPUTS", str(tmp_path / "outputs"))
+    (tmp_path / "outputs").mkdir()
+    for argv, flag in _url_commands(url, tmp_path):
+        assert main(argv) == 2, argv
+        line = _line(capsys, argv[0])
+        assert f"[{flag}]: url must look like http://host:port, got '" in line and pw not in line, line
+        assert REDACTED in line, line
+        assert not list((tmp_path / "outputs").iterdir()), argv
+
+
+def test_a_refused_params_server_url_is_echoed_without_its_password(tmp_path):
+    pw = "pw-params-5d2b81"
+    params = tmp_path / "p.yaml"
+    params.write_text(f'server: {{url: "http:/u:{pw}@127.0.0.1:1"}}\nnotebooks: [01_attach]\n')
+    with pytest.raises(BadParams) as exc:
+        load_params(params)
+    assert "field 'server.url': url must look like" in str(exc.value) and pw not in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:18803/?x=1", "http://127.0.0.1:18803?token=abcd1234",
+                                 "http://127.0.0.1:18803/#frag", "http://127.0.0.1:18803/?"])
+def test_a_url_with_a_query_or_fragment_is_refused_before_any_folder(url, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("E3F_OUTPUTS", str(tmp_path / "outputs"))
+    (tmp_path / "outputs").mkdir()
+    for argv, flag in _url_commands(url, tmp_path):
+        assert main(argv) == 2, argv
+        line = _line(capsys, argv[0])
+        assert f"[{flag}]: give the server's base URL (http://host:port[/path]), without a query string or " \
+               "fragment; got 'http://127.0.0.1:18803" in line, line
+        got = line.split(" got ", 1)[1]
+        assert got in ("'http://127.0.0.1:18803/' followed by one", "'http://127.0.0.1:18803' followed by one"), \
+            line                                                # the query (it may hold a token) not echoed
+        assert not list((tmp_path / "outputs").iterdir()), argv
+    assert check_url("http://127.0.0.1:18803/v1/") == "http://127.0.0.1:18803/v1/"      # a path is a base URL
