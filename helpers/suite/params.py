@@ -13,7 +13,7 @@ from ..errors import BadInput, BadParams, CaseError
 from ..investigation.cases import load_case
 from ..paths import NOTEBOOK_DIR, ROOT
 from ..runfiles import load_yaml_model, load_yaml_text
-from ..redaction import url_secrets
+from ..redaction import has_url_credentials, url_secrets
 from ..server.client import check_url
 from ..server.listener_flags import refuse_listener_flags
 from ..server.settings import SpecSettings
@@ -139,6 +139,33 @@ def plain_name(path: Path, field: str, name: Any) -> str:
     return text
 
 
+def _strings(value: Any, where: str):
+    """``(field, string)`` for every string value held in ``value`` (mappings and lists, nested), ``field`` as
+    ``where.key[0].key``."""
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{where}[{i}]")
+
+
+def refuse_url_credentials(path: Path, field: str, value: Any) -> None:
+    """Refuse a URL with credentials (``scheme://user:pw@host``: :func:`helpers.redaction.has_url_credentials`) in any
+    string of ``value`` (nested): papermill writes a notebook's parameters into its executed copy.
+
+    Raises:
+        BadParams: naming the params file and the field (``common.server_url``, ``notebook_params.01_attach.x[0]``),
+            the value not shown."""
+    for where, text in _strings(value, field):
+        if has_url_credentials(text):
+            raise BadParams(f"params file {path}: field '{where}': credentials in a URL (user:password@) would be "
+                            "written into every executed notebook (papermill records its parameters); give the "
+                            "address without them (an API key goes through server.api_key_env)")
+
+
 def _must_exist(path: Path, field: str, value: str, folder: bool = False) -> None:
     """BadParams naming the params file and ``field`` when the resolved path ``value`` does not exist (is not a
     folder, with ``folder``)."""
@@ -156,7 +183,8 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
         BadParams: file missing, not YAML, or a field invalid (the message names the file and the field): a model
             or data folder (``target_dir``, ``draft_dir``, ``training_data``, ``server.managed.target`` / ``draft``,
             the case's ``models.*``) that does not exist, a ``server.url`` that is not http(s):// or carries
-            credentials (papermill writes its parameters into every executed notebook), a speculative setting below
+            credentials (papermill writes its parameters into every executed notebook), as any string of ``common``
+            / ``notebook_params`` may not (:func:`refuse_url_credentials`), a speculative setting below
             1; a notebook name (``notebooks``, ``needs``, ``notebook_params``) that is not a plain name
             (:func:`plain_name`); ``run_dir`` / ``repo_root`` in ``common`` or ``notebook_params``
             (:data:`RUNNER_PARAMETERS`); a listener flag in ``server.managed.extra_args``
@@ -176,6 +204,7 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
             if name in values:
                 raise BadParams(f"params file {path}: field '{key}.{name}': the runner sets {name} itself (the "
                                 "notebooks write into the run folder only); leave it out")
+        refuse_url_credentials(path, key, values)
     for key in ("case", "target_dir", "draft_dir", "training_data", "notebook_dir"):
         if getattr(params, key) is not None and not str(getattr(params, key)).strip():
             raise BadParams(f"params file {path}: field '{key}' is empty (leave it out, or name a path)")

@@ -204,6 +204,12 @@ def test_the_console_says_when_a_steps_sweep_cannot_tell_its_points_apart():
     ("server", {"url": "http://user:hunter2-pw@127.0.0.1:9"}, "field 'server.url': credentials in the URL"),
     ("server", {"managed": {"extra_args": ["--host", "0.0.0.0"]}},
      "field 'server.managed.extra_args': '--host' among server.managed.extra_args sets --host"),
+    # a notebook parameter is written into the executed notebook as the server's URL is (issue 40 follow-up)
+    ("common", {"server_url": "http://u:hunter2-pw@127.0.0.1:9"}, "field 'common.server_url': credentials in a URL"),
+    ("notebook_params", {"01_ok": {"server_url": "http://u:hunter2-pw@127.0.0.1:9"}},
+     "field 'notebook_params.01_ok.server_url': credentials in a URL"),
+    ("common", {"a": {"urls": ["http://127.0.0.1:9", "see https://u:hunter2-pw@h:1/v1 too"]}},
+     "field 'common.a.urls[1]': credentials in a URL"),
 ])
 def test_names_from_a_params_file_stay_in_their_folders(failing_params, tmp_path, capsys, field, value, named):
     """Issue 40: a notebook named ``../something`` ran a notebook outside the notebook folder, wrote its executed
