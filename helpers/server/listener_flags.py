@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..errors import BadServerInput
+from ..errors import BadServerInput, printable
 
 #: per engine: each flag (every option string of its parser) that sets where a listener binds, and what it is
 LISTENER_FLAGS: dict[str, dict[str, str]] = {
@@ -100,4 +100,46 @@ def refuse_listener_flags(extra: Sequence[str], engine: str, *, where: str = "th
                                  f"{engine} flags may not move them{hint}")
 
 
-__all__ = ["LISTENER_FLAGS", "listener_flag", "refuse_listener_flags"]
+#: the listener flags a relaunch command (``investigate`` / ``ablate --relaunch``) may hold: the tool replaces exactly
+#: these words (``--host X``, ``--host=X``; :func:`helpers.server.restart.set_flags`,
+#: ``helpers.engines.vllm_server.relaunch_command``) by ``--host 127.0.0.1 --port N``
+REPLACED_FLAGS = ("--host", "--port")
+
+
+def command_engines(argv: Sequence[str]) -> tuple[str, ...]:
+    """Whose flags a launch command takes, from its program words (those before its first ``--`` flag): ``("vllm",)``
+    for ``vllm serve ...`` / ``python -m vllm.entrypoints.openai.api_server ...``, ``("sglang",)`` for ``python -m
+    sglang.launch_server ...`` / ``sglang serve ...``, both when neither or both are named (a wrapper script)."""
+    head = []
+    for word in argv:
+        if str(word).startswith("--"):
+            break
+        head.append(str(word).rsplit("/", 1)[-1])
+    found = tuple(e for e in ("sglang", "vllm") if any(w == e or w.startswith(e + ".") for w in head))
+    return found if len(found) == 1 else ("sglang", "vllm")
+
+
+def refuse_relaunch_listener_flags(argv: Sequence[str], *, where: str = "--relaunch") -> None:
+    """Refuse a listener flag (:func:`listener_flag`, every spelling) in a relaunch command other than the exact
+    ``--host`` / ``--port`` the tool replaces (:data:`REPLACED_FLAGS`), before anything is measured: ``--ho
+    0.0.0.0`` or ``--dist-init-addr 0.0.0.0:5000`` would be kept by the fixed copy beside the tool's ``--host
+    127.0.0.1``. The engine's list is the command's (:func:`command_engines`: both lists when it names neither).
+
+    Raises:
+        BadServerInput: field ``where``, one line naming the word and the flag it sets (exit 2)."""
+    engines = command_engines(argv)
+    for arg in list(argv)[1:]:
+        arg = printable(str(arg))[:200]
+        if arg.split("=", 1)[0] in REPLACED_FLAGS:
+            continue
+        for engine in engines:
+            flag = listener_flag(arg, engine)
+            if flag is not None:
+                raise BadServerInput(
+                    f"{arg!r} in the launch command sets {flag}: {LISTENER_FLAGS[engine][flag]}; the fixed copy the "
+                    f"tool starts listens on 127.0.0.1 only, at the port it picks: it replaces the command's exact "
+                    f"--host / --port and keeps every other word, so leave {arg!r} out", field=where)
+
+
+__all__ = ["LISTENER_FLAGS", "REPLACED_FLAGS", "command_engines", "listener_flag", "refuse_listener_flags",
+           "refuse_relaunch_listener_flags"]

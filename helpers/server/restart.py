@@ -19,6 +19,7 @@ from ..budget import Budget
 from ..errors import BadInput, printable
 from .embedded import pick_port
 from .embedded import start as start_embedded
+from .listener_flags import refuse_relaunch_listener_flags
 from .process import ServerProcess
 
 #: the spec flags the embedded launcher takes as ``spec`` settings (the rest go to ``extra_args``)
@@ -53,8 +54,10 @@ def relaunch_argv(relaunch: str) -> list[str]:
     """``--relaunch CMD`` as the argv a restarted copy runs (shell words, ``shlex.split``), checked before any request.
 
     Raises:
-        BadInput (field ``--relaunch``): unbalanced quotes, no words, or a program that is neither a file nor on
-            ``$PATH``."""
+        BadInput (field ``--relaunch``): unbalanced quotes, no words, a program that is neither a file nor on
+            ``$PATH``, or a listener flag other than the exact ``--host`` / ``--port`` the tool replaces
+            (:func:`helpers.server.listener_flags.refuse_relaunch_listener_flags`: ``--ho``, ``--dist-init-addr``,
+            ``--host.x``, vLLM's ``--data_parallel_address``)."""
     try:
         argv = shlex.split(relaunch)
     except ValueError as exc:
@@ -63,6 +66,7 @@ def relaunch_argv(relaunch: str) -> list[str]:
         raise BadInput("an empty command; give the server's launch command", field="--relaunch")
     if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
         raise BadInput(f"the program {printable(argv[0])[:200]!r} is neither a file nor on $PATH", field="--relaunch")
+    refuse_relaunch_listener_flags(argv, where="--relaunch")
     return argv
 
 

@@ -16,6 +16,7 @@ from ..runfiles import load_yaml_model, load_yaml_text
 from ..redaction import has_url_credentials, url_secrets
 from ..server.client import check_url
 from ..server.listener_flags import refuse_listener_flags
+from ..server.restart import relaunch_argv
 from ..server.settings import SpecSettings
 
 DEFAULT_NOTEBOOKS = ["00_replay", "00_investigate", "01_attach", "02_dump", "03_compare", "10_hyp_tp_sharding",
@@ -188,7 +189,9 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
             1; a notebook name (``notebooks``, ``needs``, ``notebook_params``) that is not a plain name
             (:func:`plain_name`); ``run_dir`` / ``repo_root`` in ``common`` or ``notebook_params``
             (:data:`RUNNER_PARAMETERS`); a listener flag in ``server.managed.extra_args``
-            (:func:`helpers.server.listener_flags.refuse_listener_flags`).
+            (:func:`helpers.server.listener_flags.refuse_listener_flags`); a ``relaunch`` of ``common`` /
+            ``notebook_params.00_investigate`` that ``investigate --relaunch`` would refuse
+            (:func:`helpers.server.restart.relaunch_argv`: a listener flag other than the exact --host / --port).
     """
     path = Path(path)
     params = load_yaml_model(path, SuiteParams, what="params file", error=BadParams, prepare=_case_as_params(path))
@@ -205,6 +208,14 @@ def load_params(path: str | os.PathLike) -> SuiteParams:
                 raise BadParams(f"params file {path}: field '{key}.{name}': the runner sets {name} itself (the "
                                 "notebooks write into the run folder only); leave it out")
         refuse_url_credentials(path, key, values)
+        if key in ("common", f"notebook_params.{INVESTIGATE}") and values.get("relaunch"):
+            if not isinstance(values["relaunch"], str):
+                raise BadParams(f"params file {path}: field '{key}.relaunch': the server's launch command as one "
+                                f"string, got {type(values['relaunch']).__name__}")
+            try:            # 00_investigate's fixed copy: the same checks as investigate --relaunch, before any run
+                relaunch_argv(values["relaunch"])
+            except BadInput as exc:
+                raise BadParams(f"params file {path}: field '{key}.relaunch': {exc.message}") from None
     for key in ("case", "target_dir", "draft_dir", "training_data", "notebook_dir"):
         if getattr(params, key) is not None and not str(getattr(params, key)).strip():
             raise BadParams(f"params file {path}: field '{key}' is empty (leave it out, or name a path)")

@@ -14,12 +14,15 @@ import pytest
 
 from helpers.engines.vllm_server import build_command as vllm_command
 from helpers.engines.vllm_server import vllm_python
-from helpers.errors import BadServerInput
+from helpers.__main__ import main
+from helpers.errors import BadInput, BadServerInput
 from helpers.paths import DEFAULT_SGLANG_PYTHON
 from helpers.server.embedded import build_command as sglang_command
-from helpers.server.listener_flags import LISTENER_FLAGS, listener_flag, refuse_listener_flags
+from helpers.server.listener_flags import LISTENER_FLAGS, command_engines, listener_flag, refuse_listener_flags
+from helpers.server.restart import relaunch_argv, set_flags
 
 from support import ROOT
+from support.fakeserver import free_port
 
 #: a value each listener flag takes (JSON for the config flags)
 VALUES = {"--port": "31999", "--uds": "/tmp/e3f-test.sock", "--dist-init-addr": "0.0.0.0:5000",
@@ -140,3 +143,68 @@ def test_server_start_refuses_before_anything_starts(extra, named, tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"server: error: {named} among the extra sglang flags"), err
     assert children == set() and list(tmp_path.iterdir()) == []
+
+
+def _program(tmp_path, name: str) -> str:
+    """An executable file ``name`` (the program word of a relaunch command; never run here)."""
+    p = tmp_path / name
+    p.write_text("#!/bin/sh\nexit 1\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+@pytest.mark.parametrize("program, words, named", [
+    ("sglang", "--ho 0.0.0.0 --port 1", "'--ho' in the launch command sets --host: the HTTP server's address"),
+    ("sglang", "--host 127.0.0.1 --dist-init-addr 0.0.0.0:5000", "'--dist-init-addr' in the launch command sets "
+                                                                  "--dist-init-addr"),
+    ("sglang", "--dist_init_addr=0.0.0.0:5000", "'--dist_init_addr=0.0.0.0:5000' in the launch command sets "
+                                                "--dist-init-addr"),
+    ("sglang", "--host.x 0.0.0.0", "'--host.x' in the launch command sets --host"),
+    ("sglang", "--po 1", "'--po' in the launch command sets --port"),     # the tool replaces the exact --port only
+    ("vllm", "--data_parallel_address 0.0.0.0", "'--data_parallel_address' in the launch command sets "
+                                                "--data-parallel-address"),
+    ("vllm", "-dpa 0.0.0.0", "'-dpa' in the launch command sets -dpa"),
+    ("vllm", "--uds /tmp/e3f.sock", "'--uds' in the launch command sets --uds"),
+    ("wrapper", "--uds /tmp/e3f.sock", "'--uds' in the launch command sets --uds"),      # neither named: both lists
+    ("wrapper", "--disaggregation-mode prefill", "'--disaggregation-mode' in the launch command sets "
+                                                 "--disaggregation-mode"),
+])
+def test_a_relaunch_command_may_hold_no_listener_flag_but_the_exact_host_and_port(program, words, named, tmp_path):
+    """issue 40 follow-up: ``--relaunch "... --ho 0.0.0.0 --dist-init-addr 0.0.0.0:5000 --port 1"`` ran the fixed copy
+    with ``--ho 0.0.0.0 --dist-init-addr 0.0.0.0:5000 --host 127.0.0.1 --port N`` (set_flags replaces the exact
+    --host / --port only): every other listener flag of the command's engine is refused, naming it."""
+    head = {"sglang": f"{sys.executable} -m sglang.launch_server --model-path /m",
+            "vllm": f"{_program(tmp_path, 'vllm')} serve /m",
+            "wrapper": f"{_program(tmp_path, 'run.sh')} --model /m"}[program]
+    with pytest.raises(BadInput) as exc:
+        relaunch_argv(f"{head} {words}")
+    assert exc.value.field == "--relaunch" and exc.value.message.startswith(named), str(exc.value)
+
+
+def test_the_exact_host_and_port_of_a_relaunch_command_are_replaced_and_its_engine_decides(tmp_path):
+    sglang = f"{sys.executable} -m sglang.launch_server --model-path /m"
+    for words in ("--host 0.0.0.0 --port 1", "--host=0.0.0.0 --port=1"):
+        argv = relaunch_argv(f"{sglang} {words} --enable-metrics")
+        fixed = set_flags(argv, {"--host": "127.0.0.1", "--port": "31000"})
+        assert fixed[-4:] == ["--host", "127.0.0.1", "--port", "31000"] and "0.0.0.0" not in fixed, fixed
+        assert [w for w in fixed if w.startswith("--host") or w.startswith("--port")] == ["--host", "--port"]
+    assert relaunch_argv(f"{sglang} --uds /tmp/x")[-2:] == ["--uds", "/tmp/x"]     # no SGLang flag: not its list
+    vllm = _program(tmp_path, "vllm")
+    assert command_engines([vllm, "serve", "/m", "--host", "h"]) == ("vllm",)
+    assert command_engines(["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]) == ("vllm",)
+    assert command_engines(["python", "-m", "sglang.launch_server", "--model-path", "/vllm"]) == ("sglang",)
+    assert command_engines(["/opt/run.sh", "--model", "/m"]) == ("sglang", "vllm")
+    assert relaunch_argv(f"{vllm} serve /m --disaggregation-mode prefill")[-1] == "prefill"   # SGLang's, not vLLM's
+
+
+@pytest.mark.parametrize("cmd", ["investigate", "ablate"])
+def test_investigate_and_ablate_refuse_such_a_relaunch_before_any_folder_or_request(cmd, tmp_path, capsys):
+    relaunch = (f"{sys.executable} -m sglang.launch_server --model-path /m --ho 0.0.0.0 "
+                "--dist-init-addr 0.0.0.0:5000 --port 1")
+    argv = [cmd, "--url", f"http://127.0.0.1:{free_port()}", "--relaunch", relaunch, "--out", str(tmp_path / "o")]
+    argv += ["--training", "env/models/data/sample"] if cmd == "investigate" else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{cmd}: error: [--relaunch]: '--ho' in the launch command sets "
+                                               "--host"), err
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())

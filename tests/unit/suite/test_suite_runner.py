@@ -5,6 +5,7 @@ plus the real 99_postmortem."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import nbformat
@@ -210,6 +211,11 @@ def test_the_console_says_when_a_steps_sweep_cannot_tell_its_points_apart():
      "field 'notebook_params.01_ok.server_url': credentials in a URL"),
     ("common", {"a": {"urls": ["http://127.0.0.1:9", "see https://u:hunter2-pw@h:1/v1 too"]}},
      "field 'common.a.urls[1]': credentials in a URL"),
+    # 00_investigate's fixed copy is relaunched as investigate --relaunch is: the same listener rule at load
+    ("notebook_params", {"00_investigate": {"relaunch": f"{sys.executable} -m sglang.launch_server --ho 0.0.0.0"}},
+     "field 'notebook_params.00_investigate.relaunch': '--ho' in the launch command sets --host"),
+    ("common", {"relaunch": f"{sys.executable} -m sglang.launch_server --dist-init-addr 0.0.0.0:5000"},
+     "field 'common.relaunch': '--dist-init-addr' in the launch command sets --dist-init-addr"),
 ])
 def test_names_from_a_params_file_stay_in_their_folders(failing_params, tmp_path, capsys, field, value, named):
     """Issue 40: a notebook named ``../something`` ran a notebook outside the notebook folder, wrote its executed
