@@ -54,8 +54,8 @@ def _target(tmp_path):
                                          (["--timeout", "inf"], "--timeout must be a finite number"),
                                          (["--port", "99999"], "--port: expected ports within 1-65535")])
 def test_flags_are_checked_before_any_server_starts(engine, flags, named, tmp_path, capsys, no_launch):
-    if engine == "vllm" and flags[0] == "--draft-tokens":       # vLLM takes none at all
-        named = "--engine vllm: --draft-tokens apply to SGLang only"
+    if engine == "vllm" and flags[0] in ("--draft-tokens", "--topk"):       # vLLM takes neither at all
+        named = f"--engine vllm: {flags[0]} apply to SGLang only"
     for detach in ([], ["--detach"]):
         rc = main(["server", "start", "--engine", engine, "--target", str(_target(tmp_path / engine / str(len(detach)))),
                    *detach, *flags])
