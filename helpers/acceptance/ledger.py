@@ -13,7 +13,8 @@ rows to a temp file, checks every old ``row_id`` survived, and renames it over t
 processes appending at once therefore serialise and lose nothing; rows are never edited or dropped.
 
 A ledger that cannot be read (truncated by a full disk, edited by hand), or a Parquet file of another table in its
-place (without the columns :data:`LEDGER_COLUMNS` every ledger row has), is :class:`LedgerUnreadable` (bad input,
+place (:func:`ledger_shape_problem`: without the columns :data:`LEDGER_COLUMNS` every ledger row has, or with them not
+text, a column of a type the tool never writes, or no column at all), is :class:`LedgerUnreadable` (bad input,
 exit 2) and is never written over; every row it indexed is also in the measurement folders it points to
 (``saved_to``), from which :meth:`Ledger.rebuild` writes a new one (``python -m helpers measure --rebuild-ledger
 RUN_DIR``: :func:`helpers.acceptance.measure.rebuild_ledger`), keeping the old file beside it.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import json
 import os
 import uuid
@@ -32,6 +34,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ..runfiles import (  # noqa: F401
     DEFAULT_OUTPUTS,
@@ -52,6 +55,59 @@ REBUILD_COMMAND = "python -m helpers measure --rebuild-ledger {run_dir}"
 #: the columns every row of a ledger has had since the first ledger (the fix's name; the id :func:`_flat` gives each
 #: row): a Parquet file without them is another table, not a ledger (issue 40)
 LEDGER_COLUMNS = ("fix", "row_id")
+
+
+def ledger_shape_problem(schema: pa.Schema, rows: int) -> Optional[str]:
+    """Why a readable Parquet table is not a ledger this tool wrote (issue 40), or None when it is one. Every ledger
+    this tool has written (:meth:`Ledger.append` / :meth:`Ledger.rebuild` through
+    :func:`helpers.runfiles.parquet_bytes`, from the rows of :meth:`helpers.acceptance.measure.AcceptanceResult.record`)
+    is a table whose
+
+    * columns include :data:`LEDGER_COLUMNS` (``fix``, ``row_id``), both strings (a fix's name; a uuid4 hex);
+    * columns are all flat: text, numbers, booleans or empty (lists and dicts are stored as JSON text, ``*_json``) --
+      a list, map, struct, binary or dictionary column is one it never writes;
+    * a table of no column is one only when it has no row and pandas' schema record (what ``parquet_bytes`` writes:
+      a rebuild from no measurement folder); ``pyarrow.parquet.write_table(pa.table({}))`` is not.
+
+    Column *names* are not checked: the summary's figures have grown release by release, so an older ledger's
+    columns are not a fixed list.
+
+    Returns: one clause naming the columns at fault, or None."""
+    names = list(schema.names)
+    if not names:
+        if rows == 0 and b"pandas" in (schema.metadata or {}):
+            return None
+        return (f"a table of no column ({rows} row{'s' if rows != 1 else ''}, not written by this tool); a ledger's "
+                f"rows all have {', '.join(LEDGER_COLUMNS)}")
+    missing = [c for c in LEDGER_COLUMNS if c not in names]
+    if missing:
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        return (f"its columns are {shown}; a ledger's rows all have {', '.join(LEDGER_COLUMNS)}, it lacks "
+                f"{', '.join(missing)}")
+    for c in LEDGER_COLUMNS:
+        t = schema.field(c).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            return f"its column {c} holds {_type_word(t)}, not text (a ledger's {c} is a string in every row)"
+    flat = (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_floating,
+            pa.types.is_boolean, pa.types.is_null)
+    for f in schema:
+        if not any(test(f.type) for test in flat):
+            return (f"its column {f.name} holds {_type_word(f.type)}, a type this tool never writes (a ledger's columns are text, "
+                    "numbers, booleans; lists and dicts as JSON text)")
+    return None
+
+
+def _type_word(t: pa.DataType) -> str:
+    """An Arrow type in a word for messages (``integers``, ``lists``, ``maps``, ...)."""
+    for test, word in ((pa.types.is_integer, "integers"), (pa.types.is_floating, "floats"),
+                       (pa.types.is_boolean, "booleans"), (pa.types.is_map, "maps"),
+                       (lambda x: pa.types.is_list(x) or pa.types.is_large_list(x) or pa.types.is_fixed_size_list(x),
+                        "lists"), (pa.types.is_struct, "structs"), (pa.types.is_dictionary, "dictionary-encoded values"),
+                       (lambda x: pa.types.is_binary(x) or pa.types.is_large_binary(x) or
+                        pa.types.is_fixed_size_binary(x), "bytes"), (pa.types.is_temporal, "dates / times")):
+        if test(t):
+            return word
+    return str(t)
 
 
 class LedgerError(RunFailed):
@@ -113,28 +169,27 @@ class Ledger:
             return pd.DataFrame()
         try:
             # one open() = one consistent file (a concurrent os.replace cannot mix two versions)
-            df = read_parquet(self.path.read_bytes())
+            data = self.path.read_bytes()
+            df = read_parquet(data)
+            schema = pq.ParquetFile(io.BytesIO(data)).schema_arrow
         except FileNotFoundError:
             return pd.DataFrame()
         except OSError as exc:
             raise LedgerUnreadable(self.path, exc.strerror or str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any parquet/arrow error
             raise LedgerUnreadable(self.path, f"not a Parquet file, or truncated: {exc}") from None
-        missing = [c for c in LEDGER_COLUMNS if c not in df.columns]
-        if len(df.columns) and missing:       # (a rebuild from no measurement folder writes a table of no column)
-            cols = [str(c) for c in df.columns]
-            shown = ", ".join(cols[:8]) + (f", ... ({len(cols)} in all)" if len(cols) > 8 else "")
-            raise LedgerUnreadable(self.path, f"a Parquet table of another shape: its columns are {shown}; a ledger's "
-                                              f"rows all have {', '.join(LEDGER_COLUMNS)}, it lacks "
-                                              f"{', '.join(missing)}")
+        why = ledger_shape_problem(schema, len(df))
+        if why is not None:
+            raise LedgerUnreadable(self.path, f"a Parquet table of another shape: {why}")
         return df
 
     def read(self) -> pd.DataFrame:
         """All rows (empty DataFrame when the ledger does not exist yet).
 
         Raises:
-            LedgerUnreadable: the file (or its lock file) cannot be read, or is a Parquet table without the ledger's
-                columns (:data:`LEDGER_COLUMNS`); it is left as is."""
+            LedgerUnreadable: the file (or its lock file) cannot be read, or is a Parquet table that is not a
+                ledger (:func:`ledger_shape_problem`: no column, the key columns missing or not text, a column of a
+                type this tool never writes); it is left as is."""
         with self._lock(exclusive=False):
             return self._read_unlocked()
 

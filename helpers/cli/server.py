@@ -19,6 +19,7 @@ from ..paths import ROOT
 from ..server.embedded import REFERENCE_DRAFT, SPEC_ALGORITHMS, parse_ports, pick_port
 from ..server.listener_flags import refuse_listener_flags
 from ..server.process import stop_pid
+from ..server.protocol import MAX_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_PARALLEL, MAX_TOPK
 from ..server.registry import register, state_path, unregister
 from ..server.settings import default_draft_tokens
 from .common import Parser, run
@@ -154,17 +155,22 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 def check_start_flags(args: argparse.Namespace) -> None:
     """``server start``'s own flags, checked before any server starts: ``--tp``, ``--steps``, ``--topk`` and
-    ``--draft-tokens`` at least 1 (SGLang's ``SpecSettings`` fields are ``ge=1``; vLLM 0.32.0 refuses
+    ``--draft-tokens`` at least 1 and at most the counts the tool's own ``/server_info`` check takes
+    (:data:`helpers.server.protocol.MAX_PARALLEL`, ``MAX_NUM_STEPS``, ``MAX_TOPK``, ``MAX_DRAFT_TOKENS``: one rule; a
+    ``--tp 100000`` built an argument list the OS refused) (SGLang's ``SpecSettings`` fields are ``ge=1``; vLLM 0.32.0 refuses
     ``num_speculative_tokens`` <= 0: vllm/config/speculative.py::SpeculativeConfig.__post_init__, and a TP of 0
     divides by zero in :func:`helpers.engines.vllm_server.omp_bind`), ``--dtype`` one of :data:`DTYPES`,
     ``--timeout`` a finite number of seconds above 0 (not nan / inf), ``--port`` a port or ``LOW-HIGH``.
 
     Raises:
         BadServerInput: one line naming the flag and what it takes (exit 2)."""
-    for flag, value in (("--tp", args.tp), ("--steps", args.steps), ("--topk", args.topk),
-                        ("--draft-tokens", args.draft_tokens)):
+    for flag, value, most in (("--tp", args.tp, MAX_PARALLEL), ("--steps", args.steps, MAX_NUM_STEPS),
+                              ("--topk", args.topk, MAX_TOPK), ("--draft-tokens", args.draft_tokens, MAX_DRAFT_TOKENS)):
         if value is not None and value < 1:
             raise BadServerInput(f"{flag} must be at least 1, got {value}")
+        if value is not None and value > most:
+            raise BadServerInput(f"{flag} must be at most {most}, got {value} (the most this tool measures: its "
+                                 "/server_info check refuses a server reporting more)")
     if args.dtype not in DTYPES:
         raise BadServerInput(f"--dtype {args.dtype!r} is not one {args.engine} takes: expected one of "
                              f"{', '.join(DTYPES)}")

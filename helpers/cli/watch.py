@@ -66,7 +66,8 @@ def build_parser() -> Parser:
     p.add_argument("--investigate-timeout", type=float, default=900.0, help="budget in seconds of each "
                    "investigation (default 900)")
     p.add_argument("--max-failures", type=int, default=3, help="samples failing in a row before exit 1 (default 3)")
-    p.add_argument("--outputs", help="folder under which the run folder is created (default outputs/)")
+    p.add_argument("--out", "--outputs", dest="out", metavar="DIR",
+                   help="folder under which the run folder is created (default outputs/); --outputs: the old name")
     p.add_argument("--api-key-env", default="SGLANG_API_KEY", help="NAME of the environment variable holding the "
                    "API key (never the key)")
     p.add_argument("--quiet", action="store_true", help="no line per sample")
@@ -136,7 +137,7 @@ def cli_main(argv: Sequence[str]) -> int:
     def body() -> int:
         args = build_parser().parse_args(list(argv))
         _check(args)
-        outputs = out_folder(args.outputs, "--outputs")
+        outputs = out_folder(args.out, "--out")
         resume = run_folder_arg(args.resume, "--resume")
         if resume is not None and not (resume / LOG_NAME).is_file():
             raise BadInput(f"--resume: no {LOG_NAME} in this folder (not a watch run folder)", path=resume)

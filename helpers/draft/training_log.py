@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import BadInput
 from ..formats.rows import text_kind
-from ..runfiles import JSONTooDeep, loads_json, read_file_bytes
+from ..runfiles import JSONTooDeep, loads_json, read_file_bytes, regular_file
 
 Format = Literal["specforge", "torchspec", "speculators", "eagle", "e3f"]
 Kind = Literal["marginal", "joint", "conditional"]
@@ -460,15 +461,20 @@ TRAINING_LOG_NAMES = ("training_log.json", "trainer_state.json", "eval_results.j
                       "training_log.jsonl", "train.log")
 
 def find_training_log(draft_dir: Path, given: Optional[str | Path] = None) -> Optional[Path]:
-    """``given``, else the first of :data:`TRAINING_LOG_NAMES` in the draft folder or its parent."""
+    """``given``, else the first of :data:`TRAINING_LOG_NAMES` in the draft folder or its parent.
+
+    Raises:
+        BadInput: ``given`` is not a regular file (missing, a FIFO, a device, a symlink loop:
+            :func:`helpers.runfiles.regular_file`), naming it and ``--training-log``."""
     if given is not None:
         p = Path(given)
-        if not p.is_file():
-            raise BadInput("training log not found", path=p, field="--training-log")
-        return p
+        try:        # the one reader rule: missing, a symlink loop, a FIFO, a device, a folder -- said as what it is
+            return regular_file(p, "training log")
+        except BadInput as exc:
+            raise BadInput(exc.message, path=p, field="--training-log") from None
     for folder in (draft_dir, draft_dir.parent):
         for n in TRAINING_LOG_NAMES:
-            if (folder / n).is_file():
+            if os.path.lexists(folder / n) and not (folder / n).is_dir():     # a FIFO of the name: refused when read
                 return folder / n
     return None
 

@@ -716,12 +716,15 @@ def load_served(path: str | Path, *, tp_rank: Optional[int] = None) -> list[Samp
     Returns a list (a dumper folder may hold several TP ranks).
 
     Raises:
-        BadInput: the path does not exist or is none of the above.
+        BadInput: the path does not exist, is not a folder or a regular file (a FIFO, a device, a symlink loop:
+            :func:`helpers.runfiles.regular_file`), or is none of the above.
     """
     p = Path(path)
-    if not p.exists():
+    if not p.exists() and not p.is_symlink():
         raise BadInput("not found (expected a dump folder, a /generate response JSON or an SGLang dumper folder)",
                        path=p)
+    if not p.is_dir():
+        regular_file(p, "served data")      # a FIFO, /dev/zero, a symlink loop: said as what it is
     if p.is_dir():
         if (p / "manifest.json").exists():
             src = read_dump(p)

@@ -2,13 +2,14 @@
 continuations are. Light (no torch): the CLI's argument checks read it."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from ..errors import BadInput
-from ..runfiles import loads_json
+from ..runfiles import read_json_file
 
 
 def data_manifest(path: str | Path) -> Optional[tuple[dict, Path]]:
@@ -19,18 +20,18 @@ def data_manifest(path: str | Path) -> Optional[tuple[dict, Path]]:
         ``(document, path of capture.json)`` or None when there is none.
 
     Raises:
-        BadInput: a ``capture.json`` that is not a JSON object.
+        BadInput: a ``capture.json`` that is not a JSON object, or not a regular file (a FIFO, a device, a symlink
+            loop: :func:`helpers.runfiles.read_json_file`, naming it).
     """
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     for cand in (folder, folder.parent, folder.parent.parent):
         m = cand / "capture.json"
-        if not m.is_file():
+        if not os.path.lexists(m):
             continue
-        try:
-            doc = loads_json(m.read_text())
-        except (OSError, ValueError) as exc:
-            raise BadInput(f"not readable as JSON ({exc})", path=m) from exc
+        # the one bounded reader: a FIFO, /dev/zero, a symlink loop or a folder named capture.json is refused by
+        # name, never taken for "no record" (the plan would fall back to inferred ids without a word)
+        doc = read_json_file(m, "capture.json (the data set's record)")
         if not isinstance(doc, dict):
             raise BadInput(f"expected a JSON object, got {type(doc).__name__}", path=m)
         return doc, m

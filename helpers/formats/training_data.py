@@ -47,11 +47,12 @@ def list_training_files(path: str | Path) -> tuple[str, list[Path]]:
         ``data_10``).
 
     Raises:
-        BadInput: nothing recognisable found.
+        BadInput: nothing recognisable found; ``path`` or a file of a sample's name under it missing or not a
+            regular file (a FIFO, a device, a symlink loop: :func:`helpers.runfiles.regular_file`, naming it).
     """
     p = Path(path)
-    if not p.exists():
-        raise BadInput("training data not found", path=p)
+    if not p.is_dir():
+        regular_file(p, "training data")        # missing, a symlink loop, a FIFO, a device: named, never skipped
     if p.is_dir() and (p / "manifest.json").exists():
         return "e3f-dump", [p]
     if p.is_file():
@@ -61,9 +62,12 @@ def list_training_files(path: str | Path) -> tuple[str, list[Path]]:
             return "speculators", [p]
         raise BadInput("unrecognised training file (expected data_*.ckpt[.gz], hs_*.safetensors or a dump folder)",
                        path=p)
-    ckpts = [f for f in p.rglob("*") if f.is_file() and f.name.endswith((".ckpt", ".ckpt.gz"))]
+    # every file of a sample's name is a sample: one that is not a regular file (a FIFO, a link to /dev/zero, a
+    # symlink loop) is refused naming it (helpers.runfiles.regular_file), never dropped without a word
+    ckpts = [regular_file(f, "training file") for f in p.rglob("*")
+             if f.name.endswith((".ckpt", ".ckpt.gz")) and not f.is_dir()]
     # SpecForge's vocab_mapping/vocab_mapping.pt is not a sample (its reader globs *.ckpt only).
-    hs = [f for f in p.rglob("hs_*.safetensors") if f.is_file()]
+    hs = [regular_file(f, "training file") for f in p.rglob("hs_*.safetensors") if not f.is_dir()]
     if ckpts and hs:
         raise BadInput("both .ckpt and hs_*.safetensors files found; point --training at one data set", path=p)
     if ckpts:

@@ -64,6 +64,7 @@ from ..errors import (
 from ..formats.configs import read_config_json
 from ..redaction import redact, redact_url, remember, remember_url, scrub, shown_url
 from ..runfiles import JSONTooDeep, loads_json
+from .hosts import canonical_host
 from .protocol import GenerateResult, ServerInfo
 from .settings import (
     EffectiveSpecConfig,
@@ -159,10 +160,11 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "ip6-localhost", "0.0.0.0")
 
 def server_key(url: str) -> tuple:
     """What identifies the server a checked URL (:func:`check_url`) names: ``(scheme, host, port, path)`` with the
-    host lower-cased and loopback names as one (:data:`LOOPBACK_HOSTS`), the scheme's default port made explicit,
+    host in one spelling (:func:`canonical_host`) and loopback names as one (:data:`LOOPBACK_HOSTS`), the scheme's
+    default port made explicit,
     trailing ``/`` and credentials dropped; two URLs with equal keys reach the same server."""
     parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
+    host = canonical_host(parts.hostname or "")
     host = "127.0.0.1" if host in LOOPBACK_HOSTS else host
     return parts.scheme.lower(), host, parts.port or (443 if parts.scheme.lower() == "https" else 80), \
         parts.path.rstrip("/")

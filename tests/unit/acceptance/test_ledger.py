@@ -149,7 +149,8 @@ def test_a_readable_ledger_of_another_shape_keeps_the_measurement(measured, tmp_
         run.mkdir()
         pq.write_table(table, run / "ledger.parquet")
         before = (run / "ledger.parquet").read_bytes()
-        with pytest.raises(LedgerUnreadable, match="cannot take a new one without loss") as err:
+        with pytest.raises(LedgerUnreadable, match="another shape: its column (row_id holds integers, not text|extra "
+                                                   "holds maps, a type this tool never writes)") as err:
             measured.record(run, "new")
         assert str(err.value).startswith(f"{run / 'ledger.parquet'}: ") and "kept in fixes/new" in str(err.value)
         assert (run / "fixes" / "new" / "summary.json").exists(), name
@@ -296,6 +297,59 @@ def test_a_foreign_parquet_file_as_the_ledger_is_bad_input(measured, tmp_path, c
     assert err_lines[0].startswith(f"measure: error: {run / 'ledger.parquet'}: the ledger cannot be read (a Parquet "
                                    "table of another shape") and "kept in fixes/cli" in err_lines[0], err_lines
     assert (run / "fixes" / "cli" / "summary.json").exists() and (run / "ledger.parquet").read_bytes() == before
-    # an empty table (a rebuild from no measurement folder) is a ledger of no row
-    pq.write_table(pa.table({}), tmp_path / "empty.parquet")
-    assert Ledger(tmp_path / "empty.parquet").read().empty
+    # an empty table written by this tool (a rebuild from no measurement folder: pandas' schema record) is a ledger
+    # of no row; a table of no column written by anything else is not (issue 40: it was replaced by a one-row ledger)
+    (tmp_path / "none").mkdir()
+    assert rebuild_ledger(tmp_path / "none").kept_old is None
+    assert Ledger(tmp_path / "none" / "ledger.parquet").read().empty
+    measured.record(tmp_path / "none", "first")
+    assert list(Ledger(tmp_path / "none" / "ledger.parquet").read()["fix"]) == ["first"]
+
+
+def _foreign(tmp_path, name, table):
+    import pyarrow.parquet as pq
+    run = tmp_path / name
+    run.mkdir()
+    pq.write_table(table, run / "ledger.parquet")
+    return run, (run / "ledger.parquet").read_bytes()
+
+
+def test_tables_that_are_not_this_tools_ledger_are_refused_and_left_byte_for_byte(measured, tmp_path, capsys):
+    """Issue 40, found by a tester: a Parquet table of no column was replaced by a one-row ledger, and ``{fix: [1, 2]
+    (int), row_id, evil}`` merged (``evil`` kept, ``fix`` cast to text), exit 0. Each is bad input (exit 2) naming
+    what is wrong, the file left byte for byte, the new measurement kept in its folder -- through the API and
+    `measure --run-dir` against a fake server; a ledger this tool wrote keeps taking rows."""
+    import pyarrow as pa
+
+    cases = {
+        "no_column": (pa.table({}), "a table of no column (0 rows, not written by this tool)"),
+        "fix_int": (pa.table({"fix": [1, 2], "row_id": ["a", "b"], "evil": ["x", "y"]}),
+                    "its column fix holds integers, not text"),
+        "row_id_binary": (pa.table({"fix": ["a"], "row_id": pa.array([b"\x00"], pa.binary())}),
+                          "its column row_id holds bytes, not text"),
+        "nested": (pa.table({"fix": ["a"], "row_id": ["r"], "evil": pa.array([[1, 2]], pa.list_(pa.int64()))}),
+                   "its column evil holds lists, a type this tool never writes"),
+    }
+    for name, (table, why) in cases.items():
+        run, before = _foreign(tmp_path, name, table)
+        with pytest.raises(LedgerUnreadable) as err:
+            measured.record(run, "new")
+        assert str(err.value).startswith(f"{run / 'ledger.parquet'}: the ledger cannot be read (a Parquet table of "
+                                         f"another shape: {why}"), (name, str(err.value))
+        assert err.value.exit_code == 2 and "kept in fixes/new" in str(err.value), name
+        assert (run / "fixes" / "new" / "summary.json").exists(), name
+        assert (run / "ledger.parquet").read_bytes() == before, name
+    run, before = _foreign(tmp_path, "cli", cases["fix_int"][0])
+    capsys.readouterr()
+    with fake_server("ok") as url:
+        rc = main(["measure", "--url", url, "--run-dir", str(run), "--label", "x", "--num-prompts", "2",
+                   "--max-new-tokens", "4", "--warmup", "0", "--quiet", "--timeout", "60"])
+    err_lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if "error" in ln and
+                 not ln.startswith("warning:")]
+    assert rc == 2 and len(err_lines) == 1 and "its column fix holds integers, not text" in err_lines[0], err_lines
+    assert (run / "fixes" / "x" / "summary.json").exists() and (run / "ledger.parquet").read_bytes() == before
+    # a ledger of this tool with every kind of column it writes (text, ints, floats, booleans, all-empty) still reads
+    ok = tmp_path / "ok"
+    measured.record(ok, "a", error=None)
+    measured.record(ok, "b")
+    assert list(Ledger(ok / "ledger.parquet").read()["fix"]) == ["a", "b"]

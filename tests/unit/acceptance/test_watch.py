@@ -234,10 +234,23 @@ def test_resume_of_a_folder_that_is_not_a_watch_run(tmp_path, capsys):
     assert "no watch.jsonl" in capsys.readouterr().err
 
 
+def test_watch_takes_out_like_every_other_command_and_outputs_as_its_old_name(tmp_path, capsys):
+    """Issue 40: ``--out`` is the documented name (the other commands' and the README's), ``--outputs`` kept."""
+    from helpers.cli.watch import build_parser
+    for flag in ("--out", "--outputs"):
+        assert build_parser().parse_args(["--url", "http://127.0.0.1:1", flag, str(tmp_path)]).out == str(tmp_path)
+    (tmp_path / "file").write_text("x")
+    assert main(["watch", "--url", "http://127.0.0.1:1", "--samples", "1", "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"watch: error: {tmp_path / 'file'}: --out must be a folder") and "\n" not in err, err
+    row = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| `watch --url URL"))
+    assert "[--out DIR]" in row.split("` |")[0], row
+
+
 def test_an_unreachable_server_is_exit_1_and_no_folder(tmp_path, capsys):
     with fake_server("ok") as url:
         pass                                # stopped: nothing listens there any more
-    assert main(["watch", "--url", url, "--samples", "1", "--outputs", str(tmp_path), "--quiet"]) == 1
+    assert main(["watch", "--url", url, "--samples", "1", "--out", str(tmp_path), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("watch: error:") and "connect" in err and not list(tmp_path.iterdir())
 

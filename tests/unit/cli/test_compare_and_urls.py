@@ -32,6 +32,13 @@ def _line(capsys, prog: str) -> str:
     ("HTTP://LOCALHOST:30000/", "http://[::1]:30000"),
     ("http://user:pw@127.0.0.1:30000", "http://127.0.0.1:30000"),
     ("http://host.example", "http://host.example:80"),
+    # issue 40: other spellings of one address (the C resolver's IPv4 shorthand / integer / hex forms, IPv4-mapped IPv6)
+    ("http://127.0.0.1:18803", "http://127.1:18803"),
+    ("http://127.0.0.1:18803", "http://2130706433:18803"),
+    ("http://127.0.0.1:18803", "http://[::ffff:127.0.0.1]:18803"),
+    ("http://localhost:18803", "http://0x7f.0.0.1:18803"),
+    ("http://10.0.0.1:18803", "http://10.1:18803"),
+    ("http://[::FFFF:10.0.0.1]:18803", "http://10.0.0.1:18803"),
 ])
 def test_compare_engines_refuses_one_server_given_twice(a, b, tmp_path, capsys):
     assert main(["compare-engines", "--a", a, "--b", b, "--training", "env/models/data/sample",
@@ -46,6 +53,10 @@ def test_server_key_tells_servers_apart():
     assert server_key("http://127.0.0.1:30000") != server_key("https://127.0.0.1:30000")
     assert server_key("http://127.0.0.1:30000/a") != server_key("http://127.0.0.1:30000/b")
     assert server_key("http://10.0.0.1:30000") != server_key("http://10.0.0.2:30000")
+    assert server_key("http://127.0.0.2:30000") != server_key("http://127.0.0.1:30000")   # another address
+    assert server_key("http://10.1:30000") != server_key("http://10.0.1.0:30000")
+    assert server_key("http://deadbeef:30000")[1] == "deadbeef"          # a name, not hex: no DNS, kept as is
+    assert server_key("http://[2001:DB8::0:1]:30000")[1] == "2001:db8::1"
 
 
 def _att(served: str, target_dir) -> Attachment:

@@ -42,12 +42,20 @@ def _target(tmp_path):
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 @pytest.mark.parametrize("flags,named", [(["--tp", "0"], "--tp must be at least 1, got 0"),
                                          (["--steps", "0"], "--steps must be at least 1, got 0"),
+                                         # issue 40: the upper bounds of the tool's own /server_info check
+                                         (["--tp", "100000"], "--tp must be at most 1024, got 100000"),
+                                         (["--steps", "100000"], "--steps must be at most 64, got 100000"),
+                                         (["--topk", "65"], "--topk must be at most 64, got 65"),
+                                         (["--draft-tokens", "99999999"],
+                                          "--draft-tokens must be at most 1024, got 99999999"),
                                          (["--dtype", "bogus"], "--dtype 'bogus' is not one"),
                                          (["--timeout", "nan"], "--timeout must be a finite number"),
                                          (["--timeout", "-5"], "--timeout must be a finite number"),
                                          (["--timeout", "inf"], "--timeout must be a finite number"),
                                          (["--port", "99999"], "--port: expected ports within 1-65535")])
 def test_flags_are_checked_before_any_server_starts(engine, flags, named, tmp_path, capsys, no_launch):
+    if engine == "vllm" and flags[0] in ("--draft-tokens", "--topk"):       # vLLM takes neither at all
+        named = f"--engine vllm: {flags[0]} apply to SGLang only"
     for detach in ([], ["--detach"]):
         rc = main(["server", "start", "--engine", engine, "--target", str(_target(tmp_path / engine / str(len(detach)))),
                    *detach, *flags])

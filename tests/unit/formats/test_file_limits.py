@@ -78,12 +78,46 @@ def test_tensor_files_that_are_special_files_are_refused_before_opening(kind, sp
                                    "index.json)"
             continue
         assert str(e.value).startswith(f"{link}: ") and what in str(e.value), str(e.value)
-    (tmp_path / "train").mkdir()
-    (tmp_path / "train" / "data_0.ckpt").symlink_to(path)      # a training folder whose only sample is a FIFO
-    with pytest.raises(BadInput, match=r"train: no training files found"):      # listed as no sample, never opened
-        TrainingData(tmp_path / "train")
-    with pytest.raises(BadInput):
-        TrainingData(tmp_path / "train" / "data_0.ckpt")
+    # issue 40: a sample that is a special file is refused naming it (it was dropped without a word), never opened --
+    # alone in its folder, beside a real sample, or named itself
+    train = tmp_path / "train" / "rows_0-2000"
+    train.mkdir(parents=True)
+    torch.save({"input_ids": torch.arange(6), "loss_mask": torch.ones(6), "hidden_state": torch.ones(1, 6, H),
+                "aux_hidden_state": torch.ones(1, 6, 3 * H)}, train / "data_1.ckpt")
+    (train / "data_0.ckpt").symlink_to(path)
+    for given in (tmp_path / "train", train, train / "data_0.ckpt"):
+        with pytest.raises(BadInput) as e:
+            TrainingData(given)
+        assert str(e.value).startswith(f"{train / 'data_0.ckpt'}: ") and "training " in str(e.value), str(e.value)
+        assert what in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero", "loop"])
+def test_special_files_among_the_inputs_are_named_as_what_they_are(kind, specials, tmp_path, capsys):
+    """Issue 40: a ``capture.json`` that is a FIFO or /dev/zero was taken for "no record" (the layer plan fell back
+    to inferred ids); ``--training-log`` of one said "not found", ``--served /dev/zero`` "empty file", ``capture
+    --training FIFO`` "no training files found": each is named as what it is, through the one reader rule."""
+    from helpers.__main__ import main
+    from helpers.draft.training_log import find_training_log
+    from helpers.formats.dumps import load_served
+    from helpers.formats.rows import data_manifest
+    path, what = specials[kind]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "capture.json").symlink_to(path)
+    with pytest.raises(BadInput) as e:
+        data_manifest(data)
+    assert str(e.value).startswith(f"{data / 'capture.json'}: ") and "capture.json" in str(e.value) and what in str(e.value), str(e.value)
+    with pytest.raises(BadInput) as e:
+        find_training_log(tmp_path, path)
+    assert str(e.value).startswith(f"{path} [--training-log]: ") and "training log" in str(e.value) and what in str(e.value), str(e.value)
+    with pytest.raises(BadInput) as e:
+        load_served(path)
+    assert str(e.value).startswith(f"{path}: ") and "served data" in str(e.value) and what in str(e.value), str(e.value)
+    capsys.readouterr()
+    assert main(["capture", "--url", "http://127.0.0.1:1", "--training", str(path), "--num-samples", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"capture: error: {path}") and what in err and "\n" not in err, err
 
 
 def test_a_file_over_its_limit_is_refused_naming_both_sizes(tmp_path):
