@@ -405,7 +405,7 @@ def _stage_engine_state(r: Run) -> None:
     doc.notes += state["notes"]
     doc.acceptance = join_engine_state(doc.acceptance, state)
     ran = [p for p in state["probes"] if p["status"] == "ran"]
-    r.done("engine state", t, ", ".join(f"{p['probe']} {p['decision']}" for p in ran) or "no probe ran")
+    r.done("engine state", t, ", ".join(f"{p['probe']} {p['decision'] or 'done'}" for p in ran) or "no probe ran")
 
 
 def _stage_caveats(r: Run) -> None:
