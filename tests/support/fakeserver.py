@@ -305,6 +305,20 @@ def free_port() -> int:
 
 
 @contextmanager
+def in_thread(handler: type):
+    """An HTTP server of ``handler`` (a ``BaseHTTPRequestHandler`` class) on 127.0.0.1 in a daemon thread of this
+    process; yields its URL, shut down and closed on exit."""
+    import threading     # lazy: the subprocess server (``python fakeserver.py``) needs no thread
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@contextmanager
 def fake_server(mode: str, *extra: str):
     """Start ``python -m support.fakeserver MODE PORT [EXTRA...]`` on 127.0.0.1, yield its URL, stop it by PID."""
     port = free_port()

@@ -8,10 +8,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -37,14 +35,8 @@ def metrics_server():
     """An in-process fake SGLang (mode ``metrics``) whose counters the test sets in ``fakeserver.METRICS``."""
     fakeserver.METRICS.clear()
     fakeserver.METRICS.update(FRESH)
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with fakeserver.in_thread(_Metrics) as url:
+        yield url
 
 
 def _watcher(url, run_dir, **kw):

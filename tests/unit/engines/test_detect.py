@@ -5,16 +5,15 @@ and what is supported."""
 from __future__ import annotations
 
 import json
-import threading
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from helpers.__main__ import main
 from helpers.engines.detect import detect, detect_or, supported_text
 from helpers.errors import BadInput, SGLangError
-from support.fakeserver import free_port
+from support.fakeserver import free_port, in_thread
 from support.vllm_answers import METRICS_1
 
 #: what the embedded vLLM 0.32.0 server answered (GET /version, GET /v1/models), trimmed
@@ -41,14 +40,8 @@ def serve(routes: dict[str, tuple[int, object]]):
         def log_message(self, *a):
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with in_thread(H) as url:
+        yield url
 
 
 def test_vllm_0_32_is_detected_from_version_and_models():
