@@ -15,6 +15,7 @@ from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
 from ..investigation.live import default_run_dir, investigate
+from ..investigation.probes import CHOICES as PROBE_CHOICES
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
 from .common import Parser, failure_guard, input_path_arg, out_folder, progress_line, rows_arg, run, subset_arg
@@ -50,7 +51,7 @@ def build_parser() -> Parser:
     p.add_argument("--draft-cost", type=float, metavar="R", help="one draft forward's cost relative to one verify "
                    "step, for the settings stage (default: the ratio of parameters from the safetensors headers; give a "
                    "timing's ratio for a mixture-of-experts target, whose tokens read only their experts)")
-    p.add_argument("--engine-probes", default="cheap", choices=("none", "cheap", "all"),
+    p.add_argument("--engine-probes", default="cheap", choices=PROBE_CHOICES,
                    help="engine-state probes after the acceptance budget: cheap (default: on the live server, the "
                    "prompts with their prefix in the radix cache against cold), all (also restarted copies: chunked "
                    "prefill, the target alone at temperature 0 for greedy losslessness; needs a server the tool can "

@@ -62,9 +62,7 @@ def run_probes(ctx: ProbeContext, which: str = "cheap") -> dict:
     for p in probes():
         res = _one(p, ctx, which)
         out.append(res.to_json())
-        ctx.progress(f"engine state: {p.name}: " + (f"{res.decision or res.why or 'done'}" + _loss_text(res.loss)
-                                                    if res.status == "ran"
-                                                    else f"{res.status} ({res.why})") + f" ({res.seconds:.1f} s)")
+        ctx.progress(f"engine state: {probe_line(out[-1])} ({res.seconds:.1f} s)")
     findings = [f for r in out for f in r["findings"]]
     notes = [f"engine state: {r['probe']}: {r['why']}" for r in out
              if r["status"] in ("ran", "failed") and r.get("why")]
@@ -154,16 +152,13 @@ def join_engine_state(b: Optional[dict], state: dict) -> Optional[dict]:
     return jsonable(b)
 
 
-def probe_lines(state: Optional[dict]) -> list[str]:
-    """One line per probe for the terminal and the page: name, condition, decision with its loss, or why not run."""
-    out = []
-    for r in (state or {}).get("probes") or []:
-        if r.get("status") == "ran":
-            out.append(f"{r['probe']} ({r['condition']}): {r['decision']}{_loss_text(r.get('loss'))}")
-        else:
-            out.append(f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}")
-    return out
+def probe_line(r: dict) -> str:
+    """One probe's result (:meth:`ProbeResult.to_json`) in a line: name, condition, decision with its loss (or its
+    note when it has no decision), or why it was not run."""
+    if r.get("status") == "ran":
+        return f"{r['probe']} ({r['condition']}): {r['decision'] or r.get('why') or 'done'}{_loss_text(r.get('loss'))}"
+    return f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}"
 
 
 __all__ = ["CHOICES", "Probe", "ProbeContext", "ProbeResult", "check_choice", "join_engine_state",
-           "paired_condition_loss", "probe_lines", "probes", "run_probes"]
+           "paired_condition_loss", "probe_line", "probes", "run_probes"]

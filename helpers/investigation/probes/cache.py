@@ -28,7 +28,7 @@ import pandas as pd
 
 from ...acceptance.requests import record
 from ...diagnosis.detectors import finding
-from ...errors import SGLangError
+from ...errors import SGLangError, ServerTimeout
 from ...draft.simulate import summary
 from .base import GREEDY, Probe, ProbeContext, ProbeResult, paired_condition_loss
 
@@ -77,9 +77,9 @@ def _send(ctx: ProbeContext, p, max_new_tokens: int):
     try:
         return ctx.client.generate(**p.request(), sampling_params=GREEDY,
                                    max_new_tokens=max_new_tokens), None
+    except ServerTimeout:
+        raise                                   # the run's own deadline: not this request's failure
     except SGLangError as exc:
-        if type(exc).__name__ == "ServerTimeout":
-            raise
         return None, str(exc).splitlines()[0][:300]
 
 

@@ -13,7 +13,7 @@ from helpers.acceptance.prompts import load_prompts
 from helpers.budget import Budget
 from helpers.draft.budget import _loss, budget_sentence
 from helpers.errors import BadInput
-from helpers.investigation.probes import (ProbeContext, check_choice, join_engine_state, probe_lines, probes,
+from helpers.investigation.probes import (ProbeContext, check_choice, join_engine_state, probe_line, probes,
                                           run_probes)
 from helpers.investigation.probes.lossless import NEAR_TIE, classify, first_divergence, top2
 from helpers.server.protocol import GenerateResult
@@ -130,7 +130,9 @@ def test_restart_probes_skip_with_why(tmp_path):
     assert "left of the run" in why["greedy_lossless"]
     costs = [p.cost for p in probes()]
     assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 3     # cheap first
-    assert all(len(line) > 10 for line in probe_lines(st))
+    lines = {p["probe"]: probe_line(p) for p in st["probes"]}
+    assert lines["oracle"].startswith("oracle (with a perfect draft") and "skipped: " in lines["oracle"]
+    assert lines["radix_hit"].startswith("radix_hit (with the prompt's prefix in the radix cache): ")
 
 
 def test_engine_probes_choice_is_checked():
