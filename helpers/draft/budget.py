@@ -164,10 +164,14 @@ class BudgetInputs:
 
 @dataclass
 class _Ladder:
-    """The budget being built: stages in ladder order, losses by stage, what is missing, notes, the frames the later
-    stages pair with."""
+    """The budget being built: the draft, its drafting-chain simulator ``sim(seqs, settings, max_new_tokens=None)`` and
+    the draft stage's bootstrap index (what every stage may use), then stages in ladder order, losses by stage, what
+    is missing, notes, the frames the later stages pair with."""
 
     S: int
+    draft: Any = None
+    sim: Any = None
+    idx: Optional[np.ndarray] = None
     stages: list = field(default_factory=list)
     losses: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)
@@ -192,20 +196,20 @@ def _log_stage(L: _Ladder, inp: BudgetInputs) -> None:
                                f"{', '.join(inp.log.source_keys[:L.S])})", "note": pred["note"]})
 
 
-def _draft_stage(L: _Ladder, inp: BudgetInputs, idx: Optional[np.ndarray]) -> None:
+def _draft_stage(L: _Ladder, inp: BudgetInputs) -> None:
     """2 -- the checkpoint against its log, like with like (:func:`helpers.draft.draft_stage.draft_stage`); a
     draft-side fix (a vocab map) is run on the same rows and paired."""
     stage, loss = draft_stage(inp.draft_rows, inp.draft_rows_kind, inp.draft_rows_path, inp.log, L.S,
-                              labels=inp.draft_rows_labels, idx=idx)
+                              labels=inp.draft_rows_labels, idx=L.idx)
     L.stages.append(stage)
     L.losses["draft"] = loss
     df = inp.draft_fix
     if df and df.get("rows") and inp.draft_rows and inp.log is not None and stage.get("accept_length") is not None:
-        res = reduce(inp.draft_rows, stage["trainer"], len(inp.log.per_position), idx=idx)
-        fres = reduce(df["rows"], stage["trainer"], len(inp.log.per_position), idx=idx)
+        res = reduce(inp.draft_rows, stage["trainer"], len(inp.log.per_position), idx=L.idx)
+        fres = reduce(df["rows"], stage["trainer"], len(inp.log.per_position), idx=L.idx)
         S = min(L.S, len(inp.log.per_position))
-        a, _, _, da = accept_length_ci(res, S, idx)
-        b, blo, bhi, db = accept_length_ci(fres, S, idx)
+        a, _, _, da = accept_length_ci(res, S, L.idx)
+        b, blo, bhi, db = accept_length_ci(fres, S, L.idx)
         g = db - da
         lo, hi = (float(x) for x in np.percentile(g, [2.5, 97.5]))
         stage["fix"] = {"label": df["label"], "accept_length": b, "ci": [blo, bhi], "gain": b - a, "gain_ci": [lo, hi],
@@ -215,12 +219,12 @@ def _draft_stage(L: _Ladder, inp: BudgetInputs, idx: Optional[np.ndarray]) -> No
                                                  - per_sequence_accept_length(res, S)]
 
 
-def _training_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+def _training_stage(L: _Ladder, inp: BudgetInputs) -> None:
     """3 -- the draft's drafting chain replayed offline on the training data's aux states."""
     if not inp.training:
         L.missing.append("offline on training states: no training samples")
         return
-    r = sim(inp.training, [inp.settings])
+    r = L.sim(inp.training, [inp.settings])
     L.train_frame = r["per_request"][inp.settings]
     L.stages.append(_stage("offline on training states", L.train_frame, L.S,
                            source=f"the draft's drafting chain replayed offline on {len(inp.training)} training "
@@ -228,7 +232,7 @@ def _training_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
                            greedy_share=r["greedy_share"]))
 
 
-def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+def _wiring_stage(L: _Ladder, inp: BudgetInputs) -> None:
     """4 -- the same draft on the aux states the server fed for the same training tokens, paired per sample; then,
     when the live prompts' every-layer reference is given, on the live prompts too (:func:`_wiring_on_live_prompts`)."""
     if not (inp.served_training and L.train_frame is not None):
@@ -237,7 +241,7 @@ def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
         L.missing.append(f"offline on served states: {why}")
         L.losses["wiring"] = _not_computed("wiring", why)
     else:
-        r = sim(inp.served_training, [inp.settings])
+        r = L.sim(inp.served_training, [inp.settings])
         f = L.served_frame = r["per_request"][inp.settings]
         L.stages.append(_stage("offline on served states", f, L.S,
                                source=f"the draft run offline on the aux states the server fed for the same "
@@ -247,7 +251,7 @@ def _wiring_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
         L.losses["wiring"] = _loss("wiring", d, lo, hi, f"{TRAINING_WIRING}, paired over {n} sample(s)",
                                    ref, n=n, unit="training samples", per_sequence=per)
     if inp.live_trained and inp.live_sequences:
-        _wiring_on_live_prompts(L, inp, sim)
+        _wiring_on_live_prompts(L, inp, L.sim)
 
 
 def _blind_identity(per: Optional[Sequence[float]], diff: Optional[float]) -> bool:
@@ -328,7 +332,7 @@ def _too_few_verify_steps(name: str, loss: dict, vs: Optional[float], max_new_to
             "settle": _more_tokens(max_new_tokens)}
 
 
-def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+def _engine_stage(L: _Ladder, inp: BudgetInputs) -> None:
     """5 -- the live prompts: the draft offline on the served states of the server's own continuation, against the
     server's counters for the same answers, paired per request."""
     if not (inp.live_sequences and inp.live is not None):
@@ -336,7 +340,7 @@ def _engine_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
         L.losses["engine"] = _not_computed("engine", "no live requests with served states (live measurement off "
                                                      "or failed)")
         return
-    r = sim(inp.live_sequences, [inp.settings], inp.max_new_tokens)
+    r = L.sim(inp.live_sequences, [inp.settings], inp.max_new_tokens)
     live_sim = r["per_request"][inp.settings]
     L.stages.append(_stage("offline on live prompts' served states", live_sim, L.S,
                            source=f"the draft run offline on the aux states of {len(inp.live_sequences)} live "
@@ -412,7 +416,7 @@ def _no_reference(served: dict, table: Sequence[dict], thr: float, n: int) -> di
     return {**out, "ci": [0.0, 0.0], "decision": "clear", "settle": None, "why": why}
 
 
-def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
+def _settings_stage(L: _Ladder, inp: BudgetInputs) -> None:
     """6 -- other ``--speculative-num-steps`` simulated on the same states, scored by a cost model; the loss in accept
     length against the acceptance reference (:func:`acceptance_reference`)."""
     st = inp.settings
@@ -423,7 +427,7 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     grid_name = ("live prompts' served states" if grid_src is inp.live_sequences else
                  "served states" if grid_src is inp.served_training else "training states")
     grid = sorted({DraftSettings.chain(s) for s in SETTINGS_STEPS} | {st}, key=lambda x: (x.topk, x.steps))
-    r = sim(grid_src, grid, inp.max_new_tokens if grid_src is inp.live_sequences else None)
+    r = L.sim(grid_src, grid, inp.max_new_tokens if grid_src is inp.live_sequences else None)
     table = []
     for g in grid:
         s = summary(r["per_request"][g], g.steps)
@@ -506,20 +510,20 @@ def _settings_stage(L: _Ladder, inp: BudgetInputs, sim) -> None:
     L.settings_table = table
 
 
-def _fix_stage(L: _Ladder, draft, inp: BudgetInputs) -> None:
+def _fix_stage(L: _Ladder, inp: BudgetInputs) -> None:
     """The proposed fix, proven offline: the drafting chain on the states the fix would feed, paired with the
     served states on the same samples."""
     if not (inp.fix and inp.fix.get("sequences")):
         return
     st = inp.settings
-    fdraft = inp.fix.get("draft") or draft
+    fdraft = inp.fix.get("draft") or L.draft
     f = simulate_sequences(fdraft, inp.fix["sequences"], [st])["per_request"][st]
     s = summary(f, L.S)
     fo = {"label": inp.fix.get("label", "proposed fix"), "accept_length": s["accept_length"],
           "ci": [s["accept_length_lo"], s["accept_length_hi"]], "plan": inp.fix.get("plan")}
     if inp.served_training:
         if L.served_frame is None:              # stage 4 did not run (no training frame): simulate them here
-            L.served_frame = simulate_sequences(draft, inp.served_training, [st])["per_request"][st]
+            L.served_frame = simulate_sequences(L.draft, inp.served_training, [st])["per_request"][st]
         d, lo, hi, n, per = _paired_loss(f, L.served_frame)
         ref = next((x.get("accept_length") for x in L.stages if x["name"] == "offline on served states"), None)
         dec = decide(d, lo, hi, threshold(ref), n=n, unit="training samples", per_sequence=per)
@@ -531,6 +535,13 @@ def _fix_stage(L: _Ladder, draft, inp: BudgetInputs) -> None:
         fo.update(gain=d, gain_ci=[lo, hi], n_paired=n, gain_per_sequence=per, states_difference=diff,
                   proven=bool(np.isfinite(lo) and lo > 0 and d >= MIN_TOKENS), decision=decision)
     L.fix_offline = fo
+
+
+#: the budget's stages, in ladder order: each ``stage(L, inp)`` adds its rows to ``L.stages`` and its loss to
+#: ``L.losses`` (the fix's offline proof last: it pairs with the served frame stage 4 built)
+BUDGET_STAGES: tuple[tuple[str, Any], ...] = (
+    ("training log", _log_stage), ("draft", _draft_stage), ("training states", _training_stage),
+    ("wiring", _wiring_stage), ("engine", _engine_stage), ("settings", _settings_stage), ("fix", _fix_stage))
 
 
 def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None,
@@ -547,19 +558,14 @@ def acceptance_budget(draft: Eagle3Draft, inp: BudgetInputs, *, progress=None,
     included).
     """
     st = inp.settings.check()
-    L = _Ladder(S=st.steps)
 
     def sim(seqs, settings, mnt=None):
         return simulate_sequences(draft, seqs, settings, max_new_tokens=mnt, progress=progress)
 
-    idx = bootstrap_index(len(inp.draft_rows)) if inp.draft_rows else None
-    _log_stage(L, inp)
-    _draft_stage(L, inp, idx)
-    _training_stage(L, inp, sim)
-    _wiring_stage(L, inp, sim)
-    _engine_stage(L, inp, sim)
-    _settings_stage(L, inp, sim)
-    _fix_stage(L, draft, inp)
+    L = _Ladder(S=st.steps, draft=draft, sim=sim,
+                idx=bootstrap_index(len(inp.draft_rows)) if inp.draft_rows else None)
+    for _name, stage in BUDGET_STAGES:
+        stage(L, inp)
     names = {x["name"]: x.get("accept_length") for x in L.stages}
     tr, lp = names.get("offline on training states"), names.get("offline on live prompts' served states")
     workload = None
