@@ -75,94 +75,193 @@ MAX_WIRING_SAMPLES = 32
 MAX_LIVE_PROMPTS = 64
 
 
-def run_budget(*, client, info: dict, draft_dir: Path, target_dir: Path, training: str | Path, hidden_size: int,
-               num_samples: int, served_dump: Optional[Path], reference: Optional[Path], run_dir: Path,
-               settings: DraftSettings, fix: Optional[ProposedFix], findings: list[dict],
-               training_tensors: Optional[list[str]], training_log: Optional[str | Path] = None,
-               validation: Optional[str | Path] = None, rows_word: tuple[Optional[str], Optional[str]] = (None, None),
-               draft_cost: Optional[float] = None,
-               prompts: int = 16, max_new_tokens: int = 32, measure: bool = True,
-               progress: Callable[[str], None] = lambda s: None,
-               adapter: Optional[EngineAdapter] = None,
-               live_reference: Optional[Callable[[list[dict], str], Optional[Path]]] = None) -> BudgetRun:
-    """Gather the budget's inputs from the live run and compute it; a stage left ``undecided`` by too few samples
-    is measured again on more (training samples captured from the server up to :data:`MAX_WIRING_SAMPLES`; live
-    prompts up to :data:`MAX_LIVE_PROMPTS` for the engine and settings stages) when the data holds them, once. ``adapter``: the server's engine adapter
-    (its ``capture_served`` gives the live stage's states and per-request counters of the same answers; default
-    SGLang's). ``live_reference(prompts, name)``: an every-layer reference dump of ``prompts`` (``{"id",
-    "input_ids"}``), or None; with it the wiring stage is measured on the live prompts' tokens too, at the training
-    data's layer plan (``training_tensors``) from that reference (:func:`helpers.draft.budget._wiring_on_live_prompts`).
+@dataclass
+class BudgetRequest:
+    """What one server's acceptance budget is computed from (:func:`run_budget`): one typed record.
+
+    Attributes:
+        draft_dir / target_dir: the served draft's and target's folders (config.json, weights).
+        training: the training data (a SpecForge / EAGLE dump folder or file); hidden_size: the target's hidden size.
+        settings: the served ``(steps, topk, draft_tokens)``; run_dir: the run folder (dumps go to ``run_dir/dumps``).
+        num_samples: training samples for the wiring stage; served_dump: the server's capture of them (None: the
+            wiring stage on the training samples is not measured); reference: the every-layer reference of them (the
+            fix's offline proof), or None.
+        fix / findings / training_tensors: the proposed fix, the diagnosis' findings, the training data's layer plan
+            (tensor names, e.g. ``["hidden_states.3", ...]``) for the fix's proof and the wiring on the live prompts.
+        training_log / validation / rows_word: the draft stage's log and rows (paths, or None: found beside the
+            draft); draft_cost: one draft forward's cost relative to a verify step (None: from the weights).
+        prompts / max_new_tokens / measure: the live prompts sent (cold, greedy) and their tokens; ``measure=False``
+            sends none (the engine stage is then undecided, saying why).
+    """
+
+    draft_dir: Path
+    target_dir: Path
+    training: str | Path
+    hidden_size: int
+    settings: DraftSettings
+    run_dir: Path
+    num_samples: int = 4
+    served_dump: Optional[Path] = None
+    reference: Optional[Path] = None
+    fix: Optional[ProposedFix] = None
+    findings: list = field(default_factory=list)
+    training_tensors: Optional[list[str]] = None
+    training_log: Optional[str | Path] = None
+    validation: Optional[str | Path] = None
+    rows_word: tuple[Optional[str], Optional[str]] = (None, None)
+    draft_cost: Optional[float] = None
+    prompts: int = 16
+    max_new_tokens: int = 32
+    measure: bool = True
+
+
+@dataclass
+class BudgetServer:
+    """The server a budget measures: its client (``helpers.server.client``), ``/server_info`` (``info``), engine
+    adapter (its ``capture_served`` gives the live stage's states and per-request counters of the same answers) and
+    ``live_reference(prompts, name) -> Path | None``: an every-layer reference dump of ``prompts`` (``{"id",
+    "input_ids"}``), or None (the wiring stage is then not measured on the live prompts)."""
+
+    client: Any
+    info: dict
+    adapter: EngineAdapter = field(default_factory=SGLangAdapter)
+    live_reference: Optional[Callable[[list[dict], str], Optional[Path]]] = None
+
+
+@dataclass
+class _State:
+    """What :func:`run_budget`'s stages build, in order (each stage reads what the ones before it set)."""
+
+    req: BudgetRequest
+    server: BudgetServer
+    progress: Callable[[str], None]
+    off: Any = None
+    train_seqs: list = field(default_factory=list)
+    served: Optional[list] = None
+    live_seqs: Optional[list] = None
+    live: Optional[pd.DataFrame] = None
+    live_trained: Optional[list] = None
+    fix_in: Optional[dict] = None
+    draft_fix: Optional[dict] = None
+    b: Optional[dict] = None
+    grown: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def compute(self) -> dict:
+        r = self.req
+        return acceptance_budget(self.off.draft, self.off.budget_inputs(
+            r.settings, draft_fix=self.draft_fix, training=self.train_seqs, served_training=self.served,
+            live_sequences=self.live_seqs, live=self.live, live_trained=self.live_trained,
+            max_new_tokens=r.max_new_tokens, fix=self.fix_in), progress=None)
+
+    def trained_on_live(self) -> tuple[Optional[list], Optional[str]]:
+        r, lr = self.req, self.server.live_reference
+        if not (self.live_seqs and lr is not None and r.training_tensors):
+            return None, None
+        name, k = "reference-live", 2            # a new dump per call (the reference adds -hf or -server)
+        while any((r.run_dir / "dumps" / f"{name}-{x}").exists() for x in ("hf", "server")):
+            name, k = f"reference-live-{k}", k + 1
+        return _live_trained(lr, self.live_seqs, r.training_tensors, self.progress, name)
+
+
+def _s_offline(s: _State) -> None:
+    """The draft checkpoint loaded to run as the engine runs it, its rows and training samples, the served states."""
+    r = s.req
+    choice = choose_dtype(server_dtype(s.server.info, _raw(r.draft_dir)), "cpu")     # what this CPU runs natively
+    s.progress(f"offline draft run: compute dtype {choice.reason}")
+    s.off = offline_inputs(r.draft_dir, r.target_dir, r.training, hidden_size=r.hidden_size, choice=choice,
+                           samples=r.num_samples, served=r.served_dump, training_log=r.training_log,
+                           validation=r.validation, rows_word=r.rows_word, draft_cost=r.draft_cost,
+                           progress=s.progress)
+    s.train_seqs, s.served = s.off.training, s.off.served
+    for where, why in s.off.skipped:
+        s.progress(f"training sample {where} left out: {why}")
+
+
+def _s_live(s: _State) -> None:
+    """The live prompts: served states and counters of the same answers (none with ``measure=False``)."""
+    r = s.req
+    if r.measure:
+        s.live_seqs, s.live = _live(s.server.adapter, s.server.client, r.run_dir, 0, r.prompts, r.max_new_tokens,
+                                    r.hidden_size, s.progress)
+
+
+def _s_fix(s: _State) -> None:
+    """The proposed fix applied offline (:func:`_fix_inputs`)."""
+    r = s.req
+    s.fix_in, s.draft_fix = _fix_inputs(r.fix, r.findings, r.training_tensors, r.reference, s.train_seqs, s.served,
+                                        s.off.draft, s.off.rows)
+
+
+def _s_compute(s: _State) -> None:
+    """The training data's plan on the live prompts' tokens, and the budget computed once."""
+    s.live_trained, why = s.trained_on_live()
+    if why:
+        s.notes.append(why)
+    s.b = s.compute()
+
+
+def _s_grow(s: _State) -> None:
+    """A stage left undecided by too few samples measured again on more, once: training samples up to
+    :data:`MAX_WIRING_SAMPLES` (the wiring stage on the training samples), live prompts up to
+    :data:`MAX_LIVE_PROMPTS` (engine, settings, and the wiring stage when the live prompts decide it)."""
+    r, b = s.req, s.b
+    need_w = _settle_n(b, "wiring")
+    on_live = LIVE_WIRING in ((b["losses"].get("wiring") or {}).get("basis") or "")
+    if need_w and not on_live and s.served is not None and len(s.train_seqs) < min(need_w, MAX_WIRING_SAMPLES):
+        more = _more_training(s.server.adapter, s.server.client, r.training, r.hidden_size, len(s.train_seqs),
+                              min(need_w, MAX_WIRING_SAMPLES), r.run_dir, s.progress)
+        if more is not None:
+            s.train_seqs, s.served = more
+            s.grown.append(f"wiring: measured again on {len(s.train_seqs)} training samples (undecided on fewer)")
+    open_live = {st: n for st in ("engine", "settings") if (n := _settle_n(b, st))}
+    if need_w and on_live:
+        open_live["wiring"] = need_w
+    need_e = max(open_live.values(), default=None)
+    if need_e and s.live is not None and len(s.live) < min(need_e, MAX_LIVE_PROMPTS):
+        extra_n = min(need_e, MAX_LIVE_PROMPTS) - len(s.live)
+        s2, l2 = _live(s.server.adapter, s.server.client, r.run_dir, len(s.live), extra_n, r.max_new_tokens,
+                       r.hidden_size, s.progress)
+        s.live_seqs, s.live = s.live_seqs + s2, pd.concat([s.live, l2], ignore_index=True)
+        s.grown.append(f"{' and '.join(open_live)}: measured again on {len(s.live)} live prompts (undecided on fewer)")
+        if s.live_trained is not None:
+            s.live_trained, _ = s.trained_on_live()
+    if s.grown:
+        s.b = s.compute()
+    if s.grown or s.notes:
+        s.b.setdefault("notes", []).extend(s.notes + s.grown)
+
+
+#: :func:`run_budget`'s stages, in order
+RUN_STAGES: tuple[tuple[str, Callable[[_State], None]], ...] = (
+    ("offline inputs", _s_offline), ("live prompts", _s_live), ("fix offline", _s_fix), ("budget", _s_compute),
+    ("more samples", _s_grow))
+
+
+def run_budget(req: BudgetRequest, server: BudgetServer, *,
+               progress: Callable[[str], None] = lambda s: None) -> BudgetRun:
+    """Gather the budget's inputs from the live run and compute it (:data:`RUN_STAGES`, in order): the draft
+    checkpoint offline, the live prompts' states and counters of the same answers, the proposed fix applied offline,
+    the budget (:func:`helpers.draft.budget.acceptance_budget`, with the wiring stage measured on the live prompts'
+    tokens when ``server.live_reference`` gives their every-layer reference at the training data's plan), and a
+    stage left ``undecided`` by too few samples measured again on more, once; then the cause's finding.
 
     Raises:
         BadInput: the draft checkpoint cannot be run offline (keys or shapes unlike its config, a missing target
             embedding, an unsupported architecture), unreadable training log or rows.
     """
-    choice = choose_dtype(server_dtype(info, _raw(draft_dir)), "cpu")     # what this CPU runs natively
-    progress(f"offline draft run: compute dtype {choice.reason}")
-    off = offline_inputs(draft_dir, target_dir, training, hidden_size=hidden_size, choice=choice, samples=num_samples,
-                         served=served_dump, training_log=training_log, validation=validation, rows_word=rows_word,
-                         draft_cost=draft_cost,
-                         progress=progress)
-    draft, dr, train_seqs, served = off.draft, off.rows, off.training, off.served
-    for where, why in off.skipped:
-        progress(f"training sample {where} left out: {why}")
-    adapter = adapter or SGLangAdapter()
-    live_seqs = live = None
-    if measure:
-        live_seqs, live = _live(adapter, client, run_dir, 0, prompts, max_new_tokens, hidden_size, progress)
-    fix_in, draft_fix = _fix_inputs(fix, findings, training_tensors, reference, train_seqs, served, draft, dr)
-
-    def compute_with(live_trained: Optional[list] = None) -> dict:
-        return acceptance_budget(draft, off.budget_inputs(
-            settings, draft_fix=draft_fix, training=train_seqs, served_training=served, live_sequences=live_seqs,
-            live=live, live_trained=live_trained, max_new_tokens=max_new_tokens, fix=fix_in), progress=None)
-
-    def trained_on_live() -> tuple[Optional[list], Optional[str]]:
-        if not (live_seqs and live_reference is not None and training_tensors):
-            return None, None
-        name, k = "reference-live", 2            # a new dump per call (the reference adds -hf or -server)
-        while any((run_dir / "dumps" / f"{name}-{x}").exists() for x in ("hf", "server")):
-            name, k = f"reference-live-{k}", k + 1
-        return _live_trained(live_reference, live_seqs, training_tensors, progress, name)
-
-    grown, notes = [], []
-    live_trained, why = trained_on_live()
-    if why:
-        notes.append(why)
-    b = compute_with(live_trained)
-    need_w = _settle_n(b, "wiring")
-    on_live = LIVE_WIRING in ((b["losses"].get("wiring") or {}).get("basis") or "")
-    if need_w and not on_live and served is not None and len(train_seqs) < min(need_w, MAX_WIRING_SAMPLES):
-        more = _more_training(adapter, client, training, hidden_size, len(train_seqs), min(need_w, MAX_WIRING_SAMPLES),
-                              run_dir, progress)
-        if more is not None:
-            train_seqs, served = more
-            grown.append(f"wiring: measured again on {len(train_seqs)} training samples (undecided on fewer)")
-    # the engine stage pairs the live prompts; the settings stage simulates on their served states; the wiring stage,
-    # when the live prompts decide it, pairs them too: any of them grows the live prompts
-    open_live = {st: n for st in ("engine", "settings") if (n := _settle_n(b, st))}
-    if need_w and on_live:
-        open_live["wiring"] = need_w
-    need_e = max(open_live.values(), default=None)
-    if need_e and live is not None and len(live) < min(need_e, MAX_LIVE_PROMPTS):
-        extra_n = min(need_e, MAX_LIVE_PROMPTS) - len(live)
-        s2, l2 = _live(adapter, client, run_dir, len(live), extra_n, max_new_tokens, hidden_size, progress)
-        live_seqs, live = live_seqs + s2, pd.concat([live, l2], ignore_index=True)
-        grown.append(f"{' and '.join(open_live)}: measured again on {len(live)} live prompts (undecided on fewer)")
-        if live_trained is not None:
-            live_trained, _ = trained_on_live()
-    if grown:
-        b = compute_with(live_trained)
-    if grown or notes:
-        b.setdefault("notes", []).extend(notes + grown)
-    out = BudgetRun(budget=b, live=live)
+    s = _State(req, server, progress)
+    for _name, stage in RUN_STAGES:
+        stage(s)
+    b, findings = s.b, req.findings
+    out = BudgetRun(budget=b, live=s.live)
     cause = b["cause"]
     if cause in CAUSE_KINDS and not (cause == "wiring" and any(f["kind"] != "config_ids_mismatch" for f in findings)):
         loss = b["losses"].get(cause) or {}
-        ds = next((s for s in b["stages"] if s["name"] == "checkpoint (teacher-forced)"), {})
+        ds = next((x for x in b["stages"] if x["name"] == "checkpoint (teacher-forced)"), {})
         out.findings.append(finding(CAUSE_KINDS[cause], None, b["sentence"], stage=cause, loss=loss,
-                                    stages=[{k: s.get(k) for k in ("name", "accept_length", "ci")}
-                                            for s in b["stages"]],
+                                    stages=[{k: x.get(k) for k in ("name", "accept_length", "ci")}
+                                            for x in b["stages"]],
                                     per_step=ds.get("table") if cause == "draft" else None,
                                     recommended_settings=b.get("recommended_settings"),
                                     source="simulation: the draft checkpoint run offline as SGLang runs it "

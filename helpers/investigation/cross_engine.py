@@ -49,7 +49,7 @@ from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..runfiles import write_json
 from ..server.client import ServerClient
-from .acceptance import run_budget
+from .acceptance import BudgetRequest, BudgetServer, run_budget
 from .attach import Attachment, attach, same_draft, same_model
 
 Progress = Callable[[str], None]
@@ -171,14 +171,13 @@ def _stage_budget(p: Pair) -> None:
         out = p.run_dir / "dumps" / s.label
         served = s.adapter.capture_served(s.client, samples, out, name="served", max_width=16 * tcfg.hidden_size)
         spec = s.att.spec
-        br = run_budget(client=s.client, info=s.att.info, draft_dir=s.att.draft_dir, target_dir=s.att.target_dir,
-                        training=p.training, hidden_size=tcfg.hidden_size, num_samples=p.num_samples,
-                        served_dump=served, reference=None, run_dir=p.run_dir / "sides" / s.label,
-                        settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]),
-                                               int(spec["num_draft_tokens"])),
-                        fix=None, findings=[], training_tensors=None, prompts=p.prompts,
-                        max_new_tokens=p.max_new_tokens, progress=lambda m, s=s: p.progress(f"{s.label}: {m}"),
-                        adapter=s.adapter)
+        br = run_budget(BudgetRequest(
+            draft_dir=s.att.draft_dir, target_dir=s.att.target_dir, training=p.training,
+            hidden_size=tcfg.hidden_size, num_samples=p.num_samples, served_dump=served,
+            run_dir=p.run_dir / "sides" / s.label,
+            settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
+            prompts=p.prompts, max_new_tokens=p.max_new_tokens),
+            BudgetServer(s.client, s.att.info, s.adapter), progress=lambda m, s=s: p.progress(f"{s.label}: {m}"))
         s.budget, s.live = br.budget, br.live
         s.offline, s.tokens = _offline_on_live(s, p)
         p.progress(f"budget {s.label}: " + ", ".join(f"{x['name']} {x['accept_length']:.2f}" for x in s.budget["stages"]

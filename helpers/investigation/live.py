@@ -51,7 +51,7 @@ from ..server.embedded import parse_ports
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
-from .acceptance import run_budget
+from .acceptance import BudgetRequest, BudgetServer, run_budget
 from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check
@@ -354,18 +354,17 @@ def _stage_budget(r: Run) -> None:
         return path
 
     try:
-        br = run_budget(client=r.client, info=att.info, draft_dir=att.draft_dir, target_dir=att.target_dir,
-                        training=req.training, hidden_size=r.tcfg.hidden_size, num_samples=req.num_samples,
-                        served_dump=r.inv.served_dump(), reference=r.ref, run_dir=req.run_dir,
-                        settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]),
-                                               int(spec["num_draft_tokens"])),
-                        fix=r.fix, findings=r.diag.findings + r.extra,
-                        training_tensors=(None if r.diag.training_plan is None
-                                          else list(r.diag.training_plan.tensors)),
-                        training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
-                        draft_cost=req.draft_cost, prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
-                        measure=req.live_measure, progress=r.progress, adapter=r.adapter,
-                        live_reference=live_reference)
+        br = run_budget(BudgetRequest(
+            draft_dir=att.draft_dir, target_dir=att.target_dir, training=req.training,
+            hidden_size=r.tcfg.hidden_size, num_samples=req.num_samples, served_dump=r.inv.served_dump(),
+            reference=r.ref, run_dir=req.run_dir,
+            settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
+            fix=r.fix, findings=r.diag.findings + r.extra,
+            training_tensors=None if r.diag.training_plan is None else list(r.diag.training_plan.tensors),
+            training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
+            draft_cost=req.draft_cost, prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
+            measure=req.live_measure),
+            BudgetServer(r.client, att.info, r.adapter, live_reference), progress=r.progress)
     except BadInput as exc:
         # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a checkpoint
         # unlike its config): the wiring diagnosis stands, the budget says why it is missing
