@@ -699,7 +699,17 @@ def budget_sentence(b: dict) -> str:
             r = b["recommended_settings"]
             why += f"; recommended --speculative-num-steps {r['steps']} --speculative-eagle-topk {r['topk']} " \
                    f"--speculative-num-draft-tokens {r['draft_tokens']}"
-    return f"Accept length by stage: {'; '.join(parts)}. Cause: {cause}: {why}."
+    pt = engine_parts_text((L.get("engine") or {}).get("parts"))
+    return f"Accept length by stage: {'; '.join(parts)}. Cause: {cause}: {why}." + (f" {pt}." if pt else "")
+
+
+def engine_parts_text(parts: Optional[Sequence[dict]]) -> str:
+    """The engine stage's parts (``losses["engine"]["parts"]``: the engine-state probes joined,
+    ``helpers.investigation.probes.parts.engine_parts``) in one clause, each with its decision: ``"Engine parts: cold
+    greedy clear; verification not measured; ..."``; "" when there are none."""
+    if not parts:
+        return ""
+    return "Engine parts: " + "; ".join(f"{p['part']} {p['decision']}" for p in parts)
 
 
 def _stage_al(b: dict, name: str) -> Optional[dict]:

@@ -13,6 +13,7 @@ from ..draft.budget import LIVE_WIRING, TRAINING_WIRING, gains, trade_text
 from ..draft.decide import MATERIAL
 from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps, run_of
 from .common import esc, table_html
+from ..investigation.probes.parts import COLD
 from .replay import sweep_points
 
 
@@ -41,7 +42,14 @@ def losses_frame(budget: dict) -> pd.DataFrame:
                           "counts": "yes" if v.get("counts") else "no",
                           "what would settle it": (v.get("settle") or {}).get("text") or "",
                           "basis": v.get("basis", "")}
-                         for k, v in (budget.get("losses") or {}).items()])
+                         for k, v in (budget.get("losses") or {}).items()]
+                        + [{"stage": f"engine: {p['part']}", "lost (tokens / verify step)": _r(p.get("delta")),
+                            "95% CI": _ci(p.get("ci")), "material from": None, "decision": p["decision"],
+                            "counts": "yes" if p["decision"] == "counts" else "no",
+                            "what would settle it": p.get("why") if p["decision"] in ("undecided", "not measured")
+                            else "", "basis": ", ".join(p.get("probes") or []) or "no probe"}
+                           for p in ((budget.get("losses") or {}).get("engine") or {}).get("parts") or []
+                           if p["part"] != COLD])
 
 
 def _r(x: Any) -> Any:
@@ -92,8 +100,29 @@ def ladder_frame(budget: dict) -> pd.DataFrame:
                      "accept length [95% CI]": _ci_of(s.get("accept_length"), s.get("ci")),
                      "lost at this stage [95% CI]": _ci_of(loss.get("delta"), loss.get("ci")) if loss else "",
                      "decision": loss.get("decision") or "", "note": "; ".join(n for n in note if n)})
+        if at.get(name) == "engine":
+            rows += part_rows(loss)
         last = run
     return pd.DataFrame(rows)
+
+
+def part_rows(engine: dict) -> list[dict]:
+    """The engine stage's parts (``engine["parts"]``, the engine-state probes joined:
+    ``helpers.investigation.probes.parts.engine_parts``) as ladder rows under the engine stage's row, the cold
+    comparison left out (it is the engine row itself): ``engine: <part>``, its loss with the CI where it has one,
+    its decision, and why (the probes that decided it, or why none ran)."""
+    out = []
+    for p in engine.get("parts") or []:
+        if p["part"] == COLD:
+            continue
+        floor = p.get("floor") or {}
+        note = [p.get("why") or ""]
+        if floor.get("accept_length") is not None:
+            note.append(f"floor: a perfect draft accepts {floor['accept_length']:.2f} of {floor.get('perfect') or 0:.2f}")
+        out.append({"like with like": "", "stage": f"engine: {p['part']}", "accept length [95% CI]": "",
+                    "lost at this stage [95% CI]": _ci_of(p.get("delta"), p.get("ci")) if p.get("delta") is not None
+                    else "", "decision": p["decision"], "note": "; ".join(n for n in note if n)})
+    return out
 
 
 def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optional[str]]:

@@ -26,10 +26,11 @@ from typing import Optional
 from ...draft.budget import REQUIRED_STAGES, budget_sentence, cause_of
 from ...errors import BadInput, ServerError, ServerTimeout
 from ...runfiles import jsonable
-from .base import CHOICES, Probe, ProbeContext, ProbeResult, paired_condition_loss
+from .base import CHOICES, ENGINE_PARTS, Probe, ProbeContext, ProbeResult, paired_condition_loss
 from .cache import CHUNKED_PREFILL, RADIX_HIT
 from .lossless import GREEDY_LOSSLESS
 from .oracle import ORACLE
+from .parts import engine_parts
 from .repeat import REPEATABLE
 from .trace import SERVED_DRAFT, STEP_TRACE
 
@@ -99,7 +100,7 @@ def _one(p: Probe, ctx: ProbeContext, which: str) -> ProbeResult:
         if left is not None and left - 60 < need:
             skip = f"{max(0.0, left):.0f} s left of the run; it needs about {need:.0f} s (--timeout)"
     if skip is not None:
-        return ProbeResult(p.name, p.cost, p.condition, status="skipped", why=skip)
+        return ProbeResult(p.name, p.cost, p.condition, status="skipped", why=skip, part=p.part)
     t = time.monotonic()
     ctx.dl.check(f"before the engine-state probe {p.name}")
     try:
@@ -109,6 +110,7 @@ def _one(p: Probe, ctx: ProbeContext, which: str) -> ProbeResult:
     except (ServerError, BadInput) as exc:
         res = ProbeResult(p.name, p.cost, p.condition, status="failed", why=str(exc).splitlines()[0][:400])
     res.seconds = round(time.monotonic() - t, 2)
+    res.part = p.part
     return res
 
 
@@ -118,13 +120,16 @@ def join_engine_state(b: Optional[dict], state: dict) -> Optional[dict]:
     own counted loss becomes ``b["losses"]["engine"]`` (``on_server``: measured on the server, its basis naming the
     condition); when no engine loss counts and a probe that ran is ``undecided``, an engine stage that was ``clear``
     becomes ``undecided`` with that probe's settle text (the cold measurement does not rule out a loss the condition
-    may show). The cause and the sentence are recomputed. A budget of None is returned as is (the findings carry the
+    may show). The engine loss carries its parts (``parts``: :func:`helpers.investigation.probes.parts.engine_parts`:
+    the cold comparison, verification, the draft's computation, the served weights, cache state, each decided or
+    ``not measured`` with why). The cause and the sentence are recomputed. A budget of None is returned as is (the findings carry the
     probes' evidence alone)."""
     if not b:
         return b
     b["engine_state"] = state
     losses = b.setdefault("losses", {})
     engine = dict(losses.get("engine") or {})
+    cold = {k: v for k, v in engine.items() if k != "parts"} if engine else None
     ran = [r for r in state.get("probes") or [] if r.get("status") == "ran" and r.get("decision")]
     counted = [r for r in ran if r["decision"] == "counts"]
     best = max(counted, key=lambda r: (r.get("loss") or {}).get("delta") or 0.0, default=None)
@@ -147,6 +152,8 @@ def join_engine_state(b: Optional[dict], state: dict) -> Optional[dict]:
             settle = ((r.get("loss") or {}).get("settle") or {}).get("text") or r.get("why") or "more prompts"
             losses["engine"] = {**engine, "decision": "undecided", "counts": False, "probe": r["probe"],
                                 "settle": {"n": None, "text": f"{r['probe']} ({r['condition']}) undecided: {settle}"}}
+    if losses.get("engine") is not None:
+        losses["engine"]["parts"] = engine_parts(state, (cold or {}).get("cold") or cold)
     b["cause"] = cause_of(losses, b.get("required") or REQUIRED_STAGES)
     b["sentence"] = budget_sentence(b)
     return jsonable(b)
@@ -160,5 +167,5 @@ def probe_line(r: dict) -> str:
     return f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}"
 
 
-__all__ = ["CHOICES", "Probe", "ProbeContext", "ProbeResult", "check_choice", "join_engine_state",
-           "paired_condition_loss", "probe_line", "probes", "run_probes"]
+__all__ = ["CHOICES", "ENGINE_PARTS", "Probe", "ProbeContext", "ProbeResult", "check_choice", "engine_parts",
+           "join_engine_state", "paired_condition_loss", "probe_line", "probes", "run_probes"]

@@ -19,6 +19,16 @@ Cost = Literal["cheap", "restart"]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 #: ``investigate --engine-probes`` values: which probes run
 CHOICES = ("none", "cheap", "all")
+#: the parts of the acceptance budget's engine stage (after the capture point), each decided from its probes
+#: (:mod:`helpers.investigation.probes.parts`), with what it asks
+ENGINE_PARTS: dict[str, str] = {
+    "verification": "does the target verify the drafts as speculation should (greedy lossless, sampled "
+                    "verification, the perfect-draft floor)?",
+    "draft computation": "does the served draft compute what its checkpoint computes on the states the server fed, "
+                         "step by step?",
+    "served weights": "are the served draft's weights its checkpoint's?",
+    "cache state": "does the draft accept as well with the prompt's prefix cached, or prefilled in chunks, as cold?",
+}
 
 
 @dataclass
@@ -79,6 +89,7 @@ class ProbeResult:
         findings: finding dicts (:func:`helpers.diagnosis.detectors.finding`) when the decision is ``counts``.
         evidence: what was measured (accept lengths per arm, tokens cached, first divergences, ...).
         seconds: wall time of the probe; saved_to: folders under the run folder it wrote.
+        part: the part of the engine stage it speaks to (:data:`ENGINE_PARTS`; set by the runner from its probe).
     """
 
     probe: str
@@ -92,6 +103,7 @@ class ProbeResult:
     why: Optional[str] = None
     seconds: float = 0.0
     saved_to: list = field(default_factory=list)
+    part: Optional[str] = None
 
     def to_json(self) -> dict:
         return jsonable(asdict(self))
@@ -110,6 +122,8 @@ class Probe:
         applies: ``applies(ctx) -> None`` or why the probe cannot run on this server (then ``skipped``).
         estimate_s: ``estimate_s(ctx) -> seconds`` it is expected to take (a probe is skipped, saying so, when the
             run has less time left).
+        part: the part of the engine stage it decides (one of :data:`ENGINE_PARTS`), or None (a note only:
+            ``repeatable``).
     """
 
     name: str
@@ -119,6 +133,7 @@ class Probe:
     run: Callable[[ProbeContext], ProbeResult]
     applies: Callable[[ProbeContext], Optional[str]] = lambda ctx: None
     estimate_s: Callable[[ProbeContext], float] = lambda ctx: 10.0
+    part: Optional[str] = None
 
 
 def paired_condition_loss(name: str, cold: pd.DataFrame, cond: pd.DataFrame, basis: str) -> dict:

@@ -201,8 +201,8 @@ def _chunked_run(ctx: ProbeContext) -> ProbeResult:
 RADIX_HIT = Probe("radix_hit", "cheap", "with the prompt's prefix in the radix cache",
                   "does the draft accept less when the prompt's KV comes from the prefix cache?", _radix_run,
                   applies=_radix_applies,
-                  estimate_s=lambda ctx: 3.0 + 0.1 * len(ctx.prompts) * ctx.max_new_tokens)
+                  estimate_s=lambda ctx: 3.0 + 0.1 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state")
 CHUNKED_PREFILL = Probe("chunked_prefill", "restart", "with the prompt prefilled in chunks shorter than it",
                         "does the draft accept less when the prompt crosses prefill chunk borders?", _chunked_run,
                         applies=_chunked_applies,
-                        estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens)
+                        estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state")

@@ -142,6 +142,7 @@ def _applies(ctx: ProbeContext) -> Optional[str]:
 
 GREEDY_LOSSLESS = Probe("greedy_lossless", "restart", "against the target alone at temperature 0",
                         "does speculation at temperature 0 emit the target's own greedy tokens?", _run,
-                        applies=_applies, estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens)
+                        applies=_applies, estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens,
+                        part="verification")
 
 __all__ = ["GREEDY_LOSSLESS", "NEAR_TIE", "classify", "first_divergence", "top2"]

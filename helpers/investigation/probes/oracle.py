@@ -90,4 +90,4 @@ def _run(ctx: ProbeContext) -> ProbeResult:
 
 ORACLE = Probe("oracle", "restart", "with a perfect draft (the target drafting for itself)",
                "does verification accept every token of a draft that is the target itself?", _run, applies=_applies,
-               estimate_s=lambda ctx: 90.0 + 0.08 * len(ctx.prompts) * ctx.max_new_tokens)
+               estimate_s=lambda ctx: 90.0 + 0.08 * len(ctx.prompts) * ctx.max_new_tokens, part="verification")

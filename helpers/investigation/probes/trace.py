@@ -188,9 +188,9 @@ def _served_applies(ctx: ProbeContext) -> Optional[str]:
 STEP_TRACE = Probe("step_trace", "cheap", "the served draft step by step on the live prompts",
                    "does the served draft propose, step by step, what its checkpoint proposes on the same states?",
                    _step_trace_run, applies=_applies,
-                   estimate_s=lambda ctx: 5.0 + 0.15 * len(ctx.prompts) * ctx.max_new_tokens)
+                   estimate_s=lambda ctx: 5.0 + 0.15 * len(ctx.prompts) * ctx.max_new_tokens, part="draft computation")
 SERVED_DRAFT = Probe("served_draft", "cheap", "the served draft on a fixed input",
                      "is the served draft its checkpoint (its step-1 proposals on a fixed prompt)?",
-                     _served_draft_run, applies=_served_applies, estimate_s=lambda ctx: 8.0)
+                     _served_draft_run, applies=_served_applies, estimate_s=lambda ctx: 8.0, part="served weights")
 
 __all__ = ["FIXED_PROMPT", "SERVED_DRAFT", "STEP_TRACE", "trace_dir", "traced"]

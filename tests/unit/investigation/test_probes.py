@@ -15,6 +15,10 @@ from helpers.draft.budget import _loss, budget_sentence
 from helpers.errors import BadInput
 from helpers.investigation.probes import (ProbeContext, check_choice, join_engine_state, probe_line, probes,
                                           run_probes)
+from helpers.draft.budget import engine_parts_text
+from helpers.investigation.probes import ENGINE_PARTS
+from helpers.investigation.probes.parts import COLD, engine_parts
+from helpers.views.budget import ladder_frame, losses_frame
 from helpers.investigation.probes.lossless import NEAR_TIE, classify, first_divergence, top2
 from helpers.server.protocol import GenerateResult
 
@@ -278,3 +282,64 @@ def test_restart_probes_measure_their_copies_and_stop_them(tmp_path):
     # the oracle is no stage loss: joined into a budget it changes nothing
     b = join_engine_state(_budget(0.0, -0.01, 0.01), {"probes": [o]})
     assert b["cause"] == "none"
+
+
+# the engine stage's parts (verification, draft computation, served weights, cache state), each decided from the
+# probes that ran on the fake engine (the real runner, the real paired loss), in the sentence, ladder and losses
+
+def _parts(out):
+    return {p["part"]: p for p in out["losses"]["engine"]["parts"]}
+
+
+def test_a_cache_fault_counts_in_the_cache_part_and_nowhere_else(tmp_path):
+    eng = FakeEngine(lambda i, hit: (0 if hit else 2) if i % 4 else 2)
+    state = run_probes(_ctx(tmp_path, eng), "cheap")
+    out = join_engine_state(_budget(0.0, -0.01, 0.01), state)
+    parts = _parts(out)
+    assert list(parts) == [COLD, *ENGINE_PARTS]
+    assert parts[COLD]["decision"] == "clear"                       # the cold comparison, before the probe joined
+    cache = parts["cache state"]
+    assert cache["decision"] == "counts" and cache["probes"] == ["radix_hit", "chunked_prefill"]
+    assert cache["delta"] == out["losses"]["engine"]["delta"] > 1.0 and cache["ci"][0] > 0
+    # nothing ran for the others: not measured, each saying why (no trace hooks, not asked for, no restart)
+    for name in ("verification", "draft computation", "served weights"):
+        assert parts[name]["decision"] == "not measured" and parts[name]["why"], name
+    assert "not asked for" in parts["verification"]["why"] or "restarted" in parts["verification"]["why"]
+    assert out["cause"] == "engine"
+    assert "Engine parts: cold greedy clear; verification not measured" in out["sentence"]
+    assert "cache state counts" in out["sentence"]
+
+
+def test_clean_cache_is_clear_and_the_ladder_and_losses_show_every_part(tmp_path):
+    eng = FakeEngine(lambda i, hit: 1 + i % 3)
+    out = join_engine_state(_budget(0.0, -0.01, 0.01), run_probes(_ctx(tmp_path, eng), "cheap"))
+    parts = _parts(out)
+    assert parts["cache state"]["decision"] == "clear" and parts["cache state"]["delta"] == 0
+    assert out["cause"] == "none"                 # not-measured parts say so; they do not reopen a clear stage
+    lad = ladder_frame({**out, "stages": [{"name": "offline on live prompts' served states", "accept_length": 2.7},
+                                          {"name": "live", "accept_length": 2.7}]})
+    rows = lad[lad["stage"].str.startswith("engine: ")]
+    assert list(rows["stage"]) == [f"engine: {p}" for p in ENGINE_PARTS]
+    assert list(rows["decision"]) == ["not measured", "not measured", "not measured", "clear"]
+    assert lad["stage"].tolist().index("engine: verification") == lad["stage"].tolist().index("live") + 1
+    lf = losses_frame(out)
+    assert set(lf["stage"]) >= {f"engine: {p}" for p in ENGINE_PARTS}
+    assert lf.set_index("stage").loc["engine: cache state", "basis"] == "radix_hit, chunked_prefill"
+
+
+def test_a_part_is_undecided_from_an_undecided_probe_and_a_failed_probe_is_not_evidence():
+    state = {"probes": [
+        {"probe": "radix_hit", "part": "cache state", "condition": "hit", "status": "ran", "decision": "undecided",
+         "loss": {"delta": 0.1, "ci": [-0.2, 0.4], "settle": {"text": "32 prompts"}}},
+        {"probe": "greedy_lossless", "part": "verification", "condition": "alone", "status": "failed",
+         "decision": None, "why": "the copy did not start"},
+        {"probe": "oracle", "part": "verification", "condition": "perfect", "status": "ran", "decision": None,
+         "evidence": {"oracle_accept_length": 3.66, "perfect_accept_length": 4.0,
+                      "floor": {"delta": 0.32, "ci": [0.15, 0.49]}}}]}
+    parts = {p["part"]: p for p in engine_parts(state, None)}
+    assert COLD not in parts
+    assert parts["cache state"]["decision"] == "undecided" and "32 prompts" in parts["cache state"]["why"]
+    v = parts["verification"]
+    assert v["decision"] == "not measured" and "the copy did not start" in v["why"]
+    assert v["floor"] == {"probe": "oracle", "accept_length": 3.66, "perfect": 4.0, "lost": 0.32, "ci": [0.15, 0.49]}
+    assert engine_parts_text(None) == "" and engine_parts_text([]) == ""
