@@ -368,11 +368,14 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
         src = f"{provenance(f)}" + (f"; also found: {', '.join(more)}" if more else "")
     elif b.get("cause") in CAUSE_KINDS:
         c = b["cause"]
-        text = f"acceptance is lost at the {c} stage: {stage_loss_text(losses.get(c))}"
+        part = next((p for p in (losses.get(c) or {}).get("parts") or [] if p["decision"] == "counts"
+                     and p["part"] != "cold greedy"), None)
+        text = (f"acceptance is lost at the {c} stage" + (f" ({part['part']}: {part['why']})" if part else "")
+                + f": {stage_loss_text(losses.get(c))}")
         src = (losses.get(c) or {}).get("basis") or "the acceptance budget"
     elif doc.verdict is not None:
         text = {"ok": "no fault: the served aux states equal the training data and every stage of the acceptance "
-                      "budget rules out a material loss",
+                      "budget rules out a material loss" + _unmeasured(losses),
                 "undecided": "no fault found, but the acceptance budget cannot rule out a material loss"}.get(
             doc.verdict, "no wiring fault found")
         src = "the acceptance budget" if b else "served tensors vs training data"
@@ -389,6 +392,13 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
     text, src = measured_text(doc.measured)
     parts.append({"label": "Measured effect", "text": text, "source": src})
     return parts
+
+
+def _unmeasured(losses: dict) -> str:
+    """The engine stage's parts no probe measured (``losses.engine.parts``), as a clause: what an ``ok`` did not look
+    at ("" when every part was measured or there are no parts)."""
+    left = [p["part"] for p in (losses.get("engine") or {}).get("parts") or [] if p["decision"] == "not measured"]
+    return f" (engine parts not measured: {', '.join(left)})" if left else ""
 
 
 def headline_text(parts: list[dict]) -> str:

@@ -343,3 +343,16 @@ def test_a_part_is_undecided_from_an_undecided_probe_and_a_failed_probe_is_not_e
     assert v["decision"] == "not measured" and "the copy did not start" in v["why"]
     assert v["floor"] == {"probe": "oracle", "accept_length": 3.66, "perfect": 4.0, "lost": 0.32, "ci": [0.15, 0.49]}
     assert engine_parts_text(None) == "" and engine_parts_text([]) == ""
+
+
+def test_the_headline_names_the_part_that_counts_and_an_ok_says_what_it_did_not_measure(tmp_path):
+    from helpers.investigation.story import headline_parts
+    from helpers.records import InvestigationDoc
+    bad = join_engine_state(_budget(0.0, -0.01, 0.01), run_probes(_ctx(tmp_path / "a", FakeEngine(
+        lambda i, hit: (0 if hit else 2) if i % 4 else 2)), "cheap"))
+    text = headline_parts(InvestigationDoc(acceptance=bad, verdict="mismatch"))[0]["text"]
+    assert text.startswith("acceptance is lost at the engine stage (cache state: radix_hit (")
+    ok = join_engine_state(_budget(0.0, -0.01, 0.01), run_probes(_ctx(tmp_path / "b", FakeEngine(
+        lambda i, hit: 2)), "cheap"))
+    text = headline_parts(InvestigationDoc(acceptance=ok, verdict="ok"))[0]["text"]
+    assert text.endswith("(engine parts not measured: verification, draft computation, served weights)")
