@@ -234,7 +234,8 @@ def no_fix_text(doc: InvestigationDoc) -> str:
                "computed, so a loss elsewhere is not ruled out"
     cause = b.get("cause")
     if cause == "none":
-        return "nothing to fix: the wiring is right and every stage of the acceptance budget rules out a material loss"
+        return ("nothing to fix: the wiring is right and every stage of the acceptance budget rules out a material loss"
+                + _unmeasured(b.get("losses") or {}))
     if cause == "undecided":
         return "no fix proposed: the acceptance budget is undecided (a material loss is not ruled out): " + \
             "; ".join(f"{k}: {(v.get('settle') or {}).get('text') or v.get('why', '')}"
