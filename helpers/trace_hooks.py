@@ -59,6 +59,22 @@ TRACE_MODULE = "logits_processor"
 DRAFT_ARCH_TAGS = ("Eagle", "MTP", "NextN")
 
 
+#: how to get the trace when a server runs none
+HOW = ("the server runs no draft step trace: start it with `python -m helpers server start --trace-draft DIR` (or "
+       "add helpers.trace_hooks.trace_hook_specs(DIR, DRAFT) to --forward-hooks; GPUs: --disable-cuda-graph)")
+
+
+def trace_dir(info: dict) -> Optional[Path]:
+    """The trace folder of a server running this module's hook (its ``/server_info`` ``forward_hooks``: the hook's
+    ``config.out_dir``), or None."""
+    for h in info.get("forward_hooks") or []:
+        if isinstance(h, dict) and str(h.get("hook_factory") or "") == TRACE_FACTORY:
+            out = (h.get("config") or {}).get("out_dir") if isinstance(h.get("config"), dict) else None
+            if out:
+                return Path(out)
+    return None
+
+
 def _is_draft_logits(module: torch.nn.Module) -> bool:
     archs = getattr(getattr(module, "config", None), "architectures", None) or []
     return any(tag in a for a in archs for tag in DRAFT_ARCH_TAGS)

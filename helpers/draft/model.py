@@ -386,6 +386,14 @@ class Eagle3Draft:
         """Draft-vocab ids -> target ids (``hot_token_id[draft_id]``; identity without d2t), any shape, int64."""
         return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
 
+    def to_draft_id(self, target_id: int) -> int:
+        """Target id -> draft-vocab id (the inverse of :meth:`to_target_ids`), -1 for a target id outside the draft's
+        vocabulary (no d2t: the same id)."""
+        if self.hot_token_id is None:
+            return int(target_id)
+        hit = (self.hot_token_id == int(target_id)).nonzero()
+        return int(hit[0, 0]) if hit.numel() else -1
+
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """``[T, num_aux * target_hidden]`` target aux hidden states -> ``[T, H]`` (input_norm, fc_norm, fc); as
         ``llama_eagle3.py::LlamaModel.forward`` (l. 238), aux states as wide as the embedding skip all three."""

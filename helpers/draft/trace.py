@@ -1,6 +1,7 @@
 """The served draft's step trace against the checkpoint run offline on the very states the server fed.
 
-The trace (:mod:`helpers.trace_hooks`, a forward hook on the draft's logits processor inside SGLang) records, per
+The trace (:mod:`helpers.trace_hooks`, a forward hook on the draft's logits processor inside SGLang; on vLLM the
+worker extension's ``drafter.propose`` wrapper, :func:`helpers.engines.vllm_capture.trace_records`) records, per
 draft forward, the proposing rows' positions, input ids and top-k proposals (target ids). Here it is
 
 * read and grouped per request (SGLang's ``rid``, which the probe sets itself on ``/generate``) into **verify
@@ -160,7 +161,10 @@ def served_sequence(res: Any, prompt_ids: Optional[Sequence[int]] = None) -> Sim
 
 
 def _gap(logits: torch.Tensor, served_draft_id: int) -> float:
-    """The checkpoint's logit of its own best token minus that of the served one (>= 0; 0 when they agree)."""
+    """The checkpoint's logit of its own best token minus that of the served one (>= 0; 0 when they agree; inf
+    for a served token outside the draft's vocabulary, ``served_draft_id`` -1)."""
+    if served_draft_id < 0 or served_draft_id >= logits.shape[-1]:
+        return float("inf")
     return float(logits.max() - logits[served_draft_id])
 
 
@@ -200,7 +204,9 @@ def compare_request(draft: Eagle3Draft, seq: SimSequence, cycles: Sequence[Cycle
             if logits is None:
                 continue
             offline = int(draft.to_target_ids(logits.argmax()).item())
-            gap = _gap(logits, int(s.topk_draft[0]))
+            served_d = int(s.topk_draft[0]) if s.topk_draft and int(s.topk_draft[0]) >= 0 \
+                else draft.to_draft_id(int(s.topk[0]))          # a trace of target ids only (vLLM)
+            gap = _gap(logits, served_d)
             expect_in = int(toks[p + 1]) if s.step == 1 else int(c.steps[s.step - 2].topk[0])
             why = None
             if s.step > 1 and s.position != p + s.step - 1:
@@ -214,7 +220,7 @@ def compare_request(draft: Eagle3Draft, seq: SimSequence, cycles: Sequence[Cycle
                     ties += 1
             rows_out.append({"cycle": i, "step": s.step, "position": s.position, "served": int(s.topk[0]),
                              "offline": offline, "input_served": s.input_id, "input_expected": expect_in,
-                             "gap": round(gap, 6), "match": why is None, "why": why})
+                             "gap": round(gap, 6) if gap != float("inf") else None, "match": why is None, "why": why})
     return _summary(seq.key, cycles, rows_out, ties)
 
 

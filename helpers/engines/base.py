@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import BadInput
 from ..server.client import HTTPClient
 from ..server.process import ServerProcess
 
@@ -254,6 +255,23 @@ class EngineAdapter(ABC):
         """The launch flags that serve a model as its own draft (the perfect-draft oracle of the engine-state probe
         ``oracle``: the target drafting for itself), or None when this tool has not read how this engine does it."""
         return None
+
+    def trace_unavailable(self, client: HTTPClient) -> Optional[str]:
+        """None when this server can record the draft step trace (:meth:`trace_requests`), else why not and how to
+        get it (one line)."""
+        return f"the draft step trace was not built for {self.label}"
+
+    def trace_requests(self, client: HTTPClient, prompts: Sequence[Any], *, max_new_tokens: int, tag: str,
+                       folder: Path) -> tuple[list, list[dict]]:
+        """Send ``prompts`` (:class:`helpers.acceptance.prompts.Prompt`) greedy, one at a time, the prefix cache
+        emptied before each, with the draft step trace armed; returns ``(sequences, records)``: one
+        :class:`helpers.draft.simulate.SimSequence` per answer (prompt + output tokens, the aux states the server fed,
+        keyed by the request id the records carry) and the trace records (:func:`helpers.draft.trace.
+        request_cycles`' format). ``folder``: this call's new folder (raw captures).
+
+        Raises:
+            BadInput: the server recorded no trace (:meth:`trace_unavailable` says why beforehand)."""
+        raise BadInput(self.trace_unavailable(client) or "no draft step trace on this engine")
 
     @abstractmethod
     def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,

@@ -397,6 +397,51 @@ class SGLangAdapter(EngineAdapter):
         target's folder as ``--speculative-draft-model-path``)."""
         return {"--speculative-algorithm": "STANDALONE"}
 
+    def trace_unavailable(self, client: SGLangClient) -> Optional[str]:
+        """None when the server runs the draft step trace hook (:mod:`helpers.trace_hooks`, its ``/server_info``
+        ``forward_hooks``) and its folder is readable here; else why not."""
+        from ..trace_hooks import HOW, trace_dir  # lazy: torch (measure detects the engine without it)
+        d = trace_dir(client.server_info())
+        if d is None:
+            return HOW
+        if not d.is_dir():
+            return f"the trace folder {d} is not readable on this machine (the probe reads the server's trace files)"
+        return None
+
+    def trace_requests(self, client: SGLangClient, prompts: Sequence[Any], *, max_new_tokens: int, tag: str,
+                       folder: Path) -> tuple[list, list[dict]]:
+        """:meth:`EngineAdapter.trace_requests` on SGLang: the hook's folder armed (``helpers.hooks.ARM_FILE``),
+        each prompt sent to ``/generate`` with ``return_hidden_states``, ``return_prompt_token_ids`` and a request id
+        of its own (``rid``: the trace's ``ForwardBatch.rids``), the records written after the arm read back
+        (:func:`helpers.draft.trace.read_trace`)."""
+        from ..draft.trace import read_trace, served_sequence, trace_counts  # lazy: torch
+        from ..hooks import ARM_FILE  # lazy: torch (measure detects the engine without it)
+        from ..trace_hooks import trace_dir  # lazy: torch
+        d = trace_dir(client.server_info())
+        if d is None:
+            raise BadInput(self.trace_unavailable(client) or "no draft step trace")
+        since = trace_counts(d)
+        arm = d / ARM_FILE
+        seqs = []
+        arm.write_text(f"armed by helpers.engines.sglang ({tag})\n")
+        try:
+            for i, q in enumerate(prompts):
+                client.flush_cache()
+                res = client.generate(**q.request(), max_new_tokens=max_new_tokens, return_hidden_states=True,
+                                      return_prompt_token_ids=True, rid=f"e3f-{tag}-{i}-{folder.name}"[:120],
+                                      sampling_params={"temperature": 0.0, "ignore_eos": True})
+                seqs.append(served_sequence(res, None if q.input_ids is None else list(q.input_ids)))
+        finally:
+            if arm.exists():
+                arm.unlink()
+        records = read_trace(d, since=since)
+        if not records:
+            err = d / "ERROR"
+            said = err.read_text().strip().splitlines()[-1] if err.exists() else ""
+            raise BadInput(f"the server wrote no trace records under {d} while it was armed: " +
+                           (said if said else "is this the folder it writes to?"), path=d)
+        return seqs, records
+
     def fix_flags(self, fix: Any) -> dict:
         """The fix's ``server_args``, which are SGLang flags already."""
         return {k: str(v) for k, v in (fix.server_args or {}).items()}

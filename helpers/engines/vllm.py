@@ -697,6 +697,34 @@ class VLLMAdapter(EngineAdapter):
             self._write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
         return path
 
+    def trace_unavailable(self, client: VLLMClient) -> Optional[str]:
+        """None when the server runs the tool's worker extension (its ``drafter.propose`` wrapper records what the
+        draft proposed: :mod:`helpers.engines.vllm_worker`), else how to start it."""
+        try:
+            client.describe(required=True)
+        except (RequestRejected, SGLangError) as exc:
+            return f"the draft step trace needs the tool's worker extension: {str(exc).splitlines()[0]}"
+        return None
+
+    def trace_requests(self, client: VLLMClient, prompts: Sequence[Any], *, max_new_tokens: int, tag: str,
+                       folder: Path) -> tuple[list, list[dict]]:
+        """:meth:`EngineAdapter.trace_requests` on vLLM: one capture (:meth:`capture_served`, greedy, the prefix
+        cache reset before each prompt, every rank's raw records kept under ``folder/capture``), its served states
+        as sequences and its ``drafter.propose`` records as the trace (:func:`helpers.engines.vllm_capture.
+        trace_records`: proposals, not vLLM's internal positions)."""
+        from ..draft.sequences import dump_sequences  # lazy: torch
+        from ..formats.dumps import read_dump  # lazy: torch
+        from .vllm_capture import trace_records  # lazy: torch
+        dump = self.capture_served(client, prompts, folder, name="served", max_new_tokens=max_new_tokens,
+                                   capture_dir=folder / "capture")
+        seqs = dump_sequences(dump)
+        keys = [str(x.sample_id or x.key) for x in read_dump(dump).samples]     # the capture's request order
+        records = trace_records(folder / "capture", keys)
+        if not records:
+            raise BadInput("the worker extension recorded no draft proposals (is this server's extension older than "
+                           "this tool's? restart it with this checkout)", path=folder / "capture")
+        return seqs, records
+
     @staticmethod
     def _write_layers(path: Path, ref: list, r0: dict, version: str, client: VLLMClient) -> Path:
         from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)

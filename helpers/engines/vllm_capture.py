@@ -137,3 +137,36 @@ def _assemble(client: Any, cap: Path, sent: list, layers: bool, max_width: Optio
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def trace_records(cap: Path, keys: Sequence[str]) -> list[dict]:
+    """The draft step trace of a capture (:meth:`helpers.engines.vllm.VLLMAdapter.trace_requests`), in the record
+    format :func:`helpers.draft.trace.request_cycles` groups: rank 0's ``prop`` records that hold ``proposals``
+    (:mod:`helpers.engines.vllm_worker`), one request per capture segment (``keys[i]`` is the i-th request's id).
+
+    vLLM returns a verify cycle's draft tokens together (``SpecDecodeBaseProposer.propose``: step 1 from the sampled
+    row of the first pass, steps 2 .. from ``num_speculative_tokens - 1`` decode passes fed the previous step's token),
+    so each ``prop`` call gives one cycle per request: a ``DRAFT_EXTEND_V2`` row (step 1) at the sampled row's
+    position ``p`` whose input is ``next_ids`` (the token of ``p + 1``: the inputs are shifted left by one), then
+    ``DECODE`` rows at ``p + 1, p + 2, ...`` fed the previous proposal. Their positions and inputs are the ones vLLM's
+    loop gives by construction, not read from it: on vLLM the trace compares the proposals (a wrong step-k position
+    inside vLLM's decode loop shows as a diverging proposal from step 2, not as a position). ``topk_draft`` is -1 (the
+    comparison maps the served target id into the draft's vocabulary)."""
+    out: list[dict] = []
+    for key, seg in zip(keys, _segments(cap)):
+        for rec, t in seg:
+            if not rec["file"].startswith("prop") or "proposals" not in t:
+                continue
+            props, rows, nxt = t["proposals"].to(torch.int64), t["sample_rows"].reshape(-1), t["next_ids"].reshape(-1)
+            pos_all = t["positions"].reshape(-1)
+            B, K = int(props.shape[0]), int(props.shape[1])
+            if B == 0 or K == 0 or rows.numel() != B or nxt.numel() != B:
+                continue
+            p = pos_all[rows.clamp(0, pos_all.numel() - 1)]
+            for s in range(K):
+                inputs = nxt if s == 0 else props[:, s - 1]
+                out.append({"forward": int(rec["forward"]), "mode": "DRAFT_EXTEND_V2" if s == 0 else "DECODE",
+                            "rids": [key] * B, "row_req": torch.arange(B), "positions": p + s,
+                            "input_ids": inputs, "topk": props[:, s:s + 1],
+                            "topk_draft": torch.full((B, 1), -1, dtype=torch.int64)})
+    return out

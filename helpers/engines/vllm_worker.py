@@ -27,8 +27,11 @@ capture-folder format of :func:`helpers.hooks.write_forward` (``rank{r}/index.js
 * ``prop{n}``: the arguments of ``drafter.propose`` (``vllm/v1/spec_decode/llm_base_proposer.py::
   SpecDecodeBaseProposer.propose``): ``input_ids`` = ``target_token_ids``, ``positions`` = ``target_positions`` and
   ``aux`` = ``target_hidden_states``, the tensor the draft's ``combine_hidden_states`` (norms, ``fc``) receives:
-  what vLLM feeds the draft, after the runner's row selection (``gpu_model_runner.py::propose_draft_token_ids``).
-  Mode ``DRAFT_INPUT``.
+  what vLLM feeds the draft, after the runner's row selection (``gpu_model_runner.py::propose_draft_token_ids``);
+  and what it returned (the draft step trace, :mod:`helpers.draft.trace`): ``proposals`` int64 ``[B, k]`` (the
+  draft tokens of each request, target ids, step 1 first), ``sample_rows`` ``[B]`` (the input row each request's
+  draft output is sampled from, :func:`_sample_rows`) and ``next_ids`` ``[B]`` (``next_token_ids``: the token the
+  draft's sampled row reads, the inputs being shifted left by one). Mode ``DRAFT_INPUT``.
 
 Both are plain Python wrappers or module hooks: they fire on the eager path only (start the server with
 ``--enforce-eager``; the embedded server does), and they cost nothing while disarmed (nothing is registered).
@@ -49,6 +52,24 @@ from ..hooks import write_forward
 
 #: the collective_rpc method names this extension adds to vLLM's worker (prefixed: vLLM refuses a name its worker has)
 METHODS = ("e3f_describe", "e3f_capture_start", "e3f_capture_stop")
+
+
+def _sample_rows(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The rows of ``drafter.propose``'s input whose draft output is sampled, one per request (int64 ``[B]``): its
+    ``token_indices_to_sample`` when given (a padded batch: the last accepted row), else each request's last row
+    (``common_attn_metadata.query_start_loc[1:] - 1``), as ``vllm/v1/spec_decode/llm_base_proposer.py::
+    SpecDecodeBaseProposer.set_inputs_first_pass`` picks them (``propose(num_speculative_tokens, target_token_ids,
+    target_positions, target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata, ...)``,
+    0.32.0); None when neither is readable."""
+    names = ("next_token_ids", "token_indices_to_sample", "common_attn_metadata")
+    got = dict(zip(names, args)) | {n: kwargs[n] for n in names if n in kwargs}
+    idx = got.get("token_indices_to_sample")
+    if isinstance(idx, torch.Tensor):
+        return idx.detach().to(torch.int64).reshape(-1).clone()
+    qsl = getattr(got.get("common_attn_metadata"), "query_start_loc", None)
+    if isinstance(qsl, torch.Tensor) and qsl.numel() >= 2:
+        return (qsl.detach().to(torch.int64).reshape(-1)[1:] - 1).clone()
+    return None
 
 
 def _rank_and_size() -> tuple[int, int]:
@@ -240,16 +261,25 @@ class CaptureExtension:
             original = drafter.propose
 
             def propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **k):
-                if cap.proposes < cap.max_forwards:
-                    n = cap.proposes
-                    cap.proposes += 1
-                    write_forward(cap.out_dir, rank, tp, n,
-                                  {"input_ids": target_token_ids.detach().to(torch.int64),
-                                   "positions": target_positions.detach().to(torch.int64),
-                                   "aux": target_hidden_states.detach()},
-                                  "DRAFT_INPUT", int(target_token_ids.shape[0]), prefix="prop")
-                return original(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
-                                *a, **k)
+                if cap.proposes >= cap.max_forwards:
+                    return original(num_speculative_tokens, target_token_ids, target_positions,
+                                    target_hidden_states, *a, **k)
+                n = cap.proposes
+                cap.proposes += 1
+                tensors = {"input_ids": target_token_ids.detach().to(torch.int64).clone(),
+                           "positions": target_positions.detach().to(torch.int64).clone(),
+                           "aux": target_hidden_states.detach().clone()}
+                rows = _sample_rows(a, k)          # read before propose: it rewrites the attention metadata
+                nxt = k.get("next_token_ids", a[0] if a else None)
+                out = original(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                               *a, **k)
+                if isinstance(out, torch.Tensor) and out.ndim == 2 and rows is not None \
+                        and isinstance(nxt, torch.Tensor):
+                    tensors.update(proposals=out.detach().to(torch.int64).clone(), sample_rows=rows,
+                                   next_ids=nxt.detach().to(torch.int64).reshape(-1).clone())
+                write_forward(cap.out_dir, rank, tp, n, tensors, "DRAFT_INPUT", int(target_token_ids.shape[0]),
+                              prefix="prop")
+                return out
 
             cap.restore = (drafter, "propose" in vars(drafter))
             drafter.propose = propose

@@ -176,3 +176,32 @@ def test_captured_aux_states_equal_hf_hidden_states(client, models, tmp_path):
     (rank0,) = per_rank_dumps(tmp_path / "ranks", tmp_path / "per-rank", key="aux", modes=("DRAFT_INPUT",))
     fed = [x.load() for x in read_dump(rank0).samples]
     assert len(fed) == 3 and all(torch.equal(a, b) for a, b in zip(fed, rows))
+
+
+def test_the_draft_step_trace_compares_the_served_proposals_with_the_checkpoint(client, models, tmp_path):
+    """The engine-state probes' draft step trace on vLLM (the worker extension's ``drafter.propose`` wrapper): every
+    proposal of every verify cycle equals the served checkpoint's on the states the server fed; a checkpoint that
+    proposes another token diverges at step 1 (``served_draft_differs``)."""
+    from helpers.draft.model import Eagle3Draft
+    from helpers.draft.trace import compare_trace
+    from helpers.acceptance.prompts import load_prompts
+
+    adapter = VLLMAdapter()
+    assert adapter.trace_unavailable(client) is None
+    prompts = load_prompts([{"id": f"t{i}", "input_ids": p} for i, p in enumerate(PROMPTS)])
+    seqs, records = adapter.trace_requests(client, prompts, max_new_tokens=NEW_TOKENS, tag="t", folder=tmp_path / "a")
+    assert [s.key for s in seqs] == ["t0", "t1"] and {r["rids"][0] for r in records} == {"t0", "t1"}
+    same = compare_trace(Eagle3Draft.load(models["draft"], models["target"]), seqs, records)
+    assert same["untraced"] == [] and same["mechanism"] is None
+    steps = {k for r in same["requests"] for k in r["compared"]}
+    assert steps == {1, 2, 3} and all(sum(r["compared"].values()) >= 6 for r in same["requests"])
+    # the same trace against a checkpoint whose one draft token is another target token
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in models["draft"].iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    w = load_file(str(other / "model.safetensors"))
+    w["d2t"] = torch.tensor([(models["token"] + 1) % 384], dtype=torch.int64)
+    save_file(w, str(other / "model.safetensors"))
+    diff = compare_trace(Eagle3Draft.load(other, models["target"]), seqs, records)
+    assert diff["mechanism"] == "served_draft_differs" and set(diff["first_steps"].values()) == {1}

@@ -1,5 +1,7 @@
 """The served draft's own computation, step by step: two cheap probes on a server that runs the draft step trace
-(:mod:`helpers.trace_hooks`; ``python -m helpers server start --trace-draft DIR``).
+(SGLang: :mod:`helpers.trace_hooks`, ``python -m helpers server start --trace-draft DIR``; vLLM: the tool's worker
+extension, whose ``drafter.propose`` wrapper records each cycle's proposals, :mod:`helpers.engines.vllm_worker`),
+sent through the engine adapter (``trace_requests``).
 
 * ``step_trace``: the live prompts sent greedy, one at a time, the prefix cache flushed before each, with
   ``return_hidden_states`` and the trace armed; every draft step the server proposed is compared with the
@@ -24,48 +26,27 @@ draft checkpoint and the target's embedding on this machine (:meth:`helpers.draf
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 from ...acceptance.prompts import Prompt
 from ...diagnosis.detectors import finding
 from ...draft.model import Eagle3Draft
 from ...draft.precision import choose_dtype, server_dtype
-from ...draft.trace import brief, compare_trace, read_trace, served_sequence, trace_counts, write_result
-from ...errors import BadInput
+from ...draft.trace import brief, compare_trace, write_result
 from ...formats.configs import read_draft_config
-from ...hooks import ARM_FILE
-from ...trace_hooks import TRACE_FACTORY
+from ...trace_hooks import HOW, trace_dir  # noqa: F401  (re-exported: the probes' callers import them here)
 from .base import Probe, ProbeContext, ProbeResult
 
 #: the fixed input of ``served_draft``: token ids below every vocabulary this tool serves (the reference target's is
 #: 4096), the same on every run so two runs of one server compare
 FIXED_PROMPT = (1, 450, 496, 1735, 1701, 432, 1720, 975, 278, 1736, 1120, 2988)
 FIXED_NEW_TOKENS = 16
-HOW = ("the server runs no draft step trace: start it with `python -m helpers server start --trace-draft DIR` (or "
-       "add helpers.trace_hooks.trace_hook_specs(DIR, DRAFT) to --forward-hooks; GPUs: --disable-cuda-graph)")
-
-
-def trace_dir(info: dict) -> Optional[Path]:
-    """The trace folder of the server's ``helpers.trace_hooks`` hook (``/server_info`` ``forward_hooks``, the
-    hook's ``config.out_dir``), or None."""
-    for h in info.get("forward_hooks") or []:
-        if isinstance(h, dict) and str(h.get("hook_factory") or "") == TRACE_FACTORY:
-            out = (h.get("config") or {}).get("out_dir") if isinstance(h.get("config"), dict) else None
-            if out:
-                return Path(out)
-    return None
 
 
 def _applies(ctx: ProbeContext) -> Optional[str]:
-    d = trace_dir(ctx.client.server_info())
-    if d is None:
-        if str(getattr(getattr(ctx, "adapter", None), "label", "") or "").lower().startswith("vllm"):
-            return ("the draft step trace runs inside SGLang only (helpers.trace_hooks); vLLM's worker extension "
-                    "(helpers.engines.vllm_worker) does not record draft steps yet")
-        return HOW
-    if not d.is_dir():
-        return f"the trace folder {d} is not readable on this machine (the probe reads the server's trace files)"
+    why = ctx.adapter.trace_unavailable(ctx.client)
+    if why is not None:
+        return why
     if getattr(ctx.att, "draft_dir", None) is None:
         return "the draft checkpoint is not readable here (pass --draft): nothing to compare the served draft with"
     if ctx.max_new_tokens < 2:
@@ -84,37 +65,17 @@ def _draft(ctx: ProbeContext) -> Eagle3Draft:
 
 def traced(ctx: ProbeContext, prompts: list, max_new_tokens: int, tag: str) -> dict:
     """Send ``prompts`` (:class:`helpers.acceptance.prompts.Prompt`: text or token ids) greedy, one at a time, the
-    cache flushed before each, with the trace armed, and compare (see the module docstring); returns
-    :func:`helpers.draft.trace.compare_trace`'s result with ``prompt_ids`` (rid -> prompt id) added.
+    cache flushed before each, with the trace armed (the engine adapter's ``trace_requests``), and compare (see the
+    module docstring); returns :func:`helpers.draft.trace.compare_trace`'s result with ``prompt_ids`` (request id
+    -> prompt id) added.
 
     Raises:
         BadInput: the server wrote no trace for them (the folder is not the one it writes to)."""
-    d = trace_dir(ctx.client.server_info())
-    since = trace_counts(d)
-    arm = d / ARM_FILE
-    seqs, names = [], {}
-    arm.write_text(f"armed by helpers.investigation.probes.trace ({tag})\n")
-    try:
-        for i, q in enumerate(prompts):
-            ctx.client.flush_cache()
-            rid = f"e3f-{tag}-{i}-{ctx.run_dir.name}"[:120]
-            res = ctx.client.generate(**q.request(), max_new_tokens=max_new_tokens, return_hidden_states=True,
-                                      return_prompt_token_ids=True, rid=rid,
-                                      sampling_params={"temperature": 0.0, "ignore_eos": True})
-            seq = served_sequence(res, None if q.input_ids is None else list(q.input_ids))
-            seqs.append(seq)
-            names[seq.key] = str(q.id)
-    finally:
-        if arm.exists():
-            arm.unlink()
-    records = read_trace(d, since=since)
-    if not records:
-        err = d / "ERROR"
-        said = err.read_text().strip().splitlines()[-1] if err.exists() else ""
-        raise BadInput(f"the server wrote no trace records under {d} while it was armed: " +
-                       (said if said else "is this the folder it writes to?"), path=d)
+    folder = ctx.folder(f"{tag}-requests")
+    seqs, records = ctx.adapter.trace_requests(ctx.client, prompts, max_new_tokens=max_new_tokens, tag=tag,
+                                               folder=folder)
     out = compare_trace(_draft(ctx), seqs, records)
-    out["prompt_ids"] = names
+    out["prompt_ids"] = {s.key: str(q.id) for s, q in zip(seqs, prompts)}
     return out
 
 

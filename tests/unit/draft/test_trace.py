@@ -16,6 +16,9 @@ from helpers.draft.trace import (compare_request, compare_trace, first_divergenc
                                  request_cycles, trace_counts)
 from helpers.hooks import ARM_FILE
 from helpers.investigation.attach import TRACE_FACTORY as ATTACH_TRACE_FACTORY
+from helpers.engines.sglang import SGLangAdapter
+from helpers.engines.vllm import VLLMAdapter
+from helpers.errors import RequestRejected
 from helpers.investigation.probes.trace import HOW, _applies, trace_dir
 from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET
 from helpers.trace_hooks import TRACE_FACTORY, draft_trace_factory, trace_hook_specs
@@ -199,10 +202,12 @@ def test_the_probe_finds_the_trace_folder_or_says_how_to_start_it(tmp_path):
     spec = trace_hook_specs(tmp_path / "t", REFERENCE_DRAFT)
     assert spec[0]["hook_factory"] == TRACE_FACTORY and spec[0]["target_modules"] == ["logits_processor"]
     assert trace_dir({"forward_hooks": spec}) == (tmp_path / "t").resolve()
-    ctx = SimpleNamespace(client=SimpleNamespace(server_info=lambda: {"forward_hooks": []}),
+    ctx = SimpleNamespace(client=SimpleNamespace(server_info=lambda: {"forward_hooks": []}), adapter=SGLangAdapter(),
                           att=SimpleNamespace(draft_dir=REFERENCE_DRAFT), max_new_tokens=8)
     assert _applies(ctx) == HOW and "--trace-draft DIR" in HOW
-    assert "SGLang only" in _applies(SimpleNamespace(**vars(ctx), adapter=SimpleNamespace(label="vLLM")))
+    no_ext = SimpleNamespace(describe=lambda required: (_ for _ in ()).throw(RequestRejected("no worker extension")))
+    assert "worker extension: no worker extension" in _applies(SimpleNamespace(**{**vars(ctx), "client": no_ext,
+                                                                                    "adapter": VLLMAdapter()}))
     ctx.client = SimpleNamespace(server_info=lambda: {"forward_hooks": spec})
     assert "not readable on this machine" in _applies(ctx)
     (tmp_path / "t").mkdir()
@@ -225,3 +230,26 @@ def test_server_hook_specs_add_the_trace_and_nothing_else_for_it(tmp_path):
     assert specs[0]["config"]["draft_dir"] == str(REFERENCE_DRAFT.resolve())
     both = server_hook_specs(8, rank_capture_dir=tmp_path / "r", trace_dir=tmp_path / "t")
     assert both[-1]["name"] == "e3f-trace-draft" and any(s["name"] == "e3f-capture" for s in both)
+
+
+def test_a_trace_of_target_ids_only_compares_as_one_with_draft_ids(draft, seq):
+    """vLLM's trace carries the proposals as target ids only (``topk_draft`` -1): the comparison maps them into the
+    draft's vocabulary and decides exactly as with the hook's draft ids, and a served id outside the draft's
+    vocabulary diverges."""
+    chains = _offline_cycles(draft, seq, [9, 11, 14])
+    bad = _damaged(chains, 11, 1, top=int(draft.to_target_ids(torch.tensor(5))))
+
+    def target_only(recs):
+        return [{**r, "topk_draft": torch.full_like(r["topk_draft"], -1)} for r in recs]
+    for c in (chains, bad):
+        a = compare_request(draft, seq, request_cycles(_records(c))["r0"])
+        b = compare_request(draft, seq, request_cycles(target_only(_records(c)))["r0"])
+        assert [(r["step"], r["match"], r["served"]) for r in a["rows"]] == \
+               [(r["step"], r["match"], r["served"]) for r in b["rows"]]
+    assert draft.to_draft_id(int(draft.to_target_ids(torch.tensor(5)))) == 5
+    outside = next(t for t in range(draft.arch.vocab) if draft.to_draft_id(t) < 0) if draft.hot_token_id is not None \
+        else None
+    if outside is not None:
+        far = _damaged(chains, 9, 1, top=outside)
+        res = compare_request(draft, seq, request_cycles(target_only(_records(far)))["r0"])
+        assert res["first"]["step"] == 1 and res["first"]["gap"] is None and not res["first"]["match"]

@@ -146,3 +146,48 @@ def test_launch_checks_head_size_and_tp(tmp_path):
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in cmd and cmd[-1] == "--x"
     assert json.loads(cmd[cmd.index("--speculative-config") + 1])["num_speculative_tokens"] == 3
     assert cmd[cmd.index("--worker-extension-cls") + 1] == "helpers.engines.vllm_worker.CaptureExtension"
+
+
+def test_the_worker_records_each_cycles_proposals_and_the_trace_reads_them_as_steps(tmp_path):
+    """The worker extension's ``drafter.propose`` wrapper, called as vLLM 0.32.0's runner calls it (keywords), records
+    the draft's inputs and what it returned; ``trace_records`` turns each call into one cycle per request: step 1 at
+    the sampled row's position reading ``next_token_ids``, steps 2 .. fed the previous proposal."""
+    import torch
+    from types import SimpleNamespace
+    from helpers.draft.trace import request_cycles
+    from helpers.engines.vllm_capture import trace_records
+    from helpers.engines.vllm_worker import CaptureExtension
+
+    class Drafter:
+        def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                    next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, **kw):
+            common_attn_metadata.query_start_loc = torch.arange(2)         # vLLM rewrites it during propose
+            return (next_token_ids.reshape(-1, 1) * 10 + torch.arange(1, num_speculative_tokens + 1)).to(torch.int64)
+
+    target = torch.nn.Module()
+    target.model = torch.nn.Module()
+    runner = SimpleNamespace(get_model=lambda: target, drafter=Drafter(), input_batch=None)
+    ext = CaptureExtension()
+    ext.model_runner = runner
+    ext.e3f_capture_start(json.dumps({"out_dir": str(tmp_path)}))
+    h = torch.randn(9, 6)
+    meta = SimpleNamespace(query_start_loc=torch.tensor([0, 5]))
+    # the prefill (positions 0..4; the last row sampled) then a verify step (rows 5..8, the second accepted: row 6)
+    out1 = runner.drafter.propose(num_speculative_tokens=3, target_token_ids=torch.arange(100, 105),
+                                  target_positions=torch.arange(5), target_hidden_states=h[:5],
+                                  next_token_ids=torch.tensor([7]), token_indices_to_sample=None,
+                                  common_attn_metadata=meta, sampling_metadata=None)
+    out2 = runner.drafter.propose(num_speculative_tokens=3, target_token_ids=torch.arange(105, 109),
+                                  target_positions=torch.arange(5, 9), target_hidden_states=h[5:],
+                                  next_token_ids=torch.tensor([8]), token_indices_to_sample=torch.tensor([1]),
+                                  common_attn_metadata=SimpleNamespace(query_start_loc=torch.tensor([0, 4])),
+                                  sampling_metadata=None)
+    assert out1.tolist() == [[71, 72, 73]] and out2.tolist() == [[81, 82, 83]]
+    assert ext.e3f_capture_stop()["proposes"] == 2 and "propose" not in vars(runner.drafter)
+    recs = trace_records(tmp_path, ["p0"])
+    assert [r["mode"] for r in recs] == ["DRAFT_EXTEND_V2", "DECODE", "DECODE"] * 2
+    (c1, c2) = request_cycles(recs)["p0"]
+    assert [(s.step, s.position, s.input_id, s.topk[0]) for s in c1.steps] == [(1, 4, 7, 71), (2, 5, 71, 72),
+                                                                                  (3, 6, 72, 73)]
+    assert [(s.step, s.position, s.input_id, s.topk[0]) for s in c2.steps] == [(1, 6, 8, 81), (2, 7, 81, 82),
+                                                                                  (3, 8, 82, 83)]

@@ -12,6 +12,7 @@ import pytest
 from helpers.acceptance.prompts import load_prompts
 from helpers.budget import Budget
 from helpers.draft.budget import _loss, budget_sentence
+from helpers.engines.sglang import SGLangAdapter
 from helpers.errors import BadInput
 from helpers.investigation.probes import (ProbeContext, check_choice, join_engine_state, probe_line, probes,
                                           run_probes)
@@ -66,7 +67,8 @@ def _prompts(n):
 
 def _ctx(tmp_path: Path, engine, n=12, restart=None, timeout=600.0) -> ProbeContext:
     return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake",
-                                                               oracle_flags=lambda: None),
+                                                               oracle_flags=lambda: None,
+                                                               trace_unavailable=SGLangAdapter().trace_unavailable),
                         att=SimpleNamespace(restart=restart), run_dir=tmp_path, prompts=_prompts(n),
                         max_new_tokens=25, dl=Budget(timeout))
 
@@ -238,6 +240,9 @@ class FakeCopies:
 
     def oracle_flags(self):
         return {"--speculative-algorithm": "STANDALONE"}
+
+    def trace_unavailable(self, client):
+        return "no trace on fake copies"
 
     def start_variant(self, restart, *, draft=None, keep_draft=True, flags=None, **kw):
         kind = "alone" if not keep_draft else "oracle" if (flags or {}).get("--speculative-algorithm") else "chunked"
