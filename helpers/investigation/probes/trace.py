@@ -60,10 +60,8 @@ def trace_dir(info: dict) -> Optional[Path]:
 def _applies(ctx: ProbeContext) -> Optional[str]:
     d = trace_dir(ctx.client.server_info())
     if d is None:
-        if str(getattr(getattr(ctx, "adapter", None), "label", "") or "").lower().startswith("vllm"):
-            return ("the draft step trace runs inside SGLang only (helpers.trace_hooks); vLLM's worker extension "
-                    "(helpers.engines.vllm_worker) does not record draft steps yet")
-        return HOW
+        adapter = getattr(ctx, "adapter", None)
+        return (adapter.draft_trace_refusal() if adapter is not None else None) or HOW
     if not d.is_dir():
         return f"the trace folder {d} is not readable on this machine (the probe reads the server's trace files)"
     if getattr(ctx.att, "draft_dir", None) is None:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.draft.model import Eagle3Draft
+from helpers.engines.vllm import VLLMAdapter
 from helpers.draft.simulate import SimSequence
 from helpers.draft.trace import (compare_request, compare_trace, first_divergence, mechanism, read_trace,
                                  request_cycles, trace_counts)
@@ -202,7 +203,7 @@ def test_the_probe_finds_the_trace_folder_or_says_how_to_start_it(tmp_path):
     ctx = SimpleNamespace(client=SimpleNamespace(server_info=lambda: {"forward_hooks": []}),
                           att=SimpleNamespace(draft_dir=REFERENCE_DRAFT), max_new_tokens=8)
     assert _applies(ctx) == HOW and "--trace-draft DIR" in HOW
-    assert "SGLang only" in _applies(SimpleNamespace(**vars(ctx), adapter=SimpleNamespace(label="vLLM")))
+    assert "SGLang only" in _applies(SimpleNamespace(**vars(ctx), adapter=VLLMAdapter()))
     ctx.client = SimpleNamespace(server_info=lambda: {"forward_hooks": spec})
     assert "not readable on this machine" in _applies(ctx)
     (tmp_path / "t").mkdir()
