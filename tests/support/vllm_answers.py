@@ -21,6 +21,17 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="/tmp/
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="/tmp/h64/target"} 0.0
 """
 
+#: choices[0] of a /v1/completions answer of the embedded server with logprobs 2 and return_tokens_as_token_ids
+#: (prompt [5 .. 14], 3 tokens; 2026-12-03), trimmed to the fields read (the text shortened)
+LOGPROBS_CHOICE = {"index": 0, "text": " x", "token_ids": [510, 9, 9], "finish_reason": "length",
+                   "logprobs": {"text_offset": [0, 12, 22],
+                                "token_logprobs": [-2.4548540115356445, -2.1991231441497803, -1.882392168045044],
+                                "tokens": ["token_id:510", "token_id:9", "token_id:9"],
+                                "top_logprobs": [{"token_id:510": -2.4548540115356445, "token_id:316": -2.7506103515625},
+                                                 {"token_id:9": -2.1991231441497803, "token_id:16": -3.0106446743011475},
+                                                 {"token_id:9": -1.882392168045044,
+                                                  "token_id:299": -2.4128005504608154}]}}
+
 
 class FakeVLLM:
     """A stateful fake of the embedded vLLM 0.32.0 server's routes the engine-state probes use, its answers shaped as
