@@ -256,6 +256,22 @@ class EngineAdapter(ABC):
         ``oracle``: the target drafting for itself), or None when this tool has not read how this engine does it."""
         return None
 
+    def prefix_cache_off(self, info: dict) -> Optional[str]:
+        """Why the server (its ``server_info``, the suite's vocabulary) keeps no prefix cache, or None when it keeps
+        one (the engine-state probe ``radix_hit`` is skipped with this reason)."""
+        return None
+
+    def prefix_hit_tokens(self, info: dict, prompt_tokens: int) -> Optional[int]:
+        """How many prompt tokens of a prompt of ``prompt_tokens`` tokens, sent again unchanged, this engine serves from
+        its prefix cache (tokens), or None when this tool has not read the engine's hit granularity."""
+        return None
+
+    def top_logprobs_fields(self, n: int) -> Optional[dict]:
+        """The request fields (``client.generate(extra=...)``) that make an answer carry the ``n`` best
+        log-probabilities of each output position as SGLang's ``meta_info.output_top_logprobs`` (per position a list
+        of ``[logprob (nats), token id, text]``), or None when the engine returns none."""
+        return None
+
     def trace_unavailable(self, client: HTTPClient) -> Optional[str]:
         """None when this server can record the draft step trace (:meth:`trace_requests`), else why not and how to
         get it (one line)."""

@@ -397,6 +397,16 @@ class SGLangAdapter(EngineAdapter):
         target's folder as ``--speculative-draft-model-path``)."""
         return {"--speculative-algorithm": "STANDALONE"}
 
+    def prefix_cache_off(self, info: dict) -> Optional[str]:
+        """``--disable-radix-cache`` (``sglang/srt/server_args.py::ServerArgs.disable_radix_cache``)."""
+        return ("the server runs without a prefix cache (--disable-radix-cache): no hit to probe"
+                if info.get("disable_radix_cache") else None)
+
+    def top_logprobs_fields(self, n: int) -> Optional[dict]:
+        """``return_logprob`` + ``top_logprobs_num`` (``meta_info.output_top_logprobs``, entries ``[logprob,
+        token_id, text]``: ``sglang/srt/managers/tokenizer_manager.py::TokenizerManager.convert_logprob_style``)."""
+        return {"return_logprob": True, "top_logprobs_num": int(n)}
+
     def trace_unavailable(self, client: SGLangClient) -> Optional[str]:
         """None when the server runs the draft step trace hook (:mod:`helpers.trace_hooks`, its ``/server_info``
         ``forward_hooks``) and its folder is readable here; else why not."""

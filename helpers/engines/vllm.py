@@ -217,7 +217,8 @@ class VLLMClient(ServerClient):
                             "rejection_sample_method": sc.get("rejection_sample_method"),
                             "draft_sample_method": sc.get("draft_sample_method"),
                             "dtype": (vc.get("model_config") or {}).get("dtype"),
-                            "device": (vc.get("device_config") or {}).get("device_type")}
+                            "device": (vc.get("device_config") or {}).get("device_type"),
+                            "block_size": (vc.get("cache_config") or {}).get("block_size")}
                 info["sources"]["settings"] = "GET /server_info (VLLM_SERVER_DEV_MODE) vllm_config"
             else:
                 per_pos = parse_counters(self.metrics_text()).accepted_per_position
@@ -231,7 +232,8 @@ class VLLMClient(ServerClient):
                      "speculative_num_draft_tokens": (int(k) + 1) if k else None, "tp_size": tp or 1})
         info.update({key: settings.get(key) for key in ("enable_prefix_caching", "async_scheduling",
                                                          "rejection_sample_method", "draft_sample_method", "dtype",
-                                                         "device", "max_num_seqs")})
+                                                         "device", "max_num_seqs", "block_size",
+                                                         "cache_hit_alignment_tokens")})
         self._info = redact(info, self.secrets)
         return self._info
 
@@ -251,10 +253,12 @@ class VLLMClient(ServerClient):
 
     def generate(self, input_ids: Optional[Sequence[int]] = None, text: Optional[str] = None, *,
                  sampling_params: Optional[Mapping[str, Any]] = None, max_new_tokens: Optional[int] = None,
-                 return_hidden_states: bool = False, timeout: Optional[float] = None, **_: Any) -> GenerateResult:
+                 return_hidden_states: bool = False, timeout: Optional[float] = None,
+                 extra: Optional[Mapping[str, Any]] = None, **_: Any) -> GenerateResult:
         """One ``/v1/completions`` request (token ids or text; SGLang's ``sampling_params`` names: ``max_new_tokens``
         -> ``max_tokens``, the rest as vLLM's ``temperature`` / ``top_p`` / ``top_k`` / ``ignore_eos`` / ``seed``)
-        as a :class:`helpers.server.protocol.GenerateResult` (:func:`meta_info`).
+        as a :class:`helpers.server.protocol.GenerateResult` (:func:`meta_info`); ``extra``: further request fields
+        (``logprobs``, ``return_tokens_as_token_ids``: :meth:`VLLMAdapter.top_logprobs_fields`).
 
         Raises:
             helpers.errors.HiddenStatesDisabled: ``return_hidden_states`` (vLLM returns no hidden states over HTTP:
@@ -273,7 +277,7 @@ class VLLMClient(ServerClient):
         temperature = float(sp.pop("temperature", 0.0))
         ignore_eos = bool(sp.pop("ignore_eos", False))
         ans = self.complete(input_ids if input_ids is not None else text, max_tokens=n, temperature=temperature,
-                            ignore_eos=ignore_eos, extra=sp, timeout=timeout)
+                            ignore_eos=ignore_eos, extra={**sp, **dict(extra or {})}, timeout=timeout)
         try:
             result = GenerateResult.model_validate({"text": ans["choices"][0].get("text"),
                                                     "output_ids": ans["choices"][0].get("token_ids") or [],
@@ -544,6 +548,45 @@ class VLLMAdapter(EngineAdapter):
                   "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
                   "dtype": args.dtype}
         return handle, launch
+
+    def chunked_prefill_flags(self, tokens: int) -> Optional[dict]:
+        """``--enable-chunked-prefill --max-num-batched-tokens N --max-num-seqs 1``: a step schedules at most N tokens
+        and a longer prompt is prefilled in chunks of the budget left (``config/scheduler.py::SchedulerConfig``,
+        ``v1/core/sched/scheduler.py::Scheduler.schedule``); ``long_prefill_token_threshold`` is not applied to a
+        request alone in the batch, as the probe's are. N >= ``max_num_seqs`` is required (``SchedulerConfig``'s
+        check): one sequence, the probe sends one request at a time."""
+        return {"--enable-chunked-prefill": None, "--max-num-batched-tokens": str(int(tokens)), "--max-num-seqs": "1"}
+
+    def oracle_flags(self) -> Optional[dict]:
+        """``speculative_config.method: draft_model`` (the restart gives the target as ``model``): vLLM 0.32.0's
+        ``v1/spec_decode/draft_model.py::DraftModelProposer`` runs a model of the target's vocabulary as a separate
+        draft with its own KV (``v1/worker/cpu_model_runner.py::CPUModelRunner.initialize_kv_cache``), verified by the
+        same rejection sampler as an EAGLE-3 draft: the closest counterpart of SGLang's STANDALONE."""
+        return {"speculative_config.method": "draft_model"}
+
+    def prefix_cache_off(self, info: dict) -> Optional[str]:
+        """``enable_prefix_caching`` False (``--no-enable-prefix-caching``; on by default, ``engine/arg_utils.py``)."""
+        return ("the server runs without a prefix cache (--no-enable-prefix-caching): no hit to probe"
+                if info.get("enable_prefix_caching") is False else None)
+
+    def prefix_hit_tokens(self, info: dict, prompt_tokens: int) -> Optional[int]:
+        """A resent prompt of n tokens hits whole units of A tokens (``cache_hit_alignment_tokens``, else
+        ``block_size``: 128 by default on the CPU backend, ``platforms/cpu.py::CpuPlatform.check_and_update_config``)
+        up to n - 1, less one unit with an EAGLE draft (its last block is recomputed for the draft's hidden states):
+        ``v1/core/single_type_kv_cache_manager.py::FullAttentionManager.find_longest_cache_hit``,
+        ``v1/core/kv_cache_coordinator.py::replay_boundaries``. Measured on the embedded server (B 128): 300 and 257
+        tokens hit 128, 256 hit 0. None when the worker does not report the block size."""
+        unit = info.get("cache_hit_alignment_tokens") or info.get("block_size")
+        if not isinstance(unit, int) or unit < 1:
+            return None
+        eagle = str(info.get("speculative_algorithm") or "").startswith(("EAGLE", "MTP"))
+        return max(0, (int(prompt_tokens) - 1) // unit * unit - (unit if eagle else 0))
+
+    def top_logprobs_fields(self, n: int) -> Optional[dict]:
+        """``logprobs: n`` with ``return_tokens_as_token_ids`` (``choices[0].logprobs.top_logprobs`` keyed
+        ``token_id:<id>``, ``entrypoints/openai/completion/serving.py::_create_completion_logprobs``), mapped to
+        ``output_top_logprobs`` by :func:`helpers.engines.vllm_answers.meta_info`."""
+        return {"logprobs": int(n), "return_tokens_as_token_ids": True}
 
     def fix_flags(self, fix: Any) -> dict:
         """A fix's ``server_args`` (the suite's vocabulary: ``--speculative-num-steps`` N, ``--speculative-algorithm``)

@@ -193,7 +193,8 @@ def meta_info(answer: Mapping[str, Any]) -> dict:
     = ``num_accepted_draft_tokens``, ``spec_num_proposed_drafts`` = ``num_draft_tokens``,
     ``spec_correct_drafts_histogram`` = ``acceptance_histogram`` (index j: verify steps that accepted exactly j
     drafts), ``spec_accept_length`` = completion tokens / verify steps (SGLang's definition; vLLM's own
-    ``mean_acceptance_length`` = 1 + accepted / steps is kept as ``vllm_mean_acceptance_length``)."""
+    ``mean_acceptance_length`` = 1 + accepted / steps is kept as ``vllm_mean_acceptance_length``); with ``logprobs``
+    and ``return_tokens_as_token_ids`` asked for, ``output_top_logprobs`` in SGLang's shape (:func:`top_logprobs`)."""
     usage = answer.get("usage") or {}
     choice = (answer.get("choices") or [{}])[0]
     sd = ((answer.get("metrics") or {}).get("speculative_decoding")) or None
@@ -201,6 +202,9 @@ def meta_info(answer: Mapping[str, Any]) -> dict:
     m: dict[str, Any] = {"id": answer.get("id"), "finish_reason": choice.get("finish_reason"),
                          "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": ct,
                          "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+    tops = top_logprobs(choice)
+    if tops is not None:
+        m["output_top_logprobs"] = tops
     if sd:
         steps = int(sd.get("num_spec_steps") or 0)
         m.update(spec_verify_ct=steps, spec_num_correct_drafts=sd.get("num_accepted_draft_tokens"),
@@ -210,6 +214,29 @@ def meta_info(answer: Mapping[str, Any]) -> dict:
                  spec_accept_rate=sd.get("draft_acceptance_rate"),
                  vllm_mean_acceptance_length=sd.get("mean_acceptance_length"))
     return m
+
+
+def top_logprobs(choice: Mapping[str, Any]) -> Optional[list]:
+    """A choice's ``logprobs.top_logprobs`` (per output position a ``{"token_id:<id>": logprob}`` object, the sampled
+    token and the ``logprobs`` best: ``entrypoints/openai/completion/serving.py::_create_completion_logprobs`` with
+    ``return_tokens_as_token_ids``) as SGLang's ``output_top_logprobs``: per position ``[[logprob, token id, None],
+    ...]``, best first; a position vLLM left empty, or a key that is not ``token_id:<int>`` (tokens returned as text),
+    is None. None when the answer has no log-probabilities."""
+    lp = choice.get("logprobs") if isinstance(choice, Mapping) else None
+    tops = lp.get("top_logprobs") if isinstance(lp, Mapping) else None
+    if not isinstance(tops, list):
+        return None
+    out: list = []
+    for pos in tops:
+        row = []
+        for key, v in (pos.items() if isinstance(pos, Mapping) else ()):
+            tid = str(key).removeprefix("token_id:")
+            if not str(key).startswith("token_id:") or not tid.isdigit() or not isinstance(v, (int, float)):
+                row = None
+                break
+            row.append([float(v), int(tid), None])
+        out.append(sorted(row, key=lambda e: -e[0]) if row else None)
+    return out
 
 
 def record(i: int, prompt_id: str, answer: Mapping[str, Any], kind: str = "measure") -> dict:

@@ -12,6 +12,9 @@
 * ``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": K}``;
 * ``--per-request-spec-decode-metrics detailed``: each completion carries ``metrics.speculative_decoding`` with the
   per-verify-step accepted / drafted counts (``vllm/config/observability.py``);
+* ``--enable-prompt-tokens-details``: each completion's ``usage.prompt_tokens_details.cached_tokens`` is the prompt
+  tokens served from the prefix cache (``entrypoints/openai/completion/serving.py``: without the flag the field is
+  left out), what the engine-state probe ``radix_hit`` reads;
 * ``--worker-extension-cls helpers.engines.vllm_worker.CaptureExtension`` and ``VLLM_SERVER_DEV_MODE=1`` (its
   ``/collective_rpc``, ``/server_info`` and ``/reset_prefix_cache`` routes), with this checkout on ``PYTHONPATH``;
 * ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB; the default sizes the KV cache from RAM), ``VLLM_CPU_OMP_THREADS_BIND`` one CPU
@@ -116,7 +119,7 @@ def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
     cmd = [os.fspath(python), "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(target),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--tensor-parallel-size", str(tp), "--enforce-eager",
-           "--worker-extension-cls", WORKER_EXTENSION]
+           "--worker-extension-cls", WORKER_EXTENSION, "--enable-prompt-tokens-details"]
     if draft is not None:
         cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": os.fspath(draft),
                                                     "num_speculative_tokens": int(num_speculative_tokens),
@@ -201,8 +204,8 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
     target = Path(target)
     check_target(target, tp)
     draft_path = Path(draft) if draft is not None else None
-    if draft_path is not None:
-        check_draft(draft_path)
+    if draft_path is not None and (speculative or {}).get("method", "eagle3") in ("eagle3", "eagle"):
+        check_draft(draft_path)         # method draft_model (the oracle: the target drafting for itself) is no EAGLE
     python = vllm_python(python)
     if not python.exists():
         raise BadServerInput(f"vLLM interpreter {python} not found; run env/vllm/install.sh (or set E3F_VLLM_PYTHON)")

@@ -98,7 +98,8 @@ def _tensor_of(obj: Any, name: str) -> Optional[torch.Tensor]:
 
 def _settings(cfg: Any) -> dict:
     """The engine settings the ablations and the attach read, from the worker's ``VllmConfig`` (0.32.0 names:
-    ``config/cache.py::CacheConfig.enable_prefix_caching``, ``config/scheduler.py::SchedulerConfig.async_scheduling``,
+    ``config/cache.py::CacheConfig.enable_prefix_caching`` / ``block_size`` / ``cache_hit_alignment_tokens`` (the
+    prefix-hit granularity), ``config/scheduler.py::SchedulerConfig.async_scheduling``,
     ``config/speculative.py::SpeculativeConfig.rejection_sample_method`` / ``draft_sample_method``,
     ``config/model.py::ModelConfig.dtype`` / ``max_model_len``, ``config/device.py::DeviceConfig.device_type``)."""
     def get(obj: Any, name: str) -> Any:
@@ -110,6 +111,8 @@ def _settings(cfg: Any) -> dict:
     return {"enable_prefix_caching": get(getattr(cfg, "cache_config", None), "enable_prefix_caching"),
             "async_scheduling": get(getattr(cfg, "scheduler_config", None), "async_scheduling"),
             "max_num_seqs": get(getattr(cfg, "scheduler_config", None), "max_num_seqs"),
+            "block_size": get(getattr(cfg, "cache_config", None), "block_size"),
+            "cache_hit_alignment_tokens": get(getattr(cfg, "cache_config", None), "cache_hit_alignment_tokens"),
             "rejection_sample_method": get(sc, "rejection_sample_method"),
             "draft_sample_method": get(sc, "draft_sample_method"),
             "dtype": None if dtype is None else str(dtype).replace("torch.", ""),

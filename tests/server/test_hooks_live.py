@@ -112,6 +112,7 @@ def test_step_trace_names_engine_faults_of_the_served_draft(tmp_path):
     requests, ``served_draft_differs`` from step 1."""
     from helpers.acceptance.prompts import load_prompts
     from helpers.budget import Budget
+    from helpers.engines.sglang import SGLangAdapter
     from helpers.investigation.attach import attach
     from helpers.investigation.probes import ProbeContext, run_probes
     from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET
@@ -130,7 +131,7 @@ def test_step_trace_names_engine_faults_of_the_served_draft(tmp_path):
         assert att.other_hooks and all(h["name"].startswith("test-") for h in att.other_hooks)  # the trace is ours
 
         def probes(tag):
-            ctx = ProbeContext(client=client, adapter=None, att=att, run_dir=tmp_path / tag, prompts=load_prompts(
+            ctx = ProbeContext(client=client, adapter=SGLangAdapter(), att=att, run_dir=tmp_path / tag, prompts=load_prompts(
                 None, n=3), max_new_tokens=16, dl=Budget(600))
             (tmp_path / tag).mkdir()
             st = run_probes(ctx, "cheap")

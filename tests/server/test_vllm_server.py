@@ -2,7 +2,8 @@
 is detected as vLLM 0.32.0 from its own endpoints, reports the speculative config the engine really built (aux ids
 in(1), in(3), in(4) for a draft config saying [1, 3, 4]), its /metrics counters equal the per-request figures of the
 same answers and a hand parse of the text, and the aux states it feeds the draft equal HF transformers'
-hidden_states[i] on the same tokens. Stopped by PID at the end, nothing left.
+hidden_states[i] on the same tokens; the engine-state probe radix_hit reads the prefix hits vLLM's block rule gives.
+Stopped by PID at the end, nothing left.
 
 The draft proposes one fixed token (draft vocabulary of 1, d2t = that token): the token the random target emits most
 often, so that verify steps accept 0..3 drafts and every counter and position is exercised."""
@@ -17,11 +18,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from types import SimpleNamespace
+
+from helpers.acceptance.prompts import load_prompts
+from helpers.budget import Budget
 from helpers.capture import per_rank_dumps
 from helpers.engines.detect import detect
 from helpers.engines.vllm import VLLMAdapter
 from helpers.engines.vllm_server import listeners, start, vllm_python
 from helpers.formats.dumps import read_dump
+from helpers.investigation.probes import ProbeContext
+from helpers.investigation.probes.cache import RADIX_HIT
 from support.tinymodels import build_eagle3_draft, build_target
 
 pytestmark = [pytest.mark.server, pytest.mark.vllm]
@@ -205,3 +212,20 @@ def test_the_draft_step_trace_compares_the_served_proposals_with_the_checkpoint(
     save_file(w, str(other / "model.safetensors"))
     diff = compare_trace(Eagle3Draft.load(other, models["target"]), seqs, records)
     assert diff["mechanism"] == "served_draft_differs" and set(diff["first_steps"].values()) == {1}
+
+
+def test_the_radix_hit_probe_meets_vllms_block_rule(client, tmp_path):
+    """The engine-state probe radix_hit on the engine itself: two 300-token prompts, each resent after a 1-token fill,
+    are served 128 prompt tokens from the prefix cache (block 128 on the CPU backend, the EAGLE draft's last block
+    recomputed: (299 // 128) * 128 - 128), what the adapter's rule says, in usage.prompt_tokens_details (the
+    embedded server's --enable-prompt-tokens-details); the draft proposes one fixed token, so the verify steps are
+    the target's greedy tokens' and a clean prefix hit changes none of them."""
+    prompts = load_prompts([{"id": f"r{i}", "input_ids": [(7 * j + 3 * i) % 380 + 1 for j in range(300)]}
+                            for i in range(2)])
+    ctx = ProbeContext(client=client, adapter=VLLMAdapter(), att=SimpleNamespace(restart=None), run_dir=tmp_path,
+                       prompts=prompts, max_new_tokens=8, dl=Budget(600.0))
+    assert RADIX_HIT.applies(ctx) is None
+    res = RADIX_HIT.run(ctx)
+    assert res.evidence["cached_tokens"] == {"min": 128, "max": 128, "prompts_with_hit": 2}
+    assert res.evidence["expected_cached_tokens"] == [128, 128]
+    assert res.loss["delta"] == pytest.approx(0.0) and res.findings == []

@@ -8,8 +8,10 @@ from typing import Any, Callable, Literal, Optional
 
 import pandas as pd
 
+from ...acceptance.requests import record
 from ...budget import Budget
 from ...draft.budget import _loss, _paired_loss
+from ...errors import RequestRejected, SGLangError, ServerTimeout
 from ...draft.simulate import summary
 from ...runfiles import jsonable
 
@@ -145,3 +147,33 @@ def paired_condition_loss(name: str, cold: pd.DataFrame, cond: pd.DataFrame, bas
     return _loss(name, d, lo, hi, basis, ref, n=n, unit="prompts", per_sequence=per)
 
 
+
+
+def send_greedy(client: Any, adapter: Any, i: int, p: Any, max_new_tokens: int, *, top_logprobs: int = 0
+                ) -> tuple[dict, list[int], Any]:
+    """One probe request through the server's engine adapter: prompt ``p`` (:class:`helpers.acceptance.prompts.
+    Prompt`) greedy (:data:`GREEDY`), ``max_new_tokens`` tokens, with the ``top_logprobs`` best log-probabilities per
+    output position when asked and the engine returns them (``adapter.top_logprobs_fields``; a server refusing those
+    fields is asked again without). The same columns for every engine: SGLang's ``/generate`` and vLLM's
+    ``/v1/completions`` both come back as a :class:`helpers.server.protocol.GenerateResult` from their clients.
+
+    Returns: ``(row, output ids, answer)``: ``row`` one :data:`helpers.acceptance.requests.PER_REQUEST_COLUMNS` row
+    (``cached_tokens``: prompt tokens served from the prefix cache, None when the server does not say), ``answer``
+    None and ``row["error"]`` the first line of the error when the request failed.
+
+    Raises: :class:`helpers.errors.ServerTimeout` (the run's own deadline), never another server error."""
+    fields = adapter.top_logprobs_fields(top_logprobs) if top_logprobs else None
+    res, err = None, None
+    try:
+        try:
+            res = client.generate(**p.request(), sampling_params=GREEDY, max_new_tokens=max_new_tokens,
+                                  **({"extra": fields} if fields else {}))
+        except RequestRejected:
+            if not fields:
+                raise
+            res = client.generate(**p.request(), sampling_params=GREEDY, max_new_tokens=max_new_tokens)
+    except ServerTimeout:
+        raise                                   # the run's own deadline: not this request's failure
+    except SGLangError as exc:
+        err = str(exc).splitlines()[0][:300]
+    return record(i, p, res, err), (list(res.output_ids) if res is not None else []), res

@@ -15,6 +15,15 @@
   draft's extend must keep the aux states and the shifted input ids across each border), measured on the same
   prompts, cold.
 
+On vLLM 0.32.0 (the adapter's ``prefix_cache_off`` / ``prefix_hit_tokens`` / ``chunked_prefill_flags``) the prefix
+cache is on by default and the EAGLE draft's attention layers are KV cache layers of the same manager (its KV cache
+groups, ``v1/core/kv_cache_coordinator.py::KVCacheCoordinator.__init__``: ``eagle_group_ids``), so a hit reuses the
+draft's KV with the target's; a hit covers whole blocks (128 tokens on the CPU backend) and the last
+matched block is recomputed for the draft (``v1/core/single_type_kv_cache_manager.py::FullAttentionManager.
+find_longest_cache_hit``): prompts shorter than two blocks and a token get no hit, and the probe says so instead of
+measuring. ``usage.prompt_tokens_details.cached_tokens`` needs ``--enable-prompt-tokens-details`` (the embedded
+server sets it). A chunk is ``--max-num-batched-tokens`` with one sequence.
+
 Greedy at temperature 0 on both arms, one request at a time (the batch a request shares changes kernels, not the
 tokens' order): a clean engine gives the same verify steps per prompt, so the loss (cold minus condition, paired per
 prompt, :func:`helpers.investigation.probes.base.paired_condition_loss`) is an exact identity; a fault of the
@@ -26,11 +35,9 @@ from typing import Optional
 
 import pandas as pd
 
-from ...acceptance.requests import record
 from ...diagnosis.detectors import finding
-from ...errors import SGLangError, ServerTimeout
 from ...draft.simulate import summary
-from .base import GREEDY, Probe, ProbeContext, ProbeResult, paired_condition_loss
+from .base import Probe, ProbeContext, ProbeResult, paired_condition_loss, send_greedy
 
 
 def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
@@ -44,9 +51,9 @@ def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
     rows, outs = [], []
     for i, p in enumerate(ctx.prompts):
         ctx.client.flush_cache()
-        res, err = _send(ctx, p, ctx.max_new_tokens)
-        rows.append(record(i, p, res, err))
-        outs.append(list(res.output_ids) if res is not None else [])
+        row, out, _ = send_greedy(ctx.client, ctx.adapter, i, p, ctx.max_new_tokens)
+        rows.append(row)
+        outs.append(out)
     ctx.extra["cold"] = (pd.DataFrame(rows), outs)
     return ctx.extra["cold"]
 
@@ -73,20 +80,10 @@ def on_copy(ctx: ProbeContext, folder, *, what: str, flags: Optional[dict] = Non
     return frame
 
 
-def _send(ctx: ProbeContext, p, max_new_tokens: int):
-    try:
-        return ctx.client.generate(**p.request(), sampling_params=GREEDY,
-                                   max_new_tokens=max_new_tokens), None
-    except ServerTimeout:
-        raise                                   # the run's own deadline: not this request's failure
-    except SGLangError as exc:
-        return None, str(exc).splitlines()[0][:300]
-
-
 def _radix_applies(ctx: ProbeContext) -> Optional[str]:
-    info = ctx.client.server_info()
-    if info.get("disable_radix_cache"):
-        return "the server runs without a prefix cache (--disable-radix-cache): no hit to probe"
+    off = ctx.adapter.prefix_cache_off(ctx.client.server_info())
+    if off:
+        return off
     if ctx.max_new_tokens < 2:
         return "fewer than 2 tokens per request: no verify step to count"
     return None
@@ -104,14 +101,20 @@ def _radix_run(ctx: ProbeContext) -> ProbeResult:
     else:
         cold, _ = cold_arm(ctx)
         ctx.extra["cold_source"] = "measured by the probe (cache flushed before each)"
+    expected = _expected_hits(ctx, cold)
+    if expected is not None and max(expected) == 0:
+        n = int(cold["prompt_tokens"].max())
+        return ProbeResult(RADIX_HIT.name, RADIX_HIT.cost, RADIX_HIT.condition, status="skipped",
+                           why=f"{ctx.adapter.label} serves no token of these prompts from its prefix cache: the "
+                               f"longest has {n} tokens, a resent prompt needs {_shortest_hit(ctx)} for a hit "
+                               "(whole cache blocks, the last one recomputed for the EAGLE draft)")
     ctx.progress(f"engine state: radix hit: {len(ctx.prompts)} prompts, each sent once to fill the cache, then "
                  "measured with its prefix cached")
     ctx.client.flush_cache()
     rows = []
     for i, p in enumerate(ctx.prompts):
-        _send(ctx, p, 1)                                     # fills the radix cache with the prompt's KV
-        res, err = _send(ctx, p, ctx.max_new_tokens)
-        rows.append(record(i, p, res, err))
+        send_greedy(ctx.client, ctx.adapter, i, p, 1)        # fills the radix cache with the prompt's KV
+        rows.append(send_greedy(ctx.client, ctx.adapter, i, p, ctx.max_new_tokens)[0])
     warm = pd.DataFrame(rows)
     folder = ctx.folder("radix_hit")
     cold.to_parquet(folder / "cold.parquet")
@@ -119,7 +122,24 @@ def _radix_run(ctx: ProbeContext) -> ProbeResult:
     return condition_result(RADIX_HIT, ctx, cold, warm, folder, "radix_hit",
                             basis="the same prompts cold (flushed) vs their prefix in the radix cache, paired per "
                                   "prompt, greedy",
-                            cached_rule=True, extra={"cold_arm": ctx.extra["cold_source"]})
+                            cached_rule=True, extra={"cold_arm": ctx.extra["cold_source"],
+                                                     "expected_cached_tokens": expected})
+
+
+def _expected_hits(ctx: ProbeContext, cold: pd.DataFrame) -> Optional[list[int]]:
+    """Per cold answer, the prompt tokens the engine serves from its prefix cache when the prompt is sent again
+    (``adapter.prefix_hit_tokens``), or None when the adapter does not know its hit granularity."""
+    info = ctx.client.server_info()
+    n = [int(x) for x in cold["prompt_tokens"].dropna()]
+    hits = [ctx.adapter.prefix_hit_tokens(info, k) for k in n]
+    return None if not hits or any(h is None for h in hits) else hits
+
+
+def _shortest_hit(ctx: ProbeContext, limit: int = 1 << 17) -> str:
+    """The fewest prompt tokens a resent prompt needs for a prefix hit (words), searched up to ``limit``."""
+    info = ctx.client.server_info()
+    k = next((k for k in range(2, limit) if (ctx.adapter.prefix_hit_tokens(info, k) or 0) > 0), None)
+    return f"{k}" if k is not None else f"more than {limit}"
 
 
 def condition_result(probe: Probe, ctx: ProbeContext, cold: pd.DataFrame, cond: pd.DataFrame, folder, name: str, *,
@@ -129,6 +149,7 @@ def condition_result(probe: Probe, ctx: ProbeContext, cold: pd.DataFrame, cond: 
     measured arm without a cached token is no evidence (undecided, saying so)."""
     loss = paired_condition_loss(name, cold, cond, basis)
     ok = cond["verify_ct"].fillna(0) > 0
+    reported = cond.loc[ok, "cached_tokens"].notna() if "cached_tokens" in cond else pd.Series([], dtype=bool)
     cached = [int(x) for x in cond.loc[ok, "cached_tokens"].fillna(0)] if "cached_tokens" in cond else []
     ev = {"cold_accept_length": _al(cold), "condition_accept_length": _al(cond), "prompts": int(len(cond)),
           "failed": int(cond["error"].notna().sum()), "saved_to": str(folder.relative_to(ctx.run_dir)),
@@ -145,9 +166,11 @@ def condition_result(probe: Probe, ctx: ProbeContext, cold: pd.DataFrame, cond: 
                    + (f" (first error: {errors.iloc[0]})" if len(errors) else ""))
         return res
     if cached_rule and ev["cached_tokens"]["prompts_with_hit"] == 0:
-        loss.update(decision="undecided", counts=False,
-                    settle={"n": None, "text": "no measured request was served from the prefix cache "
-                                               "(meta_info.cached_tokens 0): the hit did not happen"})
+        text = ("no measured request was served from the prefix cache (meta_info.cached_tokens 0): the hit did not "
+                "happen") if reported.any() else (
+                "the server's answers carry no cached-token count (vLLM reports usage.prompt_tokens_details."
+                "cached_tokens only with --enable-prompt-tokens-details): whether the hit happened is unknown")
+        loss.update(decision="undecided", counts=False, settle={"n": None, "text": text})
         res.decision = "undecided"
         return res
     if loss["decision"] == "counts":
@@ -167,12 +190,15 @@ def _al(df: pd.DataFrame) -> Optional[float]:
     return None if not len(ok) else float(summary(ok, 1)["accept_length"])
 
 
-def _chunk_size(cold: pd.DataFrame) -> Optional[int]:
-    """A prefill chunk shorter than every measured prompt (half the shortest, at least 2 tokens), or None."""
+def _chunk_size(cold: pd.DataFrame, least: int = 2) -> Optional[int]:
+    """A prefill chunk shorter than every measured prompt (half the shortest, at least ``least`` and 2 tokens), or
+    None. ``least``: the tokens one verify step schedules (the server's draft tokens + 1): a budget below it would
+    trim the drafts of every step (vLLM's token budget is the chunk, ``Scheduler.schedule``), a loss of its own."""
     n = cold["prompt_tokens"].dropna()
     if not len(n) or int(n.min()) < 4:
         return None
-    return max(2, int(n.min()) // 2)
+    size = max(2, int(least), int(n.min()) // 2)
+    return size if size < int(n.min()) else None
 
 
 def _chunked_applies(ctx: ProbeContext) -> Optional[str]:
@@ -183,10 +209,12 @@ def _chunked_applies(ctx: ProbeContext) -> Optional[str]:
 
 def _chunked_run(ctx: ProbeContext) -> ProbeResult:
     cold, _ = cold_arm(ctx)
-    size = _chunk_size(cold)
+    steps = int((getattr(ctx.att, "spec", None) or {}).get("num_steps") or 0)
+    size = _chunk_size(cold, steps + 1)
     if size is None:
         return ProbeResult(CHUNKED_PREFILL.name, CHUNKED_PREFILL.cost, CHUNKED_PREFILL.condition, status="skipped",
-                           why="the prompts are too short to split (fewer than 4 tokens)")
+                           why=f"the prompts are too short to split (fewer than {max(4, steps + 2)} tokens: a chunk "
+                               f"holds at least the {steps + 1} tokens of a verify step)")
     flags = ctx.adapter.chunked_prefill_flags(size)
     folder = ctx.folder("chunked_prefill")
     cond = on_copy(ctx, folder, flags=flags, what="the chunked-prefill copy (--engine-probes all)")

@@ -9,7 +9,9 @@ Verification computes the target's logits of the drafted positions in one extend
 the two are different kernels, so a token whose two best logits are within rounding of each other (a near tie) can
 come out either way without any fault. The copy is therefore asked for its top-2 log-probabilities at each output
 position (SGLang ``return_logprob`` / ``top_logprobs_num``, ``meta_info.output_top_logprobs``,
-``sglang/srt/managers/tokenizer_manager.py::TokenizerManager.convert_logprob_style``): a divergence where the
+``sglang/srt/managers/tokenizer_manager.py::TokenizerManager.convert_logprob_style``; vLLM 0.32.0: ``logprobs: 2``
+with ``return_tokens_as_token_ids``, the adapter's ``top_logprobs_fields``, mapped to the same field by
+``helpers.engines.vllm_answers.meta_info``): a divergence where the
 speculative token is the target's runner-up within :data:`NEAR_TIE` nats is a near tie (said, not a finding); any
 other divergence is ``speculation_not_lossless``, naming the first differing token of each prompt. A divergence whose
 margin the copy did not return is ``undecided``.
@@ -19,9 +21,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ...diagnosis.detectors import finding
-from ...errors import RequestRejected
+from ...errors import ServerError
 from ...runfiles import write_json
-from .base import GREEDY, Probe, ProbeContext, ProbeResult
+from .base import Probe, ProbeContext, ProbeResult, send_greedy
 from .cache import cold_arm
 
 #: log-probability gap (nats) between the target's two best tokens under which a divergence is a near tie
@@ -38,8 +40,8 @@ def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
 
 
 def top2(meta: Any, j: int) -> Optional[list[tuple[float, int]]]:
-    """``[(logprob, token id), ...]`` of output position ``j`` from an SGLang ``meta_info`` with
-    ``output_top_logprobs`` (each entry ``[logprob, token_id, text]``), or None when absent."""
+    """``[(logprob, token id), ...]`` of output position ``j`` from a ``meta_info`` with ``output_top_logprobs``
+    (each entry ``[logprob, token_id, text]``: SGLang's, or vLLM's as its adapter maps them), or None when absent."""
     extra = getattr(meta, "model_extra", None) or (meta if isinstance(meta, dict) else {})
     tops = extra.get("output_top_logprobs")
     if not isinstance(tops, list) or j >= len(tops) or not isinstance(tops[j], list):
@@ -81,10 +83,12 @@ def _run(ctx: ProbeContext) -> ProbeResult:
     try:
         client = ctx.adapter.client(handle.url, ctx.api_key, timeout=ctx.client.timeout, budget=ctx.dl)
         try:
-            for q in ctx.prompts:
+            for i, q in enumerate(ctx.prompts):
                 client.flush_cache()
-                res = _greedy_with_margins(client, q, ctx.max_new_tokens)
-                base_out.append(list(res.output_ids))
+                row, out, res = send_greedy(client, ctx.adapter, i, q, ctx.max_new_tokens, top_logprobs=2)
+                if res is None:
+                    raise ServerError(f"the target alone did not answer prompt {q.id}: {row['error']}")
+                base_out.append(out)
                 metas.append(res.meta_info)
         finally:
             client.close()
@@ -124,16 +128,6 @@ def _run(ctx: ProbeContext) -> ProbeResult:
             res.why = (f"{len(ties)} prompt(s) diverge only at near ties of the target (margin < {NEAR_TIE} nats): "
                        "verify and decode are different kernels")
     return res
-
-
-def _greedy_with_margins(client, q, max_new_tokens: int):
-    """The copy's greedy answer with its top-2 log-probabilities per output position (SGLang ``return_logprob``),
-    or without them when the server refuses the fields."""
-    try:
-        return client.generate(**q.request(), sampling_params=GREEDY, max_new_tokens=max_new_tokens,
-                               extra={"return_logprob": True, "top_logprobs_num": 2})
-    except RequestRejected:
-        return client.generate(**q.request(), sampling_params=GREEDY, max_new_tokens=max_new_tokens)
 
 
 def _applies(ctx: ProbeContext) -> Optional[str]:

@@ -1,5 +1,7 @@
 """The perfect-draft oracle (``oracle``, restart): a restarted copy of the server whose draft is the target itself
-(SGLang 0.5.23's STANDALONE algorithm, ``sglang/srt/speculative/spec_info.py::SpeculativeAlgorithm.STANDALONE``: any
+(the adapter's ``oracle_flags``; vLLM 0.32.0: ``speculative_config.method: draft_model``,
+``vllm/v1/spec_decode/draft_model.py::DraftModelProposer``; SGLang 0.5.23's STANDALONE algorithm,
+``sglang/srt/speculative/spec_info.py::SpeculativeAlgorithm.STANDALONE``: any
 model drafts through the EAGLE V2 worker, ``sglang/srt/speculative/eagle_worker_v2.py``, and is verified on the same
 path as the EAGLE-3 draft; the copy keeps the server's steps, topk and draft tokens). At temperature 0 a draft that is
 the target proposes the target's own greedy tokens, so every verify step should accept all of them: per request the
@@ -77,7 +79,8 @@ def _run(ctx: ProbeContext) -> ProbeResult:
     ev["oracle_accept_length"] = float(ok["completion_tokens"].sum() / ok["verify_ct"].sum())
     ev["perfect_accept_length"] = float(np.mean([perfect_accept_length(int(c), steps)
                                                  for c in ok["completion_tokens"]]))
-    floor = _loss("oracle", d, lo, hi, f"a perfect draft (the target drafting for itself, STANDALONE) against every "
+    how = f"{ctx.adapter.label} " + ", ".join(f"{k} {v}" for k, v in (ctx.adapter.oracle_flags() or {}).items())
+    floor = _loss("oracle", d, lo, hi, f"a perfect draft (the target drafting for itself, {how}) against every "
                   f"token accepted, steps {steps}, paired per prompt", ev["perfect_accept_length"], n=len(per),
                   unit="prompts", per_sequence=per)
     ev["floor"] = floor
@@ -85,7 +88,7 @@ def _run(ctx: ProbeContext) -> ProbeResult:
                        why=(f"the engine's floor: the target drafting for itself accepts {ev['oracle_accept_length']:.2f} "
                             f"tokens per verify step where every token accepted gives "
                             f"{ev['perfect_accept_length']:.2f} ({d:.2f} [{lo:.2f}, {hi:.2f}] lost on {len(per)} "
-                            "prompts; SGLang's STANDALONE path: a floor, not a stage loss)"))
+                            f"prompts; {how}: a floor, not a stage loss)"))
 
 
 ORACLE = Probe("oracle", "restart", "with a perfect draft (the target drafting for itself)",

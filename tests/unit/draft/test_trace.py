@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.draft.model import Eagle3Draft
+from helpers.engines.vllm import VLLMAdapter
 from helpers.draft.simulate import SimSequence
 from helpers.draft.trace import (compare_request, compare_trace, first_divergence, mechanism, read_trace,
                                  request_cycles, trace_counts)

@@ -8,11 +8,12 @@ import pytest
 
 from helpers.acceptance.requests import PER_REQUEST_COLUMNS
 from helpers.engines.base import AcceptanceCounters
-from helpers.engines.vllm import parse_counters, record
-from helpers.engines.vllm_server import build_command, check_target, omp_bind
+from helpers.engines.sglang import SGLangAdapter
+from helpers.engines.vllm import VLLMAdapter, meta_info, parse_counters, record
+from helpers.engines.vllm_server import build_command, check_target, omp_bind, start
 from helpers.errors import BadServerInput
 from helpers.layers import vllm as rules
-from support.vllm_answers import METRICS_1
+from support.vllm_answers import LOGPROBS_CHOICE, METRICS_1
 
 N = 8
 
@@ -146,6 +147,47 @@ def test_launch_checks_head_size_and_tp(tmp_path):
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--enforce-eager" in cmd and cmd[-1] == "--x"
     assert json.loads(cmd[cmd.index("--speculative-config") + 1])["num_speculative_tokens"] == 3
     assert cmd[cmd.index("--worker-extension-cls") + 1] == "helpers.engines.vllm_worker.CaptureExtension"
+    assert "--enable-prompt-tokens-details" in cmd            # usage.prompt_tokens_details.cached_tokens (radix_hit)
+
+
+def test_top_logprobs_of_a_vllm_answer_become_sglangs_output_top_logprobs():
+    m = meta_info({"choices": [LOGPROBS_CHOICE], "usage": {"prompt_tokens": 10, "completion_tokens": 3}})
+    assert m["output_top_logprobs"] == [[[-2.4548540115356445, 510, None], [-2.7506103515625, 316, None]],
+                                        [[-2.1991231441497803, 9, None], [-3.0106446743011475, 16, None]],
+                                        [[-1.882392168045044, 9, None], [-2.4128005504608154, 299, None]]]
+    as_text = {**LOGPROBS_CHOICE, "logprobs": {**LOGPROBS_CHOICE["logprobs"],
+                                               "top_logprobs": [{" a": -1.0, "x": -2.0}, None, {}]}}
+    assert meta_info({"choices": [as_text]})["output_top_logprobs"] == [None, None, None]
+    assert "output_top_logprobs" not in meta_info({"choices": [{"text": "x"}]})
+    # the fields each engine is asked for
+    assert VLLMAdapter().top_logprobs_fields(2) == {"logprobs": 2, "return_tokens_as_token_ids": True}
+    assert SGLangAdapter().top_logprobs_fields(2) == {"return_logprob": True, "top_logprobs_num": 2}
+
+
+def test_prefix_hits_follow_vllms_block_rule_as_measured():
+    a = VLLMAdapter()
+    eagle = {"speculative_algorithm": "EAGLE3", "block_size": 128, "cache_hit_alignment_tokens": 128}
+    # measured on the embedded server (block 128, EAGLE-3 draft): 300 and 257 tokens hit 128, 256 hit 0
+    assert [a.prefix_hit_tokens(eagle, n) for n in (300, 257, 256, 31)] == [128, 128, 0, 0]
+    assert a.prefix_hit_tokens({**eagle, "speculative_algorithm": None}, 300) == 256     # no draft block dropped
+    assert a.prefix_hit_tokens({"speculative_algorithm": "EAGLE3", "block_size": 32}, 100) == 64
+    assert a.prefix_hit_tokens({"speculative_algorithm": "EAGLE3"}, 300) is None         # block size not reported
+    assert a.prefix_cache_off({"enable_prefix_caching": False}).endswith("no hit to probe")
+    assert a.prefix_cache_off({"enable_prefix_caching": True}) is None and a.prefix_cache_off({}) is None
+    assert "--disable-radix-cache" in SGLangAdapter().prefix_cache_off({"disable_radix_cache": True})
+    assert a.chunked_prefill_flags(7) == {"--enable-chunked-prefill": None, "--max-num-batched-tokens": "7",
+                                          "--max-num-seqs": "1"}
+    assert a.oracle_flags() == {"speculative_config.method": "draft_model"}
+
+
+def test_the_oracle_copy_may_draft_with_a_model_that_is_no_eagle_draft(tmp_path):
+    """``method: draft_model`` (the oracle: the target drafting for itself) takes any model as the draft; an EAGLE
+    method still refuses a draft that is no EAGLE-3 class (both before any process starts: no vLLM interpreter)."""
+    target = _cfg(tmp_path, num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(BadServerInput, match="is not an EAGLE-3 draft"):
+        start(target, target, python=tmp_path / "no-python")
+    with pytest.raises(BadServerInput, match="vLLM interpreter .* not found"):
+        start(target, target, python=tmp_path / "no-python", speculative={"method": "draft_model"})
 
 
 def test_the_worker_records_each_cycles_proposals_and_the_trace_reads_them_as_steps(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 from helpers.acceptance.prompts import load_prompts
 from helpers.budget import Budget
+from helpers.engines.sglang import SGLangAdapter
 from helpers.draft.budget import _loss, budget_sentence
 from helpers.engines.sglang import SGLangAdapter
 from helpers.errors import BadInput
@@ -61,14 +62,19 @@ class FakeEngine:
                                               "latency_s": 0.01})
 
 
+#: the adapter methods the probes call whose answers are SGLang's (no prefix-hit rule, no trace refusal)
+SGLANG_LIKE = {"prefix_cache_off": SGLangAdapter().prefix_cache_off, "prefix_hit_tokens": lambda info, n: None,
+               "top_logprobs_fields": SGLangAdapter().top_logprobs_fields,
+               "trace_unavailable": SGLangAdapter().trace_unavailable}
+
+
 def _prompts(n):
     return load_prompts([{"id": f"p{i}", "text": f"{i}|prompt {i}"} for i in range(n)])
 
 
 def _ctx(tmp_path: Path, engine, n=12, restart=None, timeout=600.0) -> ProbeContext:
     return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake",
-                                                               oracle_flags=lambda: None,
-                                                               trace_unavailable=SGLangAdapter().trace_unavailable),
+                                                               oracle_flags=lambda: None, **SGLANG_LIKE),
                         att=SimpleNamespace(restart=restart), run_dir=tmp_path, prompts=_prompts(n),
                         max_new_tokens=25, dl=Budget(timeout))
 
@@ -231,6 +237,10 @@ class FakeCopies:
     the target alone, the oracle): the restart probes' own path (start, measure cold, stop) without a server."""
 
     label = "fake"
+    prefix_cache_off = staticmethod(SGLANG_LIKE["prefix_cache_off"])
+    prefix_hit_tokens = staticmethod(SGLANG_LIKE["prefix_hit_tokens"])
+    top_logprobs_fields = staticmethod(SGLANG_LIKE["top_logprobs_fields"])
+    trace_unavailable = staticmethod(SGLANG_LIKE["trace_unavailable"])
 
     def __init__(self, copies):
         self.copies, self.started, self.stopped = copies, [], 0
@@ -240,9 +250,6 @@ class FakeCopies:
 
     def oracle_flags(self):
         return {"--speculative-algorithm": "STANDALONE"}
-
-    def trace_unavailable(self, client):
-        return "no trace on fake copies"
 
     def start_variant(self, restart, *, draft=None, keep_draft=True, flags=None, **kw):
         kind = "alone" if not keep_draft else "oracle" if (flags or {}).get("--speculative-algorithm") else "chunked"
