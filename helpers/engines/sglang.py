@@ -294,7 +294,7 @@ class SGLangAdapter(EngineAdapter):
     def capture_served(self, client: SGLangClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
                        rank_dir: str | Path | None = None, max_width: Optional[int] = None,
-                       progress: bool = False) -> Path:
+                       progress: bool = False, sampling: Optional[dict] = None) -> Path:
         """``helpers.capture.capture_served`` (``/generate`` with ``return_hidden_states``, the cache flushed before
         each prompt); ``rank_dir``: the folder of the server's per-rank capture hooks, armed while it runs
         (``helpers.hooks.ARM_FILE``)."""
@@ -306,7 +306,7 @@ class SGLangAdapter(EngineAdapter):
             flag.write_text("armed by helpers.engines.sglang\n")
         try:
             return capture_served(client, prompts, out_dir, name=name, max_new_tokens=max_new_tokens,
-                                  progress=progress, max_width=max_width, records=records)
+                                  progress=progress, max_width=max_width, records=records, sampling=sampling)
         finally:
             if flag is not None and flag.exists():
                 flag.unlink()

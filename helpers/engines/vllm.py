@@ -640,7 +640,8 @@ class VLLMAdapter(EngineAdapter):
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
                        rank_dir: str | Path | None = None, max_width: Optional[int] = None, progress: bool = False,
-                       layers: bool = False, capture_dir: str | Path | None = None) -> Path:
+                       layers: bool = False, capture_dir: str | Path | None = None,
+                       sampling: Optional[dict] = None) -> Path:
         """Dump what the server feeds its draft for ``prompts`` (token ids, text, training samples): the worker
         extension is armed on every rank for the capture; for each prompt the prefix cache is reset
         (``/reset_prefix_cache``) and one completion of ``max_new_tokens`` greedy tokens runs. The sample's row at
@@ -654,6 +655,8 @@ class VLLMAdapter(EngineAdapter):
         ``engine_version``, the loaded config (``e3f_describe``), ``kind: served``.
 
         ``records``: when a list, one per-request row (:func:`record`) per prompt is appended.
+        ``sampling``: SGLang-named sampling params (``temperature``, ``top_p``, ``top_k``, ``sampling_seed`` -> vLLM's
+        ``seed``, seed + prompt index per request), greedy when None.
         ``rank_dir`` (or ``capture_dir``): keep every rank's raw capture there (``rank<r>/index.jsonl`` + files, the
         format ``helpers.capture.per_rank_dumps`` reads: one dump per TP rank); default a temporary folder, removed.
 
@@ -675,7 +678,7 @@ class VLLMAdapter(EngineAdapter):
         if keep and cap.exists() and any(cap.iterdir()):
             raise BadInput("the capture folder is not empty (captures are never overwritten)", path=cap)
         try:
-            sent = _send(client, prompts, cap, max_new_tokens, layers, records)
+            sent = _send(client, prompts, cap, max_new_tokens, layers, records, sampling)
             samples, ref = _assemble(client, cap, sent, layers, max_width)
         finally:
             if not keep:

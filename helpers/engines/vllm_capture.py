@@ -15,13 +15,13 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..capture import prompt_fields, safe_key, read_rank_capture
+from ..capture import prompt_fields, read_rank_capture, safe_key, sampling_params
 from ..errors import SGLangError
 from .vllm_answers import record
 
 
 def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, layers: bool,
-          records: Optional[list]) -> list[tuple[str, Optional[list[int]], dict]]:
+          records: Optional[list], sampling: Optional[dict] = None) -> list[tuple[str, Optional[list[int]], dict]]:
     """Arm the capture on every rank, send each prompt alone (prefix cache reset first), disarm. Returns
     ``(prompt id, prompt token ids or None for text, answer)`` per prompt.
 
@@ -35,7 +35,9 @@ def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, l
         for i, p in enumerate(prompts):
             pid, ids, text = prompt_fields(p, i)
             client.reset_prefix_cache()
-            ans = client.complete(ids if ids is not None else text, max_tokens=max_new_tokens)
+            temperature, extra = vllm_sampling(sampling, i)
+            ans = client.complete(ids if ids is not None else text, max_tokens=max_new_tokens,
+                                  temperature=temperature, extra=extra)
             sent.append((pid, ids, ans))
             if records is not None:
                 records.append(record(len(records), pid, ans, kind="capture"))
@@ -45,6 +47,17 @@ def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, l
         raise
     client.rpc("e3f_capture_stop")
     return sent
+
+
+def vllm_sampling(sampling: Optional[Mapping[str, Any]], i: int) -> tuple[float, dict]:
+    """SGLang-named sampling params (:func:`helpers.capture.sampling_params`: ``temperature``, ``top_p``, ``top_k``,
+    ``sampling_seed``) as ``/v1/completions`` fields: ``(temperature, {"top_p", "top_k", "seed"})`` (vLLM's names,
+    ``vllm/entrypoints/openai/completion/protocol.py::CompletionRequest``), the seed ``seed + i`` per prompt."""
+    sp = sampling_params(sampling, i)
+    extra = {k: sp[k] for k in ("top_p", "top_k") if sp.get(k) is not None}
+    if sp.get("sampling_seed") is not None:
+        extra["seed"] = int(sp["sampling_seed"])
+    return float(sp["temperature"]), extra
 
 
 def _answer_ids(ans: Mapping[str, Any]) -> tuple[Optional[list[int]], list[int]]:
