@@ -1,0 +1,221 @@
+"""Sampled verification (``sampled_verify``, cheap): the live prompts answered at a temperature > 0, and the engine's
+accept length of each answer against what the draft, run offline on the served states of that same sampled answer,
+says verification must accept.
+
+Why the offline chain predicts the accept length at T > 0 exactly, per request (read in the installed packages):
+
+* SGLang 0.5.23, default (no ``--speculative-use-rejection-sampling``): the draft proposes its top-k / argmax tokens
+  whatever the temperature (``sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker.draft_forward`` /
+  ``_draft_extend``: ``fast_topk`` / ``argmax``; ``sglang/srt/speculative/spec_utils.py::renorm_draft_probs``: the
+  draft's probabilities are temperature-scaled only under rejection sampling, so a tree's top-k does not move with T).
+  Verify (``sglang/srt/speculative/eagle_utils.py::eagle_sample``) takes
+  ``sglang/kernels/ops/speculative/verify_sampling.py::tree_speculative_sampling_target_only`` with
+  ``draft_probs = zeros`` (the proposals one-hot). The kernel (``sglang/kernels/jit/include/sgl_kernel/speculative/
+  sampling.cuh::TreeSpeculativeSamplingTargetOnly``): at each depth one coin walks the children of the last accepted
+  node in order, accepting child ``x`` when ``coin < prob_acc / threshold_acc`` or ``p(x) >= threshold_single``
+  (``prob_acc`` the target's probabilities of the children tried so far); an accepted child is the token emitted at
+  that position; a rejected child's target probability is copied into ``draft_probs``, so the final token is sampled
+  from ``relu(p - draft_probs)``: never a rejected child. Hence a draft node is accepted **iff it equals the token
+  emitted at its position**, for chains and topk > 1 trees, and with relaxed acceptance
+  (``--speculative-accept-threshold-single/-acc`` < 1) too (the thresholds change *which* token is emitted, never
+  that the accepted one is it). Conditional on the emitted continuation, acceptance is deterministic: the greedy walk
+  of :func:`helpers.draft.simulate.simulate_sequences` (drafts compared with the continuation tokens,
+  ``verify_tree_greedy_func``'s rule) on the served states of the sampled continuation gives the engine's verify
+  steps exactly, as at T = 0.
+* SGLang on CPU / XPU (and HIP without rejection sampling): ``eagle_utils.py::_verify_uses_greedy`` is true whatever
+  the temperature, so verify commits the target's **argmax** (``verify_tree_greedy_func``) at T > 0 as well: after
+  the prefill's first token (sampled at T by the target's sampler) the answer is greedy. The rule above holds
+  trivially (the emitted token is the argmax); the probe then checks the greedy verify on a sampled first token,
+  and says so (``evidence.greedy_verify``).
+* SGLang with ``--speculative-use-rejection-sampling`` (chain only): the draft *samples* its proposals
+  (``spec_utils.py::sample_draft_proposal``, ``EagleDraftWorker``): the offline chain's argmax proposals are not the
+  server's, so the probe does not apply (``applies`` says so). (The verify itself, ``sglang/kernels/ops/speculative/
+  reject_sampling.py::chain_speculative_sampling_triton``, keeps "accepted iff emitted": a rejected ``x`` has
+  ``p(x) < q(x)``, where the residual ``relu(p - q)`` is 0.)
+* vLLM 0.32.0: ``vllm/config/speculative.py::SpeculativeConfig.draft_sample_method`` ``greedy`` (default) with
+  ``rejection_sample_method`` ``standard``: ``vllm/v1/sample/rejection_sampler.py::rejection_random_sample_kernel``
+  runs with ``NO_DRAFT_PROBS`` (``draft_prob = 1``: accepted when ``p(x) >= u``) and ``sample_recovered_tokens_kernel``
+  masks the draft token out of the recovered distribution (``vocab_offset != draft_token_id``): accepted iff emitted,
+  a chain. ``probabilistic`` drafts sample their proposals, ``synthetic`` accepts by a calibrated coin and ``block``
+  verifies a block jointly: none is predicted by the greedy chain, so the probe does not apply there.
+
+A clean engine therefore gives the offline prediction exactly (an identity, like the budget's engine stage); a
+verification that rejects drafts the emitted tokens match (a coin not coupled to the emitted token, a kernel that
+compares the wrong node, a lost threshold) shows as accept length lost at T > 0 only, which the greedy budget cannot
+see. The loss (offline minus live, paired per prompt, :func:`helpers.investigation.probes.base.paired_condition_loss`)
+is decided like a budget stage; ``counts`` is ``sampled_verify_loses_acceptance``. The accept length at T = 0 (the
+budget's live answers, ``ctx.cold``) beside the one at T is evidence only: the sampled text is another text.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+
+from ...diagnosis.detectors import finding
+from ...draft.sequences import dump_sequences
+from ...draft.simulate import DraftSettings, simulate_sequences, summary
+from ...errors import BadInput
+from .base import Probe, ProbeContext, ProbeResult, paired_condition_loss
+from .trace import checkpoint_draft
+
+#: the probe's sampling unless ``ctx.sampling`` says otherwise (SGLang names; ``sampling_seed`` + prompt index per
+#: request, the same on every run: ``helpers.capture.sampling_params``)
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 0}
+SOURCE = ("engine-state probe sampled_verify: the live prompts answered at temperature > 0, the draft run offline on "
+          "the served states of each sampled answer (helpers.draft.simulate.simulate_sequences: a draft accepted iff "
+          "it is the emitted token, the target-only sampling verify's rule, sglang/kernels/jit/include/sgl_kernel/"
+          "speculative/sampling.cuh) against the same answers' spec_verify_ct (helpers.investigation.probes.sampled)")
+
+
+def probe_sampling(ctx: ProbeContext) -> dict:
+    """The sampling the probe sends: :data:`DEFAULT_SAMPLING` with ``ctx.sampling`` laid over it.
+
+    Raises:
+        BadInput: a temperature that is not > 0 (naming ``--probe-temperature``), a top-p outside (0, 1], a top-k
+            that is neither -1 nor >= 1."""
+    sp = {**DEFAULT_SAMPLING, **(getattr(ctx, "sampling", None) or {})}
+    t = sp.get("temperature")
+    if not isinstance(t, (int, float)) or not t > 0:
+        raise BadInput(f"expected a temperature > 0 for the sampled-verify probe, got {t!r} (temperature 0 is the "
+                       "acceptance budget's own measurement)", field="--probe-temperature")
+    p = sp.get("top_p")
+    if not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise BadInput(f"expected a top-p in (0, 1], got {p!r}", field="--probe-top-p")
+    k = sp.get("top_k")
+    if not isinstance(k, int) or (k != -1 and k < 1):
+        raise BadInput(f"expected a top-k of -1 (off) or >= 1, got {k!r}", field="--probe-top-k")
+    return sp
+
+
+def server_rule(info: dict) -> Optional[str]:
+    """Why the server's sampled verify is not the rule the offline chain predicts (module docstring), or None."""
+    if info.get("speculative_use_rejection_sampling"):
+        return ("the server samples its draft proposals (--speculative-use-rejection-sampling: sglang/srt/speculative/"
+                "spec_utils.py::sample_draft_proposal), so the offline chain's argmax proposals are not its own")
+    dsm = info.get("draft_sample_method")
+    if dsm not in (None, "greedy"):
+        return (f"the server's draft_sample_method is {dsm!r}: the draft samples its proposals "
+                "(vllm/config/speculative.py::SpeculativeConfig.draft_sample_method); the offline chain proposes "
+                "argmax")
+    rsm = info.get("rejection_sample_method")
+    if rsm not in (None, "standard"):
+        return (f"the server's rejection_sample_method is {rsm!r}, not token-by-token rejection sampling "
+                "(vllm/config/speculative.py::SpeculativeConfig.rejection_sample_method): acceptance is not decided "
+                "by the emitted token alone")
+    return None
+
+
+def greedy_verify(info: dict) -> Optional[str]:
+    """A note when the server's platform verifies with the argmax at any temperature (SGLang on CPU / XPU:
+    ``sglang/srt/speculative/eagle_utils.py::_verify_uses_greedy``), else None."""
+    if info.get("engine", "sglang") == "sglang" and str(info.get("device") or "").lower() in ("cpu", "xpu"):
+        return (f"SGLang on {info['device']} verifies with the target's argmax at every temperature "
+                "(sglang/srt/speculative/eagle_utils.py::_verify_uses_greedy): only the first token of each answer is "
+                "sampled, and this probe checks the greedy verify on that sampled prefix")
+    return None
+
+
+def _al(df: Optional[pd.DataFrame]) -> Optional[float]:
+    if df is None or not len(df) or "verify_ct" not in df:
+        return None
+    ok = df[df["verify_ct"].fillna(0) > 0]
+    return None if not len(ok) else float(summary(ok, 1)["accept_length"])
+
+
+def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict, cold: Optional[pd.DataFrame] = None,
+                   info: Optional[dict] = None, saved_to: Optional[str] = None) -> ProbeResult:
+    """The probe's result from the offline prediction and the live answers of the same sampled requests.
+
+    Args:
+        offline: :func:`helpers.draft.simulate.simulate_sequences`'s per-request frame on the sampled answers' served
+            states (``prompt_id``, ``completion_tokens``, ``verify_ct``, ...).
+        live: the same answers' per-request frame (:data:`helpers.acceptance.requests.PER_REQUEST_COLUMNS`).
+        sampling: the sampling sent; cold: the budget's live frame at T = 0 (evidence only) or None; info: the
+            server's ``/server_info`` (its accept thresholds and platform, evidence).
+
+    Returns: decision ``counts`` (``sampled_verify_loses_acceptance``) / ``clear`` / ``undecided`` of the loss
+    offline minus live (tokens per verify step, bonus token included; positive = the engine accepted fewer), with
+    ``evidence``: the accept lengths (offline, live, at T = 0), the prompts whose verify steps equal the prediction
+    exactly, the temperature."""
+    p, info = SAMPLED_VERIFY, info or {}
+    loss = paired_condition_loss("sampled_verify", offline, live,
+                                 f"the draft offline on the served states of the same answers at temperature "
+                                 f"{sampling['temperature']} vs their live counters, paired per prompt")
+    pair = offline[["prompt_id", "verify_ct"]].merge(live[["prompt_id", "verify_ct"]], on="prompt_id",
+                                                     suffixes=("_offline", "_live"))
+    exact = int((pair["verify_ct_offline"] == pair["verify_ct_live"]).sum())
+    ev = {"sampling": dict(sampling), "offline_accept_length": _al(offline), "live_accept_length": _al(live),
+          "greedy_accept_length": _al(cold), "prompts": int(len(live)), "paired": int(len(pair)),
+          "exact_prompts": exact, "failed": int(live["error"].notna().sum()) if "error" in live else 0,
+          "accept_thresholds": {k: info.get(f"speculative_accept_threshold_{k}") for k in ("single", "acc")},
+          "greedy_verify": greedy_verify(info),
+          "note": "the accept length at temperature 0 (the budget's live answers) is of another text: evidence, not "
+                  "a loss"}
+    if saved_to:
+        ev["saved_to"] = saved_to
+    res = ProbeResult(p.name, p.cost, p.condition, decision=loss["decision"], loss=loss, evidence=ev,
+                      saved_to=[saved_to] if saved_to else [], why=ev["greedy_verify"])
+    ok = live["verify_ct"].fillna(0) > 0 if "verify_ct" in live else pd.Series([], dtype=bool)
+    if not ok.any():
+        errors = live["error"].dropna() if "error" in live else []
+        res.status, res.decision = "failed", None
+        res.why = ("no sampled request was answered with spec counters"
+                   + (f" (first error: {errors.iloc[0]})" if len(errors) else ""))
+        return res
+    if loss["decision"] == "counts":
+        lo, hi = loss["ci"]
+        res.findings.append(finding(
+            "sampled_verify_loses_acceptance", None,
+            f"at temperature {sampling['temperature']} the server accepts {ev['live_accept_length']:.2f} tokens per "
+            f"verify step where its draft, run offline on the served states of the same answers, matches the emitted "
+            f"tokens for {ev['offline_accept_length']:.2f}: {loss['delta']:.2f} [{lo:.2f}, {hi:.2f}] lost on "
+            f"{loss['n']} prompts ({exact} of {len(pair)} exact); verification at temperature > 0 rejects drafts "
+            "that are the tokens it emits",
+            condition=p.name, loss=loss, probe=ev, temperature=sampling["temperature"], source=SOURCE))
+    return res
+
+
+def _settings(ctx: ProbeContext) -> DraftSettings:
+    spec = ctx.att.spec or {}
+    return DraftSettings(int(spec["num_steps"]), int(spec.get("topk") or 1), int(spec["num_draft_tokens"]))
+
+
+def _applies(ctx: ProbeContext) -> Optional[str]:
+    att = ctx.att
+    if getattr(att, "draft_dir", None) is None or getattr(att, "target_dir", None) is None:
+        return "the draft checkpoint or the target folder is not readable here: the draft cannot run offline"
+    spec = getattr(att, "spec", None) or {}
+    if not spec.get("num_steps") or not spec.get("num_draft_tokens"):
+        return "the server reports no speculative steps / draft tokens"
+    if ctx.max_new_tokens < 2:
+        return "fewer than 2 tokens per request: no verify step to count"
+    return server_rule(ctx.client.server_info())
+
+
+def _run(ctx: ProbeContext) -> ProbeResult:
+    sampling = probe_sampling(ctx)
+    settings = _settings(ctx)
+    draft = checkpoint_draft(ctx)
+    folder = ctx.folder("sampled_verify")
+    ctx.progress(f"engine state: sampled verify: {len(ctx.prompts)} prompts x {ctx.max_new_tokens} tokens at "
+                 f"temperature {sampling['temperature']}, aux states and counters from the same answers")
+    recs: list = []
+    dump = ctx.adapter.capture_served(ctx.client, ctx.prompts, folder, name="sampled",
+                                      max_new_tokens=ctx.max_new_tokens, records=recs,
+                                      max_width=16 * int(draft.arch.target_hidden), sampling=sampling)
+    live = pd.DataFrame(recs)
+    offline = simulate_sequences(draft, dump_sequences(dump), [settings],
+                                 max_new_tokens=ctx.max_new_tokens)["per_request"][settings]
+    live.to_parquet(folder / "live.parquet")
+    offline.to_parquet(folder / "offline.parquet")
+    return sampled_result(offline, live, sampling=sampling, cold=ctx.cold, info=ctx.client.server_info(),
+                          saved_to=str(folder.relative_to(ctx.run_dir)))
+
+
+SAMPLED_VERIFY = Probe("sampled_verify", "cheap", "at temperature > 0 (sampled answers)",
+                       "does verification at temperature > 0 accept exactly the drafts that are the tokens it emits?",
+                       _run, applies=_applies,
+                       estimate_s=lambda ctx: 3.0 + 0.12 * len(ctx.prompts) * ctx.max_new_tokens)
+
+__all__ = ["DEFAULT_SAMPLING", "SAMPLED_VERIFY", "greedy_verify", "probe_sampling", "sampled_result", "server_rule"]
