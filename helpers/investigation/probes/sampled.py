@@ -42,9 +42,12 @@ Why the offline chain predicts the accept length at T > 0 exactly, per request (
 A clean engine therefore gives the offline prediction exactly (an identity, like the budget's engine stage); a
 verification that rejects drafts the emitted tokens match (a coin not coupled to the emitted token, a kernel that
 compares the wrong node, a lost threshold) shows as accept length lost at T > 0 only, which the greedy budget cannot
-see. The loss (offline minus live, paired per prompt, :func:`helpers.investigation.probes.base.paired_condition_loss`)
-is decided like a budget stage; ``counts`` is ``sampled_verify_loses_acceptance``. The accept length at T = 0 (the
-budget's live answers, ``ctx.cold``) beside the one at T is evidence only: the sampled text is another text.
+see. The gap (offline minus live, paired per prompt, :func:`helpers.investigation.probes.base.paired_condition_loss`)
+is decided like a budget stage. An engine that computes the draft differently (the budget's engine stage) loses at
+every temperature, so a gap that counts is measured once more at T = 0 on the same prompts (the same capture, greedy:
+a clean case costs nothing more): the sampled verify's own loss is the gap at T minus the gap at T = 0, per prompt
+(:func:`greedy_adjusted`), and only that counting is ``sampled_verify_loses_acceptance``. The accept length at T = 0
+(the budget's live answers, ``ctx.cold``) beside the one at T is evidence only: the sampled text is another text.
 """
 from __future__ import annotations
 
@@ -53,10 +56,12 @@ from typing import Optional
 import pandas as pd
 
 from ...diagnosis.detectors import finding
+from ...draft.budget import _loss
 from ...draft.sequences import dump_sequences
 from ...draft.simulate import DraftSettings, simulate_sequences, summary
 from ...errors import BadInput
 from .base import Probe, ProbeContext, ProbeResult, paired_condition_loss
+from .oracle import _ci
 from .trace import checkpoint_draft
 
 #: the probe's sampling unless ``ctx.sampling`` says otherwise (SGLang names; ``sampling_seed`` + prompt index per
@@ -123,8 +128,40 @@ def _al(df: Optional[pd.DataFrame]) -> Optional[float]:
     return None if not len(ok) else float(summary(ok, 1)["accept_length"])
 
 
+def per_prompt_gap(offline: pd.DataFrame, live: pd.DataFrame) -> pd.Series:
+    """Per prompt (``prompt_id``), the offline accept length minus the live one (tokens per verify step, bonus token
+    included), over the prompts both answered with verify steps, sorted by prompt id."""
+    def al(df: pd.DataFrame) -> pd.Series:
+        ok = df[df["verify_ct"].fillna(0) > 0]
+        if "error" in ok:
+            ok = ok[ok["error"].isna()]
+        return pd.Series((ok["completion_tokens"].astype(float) / ok["verify_ct"].astype(float)).to_numpy(),
+                         index=ok["prompt_id"].astype(str))
+    a, b = al(offline), al(live)
+    common = sorted(set(a.index) & set(b.index))
+    return a[common] - b[common]
+
+
+def greedy_adjusted(offline: pd.DataFrame, live: pd.DataFrame, offline0: pd.DataFrame, live0: pd.DataFrame,
+                    temperature: float) -> dict:
+    """The sampled verify's own loss: per prompt, the gap at T (:func:`per_prompt_gap` of ``offline`` / ``live``)
+    minus the gap at T = 0 (``offline0`` / ``live0``, the same prompts answered greedy), decided like a budget stage
+    (bootstrap CI over prompts, :func:`helpers.draft.budget._loss`; the threshold from the offline accept length at
+    T); ``gap_at_t`` / ``gap_at_0``: the two mean gaps (tokens per verify step)."""
+    g, g0 = per_prompt_gap(offline, live), per_prompt_gap(offline0, live0)
+    common = sorted(set(g.index) & set(g0.index))
+    per = [float(g[k] - g0[k]) for k in common]
+    d, lo, hi = _ci(per) if len(per) >= 2 else (float("nan"),) * 3
+    return _loss("sampled_verify", d, lo, hi, f"the gap (offline on the served states minus live, per prompt) at "
+                 f"temperature {temperature} minus the same prompts' gap at temperature 0, paired over "
+                 f"{len(per)} prompts", _al(offline), n=len(per), unit="prompts", per_sequence=per,
+                 gap_at_t=float(g[common].mean()) if common else None,
+                 gap_at_0=float(g0[common].mean()) if common else None)
+
+
 def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict, cold: Optional[pd.DataFrame] = None,
-                   info: Optional[dict] = None, saved_to: Optional[str] = None) -> ProbeResult:
+                   info: Optional[dict] = None, saved_to: Optional[str] = None,
+                   greedy: Optional[tuple[pd.DataFrame, pd.DataFrame]] = None) -> ProbeResult:
     """The probe's result from the offline prediction and the live answers of the same sampled requests.
 
     Args:
@@ -133,6 +170,9 @@ def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict,
         live: the same answers' per-request frame (:data:`helpers.acceptance.requests.PER_REQUEST_COLUMNS`).
         sampling: the sampling sent; cold: the budget's live frame at T = 0 (evidence only) or None; info: the
             server's ``/server_info`` (its accept thresholds and platform, evidence).
+        greedy: ``(offline, live)`` of the same prompts at T = 0 (measured by the probe when the gap at T counts):
+            the loss decided is then :func:`greedy_adjusted` (the gap at T beyond the one at T = 0), the gap at T
+            kept as ``evidence.gap``.
 
     Returns: decision ``counts`` (``sampled_verify_loses_acceptance``) / ``clear`` / ``undecided`` of the loss
     offline minus live (tokens per verify step, bonus token included; positive = the engine accepted fewer), with
@@ -154,6 +194,10 @@ def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict,
                   "a loss"}
     if saved_to:
         ev["saved_to"] = saved_to
+    if greedy is not None:
+        ev["gap"] = {k: loss.get(k) for k in ("delta", "ci", "decision", "n")}
+        loss = greedy_adjusted(offline, live, greedy[0], greedy[1], sampling["temperature"])
+        ev["greedy_offline_accept_length"], ev["greedy_live_accept_length"] = _al(greedy[0]), _al(greedy[1])
     res = ProbeResult(p.name, p.cost, p.condition, decision=loss["decision"], loss=loss, evidence=ev,
                       saved_to=[saved_to] if saved_to else [], why=ev["greedy_verify"])
     ok = live["verify_ct"].fillna(0) > 0 if "verify_ct" in live else pd.Series([], dtype=bool)
@@ -163,6 +207,11 @@ def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict,
         res.why = ("no sampled request was answered with spec counters"
                    + (f" (first error: {errors.iloc[0]})" if len(errors) else ""))
         return res
+    if greedy is not None and loss["decision"] != "counts" and loss.get("gap_at_0") is not None:
+        res.why = "; ".join(x for x in (
+            f"the gap at temperature {sampling['temperature']} ({loss['gap_at_t']:.2f} tokens per verify step) is "
+            f"the engine's at temperature 0 as well ({loss['gap_at_0']:.2f}): the acceptance budget's engine stage, "
+            "not the sampled verify", ev["greedy_verify"]) if x)
     if loss["decision"] == "counts":
         lo, hi = loss["ci"]
         res.findings.append(finding(
@@ -170,8 +219,9 @@ def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict,
             f"at temperature {sampling['temperature']} the server accepts {ev['live_accept_length']:.2f} tokens per "
             f"verify step where its draft, run offline on the served states of the same answers, matches the emitted "
             f"tokens for {ev['offline_accept_length']:.2f}: {loss['delta']:.2f} [{lo:.2f}, {hi:.2f}] lost on "
-            f"{loss['n']} prompts ({exact} of {len(pair)} exact); verification at temperature > 0 rejects drafts "
-            "that are the tokens it emits",
+            f"{loss['n']} prompts ({exact} of {len(pair)} exact)"
+            + (f", beyond the gap of {loss['gap_at_0']:.2f} at temperature 0" if greedy is not None else "")
+            + "; verification at temperature > 0 rejects drafts that are the tokens it emits",
             condition=p.name, loss=loss, probe=ev, temperature=sampling["temperature"], source=SOURCE))
     return res
 
@@ -209,8 +259,23 @@ def _run(ctx: ProbeContext) -> ProbeResult:
                                  max_new_tokens=ctx.max_new_tokens)["per_request"][settings]
     live.to_parquet(folder / "live.parquet")
     offline.to_parquet(folder / "offline.parquet")
-    return sampled_result(offline, live, sampling=sampling, cold=ctx.cold, info=ctx.client.server_info(),
-                          saved_to=str(folder.relative_to(ctx.run_dir)))
+    info, saved = ctx.client.server_info(), str(folder.relative_to(ctx.run_dir))
+    res = sampled_result(offline, live, sampling=sampling, cold=ctx.cold, info=info, saved_to=saved)
+    if res.decision != "counts":
+        return res
+    ctx.progress("engine state: sampled verify: the gap counts; the same prompts at temperature 0 (is it the "
+                 "engine's at every temperature?)")
+    recs0: list = []
+    dump0 = ctx.adapter.capture_served(ctx.client, ctx.prompts, folder, name="greedy",
+                                       max_new_tokens=ctx.max_new_tokens, records=recs0,
+                                       max_width=16 * int(draft.arch.target_hidden))
+    live0 = pd.DataFrame(recs0)
+    offline0 = simulate_sequences(draft, dump_sequences(dump0), [settings],
+                                  max_new_tokens=ctx.max_new_tokens)["per_request"][settings]
+    live0.to_parquet(folder / "greedy_live.parquet")
+    offline0.to_parquet(folder / "greedy_offline.parquet")
+    return sampled_result(offline, live, sampling=sampling, cold=ctx.cold, info=info, saved_to=saved,
+                          greedy=(offline0, live0))
 
 
 SAMPLED_VERIFY = Probe("sampled_verify", "cheap", "at temperature > 0 (sampled answers)",
@@ -218,4 +283,5 @@ SAMPLED_VERIFY = Probe("sampled_verify", "cheap", "at temperature > 0 (sampled a
                        _run, applies=_applies,
                        estimate_s=lambda ctx: 3.0 + 0.12 * len(ctx.prompts) * ctx.max_new_tokens)
 
-__all__ = ["DEFAULT_SAMPLING", "SAMPLED_VERIFY", "greedy_verify", "probe_sampling", "sampled_result", "server_rule"]
+__all__ = ["DEFAULT_SAMPLING", "SAMPLED_VERIFY", "greedy_adjusted", "greedy_verify", "per_prompt_gap", "probe_sampling",
+           "sampled_result", "server_rule"]

@@ -250,3 +250,21 @@ def test_sampled_verify_is_cheap_and_skips_without_a_draft(tmp_path):
                        run_dir=tmp_path, prompts=[], max_new_tokens=16, dl=Budget(600.0))
     r = _one(next(p for p in probes() if p.name == "sampled_verify"), ctx, "cheap")
     assert r.status == "skipped" and "cannot run offline" in r.why
+
+
+def test_a_gap_the_engine_has_at_temperature_0_too_is_not_the_sampled_verify(chain):
+    """A draft the engine computes differently loses at every temperature: the gap at T is measured again at T = 0
+    and only the part beyond it is the sampled verify's (the budget's engine stage owns the rest)."""
+    acc, offline = chain
+    at_t = _frame(acc, cut=0.5, seed=3)
+    everywhere = sampled_result(offline, at_t, sampling=DEFAULT_SAMPLING,
+                                greedy=(offline, _frame(acc, cut=0.5, seed=4))).to_json()
+    assert everywhere["evidence"]["gap"]["decision"] == "counts"
+    assert everywhere["decision"] != "counts" and everywhere["findings"] == []
+    loss = everywhere["loss"]
+    assert abs(loss["delta"]) < 0.25 and loss["gap_at_t"] > 0.4 and loss["gap_at_0"] > 0.4, loss
+    assert "the acceptance budget's engine stage" in everywhere["why"]
+    only_t = sampled_result(offline, at_t, sampling=DEFAULT_SAMPLING, greedy=(offline, _frame(acc))).to_json()
+    assert only_t["decision"] == "counts" and only_t["loss"]["gap_at_0"] == 0, only_t["loss"]
+    assert only_t["loss"]["delta"] == pytest.approx(only_t["loss"]["gap_at_t"])
+    assert "beyond the gap of 0.00 at temperature 0" in only_t["findings"][0]["detail"]
