@@ -268,3 +268,76 @@ def test_a_gap_the_engine_has_at_temperature_0_too_is_not_the_sampled_verify(cha
     assert only_t["decision"] == "counts" and only_t["loss"]["gap_at_0"] == 0, only_t["loss"]
     assert only_t["loss"]["delta"] == pytest.approx(only_t["loss"]["gap_at_t"])
     assert "beyond the gap of 0.00 at temperature 0" in only_t["findings"][0]["detail"]
+
+
+def test_capture_sampling_reaches_both_engines_requests(tmp_path):
+    """The capture's sampling: greedy by default; a seed per prompt (seed + index); vLLM's field names on its
+    ``/v1/completions`` requests (``_send`` with a recording client)."""
+    from helpers.capture import sampling_params
+    from helpers.engines.vllm_capture import _send, vllm_sampling
+    assert sampling_params(None, 3) == {"temperature": 0.0, "ignore_eos": True}
+    assert sampling_params({"temperature": 0.8, "sampling_seed": 10}, 3)["sampling_seed"] == 13
+    assert vllm_sampling(None, 0) == (0.0, {})
+    assert vllm_sampling({"temperature": 0.7, "top_p": 0.9, "top_k": 5, "sampling_seed": 3}, 2) == (
+        0.7, {"top_p": 0.9, "top_k": 5, "seed": 5})
+    sent = []
+    client = SimpleNamespace(rpc=lambda *a, **k: None, reset_prefix_cache=lambda: None,
+                             complete=lambda ids, **kw: sent.append(kw) or {"choices": [{"token_ids": [1, 2]}]})
+    _send(client, [[5, 6, 7], [8, 9]], tmp_path, 4, False, None, {"temperature": 1.0, "sampling_seed": 0})
+    assert [(k["temperature"], k["extra"].get("seed"), k["max_tokens"]) for k in sent] == [(1.0, 0, 4), (1.0, 1, 4)]
+
+
+class ServedAdapter:
+    """An engine adapter whose ``capture_served`` writes the reference training samples as a served dump (prompt =
+    the tokens before the sample's start, the continuation after it, its own aux rows) and appends live records
+    from the chain walk: cut by the fault's independent coin when the sampling has a temperature > 0 and
+    ``fault_at_t``, or everywhere with ``fault_always``."""
+
+    label = "fake"
+
+    def __init__(self, acc, *, fault_at_t=False, fault_always=False):
+        self.acc, self.fault_at_t, self.fault_always, self.calls = acc, fault_at_t, fault_always, []
+
+    def capture_served(self, client, prompts, out_dir, *, name, max_new_tokens, records, max_width, sampling=None):
+        from helpers.formats.dumps import write_dump
+        self.calls.append((name, sampling, max_new_tokens))
+        samples = [{"key": s.key, "sample_id": s.key, "hidden": s.aux[: int(s.tokens.shape[0]) - 1],
+                    "input_ids": s.tokens[: int(s.tokens.shape[0]) - 1], "output_ids": s.tokens[s.start:],
+                    "num_prompt_tokens": s.start} for s, _ in self.acc]
+        sampled = bool(sampling and sampling.get("temperature", 0) > 0)
+        cut = 0.5 if self.fault_always or (self.fault_at_t and sampled) else None
+        records.extend(_frame(self.acc, cut=cut, seed=len(self.calls)).to_dict("records"))
+        return write_dump(out_dir / name, samples, {"kind": "served"})
+
+
+def _probe_ctx(tmp_path, adapter):
+    # dtype float32: the probe's draft (helpers.draft.precision.server_dtype) computes as the chain fixture's does
+    client = SimpleNamespace(server_info=lambda refresh=False: {"device": "cpu", "dtype": "float32"}, timeout=5.0)
+    att = SimpleNamespace(restart=None, draft_dir=REFERENCE_DRAFT, target_dir=REFERENCE_TARGET,
+                          spec={"num_steps": 3, "topk": 1, "num_draft_tokens": 4})
+    return ProbeContext(client=client, adapter=adapter, att=att, run_dir=tmp_path, prompts=list(range(16)),
+                        max_new_tokens=24, dl=Budget(600.0), sampling={"temperature": 0.8})
+
+
+@pytest.mark.parametrize("case", ["clean", "fault_at_t", "fault_always"])
+def test_the_probe_end_to_end_on_served_dumps(tmp_path, chain, case):
+    """The probe's own run: the capture at the probe's sampling, the draft offline on the dump it wrote, the live
+    records paired; a counted gap measured again greedy, and counted only when it is not there at T = 0."""
+    acc, _ = chain
+    ad = ServedAdapter(acc, fault_at_t=case == "fault_at_t", fault_always=case == "fault_always")
+    r = _one(next(p for p in probes() if p.name == "sampled_verify"), _probe_ctx(tmp_path, ad), "cheap").to_json()
+    assert r["status"] == "ran", r
+    assert ad.calls[0] == ("sampled", {**DEFAULT_SAMPLING, "temperature": 0.8}, 24)
+    assert "_verify_uses_greedy" in r["why"]                       # the server_info says cpu
+    if case == "clean":
+        assert r["decision"] == "clear" and len(ad.calls) == 1       # no greedy arm when nothing counts
+        assert r["evidence"]["exact_prompts"] == 16
+        return
+    assert [c[0] for c in ad.calls] == ["sampled", "greedy"] and ad.calls[1][1] is None
+    assert (tmp_path / "engine_state" / "sampled_verify" / "greedy_offline.parquet").exists()
+    assert r["evidence"]["gap"]["decision"] == "counts"
+    if case == "fault_at_t":
+        assert r["decision"] == "counts" and r["loss"]["gap_at_0"] == 0
+        assert [f["kind"] for f in r["findings"]] == ["sampled_verify_loses_acceptance"]
+    else:
+        assert r["decision"] != "counts" and r["findings"] == [] and r["loss"]["gap_at_0"] > 0.4
