@@ -281,7 +281,7 @@ def _run(ctx: ProbeContext) -> ProbeResult:
 SAMPLED_VERIFY = Probe("sampled_verify", "cheap", "at temperature > 0 (sampled answers)",
                        "does verification at temperature > 0 accept exactly the drafts that are the tokens it emits?",
                        _run, applies=_applies,
-                       estimate_s=lambda ctx: 3.0 + 0.12 * len(ctx.prompts) * ctx.max_new_tokens)
+                       estimate_s=lambda ctx: 3.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens)
 
 __all__ = ["DEFAULT_SAMPLING", "SAMPLED_VERIFY", "greedy_adjusted", "greedy_verify", "per_prompt_gap", "probe_sampling",
            "sampled_result", "server_rule"]
