@@ -29,9 +29,10 @@ Why the offline chain predicts the accept length at T > 0 exactly, per request (
   and says so (``evidence.greedy_verify``).
 * SGLang with ``--speculative-use-rejection-sampling`` (chain only): the draft *samples* its proposals
   (``spec_utils.py::sample_draft_proposal``, ``EagleDraftWorker``): the offline chain's argmax proposals are not the
-  server's, so the probe does not apply (``applies`` says so). (The verify itself, ``sglang/kernels/ops/speculative/
-  reject_sampling.py::chain_speculative_sampling_triton``, keeps "accepted iff emitted": a rejected ``x`` has
-  ``p(x) < q(x)``, where the residual ``relu(p - q)`` is 0.)
+  server's, so the probe does not apply (``applies`` says so). (The token-by-token verify itself,
+  ``sglang/kernels/ops/speculative/reject_sampling.py::speculative_sampling_classic_kernel``, accepts when
+  ``coin * q < p``, so a rejected ``x`` has ``p(x) < q(x)``, where the residual ``max(p - q, 0)`` is 0: "accepted iff
+  emitted" holds there too; ``--speculative-use-block-verification`` accepts a prefix jointly and does not keep it.)
 * vLLM 0.32.0: ``vllm/config/speculative.py::SpeculativeConfig.draft_sample_method`` ``greedy`` (default) with
   ``rejection_sample_method`` ``standard``: ``vllm/v1/sample/rejection_sampler.py::rejection_random_sample_kernel``
   runs with ``NO_DRAFT_PROBS`` (``draft_prob = 1``: accepted when ``p(x) >= u``) and ``sample_recovered_tokens_kernel``
