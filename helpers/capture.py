@@ -90,7 +90,8 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
                    name: str = "served", max_new_tokens: int = 1, flush: bool = True,
                    kind: str = "served", layer_plan: Optional[dict] = None,
                    api_key: Optional[str] = None, progress: bool = True,
-                   max_width: Optional[int] = None, records: Optional[list] = None) -> Path:
+                   max_width: Optional[int] = None, records: Optional[list] = None,
+                   sampling: Optional[dict] = None) -> Path:
     """Capture the aux hidden states fed to the draft for ``prompts``; write ``out_dir/name``.
 
     Args:
@@ -110,6 +111,9 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
         records: when a list, one live per-request record per prompt is appended to it (the columns of
             :func:`helpers.acceptance.requests.run_requests`: ``spec_verify_ct``, completion tokens, accepted drafts,
             histogram of the same request), so the served aux states and the accept counters come from one answer.
+        sampling: SGLang ``sampling_params`` laid over the default ``{"temperature": 0.0, "ignore_eos": True}``
+            (greedy, full length), e.g. ``{"temperature": 1.0, "sampling_seed": 7}``; the rows are then the served
+            states of the *sampled* continuation (the manifest's ``source.sampling`` says which).
 
     Returns: the dump folder. Row t of each sample belongs to ``input_ids[t]``.
 
@@ -136,7 +140,7 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
         res = client.generate(input_ids=ids, text=text if ids is None else None,
                               max_new_tokens=max_new_tokens, return_hidden_states=True,
                               return_prompt_token_ids=True,
-                              sampling_params={"temperature": 0.0, "ignore_eos": True})
+                              sampling_params=sampling_params(sampling, i))
         if records is not None:
             records.append(request_record(len(records), Prompt(id=pid, input_ids=tuple(ids) if ids is not None
                                                                else None, text=text if ids is None else None,
@@ -165,10 +169,21 @@ def capture_served(client_or_url: Any, prompts: Sequence[Any], out_dir: str | os
             samples.append(s)
     extra = {"kind": kind, "source": {"type": "sglang_generate", "url": client._shown_url,
                                       "flush_cache": flush, "max_new_tokens": max_new_tokens,
-                                      "captured": _now(), "notes": notes},
+                                      "captured": _now(), "notes": notes,
+                                      **({} if sampling is None else {"sampling": sampling_params(sampling, None)})},
              "server": snapshot, "sglang_version": info.get("version"),
              "tp_size": info.get("tp_size"), "layer_plan": layer_plan}
     return write_dump(Path(out_dir) / name, samples, extra)
+
+
+def sampling_params(sampling: Optional[dict], i: Optional[int]) -> dict:
+    """The ``sampling_params`` of capture request ``i``: greedy full-length by default, ``sampling`` laid over it; a
+    ``sampling_seed`` of ``sampling`` becomes ``seed + i`` (one seed per prompt, the same on every run; ``i`` None:
+    the base seed, as the manifest records it)."""
+    sp = {"temperature": 0.0, "ignore_eos": True, **dict(sampling or {})}
+    if i is not None and sp.get("sampling_seed") is not None:
+        sp["sampling_seed"] = int(sp["sampling_seed"]) + int(i)
+    return sp
 
 
 def reference_server_args(num_layers: int, layer_ids: Optional[Sequence[int]] = None) -> tuple[list[str], list[str]]:

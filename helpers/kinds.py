@@ -210,6 +210,13 @@ KINDS: tuple[Kind, ...] = (
        "at temperature 0 speculation emits other tokens than the target alone", fix="engine", stage="engine",
        engine_fix="verification: at temperature 0 the verify step must accept exactly the target's argmax tokens "
                   "(check the verify kernel's comparison, the target's positions and KV in verify)"),
+    _k("sampled_verify_loses_acceptance", "acceptance",
+       "at temperature > 0 verification accepts fewer drafts than match the tokens it emits", fix="engine",
+       stage="engine",
+       engine_fix="the sampled verify: with the draft's proposals one-hot (target-only speculative sampling) a draft "
+                  "token must be accepted exactly when it is the token emitted at its position (check the coins and "
+                  "the accept rule of the sampling verify kernel, and that a rejected draft token is removed from the "
+                  "residual the target samples from)"),
     _k("draft_kv_diverges", "acceptance",
        "the served draft's proposals match the checkpoint at step 1 but not from step 2 on: the draft's own KV or "
        "positions", fix="engine", stage="engine",

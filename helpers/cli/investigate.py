@@ -56,6 +56,11 @@ def build_parser() -> Parser:
                    "prompts with their prefix in the radix cache against cold), all (also restarted copies: chunked "
                    "prefill, the target alone at temperature 0 for greedy losslessness; needs a server the tool can "
                    "restart), none")
+    p.add_argument("--probe-temperature", type=float, default=None,
+                   help="the temperature of the sampled-verify engine-state probe (default 1.0; > 0): the live prompts "
+                   "sampled, the engine's accept length against the draft run offline on the same answers")
+    p.add_argument("--probe-top-p", type=float, default=None, help="its top-p (default 1.0)")
+    p.add_argument("--probe-top-k", type=int, default=None, help="its top-k (default -1: off)")
     p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
                    "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
     p.add_argument("--sweeps", default="auto", help="workload sweeps after the acceptance budget (no restart): auto "
@@ -119,7 +124,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                               max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
                               acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
                               training_log=args.training_log, sweeps=sweeps, draft_cost=args.draft_cost,
-                              engine_probes=args.engine_probes, progress=show)
+                              engine_probes=args.engine_probes, probe_sampling=_probe_sampling(args),
+                              progress=show)
             report = write_report(run_dir, doc)
         if args.json:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],
@@ -136,3 +142,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
 
     return run(prog, body)
 
+
+def _probe_sampling(args) -> Optional[dict]:
+    """``--probe-temperature`` / ``--probe-top-p`` / ``--probe-top-k`` as the sampled-verify probe's sampling (None
+    when none is given)."""
+    out = {k: v for k, v in (("temperature", args.probe_temperature), ("top_p", args.probe_top_p),
+                             ("top_k", args.probe_top_k)) if v is not None}
+    return out or None

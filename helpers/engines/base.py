@@ -206,7 +206,7 @@ class EngineAdapter(ABC):
     def capture_served(self, client: HTTPClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
                        rank_dir: str | Path | None = None, max_width: Optional[int] = None,
-                       progress: bool = False) -> Path:
+                       progress: bool = False, sampling: Optional[dict] = None) -> Path:
         """Dump the aux hidden states the server feeds its draft for ``prompts`` (token-id sequences, text prompts or
         training samples) into ``out_dir/name`` (``helpers.formats.dumps`` format, kind ``served``, one row per token:
         the prompt's, then each generated token's but the last, as the server computed them while generating
@@ -216,7 +216,10 @@ class EngineAdapter(ABC):
         the same answer (the budget's live stage pairs the states and the counters of one request).
         ``rank_dir``: the per-TP-rank capture folder (``rank<r>/index.jsonl``, ``helpers.capture.per_rank_dumps``):
         where the engine's capture writes every rank while this runs, when it can.
-        ``max_width``: the widest row accepted (16 x the hidden size)."""
+        ``max_width``: the widest row accepted (16 x the hidden size).
+        ``sampling``: SGLang-named sampling params laid over the greedy default (``temperature``, ``top_p``,
+        ``top_k``, ``sampling_seed``: seed + prompt index per request, :func:`helpers.capture.sampling_params`): the
+        states and the counters of the *sampled* continuation."""
 
     @abstractmethod
     def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:
@@ -270,6 +273,16 @@ class EngineAdapter(ABC):
         """The request fields (``client.generate(extra=...)``) that make an answer carry the ``n`` best
         log-probabilities of each output position as SGLang's ``meta_info.output_top_logprobs`` (per position a list
         of ``[logprob (nats), token id, text]``), or None when the engine returns none."""
+        return None
+
+    def sampled_verify_refusal(self, info: dict) -> Optional[str]:
+        """Why this server's verification at temperature > 0 is not the rule the probe ``sampled_verify`` predicts
+        offline (a draft token is accepted exactly when it equals the token the verify emits, the draft proposing its
+        argmax: ``helpers.investigation.probes.sampled``), or None when it is."""
+        return None
+
+    def verify_note(self, info: dict) -> Optional[str]:
+        """A note when this server's platform verifies with the target's argmax at any temperature, else None."""
         return None
 
     def trace_unavailable(self, client: HTTPClient) -> Optional[str]:

@@ -294,7 +294,7 @@ class SGLangAdapter(EngineAdapter):
     def capture_served(self, client: SGLangClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
                        rank_dir: str | Path | None = None, max_width: Optional[int] = None,
-                       progress: bool = False) -> Path:
+                       progress: bool = False, sampling: Optional[dict] = None) -> Path:
         """``helpers.capture.capture_served`` (``/generate`` with ``return_hidden_states``, the cache flushed before
         each prompt); ``rank_dir``: the folder of the server's per-rank capture hooks, armed while it runs
         (``helpers.hooks.ARM_FILE``)."""
@@ -306,7 +306,7 @@ class SGLangAdapter(EngineAdapter):
             flag.write_text("armed by helpers.engines.sglang\n")
         try:
             return capture_served(client, prompts, out_dir, name=name, max_new_tokens=max_new_tokens,
-                                  progress=progress, max_width=max_width, records=records)
+                                  progress=progress, max_width=max_width, records=records, sampling=sampling)
         finally:
             if flag is not None and flag.exists():
                 flag.unlink()
@@ -406,6 +406,25 @@ class SGLangAdapter(EngineAdapter):
         """``return_logprob`` + ``top_logprobs_num`` (``meta_info.output_top_logprobs``, entries ``[logprob,
         token_id, text]``: ``sglang/srt/managers/tokenizer_manager.py::TokenizerManager.convert_logprob_style``)."""
         return {"return_logprob": True, "top_logprobs_num": int(n)}
+
+    def sampled_verify_refusal(self, info: dict) -> Optional[str]:
+        """``--speculative-use-rejection-sampling``: the draft samples its proposals
+        (``sglang/srt/speculative/spec_utils.py::sample_draft_proposal``), not the offline chain's argmax."""
+        if info.get("speculative_use_rejection_sampling"):
+            return ("the server samples its draft proposals (--speculative-use-rejection-sampling: sglang/srt/"
+                    "speculative/spec_utils.py::sample_draft_proposal), so the offline chain's argmax proposals are "
+                    "not its own")
+        return None
+
+    def verify_note(self, info: dict) -> Optional[str]:
+        """SGLang on CPU / XPU verifies with the argmax at every temperature
+        (``sglang/srt/speculative/eagle_utils.py::_verify_uses_greedy``)."""
+        dev = str(info.get("device") or "").lower()
+        if dev in ("cpu", "xpu"):
+            return (f"SGLang on {info['device']} verifies with the target's argmax at every temperature "
+                    "(sglang/srt/speculative/eagle_utils.py::_verify_uses_greedy): only the first token of each answer "
+                    "is sampled, and this probe checks the greedy verify on that sampled prefix")
+        return None
 
     def trace_unavailable(self, client: SGLangClient) -> Optional[str]:
         """None when the server runs the draft step trace hook (:mod:`helpers.trace_hooks`, its ``/server_info``

@@ -683,7 +683,8 @@ class VLLMAdapter(EngineAdapter):
     def capture_served(self, client: VLLMClient, prompts: Sequence[Any], out_dir: str | Path, *,
                        name: str = "served", max_new_tokens: int = 1, records: Optional[list] = None,
                        rank_dir: str | Path | None = None, max_width: Optional[int] = None, progress: bool = False,
-                       layers: bool = False, capture_dir: str | Path | None = None) -> Path:
+                       layers: bool = False, capture_dir: str | Path | None = None,
+                       sampling: Optional[dict] = None) -> Path:
         """Dump what the server feeds its draft for ``prompts`` (token ids, text, training samples): the worker
         extension is armed on every rank for the capture; for each prompt the prefix cache is reset
         (``/reset_prefix_cache``) and one completion of ``max_new_tokens`` greedy tokens runs. The sample's row at
@@ -697,6 +698,8 @@ class VLLMAdapter(EngineAdapter):
         ``engine_version``, the loaded config (``e3f_describe``), ``kind: served``.
 
         ``records``: when a list, one per-request row (:func:`record`) per prompt is appended.
+        ``sampling``: SGLang-named sampling params (``temperature``, ``top_p``, ``top_k``, ``sampling_seed`` -> vLLM's
+        ``seed``, seed + prompt index per request), greedy when None.
         ``rank_dir`` (or ``capture_dir``): keep every rank's raw capture there (``rank<r>/index.jsonl`` + files, the
         format ``helpers.capture.per_rank_dumps`` reads: one dump per TP rank); default a temporary folder, removed.
 
@@ -718,7 +721,7 @@ class VLLMAdapter(EngineAdapter):
         if keep and cap.exists() and any(cap.iterdir()):
             raise BadInput("the capture folder is not empty (captures are never overwritten)", path=cap)
         try:
-            sent = _send(client, prompts, cap, max_new_tokens, layers, records)
+            sent = _send(client, prompts, cap, max_new_tokens, layers, records, sampling)
             samples, ref = _assemble(client, cap, sent, layers, max_width)
         finally:
             if not keep:
@@ -740,6 +743,21 @@ class VLLMAdapter(EngineAdapter):
             self._write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
         return path
 
+    def sampled_verify_refusal(self, info: dict) -> Optional[str]:
+        """A ``draft_sample_method`` other than greedy (the draft samples its proposals) or a
+        ``rejection_sample_method`` other than standard (``vllm/config/speculative.py::SpeculativeConfig``)."""
+        dsm = info.get("draft_sample_method")
+        if dsm not in (None, "greedy"):
+            return (f"the server's draft_sample_method is {dsm!r}: the draft samples its proposals "
+                    "(vllm/config/speculative.py::SpeculativeConfig.draft_sample_method); the offline chain proposes "
+                    "argmax")
+        rsm = info.get("rejection_sample_method")
+        if rsm not in (None, "standard"):
+            return (f"the server's rejection_sample_method is {rsm!r}, not token-by-token rejection sampling "
+                    "(vllm/config/speculative.py::SpeculativeConfig.rejection_sample_method): acceptance is not "
+                    "decided by the emitted token alone")
+        return None
+
     def trace_unavailable(self, client: VLLMClient) -> Optional[str]:
         """None when the server runs the tool's worker extension (its ``drafter.propose`` wrapper records what the
         draft proposed: :mod:`helpers.engines.vllm_worker`), else how to start it."""
@@ -751,22 +769,10 @@ class VLLMAdapter(EngineAdapter):
 
     def trace_requests(self, client: VLLMClient, prompts: Sequence[Any], *, max_new_tokens: int, tag: str,
                        folder: Path) -> tuple[list, list[dict]]:
-        """:meth:`EngineAdapter.trace_requests` on vLLM: one capture (:meth:`capture_served`, greedy, the prefix
-        cache reset before each prompt, every rank's raw records kept under ``folder/capture``), its served states
-        as sequences and its ``drafter.propose`` records as the trace (:func:`helpers.engines.vllm_capture.
-        trace_records`: proposals, not vLLM's internal positions)."""
-        from ..draft.sequences import dump_sequences  # lazy: torch
-        from ..formats.dumps import read_dump  # lazy: torch
-        from .vllm_capture import trace_records  # lazy: torch
-        dump = self.capture_served(client, prompts, folder, name="served", max_new_tokens=max_new_tokens,
-                                   capture_dir=folder / "capture")
-        seqs = dump_sequences(dump)
-        keys = [str(x.sample_id or x.key) for x in read_dump(dump).samples]     # the capture's request order
-        records = trace_records(folder / "capture", keys)
-        if not records:
-            raise BadInput("the worker extension recorded no draft proposals (is this server's extension older than "
-                           "this tool's? restart it with this checkout)", path=folder / "capture")
-        return seqs, records
+        """:meth:`EngineAdapter.trace_requests` on vLLM (:func:`helpers.engines.vllm_capture.traced_capture`: one
+        capture's served states and its ``drafter.propose`` records: proposals, not vLLM's internal positions)."""
+        from .vllm_capture import traced_capture  # lazy: torch
+        return traced_capture(self, client, prompts, max_new_tokens=max_new_tokens, folder=folder)
 
     @staticmethod
     def _write_layers(path: Path, ref: list, r0: dict, version: str, client: VLLMClient) -> Path:

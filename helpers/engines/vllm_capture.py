@@ -15,13 +15,15 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..capture import prompt_fields, safe_key, read_rank_capture
-from ..errors import SGLangError
+from ..capture import prompt_fields, read_rank_capture, safe_key, sampling_params
+from ..draft.sequences import dump_sequences
+from ..errors import BadInput, SGLangError
+from ..formats.dumps import read_dump
 from .vllm_answers import record
 
 
 def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, layers: bool,
-          records: Optional[list]) -> list[tuple[str, Optional[list[int]], dict]]:
+          records: Optional[list], sampling: Optional[dict] = None) -> list[tuple[str, Optional[list[int]], dict]]:
     """Arm the capture on every rank, send each prompt alone (prefix cache reset first), disarm. Returns
     ``(prompt id, prompt token ids or None for text, answer)`` per prompt.
 
@@ -35,7 +37,9 @@ def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, l
         for i, p in enumerate(prompts):
             pid, ids, text = prompt_fields(p, i)
             client.reset_prefix_cache()
-            ans = client.complete(ids if ids is not None else text, max_tokens=max_new_tokens)
+            temperature, extra = vllm_sampling(sampling, i)
+            ans = client.complete(ids if ids is not None else text, max_tokens=max_new_tokens,
+                                  temperature=temperature, extra=extra)
             sent.append((pid, ids, ans))
             if records is not None:
                 records.append(record(len(records), pid, ans, kind="capture"))
@@ -45,6 +49,17 @@ def _send(client: Any, prompts: Sequence[Any], cap: Path, max_new_tokens: int, l
         raise
     client.rpc("e3f_capture_stop")
     return sent
+
+
+def vllm_sampling(sampling: Optional[Mapping[str, Any]], i: int) -> tuple[float, dict]:
+    """SGLang-named sampling params (:func:`helpers.capture.sampling_params`: ``temperature``, ``top_p``, ``top_k``,
+    ``sampling_seed``) as ``/v1/completions`` fields: ``(temperature, {"top_p", "top_k", "seed"})`` (vLLM's names,
+    ``vllm/entrypoints/openai/completion/protocol.py::CompletionRequest``), the seed ``seed + i`` per prompt."""
+    sp = sampling_params(sampling, i)
+    extra = {k: sp[k] for k in ("top_p", "top_k") if sp.get(k) is not None}
+    if sp.get("sampling_seed") is not None:
+        extra["seed"] = int(sp["sampling_seed"])
+    return float(sp["temperature"]), extra
 
 
 def _answer_ids(ans: Mapping[str, Any]) -> tuple[Optional[list[int]], list[int]]:
@@ -170,3 +185,23 @@ def trace_records(cap: Path, keys: Sequence[str]) -> list[dict]:
                             "input_ids": inputs, "topk": props[:, s:s + 1],
                             "topk_draft": torch.full((B, 1), -1, dtype=torch.int64)})
     return out
+
+
+def traced_capture(adapter: Any, client: Any, prompts: Sequence[Any], *, max_new_tokens: int, folder: Path
+                   ) -> tuple[list, list[dict]]:
+    """The draft step trace on vLLM: one capture (``adapter.capture_served``, greedy, the prefix cache reset before
+    each prompt, every rank's raw records kept under ``folder/capture``), its served states as sequences
+    (:func:`helpers.draft.sequences.dump_sequences`) and its ``drafter.propose`` records as the trace
+    (:func:`trace_records`).
+
+    Raises:
+        BadInput: the worker extension recorded no proposals (a server running an older extension)."""
+    dump = adapter.capture_served(client, prompts, folder, name="served", max_new_tokens=max_new_tokens,
+                                  capture_dir=folder / "capture")
+    seqs = dump_sequences(dump)
+    keys = [str(x.sample_id or x.key) for x in read_dump(dump).samples]     # the capture's request order
+    records = trace_records(folder / "capture", keys)
+    if not records:
+        raise BadInput("the worker extension recorded no draft proposals (is this server's extension older than "
+                       "this tool's? restart it with this checkout)", path=folder / "capture")
+    return seqs, records

@@ -58,6 +58,7 @@ from .checks import run_check
 from .inputs import Investigation
 from .attach import Attachment, attach, capture_hooks, hf_reference_fits
 from .probes import ProbeContext, check_choice, join_engine_state, run_probes
+from .probes.sampled import check_sampling
 from .propose import draft_variant, propose_fix
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
@@ -97,6 +98,7 @@ class Request:
     rows_word: tuple[Optional[str], Optional[str]] = (None, None)
     draft_cost: Optional[float] = None
     engine_probes: str = "cheap"
+    probe_sampling: Optional[dict] = None
 
 
 @dataclass
@@ -396,7 +398,8 @@ def _stage_engine_state(r: Run) -> None:
     t = r.step("engine state")
     ctx = ProbeContext(client=r.client, adapter=r.adapter, att=r.att, run_dir=req.run_dir,
                        prompts=load_prompts(None, n=req.measure_prompts), max_new_tokens=req.max_new_tokens, dl=r.dl,
-                       progress=r.progress, api_key=req.api_key, port=req.port, cold=r.live)
+                       progress=r.progress, api_key=req.api_key, port=req.port, cold=r.live,
+                       sampling=req.probe_sampling)
     state = run_probes(ctx, req.engine_probes)
     have = {f.kind for f in doc.findings}
     doc.findings += [Finding(**f) for f in state["findings"] if f["kind"] not in have]
@@ -480,7 +483,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 validation: Optional[str | Path] = None,
                 rows_word: tuple[Optional[str], Optional[str]] = (None, None),
                 draft_cost: Optional[float] = None, engine_probes: str = "cheap",
-                progress: Progress = _noop) -> InvestigationDoc:
+                probe_sampling: Optional[dict] = None, progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
     Args:
@@ -517,6 +520,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         engine_probes: the engine-state probes to run (:data:`helpers.investigation.probes.CHOICES`): ``"cheap"``
             (default: on the live server, e.g. the prefix-cache hit), ``"all"`` (also those that restart a copy of
             the server: chunked prefill, greedy losslessness), ``"none"``; each probe not run is listed with why.
+        probe_sampling: the ``sampled_verify`` probe's sampling over its default (``temperature`` 1.0, ``top_p``,
+            ``top_k``; :func:`helpers.investigation.probes.sampled.probe_sampling`, checked before any work).
         not_applied: with ``apply_fix=False``, why the fix is not measured (the opening sentence says it).
         measured_by: with ``apply_fix=False``, who measures the fix instead (a replay's later step): recorded as
             ``measured = {"measured_by": ...}`` and said once, in place of a "not measured" note.
@@ -536,7 +541,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                   not_applied=not_applied, measured_by=measured_by, port=port, acceptance_budget=acceptance_budget,
                   live_measure=live_measure, training_log=training_log, sweeps=sweeps, sweep_budget=sweep_budget,
                   validation=validation, rows_word=rows_word, draft_cost=draft_cost,
-                  engine_probes=check_choice(engine_probes))
+                  engine_probes=check_choice(engine_probes), probe_sampling=probe_sampling)
+    check_sampling(probe_sampling)          # a bad probe temperature is bad input before any work
     parse_ports(port, what="--port")        # a bad port is bad input before any work
     if (req.run_dir / "investigation.json").exists():
         raise BadInput("the run folder already holds an investigation (investigation.json); investigate into a new "

@@ -13,10 +13,17 @@ import json
 
 import pytest
 
+from helpers.acceptance.prompts import load_prompts
+from helpers.budget import Budget
+from helpers.engines.detect import detect
+from helpers.investigation.attach import attach
 from helpers.investigation.live import investigate
+from helpers.investigation.probes import ProbeContext, _one
+from helpers.investigation.probes.sampled import SAMPLED_VERIFY
 from support.drafts import damaged_draft, wrong_d2t_draft
 from support.engine_faults import spec as engine_fault
 from support.faultgen import draw
+from support.verify_faults import spec as verify_fault
 from test_investigate_live import MODELS, TRAINING, server  # noqa: F401  (registry fixture is autouse there)
 from test_investigate_live import registry  # noqa: F401
 
@@ -109,11 +116,35 @@ def test_stale_draft_kv_after_a_prefix_hit_is_named_by_the_radix_probe(tmp_path)
     """An engine-state fault a cold probe never sees (support.engine_faults: after the draft's prefill extend of a
     request whose prefix was in the KV, the draft's KV of those slots is noise, as a cache restore that brought back
     only the target's KV): every stage of the cold budget clears, the radix-hit probe (run by default) measures the
-    loss on the same prompts with their prefix cached, and the budget's engine stage and the finding say so."""
-    hook = [engine_fault("draft_kv_stale", strength=1.0, seed=5)]
+    loss on the same prompts with their prefix cached, and the budget's engine stage and the finding say so.
+
+    The same server also runs the sampled-verify fault (support.verify_faults: at T > 0 a draft is accepted only if
+    an independent sample of the target equals it), off until its arm file exists: unarmed, the sampled_verify probe
+    (cold requests: the stale-KV fault never acts) is an exact identity, clear; armed, the probe alone counts the
+    loss the greedy budget cannot see."""
+    arm = tmp_path / "ARM_SAMPLED_VERIFY"
+    hook = [engine_fault("draft_kv_stale", strength=1.0, seed=5), verify_fault(str(arm), strength=1.0, seed=3)]
     with server(tmp_path, "--forward-hooks", json.dumps(hook), tp=1, capture=False) as url:
         doc = _run(tmp_path, url)
-    es = {p["probe"]: p for p in doc.engine_state["probes"]}
+        es = {p["probe"]: p for p in doc.engine_state["probes"]}
+        sv = es["sampled_verify"]
+        assert sv["status"] == "ran" and sv["decision"] == "clear", sv
+        assert sv["evidence"]["exact_prompts"] == sv["evidence"]["paired"] == 12, sv["evidence"]
+        assert sv["loss"]["delta"] == 0 and sv["findings"] == []
+        arm.write_text("armed by test_budget_live\n")
+        ad = detect(url, None, deadline_s=30).adapter
+        client = ad.client(url, None, timeout=120, budget=Budget(600))
+        try:
+            att = attach(client, caveats=ad.capture_caveats)
+            ctx = ProbeContext(client=client, adapter=ad, att=att, run_dir=tmp_path / "armed",
+                               prompts=load_prompts(None, n=12), max_new_tokens=32, dl=Budget(600))
+            armed = _one(SAMPLED_VERIFY, ctx, "cheap").to_json()
+        finally:
+            client.close()
+    assert armed["decision"] == "counts" and armed["loss"]["delta"] > 0.5 and armed["loss"]["ci"][0] > 0, armed
+    ev = armed["evidence"]
+    assert ev["live_accept_length"] < ev["offline_accept_length"] - 0.5, ev
+    assert [f["kind"] for f in armed["findings"]] == ["sampled_verify_loses_acceptance"]
     r = es["radix_hit"]
     assert r["decision"] == "counts" and r["loss"]["delta"] > 0.5 and r["loss"]["ci"][0] > 0, r
     assert r["evidence"]["cold_arm"].startswith("the acceptance budget's live answers")

@@ -32,11 +32,12 @@ from .lossless import GREEDY_LOSSLESS
 from .oracle import ORACLE
 from .parts import engine_parts
 from .repeat import REPEATABLE
+from .sampled import SAMPLED_VERIFY
 from .trace import SERVED_DRAFT, STEP_TRACE
 
 #: every probe, in the order they run (cheap first)
-PROBES: tuple[Probe, ...] = (REPEATABLE, SERVED_DRAFT, STEP_TRACE, RADIX_HIT, CHUNKED_PREFILL, GREEDY_LOSSLESS,
-                               ORACLE)
+PROBES: tuple[Probe, ...] = (REPEATABLE, SERVED_DRAFT, STEP_TRACE, RADIX_HIT, SAMPLED_VERIFY, CHUNKED_PREFILL,
+                               GREEDY_LOSSLESS, ORACLE)
 
 
 def probes() -> tuple[Probe, ...]:

@@ -47,6 +47,9 @@ class ProbeContext:
             :data:`helpers.acceptance.requests.PER_REQUEST_COLUMNS`), or None (a probe then measures its own);
         max_new_tokens: tokens per request (the budget's); dl: the run's one deadline; progress: a line per step;
         api_key, port: for restarted copies (never written).
+        sampling: the ``sampled_verify`` probe's sampling (SGLang names: ``temperature``, ``top_p``, ``top_k``,
+            ``sampling_seed``) over its default (:data:`helpers.investigation.probes.sampled.DEFAULT_SAMPLING`), or
+            None for the default.
     """
 
     client: Any
@@ -61,6 +64,7 @@ class ProbeContext:
     api_key: Optional[str] = None
     port: int | str | None = None
     extra: dict = field(default_factory=dict)
+    sampling: Optional[dict] = None
 
     def folder(self, name: str) -> Path:
         """A new folder ``run_dir/engine_state/<name>`` (``<name>-2``, ... when it exists: never reused)."""

@@ -54,7 +54,12 @@ def _applies(ctx: ProbeContext) -> Optional[str]:
     return None
 
 
-def _draft(ctx: ProbeContext) -> Eagle3Draft:
+def checkpoint_draft(ctx: ProbeContext) -> Eagle3Draft:
+    """The draft checkpoint (``ctx.att.draft_dir``, the target's embedding from ``ctx.att.target_dir``) loaded once
+    per run at the server's dtype as this CPU runs it, shared by the probes that run it offline (``ctx.extra``).
+
+    Raises:
+        BadInput: the checkpoint cannot be run offline (:meth:`helpers.draft.model.Eagle3Draft.load`)."""
     if "trace_draft" not in ctx.extra:
         att = ctx.att
         choice = choose_dtype(server_dtype(ctx.client.server_info(), read_draft_config(att.draft_dir).raw), "cpu")
@@ -74,7 +79,7 @@ def traced(ctx: ProbeContext, prompts: list, max_new_tokens: int, tag: str) -> d
     folder = ctx.folder(f"{tag}-requests")
     seqs, records = ctx.adapter.trace_requests(ctx.client, prompts, max_new_tokens=max_new_tokens, tag=tag,
                                                folder=folder)
-    out = compare_trace(_draft(ctx), seqs, records)
+    out = compare_trace(checkpoint_draft(ctx), seqs, records)
     out["prompt_ids"] = {s.key: str(q.id) for s, q in zip(seqs, prompts)}
     return out
 
@@ -154,4 +159,4 @@ SERVED_DRAFT = Probe("served_draft", "cheap", "the served draft on a fixed input
                      "is the served draft its checkpoint (its step-1 proposals on a fixed prompt)?",
                      _served_draft_run, applies=_served_applies, estimate_s=lambda ctx: 8.0, part="served weights")
 
-__all__ = ["FIXED_PROMPT", "SERVED_DRAFT", "STEP_TRACE", "trace_dir", "traced"]
+__all__ = ["FIXED_PROMPT", "SERVED_DRAFT", "STEP_TRACE", "checkpoint_draft", "trace_dir", "traced"]
