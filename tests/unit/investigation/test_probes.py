@@ -62,7 +62,8 @@ def _prompts(n):
 
 def _ctx(tmp_path: Path, engine, n=12, restart=None, timeout=600.0) -> ProbeContext:
     return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake",
-                                                               oracle_flags=lambda: None),
+                                                               oracle_flags=lambda: None,
+                                                               integrity_launch=lambda s: None),
                         att=SimpleNamespace(restart=restart), run_dir=tmp_path, prompts=_prompts(n),
                         max_new_tokens=25, dl=Budget(timeout))
 
@@ -129,7 +130,7 @@ def test_restart_probes_skip_with_why(tmp_path):
     assert "self-drafting algorithm was not read" in why["oracle"]
     assert "left of the run" in why["greedy_lossless"]
     costs = [p.cost for p in probes()]
-    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 3     # cheap first
+    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 5     # cheap first
     lines = {p["probe"]: probe_line(p) for p in st["probes"]}
     assert lines["oracle"].startswith("oracle (with a perfect draft") and "skipped: " in lines["oracle"]
     assert lines["radix_hit"].startswith("radix_hit (with the prompt's prefix in the radix cache): ")
@@ -234,6 +235,9 @@ class FakeCopies:
 
     def oracle_flags(self):
         return {"--speculative-algorithm": "STANDALONE"}
+
+    def integrity_launch(self, switch):
+        return None                               # the integrity probes: tests/unit/investigation/test_integrity_probes.py
 
     def start_variant(self, restart, *, draft=None, keep_draft=True, flags=None, **kw):
         kind = "alone" if not keep_draft else "oracle" if (flags or {}).get("--speculative-algorithm") else "chunked"
