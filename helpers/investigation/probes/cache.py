@@ -61,7 +61,7 @@ def on_copy(ctx: ProbeContext, folder, *, what: str, flags: Optional[dict] = Non
     ctx.progress(f"engine state: starting {what} ...")
     handle = ctx.adapter.start_variant(ctx.att.restart, draft=draft, flags=flags, capture_dir=folder / "capture",
                                        api_key=ctx.api_key, port=ctx.port, log_path=folder / "server.log",
-                                       budget=ctx.dl, what=what, **({"env": env} if env else {}))
+                                       budget=ctx.dl, what=what, env=env)
     try:
         client = ctx.adapter.client(handle.url, ctx.api_key, timeout=ctx.client.timeout, budget=ctx.dl)
         try:
