@@ -434,11 +434,13 @@ class SGLangAdapter(EngineAdapter):
         cannot start there: ``sglang/srt/kv_canary/runner/canary_manager.py::CanaryManager.__init__`` creates its
         copy stream with ``sglang/srt/utils/common.py::create_device_stream`` (``torch.cpu.Stream`` takes no
         ``device``) and ``runner/future_tensor.py::FutureTensors.device_to_host`` copies into pinned host memory
-        (``pin_memory`` needs CUDA)."""
+        (``pin_memory`` needs CUDA), and it steps ``sglang/srt/utils/phase_checker.py::SimplePhaseChecker.update``,
+        a Triton kernel with no CPU driver, around every forward."""
         if switch == "kv_canary" and str(info.get("device") or "").lower() == "cpu":
             return ("SGLang's KV canary cannot start on a CPU server (device cpu): CanaryManager.__init__ creates a "
                     "device stream (sglang/srt/utils/common.py::create_device_stream: torch.cpu.Stream takes no "
-                    "device) and FutureTensors.device_to_host pins host memory (needs CUDA)")
+                    "device), FutureTensors.device_to_host pins host memory (needs CUDA) and its phase checker is a "
+                    "Triton kernel (sglang/srt/utils/phase_checker.py)")
         return None
 
     def fix_flags(self, fix: Any) -> dict:

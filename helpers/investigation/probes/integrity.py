@@ -39,8 +39,12 @@ KV canary (``--kv-canary none|log|raise``, ``sglang/srt/arg_groups/fields/observ
   * Off CUDA every canary kernel falls back to a torch reference (``sglang/kernels/ops/kv_canary/_dispatch.py::
     use_torch_reference``), but on a CPU build it cannot start: ``runner/canary_manager.py::CanaryManager.__init__``
     creates its copy stream with ``sglang/srt/utils/common.py::create_device_stream`` (``torch.cpu.Stream`` takes no
-    ``device``) and ``runner/future_tensor.py::FutureTensors.device_to_host`` pins host memory (needs CUDA). The probe
-    is skipped on a CPU server (the adapter's ``integrity_refusal``), never left to fail at start.
+    ``device``), ``runner/future_tensor.py::FutureTensors.device_to_host`` pins host memory (needs CUDA), and two
+    Triton-only kernels sit on its path (``sglang/srt/utils/phase_checker.py::SimplePhaseChecker.update`` every
+    forward; ``sglang/kernels/ops/kv_canary/scatter_req_token_ids.py`` with the token assert). The probe is skipped on
+    a CPU server (the adapter's ``integrity_refusal``), never left to fail at start. (With those four replaced by
+    their torch equivalents, the stand-in's test-only ``E3F_TEST_CANARY_CPU=1`` of ``env/reference/standin/
+    e3f_boot.py``, it runs on the embedded CPU server: the liveness bench below.)
 
 Invariant checks:
   * ``SGLANG_INVARIANT_CHECK`` 0/1/2 (``InvariantCheckLevel`` OFF/WARN/STRICT, ``sglang/srt/environ.py``; unset, the
@@ -65,9 +69,10 @@ Invariant checks:
 
 Liveness: SGLang logs nothing when a check holds, so a silent log says nothing unless the check is seen running: the
 canary's ``[canary] ... protected_tokens=N`` (N > 0) and the busy checker's ``[Mem Check (BUSY)]`` lines. That they
-fire on a fault on this build is shown by ``bench/bench_integrity.py`` (a test-only fault,
-``tests/support/integrity_faults.py``); ``SGLANG_INVARIANT_CHECK``'s own invariants have no such line, so they are
-reported as run, not as shown live.
+fire on a fault on this build is shown by ``bench/bench_integrity.py`` with the test-only faults of
+``tests/support/integrity_faults.py`` (one server each: clean, nothing fired; armed, ``KV page use-after-free`` /
+``kv_canary violation: ... fail_reason=verify_real_kv_hash`` quoted; bench/RESULTS.md); ``SGLANG_INVARIANT_CHECK``'s
+own invariants have no such line and none is on this path, so they are reported as run, not as shown live.
 """
 from __future__ import annotations
 
@@ -141,6 +146,16 @@ SWITCHES = {
 def _split(line: str) -> tuple[Optional[str], str]:
     m = _PREFIX.match(line)
     return (m.group("rank"), line[m.end():]) if m else (None, line)
+
+
+def read_log(path: Path) -> str:
+    """A server log's text as written ("" when there is none): no newline translation, so that a ``\r`` (a progress
+    bar) stays inside its line and :func:`scan_log`'s line numbers are the file's (``sed -n Np``)."""
+    try:
+        with open(path, newline="", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def scan_log(text: str, switch: str) -> dict:
@@ -249,8 +264,7 @@ def _run(switch: str):
                                    what=f"the {switch} copy (--engine-probes all)")
         except ServerError as exc:
             error = str(exc).splitlines()[0][:300]
-        log = Path(folder) / "server.log"
-        text = log.read_text(errors="replace") if log.is_file() else ""
+        text = read_log(Path(folder) / "server.log")
         if error is not None:
             error = f"{error} (the copy's log: {last_error_line(text) or 'no error line'})"
         scan = scan_log(text, switch)
@@ -292,4 +306,4 @@ INVARIANT_CHECK = Probe("invariant_check", "restart", "with the engine's invaria
                         _run("invariant_check"), applies=_applies("invariant_check"), estimate_s=_estimate)
 BY_NAME = {p.name: p for p in (KV_CANARY, INVARIANT_CHECK)}
 
-__all__ = ["INVARIANT_CHECK", "KV_CANARY", "SWITCHES", "decide", "last_error_line", "scan_log"]
+__all__ = ["INVARIANT_CHECK", "KV_CANARY", "SWITCHES", "decide", "last_error_line", "read_log", "scan_log"]

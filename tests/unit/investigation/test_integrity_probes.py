@@ -1,6 +1,6 @@
 """The integrity-switch probes (``kv_canary``, ``invariant_check``) without a server: the log scan and the decision
-on SGLang 0.5.23's own log text (tests/data/integrity/: a real embedded server's log, and the canary's lines made by
-SGLang's own formatter), why they are skipped, the copy they start (flags and environment) and a copy that fails."""
+on SGLang 0.5.23's own log text (tests/data/integrity/: excerpts of real embedded servers' logs, clean then with a
+test-only fault armed), why they are skipped, the copy they start (flags and environment) and a copy that fails."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,20 +44,27 @@ def test_invariant_check_log_of_a_real_server_clean_then_faulty():
     assert decide(full, "invariant_check", error="the copy exited")[0] == "counts"
 
 
-def test_kv_canary_lines_clear_when_it_protected_tokens_and_counts_its_violations():
-    clean = scan_log(_text("kv_canary_clean.log"), "kv_canary")
-    assert clean["violations"] == [] and clean["live_lines"] == 3      # the step-0 line protected no token
-    assert clean["live_first"]["message"].startswith("[canary] step=1 protected_tokens=37")
+def test_kv_canary_log_of_a_real_server_clean_then_faulty():
+    # the embedded CPU server with the stand-in's test-only E3F_TEST_CANARY_CPU and the kv_bytes_overwrite fault
+    text = _text("kv_canary.log")
+    lines = text.splitlines()
+    cut = next(i for i, ln in enumerate(lines) if "kv_canary violation:" in ln)
+    clean = scan_log("\n".join(lines[:cut]), "kv_canary")
+    assert clean["violations"] == [] and clean["live_lines"] == 5          # 4 at step 1 (24 tokens) + the draft's
+    assert clean["live_first"]["message"].startswith("[canary] step=1 protected_tokens=24")
     assert decide(clean, "kv_canary")[0] == "clear"
-    bad = scan_log(_text("kv_canary_violation.log"), "kv_canary")
-    assert bad["violation_lines"] == 3                   # two violation rows and the stats line counting them
+    bad = scan_log(text, "kv_canary")
     first = bad["violations"][0]
+    assert first["line"] == cut + 1 and first["rank"] == "TP1"
     assert first["message"].startswith("kv_canary violation: launch_tag=TAIL_K_FULL fail_reason=verify_real_kv_hash "
-                                       "slot_idx=4095 position=3")
-    assert first["fired_in"].endswith("ViolationReporter.log_or_raise_violation") and first["rank"] == "TP0"
-    assert bad["violations"][1]["message"].startswith("kv_canary violation: launch_tag=SWEEP_V_FULL")
-    assert bad["violations"][2]["message"].endswith("violations=2 launch_tags_active=4/12")
-    assert decide(bad, "kv_canary")[0] == "counts"
+                                       "slot_idx=1 position=0")
+    assert first["fired_in"].endswith("ViolationReporter.log_or_raise_violation")
+    assert first["repeats"] == 2                          # the same line on TP1 again and on TP0: one quote
+    counted = [v for v in bad["violations"] if v["message"].startswith("[canary]")]
+    assert [(v["message"].split()[1], v["repeats"]) for v in counted] == [("step=67", 1)]   # TP1 and TP0
+    assert bad["violation_lines"] == 5
+    decision, _, why = decide(bad, "kv_canary")
+    assert decision == "counts" and f"log line {cut + 1}" in why
 
 
 def test_a_silent_log_is_no_proof_and_a_stalled_canary_is_undecided():
