@@ -7,7 +7,8 @@ attention backend, the only CPU backend it allows for EAGLE (``sglang/srt/specul
 draft_utils.py``), and routes all of that path's kernels to ``torch.ops.sgl_kernel``, which the
 pure-torch stand-in provides. No AMX instruction is executed by the stand-in; it only has to be
 *selected*. On a CPU build of torch it also makes ``torch.cuda.synchronize()`` a no-op (below). Without the
-variable nothing is changed.
+variable nothing is changed. ``E3F_LOOPBACK_STORE=1`` binds torch's TCPStore to 127.0.0.1; ``E3F_TEST_CANARY_CPU=1``
+(test-only: bench/bench_integrity.py sets it, nothing in helpers/ does) lets SGLang's KV canary run on CPU torch.
 """
 import os
 

@@ -43,8 +43,8 @@ KV canary (``--kv-canary none|log|raise``, ``sglang/srt/arg_groups/fields/observ
     Triton-only kernels sit on its path (``sglang/srt/utils/phase_checker.py::SimplePhaseChecker.update`` every
     forward; ``sglang/kernels/ops/kv_canary/scatter_req_token_ids.py`` with the token assert). The probe is skipped on
     a CPU server (the adapter's ``integrity_refusal``), never left to fail at start. (With those four replaced by
-    their torch equivalents, the stand-in's test-only ``E3F_TEST_CANARY_CPU=1`` of ``env/reference/standin/
-    e3f_boot.py``, it runs on the embedded CPU server: the liveness bench below.)
+    their torch equivalents, test-only shims of the stand-in's ``env/reference/standin/e3f_boot.py``, it runs on the
+    embedded CPU server: the liveness bench below.)
 
 Invariant checks:
   * ``SGLANG_INVARIANT_CHECK`` 0/1/2 (``InvariantCheckLevel`` OFF/WARN/STRICT, ``sglang/srt/environ.py``; unset, the
