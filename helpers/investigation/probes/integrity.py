@@ -217,19 +217,19 @@ def decide(scan: dict, switch: str, *, error: Optional[str] = None) -> tuple[Opt
     start or its requests failed: one line).
 
     ``counts`` when a violation line fired (whatever else happened: a violation that stopped the copy is still one);
-    else ``failed`` (decision None) when the copy failed; ``undecided`` when the log says the switch is installed but
-    not running, or shows no line of it running ("ran, fired nothing, liveness not shown on this build"); ``clear``
+    else ``undecided`` when the log says the switch is installed but not running; else ``failed`` (decision None)
+    when the copy failed; ``undecided`` when the log shows no line of the switch running ("ran, fired nothing, liveness not shown on this build"); ``clear``
     when its own per-step line shows it ran and nothing fired."""
     sw = SWITCHES[switch]
     if scan["violations"]:
         first = scan["violations"][0]
         return "counts", "ran", (f"{scan['violation_lines']} violation line(s); first at log line {first['line']}: "
                                  f"{first['message'][:200]} ({first['fired_in']})")
-    if error is not None:
-        return None, "failed", error
     if scan["stalled"]:
         s = scan["stalled"][0]
         return "undecided", "ran", f"installed but not running: log line {s['line']}: {s['message'][:200]}"
+    if error is not None:
+        return None, "failed", error
     if not scan["live_lines"]:
         return "undecided", "ran", (f"ran, fired nothing, liveness not shown on this build: no line of "
                                     f"{sw.live_where} in the copy's log")
@@ -274,6 +274,11 @@ def _run(switch: str):
             frame.to_parquet(Path(folder) / f"{name}.parquet")
             ev[f"{name}_accept_length"] = _al(frame)
             ev[f"{name}_failed"] = int(frame["error"].notna().sum())
+        if error is None and arms and all(f["error"].notna().all() for f in arms.values()):
+            first = next(iter(arms.values()))["error"].dropna()
+            error = (f"the copy answered none of its {sum(len(f) for f in arms.values())} requests"
+                     + (f" (first error: {first.iloc[0]})" if len(first) else "")
+                     + f" (the copy's log: {last_error_line(text) or 'no error line'})")
         if "warm" in arms and "cached_tokens" in arms["warm"]:
             ev["prompts_with_hit"] = int((arms["warm"]["cached_tokens"].fillna(0) > 0).sum())
         write_json(Path(folder) / "scan.json", ev)

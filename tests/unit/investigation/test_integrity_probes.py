@@ -12,7 +12,7 @@ from helpers.acceptance.prompts import load_prompts
 from helpers.budget import Budget
 from helpers.engines.sglang import SGLangAdapter
 from helpers.engines.vllm import VLLMAdapter
-from helpers.errors import ServerStartError
+from helpers.errors import ServerStartError, ServerUnavailable
 from helpers.investigation.probes import ProbeContext, run_probes
 from helpers.investigation.probes.integrity import decide, last_error_line, scan_log
 from helpers.server import restart as restart_mod
@@ -105,8 +105,8 @@ class LogCopies:
 
     label = "SGLang"
 
-    def __init__(self, log_text: str, fail: bool = False, device: str = "cpu"):
-        self.log_text, self.fail, self.device = log_text, fail, device
+    def __init__(self, log_text: str, fail: bool = False, device: str = "cpu", dead: bool = False):
+        self.log_text, self.fail, self.device, self.dead = log_text, fail, device, dead
         self.started: list = []
         self.stopped = 0
         self._sg = SGLangAdapter()
@@ -135,6 +135,11 @@ class LogCopies:
     def client(self, url, api_key=None, **kw):
         eng = FakeEngine(lambda i, hit: 2)
         eng.close = lambda: None
+        if self.dead:                                  # a copy whose scheduler died: every request refused
+
+            def refuse(**kw):
+                raise ServerUnavailable("POST /generate: connection refused")
+            eng.generate = refuse
         return eng
 
 
@@ -189,3 +194,15 @@ def test_restart_passes_the_switch_environment_on_top_of_the_launch(tmp_path, mo
     restart_mod.start_variant({"kind": "embedded", "launch": {**launch, "env": {}}}, log_path=tmp_path / "l",
                               budget=Budget(5))
     assert seen["env"] is None
+
+
+def test_a_copy_that_answers_nothing_is_failed_unless_its_log_says_why(tmp_path):
+    log = ("[2026-12-03 16:10:00 TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
+           "AssertionError: SimplePhaseChecker: phase mismatch (caller '': expect 0, actual 2)\n")
+    r = _result(run_probes(_ctx(tmp_path, LogCopies(log, dead=True)), "all"), "invariant_check")
+    assert r["status"] == "failed" and "answered none of its 8 requests" in r["why"]
+    assert "connection refused" in r["why"] and "AssertionError: SimplePhaseChecker" in r["why"]
+    stalled = ("[2026-12-03 16:10:00 TP0] RuntimeError: kv-canary: kernel_run_counter did not increase since previous "
+               "check for tags=[TAIL_K_FULL] at step=64; canary path is not executing\n")
+    r = _result(run_probes(_ctx(tmp_path, LogCopies(stalled, dead=True), device="cuda"), "all"), "kv_canary")
+    assert r["status"] == "ran" and r["decision"] == "undecided" and "installed but not running" in r["why"]
