@@ -194,6 +194,15 @@ def test_restart_passes_the_switch_environment_on_top_of_the_launch(tmp_path, mo
     restart_mod.start_variant({"kind": "embedded", "launch": {**launch, "env": {}}}, log_path=tmp_path / "l",
                               budget=Budget(5))
     assert seen["env"] is None
+    # a relaunch command: this process's environment plus the switch's; none given, the process's own (None)
+    monkeypatch.setattr(restart_mod.ServerProcess, "launch_healthy",
+                        classmethod(lambda cls, argv, url, **kw: seen.update(kw, argv=argv) or "handle"))
+    monkeypatch.setenv("E3F_PROBE_TEST_VAR", "kept")
+    cmd = {"kind": "command", "argv": ["python", "-m", "sglang.launch_server", "--model-path", "m"]}
+    restart_mod.start_variant(cmd, log_path=tmp_path / "l", budget=Budget(5), env={"SGLANG_INVARIANT_CHECK": "1"})
+    assert seen["env"]["SGLANG_INVARIANT_CHECK"] == "1" and seen["env"]["E3F_PROBE_TEST_VAR"] == "kept"
+    restart_mod.start_variant(cmd, log_path=tmp_path / "l", budget=Budget(5))
+    assert seen["env"] is None and seen["argv"][:3] == ["python", "-m", "sglang.launch_server"]
 
 
 def test_a_copy_that_answers_nothing_is_failed_unless_its_log_says_why(tmp_path):
