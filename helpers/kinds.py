@@ -217,6 +217,12 @@ KINDS: tuple[Kind, ...] = (
                   "token must be accepted exactly when it is the token emitted at its position (check the coins and "
                   "the accept rule of the sampling verify kernel, and that a rejected draft token is removed from the "
                   "residual the target samples from)"),
+    _k("engine_integrity_violation", "acceptance",
+       "the engine's own integrity check (its KV canary, its invariant checks) fired on a restarted copy serving the "
+       "live prompts", fix="engine", stage="engine",
+       engine_fix="the engine's KV bookkeeping where the quoted check fired (the log line names the check, the slot "
+                  "or page and the SGLang function that raised it): a KV slot that holds another token's KV, a page "
+                  "owned and free at once, a pool that does not add up"),
     _k("draft_kv_diverges", "acceptance",
        "the served draft's proposals match the checkpoint at step 1 but not from step 2 on: the draft's own KV or "
        "positions", fix="engine", stage="engine",

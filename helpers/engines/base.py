@@ -302,14 +302,27 @@ class EngineAdapter(ABC):
             BadInput: the server recorded no trace (:meth:`trace_unavailable` says why beforehand)."""
         raise BadInput(self.trace_unavailable(client) or "no draft step trace on this engine")
 
+    def integrity_launch(self, switch: str) -> Optional[dict]:
+        """The launch flags and environment that turn one of this engine's own integrity switches on in a restarted
+        copy (``switch``: ``kv_canary`` | ``invariant_check``, the engine-state probes of
+        :mod:`helpers.investigation.probes.integrity`): ``{"flags": {flag: value or None}, "env": {name: value}}``,
+        or None when this engine has no such switch this tool has read (the probe is skipped, saying so)."""
+        return None
+
+    def integrity_refusal(self, switch: str, info: dict) -> Optional[str]:
+        """Why ``switch`` (:meth:`integrity_launch`) cannot run on a copy of this server (``info``: its
+        ``server_info``; e.g. a switch that needs a device the server does not run on), or None."""
+        return None
+
     @abstractmethod
     def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,
                       keep_draft: bool = True, flags: Optional[dict] = None, capture_dir: Optional[Path] = None,
                       api_key: Optional[str] = None, port: int | str | None = None,
-                      what: str = "the restarted server") -> ServerProcess:
+                      what: str = "the restarted server", env: Optional[dict] = None) -> ServerProcess:
         """Start a copy of a server this tool can restart (``restart``: ``{"kind": "embedded", "launch": ...}`` of
         the registry, or ``{"kind": "command", "argv": [...]}``) with another draft, without the draft, or with
-        ``flags`` (this engine's launch flags), on 127.0.0.1; wait until it is healthy within ``budget``."""
+        ``flags`` (this engine's launch flags) and ``env`` (environment variables on top of the launch's), on
+        127.0.0.1; wait until it is healthy within ``budget``."""
 
     @abstractmethod
     def toggles(self) -> tuple[Any, ...]:

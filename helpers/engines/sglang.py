@@ -471,6 +471,52 @@ class SGLangAdapter(EngineAdapter):
                            (said if said else "is this the folder it writes to?"), path=d)
         return seqs, records
 
+    def integrity_launch(self, switch: str) -> Optional[dict]:
+        """SGLang 0.5.23's own integrity switches (read in the installed package; the probe module
+        :mod:`helpers.investigation.probes.integrity` says what each checks and logs):
+
+        * ``kv_canary``: ``--kv-canary log`` (``sglang/srt/arg_groups/fields/observability.py::kv_canary``: ``log``
+          reports a violation as a WARNING and keeps serving, ``raise`` fails the scheduler), ``--kv-canary-real-data
+          all`` (hash every real KV slot, ``RealKvHashMode.ALL``), ``--kv-canary-sweep-interval 4`` (every 4th
+          forward also verifies every radix-held slot), ``--cuda-graph-backend-prefill disabled``
+          (``sglang/srt/kv_canary/api.py::install_canary`` refuses piecewise prefill graphs), and the environment
+          ``SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS=1`` (the ``[canary] step=... protected_tokens=...`` line every
+          forward: the proof it ran) and ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1`` (the stored token ids
+          checked against each request's ``origin_input_ids + output_ids``), ``sglang/srt/environ.py``;
+        * ``invariant_check``: the environment ``SGLANG_INVARIANT_CHECK=1`` (``InvariantCheckLevel.WARN``: log every
+          invariant hit, never crash, ``sglang/srt/utils/invariants.py::expect``), ``SGLANG_ENABLE_STRICT_MEM_CHECK_
+          DURING_BUSY=2`` (the scheduler's KV pool accounting checked, and logged, after every batch:
+          ``sglang/srt/managers/scheduler_components/invariant_checker.py::SchedulerInvariantChecker.
+          self_check_during_busy``), ``SGLANG_CHECK_KV_PAGE_INVARIANTS=1`` (no request's slot in the free pool, no
+          page freed twice: ``_check_kv_page_invariants``) and ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0`` (those
+          page checks and the idle leak checks warn instead of raising, ``sglang/srt/utils/common.py::
+          raise_error_or_warn``, so the copy keeps answering after a hit)."""
+        if switch == "kv_canary":
+            return {"flags": {"--kv-canary": "log", "--kv-canary-real-data": "all", "--kv-canary-sweep-interval": "4",
+                              "--cuda-graph-backend-prefill": "disabled"},
+                    "env": {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1",
+                            "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "1"}}
+        if switch == "invariant_check":
+            return {"flags": {}, "env": {"SGLANG_INVARIANT_CHECK": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "2",
+                                         "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
+                                         "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}}
+        return None
+
+    def integrity_refusal(self, switch: str, info: dict) -> Optional[str]:
+        """The KV canary on a CPU server (``server_info`` ``device`` ``cpu``): SGLang 0.5.23's canary has a torch
+        reference for every kernel off CUDA (``sglang/kernels/ops/kv_canary/_dispatch.py::use_torch_reference``) but
+        cannot start there: ``sglang/srt/kv_canary/runner/canary_manager.py::CanaryManager.__init__`` creates its
+        copy stream with ``sglang/srt/utils/common.py::create_device_stream`` (``torch.cpu.Stream`` takes no
+        ``device``) and ``runner/future_tensor.py::FutureTensors.device_to_host`` copies into pinned host memory
+        (``pin_memory`` needs CUDA), and it steps ``sglang/srt/utils/phase_checker.py::SimplePhaseChecker.update``,
+        a Triton kernel with no CPU driver, around every forward."""
+        if switch == "kv_canary" and str(info.get("device") or "").lower() == "cpu":
+            return ("SGLang's KV canary cannot start on a CPU server (device cpu): CanaryManager.__init__ creates a "
+                    "device stream (sglang/srt/utils/common.py::create_device_stream: torch.cpu.Stream takes no "
+                    "device), FutureTensors.device_to_host pins host memory (needs CUDA) and its phase checker is a "
+                    "Triton kernel (sglang/srt/utils/phase_checker.py)")
+        return None
+
     def fix_flags(self, fix: Any) -> dict:
         """The fix's ``server_args``, which are SGLang flags already."""
         return {k: str(v) for k, v in (fix.server_args or {}).items()}

@@ -473,7 +473,7 @@ class VLLMAdapter(EngineAdapter):
     def start_variant(self, restart: dict, *, log_path: Path, budget: Any, draft: Optional[Path | str] = None,
                       keep_draft: bool = True, flags: Optional[dict] = None, capture_dir: Optional[Path] = None,
                       api_key: Optional[str] = None, port: int | str | None = None,
-                      what: str = "the restarted server") -> ServerProcess:
+                      what: str = "the restarted server", env: Optional[dict] = None) -> ServerProcess:
         """A copy of a vLLM server with another draft, without it, or with other flags. ``flags``: vLLM launch flags
         (value None: a switch such as ``--no-enable-prefix-caching``) and ``speculative_config.<field>`` entries
         merged into ``--speculative-config`` (``num_speculative_tokens``, ``draft_sample_method``, ...). An embedded
@@ -493,12 +493,12 @@ class VLLMAdapter(EngineAdapter):
                                      num_speculative_tokens=k, port=port, dtype=launch.get("dtype") or "float32",
                                      extra_args=extra, api_key=api_key, log_path=log_path, timeout=1800.0,
                                      budget=budget, speculative={**dict(launch.get("speculative") or {}), **spec},
-                                     what=what)
+                                     what=what, env=dict(env) if env else None)
         argv = relaunch_command(list(restart["argv"]), draft=draft, keep_draft=keep_draft, flags=other, spec=spec,
                                 port=pick_port(port, what="--port"))
         return ServerProcess.launch_healthy(argv, f"http://127.0.0.1:{argv[argv.index('--port') + 1]}",
                                             log_path=log_path, api_key=api_key, what=what, budget=budget,
-                                            env=vllm_server.server_env(1))
+                                            env={**vllm_server.server_env(1), **dict(env or {})})
 
     def toggles(self) -> tuple[Toggle, ...]:
         """vLLM 0.32.0's toggles (:data:`TOGGLES`)."""

@@ -10,6 +10,7 @@ Flags are SGLang's ``sglang.launch_server`` flags (``sglang/srt/server_args.py::
 from __future__ import annotations
 
 import copy
+import os
 import shlex
 import shutil
 from pathlib import Path
@@ -73,7 +74,8 @@ def relaunch_argv(relaunch: str) -> list[str]:
 def start_variant(restart: dict, *, log_path: Path, budget: Budget, draft: Optional[Path | str] = None,
                   keep_draft: bool = True, flags: Optional[Mapping[str, Optional[str]]] = None,
                   capture_dir: Optional[Path] = None, api_key: Optional[str] = None,
-                  port: int | str | None = None, what: str = "the restarted server"):
+                  port: int | str | None = None, what: str = "the restarted server",
+                  env: Optional[Mapping[str, str]] = None):
     """Start the variant and wait until it is healthy (within ``budget``); returns a handle with ``url`` and
     ``stop()``.
 
@@ -86,6 +88,8 @@ def start_variant(restart: dict, *, log_path: Path, budget: Budget, draft: Optio
         capture_dir: where capture hooks of the launch write (their ``out_dir`` moves to ``capture_dir/layers`` or
             ``capture_dir/ranks``); None keeps the launch's.
         port: a port or a ``"LOW-HIGH"`` range (default: a free one).
+        env: environment variables set for the variant on top of the launch's own (``launch.env`` of the registry;
+            a launch command: this process's environment), e.g. SGLang's ``SGLANG_INVARIANT_CHECK``.
 
     Raises:
         helpers.errors.ServerError / ServerTimeout: the variant exits or is not healthy within the budget.
@@ -114,7 +118,7 @@ def start_variant(restart: dict, *, log_path: Path, budget: Budget, draft: Optio
                               spec=(spec or None) if keep_draft else None,
                               forward_hooks=hooks or None, extra_args=extra, dtype=launch.get("dtype") or "float32",
                               api_key=api_key, port=port, log_path=log_path, budget=budget,
-                              env=launch.get("env") or None)
+                              env={**(launch.get("env") or {}), **dict(env or {})} or None)
     argv = list(restart["argv"])
     port = pick_port(port, what="--port")
     host = {"--host": "127.0.0.1", "--port": str(port)}
@@ -122,4 +126,5 @@ def start_variant(restart: dict, *, log_path: Path, budget: Budget, draft: Optio
         host["--speculative-draft-model-path"] = str(draft)
     argv = set_flags(argv, {**host, **flags}, drop_prefixes=() if keep_draft else ("--speculative-",))
     return ServerProcess.launch_healthy(argv, f"http://127.0.0.1:{port}", log_path=log_path, api_key=api_key,
-                                        what=what, budget=budget)
+                                        what=what, budget=budget,
+                                        env={**os.environ, **dict(env)} if env else None)

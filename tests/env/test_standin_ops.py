@@ -371,6 +371,30 @@ def test_boot_hook_makes_cuda_synchronize_a_no_op_on_cpu_torch():
     assert on.returncode == 0 and on.stdout.strip() == "synchronized", on.stderr[-2000:]
 
 
+def test_boot_hook_canary_shims_only_with_their_test_variable():
+    """E3F_TEST_CANARY_CPU=1 (test-only, bench/bench_integrity.py): SGLang's KV canary asks torch.cpu.Stream for a
+    device and pins host memory; without the variable both fail on CPU torch as they do in SGLang, with it a stream
+    is made and the host copy is an ordinary tensor of the same values."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device: pinned memory works and the hook leaves torch alone")
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import torch; "
+            "s = torch.cpu.Stream(device=torch.device('cpu')); "
+            "t = torch.tensor([3, 4], pin_memory=True).pin_memory(); e = torch.empty(2, pin_memory=True); "
+            "print(t.tolist(), tuple(e.shape))")
+    boot = str(ROOT / "env" / "reference" / "standin" / "e3f_boot.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("E3F_STANDIN_AMX", "E3F_LOOPBACK_STORE",
+                                                            "E3F_TEST_CANARY_CPU")}
+    off = subprocess.run([sys.executable, "-c", code, boot], env=env, capture_output=True, text=True, timeout=120)
+    assert off.returncode != 0 and "unexpected keyword argument 'device'" in off.stderr
+    on = subprocess.run([sys.executable, "-c", code, boot], env={**env, "E3F_TEST_CANARY_CPU": "1"},
+                        capture_output=True, text=True, timeout=120)
+    assert on.returncode == 0 and on.stdout.strip() == "[3, 4] (2,)", on.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- EAGLE tree
 def _eagle_tree_inputs(bs, topk, depth, n, seed):
     """(parent_list, top_scores_index, parent_of) laid out as SGLang's select_top_k_tokens and

@@ -31,7 +31,7 @@ condition shows as a loss with its CI.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import pandas as pd
 
@@ -58,14 +58,17 @@ def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
     return ctx.extra["cold"]
 
 
-def on_copy(ctx: ProbeContext, folder, *, what: str, flags: Optional[dict] = None, draft=None) -> pd.DataFrame:
+def on_copy(ctx: ProbeContext, folder, *, what: str, flags: Optional[dict] = None, draft=None,
+            env: Optional[dict] = None, then: Optional[Callable[[ProbeContext], None]] = None) -> pd.DataFrame:
     """The live prompts' cold arm (:func:`cold_arm`) measured on a restarted copy of the server (the engine adapter's
-    ``start_variant``: ``flags``, another ``draft``; its log and capture hooks under ``folder``), the copy stopped
-    whatever happens. Raises what the start and the requests raise (``ServerError``: the probe is ``failed``)."""
+    ``start_variant``: ``flags``, ``env``, another ``draft``; its log ``folder/server.log`` and capture hooks under
+    ``folder``), the copy stopped whatever happens. ``then(sub)``: more requests on the copy after the cold arm
+    (``sub``: the copy's context). Raises what the start and the requests raise (``ServerError``: the probe is
+    ``failed``)."""
     ctx.progress(f"engine state: starting {what} ...")
     handle = ctx.adapter.start_variant(ctx.att.restart, draft=draft, flags=flags, capture_dir=folder / "capture",
                                        api_key=ctx.api_key, port=ctx.port, log_path=folder / "server.log",
-                                       budget=ctx.dl, what=what)
+                                       budget=ctx.dl, what=what, env=env)
     try:
         client = ctx.adapter.client(handle.url, ctx.api_key, timeout=ctx.client.timeout, budget=ctx.dl)
         try:
@@ -73,11 +76,26 @@ def on_copy(ctx: ProbeContext, folder, *, what: str, flags: Optional[dict] = Non
                                prompts=ctx.prompts, max_new_tokens=ctx.max_new_tokens, dl=ctx.dl,
                                progress=ctx.progress)
             frame, _ = cold_arm(sub)
+            if then is not None:
+                then(sub)
         finally:
             client.close()
     finally:
         handle.stop()
     return frame
+
+
+def warm_arm(ctx: ProbeContext) -> pd.DataFrame:
+    """The live prompts measured with their prefix in the prefix cache: the cache flushed once, then each prompt sent
+    for one token (its KV fills the cache) and sent again greedy for ``max_new_tokens`` (served from the cache:
+    ``cached_tokens`` of the answer); the per-request frame of the second sends
+    (:data:`helpers.acceptance.requests.PER_REQUEST_COLUMNS`)."""
+    ctx.client.flush_cache()
+    rows = []
+    for i, p in enumerate(ctx.prompts):
+        send_greedy(ctx.client, ctx.adapter, i, p, 1)        # fills the prefix cache with the prompt's KV
+        rows.append(send_greedy(ctx.client, ctx.adapter, i, p, ctx.max_new_tokens)[0])
+    return pd.DataFrame(rows)
 
 
 def _radix_applies(ctx: ProbeContext) -> Optional[str]:
@@ -110,12 +128,7 @@ def _radix_run(ctx: ProbeContext) -> ProbeResult:
                                "(whole cache blocks, the last one recomputed for the EAGLE draft)")
     ctx.progress(f"engine state: radix hit: {len(ctx.prompts)} prompts, each sent once to fill the cache, then "
                  "measured with its prefix cached")
-    ctx.client.flush_cache()
-    rows = []
-    for i, p in enumerate(ctx.prompts):
-        send_greedy(ctx.client, ctx.adapter, i, p, 1)        # fills the radix cache with the prompt's KV
-        rows.append(send_greedy(ctx.client, ctx.adapter, i, p, ctx.max_new_tokens)[0])
-    warm = pd.DataFrame(rows)
+    warm = warm_arm(ctx)
     folder = ctx.folder("radix_hit")
     cold.to_parquet(folder / "cold.parquet")
     warm.to_parquet(folder / "radix_hit.parquet")

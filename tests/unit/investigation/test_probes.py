@@ -74,7 +74,8 @@ def _prompts(n):
 
 def _ctx(tmp_path: Path, engine, n=12, restart=None, timeout=600.0) -> ProbeContext:
     return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake",
-                                                               oracle_flags=lambda: None, **SGLANG_LIKE),
+                                                               oracle_flags=lambda: None, **SGLANG_LIKE,
+                                                               integrity_launch=lambda s: None),
                         att=SimpleNamespace(restart=restart), run_dir=tmp_path, prompts=_prompts(n),
                         max_new_tokens=25, dl=Budget(timeout))
 
@@ -141,7 +142,7 @@ def test_restart_probes_skip_with_why(tmp_path):
     assert "self-drafting algorithm was not read" in why["oracle"]
     assert "left of the run" in why["greedy_lossless"]
     costs = [p.cost for p in probes()]
-    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 3     # cheap first
+    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 5     # cheap first
     lines = {p["probe"]: probe_line(p) for p in st["probes"]}
     assert lines["oracle"].startswith("oracle (with a perfect draft") and "skipped: " in lines["oracle"]
     assert lines["radix_hit"].startswith("radix_hit (with the prompt's prefix in the radix cache): ")
@@ -251,6 +252,9 @@ class FakeCopies:
     def oracle_flags(self):
         return {"--speculative-algorithm": "STANDALONE"}
 
+    def integrity_launch(self, switch):
+        return None                               # the integrity probes: tests/unit/investigation/test_integrity_probes.py
+
     def start_variant(self, restart, *, draft=None, keep_draft=True, flags=None, **kw):
         kind = "alone" if not keep_draft else "oracle" if (flags or {}).get("--speculative-algorithm") else "chunked"
         self.started.append((kind, dict(flags or {}), draft))
@@ -311,7 +315,7 @@ def test_a_cache_fault_counts_in_the_cache_part_and_nowhere_else(tmp_path):
     assert list(parts) == [COLD, *ENGINE_PARTS]
     assert parts[COLD]["decision"] == "clear"                       # the cold comparison, before the probe joined
     cache = parts["cache state"]
-    assert cache["decision"] == "counts" and cache["probes"] == ["radix_hit", "chunked_prefill"]
+    assert cache["decision"] == "counts" and cache["probes"] == ["radix_hit", "chunked_prefill", "kv_canary", "invariant_check"]
     assert cache["delta"] == out["losses"]["engine"]["delta"] > 1.0 and cache["ci"][0] > 0
     # nothing ran for the others: not measured, each saying why (no trace hooks, not asked for, no restart)
     for name in ("verification", "draft computation", "served weights"):
@@ -336,7 +340,7 @@ def test_clean_cache_is_clear_and_the_ladder_and_losses_show_every_part(tmp_path
     assert lad["stage"].tolist().index("engine: verification") == lad["stage"].tolist().index("live") + 1
     lf = losses_frame(out)
     assert set(lf["stage"]) >= {f"engine: {p}" for p in ENGINE_PARTS}
-    assert lf.set_index("stage").loc["engine: cache state", "basis"] == "radix_hit, chunked_prefill"
+    assert lf.set_index("stage").loc["engine: cache state", "basis"] == "radix_hit, chunked_prefill, kv_canary, invariant_check"
 
 
 def test_a_part_is_undecided_from_an_undecided_probe_and_a_failed_probe_is_not_evidence():
