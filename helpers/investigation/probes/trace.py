@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from ...acceptance.lifecycle import FIXED_NEW_TOKENS, FIXED_PROMPT
 from ...acceptance.prompts import Prompt
 from ...diagnosis.detectors import finding
 from ...draft.model import Eagle3Draft
@@ -38,10 +39,9 @@ from ...hooks import ARM_FILE
 from ...trace_hooks import TRACE_FACTORY
 from .base import Probe, ProbeContext, ProbeResult
 
-#: the fixed input of ``served_draft``: token ids below every vocabulary this tool serves (the reference target's is
-#: 4096), the same on every run so two runs of one server compare
-FIXED_PROMPT = (1, 450, 496, 1735, 1701, 432, 1720, 975, 278, 1736, 1120, 2988)
-FIXED_NEW_TOKENS = 16
+# the fixed input of ``served_draft`` (FIXED_PROMPT, FIXED_NEW_TOKENS): token ids below every vocabulary this tool
+# serves (the reference target's is 4096), the same on every run so two runs of one server compare; ``watch``'s fixed
+# probe sends the same (helpers.acceptance.lifecycle)
 HOW = ("the server runs no draft step trace: start it with `python -m helpers server start --trace-draft DIR` (or "
        "add helpers.trace_hooks.trace_hook_specs(DIR, DRAFT) to --forward-hooks; GPUs: --disable-cuda-graph)")
 
