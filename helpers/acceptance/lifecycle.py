@@ -161,5 +161,27 @@ class Lifecycle:
         return fp, ev
 
 
+def for_server(client: Any, adapter: Any, *, probe_timeout: float, request_timeout: float,
+               draft_checksum: bool = False,
+               bounded: Callable[[Callable, float, str], Callable] = lambda fn, seconds, flag: fn) -> Lifecycle:
+    """The lifecycle observations of one server (``watch``'s): a fresh ``/server_info`` and ``/model_info`` (where
+    the client has it), the fixed probe, and with ``draft_checksum`` the engine's draft checksum
+    (:meth:`helpers.engines.base.EngineAdapter.draft_checksum`). ``bounded(fn, seconds, flag)`` puts each under its
+    own deadline (``watch``: a fresh budget of the client per request)."""
+    model_info = getattr(client, "model_info", None)
+    checksum = None
+    if draft_checksum:
+        def read_checksum() -> Optional[str]:
+            got = adapter.draft_checksum(client)
+            return None if got is None else got["per_engine_checksum"]
+        checksum = bounded(read_checksum, 3 * request_timeout, "--request-timeout")
+    req = 2 * request_timeout
+    return Lifecycle(server_info=bounded(lambda: client.server_info(refresh=True), req, "--request-timeout"),
+                     model_info=bounded(lambda: model_info(refresh=True), req, "--request-timeout") if model_info
+                     else None,
+                     answer=bounded(lambda: fixed_answer(client, timeout=probe_timeout), probe_timeout + 1.0,
+                                    "--probe-timeout"), checksum=checksum)
+
+
 __all__ = ["APPEARS", "EVENTS", "FIXED_NEW_TOKENS", "FIXED_PROMPT", "Lifecycle", "answer_key", "events",
-           "fingerprint", "fixed_answer"]
+           "fingerprint", "fixed_answer", "for_server"]

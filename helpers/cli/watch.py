@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..acceptance.lifecycle import Lifecycle, fixed_answer
+from ..acceptance.lifecycle import Lifecycle, for_server
 from ..acceptance.prompts import load_prompts
 from ..acceptance.watch import LOG_NAME, Watcher, WatchLog, WatchSettings, iter_log, probe_once, run_loop, \
     start_record
@@ -169,26 +169,6 @@ def _checker(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any, 
     return on_event
 
 
-def _lifecycle(args: Any, found: Any, client: Any, bounded: Any) -> Optional[Lifecycle]:
-    """The lifecycle observations of this watch (None with ``--no-events``), each request under its own deadline
-    (``bounded(fn, seconds, flag)``)."""
-    if args.no_events:
-        return None
-    model_info = getattr(client, "model_info", None)
-    checksum = None
-    if args.draft_checksum:
-        def draft_checksum() -> Optional[str]:
-            got = found.adapter.draft_checksum(client)
-            return None if got is None else got["per_engine_checksum"]
-        checksum = bounded(draft_checksum, 3 * args.request_timeout, "--request-timeout")
-    req = 2 * args.request_timeout
-    return Lifecycle(server_info=bounded(lambda: client.server_info(refresh=True), req, "--request-timeout"),
-                     model_info=bounded(lambda: model_info(refresh=True), req, "--request-timeout") if model_info
-                     else None,
-                     answer=bounded(lambda: fixed_answer(client, timeout=args.probe_timeout), args.probe_timeout + 1.0,
-                                    "--probe-timeout"), checksum=checksum)
-
-
 def cli_main(argv: Sequence[str]) -> int:
     """``python -m helpers watch ...`` (module docstring)."""
 
@@ -242,7 +222,9 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
                        "--request-timeout")
     log = WatchLog(run_dir)
     on_drop = _investigator(args, url, key, run_dir, show) if args.on_drop == "investigate" else None
-    life = _lifecycle(args, found, client, bounded)
+    life = None if args.no_events else for_server(client, found.adapter, probe_timeout=args.probe_timeout,
+                                                  request_timeout=args.request_timeout,
+                                                  draft_checksum=args.draft_checksum, bounded=bounded)
     on_event = _checker(args, url, key, run_dir, show, life) if life is not None and args.on_event == "check-draft" \
         else None
     watcher = Watcher(log, snapshot=snapshot, probe=probe, settings=settings, on_drop=on_drop, lifecycle=life,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers.__main__ import main
-from helpers.acceptance.lifecycle import FIXED_NEW_TOKENS, Lifecycle, answer_key, events, fingerprint, fixed_answer
+from helpers.acceptance.lifecycle import FIXED_NEW_TOKENS, answer_key, events, fingerprint, for_server
 from helpers.acceptance.watch import LOG_NAME, Watcher, WatchLog, format_line, read_log
 from helpers.engines.detect import detect
 from support import fakeserver
@@ -40,11 +40,7 @@ def test_events_between_two_fingerprints():
 def _watcher(url, run_dir, checksum=False, on_event=None):
     found = detect(url, deadline_s=10)
     client = found.adapter.client(url, timeout=5, retries=0)
-    life = Lifecycle(server_info=lambda: client.server_info(refresh=True),
-                     model_info=lambda: client.model_info(refresh=True),
-                     answer=lambda: fixed_answer(client, timeout=5),
-                     checksum=(lambda: found.adapter.draft_checksum(client)["per_engine_checksum"]) if checksum
-                     else None)
+    life = for_server(client, found.adapter, probe_timeout=5, request_timeout=5, draft_checksum=checksum)
     w = Watcher(WatchLog(run_dir), snapshot=lambda: found.adapter.watch_snapshot(client.metrics_text()),
                 lifecycle=life, on_event=on_event)
     return w, client
