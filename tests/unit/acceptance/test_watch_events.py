@@ -121,6 +121,13 @@ def test_on_event_runs_the_handler_once_per_sample_with_events_and_records_its_v
     checks = [r for r in recs if r["kind"] == "check_draft"]
     assert [c["verdict"] for c in checks] == ["matches", "differs"] and checks[1]["run_dir"] == "check-draft-2"
     assert all(e["action"] == "check-draft" for e in recs if e["kind"] == "event")
+    # the notebook page (30_watch) lists each event with the check it started
+    from helpers.views.watch import load, summary_html
+    data = load(tmp_path)
+    assert len(data.events) == 2 and len(data.checks) == 2
+    html = summary_html(data)
+    assert "#1: weight_version_changed, weights_loaded -&gt; check-draft matches (check-draft-1)" in html  # escaped
+    assert "#3: probe_answer_changed" in html and "check-draft differs (check-draft-2)" in html
 
 
 def test_cli_on_event_check_draft_runs_the_check_into_the_watch_run(tmp_path, monkeypatch, capsys):
