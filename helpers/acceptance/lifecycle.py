@@ -3,10 +3,16 @@
 
 What SGLang 0.5.23 lets a client see, read from its source (``sglang/srt/...``):
 
-* ``/server_info`` ``startup_time`` (``entrypoints/http_server.py::server_info``: the tokenizer manager's start):
-  another value is another server process (a restart, a replacement behind the URL);
+* ``/server_info`` ``startup_time`` (``entrypoints/http_server.py::server_info``): not a time of day but the start's
+  phase durations (``managers/tokenizer_manager.py::set_startup_time``, from ``entrypoints/engine.py``: load_weight,
+  kv_cache_allocation, ... in seconds), compared whole: another process has other durations (a restart, a
+  replacement behind the URL);
 * ``/model_info`` ``weight_version`` and ``model_path`` (``entrypoints/http_server.py::model_info``: "fields the
-  control plane changes after publication"): ``/update_weights_from_disk`` moves ``model_path``; every
+  control plane changes after publication"): ``/update_weights_from_disk`` moves ``model_path`` (and, its runner
+  selector being ``all`` -- ``scheduler_components/weight_updater.py::WeightUpdater.update_weights_from_disk`` calls
+  ``_select_runners()`` -- loads that one ``model_path`` into the draft runner too: on the reference server the
+  target's files into the EAGLE-3 draft fail ``layers/linear.py`` ``weight_loader``'s shape assertion and the
+  scheduler dies, seen live 2026-12-03); every
   ``/update_weights_from_{disk,tensor,distributed}`` given a ``weight_version`` sets it
   (``managers/tokenizer_control_mixin.py::_update_weight_version_if_provided``), as ``/update_weight_version`` does;
 * ``/metrics`` ``sglang:weight_load_duration_seconds{source}``: a gauge set at the end of each in-place weight update

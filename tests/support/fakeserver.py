@@ -39,7 +39,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   ``cache_hit_rate``, ``spec_accept_length``); each answer accepts ``METRICS["accept_length"]`` tokens per verify
   step (``METRICS["accept_length_after"]`` once ``METRICS["drop_after"]`` requests were served). ``POST
   /fake_metrics`` with a JSON object updates :data:`METRICS` (a subprocess server). Its lifecycle fields (``watch``'s
-  events, set in :data:`METRICS` by an in-thread test; None: not reported): ``startup_time`` (``/server_info``),
+  events, set in :data:`METRICS` by an in-thread test; None: not reported): ``startup_time`` (``/server_info``; SGLang
+  0.5.23's is a dict of the start's phase durations),
   ``weight_version`` (``/model_info``), ``weight_load_s`` (the ``sglang:weight_load_duration_seconds`` gauge),
   ``draft_checksum`` (``POST /weights_checker``' ``per_engine_checksum``; None: 404), ``answer_shift`` (added to every
   output token id) and ``answer_flip`` (that many next answers get output token 0 replaced by 77).

@@ -19,7 +19,7 @@ from test_watch import FRESH, metrics_server  # the in-thread fake of mode metri
 
 
 def test_events_between_two_fingerprints():
-    a = fingerprint(server_info={"startup_time": 100.0}, model_info={"weight_version": "v1", "model_path": "/m"},
+    a = fingerprint(server_info={"startup_time": {"load_weight": 0.04, "tokenizer_e2e": 34.5}}, model_info={"weight_version": "v1", "model_path": "/m"},
                     snapshot={"weight_load_s": None}, answer=answer_key([1, 2, 3], 2), draft_checksum="aa")
     assert events(None, a) == [] and events(a, dict(a)) == []
     b = dict(a, weight_version="v2", weight_load_s=0.8, answer=answer_key([1, 2, 4], 2), draft_checksum="bb")
@@ -31,7 +31,7 @@ def test_events_between_two_fingerprints():
     assert events(a, dict(a, weight_version=None, startup_time=None)) == []
     assert events(dict(a, weight_version=None), a) == []
     # a restart seen twice (startup_time and the metrics' start time) is one event
-    c = dict(a, startup_time=200.0, start_time=5.0)
+    c = dict(a, startup_time={"load_weight": 0.05, "tokenizer_e2e": 31.2}, start_time=5.0)
     assert [e["event"] for e in events(dict(a, start_time=4.0), c)] == ["server_restarted"]
     # the answer's key: token count, ids digest and verify steps; one verify step more is another answer
     assert answer_key([1, 2, 3], 2) != answer_key([1, 2, 3], 3) and answer_key([], None)["tokens"] == 0
@@ -49,7 +49,9 @@ def _watcher(url, run_dir, checksum=False, on_event=None):
 def test_each_lifecycle_change_is_one_event_and_a_clean_server_none(tmp_path):
     with metrics_server() as url:
         m = fakeserver.METRICS
-        m.update(startup_time=1000.0, weight_version="v1", draft_checksum="c0" * 32)
+        # SGLang 0.5.23's startup_time: the start's phase durations (tokenizer_manager.py::set_startup_time)
+        m.update(startup_time={"load_weight": 0.04, "tokenizer_e2e": 34.5}, weight_version="v1",
+                 draft_checksum="c0" * 32)
         w, client = _watcher(url, tmp_path, checksum=True)
         clean = [w.step() for _ in range(3)]
         assert [r["events"] for r in clean] == [None, None, None]
@@ -57,14 +59,15 @@ def test_each_lifecycle_change_is_one_event_and_a_clean_server_none(tmp_path):
         assert [r["load"]["probe_tokens"] for r in clean] == [2 * FIXED_NEW_TOKENS] + [FIXED_NEW_TOKENS] * 2
         fp = clean[-1]["lifecycle"]
         assert fp["answer"] == answer_key(range(FIXED_NEW_TOKENS), round(FIXED_NEW_TOKENS / 2.5)) and fp["errors"] == {}
-        assert fp["weight_version"] == "v1" and fp["startup_time"] == 1000.0 and fp["weight_load_s"] is None
+        assert fp["weight_version"] == "v1" and fp["startup_time"] == {"load_weight": 0.04, "tokenizer_e2e": 34.5}
+        assert fp["weight_load_s"] is None
         seen = []
         for change, event in ((dict(weight_version="v2"), "weight_version_changed"),
                               (dict(weight_load_s=1.25), "weights_loaded"),
                               (dict(weight_load_s=0.5), "weights_loaded"),
                               (dict(draft_checksum="c1" * 32), "draft_checksum_changed"),
                               (dict(answer_shift=5), "probe_answer_changed"),
-                              (dict(startup_time=2000.0), "server_restarted")):
+                              (dict(startup_time={"load_weight": 0.05, "tokenizer_e2e": 30.1}), "server_restarted")):
             m.update(change)
             rec = w.step()
             seen.append(rec["events"])
