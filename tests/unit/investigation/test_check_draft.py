@@ -23,14 +23,14 @@ class _Metrics(fakeserver.Handler):
 
 
 @contextmanager
-def fake(draft_path=REFERENCE_DRAFT, **metrics):
+def fake(draft_path=REFERENCE_DRAFT, handler=_Metrics, **metrics):
     """The in-thread fake of mode ``metrics`` whose /server_info names the reference target and ``draft_path``."""
     fresh = dict(fakeserver.METRICS)
     old_paths = dict(fakeserver.PATHS)
     fakeserver.METRICS.update(metrics)
     fakeserver.PATHS.update(model_path=str(REFERENCE_TARGET), draft_path=str(draft_path))
     try:
-        with fakeserver.in_thread(_Metrics) as url:
+        with fakeserver.in_thread(handler) as url:
             yield url
     finally:
         fakeserver.METRICS.clear()
@@ -149,3 +149,17 @@ def test_bad_check_draft_input_is_one_line_exit_2(args, says, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
     assert not list(tmp_path.iterdir())                                  # refused before any folder
+
+
+def test_a_failing_draft_checksum_is_a_note_not_the_checks_failure(tmp_path):
+    class _Refuses(_Metrics):
+        def do_POST(self):
+            if self.path.startswith("/weights_checker"):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                return self._json({"success": False, "message": "checksum failed on rank 1"}, 400)
+            return super().do_POST()
+
+    with fake(handler=_Refuses) as url:
+        doc = cd.check_draft(url, run_dir=tmp_path / "run")
+    assert doc["verdict"] == "undecided" and doc["weights"]["checksum"] is None
+    assert "HTTP 400: checksum failed on rank 1" in doc["weights"]["note"] and doc["weights"]["note"] in doc["notes"]
