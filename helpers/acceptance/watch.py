@@ -190,6 +190,7 @@ class Watcher:
         self.log, self.snapshot, self.probe, self.on_drop, self.clock = log, snapshot, probe, on_drop, clock
         self.lifecycle, self.on_event = lifecycle, on_event
         self.n_events = 0
+        self.last_check_t: Optional[float] = None
         self.s = settings or WatchSettings()
         self.window: deque = deque(maxlen=int(self.s.window))
         self.baseline_values: list[float] = []
@@ -243,6 +244,8 @@ class Watcher:
                 self._remember(rec)
             elif k == "event":
                 self.n_events = max(self.n_events, int(rec.get("n", 0)))
+                if rec.get("action") == "check-draft":
+                    self.last_check_t = _finite(rec.get("t"))
             elif k == "drop":
                 self.n_drops = max(self.n_drops, int(rec.get("n", 0)))
                 self.last_trigger_t = _finite(rec.get("t"))
@@ -285,12 +288,21 @@ class Watcher:
 
     def _event(self, evs: list, rec: dict) -> None:
         """Record the sample's lifecycle events (an ``event`` line) and run the event handler once (its result is
-        the ``check_draft`` line, also kept in ``rec["check"]`` for the terminal line)."""
+        the ``check_draft`` line, also kept in ``rec["check"]`` for the terminal line). A sample whose only event is
+        the fixed probe's answer runs no check within ``cooldown_s`` of the last check (a server whose greedy answers
+        keep moving under load would check every interval); the other events always do."""
         self.n_events += 1
+        action = "check-draft" if self.on_event else "record"
+        answer_only = all(e["event"] == "probe_answer_changed" for e in evs)
+        if (self.on_event and answer_only and self.last_check_t is not None
+                and rec["t"] - self.last_check_t < self.s.cooldown_s):
+            action = (f"record (cooldown: {rec['t'] - self.last_check_t:.0f} s of {self.s.cooldown_s:.0f} s since the "
+                      "last check, and only the fixed probe's answer changed)")
         self.log.append({"kind": "event", "n": self.n_events, "t": rec["t"], "time": rec["time"], "i": rec["i"],
-                         "events": evs, "action": "check-draft" if self.on_event else "record"})
-        if self.on_event is None:
+                         "events": evs, "action": action})
+        if action != "check-draft":
             return
+        self.last_check_t = rec["t"]
         t0 = self.clock()
         try:
             out = dict(self.on_event(self.n_events, evs, rec) or {})

@@ -62,8 +62,8 @@ def build_parser() -> Parser:
                    "change point lost at least F (0-1) of the baseline")
     p.add_argument("--on-drop", choices=("record", "investigate"), default="record",
                    help="on a drop: record it (default), or also start the investigation (needs --training)")
-    p.add_argument("--cooldown", type=float, default=1800.0, help="seconds between two triggered drops (default "
-                   "1800)")
+    p.add_argument("--cooldown", type=float, default=1800.0, help="seconds between two triggered drops, and between "
+                   "two --on-event checks started by the fixed probe's answer alone (default 1800)")
     p.add_argument("--on-event", choices=("record", "check-draft"), default="record",
                    help="on a lifecycle event (a restart, a weight version / model path / weight load, the draft "
                    "checksum, the fixed probe's answer changed): record it (default), or also run `investigate "

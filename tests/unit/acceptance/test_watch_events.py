@@ -109,6 +109,7 @@ def test_on_event_runs_the_handler_once_per_sample_with_events_and_records_its_v
         m = fakeserver.METRICS
         m.update(weight_version="v1")
         w, client = _watcher(url, tmp_path, on_event=on_event)
+        w.s.cooldown_s = 0.0                                           # every event checks (the cooldown: below)
         w.step()
         m.update(weight_version="v2", weight_load_s=3.0)                # two events in one sample: one check
         first = w.step()
@@ -131,6 +132,26 @@ def test_on_event_runs_the_handler_once_per_sample_with_events_and_records_its_v
     html = summary_html(data)
     assert "#1: weight_version_changed, weights_loaded -&gt; check-draft matches (check-draft-1)" in html  # escaped
     assert "#3: probe_answer_changed" in html and "check-draft differs (check-draft-2)" in html
+
+
+def test_a_moving_fixed_probe_checks_once_per_cooldown_the_other_events_always(tmp_path):
+    calls = []
+    with metrics_server() as url:
+        m = fakeserver.METRICS
+        m.update(weight_version="v1")
+        w, client = _watcher(url, tmp_path, on_event=lambda n, evs, rec: calls.append(n) or {"verdict": "matches"})
+        w.s.cooldown_s = 3600.0
+        w.step()
+        for shift in (1, 2, 3):                                          # the answer moves at every sample
+            m.update(answer_shift=shift)
+            w.step()
+        m.update(weight_version="v9")                                    # a weight version: checked all the same
+        w.step()
+        client.close()
+    assert calls == [1, 4]
+    ev = [r for r in read_log(tmp_path / LOG_NAME).records if r["kind"] == "event"]
+    assert [e["action"].split(" (")[0] for e in ev] == ["check-draft", "record", "record", "check-draft"]
+    assert "cooldown" in ev[1]["action"]
 
 
 def test_cli_on_event_check_draft_runs_the_check_into_the_watch_run(tmp_path, monkeypatch, capsys):
