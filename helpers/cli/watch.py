@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..acceptance.lifecycle import Lifecycle, for_server
+from ..acceptance.lifecycle import for_server
 from ..acceptance.prompts import load_prompts
 from ..acceptance.watch import LOG_NAME, Watcher, WatchLog, WatchSettings, iter_log, probe_once, run_loop, \
     start_record
@@ -149,7 +149,7 @@ def _investigator(args: Any, url: str, key: Optional[str], run_dir: Path, show: 
     return on_drop
 
 
-def _checker(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any, life: Lifecycle):
+def _checker(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any):
     """The ``on_event`` handler of ``--on-event check-draft``: ``investigate --check-draft`` into
     ``run_dir/check-draft-N``, returning what the log records (run folder, verdict, reason, exit, seconds)."""
 
@@ -158,9 +158,12 @@ def _checker(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any, 
         from ..investigation.check_draft import check_draft, verdict_line
 
         out = run_dir / f"check-draft-{n}"
+        # the draft checksum before the event (the sample's own is already the new one)
+        before = next((e["before"] for e in evs if e.get("field") == "draft_checksum"),
+                      (rec.get("lifecycle") or {}).get("draft_checksum"))
         show(f"event #{n}: {', '.join(e['event'] for e in evs)}; checking the served draft into {out}")
         doc = check_draft(url, run_dir=out, draft=args.draft, target=args.target, api_key=key,
-                          timeout=args.check_timeout, previous_checksum=(life.last or {}).get("draft_checksum"),
+                          timeout=args.check_timeout, previous_checksum=before,
                           progress=lambda line: show(f"check-draft-{n}: {line}"))
         show(f"check-draft-{n}: {verdict_line(doc)}")
         return {"run_dir": str(out), "verdict": doc["verdict"], "reason": doc["reason"], "exit": doc["exit"],
@@ -225,8 +228,7 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
     life = None if args.no_events else for_server(client, found.adapter, probe_timeout=args.probe_timeout,
                                                   request_timeout=args.request_timeout,
                                                   draft_checksum=args.draft_checksum, bounded=bounded)
-    on_event = _checker(args, url, key, run_dir, show, life) if life is not None and args.on_event == "check-draft" \
-        else None
+    on_event = _checker(args, url, key, run_dir, show) if life is not None and args.on_event == "check-draft" else None
     watcher = Watcher(log, snapshot=snapshot, probe=probe, settings=settings, on_drop=on_drop, lifecycle=life,
                       on_event=on_event)
     try:

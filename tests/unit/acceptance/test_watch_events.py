@@ -172,28 +172,30 @@ def test_cli_on_event_check_draft_runs_the_check_into_the_watch_run(tmp_path, mo
 
         def do_GET(self):                      # a weight sync after 6 requests: a new weight version from then on
             if fakeserver.METRICS["requests"] >= 6:
-                fakeserver.METRICS["weight_version"] = "v2"
+                fakeserver.METRICS.update(weight_version="v2", draft_checksum="e2" * 32)
             return super().do_GET()
 
     fakeserver.METRICS.clear()
-    fakeserver.METRICS.update(FRESH, weight_version="v1")
+    fakeserver.METRICS.update(FRESH, weight_version="v1", draft_checksum="e1" * 32)
     with fakeserver.in_thread(_Sync) as url:
         rc = main(["watch", "--url", url, "--interval", "0.01", "--samples", "5", "--on-event", "check-draft",
-                   "--check-timeout", "120", "--out", str(tmp_path / "out")])
+                   "--check-timeout", "120", "--draft-checksum", "--out", str(tmp_path / "out")])
     assert rc == 0
     (run,) = (tmp_path / "out").iterdir()
     assert len(calls) == 1
     got_url, kw = calls[0]
     assert got_url == url and kw["run_dir"] == run / "check-draft-1" and kw["timeout"] == 120.0
+    assert kw["previous_checksum"] == "e1" * 32                  # the checksum before the sync, not the new one
     recs = read_log(run / LOG_NAME).records
     ev = next(r for r in recs if r["kind"] == "event")
-    assert ev["events"][0]["event"] == "weight_version_changed" and ev["action"] == "check-draft"
+    assert [e["event"] for e in ev["events"]] == ["weight_version_changed", "draft_checksum_changed"]
+    assert ev["action"] == "check-draft"
     chk = next(r for r in recs if r["kind"] == "check_draft")
     assert chk["verdict"] == "differs" and chk["findings"] == ["served_draft_differs"]
     assert chk["run_dir"] == str(run / "check-draft-1")
     assert next(r for r in recs if r["kind"] == "start")["on_event"] == "check-draft"
     err = capsys.readouterr().err
-    assert "EVENT weight_version_changed -> check-draft differs" in err
+    assert "EVENT weight_version_changed, draft_checksum_changed -> check-draft differs" in err
     assert "check-draft-1: served draft differs: served_draft_differs: fake" in err
 
 
