@@ -4,7 +4,8 @@
 A thread adds ``--load`` generated tokens per second to the fake's cumulative counters
 (``sglang:generation_tokens_total`` and ``sglang:spec_verify_calls_total`` at an accept length of 2.5), as other
 users' traffic would; ``watch``'s own sampler (:class:`helpers.acceptance.watch.Watcher`, the probe of
-``--probe-tokens`` greedy tokens and one ``/metrics`` read per interval) runs ``--samples`` intervals of
+``--probe-tokens`` greedy tokens, the lifecycle's fixed probe of 16 and ``/server_info`` + ``/model_info`` unless
+``--no-events``, and one ``/metrics`` read per interval) runs ``--samples`` intervals of
 ``--interval`` s. Printed per run, from the samples' own ``load`` records (what ``watch`` records and prints on
 every line):
 
@@ -37,6 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from helpers.acceptance.prompts import load_prompts  # noqa: E402
 from helpers.acceptance.watch import Watcher, WatchLog, WatchSettings, probe_once, read_log  # noqa: E402
 from helpers.draft.decide import threshold  # noqa: E402
+from helpers.acceptance.lifecycle import FIXED_NEW_TOKENS, for_server  # noqa: E402
 from helpers.engines.detect import detect  # noqa: E402
 from support import fakeserver  # noqa: E402
 
@@ -51,6 +53,8 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=2.0)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--probe-tokens", type=int, default=16)
+    ap.add_argument("--no-events", action="store_true", help="no lifecycle observation (watch --no-events); by "
+                    "default the fixed probe, /server_info and /model_info per interval, as watch does")
     args = ap.parse_args()
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
@@ -74,7 +78,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         w = Watcher(WatchLog(tmp), snapshot=lambda: found.adapter.watch_snapshot(client.metrics_text()),
                     probe=lambda: probe_once(client, next(prompts), max_new_tokens=args.probe_tokens, timeout=10),
-                    settings=WatchSettings(material=threshold))
+                    settings=WatchSettings(material=threshold),
+                    lifecycle=None if args.no_events else for_server(client, found.adapter, probe_timeout=10,
+                                                                     request_timeout=10))
         took = []
         next_t = time.monotonic()
         for _ in range(args.samples):
@@ -90,10 +96,12 @@ def main() -> int:
     srv.shutdown()
     tok = [r["load"]["probe_token_share"] for r in recs if r["load"]["probe_token_share"] is not None]
     tim = [r["load"]["probe_time_share"] for r in recs if r["load"]["probe_time_share"] is not None]
-    at30 = args.probe_tokens / (args.load * 30.0)
-    expected = args.probe_tokens / (args.probe_tokens + args.load * args.interval)
+    own = args.probe_tokens + (0 if args.no_events else FIXED_NEW_TOKENS)     # the light probe's + the fixed probe's
+    at30 = own / (args.load * 30.0)
+    expected = own / (own + args.load * args.interval)
     print(f"load {args.load:.0f} tok/s, interval {args.interval:g} s, {len(recs)} intervals, probe "
-          f"{args.probe_tokens} tokens: token share median {100 * statistics.median(tok):.3f} % max "
+          f"{args.probe_tokens} tokens{'' if args.no_events else ' + the fixed probe ' + str(FIXED_NEW_TOKENS)}: "
+          f"token share median {100 * statistics.median(tok):.3f} % max "
           f"{100 * max(tok):.3f} % (expected {100 * expected:.3f} %); time share median "
           f"{100 * statistics.median(tim):.3f} %; sampler {1000 * statistics.median(took):.1f} ms"
           f" per sample; at the default 30 s interval: token share {100 * at30:.4f} %; host load "

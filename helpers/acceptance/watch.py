@@ -19,11 +19,16 @@ of a light probe, appended to a run folder that survives a crash, and the decay 
 * ``load``: the watch's own load on the server: ``probe_token_share`` = the probe's tokens / the server's generated
   tokens over the interval, ``probe_time_share`` = the probe's request seconds / the interval's seconds;
 * ``change``: the detector's change point over the window (:mod:`helpers.acceptance.decay`), with the covariates'
-  steps, and ``decision``.
+  steps, and ``decision``;
+* ``lifecycle`` / ``events``: what a client sees that may change the served draft (:mod:`helpers.acceptance.lifecycle`:
+  the server's start, weight version, model path, the weight-load gauge, the draft checksum, the fixed probe's
+  answer) and the names of the events since the previous sample.
 
 Other lines: ``start`` (each start or resume: URL without credentials, engine, settings), ``error`` (a sample that
 failed, with the reason; the watch goes on), ``drop`` (a triggered drop: the decision with its CI), ``investigation``
-(what the drop handler returned), ``stop`` (why the watch ended).
+(what the drop handler returned), ``event`` (lifecycle events of a sample, :mod:`helpers.acceptance.lifecycle`, with
+the action taken), ``check_draft`` (what the event handler returned: the check's run folder and verdict), ``stop``
+(why the watch ended).
 
 **Durability.** Each line is one ``os.write`` of the whole line to a file opened ``O_APPEND``, then ``fsync``: a
 crash or a signal leaves at most the line being written torn, which :func:`read_log` skips (counted, never fatal);
@@ -48,6 +53,7 @@ from ..paths import shared_mode
 from ..redaction import scrub
 from ..runfiles import jsonable, loads_json
 from .decay import ALPHA, MIN_SEGMENT, DropDecision, change_point, covariate_steps, decide_drop
+from .lifecycle import Lifecycle
 
 LOG_NAME = "watch.jsonl"
 #: the covariates the detector relates to a change, in the order reported
@@ -171,14 +177,20 @@ class WatchSettings:
 class Watcher:
     """The sampling state of one watch run (module docstring): ``snapshot()`` returns the engine's ``/metrics``
     snapshot, ``probe()`` the probe's dict (or None without a probe), ``on_drop(n, decision)`` is called once per
-    triggered drop (n = 1, 2, ...) and returns what to record (or None: only the drop is recorded). ``clock``: Unix
-    seconds (tests pass a fake)."""
+    triggered drop (n = 1, 2, ...) and returns what to record (or None: only the drop is recorded). ``lifecycle``:
+    the lifecycle observations (:class:`helpers.acceptance.lifecycle.Lifecycle`, None: none); ``on_event(n,
+    events, sample)`` is called once per sample with events (n = 1, 2, ...) and returns what to record (the
+    ``check_draft`` line; None: only the event is recorded). ``clock``: Unix seconds (tests pass a fake)."""
 
     def __init__(self, log: WatchLog, *, snapshot: Callable[[], dict], probe: Optional[Callable[[], dict]] = None,
                  settings: Optional[WatchSettings] = None,
                  on_drop: Optional[Callable[[int, DropDecision], Optional[dict]]] = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, lifecycle: Optional[Lifecycle] = None,
+                 on_event: Optional[Callable[[int, list, dict], Optional[dict]]] = None):
         self.log, self.snapshot, self.probe, self.on_drop, self.clock = log, snapshot, probe, on_drop, clock
+        self.lifecycle, self.on_event = lifecycle, on_event
+        self.n_events = 0
+        self.last_check_t: Optional[float] = None
         self.s = settings or WatchSettings()
         self.window: deque = deque(maxlen=int(self.s.window))
         self.baseline_values: list[float] = []
@@ -209,6 +221,8 @@ class Watcher:
             self.uptime_origin = t
         if rec.get("counters") is not None:
             self.prev, self.prev_t = rec["counters"], t
+        if self.lifecycle is not None and rec.get("lifecycle") is not None:
+            self.lifecycle.last = rec["lifecycle"]
         al = _finite(rec.get("accept_length"))
         if al is not None and len(self.baseline_values) < self.s.baseline_n:
             self.baseline_values.append(al)
@@ -228,6 +242,10 @@ class Watcher:
             k = rec.get("kind")
             if k == "sample":
                 self._remember(rec)
+            elif k == "event":
+                self.n_events = max(self.n_events, int(rec.get("n", 0)))
+                if rec.get("action") == "check-draft":
+                    self.last_check_t = _finite(rec.get("t"))
             elif k == "drop":
                 self.n_drops = max(self.n_drops, int(rec.get("n", 0)))
                 self.last_trigger_t = _finite(rec.get("t"))
@@ -249,17 +267,56 @@ class Watcher:
                 probe = self.probe()
             except Exception as exc:          # noqa: BLE001 - a failed probe is data; signals are BaseException
                 probe_error = f"{type(exc).__name__}: {exc}"[:300]
+        seen = self.lifecycle.observe() if self.lifecycle is not None else None
         snap = self.snapshot()
         t = self.clock()
-        rec = self._sample(snap, probe, probe_error, t, t0)
+        rec = self._sample(snap, probe, probe_error, t, t0, extra=seen)
+        evs: list = []
+        if seen is not None:
+            rec["lifecycle"], evs = self.lifecycle.finish(seen, snap)
+        if rec.get("server_restarted") and not any(e["event"] == "server_restarted" for e in evs):
+            evs.insert(0, {"event": "server_restarted", "field": "counters", "before": None, "after": None})
+        rec["events"] = [e["event"] for e in evs] or None
         self._remember(rec)
         decision = self._detect(rec)
         self.log.append(rec)
+        if evs:
+            self._event(evs, rec)
         if decision is not None and decision.trigger:
             self._trigger(decision, rec)
         return rec
 
-    def _sample(self, snap: dict, probe: Optional[dict], probe_error: Optional[str], t: float, t0: float) -> dict:
+    def _event(self, evs: list, rec: dict) -> None:
+        """Record the sample's lifecycle events (an ``event`` line) and run the event handler once (its result is
+        the ``check_draft`` line, also kept in ``rec["check"]`` for the terminal line). A sample whose only event is
+        the fixed probe's answer runs no check within ``cooldown_s`` of the last check (a server whose greedy answers
+        keep moving under load would check every interval); the other events always do."""
+        self.n_events += 1
+        action = "check-draft" if self.on_event else "record"
+        answer_only = all(e["event"] == "probe_answer_changed" for e in evs)
+        if (self.on_event and answer_only and self.last_check_t is not None
+                and rec["t"] - self.last_check_t < self.s.cooldown_s):
+            action = (f"record (cooldown: {rec['t'] - self.last_check_t:.0f} s of {self.s.cooldown_s:.0f} s since the "
+                      "last check, and only the fixed probe's answer changed)")
+        self.log.append({"kind": "event", "n": self.n_events, "t": rec["t"], "time": rec["time"], "i": rec["i"],
+                         "events": evs, "action": action})
+        if action != "check-draft":
+            return
+        self.last_check_t = rec["t"]
+        t0 = self.clock()
+        try:
+            out = dict(self.on_event(self.n_events, evs, rec) or {})
+        except Exception as exc:             # noqa: BLE001 - recorded; the watch goes on (signals propagate)
+            out = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        self.log.append({"kind": "check_draft", "n": self.n_events, "t": self.clock(), "seconds": self.clock() - t0,
+                         **out})
+        rec["check"] = out.get("verdict") or ("error" if out.get("error") else None)
+        # the check took the server's time: the next interval starts now
+        self.prev = None
+        self.prev_t = None
+
+    def _sample(self, snap: dict, probe: Optional[dict], probe_error: Optional[str], t: float, t0: float,
+                extra: Optional[dict] = None) -> dict:
         prev = self.prev
         restarted = False
         d = {k: _delta(snap, prev, k) for k in ("generation_tokens", "verify_steps", "prompt_tokens",
@@ -286,12 +343,17 @@ class Watcher:
             origin = t if restarted or self.uptime_origin is None else self.uptime_origin
             uptime, up_src = t - origin, "since the first sample" + (" after a server restart" if restarted or (
                 self.uptime_origin is not None and self.uptime_origin != self.first_t) else "")
+        # the watch's own requests: the light probe's and the lifecycle's fixed probe (its tokens, its seconds)
         pt = (probe or {}).get("completion_tokens")
+        ps = (probe or {}).get("latency_s")
+        if extra is not None:
+            pt = (pt or 0) + int(extra.get("tokens") or 0)
+            ps = (ps or 0.0) + float(extra.get("seconds") or 0.0)
         load = {"probe_tokens": pt, "server_tokens": d["generation_tokens"],
                 "probe_token_share": (pt / d["generation_tokens"]) if pt is not None and d["generation_tokens"]
                 else None,
-                "probe_s": (probe or {}).get("latency_s"),
-                "probe_time_share": ((probe or {}).get("latency_s") or 0.0) / interval if probe and interval
+                "probe_s": ps,
+                "probe_time_share": (ps or 0.0) / interval if (probe or extra is not None) and interval
                 else None}
         return {"kind": "sample", "i": self.n_samples, "t": t, "time": _now_iso(t), "interval_s": interval,
                 "sample_s": t - t0, "accept_length": al, "accept_length_source": src,
@@ -376,7 +438,9 @@ def format_line(rec: dict) -> str:
             f"hit {f(rec.get('cache_hit_rate'), pct=True)}  running {f(rec.get('running_reqs'), '.0f')}  "
             f"load {f(load.get('probe_token_share'), '.2%') if load.get('probe_token_share') is not None else '-'}"
             f" tok / {f(load.get('probe_time_share'), '.2%') if load.get('probe_time_share') is not None else '-'}"
-            f" time  {change}" + (f"  probe error: {rec['probe_error'][:80]}" if rec.get("probe_error") else ""))
+            f" time  {change}" + (f"  probe error: {rec['probe_error'][:80]}" if rec.get("probe_error") else "")
+            + (f"  EVENT {', '.join(rec['events'])}" + (f" -> check-draft {rec['check']}" if rec.get("check") else "")
+               if rec.get("events") else ""))
 
 
 def run_loop(watcher: Watcher, *, interval: float, samples: Optional[int] = None, duration: Optional[float] = None,

@@ -1,7 +1,11 @@
 """``python -m helpers investigate``: the live investigation of a running server (helpers.investigation.live).
 
 Exit 0 when nothing is wrong (no finding, and every stage of the acceptance budget rules a material loss out), 1 when a
-fault is named or the budget is undecided (or the server failed), 2 bad input."""
+fault is named or the budget is undecided (or the server failed), 2 bad input.
+
+``--check-draft``: only the served-draft checks (:mod:`helpers.investigation.check_draft`), no training data needed;
+exit 0 the served draft matches its checkpoint, 1 it differs (or the server failed), 2 bad input, 3 undecided (the
+check could not run: its line says how to get the evidence)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +18,8 @@ from ..formats.configs import read_draft_config, read_target_config
 from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
+from ..investigation.check_draft import EXIT as CHECK_EXIT, check_draft, default_run_dir as check_draft_run_dir, \
+    verdict_line
 from ..investigation.live import default_run_dir, investigate
 from ..investigation.probes import CHOICES as PROBE_CHOICES
 from ..views.common import run_dir_line
@@ -28,8 +34,13 @@ def build_parser() -> Parser:
                            "compare with the training data (and every layer of the target), name the fault, propose "
                            "the fix and, when the server can be restarted, measure the fix before/after.")
     p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:30000")
-    p.add_argument("--training", required=True, help="the draft's training data (SpecForge folder, speculators "
-                   "hs_*.safetensors folder, EAGLE data, or a training dump)")
+    p.add_argument("--training", help="the draft's training data (SpecForge folder, speculators "
+                   "hs_*.safetensors folder, EAGLE data, or a training dump); required unless --check-draft")
+    p.add_argument("--check-draft", action="store_true", help="only check that the served draft is its checkpoint: "
+                   "attach, the engine's draft weights checksum where it has one, and the served draft's proposals "
+                   "step by step against the checkpoint's (needs `server start --trace-draft DIR`); exit 0 matches, "
+                   "1 differs, 3 undecided. Uses --draft, --target, --out, --timeout (default 300), --prompts "
+                   "(default 3), --max-new-tokens (default 16), --json")
     p.add_argument("--draft", help="the draft folder, when the server's (speculative_draft_model_path) is not "
                    "readable here; when both are, a difference is reported")
     p.add_argument("--target", help="the target folder (config.json; weights allow an HF reference), when the "
@@ -70,10 +81,12 @@ def build_parser() -> Parser:
                    "for an embedded server), or a range to take a free one from (default: a free port of "
                    "$E3F_PORT_RANGE, else 12000-19999)")
     p.add_argument("--out", help="folder under which the run folder is created (default outputs/)")
-    p.add_argument("--timeout", type=float, default=900.0, help="overall budget in seconds (default 900)")
+    p.add_argument("--timeout", type=float, help="overall budget in seconds (default 900; --check-draft 300)")
     p.add_argument("--samples", type=int, default=4, help="training samples to capture and compare (default 4)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts for the before/after measurement (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt when measuring (default 32)")
+    p.add_argument("--prompts", type=int, help="prompts for the before/after measurement (default 16; --check-draft: "
+                   "traced prompts, default 3)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per prompt when measuring (default 32; --check-draft "
+                   "16)")
     p.add_argument("--api-key-env", default="SGLANG_API_KEY", help="NAME of the environment variable holding the "
                    "server's API key (default SGLANG_API_KEY; the key is never written)")
     p.add_argument("--json", action="store_true", help='print {"verdict", "findings", "proposed_fix", "measured", '
@@ -88,6 +101,14 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     def body() -> int:
         args = build_parser().parse_args(list(argv) if argv is not None else None)
         check_url(args.url)                        # before the run folder is made (a FAILED folder otherwise)
+        quick = args.check_draft
+        for name, full, check in (("timeout", 900.0, 300.0), ("prompts", 16, 3), ("max_new_tokens", 32, 16)):
+            if getattr(args, name) is None:
+                setattr(args, name, check if quick else full)
+        if quick:
+            return _check_draft(args, prog)
+        if not args.training:
+            raise BadInput("--training is required (the draft's training data), unless --check-draft")
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
         if args.timeout is not None and not args.timeout > 0:
@@ -100,13 +121,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         input_path_arg(args.training, "--training")
         input_path_arg(args.training_log, "--training-log", folder=False)
         input_path_arg(args.validation, "--validation")
-        for flag, folder, read in (("--draft", args.draft, read_draft_config),
-                                   ("--target", args.target, read_target_config)):
-            if input_path_arg(folder, flag) is not None:
-                try:
-                    read(folder)               # the readers the investigation uses on them, before any work
-                except BadInput as exc:
-                    raise BadInput(str(exc), field=exc.field or flag) from None
+        _folders(args)
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
         rows_word = rows_arg(args.rows)
@@ -141,6 +156,45 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if doc.verdict == "ok" else 1
 
     return run(prog, body)
+
+
+def _folders(args) -> None:
+    """``--draft`` / ``--target`` read with the readers the investigation uses on them, before any work (a symlink
+    loop, a FIFO, an unreadable config.json: one line naming the flag)."""
+    for flag, folder, read in (("--draft", args.draft, read_draft_config),
+                               ("--target", args.target, read_target_config)):
+        if input_path_arg(folder, flag) is not None:
+            try:
+                read(folder)
+            except BadInput as exc:
+                raise BadInput(str(exc), field=exc.field or flag) from None
+
+
+def _check_draft(args, prog: str) -> int:
+    """``investigate --check-draft`` (:func:`helpers.investigation.check_draft.check_draft`): the verdict line (or
+    the document with ``--json``) on stdout, exit :data:`helpers.investigation.check_draft.EXIT`."""
+    if args.prompts < 1 or args.max_new_tokens < 2:
+        raise BadInput(f"--check-draft needs --prompts >= 1 and --max-new-tokens >= 2, got {args.prompts} and "
+                       f"{args.max_new_tokens}")
+    if not args.timeout > 0:
+        raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+    _folders(args)
+    out = out_folder(args.out, "--out")
+    run_dir = check_draft_run_dir(out, args.url)
+    show = progress_line(prog)
+    show(f"run folder {run_dir}")
+    with failure_guard(prog, run_dir):
+        doc = check_draft(args.url, run_dir=run_dir, draft=args.draft, target=args.target,
+                          api_key=os.environ.get(args.api_key_env) or None, timeout=args.timeout,
+                          prompts=args.prompts, max_new_tokens=args.max_new_tokens, progress=show)
+    if args.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        print(verdict_line(doc))
+        for n in doc["notes"]:
+            print(f"note: {n}")
+    return CHECK_EXIT[doc["verdict"]]
+
 
 
 def _probe_sampling(args) -> Optional[dict]:

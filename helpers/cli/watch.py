@@ -4,7 +4,10 @@ Every ``--interval`` seconds: one light probe (a short greedy request on the bun
 server's ``/metrics`` through its engine adapter; one terminal line and one line of ``<run>/watch.jsonl`` per sample;
 the decay detector (:mod:`helpers.acceptance.decay`) on the window. ``--on-drop investigate`` starts the live
 investigation (``helpers.investigation.live.investigate``, the fix only proposed) into ``<run>/investigation-N`` once
-per drop.
+per drop. Each sample also observes what can change the served draft (:mod:`helpers.acceptance.lifecycle`: a
+restart, a weight version or model path, an in-place weight load, the draft checksum with ``--draft-checksum``, the
+fixed probe's answer); ``--on-event check-draft`` runs ``investigate --check-draft``
+(:func:`helpers.investigation.check_draft.check_draft`) into ``<run>/check-draft-N`` on each sample with events.
 
 Exit codes (:mod:`helpers.cli.common`): 0 stopped by ``--samples`` / ``--duration``; 2 bad input (a flag, a run
 folder to resume that is not one, a server that is neither SGLang nor vLLM); 1 the server failed (``/metrics``
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..acceptance.lifecycle import for_server
 from ..acceptance.prompts import load_prompts
 from ..acceptance.watch import LOG_NAME, Watcher, WatchLog, WatchSettings, iter_log, probe_once, run_loop, \
     start_record
@@ -58,8 +62,19 @@ def build_parser() -> Parser:
                    "change point lost at least F (0-1) of the baseline")
     p.add_argument("--on-drop", choices=("record", "investigate"), default="record",
                    help="on a drop: record it (default), or also start the investigation (needs --training)")
-    p.add_argument("--cooldown", type=float, default=1800.0, help="seconds between two triggered drops (default "
-                   "1800)")
+    p.add_argument("--cooldown", type=float, default=1800.0, help="seconds between two triggered drops, and between "
+                   "two --on-event checks started by the fixed probe's answer alone (default 1800)")
+    p.add_argument("--on-event", choices=("record", "check-draft"), default="record",
+                   help="on a lifecycle event (a restart, a weight version / model path / weight load, the draft "
+                   "checksum, the fixed probe's answer changed): record it (default), or also run `investigate "
+                   "--check-draft` into <run>/check-draft-N and record its verdict")
+    p.add_argument("--no-events", action="store_true", help="observe no lifecycle events (no /server_info, "
+                   "/model_info or fixed-probe request per interval)")
+    p.add_argument("--draft-checksum", action="store_true", help="also hash the served draft's weights each "
+                   "interval (SGLang's POST /weights_checker, selector draft: one pass over the draft's tensors in the "
+                   "scheduler's loop; needs the admin key where the server has one)")
+    p.add_argument("--check-timeout", type=float, default=300.0, help="budget in seconds of each --on-event "
+                   "check-draft (default 300)")
     p.add_argument("--training", help="the draft's training data, for --on-drop investigate")
     p.add_argument("--draft", help="the draft folder, for --on-drop investigate (when the server's is not readable)")
     p.add_argument("--target", help="the target folder, for --on-drop investigate")
@@ -77,7 +92,8 @@ def build_parser() -> Parser:
 def _check(args: Any) -> None:
     """Every flag checked before any work (one line, exit 2)."""
     pos = {"--interval": args.interval, "--probe-timeout": args.probe_timeout,
-           "--request-timeout": args.request_timeout, "--investigate-timeout": args.investigate_timeout}
+           "--request-timeout": args.request_timeout, "--investigate-timeout": args.investigate_timeout,
+           "--check-timeout": args.check_timeout}
     for flag, v in pos.items():
         if not v > 0:
             raise BadInput(f"{flag} must be > 0 seconds, got {v}")
@@ -99,6 +115,8 @@ def _check(args: Any) -> None:
             raise BadInput("--on-drop investigate needs --training (the draft's training data)")
         if not Path(args.training).exists():
             raise BadInput("--training not found", path=args.training)
+    if args.no_events and (args.on_event != "record" or args.draft_checksum):
+        raise BadInput("--no-events observes no lifecycle event: --on-event check-draft and --draft-checksum need them")
     for flag in ("--training", "--draft", "--target", "--prompts"):
         text_arg(getattr(args, flag[2:].replace("-", "_")), flag)
 
@@ -129,6 +147,29 @@ def _investigator(args: Any, url: str, key: Optional[str], run_dir: Path, show: 
                 "sentence": getattr(doc, "sentence", None)}
 
     return on_drop
+
+
+def _checker(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any):
+    """The ``on_event`` handler of ``--on-event check-draft``: ``investigate --check-draft`` into
+    ``run_dir/check-draft-N``, returning what the log records (run folder, verdict, reason, exit, seconds)."""
+
+    def on_event(n: int, evs: list, rec: dict) -> dict:
+        # lazy: the check imports torch and the draft model; a watch without --on-event check-draft never needs it
+        from ..investigation.check_draft import check_draft, verdict_line
+
+        out = run_dir / f"check-draft-{n}"
+        # the draft checksum before the event (the sample's own is already the new one)
+        before = next((e["before"] for e in evs if e.get("field") == "draft_checksum"),
+                      (rec.get("lifecycle") or {}).get("draft_checksum"))
+        show(f"event #{n}: {', '.join(e['event'] for e in evs)}; checking the served draft into {out}")
+        doc = check_draft(url, run_dir=out, draft=args.draft, target=args.target, api_key=key,
+                          timeout=args.check_timeout, previous_checksum=before,
+                          progress=lambda line: show(f"check-draft-{n}: {line}"))
+        show(f"check-draft-{n}: {verdict_line(doc)}")
+        return {"run_dir": str(out), "verdict": doc["verdict"], "reason": doc["reason"], "exit": doc["exit"],
+                "findings": [f.get("kind") for f in doc["findings"]], "check_seconds": doc["seconds"]}
+
+    return on_event
 
 
 def cli_main(argv: Sequence[str]) -> int:
@@ -184,7 +225,12 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
                        "--request-timeout")
     log = WatchLog(run_dir)
     on_drop = _investigator(args, url, key, run_dir, show) if args.on_drop == "investigate" else None
-    watcher = Watcher(log, snapshot=snapshot, probe=probe, settings=settings, on_drop=on_drop)
+    life = None if args.no_events else for_server(client, found.adapter, probe_timeout=args.probe_timeout,
+                                                  request_timeout=args.request_timeout,
+                                                  draft_checksum=args.draft_checksum, bounded=bounded)
+    on_event = _checker(args, url, key, run_dir, show) if life is not None and args.on_event == "check-draft" else None
+    watcher = Watcher(log, snapshot=snapshot, probe=probe, settings=settings, on_drop=on_drop, lifecycle=life,
+                      on_event=on_event)
     try:
         if resumed:
             n = watcher.resume(log.path)
@@ -194,7 +240,8 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
                                 interval=args.interval, resumed=resumed, argv=argv,
                                 probe={"max_new_tokens": args.probe_tokens, "timeout_s": args.probe_timeout,
                                        "prompts": args.prompts or "bundled", "temperature": 0.0} if probe else None,
-                                extra={"on_drop": args.on_drop, "accept_length": "delta generation tokens / delta "
+                                extra={"on_drop": args.on_drop, "on_event": None if life is None else args.on_event,
+                                       "draft_checksum": bool(args.draft_checksum), "accept_length": "delta generation tokens / delta "
                                        "verify steps between samples (counters), else the probe's, else the "
                                        "engine's gauge; each sample says which"}))
         print(f"run folder: {run_dir} ({LOG_NAME})", file=sys.stderr, flush=True)
@@ -210,5 +257,6 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
                         "drops": watcher.n_drops})
     finally:
         log.close()
-    print(f"run folder: {run_dir}: {watcher.n_samples} sample(s), {watcher.n_drops} drop(s); {why}")
+    print(f"run folder: {run_dir}: {watcher.n_samples} sample(s), {watcher.n_drops} drop(s), {watcher.n_events} "
+          f"sample(s) with lifecycle events; {why}")
     return 0

@@ -116,7 +116,7 @@ class AcceptanceCounters(BaseModel):
 WATCH_COUNTERS = ("generation_tokens", "verify_steps", "requests", "prompt_tokens", "cached_tokens", "draft_tokens",
                   "accepted_tokens")
 WATCH_GAUGES = ("running_reqs", "queue_reqs", "kv_cache_use", "cache_hit_rate_gauge", "accept_length_gauge",
-                "accept_rate_gauge", "start_time")
+                "accept_rate_gauge", "start_time", "weight_load_s")
 
 
 def prometheus_sums(metrics_text: str, names: Sequence[str]) -> dict[str, float]:
@@ -199,7 +199,8 @@ class EngineAdapter(ABC):
         steps / requests; None where the engine exports no such counter) and :data:`WATCH_GAUGES` (``running_reqs``,
         ``queue_reqs``: requests; ``kv_cache_use``: the share 0-1 of the KV pool in use; the engine's own
         ``cache_hit_rate_gauge``, ``accept_length_gauge``, ``accept_rate_gauge`` over a window it chooses;
-        ``start_time``: the serving process's start in Unix seconds when the engine reports it), with ``engine``
+        ``start_time``: the serving process's start in Unix seconds when the engine reports it; ``weight_load_s``: the
+        seconds of the last in-place weight update, summed over its sources, None before any), with ``engine``
         and ``sources`` (field -> the metric read, with the engine file that defines it)."""
 
     @abstractmethod
@@ -220,6 +221,14 @@ class EngineAdapter(ABC):
         ``sampling``: SGLang-named sampling params laid over the greedy default (``temperature``, ``top_p``,
         ``top_k``, ``sampling_seed``: seed + prompt index per request, :func:`helpers.capture.sampling_params`): the
         states and the counters of the *sampled* continuation."""
+
+    def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
+        """The served draft's weights as the engine hashes them (one call; ``check-draft``'s and ``watch``'s weight
+        evidence): ``{"per_engine_checksum": str, "ranks": [{"role", "tp_rank", "tensors", "checksum"}], "source"}``,
+        or None when the engine has no such endpoint (the default; vLLM 0.32.0 has none).
+
+        Raises: :class:`helpers.errors.ServerError` when the endpoint exists and fails."""
+        return None
 
     @abstractmethod
     def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:

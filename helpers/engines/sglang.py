@@ -98,7 +98,10 @@ WATCH_METRICS = {"generation_tokens": "sglang:generation_tokens_total",
                  "running_reqs": "sglang:num_running_reqs", "queue_reqs": "sglang:num_queue_reqs",
                  "kv_cache_use": "sglang:token_usage", "cache_hit_rate_gauge": "sglang:cache_hit_rate",
                  "accept_length_gauge": "sglang:spec_accept_length", "accept_rate_gauge": "sglang:spec_accept_rate",
-                 "start_time": "process_start_time_seconds"}
+                 "start_time": "process_start_time_seconds",
+                 # a gauge set at the end of each update_weights_from_{disk,distributed,tensor,ipc}, labelled by source
+                 # (scheduler_components/weight_updater.py::_observe_weight_load): absent until the first update
+                 "weight_load_s": "sglang:weight_load_duration_seconds"}
 #: gauges exported once per scheduler (TP / DP rank label sets): averaged, not summed
 _SGLANG_MEAN = ("kv_cache_use", "cache_hit_rate_gauge", "accept_length_gauge", "accept_rate_gauge")
 
@@ -310,6 +313,40 @@ class SGLangAdapter(EngineAdapter):
         finally:
             if flag is not None and flag.exists():
                 flag.unlink()
+
+    def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
+        """SGLang 0.5.23's ``POST /weights_checker`` ``{"action": "checksum", "selector": "draft"}``
+        (``entrypoints/http_server.py::check_weights`` -> ``managers/tokenizer_control_mixin.py::check_weights``, its
+        ``per_engine_checksum`` = sha256 over the ranks' ``per_gpu_checksum`` -> the scheduler's
+        ``scheduler_components/weight_updater.py::WeightUpdater.check_weights``, whose ``_select_runners("draft")``
+        reaches ``self.draft_worker.weight_update_runners()`` -> ``utils/weight_checker.py::WeightChecker.
+        _compute_checksum``: per parameter and buffer of the draft runner, the first 8 bytes of sha256 over its bytes
+        as loaded, rotary caches skipped). Unlike ``/get_weights_by_name`` (target only) it reaches the draft, but
+        hashes the tensors as the engine holds them (fused, TP-sharded, its dtype), so it is compared with itself
+        over time, not with the checkpoint's files. None when the server has no such route (404: an older SGLang).
+
+        Raises: :class:`helpers.errors.SGLangError` for another status or an answer of another shape."""
+        where = "/weights_checker"
+        resp = client._request("POST", where, json_body={"action": "checksum", "selector": "draft"},
+                               idempotent=True)
+        if resp.status_code == 404:
+            return None
+        body = client._json(resp, f"POST {where}", where)
+        if resp.status_code >= 400 or not isinstance(body, dict) or not body.get("success"):
+            msg = body.get("message") if isinstance(body, dict) else None
+            raise SGLangError(f"POST {where}: HTTP {resp.status_code}: {str(msg or body)[:200]}", endpoint=where)
+        ranks = body.get("ranks") or []
+        if not isinstance(body.get("per_engine_checksum"), str) or not isinstance(ranks, list):
+            raise SGLangError(f"POST {where}: expected per_engine_checksum (text) and ranks (a list)", endpoint=where)
+        rows = []
+        for r in ranks:
+            par = r.get("parallelism_info") if isinstance(r, dict) else None
+            for info in (par if isinstance(par, list) else [par]):
+                if isinstance(info, dict):
+                    rows.append({"role": info.get("role"), "tp_rank": info.get("tp_rank"),
+                                 "tensors": len(r.get("checksums") or {}), "checksum": r.get("per_gpu_checksum")})
+        return {"per_engine_checksum": body["per_engine_checksum"], "ranks": rows,
+                "source": "POST /weights_checker selector=draft (sglang/srt/utils/weight_checker.py)"}
 
     def rank_capture_dir(self, hooks_ranks_dir: Optional[Path], run_dir: Path, name: str) -> Optional[Path]:
         """The folder of the server's per-rank capture hooks (``server start --capture-ranks DIR``), or None."""

@@ -36,7 +36,8 @@ class WatchData:
     """One watch run as read: ``samples`` (module docstring), ``last_change``: the change point shown, the newest
     sample's when significant, else the last drop's, else the newest sample's (the detector's dict: ``i``, ``t``,
     ``t_ci``, ``before``, ``after``, ``effect``, ``effect_ci``, ``p_value``,
-    ``moves_with``, ``shape``), the ``drops`` and ``investigations`` records, the ``starts``, the ``errors`` count,
+    ``moves_with``, ``shape``), the ``drops`` and ``investigations`` records, the lifecycle ``events`` and the
+    ``checks`` they started (``check_draft`` lines), the ``starts``, the ``errors`` count,
     the lines ``skipped`` (torn or not JSON) and the ``stop`` record (None while it runs)."""
 
     run_dir: Path
@@ -45,6 +46,8 @@ class WatchData:
     last_decision: Optional[dict] = None
     drops: list = field(default_factory=list)
     investigations: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    checks: list = field(default_factory=list)
     starts: list = field(default_factory=list)
     errors: int = 0
     skipped: int = 0
@@ -97,6 +100,10 @@ def load(run_dir: Any, repo_root: Any = "") -> WatchData:
             data.drops.append(rec)
         elif k == "investigation":
             data.investigations.append(rec)
+        elif k == "event":
+            data.events.append(rec)
+        elif k == "check_draft":
+            data.checks.append(rec)
         elif k == "start":
             data.starts.append(rec)
             data.stop = None
@@ -203,6 +210,10 @@ def summary_html(data: WatchData) -> str:
             ("drops", str(len(data.drops))),
             ("investigations", "; ".join(f"#{r.get('n')}: {r.get('verdict') or r.get('error') or '?'} "
                                          f"({r.get('run_dir') or ''})" for r in data.investigations) or "-"),
+            ("lifecycle events", "; ".join(
+                f"#{e.get('i')}: {', '.join(x.get('event', '?') for x in e.get('events') or [])}"
+                + next((f" -> check-draft {c.get('verdict') or c.get('error') or '?'} ({c.get('run_dir') or ''})"
+                        for c in data.checks if c.get("n") == e.get("n")), "") for e in data.events) or "-"),
             ("load on the server", f"probe {100 * share:.3f} % of its generated tokens (median)" if share is not None
              and share == share else "-"),
             ("lines skipped", f"{data.skipped} (torn or not JSON)"), ("failed samples", str(data.errors))]

@@ -7,6 +7,7 @@ embedding, partial sums that add up to the truth). Each fault on synthetic chunk
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -109,7 +110,8 @@ def test_step_trace_names_engine_faults_of_the_served_draft(tmp_path):
     """One TP 1 server with the reference draft, the draft step trace (``--trace-draft``) and two test-only faults
     (support.engine_faults, armed by file): clean, every traced draft step equals the checkpoint's; with the draft
     decode's KV over the previous slot, ``draft_kv_diverges`` (step 1 intact); with the draft's fc scaled after 2
-    requests, ``served_draft_differs`` from step 1."""
+    requests, ``served_draft_differs`` from step 1; ``investigate --check-draft`` on the same server exits 0 clean and 1
+    naming ``served_draft_differs`` with the draft's fc scaled, its draft weights checksum moved."""
     from helpers.acceptance.prompts import load_prompts
     from helpers.budget import Budget
     from helpers.engines.sglang import SGLangAdapter
@@ -137,6 +139,25 @@ def test_step_trace_names_engine_faults_of_the_served_draft(tmp_path):
             st = run_probes(ctx, "cheap")
             return {p["probe"]: p for p in st["probes"]}, st["findings"]
 
+        def check(tag):
+            """``investigate --check-draft --json`` on this server (the CLI, in process): exit code, document."""
+            import io
+            from contextlib import redirect_stdout
+            from helpers.__main__ import main
+
+            buf = io.StringIO()
+            t = time.monotonic()
+            with redirect_stdout(buf):
+                rc = main(["investigate", "--url", srv.url, "--check-draft", "--json", "--out", str(tmp_path / tag)])
+            doc = json.loads(buf.getvalue())
+            print(f"check-draft {tag}: exit {rc} in {time.monotonic() - t:.1f} s ({doc['seconds']} s in the check)")
+            return rc, doc
+
+        rc, ok = check("check-clean")
+        assert rc == 0 and ok["verdict"] == "matches" and not ok["findings"], ok["reason"]
+        assert {p["probe"]: p["decision"] for p in ok["engine_state"]["probes"]} == {"served_draft": "clear",
+                                                                                     "step_trace": "clear"}
+        clean_sum = ok["weights"]["checksum"]
         clean, found = probes("clean")
         for name in ("served_draft", "step_trace"):
             ev = clean[name]["evidence"]
@@ -163,3 +184,9 @@ def test_step_trace_names_engine_faults_of_the_served_draft(tmp_path):
         assert sd["evidence"]["first_steps"] and set(sd["evidence"]["first_steps"].values()) == {1}
         assert "reload the draft" in sd["detail"]
         assert bad["step_trace"]["decision"] == "counts"
+        rc, differs = check("check-weights")
+        assert rc == 1 and differs["verdict"] == "differs", differs["reason"]
+        assert differs["reason"].startswith("served_draft_differs:")
+        assert "served_draft_differs" in {f["kind"] for f in differs["findings"]}
+        # the engine's own hash of the draft (/weights_checker, selector draft) saw the scaled fc: it reaches the draft
+        assert clean_sum and differs["weights"]["checksum"] not in (None, clean_sum), differs["weights"]

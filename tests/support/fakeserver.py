@@ -38,7 +38,12 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   (a test or bench adds to it), and its gauges from :data:`METRICS` (``token_usage``, ``num_running_reqs``,
   ``cache_hit_rate``, ``spec_accept_length``); each answer accepts ``METRICS["accept_length"]`` tokens per verify
   step (``METRICS["accept_length_after"]`` once ``METRICS["drop_after"]`` requests were served). ``POST
-  /fake_metrics`` with a JSON object updates :data:`METRICS` (a subprocess server).
+  /fake_metrics`` with a JSON object updates :data:`METRICS` (a subprocess server). Its lifecycle fields (``watch``'s
+  events, set in :data:`METRICS` by an in-thread test; None: not reported): ``startup_time`` (``/server_info``; SGLang
+  0.5.23's is a dict of the start's phase durations),
+  ``weight_version`` (``/model_info``), ``weight_load_s`` (the ``sglang:weight_load_duration_seconds`` gauge),
+  ``draft_checksum`` (``POST /weights_checker``' ``per_engine_checksum``; None: 404), ``answer_shift`` (added to every
+  output token id) and ``answer_flip`` (that many next answers get output token 0 replaced by 77).
 
 Extra words after MODE: ``PORT`` or ``--port PORT``; ``--api-key K`` / ``--admin-api-key=K2`` (``keyed``);
 ``--model-path P`` / ``--draft-path D`` (what ``/server_info`` says the server runs; default ``/nonexistent/...``); other
@@ -64,7 +69,8 @@ STATE = {"generate": 0}
 #: mode ``metrics``: the counters and gauges its /metrics reports (module docstring)
 METRICS = {"accept_length": 2.5, "generation_tokens": 0.0, "verify_steps": 0.0, "prompt_tokens": 0.0,
            "cached_tokens": 0.0, "requests": 0.0, "token_usage": 0.1, "running": 0.0, "cache_hit_rate": 0.0,
-           "spec_accept_length": 2.5, "drop_after": None, "accept_length_after": 1.5}
+           "spec_accept_length": 2.5, "drop_after": None, "accept_length_after": 1.5, "startup_time": None,
+           "weight_version": None, "weight_load_s": None, "draft_checksum": None, "answer_shift": 0, "answer_flip": 0}
 
 
 def metrics_text() -> str:
@@ -85,7 +91,10 @@ def metrics_text() -> str:
         "# TYPE sglang:num_running_reqs gauge\n", f'sglang:num_running_reqs{{model_name="t"}} {m["running"]}\n',
         "# TYPE sglang:cache_hit_rate gauge\n", f'sglang:cache_hit_rate{{model_name="t"}} {m["cache_hit_rate"]}\n',
         "# TYPE sglang:spec_accept_length gauge\n",
-        f'sglang:spec_accept_length{{model_name="t"}} {m["spec_accept_length"]}\n'])
+        f'sglang:spec_accept_length{{model_name="t"}} {m["spec_accept_length"]}\n'] + ([
+            "# TYPE sglang:weight_load_duration_seconds gauge\n",
+            f'sglang:weight_load_duration_seconds{{model_name="t",source="disk"}} {m["weight_load_s"]}\n']
+            if m.get("weight_load_s") is not None else []))
 #: the API keys of mode ``keyed`` unless --api-key / --admin-api-key say otherwise
 KEY = "sk-fake-7d1e0c9a4b"
 ADMIN_KEY = "adm-fake-3b8f2a6e51"
@@ -194,6 +203,11 @@ def generate_answer(body: dict, mode: str) -> dict:
         block = [[0.01 * (t + 1)] * width for t in range(len(ids))]
         meta["hidden_states"] = [block] + [[0.02] * width for _ in range(n_new - 1)]
     out = {"text": "x", "output_ids": list(range(n_new)), "meta_info": meta}
+    if mode == "metrics":
+        out["output_ids"] = [t + int(METRICS.get("answer_shift") or 0) for t in out["output_ids"]]
+        if METRICS.get("answer_flip"):
+            METRICS["answer_flip"] -= 1
+            out["output_ids"][0] = 77
     if flaky and n_new > 2:
         out["output_ids"][2] = 99
     if body.get("return_prompt_token_ids"):
@@ -244,9 +258,15 @@ class Handler(BaseHTTPRequestHandler):
                 return self._json(_deep(200000))
             if self.mode == "infoversion":
                 return self._json({**server_info("ok"), "version": 5})
-            return self._json([server_info("ok")] if self.mode == "infolist" else server_info(self.mode))
+            info = server_info(self.mode)
+            if self.mode == "metrics" and METRICS.get("startup_time") is not None:
+                info["startup_time"] = METRICS["startup_time"]
+            return self._json([server_info("ok")] if self.mode == "infolist" else info)
         if self.path in ("/model_info", "/get_model_info"):
-            return self._json({"model_path": PATHS["model_path"], "architectures": ["LlamaForCausalLM"]})
+            mi = {"model_path": PATHS["model_path"], "architectures": ["LlamaForCausalLM"]}
+            if self.mode == "metrics":
+                mi["weight_version"] = METRICS.get("weight_version")
+            return self._json(mi)
         if self.path == "/metrics":
             data = metrics_text().encode() if self.mode == "metrics" else b"# no metrics\n"
             self.send_response(200)
@@ -268,6 +288,11 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/fake_metrics" and self.mode == "metrics":
             METRICS.update({k: float(v) for k, v in body.items() if k in METRICS})
             return self._json(METRICS)
+        if self.path == "/weights_checker" and self.mode == "metrics" and METRICS.get("draft_checksum"):
+            cs = METRICS["draft_checksum"]
+            return self._json({"success": True, "message": "Success.", "per_engine_checksum": cs, "ranks": [
+                {"checksums": {"fc.weight": cs[:16]}, "per_gpu_checksum": cs, "parallelism_info": [
+                    {"role": "draft", "tp_rank": 0, "tp_size": 1}]}]})
         if self.path != "/generate":
             return self._json({"error": "not found"}, 404)
         STATE["generate"] += 1

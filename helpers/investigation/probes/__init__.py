@@ -21,7 +21,7 @@ engine stage open), so the cause, the sentence and the verdict follow (``investi
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from ...draft.budget import REQUIRED_STAGES, budget_sentence, cause_of
 from ...errors import BadInput, ServerError, ServerTimeout
@@ -53,16 +53,24 @@ def check_choice(which: str) -> str:
     return which
 
 
-def run_probes(ctx: ProbeContext, which: str = "cheap") -> dict:
+def run_probes(ctx: ProbeContext, which: str = "cheap", only: Optional[Sequence[str]] = None) -> dict:
     """Run the probes ``which`` asks for (:data:`CHOICES`) and return ``{"asked": which, "probes": [ProbeResult
     JSON, ...], "findings": [...], "seconds": total}``; every probe not run is listed ``skipped`` with why.
+    ``only``: the names of the probes to consider (``investigate --check-draft``: ``served_draft``, ``step_trace``);
+    the others are neither run nor listed (BadInput for a name no probe has).
 
     A probe's own failure (a restarted copy that does not start, a request the server refuses) is ``failed`` with
     its one-line reason and the others still run; the run's deadline running out (``ServerTimeout``) or a signal
     propagates."""
     check_choice(which)
+    names = {p.name for p in PROBES}
+    if only is not None and not set(only) <= names:
+        raise BadInput(f"no such engine-state probe: {', '.join(sorted(set(only) - names))} (known: "
+                       f"{', '.join(sorted(names))})", field="probes")
     out, t_all = [], time.monotonic()
     for p in probes():
+        if only is not None and p.name not in only:
+            continue
         res = _one(p, ctx, which)
         out.append(res.to_json())
         ctx.progress(f"engine state: {probe_line(out[-1])} ({res.seconds:.1f} s)")

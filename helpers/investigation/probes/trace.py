@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ...acceptance.lifecycle import FIXED_NEW_TOKENS, FIXED_PROMPT
 from ...acceptance.prompts import Prompt
 from ...diagnosis.detectors import finding
 from ...draft.model import Eagle3Draft
@@ -37,10 +38,9 @@ from ...formats.configs import read_draft_config
 from ...trace_hooks import HOW, trace_dir  # noqa: F401  (re-exported: the probes' callers import them here)
 from .base import Probe, ProbeContext, ProbeResult
 
-#: the fixed input of ``served_draft``: token ids below every vocabulary this tool serves (the reference target's is
-#: 4096), the same on every run so two runs of one server compare
-FIXED_PROMPT = (1, 450, 496, 1735, 1701, 432, 1720, 975, 278, 1736, 1120, 2988)
-FIXED_NEW_TOKENS = 16
+# the fixed input of ``served_draft`` (FIXED_PROMPT, FIXED_NEW_TOKENS): token ids below every vocabulary this tool
+# serves (the reference target's is 4096), the same on every run so two runs of one server compare; ``watch``'s fixed
+# probe sends the same (helpers.acceptance.lifecycle)
 
 
 def _applies(ctx: ProbeContext) -> Optional[str]:

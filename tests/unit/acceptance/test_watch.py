@@ -206,7 +206,9 @@ def test_cli_resume_appends_to_the_run(tmp_path):
     recs = read_log(run / LOG_NAME).records
     assert [r["kind"] for r in recs] == ["start"] + ["sample"] * 3 + ["stop", "start"] + ["sample"] * 2 + ["stop"]
     assert [r["i"] for r in recs if r["kind"] == "sample"] == [0, 1, 2, 3, 4]
-    assert recs[5]["resumed"] is True and recs[6]["delta"]["generation_tokens"] == 16   # from the last counters
+    # from the last counters: the light probe's 16 tokens and the fixed probe's 16 (helpers.acceptance.lifecycle)
+    assert recs[5]["resumed"] is True and recs[6]["delta"]["generation_tokens"] == 16 + 16
+    assert recs[6]["load"]["probe_tokens"] == 32 and recs[6]["load"]["probe_token_share"] == 1.0
 
 
 @pytest.mark.parametrize("args, says", [
