@@ -148,7 +148,8 @@ def main() -> int:
         if time.monotonic() > t_end:
             print(f"stopping: {a.minutes} min spent; {len(cases) - i} case(s) not run", flush=True)
             break
-        print(f"[{time.strftime('%H:%M:%S')}] case {i}: {f.label} (seed {f.seed}), load "
+        print(f"[{time.strftime('%H:%M:%S')}] case {i}: {f.label}" + ("" if f.cls == "clean" else f" (seed {f.seed})") +
+              ", load "
               f"{os.getloadavg()[0]:.1f}", flush=True)
         r = one(f, i, out, a.tp, a.prompts)
         recs.append(r)
