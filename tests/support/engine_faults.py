@@ -29,8 +29,25 @@ Faults (``config["fault"]``), each with a ``seed`` and a strength:
   buffer's own scale): after the draft's prefill extend of a request whose prefix was already in the KV, the draft's
   KV of those slots no longer holds what the draft computed (a cache restore that brought back only the target's KV).
   Cold requests (no prefix) are untouched.
-* ``verify_swap`` (``strength``: the probability per verified row): in target verify, the target's two best logits
-  of a row are swapped, so verification accepts (and emits) the target's runner-up: speculation is no longer lossless.
+* ``verify_swap`` (``strength``: the share of verified rows, picked by position): in target verify, the target's two
+  best logits of a row are swapped, so verification accepts (and emits) the target's runner-up: speculation is no
+  longer lossless.
+* ``chunk_boundary_token`` (``strength``: the share of chunk boundaries, picked by the boundary's position;
+  ``span``: how many rows from the boundary, 1 by default, 0 the whole chunk): wrong draft input ids from the first
+  row of a later chunk of a chunked prefill. The draft's prefill extend feeds the request's input ids shifted left by
+  one (``sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker._draft_extend_for_prefill``: per request
+  ``cat(input_ids[1:], tail)``, the tail of a non-final chunk the next prompt token,
+  ``sglang/srt/speculative/eagle_utils.py::_eagle_prefill_tail_tokens``); with ``--chunked-prefill-size C`` below
+  the prompt length the scheduler prefills C tokens per extend (``sglang/srt/managers/scheduler.py::Scheduler.
+  init_chunked_prefill`` reads ``sglang/srt/runtime_context.py::get_schedule().chunked_prefill_size``), so a later
+  chunk is an ``EXTEND`` whose ``extend_prefix_lens`` is a multiple of C. The fault: the ``span`` rows from such a
+  boundary get the id one position early (the shift lost at the border; the first row's own unshifted id is the
+  previous chunk's last token, not in this extend, so it gets a seeded wrong id: with ``span`` 1 exactly "a wrong
+  token at the chunk's first row"). The hook (on the draft's inner ``model``, a forward hook: it cannot change the
+  input, so it runs ``LlamaModel.forward`` again with those ids, which rewrites the draft KV of those slots, and
+  returns that output) touches no other extend: a cold unchunked request (prefix 0) and a prefix-cache hit (a prefix
+  that is no multiple of C; a server without chunked prefill has C <= 0) are untouched. Picks and wrong ids are
+  hashes of the position and the seed (the same prompt gets the same fault on every run, both TP ranks alike).
 
 Fault factories armed by a file (the draft step trace's faults, ``helpers.draft.trace``):
 
@@ -39,6 +56,7 @@ Fault factories armed by a file (the draft step trace's faults, ``helpers.draft.
   weight sync or a resume that scrambles the draft would). Two specs share one state: ``mode: "count"`` on the draft's
   ``logits_processor`` (counts ``EXTEND`` forwards' requests and scales the weight; the first damaged request's own
   prefill step is still clean) and ``mode: "fc"`` on ``model.fc`` (only the draft has it: records the module).
+  ``arm`` None: counting from the server's start (the generated ``draft_decay`` class).
 * :func:`kv_wrong_slot_factory`: on the draft's ``model.layers.0.self_attn.attn`` (``RadixAttention``), in
   ``DECODE`` forwards only (the draft's decode steps: ``eagle_worker_v2.py::EagleDraftWorker.draft_forward``; the
   target never decodes on a speculative server, it verifies), while ``arm`` exists: the KV this step wrote to its
@@ -46,7 +64,9 @@ Fault factories armed by a file (the draft step trace's faults, ``helpers.draft.
   (``req_to_token[req, position - 1]``: the last context token's slot for the first decode step), the attention is
   recomputed from the pool (``RadixAttention.forward(..., save_kv_cache=False)``) and the overwritten slot restored
   afterwards. Draft step 1 (the draft-extend rows) is untouched; steps 2 .. see a wrong KV: "draft KV written to
-  the wrong slot from step 2". Pool access through ``sglang/srt/model_executor/forward_context.py::
+  the wrong slot from step 2". ``strength`` (default 1): the share of decode rows it acts on, picked by position;
+  only in the draft's decode (``forward_batch.spec_info`` set: ``eagle_worker_v2.py::EagleDraftWorker.
+  draft_forward`` reads it; a target decoding alone, the greedy-lossless copy, has none). Pool access through ``sglang/srt/model_executor/forward_context.py::
   get_token_to_kv_pool`` / ``get_req_to_token_pool`` (the forward context every model forward publishes).
 
 Importable in SGLang's venv: torch only (SGLang itself lazily, inside the hook).
@@ -54,6 +74,8 @@ Importable in SGLang's venv: torch only (SGLang itself lazily, inside the hook).
 from __future__ import annotations
 
 import os
+import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,11 +83,49 @@ import torch
 FACTORY = "tests.support.engine_faults:factory"
 
 
-def spec(fault: str, *, strength: float, seed: int = 0) -> dict:
+def pick(position: int, seed: int, strength: float) -> bool:
+    """Whether the row at ``position`` is hit by a fault of ``strength`` (a share, 0..1) and ``seed``: a fixed hash
+    of the two, so a prompt's rows are hit the same way on every request and every TP rank (two arms of a probe see
+    the same fault)."""
+    h = (int(position) * 2654435761 + int(seed) * 40503 + 12345) % 1000003
+    return h < float(strength) * 1000003
+
+
+def wrong_id(position: int, seed: int, vocab: int, right: int) -> int:
+    """A token id other than ``right`` in ``[0, vocab)``, fixed by ``position`` and ``seed``."""
+    t = (int(position) * 7919 + int(seed) * 104729 + 17) % int(vocab)
+    return t if t != int(right) else (t + 1) % int(vocab)
+
+
+def boundary_rows(prefix_lens: list[int], seq_lens: list[int], chunk: int | None, *, strength: float,
+                  seed: int, span: int = 1) -> list[tuple[int, int]]:
+    """The ``(first flat row, rows)`` of an ``EXTEND`` batch that ``chunk_boundary_token`` corrupts: per request
+    (``prefix_lens`` tokens already in the KV, ``seq_lens`` tokens extended now, in order) that is a later chunk of a
+    chunked prefill (prefix > 0 and a multiple of ``chunk``; ``chunk`` None: any prefix > 0) and that :func:`pick`
+    of its position (the prefix length) hits, its first ``span`` rows (0: all of them)."""
+    rows, start = [], 0
+    for p, n in zip(prefix_lens, seq_lens):
+        later = p > 0 and (chunk is None or p % chunk == 0)
+        if later and n > 0 and pick(p, seed, strength):
+            rows.append((start, n if span <= 0 else min(span, n)))
+        start += n
+    return rows
+
+
+def _chunk_size() -> int | None:
+    try:
+        from sglang.srt.runtime_context import get_schedule  # lazy: only inside SGLang
+        c = get_schedule().chunked_prefill_size
+    except Exception:  # noqa: BLE001 - another SGLang: act on every later extend
+        return None
+    return int(c) if c and int(c) > 0 else 0
+
+
+def spec(fault: str, *, strength: float, seed: int = 0, **extra: Any) -> dict:
     """The ``--forward-hooks`` spec of one fault (the inner ``model`` and the logits processor of both models; the
-    hook picks its model)."""
+    hook picks its model); ``extra``: more config (``span`` of ``chunk_boundary_token``)."""
     return {"name": f"e3f-test-{fault}", "target_modules": ["model", "logits_processor"], "hook_factory": FACTORY,
-            "config": {"fault": fault, "strength": float(strength), "seed": int(seed)}}
+            "config": {"fault": fault, "strength": float(strength), "seed": int(seed), **extra}}
 
 
 def _is_draft(module: Any) -> bool:
@@ -82,7 +142,9 @@ def _is_target_logits(module: Any) -> bool:
 def factory(config: dict) -> Any:
     fault = config["fault"]
     strength = float(config.get("strength", 1.0))
-    gen = torch.Generator().manual_seed(int(config.get("seed", 0)))
+    seed = int(config.get("seed", 0))
+    span = int(config.get("span", 1))
+    gen = torch.Generator().manual_seed(seed)
 
     def draft_kv_stale(module, inputs, output):
         if not _is_draft(module) or len(inputs) < 3:
@@ -122,25 +184,55 @@ def factory(config: dict) -> Any:
         logits = getattr(output, "next_token_logits", None)
         if logits is None or logits.dim() != 2:
             return None
+        pos = getattr(inputs[3], "positions", None)
         with torch.no_grad():
             top = torch.topk(logits, 2, dim=-1).indices
-            rows = torch.nonzero(torch.rand(logits.shape[0], generator=gen) < strength).flatten()
+            if pos is not None and pos.shape[0] == logits.shape[0]:
+                rows = torch.tensor([r for r, q in enumerate(pos.tolist()) if pick(q, seed, strength)],
+                                    dtype=torch.long)
+            else:
+                rows = torch.nonzero(torch.rand(logits.shape[0], generator=gen) < strength).flatten()
             for r in rows.tolist():
                 a, b = int(top[r, 0]), int(top[r, 1])
                 va, vb = logits[r, a].clone(), logits[r, b].clone()
                 logits[r, a], logits[r, b] = vb, va
         return None
 
-    return {"draft_kv_stale": draft_kv_stale, "verify_swap": verify_swap}[fault]
+    def chunk_boundary_token(module, inputs, output):
+        if not _is_draft(module) or len(inputs) < 3:
+            return None
+        ids, positions, fb = inputs[:3]
+        if getattr(getattr(fb, "forward_mode", None), "name", None) != "EXTEND":
+            return None
+        prefix, lens = getattr(fb, "extend_prefix_lens", None), getattr(fb, "extend_seq_lens", None)
+        if prefix is None or lens is None or int(prefix.max()) <= 0:
+            return None
+        chunk = _chunk_size()
+        if chunk == 0:                                    # no chunked prefill on this server
+            return None
+        rows = boundary_rows(prefix.tolist(), lens.tolist(), chunk, strength=strength, seed=seed, span=span)
+        if not rows:
+            return None
+        vocab = int(getattr(module.embed_tokens, "org_vocab_size", None) or module.embed_tokens.num_embeddings)
+        bad = ids.clone()
+        for r, k in rows:
+            bad[r + 1:r + k] = ids[r:r + k - 1]               # the id one position early: the shift lost
+            bad[r] = wrong_id(int(positions[r]), seed, vocab, int(ids[r]))
+        with torch.no_grad():
+            return module.forward(bad, positions, fb, *inputs[3:])
+
+    return {"draft_kv_stale": draft_kv_stale, "verify_swap": verify_swap,
+            "chunk_boundary_token": chunk_boundary_token}[fault]
 
 
 _STATE: dict = {"requests": 0, "fc": None, "scaled": False}
 
 
 def scaled_weights_factory(config: dict) -> Any:
-    """``config``: ``mode`` (``count`` | ``fc``), ``arm`` (file path), ``after_requests`` (N), ``scale``."""
+    """``config``: ``mode`` (``count`` | ``fc``), ``arm`` (file path; None: counting from the start),
+    ``after_requests`` (N), ``scale``."""
     mode = config.get("mode", "count")
-    arm = config["arm"]
+    arm = config.get("arm")
     after = int(config.get("after_requests", 1))
     scale = float(config.get("scale", 0.25))
 
@@ -150,7 +242,7 @@ def scaled_weights_factory(config: dict) -> Any:
 
     def count_hook(module, inputs, output):
         archs = getattr(getattr(module, "config", None), "architectures", None) or []
-        if not any("Eagle" in a for a in archs) or not os.path.exists(arm):
+        if not any("Eagle" in a for a in archs) or (arm is not None and not os.path.exists(arm)):
             return None
         fb = inputs[3] if len(inputs) > 3 else None
         if getattr(getattr(fb, "forward_mode", None), "name", None) != "EXTEND":
@@ -167,14 +259,17 @@ def scaled_weights_factory(config: dict) -> Any:
 
 
 def kv_wrong_slot_factory(config: dict) -> Any:
-    """``config``: ``arm`` (file path; the fault acts only while it exists)."""
-    arm = config["arm"]
+    """``config``: ``arm`` (file path; the fault acts only while it exists; None: always), ``strength`` (the share
+    of decode rows, :func:`pick` of the position; default 1), ``seed``."""
+    arm = config.get("arm")
+    strength, seed = float(config.get("strength", 1.0)), int(config.get("seed", 0))
 
     def hook(module, inputs, output):
-        if len(inputs) < 4 or not os.path.exists(arm):
+        if len(inputs) < 4 or (arm is not None and not os.path.exists(arm)):
             return None
         q, k, v, fb = inputs[:4]
-        if getattr(getattr(fb, "forward_mode", None), "name", None) != "DECODE":
+        if getattr(getattr(fb, "forward_mode", None), "name", None) != "DECODE" or \
+                getattr(fb, "spec_info", None) is None:           # the draft's decode steps only
             return None
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
@@ -187,6 +282,11 @@ def kv_wrong_slot_factory(config: dict) -> Any:
         req = fb.req_pool_indices.long().repeat_interleave(per)
         prev = (fb.positions.long() - 1).clamp(min=0)
         wrong = r2t[req, prev].long()
+        if strength < 1.0:
+            hit = torch.tensor([pick(q, seed, strength) for q in fb.positions.tolist()], dtype=torch.bool)
+            if not bool(hit.any()):
+                return None
+            loc, wrong = loc[hit], wrong[hit]
         with torch.no_grad():
             old_k, old_v = kb[wrong].clone(), vb[wrong].clone()
             kb[wrong], vb[wrong] = kb[loc], vb[loc]
@@ -208,3 +308,131 @@ def specs(folder: str, *, after_requests: int = 2, scale: float = 0.25) -> tuple
               "config": {"mode": "count", "arm": w, "after_requests": after_requests, "scale": scale}},
              {"name": "test-kv-slot", "target_modules": ["model.layers.0.self_attn.attn"],
               "hook_factory": fac + "kv_wrong_slot_factory", "config": {"arm": kv}}], w, kv)
+
+
+# ------------------------------------------------------------------------------------------ the fault generator
+#: generated class -> the finding the engine-state probes must name for it (None: no finding, every probe clear)
+#: and the probes whose mechanism it is (``helpers.investigation.probes``: cache.py, trace.py, lossless.py)
+EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "clean": (None, ()),
+    "draft_kv_stale": ("cache_state_loses_acceptance", ("radix_hit", "chunked_prefill")),
+    "chunk_boundary_token": ("cache_state_loses_acceptance", ("chunked_prefill",)),
+    "kv_wrong_slot": ("draft_kv_diverges", ("step_trace", "served_draft")),
+    "draft_decay": ("served_draft_differs", ("served_draft", "step_trace")),
+    "verify_swap": ("speculation_not_lossless", ("greedy_lossless",)),
+}
+#: classes reserved for a fault that lands elsewhere, with where: drawn only once listed in :data:`EXPECTED` (the
+#: sampled-token verification at T > 0 of ``tests/support/verify_faults.py``, another developer's)
+PENDING = {"sampled_verify": "tests/support/verify_faults.py (verification against a sampled token at T > 0)"}
+CLASSES = tuple(EXPECTED)
+FAULTS = tuple(c for c in CLASSES if c != "clean")
+#: class -> (strong range, weak range) of its strength: the share of slots / boundaries / rows it hits; for
+#: ``draft_decay`` the factor the draft's fc is scaled by (weak: near 1)
+STRENGTH = {"draft_kv_stale": ((0.3, 1.0), (0.005, 0.02)),
+            "chunk_boundary_token": ((0.6, 1.0), (0.05, 0.15)),
+            "kv_wrong_slot": ((0.3, 1.0), (0.01, 0.05)),
+            "draft_decay": ((0.1, 0.5), (0.97, 0.995)),
+            "verify_swap": ((0.1, 0.3), (0.005, 0.01))}
+#: ``draft_decay``: the draft's weights are scaled once more than N draft prefills have run, N in this range (the
+#: probes' first requests: repeatable sends 2, served_draft 1, step_trace one per live prompt)
+DECAY_AFTER = (0, 6)
+#: ``chunk_boundary_token``: tier -> rows from the boundary (0: the whole later chunk, the shift lost at the border;
+#: 1: its first row alone, which on the reference pair cost 0.08 [-0.01, 0.19] tokens per verify step at strength
+#: 0.68 on 16 prompts, 7-token chunks: below the material threshold, bench/RESULTS.md)
+SPAN = {"strong": 0, "weak": 1}
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    """One generated engine-state fault: ``cls`` (:data:`CLASSES`), ``tier`` (``strong`` / ``weak`` / ``-`` for
+    clean), ``strength`` (see :data:`STRENGTH`), ``seed`` (the hook's), ``after`` (``draft_decay``: N requests),
+    ``span`` (``chunk_boundary_token``: rows from the boundary, 0 the whole chunk: :data:`SPAN`)."""
+
+    cls: str
+    tier: str = "-"
+    strength: float = 0.0
+    seed: int = 0
+    after: int = 0
+    span: int = 1
+
+    @property
+    def expected(self) -> str | None:
+        """The finding kind the probes must name (None: ``ok``)."""
+        return EXPECTED[self.cls][0]
+
+    @property
+    def label(self) -> str:
+        if self.cls == "clean":
+            return f"clean (seed {self.seed})"
+        extra = f" after {self.after}" if self.cls == "draft_decay" else \
+            (f" span {self.span or 'chunk'}" if self.cls == "chunk_boundary_token" else "")
+        return f"{self.cls} {self.tier} {self.strength:g}{extra}"
+
+    def to_json(self) -> dict:
+        return {"cls": self.cls, "tier": self.tier, "strength": self.strength, "seed": self.seed,
+                "after": self.after, "span": self.span, "expected": self.expected, "label": self.label}
+
+    def hook_specs(self) -> list[dict]:
+        """SGLang ``--forward-hooks`` specs of the fault (none for clean)."""
+        fac = "tests.support.engine_faults:"
+        if self.cls == "clean":
+            return []
+        if self.cls == "draft_decay":
+            return [{"name": "e3f-test-decay-fc", "target_modules": ["model.fc"],
+                     "hook_factory": fac + "scaled_weights_factory", "config": {"mode": "fc", "arm": None}},
+                    {"name": "e3f-test-decay-count", "target_modules": ["logits_processor"],
+                     "hook_factory": fac + "scaled_weights_factory",
+                     "config": {"mode": "count", "arm": None, "after_requests": self.after, "scale": self.strength}}]
+        if self.cls == "kv_wrong_slot":
+            return [{"name": "e3f-test-kv-wrong-slot", "target_modules": ["model.layers.0.self_attn.attn"],
+                     "hook_factory": fac + "kv_wrong_slot_factory",
+                     "config": {"arm": None, "strength": self.strength, "seed": self.seed}}]
+        if self.cls == "chunk_boundary_token":
+            return [spec(self.cls, strength=self.strength, seed=self.seed, span=self.span)]
+        return [spec(self.cls, strength=self.strength, seed=self.seed)]
+
+
+def draw(seed: int, cls: str, tier: str = "strong") -> EngineFault:
+    """One fault of ``cls`` drawn from ``seed``: its strength uniform in the tier's range, the hook's seed, N for a
+    decay. Raises ValueError for a class unknown (or pending: :data:`PENDING`) or a tier not ``strong`` / ``weak``."""
+    if cls in PENDING:
+        raise ValueError(f"fault class {cls!r} is not available yet: {PENDING[cls]}")
+    if cls not in EXPECTED:
+        raise ValueError(f"unknown engine fault class {cls!r}; expected one of {', '.join(CLASSES)}")
+    r = random.Random(seed)
+    if cls == "clean":
+        return EngineFault("clean", "-", 0.0, r.randrange(1 << 16))
+    if tier not in ("strong", "weak"):
+        raise ValueError(f"unknown tier {tier!r}; expected strong or weak")
+    lo, hi = STRENGTH[cls][0 if tier == "strong" else 1]
+    s = round(r.uniform(lo, hi), 3)
+    after = r.randint(*DECAY_AFTER) if cls == "draft_decay" else 0
+    return EngineFault(cls, tier, s, r.randrange(1 << 16), after, SPAN[tier] if cls == "chunk_boundary_token" else 1)
+
+
+def draws(n: int, seed: int = 0, *, clean: int = 3, classes=FAULTS) -> list[EngineFault]:
+    """``n`` cases from ``seed``: ``clean`` clean servers first (each its own seed), then the fault ``classes`` in a
+    shuffled turn (every class once ``n >= clean + len(classes)``), the first turn strong, the second weak (a weak
+    strength should come out ``undecided``, ``ok`` or its own class, never another), and so on."""
+    r = random.Random(seed)
+    out = [draw(r.randrange(1 << 31), "clean") for _ in range(min(clean, n))]
+    order = list(classes)
+    r.shuffle(order)
+    for i in range(n - len(out)):
+        tier = "strong" if (i // len(order)) % 2 == 0 else "weak"
+        out.append(draw(r.randrange(1 << 31), order[i % len(order)], tier))
+    return out
+
+
+def named(probes: list[dict]) -> str:
+    """What the engine-state probes (``run_probes(...)["probes"]``) name together: the finding kinds of the probes
+    that count (``+``-joined when several), else ``failed`` when a probe failed, ``undecided`` when one is undecided,
+    ``ok`` when every decision is clear."""
+    kinds = sorted({f["kind"] for p in probes for f in p.get("findings") or []})
+    if kinds:
+        return "+".join(kinds)
+    if any(p.get("status") == "failed" for p in probes):
+        return "failed"
+    if any(p.get("decision") == "undecided" for p in probes):
+        return "undecided"
+    return "ok"
