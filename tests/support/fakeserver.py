@@ -323,6 +323,18 @@ class Handler(BaseHTTPRequestHandler):
         self._json(generate_answer(body, self.mode))
 
 
+def send_json(handler, status: int, body) -> None:
+    """Answer ``handler``'s request (a ``BaseHTTPRequestHandler``) with ``status`` and ``body`` (a str sent as is,
+    else JSON), content-type application/json, its length."""
+    import json as _json
+    data = body.encode() if isinstance(body, str) else _json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -112,16 +112,13 @@ class FakeVLLM:
         """The ``BaseHTTPRequestHandler`` class serving this fake (``support.fakeserver.in_thread(fake.handler())``)."""
         import json
         from http.server import BaseHTTPRequestHandler
+
+        from support.fakeserver import send_json
         fake = self
 
         class H(BaseHTTPRequestHandler):
             def _send(self, status, body):
-                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, body)
 
             def do_GET(self):  # noqa: N802
                 models = {"object": "list", "data": [{"id": "/m/target", "object": "model", "owned_by": "vllm",

@@ -13,7 +13,7 @@ import pytest
 from helpers.__main__ import main
 from helpers.engines.detect import detect, detect_or, supported_text
 from helpers.errors import BadInput, SGLangError
-from support.fakeserver import free_port, in_thread
+from support.fakeserver import free_port, in_thread, send_json
 from support.vllm_answers import METRICS_1
 
 #: what the embedded vLLM 0.32.0 server answered (GET /version, GET /v1/models), trimmed
@@ -29,13 +29,7 @@ def serve(routes: dict[str, tuple[int, object]]):
 
     class H(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            status, body = routes.get(self.path.split("?")[0], (404, {"detail": "Not Found"}))
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, *routes.get(self.path.split("?")[0], (404, {"detail": "Not Found"})))
 
         def log_message(self, *a):
             pass

@@ -17,7 +17,7 @@ import pytest
 from helpers.acceptance.measure import measure
 from helpers.engines.vllm import VLLMClient
 from helpers.errors import EndpointMissing, SGLangError
-from support.fakeserver import free_port
+from support.fakeserver import free_port, send_json
 from support.vllm_answers import METRICS_1
 
 MODELS = {"object": "list", "data": [{"id": "/m/target", "object": "model", "owned_by": "vllm", "root": "/m/target",
@@ -52,12 +52,7 @@ def vllm_server(*, extension: bool = True, answer: dict = ANSWER, dev: bool = Tr
 
     class H(BaseHTTPRequestHandler):
         def _send(self, status, body):
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, status, body)
 
         def do_GET(self):  # noqa: N802
             path = self.path.split("?")[0]
