@@ -188,7 +188,7 @@ def test_watch_reads_the_real_counters(server, tmp_path):
     from helpers.acceptance.watch import LOG_NAME, read_log
 
     assert main(["watch", "--url", server.url, "--interval", "0.5", "--samples", "3", "--probe-tokens", "8",
-                 "--probe-timeout", "120", "--outputs", str(tmp_path), "--quiet"]) == 0
+                 "--probe-timeout", "120", "--no-events", "--outputs", str(tmp_path), "--quiet"]) == 0
     (run,) = tmp_path.iterdir()
     samples = [r for r in read_log(run / LOG_NAME).records if r["kind"] == "sample"]
     assert len(samples) == 3
