@@ -26,6 +26,7 @@ draft checkpoint and the target's embedding on this machine (:meth:`helpers.draf
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 from ...acceptance.lifecycle import FIXED_NEW_TOKENS, FIXED_PROMPT
@@ -77,8 +78,12 @@ def traced(ctx: ProbeContext, prompts: list, max_new_tokens: int, tag: str) -> d
     Raises:
         BadInput: the server wrote no trace for them (the folder is not the one it writes to)."""
     folder = ctx.folder(f"{tag}-requests")
-    seqs, records = ctx.adapter.trace_requests(ctx.client, prompts, max_new_tokens=max_new_tokens, tag=tag,
-                                               folder=folder)
+    try:
+        seqs, records = ctx.adapter.trace_requests(ctx.client, prompts, max_new_tokens=max_new_tokens, tag=tag,
+                                                   folder=folder)
+    finally:
+        with contextlib.suppress(OSError):
+            folder.rmdir()                 # this call's own new folder, left only when the engine wrote into it
     out = compare_trace(checkpoint_draft(ctx), seqs, records)
     out["prompt_ids"] = {s.key: str(q.id) for s, q in zip(seqs, prompts)}
     return out
