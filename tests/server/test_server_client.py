@@ -138,18 +138,22 @@ def test_flush_cache_waits_until_idle(client, server):
 
     def long_request():
         with SGLangClient(server.url, api_key=KEY) as c2:
-            c2.generate(input_ids=list(range(5, 40)), max_new_tokens=48,
+            c2.generate(input_ids=list(range(5, 40)), max_new_tokens=400,
                         sampling_params={"ignore_eos": True})
         done["t"] = time.monotonic()
 
     th = threading.Thread(target=long_request)
     th.start()
-    time.sleep(0.5)  # the request is running now (48 tokens take seconds on CPU)
+    deadline = time.monotonic() + 60
+    while not (client.metric_value("sglang:num_running_reqs") or 0) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the server says the request is running (no guess at how long 400 tokens take)
+    assert th.is_alive(), "the 400-token request ended before the flush could be tried"
+    started = time.monotonic()
     waited = client.flush_cache(timeout=300, poll=0.1)
     flushed_at = time.monotonic()
     th.join(timeout=300)
     assert "t" in done and done["t"] <= flushed_at + 0.5  # flushed only once idle
-    assert waited > 0.2
+    assert waited >= done["t"] - started - 0.5  # it waited for the running request, not a fixed time
 
 
 def test_api_key_never_reaches_any_written_file(server, tmp_path, monkeypatch):
