@@ -177,6 +177,30 @@ def check_start_flags(args: argparse.Namespace) -> None:
     if not (args.timeout > 0 and args.timeout != float("inf")):
         raise BadServerInput(f"--timeout must be a finite number of seconds above 0, got {args.timeout}")
     parse_ports(args.port, what="--port")
+    for flag, attr in (("--trace-draft", "trace_draft"), ("--capture-ranks", "capture_ranks"),
+                       ("--capture-layers", "capture_layers")):
+        if getattr(args, attr, None):
+            setattr(args, attr, str(hook_folder(getattr(args, attr), flag)))
+
+
+def hook_folder(path: str, flag: str) -> Path:
+    """The folder a server hook writes into (``--trace-draft``, ``--capture-ranks``, ``--capture-layers``), made
+    here before any server starts and returned absolute: the hooks run in the server's processes, which write it only
+    once armed, and the probes read it on this machine (a folder that did not exist yet was reported "not readable on
+    this machine" by the trace probes; a relative one would be read against the server's working directory).
+
+    Raises:
+        BadServerInput: one line naming the flag when the path is a file, or cannot be made or written (exit 2)."""
+    p = Path(path).expanduser().absolute()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise BadServerInput(f"{flag} {path}: not a folder (a file of that name exists); name a folder") from None
+    except OSError as exc:
+        raise BadServerInput(f"{flag} {path}: the folder cannot be made ({exc.strerror or exc})") from None
+    if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
+        raise BadServerInput(f"{flag} {path}: not a writable folder (the server's hook writes its files there)")
+    return p
 
 
 def refuse_existing_state(state: Path, *, out_too: bool) -> None:

@@ -64,6 +64,27 @@ def test_flags_are_checked_before_any_server_starts(engine, flags, named, tmp_pa
     assert no_launch == []
 
 
+@pytest.mark.parametrize("flag", ["--trace-draft", "--capture-ranks", "--capture-layers"])
+def test_a_hook_folder_is_made_before_the_start_or_refused_in_one_line(flag, tmp_path, capsys, no_launch,
+                                                                       monkeypatch):
+    """The hook folders are made (absolute) before any server starts: a trace folder that did not exist yet made the
+    trace probes say "not readable on this machine" on a server started with it; a file in its place is refused."""
+    target = _target(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    rc = main(["server", "start", "--target", str(target), flag, str(blocker)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"server: error: {flag} {blocker}: not a folder"), err
+    rc = main(["server", "start", "--target", str(target), flag, str(blocker / "below")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and flag in err[0], err
+    monkeypatch.chdir(tmp_path)
+    main(["server", "start", "--target", str(target), flag, "new/nested"])      # the launch itself is refused here
+    capsys.readouterr()
+    assert (tmp_path / "new" / "nested").is_dir()
+    assert len(no_launch) == 1 and str(tmp_path / "new" / "nested") in json.dumps(no_launch, default=str)
+
+
 def test_vllm_tp_0_no_longer_divides_by_zero(tmp_path, capsys, no_launch):
     assert main(["server", "start", "--engine", "vllm", "--target", str(_target(tmp_path)), "--tp", "0"]) == 2
     assert "ZeroDivisionError" not in capsys.readouterr().err
