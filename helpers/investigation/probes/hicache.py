@@ -108,6 +108,28 @@ def fillers(outputs: list[list[int]], total: int, length: int) -> list[list[int]
     return out
 
 
+def evict_and_resend(client: Any, adapter: Any, prompts: list, fill: list[list[int]], max_new_tokens: int
+                     ) -> pd.DataFrame:
+    """The host arm on one server: the prefix cache flushed once, each prompt (:class:`helpers.acceptance.prompts.
+    Prompt`) sent for one token (its KV enters the cache), the filler prompts ``fill`` (token-id lists,
+    :func:`fillers`) sent for one token each (their KV evicts the prompts' from the device pool), then each prompt sent
+    again greedy for ``max_new_tokens`` tokens. Returns the resends' per-request frame
+    (:data:`helpers.acceptance.requests.PER_REQUEST_COLUMNS` + ``host_cached_tokens``: :func:`host_tokens`).
+    Raises what the filler requests raise (:class:`helpers.errors.ServerError`); a prompt's own failure is its
+    ``error`` column (:func:`helpers.investigation.probes.base.send_greedy`)."""
+    client.flush_cache()
+    for i, p in enumerate(prompts):
+        send_greedy(client, adapter, i, p, 1)
+    for ids in fill:
+        client.generate(input_ids=ids, sampling_params={"temperature": 0.0}, max_new_tokens=1)
+    rows = []
+    for i, p in enumerate(prompts):
+        row, _, res = send_greedy(client, adapter, i, p, max_new_tokens)
+        row["host_cached_tokens"] = host_tokens(res)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def _applies(ctx: ProbeContext) -> Optional[str]:
     info = ctx.client.server_info()
     off = ctx.adapter.prefix_cache_off(info)
@@ -139,17 +161,7 @@ def _run(ctx: ProbeContext) -> ProbeResult:
     def host_arm(sub: ProbeContext) -> None:
         sub.progress(f"engine state: host tier: {len(sub.prompts)} prompts cached, {len(fill)} fillers "
                      f"({sz['filler']} tokens) to evict them from a {sz['device']}-token device pool, then resent")
-        sub.client.flush_cache()
-        for i, p in enumerate(sub.prompts):
-            send_greedy(sub.client, sub.adapter, i, p, 1)          # the prompt's KV enters the cache (and host)
-        for ids in fill:
-            sub.client.generate(input_ids=ids, sampling_params={"temperature": 0.0}, max_new_tokens=1)
-        rows, hosts = [], []
-        for i, p in enumerate(sub.prompts):
-            row, _, res = send_greedy(sub.client, sub.adapter, i, p, sub.max_new_tokens)
-            row["host_cached_tokens"] = host_tokens(res)
-            rows.append(row)
-        got["frame"] = pd.DataFrame(rows)
+        got["frame"] = evict_and_resend(sub.client, sub.adapter, sub.prompts, fill, sub.max_new_tokens)
 
     cold = on_copy(ctx, folder, flags=launch.get("flags"), env=launch.get("env") or None,
                    what="the host-tier (hierarchical cache) copy (--engine-probes all)", then=host_arm)
