@@ -443,9 +443,9 @@ class SGLangAdapter(EngineAdapter):
                           ) -> tuple[Optional[dict], Optional[str]]:
         """SGLang 0.5.23's hierarchical cache (HiCache): ``--enable-hierarchical-cache`` (``sglang/srt/arg_groups/
         fields/memory.py``), ``--max-total-tokens device_tokens`` (the device KV pool) and ``--hicache-ratio`` (the host
-        pool as a multiple of the device pool, at least SGLang's default 2.0, ``UnifiedRadixCache.init_hicache``;
-        ``--hicache-size 0`` so that a size in GB the server set does not override it);
-        the server's own ``--hicache-*`` settings are kept. Refused (``(None, why)``) on a server without a prefix
+        pool as a multiple of the device pool, at least SGLang's default 2.0, ``fields/memory.py::hicache_ratio``;
+        ``--hicache-size 0`` so that a size in GB the server set does not override it); the server's own other
+        ``--hicache-*`` settings are kept. Refused (``(None, why)``) on a server without a prefix
         cache (``--disable-radix-cache`` and ``--enable-hierarchical-cache`` are mutually exclusive:
         ``sglang/srt/arg_groups/kv_cache_hook.py``) and on a CPU server, where HiCache cannot start: the host pool
         pins its buffer through CUDA (``sglang/srt/mem_cache/pool_host/common.py::alloc_with_host_register`` ->

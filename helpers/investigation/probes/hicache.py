@@ -26,8 +26,11 @@ What SGLang 0.5.23 does (read in the installed package):
 * ``--enable-hierarchical-cache`` (``sglang/srt/arg_groups/fields/memory.py``) makes the tree cache a
   ``UnifiedRadixCache`` with a HiCache controller (``sglang/srt/mem_cache/registry.py::create_unified_radix_cache`` ->
   ``unified_radix_cache.py::UnifiedRadixCache.init_hicache``); the host pool is ``--hicache-ratio`` x the device pool
-  (default 2.0) or ``--hicache-size`` GB; ``--hicache-write-policy write_through`` (default) backs a node up to host
-  once it is inserted (``write_through_threshold`` 1).
+  (default 2.0) or ``--hicache-size`` GB, and it must fit the host's free memory less a 10 GiB reserve
+  (``sglang/srt/mem_cache/pool_host/base.py::host_memory_budget_bytes``, else the copy fails to start);
+  ``--hicache-write-policy write_through`` (default) backs a node up to host once it is inserted
+  (``write_through_threshold`` 1: ``sglang/srt/mem_cache/unified_cache/unified_tree_core.py::UnifiedTreeCore.
+  _inc_hit_count_and_check``).
 * Device eviction (``UnifiedRadixCache._evict_components``, reached from ``evict_for_alloc`` when a new request needs
   device slots) demotes a node already backed up on host (``_demote``: device slots freed, host copy kept;
   ``write_back`` backs it up first, ``_execute_and_commit_kv_backup``). There is no endpoint that evicts the device
