@@ -122,7 +122,7 @@ class LogCopies:
     def integrity_launch(self, switch):
         return self._sg.integrity_launch(switch)
 
-    def host_cache_launch(self, info, **kw):           # the host-tier probe: tests/unit/investigation/test_hicache_probe.py
+    def host_cache_launch(self, info, **kw):           # the host-tier probe: test_hicache_probe.py
         return None, "not measured by these tests"
 
     def integrity_refusal(self, switch, info):

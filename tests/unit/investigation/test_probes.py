@@ -323,8 +323,8 @@ def test_a_cache_fault_counts_in_the_cache_part_and_nowhere_else(tmp_path):
     assert list(parts) == [COLD, *ENGINE_PARTS]
     assert parts[COLD]["decision"] == "clear"                       # the cold comparison, before the probe joined
     cache = parts["cache state"]
-    assert cache["decision"] == "counts" and cache["probes"] == ["radix_hit", "chunked_prefill", "hicache_hit", "kv_canary",
-                                                                   "invariant_check"]
+    assert cache["decision"] == "counts"
+    assert cache["probes"] == ["radix_hit", "chunked_prefill", "hicache_hit", "kv_canary", "invariant_check"]
     assert cache["delta"] == out["losses"]["engine"]["delta"] > 1.0 and cache["ci"][0] > 0
     # nothing ran for the others: not measured, each saying why (no trace hooks, not asked for, no restart)
     for name in ("verification", "draft computation", "served weights"):
@@ -349,8 +349,8 @@ def test_clean_cache_is_clear_and_the_ladder_and_losses_show_every_part(tmp_path
     assert lad["stage"].tolist().index("engine: verification") == lad["stage"].tolist().index("live") + 1
     lf = losses_frame(out)
     assert set(lf["stage"]) >= {f"engine: {p}" for p in ENGINE_PARTS}
-    assert lf.set_index("stage").loc["engine: cache state", "basis"] == ("radix_hit, chunked_prefill, hicache_hit, kv_canary, "
-                                                                          "invariant_check")
+    basis = lf.set_index("stage").loc["engine: cache state", "basis"]
+    assert basis == "radix_hit, chunked_prefill, hicache_hit, kv_canary, invariant_check"
 
 
 def test_a_part_is_undecided_from_an_undecided_probe_and_a_failed_probe_is_not_evidence():
