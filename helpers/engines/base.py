@@ -278,6 +278,15 @@ class EngineAdapter(ABC):
         its prefix cache (tokens), or None when this tool has not read the engine's hit granularity."""
         return None
 
+    def host_cache_launch(self, info: dict, *, device_tokens: int, host_tokens: int
+                          ) -> tuple[Optional[dict], Optional[str]]:
+        """The launch of a restarted copy of this server (``info``: its ``server_info``) whose prefix cache has a
+        host-memory tier (the engine-state probe ``hicache_hit``): a device KV pool of ``device_tokens`` tokens and a
+        host pool of at least ``host_tokens`` tokens. Returns ``({"flags": {flag: value or None}, "env": {...}},
+        None)``, or ``(None, why)`` when this engine or this server has no such tier this tool can start (the probe is
+        skipped with ``why``)."""
+        return None, f"{self.label}: this tool has not read a host-memory tier of its prefix cache"
+
     def top_logprobs_fields(self, n: int) -> Optional[dict]:
         """The request fields (``client.generate(extra=...)``) that make an answer carry the ``n`` best
         log-probabilities of each output position as SGLang's ``meta_info.output_top_logprobs`` (per position a list

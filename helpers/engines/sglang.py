@@ -439,6 +439,31 @@ class SGLangAdapter(EngineAdapter):
         return ("the server runs without a prefix cache (--disable-radix-cache): no hit to probe"
                 if info.get("disable_radix_cache") else None)
 
+    def host_cache_launch(self, info: dict, *, device_tokens: int, host_tokens: int
+                          ) -> tuple[Optional[dict], Optional[str]]:
+        """SGLang 0.5.23's hierarchical cache (HiCache): ``--enable-hierarchical-cache`` (``sglang/srt/arg_groups/
+        fields/memory.py``), ``--max-total-tokens device_tokens`` (the device KV pool) and ``--hicache-ratio`` (the host
+        pool as a multiple of the device pool, at least SGLang's default 2.0, ``fields/memory.py::hicache_ratio``;
+        ``--hicache-size 0`` so that a size in GB the server set does not override it); the server's own other
+        ``--hicache-*`` settings are kept. Refused (``(None, why)``) on a server without a prefix
+        cache (``--disable-radix-cache`` and ``--enable-hierarchical-cache`` are mutually exclusive:
+        ``sglang/srt/arg_groups/kv_cache_hook.py``) and on a CPU server, where HiCache cannot start: the host pool
+        pins its buffer through CUDA (``sglang/srt/mem_cache/pool_host/common.py::alloc_with_host_register`` ->
+        ``_cuda_host_register`` -> ``torch.cuda.cudart()``; ``MHATokenToKVPoolHost`` is built with
+        ``pin_memory=True``) and the host<->device transfer ops ``transfer_kv_*`` are bound only on CUDA / ROCm
+        (``sgl_kernel.kvcacheio``) and XPU (``sglang/srt/mem_cache/pool_host/mha.py``, module level)."""
+        if info.get("disable_radix_cache"):
+            return None, ("the server runs without a prefix cache (--disable-radix-cache), which SGLang refuses "
+                          "with --enable-hierarchical-cache (sglang/srt/arg_groups/kv_cache_hook.py)")
+        if str(info.get("device") or "").lower() == "cpu":
+            return None, ("SGLang's hierarchical cache cannot start on a CPU server (device cpu): its host pool pins "
+                          "memory through CUDA (sglang/srt/mem_cache/pool_host/common.py::alloc_with_host_register -> "
+                          "_cuda_host_register: torch.cuda.cudart()) and its host<->device transfer ops are bound "
+                          "only on CUDA, ROCm and XPU (sglang/srt/mem_cache/pool_host/mha.py)")
+        ratio = max(2.0, -(-int(host_tokens) // max(1, int(device_tokens))))
+        return {"flags": {"--enable-hierarchical-cache": None, "--max-total-tokens": str(int(device_tokens)),
+                          "--hicache-ratio": f"{ratio:g}", "--hicache-size": "0"}, "env": {}}, None
+
     def top_logprobs_fields(self, n: int) -> Optional[dict]:
         """``return_logprob`` + ``top_logprobs_num`` (``meta_info.output_top_logprobs``, entries ``[logprob,
         token_id, text]``: ``sglang/srt/managers/tokenizer_manager.py::TokenizerManager.convert_logprob_style``)."""

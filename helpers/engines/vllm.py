@@ -569,6 +569,16 @@ class VLLMAdapter(EngineAdapter):
         return ("the server runs without a prefix cache (--no-enable-prefix-caching): no hit to probe"
                 if info.get("enable_prefix_caching") is False else None)
 
+    def host_cache_launch(self, info: dict, *, device_tokens: int, host_tokens: int
+                          ) -> tuple[Optional[dict], Optional[str]]:
+        """None: vLLM 0.32.0 offloads KV to CPU memory through a KV connector (``--kv-offloading-size`` GiB,
+        ``--kv-offloading-backend native|lmcache``: ``config/cache.py::CacheConfig.kv_offloading_size``), but this tool
+        has not read how a copy forces the eviction and whether an answer says which prompt tokens came back from CPU
+        memory (the probe's proof), so the probe ``hicache_hit`` is not built for it."""
+        return None, ("the host-tier probe is not built for vLLM: its CPU KV offloading (--kv-offloading-size, "
+                      "config/cache.py::CacheConfig.kv_offloading_size) was not read by this tool, nor whether an "
+                      "answer says which prompt tokens came back from CPU memory")
+
     def prefix_hit_tokens(self, info: dict, prompt_tokens: int) -> Optional[int]:
         """A resent prompt of n tokens hits whole units of A tokens (``cache_hit_alignment_tokens``, else
         ``block_size``: 128 by default on the CPU backend, ``platforms/cpu.py::CpuPlatform.check_and_update_config``)

@@ -28,6 +28,7 @@ from ...errors import BadInput, ServerError, ServerTimeout
 from ...runfiles import jsonable
 from .base import CHOICES, ENGINE_PARTS, Probe, ProbeContext, ProbeResult, paired_condition_loss
 from .cache import CHUNKED_PREFILL, RADIX_HIT
+from .hicache import HICACHE_HIT
 from .integrity import INVARIANT_CHECK, KV_CANARY
 from .lossless import GREEDY_LOSSLESS
 from .oracle import ORACLE
@@ -38,7 +39,7 @@ from .trace import SERVED_DRAFT, STEP_TRACE
 
 #: every probe, in the order they run (cheap first)
 PROBES: tuple[Probe, ...] = (REPEATABLE, SERVED_DRAFT, STEP_TRACE, RADIX_HIT, SAMPLED_VERIFY, CHUNKED_PREFILL,
-                               GREEDY_LOSSLESS, ORACLE, KV_CANARY, INVARIANT_CHECK)
+                               HICACHE_HIT, GREEDY_LOSSLESS, ORACLE, KV_CANARY, INVARIANT_CHECK)
 
 
 def probes() -> tuple[Probe, ...]:

@@ -29,7 +29,8 @@ ENGINE_PARTS: dict[str, str] = {
     "draft computation": "does the served draft compute what its checkpoint computes on the states the server fed, "
                          "step by step?",
     "served weights": "are the served draft's weights its checkpoint's?",
-    "cache state": "does the draft accept as well with the prompt's prefix cached, or prefilled in chunks, as cold, and "
+    "cache state": "does the draft accept as well with the prompt's prefix cached (on the device or loaded back from "
+                   "host memory), or prefilled in chunks, as cold, and "
                    "do the engine's own KV integrity checks stay silent?",
 }
 

@@ -68,6 +68,10 @@ SGLANG_LIKE = {"prefix_cache_off": SGLangAdapter().prefix_cache_off, "prefix_hit
                "trace_unavailable": SGLangAdapter().trace_unavailable}
 
 
+def _no_host_tier(info, **kw):
+    return None, "fake: no host tier"          # the host-tier probe: tests/unit/investigation/test_hicache_probe.py
+
+
 def _prompts(n):
     return load_prompts([{"id": f"p{i}", "text": f"{i}|prompt {i}"} for i in range(n)])
 
@@ -75,7 +79,8 @@ def _prompts(n):
 def _ctx(tmp_path: Path, engine, n=12, restart=None, timeout=600.0) -> ProbeContext:
     return ProbeContext(client=engine, adapter=SimpleNamespace(chunked_prefill_flags=lambda t: None, label="fake",
                                                                oracle_flags=lambda: None, **SGLANG_LIKE,
-                                                               integrity_launch=lambda s: None),
+                                                               integrity_launch=lambda s: None,
+                                                               host_cache_launch=_no_host_tier),
                         att=SimpleNamespace(restart=restart), run_dir=tmp_path, prompts=_prompts(n),
                         max_new_tokens=25, dl=Budget(timeout))
 
@@ -139,10 +144,11 @@ def test_restart_probes_skip_with_why(tmp_path):
     st = run_probes(_ctx(tmp_path, FakeEngine(lambda i, h: 2), restart={"kind": "embedded"}, timeout=70.0), "all")
     why = {p["probe"]: p["why"] for p in st["probes"] if p["status"] == "skipped"}
     assert "chunked-prefill flag was not read" in why["chunked_prefill"]
+    assert why["hicache_hit"] == "fake: no host tier"                  # the adapter's own reason
     assert "self-drafting algorithm was not read" in why["oracle"]
     assert "left of the run" in why["greedy_lossless"]
     costs = [p.cost for p in probes()]
-    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 5     # cheap first
+    assert costs == sorted(costs, key=lambda c: c != "cheap") and costs.count("restart") == 6     # cheap first
     lines = {p["probe"]: probe_line(p) for p in st["probes"]}
     assert lines["oracle"].startswith("oracle (with a perfect draft") and "skipped: " in lines["oracle"]
     assert lines["radix_hit"].startswith("radix_hit (with the prompt's prefix in the radix cache): ")
@@ -255,6 +261,8 @@ class FakeCopies:
     def integrity_launch(self, switch):
         return None                               # the integrity probes: tests/unit/investigation/test_integrity_probes.py
 
+    host_cache_launch = staticmethod(_no_host_tier)
+
     def start_variant(self, restart, *, draft=None, keep_draft=True, flags=None, **kw):
         kind = "alone" if not keep_draft else "oracle" if (flags or {}).get("--speculative-algorithm") else "chunked"
         self.started.append((kind, dict(flags or {}), draft))
@@ -315,7 +323,8 @@ def test_a_cache_fault_counts_in_the_cache_part_and_nowhere_else(tmp_path):
     assert list(parts) == [COLD, *ENGINE_PARTS]
     assert parts[COLD]["decision"] == "clear"                       # the cold comparison, before the probe joined
     cache = parts["cache state"]
-    assert cache["decision"] == "counts" and cache["probes"] == ["radix_hit", "chunked_prefill", "kv_canary", "invariant_check"]
+    assert cache["decision"] == "counts"
+    assert cache["probes"] == ["radix_hit", "chunked_prefill", "hicache_hit", "kv_canary", "invariant_check"]
     assert cache["delta"] == out["losses"]["engine"]["delta"] > 1.0 and cache["ci"][0] > 0
     # nothing ran for the others: not measured, each saying why (no trace hooks, not asked for, no restart)
     for name in ("verification", "draft computation", "served weights"):
@@ -340,7 +349,8 @@ def test_clean_cache_is_clear_and_the_ladder_and_losses_show_every_part(tmp_path
     assert lad["stage"].tolist().index("engine: verification") == lad["stage"].tolist().index("live") + 1
     lf = losses_frame(out)
     assert set(lf["stage"]) >= {f"engine: {p}" for p in ENGINE_PARTS}
-    assert lf.set_index("stage").loc["engine: cache state", "basis"] == "radix_hit, chunked_prefill, kv_canary, invariant_check"
+    basis = lf.set_index("stage").loc["engine: cache state", "basis"]
+    assert basis == "radix_hit, chunked_prefill, hicache_hit, kv_canary, invariant_check"
 
 
 def test_a_part_is_undecided_from_an_undecided_probe_and_a_failed_probe_is_not_evidence():
