@@ -1,12 +1,18 @@
 """A recording ``--forward-hooks`` factory for ``bench/bench_oracle_floor.py``: on a server whose draft is the target
 itself (SGLang 0.5.23 ``--speculative-algorithm STANDALONE``), both models are ``LlamaForCausalLM`` and both
 ``logits_processor`` modules get this hook (``sglang/srt/model_executor/hook_manager.py::register_forward_hooks`` runs
-once per model runner). Per call it writes ``out_dir/call{n:06d}.pt`` (``n`` one order over both models;
-``torch.save`` of a dict of tensors and strings; read with ``weights_only=True``): ``mode``
-(``forward_batch.forward_mode`` name), ``spec`` (the type name of ``forward_batch.spec_info``: ``None`` for the
-target's prefill, ``EagleDraftExtendInput`` for the draft's extend, ``EagleDraftInput`` for a draft decode,
-``EagleVerifyInput`` for the target's verify), ``attn`` (the attention backend class), ``dtype`` (the logits processor's input hidden dtype), ``input_ids`` / ``positions`` int64 ``[N]``,
-``seq_lens`` int64 ``[bs]``, ``logits`` float32 ``[R, V]`` (every row the processor returned).
+once per model runner).
+
+Per call it writes ``out_dir/call{n:06d}.pt`` (``n``: one order over both models; ``torch.save`` of a dict of tensors
+and strings, read with ``weights_only=True``):
+
+* ``mode``: ``forward_batch.forward_mode`` name;
+* ``spec``: the type name of ``forward_batch.spec_info`` (``None`` for the target's prefill,
+  ``EagleDraftExtendInput`` for a draft extend, ``EagleDraftInput`` for a draft decode, ``EagleVerifyInput`` for the
+  target's verify);
+* ``attn``: the attention backend class; ``dtype``: the processor's input hidden dtype; ``model``: which model;
+* ``input_ids`` / ``positions`` int64 ``[N]``, ``seq_lens`` int64 ``[bs]``;
+* ``logits`` float32 ``[R, V]``: every row the processor returned.
 
 Bench only (torch alone; importable in SGLang's venv); written while ``out_dir`` exists, at most ``max_calls`` calls.
 """
