@@ -268,6 +268,12 @@ class EngineAdapter(ABC):
         ``oracle``: the target drafting for itself), or None when this tool has not read how this engine does it."""
         return None
 
+    def oracle_caveat(self) -> Optional[str]:
+        """Why this engine's self-drafting path is not a perfect draft by construction (the draft sees other tokens
+        than the target: the oracle's loss then includes the draft's own misses), or None when it drafts on the
+        target's own sequence. One line for the ``oracle`` probe's report."""
+        return None
+
     def prefix_cache_off(self, info: dict) -> Optional[str]:
         """Why the server (its ``server_info``, the suite's vocabulary) keeps no prefix cache, or None when it keeps
         one (the engine-state probe ``radix_hit`` is skipped with this reason)."""

@@ -431,8 +431,30 @@ class SGLangAdapter(EngineAdapter):
     def oracle_flags(self) -> Optional[dict]:
         """``--speculative-algorithm STANDALONE`` (``sglang/srt/speculative/spec_info.py::SpeculativeAlgorithm.
         STANDALONE``: any model drafts, no hidden states, the EAGLE V2 worker's verify path; the restart gives the
-        target's folder as ``--speculative-draft-model-path``)."""
-        return {"--speculative-algorithm": "STANDALONE"}
+        target's folder as ``--speculative-draft-model-path``) and ``--disable-radix-cache``: STANDALONE's draft rows
+        hold the next position's token (:meth:`oracle_caveat`) but its radix tree is keyed by single tokens
+        (``sglang/srt/mem_cache/kv_cache_builder.py``: ``is_eagle=spec_algorithm.is_eagle()``, which excludes
+        STANDALONE, so no bigram keys as for EAGLE / EAGLE3), so a prefix hit hands a request the draft row of the
+        request that cached that prefix, stale at the hit's last position (on the embedded CPU server, 12 prompts
+        sharing their first 1-6 tokens after SGLang's warm-up: 3.43 of 4.00 with the cache, 3.66 without;
+        bench/bench_oracle_floor.py). The probe's cold arm flushes the cache before each request anyway; the flag keeps
+        the oracle free of it whatever a flush leaves."""
+        return {"--speculative-algorithm": "STANDALONE", "--disable-radix-cache": None}
+
+    def oracle_caveat(self) -> Optional[str]:
+        """SGLang 0.5.23's STANDALONE draft is not the target on the same tokens: the EAGLE V2 worker feeds every draft
+        the EAGLE layout, ids rotated left by one (``sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker.
+        _draft_extend_for_prefill``: ``cat(input_ids[1:], tail_token)``; after each verify ``_draft_extend_for_decode``
+        writes the target's next tokens at the verify window's positions), so the draft row at position p holds the
+        token of p + 1 and a draft that is the target runs on the sequence without its first token (the BOS). Measured
+        on the embedded CPU server (bench/bench_oracle_floor.py): its logits equal the target's on that shorter sequence
+        to 5e-6 and differ from the target's own by up to 1.5; a chain simulated with it gives each prompt's live verify
+        steps exactly (12 of 12)."""
+        return ("SGLang's STANDALONE draft runs on the sequence rotated left by one, the target without its first "
+                "token (sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker._draft_extend_for_prefill, "
+                "_draft_extend_for_decode: the EAGLE layout, row p holds token p + 1), so it proposes other tokens "
+                "where the target's top two are close: the floor includes that draft's own misses, not verification's "
+                "and KV's alone")
 
     def prefix_cache_off(self, info: dict) -> Optional[str]:
         """``--disable-radix-cache`` (``sglang/srt/server_args.py::ServerArgs.disable_radix_cache``)."""

@@ -7,14 +7,25 @@ path as the EAGLE-3 draft; the copy keeps the server's steps, topk and draft tok
 the target proposes the target's own greedy tokens, so every verify step should accept all of them: per request the
 perfect accept length is ``completion / ceil((completion - 1) / (steps + 1))`` (the first token comes from prefill,
 the last step may be cut by ``max_new_tokens``). What the oracle accepts less than that is lost by verification and
-the KV path whatever the draft does: the engine stage's floor. A draft and target that disagree only where the two
-kernels round differently (draft decode one token at a time, verify in one extend) lose a little even so, and the
-STANDALONE path computes the draft with the target's own model class, not the EAGLE-3 draft's: on the embedded CPU
-server a clean target at steps 3 accepted 3.66 of 4.00 tokens per verify step on 12 prompts (0.32 [0.15, 0.49] lost),
-where the EAGLE-3 draft's engine stage (the draft offline on the served states against live) is an identity. So the
-oracle's loss is reported as the engine's floor with its CI (``evidence.floor``), not decided as a stage loss and not a
-finding by itself: a floor near the budget's engine loss says the loss is the engine's verification path, one far below
-it says the EAGLE-3 draft's own computation (the step trace names where).
+the KV path whatever the draft does: the engine stage's floor.
+
+Why it stays a floor and is not decided as a stage loss: an engine's self-drafting path need not give its draft the
+target's own sequence (the adapter's ``oracle_caveat``, shown in the report). SGLang 0.5.23's does not: the EAGLE V2
+worker feeds every draft the EAGLE layout, ids rotated left by one
+(``eagle_worker_v2.py::EagleDraftWorker._draft_extend_for_prefill``, ``_draft_extend_for_decode``: draft row p holds
+the token of p + 1), so the target drafting for itself runs on the sequence without its first token (the BOS) and
+proposes other tokens where the target's top two are close. Measured on the embedded CPU server (reference Llama, TP 1,
+fp32, steps 3, 12 prompts x 32 tokens, bench/bench_oracle_floor.py): 3.66 of 4.00 per verify step (0.32 [0.15, 0.49]
+lost); the draft's logits equal the target's on the shorter sequence to 5e-6 (its dtype, fp32, and attention backend,
+intel_amx, are the target's) and differ from the target's own by up to 1.5; a chain simulated with that draft gives
+every prompt's live verify steps exactly (12 of 12), one with the whole sequence gives 4.00: the loss is the draft's
+input, not verification's nor KV's. STANDALONE's radix tree is keyed by single tokens while its draft rows hold pairs
+(``sglang/srt/mem_cache/kv_cache_builder.py``: ``is_eagle=spec_algorithm.is_eagle()``, STANDALONE excluded), so a
+prefix hit also hands a request another request's draft row (3.43 with the cache on the same prompts): the adapter's
+flags turn the cache off in the copy. vLLM's draft model drafts on the target's own sequence and accepted 4.00 of 4.00.
+So the oracle's loss is reported with its CI as the engine's floor (``evidence.floor``), an upper bound on what
+verification and KV lose where the adapter names a caveat: a floor near the budget's engine loss says the loss may be
+the engine's path, one far below it says the EAGLE-3 draft's own computation (the step trace names where).
 """
 from __future__ import annotations
 
@@ -79,7 +90,10 @@ def _run(ctx: ProbeContext) -> ProbeResult:
     ev["oracle_accept_length"] = float(ok["completion_tokens"].sum() / ok["verify_ct"].sum())
     ev["perfect_accept_length"] = float(np.mean([perfect_accept_length(int(c), steps)
                                                  for c in ok["completion_tokens"]]))
-    how = f"{ctx.adapter.label} " + ", ".join(f"{k} {v}" for k, v in (ctx.adapter.oracle_flags() or {}).items())
+    how = f"{ctx.adapter.label} " + ", ".join(k if v is None else f"{k} {v}"
+                                              for k, v in (ctx.adapter.oracle_flags() or {}).items())
+    caveat = ctx.adapter.oracle_caveat()
+    ev["engine_caveat"] = caveat
     floor = _loss("oracle", d, lo, hi, f"a perfect draft (the target drafting for itself, {how}) against every "
                   f"token accepted, steps {steps}, paired per prompt", ev["perfect_accept_length"], n=len(per),
                   unit="prompts", per_sequence=per)
@@ -88,7 +102,7 @@ def _run(ctx: ProbeContext) -> ProbeResult:
                        why=(f"the engine's floor: the target drafting for itself accepts {ev['oracle_accept_length']:.2f} "
                             f"tokens per verify step where every token accepted gives "
                             f"{ev['perfect_accept_length']:.2f} ({d:.2f} [{lo:.2f}, {hi:.2f}] lost on {len(per)} "
-                            f"prompts; {how}: a floor, not a stage loss)"))
+                            f"prompts; {how}: a floor, not a stage loss)" + (f"; {caveat}" if caveat else "")))
 
 
 ORACLE = Probe("oracle", "restart", "with a perfect draft (the target drafting for itself)",

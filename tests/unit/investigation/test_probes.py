@@ -255,8 +255,8 @@ class FakeCopies:
     def chunked_prefill_flags(self, tokens):
         return {"--chunked-prefill-size": str(tokens)}
 
-    def oracle_flags(self):
-        return {"--speculative-algorithm": "STANDALONE"}
+    oracle_flags = staticmethod(SGLangAdapter().oracle_flags)        # the real adapter's flags and caveat
+    oracle_caveat = staticmethod(SGLangAdapter().oracle_caveat)
 
     def integrity_launch(self, switch):
         return None                               # the integrity probes: tests/unit/investigation/test_integrity_probes.py
@@ -295,6 +295,8 @@ def test_restart_probes_measure_their_copies_and_stop_them(tmp_path):
     r = {p["probe"]: p for p in st["probes"]}
     assert [k for k, _, _ in copies.started] == ["chunked", "alone", "oracle"] and copies.stopped == 3
     assert copies.started[2][2] == tmp_path / "target"                         # the oracle drafts with the target
+    # STANDALONE without the prefix cache (its radix keys are single tokens, its draft rows pairs): a switch
+    assert copies.started[2][1] == {"--speculative-algorithm": "STANDALONE", "--disable-radix-cache": None}
     assert r["chunked_prefill"]["decision"] == "counts" and r["chunked_prefill"]["evidence"]["chunk_tokens"] >= 2
     assert r["chunked_prefill"]["findings"][0]["kind"] == "cache_state_loses_acceptance"
     assert r["greedy_lossless"]["decision"] == "counts", r["greedy_lossless"]
@@ -302,6 +304,10 @@ def test_restart_probes_measure_their_copies_and_stop_them(tmp_path):
     assert d["prompt_id"] == "p0" and d["position"] == 3 and d["margin"] is None and d["near_tie"] is False
     o = r["oracle"]
     assert o["status"] == "ran" and o["decision"] is None and "engine's floor" in o["why"]
+    # the switch is named without a value, and SGLang's caveat (its STANDALONE draft runs on the rotated sequence)
+    # is in the report: the floor is not verification's alone
+    assert "STANDALONE, --disable-radix-cache: a floor" in o["why"] and "None" not in o["why"]
+    assert o["evidence"]["engine_caveat"] == SGLangAdapter().oracle_caveat() and "rotated left by one" in o["why"]
     assert o["evidence"]["floor"]["delta"] == pytest.approx(0.0) and o["evidence"]["perfect_accept_length"] == pytest.approx(25 / 6)
     # the oracle is no stage loss: joined into a budget it changes nothing
     b = join_engine_state(_budget(0.0, -0.01, 0.01), {"probes": [o]})

@@ -138,6 +138,8 @@ def test_restart_probes_on_vllm_start_copies_with_vllms_flags_and_read_its_answe
     o = r["oracle"]
     assert o["status"] == "ran" and o["evidence"]["floor"]["delta"] == pytest.approx(0.0)
     assert "vLLM speculative_config.method draft_model" in o["why"]
+    # vLLM's draft model drafts on the target's own sequence: no caveat
+    assert o["evidence"]["engine_caveat"] is None and o["why"].endswith("not a stage loss)")
 
 
 def test_greedy_lossless_on_vllm_a_near_tie_is_no_finding(tmp_path):
