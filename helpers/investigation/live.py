@@ -207,8 +207,12 @@ def _stage_attach(r: Run) -> None:
     r.rules = r.adapter.rules(att.version)
     doc.attach = att.to_json()
     doc.engine, doc.engine_version = r.adapter.name, att.version
+    head = att.draft_head
     r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
-                        f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
+                        f"[{att.draft_source}]" + (f" = MTP head {head['class']} ({head['source']})" if head else "")
+                        + f", target {att.target_dir} [{att.target_source}]")
+    if att.draft_head is not None:                 # an MTP / NextN head: attach said what it is; the rest is EAGLE-3's
+        raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)
@@ -231,6 +235,23 @@ def _stage_attach(r: Run) -> None:
         r.progress("note: " + doc.notes[-1])
     doc.samples = len(r.samples)
     r.extra = list(att.findings)
+
+
+def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
+    """The one line an investigation of an MTP / NextN head stops with (exit 2, as for an unsupported input): what
+    the attach found (``head``: :func:`helpers.draft.mtp_checks.describe_head`) and what is not built for such heads
+    yet."""
+    s = head["spec"]
+    return (f"the server's draft is an MTP / NextN head, not an EAGLE-3 draft: {head['class']} ({head['family']} family, "
+            f"{head['layers_field']} = {head['layers']}) from {head['source']}; algorithm "
+            f"{s['algorithm_requested'] or '(not in the launch command)'} requested, {s['algorithm_as_run']} as run, "
+            f"{s['num_steps']} steps, topk {s['topk']}, {s['num_draft_tokens']} draft tokens"
+            + "".join(f" ({o['message']})" for o in s.get("overrides", []) if o["kind"] == "forced")
+            + ". investigate does not "
+            "support MTP heads yet: capturing the hidden state and token embedding the head reads, running the head "
+            "offline and its acceptance budget are built for EAGLE-3 drafts only (issue 37). Check its config now "
+            f"with: python -m helpers diagnose --draft-config {draft_dir} --target-config {target_dir} "
+            "--speculative-algorithm NEXTN")
 
 
 def _stage_capture(r: Run) -> None:
