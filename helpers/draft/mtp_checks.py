@@ -277,7 +277,12 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
         fam = head.family
         facts["head"] = {"family": fam.name, "form": head.form, "layers_field": fam.layers_field,
                          "layers": head.layers, "num_hidden_layers": head.num_hidden_layers}
-        inputs["mtp head"] = (f"{fam.name} family, {fam.layers_field} = {head.layers}, "
+        facts["head"]["layers_defaulted"] = head.layers_defaulted
+        if head.layers_defaulted:
+            notes.append(f"{fam.layers_field} is not in the config: the config class's default {head.layers} applies "
+                         "(transformers 5.19, the class both engines load the config with)")
+        inputs["mtp head"] = (f"{fam.name} family, {fam.layers_field} = {head.layers}"
+                              f"{' (config class default)' if head.layers_defaulted else ''}, "
                               + ("the target's extra layer" if head.form == "target" else "a separate NextN checkpoint"))
         rules.check(head, spec, target_raw, names, same, findings, notes, facts)
         loads = facts.get("loads")

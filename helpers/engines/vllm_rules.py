@@ -143,9 +143,9 @@ class VLLMRules(PlanRules):
     def setup_findings(self, draft: Any, target: Any, plan: CapturePlan, algorithm: str) -> list[dict]:
         """``unsupported_draft`` for a draft class vLLM 0.32.0 does not map to an Eagle3 model
         (``model_executor/models/registry.py`` ``_SPECULATIVE_DECODING_MODELS``); vLLM reads ids at both places, so
-        no id is ignored."""
+        no id is ignored. An MTP / NextN head (``form == "mtp"``) is another draft family: :class:`VLLMMTPRules`."""
         archs = list(draft.architectures or [])
-        if algorithm != "EAGLE3" or any(a in vllm_server.EAGLE3_DRAFT_CLASSES for a in archs):
+        if algorithm != "EAGLE3" or any(a in vllm_server.EAGLE3_DRAFT_CLASSES for a in archs) or draft.form == "mtp":
             return []
         return [finding("unsupported_draft", None,
                         f"draft architectures {archs} is not an EAGLE-3 draft class vLLM {self.version} maps to "

@@ -69,6 +69,9 @@ class MTPFamily:
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
         layers_field: the config field the engines read for the number of head layers.
+        config_default: the value the family's transformers config class (5.19, both engines' venvs) gives the field
+            when config.json leaves it out (``DeepseekV3Config`` / ``Glm4MoeConfig``: 1), None when the class has no
+            such field (the engines then see it absent).
         sglang_layers: the value SGLang writes into that field for the draft (None: read as the config says).
         sglang_loader: SGLang's function that reads the field and the head's tensors (with its refusals).
         sglang_exactly_one: SGLang's loader refuses any layer count but 1 (ValueError when the field is absent,
@@ -88,6 +91,7 @@ class MTPFamily:
     head_arch: str
     head_file: str
     layers_field: str
+    config_default: Optional[int]
     sglang_layers: Optional[int]
     sglang_loader: str
     sglang_exactly_one: bool
@@ -112,14 +116,15 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
     MTPFamily(
         name="deepseek_v3", target_archs=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
         head_arch="DeepseekV3ForCausalLMNextN", head_file=f"{_SG}/models/deepseek_nextn.py",
-        layers_field="num_nextn_predict_layers", sglang_layers=None, sglang_loader=_DS_LOADER,
+        layers_field="num_nextn_predict_layers", config_default=1, sglang_layers=None, sglang_loader=_DS_LOADER,
         sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="DeepSeekMTPModel",
         vllm_file=f"{_VL}/deepseek_mtp.py", vllm_layers_default=None,
         vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 (spec_step_idx % num_mtp_layers)"),
     MTPFamily(
         name="glm4_moe", target_archs=("Glm4MoeForCausalLM",), head_arch="Glm4MoeForCausalLMNextN",
-        head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", sglang_layers=None,
+        head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", config_default=1,
+        sglang_layers=None,
         sglang_loader=f"{_SG}/models/glm4_moe.py::Glm4MoeForCausalLM.load_weights l. 1074-1088",
         sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeMTPModel",
@@ -127,7 +132,8 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)"),
     MTPFamily(
         name="qwen3_next", target_archs=("Qwen3NextForCausalLM",), head_arch="Qwen3NextForCausalLMMTP",
-        head_file=f"{_SG}/models/qwen3_next_mtp.py", layers_field="num_nextn_predict_layers", sglang_layers=1,
+        head_file=f"{_SG}/models/qwen3_next_mtp.py", layers_field="num_nextn_predict_layers", config_default=None,
+        sglang_layers=1,
         sglang_loader=f"{_SG}/models/qwen3_next.py::Qwen3NextForCausalLM.load_weights l. 1139-1190 (is_mtp: only "
                       "names with 'mtp')",
         sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "mtp.",
@@ -138,7 +144,7 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         vllm_reuse=f"{_VL}/qwen3_next_mtp.py l. 141 (spec_step_idx % num_mtp_layers)"),
     MTPFamily(
         name="mimo", target_archs=("MiMoForCausalLM",), head_arch="MiMoMTP", head_file=f"{_SG}/models/mimo_mtp.py",
-        layers_field="num_nextn_predict_layers", sglang_layers=None,
+        layers_field="num_nextn_predict_layers", config_default=None, sglang_layers=None,
         sglang_loader=f"{_SG}/models/mimo_mtp.py::MiMoMTP.load_weights / map_model_name_to_mtp_param_name "
                       "l. 130-192 (every model.mtp_layers.<i>. goes into the one mtp_block)",
         sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: f"model.mtp_layers.{i}.",
@@ -176,14 +182,17 @@ class MTPHead:
         family: its :class:`MTPFamily`.
         form: ``target`` (a target's config: the head is its extra layer(s)) or ``checkpoint`` (a separate NextN
             checkpoint whose ``architectures[0]`` is the head class).
-        layers: the layer count the config declares in :attr:`MTPFamily.layers_field` (None: absent).
+        layers: the layer count the engines see: :attr:`MTPFamily.layers_field` as config.json gives it, else the
+            config class's default (:attr:`MTPFamily.config_default`); None: absent from both.
         num_hidden_layers: the config's ``num_hidden_layers`` (where the head's layer sits after).
+        layers_defaulted: config.json leaves the field out and ``layers`` is the config class's default.
     """
 
     family: MTPFamily
     form: str
     layers: Optional[int]
     num_hidden_layers: Optional[int]
+    layers_defaulted: bool = False
 
     @property
     def sglang_layers(self) -> Optional[int]:
@@ -213,10 +222,11 @@ def mtp_head(raw: dict) -> Optional[MTPHead]:
     if fam is None:
         return None
     tc = text_config(raw)
-    layers = tc.get(fam.layers_field)
-    layers = layers if isinstance(layers, int) and not isinstance(layers, bool) else None
+    given = tc.get(fam.layers_field)
+    given = given if isinstance(given, int) and not isinstance(given, bool) else None
+    layers = given if given is not None else fam.config_default
     n = tc.get("num_hidden_layers")
     n = n if isinstance(n, int) and not isinstance(n, bool) else None
     arch = raw["architectures"][0]
     return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
-                   num_hidden_layers=n)
+                   num_hidden_layers=n, layers_defaulted=given is None and layers is not None)
