@@ -230,6 +230,23 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
                       draft_head=head)
 
 
+def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
+    """The one line an investigation of an MTP / NextN head stops with (exit 2, as for an unsupported input): what
+    the attach found (``head``: :func:`helpers.draft.mtp_checks.describe_head`) and what is not built for such heads
+    yet."""
+    s = head["spec"]
+    return (f"the server's draft is an MTP / NextN head, not an EAGLE-3 draft: {head['class']} ({head['family']} family, "
+            f"{head['layers_field']} = {head['layers']}) from {head['source']}; algorithm "
+            f"{s['algorithm_requested'] or '(not in the launch command)'} requested, {s['algorithm_as_run']} as run, "
+            f"{s['num_steps']} steps, topk {s['topk']}, {s['num_draft_tokens']} draft tokens"
+            + "".join(f" ({o['message']})" for o in s.get("overrides", []) if o["kind"] == "forced")
+            + ". investigate does not "
+            "support MTP heads yet: capturing the hidden state and token embedding the head reads, running the head "
+            "offline and its acceptance budget are built for EAGLE-3 drafts only (issue 37). Check its config now "
+            f"with: python -m helpers diagnose --draft-config {draft_dir} --target-config {target_dir} "
+            "--speculative-algorithm NEXTN")
+
+
 #: targets HF was found to fit for in this process (resolved folder -> why): every later reference of the process
 #: (the diagnosis's, then the live prompts' of the acceptance budget, once more when it grows) makes the same choice,
 #: so one run never measures its wiring stage with a reference for some prompts and without for others

@@ -56,7 +56,7 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check
 from .inputs import Investigation
-from .attach import Attachment, attach, capture_hooks, hf_reference_fits
+from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported
 from .probes import ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .propose import draft_variant, propose_fix
@@ -235,23 +235,6 @@ def _stage_attach(r: Run) -> None:
         r.progress("note: " + doc.notes[-1])
     doc.samples = len(r.samples)
     r.extra = list(att.findings)
-
-
-def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
-    """The one line an investigation of an MTP / NextN head stops with (exit 2, as for an unsupported input): what
-    the attach found (``head``: :func:`helpers.draft.mtp_checks.describe_head`) and what is not built for such heads
-    yet."""
-    s = head["spec"]
-    return (f"the server's draft is an MTP / NextN head, not an EAGLE-3 draft: {head['class']} ({head['family']} family, "
-            f"{head['layers_field']} = {head['layers']}) from {head['source']}; algorithm "
-            f"{s['algorithm_requested'] or '(not in the launch command)'} requested, {s['algorithm_as_run']} as run, "
-            f"{s['num_steps']} steps, topk {s['topk']}, {s['num_draft_tokens']} draft tokens"
-            + "".join(f" ({o['message']})" for o in s.get("overrides", []) if o["kind"] == "forced")
-            + ". investigate does not "
-            "support MTP heads yet: capturing the hidden state and token embedding the head reads, running the head "
-            "offline and its acceptance budget are built for EAGLE-3 drafts only (issue 37). Check its config now "
-            f"with: python -m helpers diagnose --draft-config {draft_dir} --target-config {target_dir} "
-            "--speculative-algorithm NEXTN")
 
 
 def _stage_capture(r: Run) -> None:

@@ -200,8 +200,11 @@ def test_diagnose_cli_and_investigate_against_an_mtp_server(tmp_path, capsys):
     with fake_server("nextn", "--model-path", str(target)) as url:
         rc = main(["investigate", "--url", url, "--training", str(REPO / "env" / "models" / "kimi" / "data" / "sample"),
                    "--out", str(tmp_path / "runs")])
-    assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        # --check-draft replays the served draft's proposals: the same line, never a replay of a head it cannot run
+        rc2 = main(["investigate", "--url", url, "--check-draft", "--out", str(tmp_path / "checks")])
+        err2 = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == rc2 == 2 and err2.split(": ", 1)[1] == err.split(": ", 1)[1]
     assert err.startswith("investigate: error: [draft]: the server's draft is an MTP / NextN head")
     assert "investigate does not support MTP heads yet" in err and "unsupported_draft" not in err
     doc = json.loads(next((tmp_path / "runs").glob("*/investigation.json")).read_text())
