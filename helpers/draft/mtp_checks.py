@@ -283,7 +283,8 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
                          "(transformers 5.19, the class both engines load the config with)")
         inputs["mtp head"] = (f"{fam.name} family, {fam.layers_field} = {head.layers}"
                               f"{' (config class default)' if head.layers_defaulted else ''}, "
-                              + ("the target's extra layer" if head.form == "target" else "a separate NextN checkpoint"))
+                              + ("the target's extra layer" if head.form == "target" else
+                                 "a separate NextN checkpoint"))
         rules.check(head, spec, target_raw, names, same, findings, notes, facts)
         loads = facts.get("loads")
         if loads:

@@ -407,8 +407,8 @@ class VLLMMTPRules(MTPRules):
                     "the separate draft folder",
             "draft_path": (f"speculative_config model unset: the target's model ({_SPEC} l. 1147-1163)"
                            if draft_is_target else "speculative_config model"),
-            "rewrite": f"vllm/config/speculative.py::SpeculativeConfig.hf_config_override l. 661-1070: architectures -> "
-                       f"{fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
+            "rewrite": "vllm/config/speculative.py::SpeculativeConfig.hf_config_override l. 661-1070: "
+                       f"architectures -> {fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
             "prefixes": head.vllm_prefixes(), "head_tensors": list(fam.head_tensors),
             "layers_declared": head.layers, "n_predict": n}
         if method not in VLLM_MTP_METHODS:
@@ -463,4 +463,5 @@ class VLLMMTPRules(MTPRules):
                 "'Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer'): what "
                 "those steps keep of acceptance is not known from the configs",
                 engine=who, num_steps=k, head_layers=trained, source=f"{fam.vllm_reuse}; {_SPEC} l. 1375-1385",
-                fix=f'"num_speculative_tokens": {trained}, or measure acceptance per draft position before keeping {k}'))
+                fix=f'"num_speculative_tokens": {trained}, or measure acceptance per draft position before keeping '
+                    f'{k}'))

@@ -207,7 +207,8 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
         draft_dir, draft_source = given, "--draft (the server's draft folder is not readable here)"
     elif served_draft is None and str(info.get("speculative_algorithm") or "").upper() in MTP_ALGORITHMS \
             and mtp_head(read_config_json(target_dir / "config.json", "target config")) is not None:
-        draft_dir, draft_source = target_dir, f"the target's folder (no speculative_draft_model_path: {DRAFT_CONFIG_FALLBACK})"
+        draft_dir = target_dir
+        draft_source = f"the target's folder (no speculative_draft_model_path: {DRAFT_CONFIG_FALLBACK})"
     else:
         draft_dir, draft_source = None, "none"
     ranks, layers, others = capture_hooks(info)
@@ -235,7 +236,8 @@ def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
     the attach found (``head``: :func:`helpers.draft.mtp_checks.describe_head`) and what is not built for such heads
     yet."""
     s = head["spec"]
-    return (f"the server's draft is an MTP / NextN head, not an EAGLE-3 draft: {head['class']} ({head['family']} family, "
+    return (f"the server's draft is an MTP / NextN head, not an EAGLE-3 draft: {head['class']} "
+            f"({head['family']} family, "
             f"{head['layers_field']} = {head['layers']}) from {head['source']}; algorithm "
             f"{s['algorithm_requested'] or '(not in the launch command)'} requested, {s['algorithm_as_run']} as run, "
             f"{s['num_steps']} steps, topk {s['topk']}, {s['num_draft_tokens']} draft tokens"

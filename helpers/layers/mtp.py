@@ -38,7 +38,8 @@ REWRITE = f"{_SG}/configs/model_config.py::ModelConfig._config_draft_model"
 #: where SGLang sets the draft path to the target's for the DeepSeek / GLM targets
 DRAFT_PATH_RULE = f"{_SG}/arg_groups/speculative_hook.py::_handle_eagle_family l. 1120-1157"
 #: where SGLang falls back to the target's folder when no draft path is given
-DRAFT_CONFIG_FALLBACK = f"{_SG}/configs/model_config.py::ModelConfig.from_server_args l. 956 (model_path or cfg.model_path)"
+DRAFT_CONFIG_FALLBACK = (f"{_SG}/configs/model_config.py::ModelConfig.from_server_args l. 956 "
+                         "(model_path or cfg.model_path)")
 #: the algorithm alias
 ALIAS_RULE = f"{_SG}/arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias l. 81-117 (NEXTN -> EAGLE)"
 #: the one head run once per draft step
@@ -120,7 +121,8 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="DeepSeekMTPModel",
         vllm_file=f"{_VL}/deepseek_mtp.py", vllm_layers_default=None,
-        vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 (spec_step_idx % num_mtp_layers)"),
+        vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 "
+                   "(spec_step_idx % num_mtp_layers)"),
     MTPFamily(
         name="glm4_moe", target_archs=("Glm4MoeForCausalLM",), head_arch="Glm4MoeForCausalLMNextN",
         head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", config_default=1,

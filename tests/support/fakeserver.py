@@ -136,8 +136,8 @@ BROKEN_IDENTITIES = (
 
 #: mode ``nextn``'s /server_info fields: recorded from a real SGLang 0.5.23 server started with
 #: ``--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens
-#: 2`` on env/models/kimi/target at TP 1 (2026-12-06, tests/data/mtp_configs/sglang-0.5.23-nextn-server_info.json): NEXTN
-#: is stored as EAGLE, draft tokens 2 became steps + 1 = 4, max_running_requests 48; the recorded paths and port are
+#: 2`` on env/models/kimi/target at TP 1 (2026-12-06, tests/data/mtp_configs/sglang-0.5.23-nextn-server_info.json):
+#: NEXTN is stored as EAGLE, draft tokens 2 became steps + 1 = 4, max_running_requests 48; the recorded paths and port are
 #: replaced by this server's --model-path / --draft-path (default: the model path, as ``_handle_eagle_family`` sets it
 #: for a DeepseekV3ForCausalLM target; ``--draft-path none``: null, as for a Qwen3-Next / MiMo target)
 NEXTN_RECORDED = Path(__file__).resolve().parents[1] / "data" / "mtp_configs" / "sglang-0.5.23-nextn-server_info.json"
@@ -147,13 +147,13 @@ def nextn_info() -> dict:
     """The recorded NEXTN /server_info with this fake's paths."""
     rec = json.loads(NEXTN_RECORDED.read_text())
     model, draft = rec["model_path"], rec["speculative_draft_model_path"]
+    ours = (PATHS["model_path"] if PATHS["draft_path"] == "/nonexistent/draft"
+            else None if PATHS["draft_path"] == "none" else PATHS["draft_path"])
     rec["launch_command"] = rec["launch_command"].replace(
-        f"--speculative-draft-model-path {draft} ", "" if PATHS["draft_path"] == "none" else
-        f"--speculative-draft-model-path {PATHS['model_path'] if PATHS['draft_path'] == '/nonexistent/draft' else PATHS['draft_path']} "
+        f"--speculative-draft-model-path {draft} ", "" if ours is None else f"--speculative-draft-model-path {ours} "
     ).replace(f"--model-path {model} ", f"--model-path {PATHS['model_path']} ")
     rec["model_path"] = PATHS["model_path"]
-    rec["speculative_draft_model_path"] = (PATHS["model_path"] if PATHS["draft_path"] == "/nonexistent/draft"
-                                           else None if PATHS["draft_path"] == "none" else PATHS["draft_path"])
+    rec["speculative_draft_model_path"] = ours
     return rec
 
 

@@ -102,7 +102,8 @@ def test_draft_path_default_and_fallback_follow_the_family():
     v = check_mtp(PUB / "Qwen--Qwen3-Next-80B-A3B-Thinking_config.json",
                   PUB / "Qwen--Qwen3-Next-80B-A3B-Thinking_config.json", rules=VLLMMTPRules())
     f = one(v, "mtp_head_refused")
-    assert "num_speculative_tokens` was not provided" in f["detail"] and f["evidence"]["source"].endswith("l. 1503-1507")
+    assert "num_speculative_tokens` was not provided" in f["detail"]
+    assert f["evidence"]["source"].endswith("l. 1503-1507")
 
 
 def test_refusals_of_sglang_and_vllm(tmp_path):
