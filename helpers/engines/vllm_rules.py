@@ -407,7 +407,7 @@ class VLLMMTPRules(MTPRules):
                     "the separate draft folder",
             "draft_path": (f"speculative_config model unset: the target's model ({_SPEC} l. 1147-1163)"
                            if draft_is_target else "speculative_config model"),
-            "rewrite": "vllm/config/speculative.py::SpeculativeConfig.hf_config_override l. 661-1070: "
+            "rewrite": "vllm/config/speculative.py::SpeculativeConfig.hf_config_override l. 661-1074: "
                        f"architectures -> {fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
             "prefixes": head.vllm_prefixes(), "head_tensors": list(fam.head_tensors),
             "layers_declared": head.layers, "n_predict": n}

@@ -19,7 +19,7 @@ What the two engines do with such a head (read in the installed source):
   (``eagle_worker_v2.py::EagleDraftWorker.draft_forward`` l. 742-830: one model, ``for i in range(num_steps)``).
 * vLLM: ``method: mtp`` (the per-family names such as ``deepseek_mtp`` are deprecated aliases,
   ``vllm/config/speculative.py::SpeculativeConfig.__post_init__`` l. 1141-1145); without ``model`` the target's
-  folder is the draft's (l. 1147-1163); ``hf_config_override`` (l. 661-1070) maps the target's config to the head's
+  folder is the draft's (l. 1147-1163); ``hf_config_override`` (l. 661-1074) maps the target's config to the head's
   class with ``n_predict`` = the layer field; ``num_speculative_tokens`` defaults to ``n_predict`` and must be a
   multiple of it when larger (l. 1478-1501), and the head layers are reused round-robin
   (``model_executor/models/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward`` l. 217: ``spec_step_idx %
