@@ -89,6 +89,7 @@ KINDS: tuple[Kind, ...] = (
                   "(set_eagle3_layers_to_capture), or use an engine that supports it"),
     _k("unsupported_draft", "setup", "SGLang cannot serve this draft as EAGLE-3", fix="engine",
        engine_fix="serve the draft with an EAGLE-3 draft class SGLang registers (LlamaForCausalLMEagle3 ...)"),
+    _k("mtp_head_refused", "setup", "the engine refuses the MTP / NextN head as configured", fix="detail"),
     _k("server_fatal", "setup", "the server fails with these layer ids (at start-up or at the first forward)",
        fix="detail"),
     # -- the config and the server's settings ------------------------------------------------------------------
@@ -98,6 +99,9 @@ KINDS: tuple[Kind, ...] = (
        fix="config_ids", changes_plan=True, stage="wiring"),
     _k("fc_bypassed", "tensor", "the draft's fc is bypassed (EAGLE-3 draft served without aux states)", fix="flag",
        checks=("fc_bypass",)),
+    _k("mtp_steps_beyond_head", "setup",
+       "the MTP head runs more draft steps than it has layers (the engine reuses it on its own output)", fix="flag",
+       stage="settings"),
     _k("num_draft_tokens_overridden", "setup", "SGLang overrides the requested number of draft tokens", fix="flag",
        checks=("num_steps_override",), stage="settings"),
     # -- the draft checkpoint ----------------------------------------------------------------------------------
@@ -112,6 +116,7 @@ KINDS: tuple[Kind, ...] = (
        fix="vocab_map", checks=("vocab_map",)),
     _k("draft_vocab_coverage", "draft", "many target tokens lie outside the draft vocabulary", stage=NO_STAGE),
     _k("draft_weight_missing", "draft", "draft parameters have no tensor in the checkpoint"),
+    _k("mtp_weights_missing", "draft", "the checkpoint the engine loads the MTP head from lacks the head's tensors"),
     _k("draft_weight_ignored", "draft", "SGLang's loader drops draft tensors"),
     _k("draft_flag_ignored", "draft", "SGLang ignores a draft config flag"),
     _k("rope_mismatch", "draft", "the draft's rotary embedding differs from the target's"),

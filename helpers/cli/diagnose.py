@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 from ..layers.sglang import parse_version
 from ..diagnosis.diagnose import diagnose
 from ..draft.config_checks import check_configs
+from ..draft.mtp_checks import MTPSpec
+from ..engines.detect import BY_NAME, adapter
 from ..errors import BadInput
 from .common import Parser, run
 
@@ -43,6 +45,15 @@ def build_parser() -> Parser:
                    "dump's server block, else 0.5.23)")
     p.add_argument("--trained-layer-ids", type=int, nargs="+", metavar="ID", help="the ids training used, SpecForge "
                    "output-of-layer convention (the run YAML's model.aux_hidden_state_layer_ids)")
+    g = p.add_argument_group("speculative settings (config-only check; an MTP / NextN head: the draft config is the "
+                             "target's own, or a separate NextN checkpoint)")
+    g.add_argument("--speculative-algorithm", help="the server's --speculative-algorithm (EAGLE3, EAGLE, NEXTN; vLLM: "
+                   "the speculative_config method, e.g. mtp); default EAGLE3, NEXTN for an MTP head")
+    g.add_argument("--speculative-num-steps", type=int, help="--speculative-num-steps (vLLM: num_speculative_tokens)")
+    g.add_argument("--speculative-eagle-topk", type=int, help="--speculative-eagle-topk")
+    g.add_argument("--speculative-num-draft-tokens", type=int, help="--speculative-num-draft-tokens")
+    g.add_argument("--engine", choices=sorted(BY_NAME), help="the engine whose rules check an MTP / NextN head "
+                   "(default sglang; vllm: vLLM 0.32.0's)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the text report")
     return p
 
@@ -57,8 +68,17 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             if not (args.draft_config and args.target_config):
                 raise BadInput("usage: give --served (with --training) to compare data, or --draft-config and "
                                "--target-config for the config-only check")
+            for flag in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+                if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                    raise BadInput(f"expected a positive integer, got {getattr(args, flag)}",
+                                   field="--" + flag.replace("_", "-"))
+            spec = MTPSpec(algorithm=args.speculative_algorithm, num_steps=args.speculative_num_steps,
+                           topk=args.speculative_eagle_topk, num_draft_tokens=args.speculative_num_draft_tokens)
+            mtp_rules = None if args.engine is None else adapter(args.engine).loader_rules(
+                args.sglang_version).mtp_rules()
             result = check_configs(args.draft_config, args.target_config, training=args.training,
-                                   sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids)
+                                   sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids,
+                                   algorithm=args.speculative_algorithm, spec=spec, mtp_rules=mtp_rules)
         else:
             if not args.training:
                 raise BadInput("usage: --served needs --training (the data the draft was trained on)")

@@ -108,7 +108,7 @@ class StaticReport:
             lines.append("rope: draft " + _rope_text(r["draft"]) + ", target " + _rope_text(r["target"])
                          + ("; SGLang builds " + _rope_text(r["sglang_builds"]) if r["sglang_changes"] else
                             "; SGLang builds the draft's own"))
-        if self.training_plan is None:
+        if self.training_plan is None and self.served_plan is not None:
             lines.append("training plan: unknown (no ids anywhere and no training data given)")
         for f in self.findings:
             where = "" if f["chunk"] is None else f" chunk {f['chunk']}"

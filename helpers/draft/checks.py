@@ -45,6 +45,7 @@ from ..formats.configs import (
 from ..formats.dumps import safe_torch_load
 from ..formats.training_data import TrainingData
 from .config_checks import check_draft_config, lm_head_plan
+from .mtp_checks import MTPRules
 from .params import (
     INIT_EMPTY,
     K25,
@@ -409,6 +410,10 @@ class LoaderRules:
     def plan_rules(self) -> PlanRules:
         """The engine's id rules (the served width check)."""
         return PlanRules(self.version)
+
+    def mtp_rules(self) -> MTPRules:
+        """The engine's rules for an MTP / NextN head (:class:`helpers.draft.mtp_checks.MTPRules`)."""
+        return MTPRules(self.version)
 
     def draft_vocab(self, d: DraftConfig) -> int:
         """Rows of the draft's lm_head as the engine builds it."""

@@ -54,6 +54,7 @@ from ..formats.configs import TEXT_CONFIG_KEYS, DraftConfig, TargetConfig, read_
 from ..formats.training_data import TrainingData
 from ..kinds import sort_findings
 from ..layers.sglang import parse_version
+from .mtp_checks import MTPRules, MTPSpec, check_mtp, is_mtp_deployment
 from .params import (CONFIG_DEFAULTS, DRAFT_CLASSES, L3, LLAMA_CLASS, SGLANG_RULES, SGLangDraftParams, draft_class,
                      sglang_parameters)
 
@@ -477,7 +478,8 @@ def check_draft_config(d: DraftConfig, target: Optional[TargetConfig] = None,
 
 def check_configs(draft_config: str | Path, target_config: str | Path, *, training: Optional[str | Path] = None,
                   sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
-                  trained_layer_ids: Optional[Sequence[int]] = None) -> StaticReport:
+                  trained_layer_ids: Optional[Sequence[int]] = None, spec: Optional[MTPSpec] = None,
+                  mtp_rules: Optional[MTPRules] = None) -> StaticReport:
     """The config-only check of ``python -m helpers diagnose --draft-config D --target-config T`` (no tensors
     compared): the static wiring check (:func:`helpers.diagnosis.static.static_check`, with the training data's
     manifest and layout when ``training`` is given) and the draft config checks (:func:`check_draft_config`), in one
@@ -491,10 +493,25 @@ def check_configs(draft_config: str | Path, target_config: str | Path, *, traini
         sglang_version: the server's SGLang (default 0.5.23, said in the report).
         algorithm: ``--speculative-algorithm`` (default EAGLE3).
         trained_layer_ids: the ids training used, SpecForge out(i).
+        spec: the speculative settings asked for (steps, topk, draft tokens; its algorithm wins over
+            ``algorithm``).
+        mtp_rules: the engine's rules for an MTP / NextN head (``LoaderRules.mtp_rules()``; default SGLang 0.5.23's).
+
+    An MTP / NextN deployment (the draft config is a family's target or head config, or the algorithm is NEXTN:
+    :func:`helpers.draft.mtp_checks.is_mtp_deployment`) is checked by :func:`helpers.draft.mtp_checks.check_mtp`
+    instead: it takes no aux hidden states, so the wiring check does not apply.
 
     Raises:
-        BadInput: unreadable configs, weights or training data; a draft config SGLang cannot build.
+        BadInput: unreadable configs, weights or training data; a draft config SGLang cannot build; ``mtp_rules``
+            given for a draft that is no MTP head (the other checks follow SGLang's rules only).
     """
+    spec = spec or MTPSpec(algorithm=algorithm)
+    algorithm = spec.algorithm or algorithm
+    if is_mtp_deployment(draft_config, target_config, algorithm):
+        return check_mtp(draft_config, target_config, spec=spec, rules=mtp_rules)
+    if mtp_rules is not None:
+        raise BadInput("--engine applies to MTP / NextN heads only: the config-only EAGLE-3 checks follow SGLang "
+                       f"{SGLANG_RULES}'s rules", field="--engine")
     td = TrainingData(training, max_samples=1) if training is not None else None
     rep = static_check(draft_config, target_config, sglang_version=sglang_version, algorithm=algorithm,
                        training=td, trained_layer_ids=trained_layer_ids)

@@ -19,6 +19,8 @@ from ..diagnosis.detectors import finding
 from ..diagnosis.plan_rules import PlanRules
 from ..draft.checks import LoaderRules
 from ..draft.config_checks import ConfigChecks
+from ..draft.mtp_checks import MTPRules, MTPSpec
+from ..layers.mtp import MTPHead
 from ..layers import vllm as rules
 from ..layers.ids import LayerIds
 from . import vllm_server
@@ -141,9 +143,9 @@ class VLLMRules(PlanRules):
     def setup_findings(self, draft: Any, target: Any, plan: CapturePlan, algorithm: str) -> list[dict]:
         """``unsupported_draft`` for a draft class vLLM 0.32.0 does not map to an Eagle3 model
         (``model_executor/models/registry.py`` ``_SPECULATIVE_DECODING_MODELS``); vLLM reads ids at both places, so
-        no id is ignored."""
+        no id is ignored. An MTP / NextN head (``form == "mtp"``) is another draft family: :class:`VLLMMTPRules`."""
         archs = list(draft.architectures or [])
-        if algorithm != "EAGLE3" or any(a in vllm_server.EAGLE3_DRAFT_CLASSES for a in archs):
+        if algorithm != "EAGLE3" or any(a in vllm_server.EAGLE3_DRAFT_CLASSES for a in archs) or draft.form == "mtp":
             return []
         return [finding("unsupported_draft", None,
                         f"draft architectures {archs} is not an EAGLE-3 draft class vLLM {self.version} maps to "
@@ -246,6 +248,10 @@ class VLLMLoaderRules(LoaderRules):
 
     def plan_rules(self) -> PlanRules:
         return VLLMRules(self.version)
+
+    def mtp_rules(self) -> "VLLMMTPRules":
+        """vLLM's rules for an MTP / NextN head (:class:`VLLMMTPRules`)."""
+        return VLLMMTPRules(self.version)
 
     def draft_vocab(self, d: Any) -> int:
         """``draft_vocab_size``, default the draft config's ``vocab_size`` (``llama_eagle3.py::
@@ -365,3 +371,97 @@ def _rel_diff(weights: Any, key: str, ref: Optional[torch.Tensor]) -> float:
 def _load_tensor(weights: Any, key: str) -> torch.Tensor:
     with safe_open(str(weights.tensors[key].file), framework="pt") as sf:
         return sf.get_tensor(key)
+
+
+_SPEC = "vllm/config/speculative.py::SpeculativeConfig.__post_init__"
+#: the ``method`` names vLLM 0.32.0 takes for an MTP head (``MTPModelTypes``, ``config/speculative.py`` l. 38-66;
+#: each but ``mtp`` is a deprecated alias of it, l. 1141-1145)
+VLLM_MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "mimo_mtp", "mimo_v2_mtp", "ernie_mtp",
+                    "longcat_flash_mtp", "glm4_moe_lite_mtp", "dots3_note_mtp", "pangu_ultra_moe_mtp")
+
+
+class VLLMMTPRules(MTPRules):
+    """vLLM 0.32.0's rules for an MTP / NextN head (``helpers.layers.mtp``'s docstring): ``method: mtp``, the target's
+    folder as the draft's, ``n_predict`` from the layer field, ``num_speculative_tokens`` defaulted to it or a multiple
+    of it, the head layers reused round-robin past ``n_predict``."""
+
+    label = "vLLM"
+    missing_effect = ('vLLM refuses to start: ValueError("Following weights were not initialized from checkpoint: '
+                      '...") (vllm/model_executor/model_loader/default_loader.py l. 562-567, unquantized checkpoints)')
+
+    def __init__(self, version: Optional[str] = None) -> None:
+        self.version = version if rules.is_known(version) else rules.known_versions_text()
+
+    def check(self, head: MTPHead, spec: MTPSpec, target_raw: dict, names: Optional[set], draft_is_target: bool,
+              findings: list, notes: list, facts: dict) -> None:
+        """What vLLM will load and refuse for ``head`` (see :meth:`helpers.draft.mtp_checks.MTPRules.check`)."""
+        fam = head.family
+        who = f"{self.label} {self.version}"
+        method = (spec.algorithm or "mtp").lower()
+        facts["algorithm"] = {"requested": spec.algorithm, "as_run": "mtp",
+                              "rule": f"{_SPEC} l. 1141-1145 (a per-family method is a deprecated alias of mtp)"}
+        n = head.vllm_n_predict
+        facts["loads"] = {
+            "class": fam.vllm_arch, "file": fam.vllm_file,
+            "from": "the target's folder: the head is its extra layer" if draft_is_target else
+                    "the separate draft folder",
+            "draft_path": (f"speculative_config model unset: the target's model ({_SPEC} l. 1147-1163)"
+                           if draft_is_target else "speculative_config model"),
+            "rewrite": "vllm/config/speculative.py::SpeculativeConfig.hf_config_override l. 661-1074: "
+                       f"architectures -> {fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
+            "prefixes": head.vllm_prefixes(), "head_tensors": list(fam.head_tensors),
+            "layers_declared": head.layers, "n_predict": n}
+        if method not in VLLM_MTP_METHODS:
+            findings.append(finding(
+                "mtp_head_refused", None,
+                f"speculative method {method!r} with an MTP / NextN head: vLLM loads the head ({fam.vllm_arch}) with "
+                "method 'mtp'; another method builds another proposer for this folder",
+                engine=who, method=method, source=f"{_SPEC} l. 1141-1145, 1375-1400", fix='"method": "mtp"'))
+            return
+        k = spec.num_steps
+        if n == 0:
+            findings.append(finding(
+                "mtp_head_refused", None,
+                f"{fam.layers_field} is 0: vLLM's {fam.vllm_arch} has no layer to run (n_predict 0; a "
+                "num_speculative_tokens above it fails the divisibility check with ZeroDivisionError)",
+                engine=who, field=fam.layers_field, value=0, source=f"{_SPEC} l. 1489-1501; {fam.vllm_file}",
+                fix="serve this target without MTP, or with an EAGLE-3 draft"))
+            return
+        if k is None and n is None:
+            findings.append(finding(
+                "mtp_head_refused", None,
+                f"{fam.layers_field} is absent, so n_predict is None and num_speculative_tokens has no default: vLLM "
+                'raises ValueError("A speculative model was provided, but `num_speculative_tokens` was not provided")',
+                engine=who, field=fam.layers_field, source=f"{_SPEC} l. 1503-1507",
+                fix='give "num_speculative_tokens" in --speculative-config'))
+            return
+        if k is None:
+            k = n
+            notes.append(f"num_speculative_tokens not given: vLLM uses n_predict = {n} ({_SPEC} l. 1489-1492)")
+        elif n is not None and k > n and k % n:
+            findings.append(finding(
+                "mtp_head_refused", None,
+                f"num_speculative_tokens {k} with n_predict {n}: vLLM raises ValueError(\"num_speculative_tokens:{k} "
+                f"must be divisible by n_predict={n}\") at start-up",
+                engine=who, num_speculative_tokens=k, n_predict=n, source=f"{_SPEC} l. 1493-1501",
+                fix=f'"num_speculative_tokens": {n * max(1, k // n)} (a multiple of {n})'))
+            return
+        facts["settings"] = {"num_steps": k, "topk": 1, "num_draft_tokens": k + 1,
+                             "requested": {"num_speculative_tokens": spec.num_steps},
+                             "rule": f"{_SPEC} l. 1489-1507"}
+        if spec.topk not in (None, 1):
+            notes.append(f"topk {spec.topk} is SGLang's flag: vLLM's MTP proposer drafts one chain of "
+                         f"num_speculative_tokens = {k} tokens")
+        self._weights(head, names, head.vllm_prefixes(), findings, facts, f"vLLM's {fam.vllm_arch}",
+                      f"{fam.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
+        trained = n or fam.vllm_layers_default or 1
+        if k > trained:
+            findings.append(finding(
+                "mtp_steps_beyond_head", None,
+                f"num_speculative_tokens {k} with {trained} MTP layer{'s' if trained > 1 else ''}: vLLM runs the head "
+                f"layers again from step {trained + 1} on, on the hidden state the head itself produced (it logs "
+                "'Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer'): what "
+                "those steps keep of acceptance is not known from the configs",
+                engine=who, num_steps=k, head_layers=trained, source=f"{fam.vllm_reuse}; {_SPEC} l. 1375-1385",
+                fix=f'"num_speculative_tokens": {trained}, or measure acceptance per draft position before keeping '
+                    f'{k}'))

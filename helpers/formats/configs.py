@@ -13,6 +13,8 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import BadInput
+from ..layers.mtp import family_of
+from ..layers.mtp import text_config as mtp_text_config
 from ..layers.sglang import target_family
 from ..runfiles import read_json_file, regular_file
 
@@ -100,7 +102,9 @@ class DraftConfig:
     Attributes:
         path: the config.json read.
         form: ``"sglang"`` (SGLang/SpecForge ``LlamaForCausalLMEagle3``), ``"eagle"`` (SafeAILab EAGLE-3:
-            ``LlamaForCausalLM`` with ``draft_vocab_size``) or ``"speculators"`` (``speculators_model_type``).
+            ``LlamaForCausalLM`` with ``draft_vocab_size``), ``"speculators"`` (``speculators_model_type``) or
+            ``"mtp"`` (an MTP / NextN head: a target config of a :data:`helpers.layers.mtp.MTP_FAMILIES` family, or
+            a separate NextN checkpoint; :func:`helpers.layers.mtp.mtp_head` says where its layers sit).
         hidden_size: the draft's own hidden size (width of its recurrent state and of ``fc``'s output).
         target_hidden_size: explicit ``target_hidden_size`` (None = SGLang assumes ``hidden_size``).
         num_aux_hidden_states: explicit ``num_aux_hidden_states`` (None if absent).
@@ -177,6 +181,15 @@ def read_draft_config(path: str | Path) -> DraftConfig:
                            path=p, field="transformer_layer_config.hidden_size")
         vocab = _int_field(tl, "vocab_size", p, required=False) or _int_field(d, "vocab_size", p, required=False)
         model_type = _str_field(tl, "model_type", p, "transformer_layer_config.")
+    elif family_of(archs) is not None:
+        form = "mtp"                  # a target's MTP / NextN head, or a separate NextN checkpoint (layers.mtp)
+        tc = mtp_text_config(d)
+        prefix = "" if tc is d else next(f"{k}." for k, v in d.items() if v is tc)
+        hidden = _int_field(tc, "hidden_size", p, required=False)
+        if hidden is None:
+            raise BadInput("missing hidden_size", path=p, field=prefix + "hidden_size")
+        vocab = _int_field(tc, "vocab_size", p, required=False)
+        model_type = _str_field(tc, "model_type", p, prefix)
     else:
         form = "sglang" if any("Eagle3" in a for a in archs) or "eagle_config" in d else (
             "eagle" if "draft_vocab_size" in d else "sglang")

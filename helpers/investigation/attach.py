@@ -13,9 +13,11 @@ import psutil
 
 from ..acceptance.measure import server_snapshot
 from ..diagnosis.detectors import finding
+from ..draft.mtp_checks import MTP_ALGORITHMS, describe_head
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
 from ..engines.sglang import UNVERIFIED_CAPTURE_PATHS, capture_caveats  # noqa: F401  (re-exported)
+from ..layers.mtp import DRAFT_CONFIG_FALLBACK, mtp_head
 from ..server.client import ServerClient
 from ..server.registry import lookup
 from ..server.restart import LAYERS_HOOK, relaunch_argv
@@ -44,6 +46,9 @@ class Attachment:
         findings: attach findings (the given draft differs from the served one).
         info: the redacted ``/server_info``.
         caveats: capture paths this server runs that the CPU reference could not verify (:func:`capture_caveats`).
+        draft_head: when the draft is an MTP / NextN head (the target's extra layer or a separate NextN checkpoint):
+            its family, class, source and the effective spec config
+            (:func:`helpers.draft.mtp_checks.describe_head`), else None.
     """
 
     url: str
@@ -64,6 +69,7 @@ class Attachment:
     findings: list = field(default_factory=list)
     info: dict = field(default_factory=dict)
     caveats: list = field(default_factory=list)
+    draft_head: Optional[dict] = None
 
     def to_json(self) -> dict:
         return {"url": self.url, "engine": self.info.get("engine", "sglang"), "version": self.version, "tp": self.tp, "algorithm": self.algorithm,
@@ -74,7 +80,7 @@ class Attachment:
                 "layers_dir": None if self.layers_dir is None else str(self.layers_dir),
                 "other_hooks": self.other_hooks,
                 "restart": None if self.restart is None else {"kind": self.restart["kind"]},
-                "findings": self.findings, "caveats": self.caveats}
+                "findings": self.findings, "caveats": self.caveats, "draft_head": self.draft_head}
 
 
 def capture_hooks(info: dict) -> tuple[Optional[Path], Optional[Path], list[dict]]:
@@ -199,6 +205,10 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
                     source="/server_info speculative_draft_model_path"))
     elif given is not None:
         draft_dir, draft_source = given, "--draft (the server's draft folder is not readable here)"
+    elif served_draft is None and str(info.get("speculative_algorithm") or "").upper() in MTP_ALGORITHMS \
+            and mtp_head(read_config_json(target_dir / "config.json", "target config")) is not None:
+        draft_dir = target_dir
+        draft_source = f"the target's folder (no speculative_draft_model_path: {DRAFT_CONFIG_FALLBACK})"
     else:
         draft_dir, draft_source = None, "none"
     ranks, layers, others = capture_hooks(info)
@@ -211,12 +221,32 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
     spec = {"num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),
             "num_draft_tokens": info.get("speculative_num_draft_tokens")}
     tcfg = read_target_config(target_dir)
+    head = describe_head(draft_dir, target_dir, info) if draft_dir is not None else None
     return Attachment(url=client.url, version=info.get("version"), tp=int(info.get("tp_size") or 1),
                       algorithm=info.get("speculative_algorithm"), spec=spec, served_draft=served_draft,
                       served_target=served_target, draft_dir=draft_dir, draft_source=draft_source,
                       target_dir=target_dir, target_source=target_source, rank_capture_dir=ranks, layers_dir=layers,
                       other_hooks=others, restart=restart, findings=findings, info=server_snapshot(info),
-                      caveats=(caveats or capture_caveats)(info, tcfg.architectures, tcfg.model_type))
+                      caveats=(caveats or capture_caveats)(info, tcfg.architectures, tcfg.model_type),
+                      draft_head=head)
+
+
+def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
+    """The one line an investigation of an MTP / NextN head stops with (exit 2, as for an unsupported input): what
+    the attach found (``head``: :func:`helpers.draft.mtp_checks.describe_head`) and what is not built for such heads
+    yet."""
+    s = head["spec"]
+    return (f"the server's draft is an MTP / NextN head, not an EAGLE-3 draft: {head['class']} "
+            f"({head['family']} family, "
+            f"{head['layers_field']} = {head['layers']}) from {head['source']}; algorithm "
+            f"{s['algorithm_requested'] or '(not in the launch command)'} requested, {s['algorithm_as_run']} as run, "
+            f"{s['num_steps']} steps, topk {s['topk']}, {s['num_draft_tokens']} draft tokens"
+            + "".join(f" ({o['message']})" for o in s.get("overrides", []) if o["kind"] == "forced")
+            + ". investigate does not "
+            "support MTP heads yet: capturing the hidden state and token embedding the head reads, running the head "
+            "offline and its acceptance budget are built for EAGLE-3 drafts only (issue 37). Check its config now "
+            f"with: python -m helpers diagnose --draft-config {draft_dir} --target-config {target_dir} "
+            "--speculative-algorithm NEXTN")
 
 
 #: targets HF was found to fit for in this process (resolved folder -> why): every later reference of the process

@@ -56,7 +56,7 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check
 from .inputs import Investigation
-from .attach import Attachment, attach, capture_hooks, hf_reference_fits
+from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported
 from .probes import ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .propose import draft_variant, propose_fix
@@ -207,8 +207,12 @@ def _stage_attach(r: Run) -> None:
     r.rules = r.adapter.rules(att.version)
     doc.attach = att.to_json()
     doc.engine, doc.engine_version = r.adapter.name, att.version
+    head = att.draft_head
     r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
-                        f"[{att.draft_source}], target {att.target_dir} [{att.target_source}]")
+                        f"[{att.draft_source}]" + (f" = MTP head {head['class']} ({head['source']})" if head else "")
+                        + f", target {att.target_dir} [{att.target_source}]")
+    if att.draft_head is not None:                 # an MTP / NextN head: attach said what it is; the rest is EAGLE-3's
+        raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)

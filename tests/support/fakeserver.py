@@ -24,6 +24,9 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   deep, or has ``version`` 5 (a number); its ``/model_info`` is SGLang's, so the server is SGLang by its answers;
 * ``flaky`` (issue 40): every 2nd ``/generate`` answer to the same greedy request differs (output token 2, one verify
   step more and one accepted draft fewer; the counters' identities hold), as a server whose kernels depend on the batch;
+* ``nextn`` (issue 37): SGLang 0.5.23 serving an MTP / NextN head, as a real one answered (:data:`NEXTN_RECORDED`:
+  algorithm EAGLE as run for NEXTN asked in its ``launch_command``, the draft path the target's ``--model-path``
+  unless ``--draft-path``);
 * ``escape``: ``/generate`` answers 400 with terminal escape sequences in its body (screen clear, window title,
   OSC 52 clipboard);
 * ``workload`` (issue 23): an engine whose acceptance depends on the request as public reports describe: per prompt an
@@ -131,6 +134,29 @@ BROKEN_IDENTITIES = (
 )
 
 
+#: mode ``nextn``'s /server_info fields: recorded from a real SGLang 0.5.23 server started with
+#: ``--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens
+#: 2`` on env/models/kimi/target at TP 1 (2026-12-06, tests/data/mtp_configs/sglang-0.5.23-nextn-server_info.json):
+#: NEXTN is stored as EAGLE, draft tokens 2 became steps + 1 = 4, max_running_requests 48; the recorded paths and port are
+#: replaced by this server's --model-path / --draft-path (default: the model path, as ``_handle_eagle_family`` sets it
+#: for a DeepseekV3ForCausalLM target; ``--draft-path none``: null, as for a Qwen3-Next / MiMo target)
+NEXTN_RECORDED = Path(__file__).resolve().parents[1] / "data" / "mtp_configs" / "sglang-0.5.23-nextn-server_info.json"
+
+
+def nextn_info() -> dict:
+    """The recorded NEXTN /server_info with this fake's paths."""
+    rec = json.loads(NEXTN_RECORDED.read_text())
+    model, draft = rec["model_path"], rec["speculative_draft_model_path"]
+    ours = (PATHS["model_path"] if PATHS["draft_path"] == "/nonexistent/draft"
+            else None if PATHS["draft_path"] == "none" else PATHS["draft_path"])
+    rec["launch_command"] = rec["launch_command"].replace(
+        f"--speculative-draft-model-path {draft} ", "" if ours is None else f"--speculative-draft-model-path {ours} "
+    ).replace(f"--model-path {model} ", f"--model-path {PATHS['model_path']} ")
+    rec["model_path"] = PATHS["model_path"]
+    rec["speculative_draft_model_path"] = ours
+    return rec
+
+
 def server_info(mode: str) -> dict:
     info = {"version": "0.5.23", "tp_size": 1, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4, "model_path": PATHS["model_path"],
@@ -148,6 +174,8 @@ def server_info(mode: str) -> dict:
         info["tp_size"] = "two"
     if mode == "identities":
         info.update(speculative_eagle_topk=2, speculative_num_draft_tokens=8)
+    if mode == "nextn":           # SGLang 0.5.23 serving a DeepSeek-class target's NextN head (NEXTN -> EAGLE)
+        info.update(nextn_info())
     if mode == "workload":
         info.update(device="cpu", context_length=1024, disable_radix_cache=False, disable_overlap_schedule=True,
                     chunked_prefill_size=4096, attention_backend="intel_amx", sampling_backend="pytorch")
@@ -263,7 +291,8 @@ class Handler(BaseHTTPRequestHandler):
                 info["startup_time"] = METRICS["startup_time"]
             return self._json([server_info("ok")] if self.mode == "infolist" else info)
         if self.path in ("/model_info", "/get_model_info"):
-            mi = {"model_path": PATHS["model_path"], "architectures": ["LlamaForCausalLM"]}
+            mi = {"model_path": PATHS["model_path"],
+                  "architectures": ["DeepseekV3ForCausalLM" if self.mode == "nextn" else "LlamaForCausalLM"]}
             if self.mode == "metrics":
                 mi["weight_version"] = METRICS.get("weight_version")
             return self._json(mi)

@@ -22,8 +22,10 @@ def detect_unsupported_draft(draft) -> list[dict]:
     """``unsupported_draft``: SGLang cannot load this draft config as an EAGLE-3 draft (its first architecture is
     not one of SGLang's EAGLE-3 draft classes: :func:`helpers.diagnosis.sglang_rules.draft_servable`, read from
     ``sglang/srt/models/registry.py`` and the ``EntryClass`` of ``models/llama_eagle3.py`` / ``kimi_k25_eagle3.py``).
-    The one builder of this finding: the static check and the draft checks both call it."""
-    if draft is None:
+    The one builder of this finding: the static check and the draft checks both call it. An MTP / NextN head
+    (``draft.form == "mtp"``: :mod:`helpers.layers.mtp`) is another draft family, never this finding:
+    :mod:`helpers.draft.mtp_checks` says what the engine makes of it."""
+    if draft is None or draft.form == "mtp":
         return []
     why = draft_servable(draft.architectures, draft.form)
     if why is None:

@@ -1,0 +1,340 @@
+"""Config-only checks of an MTP / NextN head (issue 37 part 5): what the engine will load for the head and from where,
+the refusals it will give, draft steps beyond the layers the head has, and the settings it silently changes -- from
+the config.json files (and a safetensors index's tensor names, when one is at hand: no weights are read).
+
+The head is a family of :data:`helpers.layers.mtp.MTP_FAMILIES` (a target config with ``num_nextn_predict_layers``,
+or a separate NextN checkpoint); the engine's rules are one object (:class:`MTPRules`: SGLang 0.5.23 here, vLLM
+0.32.0's ``helpers.engines.vllm_rules.VLLMMTPRules``, handed out by ``LoaderRules.mtp_rules``), so nothing here asks
+which engine it checks for. Used by ``python -m helpers diagnose --draft-config D --target-config T`` when D is an MTP
+head (:func:`check_mtp`) and by the attach of ``investigate`` (:func:`describe_head`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..diagnosis import detectors as D
+from ..diagnosis.static import StaticReport
+from ..errors import BadInput
+from ..formats.configs import read_config_json, read_safetensors_index
+from ..kinds import sort_findings
+from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MTP_FAMILIES, REWRITE, STEPS_RULE,
+                          MTPHead, family_of, mtp_head, text_config)
+from ..runfiles import read_json_file
+from ..server.settings import AUTO_PARAMS_BY_ARCH, AUTO_PARAMS_DEFAULT, ServerSettings, detect_overrides
+from .params import SGLANG_RULES
+
+_HOOK = "sglang/srt/arg_groups/speculative_hook.py"
+#: the algorithms SGLang serves an MTP head with (NEXTN is an alias of EAGLE)
+MTP_ALGORITHMS = ("NEXTN", "EAGLE")
+
+
+@dataclass(frozen=True)
+class MTPSpec:
+    """The speculative settings asked for (None: not given; the engine's defaults apply).
+
+    Attributes:
+        algorithm: SGLang's ``--speculative-algorithm`` (vLLM: the ``method``).
+        num_steps: ``--speculative-num-steps`` (vLLM: ``num_speculative_tokens``).
+        topk: ``--speculative-eagle-topk``.
+        num_draft_tokens: ``--speculative-num-draft-tokens``.
+    """
+
+    algorithm: Optional[str] = None
+    num_steps: Optional[int] = None
+    topk: Optional[int] = None
+    num_draft_tokens: Optional[int] = None
+
+
+def _config_file(path: str | Path) -> Path:
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
+def weight_names(folder: Path) -> tuple[Optional[set[str]], str]:
+    """(the checkpoint's tensor names, where they were read) without reading any tensor: the
+    ``model.safetensors.index.json`` weight map (the shards need not be here), else the ``*.safetensors`` headers
+    (:func:`helpers.formats.configs.read_safetensors_index`); (None, why not) when the folder holds neither.
+
+    Raises:
+        BadInput: an index without a ``weight_map`` object, an unreadable safetensors header."""
+    if not folder.is_dir():
+        return None, "a config.json file was given (no folder): the weights were not looked at"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        doc = read_json_file(index, "safetensors index")
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict):
+            raise BadInput("expected a weight_map object {tensor: shard file}", path=index, field="weight_map")
+        return set(wm), f"{index.name} (tensor names only)"
+    if any(folder.glob("*.safetensors")):
+        return set(read_safetensors_index(folder)), "the *.safetensors headers"
+    return None, "no model.safetensors.index.json nor *.safetensors in the folder: the head's tensors were not checked"
+
+
+def missing_tensors(prefixes: list[str], head_tensors: tuple[str, ...], layer_tensors: tuple[str, ...],
+                    names: set[str]) -> dict[str, list[str]]:
+    """``{prefix: [missing tensor names]}`` for each head prefix: its own tensors (``head_tensors``) and its decoder
+    layer (``layer_tensors``; any one of them present counts as the layer being there, as the names vary with the
+    attention / MoE kind). Prefixes with nothing missing are left out."""
+    out = {}
+    for p in prefixes:
+        miss = [p + t for t in head_tensors if p + t not in names]
+        if layer_tensors and not any(p + t in names for t in layer_tensors):
+            miss += [p + layer_tensors[0]]
+        if miss:
+            out[p] = miss
+    return out
+
+
+class MTPRules:
+    """SGLang 0.5.23's rules for an MTP / NextN head (the module docstring of :mod:`helpers.layers.mtp`); one subclass
+    per engine (``helpers.engines.vllm_rules.VLLMMTPRules``). ``label``: the engine's name for messages."""
+
+    label = "SGLang"
+
+    def __init__(self, version: Optional[str] = None) -> None:
+        self.version = version or SGLANG_RULES
+
+    def check(self, head: MTPHead, spec: MTPSpec, target_raw: dict, names: Optional[set[str]], draft_is_target: bool,
+              findings: list, notes: list, facts: dict) -> None:
+        """What SGLang will load and refuse for ``head`` under ``spec`` (findings, notes and facts appended).
+
+        Args:
+            head: the head (:func:`helpers.layers.mtp.mtp_head` of the draft config).
+            spec: the settings asked for.
+            target_raw: the target's config.json.
+            names: the draft checkpoint's tensor names (:func:`weight_names`), None when not at hand.
+            draft_is_target: the draft config is the target's (no separate draft path, or the same folder).
+        """
+        fam = head.family
+        algo = (spec.algorithm or "NEXTN").upper()
+        tarch = (target_raw.get("architectures") or [None])[0]
+        facts["algorithm"] = {"requested": spec.algorithm, "as_run": "EAGLE" if algo in MTP_ALGORITHMS else algo,
+                              "rule": ALIAS_RULE}
+        facts["loads"] = {
+            "class": fam.head_arch, "file": fam.head_file,
+            "from": ("the target's folder: the head is its extra layer" if draft_is_target else
+                     "the separate draft folder"),
+            "draft_path": (f"/server_info speculative_draft_model_path = the target's model_path ({DRAFT_PATH_RULE})"
+                           if fam.draft_path_default else
+                           f"/server_info speculative_draft_model_path stays null; the draft config and weights "
+                           f"come from model_path ({DRAFT_CONFIG_FALLBACK})") if draft_is_target else
+                          "--speculative-draft-model-path",
+            "rewrite": f"{REWRITE}: architectures[0] -> {fam.head_arch}"
+                       + (f", {fam.layers_field} = {fam.sglang_layers}" if fam.sglang_layers is not None else ""),
+            "prefixes": head.sglang_prefixes(), "head_tensors": list(fam.head_tensors),
+            "embedding_and_lm_head": "the target's (sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker."
+                                     "init_lm_head l. 371-378: set_embed_and_head)",
+            "loader": fam.sglang_loader, "layers_declared": head.layers, "layers_loaded": 1}
+        if algo not in MTP_ALGORITHMS:
+            findings.append(D.finding(
+                "mtp_head_refused", None,
+                f"--speculative-algorithm {algo} with an MTP / NextN head: SGLang serves the head ({fam.head_arch}: "
+                f"the target's last hidden state in) with NEXTN (an alias of EAGLE); {algo} expects another draft "
+                "kind (EAGLE3: an EAGLE-3 draft class fed the target's aux hidden states through fc)",
+                engine=f"{self.label} {self.version}", algorithm=algo, head_class=fam.head_arch,
+                source=f"{ALIAS_RULE}; {fam.head_file}", fix="--speculative-algorithm NEXTN"))
+            return
+        if fam.sglang_exactly_one and head.layers != 1:
+            err = ('ValueError("num_nextn_predict_layers is not in the config")' if head.layers is None else
+                   'AssertionError("Only 1 nextn layer is supported")')
+            findings.append(D.finding(
+                "mtp_head_refused", None,
+                f"{fam.layers_field} is {'absent' if head.layers is None else head.layers} in the "
+                f"{'target' if head.form == 'target' else 'NextN checkpoint'}'s config: SGLang's {fam.head_arch} "
+                f"loader raises {err} at start-up"
+                + (" (the target ships no MTP head to serve)" if not head.layers else ""),
+                engine=f"{self.label} {self.version}", field=fam.layers_field, value=head.layers, error=err,
+                source=fam.sglang_loader,
+                fix=("serve this target without NEXTN, or with a draft that exists (an EAGLE-3 draft)"
+                     if not head.layers else f"SGLang loads exactly one NextN layer: set {fam.layers_field} to 1 "
+                     "in a copy of the config if the first layer is the one to serve")))
+            return
+        if head.layers == 0:
+            notes.append(f"{fam.layers_field} is 0: the config declares no MTP layer, and {fam.head_arch} is built "
+                         "anyway; only the checkpoint's tensors (below) say whether a trained head is there")
+        self._weights(head, names, head.sglang_prefixes(), findings, facts, f"{self.label}'s {fam.head_arch}",
+                      fam.sglang_loader)
+        self._settings(head, spec, tarch, findings, notes, facts)
+
+    #: what the engine does when the head's tensors are missing (SGLang: no check after loading, found in
+    #: ``model_loader/`` and the DeepSeek / GLM loaders)
+    missing_effect = ("those parameters keep their initial values (the loader only skips names outside the prefix; "
+                      "nothing checks that the head was filled)")
+
+    def _weights(self, head: MTPHead, names: Optional[set[str]], prefixes: list[str], findings: list, facts: dict,
+                 who: str, source: str) -> None:
+        fam = head.family
+        if names is None:
+            facts["head_weights"] = "not checked (no index or safetensors at hand)"
+            return
+        miss = missing_tensors(prefixes, fam.head_tensors, fam.layer_tensors, names)
+        facts["head_weights"] = {"prefixes": prefixes, "missing": miss}
+        if miss:
+            flat = [m for ms in miss.values() for m in ms]
+            findings.append(D.finding(
+                "mtp_weights_missing", None,
+                f"{who} reads the head from {', '.join(prefixes)}*, but the checkpoint has no "
+                f"{', '.join(flat[:6])}{' ...' if len(flat) > 6 else ''}: {self.missing_effect}",
+                engine=f"{self.label} {self.version}", prefixes=prefixes, missing=miss,
+                tensors_in_checkpoint=len(names), source=source,
+                fix="serve a checkpoint that ships the head (the target's full release, or a separate NextN checkpoint "
+                    "passed as the draft path), or rename its tensors to the prefix this engine reads"))
+
+    def _settings(self, head: MTPHead, spec: MTPSpec, tarch: Optional[str], findings: list, notes: list,
+                  facts: dict) -> None:
+        fam = head.family
+        auto = spec.num_steps is None and spec.topk is None and spec.num_draft_tokens is None
+        steps, topk, ndt = (AUTO_PARAMS_BY_ARCH.get(tarch or "", AUTO_PARAMS_DEFAULT) if auto else
+                            (spec.num_steps, spec.topk, spec.num_draft_tokens))
+        if not auto and (steps is None or topk is None):
+            raise BadInput("give --speculative-num-steps and --speculative-eagle-topk together (SGLang 0.5.23 asserts "
+                           "that topk and draft tokens are unset when steps is: speculative_hook.py::"
+                           "_handle_eagle_family)", field="--speculative-num-steps")
+        eff_ndt = steps + 1 if topk == 1 else (ndt if ndt is not None else steps + 1)
+        facts["settings"] = {"num_steps": steps, "topk": topk, "num_draft_tokens": eff_ndt,
+                             "requested": {"num_steps": spec.num_steps, "topk": spec.topk,
+                                           "num_draft_tokens": spec.num_draft_tokens},
+                             "rule": f"{_HOOK}::_handle_eagle_family"
+                                     + (" -> _auto_choose_speculative_params l. 1430-1461" if auto else "")}
+        if auto:
+            notes.append(f"no --speculative-num-steps / topk / draft tokens: SGLang picks ({steps}, {topk}, {eff_ndt}) "
+                         f"for {tarch} ({_HOOK}::_auto_choose_speculative_params l. 1430-1461)")
+        srv = ServerSettings(algorithm="EAGLE", num_steps=steps, topk=topk, num_draft_tokens=eff_ndt,
+                             requested={"speculative_algorithm": spec.algorithm or "NEXTN",
+                                        "speculative_num_steps": spec.num_steps, "speculative_eagle_topk": spec.topk,
+                                        "speculative_num_draft_tokens": spec.num_draft_tokens})
+        findings += D.detect_num_draft_tokens_overridden(srv)
+        trained = head.layers or 1
+        if steps > trained:
+            findings.append(D.finding(
+                "mtp_steps_beyond_head", None,
+                f"{steps} draft steps with {trained} MTP layer{'s' if trained > 1 else ''} in the checkpoint: SGLang "
+                f"builds one {fam.head_arch} and runs it {steps} times, steps 2-{steps} on the hidden state the head "
+                f"itself produced, where it was trained on the target's: what those steps keep of acceptance is "
+                "not known from the configs",
+                engine=f"{self.label} {self.version}", num_steps=steps, head_layers=trained, layers_loaded=1,
+                source=f"{STEPS_RULE}; {fam.head_file}",
+                fix=f"--speculative-num-steps {trained} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+                    f"{trained + 1}, or measure acceptance per draft position (P(accepted >= j)) before keeping "
+                    f"{steps} steps"))
+
+
+def _head_or_refusal(draft_raw: dict, target_raw: dict, draft_is_target: bool, rules: MTPRules,
+                     findings: list) -> Optional[MTPHead]:
+    """The head of the draft config, or None with ``mtp_head_refused`` when the target has no MTP family SGLang /
+    vLLM rewrite into a head class."""
+    head = mtp_head(draft_raw)
+    if head is not None:
+        return head
+    arch = (draft_raw.get("architectures") or [None])[0]
+    inner = (text_config(draft_raw).get("architectures") or [None])[0] if text_config(draft_raw) is not draft_raw \
+        else None
+    findings.append(D.finding(
+        "mtp_head_refused", None,
+        f"{'the target' if draft_is_target else 'the draft'} {arch} is no MTP / NextN family {rules.label} "
+        f"{rules.version} serves a head of: its draft rewrite reads architectures[0] only"
+        + (f" (the text config's {inner} is one, but the wrapper is not rewritten)" if family_of([inner]) else "")
+        + f"; families read: {', '.join(a for f in MTP_FAMILIES for a in f.target_archs)}",
+        engine=f"{rules.label} {rules.version}", architecture=arch, source=REWRITE,
+        fix="serve the target without NEXTN, or with an EAGLE-3 draft"))
+    return None
+
+
+def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPSpec = MTPSpec(),
+              rules: Optional[MTPRules] = None) -> StaticReport:
+    """The config-only check of an MTP / NextN deployment (module docstring): ``diagnose --draft-config D
+    --target-config T`` where D is the target itself (the head is its extra layer) or a separate NextN checkpoint.
+
+    Args:
+        draft_config / target_config: a config.json or its folder (a folder's ``model.safetensors.index.json`` or
+            ``*.safetensors`` headers give the tensor names; no weights are read).
+        spec: the settings asked for (:class:`MTPSpec`).
+        rules: the engine's :class:`MTPRules` (default SGLang 0.5.23's).
+
+    Returns:
+        :class:`helpers.diagnosis.static.StaticReport` with no plans (an MTP head takes no aux hidden states), the
+        findings, notes as advisories, and ``draft_checks = {"facts", "notes"}``.
+
+    Raises:
+        BadInput: unreadable configs or index; steps given without topk.
+    """
+    rules = rules or MTPRules()
+    dfile, tfile = _config_file(draft_config), _config_file(target_config)
+    draft_raw, target_raw = read_config_json(dfile, "draft config"), read_config_json(tfile, "target config")
+    same = dfile.resolve() == tfile.resolve() or draft_raw == target_raw
+    findings: list[dict] = []
+    notes: list[str] = []
+    facts: dict = {"engine": f"{rules.label} {rules.version}"}
+    head = _head_or_refusal(draft_raw, target_raw, same, rules, findings)
+    inputs = {"draft": f"{dfile}" + (" (the target's config: the head is its extra layer)" if same else ""),
+              "target": str(tfile), "engine": f"{rules.label} {rules.version}"}
+    if head is not None:
+        names, where = weight_names(Path(draft_config))
+        inputs["draft weights"] = where
+        fam = head.family
+        facts["head"] = {"family": fam.name, "form": head.form, "layers_field": fam.layers_field,
+                         "layers": head.layers, "num_hidden_layers": head.num_hidden_layers}
+        facts["head"]["layers_defaulted"] = head.layers_defaulted
+        if head.layers_defaulted:
+            notes.append(f"{fam.layers_field} is not in the config: the config class's default {head.layers} applies "
+                         "(transformers 5.19, the class both engines load the config with)")
+        inputs["mtp head"] = (f"{fam.name} family, {fam.layers_field} = {head.layers}"
+                              f"{' (config class default)' if head.layers_defaulted else ''}, "
+                              + ("the target's extra layer" if head.form == "target" else
+                                 "a separate NextN checkpoint"))
+        rules.check(head, spec, target_raw, names, same, findings, notes, facts)
+        loads = facts.get("loads")
+        if loads:
+            inputs[f"{rules.label} loads"] = (f"{loads['class']} ({loads['file']}) from {loads['from']}, tensors "
+                                             f"under {', '.join(loads['prefixes'])}*; {loads['draft_path']}")
+        if facts.get("settings"):
+            s = facts["settings"]
+            inputs["settings as run"] = (f"algorithm {facts['algorithm']['as_run']}, steps {s['num_steps']}, topk "
+                                         f"{s['topk']}, draft tokens {s['num_draft_tokens']}")
+    findings = sort_findings(findings)
+    return StaticReport(verdict="mismatch" if findings else "ok", findings=findings, served_plan=None,
+                        training_plan=None, advisories=list(notes), inputs=inputs,
+                        draft_checks={"facts": facts, "notes": notes})
+
+
+def is_mtp_deployment(draft_config: str | Path, target_config: str | Path, algorithm: Optional[str]) -> bool:
+    """Whether ``diagnose --draft-config D --target-config T`` is about an MTP / NextN head: D is a family's target or
+    head config (:func:`helpers.layers.mtp.mtp_head`), or the algorithm is NEXTN and D is the target itself."""
+    draft_raw = read_config_json(_config_file(draft_config), "draft config")
+    if mtp_head(draft_raw) is not None:
+        return True
+    return (algorithm or "").upper() == "NEXTN"
+
+
+def describe_head(draft_dir: Path, target_dir: Path, info: dict) -> Optional[dict]:
+    """What an attached server runs as its draft when that is an MTP / NextN head (None otherwise): the family, the
+    draft's source, and the effective spec config (algorithm as requested and as run, steps, topk, draft tokens,
+    from ``/server_info`` and its ``launch_command``: :class:`helpers.server.settings.ServerSettings`; ``overrides``:
+    what the engine changed silently, :func:`helpers.server.settings.detect_overrides`)."""
+    try:
+        raw = read_config_json(_config_file(draft_dir), "draft config")
+    except BadInput:
+        return None
+    head = mtp_head(raw)
+    if head is None:
+        return None
+    same = Path(draft_dir).resolve() == Path(target_dir).resolve()
+    srv = ServerSettings.from_dict(info, source="/server_info")
+    fam = head.family
+    try:
+        tarch = (read_config_json(_config_file(target_dir), "target config").get("architectures") or [None])[0]
+    except BadInput:
+        tarch = None
+    overrides = [o.model_dump() for o in detect_overrides(srv.requested, info, target_arch=tarch)]
+    return {"kind": "mtp", "family": fam.name, "class": fam.head_arch, "file": fam.head_file,
+            "layers_field": fam.layers_field, "layers": head.layers,
+            "source": (f"the target's NextN layer(s) {', '.join(head.sglang_prefixes())}* in {draft_dir}" if same else
+                       f"a separate NextN checkpoint in {draft_dir} ({head.form})"),
+            "spec": {"algorithm_requested": srv.requested.get("speculative_algorithm"),
+                     "algorithm_as_run": srv.algorithm, "num_steps": srv.num_steps, "topk": srv.topk,
+                     "num_draft_tokens": srv.num_draft_tokens,
+                     "requested": {k: v for k, v in srv.requested.items() if k.startswith("speculative_")},
+                     "overrides": overrides}}

@@ -1,0 +1,234 @@
+"""MTP / NextN heads: the draft family a DeepSeek / GLM / Qwen-Next / MiMo target carries in its own checkpoint
+(``num_nextn_predict_layers`` extra layers after the last decoder layer), as SGLang 0.5.23 and vLLM 0.32.0 load it.
+One entry of :data:`MTP_FAMILIES` per model family; the config checks (``helpers.draft.mtp_checks``), the draft config
+reader (``helpers.formats.configs.read_draft_config``: ``form == "mtp"``) and the attach (``helpers.investigation.
+attach``) read these entries instead of comparing class names. Imports nothing of ``helpers``.
+
+What the two engines do with such a head (read in the installed source):
+
+* SGLang: ``--speculative-algorithm NEXTN`` is an alias of ``EAGLE``
+  (``sglang/srt/arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias`` l. 81-117). The draft's
+  config is the target's (``configs/model_config.py::ModelConfig.from_server_args`` l. 956: ``model_path or
+  cfg.model_path``; for the DeepSeek / GLM targets ``_handle_eagle_family`` l. 1120-1157 also sets
+  ``speculative_draft_model_path = model_path``, so ``/server_info`` names it), and a draft whose
+  ``architectures[0]`` is the target's class is rewritten to the family's head class
+  (``configs/model_config.py::ModelConfig._config_draft_model`` l. 1010-1200). The head's own tensors sit under a
+  checkpoint prefix (:attr:`MTPFamily.prefix`); its embedding and lm_head are the target's
+  (``speculative/eagle_worker_v2.py::EagleDraftWorker.init_lm_head`` l. 371-378: ``set_embed_and_head``).
+  ``--speculative-num-steps`` runs the one head that many times on its own output hidden state
+  (``eagle_worker_v2.py::EagleDraftWorker.draft_forward`` l. 742-830: one model, ``for i in range(num_steps)``).
+* vLLM: ``method: mtp`` (the per-family names such as ``deepseek_mtp`` are deprecated aliases,
+  ``vllm/config/speculative.py::SpeculativeConfig.__post_init__`` l. 1141-1145); without ``model`` the target's
+  folder is the draft's (l. 1147-1163); ``hf_config_override`` (l. 661-1074) maps the target's config to the head's
+  class with ``n_predict`` = the layer field; ``num_speculative_tokens`` defaults to ``n_predict`` and must be a
+  multiple of it when larger (l. 1478-1501), and the head layers are reused round-robin
+  (``model_executor/models/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward`` l. 217: ``spec_step_idx %
+  num_mtp_layers``), with the warning "Enabling num_speculative_tokens > 1 will run multiple times of forward on same
+  MTP layer" (``speculative.py`` l. 1375-1385).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+_SG = "sglang/srt"
+_VL = "vllm/model_executor/models"
+#: where SGLang rewrites the draft's architecture (and, for some families, its layer count)
+REWRITE = f"{_SG}/configs/model_config.py::ModelConfig._config_draft_model"
+#: where SGLang sets the draft path to the target's for the DeepSeek / GLM targets
+DRAFT_PATH_RULE = f"{_SG}/arg_groups/speculative_hook.py::_handle_eagle_family l. 1120-1157"
+#: where SGLang falls back to the target's folder when no draft path is given
+DRAFT_CONFIG_FALLBACK = (f"{_SG}/configs/model_config.py::ModelConfig.from_server_args l. 956 "
+                         "(model_path or cfg.model_path)")
+#: the algorithm alias
+ALIAS_RULE = f"{_SG}/arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias l. 81-117 (NEXTN -> EAGLE)"
+#: the one head run once per draft step
+STEPS_RULE = (f"{_SG}/speculative/eagle_worker_v2.py::EagleDraftWorker.draft_forward l. 742-830 (the one draft model "
+              "run speculative_num_steps times, each step on the hidden state the head itself produced)")
+VLLM_CONFIG = "vllm/config/speculative.py::SpeculativeConfig"
+
+
+def _after_last(n: int, i: int) -> str:
+    """``model.layers.{n + i}.`` (vLLM: ``mtp_start_layer_idx = num_hidden_layers``)."""
+    return f"model.layers.{n + i}."
+
+
+def _sglang_nextn(n: int, i: int) -> str:
+    """SGLang's DeepSeek / GLM NextN prefix: ``model.layers.{n}.``, or ``model.layers.0.`` for a separate NextN
+    checkpoint whose ``num_hidden_layers`` is 1 (``nextn_layer_id = 0 if num_hidden_layers == 1 else
+    num_hidden_layers``)."""
+    return f"model.layers.{0 if n == 1 else n}."
+
+
+@dataclass(frozen=True)
+class MTPFamily:
+    """One model family's MTP / NextN head, as SGLang 0.5.23 and vLLM 0.32.0 load it.
+
+    Attributes:
+        name: the family (``deepseek_v3``, ``glm4_moe``, ``qwen3_next``, ``mimo``).
+        target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
+        head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
+            separate head checkpoint).
+        layers_field: the config field the engines read for the number of head layers.
+        config_default: the value the family's transformers config class (5.19, both engines' venvs) gives the field
+            when config.json leaves it out (``DeepseekV3Config`` / ``Glm4MoeConfig``: 1), None when the class has no
+            such field (the engines then see it absent).
+        sglang_layers: the value SGLang writes into that field for the draft (None: read as the config says).
+        sglang_loader: SGLang's function that reads the field and the head's tensors (with its refusals).
+        sglang_exactly_one: SGLang's loader refuses any layer count but 1 (ValueError when the field is absent,
+            AssertionError "Only 1 nextn layer is supported" otherwise).
+        draft_path_default: SGLang sets ``speculative_draft_model_path`` to the target's folder
+            (:data:`DRAFT_PATH_RULE`); otherwise it is left None and ``/server_info`` reports null.
+        sglang_prefix / vllm_prefix: ``(num_hidden_layers, head layer i) -> checkpoint prefix`` of the head layer.
+        head_tensors: the head's own tensors (beyond the decoder layer) under the prefix.
+        layer_tensors: tensors of the head's decoder layer under the prefix (one suffices to show it is there).
+        vllm_arch / vllm_file: vLLM's head class (after ``hf_config_override``) and its file.
+        vllm_layers_default: what vLLM's head assumes when the field is absent (None: ``n_predict`` is None).
+        vllm_reuse: the line where vLLM picks the head layer of a draft step.
+    """
+
+    name: str
+    target_archs: tuple[str, ...]
+    head_arch: str
+    head_file: str
+    layers_field: str
+    config_default: Optional[int]
+    sglang_layers: Optional[int]
+    sglang_loader: str
+    sglang_exactly_one: bool
+    draft_path_default: bool
+    sglang_prefix: Callable[[int, int], str]
+    vllm_prefix: Callable[[int, int], str]
+    head_tensors: tuple[str, ...]
+    layer_tensors: tuple[str, ...]
+    vllm_arch: str
+    vllm_file: str
+    vllm_layers_default: Optional[int]
+    vllm_reuse: str
+
+
+_DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
+              "_initialize_nextn_conf l. 552-584 and do_load_weights l. 316-335")
+_NEXTN_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+_DECODER = ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+#: the families, one entry each
+MTP_FAMILIES: tuple[MTPFamily, ...] = (
+    MTPFamily(
+        name="deepseek_v3", target_archs=("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
+        head_arch="DeepseekV3ForCausalLMNextN", head_file=f"{_SG}/models/deepseek_nextn.py",
+        layers_field="num_nextn_predict_layers", config_default=1, sglang_layers=None, sglang_loader=_DS_LOADER,
+        sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
+        head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="DeepSeekMTPModel",
+        vllm_file=f"{_VL}/deepseek_mtp.py", vllm_layers_default=None,
+        vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 "
+                   "(spec_step_idx % num_mtp_layers)"),
+    MTPFamily(
+        name="glm4_moe", target_archs=("Glm4MoeForCausalLM",), head_arch="Glm4MoeForCausalLMNextN",
+        head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", config_default=1,
+        sglang_layers=None,
+        sglang_loader=f"{_SG}/models/glm4_moe.py::Glm4MoeForCausalLM.load_weights l. 1074-1088",
+        sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
+        head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeMTPModel",
+        vllm_file=f"{_VL}/glm4_moe_mtp.py", vllm_layers_default=None,
+        vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)"),
+    MTPFamily(
+        name="qwen3_next", target_archs=("Qwen3NextForCausalLM",), head_arch="Qwen3NextForCausalLMMTP",
+        head_file=f"{_SG}/models/qwen3_next_mtp.py", layers_field="num_nextn_predict_layers", config_default=None,
+        sglang_layers=1,
+        sglang_loader=f"{_SG}/models/qwen3_next.py::Qwen3NextForCausalLM.load_weights l. 1139-1190 (is_mtp: only "
+                      "names with 'mtp')",
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "mtp.",
+        vllm_prefix=lambda n, i: "mtp.",
+        head_tensors=("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"),
+        layer_tensors=("layers.0.input_layernorm.weight",), vllm_arch="Qwen3NextMTP",
+        vllm_file=f"{_VL}/qwen3_next_mtp.py", vllm_layers_default=1,
+        vllm_reuse=f"{_VL}/qwen3_next_mtp.py l. 141 (spec_step_idx % num_mtp_layers)"),
+    MTPFamily(
+        name="mimo", target_archs=("MiMoForCausalLM",), head_arch="MiMoMTP", head_file=f"{_SG}/models/mimo_mtp.py",
+        layers_field="num_nextn_predict_layers", config_default=None, sglang_layers=None,
+        sglang_loader=f"{_SG}/models/mimo_mtp.py::MiMoMTP.load_weights / map_model_name_to_mtp_param_name "
+                      "l. 130-192 (every model.mtp_layers.<i>. goes into the one mtp_block)",
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: f"model.mtp_layers.{i}.",
+        vllm_prefix=lambda n, i: f"model.mtp_layers.{i}.",
+        head_tensors=("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+                      "final_layernorm.weight"),
+        layer_tensors=_DECODER, vllm_arch="MiMoMTPModel", vllm_file=f"{_VL}/mimo_mtp.py", vllm_layers_default=None,
+        vllm_reuse=f"{_VL}/mimo_mtp.py l. 135 (mtp_layers[start + spec_step_idx])"),
+)
+
+_BY_ARCH = {a: f for f in MTP_FAMILIES for a in (*f.target_archs, f.head_arch)}
+
+
+def family_of(architectures: Optional[Sequence[str]]) -> Optional[MTPFamily]:
+    """The :class:`MTPFamily` whose target class or head class is ``architectures[0]`` (what SGLang's rewrite reads),
+    None for another class."""
+    archs = [a for a in (architectures or []) if a]
+    return _BY_ARCH.get(archs[0]) if archs else None
+
+
+def text_config(raw: dict) -> dict:
+    """The sub-config holding the layer fields (``text_config`` / ``language_config`` / ``llm_config`` /
+    ``thinker_config`` when present), else ``raw``."""
+    for k in ("thinker_config", "llm_config", "language_config", "text_config"):
+        if isinstance(raw.get(k), dict):
+            return raw[k]
+    return raw
+
+
+@dataclass(frozen=True)
+class MTPHead:
+    """An MTP / NextN head found in a config (:func:`mtp_head`).
+
+    Attributes:
+        family: its :class:`MTPFamily`.
+        form: ``target`` (a target's config: the head is its extra layer(s)) or ``checkpoint`` (a separate NextN
+            checkpoint whose ``architectures[0]`` is the head class).
+        layers: the layer count the engines see: :attr:`MTPFamily.layers_field` as config.json gives it, else the
+            config class's default (:attr:`MTPFamily.config_default`); None: absent from both.
+        num_hidden_layers: the config's ``num_hidden_layers`` (where the head's layer sits after).
+        layers_defaulted: config.json leaves the field out and ``layers`` is the config class's default.
+    """
+
+    family: MTPFamily
+    form: str
+    layers: Optional[int]
+    num_hidden_layers: Optional[int]
+    layers_defaulted: bool = False
+
+    @property
+    def sglang_layers(self) -> Optional[int]:
+        """The layer count SGLang's loader sees (the family's override, else the declared one)."""
+        return self.family.sglang_layers if self.family.sglang_layers is not None else self.layers
+
+    @property
+    def vllm_n_predict(self) -> Optional[int]:
+        """vLLM's ``n_predict`` (``hf_config_override``: the layer field, None when absent)."""
+        return self.layers
+
+    def sglang_prefixes(self) -> list[str]:
+        """The checkpoint prefixes SGLang reads the head from (one: SGLang builds one head layer)."""
+        return [self.family.sglang_prefix(self.num_hidden_layers or 0, 0)]
+
+    def vllm_prefixes(self) -> list[str]:
+        """The checkpoint prefixes vLLM reads, one per head layer (``n_predict``, else its default, else 1)."""
+        n = self.layers if self.layers else (self.family.vllm_layers_default or 1)
+        return list(dict.fromkeys(self.family.vllm_prefix(self.num_hidden_layers or 0, i) for i in range(n)))
+
+
+def mtp_head(raw: dict) -> Optional[MTPHead]:
+    """The MTP / NextN head a config.json describes (its ``architectures[0]`` is a family's target or head class),
+    else None. A target config with no head layers (``num_nextn_predict_layers`` absent or 0) is still returned
+    (``layers`` None / 0): whether an engine serves it is the config checks' answer, not this function's."""
+    fam = family_of(raw.get("architectures") if isinstance(raw.get("architectures"), list) else None)
+    if fam is None:
+        return None
+    tc = text_config(raw)
+    given = tc.get(fam.layers_field)
+    given = given if isinstance(given, int) and not isinstance(given, bool) else None
+    layers = given if given is not None else fam.config_default
+    n = tc.get("num_hidden_layers")
+    n = n if isinstance(n, int) and not isinstance(n, bool) else None
+    arch = raw["architectures"][0]
+    return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
+                   num_hidden_layers=n, layers_defaulted=given is None and layers is not None)
