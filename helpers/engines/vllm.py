@@ -720,7 +720,7 @@ class VLLMAdapter(EngineAdapter):
                 ``max_width``.
             FileExistsError: the dump exists."""
         from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)
-        from .vllm_capture import _assemble, _now, _send  # lazy: torch (measure detects the engine without it)
+        from .vllm_capture import _assemble, _now, _send, write_layers  # lazy: torch (measure detects the engine without it)
         ranks = client.describe(required=True)
         version = client.version()
         out_dir = Path(out_dir)
@@ -750,7 +750,7 @@ class VLLMAdapter(EngineAdapter):
                                 "ids": r0.get("aux_layer_ids"), "convention": "vllm"}}
         path = write_dump(out_dir / name, samples, extra)
         if layers and ref:
-            self._write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
+            write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
         return path
 
     def sampled_verify_refusal(self, info: dict) -> Optional[str]:
@@ -783,19 +783,6 @@ class VLLMAdapter(EngineAdapter):
         capture's served states and its ``drafter.propose`` records: proposals, not vLLM's internal positions)."""
         from .vllm_capture import traced_capture  # lazy: torch
         return traced_capture(self, client, prompts, max_new_tokens=max_new_tokens, folder=folder)
-
-    @staticmethod
-    def _write_layers(path: Path, ref: list, r0: dict, version: str, client: VLLMClient) -> Path:
-        from ..formats.dumps import write_dump  # lazy: torch (measure detects the engine without it)
-        from .vllm_capture import _now  # lazy: torch (measure detects the engine without it)
-        n = r0.get("num_layers") or 0
-        return write_dump(path, ref, {"kind": "reference", "engine": "vllm", "engine_version": version,
-                                      "hidden_size": r0.get("hidden_size"),
-                                      "source": {"type": "vllm_worker_extension", "url": client._shown_url,
-                                                 "captured": _now(), "tensor": "model.embed_tokens output; "
-                                                 "layers[L] output hidden + residual (prefill), TP rank 0"},
-                                      "tp_size": r0.get("tp_size"),
-                                      "layer_plan": {"tensors": ["embedding"] + [f"out({L})" for L in range(n)]}})
 
 
 def _read_config(folder: Optional[str]) -> Optional[dict]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from ..capture import prompt_fields, read_rank_capture, safe_key, sampling_params
 from ..draft.sequences import dump_sequences
 from ..errors import BadInput, SGLangError
-from ..formats.dumps import read_dump
+from ..formats.dumps import read_dump, write_dump
 from .vllm_answers import record
 
 
@@ -205,3 +205,18 @@ def traced_capture(adapter: Any, client: Any, prompts: Sequence[Any], *, max_new
         raise BadInput("the worker extension recorded no draft proposals (is this server's extension older than "
                        "this tool's? restart it with this checkout)", path=folder / "capture")
     return seqs, records
+
+
+def write_layers(path: Path, ref: list, r0: dict, version: str, client: Any) -> Path:
+    """The every-layer reference of a vLLM capture (the worker extension's target forwards: the embedding output and
+    every layer's ``hidden + residual`` at prefill, TP rank 0) as a reference dump at ``path``
+    (:func:`helpers.formats.dumps.write_dump`); ``r0`` is rank 0's capture report (``num_layers``, ``hidden_size``,
+    ``tp_size``)."""
+    n = r0.get("num_layers") or 0
+    return write_dump(path, ref, {"kind": "reference", "engine": "vllm", "engine_version": version,
+                                  "hidden_size": r0.get("hidden_size"),
+                                  "source": {"type": "vllm_worker_extension", "url": client._shown_url,
+                                             "captured": _now(), "tensor": "model.embed_tokens output; "
+                                             "layers[L] output hidden + residual (prefill), TP rank 0"},
+                                  "tp_size": r0.get("tp_size"),
+                                  "layer_plan": {"tensors": ["embedding"] + [f"out({L})" for L in range(n)]}})
