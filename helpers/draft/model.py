@@ -53,7 +53,12 @@ from ..errors import BadInput
 from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
 from ..formats.dumps import PLAIN_FLOAT
 from .attention import ATTENTIONS, MLAShape, _mix, _mix_own, _rms, _scores, _scores_own
+from ..formats.speculators import EAGLE3_ARCH_MAP
 from .params import K25, L3, LLAMA_CLASS, SHARD_TENSORS, resolve_name, sglang_parameters, shape_error
+
+
+#: vLLM's Llama EAGLE-3 draft class, which a speculators-format eagle3 draft with a llama layer config maps to
+VLLM_LLAMA_EAGLE3 = EAGLE3_ARCH_MAP["llama"]
 
 
 def _internal_name(param: str, shard) -> str:
@@ -106,6 +111,7 @@ class DraftArch:
     norm_output: bool
     fc_bias: bool
     max_position: Optional[int]
+    norm_before_residual: bool = False
     architecture: str = LLAMA_CLASS
     mla: Optional[MLAShape] = None
 
@@ -123,6 +129,10 @@ class DraftArch:
         dc = read_draft_config(path)
         raw = dc.raw
         arch = (dc.architectures or [""])[0]
+        if dc.speculators is not None and dc.speculators.architecture == VLLM_LLAMA_EAGLE3:
+            # a speculators-format draft runs as vLLM maps it (helpers.formats.speculators.vllm_view): vLLM's
+            # Eagle3LlamaForCausalLM, the same body as SGLang's Llama EAGLE-3 draft plus norm_before_residual
+            arch = LLAMA_CLASS
         if arch not in ATTENTIONS:
             raise BadInput(f"architecture {arch!r} is not an EAGLE-3 draft this tool can run offline (expected one of "
                            f"{', '.join(ATTENTIONS)}: {L3}, {K25})", path=dc.path, field="architectures")
@@ -132,6 +142,7 @@ class DraftArch:
                    eps=float(raw.get("rms_norm_eps") or 1e-6), vocab=p.vocab, draft_vocab=p.draft_vocab,
                    tie=p.tie, lm_head_from_target=p.lm_from_target, norm_before_fc=p.norm_before_fc,
                    fc_norm=p.fc_norm, norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
+                   norm_before_residual=dc.speculators is not None and bool(raw.get("norm_before_residual")),
                    architecture=arch, **ATTENTIONS[arch].read_config(dc, p))
 
 
@@ -414,8 +425,10 @@ class Eagle3Draft:
     def _layer_in(self, i: int, embeds: torch.Tensor, h: torch.Tensor, residual: Optional[torch.Tensor]):
         a, w, p = self.arch, self.w, f"layers.{i}."
         if i == 0:
-            return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps),
-                              _rms(h, w[p + "hidden_norm.weight"], a.eps)], dim=-1), h
+            hn = _rms(h, w[p + "hidden_norm.weight"], a.eps)
+            # vLLM llama_eagle3.py::LlamaDecoderLayer._norm_before_residual: the normed state is the residual
+            return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps), hn], dim=-1), \
+                (hn if a.norm_before_residual else h)
         return _add_rms(h, residual, w[p + "hidden_norm.weight"], a.eps)
 
     def _layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor):
