@@ -96,8 +96,13 @@ class VLLMRules(PlanRules):
         plan.tensors = [t for t in tensors if t is not None]
         want = rules.num_aux_hidden_states(view)
         if len(plan.tensors) != want:
+            read = view.get("eagle_aux_hidden_state_layer_ids") or (view.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids") or []
+            rep = sorted({int(i) for i in read if list(read).count(i) > 1})
+            why = (f" (the ids {list(read)} repeat {rep}: vLLM keeps each once, {rules.SOURCES['aux_set']}; give "
+                   f"{want} distinct ids)" if rep else "")
             plan.fatal = (f"the draft's fc takes {want} chunks ({rules.SOURCES['num_aux']}) but vLLM captures "
-                          f"{len(plan.tensors)}: the first request fails in the draft's fc (shape mismatch) -- "
+                          f"{len(plan.tensors)}{why}: the first request fails in the draft's fc (shape mismatch) -- "
                           f"{rules.SOURCES['num_aux']}")
         plan.source = f"{src} {list(ids)} + vLLM {self.version} rule (in(i), verbatim)"
         if src.startswith("default"):
