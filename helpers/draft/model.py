@@ -34,6 +34,12 @@ weight-absorbed, as SGLang's dispatch does for every draft batch (``deepseek_com
 only a non-speculative extend takes the expanded MHA): ``models/deepseek_common/attention_forward_methods/
 forward_mla.py::forward_absorb_prepare`` / ``forward_absorb_core``.
 
+A speculators-format draft (:mod:`helpers.formats.speculators`; only vLLM serves it) runs as vLLM 0.32.0 loads it:
+its flat config (``transformer_layer_config`` + the eagle3 fields), ``norm_before_residual`` (``llama_eagle3.py::
+LlamaDecoderLayer._norm_before_residual``: the first layer's residual is the normed hidden state; vLLM reads an absent
+one as true), and an own ``embed_tokens`` unlike the target's kept (``v1/spec_decode/llm_base_proposer.py::
+_maybe_share_embeddings``).
+
 The architecture picks its attention adapter (:data:`helpers.draft.attention.ATTENTIONS`, by ``architectures[0]`` of
 the draft config); the rest of the draft run is the same code for both.
 """
@@ -343,6 +349,16 @@ class Eagle3Draft:
             embed = _read_tensor(hit[1], hit[0])
             _finite(embed, hit[1], hit[0])
             sources["embed"] = f"target {hit[1].name}:{hit[0]}"
+            own = names.get("embed_tokens.weight")
+            if dc.speculators is not None and own is not None:
+                # a speculators draft runs on vLLM only, whose loader keeps an own embed_tokens unless it equals the
+                # target's (v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._maybe_share_embeddings)
+                mine = _read_tensor(index[own], own)
+                if mine.shape != embed.shape or not torch.equal(mine.float(), embed.float()):
+                    _finite(mine, index[own], own)
+                    embed = mine
+                    sources["embed"] = (f"draft {index[own].name}:{own} (not the target's: vLLM keeps it, "
+                                        "llm_base_proposer.py::_maybe_share_embeddings)")
         else:
             key = names.get("embed_tokens.weight")
             if key is None:

@@ -131,3 +131,25 @@ def test_vllm_refuses_what_vllm_refuses_with_the_field_named(tmp_path):
     p.write_text(json.dumps({"speculators_model_type": "eagle3", "transformer_layer_config": [1]}))
     with pytest.raises(BadInput, match=r"\[transformer_layer_config\].*must be a dictionary"):
         read_draft_config(p)
+
+
+def test_an_own_embedding_unlike_the_targets_is_kept_as_vllm_keeps_it(converted, tmp_path):
+    """vLLM shares the target's embedding only when the draft's equals it (_maybe_share_embeddings): the offline run of
+    a speculators draft (served by vLLM only) takes a different one from the checkpoint, and proposes differently."""
+    from safetensors.torch import save_file
+
+    other = tmp_path / "own"
+    other.mkdir()
+    (other / "config.json").write_text((converted / "config.json").read_text())
+    w = _tensors(converted)
+    g = torch.Generator().manual_seed(0)
+    w["embed_tokens.weight"] = (w["embed_tokens.weight"].float()
+                                + torch.randn(w["embed_tokens.weight"].shape, generator=g)).to(torch.bfloat16)
+    save_file(w, str(other / "model.safetensors"))
+    a, b = Eagle3Draft.load(converted, H64 / "target"), Eagle3Draft.load(other, H64 / "target")
+    assert a.sources["embed"].startswith("target") and b.sources["embed"].startswith("draft")
+    assert torch.equal(b.embed, w["embed_tokens.weight"].float()) and not torch.equal(a.embed, b.embed)
+    s = training_sequences(TrainingData(H64 / "data" / "sample", hidden_size=128, max_samples=1))[0]
+    T = int(s.tokens.shape[0])
+    assert not torch.equal(a.extend(s.tokens[1:T], s.aux[: T - 1]).logits,
+                           b.extend(s.tokens[1:T], s.aux[: T - 1]).logits)
