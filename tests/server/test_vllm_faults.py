@@ -14,6 +14,9 @@ registry's launch); and one SGLang server for the cross-engine pair.
   default), a d2t of another run, an embed_tokens of its own that is not the target's (vLLM keeps it), and noise in
   fc, attention and MLP (the acceptance budget's draft stage, still short of the log with the proposed vocab map).
 
+* (extended tier, a fourth server start) the reference draft converted to the speculators format: the same verdict,
+  findings and accept length at every stage as the original.
+
 The fix measured on a restarted vLLM server (investigate's relaunch) is README's "Investigate a vLLM server" run, not
 repeated here: it would cost a fourth server start.
 
