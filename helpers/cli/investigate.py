@@ -13,7 +13,7 @@ import os
 from typing import Optional, Sequence
 
 from ..acceptance.sweeps import SWEEPS
-from ..errors import BadInput
+from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..server.client import check_url
 from ..server.embedded import parse_ports
@@ -131,17 +131,15 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         show = progress_line(prog)
         show(f"run folder {run_dir}")
         show(f"to open it in the notebooks, paste into their parameters cell: {run_dir_line(run_dir)}")
-        with failure_guard(prog, run_dir):        # investigation.json keeps what was done; FAILED says why
-            doc = investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
-                              validation=args.validation, rows_word=rows_word,
-                              relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
-                              timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
-                              max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
-                              acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
-                              training_log=args.training_log, sweeps=sweeps, draft_cost=args.draft_cost,
-                              engine_probes=args.engine_probes, probe_sampling=_probe_sampling(args),
-                              progress=show)
-            report = write_report(run_dir, doc)
+        try:
+            with failure_guard(prog, run_dir):        # investigation.json keeps what was done; FAILED says why
+                doc = _investigate(args, run_dir, rows_word, sweeps, show)
+                report = write_report(run_dir, doc)
+        except Exception as exc:
+            if args.json:                             # --json always prints one JSON document; the line goes on
+                print(json.dumps({"verdict": "error", "error": describe(exc), "findings": [],
+                                  "run_dir": str(run_dir)}, indent=1))
+            raise
         if args.json:
             print(json.dumps({"verdict": doc.verdict, "findings": [f.model_dump(mode="json") for f in doc.findings],
                               "proposed_fix": None if doc.proposed_fix is None else doc.proposed_fix.model_dump(
@@ -195,6 +193,19 @@ def _check_draft(args, prog: str) -> int:
             print(f"note: {n}")
     return CHECK_EXIT[doc["verdict"]]
 
+
+
+def _investigate(args, run_dir, rows_word, sweeps, show):
+    """:func:`helpers.investigation.live.investigate` with the command line's arguments."""
+    return investigate(args.url, training=args.training, run_dir=run_dir, draft=args.draft, target=args.target,
+                       validation=args.validation, rows_word=rows_word,
+                       relaunch=args.relaunch, api_key=os.environ.get(args.api_key_env) or None,
+                       timeout=args.timeout, num_samples=args.samples, measure_prompts=args.prompts,
+                       max_new_tokens=args.max_new_tokens, apply_fix=not args.no_apply, port=args.port,
+                       acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
+                       training_log=args.training_log, sweeps=sweeps, draft_cost=args.draft_cost,
+                       engine_probes=args.engine_probes, probe_sampling=_probe_sampling(args),
+                       progress=show)
 
 
 def _probe_sampling(args) -> Optional[dict]:

@@ -22,8 +22,9 @@ def draft_servable(architectures: Sequence[str], form: str) -> Optional[str]:
     where = ", ".join(f"{d['architecture']} ({d['file']})" for d in table()["eagle3_drafts"])
     if form == "speculators":
         return (f"a speculators-format draft (architectures {archs or '[]'}, speculators_model_type): SGLang has no "
-                f"reader for it and serves EAGLE-3 only through {where}; convert it to the SGLang layout "
-                "(speculators' SGLang export, or SpecForge's) first")
+                "reader for it (the model class comes from architectures: sglang/srt/model_loader/utils.py::"
+                "get_model_architecture; no SGLang file reads speculators_model_type or transformer_layer_config) "
+                f"and serves EAGLE-3 only through {where}; convert its config to the SGLang layout first")
     if not archs:
         return f"the draft config names no architecture; SGLang serves EAGLE-3 through {where}"
     targets = table()["targets"]

@@ -34,6 +34,12 @@ weight-absorbed, as SGLang's dispatch does for every draft batch (``deepseek_com
 only a non-speculative extend takes the expanded MHA): ``models/deepseek_common/attention_forward_methods/
 forward_mla.py::forward_absorb_prepare`` / ``forward_absorb_core``.
 
+A speculators-format draft (:mod:`helpers.formats.speculators`; only vLLM serves it) runs as vLLM 0.32.0 loads it:
+its flat config (``transformer_layer_config`` + the eagle3 fields), ``norm_before_residual`` (``llama_eagle3.py::
+LlamaDecoderLayer._norm_before_residual``: the first layer's residual is the normed hidden state; vLLM reads an absent
+one as true), and an own ``embed_tokens`` unlike the target's kept (``v1/spec_decode/llm_base_proposer.py::
+_maybe_share_embeddings``).
+
 The architecture picks its attention adapter (:data:`helpers.draft.attention.ATTENTIONS`, by ``architectures[0]`` of
 the draft config); the rest of the draft run is the same code for both.
 """
@@ -53,7 +59,12 @@ from ..errors import BadInput
 from ..formats.configs import read_draft_config, read_safetensors_index, read_target_config
 from ..formats.dumps import PLAIN_FLOAT
 from .attention import ATTENTIONS, MLAShape, _mix, _mix_own, _rms, _scores, _scores_own
+from ..formats.speculators import EAGLE3_ARCH_MAP
 from .params import K25, L3, LLAMA_CLASS, SHARD_TENSORS, resolve_name, sglang_parameters, shape_error
+
+
+#: vLLM's Llama EAGLE-3 draft class, which a speculators-format eagle3 draft with a llama layer config maps to
+VLLM_LLAMA_EAGLE3 = EAGLE3_ARCH_MAP["llama"]
 
 
 def _internal_name(param: str, shard) -> str:
@@ -106,6 +117,7 @@ class DraftArch:
     norm_output: bool
     fc_bias: bool
     max_position: Optional[int]
+    norm_before_residual: bool = False
     architecture: str = LLAMA_CLASS
     mla: Optional[MLAShape] = None
 
@@ -123,6 +135,10 @@ class DraftArch:
         dc = read_draft_config(path)
         raw = dc.raw
         arch = (dc.architectures or [""])[0]
+        if dc.speculators is not None and dc.speculators.architecture == VLLM_LLAMA_EAGLE3:
+            # a speculators-format draft runs as vLLM maps it (helpers.formats.speculators.vllm_view): vLLM's
+            # Eagle3LlamaForCausalLM, the same body as SGLang's Llama EAGLE-3 draft plus norm_before_residual
+            arch = LLAMA_CLASS
         if arch not in ATTENTIONS:
             raise BadInput(f"architecture {arch!r} is not an EAGLE-3 draft this tool can run offline (expected one of "
                            f"{', '.join(ATTENTIONS)}: {L3}, {K25})", path=dc.path, field="architectures")
@@ -132,6 +148,7 @@ class DraftArch:
                    eps=float(raw.get("rms_norm_eps") or 1e-6), vocab=p.vocab, draft_vocab=p.draft_vocab,
                    tie=p.tie, lm_head_from_target=p.lm_from_target, norm_before_fc=p.norm_before_fc,
                    fc_norm=p.fc_norm, norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
+                   norm_before_residual=dc.speculators is not None and bool(raw.get("norm_before_residual")),
                    architecture=arch, **ATTENTIONS[arch].read_config(dc, p))
 
 
@@ -332,6 +349,16 @@ class Eagle3Draft:
             embed = _read_tensor(hit[1], hit[0])
             _finite(embed, hit[1], hit[0])
             sources["embed"] = f"target {hit[1].name}:{hit[0]}"
+            own = names.get("embed_tokens.weight")
+            if dc.speculators is not None and own is not None:
+                # a speculators draft runs on vLLM only, whose loader keeps an own embed_tokens unless it equals the
+                # target's (v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._maybe_share_embeddings)
+                mine = _read_tensor(index[own], own)
+                if mine.shape != embed.shape or not torch.equal(mine.float(), embed.float()):
+                    _finite(mine, index[own], own)
+                    embed = mine
+                    sources["embed"] = (f"draft {index[own].name}:{own} (not the target's: vLLM keeps it, "
+                                        "llm_base_proposer.py::_maybe_share_embeddings)")
         else:
             key = names.get("embed_tokens.weight")
             if key is None:
@@ -414,8 +441,10 @@ class Eagle3Draft:
     def _layer_in(self, i: int, embeds: torch.Tensor, h: torch.Tensor, residual: Optional[torch.Tensor]):
         a, w, p = self.arch, self.w, f"layers.{i}."
         if i == 0:
-            return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps),
-                              _rms(h, w[p + "hidden_norm.weight"], a.eps)], dim=-1), h
+            hn = _rms(h, w[p + "hidden_norm.weight"], a.eps)
+            # vLLM llama_eagle3.py::LlamaDecoderLayer._norm_before_residual: the normed state is the residual
+            return torch.cat([_rms(embeds, w[p + "input_layernorm.weight"], a.eps), hn], dim=-1), \
+                (hn if a.norm_before_residual else h)
         return _add_rms(h, residual, w[p + "hidden_norm.weight"], a.eps)
 
     def _layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor):

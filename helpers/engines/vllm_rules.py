@@ -21,6 +21,7 @@ from ..draft.checks import LoaderRules
 from ..draft.config_checks import ConfigChecks
 from ..draft.mtp_checks import MTPRules, MTPSpec
 from ..layers.mtp import MTPHead
+from ..formats import speculators
 from ..layers import vllm as rules
 from ..layers.ids import LayerIds
 from . import vllm_server
@@ -97,8 +98,13 @@ class VLLMRules(PlanRules):
         plan.tensors = [t for t in tensors if t is not None]
         want = rules.num_aux_hidden_states(view)
         if len(plan.tensors) != want:
+            read = view.get("eagle_aux_hidden_state_layer_ids") or (view.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids") or []
+            rep = sorted({int(i) for i in read if list(read).count(i) > 1})
+            why = (f" (the ids {list(read)} repeat {rep}: vLLM keeps each once, {rules.SOURCES['aux_set']}; give "
+                   f"{want} distinct ids)" if rep else "")
             plan.fatal = (f"the draft's fc takes {want} chunks ({rules.SOURCES['num_aux']}) but vLLM captures "
-                          f"{len(plan.tensors)}: the first request fails in the draft's fc (shape mismatch) -- "
+                          f"{len(plan.tensors)}{why}: the first request fails in the draft's fc (shape mismatch) -- "
                           f"{rules.SOURCES['num_aux']}")
         plan.source = f"{src} {list(ids)} + vLLM {self.version} rule (in(i), verbatim)"
         if src.startswith("default"):
@@ -142,9 +148,18 @@ class VLLMRules(PlanRules):
 
     def setup_findings(self, draft: Any, target: Any, plan: CapturePlan, algorithm: str) -> list[dict]:
         """``unsupported_draft`` for a draft class vLLM 0.32.0 does not map to an Eagle3 model
-        (``model_executor/models/registry.py`` ``_SPECULATIVE_DECODING_MODELS``); vLLM reads ids at both places, so
+        (``model_executor/models/registry.py`` ``_SPECULATIVE_DECODING_MODELS``); a speculators-format draft is
+        mapped first as vLLM maps it (:func:`helpers.formats.speculators.vllm_view`: ``update_eagle3``'s
+        ``model_type`` -> class), and refused with vLLM's reason when it cannot be. vLLM reads ids at both places, so
         no id is ignored. An MTP / NextN head (``form == "mtp"``) is another draft family: :class:`VLLMMTPRules`."""
         archs = list(draft.architectures or [])
+        spec = getattr(draft, "speculators", None)
+        if spec is not None:
+            if algorithm != "EAGLE3" or spec.problem is None:
+                return []
+            return [finding("unsupported_draft", None, f"vLLM {self.version} cannot serve this speculators-format "
+                            f"draft as EAGLE-3: {spec.problem}", architectures=archs, form="speculators",
+                            config=str(draft.path), source=speculators.SOURCES["eagle3"])]
         if algorithm != "EAGLE3" or any(a in vllm_server.EAGLE3_DRAFT_CLASSES for a in archs) or draft.form == "mtp":
             return []
         return [finding("unsupported_draft", None,
@@ -229,6 +244,19 @@ class VLLMLoaderRules(LoaderRules):
         findings = VLLMRules(self.version).setup_findings(d, target, CapturePlan([], "served", "vllm"), "EAGLE3")
         notes: list[str] = []
         facts: dict = {"engine": f"vLLM {self.version}"}
+        spec = getattr(d, "speculators", None)
+        if spec is not None:
+            facts["speculators"] = {"speculators_model_type": spec.model_type, "vllm_class": spec.architecture,
+                                    "norm_before_residual": d.raw.get("norm_before_residual"),
+                                    "draft_vocab_size": d.raw.get("draft_vocab_size"),
+                                    "target_hidden_size": d.raw.get("target_hidden_size"),
+                                    "defaulted": spec.defaulted, "verifier": spec.verifier,
+                                    "rule": f"{speculators.SOURCES['extract']}; {speculators.SOURCES['eagle3']}"}
+            if "norm_before_residual" in spec.defaulted:
+                notes.append("the speculators config has no norm_before_residual: vLLM reads it as true "
+                             f"({speculators.SOURCES['eagle3']}; speculators' Eagle3SpeculatorConfig defaults to "
+                             "false and writes the field), so the draft's first layer adds the normed hidden state "
+                             "as its residual (llama_eagle3.py::LlamaDecoderLayer._norm_before_residual)")
         if target is not None:
             dm, tm = d.raw.get("max_position_embeddings"), target.raw.get("max_position_embeddings")
             facts["context_length"] = {"draft": dm, "target": tm, "rule": "vllm/config/speculative.py::"

@@ -37,6 +37,7 @@ import psutil
 
 from ..budget import Budget
 from ..errors import BadInput, BadServerInput, ServerStartError
+from ..formats.speculators import is_speculators, vllm_view
 from ..paths import ROOT
 from ..server.embedded import check_model_dir, free_port, parse_ports, port_in_use
 from ..server.listener_flags import refuse_listener_flags
@@ -96,8 +97,14 @@ def check_target(target: Path, tp: int) -> dict:
 
 def check_draft(draft: Path) -> dict:
     """The draft config; its ``architectures`` must be an EAGLE-3 draft vLLM 0.32.0 knows
-    (:data:`EAGLE3_DRAFT_CLASSES`). Raises :class:`helpers.errors.BadServerInput`."""
+    (:data:`EAGLE3_DRAFT_CLASSES`), or it is a speculators-format EAGLE-3 draft vLLM maps to one
+    (:func:`helpers.formats.speculators.vllm_view`). Raises :class:`helpers.errors.BadServerInput`."""
     cfg = check_model_dir(draft, "draft")
+    if is_speculators(cfg):
+        spec = vllm_view(cfg, draft / "config.json")
+        if spec.problem is not None:
+            raise BadServerInput(f"draft config {draft / 'config.json'}: {spec.problem}")
+        return cfg
     archs = cfg.get("architectures") or []
     if not any(a in EAGLE3_DRAFT_CLASSES for a in archs):
         raise BadServerInput(f"draft config {draft / 'config.json'}: architectures={archs} is not an EAGLE-3 draft "

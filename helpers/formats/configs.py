@@ -17,6 +17,7 @@ from ..layers.mtp import family_of
 from ..layers.mtp import text_config as mtp_text_config
 from ..layers.sglang import target_family
 from ..runfiles import read_json_file, regular_file
+from .speculators import is_speculators, vllm_view
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -131,6 +132,10 @@ class DraftConfig:
     fc_norm: bool = False
     norm_before_fc: bool = False
     raw: dict = field(default_factory=dict, repr=False)
+    #: a speculators-format draft as vLLM reads it (:class:`helpers.formats.speculators.SpeculatorsDraft`; ``raw``
+    #: is then its flat view, ``file_raw`` the config.json as written), None for the other forms
+    speculators: Any = field(default=None, repr=False)
+    file_raw: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_eagle3(self) -> bool:
@@ -170,17 +175,21 @@ def read_draft_config(path: str | Path) -> DraftConfig:
     p = _config_path(path, "draft config")
     d = read_config_json(p, "draft config")
     archs = _architectures(d, p)
-    if "speculators_model_type" in d:
+    spec = None
+    file_raw = d
+    if is_speculators(d):
         form = "speculators"
+        spec = vllm_view(d, p)                   # the flat config vLLM builds: transformer_layer_config + eagle3 fields
         tl = d.get("transformer_layer_config") or {}
-        if not isinstance(tl, dict):
-            raise BadInput("expected an object", path=p, field="transformer_layer_config")
         hidden = _int_field(tl, "hidden_size", p, required=False) or _int_field(d, "hidden_size", p, required=False)
         if hidden is None:
             raise BadInput("missing hidden_size (looked in transformer_layer_config and at the top level)",
                            path=p, field="transformer_layer_config.hidden_size")
         vocab = _int_field(tl, "vocab_size", p, required=False) or _int_field(d, "vocab_size", p, required=False)
         model_type = _str_field(tl, "model_type", p, "transformer_layer_config.")
+        d = {**spec.view, "hidden_size": hidden}        # vLLM's draft hf_config holds these keys only
+        if vocab is not None:
+            d["vocab_size"] = vocab
     elif family_of(archs) is not None:
         form = "mtp"                  # a target's MTP / NextN head, or a separate NextN checkpoint (layers.mtp)
         tc = mtp_text_config(d)
@@ -212,7 +221,8 @@ def read_draft_config(path: str | Path) -> DraftConfig:
         vocab_size=vocab, draft_vocab_size=_int_field(d, "draft_vocab_size", p, required=False),
         nested_layer_ids=nested, top_level_layer_ids=top, use_aux_hidden_state=use_aux,
         fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm") or ec.get("fc_norm")),
-        norm_before_fc=bool(ec.get("norm_before_fc", d.get("norm_before_fc", False))), raw=d)
+        norm_before_fc=bool(ec.get("norm_before_fc", d.get("norm_before_fc", False))), raw=d, speculators=spec,
+        file_raw=file_raw)
 
 
 @dataclass

@@ -54,7 +54,7 @@ from .ablate import ablate as run_ablation, ablation_text
 from .acceptance import BudgetRequest, BudgetServer, run_budget
 from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
-from .checks import run_check
+from .checks import run_check, static_findings
 from .inputs import Investigation
 from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported
 from .probes import ProbeContext, check_choice, join_engine_state, run_probes
@@ -237,9 +237,28 @@ def _stage_attach(r: Run) -> None:
     r.extra = list(att.findings)
 
 
+class _Stopped(Exception):
+    """The run ends here with its findings recorded (the engine cannot serve the draft: nothing to capture)."""
+
+
 def _stage_capture(r: Run) -> None:
-    """What the draft receives for the training samples' tokens."""
+    """What the draft receives for the training samples' tokens. When the engine's rules say the server fails at
+    the first forward (the served plan is ``fatal``: e.g. vLLM feeding the draft's fc fewer chunks than it takes,
+    ``VLLMRules.served_plan``), no request is sent (it would stop the engine: vLLM answers HTTP 500 and its
+    EngineCore dies) and the run ends with the static check's findings (``server_fatal``)."""
     t = r.step("capture")
+    rep = static_findings(r.inv)
+    if rep.served_plan is not None and rep.served_plan.fatal:
+        doc = r.doc
+        doc.findings = [Finding(**f) for f in _measured_first(rep.findings + r.extra)]
+        doc.diagnosis = rep.to_json()
+        doc.verdict = "mismatch"
+        doc.seconds_to_verdict = round(r.dl.elapsed(), 1)
+        doc.notes.append(f"nothing was captured: {r.adapter.label} {r.att.version} cannot run this draft "
+                         f"({rep.served_plan.fatal}); a request would fail in the draft, so none was sent")
+        r.progress("note: " + doc.notes[-1])
+        r.done("capture", t, "not sent: " + ", ".join(dict.fromkeys(f.kind for f in doc.findings)))
+        raise _Stopped
     served = r.inv.served_dump()
     r.done("capture", t, f"{len(r.samples)} training sample(s) -> {served.relative_to(r.req.run_dir)}")
 
@@ -560,6 +579,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         _connect(r)
         for _, stage in STAGES:
             stage(r)
+    except _Stopped:
+        pass
     except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
         r.doc.error = describe(exc)
         raise

@@ -277,7 +277,7 @@ def provenance(f: Finding) -> str:
     """Where a finding's identities come from, in words (its evidence)."""
     ev = f.evidence or {}
     if ev.get("static"):
-        return "configs + SGLang rules"
+        return "configs + the serving engine's rules"
     if "reference" in json.dumps(ev, default=str) or ev.get("identified_as"):
         return "served tensors vs training data and the every-layer reference"
     return "served tensors vs training data"

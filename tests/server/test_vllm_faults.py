@@ -14,6 +14,9 @@ registry's launch); and one SGLang server for the cross-engine pair.
   default), a d2t of another run, an embed_tokens of its own that is not the target's (vLLM keeps it), and noise in
   fc, attention and MLP (the acceptance budget's draft stage, still short of the log with the proposed vocab map).
 
+* (extended tier, a fourth server start) the reference draft converted to the speculators format: the same verdict,
+  findings and accept length at every stage as the original.
+
 The fix measured on a restarted vLLM server (investigate's relaunch) is README's "Investigate a vLLM server" run, not
 repeated here: it would cost a fourth server start.
 
@@ -227,3 +230,39 @@ def test_fallback_ids_a_foreign_d2t_an_own_embedding_and_damaged_weights_are_eac
     assert ds["fix"]["ci"][1] < log["accept_length"] - 0.5, (log["accept_length"], ds["fix"])
     under = next(f for f in doc.findings if f.kind == "draft_underperforms")
     assert under.evidence["residual"] and "vocab_map_differs does not explain" in under.detail, under.detail
+
+
+@pytest.mark.extended
+def test_a_speculators_format_draft_is_investigated_as_vllm_serves_it(reference, tmp_path):
+    """The reference draft converted to the speculators format the way speculators' Eagle3SpeculatorConverter does
+    (helpers.formats.speculators.convert_eagle3_to_speculators; ids kept at the top level), served by vLLM from the
+    reference server's launch: the same verdict, findings and accept length at every stage as the original draft on
+    the same prompts, and the fix written where vLLM reads the speculators config's ids. Extended: one more server
+    start (about 4 min in all at load ~15 on 2 cores, 2026-12-06)."""
+    from helpers.formats.speculators import convert_eagle3_to_speculators
+
+    conv = convert_eagle3_to_speculators(H64 / "draft", tmp_path / "speculators", H64 / "target")
+    kw = dict(training=TRAINING, apply_fix=False, num_samples=3, measure_prompts=8, max_new_tokens=24, sweeps=(),
+              engine_probes="none", validation=H64 / "data" / "validation",
+              training_log=H64 / "draft" / "training_log.json")
+    orig = investigate(reference, run_dir=tmp_path / "orig", **kw)
+    restart = {"kind": "embedded", **lookup(reference)}
+    adapter = VLLMAdapter()
+    handle = adapter.start_variant(restart, draft=conv, log_path=tmp_path / "speculators-server.log",
+                                   budget=Budget(900), what="the speculators-format draft's server")
+    try:
+        doc = investigate(handle.url, run_dir=tmp_path / "conv", **kw)
+        with adapter.client(handle.url) as c:
+            loaded = adapter.spec_config(c).loaded
+    finally:
+        handle.stop()
+    assert Path(doc.attach["served_draft"]).resolve() == conv.resolve() and loaded["draft"]["embed_shared"], loaded
+    assert (doc.verdict, _kinds(doc)) == (orig.verdict, _kinds(orig)) and "layer_offset" in _kinds(doc)
+    assert doc.proposed_fix.expected_served == orig.proposed_fix.expected_served == ["out(1)", "out(3)", "out(4)"]
+    assert doc.proposed_fix.draft_config == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}      # top level
+    a, b = orig.acceptance["stages"], doc.acceptance["stages"]
+    assert [s["name"] for s in a] == [s["name"] for s in b]
+    for sa, sb in zip(a, b):
+        assert sa.get("accept_length") == sb.get("accept_length"), (sa["name"], sa.get("accept_length"),
+                                                                    sb.get("accept_length"))
+    assert _stage(doc.acceptance, "live")["accept_length"] > 1.5

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from ...formats.speculators import sglang_conversion
 from ...layers.ids import EMBEDDING, FINAL_NORM, LayerIds, sglang_default_capture
 from ..conventions import CapturePlan, compare_plans, describe
 from ..sglang_rules import draft_servable
@@ -30,9 +31,16 @@ def detect_unsupported_draft(draft) -> list[dict]:
     why = draft_servable(draft.architectures, draft.form)
     if why is None:
         return []
+    extra: dict = {}
+    if getattr(draft, "speculators", None) is not None:
+        # SGLang 0.5.23 has no speculators reader: the config class comes from model_type
+        # (utils/hf_transformers/common.py _CONFIG_REGISTRY), the model class from architectures
+        # (model_loader/utils.py::get_model_architecture -> models/registry.py); no SGLang file names speculators
+        cfg, text = sglang_conversion(draft)
+        extra = {"fix": text, "sglang_config": cfg}
     return [finding("unsupported_draft", None, f"SGLang cannot serve this draft as EAGLE-3: {why}",
                     architectures=draft.architectures, form=draft.form, config=str(draft.path),
-                    source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py")]
+                    source="sglang/srt/models/registry.py; models/llama_eagle3.py, kimi_k25_eagle3.py", **extra)]
 
 
 def detect_config_ids_ignored(draft, target, served: Optional[CapturePlan] = None) -> list[dict]:
