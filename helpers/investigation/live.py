@@ -57,7 +57,7 @@ from .catalog import LIVE_CHECKS
 from .checks import run_check, static_findings
 from .inputs import Investigation
 from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported
-from .probes import ProbeContext, check_choice, join_engine_state, run_probes
+from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .propose import draft_variant, propose_fix
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
@@ -423,7 +423,11 @@ def _stage_engine_state(r: Run) -> None:
                        prompts=load_prompts(None, n=req.measure_prompts), max_new_tokens=req.max_new_tokens, dl=r.dl,
                        progress=r.progress, api_key=req.api_key, port=req.port, cold=r.live,
                        sampling=req.probe_sampling)
-    state = run_probes(ctx, req.engine_probes)
+    try:
+        state = run_probes(ctx, req.engine_probes)
+    except BaseException:
+        doc.engine_state = ctx.extra.get(PARTIAL)     # the decisions reached before the stop, with why it stopped
+        raise
     have = {f.kind for f in doc.findings}
     doc.findings += [Finding(**f) for f in state["findings"] if f["kind"] not in have]
     doc.engine_state = state
@@ -575,14 +579,16 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
     r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve())),
             dl=dl, progress=progress)
+    stage_name = "attach"
     try:
         _connect(r)
-        for _, stage in STAGES:
+        for stage_name, stage in STAGES:
             stage(r)
     except _Stopped:
         pass
     except BaseException as exc:          # a server, a budget, a full disk, a signal: the record says why
         r.doc.error = describe(exc)
+        _unfinished(r.doc, stage_name)
         raise
     finally:
         if r.client is not None:
@@ -592,6 +598,17 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         r.doc.sentence = sentence(r.doc)
         write_json(req.run_dir / "investigation.json", r.doc.model_dump(mode="json"))
     return r.doc
+
+
+def _unfinished(doc: InvestigationDoc, stage: str) -> None:
+    """A run stopped in ``stage`` (a signal, the deadline, a server failure) never reports ``ok``: the diagnosis's
+    ``ok`` says only that the wiring is right, and the stages after it (the acceptance budget, the engine-state probes)
+    did not rule a loss out, so the verdict becomes ``undecided`` and a note says where it stopped. A ``mismatch`` is
+    kept: its findings stand on their own evidence."""
+    if doc.verdict == "ok":
+        doc.verdict = "undecided"
+    doc.notes.append(f"the investigation stopped in its '{stage}' stage ({doc.error}); the stages from there on did "
+                     "not run, so no stage after it is ruled clear")
 
 
 def _reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any], run_dir: Path,
@@ -749,7 +766,7 @@ def _measured_text(m: Optional[dict]) -> str:
 def sentence(doc: InvestigationDoc) -> str:
     """The postmortem's opening sentence: what is wrong, the evidence, the proposed fix, its measured effect (or
     why it was not measured)."""
-    if doc.error and doc.verdict is None:
+    if doc.error and doc.verdict in (None, "undecided"):
         return f"The investigation did not finish: {doc.error}"
     if doc.verdict is None:
         return "The investigation did not reach a verdict."

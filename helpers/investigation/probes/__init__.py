@@ -62,19 +62,33 @@ def run_probes(ctx: ProbeContext, which: str = "cheap", only: Optional[Sequence[
 
     A probe's own failure (a restarted copy that does not start, a request the server refuses) is ``failed`` with
     its one-line reason and the others still run; the run's deadline running out (``ServerTimeout``) or a signal
-    propagates."""
+    propagates, the probes that finished left in ``ctx.extra[PARTIAL]`` with why it stopped."""
     check_choice(which)
     names = {p.name for p in PROBES}
     if only is not None and not set(only) <= names:
         raise BadInput(f"no such engine-state probe: {', '.join(sorted(set(only) - names))} (known: "
                        f"{', '.join(sorted(names))})", field="probes")
     out, t_all = [], time.monotonic()
-    for p in probes():
-        if only is not None and p.name not in only:
-            continue
-        res = _one(p, ctx, which)
-        out.append(res.to_json())
-        ctx.progress(f"engine state: {probe_line(out[-1])} ({res.seconds:.1f} s)")
+    try:
+        for p in probes():
+            if only is not None and p.name not in only:
+                continue
+            res = _one(p, ctx, which)
+            out.append(res.to_json())
+            ctx.progress(f"engine state: {probe_line(out[-1])} ({res.seconds:.1f} s)")
+    except BaseException as exc:      # a signal or the run's deadline: the probes that finished are kept, said so
+        ctx.extra[PARTIAL] = {**_state(which, out, t_all), "stopped": f"{type(exc).__name__}: {exc}"[:400]}
+        raise
+    return _state(which, out, t_all)
+
+
+#: the key of :attr:`ProbeContext.extra` under which :func:`run_probes` leaves the probes that finished when a signal
+#: or the run's deadline stops it (``stopped``: why); the caller records them (an interrupted investigation keeps
+#: every decision it reached)
+PARTIAL = "partial_state"
+
+
+def _state(which: str, out: list[dict], t_all: float) -> dict:
     findings = [f for r in out for f in r["findings"]]
     notes = [f"engine state: {r['probe']}: {r['why']}" for r in out
              if r["status"] in ("ran", "failed") and r.get("why")]
@@ -178,5 +192,5 @@ def probe_line(r: dict) -> str:
     return f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}"
 
 
-__all__ = ["CHOICES", "ENGINE_PARTS", "Probe", "ProbeContext", "ProbeResult", "check_choice", "engine_parts",
+__all__ = ["CHOICES", "ENGINE_PARTS", "PARTIAL", "Probe", "ProbeContext", "ProbeResult", "check_choice", "engine_parts",
            "join_engine_state", "paired_condition_loss", "probe_line", "probes", "run_probes"]

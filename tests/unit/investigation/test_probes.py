@@ -388,3 +388,37 @@ def test_the_headline_names_the_part_that_counts_and_an_ok_says_what_it_did_not_
         lambda i, hit: 2)), "cheap"))
     text = headline_parts(InvestigationDoc(acceptance=ok, verdict="ok"))[0]["text"]
     assert text.endswith("(engine parts not measured: verification, draft computation, served weights)")
+
+
+def test_a_signal_during_the_probes_keeps_the_decisions_reached(tmp_path):
+    """Ctrl-C during ``--engine-probes``: the probes that finished stay in ``ctx.extra[PARTIAL]`` with why the run
+    stopped (an interrupted investigation saved ``engine_state: null`` and dropped four decisions)."""
+    from helpers.errors import Interrupted
+    from helpers.investigation.probes import PARTIAL
+    ctx = _ctx(tmp_path, FakeEngine(lambda i, hit: 2))
+
+    def ctrl_c_after_radix(line):
+        if "radix_hit" in line:                # the signal lands once radix_hit has reported, before the next probe
+            raise Interrupted(2)
+    ctx.progress = ctrl_c_after_radix
+    with pytest.raises(Interrupted):
+        run_probes(ctx, "cheap")
+    part = ctx.extra[PARTIAL]
+    done = {p["probe"]: p for p in part["probes"]}
+    assert done["radix_hit"]["decision"] == "clear" and done["repeatable"]["status"] == "ran"
+    assert "Interrupted" in part["stopped"] and "sampled_verify" not in done
+
+
+def test_an_unfinished_investigation_is_never_ok():
+    """A run stopped after its diagnosis said ``ok`` is ``undecided`` (the budget and probes did not run), with the
+    stage it stopped in; a ``mismatch`` keeps its findings' verdict."""
+    from helpers.investigation.live import _unfinished, sentence
+    from helpers.records import InvestigationDoc
+    doc = InvestigationDoc(url="http://127.0.0.1:1", run_dir="r", training="t", verdict="ok",
+                           error="interrupted by SIGINT")
+    _unfinished(doc, "engine state")
+    assert doc.verdict == "undecided" and "'engine state' stage" in doc.notes[-1]
+    assert sentence(doc).startswith("The investigation did not finish: interrupted by SIGINT")
+    doc = InvestigationDoc(url="http://127.0.0.1:1", run_dir="r", training="t", verdict="mismatch", error="x")
+    _unfinished(doc, "acceptance budget")
+    assert doc.verdict == "mismatch"
