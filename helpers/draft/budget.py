@@ -706,10 +706,13 @@ def budget_sentence(b: dict) -> str:
 def engine_parts_text(parts: Optional[Sequence[dict]]) -> str:
     """The engine stage's parts (``losses["engine"]["parts"]``: the engine-state probes joined,
     ``helpers.investigation.probes.parts.engine_parts``) in one clause, each with its decision: ``"Engine parts: cold
-    greedy clear; verification not measured; ..."``; "" when there are none."""
+    greedy clear; verification clear (sampled_verify only; not run: greedy_lossless, oracle); ..."``: a part cleared
+    while some of its probes did not run names the probes it rests on and those not run; "" when there are none."""
     if not parts:
         return ""
-    return "Engine parts: " + "; ".join(f"{p['part']} {p['decision']}" for p in parts)
+    return "Engine parts: " + "; ".join(f"{p['part']} {p['decision']}" + (
+        f" ({', '.join(p['rests_on'])} only; not run: {', '.join(p['not_run'])})"
+        if p["decision"] == "clear" and p.get("not_run") else "") for p in parts)
 
 
 def _stage_al(b: dict, name: str) -> Optional[dict]:

@@ -231,6 +231,23 @@ def attach(client: ServerClient, *, draft: Optional[str | Path] = None, target: 
                       draft_head=head)
 
 
+def require_draft(att: "Attachment") -> None:
+    """The investigations that replay the served draft (``investigate``, ``investigate --check-draft``) need one: a
+    server that runs no speculative decoding at all (``speculative_algorithm`` null, e.g. ``server start`` without
+    ``--draft``) is named as such first, then a draft folder this machine cannot read.
+
+    Raises:
+        BadInput: one line naming what is missing (exit 2)."""
+    if not att.algorithm:
+        raise BadInput("the server runs no speculative decoding (its speculative_algorithm is null): there is no "
+                       "draft to investigate; start it with one (`python -m helpers server start --draft DIR` or "
+                       "--reference-draft; SGLang --speculative-algorithm EAGLE3 --speculative-draft-model-path DIR)",
+                       field="speculative_algorithm")
+    if att.draft_dir is None:
+        raise BadInput("the server runs no draft this machine can read and no --draft was given "
+                       "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
+
+
 def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
     """The one line an investigation of an MTP / NextN head stops with (exit 2, as for an unsupported input): what
     the attach found (``head``: :func:`helpers.draft.mtp_checks.describe_head`) and what is not built for such heads

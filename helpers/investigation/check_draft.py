@@ -39,7 +39,7 @@ from ..engines.detect import detect
 from ..errors import BadInput, ServerError, describe
 from ..redaction import redact_url, url_label
 from ..runfiles import safe_name, new_run_dir, write_json
-from .attach import attach, mtp_not_supported
+from .attach import attach, mtp_not_supported, require_draft
 from .probes import ProbeContext, probe_line, run_probes
 from .probes.trace import SERVED_DRAFT, STEP_TRACE
 
@@ -147,9 +147,7 @@ def check_draft(url: str, *, run_dir: str | Path, draft: Optional[str | Path] = 
         progress(f"attach: {adapter.label} {att.version}, {att.algorithm}, draft {att.draft_dir} [{att.draft_source}]")
         if att.draft_head is not None:             # an MTP / NextN head: the served-draft probes replay EAGLE-3 drafts
             raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
-        if att.draft_dir is None:
-            raise BadInput("the server runs no draft this machine can read and no --draft was given "
-                           "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
+        require_draft(att)
         doc["weights"] = weight_evidence(adapter, client, previous_checksum)
         if doc["weights"].get("note"):
             doc["notes"].append(doc["weights"]["note"])

@@ -56,7 +56,7 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check, static_findings
 from .inputs import Investigation
-from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported
+from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported, require_draft
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .propose import draft_variant, propose_fix
@@ -216,9 +216,7 @@ def _stage_attach(r: Run) -> None:
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)
-    if att.draft_dir is None:
-        raise BadInput("the server runs no draft this machine can read and no --draft was given "
-                       "(speculative_draft_model_path)", path=att.served_draft, field="--draft")
+    require_draft(att)
     r.tcfg = read_target_config(att.target_dir)
     r.td = TrainingData(req.training, hidden_size=r.tcfg.hidden_size, max_samples=req.num_samples)
     if r.td.hidden_size is not None and r.td.hidden_size != r.tcfg.hidden_size:

@@ -47,7 +47,8 @@ def losses_frame(budget: dict) -> pd.DataFrame:
                             "95% CI": _ci(p.get("ci")), "material from": None, "decision": p["decision"],
                             "counts": "yes" if p["decision"] == "counts" else "no",
                             "what would settle it": p.get("why") if p["decision"] in ("undecided", "not measured")
-                            else "", "basis": ", ".join(p.get("probes") or []) or "no probe"}
+                            else ("not run: " + ", ".join(p["not_run"])) if p.get("not_run") else "",
+                            "basis": ", ".join(p.get("rests_on") or p.get("probes") or []) or "no probe"}
                            for p in ((budget.get("losses") or {}).get("engine") or {}).get("parts") or []
                            if p["part"] != COLD])
 

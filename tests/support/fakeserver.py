@@ -176,6 +176,9 @@ def server_info(mode: str) -> dict:
         info.update(speculative_eagle_topk=2, speculative_num_draft_tokens=8)
     if mode == "nextn":           # SGLang 0.5.23 serving a DeepSeek-class target's NextN head (NEXTN -> EAGLE)
         info.update(nextn_info())
+    if mode == "nospec":          # a server started without a draft (SGLang reports the speculative fields null)
+        info.update(speculative_algorithm=None, speculative_num_steps=None, speculative_eagle_topk=None,
+                    speculative_num_draft_tokens=None, speculative_draft_model_path=None)
     if mode == "workload":
         info.update(device="cpu", context_length=1024, disable_radix_cache=False, disable_overlap_schedule=True,
                     chunked_prefill_size=4096, attention_backend="intel_amx", sampling_backend="pytorch")

@@ -188,7 +188,9 @@ def probe_line(r: dict) -> str:
     """One probe's result (:meth:`ProbeResult.to_json`) in a line: name, condition, decision with its loss (or its
     note when it has no decision), or why it was not run."""
     if r.get("status") == "ran":
-        return f"{r['probe']} ({r['condition']}): {r['decision'] or r.get('why') or 'done'}{_loss_text(r.get('loss'))}"
+        done = {True: "the same answer and counters twice", False: "the answers moved"}.get(
+            (r.get("evidence") or {}).get("same"), "done")          # a check without a decision says what it saw
+        return f"{r['probe']} ({r['condition']}): {r['decision'] or r.get('why') or done}{_loss_text(r.get('loss'))}"
     return f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}"
 
 

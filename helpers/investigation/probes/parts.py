@@ -8,7 +8,9 @@ A part's decision:
 * ``counts``: a probe of it counts (its loss, the largest of them, with its CI; a check without an accept-length
   loss, such as greedy losslessness, counts without one);
 * ``undecided``: no probe of it counts, and one ran ``undecided`` (its CI holds a material loss and none);
-* ``clear``: every probe of it that ran is ``clear`` (its CI rules a material loss out in that condition);
+* ``clear``: every probe of it that ran is ``clear`` (its CI rules a material loss out in that condition); the row
+  says which probes it rests on (``rests_on``, each with its caveat in ``why``) and which of the part's probes did not
+  run (``not_run``), so a part cleared by one probe is not read as cleared by all;
 * ``not measured``: none ran with a decision: skipped or ``failed`` (no evidence either way; why is said), or the
   perfect-draft oracle alone (a floor, not a decision: its figure is kept as ``floor``).
 
@@ -72,8 +74,15 @@ def _decide(mine: list[dict]) -> dict:
     if decided:
         best = max(decided, key=lambda r: ((r.get("loss") or {}).get("delta") or 0.0))
         loss = best.get("loss") or {}
+        # a clear part says what it rests on: each deciding probe with its own caveat (SGLang on CPU verifies with the
+        # argmax at every temperature: sampled_verify then checks the greedy verify), and the part's probes not run
+        said = [f"{r['probe']} ({r['condition']}) clear" + (f" ({r['why']})" if r.get("why") else "") for r in decided]
+        missing = [r for r in mine if r.get("status") != "ran"]
+        if missing:
+            said.append("not run: " + ", ".join(f"{r['probe']} ({r.get('why') or r.get('status')})" for r in missing))
         return {**out, "decision": "clear", "delta": loss.get("delta"), "ci": list(loss.get("ci") or [None, None]),
-                "why": "; ".join(f"{r['probe']} ({r['condition']}) clear" for r in decided)}
+                "why": "; ".join(said), "rests_on": [r["probe"] for r in decided],
+                "not_run": [r["probe"] for r in missing]}
     whys = [f"{r['probe']}: {r.get('why') or r.get('status')}" for r in mine if r.get("status") != "ran"]
     return {**out, "decision": "not measured",
             "why": "; ".join(whys) if whys else ("no probe of this part ran" if not ran else

@@ -72,14 +72,15 @@ def test_a_hook_folder_is_made_before_the_start_or_refused_in_one_line(flag, tmp
     target = _target(tmp_path)
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    rc = main(["server", "start", "--target", str(target), flag, str(blocker)])
+    draft = ["--reference-draft"] if flag == "--trace-draft" else []
+    rc = main(["server", "start", "--target", str(target), *draft, flag, str(blocker)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"server: error: {flag} {blocker}: not a folder"), err
-    rc = main(["server", "start", "--target", str(target), flag, str(blocker / "below")])
+    rc = main(["server", "start", "--target", str(target), *draft, flag, str(blocker / "below")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and flag in err[0], err
     monkeypatch.chdir(tmp_path)
-    main(["server", "start", "--target", str(target), flag, "new/nested"])      # the launch itself is refused here
+    main(["server", "start", "--target", str(target), *draft, flag, "new/nested"])   # the launch is refused here
     capsys.readouterr()
     assert (tmp_path / "new" / "nested").is_dir()
     assert len(no_launch) == 1 and str(tmp_path / "new" / "nested") in json.dumps(no_launch, default=str)
@@ -129,3 +130,11 @@ def test_a_start_that_fails_leaves_its_output_and_no_state_file(tmp_path):
     before = (tmp_path / "s.out").read_bytes()
     r = _start(tmp_path, "--state-file", str(state), "--target", str(tmp_path / "empty"))
     assert r.returncode == 2 and "s.out exists" in r.stderr and (tmp_path / "s.out").read_bytes() == before
+
+
+def test_a_trace_without_a_draft_is_refused(tmp_path, capsys, no_launch):
+    """``--trace-draft`` on a server without a draft traced nothing and the probes then blamed ``--draft`` (the
+    fresh-user run): refused in one line before any start."""
+    rc = main(["server", "start", "--target", str(_target(tmp_path)), "--trace-draft", str(tmp_path / "t")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "give the draft too" in err[0] and no_launch == []

@@ -163,3 +163,18 @@ def test_a_failing_draft_checksum_is_a_note_not_the_checks_failure(tmp_path):
         doc = cd.check_draft(url, run_dir=tmp_path / "run")
     assert doc["verdict"] == "undecided" and doc["weights"]["checksum"] is None
     assert "HTTP 400: checksum failed on rank 1" in doc["weights"]["note"] and doc["weights"]["note"] in doc["notes"]
+
+
+class _NoSpec(fakeserver.Handler):
+    mode = "nospec"
+
+
+@pytest.mark.parametrize("cmd", [["--check-draft"], ["--training", "env/models/data/sample", "--no-apply"]])
+def test_a_server_without_speculative_decoding_is_named_as_such(cmd, tmp_path, capsys):
+    """A server started without a draft: the error says it runs no speculative decoding (it blamed --draft), exit 2,
+    before any request is sent."""
+    with fake(handler=_NoSpec) as url:
+        rc = main(["investigate", "--url", url, *cmd, "--target", str(REFERENCE_TARGET), "--out", str(tmp_path)])
+        assert fakeserver.METRICS["requests"] == 0
+    err = capsys.readouterr().err
+    assert rc == 2 and "runs no speculative decoding" in err and "--draft was given" not in err

@@ -355,8 +355,15 @@ def test_clean_cache_is_clear_and_the_ladder_and_losses_show_every_part(tmp_path
     assert lad["stage"].tolist().index("engine: verification") == lad["stage"].tolist().index("live") + 1
     lf = losses_frame(out)
     assert set(lf["stage"]) >= {f"engine: {p}" for p in ENGINE_PARTS}
-    basis = lf.set_index("stage").loc["engine: cache state", "basis"]
-    assert basis == "radix_hit, chunked_prefill, hicache_hit, kv_canary, invariant_check"
+    row = lf.set_index("stage").loc["engine: cache state"]
+    # a part cleared by radix_hit alone says so: it rests on radix_hit, the others of the part did not run (the
+    # fresh-user run read "cache state clear" as every cache probe clear)
+    assert row["basis"] == "radix_hit"
+    assert row["what would settle it"] == "not run: chunked_prefill, hicache_hit, kv_canary, invariant_check"
+    cache = parts["cache state"]
+    assert cache["rests_on"] == ["radix_hit"] and "not run: chunked_prefill (not asked for" in cache["why"]
+    assert ("cache state clear (radix_hit only; not run: chunked_prefill, hicache_hit, kv_canary, invariant_check)"
+            in out["sentence"])
 
 
 def test_a_part_is_undecided_from_an_undecided_probe_and_a_failed_probe_is_not_evidence():
