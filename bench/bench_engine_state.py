@@ -6,16 +6,24 @@ Each case is one embedded SGLang server (``python -m helpers server start --refe
 strengths, strong and weak tiers, clean servers first): ``draft_kv_stale`` (the draft KV of a cached prefix replaced
 by noise), ``chunk_boundary_token`` (a wrong draft input id at later chunks' first rows), ``kv_wrong_slot`` (the
 draft's decode KV over the previous slot: wrong from step 2), ``draft_decay`` (the draft's fc scaled after N
-requests), ``verify_swap`` (target verify emits its runner-up), ``clean``; then every probe the way
-``investigate --engine-probes all`` runs them (:func:`helpers.investigation.probes.run_probes`: repeatable,
-served_draft, step_trace, radix_hit on the server; chunked_prefill and greedy_lossless on restarted copies; the oracle
-restart has no decision, a floor, and is left out unless ``--with-oracle``). Per case: what the probes name together
-(:func:`engine_faults.named`: the finding kinds, else failed / undecided / ok) against the class's expected finding.
+requests), ``verify_swap`` (target verify emits its runner-up), ``sampled_verify`` (at temperature > 0 a share of
+verify steps accepts a draft only when an independent sample of the target equals it: ``tests/support/
+verify_faults.py``, on for the server's life), ``clean``; then every probe the way ``investigate --engine-probes
+all`` runs them (:func:`helpers.investigation.probes.run_probes`: repeatable, served_draft, step_trace, radix_hit and
+sampled_verify (16 prompts at temperature 1.0) on the server; chunked_prefill and greedy_lossless on restarted copies;
+the oracle restart has no decision, a floor, and is left out unless ``--with-oracle``). Every case must have run
+sampled_verify (a case where it did not is reported ``failed``): a clean server and every other class must leave it
+clear. Per case: what the probes name together (:func:`engine_faults.named`: the finding kinds, else failed /
+undecided / ok) against the class's expected finding.
 
 The table: true class (and tier) x named. Goals: a clean server is ``ok``; a strong fault is named by its class's
 finding; a weak one is its finding, ``undecided`` or ``ok``, never another finding.
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_engine_state.py --draws 12 --seed 1 --tp 2 --minutes 50
+
+``--classes sampled_verify,verify_swap --clean 1 --draws 5``: a clean server, then those classes strong, then weak.
+The draws of the runs recorded before ``sampled_verify`` was a class are reproduced with ``--classes
+draft_kv_stale,chunk_boundary_token,kv_wrong_slot,draft_decay,verify_swap`` (the default is every class).
 
 Writes ``<out>/engine-state.jsonl`` (one record per case, as it finishes) and prints the table; record it in
 bench/RESULTS.md with the date and the load.
@@ -97,6 +105,10 @@ def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
                            "seconds": p.get("seconds")}
               for p in st["probes"]}
     name = named(st["probes"])
+    if probes.get("sampled_verify", {}).get("status") != "ran":   # every case must have asked the sampled question
+        sv = probes.get("sampled_verify", {})
+        name = "failed" if name in ("ok", "undecided") else name
+        rec["why"] = f"sampled_verify {sv.get('status', 'absent')}: {sv.get('why')}"
     return {**rec, "named": name, "verdict": verdict(f, name), "probes": probes, "run_dir": str(rd),
             "wall_s": round(time.monotonic() - t0, 1), "load_end": os.getloadavg()}
 
