@@ -68,7 +68,7 @@ def verdict(f: EngineFault, name: str) -> str:
     return "wrong"
 
 
-def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
+def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int, only=None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"e3f-es-{i}-"))
     state, trace = tmp / "srv.json", tmp / "trace"
     trace.mkdir()
@@ -77,7 +77,7 @@ def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
     if f.hook_specs():
         cmd += ["--forward-hooks", json.dumps(f.hook_specs())]
     t0 = time.monotonic()
-    rec = {**f.to_json(), "i": i, "tp": tp, "load_start": os.getloadavg()}
+    rec = {**f.to_json(), "i": i, "tp": tp, "load_start": os.getloadavg(), "only": only}
     try:
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
     except subprocess.CalledProcessError as exc:
@@ -94,7 +94,7 @@ def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
         ctx = ProbeContext(client=c, adapter=ad, att=att, run_dir=rd, prompts=load_prompts(None, n=prompts),
                            max_new_tokens=32, dl=dl,
                            progress=lambda s: print(f"  [{time.strftime('%H:%M:%S')}] {s}", flush=True))
-        st = run_probes(ctx, "all")
+        st = run_probes(ctx, "all", only=only)
         c.close()
     finally:
         subprocess.run([PY, "-m", "helpers", "server", "stop", str(info["pid"])], cwd=ROOT, capture_output=True,
@@ -145,10 +145,15 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--minutes", type=float, default=50.0)
     ap.add_argument("--with-oracle", action="store_true")
+    ap.add_argument("--probes", default=None, help="comma-separated probes to run (run_probes' only; it must hold "
+                    "sampled_verify), e.g. the cheap ones and greedy_lossless on a loaded machine (default: all)")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "bench-engine-state"))
     a = ap.parse_args()
     if not a.with_oracle:          # a floor without a decision: it names nothing, and costs a restart per case
         probes_mod.PROBES = tuple(p for p in probes_mod.PROBES if p.name != "oracle")
+    only = a.probes.split(",") if a.probes else None
+    if only is not None and "sampled_verify" not in only:
+        ap.error("--probes: expected a list holding sampled_verify (every case asks the sampled question)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + 60 * a.minutes
@@ -163,7 +168,7 @@ def main() -> int:
         print(f"[{time.strftime('%H:%M:%S')}] case {i}: {f.label}" + ("" if f.cls == "clean" else f" (seed {f.seed})") +
               ", load "
               f"{os.getloadavg()[0]:.1f}", flush=True)
-        r = one(f, i, out, a.tp, a.prompts)
+        r = one(f, i, out, a.tp, a.prompts, only)
         recs.append(r)
         with open(out / "engine-state.jsonl", "a") as fh:
             fh.write(json.dumps(r) + "\n")
