@@ -6,16 +6,24 @@ Each case is one embedded SGLang server (``python -m helpers server start --refe
 strengths, strong and weak tiers, clean servers first): ``draft_kv_stale`` (the draft KV of a cached prefix replaced
 by noise), ``chunk_boundary_token`` (a wrong draft input id at later chunks' first rows), ``kv_wrong_slot`` (the
 draft's decode KV over the previous slot: wrong from step 2), ``draft_decay`` (the draft's fc scaled after N
-requests), ``verify_swap`` (target verify emits its runner-up), ``clean``; then every probe the way
-``investigate --engine-probes all`` runs them (:func:`helpers.investigation.probes.run_probes`: repeatable,
-served_draft, step_trace, radix_hit on the server; chunked_prefill and greedy_lossless on restarted copies; the oracle
-restart has no decision, a floor, and is left out unless ``--with-oracle``). Per case: what the probes name together
-(:func:`engine_faults.named`: the finding kinds, else failed / undecided / ok) against the class's expected finding.
+requests), ``verify_swap`` (target verify emits its runner-up), ``sampled_verify`` (at temperature > 0 a share of
+verify steps accepts a draft only when an independent sample of the target equals it: ``tests/support/
+verify_faults.py``, on for the server's life), ``clean``; then every probe the way ``investigate --engine-probes
+all`` runs them (:func:`helpers.investigation.probes.run_probes`: repeatable, served_draft, step_trace, radix_hit and
+sampled_verify (16 prompts at temperature 1.0) on the server; chunked_prefill and greedy_lossless on restarted copies;
+the oracle restart has no decision, a floor, and is left out unless ``--with-oracle``). Every case must have run
+sampled_verify (a case where it did not is reported ``failed``): a clean server and every other class must leave it
+clear. Per case: what the probes name together (:func:`engine_faults.named`: the finding kinds, else failed /
+undecided / ok) against the class's expected finding.
 
 The table: true class (and tier) x named. Goals: a clean server is ``ok``; a strong fault is named by its class's
 finding; a weak one is its finding, ``undecided`` or ``ok``, never another finding.
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_engine_state.py --draws 12 --seed 1 --tp 2 --minutes 50
+
+``--classes sampled_verify,verify_swap --clean 1 --draws 5``: a clean server, then those classes strong, then weak.
+The draws of the runs recorded before ``sampled_verify`` was a class are reproduced with ``--classes
+draft_kv_stale,chunk_boundary_token,kv_wrong_slot,draft_decay,verify_swap`` (the default is every class).
 
 Writes ``<out>/engine-state.jsonl`` (one record per case, as it finishes) and prints the table; record it in
 bench/RESULTS.md with the date and the load.
@@ -60,7 +68,7 @@ def verdict(f: EngineFault, name: str) -> str:
     return "wrong"
 
 
-def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
+def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int, only=None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"e3f-es-{i}-"))
     state, trace = tmp / "srv.json", tmp / "trace"
     trace.mkdir()
@@ -69,7 +77,7 @@ def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
     if f.hook_specs():
         cmd += ["--forward-hooks", json.dumps(f.hook_specs())]
     t0 = time.monotonic()
-    rec = {**f.to_json(), "i": i, "tp": tp, "load_start": os.getloadavg()}
+    rec = {**f.to_json(), "i": i, "tp": tp, "load_start": os.getloadavg(), "only": only}
     try:
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
     except subprocess.CalledProcessError as exc:
@@ -86,7 +94,7 @@ def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
         ctx = ProbeContext(client=c, adapter=ad, att=att, run_dir=rd, prompts=load_prompts(None, n=prompts),
                            max_new_tokens=32, dl=dl,
                            progress=lambda s: print(f"  [{time.strftime('%H:%M:%S')}] {s}", flush=True))
-        st = run_probes(ctx, "all")
+        st = run_probes(ctx, "all", only=only)
         c.close()
     finally:
         subprocess.run([PY, "-m", "helpers", "server", "stop", str(info["pid"])], cwd=ROOT, capture_output=True,
@@ -97,6 +105,10 @@ def one(f: EngineFault, i: int, out: Path, tp: int, prompts: int) -> dict:
                            "seconds": p.get("seconds")}
               for p in st["probes"]}
     name = named(st["probes"])
+    if probes.get("sampled_verify", {}).get("status") != "ran":   # every case must have asked the sampled question
+        sv = probes.get("sampled_verify", {})
+        name = "failed" if name in ("ok", "undecided") else name
+        rec["why"] = f"sampled_verify {sv.get('status', 'absent')}: {sv.get('why')}"
     return {**rec, "named": name, "verdict": verdict(f, name), "probes": probes, "run_dir": str(rd),
             "wall_s": round(time.monotonic() - t0, 1), "load_end": os.getloadavg()}
 
@@ -133,10 +145,15 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--minutes", type=float, default=50.0)
     ap.add_argument("--with-oracle", action="store_true")
+    ap.add_argument("--probes", default=None, help="comma-separated probes to run (run_probes' only; it must hold "
+                    "sampled_verify), e.g. the cheap ones and greedy_lossless on a loaded machine (default: all)")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "bench-engine-state"))
     a = ap.parse_args()
     if not a.with_oracle:          # a floor without a decision: it names nothing, and costs a restart per case
         probes_mod.PROBES = tuple(p for p in probes_mod.PROBES if p.name != "oracle")
+    only = a.probes.split(",") if a.probes else None
+    if only is not None and "sampled_verify" not in only:
+        ap.error("--probes: expected a list holding sampled_verify (every case asks the sampled question)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + 60 * a.minutes
@@ -151,7 +168,7 @@ def main() -> int:
         print(f"[{time.strftime('%H:%M:%S')}] case {i}: {f.label}" + ("" if f.cls == "clean" else f" (seed {f.seed})") +
               ", load "
               f"{os.getloadavg()[0]:.1f}", flush=True)
-        r = one(f, i, out, a.tp, a.prompts)
+        r = one(f, i, out, a.tp, a.prompts, only)
         recs.append(r)
         with open(out / "engine-state.jsonl", "a") as fh:
             fh.write(json.dumps(r) + "\n")

@@ -6,6 +6,9 @@ accept length of the same prompts (T = 0, the budget's frame) beside it.
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_sampled_verify.py --tp 2 --prompts 12 --temperature 1.0
 
+``--strengths 0.05,0.2,1``: one armed arm per share of sampled rows (the arm file holds the number), the same server
+(the strength sweep the generated ``sampled_verify`` class's strong / weak ranges come from).
+
 Prints one line per arm and writes ``<out>/sampled-verify.json``; record the figures in bench/RESULTS.md with the
 date and the load.
 """
@@ -43,6 +46,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--strength", type=float, default=1.0)
+    ap.add_argument("--strengths", default=None, help="comma-separated shares of sampled rows, one armed arm each "
+                    "(default: one arm at --strength)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "outputs" / "bench-sampled-verify"))
     a = ap.parse_args()
@@ -71,9 +76,10 @@ def main() -> int:
         cold = pd.DataFrame(recs)
         print(f"greedy capture (the budget's live frame): {time.monotonic() - t:.1f} s", flush=True)
         probe = next(p for p in probes() if p.name == "sampled_verify")
-        for name in ("clean", "fault"):
-            if name == "fault":
-                arm.write_text("armed by bench/bench_sampled_verify.py\n")
+        shares = [float(x) for x in a.strengths.split(",")] if a.strengths else [a.strength]
+        for name in ["clean"] + [f"fault {x:g}" for x in shares]:
+            if name != "clean":
+                arm.write_text(name.split()[1] + "\n")     # the share of sampled rows, read by the fixture
             ctx = ProbeContext(client=c, adapter=ad, att=att, run_dir=rd, prompts=prompts,
                                max_new_tokens=a.max_new_tokens, dl=dl, cold=cold,
                                sampling={"temperature": a.temperature})
@@ -94,7 +100,8 @@ def main() -> int:
             arm.unlink()
         subprocess.run([PY, "-m", "helpers", "server", "stop", str(info["pid"])], cwd=ROOT, capture_output=True)
     doc = {"tp": a.tp, "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
-           "strength": a.strength, "arms": rows, "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
+           "strength": a.strength, "strengths": a.strengths, "arms": rows, "load": os.getloadavg(),
+           "date": time.strftime("%Y-%m-%d %H:%M")}
     (out / "sampled-verify.json").write_text(json.dumps(doc, indent=1, default=str))
     print(json.dumps({"load": doc["load"]}))
     return 0

@@ -69,6 +69,10 @@ Fault factories armed by a file (the draft step trace's faults, ``helpers.draft.
   draft_forward`` reads it; a target decoding alone, the greedy-lossless copy, has none). Pool access through ``sglang/srt/model_executor/forward_context.py::
   get_token_to_kv_pool`` / ``get_req_to_token_pool`` (the forward context every model forward publishes).
 
+The generated ``sampled_verify`` class is the fault of ``tests/support/verify_faults.py`` (at temperature > 0 a draft
+is accepted only when an independent sample of the target equals it; greedy batches untouched) loaded with ``arm``
+None: on for the server's whole life, on a share ``strength`` of each sampled verify step's rows.
+
 Importable in SGLang's venv: torch only (SGLang itself lazily, inside the hook).
 """
 from __future__ import annotations
@@ -79,6 +83,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from . import verify_faults
 
 FACTORY = "tests.support.engine_faults:factory"
 
@@ -312,7 +318,7 @@ def specs(folder: str, *, after_requests: int = 2, scale: float = 0.25) -> tuple
 
 # ------------------------------------------------------------------------------------------ the fault generator
 #: generated class -> the finding the engine-state probes must name for it (None: no finding, every probe clear)
-#: and the probes whose mechanism it is (``helpers.investigation.probes``: cache.py, trace.py, lossless.py)
+#: and the probes whose mechanism it is (``helpers.investigation.probes``: cache.py, trace.py, lossless.py, sampled.py)
 EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "clean": (None, ()),
     "draft_kv_stale": ("cache_state_loses_acceptance", ("radix_hit", "chunked_prefill")),
@@ -320,19 +326,24 @@ EXPECTED: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "kv_wrong_slot": ("draft_kv_diverges", ("step_trace", "served_draft")),
     "draft_decay": ("served_draft_differs", ("served_draft", "step_trace")),
     "verify_swap": ("speculation_not_lossless", ("greedy_lossless",)),
+    "sampled_verify": ("sampled_verify_loses_acceptance", ("sampled_verify",)),
 }
-#: classes reserved for a fault that lands elsewhere, with where: drawn only once listed in :data:`EXPECTED` (the
-#: sampled-token verification at T > 0 of ``tests/support/verify_faults.py``, another developer's)
-PENDING = {"sampled_verify": "tests/support/verify_faults.py (verification against a sampled token at T > 0)"}
+#: classes reserved for a fault that lands elsewhere, with where: drawn only once listed in :data:`EXPECTED` (none
+#: now: ``sampled_verify`` was the last)
+PENDING: dict[str, str] = {}
 CLASSES = tuple(EXPECTED)
 FAULTS = tuple(c for c in CLASSES if c != "clean")
 #: class -> (strong range, weak range) of its strength: the share of slots / boundaries / rows it hits; for
-#: ``draft_decay`` the factor the draft's fc is scaled by (weak: near 1)
+#: ``draft_decay`` the factor the draft's fc is scaled by (weak: near 1). ``sampled_verify``: the share of sampled
+#: verify rows cut; on the reference pair (TP 2, 16 prompts x 32 tokens at temperature 1.0, one server, sweep of
+#: ``bench/bench_sampled_verify.py --strengths``, bench/RESULTS.md) a share of 0.02 / 0.05 lost 0.03 / 0.08 tokens per
+#: verify step (clear), 0.1 / 0.2 0.15 / 0.19 (undecided), 0.4 / 1.0 0.35 [0.25, 0.47] / 1.37 [1.18, 1.59] (counts)
 STRENGTH = {"draft_kv_stale": ((0.3, 1.0), (0.005, 0.02)),
             "chunk_boundary_token": ((0.6, 1.0), (0.05, 0.15)),
             "kv_wrong_slot": ((0.3, 1.0), (0.01, 0.05)),
             "draft_decay": ((0.1, 0.5), (0.97, 0.995)),
-            "verify_swap": ((0.1, 0.3), (0.005, 0.01))}
+            "verify_swap": ((0.1, 0.3), (0.005, 0.01)),
+            "sampled_verify": ((0.5, 1.0), (0.02, 0.08))}
 #: ``draft_decay``: the draft's weights are scaled once more than N draft prefills have run, N in this range (the
 #: probes' first requests: repeatable sends 2, served_draft 1, step_trace one per live prompt)
 DECAY_AFTER = (0, 6)
@@ -389,6 +400,8 @@ class EngineFault:
                      "config": {"arm": None, "strength": self.strength, "seed": self.seed}}]
         if self.cls == "chunk_boundary_token":
             return [spec(self.cls, strength=self.strength, seed=self.seed, span=self.span)]
+        if self.cls == "sampled_verify":                  # arm None: on for the server's whole life
+            return [verify_faults.spec(None, strength=self.strength, seed=self.seed)]
         return [spec(self.cls, strength=self.strength, seed=self.seed)]
 
 

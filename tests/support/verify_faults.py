@@ -3,7 +3,10 @@ server process, wraps the function SGLang's EAGLE verify calls to accept drafts,
 token is accepted only when it also equals an *independent* sample of the target (a coin not coupled to the token
 emitted). Greedy batches (temperature 0) are untouched, so the acceptance budget's greedy measurement cannot see it;
 the engine-state probe ``sampled_verify`` must. A fixture: nothing in ``helpers/`` names it, no flag of the tool
-reaches it; it acts only while its ``arm`` file exists (off by default).
+reaches it; it acts only while its ``arm`` file exists (off by default), or for the server's whole life when ``arm``
+is None (the generated ``sampled_verify`` class of ``tests/support/engine_faults.py``). An arm file whose text is a
+number in [0, 1] sets the share of rows while it exists (a strength sweep on one server:
+``bench/bench_sampled_verify.py --strengths``).
 
 What it patches, in SGLang 0.5.23 (read in the installed package):
 
@@ -30,8 +33,7 @@ Importable in SGLang's venv: torch only (SGLang itself lazily, inside the factor
 """
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -39,11 +41,31 @@ FACTORY = "tests.support.verify_faults:factory"
 _STATE: dict = {"patched": False, "cut_rows": 0, "rows": 0}
 
 
-def spec(arm: str, *, strength: float = 1.0, seed: int = 0) -> dict:
-    """The ``--forward-hooks`` spec of the fault: acts while the file ``arm`` exists, on a share ``strength`` of the
-    sampled rows of each verify step, with a generator seeded ``seed``."""
+def spec(arm: Optional[str], *, strength: float = 1.0, seed: int = 0) -> dict:
+    """The ``--forward-hooks`` spec of the fault: acts while the file ``arm`` exists (None: always), on a share
+    ``strength`` of the sampled rows of each verify step, with a generator seeded ``seed``."""
     return {"name": "e3f-test-sampled-verify-coin", "target_modules": ["logits_processor"], "hook_factory": FACTORY,
-            "config": {"arm": str(arm), "strength": float(strength), "seed": int(seed)}}
+            "config": {"arm": None if arm is None else str(arm), "strength": float(strength), "seed": int(seed)}}
+
+
+def armed_strength(arm: Optional[str], strength: float) -> Optional[float]:
+    """The share of sampled rows the fault acts on now: None while the file ``arm`` is absent (off); ``strength`` when
+    ``arm`` is None (always on) or the file holds no number; the file's number when it holds one in [0, 1].
+
+    Raises: ValueError for a number outside [0, 1] in the arm file (naming the file)."""
+    if arm is None:
+        return strength
+    try:
+        text = open(arm).read().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        x = float(text)
+    except ValueError:
+        return strength
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"{arm}: expected a share of rows in [0, 1] or no number, got {text!r}")
+    return x
 
 
 def cut_rows(predict: torch.Tensor, accept_lens: torch.Tensor, accept_index: torch.Tensor, logits: torch.Tensor,
@@ -68,7 +90,7 @@ def cut_rows(predict: torch.Tensor, accept_lens: torch.Tensor, accept_index: tor
 
 
 def factory(config: dict) -> Any:
-    arm = config["arm"]
+    arm = config.get("arm")
     strength = float(config.get("strength", 1.0))
     gen = torch.Generator().manual_seed(int(config.get("seed", 0)))
     if not _STATE["patched"]:
@@ -80,11 +102,12 @@ def factory(config: dict) -> Any:
         def eagle_sample(verify_input, batch, logits_output, *args, **kwargs):
             predict, accept_lens, accept_index = original(verify_input, batch, logits_output, *args, **kwargs)
             info = batch.sampling_info
-            if not os.path.exists(arm) or info is None or info.is_all_greedy:
+            share = armed_strength(arm, strength)
+            if share is None or info is None or info.is_all_greedy:
                 return predict, accept_lens, accept_index
             with torch.no_grad():
                 bs = int(accept_lens.shape[0])
-                pick = torch.rand(bs, generator=gen) < strength
+                pick = torch.rand(bs, generator=gen) < share
                 _STATE["rows"] += bs
                 _STATE["cut_rows"] += cut_rows(predict, accept_lens, accept_index,
                                                logits_output.next_token_logits, info.temperatures, pick, gen)

@@ -1,6 +1,7 @@
 """The engine-fault generator (tests/support/engine_faults.py: classes x seeds x strengths for
 bench/bench_engine_state.py) and the chunk-boundary hook on a stand-in draft model: seeded, every class reachable,
-strengths in their tier, the boundary rows only."""
+strengths in their tier, the boundary rows only; the sampled_verify class (tests/support/verify_faults.py on for the
+server's life) and its arm rule."""
 from __future__ import annotations
 
 import json
@@ -9,8 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.investigation.probes import PROBES
+from helpers.kinds import FINDING_KINDS
 from support.engine_faults import (CLASSES, DECAY_AFTER, EXPECTED, FAULTS, PENDING, STRENGTH, boundary_rows, draw,
                                    draws, factory, named, pick, spec)
+from support.verify_faults import armed_strength
 
 
 def test_same_seed_same_cases_and_another_seed_other_cases():
@@ -50,12 +54,53 @@ def test_hook_specs_name_the_factory_of_each_class_and_are_json():
     assert decay["arm"] is None and decay["mode"] == "count"
     assert by["kv_wrong_slot"][0]["target_modules"] == ["model.layers.0.self_attn.attn"]
     assert by["chunk_boundary_token"][0]["config"]["fault"] == "chunk_boundary_token"
+    # sampled_verify: the verify_faults fixture on for the server's whole life (arm None), the drawn share and seed
+    sv = [x for x in draws(3 + len(FAULTS), seed=2) if x.cls == "sampled_verify"][0]
+    (h,) = by["sampled_verify"]
+    assert h["hook_factory"] == "tests.support.verify_faults:factory" and h["target_modules"] == ["logits_processor"]
+    assert h["config"] == {"arm": None, "strength": sv.strength, "seed": sv.seed}
+    assert sv.tier == "strong" and STRENGTH["sampled_verify"][0][0] <= sv.strength <= STRENGTH["sampled_verify"][0][1]
 
 
-def test_pending_and_unknown_classes_are_refused_by_name():
-    with pytest.raises(ValueError, match="verify_faults.py"):
-        draw(1, "sampled_verify")
-    assert "sampled_verify" in PENDING and "sampled_verify" not in CLASSES
+def test_every_class_names_a_declared_finding_and_real_probes():
+    probes = {p.name for p in PROBES}
+    for cls, (kind, mech) in EXPECTED.items():
+        assert kind is None or kind in FINDING_KINDS, cls
+        assert set(mech) <= probes, (cls, mech)
+    assert EXPECTED["sampled_verify"] == ("sampled_verify_loses_acceptance", ("sampled_verify",))
+    # the strong tier cuts more rows than the weak one, and neither range is empty or outside (0, 1]
+    (slo, shi), (wlo, whi) = STRENGTH["sampled_verify"]
+    assert 0 < wlo < whi < slo < shi <= 1
+
+
+def test_sampled_verify_is_drawn_in_both_tiers_with_seeded_strengths():
+    s = draw(11, "sampled_verify", "strong")
+    w = draw(11, "sampled_verify", "weak")
+    assert s.expected == w.expected == "sampled_verify_loses_acceptance"
+    assert s == draw(11, "sampled_verify", "strong") and s.seed == w.seed and s.strength > w.strength
+    strong = {draw(k, "sampled_verify").strength for k in range(20)}
+    lo, hi = STRENGTH["sampled_verify"][0]
+    assert len(strong) > 10 and all(lo <= x <= hi for x in strong)
+
+
+def test_the_sampled_verify_fixture_is_off_without_its_file_and_always_on_without_one(tmp_path):
+    arm = tmp_path / "ARM"
+    assert armed_strength(None, 0.4) == 0.4                 # the generated class: on for the server's life
+    assert armed_strength(str(arm), 0.4) is None            # off by default: no file
+    arm.write_text("armed\n")
+    assert armed_strength(str(arm), 0.4) == 0.4             # a file without a number: the spec's strength
+    arm.write_text("0.05\n")
+    assert armed_strength(str(arm), 0.4) == 0.05            # a number: that share (a sweep on one server)
+    arm.write_text("1.5")
+    with pytest.raises(ValueError, match="ARM: expected a share of rows in \\[0, 1\\]"):
+        armed_strength(str(arm), 0.4)
+
+
+def test_pending_and_unknown_classes_are_refused_by_name(monkeypatch):
+    assert PENDING == {} and "sampled_verify" in CLASSES
+    monkeypatch.setitem(PENDING, "later_class", "tests/support/later.py (a fault not written yet)")
+    with pytest.raises(ValueError, match="'later_class' is not available yet: tests/support/later.py"):
+        draw(1, "later_class")
     with pytest.raises(ValueError, match="unknown engine fault class 'nope'"):
         draw(1, "nope")
     with pytest.raises(ValueError, match="unknown tier"):
