@@ -143,8 +143,8 @@ def _step_trace_run(ctx: ProbeContext) -> ProbeResult:
 
 
 def _served_draft_run(ctx: ProbeContext) -> ProbeResult:
-    ctx.progress(f"engine state: served draft: the fixed prompt ({len(FIXED_PROMPT)} tokens) x {FIXED_NEW_TOKENS}, "
-                 "traced")
+    ctx.progress(f"engine state: served draft: the fixed prompt ({len(FIXED_PROMPT)} tokens), {FIXED_NEW_TOKENS} new "
+                 "tokens, traced")
     cmp = traced(ctx, [Prompt(id="fixed", input_ids=FIXED_PROMPT, kind="fixed")], FIXED_NEW_TOKENS, "served-draft")
     return _result(SERVED_DRAFT, ctx, cmp, "the fixed prompt")
 
