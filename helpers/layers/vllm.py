@@ -14,19 +14,22 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional, Sequence
 
+#: patch releases read in their sdists (PyPI has no other patch of 0.10 - 0.31 with an sdist; 0.10.1.1 reads as 0.10.1)
+PATCHES_READ = ((0, 10, 1), (0, 10, 2), (0, 11, 1), (0, 11, 2), (0, 14, 1), (0, 17, 1), (0, 18, 1), (0, 19, 1),
+                (0, 20, 1), (0, 20, 2), (0, 22, 1), (0, 25, 1), (0, 27, 1))
 #: the vLLM releases whose every rule the tool applies was read: 0.32.0 installed and run here; 0.22.0 - 0.31.0 (the
-#: first release of each minor) read in their PyPI sdists with ``env/vllm/vllm_tables.py``
-#: (``helpers/layers/data/vllm-eagle3-releases.json``). Patch releases (0.31.1 ...) were not read: refused.
-KNOWN_VERSIONS = tuple((0, m, 0) for m in range(22, 33))
+#: first release of each minor, and the patches of :data:`PATCHES_READ`) read in their PyPI sdists with
+#: ``env/vllm/vllm_tables.py`` (``helpers/layers/data/vllm-eagle3-releases.json``). Other releases: refused.
+KNOWN_VERSIONS = tuple(sorted([(0, m, 0) for m in range(22, 33)] + [p for p in PATCHES_READ if p >= (0, 22, 0)]))
 #: releases whose sdists were read for some rules (no sdist exists for 0.15.x: not read); a rule function called with
 #: one of these outside its read range raises ValueError (:data:`RULE_SINCE`)
-READ_VERSIONS = tuple((0, m, 0) for m in range(10, 33) if m != 15)
+READ_VERSIONS = tuple(sorted([(0, m, 0) for m in range(10, 33) if m != 15] + list(PATCHES_READ)))
 #: the oldest read release from which each version-gated function's rules are mirrored (older: ValueError)
 RULE_SINCE = {"aux_layer_ids": (0, 10, 0), "captured": (0, 10, 0), "use_aux_hidden_state": (0, 10, 0),
               "weight_sharing": (0, 16, 0), "d2t_rule": (0, 18, 0), "num_aux_hidden_states": (0, 22, 0)}
-#: first release where ``_get_eagle3_aux_layers_from_config`` exists (0.10.0 / 0.11.0: ``load_model`` always takes
-#: the target's default, the draft config's ids are never read)
-CONFIG_IDS_SINCE = (0, 12, 0)
+#: first release where ``_get_eagle3_aux_layers_from_config`` exists: the patch 0.11.1 (0.10.x / 0.11.0:
+#: ``load_model`` always takes the target's default, the draft config's ids are never read)
+CONFIG_IDS_SINCE = (0, 11, 1)
 #: first release reading ``dflash_config.target_layer_ids`` (verbatim in 0.20.0 / 0.21.0, + 1 and overridden by
 #: ``eagle_config.eagle_aux_hidden_state_layer_ids`` since 0.22.0)
 DFLASH_IDS_SINCE = (0, 20, 0)
@@ -99,7 +102,7 @@ def _gate(rule: str, version: str | Sequence[int] | None) -> tuple[int, ...]:
     shown = ".".join(map(str, v))
     if v not in READ_VERSIONS:
         raise ValueError(f"vLLM {shown}: this release's source was not read (read: 0.10.0 - 0.32.0, the first "
-                         f"release of each minor, no 0.15); cannot apply vLLM's {rule} rule")
+                         f"release of each minor but 0.15, and some patches); cannot apply vLLM's {rule} rule")
     if v < RULE_SINCE[rule]:
         raise ValueError(f"vLLM {shown}: the {rule} rule was read from {'.'.join(map(str, RULE_SINCE[rule]))} "
                          f"on only")
@@ -122,8 +125,8 @@ def aux_layer_ids(draft_config: Mapping[str, Any], num_layers: int,
     """The aux layer ids vLLM 0.32.0 (or ``version``) captures on the target for this draft config, and where they
     came from.
 
-    Other releases (``helpers/layers/data/vllm-eagle3-releases.json``): 0.10.0 / 0.11.0 never read the draft config
-    (``GPUModelRunner.load_model``: always the default); 0.12.0 - 0.19.0 read the top-level
+    Other releases (``helpers/layers/data/vllm-eagle3-releases.json``): 0.10.0 - 0.11.0 never read the draft config
+    (``GPUModelRunner.load_model``: always the default); 0.11.1 - 0.19.x read the top-level
     ``eagle_aux_hidden_state_layer_ids`` only; 0.20.0 / 0.21.0 add ``dflash_config.target_layer_ids`` verbatim (no
     +1, no ``eagle_config``); 0.22.0 on is the 0.32.0 rule below. Before 0.30.0 the ids are stored verbatim (no
     sorted(set)), but every release captures by membership (``idx in aux_hidden_state_layers``) in layer order, so

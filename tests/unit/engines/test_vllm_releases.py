@@ -17,6 +17,7 @@ TOP = {"eagle_aux_hidden_state_layer_ids": [28, 1, 15, 15]}
 def test_known_versions_are_the_minors_read_whole_and_patches_are_refused():
     assert rules.is_known("0.22.0") and rules.is_known("0.31.0") and rules.is_known("0.32.0+cpu")
     assert not rules.is_known("0.21.0") and not rules.is_known("0.31.1") and not rules.is_known("0.15.0")
+    assert rules.is_known("0.27.1") and not rules.is_known("0.20.2")          # a patch read, one read only in part
     assert rules.known_versions_text().startswith("0.32.0, 0.31.0") and rules.known_versions_text().endswith("0.22.0")
 
 
@@ -32,13 +33,15 @@ def test_config_ids_source_per_release():
     # 0.12 - 0.19: top level only; nested ids fall to the default
     assert rules.aux_layer_ids(NESTED, n, "0.19.0") == ((2, 16, 29), "default (2, n//2, n-3)")
     assert rules.aux_layer_ids(TOP, n, "0.12.0") == ((1, 15, 28), "draft config eagle_aux_hidden_state_layer_ids")
-    # 0.10 / 0.11: the draft config is never read
+    # 0.10 / 0.11.0: the draft config is never read; the patch 0.11.1 reads the top-level ids
     assert rules.aux_layer_ids(TOP, n, "0.11.0") == ((2, 16, 29), "default (2, n//2, n-3)")
+    assert rules.aux_layer_ids(TOP, n, "0.11.1")[0] == (1, 15, 28)
+    assert rules.aux_layer_ids(NESTED, n, "0.20.2")[0] == (0, 5, 9)
     assert rules.aux_layer_ids({}, 8, "0.10.0")[0] == (2, 4, 5)
 
 
 def test_unread_release_is_refused_in_one_line():
-    for v in ("0.15.0", "0.31.2", "0.9.2", "0.33.0"):
+    for v in ("0.15.0", "0.31.2", "0.9.2", "0.33.0", "0.21.1"):
         with pytest.raises(ValueError) as e:
             rules.aux_layer_ids(TOP, 32, v)
         assert "\n" not in str(e.value) and v in str(e.value)
@@ -54,7 +57,7 @@ def test_capture_at_id_0_and_n_before_and_since_0_18():
 def test_use_aux_read_from_0_12():
     off = {"eagle_config": {"use_aux_hidden_state": False}}
     assert rules.use_aux_hidden_state(off) is False and rules.use_aux_hidden_state(off, "0.12.0") is False
-    assert rules.use_aux_hidden_state(off, "0.11.0") is True
+    assert rules.use_aux_hidden_state(off, "0.11.0") is True and rules.use_aux_hidden_state(off, "0.11.2") is True
 
 
 def test_embedding_width_check_since_0_25_and_gates_of_weight_rules():
@@ -77,10 +80,10 @@ def test_embedding_width_check_since_0_25_and_gates_of_weight_rules():
 def test_table_ranges_match_the_gates():
     from pathlib import Path
     t = json.loads((Path(rules.__file__).parent / "data" / "vllm-eagle3-releases.json").read_text())
-    read = {tuple(int(x) for x in v.split(".")) for v in t["releases_read"]}
+    read = {tuple(int(x) for x in v.split(".")[:3]) for v in t["releases_read"]}   # 0.10.1.1 reads as 0.10.1
     assert read == set(rules.READ_VERSIONS)
     starts = {r["changed_in"].split()[0] for r in t["rules"]["aux_ids"] if r.get("changed_in")}
-    assert starts == {"0.12.0", "0.20.0", "0.22.0"}
+    assert starts == {"0.11.1", "0.20.0", "0.22.0"}
     mech = {r["first"] for r in t["mechanical"]["aux_ids"] if r["items"]}
     assert mech == starts        # the digest changes are exactly the rule changes for aux ids
     assert [r["first"] for r in t["mechanical"]["aux_set"]][-1] == "0.30.0"
