@@ -87,7 +87,10 @@ class VLLMRules(PlanRules):
         plan.config_ids = None if src.startswith("default") else lids
         plan.engine_ids = lids
         plan.rules += [f"ids from the {src} -- {rules.SOURCES['aux_ids']}",
-                       f"kept as tuple(sorted(set(ids))) -- {rules.SOURCES['aux_set']}",
+                       (f"kept as tuple(sorted(set(ids))) -- {rules.SOURCES['aux_set']}"
+                        if rules.parse_version(_rule_version(self.version) or "0.32.0")[:3] >= rules.SORTED_IDS_SINCE
+                        else f"kept verbatim; captured by membership in layer order (same chunks) -- "
+                             f"{rules.SOURCES['aux_set']}"),
                        f"id i captured as in(i) = out(i-1), verbatim (0 = the embedding), before layer i -- "
                        f"{rules.SOURCES['aux_capture']}"]
         tensors = rules.captured(ids, n, _rule_version(self.version))

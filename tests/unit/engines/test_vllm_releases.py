@@ -87,3 +87,18 @@ def test_table_ranges_match_the_gates():
     mech = {r["first"] for r in t["mechanical"]["aux_ids"] if r["items"]}
     assert mech == starts        # the digest changes are exactly the rule changes for aux ids
     assert [r["first"] for r in t["mechanical"]["aux_set"]][-1] == "0.30.0"
+
+
+def test_served_plan_of_a_known_older_release_says_its_rule(tmp_path):
+    """The reference h64 pair: 0.25.0 captures the same chunks as 0.32.0 but stores the ids verbatim."""
+    import shutil
+    from pathlib import Path
+    from helpers.engines.vllm import VLLMRules
+    from helpers.formats.configs import read_draft_config, read_target_config
+    h64 = Path(__file__).resolve().parents[3] / "env" / "models" / "llama_h64"
+    shutil.copytree(h64 / "draft", tmp_path / "draft")
+    d, t = read_draft_config(tmp_path / "draft"), read_target_config(h64 / "target")
+    new, old = VLLMRules("0.32.0").served_plan(d, t), VLLMRules("0.25.0").served_plan(d, t)
+    assert new.tensors == old.tensors == ["out(0)", "out(2)", "out(3)"]
+    assert any("sorted(set(ids))" in r for r in new.rules) and not any("sorted(set(ids))" in r for r in old.rules)
+    assert any("kept verbatim" in r for r in old.rules) and "vLLM 0.25.0 rule" in old.source
