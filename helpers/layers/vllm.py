@@ -92,8 +92,15 @@ def is_known(version: str | Sequence[int] | None) -> bool:
 
 
 def known_versions_text() -> str:
-    """``"0.32.0, 0.31.0, ..., 0.22.0"``: the releases whose rules are known, newest first, for messages."""
-    return ", ".join(".".join(str(x) for x in v) for v in sorted(KNOWN_VERSIONS, reverse=True))
+    """``"0.32.0, 0.22.0-0.31.0 (each minor's first release; patches 0.22.1, 0.25.1, 0.27.1)"``: the releases whose
+    rules are known, for messages."""
+    firsts = sorted(v for v in KNOWN_VERSIONS if v[2] == 0 and v != (0, 32, 0))
+    patches = sorted(v for v in KNOWN_VERSIONS if v[2] != 0)
+    text = "0.32.0"
+    if firsts:
+        text += f", {'.'.join(map(str, firsts[0]))}-{'.'.join(map(str, firsts[-1]))} (each minor's first release"
+        text += (f"; patches {', '.join('.'.join(map(str, v)) for v in patches)})" if patches else ")")
+    return text
 
 
 def _gate(rule: str, version: str | Sequence[int] | None) -> tuple[int, ...]:
