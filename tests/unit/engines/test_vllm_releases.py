@@ -9,7 +9,8 @@ import pytest
 from helpers.layers import vllm as rules
 
 #: a draft config with ids in three places (top level absent): eagle_config, dflash_config
-NESTED = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]},
+NESTED = {"architectures": ["LlamaForCausalLMEagle3"],
+          "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]},
           "dflash_config": {"target_layer_ids": [0, 5, 9]}}
 TOP = {"eagle_aux_hidden_state_layer_ids": [28, 1, 15, 15]}
 
