@@ -669,7 +669,7 @@ class VLLMAdapter(EngineAdapter):
         if n_layers is None and tcfg:
             n_layers = tcfg.get("num_hidden_layers")
         if dcfg is not None and n_layers:
-            ids, src = rules.aux_layer_ids(dcfg, int(n_layers))
+            ids, src = rules.aux_layer_ids(dcfg, int(n_layers), rules.rule_version(version))
             cfg.rule_aux_layer_ids = list(ids)
             sources["rule_aux_layer_ids"] = f"{src} ({rules.SOURCES['aux_ids']}, vLLM {version})"
             if cfg.aux_layer_ids is None:
@@ -681,7 +681,7 @@ class VLLMAdapter(EngineAdapter):
         elif cfg.draft is None:
             notes.append("the draft folder is unknown (vLLM reports it only in dev mode): pass --draft")
         if cfg.aux_layer_ids is not None and n_layers:
-            cfg.aux_tensors = rules.captured(cfg.aux_layer_ids, int(n_layers))
+            cfg.aux_tensors = rules.captured(cfg.aux_layer_ids, int(n_layers), rules.rule_version(version))
         return cfg
 
     def counters(self, client: HTTPClient) -> AcceptanceCounters:

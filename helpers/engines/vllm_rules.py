@@ -72,22 +72,25 @@ class VLLMRules(PlanRules):
         plan = CapturePlan(tensors=[], role="served", who=f"vllm {self.version or '(version unknown)'}",
                            provenance="rule")
         view = draft_view(draft)
-        if algo == "EAGLE" or not rules.use_aux_hidden_state(view):
+        if algo == "EAGLE" or not rules.use_aux_hidden_state(view, rules.rule_version(self.version)):
             plan.tensors = ["final_norm"]
             plan.rules.append("no aux capture: the draft gets the target's final normed hidden state -- "
                               + rules.SOURCES["use_aux"])
             plan.source = ("method eagle" if algo == "EAGLE" else "draft config eagle_config.use_aux_hidden_state "
                            "false") + f" (vLLM {self.version} rule)"
             return plan
-        ids, src = rules.aux_layer_ids(view, n)
+        ids, src = rules.aux_layer_ids(view, n, rules.rule_version(self.version))
         lids = LayerIds(tuple(ids), "vllm")
         plan.config_ids = None if src.startswith("default") else lids
         plan.engine_ids = lids
         plan.rules += [f"ids from the {src} -- {rules.SOURCES['aux_ids']}",
-                       f"kept as tuple(sorted(set(ids))) -- {rules.SOURCES['aux_set']}",
+                       (f"kept as tuple(sorted(set(ids))) -- {rules.SOURCES['aux_set']}"
+                        if rules.parse_version(rules.rule_version(self.version) or "0.32")[:3] >= rules.SORTED_IDS_SINCE
+                        else f"kept verbatim; captured by membership in layer order (same chunks) -- "
+                             f"{rules.SOURCES['aux_set']}"),
                        f"id i captured as in(i) = out(i-1), verbatim (0 = the embedding), before layer i -- "
                        f"{rules.SOURCES['aux_capture']}"]
-        tensors = rules.captured(ids, n)
+        tensors = rules.captured(ids, n, rules.rule_version(self.version))
         for i, t in zip(ids, tensors):
             if t is None:
                 plan.problems.append({"kind": "missing_chunk", "detail": f"vllm id {i} names no tensor of a {n}-layer "
@@ -96,7 +99,7 @@ class VLLMRules(PlanRules):
                 plan.problems.append({"kind": "embedding_in_place_of_layer",
                                       "detail": "vllm id 0 captures the token embedding (in(0))"})
         plan.tensors = [t for t in tensors if t is not None]
-        want = rules.num_aux_hidden_states(view)
+        want = rules.num_aux_hidden_states(view, rules.rule_version(self.version))
         if len(plan.tensors) != want:
             read = view.get("eagle_aux_hidden_state_layer_ids") or (view.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids") or []
@@ -302,7 +305,8 @@ class VLLMLoaderRules(LoaderRules):
         own_h = [k for k in names if "lm_head" in k]
         e_eq = _equal(weights, own_e, t_embed)
         h_eq = _equal(weights, own_h, t_head)
-        share = rules.weight_sharing(names, embed_equal=e_eq, lm_head_equal=h_eq)
+        share = rules.weight_sharing(names, embed_equal=e_eq, lm_head_equal=h_eq,
+                                     version=rules.rule_version(self.version))
         facts["embedding"] = {"source": share["embedding"], "tensor": own_e[0] if own_e else None,
                               "rule": rules.SOURCES["embed_share"]}
         facts["lm_head"] = {"source": share["lm_head"], "tensor": own_h[0] if own_h else None,
@@ -330,7 +334,7 @@ class VLLMLoaderRules(LoaderRules):
                 draft_vocab_size=dv, vocab_size=vocab, fatal=fatal, config=str(d.path),
                 source=f"{rules.SOURCES['own_weights']}; {rules.SOURCES['lm_head_share']}",
                 fix="add the trained lm_head.weight to the checkpoint"))
-        how = rules.d2t_rule(names, d.draft_vocab_size, vocab)
+        how = rules.d2t_rule(names, d.draft_vocab_size, vocab, rules.rule_version(self.version))
         facts["d2t"] = {"rule": how, "source": rules.SOURCES["d2t"]}
         if how == "zeros":
             findings.append(finding(
