@@ -186,6 +186,15 @@ def covariates_figure(data: WatchData) -> go.Figure:
     return fig
 
 
+def _span(d: Any) -> str:
+    """A watch's span as ``1h02m03s`` / ``49.9 s`` (a pandas Timedelta printed itself as ``0 days 00:00:49.958``)."""
+    sec = float(pd.Timedelta(d).total_seconds())
+    if sec < 60:
+        return f"{sec:.1f} s"
+    h, rest = divmod(int(round(sec)), 3600)
+    return f"{h}h{rest // 60:02d}m{rest % 60:02d}s"
+
+
 def summary_html(data: WatchData) -> str:
     """One table: samples and span, the baseline and the latest level, the latest change point with its CIs, what
     moves with it, drops and investigations, the watch's load, skipped lines."""
@@ -194,7 +203,7 @@ def summary_html(data: WatchData) -> str:
     start = data.starts[0] if data.starts else {}
     share = df["probe_token_share"].median() if len(df) else None
     rows = [("server", f"{start.get('url', '?')} ({start.get('engine', '?')} {start.get('engine_version') or ''})"),
-            ("samples", f"{len(df)} over {(df['time'].max() - df['time'].min()) if len(df) > 1 else '-'}"
+            ("samples", f"{len(df)} over {_span(df['time'].max() - df['time'].min()) if len(df) > 1 else '-'}"
                         + (" (stopped: " + str(data.stop.get("reason")) + ")" if data.stop else " (running)")),
             ("accept length now", f"{df['accept_length'].dropna().iloc[-1]:.3f}" if df["accept_length"].notna().any()
              else "-"),

@@ -59,3 +59,10 @@ def test_newest_watch_run_and_a_folder_that_is_not_one(tmp_path, monkeypatch):
     assert V.newest_watch_run() == tmp_path / "20260101-000000-watch"
     with pytest.raises(BadInput, match="no watch.jsonl"):
         V.resolve(tmp_path / "20270101-000000-other")
+
+
+def test_the_span_reads_as_a_duration():
+    """The summary's span (a pandas Timedelta printed itself as ``0 days 00:00:49.958356858``, the fresh-user run)."""
+    import pandas as pd
+    assert V._span(pd.Timedelta(seconds=49.958356858)) == "50.0 s"
+    assert V._span(pd.Timedelta(seconds=3723.4)) == "1h02m03s"
