@@ -18,10 +18,11 @@ from ..formats.configs import read_draft_config, read_target_config
 from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
-from ..investigation.check_draft import EXIT as CHECK_EXIT, check_draft, default_run_dir as check_draft_run_dir, \
-    verdict_line
+from ..investigation.check_draft import EXIT as CHECK_EXIT, check_draft, check_timeout, \
+    default_run_dir as check_draft_run_dir, verdict_line
 from ..investigation.live import default_run_dir, investigate
 from ..investigation.probes import CHOICES as PROBE_CHOICES
+from ..investigation.probes.sampled import check_sampling
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
 from .common import Parser, failure_guard, input_path_arg, out_folder, progress_line, rows_arg, run, subset_arg
@@ -106,13 +107,15 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             if getattr(args, name) is None:
                 setattr(args, name, check if quick else full)
         if quick:
+            _check_draft_flags(args, argv)
             return _check_draft(args, prog)
         if not args.training:
             raise BadInput("--training is required (the draft's training data), unless --check-draft")
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
-        if args.timeout is not None and not args.timeout > 0:
-            raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+        if args.timeout is not None and not 0 < args.timeout < float("inf"):
+            raise BadInput(f"--timeout must be > 0 seconds and finite, got {args.timeout}")
+        check_sampling(_probe_sampling(args))      # a greedy or absurd probe sampling: exit 2 naming the flag
         if args.draft_cost is not None and not 0 < args.draft_cost < 10:
             raise BadInput(f"{args.draft_cost} is no ratio in (0, 10) (a draft forward's cost over a verify "
                            "step's, e.g. 0.05)", field="--draft-cost")
@@ -170,14 +173,33 @@ def _folders(args) -> None:
                 raise BadInput(str(exc), field=exc.field or flag) from None
 
 
+#: the flags ``--check-draft`` uses (by their argparse ``dest``); any other given is refused, not silently ignored
+CHECK_DRAFT_FLAGS = ("url", "check_draft", "draft", "target", "out", "timeout", "prompts", "max_new_tokens",
+                     "api_key_env", "json")
+
+
+def _check_draft_flags(args, argv: Optional[Sequence[str]]) -> None:
+    """Refuse a flag ``--check-draft`` does not use (``--training``, ``--sweeps``, ``--relaunch``, ...): one line
+    naming it and the flags it takes, before any request. A flag counts as given when its value is not the parser's
+    default."""
+    parser = build_parser()
+    names = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    given = [names[d] for d in names if d not in CHECK_DRAFT_FLAGS and d != "help"
+             and getattr(args, d, None) != parser.get_default(d)]
+    if given:
+        raise BadInput(f"--check-draft takes only {', '.join(names[d] for d in CHECK_DRAFT_FLAGS)}; got "
+                       f"{', '.join(given)}")
+
+
 def _check_draft(args, prog: str) -> int:
     """``investigate --check-draft`` (:func:`helpers.investigation.check_draft.check_draft`): the verdict line (or
     the document with ``--json``) on stdout, exit :data:`helpers.investigation.check_draft.EXIT`."""
     if args.prompts < 1 or args.max_new_tokens < 2:
         raise BadInput(f"--check-draft needs --prompts >= 1 and --max-new-tokens >= 2, got {args.prompts} and "
                        f"{args.max_new_tokens}")
-    if not args.timeout > 0:
-        raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not 0 < args.timeout < float("inf"):
+        raise BadInput(f"--timeout must be > 0 seconds and finite, got {args.timeout}")
+    check_timeout(args.timeout, args.prompts, args.max_new_tokens)
     _folders(args)
     out = out_folder(args.out, "--out")
     run_dir = check_draft_run_dir(out, args.url)

@@ -110,7 +110,7 @@ def test_a_probe_that_finds_the_served_draft_differs_is_exit_1_and_the_checksum_
                                                                                             monkeypatch):
     seen = {}
 
-    def fake_probes(ctx, which="cheap", only=None):
+    def fake_probes(ctx, which="cheap", only=None, **kw):
         seen.update(which=which, only=only, prompts=len(ctx.prompts), tokens=ctx.max_new_tokens)
         f = {"kind": "served_draft_differs", "detail": "the served draft's step-1 proposals differ (fixed: step 1 at "
              "position 12)", "evidence": {"probe": "served_draft"}}
