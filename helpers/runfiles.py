@@ -387,7 +387,8 @@ def armed_file(path: str | os.PathLike, note: str, *, what: str = "arm file") ->
     the same server (two checks at once would read each other's records and the first to finish would disarm the
     other), a file the user keeps there, or a symlink planted to make the tool write elsewhere -- is refused, never
     written through and never deleted. On exit the path is unlinked only when its ``lstat`` still shows the device
-    and inode this call created (a file replaced meanwhile is left alone).
+    and inode this call created, its descriptor held open meanwhile so that the inode is not reused (a file
+    replaced meanwhile is left alone).
 
     Raises:
         BadInput: one line naming the path: it exists (saying what it is: a file, a symlink, ...) or cannot be
@@ -407,18 +408,16 @@ def armed_file(path: str | os.PathLike, note: str, *, what: str = "arm file") ->
                        "or remove it yourself if none runs", path=p) from None
     except OSError as e:
         raise BadInput(f"cannot create the {what}: {e.strerror or e}", path=p) from None
-    try:
+    try:             # the descriptor stays open to the end: the inode cannot be freed and reused by a newcomer
         st = os.fstat(fd)
         os.write(fd, note.encode("utf-8", "replace"))
-    finally:
-        os.close(fd)
-    try:
         yield p
     finally:
         with contextlib.suppress(OSError):
             now = os.lstat(p)
             if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
                 os.unlink(p)
+        os.close(fd)
 
 
 def read_file_text(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_FILE_BYTES, error: type = BadInput,

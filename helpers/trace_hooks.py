@@ -185,7 +185,7 @@ def draft_trace_factory(config: dict) -> Any:
             top = sel_logits.float().topk(min(k_keep, int(logits.shape[-1])), dim=-1).indices.to("cpu", torch.int64)
         tok_rows = rows
         hot = state["hot"]
-        tgt = hot[top] if hot is not None else top
+        tgt = hot[top] if hot is not None else top.clone()     # no d2t: its own tensor (safetensors refuses shared ones)
         tensors = {"positions": positions[tok_rows], "input_ids": ids[tok_rows], "topk": tgt, "topk_draft": top,
                    "row_req": req.to(torch.int64),
                    "req_pool_indices": fb.req_pool_indices.detach().to("cpu", torch.int64),
