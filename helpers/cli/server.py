@@ -224,12 +224,15 @@ def _why_no_folder(p: Path, exc: OSError) -> str:
         except FileNotFoundError:
             break                                   # made from here on: the error is the making's own
         except OSError as e:                        # ELOOP: a symlink loop; EACCES ...
-            return (f"{q} is a symlink loop (expected a folder)" if e.errno == errno.ELOOP
-                    else f"{q} cannot be read ({e.strerror or e})")
+            return (f"not a folder: {q} is a symlink loop (a link that leads back to itself); name a folder"
+                    if e.errno == errno.ELOOP else f"the folder cannot be made: {q} cannot be read "
+                                                   f"({e.strerror or e})")
         if not stat.S_ISDIR(mode):
-            what = "a file" if stat.S_ISREG(mode) else file_kind(mode)
-            return (f"{q} is {what}, not a folder; name a folder" if q == p else
-                    f"its parent {q} is {what}, not a folder; name a folder under a folder")
+            if q != p:
+                return (f"not a folder: its parent {q} is {'a file' if stat.S_ISREG(mode) else file_kind(mode)}; "
+                        "name a folder under a folder")
+            return ("not a folder (a file of that name exists); name a folder" if stat.S_ISREG(mode) else
+                    f"not a folder ({file_kind(mode)}); name a folder")
     return f"the folder cannot be made ({exc.strerror or exc})"
 
 
