@@ -136,9 +136,9 @@ def draft_trace_factory(config: dict) -> Any:
     """Hook for the draft's ``logits_processor`` writing one trace file per draft forward per rank (see the module
     docstring). ``config``: ``out_dir``, ``topk`` (ids kept per row, default 4), ``max_forwards`` (default 100000),
     ``draft_dir`` (where ``d2t`` is read), ``armed_by_file`` (default True). Files are numbered on after those
-    already in the rank folder (:func:`next_trace_number`); ``max_forwards`` counts this process's. An error while recording never reaches
-    the server: it is written once to ``out_dir/ERROR`` and the trace stays off in that process (the probes then find
-    no records and say so)."""
+    already in the rank folder (:func:`next_trace_number`); ``max_forwards`` counts this process's. An error while
+    recording never reaches the server: it is written once to ``out_dir/ERROR`` and the trace stays off in that
+    process (the probes then find no records and say so)."""
     out_dir = config["out_dir"]
     k_keep = int(config.get("topk", 4))
     max_forwards = int(config.get("max_forwards", 100000))
@@ -185,12 +185,12 @@ def draft_trace_factory(config: dict) -> Any:
             top = sel_logits.float().topk(min(k_keep, int(logits.shape[-1])), dim=-1).indices.to("cpu", torch.int64)
         tok_rows = rows
         hot = state["hot"]
-        tgt = hot[top] if hot is not None else top.clone()     # no d2t: its own tensor (safetensors refuses shared ones)
+        tgt = hot[top] if hot is not None else top.clone()     # no d2t: its own tensor (safetensors refuses sharing)
         tensors = {"positions": positions[tok_rows], "input_ids": ids[tok_rows], "topk": tgt, "topk_draft": top,
                    "row_req": req.to(torch.int64),
                    "req_pool_indices": fb.req_pool_indices.detach().to("cpu", torch.int64),
                    "seq_lens": fb.seq_lens.detach().to("cpu", torch.int64)}
-        if state["next"] is None:      # numbered on after the files already there: an earlier trace is never overwritten
+        if state["next"] is None:      # numbered on after the files there: an earlier trace is never overwritten
             state["next"] = next_trace_number(os.path.join(out_dir, f"rank{rank}"))
         n = state["next"]
         state["next"] += 1

@@ -40,8 +40,9 @@ def build_parser() -> Parser:
     p.add_argument("--check-draft", action="store_true", help="only check that the served draft is its checkpoint: "
                    "attach, the engine's draft weights checksum where it has one, and the served draft's proposals "
                    "step by step against the checkpoint's (needs `server start --trace-draft DIR`); exit 0 matches, "
-                   "1 differs, 3 undecided. Uses --draft, --target, --out, --timeout (default 300), --prompts "
-                   "(default 3), --max-new-tokens (default 16), --json")
+                   "1 differs, 3 undecided. Uses --draft, --target, --out, --timeout (default 300; at least 60 s more "
+                   "than a probe's estimate), --prompts (default 3), --max-new-tokens (default 16), --api-key-env, "
+                   "--json; any other flag is refused")
     p.add_argument("--draft", help="the draft folder, when the server's (speculative_draft_model_path) is not "
                    "readable here; when both are, a difference is reported")
     p.add_argument("--target", help="the target folder (config.json; weights allow an HF reference), when the "

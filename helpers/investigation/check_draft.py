@@ -94,11 +94,13 @@ def _line(r: dict) -> str:
     return probe_line(r)
 
 
-def check_timeout(timeout: Optional[float], prompts: int, max_new_tokens: int, flag: str = "--timeout") -> None:
+def check_timeout(timeout: Optional[float], prompts: int, max_new_tokens: int, flag: str = "--timeout", *,
+                  least: bool = True) -> None:
     """Refuse a deadline the check cannot use, before any request or folder: not a finite number of seconds above 0
     (nan, inf), or below :func:`helpers.investigation.probes.least_timeout` of :data:`CHECK_PROBES` (each probe
     starts only with its estimate plus :data:`helpers.investigation.probes.RESERVE_S` left, so every probe would be
-    skipped and the check could only be undecided). None: no deadline.
+    skipped and the check could only be undecided; ``least=False``: the finite check only, as :func:`check_draft`
+    does for ``watch``, whose ``--check-timeout`` is its own flag's to check up front). None: no deadline.
 
     Raises:
         BadInput: naming ``flag`` and the least deadline that runs a probe."""
@@ -106,9 +108,11 @@ def check_timeout(timeout: Optional[float], prompts: int, max_new_tokens: int, f
         return
     if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise BadInput(f"expected a finite number of seconds above 0, got {timeout}", field=flag)
-    least = least_timeout(CHECK_PROBES, SimpleNamespace(prompts=[None] * prompts, max_new_tokens=max_new_tokens))
-    if timeout < least:
-        raise BadInput(f"{timeout:g} s is too short for any probe of the check: give at least {least:.0f} s (the "
+    if not least:
+        return
+    need = least_timeout(CHECK_PROBES, SimpleNamespace(prompts=[None] * prompts, max_new_tokens=max_new_tokens))
+    if timeout < need:
+        raise BadInput(f"{timeout:g} s is too short for any probe of the check: give at least {need:.0f} s (the "
                        f"cheapest probe's estimate plus the {RESERVE_S:.0f} s every probe leaves for the run's end)",
                        field=flag)
 
@@ -164,7 +168,8 @@ def check_draft(url: str, *, run_dir: str | Path, draft: Optional[str | Path] = 
 
     Raises:
         BadInput: a run folder that holds a check, a draft or target folder without config.json, a server with no
-            draft readable here and no ``draft``; ServerError: the server fails or the deadline runs out.
+            draft readable here and no ``draft``, a ``timeout`` refused by :func:`check_timeout`; ServerError: the
+            server fails (also during a probe: unreachable, 5xx, a malformed answer) or the deadline runs out.
     """
     run_dir = Path(run_dir)
     if (run_dir / DOC_NAME).exists():
@@ -173,7 +178,7 @@ def check_draft(url: str, *, run_dir: str | Path, draft: Optional[str | Path] = 
     if prompts < 1 or max_new_tokens < 2:
         raise BadInput(f"the check needs >= 1 prompt and >= 2 tokens per prompt, got {prompts} and {max_new_tokens}",
                        field="--prompts/--max-new-tokens")
-    check_timeout(timeout, prompts, max_new_tokens)
+    check_timeout(timeout, prompts, max_new_tokens, least=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     t0, dl = time.monotonic(), Budget(timeout, flag="--timeout")
     doc: dict = {**FORMAT, "url": redact_url(url), "run_dir": str(run_dir), "verdict": None, "reason": None,

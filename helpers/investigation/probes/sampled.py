@@ -106,8 +106,8 @@ def probe_sampling(ctx: ProbeContext) -> dict:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
         raise BadInput(f"expected a temperature in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] for the sampled-verify "
                        f"probe, got {t!r} (below {MIN_TEMPERATURE:g} SGLang and vLLM decode greedily: "
-                       "sglang/srt/sampling/sampling_params.py, vllm/sampling_params.py _SAMPLING_EPS; temperature 0 is "
-                       "the acceptance budget's own measurement)", field="--probe-temperature")
+                       "sglang/srt/sampling/sampling_params.py, vllm/sampling_params.py _SAMPLING_EPS; temperature 0 "
+                       "is the acceptance budget's own measurement)", field="--probe-temperature")
     p = sp.get("top_p")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not MIN_TOP_P <= p <= 1:
         raise BadInput(f"expected a top-p in [{MIN_TOP_P:g}, 1] (in (0, 1], and a smaller one keeps the top token "

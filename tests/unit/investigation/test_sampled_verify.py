@@ -239,8 +239,10 @@ def test_probe_sampling_defaults_and_bad_values():
     ({"temperature": 1e-9}, "--probe-temperature"), ({"temperature": 9e-6}, "--probe-temperature"),
     ({"temperature": float("inf")}, "--probe-temperature"), ({"temperature": float("nan")}, "--probe-temperature"),
     ({"temperature": 1e308}, "--probe-temperature"), ({"temperature": 1e-320}, "--probe-temperature"),
-    ({"top_p": 1e-320}, "--probe-top-p"), ({"top_p": 0.001}, "--probe-top-p"), ({"top_p": float("nan")}, "--probe-top-p"),
-    ({"top_k": 1}, "--probe-top-k"), ({"top_k": 10 ** 20}, "--probe-top-k"), ({"top_k": (1 << 30) + 1}, "--probe-top-k"),
+    ({"top_p": 1e-320}, "--probe-top-p"), ({"top_p": 0.001}, "--probe-top-p"),
+    ({"top_p": float("nan")}, "--probe-top-p"),
+    ({"top_k": 1}, "--probe-top-k"), ({"top_k": 10 ** 20}, "--probe-top-k"),
+    ({"top_k": (1 << 30) + 1}, "--probe-top-k"),
 ])
 def test_a_greedy_or_absurd_probe_sampling_is_refused_naming_the_flag(bad, flag):
     with pytest.raises(BadInput) as e:
@@ -253,8 +255,10 @@ def test_a_greedy_or_absurd_probe_sampling_is_refused_naming_the_flag(bad, flag)
 
 def test_investigate_cli_refuses_a_greedy_probe_sampling_before_any_folder(tmp_path, capsys):
     from helpers.__main__ import main
-    for argv, flag in ((["--probe-temperature", "1e-9"], "--probe-temperature"), (["--probe-top-k", "1"], "--probe-top-k"),
-                       (["--probe-top-k", "100000000000000000000"], "--probe-top-k"), (["--timeout", "inf"], "--timeout")):
+    for argv, flag in ((["--probe-temperature", "1e-9"], "--probe-temperature"),
+                       (["--probe-top-k", "1"], "--probe-top-k"),
+                       (["--probe-top-k", "100000000000000000000"], "--probe-top-k"),
+                       (["--timeout", "inf"], "--timeout")):
         assert main(["investigate", "--url", "http://127.0.0.1:1", "--training", str(tmp_path), "--out",
                      str(tmp_path / "out"), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
