@@ -378,6 +378,48 @@ def read_file_bytes(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_
     return data
 
 
+@contextlib.contextmanager
+def armed_file(path: str | os.PathLike, note: str, *, what: str = "arm file") -> Iterator[Path]:
+    """Create ``path`` (a server hook's arm file, e.g. ``<trace folder>/ARMED``, :data:`helpers.hooks.ARM_FILE`)
+    for the duration of the block, and remove it after, only if it is still the file this call created.
+
+    Created with ``O_CREAT | O_EXCL | O_WRONLY | O_NOFOLLOW``: a path that already exists -- another trace armed on
+    the same server (two checks at once would read each other's records and the first to finish would disarm the
+    other), a file the user keeps there, or a symlink planted to make the tool write elsewhere -- is refused, never
+    written through and never deleted. On exit the path is unlinked only when its ``lstat`` still shows the device
+    and inode this call created, its descriptor held open meanwhile so that the inode is not reused (a file
+    replaced meanwhile is left alone).
+
+    Raises:
+        BadInput: one line naming the path: it exists (saying what it is: a file, a symlink, ...) or cannot be
+            created (the folder missing or not writable)."""
+    p = Path(path)
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(p, flags, 0o644)
+    except FileExistsError:
+        try:
+            mode = os.lstat(p).st_mode
+            kind = "a symlink" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else file_kind(mode)
+        except OSError:
+            kind = "a file"
+        raise BadInput(f"the {what} exists ({kind}): another trace or capture is armed on this server now, or "
+                       "the file is not this tool's; it is never overwritten nor deleted: wait for the other run, "
+                       "or remove it yourself if none runs", path=p) from None
+    except OSError as e:
+        raise BadInput(f"cannot create the {what}: {e.strerror or e}", path=p) from None
+    try:             # the descriptor stays open to the end: the inode cannot be freed and reused by a newcomer
+        st = os.fstat(fd)
+        os.write(fd, note.encode("utf-8", "replace"))
+        yield p
+    finally:
+        with contextlib.suppress(OSError):
+            now = os.lstat(p)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(p)
+        os.close(fd)
+
+
 def read_file_text(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_FILE_BYTES, error: type = BadInput,
                    expected: str = "text") -> str:
     """:func:`read_file_bytes` decoded as UTF-8.

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -116,17 +117,33 @@ def _rows(mode: str, fb: Any, n_logits: int, positions: torch.Tensor) -> tuple[t
     return idx, idx // max(n_logits // max(bs, 1), 1)
 
 
+_TRACE_FILE = re.compile(re.escape(TRACE_PREFIX) + r"(\d+)\.safetensors")
+
+
+def next_trace_number(rank_dir: str) -> int:
+    """The number of the next trace file in ``rank_dir``: one past the highest ``trace<n>.safetensors`` there (0 in a
+    new folder). A folder that already holds a trace (an earlier server's, a restarted copy's) is continued, never
+    renumbered from 0: its files and index lines keep pointing at what they recorded, and the readers take the lines
+    after the count they saw before arming (:func:`helpers.draft.trace.trace_counts`)."""
+    try:
+        names = os.listdir(rank_dir)
+    except OSError:
+        return 0
+    return max((int(m.group(1)) + 1 for f in names if (m := _TRACE_FILE.fullmatch(f))), default=0)
+
+
 def draft_trace_factory(config: dict) -> Any:
     """Hook for the draft's ``logits_processor`` writing one trace file per draft forward per rank (see the module
     docstring). ``config``: ``out_dir``, ``topk`` (ids kept per row, default 4), ``max_forwards`` (default 100000),
-    ``draft_dir`` (where ``d2t`` is read), ``armed_by_file`` (default True). An error while recording never reaches
-    the server: it is written once to ``out_dir/ERROR`` and the trace stays off in that process (the probes then find
-    no records and say so)."""
+    ``draft_dir`` (where ``d2t`` is read), ``armed_by_file`` (default True). Files are numbered on after those
+    already in the rank folder (:func:`next_trace_number`); ``max_forwards`` counts this process's. An error while
+    recording never reaches the server: it is written once to ``out_dir/ERROR`` and the trace stays off in that
+    process (the probes then find no records and say so)."""
     out_dir = config["out_dir"]
     k_keep = int(config.get("topk", 4))
     max_forwards = int(config.get("max_forwards", 100000))
     arm = os.path.join(out_dir, ARM_FILE) if config.get("armed_by_file", True) else None
-    state = {"n": 0, "hot": None, "hot_read": False}
+    state = {"n": 0, "next": None, "hot": None, "hot_read": False}
 
     def hook(module, inputs, output):
         if not _is_draft_logits(module) or state["n"] >= max_forwards or state.get("failed"):
@@ -168,12 +185,15 @@ def draft_trace_factory(config: dict) -> Any:
             top = sel_logits.float().topk(min(k_keep, int(logits.shape[-1])), dim=-1).indices.to("cpu", torch.int64)
         tok_rows = rows
         hot = state["hot"]
-        tgt = hot[top] if hot is not None else top
+        tgt = hot[top] if hot is not None else top.clone()     # no d2t: its own tensor (safetensors refuses sharing)
         tensors = {"positions": positions[tok_rows], "input_ids": ids[tok_rows], "topk": tgt, "topk_draft": top,
                    "row_req": req.to(torch.int64),
                    "req_pool_indices": fb.req_pool_indices.detach().to("cpu", torch.int64),
                    "seq_lens": fb.seq_lens.detach().to("cpu", torch.int64)}
-        n = state["n"]
+        if state["next"] is None:      # numbered on after the files there: an earlier trace is never overwritten
+            state["next"] = next_trace_number(os.path.join(out_dir, f"rank{rank}"))
+        n = state["next"]
+        state["next"] += 1
         state["n"] += 1
         write_forward(out_dir, rank, tp, n, tensors, mode, int(positions.shape[0]), prefix=TRACE_PREFIX)
         rids = getattr(fb, "rids", None)

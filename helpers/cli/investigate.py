@@ -18,10 +18,11 @@ from ..formats.configs import read_draft_config, read_target_config
 from ..server.client import check_url
 from ..server.embedded import parse_ports
 from ..server.restart import relaunch_argv
-from ..investigation.check_draft import EXIT as CHECK_EXIT, check_draft, default_run_dir as check_draft_run_dir, \
-    verdict_line
+from ..investigation.check_draft import EXIT as CHECK_EXIT, check_draft, check_timeout, \
+    default_run_dir as check_draft_run_dir, verdict_line
 from ..investigation.live import default_run_dir, investigate
 from ..investigation.probes import CHOICES as PROBE_CHOICES
+from ..investigation.probes.sampled import check_sampling
 from ..views.common import run_dir_line
 from ..views.investigation import write_report
 from .common import Parser, failure_guard, input_path_arg, out_folder, progress_line, rows_arg, run, subset_arg
@@ -39,8 +40,9 @@ def build_parser() -> Parser:
     p.add_argument("--check-draft", action="store_true", help="only check that the served draft is its checkpoint: "
                    "attach, the engine's draft weights checksum where it has one, and the served draft's proposals "
                    "step by step against the checkpoint's (needs `server start --trace-draft DIR`); exit 0 matches, "
-                   "1 differs, 3 undecided. Uses --draft, --target, --out, --timeout (default 300), --prompts "
-                   "(default 3), --max-new-tokens (default 16), --json")
+                   "1 differs, 3 undecided. Uses --draft, --target, --out, --timeout (default 300; at least 60 s more "
+                   "than a probe's estimate), --prompts (default 3), --max-new-tokens (default 16), --api-key-env, "
+                   "--json; any other flag is refused")
     p.add_argument("--draft", help="the draft folder, when the server's (speculative_draft_model_path) is not "
                    "readable here; when both are, a difference is reported")
     p.add_argument("--target", help="the target folder (config.json; weights allow an HF reference), when the "
@@ -106,13 +108,15 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             if getattr(args, name) is None:
                 setattr(args, name, check if quick else full)
         if quick:
+            _check_draft_flags(args, argv)
             return _check_draft(args, prog)
         if not args.training:
             raise BadInput("--training is required (the draft's training data), unless --check-draft")
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
-        if args.timeout is not None and not args.timeout > 0:
-            raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+        if args.timeout is not None and not 0 < args.timeout < float("inf"):
+            raise BadInput(f"--timeout must be > 0 seconds and finite, got {args.timeout}")
+        check_sampling(_probe_sampling(args))      # a greedy or absurd probe sampling: exit 2 naming the flag
         if args.draft_cost is not None and not 0 < args.draft_cost < 10:
             raise BadInput(f"{args.draft_cost} is no ratio in (0, 10) (a draft forward's cost over a verify "
                            "step's, e.g. 0.05)", field="--draft-cost")
@@ -168,14 +172,33 @@ def _folders(args) -> None:
                 raise BadInput(str(exc), field=exc.field or flag) from None
 
 
+#: the flags ``--check-draft`` uses (by their argparse ``dest``); any other given is refused, not silently ignored
+CHECK_DRAFT_FLAGS = ("url", "check_draft", "draft", "target", "out", "timeout", "prompts", "max_new_tokens",
+                     "api_key_env", "json")
+
+
+def _check_draft_flags(args, argv: Optional[Sequence[str]]) -> None:
+    """Refuse a flag ``--check-draft`` does not use (``--training``, ``--sweeps``, ``--relaunch``, ...): one line
+    naming it and the flags it takes, before any request. A flag counts as given when its value is not the parser's
+    default."""
+    parser = build_parser()
+    names = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    given = [names[d] for d in names if d not in CHECK_DRAFT_FLAGS and d != "help"
+             and getattr(args, d, None) != parser.get_default(d)]
+    if given:
+        raise BadInput(f"--check-draft takes only {', '.join(names[d] for d in CHECK_DRAFT_FLAGS)}; got "
+                       f"{', '.join(given)}")
+
+
 def _check_draft(args, prog: str) -> int:
     """``investigate --check-draft`` (:func:`helpers.investigation.check_draft.check_draft`): the verdict line (or
     the document with ``--json``) on stdout, exit :data:`helpers.investigation.check_draft.EXIT`."""
     if args.prompts < 1 or args.max_new_tokens < 2:
         raise BadInput(f"--check-draft needs --prompts >= 1 and --max-new-tokens >= 2, got {args.prompts} and "
                        f"{args.max_new_tokens}")
-    if not args.timeout > 0:
-        raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not 0 < args.timeout < float("inf"):
+        raise BadInput(f"--timeout must be > 0 seconds and finite, got {args.timeout}")
+    check_timeout(args.timeout, args.prompts, args.max_new_tokens)
     _folders(args)
     out = out_folder(args.out, "--out")
     run_dir = check_draft_run_dir(out, args.url)

@@ -3,8 +3,10 @@ server from the shell."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import stat
 import signal
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from ..engines.detect import adapter as engine_adapter
 from ..engines.detect import detect
-from ..errors import BadServerInput, ServerStartError
+from ..errors import BadInput, BadServerInput, ServerStartError
 from ..paths import ROOT
 from ..server.embedded import REFERENCE_DRAFT, SPEC_ALGORITHMS, parse_ports, pick_port
 from ..server.listener_flags import refuse_listener_flags
@@ -22,7 +24,8 @@ from ..server.process import stop_pid
 from ..server.protocol import MAX_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_PARALLEL, MAX_TOPK
 from ..server.registry import register, state_path, unregister
 from ..server.settings import default_draft_tokens
-from .common import Parser, run
+from ..runfiles import file_kind
+from .common import Parser, run, text_arg
 
 
 
@@ -193,18 +196,48 @@ def hook_folder(path: str, flag: str) -> Path:
     once armed, and the probes read it on this machine (a folder that did not exist yet was reported "not readable on
     this machine" by the trace probes; a relative one would be read against the server's working directory).
 
+    A folder that already holds a trace (``rank*/`` with files, an earlier server's) is taken as it is and nothing in
+    it is lost: the trace hook numbers its files on after those there (:func:`helpers.trace_hooks.
+    next_trace_number`), so the old index lines keep pointing at the old files, and the probes read only the lines
+    written after they armed it (:func:`helpers.draft.trace.trace_counts`). Refusing the folder would lose nothing
+    either, but would stop every restart of a server on its own folder.
+
     Raises:
-        BadServerInput: one line naming the flag when the path is a file, or cannot be made or written (exit 2)."""
+        BadServerInput: one line naming the flag: a path that is not UTF-8 (the run's JSON could not hold it, as
+            :func:`helpers.cli.common.text_arg`), a file where a folder is needed (the component named: the path
+            itself or a parent), a symlink loop, or a folder that cannot be made or written (exit 2)."""
+    try:
+        text_arg(path, flag)
+    except BadInput as exc:
+        raise BadServerInput(str(exc)) from None
     p = Path(path).expanduser().absolute()
     try:
         p.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise BadServerInput(f"{flag} {path}: not a folder (a file of that name exists); name a folder") from None
     except OSError as exc:
-        raise BadServerInput(f"{flag} {path}: the folder cannot be made ({exc.strerror or exc})") from None
+        raise BadServerInput(f"{flag} {path}: {_why_no_folder(p, exc)}") from None
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
         raise BadServerInput(f"{flag} {path}: not a writable folder (the server's hook writes its files there)")
     return p
+
+
+def _why_no_folder(p: Path, exc: OSError) -> str:
+    """Why ``p`` cannot be a folder, naming the first component of it that is in the way (itself or a parent)."""
+    for q in [*reversed(p.parents), p]:
+        try:
+            mode = os.stat(q).st_mode
+        except FileNotFoundError:
+            break                                   # made from here on: the error is the making's own
+        except OSError as e:                        # ELOOP: a symlink loop; EACCES ...
+            return (f"not a folder: {q} is a symlink loop (a link that leads back to itself); name a folder"
+                    if e.errno == errno.ELOOP else f"the folder cannot be made: {q} cannot be read "
+                                                   f"({e.strerror or e})")
+        if not stat.S_ISDIR(mode):
+            if q != p:
+                return (f"not a folder: its parent {q} is {'a file' if stat.S_ISREG(mode) else file_kind(mode)}; "
+                        "name a folder under a folder")
+            return ("not a folder (a file of that name exists); name a folder" if stat.S_ISREG(mode) else
+                    f"not a folder ({file_kind(mode)}); name a folder")
+    return f"the folder cannot be made ({exc.strerror or exc})"
 
 
 def refuse_existing_state(state: Path, *, out_too: bool) -> None:

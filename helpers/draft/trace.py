@@ -27,6 +27,8 @@ draft's weights or its inputs (``served_draft_differs``); only from step 2, the 
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -36,7 +38,7 @@ from safetensors.torch import load_file
 
 from ..errors import BadInput
 from ..formats.dumps import samples_from_generate
-from ..runfiles import loads_json
+from ..runfiles import MAX_FILE_BYTES, loads_json, read_file_text, regular_file
 from .model import Eagle3Draft, compute_threads
 from .simulate import SimSequence
 
@@ -70,38 +72,98 @@ class Cycle:
     tree: bool = False
 
 
+_RANK_DIR = re.compile(r"rank(\d+)")
+
+
+def _complete_lines(path: Path, what: str) -> list[tuple[int, str]]:
+    """``[(line number, text)]`` of the non-blank lines of a JSON-lines file the trace hook appends to, read by the
+    one bounded reader (:func:`helpers.runfiles.read_file_text`: a FIFO, a device, a symlink loop or an oversized
+    file refused naming it). A last line without its newline is left out: the hook may be writing it now."""
+    text = read_file_text(path, what, expected="JSON lines")
+    parts = text.split("\n")[:-1]              # the last part: "" after a final newline, else a torn line
+    return [(i + 1, line) for i, line in enumerate(parts) if line.strip()]
+
+
+def _line_json(path: Path, no: int, line: str, need: tuple[str, ...]) -> dict:
+    try:
+        rec = loads_json(line)
+    except ValueError as e:                     # JSONDecodeError, JSONTooDeep
+        rec, why = None, str(e).splitlines()[0][:120]
+    else:
+        why = None if isinstance(rec, dict) and all(k in rec for k in need) else f"expected an object with {need}"
+    if why is None and not all(isinstance(rec[k], int) and not isinstance(rec[k], bool) for k in need
+                               if k == "forward"):
+        why = "its forward is not an integer"
+    if why is not None:
+        raise BadInput(f"line {no} is not a trace record ({why}): a torn or foreign line; start the server with a "
+                       "new --trace-draft folder", path=path)
+    return rec
+
+
+def _trace_file(rank_dir: Path, idx: Path, no: int, name: Any) -> Path:
+    """The trace file an index line names, confined to its rank folder (a plain file name, no link out of it)."""
+    if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", "..") or "\\" in name:
+        raise BadInput(f"line {no} names the file {name!r}, not a file name inside its rank folder", path=idx)
+    p = rank_dir / name
+    if os.path.dirname(os.path.realpath(p)) != os.path.realpath(rank_dir):
+        raise BadInput(f"line {no} names {name}, which leads out of its rank folder (a symlink)", path=idx)
+    return regular_file(p, "trace file", max_bytes=MAX_FILE_BYTES)
+
+
 def trace_counts(trace_dir: str | Path) -> dict[int, int]:
-    """Records per rank already in a trace folder (``{rank: n}``), to read only what comes after."""
-    out = {}
-    for d in sorted(Path(trace_dir).glob("rank*")):
+    """Records per rank already in a trace folder (``{rank: n}``: the complete lines of ``rank<r>/index.jsonl``), to
+    read only what comes after. Only folders named ``rank<digits>`` are ranks (others are left alone).
+
+    Raises:
+        BadInput: an index that is not a regular file (a FIFO never blocks the check) or is too large."""
+    out: dict[int, int] = {}
+    root = Path(trace_dir)
+    if not root.is_dir():
+        return out
+    for d in sorted(root.iterdir()):
+        m = _RANK_DIR.fullmatch(d.name)
+        if m is None or not d.is_dir():
+            continue
         idx = d / "index.jsonl"
-        out[int(d.name[4:])] = sum(1 for line in idx.read_text().splitlines() if line.strip()) if idx.exists() else 0
+        out[int(m.group(1))] = len(_complete_lines(idx, "trace index")) if os.path.lexists(idx) else 0
     return out
 
 
 def read_trace(trace_dir: str | Path, *, rank: int = 0, since: Optional[dict[int, int]] = None) -> list[dict]:
     """The trace records of TP rank ``rank`` (every rank runs the same draft; rank 0 is read), after the first
-    ``since[rank]``: ``{"forward", "mode", "rids", **tensors}`` in forward order.
+    ``since[rank]`` (:func:`trace_counts`): ``{"forward", "mode", "rids", **tensors}`` in forward order.
+
+    Every file is read by the bounded reader; only the index lines after ``since`` are parsed, and only the
+    ``rids.jsonl`` lines back to the first of their forwards (damage left by an earlier run never fails a later
+    read); a last line without its newline is skipped (the hook may be writing it).
 
     Raises:
         BadInput: the folder holds no trace of that rank (the server was not started with ``--trace-draft``, or the
-            folder is not this machine's view of it)."""
+            folder is not this machine's view of it); a FIFO / device / oversized index; a torn or foreign line
+            among the lines read (file and line named); an index line naming a file outside its rank folder."""
     d = Path(trace_dir) / f"rank{rank}"
     idx = d / "index.jsonl"
-    if not idx.exists():
+    if not os.path.lexists(idx):
         raise BadInput(f"no draft step trace for TP rank {rank} (no {idx.name}): start the server with "
                        "`python -m helpers server start --trace-draft DIR` and read DIR on this machine", path=d)
-    recs = [loads_json(line) for line in idx.read_text().splitlines() if line.strip()]
+    lines = _complete_lines(idx, "trace index")[(since or {}).get(rank, 0):]
+    recs = [(no, _line_json(idx, no, line, ("forward", "file"))) for no, line in lines]
     rids: dict[int, list] = {}
     rid_file = d / "rids.jsonl"
-    if rid_file.exists():
-        for line in rid_file.read_text().splitlines():
-            if line.strip():
-                r = loads_json(line)
-                rids[int(r["forward"])] = list(r["rids"])
+    if recs and os.path.lexists(rid_file):
+        first = min(int(r["forward"]) for _, r in recs)
+        for no, line in reversed(_complete_lines(rid_file, "trace rids")):
+            r = _line_json(rid_file, no, line, ("forward", "rids"))
+            if r["forward"] < first:
+                break
+            rids[int(r["forward"])] = list(r["rids"]) if isinstance(r["rids"], list) else None
     out = []
-    for rec in recs[(since or {}).get(rank, 0):]:
-        t = load_file(str(d / rec["file"]))
+    for no, rec in recs:
+        f = _trace_file(d, idx, no, rec["file"])
+        try:
+            t = load_file(str(f))
+        except Exception as e:                  # a damaged safetensors file: safetensors' own error types
+            raise BadInput(f"cannot read the trace file ({type(e).__name__}: {str(e)[:160]})", path=f) from None
         out.append({"forward": int(rec["forward"]), "mode": rec.get("mode"), "rids": rids.get(int(rec["forward"])),
                     **t})
     return out

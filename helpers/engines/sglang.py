@@ -526,31 +526,40 @@ class SGLangAdapter(EngineAdapter):
         """:meth:`EngineAdapter.trace_requests` on SGLang: the hook's folder armed (``helpers.hooks.ARM_FILE``),
         each prompt sent to ``/generate`` with ``return_hidden_states``, ``return_prompt_token_ids`` and a request id
         of its own (``rid``: the trace's ``ForwardBatch.rids``), the records written after the arm read back
-        (:func:`helpers.draft.trace.read_trace`)."""
+        (:func:`helpers.draft.trace.read_trace`).
+
+        The arm file is created exclusively (:func:`helpers.runfiles.armed_file`: ``O_EXCL | O_NOFOLLOW``) and removed
+        only if it is still the one created: an ``ARMED`` already there (another check tracing this server now, or a
+        file or symlink this tool did not make) is refused naming it, never written through nor deleted.
+
+        Raises:
+            BadInput: no trace hook, the arm file exists or cannot be made, a damaged trace folder
+                (:func:`helpers.draft.trace.read_trace`), no record written while armed."""
         from ..draft.trace import read_trace, served_sequence, trace_counts  # lazy: torch
         from ..hooks import ARM_FILE  # lazy: torch (measure detects the engine without it)
+        from ..runfiles import armed_file, read_file_text
         from ..trace_hooks import trace_dir  # lazy: torch
         d = trace_dir(client.server_info())
         if d is None:
             raise BadInput(self.trace_unavailable(client) or "no draft step trace")
         since = trace_counts(d)
-        arm = d / ARM_FILE
         seqs = []
-        arm.write_text(f"armed by helpers.engines.sglang ({tag})\n")
-        try:
+        with armed_file(d / ARM_FILE, f"armed by helpers.engines.sglang ({tag}, pid {os.getpid()})\n",
+                        what="trace arm file"):
             for i, q in enumerate(prompts):
                 client.flush_cache()
                 res = client.generate(**q.request(), max_new_tokens=max_new_tokens, return_hidden_states=True,
                                       return_prompt_token_ids=True, rid=f"e3f-{tag}-{i}-{folder.name}"[:120],
                                       sampling_params={"temperature": 0.0, "ignore_eos": True})
                 seqs.append(served_sequence(res, None if q.input_ids is None else list(q.input_ids)))
-        finally:
-            if arm.exists():
-                arm.unlink()
         records = read_trace(d, since=since)
         if not records:
             err = d / "ERROR"
-            said = err.read_text().strip().splitlines()[-1] if err.exists() else ""
+            try:
+                said = read_file_text(err, "the trace hook's ERROR file").strip().splitlines()[-1][:300] \
+                    if os.path.lexists(err) else ""
+            except (BadInput, IndexError):
+                said = ""
             raise BadInput(f"the server wrote no trace records under {d} while it was armed: " +
                            (said if said else "is this the folder it writes to?"), path=d)
         return seqs, records

@@ -20,17 +20,22 @@ Verdict (``check_draft.json`` ``verdict``; :data:`EXIT` the CLI's exit code):
 
 * ``differs`` (exit 1): a finding of :data:`DRAFT_FAULTS` (attach's folder comparison or a probe's step-1 /
   step-2 divergence);
-* ``matches`` (exit 0): ``served_draft`` ran and is ``clear``, and every other probe that ran is ``clear``;
+* ``matches`` (exit 0): ``served_draft`` ran and is ``clear``, every other probe that ran is ``clear``, and the
+  draft's weights checksum did not change since the previous check (or there is none to compare);
 * ``undecided`` (exit 3): no probe could decide (not traced, the checkpoint not readable here, no speculative
-  settings, a probe failed or found nothing to align), with why and how to get the evidence.
+  settings, a probe refused by the server or found nothing to align, another trace armed on the server), with why
+  and how to get the evidence; or the probes are clear but the checksum changed (:func:`verdict_of`).
 
-A server error or the deadline raises (exit 1), bad input raises :class:`helpers.errors.BadInput` (exit 2); the
-run folder's ``check_draft.json`` is written in every case (``error`` says why when it raised).
+A server that fails (unreachable, 5xx, a malformed answer: also during a probe, ``run_probes(server_errors=True)``)
+or the deadline raises (exit 1), bad input raises :class:`helpers.errors.BadInput` (exit 2); the run folder's
+``check_draft.json`` is written in every case (``error`` says why when it raised). Each probe starts only with its
+estimate plus :data:`helpers.investigation.probes.RESERVE_S` (60 s) left of ``--timeout``.
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from ..acceptance.prompts import load_prompts
@@ -40,7 +45,7 @@ from ..errors import BadInput, ServerError, describe
 from ..redaction import redact_url, url_label
 from ..runfiles import safe_name, new_run_dir, write_json
 from .attach import attach, mtp_not_supported, require_draft
-from .probes import ProbeContext, probe_line, run_probes
+from .probes import RESERVE_S, ProbeContext, least_timeout, probe_line, run_probes
 from .probes.trace import SERVED_DRAFT, STEP_TRACE
 
 #: the probes of the check, in the order they run
@@ -89,8 +94,40 @@ def _line(r: dict) -> str:
     return probe_line(r)
 
 
-def verdict_of(state: dict, findings: list) -> tuple[str, str]:
-    """``(verdict, reason)`` from the probes' state (:func:`run_probes`) and the findings (module docstring)."""
+def check_timeout(timeout: Optional[float], prompts: int, max_new_tokens: int, flag: str = "--timeout", *,
+                  least: bool = True) -> None:
+    """Refuse a deadline the check cannot use, before any request or folder: not a finite number of seconds above 0
+    (nan, inf), or below :func:`helpers.investigation.probes.least_timeout` of :data:`CHECK_PROBES` (each probe
+    starts only with its estimate plus :data:`helpers.investigation.probes.RESERVE_S` left, so every probe would be
+    skipped and the check could only be undecided; ``least=False``: the finite check only, as :func:`check_draft`
+    does for ``watch``, whose ``--check-timeout`` is its own flag's to check up front). None: no deadline.
+
+    Raises:
+        BadInput: naming ``flag`` and the least deadline that runs a probe."""
+    if timeout is None:
+        return
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise BadInput(f"expected a finite number of seconds above 0, got {timeout}", field=flag)
+    if not least:
+        return
+    need = least_timeout(CHECK_PROBES, SimpleNamespace(prompts=[None] * prompts, max_new_tokens=max_new_tokens))
+    if timeout < need:
+        raise BadInput(f"{timeout:g} s is too short for any probe of the check: give at least {need:.0f} s (the "
+                       f"cheapest probe's estimate plus the {RESERVE_S:.0f} s every probe leaves for the run's end)",
+                       field=flag)
+
+
+def verdict_of(state: dict, findings: list, weights: Optional[dict] = None) -> tuple[str, str]:
+    """``(verdict, reason)`` from the probes' state (:func:`run_probes`), the findings and the weight evidence
+    (:func:`weight_evidence`; module docstring).
+
+    A checksum that changed since the previous check never lets the verdict be ``matches``; it is ``undecided``
+    (with why), not ``differs``: the checksum hashes the tensors as the engine holds them (fused, TP-sharded, its
+    dtype), and the check is given only the previous checksum, not the engine state it was taken in, so it cannot
+    tell a draft whose weights moved under a running server (a fault) from a restart with another layout or a
+    weight update (a change of state: ``watch`` checks on exactly those events), while clear proposals on a few
+    prompts do not rule out a change in weights they do not exercise (rows of tokens never proposed). Findings of
+    the probes still make it ``differs``."""
     bad = [f for f in findings if f.get("kind") in DRAFT_FAULTS]
     if bad:
         return "differs", f"{bad[0]['kind']}: {str(bad[0].get('detail') or '')[:300]}"
@@ -98,6 +135,13 @@ def verdict_of(state: dict, findings: list) -> tuple[str, str]:
     ran = [r for r in rows.values() if r["status"] == "ran"]
     sd = rows.get(SERVED_DRAFT.name)
     if sd and sd["status"] == "ran" and sd["decision"] == "clear" and all(r["decision"] == "clear" for r in ran):
+        if (weights or {}).get("changed"):
+            return "undecided", (f"the draft's weights checksum changed since the previous check "
+                                 f"({str(weights.get('previous'))[:16]} -> {str(weights.get('checksum'))[:16]}) while "
+                                 "its proposals match the checkpoint: a weight update or restart explains it, a "
+                                 "fault in weights the prompts do not exercise would too; if the server was updated "
+                                 "or restarted, check again to take this checksum as the reference; "
+                                 + "; ".join(_line(r) for r in ran))
         return "matches", "; ".join(_line(r) for r in ran)
     open_ = [r for r in rows.values() if not (r["status"] == "ran" and r["decision"] == "clear")]
     return "undecided", "; ".join(_line(r) for r in open_) or "no probe of the check ran"
@@ -124,7 +168,8 @@ def check_draft(url: str, *, run_dir: str | Path, draft: Optional[str | Path] = 
 
     Raises:
         BadInput: a run folder that holds a check, a draft or target folder without config.json, a server with no
-            draft readable here and no ``draft``; ServerError: the server fails or the deadline runs out.
+            draft readable here and no ``draft``, a ``timeout`` refused by :func:`check_timeout`; ServerError: the
+            server fails (also during a probe: unreachable, 5xx, a malformed answer) or the deadline runs out.
     """
     run_dir = Path(run_dir)
     if (run_dir / DOC_NAME).exists():
@@ -133,6 +178,7 @@ def check_draft(url: str, *, run_dir: str | Path, draft: Optional[str | Path] = 
     if prompts < 1 or max_new_tokens < 2:
         raise BadInput(f"the check needs >= 1 prompt and >= 2 tokens per prompt, got {prompts} and {max_new_tokens}",
                        field="--prompts/--max-new-tokens")
+    check_timeout(timeout, prompts, max_new_tokens, least=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     t0, dl = time.monotonic(), Budget(timeout, flag="--timeout")
     doc: dict = {**FORMAT, "url": redact_url(url), "run_dir": str(run_dir), "verdict": None, "reason": None,
@@ -161,11 +207,11 @@ def check_draft(url: str, *, run_dir: str | Path, draft: Optional[str | Path] = 
             ctx = ProbeContext(client=client, adapter=adapter, att=att, run_dir=run_dir,
                                prompts=load_prompts(None, n=prompts), max_new_tokens=max_new_tokens, dl=dl,
                                progress=progress, api_key=api_key)
-            state = run_probes(ctx, "cheap", only=CHECK_PROBES)
+            state = run_probes(ctx, "cheap", only=CHECK_PROBES, server_errors=True)
             doc["notes"] += state["notes"]
         doc["engine_state"] = state
         doc["findings"] = findings + list(state["findings"])
-        doc["verdict"], doc["reason"] = verdict_of(state, doc["findings"])
+        doc["verdict"], doc["reason"] = verdict_of(state, doc["findings"], doc["weights"])
         doc["exit"] = EXIT[doc["verdict"]]
     except BaseException as exc:         # a server, the deadline, a signal: the record says why, then it goes on
         doc["error"] = describe(exc)
@@ -183,5 +229,5 @@ def verdict_line(doc: dict) -> str:
     return f"served draft {doc.get('verdict')}: {doc.get('reason')} ({doc.get('seconds', 0):.1f} s)"
 
 
-__all__ = ["CHECK_PROBES", "DOC_NAME", "DRAFT_FAULTS", "EXIT", "check_draft", "default_run_dir", "verdict_line",
-           "verdict_of", "weight_evidence"]
+__all__ = ["CHECK_PROBES", "DOC_NAME", "DRAFT_FAULTS", "EXIT", "check_draft", "check_timeout", "default_run_dir",
+           "verdict_line", "verdict_of", "weight_evidence"]

@@ -24,7 +24,7 @@ import time
 from typing import Optional, Sequence
 
 from ...draft.budget import REQUIRED_STAGES, budget_sentence, cause_of
-from ...errors import BadInput, ServerError, ServerTimeout
+from ...errors import AuthError, BadInput, CacheBusy, EndpointMissing, RequestRejected, ServerError, ServerTimeout
 from ...runfiles import jsonable
 from .base import CHOICES, ENGINE_PARTS, Probe, ProbeContext, ProbeResult, paired_condition_loss
 from .cache import CHUNKED_PREFILL, RADIX_HIT
@@ -54,7 +54,26 @@ def check_choice(which: str) -> str:
     return which
 
 
-def run_probes(ctx: ProbeContext, which: str = "cheap", only: Optional[Sequence[str]] = None) -> dict:
+#: seconds every probe leaves of the run's deadline (``--timeout``) after its own estimate: the run's end (the
+#: report, a restarted copy's stop, the run folder's last writes) is never cut by a probe that overran. A probe
+#: starts only when the time left is at least its estimate plus this; ``investigate --check-draft`` refuses a
+#: ``--timeout`` below the cheapest check probe's need up front (:func:`least_timeout`).
+RESERVE_S = 60.0
+
+
+#: server errors that are answers (a request refused, an endpoint missing, the cache busy, no key): the server works
+#: and the probe could not run on it, so with ``server_errors`` they stay the probe's ``failed``
+ANSWERED = (RequestRejected, EndpointMissing, CacheBusy, AuthError)
+
+
+def least_timeout(names: Sequence[str], ctx: object) -> float:
+    """The smallest run deadline (s) under which at least one of the probes ``names`` can start: the least
+    :attr:`Probe.estimate_s` of them on ``ctx`` (``prompts``, ``max_new_tokens``) plus :data:`RESERVE_S`."""
+    return RESERVE_S + min(p.estimate_s(ctx) for p in PROBES if p.name in names)
+
+
+def run_probes(ctx: ProbeContext, which: str = "cheap", only: Optional[Sequence[str]] = None, *,
+               server_errors: bool = False) -> dict:
     """Run the probes ``which`` asks for (:data:`CHOICES`) and return ``{"asked": which, "probes": [ProbeResult
     JSON, ...], "findings": [...], "seconds": total}``; every probe not run is listed ``skipped`` with why.
     ``only``: the names of the probes to consider (``investigate --check-draft``: ``served_draft``, ``step_trace``);
@@ -62,7 +81,10 @@ def run_probes(ctx: ProbeContext, which: str = "cheap", only: Optional[Sequence[
 
     A probe's own failure (a restarted copy that does not start, a request the server refuses) is ``failed`` with
     its one-line reason and the others still run; the run's deadline running out (``ServerTimeout``) or a signal
-    propagates, the probes that finished left in ``ctx.extra[PARTIAL]`` with why it stopped."""
+    propagates, and with ``server_errors`` a :class:`helpers.errors.ServerError` that is no answer (not one of
+    :data:`ANSWERED`: unreachable, 5xx, a malformed answer) too (``--check-draft``: a server that fails is exit 1,
+    not an undecided check). The probes that finished are left in ``ctx.extra[PARTIAL]`` with why it stopped when
+    a signal or the deadline stops the run."""
     check_choice(which)
     names = {p.name for p in PROBES}
     if only is not None and not set(only) <= names:
@@ -73,7 +95,7 @@ def run_probes(ctx: ProbeContext, which: str = "cheap", only: Optional[Sequence[
         for p in probes():
             if only is not None and p.name not in only:
                 continue
-            res = _one(p, ctx, which)
+            res = _one(p, ctx, which, server_errors)
             out.append(res.to_json())
             ctx.progress(f"engine state: {probe_line(out[-1])} ({res.seconds:.1f} s)")
     except BaseException as exc:      # a signal or the run's deadline: the probes that finished are kept, said so
@@ -108,7 +130,7 @@ def _loss_text(loss: Optional[dict]) -> str:
     return f", {_f(loss['delta'])}{ci} tokens per verify step lost"
 
 
-def _one(p: Probe, ctx: ProbeContext, which: str) -> ProbeResult:
+def _one(p: Probe, ctx: ProbeContext, which: str, server_errors: bool = False) -> ProbeResult:
     skip = None
     if which == "none" or (which == "cheap" and p.cost == "restart"):
         skip = (f"not asked for (--engine-probes {which}; " +
@@ -122,8 +144,9 @@ def _one(p: Probe, ctx: ProbeContext, which: str) -> ProbeResult:
     if skip is None:
         left = ctx.dl.remaining()
         need = p.estimate_s(ctx)
-        if left is not None and left - 60 < need:
-            skip = f"{max(0.0, left):.0f} s left of the run; it needs about {need:.0f} s (--timeout)"
+        if left is not None and left - RESERVE_S < need:
+            skip = (f"{max(0.0, left):.0f} s left of the run (--timeout); it needs about {need:.0f} s plus the "
+                    f"{RESERVE_S:.0f} s every probe leaves for the run's end")
     if skip is not None:
         return ProbeResult(p.name, p.cost, p.condition, status="skipped", why=skip, part=p.part)
     t = time.monotonic()
@@ -133,6 +156,8 @@ def _one(p: Probe, ctx: ProbeContext, which: str) -> ProbeResult:
     except ServerTimeout:
         raise                                        # the run's own deadline: not this probe's failure
     except (ServerError, BadInput) as exc:
+        if server_errors and isinstance(exc, ServerError) and not isinstance(exc, ANSWERED):
+            raise
         res = ProbeResult(p.name, p.cost, p.condition, status="failed", why=str(exc).splitlines()[0][:400])
     res.seconds = round(time.monotonic() - t, 2)
     res.part = p.part
@@ -194,5 +219,6 @@ def probe_line(r: dict) -> str:
     return f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}"
 
 
-__all__ = ["CHOICES", "ENGINE_PARTS", "PARTIAL", "Probe", "ProbeContext", "ProbeResult", "check_choice", "engine_parts",
-           "join_engine_state", "paired_condition_loss", "probe_line", "probes", "run_probes"]
+__all__ = ["ANSWERED", "CHOICES", "ENGINE_PARTS", "PARTIAL", "RESERVE_S", "Probe", "ProbeContext", "ProbeResult",
+           "check_choice", "engine_parts", "join_engine_state", "least_timeout", "paired_condition_loss", "probe_line",
+           "probes", "run_probes"]

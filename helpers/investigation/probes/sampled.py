@@ -76,23 +76,46 @@ SOURCE = ("engine-state probe sampled_verify: the live prompts answered at tempe
           "speculative/sampling.cuh) against the same answers' spec_verify_ct (helpers.investigation.probes.sampled)")
 
 
+#: the smallest temperature either engine samples at: below it both decode greedily, so a probe "at temperature > 0"
+#: would check the greedy verify. SGLang 0.5.23 turns ``0 <= temperature < 1e-6`` into top-k 1
+#: (``sglang/srt/sampling/sampling_params.py::SamplingParams.__init__``, ``_SAMPLING_EPS = 1e-6``); vLLM 0.32.0 takes
+#: ``temperature < 1e-5`` as greedy (``vllm/sampling_params.py::SamplingParams.sampling_type`` and ``__post_init__``,
+#: ``_SAMPLING_EPS = 1e-5``). The larger of the two.
+MIN_TEMPERATURE = 1e-5
+#: the largest temperature taken: above it the target's softmax is near uniform over the vocabulary (logits of an LLM
+#: span a few tens), so the sampled answers are noise and no acceptance question is asked of them
+MAX_TEMPERATURE = 10.0
+#: the smallest top-p taken: top-p ``p`` keeps the top token alone wherever its probability is at least ``p``, so a
+#: top-p below 1 % samples greedily at nearly every position (the greedy verify again)
+MIN_TOP_P = 0.01
+#: the largest top-k taken: SGLang 0.5.23's "whole vocabulary" value (``sampling_params.py::TOP_K_ALL = 1 << 30``),
+#: more than any vocabulary; a larger one is no vocabulary's (and passes the engines' int32 top-k tensors' range)
+MAX_TOP_K = 1 << 30
+
+
 def probe_sampling(ctx: ProbeContext) -> dict:
     """The sampling the probe sends: :data:`DEFAULT_SAMPLING` with ``ctx.sampling`` laid over it.
 
     Raises:
-        BadInput: a temperature that is not > 0 (naming ``--probe-temperature``), a top-p outside (0, 1], a top-k
-            that is neither -1 nor >= 1."""
+        BadInput: naming the flag: a temperature that is not a finite number in [:data:`MIN_TEMPERATURE`,
+            :data:`MAX_TEMPERATURE`] (``--probe-temperature``: below, both engines decode greedily), a top-p outside
+            [:data:`MIN_TOP_P`, 1] (``--probe-top-p``), a top-k that is neither -1 (off) nor in 2 ..
+            :data:`MAX_TOP_K` (``--probe-top-k``: top-k 1 is greedy)."""
     sp = {**DEFAULT_SAMPLING, **(getattr(ctx, "sampling", None) or {})}
     t = sp.get("temperature")
-    if not isinstance(t, (int, float)) or not t > 0:
-        raise BadInput(f"expected a temperature > 0 for the sampled-verify probe, got {t!r} (temperature 0 is the "
-                       "acceptance budget's own measurement)", field="--probe-temperature")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise BadInput(f"expected a temperature in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] for the sampled-verify "
+                       f"probe, got {t!r} (below {MIN_TEMPERATURE:g} SGLang and vLLM decode greedily: "
+                       "sglang/srt/sampling/sampling_params.py, vllm/sampling_params.py _SAMPLING_EPS; temperature 0 "
+                       "is the acceptance budget's own measurement)", field="--probe-temperature")
     p = sp.get("top_p")
-    if not isinstance(p, (int, float)) or not 0 < p <= 1:
-        raise BadInput(f"expected a top-p in (0, 1], got {p!r}", field="--probe-top-p")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not MIN_TOP_P <= p <= 1:
+        raise BadInput(f"expected a top-p in [{MIN_TOP_P:g}, 1] (in (0, 1], and a smaller one keeps the top token "
+                       f"alone: greedy), got {p!r}", field="--probe-top-p")
     k = sp.get("top_k")
-    if not isinstance(k, int) or (k != -1 and k < 1):
-        raise BadInput(f"expected a top-k of -1 (off) or >= 1, got {k!r}", field="--probe-top-k")
+    if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 2 <= k <= MAX_TOP_K):
+        raise BadInput(f"expected a top-k of -1 (off) or 2 .. {MAX_TOP_K} (top-k 1 is greedy), got {k!r}",
+                       field="--probe-top-k")
     return sp
 
 

@@ -86,6 +86,23 @@ def test_a_hook_folder_is_made_before_the_start_or_refused_in_one_line(flag, tmp
     assert len(no_launch) == 1 and str(tmp_path / "new" / "nested") in json.dumps(no_launch, default=str)
 
 
+def test_a_hook_folder_behind_a_symlink_loop_a_file_parent_or_not_utf8_is_named_so(tmp_path, capsys, no_launch):
+    """Breaker item 15: a symlink loop and a path under a file both said "a file of that name exists"; a path that
+    is not UTF-8 was taken (the run's JSON cannot hold it)."""
+    target = _target(tmp_path)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "afile").write_text("x")
+    for path, says in ((tmp_path / "loop", f"not a folder: {tmp_path / 'loop'} is a symlink loop"),
+                       (tmp_path / "loop" / "sub", f"not a folder: {tmp_path / 'loop'} is a symlink loop"),
+                       (tmp_path / "afile" / "sub", f"not a folder: its parent {tmp_path / 'afile'} is a file"),
+                       (str(tmp_path / "bad") + "\udcff", "is not valid UTF-8")):
+        rc = main(["server", "start", "--target", str(target), "--trace-draft", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith("server: error: --trace-draft ") and says in err[0], err
+        assert "a file of that name exists" not in err[0]
+    assert not (tmp_path / "bad\udcff").exists() and no_launch == []
+
+
 def test_vllm_tp_0_no_longer_divides_by_zero(tmp_path, capsys, no_launch):
     assert main(["server", "start", "--engine", "vllm", "--target", str(_target(tmp_path)), "--tp", "0"]) == 2
     assert "ZeroDivisionError" not in capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_a_probe_that_finds_the_served_draft_differs_is_exit_1_and_the_checksum_
                                                                                             monkeypatch):
     seen = {}
 
-    def fake_probes(ctx, which="cheap", only=None):
+    def fake_probes(ctx, which="cheap", only=None, **kw):
         seen.update(which=which, only=only, prompts=len(ctx.prompts), tokens=ctx.max_new_tokens)
         f = {"kind": "served_draft_differs", "detail": "the served draft's step-1 proposals differ (fixed: step 1 at "
              "position 12)", "evidence": {"probe": "served_draft"}}
@@ -178,3 +178,79 @@ def test_a_server_without_speculative_decoding_is_named_as_such(cmd, tmp_path, c
         assert fakeserver.METRICS["requests"] == 0
     err = capsys.readouterr().err
     assert rc == 2 and "runs no speculative decoding" in err and "--draft was given" not in err
+
+
+# --------------------------------------------------------------------------- breaker items 13 and the checksum
+def test_a_changed_draft_checksum_never_matches():
+    clear = {"probes": [_probe("served_draft", decision="clear", why="12 draft steps equal"),
+                        _probe("step_trace", decision="clear", why="48 draft steps")]}
+    same = {"checksum": "ab" * 32, "previous": "ab" * 32, "changed": False}
+    moved = {"checksum": "cd" * 32, "previous": "ab" * 32, "changed": True}
+    assert verdict_of(clear, [], same)[0] == "matches" and verdict_of(clear, [], {"changed": None})[0] == "matches"
+    v, why = verdict_of(clear, [], moved)
+    assert v == "undecided"
+    assert "checksum changed since the previous check (abababababababab -> cdcdcdcdcdcdcdcd)" in why
+    assert "12 draft steps equal" in why
+    # a probe's finding still decides
+    assert verdict_of(clear, [{"kind": "served_draft_differs", "detail": "x"}], moved)[0] == "differs"
+
+
+def _probes_raising(monkeypatch, exc):
+    import dataclasses
+    from helpers.investigation import probes as pr
+    from helpers.investigation.probes.trace import SERVED_DRAFT, STEP_TRACE
+
+    def run(ctx):
+        raise exc
+
+    fakes = tuple(dataclasses.replace(p, run=run, applies=lambda ctx: None, estimate_s=lambda ctx: 1.0)
+                  for p in (SERVED_DRAFT, STEP_TRACE))
+    monkeypatch.setattr(pr, "PROBES", fakes)
+
+
+def test_a_server_failing_during_the_check_is_exit_1_a_refused_request_undecided(tmp_path, capsys, monkeypatch):
+    from helpers.errors import RequestRejected, ServerUnavailable
+    _probes_raising(monkeypatch, ServerUnavailable("POST /generate: HTTP 503 after 3 tries", endpoint="/generate",
+                                                   status=503))
+    with fake() as url:
+        rc = main(["investigate", "--url", url, "--check-draft", "--target", str(REFERENCE_TARGET), "--out",
+                   str(tmp_path / "a")])
+    assert rc == 1
+    assert "HTTP 503" in capsys.readouterr().err
+    (run,) = (tmp_path / "a").iterdir()
+    doc = json.loads((run / DOC_NAME).read_text())
+    assert doc["verdict"] is None and "HTTP 503" in doc["error"]
+    _probes_raising(monkeypatch, RequestRejected("POST /generate: HTTP 400: no hidden states", endpoint="/generate",
+                                                 status=400))
+    with fake() as url:
+        rc = main(["investigate", "--url", url, "--check-draft", "--target", str(REFERENCE_TARGET), "--out",
+                   str(tmp_path / "b")])
+    assert rc == 3 and "served draft undecided" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--timeout", "20"], "[--timeout]: 20 s is too short for any probe of the check: give at least 68 s"),
+    (["--timeout", "30", "--prompts", "1", "--max-new-tokens", "2"], "give at least 65 s"),
+    (["--timeout", "inf"], "--timeout must be > 0 seconds and finite, got inf"),
+    (["--timeout", "nan"], "--timeout must be > 0 seconds and finite, got nan"),
+    (["--training", "/nonexistent"], "--check-draft takes only --url, --check-draft, --draft, --target, --out, "
+                                     "--timeout, --prompts, --max-new-tokens, --api-key-env, --json; got --training"),
+    (["--sweeps", "bogus", "--relaunch", "x --host 0.0.0.0"], "got --relaunch, --sweeps"),
+    (["--engine-probes", "all", "--probe-top-k", "5"], "got --engine-probes, --probe-top-k"),
+])
+def test_check_draft_refuses_what_it_cannot_use_up_front(args, says, capsys, tmp_path):
+    assert main(["investigate", "--url", "http://127.0.0.1:1", "--check-draft", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_skip_for_time_says_the_reserve(tmp_path):
+    from helpers.budget import Budget
+    from helpers.investigation.probes import RESERVE_S, _one
+    from helpers.investigation.probes.trace import SERVED_DRAFT
+    import dataclasses
+    p = dataclasses.replace(SERVED_DRAFT, applies=lambda ctx: None, estimate_s=lambda ctx: 30.0)
+    r = _one(p, type("C", (), {"dl": Budget(80.0), "att": None})(), "cheap")
+    assert RESERVE_S == 60.0 and r.status == "skipped"
+    assert r.why.startswith("80 s left of the run (--timeout); it needs about 30 s plus the 60 s every probe leaves")

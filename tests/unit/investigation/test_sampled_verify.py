@@ -225,13 +225,45 @@ def test_probe_sampling_defaults_and_bad_values():
     ctx = SimpleNamespace(sampling=None)
     assert probe_sampling(ctx) == {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 0}
     assert probe_sampling(SimpleNamespace(sampling={"temperature": 0.6, "top_k": 20}))["top_k"] == 20
-    with pytest.raises(BadInput, match="temperature > 0") as e:
+    with pytest.raises(BadInput, match=r"temperature in \[1e-05, 10\]") as e:
         probe_sampling(SimpleNamespace(sampling={"temperature": 0.0}))
     assert "--probe-temperature" in str(e.value)
-    with pytest.raises(BadInput, match=r"top-p in \(0, 1\]"):
+    with pytest.raises(BadInput, match=r"top-p in \[0.01, 1\]"):
         probe_sampling(SimpleNamespace(sampling={"top_p": 1.5}))
     with pytest.raises(BadInput, match="top-k of -1"):
         probe_sampling(SimpleNamespace(sampling={"top_k": 0}))
+
+
+@pytest.mark.parametrize("bad, flag", [
+    # below both engines' greedy threshold (SGLang 1e-6, vLLM 1e-5): decoded greedily, the probe would check nothing
+    ({"temperature": 1e-9}, "--probe-temperature"), ({"temperature": 9e-6}, "--probe-temperature"),
+    ({"temperature": float("inf")}, "--probe-temperature"), ({"temperature": float("nan")}, "--probe-temperature"),
+    ({"temperature": 1e308}, "--probe-temperature"), ({"temperature": 1e-320}, "--probe-temperature"),
+    ({"top_p": 1e-320}, "--probe-top-p"), ({"top_p": 0.001}, "--probe-top-p"),
+    ({"top_p": float("nan")}, "--probe-top-p"),
+    ({"top_k": 1}, "--probe-top-k"), ({"top_k": 10 ** 20}, "--probe-top-k"),
+    ({"top_k": (1 << 30) + 1}, "--probe-top-k"),
+])
+def test_a_greedy_or_absurd_probe_sampling_is_refused_naming_the_flag(bad, flag):
+    with pytest.raises(BadInput) as e:
+        probe_sampling(SimpleNamespace(sampling={"temperature": 0.7, **bad}))
+    assert e.value.field == flag
+    # the edges themselves are sampled: taken
+    ok = probe_sampling(SimpleNamespace(sampling={"temperature": 1e-5, "top_p": 0.01, "top_k": 2}))
+    assert (ok["temperature"], ok["top_p"], ok["top_k"]) == (1e-5, 0.01, 2)
+
+
+def test_investigate_cli_refuses_a_greedy_probe_sampling_before_any_folder(tmp_path, capsys):
+    from helpers.__main__ import main
+    for argv, flag in ((["--probe-temperature", "1e-9"], "--probe-temperature"),
+                       (["--probe-top-k", "1"], "--probe-top-k"),
+                       (["--probe-top-k", "100000000000000000000"], "--probe-top-k"),
+                       (["--timeout", "inf"], "--timeout")):
+        assert main(["investigate", "--url", "http://127.0.0.1:1", "--training", str(tmp_path), "--out",
+                     str(tmp_path / "out"), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flag in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_server_rules_the_offline_chain_cannot_predict():
