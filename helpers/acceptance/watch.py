@@ -192,6 +192,9 @@ def check_record(rec: dict, *, path: Any, line: int, now: float) -> dict:
         for name in ("counters", "lifecycle"):
             if rec.get(name) is not None and not isinstance(rec[name], dict):
                 raise _bad(path, line, name, "an object or null", rec[name])
+        carried = (rec.get("lifecycle") or {}).get("carried")
+        if carried is not None and not (isinstance(carried, list) and all(isinstance(c, str) for c in carried)):
+            raise _bad(path, line, "lifecycle.carried", "a list of field names or null", carried)
         for name, v in (rec.get("counters") or {}).items():
             if name in NON_NEGATIVE and v is not None and not (
                     isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
@@ -659,6 +662,8 @@ def format_line(rec: dict) -> str:
     load = rec.get("load") or {}
     ch = rec.get("change") or {}
     dec = rec.get("decision") or {}
+    share = load.get("probe_token_share")
+    tok_share = "counters lag" if load.get("counters_lag") else "-" if share is None else f(share, ".2%")
     change = ("change: -" if not ch else
               f"change at #{ch.get('i')} {f(ch.get('before'))}->{f(ch.get('after'))} p {ch.get('p_value', 1):.3g}"
               + (" DROP" if dec.get("trigger") else ""))
@@ -667,7 +672,7 @@ def format_line(rec: dict) -> str:
     return (f"#{rec.get('i')} up {h}h{rem // 60:02d}m  accept length {f(rec.get('accept_length'))} ({src})  "
             f"probe {f(probe.get('accept_length'))}  KV {f(rec.get('kv_cache_use'), pct=True)}  "
             f"hit {f(rec.get('cache_hit_rate'), pct=True)}  running {f(rec.get('running_reqs'), '.0f')}  "
-            f"load {'counters lag' if load.get('counters_lag') else f(load.get('probe_token_share'), '.2%') if load.get('probe_token_share') is not None else '-'}"
+            f"load {tok_share}"
             f" tok / {f(load.get('probe_time_share'), '.2%') if load.get('probe_time_share') is not None else '-'}"
             f" time  {change}" + (f"  probe error: {rec['probe_error'][:80]}" if rec.get("probe_error") else "")
             + (f"  WARNING {rec['warning']}" if rec.get("warning") else "")

@@ -127,7 +127,8 @@ def _check(args: Any) -> None:
     for flag in ("--training", "--draft", "--target", "--prompts"):
         text_arg(getattr(args, flag[2:].replace("-", "_")), flag)
     if args.on_drop == "investigate" or args.on_event == "check-draft":
-        from .investigate import _folders              # investigate's own checks of --draft / --target
+        # lazy: cli.investigate imports the investigation (torch); only these handlers need its --draft / --target checks
+        from .investigate import _folders
         _folders(args)
     if args.on_drop == "investigate":
         training = input_path_arg(args.training, "--training")

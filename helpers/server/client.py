@@ -310,7 +310,8 @@ class HTTPClient:
                 shown_t = t.read if isinstance(t, httpx.Timeout) else t
                 raise ServerTimeout(
                     f"{where}: no answer within {shown_t} s ({type(exc).__name__}); the server may be "
-                    f"overloaded or the generation long: raise the timeout ({self.timeout_flag})", endpoint=path) from None
+                    f"overloaded or the generation long: raise the timeout ({self.timeout_flag})",
+                    endpoint=path) from None
             except httpx.TransportError as exc:
                 last = f"transport error ({type(exc).__name__}: {self._scrub(str(exc))})"
                 if idempotent:
