@@ -356,3 +356,18 @@ def test_ctrl_c_during_check_draft_marks_it_failed_and_records_interrupted(tmp_p
     recs = read_log(run / LOG_NAME).records
     assert [r["kind"] for r in recs][-3:] == ["event", "check_draft", "stop"]
     assert recs[-2]["verdict"] == "interrupted" and "SIGINT" in recs[-2]["reason"]
+
+
+def test_a_verify_step_accepts_at_most_draft_tokens_minus_one():
+    """Item 7's draft-token bound: topk 4, num_steps 5, 4 draft tokens (the tree's root and 3 drafts:
+    sglang/srt/speculative/eagle_utils.py::build_tree_kernel_efficient): 4 accepted per verify step is impossible
+    although num_steps is 5; 3 is not."""
+    from helpers.server.protocol import MetaInfo
+
+    ok = MetaInfo(completion_tokens=9, spec_verify_ct=2, spec_num_correct_drafts=6, spec_num_proposed_drafts=6)
+    assert ok.spec_problem(num_steps=5, num_draft_tokens=4) is None
+    bad = MetaInfo(completion_tokens=11, spec_verify_ct=2, spec_num_correct_drafts=8, spec_num_proposed_drafts=6)
+    assert "accepted <= proposed" in bad.spec_problem(num_steps=5, num_draft_tokens=4)
+    no_c = MetaInfo(completion_tokens=10, spec_verify_ct=2, spec_num_proposed_drafts=6)
+    got = no_c.spec_problem(num_steps=5, num_draft_tokens=4)
+    assert "10 completion tokens from 2 verify steps (at most 3 draft tokens each" in got, got
