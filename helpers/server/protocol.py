@@ -195,8 +195,8 @@ class MetaInfo(BaseModel):
                 return broken("accepted <= verify steps x num_steps",
                               f"spec_num_correct_drafts {c} > {v} verify steps x {depth} "
                               + ("draft steps (a verify step accepts at most num_steps draft tokens)"
-                                 if depth == num_steps else f"draft tokens (a verify step accepts at most speculative_num_draft_tokens "
-                                      f"{num_draft_tokens} - 1 < num_steps {num_steps})"))
+                                 if depth == num_steps else "draft tokens (a verify step accepts at most "
+                                 f"speculative_num_draft_tokens {num_draft_tokens} - 1 < num_steps {num_steps})"))
         if ct is not None and (c is not None or (static and num_steps is not None)):
             most = 1 + r + v + (c if c is not None else v * depth)
             if ct > most:
