@@ -644,6 +644,11 @@ class Watcher:
             except Exception as exc:         # noqa: BLE001 - recorded; the watch goes on (signals propagate)
                 self.log.append({"kind": "investigation", "n": self.n_drops, "t": self.clock(),
                                  "seconds": self.clock() - t0, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            except BaseException as exc:     # a signal: the investigation's line says so, then the signal goes on
+                self.log.append({"kind": "investigation", "n": self.n_drops, "t": self.clock(),
+                                 "seconds": self.clock() - t0, "verdict": "interrupted",
+                                 "error": (str(exc) or type(exc).__name__)[:300]})
+                raise
             # the investigation took the server's time: the next interval starts now
             self.prev = None
             self.prev_t = None

@@ -162,10 +162,11 @@ def _investigator(args: Any, url: str, key: Optional[str], run_dir: Path, show: 
 
         out = run_dir / f"investigation-{n}"
         show(f"drop #{n}: {decision.reason}; investigating into {out}")
-        doc = live.investigate(url, training=args.training, run_dir=out, draft=args.draft, target=args.target,
-                               api_key=key, timeout=args.investigate_timeout, apply_fix=False,
-                               not_applied="started by watch on a drop: the fix is only proposed",
-                               progress=lambda line: show(f"investigation-{n}: {line}"))
+        with failure_guard(f"{PROG} investigation-{n}", out):   # a signal or an error: the folder says FAILED
+            doc = live.investigate(url, training=args.training, run_dir=out, draft=args.draft, target=args.target,
+                                   api_key=key, timeout=args.investigate_timeout, apply_fix=False,
+                                   not_applied="started by watch on a drop: the fix is only proposed",
+                                   progress=lambda line: show(f"investigation-{n}: {line}"))
         return {"run_dir": str(out), "verdict": getattr(doc, "verdict", None),
                 "sentence": getattr(doc, "sentence", None)}
 

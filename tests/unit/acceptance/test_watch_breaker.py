@@ -17,6 +17,7 @@ import pytest
 from helpers.__main__ import main
 from helpers.acceptance.lifecycle import Lifecycle
 from helpers.acceptance.prompts import load_prompts
+from helpers.budget import reset_interrupt
 from helpers.acceptance.watch import LOG_NAME, Watcher, WatchLog, format_line, iter_log, probe_once, read_log, \
     run_loop
 from helpers.errors import BadInput, Interrupted
@@ -347,8 +348,11 @@ def test_ctrl_c_during_check_draft_marks_it_failed_and_records_interrupted(tmp_p
                 return super().do_GET()
 
         with fakeserver.in_thread(_Sync) as url2:
-            rc = main(["watch", "--url", url2, "--interval", "0.01", "--samples", "5", "--on-event", "check-draft",
-                       "--out", str(tmp_path), "--quiet"])
+            try:
+                rc = main(["watch", "--url", url2, "--interval", "0.01", "--samples", "5", "--on-event",
+                           "check-draft", "--out", str(tmp_path), "--quiet"])
+            finally:
+                reset_interrupt()                  # a process ends at a signal; this test's process goes on
     assert rc == 130
     (run,) = tmp_path.iterdir()
     assert (run / "check-draft-1" / "FAILED").read_text().startswith("watch check-draft-1: interrupted by SIGINT")
@@ -371,3 +375,31 @@ def test_a_verify_step_accepts_at_most_draft_tokens_minus_one():
     no_c = MetaInfo(completion_tokens=10, spec_verify_ct=2, spec_num_proposed_drafts=6)
     got = no_c.spec_problem(num_steps=5, num_draft_tokens=4)
     assert "10 completion tokens from 2 verify steps (at most 3 draft tokens each" in got, got
+
+
+def test_ctrl_c_during_an_on_drop_investigation_is_recorded(tmp_path):
+    """The same for ``--on-drop investigate``: the ``investigation`` line says interrupted, then the signal goes on."""
+    series = iter([2.5] * 15 + [1.6] * 25)
+    state = {"g": 0.0, "v": 0.0}
+    t = [0.0]
+
+    def snap():
+        state["g"] += next(series) * 100
+        state["v"] += 100
+        return {"generation_tokens": state["g"], "verify_steps": state["v"]}
+
+    def on_drop(n, d):
+        raise Interrupted(signal.SIGINT)
+
+    from helpers.acceptance.watch import WatchSettings
+    from helpers.draft.decide import threshold
+    w = Watcher(WatchLog(tmp_path), snapshot=snap, clock=lambda: t.__setitem__(0, t[0] + 15.0) or t[0],
+                on_drop=on_drop, settings=WatchSettings(baseline_n=5, drop_frac=0.2, material=threshold,
+                                                        cooldown_s=0))
+    with pytest.raises(Interrupted):
+        for _ in range(40):
+            w.step()
+    w.log.close()
+    recs = read_log(tmp_path / LOG_NAME).records
+    assert [r["kind"] for r in recs][-2:] == ["drop", "investigation"]
+    assert recs[-1]["verdict"] == "interrupted" and "SIGINT" in recs[-1]["error"]
