@@ -27,8 +27,10 @@ of a light probe, appended to a run folder that survives a crash, and the decay 
 Other lines: ``start`` (each start or resume: URL without credentials, engine, settings), ``error`` (a sample that
 failed, with the reason; the watch goes on), ``drop`` (a triggered drop: the decision with its CI), ``investigation``
 (what the drop handler returned), ``event`` (lifecycle events of a sample, :mod:`helpers.acceptance.lifecycle`, with
-the action taken), ``check_draft`` (what the event handler returned: the check's run folder and verdict), ``stop``
-(why the watch ended).
+the action taken), ``check_draft`` (what the event handler returned: the check's run folder and verdict;
+``interrupted`` when a signal stopped it), ``warning`` (once: ``/metrics`` has none of the token / verify counters,
+the accept length is the probe's), ``stop`` (why the watch ended). One watch writes a run folder at a time
+(:class:`WatchLog`'s lock); a resumed log is checked line by line (:func:`check_record`).
 
 **Durability.** Each line is one ``os.write`` of the whole line to a file opened ``O_APPEND``, then ``fsync``: a
 crash or a signal leaves at most the line being written torn, which :func:`read_log` skips (counted, never fatal);
