@@ -51,6 +51,10 @@ EVENTS = {"startup_time": "server_restarted", "start_time": "server_restarted",
           "answer": "probe_answer_changed"}
 #: fields whose first appearance (None -> a value) is itself the event: the weight-load gauge exists only after one
 APPEARS = ("weight_load_s",)
+#: fingerprint field -> the observation (:class:`Lifecycle` source) it is read from; a field whose read failed keeps
+#: the last value read (listed in the fingerprint's ``carried``), so a change across a failed read is still an event
+SOURCE_OF = {"startup_time": "server_info", "weight_version": "model_info", "model_path": "model_info",
+             "answer": "answer", "draft_checksum": "checksum"}
 
 
 def answer_key(output_ids: Any, verify_ct: Any) -> dict:
@@ -86,16 +90,22 @@ def fingerprint(*, server_info: Optional[dict] = None, model_info: Optional[dict
 def events(before: Optional[dict], now: dict) -> list[dict]:
     """The events between two fingerprints: ``[{"event", "field", "before", "after"}]``, one per event name (the
     first field that shows it). A field counts when both values are known and differ, or for :data:`APPEARS` when
-    it appears; a field that could not be read (None) is no event. No events without a ``before``."""
+    it appears; a field that could not be read (None) is no event. No events without a ``before``. A ``before``
+    whose field was carried over a failed read (its ``carried``: :meth:`Lifecycle.finish`) holds the last value read:
+    the event compares with it and says (``note``) that a read failed in between."""
     if not before:
         return []
     out, seen = [], set()
+    carried = set(before.get("carried") or ())
     for fld, name in EVENTS.items():
         a, b = before.get(fld), now.get(fld)
         if b is None or a == b or (a is None and fld not in APPEARS) or name in seen:
             continue
         seen.add(name)
-        out.append({"event": name, "field": fld, "before": a, "after": b})
+        ev = {"event": name, "field": fld, "before": a, "after": b}
+        if fld in carried:
+            ev["note"] = f"a read of {fld} failed in between: compared with the last value read"
+        out.append(ev)
     return out
 
 
@@ -157,11 +167,19 @@ class Lifecycle:
 
     def finish(self, seen: dict, snapshot: dict) -> tuple[dict, list[dict]]:
         """The fingerprint of ``seen`` (:meth:`observe`) with the sample's ``/metrics`` ``snapshot``, and the events
-        since the last one; the fingerprint becomes :attr:`last`."""
+        since the last one; the fingerprint becomes :attr:`last`. A field whose read failed (``errors``) keeps the
+        last value read, listed in ``carried`` (:data:`SOURCE_OF`)."""
         fp = fingerprint(server_info=seen["server_info"], model_info=seen["model_info"], snapshot=snapshot,
                          answer=seen["answer"], draft_checksum=seen["draft_checksum"], errors=seen["errors"])
         if seen.get("note"):
             fp["note"] = seen["note"]
+        last = self.last or {}
+        carried = [f for f, src in SOURCE_OF.items()
+                   if fp.get(f) is None and src in fp["errors"] and last.get(f) is not None]
+        for f in carried:                 # a failed read keeps the last value read (module docstring)
+            fp[f] = last[f]
+        if carried:
+            fp["carried"] = carried
         ev = events(self.last, fp)
         self.last = fp
         return fp, ev
@@ -189,5 +207,5 @@ def for_server(client: Any, adapter: Any, *, probe_timeout: float, request_timeo
                                     "--probe-timeout"), checksum=checksum)
 
 
-__all__ = ["APPEARS", "EVENTS", "FIXED_NEW_TOKENS", "FIXED_PROMPT", "Lifecycle", "answer_key", "events",
+__all__ = ["APPEARS", "EVENTS", "SOURCE_OF", "FIXED_NEW_TOKENS", "FIXED_PROMPT", "Lifecycle", "answer_key", "events",
            "fingerprint", "fixed_answer", "for_server"]

@@ -27,8 +27,10 @@ of a light probe, appended to a run folder that survives a crash, and the decay 
 Other lines: ``start`` (each start or resume: URL without credentials, engine, settings), ``error`` (a sample that
 failed, with the reason; the watch goes on), ``drop`` (a triggered drop: the decision with its CI), ``investigation``
 (what the drop handler returned), ``event`` (lifecycle events of a sample, :mod:`helpers.acceptance.lifecycle`, with
-the action taken), ``check_draft`` (what the event handler returned: the check's run folder and verdict), ``stop``
-(why the watch ended).
+the action taken), ``check_draft`` (what the event handler returned: the check's run folder and verdict;
+``interrupted`` when a signal stopped it), ``warning`` (once: ``/metrics`` has none of the token / verify counters,
+the accept length is the probe's), ``stop`` (why the watch ended). One watch writes a run folder at a time
+(:class:`WatchLog`'s lock); a resumed log is checked line by line (:func:`check_record`).
 
 **Durability.** Each line is one ``os.write`` of the whole line to a file opened ``O_APPEND``, then ``fsync``: a
 crash or a signal leaves at most the line being written torn, which :func:`read_log` skips (counted, never fatal);
@@ -38,9 +40,12 @@ sample's counters; nothing else is kept.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
+import stat
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,7 +53,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ..errors import BadInput
+from ..errors import BadInput, SGLangError
 from ..paths import shared_mode
 from ..redaction import scrub
 from ..runfiles import jsonable, loads_json
@@ -59,6 +64,21 @@ LOG_NAME = "watch.jsonl"
 #: the covariates the detector relates to a change, in the order reported
 COVARIATES = ("uptime_s", "kv_cache_use", "cache_hit_rate", "running_reqs")
 FORMAT = {"format": "e3f-watch", "version": 1}
+#: the lock file of a run folder (:class:`WatchLog`): one watch writes a run folder at a time
+LOCK_NAME = "watch.lock"
+#: the longest line :func:`iter_log` reads (a sample line is a few KiB): a longer one -- a torn or foreign giant line
+#: -- is skipped in chunks, so reading a log takes bounded memory whatever it holds
+MAX_LINE_BYTES = 1 << 20
+#: bounds of a resumed log's fields (:func:`check_record`): sample / event / drop numbers, and how far in the future a
+#: recorded time may be (clock skew between the machine that wrote the log and this one)
+MAX_INDEX = 10 ** 9
+FUTURE_SKEW_S = 300.0
+#: the tokens a light probe may ask for (``--probe-tokens``): a probe is a short request
+MAX_PROBE_TOKENS = 4096
+#: gauges of a snapshot that are shares (0-1) and gauges / counters that cannot be negative (:func:`check_snapshot`)
+SHARE_GAUGES = ("kv_cache_use", "cache_hit_rate_gauge", "accept_rate_gauge")
+NON_NEGATIVE = ("running_reqs", "queue_reqs", "generation_tokens", "verify_steps", "requests", "prompt_tokens",
+                "cached_tokens", "draft_tokens", "accepted_tokens", "weight_load_s")
 
 
 @dataclass
@@ -69,25 +89,128 @@ class LogRead:
     skipped: int = 0
 
 
-def iter_log(path: str | os.PathLike, skipped: Optional[list] = None) -> Iterator[dict]:
-    """The records of a ``watch.jsonl``, one at a time (bounded memory). A line that is not a JSON object -- the torn
-    last line after a crash, an empty line -- is skipped; its 1-based number is appended to ``skipped`` when given.
+def _regular_log(path: Path) -> None:
+    """``path`` is a regular file, not a symlink (a log that points elsewhere would be appended into another file).
 
     Raises:
-        BadInput: the file does not exist or cannot be read."""
+        BadInput: missing, a symlink, or not a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise BadInput(f"no {LOG_NAME} here: expected a watch run folder (python -m helpers watch)",
+                       path=path) from None
+    except OSError as exc:
+        raise BadInput(f"cannot be read: {exc.strerror or exc}", path=path) from None
+    if stat.S_ISLNK(mode):
+        raise BadInput(f"{LOG_NAME} is a symlink: a watch run folder's log is a regular file (refused, so nothing is "
+                       "appended into the file it points to)", path=path)
+    if not stat.S_ISREG(mode):
+        raise BadInput(f"{LOG_NAME} is not a regular file", path=path)
+
+
+def _lines(fh: Any) -> Iterator[tuple[int, Optional[bytes]]]:
+    """``(line number, bytes)`` of each line of ``fh``; a line longer than :data:`MAX_LINE_BYTES` comes as None (its
+    rest skipped in chunks: bounded memory)."""
+    i = 0
+    while True:
+        raw = fh.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        i += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = fh.readline(MAX_LINE_BYTES)
+            yield i, None
+            continue
+        yield i, raw
+
+
+def iter_log(path: str | os.PathLike, skipped: Optional[list] = None,
+             numbered: bool = False) -> Iterator[Any]:
+    """The records of a ``watch.jsonl``, one at a time (bounded memory: a line longer than :data:`MAX_LINE_BYTES`
+    is skipped in chunks). A line that is not a JSON object -- the torn last line after a crash, an empty line -- is
+    skipped; its 1-based number is appended to ``skipped`` when given. ``numbered``: ``(line number, record)`` pairs.
+
+    Raises:
+        BadInput: the file does not exist, is a symlink or not a regular file, or cannot be read."""
     p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"no {LOG_NAME} here: expected a watch run folder (python -m helpers watch)", path=p)
+    _regular_log(p)
     with open(p, "rb") as fh:
-        for i, raw in enumerate(fh, 1):
-            try:
-                rec = loads_json(raw.decode("utf-8"))
-            except (ValueError, UnicodeDecodeError):
-                rec = None
+        for i, raw in _lines(fh):
+            rec = None
+            if raw is not None:
+                try:
+                    rec = loads_json(raw.decode("utf-8"))
+                except (ValueError, UnicodeDecodeError, RecursionError):
+                    rec = None
             if isinstance(rec, dict) and "kind" in rec:
-                yield rec
-            elif raw.strip() and skipped is not None:
+                yield (i, rec) if numbered else rec
+            elif (raw is None or raw.strip()) and skipped is not None:
                 skipped.append(i)
+
+
+def _bad(path: Any, line: int, field_: str, expected: str, got: Any) -> BadInput:
+    shown = repr(got)
+    return BadInput(f"line {line}: field {field_!r} {'is ' + shown[:60] if got is not None else 'missing'}; expected "
+                    f"{expected} (not a watch log, or a damaged one)", path=path, field=field_)
+
+
+def check_record(rec: dict, *, path: Any, line: int, now: float) -> dict:
+    """A resumed log's record checked before any of it is used (:meth:`Watcher.resume`): ``i`` / ``n`` a
+    non-negative int below :data:`MAX_INDEX`, ``t`` finite, non-negative and at most :data:`FUTURE_SKEW_S` seconds
+    after ``now`` (Unix seconds), ``reset_from`` such an index or None, ``url`` a string, ``counters`` /
+    ``lifecycle`` objects (dicts) or None, ``accept_length`` and the covariates numbers or None. Returns ``rec``.
+
+    Raises:
+        BadInput: naming the file, the line and the field."""
+    kind = rec.get("kind")
+
+    def index(name: str, optional: bool = False) -> None:
+        v = rec.get(name)
+        if v is None and optional:
+            return
+        if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_INDEX):
+            raise _bad(path, line, name, f"an integer in [0, {MAX_INDEX})", v)
+
+    def when(name: str = "t") -> None:
+        v = rec.get(name)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+            raise _bad(path, line, name, "a time in Unix seconds", v)
+        if v > now + FUTURE_SKEW_S:
+            raise _bad(path, line, name, f"a time not after now ({now:.0f}) + {FUTURE_SKEW_S:.0f} s", v)
+
+    def number(name: str) -> None:
+        v = rec.get(name)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise _bad(path, line, name, "a finite number or null", v)
+
+    if kind == "start":
+        if not isinstance(rec.get("url"), str) or not rec["url"]:
+            raise _bad(path, line, "url", "the server's URL (a string)", rec.get("url"))
+        when()
+    elif kind == "sample":
+        index("i")
+        when()
+        for name in ("counters", "lifecycle"):
+            if rec.get(name) is not None and not isinstance(rec[name], dict):
+                raise _bad(path, line, name, "an object or null", rec[name])
+        carried = (rec.get("lifecycle") or {}).get("carried")
+        if carried is not None and not (isinstance(carried, list) and all(isinstance(c, str) for c in carried)):
+            raise _bad(path, line, "lifecycle.carried", "a list of field names or null", carried)
+        for name, v in (rec.get("counters") or {}).items():
+            if name in NON_NEGATIVE and v is not None and not (
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise _bad(path, line, f"counters.{name}", "a count >= 0 or null", v)
+        for name in ("accept_length", *COVARIATES):
+            number(name)
+    elif kind == "event":
+        index("n")
+        when()
+    elif kind == "drop":
+        index("n")
+        when()
+        index("reset_from", optional=True)
+    return rec
 
 
 def read_log(path: str | os.PathLike) -> LogRead:
@@ -98,16 +221,35 @@ def read_log(path: str | os.PathLike) -> LogRead:
 
 
 class WatchLog:
-    """The append-only ``watch.jsonl`` of a run folder (module docstring: one write + fsync per line)."""
+    """The append-only ``watch.jsonl`` of a run folder (module docstring: one write + fsync per line), held under an
+    exclusive lock (``fcntl.flock`` on ``<run>/watch.lock``, which holds the writer's PID) until :meth:`close`: a
+    second watch on the same folder is refused.
+
+    Raises:
+        BadInput: another process holds the lock (naming its PID), or ``watch.jsonl`` is a symlink or not a regular
+            file."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOG_NAME
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, shared_mode())
-        if os.fstat(self._fd).st_size:               # a resumed log: end a torn last line so it stays one line
-            with open(self.path, "rb") as fh:
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":
-                    os.write(self._fd, b"\n")
+        self._fd = -1
+        self._lock_fd = _lock(Path(run_dir))
+        try:
+            if os.path.lexists(self.path):
+                _regular_log(self.path)
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, shared_mode())
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    _regular_log(self.path)                  # a symlink swapped in: the one-line refusal
+                raise
+            if os.fstat(self._fd).st_size:               # a resumed log: end a torn last line so it stays one line
+                with open(self.path, "rb") as fh:
+                    fh.seek(-1, os.SEEK_END)
+                    if fh.read(1) != b"\n":
+                        os.write(self._fd, b"\n")
+        except BaseException:
+            self.close()
+            raise
 
     def append(self, record: dict) -> None:
         """Write ``record`` as one JSON line (secrets scrubbed), then fsync."""
@@ -119,6 +261,33 @@ class WatchLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)                      # releases the flock
+            self._lock_fd = -1
+
+
+def _lock(run_dir: Path) -> int:
+    """An exclusive, non-blocking ``flock`` on ``run_dir/watch.lock`` (written with this PID); returns its fd.
+
+    Raises:
+        BadInput: another process holds it (its PID from the file), or the lock file is a symlink."""
+    path = run_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, shared_mode())
+    except OSError as exc:
+        raise BadInput(f"cannot open the run folder's lock file: {exc.strerror or exc}", path=path) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise BadInput(f"another watch (PID {holder[:20]}) is writing this run folder; stop it first (one watch per "
+                       "run folder)", path=run_dir) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _now_iso(t: float) -> str:
@@ -144,16 +313,62 @@ def probe_once(client: Any, prompt: Any, *, max_new_tokens: int, timeout: float)
     ``verify_ct``, ``accept_length`` (= completion tokens / verify steps, None without a verify step),
     ``accept_rate`` (correct / proposed drafts), ``cached_tokens``, ``latency_s`` (client wall seconds).
 
-    Raises what ``generate`` raises (:class:`helpers.errors.SGLangError` and its kinds) past ``timeout`` seconds."""
+    The engine's client checks the answer's spec counters against the server's settings once its ``/server_info``
+    was read (``MetaInfo.spec_problem``: at most ``num_steps`` accepted draft tokens and a bonus per verify step;
+    ``watch`` reads it before the first probe); the completion tokens are checked here against those asked.
+
+    Raises what ``generate`` raises (:class:`helpers.errors.SGLangError` and its kinds) past ``timeout`` seconds;
+    :class:`helpers.errors.SGLangError` for more completion tokens than ``max_new_tokens``."""
     r = client.generate(**prompt.request(), max_new_tokens=int(max_new_tokens), timeout=float(timeout))
     m = r.meta_info
     ct, v = m.completion_tokens, m.spec_verify_ct
+    if ct is not None and ct > int(max_new_tokens):
+        raise SGLangError(f"probe answer refused: meta_info.completion_tokens {ct} > the {int(max_new_tokens)} "
+                          "max_new_tokens asked (impossible counters)", endpoint="/generate")
     acc = getattr(m, "spec_num_correct_drafts", None)
     prop = getattr(m, "spec_num_proposed_drafts", None)
     return {"prompt_id": prompt.id, "completion_tokens": ct, "verify_ct": v,
             "accept_length": (ct / v) if ct is not None and v else None,
             "accept_rate": (acc / prop) if acc is not None and prop else None,
             "cached_tokens": m.cached_tokens, "latency_s": r.latency_s}
+
+
+def check_snapshot(snap: dict, endpoint: str = "/metrics") -> dict:
+    """A ``watch`` snapshot (:meth:`helpers.engines.base.EngineAdapter.watch_snapshot`) checked before it is used:
+    the shares (:data:`SHARE_GAUGES`: KV-cache use, hit rate, accept rate) in [0, 1], the requests and counters
+    (:data:`NON_NEGATIVE`) >= 0. Returns ``snap``.
+
+    Raises:
+        SGLangError: naming the endpoint, the metric (the snapshot's ``sources``) and the value."""
+    src = snap.get("sources") or {}
+    for name in SHARE_GAUGES + NON_NEGATIVE:
+        v = _finite(snap.get(name))
+        if v is None:
+            continue
+        if (name in SHARE_GAUGES and not 0.0 <= v <= 1.0) or (name in NON_NEGATIVE and v < 0):
+            want = "a share in [0, 1]" if name in SHARE_GAUGES else "a value >= 0"
+            raise SGLangError(f"GET {endpoint}: {src.get(name, name).split(' (')[0]} is {v:g}, expected {want} "
+                              f"(watch field {name}); sample refused", endpoint=endpoint)
+    return snap
+
+
+def read_snapshot(adapter: Any, text: str, endpoint: str = "/metrics") -> dict:
+    """``adapter.watch_snapshot(text)`` then :func:`check_snapshot`; a text that is not Prometheus' text format (an
+    HTML page, JSON) is one line naming the endpoint.
+
+    Raises:
+        SGLangError: not the Prometheus text format, or a value out of range."""
+    try:
+        snap = adapter.watch_snapshot(text)
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        head = " ".join(str(text)[:60].split())
+        raise SGLangError(f"GET {endpoint}: not the Prometheus text format ({type(exc).__name__}; the answer starts "
+                          f"{head!r})", endpoint=endpoint) from None
+    return check_snapshot(snap, endpoint)
+
+
+#: the counters a sample's accept length comes from; a ``/metrics`` with none of them leaves only the probe
+RATE_COUNTERS = ("generation_tokens", "verify_steps")
 
 
 @dataclass
@@ -202,6 +417,7 @@ class Watcher:
         self.prev: Optional[dict] = None
         self.prev_t: Optional[float] = None
         self.skipped_on_resume = 0
+        self.warned_no_counters = False
 
     # -- state ----------------------------------------------------------------------------------------------------
 
@@ -236,9 +452,15 @@ class Watcher:
         self.window.extend(kept)
 
     def resume(self, path: str | os.PathLike) -> int:
-        """Rebuild the state from an existing log (streamed: bounded memory); returns the samples read."""
+        """Rebuild the state from an existing log (streamed: bounded memory); returns the samples read.
+
+        Raises:
+            BadInput: a record the state would use is not what a watch writes (:func:`check_record`: file, line,
+                field), or the log is a symlink."""
         skipped: list = []
-        for rec in iter_log(path, skipped):
+        now = self.clock()
+        for line, rec in iter_log(path, skipped, numbered=True):
+            check_record(rec, path=path, line=line, now=now)
             k = rec.get("kind")
             if k == "sample":
                 self._remember(rec)
@@ -277,6 +499,11 @@ class Watcher:
         if rec.get("server_restarted") and not any(e["event"] == "server_restarted" for e in evs):
             evs.insert(0, {"event": "server_restarted", "field": "counters", "before": None, "after": None})
         rec["events"] = [e["event"] for e in evs] or None
+        if not self.warned_no_counters and all(_finite(snap.get(k)) is None for k in RATE_COUNTERS):
+            self.warned_no_counters = True
+            rec["warning"] = (f"/metrics has none of the counters {', '.join(RATE_COUNTERS)} (engine "
+                              f"{snap.get('engine')}): the accept length comes from the probe only")
+            self.log.append({"kind": "warning", "t": t, "time": rec["time"], "i": rec["i"], "warning": rec["warning"]})
         self._remember(rec)
         decision = self._detect(rec)
         self.log.append(rec)
@@ -308,6 +535,11 @@ class Watcher:
             out = dict(self.on_event(self.n_events, evs, rec) or {})
         except Exception as exc:             # noqa: BLE001 - recorded; the watch goes on (signals propagate)
             out = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        except BaseException as exc:         # a signal: the check's line says so, then the signal goes on
+            self.log.append({"kind": "check_draft", "n": self.n_events, "t": self.clock(),
+                             "seconds": self.clock() - t0, "verdict": "interrupted",
+                             "reason": (str(exc) or type(exc).__name__)[:300]})
+            raise
         self.log.append({"kind": "check_draft", "n": self.n_events, "t": self.clock(), "seconds": self.clock() - t0,
                          **out})
         rec["check"] = out.get("verdict") or ("error" if out.get("error") else None)
@@ -349,9 +581,13 @@ class Watcher:
         if extra is not None:
             pt = (pt or 0) + int(extra.get("tokens") or 0)
             ps = (ps or 0.0) + float(extra.get("seconds") or 0.0)
+        lag = pt is not None and d["generation_tokens"] is not None and pt > d["generation_tokens"]
         load = {"probe_tokens": pt, "server_tokens": d["generation_tokens"],
                 "probe_token_share": (pt / d["generation_tokens"]) if pt is not None and d["generation_tokens"]
-                else None,
+                and not lag else None,
+                "counters_lag": (f"the watch's own {pt} tokens exceed the server's {d['generation_tokens']:g} "
+                                 "generation tokens over the interval: the counters do not hold all of the probe's "
+                                 "requests yet (counters lag), no token share") if lag else None,
                 "probe_s": ps,
                 "probe_time_share": (ps or 0.0) / interval if (probe or extra is not None) and interval
                 else None}
@@ -410,6 +646,11 @@ class Watcher:
             except Exception as exc:         # noqa: BLE001 - recorded; the watch goes on (signals propagate)
                 self.log.append({"kind": "investigation", "n": self.n_drops, "t": self.clock(),
                                  "seconds": self.clock() - t0, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            except BaseException as exc:     # a signal: the investigation's line says so, then the signal goes on
+                self.log.append({"kind": "investigation", "n": self.n_drops, "t": self.clock(),
+                                 "seconds": self.clock() - t0, "verdict": "interrupted",
+                                 "error": (str(exc) or type(exc).__name__)[:300]})
+                raise
             # the investigation took the server's time: the next interval starts now
             self.prev = None
             self.prev_t = None
@@ -428,6 +669,8 @@ def format_line(rec: dict) -> str:
     load = rec.get("load") or {}
     ch = rec.get("change") or {}
     dec = rec.get("decision") or {}
+    share = load.get("probe_token_share")
+    tok_share = "counters lag" if load.get("counters_lag") else "-" if share is None else f(share, ".2%")
     change = ("change: -" if not ch else
               f"change at #{ch.get('i')} {f(ch.get('before'))}->{f(ch.get('after'))} p {ch.get('p_value', 1):.3g}"
               + (" DROP" if dec.get("trigger") else ""))
@@ -436,9 +679,10 @@ def format_line(rec: dict) -> str:
     return (f"#{rec.get('i')} up {h}h{rem // 60:02d}m  accept length {f(rec.get('accept_length'))} ({src})  "
             f"probe {f(probe.get('accept_length'))}  KV {f(rec.get('kv_cache_use'), pct=True)}  "
             f"hit {f(rec.get('cache_hit_rate'), pct=True)}  running {f(rec.get('running_reqs'), '.0f')}  "
-            f"load {f(load.get('probe_token_share'), '.2%') if load.get('probe_token_share') is not None else '-'}"
+            f"load {tok_share}"
             f" tok / {f(load.get('probe_time_share'), '.2%') if load.get('probe_time_share') is not None else '-'}"
             f" time  {change}" + (f"  probe error: {rec['probe_error'][:80]}" if rec.get("probe_error") else "")
+            + (f"  WARNING {rec['warning']}" if rec.get("warning") else "")
             + (f"  EVENT {', '.join(rec['events'])}" + (f" -> check-draft {rec['check']}" if rec.get("check") else "")
                if rec.get("events") else ""))
 
@@ -446,34 +690,42 @@ def format_line(rec: dict) -> str:
 def run_loop(watcher: Watcher, *, interval: float, samples: Optional[int] = None, duration: Optional[float] = None,
              show: Callable[[str], None] = lambda line: None, max_failures: int = 3,
              sleep: Callable[[float], None] = time.sleep) -> str:
-    """Sample every ``interval`` seconds until ``samples`` were taken or ``duration`` seconds passed (None: until a
-    signal); each sample's line goes to ``show``. A sample that fails is an ``error`` line and the watch goes on,
-    unless ``max_failures`` fail in a row (the last error is raised). Returns why it stopped.
+    """Sample every ``interval`` seconds until ``samples`` samples succeeded or ``duration`` seconds passed (None:
+    until a signal); each sample's line goes to ``show``. A sample that fails is an ``error`` line and the watch goes
+    on (a failed attempt is no sample: it does not count toward ``samples``), unless ``max_failures`` fail in a row
+    (the last error is raised, whatever ``samples`` says). Returns why it stopped.
 
     Raises:
-        the sample's error after ``max_failures`` failures in a row; :class:`helpers.errors.Interrupted` on a signal
-        (the caller writes the ``stop`` line)."""
+        the sample's error after ``max_failures`` failures in a row; :class:`helpers.errors.SGLangError` when the run
+        ends (``duration``) with no sample that succeeded; :class:`helpers.errors.Interrupted` on a signal (the
+        caller writes the ``stop`` line)."""
     start = watcher.clock()
-    taken, failures = 0, 0
+    taken, failures, attempts = 0, 0, 0
+    last_error: Optional[str] = None
     next_t = start
     while True:
+        attempts += 1
         try:
             rec = watcher.step()
             failures = 0
+            taken += 1
             show(format_line(rec))
         except Exception as exc:             # noqa: BLE001 - recorded; after max_failures the error goes on
             failures += 1
+            last_error = f"{type(exc).__name__}: {exc}"[:500]
             watcher.log.append({"kind": "error", "t": watcher.clock(), "time": _now_iso(watcher.clock()),
-                                "error": f"{type(exc).__name__}: {exc}"[:500], "in_a_row": failures})
+                                "error": last_error, "in_a_row": failures})
             show(f"sample failed ({failures} in a row): {exc}")
             if failures >= max_failures:
                 raise
-        taken += 1
         if samples is not None and taken >= samples:
             return f"{taken} sample(s) taken (--samples)"
         next_t += interval
         now = watcher.clock()
         if duration is not None and next_t - start > duration:
+            if not taken:
+                raise SGLangError(f"no sample succeeded in {duration:g} s (--duration), {attempts} attempt(s); the "
+                                  f"last error: {last_error}", endpoint="/metrics")
             return f"{duration:g} s watched (--duration)"
         if next_t > now:
             sleep(next_t - now)

@@ -16,24 +16,31 @@ line: every sample taken is in the log."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..acceptance.lifecycle import for_server
 from ..acceptance.prompts import load_prompts
-from ..acceptance.watch import LOG_NAME, Watcher, WatchLog, WatchSettings, iter_log, probe_once, run_loop, \
-    start_record
+from ..acceptance.watch import FORMAT, LOG_NAME, MAX_PROBE_TOKENS, Watcher, WatchLog, WatchSettings, check_record, \
+    iter_log, probe_once, read_snapshot, run_loop, start_record
 from ..budget import Budget
 from ..draft.decide import threshold
 from ..engines.detect import detect
 from ..errors import BadInput, Interrupted
 from ..redaction import redact_url
 from ..runfiles import new_run_dir
-from .common import Parser, failure_guard, out_folder, progress_line, run, run_folder_arg, text_arg
+from .common import Parser, failure_guard, input_path_arg, out_folder, progress_line, run, run_folder_arg, text_arg
 
 PROG = "watch"
+#: the upper bounds of the numeric flags (seconds unless said): beyond them a value is a typo, not a setting
+MAX_INTERVAL_S = 86400.0
+MAX_TIMEOUT_S = 86400.0
+MAX_WINDOW = 100_000
+MAX_COUNT = 10 ** 9
 
 
 def build_parser() -> Parser:
@@ -90,43 +97,59 @@ def build_parser() -> Parser:
 
 
 def _check(args: Any) -> None:
-    """Every flag checked before any work (one line, exit 2)."""
-    pos = {"--interval": args.interval, "--probe-timeout": args.probe_timeout,
-           "--request-timeout": args.request_timeout, "--investigate-timeout": args.investigate_timeout,
-           "--check-timeout": args.check_timeout}
-    for flag, v in pos.items():
-        if not v > 0:
-            raise BadInput(f"{flag} must be > 0 seconds, got {v}")
-    if args.duration is not None and not args.duration > 0:
-        raise BadInput(f"--duration must be > 0 seconds, got {args.duration}")
-    for flag, v, low in (("--samples", args.samples, 1), ("--window", args.window, 10),
-                         ("--baseline", args.baseline, 1),
-                         ("--max-failures", args.max_failures, 1), ("--probe-tokens", args.probe_tokens, 0)):
-        if v is not None and v < low:
-            raise BadInput(f"{flag} must be >= {low}, got {v}")
-    if args.cooldown < 0:
-        raise BadInput(f"--cooldown must be >= 0 seconds, got {args.cooldown}")
+    """Every flag checked before any work (one line, exit 2): each number finite and within its bounds, and the
+    paths ``--on-event check-draft`` / ``--on-drop investigate`` read, with the checks ``investigate`` makes."""
+    secs = {"--interval": (args.interval, MAX_INTERVAL_S), "--probe-timeout": (args.probe_timeout, MAX_TIMEOUT_S),
+            "--request-timeout": (args.request_timeout, MAX_TIMEOUT_S),
+            "--investigate-timeout": (args.investigate_timeout, MAX_TIMEOUT_S),
+            "--check-timeout": (args.check_timeout, MAX_TIMEOUT_S)}
+    for flag, (v, most) in secs.items():
+        if not (math.isfinite(v) and 0 < v <= most):
+            raise BadInput(f"{flag} must be > 0 and <= {most:g} seconds, got {v}")
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
+        raise BadInput(f"--duration must be > 0 seconds (finite), got {args.duration}")
+    for flag, v, low, most in (("--samples", args.samples, 1, MAX_COUNT), ("--window", args.window, 10, MAX_WINDOW),
+                               ("--baseline", args.baseline, 1, MAX_WINDOW),
+                               ("--max-failures", args.max_failures, 1, MAX_COUNT),
+                               ("--probe-tokens", args.probe_tokens, 0, MAX_PROBE_TOKENS)):
+        if v is not None and not low <= v <= most:
+            raise BadInput(f"{flag} must be >= {low} and <= {most}, got {v}")
+    if not (math.isfinite(args.cooldown) and 0 <= args.cooldown <= 30 * MAX_INTERVAL_S):
+        raise BadInput(f"--cooldown must be >= 0 and <= {30 * MAX_INTERVAL_S:g} seconds, got {args.cooldown}")
     if args.drop_frac is not None and not 0 < args.drop_frac < 1:
         raise BadInput(f"--drop-frac must be between 0 and 1 (a share of the baseline), got {args.drop_frac}")
-    if args.drop_below is not None and not args.drop_below > 1:
+    if args.drop_below is not None and not (math.isfinite(args.drop_below) and args.drop_below > 1):
         raise BadInput(f"--drop-below must be an accept length > 1 (tokens per verify step), got {args.drop_below}")
-    if args.on_drop == "investigate":
-        if not args.training:
-            raise BadInput("--on-drop investigate needs --training (the draft's training data)")
-        if not Path(args.training).exists():
-            raise BadInput("--training not found", path=args.training)
+    if args.on_drop == "investigate" and not args.training:
+        raise BadInput("--on-drop investigate needs --training (the draft's training data)")
     if args.no_events and (args.on_event != "record" or args.draft_checksum):
         raise BadInput("--no-events observes no lifecycle event: --on-event check-draft and --draft-checksum need them")
     for flag in ("--training", "--draft", "--target", "--prompts"):
         text_arg(getattr(args, flag[2:].replace("-", "_")), flag)
+    if args.on_drop == "investigate" or args.on_event == "check-draft":
+        # lazy: cli.investigate imports the investigation (torch); only these handlers need its --draft / --target checks
+        from .investigate import _folders
+        _folders(args)
+    if args.on_drop == "investigate":
+        training = input_path_arg(args.training, "--training")
+        if training is not None and training.is_dir() and not any(training.iterdir()):
+            raise BadInput("an empty folder: expected the draft's training data", path=training, field="--training")
 
 
-def _resumed_url(run_dir: Path) -> Optional[str]:
-    """The URL of the run's first ``start`` line."""
-    for rec in iter_log(run_dir / LOG_NAME):
+def _resumed_start(run_dir: Path) -> dict:
+    """The run's first ``start`` line (checked: :func:`helpers.acceptance.watch.check_record`).
+
+    Raises:
+        BadInput: the log has no ``start`` line of this tool's format (an unrelated file), naming the file."""
+    path = run_dir / LOG_NAME
+    for line, rec in iter_log(path, numbered=True):
         if rec.get("kind") == "start":
-            return rec.get("url")
-    return None
+            if rec.get("format") != FORMAT["format"]:
+                raise BadInput(f"line {line}: field 'format' is {str(rec.get('format'))[:40]!r}; expected "
+                               f"{FORMAT['format']!r} (not a watch log)", path=path, field="format")
+            return check_record(rec, path=path, line=line, now=time.time())
+    raise BadInput(f"no start line of format {FORMAT['format']!r}: not a watch log (python -m helpers watch)",
+                   path=path)
 
 
 def _investigator(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any):
@@ -139,10 +162,11 @@ def _investigator(args: Any, url: str, key: Optional[str], run_dir: Path, show: 
 
         out = run_dir / f"investigation-{n}"
         show(f"drop #{n}: {decision.reason}; investigating into {out}")
-        doc = live.investigate(url, training=args.training, run_dir=out, draft=args.draft, target=args.target,
-                               api_key=key, timeout=args.investigate_timeout, apply_fix=False,
-                               not_applied="started by watch on a drop: the fix is only proposed",
-                               progress=lambda line: show(f"investigation-{n}: {line}"))
+        with failure_guard(f"{PROG} investigation-{n}", out):   # a signal or an error: the folder says FAILED
+            doc = live.investigate(url, training=args.training, run_dir=out, draft=args.draft, target=args.target,
+                                   api_key=key, timeout=args.investigate_timeout, apply_fix=False,
+                                   not_applied="started by watch on a drop: the fix is only proposed",
+                                   progress=lambda line: show(f"investigation-{n}: {line}"))
         return {"run_dir": str(out), "verdict": getattr(doc, "verdict", None),
                 "sentence": getattr(doc, "sentence", None)}
 
@@ -162,9 +186,10 @@ def _checker(args: Any, url: str, key: Optional[str], run_dir: Path, show: Any):
         before = next((e["before"] for e in evs if e.get("field") == "draft_checksum"),
                       (rec.get("lifecycle") or {}).get("draft_checksum"))
         show(f"event #{n}: {', '.join(e['event'] for e in evs)}; checking the served draft into {out}")
-        doc = check_draft(url, run_dir=out, draft=args.draft, target=args.target, api_key=key,
-                          timeout=args.check_timeout, previous_checksum=before,
-                          progress=lambda line: show(f"check-draft-{n}: {line}"))
+        with failure_guard(f"{PROG} check-draft-{n}", out):     # a signal or an error: the folder says FAILED
+            doc = check_draft(url, run_dir=out, draft=args.draft, target=args.target, api_key=key,
+                              timeout=args.check_timeout, previous_checksum=before,
+                              progress=lambda line: show(f"check-draft-{n}: {line}"))
         show(f"check-draft-{n}: {verdict_line(doc)}")
         return {"run_dir": str(out), "verdict": doc["verdict"], "reason": doc["reason"], "exit": doc["exit"],
                 "findings": [f.get("kind") for f in doc["findings"]], "check_seconds": doc["seconds"]}
@@ -180,9 +205,10 @@ def cli_main(argv: Sequence[str]) -> int:
         _check(args)
         outputs = out_folder(args.out, "--out")
         resume = run_folder_arg(args.resume, "--resume")
-        if resume is not None and not (resume / LOG_NAME).is_file():
+        if resume is not None and not os.path.lexists(resume / LOG_NAME):
             raise BadInput(f"--resume: no {LOG_NAME} in this folder (not a watch run folder)", path=resume)
-        url = args.url or (_resumed_url(resume) if resume is not None else None)
+        first = _resumed_start(resume) if resume is not None else None
+        url = args.url or (first["url"] if first is not None else None)
         if not url:
             raise BadInput("--url is required (or --resume a run folder whose watch.jsonl names its server)")
         if resume is not None and args.url is None and "<redacted>" in url:
@@ -194,7 +220,13 @@ def cli_main(argv: Sequence[str]) -> int:
                                       generate_timeout=args.probe_timeout, budget=Budget(None))
         show = progress_line(PROG) if not args.quiet else (lambda line: None)
         try:
-            found.adapter.watch_snapshot(client.metrics_text())        # /metrics readable, before any folder
+            # /metrics readable and the server's settings read (they bound a probe's counters: the client checks
+            # every answer against them), before any folder and before the first probe
+            client.budget, client.timeout_flag = Budget(2 * args.request_timeout, flag="--request-timeout"), \
+                "--request-timeout"
+            read_snapshot(found.adapter, client.metrics_text())
+            client.server_info()
+            client.budget = Budget(None)
             run_dir = resume or new_run_dir("watch", outputs=outputs)
             with failure_guard(PROG, run_dir, owned=resume is None, complete=(Interrupted,)):
                 return _watch(args, url, key, found, client, prompts, run_dir, resume is not None, argv, show)
@@ -214,14 +246,14 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
         """``fn`` under its own overall deadline (a fresh budget of the client per request: a server trickling
         bytes never holds a sample past it)."""
         def call() -> Any:
-            client.budget = Budget(seconds, flag=flag)
+            client.budget, client.timeout_flag = Budget(seconds, flag=flag), flag
             return fn()
         return call
 
     probe = bounded(lambda: probe_once(client, next(cycle), max_new_tokens=args.probe_tokens,
                                        timeout=args.probe_timeout), args.probe_timeout + 1.0,
                     "--probe-timeout") if cycle else None
-    snapshot = bounded(lambda: found.adapter.watch_snapshot(client.metrics_text()), 2 * args.request_timeout,
+    snapshot = bounded(lambda: read_snapshot(found.adapter, client.metrics_text()), 2 * args.request_timeout,
                        "--request-timeout")
     log = WatchLog(run_dir)
     on_drop = _investigator(args, url, key, run_dir, show) if args.on_drop == "investigate" else None
@@ -240,7 +272,10 @@ def _watch(args: Any, url: str, key: Optional[str], found: Any, client: Any, pro
                                 interval=args.interval, resumed=resumed, argv=argv,
                                 probe={"max_new_tokens": args.probe_tokens, "timeout_s": args.probe_timeout,
                                        "prompts": args.prompts or "bundled", "temperature": 0.0} if probe else None,
-                                extra={"on_drop": args.on_drop, "on_event": None if life is None else args.on_event,
+                                extra={"server_settings": {k: (client.server_info() or {}).get(k) for k in (
+                                           "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                                           "speculative_num_draft_tokens")},
+                                       "on_drop": args.on_drop, "on_event": None if life is None else args.on_event,
                                        "draft_checksum": bool(args.draft_checksum), "accept_length": "delta generation tokens / delta "
                                        "verify steps between samples (counters), else the probe's, else the "
                                        "engine's gauge; each sample says which"}))

@@ -215,6 +215,8 @@ class HTTPClient:
         self._api_key: Optional[str] = key or None
         remember(self._api_key)
         self.timeout = float(timeout)
+        #: the option named when a request times out (a command whose timeout flag is another sets it)
+        self.timeout_flag = "--timeout"
         self.generate_timeout = float(generate_timeout)
         self.retries = int(retries)
         self.backoff = float(backoff)
@@ -308,7 +310,8 @@ class HTTPClient:
                 shown_t = t.read if isinstance(t, httpx.Timeout) else t
                 raise ServerTimeout(
                     f"{where}: no answer within {shown_t} s ({type(exc).__name__}); the server may be "
-                    "overloaded or the generation long: raise the timeout (--timeout)", endpoint=path) from None
+                    f"overloaded or the generation long: raise the timeout ({self.timeout_flag})",
+                    endpoint=path) from None
             except httpx.TransportError as exc:
                 last = f"transport error ({type(exc).__name__}: {self._scrub(str(exc))})"
                 if idempotent:

@@ -183,19 +183,24 @@ class MetaInfo(BaseModel):
             return broken("dense histogram of num_steps + 1 bins",
                           f"spec_correct_drafts_histogram has {len(hist)} bins, the engine writes num_steps + 1 = "
                           f"{histogram_bins}")
+        # a verify step accepts at most num_steps draft tokens (the chain for topk 1, the tree's depth for topk > 1) and
+        # at most num_draft_tokens - 1 (the tree's nodes but its root: eagle_utils.py::build_tree_kernel_efficient)
+        depth = num_steps if not (num_steps is not None and num_draft_tokens) else min(num_steps, num_draft_tokens - 1)
         if static and num_steps is not None:
             if hist is not None and len(hist) > num_steps + 1:
                 return broken("histogram bins <= num_steps + 1",
                               f"spec_correct_drafts_histogram has {len(hist)} bins, more than num_steps + 1 = "
                               f"{num_steps + 1} (a verify step accepts at most num_steps draft tokens)")
-            if c is not None and c > v * num_steps:
+            if c is not None and c > v * depth:
                 return broken("accepted <= verify steps x num_steps",
-                              f"spec_num_correct_drafts {c} > {v} verify steps x {num_steps} draft steps (a verify "
-                              "step accepts at most num_steps draft tokens)")
+                              f"spec_num_correct_drafts {c} > {v} verify steps x {depth} "
+                              + ("draft steps (a verify step accepts at most num_steps draft tokens)"
+                                 if depth == num_steps else "draft tokens (a verify step accepts at most "
+                                 f"speculative_num_draft_tokens {num_draft_tokens} - 1 < num_steps {num_steps})"))
         if ct is not None and (c is not None or (static and num_steps is not None)):
-            most = 1 + r + v + (c if c is not None else v * num_steps)
+            most = 1 + r + v + (c if c is not None else v * depth)
             if ct > most:
-                accepted = f"{c} accepted draft tokens" if c is not None else f"at most {num_steps} draft tokens each"
+                accepted = f"{c} accepted draft tokens" if c is not None else f"at most {depth} draft tokens each"
                 return broken("completion tokens <= 1 + retractions + verify steps + accepted",
                               f"{ct} completion tokens from {v} verify steps ({accepted}, a bonus token each, plus "
                               f"the prefill token{f' and {r} after retractions' if r else ''}: at most {most})")

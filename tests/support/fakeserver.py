@@ -40,7 +40,8 @@ Modes: ``ok`` (plausible answers with spec fields and 3 x 16-wide hidden states)
   ``num_requests_total``) counting every ``/generate`` answered plus whatever :data:`METRICS` says was served besides
   (a test or bench adds to it), and its gauges from :data:`METRICS` (``token_usage``, ``num_running_reqs``,
   ``cache_hit_rate``, ``spec_accept_length``); each answer accepts ``METRICS["accept_length"]`` tokens per verify
-  step (``METRICS["accept_length_after"]`` once ``METRICS["drop_after"]`` requests were served). ``POST
+  step (``METRICS["accept_length_after"]`` once ``METRICS["drop_after"]`` requests were served);
+  ``METRICS["meta_override"]`` (a dict, off by default) is laid over every answer's ``meta_info`` (a fault). ``POST
   /fake_metrics`` with a JSON object updates :data:`METRICS` (a subprocess server). Its lifecycle fields (``watch``'s
   events, set in :data:`METRICS` by an in-thread test; None: not reported): ``startup_time`` (``/server_info``; SGLang
   0.5.23's is a dict of the start's phase durations),
@@ -73,7 +74,8 @@ STATE = {"generate": 0}
 METRICS = {"accept_length": 2.5, "generation_tokens": 0.0, "verify_steps": 0.0, "prompt_tokens": 0.0,
            "cached_tokens": 0.0, "requests": 0.0, "token_usage": 0.1, "running": 0.0, "cache_hit_rate": 0.0,
            "spec_accept_length": 2.5, "drop_after": None, "accept_length_after": 1.5, "startup_time": None,
-           "weight_version": None, "weight_load_s": None, "draft_checksum": None, "answer_shift": 0, "answer_flip": 0}
+           "weight_version": None, "weight_load_s": None, "draft_checksum": None, "answer_shift": 0, "answer_flip": 0,
+           "meta_override": None}
 
 
 def metrics_text() -> str:
@@ -228,6 +230,8 @@ def generate_answer(body: dict, mode: str) -> dict:
         for k, v in (("generation_tokens", n_new), ("verify_steps", verify), ("prompt_tokens", n_prompt),
                      ("requests", 1)):
             METRICS[k] += v
+        if METRICS.get("meta_override"):            # a fault for a test: impossible counters in every answer
+            meta.update(METRICS["meta_override"])
     if mode == "impossible" and STATE["generate"] % 2 == 0:
         meta.update(IMPOSSIBLE[(STATE["generate"] // 2 - 1) % len(IMPOSSIBLE)])
     if body.get("return_hidden_states"):

@@ -178,6 +178,7 @@ def test_cli_on_drop_investigate_calls_investigate_once(tmp_path, monkeypatch):
     monkeypatch.setattr(live, "investigate", fake_investigate)
     training = tmp_path / "training"
     training.mkdir()
+    (training / "train.jsonl").write_text('{"conversations": []}\n')     # an empty folder is refused (--training)
     with metrics_server() as url:
         fakeserver.METRICS.update(drop_after=12, accept_length_after=1.5)
         rc = main(["watch", "--url", url, "--interval", "0.01", "--samples", "30", "--baseline", "5",
