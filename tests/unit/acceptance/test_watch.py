@@ -166,7 +166,8 @@ def test_on_drop_calls_the_handler_once_per_drop(tmp_path):
 
 
 def test_cli_on_drop_investigate_calls_investigate_once(tmp_path, monkeypatch):
-    import helpers.investigation.live as live
+    import helpers.cli.investigate  # noqa: F401  -- imported before the patch: watch's flag checks import it, and a
+    import helpers.investigation.live as live  # first import under the patch would keep the fake for later tests
 
     calls = []
 
