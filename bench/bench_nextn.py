@@ -4,7 +4,8 @@ For each ``--tp`` and ``--steps`` (one server each, ``--speculative-algorithm NE
 the draft from the target's extra layer ``model.layers.8.*``; topk 1, draft tokens steps + 1), greedy, the first
 ``--num`` bundled prompts x ``--new-tokens`` tokens (EOS ignored): accept length and accept rate with 95 % bootstrap
 CIs (:func:`helpers.acceptance.measure.measure`: accept length = completion tokens / verify steps, bonus included),
-the server's start time, and whether the output tokens equal HF transformers' greedy output of the target alone (fp32).
+per-position conditional accept rates and the summed correct-drafts histogram, the server's start time, and whether the
+output tokens equal HF transformers' greedy output of the target alone (fp32).
 ``--draft DIR`` serves a separate NextN checkpoint instead (:func:`helpers.formats.nextn.export_nextn`).
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_nextn.py --tp 1 2 --steps 1 3
@@ -79,7 +80,9 @@ def main() -> int:
                    "accept_length_ci": [round(s["accept_length_lo"], 3), round(s["accept_length_hi"], 3)],
                    "accept_rate": s["accept_rate"],
                    "accept_rate_ci": [round(s["accept_rate_lo"], 3), round(s["accept_rate_hi"], 3)],
-                   "tokens_equal_hf": f"{same}/{len(prompts)}"}
+                   "tokens_equal_hf": f"{same}/{len(prompts)}",
+                   "conditional_per_position": [round(float(x), 3) for x in res.positions["conditional"]],
+                   "histogram": [int(x) for x in res.histogram]}
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
     print(f"load average before {load0}, after {os.getloadavg()}")
