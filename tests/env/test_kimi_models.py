@@ -31,6 +31,7 @@ from e3f_models import (DRAFT_DIR, KIMI_DIR, LLAMA_H64_DIR, PROMPTS_FILE, TARGET
                         VALIDATION_DIR, specforge_default_layer_ids)
 from e3f_models.draft import ttt_loss  # noqa: E402
 from e3f_models.draft_arch import load_draft  # noqa: E402
+from e3f_models.nextn import load_nextn, nextn_loss  # noqa: E402
 from e3f_models.specforge_data import list_records, read_record, read_vocab_mapping  # noqa: E402
 
 BF16_RTOL = 2.0 ** -7
@@ -149,17 +150,23 @@ def test_kimi_target_is_a_trained_lm_that_uses_every_expert(kimi_target, tokeniz
 
 @pytest.fixture(scope="module")
 def sglang_facts(tmp_path_factory):
-    """One SGLang-venv process (tests/support/sglang_mla_draft_load.py): the three Kimi folders through SGLang's
-    ModelConfig, and the MLA draft loaded by SGLang's own Eagle3DeepseekV2ForCausalLM."""
+    """One SGLang-venv process (tests/support/sglang_mla_draft_load.py): the three Kimi folders and the exported NextN
+    checkpoint through SGLang's ModelConfig, the MLA draft loaded by SGLang's own Eagle3DeepseekV2ForCausalLM, and the
+    NextN head loaded by SGLang's own DeepseekV3ForCausalLMNextN from the target folder and from the export."""
     py = Path(os.environ.get("E3F_SGLANG_PYTHON") or ROOT / "env" / "reference" / ".venv" / "bin" / "python")
     if not py.exists():
         pytest.skip("SGLang venv missing (env/reference/install.sh)")
     out = tmp_path_factory.mktemp("sglang") / "facts.pt"
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "E3F_LOOPBACK_STORE": "1",
            "PYTHONPATH": str(ROOT / "env" / "reference" / "standin")}
+    from helpers.formats.nextn import export_nextn
+    exported = tmp_path_factory.mktemp("nextn") / "kimi-nextn"
+    export_nextn(KIMI_TARGET, exported)
     res = subprocess.run([str(py), str(ROOT / "tests" / "support" / "sglang_mla_draft_load.py"), str(KIMI_MLA),
                           str(out), f"target={KIMI_TARGET}", f"draft={KIMI_DRAFT}:draft",
-                          f"draft_mla={KIMI_MLA}:draft"], capture_output=True, text=True, env=env, timeout=600)
+                          f"draft_mla={KIMI_MLA}:draft", f"nextn_export={exported}:draft",
+                          f"nextn:target={KIMI_TARGET}", f"nextn:export={exported}"],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     return torch.load(out, weights_only=True)
 
@@ -323,7 +330,7 @@ def test_samples_and_validation_rows_are_specforge_format(name):
             assert m[0] == 0 and m[-1] == 1 and m == sorted(m)
         cap = json.loads((folder / "capture.json").read_text())
         assert cap["layer_ids"]["specforge_out_i"] == specforge_default_layer_ids(8)
-        assert cap["target"]["model_safetensors_sha256"] == _sha256(t / "model.safetensors")
+        assert cap["target"]["model_safetensors_sha256"] == _base_sha256(t)
         if split == "validation":
             assert cap["split"] == "validation" and cap["sequences"] == "sampled at temperature 1.0"
             assert log["data"]["manifest"]["sequences"] == cap["sequences"]
@@ -343,6 +350,21 @@ def _val_split(n: int, log: dict) -> list[int]:
 def _sha256(p: Path) -> str:
     import hashlib
     return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _base_sha256(target: Path) -> str:
+    """sha256 of the target's model.safetensors as it was before a NextN layer ``model.layers.{N}.*`` was added:
+    the checkpoint without that layer re-serialised as save_pretrained writes it (safetensors, metadata format pt;
+    bit-identical for the same tensors), or the file's own sha256 when it has no such layer."""
+    import hashlib
+
+    from safetensors.torch import save
+    prefix = f"model.layers.{_cfg(target)['num_hidden_layers']}."
+    w = _weights(target)
+    if not any(k.startswith(prefix) for k in w):
+        return _sha256(target / "model.safetensors")
+    return hashlib.sha256(save({k: v for k, v in w.items() if not k.startswith(prefix)},
+                               metadata={"format": "pt"})).hexdigest()
 
 
 def _batch(recs: list[dict], transform=lambda a: a) -> dict:
@@ -442,3 +464,138 @@ def test_kimi_samples_reproduce_from_the_committed_target(kimi_target):
                                rtol=BF16_RTOL, atol=1e-3)
     torch.testing.assert_close(last.to(torch.bfloat16).float(), r["hidden_state"].float(),
                                rtol=BF16_RTOL, atol=1e-3)
+
+
+# ---- the NextN / MTP head (env/models/train_nextn.py): the target's extra layer model.layers.8.* ------------------
+
+#: per SGLang's NextN loader (deepseek_common/deepseek_weight_loader.py::do_load_weights, NextNEnabledConfig): these
+#: names of the extra layer go to ``model.<name>``, the rest to ``model.decoder.<name>``; embed_tokens and
+#: shared_head.head are skipped (the target's are shared: set_embed_and_head)
+NEXTN_SPEC = ("shared_head.norm", "eh_proj", "enorm", "hnorm")
+
+
+def _nextn_expected_shapes(c: dict) -> dict:
+    """``model.layers.{N}.<name>`` -> shape of DeepSeek-V3's extra layer for the config ``c``."""
+    H, V, E, inter = c["hidden_size"], c["vocab_size"], c["n_routed_experts"], c["moe_intermediate_size"]
+    nh, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    q, kv, rope, v = c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"], c["v_head_dim"]
+    shapes = {"enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2 * H),
+              "shared_head.norm.weight": (H,), "shared_head.head.weight": (V, H), "embed_tokens.weight": (V, H),
+              "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+              "self_attn.q_a_proj.weight": (q, H), "self_attn.q_a_layernorm.weight": (q,),
+              "self_attn.q_b_proj.weight": (nh * qk, q), "self_attn.kv_a_proj_with_mqa.weight": (kv + rope, H),
+              "self_attn.kv_a_layernorm.weight": (kv,), "self_attn.kv_b_proj.weight": (nh * (qk - rope + v), kv),
+              "self_attn.o_proj.weight": (H, nh * v), "mlp.gate.weight": (E, H),
+              "mlp.gate.e_score_correction_bias": (E,),
+              **{f"mlp.shared_experts.{p}_proj.weight": ((H, inter) if p == "down" else (inter, H))
+                 for p in ("gate", "up", "down")},
+              **{f"mlp.experts.{e}.{p}_proj.weight": ((H, inter) if p == "down" else (inter, H))
+                 for e in range(E) for p in ("gate", "up", "down")}}
+    return {f"model.layers.{c['num_hidden_layers']}.{k}": v for k, v in shapes.items()}
+
+
+def test_nextn_head_is_deepseek_v3s_extra_layer_in_the_target_checkpoint():
+    """The head ships as DeepSeek-V3 ships its MTP module: ``model.layers.8.*`` in the target's model.safetensors,
+    every tensor of the expected shape (bf16; the gate's correction bias fp32, trained), embed_tokens and
+    shared_head.head copies of the target's, and the first 8 layers byte-identical to the file the samples were
+    captured from (capture.json's sha256 of a checkpoint without the extra layer)."""
+    c, w = _cfg(KIMI_TARGET), _weights(KIMI_TARGET)
+    assert c["num_nextn_predict_layers"] == 1
+    prefix = f"model.layers.{c['num_hidden_layers']}."
+    got = {k: tuple(v.shape) for k, v in w.items() if k.startswith(prefix)}
+    assert got == _nextn_expected_shapes(c)
+    for k in got:
+        assert w[k].dtype == (torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16), k
+    assert torch.equal(w[prefix + "embed_tokens.weight"], w["model.embed_tokens.weight"])
+    assert torch.equal(w[prefix + "shared_head.head.weight"], w["lm_head.weight"])
+    assert w[prefix + "mlp.gate.e_score_correction_bias"].abs().max() > 1e-3  # balanced while training
+    sha = _base_sha256(KIMI_TARGET)
+    assert sha != _sha256(KIMI_TARGET / "model.safetensors")
+    for split in ("sample", "validation"):
+        cap = json.loads((KIMI_DIR / "data" / split / "capture.json").read_text())
+        assert cap["target"]["model_safetensors_sha256"] == sha, split
+
+
+def test_hf_transformers_loads_the_target_without_the_nextn_layer(kimi_target):
+    """transformers 5.19's DeepseekV3ForCausalLM reports the extra layer as unexpected and builds 8 layers; its
+    weights are the checkpoint's."""
+    from transformers import AutoModelForCausalLM
+    _, info = AutoModelForCausalLM.from_pretrained(KIMI_TARGET, dtype=torch.float32, output_loading_info=True)
+    n = _cfg(KIMI_TARGET)["num_hidden_layers"]
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert info["unexpected_keys"] and all(k.startswith(f"model.layers.{n}.") for k in info["unexpected_keys"])
+    assert len(kimi_target.model.layers) == n
+
+
+def test_nextn_head_loads_with_sglangs_own_module_from_the_target_and_the_export(sglang_facts):
+    """SGLang's own DeepseekV3ForCausalLMNextN.load_weights on the target folder (the draft path SGLang takes for
+    NEXTN without --speculative-draft-model-path) and on export_nextn's folder (config num_hidden_layers 1, layer
+    renamed model.layers.0, no embed/head: scripts/export_deepseek_nextn.py's layout) fills every parameter but the
+    shared embedding and lm_head, each equal to the checkpoint's tensor under SGLang's name mapping (fused q_a/kv_a,
+    stacked experts w13 = [gate; up], w2, shared gate_up)."""
+    c, w = _cfg(KIMI_TARGET), _weights(KIMI_TARGET)
+    p = f"model.layers.{c['num_hidden_layers']}."
+    E = c["n_routed_experts"]
+    want = {}
+    for k, v in w.items():
+        if not k.startswith(p) or "embed_tokens" in k or "shared_head.head" in k:
+            continue
+        name = k[len(p):]
+        if ".experts." in name and "shared" not in name:
+            continue
+        want[("model." if any(s in name for s in NEXTN_SPEC) else "model.decoder.") + name] = v.float()
+    d = "model.decoder."
+    want[d + "self_attn.fused_qkv_a_proj_with_mqa.weight"] = torch.cat(
+        [want.pop(d + "self_attn.q_a_proj.weight"), want.pop(d + "self_attn.kv_a_proj_with_mqa.weight")])
+    want[d + "mlp.shared_experts.gate_up_proj.weight"] = torch.cat(
+        [want.pop(d + "mlp.shared_experts.gate_proj.weight"), want.pop(d + "mlp.shared_experts.up_proj.weight")])
+    want[d + "mlp.experts.w13_weight"] = torch.stack(
+        [torch.cat([w[f"{p}mlp.experts.{e}.gate_proj.weight"], w[f"{p}mlp.experts.{e}.up_proj.weight"]])
+         for e in range(E)]).float()
+    want[d + "mlp.experts.w2_weight"] = torch.stack([w[f"{p}mlp.experts.{e}.down_proj.weight"]
+                                                     for e in range(E)]).float()
+    assert sglang_facts["configs"]["nextn_export"]["arch"] == ["DeepseekV3ForCausalLMNextN"]
+    for src in ("target", "export"):
+        f = sglang_facts["nextn"][src]
+        assert f["arch"] == ["DeepseekV3ForCausalLMNextN"], src
+        assert f["uninitialised"] == ["lm_head.weight", "model.embed_tokens.weight"], src  # shared from the target
+        got = {k: v for k, v in f["params"].items() if k not in f["uninitialised"]}
+        assert set(got) == set(want), (src, sorted(set(got) ^ set(want)))
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"{src}: {k}")
+
+
+def test_nextn_head_predicts_t_plus_2_on_the_validation_rows():
+    """The trained head (loaded back from the bf16 checkpoint) on the Kimi drafts' validation rows (which the head's
+    split left out too: rows_in_this_training_set 0 in its log): step-0 accuracy of token t+2 far above what the
+    token t+1 alone gives (the target's own next-token guess at t+1 from the row's state at t, i.e. predicting
+    t+2 = argmax of the target at t), within 0.01 of the accuracy recorded on the training device; the head fed
+    the current instead of the next token (a served-wiring fault) loses most of it."""
+    head = load_nextn(KIMI_TARGET)
+    log = json.loads((KIMI_TARGET / "nextn_training_log.json").read_text())
+    rows = log["validation_rows"]
+    assert rows["rows_in_this_training_set"] == 0
+    recs = _records(KIMI_DIR / "data" / "validation")
+    import_from(MODELS, "train_draft")
+    from train_draft import collate
+    b = collate(recs, list(range(len(recs))), "cpu")
+    lm = head.shared_head.head.weight
+    with torch.no_grad():
+        _, m = nextn_loss(head, b, lm, steps=1, train_steps=0)
+        wrong = dict(b, input_ids=torch.cat([b["input_ids"][:, :1], b["input_ids"][:, :-1]], 1))  # token t, not t+1
+        _, m_wrong = nextn_loss(head, wrong, lm, steps=1, train_steps=0)
+        # baseline: the target's next-token argmax at t (its guess for t+1) taken as the guess for t+2
+        mask = b["loss_mask"].float()
+        t_arg1 = torch.cat([b["hidden_state"][:, 1:], b["hidden_state"][:, :1] * 0], 1) @ lm.T
+        base = ((b["hidden_state"] @ lm.T).argmax(-1) == t_arg1.argmax(-1)).float()
+        base_acc = float((base * mask).sum() / mask.sum())
+    acc = m["acc"][0]
+    assert acc > 0.3 and acc > base_acc + 0.2, (acc, base_acc)
+    assert m_wrong["acc"][0] < acc - 0.15, (m_wrong, acc)
+    import_from(MODELS, "train_nextn")
+    from train_nextn import evaluate
+    bs = log["hyper"]["batch_size"]
+    batches = [list(range(i, min(i + bs, len(recs)))) for i in range(0, len(recs), bs)]
+    ev = evaluate(head, recs, batches, lm, log["hyper"]["eval_steps"], torch.device("cpu"))
+    # as recorded on the training device (bf16 data, fp32 compute: near-tie argmax flips only)
+    assert max(abs(x - y) for x, y in zip(ev["acc_per_step"], rows["acc_per_step"])) < 0.01, (ev, rows)

@@ -331,3 +331,36 @@ def test_an_unreached_id_fails_the_warm_up_as_the_table_predicts(ids, kimi, tcfg
     with pytest.raises(ServerStartError) as err:
         start(kimi.target, d, tp=1, timeout=900, log_path=tmp_path / "server.log")
     assert "RuntimeError: captured 2 of 3 aux hidden states" in str(err.value)
+
+
+# ------------------------------------------------------------------- TP 2, the target's own NextN / MTP head
+@pytest.fixture(scope="class")
+def nextn_tp2(kimi):
+    """SGLang's NEXTN with no draft folder: the draft is the target's extra layer model.layers.8.*
+    (arg_groups/speculative_hook.py::handle_speculative_decoding sets the draft path to the target's;
+    configs/model_config.py makes it DeepseekV3ForCausalLMNextN), 1 step, topk 1, 2 draft tokens."""
+    from helpers.server.settings import SpecSettings
+    if json.loads((Path(kimi.target) / "config.json").read_text()).get("num_nextn_predict_layers") != 1 or \
+            not (Path(kimi.target) / "nextn_training_log.json").is_file():
+        pytest.skip("the Kimi-class target has no trained NextN layer here (env/models/train_nextn.py)")
+    t0 = time.monotonic()
+    handle = start(kimi.target, None, tp=2, spec=SpecSettings(algorithm="NEXTN", num_steps=1, topk=1,
+                                                              num_draft_tokens=2), timeout=1200)
+    print(f"\n[kimi] TP 2 NEXTN server (the target's NextN layer) ready in {time.monotonic() - t0:.1f} s")
+    yield handle
+    _stop(handle)
+
+
+@pytest.mark.extended
+class TestNextNTP2:
+    def test_nextn_head_is_served_from_the_target_and_keeps_greedy_tokens(self, nextn_tp2, hf, kimi):
+        """The server resolves NEXTN to EAGLE with the target folder as the draft path; its greedy tokens equal HF's
+        (the target alone) and the trained head is accepted (accept length above 1: at least some of its token-t+2
+        guesses verified)."""
+        info = httpx.get(nextn_tp2.url + "/server_info", timeout=60).json()
+        assert info["speculative_algorithm"] == "EAGLE"
+        assert Path(info["speculative_draft_model_path"]).resolve() == Path(kimi.target).resolve()
+        assert (info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (1, 2)
+        accept = _assert_greedy_equal(nextn_tp2.url, hf, PROMPTS)
+        print(f"[kimi] NEXTN TP 2 steps 1: accept length {accept:.3f} over {len(PROMPTS)} prompts")
+        assert accept > 1.2
