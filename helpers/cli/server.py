@@ -57,7 +57,12 @@ def _body(argv: list[str]) -> int:
     s.add_argument("--port", default=None, metavar="PORT|LOW-HIGH",
                    help="port on 127.0.0.1, or a range to take a free one from (default: a free port of "
                         "$E3F_PORT_RANGE, else 12000-19999)")
-    s.add_argument("--algorithm", default="EAGLE3", choices=SPEC_ALGORITHMS)
+    s.add_argument("--algorithm", default="EAGLE3", choices=SPEC_ALGORITHMS,
+                   help="NEXTN: a DeepSeek-V3-class target's NextN / MTP head (--nextn, or --draft DIR with a separate "
+                        "NextN checkpoint)")
+    s.add_argument("--nextn", action="store_true",
+                   help="serve the target's own NextN layer as the draft (--algorithm NEXTN, no --draft; the target "
+                        "config needs num_nextn_predict_layers 1), e.g. --target env/models/kimi/target --nextn")
     s.add_argument("--steps", type=int, default=3, help="draft steps (vLLM: num_speculative_tokens)")
     s.add_argument("--topk", type=int, default=1)
     s.add_argument("--draft-tokens", type=int, default=None,
@@ -99,6 +104,13 @@ def _body(argv: list[str]) -> int:
         ended = stop_pid(args.pid)
         print(f"stopped {len(ended)} process(es): {ended}" if ended else f"no process {args.pid}")
         return 0
+    if args.nextn:
+        if args.draft or args.reference_draft or args.algorithm not in ("EAGLE3", "NEXTN"):
+            print("server: error: --nextn serves the target's own NextN layer: it takes no --draft / "
+                  "--reference-draft / other --algorithm (a separate NextN checkpoint: --algorithm NEXTN --draft DIR)",
+                  file=sys.stderr)
+            return 2
+        args.algorithm = "NEXTN"
     draft = args.draft or (REFERENCE_DRAFT if args.reference_draft else None)
     extra = [a for a in (args.extra or []) if a != "--"]
     engine = engine_adapter(args.engine)

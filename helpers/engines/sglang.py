@@ -419,7 +419,8 @@ class SGLangAdapter(EngineAdapter):
                                 forward_hooks=hooks, log_path=args.log, timeout=args.timeout, extra_args=extra)
         launch = {"engine": "sglang", "target": str(Path(handle.target).resolve()),
                   "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
-                  "spec": spec.model_dump(mode="json") if draft is not None else None, "forward_hooks": hooks,
+                  "spec": (spec.model_dump(mode="json") if draft is not None or spec.algorithm == "NEXTN"
+                           else None), "forward_hooks": hooks,
                   "extra_args": extra, "dtype": args.dtype, "env": sglang_env()}
         return handle, launch
 

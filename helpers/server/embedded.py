@@ -52,8 +52,16 @@ STANDIN = ROOT / "env" / "reference" / "standin"
 
 #: the speculative algorithms the embedded server starts: EAGLE3 / EAGLE with an EAGLE draft; STANDALONE with any causal
 #: LM of the target's vocabulary as its own draft (sglang/srt/speculative/spec_info.py::SpeculativeAlgorithm, the
-#: EAGLE V2 worker's verify path; the engine-state probe ``oracle`` serves the target as its own draft)
-SPEC_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE")
+#: EAGLE V2 worker's verify path; the engine-state probe ``oracle`` serves the target as its own draft); NEXTN with a
+#: DeepSeek-V3-class target's own NextN / MTP layer (no draft folder) or a separate NextN checkpoint
+#: (``helpers.formats.nextn.export_nextn``): SGLang resolves NEXTN to EAGLE and, for ``DeepseekV3ForCausalLM``
+#: without ``--speculative-draft-model-path``, loads the draft from the target's folder
+#: (sglang/srt/arg_groups/speculative_hook.py::_resolve_speculative_algorithm, handle_speculative_decoding)
+SPEC_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NEXTN")
+
+#: the architectures a NEXTN draft folder may name: a separate NextN checkpoint or a DeepSeek-V3 target with its
+#: extra layer (sglang/srt/configs/model_config.py renames the latter to DeepseekV3ForCausalLMNextN for a draft)
+NEXTN_DRAFT_ARCHS = ("DeepseekV3ForCausalLMNextN", "DeepseekV3ForCausalLM")
 
 
 #: the environment variable that sets the port range of every server this tool starts ("LOW-HIGH", inclusive)
@@ -236,9 +244,33 @@ def check_cpu_config(cfg: dict, path: Path, role: str) -> None:
                                   "MoEGate.__init__")
 
 
+def check_nextn_target(target: Path, cfg: dict) -> None:
+    """A NEXTN server without a draft folder loads the target's own NextN layer: the target config must set
+    ``num_nextn_predict_layers: 1`` (SGLang asserts it: deepseek_common/deepseek_weight_loader.py::
+    _initialize_nextn_conf) and be a DeepSeek-V3 one.
+
+    Raises:
+        BadServerInput: naming the config field and what was expected."""
+    archs = cfg.get("architectures") or []
+    if "DeepseekV3ForCausalLM" not in archs:
+        raise BadServerInput(f"target config {Path(target) / 'config.json'}: architectures={archs}; --speculative-"
+                             "algorithm NEXTN without a draft folder needs a DeepseekV3ForCausalLM target with its "
+                             "NextN layer")
+    if cfg.get("num_nextn_predict_layers") != 1:
+        raise BadServerInput(f"target config {Path(target) / 'config.json'}: field num_nextn_predict_layers is "
+                             f"{cfg.get('num_nextn_predict_layers')!r}; SGLang's NextN loader needs 1")
+
+
 def check_draft_dir(path: Path, algorithm: str) -> dict:
-    """Validate the draft folder for ``algorithm``; an EAGLE3 server needs an EAGLE-3 draft."""
+    """Validate the draft folder for ``algorithm``; an EAGLE3 server needs an EAGLE-3 draft, a NEXTN server a NextN
+    checkpoint (or a DeepSeek-V3 target folder with its NextN layer)."""
     cfg = check_model_dir(path, "draft")
+    if algorithm == "NEXTN":
+        archs = cfg.get("architectures") or []
+        if not any(a in NEXTN_DRAFT_ARCHS for a in archs):
+            raise BadServerInput(f"draft config {Path(path) / 'config.json'}: architectures={archs} is not a NextN "
+                                 f"checkpoint; --speculative-algorithm NEXTN needs one of {list(NEXTN_DRAFT_ARCHS)}")
+        return cfg
     archs = cfg.get("architectures") or []
     if algorithm == "EAGLE3" and not any(a in eagle3_draft_classes() for a in archs):
         raise BadServerInput(
@@ -249,9 +281,10 @@ def check_draft_dir(path: Path, algorithm: str) -> dict:
 
 
 #: model_type -> the ``sglang/srt/models`` modules its server imports: the target's and both EAGLE-3 draft classes'
-#: (``llama_eagle3``; ``kimi_k25_eagle3``, the MLA draft, which imports ``deepseek_v2`` itself)
+#: (``llama_eagle3``; ``kimi_k25_eagle3``, the MLA draft, which imports ``deepseek_v2`` itself) and, for DeepSeek, the
+#: NextN head's (``deepseek_nextn``: ``DeepseekV3ForCausalLMNextN``)
 KEEP_MODEL_MODULES = {"llama": ("llama", "llama_eagle3"),
-                      "deepseek_v3": ("deepseek_v2", "llama", "llama_eagle3", "kimi_k25_eagle3")}
+                      "deepseek_v3": ("deepseek_v2", "llama", "llama_eagle3", "kimi_k25_eagle3", "deepseek_nextn")}
 
 
 def disabled_model_modules(python: Path, model_type: Optional[str]) -> Optional[str]:
@@ -297,6 +330,8 @@ def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
     if draft is not None:
         spec = (spec or SpecSettings()).with_launch_defaults()
         cmd += ["--speculative-draft-model-path", os.fspath(draft)] + spec.args()
+    elif spec is not None and spec.algorithm == "NEXTN":    # the target's own NextN layer is the draft
+        cmd += spec.args()
     if return_hidden_states:
         cmd.append("--enable-return-hidden-states")
     if enable_metrics:
@@ -317,10 +352,11 @@ def start(target: os.PathLike | str | None = None, draft: os.PathLike | str | No
 
     Args:
         target: HF folder of the target model (default: the shipped ``env/models/target``).
-        draft: EAGLE-3 draft folder, or None for a target-only server (default: no draft).
+        draft: EAGLE-3 draft folder (NEXTN: a NextN checkpoint), or None for a target-only server (default: no
+            draft); with ``spec.algorithm`` NEXTN and no draft, the target's own NextN layer drafts.
         tp: tensor-parallel size (1, 2 and 8 are tested; heads must divide by it).
         spec: :class:`helpers.server.settings.SpecSettings` or a dict of its fields; unset fields default
-            to EAGLE3, 3 steps, topk 1, 4 draft tokens; ignored without a draft.
+            to EAGLE3, 3 steps, topk 1, 4 draft tokens; ignored without a draft unless the algorithm is NEXTN.
         extra_args: further ``sglang.launch_server`` flags, appended last; none may set a listener's address or
             port (:func:`helpers.server.listener_flags.refuse_listener_flags`).
         forward_hooks: SGLang ``--forward-hooks`` specs (list of dicts with ``name``,
@@ -392,6 +428,9 @@ def _start_once(target: os.PathLike | str | None = None, draft: os.PathLike | st
         if spec.algorithm not in SPEC_ALGORITHMS:
             raise BadServerInput(f"spec.algorithm={spec.algorithm!r}; expected one of {SPEC_ALGORITHMS}")
         check_draft_dir(draft_path, spec.algorithm)
+    elif spec is not None and spec.algorithm == "NEXTN":
+        spec = spec.with_launch_defaults()
+        check_nextn_target(target, target_cfg)
     else:
         spec = None
     python = Path(python or os.environ.get("E3F_SGLANG_PYTHON") or DEFAULT_SGLANG_PYTHON)

@@ -1,10 +1,11 @@
 """Load an MLA EAGLE-3 draft folder with SGLang 0.5.23's own ``Eagle3DeepseekV2ForCausalLM``, in the SGLang venv.
 
 Usage (env/reference/.venv/bin/python, SGLANG_USE_CPU_ENGINE=1, PYTHONPATH with env/reference/standin):
-``sglang_mla_draft_load.py DRAFT_DIR OUT.pt [NAME=DIR[:draft] ...]``. Each ``NAME=DIR`` is also parsed with SGLang's
+``sglang_mla_draft_load.py DRAFT_DIR OUT.pt [NAME=DIR[:draft] ...] [nextn:NAME=DIR ...]``. Each ``NAME=DIR`` is also parsed with SGLang's
 ``ModelConfig`` (``:draft``: ``is_draft_model=True``) into OUT.pt's ``configs[NAME]`` (architectures, layers,
 attention arch, ``num_nextn_predict_layers``, MLA scaling, context length, eagle_config, draft vocab, tie,
-rope_parameters, topk_method, moe_layer_freq), so one SGLang import serves both checks. Builds the model from the folder's config.json as SGLang's draft
+rope_parameters, topk_method, moe_layer_freq), so one SGLang import serves both checks. Each ``nextn:NAME=DIR`` is
+loaded with SGLang's own NextN draft module (:func:`load_nextn`) into OUT.pt's ``nextn[NAME]``. Builds the model from the folder's config.json as SGLang's draft
 worker does (``ModelConfig(..., is_draft_model=True)``, fp32 default dtype, TP 1 on a world-1 gloo group bound to
 127.0.0.1: ``sglang/test/layer_ut_utils.py::init_single_process_dist``), feeds the checkpoint through its own
 ``load_weights`` (name mapping, q_a / kv_a fusion, gate / up stacking, ``post_load_weights``' w_kc / w_vc split,
@@ -71,11 +72,38 @@ def build_loaded(draft_dir: str, dtype: str = "float32"):
     return model
 
 
+def load_nextn(folder: str) -> dict:
+    """SGLang's own NextN draft (``sglang/srt/models/deepseek_nextn.py::DeepseekV3ForCausalLMNextN``) built from
+    ``folder``'s config as the draft worker builds it (``ModelConfig(..., is_draft_model=True)`` renames a
+    ``DeepseekV3ForCausalLM`` target to the NextN class), every parameter NaN-filled, then every ``*.safetensors``
+    tensor of the folder fed through its ``load_weights`` (``deepseek_weight_loader.py::do_load_weights`` with
+    ``is_nextn=True``: the extra layer ``model.layers.{N}.*`` mapped, everything else skipped). Returns the
+    architecture, ``params`` (fp32) and ``uninitialised`` (names still all NaN)."""
+    import glob
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
+    cfg = ModelConfig(folder, dtype="float32", is_draft_model=True).hf_config
+    model = DeepseekV3ForCausalLMNextN(cfg)
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    weights = {}
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        weights.update(load_file(f))
+    model.load_weights(iter(weights.items()))
+    params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {"arch": list(cfg.architectures), "params": params,
+            "uninitialised": sorted(n for n, p in params.items() if torch.isnan(p).all())}
+
+
 def main(draft_dir: str, out: str, *configs: str) -> None:
     init_single_process()
-    facts = {}
+    facts, nextn = {}, {}
     for spec in configs:
         name, path = spec.split("=", 1)
+        if name.startswith("nextn:"):        # nextn:NAME=DIR: load DIR's NextN layer with SGLang's own module
+            nextn[name.removeprefix("nextn:")] = load_nextn(path)
+            continue
         draft = path.endswith(":draft")
         facts[name] = config_facts(path.removesuffix(":draft"), draft)
     model = build_loaded(draft_dir)
@@ -94,6 +122,7 @@ def main(draft_dir: str, out: str, *configs: str) -> None:
         "fc_norm": model.model.fc_norm is not None,
         "num_aux_hidden_states": int(model.model.num_aux_hidden_states),
         "configs": facts,
+        "nextn": nextn,
     }, out)
 
 

@@ -157,3 +157,28 @@ os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
     assert modules and all(m.startswith("language_model.") for m in modules), modules
     assert {"language_model.model.norm", "language_model.model.layers.1.input_layernorm",
             "language_model.logits_processor"} <= modules
+
+
+def test_nextn_launch_flags_and_refusals(tmp_path):
+    """NEXTN without a draft folder: the speculative flags without --speculative-draft-model-path (SGLang then loads
+    the target's own NextN layer: arg_groups/speculative_hook.py::handle_speculative_decoding); refused before any
+    launch for a target without num_nextn_predict_layers 1 and for an EAGLE-3 draft folder under NEXTN."""
+    from helpers.server.embedded import build_command
+    from helpers.server.settings import SpecSettings
+    spec = SpecSettings(algorithm="NEXTN", num_steps=1, topk=1, num_draft_tokens=2)
+    cmd = build_command(Path("py"), tmp_path, draft=None, tp=2, spec=spec, port=12345, dtype="float32",
+                        max_total_tokens=8192, return_hidden_states=False, enable_metrics=False, forward_hooks=None,
+                        api_key=None, extra_args=())
+    i = cmd.index("--speculative-algorithm")
+    assert cmd[i:i + 8] == ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1",
+                            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+    assert "--speculative-draft-model-path" not in cmd
+    no_mtp = _folder(tmp_path, "t0", _target_cfg(num_nextn_predict_layers=0))
+    with pytest.raises(BadServerInput, match="num_nextn_predict_layers is 0"):
+        start(no_mtp, None, tp=1, spec=spec, python=tmp_path / "no-such-python")
+    good = _folder(tmp_path, "t1", _target_cfg(num_nextn_predict_layers=1))
+    eagle = _folder(tmp_path, "d", _mla_draft_cfg())
+    with pytest.raises(BadServerInput, match="is not a NextN checkpoint"):
+        start(good, eagle, tp=1, spec=spec, python=tmp_path / "no-such-python")
+    with pytest.raises(BadServerInput, match="SGLang interpreter"):     # the checks passed: it looks for SGLang
+        start(good, None, tp=1, spec=spec, python=tmp_path / "no-such-python")
