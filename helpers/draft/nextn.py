@@ -48,11 +48,19 @@ ATTN_NAMES = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv
 HEAD_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
 
 
+def nextn_layer_id(cfg: dict) -> int:
+    """The checkpoint layer SGLang reads the NextN head from: ``num_hidden_layers``, or 0 for a separate NextN
+    checkpoint with ``num_hidden_layers`` 1 (``deepseek_weight_loader.py::_initialize_nextn_conf``, "compatible with
+    old design"; :func:`helpers.formats.nextn.export_nextn` writes such a folder)."""
+    n = int(cfg["num_hidden_layers"])
+    return 0 if n == 1 else n
+
+
 def nextn_tensor_names(cfg: dict) -> list[str]:
-    """The ``model.layers.{N}.*`` names (N = ``num_hidden_layers``) SGLang's NextN loader fills for a DeepSeek-V3
+    """The ``model.layers.{L}.*`` names (L = :func:`nextn_layer_id`) SGLang's NextN loader fills for a DeepSeek-V3
     config ``cfg`` (config.json dict), per expert as checkpoints store them; ``embed_tokens`` and
     ``shared_head.head`` left out (the target's are shared)."""
-    p = f"model.layers.{cfg['num_hidden_layers']}."
+    p = f"model.layers.{nextn_layer_id(cfg)}."
     names = [f"{p}{n}.weight" for n in HEAD_NAMES]
     names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     names += [f"{p}self_attn.{n}.weight" for n in ATTN_NAMES]
@@ -83,12 +91,14 @@ class NextNHead(Eagle3Draft):
         self.moe = moe
 
     @classmethod
-    def load(cls, target_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             dtype_reason: str = "") -> "NextNHead":
+    def load(cls, target_dir: str | Path, *, draft_dir: Optional[str | Path] = None, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu", dtype_reason: str = "") -> "NextNHead":
         """The NextN head of ``target_dir`` (config.json + safetensors, one file or an index), as SGLang's NEXTN draft
         worker loads it: ``model.layers.{num_hidden_layers}.*`` by ``deepseek_weight_loader.py::do_load_weights``
         (``is_nextn=True``), the target's ``model.embed_tokens`` and ``lm_head`` shared (``set_embed_and_head``).
-        Only these tensors are read, never the whole target.
+        Only these tensors are read, never the whole target. ``draft_dir``: a separate NextN checkpoint
+        (``--speculative-draft-model-path``; ``model.layers.0.*`` when its ``num_hidden_layers`` is 1:
+        :func:`nextn_layer_id`) to read the head from instead; the embedding and lm_head stay the target's.
 
         Raises:
             BadInput: not a DeepSeek-V3 MLA + MoE config, ``num_nextn_predict_layers`` is not 1, a head tensor is
@@ -99,9 +109,9 @@ class NextNHead(Eagle3Draft):
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
         target_dir = Path(target_dir)
-        tc = read_target_config(target_dir)
-        cfg = tc.raw
-        where = target_dir / "config.json"
+        head_dir = target_dir if draft_dir is None else Path(draft_dir)
+        cfg = read_target_config(head_dir).raw
+        where = head_dir / "config.json"
         for key in ("num_hidden_layers", "hidden_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                     "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_attention_heads", "vocab_size"):
             if not cfg.get(key):
@@ -110,11 +120,11 @@ class NextNHead(Eagle3Draft):
         if int(cfg.get("num_nextn_predict_layers") or 0) != 1:
             raise BadInput(f"num_nextn_predict_layers is {cfg.get('num_nextn_predict_layers')!r}: SGLang's NEXTN draft "
                            f"loads exactly one NextN layer (expected 1)", path=where, field="num_nextn_predict_layers")
-        index = _safetensors_index(target_dir)
-        weights_file = (target_dir / "model.safetensors.index.json") if (
-            target_dir / "model.safetensors.index.json").is_file() else next(
-            iter(sorted(target_dir.glob("*.safetensors"))), target_dir / "model.safetensors")
-        N = int(cfg["num_hidden_layers"])
+        index = _safetensors_index(head_dir)
+        weights_file = (head_dir / "model.safetensors.index.json") if (
+            head_dir / "model.safetensors.index.json").is_file() else next(
+            iter(sorted(head_dir.glob("*.safetensors"))), head_dir / "model.safetensors")
+        N = nextn_layer_id(cfg)
         p = f"model.layers.{N}."
         raw: dict[str, torch.Tensor] = {}
         for name in nextn_tensor_names(cfg):
@@ -128,15 +138,16 @@ class NextNHead(Eagle3Draft):
         if tuple(raw["eh_proj.weight"].shape) != (H, 2 * H):
             raise BadInput(f"shape {list(raw['eh_proj.weight'].shape)}, expected [{H}, {2 * H}] (hidden_size)",
                            path=index[p + "eh_proj.weight"], field=p + "eh_proj.weight")
-        sources: dict = {"draft": f"{target_dir} {p}* (NextN)",
+        sources: dict = {"draft": f"{head_dir} {p}* (NextN)",
                          "dtype": dtype_reason or str(dtype).removeprefix("torch.")}
         hit = find_target_tensor(target_dir, "embed_tokens.weight")
         if hit is None:
             raise BadInput("the target's safetensors hold no model.embed_tokens.weight (the NextN head shares it: "
-                           "deepseek_v2.py::DeepseekV3ForCausalLM.set_embed_and_head)", path=weights_file)
+                           "deepseek_v2.py::DeepseekV3ForCausalLM.set_embed_and_head)", path=target_dir)
         embed = _read_tensor(hit[1], hit[0])
         sources["embed"] = f"target {hit[1].name}:{hit[0]}"
-        hh = None if cfg.get("tie_word_embeddings") else find_target_tensor(target_dir, "lm_head.weight")
+        tied = read_target_config(target_dir).raw.get("tie_word_embeddings")
+        hh = None if tied else find_target_tensor(target_dir, "lm_head.weight")
         lm_head = embed if hh is None else _read_tensor(hh[1], hh[0])
         sources["lm_head"] = "the target's tied embedding" if hh is None else f"target {hh[1].name}:{hh[0]}"
         sources["d2t"] = "none (the target's vocabulary)"
