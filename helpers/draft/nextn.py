@@ -19,9 +19,10 @@ CUDA ``fused_eh_norm`` computes the same) for a row with next token ``x_{t+1}`` 
 :class:`NextNHead` is an :class:`helpers.draft.model.Eagle3Draft` whose layer is this one: the draft-extend pass,
 the draft decode step with its KV, the teacher-forced unroll and so the drafting replay of
 :mod:`helpers.draft.simulate` (chains and topk trees, greedy verification) are the EAGLE-3 draft's, unchanged. SGLang
-drafts NEXTN through the same EAGLE worker (``spec_info.py``: ``NEXTN`` is EAGLE with the NextN model): step j feeds
-the hidden state step j-1 returned and step j-1's argmax token (``eagle_worker_v2.py::EagleDraftWorker.
-draft_forward``, ``spec_utils.py::select_top_k_tokens``), the one head reused at every step. The sequences'
+drafts NEXTN through the same EAGLE worker (``speculative/spec_registry.py``: ``NEXTN`` is a reserved alias of
+``EAGLE``): step j feeds the hidden state step j-1 returned (``logits_output.hidden_states``, here ``out``) and step
+j-1's top token (``eagle_worker_v2.py::EagleDraftWorker.draft_forward``: ``topk_index`` for topk 1, else
+``spec_utils.py::select_top_k_tokens``), the one head reused at every step. The sequences'
 ``aux`` rows (:class:`helpers.draft.simulate.SimSequence`) are then the target's post-final-norm hidden states.
 
 The attention is :class:`helpers.draft.attention.MLAAttention` (weight-absorbed MLA, as SGLang's draft batches run);
