@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
-from ..formats.configs import read_target_config
+from ..formats.configs import read_safetensors_index, read_target_config
 from .attention import MLAShape, MLAAttention, _rms
-from .model import DraftArch, Eagle3Draft, _add_rms, _finite, _read_tensor, _safetensors_index, find_target_tensor
+from .model import DraftArch, Eagle3Draft, _add_rms, _finite, _read_tensor, find_target_tensor
 from .params import MLA_CLASS
 
 LOADER = "sglang/srt/models/deepseek_common/deepseek_weight_loader.py::do_load_weights"
@@ -57,22 +57,35 @@ def nextn_layer_id(cfg: dict) -> int:
     return 0 if n == 1 else n
 
 
-def nextn_tensor_names(cfg: dict) -> list[str]:
+def nextn_tensor_names(cfg: dict) -> dict[str, tuple[int, ...]]:
     """The ``model.layers.{L}.*`` names (L = :func:`nextn_layer_id`) SGLang's NextN loader fills for a DeepSeek-V3
-    config ``cfg`` (config.json dict), per expert as checkpoints store them; ``embed_tokens`` and
-    ``shared_head.head`` left out (the target's are shared)."""
+    config ``cfg`` (config.json dict), per expert as checkpoints store them, with the shape the config implies
+    (``deepseek_v2.py::DeepseekV2AttentionMLA.__init__`` / ``DeepseekV2MoE.__init__``, unquantised);
+    ``embed_tokens`` and ``shared_head.head`` left out (the target's are shared)."""
     p = f"model.layers.{nextn_layer_id(cfg)}."
-    names = [f"{p}{n}.weight" for n in HEAD_NAMES]
-    names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
-    names += [f"{p}self_attn.{n}.weight" for n in ATTN_NAMES]
-    names += [f"{p}mlp.gate.weight"]
+    H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    ql, kl, nope, rope, v = (int(cfg[k]) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                    "qk_rope_head_dim", "v_head_dim"))
+    E, inter = int(cfg["n_routed_experts"]), int(cfg.get("moe_intermediate_size") or 0)
+    out = {f"{p}{n}.weight": (H,) for n in HEAD_NAMES if n != "eh_proj"}
+    out[f"{p}eh_proj.weight"] = (H, 2 * H)
+    out.update({f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,)})
+    attn = {"q_a_proj": (ql, H), "q_a_layernorm": (ql,), "q_b_proj": (nh * (nope + rope), ql),
+            "kv_a_proj_with_mqa": (kl + rope, H), "kv_a_layernorm": (kl,), "kv_b_proj": (nh * (nope + v), kl),
+            "o_proj": (H, nh * v)}
+    out.update({f"{p}self_attn.{n}.weight": s for n, s in attn.items()})
+    out[f"{p}mlp.gate.weight"] = (E, H)
     if cfg.get("topk_method", "noaux_tc") == "noaux_tc":
-        names.append(f"{p}mlp.gate.e_score_correction_bias")
-    for e in range(int(cfg["n_routed_experts"])):
-        names += [f"{p}mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
-    if cfg.get("n_shared_experts"):
-        names += [f"{p}mlp.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
-    return names
+        out[f"{p}mlp.gate.e_score_correction_bias"] = (E,)
+    for e in range(E):
+        out.update({f"{p}mlp.experts.{e}.gate_proj.weight": (inter, H), f"{p}mlp.experts.{e}.up_proj.weight": (inter, H),
+                    f"{p}mlp.experts.{e}.down_proj.weight": (H, inter)})
+    ns = int(cfg.get("n_shared_experts") or 0)
+    if ns:
+        out.update({f"{p}mlp.shared_experts.gate_proj.weight": (inter * ns, H),
+                    f"{p}mlp.shared_experts.up_proj.weight": (inter * ns, H),
+                    f"{p}mlp.shared_experts.down_proj.weight": (H, inter * ns)})
+    return out
 
 
 class NextNHead(Eagle3Draft):
@@ -121,24 +134,27 @@ class NextNHead(Eagle3Draft):
         if int(cfg.get("num_nextn_predict_layers") or 0) != 1:
             raise BadInput(f"num_nextn_predict_layers is {cfg.get('num_nextn_predict_layers')!r}: SGLang's NEXTN draft "
                            f"loads exactly one NextN layer (expected 1)", path=where, field="num_nextn_predict_layers")
-        index = _safetensors_index(head_dir)
+        headers = read_safetensors_index(head_dir)
+        index = {k: v.file for k, v in headers.items()}
+        index_shapes = {k: v.shape for k, v in headers.items()}
         weights_file = (head_dir / "model.safetensors.index.json") if (
             head_dir / "model.safetensors.index.json").is_file() else next(
             iter(sorted(head_dir.glob("*.safetensors"))), head_dir / "model.safetensors")
         N = nextn_layer_id(cfg)
         p = f"model.layers.{N}."
         raw: dict[str, torch.Tensor] = {}
-        for name in nextn_tensor_names(cfg):
+        for name, want in nextn_tensor_names(cfg).items():
             if name not in index:
-                raise BadInput(f"no tensor {name}: the target has no trained NextN layer {N} ({LOADER} would leave "
+                raise BadInput(f"no tensor {name}: the checkpoint has no trained NextN layer {N} ({LOADER} would leave "
                                "the parameter uninitialised)", path=weights_file, field=name)
+            if tuple(index_shapes[name]) != want:
+                raise BadInput(f"shape {list(index_shapes[name])}, expected {list(want)} (from {where.name}: "
+                               "hidden_size, num_attention_heads, the MLA ranks and head dims, n_routed_experts, "
+                               "moe_intermediate_size)", path=index[name], field=name)
             t = _read_tensor(index[name], name)
             _finite(t, index[name], name)
             raw[name[len(p):]] = t
         H = int(cfg["hidden_size"])
-        if tuple(raw["eh_proj.weight"].shape) != (H, 2 * H):
-            raise BadInput(f"shape {list(raw['eh_proj.weight'].shape)}, expected [{H}, {2 * H}] (hidden_size)",
-                           path=index[p + "eh_proj.weight"], field=p + "eh_proj.weight")
         sources: dict = {"draft": f"{head_dir} {p}* (NextN)",
                          "dtype": dtype_reason or str(dtype).removeprefix("torch.")}
         hit = find_target_tensor(target_dir, "embed_tokens.weight")

@@ -6,6 +6,7 @@ MoE layer) and the target's real post-norm hidden states; the drafting replay of
 a missing head tensor is one BadInput line naming the file and key."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -24,11 +25,11 @@ SAMPLE = ROOT / "env" / "models" / "kimi" / "data" / "sample"
 SGLANG_PY = ROOT / "env" / "reference" / ".venv" / "bin" / "python"
 
 
-def _with_nextn(out, seed: int = 0, drop: str | None = None):
+def _with_nextn(out, seed: int = 0, drop: str | None = None, reshape: str | None = None):
     """A copy of the Kimi target whose safetensors also hold ``model.layers.8.*``: the decoder the target's layer 7
     (MoE), ``enorm`` / ``hnorm`` / ``shared_head.norm`` ~ 1 + N(0, 0.1), ``eh_proj`` ~ N(0, 0.05), the
     checkpoint's own ``embed_tokens`` / ``shared_head.head`` copies perturbed (SGLang must not read them);
-    ``drop``: a name left out."""
+    ``drop``: a name left out; ``reshape``: a name whose tensor loses its last row."""
     out.mkdir(parents=True, exist_ok=True)
     for f in TARGET.iterdir():
         if f.name != "model.safetensors":
@@ -45,6 +46,8 @@ def _with_nextn(out, seed: int = 0, drop: str | None = None):
     w["model.layers.8.shared_head.head.weight"] = w["lm_head.weight"] + 1.0
     if drop:
         del w[drop]
+    if reshape:
+        w[reshape] = w[reshape][:-1]
     save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
     return out
 
@@ -150,7 +153,11 @@ def test_missing_head_tensor_is_one_badinput_line(tmp_path):
         NextNHead.load(folder)
     msg = str(e.value)
     assert "\n" not in msg and key in msg and str(folder / "model.safetensors") in msg, msg
-    assert key in nextn_tensor_names(__import__("json").loads((folder / "config.json").read_text()))
+    assert key in nextn_tensor_names(json.loads((folder / "config.json").read_text()))
+    bad = "model.layers.8.self_attn.kv_b_proj.weight"
+    with pytest.raises(BadInput, match=r"\[model\.layers\.8\.self_attn\.kv_b_proj\.weight\]: shape \[255, 64\], "
+                       r"expected \[256, 64\]"):
+        NextNHead.load(_with_nextn(tmp_path / "s", reshape=bad))
     # the shipped target has no NextN layer yet: the first head tensor is named
     if "model.layers.8.enorm.weight" not in load_file(str(TARGET / "model.safetensors")):
         with pytest.raises(BadInput, match=r"model\.layers\.8\.enorm\.weight"):
@@ -182,3 +189,18 @@ def test_trained_head_accepts_well_above_chance_at_step_1(target_model):
     assert res["greedy_share"] == 1.0
     assert m[0] > 100 / head.arch.vocab and m[0] > 0.2, m
     assert m[2] < m[0], m
+
+
+def test_separate_nextn_checkpoint_is_the_same_head(case, tmp_path):
+    """The separate NextN folder SGLang's scripts/export_deepseek_nextn.py writes (helpers.formats.nextn.export_nextn:
+    ``num_hidden_layers`` 1, ``model.layers.0.*``) loads as the same head: layer 0 read
+    (``_initialize_nextn_conf``), the target's embedding and lm_head kept."""
+    from helpers.formats.nextn import export_nextn
+    folder, ids, hid = case
+    export_nextn(folder, tmp_path / "nextn")
+    a = NextNHead.load(folder)
+    b = NextNHead.load(folder, draft_dir=tmp_path / "nextn")
+    assert b.sources["draft"].endswith("model.layers.0.* (NextN)") and b.sources["embed"] == a.sources["embed"]
+    T = 40
+    ea, eb = a.extend(ids[1:T + 1], hid[:T]), b.extend(ids[1:T + 1], hid[:T])
+    assert torch.equal(ea.logits, eb.logits) and torch.equal(ea.hidden, eb.hidden)
