@@ -2,8 +2,8 @@
 draft-extend pass of ``--speculative-algorithm NEXTN``.
 
 Usage (env/reference/.venv/bin/python, SGLANG_USE_CPU_ENGINE=1, PYTHONPATH with env/reference/standin):
-``sglang_nextn_forward.py TARGET_DIR INPUTS.pt OUT.pt [INPUTS.pt OUT.pt ...]`` (one process: importing sglang takes
-seconds). INPUTS.pt holds ``input_ids [T]`` (row t: token t+1),
+``sglang_nextn_forward.py TARGET_DIR INPUTS.pt OUT.pt DTYPE [INPUTS.pt OUT.pt DTYPE ...]`` (one process: importing
+sglang takes seconds; DTYPE the model's, ``float32`` or ``bfloat16``, as ``--dtype``). INPUTS.pt holds ``input_ids [T]`` (row t: token t+1),
 ``hidden [T, H]`` (the target's post-final-norm state at t) and ``positions [T]``; OUT.pt gets ``logits [T, V]`` and
 ``hidden [T, H]`` float32 and ``attention`` (the MLA forward methods SGLang's dispatch picked).
 
@@ -28,27 +28,39 @@ from sglang_mla_draft_forward import forward
 from sglang_mla_draft_load import init_single_process
 
 
-def main(target_dir: str, *pairs: str) -> None:
-    init_single_process()
+def build(target_dir: str, dtype: str):
+    """SGLang's NextN model of ``target_dir`` in ``dtype``, loaded and given the target's embedding and lm_head."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
-    cfg = ModelConfig(target_dir, dtype="float32", is_draft_model=True).hf_config
+    cfg = ModelConfig(target_dir, dtype=dtype, is_draft_model=True).hf_config
+    torch.set_default_dtype(getattr(torch, dtype))
     model = DeepseekV3ForCausalLMNextN(cfg)
+    torch.set_default_dtype(torch.float32)
     for p in model.parameters():
         p.data.fill_(float("nan"))
     weights = {}
     for f in sorted(glob.glob(os.path.join(target_dir, "*.safetensors"))):
         weights.update(load_file(f))
     model.load_weights(iter(weights.items()))
+    t = getattr(torch, dtype)
     # set_embed_and_head ends with torch.cuda.empty_cache() / synchronize(), which a CPU-only torch refuses
     with mock.patch.object(torch.cuda, "synchronize", lambda *a: None), \
             mock.patch.object(torch.cuda, "empty_cache", lambda: None):
-        model.set_embed_and_head(torch.nn.Parameter(weights["model.embed_tokens.weight"].float(), requires_grad=False),
-                                 torch.nn.Parameter(weights["lm_head.weight"].float(), requires_grad=False))
-    nan = sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
-    for inputs, out in zip(pairs[::2], pairs[1::2]):
+        model.set_embed_and_head(torch.nn.Parameter(weights["model.embed_tokens.weight"].to(t), requires_grad=False),
+                                 torch.nn.Parameter(weights["lm_head.weight"].to(t), requires_grad=False))
+    return model
+
+
+def main(target_dir: str, *jobs: str) -> None:
+    init_single_process()
+    models = {}
+    for inputs, out, dtype in zip(jobs[::3], jobs[1::3], jobs[2::3]):
+        if dtype not in models:
+            models[dtype] = build(target_dir, dtype)
+        model = models[dtype]
+        nan = sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
         x = torch.load(inputs, weights_only=True)
-        logits, hidden, methods = forward(model, x["input_ids"], x["hidden"], x["positions"], torch.float32,
+        logits, hidden, methods = forward(model, x["input_ids"], x["hidden"], x["positions"], getattr(torch, dtype),
                                           attn=model.model.decoder.self_attn)
         torch.save({"logits": logits, "hidden": hidden, "attention": methods, "nan_params": nan}, out)
 
