@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..errors import BadInput
 from ..formats.configs import read_safetensors_index, read_target_config
-from .attention import MLAShape, MLAAttention, _rms
+from .attention import MLAAttention, _rms
 from .model import DraftArch, Eagle3Draft, _add_rms, _finite, _read_tensor, find_target_tensor
 from .params import MLA_CLASS
 
@@ -131,6 +131,10 @@ class NextNHead(Eagle3Draft):
             if not cfg.get(key):
                 raise BadInput(f"missing or null: the NextN head is a DeepSeek-V3 MLA + MoE layer and needs it "
                                f"(sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN)", path=where, field=key)
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise BadInput(f"scoring_func {cfg.get('scoring_func')!r}, topk_method {cfg.get('topk_method')!r}: the "
+                           "offline NextN head runs DeepSeek-V3's router only (sigmoid scores, the correction bias, "
+                           "noaux_tc grouped top-k)", path=where, field="scoring_func")
         if int(cfg.get("num_nextn_predict_layers") or 0) != 1:
             raise BadInput(f"num_nextn_predict_layers is {cfg.get('num_nextn_predict_layers')!r}: SGLang's NEXTN draft "
                            f"loads exactly one NextN layer (expected 1)", path=where, field="num_nextn_predict_layers")
@@ -166,6 +170,11 @@ class NextNHead(Eagle3Draft):
         tied = read_target_config(target_dir).raw.get("tie_word_embeddings")
         hh = None if tied else find_target_tensor(target_dir, "lm_head.weight")
         lm_head = embed if hh is None else _read_tensor(hh[1], hh[0])
+        for (name, f), t in (((hit[0], hit[1]), embed), ((hh or hit)[:2], lm_head)):
+            _finite(t, f, name)
+            if tuple(t.shape) != (int(cfg["vocab_size"]), H):
+                raise BadInput(f"shape {list(t.shape)}, expected [{cfg['vocab_size']}, {H}] (the head's vocab_size, "
+                               "hidden_size: set_embed_and_head shares it as is)", path=f, field=name)
         sources["lm_head"] = "the target's tied embedding" if hh is None else f"target {hh[1].name}:{hh[0]}"
         sources["d2t"] = "none (the target's vocabulary)"
         # the attention adapter reads the MLA shape and rope as SGLang's DeepseekV2AttentionMLA builds them
@@ -188,7 +197,7 @@ class NextNHead(Eagle3Draft):
         hf = DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "auto_map")})
         hf._experts_implementation = "eager"
         moe = DeepseekV3MoE(hf)
-        E, inter = int(cfg["n_routed_experts"]), int(cfg["moe_intermediate_size"])
+        E = int(cfg["n_routed_experts"])
         sd = {"gate.weight": raw["mlp.gate.weight"],
               "gate.e_score_correction_bias": raw.get("mlp.gate.e_score_correction_bias",
                                                       torch.zeros(E, dtype=torch.float32)),
@@ -198,12 +207,7 @@ class NextNHead(Eagle3Draft):
         for n in ("gate", "up", "down"):
             if f"mlp.shared_experts.{n}_proj.weight" in raw:
                 sd[f"shared_experts.{n}_proj.weight"] = raw[f"mlp.shared_experts.{n}_proj.weight"]
-        for k, v in sd.items():
-            want = tuple(moe.state_dict()[k].shape)
-            if tuple(v.shape) != want:
-                raise BadInput(f"shape {list(v.shape)}, expected {list(want)} (n_routed_experts {E}, "
-                               f"moe_intermediate_size {inter}, hidden_size {H})", path=weights_file, field=p + "mlp." + k)
-        moe.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        moe.load_state_dict({k: v.float() for k, v in sd.items()}, strict=bool(cfg.get("n_shared_experts")))
         moe = moe.to(device=device, dtype=dtype).eval()
         moe.gate.e_score_correction_bias.data = sd["gate.e_score_correction_bias"].float().to(device)
         return cls(arch, w, embed.to(device=device, dtype=dtype), lm_head.to(device=device, dtype=dtype), moe,
