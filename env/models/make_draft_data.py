@@ -112,6 +112,9 @@ def main(argv=None) -> int:
                     help="share of samples whose continuation is sampled at --temperature "
                          "instead of greedy (the last ones)")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--text-len", type=int, default=None,
+                    help="no generation: each sequence is <s> + TEXT_LEN tokens of a training paragraph "
+                         "(teacher-forced; loss_mask 0 on the first 8 tokens), e.g. for a CPU-only run")
     ap.add_argument("--layer-ids", type=int, nargs=3, default=None,
                     help="aux layers in SpecForge's out(i) convention (default: SpecForge's "
                          "[1, n//2-1, n-4]); e.g. 4 5 6 for the fallback-ids case's second draft")
@@ -142,7 +145,14 @@ def main(argv=None) -> int:
         from transformers import AutoTokenizer
         corpus = json.loads(gzip.decompress((CACHE_DIR / "corpus.json.gz").read_bytes()))
         tok = AutoTokenizer.from_pretrained(str(a.target))
-        prompts = make_prompts(corpus["train"], tok, a.num, a.seed)
+        if a.text_len:
+            rows = make_prompts(corpus["train"], tok, a.num, a.seed, min_len=a.text_len, max_len=a.text_len)
+            samples = [(r, [0] * 8 + [1] * (len(r) - 8)) for r in rows]
+            sequences, gen_source = "corpus text (teacher-forced, no generation)", "corpus"
+            prompts = None
+        else:
+            prompts = make_prompts(corpus["train"], tok, a.num, a.seed)
+    if a.records_from is None and prompts is not None:
         model = load_target(a.target).to(device)
         t = time.time()
         n_greedy = a.num - int(round(a.num * a.sampled_frac))

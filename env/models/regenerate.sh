@@ -46,6 +46,11 @@ echo "[regenerate] 8/9 Kimi-class target (DeepseekV3: MLA + MoE), its Llama-styl
   --target kimi/target --num 48 --out kimi/data/validation
 "${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --target kimi/target --out kimi/data/sample \
   --vocab-from kimi/draft
+echo "[regenerate] 8b/9 the Kimi-class target's NextN / MTP head (model.layers.8.* into kimi/target/model.safetensors)"
+# teacher-forced corpus text (no generation: the committed head was trained this way on 2 shared CPU cores)
+"${RUN[@]}" make_draft_data.py --device "$DEVICE" --num 1500 --text-len 96 --target kimi/target --batch-size 64 \
+  --out cache/kimi_text
+"${RUN[@]}" train_nextn.py --device "$DEVICE" --target kimi/target --data cache/kimi_text --epochs 2
 echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, validation rows"
 "${RUN[@]}" train_target.py --device "$DEVICE" --num-heads 2 --num-kv-heads 2 --tokenizer-from target --out llama_h64/target
 "${RUN[@]}" make_draft_data.py --device "$DEVICE" --target llama_h64/target --batch-size 256 --out cache/h64_data
