@@ -2,7 +2,7 @@
 draft-extend pass of ``--speculative-algorithm NEXTN``.
 
 Usage (env/reference/.venv/bin/python, SGLANG_USE_CPU_ENGINE=1, PYTHONPATH with env/reference/standin):
-``sglang_nextn_forward.py TARGET_DIR INPUTS.pt OUT.pt DTYPE [INPUTS.pt OUT.pt DTYPE ...]`` (one process: importing
+``sglang_nextn_forward.py TARGET_DIR INPUTS.pt OUT.pt DTYPE [TARGET_DIR INPUTS.pt OUT.pt DTYPE ...]`` (one process: importing
 sglang takes seconds; DTYPE the model's, ``float32`` or ``bfloat16``, as ``--dtype``). INPUTS.pt holds ``input_ids [T]`` (row t: token t+1),
 ``hidden [T, H]`` (the target's post-final-norm state at t) and ``positions [T]``; OUT.pt gets ``logits [T, V]`` and
 ``hidden [T, H]`` float32 and ``attention`` (the MLA forward methods SGLang's dispatch picked).
@@ -51,13 +51,13 @@ def build(target_dir: str, dtype: str):
     return model
 
 
-def main(target_dir: str, *jobs: str) -> None:
+def main(*jobs: str) -> None:
     init_single_process()
     models = {}
-    for inputs, out, dtype in zip(jobs[::3], jobs[1::3], jobs[2::3]):
-        if dtype not in models:
-            models[dtype] = build(target_dir, dtype)
-        model = models[dtype]
+    for target_dir, inputs, out, dtype in zip(jobs[::4], jobs[1::4], jobs[2::4], jobs[3::4]):
+        if (target_dir, dtype) not in models:
+            models[target_dir, dtype] = build(target_dir, dtype)
+        model = models[target_dir, dtype]
         nan = sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
         x = torch.load(inputs, weights_only=True)
         logits, hidden, methods = forward(model, x["input_ids"], x["hidden"], x["positions"], getattr(torch, dtype),

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.draft.nextn import NextNHead, nextn_tensor_names
-from helpers.draft.simulate import DraftSettings, SimSequence, simulate_sequences
+from helpers.draft.simulate import DraftSettings, SimSequence, simulate_sequences, summary
 from helpers.errors import BadInput
 from support import ROOT, import_from
 
@@ -83,7 +83,8 @@ def test_nextn_equals_sglangs_own_deepseekv3forcausallmnextn(case, tmp_path):
     """Draft-extend rows (token t+1, the target's post-norm state at t, positions 0..T-1 and 200 + 3t): logits and the
     carried hidden state equal SGLang's own module's on every row in float32; the second run's positions (200 + 3t)
     change the relative distances, so the rope is compared too. In bfloat16 (both sides' parameters in bf16) within
-    two bf16 steps, argmax differing only on near-ties."""
+    two bf16 steps, argmax differing only on near-ties. Once the shipped target has its trained layer 8, that head
+    too (float32; measured 3.8e-6 logits, 7.2e-7 hidden)."""
     if not SGLANG_PY.exists():
         pytest.skip("env/reference/.venv (sglang 0.5.23) not installed")
     folder, ids, hid = case
@@ -94,20 +95,24 @@ def test_nextn_equals_sglangs_own_deepseekv3forcausallmnextn(case, tmp_path):
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "E3F_LOOPBACK_STORE": "1",
            "PYTHONPATH": str(ROOT / "env" / "reference" / "standin")}
     args, xs = [], {}
-    for start, stride, dtype in ((0, 1, "float32"), (200, 3, "float32"), (0, 1, "bfloat16")):
+    jobs = [(folder, 0, 1, "float32"), (folder, 200, 3, "float32"), (folder, 0, 1, "bfloat16")]
+    if _has_trained_head():
+        jobs.append((TARGET, 0, 1, "float32"))          # the shipped target's trained layer 8
+    for where, start, stride, dtype in jobs:
         # a uniform shift alone would change nothing: the rope is relative
-        xs[start, dtype] = {"input_ids": ids[1:T + 1], "hidden": hid[:T], "positions": start + stride * torch.arange(T)}
-        torch.save(xs[start, dtype], tmp_path / f"in{start}{dtype}.pt")
-        args += [str(tmp_path / f"in{start}{dtype}.pt"), str(tmp_path / f"out{start}{dtype}.pt"), dtype]
-    res = subprocess.run([str(SGLANG_PY), str(ROOT / "tests" / "support" / "sglang_nextn_forward.py"), str(folder),
-                          *args], cwd=ROOT / "tests" / "support", capture_output=True, text=True, env=env, timeout=600)
+        key = ("random" if where == folder else "trained", start, dtype)
+        xs[key] = {"input_ids": ids[1:T + 1], "hidden": hid[:T], "positions": start + stride * torch.arange(T)}
+        torch.save(xs[key], tmp_path / f"in{len(args)}.pt")
+        args += [str(where), str(tmp_path / f"in{len(args)}.pt"), str(tmp_path / f"out{len(args)}.pt"), dtype]
+    res = subprocess.run([str(SGLANG_PY), str(ROOT / "tests" / "support" / "sglang_nextn_forward.py"), *args], cwd=ROOT / "tests" / "support", capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     outs = {}
-    for (start, dtype), x in xs.items():
-        out = outs[start, dtype] = torch.load(tmp_path / f"out{start}{dtype}.pt", weights_only=True)
+    for n, ((name, start, dtype), x) in enumerate(xs.items()):
+        out = outs[name, start, dtype] = torch.load(args[4 * n + 2], weights_only=True)
         assert out["attention"] == ["MLA"] and out["nan_params"] == [], (out["attention"], out["nan_params"])
-        ext = (head if dtype == "float32" else NextNHead.load(folder, dtype=torch.bfloat16)).extend(
-            x["input_ids"], x["hidden"], x["positions"])
+        mine = head if (name, dtype) == ("random", "float32") else NextNHead.load(
+            folder if name == "random" else TARGET, dtype=getattr(torch, dtype))
+        ext = mine.extend(x["input_ids"], x["hidden"], x["positions"])
         diff = (ext.logits - out["logits"]).abs().max().item()
         hdiff = (ext.hidden.float() - out["hidden"]).abs().max().item()
         if dtype == "float32":
@@ -120,7 +125,8 @@ def test_nextn_equals_sglangs_own_deepseekv3forcausallmnextn(case, tmp_path):
             top2 = out["logits"][differ].topk(2, dim=-1).values
             assert (differ.float().mean() < 0.1) and bool(((top2[:, 0] - top2[:, 1]) <= 2 * diff).all()), top2
     # the positions reach the rope: the two runs differ (rows after the first, whose only key is itself)
-    assert (outs[0, "float32"]["hidden"][1:] - outs[200, "float32"]["hidden"][1:]).abs().max() > 1e-3
+    assert (outs["random", 0, "float32"]["hidden"][1:] - outs["random", 200, "float32"]["hidden"][1:]
+            ).abs().max() > 1e-3
 
 
 def test_decode_step_equals_the_extend_row(case):
@@ -168,10 +174,6 @@ def test_missing_head_tensor_is_one_badinput_line(tmp_path):
     with pytest.raises(BadInput, match=r"\[model\.layers\.8\.self_attn\.kv_b_proj\.weight\]: shape \[255, 64\], "
                        r"expected \[256, 64\]"):
         NextNHead.load(_with_nextn(tmp_path / "s", reshape=bad))
-    # the shipped target has no NextN layer yet: the first head tensor is named
-    if "model.layers.8.enorm.weight" not in load_file(str(TARGET / "model.safetensors")):
-        with pytest.raises(BadInput, match=r"model\.layers\.8\.enorm\.weight"):
-            NextNHead.load(TARGET)
 
 
 def _has_trained_head() -> bool:
@@ -183,9 +185,11 @@ def _has_trained_head() -> bool:
 @pytest.mark.skipif(not _has_trained_head(), reason="the Kimi target has no trained NextN layer 8 yet "
                     "(env/models/train_nextn.py writes it)")
 def test_trained_head_accepts_well_above_chance_at_step_1(target_model):
-    """The trained head on the target's own greedy continuations (4 prompts of the sample data, 48 generated
-    tokens each): step 1 (the trained step) far above chance (1 / vocab), step 3 (its own hidden state fed back
-    twice, never trained) lower."""
+    """The trained head (env/models/train_nextn.py, trained for step 1 only) on the target's own greedy
+    continuations (4 prompts of 24 sample tokens, 48 generated each), replayed as SGLang drafts NEXTN: step 1 far
+    above chance (1 / vocab = 0.0002; measured 0.473 over 188 rows); steps 2 and 3 (its own output fed back, never
+    trained) no better (measured 0.446, 0.439: hardly lower, not "far less"); a chain of 3 accepts more tokens per
+    verify step than a chain of 1 (measured 1.78 against 1.52)."""
     seqs = []
     for i in range(4):
         prompt = _sample_ids(i, 24)
@@ -194,11 +198,13 @@ def test_trained_head_accepts_well_above_chance_at_step_1(target_model):
         seqs.append(SimSequence(f"p{i}", out, _target_hidden(target_model, out)[: out.shape[0] - 1],
                                 start=prompt.shape[0]))
     head = NextNHead.load(TARGET, dtype=torch.float32)
-    res = simulate_sequences(head, seqs, [DraftSettings.chain(3)])
+    res = simulate_sequences(head, seqs, [DraftSettings.chain(1), DraftSettings.chain(3)])
     m = res["marginal"]
     assert res["greedy_share"] == 1.0
-    assert m[0] > 100 / head.arch.vocab and m[0] > 0.2, m
-    assert m[2] < m[0], m
+    assert m[0] > 0.3 and m[0] > 1000 / head.arch.vocab, m
+    assert m[2] <= m[1] <= m[0], m
+    al = {st.steps: summary(f, st.steps)["accept_length"] for st, f in res["per_request"].items()}
+    assert al[3] > al[1] > 1.3, al
 
 
 def test_separate_nextn_checkpoint_is_the_same_head(case, tmp_path):
