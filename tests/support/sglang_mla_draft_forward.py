@@ -42,13 +42,13 @@ def _target_embed(target_dir: str) -> torch.Tensor:
     raise SystemExit(f"{target_dir}: no embed_tokens.weight")
 
 
-def forward(model, input_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+def forward(model, input_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, attn=None):
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    attn = model.model.midlayer.self_attn
+    attn = model.model.midlayer.self_attn if attn is None else attn      # the NextN head's: model.model.decoder
     T = int(input_ids.shape[0])
     req_pool = ReqToTokenPool(size=1, max_context_len=T + 1, device="cpu", enable_memory_saver=False)
     kv_pool = MLATokenToKVPool(size=T + 2, page_size=1, dtype=dtype, kv_lora_rank=attn.kv_lora_rank,
