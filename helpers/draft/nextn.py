@@ -119,8 +119,8 @@ class NextNHead(Eagle3Draft):
                 missing (the weights file and the key are named), its shape does not match the config, a weight is
                 NaN / Inf or not a plain float, or the target has no embedding / lm_head.
         """
-        from transformers import DeepseekV3Config
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+        from transformers import DeepseekV3Config  # lazy: transformers is slow to import; only a NextN head needs it
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # lazy: as above
 
         target_dir = Path(target_dir)
         head_dir = target_dir if draft_dir is None else Path(draft_dir)

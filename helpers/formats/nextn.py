@@ -50,8 +50,8 @@ def export_nextn(target_dir, out_dir) -> dict:
         BadInput: config.json missing / without ``num_hidden_layers`` / ``num_nextn_predict_layers`` != 1, or
         no tensor ``model.layers.{N}.*`` in the target's safetensors (the NextN weights are missing).
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors import safe_open  # lazy: torch (the formats package is read by light entry points)
+    from safetensors.torch import save_file  # lazy: torch
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     cfg_path = target_dir / "config.json"

@@ -41,6 +41,7 @@ from typing import Any, Optional, Sequence
 from ..budget import Budget
 from ..errors import BadServerInput, ServerStartError
 from ..formats.configs import TEXT_CONFIG_KEYS, read_config_json
+from ..layers.mtp import MTP_FAMILIES, mtp_head
 from ..layers.sglang import eagle3_draft_classes, target_rule
 from ..paths import DEFAULT_SGLANG_PYTHON, REFERENCE_DRAFT, REFERENCE_TARGET, ROOT  # noqa: F401 (re-exported)
 from .listener_flags import refuse_listener_flags
@@ -59,9 +60,10 @@ STANDIN = ROOT / "env" / "reference" / "standin"
 #: (sglang/srt/arg_groups/speculative_hook.py::_resolve_speculative_algorithm, handle_speculative_decoding)
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NEXTN")
 
-#: the architectures a NEXTN draft folder may name: a separate NextN checkpoint or a DeepSeek-V3 target with its
-#: extra layer (sglang/srt/configs/model_config.py renames the latter to DeepseekV3ForCausalLMNextN for a draft)
-NEXTN_DRAFT_ARCHS = ("DeepseekV3ForCausalLMNextN", "DeepseekV3ForCausalLM")
+#: the architectures a NEXTN draft folder may name on the embedded server: the DeepSeek-V3 family of
+#: :data:`helpers.layers.mtp.MTP_FAMILIES` (a separate NextN checkpoint, or a target with its extra layer, which
+#: sglang/srt/configs/model_config.py::ModelConfig._config_draft_model renames to the head class for a draft)
+NEXTN_DRAFT_ARCHS = tuple(a for f in MTP_FAMILIES if f.name == "deepseek_v3" for a in (f.head_arch, *f.target_archs))
 
 
 #: the environment variable that sets the port range of every server this tool starts ("LOW-HIGH", inclusive)
@@ -245,20 +247,22 @@ def check_cpu_config(cfg: dict, path: Path, role: str) -> None:
 
 
 def check_nextn_target(target: Path, cfg: dict) -> None:
-    """A NEXTN server without a draft folder loads the target's own NextN layer: the target config must set
-    ``num_nextn_predict_layers: 1`` (SGLang asserts it: deepseek_common/deepseek_weight_loader.py::
-    _initialize_nextn_conf) and be a DeepSeek-V3 one.
+    """A NEXTN server without a draft folder loads the target's own NextN layer. The embedded CPU server serves the
+    DeepSeek-V3 family's head only (``helpers.layers.mtp`` family ``deepseek_v3``), whose SGLang loader takes exactly
+    one layer (``deepseek_common/deepseek_weight_loader.py::_initialize_nextn_conf``); the layer count is the one the
+    engines see (:func:`helpers.layers.mtp.mtp_head`: config.json's ``num_nextn_predict_layers``, else
+    ``DeepseekV3Config``'s default 1).
 
     Raises:
         BadServerInput: naming the config field and what was expected."""
-    archs = cfg.get("architectures") or []
-    if "DeepseekV3ForCausalLM" not in archs:
-        raise BadServerInput(f"target config {Path(target) / 'config.json'}: architectures={archs}; --speculative-"
-                             "algorithm NEXTN without a draft folder needs a DeepseekV3ForCausalLM target with its "
-                             "NextN layer")
-    if cfg.get("num_nextn_predict_layers") != 1:
-        raise BadServerInput(f"target config {Path(target) / 'config.json'}: field num_nextn_predict_layers is "
-                             f"{cfg.get('num_nextn_predict_layers')!r}; SGLang's NextN loader needs 1")
+    head = mtp_head(cfg)
+    if head is None or head.family.name != "deepseek_v3" or head.form != "target":
+        raise BadServerInput(f"target config {Path(target) / 'config.json'}: architectures="
+                             f"{cfg.get('architectures') or []}; --speculative-algorithm NEXTN without a draft folder "
+                             "needs a DeepSeek-V3 target (DeepseekV3ForCausalLM) with its NextN layer")
+    if head.sglang_layers != 1:
+        raise BadServerInput(f"target config {Path(target) / 'config.json'}: field {head.family.layers_field} is "
+                             f"{cfg.get(head.family.layers_field)!r}; SGLang's NextN loader needs 1")
 
 
 def check_draft_dir(path: Path, algorithm: str) -> dict:
@@ -266,10 +270,11 @@ def check_draft_dir(path: Path, algorithm: str) -> dict:
     checkpoint (or a DeepSeek-V3 target folder with its NextN layer)."""
     cfg = check_model_dir(path, "draft")
     if algorithm == "NEXTN":
-        archs = cfg.get("architectures") or []
-        if not any(a in NEXTN_DRAFT_ARCHS for a in archs):
-            raise BadServerInput(f"draft config {Path(path) / 'config.json'}: architectures={archs} is not a NextN "
-                                 f"checkpoint; --speculative-algorithm NEXTN needs one of {list(NEXTN_DRAFT_ARCHS)}")
+        head = mtp_head(cfg)
+        if head is None or head.family.name != "deepseek_v3":
+            raise BadServerInput(f"draft config {Path(path) / 'config.json'}: architectures="
+                                 f"{cfg.get('architectures') or []} is not a NextN checkpoint; --speculative-algorithm "
+                                 f"NEXTN here needs one of {list(NEXTN_DRAFT_ARCHS)}")
         return cfg
     archs = cfg.get("architectures") or []
     if algorithm == "EAGLE3" and not any(a in eagle3_draft_classes() for a in archs):

@@ -171,10 +171,19 @@ def test_the_heads_tensors_from_an_index_without_weights_and_from_real_headers(t
     assert check_configs(sep, ds, spec=MTPSpec(num_steps=1, topk=1)).findings == []
     v = one(check_mtp(sep, ds, spec=MTPSpec(num_steps=1), rules=VLLMMTPRules()), "mtp_weights_missing")
     assert list(v["evidence"]["missing"]) == ["model.layers.1."]
-    # the reference Kimi-class target: num_nextn_predict_layers 1 in its config, its real safetensors hold layers
-    # 0-7 only
+    # the reference Kimi-class target carries its trained NextN layer (model.layers.8.*): nothing missing in its real
+    # safetensors headers; the same target with that layer left out (real headers, written here) is named
     rep = check_configs(KIMI_TARGET, KIMI_TARGET, spec=MTPSpec(num_steps=1, topk=1))
-    f = one(rep, "mtp_weights_missing")
+    assert rep.findings == [], rep.findings
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(KIMI_TARGET / "model.safetensors"), "pt") as fh:
+        kept = {k: fh.get_tensor(k) for k in fh.keys() if not k.startswith("model.layers.8.")}
+    cut8 = tmp_path / "kimi-no-head"
+    cut8.mkdir()
+    (cut8 / "config.json").write_text((KIMI_TARGET / "config.json").read_text())
+    save_file(kept, str(cut8 / "model.safetensors"))
+    f = one(check_configs(cut8, cut8, spec=MTPSpec(num_steps=1, topk=1)), "mtp_weights_missing")
     assert list(f["evidence"]["missing"]) == ["model.layers.8."] and f["evidence"]["tensors_in_checkpoint"] > 50
 
 
