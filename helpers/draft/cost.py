@@ -67,13 +67,32 @@ def _draft_parameters(draft_dir: Path) -> int:
     return n
 
 
+def _beyond_last_layer(name: str, target_dir: Path) -> bool:
+    """A tensor of a layer past the target's last decoder layer (``model.layers.{i}.*`` with ``i >=
+    num_hidden_layers``): an MTP / NextN head shipped in the target's checkpoint, which the target's verify forward
+    never reads (SGLang 0.5.23 skips it when loading the target: ``deepseek_common/deepseek_weight_loader.py::
+    do_load_weights``)."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "model" or parts[1] != "layers" or not parts[2].isdigit():
+        return False
+    n = _num_layers(target_dir)
+    return n is not None and int(parts[2]) >= n
+
+
+def _num_layers(target_dir: Path) -> Optional[int]:
+    try:
+        return int(read_target_config(target_dir).num_hidden_layers)
+    except (BadInput, TypeError, ValueError):
+        return None
+
+
 def draft_cost(draft_dir: Path, target_dir: Path, *, draft_cost: Optional[float] = None) -> tuple[float, str]:
     """One draft forward's cost relative to one verify step, and where the figure comes from.
 
     At the small batches where speculative decoding pays, a forward is bound by the weight bytes it reads, and the
     draft and the target are served in one dtype: the ratio of the parameters the draft multiplies by
     (:func:`_draft_parameters`: what SGLang loads into it, its embedding left out) to the target's (every
-    floating tensor of its weight files), counted from the safetensors headers, so a float32 checkpoint served in
+    floating tensor of its weight files but an MTP / NextN head's layer past its last decoder layer), counted from the safetensors headers, so a float32 checkpoint served in
     bf16 or a stray file beside the weights does not change it. A mixture-of-experts target reads only the experts
     its tokens are routed to, and an untied target embedding is a lookup: the ratio then underestimates the draft's
     share (give ``--draft-cost`` from a timing to override). Without the target's weights here, the target's
@@ -84,7 +103,7 @@ def draft_cost(draft_dir: Path, target_dir: Path, *, draft_cost: Optional[float]
     if draft_cost is not None:
         return float(draft_cost), "given"
     d = _draft_parameters(draft_dir)
-    t = sum(_parameter_counts(target_dir).values())
+    t = sum(n for k, n in _parameter_counts(target_dir).items() if not _beyond_last_layer(k, target_dir))
     if d and t:
         return d / t, f"parameters: draft {d / 1e6:.2f} M / target {t / 1e6:.2f} M (safetensors headers)"
     tc = read_target_config(target_dir)
