@@ -67,19 +67,18 @@ def _draft_parameters(draft_dir: Path) -> int:
     return n
 
 
-def _beyond_last_layer(name: str, target_dir: Path) -> bool:
-    """A tensor of a layer past the target's last decoder layer (``model.layers.{i}.*`` with ``i >=
-    num_hidden_layers``): an MTP / NextN head shipped in the target's checkpoint, which the target's verify forward
-    never reads (SGLang 0.5.23 skips it when loading the target: ``deepseek_common/deepseek_weight_loader.py::
-    do_load_weights``)."""
+def _beyond_last_layer(name: str, num_layers: Optional[int]) -> bool:
+    """A tensor of a layer past the target's last decoder layer (``model.layers.{i}.*`` with ``i >= num_layers``):
+    an MTP / NextN head shipped in the target's checkpoint, which the target's verify forward never reads (SGLang
+    0.5.23 skips it when loading the target: ``deepseek_common/deepseek_weight_loader.py::do_load_weights``).
+    ``num_layers`` None (no readable config): nothing is left out."""
     parts = name.split(".")
-    if len(parts) < 3 or parts[0] != "model" or parts[1] != "layers" or not parts[2].isdigit():
-        return False
-    n = _num_layers(target_dir)
-    return n is not None and int(parts[2]) >= n
+    return (num_layers is not None and len(parts) >= 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= num_layers)
 
 
 def _num_layers(target_dir: Path) -> Optional[int]:
+    """The target config's ``num_hidden_layers``, None when it cannot be read."""
     try:
         return int(read_target_config(target_dir).num_hidden_layers)
     except (BadInput, TypeError, ValueError):
@@ -103,7 +102,8 @@ def draft_cost(draft_dir: Path, target_dir: Path, *, draft_cost: Optional[float]
     if draft_cost is not None:
         return float(draft_cost), "given"
     d = _draft_parameters(draft_dir)
-    t = sum(n for k, n in _parameter_counts(target_dir).items() if not _beyond_last_layer(k, target_dir))
+    layers = _num_layers(target_dir)                 # read once, not per tensor
+    t = sum(n for k, n in _parameter_counts(target_dir).items() if not _beyond_last_layer(k, layers))
     if d and t:
         return d / t, f"parameters: draft {d / 1e6:.2f} M / target {t / 1e6:.2f} M (safetensors headers)"
     tc = read_target_config(target_dir)

@@ -270,9 +270,10 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
 def test_the_draft_cost_leaves_the_targets_nextn_layer_out():
     """The Kimi target's NextN layer (model.layers.8.*) is not read by its verify forward: the draft cost's target
     parameters are those of layers 0-7 and the rest (with it counted, the settings stage recommended other steps)."""
-    from helpers.draft.cost import _beyond_last_layer, _parameter_counts, draft_cost
+    from helpers.draft.cost import _beyond_last_layer, _num_layers, _parameter_counts, draft_cost
     counts = _parameter_counts(KIMI_TARGET)
     head = sum(n for k, n in counts.items() if k.startswith("model.layers.8."))
-    assert head > 0 and all(_beyond_last_layer(k, KIMI_TARGET) == k.startswith("model.layers.8.") for k in counts)
+    n = _num_layers(KIMI_TARGET)
+    assert n == 8 and head > 0 and all(_beyond_last_layer(k, n) == k.startswith("model.layers.8.") for k in counts)
     cost, how = draft_cost(REPO / "env" / "models" / "kimi" / "draft", KIMI_TARGET)
     assert f"target {(sum(counts.values()) - head) / 1e6:.2f} M" in how
