@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from ..errors import BadInput
 from ..formats.configs import read_safetensors_index, read_target_config
+from ..layers.mtp import sglang_nextn_layer
 from .attention import MLAAttention, _rms
 from .model import DraftArch, Eagle3Draft, _add_rms, _finite, _read_tensor, find_target_tensor
 from .params import MLA_CLASS
@@ -53,8 +54,7 @@ def nextn_layer_id(cfg: dict) -> int:
     """The checkpoint layer SGLang reads the NextN head from: ``num_hidden_layers``, or 0 for a separate NextN
     checkpoint with ``num_hidden_layers`` 1 (``deepseek_weight_loader.py::_initialize_nextn_conf``, "compatible with
     old design"; :func:`helpers.formats.nextn.export_nextn` writes such a folder)."""
-    n = int(cfg["num_hidden_layers"])
-    return 0 if n == 1 else n
+    return sglang_nextn_layer(int(cfg["num_hidden_layers"]))
 
 
 def nextn_tensor_names(cfg: dict) -> dict[str, tuple[int, ...]]:

@@ -53,11 +53,17 @@ def _after_last(n: int, i: int) -> str:
     return f"model.layers.{n + i}."
 
 
-def _sglang_nextn(n: int, i: int) -> str:
-    """SGLang's DeepSeek / GLM NextN prefix: ``model.layers.{n}.``, or ``model.layers.0.`` for a separate NextN
-    checkpoint whose ``num_hidden_layers`` is 1 (``nextn_layer_id = 0 if num_hidden_layers == 1 else
+def sglang_nextn_layer(n: int) -> int:
+    """The checkpoint layer SGLang's DeepSeek / GLM NextN loader reads the head from, for a config with
+    ``num_hidden_layers`` ``n``: ``n``, or 0 for a separate NextN checkpoint whose ``num_hidden_layers`` is 1
+    (``deepseek_weight_loader.py::_initialize_nextn_conf``: ``nextn_layer_id = 0 if num_hidden_layers == 1 else
     num_hidden_layers``)."""
-    return f"model.layers.{0 if n == 1 else n}."
+    return 0 if n == 1 else n
+
+
+def _sglang_nextn(n: int, i: int) -> str:
+    """SGLang's DeepSeek / GLM NextN prefix: ``model.layers.{sglang_nextn_layer(n)}.``."""
+    return f"model.layers.{sglang_nextn_layer(n)}."
 
 
 @dataclass(frozen=True)
