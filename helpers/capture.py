@@ -49,7 +49,7 @@ from .formats.dumps import Sample, samples_from_generate, write_dump
 from .formats.configs import read_target_config
 from .hooks import ARM_FILE, CaptureConfig, ModelFamily, every_layer_keys, hook_specs
 from .trace_hooks import trace_hook_specs
-from .runfiles import loads_json
+from .runfiles import armed_file, loads_json
 from .server.client import as_client
 from .server.embedded import start
 from .redaction import redact
@@ -346,11 +346,10 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
     client = as_client(client_or_url, api_key=api_key)
     info = client.server_info()
     before = {r: len(recs) for r, recs in _rank_index(cap).items()}
-    arm = cap / ARM_FILE
     cap.mkdir(parents=True, exist_ok=True)
-    arm.write_text("armed by helpers.capture.capture_every_layer\n")
     sent: list[tuple[str, list[int]]] = []
-    try:
+    with armed_file(cap / ARM_FILE, f"armed by helpers.capture.capture_every_layer (pid {os.getpid()})\n",
+                    what="every-layer capture arm file"):
         for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt", disable=not progress)):
             pid, ids, text = prompt_fields(p, i)
             if ids is None:
@@ -358,9 +357,6 @@ def capture_every_layer(client_or_url: Any, prompts: Sequence[Any], capture_dir:
             client.flush_cache()
             client.generate(input_ids=ids, max_new_tokens=1, sampling_params={"temperature": 0.0, "ignore_eos": True})
             sent.append((pid, ids))
-    finally:
-        if arm.exists():
-            arm.unlink()
     index = _rank_index(cap)
     if num_layers is None:
 

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -12,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..acceptance.ablations import TOGGLES, Toggle
 from ..faults import Fault
 from ..formats.configs import read_draft_config, read_target_config
-from ..runfiles import loads_json
+from ..runfiles import armed_file, loads_json
 from ..server.settings import SpecSettings
 from ..errors import BadInput, SGLangError
 from ..layers.sglang import OLDEST_READ, TABLE_VERSION, parse_version, target_rule
@@ -303,16 +304,14 @@ class SGLangAdapter(EngineAdapter):
         (``helpers.hooks.ARM_FILE``)."""
         from ..capture import capture_served  # lazy: torch (measure detects the engine without it)
         from ..hooks import ARM_FILE  # lazy: torch (measure detects the engine without it)
-        flag = Path(rank_dir) / ARM_FILE if rank_dir is not None else None
-        if flag is not None:
-            flag.parent.mkdir(parents=True, exist_ok=True)
-            flag.write_text("armed by helpers.engines.sglang\n")
-        try:
+        arm = contextlib.nullcontext()
+        if rank_dir is not None:
+            Path(rank_dir).mkdir(parents=True, exist_ok=True)
+            arm = armed_file(Path(rank_dir) / ARM_FILE, f"armed by helpers.engines.sglang ({name}, pid {os.getpid()})\n",
+                             what="per-rank capture arm file")
+        with arm:
             return capture_served(client, prompts, out_dir, name=name, max_new_tokens=max_new_tokens,
                                   progress=progress, max_width=max_width, records=records, sampling=sampling)
-        finally:
-            if flag is not None and flag.exists():
-                flag.unlink()
 
     def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
         """SGLang 0.5.23's ``POST /weights_checker`` ``{"action": "checksum", "selector": "draft"}``
@@ -538,7 +537,7 @@ class SGLangAdapter(EngineAdapter):
                 (:func:`helpers.draft.trace.read_trace`), no record written while armed."""
         from ..draft.trace import read_trace, served_sequence, trace_counts  # lazy: torch
         from ..hooks import ARM_FILE  # lazy: torch (measure detects the engine without it)
-        from ..runfiles import armed_file, read_file_text
+        from ..runfiles import read_file_text
         from ..trace_hooks import trace_dir  # lazy: torch
         d = trace_dir(client.server_info())
         if d is None:

@@ -119,6 +119,8 @@ def _assert_spec_identities(raw: list, num_steps: int, num_draft_tokens: int) ->
         if not v:                      # no verify step: no spec field at all (tokenizer_manager.py sets none)
             assert not any(m.get(k) for k in ("spec_num_correct_drafts", "spec_num_proposed_drafts",
                                               "spec_correct_drafts_histogram", "spec_accept_length")), m
+            # only an answer that ended on its prefill token (a sampled EOS first) has no verify step
+            assert ct <= 1 and len(r["output_ids"]) == ct, m
             continue
         n += 1
         c, p, h = m["spec_num_correct_drafts"], m["spec_num_proposed_drafts"], m["spec_correct_drafts_histogram"]
@@ -134,11 +136,13 @@ def _assert_spec_identities(raw: list, num_steps: int, num_draft_tokens: int) ->
 def test_real_answers_satisfy_every_spec_identity(server):
     """Issue 27 item 5: the real server's per-request counters keep every identity MetaInfo.spec_problem checks,
     with requests batched together (concurrency 3), sampled (temperature 0.8) and free to stop at EOS, so none of
-    its answers is refused (n_failed 0)."""
+    its answers is refused (n_failed 0). A sampled EOS as the first token ends an answer before any verify step (seen
+    once in CI: 8 of 9 had one); such an answer has one token and no spec field, and n_spec counts the others."""
     res = measure(server.url, load_prompts(n=9), max_new_tokens=24, concurrency=3, temperature=0.8, warmup=0,
                   n_boot=200, keep_raw=True, progress=False)
     assert res.summary["n_failed"] == 0 and len(res.raw) == 9
-    assert _assert_spec_identities(res.raw, 3, 4) == res.summary["n_spec"] == 9
+    n_spec = _assert_spec_identities(res.raw, 3, 4)
+    assert n_spec == res.summary["n_spec"] >= 6, (n_spec, res.summary)
 
 
 def test_cli_measure_writes_a_run_folder(server, tmp_path):

@@ -56,8 +56,12 @@ def _cli(*args, timeout=900):
 
 
 @contextmanager
-def server(tmp: Path, *args: str, draft: Path | None = None, tp: int = 2, capture: bool = True):
-    """``server start --detach`` (with the per-rank and every-layer capture hooks), yield its URL, stop it by PID."""
+def server(tmp: Path, *args: str, draft: Path | None = None, tp: int = 1, capture: bool = True):
+    """``server start --detach`` (with the per-rank and every-layer capture hooks), yield its URL, stop it by PID.
+
+    TP 1 unless the test is about ranks (a TP 1 server starts ~10 s sooner and decodes ~2x faster on 2 cores:
+    bench/RESULTS.md); the seeds' hunt and the partial sum run at TP 2, where the per-rank hypotheses have two ranks
+    to compare."""
     cap = ["--capture-layers", str(tmp / "layers"), "--capture-ranks", str(tmp / "ranks")] if capture else []
     out = _cli("server", "start", "--draft", str(draft or MODELS / "draft"), "--tp", str(tp), "--detach",
                "--timeout", "600", *cap, *args)
@@ -119,7 +123,7 @@ def test_clean_server_gives_no_finding_through_the_cli(tmp_path):
 
 def test_seeds_config_fault_is_named_fixed_and_measured(tmp_path, registry):
     draft = _draft(tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 1, 3]}})
-    with server(tmp_path, draft=draft) as url:
+    with server(tmp_path, draft=draft, tp=2) as url:
         assert list(registry.glob("*.json")), "server start must write its state file"
         doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", measure_prompts=16, max_new_tokens=32)
     assert _kinds(doc)[0] in ("config_ids_mismatch", "embedding_in_place_of_layer"), _kinds(doc)
@@ -172,7 +176,7 @@ def test_hook_layer_offset_is_named_as_an_engine_fault(tmp_path):
 
 def test_hook_partial_sum_on_tp2(tmp_path):
     faults = json.dumps([{"kind": "tp_partial_sum", "chunk": 1, "layer": 3}])
-    with server(tmp_path, "--faults", faults) as url:
+    with server(tmp_path, "--faults", faults, tp=2) as url:
         doc = investigate(url, training=TRAINING, run_dir=tmp_path / "run", apply_fix=False, acceptance_budget=False)
     assert _kinds(doc)[0] == "tp_partial_sum", [(f.kind, f.detail) for f in doc.findings]
     assert not LAYOUT & set(_kinds(doc)) and "rotated_basis" not in _kinds(doc)
@@ -210,7 +214,7 @@ def test_top_level_ids_fall_back_without_a_false_finding(tmp_path):
     assert doc.reference["how"].startswith("HF transformers")       # no hooks: HF on the target here
 
 
-@pytest.mark.slow
+@pytest.mark.extended   # 260 s in CI: the per-rank hypotheses run at TP 2 above; 8-rank captures run in test_kimi_server.py::TestTP8
 def test_tp8_per_rank_hypotheses_get_live_verdicts(tmp_path):
     draft = _draft(tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 1, 3]}})
     with server(tmp_path, draft=draft, tp=8) as url:
