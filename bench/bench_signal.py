@@ -1,10 +1,10 @@
 """Seconds from SIGINT / SIGTERM to the end of ``measure --fixes`` whose fix starts the embedded reference server
-(issue 30): the README promises the command ends within 2 s, every process it started stopped.
+(issue 30): docs/cli.md promises the command ends within 2 s, every process it started stopped.
 
 Each run starts ``python -m helpers measure --fixes F`` (one fix: the embedded SGLang CPU server, reference target and
 draft, TP ``--tp``) as a separate process, waits for the phase asked for, sends the signal and measures
 
-* ``exit``: seconds from the signal to the command's exit (what the README promises), and
+* ``exit``: seconds from the signal to the command's exit (what docs/cli.md promises), and
 * ``tree``: seconds from the signal until no process the command started (the server's leader, schedulers,
   detokenizer) is left (zombies aside);
 

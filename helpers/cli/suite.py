@@ -1,4 +1,4 @@
-"""``python -m helpers suite run``: the notebook suite into a new run folder (README "What `make postmortem` does")."""
+"""``python -m helpers suite run``: the notebook suite into a new run folder (docs/postmortem.md)."""
 from __future__ import annotations
 
 import sys

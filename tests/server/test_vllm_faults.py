@@ -17,7 +17,7 @@ registry's launch); and one SGLang server for the cross-engine pair.
 * (extended tier, a fourth server start) the reference draft converted to the speculators format: the same verdict,
   findings and accept length at every stage as the original.
 
-The fix measured on a restarted vLLM server (investigate's relaunch) is README's "Investigate a vLLM server" run, not
+The fix measured on a restarted vLLM server (investigate's relaunch) is docs/vllm.md's "Investigate a vLLM server" run, not
 repeated here: it would cost a fourth server start.
 
 Servers bind 127.0.0.1, are stopped by PID, and never outlive their test (the reference server, its module's tests);

@@ -125,7 +125,7 @@ def test_interactive_investigation_in_jupyterlab(session):
     assert not [n for n in names if n.endswith(".py")], names
     assert lab.dirty() == [], "a notebook is marked unsaved as soon as it opens"
 
-    # 00_investigate: only server_url set (the README's live recipe), Run All
+    # 00_investigate: only server_url set (docs/jupyterlab.md's live recipe), Run All
     fixed = _free_range()
     # (the acceptance budget is tested on live servers in tests/server/test_budget_live.py: left out here, 30-80 s)
     lab.set_parameters({"server_url": url, "samples": 2, "prompts": 8, "fixed_port": fixed, "acceptance_budget": False})

@@ -231,7 +231,7 @@ def test_resume_of_a_folder_that_is_not_a_watch_run(tmp_path, capsys):
 
 
 def test_watch_takes_out_like_every_other_command_and_outputs_as_its_old_name(tmp_path, capsys):
-    """Issue 40: ``--out`` is the documented name (the other commands' and the README's), ``--outputs`` kept."""
+    """Issue 40: ``--out`` is the documented name (the other commands' and docs/cli.md's), ``--outputs`` kept."""
     from helpers.cli.watch import build_parser
     for flag in ("--out", "--outputs"):
         assert build_parser().parse_args(["--url", "http://127.0.0.1:1", flag, str(tmp_path)]).out == str(tmp_path)
@@ -239,7 +239,7 @@ def test_watch_takes_out_like_every_other_command_and_outputs_as_its_old_name(tm
     assert main(["watch", "--url", "http://127.0.0.1:1", "--samples", "1", "--out", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"watch: error: {tmp_path / 'file'}: --out must be a folder") and "\n" not in err, err
-    row = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| `watch --url URL"))
+    row = next(ln for ln in (ROOT / "docs" / "cli.md").read_text().splitlines() if ln.startswith("| `watch --url URL"))
     assert "[--out DIR]" in row.split("` |")[0], row
 
 

@@ -436,7 +436,7 @@ def test_a_malformed_sglang_server_info_is_named_at_detection(mode, expect, tmp_
     """Issue 40: an SGLang server (by its /model_info) whose /server_info is HTML, a JSON list, JSON nested 200000
     deep, or has a field of the wrong type was "neither SGLang nor vLLM", exit 2, the field unnamed, in every command
     that detects the engine (investigate, compare-engines, ablate, server detect): it is one line naming the endpoint
-    and the field (or what it answered) and why the server is taken for SGLang, exit 1, as the README's table says."""
+    and the field (or what it answered) and why the server is taken for SGLang, exit 1, as docs/bad-inputs.md's table says."""
     with fake_server(mode) as url:
         t = time.monotonic()
         rc = main(["server", "detect", "--url", url, "--timeout", "20"])
