@@ -474,6 +474,8 @@ def provenance(client: ServerClient, info: Mapping[str, Any], command: Optional[
 
     Never raises for a missing piece: each is None with a ``*_why`` reason."""
     argv = sys.argv if command is None else command
+    if command is None and argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "helpers":
+        argv = ["python", "-m", "helpers", *argv[1:]]             # what was typed
     red = redact(dict(info))
     out: dict[str, Any] = {"command": redact_command(argv) if isinstance(argv, str) else " ".join(
         shlex.quote(a) for a in redact_argv(list(argv))), "launch_command": red.get("launch_command"),
