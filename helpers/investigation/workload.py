@@ -168,4 +168,5 @@ def workload_stage(r: Any) -> None:
         doc.notes.append(f"--requests: not sent (the answers may differ from production): {', '.join(ignored)}")
     if cmp.finding is not None and cmp.finding["kind"] not in {f.kind for f in doc.findings}:
         doc.findings.append(Finding(**cmp.finding))
+    doc.notes.append(comparison_text(cmp).replace("\n", "; "))    # the sentence tells the budget; this, the requests
     r.done("workload", t, comparison_text(cmp).splitlines()[0])
