@@ -111,6 +111,9 @@ def cli_main(argv: Sequence[str]) -> int:
         input_path_arg(args.training, "--training")
         input_path_arg(args.tokenizer, "--tokenizer")
         prompts = None if args.requests else load_prompts(args.prompts, n=args.num_prompts)
+        if args.requests:                          # every line checked before any request (chat rendered later)
+            from ..acceptance.workload import CHECK_ONLY, load_requests  # lazy: only with --requests
+            load_requests(args.requests, tokenizer=CHECK_ONLY)
         key = os.environ.get("SGLANG_API_KEY") or None
         budget = Budget(args.timeout or DEFAULT_TIMEOUT)   # the command's one deadline: detection, then requests
         show = progress_line("measure")
