@@ -4,7 +4,8 @@ Exit codes (:mod:`helpers.cli.common`): 0 measured with every request answered; 
 failed (the measurement is still saved, with ``n_failed``), or a fix could not be measured; 2 bad input (a run
 folder whose ledger cannot be read: the new measurement is kept, and the message gives the command that rebuilds the
 ledger, ``measure --rebuild-ledger RUN_DIR``: 0 rebuilt, 1 a measurement folder could not be read and was left
-out)."""
+out). With ``--requests FILE`` (docs/workload.md) both request sets are measured and saved; a ``requests_accept_less``
+finding is printed and written to ``workload.json``, and the exit code stays 0 when every request was answered."""
 from __future__ import annotations
 
 import json
