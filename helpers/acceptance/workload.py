@@ -1,6 +1,6 @@
 """The user's workload: a requests file replayed on the server with each request's own sampling parameters, the
-bundled training-like prompts measured on the same server, and the ``requests_accept_less`` finding when the user's
-requests accept materially less.
+bundled training-like prompts, what tells the two sets apart, and the unpaired loss of accept length between them
+(the decision and the ``requests_accept_less`` finding: :mod:`helpers.investigation.workload`).
 
 **The requests file** (``--requests FILE``): JSON lines, one request body per line, as a production log or a
 benchmark writes them. The kind of each line is read from its keys:
@@ -30,8 +30,7 @@ measurement of the tool (``meta_info.spec_verify_ct`` / ``completion_tokens`` / 
 asks ``return_spec_tokens_details``, ``entrypoints/openai/utils.py::process_spec_tokens_details_from_ret``, and vLLM's
 chat endpoint has its own); (2) the tool knows, and records, the exact text sent and whether a template was applied,
 and the bundled prompts it compares with go through the same template. The cost: a server launched with its own
-``--chat-template`` renders chat differently from the tokenizer's template; :func:`load_requests`' caller warns when
-``/server_info`` names one. A chat body whose tokenizer has no chat template is refused (one line naming the file
+``--chat-template`` renders chat differently from the tokenizer's template; :func:`resolve_tokenizer` warns when ``/server_info`` names one (:func:`resolve_tokenizer`). A chat body whose tokenizer has no chat template is refused (one line naming the file
 and the line), never sent as raw text silently.
 """
 from __future__ import annotations
