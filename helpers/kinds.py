@@ -195,6 +195,9 @@ KINDS: tuple[Kind, ...] = (
        "live acceptance is below the offline prediction and no stage explains it"),
     _k("workload_loses_acceptance", "acceptance",
        "the requests (their context, temperature), not the server, lose the acceptance", stage="workload"),
+    _k("requests_accept_less", "acceptance",
+       "the user's requests (--requests) accept materially less than the bundled training-like prompts on the same "
+       "server", stage="workload"),
     # -- ablations and workload sweeps (helpers.investigation.ablate): measured on the server ----------------
     _k("context_loses_acceptance", "acceptance", "acceptance falls with the context length", stage="workload"),
     _k("temperature_loses_acceptance", "acceptance", "acceptance falls at the requests' sampling temperature",

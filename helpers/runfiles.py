@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import inspect
 import io
 import json
@@ -659,3 +660,21 @@ def load_yaml_model(source: Any, model: Any, *, what: str, error: type = None, p
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
         raise error(f"{first['msg']}{more}", path=path if path is not None else what, field=where) from None
+
+
+#: bytes of each safetensors file's tensor data hashed by :func:`safetensors_fingerprint`: two checkpoints of one
+#: architecture have the same header and sizes, their first tensor's bytes differ
+FINGERPRINT_BYTES = 1 << 20
+
+
+def safetensors_fingerprint(f: Path) -> str:
+    """sha256 (16 hex) of a safetensors file's header and its first :data:`FINGERPRINT_BYTES` of tensor data (a
+    draft checkpoint's identity in a measurement's provenance, ``helpers.investigation.attach.same_model``).
+
+    Raises: OSError: the file cannot be read."""
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        h.update(head + fh.read(min(n, 100 << 20) + FINGERPRINT_BYTES))
+    return h.hexdigest()[:16]

@@ -9,24 +9,28 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
+import sys
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 from pydantic import ValidationError
 
 from ..errors import BadInput, SGLangError
-from ..runfiles import atomic_write_bytes, atomic_write_text, parquet_bytes, read_json_file, safe_name, staged_folder
+from ..runfiles import (atomic_write_bytes, atomic_write_text, parquet_bytes, read_json_file, safe_name,
+                        safetensors_fingerprint, staged_folder)
 from ..server.client import ServerClient, as_client
-from ..redaction import redact, redact_url
+from ..redaction import redact, redact_argv, redact_command, redact_url
 from ..server.settings import EffectiveSpecConfig
 from .ledger import Ledger, LedgerUnreadable
 from .machine import LoadSampler
 from .prompts import Prompt, load_prompts, prompts_digest
 from .requests import run_requests
+from .workload import describe as describe_workload
 from .stats import (
     accepted_drafts,
     bootstrap_mean_ci,
@@ -457,6 +461,47 @@ def check_settings(*, max_new_tokens: Optional[int] = None, temperature: Optiona
         raise BadInput(f"expected warm-up requests >= 0, got {warmup}", field="--warmup")
 
 
+def provenance(client: ServerClient, info: Mapping[str, Any], command: Optional[Sequence[str] | str] = None,
+               draft_checksum: Optional[Callable[[ServerClient], Optional[dict]]] = None) -> dict:
+    """Where a measurement comes from, recorded beside it (``summary["provenance"]``): ``command`` (the tool's
+    command line as typed, ``sys.argv`` unless given, secrets redacted), ``launch_command`` (the server's launch flags
+    from ``/server_info``, redacted; None when the engine does not report it), ``draft_path``, ``draft_checksum``
+    (the engine's hash of the served draft weights: ``draft_checksum(client)``, the engine adapter's
+    :meth:`helpers.engines.base.EngineAdapter.draft_checksum`, SGLang 0.5.23 ``POST /weights_checker``
+    ``per_engine_checksum``; None where the engine has none or no adapter was given, with ``draft_checksum_why``),
+    and ``draft_files`` (``{file: sha256 of its safetensors header and first MiB}``,
+    :func:`helpers.runfiles.safetensors_fingerprint`, when the draft folder is readable here).
+
+    Never raises for a missing piece: each is None with a ``*_why`` reason."""
+    argv = sys.argv if command is None else command
+    if command is None and argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "helpers":
+        argv = ["python", "-m", "helpers", *argv[1:]]             # what was typed
+    red = redact(dict(info))
+    out: dict[str, Any] = {"command": redact_command(argv) if isinstance(argv, str) else " ".join(
+        shlex.quote(a) for a in redact_argv(list(argv))), "launch_command": red.get("launch_command"),
+        "draft_path": info.get("speculative_draft_model_path"), "draft_checksum": None, "draft_files": None}
+    try:
+        if draft_checksum is None:
+            raise ValueError("no engine adapter given to ask the engine for its draft checksum")
+        ck = draft_checksum(client)
+        out["draft_checksum"] = None if ck is None else ck.get("per_engine_checksum")
+        if ck is None:
+            out["draft_checksum_why"] = "the engine has no draft-weights checksum endpoint"
+        else:
+            out["draft_checksum_source"] = ck.get("source")
+    except (SGLangError, BadInput, ValueError) as exc:
+        out["draft_checksum_why"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    d = info.get("speculative_draft_model_path")
+    try:
+        files = sorted(Path(d).glob("*.safetensors")) if d and Path(d).is_dir() else []
+        out["draft_files"] = {f.name: safetensors_fingerprint(f) for f in files} or None
+    except OSError as exc:
+        out["draft_files_why"] = str(exc)[:200]
+    if not out["draft_files"] and "draft_files_why" not in out:
+        out["draft_files_why"] = "the draft folder is not readable here" if d else "the server runs no draft"
+    return out
+
+
 def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_new_tokens: int = 128,
             concurrency: int = 1, *, num_prompts: Optional[int] = None,
             sampling_params: Optional[Mapping[str, Any]] = None, temperature: float = 0.0,
@@ -464,7 +509,9 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
             warmup: int = 1, flush_cache: bool = True, n_boot: int = 2000, level: float = 0.95,
             seed: int = 0, return_hidden_states: bool = False, progress: bool = True,
             label: Optional[str] = None, requested: Any = None, keep_raw: bool = False,
-            draft_config: Any = None) -> AcceptanceResult:
+            draft_config: Any = None, requests: Optional[Sequence[Any]] = None,
+            command: Optional[Sequence[str] | str] = None,
+            draft_checksum: Optional[Callable[[ServerClient], Optional[dict]]] = None) -> AcceptanceResult:
     """Measure accept length / accept rate / per-position acceptance / tok/s on a live server.
 
     Args:
@@ -490,6 +537,13 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
             (:meth:`SGLangClient.effective_spec_config`; default: the server's launch_command).
         keep_raw: keep each answer's ``meta_info`` (``result.raw``).
         draft_config: draft config.json (mapping/path) for the algorithm check.
+        requests: the user's requests (:func:`helpers.acceptance.workload.load_requests`), sent instead of
+            ``prompts``, each with its own sampling params laid over ``sampling_params`` (its ``max_new_tokens``
+            over ``max_new_tokens``); ``summary["workload"]`` describes them (:func:`helpers.acceptance.workload.
+            describe`).
+        command: the command line recorded in ``summary["provenance"]`` (default ``sys.argv``; :func:`provenance`).
+        draft_checksum: the engine adapter's ``draft_checksum`` (``helpers.engines``), for the provenance's draft
+            hash (None: recorded as not asked).
 
     Returns: :class:`AcceptanceResult`. Raises :class:`~helpers.errors.SGLangError` when the
     server cannot be reached or every request failed; :class:`~helpers.errors.BadInput` on bad arguments
@@ -499,7 +553,12 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
     own = not isinstance(client_or_url, ServerClient)
     client = as_client(client_or_url, api_key=api_key)
     try:
-        plist = load_prompts(prompts, n=num_prompts)
+        per_sp = None
+        if requests is not None:
+            plist = [r.prompt for r in requests]
+            per_sp = [r.sampling for r in requests]
+        else:
+            plist = load_prompts(prompts, n=num_prompts)
         sp = dict(sampling_params or {})
         sp.setdefault("temperature", temperature)
         if ignore_eos:
@@ -530,7 +589,8 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
             per_request, wall, raw = run_requests(
                 client, plist, max_new_tokens=max_new_tokens, concurrency=concurrency, sampling_params=sp,
                 return_hidden_states=return_hidden_states, progress=(f"measure {label}" if label and progress
-                                                                     else progress), keep_raw=keep_raw)
+                                                                     else progress), keep_raw=keep_raw,
+                per_request_sampling=per_sp)
         if per_request["error"].notna().all():
             raise SGLangError(failed_requests(per_request), endpoint="/generate")
         positions = info.get("speculative_num_steps") if spec_on else None
@@ -551,7 +611,12 @@ def measure(client_or_url: "ServerClient | str | Any", prompts: Any = None, max_
             "prompt_digest": prompts_digest(plist), "config_digest": config_digest(info),
             "overrides": [o.field for o in spec.overrides] if spec else [],
             "timestamp": pd.Timestamp.now(tz="UTC").isoformat(), "machine": load.result,
+            "provenance": provenance(client, info, command, draft_checksum),
         })
+        if requests is not None:
+            s["workload"] = describe_workload(requests, per_request)
+            s["temperature"] = s["workload"]["temperature"]["median"] if s["workload"]["temperature"] else None
+            s["max_new_tokens"] = int(s["workload"]["max_new_tokens"]["median"])
         base_summary = None
         s["baseline_tok_s"] = s["baseline_tok_s_lo"] = s["baseline_tok_s_hi"] = float("nan")
         if baseline is not None:

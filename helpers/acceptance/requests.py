@@ -53,9 +53,13 @@ def record(i: int, p: Prompt, res: Optional[GenerateResult], error: Optional[str
 def run_requests(client: ServerClient, prompts: Sequence[Prompt], *, max_new_tokens: int,
                  concurrency: int = 1, sampling_params: Optional[Mapping[str, Any]] = None,
                  return_hidden_states: bool = False, progress: bool | str = True,
-                 keep_raw: bool = False, fail_fast: bool = False
+                 keep_raw: bool = False, fail_fast: bool = False,
+                 per_request_sampling: Optional[Sequence[Mapping[str, Any]]] = None
                  ) -> tuple[pd.DataFrame, float, list[Optional[dict]]]:
     """Send every prompt once (``concurrency`` threads, one shared client); collect meta_info.
+
+    ``per_request_sampling[i]`` (SGLang-named sampling params, e.g. a requests file's own,
+    :mod:`helpers.acceptance.workload`) is laid over ``sampling_params`` and ``max_new_tokens`` for prompt ``i``.
 
     Returns ``(per_request DataFrame [PER_REQUEST_COLUMNS], wall seconds, raw)``; ``raw[i]`` is
     the answer's ``meta_info`` dict (hidden states dropped) when ``keep_raw``, else None. A failed
@@ -66,13 +70,16 @@ def run_requests(client: ServerClient, prompts: Sequence[Prompt], *, max_new_tok
         raise BadInput(f"concurrency must be >= 1, got {concurrency}", field="--concurrency")
     sp = dict(sampling_params or {})
     sp["max_new_tokens"] = int(max_new_tokens)
+    if per_request_sampling is not None and len(per_request_sampling) != len(prompts):
+        raise ValueError(f"per_request_sampling has {len(per_request_sampling)} entries for {len(prompts)} prompts")
     rows: list[Optional[dict]] = [None] * len(prompts)
     raw: list[Optional[dict]] = [None] * len(prompts)
 
     def one(i: int) -> None:
         p = prompts[i]
         try:
-            res = client.generate(**p.request(), sampling_params=sp,
+            res = client.generate(**p.request(), sampling_params=(
+                                      sp if per_request_sampling is None else {**sp, **per_request_sampling[i]}),
                                   return_hidden_states=return_hidden_states)
         except SGLangError as exc:
             if fail_fast:

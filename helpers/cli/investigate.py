@@ -74,6 +74,12 @@ def build_parser() -> Parser:
                    "sampled, the engine's accept length against the draft run offline on the same answers")
     p.add_argument("--probe-top-p", type=float, default=None, help="its top-p (default 1.0)")
     p.add_argument("--probe-top-k", type=int, default=None, help="its top-k (default -1: off)")
+    p.add_argument("--requests", metavar="FILE", help="your workload: JSONL of OpenAI chat / completions or SGLang "
+                   "/generate bodies, replayed with their own sampling params after the budget against the bundled "
+                   "training-like prompts on the same server (a requests_accept_less finding when yours accept "
+                   "materially less; docs/workload.md)")
+    p.add_argument("--tokenizer", metavar="DIR", help="the target's tokenizer folder for --requests' chat bodies "
+                   "(default: the server's tokenizer_path / model_path, else --target)")
     p.add_argument("--training-log", help="the draft's training log (SpecForge / TorchSpec / speculators / EAGLE / "
                    "this tool's); default: training_log.json or trainer_state.json in the draft folder or its parent")
     p.add_argument("--sweeps", default="auto", help="workload sweeps after the acceptance budget (no restart): auto "
@@ -125,6 +131,11 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         input_path_arg(args.training, "--training")
         input_path_arg(args.training_log, "--training-log", folder=False)
         input_path_arg(args.validation, "--validation")
+        input_path_arg(args.requests, "--requests", folder=False)
+        input_path_arg(args.tokenizer, "--tokenizer", folder=True)
+        if args.requests:                          # every line checked before any work (chat bodies rendered later)
+            from ..acceptance.workload import CHECK_ONLY, load_requests  # lazy: only with --requests
+            load_requests(args.requests, tokenizer=CHECK_ONLY)
         _folders(args)
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
@@ -228,7 +239,7 @@ def _investigate(args, run_dir, rows_word, sweeps, show):
                        acceptance_budget=not args.no_budget, live_measure=not args.no_measure,
                        training_log=args.training_log, sweeps=sweeps, draft_cost=args.draft_cost,
                        engine_probes=args.engine_probes, probe_sampling=_probe_sampling(args),
-                       progress=show)
+                       requests=args.requests, tokenizer=args.tokenizer, progress=show)
 
 
 def _probe_sampling(args) -> Optional[dict]:

@@ -20,6 +20,7 @@ from ..engines.sglang import UNVERIFIED_CAPTURE_PATHS, capture_caveats  # noqa: 
 from ..layers.mtp import DRAFT_CONFIG_FALLBACK, mtp_head
 from ..server.client import ServerClient
 from ..server.registry import lookup
+from ..runfiles import FINGERPRINT_BYTES, safetensors_fingerprint  # noqa: F401  (re-exported)
 from ..server.restart import LAYERS_HOOK, relaunch_argv
 
 HOOK_FACTORY_PREFIX = "helpers.hooks:"
@@ -114,19 +115,8 @@ def same_draft(a: Path, b: Path) -> Optional[dict]:
     return same_model(a, b, "draft config")
 
 
-#: bytes of each safetensors file's tensor data hashed by :func:`same_model` (``fingerprint``): two checkpoints of
-#: one architecture have the same header and sizes, their first tensor's bytes differ
-FINGERPRINT_BYTES = 1 << 20
-
-
-def _fingerprint(f: Path) -> str:
-    """sha256 of a safetensors file's header and its first :data:`FINGERPRINT_BYTES` of tensor data."""
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        h.update(head + fh.read(min(n, 100 << 20) + FINGERPRINT_BYTES))
-    return h.hexdigest()[:16]
+#: :func:`helpers.runfiles.safetensors_fingerprint` (moved there so a measurement's provenance can use it)
+_fingerprint = safetensors_fingerprint
 
 
 def same_model(a: Path, b: Path, what: str, *, ignore: tuple = (), fingerprint: bool = False) -> Optional[dict]:

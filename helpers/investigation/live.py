@@ -60,6 +60,7 @@ from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_no
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .propose import draft_variant, propose_fix
+from .workload import workload_stage
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
 Progress = Callable[[str], None]
@@ -99,6 +100,7 @@ class Request:
     draft_cost: Optional[float] = None
     engine_probes: str = "cheap"
     probe_sampling: Optional[dict] = None
+    requests: tuple[Optional[str | Path], Optional[str | Path]] = (None, None)   # --requests FILE, --tokenizer DIR
 
 
 @dataclass
@@ -155,8 +157,7 @@ def _sweeps(r: Run) -> None:
     doc, req = r.doc, r.req
     b = doc.acceptance or {}
     if req.sweeps == "auto":
-        # only when the budget leaves open a stage the requests decide: the sweeps then say which requests lose
-        # acceptance (an undecided wiring or draft stage wants more samples or rows, which the budget says)
+        # only when the budget leaves open a stage the requests decide (not wiring / draft: more samples or rows)
         chosen = ["context", "concurrency"] if sweeps_can_settle(b) else []
         if b.get("cause") == "undecided" and not chosen:
             doc.notes.append("workload sweeps not run: the budget's undecided stages are settled by what each says "
@@ -389,8 +390,7 @@ def _stage_budget(r: Run) -> None:
             measure=req.live_measure),
             BudgetServer(r.client, att.info, r.adapter, live_reference), progress=r.progress)
     except BadInput as exc:
-        # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a checkpoint
-        # unlike its config): the wiring diagnosis stands, the budget says why it is missing
+        # the draft cannot run on what the server feeds (H-wide states, a checkpoint unlike its config): say why
         doc.notes.append(f"acceptance budget not computed: {exc}")
         r.done("acceptance budget", t, f"not computed: {exc}")
         return
@@ -493,7 +493,7 @@ STAGES: tuple[tuple[str, Callable[[Run], None]], ...] = (
     ("attach", _stage_attach), ("capture", _stage_capture), ("reference", _stage_reference),
     ("diagnosis", _stage_diagnosis), ("draft checks", _stage_draft_checks), ("hypotheses", _stage_hypotheses),
     ("proposed fix", _stage_propose), ("acceptance budget", _stage_budget),
-    ("engine state", _stage_engine_state), ("caveats", _stage_caveats),
+    ("engine state", _stage_engine_state), ("workload", workload_stage), ("caveats", _stage_caveats),
     ("measure the fix", _stage_measure_fix), ("one story", _stage_story))
 
 
@@ -505,10 +505,10 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                 port: int | str | None = None, acceptance_budget: bool = True,
                 live_measure: bool = True, training_log: Optional[str | Path] = None,
                 sweeps: str | Sequence[str] = "auto", sweep_budget: float = 120.0,
-                validation: Optional[str | Path] = None,
-                rows_word: tuple[Optional[str], Optional[str]] = (None, None),
+                validation: Optional[str | Path] = None, rows_word: tuple[Optional[str], Optional[str]] = (None, None),
                 draft_cost: Optional[float] = None, engine_probes: str = "cheap",
-                probe_sampling: Optional[dict] = None, progress: Progress = _noop) -> InvestigationDoc:
+                probe_sampling: Optional[dict] = None, requests: Optional[str | Path] = None,
+                tokenizer: Optional[str | Path] = None, progress: Progress = _noop) -> InvestigationDoc:
     """Investigate the server at ``url`` blind (no case file, no expectation) and write ``run_dir``.
 
     Args:
@@ -526,9 +526,9 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         port: the port of the fixed server (relaunch), or a range ``"LOW-HIGH"`` to take a free one from (default: a
             free port of ``$E3F_PORT_RANGE``, else 12000-19999; :func:`helpers.server.embedded.pick_port`).
         acceptance_budget: compute the acceptance budget (:mod:`helpers.investigation.acceptance`): the draft run
-            offline on
-            training states, the served states and the live prompts' states, against the training log and live.
+            offline on training states, the served states and the live prompts' states, against the training log.
         live_measure: send the live prompts for the budget (``--no-measure`` skips them: no engine stage).
+        requests / tokenizer: ``--requests`` / ``--tokenizer`` (:func:`helpers.investigation.workload.workload_stage`).
         training_log: the draft's training log (default: looked for in the draft folder).
         validation: rows of the training log's kind for the draft stage (default: the draft's validation rows found
             beside the training data or the draft, else the training data; :func:`helpers.investigation.acceptance.
@@ -565,7 +565,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
                   max_new_tokens=max_new_tokens, concurrency=concurrency, apply_fix=apply_fix,
                   not_applied=not_applied, measured_by=measured_by, port=port, acceptance_budget=acceptance_budget,
                   live_measure=live_measure, training_log=training_log, sweeps=sweeps, sweep_budget=sweep_budget,
-                  validation=validation, rows_word=rows_word, draft_cost=draft_cost,
+                  validation=validation, rows_word=rows_word, draft_cost=draft_cost, requests=(requests, tokenizer),
                   engine_probes=check_choice(engine_probes), probe_sampling=probe_sampling)
     check_sampling(probe_sampling)          # a bad probe temperature is bad input before any work
     parse_ports(port, what="--port")        # a bad port is bad input before any work

@@ -167,6 +167,46 @@ def test_cli_measure_writes_a_run_folder(server, tmp_path):
     assert bad2.returncode == 2 and "concurrency" in bad2.stderr
 
 
+def test_requests_file_replayed_with_its_own_sampling_and_provenance(server, tmp_path):
+    """``--requests``: each body's own max tokens / temperature reach the server (completion_tokens = the body's
+    max tokens under ignore_eos), accept length per request is the server's completion_tokens / spec_verify_ct, the
+    workload loss is the difference of the two sets' ratios, and the provenance holds the launch flags and the
+    engine's own draft checksum (POST /weights_checker, fetched here independently)."""
+    from helpers.acceptance.workload import load_requests
+    from helpers.investigation.workload import compare_workload
+    from helpers.runfiles import safetensors_fingerprint
+    from helpers.server.client import as_client
+    p = tmp_path / "requests.jsonl"
+    p.write_text("\n".join(json.dumps(b) for b in [
+        {"prompt": "alpha beta gamma delta", "max_tokens": 6, "temperature": 0.5, "seed": 1, "ignore_eos": True},
+        {"prompt": [0, 40, 41, 42, 43], "max_tokens": 7, "temperature": 0, "ignore_eos": True},
+        {"text": "gamma delta alpha", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}},
+    ]) + "\n")
+    reqs = load_requests(p)
+    client = as_client(server.url)
+    try:
+        cmp = compare_workload(client, reqs, max_new_tokens=8, n_reference=3, n_boot=300, warmup=0, progress=False,
+                               command="python -m helpers measure --requests requests.jsonl")
+    finally:
+        client.close()
+    pr = cmp.user.per_request
+    assert list(pr["completion_tokens"]) == [6, 7, 5] and list(pr["prompt_tokens"])[1] == 5
+    assert (pr["accept_length"] == pr["completion_tokens"] / pr["verify_ct"]).all()
+    assert list(cmp.reference.per_request["completion_tokens"] <= 8) == [True] * 3
+    ref = cmp.reference.per_request
+    assert cmp.loss["delta"] == pytest.approx(ref["completion_tokens"].sum() / ref["verify_ct"].sum()
+                                              - pr["completion_tokens"].sum() / pr["verify_ct"].sum())
+    assert cmp.decision["decision"] in ("counts", "undecided")        # 3 requests: never cleared
+    assert cmp.user.summary["workload"]["max_new_tokens"]["median"] == 6.0
+    prov = cmp.user.summary["provenance"]
+    assert prov["command"] == "python -m helpers measure --requests requests.jsonl"
+    assert "--speculative-num-steps 3" in prov["launch_command"]
+    ck = httpx.post(server.url + "/weights_checker", json={"action": "checksum", "selector": "draft"}, timeout=60)
+    assert prov["draft_checksum"] == ck.json()["per_engine_checksum"]
+    draft = sorted(__import__("pathlib").Path(prov["draft_path"]).glob("*.safetensors"))
+    assert prov["draft_files"] == {f.name: safetensors_fingerprint(f) for f in draft} and draft
+
+
 _HAVE_REFERENCE = (embedded.REFERENCE_TARGET / "config.json").exists() and \
     (embedded.REFERENCE_DRAFT / "config.json").exists()
 

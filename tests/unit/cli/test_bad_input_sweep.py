@@ -35,7 +35,7 @@ MODELS = REPO / "env" / "models"
 
 #: the file names a flag's reader tells apart by suffix (a prompt file: .json is a list, else JSON lines)
 SUFFIXES = {"--prompts": (".json", ".jsonl", ""), "--fixes": (".yaml", ".yml"), "--training-log": (".json", ".jsonl", ".txt"),
-            "--served": (".json", ""), "--draft-config": (".json", ""), "--reference": ("",)}
+            "--served": (".json", ""), "--requests": (".jsonl", ""), "--draft-config": (".json", ""), "--reference": ("",)}
 
 #: what a malformed input can be (each a function of the rng and the path it is made at)
 KINDS = ("fifo", "devzero", "loop", "dangling", "folder", "empty", "random", "latin1", "utf16", "wrongtype",
@@ -153,6 +153,12 @@ def _cases(tmp: Path):
                                                      "--training", str(train), "--training-log", str(p)], None),
         ("measure", "--prompts", lambda p, u: ["measure", "--url", closed, "--prompts", str(p), "--no-save",
                                                "--quiet"], None),
+        ("measure", "--requests", lambda p, u: ["measure", "--url", closed, "--requests", str(p), "--no-save",
+                                                "--quiet"], None),
+        ("investigate", "--requests", lambda p, u: ["investigate", "--url", u, "--training", str(train), "--target",
+                                                    str(target), "--draft", str(draft), "--requests", str(p),
+                                                    "--no-apply", "--no-budget", "--out", str(tmp / "outputs"),
+                                                    "--timeout", "60"], None),
         ("measure", "--fixes", lambda p, u: ["measure", "--fixes", str(p), "--outputs", str(tmp / "outputs")], None),
         ("capture", "--training", lambda p, u: ["capture", "--url", closed, "--training", str(p), "--num-samples",
                                                 "1"], ("folder", train, sample_file)),
