@@ -762,14 +762,14 @@ def _measured_text(m: Optional[dict]) -> str:
 
 
 def sentence(doc: InvestigationDoc) -> str:
-    """The postmortem's opening sentence: what is wrong, the evidence, the proposed fix, its measured effect (or
-    why it was not measured)."""
+    """The opening sentence: what is wrong, the evidence, the fix, its measured effect (or why not measured)."""
     if doc.error and doc.verdict in (None, "undecided"):
         return f"The investigation did not finish: {doc.error}"
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
-    ref = (doc.reference or {}).get("how") or "none"
-    budget_text = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
+    ref, wl = (doc.reference or {}).get("how") or "none", [x for x in doc.findings if x.kind == "requests_accept_less"]
+    budget_text = ((" " + doc.acceptance["sentence"]) if doc.acceptance else "") + "".join(
+        f" Your requests (--requests): {x.detail}." for x in wl)
     wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
     if not wiring:
         chunks = (doc.diagnosis or {}).get("chunks") or []

@@ -151,6 +151,12 @@ def test_unpaired_loss_counts_on_the_real_junk_requests():
     f = workload_finding(loss, dec, diffs, user=du, ref=dr)
     assert f["kind"] == "requests_accept_less" and f["evidence"]["decision"] == "counts"
     assert f"{al_user:.2f}" in f["detail"] and "not proven causes" in f["detail"]
+    # the opening sentence of an investigation with no wiring fault tells the loss on the user's requests too
+    from helpers.investigation.live import sentence
+    from helpers.records import Finding, InvestigationDoc
+    doc = InvestigationDoc(verdict="mismatch", findings=[Finding.model_validate(f)], measured={"not_measured": "x"})
+    text = sentence(doc)
+    assert text.startswith("No wiring fault, but acceptance is lost elsewhere") and f["detail"] in text, text
 
 
 def test_few_requests_are_undecided_and_identical_sets_clear():
