@@ -56,6 +56,8 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check, static_findings
 from .inputs import Investigation
+from ..draft.loader import OFFLINE_HEADS
+from .mtp import investigate_mtp, mtp_sentence
 from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported, require_draft
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
@@ -211,8 +213,16 @@ def _stage_attach(r: Run) -> None:
     r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
                         f"[{att.draft_source}]" + (f" = MTP head {head['class']} ({head['source']})" if head else "")
                         + f", target {att.target_dir} [{att.target_source}]")
-    if att.draft_head is not None:                 # an MTP / NextN head: attach said what it is; the rest is EAGLE-3's
-        raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
+    if att.draft_head is not None:                 # an MTP / NextN head: its own stages (helpers.investigation.mtp)
+        if att.draft_head.get("family") not in OFFLINE_HEADS:
+            raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
+        r.tcfg = read_target_config(att.target_dir)
+        investigate_mtp(r, lambda prompts, name: _reference(r.adapter, att, r.client, prompts, req.run_dir,
+                                                            r.tcfg.num_hidden_layers, name=name))
+        raise _Stopped
+    if req.training is None:
+        raise BadInput("--training is required (the EAGLE-3 draft's training data) for a draft that is not an MTP "
+                       "head", field="--training")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)
@@ -575,7 +585,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
-    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve())),
+    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir),
+                                          training="" if training is None else str(Path(training).resolve())),
             dl=dl, progress=progress)
     stage_name = "attach"
     try:
@@ -768,6 +779,8 @@ def sentence(doc: InvestigationDoc) -> str:
         return f"The investigation did not finish: {doc.error}"
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
+    if (doc.diagnosis or {}).get("kind") == "mtp":
+        return mtp_sentence(doc)
     ref = (doc.reference or {}).get("how") or "none"
     budget_text = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
     wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
