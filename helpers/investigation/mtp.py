@@ -156,9 +156,8 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
     states), ``wiring`` (offline on the served states), ``live``; losses ``wiring`` (reference - served, paired per
     prompt) and ``engine`` (offline served - live, paired), each decided by :func:`helpers.draft.decide.decide`;
     ``draft`` is not compared with a training log (undecided). ``cause`` by :func:`helpers.draft.budget.cause_of`
-    over ``wiring`` and ``engine`` when the draft stage is left out of the required stages is NOT done: the draft
-    stage stays required, so a budget without a loss is ``undecided``, never ``none``, until the head's own training
-    figure is compared.
+    over all three: the draft stage stays required, so a budget with no counted loss is ``undecided``, never
+    ``none``, until the head's own training figure is compared.
 
     Args:
         head: the offline head (:func:`helpers.draft.loader.load_draft`); served / reference: the live prompts'
@@ -238,17 +237,22 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
           {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")}}
     got = ident["identified"]
     names = [n for n in rel if n != POST_NORM]
+    cost = ""
+    if wiring_loss is not None and wiring_loss.get("delta") is not None and None not in (wiring_loss.get("ci") or [None]):
+        lo, hi = wiring_loss["ci"]
+        cost = (f"; what it costs the head on these prompts: {wiring_loss['delta']:+.2f} [{lo:+.2f}, {hi:+.2f}] "
+                f"accept length, {wiring_loss['decision']}")
     if got == names[-1]:
         return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
                         f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "
-                        f"(rel. error {rel[POST_NORM]:.2g})", **ev)]
+                        f"(rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got is not None:
         return [finding("wrong_layer", 0, f"the NextN head is fed {got} (rel. error {rel[got]:.2g}), not the "
                         f"target's final hidden state after the final norm {POST_NORM} (rel. error "
-                        f"{rel[POST_NORM]:.2g})", **ev)]
+                        f"{rel[POST_NORM]:.2g}){cost}", **ev)]
     return [finding("unidentified_chunk", 0, f"the NextN head's input is none of the target's layer outputs nor "
                     f"{POST_NORM} (closest {ident['best']}, rel. error {ident['best_rel_error']:.2g} >= "
-                    f"{ident['threshold']})", **ev)]
+                    f"{ident['threshold']}){cost}", **ev)]
 
 
 
