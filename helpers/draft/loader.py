@@ -48,7 +48,8 @@ def load_draft(draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype
         return Eagle3Draft.load(draft_dir, target_dir, dtype=dtype, device=device, dtype_reason=dtype_reason)
     loader = OFFLINE_HEADS.get(head.family.name)
     if loader is None:
-        raise BadInput(f"the draft is a {head.family.name} MTP head ({head.family.head_arch}, {head.family.head_file}); "
+        fam = head.family
+        raise BadInput(f"the draft is a {fam.name} MTP head ({fam.head_arch}, {fam.head_file}); "
                        f"the offline head is built for {', '.join(OFFLINE_HEADS)} only", path=draft_dir / "config.json",
                        field="architectures")
     if target_dir is None:

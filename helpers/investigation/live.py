@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import httpx
-
 from ..acceptance.machine import speed_change
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
@@ -48,6 +46,7 @@ from ..engines.base import EngineAdapter
 from ..engines.detect import detect
 from ..server.client import ServerClient
 from ..server.embedded import parse_ports
+from ..server.hosts import is_local_url
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
@@ -56,11 +55,10 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check, static_findings
 from .inputs import Investigation
-from ..draft.loader import OFFLINE_HEADS
-from .mtp import investigate_mtp, mtp_sentence
-from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported, require_draft
+from .attach import Attachment, attach, capture_hooks, hf_reference_fits, require_draft
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
+from .mtp import investigate_mtp, mtp_sentence
 from .propose import draft_variant, propose_fix
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
@@ -214,15 +212,10 @@ def _stage_attach(r: Run) -> None:
                         f"[{att.draft_source}]" + (f" = MTP head {head['class']} ({head['source']})" if head else "")
                         + f", target {att.target_dir} [{att.target_source}]")
     if att.draft_head is not None:                 # an MTP / NextN head: its own stages (helpers.investigation.mtp)
-        if att.draft_head.get("family") not in OFFLINE_HEADS:
-            raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
-        r.tcfg = read_target_config(att.target_dir)
-        investigate_mtp(r, lambda prompts, name: _reference(r.adapter, att, r.client, prompts, req.run_dir,
-                                                            r.tcfg.num_hidden_layers, name=name))
+        investigate_mtp(r, _reference)
         raise _Stopped
     if req.training is None:
-        raise BadInput("--training is required (the EAGLE-3 draft's training data) for a draft that is not an MTP "
-                       "head", field="--training")
+        raise BadInput("required for a draft that is not an MTP head (its training data)", field="--training")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)
@@ -716,7 +709,7 @@ def _apply_and_measure(r: Run, fix: ProposedFix) -> dict:
     keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
             "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests", "n_failed", "num_steps", "topk",
             "num_draft_tokens", "algorithm", "machine")
-    local = _is_local(att.url) and _is_local(handle.url)
+    local = is_local_url(att.url) and is_local_url(handle.url)
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
             "effect": effect, "prompts": req.measure_prompts, "max_new_tokens": req.max_new_tokens,
             "labels": ["before (as served)", "after (proposed fix)"],
@@ -746,12 +739,6 @@ def _diagnose_fixed(r: Run, fixed: ServerClient, fixed_draft: Path) -> Any:
         ref = r.inv.reference_dump()
     inv2.reference_spec = ref
     return inv2.diagnosis(reference=ref is not None)
-
-
-def _is_local(url: str) -> bool:
-    """The server at ``url`` runs on this machine (its load is the one the measurement records)."""
-    host = (httpx.URL(url).host or "").lower()
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 # ------------------------------------------------------------------------------------------------ the sentence

@@ -38,15 +38,20 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..acceptance.prompts import load_prompts
 from ..diagnosis.detectors import finding
+from ..draft.loader import OFFLINE_HEADS, load_draft
+from ..draft.precision import choose_dtype, server_dtype
+from ..records import Finding, ProposedFix
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
 from ..draft.decide import threshold
 from ..draft.model import _read_tensor, find_target_tensor
-from ..draft.sequences import SAME_STATES
+from ..draft.sequences import SAME_STATES, dump_sequences
 from ..draft.simulate import DraftSettings, SimSequence, simulate_sequences
 from ..errors import BadInput
-from ..formats.configs import read_target_config
+from ..formats.configs import read_config_json, read_target_config
 from ..formats.dumps import read_dump
+from .attach import mtp_not_supported
 
 #: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
 POST_NORM = "norm(out(n-1))"
@@ -74,7 +79,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
-def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Tensor,
+                     eps: float) -> dict[str, torch.Tensor]:
     """The tensors a served NextN input could be, from one every-layer reference sample: each of ``names`` (the dump's
     ``layer_plan.tensors``: ``embedding``, ``out(0)`` .. ``out(n-1)``) and :data:`POST_NORM` (the final norm applied
     to the last one). ``rows``: ``[T, len(names) * H]``; returns ``{name: [T, H] float32}``.
@@ -185,7 +191,7 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
                              "same /generate answers"))
     ref_al = stages[0].get("accept_length")
     losses: dict = {"draft": _not_computed("draft", "the head's accept length is not compared with its training "
-                                                    "figure yet (docs/mtp.md)")}
+                                                    "figure yet: docs/mtp.md")}
     if sim_r is not None:
         d, lo, hi, n, per = _paired_loss(sim_r, sim_s)
         losses["wiring"] = _loss("wiring", d, lo, hi, "reference states (norm(out(n-1))) vs served states, paired "
@@ -238,7 +244,8 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
     got = ident["identified"]
     names = [n for n in rel if n != POST_NORM]
     cost = ""
-    if wiring_loss is not None and wiring_loss.get("delta") is not None and None not in (wiring_loss.get("ci") or [None]):
+    wl = wiring_loss or {}
+    if wl.get("delta") is not None and None not in (wl.get("ci") or [None]):
         lo, hi = wiring_loss["ci"]
         cost = (f"; what it costs the head on these prompts: {wiring_loss['delta']:+.2f} [{lo:+.2f}, {hi:+.2f}] "
                 f"accept length, {wiring_loss['decision']}")
@@ -258,7 +265,7 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ the live run
 
-#: budget cause -> the finding it implies (as the EAGLE-3 budget's, :data:`helpers.investigation.acceptance.CAUSE_KINDS`)
+#: budget cause -> the finding it implies (as :data:`helpers.investigation.acceptance.CAUSE_KINDS` for EAGLE-3)
 CAUSE_FINDINGS = {"wiring": "wiring_loses_acceptance", "engine": "engine_after_capture"}
 FIX_SOURCE = ("SGLang 0.5.23 feeds the head logits_output.hidden_states = DeepseekV2Model.forward's output after "
               "final_norm (sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward)")
@@ -270,8 +277,9 @@ def investigate_mtp(r: Any, reference: Any) -> None:
 
     1. **capture** -- the live prompts (``--prompts`` x ``--max-new-tokens``, greedy, cache flushed) through the engine
        adapter's ``capture_served``: per token the hidden state the head reads and the request's live counters.
-    2. **reference** -- every layer of the target for the same tokens (``reference(prompts, name) -> (path, how,
-       missing)``: the server's own every-layer capture, else HF transformers).
+    2. **reference** -- every layer of the target for the same tokens (``reference(adapter, att, client, prompts,
+       run_dir, num_layers, name=) -> (path, how, missing)``, :func:`helpers.investigation.live._reference`: the
+       server's own every-layer capture, else HF transformers).
     3. **diagnosis** -- :func:`identify_state` and :func:`state_findings`.
     4. **acceptance budget** -- :func:`mtp_budget` with the head of :func:`helpers.draft.loader.load_draft`.
 
@@ -279,17 +287,14 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     counts; ``ok`` only when every stage of the budget is ``clear``; else ``undecided``.
 
     Raises:
-        BadInput: the head cannot be run offline (:func:`helpers.draft.loader.load_draft`); ServerError: the server
-            fails or the run's deadline runs out."""
-    # lazy: the acceptance stack imports torch-heavy modules the attach never needs
-    from ..acceptance.prompts import load_prompts
-    from ..draft.loader import load_draft
-    from ..draft.precision import choose_dtype, server_dtype
-    from ..draft.sequences import dump_sequences
-    from ..formats.configs import read_config_json
-    from ..records import Finding, ProposedFix
-
+        BadInput: a family with no offline head (:data:`helpers.draft.loader.OFFLINE_HEADS`: the attach's line,
+            :func:`helpers.investigation.attach.mtp_not_supported`), the head cannot be run offline
+            (:func:`helpers.draft.loader.load_draft`), served states not one target hidden state wide; ServerError:
+            the server fails or the run's deadline runs out."""
     req, doc, att = r.req, r.doc, r.att
+    if att.draft_head.get("family") not in OFFLINE_HEADS:
+        raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
+    r.tcfg = read_target_config(att.target_dir)
     spec = att.spec or {}
     settings = DraftSettings(int(spec.get("num_steps") or 1), int(spec.get("topk") or 1),
                              int(spec.get("num_draft_tokens") or 2))
@@ -308,7 +313,9 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     r.done("capture", t, f"{len(served)} live prompt(s) x {req.max_new_tokens} tokens -> "
                          f"{Path(dump).relative_to(req.run_dir)}")
     t = r.step("reference")
-    ref, how, missing = reference([{"id": s.key, "input_ids": s.tokens.tolist()} for s in served], "reference-live")
+    asked = [{"id": s.key, "input_ids": s.tokens.tolist()} for s in served]
+    ref, how, missing = reference(r.adapter, att, r.client, asked, req.run_dir, r.tcfg.num_hidden_layers,
+                                  name="reference-live")
     doc.reference = {"how": how, "path": None if ref is None else str(ref), "missing": missing}
     r.done("reference", t, how if ref is not None else f"none ({missing})")
     t = r.step("diagnosis")
