@@ -16,7 +16,8 @@ What SGLang 0.5.23 feeds the head (read in the installed source):
 
 Measured on the embedded Kimi-class target (``env/models/kimi/target``, TP 1, float32): the served rows equal
 ``norm(out(n-1))`` of the HF every-layer reference of the same tokens to 4e-7 relative (Frobenius), ``out(n-1)``
-(pre-norm) is 0.73-0.80 away, ``out(n-2)`` 0.84-0.93 (:func:`identify_state`).
+(pre-norm) is 0.73-0.80 away, ``out(n-2)`` 0.84-0.93, the final norm applied twice 0.02 (this target's final-norm
+weight is near uniform: 1.80 +- 0.04) (:func:`identify_state`).
 
 The stages (:func:`mtp_budget`), each accept length (tokens per verify step, bonus included) with its bootstrap CI
 over prompts, all on the same live prompts (the server's own greedy continuation):
@@ -55,6 +56,9 @@ from .attach import mtp_not_supported
 
 #: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
 POST_NORM = "norm(out(n-1))"
+#: the final norm applied twice (a capture path that norms the already normed state): near POST_NORM when the norm's
+#: weight is near uniform, so it is a candidate of its own, never left to the threshold
+TWICE = "norm(norm(out(n-1)))"
 FEED_SOURCE = ("sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward (spec_info.hidden_states) <- "
                "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward (final_norm applied) <- "
                "sglang/srt/layers/logits_processor.py::LogitsProcessor._get_hidden_states_to_store")
@@ -83,7 +87,8 @@ def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Ten
                      eps: float) -> dict[str, torch.Tensor]:
     """The tensors a served NextN input could be, from one every-layer reference sample: each of ``names`` (the dump's
     ``layer_plan.tensors``: ``embedding``, ``out(0)`` .. ``out(n-1)``) and :data:`POST_NORM` (the final norm applied
-    to the last one). ``rows``: ``[T, len(names) * H]``; returns ``{name: [T, H] float32}``.
+    to the last one) and :data:`TWICE` (applied twice). ``rows``: ``[T, len(names) * H]``; returns
+    ``{name: [T, H] float32}``.
 
     Raises:
         ValueError: ``rows`` is not ``len(names)`` chunks wide."""
@@ -93,6 +98,7 @@ def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Ten
     H = rows.shape[1] // k
     out = {n: rows[:, i * H:(i + 1) * H].float() for i, n in enumerate(names)}
     out[POST_NORM] = rms_norm(out[names[-1]], weight, eps)
+    out[TWICE] = rms_norm(out[POST_NORM], weight, eps)
     return out
 
 
@@ -104,8 +110,8 @@ def identify_state(served: Sequence[SimSequence], reference: str | Path, weight:
 
     Returns:
         ``{"rel_error": {candidate: float}, "best", "best_rel_error", "expected": POST_NORM, "matches": bool (the
-        expected candidate is within ``same``), "identified": the best candidate when within ``same`` else None,
-        "sequences", "rows", "source"}``.
+        closest candidate is the expected one and within ``same``), "identified": the closest candidate when within
+        ``same`` else None, "sequences", "rows", "source"}``.
 
     Raises:
         BadInput: no served sequence has a reference sample of the same id, or the widths differ (the dump named)."""
@@ -134,7 +140,8 @@ def identify_state(served: Sequence[SimSequence], reference: str | Path, weight:
     rel = {c: float(np.sqrt(num[c] / den[c])) if den[c] else float("inf") for c in num}
     best = min(rel, key=rel.get)
     return {"rel_error": rel, "best": best, "best_rel_error": rel[best], "expected": POST_NORM,
-            "matches": rel[POST_NORM] < same, "identified": best if rel[best] < same else None, "threshold": same,
+            "matches": best == POST_NORM and rel[best] < same, "identified": best if rel[best] < same else None,
+            "threshold": same,
             "sequences": n_seq, "rows": n_rows, "source": FEED_SOURCE}
 
 
@@ -242,7 +249,7 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
           "source": ident["source"], "wiring_loss": None if wiring_loss is None else
           {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")}}
     got = ident["identified"]
-    names = [n for n in rel if n != POST_NORM]
+    names = [n for n in rel if n not in (POST_NORM, TWICE)]
     cost = ""
     wl = wiring_loss or {}
     if wl.get("delta") is not None and None not in (wl.get("ci") or [None]):
@@ -253,6 +260,10 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
         return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
                         f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "
                         f"(rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
+    if got == TWICE:
+        return [finding("norm_mismatch", 0, f"the NextN head is fed the target's final hidden state with the final "
+                        f"norm applied TWICE, {TWICE} (rel. error {rel[got]:.2g}); SGLang feeds it normed once, "
+                        f"{POST_NORM} (rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got is not None:
         return [finding("wrong_layer", 0, f"the NextN head is fed {got} (rel. error {rel[got]:.2g}), not the "
                         f"target's final hidden state after the final norm {POST_NORM} (rel. error "
@@ -380,6 +391,6 @@ def mtp_sentence(doc: Any) -> str:
             f"{ident['sequences']} live prompt(s); reference: {ref}).{tail}")
 
 
-__all__ = ["CAUSE_FINDINGS", "FEED_SOURCE", "POST_NORM", "budget_sentence", "final_norm", "identify_state",
+__all__ = ["CAUSE_FINDINGS", "FEED_SOURCE", "POST_NORM", "TWICE", "budget_sentence", "final_norm", "identify_state",
            "investigate_mtp", "mtp_budget", "mtp_sentence", "reference_sequences", "rms_norm", "state_candidates",
            "state_findings"]
