@@ -296,6 +296,9 @@ def fault_factory(config: dict) -> Any:
         hs = getattr(output, "hidden_states", None)
         aux = inputs[4] if len(inputs) > 4 else None
         n = aux_chunk_count(aux, inputs[1] if len(inputs) > 1 else None)
+        if n == 0 and hs is not None and hs.dim() == 2 and len(inputs) > 1 and isinstance(inputs[1], torch.Tensor) \
+                and hs.shape[-1] == inputs[1].shape[-1]:
+            n = 1        # no aux (EAGLE / NEXTN): the one H-wide state is the target's final hidden state, the chunk
         if hs is None or hs.dim() != 2 or n == 0:
             return None
         h = hs.shape[1] // n

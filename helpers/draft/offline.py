@@ -24,6 +24,7 @@ from .budget import BudgetInputs
 from .cost import draft_cost as step_cost
 from .sequences import dump_sequences, training_sequences
 from .draft_stage import budget_fields, draft_rows
+from .loader import load_draft
 from .model import DraftArch, Eagle3Draft
 from .precision import DtypeChoice
 from .simulate import DraftSettings, SimSequence
@@ -100,7 +101,7 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
         find_training_log(draft_dir, training_log)
     if log is None and log_path is not None:
         log = read_training_log(log_path)
-    draft = Eagle3Draft.load(draft_dir, target_dir, dtype=choice.dtype, device=device, dtype_reason=choice.reason)
+    draft = load_draft(draft_dir, target_dir, dtype=choice.dtype, device=device, dtype_reason=choice.reason)
     progress(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
              f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
              f"d2t {draft.sources['d2t']}")

@@ -250,10 +250,10 @@ def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
             f"{s['num_steps']} steps, topk {s['topk']}, {s['num_draft_tokens']} draft tokens"
             + "".join(f" ({o['message']})" for o in s.get("overrides", []) if o["kind"] == "forced")
             + ". investigate does not "
-            "support MTP heads yet: capturing the hidden state and token embedding the head reads, running the head "
-            "offline and its acceptance budget are built for EAGLE-3 drafts only (issue 37). Check its config now "
-            f"with: python -m helpers diagnose --draft-config {draft_dir} --target-config {target_dir} "
-            "--speculative-algorithm NEXTN")
+            "support MTP heads yet here: `investigate` runs a DeepSeek-V3-family NextN head (docs/mtp.md); the "
+            "served-draft replay of --check-draft and the heads of other families are built for EAGLE-3 drafts only "
+            f"(issue 37). Check its config now with: python -m helpers diagnose --draft-config {draft_dir} "
+            f"--target-config {target_dir} --speculative-algorithm NEXTN")
 
 
 #: targets HF was found to fit for in this process (resolved folder -> why): every later reference of the process

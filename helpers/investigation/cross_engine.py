@@ -37,7 +37,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.requests import repeatability
 from ..acceptance.stats import histogram_matrix, paired_effect, position_rates
 from ..draft.budget import dump_sequences
-from ..draft.model import Eagle3Draft
+from ..draft.loader import load_draft
 from ..draft.simulate import simulate_sequences
 from ..budget import Budget
 from ..draft.precision import choose_dtype, server_dtype
@@ -192,7 +192,7 @@ def _offline_on_live(s: Side, p: Pair) -> tuple[pd.DataFrame, dict]:
     dumps = sorted((p.run_dir / "sides" / s.label / "dumps").glob("live-continuations*"))
     spec = s.att.spec
     settings = DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"]))
-    draft = Eagle3Draft.load(s.att.draft_dir, s.att.target_dir,
+    draft = load_draft(s.att.draft_dir, s.att.target_dir,
                              dtype=choose_dtype(server_dtype(s.att.info, read_draft_config(s.att.draft_dir).raw),
                                                 "cpu").dtype)      # the budget's choice
     seqs = [q for d in dumps for q in dump_sequences(d)]

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import httpx
-
 from ..acceptance.machine import speed_change
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
@@ -48,6 +46,7 @@ from ..engines.base import EngineAdapter
 from ..engines.detect import detect
 from ..server.client import ServerClient
 from ..server.embedded import parse_ports
+from ..server.hosts import is_local_url
 from ..draft.checks import draft_checks
 from ..draft.simulate import DraftSettings
 from .ablate import ablate as run_ablation, ablation_text
@@ -56,9 +55,10 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check, static_findings
 from .inputs import Investigation
-from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported, require_draft
+from .attach import Attachment, attach, capture_hooks, hf_reference_fits, require_draft
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
+from .mtp import investigate_mtp, mtp_sentence
 from .propose import draft_variant, propose_fix
 from .workload import workload_stage
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
@@ -212,8 +212,11 @@ def _stage_attach(r: Run) -> None:
     r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
                         f"[{att.draft_source}]" + (f" = MTP head {head['class']} ({head['source']})" if head else "")
                         + f", target {att.target_dir} [{att.target_source}]")
-    if att.draft_head is not None:                 # an MTP / NextN head: attach said what it is; the rest is EAGLE-3's
-        raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
+    if att.draft_head is not None:                 # an MTP / NextN head: its own stages (helpers.investigation.mtp)
+        investigate_mtp(r, _reference)
+        raise _Stopped
+    if req.training is None:
+        raise BadInput("required for a draft that is not an MTP head (its training data)", field="--training")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)
@@ -575,7 +578,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
-    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve())),
+    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir),
+                                          training="" if training is None else str(Path(training).resolve())),
             dl=dl, progress=progress)
     stage_name = "attach"
     try:
@@ -705,7 +709,7 @@ def _apply_and_measure(r: Run, fix: ProposedFix) -> dict:
     keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
             "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests", "n_failed", "num_steps", "topk",
             "num_draft_tokens", "algorithm", "machine")
-    local = _is_local(att.url) and _is_local(handle.url)
+    local = is_local_url(att.url) and is_local_url(handle.url)
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
             "effect": effect, "prompts": req.measure_prompts, "max_new_tokens": req.max_new_tokens,
             "labels": ["before (as served)", "after (proposed fix)"],
@@ -737,12 +741,6 @@ def _diagnose_fixed(r: Run, fixed: ServerClient, fixed_draft: Path) -> Any:
     return inv2.diagnosis(reference=ref is not None)
 
 
-def _is_local(url: str) -> bool:
-    """The server at ``url`` runs on this machine (its load is the one the measurement records)."""
-    host = (httpx.URL(url).host or "").lower()
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-
-
 # ------------------------------------------------------------------------------------------------ the sentence
 
 def _measured_text(m: Optional[dict]) -> str:
@@ -767,6 +765,8 @@ def sentence(doc: InvestigationDoc) -> str:
         return f"The investigation did not finish: {doc.error}"
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
+    if (doc.diagnosis or {}).get("kind") == "mtp":
+        return mtp_sentence(doc)
     ref, wl = (doc.reference or {}).get("how") or "none", [x for x in doc.findings if x.kind == "requests_accept_less"]
     budget_text = ((" " + doc.acceptance["sentence"]) if doc.acceptance else "") + "".join(
         f" Your requests (--requests): {x.detail}." for x in wl)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+from urllib.parse import urlsplit
 
 #: what an IPv4 address in one of the C resolver's other spellings can hold (digits, hex digits, ``x``, dots)
 _IPV4_SPELLING = re.compile(r"[0-9a-fA-FxX.]+")
@@ -34,3 +35,9 @@ def canonical_host(host: str) -> str:
         except OSError:
             pass
     return host
+
+
+def is_local_url(url: str) -> bool:
+    """The server at ``url`` runs on this machine (a loopback host: its load is the one a measurement records)."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

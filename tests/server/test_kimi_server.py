@@ -364,3 +364,26 @@ class TestNextNTP2:
         accept = _assert_greedy_equal(nextn_tp2.url, hf, PROMPTS)
         print(f"[kimi] NEXTN TP 2 steps 1: accept length {accept:.3f} over {len(PROMPTS)} prompts")
         assert accept > 1.2
+
+    def test_investigate_runs_on_the_nextn_head(self, nextn_tp2, kimi, tmp_path):
+        """``investigate`` on the NEXTN server (helpers.investigation.mtp): the state the head is fed is identified
+        per token as the target's final hidden state after its final norm (HF every-layer reference of the same
+        tokens), the head run offline on it equals the live counters of the same answers (engine loss 0, paired),
+        and the clean server is never a fault: verdict undecided (the head's own training figure is not compared)."""
+        from helpers.investigation.live import investigate
+        from helpers.investigation.mtp import POST_NORM
+        t0 = time.monotonic()
+        doc = investigate(nextn_tp2.url, training=None, run_dir=tmp_path / "run", measure_prompts=4,
+                          max_new_tokens=16, timeout=900, apply_fix=False, engine_probes="none")
+        print(f"[kimi] investigate on the NEXTN TP 2 server: {time.monotonic() - t0:.1f} s; {doc.sentence}")
+        ident = doc.diagnosis["served_state"]
+        assert ident["identified"] == POST_NORM and ident["rel_error"][POST_NORM] < 1e-4
+        assert ident["rel_error"]["out(7)"] > 0.3 and ident["sequences"] == 4
+        assert doc.findings == [] and doc.verdict == "undecided" and doc.error is None
+        b = doc.acceptance
+        assert [s["name"] for s in b["stages"]] == ["draft (offline, reference states)",
+                                                    "wiring (offline, served states)", "live"]
+        # TP 2 sums in another order than HF / the offline head: a near-tie may flip one draft token, never a loss
+        for stage in ("wiring", "engine"):
+            assert abs(b["losses"][stage]["delta"]) <= 0.05 and b["losses"][stage]["decision"] != "counts"
+        assert b["stages"][2]["accept_length"] > 1.0 and b["cause"] == "undecided"

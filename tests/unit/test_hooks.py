@@ -143,3 +143,25 @@ def test_fault_hook_reads_listed_and_packed_aux(packed):
     torch.testing.assert_close(out.hidden_states, torch.cat([chunks[2], chunks[0], chunks[1]], dim=1))
     draft = _FakeLogitsProcessor("Eagle3DeepseekV2ForCausalLM")            # the MLA draft's processor: untouched
     assert hook(draft, (torch.arange(t), final, None, None, aux), _LogitsOut(cat.clone())) is None
+
+
+def test_fault_hook_on_a_nextn_server_replaces_the_one_final_state():
+    """EAGLE / NEXTN (no aux): the target's logits processor gets aux None and stores its final (post-norm) hidden
+    state [T, H] (logits_processor.py::_get_hidden_states_to_store); the wrong_layer fault with the last layer
+    replaces that one state by the stashed out(n-1), the pre-norm residual (the fault investigate names
+    norm_mismatch); the NextN head's own processor (DeepseekV3ForCausalLMNextN) is left untouched."""
+    from helpers.hooks import STASH, fault_factory
+
+    t, h = 6, 16
+    g = torch.Generator().manual_seed(7)
+    final, pre = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
+    STASH.put("out(7)", pre)
+    hook = fault_factory({"faults": [{"kind": "wrong_layer", "chunk": 0, "layer": 7}]})
+    out = hook(_FakeLogitsProcessor("DeepseekV3ForCausalLM"), (torch.arange(t), final, None, None, None),
+               _LogitsOut(final.clone()))
+    torch.testing.assert_close(out.hidden_states, pre)
+    head = _FakeLogitsProcessor("DeepseekV3ForCausalLMNextN")
+    assert hook(head, (torch.arange(t), final, None, None, None), _LogitsOut(final.clone())) is None
+    # a state of another width than the final hidden state is no single chunk: untouched
+    assert hook(_FakeLogitsProcessor("DeepseekV3ForCausalLM"), (torch.arange(t), final, None, None, None),
+                _LogitsOut(torch.randn(t, 2 * h, generator=g))) is None

@@ -32,6 +32,7 @@ from typing import Optional
 from ...acceptance.lifecycle import FIXED_NEW_TOKENS, FIXED_PROMPT
 from ...acceptance.prompts import Prompt
 from ...diagnosis.detectors import finding
+from ...draft.loader import load_draft
 from ...draft.model import Eagle3Draft
 from ...draft.precision import choose_dtype, server_dtype
 from ...draft.trace import brief, compare_trace, write_result
@@ -64,7 +65,7 @@ def checkpoint_draft(ctx: ProbeContext) -> Eagle3Draft:
     if "trace_draft" not in ctx.extra:
         att = ctx.att
         choice = choose_dtype(server_dtype(ctx.client.server_info(), read_draft_config(att.draft_dir).raw), "cpu")
-        ctx.extra["trace_draft"] = Eagle3Draft.load(att.draft_dir, att.target_dir, dtype=choice.dtype,
+        ctx.extra["trace_draft"] = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype,
                                                     dtype_reason=choice.reason)
     return ctx.extra["trace_draft"]
 

@@ -1,0 +1,396 @@
+"""The live investigation of an MTP / NextN head (``investigate`` on a server run with ``--speculative-algorithm
+NEXTN``): what hidden state the head reads, the head run offline on it, and the live accept length.
+
+What SGLang 0.5.23 feeds the head (read in the installed source):
+
+* the head reads ``forward_batch.spec_info.hidden_states`` (``sglang/srt/models/deepseek_nextn.py::
+  DeepseekModelNextN.forward``: ``hnorm(previous_hidden_states)`` concatenated after ``enorm(embed(x_{t+1}))``);
+* that tensor is the target's ``logits_output.hidden_states``: ``sglang/srt/models/deepseek_v2.py::
+  DeepseekV2Model.forward`` ends with ``residual_batch.final_norm(hidden_states, forward_batch, self.norm)`` (the
+  final RMSNorm applied), ``DeepseekV2ForCausalLM.forward`` passes it to the logits processor with no aux hidden
+  states (NEXTN is EAGLE, not EAGLE-3: ``capture_aux_hidden_states`` stays False) and no ``hidden_states_before_norm``,
+  and ``sglang/srt/layers/logits_processor.py::LogitsProcessor._get_hidden_states_to_store`` stores
+  ``hidden_states`` as is (FULL / LAST capture mode of the EAGLE worker);
+* ``/generate`` with ``return_hidden_states`` returns that same tensor per token (prompt rows, then one row per
+  generated token): the **target's final hidden state after its final norm**, ``norm(out(n-1))`` below.
+
+Measured on the embedded Kimi-class target (``env/models/kimi/target``, TP 1, float32): the served rows equal
+``norm(out(n-1))`` of the HF every-layer reference of the same tokens to 4e-7 relative (Frobenius), ``out(n-1)``
+(pre-norm) is 0.73-0.80 away, ``out(n-2)`` 0.84-0.93, the final norm applied twice 0.02 (this target's final-norm
+weight is near uniform: 1.80 +- 0.04) (:func:`identify_state`).
+
+The stages (:func:`mtp_budget`), each accept length (tokens per verify step, bonus included) with its bootstrap CI
+over prompts, all on the same live prompts (the server's own greedy continuation):
+
+* ``draft`` -- the head run offline (:func:`helpers.draft.loader.load_draft`, the engine's chain replayed by
+  :func:`helpers.draft.simulate.simulate_sequences`) on the reference states ``norm(out(n-1))``: what the head can
+  do when fed right. Not compared with a training log here (undecided, saying so).
+* ``wiring`` -- the same on the served states: the paired loss reference - served decides whether what the server
+  feeds costs acceptance (:func:`helpers.draft.decide.decide`).
+* ``engine`` -- the live counters (``meta_info`` ``spec_verify_ct``, ``completion_tokens``) against the offline run
+  on the served states: a loss after the capture point.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..acceptance.prompts import load_prompts
+from ..diagnosis.detectors import finding
+from ..draft.loader import OFFLINE_HEADS, load_draft
+from ..draft.precision import choose_dtype, server_dtype
+from ..records import Finding, ProposedFix
+from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
+from ..draft.decide import threshold
+from ..draft.model import _read_tensor, find_target_tensor
+from ..draft.sequences import SAME_STATES, dump_sequences
+from ..draft.simulate import DraftSettings, SimSequence, simulate_sequences
+from ..errors import BadInput
+from ..formats.configs import read_config_json, read_target_config
+from ..formats.dumps import read_dump
+from .attach import mtp_not_supported
+
+#: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
+POST_NORM = "norm(out(n-1))"
+#: the final norm applied twice (a capture path that norms the already normed state): near POST_NORM when the norm's
+#: weight is near uniform, so it is a candidate of its own, never left to the threshold
+TWICE = "norm(norm(out(n-1)))"
+FEED_SOURCE = ("sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward (spec_info.hidden_states) <- "
+               "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward (final_norm applied) <- "
+               "sglang/srt/layers/logits_processor.py::LogitsProcessor._get_hidden_states_to_store")
+
+
+def final_norm(target_dir: str | Path) -> tuple[torch.Tensor, float]:
+    """``(model.norm.weight [H] float32, rms_norm_eps)`` of the target folder (read from its safetensors index).
+
+    Raises:
+        BadInput: no ``model.norm.weight`` in the target's safetensors (the folder named)."""
+    hit = find_target_tensor(Path(target_dir), "model.norm.weight")
+    if hit is None:
+        raise BadInput("the target's safetensors hold no model.norm.weight (the final norm the NextN head's input "
+                       "passed through: deepseek_v2.py::DeepseekV2Model.norm)", path=target_dir)
+    eps = float(read_target_config(target_dir).raw.get("rms_norm_eps", 1e-6))
+    return _read_tensor(hit[1], hit[0]).float(), eps
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 (``sglang/srt/layers/layernorm.py::RMSNorm.forward_native``): ``x [T, H]`` -> ``[T, H]``."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Tensor,
+                     eps: float) -> dict[str, torch.Tensor]:
+    """The tensors a served NextN input could be, from one every-layer reference sample: each of ``names`` (the dump's
+    ``layer_plan.tensors``: ``embedding``, ``out(0)`` .. ``out(n-1)``) and :data:`POST_NORM` (the final norm applied
+    to the last one) and :data:`TWICE` (applied twice). ``rows``: ``[T, len(names) * H]``; returns
+    ``{name: [T, H] float32}``.
+
+    Raises:
+        ValueError: ``rows`` is not ``len(names)`` chunks wide."""
+    k = len(names)
+    if rows.dim() != 2 or k == 0 or rows.shape[1] % k:
+        raise ValueError(f"reference rows {tuple(rows.shape)} are not {k} equal chunks wide")
+    H = rows.shape[1] // k
+    out = {n: rows[:, i * H:(i + 1) * H].float() for i, n in enumerate(names)}
+    out[POST_NORM] = rms_norm(out[names[-1]], weight, eps)
+    out[TWICE] = rms_norm(out[POST_NORM], weight, eps)
+    return out
+
+
+def identify_state(served: Sequence[SimSequence], reference: str | Path, weight: torch.Tensor, eps: float, *,
+                   same: float = SAME_STATES) -> dict:
+    """Which tensor of the target the served NextN input is: the relative difference (Frobenius over every aligned
+    row of every sequence, ``||served - c|| / ||c||``) to each candidate of :func:`state_candidates`, paired with the
+    reference dump's samples by sample id.
+
+    Returns:
+        ``{"rel_error": {candidate: float}, "best", "best_rel_error", "expected": POST_NORM, "matches": bool (the
+        closest candidate is the expected one and within ``same``), "identified": the closest candidate when within
+        ``same`` else None, "sequences", "rows", "source"}``.
+
+    Raises:
+        BadInput: no served sequence has a reference sample of the same id, or the widths differ (the dump named)."""
+    src = read_dump(reference)
+    names = list((src.layer_plan or {}).get("tensors") or [])
+    by_id = {str(s.sample_id or s.key): s for s in src.samples}
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    n_seq = n_rows = 0
+    for seq in served:
+        s = by_id.get(seq.key)
+        if s is None:
+            continue
+        cands = state_candidates(s.load(), names, weight, eps)
+        n = min(int(seq.aux.shape[0]), next(iter(cands.values())).shape[0])
+        got = seq.aux[:n].float()
+        if got.shape[1] != next(iter(cands.values())).shape[1]:
+            raise BadInput(f"served rows are {got.shape[1]} wide, the reference's chunks "
+                           f"{next(iter(cands.values())).shape[1]}: not one hidden state", path=reference)
+        for c, v in cands.items():
+            num[c] = num.get(c, 0.0) + float((got - v[:n]).pow(2).sum())
+            den[c] = den.get(c, 0.0) + float(v[:n].pow(2).sum())
+        n_seq, n_rows = n_seq + 1, n_rows + n
+    if not n_seq:
+        raise BadInput("no served sequence has a reference sample of the same id", path=reference)
+    rel = {c: float(np.sqrt(num[c] / den[c])) if den[c] else float("inf") for c in num}
+    best = min(rel, key=rel.get)
+    return {"rel_error": rel, "best": best, "best_rel_error": rel[best], "expected": POST_NORM,
+            "matches": best == POST_NORM and rel[best] < same, "identified": best if rel[best] < same else None,
+            "threshold": same,
+            "sequences": n_seq, "rows": n_rows, "source": FEED_SOURCE}
+
+
+def reference_sequences(reference: str | Path, like: Sequence[SimSequence], weight: torch.Tensor,
+                        eps: float) -> list[SimSequence]:
+    """The sequences ``like`` with their states replaced by :data:`POST_NORM` of the every-layer reference of the same
+    tokens (what a correct server feeds the head)."""
+    src = read_dump(reference)
+    names = list((src.layer_plan or {}).get("tensors") or [])
+    by_id = {str(s.sample_id or s.key): s for s in src.samples}
+    out = []
+    for seq in like:
+        s = by_id.get(seq.key)
+        if s is None:
+            continue
+        aux = state_candidates(s.load(), names, weight, eps)[POST_NORM]
+        n = min(aux.shape[0], int(seq.tokens.shape[0]))
+        out.append(SimSequence(seq.key, seq.tokens[:n], aux[:n], seq.start))
+    return [s for s in out if s.start <= int(s.tokens.shape[0]) - 2]
+
+
+def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Sequence[SimSequence]],
+               live: Optional[pd.DataFrame], settings: DraftSettings, *, max_new_tokens: int) -> dict:
+    """The head's acceptance budget on the live prompts (module docstring): stages ``draft`` (offline on the reference
+    states), ``wiring`` (offline on the served states), ``live``; losses ``wiring`` (reference - served, paired per
+    prompt) and ``engine`` (offline served - live, paired), each decided by :func:`helpers.draft.decide.decide`;
+    ``draft`` is not compared with a training log (undecided). ``cause`` by :func:`helpers.draft.budget.cause_of`
+    over all three: the draft stage stays required, so a budget with no counted loss is ``undecided``, never
+    ``none``, until the head's own training figure is compared.
+
+    Args:
+        head: the offline head (:func:`helpers.draft.loader.load_draft`); served / reference: the live prompts'
+            sequences with the served / reference states (reference None: not measured); live: the live per-request
+            counters (:func:`helpers.acceptance.requests.record` rows) of the same answers, or None.
+        settings: the served chain; max_new_tokens: the live requests' cap (the simulation cuts there).
+
+    Returns:
+        ``{"stages": [...], "losses": {"draft", "wiring", "engine"}, "cause", "sentence", "settings"}``.
+    """
+    steps = settings.steps
+    sim_s = simulate_sequences(head, served, [settings], max_new_tokens=max_new_tokens)["per_request"][settings]
+    sim_r = None if not reference else simulate_sequences(head, reference, [settings],
+                                                          max_new_tokens=max_new_tokens)["per_request"][settings]
+    stages = []
+    src = "simulation: the head offline as SGLang runs it (helpers.draft.loader.load_draft, helpers.draft.simulate)"
+    if sim_r is not None:
+        stages.append(_stage("draft (offline, reference states)", sim_r, steps, source=src + " on norm(out(n-1)) of "
+                             "the every-layer reference of the same tokens"))
+    stages.append(_stage("wiring (offline, served states)", sim_s, steps, source=src + " on the served states "
+                         "(/generate return_hidden_states)"))
+    live_ok = live is not None and len(live) and live["verify_ct"].notna().any()
+    if live_ok:
+        stages.append(_stage("live", live, steps, source="SGLang meta_info (spec_verify_ct, completion_tokens) of the "
+                             "same /generate answers"))
+    ref_al = stages[0].get("accept_length")
+    losses: dict = {"draft": _not_computed("draft", "the head's accept length is not compared with its training "
+                                                    "figure yet: docs/mtp.md")}
+    if sim_r is not None:
+        d, lo, hi, n, per = _paired_loss(sim_r, sim_s)
+        losses["wiring"] = _loss("wiring", d, lo, hi, "reference states (norm(out(n-1))) vs served states, paired "
+                                 "per live prompt", ref_al, n=n, unit="prompts", per_sequence=per)
+    else:
+        losses["wiring"] = _not_computed("wiring", "no every-layer reference of the live prompts")
+    if live_ok:
+        d, lo, hi, n, per = _paired_loss(sim_s, live)
+        losses["engine"] = _loss("engine", d, lo, hi, "offline on the served states vs the live counters, paired per "
+                                 "prompt", ref_al, n=n, unit="prompts", per_sequence=per)
+    else:
+        losses["engine"] = _not_computed("engine", "no live counters (--no-measure or the server returned none)")
+    cause = cause_of(losses, ("draft", "wiring", "engine"))
+    b = {"kind": "mtp", "settings": settings.label, "stages": stages, "losses": losses, "cause": cause,
+         "threshold": threshold(ref_al)}
+    b["sentence"] = budget_sentence(b)
+    return b
+
+
+def _al(st: dict) -> str:
+    ci = st.get("ci") or [None, None]
+    if st.get("accept_length") is None:
+        return f"{st['name']} -"
+    ci_txt = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if None not in ci else ""
+    return f"{st['name']} {st['accept_length']:.2f}{ci_txt}"
+
+
+def budget_sentence(b: dict) -> str:
+    """One line: the stages' accept lengths and each loss's decision."""
+    parts = "; ".join(_al(s) for s in b["stages"])
+    loss = "; ".join(f"{k} loss {v['delta']:+.2f} [{v['ci'][0]:+.2f}, {v['ci'][1]:+.2f}] {v['decision']}"
+                     if v.get("delta") is not None and None not in (v.get("ci") or [None, None])
+                     else f"{k} {v['decision']} ({v.get('why') or v.get('basis')})" for k, v in b["losses"].items())
+    return f"NextN accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
+
+
+def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
+    """The findings of :func:`identify_state`: none when the served state is :data:`POST_NORM`; ``norm_mismatch``
+    when it is the last layer's output before the final norm; ``wrong_layer`` when it is another layer's output or the
+    embedding; ``unidentified_chunk`` when no candidate is within the threshold. The wiring loss (if measured) rides
+    along as evidence, never as the cause."""
+    if ident["matches"]:
+        return []
+    rel = ident["rel_error"]
+    top = dict(sorted(rel.items(), key=lambda kv: kv[1])[:4])
+    ev = {"rel_error": top, "expected": POST_NORM, "expected_rel_error": rel[POST_NORM],
+          "threshold": ident["threshold"], "sequences": ident["sequences"], "rows": ident["rows"],
+          "source": ident["source"], "wiring_loss": None if wiring_loss is None else
+          {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")}}
+    got = ident["identified"]
+    names = [n for n in rel if n not in (POST_NORM, TWICE)]
+    cost = ""
+    wl = wiring_loss or {}
+    if wl.get("delta") is not None and None not in (wl.get("ci") or [None]):
+        lo, hi = wiring_loss["ci"]
+        cost = (f"; what it costs the head on these prompts: {wiring_loss['delta']:+.2f} [{lo:+.2f}, {hi:+.2f}] "
+                f"accept length, {wiring_loss['decision']}")
+    if got == names[-1]:
+        return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
+                        f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "
+                        f"(rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
+    if got == TWICE:
+        return [finding("norm_mismatch", 0, f"the NextN head is fed the target's final hidden state with the final "
+                        f"norm applied TWICE, {TWICE} (rel. error {rel[got]:.2g}); SGLang feeds it normed once, "
+                        f"{POST_NORM} (rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
+    if got is not None:
+        return [finding("wrong_layer", 0, f"the NextN head is fed {got} (rel. error {rel[got]:.2g}), not the "
+                        f"target's final hidden state after the final norm {POST_NORM} (rel. error "
+                        f"{rel[POST_NORM]:.2g}){cost}", **ev)]
+    return [finding("unidentified_chunk", 0, f"the NextN head's input is none of the target's layer outputs nor "
+                    f"{POST_NORM} (closest {ident['best']}, rel. error {ident['best_rel_error']:.2g} >= "
+                    f"{ident['threshold']}){cost}", **ev)]
+
+
+
+# ------------------------------------------------------------------------------------------------ the live run
+
+#: budget cause -> the finding it implies (as :data:`helpers.investigation.acceptance.CAUSE_KINDS` for EAGLE-3)
+CAUSE_FINDINGS = {"wiring": "wiring_loses_acceptance", "engine": "engine_after_capture"}
+FIX_SOURCE = ("SGLang 0.5.23 feeds the head logits_output.hidden_states = DeepseekV2Model.forward's output after "
+              "final_norm (sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward)")
+
+
+def investigate_mtp(r: Any, reference: Any) -> None:
+    """The stages of ``investigate`` for an MTP / NextN head (module docstring), filling ``r.doc``
+    (:class:`helpers.investigation.live.Run`; its attach has run and named the head):
+
+    1. **capture** -- the live prompts (``--prompts`` x ``--max-new-tokens``, greedy, cache flushed) through the engine
+       adapter's ``capture_served``: per token the hidden state the head reads and the request's live counters.
+    2. **reference** -- every layer of the target for the same tokens (``reference(adapter, att, client, prompts,
+       run_dir, num_layers, name=) -> (path, how, missing)``, :func:`helpers.investigation.live._reference`: the
+       server's own every-layer capture, else HF transformers).
+    3. **diagnosis** -- :func:`identify_state` and :func:`state_findings`.
+    4. **acceptance budget** -- :func:`mtp_budget` with the head of :func:`helpers.draft.loader.load_draft`.
+
+    Verdict: ``mismatch`` when the served state is not :data:`POST_NORM` (the finding says what it is) or a loss
+    counts; ``ok`` only when every stage of the budget is ``clear``; else ``undecided``.
+
+    Raises:
+        BadInput: a family with no offline head (:data:`helpers.draft.loader.OFFLINE_HEADS`: the attach's line,
+            :func:`helpers.investigation.attach.mtp_not_supported`), the head cannot be run offline
+            (:func:`helpers.draft.loader.load_draft`), served states not one target hidden state wide; ServerError:
+            the server fails or the run's deadline runs out."""
+    req, doc, att = r.req, r.doc, r.att
+    if att.draft_head.get("family") not in OFFLINE_HEADS:
+        raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
+    r.tcfg = read_target_config(att.target_dir)
+    spec = att.spec or {}
+    settings = DraftSettings(int(spec.get("num_steps") or 1), int(spec.get("topk") or 1),
+                             int(spec.get("num_draft_tokens") or 2))
+    t = r.step("capture")
+    recs: list = []
+    prompts = load_prompts(None, n=req.measure_prompts)
+    H = int(read_target_config(att.target_dir).hidden_size)
+    dump = r.adapter.capture_served(r.client, prompts, req.run_dir / "dumps", name="live-continuations",
+                                    max_new_tokens=req.max_new_tokens, records=recs, max_width=16 * H)
+    served = dump_sequences(dump)
+    widths = {int(s.aux.shape[1]) for s in served}
+    if widths != {H}:
+        raise BadInput(f"the served hidden states are {sorted(widths)} wide, the target's hidden size is {H}: not "
+                       "the one state a NextN head reads", path=dump)
+    doc.samples = len(served)
+    r.done("capture", t, f"{len(served)} live prompt(s) x {req.max_new_tokens} tokens -> "
+                         f"{Path(dump).relative_to(req.run_dir)}")
+    t = r.step("reference")
+    asked = [{"id": s.key, "input_ids": s.tokens.tolist()} for s in served]
+    ref, how, missing = reference(r.adapter, att, r.client, asked, req.run_dir, r.tcfg.num_hidden_layers,
+                                  name="reference-live")
+    doc.reference = {"how": how, "path": None if ref is None else str(ref), "missing": missing}
+    r.done("reference", t, how if ref is not None else f"none ({missing})")
+    t = r.step("diagnosis")
+    weight, eps = final_norm(att.target_dir)
+    ident = identify_state(served, ref, weight, eps) if ref is not None else None
+    doc.diagnosis = {"kind": "mtp", "served_state": ident}
+    r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
+           f"served state = {ident['identified'] or 'none of the candidates'} (rel. error "
+           f"{ident['best_rel_error']:.2g}; {POST_NORM} {ident['rel_error'][POST_NORM]:.2g})")
+    b = None
+    if req.acceptance_budget:
+        t = r.step("acceptance budget")
+        choice = choose_dtype(server_dtype(att.info, read_config_json(att.draft_dir / "config.json", "draft config")),
+                              "cpu")
+        head = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype, dtype_reason=choice.reason)
+        refs = reference_sequences(ref, served, weight, eps) if ref is not None else None
+        b = mtp_budget(head, served, refs, pd.DataFrame(recs) if req.live_measure else None, settings,
+                       max_new_tokens=req.max_new_tokens)
+        b["dtype"] = choice.reason
+        doc.acceptance = b
+        r.done("acceptance budget", t, b["sentence"])
+    found = state_findings(ident, (b or {}).get("losses", {}).get("wiring")) if ident is not None else []
+    cause = (b or {}).get("cause")
+    if cause in CAUSE_FINDINGS:
+        found.append(finding(CAUSE_FINDINGS[cause], None, b["sentence"], stage=cause, loss=b["losses"][cause],
+                             stages=[{k: s.get(k) for k in ("name", "accept_length", "ci")} for s in b["stages"]],
+                             source="simulation: the NextN head offline as SGLang runs it; live counters from the "
+                                    "same /generate answers"))
+    doc.findings = [Finding(**f) for f in found]
+    if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
+        fix = ProposedFix(kind="engine", summary=f"feed the NextN head the target's final hidden state after its "
+                          f"final norm, {POST_NORM}, as SGLang does", parts=[FIX_SOURCE], why=[found[0]["detail"]],
+                          addresses=[found[0]["kind"]], applicable=False)
+    else:
+        fix = ProposedFix(kind="none", summary="none: no fault in what the head is fed")
+    doc.proposed_fix = fix
+    doc.measured = {"not_measured": "an engine change (the capture path) is not applied by this tool" if fix.kind ==
+                    "engine" else "nothing to fix"}
+    doc.verdict = ("mismatch" if found else "ok" if cause == "none" and ident is not None and ident["matches"]
+                   else "undecided")
+    doc.seconds_to_verdict = round(r.dl.elapsed(), 1)
+    if ident is None:
+        doc.notes.append(f"the served state is not identified: {missing}")
+
+
+def mtp_sentence(doc: Any) -> str:
+    """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``)."""
+    ident = (doc.diagnosis or {}).get("served_state")
+    b = doc.acceptance
+    tail = (" " + b["sentence"]) if b else " No acceptance budget."
+    ref = (doc.reference or {}).get("how") or "none"
+    if doc.findings and doc.findings[0].kind in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
+        f = doc.findings[0]
+        return (f"Wrong wiring: {f.detail} [evidence: {doc.samples} live prompt(s), reference {ref}]. Proposed fix: "
+                f"{doc.proposed_fix.summary if doc.proposed_fix else 'none'}.{tail}")
+    if ident is None:
+        return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"
+    head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",
+            "mismatch": "Acceptance is lost"}.get(doc.verdict or "undecided", "No wiring fault")
+    return (f"{head}: the NextN head is fed {POST_NORM}, the target's final hidden state after its final norm, as "
+            f"SGLang does (rel. error {ident['rel_error'][POST_NORM]:.2g} on {ident['rows']} rows of "
+            f"{ident['sequences']} live prompt(s); reference: {ref}).{tail}")
+
+
+__all__ = ["CAUSE_FINDINGS", "FEED_SOURCE", "POST_NORM", "TWICE", "budget_sentence", "final_norm", "identify_state",
+           "investigate_mtp", "mtp_budget", "mtp_sentence", "reference_sequences", "rms_norm", "state_candidates",
+           "state_findings"]
