@@ -126,6 +126,8 @@ class BudgetServer:
     info: dict
     adapter: EngineAdapter = field(default_factory=SGLangAdapter)
     live_reference: Optional[Callable[[list[dict], str], Optional[Path]]] = None
+    #: the server's draft loader rules (``adapter.loader_rules(version)``); None: the adapter's for its known release
+    loader: Any = None
 
 
 @dataclass
@@ -165,14 +167,16 @@ class _State:
 
 
 def _s_offline(s: _State) -> None:
-    """The draft checkpoint loaded to run as the engine runs it, its rows and training samples, the served states."""
+    """The draft checkpoint loaded to run as the engine runs it (the server's loader rules: its embedding, lm_head, d2t
+    and norms, so a loss the loader causes lands in the draft stage, not the engine stage), its rows and training
+    samples, the served states."""
     r = s.req
     choice = choose_dtype(server_dtype(s.server.info, _raw(r.draft_dir)), "cpu")     # what this CPU runs natively
     s.progress(f"offline draft run: compute dtype {choice.reason}")
     s.off = offline_inputs(r.draft_dir, r.target_dir, r.training, hidden_size=r.hidden_size, choice=choice,
                            samples=r.num_samples, served=r.served_dump, training_log=r.training_log,
                            validation=r.validation, rows_word=r.rows_word, draft_cost=r.draft_cost,
-                           progress=s.progress)
+                           progress=s.progress, loader=s.server.loader or s.server.adapter.loader_rules(None))
     s.train_seqs, s.served = s.off.training, s.off.served
     for where, why in s.off.skipped:
         s.progress(f"training sample {where} left out: {why}")

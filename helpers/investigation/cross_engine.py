@@ -177,7 +177,8 @@ def _stage_budget(p: Pair) -> None:
             run_dir=p.run_dir / "sides" / s.label,
             settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
             prompts=p.prompts, max_new_tokens=p.max_new_tokens),
-            BudgetServer(s.client, s.att.info, s.adapter), progress=lambda m, s=s: p.progress(f"{s.label}: {m}"))
+            BudgetServer(s.client, s.att.info, s.adapter, loader=s.adapter.loader_rules(s.att.version)),
+            progress=lambda m, s=s: p.progress(f"{s.label}: {m}"))
         s.budget, s.live = br.budget, br.live
         s.offline, s.tokens = _offline_on_live(s, p)
         p.progress(f"budget {s.label}: " + ", ".join(f"{x['name']} {x['accept_length']:.2f}" for x in s.budget["stages"]
@@ -194,7 +195,8 @@ def _offline_on_live(s: Side, p: Pair) -> tuple[pd.DataFrame, dict]:
     settings = DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"]))
     draft = Eagle3Draft.load(s.att.draft_dir, s.att.target_dir,
                              dtype=choose_dtype(server_dtype(s.att.info, read_draft_config(s.att.draft_dir).raw),
-                                                "cpu").dtype)      # the budget's choice
+                                                "cpu").dtype,      # the budget's choice
+                             loader=s.adapter.loader_rules(s.att.version))   # the engine's embedding, lm_head, d2t
     seqs = [q for d in dumps for q in dump_sequences(d)]
     sim = simulate_sequences(draft, seqs, [settings], max_new_tokens=p.max_new_tokens)
     return sim["per_request"][settings], {q.key: q.tokens.tolist() for q in seqs}
