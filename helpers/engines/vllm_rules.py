@@ -261,6 +261,10 @@ class VLLMLoaderRules(LoaderRules):
                    "models/utils.py::AutoWeightsLoader._load_module: no module or parameter named ...)",
     }
 
+    def __init__(self, version: Optional[str] = None) -> None:
+        # a release whose rules are known, else 0.32.0's (never SGLang's default release string)
+        self.version = version if rules.is_known(version) else "0.32.0"
+
     def draft_norms(self, d: Any) -> dict[str, bool]:
         """The :data:`TABLE` norm rows for draft config ``d`` (``{"norm_before_residual", "fc_norm"}``, bools).
 
