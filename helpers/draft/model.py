@@ -60,6 +60,7 @@ from ..formats.configs import read_draft_config, read_safetensors_index, read_ta
 from ..formats.dumps import PLAIN_FLOAT
 from .attention import ATTENTIONS, MLAShape, _mix, _mix_own, _rms, _scores, _scores_own
 from ..formats.speculators import EAGLE3_ARCH_MAP
+from .loader_table import VLLMLoaderTable
 if TYPE_CHECKING:
     from .checks import LoaderRules
 from .params import K25, L3, LLAMA_CLASS, SHARD_TENSORS, resolve_name, sglang_parameters, shape_error
@@ -156,12 +157,12 @@ class DraftArch:
                    architecture=arch, **ATTENTIONS[arch].read_config(dc, p))
 
 
-def default_loader(dc) -> "LoaderRules":
-    """The loader rules a draft runs under when the caller names no serving engine: vLLM 0.32.0's for a
+def default_loader(dc) -> "LoaderRules | VLLMLoaderTable":
+    """The loader rules a draft runs under when the caller names no serving engine: vLLM 0.32.0's table for a
     speculators-format draft (only vLLM serves it: :mod:`helpers.formats.speculators`), SGLang 0.5.23's otherwise
     (``EngineAdapter.loader_rules`` of the engine that serves it is what callers with a server pass)."""
-    from ..engines.detect import adapter      # lazy: the engines import this package
-    return adapter("vllm" if dc.speculators is not None else "sglang").loader_rules(None)
+    from .checks import LoaderRules      # lazy: checks loads the detectors and the draft checks, not needed otherwise
+    return VLLMLoaderTable() if dc.speculators is not None else LoaderRules()
 
 
 # ------------------------------------------------------------------------------------------------ tensor reading

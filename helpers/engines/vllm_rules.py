@@ -18,7 +18,7 @@ from ..diagnosis.conventions import CapturePlan
 from ..diagnosis.detectors import finding
 from ..diagnosis.plan_rules import PlanRules
 from ..draft.checks import LoaderRules
-from ..errors import BadInput
+from ..draft.loader_table import VLLMLoaderTable
 from ..draft.config_checks import ConfigChecks
 from ..draft.mtp_checks import MTPRules, MTPSpec
 from ..layers.mtp import MTPHead
@@ -232,84 +232,15 @@ TOGGLES: tuple[Toggle, ...] = (
 
 # ------------------------------------------------------------------------------------------------ the loader
 
-class VLLMLoaderRules(LoaderRules):
+class VLLMLoaderRules(VLLMLoaderTable, LoaderRules):
     """vLLM 0.32.0's draft loader for the server-free draft checks (:func:`helpers.draft.checks.inspect_draft`):
     embedding and lm_head sharing decided from the checkpoint's tensor names and equality with the target's
     (:func:`helpers.layers.vllm.weight_sharing`), the d2t map (:func:`helpers.layers.vllm.d2t_rule`), the draft's
-    own rope and max length against the target's."""
+    own rope and max length against the target's; the loader rule table the offline draft run follows
+    (:class:`helpers.draft.loader_table.VLLMLoaderTable`: ``TABLE``, ``draft_tensors``, ``draft_norms``)."""
 
     label = "vLLM"
     d2t_source = rules.SOURCES["d2t"]
-    #: the loader rule table (:class:`helpers.draft.checks.LoaderRules` ``TABLE``: SGLang's rows), vLLM 0.32.0's
-    TABLE = {
-        "embedding": "no embed_tokens in the checkpoint: the target's (when as wide); its own and torch.equal to the "
-                     "target's: the target's; its own and unlike the target's, or of another width: the checkpoint's "
-                     f"({rules.SOURCES['own_weights']}; {rules.SOURCES['embed_share']})",
-        "lm_head": "no lm_head in the checkpoint: the target's, all its rows (tie_word_embeddings and "
-                   "draft_vocab_size do not change that); its own: the checkpoint's, draft_vocab_size absent or not "
-                   f"({rules.SOURCES['own_weights']}; {rules.SOURCES['lm_head_share']})",
-        "d2t": "draft_vocab_size (default the config's vocab_size) below the target's vocab: the checkpoint's d2t, "
-               "else zeros (draft ids are target ids); equal: no map, and a checkpoint d2t is refused at load "
-               f"(AutoWeightsLoader: no parameter draft_id_to_target_id) ({rules.SOURCES['d2t']})",
-        "t2d": f"skipped ({rules.SOURCES['d2t']})",
-        "norm_before_residual": "the config's norm_before_residual, default false (a speculators config's default "
-                                "true: transformers_utils/configs/speculators/algos.py::update_eagle3): the first "
-                                "layer's residual is the hidden state after hidden_norm "
-                                "(llama_eagle3.py::LlamaDecoderLayer._norm_before_residual)",
-        "fc_norm": "fc_norm only; the legacy use_aux_norm is not read, and the per-chunk norm tensors of such a "
-                   "checkpoint are refused at load (llama_eagle3.py::LlamaModel.__init__; "
-                   "models/utils.py::AutoWeightsLoader._load_module: no module or parameter named ...)",
-    }
-
-    def __init__(self, version: Optional[str] = None) -> None:
-        # a release whose rules are known, else 0.32.0's (never SGLang's default release string)
-        self.version = version if rules.is_known(version) else "0.32.0"
-
-    def draft_norms(self, d: Any) -> dict[str, bool]:
-        """The :data:`TABLE` norm rows for draft config ``d`` (``{"norm_before_residual", "fc_norm"}``, bools).
-
-        Raises:
-            BadInput: ``use_aux_norm`` set without ``fc_norm``: vLLM builds no per-chunk norm and refuses the
-                checkpoint's (the config field named)."""
-        raw = d.raw
-        if raw.get("use_aux_norm") and not raw.get("fc_norm"):
-            raise BadInput("use_aux_norm is set but fc_norm is not: vLLM 0.32.0 reads fc_norm only, builds no "
-                           "per-chunk norm and refuses the checkpoint's (llama_eagle3.py::LlamaModel.__init__; "
-                           "AutoWeightsLoader: no module or parameter named 'model.fc_norm'); set fc_norm: true",
-                           path=d.path, field="use_aux_norm")
-        return {"norm_before_residual": bool(raw.get("norm_before_residual", False)),
-                "fc_norm": bool(raw.get("fc_norm", False))}
-
-    def draft_tensors(self, d: Any, names: Sequence[str], *, embed_equal: Optional[bool] = None) -> dict[str, str]:
-        """The :data:`TABLE` tensor rows for draft config ``d`` and checkpoint tensor ``names`` (``embed_equal``:
-        the checkpoint's own embed_tokens is ``torch.equal`` to the target's; None when unknown, read as unlike):
-        ``{"embedding": "target"|"draft", "lm_head": "draft"|"target", "d2t": "checkpoint"|"none"}``.
-
-        Raises:
-            BadInput: a draft vLLM 0.32.0 refuses or serves untrained: no lm_head and ``draft_vocab_size`` below the
-                target's vocab (the d2t scatter fails at the first request), a d2t with ``draft_vocab_size`` equal
-                to the vocab (refused at load), no embed_tokens and a draft width unlike the target's (the
-                embedding keeps its initial values)."""
-        width_equal = int(d.raw.get("target_hidden_size") or d.hidden_size) == int(d.hidden_size)
-        share = rules.weight_sharing(list(names), embed_equal=bool(embed_equal), lm_head_equal=False,
-                                     embed_width_equal=width_equal, version=rules.rule_version(self.version))
-        if share["embedding"] == "draft" and not any("embed_tokens" in k for k in names):
-            raise BadInput("no embed_tokens in the checkpoint and the draft's width differs from the target's: vLLM "
-                           f"keeps its embedding's initial values ({rules.SOURCES['embed_share']})", path=d.path,
-                           field="embed_tokens.weight")
-        vocab = int(d.vocab_size or 0)
-        dv = int(d.draft_vocab_size or vocab)
-        if share["lm_head"] == "target" and dv != vocab:
-            raise BadInput(f"no lm_head in the checkpoint: vLLM gives the draft the target's ({vocab} rows) and the "
-                           f"d2t scatter of {dv} draft ids fails at the first request "
-                           "(Eagle3LlamaForCausalLM.compute_logits)", path=d.path, field="lm_head.weight")
-        how = rules.d2t_rule(list(names), d.draft_vocab_size, vocab, rules.rule_version(self.version))
-        if how == "none" and any("d2t" in k for k in names):
-            raise BadInput(f"draft_vocab_size equals the vocab ({vocab}) but the checkpoint has a d2t: vLLM builds no "
-                           "draft_id_to_target_id and refuses the tensor at load (AutoWeightsLoader: no module or "
-                           "parameter named 'draft_id_to_target_id')", path=d.path, field="d2t")
-        return {"embedding": share["embedding"], "lm_head": share["lm_head"],
-                "d2t": "checkpoint" if how == "checkpoint" else "none"}
 
     def config_checks(self, d: Any, target: Any) -> ConfigChecks:
         """``unsupported_draft`` for a class vLLM does not map to its Eagle3 models; notes: the draft's max length

@@ -117,8 +117,9 @@ class BudgetRequest:
 
 @dataclass
 class BudgetServer:
-    """The server a budget measures: its client (``helpers.server.client``), ``/server_info`` (``info``), engine
-    adapter (its ``capture_served`` gives the live stage's states and per-request counters of the same answers) and
+    """The server a budget measures: its client (``helpers.server.client``), ``/server_info`` (``info``; its
+    ``version`` picks the adapter's draft loader rules, which the offline run follows), engine adapter (its
+    ``capture_served`` gives the live stage's states and per-request counters of the same answers) and
     ``live_reference(prompts, name) -> Path | None``: an every-layer reference dump of ``prompts`` (``{"id",
     "input_ids"}``), or None (the wiring stage is then not measured on the live prompts)."""
 
@@ -126,8 +127,6 @@ class BudgetServer:
     info: dict
     adapter: EngineAdapter = field(default_factory=SGLangAdapter)
     live_reference: Optional[Callable[[list[dict], str], Optional[Path]]] = None
-    #: the server's draft loader rules (``adapter.loader_rules(version)``); None: the adapter's for its known release
-    loader: Any = None
 
 
 @dataclass
@@ -176,7 +175,7 @@ def _s_offline(s: _State) -> None:
     s.off = offline_inputs(r.draft_dir, r.target_dir, r.training, hidden_size=r.hidden_size, choice=choice,
                            samples=r.num_samples, served=r.served_dump, training_log=r.training_log,
                            validation=r.validation, rows_word=r.rows_word, draft_cost=r.draft_cost,
-                           progress=s.progress, loader=s.server.loader or s.server.adapter.loader_rules(None))
+                           progress=s.progress, loader=s.server.adapter.loader_rules(s.server.info.get("version")))
     s.train_seqs, s.served = s.off.training, s.off.served
     for where, why in s.off.skipped:
         s.progress(f"training sample {where} left out: {why}")

@@ -177,8 +177,7 @@ def _stage_budget(p: Pair) -> None:
             run_dir=p.run_dir / "sides" / s.label,
             settings=DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"])),
             prompts=p.prompts, max_new_tokens=p.max_new_tokens),
-            BudgetServer(s.client, s.att.info, s.adapter, loader=s.adapter.loader_rules(s.att.version)),
-            progress=lambda m, s=s: p.progress(f"{s.label}: {m}"))
+            BudgetServer(s.client, s.att.info, s.adapter), progress=lambda m, s=s: p.progress(f"{s.label}: {m}"))
         s.budget, s.live = br.budget, br.live
         s.offline, s.tokens = _offline_on_live(s, p)
         p.progress(f"budget {s.label}: " + ", ".join(f"{x['name']} {x['accept_length']:.2f}" for x in s.budget["stages"]

@@ -387,8 +387,7 @@ def _stage_budget(r: Run) -> None:
             training_log=req.training_log, validation=req.validation, rows_word=req.rows_word,
             draft_cost=req.draft_cost, prompts=req.measure_prompts, max_new_tokens=req.max_new_tokens,
             measure=req.live_measure),
-            BudgetServer(r.client, att.info, r.adapter, live_reference, loader=r.adapter.loader_rules(att.version)),
-            progress=r.progress)
+            BudgetServer(r.client, att.info, r.adapter, live_reference), progress=r.progress)
     except BadInput as exc:
         # the draft cannot be run on what the server feeds (an EAGLE-served draft gets H-wide states, a checkpoint
         # unlike its config): the wiring diagnosis stands, the budget says why it is missing
