@@ -302,10 +302,10 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         except ValueError as e:
             raise BadInput(str(e), field="sglang version") from None
     rules = rules or PlanRules(version)
-    inputs[f"{rules.engine} version"] = (
-        f"{rules.version} ({'given' if sglang_version else 'from the server' if settings.version else 'the release whose rules are read'})"
-        if rules.version
-        else f"not given: the newest {rules.label} rules read are assumed")
+    whence = ("given" if sglang_version else "from the server" if settings.version
+              else "the release whose rules are read")
+    inputs[f"{rules.engine} version"] = (f"{rules.version} ({whence})" if rules.version
+                                         else f"not given: the newest {rules.label} rules read are assumed")
     algo = (algorithm or settings.algorithm or "EAGLE3").upper()
     inputs["algorithm"] = algo
     try:

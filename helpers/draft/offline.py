@@ -5,7 +5,8 @@
 
 What is gathered, in this order (bad input is found before the long parts): the draft's architecture
 (:class:`helpers.draft.model.DraftArch`), its training log (:func:`helpers.draft.training_log.find_training_log`),
-the checkpoint loaded as the serving engine's loader rules give it (SGLang 0.5.23's unless the caller passes another engine's) in the compute dtype chosen by the caller
+the checkpoint loaded with the tensors the serving engine's loader rules give it (``loader``; default
+:func:`helpers.draft.model.default_loader`) in the compute dtype chosen by the caller
 (:func:`helpers.draft.precision.choose_dtype`), the draft stage's teacher-forced pass over rows of the log's kind
 (:func:`helpers.draft.draft_stage.draft_rows`), the drafting-chain sequences of the training data
 (:func:`helpers.draft.budget.training_sequences`), those of a served capture of the same tokens when one is given
