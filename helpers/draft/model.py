@@ -1,4 +1,5 @@
-"""An SGLang EAGLE-3 draft checkpoint run offline in pure torch, exactly as SGLang 0.5.23 serves it.
+"""An EAGLE-3 draft checkpoint run offline in pure torch, exactly as SGLang 0.5.23 serves it (the body), with the
+tensors the serving engine's loader gives it (below).
 
 What SGLang does, and where (sglang 0.5.23):
 
@@ -34,11 +35,15 @@ weight-absorbed, as SGLang's dispatch does for every draft batch (``deepseek_com
 only a non-speculative extend takes the expanded MHA): ``models/deepseek_common/attention_forward_methods/
 forward_mla.py::forward_absorb_prepare`` / ``forward_absorb_core``.
 
-A speculators-format draft (:mod:`helpers.formats.speculators`; only vLLM serves it) runs as vLLM 0.32.0 loads it:
-its flat config (``transformer_layer_config`` + the eagle3 fields), ``norm_before_residual`` (``llama_eagle3.py::
-LlamaDecoderLayer._norm_before_residual``: the first layer's residual is the normed hidden state; vLLM reads an absent
-one as true), and an own ``embed_tokens`` unlike the target's kept (``v1/spec_decode/llm_base_proposer.py::
-_maybe_share_embeddings``).
+Which tensors the draft runs with -- embedding, lm_head, d2t, and the norms ``norm_before_residual`` / ``fc_norm`` --
+is the serving engine's loader rule table (``LoaderRules.TABLE``: SGLang 0.5.23's in :mod:`helpers.draft.checks`,
+vLLM 0.32.0's in :mod:`helpers.draft.loader_table`), handed out by the engine adapter (``EngineAdapter.
+loader_rules``) and passed to :meth:`Eagle3Draft.load`: on vLLM an own ``embed_tokens`` unlike the target's is kept
+(``v1/spec_decode/llm_base_proposer.py::_maybe_share_embeddings``) and ``norm_before_residual`` is read
+(``llama_eagle3.py::LlamaDecoderLayer._norm_before_residual``: the first layer's residual is the normed hidden
+state). A speculators-format draft (:mod:`helpers.formats.speculators`; only vLLM serves it) runs by default as vLLM
+0.32.0 loads it: its flat config (``transformer_layer_config`` + the eagle3 fields; an absent
+``norm_before_residual`` read as true).
 
 The architecture picks its attention adapter (:data:`helpers.draft.attention.ATTENTIONS`, by ``architectures[0]`` of
 the draft config); the rest of the draft run is the same code for both.
