@@ -422,7 +422,8 @@ class Eagle3Draft:
                 lm_head, sources["lm_head"] = got[0].to(device=device, dtype=dtype), "the target's tied embedding"
             else:
                 lm_head, sources["lm_head"] = got[0].to(device=device, dtype=dtype), got[1]
-            why = "draft_vocab_size unset" if names.get("lm_head.weight") else "no lm_head in the checkpoint"
+            why = (f"draft_vocab_size {'unset' if dc.draft_vocab_size is None else dc.draft_vocab_size}, "
+                   f"{'an' if names.get('lm_head.weight') else 'no'} lm_head in the checkpoint")
             sources["lm_head"] += f" ({loader.label}: {why})"
         else:
             key = names.get("lm_head.weight")
