@@ -52,8 +52,9 @@ def build_parser() -> Parser:
     g.add_argument("--speculative-num-steps", type=int, help="--speculative-num-steps (vLLM: num_speculative_tokens)")
     g.add_argument("--speculative-eagle-topk", type=int, help="--speculative-eagle-topk")
     g.add_argument("--speculative-num-draft-tokens", type=int, help="--speculative-num-draft-tokens")
-    g.add_argument("--engine", choices=sorted(BY_NAME), help="the engine whose rules check an MTP / NextN head "
-                   "(default sglang; vllm: vLLM 0.32.0's)")
+    g.add_argument("--engine", choices=sorted(BY_NAME), help="the engine whose rules check the draft: an EAGLE-3 "
+                   "draft (a speculators-format one read as vLLM reads it) or an MTP / NextN head (default sglang; "
+                   "vllm: vLLM 0.32.0's)")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the text report")
     return p
 
@@ -74,11 +75,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                                    field="--" + flag.replace("_", "-"))
             spec = MTPSpec(algorithm=args.speculative_algorithm, num_steps=args.speculative_num_steps,
                            topk=args.speculative_eagle_topk, num_draft_tokens=args.speculative_num_draft_tokens)
-            mtp_rules = None if args.engine is None else adapter(args.engine).loader_rules(
-                args.sglang_version).mtp_rules()
+            loader = None if args.engine is None else adapter(args.engine).loader_rules(args.sglang_version)
             result = check_configs(args.draft_config, args.target_config, training=args.training,
                                    sglang_version=args.sglang_version, trained_layer_ids=args.trained_layer_ids,
-                                   algorithm=args.speculative_algorithm, spec=spec, mtp_rules=mtp_rules)
+                                   algorithm=args.speculative_algorithm, spec=spec, loader=loader)
         else:
             if not args.training:
                 raise BadInput("usage: --served needs --training (the data the draft was trained on)")

@@ -99,15 +99,23 @@ class StaticReport:
         for plan in (self.served_plan, self.training_plan):
             lines += plan.describe_lines() if plan is not None else []
         facts = (self.draft_checks or {}).get("facts") or {}
-        if "context_length" in facts:
-            c = facts["context_length"]
+        c, r = facts.get("context_length"), facts.get("rope")
+        if c is not None and "draft_field" in c:            # SGLang's facts (helpers.draft.config_checks)
             lines.append(f"context length: draft {c['draft']} ({c['draft_field']}), target {c['target']} "
                          f"({c['target_field']}); SGLang serves the draft at the target's; start-up: {c['start']}")
-        if "rope" in facts:
-            r = facts["rope"]
+        elif c is not None:                                 # another engine's: the values and its rule
+            lines.append(f"context length: draft {c.get('draft')}, target {c.get('target')} ({c.get('rule')})")
+        if r is not None and "sglang_changes" in r:
             lines.append("rope: draft " + _rope_text(r["draft"]) + ", target " + _rope_text(r["target"])
                          + ("; SGLang builds " + _rope_text(r["sglang_builds"]) if r["sglang_changes"] else
                             "; SGLang builds the draft's own"))
+        elif r is not None:
+            lines.append(f"rope: draft {r.get('draft')}, target {r.get('target')} ({r.get('rule')})")
+        if "speculators" in facts:
+            sp = facts["speculators"]
+            lines.append(f"speculators draft read as vLLM reads it: {sp.get('vllm_class')}, norm_before_residual "
+                         f"{sp.get('norm_before_residual')}, draft_vocab_size {sp.get('draft_vocab_size')}"
+                         + (f" (defaulted: {sp['defaulted']})" if sp.get("defaulted") else ""))
         if self.training_plan is None and self.served_plan is not None:
             lines.append("training plan: unknown (no ids anywhere and no training data given)")
         for f in self.findings:
@@ -294,9 +302,10 @@ def static_check(draft: DraftConfig | str | Path, target: TargetConfig | str | P
         except ValueError as e:
             raise BadInput(str(e), field="sglang version") from None
     rules = rules or PlanRules(version)
-    inputs[f"{rules.engine} version"] = (
-        f"{rules.version} ({'given' if sglang_version else 'from the server'})" if rules.version
-        else f"not given: the newest {rules.label} rules read are assumed")
+    whence = ("given" if sglang_version else "from the server" if settings.version
+              else "the release whose rules are read")
+    inputs[f"{rules.engine} version"] = (f"{rules.version} ({whence})" if rules.version
+                                         else f"not given: the newest {rules.label} rules read are assumed")
     algo = (algorithm or settings.algorithm or "EAGLE3").upper()
     inputs["algorithm"] = algo
     try:

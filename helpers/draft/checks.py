@@ -399,9 +399,43 @@ class LoaderRules:
 
     label = "SGLang"
     d2t_source = f"{L3}::load_weights l. 350-353 (hot_token_id = d2t + arange); {_W2} l. 757-758"
+    #: the loader rule table: which tensors the engine runs the draft with, row by row (:meth:`draft_tensors`,
+    #: :meth:`draft_norms` apply it; the offline draft run asks them: :meth:`helpers.draft.model.Eagle3Draft.load`)
+    TABLE = {
+        "embedding": "the target's embed_tokens, whether or not the checkpoint carries its own, unless the config's "
+                     "target_hidden_size differs from hidden_size (then the checkpoint's) "
+                     f"({_W2}::EAGLEWorkerV2.init_lm_head -> sglang/srt/models/llama.py::LlamaForCausalLM.set_embed)",
+        "lm_head": "tie_word_embeddings: the embedding in use, its first draft_vocab_size rows; draft_vocab_size "
+                   "absent: the target's lm_head, even when the checkpoint carries one (load_lm_head_from_target -> "
+                   f"set_embed_and_head); else the checkpoint's ({L3}::LlamaForCausalLMEagle3.__init__)",
+        "d2t": "the checkpoint's d2t whenever present (hot_token_id = d2t + arange); none: draft ids are target ids "
+               f"({L3}::LlamaForCausalLMEagle3.load_weights)",
+        "t2d": f"ignored ({L3}::LlamaForCausalLMEagle3.load_weights)",
+        "norm_before_residual": "not read: the first layer's residual is the hidden state before hidden_norm "
+                                f"({L3}::LlamaDecoderLayer.forward)",
+        "fc_norm": f"fc_norm or the legacy use_aux_norm ({L3}::LlamaModel.__init__)",
+    }
 
     def __init__(self, version: Optional[str] = None) -> None:
         self.version = version or SGLANG_RULES
+
+    def draft_norms(self, d: DraftConfig) -> dict[str, bool]:
+        """The :data:`TABLE` norm rows for draft config ``d``: ``{"norm_before_residual": bool, "fc_norm": bool}``.
+
+        Raises:
+            BadInput: a config the engine refuses to build (:func:`helpers.draft.params.sglang_parameters`)."""
+        return {"norm_before_residual": False, "fc_norm": sglang_parameters(d).fc_norm}
+
+    def draft_tensors(self, d: DraftConfig, names: Sequence[str], *, embed_equal: Optional[bool] = None
+                      ) -> dict[str, str]:
+        """The :data:`TABLE` tensor rows for draft config ``d`` and checkpoint tensor ``names``: ``{"embedding":
+        "target"|"draft", "lm_head": "draft"|"target"|"tied", "d2t": "checkpoint"|"none"}`` (``embed_equal``,
+        whether the checkpoint's own embed_tokens equals the target's, is not read by SGLang's loader)."""
+        p = sglang_parameters(d)
+        embed = "draft" if ("target_hidden_size" in d.raw and p.hidden_size_in != d.hidden_size) else "target"
+        head = "tied" if p.tie else ("target" if p.lm_from_target else "draft")
+        d2t = "checkpoint" if any(resolve_name(p, k) == "d2t" for k in names) else "none"
+        return {"embedding": embed, "lm_head": head, "d2t": d2t}
 
     def config_checks(self, d: DraftConfig, target: Any) -> Any:
         """The config-only checks (:func:`helpers.draft.config_checks.check_draft_config`)."""

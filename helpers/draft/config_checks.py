@@ -479,7 +479,7 @@ def check_draft_config(d: DraftConfig, target: Optional[TargetConfig] = None,
 def check_configs(draft_config: str | Path, target_config: str | Path, *, training: Optional[str | Path] = None,
                   sglang_version: Optional[str] = None, algorithm: Optional[str] = None,
                   trained_layer_ids: Optional[Sequence[int]] = None, spec: Optional[MTPSpec] = None,
-                  mtp_rules: Optional[MTPRules] = None) -> StaticReport:
+                  mtp_rules: Optional[MTPRules] = None, loader: Any = None) -> StaticReport:
     """The config-only check of ``python -m helpers diagnose --draft-config D --target-config T`` (no tensors
     compared): the static wiring check (:func:`helpers.diagnosis.static.static_check`, with the training data's
     manifest and layout when ``training`` is given) and the draft config checks (:func:`check_draft_config`), in one
@@ -496,6 +496,10 @@ def check_configs(draft_config: str | Path, target_config: str | Path, *, traini
         spec: the speculative settings asked for (steps, topk, draft tokens; its algorithm wins over
             ``algorithm``).
         mtp_rules: the engine's rules for an MTP / NextN head (``LoaderRules.mtp_rules()``; default SGLang 0.5.23's).
+        loader: the serving engine's draft loader rules (``EngineAdapter.loader_rules``: ``diagnose --engine``): the
+            EAGLE-3 checks follow its ``plan_rules`` (the served plan: a speculators-format draft read as vLLM reads
+            it, :func:`helpers.formats.speculators.vllm_view`) and its ``config_checks``, an MTP head its
+            ``mtp_rules``; None: SGLang 0.5.23's.
 
     An MTP / NextN deployment (the draft config is a family's target or head config, or the algorithm is NEXTN:
     :func:`helpers.draft.mtp_checks.is_mtp_deployment`) is checked by :func:`helpers.draft.mtp_checks.check_mtp`
@@ -508,19 +512,22 @@ def check_configs(draft_config: str | Path, target_config: str | Path, *, traini
     spec = spec or MTPSpec(algorithm=algorithm)
     algorithm = spec.algorithm or algorithm
     if is_mtp_deployment(draft_config, target_config, algorithm):
-        return check_mtp(draft_config, target_config, spec=spec, rules=mtp_rules)
+        return check_mtp(draft_config, target_config, spec=spec,
+                         rules=mtp_rules or (loader.mtp_rules() if loader is not None else None))
     if mtp_rules is not None:
-        raise BadInput("--engine applies to MTP / NextN heads only: the config-only EAGLE-3 checks follow SGLang "
-                       f"{SGLANG_RULES}'s rules", field="--engine")
+        raise BadInput("mtp_rules apply to MTP / NextN heads only: pass the engine's loader rules (loader) for an "
+                       "EAGLE-3 draft", field="--engine")
     td = TrainingData(training, max_samples=1) if training is not None else None
     rep = static_check(draft_config, target_config, sglang_version=sglang_version, algorithm=algorithm,
-                       training=td, trained_layer_ids=trained_layer_ids)
+                       training=td, trained_layer_ids=trained_layer_ids,
+                       rules=loader.plan_rules() if loader is not None else None)
     if (algorithm or "EAGLE3").upper() != "EAGLE3":
         note = (f"draft config checks not run: they follow SGLang's EAGLE-3 draft classes ({', '.join(DRAFT_CLASSES)}) "
                 f"and the algorithm is {algorithm}")
         return replace(rep, advisories=list(rep.advisories) + [note], draft_checks={"facts": {}, "notes": [note]})
-    cc = check_draft_config(read_draft_config(draft_config), read_target_config(target_config),
-                            sglang_version or SGLANG_RULES)
+    dc, tc = read_draft_config(draft_config), read_target_config(target_config)
+    cc = loader.config_checks(dc, tc) if loader is not None else check_draft_config(dc, tc,
+                                                                                    sglang_version or SGLANG_RULES)
     have = {f["kind"] for f in rep.findings}
     findings = sort_findings(rep.findings + [f for f in cc.findings
                                              if not (f["kind"] == "unsupported_draft" and f["kind"] in have)])

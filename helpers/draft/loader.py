@@ -8,7 +8,7 @@ head is refused with one line.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -34,10 +34,12 @@ def is_mtp(draft_dir: str | Path) -> bool:
 
 
 def load_draft(draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", dtype_reason: str = "") -> Eagle3Draft:
+               device: str | torch.device = "cpu", dtype_reason: str = "", loader: Any = None) -> Eagle3Draft:
     """The served draft of ``draft_dir`` run offline as the engine runs it: :meth:`Eagle3Draft.load` for an EAGLE-3
     draft; for an MTP / NextN head (``draft_dir`` a target folder with ``num_nextn_predict_layers``, or a separate
     NextN checkpoint) the family's offline head of :data:`OFFLINE_HEADS` (embedding and lm_head from ``target_dir``).
+    ``loader``: the serving engine's loader rules (``EngineAdapter.loader_rules``: which embedding, lm_head, d2t and
+    norms the engine runs an EAGLE-3 draft with), passed to :meth:`Eagle3Draft.load`; None: SGLang's.
 
     Raises:
         BadInput: an MTP family with no offline head here (the family and its SGLang class named), no ``target_dir``
@@ -45,7 +47,8 @@ def load_draft(draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype
     draft_dir = Path(draft_dir)
     head = mtp_head(read_config_json(draft_dir / "config.json", "draft config"))
     if head is None:
-        return Eagle3Draft.load(draft_dir, target_dir, dtype=dtype, device=device, dtype_reason=dtype_reason)
+        return Eagle3Draft.load(draft_dir, target_dir, dtype=dtype, device=device, dtype_reason=dtype_reason,
+                                loader=loader)
     loader = OFFLINE_HEADS.get(head.family.name)
     if loader is None:
         fam = head.family

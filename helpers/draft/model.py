@@ -1,4 +1,5 @@
-"""An SGLang EAGLE-3 draft checkpoint run offline in pure torch, exactly as SGLang 0.5.23 serves it.
+"""An EAGLE-3 draft checkpoint run offline in pure torch, exactly as SGLang 0.5.23 serves it (the body), with the
+tensors the serving engine's loader gives it (below).
 
 What SGLang does, and where (sglang 0.5.23):
 
@@ -34,11 +35,15 @@ weight-absorbed, as SGLang's dispatch does for every draft batch (``deepseek_com
 only a non-speculative extend takes the expanded MHA): ``models/deepseek_common/attention_forward_methods/
 forward_mla.py::forward_absorb_prepare`` / ``forward_absorb_core``.
 
-A speculators-format draft (:mod:`helpers.formats.speculators`; only vLLM serves it) runs as vLLM 0.32.0 loads it:
-its flat config (``transformer_layer_config`` + the eagle3 fields), ``norm_before_residual`` (``llama_eagle3.py::
-LlamaDecoderLayer._norm_before_residual``: the first layer's residual is the normed hidden state; vLLM reads an absent
-one as true), and an own ``embed_tokens`` unlike the target's kept (``v1/spec_decode/llm_base_proposer.py::
-_maybe_share_embeddings``).
+Which tensors the draft runs with -- embedding, lm_head, d2t, and the norms ``norm_before_residual`` / ``fc_norm`` --
+is the serving engine's loader rule table (``LoaderRules.TABLE``: SGLang 0.5.23's in :mod:`helpers.draft.checks`,
+vLLM 0.32.0's in :mod:`helpers.draft.loader_table`), handed out by the engine adapter (``EngineAdapter.
+loader_rules``) and passed to :meth:`Eagle3Draft.load`: on vLLM an own ``embed_tokens`` unlike the target's is kept
+(``v1/spec_decode/llm_base_proposer.py::_maybe_share_embeddings``) and ``norm_before_residual`` is read
+(``llama_eagle3.py::LlamaDecoderLayer._norm_before_residual``: the first layer's residual is the normed hidden
+state). A speculators-format draft (:mod:`helpers.formats.speculators`; only vLLM serves it) runs by default as vLLM
+0.32.0 loads it: its flat config (``transformer_layer_config`` + the eagle3 fields; an absent
+``norm_before_residual`` read as true).
 
 The architecture picks its attention adapter (:data:`helpers.draft.attention.ATTENTIONS`, by ``architectures[0]`` of
 the draft config); the rest of the draft run is the same code for both.
@@ -49,7 +54,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +65,9 @@ from ..formats.configs import read_draft_config, read_safetensors_index, read_ta
 from ..formats.dumps import PLAIN_FLOAT
 from .attention import ATTENTIONS, MLAShape, _mix, _mix_own, _rms, _scores, _scores_own
 from ..formats.speculators import EAGLE3_ARCH_MAP
+from .loader_table import VLLMLoaderTable
+if TYPE_CHECKING:
+    from .checks import LoaderRules
 from .params import K25, L3, LLAMA_CLASS, SHARD_TENSORS, resolve_name, sglang_parameters, shape_error
 
 
@@ -122,17 +130,19 @@ class DraftArch:
     mla: Optional[MLAShape] = None
 
     @classmethod
-    def from_config(cls, path: Path) -> "DraftArch":
+    def from_config(cls, path: Path, loader: Optional["LoaderRules"] = None) -> "DraftArch":
         """Read ``path`` (draft config.json or its folder); the shapes are the ones SGLang builds
         (:func:`helpers.draft.params.sglang_parameters`: config fields left out get their config class's defaults as
         SGLang's AutoConfig load gives them), the attention's fields from its adapter
-        (:data:`helpers.draft.attention.ATTENTIONS`).
+        (:data:`helpers.draft.attention.ATTENTIONS`), ``norm_before_residual`` and ``fc_norm`` from the serving
+        engine's loader rules (``loader``: ``EngineAdapter.loader_rules``; default :func:`default_loader`).
 
         Raises:
             BadInput: not an SGLang EAGLE-3 draft this module runs (EAGLE-1 drafts, attention bias, a rope SGLang
-                cannot build), or a field of the wrong type.
+                cannot build), a config the engine's loader refuses, or a field of the wrong type.
         """
         dc = read_draft_config(path)
+        norms = (loader or default_loader(dc)).draft_norms(dc)
         raw = dc.raw
         arch = (dc.architectures or [""])[0]
         if dc.speculators is not None and dc.speculators.architecture == VLLM_LLAMA_EAGLE3:
@@ -147,9 +157,17 @@ class DraftArch:
                    intermediate=p.intermediate, layers=p.layers,
                    eps=float(raw.get("rms_norm_eps") or 1e-6), vocab=p.vocab, draft_vocab=p.draft_vocab,
                    tie=p.tie, lm_head_from_target=p.lm_from_target, norm_before_fc=p.norm_before_fc,
-                   fc_norm=p.fc_norm, norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
-                   norm_before_residual=dc.speculators is not None and bool(raw.get("norm_before_residual")),
+                   fc_norm=norms["fc_norm"], norm_output=p.norm_output, fc_bias=bool(raw.get("bias", False)),
+                   norm_before_residual=norms["norm_before_residual"],
                    architecture=arch, **ATTENTIONS[arch].read_config(dc, p))
+
+
+def default_loader(dc) -> "LoaderRules | VLLMLoaderTable":
+    """The loader rules a draft runs under when the caller names no serving engine: vLLM 0.32.0's table for a
+    speculators-format draft (only vLLM serves it: :mod:`helpers.formats.speculators`), SGLang 0.5.23's otherwise
+    (``EngineAdapter.loader_rules`` of the engine that serves it is what callers with a server pass)."""
+    from .checks import LoaderRules      # lazy: checks loads the detectors and the draft checks, not needed otherwise
+    return VLLMLoaderTable() if dc.speculators is not None else LoaderRules()
 
 
 # ------------------------------------------------------------------------------------------------ tensor reading
@@ -271,10 +289,15 @@ class Eagle3Draft:
     @classmethod
     def load(cls, draft_dir: str | Path, target_dir: Optional[str | Path] = None, *,
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             dtype_reason: str = "") -> "Eagle3Draft":
-        """Load the draft of ``draft_dir`` (config.json + safetensors, sharded or not) as SGLang would, computing in
-        ``dtype`` (pick it with :func:`helpers.draft.precision.choose_dtype`, whose reason goes in ``dtype_reason``:
-        ``sources["dtype"]``, the budget document's ``draft_sources``).
+             dtype_reason: str = "", loader: Optional["LoaderRules"] = None) -> "Eagle3Draft":
+        """Load the draft of ``draft_dir`` (config.json + safetensors, sharded or not) with the tensors the serving
+        engine runs it with, computing in ``dtype`` (pick it with :func:`helpers.draft.precision.choose_dtype`, whose
+        reason goes in ``dtype_reason``: ``sources["dtype"]``, the budget document's ``draft_sources``).
+
+        ``loader``: the serving engine's loader rules (``EngineAdapter.loader_rules``; default
+        :func:`default_loader`): its ``TABLE`` decides the embedding (SGLang: the target's even when the checkpoint
+        carries its own; vLLM: the checkpoint's own unless ``torch.equal`` to the target's), the lm_head, the d2t
+        and the norms (``draft_norms``). ``sources`` names each choice and the engine (``sources["loader"]``).
 
         Only the target's ``embed_tokens`` (and, when the draft borrows it, its ``lm_head``) are read from
         ``target_dir``, through its safetensors index: never the whole target.
@@ -282,11 +305,12 @@ class Eagle3Draft:
         Raises:
             BadInput: unsupported architecture; a tensor the model needs is missing, or its shape does not match the
                 config (the file and key are named); the target embedding is needed but ``target_dir`` is None or
-                has no ``embed_tokens``; a weight holds NaN / Inf.
+                has no ``embed_tokens``; a weight holds NaN / Inf; a draft the engine's loader refuses.
         """
         draft_dir = Path(draft_dir)
-        arch = DraftArch.from_config(draft_dir)
         dc = read_draft_config(draft_dir)
+        loader = loader or default_loader(dc)
+        arch = DraftArch.from_config(draft_dir, loader)
         params = sglang_parameters(dc)
         tensors = read_safetensors_index(draft_dir)
         filled: dict = {}
@@ -297,17 +321,46 @@ class Eagle3Draft:
                 names[where] = key
                 continue
             if where is None:
+                if "lm_head" in key:
+                    names["lm_head.weight"] = key      # a tied draft's own lm_head: SGLang drops it, vLLM keeps it
                 continue                     # SGLang drops it too (helpers.draft.checks reports it)
             expected = params.params[where][0]
             if tuple(info.shape) != tuple(expected):
                 raise shape_error(params, dc, key, info, where[0], where[1], expected)
             filled[where] = (key, info)
+        if ("model.embed_tokens.weight", None) in filled:
+            names["embed_tokens.weight"] = filled[("model.embed_tokens.weight", None)][0]
+        if ("lm_head.weight", None) in filled:
+            names["lm_head.weight"] = filled[("lm_head.weight", None)][0]
+        index = {k: v.file for k, v in tensors.items()}
+        a = arch
+        sources: dict = {"draft": str(draft_dir), "dtype": dtype_reason or str(dtype).removeprefix("torch."),
+                         "loader": f"{loader.label} {loader.version}"}
+
+        def target_tensor(suffix: str, why: str) -> Optional[tuple[torch.Tensor, str]]:
+            if target_dir is None:
+                raise BadInput(f"{why}: pass the target folder", field="--target")
+            hit = find_target_tensor(Path(target_dir), suffix)
+            if hit is None:
+                return None
+            t = _read_tensor(hit[1], hit[0])
+            _finite(t, hit[1], hit[0])
+            return t, f"target {hit[1].name}:{hit[0]}"
+
+        own = names.get("embed_tokens.weight")
+        mine = _read_tensor(index[own], own) if own is not None else None
+        t_embed = None
+        if mine is not None and target_dir is not None:
+            hit = find_target_tensor(Path(target_dir), "embed_tokens.weight")
+            if hit is not None:
+                t_embed = (_read_tensor(hit[1], hit[0]), f"target {hit[1].name}:{hit[0]}")
+        equal = None if mine is None or t_embed is None else bool(
+            mine.shape == t_embed[0].shape and torch.equal(mine.float(), t_embed[0].float()))
+        rows = loader.draft_tensors(dc, list(tensors), embed_equal=equal)
         weights: dict[str, torch.Tensor] = {}
         for (param, shard), (shape, _init) in params.params.items():
-            if param == "model.embed_tokens.weight":
-                continue                     # the target's (set_embed) unless target_hidden_size differs: below
-            if param == "lm_head.weight" and arch.lm_head_from_target:
-                continue                     # replaced by the target's (set_embed_and_head): below
+            if param in ("model.embed_tokens.weight", "lm_head.weight"):
+                continue                     # the loader table's choice: below
             if (param, shard) in params.unused:
                 continue                     # built, never read by the forward (layers > 0: input_layernorm)
             if (param, shard) not in filled:
@@ -322,12 +375,8 @@ class Eagle3Draft:
             t = _read_tensor(info.file, key)
             _finite(t, info.file, key)
             weights[_internal_name(param, shard)] = t.to(device=device, dtype=dtype)
-        if ("model.embed_tokens.weight", None) in filled:
-            names["embed_tokens.weight"] = filled[("model.embed_tokens.weight", None)][0]
-        index = {k: v.file for k, v in tensors.items()}
-        a = arch
         hot = None
-        if "d2t" in names:
+        if rows["d2t"] == "checkpoint" and "d2t" in names:
             d2t = _read_tensor(index[names["d2t"]], names["d2t"]).to(torch.long)
             if d2t.ndim != 1 or d2t.shape[0] != a.draft_vocab:
                 raise BadInput(f"d2t has shape {list(d2t.shape)}, expected [{a.draft_vocab}] (draft_vocab_size)",
@@ -336,59 +385,58 @@ class Eagle3Draft:
             if int(hot.min()) < 0 or int(hot.max()) >= a.vocab:
                 raise BadInput(f"d2t maps draft ids outside the target vocabulary [0, {a.vocab})",
                                path=index[names["d2t"]], field="d2t")
-        sources: dict = {"draft": str(draft_dir), "dtype": dtype_reason or str(dtype).removeprefix("torch.")}
-        use_target_embed = a.target_hidden == a.hidden or "target_hidden_size" not in dc.raw
-        if use_target_embed:
-            if target_dir is None:
-                raise BadInput("the draft uses the target's embedding (sglang/srt/models/llama.py::"
-                               "LlamaForCausalLM.set_embed): pass the target folder", field="--target")
-            hit = find_target_tensor(Path(target_dir), "embed_tokens.weight")
-            if hit is None:
-                raise BadInput("the target's safetensors hold no '*embed_tokens.weight' (the draft reads the target's "
-                               "embedding: sglang/srt/models/llama.py::LlamaForCausalLM.set_embed)", path=target_dir)
-            embed = _read_tensor(hit[1], hit[0])
-            _finite(embed, hit[1], hit[0])
-            sources["embed"] = f"target {hit[1].name}:{hit[0]}"
-            own = names.get("embed_tokens.weight")
-            if dc.speculators is not None and own is not None:
-                # a speculators draft runs on vLLM only, whose loader keeps an own embed_tokens unless it equals the
-                # target's (v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._maybe_share_embeddings)
-                mine = _read_tensor(index[own], own)
-                if mine.shape != embed.shape or not torch.equal(mine.float(), embed.float()):
-                    _finite(mine, index[own], own)
-                    embed = mine
-                    sources["embed"] = (f"draft {index[own].name}:{own} (not the target's: vLLM keeps it, "
-                                        "llm_base_proposer.py::_maybe_share_embeddings)")
+        rule = loader.TABLE["embedding"]
+        if rows["embedding"] == "target":
+            got = t_embed or target_tensor("embed_tokens.weight", f"the draft uses the target's embedding ({rule})")
+            if got is None:
+                raise BadInput(f"the target's safetensors hold no '*embed_tokens.weight' (the draft reads the "
+                               f"target's embedding: {rule})", path=target_dir)
+            embed, sources["embed"] = got
+            if got is t_embed:
+                _finite(embed, Path(str(target_dir)), "embed_tokens.weight")
+            if mine is not None:
+                sources["embed"] += (f" ({loader.label} uses it in place of the checkpoint's own {own}"
+                                     + (", equal to it)" if equal else ")"))
         else:
-            key = names.get("embed_tokens.weight")
-            if key is None:
-                raise BadInput("target_hidden_size differs from hidden_size, so SGLang keeps the draft's own "
-                               "embedding, but the checkpoint has no embed_tokens.weight", path=draft_dir,
-                               field="embed_tokens.weight")
-            embed = _read_tensor(index[key], key)
-            sources["embed"] = f"draft {index[key].name}:{key}"
+            if mine is None:
+                raise BadInput(f"{loader.label} keeps the draft's own embedding ({rule}), but the checkpoint has no "
+                               "embed_tokens.weight", path=draft_dir, field="embed_tokens.weight")
+            _finite(mine, index[own], own)
+            embed = mine
+            sources["embed"] = (f"draft {index[own].name}:{own}" + (
+                f" (not the target's: {loader.label} keeps it)" if t_embed is not None else ""))
         if tuple(embed.shape) != (a.vocab, a.hidden):
             raise BadInput(f"the embedding has shape {list(embed.shape)}, expected [{a.vocab}, {a.hidden}] "
                            "(vocab_size, hidden_size of the draft config)", path=sources["embed"], field="embed_tokens")
         embed = embed.to(device=device, dtype=dtype)
-        if a.tie:
+        if rows["lm_head"] == "tied":
             # LogitsProcessor is built with vocab_size = draft_vocab_size and keeps that many logits
             # (layers/logits_processor.py::LogitsProcessor._copy_logits_to_buffer): the first rows of the embedding
             lm_head = embed[: a.draft_vocab]
             sources["lm_head"] = "tied to the embedding (tie_word_embeddings)" + (
                 f", its first {a.draft_vocab} rows (draft_vocab_size)" if a.draft_vocab < a.vocab else "")
-        elif a.lm_head_from_target:
-            if target_dir is None:
-                raise BadInput("draft_vocab_size is unset, so SGLang takes lm_head from the target: pass --target",
-                               field="--target")
-            hit = find_target_tensor(Path(target_dir), "lm_head.weight")
-            if hit is None:                                 # a tied target: its embedding is its lm_head
-                lm_head, sources["lm_head"] = embed, "the target's tied embedding (draft_vocab_size unset)"
+        elif rows["lm_head"] == "target":
+            got = target_tensor("lm_head.weight", f"the draft takes the target's lm_head ({loader.TABLE['lm_head']})")
+            if got is None:                                 # a tied target: its embedding is its lm_head
+                got = t_embed or target_tensor("embed_tokens.weight", "the draft takes the target's tied embedding")
+                lm_head, sources["lm_head"] = got[0].to(device=device, dtype=dtype), "the target's tied embedding"
             else:
-                lm_head = _read_tensor(hit[1], hit[0]).to(device=device, dtype=dtype)
-                sources["lm_head"] = f"target {hit[1].name}:{hit[0]} (draft_vocab_size unset)"
+                lm_head, sources["lm_head"] = got[0].to(device=device, dtype=dtype), got[1]
+            why = (f"draft_vocab_size {'unset' if dc.draft_vocab_size is None else dc.draft_vocab_size}, "
+                   f"{'an' if names.get('lm_head.weight') else 'no'} lm_head in the checkpoint")
+            sources["lm_head"] += f" ({loader.label}: {why})"
         else:
-            lm_head, sources["lm_head"] = weights.pop("lm_head.weight"), "draft lm_head.weight"
+            key = names.get("lm_head.weight")
+            if key is None:
+                raise BadInput(f"the draft checkpoint has no lm_head.weight although {loader.label} runs the "
+                               f"draft's own ({loader.TABLE['lm_head']}): it would serve the parameter's initial "
+                               "values", path=draft_dir, field="lm_head.weight")
+            lm_head = _read_tensor(index[key], key)
+            _finite(lm_head, index[key], key)
+            if tuple(lm_head.shape) != (a.draft_vocab, a.hidden):
+                raise BadInput(f"lm_head has shape {list(lm_head.shape)}, expected [{a.draft_vocab}, {a.hidden}] "
+                               "(draft_vocab_size, hidden_size)", path=index[key], field=key)
+            lm_head, sources["lm_head"] = lm_head.to(device=device, dtype=dtype), f"draft {key}"
         sources["d2t"] = "draft d2t" if hot is not None else "none (draft ids are taken as target ids)"
         return cls(arch, weights, embed, lm_head, hot, dtype=dtype, sources=sources)
 

@@ -5,7 +5,8 @@
 
 What is gathered, in this order (bad input is found before the long parts): the draft's architecture
 (:class:`helpers.draft.model.DraftArch`), its training log (:func:`helpers.draft.training_log.find_training_log`),
-the checkpoint loaded as SGLang 0.5.23 serves it in the compute dtype chosen by the caller
+the checkpoint loaded with the tensors the serving engine's loader rules give it (``loader``; default
+:func:`helpers.draft.model.default_loader`) in the compute dtype chosen by the caller
 (:func:`helpers.draft.precision.choose_dtype`), the draft stage's teacher-forced pass over rows of the log's kind
 (:func:`helpers.draft.draft_stage.draft_rows`), the drafting-chain sequences of the training data
 (:func:`helpers.draft.budget.training_sequences`), those of a served capture of the same tokens when one is given
@@ -69,7 +70,8 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
                    training_log: Optional[str | Path] = None, log: Optional[TrainingLog] = None,
                    validation: Optional[str | Path] = None,
                    rows_word: tuple[Optional[str], Optional[str]] = (None, None), device: Any = "cpu",
-                   draft_cost: Optional[float] = None, progress: Callable[[str], None] = lambda s: None) -> OfflineInputs:
+                   draft_cost: Optional[float] = None, progress: Callable[[str], None] = lambda s: None,
+                   loader: Any = None) -> OfflineInputs:
     """Gather the draft's offline inputs (module docstring).
 
     Args:
@@ -86,6 +88,9 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
         device: torch device of the offline run.
         draft_cost: one draft forward's cost relative to one verify step (None: from the parameter counts).
         progress: called with one line per step.
+        loader: the serving engine's draft loader rules (``EngineAdapter.loader_rules``: which embedding, lm_head, d2t
+            and norms the engine runs the draft with; default :func:`helpers.draft.model.default_loader`): the
+            offline run, the draft stage's teacher-forced pass included, runs the draft as that engine does.
 
     Raises:
         BadInput: a draft config of no EAGLE-3 class SGLang serves, a checkpoint whose keys or shapes do not match its
@@ -96,12 +101,13 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
     if draft_cost is not None and not (0 < draft_cost < 10):
         raise BadInput(f"{draft_cost} is no ratio in (0, 10) (a draft forward's cost over a verify step's, "
                        "e.g. 0.05)", field="--draft-cost")
-    DraftArch.from_config(draft_dir)                                    # the draft is checked before its log
+    DraftArch.from_config(draft_dir, loader)                            # the draft is checked before its log
     log_path = Path(training_log) if log is not None and training_log is not None else \
         find_training_log(draft_dir, training_log)
     if log is None and log_path is not None:
         log = read_training_log(log_path)
-    draft = load_draft(draft_dir, target_dir, dtype=choice.dtype, device=device, dtype_reason=choice.reason)
+    draft = load_draft(draft_dir, target_dir, dtype=choice.dtype, device=device, dtype_reason=choice.reason,
+                       loader=loader)
     progress(f"draft {draft_dir}: {draft.arch.architecture}, hidden {draft.arch.hidden}, {draft.arch.num_aux} aux "
              f"chunks; embedding from {draft.sources['embed']}; lm_head {draft.sources['lm_head']}; "
              f"d2t {draft.sources['d2t']}")

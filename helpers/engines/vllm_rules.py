@@ -18,6 +18,7 @@ from ..diagnosis.conventions import CapturePlan
 from ..diagnosis.detectors import finding
 from ..diagnosis.plan_rules import PlanRules
 from ..draft.checks import LoaderRules
+from ..draft.loader_table import VLLMLoaderTable
 from ..draft.config_checks import ConfigChecks
 from ..draft.mtp_checks import MTPRules, MTPSpec
 from ..layers.mtp import MTPHead
@@ -231,11 +232,12 @@ TOGGLES: tuple[Toggle, ...] = (
 
 # ------------------------------------------------------------------------------------------------ the loader
 
-class VLLMLoaderRules(LoaderRules):
+class VLLMLoaderRules(VLLMLoaderTable, LoaderRules):
     """vLLM 0.32.0's draft loader for the server-free draft checks (:func:`helpers.draft.checks.inspect_draft`):
     embedding and lm_head sharing decided from the checkpoint's tensor names and equality with the target's
     (:func:`helpers.layers.vllm.weight_sharing`), the d2t map (:func:`helpers.layers.vllm.d2t_rule`), the draft's
-    own rope and max length against the target's."""
+    own rope and max length against the target's; the loader rule table the offline draft run follows
+    (:class:`helpers.draft.loader_table.VLLMLoaderTable`: ``TABLE``, ``draft_tensors``, ``draft_norms``)."""
 
     label = "vLLM"
     d2t_source = rules.SOURCES["d2t"]

@@ -117,8 +117,9 @@ class BudgetRequest:
 
 @dataclass
 class BudgetServer:
-    """The server a budget measures: its client (``helpers.server.client``), ``/server_info`` (``info``), engine
-    adapter (its ``capture_served`` gives the live stage's states and per-request counters of the same answers) and
+    """The server a budget measures: its client (``helpers.server.client``), ``/server_info`` (``info``; its
+    ``version`` picks the adapter's draft loader rules, which the offline run follows), engine adapter (its
+    ``capture_served`` gives the live stage's states and per-request counters of the same answers) and
     ``live_reference(prompts, name) -> Path | None``: an every-layer reference dump of ``prompts`` (``{"id",
     "input_ids"}``), or None (the wiring stage is then not measured on the live prompts)."""
 
@@ -165,14 +166,16 @@ class _State:
 
 
 def _s_offline(s: _State) -> None:
-    """The draft checkpoint loaded to run as the engine runs it, its rows and training samples, the served states."""
+    """The draft checkpoint loaded to run as the engine runs it (the server's loader rules: its embedding, lm_head, d2t
+    and norms, so a loss the loader causes lands in the draft stage, not the engine stage), its rows and training
+    samples, the served states."""
     r = s.req
     choice = choose_dtype(server_dtype(s.server.info, _raw(r.draft_dir)), "cpu")     # what this CPU runs natively
     s.progress(f"offline draft run: compute dtype {choice.reason}")
     s.off = offline_inputs(r.draft_dir, r.target_dir, r.training, hidden_size=r.hidden_size, choice=choice,
                            samples=r.num_samples, served=r.served_dump, training_log=r.training_log,
                            validation=r.validation, rows_word=r.rows_word, draft_cost=r.draft_cost,
-                           progress=s.progress)
+                           progress=s.progress, loader=s.server.adapter.loader_rules(s.server.info.get("version")))
     s.train_seqs, s.served = s.off.training, s.off.served
     for where, why in s.off.skipped:
         s.progress(f"training sample {where} left out: {why}")

@@ -13,9 +13,12 @@ Stages, each a function over one typed state (:class:`Pair`), as :func:`helpers.
    bootstrap CI (:func:`helpers.acceptance.stats.paired_effect`), and per position j the change of P(accepted >= j)
    (the same resampled prompts on both sides).
 4. **attribute** -- the live difference decomposed on the live prompts, paired per prompt (:func:`paired_terms`):
-   **wiring** = the draft run offline on b's served states minus on a's (the same draft and tokens: what the states
-   each engine fed cost), **engine** = (b's live minus its offline run) minus (a's) (what each engine loses after the
-   capture point), **settings** and **draft** when the servers run other settings or another draft. A live
+   **wiring** = the draft run offline on b's served states minus on a's (the same draft and tokens, both with a's
+   engine's loader rules: what the states each engine fed cost), **engine** = (b's live minus its offline run) minus
+   (a's) (what each engine loses after the capture point; each offline run with its own engine's loader rules),
+   **draft** = on b's states, the draft with b's engine's loader rules minus with a's (which embedding, lm_head, d2t
+   and norms each engine runs it with: ``LoaderRules.TABLE``), or another draft, **settings** when the servers run
+   other settings. A live
    difference beyond its CI is named with each term whose CI excludes 0 in its direction; when none does, it is said
    undecided. The budget's own stage losses on the training tokens are kept beside them.
 
@@ -32,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import pandas as pd
+import torch
 
 from ..acceptance.prompts import load_prompts
 from ..acceptance.requests import repeatability
@@ -90,6 +94,8 @@ class Pair:
     dl: Budget
     progress: Progress
     doc: dict = field(default_factory=dict)
+    #: the draft run offline on b's live states with a's engine's loader rules (the wiring term compares one draft)
+    b_as_a: Optional[pd.DataFrame] = None
 
 
 def _stage_attach(p: Pair, api_key: Optional[str], target: Optional[Path] = None) -> None:
@@ -183,18 +189,36 @@ def _stage_budget(p: Pair) -> None:
         p.progress(f"budget {s.label}: " + ", ".join(f"{x['name']} {x['accept_length']:.2f}" for x in s.budget["stages"]
                                                      if x.get("accept_length") is not None)
                    + f" ({time.monotonic() - t0:.0f} s)")
+    p.b_as_a = _offline_on_live(p.b, p, loader_of=p.a)[0]
 
 
-def _offline_on_live(s: Side, p: Pair) -> tuple[pd.DataFrame, dict]:
+def _draft(s: Side, loader_of: Side) -> Eagle3Draft:
+    """``s``'s draft in the budget's compute dtype, with the tensors ``loader_of``'s engine runs it with (its loader
+    rules: embedding, lm_head, d2t, norms)."""
+    return load_draft(s.att.draft_dir, s.att.target_dir,
+                      dtype=choose_dtype(server_dtype(s.att.info, read_draft_config(s.att.draft_dir).raw),
+                                         "cpu").dtype,      # the budget's choice
+                      loader=loader_of.adapter.loader_rules(loader_of.att.version))
+
+
+def _same_tensors(x: Eagle3Draft, y: Eagle3Draft) -> bool:
+    return x.arch == y.arch and torch.equal(x.embed, y.embed) and torch.equal(x.lm_head, y.lm_head) and (
+        (x.hot_token_id is None and y.hot_token_id is None) or (x.hot_token_id is not None and y.hot_token_id
+                                                                 is not None and torch.equal(x.hot_token_id,
+                                                                                             y.hot_token_id)))
+
+
+def _offline_on_live(s: Side, p: Pair, loader_of: Optional[Side] = None) -> tuple[pd.DataFrame, dict]:
     """The draft run offline (as the budget runs it: :func:`helpers.draft.simulate.simulate_sequences`) on the
     states this server fed for the live prompts (the budget's live capture), one row per prompt, and the tokens of
-    each prompt's sequence."""
+    each prompt's sequence. ``loader_of``: the side whose engine's loader rules pick the draft's tensors (default
+    ``s``); when they pick the same tensors as ``s``'s, ``s.offline`` is returned as is."""
     dumps = sorted((p.run_dir / "sides" / s.label / "dumps").glob("live-continuations*"))
     spec = s.att.spec
     settings = DraftSettings(int(spec["num_steps"]), int(spec["topk"]), int(spec["num_draft_tokens"]))
-    draft = load_draft(s.att.draft_dir, s.att.target_dir,
-                             dtype=choose_dtype(server_dtype(s.att.info, read_draft_config(s.att.draft_dir).raw),
-                                                "cpu").dtype)      # the budget's choice
+    draft = _draft(s, loader_of or s)
+    if loader_of is not None and s.offline is not None and _same_tensors(draft, _draft(s, s)):
+        return s.offline, s.tokens
     seqs = [q for d in dumps for q in dump_sequences(d)]
     sim = simulate_sequences(draft, seqs, [settings], max_new_tokens=p.max_new_tokens)
     return sim["per_request"][settings], {q.key: q.tokens.tolist() for q in seqs}
@@ -299,14 +323,17 @@ def _live_al(live: pd.DataFrame) -> Optional[float]:
 
 def _stage_attribute(p: Pair) -> None:
     """The live difference decomposed on the live prompts, paired per prompt: **wiring** = the draft run offline on
-    b's served states minus on a's (the same draft, the same tokens: what the states each engine fed cost);
-    **engine** = (b's live minus its offline run) minus (a's): what each engine loses after the capture point;
+    b's served states minus on a's (the same draft, the same tokens, a's loader rules: what the states each engine fed
+    cost); **engine** = (b's live minus its offline run) minus (a's): what each engine loses after the capture point;
+    **draft** = on b's states, b's loader rules minus a's (the tensors each engine runs the draft with);
     **settings** and **draft** when the servers run other settings or another draft. A live difference beyond its CI
     is named with each term whose CI excludes 0 in its direction. The budget's own stage losses (training tokens) are
     kept beside them."""
-    frames = {"live_a": p.a.live, "live_b": p.b.live, "off_a": p.a.offline, "off_b": p.b.offline}
-    t = paired_terms(frames, {"live": {"live_b": 1, "live_a": -1}, "wiring": {"off_b": 1, "off_a": -1},
-                              "engine": {"live_b": 1, "off_b": -1, "live_a": -1, "off_a": 1}})
+    frames = {"live_a": p.a.live, "live_b": p.b.live, "off_a": p.a.offline, "off_b": p.b.offline,
+              "off_ba": p.b.offline if p.b_as_a is None else p.b_as_a}
+    t = paired_terms(frames, {"live": {"live_b": 1, "live_a": -1}, "wiring": {"off_ba": 1, "off_a": -1},
+                              "engine": {"live_b": 1, "off_b": -1, "live_a": -1, "off_a": 1},
+                              "draft": {"off_b": 1, "off_ba": -1}})
     e = t["live"]
     beyond = math.isfinite(e["lo"]) and (e["lo"] > 0 or e["hi"] < 0)
     sign = 0 if not beyond else (1 if e["lo"] > 0 else -1)
@@ -322,8 +349,8 @@ def _stage_attribute(p: Pair) -> None:
         elif stage == "settings":
             row["settings"] = {"a": p.a.att.spec, "b": p.b.att.spec}
             row["differs"] = p.a.att.spec != p.b.att.spec
-        else:
-            row["differs"] = not p.doc.get("same_draft", True)
+        if stage == "draft" and not p.doc.get("same_draft", True):
+            row["differs"] = True
         rows.append(row)
         if row["differs"] and beyond:
             named.append(stage)
@@ -351,7 +378,9 @@ def _sentence(p: Pair, e: dict, named: list, beyond: bool) -> str:
         return head + ": beyond the CI, but no stage's term is (undecided: more prompts settle it)."
     words = {"wiring": "the states each engine feeds the draft (the draft run offline on them, same tokens)",
              "engine": "what each engine loses after the capture point (live vs the draft offline on its own states)",
-             "settings": "the speculative settings", "draft": "the draft each server loads"}
+             "settings": "the speculative settings",
+             "draft": "the draft each server loads (its checkpoint, and the tensors each engine's loader runs it "
+                      "with: embedding, lm_head, d2t, norms; the draft run offline on b's states both ways)"}
     parts = []
     for stage in named:
         r = next(x for x in p.doc["stages"] if x["stage"] == stage)

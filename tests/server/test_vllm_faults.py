@@ -185,7 +185,7 @@ def test_fallback_ids_a_foreign_d2t_an_own_embedding_and_damaged_weights_are_eac
     """One draft, one server, four faults, each named by its own evidence: the ids lost from the config (vLLM falls
     back to its default: wrong layers against the training data, the fallback in the served plan), a d2t of another
     run (the draft check against the training data's vocab map), an embed_tokens of its own that vLLM keeps (the loader
-    rule, and vLLM's own account), and noise in fc / attention / MLP weights (the budget's draft stage, which is still
+    rule, and vLLM's own account; the offline run uses it too, so its loss is the draft stage's), and noise in fc / attention / MLP weights (the budget's draft stage, which is still
     short of the training log with the proposed vocab map applied: the d2t does not explain it)."""
     training = _training_on([0, 3, 6], tmp_path / "data")
     draft = damaged_draft(tmp_path / "draft", noise=2.0, src=H64 / "draft")
@@ -225,6 +225,12 @@ def test_fallback_ids_a_foreign_d2t_an_own_embedding_and_damaged_weights_are_eac
     # log's accept length, and the proposed vocab map wins little of it back: named apart from the d2t
     b = doc.acceptance
     assert b["cause"] == "draft" and b["losses"]["draft"]["ci"][0] > 0, b["sentence"]
+    # the own embedding is run offline as vLLM runs it (its loader rules, LoaderRules.TABLE): its loss lands in the
+    # draft stage, where embedding_not_shared is named, and the offline run still predicts the server's counters
+    assert b["draft_sources"]["embed"].startswith("draft") and b["draft_sources"]["loader"].startswith("vLLM")
+    assert b["losses"]["engine"]["decision"] != "counts", b["losses"]["engine"]
+    assert abs(_stage(b, "offline on live prompts' served states")["accept_length"]
+               - _stage(b, "live")["accept_length"]) <= 0.15, b["sentence"]
     log, ds = _stage(b, "training log"), _stage(b, "checkpoint (teacher-forced)")
     assert ds["fix"]["label"] == "the proposed vocab map", ds.get("fix")
     assert ds["fix"]["ci"][1] < log["accept_length"] - 0.5, (log["accept_length"], ds["fix"])

@@ -46,3 +46,16 @@ def wrong_d2t_draft(out: Path, *, seed: int = 0, src: Path = DRAFT) -> Path:
     w["d2t"] = (hot[perm] - torch.arange(d2t.shape[0])).to(d2t.dtype)
     save_file(w, str(out / "model.safetensors"))
     return out
+
+
+def own_embedding_draft(out: Path, *, target: Path, seed: int = 1, noise: float = 1.0, src: Path = DRAFT) -> Path:
+    """A copy of ``src`` that carries an ``embed_tokens.weight`` of its own: ``target``'s embedding plus Gaussian
+    noise of ``noise`` x its std (same dtype), as an export that saved a drifted copy of the embedding. SGLang runs
+    the draft with the target's embedding, vLLM with this one (``LoaderRules.TABLE`` ``embedding``)."""
+    damaged_draft(out, tensors=(), src=src)
+    w = load_file(str(out / "model.safetensors"))
+    emb = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
+    g = torch.Generator().manual_seed(seed)
+    w["embed_tokens.weight"] = (emb + torch.randn(emb.shape, generator=g) * noise * emb.float().std()).to(emb.dtype)
+    save_file(w, str(out / "model.safetensors"))
+    return out

@@ -66,7 +66,8 @@ def checkpoint_draft(ctx: ProbeContext) -> Eagle3Draft:
         att = ctx.att
         choice = choose_dtype(server_dtype(ctx.client.server_info(), read_draft_config(att.draft_dir).raw), "cpu")
         ctx.extra["trace_draft"] = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype,
-                                                    dtype_reason=choice.reason)
+                                              dtype_reason=choice.reason,
+                                              loader=ctx.adapter.loader_rules(att.version))
     return ctx.extra["trace_draft"]
 
 

@@ -88,7 +88,7 @@ def test_static_check_on_the_reference_pair_names_the_offset_with_vllms_rule(tar
     offs = [f for f in rep.findings if f["kind"] == "layer_offset"]
     assert [f["chunk"] for f in offs] == [0, 1, 2] and all(f["evidence"]["offset"] == -1 for f in offs)
     assert rep.training_plan.provenance == "manifest" and rep.served_plan.tensors == ["out(0)", "out(2)", "out(3)"]
-    assert rep.inputs["vllm version"] == "0.32.0 (from the server)"
+    assert rep.inputs["vllm version"] == "0.32.0 (the release whose rules are read)"
     # the same pair under SGLang's rules (the default) is served as trained
     assert static_check(H64 / "draft", H64 / "target", training=H64 / "data" / "sample").verdict == "ok"
 

@@ -153,3 +153,31 @@ def test_an_own_embedding_unlike_the_targets_is_kept_as_vllm_keeps_it(converted,
     T = int(s.tokens.shape[0])
     assert not torch.equal(a.extend(s.tokens[1:T], s.aux[: T - 1]).logits,
                            b.extend(s.tokens[1:T], s.aux[: T - 1]).logits)
+
+
+def test_diagnose_with_engine_vllm_reads_a_speculators_draft_as_vllm_does(converted, tmp_path, capsys):
+    """``diagnose --draft-config SPECULATORS --target-config T --engine vllm`` (refused before: --engine was for MTP
+    heads only): the served plan from the speculators config's top-level ids in vLLM's convention, vLLM's config
+    reading (speculators fact, norm_before_residual as written / defaulted true with its note), no unsupported_draft;
+    without --engine, SGLang's rules name it unsupported."""
+    from helpers.cli.diagnose import cli_main
+
+    def run(*argv):
+        rc = cli_main(["--draft-config", str(argv[0]), "--target-config", str(H64 / "target"), "--json", *argv[1:]])
+        return rc, json.loads(capsys.readouterr().out)
+
+    rc, doc = run(converted, "--engine", "vllm")
+    assert rc == 0 and doc["verdict"] == "ok" and doc["findings"] == [], doc["findings"]
+    assert doc["served_plan"]["tensors"] == ["out(0)", "out(2)", "out(3)"]
+    sp = doc["draft_checks"]["facts"]["speculators"]
+    assert sp["vllm_class"] == "Eagle3LlamaForCausalLM" and sp["norm_before_residual"] is False
+    assert doc["inputs"]["vllm version"].startswith("0.32.0")
+    # the field left out: vLLM reads it as true, and says so
+    raw = json.loads((converted / "config.json").read_text())
+    del raw["norm_before_residual"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    rc, doc = run(tmp_path / "config.json", "--engine", "vllm")
+    assert doc["draft_checks"]["facts"]["speculators"]["norm_before_residual"] is True
+    assert any("reads it as true" in a for a in doc["advisories"]), doc["advisories"]
+    rc, doc = run(converted)
+    assert rc == 1 and "unsupported_draft" in {f["kind"] for f in doc["findings"]}

@@ -51,3 +51,44 @@ def test_position_effect_is_p_accepted_at_least_j_per_side():
     for p in pos:
         assert p["delta"] == pytest.approx(p["b"] - p["a"]) and p["delta_lo"] <= p["delta"] <= p["delta_hi"]
     assert pos[0]["delta_hi"] < 0 and np.isfinite(pos[2]["delta_lo"])
+
+
+def test_an_own_embedding_is_named_at_the_draft_term_not_wiring_or_engine(tmp_path):
+    """The same draft (an embed_tokens of its own) on SGLang (a) and vLLM (b), each server modelled by the draft run
+    with its engine's loader rules on the same states (the live check of tests/server/test_vllm_faults.py shows the
+    vLLM server matches it): the live difference is the draft term (b's loader rules minus a's on b's states), the
+    wiring and engine terms are 0; _same_tensors tells the two loads apart only where the loaders differ."""
+    from types import SimpleNamespace
+
+    from helpers.draft import simulate as sm
+    from helpers.draft.sequences import training_sequences
+    from helpers.engines.detect import adapter
+    from helpers.formats.training_data import TrainingData
+    from helpers.investigation.cross_engine import Pair, Side, _draft, _same_tensors, _stage_attribute, _stage_paired
+    from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET, REFERENCE_TRAINING
+    from support.drafts import own_embedding_draft
+
+    own = own_embedding_draft(tmp_path / "own", target=REFERENCE_TARGET)
+    spec = {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
+
+    def side(label, engine, version, draft):
+        att = SimpleNamespace(spec=spec, version=version, draft_dir=draft, target_dir=REFERENCE_TARGET, info={})
+        return Side(label, f"http://{label}", adapter=adapter(engine), att=att, budget={"losses": {}})
+
+    a, b = side("a", "sglang", "0.5.23", own), side("b", "vllm", "0.32.0", own)
+    assert not _same_tensors(_draft(b, a), _draft(b, b))
+    ra, rb = side("a", "sglang", "0.5.23", REFERENCE_DRAFT), side("b", "vllm", "0.32.0", REFERENCE_DRAFT)
+    assert _same_tensors(_draft(rb, ra), _draft(rb, rb))
+    seqs = training_sequences(TrainingData(REFERENCE_TRAINING, hidden_size=128))
+    st = sm.DraftSettings.chain(3)
+    run = {s.label: sm.simulate_sequences(_draft(b, s), seqs, [st])["per_request"][st] for s in (a, b)}
+    a.live, a.offline, b.live, b.offline = run["a"], run["a"].copy(), run["b"], run["b"].copy()
+    a.tokens = b.tokens = {q.key: q.tokens.tolist() for q in seqs}
+    p = Pair(a, b, REFERENCE_TRAINING, tmp_path, len(seqs), 32, 3, None, lambda m: None, doc={"same_draft": True},
+             b_as_a=run["a"].copy())
+    _stage_paired(p)
+    _stage_attribute(p)
+    t = p.doc["terms"]
+    assert t["wiring"]["delta"] == t["wiring"]["hi"] == 0.0 and t["engine"]["delta"] == 0.0
+    assert t["draft"]["hi"] < 0 and t["draft"]["delta"] == pytest.approx(t["live"]["delta"])
+    assert p.doc["named"] == ["draft"] and "each engine's loader" in p.doc["sentence"], p.doc["sentence"]

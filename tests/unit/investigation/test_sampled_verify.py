@@ -347,7 +347,7 @@ class ServedAdapter(SGLangAdapter):
 def _probe_ctx(tmp_path, adapter):
     # dtype float32: the probe's draft (helpers.draft.precision.server_dtype) computes as the chain fixture's does
     client = SimpleNamespace(server_info=lambda refresh=False: {"device": "cpu", "dtype": "float32"}, timeout=5.0)
-    att = SimpleNamespace(restart=None, draft_dir=REFERENCE_DRAFT, target_dir=REFERENCE_TARGET,
+    att = SimpleNamespace(restart=None, draft_dir=REFERENCE_DRAFT, target_dir=REFERENCE_TARGET, version="0.5.23",
                           spec={"num_steps": 3, "topk": 1, "num_draft_tokens": 4})
     return ProbeContext(client=client, adapter=adapter, att=att, run_dir=tmp_path, prompts=list(range(16)),
                         max_new_tokens=24, dl=Budget(600.0), sampling={"temperature": 0.8})
