@@ -154,9 +154,12 @@ def test_reference_from_dump_reads_what_was_written(tmp_path, llama_ref):
 
 @pytest.fixture(scope="module")
 def kimi_ref():
-    return reference_from_hf(KIMI / "target", _prompts(KIMI / "target", 8), new_tokens=64, temperature=1.0, seed=0)
+    """16 held-out prompts x 64 sampled tokens (8 left the Llama-style draft undecided between out(0) and out(1) as
+    its first chunk: +0.0044 [-0.0013, +0.0111] nats; 12 decided it, +0.0044 [+0.0014, +0.0073])."""
+    return reference_from_hf(KIMI / "target", _prompts(KIMI / "target", 16), new_tokens=64, temperature=1.0, seed=0)
 
 
+@pytest.mark.extended          # the Kimi target's HF continuations take ~2 min on 2 loaded cores
 @pytest.mark.parametrize("draft", ["draft", "draft_mla"])
 def test_kimi_drafts_plan_identified(kimi_ref, draft):
     truth = _trained_plan(KIMI / "data" / "sample")
