@@ -580,5 +580,28 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
                               seconds=time.perf_counter() - t0, config_reading=reading)
 
 
+def write_plan_dump(reference: Sequence[LayerStates], ident: PlanIdentification, out_dir: str | Path, *,
+                    name: str = "identified-plan") -> Path:
+    """The stand-in for the withheld training data: the identified plan's tensors of the every-layer reference on the
+    target's own continuations, as a project (e3f) training dump whose ``layer_plan`` records the plan and
+    :data:`PROVENANCE` (``layer_plan.provenance``: ``identified``; :func:`helpers.diagnosis.static.
+    resolve_training_plan` reports it so). The diagnosis then compares the served states against these.
+
+    Raises:
+        BadInput: ``ident`` is undecided (no plan to write: the caller stops short of naming wiring faults)."""
+    from ..formats.dumps import write_dump
+
+    if ident.decision != "identified" or ident.plan is None:
+        raise BadInput(f"no identified layer plan to stand in for the training data ({ident.sentence()})",
+                       field="--training")
+    H = int(reference[0].states.shape[-1])
+    samples = [{"key": r.key, "sample_id": r.key, "input_ids": r.tokens.tolist(), "num_prompt_tokens": r.start,
+                "hidden": r.aux(ident.plan).float()} for r in reference]
+    plan = {"tensors": list(ident.plan), "provenance": "identified", "note": PROVENANCE,
+            "identification": {k: v for k, v in ident.to_json().items() if k != "scores"}}
+    return write_dump(Path(out_dir) / name, samples, {"kind": "training", "source": {"type": "plan identification"},
+                                                      "layer_plan": plan, "hidden_size": H})
+
+
 __all__ = ["Candidate", "LayerStates", "PlanIdentification", "PlanScore", "PROVENANCE", "candidate_plans",
-           "identify_plan", "neighbours", "reference_from_dump", "reference_from_hf", "TargetHead"]
+           "identify_plan", "neighbours", "reference_from_dump", "reference_from_hf", "TargetHead", "write_plan_dump"]

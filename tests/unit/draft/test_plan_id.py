@@ -167,3 +167,27 @@ def test_kimi_drafts_plan_identified(kimi_ref, draft):
                       config_ids=[2, 4, 5])                        # ids of another convention: the checkpoint decides
     assert r.decision == "identified" and r.plan == truth, r.sentence()
     assert r.margin_ci[0] > 0 and np.isfinite(r.best.loss)
+
+
+def test_identified_plan_stands_in_for_the_training_data(tmp_path, llama_ref, llama_head, llama_draft):
+    """The identified plan written as a training dump: the diagnosis reads its plan as ``identified`` (not a
+    manifest's) with the provenance sentence, and its chunks are the reference's tensors of that plan; an undecided
+    identification writes nothing."""
+    from helpers.diagnosis.static import resolve_training_plan
+    from helpers.draft.plan_id import write_plan_dump
+    from helpers.formats.configs import read_target_config
+    from helpers.formats.training_data import TrainingData
+
+    r = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5])
+    path = write_plan_dump(llama_ref, r, tmp_path)
+    td = TrainingData(path, hidden_size=128)
+    tp = resolve_training_plan(None, read_target_config(TARGET), training=td)
+    assert tp.provenance == "identified" and tp.tensors == ["out(1)", "out(3)", "out(4)"]
+    assert PROVENANCE in tp.source
+    first = next(iter(td))
+    assert torch.equal(first.load().float(), llama_ref[0].aux(r.plan).float())
+    und = identify_plan(llama_draft, llama_ref[:2], llama_head,
+                        [Candidate(("out(1)", "out(3)", "out(4)"), ("a",))] * 2, rounds=0)
+    assert und.decision == "undecided"
+    with pytest.raises(Exception, match="no identified layer plan"):
+        write_plan_dump(llama_ref, und, tmp_path, name="und")
