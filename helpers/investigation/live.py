@@ -74,7 +74,7 @@ class Request:
     """What was asked of an investigation (the arguments of :func:`investigate`, documented there)."""
 
     url: str
-    training: str | Path
+    training: Optional[str | Path]
     run_dir: Path
     draft: Optional[str | Path] = None
     target: Optional[str | Path] = None
@@ -218,6 +218,8 @@ def _stage_attach(r: Run) -> None:
         r.progress("caveat: " + caveat)
     require_draft(att)
     r.tcfg = read_target_config(att.target_dir)
+    if req.training is None:                       # no training data: the plan identified from the draft itself
+        _identify_plan(r)
     r.td = TrainingData(req.training, hidden_size=r.tcfg.hidden_size, max_samples=req.num_samples)
     if r.td.hidden_size is not None and r.td.hidden_size != r.tcfg.hidden_size:
         raise BadInput(f"the training data is {r.td.hidden_size} wide per chunk but the target's hidden size is "
@@ -233,6 +235,52 @@ def _stage_attach(r: Run) -> None:
         r.progress("note: " + doc.notes[-1])
     doc.samples = len(r.samples)
     r.extra = list(att.findings)
+
+
+#: prompts, tokens and sampling of the target's own continuations the layer plan is identified on (no training data):
+#: sampled at temperature 1 as drafts are trained (greedy text is predictable from the tokens alone and leaves
+#: neighbouring layers undecided on few prompts; tests/unit/draft/test_plan_id.py)
+IDENTIFY_PROMPTS, IDENTIFY_TOKENS, IDENTIFY_SAMPLING = 12, 64, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+def _identify_plan(r: Run) -> None:
+    """No ``--training``: the layer plan the draft was trained on, identified from the checkpoint
+    (:func:`helpers.draft.plan_id.identify_plan`) on the server's own sampled continuations of
+    :data:`IDENTIFY_PROMPTS` prompts and their every-layer reference (the server's own capture, else HF: the
+    reference stage's choice). Identified: the plan's reference states stand in for the training data
+    (:func:`helpers.draft.plan_id.write_plan_dump`) and every output says so. Undecided: BadInput naming
+    ``--training`` (no wiring fault is named on a guessed plan)."""
+    from ..draft.model import Eagle3Draft
+    from ..draft.plan_id import PROVENANCE, TargetHead, identify_plan, reference_from_dump, write_plan_dump
+    from ..draft.sequences import dump_sequences
+
+    req, att, doc = r.req, r.att, r.doc
+    t = r.step("plan identification")
+    dumps = req.run_dir / "dumps"
+    ps = load_prompts(None, n=IDENTIFY_PROMPTS)
+    served = r.adapter.capture_served(r.client, ps, dumps, name="identify-continuations",
+                                      max_new_tokens=IDENTIFY_TOKENS, sampling=dict(IDENTIFY_SAMPLING),
+                                      max_width=16 * r.tcfg.hidden_size)
+    seqs = dump_sequences(served)
+    toks = [{"id": s.key, "input_ids": [int(x) for x in s.tokens]} for s in seqs]
+    ref, how, missing = _reference(r.adapter, att, r.client, toks, req.run_dir, r.tcfg.num_hidden_layers,
+                                   name="identify-reference")
+    if ref is None:
+        raise BadInput(f"--training not given and the layer plan cannot be identified without an every-layer "
+                       f"reference ({missing})", field="--training")
+    refs = reference_from_dump(ref, starts={s.key: s.start for s in seqs})
+    draft = Eagle3Draft.load(att.draft_dir, att.target_dir)
+    ids = read_draft_config(att.draft_dir).nested_layer_ids
+    ident = identify_plan(draft, refs, TargetHead.load(att.target_dir), config_ids=ids, progress=r.progress)
+    write_json(req.run_dir / "plan_identification.json", {**ident.to_json(), "reference": how,
+                                                          "continuations": str(served)})
+    if ident.decision != "identified":
+        raise BadInput(f"--training not given and the layer plan the draft was trained on is undecided: "
+                       f"{ident.sentence()}; pass --training (its data settle it)", field="--training")
+    req.training = write_plan_dump(refs, ident, dumps)
+    doc.training = f"{req.training} ({PROVENANCE})"
+    doc.notes.append(ident.sentence())
+    r.done("plan identification", t, ident.sentence())
 
 
 class _Stopped(Exception):
@@ -497,7 +545,7 @@ STAGES: tuple[tuple[str, Callable[[Run], None]], ...] = (
     ("measure the fix", _stage_measure_fix), ("one story", _stage_story))
 
 
-def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
+def investigate(url: str, *, training: Optional[str | Path], run_dir: str | Path, draft: Optional[str | Path] = None,
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
@@ -513,7 +561,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
 
     Args:
         url: base URL of a running SGLang server with an EAGLE-3 draft and ``--enable-return-hidden-states``.
-        training: the draft's training data (SpecForge folder, ...; :mod:`helpers.formats.training_data`).
+        training: the draft's training data (SpecForge folder, ...; :mod:`helpers.formats.training_data`), or None:
+            the layer plan is then identified from the draft itself (:func:`_identify_plan`; undecided is BadInput).
         run_dir: the run folder to fill (``investigation.json``, ``dumps/``, ``acceptance/``, ``drafts/``, ``logs/``).
         draft / target: folders to use when the server's are not readable here (the server's win when both are).
         relaunch: a launch command for the server (shell words); the tool replaces its draft path / port / flags
@@ -575,7 +624,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
-    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve())),
+    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir),
+                                          training="" if training is None else str(Path(training).resolve())),
             dl=dl, progress=progress)
     stage_name = "attach"
     try:
@@ -769,6 +819,13 @@ def sentence(doc: InvestigationDoc) -> str:
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
     ref = (doc.reference or {}).get("how") or "none"
+    from ..draft.plan_id import PROVENANCE
+    if PROVENANCE in (doc.training or ""):
+        return f"[{PROVENANCE}] " + _sentence(doc, ref)
+    return _sentence(doc, ref)
+
+
+def _sentence(doc: InvestigationDoc, ref: str) -> str:
     budget_text = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
     wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
     if not wiring:
