@@ -39,9 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
+from ..formats.configs import read_target_config
+from ..formats.dumps import read_dump, write_dump
 from ..layers.ids import EMBEDDING, out, parse_tensor, physical, specforge_default_ids, \
     vllm_default_ids
-from .model import Eagle3Draft, compute_threads
+from .model import Eagle3Draft, _read_tensor, compute_threads, find_target_tensor, target_lm_head
 from .simulate import SimSequence, _chain_accepts, _teacher_forced
 from .teacher_forced import target_view
 
@@ -94,8 +96,6 @@ def reference_from_dump(path: str | Path, *, starts: Optional[dict[str, int]] = 
     Raises:
         BadInput: the dump names no tensors, its width is not ``len(tensors) * hidden_size``, or a sample has no
             continuation (the manifest named)."""
-    from ..formats.dumps import read_dump
-
     src = read_dump(path)
     names = tuple((src.layer_plan or {}).get("tensors") or ())
     if not names:
@@ -131,7 +131,7 @@ def reference_from_hf(target_dir: str | Path, prompts: Sequence[Sequence[int]], 
 
     Raises:
         BadInput: a prompt of no token, ``new_tokens`` < 2 or a negative temperature."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import; only HF needs it
 
     if new_tokens < 2 or temperature < 0:
         raise BadInput(f"new_tokens {new_tokens}, temperature {temperature}: expected >= 2 and >= 0",
@@ -403,9 +403,6 @@ class TargetHead:
 
         Raises:
             BadInput: no ``model.norm.weight`` (or lm_head) in the target's safetensors."""
-        from ..formats.configs import read_target_config
-        from .model import _read_tensor, find_target_tensor, target_lm_head
-
         target_dir = Path(target_dir)
         hit = find_target_tensor(target_dir, "model.norm.weight")
         if hit is None:
@@ -589,8 +586,6 @@ def write_plan_dump(reference: Sequence[LayerStates], ident: PlanIdentification,
 
     Raises:
         BadInput: ``ident`` is undecided (no plan to write: the caller stops short of naming wiring faults)."""
-    from ..formats.dumps import write_dump
-
     if ident.decision != "identified" or ident.plan is None:
         raise BadInput(f"no identified layer plan to stand in for the training data ({ident.sentence()})",
                        field="--training")

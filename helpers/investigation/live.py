@@ -36,7 +36,6 @@ from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
 from ..budget import Budget
-from ..capture import capture_reference_hf
 from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
@@ -56,7 +55,8 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check, static_findings
 from .inputs import Investigation
-from .attach import Attachment, attach, capture_hooks, hf_reference_fits, mtp_not_supported, require_draft
+from .identify import PROVENANCE, every_layer_reference as _reference, identify_stage
+from .attach import Attachment, attach, capture_hooks, mtp_not_supported, require_draft
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .propose import draft_variant, propose_fix
@@ -218,8 +218,7 @@ def _stage_attach(r: Run) -> None:
         r.progress("caveat: " + caveat)
     require_draft(att)
     r.tcfg = read_target_config(att.target_dir)
-    if req.training is None:                       # no training data: the plan identified from the draft itself
-        _identify_plan(r)
+    identify_stage(r)                              # no training data: the plan identified from the draft itself
     r.td = TrainingData(req.training, hidden_size=r.tcfg.hidden_size, max_samples=req.num_samples)
     if r.td.hidden_size is not None and r.td.hidden_size != r.tcfg.hidden_size:
         raise BadInput(f"the training data is {r.td.hidden_size} wide per chunk but the target's hidden size is "
@@ -235,52 +234,6 @@ def _stage_attach(r: Run) -> None:
         r.progress("note: " + doc.notes[-1])
     doc.samples = len(r.samples)
     r.extra = list(att.findings)
-
-
-#: prompts, tokens and sampling of the target's own continuations the layer plan is identified on (no training data):
-#: sampled at temperature 1 as drafts are trained (greedy text is predictable from the tokens alone and leaves
-#: neighbouring layers undecided on few prompts; tests/unit/draft/test_plan_id.py)
-IDENTIFY_PROMPTS, IDENTIFY_TOKENS, IDENTIFY_SAMPLING = 12, 64, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
-
-
-def _identify_plan(r: Run) -> None:
-    """No ``--training``: the layer plan the draft was trained on, identified from the checkpoint
-    (:func:`helpers.draft.plan_id.identify_plan`) on the server's own sampled continuations of
-    :data:`IDENTIFY_PROMPTS` prompts and their every-layer reference (the server's own capture, else HF: the
-    reference stage's choice). Identified: the plan's reference states stand in for the training data
-    (:func:`helpers.draft.plan_id.write_plan_dump`) and every output says so. Undecided: BadInput naming
-    ``--training`` (no wiring fault is named on a guessed plan)."""
-    from ..draft.model import Eagle3Draft
-    from ..draft.plan_id import PROVENANCE, TargetHead, identify_plan, reference_from_dump, write_plan_dump
-    from ..draft.sequences import dump_sequences
-
-    req, att, doc = r.req, r.att, r.doc
-    t = r.step("plan identification")
-    dumps = req.run_dir / "dumps"
-    ps = load_prompts(None, n=IDENTIFY_PROMPTS)
-    served = r.adapter.capture_served(r.client, ps, dumps, name="identify-continuations",
-                                      max_new_tokens=IDENTIFY_TOKENS, sampling=dict(IDENTIFY_SAMPLING),
-                                      max_width=16 * r.tcfg.hidden_size)
-    seqs = dump_sequences(served)
-    toks = [{"id": s.key, "input_ids": [int(x) for x in s.tokens]} for s in seqs]
-    ref, how, missing = _reference(r.adapter, att, r.client, toks, req.run_dir, r.tcfg.num_hidden_layers,
-                                   name="identify-reference")
-    if ref is None:
-        raise BadInput(f"--training not given and the layer plan cannot be identified without an every-layer "
-                       f"reference ({missing})", field="--training")
-    refs = reference_from_dump(ref, starts={s.key: s.start for s in seqs})
-    draft = Eagle3Draft.load(att.draft_dir, att.target_dir)
-    ids = read_draft_config(att.draft_dir).nested_layer_ids
-    ident = identify_plan(draft, refs, TargetHead.load(att.target_dir), config_ids=ids, progress=r.progress)
-    write_json(req.run_dir / "plan_identification.json", {**ident.to_json(), "reference": how,
-                                                          "continuations": str(served)})
-    if ident.decision != "identified":
-        raise BadInput(f"--training not given and the layer plan the draft was trained on is undecided: "
-                       f"{ident.sentence()}; pass --training (its data settle it)", field="--training")
-    req.training = write_plan_dump(refs, ident, dumps)
-    doc.training = f"{req.training} ({PROVENANCE})"
-    doc.notes.append(ident.sentence())
-    r.done("plan identification", t, ident.sentence())
 
 
 class _Stopped(Exception):
@@ -562,7 +515,7 @@ def investigate(url: str, *, training: Optional[str | Path], run_dir: str | Path
     Args:
         url: base URL of a running SGLang server with an EAGLE-3 draft and ``--enable-return-hidden-states``.
         training: the draft's training data (SpecForge folder, ...; :mod:`helpers.formats.training_data`), or None:
-            the layer plan is then identified from the draft itself (:func:`_identify_plan`; undecided is BadInput).
+            the layer plan is then identified from the draft itself (:func:`.identify.identify_stage`).
         run_dir: the run folder to fill (``investigation.json``, ``dumps/``, ``acceptance/``, ``drafts/``, ``logs/``).
         draft / target: folders to use when the server's are not readable here (the server's win when both are).
         relaunch: a launch command for the server (shell words); the tool replaces its draft path / port / flags
@@ -624,8 +577,7 @@ def investigate(url: str, *, training: Optional[str | Path], run_dir: str | Path
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
-    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir),
-                                          training="" if training is None else str(Path(training).resolve())),
+    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve()) if training else ""),
             dl=dl, progress=progress)
     stage_name = "attach"
     try:
@@ -643,7 +595,7 @@ def investigate(url: str, *, training: Optional[str | Path], run_dir: str | Path
             r.client.close()
         r.doc.timings = r.timings
         r.doc.wall_s = round(dl.elapsed(), 1)
-        r.doc.sentence = sentence(r.doc)
+        r.doc.sentence = (f"[{PROVENANCE}] " if PROVENANCE in r.doc.training else "") + sentence(r.doc)
         write_json(req.run_dir / "investigation.json", r.doc.model_dump(mode="json"))
     return r.doc
 
@@ -657,28 +609,6 @@ def _unfinished(doc: InvestigationDoc, stage: str) -> None:
         doc.verdict = "undecided"
     doc.notes.append(f"the investigation stopped in its '{stage}' stage ({doc.error}); the stages from there on did "
                      "not run, so no stage after it is ruled clear")
-
-
-def _reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any], run_dir: Path,
-               num_layers: int, *, name: str = "reference") -> tuple[Optional[Path], str, Optional[str]]:
-    """(reference dump, how it was made, what is missing when there is none): the server's own every-layer capture
-    when its engine adapter can record one, else HF on the target folder when it fits, else none. The dump is
-    ``run_dir/dumps/<name>-server`` or ``<name>-hf``."""
-    own = adapter.every_layer_source(client, att.layers_dir)
-    if own is not None:
-        path = adapter.capture_every_layer(client, samples, run_dir / "dumps", name=f"{name}-server",
-                                           num_layers=num_layers, hooks_layers_dir=att.layers_dir)
-        return path, own, None
-    fits, why = hf_reference_fits(att.target_dir)
-    if fits:
-        path = capture_reference_hf(att.target_dir, samples, run_dir / "dumps", name=f"{name}-hf", progress=False)
-        return path, f"HF transformers on {att.target_dir} ({why})", None
-    return None, "none", (f"no every-layer reference: the server records no every layer itself and HF cannot load "
-                          f"the target here ({why}). Without one, which layer each chunk holds cannot be measured (a "
-                          "layer offset looks like a rotated basis or a wrong layer); restart the server with "
-                          "`python -m helpers server start --capture-layers DIR` (embedded SGLang), "
-                          "env/gpu/launch_tp8.sh with LAYERS_DIR (GPU SGLang), or the tool's worker extension "
-                          "(vLLM: `python -m helpers server start --engine vllm`) to settle it")
 
 
 _ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}
@@ -819,13 +749,6 @@ def sentence(doc: InvestigationDoc) -> str:
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
     ref = (doc.reference or {}).get("how") or "none"
-    from ..draft.plan_id import PROVENANCE
-    if PROVENANCE in (doc.training or ""):
-        return f"[{PROVENANCE}] " + _sentence(doc, ref)
-    return _sentence(doc, ref)
-
-
-def _sentence(doc: InvestigationDoc, ref: str) -> str:
     budget_text = (" " + doc.acceptance["sentence"]) if doc.acceptance else ""
     wiring = [x for x in doc.findings if x.kind not in ACCEPTANCE_KINDS]
     if not wiring:

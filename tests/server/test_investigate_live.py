@@ -259,6 +259,7 @@ def test_no_training_data_the_plan_is_identified_from_the_draft(tmp_path):
     assert pid["decision"] == "identified" and pid["plan"] == ["out(1)", "out(3)", "out(4)"], pid["sentence"]
     assert pid["margin_ci"][0] > 0
     inv = json.loads((run / "investigation.json").read_text())
+    print(f"plan identification {inv['timings']['plan identification']} s: {pid['sentence']}")
     assert inv["timings"]["plan identification"] <= 60, inv["timings"]
     assert "layer_offset" in [f["kind"] for f in doc["findings"]], doc["findings"]
     assert doc["sentence"].startswith(f"[{PROVENANCE}]") and any(PROVENANCE in n for n in doc["notes"])
