@@ -4,9 +4,9 @@ An EAGLE-3 draft's ``fc`` was trained on one plan: the target tensors (``embeddi
 concatenated in one order. Its config's ``eagle_aux_hidden_state_layer_ids`` say which ids, but not in which
 convention they were written (SpecForge ``out(i)``, SGLang's capture index / vLLM / EAGLE ``in(i)``,
 :mod:`helpers.layers.ids`), and a wrong config is one of the faults this tool looks for, so the config cannot decide.
-The checkpoint can: run teacher-forced on the target's own (greedy) continuations of a few prompts, with the aux
-states taken from an every-layer reference of those tokens under each candidate plan, it accepts most under the plan
-it was trained on.
+The checkpoint can: run teacher-forced on the target's own continuations of a few prompts (sampled, as drafts are
+trained), with the aux states taken from an every-layer reference of those tokens under each candidate plan, it does
+best (lowest loss) under the plan it was trained on.
 
 For every candidate the draft is run as SGLang runs it (:class:`helpers.draft.model.Eagle3Draft`: the draft-extend pass,
 row t taking token t+1 with the aux state of position t) and scored by what its trainer minimised: the soft

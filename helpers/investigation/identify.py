@@ -27,9 +27,10 @@ def identify_stage(r: Any) -> None:
     """No ``--training``: the layer plan the draft was trained on, identified from the checkpoint
     (:func:`helpers.draft.plan_id.identify_plan`) on the server's own sampled continuations of
     :data:`IDENTIFY_PROMPTS` prompts and their every-layer reference (the server's own capture, else HF: the
-    reference stage's choice, :func:`every_layer_reference`), for the run ``r`` (:class:`helpers.investigation.live.Run`
-    after attach; nothing when it has training data). Identified: the plan's reference states stand in for the training data
-    (:func:`helpers.draft.plan_id.write_plan_dump`) and every output says so. Undecided: BadInput naming
+    reference stage's choice, :func:`every_layer_reference`), for the run ``r``
+    (:class:`helpers.investigation.live.Run` after attach; nothing when it has training data). Identified: the plan's
+    reference states stand in for the training data (:func:`helpers.draft.plan_id.write_plan_dump`) and every output
+    says so. Undecided: BadInput naming
     ``--training`` (no wiring fault is named on a guessed plan)."""
     req, att, doc = r.req, r.att, r.doc
     if req.training is not None:
@@ -42,8 +43,8 @@ def identify_stage(r: Any) -> None:
                                       max_width=16 * r.tcfg.hidden_size)
     seqs = dump_sequences(served)
     toks = [{"id": s.key, "input_ids": [int(x) for x in s.tokens]} for s in seqs]
-    ref, how, missing = every_layer_reference(r.adapter, att, r.client, toks, req.run_dir, r.tcfg.num_hidden_layers,
-                                   name="identify-reference")
+    ref, how, missing = every_layer_reference(r.adapter, att, r.client, toks, req.run_dir,
+                                              r.tcfg.num_hidden_layers, name="identify-reference")
     if ref is None:
         raise BadInput(f"--training not given and the layer plan cannot be identified without an every-layer "
                        f"reference ({missing})", field="--training")
@@ -63,7 +64,8 @@ def identify_stage(r: Any) -> None:
 
 
 def every_layer_reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any],
-                          run_dir: Path, num_layers: int, *, name: str = "reference") -> tuple[Optional[Path], str, Optional[str]]:
+                          run_dir: Path, num_layers: int, *, name: str = "reference"
+                          ) -> tuple[Optional[Path], str, Optional[str]]:
     """(reference dump, how it was made, what is missing when there is none): the server's own every-layer capture
     when its engine adapter can record one, else HF on the target folder when it fits, else none. The dump is
     ``run_dir/dumps/<name>-server`` or ``<name>-hf``."""

@@ -577,7 +577,8 @@ def investigate(url: str, *, training: Optional[str | Path], run_dir: str | Path
     for sub in ("dumps", "acceptance", "drafts", "logs", "figures"):
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
-    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir), training=str(Path(training).resolve()) if training else ""),
+    r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir),
+                                          training=str(Path(training).resolve()) if training else ""),
             dl=dl, progress=progress)
     stage_name = "attach"
     try:
