@@ -32,37 +32,53 @@ def identify_stage(r: Any) -> None:
     reference stage's choice, :func:`every_layer_reference`), for the run ``r``
     (:class:`helpers.investigation.live.Run` after attach; nothing when it has training data). Identified: the plan's
     reference states stand in for the training data (:func:`helpers.draft.plan_id.write_plan_dump`) and every output
-    says so. Undecided: BadInput naming
-    ``--training`` (no wiring fault is named on a guessed plan)."""
+    says so. Undecided (also on twice the prompts): BadInput naming ``--training`` (no wiring fault is named on a
+    guessed plan)."""
     req, att, doc = r.req, r.att, r.doc
     if req.training is not None:
         return
     t = r.step("plan identification")
-    dumps = req.run_dir / "dumps"
-    ps = load_prompts(None, n=IDENTIFY_PROMPTS)
-    served = r.adapter.capture_served(r.client, ps, dumps, name="identify-continuations",
-                                      max_new_tokens=IDENTIFY_TOKENS, sampling=dict(IDENTIFY_SAMPLING),
-                                      max_width=16 * r.tcfg.hidden_size)
-    seqs = dump_sequences(served)
-    toks = [{"id": s.key, "input_ids": [int(x) for x in s.tokens]} for s in seqs]
-    ref, how, missing = every_layer_reference(r.adapter, att, r.client, toks, req.run_dir,
-                                              r.tcfg.num_hidden_layers, name="identify-reference")
-    if ref is None:
-        raise BadInput(f"--training not given and the layer plan cannot be identified without an every-layer "
-                       f"reference ({missing})", field="--training")
-    refs = reference_from_dump(ref, starts={s.key: s.start for s in seqs})
     draft = Eagle3Draft.load(att.draft_dir, att.target_dir)
-    ids = read_draft_config(att.draft_dir).nested_layer_ids
-    ident = identify_plan(draft, refs, TargetHead.load(att.target_dir), config_ids=ids, progress=r.progress)
+    ids, head = read_draft_config(att.draft_dir).nested_layer_ids, TargetHead.load(att.target_dir)
+    refs: list = []
+    for k in range(2):                 # undecided on the first prompts: measured again on twice as many, once
+        more, how, served = _continuations(r, k * IDENTIFY_PROMPTS, IDENTIFY_PROMPTS, f"identify-{k}")
+        refs = refs + more
+        ident = identify_plan(draft, refs, head, config_ids=ids, progress=r.progress)
+        if ident.decision == "identified":
+            break
+        r.progress(f"plan identification undecided on {len(refs)} continuations: {ident.sentence()}")
     write_json(req.run_dir / "plan_identification.json", {**ident.to_json(), "reference": how,
-                                                          "continuations": str(served)})
+                                                          "continuations": served})
     if ident.decision != "identified":
         raise BadInput(f"--training not given and the layer plan the draft was trained on is undecided: "
                        f"{ident.sentence()}; pass --training (its data settle it)", field="--training")
-    req.training = write_plan_dump(refs, ident, dumps)
+    req.training = write_plan_dump(refs, ident, req.run_dir / "dumps")
     doc.training = f"{req.training} ({PROVENANCE})"
     doc.notes.append(ident.sentence())
     r.done("plan identification", t, ident.sentence())
+
+
+def _continuations(r: Any, first: int, n: int, name: str) -> tuple[list, str, str]:
+    """The server's own sampled continuations of bundled prompts ``first .. first + n - 1`` and their every-layer
+    reference: ``(LayerStates list, how the reference was made, the continuations' dump)``.
+
+    Raises:
+        BadInput: no every-layer reference can be made (what is missing named)."""
+    dumps = r.req.run_dir / "dumps"
+    ps = load_prompts(None, n=first + n)[first:]
+    sampling = {**IDENTIFY_SAMPLING, "sampling_seed": IDENTIFY_SAMPLING["sampling_seed"] + first}
+    served = r.adapter.capture_served(r.client, ps, dumps, name=f"{name}-continuations",
+                                      max_new_tokens=IDENTIFY_TOKENS, sampling=sampling,
+                                      max_width=16 * r.tcfg.hidden_size)
+    seqs = dump_sequences(served)
+    toks = [{"id": s.key, "input_ids": [int(x) for x in s.tokens]} for s in seqs]
+    ref, how, missing = every_layer_reference(r.adapter, r.att, r.client, toks, r.req.run_dir,
+                                              r.tcfg.num_hidden_layers, name=f"{name}-reference")
+    if ref is None:
+        raise BadInput(f"--training not given and the layer plan cannot be identified without an every-layer "
+                       f"reference ({missing})", field="--training")
+    return reference_from_dump(ref, starts={s.key: s.start for s in seqs}), how, str(served)
 
 
 def every_layer_reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any],
