@@ -256,7 +256,6 @@ def test_no_training_data_the_plan_is_identified_from_the_draft(tmp_path):
     run = next((tmp_path / "runs").iterdir())
     pid = json.loads((run / "plan_identification.json").read_text())
     print(f"plan identification: {pid['sentence']}")
-    assert pid["best"]["plan"] == ["out(1)", "out(3)", "out(4)"], pid["sentence"]
     if pid["decision"] == "undecided":
         assert out.returncode == 2 and "--training" in out.stderr and "undecided" in out.stderr, out.stderr[-3000:]
         assert pid["plan"] is None and pid["closest_ci"][0] <= 0
