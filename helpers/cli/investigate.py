@@ -36,8 +36,10 @@ def build_parser() -> Parser:
                            "the fix and, when the server can be restarted, measure the fix before/after.")
     p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--training", help="the draft's training data (SpecForge folder, speculators "
-                   "hs_*.safetensors folder, EAGLE data, or a training dump); required for an EAGLE-3 draft unless "
-                   "--check-draft, not for an MTP / NextN head (docs/mtp.md)")
+                   "hs_*.safetensors folder, EAGLE data, or a training dump). Without it, the layer plan an EAGLE-3 "
+                   "draft was trained on is identified from the draft itself (its loss on the server's own "
+                   "continuations under each candidate plan; docs/no-training-data.md) and the run stops, exit 2, when "
+                   "that is undecided; an MTP / NextN head needs none (docs/mtp.md)")
     p.add_argument("--check-draft", action="store_true", help="only check that the served draft is its checkpoint: "
                    "attach, the engine's draft weights checksum where it has one, and the served draft's proposals "
                    "step by step against the checkpoint's (needs `server start --trace-draft DIR`); exit 0 matches, "
@@ -117,7 +119,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         if quick:
             _check_draft_flags(args, argv)
             return _check_draft(args, prog)
-        # --training: required for an EAGLE-3 draft, not for an MTP / NextN head (the attach tells them apart)
+        if args.training is not None and not args.training.strip():
+            raise BadInput("--training is empty: give the draft's training data, or leave the flag out to identify "
+                           "the layer plan from the draft itself")
         if args.samples < 1 or args.prompts < 1:
             raise BadInput("--samples and --prompts must be >= 1")
         if args.timeout is not None and not 0 < args.timeout < float("inf"):

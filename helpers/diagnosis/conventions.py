@@ -62,7 +62,8 @@ class CapturePlan:
             version), ``manifest`` (recorded by the tool that wrote the training data, or the run's own record
             given by the user), ``inferred`` (identified in the data against an every-layer reference),
             ``claimed`` (read from a draft config that may have been edited after training), ``default`` (no
-            ids anywhere: the trainer's default was assumed).
+            ids anywhere: the trainer's default was assumed), ``identified`` (no training data: the plan under which
+            the draft checkpoint does best on the target's own continuations, :mod:`helpers.draft.plan_id`).
         source: the file / field / rule the plan was read from (one line).
         ambiguity: when the ids can mean two things: ``{"readings": [{"reading", "tensors"}...], "settle": str}``.
     """

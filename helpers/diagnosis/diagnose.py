@@ -230,7 +230,7 @@ def diagnose(training: Optional[str | Path], served: Sequence[str | Path], *,
                   served_dtype=served_dtype, reference=ref, tolerance=tolerance)
     notes: list[str] = []
     inferred = _inferred_training_plan(cmp, tp)
-    if inferred is not None and (tp is None or tp.provenance != "manifest"):
+    if inferred is not None and (tp is None or tp.provenance not in ("manifest", "identified")):
         tp = inferred
     elif inferred is not None and tp is not None and inferred.tensors != tp.tensors:
         # the data are what the draft was trained on: their plan replaces the manifest's, and the static check is

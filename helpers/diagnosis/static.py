@@ -199,6 +199,10 @@ def resolve_training_plan(draft: Optional[DraftConfig], target: TargetConfig, *,
                                                     f"{list(trained_layer_ids)}, SpecForge out(i))")
         return plan
     if td is not None and isinstance(td.layer_plan, dict) and td.layer_plan.get("tensors"):
+        if td.layer_plan.get("provenance") == "identified":      # helpers.draft.plan_id.write_plan_dump
+            return CapturePlan(tensors=list(td.layer_plan["tensors"]), role="training", who="plan identification",
+                               rules=[str(td.layer_plan.get("note"))], provenance="identified",
+                               source=f"{td.path}/manifest.json layer_plan ({td.layer_plan.get('note')})")
         return CapturePlan(tensors=list(td.layer_plan["tensors"]), role="training", who="training dump",
                            rules=["layer_plan recorded in the training dump manifest"], provenance="manifest",
                            source=f"{td.path}/manifest.json layer_plan.tensors")

@@ -34,7 +34,6 @@ from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
 from ..budget import Budget
-from ..capture import capture_reference_hf
 from ..errors import BadInput, describe
 from ..formats.configs import read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
@@ -55,7 +54,8 @@ from ..draft.budget import join_ablation, sweeps_can_settle
 from .catalog import LIVE_CHECKS
 from .checks import run_check, static_findings
 from .inputs import Investigation
-from .attach import Attachment, attach, capture_hooks, hf_reference_fits, require_draft
+from .attach import Attachment, attach, capture_hooks, require_draft
+from .identify import PROVENANCE, every_layer_reference as _reference, identify_stage
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .mtp import investigate_mtp, mtp_sentence
@@ -75,7 +75,7 @@ class Request:
     """What was asked of an investigation (the arguments of :func:`investigate`, documented there)."""
 
     url: str
-    training: str | Path
+    training: Optional[str | Path]
     run_dir: Path
     draft: Optional[str | Path] = None
     target: Optional[str | Path] = None
@@ -215,13 +215,12 @@ def _stage_attach(r: Run) -> None:
     if att.draft_head is not None:                 # an MTP / NextN head: its own stages (helpers.investigation.mtp)
         investigate_mtp(r, _reference)
         raise _Stopped
-    if req.training is None:
-        raise BadInput("required for a draft that is not an MTP head (its training data)", field="--training")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)
     require_draft(att)
     r.tcfg = read_target_config(att.target_dir)
+    identify_stage(r)                              # no training data: the plan identified from the draft itself
     r.td = TrainingData(req.training, hidden_size=r.tcfg.hidden_size, max_samples=req.num_samples)
     if r.td.hidden_size is not None and r.td.hidden_size != r.tcfg.hidden_size:
         raise BadInput(f"the training data is {r.td.hidden_size} wide per chunk but the target's hidden size is "
@@ -500,7 +499,7 @@ STAGES: tuple[tuple[str, Callable[[Run], None]], ...] = (
     ("measure the fix", _stage_measure_fix), ("one story", _stage_story))
 
 
-def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: Optional[str | Path] = None,
+def investigate(url: str, *, training: Optional[str | Path], run_dir: str | Path, draft: Optional[str | Path] = None,
                 target: Optional[str | Path] = None, relaunch: Optional[str] = None, api_key: Optional[str] = None,
                 timeout: Optional[float] = 900.0, num_samples: int = 4, measure_prompts: int = 16,
                 max_new_tokens: int = 32, concurrency: int = 4, apply_fix: bool = True,
@@ -516,7 +515,8 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
 
     Args:
         url: base URL of a running SGLang server with an EAGLE-3 draft and ``--enable-return-hidden-states``.
-        training: the draft's training data (SpecForge folder, ...; :mod:`helpers.formats.training_data`).
+        training: the draft's training data (SpecForge folder, ...; :mod:`helpers.formats.training_data`), or None:
+            the layer plan is then identified from the draft itself (:func:`.identify.identify_stage`).
         run_dir: the run folder to fill (``investigation.json``, ``dumps/``, ``acceptance/``, ``drafts/``, ``logs/``).
         draft / target: folders to use when the server's are not readable here (the server's win when both are).
         relaunch: a launch command for the server (shell words); the tool replaces its draft path / port / flags
@@ -579,7 +579,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
         (req.run_dir / sub).mkdir(parents=True, exist_ok=True)
     dl = Budget(timeout)       # the one budget of the run: every request, restart and health poll below
     r = Run(req=req, doc=InvestigationDoc(url=url, run_dir=str(req.run_dir),
-                                          training="" if training is None else str(Path(training).resolve())),
+                                          training=str(Path(training).resolve()) if training else ""),
             dl=dl, progress=progress)
     stage_name = "attach"
     try:
@@ -597,7 +597,7 @@ def investigate(url: str, *, training: str | Path, run_dir: str | Path, draft: O
             r.client.close()
         r.doc.timings = r.timings
         r.doc.wall_s = round(dl.elapsed(), 1)
-        r.doc.sentence = sentence(r.doc)
+        r.doc.sentence = (f"[{PROVENANCE}] " if PROVENANCE in r.doc.training else "") + sentence(r.doc)
         write_json(req.run_dir / "investigation.json", r.doc.model_dump(mode="json"))
     return r.doc
 
@@ -611,28 +611,6 @@ def _unfinished(doc: InvestigationDoc, stage: str) -> None:
         doc.verdict = "undecided"
     doc.notes.append(f"the investigation stopped in its '{stage}' stage ({doc.error}); the stages from there on did "
                      "not run, so no stage after it is ruled clear")
-
-
-def _reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any], run_dir: Path,
-               num_layers: int, *, name: str = "reference") -> tuple[Optional[Path], str, Optional[str]]:
-    """(reference dump, how it was made, what is missing when there is none): the server's own every-layer capture
-    when its engine adapter can record one, else HF on the target folder when it fits, else none. The dump is
-    ``run_dir/dumps/<name>-server`` or ``<name>-hf``."""
-    own = adapter.every_layer_source(client, att.layers_dir)
-    if own is not None:
-        path = adapter.capture_every_layer(client, samples, run_dir / "dumps", name=f"{name}-server",
-                                           num_layers=num_layers, hooks_layers_dir=att.layers_dir)
-        return path, own, None
-    fits, why = hf_reference_fits(att.target_dir)
-    if fits:
-        path = capture_reference_hf(att.target_dir, samples, run_dir / "dumps", name=f"{name}-hf", progress=False)
-        return path, f"HF transformers on {att.target_dir} ({why})", None
-    return None, "none", (f"no every-layer reference: the server records no every layer itself and HF cannot load "
-                          f"the target here ({why}). Without one, which layer each chunk holds cannot be measured (a "
-                          "layer offset looks like a rotated basis or a wrong layer); restart the server with "
-                          "`python -m helpers server start --capture-layers DIR` (embedded SGLang), "
-                          "env/gpu/launch_tp8.sh with LAYERS_DIR (GPU SGLang), or the tool's worker extension "
-                          "(vLLM: `python -m helpers server start --engine vllm`) to settle it")
 
 
 _ORDER = {"confirmed": 0, "inconclusive": 1, "refuted": 2}

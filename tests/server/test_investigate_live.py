@@ -241,3 +241,34 @@ def test_tp8_per_rank_hypotheses_get_live_verdicts(tmp_path):
     assert ranks == set(range(8))
     diffs = [r for r in hyp["tp_sharding"]["evidence"] if str(r.get("measure", "")).startswith("max |aux(rank 0)")]
     assert len(diffs) == 7 and all(r["value"] == 0 for r in diffs)
+
+
+@pytest.mark.extended
+def test_no_training_data_the_plan_is_identified_from_the_draft(tmp_path):
+    """``investigate`` without ``--training`` on a server whose draft config says [2, 4, 5] (SGLang serves out(2),
+    out(4), out(5)) while the weights were trained on out(1), out(3), out(4): the plan is identified from the
+    checkpoint on the server's own continuations, the served states are compared with the reference at that plan,
+    the layer offset is named, and every output says where the plan came from. Never a wrong plan: when the
+    continuations leave it undecided (seen on 1 of 3 live runs of 12-16 prompts), the run stops with exit 2 naming
+    --training and names no fault."""
+    from helpers.draft.plan_id import PROVENANCE
+
+    with server(tmp_path, draft=_draft(tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+                                                                   "use_aux_hidden_state": True}})) as url:
+        out = _cli("investigate", "--url", url, "--out", str(tmp_path / "runs"), "--json", "--no-apply",
+                   "--no-budget", "--engine-probes", "none", "--sweeps", "none", "--timeout", "600")
+    run = next((tmp_path / "runs").iterdir())
+    pid = json.loads((run / "plan_identification.json").read_text())
+    print(f"plan identification: {pid['sentence']}")
+    if pid["decision"] == "undecided":
+        assert out.returncode == 2 and "--training" in out.stderr and "undecided" in out.stderr, out.stderr[-3000:]
+        assert pid["plan"] is None and pid["closest_ci"][0] <= 0
+        return
+    assert out.returncode == 1, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    assert pid["plan"] == ["out(1)", "out(3)", "out(4)"] and pid["margin_ci"][0] > 0
+    inv = json.loads((run / "investigation.json").read_text())
+    print(f"plan identification {inv['timings']['plan identification']} s")
+    assert "layer_offset" in [f["kind"] for f in doc["findings"]], doc["findings"]
+    assert doc["sentence"].startswith(f"[{PROVENANCE}]") and any(PROVENANCE in n for n in doc["notes"])
+    assert PROVENANCE in inv["training"] and PROVENANCE in (run / "postmortem.html").read_text()

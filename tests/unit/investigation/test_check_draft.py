@@ -142,6 +142,7 @@ def test_run_probes_only_runs_the_named_probes_and_refuses_unknown_ones(tmp_path
     (["--check-draft", "--max-new-tokens", "1"], "--max-new-tokens >= 2"),
     (["--check-draft", "--timeout", "0"], "--timeout must be > 0"),
     (["--check-draft", "--draft", "/nonexistent/draft"], "--draft"),
+    (["--training", " "], "--training is empty"),
 ])
 def test_bad_check_draft_input_is_one_line_exit_2(args, says, capsys, tmp_path):
     assert main(["investigate", "--url", "http://127.0.0.1:1", "--out", str(tmp_path), *args]) == 2

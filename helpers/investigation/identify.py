@@ -1,0 +1,104 @@
+"""``investigate`` without training data: the layer plan the draft was trained on, identified from the draft itself
+(:mod:`helpers.draft.plan_id`) on the server's own continuations, stands in for the training data."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ..acceptance.prompts import load_prompts
+from ..capture import capture_reference_hf
+from ..draft.model import Eagle3Draft
+from ..draft.plan_id import PROVENANCE, TargetHead, identify_plan, reference_from_dump, write_plan_dump
+from ..draft.sequences import dump_sequences
+from ..engines.base import EngineAdapter
+from ..errors import BadInput
+from ..formats.configs import read_draft_config
+from ..runfiles import write_json
+from ..server.client import ServerClient
+from .attach import Attachment, hf_reference_fits
+
+#: prompts, tokens and sampling of the target's own continuations the layer plan is identified on (no training data):
+#: sampled at temperature 1 as drafts are trained (greedy text is predictable from the tokens alone and leaves
+#: neighbouring layers undecided on few prompts; tests/unit/draft/test_plan_id.py); seeded, one seed per prompt, so a
+#: rerun sees the same continuations (12 x 64 unseeded left the reference draft undecided on one of two live runs)
+IDENTIFY_PROMPTS, IDENTIFY_TOKENS = 16, 96
+IDENTIFY_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 0}
+
+
+def identify_stage(r: Any) -> None:
+    """No ``--training``: the layer plan the draft was trained on, identified from the checkpoint
+    (:func:`helpers.draft.plan_id.identify_plan`) on the server's own sampled continuations of
+    :data:`IDENTIFY_PROMPTS` prompts and their every-layer reference (the server's own capture, else HF: the
+    reference stage's choice, :func:`every_layer_reference`), for the run ``r``
+    (:class:`helpers.investigation.live.Run` after attach; nothing when it has training data). Identified: the plan's
+    reference states stand in for the training data (:func:`helpers.draft.plan_id.write_plan_dump`) and every output
+    says so. Undecided (also on twice the prompts): BadInput naming ``--training`` (no wiring fault is named on a
+    guessed plan)."""
+    req, att, doc = r.req, r.att, r.doc
+    if req.training is not None:
+        return
+    t = r.step("plan identification")
+    draft = Eagle3Draft.load(att.draft_dir, att.target_dir)
+    ids, head = read_draft_config(att.draft_dir).nested_layer_ids, TargetHead.load(att.target_dir)
+    refs: list = []
+    for k in range(2):                 # undecided on the first prompts: measured again on twice as many, once
+        more, how, served = _continuations(r, k * IDENTIFY_PROMPTS, IDENTIFY_PROMPTS, f"identify-{k}")
+        refs = refs + more
+        ident = identify_plan(draft, refs, head, config_ids=ids, progress=r.progress)
+        if ident.decision == "identified":
+            break
+        r.progress(f"plan identification undecided on {len(refs)} continuations: {ident.sentence()}")
+    write_json(req.run_dir / "plan_identification.json", {**ident.to_json(), "reference": how,
+                                                          "continuations": served})
+    if ident.decision != "identified":
+        raise BadInput(f"--training not given and the layer plan the draft was trained on is undecided: "
+                       f"{ident.sentence()}; pass --training (its data settle it)", field="--training")
+    req.training = write_plan_dump(refs, ident, req.run_dir / "dumps")
+    doc.training = f"{req.training} ({PROVENANCE})"
+    doc.notes.append(ident.sentence())
+    r.done("plan identification", t, ident.sentence())
+
+
+def _continuations(r: Any, first: int, n: int, name: str) -> tuple[list, str, str]:
+    """The server's own sampled continuations of bundled prompts ``first .. first + n - 1`` and their every-layer
+    reference: ``(LayerStates list, how the reference was made, the continuations' dump)``.
+
+    Raises:
+        BadInput: no every-layer reference can be made (what is missing named)."""
+    dumps = r.req.run_dir / "dumps"
+    ps = load_prompts(None, n=first + n)[first:]
+    sampling = {**IDENTIFY_SAMPLING, "sampling_seed": IDENTIFY_SAMPLING["sampling_seed"] + first}
+    served = r.adapter.capture_served(r.client, ps, dumps, name=f"{name}-continuations",
+                                      max_new_tokens=IDENTIFY_TOKENS, sampling=sampling,
+                                      max_width=16 * r.tcfg.hidden_size)
+    seqs = dump_sequences(served)
+    toks = [{"id": s.key, "input_ids": [int(x) for x in s.tokens]} for s in seqs]
+    ref, how, missing = every_layer_reference(r.adapter, r.att, r.client, toks, r.req.run_dir,
+                                              r.tcfg.num_hidden_layers, name=f"{name}-reference")
+    if ref is None:
+        raise BadInput(f"--training not given and the layer plan cannot be identified without an every-layer "
+                       f"reference ({missing})", field="--training")
+    return reference_from_dump(ref, starts={s.key: s.start for s in seqs}), how, str(served)
+
+
+def every_layer_reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any],
+                          run_dir: Path, num_layers: int, *, name: str = "reference"
+                          ) -> tuple[Optional[Path], str, Optional[str]]:
+    """(reference dump, how it was made, what is missing when there is none): the server's own every-layer capture
+    when its engine adapter can record one, else HF on the target folder when it fits, else none. The dump is
+    ``run_dir/dumps/<name>-server`` or ``<name>-hf``."""
+    own = adapter.every_layer_source(client, att.layers_dir)
+    if own is not None:
+        path = adapter.capture_every_layer(client, samples, run_dir / "dumps", name=f"{name}-server",
+                                           num_layers=num_layers, hooks_layers_dir=att.layers_dir)
+        return path, own, None
+    fits, why = hf_reference_fits(att.target_dir)
+    if fits:
+        path = capture_reference_hf(att.target_dir, samples, run_dir / "dumps", name=f"{name}-hf", progress=False)
+        return path, f"HF transformers on {att.target_dir} ({why})", None
+    return None, "none", (f"no every-layer reference: the server records no every layer itself and HF cannot load "
+                          f"the target here ({why}). Without one, which layer each chunk holds cannot be measured (a "
+                          "layer offset looks like a rotated basis or a wrong layer); restart the server with "
+                          "`python -m helpers server start --capture-layers DIR` (embedded SGLang), "
+                          "env/gpu/launch_tp8.sh with LAYERS_DIR (GPU SGLang), or the tool's worker extension "
+                          "(vLLM: `python -m helpers server start --engine vllm`) to settle it")
