@@ -180,16 +180,6 @@ def test_a_server_without_speculative_decoding_is_named_as_such(cmd, tmp_path, c
     assert rc == 2 and "runs no speculative decoding" in err and "--draft was given" not in err
 
 
-def test_an_eagle3_draft_without_training_is_one_line_exit_2(tmp_path, capsys):
-    """--training is no longer required up front (an MTP / NextN head needs none: docs/mtp.md); for an EAGLE-3 draft
-    the attach refuses its absence with one line naming --training, before any request is sent."""
-    with fake() as url:
-        rc = main(["investigate", "--url", url, "--out", str(tmp_path)])
-        assert fakeserver.METRICS["requests"] == 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and "[--training]: required for a draft that is not an MTP head" in err[-1], err
-
-
 # --------------------------------------------------------------------------- breaker items 13 and the checksum
 def test_a_changed_draft_checksum_never_matches():
     clear = {"probes": [_probe("served_draft", decision="clear", why="12 draft steps equal"),
