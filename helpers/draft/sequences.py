@@ -100,29 +100,40 @@ def dump_sequences(path, *, starts: Optional[dict[str, int]] = None) -> list[Sim
     return out
 
 
-def plan_sequences(reference_path, plan: Sequence[str], like: Sequence[SimSequence]) -> list[SimSequence]:
-    """Sequences whose aux states are the every-layer reference's tensors ``plan`` (e.g. ``["out(1)", "out(3)",
-    "out(4)"]``: the served plan a proposed fix yields), on the tokens of ``like`` (matched by sample id)."""
+def reference_sequences(reference_path, like: Sequence[SimSequence], select, *,
+                        keep_targets: bool = True) -> list[SimSequence]:
+    """Sequences ``like`` (matched to the reference's samples by sample id) with their states replaced by
+    ``select(rows, names, H)`` of the every-layer reference dump at ``reference_path``: ``rows`` one sample's
+    ``[T, len(names) * H]`` tensor, ``names`` its tensors (``embedding, out(0), ...``), ``H`` the hidden size; the
+    result's ``[T, W]`` rows are cut to the shorter of the two sequences. ``keep_targets``: carry ``like``'s sampled
+    targets over. Sequences too short to draft from (fewer than two tokens after ``start``) are dropped."""
     src = read_dump(reference_path)
     names = list((src.layer_plan or {}).get("tensors") or [])
     H = src.hidden_size or (src.width // max(1, len(names)))
-    idx = []
-    for t in plan:
-        if t not in names:
-            raise KeyError(f"the reference dump holds no {t!r} (it has {', '.join(names[:6])}, ...)")
-        idx.append(names.index(t))
     by_id = {str(s.sample_id or s.key): s for s in src.samples}
     out = []
     for seq in like:
         s = by_id.get(seq.key)
         if s is None:
             continue
-        rows = s.load()
-        n = min(rows.shape[0], int(seq.tokens.shape[0]))
-        aux = torch.cat([rows[:n, i * H:(i + 1) * H] for i in idx], dim=-1)
-        out.append(SimSequence(seq.key, seq.tokens[:n], aux, seq.start, None if seq.targets is None
-                               else seq.targets[:n]))
+        aux = select(s.load(), names, H)
+        n = min(aux.shape[0], int(seq.tokens.shape[0]))
+        targets = None if seq.targets is None or not keep_targets else seq.targets[:n]
+        out.append(SimSequence(seq.key, seq.tokens[:n], aux[:n], seq.start, targets))
     return [s for s in out if s.start <= int(s.tokens.shape[0]) - 2]
+
+
+def plan_sequences(reference_path, plan: Sequence[str], like: Sequence[SimSequence]) -> list[SimSequence]:
+    """Sequences whose aux states are the every-layer reference's tensors ``plan`` (e.g. ``["out(1)", "out(3)",
+    "out(4)"]``: the served plan a proposed fix yields), on the tokens of ``like`` (matched by sample id).
+
+    Raises: KeyError: a tensor of ``plan`` the reference dump does not hold."""
+    def select(rows, names, H):
+        missing = [t for t in plan if t not in names]
+        if missing:
+            raise KeyError(f"the reference dump holds no {missing[0]!r} (it has {', '.join(names[:6])}, ...)")
+        return torch.cat([rows[:, names.index(t) * H:(names.index(t) + 1) * H] for t in plan], dim=-1)
+    return reference_sequences(reference_path, like, select)
 
 
 #: relative difference (Frobenius, over every position from the first generated token) under which the served aux

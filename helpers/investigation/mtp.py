@@ -47,7 +47,7 @@ from ..records import Finding, ProposedFix
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
 from ..draft.decide import threshold
 from ..draft.model import _read_tensor, find_target_tensor
-from ..draft.sequences import SAME_STATES, dump_sequences
+from ..draft.sequences import SAME_STATES, dump_sequences, reference_sequences as ref_sequences
 from ..draft.simulate import DraftSettings, SimSequence, simulate_sequences
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
@@ -148,19 +148,9 @@ def identify_state(served: Sequence[SimSequence], reference: str | Path, weight:
 def reference_sequences(reference: str | Path, like: Sequence[SimSequence], weight: torch.Tensor,
                         eps: float) -> list[SimSequence]:
     """The sequences ``like`` with their states replaced by :data:`POST_NORM` of the every-layer reference of the same
-    tokens (what a correct server feeds the head)."""
-    src = read_dump(reference)
-    names = list((src.layer_plan or {}).get("tensors") or [])
-    by_id = {str(s.sample_id or s.key): s for s in src.samples}
-    out = []
-    for seq in like:
-        s = by_id.get(seq.key)
-        if s is None:
-            continue
-        aux = state_candidates(s.load(), names, weight, eps)[POST_NORM]
-        n = min(aux.shape[0], int(seq.tokens.shape[0]))
-        out.append(SimSequence(seq.key, seq.tokens[:n], aux[:n], seq.start))
-    return [s for s in out if s.start <= int(s.tokens.shape[0]) - 2]
+    tokens (what a correct server feeds the head; :func:`helpers.draft.sequences.reference_sequences`)."""
+    return ref_sequences(reference, like, lambda rows, names, H: state_candidates(rows, names, weight, eps)[POST_NORM],
+                         keep_targets=False)
 
 
 def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Sequence[SimSequence]],
