@@ -229,6 +229,10 @@ def verdict(doc: InvestigationDoc, *, budget_expected: bool = False) -> Optional
 def no_fix_text(doc: InvestigationDoc) -> str:
     """Why nothing is measured when no fix is proposed: "nothing to fix" only when every stage is clear."""
     b = doc.acceptance
+    if _workload_counts(doc) is not None:
+        return ("no fix the tool can apply: the loss is on your requests (requests_accept_less), measured against "
+                "training-like prompts on the same server; the observed differences it names (template, temperature, "
+                "length, language) are where to look, not proven causes")
     if b is None:
         return "no fix proposed: the served aux states equal the training data; the acceptance budget was not " \
                "computed, so a loss elsewhere is not ruled out"
@@ -367,6 +371,9 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
             text += f"; the {KIND_STAGE[f.kind]} stage of the acceptance budget loses {cost}"
         more = [k for k in dict.fromkeys(x.kind for x in wiring[1:]) if k != f.kind]
         src = f"{provenance(f)}" + (f"; also found: {', '.join(more)}" if more else "")
+    elif (wl := _workload_counts(doc)) is not None:
+        text = f"your requests accept materially less than training-like prompts ({wl.kind}): {wl.detail}"
+        src = provenance(wl)
     elif b.get("cause") in CAUSE_KINDS:
         c = b["cause"]
         part = next((p for p in (losses.get(c) or {}).get("parts") or [] if p["decision"] == "counts"
@@ -393,6 +400,12 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
     text, src = measured_text(doc.measured)
     parts.append({"label": "Measured effect", "text": text, "source": src})
     return parts
+
+
+def _workload_counts(doc: InvestigationDoc):
+    """The ``requests_accept_less`` finding (``--requests``) when its loss counts, else None."""
+    return next((x for x in doc.findings if x.kind == "requests_accept_less"
+                 and (x.evidence or {}).get("decision") == "counts"), None)
 
 
 def _unmeasured(losses: dict) -> str:

@@ -94,11 +94,16 @@ def compare_workload(client: Any, requests: Sequence[WorkloadRequest], *, max_ne
 
     The training-like prompts: :func:`training_like_prompts`, ``n_reference`` of them (default: as many as the user's
     requests, from :data:`MIN_REFERENCE` to :data:`MAX_REFERENCE`), greedy (temperature 0, the text the draft was
-    trained to predict), ``max_new_tokens`` each, through the chat template when ``reference_chat``.
+    trained to predict), as many new tokens each as the median of the requests' own max tokens (``max_new_tokens`` for
+    a request that sets none), through the chat template when ``reference_chat``.
 
     Raises: what :func:`helpers.acceptance.measure.measure` raises (the server unreachable, every request failed)."""
     n = n_reference or min(MAX_REFERENCE, max(MIN_REFERENCE, len(requests)))
     ref_prompts = training_like_prompts(n, tokenizer=tokenizer, chat=reference_chat)
+    # like with like: the training-like prompts generate as long as the user's requests do (their median max tokens),
+    # so measure and investigate compare the same thing whatever their own --max-new-tokens default
+    asked = [int(q.sampling.get("max_new_tokens") or max_new_tokens) for q in requests]
+    max_new_tokens = int(np.median(asked)) if asked else int(max_new_tokens)
     ck = engine_adapter(str(client.server_info().get("engine") or "sglang")).draft_checksum
     user = measure(client, requests=list(requests), max_new_tokens=max_new_tokens, warmup=warmup, n_boot=n_boot,
                    seed=seed, progress=progress, label="requests", command=command, draft_checksum=ck)

@@ -157,6 +157,12 @@ def test_unpaired_loss_counts_on_the_real_junk_requests():
     doc = InvestigationDoc(verdict="mismatch", findings=[Finding.model_validate(f)], measured={"not_measured": "x"})
     text = sentence(doc)
     assert text.startswith("No wiring fault, but acceptance is lost elsewhere") and f["detail"] in text, text
+    # ... and so does the postmortem's first screen: the loss is what is wrong, and no fix is claimed
+    from helpers.investigation.story import headline_parts
+    parts = {p["label"]: p for p in headline_parts(doc)}
+    assert parts["What is wrong"]["text"].startswith("your requests accept materially less") and \
+        f"{al_user:.2f}" in parts["What is wrong"]["text"], parts
+    assert parts["The fix"]["text"].startswith("no fix the tool can apply: the loss is on your requests"), parts
 
 
 def test_few_requests_are_undecided_and_identical_sets_clear():
