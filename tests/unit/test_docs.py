@@ -50,6 +50,7 @@ LIVE_TESTS = {
     "compare-engines": ["tests/server/test_vllm_faults.py"],
     "watch": ["tests/unit/acceptance/test_watch.py"],
     "diagnose": ["tests/unit/cli/test_diag_cli.py"],
+    "measure": ["tests/server/test_acceptance.py"],
     "suite": ["tests/suite/test_suite_main.py", "tests/unit/suite/test_suite_runner.py"],
 }
 
