@@ -47,6 +47,7 @@ from .acceptance.prompts import Prompt
 from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
 from .formats.configs import read_target_config
+from .formats.hf_target import load_hf_target
 from .hooks import ARM_FILE, CaptureConfig, ModelFamily, every_layer_keys, hook_specs
 from .trace_hooks import trace_hook_specs
 from .runfiles import armed_file, loads_json
@@ -235,10 +236,7 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
     pre-norm residual stream for k < n; HF's last entry is *after* the final norm, so out(n-1) is
     rebuilt as the input of ``model.norm`` with a forward pre-hook.
     """
-    # lazy: transformers is heavy (seconds to import) and only an HF reference needs it
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+    model = load_hf_target(target, dtype)
     n = model.config.num_hidden_layers
     captured: dict[str, torch.Tensor] = {}
     handle = model.model.norm.register_forward_pre_hook(

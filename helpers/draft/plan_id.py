@@ -131,12 +131,12 @@ def reference_from_hf(target_dir: str | Path, prompts: Sequence[Sequence[int]], 
 
     Raises:
         BadInput: a prompt of no token, ``new_tokens`` < 2 or a negative temperature."""
-    from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import; only HF needs it
+    from ..formats.hf_target import load_hf_target  # lazy: transformers takes seconds to import; only HF needs it
 
     if new_tokens < 2 or temperature < 0:
         raise BadInput(f"new_tokens {new_tokens}, temperature {temperature}: expected >= 2 and >= 0",
                        field="new_tokens")
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+    model = load_hf_target(target_dir, dtype)
     n = model.config.num_hidden_layers
     cap: dict = {}
     hook = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0].detach()))

@@ -138,3 +138,29 @@ def test_loader_seam_gives_eagle3_for_an_eagle3_draft():
         pytest.skip("env/models/draft not built")
     d = load_draft(draft, ROOT / "env" / "models" / "target")
     assert type(d) is Eagle3Draft
+
+
+def test_the_hf_reference_drops_the_nextn_layer_quietly_and_refuses_missing_tensors(tmp_path, recwarn, capfd):
+    """helpers.formats.hf_target.load_hf_target: the Kimi-class target's NextN layer (model.layers.8.*, which HF's
+    DeepseekV3ForCausalLM does not hold) is dropped without transformers' load report and without a warning; a
+    checkpoint that lacks a tensor the model needs is refused (HF would fill it with random values)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from helpers.formats.hf_target import load_hf_target
+    from helpers.errors import BadInput
+
+    model = load_hf_target(TARGET)
+    assert not model.training and model.config.num_hidden_layers == 8
+    assert not [w for w in recwarn.list if "does not use" in str(w.message)]
+    assert "LOAD REPORT" not in capfd.readouterr().err
+    broken = tmp_path / "target"
+    shutil.copytree(TARGET, broken)
+    sd = load_file(broken / "model.safetensors")
+    gone = "model.layers.2.mlp.gate.weight"
+    assert gone in sd
+    del sd[gone]
+    save_file(sd, broken / "model.safetensors")
+    with pytest.raises(BadInput, match="lacks or misshapes 1 tensor"):
+        load_hf_target(broken)
