@@ -43,7 +43,8 @@ from .checks import run_check
 from .inputs import Investigation
 from .live import investigate, sentence
 from .propose import draft_variant
-from .story import headline_parts as story_parts, headline_text, measured_text, named_text, record_measured_fix
+from .story import (headline_parts as story_parts, headline_text, measured_text, named_text, naming_seconds,
+                    record_measured_fix)
 
 
 class Replay:
@@ -403,8 +404,9 @@ def headline_parts(steps: list, effect: Optional[dict] = None, inv: Any = None) 
     fixes = [s for s in steps if s.kind == "fix" and not s.baseline and s.summary]
     inv_step = next((s for s in steps if s.kind == "investigate" and s.verdict), None)
     if inv_step is not None and inv is not None:
-        parts = story_parts(inv, named=named_text(inv_step.wall_s, inv_step.seconds_to_verdict,
-                                                  step=inv_step.index + 1))
+        secs, out = naming_seconds(inv, inv_step.wall_s)
+        parts = story_parts(inv, named=named_text(secs, inv_step.seconds_to_verdict, step=inv_step.index + 1,
+                                                  left_out=out))
         m = inv.measured or {}
         if not (m.get("before") and m.get("after")) and len(fixes) >= 2 and effect:
             parts[2] = _fix_effect_part(fixes, effect)

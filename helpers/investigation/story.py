@@ -289,17 +289,20 @@ def provenance(f: Finding) -> str:
 
 #: the investigation's steps that come after naming the fault (a relaunch measures the fix; sweeps and ablations
 #: explain the workload): left out of the time it took to name it
-AFTER_NAMING = ("relaunch", "workload sweeps")
+#: the steps of an investigation after the fault is named and the budget computed: the engine-state probes, the
+#: user's requests (--requests), the workload sweeps and the relaunch that measures the fix
+AFTER_NAMING = ("engine state", "workload", "workload sweeps", "relaunch")
 
 
-def naming_seconds(doc: InvestigationDoc) -> tuple[Optional[float], float]:
-    """``(seconds, left out)``: the investigation's wall-clock seconds without the steps after the fault was named
-    (:data:`AFTER_NAMING`: the relaunch that measures the fix, the workload sweeps), from its recorded step timings,
+def naming_seconds(doc: InvestigationDoc, wall_s: Optional[float] = None) -> tuple[Optional[float], float]:
+    """``(seconds, left out)``: the investigation's wall-clock seconds (``wall_s``, default its own: a replay passes
+    its step's) without the steps after the fault was named (:data:`AFTER_NAMING`), from its recorded step timings,
     and the seconds taken out; ``(None, 0)`` without a wall time."""
-    if doc.wall_s is None:
+    wall = doc.wall_s if wall_s is None else wall_s
+    if wall is None:
         return None, 0.0
     after = sum(float(v) for k, v in (doc.timings or {}).items() if k in AFTER_NAMING)
-    return max(0.0, float(doc.wall_s) - after), after
+    return max(0.0, float(wall) - after), after
 
 
 def named_text(wall_s: Optional[float], seconds_to_verdict: Optional[float], *, step: Optional[int] = None,
@@ -313,7 +316,8 @@ def named_text(wall_s: Optional[float], seconds_to_verdict: Optional[float], *, 
         return "" if seconds_to_verdict is None else f"(diagnosis verdict {seconds_to_verdict:.1f} s after attach)"
     verdict = (f"; the diagnosis's verdict came {seconds_to_verdict:.1f} s after attach"
                if seconds_to_verdict is not None else "")
-    out = f"; the {left_out:.1f} s of the restart that measures the fix left out" if left_out >= 0.05 else ""
+    out = (f"; the {left_out:.1f} s of the steps after it (engine-state probes, your requests, sweeps, the restart "
+           "that measures the fix) left out" if left_out >= 0.05 else "")
     return f"in {wall_s:.1f} s ({where}wall clock from attach to the proposed fix and acceptance budget{out}{verdict})"
 
 

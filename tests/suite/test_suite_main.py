@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from helpers.cli import suite as suite_cli
+from helpers.investigation.story import AFTER_NAMING
 from helpers.suite import html as suite_html
 from support import ROOT
 
@@ -79,7 +80,7 @@ def test_main_job_verdicts_and_accept_rate_jump(main_run):
 
 def test_main_postmortem_names_the_fault_first(main_run):
     """One story: the headline's parts first, the replay's headline their join, the time the step's wall clock (what
-    the console printed), and the wiring stage's loss the fix's measured change."""
+    the console printed) less the steps after naming, and the wiring stage's loss the fix's measured change."""
     _, run_dir, _ = main_run
     doc = next(json.loads(p.read_text()) for p in (run_dir / "results").glob("replay-*.json"))
     text = (run_dir / "postmortem.html").read_text()
@@ -87,8 +88,12 @@ def test_main_postmortem_names_the_fault_first(main_run):
     assert pm["headline"] == doc["headline"]
     assert text.index(html.escape(pm["story"][0]["text"], quote=False)) < text.index("Verdicts")
     inv_step = next(s for s in doc["steps"] if s["kind"] == "investigate")
-    assert f"named blind in {inv_step['wall_s']:.1f} s (step {inv_step['index'] + 1}, wall clock" in doc["headline"]
     inv = json.loads((run_dir / "investigation.json").read_text())
+    # the step's wall clock less the steps after naming (engine-state probes, ...: story.AFTER_NAMING), said so
+    after = sum(float(v) for k, v in (inv.get("timings") or {}).items() if k in AFTER_NAMING)
+    named = max(0.0, inv_step["wall_s"] - after)
+    assert f"named blind in {named:.1f} s (step {inv_step['index'] + 1}, wall clock" in doc["headline"]
+    assert after == 0 or f"the {after:.1f} s of the steps after it" in doc["headline"]
     loss, eff = inv["acceptance"]["losses"]["wiring"], inv["measured"]["effect"]
     assert loss["on_server"] and loss["delta"] == eff["accept_length_delta"] and loss["ladder"]["delta"] is not None
     assert f"{eff['accept_length_delta']:+.2f} [" in pm["story"][2]["text"]

@@ -243,16 +243,17 @@ def test_sweeps_run_only_for_stages_the_requests_decide_and_a_stale_note_goes_wh
 
 
 def test_naming_time_leaves_out_the_restart_that_measures_the_fix():
-    """An investigate page's "named blind in" is the wall clock to the fix and the budget: the relaunch and the
-    workload sweeps come after naming and are left out (and said to be)."""
+    """An investigate page's "named blind in" is the wall clock to the fix and the budget: the engine-state probes,
+    the user's requests, the workload sweeps and the relaunch come after naming and are left out (and said to be)."""
     from helpers.investigation.story import named_text, naming_seconds
 
-    doc = InvestigationDoc(wall_s=101.6, seconds_to_verdict=1.3,
-                           timings={"attach": 2.0, "acceptance budget": 12.7, "relaunch": 64.8, "workload sweeps": 5.0})
+    doc = InvestigationDoc(wall_s=121.6, seconds_to_verdict=1.3,
+                           timings={"attach": 2.0, "acceptance budget": 12.7, "engine state": 15.0, "workload": 5.0,
+                                    "relaunch": 64.8, "workload sweeps": 5.0})
     secs, out = naming_seconds(doc)
-    assert secs == pytest.approx(31.8) and out == pytest.approx(69.8)
+    assert secs == pytest.approx(31.8) and out == pytest.approx(89.8)
     text = named_text(secs, doc.seconds_to_verdict, left_out=out)
-    assert text.startswith("in 31.8 s (") and "the 69.8 s of the restart that measures the fix left out" in text
+    assert text.startswith("in 31.8 s (") and "the 89.8 s of the steps after it (engine-state probes" in text
     assert naming_seconds(InvestigationDoc(wall_s=20.0))[0] == 20.0 and naming_seconds(InvestigationDoc()) == (None, 0.0)
 
 
