@@ -28,7 +28,7 @@ from .draft_stage import budget_fields, draft_rows
 from .loader import load_draft
 from .model import DraftArch, Eagle3Draft
 from .precision import DtypeChoice
-from .reference import Conditions, model_name
+from .reference import ENGINES, Conditions, model_name
 from .simulate import DraftSettings, SimSequence
 from .training_log import TrainingLog, find_training_log, read_training_log
 
@@ -61,12 +61,15 @@ class OfflineInputs:
     skipped: list = field(default_factory=list)
     names: tuple = (None, None)
 
-    def budget_inputs(self, settings: DraftSettings, **extra: Any) -> BudgetInputs:
+    def budget_inputs(self, settings: DraftSettings, *, engine: Optional[str] = None, **extra: Any) -> BudgetInputs:
         """:class:`~helpers.draft.budget.BudgetInputs` of these inputs at ``settings`` (served ``(steps, topk,
         draft_tokens)``); ``extra`` adds the live fields (``live_sequences``, ``live``, ``max_new_tokens``, ``fix``,
-        ``draft_fix``) or replaces ``training`` / ``served_training``."""
+        ``draft_fix``) or replaces ``training`` / ``served_training``. ``engine`` (``sglang`` / ``vllm``, the server's
+        adapter; another name is unknown) joins the names and settings in the conditions published accept lengths are
+        matched on."""
         reference = Conditions(target_model=self.names[1], draft_model=self.names[0], steps=settings.steps,
-                               topk=settings.topk, draft_tokens=settings.draft_tokens)
+                               topk=settings.topk, draft_tokens=settings.draft_tokens,
+                               engine=engine if engine in ENGINES else None)
         base = dict(settings=settings, **budget_fields(self.rows, self.log), training=self.training,
                     served_training=self.served, draft_cost=self.cost, draft_cost_source=self.cost_source,
                     reference=reference)

@@ -30,6 +30,8 @@ TABLE_PATH = Path(__file__).with_name("data") / "reference_accept_lengths.yaml"
 #: the conditions a row is matched on, in the order the text names them
 MATCHED = ("target_model", "draft_model", "benchmark", "steps", "topk", "draft_tokens", "temperature",
            "chat_template", "engine")
+#: the engines a row can name
+ENGINES = ("sglang", "vllm")
 #: the conditions that name what is measured (one must match on both sides)
 IDENTITY = ("target_model", "draft_model")
 

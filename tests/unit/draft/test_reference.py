@@ -13,6 +13,7 @@ from helpers.draft.draft_stage import draft_stage
 from helpers.draft.reference import (TABLE_PATH, Conditions, load_table, match_reference, model_name,
                                      no_match_words)
 from helpers.errors import BadInput
+from support import ROOT
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 LMSYS = "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B"
@@ -93,3 +94,25 @@ def test_the_draft_stage_without_a_log_names_the_published_figure_or_cannot_be_s
     assert stage["reference"] == [] and loss["decision"] == "undecided" and no_match_words() in loss["why"]
     stage, loss = draft_stage(None, None, None, None, 5)
     assert stage["reference"] == [] and no_match_words() in loss["settle"]["text"]
+
+
+def test_the_offline_inputs_give_the_draft_stage_names_settings_and_engine():
+    from helpers.draft.offline import OfflineInputs
+    from helpers.draft.simulate import DraftSettings
+    rows = {"rows": None, "kind": None, "path": None, "labels": "target"}
+    off = OfflineInputs(draft=None, log=None, log_path=None, rows=rows, training=[], served=None, cost=0.1,
+                        cost_source="given", names=("sglang-EAGLE3-LLaMA3.1-Instruct-8B", "Llama-3.1-8B-Instruct"))
+    inp = off.budget_inputs(DraftSettings(5, 1, 6), engine="sglang")
+    assert (inp.reference.steps, inp.reference.topk, inp.reference.draft_tokens, inp.reference.engine) == \
+        (5, 1, 6, "sglang")
+    assert len(match_reference(inp.reference)) == 3
+    assert off.budget_inputs(DraftSettings(5, 1, 6), engine="other").reference.engine is None
+    stage, loss = draft_stage(None, None, None, None, 5, reference=off.budget_inputs(DraftSettings(3, 1, 4)).reference)
+    assert stage["reference"] == [] and no_match_words() in loss["why"]
+
+
+def test_the_shipped_reference_draft_has_no_published_figure():
+    root = ROOT / "env" / "models"
+    q = Conditions(draft_model=model_name(root / "draft"), target_model=model_name(root / "llama_h64"),
+                   steps=3, topk=1, draft_tokens=4)
+    assert q.draft_model and match_reference(q) == []
