@@ -3,7 +3,8 @@ the draft has no training log.
 
 The table (``data/reference_accept_lengths.yaml``, shipped with the package) holds figures read in public sources:
 engines' CI golden values (SGLang's EAGLE-3 tests assert the server's ``avg_spec_accept_length`` above a threshold:
-``kind: lower_bound``) and model cards (``kind: reported``), each with its source (URL, or repository + path + commit
+``kind: lower_bound``; vLLM's acceptance-length regression test asserts it within ``rtol`` of an expected value:
+``kind: expected``) and model cards (``kind: reported``), each with its source (URL, or repository + path + commit
 or release) and a short quote. A condition the source does not state is ``null`` (unknown), never filled in.
 
 :func:`match_reference` returns the rows whose *known* conditions equal the caller's known ones: a condition known on
@@ -97,7 +98,8 @@ class Reference(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(min_length=1)
     accept_length: float = Field(ge=1)
-    kind: Literal["lower_bound", "reported"]
+    kind: Literal["lower_bound", "expected", "reported"]
+    rtol: Optional[float] = Field(default=None, gt=0, lt=1)
     conditions: Conditions
     dtype: Optional[str] = None
     source: Source
@@ -107,6 +109,8 @@ class Reference(BaseModel):
     def _named(self) -> "Reference":
         if not any(getattr(self.conditions, c) for c in IDENTITY):
             raise ValueError("a row must name its draft or its target")
+        if (self.kind == "expected") != (self.rtol is not None):
+            raise ValueError("an expected value needs its rtol, and only an expected value has one")
         return self
 
 
@@ -139,9 +143,11 @@ class Match:
         """One sentence: the figure, what it is, its conditions, what is unknown, its source."""
         r = self.reference
         c = r.conditions
-        what = ("above " if r.kind == "lower_bound" else "") + f"{r.accept_length:g}"
-        kind = ("an engine's CI golden value: its test asserts the accept length is above it" if r.kind == "lower_bound"
-                else "a published mean")
+        what = {"lower_bound": "above ", "expected": "expected "}.get(r.kind, "") + f"{r.accept_length:g}" + (
+            f" (+/- {r.rtol:.0%})" if r.rtol else "")
+        kind = {"lower_bound": "an engine's CI golden value: its test asserts the accept length is above it",
+                "expected": "an engine's regression golden value: its test asserts the accept length within the "
+                            "tolerance", "reported": "a published mean"}[r.kind]
         conds = ", ".join(f"{k} {getattr(c, k)}" for k in MATCHED if getattr(c, k) is not None)
         unknown = sorted(set(self.unknown_in_reference) | set(self.unknown_in_query))
         return (f"published accept length {what} tokens per verify step ({kind}; row {r.id}) under {conds}"
@@ -151,6 +157,7 @@ class Match:
 
     def to_json(self) -> dict:
         return {"id": self.reference.id, "accept_length": self.reference.accept_length, "kind": self.reference.kind,
+                "rtol": self.reference.rtol,
                 "conditions": self.reference.conditions.model_dump(), "source": self.reference.source.model_dump(),
                 "matched": list(self.matched), "unknown_in_reference": list(self.unknown_in_reference),
                 "unknown_in_query": list(self.unknown_in_query), "text": self.text()}

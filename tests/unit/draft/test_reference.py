@@ -116,3 +116,13 @@ def test_the_shipped_reference_draft_has_no_published_figure():
     q = Conditions(draft_model=model_name(root / "draft"), target_model=model_name(root / "llama_h64"),
                    steps=3, topk=1, draft_tokens=4)
     assert q.draft_model and match_reference(q) == []
+
+
+def test_vllms_regression_golden_value_matches_a_vllm_query_only():
+    q = dict(target_model=LLAMA, draft_model="RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", steps=3,
+             temperature=0.0, chat_template="target")
+    ms = match_reference(Conditions(**q, engine="vllm"))
+    assert [(m.reference.id, m.reference.accept_length, m.reference.rtol) for m in ms] == \
+        [("vllm-ci-eagle3-llama3.1-8b-mtbench", 2.6, 0.05)]
+    assert ms[0].reference.source.commit.startswith("51dacb530751") and "+/- 5%" in ms[0].text()
+    assert match_reference(Conditions(**q, engine="sglang")) == []
