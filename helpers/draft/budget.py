@@ -51,6 +51,7 @@ from .cost import draft_cost  # noqa: F401  (the budget's draft-step cost; calle
 from .decide import MATERIAL, MIN_TOKENS, SMALL_N, decide, threshold
 from .draft_stage import draft_stage
 from .model import Eagle3Draft
+from .reference import Conditions
 from .sequences import (SAME_STATES, dump_sequences, plan_sequences, states_difference,  # noqa: F401
                         training_sequences)
 from .simulate import DraftSettings, SimSequence, simulate_sequences, summary
@@ -142,6 +143,8 @@ class BudgetInputs:
             taken from the every-layer reference, and/or the draft it yields (a corrected d2t), or None.
         draft_cost / draft_cost_source: one draft forward's cost relative to one verify step (the settings stage
             picks the steps that maximise ``accept_length / (1 + steps x draft_cost)``) and where it comes from.
+        reference: the draft's conditions for the published accept lengths (:mod:`helpers.draft.reference`), read by
+            the draft stage when there is no training log.
     """
 
     settings: DraftSettings
@@ -160,6 +163,7 @@ class BudgetInputs:
     fix: Optional[dict] = None
     draft_cost: Optional[float] = None
     draft_cost_source: str = "not given"
+    reference: Optional[Conditions] = None
 
 
 @dataclass
@@ -200,7 +204,7 @@ def _draft_stage(L: _Ladder, inp: BudgetInputs) -> None:
     """2 -- the checkpoint against its log, like with like (:func:`helpers.draft.draft_stage.draft_stage`); a
     draft-side fix (a vocab map) is run on the same rows and paired."""
     stage, loss = draft_stage(inp.draft_rows, inp.draft_rows_kind, inp.draft_rows_path, inp.log, L.S,
-                              labels=inp.draft_rows_labels, idx=L.idx)
+                              labels=inp.draft_rows_labels, idx=L.idx, reference=inp.reference)
     L.stages.append(stage)
     L.losses["draft"] = loss
     df = inp.draft_fix

@@ -5,7 +5,8 @@ compared with the same figures of the checkpoint, computed as that trainer compu
 (:mod:`helpers.draft.teacher_forced`), on rows of the same kind: the same split (validation rows against validation
 metrics, training rows against training metrics) and the same text distribution (the target's sampled continuations
 against sampled, greedy against greedy). Where the rows given are unlike the log's, the stage says so and is
-``undecided`` (no comparison of unlike quantities is ever made); no log, likewise.
+``undecided`` (no comparison of unlike quantities is ever made); no log, likewise (the stage then names the published
+accept lengths measured under the draft's conditions, :mod:`helpers.draft.reference`, or says none matches).
 
 The stage's loss in tokens per verify step is the log's accept length minus the checkpoint's, both from the same
 formula over the same kind of accuracy (:func:`helpers.draft.teacher_forced.chain_accept_length`), with the CI of the
@@ -26,6 +27,7 @@ from ..formats.rows import RowsKind, rows_kind, split_word
 from ..formats.training_data import TrainingData
 from .decide import decide, threshold
 from .model import Eagle3Draft, target_lm_head
+from .reference import Conditions, match_reference, no_match_words
 from .teacher_forced import (LOG_TRAINER, TRAINER_SOURCE, SeqRows, accept_length_ci, bootstrap_index,
                              chain_accept_length, per_sequence_accept_length, reduce, run as tf_run, target_view,
                              tf_sequences)
@@ -74,7 +76,7 @@ def comparable(rows: RowsKind, log: RowsKind) -> Comparability:
 
 def draft_stage(rows: Optional[list[SeqRows]], rows_kind: Optional[RowsKind], rows_path: Optional[str],
                 log: Optional[TrainingLog], steps: int, *, labels: str = "target",
-                idx: Optional[np.ndarray] = None) -> tuple[dict, dict]:
+                idx: Optional[np.ndarray] = None, reference: Optional[Conditions] = None) -> tuple[dict, dict]:
     """The draft stage and its loss.
 
     Args:
@@ -84,6 +86,9 @@ def draft_stage(rows: Optional[list[SeqRows]], rows_kind: Optional[RowsKind], ro
         steps: the served ``--speculative-num-steps`` (the token figure covers these steps; the table every step the
             log has).
         labels: ``target`` (the data's final hidden states give the target's distribution) or ``recorded``.
+        reference: the draft's conditions (names, served settings) matched against the published accept lengths
+            (:func:`helpers.draft.reference.match_reference`) when there is no log: the stage stays ``undecided`` and
+            its text carries each matching figure with its conditions and source, or says that none matches.
 
     Returns:
         ``(stage, loss)``: the stage dict for the budget's ladder (``name``, ``accept_length``, ``ci``, ``table``,
@@ -94,8 +99,15 @@ def draft_stage(rows: Optional[list[SeqRows]], rows_kind: Optional[RowsKind], ro
     if log is None:
         stage = {"name": name, "accept_length": None, "ci": [None, None],
                  "source": "no training log: the checkpoint has nothing to be measured against"}
-        return stage, _undecided("no training log was found (give --training-log): whether the checkpoint performs "
-                                 "as trained cannot be settled", None)
+        why = "no training log was found (give --training-log): whether the checkpoint performs as trained cannot be "
+        matches = match_reference(reference) if reference is not None else []
+        stage["reference"] = [m.to_json() for m in matches]
+        if matches:
+            why += ("settled; " + "; ".join(m.text() for m in matches) + " (a published figure is no measurement "
+                    "of this checkpoint: compare it with the live accept length under the same conditions)")
+        else:
+            why += f"settled; {no_match_words()}"
+        return stage, _undecided(why, None)
     trainer = LOG_TRAINER[log.format]
     lk = log_kind(log)
     if not rows:

@@ -28,6 +28,7 @@ from .draft_stage import budget_fields, draft_rows
 from .loader import load_draft
 from .model import DraftArch, Eagle3Draft
 from .precision import DtypeChoice
+from .reference import ENGINES, Conditions, model_name
 from .simulate import DraftSettings, SimSequence
 from .training_log import TrainingLog, find_training_log, read_training_log
 
@@ -44,6 +45,9 @@ class OfflineInputs:
         served: the same tokens' served aux states (:func:`~helpers.draft.budget.dump_sequences`), or None.
         cost / cost_source: one draft forward's cost relative to a verify step, and where it comes from.
         skipped: ``(sample, why)`` for training samples left out (too short, no continuation).
+        names: ``(draft, target)`` names (config ``_name_or_path`` or folder name,
+            :func:`helpers.draft.reference.model_name`): with the served settings, the conditions the draft stage
+            matches published accept lengths on when there is no training log.
     """
 
     draft: Eagle3Draft
@@ -55,13 +59,20 @@ class OfflineInputs:
     cost: float
     cost_source: str
     skipped: list = field(default_factory=list)
+    names: tuple = (None, None)
 
-    def budget_inputs(self, settings: DraftSettings, **extra: Any) -> BudgetInputs:
+    def budget_inputs(self, settings: DraftSettings, *, engine: Optional[str] = None, **extra: Any) -> BudgetInputs:
         """:class:`~helpers.draft.budget.BudgetInputs` of these inputs at ``settings`` (served ``(steps, topk,
         draft_tokens)``); ``extra`` adds the live fields (``live_sequences``, ``live``, ``max_new_tokens``, ``fix``,
-        ``draft_fix``) or replaces ``training`` / ``served_training``."""
+        ``draft_fix``) or replaces ``training`` / ``served_training``. ``engine`` (``sglang`` / ``vllm``, the server's
+        adapter; another name is unknown) joins the names and settings in the conditions published accept lengths are
+        matched on."""
+        reference = Conditions(target_model=self.names[1], draft_model=self.names[0], steps=settings.steps,
+                               topk=settings.topk, draft_tokens=settings.draft_tokens,
+                               engine=engine if engine in ENGINES else None)
         base = dict(settings=settings, **budget_fields(self.rows, self.log), training=self.training,
-                    served_training=self.served, draft_cost=self.cost, draft_cost_source=self.cost_source)
+                    served_training=self.served, draft_cost=self.cost, draft_cost_source=self.cost_source,
+                    reference=reference)
         return BudgetInputs(**{**base, **extra})
 
 
@@ -120,4 +131,5 @@ def offline_inputs(draft_dir: str | Path, target_dir: str | Path, training: str 
     served_seqs = dump_sequences(served, starts={s.key: s.start for s in train}) if served is not None else None
     cost, cost_src = step_cost(draft_dir, target_dir, draft_cost=draft_cost)
     return OfflineInputs(draft=draft, log=log, log_path=log_path, rows=rows, training=train, served=served_seqs,
-                         cost=cost, cost_source=cost_src, skipped=skipped)
+                         cost=cost, cost_source=cost_src, skipped=skipped,
+                         names=(model_name(draft_dir), model_name(target_dir)))

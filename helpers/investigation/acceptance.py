@@ -153,7 +153,8 @@ class _State:
         return acceptance_budget(self.off.draft, self.off.budget_inputs(
             r.settings, draft_fix=self.draft_fix, training=self.train_seqs, served_training=self.served,
             live_sequences=self.live_seqs, live=self.live, live_trained=self.live_trained,
-            max_new_tokens=r.max_new_tokens, fix=self.fix_in), progress=None)
+            max_new_tokens=r.max_new_tokens, fix=self.fix_in, engine=getattr(self.server.adapter, "name", None)),
+            progress=None)
 
     def trained_on_live(self) -> tuple[Optional[list], Optional[str]]:
         r, lr = self.req, self.server.live_reference
