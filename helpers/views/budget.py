@@ -11,8 +11,9 @@ import pandas as pd
 from ..acceptance.stats import format_ci
 from ..draft.budget import LIVE_WIRING, TRAINING_WIRING, gains, trade_text
 from ..draft.decide import MATERIAL
-from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps, run_of
+from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps
 from .common import esc, table_html
+from .draft_kind import draft_kind
 from ..investigation.probes.parts import COLD
 from .replay import sweep_points
 
@@ -68,14 +69,16 @@ def ladder_frame(budget: dict) -> pd.DataFrame:
     the quantity or the prompts change: the step into it is not a loss), its accept length with the 95 % CI, the loss
     measured at it (from the stage before it in the same run; the settings stage: recommended vs served) with its CI
     and decision, and a note: measured on the server (with the ladder's offline estimate), a gain, what would settle
-    an undecided loss."""
-    at = {v: k for k, v in LOSS_AT.items()}
+    an undecided loss. The stages each loss is measured at are the draft kind's (:func:`helpers.views.draft_kind.
+    draft_kind` of the budget: an MTP head's budget has stages of its own)."""
+    kind = draft_kind(budget=budget)
+    at = {v: k for k, v in kind.loss_at.items()}
     losses = budget.get("losses") or {}
     gained = {g["stage"] for g in gains(budget)}
     rows, last = [], None
     for s in budget.get("stages") or []:
         name = s["name"]
-        run = run_of(name) or ""
+        run = kind.run_of(name) or ""
         loss = losses.get(at.get(name, "")) or {}
         note = []
         if loss.get("on_server"):
