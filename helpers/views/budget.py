@@ -240,7 +240,8 @@ def budget_parts(budget: Optional[dict], *, with_ladder: bool = True, doc: Any =
         if items:
             parts.append("<p><b>Figures that do not fit the story</b></p><ul>"
                          + "".join(f"<li>{esc(t)}</li>" for t in items) + "</ul>")
-    for fig in (budget_waterfall(budget), draft_steps(budget), budget_ladder(budget)):
+    order = draft_kind(budget=budget).stage_order
+    for fig in (budget_waterfall(budget, order), draft_steps(budget), budget_ladder(budget, order)):
         if fig is not None:
             parts.append(fig)
     parts.append("<h4>Losses by stage: how each is decided</h4>")

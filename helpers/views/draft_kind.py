@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from ..investigation.mtp import LOSS_AT as MTP_LOSS_AT, POST_NORM, algorithm_text, head_text, state_line
-from ..plots.budget import LOSS_AT, run_of
+from ..plots.budget import LOSS_AT, ORDER, run_of
 
 MTP = "mtp"
 EAGLE3 = "eagle3"
@@ -51,6 +51,11 @@ class DraftKind:
     def loss_at(self) -> Mapping[str, str]:
         """Loss name -> the budget stage it is measured at (a ladder row)."""
         return MTP_LOSS_AT if self.mtp else LOSS_AT
+
+    @property
+    def stage_order(self) -> tuple[str, ...]:
+        """The budget's stages in ladder order (the figures draw these): an MTP head's draft, wiring, live."""
+        return (MTP_LOSS_AT["draft"], MTP_LOSS_AT["wiring"], MTP_LOSS_AT["engine"]) if self.mtp else ORDER
 
     def run_of(self, stage: str) -> Optional[str]:
         """The like-with-like run of a budget stage (:func:`helpers.plots.budget.run_of`); every stage of an MTP head's

@@ -13,7 +13,7 @@ import pytest
 from helpers.investigation.mtp import (LOSS_AT, POST_NORM, algorithm_text, budget_sentence, loss_text, ranked,
                                        state_line)
 from helpers.records import InvestigationDoc
-from helpers.views.budget import ladder_frame
+from helpers.views.budget import budget_parts, ladder_frame
 from helpers.views.draft_kind import draft_kind
 from helpers.views.investigation import facts_frame, load_investigation, page_html
 from helpers.views.story import what_ran
@@ -102,3 +102,10 @@ def test_console_attach_algorithm_and_eagle3_kind_unchanged(doc):
     assert (k.name, k.title, k.algorithm(e3.attach)) == ("eagle3", "EAGLE-3 live investigation", "EAGLE3")
     assert k.no_finding(e3) == "No finding: every served chunk equals its training chunk."
     assert draft_kind(budget=doc.acceptance).mtp and not draft_kind(budget={"stages": []}).mtp
+
+
+def test_budget_figures_draw_every_stage_of_the_head(doc):
+    figs = [p for p in budget_parts(doc.acceptance) if hasattr(p, "data")]
+    water = next(f for f in figs if f.data[0].type == "waterfall")
+    assert list(water.data[0].x) == [s["name"] for s in doc.acceptance["stages"]]
+    assert list(water.data[1].y) == [s["accept_length"] for s in doc.acceptance["stages"]]
