@@ -58,7 +58,7 @@ from .attach import Attachment, attach, capture_hooks, require_draft
 from .identify import PROVENANCE, every_layer_reference as _reference, identify_stage
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
-from .mtp import investigate_mtp, mtp_sentence
+from .mtp import algorithm_text, investigate_mtp, mtp_sentence
 from .propose import draft_variant, propose_fix
 from .workload import workload_stage
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
@@ -209,7 +209,8 @@ def _stage_attach(r: Run) -> None:
     doc.attach = att.to_json()
     doc.engine, doc.engine_version = r.adapter.name, att.version
     head = att.draft_head
-    r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {att.algorithm}, draft {att.draft_dir} "
+    algo = algorithm_text(att.algorithm, head) if head else att.algorithm     # NEXTN requested, EAGLE run
+    r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {algo}, draft {att.draft_dir} "
                         f"[{att.draft_source}]" + (f" = MTP head {head['class']} ({head['source']})" if head else "")
                         + f", target {att.target_dir} [{att.target_source}]")
     if att.draft_head is not None:                 # an MTP / NextN head: its own stages (helpers.investigation.mtp)

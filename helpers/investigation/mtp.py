@@ -40,6 +40,7 @@ import pandas as pd
 import torch
 
 from ..acceptance.prompts import load_prompts
+from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
 from ..draft.precision import choose_dtype, server_dtype
@@ -59,6 +60,12 @@ POST_NORM = "norm(out(n-1))"
 #: the final norm applied twice (a capture path that norms the already normed state): near POST_NORM when the norm's
 #: weight is near uniform, so it is a candidate of its own, never left to the threshold
 TWICE = "norm(norm(out(n-1)))"
+#: the budget's stage names (:func:`mtp_budget`), and the stage each loss is measured at (the ladder's rows, as
+#: :data:`helpers.plots.budget.LOSS_AT` for an EAGLE-3 draft)
+DRAFT_STAGE, WIRING_STAGE, LIVE_STAGE = "draft (offline, reference states)", "wiring (offline, served states)", "live"
+LOSS_AT = {"draft": DRAFT_STAGE, "wiring": WIRING_STAGE, "engine": LIVE_STAGE}
+#: where SGLang turns the requested NEXTN into the EAGLE it runs (and reports in /server_info)
+ALIAS_SOURCE = "sglang/srt/arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias"
 FEED_SOURCE = ("sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward (spec_info.hidden_states) <- "
                "sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward (final_norm applied) <- "
                "sglang/srt/layers/logits_processor.py::LogitsProcessor._get_hidden_states_to_store")
@@ -178,14 +185,14 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
     stages = []
     src = "simulation: the head offline as SGLang runs it (helpers.draft.loader.load_draft, helpers.draft.simulate)"
     if sim_r is not None:
-        stages.append(_stage("draft (offline, reference states)", sim_r, steps, source=src + " on norm(out(n-1)) of "
+        stages.append(_stage(DRAFT_STAGE, sim_r, steps, source=src + " on norm(out(n-1)) of "
                              "the every-layer reference of the same tokens"))
-    stages.append(_stage("wiring (offline, served states)", sim_s, steps, source=src + " on the served states "
+    stages.append(_stage(WIRING_STAGE, sim_s, steps, source=src + " on the served states "
                          "(/generate return_hidden_states)"))
     live_ok = live is not None and len(live) and live["verify_ct"].notna().any()
     if live_ok:
-        stages.append(_stage("live", live, steps, source="SGLang meta_info (spec_verify_ct, completion_tokens) of the "
-                             "same /generate answers"))
+        stages.append(_stage(LIVE_STAGE, live, steps, source="SGLang meta_info (spec_verify_ct, completion_tokens) "
+                             "of the same /generate answers"))
     ref_al = stages[0].get("accept_length")
     losses: dict = {"draft": _not_computed("draft", "the head's accept length is not compared with its training "
                                                     "figure yet: docs/mtp.md")}
@@ -209,20 +216,67 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
 
 
 def _al(st: dict) -> str:
-    ci = st.get("ci") or [None, None]
     if st.get("accept_length") is None:
         return f"{st['name']} -"
-    ci_txt = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if None not in ci else ""
-    return f"{st['name']} {st['accept_length']:.2f}{ci_txt}"
+    return f"{st['name']} {loss_text(st['accept_length'], st.get('ci'))}"
+
+
+def loss_text(delta: Optional[float], ci: Any = None) -> str:
+    """``"0.04 [0.01, 0.07]"``: a loss (or an accept length) with its 95 % CI, 2 decimals, rounded before it is printed
+    so that a loss of -0.001 reads ``0.00``, never ``-0.00`` (:func:`helpers.acceptance.stats.format_ci`); ``""``
+    when ``delta`` is None."""
+    def r(x: Any) -> Optional[float]:
+        return None if x is None else round(float(x), 2) + 0.0          # + 0.0: no negative zero
+    lo, hi = (list(ci or []) + [None, None])[:2]
+    return format_ci({"x": r(delta), "x_lo": r(lo), "x_hi": r(hi)}, "x")
 
 
 def budget_sentence(b: dict) -> str:
-    """One line: the stages' accept lengths and each loss's decision."""
+    """One line: the stages' accept lengths and each loss's decision (:func:`loss_text`)."""
     parts = "; ".join(_al(s) for s in b["stages"])
-    loss = "; ".join(f"{k} loss {v['delta']:+.2f} [{v['ci'][0]:+.2f}, {v['ci'][1]:+.2f}] {v['decision']}"
+    loss = "; ".join(f"{k} loss {loss_text(v['delta'], v['ci'])} {v['decision']}"
                      if v.get("delta") is not None and None not in (v.get("ci") or [None, None])
                      else f"{k} {v['decision']} ({v.get('why') or v.get('basis')})" for k, v in b["losses"].items())
     return f"NextN accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
+
+
+def ranked(ident: dict) -> list[tuple[str, float]]:
+    """The candidates of :func:`identify_state` closest first: ``[(name, rel. error)]``."""
+    return sorted((ident.get("rel_error") or {}).items(), key=lambda kv: kv[1])
+
+
+def state_line(ident: dict) -> str:
+    """What the served state is, in one line: the candidate identified (or the closest, when none is within the
+    threshold) with its rel. error, the runner-up (the next-closest candidate: how far the nearest wrong answer is),
+    and, when the served state is not :data:`POST_NORM`, that candidate's rel. error. ``ident``: :func:`identify_state`
+    (or ``investigation.json`` ``diagnosis.served_state``)."""
+    top = ranked(ident)
+    best, err = top[0]
+    head = (f"{ident['identified']} (rel. error {err:.2g}" if ident.get("identified") else
+            f"none of the candidates (closest {best}, rel. error {err:.2g} >= {ident.get('threshold')}")
+    text = head + (f"; runner-up {top[1][0]} {top[1][1]:.2g}" if len(top) > 1 else "")
+    if best != POST_NORM and POST_NORM in (ident.get("rel_error") or {}):
+        text += f"; {POST_NORM}, what SGLang feeds, {ident['rel_error'][POST_NORM]:.2g}"
+    return text + ")"
+
+
+def algorithm_text(algorithm: Optional[str], head: Optional[dict]) -> str:
+    """The speculative algorithm of an MTP head's server: what the launch asked for and what SGLang runs (it reports
+    the run one in ``/server_info`` ``speculative_algorithm``: NEXTN is an alias that
+    :data:`ALIAS_SOURCE` resolves to EAGLE). ``head``: ``attach.draft_head``; ``algorithm``: ``attach.algorithm``."""
+    spec = (head or {}).get("spec") or {}
+    asked, run = spec.get("algorithm_requested"), spec.get("algorithm_as_run") or algorithm
+    if asked and asked != run:
+        return f"{asked} requested, run as {run} ({ALIAS_SOURCE}: {asked} is an alias of {run})"
+    return f"{run or '?'} (requested: {asked or 'not in /server_info'})"
+
+
+def head_text(head: dict) -> str:
+    """The MTP head in a few words: its class, how many NextN layers (and the config field that says so), where its
+    weights are (``attach.draft_head``, :func:`helpers.draft.mtp_checks`)."""
+    n = head.get("layers")
+    return (f"{head.get('class')} ({head.get('file')}): the target's own NextN / MTP head, {n} layer"
+            f"{'' if n == 1 else 's'} ({head.get('layers_field')} = {n}), {head.get('source')}")
 
 
 def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
@@ -243,9 +297,8 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
     cost = ""
     wl = wiring_loss or {}
     if wl.get("delta") is not None and None not in (wl.get("ci") or [None]):
-        lo, hi = wiring_loss["ci"]
-        cost = (f"; what it costs the head on these prompts: {wiring_loss['delta']:+.2f} [{lo:+.2f}, {hi:+.2f}] "
-                f"accept length, {wiring_loss['decision']}")
+        cost = (f"; what it costs the head on these prompts: {loss_text(wl['delta'], wl['ci'])} accept length, "
+                f"{wl['decision']}")
     if got == names[-1]:
         return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
                         f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "
@@ -324,8 +377,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     ident = identify_state(served, ref, weight, eps) if ref is not None else None
     doc.diagnosis = {"kind": "mtp", "served_state": ident}
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
-           f"served state = {ident['identified'] or 'none of the candidates'} (rel. error "
-           f"{ident['best_rel_error']:.2g}; {POST_NORM} {ident['rel_error'][POST_NORM]:.2g})")
+           f"served state = {state_line(ident)}")
     b = None
     if req.acceptance_budget:
         t = r.step("acceptance budget")
@@ -381,6 +433,7 @@ def mtp_sentence(doc: Any) -> str:
             f"{ident['sequences']} live prompt(s); reference: {ref}).{tail}")
 
 
-__all__ = ["CAUSE_FINDINGS", "FEED_SOURCE", "POST_NORM", "TWICE", "budget_sentence", "final_norm", "identify_state",
-           "investigate_mtp", "mtp_budget", "mtp_sentence", "reference_sequences", "rms_norm", "state_candidates",
-           "state_findings"]
+__all__ = ["ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
+           "TWICE", "WIRING_STAGE", "algorithm_text", "budget_sentence", "final_norm", "head_text", "identify_state",
+           "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences", "rms_norm",
+           "state_candidates", "state_findings", "state_line"]

@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import plotly.graph_objects as go
 
@@ -41,14 +41,16 @@ def run_of(name: str) -> Optional[str]:
     return RUNS[sum(1 for n in NEW_RUN if ORDER.index(n) <= ORDER.index(name))]
 
 
-def _stages(budget: dict) -> list[dict]:
+def _stages(budget: dict, order: Sequence[str] = ORDER) -> list[dict]:
     by = {s["name"]: s for s in budget.get("stages") or [] if s.get("accept_length") is not None}
-    return [by[n] for n in ORDER if n in by]
+    return [by[n] for n in order if n in by]
 
 
-def budget_waterfall(budget: dict) -> Optional[go.Figure]:
-    """Accept length by stage as a waterfall (tokens per verify step, bonus token included); None without stages."""
-    st = _stages(budget)
+def budget_waterfall(budget: dict, order: Sequence[str] = ORDER) -> Optional[go.Figure]:
+    """Accept length by stage as a waterfall (tokens per verify step, bonus token included); None without stages.
+    ``order``: the stages drawn, in ladder order (an MTP head's budget has stages of its own,
+    :func:`helpers.views.draft_kind.draft_kind`)."""
+    st = _stages(budget, order)
     if not st:
         return None
     names = [s["name"] for s in st]
@@ -81,9 +83,10 @@ def budget_waterfall(budget: dict) -> Optional[go.Figure]:
     return fig
 
 
-def budget_ladder(budget: dict) -> Optional[go.Figure]:
-    """P(accepted >= j) per draft position, one line per stage; None when no stage has per-position figures."""
-    st = [s for s in _stages(budget) if s.get("p_accept_ge")]
+def budget_ladder(budget: dict, order: Sequence[str] = ORDER) -> Optional[go.Figure]:
+    """P(accepted >= j) per draft position, one line per stage (``order`` as :func:`budget_waterfall`'s); None when
+    no stage has per-position figures."""
+    st = [s for s in _stages(budget, order) if s.get("p_accept_ge")]
     if not st:
         return None
     fig = go.Figure()

@@ -11,8 +11,9 @@ import pandas as pd
 from ..acceptance.stats import format_ci
 from ..draft.budget import LIVE_WIRING, TRAINING_WIRING, gains, trade_text
 from ..draft.decide import MATERIAL
-from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps, run_of
+from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps
 from .common import esc, table_html
+from .draft_kind import draft_kind
 from ..investigation.probes.parts import COLD
 from .replay import sweep_points
 
@@ -68,14 +69,16 @@ def ladder_frame(budget: dict) -> pd.DataFrame:
     the quantity or the prompts change: the step into it is not a loss), its accept length with the 95 % CI, the loss
     measured at it (from the stage before it in the same run; the settings stage: recommended vs served) with its CI
     and decision, and a note: measured on the server (with the ladder's offline estimate), a gain, what would settle
-    an undecided loss."""
-    at = {v: k for k, v in LOSS_AT.items()}
+    an undecided loss. The stages each loss is measured at are the draft kind's (:func:`helpers.views.draft_kind.
+    draft_kind` of the budget: an MTP head's budget has stages of its own)."""
+    kind = draft_kind(budget=budget)
+    at = {v: k for k, v in kind.loss_at.items()}
     losses = budget.get("losses") or {}
     gained = {g["stage"] for g in gains(budget)}
     rows, last = [], None
     for s in budget.get("stages") or []:
         name = s["name"]
-        run = run_of(name) or ""
+        run = kind.run_of(name) or ""
         loss = losses.get(at.get(name, "")) or {}
         note = []
         if loss.get("on_server"):
@@ -237,7 +240,8 @@ def budget_parts(budget: Optional[dict], *, with_ladder: bool = True, doc: Any =
         if items:
             parts.append("<p><b>Figures that do not fit the story</b></p><ul>"
                          + "".join(f"<li>{esc(t)}</li>" for t in items) + "</ul>")
-    for fig in (budget_waterfall(budget), draft_steps(budget), budget_ladder(budget)):
+    order = draft_kind(budget=budget).stage_order
+    for fig in (budget_waterfall(budget, order), draft_steps(budget), budget_ladder(budget, order)):
         if fig is not None:
             parts.append(fig)
     parts.append("<h4>Losses by stage: how each is decided</h4>")

@@ -20,6 +20,7 @@ from ..runfiles import atomic_write_text, read_json_file
 from .budget import budget_parts
 from .common import (_CSS, RunContext, as_path, engine_label, esc, findings_frame, headline_box, plotlyjs_html,
                      run_dir_line, table_html)
+from .draft_kind import draft_kind
 from .story import first_screen, story_parts
 
 
@@ -154,8 +155,10 @@ def measured_figure(doc: InvestigationDoc) -> Optional[go.Figure]:
 
 
 def _budget_samples(doc: InvestigationDoc) -> Optional[int]:
-    """How many training samples the acceptance budget's wiring stage ran on (it may grow past the diagnosis's)."""
-    st = next((s for s in (doc.acceptance or {}).get("stages") or [] if s.get("name") == "offline on served states"),
+    """How many training samples (an MTP head: live prompts) the acceptance budget's wiring stage ran on (it may grow
+    past the diagnosis's)."""
+    wiring = draft_kind(doc).loss_at["wiring"]
+    st = next((s for s in (doc.acceptance or {}).get("stages") or [] if s.get("name") == wiring),
               None) or next((s for s in (doc.acceptance or {}).get("stages") or []
                              if s.get("name") == "offline on training states"), None)
     return None if st is None else st.get("sequences")
@@ -163,17 +166,17 @@ def _budget_samples(doc: InvestigationDoc) -> Optional[int]:
 
 def facts_frame(doc: InvestigationDoc) -> pd.DataFrame:
     """What the server runs and what the investigation used (attach + reference + timings)."""
-    a = doc.attach or {}
+    a, kind = doc.attach or {}, draft_kind(doc)
     rows = [("server", doc.url), (f"{engine_label(doc.engine)} version", a.get("version")), ("TP size", a.get("tp")),
-            ("speculative algorithm", a.get("algorithm")), ("spec settings", json.dumps(a.get("spec"))),
+            ("speculative algorithm", kind.algorithm(a)), ("spec settings", json.dumps(a.get("spec"))),
             ("draft used", f"{a.get('draft_dir')} [{a.get('draft_source')}]"),
             ("target used", f"{a.get('target_dir')} [{a.get('target_source')}]"),
             ("per-rank capture", a.get("rank_capture_dir") or "none"),
             ("every-layer capture", a.get("layers_dir") or "none"),
             ("other forward hooks", ", ".join(str(h.get("name")) for h in a.get("other_hooks") or []) or "none"),
             ("reference", (doc.reference or {}).get("how") or "none"),
-            ("training samples compared (diagnosis)", doc.samples),
-            ("training samples in the acceptance budget", _budget_samples(doc)),
+            (kind.samples_label, doc.samples),
+            (kind.budget_samples_label, _budget_samples(doc)),
             ("timings (s)", ", ".join(f"{k} {v}" for k, v in (doc.timings or {}).items()))]
     if (doc.reference or {}).get("missing"):
         rows.append(("missing", doc.reference["missing"]))
@@ -198,7 +201,7 @@ def sections_html(doc: InvestigationDoc, *, with_headline: bool = True, replay: 
         parts += first_screen(run_dir or (Path(doc.run_dir) if doc.run_dir else None), replay, doc)
     parts.append("<h3>Findings</h3>")
     parts.append(table_html(findings_frame([f.model_dump() for f in doc.findings])) if doc.findings
-                 else "<p>No finding: every served chunk equals its training chunk.</p>")
+                 else f"<p>{esc(draft_kind(doc).no_finding(doc))}</p>")
     parts.append("<h3>Hypotheses, by evidence</h3>")
     parts.append(table_html(hypotheses_frame(doc)))
     parts.append("<h3>Proposed fix</h3>")
@@ -232,8 +235,10 @@ def _effect_line(m: dict) -> str:
             f"accept length change {e.get('accept_length_delta', float('nan')):+.2f} tokens per verify step{after}.")
 
 
-def page_html(doc: InvestigationDoc, title: str = "EAGLE-3 live investigation") -> str:
-    """One self-contained HTML page of the investigation."""
+def page_html(doc: InvestigationDoc, title: Optional[str] = None) -> str:
+    """One self-contained HTML page of the investigation; ``title`` defaults to the draft kind's
+    (:func:`helpers.views.draft_kind.draft_kind`: an EAGLE-3 draft's or an MTP head's live investigation)."""
+    title = title or draft_kind(doc).title
     body = []
     for p in sections_html(doc):
         if isinstance(p, go.Figure):

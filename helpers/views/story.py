@@ -29,6 +29,7 @@ from ..records import InvestigationDoc
 from ..runfiles import read_parquet
 from .budget import ladder_frame, settings_text
 from .common import case_models, esc, headline_box, read_json_or_none, result_path, table_html
+from .draft_kind import draft_kind
 from .replay import as_replay
 
 METRICS = (("accept_rate", "accept rate", True), ("accept_length", "accept length", False), ("tok_s", "tok/s", False))
@@ -212,16 +213,17 @@ def what_ran(run_dir: Optional[Path], doc: Any = None, inv: Optional[Investigati
             tp = tp or getattr(as_replay(doc), "tp", None)
     if not target:
         return ""
+    kind = draft_kind(inv)
     text = f"Target {_architecture(target)}"
     if draft:
-        text += f"; draft {_architecture(draft)}"
+        text += f"; draft {kind.draft(draft, _architecture)}"
     engine = [f"SGLang {att['version']}" if att.get("version") else "", f"TP {tp}" if tp else ""]
     spec = att.get("spec") or {}
     if att.get("algorithm"):
-        engine.append(att["algorithm"] + (f" (steps {spec.get('num_steps')}, topk {spec.get('topk')}, draft tokens "
+        engine.append(kind.algorithm(att) + (f" (steps {spec.get('num_steps')}, topk {spec.get('topk')}, draft tokens "
                                           f"{spec.get('num_draft_tokens')})" if spec else ""))
     engine = [e for e in engine if e]
-    return text + (f"; {', '.join(engine)}" if engine else "") + f" [source: {source}]."
+    return text + (f"; {', '.join(engine)}" if engine else "") + f" [source: {source}{kind.draft_source}]."
 
 
 def first_screen(run_dir: Optional[Path], doc: Any = None, inv: Optional[InvestigationDoc] = None,
