@@ -68,6 +68,11 @@ TRANSPORT_KEYS = {"model", "stream", "stream_options", "user", "rid", "n", "logp
                   "return_logprob", "echo"}
 #: max tokens when the body gives none (module docstring); chat: None = the measurement's max_new_tokens
 DEFAULT_MAX = {"completions": 16, "generate": 128, "chat": None}
+#: the most new tokens one request may ask for (a sane bound: no target here has a longer context)
+MAX_NEW_TOKENS = 1_000_000
+#: SGLang 0.5.23 bounds (``sglang/srt/sampling/sampling_params.py``: ``TOP_K_ALL`` = 1 << 30 is "the whole
+#: vocabulary", ``MAX_STOP_COUNT`` stop strings at most, ``sampling_seed`` an int64)
+TOP_K_MAX, MAX_STOP_COUNT, INT64 = 1 << 30, 32, 2 ** 63
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,50 +129,164 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> tuple[
     if not has_chat_template(tokenizer):
         raise ValueError("the target tokenizer has no chat template to render a chat body with (send completions "
                          "bodies with the rendered text, or give a tokenizer that has one)")
-    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True, return_dict=False)
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True,
+                                            return_dict=False)
+    except Exception as exc:  # noqa: BLE001 -- jinja2 TemplateError / UndefinedError, or any error of the template
+        raise ValueError(f"messages: the tokenizer's chat template cannot render them ({type(exc).__name__}: "
+                         f"{_short(exc)}); expected messages the template accepts (e.g. roles alternating "
+                         "user / assistant, each with a content)") from None
     return token_ids(list(ids))
 
 
+def _short(exc: BaseException, n: int = 160) -> str:
+    """``exc``'s message on one line, at most ``n`` characters, control characters escaped."""
+    return _escape(" ".join(str(exc).split()))[:n]
+
+
+def _escape(text: str) -> str:
+    """``text`` with control characters (C0, DEL, C1, U+2028/9) written as ``\\xNN`` / ``\\uNNNN``: a key or value
+    read from a file is shown on a terminal only through this (no escape sequence reaches it)."""
+    return "".join(c if c.isprintable() or c == " " else (f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}")
+                   for c in text)
+
+
 def _sampling(kind: str, body: Mapping[str, Any], default_max_new_tokens: int,
-              gen_defaults: Mapping[str, Any]) -> tuple[dict, list[str]]:
-    """SGLang-named sampling params of one body and the keys left out (module docstring's defaults)."""
+              gen_defaults: Mapping[str, Any], vocab_size: Optional[int] = None) -> tuple[dict, list[str]]:
+    """SGLang-named sampling params of one body and the keys left out (module docstring's defaults), each checked
+    by :func:`check_sampling` (named as the body names it: ``seed``, ``sampling_params.top_k``)."""
     sp: dict[str, Any] = {}
+    names: dict[str, str] = {}
     ignored: list[str] = []
     if kind == "generate":
-        given = body.get("sampling_params") or {}
+        given = body.get("sampling_params")
+        if given is None:
+            given = {}
         if not isinstance(given, Mapping):
-            raise ValueError(f"sampling_params must be an object, got {type(given).__name__}")
+            raise ValueError(f"sampling_params is a JSON {_json_type(given)}; expected an object")
         for k, v in given.items():
             if k in GENERATE_SAMPLING:
-                sp[k] = v
+                if v is not None:             # None = SGLang's default (SamplingParams.__post_init__)
+                    sp[k], names[k] = v, f"sampling_params.{k}"
+            elif k == "n":
+                _check_n(v, "sampling_params.n")
             else:
-                ignored.append(f"sampling_params.{k}")
+                ignored.append(f"sampling_params.{_escape(str(k))}")
         skip = {"text", "input_ids", "sampling_params"} | TRANSPORT_KEYS
-        ignored += [k for k in body if k not in skip]
+        ignored += [_escape(k) for k in body if k not in skip]
     else:
         content = {"messages"} if kind == "chat" else {"prompt"}
         for k, v in body.items():
             if k in OPENAI_SAMPLING:
-                if v is not None:
-                    sp.setdefault(OPENAI_SAMPLING[k], v)
+                if v is not None and OPENAI_SAMPLING[k] not in sp:
+                    sp[OPENAI_SAMPLING[k]], names[OPENAI_SAMPLING[k]] = v, k
             elif k not in content and k not in TRANSPORT_KEYS:
-                ignored.append(k)
-        n = body.get("n")
-        if n not in (None, 1):
+                ignored.append(_escape(k))
+    n = body.get("n")
+    if n is not None:
+        _check_n(n, "n")
+        if n != 1:
             ignored.append(f"n={n} (one answer is measured)")
     if kind == "chat":
         for k in ("temperature", "top_p", "top_k"):
             if k not in sp and gen_defaults.get(k) is not None:
-                sp[k] = gen_defaults[k]
+                sp[k], names[k] = gen_defaults[k], f"generation_config.json {k}"
     sp.setdefault("temperature", 1.0)
     if sp.get("max_new_tokens") is None:
         sp["max_new_tokens"] = DEFAULT_MAX[kind] or int(default_max_new_tokens)
-    mnt, t = sp["max_new_tokens"], sp["temperature"]
-    if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1:
-        raise ValueError(f"max tokens is {mnt!r}; expected an integer >= 1")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-        raise ValueError(f"temperature is {t!r}; expected a number >= 0")
+    check_sampling(sp, names, vocab_size=vocab_size)
     return sp, ignored
+
+
+def _json_type(v: Any) -> str:
+    """The JSON name of a parsed value's type (object, array, string, number, boolean, null)."""
+    return ("null" if v is None else "boolean" if isinstance(v, bool) else "number" if isinstance(v, (int, float))
+            else "string" if isinstance(v, str) else "array" if isinstance(v, list) else "object"
+            if isinstance(v, Mapping) else type(v).__name__)
+
+
+def _show(v: Any) -> str:
+    """A value as the error shows it: its JSON type and at most 60 characters of it, control characters escaped."""
+    text = repr(v)
+    return f"{_json_type(v)} {_escape(text[:60])}{'...' if len(text) > 60 else ''}"
+
+
+def _check_n(n: Any, name: str) -> None:
+    """``n`` (answers per request): a positive integer (SGLang ``SamplingParams.n``). Raises ValueError."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < INT64:
+        raise ValueError(f"{name} is {_show(n)}; expected a positive integer")
+
+
+def _number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _int(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int)
+
+
+def check_sampling(sp: Mapping[str, Any], names: Optional[Mapping[str, str]] = None, *,
+                   vocab_size: Optional[int] = None) -> None:
+    """Check SGLang-named sampling params against SGLang 0.5.23's own constraints, so the server never answers 400
+    (or fails later) for a request this passed: ``sglang/srt/sampling/sampling_params.py::SamplingParams.verify``
+    (temperature finite >= 0, top_p in (0, 1], min_p in [0, 1], top_k -1 or >= 1, frequency / presence penalty in
+    [-2, 2], repetition penalty in (0, 2], 0 <= min_new_tokens <= max_new_tokens, logit_bias keys token ids in
+    [0, vocab), sampling_seed an int64) and ``SamplingParams.normalize`` / ``__post_init__`` (stop: a string or a
+    list of at most ``MAX_STOP_COUNT`` strings; stop_token_ids: integers). Stricter where SGLang would coerce: types
+    are exact (``"5"`` is no top_k), booleans are booleans, max_new_tokens is at most :data:`MAX_NEW_TOKENS`.
+
+    Args:
+        sp: the params (SGLang names: ``max_new_tokens``, ``sampling_seed``, ...); None values are not checked.
+        names: SGLang name -> the name the body gave it (``seed``, ``sampling_params.top_k``), for the message.
+        vocab_size: the target's vocabulary size (token ids of stop_token_ids / logit_bias below it), None: unknown.
+
+    Raises: ValueError naming the field, its value and what was expected."""
+    names = names or {}
+
+    def bad(k: str, what: str) -> ValueError:
+        return ValueError(f"{names.get(k, k)} is {_show(sp[k])}; expected {what}")
+
+    def has(k: str) -> bool:
+        return sp.get(k) is not None
+    ranges = {"temperature": (0.0, math.inf, "a finite number >= 0", lambda x: 0 <= x),
+              "top_p": (0, 1, "a number in (0, 1]", lambda x: 0 < x <= 1),
+              "min_p": (0, 1, "a number in [0, 1]", lambda x: 0 <= x <= 1),
+              "frequency_penalty": (-2, 2, "a number in [-2, 2]", lambda x: -2 <= x <= 2),
+              "presence_penalty": (-2, 2, "a number in [-2, 2]", lambda x: -2 <= x <= 2),
+              "repetition_penalty": (0, 2, "a number in (0, 2] (1 = no penalty)", lambda x: 0 < x <= 2)}
+    for k, (_, _, what, ok) in ranges.items():
+        if has(k) and not (_number(sp[k]) and ok(sp[k])):
+            raise bad(k, what)
+    if has("top_k") and not (_int(sp["top_k"]) and (sp["top_k"] == -1 or 1 <= sp["top_k"] <= TOP_K_MAX)):
+        raise bad("top_k", f"-1 (the whole vocabulary) or an integer from 1 to {TOP_K_MAX}")
+    mnt = sp.get("max_new_tokens")
+    if has("max_new_tokens") and not (_int(mnt) and 1 <= mnt <= MAX_NEW_TOKENS):
+        raise bad("max_new_tokens", f"an integer from 1 to {MAX_NEW_TOKENS:,}")
+    if has("min_new_tokens"):
+        top = mnt if _int(mnt) else MAX_NEW_TOKENS
+        if not (_int(sp["min_new_tokens"]) and 0 <= sp["min_new_tokens"] <= top):
+            raise bad("min_new_tokens", f"an integer from 0 to the max tokens ({top})")
+    for k in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
+        if has(k) and not isinstance(sp[k], bool):
+            raise bad(k, "true or false")
+    if has("sampling_seed") and not (_int(sp["sampling_seed"]) and -INT64 <= sp["sampling_seed"] < INT64):
+        raise bad("sampling_seed", "an integer in [-2**63, 2**63 - 1]")
+    if has("stop"):
+        st = sp["stop"]
+        if not (isinstance(st, str) or (isinstance(st, list) and len(st) <= MAX_STOP_COUNT
+                                        and all(isinstance(x, str) for x in st))):
+            raise bad("stop", f"a string or a list of at most {MAX_STOP_COUNT} strings")
+    top_id = f"from 0 to {vocab_size - 1} (the target's vocab_size {vocab_size})" if vocab_size else "(>= 0)"
+    if has("stop_token_ids"):
+        ids = sp["stop_token_ids"]
+        if not (isinstance(ids, list) and all(_int(t) and 0 <= t < (vocab_size or INT64) for t in ids)):
+            raise bad("stop_token_ids", f"a list of integer token ids {top_id}")
+    if has("logit_bias"):
+        lb = sp["logit_bias"]
+        if not (isinstance(lb, Mapping) and all(
+                str(t).isdecimal() and str(t).isascii() and int(t) < (vocab_size or INT64) and _number(b)
+                for t, b in lb.items())):
+            raise bad("logit_bias", f"an object mapping token ids {top_id} to finite numbers")
 
 
 def kind_of(body: Mapping[str, Any]) -> str:
@@ -178,7 +297,7 @@ def kind_of(body: Mapping[str, Any]) -> str:
         return "completions"
     if "text" in body or "input_ids" in body:
         return "generate"
-    raise ValueError(f"has none of messages / prompt / text / input_ids (keys: {', '.join(list(body)[:8])})")
+    raise ValueError(f"has none of messages / prompt / text / input_ids (keys: {_escape(', '.join(map(str, list(body)[:8])))[:200]})")
 
 
 #: ``tokenizer=CHECK_ONLY``: check a requests file before any work, chat bodies not rendered (their ``input_ids`` a
@@ -186,15 +305,47 @@ def kind_of(body: Mapping[str, Any]) -> str:
 CHECK_ONLY = object()
 
 
-def parse_request(body: Any, line: int, *, tokenizer: Any = None, default_max_new_tokens: int = 128,
-                  gen_defaults: Optional[Mapping[str, Any]] = None) -> WorkloadRequest:
-    """One body (a parsed JSON line) as a :class:`WorkloadRequest` (module docstring).
+def _check_unicode(body: Mapping[str, Any]) -> None:
+    """Refuse a lone surrogate (``"\\ud800"``: valid JSON, no Unicode text; it could not be sent as UTF-8),
+    naming the top-level field that holds it. Raises ValueError."""
+    for k, v in body.items():
+        try:
+            json.dumps({k: v}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{_escape(repr(k)[1:-1])} holds a lone surrogate (an unpaired \\ud800-\\udfff escape); "
+                             "expected valid Unicode text") from None
 
-    Raises: ValueError / TypeError saying what is wrong with it (the caller adds the file and line)."""
+
+def _check_vocab(ids: Sequence[int], field: str, vocab_size: Optional[int]) -> None:
+    """Every token id below the target's vocabulary size: an id >= ``vocab_size`` reaches the target's
+    ``embed_tokens`` unchecked (SGLang 0.5.23 checks ``token_ids_logprob`` against ``model_config.vocab_size``,
+    ``managers/tokenizer_manager.py::TokenizerManager._validate_token_ids_logprob``, but not ``input_ids``: the
+    server dies with an IndexError). Raises ValueError naming ``field[k]`` and the vocab size."""
+    if vocab_size is None:
+        return
+    for k, t in enumerate(ids):
+        if t >= vocab_size:
+            raise ValueError(f"{field}[{k}] is {t}; expected a token id from 0 to {vocab_size - 1} (the target's "
+                             f"vocab_size {vocab_size})")
+
+
+def parse_request(body: Any, line: int, *, tokenizer: Any = None, default_max_new_tokens: int = 128,
+                  gen_defaults: Optional[Mapping[str, Any]] = None,
+                  vocab_size: Optional[int] = None) -> WorkloadRequest:
+    """One body (a parsed JSON line) as a :class:`WorkloadRequest` (module docstring), its sampling params checked
+    (:func:`check_sampling`) and its token ids below ``vocab_size`` (the target's vocabulary size; None: unknown,
+    not checked; ids rendered from a chat template come from the tokenizer and are not checked).
+
+    Raises: ValueError / TypeError saying what is wrong with it, naming the field (the caller adds the file and
+    line)."""
     if not isinstance(body, Mapping):
-        raise ValueError(f"is a JSON {type(body).__name__}, not an object")
+        raise ValueError(f"is a JSON {_json_type(body)}, not an object")
+    _check_unicode(body)
     kind = kind_of(body)
-    sp, ignored = _sampling(kind, body, default_max_new_tokens, gen_defaults or {})
+    if kind == "generate" and body.get("text") is not None and body.get("input_ids") is not None:
+        raise ValueError("gives both text and input_ids; expected one of them (SGLang refuses both: "
+                         "managers/io_struct.py::GenerateReqInput)")
+    sp, ignored = _sampling(kind, body, default_max_new_tokens, gen_defaults or {}, vocab_size)
     pid = f"L{line}"
     templ = False
     content: Optional[str] = None
@@ -214,8 +365,9 @@ def parse_request(body: Any, line: int, *, tokenizer: Any = None, default_max_ne
         ids = body.get("input_ids") if kind == "generate" else None
         if kind == "completions" and isinstance(x, list) and x and isinstance(x[0], list):
             raise ValueError("prompt is a batch (a list of lists); expected one prompt per line")
+        field = "input_ids"
         if kind == "completions" and isinstance(x, list):
-            x, ids = None, x
+            x, ids, field = None, x, "prompt"
         if x is not None:
             if not isinstance(x, str) or not x:
                 raise ValueError(f"{'prompt' if kind == 'completions' else 'text'} must be a non-empty string or "
@@ -225,7 +377,12 @@ def parse_request(body: Any, line: int, *, tokenizer: Any = None, default_max_ne
         else:
             if isinstance(ids, list) and ids and isinstance(ids[0], list):
                 raise ValueError("input_ids is a batch (a list of lists); expected one prompt per line")
-            prompt = Prompt(id=pid, input_ids=token_ids(ids), kind=kind)
+            try:
+                tids = token_ids(ids)
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("input_ids", field, 1)) from None
+            _check_vocab(tids, field, vocab_size)
+            prompt = Prompt(id=pid, input_ids=tids, kind=kind)
     return WorkloadRequest(prompt=prompt, sampling=sp, kind=kind, line=line, chat_template=templ,
                            ignored=tuple(ignored), content=content)
 
@@ -249,8 +406,11 @@ def resolve_tokenizer(info: Mapping[str, Any], given: Optional[str | Path] = Non
 
 
 def load_requests(path: str | Path, *, tokenizer: Any = None, default_max_new_tokens: int = 128,
-                  gen_defaults: Optional[Mapping[str, Any]] = None) -> list[WorkloadRequest]:
-    """Every line of a requests file (module docstring), blank lines skipped.
+                  gen_defaults: Optional[Mapping[str, Any]] = None,
+                  vocab_size: Optional[int] = None) -> list[WorkloadRequest]:
+    """Every line of a requests file (module docstring), blank lines skipped. Lines are split at ``\\n`` only
+    (``\\r\\n`` too; JSON strings may hold U+2028 or U+0085 raw, which ``str.splitlines`` would split at); a
+    UTF-8 byte order mark at the start is skipped.
 
     Args:
         path: the JSONL file. tokenizer: the target's tokenizer (:func:`load_tokenizer`), needed for chat bodies,
@@ -258,6 +418,8 @@ def load_requests(path: str | Path, *, tokenizer: Any = None, default_max_new_to
             otherwise).
         default_max_new_tokens: max tokens of a chat body that gives none.
         gen_defaults: the target's ``generation_config.json`` (chat sampling defaults).
+        vocab_size: the target's vocabulary size (:func:`vocab_size_of`): token ids at or above it are refused;
+            None: not checked.
 
     Raises:
         BadInput: a missing, unreadable or empty file, or a bad line: one line naming the file, the line number and
@@ -268,8 +430,11 @@ def load_requests(path: str | Path, *, tokenizer: Any = None, default_max_new_to
     if not path.exists():
         raise BadInput("requests file not found", path=path)
     text = read_file_text(path, "requests file", expected="JSON lines")
+    if text.startswith("\ufeff"):
+        text = text[1:]
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line[:-1] if line.endswith("\r") else line
         if not line.strip():
             continue
         try:
@@ -282,7 +447,7 @@ def load_requests(path: str | Path, *, tokenizer: Any = None, default_max_new_to
             tokenizer = tokenizer()
         try:
             out.append(parse_request(body, n, tokenizer=tokenizer, default_max_new_tokens=default_max_new_tokens,
-                                     gen_defaults=gen_defaults))
+                                     gen_defaults=gen_defaults, vocab_size=vocab_size))
         except (TypeError, ValueError, OverflowError) as exc:
             raise BadInput(f"line {n}: {exc}; expected {_expected()}", path=path) from None
         if len(out) > MAX_PROMPTS:
@@ -290,6 +455,46 @@ def load_requests(path: str | Path, *, tokenizer: Any = None, default_max_new_to
     if not out:
         raise BadInput(f"the requests file is empty; expected {_expected()}", path=path)
     return out
+
+
+def vocab_size_of(folder: Optional[str | Path], tokenizer: Any = None) -> Optional[int]:
+    """The target's vocabulary size, what SGLang indexes ``embed_tokens`` with (``model_config.vocab_size``): the
+    ``vocab_size`` of ``folder``'s ``config.json`` (:func:`helpers.formats.configs.read_target_config`, the text
+    sub-config of a wrapper) when it has one, else ``len(tokenizer)`` (its vocabulary with added tokens) when a
+    tokenizer is given (or a function of no argument returning it, called only then; a BadInput it raises means
+    unknown); None when neither is known."""
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        from ..formats.configs import read_target_config  # lazy: only with --requests
+        try:
+            v = read_target_config(folder).vocab_size
+        except BadInput:
+            v = None
+        if v:
+            return int(v)
+    if tokenizer is not None and tokenizer is not CHECK_ONLY and not hasattr(tokenizer, "__len__") \
+            and callable(tokenizer):
+        try:
+            tokenizer = tokenizer()
+        except BadInput:
+            return None
+    if tokenizer is not None and tokenizer is not CHECK_ONLY and hasattr(tokenizer, "__len__"):
+        return int(len(tokenizer))
+    return None
+
+
+def require_vocab(reqs: Sequence[WorkloadRequest], vocab_size: Optional[int], why: str, path: str | Path) -> None:
+    """Refuse a requests file's token-id bodies when the target's vocabulary size is unknown (no config or tokenizer
+    readable: ``why`` says where it was looked for): an id beyond it kills an SGLang server (:func:`_check_vocab`),
+    so none is sent unchecked; text and chat bodies pass.
+
+    Raises: BadInput naming the file, the first such line, and ``--tokenizer``."""
+    if vocab_size is not None:
+        return
+    first = next((r for r in reqs if r.kind != "chat" and r.prompt.input_ids), None)
+    if first is not None:
+        raise BadInput(f"line {first.line} gives token ids, checked against the target's vocab_size before any "
+                       f"request (an id beyond it kills an SGLang server), but that is unknown ({why}); expected "
+                       "--tokenizer DIR (the target's tokenizer or model folder)", path=path, field="--tokenizer")
 
 
 def generation_defaults(target_dir: Optional[str | Path]) -> dict:
@@ -359,8 +564,12 @@ def describe(reqs: Sequence[WorkloadRequest], per_request: Optional[pd.DataFrame
     (from the server's counts in ``per_request`` when given), "completion_tokens" {median, ...}, "top_p", "top_k"
     (medians, None when none given), "non_ascii" (share of text prompts with non-ASCII letters: another language or
     script)}``."""
+    def num(x):
+        return not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating)) \
+            and bool(np.isfinite(float(x)))
+
     def stats(xs):
-        v = np.asarray([float(x) for x in xs if x is not None and np.isfinite(float(x))], float)
+        v = np.asarray([float(x) for x in xs if num(x)], float)
         return None if not len(v) else {"median": float(np.median(v)), "min": float(v.min()),
                                         "max": float(v.max())}
     texts = [r.content for r in reqs if r.content]
@@ -370,7 +579,7 @@ def describe(reqs: Sequence[WorkloadRequest], per_request: Optional[pd.DataFrame
            "temperature": stats([r.sampling.get("temperature") for r in reqs]),
            "max_new_tokens": stats([r.sampling.get("max_new_tokens") for r in reqs]),
            "top_p": stats([r.sampling.get("top_p") for r in reqs]),
-           "top_k": stats([r.sampling.get("top_k") for r in reqs if (r.sampling.get("top_k") or -1) > 0]),
+           "top_k": stats([k for k in (r.sampling.get("top_k") for r in reqs) if num(k) and k > 0]),
            "non_ascii": float(np.mean([any(ord(c) > 127 and c.isalpha() for c in t) for t in texts]))
            if texts else None}
     if per_request is not None and len(per_request):

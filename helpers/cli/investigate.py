@@ -137,9 +137,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         input_path_arg(args.validation, "--validation")
         input_path_arg(args.requests, "--requests", folder=False)
         input_path_arg(args.tokenizer, "--tokenizer", folder=True)
-        if args.requests:                          # every line checked before any work (chat bodies rendered later)
-            from ..acceptance.workload import CHECK_ONLY, load_requests  # lazy: only with --requests
-            load_requests(args.requests, tokenizer=CHECK_ONLY)
+        if args.requests:                          # every line checked before any work
+            _check_requests(args)
         _folders(args)
         out = out_folder(args.out, "--out")
         sweeps = "auto" if args.sweeps.strip() == "auto" else subset_arg(args.sweeps, SWEEPS, "--sweeps")
@@ -173,6 +172,25 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if doc.verdict == "ok" else 1
 
     return run(prog, body)
+
+
+def _check_requests(args) -> None:
+    """``--requests`` read and checked whole before any request or folder. With ``--tokenizer`` (the tokenizer the
+    workload stage uses first: :func:`helpers.acceptance.workload.resolve_tokenizer`) its chat bodies are rendered
+    now (a tokenizer without a chat template, a template error) and its token ids checked against the target's
+    vocab size (``--target``'s config, else the tokenizer folder's, else the tokenizer's length); without it the
+    server names the tokenizer, so chat bodies are rendered and ids checked right after attach
+    (:func:`helpers.investigation.workload.workload_check`), still before any other request.
+
+    Raises: BadInput naming the file, the line and the field."""
+    from ..acceptance.workload import CHECK_ONLY, load_requests, load_tokenizer, vocab_size_of  # lazy: --requests
+    if not args.tokenizer:
+        load_requests(args.requests, tokenizer=CHECK_ONLY)
+        return
+    load_requests(args.requests, tokenizer=CHECK_ONLY)      # the file's own faults first, without transformers
+    tok = load_tokenizer(args.tokenizer)
+    load_requests(args.requests, tokenizer=tok, default_max_new_tokens=args.max_new_tokens,
+                  vocab_size=vocab_size_of(args.target) or vocab_size_of(args.tokenizer, tok))
 
 
 def _folders(args) -> None:

@@ -191,7 +191,8 @@ def _workload(args, client, adapter, prompts, outputs, given_run, show) -> int:
     :func:`helpers.acceptance.workload.compare_workload`), or ``measure --training DIR`` without it (the bundled
     prompts through the chat template when the training data was chat-formatted)."""
     from ..acceptance.workload import (  # lazy: only with --requests / --training
-        generation_defaults, load_requests, load_tokenizer, resolve_tokenizer, training_like_prompts)
+        generation_defaults, load_requests, load_tokenizer, require_vocab, resolve_tokenizer, training_like_prompts,
+        vocab_size_of)
     from ..investigation.workload import comparison_text, compare_workload  # lazy: torch, only with --requests
     info = client.server_info(refresh=True)
     tok_dir, note = resolve_tokenizer(info, args.tokenizer)
@@ -212,17 +213,22 @@ def _workload(args, client, adapter, prompts, outputs, given_run, show) -> int:
             print(f"run folder: {run_dir} (this measurement: {saved.relative_to(run_dir)})")
         return 0
 
-    def tokenizer():
-        if tok is not None:
-            return tok
-        if tok_dir is None:
-            raise BadInput(f"chat bodies need the target's tokenizer: {note}", field="--tokenizer")
-        return load_tokenizer(tok_dir)
+    loaded = [tok]
+
+    def tokenizer():                              # loaded once, at the first chat body (or for the vocab size)
+        if loaded[0] is None:
+            if tok_dir is None:
+                raise BadInput(f"chat bodies need the target's tokenizer: {note}", field="--tokenizer")
+            loaded[0] = load_tokenizer(tok_dir)
+        return loaded[0]
+    vocab = vocab_size_of(tok_dir, tokenizer if tok_dir is not None else None)
     reqs = load_requests(args.requests, tokenizer=tokenizer, default_max_new_tokens=args.max_new_tokens,
-                         gen_defaults=generation_defaults(tok_dir))
+                         gen_defaults=generation_defaults(tok_dir), vocab_size=vocab)
+    require_vocab(reqs, vocab, note, args.requests)
     ignored = sorted({k for r in reqs for k in r.ignored})
     if ignored:
-        print(f"warning: not sent (the answer may differ from production): {', '.join(ignored)}", file=sys.stderr)
+        print(printable(f"warning: not sent (the answer may differ from production): {', '.join(ignored)}"),
+              file=sys.stderr)
     cmp = compare_workload(client, reqs, max_new_tokens=args.max_new_tokens, tokenizer=tok, reference_chat=chat,
                            n_boot=args.bootstrap, warmup=args.warmup, progress=not args.quiet)
     for name, r in (("your requests", cmp.user), ("training-like prompts", cmp.reference)):

@@ -60,7 +60,7 @@ from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_
 from .probes.sampled import check_sampling
 from .mtp import algorithm_text, investigate_mtp, mtp_sentence
 from .propose import draft_variant, propose_fix
-from .workload import workload_stage
+from .workload import workload_check, workload_stage
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
 
 Progress = Callable[[str], None]
@@ -138,6 +138,7 @@ class Run:
     diag: Any = None
     extra: list = field(default_factory=list)
     fix: Optional[ProposedFix] = None
+    workload: Any = None                           # the --requests file read at attach (workload.workload_check)
     withdrawn: Optional[str] = None
     live: Any = None
 
@@ -493,7 +494,7 @@ def _stage_story(r: Run) -> None:
 
 #: the stages of an investigation, in order
 STAGES: tuple[tuple[str, Callable[[Run], None]], ...] = (
-    ("attach", _stage_attach), ("capture", _stage_capture), ("reference", _stage_reference),
+    ("attach", _stage_attach), ("requests", workload_check), ("capture", _stage_capture), ("reference", _stage_reference),
     ("diagnosis", _stage_diagnosis), ("draft checks", _stage_draft_checks), ("hypotheses", _stage_hypotheses),
     ("proposed fix", _stage_propose), ("acceptance budget", _stage_budget),
     ("engine state", _stage_engine_state), ("workload", workload_stage), ("caveats", _stage_caveats),

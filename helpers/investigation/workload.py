@@ -14,9 +14,10 @@ import numpy as np
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
 from ..acceptance.workload import (WorkloadRequest, describe, differences, generation_defaults, load_requests,
-                                   load_tokenizer, resolve_tokenizer, training_is_chat, training_like_prompts,
-                                   unpaired_loss)
+                                   load_tokenizer, require_vocab, resolve_tokenizer, training_is_chat,
+                                   training_like_prompts, unpaired_loss, vocab_size_of)
 from ..formats.training_data import TrainingData
+from ..errors import printable
 from ..records import Finding
 from ..diagnosis.detectors.base import finding
 from ..draft.decide import decide, threshold
@@ -139,6 +140,42 @@ def comparison_text(c: WorkloadComparison) -> str:
     return line
 
 
+@dataclasses.dataclass
+class WorkloadInput:
+    """The requests file as :func:`workload_check` read it: the tokenizer folder and where it came from, the
+    tokenizer (None when none is readable), the target's vocab size (None: unknown) and the requests."""
+
+    tok_dir: Any
+    note: str
+    tokenizer: Any
+    vocab_size: Optional[int]
+    requests: list
+
+
+def workload_check(r: Any) -> None:
+    """Read and check the whole requests file (``--requests``) right after attach, before any other request: chat
+    bodies rendered with the tokenizer the workload stage uses (``--tokenizer``, else the server's
+    ``tokenizer_path`` / ``model_path`` when readable, else the target folder: :func:`resolve_tokenizer`), token ids
+    below the target's vocab size (its ``config.json``, else the tokenizer's length), every sampling param checked
+    (:func:`helpers.acceptance.workload.load_requests`). Sets ``r.workload``; nothing when there is no
+    ``--requests`` or with ``--no-measure``.
+
+    Raises: BadInput (exit 2) naming the file, the line and the field."""
+    req = r.req
+    requests_file, tokenizer_dir = req.requests
+    if requests_file is None or not req.live_measure:
+        return
+    tok_dir, note = resolve_tokenizer(r.att.info, tokenizer_dir)
+    if tok_dir is None and r.att.target_dir is not None:
+        tok_dir, note = r.att.target_dir, f"tokenizer from the target folder {r.att.target_dir}"
+    tok = load_tokenizer(tok_dir) if tok_dir is not None else None
+    vocab = vocab_size_of(r.att.target_dir) or vocab_size_of(tok_dir, tok)
+    reqs = load_requests(requests_file, tokenizer=tok, default_max_new_tokens=req.max_new_tokens,
+                         gen_defaults=generation_defaults(r.att.target_dir), vocab_size=vocab)
+    require_vocab(reqs, vocab, note, requests_file)
+    r.workload = WorkloadInput(tok_dir=tok_dir, note=note, tokenizer=tok, vocab_size=vocab, requests=reqs)
+
+
 def workload_stage(r: Any) -> None:
     """The user's requests (``--requests FILE``) replayed with their own sampling params against the bundled
     training-like prompts on the same server (:func:`compare_workload`; the bundled
@@ -155,14 +192,12 @@ def workload_stage(r: Any) -> None:
         doc.notes.append("--requests not replayed: --no-measure (no live requests)")
         return
     t = r.step("workload")
-    tok_dir, note = resolve_tokenizer(r.att.info, tokenizer_dir)
-    if tok_dir is None and r.att.target_dir is not None:
-        tok_dir, note = r.att.target_dir, f"tokenizer from the target folder {r.att.target_dir}"
-    tok = load_tokenizer(tok_dir) if tok_dir is not None else None
+    if getattr(r, "workload", None) is None:       # read at attach (workload_check); again only if it was not
+        workload_check(r)
+    w = r.workload
+    tok, note, reqs = w.tokenizer, w.note, w.requests
     chat = bool(tok is not None and training_is_chat(tok, list(TrainingData(
         req.training, hidden_size=r.tcfg.hidden_size, max_samples=8))))
-    reqs = load_requests(requests_file, tokenizer=tok, default_max_new_tokens=req.max_new_tokens,
-                         gen_defaults=generation_defaults(r.att.target_dir))
     cmp = compare_workload(r.client, reqs, max_new_tokens=req.max_new_tokens, tokenizer=tok, reference_chat=chat,
                            progress=False)
     cmp.user.save(req.run_dir / "acceptance" / "requests")
@@ -170,7 +205,8 @@ def workload_stage(r: Any) -> None:
     doc.workload = {**cmp.doc(), "tokenizer": note, "requests_file": str(requests_file)}
     ignored = sorted({k for q in reqs for k in q.ignored})
     if ignored:
-        doc.notes.append(f"--requests: not sent (the answers may differ from production): {', '.join(ignored)}")
+        doc.notes.append(printable(f"--requests: not sent (the answers may differ from production): "
+                                   f"{', '.join(ignored)}"))
     if cmp.finding is not None and cmp.finding["kind"] not in {f.kind for f in doc.findings}:
         doc.findings.append(Finding(**cmp.finding))
     doc.notes.append(comparison_text(cmp).replace("\n", "; "))    # the sentence tells the budget; this, the requests
