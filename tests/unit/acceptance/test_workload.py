@@ -83,11 +83,56 @@ def test_each_kind_maps_to_one_request_with_its_own_sampling(tmp_path, chat_tok)
     ("{not json", "line 2 is not JSON"),
     ('{"model": "m"}', "line 2: has none of messages / prompt / text / input_ids"),
     ('{"prompt": [[1, 2], [3]]}', "line 2: prompt is a batch"),
-    ('{"prompt": "x", "max_tokens": 0}', "line 2: max tokens is 0; expected an integer >= 1"),
-    ('{"prompt": "x", "temperature": -1}', "line 2: temperature is -1"),
+    ('{"prompt": "x", "max_tokens": 0}', "line 2: max_tokens is number 0; expected an integer from 1 to 1,000,000"),
+    ('{"prompt": "x", "temperature": -1}', "line 2: temperature is number -1"),
     ('{"input_ids": [1, 2.5]}', "line 2: input_ids[1] is 2.5"),
     ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2: is a chat body but no tokenizer"),
-    ('[1, 2]', "line 2: is a JSON list, not an object"),
+    ('[1, 2]', "line 2: is a JSON array, not an object"),
+    # sampling params with SGLang 0.5.23's SamplingParams.verify bounds, named as the body names them
+    ('{"prompt": "x", "top_k": "5"}', "line 2: top_k is string '5'; expected -1 (the whole vocabulary) or an integer"),
+    ('{"prompt": "x", "top_k": -5}', "line 2: top_k is number -5"),
+    ('{"prompt": "x", "top_k": 0}', "line 2: top_k is number 0"),
+    ('{"prompt": "x", "top_p": "high"}', "line 2: top_p is string 'high'; expected a number in (0, 1]"),
+    ('{"prompt": "x", "top_p": 0}', "line 2: top_p is number 0; expected a number in (0, 1]"),
+    ('{"prompt": "x", "top_p": 1.5}', "line 2: top_p is number 1.5"),
+    ('{"prompt": "x", "min_p": 2}', "line 2: min_p is number 2; expected a number in [0, 1]"),
+    ('{"prompt": "x", "presence_penalty": 3}', "line 2: presence_penalty is number 3; expected a number in [-2, 2]"),
+    ('{"prompt": "x", "repetition_penalty": 0}', "line 2: repetition_penalty is number 0; expected a number in (0, 2]"),
+    ('{"prompt": "x", "stop": 5}', "line 2: stop is number 5; expected a string or a list of at most 32 strings"),
+    ('{"prompt": "x", "stop": {"a": 1}}', "line 2: stop is object"),
+    ('{"prompt": "x", "stop": [["x"]]}', "line 2: stop is array"),
+    ('{"prompt": "x", "stop": ' + json.dumps(["s"] * 33) + '}', "line 2: stop is array"),
+    ('{"prompt": "x", "stop_token_ids": [-1, "a"]}', "line 2: stop_token_ids is array [-1, 'a']; expected a list"),
+    ('{"prompt": "x", "stop_token_ids": 5}', "line 2: stop_token_ids is number 5"),
+    ('{"prompt": "x", "ignore_eos": "yes"}', "line 2: ignore_eos is string 'yes'; expected true or false"),
+    ('{"text": "x", "sampling_params": {"no_stop_trim": 1}}', "line 2: sampling_params.no_stop_trim is number 1"),
+    ('{"prompt": "x", "seed": 9223372036854775808}', "line 2: seed is number 9223372036854775808; expected an "
+                                                     "integer in [-2**63, 2**63 - 1]"),
+    ('{"prompt": "x", "seed": 1.5}', "line 2: seed is number 1.5"),
+    ('{"text": "x", "sampling_params": {"sampling_seed": "7"}}', "line 2: sampling_params.sampling_seed is string"),
+    ('{"prompt": "x", "logit_bias": "x"}', "line 2: logit_bias is string 'x'; expected an object mapping token ids"),
+    ('{"prompt": "x", "logit_bias": {"abc": 1}}', "line 2: logit_bias is object"),
+    ('{"prompt": "x", "logit_bias": {"-3": 1}}', "line 2: logit_bias is object"),
+    ('{"prompt": "x", "logit_bias": {"3": "big"}}', "line 2: logit_bias is object"),
+    ('{"prompt": "x", "max_tokens": 8, "min_tokens": 100}', "line 2: min_tokens is number 100; expected an integer "
+                                                            "from 0 to the max tokens (8)"),
+    ('{"prompt": "x", "max_tokens": 1000000000}', "line 2: max_tokens is number 1000000000; expected an integer "
+                                                  "from 1 to 1,000,000"),
+    ('{"prompt": "x", "max_tokens": 16.0}', "line 2: max_tokens is number 16.0"),
+    ('{"text": "x", "sampling_params": {"max_new_tokens": "8"}}', "line 2: sampling_params.max_new_tokens is "
+                                                                   "string '8'"),
+    # odd bodies SGLang refuses or that the tool would silently misread
+    ('{"text": "x", "input_ids": [1, 2]}', "line 2: gives both text and input_ids"),
+    ('{"text": "x", "sampling_params": []}', "line 2: sampling_params is a JSON array; expected an object"),
+    ('{"text": "x", "sampling_params": "t=0"}', "line 2: sampling_params is a JSON string; expected an object"),
+    ('{"prompt": "x", "n": "many"}', "line 2: n is string 'many'; expected a positive integer"),
+    ('{"prompt": "x", "n": 0}', "line 2: n is number 0; expected a positive integer"),
+    ('{"text": "x", "sampling_params": {"n": -1}}', "line 2: sampling_params.n is number -1"),
+    # a lone surrogate: valid JSON, no Unicode text (UnicodeEncodeError at send time before)
+    ('{"prompt": "\\ud800x"}', "line 2: prompt holds a lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "line 2: messages holds a lone surrogate"),
+    # token ids: the position named (prompt as a list of ids too)
+    ('{"prompt": [1, -2]}', "line 2: prompt[1] is -2"),
 ])
 def test_a_bad_line_is_one_line_naming_file_and_line(tmp_path, line, says):
     p = _write(tmp_path, ['{"prompt": "fine"}', line])
@@ -182,3 +227,127 @@ def test_few_requests_are_undecided_and_identical_sets_clear():
     # a set without spec counters is not compared (NaN), and the decision says undecided, not clear
     none = unpaired_loss(ref, ref.assign(has_spec=False))
     assert np.isnan(none["delta"]) and workload_decision(none)["decision"] == "undecided"
+
+
+# -- the requests file's hardening (breaker's B1-B15): every bad line exit 2 naming file, line and field ------------
+
+def test_token_ids_at_or_beyond_the_vocab_size_are_refused_naming_the_position(tmp_path):
+    from helpers.acceptance.workload import require_vocab, vocab_size_of
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+         "vocab_size": 320}))
+    vocab = vocab_size_of(tmp_path / "target")
+    assert vocab == 320
+    for line, says in (('{"input_ids": [1, 2147483647]}', "line 2: input_ids[1] is 2147483647; expected a token id "
+                                                           "from 0 to 319 (the target's vocab_size 320)"),
+                       ('{"prompt": [5, 6, 320]}', "line 2: prompt[2] is 320; expected a token id from 0 to 319"),
+                       ('{"prompt": "x", "stop_token_ids": [320]}', "line 2: stop_token_ids is array [320]"),
+                       ('{"prompt": "x", "logit_bias": {"320": 1.0}}', "line 2: logit_bias is object")):
+        p = _write(tmp_path, ['{"input_ids": [0, 319], "sampling_params": {"stop_token_ids": [319], '
+                              '"logit_bias": {"319": -1}}}', line])
+        with pytest.raises(BadInput) as e:
+            load_requests(p, vocab_size=vocab)
+        assert str(p) in str(e.value) and says in str(e.value), str(e.value)
+    # the first line alone passes (the last id of the vocabulary is fine); without a vocab size no id is refused
+    ok = load_requests(_write(tmp_path, ['{"input_ids": [0, 319]}', '{"prompt": "text"}']), vocab_size=320)
+    assert ok[0].prompt.input_ids == (0, 319)
+    # unknown vocab size: token-id bodies refused (never sent unchecked), text bodies pass
+    with pytest.raises(BadInput, match=r"line 1 gives token ids.*vocab_size.*unknown.*--tokenizer"):
+        require_vocab(ok, None, "no tokenizer", "r.jsonl")
+    require_vocab(ok[1:], None, "no tokenizer", "r.jsonl")
+    require_vocab(ok, 320, "", "r.jsonl")
+
+
+def test_vocab_size_falls_back_to_the_tokenizer_length(tmp_path, chat_tok):
+    from helpers.acceptance.workload import vocab_size_of
+    assert vocab_size_of(tmp_path, chat_tok) == len(chat_tok) > 0       # no config.json there
+    assert vocab_size_of(tmp_path, lambda: chat_tok) == len(chat_tok)   # a loader is called only then
+    assert vocab_size_of(None) is None and vocab_size_of(tmp_path) is None
+
+    def missing():
+        raise BadInput("no tokenizer readable here")
+    assert vocab_size_of(tmp_path, missing) is None
+
+
+def test_a_chat_template_error_is_bad_input_naming_the_line_and_messages(tmp_path):
+    from support.tinymodels import build_tokenizer
+    tok = build_tokenizer(tmp_path / "strict")
+    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                         "{{ m['role'] + '\n' + m['content'].strip() }}{% endfor %}")
+    good = '{"messages": [{"role": "user", "content": "hi"}]}'
+    for line, what in (('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
+                        "TemplateError: Conversation roles must alternate"),
+                       ('{"messages": [{"role": "user"}]}', "UndefinedError")):
+        p = _write(tmp_path, [good, line])
+        with pytest.raises(BadInput) as e:
+            load_requests(p, tokenizer=tok)
+        msg = str(e.value)
+        assert str(p) in msg and "line 2: messages: the tokenizer's chat template cannot render them" in msg, msg
+        assert what in msg and "\n" not in msg
+    assert len(load_requests(_write(tmp_path, [good]), tokenizer=tok)[0].prompt.input_ids) > 0
+
+
+def test_line_separators_inside_strings_crlf_and_a_bom_parse(tmp_path):
+    p = tmp_path / "odd.jsonl"
+    rows = ['{"prompt": "a\u2028b", "max_tokens": 4}', '{"prompt": "c\u0085d\u2029e"}', "",
+            '{"prompt": "last"}']
+    p.write_bytes(("\ufeff" + "\r\n".join(rows) + "\r\n").encode("utf-8"))
+    reqs = load_requests(p)
+    assert [r.line for r in reqs] == [1, 2, 4]
+    assert [r.prompt.text for r in reqs] == ["a\u2028b", "c\u0085d\u2029e", "last"]
+    assert reqs[0].sampling["max_new_tokens"] == 4
+    # a bad line after them is still named by its own number
+    p.write_bytes(("\ufeff" + "\n".join(rows + ['{"prompt": "x", "top_p": 0}'])).encode("utf-8"))
+    with pytest.raises(BadInput, match="line 5: top_p is number 0"):
+        load_requests(p)
+
+
+def test_ignored_keys_are_escaped_and_describe_takes_odd_values(tmp_path):
+    from helpers.acceptance.prompts import Prompt
+    from helpers.acceptance.workload import WorkloadRequest
+    key = "\x1b]0;TITLE\x07\x1b[2J"
+    r = load_requests(_write(tmp_path, [json.dumps({"prompt": "x", key: 1, "ok_key": 2})]))[0]
+    assert r.ignored == ("\\x1b]0;TITLE\\x07\\x1b[2J", "ok_key")
+    assert not any(ord(c) < 32 for k in r.ignored for c in k)
+    # describe never fails on values no check passed (a WorkloadRequest built by hand)
+    odd = [WorkloadRequest(prompt=Prompt(id="L1", text="x"), sampling={"temperature": "hot", "top_k": "5",
+                                                                       "top_p": None, "max_new_tokens": True},
+                           kind="completions", line=1),
+           WorkloadRequest(prompt=Prompt(id="L2", text="y"), sampling={"temperature": 0.5, "top_k": 7,
+                                                                       "max_new_tokens": 9}, kind="completions",
+                           line=2)]
+    d = describe(odd)
+    assert d["temperature"] == {"median": 0.5, "min": 0.5, "max": 0.5}
+    assert d["top_k"]["median"] == 7.0 and d["max_new_tokens"]["median"] == 9.0 and d["top_p"] is None
+
+
+def test_valid_sampling_params_pass_as_given():
+    r = parse_request({"prompt": "x", "top_k": -1, "top_p": 1, "min_p": 0, "stop": "END", "stop_token_ids": [2],
+                       "ignore_eos": True, "seed": -(2 ** 63), "logit_bias": {"5": -100}, "min_tokens": 16,
+                       "max_tokens": 16, "presence_penalty": -2, "repetition_penalty": 2, "n": 1}, 1, vocab_size=8)
+    assert r.sampling == {"top_k": -1, "top_p": 1, "min_p": 0, "stop": "END", "stop_token_ids": [2],
+                          "ignore_eos": True, "sampling_seed": -(2 ** 63), "logit_bias": {"5": -100},
+                          "min_new_tokens": 16, "max_new_tokens": 16, "presence_penalty": -2,
+                          "repetition_penalty": 2, "temperature": 1.0}
+    # None inside sampling_params is SGLang's default (SamplingParams.__post_init__), not an error
+    g = parse_request({"text": "x", "sampling_params": {"top_k": None, "stop": None}}, 1)
+    assert g.sampling == {"temperature": 1.0, "max_new_tokens": 128}
+
+
+def test_investigate_checks_chat_bodies_with_the_given_tokenizer_before_any_request(tmp_path, capsys):
+    """B7: a tokenizer without a chat template and a chat body: exit 2 up front (the URL is closed: nothing could
+    have been sent), not at the end of the investigation."""
+    from helpers.__main__ import main
+    from support.fakeserver import free_port
+    from support.tinymodels import build_tokenizer
+    build_tokenizer(tmp_path / "plain")
+    p = _write(tmp_path, ['{"prompt": "fine"}', '{"messages": [{"role": "user", "content": "hi"}]}'])
+    rc = main(["investigate", "--url", f"http://127.0.0.1:{free_port()}", "--training",
+               str(ROOT / "env" / "models" / "data" / "sample"), "--requests", str(p), "--tokenizer",
+               str(tmp_path / "plain"), "--out", str(tmp_path / "out"), "--timeout", "30"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"{p}: line 2: the target tokenizer has no chat template" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
