@@ -185,7 +185,7 @@ def workload_stage(r: Any) -> None:
     its engine-state stage. The budget's live stage keeps the bundled greedy prompts: its offline pairing runs the
     draft on the greedy continuation's served states."""
     req, doc = r.req, r.doc
-    requests_file, tokenizer_dir = req.requests
+    requests_file = req.requests[0]
     if requests_file is None:
         return
     if not req.live_measure:

@@ -351,3 +351,63 @@ def test_investigate_checks_chat_bodies_with_the_given_tokenizer_before_any_requ
     assert rc == 2, err
     assert f"{p}: line 2: the target tokenizer has no chat template" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+class _NoRequests:
+    """A client whose /server_info names ``model_path``; any other call fails the test (a request was sent)."""
+
+    def __init__(self, model_path=None):
+        self.info = {"model_path": str(model_path)} if model_path else {}
+
+    def server_info(self, refresh=False):
+        return self.info
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a request was sent ({name}) before the requests file was checked")
+
+
+def _target(tmp_path, vocab=320) -> Path:
+    from support.tinymodels import build_tokenizer
+    d = tmp_path / "target"
+    build_tokenizer(d)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                               "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": vocab}))
+    return d
+
+
+def test_measure_refuses_an_out_of_vocab_id_before_any_request(tmp_path):
+    """B1: the ids are checked against the vocab_size of the server's model path (read here) before compare_workload
+    sends anything; with no tokenizer / config known, token-id bodies are refused naming --tokenizer."""
+    from helpers.cli.measure import _workload, build_parser
+    target = _target(tmp_path)
+    p = _write(tmp_path, ['{"prompt": "fine"}', '{"input_ids": [1, 2147483647]}'])
+    args = build_parser().parse_args(["--url", "http://127.0.0.1:9", "--requests", str(p), "--no-save", "--quiet"])
+    with pytest.raises(BadInput, match=r"line 2: input_ids\[1\] is 2147483647; expected a token id from 0 to 319 "
+                                       r"\(the target's vocab_size 320\)"):
+        _workload(args, _NoRequests(target), None, None, tmp_path, None, lambda *_: None)
+    with pytest.raises(BadInput, match=r"line 2 gives token ids.*unknown.*--tokenizer"):
+        _workload(args, _NoRequests(None), None, None, tmp_path, None, lambda *_: None)
+
+
+def test_investigate_reads_the_requests_file_right_after_attach(tmp_path):
+    """B7 without --tokenizer: the investigation's 'requests' stage (right after attach, before capture) renders the
+    chat bodies with the tokenizer the workload stage uses and checks the ids against the target's vocab_size."""
+    from types import SimpleNamespace
+
+    from helpers.investigation.live import STAGES
+    from helpers.investigation.workload import workload_check
+    assert [n for n, _ in STAGES][:3] == ["attach", "requests", "capture"]
+    target = _target(tmp_path)
+
+    def run(lines):
+        p = _write(tmp_path, lines)
+        r = SimpleNamespace(req=SimpleNamespace(requests=(p, None), live_measure=True, max_new_tokens=8),
+                            att=SimpleNamespace(info={}, target_dir=target), workload=None)
+        workload_check(r)
+        return r.workload
+    with pytest.raises(BadInput, match=r"line 1: input_ids\[0\] is 320; expected a token id from 0 to 319"):
+        run(['{"input_ids": [320]}'])
+    with pytest.raises(BadInput, match="line 2: the target tokenizer has no chat template"):
+        run(['{"prompt": "fine"}', '{"messages": [{"role": "user", "content": "hi"}]}'])
+    w = run(['{"input_ids": [0, 319]}', '{"prompt": "fine", "top_k": 5}'])
+    assert w.vocab_size == 320 and [q.line for q in w.requests] == [1, 2] and w.tok_dir == target
