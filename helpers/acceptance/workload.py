@@ -32,6 +32,11 @@ chat endpoint has its own); (2) the tool knows, and records, the exact text sent
 and the bundled prompts it compares with go through the same template. The cost: a server launched with its own
 ``--chat-template`` renders chat differently from the tokenizer's template; :func:`resolve_tokenizer` warns when ``/server_info`` names one (:func:`resolve_tokenizer`). A chat body whose tokenizer has no chat template is refused (one line naming the file
 and the line), never sent as raw text silently.
+
+**Every line is checked before any request** (:func:`load_requests`; exit 2, one line naming the file, the line and
+the field): token ids below the target's vocab size (:func:`vocab_size_of`; an id beyond it kills an SGLang server),
+sampling params within SGLang 0.5.23's bounds (:func:`check_sampling`), a chat template that renders the messages,
+no lone surrogate, not both ``text`` and ``input_ids``.
 """
 from __future__ import annotations
 
