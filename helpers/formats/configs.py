@@ -13,7 +13,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..layers.mtp import family_of
+from ..layers.mtp import MAX_MTP_LAYERS, MTPHead, family_of, mtp_head
 from ..layers.mtp import text_config as mtp_text_config
 from ..layers.sglang import target_family
 from ..runfiles import read_json_file, regular_file
@@ -54,17 +54,31 @@ def read_config_json(path: str | Path, what: str = "config", *, error: type = Ba
 
 
 def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True,
-               prefix: str = "") -> int | None:
+               prefix: str = "", minimum: int | None = None, maximum: int | None = None, why: str = "") -> int | None:
     """``d[key]`` as a positive int (None when absent and not required); errors name ``prefix + key`` (the
-    sub-config the field was read from, e.g. ``text_config.hidden_size``)."""
+    sub-config the field was read from, e.g. ``text_config.hidden_size``). ``minimum`` / ``maximum`` (with ``why``,
+    the source of the bound) replace the positive check with a closed range."""
     if key not in d or d[key] is None:
-        if required:
-            raise BadInput("missing required integer field", path=path, field=prefix + key)
+        if required or (key in d and minimum is not None):
+            raise BadInput("missing required integer field" if key not in d else
+                           f"expected an integer {minimum}-{maximum}{why}, got null", path=path, field=prefix + key)
         return None
     v = d[key]
+    if minimum is not None or maximum is not None:
+        lo, hi = (minimum if minimum is not None else 1), maximum
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            raise BadInput(f"expected an integer {lo}-{hi if hi is not None else 'inf'}{why}, got {_short(v)}",
+                           path=path, field=prefix + key)
+        return v
     if isinstance(v, bool) or not isinstance(v, int) or (positive and v <= 0):
-        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=prefix + key)
+        raise BadInput(f"expected a positive integer, got {_short(v)}", path=path, field=prefix + key)
     return v
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters (a long list in an error line stays one short line)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + f"... ({type(v).__name__} of {len(v) if hasattr(v, '__len__') else '?'})"
 
 
 def _architectures(d: dict, path: Path, prefix: str = "") -> list[str]:
@@ -86,12 +100,43 @@ def _str_field(d: dict, key: str, path: Path, prefix: str = "") -> str | None:
     return v
 
 
+#: The most aux layer ids a draft config may list. EAGLE-3 drafts take 3 (SGLang: ``llama_eagle3.py::
+#: LlamaForCausalLMEagle3`` fc of ``3 * hidden_size``; vLLM: ``llama_eagle3.py::LlamaModel.__init__``
+#: ``num_aux_hidden_states``), and a target has at most a few hundred layers; past this bound a list is a config
+#: error, refused before any per-id check (each check is linear in the ids, but their findings are not worth a page).
+MAX_LAYER_IDS = 64
+
+
 def _ids_field(v: Any, path: Path, key: str) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-        raise BadInput(f"expected a list of integer layer ids, got {v!r}", path=path, field=key)
+        raise BadInput(f"expected a list of integer layer ids, got {_short(v)}", path=path, field=key)
+    if len(v) > MAX_LAYER_IDS:
+        raise BadInput(f"expected at most {MAX_LAYER_IDS} layer ids (an EAGLE-3 draft takes 3), got {len(v)}",
+                       path=path, field=key)
     return tuple(int(i) for i in v)
+
+
+def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
+    """The MTP / NextN head of a config.json already read (:func:`helpers.layers.mtp.mtp_head`), its fields checked
+    first: the layer field (``num_nextn_predict_layers``) an int 0-:data:`helpers.layers.mtp.MAX_MTP_LAYERS` when
+    present (absent: the config class's default applies, ``MTPHead.layers_defaulted``), ``num_hidden_layers`` a
+    positive int when present; both read in the text sub-config where there is one. None: no MTP family.
+
+    Raises:
+        BadInput: one line naming ``path`` and the field: a present field of the wrong type (string, null, float,
+            list, bool) or out of range (negative, over the bound)."""
+    fam = family_of(raw.get("architectures") if isinstance(raw.get("architectures"), list) else None)
+    if fam is None:
+        return None
+    p = Path(path)
+    tc = mtp_text_config(raw)
+    prefix = "" if tc is raw else next(f"{k}." for k, v in raw.items() if v is tc)
+    _int_field(tc, fam.layers_field, p, required=False, prefix=prefix, minimum=0, maximum=MAX_MTP_LAYERS,
+               why=" (head layers: SGLang loads 1, vLLM builds one each)")
+    _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix)
+    return mtp_head(raw)
 
 
 # ------------------------------------------------------------------------------------------------- draft
@@ -192,6 +237,7 @@ def read_draft_config(path: str | Path) -> DraftConfig:
             d["vocab_size"] = vocab
     elif family_of(archs) is not None:
         form = "mtp"                  # a target's MTP / NextN head, or a separate NextN checkpoint (layers.mtp)
+        read_mtp_head(d, p)
         tc = mtp_text_config(d)
         prefix = "" if tc is d else next(f"{k}." for k, v in d.items() if v is tc)
         hidden = _int_field(tc, "hidden_size", p, required=False)
