@@ -54,20 +54,22 @@ def read_config_json(path: str | Path, what: str = "config", *, error: type = Ba
 
 
 def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True,
-               prefix: str = "", minimum: int | None = None, maximum: int | None = None, why: str = "") -> int | None:
+               prefix: str = "", minimum: int | None = None, maximum: int | None = None, why: str = "",
+               null_ok: bool = True) -> int | None:
     """``d[key]`` as a positive int (None when absent and not required); errors name ``prefix + key`` (the
     sub-config the field was read from, e.g. ``text_config.hidden_size``). ``minimum`` / ``maximum`` (with ``why``,
-    the source of the bound) replace the positive check with a closed range."""
+    the source of the bound) replace the positive check with a closed range; ``null_ok`` False: a present null is an
+    error, not an absent field."""
     if key not in d or d[key] is None:
-        if required or (key in d and minimum is not None):
+        if required or (key in d and not null_ok):
             raise BadInput("missing required integer field" if key not in d else
-                           f"expected an integer {minimum}-{maximum}{why}, got null", path=path, field=prefix + key)
+                           f"expected an integer {minimum}-{maximum}, got null{why}", path=path, field=prefix + key)
         return None
     v = d[key]
     if minimum is not None or maximum is not None:
         lo, hi = (minimum if minimum is not None else 1), maximum
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-            raise BadInput(f"expected an integer {lo}-{hi if hi is not None else 'inf'}{why}, got {_short(v)}",
+            raise BadInput(f"expected an integer {lo}-{hi if hi is not None else 'inf'}, got {_short(v)}{why}",
                            path=path, field=prefix + key)
         return v
     if isinstance(v, bool) or not isinstance(v, int) or (positive and v <= 0):
@@ -78,7 +80,9 @@ def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool 
 def _short(v: Any, limit: int = 60) -> str:
     """``repr(v)`` cut to ``limit`` characters (a long list in an error line stays one short line)."""
     r = repr(v)
-    return r if len(r) <= limit else r[:limit] + f"... ({type(v).__name__} of {len(v) if hasattr(v, '__len__') else '?'})"
+    if len(r) <= limit:
+        return r
+    return r[:limit] + f"... ({type(v).__name__} of {len(v) if hasattr(v, '__len__') else '?'})"
 
 
 def _architectures(d: dict, path: Path, prefix: str = "") -> list[str]:
@@ -105,6 +109,9 @@ def _str_field(d: dict, key: str, path: Path, prefix: str = "") -> str | None:
 #: ``num_aux_hidden_states``), and a target has at most a few hundred layers; past this bound a list is a config
 #: error, refused before any per-id check (each check is linear in the ids, but their findings are not worth a page).
 MAX_LAYER_IDS = 64
+#: The largest vocabulary a draft config may give with no ``vocab_size`` to bound its ``draft_vocab_size`` by
+#: (released vocabularies stay under 300k tokens)
+MAX_VOCAB = 1 << 24
 
 
 def _ids_field(v: Any, path: Path, key: str) -> tuple[int, ...] | None:
@@ -134,7 +141,7 @@ def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
     tc = mtp_text_config(raw)
     prefix = "" if tc is raw else next(f"{k}." for k, v in raw.items() if v is tc)
     _int_field(tc, fam.layers_field, p, required=False, prefix=prefix, minimum=0, maximum=MAX_MTP_LAYERS,
-               why=" (head layers: SGLang loads 1, vLLM builds one each)")
+               null_ok=False, why=" (head layers: SGLang loads 1, vLLM builds one each)")
     _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix)
     return mtp_head(raw)
 
@@ -264,7 +271,11 @@ def read_draft_config(path: str | Path) -> DraftConfig:
         path=p, form=form, architectures=[str(a) for a in archs], model_type=model_type, hidden_size=hidden,
         target_hidden_size=_int_field(d, "target_hidden_size", p, required=False),
         num_aux_hidden_states=_int_field(d, "num_aux_hidden_states", p, required=False),
-        vocab_size=vocab, draft_vocab_size=_int_field(d, "draft_vocab_size", p, required=False),
+        vocab_size=vocab, draft_vocab_size=_int_field(
+            d, "draft_vocab_size", p, required=False, minimum=1, maximum=vocab or MAX_VOCAB,
+            why=(f" (at most the vocab_size {vocab}: d2t maps each draft token to a target token)" if vocab else
+                 f" (no vocab_size to bound it by; {MAX_VOCAB} is past every released vocabulary)")
+            + " -- vLLM builds an lm_head of draft_vocab_size rows (llama_eagle3.py::Eagle3LlamaForCausalLM)"),
         nested_layer_ids=nested, top_level_layer_ids=top, use_aux_hidden_state=use_aux,
         fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm") or ec.get("fc_norm")),
         norm_before_fc=bool(ec.get("norm_before_fc", d.get("norm_before_fc", False))), raw=d, speculators=spec,
