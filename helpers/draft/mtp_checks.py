@@ -262,7 +262,9 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
         findings, notes as advisories, and ``draft_checks = {"facts", "notes"}``.
 
     Raises:
-        BadInput: unreadable configs or index; steps given without topk.
+        BadInput: unreadable configs or index; steps given without topk; a layer field of the wrong type or range
+            (:func:`helpers.formats.configs.read_mtp_head`: ``num_nextn_predict_layers`` 0-64, ``num_hidden_layers``
+            positive).
     """
     rules = rules or MTPRules()
     dfile, tfile = _config_file(draft_config), _config_file(target_config)

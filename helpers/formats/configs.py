@@ -222,7 +222,10 @@ def read_draft_config(path: str | Path) -> DraftConfig:
 
     Raises:
         BadInput: missing/empty/invalid JSON, not an object, a required field missing or of the wrong type
-            (``hidden_size``, ids not a list of ints, ``eagle_config`` not an object).
+            (``hidden_size``, ids not a list of ints or more than :data:`MAX_LAYER_IDS`, ``eagle_config`` not an
+            object), ``draft_vocab_size`` not in 1..``vocab_size``, an MTP head's layer fields
+            (:func:`read_mtp_head`), a speculators flag not true / false
+            (:func:`helpers.formats.speculators.vllm_view`).
     """
     p = _config_path(path, "draft config")
     d = read_config_json(p, "draft config")
