@@ -12,6 +12,7 @@ from ..draft.config_checks import check_configs
 from ..draft.mtp_checks import MTPSpec
 from ..engines.detect import BY_NAME, adapter
 from ..errors import BadInput
+from ..server.protocol import MAX_DRAFT_TOKENS, MAX_NUM_STEPS, MAX_TOPK
 from .common import Parser, run
 
 
@@ -69,10 +70,12 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             if not (args.draft_config and args.target_config):
                 raise BadInput("usage: give --served (with --training) to compare data, or --draft-config and "
                                "--target-config for the config-only check")
-            for flag in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
-                if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                    raise BadInput(f"expected a positive integer, got {getattr(args, flag)}",
-                                   field="--" + flag.replace("_", "-"))
+            for flag, most in (("speculative_num_steps", MAX_NUM_STEPS), ("speculative_eagle_topk", MAX_TOPK),
+                               ("speculative_num_draft_tokens", MAX_DRAFT_TOKENS)):
+                v = getattr(args, flag)
+                if v is not None and not 1 <= v <= most:
+                    raise BadInput(f"expected an integer 1-{most} (the range helpers.server.protocol accepts from a "
+                                   f"server), got {v}", field="--" + flag.replace("_", "-"))
             spec = MTPSpec(algorithm=args.speculative_algorithm, num_steps=args.speculative_num_steps,
                            topk=args.speculative_eagle_topk, num_draft_tokens=args.speculative_num_draft_tokens)
             loader = None if args.engine is None else adapter(args.engine).loader_rules(args.sglang_version)

@@ -9,6 +9,7 @@ were both read for this module).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -487,8 +488,9 @@ def training_plan(draft: Any, target: Any, trainer: str = "specforge",
     for i in sorted(set(lids.ids)):
         try:
             tensors.append(physical(i, lids.convention, n))
-        except ValueError as e:
-            plan.problems.append({"kind": "missing_chunk", "detail": f"{lids}: {e}"})
+        except ValueError as e:       # the id alone: the whole list in each detail was quadratic in the ids
+            plan.problems.append({"kind": "missing_chunk", "detail": f"id {i} of {lids.convention} ids "
+                                                                     f"({len(lids.ids)} given): {e}"})
     plan.tensors = tensors
     return plan
 
@@ -513,7 +515,7 @@ def _specforge_tensors(lids: LayerIds, target: Any, plan: CapturePlan) -> list[s
     """
     n = int(target.num_hidden_layers)
     ids = sorted(set(lids.ids))
-    dup = sorted({i for i in lids.ids if list(lids.ids).count(i) > 1})
+    dup = sorted(i for i, c in Counter(lids.ids).items() if c > 1)
     if dup:
         plan.notes.append(f"id{'s' if len(dup) > 1 else ''} {', '.join(map(str, dup))} repeated in {list(lids.ids)}: "
                           "SpecForge trains on exactly three distinct ids (specforge/application/planning.py), so the "

@@ -13,8 +13,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BadInput
-from ..formats.configs import read_config_json
-from ..layers.mtp import mtp_head
+from ..formats.configs import read_config_json, read_mtp_head
 from .model import Eagle3Draft
 
 
@@ -30,7 +29,8 @@ OFFLINE_HEADS = {"deepseek_v3": _nextn}
 
 def is_mtp(draft_dir: str | Path) -> bool:
     """The folder's config.json describes an MTP / NextN head (a family's target or head class)."""
-    return mtp_head(read_config_json(Path(draft_dir) / "config.json", "draft config")) is not None
+    cfg = Path(draft_dir) / "config.json"
+    return read_mtp_head(read_config_json(cfg, "draft config"), cfg) is not None
 
 
 def load_draft(draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype: torch.dtype = torch.float32,
@@ -45,7 +45,7 @@ def load_draft(draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype
         BadInput: an MTP family with no offline head here (the family and its SGLang class named), no ``target_dir``
             for an MTP head, or whatever the loader refuses (missing tensors, shapes unlike the config)."""
     draft_dir = Path(draft_dir)
-    head = mtp_head(read_config_json(draft_dir / "config.json", "draft config"))
+    head = read_mtp_head(read_config_json(draft_dir / "config.json", "draft config"), draft_dir / "config.json")
     if head is None:
         return Eagle3Draft.load(draft_dir, target_dir, dtype=dtype, device=device, dtype_reason=dtype_reason,
                                 loader=loader)

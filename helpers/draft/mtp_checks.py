@@ -17,10 +17,10 @@ from typing import Optional
 from ..diagnosis import detectors as D
 from ..diagnosis.static import StaticReport
 from ..errors import BadInput
-from ..formats.configs import read_config_json, read_safetensors_index
+from ..formats.configs import read_config_json, read_mtp_head, read_safetensors_index
 from ..kinds import sort_findings
 from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MTP_FAMILIES, REWRITE, STEPS_RULE,
-                          MTPHead, family_of, mtp_head, text_config)
+                          MTPHead, family_of, text_config)
 from ..runfiles import read_json_file
 from ..server.settings import AUTO_PARAMS_BY_ARCH, AUTO_PARAMS_DEFAULT, ServerSettings, detect_overrides
 from .params import SGLANG_RULES
@@ -223,10 +223,13 @@ class MTPRules:
 
 
 def _head_or_refusal(draft_raw: dict, target_raw: dict, draft_is_target: bool, rules: MTPRules,
-                     findings: list) -> Optional[MTPHead]:
-    """The head of the draft config, or None with ``mtp_head_refused`` when the target has no MTP family SGLang /
-    vLLM rewrite into a head class."""
-    head = mtp_head(draft_raw)
+                     findings: list, path: Path) -> Optional[MTPHead]:
+    """The head of the draft config (``path``), or None with ``mtp_head_refused`` when the target has no MTP family
+    SGLang / vLLM rewrite into a head class.
+
+    Raises:
+        BadInput: a layer field of the wrong type or range (:func:`helpers.formats.configs.read_mtp_head`)."""
+    head = read_mtp_head(draft_raw, path)
     if head is not None:
         return head
     arch = (draft_raw.get("architectures") or [None])[0]
@@ -259,7 +262,9 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
         findings, notes as advisories, and ``draft_checks = {"facts", "notes"}``.
 
     Raises:
-        BadInput: unreadable configs or index; steps given without topk.
+        BadInput: unreadable configs or index; steps given without topk; a layer field of the wrong type or range
+            (:func:`helpers.formats.configs.read_mtp_head`: ``num_nextn_predict_layers`` 0-64, ``num_hidden_layers``
+            positive).
     """
     rules = rules or MTPRules()
     dfile, tfile = _config_file(draft_config), _config_file(target_config)
@@ -268,7 +273,7 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
     findings: list[dict] = []
     notes: list[str] = []
     facts: dict = {"engine": f"{rules.label} {rules.version}"}
-    head = _head_or_refusal(draft_raw, target_raw, same, rules, findings)
+    head = _head_or_refusal(draft_raw, target_raw, same, rules, findings, dfile)
     inputs = {"draft": f"{dfile}" + (" (the target's config: the head is its extra layer)" if same else ""),
               "target": str(tfile), "engine": f"{rules.label} {rules.version}"}
     if head is not None:
@@ -303,8 +308,9 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
 def is_mtp_deployment(draft_config: str | Path, target_config: str | Path, algorithm: Optional[str]) -> bool:
     """Whether ``diagnose --draft-config D --target-config T`` is about an MTP / NextN head: D is a family's target or
     head config (:func:`helpers.layers.mtp.mtp_head`), or the algorithm is NEXTN and D is the target itself."""
-    draft_raw = read_config_json(_config_file(draft_config), "draft config")
-    if mtp_head(draft_raw) is not None:
+    dfile = _config_file(draft_config)
+    draft_raw = read_config_json(dfile, "draft config")
+    if read_mtp_head(draft_raw, dfile) is not None:
         return True
     return (algorithm or "").upper() == "NEXTN"
 
@@ -316,9 +322,9 @@ def describe_head(draft_dir: Path, target_dir: Path, info: dict) -> Optional[dic
     what the engine changed silently, :func:`helpers.server.settings.detect_overrides`)."""
     try:
         raw = read_config_json(_config_file(draft_dir), "draft config")
+        head = read_mtp_head(raw, _config_file(draft_dir))
     except BadInput:
         return None
-    head = mtp_head(raw)
     if head is None:
         return None
     same = Path(draft_dir).resolve() == Path(target_dir).resolve()

@@ -13,7 +13,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..layers.mtp import family_of
+from ..layers.mtp import MAX_MTP_LAYERS, MTPHead, family_of, mtp_head
 from ..layers.mtp import text_config as mtp_text_config
 from ..layers.sglang import target_family
 from ..runfiles import read_json_file, regular_file
@@ -54,17 +54,35 @@ def read_config_json(path: str | Path, what: str = "config", *, error: type = Ba
 
 
 def _int_field(d: dict, key: str, path: Path, *, required: bool, positive: bool = True,
-               prefix: str = "") -> int | None:
+               prefix: str = "", minimum: int | None = None, maximum: int | None = None, why: str = "",
+               null_ok: bool = True) -> int | None:
     """``d[key]`` as a positive int (None when absent and not required); errors name ``prefix + key`` (the
-    sub-config the field was read from, e.g. ``text_config.hidden_size``)."""
+    sub-config the field was read from, e.g. ``text_config.hidden_size``). ``minimum`` / ``maximum`` (with ``why``,
+    the source of the bound) replace the positive check with a closed range; ``null_ok`` False: a present null is an
+    error, not an absent field."""
     if key not in d or d[key] is None:
-        if required:
-            raise BadInput("missing required integer field", path=path, field=prefix + key)
+        if required or (key in d and not null_ok):
+            raise BadInput("missing required integer field" if key not in d else
+                           f"expected an integer {minimum}-{maximum}, got null{why}", path=path, field=prefix + key)
         return None
     v = d[key]
+    if minimum is not None or maximum is not None:
+        lo, hi = (minimum if minimum is not None else 1), maximum
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            raise BadInput(f"expected an integer {lo}-{hi if hi is not None else 'inf'}, got {_short(v)}{why}",
+                           path=path, field=prefix + key)
+        return v
     if isinstance(v, bool) or not isinstance(v, int) or (positive and v <= 0):
-        raise BadInput(f"expected a positive integer, got {v!r}", path=path, field=prefix + key)
+        raise BadInput(f"expected a positive integer, got {_short(v)}", path=path, field=prefix + key)
     return v
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters (a long list in an error line stays one short line)."""
+    r = repr(v)
+    if len(r) <= limit:
+        return r
+    return r[:limit] + f"... ({type(v).__name__} of {len(v) if hasattr(v, '__len__') else '?'})"
 
 
 def _architectures(d: dict, path: Path, prefix: str = "") -> list[str]:
@@ -86,12 +104,46 @@ def _str_field(d: dict, key: str, path: Path, prefix: str = "") -> str | None:
     return v
 
 
+#: The most aux layer ids a draft config may list. EAGLE-3 drafts take 3 (SGLang: ``llama_eagle3.py::
+#: LlamaForCausalLMEagle3`` fc of ``3 * hidden_size``; vLLM: ``llama_eagle3.py::LlamaModel.__init__``
+#: ``num_aux_hidden_states``), and a target has at most a few hundred layers; past this bound a list is a config
+#: error, refused before any per-id check (each check is linear in the ids, but their findings are not worth a page).
+MAX_LAYER_IDS = 64
+#: The largest vocabulary a draft config may give with no ``vocab_size`` to bound its ``draft_vocab_size`` by
+#: (released vocabularies stay under 300k tokens)
+MAX_VOCAB = 1 << 24
+
+
 def _ids_field(v: Any, path: Path, key: str) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-        raise BadInput(f"expected a list of integer layer ids, got {v!r}", path=path, field=key)
+        raise BadInput(f"expected a list of integer layer ids, got {_short(v)}", path=path, field=key)
+    if len(v) > MAX_LAYER_IDS:
+        raise BadInput(f"expected at most {MAX_LAYER_IDS} layer ids (an EAGLE-3 draft takes 3), got {len(v)}",
+                       path=path, field=key)
     return tuple(int(i) for i in v)
+
+
+def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
+    """The MTP / NextN head of a config.json already read (:func:`helpers.layers.mtp.mtp_head`), its fields checked
+    first: the layer field (``num_nextn_predict_layers``) an int 0-:data:`helpers.layers.mtp.MAX_MTP_LAYERS` when
+    present (absent: the config class's default applies, ``MTPHead.layers_defaulted``), ``num_hidden_layers`` a
+    positive int when present; both read in the text sub-config where there is one. None: no MTP family.
+
+    Raises:
+        BadInput: one line naming ``path`` and the field: a present field of the wrong type (string, null, float,
+            list, bool) or out of range (negative, over the bound)."""
+    fam = family_of(raw.get("architectures") if isinstance(raw.get("architectures"), list) else None)
+    if fam is None:
+        return None
+    p = Path(path)
+    tc = mtp_text_config(raw)
+    prefix = "" if tc is raw else next(f"{k}." for k, v in raw.items() if v is tc)
+    _int_field(tc, fam.layers_field, p, required=False, prefix=prefix, minimum=0, maximum=MAX_MTP_LAYERS,
+               null_ok=False, why=" (head layers: SGLang loads 1, vLLM builds one each)")
+    _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix)
+    return mtp_head(raw)
 
 
 # ------------------------------------------------------------------------------------------------- draft
@@ -170,7 +222,10 @@ def read_draft_config(path: str | Path) -> DraftConfig:
 
     Raises:
         BadInput: missing/empty/invalid JSON, not an object, a required field missing or of the wrong type
-            (``hidden_size``, ids not a list of ints, ``eagle_config`` not an object).
+            (``hidden_size``, ids not a list of ints or more than :data:`MAX_LAYER_IDS`, ``eagle_config`` not an
+            object), ``draft_vocab_size`` not in 1..``vocab_size``, an MTP head's layer fields
+            (:func:`read_mtp_head`), a speculators flag not true / false
+            (:func:`helpers.formats.speculators.vllm_view`).
     """
     p = _config_path(path, "draft config")
     d = read_config_json(p, "draft config")
@@ -192,6 +247,7 @@ def read_draft_config(path: str | Path) -> DraftConfig:
             d["vocab_size"] = vocab
     elif family_of(archs) is not None:
         form = "mtp"                  # a target's MTP / NextN head, or a separate NextN checkpoint (layers.mtp)
+        read_mtp_head(d, p)
         tc = mtp_text_config(d)
         prefix = "" if tc is d else next(f"{k}." for k, v in d.items() if v is tc)
         hidden = _int_field(tc, "hidden_size", p, required=False)
@@ -218,7 +274,11 @@ def read_draft_config(path: str | Path) -> DraftConfig:
         path=p, form=form, architectures=[str(a) for a in archs], model_type=model_type, hidden_size=hidden,
         target_hidden_size=_int_field(d, "target_hidden_size", p, required=False),
         num_aux_hidden_states=_int_field(d, "num_aux_hidden_states", p, required=False),
-        vocab_size=vocab, draft_vocab_size=_int_field(d, "draft_vocab_size", p, required=False),
+        vocab_size=vocab, draft_vocab_size=_int_field(
+            d, "draft_vocab_size", p, required=False, minimum=1, maximum=vocab or MAX_VOCAB,
+            why=(f" (at most the vocab_size {vocab}: d2t maps each draft token to a target token)" if vocab else
+                 f" (no vocab_size to bound it by; {MAX_VOCAB} is past every released vocabulary)")
+            + " -- vLLM builds an lm_head of draft_vocab_size rows (llama_eagle3.py::Eagle3LlamaForCausalLM)"),
         nested_layer_ids=nested, top_level_layer_ids=top, use_aux_hidden_state=use_aux,
         fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm") or ec.get("fc_norm")),
         norm_before_fc=bool(ec.get("norm_before_fc", d.get("norm_before_fc", False))), raw=d, speculators=spec,

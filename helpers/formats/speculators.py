@@ -107,7 +107,8 @@ def vllm_view(raw: Mapping[str, Any], path: Optional[Path] = None) -> Speculator
 
     Raises:
         BadInput: ``transformer_layer_config`` present but not an object (vLLM: "'transformer_layer_config' must be a
-            dictionary"), ``speculators_model_type`` not a string.
+            dictionary"), ``speculators_model_type`` not a string, ``norm_before_residual`` / ``norm_before_fc`` /
+            ``fc_norm`` / ``norm_output`` present but not true / false.
     """
     smt = raw.get("speculators_model_type")
     if smt is not None and not isinstance(smt, str):
@@ -138,6 +139,11 @@ def vllm_view(raw: Mapping[str, Any], path: Optional[Path] = None) -> Speculator
         view["target_hidden_size"] = raw["target_hidden_size"]
     for key, default in (("norm_before_residual", True), ("norm_before_fc", False), ("fc_norm", False),
                          ("norm_output", False)):
+        if key in raw and not isinstance(raw[key], bool):
+            raise BadInput(f"expected true or false, got {str(raw[key])[:40]!r}: vLLM 0.32.0 tests it for truth "
+                           "(vllm/model_executor/models/llama_eagle3.py::LlamaDecoderLayer.__init__: getattr(config, "
+                           f"'{key}', False)), so any non-empty string, 'false' included, reads as true",
+                           path=path, field=key)
         view[key] = raw.get(key, default)
         if key not in raw:
             out.defaulted[key] = default

@@ -46,6 +46,14 @@ ALIAS_RULE = f"{_SG}/arg_groups/speculative_hook.py::_resolve_speculative_algori
 STEPS_RULE = (f"{_SG}/speculative/eagle_worker_v2.py::EagleDraftWorker.draft_forward l. 742-830 (the one draft model "
               "run speculative_num_steps times, each step on the hidden state the head itself produced)")
 VLLM_CONFIG = "vllm/config/speculative.py::SpeculativeConfig"
+#: The most head layers a config may declare (``num_nextn_predict_layers``). Neither engine states a bound: SGLang's
+#: DeepSeek / GLM loaders accept exactly 1 (``sglang/srt/models/deepseek_common/deepseek_weight_loader.py::
+#: DeepseekV2WeightLoaderMixin._initialize_nextn_conf`` l. 566: ``assert num_nextn_layers == 1``); vLLM builds one
+#: decoder layer per head layer (``vllm/model_executor/models/deepseek_mtp.py::DeepSeekMultiTokenPredictor.__init__``
+#: l. 152-164: a ModuleDict over ``range(num_hidden_layers, num_hidden_layers + num_nextn_predict_layers)``), so a
+#: count past a handful is a config error that ends in an out-of-memory at load. Released heads have 1 (DeepSeek-V3,
+#: GLM-4.5, Qwen3-Next, MiMo-7B); past this bound the checks refuse the config rather than list its layers.
+MAX_MTP_LAYERS = 64
 
 
 def _after_last(n: int, i: int) -> str:
@@ -217,24 +225,33 @@ class MTPHead:
         return [self.family.sglang_prefix(self.num_hidden_layers or 0, 0)]
 
     def vllm_prefixes(self) -> list[str]:
-        """The checkpoint prefixes vLLM reads, one per head layer (``n_predict``, else its default, else 1)."""
+        """The checkpoint prefixes vLLM reads, one per head layer (``n_predict``, else its default, else 1).
+
+        Raises:
+            ValueError: more than :data:`MAX_MTP_LAYERS` layers (the config readers refuse such a config first:
+                ``helpers.formats.configs.read_mtp_head``)."""
         n = self.layers if self.layers else (self.family.vllm_layers_default or 1)
+        if n > MAX_MTP_LAYERS:
+            raise ValueError(f"{self.family.layers_field} {n} is over {MAX_MTP_LAYERS}")
         return list(dict.fromkeys(self.family.vllm_prefix(self.num_hidden_layers or 0, i) for i in range(n)))
 
 
 def mtp_head(raw: dict) -> Optional[MTPHead]:
     """The MTP / NextN head a config.json describes (its ``architectures[0]`` is a family's target or head class),
     else None. A target config with no head layers (``num_nextn_predict_layers`` absent or 0) is still returned
-    (``layers`` None / 0): whether an engine serves it is the config checks' answer, not this function's."""
+    (``layers`` None / 0): whether an engine serves it is the config checks' answer, not this function's.
+
+    Fields of the wrong type or range are not checked here (a field that is not an int counts as unknown, never as
+    defaulted): read a config.json file with ``helpers.formats.configs.read_mtp_head``, which refuses them."""
     fam = family_of(raw.get("architectures") if isinstance(raw.get("architectures"), list) else None)
     if fam is None:
         return None
     tc = text_config(raw)
     given = tc.get(fam.layers_field)
     given = given if isinstance(given, int) and not isinstance(given, bool) else None
-    layers = given if given is not None else fam.config_default
+    layers = given if given is not None else (fam.config_default if fam.layers_field not in tc else None)
     n = tc.get("num_hidden_layers")
     n = n if isinstance(n, int) and not isinstance(n, bool) else None
     arch = raw["architectures"][0]
     return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
-                   num_hidden_layers=n, layers_defaulted=given is None and layers is not None)
+                   num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None)

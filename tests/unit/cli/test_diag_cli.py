@@ -133,3 +133,27 @@ def test_sglang_version_flag_must_be_a_version(bad, clean_case, tiny_draft, tiny
         assert cli_main(argv + ["--sglang-version", bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("diagnose: error:") and err.count("\n") == 1 and "--sglang-version" in err
+
+
+def test_engine_sglang_given_explicitly_is_the_default(tiny_draft, tiny_target, capsys):
+    """``--engine sglang`` (the default, named) on a plain EAGLE-3 draft gives the report the default gives (it
+    was refused once: '--engine applies to MTP / NextN heads only')."""
+    argv = ["--draft-config", str(tiny_draft), "--target-config", str(tiny_target), "--json"]
+    rc0 = cli_main(argv)
+    plain = json.loads(capsys.readouterr().out)
+    rc1 = cli_main(argv + ["--engine", "sglang"])
+    named = json.loads(capsys.readouterr().out)
+    assert rc0 == rc1 == 0 and named["verdict"] == plain["verdict"] == "ok"
+    assert named["served_plan"]["tensors"] == plain["served_plan"]["tensors"] == CLEAN
+
+
+def test_more_layer_ids_than_a_draft_takes_is_exit_2(tmp_path, tiny_draft, tiny_target, capsys):
+    """An EAGLE-3 draft config with 6000 ids (before: 5994 findings) is refused, naming the field."""
+    cfg = json.loads((tiny_draft / "config.json").read_text())
+    cfg.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(range(6000))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc = cli_main(["--draft-config", str(tmp_path / "config.json"), "--target-config", str(tiny_target)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "[eagle_config.eagle_aux_hidden_state_layer_ids]" in err and "at most 64 layer ids" in err, err
+    assert "got 6000" in err

@@ -280,3 +280,80 @@ def test_the_draft_cost_leaves_the_targets_nextn_layer_out():
     assert n == 8 and head > 0 and all(_beyond_last_layer(k, n) == k.startswith("model.layers.8.") for k in counts)
     cost, how = draft_cost(REPO / "env" / "models" / "kimi" / "draft", KIMI_TARGET)
     assert f"target {(sum(counts.values()) - head) / 1e6:.2f} M" in how
+
+
+# ---------------------------------------------------------------- bad MTP fields: exit 2, one line naming the field
+
+def _ds_folder(tmp: Path, name: str, **fields) -> Path:
+    """The public DeepSeek-V3 config with ``fields`` set (a value ``...``: the field removed)."""
+    def edit(cfg):
+        for k, v in fields.items():
+            if v is ...:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+    return folder(tmp, PUB / "deepseek-ai--DeepSeek-V3_config.json", name, edit)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_nextn_predict_layers", "1"), ("num_nextn_predict_layers", None), ("num_nextn_predict_layers", 1.5),
+    ("num_nextn_predict_layers", [1]), ("num_nextn_predict_layers", True), ("num_nextn_predict_layers", -1),
+    ("num_nextn_predict_layers", 65), ("num_hidden_layers", "8"), ("num_hidden_layers", -3)])
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_present_mtp_field_of_the_wrong_type_or_range_is_exit_2_naming_it(tmp_path, capsys, field, value, engine):
+    """A present field of the wrong type or range is refused (before: taken as absent, 'default 1 applies', exit 0);
+    the message names the file and the field, on one line."""
+    d = _ds_folder(tmp_path, "t", **{field: value})
+    rc = main(["diagnose", "--draft-config", str(d), "--target-config", str(d), "--engine", engine])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"[{field}]" in err and str(d / "config.json") in err and "expected" in err, err
+
+
+def test_only_an_absent_layer_field_gets_the_config_class_default(tmp_path):
+    absent = check_mtp(_ds_folder(tmp_path, "a", num_nextn_predict_layers=...),
+                       _ds_folder(tmp_path, "b", num_nextn_predict_layers=...), rules=VLLMMTPRules())
+    assert absent.draft_checks["facts"]["head"]["layers_defaulted"] is True
+    assert any("not in the config: the config class's default 1" in n for n in absent.advisories)
+    given = check_mtp(_ds_folder(tmp_path, "c", num_nextn_predict_layers=1),
+                      _ds_folder(tmp_path, "d", num_nextn_predict_layers=1), rules=VLLMMTPRules())
+    assert given.draft_checks["facts"]["head"]["layers_defaulted"] is False
+    assert not any("not in the config" in n for n in given.advisories)
+
+
+def test_an_absurd_head_layer_count_is_refused_in_bounded_time_and_memory(tmp_path, capsys):
+    """10**12 head layers with --engine vllm (before: one prefix per layer, memory without bound): refused at once,
+    naming the field; the head object itself never lists more than MAX_MTP_LAYERS prefixes."""
+    import time
+    import tracemalloc
+
+    from helpers.layers.mtp import MAX_MTP_LAYERS
+    d = _ds_folder(tmp_path, "t", num_nextn_predict_layers=10 ** 12)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    rc = main(["diagnose", "--draft-config", str(d), "--target-config", str(d), "--engine", "vllm"])
+    took = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert rc == 2 and "[num_nextn_predict_layers]" in err and f"0-{MAX_MTP_LAYERS}" in err, err
+    assert took < 1.0 and peak < 20 * 2 ** 20, (took, peak)
+    head = mtp_head(json.loads((d / "config.json").read_text()))
+    with pytest.raises(ValueError, match="over 64"):
+        head.vllm_prefixes()
+    ok = mtp_head({**json.loads((d / "config.json").read_text()), "num_nextn_predict_layers": MAX_MTP_LAYERS})
+    assert len(ok.vllm_prefixes()) == MAX_MTP_LAYERS and ok.vllm_prefixes()[-1] == "model.layers.124."
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--speculative-num-steps", "1000000000", "--speculative-eagle-topk", "1"], "--speculative-num-steps"),
+    (["--speculative-num-steps", "2", "--speculative-eagle-topk", "1000000"], "--speculative-eagle-topk"),
+    (["--speculative-num-steps", "65", "--speculative-eagle-topk", "1"], "--speculative-num-steps")])
+def test_speculative_counts_past_the_protocol_bounds_are_exit_2(tmp_path, capsys, argv, flag):
+    d = _ds_folder(tmp_path, "t")
+    rc = main(["diagnose", "--draft-config", str(d), "--target-config", str(d), *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and f"[{flag}]" in err and "1-64" in err, err
+    rc = main(["diagnose", "--draft-config", str(d), "--target-config", str(d), "--speculative-num-steps", "64",
+               "--speculative-eagle-topk", "1"])
+    assert rc == 1, capsys.readouterr()          # 64 steps with one head layer: mtp_steps_beyond_head, not refused
