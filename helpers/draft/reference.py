@@ -14,7 +14,6 @@ reference for a draft. A figure is never returned bare: every match carries its 
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..errors import BadInput
+from ..formats.configs import read_config_json
 from ..runfiles import load_yaml_model
 
 #: the shipped table
@@ -236,9 +237,8 @@ def model_name(folder: Optional[str | Path]) -> Optional[str]:
         return None
     folder = Path(folder)
     try:
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        name = cfg.get("_name_or_path") if isinstance(cfg, dict) else None
-    except (OSError, ValueError):
+        name = read_config_json(folder, "model config").get("_name_or_path")
+    except BadInput:
         name = None
     return name.strip() if isinstance(name, str) and name.strip() else folder.resolve().name
 
