@@ -165,8 +165,11 @@ def test_server_dying_during_startup_reports_log_tail(tmp_path, tiny_target):
     assert "exited with code" in msg and "last lines of the server log" in msg
     assert "SafetensorError" in msg
     time.sleep(1)
+    # this test's own server only (its model path in the command line): another server started meanwhile on the
+    # same machine (a parallel run) is not a leftover of this one
     leftovers = [p for p in psutil.process_iter(["cmdline"])
-                 if p.pid not in before and "sglang" in " ".join(p.info["cmdline"] or [])]
+                 if p.pid not in before and "sglang" in (cmd := " ".join(p.info["cmdline"] or []))
+                 and str(broken) in cmd]
     assert _alive([p.pid for p in leftovers]) == []
 
 
