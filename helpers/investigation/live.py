@@ -210,8 +210,8 @@ def _stage_attach(r: Run) -> None:
     doc.attach = att.to_json()
     doc.engine, doc.engine_version = r.adapter.name, att.version
     head = att.draft_head
-    algo = algorithm_text(att.algorithm, head) if head else att.algorithm     # NEXTN requested, EAGLE run
-    r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {algo}, draft {att.draft_dir} "
+    algo = algorithm_text(att.algorithm, head) if head else (att.algorithm or "no speculative algorithm")
+    r.done("attach", t, f"{r.adapter.label} {att.version}, TP {att.tp}, {algo}, draft {att.draft_dir or 'none'} "
                         f"[{att.draft_source}]" + (f" = MTP head {head['class']} ({head['source']})" if head else "")
                         + f", target {att.target_dir} [{att.target_source}]")
     if att.draft_head is not None:                 # an MTP / NextN head: its own stages (helpers.investigation.mtp)
