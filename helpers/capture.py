@@ -47,7 +47,7 @@ from .acceptance.prompts import Prompt
 from .acceptance.requests import record as request_record
 from .formats.dumps import Sample, samples_from_generate, write_dump
 from .formats.configs import read_target_config
-from .formats.hf_target import load_hf_target
+from .formats.hf_target import every_layer_states, load_hf_target
 from .hooks import ARM_FILE, CaptureConfig, ModelFamily, every_layer_keys, hook_specs
 from .trace_hooks import trace_hook_specs
 from .runfiles import armed_file, loads_json
@@ -232,29 +232,18 @@ def capture_reference_hf(target: str | os.PathLike, prompts: Sequence[Any],
                          dtype: torch.dtype = torch.float32, progress: bool = True) -> Path:
     """Every layer of the target, from HF transformers: chunks ``embedding, out(0) .. out(n-1)``.
 
-    ``hidden_states[k]`` of HF ``output_hidden_states`` is out(k-1) (k = 0: the embedding), the
-    pre-norm residual stream for k < n; HF's last entry is *after* the final norm, so out(n-1) is
-    rebuilt as the input of ``model.norm`` with a forward pre-hook.
+    (:func:`helpers.formats.hf_target.every_layer_states`: out(n-1) is the input of ``model.norm``, not HF's
+    post-norm last entry).
     """
     model = load_hf_target(target, dtype)
     n = model.config.num_hidden_layers
-    captured: dict[str, torch.Tensor] = {}
-    handle = model.model.norm.register_forward_pre_hook(
-        lambda m, args: captured.__setitem__("pre_norm", args[0].detach()))
     samples = []
-    try:
-        for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt",
-                                   disable=not progress)):
-            pid, ids, text = prompt_fields(p, i)
-            if ids is None:
-                raise ValueError(f"prompt {pid}: HF reference capture needs token ids")
-            with torch.no_grad():
-                hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-            chunks = [hs[k][0] for k in range(n)] + [captured["pre_norm"][0]]
-            samples.append({"key": safe_key(pid), "sample_id": pid, "input_ids": ids,
-                            "hidden": torch.cat(chunks, dim=-1).to(torch.float32)})
-    finally:
-        handle.remove()
+    for i, p in enumerate(tqdm(list(prompts), desc=f"capture {name}", unit="prompt", disable=not progress)):
+        pid, ids, text = prompt_fields(p, i)
+        if ids is None:
+            raise ValueError(f"prompt {pid}: HF reference capture needs token ids")
+        samples.append({"key": safe_key(pid), "sample_id": pid, "input_ids": ids,
+                        "hidden": torch.cat(every_layer_states(model, ids), dim=-1).to(torch.float32)})
     plan = {"tensors": ["embedding"] + [f"out({i})" for i in range(n)],
             "note": "HF transformers output_hidden_states; out(n-1) from the input of model.norm"}
     return write_dump(Path(out_dir) / name, samples,

@@ -653,6 +653,21 @@ def target_lm_head(target_dir: str | Path, *, dtype: torch.dtype = torch.float32
     return _read_tensor(hit[1], hit[0]).to(dtype), f"{hit[1].name}:{hit[0]}"
 
 
+def target_final_norm(target_dir: str | Path) -> tuple[torch.Tensor, float]:
+    """``(model.norm.weight [H] float32, rms_norm_eps)`` of the target folder, read from its safetensors index without
+    loading the rest: the final RMSNorm between the last decoder layer's output and lm_head
+    (``sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward``, ``llama.py::LlamaModel.forward``).
+
+    Raises:
+        BadInput: no ``model.norm.weight`` in the target's safetensors (the folder and field named)."""
+    hit = find_target_tensor(Path(target_dir), "model.norm.weight")
+    if hit is None:
+        raise BadInput("the target's safetensors hold no model.norm.weight (its final norm)", path=target_dir,
+                       field="model.norm.weight")
+    eps = float(read_target_config(target_dir).raw.get("rms_norm_eps", 1e-6))
+    return _read_tensor(hit[1], hit[0]).float(), eps
+
+
 def target_hidden_size(target_dir: str | Path) -> int:
     """The target's hidden size (its config.json, through :func:`helpers.formats.configs.read_target_config`)."""
     return read_target_config(target_dir).hidden_size

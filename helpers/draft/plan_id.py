@@ -36,14 +36,13 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..errors import BadInput
-from ..formats.configs import read_target_config
 from ..formats.dumps import read_dump, write_dump
 from ..layers.ids import EMBEDDING, out, parse_tensor, physical, specforge_default_ids, \
     vllm_default_ids
-from .model import Eagle3Draft, _read_tensor, compute_threads, find_target_tensor, target_lm_head
+from .attention import _rms
+from .model import Eagle3Draft, compute_threads, target_final_norm, target_lm_head
 from .simulate import SimSequence, _chain_accepts, _teacher_forced
 from .teacher_forced import target_view
 
@@ -131,22 +130,20 @@ def reference_from_hf(target_dir: str | Path, prompts: Sequence[Sequence[int]], 
 
     Raises:
         BadInput: a prompt of no token, ``new_tokens`` < 2 or a negative temperature."""
-    from ..formats.hf_target import load_hf_target  # lazy: transformers takes seconds to import; only HF needs it
+    # lazy: transformers takes seconds to import; only HF needs it
+    from ..formats.hf_target import every_layer_states, load_hf_target
 
     if new_tokens < 2 or temperature < 0:
         raise BadInput(f"new_tokens {new_tokens}, temperature {temperature}: expected >= 2 and >= 0",
                        field="new_tokens")
     model = load_hf_target(target_dir, dtype)
     n = model.config.num_hidden_layers
-    cap: dict = {}
-    hook = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0].detach()))
     names = (EMBEDDING,) + tuple(out(i) for i in range(n))
     g = torch.Generator().manual_seed(seed)
     seqs = []
     hidden = int(model.config.hidden_size)
-    threads = compute_threads(hidden * int(getattr(model.config, "intermediate_size", 4 * hidden)))
-    threads.__enter__()                      # a tiny target: one thread (2 threads on 2 loaded cores: 4x slower)
-    try:
+    # a tiny target: one thread (2 threads on 2 loaded cores: 4x slower)
+    with compute_threads(hidden * int(getattr(model.config, "intermediate_size", 4 * hidden))):
         for j, p in enumerate(prompts):
             ids = [int(x) for x in p]
             if not ids:
@@ -159,12 +156,8 @@ def reference_from_hf(target_dir: str | Path, prompts: Sequence[Sequence[int]], 
                     int(torch.multinomial(torch.softmax(lg / temperature, -1), 1, generator=g))
                 toks.append(nxt)
                 res = model(torch.tensor([[nxt]]), past_key_values=res.past_key_values, use_cache=True)
-            hs = model(torch.tensor([toks]), output_hidden_states=True).hidden_states
-            st = torch.stack([hs[k][0] for k in range(n)] + [cap["pre"][0]], dim=1).float()     # [T, n+1, H]
+            st = torch.stack(every_layer_states(model, toks), dim=1).float()                   # [T, n+1, H]
             seqs.append(LayerStates(f"p{j}", torch.tensor(toks), len(ids), names, st))
-    finally:
-        hook.remove()
-        threads.__exit__(None, None, None)
     return seqs
 
 
@@ -398,24 +391,18 @@ class TargetHead:
 
     @classmethod
     def load(cls, target_dir: str | Path) -> "TargetHead":
-        """Read ``model.norm.weight``, ``rms_norm_eps`` and the lm_head (:func:`helpers.draft.model.target_lm_head`)
+        """Read the final norm (:func:`helpers.draft.model.target_final_norm`) and the lm_head
+        (:func:`helpers.draft.model.target_lm_head`)
         from the target folder's safetensors index (nothing else of the target is read).
 
         Raises:
             BadInput: no ``model.norm.weight`` (or lm_head) in the target's safetensors."""
-        target_dir = Path(target_dir)
-        hit = find_target_tensor(target_dir, "model.norm.weight")
-        if hit is None:
-            raise BadInput("the target's safetensors hold no model.norm.weight (the final norm)", path=target_dir,
-                           field="model.norm.weight")
-        raw = read_target_config(target_dir).raw
-        lm, _ = target_lm_head(target_dir)
-        return cls(_read_tensor(hit[1], hit[0]).float(), float(raw.get("rms_norm_eps", 1e-6)), lm)
+        norm, eps = target_final_norm(target_dir)
+        return cls(norm, eps, target_lm_head(target_dir)[0])
 
     def view(self, pre_norm: torch.Tensor, hot: Optional[torch.Tensor]):
         """:func:`helpers.draft.teacher_forced.target_view` of ``pre_norm`` ``[T, H]`` (out(n-1))."""
-        fh = F.rms_norm(pre_norm.float(), (self.norm.shape[0],), self.norm, self.eps)
-        return target_view(fh, self.lm_head, hot)
+        return target_view(_rms(pre_norm.float(), self.norm, self.eps), self.lm_head, hot)
 
 
 @torch.no_grad()

@@ -49,3 +49,21 @@ def layer_index_of_key(name: str) -> Optional[int]:
     """The decoder layer index of a checkpoint tensor name (``model.layers.8.eh_proj.weight`` -> 8), else None."""
     m = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
     return int(m.group(1)) if m else None
+
+
+def every_layer_states(model, ids) -> list[torch.Tensor]:
+    """Every layer of ``model`` (from :func:`load_hf_target`) on the token ids ``ids``: ``[embedding, out(0), ...,
+    out(n-1)]``, each ``[T, H]`` in the model's dtype. ``hidden_states[k]`` of HF ``output_hidden_states`` is
+    out(k-1) (k = 0: the embedding), the pre-norm residual stream for k < n; HF's last entry is *after* the final
+    norm, so out(n-1) is the input of ``model.norm``, taken with a forward pre-hook (transformers
+    ``models/llama/modeling_llama.py::LlamaModel.forward``)."""
+    cap: dict = {}
+    hook = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0].detach()))
+    try:
+        with torch.no_grad():
+            hs = model(torch.tensor([[int(x) for x in ids]]), output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    n = model.config.num_hidden_layers
+    return [hs[k][0] for k in range(n)] + [cap["pre"][0]]
+

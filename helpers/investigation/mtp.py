@@ -47,7 +47,8 @@ from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding, ProposedFix
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
 from ..draft.decide import threshold
-from ..draft.model import _read_tensor, find_target_tensor
+from ..draft.attention import _rms
+from ..draft.model import target_final_norm
 from ..draft.sequences import SAME_STATES, dump_sequences, reference_sequences as ref_sequences
 from ..draft.simulate import DraftSettings, SimSequence, simulate_sequences
 from ..errors import BadInput
@@ -71,25 +72,6 @@ FEED_SOURCE = ("sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward 
                "sglang/srt/layers/logits_processor.py::LogitsProcessor._get_hidden_states_to_store")
 
 
-def final_norm(target_dir: str | Path) -> tuple[torch.Tensor, float]:
-    """``(model.norm.weight [H] float32, rms_norm_eps)`` of the target folder (read from its safetensors index).
-
-    Raises:
-        BadInput: no ``model.norm.weight`` in the target's safetensors (the folder named)."""
-    hit = find_target_tensor(Path(target_dir), "model.norm.weight")
-    if hit is None:
-        raise BadInput("the target's safetensors hold no model.norm.weight (the final norm the NextN head's input "
-                       "passed through: deepseek_v2.py::DeepseekV2Model.norm)", path=target_dir)
-    eps = float(read_target_config(target_dir).raw.get("rms_norm_eps", 1e-6))
-    return _read_tensor(hit[1], hit[0]).float(), eps
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 (``sglang/srt/layers/layernorm.py::RMSNorm.forward_native``): ``x [T, H]`` -> ``[T, H]``."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
 def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Tensor,
                      eps: float) -> dict[str, torch.Tensor]:
     """The tensors a served NextN input could be, from one every-layer reference sample: each of ``names`` (the dump's
@@ -104,8 +86,8 @@ def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Ten
         raise ValueError(f"reference rows {tuple(rows.shape)} are not {k} equal chunks wide")
     H = rows.shape[1] // k
     out = {n: rows[:, i * H:(i + 1) * H].float() for i, n in enumerate(names)}
-    out[POST_NORM] = rms_norm(out[names[-1]], weight, eps)
-    out[TWICE] = rms_norm(out[POST_NORM], weight, eps)
+    out[POST_NORM] = _rms(out[names[-1]], weight, eps)
+    out[TWICE] = _rms(out[POST_NORM], weight, eps)
     return out
 
 
@@ -373,7 +355,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     doc.reference = {"how": how, "path": None if ref is None else str(ref), "missing": missing}
     r.done("reference", t, how if ref is not None else f"none ({missing})")
     t = r.step("diagnosis")
-    weight, eps = final_norm(att.target_dir)
+    weight, eps = target_final_norm(att.target_dir)
     ident = identify_state(served, ref, weight, eps) if ref is not None else None
     doc.diagnosis = {"kind": "mtp", "served_state": ident}
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
@@ -435,5 +417,5 @@ def mtp_sentence(doc: Any) -> str:
 
 __all__ = ["ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
            "TWICE", "WIRING_STAGE", "algorithm_text", "budget_sentence", "final_norm", "head_text", "identify_state",
-           "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences", "rms_norm",
+           "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences",
            "state_candidates", "state_findings", "state_line"]

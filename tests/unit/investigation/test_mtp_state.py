@@ -14,8 +14,9 @@ from helpers.draft.loader import load_draft
 from helpers.draft.model import Eagle3Draft
 from helpers.draft.nextn import NextNHead
 from helpers.draft.simulate import DraftSettings, SimSequence
-from helpers.investigation.mtp import (POST_NORM, TWICE, final_norm, identify_state, mtp_budget, reference_sequences,
-                                       rms_norm, state_findings)
+from helpers.draft.attention import _rms
+from helpers.draft.model import target_final_norm
+from helpers.investigation.mtp import POST_NORM, TWICE, identify_state, mtp_budget, reference_sequences, state_findings
 from support import ROOT
 
 TARGET = ROOT / "env" / "models" / "kimi" / "target"
@@ -41,7 +42,7 @@ def world(tmp_path_factory):
         seqs.append(SimSequence(p.id, toks.clone(), torch.zeros(len(toks), 1), len(ids)))
     ref = capture_reference_hf(TARGET, [{"id": s.key, "input_ids": s.tokens.tolist()} for s in seqs],
                                tmp_path_factory.mktemp("dumps"), progress=False)
-    w, eps = final_norm(TARGET)
+    w, eps = target_final_norm(TARGET)
     return seqs, ref, w, eps, hf_last
 
 
@@ -60,7 +61,7 @@ def _served(world, how: str) -> list[SimSequence]:
         elif how == "rotated":
             aux = r.aux @ q
         elif how == TWICE:
-            aux = rms_norm(r.aux, w, eps)
+            aux = _rms(r.aux.float(), w, eps)
         else:
             i = names.index(how)
             aux = by[s.key][:, i * 128:(i + 1) * 128]
