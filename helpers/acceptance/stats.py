@@ -119,6 +119,31 @@ def _percentile(samples: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarr
     return lo, hi
 
 
+def bootstrap_ratios(num: np.ndarray, den: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """``n_boot`` bootstrap resamples of the ratio of sums Σnum/Σden over items (requests), ``[n_boot]`` float64;
+    a resample with Σden = 0 is NaN (dropped by the percentile)."""
+    w = _weights(len(num), n_boot, rng)
+    sx, sy = w @ num, w @ den
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(sy != 0, sx / np.where(sy != 0, sy, 1.0), np.nan)
+
+
+def bootstrap_ratio_diff_ci(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float],
+                            den_b: Sequence[float], *, n_boot: int = 2000, level: float = 0.95,
+                            seed: Optional[int] = 0) -> tuple[float, float, float]:
+    """``Σnum_a/Σden_a - Σnum_b/Σden_b`` for two **independent** sets of items (different prompts: nothing pairs),
+    with the percentile CI of the difference of two independent bootstraps, each set resampled on its own
+    (:func:`paired_effect` is the paired counterpart). Returns ``(estimate, lo, hi)``; lo/hi NaN when a set has fewer
+    than 2 items."""
+    xa, ya, xb, yb = (np.asarray(v, dtype=np.float64) for v in (num_a, den_a, num_b, den_b))
+    est = float(xa.sum() / ya.sum() - xb.sum() / yb.sum()) if ya.sum() and yb.sum() else float("nan")
+    if len(xa) < 2 or len(xb) < 2:
+        return est, float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    lo, hi = _percentile(bootstrap_ratios(xa, ya, n_boot, rng) - bootstrap_ratios(xb, yb, n_boot, rng), level)
+    return est, float(lo), float(hi)
+
+
 def bootstrap_ratio_ci(num: Sequence[float], den: Sequence[float], *, n_boot: int = 2000,
                        level: float = 0.95, seed: Optional[int] = 0) -> tuple[float, float, float]:
     """Ratio of sums Σnum/Σden with a percentile-bootstrap CI over items (requests).
@@ -133,11 +158,7 @@ def bootstrap_ratio_ci(num: Sequence[float], den: Sequence[float], *, n_boot: in
     est = float(x.sum() / y.sum()) if y.sum() != 0 else float("nan")
     if len(x) < 2:
         return est, float("nan"), float("nan")
-    w = _weights(len(x), n_boot, np.random.default_rng(seed))
-    sx, sy = w @ x, w @ y
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = np.where(sy != 0, sx / np.where(sy != 0, sy, 1.0), np.nan)
-    lo, hi = _percentile(r, level)
+    lo, hi = _percentile(bootstrap_ratios(x, y, n_boot, np.random.default_rng(seed)), level)
     return est, float(lo), float(hi)
 
 

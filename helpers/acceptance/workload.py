@@ -52,6 +52,7 @@ import pandas as pd
 from ..errors import BadInput
 from ..runfiles import JSONTooDeep, loads_json, read_file_text
 from .prompts import MAX_PROMPTS, Prompt, load_prompts, token_ids
+from .stats import bootstrap_ratio_diff_ci
 
 #: request kinds of a requests file's line
 KINDS = ("chat", "completions", "generate")
@@ -643,11 +644,6 @@ def unpaired_loss(ref: pd.DataFrame, user: pd.DataFrame, *, n_boot: int = 2000, 
     if not len(rc) or not len(uc):
         nan = float("nan")
         return {**out, "ref_accept_length": nan, "user_accept_length": nan, "delta": nan, "ci": [nan, nan]}
-    rng = np.random.default_rng(seed)
-    ri = rng.integers(0, len(rc), size=(n_boot, len(rc)))
-    ui = rng.integers(0, len(uc), size=(n_boot, len(uc)))
-    d = rc[ri].sum(1) / rv[ri].sum(1) - uc[ui].sum(1) / uv[ui].sum(1)
-    a = (1 - level) / 2
-    ral, ual = float(rc.sum() / rv.sum()), float(uc.sum() / uv.sum())
-    return {**out, "ref_accept_length": ral, "user_accept_length": ual, "delta": ral - ual,
-            "ci": [float(np.quantile(d, a)), float(np.quantile(d, 1 - a))]}
+    delta, lo, hi = bootstrap_ratio_diff_ci(rc, rv, uc, uv, n_boot=n_boot, level=level, seed=seed)
+    return {**out, "ref_accept_length": float(rc.sum() / rv.sum()), "user_accept_length": float(uc.sum() / uv.sum()),
+            "delta": delta, "ci": [lo, hi]}
