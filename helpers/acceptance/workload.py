@@ -508,13 +508,12 @@ def generation_defaults(target_dir: Optional[str | Path]) -> dict:
     none is readable), which SGLang's chat endpoint lays under a chat body's missing ones."""
     if target_dir is None:
         return {}
-    p = Path(target_dir) / "generation_config.json"
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError):
+    from ..formats.configs import read_config_json  # lazy: only with --requests
+    try:          # the one reader of model config files (bounded; a FIFO or /dev/zero is never opened for a read)
+        doc = read_config_json(Path(target_dir) / "generation_config.json", "generation config")
+    except BadInput:
         return {}
-    return {k: doc[k] for k in ("temperature", "top_p", "top_k") if isinstance(doc, dict) and k in doc} \
-        if isinstance(doc, dict) else {}
+    return {k: doc[k] for k in ("temperature", "top_p", "top_k") if k in doc} if isinstance(doc, dict) else {}
 
 
 def training_is_chat(tokenizer: Any, samples: Sequence[Mapping[str, Any]]) -> Optional[bool]:
