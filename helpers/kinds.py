@@ -225,6 +225,12 @@ KINDS: tuple[Kind, ...] = (
                   "token must be accepted exactly when it is the token emitted at its position (check the coins and "
                   "the accept rule of the sampling verify kernel, and that a rejected draft token is removed from the "
                   "residual the target samples from)"),
+    _k("verify_sampling_params_wrong", "acceptance",
+       "at temperature > 0 the verify step scales the target's logits by other per-token sampling values (temperature, "
+       "top-k, top-p) than the request's", fix="engine", stage="engine",
+       engine_fix="the expansion of each request's sampling values to its verify rows: every draft row must be scaled "
+                  "by its own request's temperature, top-k and top-p (the finding names the engine function and the "
+                  "values it returned; greedy requests are not affected)"),
     _k("engine_integrity_violation", "acceptance",
        "the engine's own integrity check (its KV canary, its invariant checks) fired on a restarted copy serving the "
        "live prompts", fix="engine", stage="engine",

@@ -305,6 +305,13 @@ class EngineAdapter(ABC):
         argmax: ``helpers.investigation.probes.sampled``), or None when it is."""
         return None
 
+    def verify_sampling_fault(self, info: dict) -> Optional[dict]:
+        """When the server's own check shows its verify step scaling the target's logits by other per-token sampling
+        values (temperature, top-k, top-p) than each request's, ``{"detail": one sentence with the values and the
+        engine function, "evidence": the check, "source": where it was read}``; None when the check passed or this
+        engine has none."""
+        return None
+
     def verify_note(self, info: dict) -> Optional[str]:
         """A note when this server's platform verifies with the target's argmax at any temperature, else None."""
         return None

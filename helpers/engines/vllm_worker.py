@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import Any, Optional
 
@@ -120,6 +121,48 @@ def _settings(cfg: Any) -> dict:
             "device": get(getattr(cfg, "device_config", None), "device_type")}
 
 
+#: the per-request sampling values :func:`_verify_sampling_check` expands, in the dtypes vLLM's ``SamplingMetadata``
+#: holds them (``vllm/v1/sample/metadata.py``: ``temperature`` / ``top_p`` float32, ``top_k`` int32), and the
+#: cumulative draft-token counts of three requests (2, 1 and 3 verify rows)
+CHECK_VALUES = {"temperature": ([0.5, 1.25, 2.0], "float32"), "top_k": ([5, 40, 7], "int32"),
+                "top_p": ([0.9, 0.95, 0.3], "float32")}
+CHECK_CU = [2, 3, 6]
+
+
+def _verify_sampling_check() -> dict:
+    """vLLM's own expansion of each request's sampling values to its verify rows, run in this worker process on known
+    values: what the rejection sampler divides the target's logits by, and the top-k / top-p it applies, at
+    temperature > 0 (``vllm/v1/sample/rejection_sampler.py::apply_sampling_constraints`` calls
+    ``expand_batch_to_tokens`` for ``temperature`` (greedy rows replaced by 1), ``top_k`` and ``top_p``; the expand
+    kernel is the platform's: on CPU without Triton ``vllm/utils/cpu_triton_utils.py::_expand_kernel_impl``, registered
+    by ``vllm/platforms/cpu.py::CpuPlatform.register_triton_kernel_overrides``).
+
+    Returns ``{"function", "cu_num_draft_tokens", "fields": {name: {"sent", "expanded", "expected", "equal"}},
+    "equal"}`` (``expanded``: what vLLM's function returned, a list of floats or ints; ``equal``: every field
+    expanded exactly), or ``{"error": "..."}`` when the function cannot be run here (another vLLM layout)."""
+    try:
+        from vllm.v1.sample import rejection_sampler as rs  # noqa: PLC0415  (the worker's vLLM, at call time)
+        cu = torch.tensor(CHECK_CU, dtype=torch.int32)
+        n = CHECK_CU[-1]
+        counts = [b - a for a, b in zip([0] + CHECK_CU[:-1], CHECK_CU)]
+        fields, ok = {}, True
+        for name, (values, dtype) in CHECK_VALUES.items():
+            x = torch.tensor(values, dtype=getattr(torch, dtype))
+            kw = {"replace_from": rs.GREEDY_TEMPERATURE, "replace_to": 1} if name == "temperature" else {}
+            got = rs.expand_batch_to_tokens(x, cu, n, **kw).tolist()
+            want = [v for v, c in zip(values, counts) for _ in range(c)]
+            same = len(got) == len(want) and all(abs(float(g) - float(w)) <= 1e-6 * max(1.0, abs(float(w)))
+                                                 for g, w in zip(got, want))
+            shown = [float(g) if math.isfinite(float(g)) else str(float(g)) for g in got]   # JSON: no NaN / inf
+            fields[name] = {"sent": values, "dtype": dtype, "expanded": shown, "expected": want,
+                            "equal": bool(same)}
+            ok = ok and same
+        return {"function": "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens",
+                "cu_num_draft_tokens": CHECK_CU, "fields": fields, "equal": bool(ok)}
+    except Exception as exc:  # noqa: BLE001  (reported, never raised: describe must answer)
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def _mode(runner: Any) -> str:
     ib = getattr(runner, "input_batch", None)
     try:
@@ -160,7 +203,9 @@ class CaptureExtension:
         ``lm_head_shared`` (the draft's module IS the target's: ``llm_base_proposer.py::_maybe_share_embeddings`` /
         ``_maybe_share_lm_head`` decided to share), ``draft_vocab_size``, ``d2t`` (present, size, digest of the
         loaded ``draft_id_to_target_id``, how many entries are non-zero), ``use_aux_hidden_state``,
-        ``norm_before_fc``, ``fc_norm``, ``norm_output``, ``num_aux_hidden_states``, ``fc_input_size``."""
+        ``norm_before_fc``, ``fc_norm``, ``norm_output``, ``num_aux_hidden_states``, ``fc_input_size``;
+        ``verify_sampling``: :func:`_verify_sampling_check` (the per-token sampling values the verify step uses at
+        temperature > 0, from vLLM's own function on known values)."""
         runner = self.model_runner
         target = runner.get_model()
         inner = getattr(target, "model", None)
@@ -175,6 +220,7 @@ class CaptureExtension:
             "enforce_eager": bool(cfg.model_config.enforce_eager),
             "compilation_mode": str(getattr(cfg.compilation_config, "mode", None)),
             "settings": _settings(cfg),
+            "verify_sampling": _verify_sampling_check(),
             "draft": None,
         }
         drafter = getattr(runner, "drafter", None)

@@ -7,7 +7,8 @@ registry's launch); and one SGLang server for the cross-engine pair.
 * the SpecForge-trained reference draft as it ships (ids [1, 3, 4], SpecForge out(i)): vLLM reads the ids verbatim as
   in(i) and feeds out(0), out(2), out(3); investigate names the layer offset and proposes the ids vLLM turns into the
   training plan ([2, 4, 5]: out(1), out(3), out(4)); at temperature 1 acceptance is strict (a greedy draft's tokens
-  are accepted with the target's probability); against an SGLang server of the same checkpoints, which feeds the
+  are accepted with the target's probability), and on this CPU server the verify rows' temperatures are not the
+  request's (the server's own check, named beside the rule); against an SGLang server of the same checkpoints, which feeds the
   training plan, vLLM accepts less and the difference is named with its stage (wiring), while the draft run offline on
   vLLM's own states predicts its counters;
 * one draft with four faults, each named by its own evidence: its ids lost from the config (vLLM falls back to its
@@ -159,6 +160,8 @@ def test_temperature_one_acceptance_is_named_with_vllms_rejection_rule(reference
                  max_new_tokens=24, budget_s=400)
     f = next(f for f in doc["findings"] if f["kind"] == "temperature_loses_acceptance")
     assert "draft_sample_method 'greedy'" in f["detail"] and "rejection_random_sample_kernel" in f["detail"]
+    # this CPU server's verify rows do not carry the request's temperature: the rule is not said to be the whole story
+    assert "verify_sampling_params_wrong" in f["detail"] and "is not measured here" in f["detail"]
     t = f["evidence"]["trend"]
     assert t["ci"][1] < 0 and doc["engine"] == "vllm"
 
@@ -228,7 +231,13 @@ def test_fallback_ids_a_foreign_d2t_an_own_embedding_and_damaged_weights_are_eac
     # the own embedding is run offline as vLLM runs it (its loader rules, LoaderRules.TABLE): its loss lands in the
     # draft stage, where embedding_not_shared is named, and the offline run still predicts the server's counters
     assert b["draft_sources"]["embed"].startswith("draft") and b["draft_sources"]["loader"].startswith("vLLM")
-    assert b["losses"]["engine"]["decision"] != "counts", b["losses"]["engine"]
+    parts = {p["part"]: p for p in b["losses"]["engine"]["parts"]}
+    assert parts["cold greedy"]["decision"] == "clear", parts["cold greedy"]      # not booked to the engine at T = 0
+    # at T > 0 this CPU server verifies with uninitialised per-token temperatures (vLLM's CPU expand override): the
+    # sampled-verify probe names that, from the server's own check, whatever its gap came out as on this run
+    wrong = next(f for f in doc.findings if f.kind == "verify_sampling_params_wrong")
+    assert wrong.evidence["probe"]["verify_sampling"]["equal"] is False
+    assert "sampled_verify_loses_acceptance" not in kinds
     assert abs(_stage(b, "offline on live prompts' served states")["accept_length"]
                - _stage(b, "live")["accept_length"]) <= 0.15, b["sentence"]
     log, ds = _stage(b, "training log"), _stage(b, "checkpoint (teacher-forced)")

@@ -109,6 +109,12 @@ def test_effective_config_is_what_the_engine_built(models, client):
     assert d["draft_vocab_size"] == 1 and d["d2t"]["size"] == 1
     assert d["d2t"]["digest"] == hashlib.sha256(models["d2t"].numpy().tobytes()).hexdigest()[:16]
     assert d["fc_input_size"] == 3 * 128 and d["num_aux_hidden_states"] == 3
+    # the serving worker's own expand of per-request sampling values to verify rows (the CPU override without Triton)
+    # returns other values than sent: the adapter names it, with vLLM's function and the values
+    chk = client.server_info()["verify_sampling"]
+    assert chk["equal"] is False and chk["fields"]["temperature"]["expected"] == [0.5, 0.5, 1.25, 2.0, 2.0, 2.0]
+    fault = VLLMAdapter().verify_sampling_fault(client.server_info())
+    assert "expand_batch_to_tokens" in fault["detail"] and "_expand_kernel_impl" in fault["detail"]
 
 
 def _hand_counters(text: str) -> dict:

@@ -39,6 +39,14 @@ Why the offline chain predicts the accept length at T > 0 exactly, per request (
   masks the draft token out of the recovered distribution (``vocab_offset != draft_token_id``): accepted iff emitted,
   a chain. ``probabilistic`` drafts sample their proposals, ``synthetic`` accepts by a calibrated coin and ``block``
   verifies a block jointly: none is predicted by the greedy chain, so the probe does not apply there.
+  That rule assumes the verify rows carry the request's own temperature / top-k / top-p
+  (``rejection_sampler.py::apply_sampling_constraints`` expands them with ``expand_batch_to_tokens``). On the CPU
+  backend without Triton the expand is ``vllm/utils/cpu_triton_utils.py::_expand_kernel_impl``, which writes into
+  int64 copies and never copies back: the rows get uninitialised values (NaN or uniform target probabilities), a
+  rejected draft can be re-drawn as the recovered token, and the identity breaks. The worker extension checks that
+  function on known values at every describe (``helpers.engines.vllm_worker._verify_sampling_check``); when it
+  fails, the adapter's ``verify_sampling_fault`` makes the probe name ``verify_sampling_params_wrong`` (its
+  evidence: the values sent and returned) rather than a verify accept rule it did not observe.
 
 A clean engine therefore gives the offline prediction exactly (an identity, like the budget's engine stage); a
 verification that rejects drafts the emitted tokens match (a coin not coupled to the emitted token, a kernel that
@@ -168,7 +176,7 @@ def greedy_adjusted(offline: pd.DataFrame, live: pd.DataFrame, offline0: pd.Data
 def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict, cold: Optional[pd.DataFrame] = None,
                    info: Optional[dict] = None, saved_to: Optional[str] = None,
                    greedy: Optional[tuple[pd.DataFrame, pd.DataFrame]] = None,
-                   note: Optional[str] = None) -> ProbeResult:
+                   note: Optional[str] = None, params_fault: Optional[dict] = None) -> ProbeResult:
     """The probe's result from the offline prediction and the live answers of the same sampled requests.
 
     Args:
@@ -182,6 +190,10 @@ def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict,
             kept as ``evidence.gap``.
         note: the engine adapter's ``verify_note`` (a platform that verifies with the argmax at any temperature),
             kept as ``evidence.greedy_verify`` and the result's ``why``.
+        params_fault: the engine adapter's ``verify_sampling_fault`` (the server's own check shows its verify rows
+            scaled by other sampling values than the request's): the finding ``verify_sampling_params_wrong`` with
+            that check as evidence, whatever the gap's decision (the gap is then not the accept rule's alone:
+            ``sampled_verify_loses_acceptance`` is not named beside it, the measured gap is the finding's loss).
 
     Returns: decision ``counts`` (``sampled_verify_loses_acceptance``) / ``clear`` / ``undecided`` of the loss
     offline minus live (tokens per verify step, bonus token included; positive = the engine accepted fewer), with
@@ -221,6 +233,19 @@ def sampled_result(offline: pd.DataFrame, live: pd.DataFrame, *, sampling: dict,
             f"the gap at temperature {sampling['temperature']} ({loss['gap_at_t']:.2f} tokens per verify step) is "
             f"the engine's at temperature 0 as well ({loss['gap_at_0']:.2f}): the acceptance budget's engine stage, "
             "not the sampled verify", ev["greedy_verify"]) if x)
+    if params_fault is not None:
+        ev["verify_sampling"] = params_fault["evidence"]
+        res.findings.append(finding(
+            "verify_sampling_params_wrong", None,
+            params_fault["detail"] + f". Measured at temperature {sampling['temperature']} on {loss.get('n')} "
+            f"prompts: live {ev['live_accept_length']:.2f} vs offline on the same answers' served states "
+            f"{ev['offline_accept_length']:.2f} tokens per verify step (gap {loss['decision']})",
+            condition=p.name, loss=loss, probe=ev, temperature=sampling["temperature"],
+            source=params_fault["source"] + "; " + SOURCE))
+        if loss["decision"] != "counts":
+            res.why = "; ".join(x for x in (res.why, "the server's verify rows use other sampling values than the "
+                                            "request's (verify_sampling_params_wrong)") if x)
+        return res
     if loss["decision"] == "counts":
         lo, hi = loss["ci"]
         res.findings.append(finding(
@@ -269,8 +294,9 @@ def _run(ctx: ProbeContext) -> ProbeResult:
     live.to_parquet(folder / "live.parquet")
     offline.to_parquet(folder / "offline.parquet")
     info, saved = ctx.client.server_info(), str(folder.relative_to(ctx.run_dir))
+    fault = ctx.adapter.verify_sampling_fault(info)
     res = sampled_result(offline, live, sampling=sampling, cold=ctx.cold, info=info, saved_to=saved,
-                         note=ctx.adapter.verify_note(info))
+                         note=ctx.adapter.verify_note(info), params_fault=fault)
     if res.decision != "counts":
         return res
     ctx.progress("engine state: sampled verify: the gap counts; the same prompts at temperature 0 (is it the "
@@ -286,7 +312,7 @@ def _run(ctx: ProbeContext) -> ProbeResult:
     offline0.to_parquet(folder / "greedy_offline.parquet")
     return sampled_result(offline, live, sampling=sampling, cold=ctx.cold, info=info, saved_to=saved,
                           note=ctx.adapter.verify_note(info),
-                          greedy=(offline0, live0))
+                          greedy=(offline0, live0), params_fault=fault)
 
 
 SAMPLED_VERIFY = Probe("sampled_verify", "cheap", "at temperature > 0 (sampled answers)",

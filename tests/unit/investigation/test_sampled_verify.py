@@ -191,6 +191,41 @@ def test_no_answered_request_is_a_failed_probe(chain):
     assert r["status"] == "failed" and "HTTP 500: boom" in r["why"]
 
 
+def _expand_check(equal: bool) -> dict:
+    """A worker-extension ``verify_sampling`` answer: vLLM's expand of temperatures [0.5, 2.0] to 1 + 2 rows,
+    correct or the uninitialised values the CPU override returns."""
+    got = [0.5, 2.0, 2.0] if equal else [0.0, 1.7e31, "nan"]
+    return {"function": "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens", "cu_num_draft_tokens": [1, 3],
+            "fields": {"temperature": {"sent": [0.5, 2.0], "dtype": "float32", "expanded": got,
+                                       "expected": [0.5, 2.0, 2.0], "equal": equal}}, "equal": equal}
+
+
+def test_a_failed_expand_check_names_the_sampling_values_not_the_accept_rule(chain):
+    """The vLLM adapter turns a failed ``verify_sampling`` check into the fault (values sent and returned, the
+    function), the probe names ``verify_sampling_params_wrong`` with it whatever the gap, and never
+    ``sampled_verify_loses_acceptance`` beside it: the accept rule was not what failed. A passing or absent check
+    changes nothing."""
+    acc, offline = chain
+    ad = VLLMAdapter()
+    info = {"version": "0.32.0", "device": "cpu"}
+    assert ad.verify_sampling_fault(info) is None
+    assert ad.verify_sampling_fault({**info, "verify_sampling": _expand_check(True)}) is None
+    assert ad.verify_sampling_fault({**info, "verify_sampling": {"error": "ImportError: x"}}) is None
+    fault = ad.verify_sampling_fault({**info, "verify_sampling": _expand_check(False)})
+    assert "[0.5, 2.0] -> [0.0, 1.7e+31, 'nan']" in fault["detail"] and "_expand_kernel_impl" in fault["detail"]
+    assert SGLangAdapter().verify_sampling_fault({**info, "verify_sampling": _expand_check(False)}) is None
+    for cut, want in ((None, "clear"), (0.5, "counts")):
+        live = _frame(acc, cut=cut, seed=3)
+        r = sampled_result(offline, live, sampling=DEFAULT_SAMPLING, cold=offline, params_fault=fault).to_json()
+        assert r["decision"] == want, r["loss"]
+        (f,) = r["findings"]
+        assert f["kind"] == "verify_sampling_params_wrong" and f["evidence"]["loss"]["decision"] == want
+        assert f["evidence"]["probe"]["verify_sampling"]["fields"]["temperature"]["equal"] is False
+        assert f"gap {want}" in f["detail"] and "expand_batch_to_tokens" in f["detail"]
+    assert "sampling values" in ad.sampling_rule({**info, "verify_sampling": _expand_check(False)})
+    assert "sampling values" not in ad.sampling_rule({**info, "verify_sampling": _expand_check(True)})
+
+
 # --- the test-only fault, on real tensors --------------------------------------------------------------------------
 
 def test_the_fault_cuts_accepted_drafts_and_keeps_the_emitted_tokens():
