@@ -33,10 +33,14 @@ def workload_decision(loss: Mapping[str, Any]) -> dict:
 
 
 def workload_finding(loss: Mapping[str, Any], decision: Mapping[str, Any], diffs: Sequence[str],
-                     *, user: Mapping[str, Any], ref: Mapping[str, Any]) -> Optional[Any]:
+                     *, user: Mapping[str, Any], ref: Mapping[str, Any],
+                     verify_fault: Optional[Mapping[str, Any]] = None) -> Optional[Any]:
     """The ``requests_accept_less`` finding (:func:`helpers.diagnosis.detectors.finding`) when the decision is
     ``counts`` (the user's requests accept materially less, beyond the CI) or ``undecided`` (its severity then says
-    so: the CI neither rules a material loss in nor out); None when ``clear``."""
+    so: the CI neither rules a material loss in nor out); None when ``clear``. ``verify_fault``: the engine adapter's
+    ``verify_sampling_fault`` when some of the user's requests sample (temperature > 0): the server verifies those with
+    other sampling values than theirs, so the detail says the temperature's share is not the workload's alone (kept
+    as ``evidence.verify_sampling``)."""
     dec = decision["decision"]
     if dec == "clear":
         return None
@@ -47,7 +51,13 @@ def workload_finding(loss: Mapping[str, Any], decision: Mapping[str, Any], diffs
             f"{loss['delta']:.2f} [{lo:.2f}, {hi:.2f}] ({dec}; material >= {decision['threshold']:.2f}; "
             f"{loss['n_user']} vs {loss['n_ref']} requests, {loss['interval']})")
     detail = f"{head}. Observed differences (not proven causes): {what}"
-    return finding("requests_accept_less", None, detail, decision=dec, loss=dict(loss),
+    extra = {}
+    if verify_fault is not None:
+        detail += ("; on this server sampled requests are verified with other per-token sampling values than the "
+                   "request's (verify_sampling_params_wrong), so a loss at temperature > 0 is the engine's as well as "
+                   "the requests'")
+        extra["verify_sampling"] = dict(verify_fault.get("evidence") or {})
+    return finding("requests_accept_less", None, detail, decision=dec, loss=dict(loss), **extra,
                    threshold=decision["threshold"], ci=[lo, hi],
                    differences=list(diffs), user=dict(user), training_like=dict(ref),
                    settle=decision.get("settle"),
@@ -105,7 +115,11 @@ def compare_workload(client: Any, requests: Sequence[WorkloadRequest], *, max_ne
     # so measure and investigate compare the same thing whatever their own --max-new-tokens default
     asked = [int(q.sampling.get("max_new_tokens") or max_new_tokens) for q in requests]
     max_new_tokens = int(np.median(asked)) if asked else int(max_new_tokens)
-    ck = engine_adapter(str(client.server_info().get("engine") or "sglang")).draft_checksum
+    info = client.server_info()
+    eng = engine_adapter(str(info.get("engine") or "sglang"))
+    ck = eng.draft_checksum
+    sampled = any(float(q.sampling.get("temperature") or 0.0) > 0 for q in requests)
+    verify_fault = eng.verify_sampling_fault(info) if sampled else None
     user = measure(client, requests=list(requests), max_new_tokens=max_new_tokens, warmup=warmup, n_boot=n_boot,
                    seed=seed, progress=progress, label="requests", command=command, draft_checksum=ck)
     ref = measure(client, ref_prompts, max_new_tokens=max_new_tokens, warmup=0, n_boot=n_boot, seed=seed,
@@ -120,7 +134,7 @@ def compare_workload(client: Any, requests: Sequence[WorkloadRequest], *, max_ne
     dec = workload_decision(loss)
     diffs = differences(du, dr)
     return WorkloadComparison(user=user, reference=ref, loss=loss, decision=dec, differences=diffs,
-                              finding=workload_finding(loss, dec, diffs, user=du, ref=dr),
+                              finding=workload_finding(loss, dec, diffs, user=du, ref=dr, verify_fault=verify_fault),
                               reference_chat=reference_chat)
 
 

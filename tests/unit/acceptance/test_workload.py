@@ -196,6 +196,16 @@ def test_unpaired_loss_counts_on_the_real_junk_requests():
     f = workload_finding(loss, dec, diffs, user=du, ref=dr)
     assert f["kind"] == "requests_accept_less" and f["evidence"]["decision"] == "counts"
     assert f"{al_user:.2f}" in f["detail"] and "not proven causes" in f["detail"]
+    assert "verify_sampling_params_wrong" not in f["detail"] and "verify_sampling" not in f["evidence"]
+    # on a server whose own check shows its verify rows use other sampling values (the vLLM adapter's rule on a
+    # failed check), the temperature's share is not put on the requests alone
+    from helpers.engines.vllm import VLLMAdapter
+    chk = {"function": "f", "fields": {"temperature": {"sent": [0.5], "expanded": [0.0], "expected": [0.5],
+                                                       "equal": False}}, "equal": False}
+    fault = VLLMAdapter().verify_sampling_fault({"version": "0.32.0", "device": "cpu", "verify_sampling": chk})
+    g = workload_finding(loss, dec, diffs, user=du, ref=dr, verify_fault=fault)
+    assert g["detail"].startswith(f["detail"]) and "the engine's as well" in g["detail"]
+    assert g["evidence"]["verify_sampling"]["equal"] is False
     # the opening sentence of an investigation with no wiring fault tells the loss on the user's requests too
     from helpers.investigation.live import sentence
     from helpers.records import Finding, InvestigationDoc
