@@ -295,3 +295,53 @@ def parse_counters(metrics_text: str) -> AcceptanceCounters:
         draft_tokens=sums.get("vllm:spec_decode_num_draft_tokens_total") if spec else None,
         accepted_tokens=sums.get("vllm:spec_decode_num_accepted_tokens_total") if spec else None,
         accepted_per_position=[per_pos[p] for p in sorted(per_pos)] if per_pos else None)
+
+
+def verify_sampling_fault(info: Mapping[str, Any]) -> Optional[dict]:
+    """The worker extension's ``verify_sampling`` check (``info["verify_sampling"]``, rank 0: vLLM's own
+    ``rejection_sampler.py::expand_batch_to_tokens`` run in the worker on known per-request values) when a field
+    came back other than sent. On vLLM 0.32.0's CPU backend without Triton the expand kernel is
+    ``vllm/utils/cpu_triton_utils.py::_expand_kernel_impl``, which hands the C++ kernel int64 copies of the float32
+    / int32 tensors (``_ensure_int64``) and never copies the result back, so ``expand_batch_to_tokens`` returns
+    the uninitialised tensor it allocated: ``apply_sampling_constraints`` then divides each verify row's logits by
+    garbage and applies a garbage top-k / top-p (the sampled verify's target distribution is not the request's).
+    Greedy requests never read it (``all_greedy`` returns the logits untouched)."""
+    chk = info.get("verify_sampling")
+    if not isinstance(chk, dict) or chk.get("equal") is not False:
+        return None
+    fields = chk.get("fields") or {}
+    bad = {k: v for k, v in fields.items() if isinstance(v, dict) and v.get("equal") is False}
+    shown = "; ".join(f"{k} {v.get('sent')} -> {v.get('expanded')} (expected {v.get('expected')})"
+                      for k, v in bad.items())
+    detail = (f"vLLM {info.get('version')} on {info.get('device') or 'this device'}: its own "
+              f"{chk.get('function')}, run in the worker on known per-request values, returned other per-token "
+              f"values than it was given: {shown}. At temperature > 0 the verify step divides each draft row's "
+              "target logits by the expanded temperature and applies the expanded top-k / top-p "
+              "(vllm/v1/sample/rejection_sampler.py::apply_sampling_constraints), so sampled requests are verified "
+              "against another distribution than the request's")
+    if (info.get("device") or "cpu") == "cpu":
+        detail += ("; on the CPU backend without Triton the expand is vllm/utils/cpu_triton_utils.py::"
+                   "_expand_kernel_impl, which writes into int64 copies of the float32 / int32 tensors and never "
+                   "copies them back")
+    return {"detail": detail, "evidence": chk,
+            "source": "worker extension e3f_describe verify_sampling (helpers.engines.vllm_worker."
+                      "_verify_sampling_check), TP rank 0"}
+
+
+def sampling_rule(info: Mapping[str, Any]) -> str:
+    """The server's ``draft_sample_method`` / ``rejection_sample_method`` (its worker's ``SpeculativeConfig``), and
+    :func:`verify_sampling_fault` when the server's own check failed."""
+    dsm, rsm = info.get("draft_sample_method") or "greedy", info.get("rejection_sample_method") or "standard"
+    how = ("the draft's probabilities count as one-hot, so a draft token is accepted with the target's "
+           "probability of it (strict), not min(1, p/q)" if dsm == "greedy" else
+           "the draft samples from its distribution and a token is accepted with min(1, p/q)")
+    rule = (f"vLLM {info.get('version')} runs rejection_sample_method {rsm!r} with draft_sample_method {dsm!r}: "
+            f"{how} (vllm/config/speculative.py::SpeculativeConfig.draft_sample_method; "
+            "vllm/v1/sample/rejection_sampler.py::rejection_random_sample_kernel: draft_prob = 1 without draft "
+            "probs); at temperature 0 verification is greedy")
+    fault = verify_sampling_fault(info)
+    if fault is not None:       # the fall with temperature is then not the rule's alone: say so, name no share
+        rule += ("; but on this server the verify step does not use the request's sampling values at "
+                 "temperature > 0 (verify_sampling_params_wrong: " + fault["detail"] + "), so how much of the fall "
+                 "is the rule's is not measured here")
+    return rule

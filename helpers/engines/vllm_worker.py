@@ -141,7 +141,7 @@ def _verify_sampling_check() -> dict:
     "equal"}`` (``expanded``: what vLLM's function returned, a list of floats or ints; ``equal``: every field
     expanded exactly), or ``{"error": "..."}`` when the function cannot be run here (another vLLM layout)."""
     try:
-        from vllm.v1.sample import rejection_sampler as rs  # noqa: PLC0415  (the worker's vLLM, at call time)
+        from vllm.v1.sample import rejection_sampler as rs  # noqa: PLC0415  # lazy: vLLM exists only in the worker
         cu = torch.tensor(CHECK_CU, dtype=torch.int32)
         n = CHECK_CU[-1]
         counts = [b - a for a, b in zip([0] + CHECK_CU[:-1], CHECK_CU)]
