@@ -48,11 +48,10 @@ for part in (I.sections_html(inv, with_headline=False, replay=doc, ladder=False)
 # %% [markdown]
 # ## Verdicts
 #
-# Every hypothesis, in the order of the investigation, with the verdict the case expected.
+# Every hypothesis, in the order of the investigation, with the verdict the case expected. Where the replay and the blind investigation disagree on a check, a note under the table says why.
 
 # %%
-verdicts = postmortem.verdict_summary(ctx.run_dir, doc)
-R.show(verdicts if len(verdicts) else R.note("No hypothesis was run."))
+R.show(postmortem.verdicts_html(ctx.run_dir, doc))
 compared = R.read_result(ctx.run_dir, "03_compare") or {}
 if compared.get("findings"):
     R.show("<b>Offline diagnosis (03_compare) findings</b>")

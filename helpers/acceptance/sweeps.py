@@ -31,7 +31,7 @@ from ..errors import BadInput, ServerTimeout
 from ..runfiles import jsonable
 from .measure import AcceptanceResult, measure
 from .prompts import Prompt, load_prompts
-from .stats import paired_effect
+from .stats import format_ci, paired_effect
 
 SWEEPS = ("context", "temperature", "concurrency")
 #: a fall counts when it is at least this many tokens per verify step ...
@@ -305,3 +305,40 @@ def trend(points: Sequence[Point], limits: Optional[dict] = None) -> Optional[di
         if (first.max_position or 0) > draft and (held or 0) <= draft * 1.05:
             out["past_draft_limit"] = int(draft)
     return jsonable(out)
+
+
+def steps_sweep_verdict(points: Sequence[dict]) -> Optional[dict]:
+    """What a ``num_steps`` sweep measured, in one rule for every place that says it (the console's replay line, the
+    replay CLI, the sweep figure, the timeline, the postmortem's settings line): the point with the highest mean tok/s
+    is ``fastest`` only when its tok/s CI lies above every other point's (``lo > hi``); otherwise the sweep cannot tell
+    them apart and names no num_steps.
+
+    ``points``: the sweep's points (``helpers.records.SweepStep.points``), each ``{num_steps, tok_s, tok_s_lo,
+    tok_s_hi, ...}`` (tok/s in output tokens per second; a point without ``tok_s`` is left out). Returns ``{"fastest":
+    int | None, "highest_mean": int, "apart": bool, "ci": bool (every point has a CI), "points": [the measured
+    points], "text": str, "label": str}`` (``label``: the short form for figures, ``"fastest num_steps=2"`` or
+    ``"num_steps not distinguishable"``), or None with no measured point. ``text``: ``"num_steps=2 fastest, its tok/s CI above
+    every other point's (num_steps=2: 37.3 [34.6, 40.1]; num_steps=3: 30.8 [27.9, 34.3])"``, or ``"num_steps 2 and 3
+    not distinguishable: their tok/s CIs overlap (...)"``; with one point, what it measured."""
+    pts = [p for p in points if p.get("tok_s") is not None]
+    if not pts:
+        return None
+    best = max(pts, key=lambda p: p["tok_s"])
+    others = [p for p in pts if p is not best]
+    has_ci = all(p.get("tok_s_lo") is not None and p.get("tok_s_hi") is not None for p in pts)
+    apart = bool(others) and has_ci and all(best["tok_s_lo"] > o["tok_s_hi"] for o in others)
+    each = "; ".join(f"num_steps={p['num_steps']}: {format_ci(p, 'tok_s', digits=1)}"
+                     for p in sorted(pts, key=lambda p: p["num_steps"]))
+    if not others:
+        text = f"one point measured ({each})"
+    elif apart:
+        text = f"num_steps={best['num_steps']} fastest, its tok/s CI above every other point's ({each})"
+    else:
+        names = sorted(p["num_steps"] for p in pts)
+        listed = ", ".join(map(str, names[:-1])) + f" and {names[-1]}"
+        why = "their tok/s CIs overlap" if has_ci else "not every point has a tok/s CI"
+        text = f"num_steps {listed} not distinguishable: {why} ({each})"
+    label = (f"fastest num_steps={best['num_steps']}" if apart else
+             f"num_steps={best['num_steps']} measured" if not others else "num_steps not distinguishable")
+    return {"fastest": best["num_steps"] if apart else None, "highest_mean": best["num_steps"], "apart": apart,
+            "ci": has_ci, "points": pts, "text": text, "label": label}

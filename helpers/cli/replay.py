@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..acceptance.sweeps import steps_sweep_verdict
 from ..investigation.cases import load_case
 from ..investigation.replay import replay_case
 from ..runfiles import new_run_dir
@@ -47,7 +48,8 @@ def _body(argv: list[str]) -> int:
                     if summ.get("accept_length") is not None else (s.error or s.server_error or "server did not start"))
             print(f"  step {s.index + 1}: fix '{s.name}': {what}")
         elif s.kind == "sweep":
-            print(f"  step {s.index + 1}: sweep: best num_steps {s.best_num_steps}")
+            v = steps_sweep_verdict(s.points or [])
+            print(f"  step {s.index + 1}: sweep: {v['text'] if v else 'no point measured'}")
     print(doc.headline)
     print(f"[replay] results: {run / 'results'}", file=sys.stderr)
     return 0 if ok else 1

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from ..errors import BadInput
+from ..views.common import read_json_or_none
 from ..suite.html import HTML_BUDGET_BYTES
 from ..suite.runner import run_suite
 from .common import Parser, out_folder, run
@@ -35,6 +36,9 @@ def cli_main(argv: list[str]) -> int:
             print(f"[suite] postmortem: {run_dir / 'postmortem.html'} "
                   f"({status['postmortem_bytes'] / 1e6:.2f} MB, {budget} {HTML_BUDGET_BYTES / 1e6:.0f} MB; "
                   f"suite wall time {status['wall_s']:.0f} s)")
+        settings = (read_json_or_none(run_dir / "results" / "99_postmortem.json") or {}).get("settings")
+        if settings:  # the page's settings line, word for word (helpers.views.budget.settings_text)
+            print(f"[suite] {settings}")
         if failed:
             print(f"[suite] {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
             return 1

@@ -623,24 +623,34 @@ def _measured_first(findings: list[dict]) -> list[dict]:
     return sorted(findings, key=lambda f: 0 if f["kind"] in TENSOR_KINDS and not f["evidence"].get("static") else 1)
 
 
-def reconcile(hypotheses: Sequence[HypothesisEntry | dict], findings: Sequence[Any]) -> list[HypothesisEntry]:
-    """Hypotheses that a finding of the same run contradicts are not reported as refuted: their verdict becomes
-    ``inconclusive`` with the finding named (hypotheses: :class:`helpers.records.HypothesisEntry` or dicts of its
-    fields; findings: :class:`helpers.records.Finding` or dicts)."""
-    kinds = {}
+def contradicting_finding(check: str, findings: Sequence[Any]) -> Optional[tuple[str, str]]:
+    """``(kind, detail)`` of the first finding of ``findings`` (:class:`helpers.records.Finding` or dicts) whose kind
+    says what check ``check`` asks (:data:`helpers.kinds.CHECK_FINDINGS`, declared by ``Kind.checks``), or None: the
+    one rule by which :func:`reconcile` withholds a refutation, and by which the postmortem says why a check's verdict
+    in the blind investigation differs from the replay's (``helpers.views.postmortem.verdict_differences``)."""
+    kinds: dict[str, str] = {}
     for f in findings:
         k = f.kind if hasattr(f, "kind") else f["kind"]
         kinds.setdefault(k, f.detail if hasattr(f, "detail") else f.get("detail", ""))
+    hit = [k for k in CHECK_FINDINGS.get(check, ()) if k in kinds]
+    return (hit[0], kinds[hit[0]]) if hit else None
+
+
+def reconcile(hypotheses: Sequence[HypothesisEntry | dict], findings: Sequence[Any]) -> list[HypothesisEntry]:
+    """Hypotheses that a finding of the same run contradicts (:func:`contradicting_finding`) are not reported as
+    refuted: their verdict becomes ``inconclusive`` with the finding named (hypotheses:
+    :class:`helpers.records.HypothesisEntry` or dicts of its fields; findings: :class:`helpers.records.Finding` or
+    dicts)."""
     out = []
     for h in hypotheses:
         h = h if isinstance(h, HypothesisEntry) else HypothesisEntry.model_validate(h)
-        hit = [k for k in CHECK_FINDINGS.get(h.check, ()) if k in kinds]
+        hit = contradicting_finding(h.check, findings)
         if h.verdict == "refuted" and hit:
             h = h.model_copy(update={
                 "verdict": "inconclusive",
-                "short": f"contradicted by the finding {hit[0]} of this run: {kinds[hit[0]]}",
+                "short": f"contradicted by the finding {hit[0]} of this run: {hit[1]}",
                 "explanation": (h.explanation or "") + f" -- but the finding {hit[0]} of the same run says "
-                               f"otherwise ({kinds[hit[0]]}); the two measurements disagree, so no verdict."})
+                               f"otherwise ({hit[1]}); the two measurements disagree, so no verdict."})
         out.append(h)
     return sorted(out, key=lambda x: _ORDER.get(x.verdict, 3))
 

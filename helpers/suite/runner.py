@@ -53,6 +53,7 @@ import yaml
 from jupyter_client.manager import KernelManager
 from tqdm import tqdm
 
+from ..acceptance.sweeps import steps_sweep_verdict
 from ..capture import server_hook_specs
 from ..errors import BadParams, describe
 from ..formats.configs import read_target_config
@@ -139,23 +140,11 @@ class _ReplayProgress:
 
 
 def _sweep_line(st) -> str:
-    """The console's word on a num_steps sweep: the highest mean tok/s, and whether its CI is beyond every other
-    point's (else the sweep cannot tell them apart, as the page says)."""
-    pts = [p for p in (st.points or []) if p.get("tok_s") is not None]
-    best = next((p for p in pts if p.get("num_steps") == st.best_num_steps), None)
-    if best is None or len(pts) < 2:
-        return f"best num_steps={st.best_num_steps}"
-
-    def ci(p):
-        lo, hi = p.get("tok_s_lo"), p.get("tok_s_hi")
-        return f"{p['tok_s']:.1f}" + (f" [{lo:.1f}, {hi:.1f}]" if lo is not None and hi is not None else "")
-
-    others = [p for p in pts if p is not best]
-    apart = all(best.get("tok_s_lo") is not None and o.get("tok_s_hi") is not None
-                and best["tok_s_lo"] > o["tok_s_hi"] for o in others)
-    rest = ", ".join(f"num_steps={o['num_steps']}: {ci(o)}" for o in others)
-    return (f"highest mean tok/s at num_steps={st.best_num_steps} ({ci(best)}; {rest})"
-            + ("" if apart else ": the CIs overlap, the sweep cannot tell them apart"))
+    """The console's word on a num_steps sweep: :func:`helpers.acceptance.sweeps.steps_sweep_verdict` (the rule the
+    page's settings line and sweep figure use: a fastest num_steps only beyond every other point's CI, else not
+    distinguishable)."""
+    v = steps_sweep_verdict(st.points or [])
+    return v["text"] if v is not None else "no point measured"
 
 
 def _start_managed(m: ManagedServer, run_dir: Path):

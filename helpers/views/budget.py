@@ -9,6 +9,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from ..acceptance.stats import format_ci
+from ..acceptance.sweeps import steps_sweep_verdict
 from ..draft.budget import LIVE_WIRING, TRAINING_WIRING, gains, trade_text
 from ..draft.decide import MATERIAL
 from ..plots.budget import LOSS_AT, budget_ladder, budget_waterfall, draft_steps
@@ -130,9 +131,12 @@ def part_rows(engine: dict) -> list[dict]:
 
 
 def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optional[str]]:
-    """The settings line, consistent with ``budget["recommended_settings"]``: what the budget recommends over the
-    served settings, modelled how and on which states, and what the replay's ``num_steps`` sweep (``doc``, the replay
-    document) measured for the two; plus a flag when the sweep measured the other one faster beyond both tok/s CIs.
+    """The one settings advice of a run (the postmortem's first screen, the budget section, the suite's console
+    summary): what the budget recommends over the served settings, modelled how and on which states; what the
+    replay's ``num_steps`` sweep (``doc``, the replay document) measured (:func:`helpers.acceptance.sweeps.
+    steps_sweep_verdict`, the rule every sweep label uses); and one ``Advice:``: the modelled steps when the sweep
+    measured them fastest beyond every other CI, no num_steps from the sweep when its CIs overlap (not
+    distinguishable), ``undecided`` (plus a flag) when the sweep measured other steps faster beyond both CIs.
     ``("", None)`` without a budget."""
     b = budget or {}
     served, rec = b.get("settings") or {}, b.get("recommended_settings")
@@ -164,39 +168,34 @@ def settings_text(budget: Optional[dict], doc: Any = None) -> tuple[str, Optiona
             text += (f"; it was simulated on the states before the fix of the {b['cause']} stage, which the fix "
                      "changes")
     flag = None
-    pts = sweep_points(doc)
-    got = {p.get("num_steps"): p for p in pts if (p.get("topk") or 1) == 1 and p.get("tok_s") is not None}
-    s_ = got.get(served.get("steps"))
-    if same:      # the budget keeps the served steps: set it against the fastest other steps the sweep measured
-        others = [p for n, p in got.items() if n != served.get("steps")]
-        r = max(others, key=lambda p: p["tok_s"]) if others else None
+    pts = [p for p in sweep_points(doc) if (p.get("topk") or 1) == 1]
+    v = steps_sweep_verdict(pts)
+    got = {p["num_steps"]: p for p in (v or {}).get("points") or []}
+    s_, modelled = got.get(served.get("steps")), rec["steps"]
+    if v is None or len(got) < 2 or s_ is None:
+        return text + ".", None
+    text += f". The replay's num_steps sweep: {v['text']}"
+    fastest = v["fastest"]
+    if not v["ci"]:
+        text += ". Advice: none from the sweep (no CIs to compare); the budget's word is modelled only"
+    elif fastest is None:
+        text += (". Advice: the sweep recommends no num_steps (not distinguishable); "
+                 + ("nothing measured favours a change from the served settings" if same else
+                    f"the budget's {modelled} steps stay modelled only, to be measured before they are adopted"))
+    elif fastest == modelled:
+        text += f". Advice: {modelled} steps, modelled and measured" + ("" if same else " (a change from the served)")
+    elif modelled not in got:
+        text += (f". Advice: undecided: the sweep did not measure the budget's {modelled} steps, and measured "
+                 f"{fastest} steps fastest")
     else:
-        r = got.get(rec["steps"])
-    if r and s_:
-        r_steps = r.get("num_steps")
-        tr, ts = format_ci(r, "tok_s", digits=1), format_ci(s_, "tok_s", digits=1)
-        text += f". The replay's num_steps sweep measured {r_steps} steps {tr} tok/s, {served.get('steps')} " \
-                f"steps {ts} tok/s"
-        lo_r, hi_r, lo_s, hi_s = (r.get("tok_s_lo"), r.get("tok_s_hi"), s_.get("tok_s_lo"), s_.get("tok_s_hi"))
-        loads = "; ".join(f"{n} steps: {_load(p)}" for n, p in ((r_steps, r), (served.get("steps"), s_)))
-        if None in (lo_r, hi_r, lo_s, hi_s):
-            text += " (no CIs to compare)"
-        elif not same and hi_r < lo_s:
-            flag = (f"the budget recommends {r_steps} steps (modelled), the sweep measured {served.get('steps')}"
-                    f" steps faster beyond both tok/s CIs ({ts} vs {tr}); the machine's load during the two: "
-                    f"{loads}")
-            text += " (the served steps faster: see the flags)"
-        elif same and lo_r > hi_s:
-            flag = (f"the budget keeps the served {served.get('steps')} steps (modelled), the sweep measured "
-                    f"{r_steps} steps faster beyond both tok/s CIs ({tr} vs {ts}); the machine's load during the two: "
-                    f"{loads}")
-            text += f" ({r_steps} steps faster: see the flags)"
-        elif not same and lo_r > hi_s:
-            text += " (the recommended steps faster, beyond both CIs)"
-        elif same and hi_r < lo_s:
-            text += " (the served steps faster, beyond both CIs)"
-        else:
-            text += " (the CIs overlap: the sweep cannot tell them apart)"
+        r, f = got[modelled], got[fastest]
+        tr, tf = format_ci(r, "tok_s", digits=1), format_ci(f, "tok_s", digits=1)
+        loads = "; ".join(f"{n} steps: {_load(p)}" for n, p in ((fastest, f), (modelled, r)))
+        word = f"keeps the served {modelled}" if same else f"recommends {modelled}"
+        flag = (f"the budget {word} steps (modelled), the sweep measured {fastest} steps faster beyond both tok/s "
+                f"CIs ({tf} vs {tr}); the machine's load during the two: {loads}")
+        text += (f". Advice: undecided between {modelled} steps (modelled) and {fastest} steps (measured faster): "
+                 "see the flags, and measure both again on an idle machine before changing")
     return text + ".", flag
 
 

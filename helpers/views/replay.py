@@ -14,6 +14,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from ..acceptance.stats import format_ci
+from ..acceptance.sweeps import steps_sweep_verdict
 from ..errors import BadInput
 from ..investigation.catalog import CATALOG
 from ..investigation.replay import headline_parts, replay_case
@@ -250,7 +251,7 @@ def timeline_figure(doc: Optional[Mapping[str, Any]], *, title: str = "Accept ra
         elif s.kind == "sweep":
             fig.add_vrect(x0=x - 0.4, x1=x + 0.4, fillcolor="#9e9e9e", opacity=0.15, line_width=0)
             fig.add_annotation(x=x, y=0.02, yref="paper", showarrow=False,
-                               text=f"best num_steps={esc(s.best_num_steps)}", font=dict(size=10))
+                               text=esc(_sweep_label(s)), font=dict(size=10))
     fig.update_layout(title=title, template="plotly_white", height=520,
                       margin=dict(l=60, r=60, t=90, b=60), legend=dict(orientation="h", x=0, y=1.02,
                                                                        yanchor="bottom"))
@@ -280,6 +281,12 @@ def sweep_points(doc: Optional[Mapping[str, Any]]) -> list[dict]:
     return [dict(p, fix=f"{s.on_fix} | num_steps={p.get('num_steps')}", topk=p.get("topk") or 1) for p in s.points]
 
 
+def _sweep_label(s) -> str:
+    """The short word on one sweep step (:func:`helpers.acceptance.sweeps.steps_sweep_verdict`'s ``label``)."""
+    v = steps_sweep_verdict(s.points or [])
+    return v["label"] if v else "no point measured"
+
+
 def sweep_figure(doc: Optional[Mapping[str, Any]]):
     """tok/s (and accept length) against num_steps for the replay's sweep (:func:`helpers.plots.acceptance.
     tok_s_vs_steps`), or None without a sweep. Points the sweep took from the fix's own measurement
@@ -289,8 +296,7 @@ def sweep_figure(doc: Optional[Mapping[str, Any]]):
     if not pts:
         return None
     s = as_replay(doc).of_kind("sweep")[-1]
-    return tok_s_vs_steps(pts, title=f"tok/s vs num_steps (sweep on '{esc(s.on_fix)}'; best "
-                                     f"num_steps={esc(s.best_num_steps)})")
+    return tok_s_vs_steps(pts, title=f"tok/s vs num_steps (sweep on '{esc(s.on_fix)}'; {esc(_sweep_label(s))})")
 
 
 def hypothesis_steps(doc: Optional[Mapping[str, Any]], check: str) -> list[dict]:
@@ -330,9 +336,9 @@ def show_timeline(doc: Optional[Mapping[str, Any]], run_dir: Path) -> None:
             err = f'<p style="color:#c62828">{esc(problem)}</p>' if problem else ""
             show(f'<div class="e3f-step" style="background:#fafafa"><b>{esc(txt)}</b>{err}</div>')
         elif s.kind == "sweep":
-            pts = ", ".join(f"{p.get('num_steps')}: {_num(p.get('tok_s')):.1f} tok/s" for p in s.points)
+            v = steps_sweep_verdict(s.points or [])
             show(f'<div class="e3f-step"><b>Step {s.index + 1}: num_steps sweep</b> '
-                 f'{esc(pts)}; best num_steps = {esc(s.best_num_steps)}'
+                 f'{esc(v["text"] if v else "no point measured")}'
                  + (f'<p style="color:#c62828">{esc(s.error)}</p>' if s.error else "") + "</div>")
 
 

@@ -179,18 +179,18 @@ def test_kernels_running_at_once_get_their_own_ipc_sockets(tmp_path):
 
 def test_the_console_says_when_a_steps_sweep_cannot_tell_its_points_apart():
     """The main job's sweep (fresh clone, 2026-12-02): num_steps 2 had the highest mean tok/s, 31.6 [28.8, 34.6],
-    and 3 had 29.1 [26.4, 32.1]; the page keeps 3 because the CIs overlap, and the console now says so instead of
-    'best num_steps=2'."""
+    and 3 had 29.1 [26.4, 32.1]; the page keeps 3 because the CIs overlap, and the console says so (one rule:
+    helpers.acceptance.sweeps.steps_sweep_verdict) instead of 'best num_steps=2'."""
     from helpers.records import SweepStep
     from helpers.suite.runner import _sweep_line
 
     pts = [{"num_steps": 2, "tok_s": 31.6, "tok_s_lo": 28.8, "tok_s_hi": 34.6},
            {"num_steps": 3, "tok_s": 29.1, "tok_s_lo": 26.4, "tok_s_hi": 32.1}]
     line = _sweep_line(SweepStep(index=9, points=pts, best_num_steps=2))
-    assert line.startswith("highest mean tok/s at num_steps=2 (31.6 [28.8, 34.6]; num_steps=3: 29.1 [26.4, 32.1])")
-    assert line.endswith("the CIs overlap, the sweep cannot tell them apart")
+    assert line == ("num_steps 2 and 3 not distinguishable: their tok/s CIs overlap (num_steps=2: 31.6 [28.8, 34.6]; "
+                    "num_steps=3: 29.1 [26.4, 32.1])")
     pts[0].update(tok_s=41.6, tok_s_lo=38.8, tok_s_hi=44.6)
-    assert "overlap" not in _sweep_line(SweepStep(index=9, points=pts, best_num_steps=2))
+    assert _sweep_line(SweepStep(index=9, points=pts, best_num_steps=2)).startswith("num_steps=2 fastest, its tok/s CI")
 
 
 @pytest.mark.parametrize("field, value, named", [

@@ -117,7 +117,8 @@ def test_timeline_figure_marks_hypotheses_by_verdict():
     assert hover == ["step 2: q? Verdict: refuted (expected refuted) [msg 4495]",
                      "step 3: q2? Verdict: confirmed (expected refuted)"]
     assert not [a for a in fig.layout.annotations if a.textangle], "no rotated labels above the plot"
-    assert any("best num_steps=3" in a.text for a in fig.layout.annotations)
+    # 3 steps has the highest mean, but its CI [23, 25] meets 4 steps' [21, 23]: no fastest (acceptance.sweeps rule)
+    assert any(a.text == "num_steps not distinguishable" for a in fig.layout.annotations)
     assert {t.name for t in fig.data} >= {"refuted", "confirmed"}
     # round ticks on the accept-length axis: 0 and multiples of a 1/2/2.5/5 x 10^k step up to the top
     right = fig.layout.yaxis2
@@ -131,7 +132,7 @@ def test_sweep_figure_and_points():
     pts = views_replay.sweep_points(doc)
     assert [p["num_steps"] for p in pts] == [2, 3, 4]
     fig = views_replay.sweep_figure(doc)
-    assert "best num_steps=3" in fig.layout.title.text
+    assert "num_steps not distinguishable" in fig.layout.title.text and "best" not in fig.layout.title.text
     assert list(fig.data[0].y) == [20, 24, 22]
     assert (fig.layout.yaxis.dtick, fig.layout.yaxis2.dtick) == (5.0, 1.0), "round ticks: tok/s up to 25, length 2.8"
     assert views_replay.sweep_figure({"steps": doc["steps"][:2]}) is None
@@ -303,12 +304,13 @@ def test_a_kept_setting_the_sweep_measured_slower_is_flagged():
          "stages": [{"name": "best settings (simulated)", "grid": "served states", "modelled_speedup_gain": 0.076}]}
     doc = _doc()
     text, flag = settings_text(b, doc)                       # the synthetic sweep: 3 steps (24) is the fastest
-    assert flag is None and "keeps the served" in text and "4 steps 22.0" in text and "cannot tell them apart" in text
+    assert flag is None and "keeps the served" in text and "num_steps=4: 22.0 [21.0, 23.0]" in text
+    assert "not distinguishable" in text and "Advice: the sweep recommends no num_steps" in text
     pts = doc["steps"][-1]["points"]
     pts[0].update(tok_s=29.4, tok_s_lo=27.2, tok_s_hi=31.7)   # 2 steps now measured faster beyond both CIs
     text, flag = settings_text(b, doc)
     assert flag is not None and flag.startswith("the budget keeps the served 3 steps") and "2 steps faster" in flag
-    assert "29.4 [27.2, 31.7]" in text and "see the flags" in text
+    assert "29.4 [27.2, 31.7]" in text and "see the flags" in text and "Advice: undecided between 3 steps" in text
     pts[0].update(tok_s=24.5, tok_s_lo=23.0, tok_s_hi=26.0)   # overlapping CIs: no flag
     text, flag = settings_text(b, doc)
-    assert flag is None and "cannot tell them apart" in text
+    assert flag is None and "not distinguishable" in text and "Advice: the sweep recommends no num_steps" in text
