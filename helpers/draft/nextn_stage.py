@@ -99,6 +99,28 @@ def _recorded_rows_path(doc: dict, log_path: Path) -> Optional[Path]:
     return q if q.is_absolute() else (log_path.parent / q)
 
 
+#: how many folders above the log's are searched for its relocated validation rows (:func:`relocated_rows`)
+RELOCATE_DEPTH = 4
+
+
+def relocated_rows(doc: dict, log_path: Path) -> Optional[Path]:
+    """The log's ``validation_rows.path`` if it exists; else the same data set in this checkout: the path's last
+    three components (e.g. ``kimi/data/validation``) under the log's folder or one of its :data:`RELOCATE_DEPTH`
+    parents (a log written in another checkout records its absolute path). None when neither exists."""
+    rec = _recorded_rows_path(doc, log_path)
+    if rec is None:
+        return None
+    if rec.is_dir():
+        return rec
+    tail = Path(*rec.parts[-3:]) if len(rec.parts) >= 3 else None
+    if tail is None:
+        return None
+    for up in [log_path.parent, *list(log_path.resolve().parent.parents)[:RELOCATE_DEPTH]]:
+        if (up / tail).is_dir():
+            return up / tail
+    return None
+
+
 def same_rows(rows_path: Path, doc: dict, log_path: Path, n_rows: int) -> tuple[bool, str]:
     """Whether ``rows_path`` holds the rows the log's ``validation_rows`` figure was measured on: the same folder
     (resolved), or a folder with the same last three path components (the same data set in another checkout) and the
@@ -150,7 +172,9 @@ def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, 
         steps: the served ``--speculative-num-steps`` (the accept length covers min(steps, the log's steps)).
         draft_dir / training / training_log: where the log is looked for (:func:`find_nextn_log`).
         validation: the rows (``--validation DIR``, SpecForge format with ``hidden_state``); else the log's
-            ``validation_rows.path`` if it exists, else :func:`helpers.draft.training_log.find_validation_data`.
+            ``validation_rows.path`` (:func:`relocated_rows`), else
+            :func:`helpers.draft.training_log.find_validation_data` (a ``validation`` folder beside the
+            ``--training`` data or in the draft folder).
 
     Returns:
         ``{"stage", "loss", "log" (path or None), "rows" (path or None), "same_rows", "why_rows", "trained_steps",
@@ -176,10 +200,8 @@ def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, 
     if rows_path is not None and not rows_path.exists():
         raise BadInput("validation rows not found", path=rows_path, field="--validation")
     if rows_path is None:
-        rec = _recorded_rows_path(doc, log_path)
-        if rec is not None and rec.exists():
-            rows_path = rec
-        else:
+        rows_path = relocated_rows(doc, log_path)
+        if rows_path is None:
             rows_path, _ = find_validation_data(Path(draft_dir or target_dir), training=training)
     if rows_path is None:
         log = read_training_log(log_path)
@@ -232,5 +254,6 @@ def steps_check(served_steps: int, trained: Optional[int], stage: Optional[dict]
             "source": f"the log's hyper.train_steps; {STEPS_SOURCE} reuses the one head at every step"}
 
 
-__all__ = ["NEXTN_LOG", "NEXTN_TRAINER_SOURCE", "STEPS_SOURCE", "find_nextn_log", "nextn_draft_stage", "rows_log",
+__all__ = ["NEXTN_LOG", "NEXTN_TRAINER_SOURCE", "RELOCATE_DEPTH", "STEPS_SOURCE", "find_nextn_log", "nextn_draft_stage",
+           "relocated_rows", "rows_log",
            "same_rows", "steps_check", "trained_steps"]

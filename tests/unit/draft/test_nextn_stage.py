@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 from itertools import count
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from helpers.draft.loader import load_draft
-from helpers.draft.nextn_stage import NEXTN_LOG, find_nextn_log, nextn_draft_stage, steps_check
+from helpers.draft.nextn_stage import NEXTN_LOG, find_nextn_log, nextn_draft_stage, relocated_rows, steps_check
 from helpers.errors import BadInput
 from support import ROOT
 from support.mtp_faults import CLASSES, TARGET, VALIDATION, damage, draw, write_faulty_target
@@ -74,6 +75,11 @@ def test_where_the_log_is_read_from(tmp_path, log):
     assert find_nextn_log(tgt, given=TARGET / NEXTN_LOG) == TARGET / NEXTN_LOG
     with pytest.raises(BadInput, match="--training-log"):
         find_nextn_log(tgt, given=tmp_path / "none.json")
+    # the log's validation_rows.path was written in another checkout: the same data set is found in this one
+    rec = Path(log["validation_rows"]["path"])
+    assert relocated_rows(log, TARGET / NEXTN_LOG).resolve() == (rec if rec.is_dir() else VALIDATION).resolve()
+    moved = {"validation_rows": {"path": "/elsewhere/x/y/nowhere"}}
+    assert relocated_rows(moved, TARGET / NEXTN_LOG) is None and relocated_rows({}, TARGET / NEXTN_LOG) is None
 
 
 
