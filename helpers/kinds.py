@@ -191,8 +191,6 @@ KINDS: tuple[Kind, ...] = (
     _k("engine_after_capture", "acceptance",
        "the engine accepts less than the draft run offline on the very states it fed", stage="engine"),
     _k("spec_settings_low", "acceptance", "the speculative settings leave acceptance unused", stage="settings"),
-    _k("nextn_steps_beyond_training", "acceptance",
-       "the NextN / MTP head is served with more draft steps than its training log's depth", stage="settings"),
     _k("acceptance_unexplained", "acceptance",
        "live acceptance is below the offline prediction and no stage explains it"),
     _k("workload_loses_acceptance", "acceptance",

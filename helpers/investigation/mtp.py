@@ -147,7 +147,7 @@ def reference_sequences(reference: str | Path, like: Sequence[SimSequence], weig
 
 def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Sequence[SimSequence]],
                live: Optional[pd.DataFrame], settings: DraftSettings, *, max_new_tokens: int,
-               draft: Optional[dict] = None) -> dict:
+               draft: Optional[dict] = None, head_layers: Optional[int] = None) -> dict:
     """The head's acceptance budget (module docstring): stages ``checkpoint (teacher-forced)`` (the head against its
     training log, :func:`helpers.draft.nextn_stage.nextn_draft_stage`), ``draft`` (offline on the reference states of
     the live prompts), ``wiring`` (offline on the served states), ``live``; losses ``draft`` (log - checkpoint, from
@@ -163,6 +163,8 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
             counters (:func:`helpers.acceptance.requests.record` rows) of the same answers, or None.
         settings: the served chain; max_new_tokens: the live requests' cap (the simulation cuts there).
         draft: :func:`helpers.draft.nextn_stage.nextn_draft_stage`'s result, or None (not measured).
+        head_layers: the checkpoint's NextN layers (``num_nextn_predict_layers``): the trained depth when the log does
+            not give ``hyper.train_steps``.
 
     Returns:
         ``{"stages": [...], "losses": {"draft", "wiring", "engine"}, "cause", "sentence", "settings",
@@ -202,7 +204,8 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
     cause = cause_of(losses, ("draft", "wiring", "engine"))
     b = {"kind": "mtp", "settings": settings.label, "stages": stages, "losses": losses, "cause": cause,
          "threshold": threshold(ref_al),
-         "settings_check": steps_check(steps, (draft or {}).get("trained_steps"), (draft or {}).get("stage")),
+         "settings_check": steps_check(steps, (draft or {}).get("trained_steps") or head_layers,
+                                       (draft or {}).get("stage")),
          "draft_stage": None if not draft else {k: draft.get(k) for k in ("log", "rows", "same_rows", "why_rows",
                                                                            "trained_steps", "log_steps")}}
     b["sentence"] = budget_sentence(b)
@@ -383,7 +386,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         ds = nextn_draft_stage(head, att.target_dir, settings.steps, draft_dir=att.draft_dir, training=req.training,
                                training_log=req.training_log, validation=req.validation, progress=r.progress)
         b = mtp_budget(head, served, refs, pd.DataFrame(recs) if req.live_measure else None, settings,
-                       max_new_tokens=req.max_new_tokens, draft=ds)
+                       max_new_tokens=req.max_new_tokens, draft=ds, head_layers=att.draft_head.get("layers"))
         b["dtype"] = choice.reason
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
@@ -396,7 +399,9 @@ def investigate_mtp(r: Any, reference: Any) -> None:
                                     "same /generate answers"))
     sc = (b or {}).get("settings_check")
     if sc:
-        found.append(finding("nextn_steps_beyond_training", None, steps_text(sc), stage="settings", **sc))
+        found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
+                             fix=f"--speculative-num-steps {sc['trained_steps']} --speculative-eagle-topk 1 "
+                                 f"--speculative-num-draft-tokens {sc['trained_steps'] + 1}", **sc))
     doc.findings = [Finding(**f) for f in found]
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
         fix = ProposedFix(kind="engine", summary=f"feed the NextN head the target's final hidden state after its "
@@ -419,7 +424,7 @@ def steps_text(sc: dict) -> str:
     per = ", ".join(f"step {r['step']}: {r['acc']:.3f} (log {r['log_acc']:.3f})" for r in sc.get("untrained") or []
                     if r.get("acc") is not None and r.get("log_acc") is not None)
     return (f"the NextN head is served with {sc['served_steps']} draft steps (--speculative-num-steps) but was trained "
-            f"for {sc['trained_steps']} (its training log's hyper.train_steps): steps {sc['trained_steps'] + 1}.."
+            f"for {sc['trained_steps']} (its training log's hyper.train_steps, else its NextN layers): steps {sc['trained_steps'] + 1}.."
             f"{sc['served_steps']} run the one head on its own outputs, a depth it never learned"
             + (f"; teacher-forced accuracy there {per}" if per else "") + f" ({sc['source']})")
 
@@ -439,8 +444,8 @@ def mtp_sentence(doc: Any) -> str:
         d = (b or {}).get("losses", {}).get("draft") or {}
         return (f"The NextN head scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
                 f"length lost at the checkpoint ({d.get('basis')}).{tail}")
-    if "nextn_steps_beyond_training" in kinds:
-        f = doc.findings[kinds.index("nextn_steps_beyond_training")]
+    if "mtp_steps_beyond_head" in kinds:
+        f = doc.findings[kinds.index("mtp_steps_beyond_head")]
         return f"Settings: {f.detail}.{tail}"
     if ident is None:
         return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"

@@ -1,11 +1,11 @@
 """Generated MTP / NextN faults on a live SGLang 0.5.23 NEXTN server at TP 1 (extended tier; two server starts for
 the module): ``investigate`` names each fault in its stage of the NextN budget, and a clean server comes out ``ok``.
 
-* The faulty server: the first seeded draw of a checkpoint fault (tests/support/mtp_faults.py) written into a copy of
-  the target folder, served with the first drawn ``steps`` value (more steps than the head was trained for) and the
+* The faulty server: the first seeded draw of a checkpoint fault (tests/support/mtp_faults.py) that costs a material
+  loss offline, written into a copy of the target folder, served with the first drawn ``steps`` value (more steps than the head was trained for) and the
   ``pre_norm`` state fault (``helpers.hooks`` ``wrong_layer`` out(7) on the target's logits processor): the draft
   stage names the weights (``draft_underperforms``, on the log's own rows), the settings stage the steps
-  (``nextn_steps_beyond_training``) and the state identification the pre-norm state (``norm_mismatch``).
+  (``mtp_steps_beyond_head``) and the state identification the pre-norm state (``norm_mismatch``).
 * The clean server: the shipped target, 1 step: every stage clear, verdict ``ok`` (exit 0).
 """
 from __future__ import annotations
@@ -26,6 +26,21 @@ PROMPTS, NEW = 12, 24
 
 def _first(kinds: tuple[str, ...]):
     return draw(next(s for s in count() if draw(s).kind in kinds))
+
+
+def _first_material(tmp):
+    """The first seed whose draw is a checkpoint fault that costs a material loss offline (the draft stage on the
+    log's rows counts it; a milder draw is cleared, rightly: bench/bench_mtp_faults.py), and its target copy."""
+    from helpers.draft.loader import load_draft
+    from helpers.draft.nextn_stage import nextn_draft_stage
+    for seed in count():
+        f = draw(seed)
+        if not f.checkpoint:
+            continue
+        folder = write_faulty_target(f, tmp / f"target-{seed}")
+        if nextn_draft_stage(load_draft(folder, folder), folder, 1, validation=VALIDATION)["loss"]["decision"] == \
+                "counts":
+            return f, folder
 
 
 def _serve(folder, steps: int, faults=()):
@@ -52,8 +67,8 @@ def _investigate(url, run_dir):
 def faulty(tmp_path_factory):
     if not (TARGET / "nextn_training_log.json").is_file() or not VALIDATION.is_dir():
         pytest.skip("the Kimi-class target's NextN head or its validation rows are not built here")
-    weights, steps, state = _first(("eh_swap", "eh_scale", "head_noise")), _first(("steps",)), _first(("pre_norm",))
-    folder = write_faulty_target(weights, tmp_path_factory.mktemp("nextn-faulty") / "target")
+    weights, folder = _first_material(tmp_path_factory.mktemp("nextn-faulty"))
+    steps, state = _first(("steps",)), _first(("pre_norm",))
     h = _serve(folder, served_steps(steps), hook_faults(state))
     try:
         yield h, (weights, steps, state), _investigate(h.url, tmp_path_factory.mktemp("run-faulty"))
@@ -73,7 +88,7 @@ def test_each_drawn_fault_is_named_in_its_stage(faulty):
     # the steps: the settings stage, with the per-step accuracy at the untrained steps
     sc = b["settings_check"]
     assert sc["served_steps"] == served_steps(steps) and sc["trained_steps"] == 1
-    assert len(sc["untrained"]) == min(served_steps(steps), 3) - 1 and "nextn_steps_beyond_training" in kinds
+    assert len(sc["untrained"]) == min(served_steps(steps), 3) - 1 and "mtp_steps_beyond_head" in kinds
     # the state: the served rows are out(7), the pre-norm state
     ident = doc.diagnosis["served_state"]
     assert ident["identified"] == f"out({state.params['layer']})" and "norm_mismatch" in kinds
