@@ -19,12 +19,16 @@ Measured on the embedded Kimi-class target (``env/models/kimi/target``, TP 1, fl
 (pre-norm) is 0.73-0.80 away, ``out(n-2)`` 0.84-0.93, the final norm applied twice 0.02 (this target's final-norm
 weight is near uniform: 1.80 +- 0.04) (:func:`identify_state`).
 
-The stages (:func:`mtp_budget`), each accept length (tokens per verify step, bonus included) with its bootstrap CI
-over prompts, all on the same live prompts (the server's own greedy continuation):
+The stages (:func:`mtp_budget`), each accept length (tokens per verify step, bonus included) with its bootstrap CI:
+
+* ``checkpoint (teacher-forced)`` -- the head against its own training log, same metric, steps and rows
+  (:func:`helpers.draft.nextn_stage.nextn_draft_stage`): the ``draft`` loss, log - checkpoint.
+
+then on the same live prompts (the server's own greedy continuation):
 
 * ``draft`` -- the head run offline (:func:`helpers.draft.loader.load_draft`, the engine's chain replayed by
   :func:`helpers.draft.simulate.simulate_sequences`) on the reference states ``norm(out(n-1))``: what the head can
-  do when fed right. Not compared with a training log here (undecided, saying so).
+  do when fed right.
 * ``wiring`` -- the same on the served states: the paired loss reference - served decides whether what the server
   feeds costs acceptance (:func:`helpers.draft.decide.decide`).
 * ``engine`` -- the live counters (``meta_info`` ``spec_verify_ct``, ``completion_tokens``) against the offline run
@@ -333,7 +337,11 @@ def investigate_mtp(r: Any, reference: Any) -> None:
        run_dir, num_layers, name=) -> (path, how, missing)``, :func:`helpers.investigation.live._reference`: the
        server's own every-layer capture, else HF transformers).
     3. **diagnosis** -- :func:`identify_state` and :func:`state_findings`.
-    4. **acceptance budget** -- :func:`mtp_budget` with the head of :func:`helpers.draft.loader.load_draft`.
+    4. **acceptance budget** -- :func:`mtp_budget` with the head of :func:`helpers.draft.loader.load_draft` and its
+       draft stage (:func:`helpers.draft.nextn_stage.nextn_draft_stage`: the log from ``--training-log``, the
+       ``--training`` folder, the draft or the target folder; the rows from ``--validation`` or the log's own);
+       the served steps beyond the trained depth are ``mtp_steps_beyond_head``
+       (:func:`helpers.draft.nextn_stage.steps_check`).
 
     Verdict: ``mismatch`` when the served state is not :data:`POST_NORM` (the finding says what it is) or a loss
     counts; ``ok`` only when every stage of the budget is ``clear``; else ``undecided``.
