@@ -39,8 +39,10 @@ def main(argv=None) -> int:
                 hit = "yes" if r["named"] == ["none"] else "NO"
             elif f.stage in r["named"]:
                 hit = "yes"
+            elif lc is not None and lc["ci"][1] < lc["threshold"] and r["named"] in (["none"], ["undecided"]):
+                hit = "immaterial"          # the live prompts' CI rules a material cost out too
             elif lc is not None and not lc["material"] and r["named"] in (["none"], ["undecided"]):
-                hit = "immaterial"          # the fault costs less than the material loss on the live prompts too
+                hit = "borderline"          # under the threshold on the live prompts, but their CI reaches it
             else:
                 hit = "NO"
             cost = "-" if lc is None else f"{lc['delta']:.3f} [{lc['ci'][0]:.3f}, {lc['ci'][1]:.3f}]"
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     print("| seed | fault | true stage | named | hit | checkpoint accept length | draft loss (log - checkpoint) "
           "| live-prompt cost (clean - faulty, drafting chain) | state finding | s |")
     print(f"hits {sum(r['hit'] == 'yes' for r in rows)}/{len(rows)}, immaterial {sum(r['hit'] == 'immaterial' for r in rows)}, "
-          f"missed {sum(r['hit'] == 'NO' for r in rows)}; {time.monotonic() - t0:.0f} s")
+          f"borderline {sum(r['hit'] == 'borderline' for r in rows)}, missed {sum(r['hit'] == 'NO' for r in rows)}; "
+          f"{time.monotonic() - t0:.0f} s")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1, default=str))
     return 0
