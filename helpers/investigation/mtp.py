@@ -19,12 +19,16 @@ Measured on the embedded Kimi-class target (``env/models/kimi/target``, TP 1, fl
 (pre-norm) is 0.73-0.80 away, ``out(n-2)`` 0.84-0.93, the final norm applied twice 0.02 (this target's final-norm
 weight is near uniform: 1.80 +- 0.04) (:func:`identify_state`).
 
-The stages (:func:`mtp_budget`), each accept length (tokens per verify step, bonus included) with its bootstrap CI
-over prompts, all on the same live prompts (the server's own greedy continuation):
+The stages (:func:`mtp_budget`), each accept length (tokens per verify step, bonus included) with its bootstrap CI:
+
+* ``checkpoint (teacher-forced)`` -- the head against its own training log, same metric, steps and rows
+  (:func:`helpers.draft.nextn_stage.nextn_draft_stage`): the ``draft`` loss, log - checkpoint.
+
+then on the same live prompts (the server's own greedy continuation):
 
 * ``draft`` -- the head run offline (:func:`helpers.draft.loader.load_draft`, the engine's chain replayed by
   :func:`helpers.draft.simulate.simulate_sequences`) on the reference states ``norm(out(n-1))``: what the head can
-  do when fed right. Not compared with a training log here (undecided, saying so).
+  do when fed right.
 * ``wiring`` -- the same on the served states: the paired loss reference - served decides whether what the server
   feeds costs acceptance (:func:`helpers.draft.decide.decide`).
 * ``engine`` -- the live counters (``meta_info`` ``spec_verify_ct``, ``completion_tokens``) against the offline run
@@ -43,6 +47,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
+from ..draft.nextn_stage import nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding, ProposedFix
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
@@ -64,7 +69,9 @@ TWICE = "norm(norm(out(n-1)))"
 #: the budget's stage names (:func:`mtp_budget`), and the stage each loss is measured at (the ladder's rows, as
 #: :data:`helpers.plots.budget.LOSS_AT` for an EAGLE-3 draft)
 DRAFT_STAGE, WIRING_STAGE, LIVE_STAGE = "draft (offline, reference states)", "wiring (offline, served states)", "live"
-LOSS_AT = {"draft": DRAFT_STAGE, "wiring": WIRING_STAGE, "engine": LIVE_STAGE}
+#: the head against its training log (:func:`helpers.draft.nextn_stage.nextn_draft_stage`; the EAGLE-3 budget's name)
+CHECKPOINT_STAGE = "checkpoint (teacher-forced)"
+LOSS_AT = {"draft": CHECKPOINT_STAGE, "wiring": WIRING_STAGE, "engine": LIVE_STAGE}
 #: where SGLang turns the requested NEXTN into the EAGLE it runs (and reports in /server_info)
 ALIAS_SOURCE = "sglang/srt/arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias"
 FEED_SOURCE = ("sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward (spec_info.hidden_states) <- "
@@ -143,28 +150,36 @@ def reference_sequences(reference: str | Path, like: Sequence[SimSequence], weig
 
 
 def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Sequence[SimSequence]],
-               live: Optional[pd.DataFrame], settings: DraftSettings, *, max_new_tokens: int) -> dict:
-    """The head's acceptance budget on the live prompts (module docstring): stages ``draft`` (offline on the reference
-    states), ``wiring`` (offline on the served states), ``live``; losses ``wiring`` (reference - served, paired per
-    prompt) and ``engine`` (offline served - live, paired), each decided by :func:`helpers.draft.decide.decide`;
-    ``draft`` is not compared with a training log (undecided). ``cause`` by :func:`helpers.draft.budget.cause_of`
-    over all three: the draft stage stays required, so a budget with no counted loss is ``undecided``, never
-    ``none``, until the head's own training figure is compared.
+               live: Optional[pd.DataFrame], settings: DraftSettings, *, max_new_tokens: int,
+               draft: Optional[dict] = None, head_layers: Optional[int] = None) -> dict:
+    """The head's acceptance budget (module docstring): stages ``checkpoint (teacher-forced)`` (the head against its
+    training log, :func:`helpers.draft.nextn_stage.nextn_draft_stage`), ``draft`` (offline on the reference states of
+    the live prompts), ``wiring`` (offline on the served states), ``live``; losses ``draft`` (log - checkpoint, from
+    ``draft``; undecided when not given), ``wiring`` (reference - served, paired per prompt) and ``engine`` (offline
+    served - live, paired), each decided by :func:`helpers.draft.decide.decide`. ``cause`` by
+    :func:`helpers.draft.budget.cause_of` over all three: ``none`` (a clean head) only when every loss is ``clear``.
+    ``settings_check``: :func:`helpers.draft.nextn_stage.steps_check` of the served steps against the log's trained
+    depth (None: within it, or not known).
 
     Args:
         head: the offline head (:func:`helpers.draft.loader.load_draft`); served / reference: the live prompts'
             sequences with the served / reference states (reference None: not measured); live: the live per-request
             counters (:func:`helpers.acceptance.requests.record` rows) of the same answers, or None.
         settings: the served chain; max_new_tokens: the live requests' cap (the simulation cuts there).
+        draft: :func:`helpers.draft.nextn_stage.nextn_draft_stage`'s result, or None (not measured).
+        head_layers: the checkpoint's NextN layers (``num_nextn_predict_layers``): the trained depth when the log does
+            not give ``hyper.train_steps``.
 
     Returns:
-        ``{"stages": [...], "losses": {"draft", "wiring", "engine"}, "cause", "sentence", "settings"}``.
+        ``{"stages": [...], "losses": {"draft", "wiring", "engine"}, "cause", "sentence", "settings",
+        "settings_check", "draft_stage"}``.
     """
     steps = settings.steps
     sim_s = simulate_sequences(head, served, [settings], max_new_tokens=max_new_tokens)["per_request"][settings]
     sim_r = None if not reference else simulate_sequences(head, reference, [settings],
                                                           max_new_tokens=max_new_tokens)["per_request"][settings]
-    stages = []
+    stages = [draft["stage"] if draft else {"name": CHECKPOINT_STAGE, "accept_length": None, "ci": [None, None],
+                                            "source": "not measured (no training log or rows)"}]
     src = "simulation: the head offline as SGLang runs it (helpers.draft.loader.load_draft, helpers.draft.simulate)"
     if sim_r is not None:
         stages.append(_stage(DRAFT_STAGE, sim_r, steps, source=src + " on norm(out(n-1)) of "
@@ -175,9 +190,9 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
     if live_ok:
         stages.append(_stage(LIVE_STAGE, live, steps, source="SGLang meta_info (spec_verify_ct, completion_tokens) "
                              "of the same /generate answers"))
-    ref_al = stages[0].get("accept_length")
-    losses: dict = {"draft": _not_computed("draft", "the head's accept length is not compared with its training "
-                                                    "figure yet: docs/mtp.md")}
+    ref_al = stages[1].get("accept_length")
+    losses: dict = {"draft": draft["loss"] if draft else _not_computed(
+        "draft", "the head was not compared with its training log (none found, or no rows to run it on): docs/mtp.md")}
     if sim_r is not None:
         d, lo, hi, n, per = _paired_loss(sim_r, sim_s)
         losses["wiring"] = _loss("wiring", d, lo, hi, "reference states (norm(out(n-1))) vs served states, paired "
@@ -192,7 +207,11 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
         losses["engine"] = _not_computed("engine", "no live counters (--no-measure or the server returned none)")
     cause = cause_of(losses, ("draft", "wiring", "engine"))
     b = {"kind": "mtp", "settings": settings.label, "stages": stages, "losses": losses, "cause": cause,
-         "threshold": threshold(ref_al)}
+         "threshold": threshold(ref_al),
+         "settings_check": steps_check(steps, (draft or {}).get("trained_steps") or head_layers,
+                                       (draft or {}).get("stage")),
+         "draft_stage": None if not draft else {k: draft.get(k) for k in ("log", "rows", "same_rows", "why_rows",
+                                                                           "trained_steps", "log_steps")}}
     b["sentence"] = budget_sentence(b)
     return b
 
@@ -302,7 +321,8 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ the live run
 
 #: budget cause -> the finding it implies (as :data:`helpers.investigation.acceptance.CAUSE_KINDS` for EAGLE-3)
-CAUSE_FINDINGS = {"wiring": "wiring_loses_acceptance", "engine": "engine_after_capture"}
+CAUSE_FINDINGS = {"draft": "draft_underperforms", "wiring": "wiring_loses_acceptance",
+                  "engine": "engine_after_capture"}
 FIX_SOURCE = ("SGLang 0.5.23 feeds the head logits_output.hidden_states = DeepseekV2Model.forward's output after "
               "final_norm (sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward)")
 
@@ -317,7 +337,11 @@ def investigate_mtp(r: Any, reference: Any) -> None:
        run_dir, num_layers, name=) -> (path, how, missing)``, :func:`helpers.investigation.live._reference`: the
        server's own every-layer capture, else HF transformers).
     3. **diagnosis** -- :func:`identify_state` and :func:`state_findings`.
-    4. **acceptance budget** -- :func:`mtp_budget` with the head of :func:`helpers.draft.loader.load_draft`.
+    4. **acceptance budget** -- :func:`mtp_budget` with the head of :func:`helpers.draft.loader.load_draft` and its
+       draft stage (:func:`helpers.draft.nextn_stage.nextn_draft_stage`: the log from ``--training-log``, the
+       ``--training`` folder, the draft or the target folder; the rows from ``--validation`` or the log's own);
+       the served steps beyond the trained depth are ``mtp_steps_beyond_head``
+       (:func:`helpers.draft.nextn_stage.steps_check`).
 
     Verdict: ``mismatch`` when the served state is not :data:`POST_NORM` (the finding says what it is) or a loss
     counts; ``ok`` only when every stage of the budget is ``clear``; else ``undecided``.
@@ -367,8 +391,10 @@ def investigate_mtp(r: Any, reference: Any) -> None:
                               "cpu")
         head = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype, dtype_reason=choice.reason)
         refs = reference_sequences(ref, served, weight, eps) if ref is not None else None
+        ds = nextn_draft_stage(head, att.target_dir, settings.steps, draft_dir=att.draft_dir, training=req.training,
+                               training_log=req.training_log, validation=req.validation, progress=r.progress)
         b = mtp_budget(head, served, refs, pd.DataFrame(recs) if req.live_measure else None, settings,
-                       max_new_tokens=req.max_new_tokens)
+                       max_new_tokens=req.max_new_tokens, draft=ds, head_layers=att.draft_head.get("layers"))
         b["dtype"] = choice.reason
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
@@ -379,6 +405,11 @@ def investigate_mtp(r: Any, reference: Any) -> None:
                              stages=[{k: s.get(k) for k in ("name", "accept_length", "ci")} for s in b["stages"]],
                              source="simulation: the NextN head offline as SGLang runs it; live counters from the "
                                     "same /generate answers"))
+    sc = (b or {}).get("settings_check")
+    if sc:
+        found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
+                             fix=f"--speculative-num-steps {sc['trained_steps']} --speculative-eagle-topk 1 "
+                                 f"--speculative-num-draft-tokens {sc['trained_steps'] + 1}", **sc))
     doc.findings = [Finding(**f) for f in found]
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
         fix = ProposedFix(kind="engine", summary=f"feed the NextN head the target's final hidden state after its "
@@ -396,6 +427,16 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         doc.notes.append(f"the served state is not identified: {missing}")
 
 
+def steps_text(sc: dict) -> str:
+    """The settings finding in one line (``sc``: :func:`helpers.draft.nextn_stage.steps_check`)."""
+    per = ", ".join(f"step {r['step']}: {r['acc']:.3f} (log {r['log_acc']:.3f})" for r in sc.get("untrained") or []
+                    if r.get("acc") is not None and r.get("log_acc") is not None)
+    return (f"the NextN head is served with {sc['served_steps']} draft steps (--speculative-num-steps) but was trained "
+            f"for {sc['trained_steps']} (its training log's hyper.train_steps, else its NextN layers): steps {sc['trained_steps'] + 1}.."
+            f"{sc['served_steps']} run the one head on its own outputs, a depth it never learned"
+            + (f"; teacher-forced accuracy there {per}" if per else "") + f" ({sc['source']})")
+
+
 def mtp_sentence(doc: Any) -> str:
     """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``)."""
     ident = (doc.diagnosis or {}).get("served_state")
@@ -406,6 +447,14 @@ def mtp_sentence(doc: Any) -> str:
         f = doc.findings[0]
         return (f"Wrong wiring: {f.detail} [evidence: {doc.samples} live prompt(s), reference {ref}]. Proposed fix: "
                 f"{doc.proposed_fix.summary if doc.proposed_fix else 'none'}.{tail}")
+    kinds = [f.kind for f in doc.findings or []]
+    if "draft_underperforms" in kinds:
+        d = (b or {}).get("losses", {}).get("draft") or {}
+        return (f"The NextN head scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
+                f"length lost at the checkpoint ({d.get('basis')}).{tail}")
+    if "mtp_steps_beyond_head" in kinds:
+        f = doc.findings[kinds.index("mtp_steps_beyond_head")]
+        return f"Settings: {f.detail}.{tail}"
     if ident is None:
         return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",
@@ -416,6 +465,6 @@ def mtp_sentence(doc: Any) -> str:
 
 
 __all__ = ["ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
-           "TWICE", "WIRING_STAGE", "algorithm_text", "budget_sentence", "final_norm", "head_text", "identify_state",
+           "TWICE", "WIRING_STAGE", "CHECKPOINT_STAGE", "algorithm_text", "budget_sentence", "head_text", "identify_state",
            "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences",
-           "state_candidates", "state_findings", "state_line"]
+           "state_candidates", "state_findings", "state_line", "steps_text"]

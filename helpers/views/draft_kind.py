@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from ..investigation.mtp import LOSS_AT as MTP_LOSS_AT, POST_NORM, algorithm_text, head_text, state_line
+from ..investigation.mtp import DRAFT_STAGE, LOSS_AT as MTP_LOSS_AT, POST_NORM, algorithm_text, head_text, state_line
 from ..plots.budget import LOSS_AT, ORDER, run_of
 
 MTP = "mtp"
@@ -55,12 +55,15 @@ class DraftKind:
     @property
     def stage_order(self) -> tuple[str, ...]:
         """The budget's stages in ladder order (the figures draw these): an MTP head's draft, wiring, live."""
-        return (MTP_LOSS_AT["draft"], MTP_LOSS_AT["wiring"], MTP_LOSS_AT["engine"]) if self.mtp else ORDER
+        return (MTP_LOSS_AT["draft"], DRAFT_STAGE, MTP_LOSS_AT["wiring"], MTP_LOSS_AT["engine"]) if self.mtp else ORDER
 
     def run_of(self, stage: str) -> Optional[str]:
         """The like-with-like run of a budget stage (:func:`helpers.plots.budget.run_of`); every stage of an MTP head's
-        budget runs on the same live prompts (:func:`helpers.investigation.mtp.mtp_budget`)."""
-        return "drafting chain, live prompts" if self.mtp else run_of(stage)
+        budget runs on the same live prompts (:func:`helpers.investigation.mtp.mtp_budget`) but the checkpoint stage, run
+        teacher-forced on the rows of the head's training log (:func:`helpers.draft.nextn_stage.nextn_draft_stage`)."""
+        if self.mtp:
+            return "teacher-forced, the log's rows" if stage == MTP_LOSS_AT["draft"] else "drafting chain, live prompts"
+        return run_of(stage)
 
     def algorithm(self, attach: Mapping[str, Any]) -> str:
         """The speculative algorithm: the server's (``attach.algorithm``); for an MTP head what the launch asked for

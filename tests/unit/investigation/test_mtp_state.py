@@ -115,12 +115,14 @@ def test_budget_clean_and_wrong_layer(world):
     wl = b["losses"]["wiring"]
     assert wl["delta"] == 0 and wl["decision"] == "clear"
     assert b["losses"]["engine"]["decision"] == "undecided" and b["cause"] == "undecided"
-    al = b["stages"][0]["accept_length"]
-    assert 1.0 <= al <= 2.0 and b["stages"][1]["accept_length"] == al
+    assert b["stages"][0]["name"] == "checkpoint (teacher-forced)" and b["stages"][0]["accept_length"] is None
+    assert b["losses"]["draft"]["decision"] == "undecided"            # no draft stage given: not compared
+    al = b["stages"][1]["accept_length"]
+    assert 1.0 <= al <= 2.0 and b["stages"][2]["accept_length"] == al
     bad = mtp_budget(head, _served(world, "out(5)"), refs, None, st, max_new_tokens=NEW)
-    served_al = bad["stages"][1]["accept_length"]
+    served_al = bad["stages"][2]["accept_length"]
     assert bad["losses"]["wiring"]["delta"] == pytest.approx(al - served_al, abs=0.05)
-    assert bad["stages"][0]["accept_length"] == al
+    assert bad["stages"][1]["accept_length"] == al
     # the live stage: the offline frame on the served states as the server's counters (the clean server measured
     # this identity live) gives an engine loss of exactly 0
     live = pd.DataFrame(_frames(head, refs, st))
