@@ -80,12 +80,45 @@ def named(r: dict) -> tuple[str, str]:
     return what, stage
 
 
+def outcome(r: dict) -> str:
+    """``hit`` (named at the true stage), ``undecided`` (the checkpoint stage could not decide: no false clear),
+    ``mild`` (the checkpoint stage is clear and the fault's own cost, as trained minus served, is under 0.1 tokens per
+    verify step), ``MISS`` otherwise."""
+    if r["named_stage"] == r["stage"]:
+        return "hit"
+    if r["stage"] == "draft" and r["served"]["decision"] == "undecided":
+        return "undecided"
+    if r["stage"] == "draft" and r["served"]["decision"] == "clear" and r["trained"] and \
+            r["trained"]["accept_length"] - r["served"]["accept_length"] < 0.1:
+        return "mild"
+    return "MISS"
+
+
+def table(rows: list[dict]) -> str:
+    """The hit table (markdown): class, strength, the fault's own cost offline (the draft as trained minus the served
+    conversion, teacher-forced on the same rows), what is named and at which stage."""
+    lines = ["| class | strength | own cost (as trained - served) | named offline | stage named / true | outcome |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        cost = (f"{r['trained']['accept_length'] - r['served']['accept_length']:+.2f}" if r["trained"] else "-")
+        lines.append(f"| {r['class']} | {r['label']} | {cost} | {r['named']} | {r['named_stage']} / {r['stage']} | "
+                     f"{outcome(r)} |")
+    n = {k: sum(outcome(r) == k for r in rows) for k in ("hit", "undecided", "mild", "MISS")}
+    lines.append(f"\n{n['hit']} of {len(rows)} named at their true stage, {n['undecided']} undecided, {n['mild']} "
+                 f"mild (clear, own cost < 0.1), {n['MISS']} missed")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--table", type=Path, default=None, help="print the hit table of a vllm-faults.jsonl and stop")
     a = ap.parse_args()
+    if a.table:
+        print(table([json.loads(x) for x in a.table.read_text().splitlines() if x.strip()]))
+        return 0
     from helpers.draft.training_log import read_training_log
     from helpers.engines.vllm import VLLMAdapter
 
@@ -110,12 +143,8 @@ def main() -> int:
         tr = f" (as trained {r['trained']['accept_length']:.2f})" if r["trained"] else ""
         print(f"{f.seed:>10} {f.label:72} -> {r['named']} / {r['named_stage']} [{'hit' if r['hit'] else 'MISS'}] "
               f"served {r['served']['accept_length']:.2f}{tr} ({r['seconds']} s)", flush=True)
-    print(f"\n| class | strength | named (offline) | stage named / true |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['class']} | {r['label']} | {r['named']} | {r['named_stage']} / {r['stage']} |")
-    hits = sum(r["hit"] for r in rows)
-    print(f"\n{hits} of {len(rows)} named at their true stage; {time.time() - t0:.0f} s; load "
-          f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())}; {out}")
+    print(table(rows))
+    print(f"{time.time() - t0:.0f} s; load {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; {out}")
     return 0
 
 
