@@ -133,6 +133,7 @@ def test_four_drawn_vllm_faults_on_one_draft_are_each_named_at_their_stage(tmp_p
     losses = doc.acceptance["losses"]
     if served["decision"] == "counts":
         assert losses["draft"]["decision"] == "counts" and losses["draft"]["ci"][0] > 0, losses["draft"]
+        assert "draft_underperforms" in kinds and doc.acceptance["cause"] == "draft", (kinds, doc.acceptance["cause"])
     # the wiring stage's acceptance loss is not asserted: the draft's weights are the reference's (trained on the
     # default's plan), so the fallback costs no acceptance here; the finding is the served tensors' evidence
     print(f"\n[vllm-gen-faults] {[f.label for f in faults]}: verdict {doc.verdict}, findings {kinds}, cause "
