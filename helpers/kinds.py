@@ -117,7 +117,7 @@ KINDS: tuple[Kind, ...] = (
     _k("draft_vocab_coverage", "draft", "many target tokens lie outside the draft vocabulary", stage=NO_STAGE),
     _k("draft_weight_missing", "draft", "draft parameters have no tensor in the checkpoint"),
     _k("mtp_weights_missing", "draft", "the checkpoint the engine loads the MTP head from lacks the head's tensors"),
-    _k("draft_weight_ignored", "draft", "SGLang's loader drops draft tensors"),
+    _k("draft_weight_ignored", "draft", "the engine's loader drops draft tensors"),
     _k("draft_flag_ignored", "draft", "SGLang ignores a draft config flag"),
     _k("rope_mismatch", "draft", "the draft's rotary embedding differs from the target's"),
     _k("max_position_short", "draft", "the draft's context is shorter than the target's", stage="workload"),

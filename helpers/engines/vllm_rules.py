@@ -7,6 +7,7 @@ file::function); ``env/vllm/README.md`` has the notes.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -344,6 +345,21 @@ class VLLMLoaderRules(VLLMLoaderTable, LoaderRules):
                 f"draft_vocab_size {dv} < the target's {vocab} but the checkpoint has no d2t: vLLM keeps its "
                 "draft_id_to_target_id zeros, so draft id i is proposed as target id i, without a word",
                 draft_vocab_size=dv, vocab_size=vocab, config=str(d.path), source=rules.SOURCES["d2t"]))
+        # load_weights maps "input_norm." to None unless norm_before_fc builds model.input_norm: the tensor is
+        # dropped without a word (a conversion that forwards the weight but not the flag)
+        dropped = [k for k in names if re.search(r"(^|\.)input_norm\.", k)] if not d.norm_before_fc else []
+        if dropped:
+            findings.append(finding(
+                "draft_weight_ignored", None,
+                f"{len(dropped)} tensor(s) of the checkpoint are dropped by vLLM without a word: "
+                f"{', '.join(dropped)} (input_norm.weight is in the checkpoint but norm_before_fc is not set: the "
+                "draft was trained with an RMSNorm over the aux hidden states before fc, which vLLM then skips)",
+                tensors=dropped, config=str(d.path),
+                source=f"{rules.SOURCES['d2t'].split(' / ')[0]} (orig_to_new_substr['input_norm.'] = None when "
+                       "LlamaModel.norm_before_fc is false); llama_eagle3.py::LlamaModel.__init__ (norm_before_fc "
+                       "from eagle_config, else the config's top level)",
+                fix="set norm_before_fc: true in the draft config (a speculators config: at its top level, "
+                    "vllm/transformers_utils/configs/speculators/algos.py::update_eagle3)"))
         need = [p for p in ("fc.weight", "norm.weight") if not any(k.endswith(p) and "midlayer" not in k
                                                                       for k in names)]
         if not any(("midlayer." in k or "layers.0." in k) for k in names):
