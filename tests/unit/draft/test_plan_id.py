@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers.draft.model import Eagle3Draft
+from helpers.draft import plan_id
 from helpers.draft.plan_id import (PROVENANCE, Candidate, LayerStates, TargetHead, candidate_plans, identify_plan,
                                    neighbours, reference_from_dump, reference_from_hf)
 from helpers.formats.dumps import write_dump
@@ -191,3 +192,33 @@ def test_identified_plan_stands_in_for_the_training_data(tmp_path, llama_ref, ll
     assert und.decision == "undecided"
     with pytest.raises(Exception, match="no identified layer plan"):
         write_plan_dump(llama_ref, und, tmp_path, name="und")
+
+
+def test_batched_candidates_give_the_sequential_figures(llama_ref, llama_head, llama_draft, monkeypatch):
+    """The candidate plans of a sequence stacked in one draft-extend pass (``batch``, the default) give bit for bit what
+    one pass per candidate gives: every candidate's per-sequence loss and step-0 hits, the decision and margins, and
+    every candidate's teacher-forced accept length; also when the batch is split into groups."""
+    seq = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5], batch=False)
+    bat = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5], batch=True)
+    T = int(llama_ref[0].tokens.shape[0]) - 1
+    assert len(plan_id._groups(len(seq.scores), T, llama_draft, True)) == 1          # one pass for every candidate
+    assert [s.plan for s in bat.scores] == [s.plan for s in seq.scores] and len(seq.scores) >= 20
+    for a, b in zip(seq.scores, bat.scores):
+        assert np.array_equal(a.loss_sum, b.loss_sum) and np.array_equal(a.hits, b.hits), a.plan
+        assert (a.loss, a.accept_length) == (b.loss, b.accept_length), a.plan
+    assert (seq.decision, seq.plan, seq.margin_ci, seq.closest_ci) == (bat.decision, bat.plan, bat.margin_ci,
+                                                                        bat.closest_ci)
+    # every candidate's accept length, not only the best / runner-up / config readings the identification reports
+    plans = [s.plan for s in seq.scores]
+    views = plan_id._views(llama_draft, llama_ref, llama_head, 8)
+    idx = np.random.default_rng(0).integers(0, len(llama_ref), size=(200, len(llama_ref)))
+    one = plan_id._accept_lengths(llama_draft, llama_ref, views, plans, 3, idx, batch=False)
+    monkeypatch.setattr(plan_id, "BATCH_LOGITS", 7 * T * llama_draft.arch.draft_vocab)     # groups of 7
+    assert [len(g) for g in plan_id._groups(len(plans), T, llama_draft, True)][:2] == [7, 7]
+    many = plan_id._accept_lengths(llama_draft, llama_ref, views, plans, 3, idx, batch=True)
+    for p, x, y in zip(plans, one, many):
+        assert x[0] == y[0] and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]), p
+    # the accept lengths tell plans apart (the comparison can fail): the trained plan drafts better than the
+    # embedding in place of its first chunk
+    al = {p: x[0] for p, x in zip(plans, one)}
+    assert al[("out(1)", "out(3)", "out(4)")] > al[("embedding", "out(3)", "out(4)")] + 0.05, al
