@@ -208,17 +208,19 @@ def test_batched_candidates_give_the_sequential_figures(llama_ref, llama_head, l
         assert (a.loss, a.accept_length) == (b.loss, b.accept_length), a.plan
     assert (seq.decision, seq.plan, seq.margin_ci, seq.closest_ci) == (bat.decision, bat.plan, bat.margin_ci,
                                                                         bat.closest_ci)
-    # every candidate's accept length, not only the best / runner-up / config readings the identification reports
-    plans = [s.plan for s in seq.scores]
-    views = plan_id._views(llama_draft, llama_ref, llama_head, 8)
-    idx = np.random.default_rng(0).integers(0, len(llama_ref), size=(200, len(llama_ref)))
-    one = plan_id._accept_lengths(llama_draft, llama_ref, views, plans, 3, idx, batch=False)
+    # every candidate's accept length (on 4 of the sequences), not only the best / runner-up / config readings the
+    # identification reports
+    plans, ref = [s.plan for s in seq.scores], llama_ref[:4]
+    views = plan_id._views(llama_draft, ref, llama_head, 8)
+    idx = np.random.default_rng(0).integers(0, len(ref), size=(200, len(ref)))
+    one = plan_id._accept_lengths(llama_draft, ref, views, plans, 3, idx, batch=False)
     monkeypatch.setattr(plan_id, "BATCH_LOGITS", 7 * T * llama_draft.arch.draft_vocab)     # groups of 7
     assert [len(g) for g in plan_id._groups(len(plans), T, llama_draft, True)][:2] == [7, 7]
-    many = plan_id._accept_lengths(llama_draft, llama_ref, views, plans, 3, idx, batch=True)
+    many = plan_id._accept_lengths(llama_draft, ref, views, plans, 3, idx, batch=True)
     for p, x, y in zip(plans, one, many):
         assert x[0] == y[0] and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]), p
-    # the accept lengths tell plans apart (the comparison can fail): the trained plan drafts better than the
-    # embedding in place of its first chunk
+    # the plans' accept lengths differ (so their equality above compares distinct figures): a wrong chunk order
+    # drafts worse than the trained plan
     al = {p: x[0] for p, x in zip(plans, one)}
-    assert al[("out(1)", "out(3)", "out(4)")] > al[("embedding", "out(3)", "out(4)")] + 0.05, al
+    assert len(set(al.values())) > len(al) // 2, al
+    assert al[("out(1)", "out(3)", "out(4)")] > al[("out(4)", "out(3)", "out(1)")] + 0.05, al
