@@ -445,23 +445,34 @@ def _extends(draft: Eagle3Draft, r: LayerStates, plans: Sequence[Sequence[str]],
 
 @torch.no_grad()
 def _score(draft: Eagle3Draft, refs: Sequence[LayerStates], views: list, cands: Sequence[Candidate],
-           idx: np.ndarray, batch: bool = True) -> list[PlanScore]:
+           idx: np.ndarray, batch: bool = True, memo: Optional[dict] = None) -> list[PlanScore]:
     """Each candidate's draft-extend over every sequence: per-sequence summed loss (soft cross-entropy against the
     target's distribution over the draft vocabulary) and step-0 hits (draft argmax == the target's argmax). With
-    ``batch`` the candidates of a sequence run stacked in one pass (:func:`_extends`)."""
+    ``batch`` the candidates of a sequence run stacked in one pass (:func:`_extends`). ``memo`` (see
+    :func:`identify_plan`): a sequence's figures under a plan found there are taken, not computed again."""
     n, C = len(refs), len(cands)
     hit0, rows, ns = (np.zeros((C, n)) for _ in range(3))
+    memo = {} if memo is None else memo
     for j, (r, (full_arg, _ra, _inv, restr_p)) in enumerate(zip(refs, views)):
         T = int(r.tokens.shape[0])
         t = torch.arange(r.start - 1, T - 2)                    # row t: token t+1, predicts position t+2
         p_t, arg_t = restr_p[t + 1], full_arg[t + 1]
-        for g, exts in _extends(draft, r, [x.plan for x in cands], batch):
+        todo = []
+        for c, x in enumerate(cands):
+            got = memo.get((id(draft), id(r), x.plan))
+            if got is not None and got[0] is r and got[1] is draft:     # the objects themselves (no id reused)
+                ns[c, j], hit0[c, j], rows[c, j] = got[2:]
+            else:
+                todo.append(c)
+        for g, exts in _extends(draft, r, [cands[c].plan for c in todo], batch):
             lg = torch.stack([e.logits[t] for e in exts]).float().cpu()                   # [group, rows, V_draft]
             lp = torch.log_softmax(lg, dim=-1)
             hits = (draft.to_target_ids(lg.argmax(-1)) == arg_t).sum(-1)
-            for k, c in enumerate(g):
+            for k, i in enumerate(g):
+                c = todo[i]
                 ns[c, j] = float(-(p_t * lp[k]).sum())
                 hit0[c, j], rows[c, j] = float(hits[k]), len(t)
+                memo[(id(draft), id(r), cands[c].plan)] = (r, draft, ns[c, j], hit0[c, j], rows[c, j])
     out_scores = []
     for c, x in enumerate(cands):
         ld = ns[c][idx].sum(1) / np.maximum(rows[c][idx].sum(1), 1.0)
@@ -505,6 +516,7 @@ def _pct(x: np.ndarray) -> tuple[float, float]:
 def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: TargetHead,
                   candidates: Optional[Sequence[Candidate]] = None, *, config_ids: Optional[Sequence[int]] = None,
                   steps: int = 3, rounds: int = 4, n_boot: int = 2000, seed: int = 0, batch: bool = True,
+                  memo: Optional[dict] = None,
                   progress: Callable[[str], None] = lambda s: None) -> PlanIdentification:
     """Identify the plan the draft was trained on (module docstring): score every candidate, then the neighbourhood
     of the best until it is stable, and decide on the loss; the accept length of the best, the runner-up and the
@@ -527,6 +539,10 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
             Eagle3Draft.extend_many`; in groups of at most :data:`BATCH_LOGITS` logits), else one pass per candidate
             (the same figures, bit for bit on CPU float32: tests/unit/draft/test_plan_id.py; bench/bench_plan_id_batch.py
             times both).
+        memo: a dict to keep each sequence's figures under each plan in, and to take them from: pass the same one
+            to a later call with the same draft and target head whose reference holds the same
+            :class:`LayerStates` objects and more (``investigate``'s second round on twice the continuations
+            scores only the new ones; the figures are the same as without it).
 
     Returns:
         :class:`PlanIdentification`.
@@ -554,7 +570,7 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
     with compute_threads(draft):
         views = _views(draft, reference, head, n_layers)
         progress(f"plan identification: {len(cands)} candidate plans x {len(reference)} sequences")
-        scores = _score(draft, reference, views, cands, idx, batch)
+        scores = _score(draft, reference, views, cands, idx, batch, memo)
         seen = {s.plan for s in scores}
         done = 0
         for r_ in range(1, rounds + 1):
@@ -565,7 +581,7 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
                 break
             done = r_
             progress(f"plan identification round {r_}: {len(new)} plans around [{', '.join(best.plan)}]")
-            scores += _score(draft, reference, views, new, idx, batch)
+            scores += _score(draft, reference, views, new, idx, batch, memo)
             seen |= {c.plan for c in new}
             if min(scores, key=lambda s: s.loss).plan == best.plan:
                 break

@@ -224,3 +224,24 @@ def test_batched_candidates_give_the_sequential_figures(llama_ref, llama_head, l
     al = {p: x[0] for p, x in zip(plans, one)}
     assert len(set(al.values())) > len(al) // 2, al
     assert al[("out(1)", "out(3)", "out(4)")] > al[("out(4)", "out(3)", "out(1)")] + 0.05, al
+
+
+def test_memo_second_round_scores_only_the_new_sequences(llama_ref, llama_head, llama_draft, monkeypatch):
+    """investigate's second round (twice the continuations) with the first round's memo: the same figures as without
+    it, and the first sequences are not run through the draft again."""
+    memo: dict = {}
+    identify_plan(llama_draft, llama_ref[:4], llama_head, config_ids=[2, 4, 5], memo=memo)
+    assert len(memo) >= 4 * 20
+    runs = []
+    real = plan_id._extends
+    monkeypatch.setattr(plan_id, "_extends", lambda d, r, plans, b: (runs.append((r.key, len(plans))),
+                                                                      real(d, r, plans, b))[1])
+    again = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5], memo=memo)
+    scored = {k for k, n in runs if n > 3}                 # the scoring passes (accept lengths: <= 3 plans)
+    assert scored == {x.key for x in llama_ref[4:]}, runs
+    monkeypatch.setattr(plan_id, "_extends", real)
+    fresh = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5])
+    assert [s.plan for s in again.scores] == [s.plan for s in fresh.scores]
+    for a, b in zip(again.scores, fresh.scores):
+        assert np.array_equal(a.loss_sum, b.loss_sum) and np.array_equal(a.hits, b.hits), a.plan
+    assert (again.decision, again.plan, again.margin_ci) == (fresh.decision, fresh.plan, fresh.margin_ci)
