@@ -25,6 +25,10 @@ Candidates (:func:`candidate_plans`): the config's ids read under each conventio
 those, every chunk moved by +-1, the whole plan moved by +-1, the embedding prepended (last chunk dropped) and in
 place of the first chunk, and every other chunk order. After they are scored, the neighbourhood of the best (the same
 moves) is scored too, until the best no longer changes (at most ``rounds``): the checkpoint, not the config, decides.
+
+Speed: the candidates of a sequence run stacked in one draft-extend pass (:meth:`helpers.draft.model.Eagle3Draft.
+extend_many`: the same figures, bit for bit, as one pass per candidate); a ``memo`` keeps each sequence's figures
+for a later call on more sequences (``investigate``'s second round).
 """
 from __future__ import annotations
 
