@@ -521,13 +521,45 @@ class Eagle3Draft:
             tokens: int64 ``[T]`` target-vocab ids.
             aux: ``[T, num_aux * target_hidden]`` (any float dtype).
             positions: int64 ``[T]`` (default 0..T-1).
+
+        Raises:
+            BadInput: ``aux`` is not as wide as the draft's fc takes (:meth:`project`), or has not ``T`` rows.
+        """
+        return self.extend_many(tokens, aux[None], positions)[0]
+
+    @torch.no_grad()
+    def extend_many(self, tokens: torch.Tensor, aux: torch.Tensor, positions: Optional[torch.Tensor] = None
+                    ) -> list[ExtendOutput]:
+        """The draft-extend pass (:meth:`extend`) of one token sequence under ``B`` sets of aux hidden states at once
+        (e.g. the same continuation under ``B`` candidate layer plans: :mod:`helpers.draft.plan_id`): the row-wise
+        work (embedding, fc, norms, projections, MLP, lm_head) runs on the ``B * T`` rows stacked, the causal
+        attention with ``B`` on the batch dim, each set attending only to its own rows (as ``B`` separate requests
+        of one draft-extend batch in ``eagle_worker_v2.py::EAGLEWorkerV2._draft_extend``). With ``B`` = 1 it is
+        :meth:`extend` itself.
+
+        Args:
+            tokens: int64 ``[T]`` target-vocab ids, shared by every set.
+            aux: ``[B, T, num_aux * target_hidden]`` (any float dtype).
+            positions: int64 ``[T]`` (default 0..T-1).
+
+        Returns:
+            ``B`` :class:`ExtendOutput`, one per set (views into the stacked result: ``hidden [T, H]``,
+            ``logits [T, V_draft]`` float32, ``kv`` entries of ``T`` rows).
+
+        Raises:
+            BadInput: ``aux`` is not ``[B, T, num_aux * target_hidden]``.
         """
         dev = self.device
         tokens, aux = tokens.to(dev), aux.to(dev)
         T = tokens.shape[0]
+        if aux.dim() != 3 or aux.shape[1] != T:
+            raise BadInput(f"the aux hidden states have shape {list(aux.shape)}, expected [sets, {T}, width] "
+                           f"({T} tokens)", field="aux")
+        B = aux.shape[0]
         pos = torch.arange(T, device=dev) if positions is None else positions.to(dev)
-        emb = self.embed[tokens]
-        h = self.project(aux)
+        pos = pos.repeat(B)
+        emb = self.embed[tokens].repeat(B, 1)                                            # [B*T, H]
+        h = self.project(aux.reshape(B * T, aux.shape[-1]))
         residual = None
         kv = []
         att = self.attn
@@ -535,13 +567,16 @@ class Eagle3Draft:
             x, residual = self._layer_in(i, emb, h, residual)
             q, entry = att.qkv(i, x, pos)
             kv.append(entry)
-            k, v = att.kv(entry)                                                      # [T, groups, dk / dv]
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], is_causal=True, scale=att.scale,
-                                               enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
-            h, residual = self._layer_out(i, att.out(i, o), residual)
+            k, v = att.kv(entry)                                                      # [B*T, groups, dk / dv]
+            o = F.scaled_dot_product_attention(q.unflatten(0, (B, T)).transpose(1, 2),
+                                               k.unflatten(0, (B, T)).transpose(1, 2),
+                                               v.unflatten(0, (B, T)).transpose(1, 2), is_causal=True,
+                                               scale=att.scale, enable_gqa=k.shape[1] != q.shape[1])
+            h, residual = self._layer_out(i, att.out(i, o.transpose(1, 2).flatten(0, 1)), residual)
         hidden, logits = self._finish(h, residual)
-        return ExtendOutput(hidden=hidden, logits=logits, kv=kv)
+        return [ExtendOutput(hidden=hidden[b * T:(b + 1) * T], logits=logits[b * T:(b + 1) * T],
+                             kv=[tuple(t[b * T:(b + 1) * T] for t in e) for e in kv]) if B > 1 else
+                ExtendOutput(hidden=hidden, logits=logits, kv=kv) for b in range(B)]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx_len: torch.Tensor,

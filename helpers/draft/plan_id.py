@@ -25,6 +25,10 @@ Candidates (:func:`candidate_plans`): the config's ids read under each conventio
 those, every chunk moved by +-1, the whole plan moved by +-1, the embedding prepended (last chunk dropped) and in
 place of the first chunk, and every other chunk order. After they are scored, the neighbourhood of the best (the same
 moves) is scored too, until the best no longer changes (at most ``rounds``): the checkpoint, not the config, decides.
+
+Speed: the candidates of a sequence run stacked in one draft-extend pass (:meth:`helpers.draft.model.Eagle3Draft.
+extend_many`: the same figures, bit for bit, as one pass per candidate); a ``memo`` keeps each sequence's figures
+for a later call on more sequences (``investigate``'s second round).
 """
 from __future__ import annotations
 
@@ -80,6 +84,16 @@ class LayerStates:
             KeyError: a tensor of ``plan`` is not in ``names``."""
         idx = [self.names.index(t) if t in self.names else _missing(t, self.names) for t in plan]
         return self.states[:, idx, :].reshape(self.states.shape[0], -1)
+
+    def aux_many(self, plans: Sequence[Sequence[str]]) -> torch.Tensor:
+        """``[len(plans), T, K * H]``: :meth:`aux` of each plan (all of ``K`` chunks), stacked on dim 0 (the sets of
+        :meth:`helpers.draft.model.Eagle3Draft.extend_many`).
+
+        Raises:
+            KeyError: a tensor of a plan is not in ``names``."""
+        idx = torch.tensor([[self.names.index(t) if t in self.names else _missing(t, self.names) for t in p]
+                            for p in plans], dtype=torch.long)                              # [B, K]
+        return self.states[:, idx, :].permute(1, 0, 2, 3).reshape(len(plans), self.states.shape[0], -1)
 
 
 def _missing(t: str, names: Sequence[str]) -> int:
@@ -269,7 +283,7 @@ class PlanScore:
             _acc_and_loss`` with ``_compute_target_p``), per continuation row, and its 95 % CI over sequences.
         acc0: step-0 accuracy (the draft's first token == the target's argmax).
         hits / rows / loss_sum: per-sequence sums ``[n]`` (paired comparisons on the same resamples).
-        accept_length / accept_length_ci: the teacher-forced accept length of a chain (:func:`_accept_length`), set
+        accept_length / accept_length_ci: the teacher-forced accept length of a chain (:func:`_accept_lengths`), set
             for the best plan, the runner-up and the config's readings only (None otherwise).
     """
 
@@ -412,46 +426,90 @@ def _views(draft: Eagle3Draft, refs: Sequence[LayerStates], head: TargetHead, n_
     return [head.view(r.states[:, r.names.index(out(n_layers - 1))], hot) for r in refs]
 
 
+#: at most this many float32 logits (sets x rows x draft vocab) in one batched draft-extend pass: 2^25, 128 MiB
+BATCH_LOGITS = 1 << 25
+
+
+def _groups(n: int, T: int, draft: Eagle3Draft, batch: bool) -> list[range]:
+    """The candidates ``0 .. n-1`` in groups run as one :meth:`Eagle3Draft.extend_many` each on a sequence of ``T``
+    rows: every candidate alone when not ``batch``, else as many as :data:`BATCH_LOGITS` allows."""
+    size = max(1, BATCH_LOGITS // max(1, T * draft.arch.draft_vocab)) if batch else 1
+    return [range(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+def _extends(draft: Eagle3Draft, r: LayerStates, plans: Sequence[Sequence[str]], batch: bool):
+    """The draft-extend pass over ``r``'s continuation under each plan (row t: token t+1 with the aux state of
+    position t), per group of plans (:func:`_groups`: the plans of a group stacked on the batch dim of one pass, or
+    one pass per plan when ``batch`` is false; identical results): yields ``(plan indices, their
+    :class:`helpers.draft.model.ExtendOutput` in that order)``."""
+    T = int(r.tokens.shape[0])
+    for g in _groups(len(plans), T - 1, draft, batch):
+        yield g, draft.extend_many(r.tokens[1:], r.aux_many([plans[c] for c in g])[:, : T - 1])
+
+
 @torch.no_grad()
 def _score(draft: Eagle3Draft, refs: Sequence[LayerStates], views: list, cands: Sequence[Candidate],
-           idx: np.ndarray) -> list[PlanScore]:
+           idx: np.ndarray, batch: bool = True, memo: Optional[dict] = None) -> list[PlanScore]:
     """Each candidate's draft-extend over every sequence: per-sequence summed loss (soft cross-entropy against the
-    target's distribution over the draft vocabulary) and step-0 hits (draft argmax == the target's argmax)."""
+    target's distribution over the draft vocabulary) and step-0 hits (draft argmax == the target's argmax). With
+    ``batch`` the candidates of a sequence run stacked in one pass (:func:`_extends`). ``memo`` (see
+    :func:`identify_plan`): a sequence's figures under a plan found there are taken, not computed again."""
+    n, C = len(refs), len(cands)
+    hit0, rows, ns = (np.zeros((C, n)) for _ in range(3))
+    memo = {} if memo is None else memo
+    for j, (r, (full_arg, _ra, _inv, restr_p)) in enumerate(zip(refs, views)):
+        T = int(r.tokens.shape[0])
+        t = torch.arange(r.start - 1, T - 2)                    # row t: token t+1, predicts position t+2
+        p_t, arg_t = restr_p[t + 1], full_arg[t + 1]
+        todo = []
+        for c, x in enumerate(cands):
+            got = memo.get((id(draft), id(r), x.plan))
+            if got is not None and got[0] is r and got[1] is draft:     # the objects themselves (no id reused)
+                ns[c, j], hit0[c, j], rows[c, j] = got[2:]
+            else:
+                todo.append(c)
+        for g, exts in _extends(draft, r, [cands[c].plan for c in todo], batch):
+            lg = torch.stack([e.logits[t] for e in exts]).float().cpu()                   # [group, rows, V_draft]
+            lp = torch.log_softmax(lg, dim=-1)
+            hits = (draft.to_target_ids(lg.argmax(-1)) == arg_t).sum(-1)
+            for k, i in enumerate(g):
+                c = todo[i]
+                ns[c, j] = float(-(p_t * lp[k]).sum())
+                hit0[c, j], rows[c, j] = float(hits[k]), len(t)
+                memo[(id(draft), id(r), cands[c].plan)] = (r, draft, ns[c, j], hit0[c, j], rows[c, j])
     out_scores = []
-    n = len(refs)
-    for c in cands:
-        hit0, rows, ns = (np.zeros(n) for _ in range(3))
-        for j, (r, (full_arg, _ra, _inv, restr_p)) in enumerate(zip(refs, views)):
-            T = int(r.tokens.shape[0])
-            ext = draft.extend(r.tokens[1:], r.aux(c.plan)[: T - 1])
-            t = torch.arange(r.start - 1, T - 2)                    # row t: token t+1, predicts position t+2
-            lp = torch.log_softmax(ext.logits[t].float().cpu(), dim=-1)
-            ns[j] = float(-(restr_p[t + 1] * lp).sum())
-            hit0[j] = float((draft.to_target_ids(ext.logits[t].argmax(-1)).cpu() == full_arg[t + 1]).sum())
-            rows[j] = len(t)
-        ld = ns[idx].sum(1) / np.maximum(rows[idx].sum(1), 1.0)
-        out_scores.append(PlanScore(c.plan, c.origins, float(ns.sum() / max(rows.sum(), 1.0)), _pct(ld),
-                                    float(hit0.sum() / max(rows.sum(), 1.0)), hit0, rows, ns))
+    for c, x in enumerate(cands):
+        ld = ns[c][idx].sum(1) / np.maximum(rows[c][idx].sum(1), 1.0)
+        out_scores.append(PlanScore(x.plan, x.origins, float(ns[c].sum() / max(rows[c].sum(), 1.0)), _pct(ld),
+                                    float(hit0[c].sum() / max(rows[c].sum(), 1.0)), hit0[c], rows[c], ns[c]))
     return out_scores
 
 
 @torch.no_grad()
-def _accept_length(draft: Eagle3Draft, refs: Sequence[LayerStates], views: list, plan: Sequence[str], steps: int,
-                   idx: np.ndarray) -> tuple[float, tuple[float, float], np.ndarray, np.ndarray]:
-    """The teacher-forced accept length of a chain of ``steps`` under ``plan`` (1 + leading correct drafts from every
-    continuation row, against the target's greedy token: :func:`helpers.draft.simulate._teacher_forced` with the
-    target's argmax as ``targets``), its 95 % CI over sequences and the per-sequence ``(accepted, rows)``."""
-    acc, rows = np.zeros(len(refs)), np.zeros(len(refs))
+def _accept_lengths(draft: Eagle3Draft, refs: Sequence[LayerStates], views: list, plans: Sequence[Sequence[str]],
+                    steps: int, idx: np.ndarray, batch: bool = True
+                    ) -> list[tuple[float, tuple[float, float], np.ndarray, np.ndarray]]:
+    """The teacher-forced accept length of a chain of ``steps`` under each of ``plans`` (1 + leading correct drafts
+    from every continuation row, against the target's greedy token: :func:`helpers.draft.simulate._teacher_forced`
+    with the target's argmax as ``targets``), its 95 % CI over sequences and the per-sequence ``(accepted, rows)``,
+    one tuple per plan. The draft-extend passes of the plans run stacked with ``batch`` (:func:`_extends`); the chain
+    after each is per plan."""
+    P = len(plans)
+    acc, rows = np.zeros((P, len(refs))), np.zeros((P, len(refs)))
     for j, (r, (full_arg, *_)) in enumerate(zip(refs, views)):
         T = int(r.tokens.shape[0])
         y = torch.cat([r.tokens[:1], full_arg[: T - 1]])            # y[j] = the target's argmax after x_0..x_{j-1}
-        seq = SimSequence(r.key, r.tokens, r.aux(plan), r.start, y)
-        ext = draft.extend(r.tokens[1:], seq.aux[: T - 1])
-        match = _teacher_forced(draft, ext, seq, steps, y)
-        cont = (np.arange(T - 1) >= r.start - 1) & (match[0] >= 0)
-        acc[j], rows[j] = _chain_accepts(match, steps)[cont].sum(), cont.sum()
-    d = 1.0 + acc[idx].sum(1) / np.maximum(rows[idx].sum(1), 1.0)
-    return float(1.0 + acc.sum() / max(rows.sum(), 1.0)), _pct(d), acc, rows
+        for g, exts in _extends(draft, r, plans, batch):
+            for c, ext in zip(g, exts):
+                seq = SimSequence(r.key, r.tokens, r.aux(plans[c]), r.start, y)
+                match = _teacher_forced(draft, ext, seq, steps, y)
+                cont = (np.arange(T - 1) >= r.start - 1) & (match[0] >= 0)
+                acc[c, j], rows[c, j] = _chain_accepts(match, steps)[cont].sum(), cont.sum()
+    res = []
+    for c in range(P):
+        d = 1.0 + acc[c][idx].sum(1) / np.maximum(rows[c][idx].sum(1), 1.0)
+        res.append((float(1.0 + acc[c].sum() / max(rows[c].sum(), 1.0)), _pct(d), acc[c], rows[c]))
+    return res
 
 
 def _pct(x: np.ndarray) -> tuple[float, float]:
@@ -461,7 +519,8 @@ def _pct(x: np.ndarray) -> tuple[float, float]:
 
 def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: TargetHead,
                   candidates: Optional[Sequence[Candidate]] = None, *, config_ids: Optional[Sequence[int]] = None,
-                  steps: int = 3, rounds: int = 4, n_boot: int = 2000, seed: int = 0,
+                  steps: int = 3, rounds: int = 4, n_boot: int = 2000, seed: int = 0, batch: bool = True,
+                  memo: Optional[dict] = None,
                   progress: Callable[[str], None] = lambda s: None) -> PlanIdentification:
     """Identify the plan the draft was trained on (module docstring): score every candidate, then the neighbourhood
     of the best until it is stable, and decide on the loss; the accept length of the best, the runner-up and the
@@ -480,6 +539,14 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
         steps: chain length of the accept length (SGLang's ``--speculative-num-steps``).
         rounds: at most this many rounds of the best plan's neighbourhood (0: the candidates only).
         n_boot / seed: bootstrap resamples over sequences and their seed.
+        batch: run the candidates of a sequence stacked in one draft-extend pass (:meth:`helpers.draft.model.
+            Eagle3Draft.extend_many`; in groups of at most :data:`BATCH_LOGITS` logits), else one pass per candidate
+            (the same figures, bit for bit on CPU float32: tests/unit/draft/test_plan_id.py; bench/bench_plan_id_batch.py
+            times both).
+        memo: a dict to keep each sequence's figures under each plan in, and to take them from: pass the same one
+            to a later call with the same draft and target head whose reference holds the same
+            :class:`LayerStates` objects and more (``investigate``'s second round on twice the continuations
+            scores only the new ones; the figures are the same as without it).
 
     Returns:
         :class:`PlanIdentification`.
@@ -507,7 +574,7 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
     with compute_threads(draft):
         views = _views(draft, reference, head, n_layers)
         progress(f"plan identification: {len(cands)} candidate plans x {len(reference)} sequences")
-        scores = _score(draft, reference, views, cands, idx)
+        scores = _score(draft, reference, views, cands, idx, batch, memo)
         seen = {s.plan for s in scores}
         done = 0
         for r_ in range(1, rounds + 1):
@@ -518,7 +585,7 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
                 break
             done = r_
             progress(f"plan identification round {r_}: {len(new)} plans around [{', '.join(best.plan)}]")
-            scores += _score(draft, reference, views, new, idx)
+            scores += _score(draft, reference, views, new, idx, batch, memo)
             seen |= {c.plan for c in new}
             if min(scores, key=lambda s: s.loss).plan == best.plan:
                 break
@@ -529,10 +596,11 @@ def identify_plan(draft: Eagle3Draft, reference: Sequence[LayerStates], head: Ta
                 readings.add(tuple(physical(i, conv, n_layers) for i in (config_ids or ())))
             except ValueError:
                 pass
-        for s in scores:
-            if s is scores[0] or s is scores[min(1, len(scores) - 1)] or (config_ids and s.plan in readings):
-                s.accept_length, s.accept_length_ci, s.accepted, s.al_rows = _accept_length(
-                    draft, reference, views, s.plan, steps, idx)
+        chosen = [s for s in scores
+                  if s is scores[0] or s is scores[min(1, len(scores) - 1)] or (config_ids and s.plan in readings)]
+        for s, al in zip(chosen, _accept_lengths(draft, reference, views, [s.plan for s in chosen], steps, idx,
+                                                 batch)):
+            s.accept_length, s.accept_length_ci, s.accepted, s.al_rows = al
     best = scores[0]
     runner = scores[1] if len(scores) > 1 else None
     margin = margin_ci = al_m = al_ci = closest = closest_ci = None

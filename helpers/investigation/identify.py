@@ -41,10 +41,11 @@ def identify_stage(r: Any) -> None:
     draft = Eagle3Draft.load(att.draft_dir, att.target_dir)
     ids, head = read_draft_config(att.draft_dir).nested_layer_ids, TargetHead.load(att.target_dir)
     refs: list = []
+    memo: dict = {}                    # the first prompts' figures, kept for the second round
     for k in range(2):                 # undecided on the first prompts: measured again on twice as many, once
         more, how, served = _continuations(r, k * IDENTIFY_PROMPTS, IDENTIFY_PROMPTS, f"identify-{k}")
         refs = refs + more
-        ident = identify_plan(draft, refs, head, config_ids=ids, progress=r.progress)
+        ident = identify_plan(draft, refs, head, config_ids=ids, progress=r.progress, memo=memo)
         if ident.decision == "identified":
             break
         r.progress(f"plan identification undecided on {len(refs)} continuations: {ident.sentence()}")

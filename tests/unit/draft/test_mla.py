@@ -312,3 +312,24 @@ def test_an_mla_rope_sglang_cannot_build_is_one_line_naming_the_field(tmp_path, 
     with pytest.raises(BadInput, match=rf"config\.json \[{field}\]") as e:
         Eagle3Draft.load(out, TARGET)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("folder", ["draft_mla", "draft"])
+def test_extend_many_is_extend_per_set(folder, draft):
+    """The draft-extend pass of one token sequence under 3 sets of aux states at once (the chunks of a training
+    sample in three orders, as plan identification stacks candidate plans) gives, bit for bit, each set's own
+    :meth:`Eagle3Draft.extend`: logits, carried hidden state and KV cache entries (MLA and Llama-style draft)."""
+    d = draft if folder == "draft_mla" else Eagle3Draft.load(KIMI / folder, TARGET, dtype=torch.float32)
+    ids, aux = _sample(0)
+    H = aux.shape[1] // 3
+    sets = torch.stack([aux] + [torch.cat([aux[:, i * H:(i + 1) * H] for i in order], dim=-1)
+                                for order in ([2, 1, 0], [1, 0, 2])])
+    many = d.extend_many(ids[1:], sets[:, :-1])
+    for b, got in enumerate(many):
+        one = d.extend(ids[1:], sets[b, :-1])
+        assert torch.equal(got.logits, one.logits) and torch.equal(got.hidden, one.hidden), b
+        assert all(torch.equal(x, y) for e, f in zip(got.kv, one.kv) for x, y in zip(e, f)), b
+    # the sets are told apart (each attends to its own rows only): another chunk order, other logits
+    assert not torch.allclose(many[0].logits, many[1].logits)
+    with pytest.raises(BadInput, match=r"expected \[sets, "):
+        d.extend_many(ids[1:], sets[:, :-2])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers.draft.model import Eagle3Draft
+from helpers.draft import plan_id
 from helpers.draft.plan_id import (PROVENANCE, Candidate, LayerStates, TargetHead, candidate_plans, identify_plan,
                                    neighbours, reference_from_dump, reference_from_hf)
 from helpers.formats.dumps import write_dump
@@ -191,3 +192,56 @@ def test_identified_plan_stands_in_for_the_training_data(tmp_path, llama_ref, ll
     assert und.decision == "undecided"
     with pytest.raises(Exception, match="no identified layer plan"):
         write_plan_dump(llama_ref, und, tmp_path, name="und")
+
+
+def test_batched_candidates_give_the_sequential_figures(llama_ref, llama_head, llama_draft, monkeypatch):
+    """The candidate plans of a sequence stacked in one draft-extend pass (``batch``, the default) give bit for bit what
+    one pass per candidate gives: every candidate's per-sequence loss and step-0 hits, the decision and margins, and
+    every candidate's teacher-forced accept length; also when the batch is split into groups."""
+    seq = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5], batch=False)
+    bat = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5], batch=True)
+    T = int(llama_ref[0].tokens.shape[0]) - 1
+    assert len(plan_id._groups(len(seq.scores), T, llama_draft, True)) == 1          # one pass for every candidate
+    assert [s.plan for s in bat.scores] == [s.plan for s in seq.scores] and len(seq.scores) >= 20
+    for a, b in zip(seq.scores, bat.scores):
+        assert np.array_equal(a.loss_sum, b.loss_sum) and np.array_equal(a.hits, b.hits), a.plan
+        assert (a.loss, a.accept_length) == (b.loss, b.accept_length), a.plan
+    assert (seq.decision, seq.plan, seq.margin_ci, seq.closest_ci) == (bat.decision, bat.plan, bat.margin_ci,
+                                                                        bat.closest_ci)
+    # every candidate's accept length (on 4 of the sequences), not only the best / runner-up / config readings the
+    # identification reports
+    plans, ref = [s.plan for s in seq.scores], llama_ref[:4]
+    views = plan_id._views(llama_draft, ref, llama_head, 8)
+    idx = np.random.default_rng(0).integers(0, len(ref), size=(200, len(ref)))
+    one = plan_id._accept_lengths(llama_draft, ref, views, plans, 3, idx, batch=False)
+    monkeypatch.setattr(plan_id, "BATCH_LOGITS", 7 * T * llama_draft.arch.draft_vocab)     # groups of 7
+    assert [len(g) for g in plan_id._groups(len(plans), T, llama_draft, True)][:2] == [7, 7]
+    many = plan_id._accept_lengths(llama_draft, ref, views, plans, 3, idx, batch=True)
+    for p, x, y in zip(plans, one, many):
+        assert x[0] == y[0] and np.array_equal(x[2], y[2]) and np.array_equal(x[3], y[3]), p
+    # the plans' accept lengths differ (so their equality above compares distinct figures): a wrong chunk order
+    # drafts worse than the trained plan
+    al = {p: x[0] for p, x in zip(plans, one)}
+    assert len(set(al.values())) > len(al) // 2, al
+    assert al[("out(1)", "out(3)", "out(4)")] > al[("out(4)", "out(3)", "out(1)")] + 0.05, al
+
+
+def test_memo_second_round_scores_only_the_new_sequences(llama_ref, llama_head, llama_draft, monkeypatch):
+    """investigate's second round (twice the continuations) with the first round's memo: the same figures as without
+    it, and the first sequences are not run through the draft again."""
+    memo: dict = {}
+    identify_plan(llama_draft, llama_ref[:4], llama_head, config_ids=[2, 4, 5], memo=memo)
+    assert len(memo) >= 4 * 20
+    runs = []
+    real = plan_id._extends
+    monkeypatch.setattr(plan_id, "_extends", lambda d, r, plans, b: (runs.append((r.key, len(plans))),
+                                                                      real(d, r, plans, b))[1])
+    again = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5], memo=memo)
+    scored = {k for k, n in runs if n > 3}                 # the scoring passes (accept lengths: <= 3 plans)
+    assert scored == {x.key for x in llama_ref[4:]}, runs
+    monkeypatch.setattr(plan_id, "_extends", real)
+    fresh = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5])
+    assert [s.plan for s in again.scores] == [s.plan for s in fresh.scores]
+    for a, b in zip(again.scores, fresh.scores):
+        assert np.array_equal(a.loss_sum, b.loss_sum) and np.array_equal(a.hits, b.hits), a.plan
+    assert (again.decision, again.plan, again.margin_ci) == (fresh.decision, fresh.plan, fresh.margin_ci)
