@@ -72,7 +72,7 @@ def _reference(folder, target, ids: torch.Tensor, hid: torch.Tensor) -> tuple[to
     cfg = json.loads((folder / "config.json").read_text())
     hc = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
     hc._attn_implementation = "eager"
-    w = load_file(str(folder / "model.safetensors"))
+    w = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
     layers = nn.ModuleList([LlamaDecoderLayer(hc, i) for i in range(hc.num_hidden_layers)])
     layers[0].input_layernorm = nn.Identity()
     layers.load_state_dict({k[len("layers."):]: v for k, v in w.items() if k.startswith("layers.")})
@@ -88,11 +88,14 @@ def _reference(folder, target, ids: torch.Tensor, hid: torch.Tensor) -> tuple[to
         return x[0], target.lm_head(x[0])
 
 
-@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("layers", [1, 2, "trained"])
 def test_eagle1_equals_the_transformers_reimplementation(layers, tmp_path, target, seq):
     """Logits and carried hidden state of the offline run equal the reference to 1e-5 (float32), loaded through the
-    load_draft seam (architectures EagleLlamaForCausalLM); the lm_head and embedding are the target's."""
-    folder = _random_draft(tmp_path / "d", layers)
+    load_draft seam (architectures EagleLlamaForCausalLM); the lm_head and embedding are the target's. ``trained``:
+    the committed llama_h64 draft (bf16 weights upcast)."""
+    if layers == "trained" and not (TRAINED / "config.json").is_file():
+        pytest.skip("no trained EAGLE-1 draft")
+    folder = TRAINED if layers == "trained" else _random_draft(tmp_path / "d", layers)
     ids, hid = seq
     d = load_draft(folder, TARGET)
     assert isinstance(d, Eagle1Draft)
