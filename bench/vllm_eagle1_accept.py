@@ -51,6 +51,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     a = ap.parse_args(argv)
+    print(json.dumps(measure(a.target, a.draft, prompts=a.prompts, max_tokens=a.max_tokens, k=a.k), indent=2,
+                     default=float))
+    return 0
+
+
+def measure(target: Path, draft: Path, *, prompts: int = 16, max_tokens: int = 64, k: int = 3) -> dict:
+    """Start the server (one), measure live, stop it, replay offline; the dict main prints (see the module
+    docstring). Raises whatever the server start or a request raises (the server is stopped first)."""
+    from types import SimpleNamespace
+    a = SimpleNamespace(target=Path(target), draft=Path(draft), prompts=prompts, max_tokens=max_tokens, k=k)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(a.target))
     texts = json.loads((ROOT / "env" / "models" / "prompts.json").read_text())["prompts"][:a.prompts]
@@ -101,7 +111,7 @@ def main(argv=None) -> int:
     st = DraftSettings.chain(a.k)
     res = simulate_sequences(draft, seqs, [st])
     off = summary(res["per_request"][st], a.k)
-    print(json.dumps({
+    return {
         "draft": str(a.draft), "k": a.k, "prompts": len(prompts), "max_tokens": a.max_tokens,
         "server_start_s": round(start_s, 1),
         "live": {"verify_steps": live.verify_steps, "accepted_tokens": live.accepted_tokens,
@@ -114,8 +124,7 @@ def main(argv=None) -> int:
                     "accept_length_1_plus_accepted": 1.0 + off["correct_drafts"] / off["verify_steps"]},
         "served_state_max_abs_diff": state_check, "served_state_rows": n0,
         "offline_marginal_teacher_forced": res["marginal"], "greedy_share": res["greedy_share"],
-    }, indent=2, default=float))
-    return 0
+    }
 
 
 if __name__ == "__main__":
