@@ -193,7 +193,8 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
 
     Args:
         target: HF folder of a Llama target whose head size vLLM's CPU attention supports (:data:`CPU_HEAD_SIZES`).
-        draft: EAGLE-3 draft folder, or None for the target alone.
+        draft: EAGLE-3 draft folder, or an EAGLE-1 one (``EagleLlamaForCausalLM``: launched with ``method: eagle``
+            unless ``speculative`` names a method, :func:`draft_method`), or None for the target alone.
         tp: tensor-parallel size (1 and 2 tested; vLLM's CPU backend runs one worker process per rank, gloo).
         num_speculative_tokens: vLLM's ``num_speculative_tokens`` (draft tokens per verify step; SGLang's
             ``--speculative-num-steps`` for a chain, ``num_draft_tokens - 1``).
