@@ -59,3 +59,5 @@ echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, v
   --num 48 --out llama_h64/data/validation
 "${RUN[@]}" make_draft_data.py --device cpu --num 16 --sampled-frac 0 --target llama_h64/target --out llama_h64/data/sample \
   --vocab-from llama_h64/draft
+# the EAGLE-1 draft for vLLM's method eagle (CPU; samples its own data from the target)
+"${RUN[@]}" train_eagle1.py --target llama_h64/target --out llama_h64/draft_eagle1

@@ -1,4 +1,5 @@
-"""The one seam that loads a served draft to run offline: an EAGLE-3 draft folder, or the MTP / NextN head of a target
+"""The one seam that loads a served draft to run offline: an EAGLE-3 draft folder, an EAGLE-1 draft folder (vLLM
+``method: eagle``: :class:`helpers.draft.eagle1.Eagle1Draft`), or the MTP / NextN head of a target
 (:func:`helpers.layers.mtp.mtp_head` on its config.json decides which, never a class-name comparison elsewhere).
 
 The offline heads per MTP family (:data:`OFFLINE_HEADS`): ``deepseek_v3`` -> :class:`helpers.draft.nextn.NextNHead`
@@ -14,6 +15,7 @@ import torch
 
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_mtp_head
+from .eagle1 import Eagle1Draft, is_eagle1
 from .model import Eagle3Draft
 
 
@@ -36,7 +38,8 @@ def is_mtp(draft_dir: str | Path) -> bool:
 def load_draft(draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", dtype_reason: str = "", loader: Any = None) -> Eagle3Draft:
     """The served draft of ``draft_dir`` run offline as the engine runs it: :meth:`Eagle3Draft.load` for an EAGLE-3
-    draft; for an MTP / NextN head (``draft_dir`` a target folder with ``num_nextn_predict_layers``, or a separate
+    draft; :meth:`helpers.draft.eagle1.Eagle1Draft.load` for an EAGLE-1 draft (vLLM ``method: eagle``,
+    ``EagleLlamaForCausalLM``: its config's ``architectures``, :func:`helpers.draft.eagle1.is_eagle1`); for an MTP / NextN head (``draft_dir`` a target folder with ``num_nextn_predict_layers``, or a separate
     NextN checkpoint) the family's offline head of :data:`OFFLINE_HEADS` (embedding and lm_head from ``target_dir``).
     ``loader``: the serving engine's loader rules (``EngineAdapter.loader_rules``: which embedding, lm_head, d2t and
     norms the engine runs an EAGLE-3 draft with), passed to :meth:`Eagle3Draft.load`; None: SGLang's.
@@ -45,7 +48,10 @@ def load_draft(draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype
         BadInput: an MTP family with no offline head here (the family and its SGLang class named), no ``target_dir``
             for an MTP head, or whatever the loader refuses (missing tensors, shapes unlike the config)."""
     draft_dir = Path(draft_dir)
-    head = read_mtp_head(read_config_json(draft_dir / "config.json", "draft config"), draft_dir / "config.json")
+    cfg = read_config_json(draft_dir / "config.json", "draft config")
+    if is_eagle1(cfg):
+        return Eagle1Draft.load(draft_dir, target_dir, dtype=dtype, device=device, dtype_reason=dtype_reason)
+    head = read_mtp_head(cfg, draft_dir / "config.json")
     if head is None:
         return Eagle3Draft.load(draft_dir, target_dir, dtype=dtype, device=device, dtype_reason=dtype_reason,
                                 loader=loader)

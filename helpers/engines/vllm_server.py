@@ -56,6 +56,19 @@ EAGLE3_DRAFT_CLASSES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "PEa
                         "PeagleLlamaForCausalLM", "Eagle3Qwen3ForCausalLM", "Eagle3DeepseekV2ForCausalLM",
                         "Eagle3DeepseekV3ForCausalLM")
 
+#: the EAGLE-1 draft architecture vLLM 0.32.0 serves with ``method: eagle`` (``registry.py``
+#: ``"EagleLlamaForCausalLM": ("llama_eagle", ...)``; ``transformers_utils/configs/eagle.py::EAGLEConfig`` keeps an
+#: ``Eagle`` prefix as is); the offline model is :class:`helpers.draft.eagle1.Eagle1Draft`
+EAGLE1_DRAFT_CLASSES = ("EagleLlamaForCausalLM",)
+
+
+def draft_method(cfg: Mapping[str, Any]) -> str:
+    """vLLM's ``--speculative-config`` ``method`` for a draft config.json ``cfg`` (dict): ``eagle`` when its
+    ``architectures`` name an EAGLE-1 class (:data:`EAGLE1_DRAFT_CLASSES`), else ``eagle3``
+    (``vllm/config/speculative.py::SpeculativeConfig.__post_init__`` takes the method as given; it guesses from the
+    model path only when none is given)."""
+    return "eagle" if any(a in EAGLE1_DRAFT_CLASSES for a in (cfg.get("architectures") or [])) else "eagle3"
+
 #: head sizes vLLM 0.32.0's CPU attention accepts on x86 (``csrc/cpu/cpu_attn.cpp`` via
 #: ``vllm/v1/attention/backends/cpu_attn.py::CPUAttentionBackend.get_supported_head_sizes``); head_dim 16 fails at
 #: the first request ("Unsupported CPU attention configuration: head_dim=16")
@@ -106,9 +119,10 @@ def check_draft(draft: Path) -> dict:
             raise BadServerInput(f"draft config {draft / 'config.json'}: {spec.problem}")
         return cfg
     archs = cfg.get("architectures") or []
-    if not any(a in EAGLE3_DRAFT_CLASSES for a in archs):
+    if not any(a in EAGLE3_DRAFT_CLASSES + EAGLE1_DRAFT_CLASSES for a in archs):
         raise BadServerInput(f"draft config {draft / 'config.json'}: architectures={archs} is not an EAGLE-3 draft "
-                             f"vLLM 0.32.0 maps to one of its Eagle3 classes {list(EAGLE3_DRAFT_CLASSES)}")
+                             f"vLLM 0.32.0 maps to one of its Eagle3 classes {list(EAGLE3_DRAFT_CLASSES)} nor an "
+                             f"EAGLE-1 draft {list(EAGLE1_DRAFT_CLASSES)} (method eagle)")
     return cfg
 
 
@@ -179,7 +193,8 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
 
     Args:
         target: HF folder of a Llama target whose head size vLLM's CPU attention supports (:data:`CPU_HEAD_SIZES`).
-        draft: EAGLE-3 draft folder, or None for the target alone.
+        draft: EAGLE-3 draft folder, or an EAGLE-1 one (``EagleLlamaForCausalLM``: launched with ``method: eagle``
+            unless ``speculative`` names a method, :func:`draft_method`), or None for the target alone.
         tp: tensor-parallel size (1 and 2 tested; vLLM's CPU backend runs one worker process per rank, gloo).
         num_speculative_tokens: vLLM's ``num_speculative_tokens`` (draft tokens per verify step; SGLang's
             ``--speculative-num-steps`` for a chain, ``num_draft_tokens - 1``).
@@ -212,7 +227,9 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
     check_target(target, tp)
     draft_path = Path(draft) if draft is not None else None
     if draft_path is not None and (speculative or {}).get("method", "eagle3") in ("eagle3", "eagle"):
-        check_draft(draft_path)         # method draft_model (the oracle: the target drafting for itself) is no EAGLE
+        dcfg = check_draft(draft_path)  # method draft_model (the oracle: the target drafting for itself) is no EAGLE
+        if "method" not in (speculative or {}) and draft_method(dcfg) == "eagle":
+            speculative = {"method": "eagle", **dict(speculative or {})}
     python = vllm_python(python)
     if not python.exists():
         raise BadServerInput(f"vLLM interpreter {python} not found; run env/vllm/install.sh (or set E3F_VLLM_PYTHON)")
@@ -237,6 +254,7 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
 
 
 __all__ = ["start", "listeners", "build_command", "server_env", "omp_bind", "check_target", "check_draft",
+           "draft_method", "EAGLE1_DRAFT_CLASSES",
            "vllm_python", "ServerStartError", "WORKER_EXTENSION", "CPU_HEAD_SIZES", "EAGLE3_DRAFT_CLASSES"]
 
 

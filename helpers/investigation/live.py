@@ -35,7 +35,8 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import paired_effect
 from ..budget import Budget
 from ..errors import BadInput, describe
-from ..formats.configs import read_draft_config, read_target_config
+from ..draft.eagle1 import is_eagle1
+from ..formats.configs import read_config_json, read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
 from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
 from ..records import Finding, HypothesisEntry, InvestigationDoc, ProposedFix
@@ -217,6 +218,12 @@ def _stage_attach(r: Run) -> None:
     if att.draft_head is not None:                 # an MTP / NextN head: its own stages (helpers.investigation.mtp)
         investigate_mtp(r, _reference)
         raise _Stopped
+    if att.draft_dir is not None and is_eagle1(read_config_json(att.draft_dir / "config.json", "draft config")):
+        raise BadInput("an EAGLE-1 draft (EagleLlamaForCausalLM, vLLM method eagle, fed the target's post-final-norm "
+                       "state): investigate's stages are built for EAGLE-3 drafts and MTP heads; the offline model "
+                       "is helpers.draft.eagle1.Eagle1Draft (load_draft) and bench/vllm_eagle1_accept.py measures "
+                       "the served state and the live vs offline accept length", path=att.draft_dir / "config.json",
+                       field="architectures")
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)

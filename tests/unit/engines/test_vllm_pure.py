@@ -233,3 +233,33 @@ def test_the_worker_records_each_cycles_proposals_and_the_trace_reads_them_as_st
                                                                                   (3, 6, 72, 73)]
     assert [(s.step, s.position, s.input_id, s.topk[0]) for s in c2.steps] == [(1, 6, 8, 81), (2, 7, 81, 82),
                                                                                   (3, 8, 82, 83)]
+
+
+def test_an_eagle1_draft_is_served_with_method_eagle(tmp_path, monkeypatch):
+    """A draft whose architectures name EagleLlamaForCausalLM passes check_draft and is launched with ``method:
+    eagle`` (vllm/config/speculative.py takes the method as given); an EAGLE-3 draft keeps eagle3; an explicit method
+    wins. The argv is read where ServerProcess.launch_healthy would start it (no process is started)."""
+    from helpers.engines import vllm_server
+    from helpers.engines.vllm_server import check_draft, draft_method
+    from helpers.server.process import ServerProcess
+    (tmp_path / "t").mkdir()
+    target = _cfg(tmp_path / "t", num_attention_heads=2, num_key_value_heads=2)
+    draft = tmp_path / "d"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["EagleLlamaForCausalLM"], "hidden_size": 128}))
+    assert draft_method(check_draft(draft)) == "eagle"
+    assert draft_method({"architectures": ["LlamaForCausalLMEagle3"]}) == "eagle3"
+    seen = []
+
+    def fake_launch(cmd, *a, **k):
+        seen.append(json.loads(cmd[cmd.index("--speculative-config") + 1]))
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(ServerProcess, "launch_healthy", staticmethod(fake_launch))
+    py = tmp_path / "py"
+    py.write_text("")
+    for spec in (None, {"method": "eagle3"}):
+        with pytest.raises(RuntimeError, match="not started"):
+            vllm_server.start(target, draft, python=py, speculative=spec)
+    assert [s["method"] for s in seen] == ["eagle", "eagle3"]
+    assert seen[0]["model"] == str(draft) and seen[0]["num_speculative_tokens"] == 3
