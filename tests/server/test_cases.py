@@ -107,11 +107,12 @@ def _recorded_copy(tmp_path: Path, *, recording: Path, **changes) -> Path:
     return p
 
 
-def test_mtp_recorded_case_replays_offline_with_its_fault_named():
+def test_mtp_recorded_case_replays_offline_with_its_fault_named(capsys):
     """The MTP / NextN case the main job's postmortem shows (env/cases/mtp_embedding.yaml), read back from its
     recording: the blind investigation named the case's fault (the head fed the tensor the case's fault feeds, not
     norm(out(n-1))), the wiring stage's loss is the paired difference of its two offline stages and counts, and the
-    postmortem section carries the finding (escaped). Offline: no server."""
+    postmortem section carries the finding (escaped), as ``python -m helpers replay CASE`` prints it. Offline: no
+    server."""
     import html
 
     from helpers.investigation.cases import load_recorded_case
@@ -136,6 +137,11 @@ def test_mtp_recorded_case_replays_offline_with_its_fault_named():
     assert meta["launch"]["faults"] == case.faults and meta["engine_version"] == doc.engine_version
     page = "\n".join(p for p in recorded_parts(MTP_CASE) if isinstance(p, str))
     assert html.escape(doc.findings[0].detail) in page and html.escape(case.title) in page
+    from helpers.cli.replay import cli_main
+    assert cli_main([str(MTP_CASE)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{case.expect_finding}: {doc.findings[0].detail}. Recorded {meta['recorded_at']}")
+    assert out[1] == doc.sentence
 
 
 def test_recorded_case_escapes_case_and_server_text_and_refuses_a_stale_recording(tmp_path):
