@@ -81,7 +81,7 @@ def record_case(case_path: str | os.PathLike, *, timeout: float = 1200.0,
         out.mkdir(parents=True, exist_ok=True)
         rec = json.loads((Path(tmp) / "run" / DOC).read_text())
     rec["run_dir"] = case.recording        # the temporary run folder is gone; the recording is what is kept
-    write_json(out / DOC, rec)
+    write_json(out / DOC, checkout_relative(rec))
     write_json(out / META, {
         "case": os.fspath(Path(case_path)), "recorded_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "server_start_s": round(start_s, 1), "investigation_s": round(inv_s, 1), "verdict": doc.verdict,
@@ -89,6 +89,13 @@ def record_case(case_path: str | os.PathLike, *, timeout: float = 1200.0,
         "launch": _launch(case), "engine_version": doc.engine_version,
         "command": f".venv/bin/python -m helpers replay --record {os.fspath(case_path)}"})
     return out
+
+
+def checkout_relative(rec: Any) -> Any:
+    """``rec`` (parsed JSON) with every string's ``<this checkout>/`` prefix dropped: a recording names the models
+    as ``env/models/...``, not as the folder of the checkout that recorded it."""
+    prefix = os.fspath(ROOT) + os.sep
+    return json.loads(json.dumps(rec).replace(json.dumps(prefix)[1:-1], ""))
 
 
 def replay_recorded(case: RecordedCase | str | os.PathLike) -> tuple[InvestigationDoc, dict]:
@@ -154,4 +161,4 @@ def recorded_parts(case_path: str | os.PathLike, repo_root: Optional[str | os.Pa
     return parts
 
 
-__all__ = ["DOC", "META", "record_case", "recorded_headline", "recorded_parts", "replay_recorded"]
+__all__ = ["DOC", "META", "checkout_relative", "record_case", "recorded_headline", "recorded_parts", "replay_recorded"]

@@ -135,6 +135,7 @@ def test_mtp_recorded_case_replays_offline_with_its_fault_named(capsys):
     assert abs(b["losses"]["engine"]["delta"] - (wiring - live)) < 1e-9
     assert doc.verdict == "mismatch" and doc.proposed_fix.kind == "engine"
     assert meta["launch"]["faults"] == case.faults and meta["engine_version"] == doc.engine_version
+    assert str(ROOT) not in (case.resolve(case.recording) / "investigation.json").read_text()   # checkout_relative
     page = "\n".join(p for p in recorded_parts(MTP_CASE) if isinstance(p, str))
     assert html.escape(doc.findings[0].detail) in page and html.escape(case.title) in page
     from helpers.cli.replay import cli_main
