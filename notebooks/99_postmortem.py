@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -19,12 +19,14 @@
 # %% tags=["parameters"]
 run_dir = ""  # run folder; empty: the newest under outputs/
 repo_root = ""  # checkout that relative paths are resolved against; empty: this one
+recorded_cases = []  # recorded case files shown after the run's own case, replayed offline (no server started)
 
 # %%
 from helpers.plots import acceptance as F
 from helpers.views import common as R
 from helpers.views import acceptance, postmortem, replay, story
 from helpers.views import investigation as I
+from helpers.investigation.recorded import recorded_parts
 
 R.setup_notebook()
 ctx = R.context(run_dir, repo_root=repo_root)
@@ -44,6 +46,20 @@ for part in story.first_screen(ctx.run_dir, doc, inv, acceptance.main_fixes(ledg
 for part in (I.sections_html(inv, with_headline=False, replay=doc, ladder=False) if inv is not None else
              [R.note("No live investigation in this run folder.")]):
     R.show(part)
+
+# %% [markdown]
+# ## Recorded cases, replayed offline
+#
+# Cases recorded once on a live server with a fault (the params' `recorded_cases`, e.g. the Kimi-class target's own
+# MTP / NextN head fed the token embedding, `env/cases/mtp_embedding.yaml`) and read back here from their recordings: no
+# server is started for them. Each shows what the tool named blind on that server, and what it cost.
+
+# %%
+for case_file in recorded_cases:
+    for part in recorded_parts(case_file, repo_root or None):
+        R.show(part)
+if not recorded_cases:
+    R.show(R.note("No recorded case in this run's params."))
 
 # %% [markdown]
 # ## Verdicts

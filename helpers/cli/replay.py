@@ -1,4 +1,6 @@
-"""``python -m helpers replay CASE.yaml``: replay a case file into a new run folder."""
+"""``python -m helpers replay CASE.yaml``: replay a case file into a new run folder; a recorded case
+(:class:`helpers.investigation.cases.RecordedCase`, a ``recording:`` field) is read back offline, or recorded again
+with ``--record``."""
 from __future__ import annotations
 
 import os
@@ -17,8 +19,12 @@ def cli_main(argv: list[str]) -> int:
     folder ``<DIR>/<YYYYmmdd-HHMMSS>-<case>`` (default ``outputs/``) and print its headline and one
     line per step. The API key, if the case's servers need one, is read from ``$SGLANG_API_KEY``.
 
-    Exit status: 0 when the replay completed and every hypothesis got its expected verdict, 1
-    otherwise, 2 for an invalid case file (the field is named)."""
+    A recorded case (a ``recording:`` field, :mod:`helpers.investigation.recorded`) starts nothing: its recorded
+    investigation is read back and its headline printed; ``--record`` starts its server, investigates it and writes
+    the recording again.
+
+    Exit status: 0 when the replay completed and every hypothesis got its expected verdict (a recorded case: its
+    recording was read, or written), 1 otherwise, 2 for an invalid case file or recording (the field is named)."""
 
     return run_cli("replay", lambda: _body(argv))
 
@@ -28,7 +34,11 @@ def _body(argv: list[str]) -> int:
     ap.add_argument("case", help="case file (YAML), e.g. env/cases/seeds_hunt.yaml")
     ap.add_argument("--out", default=None, help="folder receiving the run folder (default: outputs/)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--record", action="store_true",
+                    help="a recorded case (a 'recording:' field): start its server and record its investigation again")
     a = ap.parse_args(argv)
+    if a.record or _is_recorded(a.case):
+        return _recorded(a)
     case = load_case(a.case)
     run = new_run_dir(case.name, out_folder(a.out, "--out"))
     print(f"[replay] {case.name} -> {run}", file=sys.stderr)
@@ -53,3 +63,25 @@ def _body(argv: list[str]) -> int:
     print(doc.headline)
     print(f"[replay] results: {run / 'results'}", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _is_recorded(path: str) -> bool:
+    """Whether a case file is a recorded case (a top-level ``recording:`` field); a file that cannot be read is left
+    to :func:`load_case`'s message."""
+    try:
+        from ..runfiles import load_yaml_text, read_file_text
+        data = load_yaml_text(read_file_text(path, "case file", expected="YAML"), "case file", path=path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "recording" in data
+
+
+def _recorded(a) -> int:
+    from ..investigation.recorded import record_case, recorded_headline, replay_recorded
+    if a.record:
+        folder = record_case(a.case, progress=lambda s: print(f"[record] {s}", file=sys.stderr))
+        print(f"[record] recording: {folder}", file=sys.stderr)
+    doc, meta = replay_recorded(a.case)
+    print(recorded_headline(doc, meta))
+    print(doc.sentence)
+    return 0

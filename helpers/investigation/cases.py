@@ -195,3 +195,70 @@ def load_case(path: str | os.PathLike) -> Case:
         CaseError: missing file, invalid YAML, or an invalid field (named with its timeline index).
     """
     return load_yaml_model(path, Case, what="case file", error=CaseError)
+
+
+class RecordedInvestigate(BaseModel):
+    """The ``investigate`` run a recorded case records (:func:`helpers.investigation.live.investigate` arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompts: int = Field(16, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+
+
+class RecordedCase(BaseModel):
+    """A case recorded once on a live server and replayed offline from its recording (no server started): what the
+    README's main job shows beside its live case without a server start of its own. Format (YAML)::
+
+        name: mtp-embedding
+        title: one line shown above the case on the postmortem
+        story: |                               # optional prose
+        target: env/models/kimi/target         # the server's target (its own NextN layer drafts)
+        server: {tp: 1, spec: {algorithm: NEXTN, num_steps: 1, topk: 1, num_draft_tokens: 2}}
+        faults: [{kind: embedding_in_place_of_layer, chunk: 0}]   # helpers.faults.Fault fields, served through
+                                                                 # --forward-hooks on the target's logits processor
+        investigate: {prompts: 16, max_new_tokens: 32}
+        recording: env/cases/recordings/mtp_embedding      # investigation.json + recording.json
+        expect_finding: wrong_layer            # compared by the tests only
+
+    :func:`helpers.investigation.recorded.record_case` writes the recording, :func:`~.recorded.replay_recorded`
+    reads it back."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    title: str
+    story: str = ""
+    target: str
+    server: ServerDefaults = Field(default_factory=lambda: ServerDefaults(tp=1, spec=SpecSettings(
+        algorithm="NEXTN", num_steps=1, topk=1, num_draft_tokens=2)))
+    faults: list[dict[str, Any]] = Field(default_factory=list)
+    investigate: RecordedInvestigate = Field(default_factory=RecordedInvestigate)
+    recording: str
+    expect_finding: Optional[str] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+            raise ValueError("use letters, digits, '-', '_' and '.' only")
+        return v
+
+    @field_validator("faults")
+    @classmethod
+    def _faults(cls, v):
+        from ..faults import Fault
+        for f in v:
+            Fault(**f)          # a ValueError names the kind and the missing field
+        return v
+
+    def resolve(self, path: str) -> Path:
+        """A path relative to the repository root (absolute paths are kept)."""
+        p = Path(path)
+        return p if p.is_absolute() else ROOT / p
+
+
+def load_recorded_case(path: str | os.PathLike) -> RecordedCase:
+    """Read and validate a recorded case file (:class:`RecordedCase`) with :func:`helpers.runfiles.load_yaml_model`.
+
+    Raises:
+        CaseError: missing file, invalid YAML, or an invalid field (named)."""
+    return load_yaml_model(path, RecordedCase, what="recorded case file", error=CaseError)

@@ -90,3 +90,100 @@ def test_missing_final_chunk_crashes_and_static_check_names_it(tmp_path):
     static = doc["steps"][1]
     assert "missing_chunk" in static["data"]["findings"] or "width_mismatch" in static["data"]["findings"]
     assert doc["steps"][2]["summary"]["accept_length"] > 1.5
+
+
+# ------------------------------------------------------------------ recorded cases (replayed offline, no server)
+MTP_CASE = ROOT / "env" / "cases" / "mtp_embedding.yaml"
+
+
+def _recorded_copy(tmp_path: Path, *, recording: Path, **changes) -> Path:
+    """A copy of the MTP case file with ``recording`` (absolute) and top-level ``changes``."""
+    import yaml
+
+    data = yaml.safe_load(MTP_CASE.read_text())
+    data.update(recording=str(recording), **changes)
+    p = tmp_path / "case.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_mtp_recorded_case_replays_offline_with_its_fault_named(capsys):
+    """The MTP / NextN case the main job's postmortem shows (env/cases/mtp_embedding.yaml), read back from its
+    recording: the blind investigation named the case's fault (the head fed the tensor the case's fault feeds, not
+    norm(out(n-1))), the wiring stage's loss is the paired difference of its two offline stages and counts, and the
+    postmortem section carries the finding (escaped), as ``python -m helpers replay CASE`` prints it. Offline: no
+    server."""
+    import html
+
+    from helpers.investigation.cases import load_recorded_case
+    from helpers.investigation.mtp import POST_NORM
+    from helpers.investigation.recorded import recorded_parts, replay_recorded
+
+    case = load_recorded_case(MTP_CASE)
+    doc, meta = replay_recorded(case)
+    fault = case.faults[0]
+    fed = "embedding" if fault["kind"] == "embedding_in_place_of_layer" else f"out({fault['layer']})"
+    assert doc.findings[0].kind == case.expect_finding
+    ident = doc.diagnosis["served_state"]
+    assert ident["identified"] == fed and ident["rel_error"][fed] < 1e-4
+    assert ident["rel_error"][POST_NORM] > 10 * ident["threshold"]
+    assert doc.attach["draft_head"]["spec"]["algorithm_requested"] == case.server.spec.algorithm == "NEXTN"
+    b = doc.acceptance
+    draft, wiring, live = (s["accept_length"] for s in b["stages"])
+    loss = b["losses"]["wiring"]
+    assert loss["decision"] == "counts" and loss["ci"][0] > 0 and abs(loss["delta"] - (draft - wiring)) < 1e-9
+    assert abs(b["losses"]["engine"]["delta"] - (wiring - live)) < 1e-9
+    assert doc.verdict == "mismatch" and doc.proposed_fix.kind == "engine"
+    assert meta["launch"]["faults"] == case.faults and meta["engine_version"] == doc.engine_version
+    assert str(ROOT) not in (case.resolve(case.recording) / "investigation.json").read_text()   # checkout_relative
+    page = "\n".join(p for p in recorded_parts(MTP_CASE) if isinstance(p, str))
+    assert html.escape(doc.findings[0].detail) in page and html.escape(case.title) in page
+    from helpers.cli.replay import cli_main
+    assert cli_main([str(MTP_CASE)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{case.expect_finding}: {doc.findings[0].detail}. Recorded {meta['recorded_at']}")
+    assert out[1] == doc.sentence
+
+
+def test_recorded_case_escapes_case_and_server_text_and_refuses_a_stale_recording(tmp_path):
+    """Every text of a recorded case is escaped (the case's title, the server's finding text), and a recording whose
+    launch is not the case's (the case edited after recording) is refused with the file named, on the page too."""
+    import json
+    import shutil
+
+    from helpers.errors import CaseError
+    from helpers.investigation.cases import load_recorded_case
+    from helpers.investigation.recorded import DOC, recorded_parts, replay_recorded
+
+    rec = tmp_path / "rec"
+    shutil.copytree(ROOT / load_recorded_case(MTP_CASE).recording, rec)
+    d = json.loads((rec / DOC).read_text())
+    d["findings"][0]["detail"] = "<img src=x onerror=alert(1)> " + d["findings"][0]["detail"]
+    (rec / DOC).write_text(json.dumps(d))
+    page = "\n".join(p for p in recorded_parts(_recorded_copy(tmp_path, recording=rec, title="<script>x</script>"))
+                     if isinstance(p, str))
+    assert "<script>x" not in page and "&lt;script&gt;x" in page
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+    stale = _recorded_copy(tmp_path, recording=rec, faults=[{"kind": "wrong_layer", "chunk": 0, "layer": 4}])
+    with pytest.raises(CaseError, match=r"recording.json: recorded launch differs .* \['faults'\]"):
+        replay_recorded(stale)
+    assert "not shown" in recorded_parts(stale)[0] and "faults" in recorded_parts(stale)[0]
+
+
+@needs_models
+@pytest.mark.server
+@pytest.mark.extended
+def test_mtp_recorded_case_records_again_as_recorded(tmp_path):
+    """Recording the MTP case again (its NEXTN server started with the fault, investigated blind; ~1-2 min) gives the
+    recording's finding, served state and, greedy on the same prompts, the same accept lengths."""
+    from helpers.investigation.recorded import record_case, replay_recorded
+
+    old, _ = replay_recorded(MTP_CASE)
+    case = _recorded_copy(tmp_path, recording=tmp_path / "rec")
+    record_case(case)
+    new, meta = replay_recorded(case)
+    assert [f.kind for f in new.findings] == [f.kind for f in old.findings]
+    assert new.diagnosis["served_state"]["identified"] == old.diagnosis["served_state"]["identified"]
+    for a, b in zip(new.acceptance["stages"], old.acceptance["stages"]):
+        assert a["name"] == b["name"] and abs(a["accept_length"] - b["accept_length"]) < 0.02, (a, b)
+    assert new.acceptance["losses"]["wiring"]["decision"] == old.acceptance["losses"]["wiring"]["decision"]

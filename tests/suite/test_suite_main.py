@@ -138,3 +138,8 @@ def test_main_job_replays_the_seeds_hunt_as_expected(main_run):
     assert sweep["points"][1].get("reused")  # num_steps=3 is the fix itself: not run twice
     page = (run_dir / "postmortem.html").read_text()
     assert "DeepseekV3ForCausalLM" in page and "MLA" in page
+    # the recorded MTP / NextN case main.yaml lists, replayed offline beside it (no server): its blind finding
+    from helpers.investigation.recorded import replay_recorded
+
+    mtp, _ = replay_recorded(ROOT / "env" / "cases" / "mtp_embedding.yaml")
+    assert page.index("Recorded cases, replayed offline") < page.index(html.escape(mtp.findings[0].detail))

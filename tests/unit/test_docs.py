@@ -52,6 +52,7 @@ LIVE_TESTS = {
     "diagnose": ["tests/unit/cli/test_diag_cli.py"],
     "measure": ["tests/server/test_acceptance.py"],
     "suite": ["tests/suite/test_suite_main.py", "tests/unit/suite/test_suite_runner.py"],
+    "replay": ["tests/server/test_cases.py"],
 }
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 
 from helpers.errors import CaseError
-from helpers.investigation.cases import load_case
+from helpers.investigation.cases import load_case, load_recorded_case
 from support import ROOT
 
 CASES = sorted((ROOT / "env" / "cases").glob("*.yaml"))
-CASE_FILES = [c for c in CASES if c.name != "main.yaml"]
+#: recorded cases (a top-level ``recording:``, helpers.investigation.recorded) have their own format
+RECORDED = [c for c in CASES if any(line.startswith("recording:") for line in c.read_text().splitlines())]
+CASE_FILES = [c for c in CASES if c.name != "main.yaml" and c not in RECORDED]
 
 
 def test_all_bundled_cases_validate():
@@ -19,6 +21,17 @@ def test_all_bundled_cases_validate():
         case = load_case(path)
         assert case.timeline[0].kind == "fix"
         assert any(s.kind == "hypothesis" and s.expect for s in case.timeline), path
+
+
+def test_recorded_cases_validate_and_a_bad_one_names_the_field(tmp_path):
+    assert RECORDED
+    for path in RECORDED:
+        case = load_recorded_case(path)
+        assert case.resolve(case.recording).is_dir() and case.faults and case.expect_finding, path
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntitle: t\ntarget: t\nrecording: r\nfaults: [{kind: wrong_layer, chunk: 0}]\n")
+    with pytest.raises(CaseError, match=r"faults.*needs field\(s\) \['layer'\]"):
+        load_recorded_case(bad)
 
 
 def test_case_validation_names_the_field(tmp_path):
