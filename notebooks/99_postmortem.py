@@ -26,7 +26,7 @@ from helpers.plots import acceptance as F
 from helpers.views import common as R
 from helpers.views import acceptance, postmortem, replay, story
 from helpers.views import investigation as I
-from helpers.investigation.recorded import recorded_parts
+from helpers.views.recorded import recorded_parts
 
 R.setup_notebook()
 ctx = R.context(run_dir, repo_root=repo_root)

@@ -69,7 +69,7 @@ def _is_recorded(path: str) -> bool:
     """Whether a case file is a recorded case (a top-level ``recording:`` field); a file that cannot be read is left
     to :func:`load_case`'s message."""
     try:
-        from ..runfiles import load_yaml_text, read_file_text
+        from ..runfiles import load_yaml_text, read_file_text  # lazy: the CLI parser imports nothing heavy
         data = load_yaml_text(read_file_text(path, "case file", expected="YAML"), "case file", path=path)
     except (OSError, ValueError):
         return False
@@ -77,7 +77,7 @@ def _is_recorded(path: str) -> bool:
 
 
 def _recorded(a) -> int:
-    from ..investigation.recorded import record_case, recorded_headline, replay_recorded
+    from ..investigation.recorded import record_case, recorded_headline, replay_recorded  # lazy: recorded cases
     if a.record:
         folder = record_case(a.case, progress=lambda s: print(f"[record] {s}", file=sys.stderr))
         print(f"[record] recording: {folder}", file=sys.stderr)

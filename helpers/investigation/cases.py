@@ -245,7 +245,7 @@ class RecordedCase(BaseModel):
     @field_validator("faults")
     @classmethod
     def _faults(cls, v):
-        from ..faults import Fault
+        from ..faults import Fault  # lazy: the fault table only when a case lists faults
         for f in v:
             Fault(**f)          # a ValueError names the kind and the missing field
         return v

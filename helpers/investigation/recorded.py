@@ -9,7 +9,8 @@ case without starting a server (no server start-up, no live capture: what keeps 
   (``investigation.json`` as the tool wrote it, ``recording.json``: when, where, how long, the machine's load, the
   launch), stop the server.
 * :func:`replay_recorded` -- read the recording back, checked against the case (the launch recorded is the case's).
-* :func:`recorded_parts` -- the postmortem section of one recorded case (every text HTML-escaped).
+* the postmortem section of one recorded case is :func:`helpers.views.recorded.recorded_parts` (every text
+  HTML-escaped).
 """
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ def record_case(case_path: str | os.PathLike, *, timeout: float = 1200.0,
 
     Returns: the recording folder. Raises: CaseError (bad case file), BadServerInput / ServerStartError (the server),
     ServerError (the investigation's requests); the server never outlives the call."""
-    from ..acceptance.machine import LoadSampler
-    from ..capture import server_hook_specs
-    from ..formats.configs import read_target_config
-    from ..hooks import model_family
-    from ..server.embedded import start
-    from .live import investigate
+    from ..acceptance.machine import LoadSampler  # lazy: recording only (the page reads a recording)
+    from ..capture import server_hook_specs  # lazy: recording only (the page reads a recording)
+    from ..formats.configs import read_target_config  # lazy: recording only (the page reads a recording)
+    from ..hooks import model_family  # lazy: recording only (the page reads a recording)
+    from ..server.embedded import start  # lazy: recording only (the page reads a recording)
+    from .live import investigate  # lazy: recording only (the page reads a recording)
 
     case = load_recorded_case(case_path)
     target = case.resolve(case.target)
@@ -136,29 +137,4 @@ def recorded_headline(doc: InvestigationDoc, meta: dict) -> str:
             f"recording, no server started.")
 
 
-def recorded_parts(case_path: str | os.PathLike, repo_root: Optional[str | os.PathLike] = None) -> list[Any]:
-    """The postmortem section of one recorded case: its title, story and recording line, then the recorded
-    investigation's own sections (:func:`helpers.views.investigation.sections_html`: findings, hypotheses, proposed
-    fix, acceptance budget, what the server ran). Every text from the case, the recording or the server is
-    HTML-escaped. A case whose recording cannot be read gives one escaped paragraph saying why (the page still
-    renders)."""
-    from ..views.common import esc
-    from ..views.investigation import sections_html
-
-    p = Path(case_path)
-    p = p if p.is_absolute() else Path(repo_root or ROOT) / p
-    try:
-        case = load_recorded_case(p)
-        doc, meta = replay_recorded(case)
-    except CaseError as exc:
-        return [f"<p><b>Recorded case {esc(p.name)} not shown:</b> {esc(str(exc))}</p>"]
-    parts: list[Any] = [f"<h3>{esc(case.title)}</h3>"]
-    if case.story:
-        parts.append(f"<p>{esc(case.story.strip())}</p>")
-    parts.append(f'<p class="e3f-note">{esc(recorded_headline(doc, meta))} Case file {esc(os.fspath(case_path))}, '
-                 f'recording {esc(case.recording)}; record again: <code>{esc(meta.get("command") or "")}</code>.</p>')
-    parts += sections_html(doc, with_headline=True, run_dir=case.resolve(case.recording))
-    return parts
-
-
-__all__ = ["DOC", "META", "checkout_relative", "record_case", "recorded_headline", "recorded_parts", "replay_recorded"]
+__all__ = ["DOC", "META", "checkout_relative", "record_case", "recorded_headline", "replay_recorded"]

@@ -117,7 +117,8 @@ def test_mtp_recorded_case_replays_offline_with_its_fault_named(capsys):
 
     from helpers.investigation.cases import load_recorded_case
     from helpers.investigation.mtp import POST_NORM
-    from helpers.investigation.recorded import recorded_parts, replay_recorded
+    from helpers.investigation.recorded import replay_recorded
+    from helpers.views.recorded import recorded_parts
 
     case = load_recorded_case(MTP_CASE)
     doc, meta = replay_recorded(case)
@@ -153,7 +154,8 @@ def test_recorded_case_escapes_case_and_server_text_and_refuses_a_stale_recordin
 
     from helpers.errors import CaseError
     from helpers.investigation.cases import load_recorded_case
-    from helpers.investigation.recorded import DOC, recorded_parts, replay_recorded
+    from helpers.investigation.recorded import DOC, replay_recorded
+    from helpers.views.recorded import recorded_parts
 
     rec = tmp_path / "rec"
     shutil.copytree(ROOT / load_recorded_case(MTP_CASE).recording, rec)
