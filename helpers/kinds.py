@@ -265,6 +265,14 @@ VOCAB_MAP_KINDS: tuple[str, ...] = tuple(k.name for k in KINDS if k.fix == "voca
 PLAN_KINDS: frozenset[str] = frozenset(k.name for k in KINDS if k.changes_plan)
 ENGINE_FIXES: dict[str, str] = {k.name: k.engine_fix for k in KINDS if k.engine_fix}
 KIND_TEXT: dict[str, str] = {k.name: k.text for k in KINDS}
+
+
+def kind_words(kind: str, evidence: Optional[dict] = None) -> str:
+    """The sentence's words for a finding of ``kind``: its evidence's ``kind_text`` when the finding's draft family
+    has its own (an MTP head is fed a state, it has no aux chunk), else :data:`KIND_TEXT`'s, else the kind itself."""
+    return (evidence or {}).get("kind_text") or KIND_TEXT.get(kind, kind)
+
+
 #: kind -> the acceptance budget stage where it costs accepted tokens (kinds with one only)
 KIND_STAGE: dict[str, str] = {k.name: k.stage for k in KINDS if k.stage}
 #: check -> the kinds that say what the check asks (in report order)

@@ -38,7 +38,7 @@ from ..errors import BadInput, describe
 from ..draft.eagle1 import is_eagle1
 from ..formats.configs import read_config_json, read_draft_config, read_target_config
 from ..formats.training_data import TrainingData
-from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, KIND_TEXT, TENSOR_KINDS
+from ..kinds import ACCEPTANCE_KINDS, CHECK_FINDINGS, DRAFT_KINDS, TENSOR_KINDS, kind_words
 from ..records import Finding, HypothesisEntry, InvestigationDoc, ProposedFix
 from ..runfiles import atomic_write_text, new_run_dir, safe_name, write_json
 from ..diagnosis.plan_rules import PlanRules
@@ -776,7 +776,7 @@ def sentence(doc: InvestigationDoc) -> str:
                 f"aligned rows ({doc.samples} sample(s); reference: {ref}).{budget_text} "
                 + _measured_text(doc.measured).capitalize() + ".")
     f = wiring[0]
-    what = KIND_TEXT.get(f.kind, f.kind)
+    what = kind_words(f.kind, f.evidence)
     where = "" if f.chunk is None or f.kind in ("layer_offset", "chunk_order") else f" (chunk {f.chunk})"
     more = [k for k in dict.fromkeys(x.kind for x in wiring[1:]) if k != f.kind]
     also = f" Also found: {', '.join(more)}." if more else ""

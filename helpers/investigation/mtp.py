@@ -292,7 +292,8 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
     ev = {"rel_error": top, "expected": POST_NORM, "expected_rel_error": rel[POST_NORM],
           "threshold": ident["threshold"], "sequences": ident["sequences"], "rows": ident["rows"],
           "source": ident["source"], "wiring_loss": None if wiring_loss is None else
-          {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")}}
+          {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")},
+          "kind_text": "the NextN head is fed another tensor than the engine's own rule feeds it"}
     got = ident["identified"]
     names = [n for n in rel if n not in (POST_NORM, TWICE)]
     cost = ""
@@ -309,7 +310,8 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
                         f"norm applied TWICE, {TWICE} (rel. error {rel[got]:.2g}); SGLang feeds it normed once, "
                         f"{POST_NORM} (rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got is not None:
-        return [finding("wrong_layer", 0, f"the NextN head is fed {got} (rel. error {rel[got]:.2g}), not the "
+        shown = "the token embedding" if got == "embedding" else got
+        return [finding("wrong_layer", 0, f"the NextN head is fed {shown} (rel. error {rel[got]:.2g}), not the "
                         f"target's final hidden state after the final norm {POST_NORM} (rel. error "
                         f"{rel[POST_NORM]:.2g}){cost}", **ev)]
     return [finding("unidentified_chunk", 0, f"the NextN head's input is none of the target's layer outputs nor "

@@ -30,7 +30,7 @@ from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.budget import NO_STAGE_COUNTS, REQUIRED_STAGES, budget_sentence, cause_of
 from ..draft.decide import decide, threshold
-from ..kinds import ACCEPTANCE_KINDS, BY_NAME, KIND_STAGE, KIND_TEXT
+from ..kinds import ACCEPTANCE_KINDS, BY_NAME, KIND_STAGE, kind_words
 from ..records import Finding, InvestigationDoc
 from ..runfiles import jsonable
 
@@ -370,7 +370,7 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
         f = wiring[0]
         where = "" if f.chunk is None or f.kind in ("layer_offset", "chunk_order") else f", chunk {f.chunk}"
         cost = stage_loss_text(losses.get(KIND_STAGE.get(f.kind, "")))
-        text = f"{KIND_TEXT.get(f.kind, f.kind)} ({f.kind}{where}): {f.detail}"
+        text = f"{kind_words(f.kind, f.evidence)} ({f.kind}{where}): {f.detail}"
         if cost:
             text += f"; the {KIND_STAGE[f.kind]} stage of the acceptance budget loses {cost}"
         more = [k for k in dict.fromkeys(x.kind for x in wiring[1:]) if k != f.kind]

@@ -100,6 +100,12 @@ def test_identify_the_served_state(world, how, kind):
         assert how in found[0]["detail"]
     else:
         assert ident["identified"] is None and ident["best_rel_error"] > 0.05
+    # the first screen says it in a head's words, not an EAGLE-3 draft's ("an aux chunk holds another layer")
+    from helpers.investigation.story import headline_parts
+    from helpers.records import Finding, InvestigationDoc
+    doc = InvestigationDoc(verdict="mismatch", findings=[Finding.model_validate(f) for f in found])
+    wrong = next(p for p in headline_parts(doc) if p["label"] == "What is wrong")["text"]
+    assert wrong.startswith("the NextN head is fed another tensor") and "aux chunk" not in wrong, wrong
 
 
 def test_budget_clean_and_wrong_layer(world):
