@@ -130,7 +130,9 @@ def test_mtp_recorded_case_replays_offline_with_its_fault_named(capsys):
     assert ident["rel_error"][POST_NORM] > 10 * ident["threshold"]
     assert doc.attach["draft_head"]["spec"]["algorithm_requested"] == case.server.spec.algorithm == "NEXTN"
     b = doc.acceptance
-    draft, wiring, live = (s["accept_length"] for s in b["stages"])
+    by = {s["name"]: s["accept_length"] for s in b["stages"]}
+    draft, wiring, live = (by[k] for k in ("draft (offline, reference states)", "wiring (offline, served states)",
+                                           "live"))
     loss = b["losses"]["wiring"]
     assert loss["decision"] == "counts" and loss["ci"][0] > 0 and abs(loss["delta"] - (draft - wiring)) < 1e-9
     assert abs(b["losses"]["engine"]["delta"] - (wiring - live)) < 1e-9
