@@ -142,4 +142,5 @@ def test_main_job_replays_the_seeds_hunt_as_expected(main_run):
     from helpers.investigation.recorded import replay_recorded
 
     mtp, _ = replay_recorded(ROOT / "env" / "cases" / "mtp_embedding.yaml")
-    assert page.index("Recorded cases, replayed offline") < page.index(html.escape(mtp.findings[0].detail))
+    plain = html.unescape(page)             # nbconvert writes the section's entities back as characters (' for &#x27;)
+    assert plain.index("Recorded cases, replayed offline") < plain.index(mtp.findings[0].detail)
