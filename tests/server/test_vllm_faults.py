@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -47,6 +46,7 @@ from helpers.investigation.live import investigate
 from helpers.server.process import stop_pid
 from helpers.server.registry import lookup
 from support.drafts import damaged_draft
+from support.vllm_faultgen import training_on
 
 pytestmark = [pytest.mark.server, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,28 +94,6 @@ def _kinds(doc) -> list[str]:
 
 def _stage(acc: dict, name: str) -> dict:
     return next(s for s in acc["stages"] if s["name"] == name)
-
-
-def _training_on(layers: list[int], out: Path) -> Path:
-    """The reference samples' tokens with aux states of other layers (SpecForge out(i) = HF hidden_states[i + 1])
-    from HF on the target, as if the draft had been trained on them; the vocab map copied."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(H64 / "target", torch_dtype=torch.float32).eval()
-    rows = out / "rows_0-2000"
-    rows.mkdir(parents=True)
-    for f in sorted((TRAINING / "rows_0-2000").glob("data_*.ckpt")):
-        rec = torch.load(f, weights_only=True)
-        with torch.no_grad():
-            hs = hf(rec["input_ids"][None], output_hidden_states=True).hidden_states
-        rec["aux_hidden_state"] = torch.cat([hs[i + 1] for i in layers], -1).to(torch.bfloat16)
-        rec["hidden_state"] = hs[-1].to(torch.bfloat16)
-        torch.save(rec, rows / f.name)
-    shutil.copytree(TRAINING / "vocab_mapping", out / "vocab_mapping")
-    cap = json.loads((TRAINING / "capture.json").read_text())
-    cap["layer_ids"] = {"specforge_out_i": layers}
-    (out / "capture.json").write_text(json.dumps(cap))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +168,7 @@ def test_fallback_ids_a_foreign_d2t_an_own_embedding_and_damaged_weights_are_eac
     run (the draft check against the training data's vocab map), an embed_tokens of its own that vLLM keeps (the loader
     rule, and vLLM's own account; the offline run uses it too, so its loss is the draft stage's), and noise in fc / attention / MLP weights (the budget's draft stage, which is still
     short of the training log with the proposed vocab map applied: the d2t does not explain it)."""
-    training = _training_on([0, 3, 6], tmp_path / "data")
+    training = training_on([0, 3, 6], tmp_path / "data")
     draft = damaged_draft(tmp_path / "draft", noise=2.0, src=H64 / "draft")
     cfg = json.loads((draft / "config.json").read_text())
     cfg["eagle_config"] = {"use_aux_hidden_state": True}             # the ids lost in an export

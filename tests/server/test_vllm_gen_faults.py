@@ -15,58 +15,22 @@ The engine stage is not asserted: ``engine_probes="none"`` and the live measurem
 over 20 seeds: ``bench/bench_vllm_faults.py`` (bench/RESULTS.md)."""
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from helpers.engines.vllm_server import vllm_python
 from helpers.investigation.live import investigate
-from helpers.server.process import stop_pid
 from support.vllm_faultgen import DRAFT, H64, TARGET, TRAINED_OUT, VALIDATION, VLLMFault, build_all, draw
+from test_vllm_faults import registry, server  # noqa: F401  (the module's registry fixture, its server start)
 
 pytestmark = [pytest.mark.server, pytest.mark.vllm, pytest.mark.extended]
-ROOT = Path(__file__).resolve().parents[2]
 if not vllm_python().exists():
     pytest.skip("env/vllm/.venv is missing (make setup without SKIP_VLLM=1)", allow_module_level=True)
 SEED = 38
 WIRING = {"wrong_layer", "layer_offset", "embedding_in_place_of_layer", "unidentified_chunk", "rotated_basis"}
 KW = dict(apply_fix=False, num_samples=3, measure_prompts=8, max_new_tokens=24, sweeps=(), engine_probes="none",
           validation=VALIDATION)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def registry(tmp_path_factory):
-    """State files of the servers these tests start go to a temporary folder, not outputs/servers."""
-    path = tmp_path_factory.mktemp("registry")
-    old = os.environ.get("E3F_SERVER_REGISTRY")
-    os.environ["E3F_SERVER_REGISTRY"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("E3F_SERVER_REGISTRY", None)
-    else:
-        os.environ["E3F_SERVER_REGISTRY"] = old
-
-
-@contextmanager
-def server(draft: Path):
-    """``server start --engine vllm --detach`` on the h64 target at TP 1 with ``draft``, yield its URL, stop it by
-    PID."""
-    out = subprocess.run([sys.executable, "-m", "helpers", "server", "start", "--engine", "vllm", "--target",
-                          str(TARGET), "--draft", str(draft), "--tp", "1", "--detach", "--timeout", "900"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1000,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
-    url = re.search(r"ready: (http://127\.0\.0\.1:\d+)", out.stdout).group(1)
-    pid = int(re.search(r"\(pid (\d+)", out.stdout).group(1))
-    try:
-        yield url
-    finally:
-        stop_pid(pid)
 
 
 def checkpoint_stage(folder: Path, training: Path) -> dict:
