@@ -62,6 +62,12 @@ from ..server.settings import SpecSettings
 from .catalog import CATALOG
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
+
+def repo_path(path: str | os.PathLike) -> Path:
+    """``path`` relative to the repository root (an absolute path is kept as it is)."""
+    p = Path(path)
+    return p if p.is_absolute() else ROOT / p
+
 class Models(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: str = "env/models/target"
@@ -183,9 +189,8 @@ class Case(BaseModel):
         return self
 
     def resolve(self, path: str) -> Path:
-        """A models path relative to the repository root (absolute paths are kept)."""
-        p = Path(path)
-        return p if p.is_absolute() else ROOT / p
+        """A models path relative to the repository root (:func:`repo_path`)."""
+        return repo_path(path)
 
 
 def load_case(path: str | os.PathLike) -> Case:
@@ -251,9 +256,8 @@ class RecordedCase(BaseModel):
         return v
 
     def resolve(self, path: str) -> Path:
-        """A path relative to the repository root (absolute paths are kept)."""
-        p = Path(path)
-        return p if p.is_absolute() else ROOT / p
+        """A path relative to the repository root (:func:`repo_path`)."""
+        return repo_path(path)
 
 
 def load_recorded_case(path: str | os.PathLike) -> RecordedCase:
