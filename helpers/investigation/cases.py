@@ -63,6 +63,15 @@ from .catalog import CATALOG
 
 VERDICTS = ("confirmed", "refuted", "inconclusive")
 
+def case_name(v: str) -> str:
+    """A case's ``name`` (it names run folders and results files): letters, digits, '-', '_' and '.' only.
+
+    Raises: ValueError (pydantic names the field)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+        raise ValueError("use letters, digits, '-', '_' and '.' only")
+    return v
+
+
 def repo_path(path: str | os.PathLike) -> Path:
     """``path`` relative to the repository root (an absolute path is kept as it is)."""
     p = Path(path)
@@ -171,9 +180,7 @@ class Case(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v):
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
-            raise ValueError("use letters, digits, '-', '_' and '.' only")
-        return v
+        return case_name(v)
 
     @model_validator(mode="after")
     def _fix_first(self):
@@ -243,9 +250,7 @@ class RecordedCase(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v):
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
-            raise ValueError("use letters, digits, '-', '_' and '.' only")
-        return v
+        return case_name(v)
 
     @field_validator("faults")
     @classmethod
