@@ -250,9 +250,12 @@ class EngineAdapter(ABC):
         sequences, text, dicts; :func:`helpers.capture.prompt_fields`), token ids only, ``concurrency`` requests in
         flight (at most; 1 sends them one at a time), each with a read deadline of ``timeout_s`` seconds (and the
         client's own budget). ``sampling``: SGLang-named sampling params over the greedy default, a
-        ``sampling_seed`` becoming seed + prompt index (:func:`helpers.capture.sampling_params`), so a prompt's
-        answer does not depend on the order the requests are served in. Returns one :class:`Continuation` per
-        prompt, in the prompts' order.
+        ``sampling_seed`` becoming seed + prompt index (:func:`helpers.capture.sampling_params`), so that where the
+        engine honours it a prompt's answer does not depend on the order the requests are served in (vLLM 0.32.0
+        does per request; SGLang 0.5.23 only with ``--enable-deterministic-inference``:
+        ``sglang/srt/sampling/sampling_batch_info.py::SamplingBatchInfo.from_schedule_batch`` builds the seed tensor
+        only then, so without it each run draws anew). Returns one :class:`Continuation` per prompt, in the prompts'
+        order.
 
         The prefix cache is emptied once, before the first request, not before each: a cache hit changes which
         positions a forward computes, not what they are (SGLang 0.5.23: the prefill of a hit extends from the cached

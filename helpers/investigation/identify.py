@@ -19,7 +19,9 @@ from .attach import Attachment, hf_reference_fits
 #: prompts, tokens and sampling of the target's own continuations the layer plan is identified on (no training data):
 #: sampled at temperature 1 as drafts are trained (greedy text is predictable from the tokens alone and leaves
 #: neighbouring layers undecided on few prompts; tests/unit/draft/test_plan_id.py); seeded, one seed per prompt, so a
-#: rerun sees the same continuations (12 x 64 unseeded left the reference draft undecided on one of two live runs)
+#: rerun sees the same continuations where the engine honours the seed (vLLM; SGLang 0.5.23 only with
+#: --enable-deterministic-inference, sglang/srt/sampling/sampling_batch_info.py::SamplingBatchInfo.from_schedule_batch:
+#: without it the embedded server draws each answer's sampled tokens anew on every run)
 IDENTIFY_PROMPTS, IDENTIFY_TOKENS = 16, 96
 IDENTIFY_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 0}
 #: requests in flight while the server writes those continuations (one at a time took 43-55 s of the step's 61.7 s
