@@ -166,6 +166,21 @@ class Continuation:
         return [*self.prompt_ids, *self.output_ids]
 
 
+@dataclass(frozen=True)
+class ContextRule:
+    """What a server does with a request longer than its context (:meth:`EngineAdapter.context_rule`): ``tokens`` its
+    context length (tokens), ``reserved`` the token slots it keeps per request on top of the prompt (counted against
+    the context), ``max_prompt`` the longest prompt (tokens) it takes, ``clamps`` True when it cuts
+    ``max_new_tokens`` to ``tokens - reserved - prompt`` (False: it refuses a request past the context),
+    ``source`` the engine function that does it."""
+
+    tokens: int
+    reserved: int
+    max_prompt: int
+    clamps: bool
+    source: str
+
+
 #: requests in flight of :meth:`EngineAdapter.continuations` by default
 CONTINUATION_CONCURRENCY = 8
 
@@ -295,6 +310,12 @@ class EngineAdapter(ABC):
         """One request of :meth:`continuations`: prompt ``index`` (token ids, else ``text``), ``max_new_tokens``
         tokens, EOS ignored, ``sampling`` as there, its read deadline ``timeout_s`` seconds; the prompt's token ids
         as the server tokenized it."""
+
+    def context_rule(self, client: HTTPClient) -> Optional[ContextRule]:
+        """How this server treats a request whose prompt tokens + ``max_new_tokens`` exceed its context length
+        (:class:`ContextRule`), or None when this tool has not read the engine's rule or the server does not tell its
+        context length."""
+        return None
 
     def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
         """The served draft's weights as the engine hashes them (one call; ``check-draft``'s and ``watch``'s weight

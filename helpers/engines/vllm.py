@@ -35,7 +35,7 @@ from ..server.protocol import GenerateResult
 from ..server.restart import set_flags
 from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
 from . import vllm_server
-from .base import AcceptanceCounters, Continuation, EngineAdapter, SpecConfig
+from .base import AcceptanceCounters, ContextRule, Continuation, EngineAdapter, SpecConfig
 from .vllm_answers import (
     Completion,
     DevServerInfo,
@@ -771,6 +771,17 @@ class VLLMAdapter(EngineAdapter):
                               f"and {max_new_tokens} generated tokens, got {len(prompt or [])} and {len(out)}",
                               endpoint="/v1/completions")
         return Continuation(prompt_id, tuple(int(t) for t in prompt), tuple(int(t) for t in out))
+
+    def context_rule(self, client: VLLMClient) -> Optional[ContextRule]:
+        """vLLM 0.32.0 cuts ``max_tokens`` to ``max_model_len`` - the prompt's tokens
+        (``vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens``) and refuses only a prompt longer than
+        ``max_model_len`` itself (the same function, and ``vllm/renderers/params.py::TokenizeParams.
+        _token_len_check``); no slot is reserved. The context length: ``/v1/models`` ``max_model_len``."""
+        ctx = client.server_info().get("context_length")
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
+            return None
+        return ContextRule(tokens=ctx, reserved=0, max_prompt=ctx, clamps=True,
+                           source="vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens")
 
     def sampled_verify_refusal(self, info: dict) -> Optional[str]:
         """A ``draft_sample_method`` other than greedy (the draft samples its proposals) or a
