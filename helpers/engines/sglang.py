@@ -21,7 +21,8 @@ from ..server import embedded
 from ..server.client import HTTPClient, SGLangClient, answer_kind, checked_server_info
 from ..server.process import ServerProcess
 from ..server.restart import start_variant
-from .base import AcceptanceCounters, ContextRule, Continuation, EngineAdapter, SpecConfig, prometheus_sums, watch_fields
+from .base import (AcceptanceCounters, ContextRule, Continuation, EngineAdapter, SpecConfig, prometheus_sums,
+                   watch_fields)
 
 if TYPE_CHECKING:          # annotations only (torch)
     from ..diagnosis.plan_rules import PlanRules
