@@ -274,7 +274,7 @@ class EngineAdapter(ABC):
 
         The prefix cache is emptied once, before the first request, not before each: a cache hit changes which
         positions a forward computes, not what they are (SGLang 0.5.23: the prefill of a hit extends from the cached
-        KV, ``sglang/srt/managers/schedule_batch.py::Req.init_next_round_input`` -> ``prefix_indices``, the same
+        KV, ``sglang/srt/managers/schedule_batch.py::Req.init_next_round_input`` -> ``match_kv_cache``, the same
         K and V of the same tokens; vLLM 0.32.0: ``vllm/v1/core/kv_cache_manager.py::KVCacheManager.
         get_computed_blocks``, whole blocks of the same tokens), so the tokens are the target's own either way; the
         flush before each request that :meth:`capture_served` does is for its hidden-state rows (the prompt block
