@@ -99,6 +99,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=identify.IDENTIFY_CONCURRENCY)
     ap.add_argument("--one", action="store_true", help="also tokens only, one request at a time")
+    ap.add_argument("--also", type=int, action="append", default=[], metavar="N",
+                    help="also tokens only at N requests in flight (arm concurrentN; repeatable)")
     ap.add_argument("--out", default=None, help="run folder (default: a temporary one)")
     ap.add_argument("--temperature", type=float, default=None,
                     help="override identify's temperature (0: greedy, to compare the tokens themselves: SGLang 0.5.23 "
@@ -118,7 +120,8 @@ def main() -> int:
     tcfg = read_target_config(target)
     draft = Eagle3Draft.load(draft_dir, target)
     ids, head = read_draft_config(draft_dir).nested_layer_ids, TargetHead.load(target)
-    arms = ["sequential", "concurrent"] + (["one"] if a.one else [])
+    arms = ["sequential", "concurrent"] + (["one"] if a.one else []) + [f"concurrent{n}" for n in a.also]
+    flight = {"concurrent": a.concurrency, "one": 1, **{f"concurrent{n}": n for n in a.also}}
     state = {arm: {"refs": [], "memo": {}, "secs": [], "ident": None} for arm in arms}
     bad = 0
     for k in range(a.rounds):
@@ -131,7 +134,7 @@ def main() -> int:
             if arm == "sequential":
                 more, toks[arm], t_cont = sequential(r, first, n, f"identify-{k}")
             else:
-                more, toks[arm], _ = concurrent(r, first, n, f"identify-{k}", 1 if arm == "one" else a.concurrency)
+                more, toks[arm], _ = concurrent(r, first, n, f"identify-{k}", flight[arm])
                 t_cont = None       # timed with its reference (identify._continuations does both)
             t_ref = time.perf_counter() - t0
             st = state[arm]

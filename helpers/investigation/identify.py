@@ -24,9 +24,10 @@ from .attach import Attachment, hf_reference_fits
 #: without it the embedded server draws each answer's sampled tokens anew on every run)
 IDENTIFY_PROMPTS, IDENTIFY_TOKENS = 16, 96
 IDENTIFY_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 0}
-#: requests in flight while the server writes those continuations (one at a time took 43-55 s of the step's 61.7 s
-#: on the embedded TP 2 server; bench/bench_plan_id_concurrent.py compares both, tokens included)
-IDENTIFY_CONCURRENCY = 8
+#: requests in flight while the server writes those continuations: a round's prompts all at once (one at a time took
+#: 43-55 s of the step's 61.7 s on the embedded TP 2 server; 8 in flight 14-17 s, 16 in flight 10-11 s with the
+#: every-layer reference, the same greedy tokens: bench/bench_plan_id_concurrent.py, bench/RESULTS.md)
+IDENTIFY_CONCURRENCY = IDENTIFY_PROMPTS
 
 
 def identify_stage(r: Any) -> None:
