@@ -279,9 +279,10 @@ class EngineAdapter(ABC):
         get_computed_blocks``, whole blocks of the same tokens), so the tokens are the target's own either way; the
         flush before each request that :meth:`capture_served` does is for its hidden-state rows (the prompt block
         covers the whole prompt only without a hit: ``helpers.capture.capture_served``), which this method does not
-        return. Measured on the embedded SGLang TP 2 server (bench/bench_plan_id_concurrent.py, greedy): 8 in flight
-        gave the same tokens as ``capture_served`` one request at a time with the cache flushed before each, 32 of 32
-        prompts x 96 tokens in two runs, 2.0-3.2x faster (bench/RESULTS.md).
+        return. Measured on the embedded SGLang TP 2 server (bench/bench_plan_id_concurrent.py, greedy): 8 and 16 in
+        flight gave the same tokens as ``capture_served`` one request at a time with the cache flushed before each, 32
+        of 32 prompts x 96 tokens in three runs, 2.0-3.4x faster with the every-layer reference and the offline pass
+        (bench/RESULTS.md).
 
         Raises:
             helpers.errors.ServerTimeout: a request past ``timeout_s``.
