@@ -35,7 +35,7 @@ from ..server.protocol import GenerateResult
 from ..server.restart import set_flags
 from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
 from . import vllm_server
-from .base import AcceptanceCounters, EngineAdapter, SpecConfig
+from .base import AcceptanceCounters, ContextRule, Continuation, EngineAdapter, SpecConfig
 from .vllm_answers import (
     Completion,
     DevServerInfo,
@@ -749,6 +749,39 @@ class VLLMAdapter(EngineAdapter):
         if layers and ref:
             write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
         return path
+
+    def continuation(self, client: VLLMClient, prompt_id: str, input_ids: Optional[Sequence[int]],
+                     text: Optional[str], index: int, *, max_new_tokens: int, sampling: Optional[dict],
+                     timeout_s: float) -> Continuation:
+        """``POST /v1/completions`` with ``return_token_ids`` (prompt and generated ids), ``ignore_eos``, sampling of
+        :func:`helpers.engines.vllm_capture.vllm_sampling` (``sampling_seed`` + ``index`` -> ``seed``: vLLM 0.32.0
+        gives a seeded request its own generator, ``vllm/v1/worker/gpu_input_batch.py::InputBatch.add_request``
+        ``generators``, whatever else shares its batch).
+
+        Raises: :class:`helpers.errors.SGLangError` when the answer has fewer than ``max_new_tokens`` tokens or no
+        prompt ids."""
+        from .vllm_capture import _answer_ids, vllm_sampling  # lazy: torch (measure detects the engine without it)
+        temperature, extra = vllm_sampling(sampling, index)
+        ans = client.complete(input_ids if input_ids is not None else (text or ""), max_tokens=max_new_tokens,
+                              temperature=temperature, extra=extra, timeout=timeout_s)
+        prompt, out = _answer_ids(ans)
+        prompt = prompt or (list(input_ids) if input_ids is not None else None)
+        if not prompt or len(out) != int(max_new_tokens):
+            raise SGLangError(f"POST {client._shown_url}/v1/completions ({prompt_id}): expected the prompt's token ids "
+                              f"and {max_new_tokens} generated tokens, got {len(prompt or [])} and {len(out)}",
+                              endpoint="/v1/completions")
+        return Continuation(prompt_id, tuple(int(t) for t in prompt), tuple(int(t) for t in out))
+
+    def context_rule(self, client: VLLMClient) -> Optional[ContextRule]:
+        """vLLM 0.32.0 cuts ``max_tokens`` to ``max_model_len`` - the prompt's tokens
+        (``vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens``) and refuses only a prompt longer than
+        ``max_model_len`` itself (the same function, and ``vllm/renderers/params.py::TokenizeParams.
+        _token_len_check``); no slot is reserved. The context length: ``/v1/models`` ``max_model_len``."""
+        ctx = client.server_info().get("context_length")
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
+            return None
+        return ContextRule(tokens=ctx, reserved=0, max_prompt=ctx, clamps=True,
+                           source="vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens")
 
     def sampled_verify_refusal(self, info: dict) -> Optional[str]:
         """A ``draft_sample_method`` other than greedy (the draft samples its proposals) or a
