@@ -106,3 +106,24 @@ def test_recorded_0_29_server_holds_unsorted_ids_verbatim_and_the_tool_applies_t
     assert as_032.overrides == ["aux ids: vLLM 0.32.0's rule holds [1, 3, 4] for the draft config (vllm/model_executor/"
                                 "models/interfaces.py::EagleModelMixin._set_aux_hidden_state_layers), the engine "
                                 "holds [4, 1, 3]"]
+
+
+def test_repeated_ids_on_0_29_are_fatal_as_recorded_and_the_finding_cites_that_releases_rule(tmp_path):
+    """[2, 4, 4] on vLLM 0.29.0: held as read, captured once each, so the draft's fc (3 chunks x hidden 128 = 384)
+    gets 2 chunks; the recorded first request (4 prompt tokens) failed with exactly that shape (1024 = 4 x 2 x 128).
+    The plan's fatal line says 0.29.0's rule; 0.32.0's says it keeps each id once."""
+    import re
+
+    from helpers.engines.vllm_rules import VLLMRules
+    from helpers.formats.configs import read_draft_config, read_target_config
+
+    draft, target = read_draft_config(_draft_with(tmp_path, [2, 4, 4])), read_target_config(H64 / "target")
+    old, new = VLLMRules("0.29.0").served_plan(draft, target), VLLMRules("0.32.0").served_plan(draft, target)
+    assert old.tensors == new.tensors == ["out(1)", "out(3)"]
+    assert "vLLM 0.29.0 holds them as read" in old.fatal and "EagleModelMixin._maybe_add_hidden_state" in old.fatal
+    assert "vLLM keeps each once" in new.fatal and "holds them as read" not in new.fatal
+    text = _recorded("first_request_244.txt")
+    assert "aux_layer_ids [2, 4, 4]" in text and "fc_input_size 384" in text
+    k, got = (int(g) for g in re.search(r"shape '\[-1, (\d+)\]' is invalid for input of size (\d+)", text).groups())
+    hidden, prompt_tokens = target.hidden_size, 4
+    assert k == 3 * hidden and got == prompt_tokens * len(old.tensors) * hidden
