@@ -91,7 +91,7 @@ def test_recorded_0_29_server_with_the_trained_draft_reads_as_0_32_does():
 
 
 def test_recorded_0_29_server_holds_unsorted_ids_verbatim_and_the_tool_applies_that_rule(tmp_path):
-    """The draft config writes [4, 1, 3]: vLLM 0.29.0 reported holding [4, 1, 3] (0.32.0 would hold [1, 3, 4]); the
+    """The draft config writes [4, 1, 3]: vLLM 0.29.0 reported holding [4, 1, 3], 0.32.0 (recorded too) [1, 3, 4]; the
     draft still gets out(0), out(2), out(3) in that order (membership in layer order). Under 0.29.0's rule the held
     tuple is what the rule says (no override); the same answer read as 0.32.0 is one override naming both."""
     draft = _draft_with(tmp_path, [4, 1, 3])
@@ -101,7 +101,11 @@ def test_recorded_0_29_server_holds_unsorted_ids_verbatim_and_the_tool_applies_t
     assert cfg.aux_layer_ids == cfg.rule_aux_layer_ids == [1, 3, 4] and cfg.overrides == []
     assert cfg.aux_tensors == ["out(0)", "out(2)", "out(3)"]
     assert any("vLLM 0.29.0 holds the aux ids [4, 1, 3]" in n and "chunks of [1, 3, 4]" in n for n in cfg.notes)
-    with _client("describe_413.json", draft, version="0.32.0") as c:
+    with _client("describe_413_on_0_32.json", draft, version="0.32.0") as c:     # the same draft served by 0.32.0
+        on_032 = VLLMAdapter().spec_config(c)
+    assert on_032.loaded["stored_aux_layer_ids"] == on_032.aux_layer_ids == [1, 3, 4] and on_032.overrides == []
+    assert on_032.aux_tensors == cfg.aux_tensors and not any("holds the aux ids" in n for n in on_032.notes)
+    with _client("describe_413.json", draft, version="0.32.0") as c:           # 0.29.0's answer misread as 0.32.0
         as_032 = VLLMAdapter().spec_config(c)
     assert as_032.overrides == ["aux ids: vLLM 0.32.0's rule holds [1, 3, 4] for the draft config (vllm/model_executor/"
                                 "models/interfaces.py::EagleModelMixin._set_aux_hidden_state_layers), the engine "
