@@ -177,10 +177,10 @@ class VLLMClient(ServerClient):
         ``speculative_num_draft_tokens`` = ``num_speculative_tokens`` + 1 (vLLM drafts a chain: ``v1/spec_decode/
         llm_base_proposer.py::SpecDecodeBaseProposer.propose``), ``tp_size``, ``device``, ``dtype``; vLLM's own:
         ``enable_prefix_caching``, ``async_scheduling``, ``rejection_sample_method``, ``draft_sample_method``,
-        ``max_num_seqs``, ``worker_extension`` (the tool's extension answers), ``aux_layer_ids`` (vLLM convention
-        in(i)), ``loaded`` (rank 0's ``e3f_describe``), ``verify_sampling`` (rank 0's check of the per-token
-        sampling values its verify step uses: :func:`helpers.engines.vllm_worker._verify_sampling_check`), ``sources``
-        (where each came from)."""
+        ``max_num_seqs``, ``worker_extension`` (the tool's extension answers), ``aux_layer_ids`` (as held, in(i);
+        chunks: :meth:`VLLMAdapter.spec_config`), ``loaded`` (rank 0's ``e3f_describe``), ``verify_sampling`` (rank
+        0's check of the per-token sampling values its verify step uses:
+        :func:`helpers.engines.vllm_worker._verify_sampling_check`), ``sources`` (where each came from)."""
         if getattr(self, "_info", None) is not None and not refresh:
             return self._info
         try:

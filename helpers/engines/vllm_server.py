@@ -285,7 +285,8 @@ def start_from_cli(args: Any, draft: Optional[str], extra: list[str]) -> tuple[S
     return handle, launch
 
 
-__all__ = ["start", "start_from_cli", "venv_python", "listeners", "build_command", "server_env", "omp_bind", "check_target", "check_draft",
+__all__ = ["start", "start_from_cli", "venv_python", "listeners",
+           "build_command", "server_env", "omp_bind", "check_target", "check_draft",
            "draft_method", "EAGLE1_DRAFT_CLASSES",
            "vllm_python", "ServerStartError", "WORKER_EXTENSION", "CPU_HEAD_SIZES", "EAGLE3_DRAFT_CLASSES"]
 

@@ -159,7 +159,8 @@ def aux_layer_ids(draft_config: Mapping[str, Any], num_layers: int,
     missing: then None); a result that is empty or not a list falls back to the target's default
     ``(2, n // 2, n - 3)`` (``get_eagle3_default_aux_hidden_state_layers``). ``_set_aux_hidden_state_layers`` then
     keeps ``tuple(sorted(set(ids)))`` (0.30.0 on; the ids as read before: :func:`stored_ids`, :func:`read_ids`); the
-    ids returned are the captured chunks in order (:func:`chunk_ids`), the same for every release. No +1, no range check: an id outside ``0..n`` is never met in the layer loop
+    ids returned are the captured chunks in order (:func:`chunk_ids`), the same for every release.
+    No +1, no range check: an id outside ``0..n`` is never met in the layer loop
     and captures nothing (see :func:`captured`).
 
     Returns: ``(ids, source)`` with ``source`` one of ``draft config eagle_aux_hidden_state_layer_ids``,
