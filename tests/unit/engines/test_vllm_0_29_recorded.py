@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -131,3 +132,33 @@ def test_repeated_ids_on_0_29_are_fatal_as_recorded_and_the_finding_cites_that_r
     k, got = (int(g) for g in re.search(r"shape '\[-1, (\d+)\]' is invalid for input of size (\d+)", text).groups())
     hidden, prompt_tokens = target.hidden_size, 4
     assert k == 3 * hidden and got == prompt_tokens * len(old.tensors) * hidden
+
+
+def test_vllm_venv_flag_is_checked_and_kept_for_restarts(tmp_path, capsys, monkeypatch):
+    """``server start --vllm-venv DIR``: refused on SGLang and for a folder without ``bin/python`` (one line, before
+    any server starts); the interpreter is kept in the launch settings, and a restarted copy gets it back."""
+    from helpers.__main__ import main
+    from helpers.engines import vllm_server
+
+    assert main(["server", "start", "--engine", "sglang", "--vllm-venv", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--vllm-venv applies to vLLM only" in err[0]
+    assert main(["server", "start", "--engine", "vllm", "--target", str(H64 / "target"), "--tp", "1",
+                 "--vllm-venv", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--vllm-venv {tmp_path / 'none'}: no interpreter" in err[0]
+    seen: list[dict] = []
+    monkeypatch.setattr(vllm_server, "start", lambda *a, **k: seen.append(k) or "handle")
+    launch = {"engine": "vllm", "target": str(H64 / "target"), "draft": None, "tp": 1, "dtype": "float32",
+              "python": "/opt/vllm-0.29/bin/python"}
+    assert VLLMAdapter().start_variant({"kind": "embedded", "launch": launch}, log_path=tmp_path / "l",
+                                       budget=None, keep_draft=False) == "handle"
+    assert seen[0]["python"] == "/opt/vllm-0.29/bin/python"
+    venv = tmp_path / "venv-0.29.0"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    monkeypatch.setattr(vllm_server, "start", lambda *a, **k: seen.append(k) or SimpleNamespace(target=a[0]))
+    args = SimpleNamespace(vllm_venv=str(venv), target=str(H64 / "target"), tp=1, port=None, steps=3,
+                           dtype="float32", log=None, timeout=10.0)
+    _, kept = vllm_server.start_from_cli(args, None, [])
+    assert seen[-1]["python"] == venv / "bin" / "python" and kept["python"] == str(venv / "bin" / "python")
