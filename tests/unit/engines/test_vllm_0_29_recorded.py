@@ -80,8 +80,10 @@ def test_held_ids_per_release_and_the_chunks_every_release_captures():
 
 def test_recorded_0_29_server_with_the_trained_draft_reads_as_0_32_does():
     with _client("describe_trained.json", H64 / "draft") as c:
+        version, evidence = VLLMAdapter.probe(c)
         cfg = VLLMAdapter().spec_config(c)
         counters = VLLMAdapter().counters(c)
+    assert version == "0.29.0" and evidence["/version"] == "0.29.0" and VLLMAdapter.version_refusal(version, "") is None
     assert cfg.version == "0.29.0" and cfg.aux_layer_ids == cfg.rule_aux_layer_ids == [1, 3, 4]
     assert cfg.aux_tensors == ["out(0)", "out(2)", "out(3)"] and cfg.overrides == []
     assert cfg.loaded["stored_aux_layer_ids"] == [1, 3, 4] and not any("holds the aux ids" in n for n in cfg.notes)
