@@ -442,8 +442,8 @@ class SGLangAdapter(EngineAdapter):
                 "sglang/srt/speculative/eagle_worker_v2.py), and fewer match at a higher temperature")
 
     def cli_refusal(self, args: Any) -> Optional[str]:
-        """None: every ``server start`` option applies to SGLang."""
-        return None
+        """Every ``server start`` option applies to SGLang but ``--vllm-venv``."""
+        return "--vllm-venv applies to vLLM only" if getattr(args, "vllm_venv", None) else None
 
     def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
         """The embedded SGLang server with ``--forward-hooks``, ``--faults``, the capture hooks and the draft step trace

@@ -106,8 +106,11 @@ class VLLMRules(PlanRules):
             read = view.get("eagle_aux_hidden_state_layer_ids") or (view.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids") or []
             rep = sorted({int(i) for i in read if list(read).count(i) > 1})
-            why = (f" (the ids {list(read)} repeat {rep}: vLLM keeps each once, {rules.SOURCES['aux_set']}; give "
-                   f"{want} distinct ids)" if rep else "")
+            held = rules.parse_version(rules.rule_version(self.version) or "0.32")[:3] >= rules.SORTED_IDS_SINCE
+            how = (f"vLLM keeps each once, {rules.SOURCES['aux_set']}" if held else
+                   f"vLLM {self.version} holds them as read ({rules.SOURCES['aux_set']}) but captures each id once, "
+                   f"by membership in layer order, {rules.SOURCES['aux_capture']}")
+            why = f" (the ids {list(read)} repeat {rep}: {how}; give {want} distinct ids)" if rep else ""
             plan.fatal = (f"the draft's fc takes {want} chunks ({rules.SOURCES['num_aux']}) but vLLM captures "
                           f"{len(plan.tensors)}{why}: the first request fails in the draft's fc (shape mismatch) -- "
                           f"{rules.SOURCES['num_aux']}")

@@ -76,8 +76,23 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def vllm_python(python: os.PathLike | str | None = None) -> Path:
-    """The vLLM venv's interpreter: ``python``, else ``$E3F_VLLM_PYTHON``, else ``env/vllm/.venv/bin/python``."""
+    """The vLLM venv's interpreter: ``python``, else ``$E3F_VLLM_PYTHON``, else ``env/vllm/.venv/bin/python``.
+    Another release's venv (``VLLM_VERSION=0.29.0 env/vllm/install.sh`` -> ``env/vllm/.venv-0.29.0``) is chosen with
+    ``server start --vllm-venv DIR`` or ``E3F_VLLM_PYTHON=DIR/bin/python``; the tool applies the rules of the release
+    the server reports (``GET /version``)."""
     return Path(python or os.environ.get("E3F_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+
+
+def venv_python(venv: os.PathLike | str) -> Path:
+    """``venv/bin/python`` of a vLLM venv folder (``server start --vllm-venv DIR``).
+
+    Raises:
+        BadServerInput: no such interpreter (field ``--vllm-venv``)."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise BadServerInput(f"--vllm-venv {venv}: no interpreter {python}; build one with VLLM_VERSION=X.Y.Z "
+                             f"env/vllm/install.sh (releases it knows: see env/vllm/README.md)")
+    return python
 
 
 def omp_bind(tp: int, cpus: Optional[Sequence[int]] = None) -> str:
@@ -253,7 +268,25 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
         speculative=dict(speculative or {}))
 
 
-__all__ = ["start", "listeners", "build_command", "server_env", "omp_bind", "check_target", "check_draft",
+def start_from_cli(args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+    """``server start --engine vllm``: :func:`start` with the parsed ``args`` (``target``, ``tp``, ``port``, ``steps``
+    = ``num_speculative_tokens``, ``dtype``, ``log``, ``timeout``, ``vllm_venv``) and the launch settings the registry
+    keeps for restarts (``python``: the interpreter, so a restarted copy runs the same release).
+
+    Raises: :class:`helpers.errors.BadServerInput` (:func:`start`, :func:`venv_python`)."""
+    venv = getattr(args, "vllm_venv", None)
+    python = vllm_python(venv_python(venv) if venv else None)
+    handle = start(args.target, draft, tp=args.tp, port=args.port, num_speculative_tokens=args.steps,
+                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra, python=python)
+    launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
+              "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
+              "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
+              "dtype": args.dtype, "python": os.fspath(python)}
+    return handle, launch
+
+
+__all__ = ["start", "start_from_cli", "venv_python", "listeners",
+           "build_command", "server_env", "omp_bind", "check_target", "check_draft",
            "draft_method", "EAGLE1_DRAFT_CLASSES",
            "vllm_python", "ServerStartError", "WORKER_EXTENSION", "CPU_HEAD_SIZES", "EAGLE3_DRAFT_CLASSES"]
 

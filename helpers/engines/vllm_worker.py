@@ -196,8 +196,9 @@ class CaptureExtension:
         """What this rank's engine really built, read from the loaded modules (JSON-able dict):
 
         ``tp_rank``, ``tp_size``, ``target_class``, ``num_layers``, ``hidden_size``, ``aux_layer_ids`` (the tuple the
-        target captures, vLLM convention in(i): ``EagleModelMixin.aux_hidden_state_layers`` after
-        ``_set_aux_hidden_state_layers`` sorted and de-duplicated it), ``enforce_eager``, ``compilation_mode`` and, when
+        target holds, vLLM convention in(i): ``EagleModelMixin.aux_hidden_state_layers`` as
+        ``_set_aux_hidden_state_layers`` kept it: sorted and de-duplicated from 0.30.0, as read before; captured by
+        membership in layer order), ``enforce_eager``, ``compilation_mode`` and, when
         a drafter is loaded, ``draft``: class, ``method``, ``num_speculative_tokens``, ``has_own_embed_tokens`` /
         ``has_own_lm_head`` (``vllm/model_executor/models/utils.py::process_eagle_weight``), ``embed_shared`` /
         ``lm_head_shared`` (the draft's module IS the target's: ``llm_base_proposer.py::_maybe_share_embeddings`` /
