@@ -526,7 +526,8 @@ class VLLMAdapter(EngineAdapter):
         bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
                               ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
                               ("--trace-draft", getattr(args, "trace_draft", None)),
-                              ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
+                              ("--algorithm", args.algorithm != ("NEXTN" if getattr(args, "nextn", 0) else "EAGLE3")),
+                              ("--topk", args.topk != 1),
                               ("--draft-tokens", args.draft_tokens is not None),
                               ("--reference-draft", args.reference_draft)) if v]
         if bad:
@@ -537,13 +538,15 @@ class VLLMAdapter(EngineAdapter):
 
     def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
         """The embedded vLLM server (:func:`helpers.engines.vllm_server.start`, ``--steps`` =
-        ``num_speculative_tokens``)."""
+        ``num_speculative_tokens``); ``--nextn``: the target's own MTP head, ``method: mtp`` (``vllm_mtp``)."""
+        mtp = bool(getattr(args, "nextn", False))
         handle = vllm_server.start(args.target, draft, tp=args.tp, port=args.port, num_speculative_tokens=args.steps,
-                                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra)
+                                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra,
+                                   mtp=mtp)
         launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
                   "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
-                  "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
-                  "dtype": args.dtype}
+                  "num_speculative_tokens": args.steps if (draft is not None or mtp) else None, "extra_args": extra,
+                  "dtype": args.dtype, **({"speculative_method": "mtp"} if mtp else {})}
         return handle, launch
 
     def chunked_prefill_flags(self, tokens: int) -> Optional[dict]:
