@@ -34,7 +34,7 @@ from ..server.process import ServerProcess
 from ..server.protocol import GenerateResult
 from ..server.restart import set_flags
 from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
-from . import vllm_server
+from . import vllm_mtp, vllm_server
 from .base import AcceptanceCounters, EngineAdapter, SpecConfig
 from .vllm_answers import (
     Completion,
@@ -388,6 +388,7 @@ class VLLMAdapter(EngineAdapter):
 
     name = "vllm"
     label = "vLLM"
+    mtp_feed = vllm_mtp.FED_STATE           # what vLLM 0.32.0 hands each MTP family's head (vllm_mtp's docstring)
 
     @classmethod
     def supported(cls) -> str:
@@ -527,8 +528,7 @@ class VLLMAdapter(EngineAdapter):
                               ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
                               ("--trace-draft", getattr(args, "trace_draft", None)),
                               ("--algorithm", args.algorithm != ("NEXTN" if getattr(args, "nextn", 0) else "EAGLE3")),
-                              ("--topk", args.topk != 1),
-                              ("--draft-tokens", args.draft_tokens is not None),
+                              ("--topk", args.topk != 1), ("--draft-tokens", args.draft_tokens is not None),
                               ("--reference-draft", args.reference_draft)) if v]
         if bad:
             return f"{', '.join(bad)} apply to SGLang only (vLLM captures through its worker extension)"
