@@ -90,3 +90,17 @@ def test_cli_seam_takes_nextn_and_refuses_algorithm_nextn_without_it():
     assert "--algorithm" in a.cli_refusal(_args(algorithm="NEXTN"))
     assert "--algorithm" in a.cli_refusal(_args(algorithm="EAGLE", nextn=False))
     assert a.cli_refusal(_args()) is None
+
+
+def test_config_check_says_what_vllm_feeds_and_that_its_cpu_backend_refuses_the_kimi_target(tmp_path):
+    from helpers.draft.mtp_checks import MTPSpec, check_mtp
+    from helpers.engines.vllm_rules import VLLMMTPRules
+    rep = check_mtp(KIMI, KIMI, spec=MTPSpec(num_steps=1), rules=VLLMMTPRules())
+    facts, notes = rep.draft_checks["facts"], rep.draft_checks["notes"]
+    assert facts["loads"]["fed_state"]["candidate"] == "norm(out(n-1))"
+    assert any("CPU backend" in n and "MLA latent width" in n and "= 72" in n for n in notes)
+    (tmp_path / "config.json").write_text(json.dumps(_mimo_cfg()))
+    rep = check_mtp(tmp_path, tmp_path, spec=MTPSpec(num_steps=1), rules=VLLMMTPRules())
+    facts, notes = rep.draft_checks["facts"], rep.draft_checks["notes"]
+    assert facts["loads"]["class"] == "MiMoMTPModel" and facts["loads"]["fed_state"]["candidate"] == "out(n-1)"
+    assert not any("CPU backend" in n for n in notes)
