@@ -37,6 +37,7 @@ then on the same live prompts (the server's own greedy continuation):
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -425,9 +426,12 @@ def investigate_mtp(r: Any, reference: Any) -> None:
                                     "same /generate answers"))
     sc = (b or {}).get("settings_check")
     if sc:
+        n = sc["trained_steps"]        # the fix in the serving engine's own flags (vLLM: num_speculative_tokens)
+        flags = r.adapter.fix_flags(SimpleNamespace(server_args={"--speculative-num-steps": n,
+                                                                 "--speculative-eagle-topk": 1,
+                                                                 "--speculative-num-draft-tokens": n + 1}))
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
-                             fix=f"--speculative-num-steps {sc['trained_steps']} --speculative-eagle-topk 1 "
-                                 f"--speculative-num-draft-tokens {sc['trained_steps'] + 1}", **sc))
+                             fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc))
     doc.findings = [Finding(**f) for f in found]
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
         what = ("the target's final hidden state after its final norm, " if expected == POST_NORM else
