@@ -105,7 +105,8 @@ def check_mtp_target(target: Path) -> tuple[dict, MTPHead]:
 
     Raises:
         BadServerInput: the refusal, naming the config file and field."""
-    from ..server.embedded import check_model_dir  # lazy: server.embedded imports the SGLang launcher's helpers
+    # lazy: the worker extension imports this module inside vLLM's server (describe_mtp) and needs no server helper
+    from ..server.embedded import check_model_dir
 
     cfg = check_model_dir(Path(target), "target")
     why = cpu_refusal(cfg, f"target config {Path(target) / 'config.json'}")
