@@ -49,8 +49,8 @@ _VM = "vllm/model_executor/models"
 #: per MTP family (``helpers.layers.mtp.MTPFamily.name``): the tensor vLLM 0.32.0 feeds the head (in the served-state
 #: candidates' names: ``norm(out(n-1))`` after the final norm, ``out(n-1)`` before it) and where that is decided
 FED_STATE: dict[str, tuple[str, str]] = {
-    "deepseek_v3": ("norm(out(n-1))", f"{_VM}/deepseek_v2.py::DeepseekV2Model.forward (returns self.norm(hidden_states, "
-                                      "residual))"),
+    "deepseek_v3": ("norm(out(n-1))", f"{_VM}/deepseek_v2.py::DeepseekV2Model.forward (returns "
+                                      "self.norm(hidden_states, residual))"),
     "mimo": ("out(n-1)", f"{_VM}/mimo.py::MiMoModel.forward (returns hidden_states + residual; "
                          "MiMoForCausalLM.compute_logits applies model.norm)"),
 }

@@ -312,9 +312,9 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
         cost = (f"; what it costs the head on these prompts: {loss_text(wl['delta'], wl['ci'])} accept length, "
                 f"{wl['decision']}")
     if exp != POST_NORM and got in (POST_NORM, TWICE):
-        return [finding("norm_mismatch", 0, f"the MTP head is fed the target's final hidden state AFTER the final norm, "
-                        f"{got} (rel. error {rel[got]:.2g}); {eng} feeds this head the last layer output {exp} before "
-                        f"the final norm (rel. error {rel[exp]:.2g}){cost}", **ev)]
+        return [finding("norm_mismatch", 0, "the MTP head is fed the target's final hidden state AFTER the final "
+                        f"norm, {got} (rel. error {rel[got]:.2g}); {eng} feeds this head the last layer output {exp} "
+                        f"before the final norm (rel. error {rel[exp]:.2g}){cost}", **ev)]
     if got == names[-1]:
         return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
                         f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "

@@ -12,6 +12,7 @@ import pytest
 from helpers.engines import vllm_server
 from support import ROOT, import_from
 
+# 275 s at load ~16 on 2 cores: the pair build, one vLLM start (220 s), investigate 11 s
 pytestmark = pytest.mark.extended
 
 PROMPTS, NEW = 8, 32
