@@ -234,6 +234,9 @@ class EngineAdapter(ABC):
     #: the served-state candidates' names (``norm(out(n-1))``: after the final norm; ``out(n-1)``: before it); a
     #: family not listed gets :data:`MTP_FEED_DEFAULT`. vLLM's: ``helpers.engines.vllm_mtp.FED_STATE``.
     mtp_feed: Mapping[str, tuple[str, str]] = {}
+    #: where this engine runs an MTP head for more draft steps than it has layers (None: the suite's SGLang source,
+    #: ``helpers.draft.nextn_stage.STEPS_SOURCE``); the settings finding cites it
+    mtp_steps_source: Optional[str] = None
 
     def mtp_fed_state(self, family: Optional[str]) -> tuple[str, str]:
         """``(candidate, source)`` of :attr:`mtp_feed` for an MTP head of ``family`` (``attach.draft_head['family']``),

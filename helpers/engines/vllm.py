@@ -389,6 +389,7 @@ class VLLMAdapter(EngineAdapter):
     name = "vllm"
     label = "vLLM"
     mtp_feed = vllm_mtp.FED_STATE           # what vLLM 0.32.0 hands each MTP family's head (vllm_mtp's docstring)
+    mtp_steps_source = vllm_mtp.STEPS_SOURCE   # how it runs more draft steps than the head has layers
 
     @classmethod
     def supported(cls) -> str:
@@ -541,8 +542,7 @@ class VLLMAdapter(EngineAdapter):
         ``num_speculative_tokens``); ``--nextn``: the target's own MTP head, ``method: mtp`` (``vllm_mtp``)."""
         mtp = bool(getattr(args, "nextn", False))
         handle = vllm_server.start(args.target, draft, tp=args.tp, port=args.port, num_speculative_tokens=args.steps,
-                                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra,
-                                   mtp=mtp)
+                                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra, mtp=mtp)
         launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
                   "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
                   "num_speculative_tokens": args.steps if (draft is not None or mtp) else None, "extra_args": extra,

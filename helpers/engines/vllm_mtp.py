@@ -56,6 +56,14 @@ FED_STATE: dict[str, tuple[str, str]] = {
 }
 
 
+#: how vLLM 0.32.0 runs ``num_speculative_tokens`` above the head's layer count: the proposer's loop
+#: (``llm_base_proposer.py::SpecDecodeBaseProposer.propose``) calls the head again on the state it returned, with no
+#: ``spec_step_idx`` (``deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward``: ``spec_step_idx % num_mtp_layers``;
+#: ``mimo_mtp.py::MiMoMTP.forward`` asserts 0)
+STEPS_SOURCE = ("vllm/v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.propose (the MTP layer run again "
+                "on its own output at every draft step)")
+
+
 def fed_state(head: MTPHead) -> Optional[tuple[str, str]]:
     """``(candidate, source)``: the hidden state vLLM 0.32.0 hands ``head`` (:data:`FED_STATE`), None for a family
     whose rule was not read here."""
@@ -136,5 +144,5 @@ def describe_mtp(drafter: Any) -> dict:
     return out
 
 
-__all__ = ["CPU_MLA_LATENT", "FED_STATE", "fed_state", "speculative_config", "cpu_refusal", "check_mtp_target",
+__all__ = ["CPU_MLA_LATENT", "FED_STATE", "STEPS_SOURCE", "fed_state", "speculative_config", "cpu_refusal", "check_mtp_target",
            "describe_mtp"]

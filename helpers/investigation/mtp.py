@@ -48,7 +48,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
-from ..draft.nextn_stage import nextn_draft_stage, steps_check
+from ..draft.nextn_stage import STEPS_SOURCE, nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding, ProposedFix
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
@@ -426,6 +426,8 @@ def investigate_mtp(r: Any, reference: Any) -> None:
                                     "same /generate answers"))
     sc = (b or {}).get("settings_check")
     if sc:
+        if r.adapter.mtp_steps_source:                 # the serving engine's rule, not SGLang's
+            sc = {**sc, "source": sc["source"].replace(STEPS_SOURCE, r.adapter.mtp_steps_source)}
         n = sc["trained_steps"]        # the fix in the serving engine's own flags (vLLM: num_speculative_tokens)
         flags = r.adapter.fix_flags(SimpleNamespace(server_args={"--speculative-num-steps": n,
                                                                  "--speculative-eagle-topk": 1,

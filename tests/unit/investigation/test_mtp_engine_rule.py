@@ -21,6 +21,13 @@ def test_adapters_give_each_family_its_engine_rule():
     exp, src = VLLMAdapter().mtp_fed_state("mimo")
     assert exp == "out(n-1)" and "mimo.py::MiMoModel.forward" in src
     assert SGLangAdapter().mtp_fed_state("mimo")[0] == POST_NORM          # no SGLang MiMo rule read: the default
+    # the steps rule cited in the settings finding, and its fix in the engine's own flags
+    assert SGLangAdapter().mtp_steps_source is None
+    assert "llm_base_proposer.py::SpecDecodeBaseProposer.propose" in VLLMAdapter().mtp_steps_source
+    from types import SimpleNamespace
+    args = {"--speculative-num-steps": 1, "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": 2}
+    assert VLLMAdapter().fix_flags(SimpleNamespace(server_args=args)) == {
+        "speculative_config.num_speculative_tokens": 1}
 
 
 def test_pre_norm_state_is_right_under_vllms_mimo_rule_and_post_norm_is_the_finding(world):
