@@ -184,6 +184,13 @@ class ContextRule:
 #: requests in flight of :meth:`EngineAdapter.continuations` by default
 CONTINUATION_CONCURRENCY = 8
 
+#: the state SGLang 0.5.23 hands a NextN head: ``sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward``
+#: reads ``spec_info.hidden_states``, ``sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward``'s output after
+#: ``final_norm`` (``EngineAdapter.mtp_fed_state``)
+MTP_FEED_DEFAULT = ("norm(out(n-1))", "sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward "
+                    "(spec_info.hidden_states) <- sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward "
+                    "(final_norm applied)")
+
 
 class EngineAdapter(ABC):
     """Everything engine-specific behind one contract (one subclass per engine; ``helpers.engines.detect`` picks
@@ -318,6 +325,19 @@ class EngineAdapter(ABC):
         (:class:`ContextRule`), or None when this tool has not read the engine's rule or the server does not tell its
         context length."""
         return None
+
+    #: MTP family -> ``(candidate, source)``: the target tensor this engine hands the family's MTP / NextN head, in
+    #: the served-state candidates' names (``norm(out(n-1))``: after the final norm; ``out(n-1)``: before it); a
+    #: family not listed gets :data:`MTP_FEED_DEFAULT`. vLLM's: ``helpers.engines.vllm_mtp.FED_STATE``.
+    mtp_feed: Mapping[str, tuple[str, str]] = {}
+    #: where this engine runs an MTP head for more draft steps than it has layers (None: the suite's SGLang source,
+    #: ``helpers.draft.nextn_stage.STEPS_SOURCE``); the settings finding cites it
+    mtp_steps_source: Optional[str] = None
+
+    def mtp_fed_state(self, family: Optional[str]) -> tuple[str, str]:
+        """``(candidate, source)`` of :attr:`mtp_feed` for an MTP head of ``family`` (``attach.draft_head['family']``),
+        else :data:`MTP_FEED_DEFAULT` (SGLang 0.5.23's DeepSeek-V3 rule, the state after the final norm)."""
+        return self.mtp_feed.get(family or "", MTP_FEED_DEFAULT)
 
     def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
         """The served draft's weights as the engine hashes them (one call; ``check-draft``'s and ``watch``'s weight

@@ -34,7 +34,7 @@ from ..server.process import ServerProcess
 from ..server.protocol import GenerateResult
 from ..server.restart import set_flags
 from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
-from . import vllm_server
+from . import vllm_mtp, vllm_server
 from .base import AcceptanceCounters, ContextRule, Continuation, EngineAdapter, SpecConfig
 from .vllm_answers import (
     Completion,
@@ -388,6 +388,8 @@ class VLLMAdapter(EngineAdapter):
 
     name = "vllm"
     label = "vLLM"
+    mtp_feed = vllm_mtp.FED_STATE           # what vLLM 0.32.0 hands each MTP family's head (vllm_mtp's docstring)
+    mtp_steps_source = vllm_mtp.STEPS_SOURCE   # how it runs more draft steps than the head has layers
 
     @classmethod
     def supported(cls) -> str:
@@ -526,8 +528,8 @@ class VLLMAdapter(EngineAdapter):
         bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
                               ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
                               ("--trace-draft", getattr(args, "trace_draft", None)),
-                              ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
-                              ("--draft-tokens", args.draft_tokens is not None),
+                              ("--algorithm", args.algorithm != ("NEXTN" if getattr(args, "nextn", 0) else "EAGLE3")),
+                              ("--topk", args.topk != 1), ("--draft-tokens", args.draft_tokens is not None),
                               ("--reference-draft", args.reference_draft)) if v]
         if bad:
             return f"{', '.join(bad)} apply to SGLang only (vLLM captures through its worker extension)"
@@ -537,7 +539,8 @@ class VLLMAdapter(EngineAdapter):
 
     def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
         """The embedded vLLM server (:func:`helpers.engines.vllm_server.start`, ``--steps`` =
-        ``num_speculative_tokens``; ``--vllm-venv``: another release's venv, kept in the launch for restarts)."""
+        ``num_speculative_tokens``; ``--vllm-venv``: another release's venv, kept in the launch for restarts;
+        ``--nextn``: the target's own MTP head, ``method: mtp``, ``vllm_mtp``)."""
         return vllm_server.start_from_cli(args, draft, extra)
 
     def chunked_prefill_flags(self, tokens: int) -> Optional[dict]:

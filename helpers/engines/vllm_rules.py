@@ -23,6 +23,7 @@ from ..draft.loader_table import VLLMLoaderTable
 from ..draft.config_checks import ConfigChecks
 from ..draft.mtp_checks import MTPRules, MTPSpec
 from ..layers.mtp import MTPHead
+from .vllm_mtp import cpu_refusal, fed_state
 from ..formats import speculators
 from ..layers import vllm as rules
 from ..layers.ids import LayerIds
@@ -464,6 +465,12 @@ class VLLMMTPRules(MTPRules):
                        f"architectures -> {fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
             "prefixes": head.vllm_prefixes(), "head_tensors": list(fam.head_tensors),
             "layers_declared": head.layers, "n_predict": n}
+        fed = fed_state(head)
+        if fed is not None:
+            facts["loads"]["fed_state"] = {"candidate": fed[0], "source": fed[1]}
+        cpu = cpu_refusal(target_raw) if target_raw else None
+        if cpu:
+            notes.append(f"on vLLM {self.version}'s CPU backend (the embedded server) this target is not served: {cpu}")
         if method not in VLLM_MTP_METHODS:
             findings.append(finding(
                 "mtp_head_refused", None,

@@ -252,6 +252,14 @@ class CaptureExtension:
             "num_aux_hidden_states": getattr(dinner, "num_aux_hidden_states", None),
             "fc_input_size": getattr(dinner, "fc_input_size", None),
         }
+        if getattr(sc, "method", None) == "mtp":
+            from .vllm_mtp import describe_mtp  # lazy: an MTP head only (pure Python, imports nothing of vLLM)
+            out["draft"].update(describe_mtp(drafter))
+            heads = [getattr(getattr(layer, "shared_head", None), "head", None)
+                     for layer in (getattr(dinner, "layers", None) or {}).values()] if hasattr(
+                getattr(dinner, "layers", None), "values") else []
+            if t_lm is not None and heads and all(h is not None for h in heads):
+                out["draft"]["lm_head_shared"] = all(h is t_lm for h in heads)   # DeepSeek: shared_head.head
         return out
 
     # ------------------------------------------------------------------ capture

@@ -37,6 +37,7 @@ then on the same live prompts (the server's own greedy continuation):
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -47,7 +48,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
-from ..draft.nextn_stage import nextn_draft_stage, steps_check
+from ..draft.nextn_stage import STEPS_SOURCE, nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding, ProposedFix
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
@@ -99,15 +100,18 @@ def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Ten
 
 
 def identify_state(served: Sequence[SimSequence], reference: str | Path, weight: torch.Tensor, eps: float, *,
-                   same: float = SAME_STATES) -> dict:
+                   same: float = SAME_STATES, expected: str = POST_NORM, source: str = FEED_SOURCE,
+                   engine: str = "SGLang") -> dict:
     """Which tensor of the target the served NextN input is: the relative difference (Frobenius over every aligned
     row of every sequence, ``||served - c|| / ||c||``) to each candidate of :func:`state_candidates`, paired with the
     reference dump's samples by sample id.
 
     Returns:
-        ``{"rel_error": {candidate: float}, "best", "best_rel_error", "expected": POST_NORM, "matches": bool (the
+        ``{"rel_error": {candidate: float}, "best", "best_rel_error", "expected", "matches": bool (the
         closest candidate is the expected one and within ``same``), "identified": the closest candidate when within
-        ``same`` else None, "sequences", "rows", "source"}``.
+        ``same`` else None, "sequences", "rows", "source", "engine"}``. ``expected`` / ``source`` / ``engine``: the
+        serving engine's rule for this head (``EngineAdapter.mtp_fed_state``: SGLang 0.5.23 and vLLM's DeepSeek-V3
+        head read :data:`POST_NORM`; vLLM's MiMo head reads ``out(n-1)``, ``helpers.engines.vllm_mtp``).
 
     Raises:
         BadInput: no served sequence has a reference sample of the same id, or the widths differ (the dump named)."""
@@ -135,18 +139,22 @@ def identify_state(served: Sequence[SimSequence], reference: str | Path, weight:
         raise BadInput("no served sequence has a reference sample of the same id", path=reference)
     rel = {c: float(np.sqrt(num[c] / den[c])) if den[c] else float("inf") for c in num}
     best = min(rel, key=rel.get)
-    return {"rel_error": rel, "best": best, "best_rel_error": rel[best], "expected": POST_NORM,
-            "matches": best == POST_NORM and rel[best] < same, "identified": best if rel[best] < same else None,
+    expected = names[-1] if expected == "out(n-1)" and names else expected      # the last layer's own name
+    return {"rel_error": rel, "best": best, "best_rel_error": rel[best], "expected": expected,
+            "matches": best == expected and rel[best] < same, "identified": best if rel[best] < same else None,
             "threshold": same,
-            "sequences": n_seq, "rows": n_rows, "source": FEED_SOURCE}
+            "sequences": n_seq, "rows": n_rows, "source": source, "engine": engine}
 
 
 def reference_sequences(reference: str | Path, like: Sequence[SimSequence], weight: torch.Tensor,
-                        eps: float) -> list[SimSequence]:
-    """The sequences ``like`` with their states replaced by :data:`POST_NORM` of the every-layer reference of the same
-    tokens (what a correct server feeds the head; :func:`helpers.draft.sequences.reference_sequences`)."""
-    return ref_sequences(reference, like, lambda rows, names, H: state_candidates(rows, names, weight, eps)[POST_NORM],
-                         keep_targets=False)
+                        eps: float, expected: str = POST_NORM) -> list[SimSequence]:
+    """The sequences ``like`` with their states replaced by ``expected`` (default :data:`POST_NORM`; ``out(n-1)``: the
+    last layer's output) of the every-layer reference of the same tokens (what a correct server feeds the head;
+    :func:`helpers.draft.sequences.reference_sequences`)."""
+    def pick(rows, names, H):
+        c = state_candidates(rows, names, weight, eps)
+        return c[names[-1] if expected == "out(n-1)" else expected]
+    return ref_sequences(reference, like, pick, keep_targets=False)
 
 
 def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Sequence[SimSequence]],
@@ -256,8 +264,9 @@ def state_line(ident: dict) -> str:
     head = (f"{ident['identified']} (rel. error {err:.2g}" if ident.get("identified") else
             f"none of the candidates (closest {best}, rel. error {err:.2g} >= {ident.get('threshold')}")
     text = head + (f"; runner-up {top[1][0]} {top[1][1]:.2g}" if len(top) > 1 else "")
-    if best != POST_NORM and POST_NORM in (ident.get("rel_error") or {}):
-        text += f"; {POST_NORM}, what SGLang feeds, {ident['rel_error'][POST_NORM]:.2g}"
+    exp = ident.get("expected") or POST_NORM
+    if best != exp and exp in (ident.get("rel_error") or {}):
+        text += f"; {exp}, what {ident.get('engine') or 'SGLang'} feeds, {ident['rel_error'][exp]:.2g}"
     return text + ")"
 
 
@@ -288,8 +297,9 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
     if ident["matches"]:
         return []
     rel = ident["rel_error"]
+    exp, eng = ident.get("expected") or POST_NORM, ident.get("engine") or "SGLang"
     top = dict(sorted(rel.items(), key=lambda kv: kv[1])[:4])
-    ev = {"rel_error": top, "expected": POST_NORM, "expected_rel_error": rel[POST_NORM],
+    ev = {"rel_error": top, "expected": exp, "expected_rel_error": rel[exp],
           "threshold": ident["threshold"], "sequences": ident["sequences"], "rows": ident["rows"],
           "source": ident["source"], "wiring_loss": None if wiring_loss is None else
           {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")},
@@ -301,6 +311,10 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
     if wl.get("delta") is not None and None not in (wl.get("ci") or [None]):
         cost = (f"; what it costs the head on these prompts: {loss_text(wl['delta'], wl['ci'])} accept length, "
                 f"{wl['decision']}")
+    if exp != POST_NORM and got in (POST_NORM, TWICE):
+        return [finding("norm_mismatch", 0, "the MTP head is fed the target's final hidden state AFTER the final "
+                        f"norm, {got} (rel. error {rel[got]:.2g}); {eng} feeds this head the last layer output {exp} "
+                        f"before the final norm (rel. error {rel[exp]:.2g}){cost}", **ev)]
     if got == names[-1]:
         return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
                         f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "
@@ -311,11 +325,12 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
                         f"{POST_NORM} (rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got is not None:
         shown = "the token embedding" if got == "embedding" else got
+        what = ("target's final hidden state after the final norm" if exp == POST_NORM else
+                f"state {eng} feeds this head")
         return [finding("wrong_layer", 0, f"the NextN head is fed {shown} (rel. error {rel[got]:.2g}), not the "
-                        f"target's final hidden state after the final norm {POST_NORM} (rel. error "
-                        f"{rel[POST_NORM]:.2g}){cost}", **ev)]
+                        f"{what} {exp} (rel. error {rel[exp]:.2g}){cost}", **ev)]
     return [finding("unidentified_chunk", 0, f"the NextN head's input is none of the target's layer outputs nor "
-                    f"{POST_NORM} (closest {ident['best']}, rel. error {ident['best_rel_error']:.2g} >= "
+                    f"{exp} (closest {ident['best']}, rel. error {ident['best_rel_error']:.2g} >= "
                     f"{ident['threshold']}){cost}", **ev)]
 
 
@@ -382,7 +397,9 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     r.done("reference", t, how if ref is not None else f"none ({missing})")
     t = r.step("diagnosis")
     weight, eps = target_final_norm(att.target_dir)
-    ident = identify_state(served, ref, weight, eps) if ref is not None else None
+    expected, feed_src = r.adapter.mtp_fed_state(att.draft_head.get("family"))   # the engine's rule for this head
+    ident = identify_state(served, ref, weight, eps, expected=expected, source=feed_src,
+                           engine=r.adapter.label) if ref is not None else None
     doc.diagnosis = {"kind": "mtp", "served_state": ident}
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
            f"served state = {state_line(ident)}")
@@ -392,7 +409,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         choice = choose_dtype(server_dtype(att.info, read_config_json(att.draft_dir / "config.json", "draft config")),
                               "cpu")
         head = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype, dtype_reason=choice.reason)
-        refs = reference_sequences(ref, served, weight, eps) if ref is not None else None
+        refs = reference_sequences(ref, served, weight, eps, expected) if ref is not None else None
         ds = nextn_draft_stage(head, att.target_dir, settings.steps, draft_dir=att.draft_dir, training=req.training,
                                training_log=req.training_log, validation=req.validation, progress=r.progress)
         b = mtp_budget(head, served, refs, pd.DataFrame(recs) if req.live_measure else None, settings,
@@ -409,13 +426,21 @@ def investigate_mtp(r: Any, reference: Any) -> None:
                                     "same /generate answers"))
     sc = (b or {}).get("settings_check")
     if sc:
+        if r.adapter.mtp_steps_source:                 # the serving engine's rule, not SGLang's
+            sc = {**sc, "source": sc["source"].replace(STEPS_SOURCE, r.adapter.mtp_steps_source)}
+        n = sc["trained_steps"]        # the fix in the serving engine's own flags (vLLM: num_speculative_tokens)
+        flags = r.adapter.fix_flags(SimpleNamespace(server_args={"--speculative-num-steps": n,
+                                                                 "--speculative-eagle-topk": 1,
+                                                                 "--speculative-num-draft-tokens": n + 1}))
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
-                             fix=f"--speculative-num-steps {sc['trained_steps']} --speculative-eagle-topk 1 "
-                                 f"--speculative-num-draft-tokens {sc['trained_steps'] + 1}", **sc))
+                             fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc))
     doc.findings = [Finding(**f) for f in found]
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
-        fix = ProposedFix(kind="engine", summary=f"feed the NextN head the target's final hidden state after its "
-                          f"final norm, {POST_NORM}, as SGLang does", parts=[FIX_SOURCE], why=[found[0]["detail"]],
+        what = ("the target's final hidden state after its final norm, " if expected == POST_NORM else
+                "the target's last layer output before its final norm, ")
+        fix = ProposedFix(kind="engine", summary=f"feed the NextN head {what}{ident['expected']}, as "
+                          f"{ident['engine']} does", parts=[FIX_SOURCE if expected == POST_NORM else ident["source"]],
+                          why=[found[0]["detail"]],
                           addresses=[found[0]["kind"]], applicable=False)
     else:
         fix = ProposedFix(kind="none", summary="none: no fault in what the head is fed")
@@ -461,8 +486,11 @@ def mtp_sentence(doc: Any) -> str:
         return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",
             "mismatch": "Acceptance is lost"}.get(doc.verdict or "undecided", "No wiring fault")
-    return (f"{head}: the NextN head is fed {POST_NORM}, the target's final hidden state after its final norm, as "
-            f"SGLang does (rel. error {ident['rel_error'][POST_NORM]:.2g} on {ident['rows']} rows of "
+    exp = ident.get("expected") or POST_NORM
+    what = ("the target's final hidden state after its final norm" if exp == POST_NORM else
+            "the target's last layer output before its final norm")
+    return (f"{head}: the NextN head is fed {exp}, {what}, as {ident.get('engine') or 'SGLang'} does (rel. error "
+            f"{ident['rel_error'][exp]:.2g} on {ident['rows']} rows of "
             f"{ident['sequences']} live prompt(s); reference: {ref}).{tail}")
 
 
