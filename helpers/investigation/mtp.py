@@ -191,7 +191,7 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
         stages.append(_stage(DRAFT_STAGE, sim_r, steps, source=src + " on norm(out(n-1)) of "
                              "the every-layer reference of the same tokens"))
     stages.append(_stage(WIRING_STAGE, sim_s, steps, source=src + " on the served states "
-                         "(/generate return_hidden_states)"))
+                         f"({p.capture})"))
     live_ok = live is not None and len(live) and live["verify_ct"].notna().any()
     if live_ok:
         stages.append(_stage(LIVE_STAGE, live, steps, source=p.live_source))
@@ -211,8 +211,8 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
     else:
         losses["engine"] = _not_computed("engine", "no live counters (--no-measure or the server returned none)")
     cause = cause_of(losses, ("draft", "wiring", "engine"))
-    b = {"kind": p.kind, "label": p.label, "settings": settings.label, "stages": stages, "losses": losses, "cause": cause,
-         "threshold": threshold(ref_al),
+    b = {"kind": p.kind, "label": p.label, "settings": settings.label, "stages": stages, "losses": losses,
+         "cause": cause, "threshold": threshold(ref_al),
          "settings_check": None if not p.steps_check else steps_check(
              steps, (draft or {}).get("trained_steps") or head_layers, (draft or {}).get("stage")),
          "draft_stage": None if not draft else {k: draft.get(k) for k in ("log", "rows", "same_rows", "why_rows",
@@ -339,7 +339,8 @@ FIX_SOURCE = ("SGLang 0.5.23 feeds the head logits_output.hidden_states = Deepse
 NEXTN = SingleStateDraft(
     kind="mtp", who="the NextN head", label="NextN", engine="SGLang", feed_source=FEED_SOURCE, fix_source=FIX_SOURCE,
     live_source="SGLang meta_info (spec_verify_ct, completion_tokens) of the same /generate answers",
-    draft_stage=nextn_draft_stage, steps_check=True, title="MTP / NextN head live investigation")
+    capture="/generate return_hidden_states", draft_stage=nextn_draft_stage, steps_check=True,
+    title="MTP / NextN head live investigation")
 
 
 def profile_of(kind: Optional[str]) -> SingleStateDraft:
@@ -441,7 +442,8 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
     doc.findings = [Finding(**f) for f in found]
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
         fix = ProposedFix(kind="engine", summary=f"feed {p.who} the target's final hidden state after its "
-                          f"final norm, {POST_NORM}, as {p.engine} does", parts=[p.fix_source], why=[found[0]["detail"]],
+                          f"final norm, {POST_NORM}, as {p.engine} does", parts=[p.fix_source],
+                          why=[found[0]["detail"]],
                           addresses=[found[0]["kind"]], applicable=False)
     else:
         fix = ProposedFix(kind="none", summary="none: no fault in what the head is fed")
@@ -479,7 +481,8 @@ def mtp_sentence(doc: Any) -> str:
     kinds = [f.kind for f in doc.findings or []]
     if "draft_underperforms" in kinds:
         d = (b or {}).get("losses", {}).get("draft") or {}
-        return (f"{p.who[0].upper() + p.who[1:]} scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
+        who = p.who[0].upper() + p.who[1:]
+        return (f"{who} scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
                 f"length lost at the checkpoint ({d.get('basis')}).{tail}")
     if "mtp_steps_beyond_head" in kinds:
         f = doc.findings[kinds.index("mtp_steps_beyond_head")]
@@ -493,7 +496,8 @@ def mtp_sentence(doc: Any) -> str:
             f"{ident['sequences']} live prompt(s); reference: {ref}).{tail}")
 
 
-__all__ = ["NEXTN", "profile_of", "ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
+__all__ = ["NEXTN", "profile_of",
+           "ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
            "TWICE", "WIRING_STAGE", "CHECKPOINT_STAGE", "algorithm_text", "budget_sentence", "head_text", "identify_state",
            "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences",
            "state_candidates", "state_findings", "state_line", "steps_text"]

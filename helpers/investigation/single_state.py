@@ -37,7 +37,7 @@ class SingleStateDraft:
         engine: the serving engine whose rule the expected state is (``"SGLang"``, ``"vLLM"``).
         feed_source: the engine's source where the expected state is fed (file::function chain).
         fix_source: the engine's rule, cited by the proposed fix.
-        live_source: where the live per-request counters come from.
+        live_source: where the live per-request counters come from; capture: where the served states come from.
         draft_stage: the draft stage, ``(head, target_dir, steps, *, draft_dir, training, training_log, validation,
             progress) -> dict`` (:func:`helpers.draft.nextn_stage.nextn_draft_stage`'s result).
         steps_check: whether the served chain depth is checked against the depth the draft was trained for (an MTP
@@ -51,6 +51,7 @@ class SingleStateDraft:
     feed_source: str
     fix_source: str
     live_source: str
+    capture: str
     draft_stage: Callable[..., dict]
     steps_check: bool
     title: str
@@ -67,6 +68,7 @@ EAGLE1 = SingleStateDraft(
     fix_source=("vLLM 0.32.0 hands drafter.propose the target's hidden_states after LlamaModel.forward's final norm "
                 "(vllm/model_executor/models/llama.py::LlamaModel.forward, vllm/v1/worker/gpu_model_runner.py)"),
     live_source="vLLM per-request spec decode counters (num_spec_steps, num_accepted_draft_tokens) of the same answers",
+    capture="the worker extension's capture of drafter.propose's target_hidden_states",
     draft_stage=eagle1_draft_stage, steps_check=False, title="EAGLE-1 draft live investigation")
 
 

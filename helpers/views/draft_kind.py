@@ -21,7 +21,8 @@ EAGLE1 = EAGLE1_PROFILE.kind
 
 @dataclass(frozen=True)
 class DraftKind:
-    """One kind of draft (:func:`draft_kind`). ``name``: ``"eagle3"``, ``"mtp"`` or ``"eagle1"``; ``head``: ``attach.draft_head``
+    """One kind of draft (:func:`draft_kind`). ``name``: ``"eagle3"``, ``"mtp"`` or ``"eagle1"``; ``head``:
+    ``attach.draft_head``
     (None for an EAGLE-3 draft, or a budget read without its investigation)."""
     name: str
     head: Optional[dict] = None
@@ -49,7 +50,8 @@ class DraftKind:
     @property
     def budget_samples_label(self) -> str:
         """What the acceptance budget's wiring stage ran on (its ``sequences``)."""
-        return "live prompts in the acceptance budget" if self.single_state else "training samples in the acceptance budget"
+        return ("live prompts in the acceptance budget" if self.single_state else
+                "training samples in the acceptance budget")
 
     @property
     def draft_source(self) -> str:

@@ -217,7 +217,8 @@ def what_ran(run_dir: Optional[Path], doc: Any = None, inv: Optional[Investigati
     text = f"Target {_architecture(target)}"
     if draft:
         text += f"; draft {kind.draft(draft, _architecture)}"
-    engine = [f"{engine_label(getattr(inv, 'engine', None))} {att['version']}" if att.get("version") else "", f"TP {tp}" if tp else ""]
+    engine = [f"{engine_label(getattr(inv, 'engine', None))} {att['version']}" if att.get("version") else "",
+              f"TP {tp}" if tp else ""]
     spec = att.get("spec") or {}
     if att.get("algorithm"):
         engine.append(kind.algorithm(att) + (f" (steps {spec.get('num_steps')}, topk {spec.get('topk')}, draft tokens "

@@ -30,6 +30,7 @@ def test_clean_eagle1_server_is_ok(tmp_path):
     # 240 s at load ~15-20 on 2 cores (server start ~140 s, investigate ~40 s)
     with server(DRAFT) as url:
         doc = investigate(url, run_dir=tmp_path / "run", **KW)
+    print(doc.verdict, doc.seconds_to_verdict, doc.sentence)            # the figures docs/vllm.md quotes (-s)
     assert doc.diagnosis["kind"] == "eagle1" and doc.acceptance["kind"] == "eagle1"
     ident = doc.diagnosis["served_state"]
     assert ident["matches"] and ident["best"] == POST_NORM and ident["engine"] == "vLLM"
@@ -46,6 +47,7 @@ def test_fc_halves_swapped_are_named_at_the_draft_stage(tmp_path):
     folder = write_faulty_draft(Eagle1Fault(1, "fc_swap"), tmp_path / "draft")
     with server(folder) as url:
         doc = investigate(url, run_dir=tmp_path / "run", **KW)
+    print(doc.verdict, doc.seconds_to_verdict, doc.sentence)            # the figures docs/vllm.md quotes (-s)
     kinds = [f.kind for f in doc.findings]
     b = doc.acceptance
     assert doc.verdict == "mismatch" and kinds == ["draft_underperforms"], (kinds, b["sentence"])
