@@ -33,6 +33,10 @@ then on the same live prompts (the server's own greedy continuation):
   feeds costs acceptance (:func:`helpers.draft.decide.decide`).
 * ``engine`` -- the live counters (``meta_info`` ``spec_verify_ct``, ``completion_tokens``) against the offline run
   on the served states: a loss after the capture point.
+
+The same stages run for vLLM's EAGLE-1 draft (``method: eagle``), which also reads the one post-norm state: the
+functions take a :class:`helpers.investigation.single_state.SingleStateDraft` profile (None: :data:`NEXTN`, the
+wording and sources above; :data:`helpers.investigation.single_state.EAGLE1`: vLLM's).
 """
 from __future__ import annotations
 
