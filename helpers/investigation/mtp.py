@@ -33,6 +33,10 @@ then on the same live prompts (the server's own greedy continuation):
   feeds costs acceptance (:func:`helpers.draft.decide.decide`).
 * ``engine`` -- the live counters (``meta_info`` ``spec_verify_ct``, ``completion_tokens``) against the offline run
   on the served states: a loss after the capture point.
+
+The same stages run for vLLM's EAGLE-1 draft (``method: eagle``), which also reads the one post-norm state: the
+functions take a :class:`helpers.investigation.single_state.SingleStateDraft` profile (None: :data:`NEXTN`, the
+wording and sources above; :data:`helpers.investigation.single_state.EAGLE1`: vLLM's).
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
 from ..formats.dumps import read_dump
 from .attach import mtp_not_supported
+from .single_state import EAGLE1, SingleStateDraft
 
 #: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
 POST_NORM = "norm(out(n-1))"
@@ -159,7 +164,8 @@ def reference_sequences(reference: str | Path, like: Sequence[SimSequence], weig
 
 def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Sequence[SimSequence]],
                live: Optional[pd.DataFrame], settings: DraftSettings, *, max_new_tokens: int,
-               draft: Optional[dict] = None, head_layers: Optional[int] = None) -> dict:
+               draft: Optional[dict] = None, head_layers: Optional[int] = None,
+               profile: Optional[SingleStateDraft] = None) -> dict:
     """The head's acceptance budget (module docstring): stages ``checkpoint (teacher-forced)`` (the head against its
     training log, :func:`helpers.draft.nextn_stage.nextn_draft_stage`), ``draft`` (offline on the reference states of
     the live prompts), ``wiring`` (offline on the served states), ``live``; losses ``draft`` (log - checkpoint, from
@@ -177,30 +183,33 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
         draft: :func:`helpers.draft.nextn_stage.nextn_draft_stage`'s result, or None (not measured).
         head_layers: the checkpoint's NextN layers (``num_nextn_predict_layers``): the trained depth when the log does
             not give ``hyper.train_steps``.
+        profile: the single-state draft (:class:`helpers.investigation.single_state.SingleStateDraft`; None: the
+            NextN head, :data:`NEXTN`): the words, sources, ``kind`` and whether the steps are checked.
 
     Returns:
         ``{"stages": [...], "losses": {"draft", "wiring", "engine"}, "cause", "sentence", "settings",
         "settings_check", "draft_stage"}``.
     """
+    p = profile or NEXTN
     steps = settings.steps
     sim_s = simulate_sequences(head, served, [settings], max_new_tokens=max_new_tokens)["per_request"][settings]
     sim_r = None if not reference else simulate_sequences(head, reference, [settings],
                                                           max_new_tokens=max_new_tokens)["per_request"][settings]
     stages = [draft["stage"] if draft else {"name": CHECKPOINT_STAGE, "accept_length": None, "ci": [None, None],
                                             "source": "not measured (no training log or rows)"}]
-    src = "simulation: the head offline as SGLang runs it (helpers.draft.loader.load_draft, helpers.draft.simulate)"
+    src = (f"simulation: {p.who} offline as {p.engine} runs it (helpers.draft.loader.load_draft, "
+           "helpers.draft.simulate)")
     if sim_r is not None:
         stages.append(_stage(DRAFT_STAGE, sim_r, steps, source=src + " on norm(out(n-1)) of "
                              "the every-layer reference of the same tokens"))
     stages.append(_stage(WIRING_STAGE, sim_s, steps, source=src + " on the served states "
-                         "(/generate return_hidden_states)"))
+                         f"({p.capture})"))
     live_ok = live is not None and len(live) and live["verify_ct"].notna().any()
     if live_ok:
-        stages.append(_stage(LIVE_STAGE, live, steps, source="SGLang meta_info (spec_verify_ct, completion_tokens) "
-                             "of the same /generate answers"))
+        stages.append(_stage(LIVE_STAGE, live, steps, source=p.live_source))
     ref_al = stages[1].get("accept_length")
     losses: dict = {"draft": draft["loss"] if draft else _not_computed(
-        "draft", "the head was not compared with its training log (none found, or no rows to run it on): docs/mtp.md")}
+        "draft", f"{p.who} was not compared with its training log (none found, or no rows to run it on)")}
     if sim_r is not None:
         d, lo, hi, n, per = _paired_loss(sim_r, sim_s)
         losses["wiring"] = _loss("wiring", d, lo, hi, "reference states (norm(out(n-1))) vs served states, paired "
@@ -214,10 +223,10 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
     else:
         losses["engine"] = _not_computed("engine", "no live counters (--no-measure or the server returned none)")
     cause = cause_of(losses, ("draft", "wiring", "engine"))
-    b = {"kind": "mtp", "settings": settings.label, "stages": stages, "losses": losses, "cause": cause,
-         "threshold": threshold(ref_al),
-         "settings_check": steps_check(steps, (draft or {}).get("trained_steps") or head_layers,
-                                       (draft or {}).get("stage")),
+    b = {"kind": p.kind, "label": p.label, "settings": settings.label, "stages": stages, "losses": losses,
+         "cause": cause, "threshold": threshold(ref_al),
+         "settings_check": None if not p.steps_check else steps_check(
+             steps, (draft or {}).get("trained_steps") or head_layers, (draft or {}).get("stage")),
          "draft_stage": None if not draft else {k: draft.get(k) for k in ("log", "rows", "same_rows", "why_rows",
                                                                            "trained_steps", "log_steps")}}
     b["sentence"] = budget_sentence(b)
@@ -246,7 +255,7 @@ def budget_sentence(b: dict) -> str:
     loss = "; ".join(f"{k} loss {loss_text(v['delta'], v['ci'])} {v['decision']}"
                      if v.get("delta") is not None and None not in (v.get("ci") or [None, None])
                      else f"{k} {v['decision']} ({v.get('why') or v.get('basis')})" for k, v in b["losses"].items())
-    return f"NextN accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
+    return f"{b.get('label') or 'NextN'} accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
 
 
 def ranked(ident: dict) -> list[tuple[str, float]]:
@@ -289,11 +298,13 @@ def head_text(head: dict) -> str:
             f"{'' if n == 1 else 's'} ({head.get('layers_field')} = {n}), {head.get('source')}")
 
 
-def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
+def state_findings(ident: dict, wiring_loss: Optional[dict], profile: Optional[SingleStateDraft] = None) -> list[dict]:
     """The findings of :func:`identify_state`: none when the served state is :data:`POST_NORM`; ``norm_mismatch``
     when it is the last layer's output before the final norm; ``wrong_layer`` when it is another layer's output or the
     embedding; ``unidentified_chunk`` when no candidate is within the threshold. The wiring loss (if measured) rides
-    along as evidence, never as the cause."""
+    along as evidence, never as the cause. ``profile``: the draft's words (None: the NextN head's)."""
+    p = profile or NEXTN
+    who, eng = p.who, p.engine
     if ident["matches"]:
         return []
     rel = ident["rel_error"]
@@ -303,33 +314,33 @@ def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
           "threshold": ident["threshold"], "sequences": ident["sequences"], "rows": ident["rows"],
           "source": ident["source"], "wiring_loss": None if wiring_loss is None else
           {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")},
-          "kind_text": "the NextN head is fed another tensor than the engine's own rule feeds it"}
+          "kind_text": f"{who} is fed another tensor than the engine's own rule feeds it"}
     got = ident["identified"]
     names = [n for n in rel if n not in (POST_NORM, TWICE)]
     cost = ""
     wl = wiring_loss or {}
     if wl.get("delta") is not None and None not in (wl.get("ci") or [None]):
-        cost = (f"; what it costs the head on these prompts: {loss_text(wl['delta'], wl['ci'])} accept length, "
+        cost = (f"; what it costs {who} on these prompts: {loss_text(wl['delta'], wl['ci'])} accept length, "
                 f"{wl['decision']}")
     if exp != POST_NORM and got in (POST_NORM, TWICE):
         return [finding("norm_mismatch", 0, "the MTP head is fed the target's final hidden state AFTER the final "
                         f"norm, {got} (rel. error {rel[got]:.2g}); {eng} feeds this head the last layer output {exp} "
                         f"before the final norm (rel. error {rel[exp]:.2g}){cost}", **ev)]
     if got == names[-1]:
-        return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
-                        f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "
+        return [finding("norm_mismatch", 0, f"{who} is fed the target's last layer output {got} BEFORE the "
+                        f"final norm (rel. error {rel[got]:.2g}); {eng} feeds it after the final norm, {POST_NORM} "
                         f"(rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got == TWICE:
-        return [finding("norm_mismatch", 0, f"the NextN head is fed the target's final hidden state with the final "
-                        f"norm applied TWICE, {TWICE} (rel. error {rel[got]:.2g}); SGLang feeds it normed once, "
+        return [finding("norm_mismatch", 0, f"{who} is fed the target's final hidden state with the final "
+                        f"norm applied TWICE, {TWICE} (rel. error {rel[got]:.2g}); {eng} feeds it normed once, "
                         f"{POST_NORM} (rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got is not None:
         shown = "the token embedding" if got == "embedding" else got
         what = ("target's final hidden state after the final norm" if exp == POST_NORM else
                 f"state {eng} feeds this head")
-        return [finding("wrong_layer", 0, f"the NextN head is fed {shown} (rel. error {rel[got]:.2g}), not the "
+        return [finding("wrong_layer", 0, f"{who} is fed {shown} (rel. error {rel[got]:.2g}), not the "
                         f"{what} {exp} (rel. error {rel[exp]:.2g}){cost}", **ev)]
-    return [finding("unidentified_chunk", 0, f"the NextN head's input is none of the target's layer outputs nor "
+    return [finding("unidentified_chunk", 0, f"{who}'s input is none of the target's layer outputs nor "
                     f"{exp} (closest {ident['best']}, rel. error {ident['best_rel_error']:.2g} >= "
                     f"{ident['threshold']}){cost}", **ev)]
 
@@ -342,9 +353,22 @@ CAUSE_FINDINGS = {"draft": "draft_underperforms", "wiring": "wiring_loses_accept
                   "engine": "engine_after_capture"}
 FIX_SOURCE = ("SGLang 0.5.23 feeds the head logits_output.hidden_states = DeepseekV2Model.forward's output after "
               "final_norm (sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward)")
+#: the MTP / NextN head on SGLang 0.5.23 (the profile the stages below were built with; EAGLE-1 on vLLM:
+#: :data:`helpers.investigation.single_state.EAGLE1`)
+NEXTN = SingleStateDraft(
+    kind="mtp", who="the NextN head", label="NextN", engine="SGLang", feed_source=FEED_SOURCE, fix_source=FIX_SOURCE,
+    live_source="SGLang meta_info (spec_verify_ct, completion_tokens) of the same /generate answers",
+    capture="/generate return_hidden_states", draft_stage=nextn_draft_stage, steps_check=True,
+    title="MTP / NextN head live investigation", engine_rule=True)
 
 
-def investigate_mtp(r: Any, reference: Any) -> None:
+def profile_of(kind: Optional[str]) -> SingleStateDraft:
+    """The single-state draft profile of an ``investigation.json`` ``diagnosis.kind`` (``"eagle1"`` -> EAGLE-1 on
+    vLLM; else the NextN head)."""
+    return EAGLE1 if kind == EAGLE1.kind else NEXTN
+
+
+def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] = None) -> None:
     """The stages of ``investigate`` for an MTP / NextN head (module docstring), filling ``r.doc``
     (:class:`helpers.investigation.live.Run`; its attach has run and named the head):
 
@@ -360,6 +384,9 @@ def investigate_mtp(r: Any, reference: Any) -> None:
        the served steps beyond the trained depth are ``mtp_steps_beyond_head``
        (:func:`helpers.draft.nextn_stage.steps_check`).
 
+    ``profile``: the single-state draft (None: the NextN head, :data:`NEXTN`; an EAGLE-1 draft on vLLM:
+    :data:`helpers.investigation.single_state.EAGLE1`, attached without a ``draft_head``).
+
     Verdict: ``mismatch`` when the served state is not :data:`POST_NORM` (the finding says what it is) or a loss
     counts; ``ok`` only when every stage of the budget is ``clear``; else ``undecided``.
 
@@ -369,7 +396,8 @@ def investigate_mtp(r: Any, reference: Any) -> None:
             (:func:`helpers.draft.loader.load_draft`), served states not one target hidden state wide; ServerError:
             the server fails or the run's deadline runs out."""
     req, doc, att = r.req, r.doc, r.att
-    if att.draft_head.get("family") not in OFFLINE_HEADS:
+    p = profile or NEXTN
+    if p is NEXTN and att.draft_head.get("family") not in OFFLINE_HEADS:
         raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
     r.tcfg = read_target_config(att.target_dir)
     spec = att.spec or {}
@@ -385,7 +413,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     widths = {int(s.aux.shape[1]) for s in served}
     if widths != {H}:
         raise BadInput(f"the served hidden states are {sorted(widths)} wide, the target's hidden size is {H}: not "
-                       "the one state a NextN head reads", path=dump)
+                       f"the one state {p.who} reads", path=dump)
     doc.samples = len(served)
     r.done("capture", t, f"{len(served)} live prompt(s) x {req.max_new_tokens} tokens -> "
                          f"{Path(dump).relative_to(req.run_dir)}")
@@ -397,10 +425,10 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     r.done("reference", t, how if ref is not None else f"none ({missing})")
     t = r.step("diagnosis")
     weight, eps = target_final_norm(att.target_dir)
-    expected, feed_src = r.adapter.mtp_fed_state(att.draft_head.get("family"))   # the engine's rule for this head
+    expected, feed_src, engine = p.fed_state(r.adapter, (att.draft_head or {}).get("family"))
     ident = identify_state(served, ref, weight, eps, expected=expected, source=feed_src,
-                           engine=r.adapter.label) if ref is not None else None
-    doc.diagnosis = {"kind": "mtp", "served_state": ident}
+                           engine=engine) if ref is not None else None
+    doc.diagnosis = {"kind": p.kind, "served_state": ident}
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
            f"served state = {state_line(ident)}")
     b = None
@@ -410,20 +438,21 @@ def investigate_mtp(r: Any, reference: Any) -> None:
                               "cpu")
         head = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype, dtype_reason=choice.reason)
         refs = reference_sequences(ref, served, weight, eps, expected) if ref is not None else None
-        ds = nextn_draft_stage(head, att.target_dir, settings.steps, draft_dir=att.draft_dir, training=req.training,
-                               training_log=req.training_log, validation=req.validation, progress=r.progress)
+        ds = p.draft_stage(head, att.target_dir, settings.steps, draft_dir=att.draft_dir, training=req.training,
+                           training_log=req.training_log, validation=req.validation, progress=r.progress)
         b = mtp_budget(head, served, refs, pd.DataFrame(recs) if req.live_measure else None, settings,
-                       max_new_tokens=req.max_new_tokens, draft=ds, head_layers=att.draft_head.get("layers"))
+                       max_new_tokens=req.max_new_tokens, draft=ds,
+                       head_layers=(att.draft_head or {}).get("layers"), profile=p)
         b["dtype"] = choice.reason
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
-    found = state_findings(ident, (b or {}).get("losses", {}).get("wiring")) if ident is not None else []
+    found = state_findings(ident, (b or {}).get("losses", {}).get("wiring"), p) if ident is not None else []
     cause = (b or {}).get("cause")
     if cause in CAUSE_FINDINGS:
         found.append(finding(CAUSE_FINDINGS[cause], None, b["sentence"], stage=cause, loss=b["losses"][cause],
                              stages=[{k: s.get(k) for k in ("name", "accept_length", "ci")} for s in b["stages"]],
-                             source="simulation: the NextN head offline as SGLang runs it; live counters from the "
-                                    "same /generate answers"))
+                             source=f"simulation: {p.who} offline as {p.engine} runs it; live counters from the "
+                                    "same answers"))
     sc = (b or {}).get("settings_check")
     if sc:
         if r.adapter.mtp_steps_source:                 # the serving engine's rule, not SGLang's
@@ -438,8 +467,8 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
         what = ("the target's final hidden state after its final norm, " if expected == POST_NORM else
                 "the target's last layer output before its final norm, ")
-        fix = ProposedFix(kind="engine", summary=f"feed the NextN head {what}{ident['expected']}, as "
-                          f"{ident['engine']} does", parts=[FIX_SOURCE if expected == POST_NORM else ident["source"]],
+        fix = ProposedFix(kind="engine", summary=f"feed {p.who} {what}{ident['expected']}, as "
+                          f"{ident['engine']} does", parts=[p.fix_source if expected == POST_NORM else ident["source"]],
                           why=[found[0]["detail"]],
                           addresses=[found[0]["kind"]], applicable=False)
     else:
@@ -467,6 +496,7 @@ def steps_text(sc: dict) -> str:
 def mtp_sentence(doc: Any) -> str:
     """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``)."""
     ident = (doc.diagnosis or {}).get("served_state")
+    p = profile_of((doc.diagnosis or {}).get("kind"))
     b = doc.acceptance
     tail = (" " + b["sentence"]) if b else " No acceptance budget."
     ref = (doc.reference or {}).get("how") or "none"
@@ -477,24 +507,26 @@ def mtp_sentence(doc: Any) -> str:
     kinds = [f.kind for f in doc.findings or []]
     if "draft_underperforms" in kinds:
         d = (b or {}).get("losses", {}).get("draft") or {}
-        return (f"The NextN head scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
+        who = p.who[0].upper() + p.who[1:]
+        return (f"{who} scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
                 f"length lost at the checkpoint ({d.get('basis')}).{tail}")
     if "mtp_steps_beyond_head" in kinds:
         f = doc.findings[kinds.index("mtp_steps_beyond_head")]
         return f"Settings: {f.detail}.{tail}"
     if ident is None:
-        return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"
+        return f"The hidden state {p.who} is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",
             "mismatch": "Acceptance is lost"}.get(doc.verdict or "undecided", "No wiring fault")
     exp = ident.get("expected") or POST_NORM
     what = ("the target's final hidden state after its final norm" if exp == POST_NORM else
             "the target's last layer output before its final norm")
-    return (f"{head}: the NextN head is fed {exp}, {what}, as {ident.get('engine') or 'SGLang'} does (rel. error "
+    return (f"{head}: {p.who} is fed {exp}, {what}, as {ident.get('engine') or 'SGLang'} does (rel. error "
             f"{ident['rel_error'][exp]:.2g} on {ident['rows']} rows of "
             f"{ident['sequences']} live prompt(s); reference: {ref}).{tail}")
 
 
-__all__ = ["ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
+__all__ = ["NEXTN", "profile_of",
+           "ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
            "TWICE", "WIRING_STAGE", "CHECKPOINT_STAGE", "algorithm_text", "budget_sentence", "head_text", "identify_state",
            "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences",
            "state_candidates", "state_findings", "state_line", "steps_text"]
