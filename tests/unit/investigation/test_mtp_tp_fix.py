@@ -119,7 +119,7 @@ def test_nextn_draft_cost_counts_active_parameters(world):
 
     def active(prefix):
         return sum(v.numel() * (share if ".experts." in k else 1.0) for k, v in w.items()
-                   if k.startswith(prefix) and "embed_tokens" not in k)
+                   if k.startswith(prefix) and "embed_tokens" not in k and "shared_head.head" not in k)
     lm = w["lm_head.weight"].numel()
     target = sum(active(f"model.layers.{i}.") for i in range(8)) + lm
     head = active("model.layers.8.") + lm
