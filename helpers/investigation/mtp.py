@@ -401,7 +401,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
     found = state_findings(ident, (b or {}).get("losses", {}).get("wiring")) if ident is not None else []
-    found += _every_rank(r, ref, how, weight, eps, H, (b or {}).get("losses", {}).get("wiring"))
+    found = _every_rank(r, found, ref, how, weight, eps, H, (b or {}).get("losses", {}).get("wiring"))
     cause = (b or {}).get("cause")
     if cause in CAUSE_FINDINGS:
         found.append(finding(CAUSE_FINDINGS[cause], None, b["sentence"], stage=cause, loss=b["losses"][cause],
@@ -427,11 +427,12 @@ def investigate_mtp(r: Any, reference: Any) -> None:
 STATE_KINDS = ("norm_mismatch", "wrong_layer", "unidentified_chunk", "tp_partial_sum", "tp_sharded_width")
 
 
-def _every_rank(r: Any, ref: Any, how: str, weight: torch.Tensor, eps: float, H: int,
+def _every_rank(r: Any, found: list[dict], ref: Any, how: str, weight: torch.Tensor, eps: float, H: int,
                 wiring: Optional[dict]) -> list[dict]:
     """At TP > 1, every rank's state (:func:`helpers.investigation.mtp_ranks.identify_ranks`, from the server's own
-    every-layer capture) into ``doc.diagnosis["ranks"]`` and its findings; without that capture, a note that only
-    rank 0 was compared."""
+    every-layer capture) into ``doc.diagnosis["ranks"]``: ``found`` (rank 0's findings) with the ranks' findings
+    after them, or in place of rank 0's ``unidentified_chunk`` when the ranks explain it (a partial sum, a shard).
+    Without that capture, ``found`` and a note that only rank 0 was compared."""
     from .mtp_ranks import identify_ranks, per_rank_note, rank_findings, rank_line  # lazy: it imports this module
     att = r.att
     own = ref is not None and how == r.adapter.every_layer_source(r.client, att.layers_dir)   # the server's own
@@ -440,11 +441,14 @@ def _every_rank(r: Any, ref: Any, how: str, weight: torch.Tensor, eps: float, H:
         r.doc.notes.append(note)
         r.progress("caveat: " + note)
     if att.tp <= 1 or not own:
-        return []
+        return found
     ir = identify_ranks(att.layers_dir, ref, weight, eps, H)
     r.doc.diagnosis["ranks"] = ir
     r.progress(f"per TP rank: {rank_line(ir)}")
-    return rank_findings(ir, wiring)
+    more = rank_findings(ir, wiring)
+    if any(f["kind"].startswith("tp_") for f in more):
+        found = [f for f in found if f["kind"] != "unidentified_chunk"]
+    return more + found
 
 
 def steps_text(sc: dict) -> str:

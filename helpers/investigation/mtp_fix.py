@@ -105,10 +105,12 @@ def steps_proof(head: Any, sequences: Sequence[SimSequence], served: DraftSettin
 
     Returns:
         ``{"served", "trained": {"steps", "accept_length", "ci", "head_forwards_per_verify", "modelled_rate"},
-        "delta": trained - served accept length with its paired CI "ci" and "n", "cost", "cost_source",
+        "delta": trained - served accept length with its paired CI "delta_ci" and "n", "cost", "cost_source",
         "modelled_change": the modelled tokens per unit time at trained / served - 1 with "modelled_ci" (the CI of
         the accept length's paired change carried through the cost model), "pays": True (the modelled change's CI
-        lies above 0), False (below 0: the fix is withdrawn), None (undecided), "basis": one line}``."""
+        lies above 0), False (below 0: the fix is withdrawn), None (undecided), "basis": one line; and the keys of
+        the EAGLE-3 budget's ``fix_offline`` ("label", "accept_length" and "ci" at the trained depth, "gain" =
+        "delta", "gain_ci", "n_paired")}``."""
     fix = DraftSettings.chain(trained)
     sims = simulate_sequences(head, sequences, [served, fix], max_new_tokens=max_new_tokens)["per_request"]
     rows = {}
@@ -131,8 +133,12 @@ def steps_proof(head: Any, sequences: Sequence[SimSequence], served: DraftSettin
              f"modelled tokens per unit time change by {mc:+.1%} [{mlo:+.1%}, {mhi:+.1%}]: "
              + {True: "the trade pays", False: "the extra steps pay for themselves: no gain from the fix",
                 None: "undecided"}[pays])
-    return {**rows, "delta": d, "ci": [lo, hi], "n": n, "cost": cost, "cost_source": cost_source,
-            "modelled_change": mc, "modelled_ci": [mlo, mhi], "pays": pays, "basis": basis}
+    return {**rows, "delta": d, "delta_ci": [lo, hi], "n": n, "cost": cost, "cost_source": cost_source,
+            "modelled_change": mc, "modelled_ci": [mlo, mhi], "pays": pays, "basis": basis,
+            # the keys of the EAGLE-3 budget's fix_offline (helpers.views.budget shows them)
+            "label": f"--speculative-num-steps {fix.steps} (the trained depth)",
+            "accept_length": rows["trained"]["accept_length"], "ci": rows["trained"]["ci"], "gain": d,
+            "gain_ci": [lo, hi], "n_paired": n}
 
 
 def state_fix(f: dict) -> ProposedFix:
@@ -247,7 +253,8 @@ def measure_fix(r: Any, fix: ProposedFix) -> dict:
 def fix_stage(r: Any, found: list[dict], budget: Optional[dict], head: Any,
               sequences: Optional[Sequence[SimSequence]]) -> None:
     """Propose, prove offline, and (when the fix is a flag, the server restartable and ``--no-apply`` not given)
-    relaunch and measure: fills ``r.doc.proposed_fix``, ``r.doc.measured`` and the budget's ``fix_offline``.
+    relaunch and measure: fills ``r.doc.proposed_fix``, ``r.doc.measured`` and the budget's ``fix_offline`` (the
+    steps proof when the steps fix is proposed; ``steps_fix_offline`` when a wrong state's fix comes first).
     ``sequences``: the live prompts' sequences the proof replays (reference states when measured, else served)."""
     req, doc = r.req, r.doc
     sc = (budget or {}).get("settings_check")
@@ -260,9 +267,10 @@ def fix_stage(r: Any, found: list[dict], budget: Optional[dict], head: Any,
                                int(spec.get("num_draft_tokens") or sc["served_steps"] + 1))
         proof = steps_proof(head, sequences, served, int(sc["trained_steps"]), cost, src,
                             max_new_tokens=req.max_new_tokens)
-        budget["fix_offline"] = proof
         r.done("proposed fix", t, proof["basis"])
     fix, withdrawn = propose(found, proof)
+    if proof is not None:       # the proof of the proposed fix (the page shows it), else kept aside
+        budget["fix_offline" if "mtp_steps_beyond_head" in fix.addresses else "steps_fix_offline"] = proof
     if withdrawn:
         doc.notes.append(withdrawn)
     doc.proposed_fix = fix

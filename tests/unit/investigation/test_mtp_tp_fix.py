@@ -154,7 +154,7 @@ def test_steps_proof_and_proposal(world):
     assert (withdrawn is not None) == (p["pays"] is False)
     # at no head cost the served steps are never slower: the proof rules the gain out, the fix is withdrawn
     free = steps_proof(head, refs, served, 1, 0.0, "test", max_new_tokens=NEW)
-    if free["delta"] < 0 and free["ci"][1] < 0:
+    if free["delta"] < 0 and free["delta_ci"][1] < 0:
         assert free["pays"] is False
         assert propose([{"kind": "mtp_steps_beyond_head", "evidence": sc, "detail": "x"}], free)[1]
     # a wrong state comes first: its fix is the engine's, proposed only
