@@ -462,7 +462,13 @@ def steps_text(sc: dict) -> str:
 
 
 def mtp_sentence(doc: Any) -> str:
-    """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``)."""
+    """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``), ending with the fix as
+    measured after a restart, or why it was not (:func:`helpers.investigation.mtp_fix.fix_tail`)."""
+    from .mtp_fix import fix_tail  # lazy: it imports this module
+    return _sentence(doc) + fix_tail(doc)
+
+
+def _sentence(doc: Any) -> str:
     ident = (doc.diagnosis or {}).get("served_state")
     b = doc.acceptance
     tail = (" " + b["sentence"]) if b else " No acceptance budget."

@@ -202,6 +202,40 @@ def measured_cost(before: dict, after: dict) -> Optional[dict]:
             "(time per token = (1 + steps x c) / accept length)"}
 
 
+def speed_decision(speed: dict) -> dict:
+    """Whether the fixed server is faster per token than the one as served: the paired time per token ratio
+    (fixed / served, :func:`helpers.acceptance.machine.speed_change`'s ``token_time``) with its CI; ``undecided``
+    when the CI holds 1, or when the machine's load changed between the two measurements enough to move tok/s by
+    itself (``predicted`` off 1 by more than 10 %: the two arms were not measured under the same load;
+    ``bench/bench_mtp_steps_fix.py`` interleaves them)."""
+    tt = speed.get("token_time") or {}
+    lo, hi, ratio = tt.get("ratio_lo"), tt.get("ratio_hi"), tt.get("ratio")
+    if None in (lo, hi, ratio):
+        return {"decision": "undecided", "why": "no paired time per token"}
+    pred = speed.get("predicted")
+    d = "faster" if hi < 1 else "slower" if lo > 1 else "undecided"
+    why = f"time per token fixed / served {ratio:.2f} [{lo:.2f}, {hi:.2f}], paired over {tt.get('n_paired')} prompts"
+    if d != "undecided" and pred is not None and abs(pred - 1.0) > 0.10:
+        return {"decision": "undecided", "ratio": [ratio, lo, hi], "predicted": pred,
+                "why": f"{why}; but the machine's load changed between the two measurements (it alone predicts a "
+                       f"ratio of {pred:.2f}): not the fix's effect alone"}
+    return {"decision": d, "ratio": [ratio, lo, hi], "predicted": pred, "why": why}
+
+
+def fix_tail(doc: Any) -> str:
+    """The measured fix in one sentence for the opening sentence (empty when nothing was measured)."""
+    m = doc.measured or {}
+    if not (m.get("before") and m.get("after") and m.get("effect")):
+        return f" The fix is not measured: {m['not_measured']}." if doc.proposed_fix and \
+            doc.proposed_fix.kind != "none" and m.get("not_measured") else ""
+    b, a, e, sd = m["before"], m["after"], m["effect"], m.get("speed_decision") or {}
+    return (f" Fix measured after a restart ({doc.proposed_fix.summary}): accept length {b['accept_length']:.2f} -> "
+            f"{a['accept_length']:.2f} ({e['accept_length_delta']:+.2f} [{e['accept_length_delta_lo']:+.2f}, "
+            f"{e['accept_length_delta_hi']:+.2f}] per verify step, paired over {e['n_paired']} prompts), tok/s "
+            f"{b['tok_s']:.1f} [{b['tok_s_lo']:.1f}, {b['tok_s_hi']:.1f}] -> {a['tok_s']:.1f} [{a['tok_s_lo']:.1f}, "
+            f"{a['tok_s_hi']:.1f}]: {sd.get('decision', 'undecided')} ({sd.get('why', '')}).")
+
+
 def measure_fix(r: Any, fix: ProposedFix) -> dict:
     """The fix's flags on a restarted copy of the server (``r.adapter.start_variant`` of ``r.att.restart``: the
     registry's embedded launch or ``--relaunch``), the live prompts measured before and after (paired, as
@@ -237,11 +271,12 @@ def measure_fix(r: Any, fix: ProposedFix) -> dict:
     trained = next((f.evidence.get("trained_steps") for f in r.doc.findings if f.kind == "mtp_steps_beyond_head"),
                    None)
     again = steps_check(int(steps_after), trained, None) if steps_after is not None else None
+    speed = speed_change(before.summary, after.summary, before.per_request, after.per_request,
+                         local=is_local_url(att.url) and is_local_url(handle.url))
     return {"before": b, "after": a, "effect": paired_effect(before.per_request, after.per_request),
             "prompts": req.measure_prompts, "max_new_tokens": req.max_new_tokens,
-            "labels": ["before (as served)", "after (proposed fix)"],
-            "speed": speed_change(before.summary, after.summary, before.per_request, after.per_request,
-                                  local=is_local_url(att.url) and is_local_url(handle.url)),
+            "labels": ["before (as served)", "after (proposed fix)"], "speed": speed,
+            "speed_decision": speed_decision(speed),
             "saved_to": [str(saved_b.relative_to(req.run_dir)), str(saved_a.relative_to(req.run_dir))],
             "after_verdict": "ok" if again is None and steps_after is not None else "mismatch",
             "after_findings": [] if again is None else ["mtp_steps_beyond_head"],
@@ -286,5 +321,5 @@ def fix_stage(r: Any, found: list[dict], budget: Optional[dict], head: Any,
                               f"tok/s {m['before']['tok_s']:.1f} -> {m['after']['tok_s']:.1f}")
 
 
-__all__ = ["STEPS_SOURCE", "fix_stage", "measure_fix", "measured_cost", "nextn_draft_cost", "propose", "state_fix",
+__all__ = ["STEPS_SOURCE", "fix_stage", "fix_tail", "measure_fix", "speed_decision", "measured_cost", "nextn_draft_cost", "propose", "state_fix",
            "steps_fix", "steps_proof"]
