@@ -131,8 +131,9 @@ def steps_proof(head: Any, sequences: Sequence[SimSequence], served: DraftSettin
              f"head forwards, {fix.steps} step(s) {rows['trained']['accept_length']:.2f} ({d:+.2f} [{lo:+.2f}, "
              f"{hi:+.2f}], paired) with {fix.steps}; at a head forward = {cost:.3f} verify forward ({cost_source}) the "
              f"modelled tokens per unit time change by {mc:+.1%} [{mlo:+.1%}, {mhi:+.1%}]: "
-             + {True: "the trade pays", False: "the extra steps pay for themselves: no gain from the fix",
-                None: "undecided"}[pays])
+             + {True: "the cost model says the trade pays (the relaunch measures it)",
+                False: "the cost model says the extra steps pay for themselves: no gain from the fix",
+                None: "undecided in the cost model"}[pays])
     return {**rows, "delta": d, "delta_ci": [lo, hi], "n": n, "cost": cost, "cost_source": cost_source,
             "modelled_change": mc, "modelled_ci": [mlo, mhi], "pays": pays, "basis": basis,
             # the keys of the EAGLE-3 budget's fix_offline (helpers.views.budget shows them)

@@ -161,3 +161,26 @@ def test_steps_proof_and_proposal(world):
     fix2, _ = propose([{"kind": "tp_partial_sum", "detail": "d", "evidence": {}},
                        {"kind": "mtp_steps_beyond_head", "evidence": sc, "detail": "x"}], p)
     assert fix2.kind == "engine" and not fix2.applicable and fix2.unaddressed == ["mtp_steps_beyond_head"]
+
+
+def test_speed_decision_on_real_measurements():
+    """Two recorded before / after measurements of the main job (per-request frames of a live server): the paired time
+    per token decides, unless the machine's load moved between them enough to explain it."""
+    import pandas as pd
+    from helpers.acceptance.machine import speed_change, time_per_token_ratio
+    from helpers.acceptance.measure import summarize
+    from helpers.investigation.mtp_fix import speed_decision
+    base = ROOT / "tests" / "data" / "main_job" / "acceptance"
+    a = pd.read_parquet(base / "fix-the-tool-s-proposal" / "per_request.parquet")
+    b = pd.read_parquet(base / "fix-the-tool-s-proposal-num_steps-2" / "per_request.parquet")
+    sa, sb = (summarize(x, positions=None)[0] for x in (a, b))
+    idle = {"cpu_count": 2, "runnable_mean": 1.0}
+    tt = time_per_token_ratio(a, b)
+    d = speed_decision(speed_change({**sa, "machine": idle}, {**sb, "machine": idle}, a, b))
+    want = "faster" if tt["ratio_hi"] < 1 else "slower" if tt["ratio_lo"] > 1 else "undecided"
+    assert d["decision"] == want and d["ratio"][0] == pytest.approx(tt["ratio"])
+    busy = speed_decision(speed_change({**sa, "machine": {"cpu_count": 2, "runnable_mean": 11.0}},
+                                       {**sb, "machine": {"cpu_count": 2, "runnable_mean": 17.5}}, a, b))
+    assert busy["decision"] == "undecided" and busy["predicted"] == pytest.approx(17.5 / 11.0)
+    same = speed_decision(speed_change(sa, sa, a, a))               # a measurement against itself: no change
+    assert same["decision"] == "undecided" and same["ratio"][0] == pytest.approx(1.0)
