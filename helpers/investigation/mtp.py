@@ -54,7 +54,7 @@ from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
 from ..draft.nextn_stage import STEPS_SOURCE, nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
-from ..records import Finding, ProposedFix
+from ..records import Finding
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
 from ..draft.decide import threshold
 from ..draft.attention import _rms
@@ -314,7 +314,8 @@ def state_findings(ident: dict, wiring_loss: Optional[dict], profile: Optional[S
           "threshold": ident["threshold"], "sequences": ident["sequences"], "rows": ident["rows"],
           "source": ident["source"], "wiring_loss": None if wiring_loss is None else
           {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")},
-          "kind_text": f"{who} is fed another tensor than the engine's own rule feeds it"}
+          "kind_text": f"{who} is fed another tensor than the engine's own rule feeds it",
+          "who": who, "engine": eng, "fix_source": p.fix_source if exp == POST_NORM else ident["source"]}
     got = ident["identified"]
     names = [n for n in rel if n not in (POST_NORM, TWICE)]
     cost = ""
@@ -447,6 +448,7 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
     found = state_findings(ident, (b or {}).get("losses", {}).get("wiring"), p) if ident is not None else []
+    found = _every_rank(r, found, ref, how, weight, eps, H, (b or {}).get("losses", {}).get("wiring"))
     cause = (b or {}).get("cause")
     if cause in CAUSE_FINDINGS:
         found.append(finding(CAUSE_FINDINGS[cause], None, b["sentence"], stage=cause, loss=b["losses"][cause],
@@ -464,23 +466,41 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
                              fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc))
     doc.findings = [Finding(**f) for f in found]
-    if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
-        what = ("the target's final hidden state after its final norm, " if expected == POST_NORM else
-                "the target's last layer output before its final norm, ")
-        fix = ProposedFix(kind="engine", summary=f"feed {p.who} {what}{ident['expected']}, as "
-                          f"{ident['engine']} does", parts=[p.fix_source if expected == POST_NORM else ident["source"]],
-                          why=[found[0]["detail"]],
-                          addresses=[found[0]["kind"]], applicable=False)
-    else:
-        fix = ProposedFix(kind="none", summary="none: no fault in what the head is fed")
-    doc.proposed_fix = fix
-    doc.measured = {"not_measured": "an engine change (the capture path) is not applied by this tool" if fix.kind ==
-                    "engine" else "nothing to fix"}
+    from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
+    fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
     doc.verdict = ("mismatch" if found else "ok" if cause == "none" and ident is not None and ident["matches"]
                    else "undecided")
     doc.seconds_to_verdict = round(r.dl.elapsed(), 1)
     if ident is None:
         doc.notes.append(f"the served state is not identified: {missing}")
+
+
+#: the findings that say the head is fed a wrong state (rank 0's, or another rank's: :mod:`.mtp_ranks`)
+STATE_KINDS = ("norm_mismatch", "wrong_layer", "unidentified_chunk", "tp_partial_sum", "tp_sharded_width")
+
+
+def _every_rank(r: Any, found: list[dict], ref: Any, how: str, weight: torch.Tensor, eps: float, H: int,
+                wiring: Optional[dict]) -> list[dict]:
+    """At TP > 1, every rank's state (:func:`helpers.investigation.mtp_ranks.identify_ranks`, from the server's own
+    every-layer capture) into ``doc.diagnosis["ranks"]``: ``found`` (rank 0's findings) with the ranks' findings
+    after them, or in place of rank 0's ``unidentified_chunk`` when the ranks explain it (a partial sum, a shard).
+    Without that capture, ``found`` and a note that only rank 0 was compared."""
+    from .mtp_ranks import identify_ranks, per_rank_note, rank_findings, rank_line  # lazy: it imports this module
+    att = r.att
+    own = ref is not None and how == r.adapter.every_layer_source(r.client, att.layers_dir)   # the server's own
+    note = per_rank_note(att.tp, att.layers_dir if own else None)
+    if note:
+        r.doc.notes.append(note)
+        r.progress("caveat: " + note)
+    if att.tp <= 1 or not own:
+        return found
+    ir = identify_ranks(att.layers_dir, ref, weight, eps, H)
+    r.doc.diagnosis["ranks"] = ir
+    r.progress(f"per TP rank: {rank_line(ir)}")
+    more = rank_findings(ir, wiring)
+    if any(f["kind"].startswith("tp_") for f in more):
+        found = [f for f in found if f["kind"] != "unidentified_chunk"]
+    return more + found
 
 
 def steps_text(sc: dict) -> str:
@@ -494,13 +514,19 @@ def steps_text(sc: dict) -> str:
 
 
 def mtp_sentence(doc: Any) -> str:
-    """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``)."""
+    """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``), ending with the fix as
+    measured after a restart, or why it was not (:func:`helpers.investigation.mtp_fix.fix_tail`)."""
+    from .mtp_fix import fix_tail  # lazy: it imports this module
+    return _sentence(doc) + fix_tail(doc)
+
+
+def _sentence(doc: Any) -> str:
     ident = (doc.diagnosis or {}).get("served_state")
     p = profile_of((doc.diagnosis or {}).get("kind"))
     b = doc.acceptance
     tail = (" " + b["sentence"]) if b else " No acceptance budget."
     ref = (doc.reference or {}).get("how") or "none"
-    if doc.findings and doc.findings[0].kind in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
+    if doc.findings and doc.findings[0].kind in STATE_KINDS:
         f = doc.findings[0]
         return (f"Wrong wiring: {f.detail} [evidence: {doc.samples} live prompt(s), reference {ref}]. Proposed fix: "
                 f"{doc.proposed_fix.summary if doc.proposed_fix else 'none'}.{tail}")
