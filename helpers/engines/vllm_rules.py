@@ -442,6 +442,10 @@ class VLLMMTPRules(MTPRules):
     def __init__(self, version: Optional[str] = None) -> None:
         self.version = version if rules.is_known(version) else rules.known_versions_text()
 
+    def effect_of(self, missing: list) -> str:
+        """vLLM refuses the load (:attr:`missing_effect`), whatever the tensors."""
+        return self.missing_effect
+
     def check(self, head: MTPHead, spec: MTPSpec, target_raw: dict, names: Optional[set], draft_is_target: bool,
               findings: list, notes: list, facts: dict) -> None:
         """What vLLM will load and refuse for ``head`` (see :meth:`helpers.draft.mtp_checks.MTPRules.check`)."""

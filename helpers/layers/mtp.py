@@ -74,6 +74,53 @@ def _sglang_nextn(n: int, i: int) -> str:
     return f"model.layers.{sglang_nextn_layer(n)}."
 
 
+def deepseek_nextn_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor SGLang's DeepSeek-V3 NextN loader fills, ``model.layers.{L}.<name>`` with ``L =``
+    :func:`sglang_nextn_layer` of ``num_hidden_layers``, per expert as checkpoints store them, with the shape the
+    config.json dict ``cfg`` implies (``sglang/srt/models/deepseek_v2.py::DeepseekV2AttentionMLA.__init__`` /
+    ``DeepseekV2MoE.__init__``, unquantised; ``deepseek_nextn.py::DeepseekModelNextN.__init__``: ``enorm``, ``hnorm``,
+    ``eh_proj`` [H, 2H], ``shared_head.norm``). The NextN layer's ``embed_tokens`` / ``shared_head.head`` copies are
+    left out: SGLang skips them and binds the target's (``deepseek_common/deepseek_weight_loader.py::
+    DeepseekV2WeightLoaderMixin.do_load_weights``: "Use shared head and embed weights from target model").
+
+    Raises:
+        KeyError / TypeError / ValueError: a field the MLA + MoE layer needs is absent or not a number."""
+    p = f"model.layers.{sglang_nextn_layer(int(cfg['num_hidden_layers']))}."
+    H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    ql, kl, nope, rope, v = (int(cfg[k]) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                    "qk_rope_head_dim", "v_head_dim"))
+    E, inter = int(cfg["n_routed_experts"]), int(cfg.get("moe_intermediate_size") or 0)
+    out = {f"{p}{n}.weight": (H,) for n in ("enorm", "hnorm", "shared_head.norm")}
+    out[f"{p}eh_proj.weight"] = (H, 2 * H)
+    out.update({f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,)})
+    attn = {"q_a_proj": (ql, H), "q_a_layernorm": (ql,), "q_b_proj": (nh * (nope + rope), ql),
+            "kv_a_proj_with_mqa": (kl + rope, H), "kv_a_layernorm": (kl,), "kv_b_proj": (nh * (nope + v), kl),
+            "o_proj": (H, nh * v)}
+    out.update({f"{p}self_attn.{n}.weight": s for n, s in attn.items()})
+    out[f"{p}mlp.gate.weight"] = (E, H)
+    if cfg.get("topk_method", "noaux_tc") == "noaux_tc":
+        out[f"{p}mlp.gate.e_score_correction_bias"] = (E,)
+    for e in range(E):
+        out.update({f"{p}mlp.experts.{e}.gate_proj.weight": (inter, H), f"{p}mlp.experts.{e}.up_proj.weight": (inter, H),
+                    f"{p}mlp.experts.{e}.down_proj.weight": (H, inter)})
+    ns = int(cfg.get("n_shared_experts") or 0)
+    if ns:
+        out.update({f"{p}mlp.shared_experts.gate_proj.weight": (inter * ns, H),
+                    f"{p}mlp.shared_experts.up_proj.weight": (inter * ns, H),
+                    f"{p}mlp.shared_experts.down_proj.weight": (H, inter * ns)})
+    return out
+
+
+def _deepseek_expected(cfg: dict) -> tuple[str, ...]:
+    """:func:`deepseek_nextn_shapes`' names relative to the layer prefix; () when the config lacks the MLA / MoE
+    fields (a config these checks cannot expand: the family's :attr:`MTPFamily.layer_tensors` stand in)."""
+    try:
+        names = deepseek_nextn_shapes(cfg)
+    except (KeyError, TypeError, ValueError):
+        return ()
+    return tuple(n.split(".", 3)[3] for n in names)
+
+
 @dataclass(frozen=True)
 class MTPFamily:
     """One model family's MTP / NextN head, as SGLang 0.5.23 and vLLM 0.32.0 load it.
@@ -99,6 +146,9 @@ class MTPFamily:
         vllm_arch / vllm_file: vLLM's head class (after ``hf_config_override``) and its file.
         vllm_layers_default: what vLLM's head assumes when the field is absent (None: ``n_predict`` is None).
         vllm_reuse: the line where vLLM picks the head layer of a draft step.
+        expected: ``config.json dict -> every tensor name of a head layer relative to its prefix`` when the family's
+            layer can be expanded from the config (DeepSeek-V3: :func:`deepseek_nextn_shapes`), else None (the
+            presence check then reads :attr:`head_tensors` and one of :attr:`layer_tensors`).
     """
 
     name: str
@@ -119,6 +169,7 @@ class MTPFamily:
     vllm_file: str
     vllm_layers_default: Optional[int]
     vllm_reuse: str
+    expected: Optional[Callable[[dict], tuple[str, ...]]] = None
 
 
 _DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
@@ -136,7 +187,7 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="DeepSeekMTPModel",
         vllm_file=f"{_VL}/deepseek_mtp.py", vllm_layers_default=None,
         vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 "
-                   "(spec_step_idx % num_mtp_layers)"),
+                   "(spec_step_idx % num_mtp_layers)", expected=_deepseek_expected),
     MTPFamily(
         name="glm4_moe", target_archs=("Glm4MoeForCausalLM",), head_arch="Glm4MoeForCausalLMNextN",
         head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", config_default=1,
@@ -202,6 +253,8 @@ class MTPHead:
             config class's default (:attr:`MTPFamily.config_default`); None: absent from both.
         num_hidden_layers: the config's ``num_hidden_layers`` (where the head's layer sits after).
         layers_defaulted: config.json leaves the field out and ``layers`` is the config class's default.
+        expected: every tensor name of one head layer relative to its prefix (:attr:`MTPFamily.expected` of the
+            text config), () when the family or the config does not say.
     """
 
     family: MTPFamily
@@ -209,6 +262,7 @@ class MTPHead:
     layers: Optional[int]
     num_hidden_layers: Optional[int]
     layers_defaulted: bool = False
+    expected: tuple[str, ...] = ()
 
     @property
     def sglang_layers(self) -> Optional[int]:
@@ -254,4 +308,5 @@ def mtp_head(raw: dict) -> Optional[MTPHead]:
     n = n if isinstance(n, int) and not isinstance(n, bool) else None
     arch = raw["architectures"][0]
     return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
-                   num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None)
+                   num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None,
+                   expected=fam.expected(tc) if fam.expected else ())

@@ -24,7 +24,7 @@ from helpers.draft.mtp_checks import MTPSpec, check_mtp
 from helpers.engines.vllm_rules import VLLMMTPRules
 from helpers.errors import BadInput
 from helpers.formats.configs import read_draft_config
-from helpers.layers.mtp import MTP_FAMILIES, mtp_head
+from helpers.layers.mtp import MTP_FAMILIES, deepseek_nextn_shapes, mtp_head
 from support import DATA
 
 PUB = DATA / "public_configs" / "aiconfigurator"
@@ -153,16 +153,24 @@ def test_steps_beyond_the_head_and_the_draft_token_override():
 
 def test_the_heads_tensors_from_an_index_without_weights_and_from_real_headers(tmp_path):
     ds = PUB / "deepseek-ai--DeepSeek-V3_config.json"
-    full = [f"model.layers.61.{t}" for t in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
-                                              "shared_head.norm.weight", "input_layernorm.weight",
-                                              "self_attn.kv_a_proj_with_mqa.weight")] + ["model.embed_tokens.weight"]
+    # every tensor of DeepSeek-V3's layer 61 (MLA, 256 experts, the shared expert) as the config implies
+    full = list(deepseek_nextn_shapes(json.loads(ds.read_text()))) + ["model.embed_tokens.weight"]
+    assert len(full) == 3 * 256 + 3 + 7 + 4 + 2 + 2 + 1
     ok = folder(tmp_path, ds, "ok", index=full)
     rep = check_configs(ok, ok, spec=MTPSpec(num_steps=1, topk=1))
     assert rep.findings == [] and rep.draft_checks["facts"]["head_weights"]["missing"] == {}
     cut = folder(tmp_path, ds, "cut", index=[k for k in full if "eh_proj" not in k])
     f = one(check_configs(cut, cut, spec=MTPSpec(num_steps=1, topk=1)), "mtp_weights_missing")
     assert f["evidence"]["missing"] == {"model.layers.61.": ["model.layers.61.eh_proj.weight"]}
-    assert "keep their initial values" in f["detail"]
+    assert "keep their initial values" in f["detail"] and "eh_proj -> torch's nn.Linear random init" in f["detail"]
+    # a quantised layer stores its experts as qweight / scales: the module is there
+    q = folder(tmp_path, ds, "q", index=[k.replace("gate_proj.weight", "gate_proj.qweight") for k in full])
+    assert check_configs(q, q, spec=MTPSpec(num_steps=1, topk=1)).findings == []
+    # some experts left out of a full index: each one named, served from uninitialised memory
+    few = folder(tmp_path, ds, "few", index=[k for k in full if ".experts.7." not in k and ".experts.200." not in k])
+    f = one(check_configs(few, few, spec=MTPSpec(num_steps=1, topk=1)), "mtp_weights_missing")
+    assert len(f["evidence"]["missing"]["model.layers.61."]) == 6
+    assert "uninitialised memory (torch.empty)" in f["detail"]
     v = one(check_mtp(cut, cut, spec=MTPSpec(num_steps=1), rules=VLLMMTPRules()), "mtp_weights_missing")
     assert "Following weights were not initialized" in v["detail"]
     # a separate NextN checkpoint (num_hidden_layers 1): SGLang reads model.layers.0.*, vLLM model.layers.1.*
