@@ -190,6 +190,22 @@ class MTPRules:
     missing_effect = ("SGLang starts anyway: those parameters keep their initial values (the loader only skips "
                       "names outside the prefix; nothing checks that the head was filled)")
 
+    #: where SGLang drops the head's own lm_head / embedding copies and binds the target's
+    own_copies_rule = ("sglang/srt/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
+                       "do_load_weights and glm4_moe.py::Glm4MoeForCausalLM.load_weights skip shared_head.head and "
+                       "embed_tokens under the NextN prefix; speculative/eagle_worker_v2.py::EagleDraftWorker."
+                       "init_lm_head binds the target's (set_embed_and_head)")
+
+    def head_prefixes(self, head: MTPHead) -> list[str]:
+        """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`)."""
+        return head.sglang_prefixes()
+
+    def weights(self, head: MTPHead, names: set[str], prefixes: list[str], findings: list, facts: dict) -> None:
+        """``mtp_weights_missing`` for the head's tensors absent from ``names`` under ``prefixes`` (appended to
+        ``findings``; ``facts["head_weights"]`` says what was looked for)."""
+        self._weights(head, names, prefixes, findings, facts, f"{self.label}'s {head.family.head_arch}",
+                      head.family.sglang_loader)
+
     def effect_of(self, missing: list[str]) -> str:
         """What the engine serves or refuses for these missing tensors (SGLang: :func:`sglang_missing_effect` of
         each, grouped); the one line of :attr:`missing_effect` for an engine that refuses them."""
@@ -326,6 +342,13 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
                               + ("the target's extra layer" if head.form == "target" else
                                  "a separate NextN checkpoint"))
         rules.check(head, spec, target_raw, names, same, findings, notes, facts)
+        if names is not None and Path(target_config).is_dir():
+            from .mtp_weights import own_copy_findings  # lazy: torch; only a folder with the tensors needs it
+            try:
+                findings += own_copy_findings(head, Path(draft_config), Path(target_config), rules, facts,
+                                              rules.head_prefixes(head))
+            except BadInput as e:
+                facts["own_copies"] = f"not compared: {e}"
         loads = facts.get("loads")
         if loads:
             inputs[f"{rules.label} loads"] = (f"{loads['class']} ({loads['file']}) from {loads['from']}, tensors "

@@ -47,6 +47,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
+from ..draft.mtp_weights import head_weight_findings
 from ..draft.nextn_stage import nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding, ProposedFix
@@ -387,7 +388,12 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
            f"served state = {state_line(ident)}")
     b = None
-    if req.acceptance_budget:
+    weights = head_weight_findings(att.draft_dir, att.target_dir)     # what the engine made of the checkpoint
+    unloadable = [f for f in weights if f["kind"] == "mtp_weights_missing"]
+    if unloadable:
+        doc.notes.append("no acceptance budget: the engine serves the head's missing tensors as allocated (the "
+                         "finding says how), which the offline head cannot reproduce")
+    if req.acceptance_budget and not unloadable:
         t = r.step("acceptance budget")
         choice = choose_dtype(server_dtype(att.info, read_config_json(att.draft_dir / "config.json", "draft config")),
                               "cpu")
@@ -412,6 +418,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
                              fix=f"--speculative-num-steps {sc['trained_steps']} --speculative-eagle-topk 1 "
                                  f"--speculative-num-draft-tokens {sc['trained_steps'] + 1}", **sc))
+    found += weights
     doc.findings = [Finding(**f) for f in found]
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
         fix = ProposedFix(kind="engine", summary=f"feed the NextN head the target's final hidden state after its "

@@ -149,6 +149,9 @@ class MTPFamily:
         expected: ``config.json dict -> every tensor name of a head layer relative to its prefix`` when the family's
             layer can be expanded from the config (DeepSeek-V3: :func:`deepseek_nextn_shapes`), else None (the
             presence check then reads :attr:`head_tensors` and one of :attr:`layer_tensors`).
+        own_copies: the head's own copies of the target's lm_head / embedding under its prefix
+            (``shared_head.head.weight``, ``embed_tokens.weight``), which neither engine serves
+            (``helpers.draft.mtp_weights``); () when the family's checkpoints carry none.
     """
 
     name: str
@@ -170,12 +173,15 @@ class MTPFamily:
     vllm_layers_default: Optional[int]
     vllm_reuse: str
     expected: Optional[Callable[[dict], tuple[str, ...]]] = None
+    own_copies: tuple[str, ...] = ()
 
 
 _DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
               "_initialize_nextn_conf l. 552-584 and do_load_weights l. 316-335")
 _NEXTN_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 _DECODER = ("input_layernorm.weight", "post_attention_layernorm.weight")
+#: the DeepSeek / GLM NextN layer's copies of the target's lm_head and embedding
+_OWN_COPIES = ("shared_head.head.weight", "embed_tokens.weight")
 
 #: the families, one entry each
 MTP_FAMILIES: tuple[MTPFamily, ...] = (
@@ -187,7 +193,8 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="DeepSeekMTPModel",
         vllm_file=f"{_VL}/deepseek_mtp.py", vllm_layers_default=None,
         vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 "
-                   "(spec_step_idx % num_mtp_layers)", expected=_deepseek_expected),
+                   "(spec_step_idx % num_mtp_layers)", expected=_deepseek_expected,
+        own_copies=_OWN_COPIES),
     MTPFamily(
         name="glm4_moe", target_archs=("Glm4MoeForCausalLM",), head_arch="Glm4MoeForCausalLMNextN",
         head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", config_default=1,
@@ -196,7 +203,7 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeMTPModel",
         vllm_file=f"{_VL}/glm4_moe_mtp.py", vllm_layers_default=None,
-        vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)"),
+        vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)", own_copies=_OWN_COPIES),
     MTPFamily(
         name="qwen3_next", target_archs=("Qwen3NextForCausalLM",), head_arch="Qwen3NextForCausalLMMTP",
         head_file=f"{_SG}/models/qwen3_next_mtp.py", layers_field="num_nextn_predict_layers", config_default=None,
