@@ -103,13 +103,14 @@ def sglang_missing_effect(name: str) -> str:
     """What SGLang 0.5.23 serves for a NextN parameter the checkpoint lacks (nothing checks after loading:
     ``sglang/srt/model_loader/loader.py::DefaultModelLoader.load_weights_and_postprocess`` calls the model's
     ``load_weights``, which only fills what it is given): an RMSNorm weight keeps ``torch.ones``
-    (``sglang/srt/layers/layernorm.py::RMSNorm.__init__``); ``eh_proj`` is a plain ``nn.Linear``
-    (``deepseek_nextn.py::DeepseekModelNextN.__init__``: torch's random init); every other parameter (the parallel
+    (``sglang/srt/layers/layernorm.py::RMSNorm.__init__``); ``eh_proj`` / ``fc`` is a plain ``nn.Linear``
+    (``deepseek_nextn.py::DeepseekModelNextN.__init__``, ``qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__``: torch's
+    random init); every other parameter (the parallel
     linears, the experts, the router) is allocated with ``torch.empty``: whatever memory it got."""
     leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
     if leaf.endswith(("norm", "layernorm")):
         return "ones (RMSNorm init)"
-    if leaf == "eh_proj":
+    if leaf in ("eh_proj", "fc"):
         return "torch's nn.Linear random init"
     return "uninitialised memory (torch.empty)"
 
@@ -178,6 +179,10 @@ class MTPRules:
                      if not head.layers else f"SGLang loads exactly one NextN layer: set {fam.layers_field} to 1 "
                      "in a copy of the config if the first layer is the one to serve")))
             return
+        if fam.sglang_layers is not None and (head.layers or 0) > fam.sglang_layers:
+            notes.append(f"{fam.layers_field} is {head.layers}, but SGLang builds {fam.sglang_layers} head layer "
+                         f"({REWRITE} sets num_nextn_predict_layers = {fam.sglang_layers}): only {head.sglang_prefixes()[0]}"
+                         f"layers.0.* is served, at every draft step; the checkpoint's later MTP layers are not read")
         if head.layers == 0:
             notes.append(f"{fam.layers_field} is 0: the config declares no MTP layer, and {fam.head_arch} is built "
                          "anyway; only the checkpoint's tensors (below) say whether a trained head is there")
@@ -192,7 +197,8 @@ class MTPRules:
 
     #: where SGLang drops the head's own lm_head / embedding copies and binds the target's
     own_copies_rule = ("sglang/srt/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
-                       "do_load_weights and glm4_moe.py::Glm4MoeForCausalLM.load_weights skip shared_head.head and "
+                       "do_load_weights, glm4_moe.py::Glm4MoeForCausalLM.load_weights and glm4_moe_lite.py::"
+                       "Glm4MoeLiteForCausalLM.load_weights skip shared_head.head and "
                        "embed_tokens under the NextN prefix; speculative/eagle_worker_v2.py::EagleDraftWorker."
                        "init_lm_head binds the target's (set_embed_and_head)")
 

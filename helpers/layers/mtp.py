@@ -126,7 +126,7 @@ class MTPFamily:
     """One model family's MTP / NextN head, as SGLang 0.5.23 and vLLM 0.32.0 load it.
 
     Attributes:
-        name: the family (``deepseek_v3``, ``glm4_moe``, ``qwen3_next``, ``mimo``).
+        name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``).
         target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
@@ -204,6 +204,36 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeMTPModel",
         vllm_file=f"{_VL}/glm4_moe_mtp.py", vllm_layers_default=None,
         vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)", own_copies=_OWN_COPIES),
+    MTPFamily(
+        # GLM-4.7-Flash: a DeepSeek-V3-like MLA + MoE layer, loaded by the DeepSeek NextN loader mixin
+        name="glm4_moe_lite", target_archs=("Glm4MoeLiteForCausalLM",), head_arch="Glm4MoeLiteForCausalLMNextN",
+        head_file=f"{_SG}/models/glm4_moe_lite_nextn.py", layers_field="num_nextn_predict_layers", config_default=None,
+        sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/glm4_moe_lite.py::Glm4MoeLiteForCausalLM.load_weights l. 834-935 (is_nextn: "
+                       "ValueError without the field, 'Only 1 nextn layer is supported', model.layers.{n}.*, "
+                       "shared_head.head / embed_tokens skipped)"),
+        sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
+        head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeLiteMTPModel",
+        vllm_file=f"{_VL}/glm4_moe_lite_mtp.py", vllm_layers_default=None,
+        vllm_reuse=f"{_VL}/glm4_moe_lite_mtp.py::Glm4MoeLiteMultiTokenPredictor l. 198 (spec_step_idx % "
+                   "num_mtp_layers)", expected=_deepseek_expected, own_copies=_OWN_COPIES),
+    MTPFamily(
+        # Qwen3.5 (dense and MoE, the multimodal wrapper or the text model): the layer count is
+        # text_config.mtp_num_hidden_layers; SGLang builds one layer whatever it says
+        name="qwen3_5", target_archs=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                                      "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+        head_arch="Qwen3_5ForCausalLMMTP", head_file=f"{_SG}/models/qwen3_5_mtp.py",
+        layers_field="mtp_num_hidden_layers", config_default=None, sglang_layers=1,
+        sglang_loader=(f"{_SG}/models/qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.load_weights l. 261-370 (only names "
+                       "with 'mtp'; mtp.* read as model.*); configs/model_config.py::ModelConfig._config_draft_model "
+                       "l. 1159-1181 sets num_nextn_predict_layers = 1"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "mtp.",
+        vllm_prefix=lambda n, i: "mtp.",
+        head_tensors=("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"),
+        layer_tensors=("layers.0.input_layernorm.weight",), vllm_arch="Qwen3_5MTP / Qwen3_5MoeMTP",
+        vllm_file=f"{_VL}/qwen3_5_mtp.py", vllm_layers_default=1,
+        vllm_reuse=f"{_VL}/qwen3_5_mtp.py l. 170 (spec_step_idx % num_mtp_layers; num_mtp_layers = "
+                   "mtp_num_hidden_layers, default 1, l. 82)"),
     MTPFamily(
         name="qwen3_next", target_archs=("Qwen3NextForCausalLM",), head_arch="Qwen3NextForCausalLMMTP",
         head_file=f"{_SG}/models/qwen3_next_mtp.py", layers_field="num_nextn_predict_layers", config_default=None,

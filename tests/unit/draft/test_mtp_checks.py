@@ -37,6 +37,9 @@ FAMILIES = [
     (PUB / "deepseek-ai--DeepSeek-V3_config.json", "deepseek_v3", "DeepseekV3ForCausalLMNextN", "model.layers.61.",
      "model.layers.61."),
     (MTP / "glm-4.5_shape.json", "glm4_moe", "Glm4MoeForCausalLMNextN", "model.layers.92.", "model.layers.92."),
+    (MTP / "glm-4.7-flash_shape.json", "glm4_moe_lite", "Glm4MoeLiteForCausalLMNextN", "model.layers.47.",
+     "model.layers.47."),
+    (MTP / "qwen3.5-27b_shape.json", "qwen3_5", "Qwen3_5ForCausalLMMTP", "mtp.", "mtp."),
     (PUB / "Qwen--Qwen3-Next-80B-A3B-Thinking_config.json", "qwen3_next", "Qwen3NextForCausalLMMTP", "mtp.", "mtp."),
     (MTP / "mimo-7b_shape.json", "mimo", "MiMoMTP", "model.mtp_layers.0.", "model.mtp_layers.0."),
     (MTP / "deepseek-v3-nextn-checkpoint_shape.json", "deepseek_v3", "DeepseekV3ForCausalLMNextN", "model.layers.0.",
@@ -247,7 +250,10 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
     cases = {"ds": (ds, None), "ds_absent": (ds, lambda c: c.pop("num_nextn_predict_layers")),
              "ds_two": (ds, lambda c: c.update(num_nextn_predict_layers=2)), "glm": (MTP / "glm-4.5_shape.json", None),
              "qwen": (PUB / "Qwen--Qwen3-Next-80B-A3B-Thinking_config.json", None),
-             "nextn": (MTP / "deepseek-v3-nextn-checkpoint_shape.json", None)}
+             "nextn": (MTP / "deepseek-v3-nextn-checkpoint_shape.json", None),
+             "glm_lite": (MTP / "glm-4.7-flash_shape.json", None),
+             "glm_lite_two": (MTP / "glm-4.7-flash_shape.json", lambda c: c.update(num_nextn_predict_layers=2)),
+             "qwen35": (MTP / "qwen3.5-27b_shape.json", None)}
     folders = {}
     for name, (src, edit) in cases.items():
         def strip(c, edit=edit):          # the fp8 quantization block needs CUDA kernels to be read by SGLang
@@ -271,11 +277,13 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
             assert len(refused) == 1 and refused[0]["evidence"]["error"].startswith(
                 sg[name]["refused"].split(":")[0]) and sg[name]["refused"].split(": ", 1)[1] in refused[0]["detail"]
         else:
-            assert refused == [] and sg[name]["layers"] == (loads["layers_declared"] if name != "qwen" else 1)
+            assert refused == [] and sg[name]["layers"] == (loads["layers_declared"] if name != "qwen" else 1), name
             if "prefix" in sg[name]:
                 assert loads["prefixes"] == [sg[name]["prefix"]], name
     assert sg["ds_two"]["refused"] == "AssertionError: Only 1 nextn layer is supported"
     assert sg["nextn"]["prefix"] == "model.layers.0." and sg["qwen"]["layers"] == 1
+    assert sg["glm_lite"]["prefix"] == "model.layers.47." and sg["glm_lite_two"]["refused"].startswith("AssertionError")
+    assert sg["qwen35"]["head_class"] == "Qwen3_5ForCausalLMMTP" and sg["qwen35"]["layers"] == 1
 
 
 def test_the_draft_cost_leaves_the_targets_nextn_layer_out():
