@@ -24,6 +24,25 @@ sys.path.insert(0, str(ROOT / "tests"))
 from support.mtp_faults import CLASSES, WEIGHT_CLASSES, draw, offline_named, served_world  # noqa: E402
 
 
+def hit_of(stage: str, stages: tuple, named: list, lc) -> str:
+    """How the bench scores a draw: ``yes`` (every stage that should name it does; a clean draw: nothing named),
+    ``immaterial`` / ``borderline`` (the loss stage cleared it and the live prompts' cost CI rules a material loss
+    out / does not quite), ``partly`` (some of its stages named it), ``NO``. The weights check's finding is scored
+    apart from the loss: a cleared loss with the weights finding named is ``immaterial`` when the cost is."""
+    if stage == "none":
+        return "yes" if named == ["none"] else "NO"
+    if all(st in named for st in stages):
+        return "yes"
+    loss_named = [x for x in named if x != "weights"] or ["none"]
+    weights_ok = "weights" not in stages or "weights" in named
+    if weights_ok and lc is not None and loss_named in (["none"], ["undecided"]):
+        if lc["ci"][1] < lc["threshold"]:
+            return "immaterial"     # the live prompts' CI rules a material cost out too
+        if not lc["material"]:
+            return "borderline"     # under the threshold on the live prompts, but their CI reaches it
+    return "partly" if any(st in named for st in stages) else "NO"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seeds", type=int, default=20)
@@ -43,18 +62,7 @@ def main(argv=None) -> int:
             f = draw(seed, kinds)
             r = offline_named(f, Path(tmp), world)
             lc = r["live_prompt_cost"]
-            if f.stage == "none":
-                hit = "yes" if r["named"] == ["none"] else "NO"
-            elif all(st in r["named"] for st in f.stages):
-                hit = "yes"
-            elif f.stage in r["named"]:
-                hit = "partly"              # its loss is named, the weights check's cause is not (or the reverse)
-            elif lc is not None and lc["ci"][1] < lc["threshold"] and r["named"] in (["none"], ["undecided"]):
-                hit = "immaterial"          # the live prompts' CI rules a material cost out too
-            elif lc is not None and not lc["material"] and r["named"] in (["none"], ["undecided"]):
-                hit = "borderline"          # under the threshold on the live prompts, but their CI reaches it
-            else:
-                hit = "NO"
+            hit = hit_of(f.stage, f.stages, r["named"], lc)
             cost = "-" if lc is None else f"{lc['delta']:.3f} [{lc['ci'][0]:.3f}, {lc['ci'][1]:.3f}]"
             d = r["draft"]
             ci = d.get("ci") or [None, None]

@@ -50,9 +50,6 @@ def test_glm_4_7_flash_loads_layer_47_and_refuses_two_layers_or_none(tmp_path):
     assert v.draft_checks["facts"]["loads"]["class"] == "Glm4MoeLiteMTPModel"
     f = [x for x in v.findings if x["kind"] == "mtp_steps_beyond_head"]
     assert len(f) == 1 and "glm4_moe_lite_mtp.py" in f[0]["evidence"]["source"]
-    # SGLang's auto-chosen steps (none given) for this arch are the default (DeepSeek-V3's 3 is per arch)
-    auto = check_configs(GLM, GLM).draft_checks["facts"]["settings"]
-    assert auto["rule"].endswith("l. 1430-1461")
 
 
 def _kinds_of(fs):
