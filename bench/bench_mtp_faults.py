@@ -49,11 +49,12 @@ def main(argv=None) -> int:
     ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--prompts", type=int, default=8, help="live prompts for the states and the live-prompt cost")
-    ap.add_argument("--kinds", choices=("default", "weights", "all"), default="default",
+    ap.add_argument("--kinds", choices=("default", "weights", "own_head", "all"), default="default",
                     help="default: the classes of tests/support/mtp_faults.py CLASSES; weights: WEIGHT_CLASSES "
-                         "(clean included); all: both")
+                         "(clean included); own_head: that class alone; all: both")
     a = ap.parse_args(argv)
-    kinds = {"default": CLASSES, "weights": ("clean",) + WEIGHT_CLASSES, "all": CLASSES + WEIGHT_CLASSES}[a.kinds]
+    kinds = {"default": CLASSES, "weights": ("clean",) + WEIGHT_CLASSES, "own_head": ("own_head",),
+             "all": CLASSES + WEIGHT_CLASSES}[a.kinds]
     t0 = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
