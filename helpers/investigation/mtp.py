@@ -388,7 +388,11 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
            f"served state = {state_line(ident)}")
     b = None
-    weights = head_weight_findings(att.draft_dir, att.target_dir)     # what the engine made of the checkpoint
+    try:
+        weights = head_weight_findings(att.draft_dir, att.target_dir)  # what the engine made of the checkpoint
+    except BadInput as e:
+        weights = []
+        doc.notes.append(f"the head's weights were not checked: {e}")
     unloadable = [f for f in weights if f["kind"] == "mtp_weights_missing"]
     if unloadable:
         doc.notes.append("no acceptance budget: the engine serves the head's missing tensors as allocated (the "
