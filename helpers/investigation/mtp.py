@@ -468,6 +468,9 @@ def mtp_sentence(doc: Any) -> str:
     if "mtp_steps_beyond_head" in kinds:
         f = doc.findings[kinds.index("mtp_steps_beyond_head")]
         return f"Settings: {f.detail}.{tail}"
+    for k in ("mtp_weights_missing", "lm_head_replaced", "embedding_replaced"):     # helpers.draft.mtp_weights
+        if k in kinds:
+            return f"The head's checkpoint: {doc.findings[kinds.index(k)].detail}.{tail}"
     if ident is None:
         return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",
