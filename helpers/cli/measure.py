@@ -191,8 +191,8 @@ def _workload(args, client, adapter, prompts, outputs, given_run, show) -> int:
     :func:`helpers.acceptance.workload.compare_workload`), or ``measure --training DIR`` without it (the bundled
     prompts through the chat template when the training data was chat-formatted)."""
     from ..acceptance.workload import (  # lazy: only with --requests / --training
-        generation_defaults, load_requests, load_tokenizer, require_vocab, resolve_tokenizer, training_like_prompts,
-        vocab_size_of)
+        fit_context, generation_defaults, load_requests, load_tokenizer, require_vocab, resolve_tokenizer,
+        training_like_prompts, vocab_size_of)
     from ..investigation.workload import comparison_text, compare_workload  # lazy: torch, only with --requests
     info = client.server_info(refresh=True)
     tok_dir, note = resolve_tokenizer(info, args.tokenizer)
@@ -225,6 +225,10 @@ def _workload(args, client, adapter, prompts, outputs, given_run, show) -> int:
     reqs = load_requests(args.requests, tokenizer=tokenizer, default_max_new_tokens=args.max_new_tokens,
                          gen_defaults=generation_defaults(tok_dir), vocab_size=vocab)
     require_vocab(reqs, vocab, note, args.requests)
+    rule = adapter.context_rule(client)     # past the context: refused here as the engine would, or cut with a note
+    if rule is not None:
+        for n in fit_context(reqs, rule, args.requests, tokenizer=tokenizer() if tok_dir is not None else None):
+            print(printable(f"note: {n}"), file=sys.stderr)
     ignored = sorted({k for r in reqs for k in r.ignored})
     if ignored:
         print(printable(f"warning: not sent (the answer may differ from production): {', '.join(ignored)}"),

@@ -53,6 +53,9 @@ def _body(argv: list[str]) -> int:
     s.add_argument("--engine", default="sglang", choices=("sglang", "vllm"),
                    help="sglang (env/reference/.venv, default) or vllm (env/vllm/.venv: vLLM 0.32.0's CPU backend; "
                         "needs --target with a head size it supports, e.g. 64)")
+    s.add_argument("--vllm-venv", default=None, metavar="DIR",
+                   help="vLLM only: the venv of another vLLM release, e.g. env/vllm/.venv-0.29.0 (built by "
+                        "VLLM_VERSION=0.29.0 env/vllm/install.sh); default $E3F_VLLM_PYTHON, else env/vllm/.venv")
     s.add_argument("--target", default=None, help="target model folder (default: env/models/target)")
     s.add_argument("--draft", default=None, help="EAGLE-3 draft folder (default: none)")
     s.add_argument("--reference-draft", action="store_true", help="use env/models/draft")

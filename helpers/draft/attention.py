@@ -217,9 +217,10 @@ class LlamaAttention(Attention):
         """``(q [N, heads, hd] roped, (k [N, kv_heads, hd] roped, v [N, kv_heads, hd]))``."""
         a, w, p = self.arch, self.w, f"layers.{i}.self_attn."
         n = x.shape[0]
-        q = F.linear(x, w[p + "q_proj.weight"]).view(n, a.heads, a.head_dim)
-        k = F.linear(x, w[p + "k_proj.weight"]).view(n, a.kv_heads, a.head_dim)
-        v = F.linear(x, w[p + "v_proj.weight"]).view(n, a.kv_heads, a.head_dim)
+        # q/k/v biases only where the weights carry them (a MiMo / Qwen2 MTP head: helpers.draft.mimo_mtp)
+        q = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(n, a.heads, a.head_dim)
+        k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(n, a.kv_heads, a.head_dim)
+        v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(n, a.kv_heads, a.head_dim)
         return self._rope(q, pos), (self._rope(k, pos), v)
 
     def kv(self, entry: tuple) -> tuple[torch.Tensor, torch.Tensor]:

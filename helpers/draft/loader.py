@@ -3,7 +3,8 @@
 (:func:`helpers.layers.mtp.mtp_head` on its config.json decides which, never a class-name comparison elsewhere).
 
 The offline heads per MTP family (:data:`OFFLINE_HEADS`): ``deepseek_v3`` -> :class:`helpers.draft.nextn.NextNHead`
-(SGLang 0.5.23's ``sglang/srt/models/deepseek_nextn.py::DeepseekV3ForCausalLMNextN``). A family without an offline
+(SGLang 0.5.23's ``sglang/srt/models/deepseek_nextn.py::DeepseekV3ForCausalLMNextN``), ``mimo`` ->
+:class:`helpers.draft.mimo_mtp.MiMoMTPHead` (vLLM 0.32.0's ``mimo_mtp.py::MiMoMTP``). A family without an offline
 head is refused with one line.
 """
 from __future__ import annotations
@@ -25,8 +26,13 @@ def _nextn(draft_dir: Path, target_dir: Path, **kw) -> Eagle3Draft:
     return NextNHead.load(target_dir, draft_dir=None if same else draft_dir, **kw)
 
 
+def _mimo(draft_dir: Path, target_dir: Path, **kw) -> Eagle3Draft:
+    from .mimo_mtp import MiMoMTPHead  # lazy: only a MiMo target's head needs it
+    return MiMoMTPHead.load(draft_dir, **kw)
+
+
 #: MTP family name -> loader(draft_dir, target_dir, dtype=, device=, dtype_reason=)
-OFFLINE_HEADS = {"deepseek_v3": _nextn}
+OFFLINE_HEADS = {"deepseek_v3": _nextn, "mimo": _mimo}
 
 
 def is_mtp(draft_dir: str | Path) -> bool:

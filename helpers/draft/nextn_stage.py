@@ -56,9 +56,12 @@ STEPS_SOURCE = "sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker.draf
 
 
 def find_nextn_log(target_dir: str | Path, *, draft_dir: Optional[str | Path] = None,
-                   training: Optional[str | Path] = None, given: Optional[str | Path] = None) -> Optional[Path]:
+                   training: Optional[str | Path] = None, given: Optional[str | Path] = None,
+                   name: str = NEXTN_LOG, search_target: bool = True) -> Optional[Path]:
     """The NextN head's training log (module docstring: ``given``, the ``--training`` folder or its parent, the
-    NextN checkpoint folder, the target folder), or None.
+    NextN checkpoint folder, the target folder), or None. ``name``: the log's file name (another single-state draft's
+    trainer writes another, e.g. :data:`helpers.draft.eagle1_stage.EAGLE1_LOG`); ``search_target`` False: not the
+    target folder (where that name is the target's own log).
 
     Raises:
         BadInput: ``given`` is not a regular file (``--training-log`` named)."""
@@ -73,10 +76,11 @@ def find_nextn_log(target_dir: str | Path, *, draft_dir: Optional[str | Path] = 
         places += [t if t.is_dir() else t.parent, (t if t.is_dir() else t.parent).parent]
     if draft_dir is not None:
         places.append(Path(draft_dir))
-    places.append(Path(target_dir))
+    if search_target:
+        places.append(Path(target_dir))
     for folder in places:
-        if (folder / NEXTN_LOG).is_file():
-            return folder / NEXTN_LOG
+        if (folder / name).is_file():
+            return folder / name
     return None
 
 
@@ -163,7 +167,9 @@ def trained_steps(doc: dict) -> Optional[int]:
 def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, draft_dir: Optional[str | Path] = None,
                       training: Optional[str | Path] = None, training_log: Optional[str | Path] = None,
                       validation: Optional[str | Path] = None, max_rows: int = MAX_DRAFT_ROWS,
-                      progress: Callable[[str], None] = lambda s: None) -> dict:
+                      progress: Callable[[str], None] = lambda s: None, log_name: str = NEXTN_LOG,
+                      trainer_source: str = NEXTN_TRAINER_SOURCE, who: str = "the NextN head",
+                      search_target: bool = True) -> dict:
     """The NextN head's draft stage (module docstring).
 
     Args:
@@ -171,6 +177,9 @@ def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, 
         target_dir: the target folder (its lm_head gives the target's argmax from the rows' final hidden states).
         steps: the served ``--speculative-num-steps`` (the accept length covers min(steps, the log's steps)).
         draft_dir / training / training_log: where the log is looked for (:func:`find_nextn_log`).
+        log_name / trainer_source / who / search_target: the log's file name, the trainer whose metric it holds, the
+            draft's name in the stage's words, whether the target folder is searched for the log (defaults: the
+            NextN head's; an EAGLE-1 draft's: :mod:`helpers.draft.eagle1_stage`).
         validation: the rows (``--validation DIR``, SpecForge format with ``hidden_state``); else the log's
             ``validation_rows.path`` (:func:`relocated_rows`), else
             :func:`helpers.draft.training_log.find_validation_data` (a ``validation`` folder beside the
@@ -184,14 +193,15 @@ def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, 
     Raises:
         BadInput: an unreadable log or rows (the file named)."""
     target_dir = Path(target_dir)
-    log_path = find_nextn_log(target_dir, draft_dir=draft_dir, training=training, given=training_log)
+    log_path = find_nextn_log(target_dir, draft_dir=draft_dir, training=training, given=training_log, name=log_name,
+                              search_target=search_target)
     out: dict[str, Any] = {"log": None if log_path is None else str(log_path), "rows": None, "same_rows": False,
                            "trained_steps": None}
     if log_path is None:
         stage, loss = draft_stage(None, None, None, None, steps)
-        loss["why"] = loss["basis"] = (f"no NextN training log ({NEXTN_LOG} in the target folder, the NextN "
-                                       "checkpoint folder or the --training folder; or --training-log FILE): "
-                                       "whether the head performs as trained cannot be settled")
+        loss["why"] = loss["basis"] = (f"no training log of {who} ({log_name} in the target folder, the draft "
+                                       "folder or the --training folder; or --training-log FILE): "
+                                       f"whether {who} performs as trained cannot be settled")
         loss["settle"] = {"n": None, "text": loss["why"]}
         return {**out, "stage": stage, "loss": loss, "why_rows": "no log"}
     doc = _raw_log(log_path)
@@ -218,15 +228,15 @@ def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, 
     # the NextN head reads the target's post-norm final state (the data's hidden_state), not the EAGLE-3 aux chunks
     seqs = [dataclasses.replace(s, aux=s.final_hidden) for s in seqs if s.final_hidden is not None]
     if not seqs:
-        raise BadInput("no row holds the target's final hidden state (SpecForge hidden_state): the NextN head's input",
+        raise BadInput(f"no row holds the target's final hidden state (SpecForge hidden_state): {who}'s input",
                        path=rows_path, field="hidden_state")
     same, why = same_rows(rows_path, doc, log_path, len(seqs))
     log = rows_log(doc, log_path, kind) if same else read_training_log(log_path)
     n_steps = max(steps, len(log.per_position))
-    progress(f"draft stage: the NextN head teacher-forced on {len(seqs)} row(s) of {rows_path} ({n_steps} steps)")
+    progress(f"draft stage: {who} teacher-forced on {len(seqs)} row(s) of {rows_path} ({n_steps} steps)")
     rows = tf_run(head, seqs, n_steps)
     stage, loss = draft_stage(rows, kind, str(rows_path), log, steps, labels="target")
-    stage["trainer"] = NEXTN_TRAINER_SOURCE
+    stage["trainer"] = trainer_source
     stage["rows_vs_log"] = why
     if not same:
         stage["assumed"] = list(stage.get("assumed") or []) + [why]

@@ -9,6 +9,7 @@ which also counts the prefill's token); **accept rate** is accepted drafts / pro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 import math
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
@@ -149,6 +150,48 @@ def watch_fields(sums: Mapping[str, float], names: Mapping[str, str], *, mean_of
     return out
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """One prompt's continuation as the server generated it (:meth:`EngineAdapter.continuations`): ``id`` the
+    prompt's id, ``prompt_ids`` the prompt's token ids as the server tokenized it, ``output_ids`` the generated token
+    ids (``max_new_tokens`` of them, EOS ignored). Token ids only: no hidden states."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt then output token ids (what an every-layer capture replays)."""
+        return [*self.prompt_ids, *self.output_ids]
+
+
+@dataclass(frozen=True)
+class ContextRule:
+    """What a server does with a request longer than its context (:meth:`EngineAdapter.context_rule`): ``tokens`` its
+    context length (tokens), ``reserved`` the token slots it keeps per request on top of the prompt (counted against
+    the context), ``max_prompt`` the longest prompt (tokens) it takes, ``clamps`` True when it cuts
+    ``max_new_tokens`` to ``tokens - reserved - prompt`` (False: it refuses a request past the context),
+    ``source`` the engine function that does it."""
+
+    tokens: int
+    reserved: int
+    max_prompt: int
+    clamps: bool
+    source: str
+
+
+#: requests in flight of :meth:`EngineAdapter.continuations` by default
+CONTINUATION_CONCURRENCY = 8
+
+#: the state SGLang 0.5.23 hands a NextN head: ``sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward``
+#: reads ``spec_info.hidden_states``, ``sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward``'s output after
+#: ``final_norm`` (``EngineAdapter.mtp_fed_state``)
+MTP_FEED_DEFAULT = ("norm(out(n-1))", "sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward "
+                    "(spec_info.hidden_states) <- sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward "
+                    "(final_norm applied)")
+
+
 class EngineAdapter(ABC):
     """Everything engine-specific behind one contract (one subclass per engine; ``helpers.engines.detect`` picks
     one from a URL). Callers (attach, capture, the budget, ablations, notebooks) never branch on the engine."""
@@ -221,6 +264,80 @@ class EngineAdapter(ABC):
         ``sampling``: SGLang-named sampling params laid over the greedy default (``temperature``, ``top_p``,
         ``top_k``, ``sampling_seed``: seed + prompt index per request, :func:`helpers.capture.sampling_params`): the
         states and the counters of the *sampled* continuation."""
+
+    def continuations(self, client: HTTPClient, prompts: Sequence[Any], *, max_new_tokens: int,
+                      sampling: Optional[dict] = None, concurrency: int = CONTINUATION_CONCURRENCY,
+                      timeout_s: float = 300.0) -> list[Continuation]:
+        """The server's own continuations of ``prompts`` (:class:`helpers.acceptance.prompts.Prompt`, token-id
+        sequences, text, dicts; :func:`helpers.capture.prompt_fields`), token ids only, ``concurrency`` requests in
+        flight (at most; 1 sends them one at a time), each with a read deadline of ``timeout_s`` seconds (and the
+        client's own budget). ``sampling``: SGLang-named sampling params over the greedy default, a
+        ``sampling_seed`` becoming seed + prompt index (:func:`helpers.capture.sampling_params`), so that where the
+        engine honours it a prompt's answer does not depend on the order the requests are served in (vLLM 0.32.0
+        does per request; SGLang 0.5.23 only with ``--enable-deterministic-inference``:
+        ``sglang/srt/sampling/sampling_batch_info.py::SamplingBatchInfo.from_schedule_batch`` builds the seed tensor
+        only then, so without it each run draws anew). Returns one :class:`Continuation` per prompt, in the prompts'
+        order.
+
+        The prefix cache is emptied once, before the first request, not before each: a cache hit changes which
+        positions a forward computes, not what they are (SGLang 0.5.23: the prefill of a hit extends from the cached
+        KV, ``sglang/srt/managers/schedule_batch.py::Req.init_next_round_input`` -> ``match_kv_cache``, the same
+        K and V of the same tokens; vLLM 0.32.0: ``vllm/v1/core/kv_cache_manager.py::KVCacheManager.
+        get_computed_blocks``, whole blocks of the same tokens), so the tokens are the target's own either way; the
+        flush before each request that :meth:`capture_served` does is for its hidden-state rows (the prompt block
+        covers the whole prompt only without a hit: ``helpers.capture.capture_served``), which this method does not
+        return. Measured on the embedded SGLang TP 2 server (bench/bench_plan_id_concurrent.py, greedy): 8 and 16 in
+        flight gave the same tokens as ``capture_served`` one request at a time with the cache flushed before each, 32
+        of 32 prompts x 96 tokens in three runs, 2.0-3.4x faster with the every-layer reference and the offline pass
+        (bench/RESULTS.md).
+
+        Raises:
+            helpers.errors.ServerTimeout: a request past ``timeout_s``.
+            helpers.errors.SGLangError / RequestRejected: an answer that is an error or malformed (the first one
+                of the requests in flight)."""
+        from ..acceptance.requests import _in_workers  # lazy: pandas (measure detects the engine without it)
+        from ..capture import prompt_fields  # lazy: torch
+        if concurrency < 1:
+            raise BadInput(f"concurrency must be >= 1, got {concurrency}", field="concurrency")
+        items = [prompt_fields(p, i) for i, p in enumerate(prompts)]
+        out: list[Optional[Continuation]] = [None] * len(items)
+
+        def one(i: int) -> None:
+            pid, ids, text = items[i]
+            out[i] = self.continuation(client, pid, ids, text, i, max_new_tokens=max_new_tokens, sampling=sampling,
+                                       timeout_s=timeout_s)
+
+        if items:
+            client.flush_cache()
+            _in_workers(one, len(items), min(int(concurrency), len(items)), on_done=lambda: None)
+        return [c for c in out if c is not None]
+
+    @abstractmethod
+    def continuation(self, client: HTTPClient, prompt_id: str, input_ids: Optional[Sequence[int]],
+                     text: Optional[str], index: int, *, max_new_tokens: int, sampling: Optional[dict],
+                     timeout_s: float) -> Continuation:
+        """One request of :meth:`continuations`: prompt ``index`` (token ids, else ``text``), ``max_new_tokens``
+        tokens, EOS ignored, ``sampling`` as there, its read deadline ``timeout_s`` seconds; the prompt's token ids
+        as the server tokenized it."""
+
+    def context_rule(self, client: HTTPClient) -> Optional[ContextRule]:
+        """How this server treats a request whose prompt tokens + ``max_new_tokens`` exceed its context length
+        (:class:`ContextRule`), or None when this tool has not read the engine's rule or the server does not tell its
+        context length."""
+        return None
+
+    #: MTP family -> ``(candidate, source)``: the target tensor this engine hands the family's MTP / NextN head, in
+    #: the served-state candidates' names (``norm(out(n-1))``: after the final norm; ``out(n-1)``: before it); a
+    #: family not listed gets :data:`MTP_FEED_DEFAULT`. vLLM's: ``helpers.engines.vllm_mtp.FED_STATE``.
+    mtp_feed: Mapping[str, tuple[str, str]] = {}
+    #: where this engine runs an MTP head for more draft steps than it has layers (None: the suite's SGLang source,
+    #: ``helpers.draft.nextn_stage.STEPS_SOURCE``); the settings finding cites it
+    mtp_steps_source: Optional[str] = None
+
+    def mtp_fed_state(self, family: Optional[str]) -> tuple[str, str]:
+        """``(candidate, source)`` of :attr:`mtp_feed` for an MTP head of ``family`` (``attach.draft_head['family']``),
+        else :data:`MTP_FEED_DEFAULT` (SGLang 0.5.23's DeepSeek-V3 rule, the state after the final norm)."""
+        return self.mtp_feed.get(family or "", MTP_FEED_DEFAULT)
 
     def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
         """The served draft's weights as the engine hashes them (one call; ``check-draft``'s and ``watch``'s weight

@@ -21,7 +21,8 @@ from ..server import embedded
 from ..server.client import HTTPClient, SGLangClient, answer_kind, checked_server_info
 from ..server.process import ServerProcess
 from ..server.restart import start_variant
-from .base import AcceptanceCounters, EngineAdapter, SpecConfig, prometheus_sums, watch_fields
+from .base import (AcceptanceCounters, ContextRule, Continuation, EngineAdapter, SpecConfig, prometheus_sums,
+                   watch_fields)
 
 if TYPE_CHECKING:          # annotations only (torch)
     from ..diagnosis.plan_rules import PlanRules
@@ -313,6 +314,55 @@ class SGLangAdapter(EngineAdapter):
             return capture_served(client, prompts, out_dir, name=name, max_new_tokens=max_new_tokens,
                                   progress=progress, max_width=max_width, records=records, sampling=sampling)
 
+    def continuation(self, client: SGLangClient, prompt_id: str, input_ids: Optional[Sequence[int]],
+                     text: Optional[str], index: int, *, max_new_tokens: int, sampling: Optional[dict],
+                     timeout_s: float) -> Continuation:
+        """``POST /generate`` with ``return_prompt_token_ids`` and no hidden states, ``sampling_params`` of
+        :func:`helpers.capture.sampling_params` (``ignore_eos``; ``sampling_seed`` + ``index``: SGLang 0.5.23 draws
+        a seeded request's token from its own seed and position, ``sglang/srt/layers/sampler.py::
+        multinomial_with_seed``, whatever else shares its batch).
+
+        Raises: :class:`helpers.errors.SGLangError` when the answer has fewer than ``max_new_tokens`` tokens or no
+        prompt ids."""
+        from ..capture import sampling_params  # lazy: torch (measure detects the engine without it)
+        res = client.generate(input_ids=input_ids, text=text if input_ids is None else None,
+                              max_new_tokens=max_new_tokens, return_prompt_token_ids=True,
+                              sampling_params=sampling_params(sampling, index), timeout=timeout_s)
+        prompt = res.prompt_token_ids if res.prompt_token_ids else (list(input_ids) if input_ids is not None else None)
+        if not prompt or len(res.output_ids) != int(max_new_tokens):
+            raise SGLangError(f"POST {client._shown_url}/generate ({prompt_id}): expected the prompt's token ids and "
+                              f"{max_new_tokens} generated tokens, got {len(prompt or [])} and "
+                              f"{len(res.output_ids)}", endpoint="/generate")
+        return Continuation(prompt_id, tuple(int(t) for t in prompt), tuple(int(t) for t in res.output_ids))
+
+    def context_rule(self, client: SGLangClient) -> Optional[ContextRule]:
+        """SGLang 0.5.23's check of each request (``sglang/srt/managers/tokenizer_manager.py::TokenizerManager.
+        _validate_one_request``): the prompt plus ``num_reserved_tokens`` (``sglang/srt/managers/utils.py::
+        compute_num_reserved_tokens``: on an EAGLE-family server max(topk x steps, the draft tokens per verify), the
+        draft tokens kept in the output slots; else 0) at or past the context length, or that plus ``max_new_tokens``
+        past it, is refused (HTTP 400) unless the server runs ``--allow-auto-truncate``, which cuts the prompt or
+        ``max_new_tokens`` instead. The context length: ``GET /v1/models`` ``max_model_len`` (the server's
+        ``model_config.context_len``), else ``/server_info`` ``context_length``; None when neither says it."""
+        info = client.server_info()
+        ctx = info.get("context_length")
+        try:
+            models = client._get_json(["/v1/models"], "model list").get("data") or []
+            ctx = next((m.get("max_model_len") for m in models if isinstance(m, dict)
+                        and isinstance(m.get("max_model_len"), int)), ctx)
+        except SGLangError:
+            pass
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
+            return None
+        reserved = 0
+        if str(info.get("speculative_algorithm") or "").upper() in ("EAGLE", "EAGLE3", "FROZEN_KV_MTP"):
+            def n(key: str) -> int:
+                v = info.get(key)
+                return int(v) if isinstance(v, int) and not isinstance(v, bool) else 0
+            reserved = max(n("speculative_eagle_topk") * n("speculative_num_steps"), n("speculative_num_draft_tokens"))
+        return ContextRule(tokens=ctx, reserved=reserved, max_prompt=ctx - reserved - 1,
+                           clamps=bool(info.get("allow_auto_truncate")),
+                           source="sglang/srt/managers/tokenizer_manager.py::TokenizerManager._validate_one_request")
+
     def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
         """SGLang 0.5.23's ``POST /weights_checker`` ``{"action": "checksum", "selector": "draft"}``
         (``entrypoints/http_server.py::check_weights`` -> ``managers/tokenizer_control_mixin.py::check_weights``, its
@@ -392,8 +442,8 @@ class SGLangAdapter(EngineAdapter):
                 "sglang/srt/speculative/eagle_worker_v2.py), and fewer match at a higher temperature")
 
     def cli_refusal(self, args: Any) -> Optional[str]:
-        """None: every ``server start`` option applies to SGLang."""
-        return None
+        """Every ``server start`` option applies to SGLang but ``--vllm-venv``."""
+        return "--vllm-venv applies to vLLM only" if getattr(args, "vllm_venv", None) else None
 
     def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
         """The embedded SGLang server with ``--forward-hooks``, ``--faults``, the capture hooks and the draft step trace

@@ -34,8 +34,8 @@ from ..server.process import ServerProcess
 from ..server.protocol import GenerateResult
 from ..server.restart import set_flags
 from ..server.settings import EffectiveSpecConfig, SpecSettings, spec_settings
-from . import vllm_server
-from .base import AcceptanceCounters, EngineAdapter, SpecConfig
+from . import vllm_mtp, vllm_server
+from .base import AcceptanceCounters, ContextRule, Continuation, EngineAdapter, SpecConfig
 from .vllm_answers import (
     Completion,
     DevServerInfo,
@@ -177,10 +177,10 @@ class VLLMClient(ServerClient):
         ``speculative_num_draft_tokens`` = ``num_speculative_tokens`` + 1 (vLLM drafts a chain: ``v1/spec_decode/
         llm_base_proposer.py::SpecDecodeBaseProposer.propose``), ``tp_size``, ``device``, ``dtype``; vLLM's own:
         ``enable_prefix_caching``, ``async_scheduling``, ``rejection_sample_method``, ``draft_sample_method``,
-        ``max_num_seqs``, ``worker_extension`` (the tool's extension answers), ``aux_layer_ids`` (vLLM convention
-        in(i)), ``loaded`` (rank 0's ``e3f_describe``), ``verify_sampling`` (rank 0's check of the per-token
-        sampling values its verify step uses: :func:`helpers.engines.vllm_worker._verify_sampling_check`), ``sources``
-        (where each came from)."""
+        ``max_num_seqs``, ``worker_extension`` (the tool's extension answers), ``aux_layer_ids`` (as held, in(i);
+        chunks: :meth:`VLLMAdapter.spec_config`), ``loaded`` (rank 0's ``e3f_describe``), ``verify_sampling`` (rank
+        0's check of the per-token sampling values its verify step uses:
+        :func:`helpers.engines.vllm_worker._verify_sampling_check`), ``sources`` (where each came from)."""
         if getattr(self, "_info", None) is not None and not refresh:
             return self._info
         try:
@@ -388,6 +388,8 @@ class VLLMAdapter(EngineAdapter):
 
     name = "vllm"
     label = "vLLM"
+    mtp_feed = vllm_mtp.FED_STATE           # what vLLM 0.32.0 hands each MTP family's head (vllm_mtp's docstring)
+    mtp_steps_source = vllm_mtp.STEPS_SOURCE   # how it runs more draft steps than the head has layers
 
     @classmethod
     def supported(cls) -> str:
@@ -497,7 +499,7 @@ class VLLMAdapter(EngineAdapter):
                                      num_speculative_tokens=k, port=port, dtype=launch.get("dtype") or "float32",
                                      extra_args=extra, api_key=api_key, log_path=log_path, timeout=1800.0,
                                      budget=budget, speculative={**dict(launch.get("speculative") or {}), **spec},
-                                     what=what, env=dict(env) if env else None)
+                                     what=what, env=dict(env) if env else None, python=launch.get("python"))
         argv = relaunch_command(list(restart["argv"]), draft=draft, keep_draft=keep_draft, flags=other, spec=spec,
                                 port=pick_port(port, what="--port"))
         return ServerProcess.launch_healthy(argv, f"http://127.0.0.1:{argv[argv.index('--port') + 1]}",
@@ -526,8 +528,8 @@ class VLLMAdapter(EngineAdapter):
         bad = [f for f, v in (("--forward-hooks", args.forward_hooks), ("--faults", args.faults),
                               ("--capture-ranks", args.capture_ranks), ("--capture-layers", args.capture_layers),
                               ("--trace-draft", getattr(args, "trace_draft", None)),
-                              ("--algorithm", args.algorithm != "EAGLE3"), ("--topk", args.topk != 1),
-                              ("--draft-tokens", args.draft_tokens is not None),
+                              ("--algorithm", args.algorithm != ("NEXTN" if getattr(args, "nextn", 0) else "EAGLE3")),
+                              ("--topk", args.topk != 1), ("--draft-tokens", args.draft_tokens is not None),
                               ("--reference-draft", args.reference_draft)) if v]
         if bad:
             return f"{', '.join(bad)} apply to SGLang only (vLLM captures through its worker extension)"
@@ -537,14 +539,9 @@ class VLLMAdapter(EngineAdapter):
 
     def start_from_cli(self, args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
         """The embedded vLLM server (:func:`helpers.engines.vllm_server.start`, ``--steps`` =
-        ``num_speculative_tokens``)."""
-        handle = vllm_server.start(args.target, draft, tp=args.tp, port=args.port, num_speculative_tokens=args.steps,
-                                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra)
-        launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
-                  "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
-                  "num_speculative_tokens": args.steps if draft is not None else None, "extra_args": extra,
-                  "dtype": args.dtype}
-        return handle, launch
+        ``num_speculative_tokens``; ``--vllm-venv``: another release's venv, kept in the launch for restarts;
+        ``--nextn``: the target's own MTP head, ``method: mtp``, ``vllm_mtp``)."""
+        return vllm_server.start_from_cli(args, draft, extra)
 
     def chunked_prefill_flags(self, tokens: int) -> Optional[dict]:
         """``--enable-chunked-prefill --max-num-batched-tokens N --max-num-seqs 1``: a step schedules at most N tokens
@@ -613,11 +610,10 @@ class VLLMAdapter(EngineAdapter):
         return out
 
     def spec_config(self, client: VLLMClient, *, draft: str | Path | None = None) -> SpecConfig:
-        """The effective speculative config: the worker extension's report when the server has it (what the engine
-        built, rank 0; every rank's ``aux_layer_ids`` must agree), else ``/server_info`` (dev mode), else
-        ``/metrics`` and ``/v1/models`` (no draft path: pass ``draft``). Aux ids: reported, or computed from the draft
-        config with vLLM's rules (:func:`helpers.layers.vllm.aux_layer_ids`), each with its source; a mismatch between
-        the two is an override the engine made, listed in ``overrides``."""
+        """The effective speculative config: the worker extension's report (rank 0; ranks must agree), else
+        ``/server_info`` (dev mode), else ``/metrics`` and ``/v1/models`` (pass ``draft``). Aux ids: the captured
+        chunks of the ids the engine holds (``loaded.stored_aux_layer_ids``, :func:`helpers.layers.vllm.chunk_ids`),
+        or computed from the draft config by the release's rules; a mismatch of either is listed in ``overrides``."""
         version = client.version()
         models = client.models()
         cfg = SpecConfig(engine="vllm", version=version, target=models[0].get("root") if models else None,
@@ -632,13 +628,16 @@ class VLLMAdapter(EngineAdapter):
             if len(ids) > 1:
                 notes.append(f"TP ranks capture different aux ids: {sorted(ids)}")
             d = r0.get("draft") or {}
-            cfg.aux_layer_ids = list(r0.get("aux_layer_ids") or [])
+            stored = [int(i) for i in r0.get("aux_layer_ids") or []]     # held as read before 0.30.0
+            cfg.aux_layer_ids = list(rules.chunk_ids(stored))
+            notes += [f"vLLM {version} holds the aux ids {stored} ({rules.SOURCES['aux_set']}): the draft gets the "
+                      f"chunks of {cfg.aux_layer_ids} (membership, layer order)"] if stored != cfg.aux_layer_ids else []
             n_layers = r0.get("num_layers")
             cfg.tp_size, cfg.method = r0.get("tp_size"), d.get("method")
             cfg.num_speculative_tokens = d.get("num_speculative_tokens")
             cfg.draft = cfg.draft or d.get("model")
             cfg.loaded = {"draft": d, "target_class": r0.get("target_class"), "num_layers": n_layers,
-                          "enforce_eager": r0.get("enforce_eager")}
+                          "enforce_eager": r0.get("enforce_eager"), "stored_aux_layer_ids": stored}
             for f in ("aux_layer_ids", "tp_size", "method", "num_speculative_tokens"):
                 sources[f] = "worker extension e3f_describe (the loaded modules; aux ids: aux_hidden_state_layers)"
             sources.setdefault("draft", "worker extension e3f_describe (speculative_config.model)")
@@ -666,7 +665,8 @@ class VLLMAdapter(EngineAdapter):
         if n_layers is None and tcfg:
             n_layers = tcfg.get("num_hidden_layers")
         if dcfg is not None and n_layers:
-            ids, src = rules.aux_layer_ids(dcfg, int(n_layers), rules.rule_version(version))
+            rv = rules.rule_version(version)
+            ids, src = rules.aux_layer_ids(dcfg, int(n_layers), rv)
             cfg.rule_aux_layer_ids = list(ids)
             sources["rule_aux_layer_ids"] = f"{src} ({rules.SOURCES['aux_ids']}, vLLM {version})"
             if cfg.aux_layer_ids is None:
@@ -675,6 +675,8 @@ class VLLMAdapter(EngineAdapter):
             elif list(ids) != cfg.aux_layer_ids:
                 cfg.overrides.append(f"aux ids: the draft config gives {list(ids)} by vLLM's rules, the engine "
                                      f"captures {cfg.aux_layer_ids}")
+            if msg := rules.held_mismatch(dcfg, int(n_layers), rv, (cfg.loaded or {}).get("stored_aux_layer_ids")):
+                cfg.overrides.append(msg)
         elif cfg.draft is None:
             notes.append("the draft folder is unknown (vLLM reports it only in dev mode): pass --draft")
         if cfg.aux_layer_ids is not None and n_layers:
@@ -734,7 +736,7 @@ class VLLMAdapter(EngineAdapter):
             if not keep:
                 shutil.rmtree(cap, ignore_errors=True)
         r0 = ranks[0]
-        hidden = r0.get("hidden_size")
+        hidden, chunks = r0.get("hidden_size"), rules.chunk_ids(r0.get("aux_layer_ids") or [])  # held -> captured
         extra = {"kind": "served", "engine": "vllm", "engine_version": version,
                  "source": {"type": "vllm_worker_extension", "url": client._shown_url, "captured": _now(),
                             "tensor": "drafter.propose target_hidden_states (torch.cat of the target's aux hidden "
@@ -743,12 +745,45 @@ class VLLMAdapter(EngineAdapter):
                             "reset_prefix_cache": True, "max_new_tokens": max_new_tokens},
                  "server": client.server_info(),      # the suite's vocabulary (engine, version, draft path, ...)
                  "tp_size": r0.get("tp_size"), "hidden_size": hidden,
-                 "layer_plan": {"tensors": rules.captured(r0.get("aux_layer_ids") or [], r0.get("num_layers") or 0),
-                                "ids": r0.get("aux_layer_ids"), "convention": "vllm"}}
+                 "layer_plan": {"tensors": rules.captured(chunks, r0.get("num_layers") or 0), "ids": list(chunks),
+                                "convention": "vllm", "stored_ids": r0.get("aux_layer_ids")}}
         path = write_dump(out_dir / name, samples, extra)
         if layers and ref:
             write_layers(out_dir / f"{name}-layers", ref, r0, version, client)
         return path
+
+    def continuation(self, client: VLLMClient, prompt_id: str, input_ids: Optional[Sequence[int]],
+                     text: Optional[str], index: int, *, max_new_tokens: int, sampling: Optional[dict],
+                     timeout_s: float) -> Continuation:
+        """``POST /v1/completions`` with ``return_token_ids`` (prompt and generated ids), ``ignore_eos``, sampling of
+        :func:`helpers.engines.vllm_capture.vllm_sampling` (``sampling_seed`` + ``index`` -> ``seed``: vLLM 0.32.0
+        gives a seeded request its own generator, ``vllm/v1/worker/gpu_input_batch.py::InputBatch.add_request``
+        ``generators``, whatever else shares its batch).
+
+        Raises: :class:`helpers.errors.SGLangError` when the answer has fewer than ``max_new_tokens`` tokens or no
+        prompt ids."""
+        from .vllm_capture import _answer_ids, vllm_sampling  # lazy: torch (measure detects the engine without it)
+        temperature, extra = vllm_sampling(sampling, index)
+        ans = client.complete(input_ids if input_ids is not None else (text or ""), max_tokens=max_new_tokens,
+                              temperature=temperature, extra=extra, timeout=timeout_s)
+        prompt, out = _answer_ids(ans)
+        prompt = prompt or (list(input_ids) if input_ids is not None else None)
+        if not prompt or len(out) != int(max_new_tokens):
+            raise SGLangError(f"POST {client._shown_url}/v1/completions ({prompt_id}): expected the prompt's token ids "
+                              f"and {max_new_tokens} generated tokens, got {len(prompt or [])} and {len(out)}",
+                              endpoint="/v1/completions")
+        return Continuation(prompt_id, tuple(int(t) for t in prompt), tuple(int(t) for t in out))
+
+    def context_rule(self, client: VLLMClient) -> Optional[ContextRule]:
+        """vLLM 0.32.0 cuts ``max_tokens`` to ``max_model_len`` - the prompt's tokens
+        (``vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens``) and refuses only a prompt longer than
+        ``max_model_len`` itself (the same function, and ``vllm/renderers/params.py::TokenizeParams.
+        _token_len_check``); no slot is reserved. The context length: ``/v1/models`` ``max_model_len``."""
+        ctx = client.server_info().get("context_length")
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
+            return None
+        return ContextRule(tokens=ctx, reserved=0, max_prompt=ctx, clamps=True,
+                           source="vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens")
 
     def sampled_verify_refusal(self, info: dict) -> Optional[str]:
         """A ``draft_sample_method`` other than greedy (the draft samples its proposals) or a
@@ -787,10 +822,8 @@ class VLLMAdapter(EngineAdapter):
 
 
 def _read_config(folder: Optional[str]) -> Optional[dict]:
-    if not folder or not Path(folder).is_dir():
-        return None
     try:
-        return read_config_json(Path(folder), "config")
+        return read_config_json(Path(folder), "config") if folder and Path(folder).is_dir() else None
     except (OSError, ValueError):
         return None
 

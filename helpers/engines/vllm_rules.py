@@ -23,6 +23,7 @@ from ..draft.loader_table import VLLMLoaderTable
 from ..draft.config_checks import ConfigChecks
 from ..draft.mtp_checks import MTPRules, MTPSpec
 from ..layers.mtp import MTPHead
+from .vllm_mtp import cpu_refusal, fed_state
 from ..formats import speculators
 from ..layers import vllm as rules
 from ..layers.ids import LayerIds
@@ -106,8 +107,11 @@ class VLLMRules(PlanRules):
             read = view.get("eagle_aux_hidden_state_layer_ids") or (view.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids") or []
             rep = sorted({int(i) for i in read if list(read).count(i) > 1})
-            why = (f" (the ids {list(read)} repeat {rep}: vLLM keeps each once, {rules.SOURCES['aux_set']}; give "
-                   f"{want} distinct ids)" if rep else "")
+            held = rules.parse_version(rules.rule_version(self.version) or "0.32")[:3] >= rules.SORTED_IDS_SINCE
+            how = (f"vLLM keeps each once, {rules.SOURCES['aux_set']}" if held else
+                   f"vLLM {self.version} holds them as read ({rules.SOURCES['aux_set']}) but captures each id once, "
+                   f"by membership in layer order, {rules.SOURCES['aux_capture']}")
+            why = f" (the ids {list(read)} repeat {rep}: {how}; give {want} distinct ids)" if rep else ""
             plan.fatal = (f"the draft's fc takes {want} chunks ({rules.SOURCES['num_aux']}) but vLLM captures "
                           f"{len(plan.tensors)}{why}: the first request fails in the draft's fc (shape mismatch) -- "
                           f"{rules.SOURCES['num_aux']}")
@@ -478,6 +482,12 @@ class VLLMMTPRules(MTPRules):
                        f"architectures -> {fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
             "prefixes": head.vllm_prefixes(), "head_tensors": list(fam.head_tensors),
             "layers_declared": head.layers, "n_predict": n}
+        fed = fed_state(head)
+        if fed is not None:
+            facts["loads"]["fed_state"] = {"candidate": fed[0], "source": fed[1]}
+        cpu = cpu_refusal(target_raw) if target_raw else None
+        if cpu:
+            notes.append(f"on vLLM {self.version}'s CPU backend (the embedded server) this target is not served: {cpu}")
         if method not in VLLM_MTP_METHODS:
             findings.append(finding(
                 "mtp_head_refused", None,

@@ -76,8 +76,23 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def vllm_python(python: os.PathLike | str | None = None) -> Path:
-    """The vLLM venv's interpreter: ``python``, else ``$E3F_VLLM_PYTHON``, else ``env/vllm/.venv/bin/python``."""
+    """The vLLM venv's interpreter: ``python``, else ``$E3F_VLLM_PYTHON``, else ``env/vllm/.venv/bin/python``.
+    Another release's venv (``VLLM_VERSION=0.29.0 env/vllm/install.sh`` -> ``env/vllm/.venv-0.29.0``) is chosen with
+    ``server start --vllm-venv DIR`` or ``E3F_VLLM_PYTHON=DIR/bin/python``; the tool applies the rules of the release
+    the server reports (``GET /version``)."""
     return Path(python or os.environ.get("E3F_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+
+
+def venv_python(venv: os.PathLike | str) -> Path:
+    """``venv/bin/python`` of a vLLM venv folder (``server start --vllm-venv DIR``).
+
+    Raises:
+        BadServerInput: no such interpreter (field ``--vllm-venv``)."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise BadServerInput(f"--vllm-venv {venv}: no interpreter {python}; build one with VLLM_VERSION=X.Y.Z "
+                             f"env/vllm/install.sh (releases it knows: see env/vllm/README.md)")
+    return python
 
 
 def omp_bind(tp: int, cpus: Optional[Sequence[int]] = None) -> str:
@@ -141,7 +156,11 @@ def build_command(python: Path, target: Path, *, draft: Optional[Path], tp: int,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--tensor-parallel-size", str(tp), "--enforce-eager",
            "--worker-extension-cls", WORKER_EXTENSION, "--enable-prompt-tokens-details"]
-    if draft is not None:
+    if draft is None and (speculative or {}).get("method") == "mtp":   # the target's own MTP head: no model
+        cmd += ["--speculative-config", json.dumps({**dict(speculative or {}),
+                                                    "num_speculative_tokens": int(num_speculative_tokens)}),
+                "--per-request-spec-decode-metrics", "detailed"]
+    elif draft is not None:
         cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": os.fspath(draft),
                                                     "num_speculative_tokens": int(num_speculative_tokens),
                                                     **dict(speculative or {})}),
@@ -188,7 +207,7 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
           api_key: Optional[str] = None, log_path: os.PathLike | str | None = None, timeout: float = 600.0,
           budget: Optional[Budget] = None, python: os.PathLike | str | None = None,
           env: Optional[dict[str, str]] = None, cpus: Optional[Sequence[int]] = None,
-          speculative: Optional[dict] = None, what: str = "vLLM server") -> ServerProcess:
+          speculative: Optional[dict] = None, what: str = "vLLM server", mtp: bool = False) -> ServerProcess:
     """Start the embedded vLLM CPU server and wait until ``/health`` answers 200.
 
     Args:
@@ -212,6 +231,10 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
         cpus: CPUs to bind ranks to (:func:`omp_bind`).
         speculative: further ``--speculative-config`` fields (:func:`build_command`).
         what: the server's name in messages.
+        mtp: serve the target's own MTP head (``{"method": "mtp"}``, no draft folder;
+            :func:`helpers.engines.vllm_mtp.speculative_config`); the target is checked first
+            (:func:`helpers.engines.vllm_mtp.check_mtp_target`: an MLA target vLLM's CPU backend cannot run is refused
+            before any process starts).
 
     Returns: a :class:`helpers.server.process.ServerProcess` (``url``, ``pid``, ``port``, ``log_path``, ``tp``,
     ``target``, ``draft``, ``engine="vllm"``, ``num_speculative_tokens``).
@@ -224,6 +247,12 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
     """
     refuse_listener_flags(extra_args, "vllm")
     target = Path(target)
+    if mtp:
+        if draft is not None:
+            raise BadServerInput("an MTP head is the target's own layer: give no draft folder with mtp=True")
+        from .vllm_mtp import check_mtp_target, speculative_config  # lazy: only an MTP start needs it
+        check_mtp_target(target)
+        speculative = {**speculative_config(num_speculative_tokens), **dict(speculative or {})}
     check_target(target, tp)
     draft_path = Path(draft) if draft is not None else None
     if draft_path is not None and (speculative or {}).get("method", "eagle3") in ("eagle3", "eagle"):
@@ -249,11 +278,31 @@ def start(target: os.PathLike | str, draft: os.PathLike | str | None = None, *, 
         cmd, f"http://127.0.0.1:{chosen}", log_path=Path(log_path), api_key=api_key, what=what, budget=budget,
         timeout=timeout, env=server_env(tp, cpus, env), cwd=os.fspath(ROOT), port=chosen, tp=tp, target=target,
         draft=draft_path, engine="vllm",
-        num_speculative_tokens=num_speculative_tokens if draft_path is not None else None, spec=None,
+        num_speculative_tokens=num_speculative_tokens if (draft_path is not None or mtp) else None, spec=None,
         speculative=dict(speculative or {}))
 
 
-__all__ = ["start", "listeners", "build_command", "server_env", "omp_bind", "check_target", "check_draft",
+def start_from_cli(args: Any, draft: Optional[str], extra: list[str]) -> tuple[ServerProcess, dict]:
+    """``server start --engine vllm``: :func:`start` with the parsed ``args`` (``target``, ``tp``, ``port``, ``steps``
+    = ``num_speculative_tokens``, ``dtype``, ``log``, ``timeout``, ``vllm_venv``; ``nextn``: the target's own MTP
+    head, ``method: mtp``, :mod:`helpers.engines.vllm_mtp`) and the launch settings the registry keeps for restarts
+    (``python``: the interpreter, so a restarted copy runs the same release).
+
+    Raises: :class:`helpers.errors.BadServerInput` (:func:`start`, :func:`venv_python`)."""
+    venv = getattr(args, "vllm_venv", None)
+    python = vllm_python(venv_python(venv) if venv else None)
+    mtp = bool(getattr(args, "nextn", False))
+    handle = start(args.target, draft, tp=args.tp, port=args.port, num_speculative_tokens=args.steps,
+                   dtype=args.dtype, log_path=args.log, timeout=args.timeout, extra_args=extra, python=python, mtp=mtp)
+    launch = {"engine": "vllm", "target": str(Path(handle.target).resolve()),
+              "draft": None if draft is None else str(Path(draft).resolve()), "tp": args.tp,
+              "num_speculative_tokens": args.steps if (draft is not None or mtp) else None, "extra_args": extra,
+              "dtype": args.dtype, "python": os.fspath(python), **({"speculative_method": "mtp"} if mtp else {})}
+    return handle, launch
+
+
+__all__ = ["start", "start_from_cli", "venv_python", "listeners",
+           "build_command", "server_env", "omp_bind", "check_target", "check_draft",
            "draft_method", "EAGLE1_DRAFT_CLASSES",
            "vllm_python", "ServerStartError", "WORKER_EXTENSION", "CPU_HEAD_SIZES", "EAGLE3_DRAFT_CLASSES"]
 

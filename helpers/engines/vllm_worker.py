@@ -196,8 +196,9 @@ class CaptureExtension:
         """What this rank's engine really built, read from the loaded modules (JSON-able dict):
 
         ``tp_rank``, ``tp_size``, ``target_class``, ``num_layers``, ``hidden_size``, ``aux_layer_ids`` (the tuple the
-        target captures, vLLM convention in(i): ``EagleModelMixin.aux_hidden_state_layers`` after
-        ``_set_aux_hidden_state_layers`` sorted and de-duplicated it), ``enforce_eager``, ``compilation_mode`` and, when
+        target holds, vLLM convention in(i): ``EagleModelMixin.aux_hidden_state_layers`` as
+        ``_set_aux_hidden_state_layers`` kept it: sorted and de-duplicated from 0.30.0, as read before; captured by
+        membership in layer order), ``enforce_eager``, ``compilation_mode`` and, when
         a drafter is loaded, ``draft``: class, ``method``, ``num_speculative_tokens``, ``has_own_embed_tokens`` /
         ``has_own_lm_head`` (``vllm/model_executor/models/utils.py::process_eagle_weight``), ``embed_shared`` /
         ``lm_head_shared`` (the draft's module IS the target's: ``llm_base_proposer.py::_maybe_share_embeddings`` /
@@ -251,6 +252,14 @@ class CaptureExtension:
             "num_aux_hidden_states": getattr(dinner, "num_aux_hidden_states", None),
             "fc_input_size": getattr(dinner, "fc_input_size", None),
         }
+        if getattr(sc, "method", None) == "mtp":
+            from .vllm_mtp import describe_mtp  # lazy: an MTP head only (pure Python, imports nothing of vLLM)
+            out["draft"].update(describe_mtp(drafter))
+            heads = [getattr(getattr(layer, "shared_head", None), "head", None)
+                     for layer in (getattr(dinner, "layers", None) or {}).values()] if hasattr(
+                getattr(dinner, "layers", None), "values") else []
+            if t_lm is not None and heads and all(h is not None for h in heads):
+                out["draft"]["lm_head_shared"] = all(h is t_lm for h in heads)   # DeepSeek: shared_head.head
         return out
 
     # ------------------------------------------------------------------ capture

@@ -9,7 +9,8 @@ Formats (each with the writer it mirrors):
 * speculators ``hs_{idx}.safetensors``: ``token_ids [L]``, ``hidden_states [L, slots, H]``; training uses
   ``hs[:, :-1].flatten(1)`` as the aux features (``src/speculators/train/data.py``).
 * EAGLE-1/2 ``data_{idx}.ckpt``: ``{"input_ids": [L], "hidden_state": [L, H], "loss_mask": [L]}`` (top layer,
-  ``eagle/ge_data/ge_data_all_llama3.py``): one chunk.
+  ``eagle/ge_data/ge_data_all_llama3.py``: ``outs.hidden_states[-1]``, which transformers' ``LlamaModel.forward``
+  appends after the final norm): one chunk, the target's post-norm final hidden state.
 * the project's own dump format with ``kind: "training"``.
 
 ``.ckpt`` files are loaded ONLY with ``torch.load(weights_only=True)``: a pickled object payload is refused
@@ -151,8 +152,8 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
         A :class:`Sample` whose rows are ``aux_hidden_state[0, :L]`` (SpecForge) or ``hidden_state[:L]``
         (EAGLE-1/2), L without trailing padding; ``meta`` has ``layout``, ``hidden_size``, ``num_chunks``,
         ``loss_mask``, ``padded_len`` and ``final_hidden`` (SpecForge's ``hidden_state [L, H]``, the target's
-        post-norm last hidden state, from which its next-token distribution is ``final_hidden @ lm_head.T``; None
-        for EAGLE-1/2 files).
+        post-norm last hidden state, from which its next-token distribution is ``final_hidden @ lm_head.T``; for
+        EAGLE-1/2 files their ``hidden_state``, the same post-norm state).
 
     Raises:
         BadInput: unsafe/corrupt/empty file, missing keys, inconsistent lengths, width not divisible.
@@ -204,6 +205,8 @@ def read_ckpt_sample(path: str | Path, *, hidden_size: Optional[int] = None) -> 
                            f"{tuple(d['hidden_state'].shape)} {d['hidden_state'].dtype}", path=p, field="hidden_state")
         plain_float_states(fh.dtype, p, "hidden_state")
         final = fh[:L]
+    elif layout == "eagle12":
+        final = rows                                    # EAGLE-1/2's one state is the post-norm top layer
     return Sample(key=stem, rows=L, width=int(aux.shape[1]), loader=(lambda t=rows: t), input_ids=ids[:L].copy(),
                   sample_id=stem, dtype=str(aux.dtype).replace("torch.", ""),
                   meta={"layout": layout, "hidden_size": H, "num_chunks": C, "path": str(p),

@@ -9,7 +9,6 @@ from ..acceptance.prompts import load_prompts
 from ..capture import capture_reference_hf
 from ..draft.model import Eagle3Draft
 from ..draft.plan_id import PROVENANCE, TargetHead, identify_plan, reference_from_dump, write_plan_dump
-from ..draft.sequences import dump_sequences
 from ..engines.base import EngineAdapter
 from ..errors import BadInput
 from ..formats.configs import read_draft_config
@@ -20,9 +19,15 @@ from .attach import Attachment, hf_reference_fits
 #: prompts, tokens and sampling of the target's own continuations the layer plan is identified on (no training data):
 #: sampled at temperature 1 as drafts are trained (greedy text is predictable from the tokens alone and leaves
 #: neighbouring layers undecided on few prompts; tests/unit/draft/test_plan_id.py); seeded, one seed per prompt, so a
-#: rerun sees the same continuations (12 x 64 unseeded left the reference draft undecided on one of two live runs)
+#: rerun sees the same continuations where the engine honours the seed (vLLM; SGLang 0.5.23 only with
+#: --enable-deterministic-inference, sglang/srt/sampling/sampling_batch_info.py::SamplingBatchInfo.from_schedule_batch:
+#: without it the embedded server draws each answer's sampled tokens anew on every run)
 IDENTIFY_PROMPTS, IDENTIFY_TOKENS = 16, 96
 IDENTIFY_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 0}
+#: requests in flight while the server writes those continuations: a round's prompts all at once (one at a time took
+#: 43-55 s of the step's 61.7 s on the embedded TP 2 server; 8 in flight 14-17 s, 16 in flight 10-11 s with the
+#: every-layer reference, the same greedy tokens: bench/bench_plan_id_concurrent.py, bench/RESULTS.md)
+IDENTIFY_CONCURRENCY = IDENTIFY_PROMPTS
 
 
 def identify_stage(r: Any) -> None:
@@ -61,25 +66,29 @@ def identify_stage(r: Any) -> None:
 
 
 def _continuations(r: Any, first: int, n: int, name: str) -> tuple[list, str, str]:
-    """The server's own sampled continuations of bundled prompts ``first .. first + n - 1`` and their every-layer
-    reference: ``(LayerStates list, how the reference was made, the continuations' dump)``.
+    """The server's own sampled continuations of bundled prompts ``first .. first + n - 1`` (token ids only,
+    :data:`IDENTIFY_CONCURRENCY` requests in flight: :meth:`helpers.engines.base.EngineAdapter.continuations`) and
+    their every-layer reference: ``(LayerStates list, how the reference was made, the continuations' file
+    run_dir/dumps/<name>-continuations.json)``.
 
     Raises:
         BadInput: no every-layer reference can be made (what is missing named)."""
     dumps = r.req.run_dir / "dumps"
     ps = load_prompts(None, n=first + n)[first:]
     sampling = {**IDENTIFY_SAMPLING, "sampling_seed": IDENTIFY_SAMPLING["sampling_seed"] + first}
-    served = r.adapter.capture_served(r.client, ps, dumps, name=f"{name}-continuations",
-                                      max_new_tokens=IDENTIFY_TOKENS, sampling=sampling,
-                                      max_width=16 * r.tcfg.hidden_size)
-    seqs = dump_sequences(served)
-    toks = [{"id": s.key, "input_ids": [int(x) for x in s.tokens]} for s in seqs]
+    conts = r.adapter.continuations(r.client, ps, max_new_tokens=IDENTIFY_TOKENS, sampling=sampling,
+                                    concurrency=IDENTIFY_CONCURRENCY, timeout_s=float(r.client.generate_timeout))
+    served = dumps / f"{name}-continuations.json"
+    write_json(served, {"sampling": sampling, "max_new_tokens": IDENTIFY_TOKENS, "concurrency": IDENTIFY_CONCURRENCY,
+                        "continuations": [{"id": c.id, "prompt_ids": list(c.prompt_ids),
+                                           "output_ids": list(c.output_ids)} for c in conts]})
+    toks = [{"id": c.id, "input_ids": c.tokens} for c in conts]
     ref, how, missing = every_layer_reference(r.adapter, r.att, r.client, toks, r.req.run_dir,
                                               r.tcfg.num_hidden_layers, name=f"{name}-reference")
     if ref is None:
         raise BadInput(f"--training not given and the layer plan cannot be identified without an every-layer "
                        f"reference ({missing})", field="--training")
-    return reference_from_dump(ref, starts={s.key: s.start for s in seqs}), how, str(served)
+    return reference_from_dump(ref, starts={c.id: len(c.prompt_ids) for c in conts}), how, str(served)
 
 
 def every_layer_reference(adapter: EngineAdapter, att: Attachment, client: ServerClient, samples: Sequence[Any],

@@ -60,6 +60,7 @@ from .identify import PROVENANCE, every_layer_reference as _reference, identify_
 from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
 from .probes.sampled import check_sampling
 from .mtp import algorithm_text, investigate_mtp, mtp_sentence
+from .single_state import EAGLE1
 from .propose import draft_variant, propose_fix
 from .workload import workload_check, workload_stage
 from .story import measured_text, no_fix_text, provenance, reconcile as tell_one_story
@@ -219,11 +220,9 @@ def _stage_attach(r: Run) -> None:
         investigate_mtp(r, _reference)
         raise _Stopped
     if att.draft_dir is not None and is_eagle1(read_config_json(att.draft_dir / "config.json", "draft config")):
-        raise BadInput("an EAGLE-1 draft (EagleLlamaForCausalLM, vLLM method eagle, fed the target's post-final-norm "
-                       "state): investigate's stages are built for EAGLE-3 drafts and MTP heads; the offline model "
-                       "is helpers.draft.eagle1.Eagle1Draft (load_draft) and bench/vllm_eagle1_accept.py measures "
-                       "the served state and the live vs offline accept length", path=att.draft_dir / "config.json",
-                       field="architectures")
+        # an EAGLE-1 draft (vLLM method eagle) reads one target state, as an MTP head: the same stages, its profile
+        investigate_mtp(r, _reference, EAGLE1)
+        raise _Stopped
     for caveat in att.caveats:                     # never silence: the capture path this run cannot vouch for
         doc.notes.append(caveat)
         r.progress("caveat: " + caveat)
@@ -762,7 +761,7 @@ def sentence(doc: InvestigationDoc) -> str:
         return f"The investigation did not finish: {doc.error}"
     if doc.verdict is None:
         return "The investigation did not reach a verdict."
-    if (doc.diagnosis or {}).get("kind") == "mtp":
+    if (doc.diagnosis or {}).get("kind") in ("mtp", EAGLE1.kind):
         return mtp_sentence(doc)
     ref, wl = (doc.reference or {}).get("how") or "none", [x for x in doc.findings if x.kind == "requests_accept_less"]
     budget_text = ((" " + doc.acceptance["sentence"]) if doc.acceptance else "") + "".join(

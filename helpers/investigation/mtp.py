@@ -33,10 +33,15 @@ then on the same live prompts (the server's own greedy continuation):
   feeds costs acceptance (:func:`helpers.draft.decide.decide`).
 * ``engine`` -- the live counters (``meta_info`` ``spec_verify_ct``, ``completion_tokens``) against the offline run
   on the served states: a loss after the capture point.
+
+The same stages run for vLLM's EAGLE-1 draft (``method: eagle``), which also reads the one post-norm state: the
+functions take a :class:`helpers.investigation.single_state.SingleStateDraft` profile (None: :data:`NEXTN`, the
+wording and sources above; :data:`helpers.investigation.single_state.EAGLE1`: vLLM's).
 """
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -48,9 +53,9 @@ from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
 from ..draft.mtp_weights import head_weight_findings
-from ..draft.nextn_stage import nextn_draft_stage, steps_check
+from ..draft.nextn_stage import STEPS_SOURCE, nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
-from ..records import Finding, ProposedFix
+from ..records import Finding
 from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
 from ..draft.decide import threshold
 from ..draft.attention import _rms
@@ -61,6 +66,7 @@ from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
 from ..formats.dumps import read_dump
 from .attach import mtp_not_supported
+from .single_state import EAGLE1, SingleStateDraft
 
 #: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
 POST_NORM = "norm(out(n-1))"
@@ -100,15 +106,18 @@ def state_candidates(rows: torch.Tensor, names: Sequence[str], weight: torch.Ten
 
 
 def identify_state(served: Sequence[SimSequence], reference: str | Path, weight: torch.Tensor, eps: float, *,
-                   same: float = SAME_STATES) -> dict:
+                   same: float = SAME_STATES, expected: str = POST_NORM, source: str = FEED_SOURCE,
+                   engine: str = "SGLang") -> dict:
     """Which tensor of the target the served NextN input is: the relative difference (Frobenius over every aligned
     row of every sequence, ``||served - c|| / ||c||``) to each candidate of :func:`state_candidates`, paired with the
     reference dump's samples by sample id.
 
     Returns:
-        ``{"rel_error": {candidate: float}, "best", "best_rel_error", "expected": POST_NORM, "matches": bool (the
+        ``{"rel_error": {candidate: float}, "best", "best_rel_error", "expected", "matches": bool (the
         closest candidate is the expected one and within ``same``), "identified": the closest candidate when within
-        ``same`` else None, "sequences", "rows", "source"}``.
+        ``same`` else None, "sequences", "rows", "source", "engine"}``. ``expected`` / ``source`` / ``engine``: the
+        serving engine's rule for this head (``EngineAdapter.mtp_fed_state``: SGLang 0.5.23 and vLLM's DeepSeek-V3
+        head read :data:`POST_NORM`; vLLM's MiMo head reads ``out(n-1)``, ``helpers.engines.vllm_mtp``).
 
     Raises:
         BadInput: no served sequence has a reference sample of the same id, or the widths differ (the dump named)."""
@@ -136,23 +145,28 @@ def identify_state(served: Sequence[SimSequence], reference: str | Path, weight:
         raise BadInput("no served sequence has a reference sample of the same id", path=reference)
     rel = {c: float(np.sqrt(num[c] / den[c])) if den[c] else float("inf") for c in num}
     best = min(rel, key=rel.get)
-    return {"rel_error": rel, "best": best, "best_rel_error": rel[best], "expected": POST_NORM,
-            "matches": best == POST_NORM and rel[best] < same, "identified": best if rel[best] < same else None,
+    expected = names[-1] if expected == "out(n-1)" and names else expected      # the last layer's own name
+    return {"rel_error": rel, "best": best, "best_rel_error": rel[best], "expected": expected,
+            "matches": best == expected and rel[best] < same, "identified": best if rel[best] < same else None,
             "threshold": same,
-            "sequences": n_seq, "rows": n_rows, "source": FEED_SOURCE}
+            "sequences": n_seq, "rows": n_rows, "source": source, "engine": engine}
 
 
 def reference_sequences(reference: str | Path, like: Sequence[SimSequence], weight: torch.Tensor,
-                        eps: float) -> list[SimSequence]:
-    """The sequences ``like`` with their states replaced by :data:`POST_NORM` of the every-layer reference of the same
-    tokens (what a correct server feeds the head; :func:`helpers.draft.sequences.reference_sequences`)."""
-    return ref_sequences(reference, like, lambda rows, names, H: state_candidates(rows, names, weight, eps)[POST_NORM],
-                         keep_targets=False)
+                        eps: float, expected: str = POST_NORM) -> list[SimSequence]:
+    """The sequences ``like`` with their states replaced by ``expected`` (default :data:`POST_NORM`; ``out(n-1)``: the
+    last layer's output) of the every-layer reference of the same tokens (what a correct server feeds the head;
+    :func:`helpers.draft.sequences.reference_sequences`)."""
+    def pick(rows, names, H):
+        c = state_candidates(rows, names, weight, eps)
+        return c[names[-1] if expected == "out(n-1)" else expected]
+    return ref_sequences(reference, like, pick, keep_targets=False)
 
 
 def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Sequence[SimSequence]],
                live: Optional[pd.DataFrame], settings: DraftSettings, *, max_new_tokens: int,
-               draft: Optional[dict] = None, head_layers: Optional[int] = None) -> dict:
+               draft: Optional[dict] = None, head_layers: Optional[int] = None,
+               profile: Optional[SingleStateDraft] = None) -> dict:
     """The head's acceptance budget (module docstring): stages ``checkpoint (teacher-forced)`` (the head against its
     training log, :func:`helpers.draft.nextn_stage.nextn_draft_stage`), ``draft`` (offline on the reference states of
     the live prompts), ``wiring`` (offline on the served states), ``live``; losses ``draft`` (log - checkpoint, from
@@ -170,30 +184,33 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
         draft: :func:`helpers.draft.nextn_stage.nextn_draft_stage`'s result, or None (not measured).
         head_layers: the checkpoint's NextN layers (``num_nextn_predict_layers``): the trained depth when the log does
             not give ``hyper.train_steps``.
+        profile: the single-state draft (:class:`helpers.investigation.single_state.SingleStateDraft`; None: the
+            NextN head, :data:`NEXTN`): the words, sources, ``kind`` and whether the steps are checked.
 
     Returns:
         ``{"stages": [...], "losses": {"draft", "wiring", "engine"}, "cause", "sentence", "settings",
         "settings_check", "draft_stage"}``.
     """
+    p = profile or NEXTN
     steps = settings.steps
     sim_s = simulate_sequences(head, served, [settings], max_new_tokens=max_new_tokens)["per_request"][settings]
     sim_r = None if not reference else simulate_sequences(head, reference, [settings],
                                                           max_new_tokens=max_new_tokens)["per_request"][settings]
     stages = [draft["stage"] if draft else {"name": CHECKPOINT_STAGE, "accept_length": None, "ci": [None, None],
                                             "source": "not measured (no training log or rows)"}]
-    src = "simulation: the head offline as SGLang runs it (helpers.draft.loader.load_draft, helpers.draft.simulate)"
+    src = (f"simulation: {p.who} offline as {p.engine} runs it (helpers.draft.loader.load_draft, "
+           "helpers.draft.simulate)")
     if sim_r is not None:
         stages.append(_stage(DRAFT_STAGE, sim_r, steps, source=src + " on norm(out(n-1)) of "
                              "the every-layer reference of the same tokens"))
     stages.append(_stage(WIRING_STAGE, sim_s, steps, source=src + " on the served states "
-                         "(/generate return_hidden_states)"))
+                         f"({p.capture})"))
     live_ok = live is not None and len(live) and live["verify_ct"].notna().any()
     if live_ok:
-        stages.append(_stage(LIVE_STAGE, live, steps, source="SGLang meta_info (spec_verify_ct, completion_tokens) "
-                             "of the same /generate answers"))
+        stages.append(_stage(LIVE_STAGE, live, steps, source=p.live_source))
     ref_al = stages[1].get("accept_length")
     losses: dict = {"draft": draft["loss"] if draft else _not_computed(
-        "draft", "the head was not compared with its training log (none found, or no rows to run it on): docs/mtp.md")}
+        "draft", f"{p.who} was not compared with its training log (none found, or no rows to run it on)")}
     if sim_r is not None:
         d, lo, hi, n, per = _paired_loss(sim_r, sim_s)
         losses["wiring"] = _loss("wiring", d, lo, hi, "reference states (norm(out(n-1))) vs served states, paired "
@@ -207,10 +224,10 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
     else:
         losses["engine"] = _not_computed("engine", "no live counters (--no-measure or the server returned none)")
     cause = cause_of(losses, ("draft", "wiring", "engine"))
-    b = {"kind": "mtp", "settings": settings.label, "stages": stages, "losses": losses, "cause": cause,
-         "threshold": threshold(ref_al),
-         "settings_check": steps_check(steps, (draft or {}).get("trained_steps") or head_layers,
-                                       (draft or {}).get("stage")),
+    b = {"kind": p.kind, "label": p.label, "settings": settings.label, "stages": stages, "losses": losses,
+         "cause": cause, "threshold": threshold(ref_al),
+         "settings_check": None if not p.steps_check else steps_check(
+             steps, (draft or {}).get("trained_steps") or head_layers, (draft or {}).get("stage")),
          "draft_stage": None if not draft else {k: draft.get(k) for k in ("log", "rows", "same_rows", "why_rows",
                                                                            "trained_steps", "log_steps")}}
     b["sentence"] = budget_sentence(b)
@@ -239,7 +256,7 @@ def budget_sentence(b: dict) -> str:
     loss = "; ".join(f"{k} loss {loss_text(v['delta'], v['ci'])} {v['decision']}"
                      if v.get("delta") is not None and None not in (v.get("ci") or [None, None])
                      else f"{k} {v['decision']} ({v.get('why') or v.get('basis')})" for k, v in b["losses"].items())
-    return f"NextN accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
+    return f"{b.get('label') or 'NextN'} accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
 
 
 def ranked(ident: dict) -> list[tuple[str, float]]:
@@ -257,8 +274,9 @@ def state_line(ident: dict) -> str:
     head = (f"{ident['identified']} (rel. error {err:.2g}" if ident.get("identified") else
             f"none of the candidates (closest {best}, rel. error {err:.2g} >= {ident.get('threshold')}")
     text = head + (f"; runner-up {top[1][0]} {top[1][1]:.2g}" if len(top) > 1 else "")
-    if best != POST_NORM and POST_NORM in (ident.get("rel_error") or {}):
-        text += f"; {POST_NORM}, what SGLang feeds, {ident['rel_error'][POST_NORM]:.2g}"
+    exp = ident.get("expected") or POST_NORM
+    if best != exp and exp in (ident.get("rel_error") or {}):
+        text += f"; {exp}, what {ident.get('engine') or 'SGLang'} feeds, {ident['rel_error'][exp]:.2g}"
     return text + ")"
 
 
@@ -281,42 +299,51 @@ def head_text(head: dict) -> str:
             f"{'' if n == 1 else 's'} ({head.get('layers_field')} = {n}), {head.get('source')}")
 
 
-def state_findings(ident: dict, wiring_loss: Optional[dict]) -> list[dict]:
+def state_findings(ident: dict, wiring_loss: Optional[dict], profile: Optional[SingleStateDraft] = None) -> list[dict]:
     """The findings of :func:`identify_state`: none when the served state is :data:`POST_NORM`; ``norm_mismatch``
     when it is the last layer's output before the final norm; ``wrong_layer`` when it is another layer's output or the
     embedding; ``unidentified_chunk`` when no candidate is within the threshold. The wiring loss (if measured) rides
-    along as evidence, never as the cause."""
+    along as evidence, never as the cause. ``profile``: the draft's words (None: the NextN head's)."""
+    p = profile or NEXTN
+    who, eng = p.who, p.engine
     if ident["matches"]:
         return []
     rel = ident["rel_error"]
+    exp, eng = ident.get("expected") or POST_NORM, ident.get("engine") or "SGLang"
     top = dict(sorted(rel.items(), key=lambda kv: kv[1])[:4])
-    ev = {"rel_error": top, "expected": POST_NORM, "expected_rel_error": rel[POST_NORM],
+    ev = {"rel_error": top, "expected": exp, "expected_rel_error": rel[exp],
           "threshold": ident["threshold"], "sequences": ident["sequences"], "rows": ident["rows"],
           "source": ident["source"], "wiring_loss": None if wiring_loss is None else
           {k: wiring_loss.get(k) for k in ("delta", "ci", "decision")},
-          "kind_text": "the NextN head is fed another tensor than the engine's own rule feeds it"}
+          "kind_text": f"{who} is fed another tensor than the engine's own rule feeds it",
+          "who": who, "engine": eng, "fix_source": p.fix_source if exp == POST_NORM else ident["source"]}
     got = ident["identified"]
     names = [n for n in rel if n not in (POST_NORM, TWICE)]
     cost = ""
     wl = wiring_loss or {}
     if wl.get("delta") is not None and None not in (wl.get("ci") or [None]):
-        cost = (f"; what it costs the head on these prompts: {loss_text(wl['delta'], wl['ci'])} accept length, "
+        cost = (f"; what it costs {who} on these prompts: {loss_text(wl['delta'], wl['ci'])} accept length, "
                 f"{wl['decision']}")
+    if exp != POST_NORM and got in (POST_NORM, TWICE):
+        return [finding("norm_mismatch", 0, "the MTP head is fed the target's final hidden state AFTER the final "
+                        f"norm, {got} (rel. error {rel[got]:.2g}); {eng} feeds this head the last layer output {exp} "
+                        f"before the final norm (rel. error {rel[exp]:.2g}){cost}", **ev)]
     if got == names[-1]:
-        return [finding("norm_mismatch", 0, f"the NextN head is fed the target's last layer output {got} BEFORE the "
-                        f"final norm (rel. error {rel[got]:.2g}); SGLang feeds it after the final norm, {POST_NORM} "
+        return [finding("norm_mismatch", 0, f"{who} is fed the target's last layer output {got} BEFORE the "
+                        f"final norm (rel. error {rel[got]:.2g}); {eng} feeds it after the final norm, {POST_NORM} "
                         f"(rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got == TWICE:
-        return [finding("norm_mismatch", 0, f"the NextN head is fed the target's final hidden state with the final "
-                        f"norm applied TWICE, {TWICE} (rel. error {rel[got]:.2g}); SGLang feeds it normed once, "
+        return [finding("norm_mismatch", 0, f"{who} is fed the target's final hidden state with the final "
+                        f"norm applied TWICE, {TWICE} (rel. error {rel[got]:.2g}); {eng} feeds it normed once, "
                         f"{POST_NORM} (rel. error {rel[POST_NORM]:.2g}){cost}", **ev)]
     if got is not None:
         shown = "the token embedding" if got == "embedding" else got
-        return [finding("wrong_layer", 0, f"the NextN head is fed {shown} (rel. error {rel[got]:.2g}), not the "
-                        f"target's final hidden state after the final norm {POST_NORM} (rel. error "
-                        f"{rel[POST_NORM]:.2g}){cost}", **ev)]
-    return [finding("unidentified_chunk", 0, f"the NextN head's input is none of the target's layer outputs nor "
-                    f"{POST_NORM} (closest {ident['best']}, rel. error {ident['best_rel_error']:.2g} >= "
+        what = ("target's final hidden state after the final norm" if exp == POST_NORM else
+                f"state {eng} feeds this head")
+        return [finding("wrong_layer", 0, f"{who} is fed {shown} (rel. error {rel[got]:.2g}), not the "
+                        f"{what} {exp} (rel. error {rel[exp]:.2g}){cost}", **ev)]
+    return [finding("unidentified_chunk", 0, f"{who}'s input is none of the target's layer outputs nor "
+                    f"{exp} (closest {ident['best']}, rel. error {ident['best_rel_error']:.2g} >= "
                     f"{ident['threshold']}){cost}", **ev)]
 
 
@@ -328,9 +355,22 @@ CAUSE_FINDINGS = {"draft": "draft_underperforms", "wiring": "wiring_loses_accept
                   "engine": "engine_after_capture"}
 FIX_SOURCE = ("SGLang 0.5.23 feeds the head logits_output.hidden_states = DeepseekV2Model.forward's output after "
               "final_norm (sglang/srt/models/deepseek_v2.py::DeepseekV2Model.forward)")
+#: the MTP / NextN head on SGLang 0.5.23 (the profile the stages below were built with; EAGLE-1 on vLLM:
+#: :data:`helpers.investigation.single_state.EAGLE1`)
+NEXTN = SingleStateDraft(
+    kind="mtp", who="the NextN head", label="NextN", engine="SGLang", feed_source=FEED_SOURCE, fix_source=FIX_SOURCE,
+    live_source="SGLang meta_info (spec_verify_ct, completion_tokens) of the same /generate answers",
+    capture="/generate return_hidden_states", draft_stage=nextn_draft_stage, steps_check=True,
+    title="MTP / NextN head live investigation", engine_rule=True)
 
 
-def investigate_mtp(r: Any, reference: Any) -> None:
+def profile_of(kind: Optional[str]) -> SingleStateDraft:
+    """The single-state draft profile of an ``investigation.json`` ``diagnosis.kind`` (``"eagle1"`` -> EAGLE-1 on
+    vLLM; else the NextN head)."""
+    return EAGLE1 if kind == EAGLE1.kind else NEXTN
+
+
+def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] = None) -> None:
     """The stages of ``investigate`` for an MTP / NextN head (module docstring), filling ``r.doc``
     (:class:`helpers.investigation.live.Run`; its attach has run and named the head):
 
@@ -346,6 +386,9 @@ def investigate_mtp(r: Any, reference: Any) -> None:
        the served steps beyond the trained depth are ``mtp_steps_beyond_head``
        (:func:`helpers.draft.nextn_stage.steps_check`).
 
+    ``profile``: the single-state draft (None: the NextN head, :data:`NEXTN`; an EAGLE-1 draft on vLLM:
+    :data:`helpers.investigation.single_state.EAGLE1`, attached without a ``draft_head``).
+
     Verdict: ``mismatch`` when the served state is not :data:`POST_NORM` (the finding says what it is) or a loss
     counts; ``ok`` only when every stage of the budget is ``clear``; else ``undecided``.
 
@@ -355,7 +398,8 @@ def investigate_mtp(r: Any, reference: Any) -> None:
             (:func:`helpers.draft.loader.load_draft`), served states not one target hidden state wide; ServerError:
             the server fails or the run's deadline runs out."""
     req, doc, att = r.req, r.doc, r.att
-    if att.draft_head.get("family") not in OFFLINE_HEADS:
+    p = profile or NEXTN
+    if p is NEXTN and att.draft_head.get("family") not in OFFLINE_HEADS:
         raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
     r.tcfg = read_target_config(att.target_dir)
     spec = att.spec or {}
@@ -371,7 +415,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     widths = {int(s.aux.shape[1]) for s in served}
     if widths != {H}:
         raise BadInput(f"the served hidden states are {sorted(widths)} wide, the target's hidden size is {H}: not "
-                       "the one state a NextN head reads", path=dump)
+                       f"the one state {p.who} reads", path=dump)
     doc.samples = len(served)
     r.done("capture", t, f"{len(served)} live prompt(s) x {req.max_new_tokens} tokens -> "
                          f"{Path(dump).relative_to(req.run_dir)}")
@@ -383,13 +427,16 @@ def investigate_mtp(r: Any, reference: Any) -> None:
     r.done("reference", t, how if ref is not None else f"none ({missing})")
     t = r.step("diagnosis")
     weight, eps = target_final_norm(att.target_dir)
-    ident = identify_state(served, ref, weight, eps) if ref is not None else None
-    doc.diagnosis = {"kind": "mtp", "served_state": ident}
+    expected, feed_src, engine = p.fed_state(r.adapter, (att.draft_head or {}).get("family"))
+    ident = identify_state(served, ref, weight, eps, expected=expected, source=feed_src,
+                           engine=engine) if ref is not None else None
+    doc.diagnosis = {"kind": p.kind, "served_state": ident}
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
            f"served state = {state_line(ident)}")
     b = None
     try:
-        weights = head_weight_findings(att.draft_dir, att.target_dir)  # what the engine made of the checkpoint
+        weights = head_weight_findings(att.draft_dir, att.target_dir,  # what the engine made of the checkpoint
+                                       r.adapter.loader_rules(att.version).mtp_rules())
     except BadInput as e:
         weights = []
         doc.notes.append(f"the head's weights were not checked: {e}")
@@ -402,42 +449,70 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         choice = choose_dtype(server_dtype(att.info, read_config_json(att.draft_dir / "config.json", "draft config")),
                               "cpu")
         head = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype, dtype_reason=choice.reason)
-        refs = reference_sequences(ref, served, weight, eps) if ref is not None else None
-        ds = nextn_draft_stage(head, att.target_dir, settings.steps, draft_dir=att.draft_dir, training=req.training,
-                               training_log=req.training_log, validation=req.validation, progress=r.progress)
+        refs = reference_sequences(ref, served, weight, eps, expected) if ref is not None else None
+        ds = p.draft_stage(head, att.target_dir, settings.steps, draft_dir=att.draft_dir, training=req.training,
+                           training_log=req.training_log, validation=req.validation, progress=r.progress)
         b = mtp_budget(head, served, refs, pd.DataFrame(recs) if req.live_measure else None, settings,
-                       max_new_tokens=req.max_new_tokens, draft=ds, head_layers=att.draft_head.get("layers"))
+                       max_new_tokens=req.max_new_tokens, draft=ds,
+                       head_layers=(att.draft_head or {}).get("layers"), profile=p)
         b["dtype"] = choice.reason
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
-    found = state_findings(ident, (b or {}).get("losses", {}).get("wiring")) if ident is not None else []
+    found = state_findings(ident, (b or {}).get("losses", {}).get("wiring"), p) if ident is not None else []
+    found = _every_rank(r, found, ref, how, weight, eps, H, (b or {}).get("losses", {}).get("wiring"))
     cause = (b or {}).get("cause")
     if cause in CAUSE_FINDINGS:
         found.append(finding(CAUSE_FINDINGS[cause], None, b["sentence"], stage=cause, loss=b["losses"][cause],
                              stages=[{k: s.get(k) for k in ("name", "accept_length", "ci")} for s in b["stages"]],
-                             source="simulation: the NextN head offline as SGLang runs it; live counters from the "
-                                    "same /generate answers"))
+                             source=f"simulation: {p.who} offline as {p.engine} runs it; live counters from the "
+                                    "same answers"))
     sc = (b or {}).get("settings_check")
     if sc:
+        if r.adapter.mtp_steps_source:                 # the serving engine's rule, not SGLang's
+            sc = {**sc, "source": sc["source"].replace(STEPS_SOURCE, r.adapter.mtp_steps_source)}
+        n = sc["trained_steps"]        # the fix in the serving engine's own flags (vLLM: num_speculative_tokens)
+        flags = r.adapter.fix_flags(SimpleNamespace(server_args={"--speculative-num-steps": n,
+                                                                 "--speculative-eagle-topk": 1,
+                                                                 "--speculative-num-draft-tokens": n + 1}))
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
-                             fix=f"--speculative-num-steps {sc['trained_steps']} --speculative-eagle-topk 1 "
-                                 f"--speculative-num-draft-tokens {sc['trained_steps'] + 1}", **sc))
+                             fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc))
     found += weights
     doc.findings = [Finding(**f) for f in found]
-    if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
-        fix = ProposedFix(kind="engine", summary=f"feed the NextN head the target's final hidden state after its "
-                          f"final norm, {POST_NORM}, as SGLang does", parts=[FIX_SOURCE], why=[found[0]["detail"]],
-                          addresses=[found[0]["kind"]], applicable=False)
-    else:
-        fix = ProposedFix(kind="none", summary="none: no fault in what the head is fed")
-    doc.proposed_fix = fix
-    doc.measured = {"not_measured": "an engine change (the capture path) is not applied by this tool" if fix.kind ==
-                    "engine" else "nothing to fix"}
+    from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
+    fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
     doc.verdict = ("mismatch" if found else "ok" if cause == "none" and ident is not None and ident["matches"]
                    else "undecided")
     doc.seconds_to_verdict = round(r.dl.elapsed(), 1)
     if ident is None:
         doc.notes.append(f"the served state is not identified: {missing}")
+
+
+#: the findings that say the head is fed a wrong state (rank 0's, or another rank's: :mod:`.mtp_ranks`)
+STATE_KINDS = ("norm_mismatch", "wrong_layer", "unidentified_chunk", "tp_partial_sum", "tp_sharded_width")
+
+
+def _every_rank(r: Any, found: list[dict], ref: Any, how: str, weight: torch.Tensor, eps: float, H: int,
+                wiring: Optional[dict]) -> list[dict]:
+    """At TP > 1, every rank's state (:func:`helpers.investigation.mtp_ranks.identify_ranks`, from the server's own
+    every-layer capture) into ``doc.diagnosis["ranks"]``: ``found`` (rank 0's findings) with the ranks' findings
+    after them, or in place of rank 0's ``unidentified_chunk`` when the ranks explain it (a partial sum, a shard).
+    Without that capture, ``found`` and a note that only rank 0 was compared."""
+    from .mtp_ranks import identify_ranks, per_rank_note, rank_findings, rank_line  # lazy: it imports this module
+    att = r.att
+    own = ref is not None and how == r.adapter.every_layer_source(r.client, att.layers_dir)   # the server's own
+    note = per_rank_note(att.tp, att.layers_dir if own else None)
+    if note:
+        r.doc.notes.append(note)
+        r.progress("caveat: " + note)
+    if att.tp <= 1 or not own:
+        return found
+    ir = identify_ranks(att.layers_dir, ref, weight, eps, H)
+    r.doc.diagnosis["ranks"] = ir
+    r.progress(f"per TP rank: {rank_line(ir)}")
+    more = rank_findings(ir, wiring)
+    if any(f["kind"].startswith("tp_") for f in more):
+        found = [f for f in found if f["kind"] != "unidentified_chunk"]
+    return more + found
 
 
 def steps_text(sc: dict) -> str:
@@ -451,19 +526,27 @@ def steps_text(sc: dict) -> str:
 
 
 def mtp_sentence(doc: Any) -> str:
-    """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``)."""
+    """The opening sentence of an MTP investigation (``investigation.json`` ``sentence``), ending with the fix as
+    measured after a restart, or why it was not (:func:`helpers.investigation.mtp_fix.fix_tail`)."""
+    from .mtp_fix import fix_tail  # lazy: it imports this module
+    return _sentence(doc) + fix_tail(doc)
+
+
+def _sentence(doc: Any) -> str:
     ident = (doc.diagnosis or {}).get("served_state")
+    p = profile_of((doc.diagnosis or {}).get("kind"))
     b = doc.acceptance
     tail = (" " + b["sentence"]) if b else " No acceptance budget."
     ref = (doc.reference or {}).get("how") or "none"
-    if doc.findings and doc.findings[0].kind in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
+    if doc.findings and doc.findings[0].kind in STATE_KINDS:
         f = doc.findings[0]
         return (f"Wrong wiring: {f.detail} [evidence: {doc.samples} live prompt(s), reference {ref}]. Proposed fix: "
                 f"{doc.proposed_fix.summary if doc.proposed_fix else 'none'}.{tail}")
     kinds = [f.kind for f in doc.findings or []]
     if "draft_underperforms" in kinds:
         d = (b or {}).get("losses", {}).get("draft") or {}
-        return (f"The NextN head scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
+        who = p.who[0].upper() + p.who[1:]
+        return (f"{who} scores below its training log: {loss_text(d.get('delta'), d.get('ci'))} accept "
                 f"length lost at the checkpoint ({d.get('basis')}).{tail}")
     if "mtp_steps_beyond_head" in kinds:
         f = doc.findings[kinds.index("mtp_steps_beyond_head")]
@@ -472,15 +555,19 @@ def mtp_sentence(doc: Any) -> str:
         if k in kinds:
             return f"The head's checkpoint: {doc.findings[kinds.index(k)].detail}.{tail}"
     if ident is None:
-        return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"
+        return f"The hidden state {p.who} is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",
             "mismatch": "Acceptance is lost"}.get(doc.verdict or "undecided", "No wiring fault")
-    return (f"{head}: the NextN head is fed {POST_NORM}, the target's final hidden state after its final norm, as "
-            f"SGLang does (rel. error {ident['rel_error'][POST_NORM]:.2g} on {ident['rows']} rows of "
+    exp = ident.get("expected") or POST_NORM
+    what = ("the target's final hidden state after its final norm" if exp == POST_NORM else
+            "the target's last layer output before its final norm")
+    return (f"{head}: {p.who} is fed {exp}, {what}, as {ident.get('engine') or 'SGLang'} does (rel. error "
+            f"{ident['rel_error'][exp]:.2g} on {ident['rows']} rows of "
             f"{ident['sequences']} live prompt(s); reference: {ref}).{tail}")
 
 
-__all__ = ["ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
+__all__ = ["NEXTN", "profile_of",
+           "ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
            "TWICE", "WIRING_STAGE", "CHECKPOINT_STAGE", "algorithm_text", "budget_sentence", "head_text", "identify_state",
            "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences",
            "state_candidates", "state_findings", "state_line", "steps_text"]

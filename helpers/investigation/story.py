@@ -386,7 +386,10 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
                 + f": {stage_loss_text(losses.get(c))}")
         src = (losses.get(c) or {}).get("basis") or "the acceptance budget"
     elif doc.verdict is not None:
-        text = {"ok": "no fault: the served aux states equal the training data and every stage of the acceptance "
+        served = ("the served hidden state is the one the draft reads, norm(out(n-1))"
+                  if (doc.diagnosis or {}).get("kind") in ("mtp", "eagle1") else
+                  "the served aux states equal the training data")          # a single-state draft: no training data
+        text = {"ok": f"no fault: {served} and every stage of the acceptance "
                       "budget rules out a material loss" + _unmeasured(losses),
                 "undecided": "no fault found, but the acceptance budget cannot rule out a material loss"}.get(
             doc.verdict, "no wiring fault found")

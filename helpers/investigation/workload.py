@@ -13,8 +13,8 @@ import numpy as np
 
 from ..acceptance.measure import measure
 from ..acceptance.prompts import load_prompts
-from ..acceptance.workload import (WorkloadRequest, describe, differences, generation_defaults, load_requests,
-                                   load_tokenizer, require_vocab, resolve_tokenizer, training_is_chat,
+from ..acceptance.workload import (WorkloadRequest, describe, differences, fit_context, generation_defaults,
+                                   load_requests, load_tokenizer, require_vocab, resolve_tokenizer, training_is_chat,
                                    training_like_prompts, unpaired_loss, vocab_size_of)
 from ..formats.training_data import TrainingData
 from ..errors import printable
@@ -174,6 +174,9 @@ def workload_check(r: Any) -> None:
     (:func:`helpers.acceptance.workload.load_requests`). Sets ``r.workload``; nothing when there is no
     ``--requests`` or with ``--no-measure``.
 
+    Every request is checked against the server's context as its engine checks it
+    (:meth:`helpers.engines.base.EngineAdapter.context_rule`, :func:`helpers.acceptance.workload.fit_context`).
+
     Raises: BadInput (exit 2) naming the file, the line and the field."""
     req = r.req
     requests_file, tokenizer_dir = req.requests
@@ -187,6 +190,9 @@ def workload_check(r: Any) -> None:
     reqs = load_requests(requests_file, tokenizer=tok, default_max_new_tokens=req.max_new_tokens,
                          gen_defaults=generation_defaults(r.att.target_dir), vocab_size=vocab)
     require_vocab(reqs, vocab, note, requests_file)
+    rule = r.adapter.context_rule(r.client)        # past the context: refused here as the engine would, or cut
+    if rule is not None:
+        r.doc.notes.extend(printable(n) for n in fit_context(reqs, rule, requests_file, tokenizer=tok))
     r.workload = WorkloadInput(tok_dir=tok_dir, note=note, tokenizer=tok, vocab_size=vocab, requests=reqs)
 
 

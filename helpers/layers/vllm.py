@@ -158,7 +158,9 @@ def aux_layer_ids(draft_config: Mapping[str, Any], num_layers: int,
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` when ``eagle_config`` is a dict (even when that key is
     missing: then None); a result that is empty or not a list falls back to the target's default
     ``(2, n // 2, n - 3)`` (``get_eagle3_default_aux_hidden_state_layers``). ``_set_aux_hidden_state_layers`` then
-    keeps ``tuple(sorted(set(ids)))``. No +1, no range check: an id outside ``0..n`` is never met in the layer loop
+    keeps ``tuple(sorted(set(ids)))`` (0.30.0 on; the ids as read before: :func:`stored_ids`, :func:`read_ids`); the
+    ids returned are the captured chunks in order (:func:`chunk_ids`), the same for every release.
+    No +1, no range check: an id outside ``0..n`` is never met in the layer loop
     and captures nothing (see :func:`captured`).
 
     Returns: ``(ids, source)`` with ``source`` one of ``draft config eagle_aux_hidden_state_layer_ids``,
@@ -181,8 +183,61 @@ def aux_layer_ids(draft_config: Mapping[str, Any], num_layers: int,
             ids = ec.get("eagle_aux_hidden_state_layer_ids")
             source = "draft config eagle_config.eagle_aux_hidden_state_layer_ids"
     if not (ids and isinstance(ids, (list, tuple))):
-        return tuple(sorted({2, n // 2, n - 3})), "default (2, n//2, n-3)"
-    return tuple(sorted({int(i) for i in ids})), source
+        return chunk_ids((2, n // 2, n - 3)), "default (2, n//2, n-3)"
+    return chunk_ids(ids), source
+
+
+def read_ids(draft_config: Mapping[str, Any], num_layers: int,
+             version: str | Sequence[int] | None = None) -> tuple[int, ...]:
+    """The ids vLLM hands ``_set_aux_hidden_state_layers`` for this draft config, before it stores them
+    (:func:`stored_ids`): the config's list as written (order and repeats kept), or the default ``(2, n // 2, n - 3)``
+    as the target's ``get_eagle3_default_aux_hidden_state_layers`` returns it; where they come from is
+    :func:`aux_layer_ids`'s rule (same ``version`` gates, ValueError for a release not read)."""
+    _, source = aux_layer_ids(draft_config, num_layers, version)
+    n = int(num_layers)
+    if source.startswith("default"):
+        return (2, n // 2, n - 3)
+    if source == "draft config eagle_aux_hidden_state_layer_ids":
+        return tuple(int(i) for i in draft_config["eagle_aux_hidden_state_layer_ids"])
+    if source.startswith("draft config eagle_config"):
+        return tuple(int(i) for i in draft_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    plus = 1 if source.endswith("(+1)") else 0
+    return tuple(int(i) + plus for i in draft_config["dflash_config"]["target_layer_ids"])
+
+
+def stored_ids(ids: Sequence[int], version: str | Sequence[int] | None = None) -> tuple[int, ...]:
+    """The tuple vLLM keeps as the target's ``aux_hidden_state_layers`` for the ids it read (what the worker
+    extension's ``e3f_describe`` reports): ``tuple(sorted(set(ids)))`` from 0.30.0 (:data:`SORTED_IDS_SINCE`; None =
+    0.32.0), the ids verbatim before (order and repeats kept). Mirrors :data:`SOURCES` ``aux_set``
+    (``EagleModelMixin._set_aux_hidden_state_layers``; 0.29.0: ``self.aux_hidden_state_layers = layers``). ValueError
+    for a release not read (:func:`_gate`)."""
+    if _gate("aux_layer_ids", version) >= SORTED_IDS_SINCE:
+        return tuple(sorted({int(i) for i in ids}))
+    return tuple(int(i) for i in ids)
+
+
+def chunk_ids(stored: Sequence[int]) -> tuple[int, ...]:
+    """The ids whose states the draft receives, in concatenation order, from the stored tuple (:func:`stored_ids`):
+    every release read captures by membership (``_maybe_add_hidden_state``: ``if layer_idx in
+    self.aux_hidden_state_layers``, 0.18.0 on; the loop test before) while walking the layers in order, so each id
+    once, ascending, whatever the stored order: ``(4, 2, 2)`` -> ``(2, 4)``."""
+    return tuple(sorted({int(i) for i in stored}))
+
+
+def held_mismatch(draft_config: Mapping[str, Any], num_layers: int, version: str | Sequence[int] | None,
+                  held: Optional[Sequence[int]]) -> Optional[str]:
+    """One line when the tuple the engine reports holding (``held``: the worker extension's ``aux_layer_ids``, i.e.
+    ``aux_hidden_state_layers``) is not what ``version``'s rule holds for this draft config
+    (:func:`stored_ids` of :func:`read_ids`), else None (also for ``held`` None). A release misread as another shows
+    here: 0.29.0 holds ``[4, 1, 3]`` verbatim where 0.32.0's rule holds ``[1, 3, 4]``."""
+    if held is None:
+        return None
+    want = list(stored_ids(read_ids(draft_config, num_layers, version), version))
+    if [int(i) for i in held] == want:
+        return None
+    shown = ".".join(map(str, parse_version(version)[:3])) if version is not None else "0.32.0"
+    return (f"aux ids: vLLM {shown}'s rule holds {want} for the draft config ({SOURCES['aux_set']}), the engine "
+            f"holds {list(held)}")
 
 
 def captured(ids: Sequence[int], num_layers: int, version: str | Sequence[int] | None = None) -> list[Optional[str]]:

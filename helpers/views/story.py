@@ -28,7 +28,7 @@ from ..paths import ROOT
 from ..records import InvestigationDoc
 from ..runfiles import read_parquet
 from .budget import ladder_frame, settings_text
-from .common import case_models, esc, headline_box, read_json_or_none, result_path, table_html
+from .common import case_models, engine_label, esc, headline_box, read_json_or_none, result_path, table_html
 from .draft_kind import draft_kind
 from .replay import as_replay
 
@@ -217,7 +217,8 @@ def what_ran(run_dir: Optional[Path], doc: Any = None, inv: Optional[Investigati
     text = f"Target {_architecture(target)}"
     if draft:
         text += f"; draft {kind.draft(draft, _architecture)}"
-    engine = [f"SGLang {att['version']}" if att.get("version") else "", f"TP {tp}" if tp else ""]
+    engine = [f"{engine_label(getattr(inv, 'engine', None))} {att['version']}" if att.get("version") else "",
+              f"TP {tp}" if tp else ""]
     spec = att.get("spec") or {}
     if att.get("algorithm"):
         engine.append(kind.algorithm(att) + (f" (steps {spec.get('num_steps')}, topk {spec.get('topk')}, draft tokens "

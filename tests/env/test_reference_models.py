@@ -76,13 +76,15 @@ def test_committed_artifacts_fit_the_size_budget():
     """Every committed model artifact of env/models. 50 MiB (was 20 before the Kimi-class and head_dim-64
     families, ~15 MiB of models, and the validation rows of every draft's training-log split, ~19 MiB,
     which the teacher-forced checkpoint-vs-log comparison needs; 48 before the Kimi target's NextN layer,
-    model.layers.8.*, 2.6 MiB with the copies of the embedding and lm_head DeepSeek-V3 ships in it)."""
+    model.layers.8.*, 2.6 MiB with the copies of the embedding and lm_head DeepSeek-V3 ships in it; 50 before the
+    EAGLE-1 draft's held-out rows, llama_h64/draft_eagle1/validation, 1.9 MiB, the rows its training log's figure was
+    measured on, float32 in EAGLE-1's one-state layout, so its draft stage compares like with like)."""
     models = DRAFT_DIR.parent
     paths = [TARGET_DIR, DRAFT_DIR, models / "draft_alt", SAMPLE_DIR.parent, PROMPTS_FILE,
              models / "kimi", models / "llama_h64"]
     total = sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*"))
                 if f.is_file() and "__pycache__" not in f.parts)
-    assert total <= 50 * 2 ** 20, f"{total / 2 ** 20:.1f} MiB > 50 MiB"
+    assert total <= 52 * 2 ** 20, f"{total / 2 ** 20:.1f} MiB > 52 MiB"
 
 
 def test_target_loads_in_transformers_with_tp8_shapes(target, tokenizer, tcfg):

@@ -266,9 +266,9 @@ def hook_faults(fault: MTPFault) -> list:
     return [Fault("wrong_layer", chunk=0, layer=fault.params["layer"])] if fault.kind == "pre_norm" else []
 
 
-def served_world(tmp: Path, n_prompts: int = 3, new_tokens: int = 24):
-    """The recorded live side for the state faults: the Kimi-class target's greedy continuations of ``n_prompts``
-    bundled prompts and their every-layer reference dump (HF transformers, :func:`helpers.capture.
+def served_world(tmp: Path, n_prompts: int = 3, new_tokens: int = 24, target: Path = TARGET):
+    """The recorded live side for the state faults: the target's (default the Kimi-class one) greedy continuations of
+    ``n_prompts`` bundled prompts and their every-layer reference dump (HF transformers, :func:`helpers.capture.
     capture_reference_hf`). Returns ``(sequences, reference dump, final-norm weight, eps)``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -276,8 +276,8 @@ def served_world(tmp: Path, n_prompts: int = 3, new_tokens: int = 24):
     from helpers.capture import capture_reference_hf
     from helpers.draft.model import target_final_norm
     from helpers.draft.simulate import SimSequence
-    tok = AutoTokenizer.from_pretrained(TARGET)
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     seqs = []
     for pr in load_prompts(None, n=n_prompts):
         ids = tok(pr.text)["input_ids"] if pr.input_ids is None else list(pr.input_ids)
@@ -285,9 +285,9 @@ def served_world(tmp: Path, n_prompts: int = 3, new_tokens: int = 24):
             toks = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
                                   min_new_tokens=new_tokens)[0]
         seqs.append(SimSequence(pr.id, toks.clone(), torch.zeros(len(toks), 1), len(ids)))
-    ref = capture_reference_hf(TARGET, [{"id": s.key, "input_ids": s.tokens.tolist()} for s in seqs], tmp,
+    ref = capture_reference_hf(target, [{"id": s.key, "input_ids": s.tokens.tolist()} for s in seqs], tmp,
                                progress=False)
-    w, eps = target_final_norm(TARGET)
+    w, eps = target_final_norm(target)
     return seqs, ref, w, eps
 
 

@@ -409,12 +409,28 @@ def test_investigate_reads_the_requests_file_right_after_attach(tmp_path):
     assert [n for n, _ in STAGES][:3] == ["attach", "requests", "capture"]
     target = _target(tmp_path)
 
+    import httpx
+
+    from helpers.engines.sglang import SGLangAdapter
+    from helpers.server.client import SGLangClient
+    info = {"version": "0.5.23", "tp_size": 1, "model_path": str(target), "speculative_algorithm": "EAGLE3",
+            "speculative_eagle_topk": 1, "speculative_num_steps": 3, "speculative_num_draft_tokens": 4}
+    models = {"object": "list", "data": [{"id": "t", "owned_by": "sglang", "max_model_len": 160}]}
+    client = SGLangClient("http://sglang.test:1", retries=0, transport=httpx.MockTransport(
+        lambda q: httpx.Response(200, json=info if q.url.path == "/server_info" else models)))
+
     def run(lines):
         p = _write(tmp_path, lines)
         r = SimpleNamespace(req=SimpleNamespace(requests=(p, None), live_measure=True, max_new_tokens=8),
-                            att=SimpleNamespace(info={}, target_dir=target), workload=None)
+                            att=SimpleNamespace(info={}, target_dir=target), workload=None,
+                            adapter=SGLangAdapter(), client=client, doc=SimpleNamespace(notes=[]))
         workload_check(r)
         return r.workload
+    # past the server's 160-token context with SGLang's 4 reserved draft slots: refused as the server would (HTTP 400)
+    with pytest.raises(BadInput, match=r"line 2: 20 prompt tokens \+ max_new_tokens 137 \+ 4 slots the server "
+                                       r"reserves = 161 tokens, past the server's context of 160 tokens"):
+        run(['{"input_ids": [0, 319]}', json.dumps({"prompt": list(range(20)), "max_tokens": 137})])
+    run([json.dumps({"prompt": list(range(20)), "max_tokens": 136})])          # 20 + 4 + 136 = 160: fits
     with pytest.raises(BadInput, match=r"line 1: input_ids\[0\] is 320; expected a token id from 0 to 319"):
         run(['{"input_ids": [320]}'])
     with pytest.raises(BadInput, match="line 2: the target tokenizer has no chat template"):
