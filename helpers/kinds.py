@@ -109,6 +109,7 @@ KINDS: tuple[Kind, ...] = (
        checks=("vocab_map",)),
     _k("lm_head_missing", "draft", "the draft's lm_head is missing and left uninitialised"),
     _k("lm_head_replaced", "draft", "SGLang replaces the draft's trained lm_head"),
+    _k("embedding_replaced", "draft", "the engine replaces the MTP head's own embedding copy by the target's"),
     _k("embedding_not_shared", "draft", "the engine keeps the draft checkpoint's own embedding, not the target's",
        fix="drop_tensors", stage="engine"),
     _k("vocab_map_trivial", "draft", "the draft's d2t is all zeros", fix="vocab_map", checks=("vocab_map",)),

@@ -74,18 +74,45 @@ def weight_names(folder: Path) -> tuple[Optional[set[str]], str]:
 
 
 def missing_tensors(prefixes: list[str], head_tensors: tuple[str, ...], layer_tensors: tuple[str, ...],
-                    names: set[str]) -> dict[str, list[str]]:
-    """``{prefix: [missing tensor names]}`` for each head prefix: its own tensors (``head_tensors``) and its decoder
-    layer (``layer_tensors``; any one of them present counts as the layer being there, as the names vary with the
-    attention / MoE kind). Prefixes with nothing missing are left out."""
+                    names: set[str], expected: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """``{prefix: [missing tensor names]}`` for each head prefix. With ``expected`` (every tensor of a head layer
+    relative to its prefix, :attr:`helpers.layers.mtp.MTPHead.expected`) each one is looked for; else the head's own
+    tensors (``head_tensors``) and its decoder layer (``layer_tensors``; any one of them present counts as the layer
+    being there, as the names vary with the attention / MoE kind). A ``<module>.weight`` counts as present when the
+    checkpoint has any tensor of that module (a quantised checkpoint stores ``qweight`` / ``weight_packed``
+    instead). Prefixes with nothing missing are left out."""
+    modules = {n.rsplit(".", 1)[0] for n in names}
+
+    def there(name: str) -> bool:
+        return name in names or (name.endswith(".weight") and name[:-len(".weight")] in modules)
+
     out = {}
     for p in prefixes:
-        miss = [p + t for t in head_tensors if p + t not in names]
-        if layer_tensors and not any(p + t in names for t in layer_tensors):
-            miss += [p + layer_tensors[0]]
+        if expected:
+            miss = [p + t for t in expected if not there(p + t)]
+        else:
+            miss = [p + t for t in head_tensors if not there(p + t)]
+            if layer_tensors and not any(there(p + t) for t in layer_tensors):
+                miss += [p + layer_tensors[0]]
         if miss:
             out[p] = miss
     return out
+
+
+def sglang_missing_effect(name: str) -> str:
+    """What SGLang 0.5.23 serves for a NextN parameter the checkpoint lacks (nothing checks after loading:
+    ``sglang/srt/model_loader/loader.py::DefaultModelLoader.load_weights_and_postprocess`` calls the model's
+    ``load_weights``, which only fills what it is given): an RMSNorm weight keeps ``torch.ones``
+    (``sglang/srt/layers/layernorm.py::RMSNorm.__init__``); ``eh_proj`` / ``fc`` is a plain ``nn.Linear``
+    (``deepseek_nextn.py::DeepseekModelNextN.__init__``, ``qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__``: torch's
+    random init); every other parameter (the parallel
+    linears, the experts, the router) is allocated with ``torch.empty``: whatever memory it got."""
+    leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+    if leaf.endswith(("norm", "layernorm")):
+        return "ones (RMSNorm init)"
+    if leaf in ("eh_proj", "fc"):
+        return "torch's nn.Linear random init"
+    return "uninitialised memory (torch.empty)"
 
 
 class MTPRules:
@@ -152,6 +179,10 @@ class MTPRules:
                      if not head.layers else f"SGLang loads exactly one NextN layer: set {fam.layers_field} to 1 "
                      "in a copy of the config if the first layer is the one to serve")))
             return
+        if fam.sglang_layers is not None and (head.layers or 0) > fam.sglang_layers:
+            notes.append(f"{fam.layers_field} is {head.layers}, but SGLang builds {fam.sglang_layers} head layer "
+                         f"({REWRITE} sets num_nextn_predict_layers = {fam.sglang_layers}): only {head.sglang_prefixes()[0]}"
+                         f"layers.0.* is served, at every draft step; the checkpoint's later MTP layers are not read")
         if head.layers == 0:
             notes.append(f"{fam.layers_field} is 0: the config declares no MTP layer, and {fam.head_arch} is built "
                          "anyway; only the checkpoint's tensors (below) say whether a trained head is there")
@@ -161,8 +192,34 @@ class MTPRules:
 
     #: what the engine does when the head's tensors are missing (SGLang: no check after loading, found in
     #: ``model_loader/`` and the DeepSeek / GLM loaders)
-    missing_effect = ("those parameters keep their initial values (the loader only skips names outside the prefix; "
-                      "nothing checks that the head was filled)")
+    missing_effect = ("SGLang starts anyway: those parameters keep their initial values (the loader only skips "
+                      "names outside the prefix; nothing checks that the head was filled)")
+
+    #: where SGLang drops the head's own lm_head / embedding copies and binds the target's
+    own_copies_rule = ("sglang/srt/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
+                       "do_load_weights, glm4_moe.py::Glm4MoeForCausalLM.load_weights and glm4_moe_lite.py::"
+                       "Glm4MoeLiteForCausalLM.load_weights skip shared_head.head and "
+                       "embed_tokens under the NextN prefix; speculative/eagle_worker_v2.py::EagleDraftWorker."
+                       "init_lm_head binds the target's (set_embed_and_head)")
+
+    def head_prefixes(self, head: MTPHead) -> list[str]:
+        """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`)."""
+        return head.sglang_prefixes()
+
+    def weights(self, head: MTPHead, names: set[str], prefixes: list[str], findings: list, facts: dict) -> None:
+        """``mtp_weights_missing`` for the head's tensors absent from ``names`` under ``prefixes`` (appended to
+        ``findings``; ``facts["head_weights"]`` says what was looked for)."""
+        self._weights(head, names, prefixes, findings, facts, f"{self.label}'s {head.family.head_arch}",
+                      head.family.sglang_loader)
+
+    def effect_of(self, missing: list[str]) -> str:
+        """What the engine serves or refuses for these missing tensors (SGLang: :func:`sglang_missing_effect` of
+        each, grouped); the one line of :attr:`missing_effect` for an engine that refuses them."""
+        by: dict[str, list[str]] = {}
+        for m in missing:
+            by.setdefault(sglang_missing_effect(m), []).append(m.rsplit(".", 1)[0].split(".", 3)[-1])
+        return (self.missing_effect + "; served as: " + "; ".join(
+            f"{', '.join(v[:4])}{' ...' if len(v) > 4 else ''} -> {k}" for k, v in by.items()))
 
     def _weights(self, head: MTPHead, names: Optional[set[str]], prefixes: list[str], findings: list, facts: dict,
                  who: str, source: str) -> None:
@@ -170,14 +227,14 @@ class MTPRules:
         if names is None:
             facts["head_weights"] = "not checked (no index or safetensors at hand)"
             return
-        miss = missing_tensors(prefixes, fam.head_tensors, fam.layer_tensors, names)
+        miss = missing_tensors(prefixes, fam.head_tensors, fam.layer_tensors, names, head.expected)
         facts["head_weights"] = {"prefixes": prefixes, "missing": miss}
         if miss:
             flat = [m for ms in miss.values() for m in ms]
             findings.append(D.finding(
                 "mtp_weights_missing", None,
                 f"{who} reads the head from {', '.join(prefixes)}*, but the checkpoint has no "
-                f"{', '.join(flat[:6])}{' ...' if len(flat) > 6 else ''}: {self.missing_effect}",
+                f"{', '.join(flat[:6])}{' ...' if len(flat) > 6 else ''} ({len(flat)} tensor(s)): {self.effect_of(flat)}",
                 engine=f"{self.label} {self.version}", prefixes=prefixes, missing=miss,
                 tensors_in_checkpoint=len(names), source=source,
                 fix="serve a checkpoint that ships the head (the target's full release, or a separate NextN checkpoint "
@@ -291,6 +348,13 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
                               + ("the target's extra layer" if head.form == "target" else
                                  "a separate NextN checkpoint"))
         rules.check(head, spec, target_raw, names, same, findings, notes, facts)
+        if names is not None and Path(target_config).is_dir():
+            from .mtp_weights import own_copy_findings  # lazy: torch; only a folder with the tensors needs it
+            try:
+                findings += own_copy_findings(head, Path(draft_config), Path(target_config), rules, facts,
+                                              rules.head_prefixes(head))
+            except BadInput as e:
+                facts["own_copies"] = f"not compared: {e}"
         loads = facts.get("loads")
         if loads:
             inputs[f"{rules.label} loads"] = (f"{loads['class']} ({loads['file']}) from {loads['from']}, tensors "

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..errors import BadInput
 from ..formats.configs import read_safetensors_index, read_target_config
-from ..layers.mtp import sglang_nextn_layer
+from ..layers.mtp import deepseek_nextn_shapes, sglang_nextn_layer
 from .attention import MLAAttention, _rms
 from .model import DraftArch, Eagle3Draft, _add_rms, _finite, _read_tensor, find_target_tensor
 from .params import MLA_CLASS
@@ -59,33 +59,9 @@ def nextn_layer_id(cfg: dict) -> int:
 
 def nextn_tensor_names(cfg: dict) -> dict[str, tuple[int, ...]]:
     """The ``model.layers.{L}.*`` names (L = :func:`nextn_layer_id`) SGLang's NextN loader fills for a DeepSeek-V3
-    config ``cfg`` (config.json dict), per expert as checkpoints store them, with the shape the config implies
-    (``deepseek_v2.py::DeepseekV2AttentionMLA.__init__`` / ``DeepseekV2MoE.__init__``, unquantised);
-    ``embed_tokens`` and ``shared_head.head`` left out (the target's are shared)."""
-    p = f"model.layers.{nextn_layer_id(cfg)}."
-    H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    ql, kl, nope, rope, v = (int(cfg[k]) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                                    "qk_rope_head_dim", "v_head_dim"))
-    E, inter = int(cfg["n_routed_experts"]), int(cfg.get("moe_intermediate_size") or 0)
-    out = {f"{p}{n}.weight": (H,) for n in HEAD_NAMES if n != "eh_proj"}
-    out[f"{p}eh_proj.weight"] = (H, 2 * H)
-    out.update({f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,)})
-    attn = {"q_a_proj": (ql, H), "q_a_layernorm": (ql,), "q_b_proj": (nh * (nope + rope), ql),
-            "kv_a_proj_with_mqa": (kl + rope, H), "kv_a_layernorm": (kl,), "kv_b_proj": (nh * (nope + v), kl),
-            "o_proj": (H, nh * v)}
-    out.update({f"{p}self_attn.{n}.weight": s for n, s in attn.items()})
-    out[f"{p}mlp.gate.weight"] = (E, H)
-    if cfg.get("topk_method", "noaux_tc") == "noaux_tc":
-        out[f"{p}mlp.gate.e_score_correction_bias"] = (E,)
-    for e in range(E):
-        out.update({f"{p}mlp.experts.{e}.gate_proj.weight": (inter, H), f"{p}mlp.experts.{e}.up_proj.weight": (inter, H),
-                    f"{p}mlp.experts.{e}.down_proj.weight": (H, inter)})
-    ns = int(cfg.get("n_shared_experts") or 0)
-    if ns:
-        out.update({f"{p}mlp.shared_experts.gate_proj.weight": (inter * ns, H),
-                    f"{p}mlp.shared_experts.up_proj.weight": (inter * ns, H),
-                    f"{p}mlp.shared_experts.down_proj.weight": (H, inter * ns)})
-    return out
+    config ``cfg`` (config.json dict), with the shape the config implies: :func:`helpers.layers.mtp.
+    deepseek_nextn_shapes` (``embed_tokens`` and ``shared_head.head`` left out: the target's are shared)."""
+    return deepseek_nextn_shapes(cfg)
 
 
 class NextNHead(Eagle3Draft):

@@ -446,6 +446,23 @@ class VLLMMTPRules(MTPRules):
     def __init__(self, version: Optional[str] = None) -> None:
         self.version = version if rules.is_known(version) else rules.known_versions_text()
 
+    own_copies_rule = ("vllm/model_executor/models/deepseek_mtp.py::DeepSeekMTP.load_weights loads them, then "
+                       "vllm/v1/spec_decode/llm_base_proposer.py::_maybe_share_embeddings / _maybe_share_lm_head "
+                       "replace both by the target's for an MTP model (pipeline parallel size 1)")
+
+    def effect_of(self, missing: list) -> str:
+        """vLLM refuses the load (:attr:`missing_effect`), whatever the tensors."""
+        return self.missing_effect
+
+    def head_prefixes(self, head: MTPHead) -> list:
+        """vLLM reads one prefix per head layer (:meth:`MTPHead.vllm_prefixes`)."""
+        return head.vllm_prefixes()
+
+    def weights(self, head: MTPHead, names: set, prefixes: list, findings: list, facts: dict) -> None:
+        """As :meth:`helpers.draft.mtp_checks.MTPRules.weights`, for vLLM's head class."""
+        self._weights(head, names, prefixes, findings, facts, f"vLLM's {head.family.vllm_arch}",
+                      f"{head.family.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
+
     def check(self, head: MTPHead, spec: MTPSpec, target_raw: dict, names: Optional[set], draft_is_target: bool,
               findings: list, notes: list, facts: dict) -> None:
         """What vLLM will load and refuse for ``head`` (see :meth:`helpers.draft.mtp_checks.MTPRules.check`)."""

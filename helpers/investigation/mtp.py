@@ -52,6 +52,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
+from ..draft.mtp_weights import head_weight_findings
 from ..draft.nextn_stage import STEPS_SOURCE, nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding
@@ -433,7 +434,17 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
            f"served state = {state_line(ident)}")
     b = None
-    if req.acceptance_budget:
+    try:
+        weights = head_weight_findings(att.draft_dir, att.target_dir,  # what the engine made of the checkpoint
+                                       r.adapter.loader_rules(att.version).mtp_rules())
+    except BadInput as e:
+        weights = []
+        doc.notes.append(f"the head's weights were not checked: {e}")
+    unloadable = [f for f in weights if f["kind"] == "mtp_weights_missing"]
+    if unloadable:
+        doc.notes.append("no acceptance budget: the engine serves the head's missing tensors as allocated (the "
+                         "finding says how), which the offline head cannot reproduce")
+    if req.acceptance_budget and not unloadable:
         t = r.step("acceptance budget")
         choice = choose_dtype(server_dtype(att.info, read_config_json(att.draft_dir / "config.json", "draft config")),
                               "cpu")
@@ -465,6 +476,7 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
                                                                  "--speculative-num-draft-tokens": n + 1}))
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
                              fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc))
+    found += weights
     doc.findings = [Finding(**f) for f in found]
     from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
     fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
@@ -539,6 +551,9 @@ def _sentence(doc: Any) -> str:
     if "mtp_steps_beyond_head" in kinds:
         f = doc.findings[kinds.index("mtp_steps_beyond_head")]
         return f"Settings: {f.detail}.{tail}"
+    for k in ("mtp_weights_missing", "lm_head_replaced", "embedding_replaced"):     # helpers.draft.mtp_weights
+        if k in kinds:
+            return f"The head's checkpoint: {doc.findings[kinds.index(k)].detail}.{tail}"
     if ident is None:
         return f"The hidden state {p.who} is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",

@@ -74,12 +74,59 @@ def _sglang_nextn(n: int, i: int) -> str:
     return f"model.layers.{sglang_nextn_layer(n)}."
 
 
+def deepseek_nextn_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor SGLang's DeepSeek-V3 NextN loader fills, ``model.layers.{L}.<name>`` with ``L =``
+    :func:`sglang_nextn_layer` of ``num_hidden_layers``, per expert as checkpoints store them, with the shape the
+    config.json dict ``cfg`` implies (``sglang/srt/models/deepseek_v2.py::DeepseekV2AttentionMLA.__init__`` /
+    ``DeepseekV2MoE.__init__``, unquantised; ``deepseek_nextn.py::DeepseekModelNextN.__init__``: ``enorm``, ``hnorm``,
+    ``eh_proj`` [H, 2H], ``shared_head.norm``). The NextN layer's ``embed_tokens`` / ``shared_head.head`` copies are
+    left out: SGLang skips them and binds the target's (``deepseek_common/deepseek_weight_loader.py::
+    DeepseekV2WeightLoaderMixin.do_load_weights``: "Use shared head and embed weights from target model").
+
+    Raises:
+        KeyError / TypeError / ValueError: a field the MLA + MoE layer needs is absent or not a number."""
+    p = f"model.layers.{sglang_nextn_layer(int(cfg['num_hidden_layers']))}."
+    H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    ql, kl, nope, rope, v = (int(cfg[k]) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                    "qk_rope_head_dim", "v_head_dim"))
+    E, inter = int(cfg["n_routed_experts"]), int(cfg.get("moe_intermediate_size") or 0)
+    out = {f"{p}{n}.weight": (H,) for n in ("enorm", "hnorm", "shared_head.norm")}
+    out[f"{p}eh_proj.weight"] = (H, 2 * H)
+    out.update({f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,)})
+    attn = {"q_a_proj": (ql, H), "q_a_layernorm": (ql,), "q_b_proj": (nh * (nope + rope), ql),
+            "kv_a_proj_with_mqa": (kl + rope, H), "kv_a_layernorm": (kl,), "kv_b_proj": (nh * (nope + v), kl),
+            "o_proj": (H, nh * v)}
+    out.update({f"{p}self_attn.{n}.weight": s for n, s in attn.items()})
+    out[f"{p}mlp.gate.weight"] = (E, H)
+    if cfg.get("topk_method", "noaux_tc") == "noaux_tc":
+        out[f"{p}mlp.gate.e_score_correction_bias"] = (E,)
+    for e in range(E):
+        out.update({f"{p}mlp.experts.{e}.gate_proj.weight": (inter, H), f"{p}mlp.experts.{e}.up_proj.weight": (inter, H),
+                    f"{p}mlp.experts.{e}.down_proj.weight": (H, inter)})
+    ns = int(cfg.get("n_shared_experts") or 0)
+    if ns:
+        out.update({f"{p}mlp.shared_experts.gate_proj.weight": (inter * ns, H),
+                    f"{p}mlp.shared_experts.up_proj.weight": (inter * ns, H),
+                    f"{p}mlp.shared_experts.down_proj.weight": (H, inter * ns)})
+    return out
+
+
+def _deepseek_expected(cfg: dict) -> tuple[str, ...]:
+    """:func:`deepseek_nextn_shapes`' names relative to the layer prefix; () when the config lacks the MLA / MoE
+    fields (a config these checks cannot expand: the family's :attr:`MTPFamily.layer_tensors` stand in)."""
+    try:
+        names = deepseek_nextn_shapes(cfg)
+    except (KeyError, TypeError, ValueError):
+        return ()
+    return tuple(n.split(".", 3)[3] for n in names)
+
+
 @dataclass(frozen=True)
 class MTPFamily:
     """One model family's MTP / NextN head, as SGLang 0.5.23 and vLLM 0.32.0 load it.
 
     Attributes:
-        name: the family (``deepseek_v3``, ``glm4_moe``, ``qwen3_next``, ``mimo``).
+        name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``).
         target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
@@ -99,6 +146,12 @@ class MTPFamily:
         vllm_arch / vllm_file: vLLM's head class (after ``hf_config_override``) and its file.
         vllm_layers_default: what vLLM's head assumes when the field is absent (None: ``n_predict`` is None).
         vllm_reuse: the line where vLLM picks the head layer of a draft step.
+        expected: ``config.json dict -> every tensor name of a head layer relative to its prefix`` when the family's
+            layer can be expanded from the config (DeepSeek-V3: :func:`deepseek_nextn_shapes`), else None (the
+            presence check then reads :attr:`head_tensors` and one of :attr:`layer_tensors`).
+        own_copies: the head's own copies of the target's lm_head / embedding under its prefix
+            (``shared_head.head.weight``, ``embed_tokens.weight``), which neither engine serves
+            (``helpers.draft.mtp_weights``); () when the family's checkpoints carry none.
     """
 
     name: str
@@ -119,12 +172,16 @@ class MTPFamily:
     vllm_file: str
     vllm_layers_default: Optional[int]
     vllm_reuse: str
+    expected: Optional[Callable[[dict], tuple[str, ...]]] = None
+    own_copies: tuple[str, ...] = ()
 
 
 _DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
               "_initialize_nextn_conf l. 552-584 and do_load_weights l. 316-335")
 _NEXTN_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 _DECODER = ("input_layernorm.weight", "post_attention_layernorm.weight")
+#: the DeepSeek / GLM NextN layer's copies of the target's lm_head and embedding
+_OWN_COPIES = ("shared_head.head.weight", "embed_tokens.weight")
 
 #: the families, one entry each
 MTP_FAMILIES: tuple[MTPFamily, ...] = (
@@ -136,7 +193,8 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="DeepSeekMTPModel",
         vllm_file=f"{_VL}/deepseek_mtp.py", vllm_layers_default=None,
         vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 "
-                   "(spec_step_idx % num_mtp_layers)"),
+                   "(spec_step_idx % num_mtp_layers)", expected=_deepseek_expected,
+        own_copies=_OWN_COPIES),
     MTPFamily(
         name="glm4_moe", target_archs=("Glm4MoeForCausalLM",), head_arch="Glm4MoeForCausalLMNextN",
         head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", config_default=1,
@@ -145,7 +203,37 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeMTPModel",
         vllm_file=f"{_VL}/glm4_moe_mtp.py", vllm_layers_default=None,
-        vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)"),
+        vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)", own_copies=_OWN_COPIES),
+    MTPFamily(
+        # GLM-4.7-Flash: a DeepSeek-V3-like MLA + MoE layer, loaded by the DeepSeek NextN loader mixin
+        name="glm4_moe_lite", target_archs=("Glm4MoeLiteForCausalLM",), head_arch="Glm4MoeLiteForCausalLMNextN",
+        head_file=f"{_SG}/models/glm4_moe_lite_nextn.py", layers_field="num_nextn_predict_layers", config_default=None,
+        sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/glm4_moe_lite.py::Glm4MoeLiteForCausalLM.load_weights l. 834-935 (is_nextn: "
+                       "ValueError without the field, 'Only 1 nextn layer is supported', model.layers.{n}.*, "
+                       "shared_head.head / embed_tokens skipped)"),
+        sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
+        head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeLiteMTPModel",
+        vllm_file=f"{_VL}/glm4_moe_lite_mtp.py", vllm_layers_default=None,
+        vllm_reuse=f"{_VL}/glm4_moe_lite_mtp.py::Glm4MoeLiteMultiTokenPredictor l. 198 (spec_step_idx % "
+                   "num_mtp_layers)", expected=_deepseek_expected, own_copies=_OWN_COPIES),
+    MTPFamily(
+        # Qwen3.5 (dense and MoE, the multimodal wrapper or the text model): the layer count is
+        # text_config.mtp_num_hidden_layers; SGLang builds one layer whatever it says
+        name="qwen3_5", target_archs=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                                      "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+        head_arch="Qwen3_5ForCausalLMMTP", head_file=f"{_SG}/models/qwen3_5_mtp.py",
+        layers_field="mtp_num_hidden_layers", config_default=None, sglang_layers=1,
+        sglang_loader=(f"{_SG}/models/qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.load_weights l. 261-370 (only names "
+                       "with 'mtp'; mtp.* read as model.*); configs/model_config.py::ModelConfig._config_draft_model "
+                       "l. 1159-1181 sets num_nextn_predict_layers = 1"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "mtp.",
+        vllm_prefix=lambda n, i: "mtp.",
+        head_tensors=("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"),
+        layer_tensors=("layers.0.input_layernorm.weight",), vllm_arch="Qwen3_5MTP / Qwen3_5MoeMTP",
+        vllm_file=f"{_VL}/qwen3_5_mtp.py", vllm_layers_default=1,
+        vllm_reuse=f"{_VL}/qwen3_5_mtp.py l. 170 (spec_step_idx % num_mtp_layers; num_mtp_layers = "
+                   "mtp_num_hidden_layers, default 1, l. 82)"),
     MTPFamily(
         name="qwen3_next", target_archs=("Qwen3NextForCausalLM",), head_arch="Qwen3NextForCausalLMMTP",
         head_file=f"{_SG}/models/qwen3_next_mtp.py", layers_field="num_nextn_predict_layers", config_default=None,
@@ -202,6 +290,8 @@ class MTPHead:
             config class's default (:attr:`MTPFamily.config_default`); None: absent from both.
         num_hidden_layers: the config's ``num_hidden_layers`` (where the head's layer sits after).
         layers_defaulted: config.json leaves the field out and ``layers`` is the config class's default.
+        expected: every tensor name of one head layer relative to its prefix (:attr:`MTPFamily.expected` of the
+            text config), () when the family or the config does not say.
     """
 
     family: MTPFamily
@@ -209,6 +299,7 @@ class MTPHead:
     layers: Optional[int]
     num_hidden_layers: Optional[int]
     layers_defaulted: bool = False
+    expected: tuple[str, ...] = ()
 
     @property
     def sglang_layers(self) -> Optional[int]:
@@ -254,4 +345,5 @@ def mtp_head(raw: dict) -> Optional[MTPHead]:
     n = n if isinstance(n, int) and not isinstance(n, bool) else None
     arch = raw["architectures"][0]
     return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
-                   num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None)
+                   num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None,
+                   expected=fam.expected(tc) if fam.expected else ())

@@ -21,7 +21,8 @@ def one(job):
     draft = ModelConfig(job["folder"], trust_remote_code=False, is_draft_model=True)
     cfg = draft.hf_config
     out = {"head_class": cfg.architectures[0], "layers": getattr(cfg, "num_nextn_predict_layers", None)}
-    if out["head_class"] in ("DeepseekV3ForCausalLMNextN", "Glm4MoeForCausalLMNextN"):
+    # Glm4MoeLiteForCausalLM.load_weights (glm4_moe_lite.py l. 834-900) repeats the mixin's rule line for line
+    if out["head_class"] in ("DeepseekV3ForCausalLMNextN", "Glm4MoeForCausalLMNextN", "Glm4MoeLiteForCausalLMNextN"):
         try:
             conf = DeepseekV2WeightLoaderMixin._initialize_nextn_conf(SimpleNamespace(config=cfg), True)
             out["prefix"] = conf.nextn_layer_prefix + "."

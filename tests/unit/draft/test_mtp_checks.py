@@ -24,7 +24,7 @@ from helpers.draft.mtp_checks import MTPSpec, check_mtp
 from helpers.engines.vllm_rules import VLLMMTPRules
 from helpers.errors import BadInput
 from helpers.formats.configs import read_draft_config
-from helpers.layers.mtp import MTP_FAMILIES, mtp_head
+from helpers.layers.mtp import MTP_FAMILIES, deepseek_nextn_shapes, mtp_head
 from support import DATA
 
 PUB = DATA / "public_configs" / "aiconfigurator"
@@ -37,6 +37,9 @@ FAMILIES = [
     (PUB / "deepseek-ai--DeepSeek-V3_config.json", "deepseek_v3", "DeepseekV3ForCausalLMNextN", "model.layers.61.",
      "model.layers.61."),
     (MTP / "glm-4.5_shape.json", "glm4_moe", "Glm4MoeForCausalLMNextN", "model.layers.92.", "model.layers.92."),
+    (MTP / "glm-4.7-flash_shape.json", "glm4_moe_lite", "Glm4MoeLiteForCausalLMNextN", "model.layers.47.",
+     "model.layers.47."),
+    (MTP / "qwen3.5-27b_shape.json", "qwen3_5", "Qwen3_5ForCausalLMMTP", "mtp.", "mtp."),
     (PUB / "Qwen--Qwen3-Next-80B-A3B-Thinking_config.json", "qwen3_next", "Qwen3NextForCausalLMMTP", "mtp.", "mtp."),
     (MTP / "mimo-7b_shape.json", "mimo", "MiMoMTP", "model.mtp_layers.0.", "model.mtp_layers.0."),
     (MTP / "deepseek-v3-nextn-checkpoint_shape.json", "deepseek_v3", "DeepseekV3ForCausalLMNextN", "model.layers.0.",
@@ -153,16 +156,24 @@ def test_steps_beyond_the_head_and_the_draft_token_override():
 
 def test_the_heads_tensors_from_an_index_without_weights_and_from_real_headers(tmp_path):
     ds = PUB / "deepseek-ai--DeepSeek-V3_config.json"
-    full = [f"model.layers.61.{t}" for t in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
-                                              "shared_head.norm.weight", "input_layernorm.weight",
-                                              "self_attn.kv_a_proj_with_mqa.weight")] + ["model.embed_tokens.weight"]
+    # every tensor of DeepSeek-V3's layer 61 (MLA, 256 experts, the shared expert) as the config implies
+    full = list(deepseek_nextn_shapes(json.loads(ds.read_text()))) + ["model.embed_tokens.weight"]
+    assert len(full) == 3 * 256 + 3 + 7 + 4 + 2 + 2 + 1
     ok = folder(tmp_path, ds, "ok", index=full)
     rep = check_configs(ok, ok, spec=MTPSpec(num_steps=1, topk=1))
     assert rep.findings == [] and rep.draft_checks["facts"]["head_weights"]["missing"] == {}
     cut = folder(tmp_path, ds, "cut", index=[k for k in full if "eh_proj" not in k])
     f = one(check_configs(cut, cut, spec=MTPSpec(num_steps=1, topk=1)), "mtp_weights_missing")
     assert f["evidence"]["missing"] == {"model.layers.61.": ["model.layers.61.eh_proj.weight"]}
-    assert "keep their initial values" in f["detail"]
+    assert "keep their initial values" in f["detail"] and "eh_proj -> torch's nn.Linear random init" in f["detail"]
+    # a quantised layer stores its experts as qweight / scales: the module is there
+    q = folder(tmp_path, ds, "q", index=[k.replace("gate_proj.weight", "gate_proj.qweight") for k in full])
+    assert check_configs(q, q, spec=MTPSpec(num_steps=1, topk=1)).findings == []
+    # some experts left out of a full index: each one named, served from uninitialised memory
+    few = folder(tmp_path, ds, "few", index=[k for k in full if ".experts.7." not in k and ".experts.200." not in k])
+    f = one(check_configs(few, few, spec=MTPSpec(num_steps=1, topk=1)), "mtp_weights_missing")
+    assert len(f["evidence"]["missing"]["model.layers.61."]) == 6
+    assert "uninitialised memory (torch.empty)" in f["detail"]
     v = one(check_mtp(cut, cut, spec=MTPSpec(num_steps=1), rules=VLLMMTPRules()), "mtp_weights_missing")
     assert "Following weights were not initialized" in v["detail"]
     # a separate NextN checkpoint (num_hidden_layers 1): SGLang reads model.layers.0.*, vLLM model.layers.1.*
@@ -239,7 +250,10 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
     cases = {"ds": (ds, None), "ds_absent": (ds, lambda c: c.pop("num_nextn_predict_layers")),
              "ds_two": (ds, lambda c: c.update(num_nextn_predict_layers=2)), "glm": (MTP / "glm-4.5_shape.json", None),
              "qwen": (PUB / "Qwen--Qwen3-Next-80B-A3B-Thinking_config.json", None),
-             "nextn": (MTP / "deepseek-v3-nextn-checkpoint_shape.json", None)}
+             "nextn": (MTP / "deepseek-v3-nextn-checkpoint_shape.json", None),
+             "glm_lite": (MTP / "glm-4.7-flash_shape.json", None),
+             "glm_lite_two": (MTP / "glm-4.7-flash_shape.json", lambda c: c.update(num_nextn_predict_layers=2)),
+             "qwen35": (MTP / "qwen3.5-27b_shape.json", None)}
     folders = {}
     for name, (src, edit) in cases.items():
         def strip(c, edit=edit):          # the fp8 quantization block needs CUDA kernels to be read by SGLang
@@ -263,11 +277,13 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
             assert len(refused) == 1 and refused[0]["evidence"]["error"].startswith(
                 sg[name]["refused"].split(":")[0]) and sg[name]["refused"].split(": ", 1)[1] in refused[0]["detail"]
         else:
-            assert refused == [] and sg[name]["layers"] == (loads["layers_declared"] if name != "qwen" else 1)
+            assert refused == [] and sg[name]["layers"] == (loads["layers_declared"] if name != "qwen" else 1), name
             if "prefix" in sg[name]:
                 assert loads["prefixes"] == [sg[name]["prefix"]], name
     assert sg["ds_two"]["refused"] == "AssertionError: Only 1 nextn layer is supported"
     assert sg["nextn"]["prefix"] == "model.layers.0." and sg["qwen"]["layers"] == 1
+    assert sg["glm_lite"]["prefix"] == "model.layers.47." and sg["glm_lite_two"]["refused"].startswith("AssertionError")
+    assert sg["qwen35"]["head_class"] == "Qwen3_5ForCausalLMMTP" and sg["qwen35"]["layers"] == 1
 
 
 def test_the_draft_cost_leaves_the_targets_nextn_layer_out():
