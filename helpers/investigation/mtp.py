@@ -50,7 +50,7 @@ from ..draft.loader import OFFLINE_HEADS, load_draft
 from ..draft.nextn_stage import nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding, ProposedFix
-from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
+from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of, engine_parts_text
 from ..draft.decide import threshold
 from ..draft.attention import _rms
 from ..draft.model import target_final_norm
@@ -60,6 +60,8 @@ from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
 from ..formats.dumps import read_dump
 from .attach import mtp_not_supported
+from .engine_stage import run_engine_state
+from .probes import join_engine_state
 
 #: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
 POST_NORM = "norm(out(n-1))"
@@ -207,6 +209,7 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
         losses["engine"] = _not_computed("engine", "no live counters (--no-measure or the server returned none)")
     cause = cause_of(losses, ("draft", "wiring", "engine"))
     b = {"kind": "mtp", "settings": settings.label, "stages": stages, "losses": losses, "cause": cause,
+         "required": ("draft", "wiring", "engine"),                 # the stages cause_of decides (join_engine_state)
          "threshold": threshold(ref_al),
          "settings_check": steps_check(steps, (draft or {}).get("trained_steps") or head_layers,
                                        (draft or {}).get("stage")),
@@ -238,7 +241,8 @@ def budget_sentence(b: dict) -> str:
     loss = "; ".join(f"{k} loss {loss_text(v['delta'], v['ci'])} {v['decision']}"
                      if v.get("delta") is not None and None not in (v.get("ci") or [None, None])
                      else f"{k} {v['decision']} ({v.get('why') or v.get('basis')})" for k, v in b["losses"].items())
-    return f"NextN accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
+    pt = engine_parts_text((b["losses"].get("engine") or {}).get("parts"))    # the engine-state probes' parts
+    return f"NextN accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}." + (f" {pt}." if pt else "")
 
 
 def ranked(ident: dict) -> list[tuple[str, float]]:
@@ -400,6 +404,11 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         b["dtype"] = choice.reason
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
+    r.live = pd.DataFrame(recs) if req.live_measure else None     # the engine-state probes' cold arm
+    state = run_engine_state(r)                                      # each probe says whether it applies to a head
+    if state is not None and b is not None:
+        b = doc.acceptance = join_engine_state(b, state)
+        b["sentence"] = budget_sentence(b)
     found = state_findings(ident, (b or {}).get("losses", {}).get("wiring")) if ident is not None else []
     cause = (b or {}).get("cause")
     if cause in CAUSE_FINDINGS:
@@ -412,6 +421,7 @@ def investigate_mtp(r: Any, reference: Any) -> None:
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
                              fix=f"--speculative-num-steps {sc['trained_steps']} --speculative-eagle-topk 1 "
                                  f"--speculative-num-draft-tokens {sc['trained_steps'] + 1}", **sc))
+    found += [f for f in (state or {}).get("findings") or [] if f["kind"] not in {g["kind"] for g in found}]
     doc.findings = [Finding(**f) for f in found]
     if found and found[0]["kind"] in ("norm_mismatch", "wrong_layer", "unidentified_chunk"):
         fix = ProposedFix(kind="engine", summary=f"feed the NextN head the target's final hidden state after its "
