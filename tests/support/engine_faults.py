@@ -159,7 +159,7 @@ def factory(config: dict) -> Any:
     strength = float(config.get("strength", 1.0))
     seed = int(config.get("seed", 0))
     span = int(config.get("span", 1))
-    arm = config.get("arm")            # draft_kv_stale: acts only while this file exists (None: always)
+    arm = config.get("arm")            # draft_kv_stale, verify_swap: act only while this file exists (None: always)
     gen = torch.Generator().manual_seed(seed)
 
     def draft_kv_stale(module, inputs, output):
@@ -192,7 +192,7 @@ def factory(config: dict) -> Any:
         return None
 
     def verify_swap(module, inputs, output):
-        if not _is_target_logits(module) or len(inputs) < 4:
+        if not _is_target_logits(module) or len(inputs) < 4 or (arm is not None and not os.path.exists(arm)):
             return None
         mode = getattr(inputs[3], "forward_mode", None)
         if mode is None or mode.name != "TARGET_VERIFY":
