@@ -467,6 +467,10 @@ def mtp_sentence(doc: Any) -> str:
     if "mtp_steps_beyond_head" in kinds:
         f = doc.findings[kinds.index("mtp_steps_beyond_head")]
         return f"Settings: {f.detail}.{tail}"
+    probed = {f["kind"] for f in (doc.engine_state or {}).get("findings") or []}    # the engine-state probes'
+    if probed & set(kinds):
+        f = next(f for f in doc.findings if f.kind in probed)
+        return f"Engine state: {f.detail}.{tail}"
     if ident is None:
         return f"The hidden state the NextN head is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",
