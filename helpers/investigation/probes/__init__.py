@@ -11,6 +11,10 @@ checkpoint's, :mod:`.trace`). Each such question is one :class:`Probe` of :data:
 * ``restart`` probes start a copy of the server with other flags (``--chunked-prefill-size``, speculation off)
   within the run's restart budget, only with ``--engine-probes all`` and only when the tool can restart the server.
 
+On a server drafting with an MTP / NextN head (SGLang ``NEXTN``: :func:`.base.on_mtp_head`) each probe's own
+:attr:`Probe.mtp` says whether it applies as is, with the head run offline, or not at all (then it is skipped with its
+``mtp_why``, which cites the engine's code); the runner reads that declaration, the investigation never branches.
+
 A probe's result is one :class:`ProbeResult`: a condition's accept length against the cold one, paired per prompt
 and decided like every budget stage (:func:`helpers.draft.decide.decide`: ``counts`` / ``clear`` / ``undecided``),
 or a check with a decision of its own (greedy losslessness); its findings name the condition and the evidence.
