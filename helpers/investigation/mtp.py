@@ -348,6 +348,9 @@ def investigate_mtp(r: Any, reference: Any) -> None:
        ``--training`` folder, the draft or the target folder; the rows from ``--validation`` or the log's own);
        the served steps beyond the trained depth are ``mtp_steps_beyond_head``
        (:func:`helpers.draft.nextn_stage.steps_check`).
+    5. **engine state** -- the engine-state probes (:func:`helpers.investigation.engine_stage.run_engine_state`, the
+       capture's answers their cold arm; each probe declares whether it applies to a head: ``Probe.mtp``), joined
+       into the budget's engine stage (:func:`helpers.investigation.probes.join_engine_state`); their findings join.
 
     Verdict: ``mismatch`` when the served state is not :data:`POST_NORM` (the finding says what it is) or a loss
     counts; ``ok`` only when every stage of the budget is ``clear``; else ``undecided``.
