@@ -125,9 +125,9 @@ def _body(argv: list[str]) -> int:
         print(f"server: error: --engine {args.engine}: {why}", file=sys.stderr)
         return 2
     check_start_flags(args)                                 # all before any server (or supervisor) starts
-    if getattr(args, "trace_draft", None) and draft is None:
-        print("server: error: --trace-draft traces the served draft's proposals: give the draft too (--draft DIR or "
-              "--reference-draft); without one the server runs no speculative decoding", file=sys.stderr)
+    if getattr(args, "trace_draft", None) and draft is None and args.algorithm != "NEXTN":   # NextN: the target's head
+        print("server: error: --trace-draft traces the served draft's proposals: give the draft too (--draft DIR, "
+              "--reference-draft or --nextn); without one the server runs no speculative decoding", file=sys.stderr)
         return 2
     refuse_listener_flags(extra, args.engine, where=f"the extra {args.engine} flags after --")
     if args.state_file and not args.detach:

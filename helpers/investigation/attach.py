@@ -250,8 +250,8 @@ def mtp_not_supported(head: dict, draft_dir: Path, target_dir: Path) -> str:
             f"{s['num_steps']} steps, topk {s['topk']}, {s['num_draft_tokens']} draft tokens"
             + "".join(f" ({o['message']})" for o in s.get("overrides", []) if o["kind"] == "forced")
             + ". investigate does not "
-            "support MTP heads yet here: `investigate` runs a DeepSeek-V3-family NextN head (docs/mtp.md); the "
-            "served-draft replay of --check-draft and the heads of other families are built for EAGLE-3 drafts only "
+            "support MTP heads yet here: `investigate` and --check-draft run a DeepSeek-V3-family NextN head "
+            "(docs/mtp.md); the heads of other families are built for EAGLE-3 drafts only "
             f"(issue 37). Check its config now with: python -m helpers diagnose --draft-config {draft_dir} "
             f"--target-config {target_dir} --speculative-algorithm NEXTN")
 

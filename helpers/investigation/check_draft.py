@@ -14,7 +14,11 @@ What it runs, in order, on one deadline (``--timeout``):
 3. **the served draft's proposals** (:data:`CHECK_PROBES`, run by :func:`helpers.investigation.probes.run_probes`
    with ``only``): ``served_draft`` (a fixed 12-token prompt) and ``step_trace`` (``prompts`` of the bundled set),
    every draft step the server proposed against the checkpoint's on the very states it fed. They need the server's
-   draft step trace (``server start --trace-draft DIR``); without it both are skipped saying how to start it.
+   draft step trace (``server start --trace-draft DIR``); without it both are skipped saying how to start it. An MTP /
+   NextN head (SGLang ``NEXTN``) is checked the same way against its offline head
+   (:func:`helpers.draft.loader.load_draft` -> :class:`helpers.draft.nextn.NextNHead`: the target folder's
+   ``model.layers.{num_hidden_layers}.*``); a family with no offline head here (:data:`helpers.draft.loader.
+   OFFLINE_HEADS`) stops at the attach with one line.
 
 Verdict (``check_draft.json`` ``verdict``; :data:`EXIT` the CLI's exit code):
 
@@ -40,6 +44,7 @@ from typing import Any, Callable, Optional
 
 from ..acceptance.prompts import load_prompts
 from ..budget import Budget
+from ..draft.loader import OFFLINE_HEADS
 from ..engines.detect import detect
 from ..errors import BadInput, ServerError, describe
 from ..redaction import redact_url, url_label
@@ -191,7 +196,8 @@ def check_draft(url: str, *, run_dir: str | Path, draft: Optional[str | Path] = 
         att = attach(client, draft=draft, target=target, caveats=adapter.capture_caveats)
         doc["attach"] = att.to_json()
         progress(f"attach: {adapter.label} {att.version}, {att.algorithm}, draft {att.draft_dir} [{att.draft_source}]")
-        if att.draft_head is not None:             # an MTP / NextN head: the served-draft probes replay EAGLE-3 drafts
+        if att.draft_head is not None and att.draft_head.get("family") not in OFFLINE_HEADS:
+            # an MTP head with no offline head here; a NextN head's probes replay it (helpers.draft.nextn.NextNHead)
             raise BadInput(mtp_not_supported(att.draft_head, att.draft_dir, att.target_dir), field="draft")
         require_draft(att)
         doc["weights"] = weight_evidence(adapter, client, previous_checksum)

@@ -57,7 +57,8 @@ from .checks import run_check, static_findings
 from .inputs import Investigation
 from .attach import Attachment, attach, capture_hooks, require_draft
 from .identify import PROVENANCE, every_layer_reference as _reference, identify_stage
-from .probes import PARTIAL, ProbeContext, check_choice, join_engine_state, run_probes
+from .engine_stage import run_engine_state
+from .probes import check_choice, join_engine_state
 from .probes.sampled import check_sampling
 from .mtp import algorithm_text, investigate_mtp, mtp_sentence
 from .single_state import EAGLE1
@@ -418,31 +419,16 @@ def _stage_budget(r: Run) -> None:
 
 
 def _stage_engine_state(r: Run) -> None:
-    """The engine-state probes (:mod:`helpers.investigation.probes`): the live prompts in conditions a cold greedy
-    probe never sees (a prefix-cache hit; with ``--engine-probes all`` restarted copies: chunked prefill, the target
-    alone at temperature 0), folded into the budget's engine stage; each probe not run says why."""
-    req, doc = r.req, r.doc
-    if not (r.att.spec or {}).get("num_steps") or not req.live_measure:
-        doc.notes.append("engine-state probes not run: " + ("--no-measure (no live requests)" if not req.live_measure
-                                                            else "the server reports no speculative settings"))
+    """The engine-state probes (:func:`helpers.investigation.engine_stage.run_engine_state`): the live prompts in
+    conditions a cold greedy probe never sees (a prefix-cache hit; with ``--engine-probes all`` restarted copies:
+    chunked prefill, the target alone at temperature 0), folded into the budget's engine stage; each probe not run
+    says why."""
+    state = run_engine_state(r)
+    if state is None:
         return
-    t = r.step("engine state")
-    ctx = ProbeContext(client=r.client, adapter=r.adapter, att=r.att, run_dir=req.run_dir,
-                       prompts=load_prompts(None, n=req.measure_prompts), max_new_tokens=req.max_new_tokens, dl=r.dl,
-                       progress=r.progress, api_key=req.api_key, port=req.port, cold=r.live,
-                       sampling=req.probe_sampling)
-    try:
-        state = run_probes(ctx, req.engine_probes)
-    except BaseException:
-        doc.engine_state = ctx.extra.get(PARTIAL)     # the decisions reached before the stop, with why it stopped
-        raise
-    have = {f.kind for f in doc.findings}
-    doc.findings += [Finding(**f) for f in state["findings"] if f["kind"] not in have]
-    doc.engine_state = state
-    doc.notes += state["notes"]
-    doc.acceptance = join_engine_state(doc.acceptance, state)
-    ran = [p for p in state["probes"] if p["status"] == "ran"]
-    r.done("engine state", t, ", ".join(f"{p['probe']} {p['decision'] or 'done'}" for p in ran) or "no probe ran")
+    have = {f.kind for f in r.doc.findings}
+    r.doc.findings += [Finding(**f) for f in state["findings"] if f["kind"] not in have]
+    r.doc.acceptance = join_engine_state(r.doc.acceptance, state)
 
 
 def _stage_caveats(r: Run) -> None:

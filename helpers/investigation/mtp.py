@@ -56,7 +56,7 @@ from ..draft.mtp_weights import head_weight_findings
 from ..draft.nextn_stage import STEPS_SOURCE, nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
 from ..records import Finding
-from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of
+from ..draft.budget import _loss, _not_computed, _paired_loss, _stage, cause_of, engine_parts_text
 from ..draft.decide import threshold
 from ..draft.attention import _rms
 from ..draft.model import target_final_norm
@@ -66,6 +66,8 @@ from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
 from ..formats.dumps import read_dump
 from .attach import mtp_not_supported
+from .engine_stage import run_engine_state
+from .probes import join_engine_state
 from .single_state import EAGLE1, SingleStateDraft
 
 #: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
@@ -225,7 +227,8 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
         losses["engine"] = _not_computed("engine", "no live counters (--no-measure or the server returned none)")
     cause = cause_of(losses, ("draft", "wiring", "engine"))
     b = {"kind": p.kind, "label": p.label, "settings": settings.label, "stages": stages, "losses": losses,
-         "cause": cause, "threshold": threshold(ref_al),
+         "cause": cause, "required": ("draft", "wiring", "engine"),    # the stages cause_of decides (join_engine_state)
+         "threshold": threshold(ref_al),
          "settings_check": None if not p.steps_check else steps_check(
              steps, (draft or {}).get("trained_steps") or head_layers, (draft or {}).get("stage")),
          "draft_stage": None if not draft else {k: draft.get(k) for k in ("log", "rows", "same_rows", "why_rows",
@@ -256,7 +259,9 @@ def budget_sentence(b: dict) -> str:
     loss = "; ".join(f"{k} loss {loss_text(v['delta'], v['ci'])} {v['decision']}"
                      if v.get("delta") is not None and None not in (v.get("ci") or [None, None])
                      else f"{k} {v['decision']} ({v.get('why') or v.get('basis')})" for k, v in b["losses"].items())
-    return f"{b.get('label') or 'NextN'} accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
+    pt = engine_parts_text((b["losses"].get("engine") or {}).get("parts"))    # the engine-state probes' parts
+    return (f"{b.get('label') or 'NextN'} accept length ({b['settings']}): {parts}. {loss}. Cause: {b['cause']}."
+            + (f" {pt}." if pt else ""))
 
 
 def ranked(ident: dict) -> list[tuple[str, float]]:
@@ -385,6 +390,9 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
        ``--training`` folder, the draft or the target folder; the rows from ``--validation`` or the log's own);
        the served steps beyond the trained depth are ``mtp_steps_beyond_head``
        (:func:`helpers.draft.nextn_stage.steps_check`).
+    5. **engine state** -- the engine-state probes (:func:`helpers.investigation.engine_stage.run_engine_state`, the
+       capture's answers their cold arm; each probe declares whether it applies to a head: ``Probe.mtp``), joined
+       into the budget's engine stage (:func:`helpers.investigation.probes.join_engine_state`); their findings join.
 
     ``profile``: the single-state draft (None: the NextN head, :data:`NEXTN`; an EAGLE-1 draft on vLLM:
     :data:`helpers.investigation.single_state.EAGLE1`, attached without a ``draft_head``).
@@ -458,6 +466,11 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
         b["dtype"] = choice.reason
         doc.acceptance = b
         r.done("acceptance budget", t, b["sentence"])
+    r.live = pd.DataFrame(recs) if req.live_measure else None     # the engine-state probes' cold arm
+    state = run_engine_state(r)                                      # each probe says whether it applies to a head
+    if state is not None and b is not None:
+        b = doc.acceptance = join_engine_state(b, state)
+        b["sentence"] = budget_sentence(b)
     found = state_findings(ident, (b or {}).get("losses", {}).get("wiring"), p) if ident is not None else []
     found = _every_rank(r, found, ref, how, weight, eps, H, (b or {}).get("losses", {}).get("wiring"))
     cause = (b or {}).get("cause")
@@ -477,6 +490,7 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
         found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
                              fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc))
     found += weights
+    found += [f for f in (state or {}).get("findings") or [] if f["kind"] not in {g["kind"] for g in found}]
     doc.findings = [Finding(**f) for f in found]
     from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
     fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
@@ -554,6 +568,10 @@ def _sentence(doc: Any) -> str:
     for k in ("mtp_weights_missing", "lm_head_replaced", "embedding_replaced"):     # helpers.draft.mtp_weights
         if k in kinds:
             return f"The head's checkpoint: {doc.findings[kinds.index(k)].detail}.{tail}"
+    probed = {f["kind"] for f in (doc.engine_state or {}).get("findings") or []}    # the engine-state probes'
+    if probed & set(kinds):
+        f = next(f for f in doc.findings if f.kind in probed)
+        return f"Engine state: {f.detail}.{tail}"
     if ident is None:
         return f"The hidden state {p.who} is fed was not identified (no reference: {ref}).{tail}"
     head = {"ok": "No fault", "undecided": "No wiring fault found, but a material acceptance loss is not ruled out",

@@ -28,7 +28,9 @@ Faults (``config["fault"]``), each with a ``seed`` and a strength:
 * ``draft_kv_stale`` (``strength`` 0..1: the share of the cached prefix's draft-KV slots replaced by noise of the
   buffer's own scale): after the draft's prefill extend of a request whose prefix was already in the KV, the draft's
   KV of those slots no longer holds what the draft computed (a cache restore that brought back only the target's KV).
-  Cold requests (no prefix) are untouched.
+  Cold requests (no prefix) are untouched. The draft is found by its module (``eagle`` / ``nextn`` in its
+  path), so a NextN head's ``DeepseekModelNextN`` (``sglang/srt/models/deepseek_nextn.py``, same ``forward(input_ids,
+  positions, forward_batch)``) is hit as well, its MLA pool's ``kv_buffer`` replaced (:func:`kv_buffers`).
 * ``verify_swap`` (``strength``: the share of verified rows, picked by position): in target verify, the target's two
   best logits of a row are swapped, so verification accepts (and emits) the target's runner-up: speculation is no
   longer lossless.
@@ -127,6 +129,13 @@ def _chunk_size() -> int | None:
     return int(c) if c and int(c) > 0 else 0
 
 
+def kv_buffers(pool: Any) -> list:
+    """The per-layer KV tensors of a KV pool: ``k_buffer`` + ``v_buffer`` (``MHATokenToKVPool``: an EAGLE-3 draft's),
+    or ``kv_buffer`` (``sglang/srt/mem_cache/memory_pool.py::MLATokenToKVPool``, the latent KV of an MLA layer: a
+    DeepSeek-V3 / Kimi NextN head's own decoder layer)."""
+    return [b for name in ("k_buffer", "v_buffer", "kv_buffer") for b in (getattr(pool, name, None) or [])]
+
+
 def spec(fault: str, *, strength: float, seed: int = 0, **extra: Any) -> dict:
     """The ``--forward-hooks`` spec of one fault (the inner ``model`` and the logits processor of both models; the
     hook picks its model); ``extra``: more config (``span`` of ``chunk_boundary_token``)."""
@@ -150,10 +159,11 @@ def factory(config: dict) -> Any:
     strength = float(config.get("strength", 1.0))
     seed = int(config.get("seed", 0))
     span = int(config.get("span", 1))
+    arm = config.get("arm")            # draft_kv_stale, verify_swap: act only while this file exists (None: always)
     gen = torch.Generator().manual_seed(seed)
 
     def draft_kv_stale(module, inputs, output):
-        if not _is_draft(module) or len(inputs) < 3:
+        if not _is_draft(module) or len(inputs) < 3 or (arm is not None and not os.path.exists(arm)):
             return None
         fb = inputs[2]
         mode = getattr(fb, "forward_mode", None)
@@ -175,14 +185,14 @@ def factory(config: dict) -> Any:
                 slots = slots[pick]
                 if not len(slots):
                     continue
-                for buf in list(getattr(pool, "k_buffer", [])) + list(getattr(pool, "v_buffer", [])):
+                for buf in kv_buffers(pool):
                     scale = buf[slots].float().pow(2).mean().sqrt().clamp_min(1e-6)
                     noise = torch.randn(buf[slots].shape, generator=gen) * scale
                     buf[slots] = noise.to(buf.dtype)
         return None
 
     def verify_swap(module, inputs, output):
-        if not _is_target_logits(module) or len(inputs) < 4:
+        if not _is_target_logits(module) or len(inputs) < 4 or (arm is not None and not os.path.exists(arm)):
             return None
         mode = getattr(inputs[3], "forward_mode", None)
         if mode is None or mode.name != "TARGET_VERIFY":

@@ -11,6 +11,10 @@ checkpoint's, :mod:`.trace`). Each such question is one :class:`Probe` of :data:
 * ``restart`` probes start a copy of the server with other flags (``--chunked-prefill-size``, speculation off)
   within the run's restart budget, only with ``--engine-probes all`` and only when the tool can restart the server.
 
+On a server drafting with an MTP / NextN head (SGLang ``NEXTN``: :func:`.base.on_mtp_head`) each probe's own
+:attr:`Probe.mtp` says whether it applies as is, with the head run offline, or not at all (then it is skipped with its
+``mtp_why``, which cites the engine's code); the runner reads that declaration, the investigation never branches.
+
 A probe's result is one :class:`ProbeResult`: a condition's accept length against the cold one, paired per prompt
 and decided like every budget stage (:func:`helpers.draft.decide.decide`: ``counts`` / ``clear`` / ``undecided``),
 or a check with a decision of its own (greedy losslessness); its findings name the condition and the evidence.
@@ -26,7 +30,8 @@ from typing import Optional, Sequence
 from ...draft.budget import REQUIRED_STAGES, budget_sentence, cause_of
 from ...errors import AuthError, BadInput, CacheBusy, EndpointMissing, RequestRejected, ServerError, ServerTimeout
 from ...runfiles import jsonable
-from .base import CHOICES, ENGINE_PARTS, Probe, ProbeContext, ProbeResult, paired_condition_loss
+from .base import (CHOICES, ENGINE_PARTS, MTP_USES, Probe, ProbeContext, ProbeResult, on_mtp_head,
+                   paired_condition_loss)
 from .cache import CHUNKED_PREFILL, RADIX_HIT
 from .hicache import HICACHE_HIT
 from .integrity import INVARIANT_CHECK, KV_CANARY
@@ -136,6 +141,8 @@ def _one(p: Probe, ctx: ProbeContext, which: str, server_errors: bool = False) -
         skip = (f"not asked for (--engine-probes {which}; " +
                 ("--engine-probes cheap runs it)" if p.cost == "cheap" else "--engine-probes all runs it: it "
                  "restarts a copy of the server)"))
+    elif p.mtp == "no" and on_mtp_head(ctx):
+        skip = f"does not apply to an MTP / NextN head: {p.mtp_why}"
     elif p.cost == "restart" and getattr(ctx.att, "restart", None) is None:
         skip = ("this server cannot be restarted by the tool (start it with `python -m helpers server start` or "
                 "pass --relaunch)")
@@ -161,6 +168,8 @@ def _one(p: Probe, ctx: ProbeContext, which: str, server_errors: bool = False) -
         res = ProbeResult(p.name, p.cost, p.condition, status="failed", why=str(exc).splitlines()[0][:400])
     res.seconds = round(time.monotonic() - t, 2)
     res.part = p.part
+    if on_mtp_head(ctx) and res.status == "ran":       # how it ran on the head, with the engine's code that says so
+        res.evidence["mtp"] = {"use": p.mtp, "why": p.mtp_why}
     return res
 
 
@@ -219,6 +228,6 @@ def probe_line(r: dict) -> str:
     return f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}"
 
 
-__all__ = ["ANSWERED", "CHOICES", "ENGINE_PARTS", "PARTIAL", "RESERVE_S", "Probe", "ProbeContext", "ProbeResult",
-           "check_choice", "engine_parts", "join_engine_state", "least_timeout", "paired_condition_loss", "probe_line",
-           "probes", "run_probes"]
+__all__ = ["ANSWERED", "CHOICES", "ENGINE_PARTS", "MTP_USES", "PARTIAL", "RESERVE_S", "Probe", "ProbeContext",
+           "ProbeResult", "check_choice", "engine_parts", "join_engine_state", "least_timeout", "on_mtp_head",
+           "paired_condition_loss", "probe_line", "probes", "run_probes"]

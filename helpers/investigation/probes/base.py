@@ -132,6 +132,11 @@ class Probe:
             run has less time left).
         part: the part of the engine stage it decides (one of :data:`ENGINE_PARTS`), or None (a note only:
             ``repeatable``).
+        mtp: how it stands on a server drafting with an MTP / NextN head (the target's own extra layer, SGLang
+            ``--speculative-algorithm NEXTN``: :func:`on_mtp_head`), one of :data:`MTP_USES`: ``as is``, ``offline
+            head`` (it runs the draft offline: :func:`helpers.draft.loader.load_draft` gives the head,
+            :class:`helpers.draft.nextn.NextNHead`) or ``no`` (the runner skips it there); mtp_why: why, citing the
+            engine's code (shown when skipped, kept in the result's ``evidence.mtp`` when run).
     """
 
     name: str
@@ -142,6 +147,22 @@ class Probe:
     applies: Callable[[ProbeContext], Optional[str]] = lambda ctx: None
     estimate_s: Callable[[ProbeContext], float] = lambda ctx: 10.0
     part: Optional[str] = None
+    mtp: str = "as is"
+    mtp_why: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mtp not in MTP_USES:
+            raise ValueError(f"probe {self.name}: mtp must be one of {MTP_USES}, got {self.mtp!r}")
+
+
+#: :attr:`Probe.mtp` values
+MTP_USES = ("as is", "offline head", "no")
+
+
+def on_mtp_head(ctx: Any) -> bool:
+    """Whether the probed server drafts with an MTP / NextN head (the attach named one: ``att.draft_head``,
+    :func:`helpers.investigation.attach.attach`)."""
+    return getattr(getattr(ctx, "att", None), "draft_head", None) is not None
 
 
 def paired_condition_loss(name: str, cold: pd.DataFrame, cond: pd.DataFrame, basis: str) -> dict:

@@ -40,6 +40,13 @@ from ...draft.simulate import summary
 from .base import Probe, ProbeContext, ProbeResult, paired_condition_loss, send_greedy
 
 
+#: why the cache probes apply to an MTP / NextN head as they are (SGLang 0.5.23)
+MTP_KV = ("the head's KV is its own decoder layer's (sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN: one "
+          "DeepseekV2DecoderLayer, layer id 0 of the draft runner's MLA pool), allocated on the target's "
+          "req_to_token slots (sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker.alloc_memory_pool): a prefix "
+          "hit reuses it with the target's, as an EAGLE-3 draft's")
+
+
 def cold_arm(ctx: ProbeContext) -> tuple[pd.DataFrame, list[list[int]]]:
     """The live prompts measured cold on the server: ``/flush_cache`` before each request, greedy, one at a time;
     ``(per-request frame, output ids per prompt)``. Kept in ``ctx.extra["cold"]`` so the probes of one run share it
@@ -242,8 +249,12 @@ def _chunked_run(ctx: ProbeContext) -> ProbeResult:
 RADIX_HIT = Probe("radix_hit", "cheap", "with the prompt's prefix in the radix cache",
                   "does the draft accept less when the prompt's KV comes from the prefix cache?", _radix_run,
                   applies=_radix_applies,
-                  estimate_s=lambda ctx: 3.0 + 0.1 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state")
+                  estimate_s=lambda ctx: 3.0 + 0.1 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state",
+                  mtp_why=MTP_KV)
 CHUNKED_PREFILL = Probe("chunked_prefill", "restart", "with the prompt prefilled in chunks shorter than it",
                         "does the draft accept less when the prompt crosses prefill chunk borders?", _chunked_run,
                         applies=_chunked_applies,
-                        estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state")
+                        estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state",
+                        mtp_why=MTP_KV + "; its prefill extend feeds the head the ids shifted left by one across each "
+                                "chunk as for EAGLE (NEXTN runs as EAGLE: eagle_worker_v2.py::EagleDraftWorker."
+                                "_draft_extend_for_prefill)")

@@ -203,4 +203,8 @@ def _run(ctx: ProbeContext) -> ProbeResult:
 HICACHE_HIT = Probe("hicache_hit", "restart", "with the prompt's prefix loaded back from the host-memory cache tier",
                     "does the draft accept less when the prompt's KV was evicted to host memory and loaded back?",
                     _run, applies=_applies,
-                    estimate_s=lambda ctx: 120.0 + 0.15 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state")
+                    estimate_s=lambda ctx: 120.0 + 0.15 * len(ctx.prompts) * ctx.max_new_tokens, part="cache state",
+                    mtp_why="a NextN head's KV pool is backed up and loaded back PACKED with the target's pages, not "
+                            "as an EAGLE-3 sidecar (sglang/srt/speculative/base_spec_worker.py::_can_pack_hicache_mtp, "
+                            "BaseSpecWorker._build_hicache_draft_plan: HiCacheDraftMode.PACKED): the same question, "
+                            "another restore path")

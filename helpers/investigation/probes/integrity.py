@@ -299,17 +299,24 @@ def _run(switch: str):
     return run
 
 
+#: why the integrity switches apply to an MTP / NextN head's server as they are (SGLang 0.5.23)
+INTEGRITY_MTP = ("the checks are installed on every model runner, the head's draft runner too "
+                 "(sglang/srt/model_executor/model_runner.py::ModelRunner._init_post_memory_pool_components -> "
+                 "kv_canary/api.py::install_canary), and NEXTN runs as EAGLE (ids rotated by one in the draft pool)")
+
+
 def _estimate(ctx: ProbeContext) -> float:
     return 90.0 + 0.1 * len(ctx.prompts) * ctx.max_new_tokens
 
 
 KV_CANARY = Probe("kv_canary", "restart", "with the engine's KV canary on",
                   "does the engine's KV canary find a KV slot holding other than its token's KV?", _run("kv_canary"),
-                  applies=_applies("kv_canary"), estimate_s=_estimate, part="cache state")
+                  applies=_applies("kv_canary"), estimate_s=_estimate, part="cache state",
+                  mtp_why=INTEGRITY_MTP)
 INVARIANT_CHECK = Probe("invariant_check", "restart", "with the engine's invariant checks on",
                         "do the engine's invariant checks (KV pool accounting, KV pages, value invariants) fire?",
                         _run("invariant_check"), applies=_applies("invariant_check"), estimate_s=_estimate,
-                        part="cache state")
+                        part="cache state", mtp_why=INTEGRITY_MTP)
 BY_NAME = {p.name: p for p in (KV_CANARY, INVARIANT_CHECK)}
 
 __all__ = ["INVARIANT_CHECK", "KV_CANARY", "SWITCHES", "decide", "last_error_line", "read_log", "scan_log"]

@@ -137,6 +137,9 @@ def _applies(ctx: ProbeContext) -> Optional[str]:
 GREEDY_LOSSLESS = Probe("greedy_lossless", "restart", "against the target alone at temperature 0",
                         "does speculation at temperature 0 emit the target's own greedy tokens?", _run,
                         applies=_applies, estimate_s=lambda ctx: 90.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens,
-                        part="verification")
+                        part="verification",
+                        mtp_why="the copy drops every --speculative-* flag, the head with them: the target alone "
+                                "decodes (a NextN head is no model of its own: sglang/srt/models/deepseek_nextn.py::"
+                                "DeepseekV3ForCausalLMNextN is built only for the draft runner)")
 
 __all__ = ["GREEDY_LOSSLESS", "NEAR_TIE", "classify", "first_divergence", "top2"]

@@ -62,6 +62,13 @@ def _ci(values: list[float], seed: int = 0, n_boot: int = 2000) -> tuple[float, 
     return float(v.mean()), float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
 
 
+#: why the oracle does not apply to an MTP / NextN head's server (its DeepSeek-V3-family target)
+SELF_DRAFT_IS_HEAD = ("the oracle serves the target as its own draft, and SGLang 0.5.23 loads a DeepseekV3ForCausalLM "
+                      "draft as DeepseekV3ForCausalLMNextN (sglang/srt/configs/model_config.py::ModelConfig."
+                      "_config_draft_model, whatever the algorithm): the copy would draft with the NextN head again, "
+                      "not a perfect draft")
+
+
 def _applies(ctx: ProbeContext) -> Optional[str]:
     if ctx.adapter.oracle_flags() is None:
         return f"{ctx.adapter.label}'s self-drafting algorithm was not read by this tool"
@@ -107,4 +114,5 @@ def _run(ctx: ProbeContext) -> ProbeResult:
 
 ORACLE = Probe("oracle", "restart", "with a perfect draft (the target drafting for itself)",
                "does verification accept every token of a draft that is the target itself?", _run, applies=_applies,
-               estimate_s=lambda ctx: 90.0 + 0.08 * len(ctx.prompts) * ctx.max_new_tokens, part="verification")
+               estimate_s=lambda ctx: 90.0 + 0.08 * len(ctx.prompts) * ctx.max_new_tokens, part="verification",
+               mtp="no", mtp_why=SELF_DRAFT_IS_HEAD)

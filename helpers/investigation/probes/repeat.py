@@ -20,4 +20,5 @@ def _run(ctx: ProbeContext) -> ProbeResult:
 REPEATABLE = Probe("repeatable", "cheap", "the same greedy request twice",
                    "does the server answer the same greedy request the same way twice?", _run,
                    applies=lambda ctx: None if ctx.prompts else "no live prompt",
-                   estimate_s=lambda ctx: 1.0 + 0.05 * ctx.max_new_tokens)
+                   estimate_s=lambda ctx: 1.0 + 0.05 * ctx.max_new_tokens,
+                   mtp_why="the same greedy request sent twice: nothing of the draft's kind is read")

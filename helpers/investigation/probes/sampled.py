@@ -319,7 +319,11 @@ SAMPLED_VERIFY = Probe("sampled_verify", "cheap", "at temperature > 0 (sampled a
                        "does verification at temperature > 0 accept exactly the drafts that are the tokens it emits?",
                        _run, applies=_applies,
                        estimate_s=lambda ctx: 3.0 + 0.05 * len(ctx.prompts) * ctx.max_new_tokens,
-                       part="verification")
+                       part="verification", mtp="offline head",
+                       mtp_why="the head runs offline on the served states of the sampled answers "
+                               "(helpers.draft.loader.load_draft -> helpers.draft.nextn.NextNHead, "
+                               "sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.forward); NEXTN verifies as "
+                               "EAGLE (sglang/srt/arg_groups/speculative_hook.py::_resolve_speculative_algorithm_alias)")
 
 __all__ = ["DEFAULT_SAMPLING", "SAMPLED_VERIFY", "check_sampling", "greedy_adjusted", "per_prompt_gap",
            "probe_sampling",

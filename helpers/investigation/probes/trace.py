@@ -45,6 +45,13 @@ from .base import Probe, ProbeContext, ProbeResult
 # probe sends the same (helpers.acceptance.lifecycle)
 
 
+#: why the trace probes run on an MTP / NextN head with its offline head (SGLang 0.5.23)
+MTP_TRACE = ("the trace hook records the head's logits processor (SGLang renames a DeepseekV3ForCausalLM draft "
+             "DeepseekV3ForCausalLMNextN: sglang/srt/configs/model_config.py::ModelConfig._config_draft_model; no d2t: "
+             "the head drafts in the target's vocabulary), compared with the head run offline "
+             "(helpers.draft.loader.load_draft -> helpers.draft.nextn.NextNHead)")
+
+
 def _applies(ctx: ProbeContext) -> Optional[str]:
     why = ctx.adapter.trace_unavailable(ctx.client)
     if why is not None:
@@ -161,9 +168,13 @@ def _served_applies(ctx: ProbeContext) -> Optional[str]:
 STEP_TRACE = Probe("step_trace", "cheap", "the served draft step by step on the live prompts",
                    "does the served draft propose, step by step, what its checkpoint proposes on the same states?",
                    _step_trace_run, applies=_applies,
-                   estimate_s=lambda ctx: 5.0 + 0.15 * len(ctx.prompts) * ctx.max_new_tokens, part="draft computation")
+                   estimate_s=lambda ctx: 5.0 + 0.15 * len(ctx.prompts) * ctx.max_new_tokens, part="draft computation",
+                   mtp="offline head", mtp_why=MTP_TRACE)
 SERVED_DRAFT = Probe("served_draft", "cheap", "the served draft on a fixed input",
                      "is the served draft its checkpoint (its step-1 proposals on a fixed prompt)?",
-                     _served_draft_run, applies=_served_applies, estimate_s=lambda ctx: 8.0, part="served weights")
+                     _served_draft_run, applies=_served_applies, estimate_s=lambda ctx: 8.0, part="served weights",
+                     mtp="offline head", mtp_why=MTP_TRACE + "; the served weights are the target checkpoint's extra "
+                     "layer model.layers.{num_hidden_layers}.* (deepseek_nextn.py::DeepseekV3ForCausalLMNextN."
+                     "load_weights), so a weight update of the target reaches them only through the draft worker")
 
 __all__ = ["FIXED_PROMPT", "SERVED_DRAFT", "STEP_TRACE", "checkpoint_draft", "trace_dir", "traced"]

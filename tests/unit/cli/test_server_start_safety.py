@@ -155,3 +155,15 @@ def test_a_trace_without_a_draft_is_refused(tmp_path, capsys, no_launch):
     rc = main(["server", "start", "--target", str(_target(tmp_path)), "--trace-draft", str(tmp_path / "t")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "give the draft too" in err[0] and no_launch == []
+
+
+def test_a_trace_of_a_nextn_head_needs_no_draft(tmp_path, capsys, no_launch):
+    """``--nextn`` serves the target's own NextN layer as the draft: ``--trace-draft`` is taken without ``--draft``
+    (the launch is reached, carrying the trace hook with no d2t folder: the head drafts in the target's vocabulary)."""
+    rc = main(["server", "start", "--target", str(ROOT / "env" / "models" / "kimi" / "target"), "--nextn",
+               "--trace-draft", str(tmp_path / "t")])
+    capsys.readouterr()
+    assert rc != 0 and len(no_launch) == 1, no_launch              # the launch itself is refused by the fixture
+    launched = json.dumps(no_launch, default=str)
+    assert "helpers.trace_hooks:draft_trace_factory" in launched and str(tmp_path / "t") in launched, launched
+    assert "NEXTN" in launched

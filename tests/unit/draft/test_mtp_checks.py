@@ -222,15 +222,19 @@ def test_diagnose_cli_and_investigate_against_an_mtp_server(tmp_path, capsys):
         rc = main(["investigate", "--url", url, "--training", str(REPO / "env" / "models" / "kimi" / "data" / "sample"),
                    "--out", str(tmp_path / "runs")])
         err = capsys.readouterr().err.strip().splitlines()[-1]
-        # --check-draft replays the served draft's proposals: the same line, never a replay of a head it cannot run
+        # --check-draft replays the head's proposals (its offline head, helpers.draft.nextn): this server runs no
+        # draft step trace, so both probes are skipped saying how to start one, and the check is undecided (exit 3)
         rc2 = main(["investigate", "--url", url, "--check-draft", "--out", str(tmp_path / "checks")])
-        err2 = capsys.readouterr().err.strip().splitlines()[-1]
+        out2 = capsys.readouterr()
+        check = json.loads(next((tmp_path / "checks").glob("*/check_draft.json")).read_text())
     # investigate runs a DeepSeek-V3 NextN head (helpers.investigation.mtp): past the attach, the fake server's
     # 48-wide hidden states are refused as no state of a 128-wide target; --check-draft still stops at the attach
-    assert rc == rc2 == 2
+    assert rc == 2 and rc2 == 3, out2
     assert "the served hidden states are [48] wide, the target's hidden size is 128" in err
-    assert err2.startswith("investigate: error: [draft]: the server's draft is an MTP / NextN head")
-    assert "investigate does not support MTP heads yet here" in err2 and "unsupported_draft" not in err2
+    assert check["verdict"] == "undecided" and check["attach"]["draft_head"]["class"] == "DeepseekV3ForCausalLMNextN"
+    assert [(p["probe"], p["status"]) for p in check["engine_state"]["probes"]] == \
+        [("served_draft", "skipped"), ("step_trace", "skipped")], check["engine_state"]
+    assert all("--trace-draft" in p["why"] for p in check["engine_state"]["probes"]), check["engine_state"]
     doc = json.loads(next((tmp_path / "runs").glob("*/investigation.json")).read_text())
     head = doc["attach"]["draft_head"]
     assert head["class"] == "DeepseekV3ForCausalLMNextN" and "model.layers.8." in head["source"]

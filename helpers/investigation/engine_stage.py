@@ -1,0 +1,47 @@
+"""The investigation's ``engine state`` stage, one implementation for every draft: the engine-state probes
+(:mod:`helpers.investigation.probes`) run on the live server with the acceptance budget's live answers as their cold
+arm. The EAGLE-3 stages (:mod:`helpers.investigation.live`) and the MTP / NextN head's
+(:func:`helpers.investigation.mtp.investigate_mtp`) both call :func:`run_engine_state` and fold its result into their
+budget's engine stage (:func:`helpers.investigation.probes.join_engine_state`). Which probe applies to which draft is
+each probe's own declaration (:attr:`helpers.investigation.probes.Probe.mtp`), never a branch here.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..acceptance.prompts import load_prompts
+from .probes import PARTIAL, ProbeContext, run_probes
+
+
+def run_engine_state(r: Any) -> Optional[dict]:
+    """Run the probes ``r.req.engine_probes`` asks for on the server of the run ``r``
+    (:class:`helpers.investigation.live.Run`: its attach has run; ``r.live`` the budget's live per-request frame, the
+    probes' cold arm, or None) and record them: ``r.doc.engine_state`` and the probes' notes. Returns
+    :func:`helpers.investigation.probes.run_probes`'s state, or None with a note when no probe can run (``--no-measure``:
+    no live requests; a server without speculative settings).
+
+    Raises: what :func:`run_probes` propagates (the run's deadline, a signal), after recording the probes that
+    finished (``r.doc.engine_state``, with why it stopped)."""
+    req, doc = r.req, r.doc
+    if not (r.att.spec or {}).get("num_steps") or not req.live_measure:
+        doc.notes.append("engine-state probes not run: " + ("--no-measure (no live requests)" if not req.live_measure
+                                                            else "the server reports no speculative settings"))
+        return None
+    t = r.step("engine state")
+    ctx = ProbeContext(client=r.client, adapter=r.adapter, att=r.att, run_dir=req.run_dir,
+                       prompts=load_prompts(None, n=req.measure_prompts), max_new_tokens=req.max_new_tokens, dl=r.dl,
+                       progress=r.progress, api_key=req.api_key, port=req.port, cold=r.live,
+                       sampling=req.probe_sampling)
+    try:
+        state = run_probes(ctx, req.engine_probes)
+    except BaseException:
+        doc.engine_state = ctx.extra.get(PARTIAL)     # the decisions reached before the stop, with why it stopped
+        raise
+    doc.engine_state = state
+    doc.notes += state["notes"]
+    ran = [p for p in state["probes"] if p["status"] == "ran"]
+    r.done("engine state", t, ", ".join(f"{p['probe']} {p['decision'] or 'done'}" for p in ran) or "no probe ran")
+    return state
+
+
+__all__ = ["run_engine_state"]
