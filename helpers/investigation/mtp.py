@@ -366,7 +366,7 @@ NEXTN = SingleStateDraft(
     kind="mtp", who="the NextN head", label="NextN", engine="SGLang", feed_source=FEED_SOURCE, fix_source=FIX_SOURCE,
     live_source="SGLang meta_info (spec_verify_ct, completion_tokens) of the same /generate answers",
     capture="/generate return_hidden_states", draft_stage=nextn_draft_stage, steps_check=True,
-    title="MTP / NextN head live investigation", engine_rule=True)
+    title="MTP / NextN head live investigation", engine_rule=True, weights_check=True)
 
 
 def profile_of(kind: Optional[str]) -> SingleStateDraft:
@@ -442,16 +442,8 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
     r.done("diagnosis", t, "no reference: the served state is not identified" if ident is None else
            f"served state = {state_line(ident)}")
     b = None
-    try:
-        weights = head_weight_findings(att.draft_dir, att.target_dir,  # what the engine made of the checkpoint
-                                       r.adapter.loader_rules(att.version).mtp_rules())
-    except BadInput as e:
-        weights = []
-        doc.notes.append(f"the head's weights were not checked: {e}")
+    weights = _head_weights(r, p)
     unloadable = [f for f in weights if f["kind"] == "mtp_weights_missing"]
-    if unloadable:
-        doc.notes.append("no acceptance budget: the engine serves the head's missing tensors as allocated (the "
-                         "finding says how), which the offline head cannot reproduce")
     if req.acceptance_budget and not unloadable:
         t = r.step("acceptance budget")
         choice = choose_dtype(server_dtype(att.info, read_config_json(att.draft_dir / "config.json", "draft config")),
@@ -481,14 +473,7 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
                                     "same answers"))
     sc = (b or {}).get("settings_check")
     if sc:
-        if r.adapter.mtp_steps_source:                 # the serving engine's rule, not SGLang's
-            sc = {**sc, "source": sc["source"].replace(STEPS_SOURCE, r.adapter.mtp_steps_source)}
-        n = sc["trained_steps"]        # the fix in the serving engine's own flags (vLLM: num_speculative_tokens)
-        flags = r.adapter.fix_flags(SimpleNamespace(server_args={"--speculative-num-steps": n,
-                                                                 "--speculative-eagle-topk": 1,
-                                                                 "--speculative-num-draft-tokens": n + 1}))
-        found.append(finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
-                             fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc))
+        found.append(_steps_finding(r, sc))
     found += weights
     found += [f for f in (state or {}).get("findings") or [] if f["kind"] not in {g["kind"] for g in found}]
     doc.findings = [Finding(**f) for f in found]
@@ -503,6 +488,37 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
 
 #: the findings that say the head is fed a wrong state (rank 0's, or another rank's: :mod:`.mtp_ranks`)
 STATE_KINDS = ("norm_mismatch", "wrong_layer", "unidentified_chunk", "tp_partial_sum", "tp_sharded_width")
+
+
+def _head_weights(r: Any, p: SingleStateDraft) -> list[dict]:
+    """What the engine made of the head's checkpoint (:func:`helpers.draft.mtp_weights.head_weight_findings` under the
+    serving engine's loader rules), for a profile whose draft is the target's MTP head (:attr:`SingleStateDraft.
+    weights_check`); a note when it cannot be checked, and one when missing tensors leave no budget to run."""
+    if not p.weights_check:
+        return []
+    att = r.att
+    try:
+        weights = head_weight_findings(att.draft_dir, att.target_dir, r.adapter.loader_rules(att.version).mtp_rules())
+    except BadInput as e:
+        r.doc.notes.append(f"the head's weights were not checked: {e}")
+        return []
+    if any(f["kind"] == "mtp_weights_missing" for f in weights):
+        r.doc.notes.append("no acceptance budget: the engine serves the head's missing tensors as allocated (the "
+                           "finding says how), which the offline head cannot reproduce")
+    return weights
+
+
+def _steps_finding(r: Any, sc: dict) -> dict:
+    """``mtp_steps_beyond_head`` of the settings check ``sc`` (:func:`helpers.draft.nextn_stage.steps_check`), its
+    source and fix in the serving engine's own rule and flags (vLLM: ``num_speculative_tokens``)."""
+    if r.adapter.mtp_steps_source:                     # the serving engine's rule, not SGLang's
+        sc = {**sc, "source": sc["source"].replace(STEPS_SOURCE, r.adapter.mtp_steps_source)}
+    n = sc["trained_steps"]
+    flags = r.adapter.fix_flags(SimpleNamespace(server_args={"--speculative-num-steps": n,
+                                                             "--speculative-eagle-topk": 1,
+                                                             "--speculative-num-draft-tokens": n + 1}))
+    return finding("mtp_steps_beyond_head", None, steps_text(sc), stage="settings",
+                   fix=" ".join(f"{k} {v}" for k, v in flags.items()), **sc)
 
 
 def _every_rank(r: Any, found: list[dict], ref: Any, how: str, weight: torch.Tensor, eps: float, H: int,

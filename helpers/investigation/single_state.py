@@ -47,6 +47,8 @@ class SingleStateDraft:
             (``EngineAdapter.mtp_fed_state``: an MTP head, whose rule differs per engine and family); False when the
             profile's own rule holds (:attr:`expected`, :attr:`feed_source`, :attr:`engine`).
         expected: the served-state candidate the profile's own rule feeds (``norm(out(n-1))``: after the final norm).
+        weights_check: whether the draft's weights are the target's MTP layer, checked against what the engine loads
+            (``helpers.draft.mtp_weights``: own copies, missing tensors).
     """
     kind: str
     who: str
@@ -61,6 +63,7 @@ class SingleStateDraft:
     title: str
     engine_rule: bool = False
     expected: str = "norm(out(n-1))"
+    weights_check: bool = False
 
     def fed_state(self, adapter: Any, family: Optional[str]) -> tuple[str, str, str]:
         """``(expected candidate, source, engine label)``: what the serving engine feeds this draft. With
