@@ -457,6 +457,13 @@ def _stage_measure_fix(r: Run) -> None:
         r.done("relaunch", t, _measured_text(doc.measured))
 
 
+#: what a before / after measurement of a fix keeps of the summary of :func:`helpers.acceptance.measure` (the EAGLE-3
+#: relaunch here and the NextN one, :func:`helpers.investigation.mtp_fix.measure_fix`)
+MEASURE_KEEP = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
+                "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests", "n_failed", "num_steps", "topk",
+                "num_draft_tokens", "algorithm", "machine")
+
+
 def not_measured(doc: InvestigationDoc, fix: ProposedFix, *, withdrawn: Optional[str], apply_fix: bool,
                  measured_by: Optional[str], not_applied: str, restartable: bool) -> Optional[dict]:
     """``investigation.json`` ``measured`` when the fix is not measured, saying why; None when it is to be applied
@@ -688,9 +695,7 @@ def _apply_and_measure(r: Run, fix: ProposedFix) -> dict:
         fixed.close()
     finally:
         handle.stop()
-    keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests", "n_failed", "num_steps", "topk",
-            "num_draft_tokens", "algorithm", "machine")
+    keep = MEASURE_KEEP
     local = is_local_url(att.url) and is_local_url(handle.url)
     return {"before": {k: before.summary.get(k) for k in keep}, "after": {k: after.summary.get(k) for k in keep},
             "effect": effect, "prompts": req.measure_prompts, "max_new_tokens": req.max_new_tokens,

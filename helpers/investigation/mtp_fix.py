@@ -36,7 +36,7 @@ from ..draft.simulate import DraftSettings, SimSequence, simulate_sequences, sum
 from ..formats.configs import read_target_config
 from ..records import ProposedFix
 from ..server.hosts import is_local_url
-from .live import not_measured
+from .live import MEASURE_KEEP, not_measured
 from .mtp import FIX_SOURCE, POST_NORM, STATE_KINDS
 
 #: where the one head reused at every draft step is read (the settings fix's evidence)
@@ -272,10 +272,7 @@ def measure_fix(r: Any, fix: ProposedFix) -> dict:
         fixed.close()
     finally:
         handle.stop()
-    keep = ("accept_length", "accept_length_lo", "accept_length_hi", "accept_rate", "accept_rate_lo",
-            "accept_rate_hi", "tok_s", "tok_s_lo", "tok_s_hi", "n_requests", "n_failed", "num_steps", "topk",
-            "num_draft_tokens", "algorithm", "machine")
-    b, a = {k: before.summary.get(k) for k in keep}, {k: after.summary.get(k) for k in keep}
+    b, a = {k: before.summary.get(k) for k in MEASURE_KEEP}, {k: after.summary.get(k) for k in MEASURE_KEEP}
     trained = next((f.evidence.get("trained_steps") for f in r.doc.findings if f.kind == "mtp_steps_beyond_head"),
                    None)
     again = steps_check(int(steps_after), trained, None) if steps_after is not None else None
