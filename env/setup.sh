@@ -17,6 +17,10 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 command -v "$PY" >/dev/null || die "no Python interpreter '$PY' (set PYTHON=...)"
 # The two server environments install beside the suite's (three pip runs at once: on 2 cores ~40 % less wall time
 # than one after the other; each script logs with its own prefix and has its own venv and stamp).
+if [ -n "${VLLM_EXTRA:-}" ]; then   # refused before any install starts
+  [ "$VLLM_EXTRA" != "0.32.0" ] || die "VLLM_EXTRA=0.32.0 is the release env/vllm/.venv always gets; VLLM_EXTRA names an older one (env/vllm/README.md, \"Other releases\")"
+  VLLM_VERSION="$VLLM_EXTRA" "$ROOT/env/vllm/install.sh" --check-version || die "VLLM_EXTRA=$VLLM_EXTRA: not a release env/vllm/install.sh builds"
+fi
 declare -A JOBS=()
 if [ "${SKIP_SGLANG:-0}" != "1" ]; then
   "$ROOT/env/reference/install.sh" & JOBS[env/reference/install.sh]=$!

