@@ -379,7 +379,8 @@ class SGLangAdapter(EngineAdapter):
         limit, pool = count("max_req_input_len"), count("max_total_num_tokens")
         how = "/server_info max_req_input_len"
         if limit is None and pool is not None:
-            limit, how = min(ctx - 1, pool - 1) - 5, f"min(context {ctx} - 1, /server_info max_total_num_tokens {pool} - 1) - 5"
+            limit = min(ctx - 1, pool - 1) - 5
+            how = f"min(context {ctx} - 1, /server_info max_total_num_tokens {pool} - 1) - 5"
         if limit is not None and limit - 1 < max_prompt:
             max_prompt = max(limit - 1, 0)
             prompt_source = (f"sglang/srt/managers/utils.py::validate_input_length, a prompt of max_req_input_len = "

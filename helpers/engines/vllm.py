@@ -464,8 +464,8 @@ class VLLMAdapter(EngineAdapter):
             return None
         return ContextRule(tokens=ctx, reserved=0, max_prompt=ctx - 1, clamps=True,
                            source="vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens",
-                           no_room_source="vllm/sampling_params.py::SamplingParams._verify_args, 'max_tokens must be at "
-                                          "least 1' once max_tokens is cut to 0,")
+                           no_room_source="vllm/sampling_params.py::SamplingParams._verify_args, 'max_tokens must "
+                                          "be at least 1' once max_tokens is cut to 0,")
 
     def sampled_verify_refusal(self, info: dict) -> Optional[str]:
         """A ``draft_sample_method`` other than greedy (the draft samples its proposals) or a
