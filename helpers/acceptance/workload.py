@@ -182,8 +182,15 @@ def _sampling(kind: str, body: Mapping[str, Any], default_max_new_tokens: int,
         ignored += [_escape(k) for k in body if k not in skip]
     else:
         content = {"messages"} if kind == "chat" else {"prompt"}
-        for k, v in body.items():
-            if k in OPENAI_SAMPLING:
+        # chat: max_completion_tokens before max_tokens, whatever their order in the body (SGLang 0.5.23
+        # entrypoints/openai/protocol.py::ChatCompletionRequest.to_sampling_params `self.max_completion_tokens or
+        # self.max_tokens`; vLLM 0.32.0 entrypoints/openai/chat_completion/protocol.py::ChatCompletionRequest.
+        # build_tok_params, max_completion_tokens unless None); completions: neither engine's CompletionRequest has
+        # max_completion_tokens, so it is not read (its default max_tokens 16 applies) and is listed as ignored
+        keys = sorted(body, key=lambda k: k != "max_completion_tokens") if kind == "chat" else list(body)
+        for k in keys:
+            v = body[k]
+            if k in OPENAI_SAMPLING and not (kind == "completions" and k == "max_completion_tokens"):
                 if v is not None and OPENAI_SAMPLING[k] not in sp:
                     sp[OPENAI_SAMPLING[k]], names[OPENAI_SAMPLING[k]] = v, k
             elif k not in content and k not in TRANSPORT_KEYS:
@@ -503,6 +510,11 @@ def require_vocab(reqs: Sequence[WorkloadRequest], vocab_size: Optional[int], wh
                        "--tokenizer DIR (the target's tokenizer or model folder)", path=path, field="--tokenizer")
 
 
+#: the engines' refusal of min tokens above max tokens once max tokens is cut to the context
+MIN_TOKENS_RULE = ("vllm/sampling_params.py::SamplingParams._verify_args; sglang/srt/sampling/sampling_params.py::"
+                   "SamplingParams.verify")
+
+
 def fit_context(reqs: Sequence[WorkloadRequest], rule: Any, path: str | Path, *, tokenizer: Any = None) -> list[str]:
     """Check every request of a requests file against the server's context before any is sent, as the engine itself
     would (``rule``: :class:`helpers.engines.base.ContextRule`, the engine function named in each message): a prompt
@@ -529,9 +541,16 @@ def fit_context(reqs: Sequence[WorkloadRequest], rule: Any, path: str | Path, *,
         room = rule.tokens - rule.reserved - n_in
         slots = f" + {rule.reserved} slots the server reserves" if rule.reserved else ""
         if n_in > rule.max_prompt:
-            raise BadInput(f"line {q.line}: the prompt is {n_in} tokens{slots}, longer than the server's context of "
-                           f"{rule.tokens} tokens ({rule.source} refuses it); expected a shorter prompt",
-                           path=path, field="prompt")
+            second = getattr(rule, "prompt_source", None)
+            if second and n_in < rule.tokens - rule.reserved:     # only the engine's second check refuses it
+                raise BadInput(f"line {q.line}: the prompt is {n_in} tokens, refused by {second}; expected at most "
+                               f"{rule.max_prompt} prompt tokens", path=path, field="prompt")
+            longer = n_in > rule.tokens
+            what = (f"longer than the server's context of {rule.tokens} tokens" if longer
+                    else f"leaving no room for one generated token in the server's context of {rule.tokens} tokens")
+            who = rule.source if longer else (getattr(rule, "no_room_source", None) or rule.source)
+            raise BadInput(f"line {q.line}: the prompt is {n_in} tokens{slots}, {what} ({who} refuses it); "
+                           f"expected at most {rule.max_prompt} prompt tokens", path=path, field="prompt")
         if want <= room:
             continue
         if not rule.clamps:
@@ -539,6 +558,12 @@ def fit_context(reqs: Sequence[WorkloadRequest], rule: Any, path: str | Path, *,
                            f"{n_in + want + rule.reserved} tokens, past the server's context of {rule.tokens} tokens "
                            f"({rule.source} refuses the request); expected max_new_tokens <= {room}",
                            path=path, field="max_new_tokens")
+        least = int(q.sampling.get("min_new_tokens") or 0)
+        if least > room:     # the engine would cut max tokens below min tokens and refuse the request
+            raise BadInput(f"line {q.line}: max_new_tokens {want} would be cut to {room} ({n_in} prompt tokens{slots}, "
+                           f"context {rule.tokens} tokens, {rule.source}), below min_new_tokens {least}, which the "
+                           f"server refuses ({MIN_TOKENS_RULE}); expected min_new_tokens <= {room}",
+                           path=path, field="min_new_tokens")
         q.sampling["max_new_tokens"] = room
         cut += 1
         if cut <= 5:

@@ -172,13 +172,17 @@ class ContextRule:
     context length (tokens), ``reserved`` the token slots it keeps per request on top of the prompt (counted against
     the context), ``max_prompt`` the longest prompt (tokens) it takes, ``clamps`` True when it cuts
     ``max_new_tokens`` to ``tokens - reserved - prompt`` (False: it refuses a request past the context),
-    ``source`` the engine function that does it."""
+    ``source`` the engine function that does it, ``prompt_source`` the engine function that sets ``max_prompt`` when
+    another one does (None: ``source``), ``no_room_source`` the engine function that refuses a prompt leaving no room
+    for one generated token, when another one does (None: ``source``)."""
 
     tokens: int
     reserved: int
     max_prompt: int
     clamps: bool
     source: str
+    prompt_source: Optional[str] = None
+    no_room_source: Optional[str] = None
 
 
 #: requests in flight of :meth:`EngineAdapter.continuations` by default

@@ -342,7 +342,19 @@ class SGLangAdapter(EngineAdapter):
         draft tokens kept in the output slots; else 0) at or past the context length, or that plus ``max_new_tokens``
         past it, is refused (HTTP 400) unless the server runs ``--allow-auto-truncate``, which cuts the prompt or
         ``max_new_tokens`` instead. The context length: ``GET /v1/models`` ``max_model_len`` (the server's
-        ``model_config.context_len``), else ``/server_info`` ``context_length``; None when neither says it."""
+        ``model_config.context_len``), else ``/server_info`` ``context_length``; None when neither says it.
+
+        Its scheduler checks the prompt a second time (``sglang/srt/managers/scheduler.py::Scheduler`` ->
+        ``managers/utils.py::validate_input_length``): a prompt of ``max_req_input_len`` tokens or more is refused
+        (cut with ``--allow-auto-truncate``), ``max_req_input_len = min(context_len - 1, KV pool tokens - 1) - 5``
+        (``managers/tp_worker.py::TpModelWorker.get_worker_info``). ``/server_info`` carries the scheduler's
+        ``max_req_input_len`` (``utils/common.py::build_server_info`` lays ``scheduler.py::Scheduler.get_init_info``
+        over the server args), read as it is; a server without it gives ``max_total_num_tokens`` and the formula is
+        applied to it (the pool's tokens as the scheduler reports them; the worker's page-interleaved capacity is the
+        same without decode context parallelism); neither: the first check alone. ``max_prompt`` is the smaller
+        bound; ``prompt_source`` names the function of the second when it is the one that bites (506 on the embedded
+        server: context 512, so ``max_req_input_len`` 506 and prompts up to 505 tokens, below the first check's
+        507)."""
         info = client.server_info()
         ctx = info.get("context_length")
         try:
@@ -359,9 +371,24 @@ class SGLangAdapter(EngineAdapter):
                 v = info.get(key)
                 return int(v) if isinstance(v, int) and not isinstance(v, bool) else 0
             reserved = max(n("speculative_eagle_topk") * n("speculative_num_steps"), n("speculative_num_draft_tokens"))
-        return ContextRule(tokens=ctx, reserved=reserved, max_prompt=ctx - reserved - 1,
+        max_prompt, prompt_source = ctx - reserved - 1, None
+
+        def count(key: str) -> Optional[int]:
+            v = info.get(key)
+            return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        limit, pool = count("max_req_input_len"), count("max_total_num_tokens")
+        how = "/server_info max_req_input_len"
+        if limit is None and pool is not None:
+            limit = min(ctx - 1, pool - 1) - 5
+            how = f"min(context {ctx} - 1, /server_info max_total_num_tokens {pool} - 1) - 5"
+        if limit is not None and limit - 1 < max_prompt:
+            max_prompt = max(limit - 1, 0)
+            prompt_source = (f"sglang/srt/managers/utils.py::validate_input_length, a prompt of max_req_input_len = "
+                             f"{limit} tokens or more ({how})")
+        return ContextRule(tokens=ctx, reserved=reserved, max_prompt=max_prompt,
                            clamps=bool(info.get("allow_auto_truncate")),
-                           source="sglang/srt/managers/tokenizer_manager.py::TokenizerManager._validate_one_request")
+                           source="sglang/srt/managers/tokenizer_manager.py::TokenizerManager._validate_one_request",
+                           prompt_source=prompt_source)
 
     def draft_checksum(self, client: HTTPClient) -> Optional[dict]:
         """SGLang 0.5.23's ``POST /weights_checker`` ``{"action": "checksum", "selector": "draft"}``

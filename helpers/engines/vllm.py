@@ -454,14 +454,18 @@ class VLLMAdapter(EngineAdapter):
 
     def context_rule(self, client: VLLMClient) -> Optional[ContextRule]:
         """vLLM 0.32.0 cuts ``max_tokens`` to ``max_model_len`` - the prompt's tokens
-        (``vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens``) and refuses only a prompt longer than
-        ``max_model_len`` itself (the same function, and ``vllm/renderers/params.py::TokenizeParams.
-        _token_len_check``); no slot is reserved. The context length: ``/v1/models`` ``max_model_len``."""
+        (``vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens``) and refuses a prompt longer than
+        ``max_model_len`` (the same function, and ``vllm/renderers/params.py::TokenizeParams._token_len_check``); a
+        prompt of exactly ``max_model_len`` tokens is cut to ``max_tokens`` 0, which ``vllm/sampling_params.py::
+        SamplingParams._verify_args`` refuses ("max_tokens must be at least 1"), so the longest prompt is
+        ``max_model_len - 1``; no slot is reserved. The context length: ``/v1/models`` ``max_model_len``."""
         ctx = client.server_info().get("context_length")
-        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 1:
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 2:
             return None
-        return ContextRule(tokens=ctx, reserved=0, max_prompt=ctx, clamps=True,
-                           source="vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens")
+        return ContextRule(tokens=ctx, reserved=0, max_prompt=ctx - 1, clamps=True,
+                           source="vllm/entrypoints/serve/utils/api_utils.py::get_max_tokens",
+                           no_room_source="vllm/sampling_params.py::SamplingParams._verify_args, 'max_tokens must "
+                                          "be at least 1' once max_tokens is cut to 0,")
 
     def sampled_verify_refusal(self, info: dict) -> Optional[str]:
         """A ``draft_sample_method`` other than greedy (the draft samples its proposals) or a

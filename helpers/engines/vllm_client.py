@@ -273,12 +273,16 @@ class VLLMClient(ServerClient):
         :meth:`server_info` was read with speculative decoding on: ``num_steps`` = ``num_speculative_tokens`` k, a
         chain of k drafts per verify step at most (``proposed_exact`` False: the scheduler trims a step's drafts to the
         token budget, ``v1/core/sched/scheduler.py::Scheduler.schedule``), and the dense histogram of k + 1 bins
-        (``v1/metrics/stats.py::RequestSpecDecodeMetrics.new``); else nothing."""
+        (``v1/metrics/stats.py::RequestSpecDecodeMetrics.new``), and the context length (``context_len``: a request that
+        reaches ``max_model_len`` ends with one plain decode step that no spec counter counts,
+        ``v1/core/sched/scheduler.py::Scheduler.schedule`` leaving no room for a draft there); else nothing."""
         info = getattr(self, "_info", None) or {}
         k = info.get("speculative_num_steps")
         if not info.get("speculative_algorithm") or not isinstance(k, int):
             return {}
-        return {"num_steps": k, "num_draft_tokens": k + 1, "proposed_exact": False, "histogram_bins": k + 1}
+        ctx = info.get("context_length")
+        return {"num_steps": k, "num_draft_tokens": k + 1, "proposed_exact": False, "histogram_bins": k + 1,
+                "context_len": ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else None}
 
     def effective_spec_config(self, requested: Any = None, *, draft_config: Any = None) -> EffectiveSpecConfig:
         """The speculative settings the server runs (:meth:`server_info`); vLLM 0.32.0 runs the

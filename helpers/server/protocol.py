@@ -123,7 +123,7 @@ class MetaInfo(BaseModel):
 
     def spec_problem(self, num_steps: Optional[int] = None, *, num_draft_tokens: Optional[int] = None,
                      adaptive: bool = False, proposed_exact: bool = True,
-                     histogram_bins: Optional[int] = None) -> Optional[str]:
+                     histogram_bins: Optional[int] = None, context_len: Optional[int] = None) -> Optional[str]:
         """The first identity of SGLang's per-request spec counters these counters break, with the numbers, or None
         when they satisfy every one that can be checked. Counts are already non-negative (the field types).
 
@@ -138,6 +138,15 @@ class MetaInfo(BaseModel):
             histogram_bins: the histogram's exact length when the engine writes it dense (vLLM:
                 ``num_speculative_tokens + 1``, ``v1/metrics/stats.py::RequestSpecDecodeMetrics.new``); None: SGLang's
                 grows on demand.
+            context_len: the context length (tokens) of an engine whose last step before the context is a plain
+                decode step, no verify step (vLLM 0.32.0: ``v1/core/sched/scheduler.py::Scheduler.schedule`` caps a
+                running request's new tokens at ``max_model_len - num_computed_tokens - 1``, so once the request holds
+                ``max_model_len - 1`` tokens only the last sampled token is scheduled, no draft;
+                ``Scheduler.update_from_output`` observes the per-request spec counters only for a step with
+                scheduled drafts; that step's token ends the request, ``v1/core/sched/utils.py::check_stop``
+                ``num_tokens >= max_model_len``): an answer whose prompt + completion tokens reach it may hold one
+                token more than the identity below. None: no such step (SGLang refuses a request past its context,
+                reserving the draft slots).
 
         The identities (:data:`SPEC_IDENTITIES`), from SGLang 0.5.23's counting: per verify step of a request
         ``scheduler_components/batch_result_processor.py`` adds 1 to ``spec_verify_ct``, the step's accepted draft
@@ -198,12 +207,14 @@ class MetaInfo(BaseModel):
                                  if depth == num_steps else "draft tokens (a verify step accepts at most "
                                  f"speculative_num_draft_tokens {num_draft_tokens} - 1 < num_steps {num_steps})"))
         if ct is not None and (c is not None or (static and num_steps is not None)):
-            most = 1 + r + v + (c if c is not None else v * depth)
+            at_ctx = bool(context_len) and self.prompt_tokens is not None and self.prompt_tokens + ct >= context_len
+            most = 1 + r + v + (c if c is not None else v * depth) + at_ctx
             if ct > most:
                 accepted = f"{c} accepted draft tokens" if c is not None else f"at most {depth} draft tokens each"
                 return broken("completion tokens <= 1 + retractions + verify steps + accepted",
                               f"{ct} completion tokens from {v} verify steps ({accepted}, a bonus token each, plus "
-                              f"the prefill token{f' and {r} after retractions' if r else ''}: at most {most})")
+                              f"the prefill token{f' and {r} after retractions' if r else ''}"
+                              f"{' and the plain decode step at the context' if at_ctx else ''}: at most {most})")
         if hist is not None:
             if sum(hist) != v:
                 return broken("histogram sums to the verify steps",
