@@ -6,9 +6,8 @@ Steps, each timed and reported as a progress line:
    folders the server really runs (``speculative_draft_model_path``, ``model_path``), and the forward hooks it runs
    (this tool's capture hooks give the per-rank capture folder and the every-layer reference folder; other hooks are
    listed). A ``--draft`` that differs from the server's draft is a finding (``served_draft_differs``). Then the
-   ``--requests`` file is read and checked (:func:`.workload.workload_check`), before any request, and the training
-   data opened; without ``--training`` the layer plan is identified from the draft itself on the server's
-   continuations (:func:`.identify.identify_stage`), its stand-in written.
+   ``--requests`` file is checked (:func:`.workload.workload_check`) before any request, then the training data (none:
+   the layer plan identified from the draft on the server's continuations, :func:`.identify.identify_stage`).
 2. **capture** -- what the draft receives for the training samples' tokens (one row per token).
 3. **reference** -- every layer of the target for the same tokens: the server's own every-layer capture when its
    hooks are on (same numerics as the served tensors), else HF transformers on the target folder when the weights
@@ -279,8 +278,10 @@ def _stage_capture(r: Run) -> None:
         r.progress("note: " + doc.notes[-1])
         r.done("capture", t, "not sent: " + ", ".join(dict.fromkeys(f.kind for f in doc.findings)))
         raise _Stopped
-    served = r.inv.served_dump()
-    r.done("capture", t, f"{len(r.samples)} training sample(s) -> {served.relative_to(r.req.run_dir)}")
+    served, stand_in = r.inv.served_dump(), PROVENANCE in r.doc.training         # stand_in: no --training given
+    what = "the server's states of {} plan-identification sample(s) (the stand-in for training data)" if stand_in \
+        else "{} training sample(s)"
+    r.done("capture", t, f"{what.format(len(r.samples))} -> {served.relative_to(r.req.run_dir)}")
 
 
 def _stage_reference(r: Run) -> None:
