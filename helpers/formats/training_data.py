@@ -335,8 +335,8 @@ class TrainingData:
                     raise BadInput(f"width {s.width} is not a multiple of the hidden size {H}", path=self._dump.path,
                                    field=f"samples[{s.key}].width")
                 s.meta.update({"layout": "e3f-dump", "hidden_size": H, "num_chunks": s.width // H})
-                if s.meta.get("loss_mask") is None:
-                    s.meta["loss_mask"] = dump_loss_mask(s)
+                if s.meta.get("loss_mask") is None and self._dump.kind == "training":
+                    s.meta["loss_mask"] = dump_loss_mask(s)     # a served / reference dump: none, as before
                 if s.sample_id is None:
                     s.sample_id = s.key
                 n += 1
