@@ -52,6 +52,8 @@ from .teacher_forced import target_view
 
 #: what every output says of a plan found this way (the investigation's sentence, JSON and postmortem)
 PROVENANCE = "plan identified from the draft's behaviour, not read from training data"
+#: what an undecided identification says in its place (it names no plan: nothing was identified)
+UNDECIDED_PROVENANCE = "measured on the draft's behaviour, no training data read"
 #: conventions whose readings of a config id differ: ``sglang_capture`` / ``vllm`` / ``eagle3`` all read in(i)
 _READINGS = (("specforge", "SpecForge out(i)"), ("vllm", "in(i) (SGLang capture index, vLLM, EAGLE)"),
              ("hf", "HF hidden_states index"))
@@ -326,10 +328,10 @@ class PlanIdentification:
         closest / closest_ci: the candidate whose margin CI comes nearest 0 (it decides ``undecided``).
         scores: every candidate scored, best first.
         steps / sequences / rows / rounds: chain length of the accept length, sequences, scored rows per plan,
-            neighbourhood rounds run.
+            neighbourhood rounds run (``search_rounds`` in :meth:`to_json`).
         config_reading: which convention's reading of the config ids names the identified plan (None: none does).
-        seconds: wall time of the offline passes.
-        provenance: :data:`PROVENANCE`.
+        seconds: wall time of the offline passes (``offline_seconds`` in :meth:`to_json`).
+        provenance: :data:`PROVENANCE` (an undecided one says :data:`UNDECIDED_PROVENANCE` in its sentence and JSON).
     """
 
     decision: str
@@ -372,7 +374,8 @@ class PlanIdentification:
                     f"{self.closest_ci[1]:+.4f}), so no plan is named")
         if self.config_reading:
             txt += f"; it is {self.config_reading}"
-        return (txt + f" ({self.provenance}: the checkpoint run teacher-forced on {self.sequences} continuation(s) of "
+        how = self.provenance if self.decision == "identified" else UNDECIDED_PROVENANCE
+        return (txt + f" ({how}: the checkpoint run teacher-forced on {self.sequences} continuation(s) of "
                 f"the target, {len(self.scores)} candidate plans)")
 
     def to_json(self) -> dict:
@@ -385,8 +388,9 @@ class PlanIdentification:
                 "accept_length_margin_ci": ci(self.al_margin_ci),
                 "closest": None if self.closest is None else self.closest.to_json(), "closest_ci": ci(self.closest_ci),
                 "scores": [s.to_json() for s in self.scores], "steps": self.steps, "sequences": self.sequences,
-                "rows": self.rows, "rounds": self.rounds, "seconds": round(self.seconds, 2),
-                "config_reading": self.config_reading, "provenance": self.provenance, "sentence": self.sentence(),
+                "rows": self.rows, "search_rounds": self.rounds, "offline_seconds": round(self.seconds, 2),
+                "config_reading": self.config_reading, "provenance": self.provenance if self.decision == "identified" else UNDECIDED_PROVENANCE,
+                "sentence": self.sentence(),
                 "method": "each candidate plan's tensors taken from an every-layer reference of the target's own "
                           "continuations; the draft run teacher-forced (draft-extend) and scored by its soft "
                           "cross-entropy against the target's distribution (SpecForge ploss_0); 95 % percentile "
@@ -653,5 +657,6 @@ def write_plan_dump(reference: Sequence[LayerStates], ident: PlanIdentification,
                                                       "layer_plan": plan, "hidden_size": H})
 
 
-__all__ = ["Candidate", "LayerStates", "PlanIdentification", "PlanScore", "PROVENANCE", "candidate_plans",
-           "identify_plan", "neighbours", "reference_from_dump", "reference_from_hf", "TargetHead", "write_plan_dump"]
+__all__ = ["Candidate", "LayerStates", "PlanIdentification", "PlanScore", "PROVENANCE", "UNDECIDED_PROVENANCE",
+           "candidate_plans", "identify_plan", "neighbours", "reference_from_dump", "reference_from_hf", "TargetHead",
+           "write_plan_dump"]

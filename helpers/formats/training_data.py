@@ -11,7 +11,10 @@ Formats (each with the writer it mirrors):
 * EAGLE-1/2 ``data_{idx}.ckpt``: ``{"input_ids": [L], "hidden_state": [L, H], "loss_mask": [L]}`` (top layer,
   ``eagle/ge_data/ge_data_all_llama3.py``: ``outs.hidden_states[-1]``, which transformers' ``LlamaModel.forward``
   appends after the final norm): one chunk, the target's post-norm final hidden state.
-* the project's own dump format with ``kind: "training"``.
+* the project's own dump format with ``kind: "training"``: a sample's loss mask is its continuation, 1 on every
+  row whose position is ``num_prompt_tokens`` or later (the response tokens a chat-template trainer masks in, as
+  SpecForge's ``loss_mask`` marks the assistant turn: ``specforge/data/preprocessing.py::preprocess_conversations``), none when the dump does
+  not record ``num_prompt_tokens`` (:func:`dump_loss_mask`).
 
 ``.ckpt`` files are loaded ONLY with ``torch.load(weights_only=True)``: a pickled object payload is refused
 (:class:`helpers.errors.BadInput`), never executed.
@@ -256,6 +259,17 @@ def read_speculators_sample(path: str | Path, *, hidden_size: Optional[int] = No
                         "slots": int(hs.shape[1])})
 
 
+def dump_loss_mask(s: Sample) -> Optional[np.ndarray]:
+    """The loss mask of a project (e3f) dump sample: int64 ``[rows]``, 1 where the row's position
+    (``first_position + t``) is at or past ``num_prompt_tokens`` (the continuation, as a trainer masks the response
+    in), 0 on the prompt; None when ``num_prompt_tokens`` is not recorded (nothing says where the continuation
+    starts). The stand-in for withheld training data (:func:`helpers.draft.plan_id.write_plan_dump`) records it."""
+    if s.num_prompt_tokens is None:
+        return None
+    pos = int(s.first_position) + np.arange(int(s.rows))
+    return (pos >= int(s.num_prompt_tokens)).astype(np.int64)
+
+
 class TrainingData:
     """A training data set, streamed: :meth:`__iter__` yields one :class:`Sample` at a time (its tensor loaded
     on ``Sample.load()``; nothing else is kept).
@@ -321,6 +335,8 @@ class TrainingData:
                     raise BadInput(f"width {s.width} is not a multiple of the hidden size {H}", path=self._dump.path,
                                    field=f"samples[{s.key}].width")
                 s.meta.update({"layout": "e3f-dump", "hidden_size": H, "num_chunks": s.width // H})
+                if s.meta.get("loss_mask") is None and self._dump.kind == "training":
+                    s.meta["loss_mask"] = dump_loss_mask(s)     # a served / reference dump: none, as before
                 if s.sample_id is None:
                     s.sample_id = s.key
                 n += 1

@@ -2,6 +2,7 @@
 (:mod:`helpers.draft.plan_id`) on the server's own continuations, stands in for the training data."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -38,28 +39,38 @@ def identify_stage(r: Any) -> None:
     (:class:`helpers.investigation.live.Run` after attach; nothing when it has training data). Identified: the plan's
     reference states stand in for the training data (:func:`helpers.draft.plan_id.write_plan_dump`) and every output
     says so. Undecided (also on twice the prompts): BadInput naming ``--training`` (no wiring fault is named on a
-    guessed plan)."""
+    guessed plan). Either way ``run_dir/plan_identification.json`` records it (``rounds`` of continuations, the last
+    pass's ``search_rounds``, the step's wall ``seconds`` and its ``offline_seconds``) and ``r.timings`` the step."""
     req, att, doc = r.req, r.att, r.doc
     if req.training is not None:
         return
     t = r.step("plan identification")
-    draft = Eagle3Draft.load(att.draft_dir, att.target_dir)
-    ids, head = read_draft_config(att.draft_dir).nested_layer_ids, TargetHead.load(att.target_dir)
-    refs: list = []
-    memo: dict = {}                    # the first prompts' figures, kept for the second round
-    for k in range(2):                 # undecided on the first prompts: measured again on twice as many, once
-        more, how, served = _continuations(r, k * IDENTIFY_PROMPTS, IDENTIFY_PROMPTS, f"identify-{k}")
-        refs = refs + more
-        ident = identify_plan(draft, refs, head, config_ids=ids, progress=r.progress, memo=memo)
-        if ident.decision == "identified":
-            break
-        r.progress(f"plan identification undecided on {len(refs)} continuations: {ident.sentence()}")
-    write_json(req.run_dir / "plan_identification.json", {**ident.to_json(), "reference": how,
-                                                          "continuations": served})
-    if ident.decision != "identified":
-        raise BadInput(f"--training not given and the layer plan the draft was trained on is undecided: "
-                       f"{ident.sentence()}; pass --training (its data settle it)", field="--training")
-    req.training = write_plan_dump(refs, ident, req.run_dir / "dumps")
+    try:
+        draft = Eagle3Draft.load(att.draft_dir, att.target_dir)
+        ids, head = read_draft_config(att.draft_dir).nested_layer_ids, TargetHead.load(att.target_dir)
+        refs: list = []
+        memo: dict = {}                    # the first prompts' figures, kept for the second round
+        offline = 0.0
+        for k in range(2):                 # undecided on the first prompts: measured again on twice as many, once
+            more, how, served = _continuations(r, k * IDENTIFY_PROMPTS, IDENTIFY_PROMPTS, f"identify-{k}")
+            refs = refs + more
+            ident = identify_plan(draft, refs, head, config_ids=ids, progress=r.progress, memo=memo)
+            offline += ident.seconds
+            if ident.decision == "identified":
+                break
+            r.progress(f"plan identification undecided on {len(refs)} continuations: {ident.sentence()}")
+        # rounds: of continuations (the second on twice the prompts); search_rounds: the last pass's neighbourhood
+        # rounds; seconds: the step's wall time (requests, every-layer reference, offline passes); offline_seconds:
+        # the offline passes alone
+        write_json(req.run_dir / "plan_identification.json", {
+            **ident.to_json(), "rounds": k + 1, "seconds": round(time.monotonic() - t, 2),
+            "offline_seconds": round(offline, 2), "reference": how, "continuations": served})
+        if ident.decision != "identified":
+            raise BadInput(f"--training not given and the layer plan the draft was trained on is undecided: "
+                           f"{ident.sentence()}; pass --training (its data settle it)", field="--training")
+        req.training = write_plan_dump(refs, ident, req.run_dir / "dumps")
+    finally:                               # the step's time is recorded however it ends (undecided included)
+        r.timings["plan identification"] = round(time.monotonic() - t, 2)
     doc.training = f"{req.training} ({PROVENANCE})"
     doc.notes.append(ident.sentence())
     r.done("plan identification", t, ident.sentence())

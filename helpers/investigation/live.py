@@ -5,7 +5,9 @@ Steps, each timed and reported as a progress line:
 1. **attach** -- ``/server_info``: SGLang version, TP size, speculative algorithm and settings, the draft and target
    folders the server really runs (``speculative_draft_model_path``, ``model_path``), and the forward hooks it runs
    (this tool's capture hooks give the per-rank capture folder and the every-layer reference folder; other hooks are
-   listed). A ``--draft`` that differs from the server's draft is a finding (``served_draft_differs``).
+   listed). A ``--draft`` that differs from the server's draft is a finding (``served_draft_differs``). Then the
+   ``--requests`` file is checked (:func:`.workload.workload_check`) before any request, then the training data (none:
+   the layer plan identified from the draft on the server's continuations, :func:`.identify.identify_stage`).
 2. **capture** -- what the draft receives for the training samples' tokens (one row per token).
 3. **reference** -- every layer of the target for the same tokens: the server's own every-layer capture when its
    hooks are on (same numerics as the served tensors), else HF transformers on the target folder when the weights
@@ -229,6 +231,14 @@ def _stage_attach(r: Run) -> None:
         r.progress("caveat: " + caveat)
     require_draft(att)
     r.tcfg = read_target_config(att.target_dir)
+    r.extra = list(att.findings)
+
+
+def _stage_training(r: Run) -> None:
+    """The training data the served states are compared with: ``--training``, else the layer plan identified from
+    the draft itself on the server's continuations (:func:`.identify.identify_stage`: requests, so after the
+    ``requests`` stage has checked the ``--requests`` file), and the training samples to capture."""
+    req, doc, att = r.req, r.doc, r.att
     identify_stage(r)                              # no training data: the plan identified from the draft itself
     r.td = TrainingData(req.training, hidden_size=r.tcfg.hidden_size, max_samples=req.num_samples)
     if r.td.hidden_size is not None and r.td.hidden_size != r.tcfg.hidden_size:
@@ -244,7 +254,6 @@ def _stage_attach(r: Run) -> None:
                          f"{len(r.samples)}, all of which were used")
         r.progress("note: " + doc.notes[-1])
     doc.samples = len(r.samples)
-    r.extra = list(att.findings)
 
 
 class _Stopped(Exception):
@@ -269,8 +278,10 @@ def _stage_capture(r: Run) -> None:
         r.progress("note: " + doc.notes[-1])
         r.done("capture", t, "not sent: " + ", ".join(dict.fromkeys(f.kind for f in doc.findings)))
         raise _Stopped
-    served = r.inv.served_dump()
-    r.done("capture", t, f"{len(r.samples)} training sample(s) -> {served.relative_to(r.req.run_dir)}")
+    served, stand_in = r.inv.served_dump(), PROVENANCE in r.doc.training         # stand_in: no --training given
+    what = "the server's states of {} plan-identification sample(s) (the stand-in for training data)" if stand_in \
+        else "{} training sample(s)"
+    r.done("capture", t, f"{what.format(len(r.samples))} -> {served.relative_to(r.req.run_dir)}")
 
 
 def _stage_reference(r: Run) -> None:
@@ -493,7 +504,8 @@ def _stage_story(r: Run) -> None:
 
 #: the stages of an investigation, in order
 STAGES: tuple[tuple[str, Callable[[Run], None]], ...] = (
-    ("attach", _stage_attach), ("requests", workload_check), ("capture", _stage_capture), ("reference", _stage_reference),
+    ("attach", _stage_attach), ("requests", workload_check), ("training data", _stage_training),
+    ("capture", _stage_capture), ("reference", _stage_reference),
     ("diagnosis", _stage_diagnosis), ("draft checks", _stage_draft_checks), ("hypotheses", _stage_hypotheses),
     ("proposed fix", _stage_propose), ("acceptance budget", _stage_budget),
     ("engine state", _stage_engine_state), ("workload", workload_stage), ("caveats", _stage_caveats),

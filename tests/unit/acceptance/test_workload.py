@@ -406,7 +406,7 @@ def test_investigate_reads_the_requests_file_right_after_attach(tmp_path):
 
     from helpers.investigation.live import STAGES
     from helpers.investigation.workload import workload_check
-    assert [n for n, _ in STAGES][:3] == ["attach", "requests", "capture"]
+    assert [n for n, _ in STAGES][:4] == ["attach", "requests", "training data", "capture"]
     target = _target(tmp_path)
 
     import httpx
@@ -437,3 +437,41 @@ def test_investigate_reads_the_requests_file_right_after_attach(tmp_path):
         run(['{"prompt": "fine"}', '{"messages": [{"role": "user", "content": "hi"}]}'])
     w = run(['{"input_ids": [0, 319]}', '{"prompt": "fine", "top_k": 5}'])
     assert w.vocab_size == 320 and [q.line for q in w.requests] == [1, 2] and w.tok_dir == target
+
+
+def test_investigate_without_training_checks_the_requests_file_before_plan_identification(tmp_path, monkeypatch):
+    """Without --training the layer plan is identified on the server's own continuations (requests): a bad
+    --requests line stops the run first, so identification sends nothing (docs/workload.md: a bad line stops the
+    command before any request). The server is faked: attach returns the shipped reference pair, and the adapter's
+    continuations (identification's only requests) fail the test when called."""
+    import httpx
+
+    from helpers.engines.sglang import SGLangAdapter
+    from helpers.investigation import live
+    from helpers.investigation.attach import Attachment
+    from helpers.server.client import SGLangClient
+
+    target, draft = ROOT / "env" / "models" / "target", ROOT / "env" / "models" / "draft"
+    sent: list = []
+
+    class _Adapter(SGLangAdapter):
+        def continuations(self, client, prompts, **kw):
+            sent.append(len(prompts))
+            raise AssertionError("plan identification sent its requests before the --requests file was checked")
+
+    def connect(r):
+        r.adapter = _Adapter()
+        r.client = SGLangClient("http://sglang.test:1", retries=0, transport=httpx.MockTransport(
+            lambda q: httpx.Response(500, json={"error": "no request expected"})))
+
+    att = Attachment(url="http://sglang.test:1", version="0.5.23", tp=1, algorithm="EAGLE3", spec={},
+                     served_draft=str(draft), served_target=str(target), draft_dir=draft, draft_source="server",
+                     target_dir=target, target_source="server")
+    monkeypatch.setattr(live, "_connect", connect)
+    monkeypatch.setattr(live, "attach", lambda *a, **k: att)
+    p = _write(tmp_path, ['{"prompt": "fine"}', '{"input_ids": [1, 4096]}'])
+    with pytest.raises(BadInput, match=r"line 2: input_ids\[1\] is 4096; expected a token id from 0 to 4095"):
+        live.investigate("http://sglang.test:1", training=None, run_dir=tmp_path / "run", requests=p, timeout=60)
+    assert sent == []
+    doc = json.loads((tmp_path / "run" / "investigation.json").read_text())
+    assert "'requests' stage" in " ".join(doc["notes"]) and "plan identification" not in doc["timings"]

@@ -245,3 +245,28 @@ def test_memo_second_round_scores_only_the_new_sequences(llama_ref, llama_head, 
     for a, b in zip(again.scores, fresh.scores):
         assert np.array_equal(a.loss_sum, b.loss_sum) and np.array_equal(a.hits, b.hits), a.plan
     assert (again.decision, again.plan, again.margin_ci) == (fresh.decision, fresh.plan, fresh.margin_ci)
+
+
+def test_identified_plan_dump_feeds_the_draft_stage_its_continuation_rows(tmp_path, llama_ref, llama_head,
+                                                                          llama_draft):
+    """The stand-in for withheld training data reaches the draft stage with a loss mask on its continuation (the
+    rows the identification scored): before, a project dump carried none and every row was left out ("no
+    loss-masked continuation", 0 rows teacher-forced)."""
+    from helpers.draft.draft_stage import draft_rows
+    from helpers.draft.plan_id import write_plan_dump
+    from helpers.draft.teacher_forced import reduce
+
+    r = identify_plan(llama_draft, llama_ref, llama_head, config_ids=[2, 4, 5])
+    path = write_plan_dump(llama_ref, r, tmp_path)
+    said: list = []
+    dr = draft_rows(llama_draft, draft_dir=DRAFT, target_dir=TARGET, training=path, hidden_size=128, log=None,
+                    log_path=None, progress=said.append)
+    assert not [s for s in said if "left out" in s]
+    assert [s.key for s in dr["seqs"]] == [x.key for x in llama_ref]
+    for s, x in zip(dr["seqs"], llama_ref):
+        want = (torch.arange(int(x.tokens.shape[0])) >= x.start).long()
+        assert torch.equal(torch.as_tensor(s.loss_mask).long(), want)
+    res = reduce(dr["rows"], "specforge", dr["steps"], labels=dr["labels"])
+    # SpecForge zeroes a sample's last mask entry: T - start - 1 step-0 rows each, the rows the identification scored
+    assert res.rows == r.rows == sum(int(x.tokens.shape[0]) - x.start - 1 for x in llama_ref)
+    assert 0.0 < res.acc[0] <= 1.0
