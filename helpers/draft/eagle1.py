@@ -54,6 +54,28 @@ LOADER = "vllm/model_executor/models/llama_eagle.py::EagleLlamaForCausalLM.load_
 EAGLE1_CLASSES = ("EagleLlamaForCausalLM",)
 
 
+#: vLLM 0.32.0's rule for checkpoint tensors the draft has no parameter for
+#: (``vllm/model_executor/models/utils.py::AutoWeightsLoader``, through ``llama_eagle.py::LlamaModel.load_weights``)
+UNEXPECTED_RULE = "vllm/model_executor/models/utils.py::AutoWeightsLoader._load_module"
+#: name parts vLLM drops before loading (``AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``)
+ROTARY_DROPPED = ("rotary_pos_emb.inv_freq", "rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def unexpected_tensor_effect(name: str) -> Optional[str]:
+    """What vLLM 0.32.0 does with a draft checkpoint tensor ``name`` that ``EagleLlamaForCausalLM`` has no parameter
+    for: the reason it is dropped (a rotary cache: ``AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``; a name
+    ending ``.bias``: ``AutoWeightsLoader.load_weights`` adds ``.bias`` to ``ignore_unexpected_suffixes``, "Ignore
+    unexpected biases (typically from GPTQ models)", so e.g. an ``fc.bias`` is not served), or None: vLLM raises
+    ``ValueError("There is no module or parameter named ...")`` at start-up (:data:`UNEXPECTED_RULE`). Checked by
+    running vLLM 0.32.0's ``AutoWeightsLoader`` on a module tree with the draft's names."""
+    if any(r in name for r in ROTARY_DROPPED):
+        return "dropped (AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER)"
+    if name.endswith(".bias"):
+        return ("ignored: vLLM serves the draft without it (AutoWeightsLoader.load_weights: ignore_unexpected_suffixes "
+                "'.bias')")
+    return None
+
+
 def is_eagle1(cfg: dict) -> bool:
     """The draft config.json dict ``cfg`` names an EAGLE-1 class (:data:`EAGLE1_CLASSES`)."""
     return any(a in EAGLE1_CLASSES for a in (cfg.get("architectures") or []))
@@ -95,8 +117,10 @@ class Eagle1Draft(Eagle3Draft):
 
         Raises:
             BadInput: no ``target_dir`` (the lm_head is the target's), a missing / misshapen / non-finite tensor (file
-                and key named), a rope type other than default, attention or MLP bias, or a target without an
-                embedding / lm_head of ``[vocab_size, hidden_size]``.
+                and key named), a tensor vLLM has no parameter for and refuses (:func:`unexpected_tensor_effect`;
+                one it ignores, a ``.bias`` or a rotary cache, is left out as vLLM does and listed in
+                ``sources["ignored"]``), a rope type other than default, attention or MLP bias, or a target without
+                an embedding / lm_head of ``[vocab_size, hidden_size]``.
         """
         draft_dir = Path(draft_dir)
         where = draft_dir / "config.json"
@@ -128,9 +152,21 @@ class Eagle1Draft(Eagle3Draft):
             t = _read_tensor(headers[name].file, name)
             _finite(t, headers[name].file, name)
             raw[name] = t
+        known = set(eagle1_tensor_names(cfg)) | {"embed_tokens.weight"}
+        ignored: dict[str, str] = {}
+        for name in sorted(set(headers) - known):
+            why = unexpected_tensor_effect(name)
+            if why is None:
+                raise BadInput(f"unexpected tensor: EagleLlamaForCausalLM has no parameter {name} (fc has no bias, "
+                               f"no final norm, no lm_head of its own): vLLM 0.32.0 refuses the draft at start-up "
+                               f"({UNEXPECTED_RULE}: ValueError 'There is no module or parameter named ...')",
+                               path=headers[name].file, field=name)
+            ignored[name] = why
         H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
         sources: dict = {"draft": f"{draft_dir} fc + layers.* (EAGLE-1, {LOADER})",
                          "dtype": dtype_reason or str(dtype).removeprefix("torch.")}
+        if ignored:
+            sources["ignored"] = ignored
         tcfg = read_target_config(target_dir).raw
         hit = find_target_tensor(target_dir, "embed_tokens.weight")
         if hit is None:
@@ -190,4 +226,5 @@ class Eagle1Draft(Eagle3Draft):
         return out, F.linear(out, self.lm_head).float()
 
 
-__all__ = ["Eagle1Draft", "EAGLE1_CLASSES", "eagle1_tensor_names", "is_eagle1"]
+__all__ = ["Eagle1Draft", "EAGLE1_CLASSES", "ROTARY_DROPPED", "UNEXPECTED_RULE", "eagle1_tensor_names", "is_eagle1",
+           "unexpected_tensor_effect"]

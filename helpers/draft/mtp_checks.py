@@ -19,8 +19,8 @@ from ..diagnosis.static import StaticReport
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_mtp_head, read_safetensors_index
 from ..kinds import sort_findings
-from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MTP_FAMILIES, REWRITE, STEPS_RULE,
-                          MTPHead, family_of, text_config)
+from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MTP_FAMILIES, REWRITE,
+                          SGLANG_BUILT_LAYERS, STEPS_RULE, MTPHead, family_of, text_config)
 from ..runfiles import read_json_file
 from ..server.settings import AUTO_PARAMS_BY_ARCH, AUTO_PARAMS_DEFAULT, ServerSettings, detect_overrides
 from .params import SGLANG_RULES
@@ -154,7 +154,7 @@ class MTPRules:
             "prefixes": head.sglang_prefixes(), "head_tensors": list(fam.head_tensors),
             "embedding_and_lm_head": "the target's (sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker."
                                      "init_lm_head l. 371-378: set_embed_and_head)",
-            "loader": fam.sglang_loader, "layers_declared": head.layers, "layers_loaded": 1}
+            "loader": fam.sglang_loader, "layers_declared": head.layers, "layers_loaded": self.built_layers(head)}
         if algo not in MTP_ALGORITHMS:
             findings.append(D.finding(
                 "mtp_head_refused", None,
@@ -179,13 +179,16 @@ class MTPRules:
                      if not head.layers else f"SGLang loads exactly one NextN layer: set {fam.layers_field} to 1 "
                      "in a copy of the config if the first layer is the one to serve")))
             return
-        if fam.sglang_layers is not None and (head.layers or 0) > fam.sglang_layers:
-            notes.append(f"{fam.layers_field} is {head.layers}, but SGLang builds {fam.sglang_layers} head layer "
-                         f"({REWRITE} sets num_nextn_predict_layers = {fam.sglang_layers}): only {head.sglang_prefixes()[0]}"
-                         f"layers.0.* is served, at every draft step; the checkpoint's later MTP layers are not read")
+        built = self.built_layers(head)
+        if (head.layers or 0) > built:
+            notes.append(f"{fam.layers_field} is {head.layers}, but SGLang builds {built} head layer ({fam.head_arch}, "
+                         f"{fam.head_file}): it runs that one layer at every draft step; the checkpoint's MTP layers past "
+                         f"the first are {fam.sglang_later_layers}")
         if head.layers == 0:
-            notes.append(f"{fam.layers_field} is 0: the config declares no MTP layer, and {fam.head_arch} is built "
-                         "anyway; only the checkpoint's tensors (below) say whether a trained head is there")
+            notes.append(f"{fam.layers_field} is 0: the config declares no MTP layer, and SGLang builds one "
+                         f"{fam.head_arch} layer anyway ({REWRITE} rewrites the class whatever the count; "
+                         f"{fam.head_file}); only the checkpoint's tensors (below) say whether "
+                         "a trained head is there")
         self._weights(head, names, head.sglang_prefixes(), findings, facts, f"{self.label}'s {fam.head_arch}",
                       fam.sglang_loader)
         self._settings(head, spec, tarch, findings, notes, facts)
@@ -201,6 +204,12 @@ class MTPRules:
                        "Glm4MoeLiteForCausalLM.load_weights skip shared_head.head and "
                        "embed_tokens under the NextN prefix; speculative/eagle_worker_v2.py::EagleDraftWorker."
                        "init_lm_head binds the target's (set_embed_and_head)")
+
+    def built_layers(self, head: MTPHead) -> int:
+        """The head layers SGLang builds and runs for ``head``: :data:`helpers.layers.mtp.SGLANG_BUILT_LAYERS` (1)
+        for every family, whatever the config declares (0, absent or several; a DeepSeek / GLM config declaring
+        another count is refused before this is asked). Draft steps past it rerun that layer."""
+        return SGLANG_BUILT_LAYERS
 
     def head_prefixes(self, head: MTPHead) -> list[str]:
         """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`)."""
@@ -264,15 +273,18 @@ class MTPRules:
                                         "speculative_num_steps": spec.num_steps, "speculative_eagle_topk": spec.topk,
                                         "speculative_num_draft_tokens": spec.num_draft_tokens})
         findings += D.detect_num_draft_tokens_overridden(srv)
-        trained = head.layers or 1
+        trained = self.built_layers(head)
+        declared = ("absent" if head.layers is None else f"{head.layers}") + (
+            " (config class default)" if head.layers_defaulted else "")
         if steps > trained:
             findings.append(D.finding(
                 "mtp_steps_beyond_head", None,
-                f"{steps} draft steps with {trained} MTP layer{'s' if trained > 1 else ''} in the checkpoint: SGLang "
-                f"builds one {fam.head_arch} and runs it {steps} times, steps 2-{steps} on the hidden state the head "
-                f"itself produced, where it was trained on the target's: what those steps keep of acceptance is "
+                f"{steps} draft steps with the {trained} head layer SGLang builds ({fam.layers_field} {declared}): "
+                f"SGLang runs its one {fam.head_arch} layer {steps} times, steps 2-{steps} on the hidden state the "
+                f"head itself produced, where it was trained on the target's: what those steps keep of acceptance is "
                 "not known from the configs",
-                engine=f"{self.label} {self.version}", num_steps=steps, head_layers=trained, layers_loaded=1,
+                engine=f"{self.label} {self.version}", num_steps=steps, head_layers=trained, layers_loaded=trained,
+                layers_declared=head.layers,
                 source=f"{STEPS_RULE}; {fam.head_file}",
                 fix=f"--speculative-num-steps {trained} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
                     f"{trained + 1}, or measure acceptance per draft position (P(accepted >= j)) before keeping "

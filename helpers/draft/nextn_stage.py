@@ -45,7 +45,7 @@ from .decide import threshold
 from .draft_stage import MAX_DRAFT_ROWS, draft_stage
 from .model import Eagle3Draft, target_lm_head
 from .teacher_forced import run as tf_run, tf_sequences
-from .training_log import TrainingLog, find_validation_data, read_training_log
+from .training_log import TrainingLog, find_validation_data, read_training_log, validation_rows_checked
 
 #: the NextN training log's file name (``env/models/train_nextn.py`` LOG_NAME)
 NEXTN_LOG = "nextn_training_log.json"
@@ -91,7 +91,8 @@ def _raw_log(path: Path) -> dict:
         raise BadInput(f"not readable JSON ({exc})", path=path) from None
     if not isinstance(doc, dict):
         raise BadInput("expected a JSON object (the NextN trainer's log)", path=path)
-    return doc
+    vr = validation_rows_checked(doc, path)
+    return doc if vr is None else {**doc, "validation_rows": vr}
 
 
 def _recorded_rows_path(doc: dict, log_path: Path) -> Optional[Path]:
@@ -147,10 +148,17 @@ def same_rows(rows_path: Path, doc: dict, log_path: Path, n_rows: int) -> tuple[
 
 def rows_log(doc: dict, log_path: Path, kind: RowsKind) -> TrainingLog:
     """The log's ``validation_rows`` figures as a :class:`TrainingLog` of the rows' own kind (they were measured on
-    these rows)."""
-    vr = doc["validation_rows"]
-    acc = [float(x) for x in vr["acc_per_step"]]
-    loss = [float(x) for x in vr.get("loss_per_step") or []] or None
+    these rows).
+
+    Raises:
+        BadInput: the block or its figures malformed (:func:`helpers.draft.training_log.validation_rows_checked`),
+            or no ``acc_per_step``."""
+    vr = validation_rows_checked(doc, log_path)
+    if vr is None or not vr.get("acc_per_step"):
+        raise BadInput("expected an acc_per_step list (one accuracy in [0, 1] per draft step)", path=log_path,
+                       field="validation_rows.acc_per_step")
+    acc = list(vr["acc_per_step"])
+    loss = list(vr.get("loss_per_step") or []) or None
     return TrainingLog(path=str(log_path), format="e3f", kind="marginal", per_position=acc,
                        source_keys=[f"validation_rows/acc_per_step[{k}]" for k in range(len(acc))],
                        split=kind.split or "val", per_position_loss=loss,

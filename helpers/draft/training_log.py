@@ -136,6 +136,43 @@ def _fraction(v: Any, path: Path, key: str) -> float:
     return x
 
 
+def validation_rows_checked(doc: dict, path: str | Path) -> Optional[dict]:
+    """A log's ``validation_rows`` block (the figures a trainer measured on the rows it names: ``path``, ``rows``,
+    ``acc_per_step``, ``loss_per_step``, as ``env/models/train_nextn.py`` / ``train_eagle1.py`` write it), checked
+    with the same rules as the log's other accuracies (:func:`_fraction`, :func:`_number`); None when absent or null.
+
+    Returns:
+        a copy with ``acc_per_step`` / ``loss_per_step`` as lists of floats (accuracies as fractions in [0, 1]).
+
+    Raises:
+        BadInput: one line naming ``path`` and the field: ``validation_rows`` not an object; ``acc_per_step`` /
+            ``loss_per_step`` not a list, an accuracy not a finite number in [0, 1], a loss not a finite number;
+            ``path`` not a string; ``rows`` not a positive integer."""
+    p = Path(path)
+    vr = doc.get("validation_rows")
+    if vr is None:
+        return None
+    if not isinstance(vr, dict):
+        raise BadInput(f"expected an object {{path, rows, acc_per_step}}, got {vr!r:.60}", path=p,
+                       field="validation_rows")
+    out = dict(vr)
+    for key, conv in (("acc_per_step", _fraction), ("loss_per_step", _number)):
+        v = vr.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, list):
+            raise BadInput(f"expected a list of numbers (one per draft step), got {v!r:.60}", path=p,
+                           field=f"validation_rows.{key}")
+        out[key] = [conv(x, p, f"validation_rows.{key}[{i}]") for i, x in enumerate(v)]
+    if vr.get("path") is not None and not isinstance(vr["path"], str):
+        raise BadInput(f"expected a folder path (string), got {vr['path']!r:.60}", path=p, field="validation_rows.path")
+    r = vr.get("rows")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+        raise BadInput(f"expected a positive integer (the row count), got {r!r:.60}", path=p,
+                       field="validation_rows.rows")
+    return out
+
+
 def _contiguous(found: dict[int, tuple[float, str]], notes: list[str]) -> tuple[list[float], list[str]]:
     """Values for positions 0, 1, ... up to the first gap (the rest noted)."""
     vals, keys = [], []

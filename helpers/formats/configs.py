@@ -125,6 +125,19 @@ def _ids_field(v: Any, path: Path, key: str) -> tuple[int, ...] | None:
     return tuple(int(i) for i in v)
 
 
+def _sub_configs_checked(d: dict, path: Path) -> None:
+    """Refuse a text sub-config key (:data:`TEXT_CONFIG_KEYS`) present with a value that is not an object (null
+    counts as absent): SGLang / transformers build a config object from it
+    (``sglang/srt/utils/hf_transformers/common.py::get_hf_text_config``), so a string there is no sub-config.
+
+    Raises:
+        BadInput: one line naming ``path`` and the key."""
+    for k in TEXT_CONFIG_KEYS:
+        v = d.get(k)
+        if v is not None and not isinstance(v, dict):
+            raise BadInput(f"expected an object (the text sub-config), got {_short(v)}", path=path, field=k)
+
+
 def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
     """The MTP / NextN head of a config.json already read (:func:`helpers.layers.mtp.mtp_head`), its fields checked
     first: the layer field (``num_nextn_predict_layers``) an int 0-:data:`helpers.layers.mtp.MAX_MTP_LAYERS` when
@@ -133,11 +146,13 @@ def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
 
     Raises:
         BadInput: one line naming ``path`` and the field: a present field of the wrong type (string, null, float,
-            list, bool) or out of range (negative, over the bound)."""
-    fam = family_of(raw.get("architectures") if isinstance(raw.get("architectures"), list) else None)
+            list, bool) or out of range (negative, over the bound); ``architectures`` not a list of strings
+            (:func:`_architectures`); a text sub-config key (``text_config`` ...) that is not an object."""
+    p = Path(path)
+    _sub_configs_checked(raw, p)
+    fam = family_of(_architectures(raw, p))
     if fam is None:
         return None
-    p = Path(path)
     tc = mtp_text_config(raw)
     prefix = "" if tc is raw else next(f"{k}." for k, v in raw.items() if v is tc)
     _int_field(tc, fam.layers_field, p, required=False, prefix=prefix, minimum=0, maximum=MAX_MTP_LAYERS,
@@ -449,6 +464,7 @@ def read_target_config(path: str | Path) -> TargetConfig:
     """
     p = _config_path(path, "target config")
     d = read_config_json(p, "target config")
+    _sub_configs_checked(d, p)
     sub_key = next((k for k in TEXT_CONFIG_KEYS if isinstance(d.get(k), dict)), None)
     tc = d[sub_key] if sub_key else {}
     src, prefix = (tc, f"{sub_key}.") if sub_key else (d, "")

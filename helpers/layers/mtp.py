@@ -46,6 +46,12 @@ ALIAS_RULE = f"{_SG}/arg_groups/speculative_hook.py::_resolve_speculative_algori
 STEPS_RULE = (f"{_SG}/speculative/eagle_worker_v2.py::EagleDraftWorker.draft_forward l. 742-830 (the one draft model "
               "run speculative_num_steps times, each step on the hidden state the head itself produced)")
 VLLM_CONFIG = "vllm/config/speculative.py::SpeculativeConfig"
+#: The head layers SGLang 0.5.23 builds for the draft, whatever the config declares (0, absent or several): the
+#: DeepSeek / GLM loaders accept exactly 1 (``deepseek_weight_loader.py::_initialize_nextn_conf`` l. 566); Qwen3.5 /
+#: Qwen3-Next / MiMo get ``num_nextn_predict_layers = 1`` from ``configs/model_config.py::ModelConfig.
+#: _config_draft_model`` and one decoder layer (``qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__``: ``mtp_config.
+#: num_hidden_layers = 1``; ``mimo_mtp.py::MiMoMultiTokenPredictorLayer.__init__``: one ``mtp_block``).
+SGLANG_BUILT_LAYERS = 1
 #: The most head layers a config may declare (``num_nextn_predict_layers``). Neither engine states a bound: SGLang's
 #: DeepSeek / GLM loaders accept exactly 1 (``sglang/srt/models/deepseek_common/deepseek_weight_loader.py::
 #: DeepseekV2WeightLoaderMixin._initialize_nextn_conf`` l. 566: ``assert num_nextn_layers == 1``); vLLM builds one
@@ -152,6 +158,8 @@ class MTPFamily:
         own_copies: the head's own copies of the target's lm_head / embedding under its prefix
             (``shared_head.head.weight``, ``embed_tokens.weight``), which neither engine serves
             (``helpers.draft.mtp_weights``); () when the family's checkpoints carry none.
+        sglang_later_layers: what SGLang does with the checkpoint's head layers past the first, for a config that
+            declares more than one (SGLang builds one head layer for every family: :data:`SGLANG_BUILT_LAYERS`).
     """
 
     name: str
@@ -174,6 +182,7 @@ class MTPFamily:
     vllm_reuse: str
     expected: Optional[Callable[[dict], tuple[str, ...]]] = None
     own_copies: tuple[str, ...] = ()
+    sglang_later_layers: str = "not read"
 
 
 _DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
@@ -256,7 +265,11 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         head_tensors=("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
                       "final_layernorm.weight"),
         layer_tensors=_DECODER, vllm_arch="MiMoMTPModel", vllm_file=f"{_VL}/mimo_mtp.py", vllm_layers_default=None,
-        vllm_reuse=f"{_VL}/mimo_mtp.py l. 135 (mtp_layers[start + spec_step_idx])"),
+        vllm_reuse=f"{_VL}/mimo_mtp.py l. 135 (mtp_layers[start + spec_step_idx])",
+        sglang_later_layers=(f"loaded into the same one block, each overwriting the layer read before it ({_SG}/"
+                             "models/mimo_mtp.py::MiMoMTP.map_model_name_to_mtp_param_name maps every "
+                             "model.mtp_layers.<i>. to model.mtp_block. / model.; load_weights copies each in turn): "
+                             "the head served is the last layer in the checkpoint's read order, not layer 0")),
 )
 
 _BY_ARCH = {a: f for f in MTP_FAMILIES for a in (*f.target_archs, f.head_arch)}

@@ -149,3 +149,42 @@ def test_missing_tensor_is_one_badinput_line(tmp_path):
 def test_target_folder_is_required(tmp_path):
     with pytest.raises(BadInput, match="lm_head"):
         load_draft(_random_draft(tmp_path / "d", 1), None)
+
+
+def _with_extra(tmp_path, extra: dict):
+    """A copy of the trained EAGLE-1 draft with ``extra`` tensors added to its safetensors."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").write_text((TRAINED / "config.json").read_text())
+    w = load_file(str(TRAINED / "model.safetensors"))
+    save_file({**w, **extra}, str(d / "model.safetensors"))
+    return d, w
+
+
+@pytest.mark.parametrize("name", ["norm.weight", "lm_head.weight", "layers.1.post_attention_layernorm.weight",
+                                  "fc.weight_scale"])
+def test_a_tensor_vllm_has_no_parameter_for_is_refused(tmp_path, name):
+    """vLLM 0.32.0's AutoWeightsLoader raises for them (checked by running it on the draft's module names)."""
+    H = json.loads((TRAINED / "config.json").read_text())["hidden_size"]
+    d, _ = _with_extra(tmp_path, {name: torch.ones(H)})
+    with pytest.raises(BadInput) as e:
+        load_draft(d, TARGET)
+    msg = str(e.value)
+    assert "\n" not in msg and f"[{name}]" in msg and "AutoWeightsLoader._load_module" in msg
+
+
+def test_a_bias_or_rotary_cache_is_ignored_as_vllm_ignores_it(tmp_path):
+    """An extra fc.bias is not served by vLLM 0.32.0 (AutoWeightsLoader ignores unexpected '.bias'): the offline draft
+    leaves it out too, says so in its sources, and gives the same logits as the draft without it."""
+    cfg = json.loads((TRAINED / "config.json").read_text())
+    H = cfg["hidden_size"]
+    d, _ = _with_extra(tmp_path, {"fc.bias": torch.full((H,), 0.5), "layers.0.self_attn.rotary_emb.inv_freq": torch.ones(32)})
+    with_extra, plain = load_draft(d, TARGET), load_draft(TRAINED, TARGET)
+    assert set(with_extra.sources["ignored"]) == {"fc.bias", "layers.0.self_attn.rotary_emb.inv_freq"}
+    assert "'.bias'" in with_extra.sources["ignored"]["fc.bias"] and "ignored" not in plain.sources
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg["vocab_size"], (6,), generator=g)
+    hidden = torch.randn(6, H, generator=g)
+    a = with_extra.extend(tokens, hidden, torch.arange(6)).logits
+    b = plain.extend(tokens, hidden, torch.arange(6)).logits
+    assert torch.equal(a, b)
