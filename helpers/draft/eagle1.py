@@ -109,6 +109,8 @@ class Eagle1Draft(Eagle3Draft):
     inherited from :class:`Eagle3Draft`.
     """
 
+    WHOLE_VOCAB = "an EAGLE-1 draft"
+
     @classmethod
     def load(cls, draft_dir: str | Path, target_dir: Optional[str | Path], *, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu", dtype_reason: str = "", loader=None) -> "Eagle1Draft":
@@ -201,9 +203,6 @@ class Eagle1Draft(Eagle3Draft):
         return cls(arch, w, embed.to(device=device, dtype=dtype), lm_head.to(device=device, dtype=dtype), None,
                    dtype=dtype, sources=sources)
 
-    def with_vocab_map(self, d2t, source):
-        raise BadInput("an EAGLE-1 draft drafts over the target's whole vocabulary: it has no d2t", path=source,
-                       field="d2t")
 
     # ---- llama_eagle.py::LlamaModel.forward ------------------------------------------------------------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:

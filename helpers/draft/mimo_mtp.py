@@ -68,6 +68,8 @@ class MiMoMTPHead(Eagle3Draft):
     from :class:`Eagle3Draft`.
     """
 
+    WHOLE_VOCAB = "an MTP head"
+
     _zero_rows: Optional[torch.Tensor] = None
 
     @classmethod
@@ -136,9 +138,6 @@ class MiMoMTPHead(Eagle3Draft):
         return cls(arch, w, embed.to(device=device, dtype=dtype), lm_head.to(device=device, dtype=dtype), None,
                    dtype=dtype, sources=sources)
 
-    def with_vocab_map(self, d2t, source):
-        raise BadInput("an MTP head drafts over the target's whole vocabulary: it has no d2t", path=source,
-                       field="d2t")
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's pre-final-norm states ``[T, H]``, fed to ``hidden_layernorm`` as they are."""

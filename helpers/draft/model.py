@@ -272,6 +272,10 @@ class Eagle3Draft:
     GPU servers usually ``bfloat16``); norms and softmax are computed in float32 as SGLang's native kernels do.
     """
 
+    #: a subclass that drafts over the target's whole vocabulary (no d2t: EAGLE-1, the MTP heads) names itself here,
+    #: as its refusal of a vocab map says it ("an EAGLE-1 draft"); None: an EAGLE-3 draft, which takes one
+    WHOLE_VOCAB: Optional[str] = None
+
     def __init__(self, arch: DraftArch, weights: dict[str, torch.Tensor], embed: torch.Tensor,
                  lm_head: torch.Tensor, hot_token_id: Optional[torch.Tensor], *, dtype: torch.dtype,
                  sources: dict):
@@ -444,7 +448,11 @@ class Eagle3Draft:
         """The same draft with another d2t (``hot_token_id = d2t + arange``): a vocab-map fix, run offline.
 
         Raises:
-            BadInput: ``d2t`` is not ``[draft_vocab]`` or maps outside the target vocabulary."""
+            BadInput: the draft drafts over the target's whole vocabulary (:attr:`WHOLE_VOCAB`: it has no d2t), or
+                ``d2t`` is not ``[draft_vocab]`` or maps outside the target vocabulary."""
+        if self.WHOLE_VOCAB:
+            raise BadInput(f"{self.WHOLE_VOCAB} drafts over the target's whole vocabulary: it has no d2t", path=source,
+                           field="d2t")
         d2t = d2t.to(torch.long).reshape(-1)
         if d2t.shape[0] != self.arch.draft_vocab:
             raise BadInput(f"d2t has {d2t.shape[0]} entries, expected {self.arch.draft_vocab} (draft_vocab_size)",

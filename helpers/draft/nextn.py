@@ -75,6 +75,8 @@ class NextNHead(Eagle3Draft):
     logits [B, V] float32, its cache entries)``. Both inherited from :class:`Eagle3Draft`.
     """
 
+    WHOLE_VOCAB = "a NextN head"
+
     def __init__(self, arch: DraftArch, weights: dict, embed: torch.Tensor, lm_head: torch.Tensor, moe, *,
                  dtype: torch.dtype, sources: dict):
         super().__init__(arch, weights, embed, lm_head, None, dtype=dtype, sources=sources)
@@ -189,9 +191,6 @@ class NextNHead(Eagle3Draft):
         return cls(arch, w, embed.to(device=device, dtype=dtype), lm_head.to(device=device, dtype=dtype), moe,
                    dtype=dtype, sources=sources)
 
-    def with_vocab_map(self, d2t, source):
-        raise BadInput("a NextN head drafts over the target's whole vocabulary: it has no d2t", path=source,
-                       field="d2t")
 
     # ---- the layer (DeepseekModelNextN.forward; DeepseekV2DecoderLayer.forward with its residual) ----------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:

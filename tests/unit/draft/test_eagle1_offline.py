@@ -188,3 +188,14 @@ def test_a_bias_or_rotary_cache_is_ignored_as_vllm_ignores_it(tmp_path):
     a = with_extra.extend(tokens, hidden, torch.arange(6)).logits
     b = plain.extend(tokens, hidden, torch.arange(6)).logits
     assert torch.equal(a, b)
+
+
+def test_a_whole_vocabulary_draft_refuses_a_vocab_map():
+    """EAGLE-1 drafts over the target's whole vocabulary (``Eagle3Draft.WHOLE_VOCAB``): a d2t fix offline is refused
+    in one line naming the field, where an EAGLE-3 draft takes it."""
+    draft = load_draft(ROOT / "env/models/llama_h64/draft_eagle1", ROOT / "env/models/llama_h64/target")
+    with pytest.raises(BadInput, match=r"\[d2t\]: an EAGLE-1 draft drafts over the target's whole vocabulary"):
+        draft.with_vocab_map(torch.zeros(draft.arch.vocab, dtype=torch.long), "d2t.npy")
+    eagle3 = load_draft(ROOT / "env/models/llama_h64/draft", ROOT / "env/models/llama_h64/target")
+    mapped = eagle3.with_vocab_map(torch.zeros(eagle3.arch.draft_vocab, dtype=torch.long), "d2t.npy")
+    assert mapped.arch.draft_vocab == eagle3.arch.draft_vocab
