@@ -73,6 +73,11 @@ def test_longcat_flash_sglang_loads_model_mtp_layers_0_and_reruns_its_one_layer(
     f = _one(rep, "mtp_steps_beyond_head")["evidence"]
     assert (f["num_steps"], f["head_layers"], f["layers_declared"]) == (3, 1, 2)
     assert any("SGLang builds 1 head layer" in n and "not read" in n for n in rep.draft_checks["notes"])
+    # no steps given: SGLang's _auto_choose_speculative_params picks (3, 1, 4) for this target, over the one layer
+    auto = check_mtp(d, d, spec=MTPSpec("NEXTN"))
+    s = auto.draft_checks["facts"]["settings"]
+    assert (s["num_steps"], s["topk"], s["num_draft_tokens"]) == (3, 1, 4)
+    assert _one(auto, "mtp_steps_beyond_head")["evidence"]["head_layers"] == 1
 
 
 def test_longcat_flash_vllm_builds_one_layer_whatever_n_predict(tmp_path):
