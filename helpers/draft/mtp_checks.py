@@ -107,7 +107,10 @@ def sglang_missing_effect(name: str) -> str:
     (``deepseek_nextn.py::DeepseekModelNextN.__init__``, ``qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__``: torch's
     random init); every other parameter (the parallel
     linears, the experts, the router) is allocated with ``torch.empty``: whatever memory it got."""
-    leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+    parts = name.split(".")[:-1]
+    if len(parts) > 1 and parts[-1] == "m":     # LongCat-Flash stores its NextN norms as enorm.m / hnorm.m
+        parts = parts[:-1]                      # (longcat_flash_nextn.py::load_weights weight_names_mapping l. 518-519)
+    leaf = parts[-1] if parts else name
     if leaf.endswith(("norm", "layernorm")):
         return "ones (RMSNorm init)"
     if leaf in ("eh_proj", "fc"):
@@ -389,6 +392,20 @@ def is_mtp_deployment(draft_config: str | Path, target_config: str | Path, algor
     if read_mtp_head(draft_raw, dfile) is not None:
         return True
     return (algorithm or "").upper() == "NEXTN"
+
+
+def engine_head_layers(draft_dir: Path, rules: MTPRules) -> Optional[int]:
+    """The head layers ``rules``' engine builds for the MTP / NextN head whose config.json is in ``draft_dir``
+    (:meth:`MTPRules.built_layers`: SGLang 0.5.23 one for every family whatever the config declares, vLLM 0.32.0
+    ``n_predict`` or its head class's fixed count): the depth draft steps run before they reuse a layer, which the live
+    investigation takes as the trained depth when no training log says. None when the folder's config is no MTP head.
+
+    Raises:
+        BadInput: an unreadable config.json, a layer field of the wrong type or range
+            (:func:`helpers.formats.configs.read_mtp_head`)."""
+    f = _config_file(draft_dir)
+    head = read_mtp_head(read_config_json(f, "draft config"), f)
+    return None if head is None else rules.built_layers(head)
 
 
 def describe_head(draft_dir: Path, target_dir: Path, info: dict) -> Optional[dict]:

@@ -454,6 +454,13 @@ class VLLMMTPRules(MTPRules):
         """vLLM refuses the load (:attr:`missing_effect`), whatever the tensors."""
         return self.missing_effect
 
+    def built_layers(self, head: MTPHead) -> int:
+        """The head layers vLLM 0.32.0 builds and runs for ``head`` (:attr:`helpers.layers.mtp.MTPHead.vllm_built`):
+        ``n_predict`` of them (``deepseek_mtp.py::DeepSeekMultiTokenPredictor.__init__``: one per head layer), or the
+        fixed count of a head class that builds one whatever it is given (LongCat-Flash, MiMo-V2). Draft steps past
+        it rerun the layers round-robin (:attr:`helpers.layers.mtp.MTPFamily.vllm_reuse`)."""
+        return head.vllm_built
+
     def head_prefixes(self, head: MTPHead) -> list:
         """vLLM reads one prefix per head layer (:meth:`MTPHead.vllm_prefixes`)."""
         return head.vllm_prefixes()
@@ -531,7 +538,8 @@ class VLLMMTPRules(MTPRules):
                          f"num_speculative_tokens = {k} tokens")
         self._weights(head, names, head.vllm_prefixes(), findings, facts, f"vLLM's {fam.vllm_arch}",
                       f"{fam.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
-        trained = n or fam.vllm_layers_default or 1
+        trained = self.built_layers(head)
+        facts["loads"]["layers_loaded"] = trained
         if k > trained:
             findings.append(finding(
                 "mtp_steps_beyond_head", None,

@@ -13,6 +13,32 @@ from ..acceptance.prompts import load_prompts
 from .probes import PARTIAL, ProbeContext, run_probes
 
 
+#: the words that mark the acceptance budget's console line as not final (the engine-state probes join after it)
+PROVISIONAL = "provisional, the engine-state probes join next"
+
+
+def probes_join(r: Any) -> bool:
+    """Whether :func:`run_engine_state` will run probes for the run ``r`` (the server reports speculative settings and
+    the run measures live requests), i.e. whether the acceptance budget printed before it is still to change."""
+    return bool((r.att.spec or {}).get("num_steps")) and bool(r.req.live_measure)
+
+
+def budget_line(r: Any, text: str) -> str:
+    """The acceptance budget's console note ``text`` (its cause and stages), marked ``[`` :data:`PROVISIONAL` ``]``
+    when the engine-state probes will join it afterwards (:func:`probes_join`), so that a ``Cause: none`` printed
+    before them is not read as the verdict."""
+    return f"[{PROVISIONAL}] {text}" if probes_join(r) else text
+
+
+def final_budget_line(r: Any, budget: Optional[dict]) -> None:
+    """Print (``r.progress``) the acceptance budget once the engine-state probes have joined it (``budget``: the
+    joined budget, its ``sentence`` recomputed by :func:`helpers.investigation.probes.join_engine_state`); nothing
+    for None."""
+    if budget:
+        r.progress("acceptance budget (final, engine-state probes joined): "
+                   + (budget.get("sentence") or f"cause {budget.get('cause')}"))
+
+
 def run_engine_state(r: Any) -> Optional[dict]:
     """Run the probes ``r.req.engine_probes`` asks for on the server of the run ``r``
     (:class:`helpers.investigation.live.Run`: its attach has run; ``r.live`` the budget's live per-request frame, the
@@ -23,7 +49,7 @@ def run_engine_state(r: Any) -> Optional[dict]:
     Raises: what :func:`run_probes` propagates (the run's deadline, a signal), after recording the probes that
     finished (``r.doc.engine_state``, with why it stopped)."""
     req, doc = r.req, r.doc
-    if not (r.att.spec or {}).get("num_steps") or not req.live_measure:
+    if not probes_join(r):
         doc.notes.append("engine-state probes not run: " + ("--no-measure (no live requests)" if not req.live_measure
                                                             else "the server reports no speculative settings"))
         return None
@@ -44,4 +70,4 @@ def run_engine_state(r: Any) -> Optional[dict]:
     return state
 
 
-__all__ = ["run_engine_state"]
+__all__ = ["PROVISIONAL", "budget_line", "final_budget_line", "probes_join", "run_engine_state"]

@@ -59,7 +59,7 @@ from .checks import run_check, static_findings
 from .inputs import Investigation
 from .attach import Attachment, attach, capture_hooks, require_draft
 from .identify import PROVENANCE, every_layer_reference as _reference, identify_stage
-from .engine_stage import run_engine_state
+from .engine_stage import budget_line, final_budget_line, run_engine_state
 from .probes import check_choice, join_engine_state
 from .probes.sampled import check_sampling
 from .mtp import algorithm_text, investigate_mtp, mtp_sentence
@@ -424,8 +424,8 @@ def _stage_budget(r: Run) -> None:
         r.fix.applicable = False
         r.fix.summary = "none proven: " + br.withdraw_fix
     _settings_fix(r.fix, br.budget)
-    r.done("acceptance budget", t, f"cause {br.budget['cause']}: " + ", ".join(
-        f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"] if s.get("accept_length") is not None))
+    r.done("acceptance budget", t, budget_line(r, f"cause {br.budget['cause']}: " + ", ".join(
+        f"{s['name']} {s['accept_length']:.2f}" for s in br.budget["stages"] if s.get("accept_length") is not None)))
     _sweeps(r)
 
 
@@ -440,6 +440,7 @@ def _stage_engine_state(r: Run) -> None:
     have = {f.kind for f in r.doc.findings}
     r.doc.findings += [Finding(**f) for f in state["findings"] if f["kind"] not in have]
     r.doc.acceptance = join_engine_state(r.doc.acceptance, state)
+    final_budget_line(r, r.doc.acceptance)
 
 
 def _stage_caveats(r: Run) -> None:

@@ -52,6 +52,7 @@ from ..acceptance.prompts import load_prompts
 from ..acceptance.stats import format_ci
 from ..diagnosis.detectors import finding
 from ..draft.loader import OFFLINE_HEADS, load_draft
+from ..draft.mtp_checks import engine_head_layers
 from ..draft.mtp_weights import head_weight_findings
 from ..draft.nextn_stage import STEPS_SOURCE, nextn_draft_stage, steps_check
 from ..draft.precision import choose_dtype, server_dtype
@@ -66,7 +67,7 @@ from ..errors import BadInput
 from ..formats.configs import read_config_json, read_target_config
 from ..formats.dumps import read_dump
 from .attach import mtp_not_supported
-from .engine_stage import run_engine_state
+from .engine_stage import budget_line, final_budget_line, run_engine_state
 from .probes import join_engine_state
 from .single_state import EAGLE1, SingleStateDraft
 
@@ -184,8 +185,8 @@ def mtp_budget(head: Any, served: Sequence[SimSequence], reference: Optional[Seq
             counters (:func:`helpers.acceptance.requests.record` rows) of the same answers, or None.
         settings: the served chain; max_new_tokens: the live requests' cap (the simulation cuts there).
         draft: :func:`helpers.draft.nextn_stage.nextn_draft_stage`'s result, or None (not measured).
-        head_layers: the checkpoint's NextN layers (``num_nextn_predict_layers``): the trained depth when the log does
-            not give ``hyper.train_steps``.
+        head_layers: the head layers the serving engine builds (:func:`head_depth`, not the declared
+            ``num_nextn_predict_layers``): the trained depth when the log does not give ``hyper.train_steps``.
         profile: the single-state draft (:class:`helpers.investigation.single_state.SingleStateDraft`; None: the
             NextN head, :data:`NEXTN`): the words, sources, ``kind`` and whether the steps are checked.
 
@@ -299,9 +300,11 @@ def algorithm_text(algorithm: Optional[str], head: Optional[dict]) -> str:
 def head_text(head: dict) -> str:
     """The MTP head in a few words: its class, how many NextN layers (and the config field that says so), where its
     weights are (``attach.draft_head``, :func:`helpers.draft.mtp_checks`)."""
-    n = head.get("layers")
+    n, built = head.get("layers"), head.get("layers_built")
     return (f"{head.get('class')} ({head.get('file')}): the target's own NextN / MTP head, {n} layer"
-            f"{'' if n == 1 else 's'} ({head.get('layers_field')} = {n}), {head.get('source')}")
+            f"{'' if n == 1 else 's'} ({head.get('layers_field')} = {n}"
+            + (f"; the engine builds {built}" if built is not None and built != n else "")
+            + f"), {head.get('source')}")
 
 
 def state_findings(ident: dict, wiring_loss: Optional[dict], profile: Optional[SingleStateDraft] = None) -> list[dict]:
@@ -454,15 +457,16 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
                            training_log=req.training_log, validation=req.validation, progress=r.progress)
         b = mtp_budget(head, served, refs, pd.DataFrame(recs) if req.live_measure else None, settings,
                        max_new_tokens=req.max_new_tokens, draft=ds,
-                       head_layers=(att.draft_head or {}).get("layers"), profile=p)
+                       head_layers=head_depth(att, r.adapter.loader_rules(att.version).mtp_rules()), profile=p)
         b["dtype"] = choice.reason
         doc.acceptance = b
-        r.done("acceptance budget", t, b["sentence"])
+        r.done("acceptance budget", t, budget_line(r, b["sentence"]))
     r.live = pd.DataFrame(recs) if req.live_measure else None     # the engine-state probes' cold arm
     state = run_engine_state(r)                                      # each probe says whether it applies to a head
     if state is not None and b is not None:
         b = doc.acceptance = join_engine_state(b, state)
         b["sentence"] = budget_sentence(b)
+        final_budget_line(r, b)
     found = state_findings(ident, (b or {}).get("losses", {}).get("wiring"), p) if ident is not None else []
     found = _every_rank(r, found, ref, how, weight, eps, H, (b or {}).get("losses", {}).get("wiring"))
     cause = (b or {}).get("cause")
@@ -508,6 +512,25 @@ def _head_weights(r: Any, p: SingleStateDraft) -> list[dict]:
     return weights
 
 
+def head_depth(att: Any, rules: Any) -> Optional[int]:
+    """The head depth the served steps are checked against when the training log gives none: the layers the serving
+    engine builds for the attached head (:func:`helpers.draft.mtp_checks.engine_head_layers` under ``rules``, the
+    engine's :class:`helpers.draft.mtp_checks.MTPRules`: SGLang 0.5.23 builds one head layer for Qwen3.5 / Qwen3-Next
+    / MiMo / MiMo-V2 whatever ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers`` declares), not the declared
+    count. ``att``: the :class:`helpers.investigation.attach.Attachment` (its ``draft_dir`` and ``draft_head``);
+    ``att.draft_head['layers_built']`` is set to the answer. None: no MTP head config in the draft folder (then the
+    declared ``att.draft_head['layers']``, if any).
+
+    Raises:
+        BadInput: the draft folder's config.json unreadable or its layer field malformed."""
+    n = engine_head_layers(att.draft_dir, rules) if att.draft_dir is not None else None
+    if n is None:
+        return (att.draft_head or {}).get("layers")
+    if att.draft_head is not None:
+        att.draft_head["layers_built"] = n
+    return n
+
+
 def _steps_finding(r: Any, sc: dict) -> dict:
     """``mtp_steps_beyond_head`` of the settings check ``sc`` (:func:`helpers.draft.nextn_stage.steps_check`), its
     source and fix in the serving engine's own rule and flags (vLLM: ``num_speculative_tokens``)."""
@@ -550,7 +573,7 @@ def steps_text(sc: dict) -> str:
     per = ", ".join(f"step {r['step']}: {r['acc']:.3f} (log {r['log_acc']:.3f})" for r in sc.get("untrained") or []
                     if r.get("acc") is not None and r.get("log_acc") is not None)
     return (f"the NextN head is served with {sc['served_steps']} draft steps (--speculative-num-steps) but was trained "
-            f"for {sc['trained_steps']} (its training log's hyper.train_steps, else its NextN layers): steps {sc['trained_steps'] + 1}.."
+            f"for {sc['trained_steps']} (its training log's hyper.train_steps, else the head layers the engine builds): steps {sc['trained_steps'] + 1}.."
             f"{sc['served_steps']} run the one head on its own outputs, a depth it never learned"
             + (f"; teacher-forced accuracy there {per}" if per else "") + f" ({sc['source']})")
 
@@ -602,6 +625,7 @@ def _sentence(doc: Any) -> str:
 
 __all__ = ["NEXTN", "profile_of",
            "ALIAS_SOURCE", "CAUSE_FINDINGS", "DRAFT_STAGE", "FEED_SOURCE", "LIVE_STAGE", "LOSS_AT", "POST_NORM",
-           "TWICE", "WIRING_STAGE", "CHECKPOINT_STAGE", "algorithm_text", "budget_sentence", "head_text", "identify_state",
+           "TWICE", "WIRING_STAGE", "CHECKPOINT_STAGE", "algorithm_text", "budget_sentence", "head_depth", "head_text",
+           "identify_state",
            "investigate_mtp", "loss_text", "mtp_budget", "mtp_sentence", "ranked", "reference_sequences",
            "state_candidates", "state_findings", "state_line", "steps_text"]

@@ -50,7 +50,9 @@ VLLM_CONFIG = "vllm/config/speculative.py::SpeculativeConfig"
 #: DeepSeek / GLM loaders accept exactly 1 (``deepseek_weight_loader.py::_initialize_nextn_conf`` l. 566); Qwen3.5 /
 #: Qwen3-Next / MiMo get ``num_nextn_predict_layers = 1`` from ``configs/model_config.py::ModelConfig.
 #: _config_draft_model`` and one decoder layer (``qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__``: ``mtp_config.
-#: num_hidden_layers = 1``; ``mimo_mtp.py::MiMoMultiTokenPredictorLayer.__init__``: one ``mtp_block``).
+#: num_hidden_layers = 1``; ``mimo_mtp.py::MiMoMultiTokenPredictorLayer.__init__``: one ``mtp_block``); LongCat-Flash /
+#: MiMo-V2 one decoder layer (``longcat_flash_nextn.py::LongcatFlashModelNextN.__init__``: one ``decoder``;
+#: ``mimo_v2_nextn.py::MiMoV2ModelNextN``: one ``mtp_block``).
 SGLANG_BUILT_LAYERS = 1
 #: The most head layers a config may declare (``num_nextn_predict_layers``). Neither engine states a bound: SGLang's
 #: DeepSeek / GLM loaders accept exactly 1 (``sglang/srt/models/deepseek_common/deepseek_weight_loader.py::
@@ -132,7 +134,8 @@ class MTPFamily:
     """One model family's MTP / NextN head, as SGLang 0.5.23 and vLLM 0.32.0 load it.
 
     Attributes:
-        name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``).
+        name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``,
+            ``longcat_flash``, ``mimo_v2``).
         target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
@@ -160,6 +163,10 @@ class MTPFamily:
             (``helpers.draft.mtp_weights``); () when the family's checkpoints carry none.
         sglang_later_layers: what SGLang does with the checkpoint's head layers past the first, for a config that
             declares more than one (SGLang builds one head layer for every family: :data:`SGLANG_BUILT_LAYERS`).
+        vllm_n_predict: the ``n_predict`` vLLM's ``hf_config_override`` writes whatever the config declares (MiMo-V2:
+            ``_MIMO_V2_FLASH_NUM_MTP_LAYERS`` = 1), None: the layer field's value.
+        vllm_built: the head layers vLLM's head class builds whatever ``n_predict`` is (LongCat-Flash / MiMo-V2:
+            ``num_mtp_layers = 1``), None: ``n_predict`` of them.
     """
 
     name: str
@@ -183,6 +190,8 @@ class MTPFamily:
     expected: Optional[Callable[[dict], tuple[str, ...]]] = None
     own_copies: tuple[str, ...] = ()
     sglang_later_layers: str = "not read"
+    vllm_n_predict: Optional[int] = None
+    vllm_built: Optional[int] = None
 
 
 _DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
@@ -270,6 +279,51 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                              "models/mimo_mtp.py::MiMoMTP.map_model_name_to_mtp_param_name maps every "
                              "model.mtp_layers.<i>. to model.mtp_block. / model.; load_weights copies each in turn): "
                              "the head served is the last layer in the checkpoint's read order, not layer 0")),
+    MTPFamily(
+        # LongCat-Flash: one MLA + dense-MLP NextN layer stored under model.mtp.*; both engines build one layer and
+        # read model.mtp.layers.0.* only (their name maps list layer 0 alone)
+        name="longcat_flash", target_archs=("LongcatFlashForCausalLM",), head_arch="LongcatFlashForCausalLMNextN",
+        head_file=f"{_SG}/models/longcat_flash_nextn.py", layers_field="num_nextn_predict_layers",
+        # SGLang's own LongcatFlashConfig (sglang/srt/configs/longcat_flash.py::LongcatFlashConfig.__init__ l. 55,
+        # registered over transformers' in utils/hf_transformers/common.py) defaults it to 1; vLLM reads it with
+        # getattr(hf_config, "num_nextn_predict_layers", 1) (config/speculative.py::hf_config_override l. 962-966)
+        config_default=1, sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/longcat_flash_nextn.py::LongcatFlashForCausalLMNextN.load_weights l. 492-600 "
+                       "(only names with '.mtp.'; weight_names_mapping maps model.mtp.layers.0.* and model.mtp.norm; "
+                       "embed_tokens skipped); configs/model_config.py::ModelConfig._config_draft_model l. 1085-1090 "
+                       "sets num_hidden_layers = num_nextn_predict_layers"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "model.mtp.layers.0.",
+        vllm_prefix=lambda n, i: "model.mtp.layers.0.",
+        head_tensors=("enorm.m.weight", "hnorm.m.weight", "eh_proj.weight"), layer_tensors=_DECODER,
+        vllm_arch="LongCatFlashMTP (LongCatFlashMTPModel)", vllm_file=f"{_VL}/longcat_flash_mtp.py",
+        vllm_layers_default=1,
+        vllm_reuse=f"{_VL}/longcat_flash_mtp.py::LongCatMultiTokenPredictor.forward l. 116 (spec_step_idx % "
+                   "num_mtp_layers; num_mtp_layers = 1, l. 86)",
+        sglang_later_layers="not read (LongcatFlashForCausalLMNextN.load_weights maps model.mtp.layers.0.* only)",
+        vllm_built=1),
+    MTPFamily(
+        # MiMo-V2 (Flash / Pro): NextN layers under model.mtp.layers.<i>.*; SGLang sets the count to 1 and folds
+        # every layer into its one mtp_block (as MiMo-7B's loader); vLLM writes n_predict = 1 and builds one layer
+        name="mimo_v2", target_archs=("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM"), head_arch="MiMoV2MTP",
+        head_file=f"{_SG}/models/mimo_v2_nextn.py", layers_field="num_nextn_predict_layers", config_default=None,
+        sglang_layers=1,
+        sglang_loader=(f"{_SG}/models/mimo_v2_nextn.py::MiMoV2MTP.load_weights l. 278-360 / "
+                       "map_model_name_to_mtp_param_name l. 362-382 (every model.mtp.layers.<i>. into model.mtp_block. "
+                       "/ model.); configs/model_config.py::ModelConfig._config_draft_model l. 1094-1096 sets "
+                       "num_nextn_predict_layers = 1"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: f"model.mtp.layers.{i}.",
+        vllm_prefix=lambda n, i: f"model.mtp.layers.{i}.",
+        head_tensors=("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"),
+        layer_tensors=("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+        vllm_arch="MiMoV2MTP (MiMoV2MTPModel)", vllm_file=f"{_VL}/mimo_v2_mtp.py", vllm_layers_default=None,
+        vllm_reuse=f"{_VL}/mimo_v2_mtp.py::MiMoV2MultiTokenPredictor.forward l. 209 (spec_step_idx % "
+                   "num_mtp_layers; num_mtp_layers = 1, l. 177; n_predict = _MIMO_V2_FLASH_NUM_MTP_LAYERS = 1 from "
+                   "vllm/config/speculative.py::SpeculativeConfig.hf_config_override l. 736-779)",
+        sglang_later_layers=(f"loaded into the same one block, each overwriting the layer read before it ({_SG}/"
+                             "models/mimo_v2_nextn.py::MiMoV2MTP.map_model_name_to_mtp_param_name maps every "
+                             "model.mtp.layers.<i>. to model.mtp_block. / model.): the head served is the last layer "
+                             "in the checkpoint's read order, not layer 0"),
+        vllm_n_predict=1, vllm_built=1),
 )
 
 _BY_ARCH = {a: f for f in MTP_FAMILIES for a in (*f.target_archs, f.head_arch)}
@@ -321,20 +375,27 @@ class MTPHead:
 
     @property
     def vllm_n_predict(self) -> Optional[int]:
-        """vLLM's ``n_predict`` (``hf_config_override``: the layer field, None when absent)."""
-        return self.layers
+        """vLLM's ``n_predict`` (``hf_config_override``: the layer field, None when absent; the family's fixed value
+        :attr:`MTPFamily.vllm_n_predict` when it writes one)."""
+        return self.family.vllm_n_predict if self.family.vllm_n_predict is not None else self.layers
+
+    @property
+    def vllm_built(self) -> int:
+        """The head layers vLLM builds and reads: :attr:`MTPFamily.vllm_built` when the head class fixes it, else
+        ``n_predict``, else the family's default, else 1."""
+        return self.family.vllm_built or self.vllm_n_predict or self.family.vllm_layers_default or 1
 
     def sglang_prefixes(self) -> list[str]:
         """The checkpoint prefixes SGLang reads the head from (one: SGLang builds one head layer)."""
         return [self.family.sglang_prefix(self.num_hidden_layers or 0, 0)]
 
     def vllm_prefixes(self) -> list[str]:
-        """The checkpoint prefixes vLLM reads, one per head layer (``n_predict``, else its default, else 1).
+        """The checkpoint prefixes vLLM reads, one per head layer it builds (:attr:`vllm_built`).
 
         Raises:
             ValueError: more than :data:`MAX_MTP_LAYERS` layers (the config readers refuse such a config first:
                 ``helpers.formats.configs.read_mtp_head``)."""
-        n = self.layers if self.layers else (self.family.vllm_layers_default or 1)
+        n = self.vllm_built
         if n > MAX_MTP_LAYERS:
             raise ValueError(f"{self.family.layers_field} {n} is over {MAX_MTP_LAYERS}")
         return list(dict.fromkeys(self.family.vllm_prefix(self.num_hidden_layers or 0, i) for i in range(n)))

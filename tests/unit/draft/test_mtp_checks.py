@@ -257,7 +257,9 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
              "nextn": (MTP / "deepseek-v3-nextn-checkpoint_shape.json", None),
              "glm_lite": (MTP / "glm-4.7-flash_shape.json", None),
              "glm_lite_two": (MTP / "glm-4.7-flash_shape.json", lambda c: c.update(num_nextn_predict_layers=2)),
-             "qwen35": (MTP / "qwen3.5-27b_shape.json", None)}
+             "qwen35": (MTP / "qwen3.5-27b_shape.json", None),
+             "longcat_two": (MTP / "longcat-flash_defaults.json", lambda c: c.update(num_nextn_predict_layers=2)),
+             "mimo_v2": (MTP / "mimo-v2-flash_defaults.json", None)}
     folders = {}
     for name, (src, edit) in cases.items():
         def strip(c, edit=edit):          # the fp8 quantization block needs CUDA kernels to be read by SGLang
@@ -281,13 +283,17 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
             assert len(refused) == 1 and refused[0]["evidence"]["error"].startswith(
                 sg[name]["refused"].split(":")[0]) and sg[name]["refused"].split(": ", 1)[1] in refused[0]["detail"]
         else:
-            assert refused == [] and sg[name]["layers"] == (loads["layers_declared"] if name != "qwen" else 1), name
+            # Qwen3-Next and MiMo-V2: the rewrite writes num_nextn_predict_layers = 1 whatever is declared
+            assert refused == [] and sg[name]["layers"] == (loads["layers_declared"] if name not in ("qwen", "mimo_v2")
+                                                            else 1), name
             if "prefix" in sg[name]:
                 assert loads["prefixes"] == [sg[name]["prefix"]], name
     assert sg["ds_two"]["refused"] == "AssertionError: Only 1 nextn layer is supported"
     assert sg["nextn"]["prefix"] == "model.layers.0." and sg["qwen"]["layers"] == 1
     assert sg["glm_lite"]["prefix"] == "model.layers.47." and sg["glm_lite_two"]["refused"].startswith("AssertionError")
     assert sg["qwen35"]["head_class"] == "Qwen3_5ForCausalLMMTP" and sg["qwen35"]["layers"] == 1
+    assert sg["longcat_two"] == {"head_class": "LongcatFlashForCausalLMNextN", "layers": 2}
+    assert sg["mimo_v2"] == {"head_class": "MiMoV2MTP", "layers": 1}
 
 
 def test_the_draft_cost_leaves_the_targets_nextn_layer_out():
