@@ -135,6 +135,8 @@ def main() -> None:
         a, b = med("eagle3", k), med("nextn", k)
         if a or b:
             print(f"| {k} | {a:.1f} | {b:.1f} | {b / a:.2f}x |" if a else f"| {k} | {a:.1f} | {b:.1f} | - |")
+    per = [n["wall_s"] / e["wall_s"] for e, n in zip(res["eagle3"], res["nextn"])]
+    print("\nwall NextN / EAGLE-3 per round (the load moves between rounds): " + ", ".join(f"{x:.2f}" for x in per))
     for arm in ARMS:
         print(f"{arm}: verdicts {[r['verdict'] for r in res[arm]]}, findings {[r['findings'] for r in res[arm]]}, "
               f"stages {res[arm][-1]['stages']}")

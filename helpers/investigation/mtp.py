@@ -481,11 +481,11 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
     found += weights
     found += [f for f in (state or {}).get("findings") or [] if f["kind"] not in {g["kind"] for g in found}]
     doc.findings = [Finding(**f) for f in found]
-    from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
-    fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
     doc.verdict = ("mismatch" if found else "ok" if cause == "none" and ident is not None and ident["matches"]
                    else "undecided")
-    doc.seconds_to_verdict = round(r.dl.elapsed(), 1)
+    doc.seconds_to_verdict = round(r.dl.elapsed(), 1)     # the verdict needs the budget and probes, not the relaunch
+    from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
+    fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
     if ident is None:
         doc.notes.append(f"the served state is not identified: {missing}")
 
