@@ -12,7 +12,9 @@ Both servers run at once (TP 1, ``python -m helpers server start``, 127.0.0.1):
 Then ``python -m helpers investigate --url URL`` (defaults otherwise: 16 prompts x 32 tokens, the cheap engine-state
 probes) alternates between them, A B A B ...; per run the wall seconds of the command, ``seconds_to_verdict`` and
 the stage timings of ``investigation.json`` (capture, reference, diagnosis, acceptance budget, engine state, and each
-engine-state probe's seconds). Prints a markdown table of the medians and the ratio NextN / EAGLE-3 (paste into
+engine-state probe's seconds), and the wall split into the server's seconds answering the run's live requests
+(``server_s``: ``latency_s`` of every per-request frame the run saved) and the rest, the investigation's own work
+(``own_s``). Prints a markdown table of the medians and the ratio NextN / EAGLE-3 (paste into
 bench/RESULTS.md) and the load average before and after. The servers are stopped by PID when the script ends, also
 on an error or Ctrl-C.
 
@@ -78,6 +80,18 @@ def stop_server(p: subprocess.Popen) -> None:
             p.wait(10)
 
 
+def server_seconds(run_dir: Path) -> float:
+    """Seconds the server spent answering the run's live requests: ``latency_s`` summed over the per-request frames
+    the run saved (the budget's cold answers, each probe's arms; the offline replays have none)."""
+    import pandas as pd
+    total = 0.0
+    for f in run_dir.rglob("*.parquet"):
+        df = pd.read_parquet(f)
+        if "latency_s" in df and not f.name.startswith("offline"):
+            total += float(df["latency_s"].fillna(0.0).sum())
+    return total
+
+
 def one_run(arm: str, url: str, out: Path, timeout: float) -> dict:
     """``investigate --url URL`` once; its wall seconds, ``seconds_to_verdict``, stage and probe timings."""
     run_out = out / f"{arm}-{time.time_ns()}"
@@ -93,7 +107,9 @@ def one_run(arm: str, url: str, out: Path, timeout: float) -> dict:
     probes = {f"probe {q['probe']}": q.get("seconds") for q in (doc.get("engine_state") or {}).get("probes") or []
               if q.get("status") == "ran"}
     b = doc.get("acceptance") or {}
-    return {"wall_s": wall, "seconds_to_verdict": doc.get("seconds_to_verdict"), "exit": p.returncode,
+    srv = server_seconds(docs[-1].parent)
+    return {"wall_s": wall, "server_s": srv, "own_s": wall - srv,
+            "seconds_to_verdict": doc.get("seconds_to_verdict"), "exit": p.returncode,
             **{s: (doc.get("timings") or {}).get(s) for s in STAGES}, **probes,
             "verdict": doc.get("verdict"), "findings": [f["kind"] for f in doc.get("findings") or []],
             "stages": [(s.get("name"), s.get("accept_length")) for s in b.get("stages") or []],
@@ -123,7 +139,7 @@ def main() -> None:
     finally:
         for p in procs.values():
             stop_server(p)
-    keys = ["wall_s", "seconds_to_verdict", *STAGES]
+    keys = ["wall_s", "server_s", "own_s", "seconds_to_verdict", *STAGES]
     keys += sorted({k for rs in res.values() for r in rs for k in r if k.startswith("probe ")})
     print(f"\nload average before {load0[0]:.1f}, after {load1[0]:.1f}; {args.runs} run(s) per arm\n")
     print("| step | EAGLE-3 s (median) | NextN s (median) | NextN / EAGLE-3 |")
