@@ -39,7 +39,7 @@ def final_budget_line(r: Any, budget: Optional[dict]) -> None:
                    + (budget.get("sentence") or f"cause {budget.get('cause')}"))
 
 
-def run_engine_state(r: Any) -> Optional[dict]:
+def run_engine_state(r: Any, extra: Optional[dict] = None) -> Optional[dict]:
     """Run the probes ``r.req.engine_probes`` asks for on the server of the run ``r``
     (:class:`helpers.investigation.live.Run`: its attach has run; ``r.live`` the budget's live per-request frame, the
     probes' cold arm, or None) and record them: ``r.doc.engine_state`` and the probes' notes. Returns
@@ -57,7 +57,7 @@ def run_engine_state(r: Any) -> Optional[dict]:
     ctx = ProbeContext(client=r.client, adapter=r.adapter, att=r.att, run_dir=req.run_dir,
                        prompts=load_prompts(None, n=req.measure_prompts), max_new_tokens=req.max_new_tokens, dl=r.dl,
                        progress=r.progress, api_key=req.api_key, port=req.port, cold=r.live,
-                       sampling=req.probe_sampling)
+                       sampling=req.probe_sampling, extra=dict(extra or {}))
     try:
         state = run_probes(ctx, req.engine_probes)
     except BaseException:

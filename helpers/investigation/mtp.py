@@ -69,6 +69,7 @@ from ..formats.dumps import read_dump
 from .attach import mtp_not_supported
 from .engine_stage import budget_line, final_budget_line, run_engine_state
 from .probes import join_engine_state
+from .probes.trace import LOADED_DRAFT
 from .single_state import EAGLE1, SingleStateDraft
 
 #: the candidate the head should read (SGLang 0.5.23: the target's final hidden state after the final norm)
@@ -396,6 +397,8 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
     5. **engine state** -- the engine-state probes (:func:`helpers.investigation.engine_stage.run_engine_state`, the
        capture's answers their cold arm; each probe declares whether it applies to a head: ``Probe.mtp``), joined
        into the budget's engine stage (:func:`helpers.investigation.probes.join_engine_state`); their findings join.
+       The budget's head is handed to them (:data:`helpers.investigation.probes.trace.LOADED_DRAFT`): a probe that
+       runs the head offline (``sampled_verify``) does not load it again.
 
     ``profile``: the single-state draft (None: the NextN head, :data:`NEXTN`; an EAGLE-1 draft on vLLM:
     :data:`helpers.investigation.single_state.EAGLE1`, attached without a ``draft_head``).
@@ -462,7 +465,8 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
         doc.acceptance = b
         r.done("acceptance budget", t, budget_line(r, b["sentence"]))
     r.live = pd.DataFrame(recs) if req.live_measure else None     # the engine-state probes' cold arm
-    state = run_engine_state(r)                                      # each probe says whether it applies to a head
+    # each probe says whether it applies to a head; the budget's head is theirs (not loaded again)
+    state = run_engine_state(r, {LOADED_DRAFT: (head, choice.dtype)} if b is not None else None)
     if state is not None and b is not None:
         b = doc.acceptance = join_engine_state(b, state)
         b["sentence"] = budget_sentence(b)
@@ -481,11 +485,11 @@ def investigate_mtp(r: Any, reference: Any, profile: Optional[SingleStateDraft] 
     found += weights
     found += [f for f in (state or {}).get("findings") or [] if f["kind"] not in {g["kind"] for g in found}]
     doc.findings = [Finding(**f) for f in found]
-    from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
-    fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
     doc.verdict = ("mismatch" if found else "ok" if cause == "none" and ident is not None and ident["matches"]
                    else "undecided")
-    doc.seconds_to_verdict = round(r.dl.elapsed(), 1)
+    doc.seconds_to_verdict = round(r.dl.elapsed(), 1)     # the verdict needs the budget and probes, not the relaunch
+    from .mtp_fix import fix_stage  # lazy: it imports this module (and helpers.investigation.live's not_measured)
+    fix_stage(r, found, b, head if b else None, (refs or served) if b else None)
     if ident is None:
         doc.notes.append(f"the served state is not identified: {missing}")
 

@@ -63,18 +63,26 @@ def _applies(ctx: ProbeContext) -> Optional[str]:
     return None
 
 
+#: the ``ctx.extra`` key under which a stage that loaded the checkpoint already hands it to the probes, as ``(draft,
+#: dtype)`` (the NextN budget's head: :func:`helpers.investigation.mtp.investigate_mtp`): :func:`checkpoint_draft`
+#: takes it instead of loading the checkpoint again when its dtype is the one the probes choose
+LOADED_DRAFT = "loaded_draft"
+
+
 def checkpoint_draft(ctx: ProbeContext) -> Eagle3Draft:
     """The draft checkpoint (``ctx.att.draft_dir``, the target's embedding from ``ctx.att.target_dir``) loaded once
-    per run at the server's dtype as this CPU runs it, shared by the probes that run it offline (``ctx.extra``).
+    per run at the server's dtype as this CPU runs it, shared by the probes that run it offline (``ctx.extra``); the
+    one a stage of the run loaded already at that dtype (``ctx.extra[LOADED_DRAFT]``) is taken as it is.
 
     Raises:
         BadInput: the checkpoint cannot be run offline (:meth:`helpers.draft.model.Eagle3Draft.load`)."""
     if "trace_draft" not in ctx.extra:
         att = ctx.att
         choice = choose_dtype(server_dtype(ctx.client.server_info(), read_draft_config(att.draft_dir).raw), "cpu")
-        ctx.extra["trace_draft"] = load_draft(att.draft_dir, att.target_dir, dtype=choice.dtype,
-                                              dtype_reason=choice.reason,
-                                              loader=ctx.adapter.loader_rules(att.version))
+        given, given_dtype = ctx.extra.get(LOADED_DRAFT) or (None, None)
+        ctx.extra["trace_draft"] = given if given is not None and given_dtype == choice.dtype else load_draft(
+            att.draft_dir, att.target_dir, dtype=choice.dtype, dtype_reason=choice.reason,
+            loader=ctx.adapter.loader_rules(att.version))
     return ctx.extra["trace_draft"]
 
 
@@ -177,4 +185,4 @@ SERVED_DRAFT = Probe("served_draft", "cheap", "the served draft on a fixed input
                      "layer model.layers.{num_hidden_layers}.* (deepseek_nextn.py::DeepseekV3ForCausalLMNextN."
                      "load_weights), so a weight update of the target reaches them only through the draft worker")
 
-__all__ = ["FIXED_PROMPT", "SERVED_DRAFT", "STEP_TRACE", "checkpoint_draft", "trace_dir", "traced"]
+__all__ = ["FIXED_PROMPT", "LOADED_DRAFT", "SERVED_DRAFT", "STEP_TRACE", "checkpoint_draft", "trace_dir", "traced"]

@@ -115,3 +115,29 @@ def test_probes_join_the_heads_engine_stage(head_budget):
     assert lost["losses"]["engine"]["cold"]["decision"] == "clear"
     s = budget_sentence(lost)
     assert s.startswith("NextN accept length") and "Cause: engine" in s and "cache state counts" in s, s
+
+
+def test_probes_take_the_budgets_head_at_their_dtype_and_load_their_own_otherwise():
+    """``checkpoint_draft`` takes the head a stage already loaded (``ctx.extra[LOADED_DRAFT]``) when its dtype is the
+    one the probes choose for the server (float32 here): the same object, not loaded again; a head of another dtype
+    is not taken: the checkpoint is loaded at the chosen dtype, and it drafts as the given head does on real
+    states (the same accept length offline)."""
+    from helpers.investigation.probes.trace import LOADED_DRAFT, checkpoint_draft
+    if not (TARGET / "model.safetensors").is_file():
+        pytest.skip("env/models/kimi/target is not built here")
+    head = load_draft(TARGET, TARGET)
+
+    def ctx(dtype):
+        return SimpleNamespace(extra={LOADED_DRAFT: (head, dtype)},
+                               att=SimpleNamespace(draft_dir=TARGET, target_dir=TARGET, version="0.5.23"),
+                               client=SimpleNamespace(server_info=lambda: {"dtype": "float32"}),
+                               adapter=SimpleNamespace(loader_rules=lambda v: None))
+    assert checkpoint_draft(ctx(torch.float32)) is head
+    own = checkpoint_draft(ctx(torch.bfloat16))
+    assert own is not head and own.dtype == torch.float32
+    g = torch.Generator().manual_seed(1)
+    seqs = [SimSequence(f"p{i}", torch.randint(0, 1000, (24,), generator=g),
+                        torch.randn(24, head.arch.hidden, generator=g) * 1.8, 6) for i in range(3)]
+    st = DraftSettings(1, 1, 2)
+    a, b = (simulate_sequences(h, seqs, [st], max_new_tokens=16)["per_request"][st] for h in (head, own))
+    assert a["verify_ct"].tolist() == b["verify_ct"].tolist() and a["verify_ct"].sum() > 0

@@ -19,7 +19,7 @@ from helpers.draft.simulate import DraftSettings, SimSequence
 from helpers.formats.dumps import read_dump
 from helpers.hooks import write_forward
 from helpers.investigation.mtp import POST_NORM, reference_sequences
-from helpers.investigation.mtp_fix import measured_cost, nextn_draft_cost, propose, steps_proof
+from helpers.investigation.mtp_fix import measured_cost, modelled_change, nextn_draft_cost, propose, repriced, steps_proof
 from helpers.investigation.mtp_ranks import identify_ranks, rank_findings
 from support import ROOT
 
@@ -134,6 +134,25 @@ def test_measured_cost_inverts_the_cost_model():
     assert measured_cost(before, after)["cost"] == pytest.approx(c, rel=1e-9)
     assert measured_cost(before, {**after, "num_steps": 3}) is None
     assert measured_cost(before, {**after, "tok_s": 10.0})["cost"] is None      # no positive cost: said
+
+
+def test_the_proof_priced_again_at_the_measured_cost():
+    """The cost model at the parameter ratio and at the cost a relaunch measured, on the steps fix's figures of a
+    2026-12-06 run (3 steps 1.64 -> 1 step 1.48, -0.16 [-0.23, -0.11] paired): the proof's +42.6 % at c = 0.409
+    (tokens per unit time = accept length / (1 + steps c)); at the measured 0.062 the same accept lengths predict a
+    wash, undecided, as the interleaved measurement found. No measured cost: nothing repriced."""
+    mc, mlo, mhi, pays = modelled_change(1.64, -0.16, -0.23, -0.11, 3, 1, 0.409)
+    assert mc == pytest.approx(1.48 / (1 + 0.409) / (1.64 / (1 + 3 * 0.409)) - 1, rel=1e-12)
+    assert mlo < mc < mhi and pays is True and round(mc, 3) == 0.426
+    proof = {"served": {"accept_length": 1.64, "steps": 3}, "trained": {"steps": 1}, "delta": -0.16,
+             "delta_ci": [-0.23, -0.11], "cost": 0.409}
+    before = {"num_steps": 3, "accept_length": 1.64, "tok_s": 1.64 / (1 + 3 * 0.062)}
+    after = {"num_steps": 1, "accept_length": 1.48, "tok_s": 1.48 / (1 + 0.062)}
+    again = repriced(proof, measured_cost(before, after))
+    assert again["cost"] == pytest.approx(0.062, rel=1e-9) and "measured by the relaunch" in again["source"]
+    assert again["modelled_ci"][0] < 0 < again["modelled_ci"][1] and again["pays"] is None
+    assert again["modelled_change"] == pytest.approx(modelled_change(1.64, -0.16, -0.23, -0.11, 3, 1, 0.062)[0])
+    assert repriced(proof, None) is None and repriced(proof, {"cost": None, "why": "x"}) is None
 
 
 def test_steps_proof_and_proposal(world):
