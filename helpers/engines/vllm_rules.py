@@ -21,7 +21,7 @@ from ..diagnosis.plan_rules import PlanRules
 from ..draft.checks import LoaderRules
 from ..draft.loader_table import VLLMLoaderTable
 from ..draft.config_checks import ConfigChecks
-from ..draft.mtp_checks import MTPRules, MTPSpec
+from ..draft.mtp_checks import MTPRules, MTPSpec, own_served
 from ..layers.mtp import MTPHead
 from .vllm_mtp import cpu_refusal, fed_state
 from ..formats import speculators
@@ -489,6 +489,8 @@ class VLLMMTPRules(MTPRules):
                        f"architectures -> {fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
             "prefixes": head.vllm_prefixes(), "head_tensors": list(fam.head_tensors),
             "layers_declared": head.layers, "n_predict": n}
+        if fam.serves_own(self.label):
+            facts["loads"]["embedding_and_lm_head"] = own_served(fam, self.label)
         fed = fed_state(head)
         if fed is not None:
             facts["loads"]["fed_state"] = {"candidate": fed[0], "source": fed[1]}

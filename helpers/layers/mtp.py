@@ -130,12 +130,28 @@ def _deepseek_expected(cfg: dict) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """An engine's start-up refusal over the head's tensors (raised by the head class's ``load_weights``).
+
+    Attributes:
+        when: ``any_missing`` (any head parameter left unfilled: Step-3.5's ``params_need_to_load != loaded_params``)
+            or ``none_present`` (no tensor of the head at all: ERNIE-4.5's ``mtp_layer_found``; a partial head starts).
+        error: the exception as raised.
+        source: file::function and line of the raise.
+    """
+
+    when: str
+    error: str
+    source: str
+
+
+@dataclass(frozen=True)
 class MTPFamily:
     """One model family's MTP / NextN head, as SGLang 0.5.23 and vLLM 0.32.0 load it.
 
     Attributes:
         name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``,
-            ``longcat_flash``, ``mimo_v2``).
+            ``longcat_flash``, ``mimo_v2``, ``step3p5``, ``ernie4_5_moe``).
         target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
@@ -167,6 +183,16 @@ class MTPFamily:
             ``_MIMO_V2_FLASH_NUM_MTP_LAYERS`` = 1), None: the layer field's value.
         vllm_built: the head layers vLLM's head class builds whatever ``n_predict`` is (LongCat-Flash / MiMo-V2:
             ``num_mtp_layers = 1``), None: ``n_predict`` of them.
+        vllm_n_predict_absent: the ``n_predict`` vLLM's ``hf_config_override`` writes when the layer field is absent
+            (Step-3.5: ``getattr(hf_config, "num_nextn_predict_layers", 1)``), None: n_predict stays None.
+        sglang_layer_per_step: SGLang builds one head model per draft step (multi-layer EAGLE), step ``i`` reading
+            head layer ``i`` (:attr:`sglang_prefix` ``(n, i)``); steps past the declared layers find no tensors.
+        sglang_refusal / vllm_refusal: the engine's own refusal over missing head tensors (:class:`Refusal`), None:
+            the engine's general rule (SGLang starts with those parameters as allocated; vLLM's default loader refuses).
+        sglang_serves_own / vllm_serves_own: the :attr:`own_copies` the engine serves instead of the target's tensor
+            (the draft's logits / embedding come from the checkpoint's copy), with :attr:`serves_own_source`;
+            () for the families whose copies are replaced by the target's.
+        serves_own_source: ``{engine label: file::function l. ...}`` saying where each engine serves the copy.
     """
 
     name: str
@@ -192,6 +218,21 @@ class MTPFamily:
     sglang_later_layers: str = "not read"
     vllm_n_predict: Optional[int] = None
     vllm_built: Optional[int] = None
+    vllm_n_predict_absent: Optional[int] = None
+    sglang_layer_per_step: bool = False
+    sglang_refusal: Optional[Refusal] = None
+    vllm_refusal: Optional[Refusal] = None
+    sglang_serves_own: tuple[str, ...] = ()
+    vllm_serves_own: tuple[str, ...] = ()
+    serves_own_source: tuple[tuple[str, str], ...] = ()
+
+    def serves_own(self, label: str) -> tuple[str, ...]:
+        """The own copies the engine named ``label`` (``SGLang`` / ``vLLM``) serves instead of the target's."""
+        return {"SGLang": self.sglang_serves_own, "vLLM": self.vllm_serves_own}.get(label, ())
+
+    def refusal(self, label: str) -> Optional[Refusal]:
+        """The engine's own refusal over missing head tensors (:attr:`sglang_refusal` / :attr:`vllm_refusal`)."""
+        return {"SGLang": self.sglang_refusal, "vLLM": self.vllm_refusal}.get(label)
 
 
 _DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
@@ -324,6 +365,76 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                              "model.mtp.layers.<i>. to model.mtp_block. / model.): the head served is the last layer "
                              "in the checkpoint's read order, not layer 0"),
         vllm_n_predict=1, vllm_built=1),
+    MTPFamily(
+        # Step-3.5 (Flash; Step-3.7's text model): NextN layers model.layers.{n + i}.*, each with its own
+        # shared_head.output (the lm_head copy it was trained with). SGLang runs multi-layer EAGLE for this target
+        # (one Step3p5MTP per draft step, step i reading layer n + i) and serves each layer's own head; vLLM builds
+        # n_predict layers, reused round-robin, and keeps their own heads when they differ from the target's.
+        name="step3p5", target_archs=("Step3p5ForCausalLM",), head_arch="Step3p5MTP",
+        head_file=f"{_SG}/models/step3p5_mtp.py", layers_field="num_nextn_predict_layers",
+        # SGLang's own Step3p5Config (sglang/srt/configs/step3p5.py::Step3p5Config.__init__ l. 10-108) has no such
+        # parameter: absent, SGLang's get_spec_layer_idx_from_weight_name (step3p5_mtp.py l. 26-41) finds no head layer
+        config_default=None, sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/step3p5_mtp.py::Step3p5MTP.load_weights l. 189-295 (only model.layers."
+                       "{num_hidden_layers + draft_model_idx}.* and embed_tokens; shared_head.output read as "
+                       "shared_head.head); configs/model_config.py::ModelConfig._config_draft_model l. 1097-1098; "
+                       "arg_groups/overrides.py::_step3p_overrides l. 346-350 (enable_multi_layer_eagle for EAGLE); "
+                       "managers/tp_worker.py::_init_multi_layer_eagle_model_runners l. 502-523 (one draft model per "
+                       "step, draft_model_idx = i)"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=_after_last, vllm_prefix=_after_last,
+        head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Step3p5MTP",
+        vllm_file=f"{_VL}/step3p5_mtp.py", vllm_layers_default=1,
+        vllm_reuse=(f"{_VL}/step3p5_mtp.py::Step3p5AMultiTokenPredictor.forward l. 133 (spec_step_idx % "
+                    "num_mtp_layers; vllm/v1/spec_decode/step3p5.py passes spec_step_idx = token_index + 1, l. 388)"),
+        own_copies=("shared_head.output.weight", "shared_head.head.weight", "embed_tokens.weight"),
+        sglang_later_layers="read by the draft models of the later steps (one per step: draft_model_idx)",
+        vllm_n_predict_absent=1, sglang_layer_per_step=True,
+        sglang_refusal=Refusal(
+            "any_missing",
+            'RuntimeError("Some parameters like <name> are not in the checkpoint and will falsely use random '
+            'initialization")',
+            f"{_SG}/models/step3p5_mtp.py::Step3p5MTP.load_weights l. 287-295"),
+        vllm_refusal=Refusal(
+            "any_missing",
+            'RuntimeError("Some parameters like <name> are not in the checkpoint and will falsely use random '
+            'initialization")',
+            f"{_VL}/step3p5_mtp.py::Step3p5MTP.load_weights l. 302-320 (with the MTP completeness check on, "
+            "model_loader/mtp_validation.py::is_mtp_completeness_check_enabled)"),
+        sglang_serves_own=("shared_head.output.weight", "shared_head.head.weight", "embed_tokens.weight"),
+        vllm_serves_own=("shared_head.output.weight", "shared_head.head.weight"),
+        serves_own_source=(
+            ("SGLang", f"{_SG}/models/step3p5_mtp.py::Step3p5MTP.set_embed_and_head l. 186-187 is a no-op: the draft "
+                       "keeps the shared_head.head and embed_tokens it loaded (load_weights l. 274-281: the layer's "
+                       "shared_head.output; model.embed_tokens.weight or the layer's embed_tokens copy, whichever the "
+                       "loader reads last)"),
+            ("vLLM", f"{_VL}/step3p5_mtp.py::Step3p5MTP.has_own_lm_head l. 160 and compute_logits l. 142-150 (each "
+                     "layer's shared_head.head): vllm/v1/spec_decode/llm_base_proposer.py::_maybe_share_lm_head "
+                     "l. 1508-1573 replaces it by the target's only when equal; the embedding is the target's "
+                     "(_maybe_share_embeddings l. 1466-1472, 'Detected MTP model')"))),
+    MTPFamily(
+        # ERNIE-4.5 MoE: one MTP layer stored flat as model.mtp_emb_norm.0 / mtp_hidden_norm.0 / mtp_linear_proj.0 /
+        # mtp_block.0.*; both engines read index 0 only and bind the target's embedding and lm_head
+        name="ernie4_5_moe", target_archs=("Ernie4_5_MoeForCausalLM",), head_arch="Ernie4_5_MoeForCausalLMMTP",
+        head_file=f"{_SG}/models/ernie4_eagle.py", layers_field="num_nextn_predict_layers",
+        # transformers 5.19's Ernie4_5_MoeConfig (models/ernie4_5_moe/configuration_ernie4_5_moe.py l. 59-107) has
+        # no such field; vLLM reads getattr(hf_config, "num_nextn_predict_layers", None) (speculative.py l. 810-816)
+        config_default=None, sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/ernie4_eagle.py::Ernie4_5_MoeForCausalLMMTP.load_weights l. 143-186 (only "
+                       "names with mtp_block.0 / mtp_emb_norm.0 / mtp_hidden_norm.0 / mtp_linear_proj.0, mtp_layer_id "
+                       "0); configs/model_config.py::ModelConfig._config_draft_model l. 1128-1132"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "model.",
+        vllm_prefix=lambda n, i: "model.",
+        head_tensors=("mtp_emb_norm.0.weight", "mtp_hidden_norm.0.weight", "mtp_linear_proj.0.weight"),
+        layer_tensors=("mtp_block.0.input_layernorm.weight", "mtp_block.0.post_attention_layernorm.weight"),
+        vllm_arch="ErnieMTPModel (ErnieMTP)", vllm_file=f"{_VL}/ernie_mtp.py", vllm_layers_default=None,
+        vllm_reuse=(f"{_VL}/ernie_mtp.py::ErnieMultiTokenPredictor.forward l. 125 (layers[mtp_start_layer_idx + "
+                    "spec_step_idx]; the MTP proposer passes no spec_step_idx, so every step runs layer 0; ErnieMTP."
+                    "forward l. 194 asserts spec_step_idx == 0)"),
+        sglang_later_layers=("not read (Ernie4_5_MoeForCausalLMMTP.load_weights matches the index-0 names only, "
+                             "mtp_layer_id 0)"),
+        sglang_refusal=Refusal(
+            "none_present", 'KeyError("MTP layers \'mtp_*.0.*\' not found in weights.")',
+            f"{_SG}/models/ernie4_eagle.py::Ernie4_5_MoeForCausalLMMTP.load_weights l. 183-186")),
 )
 
 _BY_ARCH = {a: f for f in MTP_FAMILIES for a in (*f.target_archs, f.head_arch)}
@@ -377,7 +488,10 @@ class MTPHead:
     def vllm_n_predict(self) -> Optional[int]:
         """vLLM's ``n_predict`` (``hf_config_override``: the layer field, None when absent; the family's fixed value
         :attr:`MTPFamily.vllm_n_predict` when it writes one)."""
-        return self.family.vllm_n_predict if self.family.vllm_n_predict is not None else self.layers
+        fam = self.family
+        if fam.vllm_n_predict is not None:
+            return fam.vllm_n_predict
+        return self.layers if self.layers is not None else fam.vllm_n_predict_absent
 
     @property
     def vllm_built(self) -> int:
