@@ -263,7 +263,10 @@ class MTPRules:
         each, grouped); the one line of :attr:`missing_effect` for an engine that refuses them."""
         by: dict[str, list[str]] = {}
         for m in missing:
-            by.setdefault(sglang_missing_effect(m), []).append(m.rsplit(".", 1)[0].split(".", 3)[-1])
+            label = m.rsplit(".", 1)[0].split(".", 3)[-1]
+            if label.isdigit():                  # a flat indexed name (ERNIE-4.5: model.mtp_emb_norm.0.weight)
+                label = m.rsplit(".", 1)[0].removeprefix("model.")
+            by.setdefault(sglang_missing_effect(m), []).append(label)
         return (self.missing_effect + "; served as: " + "; ".join(
             f"{', '.join(v[:4])}{' ...' if len(v) > 4 else ''} -> {k}" for k, v in by.items()))
 
