@@ -259,7 +259,9 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
              "glm_lite_two": (MTP / "glm-4.7-flash_shape.json", lambda c: c.update(num_nextn_predict_layers=2)),
              "qwen35": (MTP / "qwen3.5-27b_shape.json", None),
              "longcat_two": (MTP / "longcat-flash_defaults.json", lambda c: c.update(num_nextn_predict_layers=2)),
-             "mimo_v2": (MTP / "mimo-v2-flash_defaults.json", None)}
+             "mimo_v2": (MTP / "mimo-v2-flash_defaults.json", None),
+             "step3p5": (MTP / "step-3.5-flash_defaults.json", None),
+             "ernie": (MTP / "ernie-4.5-moe_defaults.json", None)}
     folders = {}
     for name, (src, edit) in cases.items():
         def strip(c, edit=edit):          # the fp8 quantization block needs CUDA kernels to be read by SGLang
@@ -294,6 +296,8 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
     assert sg["qwen35"]["head_class"] == "Qwen3_5ForCausalLMMTP" and sg["qwen35"]["layers"] == 1
     assert sg["longcat_two"] == {"head_class": "LongcatFlashForCausalLMNextN", "layers": 2}
     assert sg["mimo_v2"] == {"head_class": "MiMoV2MTP", "layers": 1}
+    assert sg["step3p5"] == {"head_class": "Step3p5MTP", "layers": 3}
+    assert sg["ernie"] == {"head_class": "Ernie4_5_MoeForCausalLMMTP", "layers": 1}
 
 
 def test_the_draft_cost_leaves_the_targets_nextn_layer_out():
