@@ -22,7 +22,7 @@ from ..draft.checks import LoaderRules
 from ..draft.loader_table import VLLMLoaderTable
 from ..draft.config_checks import ConfigChecks
 from ..draft.mtp_checks import MTPRules, MTPSpec, own_served
-from ..layers.mtp import MTPHead
+from ..layers.mtp import VLLM_NO_HEAD_RULE, MTPHead
 from .vllm_mtp import cpu_refusal, fed_state
 from ..formats import speculators
 from ..layers import vllm as rules
@@ -478,6 +478,16 @@ class VLLMMTPRules(MTPRules):
         method = (spec.algorithm or "mtp").lower()
         facts["algorithm"] = {"requested": spec.algorithm, "as_run": "mtp",
                               "rule": f"{_SPEC} l. 1141-1145 (a per-family method is a deprecated alias of mtp)"}
+        if head.arch in fam.vllm_no_head:
+            findings.append(finding(
+                "mtp_head_refused", None,
+                f"vLLM {self.version} has no MTP head for {head.arch}: its config is not rewritten into an MTP model "
+                "type, so method 'mtp' ends in NotImplementedError(\"Unsupported speculative method: 'mtp'\") at "
+                f"start-up (SGLang serves it as {fam.head_arch})",
+                engine=who, target_arch=head.arch, error="NotImplementedError(\"Unsupported speculative method: "
+                "'mtp'\")", source=VLLM_NO_HEAD_RULE,
+                fix=f"serve this target's MTP head with SGLang ({fam.head_arch}), or use an EAGLE-3 draft on vLLM"))
+            return
         n = head.vllm_n_predict
         facts["loads"] = {
             "class": fam.vllm_arch, "file": fam.vllm_file,

@@ -46,6 +46,9 @@ ALIAS_RULE = f"{_SG}/arg_groups/speculative_hook.py::_resolve_speculative_algori
 STEPS_RULE = (f"{_SG}/speculative/eagle_worker_v2.py::EagleDraftWorker.draft_forward l. 742-830 (the one draft model "
               "run speculative_num_steps times, each step on the hidden state the head itself produced)")
 VLLM_CONFIG = "vllm/config/speculative.py::SpeculativeConfig"
+#: where vLLM refuses ``method: mtp`` for a target whose config it does not map to an MTP head
+VLLM_NO_HEAD_RULE = (f"{VLLM_CONFIG}.hf_config_override l. 661-1074 (no rewrite for this target) and __post_init__ "
+                     "l. 1325-1391 (draft model_type not in MTPModelTypes: NotImplementedError)")
 #: The head layers SGLang 0.5.23 builds for the draft, whatever the config declares (0, absent or several): the
 #: DeepSeek / GLM loaders accept exactly 1 (``deepseek_weight_loader.py::_initialize_nextn_conf`` l. 566); Qwen3.5 /
 #: Qwen3-Next / MiMo get ``num_nextn_predict_layers = 1`` from ``configs/model_config.py::ModelConfig.
@@ -151,7 +154,7 @@ class MTPFamily:
 
     Attributes:
         name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``,
-            ``longcat_flash``, ``mimo_v2``, ``step3p5``, ``ernie4_5_moe``).
+            ``longcat_flash``, ``mimo_v2``, ``step3p5``, ``ernie4_5_moe``, ``qwen3_moe``).
         target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
@@ -193,6 +196,9 @@ class MTPFamily:
             (the draft's logits / embedding come from the checkpoint's copy), with :attr:`serves_own_source`;
             () for the families whose copies are replaced by the target's.
         serves_own_source: ``{engine label: file::function l. ...}`` saying where each engine serves the copy.
+        vllm_no_head: the target ``architectures[0]`` vLLM 0.32.0 has no MTP head for: ``hf_config_override`` leaves
+            their ``model_type`` outside ``MTPModelTypes`` and ``SpeculativeConfig.__post_init__`` raises
+            NotImplementedError("Unsupported speculative method: 'mtp'") (:data:`VLLM_NO_HEAD_RULE`).
     """
 
     name: str
@@ -225,6 +231,7 @@ class MTPFamily:
     sglang_serves_own: tuple[str, ...] = ()
     vllm_serves_own: tuple[str, ...] = ()
     serves_own_source: tuple[tuple[str, str], ...] = ()
+    vllm_no_head: tuple[str, ...] = ()
 
     def serves_own(self, label: str) -> tuple[str, ...]:
         """The own copies the engine named ``label`` (``SGLang`` / ``vLLM``) serves instead of the target's."""
@@ -435,6 +442,26 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_refusal=Refusal(
             "none_present", 'KeyError("MTP layers \'mtp_*.0.*\' not found in weights.")',
             f"{_SG}/models/ernie4_eagle.py::Ernie4_5_MoeForCausalLMMTP.load_weights l. 183-186")),
+    MTPFamily(
+        # Qwen3-MoE with an MTP module (Qwen3-Next's layout: mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.*); SGLang only,
+        # vLLM 0.32.0 has no Qwen3-MoE MTP head
+        name="qwen3_moe", target_archs=("Qwen3MoeForCausalLM",), head_arch="Qwen3MoeForCausalLMMTP",
+        head_file=f"{_SG}/models/qwen3_moe_mtp.py", layers_field="num_nextn_predict_layers",
+        # transformers 5.19's Qwen3MoeConfig (models/qwen3_moe/configuration_qwen3_moe.py l. 48-105) has no such field
+        config_default=None, sglang_layers=1,
+        sglang_loader=(f"{_SG}/models/qwen3_moe.py::Qwen3MoeForCausalLM.load_weights l. 1157-1204 (is_mtp: only "
+                       "names with 'mtp'; mtp.fc / mtp.pre_fc_norm_* read as fc / pre_fc_norm_*, other mtp.* as "
+                       "model.*; layer ids past the one layer skipped); qwen3_moe_mtp.py::Qwen3MoeForCausalLMMTP."
+                       "__init__ l. 47 (num_hidden_layers = 1); configs/model_config.py::ModelConfig."
+                       "_config_draft_model l. 1155-1157 sets num_nextn_predict_layers = 1"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "mtp.",
+        vllm_prefix=lambda n, i: "mtp.",
+        head_tensors=("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"),
+        layer_tensors=("layers.0.input_layernorm.weight",), vllm_arch="none", vllm_file="",
+        vllm_layers_default=None, vllm_reuse="",
+        sglang_later_layers=(f"not read (mtp.layers.<i>. for i >= 1 maps to model.layers.<i>., outside the one layer "
+                             f"built: {_SG}/models/qwen3_moe.py::Qwen3MoeForCausalLM.load_weights l. 1195-1204)"),
+        vllm_no_head=("Qwen3MoeForCausalLM",)),
 )
 
 _BY_ARCH = {a: f for f in MTP_FAMILIES for a in (*f.target_archs, f.head_arch)}
@@ -470,6 +497,7 @@ class MTPHead:
         layers_defaulted: config.json leaves the field out and ``layers`` is the config class's default.
         expected: every tensor name of one head layer relative to its prefix (:attr:`MTPFamily.expected` of the
             text config), () when the family or the config does not say.
+        arch: the config's ``architectures[0]`` (the target or head class).
     """
 
     family: MTPFamily
@@ -478,6 +506,7 @@ class MTPHead:
     num_hidden_layers: Optional[int]
     layers_defaulted: bool = False
     expected: tuple[str, ...] = ()
+    arch: str = ""
 
     @property
     def sglang_layers(self) -> Optional[int]:
@@ -534,4 +563,4 @@ def mtp_head(raw: dict) -> Optional[MTPHead]:
     arch = raw["architectures"][0]
     return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
                    num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None,
-                   expected=fam.expected(tc) if fam.expected else ())
+                   expected=fam.expected(tc) if fam.expected else (), arch=arch)

@@ -193,3 +193,27 @@ def test_ernie_sglang_starts_on_a_partial_head_and_refuses_an_absent_one(tmp_pat
     # vLLM refuses both (its default loader's check), with its own message
     v = _one(check_mtp(part, part, spec=MTPSpec(), rules=VLLMMTPRules()), "mtp_weights_missing")
     assert "Following weights were not initialized" in v["detail"]
+
+
+QWEN3_MOE = json.loads((MTP / "qwen3-moe-mtp_defaults.json").read_text())
+
+
+def test_qwen3_moe_mtp_is_sglang_only_with_one_layer_under_mtp(tmp_path):
+    names = ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+             "mtp.layers.0.input_layernorm.weight", "mtp.norm.weight"]
+    d = _folder(tmp_path, "q", QWEN3_MOE, index=names, num_nextn_predict_layers=2)
+    rep = check_mtp(d, d, spec=MTPSpec("NEXTN", 2, 1, 3))
+    loads = rep.draft_checks["facts"]["loads"]
+    assert loads["class"] == "Qwen3MoeForCausalLMMTP" and loads["rewrite"].endswith("num_nextn_predict_layers = 1")
+    assert loads["prefixes"] == ["mtp."] and (loads["layers_declared"], loads["layers_loaded"]) == (2, 1)
+    assert [f["kind"] for f in rep.findings] == ["mtp_steps_beyond_head"]
+    assert any("outside the one layer built" in n for n in rep.draft_checks["notes"])
+    cut = _folder(tmp_path, "cut", QWEN3_MOE, index=[n for n in names if "fc.weight" != n.split("mtp.")[1]])
+    f = _one(check_mtp(cut, cut, spec=MTPSpec("NEXTN", 1, 1, 2)), "mtp_weights_missing")
+    assert f["evidence"]["missing"] == {"mtp.": ["mtp.fc.weight"]} and "torch's nn.Linear random init" in f["detail"]
+    # vLLM 0.32.0: no Qwen3-MoE MTP head, method mtp is refused at start-up
+    v = check_mtp(d, d, spec=MTPSpec(num_steps=1), rules=VLLMMTPRules())
+    f = _one(v, "mtp_head_refused")
+    assert f["evidence"]["error"].startswith("NotImplementedError(") and "l. 1325-1391" in f["evidence"]["source"]
+    from helpers.engines.vllm_mtp import cpu_refusal
+    assert "is not a target vLLM 0.32.0 maps to an MTP head" in cpu_refusal(QWEN3_MOE)
