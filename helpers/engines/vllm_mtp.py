@@ -95,7 +95,7 @@ def cpu_refusal(cfg: dict, where: str = "target config") -> Optional[str]:
                 "(vllm/config/speculative.py::SpeculativeConfig.hf_config_override)")
     if not head.layers:
         return (f"{where}: {head.family.layers_field} is {head.layers!r}: the target has no MTP layer for vLLM's "
-                f"{head.family.vllm_arch} to load")
+                f"{head.vllm_arch} to load")
     kv = cfg.get("kv_lora_rank")
     if kv:
         width = int(kv) + int(cfg.get("qk_rope_head_dim") or 0)

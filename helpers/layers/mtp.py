@@ -154,7 +154,8 @@ class MTPFamily:
 
     Attributes:
         name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``,
-            ``longcat_flash``, ``mimo_v2``, ``step3p5``, ``ernie4_5_moe``, ``qwen3_moe``).
+            ``longcat_flash``, ``mimo_v2``, ``step3p5``, ``ernie4_5_moe``, ``qwen3_moe``,
+            ``bailing_moe``).
         target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
@@ -199,6 +200,9 @@ class MTPFamily:
         vllm_no_head: the target ``architectures[0]`` vLLM 0.32.0 has no MTP head for: ``hf_config_override`` leaves
             their ``model_type`` outside ``MTPModelTypes`` and ``SpeculativeConfig.__post_init__`` raises
             NotImplementedError("Unsupported speculative method: 'mtp'") (:data:`VLLM_NO_HEAD_RULE`).
+        vllm_by_target: ``(target architectures[0], vLLM head class, its file, its reuse line)`` for a family whose
+            vLLM head class depends on the target class (Bailing: V2.5 and V3); the target classes not listed use
+            :attr:`vllm_arch` / :attr:`vllm_file` / :attr:`vllm_reuse` (read through :class:`MTPHead`).
     """
 
     name: str
@@ -232,6 +236,7 @@ class MTPFamily:
     vllm_serves_own: tuple[str, ...] = ()
     serves_own_source: tuple[tuple[str, str], ...] = ()
     vllm_no_head: tuple[str, ...] = ()
+    vllm_by_target: tuple[tuple[str, str, str, str], ...] = ()
 
     def serves_own(self, label: str) -> tuple[str, ...]:
         """The own copies the engine named ``label`` (``SGLang`` / ``vLLM``) serves instead of the target's."""
@@ -462,6 +467,38 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_later_layers=(f"not read (mtp.layers.<i>. for i >= 1 maps to model.layers.<i>., outside the one layer "
                              f"built: {_SG}/models/qwen3_moe.py::Qwen3MoeForCausalLM.load_weights l. 1195-1204)"),
         vllm_no_head=("Qwen3MoeForCausalLM",)),
+    MTPFamily(
+        # Bailing / Ling (V1, V2 = Ling-2.0, V2.5 hybrid linear, V3): SGLang's one BailingMoeForCausalLMNextN for all
+        # four, each loaded by its target's load_weights(is_nextn=True) with DeepSeek's rule (exactly one layer,
+        # model.layers.{n}., final_layernorm / eh_proj / enorm / hnorm beside the decoder, shared_head.head and
+        # embed_tokens skipped for the target's); vLLM has heads for V2.5 and V3 only
+        name="bailing_moe", target_archs=("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
+                                          "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"),
+        head_arch="BailingMoeForCausalLMNextN", head_file=f"{_SG}/models/bailing_moe_nextn.py",
+        layers_field="num_nextn_predict_layers",
+        # SGLang's own BailingMoeV2Config (sglang/srt/configs/bailing_moe_v2.py l. 19-92) has no such field
+        config_default=None, sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/bailing_moe_nextn.py::BailingMoeForCausalLMNextN.load_weights l. 291-292 -> "
+                       "bailing_moe.py::BailingMoEForCausalLM.load_weights l. 945-1030 (V1 / V2), bailing_moe_linear.py"
+                       "::BailingMoELinearForCausalLM.load_weights l. 1367-1440 (V2.5), bailing_moe_v3.py::"
+                       "resolve_nextn_layer_id / rewrite_nextn_weight_name l. 260-280 (V3), is_nextn: ValueError "
+                       "without the field, 'Only 1 nextn layer is supported', model.layers.{n}.*, shared_head.head / "
+                       "embed_tokens skipped; configs/model_config.py::ModelConfig._config_draft_model l. 1121-1127"),
+        sglang_exactly_one=True, draft_path_default=False, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
+        head_tensors=("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"),
+        layer_tensors=_DECODER, vllm_arch="none", vllm_file="", vllm_layers_default=None, vllm_reuse="",
+        own_copies=_OWN_COPIES,
+        # V1 / V2 (model_type bailing_moe / bailing_moe_v2) are not rewritten by hf_config_override l. 868-900,
+        # which maps BailingMoeV2_5ForCausalLM (or model_type bailing_hybrid) and BailingMoeV3ForCausalLM only
+        vllm_no_head=("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM"),
+        vllm_by_target=(
+            ("BailingMoeV2_5ForCausalLM", "BailingMoeV25MTPModel", f"{_VL}/bailing_moe_mtp.py",
+             f"{_VL}/bailing_moe_mtp.py::BailingMoeV25MultiTokenPredictor.forward l. 177 (spec_step_idx % "
+             "num_mtp_layers; n_predict from vllm/config/speculative.py::SpeculativeConfig.hf_config_override "
+             "l. 881-893)"),
+            ("BailingMoeV3ForCausalLM", "BailingMoeV3MTPModel", f"{_VL}/bailing_moe_v3_mtp.py",
+             f"{_VL}/bailing_moe_v3_mtp.py::BailingMoeV3MultiTokenPredictor.forward l. 201 (spec_step_idx % "
+             "num_mtp_layers; n_predict from hf_config_override l. 876-900)"))),
 )
 
 _BY_ARCH = {a: f for f in MTP_FAMILIES for a in (*f.target_archs, f.head_arch)}
@@ -507,6 +544,27 @@ class MTPHead:
     layers_defaulted: bool = False
     expected: tuple[str, ...] = ()
     arch: str = ""
+
+    def _vllm_head(self) -> tuple[str, str, str]:
+        for arch, cls, file, reuse in self.family.vllm_by_target:
+            if arch == self.arch:
+                return cls, file, reuse
+        return self.family.vllm_arch, self.family.vllm_file, self.family.vllm_reuse
+
+    @property
+    def vllm_arch(self) -> str:
+        """vLLM's head class for this target (:attr:`MTPFamily.vllm_by_target`, else :attr:`MTPFamily.vllm_arch`)."""
+        return self._vllm_head()[0]
+
+    @property
+    def vllm_file(self) -> str:
+        """The file of :attr:`vllm_arch`."""
+        return self._vllm_head()[1]
+
+    @property
+    def vllm_reuse(self) -> str:
+        """Where :attr:`vllm_arch` picks the head layer of a draft step."""
+        return self._vllm_head()[2]
 
     @property
     def sglang_layers(self) -> Optional[int]:

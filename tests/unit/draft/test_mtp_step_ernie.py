@@ -217,3 +217,48 @@ def test_qwen3_moe_mtp_is_sglang_only_with_one_layer_under_mtp(tmp_path):
     assert f["evidence"]["error"].startswith("NotImplementedError(") and "l. 1325-1391" in f["evidence"]["source"]
     from helpers.engines.vllm_mtp import cpu_refusal
     assert "is not a target vLLM 0.32.0 maps to an MTP head" in cpu_refusal(QWEN3_MOE)
+
+
+BAILING = json.loads((MTP / "bailing-moe-v2_defaults.json").read_text())
+
+
+def test_bailing_sglang_one_nextn_class_for_four_targets_with_deepseeks_rule(tmp_path):
+    p = "model.layers.24."
+    names = [p + t for t in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight",
+                             "input_layernorm.weight", "post_attention_layernorm.weight", "shared_head.head.weight")]
+    for arch in ("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM", "BailingMoeV2_5ForCausalLM",
+                 "BailingMoeV3ForCausalLM"):
+        d = _folder(tmp_path, arch, BAILING, index=names, architectures=[arch])
+        rep = check_mtp(d, d, spec=MTPSpec("NEXTN", 1, 1, 2))
+        loads = rep.draft_checks["facts"]["loads"]
+        assert rep.findings == [] and loads["class"] == "BailingMoeForCausalLMNextN", arch
+        assert loads["prefixes"] == [p] and "set_embed_and_head" in loads["embedding_and_lm_head"]
+    two = _folder(tmp_path, "two", BAILING, num_nextn_predict_layers=2)
+    f = _one(check_mtp(two, two, spec=MTPSpec("NEXTN", 1, 1, 2)), "mtp_head_refused")
+    assert f["evidence"]["error"] == 'AssertionError("Only 1 nextn layer is supported")'
+    absent = _folder(tmp_path, "absent", BAILING, num_nextn_predict_layers=None)
+    assert _one(check_mtp(absent, absent, spec=MTPSpec("NEXTN", 1, 1, 2)),
+                "mtp_head_refused")["evidence"]["error"].startswith("ValueError(")
+    cut = _folder(tmp_path, "cut", BAILING, index=[n for n in names if "final_layernorm" not in n])
+    f = _one(check_mtp(cut, cut, spec=MTPSpec("NEXTN", 1, 1, 2)), "mtp_weights_missing")
+    assert f["evidence"]["missing"] == {p: [p + "final_layernorm.weight"]} and "ones (RMSNorm init)" in f["detail"]
+
+
+@pytest.mark.parametrize("arch,cls,file", [
+    ("BailingMoeV2_5ForCausalLM", "BailingMoeV25MTPModel", "bailing_moe_mtp.py"),
+    ("BailingMoeV3ForCausalLM", "BailingMoeV3MTPModel", "bailing_moe_v3_mtp.py"),
+    ("BailingMoeV2ForCausalLM", None, None),
+    ("BailingMoeForCausalLM", None, None),
+])
+def test_bailing_vllm_heads_by_target_class(tmp_path, arch, cls, file):
+    d = _folder(tmp_path, "b", BAILING, architectures=[arch], num_nextn_predict_layers=2)
+    rep = check_mtp(d, d, spec=MTPSpec(num_steps=4), rules=VLLMMTPRules())
+    if cls is None:
+        f = _one(rep, "mtp_head_refused")
+        assert f["evidence"]["target_arch"] == arch and f["evidence"]["error"].startswith("NotImplementedError(")
+        return
+    loads = rep.draft_checks["facts"]["loads"]
+    assert loads["class"] == cls and loads["file"].endswith(file) and loads["n_predict"] == 2
+    assert loads["prefixes"] == ["model.layers.24.", "model.layers.25."]
+    f = _one(rep, "mtp_steps_beyond_head")["evidence"]
+    assert (f["num_steps"], f["head_layers"]) == (4, 2) and file in f["source"]
