@@ -337,7 +337,6 @@ class MTPRules:
                     f"{trained + 1}, or measure acceptance per draft position (P(accepted >= j)) before keeping "
                     f"{steps} steps"))
 
-
     def _per_step_refusals(self, head: MTPHead, steps: int, topk: int, ndt: int, findings: list) -> None:
         """``mtp_head_refused`` for a head SGLang builds once per draft step (multi-layer EAGLE,
         :attr:`helpers.layers.mtp.MTPFamily.sglang_layer_per_step`): more steps than head layers (the draft model of

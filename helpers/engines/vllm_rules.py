@@ -556,8 +556,10 @@ class VLLMMTPRules(MTPRules):
             findings.append(finding(
                 "mtp_steps_beyond_head", None,
                 f"num_speculative_tokens {k} with {trained} MTP layer{'s' if trained > 1 else ''}: vLLM runs the head "
-                f"layers again from step {trained + 1} on, on the hidden state the head itself produced (it logs "
-                "'Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer'): what "
+                f"layers again from step {trained + 1} on, on the hidden state the head itself produced ("
+                + ("it logs 'Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP "
+                   "layer'" if fam.vllm_warns_reuse else "without the warning other MTP heads get: "
+                   f"{_SPEC} l. 1376-1379 exempts step3p5_mtp") + "): what "
                 "those steps keep of acceptance is not known from the configs",
                 engine=who, num_steps=k, head_layers=trained, source=f"{head.vllm_reuse}; {_SPEC} l. 1375-1385",
                 fix=f'"num_speculative_tokens": {trained}, or measure acceptance per draft position before keeping '

@@ -203,6 +203,9 @@ class MTPFamily:
         vllm_by_target: ``(target architectures[0], vLLM head class, its file, its reuse line)`` for a family whose
             vLLM head class depends on the target class (Bailing: V2.5 and V3); the target classes not listed use
             :attr:`vllm_arch` / :attr:`vllm_file` / :attr:`vllm_reuse` (read through :class:`MTPHead`).
+        vllm_warns_reuse: vLLM logs "Enabling num_speculative_tokens > 1 will run multiple times of forward on same
+            MTP layer" for this head (``vllm/config/speculative.py::SpeculativeConfig.__post_init__`` l. 1375-1385:
+            every MTP model type but ``step3p5_mtp`` / ``inkling_mtp``).
     """
 
     name: str
@@ -237,6 +240,7 @@ class MTPFamily:
     serves_own_source: tuple[tuple[str, str], ...] = ()
     vllm_no_head: tuple[str, ...] = ()
     vllm_by_target: tuple[tuple[str, str, str, str], ...] = ()
+    vllm_warns_reuse: bool = True
 
     def serves_own(self, label: str) -> tuple[str, ...]:
         """The own copies the engine named ``label`` (``SGLang`` / ``vLLM``) serves instead of the target's."""
@@ -400,7 +404,7 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                     "num_mtp_layers; vllm/v1/spec_decode/step3p5.py passes spec_step_idx = token_index + 1, l. 388)"),
         own_copies=("shared_head.output.weight", "shared_head.head.weight", "embed_tokens.weight"),
         sglang_later_layers="read by the draft models of the later steps (one per step: draft_model_idx)",
-        vllm_n_predict_absent=1, sglang_layer_per_step=True,
+        vllm_n_predict_absent=1, sglang_layer_per_step=True, vllm_warns_reuse=False,
         sglang_refusal=Refusal(
             "any_missing",
             'RuntimeError("Some parameters like <name> are not in the checkpoint and will falsely use random '

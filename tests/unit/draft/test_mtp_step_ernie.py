@@ -118,6 +118,7 @@ def test_step3p5_vllm_builds_n_predict_layers_and_defaults_it_to_1(tmp_path):
     assert rep.draft_checks["facts"]["loads"]["prefixes"] == ["model.layers.45."]
     f = _one(rep, "mtp_steps_beyond_head")["evidence"]
     assert (f["num_steps"], f["head_layers"]) == (2, 1) and "spec_step_idx % num_mtp_layers" in f["source"]
+    assert "exempts step3p5_mtp" in _one(rep, "mtp_steps_beyond_head")["detail"]
 
 
 def _tiny_step3p5(tmp: Path) -> tuple[Path, dict]:
