@@ -19,8 +19,8 @@ from ..diagnosis.static import StaticReport
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_mtp_head, read_safetensors_index
 from ..kinds import sort_findings
-from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MTP_FAMILIES, REWRITE, MTPFamily,
-                          SGLANG_BUILT_LAYERS, STEPS_RULE, MTPHead, family_of, text_config)
+from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MAX_MTP_LAYERS, MTP_FAMILIES, REWRITE,
+                          SGLANG_BUILT_LAYERS, STEPS_RULE, MTPFamily, MTPHead, family_of, text_config)
 from ..runfiles import read_json_file
 from ..server.settings import AUTO_PARAMS_BY_ARCH, AUTO_PARAMS_DEFAULT, ServerSettings, detect_overrides
 from .params import SGLANG_RULES
@@ -249,7 +249,11 @@ class MTPRules:
         return SGLANG_BUILT_LAYERS
 
     def head_prefixes(self, head: MTPHead) -> list[str]:
-        """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`)."""
+        """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`; a
+        family built once per draft step, Step-3.5: one per declared layer, each read by the step of its index)."""
+        fam = head.family
+        if fam.sglang_layer_per_step and head.layers:
+            return [fam.sglang_prefix(head.num_hidden_layers or 0, i) for i in range(min(head.layers, MAX_MTP_LAYERS))]
         return head.sglang_prefixes()
 
     def weights(self, head: MTPHead, names: set[str], prefixes: list[str], findings: list, facts: dict) -> None:

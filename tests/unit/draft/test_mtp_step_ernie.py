@@ -161,6 +161,16 @@ def test_step3p5_own_copies_are_served_not_replaced(tmp_path):
     assert "served" in {c["tensor"]: c for c in facts["own_copies"]}["model.layers.2.shared_head.output.weight"]
 
 
+def test_step3p5_weights_check_reads_every_declared_layer_on_sglang(tmp_path):
+    d, _ = _tiny_step3p5(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
+    facts: dict = {}
+    fs = head_weight_findings(d, d, MTPRules(), facts)
+    assert [f["kind"] for f in fs] == ["mtp_weights_missing"] and list(fs[0]["evidence"]["missing"]) == ["model.layers.3."]
+    assert fs[0]["evidence"]["refused"].startswith("RuntimeError(")
+
+
 def test_ernie_reads_the_flat_mtp_0_names_and_reruns_its_one_layer(tmp_path):
     d = _folder(tmp_path, "e", ERNIE, index=ERNIE_HEAD + ["model.embed_tokens.weight"])
     rep = check_mtp(d, d, spec=MTPSpec("NEXTN", 1, 1, 2))
