@@ -19,8 +19,8 @@ from ..diagnosis.static import StaticReport
 from ..errors import BadInput
 from ..formats.configs import read_config_json, read_mtp_head, read_safetensors_index
 from ..kinds import sort_findings
-from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MTP_FAMILIES, REWRITE,
-                          SGLANG_BUILT_LAYERS, STEPS_RULE, MTPHead, family_of, text_config)
+from ..layers.mtp import (ALIAS_RULE, DRAFT_CONFIG_FALLBACK, DRAFT_PATH_RULE, MAX_MTP_LAYERS, MTP_FAMILIES, REWRITE,
+                          SGLANG_BUILT_LAYERS, STEPS_RULE, MTPFamily, MTPHead, family_of, text_config)
 from ..runfiles import read_json_file
 from ..server.settings import AUTO_PARAMS_BY_ARCH, AUTO_PARAMS_DEFAULT, ServerSettings, detect_overrides
 from .params import SGLANG_RULES
@@ -104,18 +104,38 @@ def sglang_missing_effect(name: str) -> str:
     ``sglang/srt/model_loader/loader.py::DefaultModelLoader.load_weights_and_postprocess`` calls the model's
     ``load_weights``, which only fills what it is given): an RMSNorm weight keeps ``torch.ones``
     (``sglang/srt/layers/layernorm.py::RMSNorm.__init__``); ``eh_proj`` / ``fc`` is a plain ``nn.Linear``
-    (``deepseek_nextn.py::DeepseekModelNextN.__init__``, ``qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__``: torch's
-    random init); every other parameter (the parallel
+    (``deepseek_nextn.py::DeepseekModelNextN.__init__``, ``qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__``,
+    ERNIE-4.5's ``mtp_linear_proj``, ``ernie4_eagle.py::Ernie4ModelMTP.__init__`` l. 56: torch's random init); every
+    other parameter (the parallel
     linears, the experts, the router) is allocated with ``torch.empty``: whatever memory it got."""
     parts = name.split(".")[:-1]
+    if len(parts) > 1 and parts[-1].isdigit():  # ERNIE-4.5 stores mtp_emb_norm.0 / mtp_linear_proj.0 (layer index last)
+        parts = parts[:-1]
     if len(parts) > 1 and parts[-1] == "m":     # LongCat-Flash stores its NextN norms as enorm.m / hnorm.m
         parts = parts[:-1]                      # (longcat_flash_nextn.py::load_weights weight_names_mapping l. 518-519)
     leaf = parts[-1] if parts else name
     if leaf.endswith(("norm", "layernorm")):
         return "ones (RMSNorm init)"
-    if leaf in ("eh_proj", "fc"):
+    if leaf in ("eh_proj", "fc", "mtp_linear_proj"):    # ernie4_eagle.py::Ernie4ModelMTP.__init__ l. 56: nn.Linear
         return "torch's nn.Linear random init"
     return "uninitialised memory (torch.empty)"
+
+
+def _any_head_tensor(fam: MTPFamily, prefixes: list[str], names: set[str]) -> bool:
+    """Whether the checkpoint has any tensor of the head's modules (``<prefix><module>.<index>``, the first two parts of
+    each of the family's head / layer tensors), as ERNIE-4.5's loader asks before raising KeyError
+    (``sglang/srt/models/ernie4_eagle.py::Ernie4_5_MoeForCausalLMMTP.load_weights`` l. 144-158: any name containing
+    ``mtp_block.0`` / ``mtp_emb_norm.0`` / ``mtp_hidden_norm.0`` / ``mtp_linear_proj.0``)."""
+    roots = {p + ".".join(t.split(".")[:2]) + "." for p in prefixes for t in (*fam.head_tensors, *fam.layer_tensors)}
+    return any(n.startswith(r) for n in names for r in roots)
+
+
+def own_served(fam: MTPFamily, label: str) -> str:
+    """What the engine ``label`` serves as the draft's embedding / lm_head for a family that keeps the checkpoint's own
+    copies (:meth:`helpers.layers.mtp.MTPFamily.serves_own`), with the source."""
+    src = dict(fam.serves_own_source).get(label, "")
+    return (f"the checkpoint's own {', '.join(fam.serves_own(label))} under the head's prefix, not the target's"
+            + (f" ({src})" if src else ""))
 
 
 class MTPRules:
@@ -155,8 +175,9 @@ class MTPRules:
             "rewrite": f"{REWRITE}: architectures[0] -> {fam.head_arch}"
                        + (f", {fam.layers_field} = {fam.sglang_layers}" if fam.sglang_layers is not None else ""),
             "prefixes": head.sglang_prefixes(), "head_tensors": list(fam.head_tensors),
-            "embedding_and_lm_head": "the target's (sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker."
-                                     "init_lm_head l. 371-378: set_embed_and_head)",
+            "embedding_and_lm_head": (own_served(fam, self.label) if fam.serves_own(self.label) else
+                                      "the target's (sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker."
+                                      "init_lm_head l. 371-378: set_embed_and_head)"),
             "loader": fam.sglang_loader, "layers_declared": head.layers, "layers_loaded": self.built_layers(head)}
         if algo not in MTP_ALGORITHMS:
             findings.append(D.finding(
@@ -181,6 +202,15 @@ class MTPRules:
                 fix=("serve this target without NEXTN, or with a draft that exists (an EAGLE-3 draft)"
                      if not head.layers else f"SGLang loads exactly one NextN layer: set {fam.layers_field} to 1 "
                      "in a copy of the config if the first layer is the one to serve")))
+            return
+        if fam.sglang_layer_per_step:               # one draft model per step: the steps decide the layers read
+            self._settings(head, spec, tarch, findings, notes, facts)
+            steps = facts["settings"]["num_steps"]
+            prefixes = [fam.sglang_prefix(head.num_hidden_layers or 0, i) for i in range(steps)]
+            facts["loads"].update(prefixes=prefixes, layers_loaded=min(steps, head.layers or 0))
+            if not any(f["kind"] == "mtp_head_refused" for f in findings):
+                self._weights(head, names, prefixes, findings, facts, f"{self.label}'s {fam.head_arch}",
+                              fam.sglang_loader)
             return
         built = self.built_layers(head)
         if (head.layers or 0) > built:
@@ -211,11 +241,19 @@ class MTPRules:
     def built_layers(self, head: MTPHead) -> int:
         """The head layers SGLang builds and runs for ``head``: :data:`helpers.layers.mtp.SGLANG_BUILT_LAYERS` (1)
         for every family, whatever the config declares (0, absent or several; a DeepSeek / GLM config declaring
-        another count is refused before this is asked). Draft steps past it rerun that layer."""
+        another count is refused before this is asked). Draft steps past it rerun that layer. A family whose head is
+        built once per draft step (:attr:`helpers.layers.mtp.MTPFamily.sglang_layer_per_step`, Step-3.5: multi-layer
+        EAGLE) has as many trained layers as the config declares; more steps than that are refused at load."""
+        if head.family.sglang_layer_per_step:
+            return head.layers or 0
         return SGLANG_BUILT_LAYERS
 
     def head_prefixes(self, head: MTPHead) -> list[str]:
-        """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`)."""
+        """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`; a
+        family built once per draft step, Step-3.5: one per declared layer, each read by the step of its index)."""
+        fam = head.family
+        if fam.sglang_layer_per_step and head.layers:
+            return [fam.sglang_prefix(head.num_hidden_layers or 0, i) for i in range(min(head.layers, MAX_MTP_LAYERS))]
         return head.sglang_prefixes()
 
     def weights(self, head: MTPHead, names: set[str], prefixes: list[str], findings: list, facts: dict) -> None:
@@ -229,7 +267,10 @@ class MTPRules:
         each, grouped); the one line of :attr:`missing_effect` for an engine that refuses them."""
         by: dict[str, list[str]] = {}
         for m in missing:
-            by.setdefault(sglang_missing_effect(m), []).append(m.rsplit(".", 1)[0].split(".", 3)[-1])
+            label = m.rsplit(".", 1)[0].split(".", 3)[-1]
+            if label.isdigit():                  # a flat indexed name (ERNIE-4.5: model.mtp_emb_norm.0.weight)
+                label = m.rsplit(".", 1)[0].removeprefix("model.")
+            by.setdefault(sglang_missing_effect(m), []).append(label)
         return (self.missing_effect + "; served as: " + "; ".join(
             f"{', '.join(v[:4])}{' ...' if len(v) > 4 else ''} -> {k}" for k, v in by.items()))
 
@@ -243,12 +284,17 @@ class MTPRules:
         facts["head_weights"] = {"prefixes": prefixes, "missing": miss}
         if miss:
             flat = [m for ms in miss.values() for m in ms]
+            ref = fam.refusal(self.label)
+            refused = ref is not None and (ref.when == "any_missing" or not _any_head_tensor(fam, prefixes, names))
+            extra = {"refused": ref.error} if refused else {}
+            effect = (f"{self.label} refuses to start: {ref.error} ({ref.source})" if refused else
+                      self.effect_of(flat))
             findings.append(D.finding(
                 "mtp_weights_missing", None,
                 f"{who} reads the head from {', '.join(prefixes)}*, but the checkpoint has no "
-                f"{', '.join(flat[:6])}{' ...' if len(flat) > 6 else ''} ({len(flat)} tensor(s)): {self.effect_of(flat)}",
-                engine=f"{self.label} {self.version}", prefixes=prefixes, missing=miss,
-                tensors_in_checkpoint=len(names), source=source,
+                f"{', '.join(flat[:6])}{' ...' if len(flat) > 6 else ''} ({len(flat)} tensor(s)): {effect}",
+                engine=f"{self.label} {self.version}", prefixes=prefixes, missing=miss, **extra,
+                tensors_in_checkpoint=len(names), source=ref.source if refused else source,
                 fix="serve a checkpoint that ships the head (the target's full release, or a separate NextN checkpoint "
                     "passed as the draft path), or rename its tensors to the prefix this engine reads"))
 
@@ -279,7 +325,9 @@ class MTPRules:
         trained = self.built_layers(head)
         declared = ("absent" if head.layers is None else f"{head.layers}") + (
             " (config class default)" if head.layers_defaulted else "")
-        if steps > trained:
+        if fam.sglang_layer_per_step:
+            self._per_step_refusals(head, steps, topk, eff_ndt, findings)
+        elif steps > trained:
             findings.append(D.finding(
                 "mtp_steps_beyond_head", None,
                 f"{steps} draft steps with the {trained} head layer SGLang builds ({fam.layers_field} {declared}): "
@@ -292,6 +340,41 @@ class MTPRules:
                 fix=f"--speculative-num-steps {trained} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
                     f"{trained + 1}, or measure acceptance per draft position (P(accepted >= j)) before keeping "
                     f"{steps} steps"))
+
+    def _per_step_refusals(self, head: MTPHead, steps: int, topk: int, ndt: int, findings: list) -> None:
+        """``mtp_head_refused`` for a head SGLang builds once per draft step (multi-layer EAGLE,
+        :attr:`helpers.layers.mtp.MTPFamily.sglang_layer_per_step`): more steps than head layers (the draft model of
+        step ``i`` reads head layer ``i``; past the declared layers none of its parameters is filled and the family's
+        refusal fires), or draft tokens other than steps + 1 (``sglang/srt/speculative/multi_layer_eagle_worker_v2.py``
+        l. 150-154: AssertionError "multi-layer EAGLE requires speculative_num_draft_tokens == speculative_num_steps +
+        1")."""
+        fam, who = head.family, f"{self.label} {self.version}"
+        layers = head.layers or 0
+        ref = fam.refusal(self.label)
+        if steps > layers:
+            findings.append(D.finding(
+                "mtp_head_refused", None,
+                f"{steps} draft steps with {fam.layers_field} {'absent' if head.layers is None else layers}: SGLang "
+                f"builds one {fam.head_arch} per step (multi-layer EAGLE), step i reading head layer i; step "
+                f"{layers + 1} reads {fam.sglang_prefix(head.num_hidden_layers or 0, layers)}*, outside the declared "
+                f"head layers, so none of its parameters is filled and the loader raises "
+                f"{ref.error if ref else 'an error'} at start-up",
+                engine=who, num_steps=steps, head_layers=layers, layers_declared=head.layers,
+                error=ref.error if ref else None, source=f"{fam.sglang_loader}; {ref.source if ref else ''}",
+                fix=(f"--speculative-num-steps {layers} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+                     f"{layers + 1}" if layers else "serve this target without NEXTN (it declares no MTP layer)")))
+            return
+        if ndt != steps + 1:
+            findings.append(D.finding(
+                "mtp_head_refused", None,
+                f"--speculative-num-draft-tokens {ndt} with {steps} steps (topk {topk}): SGLang's multi-layer EAGLE "
+                f"worker for {fam.head_arch} asserts speculative_num_draft_tokens == speculative_num_steps + 1 at "
+                "start-up (AssertionError)",
+                engine=who, num_steps=steps, topk=topk, num_draft_tokens=ndt,
+                error='AssertionError("multi-layer EAGLE requires speculative_num_draft_tokens == '
+                      'speculative_num_steps + 1, ...")',
+                source="sglang/srt/speculative/multi_layer_eagle_worker_v2.py l. 150-154",
+                fix=f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}"))
 
 
 def _head_or_refusal(draft_raw: dict, target_raw: dict, draft_is_target: bool, rules: MTPRules,

@@ -16,7 +16,9 @@ Two questions, each one finding:
   _maybe_share_embeddings`` / ``_maybe_share_lm_head``: "Detected MTP model. Sharing target model ..."; at pipeline
   parallel size 1). A copy that is only stale costs nothing; a head trained with its own head or embedding loses what
   it learned with them, and the draft stage (the head run offline with the target's, as the engine runs it, against
-  its training log) prices that.
+  its training log) prices that. A family whose engine serves the checkpoint's own copy instead
+  (:meth:`helpers.layers.mtp.MTPFamily.serves_own`: Step-3.5's ``shared_head.output`` on both engines, its
+  ``embed_tokens`` on SGLang) gets no such finding: the copy is what is served (``facts["own_copies"]``: ``served``).
 
 Used by ``diagnose --draft-config`` (:func:`helpers.draft.mtp_checks.check_mtp`), the NextN investigation's attach
 and the generated faults' bench.
@@ -36,9 +38,13 @@ from ..layers.mtp import MTPHead
 from .model import find_target_tensor
 
 #: the target tensor each own copy stands for (the lm_head: ``lm_head.weight``, the embedding when tied)
-TARGET_OF = {"shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "embed_tokens.weight"}
+#: (Step-3.5 stores its lm_head copy as ``shared_head.output``, read as ``shared_head.head``:
+#: ``sglang/srt/models/step3p5_mtp.py::Step3p5MTP.load_weights`` l. 274-275)
+TARGET_OF = {"shared_head.head.weight": "lm_head.weight", "shared_head.output.weight": "lm_head.weight",
+             "embed_tokens.weight": "embed_tokens.weight"}
 #: the finding kind per own copy
-KIND_OF = {"shared_head.head.weight": "lm_head_replaced", "embed_tokens.weight": "embedding_replaced"}
+KIND_OF = {"shared_head.head.weight": "lm_head_replaced", "shared_head.output.weight": "lm_head_replaced",
+           "embed_tokens.weight": "embedding_replaced"}
 #: rows compared at a time (a DeepSeek-V3 head is 129280 x 7168: read in blocks, never whole)
 BLOCK_ROWS = 8192
 
@@ -80,7 +86,9 @@ def compare_tensors(a: tuple[Path, str], b: tuple[Path, str], *, block_rows: int
 def own_copy_findings(head: MTPHead, draft_dir: Path, target_dir: Path, rules, facts: Optional[dict] = None,
                       prefixes: Optional[list[str]] = None) -> list[dict]:
     """``lm_head_replaced`` / ``embedding_replaced`` for each own copy of the head (module docstring) that differs
-    from the target's tensor; ``facts["own_copies"]`` says what was compared.
+    from the target's tensor; ``facts["own_copies"]`` says what was compared. A copy the engine serves itself
+    (:meth:`helpers.layers.mtp.MTPFamily.serves_own`, Step-3.5's ``shared_head.output``) gets no finding: its
+    comparison is listed with ``served`` (what the engine serves and where).
 
     Args:
         head: the head (:func:`helpers.formats.configs.read_mtp_head` of the draft config).
@@ -107,6 +115,13 @@ def own_copy_findings(head: MTPHead, draft_dir: Path, target_dir: Path, rules, f
             if hit is None:
                 continue
             cmp = compare_tensors((names[p + own].file, p + own), (hit[1], hit[0]))
+            if own in fam.serves_own(rules.label):
+                from .mtp_checks import own_served  # lazy: mtp_checks imports this module
+                # the engine serves this copy itself (Step-3.5): a difference is what the head was trained with and
+                # is served, not a replacement
+                seen.append({"tensor": p + own, "target": hit[0], **cmp,
+                             "served": own_served(fam, rules.label)})
+                continue
             seen.append({"tensor": p + own, "target": hit[0], **cmp})
             if cmp["equal"]:
                 continue

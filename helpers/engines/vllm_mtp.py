@@ -90,12 +90,12 @@ def cpu_refusal(cfg: dict, where: str = "target config") -> Optional[str]:
     (:func:`helpers.layers.mtp.mtp_head`; the family's ``architectures``), a head layer count that is absent or 0,
     an MLA latent width other than :data:`CPU_MLA_LATENT` (module docstring)."""
     head = mtp_head(cfg)
-    if head is None:
+    if head is None or head.arch in head.family.vllm_no_head:
         return (f"{where}: architectures={cfg.get('architectures')} is not a target vLLM 0.32.0 maps to an MTP head "
                 "(vllm/config/speculative.py::SpeculativeConfig.hf_config_override)")
     if not head.layers:
         return (f"{where}: {head.family.layers_field} is {head.layers!r}: the target has no MTP layer for vLLM's "
-                f"{head.family.vllm_arch} to load")
+                f"{head.vllm_arch} to load")
     kv = cfg.get("kv_lora_rank")
     if kv:
         width = int(kv) + int(cfg.get("qk_rope_head_dim") or 0)

@@ -21,8 +21,8 @@ from ..diagnosis.plan_rules import PlanRules
 from ..draft.checks import LoaderRules
 from ..draft.loader_table import VLLMLoaderTable
 from ..draft.config_checks import ConfigChecks
-from ..draft.mtp_checks import MTPRules, MTPSpec
-from ..layers.mtp import MTPHead
+from ..draft.mtp_checks import MTPRules, MTPSpec, own_served
+from ..layers.mtp import VLLM_NO_HEAD_RULE, MTPHead
 from .vllm_mtp import cpu_refusal, fed_state
 from ..formats import speculators
 from ..layers import vllm as rules
@@ -467,8 +467,8 @@ class VLLMMTPRules(MTPRules):
 
     def weights(self, head: MTPHead, names: set, prefixes: list, findings: list, facts: dict) -> None:
         """As :meth:`helpers.draft.mtp_checks.MTPRules.weights`, for vLLM's head class."""
-        self._weights(head, names, prefixes, findings, facts, f"vLLM's {head.family.vllm_arch}",
-                      f"{head.family.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
+        self._weights(head, names, prefixes, findings, facts, f"vLLM's {head.vllm_arch}",
+                      f"{head.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
 
     def check(self, head: MTPHead, spec: MTPSpec, target_raw: dict, names: Optional[set], draft_is_target: bool,
               findings: list, notes: list, facts: dict) -> None:
@@ -478,17 +478,29 @@ class VLLMMTPRules(MTPRules):
         method = (spec.algorithm or "mtp").lower()
         facts["algorithm"] = {"requested": spec.algorithm, "as_run": "mtp",
                               "rule": f"{_SPEC} l. 1141-1145 (a per-family method is a deprecated alias of mtp)"}
+        if head.arch in fam.vllm_no_head:
+            findings.append(finding(
+                "mtp_head_refused", None,
+                f"vLLM {self.version} has no MTP head for {head.arch}: its config is not rewritten into an MTP model "
+                "type, so method 'mtp' ends in NotImplementedError(\"Unsupported speculative method: 'mtp'\") at "
+                f"start-up (SGLang serves it as {fam.head_arch})",
+                engine=who, target_arch=head.arch, error="NotImplementedError(\"Unsupported speculative method: "
+                "'mtp'\")", source=VLLM_NO_HEAD_RULE,
+                fix=f"serve this target's MTP head with SGLang ({fam.head_arch}), or use an EAGLE-3 draft on vLLM"))
+            return
         n = head.vllm_n_predict
         facts["loads"] = {
-            "class": fam.vllm_arch, "file": fam.vllm_file,
+            "class": head.vllm_arch, "file": head.vllm_file,
             "from": "the target's folder: the head is its extra layer" if draft_is_target else
                     "the separate draft folder",
             "draft_path": (f"speculative_config model unset: the target's model ({_SPEC} l. 1147-1163)"
                            if draft_is_target else "speculative_config model"),
             "rewrite": "vllm/config/speculative.py::SpeculativeConfig.hf_config_override l. 661-1074: "
-                       f"architectures -> {fam.vllm_arch}, n_predict = {fam.layers_field} ({n})",
+                       f"architectures -> {head.vllm_arch}, n_predict = {fam.layers_field} ({n})",
             "prefixes": head.vllm_prefixes(), "head_tensors": list(fam.head_tensors),
             "layers_declared": head.layers, "n_predict": n}
+        if fam.serves_own(self.label):
+            facts["loads"]["embedding_and_lm_head"] = own_served(fam, self.label)
         fed = fed_state(head)
         if fed is not None:
             facts["loads"]["fed_state"] = {"candidate": fed[0], "source": fed[1]}
@@ -498,7 +510,7 @@ class VLLMMTPRules(MTPRules):
         if method not in VLLM_MTP_METHODS:
             findings.append(finding(
                 "mtp_head_refused", None,
-                f"speculative method {method!r} with an MTP / NextN head: vLLM loads the head ({fam.vllm_arch}) with "
+                f"speculative method {method!r} with an MTP / NextN head: vLLM loads the head ({head.vllm_arch}) with "
                 "method 'mtp'; another method builds another proposer for this folder",
                 engine=who, method=method, source=f"{_SPEC} l. 1141-1145, 1375-1400", fix='"method": "mtp"'))
             return
@@ -506,9 +518,9 @@ class VLLMMTPRules(MTPRules):
         if n == 0:
             findings.append(finding(
                 "mtp_head_refused", None,
-                f"{fam.layers_field} is 0: vLLM's {fam.vllm_arch} has no layer to run (n_predict 0; a "
+                f"{fam.layers_field} is 0: vLLM's {head.vllm_arch} has no layer to run (n_predict 0; a "
                 "num_speculative_tokens above it fails the divisibility check with ZeroDivisionError)",
-                engine=who, field=fam.layers_field, value=0, source=f"{_SPEC} l. 1489-1501; {fam.vllm_file}",
+                engine=who, field=fam.layers_field, value=0, source=f"{_SPEC} l. 1489-1501; {head.vllm_file}",
                 fix="serve this target without MTP, or with an EAGLE-3 draft"))
             return
         if k is None and n is None:
@@ -536,17 +548,19 @@ class VLLMMTPRules(MTPRules):
         if spec.topk not in (None, 1):
             notes.append(f"topk {spec.topk} is SGLang's flag: vLLM's MTP proposer drafts one chain of "
                          f"num_speculative_tokens = {k} tokens")
-        self._weights(head, names, head.vllm_prefixes(), findings, facts, f"vLLM's {fam.vllm_arch}",
-                      f"{fam.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
+        self._weights(head, names, head.vllm_prefixes(), findings, facts, f"vLLM's {head.vllm_arch}",
+                      f"{head.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
         trained = self.built_layers(head)
         facts["loads"]["layers_loaded"] = trained
         if k > trained:
             findings.append(finding(
                 "mtp_steps_beyond_head", None,
                 f"num_speculative_tokens {k} with {trained} MTP layer{'s' if trained > 1 else ''}: vLLM runs the head "
-                f"layers again from step {trained + 1} on, on the hidden state the head itself produced (it logs "
-                "'Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer'): what "
+                f"layers again from step {trained + 1} on, on the hidden state the head itself produced ("
+                + ("it logs 'Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP "
+                   "layer'" if fam.vllm_warns_reuse else "without the warning other MTP heads get: "
+                   f"{_SPEC} l. 1376-1379 exempts step3p5_mtp") + "): what "
                 "those steps keep of acceptance is not known from the configs",
-                engine=who, num_steps=k, head_layers=trained, source=f"{fam.vllm_reuse}; {_SPEC} l. 1375-1385",
+                engine=who, num_steps=k, head_layers=trained, source=f"{head.vllm_reuse}; {_SPEC} l. 1375-1385",
                 fix=f'"num_speculative_tokens": {trained}, or measure acceptance per draft position before keeping '
                     f'{k}'))

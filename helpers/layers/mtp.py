@@ -46,6 +46,9 @@ ALIAS_RULE = f"{_SG}/arg_groups/speculative_hook.py::_resolve_speculative_algori
 STEPS_RULE = (f"{_SG}/speculative/eagle_worker_v2.py::EagleDraftWorker.draft_forward l. 742-830 (the one draft model "
               "run speculative_num_steps times, each step on the hidden state the head itself produced)")
 VLLM_CONFIG = "vllm/config/speculative.py::SpeculativeConfig"
+#: where vLLM refuses ``method: mtp`` for a target whose config it does not map to an MTP head
+VLLM_NO_HEAD_RULE = (f"{VLLM_CONFIG}.hf_config_override l. 661-1074 (no rewrite for this target) and __post_init__ "
+                     "l. 1325-1391 (draft model_type not in MTPModelTypes: NotImplementedError)")
 #: The head layers SGLang 0.5.23 builds for the draft, whatever the config declares (0, absent or several): the
 #: DeepSeek / GLM loaders accept exactly 1 (``deepseek_weight_loader.py::_initialize_nextn_conf`` l. 566); Qwen3.5 /
 #: Qwen3-Next / MiMo get ``num_nextn_predict_layers = 1`` from ``configs/model_config.py::ModelConfig.
@@ -130,12 +133,29 @@ def _deepseek_expected(cfg: dict) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """An engine's start-up refusal over the head's tensors (raised by the head class's ``load_weights``).
+
+    Attributes:
+        when: ``any_missing`` (any head parameter left unfilled: Step-3.5's ``params_need_to_load != loaded_params``)
+            or ``none_present`` (no tensor of the head at all: ERNIE-4.5's ``mtp_layer_found``; a partial head starts).
+        error: the exception as raised.
+        source: file::function and line of the raise.
+    """
+
+    when: str
+    error: str
+    source: str
+
+
+@dataclass(frozen=True)
 class MTPFamily:
     """One model family's MTP / NextN head, as SGLang 0.5.23 and vLLM 0.32.0 load it.
 
     Attributes:
         name: the family (``deepseek_v3``, ``glm4_moe``, ``glm4_moe_lite``, ``qwen3_5``, ``qwen3_next``, ``mimo``,
-            ``longcat_flash``, ``mimo_v2``).
+            ``longcat_flash``, ``mimo_v2``, ``step3p5``, ``ernie4_5_moe``, ``qwen3_moe``,
+            ``bailing_moe``).
         target_archs: the target ``architectures[0]`` SGLang rewrites into :attr:`head_arch` for the draft.
         head_arch / head_file: SGLang's head class and the file defining it (also the ``architectures`` of a
             separate head checkpoint).
@@ -167,6 +187,25 @@ class MTPFamily:
             ``_MIMO_V2_FLASH_NUM_MTP_LAYERS`` = 1), None: the layer field's value.
         vllm_built: the head layers vLLM's head class builds whatever ``n_predict`` is (LongCat-Flash / MiMo-V2:
             ``num_mtp_layers = 1``), None: ``n_predict`` of them.
+        vllm_n_predict_absent: the ``n_predict`` vLLM's ``hf_config_override`` writes when the layer field is absent
+            (Step-3.5: ``getattr(hf_config, "num_nextn_predict_layers", 1)``), None: n_predict stays None.
+        sglang_layer_per_step: SGLang builds one head model per draft step (multi-layer EAGLE), step ``i`` reading
+            head layer ``i`` (:attr:`sglang_prefix` ``(n, i)``); steps past the declared layers find no tensors.
+        sglang_refusal / vllm_refusal: the engine's own refusal over missing head tensors (:class:`Refusal`), None:
+            the engine's general rule (SGLang starts with those parameters as allocated; vLLM's default loader refuses).
+        sglang_serves_own / vllm_serves_own: the :attr:`own_copies` the engine serves instead of the target's tensor
+            (the draft's logits / embedding come from the checkpoint's copy), with :attr:`serves_own_source`;
+            () for the families whose copies are replaced by the target's.
+        serves_own_source: ``{engine label: file::function l. ...}`` saying where each engine serves the copy.
+        vllm_no_head: the target ``architectures[0]`` vLLM 0.32.0 has no MTP head for: ``hf_config_override`` leaves
+            their ``model_type`` outside ``MTPModelTypes`` and ``SpeculativeConfig.__post_init__`` raises
+            NotImplementedError("Unsupported speculative method: 'mtp'") (:data:`VLLM_NO_HEAD_RULE`).
+        vllm_by_target: ``(target architectures[0], vLLM head class, its file, its reuse line)`` for a family whose
+            vLLM head class depends on the target class (Bailing: V2.5 and V3); the target classes not listed use
+            :attr:`vllm_arch` / :attr:`vllm_file` / :attr:`vllm_reuse` (read through :class:`MTPHead`).
+        vllm_warns_reuse: vLLM logs "Enabling num_speculative_tokens > 1 will run multiple times of forward on same
+            MTP layer" for this head (``vllm/config/speculative.py::SpeculativeConfig.__post_init__`` l. 1375-1385:
+            every MTP model type but ``step3p5_mtp`` / ``inkling_mtp``).
     """
 
     name: str
@@ -192,6 +231,24 @@ class MTPFamily:
     sglang_later_layers: str = "not read"
     vllm_n_predict: Optional[int] = None
     vllm_built: Optional[int] = None
+    vllm_n_predict_absent: Optional[int] = None
+    sglang_layer_per_step: bool = False
+    sglang_refusal: Optional[Refusal] = None
+    vllm_refusal: Optional[Refusal] = None
+    sglang_serves_own: tuple[str, ...] = ()
+    vllm_serves_own: tuple[str, ...] = ()
+    serves_own_source: tuple[tuple[str, str], ...] = ()
+    vllm_no_head: tuple[str, ...] = ()
+    vllm_by_target: tuple[tuple[str, str, str, str], ...] = ()
+    vllm_warns_reuse: bool = True
+
+    def serves_own(self, label: str) -> tuple[str, ...]:
+        """The own copies the engine named ``label`` (``SGLang`` / ``vLLM``) serves instead of the target's."""
+        return {"SGLang": self.sglang_serves_own, "vLLM": self.vllm_serves_own}.get(label, ())
+
+    def refusal(self, label: str) -> Optional[Refusal]:
+        """The engine's own refusal over missing head tensors (:attr:`sglang_refusal` / :attr:`vllm_refusal`)."""
+        return {"SGLang": self.sglang_refusal, "vLLM": self.vllm_refusal}.get(label)
 
 
 _DS_LOADER = (f"{_SG}/models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin."
@@ -324,6 +381,128 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                              "model.mtp.layers.<i>. to model.mtp_block. / model.): the head served is the last layer "
                              "in the checkpoint's read order, not layer 0"),
         vllm_n_predict=1, vllm_built=1),
+    MTPFamily(
+        # Step-3.5 (Flash; Step-3.7's text model): NextN layers model.layers.{n + i}.*, each with its own
+        # shared_head.output (the lm_head copy it was trained with). SGLang runs multi-layer EAGLE for this target
+        # (one Step3p5MTP per draft step, step i reading layer n + i) and serves each layer's own head; vLLM builds
+        # n_predict layers, reused round-robin, and keeps their own heads when they differ from the target's.
+        name="step3p5", target_archs=("Step3p5ForCausalLM",), head_arch="Step3p5MTP",
+        head_file=f"{_SG}/models/step3p5_mtp.py", layers_field="num_nextn_predict_layers",
+        # SGLang's own Step3p5Config (sglang/srt/configs/step3p5.py::Step3p5Config.__init__ l. 10-108) has no such
+        # parameter: absent, SGLang's get_spec_layer_idx_from_weight_name (step3p5_mtp.py l. 26-41) finds no head layer
+        config_default=None, sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/step3p5_mtp.py::Step3p5MTP.load_weights l. 189-295 (only model.layers."
+                       "{num_hidden_layers + draft_model_idx}.* and embed_tokens; shared_head.output read as "
+                       "shared_head.head); configs/model_config.py::ModelConfig._config_draft_model l. 1097-1098; "
+                       "arg_groups/overrides.py::_step3p_overrides l. 346-350 (enable_multi_layer_eagle for EAGLE); "
+                       "managers/tp_worker.py::_init_multi_layer_eagle_model_runners l. 502-523 (one draft model per "
+                       "step, draft_model_idx = i)"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=_after_last, vllm_prefix=_after_last,
+        head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Step3p5MTP",
+        vllm_file=f"{_VL}/step3p5_mtp.py", vllm_layers_default=1,
+        vllm_reuse=(f"{_VL}/step3p5_mtp.py::Step3p5AMultiTokenPredictor.forward l. 133 (spec_step_idx % "
+                    "num_mtp_layers; vllm/v1/spec_decode/step3p5.py passes spec_step_idx = token_index + 1, l. 388)"),
+        own_copies=("shared_head.output.weight", "shared_head.head.weight", "embed_tokens.weight"),
+        sglang_later_layers="read by the draft models of the later steps (one per step: draft_model_idx)",
+        vllm_n_predict_absent=1, sglang_layer_per_step=True, vllm_warns_reuse=False,
+        sglang_refusal=Refusal(
+            "any_missing",
+            'RuntimeError("Some parameters like <name> are not in the checkpoint and will falsely use random '
+            'initialization")',
+            f"{_SG}/models/step3p5_mtp.py::Step3p5MTP.load_weights l. 287-295"),
+        vllm_refusal=Refusal(
+            "any_missing",
+            'RuntimeError("Some parameters like <name> are not in the checkpoint and will falsely use random '
+            'initialization")',
+            f"{_VL}/step3p5_mtp.py::Step3p5MTP.load_weights l. 302-320 (with the MTP completeness check on, "
+            "model_loader/mtp_validation.py::is_mtp_completeness_check_enabled)"),
+        sglang_serves_own=("shared_head.output.weight", "shared_head.head.weight", "embed_tokens.weight"),
+        vllm_serves_own=("shared_head.output.weight", "shared_head.head.weight"),
+        serves_own_source=(
+            ("SGLang", f"{_SG}/models/step3p5_mtp.py::Step3p5MTP.set_embed_and_head l. 186-187 is a no-op: the draft "
+                       "keeps the shared_head.head and embed_tokens it loaded (load_weights l. 274-281: the layer's "
+                       "shared_head.output; model.embed_tokens.weight or the layer's embed_tokens copy, whichever the "
+                       "loader reads last)"),
+            ("vLLM", f"{_VL}/step3p5_mtp.py::Step3p5MTP.has_own_lm_head l. 160 and compute_logits l. 142-150 (each "
+                     "layer's shared_head.head): vllm/v1/spec_decode/llm_base_proposer.py::_maybe_share_lm_head "
+                     "l. 1508-1573 replaces it by the target's only when equal; the embedding is the target's "
+                     "(_maybe_share_embeddings l. 1466-1472, 'Detected MTP model')"))),
+    MTPFamily(
+        # ERNIE-4.5 MoE: one MTP layer stored flat as model.mtp_emb_norm.0 / mtp_hidden_norm.0 / mtp_linear_proj.0 /
+        # mtp_block.0.*; both engines read index 0 only and bind the target's embedding and lm_head
+        name="ernie4_5_moe", target_archs=("Ernie4_5_MoeForCausalLM",), head_arch="Ernie4_5_MoeForCausalLMMTP",
+        head_file=f"{_SG}/models/ernie4_eagle.py", layers_field="num_nextn_predict_layers",
+        # transformers 5.19's Ernie4_5_MoeConfig (models/ernie4_5_moe/configuration_ernie4_5_moe.py l. 59-107) has
+        # no such field; vLLM reads getattr(hf_config, "num_nextn_predict_layers", None) (speculative.py l. 810-816)
+        config_default=None, sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/ernie4_eagle.py::Ernie4_5_MoeForCausalLMMTP.load_weights l. 143-186 (only "
+                       "names with mtp_block.0 / mtp_emb_norm.0 / mtp_hidden_norm.0 / mtp_linear_proj.0, mtp_layer_id "
+                       "0); configs/model_config.py::ModelConfig._config_draft_model l. 1128-1132"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "model.",
+        vllm_prefix=lambda n, i: "model.",
+        head_tensors=("mtp_emb_norm.0.weight", "mtp_hidden_norm.0.weight", "mtp_linear_proj.0.weight"),
+        layer_tensors=("mtp_block.0.input_layernorm.weight", "mtp_block.0.post_attention_layernorm.weight"),
+        vllm_arch="ErnieMTPModel (ErnieMTP)", vllm_file=f"{_VL}/ernie_mtp.py", vllm_layers_default=None,
+        vllm_reuse=(f"{_VL}/ernie_mtp.py::ErnieMultiTokenPredictor.forward l. 125 (layers[mtp_start_layer_idx + "
+                    "spec_step_idx]; the MTP proposer passes no spec_step_idx, so every step runs layer 0; ErnieMTP."
+                    "forward l. 194 asserts spec_step_idx == 0)"),
+        sglang_later_layers=("not read (Ernie4_5_MoeForCausalLMMTP.load_weights matches the index-0 names only, "
+                             "mtp_layer_id 0)"),
+        sglang_refusal=Refusal(
+            "none_present", 'KeyError("MTP layers \'mtp_*.0.*\' not found in weights.")',
+            f"{_SG}/models/ernie4_eagle.py::Ernie4_5_MoeForCausalLMMTP.load_weights l. 183-186")),
+    MTPFamily(
+        # Qwen3-MoE with an MTP module (Qwen3-Next's layout: mtp.fc, mtp.pre_fc_norm_*, mtp.layers.0.*); SGLang only,
+        # vLLM 0.32.0 has no Qwen3-MoE MTP head
+        name="qwen3_moe", target_archs=("Qwen3MoeForCausalLM",), head_arch="Qwen3MoeForCausalLMMTP",
+        head_file=f"{_SG}/models/qwen3_moe_mtp.py", layers_field="num_nextn_predict_layers",
+        # transformers 5.19's Qwen3MoeConfig (models/qwen3_moe/configuration_qwen3_moe.py l. 48-105) has no such field
+        config_default=None, sglang_layers=1,
+        sglang_loader=(f"{_SG}/models/qwen3_moe.py::Qwen3MoeForCausalLM.load_weights l. 1157-1204 (is_mtp: only "
+                       "names with 'mtp'; mtp.fc / mtp.pre_fc_norm_* read as fc / pre_fc_norm_*, other mtp.* as "
+                       "model.*; layer ids past the one layer skipped); qwen3_moe_mtp.py::Qwen3MoeForCausalLMMTP."
+                       "__init__ l. 47 (num_hidden_layers = 1); configs/model_config.py::ModelConfig."
+                       "_config_draft_model l. 1155-1157 sets num_nextn_predict_layers = 1"),
+        sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: "mtp.",
+        vllm_prefix=lambda n, i: "mtp.",
+        head_tensors=("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"),
+        layer_tensors=("layers.0.input_layernorm.weight",), vllm_arch="none", vllm_file="",
+        vllm_layers_default=None, vllm_reuse="",
+        sglang_later_layers=(f"not read (mtp.layers.<i>. for i >= 1 maps to model.layers.<i>., outside the one layer "
+                             f"built: {_SG}/models/qwen3_moe.py::Qwen3MoeForCausalLM.load_weights l. 1195-1204)"),
+        vllm_no_head=("Qwen3MoeForCausalLM",)),
+    MTPFamily(
+        # Bailing / Ling (V1, V2 = Ling-2.0, V2.5 hybrid linear, V3): SGLang's one BailingMoeForCausalLMNextN for all
+        # four, each loaded by its target's load_weights(is_nextn=True) with DeepSeek's rule (exactly one layer,
+        # model.layers.{n}., final_layernorm / eh_proj / enorm / hnorm beside the decoder, shared_head.head and
+        # embed_tokens skipped for the target's); vLLM has heads for V2.5 and V3 only
+        name="bailing_moe", target_archs=("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
+                                          "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"),
+        head_arch="BailingMoeForCausalLMNextN", head_file=f"{_SG}/models/bailing_moe_nextn.py",
+        layers_field="num_nextn_predict_layers",
+        # SGLang's own BailingMoeV2Config (sglang/srt/configs/bailing_moe_v2.py l. 19-92) has no such field
+        config_default=None, sglang_layers=None,
+        sglang_loader=(f"{_SG}/models/bailing_moe_nextn.py::BailingMoeForCausalLMNextN.load_weights l. 291-292 -> "
+                       "bailing_moe.py::BailingMoEForCausalLM.load_weights l. 945-1030 (V1 / V2), bailing_moe_linear.py"
+                       "::BailingMoELinearForCausalLM.load_weights l. 1367-1440 (V2.5), bailing_moe_v3.py::"
+                       "resolve_nextn_layer_id / rewrite_nextn_weight_name l. 260-280 (V3), is_nextn: ValueError "
+                       "without the field, 'Only 1 nextn layer is supported', model.layers.{n}.*, shared_head.head / "
+                       "embed_tokens skipped; configs/model_config.py::ModelConfig._config_draft_model l. 1121-1127"),
+        sglang_exactly_one=True, draft_path_default=False, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
+        head_tensors=("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"),
+        layer_tensors=_DECODER, vllm_arch="none", vllm_file="", vllm_layers_default=None, vllm_reuse="",
+        own_copies=_OWN_COPIES,
+        # V1 / V2 (model_type bailing_moe / bailing_moe_v2) are not rewritten by hf_config_override l. 868-900,
+        # which maps BailingMoeV2_5ForCausalLM (or model_type bailing_hybrid) and BailingMoeV3ForCausalLM only
+        vllm_no_head=("BailingMoeForCausalLM", "BailingMoeV2ForCausalLM"),
+        vllm_by_target=(
+            ("BailingMoeV2_5ForCausalLM", "BailingMoeV25MTPModel", f"{_VL}/bailing_moe_mtp.py",
+             f"{_VL}/bailing_moe_mtp.py::BailingMoeV25MultiTokenPredictor.forward l. 177 (spec_step_idx % "
+             "num_mtp_layers; n_predict from vllm/config/speculative.py::SpeculativeConfig.hf_config_override "
+             "l. 881-893)"),
+            ("BailingMoeV3ForCausalLM", "BailingMoeV3MTPModel", f"{_VL}/bailing_moe_v3_mtp.py",
+             f"{_VL}/bailing_moe_v3_mtp.py::BailingMoeV3MultiTokenPredictor.forward l. 201 (spec_step_idx % "
+             "num_mtp_layers; n_predict from hf_config_override l. 876-900)"))),
 )
 
 _BY_ARCH = {a: f for f in MTP_FAMILIES for a in (*f.target_archs, f.head_arch)}
@@ -359,6 +538,7 @@ class MTPHead:
         layers_defaulted: config.json leaves the field out and ``layers`` is the config class's default.
         expected: every tensor name of one head layer relative to its prefix (:attr:`MTPFamily.expected` of the
             text config), () when the family or the config does not say.
+        arch: the config's ``architectures[0]`` (the target or head class).
     """
 
     family: MTPFamily
@@ -367,6 +547,28 @@ class MTPHead:
     num_hidden_layers: Optional[int]
     layers_defaulted: bool = False
     expected: tuple[str, ...] = ()
+    arch: str = ""
+
+    def _vllm_head(self) -> tuple[str, str, str]:
+        for arch, cls, file, reuse in self.family.vllm_by_target:
+            if arch == self.arch:
+                return cls, file, reuse
+        return self.family.vllm_arch, self.family.vllm_file, self.family.vllm_reuse
+
+    @property
+    def vllm_arch(self) -> str:
+        """vLLM's head class for this target (:attr:`MTPFamily.vllm_by_target`, else :attr:`MTPFamily.vllm_arch`)."""
+        return self._vllm_head()[0]
+
+    @property
+    def vllm_file(self) -> str:
+        """The file of :attr:`vllm_arch`."""
+        return self._vllm_head()[1]
+
+    @property
+    def vllm_reuse(self) -> str:
+        """Where :attr:`vllm_arch` picks the head layer of a draft step."""
+        return self._vllm_head()[2]
 
     @property
     def sglang_layers(self) -> Optional[int]:
@@ -377,7 +579,10 @@ class MTPHead:
     def vllm_n_predict(self) -> Optional[int]:
         """vLLM's ``n_predict`` (``hf_config_override``: the layer field, None when absent; the family's fixed value
         :attr:`MTPFamily.vllm_n_predict` when it writes one)."""
-        return self.family.vllm_n_predict if self.family.vllm_n_predict is not None else self.layers
+        fam = self.family
+        if fam.vllm_n_predict is not None:
+            return fam.vllm_n_predict
+        return self.layers if self.layers is not None else fam.vllm_n_predict_absent
 
     @property
     def vllm_built(self) -> int:
@@ -420,4 +625,4 @@ def mtp_head(raw: dict) -> Optional[MTPHead]:
     arch = raw["architectures"][0]
     return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
                    num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None,
-                   expected=fam.expected(tc) if fam.expected else ())
+                   expected=fam.expected(tc) if fam.expected else (), arch=arch)

@@ -259,7 +259,10 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
              "glm_lite_two": (MTP / "glm-4.7-flash_shape.json", lambda c: c.update(num_nextn_predict_layers=2)),
              "qwen35": (MTP / "qwen3.5-27b_shape.json", None),
              "longcat_two": (MTP / "longcat-flash_defaults.json", lambda c: c.update(num_nextn_predict_layers=2)),
-             "mimo_v2": (MTP / "mimo-v2-flash_defaults.json", None)}
+             "mimo_v2": (MTP / "mimo-v2-flash_defaults.json", None),
+             "step3p5": (MTP / "step-3.5-flash_defaults.json", None),
+             "ernie": (MTP / "ernie-4.5-moe_defaults.json", None),
+             "qwen3_moe": (MTP / "qwen3-moe-mtp_defaults.json", lambda c: c.update(num_nextn_predict_layers=2))}
     folders = {}
     for name, (src, edit) in cases.items():
         def strip(c, edit=edit):          # the fp8 quantization block needs CUDA kernels to be read by SGLang
@@ -284,8 +287,8 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
                 sg[name]["refused"].split(":")[0]) and sg[name]["refused"].split(": ", 1)[1] in refused[0]["detail"]
         else:
             # Qwen3-Next and MiMo-V2: the rewrite writes num_nextn_predict_layers = 1 whatever is declared
-            assert refused == [] and sg[name]["layers"] == (loads["layers_declared"] if name not in ("qwen", "mimo_v2")
-                                                            else 1), name
+            assert refused == [] and sg[name]["layers"] == (
+                loads["layers_declared"] if name not in ("qwen", "mimo_v2", "qwen3_moe") else 1), name
             if "prefix" in sg[name]:
                 assert loads["prefixes"] == [sg[name]["prefix"]], name
     assert sg["ds_two"]["refused"] == "AssertionError: Only 1 nextn layer is supported"
@@ -294,6 +297,9 @@ def test_sglang_builds_the_head_the_checks_name(tmp_path):
     assert sg["qwen35"]["head_class"] == "Qwen3_5ForCausalLMMTP" and sg["qwen35"]["layers"] == 1
     assert sg["longcat_two"] == {"head_class": "LongcatFlashForCausalLMNextN", "layers": 2}
     assert sg["mimo_v2"] == {"head_class": "MiMoV2MTP", "layers": 1}
+    assert sg["step3p5"] == {"head_class": "Step3p5MTP", "layers": 3}
+    assert sg["ernie"] == {"head_class": "Ernie4_5_MoeForCausalLMMTP", "layers": 1}
+    assert sg["qwen3_moe"] == {"head_class": "Qwen3MoeForCausalLMMTP", "layers": 1}      # 2 declared, 1 written
 
 
 def test_the_draft_cost_leaves_the_targets_nextn_layer_out():
