@@ -134,7 +134,7 @@ def test_pre_norm_head_refuses_rows_without_out_n_minus_1(pair, tmp_path):
 
 
 def test_head_drafts_better_than_chance_and_rule_matters(pair, target):
-    """Teacher-forced top-1 of the head on the target's greedy tokens: the converted head predicts (>> 1/4096), and
+    """Teacher-forced top-1 of the head on the target's greedy tokens: the trained head predicts (>> 1/4096), and
     with the pre-norm state (vLLM's rule) at least as well as with the post-norm one."""
     ids = _ids()
     with torch.no_grad():
