@@ -55,7 +55,7 @@ def main() -> int:
                    for s in b.get("stages", [])],
         "losses": {k: {"delta": v.get("delta"), "ci": v.get("ci"), "decision": v.get("decision")}
                    for k, v in (b.get("losses") or {}).items()},
-        "findings": [f"{f.kind} (stage {getattr(f, 'stage', None)})" for f in doc.findings],
+        "findings": [f"{f.kind} (stage {f.evidence.get('stage')})" for f in doc.findings],
         "seconds": {"build": round(build_s, 1), "server_start": round(start_s, 1), "investigate": round(inv_s, 1)},
     }, indent=1, default=str))
     return 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a MiMo MTP head (vLLM ``mimo_mtp.py::MiMoMTP``, one ``model.mtp_layers.0``) for the ``llama_h64`` target.
 
-    python env/models/train_mimo_mtp.py      # -> env/models/llama_h64/mimo_mtp/{model.safetensors, nextn_training_log.json}
+    python env/models/train_mimo_mtp.py   # -> llama_h64/mimo_mtp/{model.safetensors, nextn_training_log.json}
 
 ``make_mimo_pair.py`` assembles the MiMo pair vLLM serves from the target and these weights, and writes the log and
 its validation rows beside it.

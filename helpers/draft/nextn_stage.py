@@ -13,8 +13,11 @@ SGLang's draft decode runs) against the same accuracy of the head as served (:fu
 run teacher-forced (:func:`helpers.draft.teacher_forced.run`, the ``e3f`` reduction: the head's argmax against the
 target's full-vocabulary argmax on the loss-masked rows, the last row of a sample left out) on rows whose aux is the
 data's post-norm final hidden state (SpecForge ``hidden_state``: ``sglang/srt/models/deepseek_nextn.py::
-DeepseekModelNextN.forward`` reads ``spec_info.hidden_states``, the target's output after ``final_norm``). The
-comparison itself, its CI and decision are :func:`helpers.draft.draft_stage.draft_stage`'s (the EAGLE-3 budget's).
+DeepseekModelNextN.forward`` reads ``spec_info.hidden_states``, the target's output after ``final_norm``). A head
+that reads the target's last layer output before the final norm (:attr:`helpers.draft.model.Eagle3Draft.
+READS_PRE_NORM`: vLLM's MiMo head, ``vllm/model_executor/models/mimo.py::MiMoModel.forward``) runs on the rows' one
+``aux_hidden_state`` chunk instead, recorded as ``out(n-1)`` by their ``capture.json`` (:func:`pre_norm_sequences`).
+The comparison itself, its CI and decision are :func:`helpers.draft.draft_stage.draft_stage`'s (the EAGLE-3 budget's).
 
 Which figure of the log: a log may hold the figure of its own validation split (``val_final``, on the training
 data's rows) and the figure on a named set of rows (``validation_rows``: ``path``, ``rows``, ``acc_per_step``). When

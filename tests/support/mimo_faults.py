@@ -1,9 +1,9 @@
-"""A generated fault of the MiMo pair's trained MTP head (``env/models/make_mimo_pair.py``; test fixture, off by default,
-no flag reaches it): ``input_proj_scale`` -- one half of ``model.mtp_layers.0.input_proj.weight`` (``[H, 2H]``: columns
-``:H`` read ``hidden_layernorm(h_t)``, ``H:`` read ``token_layernorm(embed(x_{t+1}))``, hidden half first:
-``vllm/model_executor/models/mimo_mtp.py::MiMoMultiTokenPredictorLayer.forward``) scaled by ``factor``, as a wrong
-per-block quantisation scale would (the NextN head's ``eh_scale``, :mod:`support.mtp_faults`). The stage that should
-name it: ``draft`` (the head against its training log)."""
+"""A generated fault of the MiMo pair's trained MTP head (``env/models/make_mimo_pair.py``; test fixture, off by
+default, no flag reaches it): ``input_proj_scale`` -- one half of ``model.mtp_layers.0.input_proj.weight``
+(``[H, 2H]``: columns ``:H`` read ``hidden_layernorm(h_t)``, ``H:`` read ``token_layernorm(embed(x_{t+1}))``, hidden
+half first: ``vllm/model_executor/models/mimo_mtp.py::MiMoMultiTokenPredictorLayer.forward``) scaled by ``factor``,
+as a wrong per-block quantisation scale would (the NextN head's ``eh_scale``, :mod:`support.mtp_faults`). The stage
+that should name it: ``draft`` (the head against its training log)."""
 from __future__ import annotations
 
 import shutil

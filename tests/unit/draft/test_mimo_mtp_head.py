@@ -104,7 +104,8 @@ def test_committed_head_reproduces_its_training_log_on_its_validation_rows(pair)
     head = load_draft(pair, pair)
     ds = nextn_draft_stage(head, pair, 1)
     st, loss = ds["stage"], ds["loss"]
-    assert ds["same_rows"] and ds["rows"] == str(pair / "validation") and ds["log"] == str(pair / "nextn_training_log.json")
+    assert ds["same_rows"] and ds["rows"] == str(pair / "validation")
+    assert ds["log"] == str(pair / "nextn_training_log.json")
     want = 1.0 + log["validation_rows"]["acc_per_step"][0]
     assert abs(st["log_accept_length"] - want) < 1e-9
     assert abs(st["accept_length"] - want) < 2e-3                    # tool vs trainer, same rows and weights
