@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     seed_everything(a.seed, a.threads)
     tcfg = json.loads((a.target / "config.json").read_text())
     target = load_target(a.target)
+    cached = IDS_CACHE.is_file()
     ids = sampled_ids(target, a.sequences + a.val, a.length, a.seed)
     gen_s = time.time() - t0
     val_ids = eagle1_validation_ids()
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
                  "manifest": {"sequences": "sampled at temperature 1.0"},
                  "validation_split": {"records": a.val, "rule": f"the first {a.val} sampled sequences (the EAGLE-1 "
                                                                  "draft's validation split)"},
-                 "generation_wall_s": round(gen_s, 1)},
+                 "generation_wall_s": round(gen_s, 1),
+                 "ids_from_cache": cached},
         "architecture": "MiMoMTP",
         "checkpoint": f"{a.out.name}/model.safetensors model.mtp_layers.0.* ({len(sd)} tensors)",
         "hyper": {"epochs": a.epochs, "batch_size": a.batch_size, "lr": a.lr, "min_lr": a.min_lr,
