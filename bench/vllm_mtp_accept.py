@@ -4,8 +4,9 @@ which state vLLM hands the head.
 
     PYTHONPATH=$PWD .venv/bin/python bench/vllm_mtp_accept.py [--pair DIR] [--prompts 8] [--max-tokens 32] [--k 1]
 
-The pair: ``env/models/make_mimo_pair.py`` (the llama_h64 target as ``MiMoForCausalLM`` with one MTP layer converted
-from its EAGLE-1 draft), built into ``--pair`` (default a temp folder) unless it holds one already. vLLM's CPU
+The pair: ``env/models/make_mimo_pair.py`` (the llama_h64 target as ``MiMoForCausalLM`` with one MTP layer: the
+trained head ``llama_h64/mimo_mtp``; the figures of 2026-12-06 in bench/RESULTS.md are of the earlier layer converted
+from the EAGLE-1 draft), built into ``--pair`` (default a temp folder) unless it holds one already. vLLM's CPU
 backend cannot run the Kimi-class target's MLA (``helpers.engines.vllm_mtp``), so this is the MTP pair it serves.
 
 Live: ``helpers.engines.vllm_server.start(..., mtp=True)`` (``{"method": "mtp", "num_speculative_tokens": k}``),

@@ -12,8 +12,8 @@ standard attention at head_dim 64, which vLLM's CPU attention serves; its MTP he
 
 The target is unchanged in function: Qwen2's attention is Llama's plus q/k/v biases, written here as zeros.
 
-The MTP layer is the trained EAGLE-1 draft ``llama_h64/draft_eagle1`` re-expressed in MiMo's form (it is not
-trained as an MTP head; the figures test the engine's wiring, not a good head). vLLM's MiMo layer
+The MTP layer is a trained MiMo MTP head, ``llama_h64/mimo_mtp/model.safetensors`` (``train_mimo_mtp.py``: trained
+on the target's pre-norm state as vLLM feeds it, its log ``nextn_training_log.json``). vLLM's MiMo layer
 (``mimo_mtp.py::MiMoMultiTokenPredictorLayer.forward``)::
 
     x   = input_proj(cat(hidden_layernorm(h_t), token_layernorm(embed(x_{t+1}))))   hidden half first
@@ -21,19 +21,22 @@ trained as an MTP head; the figures test the engine's wiring, not a good head). 
     out = final_layernorm(y + residual)                                 logits = lm_head(out)
 
 with ``h_t`` the target's state **before** its final norm (``mimo.py::MiMoModel.forward`` returns
-``hidden_states + residual``; ``MiMoForCausalLM.compute_logits`` applies ``model.norm``). The EAGLE-1 draft computes
-``fc(cat(embed(x_{t+1}), post_norm(h_t)))``, layer 0 without input norm, no final norm. The mapping:
+``hidden_states + residual``; ``MiMoForCausalLM.compute_logits`` applies ``model.norm``).
 
-* ``input_proj`` = ``fc`` with its two halves swapped (MiMo puts the hidden half first);
-* ``hidden_layernorm.weight`` = the target's final-norm weight, so ``hidden_layernorm(h_t)`` is the target's
-  post-norm state exactly (same eps);
-* ``token_layernorm.weight`` and the layer's ``input_layernorm.weight`` = a constant each, the mean RMS of the
-  embedding rows / of the ``fc`` output measured on ``prompts.json`` (calibration: these two norms have no EAGLE-1
-  counterpart, so the head is close to, not equal to, the EAGLE-1 draft);
-* ``final_layernorm.weight`` = ones x the mean RMS of the draft's output (a uniform weight keeps each row's argmax);
-* q/k/v biases zeros; the rest of the layer as is.
+Written beside the weights, so the draft stage of ``investigate`` finds them (``helpers.draft.nextn_stage``: the log
+in the target folder, its ``validation_rows.path`` relative to the log):
 
-Deterministic (no sampling). bf16 weights, about 4.9 MB, written at test / bench time (not committed).
+* ``nextn_training_log.json``: the trainer's log, copied;
+* ``validation/``: the log's validation rows, SpecForge layout (``rows_0-32/data_{j}.ckpt``: ``input_ids [113]``,
+  ``loss_mask`` ones, ``aux_hidden_state [1, 113, H]`` = ``out(7)``, the pre-norm state the head reads,
+  ``hidden_state [1, 113, H]`` the post-norm state, float32) + ``capture.json`` (``layer_ids.specforge_out_i``
+  ``[7]``). The ids are the committed EAGLE-1 validation rows' (``llama_h64/draft_eagle1/validation``, the same
+  sampled sequences: the trainers share their data and split); the states are recomputed by the committed target
+  (:func:`e3f_models.mimo_mtp.target_states`, as the trainer computed the log's figure), so no state is committed
+  twice.
+
+Deterministic (no sampling). The pair's bf16 weights are about 5.1 MB, the rows 3.7 MB, written at test / bench time
+(not committed).
 """
 from __future__ import annotations
 
@@ -44,14 +47,14 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 TARGET = HERE / "llama_h64" / "target"
-EAGLE1 = HERE / "llama_h64" / "draft_eagle1"
-PROMPTS = HERE / "prompts.json"
+HEAD = HERE / "llama_h64" / "mimo_mtp"
+EAGLE1_VAL = HERE / "llama_h64" / "draft_eagle1" / "validation"
+LOG_NAME = "nextn_training_log.json"
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
@@ -59,78 +62,81 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    return x.float().pow(2).mean(-1).sqrt()
-
-
 @torch.no_grad()
-def calibrate(target_dir: Path, fc: torch.Tensor, n_prompts: int = 16) -> dict[str, float]:
-    """Mean RMS of the embedding rows used, of ``fc(cat(embed(x_{t+1}), post_norm(h_t)))`` and of the EAGLE-1
-    draft's pre-norm output, over the first ``n_prompts`` of prompts.json run through the target (transformers)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: only the builder needs transformers
+def write_validation_rows(out: Path, target_dir: Path = TARGET, ids_from: Path = EAGLE1_VAL) -> Path:
+    """``out/rows_0-N/data_{j}.ckpt`` + ``out/capture.json`` (module docstring) from the ids of ``ids_from``'s rows,
+    the states by ``target_dir`` run in transformers (float32, CPU)."""
+    sys.path.insert(0, str(HERE))
+    from e3f_models.mimo_mtp import target_states      # lazy: only the builder needs transformers
+    from e3f_models.target import load_target
+    files = sorted(ids_from.glob("rows_*/data_*.ckpt"), key=lambda p: int(p.stem.split("_")[1]))
+    ids = torch.stack([torch.load(p, weights_only=True)["input_ids"] for p in files])
+    target = load_target(target_dir)
+    pre, post = target_states(target, ids)
+    n = int(ids.shape[0])
+    rows = out / f"rows_0-{n}"
+    rows.mkdir(parents=True, exist_ok=True)
+    for j in range(n):
+        torch.save({"input_ids": ids[j].clone(), "loss_mask": torch.ones_like(ids[j]),
+                    "aux_hidden_state": pre[j][None].contiguous().clone(),
+                    "hidden_state": post[j][None].contiguous().clone()}, rows / f"data_{j}.ckpt")
+    L = int(json.loads((target_dir / "config.json").read_text())["num_hidden_layers"])
+    (out / "capture.json").write_text(json.dumps({
+        "format": "specforge_hidden_states_v1 (rows_{g}-{g+N}/data_{i}.ckpt)", "backend": "hf",
+        "capture": "a forward hook on the last decoder layer (out(n-1), before the final norm: what vLLM hands "
+                   "MiMo's MTP head)",
+        "layer_ids": {"specforge_out_i": [L - 1], "hf_hidden_states_index": [L]},
+        "hidden_state": "after the target's final RMSNorm", "dtype": "float32", "samples": n,
+        "tokens": int(ids.numel()), "split": "validation", "sequences": "sampled at temperature 1.0",
+        "records": f"the ids of {ids_from.relative_to(HERE)} (the validation split train_mimo_mtp.py and "
+                   "train_eagle1.py share), states recomputed by e3f_models/mimo_mtp.py::target_states",
+        "builder": "env/models/make_mimo_pair.py"}, indent=2) + "\n")
+    return out
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    prompts = json.loads(PROMPTS.read_text())["prompts"][:n_prompts]
-    emb_rms, fc_rms = [], []
-    for p in prompts:
-        ids = tok(p, return_tensors="pt").input_ids
-        out = model(ids, output_hidden_states=True)
-        h = out.hidden_states[-1][0]                 # post-norm (transformers applies model.norm to the last)
-        e = model.model.embed_tokens(ids[0, 1:])
-        x = F.linear(torch.cat([e, h[:-1]], -1), fc.float())
-        emb_rms.append(_rms(e))
-        fc_rms.append(_rms(x))
-    return {"embed_rms": float(torch.cat(emb_rms).mean()), "fc_rms": float(torch.cat(fc_rms).mean())}
 
-
-def build(out: Path, target_dir: Path = TARGET, eagle1_dir: Path = EAGLE1) -> dict:
-    """Write the MiMo pair to ``out`` (see the module docstring); returns the calibration constants."""
+def build(out: Path, target_dir: Path = TARGET, head_dir: Path = HEAD, *, rows: bool = True) -> dict:
+    """Write the MiMo pair to ``out`` (module docstring): weights, config, tokenizer files, the head's training log
+    and (``rows``) its validation rows. Returns what was assembled."""
     out.mkdir(parents=True, exist_ok=True)
     tcfg = json.loads((target_dir / "config.json").read_text())
     n = int(tcfg["num_hidden_layers"])
-    H = int(tcfg["hidden_size"])
     t = _read(target_dir / "model.safetensors")
-    d = _read(eagle1_dir / "model.safetensors")
-    cal = calibrate(target_dir, d["fc.weight"])
+    head = _read(head_dir / "model.safetensors")
     w: dict[str, torch.Tensor] = dict(t)
     for i in range(n):
         for p in ("q", "k", "v"):
-            rows = t[f"model.layers.{i}.self_attn.{p}_proj.weight"].shape[0]
-            w[f"model.layers.{i}.self_attn.{p}_proj.bias"] = torch.zeros(rows, dtype=torch.bfloat16)
-    m = "model.mtp_layers.0."
-    fc = d["fc.weight"]
-    w[m + "input_proj.weight"] = torch.cat([fc[:, H:], fc[:, :H]], dim=1).contiguous()
-    w[m + "hidden_layernorm.weight"] = t["model.norm.weight"].clone()
-    w[m + "token_layernorm.weight"] = torch.full((H,), cal["embed_rms"], dtype=torch.bfloat16)
-    w[m + "input_layernorm.weight"] = torch.full((H,), cal["fc_rms"], dtype=torch.bfloat16)
-    w[m + "final_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
-    for k, v in d.items():
-        if k.startswith("layers.0."):
-            w[m + k[len("layers.0."):]] = v
-    for p in ("q", "k", "v"):
-        w[m + f"self_attn.{p}_proj.bias"] = torch.zeros(d[f"layers.0.self_attn.{p}_proj.weight"].shape[0],
-                                                         dtype=torch.bfloat16)
+            rows_ = t[f"model.layers.{i}.self_attn.{p}_proj.weight"].shape[0]
+            w[f"model.layers.{i}.self_attn.{p}_proj.bias"] = torch.zeros(rows_, dtype=torch.bfloat16)
+    bad = [k for k in head if not k.startswith("model.mtp_layers.0.")]
+    if bad:
+        raise SystemExit(f"{head_dir / 'model.safetensors'}: tensors outside model.mtp_layers.0.: {bad[:3]}")
+    w.update(head)
     save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(tcfg)
     cfg.update({"architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_nextn_predict_layers": 1,
                 "use_sliding_window": False, "sliding_window": None, "max_window_layers": n,
-                "e3f_mtp_source": {"converted_from": "llama_h64/draft_eagle1 (EAGLE-1, trained)",
-                                   "builder": "env/models/make_mimo_pair.py", **cal}})
+                "e3f_mtp_source": {"trained": str(head_dir.relative_to(HERE)) if head_dir.is_relative_to(HERE)
+                                   else str(head_dir), "trainer": "env/models/train_mimo_mtp.py",
+                                   "builder": "env/models/make_mimo_pair.py"}})
     cfg.pop("attention_bias", None)
     cfg.pop("mlp_bias", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (target_dir / f).is_file():
             shutil.copy(target_dir / f, out / f)
-    return cal
+    if (head_dir / LOG_NAME).is_file():
+        shutil.copy(head_dir / LOG_NAME, out / LOG_NAME)
+    if rows:
+        write_validation_rows(out / "validation", target_dir)
+    return {"out": str(out), "head": str(head_dir), "tensors": len(head), "rows": rows}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--no-rows", action="store_true", help="skip the validation rows (the server needs none)")
     a = ap.parse_args(argv)
-    print(json.dumps(build(a.out)))
+    print(json.dumps(build(a.out, rows=not a.no_rows)))
     return 0
 
 

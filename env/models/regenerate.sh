@@ -61,3 +61,5 @@ echo "[regenerate] 9/9 Llama with 2 x 64 heads (vLLM CPU), its draft, samples, v
   --vocab-from llama_h64/draft
 # the EAGLE-1 draft for vLLM's method eagle (CPU; samples its own data from the target)
 "${RUN[@]}" train_eagle1.py --target llama_h64/target --out llama_h64/draft_eagle1
+# the MiMo MTP head of the pair make_mimo_pair.py assembles (CPU; the EAGLE-1 draft's sampled sequences, cached ids)
+"${RUN[@]}" train_mimo_mtp.py --target llama_h64/target --out llama_h64/mimo_mtp

@@ -69,6 +69,7 @@ class MiMoMTPHead(Eagle3Draft):
     """
 
     WHOLE_VOCAB = "an MTP head"
+    READS_PRE_NORM = True     # mimo.py::MiMoModel.forward hands the drafter hidden_states + residual, before model.norm
 
     _zero_rows: Optional[torch.Tensor] = None
 

@@ -275,6 +275,9 @@ class Eagle3Draft:
     #: a subclass that drafts over the target's whole vocabulary (no d2t: EAGLE-1, the MTP heads) names itself here,
     #: as its refusal of a vocab map says it ("an EAGLE-1 draft"); None: an EAGLE-3 draft, which takes one
     WHOLE_VOCAB: Optional[str] = None
+    #: a single-state head that reads the target's last decoder layer output BEFORE the final norm (``out(n-1)``: vLLM's
+    #: MiMo head, :class:`helpers.draft.mimo_mtp.MiMoMTPHead`) says so here; False: the post-norm state (NextN, EAGLE-1)
+    READS_PRE_NORM: bool = False
 
     def __init__(self, arch: DraftArch, weights: dict[str, torch.Tensor], embed: torch.Tensor,
                  lm_head: torch.Tensor, hot_token_id: Optional[torch.Tensor], *, dtype: torch.dtype,

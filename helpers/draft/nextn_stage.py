@@ -13,8 +13,11 @@ SGLang's draft decode runs) against the same accuracy of the head as served (:fu
 run teacher-forced (:func:`helpers.draft.teacher_forced.run`, the ``e3f`` reduction: the head's argmax against the
 target's full-vocabulary argmax on the loss-masked rows, the last row of a sample left out) on rows whose aux is the
 data's post-norm final hidden state (SpecForge ``hidden_state``: ``sglang/srt/models/deepseek_nextn.py::
-DeepseekModelNextN.forward`` reads ``spec_info.hidden_states``, the target's output after ``final_norm``). The
-comparison itself, its CI and decision are :func:`helpers.draft.draft_stage.draft_stage`'s (the EAGLE-3 budget's).
+DeepseekModelNextN.forward`` reads ``spec_info.hidden_states``, the target's output after ``final_norm``). A head
+that reads the target's last layer output before the final norm (:attr:`helpers.draft.model.Eagle3Draft.
+READS_PRE_NORM`: vLLM's MiMo head, ``vllm/model_executor/models/mimo.py::MiMoModel.forward``) runs on the rows' one
+``aux_hidden_state`` chunk instead, recorded as ``out(n-1)`` by their ``capture.json`` (:func:`pre_norm_sequences`).
+The comparison itself, its CI and decision are :func:`helpers.draft.draft_stage.draft_stage`'s (the EAGLE-3 budget's).
 
 Which figure of the log: a log may hold the figure of its own validation split (``val_final``, on the training
 data's rows) and the figure on a named set of rows (``validation_rows``: ``path``, ``rows``, ``acc_per_step``). When
@@ -39,7 +42,8 @@ from typing import Any, Callable, Optional
 
 from ..errors import BadInput
 from ..formats.rows import RowsKind, rows_kind
-from ..formats.training_data import TrainingData
+from ..formats.configs import read_target_config
+from ..formats.training_data import TrainingData, recorded_layer_ids
 from ..runfiles import regular_file
 from .decide import threshold
 from .draft_stage import MAX_DRAFT_ROWS, draft_stage
@@ -172,6 +176,31 @@ def trained_steps(doc: dict) -> Optional[int]:
     return int(v) if isinstance(v, (int, float)) and v >= 1 else None
 
 
+def pre_norm_sequences(seqs: list, rows_path: Path, target_dir: str | Path, who: str) -> list:
+    """The teacher-forced sequences of a head that reads the target's last decoder layer output before the final norm
+    (:attr:`helpers.draft.model.Eagle3Draft.READS_PRE_NORM`: vLLM's MiMo head, ``vllm/model_executor/models/mimo.py::
+    MiMoModel.forward``): each row's aux is the data's one ``aux_hidden_state`` chunk, which the rows' ``capture.json``
+    must record as ``layer_ids.specforge_out_i`` = ``[num_hidden_layers - 1]`` (out(n-1)); the labels stay the
+    post-norm ``hidden_state``'s. ``seqs``: :func:`helpers.draft.teacher_forced.tf_sequences` of the rows.
+
+    Raises:
+        BadInput: the rows record no layer ids or other ones than ``[n-1]``, or a row's aux is not one hidden state
+            wide (the manifest / field named)."""
+    n = int(read_target_config(Path(target_dir)).num_hidden_layers)
+    got = recorded_layer_ids(rows_path)
+    if got is None or got[0] != [n - 1]:
+        raise BadInput(f"{who} reads the target's out({n - 1}) before the final norm; the rows must carry it as their "
+                       f"one aux_hidden_state chunk with capture.json layer_ids.specforge_out_i = [{n - 1}] (found "
+                       f"{None if got is None else got[0]})", path=rows_path if got is None else got[1],
+                       field="layer_ids.specforge_out_i")
+    H = int(read_target_config(Path(target_dir)).hidden_size)
+    bad = [s.key for s in seqs if s.aux.shape[1] != H]
+    if bad:
+        raise BadInput(f"aux_hidden_state of {bad[0]} is not one hidden state ({H}) wide", path=rows_path,
+                       field="aux_hidden_state")
+    return [s for s in seqs if s.final_hidden is not None]
+
+
 def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, draft_dir: Optional[str | Path] = None,
                       training: Optional[str | Path] = None, training_log: Optional[str | Path] = None,
                       validation: Optional[str | Path] = None, max_rows: int = MAX_DRAFT_ROWS,
@@ -233,8 +262,11 @@ def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, 
     td = TrainingData(rows_path, hidden_size=head.arch.hidden, max_samples=max_rows)
     lm_head, _ = target_lm_head(target_dir)
     seqs = tf_sequences(td, lm_head)
-    # the NextN head reads the target's post-norm final state (the data's hidden_state), not the EAGLE-3 aux chunks
-    seqs = [dataclasses.replace(s, aux=s.final_hidden) for s in seqs if s.final_hidden is not None]
+    if head.READS_PRE_NORM:
+        seqs = pre_norm_sequences(seqs, rows_path, target_dir, who)
+    else:
+        # the NextN head reads the target's post-norm final state (the data's hidden_state), not the EAGLE-3 aux chunks
+        seqs = [dataclasses.replace(s, aux=s.final_hidden) for s in seqs if s.final_hidden is not None]
     if not seqs:
         raise BadInput(f"no row holds the target's final hidden state (SpecForge hidden_state): {who}'s input",
                        path=rows_path, field="hidden_state")
@@ -273,5 +305,5 @@ def steps_check(served_steps: int, trained: Optional[int], stage: Optional[dict]
 
 
 __all__ = ["NEXTN_LOG", "NEXTN_TRAINER_SOURCE", "RELOCATE_DEPTH", "STEPS_SOURCE", "find_nextn_log", "nextn_draft_stage",
-           "relocated_rows", "rows_log",
+           "pre_norm_sequences", "relocated_rows", "rows_log",
            "same_rows", "steps_check", "trained_steps"]

@@ -78,13 +78,16 @@ def test_committed_artifacts_fit_the_size_budget():
     which the teacher-forced checkpoint-vs-log comparison needs; 48 before the Kimi target's NextN layer,
     model.layers.8.*, 2.6 MiB with the copies of the embedding and lm_head DeepSeek-V3 ships in it; 50 before the
     EAGLE-1 draft's held-out rows, llama_h64/draft_eagle1/validation, 1.9 MiB, the rows its training log's figure was
-    measured on, float32 in EAGLE-1's one-state layout, so its draft stage compares like with like)."""
+    measured on, float32 in EAGLE-1's one-state layout, so its draft stage compares like with like; 52 before the
+    trained MiMo MTP head of the vLLM MTP pair, llama_h64/mimo_mtp, 0.48 MiB: 0.25 M bf16 parameters and its training
+    log, so the pair's draft stage has a log to decide against; its validation rows are not committed,
+    make_mimo_pair.py recomputes them from the EAGLE-1 rows' ids)."""
     models = DRAFT_DIR.parent
     paths = [TARGET_DIR, DRAFT_DIR, models / "draft_alt", SAMPLE_DIR.parent, PROMPTS_FILE,
              models / "kimi", models / "llama_h64"]
     total = sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*"))
                 if f.is_file() and "__pycache__" not in f.parts)
-    assert total <= 52 * 2 ** 20, f"{total / 2 ** 20:.1f} MiB > 52 MiB"
+    assert total <= 52.2 * 2 ** 20, f"{total / 2 ** 20:.2f} MiB > 52.2 MiB"
 
 
 def test_target_loads_in_transformers_with_tp8_shapes(target, tokenizer, tcfg):

@@ -2,7 +2,9 @@
 server start): the MiMo pair of env/models/make_mimo_pair.py (vLLM's CPU backend cannot run the Kimi-class target's
 MLA: helpers/engines/vllm_mtp.py). ``investigate`` attaches (the worker extension's describe: MiMoMTP, method mtp,
 the target's embedding and lm_head), identifies the served state as vLLM's rule for this head (``out(7)``, before the
-final norm), and the head offline on the served states accepts what the live counters count (engine loss 0)."""
+final norm), the head offline on the served states accepts what the live counters count (engine loss 0), and the
+trained head (env/models/llama_h64/mimo_mtp, its nextn_training_log.json and validation rows in the pair folder)
+performs as its log says: the draft stage is decided, clear, and a clean server is ``ok``."""
 from __future__ import annotations
 
 import time
@@ -44,8 +46,13 @@ def test_served_state_is_vllms_pre_norm_rule_and_live_equals_offline(served):
     assert not [f for f in doc.findings if f.kind in ("norm_mismatch", "wrong_layer", "unidentified_chunk")]
     stages = {s["name"]: s for s in doc.acceptance["stages"]}
     live, wiring = stages["live"]["accept_length"], stages["wiring (offline, served states)"]["accept_length"]
-    assert live > 1.2                                         # the converted head drafts, not chance
+    assert live > 1.2                                         # the trained head drafts, not chance
     assert abs(live - wiring) < 0.02
     assert doc.acceptance["losses"]["engine"]["decision"] == "clear"
-    # no training log for the converted head: the draft stage stays undecided, and so does the verdict
-    assert doc.verdict == "undecided"
+    # the trained head's log and its own rows: the draft stage is decided (checkpoint = log on the log's rows)
+    ck = stages["checkpoint (teacher-forced)"]
+    log = doc.acceptance["draft_stage"]
+    assert log["same_rows"] and log["log"].endswith("nextn_training_log.json")
+    assert abs(ck["accept_length"] - ck["log_accept_length"]) < 2e-3
+    assert doc.acceptance["losses"]["draft"]["decision"] == "clear"
+    assert doc.verdict == "ok", (doc.verdict, doc.sentence)

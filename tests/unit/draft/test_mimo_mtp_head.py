@@ -1,8 +1,9 @@
 """The MiMo MTP head offline as vLLM 0.32.0 runs it (helpers.draft.mimo_mtp), on the pair env/models/make_mimo_pair.py
-builds from the llama_h64 target and its EAGLE-1 draft: the layer against an independent computation with
-transformers' own Qwen2DecoderLayer, the embedding zeroed at position 0, the pre-norm state the head reads, and the
-loader's refusals. One pair build per module (about 5-40 s on 2 busy cores: the builder's calibration runs the target
-on 16 prompts)."""
+builds from the llama_h64 target and its trained MTP head (env/models/llama_h64/mimo_mtp, train_mimo_mtp.py): the
+layer against an independent computation with transformers' own Qwen2DecoderLayer, the embedding zeroed at position 0,
+the pre-norm state the head reads, the committed head against its training log on the log's validation rows (the
+draft stage, helpers.draft.nextn_stage), a scaled input_proj half named there, and the loader's refusals. One pair
+build per module (about 5-20 s on 2 busy cores: the builder runs the target on the 32 validation sequences)."""
 from __future__ import annotations
 
 import json
@@ -15,8 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from helpers.draft.loader import load_draft
 from helpers.draft.mimo_mtp import MiMoMTPHead
+from helpers.draft.nextn_stage import nextn_draft_stage
 from helpers.errors import BadInput
 from support import ROOT, import_from
+from support.mimo_faults import write_scaled_input_proj
 
 H64 = ROOT / "env" / "models" / "llama_h64"
 
@@ -93,19 +96,46 @@ def test_head_matches_transformers_qwen2_layer_with_vllm_position0_rule(pair, ta
     assert (got[0] - unmasked[0]).abs().max() > 1e-2 * unmasked[0].abs().max()
 
 
-def test_hidden_layernorm_of_pre_norm_state_is_the_target_post_norm_state(pair, target):
-    """The builder's mapping: vLLM feeds MiMo's head out(n-1) (pre-norm) and hidden_layernorm carries the target's
-    final-norm weight, so the head sees exactly the post-norm state the EAGLE-1 draft was trained on."""
-    ids = _ids()
-    pre, post = _states(target, ids)
-    w = load_file(str(pair / "model.safetensors"))["model.mtp_layers.0.hidden_layernorm.weight"].float()
-    normed = F.rms_norm(pre, (pre.shape[-1],), w, target.config.rms_norm_eps)
-    assert (normed - post).norm() / post.norm() < 1e-5
-    assert (pre - post).norm() / post.norm() > 0.3          # the two candidates are far apart on this target
+def test_committed_head_reproduces_its_training_log_on_its_validation_rows(pair):
+    """The draft stage finds the log and its rows in the pair folder, runs the committed bf16 head teacher-forced (the
+    tool's own MiMo head, float32) on the rows' pre-norm out(7), and gets the accept length the trainer logged on the
+    same rows (the trainer's own module and metric: e3f_models/mimo_mtp.py): the stage is decided, clear."""
+    log = json.loads((pair / "nextn_training_log.json").read_text())
+    head = load_draft(pair, pair)
+    ds = nextn_draft_stage(head, pair, 1)
+    st, loss = ds["stage"], ds["loss"]
+    assert ds["same_rows"] and ds["rows"] == str(pair / "validation")
+    assert ds["log"] == str(pair / "nextn_training_log.json")
+    want = 1.0 + log["validation_rows"]["acc_per_step"][0]
+    assert abs(st["log_accept_length"] - want) < 1e-9
+    assert abs(st["accept_length"] - want) < 2e-3                    # tool vs trainer, same rows and weights
+    assert st["accept_length"] > 1.3                                  # a trained head, not chance (1 + 1/4096)
+    assert loss["decision"] == "clear", loss
+
+
+def test_scaled_input_proj_half_is_named_by_the_draft_stage(pair, tmp_path):
+    """The generated fault (the token half of input_proj x 0.25, a wrong block scale) costs the head against its own
+    log on the same rows: the draft loss counts (measured 0.32 [0.30, 0.33], threshold 0.12; the hidden half x 0.25
+    costs 0.12 [0.10, 0.14], undecided, bench/RESULTS.md)."""
+    bad = write_scaled_input_proj(pair, tmp_path / "scaled", half="token", factor=0.25)
+    ds = nextn_draft_stage(load_draft(bad, bad), bad, 1)
+    assert ds["same_rows"]
+    assert ds["stage"]["accept_length"] < ds["stage"]["log_accept_length"] - 0.05
+    assert ds["loss"]["decision"] == "counts", ds["loss"]
+
+
+def test_pre_norm_head_refuses_rows_without_out_n_minus_1(pair, tmp_path):
+    rows = tmp_path / "validation"
+    shutil.copytree(pair / "validation", rows)
+    cap = json.loads((rows / "capture.json").read_text())
+    cap["layer_ids"]["specforge_out_i"] = [1, 3, 4]
+    (rows / "capture.json").write_text(json.dumps(cap))
+    with pytest.raises(BadInput, match=r"out\(7\).*specforge_out_i"):
+        nextn_draft_stage(load_draft(pair, pair), pair, 1, validation=rows)
 
 
 def test_head_drafts_better_than_chance_and_rule_matters(pair, target):
-    """Teacher-forced top-1 of the head on the target's greedy tokens: the converted head predicts (>> 1/4096), and
+    """Teacher-forced top-1 of the head on the target's greedy tokens: the trained head predicts (>> 1/4096), and
     with the pre-norm state (vLLM's rule) at least as well as with the post-norm one."""
     ids = _ids()
     with torch.no_grad():
