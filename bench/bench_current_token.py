@@ -39,8 +39,7 @@ def start(tmp: Path, pair: str, steps: int) -> tuple[str, int]:
     hooks = engine_hook_specs(draw(0, ENGINE_CLASSES), arm=str(tmp / "ARM"))
     args = ["server", "start", "--tp", "1", "--steps", str(steps), "--detach", "--timeout", "900",
             "--trace-draft", str(tmp / "trace"), "--forward-hooks", json.dumps(hooks)]
-    if pair == "nextn":
-        args += ["--target", str(TARGET), "--nextn"]
+    args += ["--target", str(TARGET), "--nextn"] if pair == "nextn" else ["--reference-draft"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, "-m", "helpers", *args], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=1200)
@@ -64,11 +63,12 @@ def one(url: str, run: Path, budget: bool, pair: str) -> dict:
     if budget:
         from helpers.investigation.live import investigate
         t0 = time.monotonic()
-        doc = investigate(url, training=None, run_dir=run / "investigate", measure_prompts=8, max_new_tokens=24,
-                          timeout=1500, apply_fix=False, engine_probes="cheap",
-                          validation=VALIDATION if pair == "nextn" else None)
+        from helpers.paths import REFERENCE_TRAINING, REFERENCE_VALIDATION
+        doc = investigate(url, training=None if pair == "nextn" else REFERENCE_TRAINING, run_dir=run / "investigate",
+                          measure_prompts=8, max_new_tokens=24, timeout=1500, apply_fix=False, engine_probes="cheap",
+                          validation=VALIDATION if pair == "nextn" else REFERENCE_VALIDATION)
         eng = ((doc.acceptance or {}).get("losses") or {}).get("engine") or {}
-        out |= {"verdict": doc.verdict, "budget_kinds": sorted({f["kind"] for f in doc.findings}),
+        out |= {"verdict": doc.verdict, "budget_kinds": sorted({getattr(f, "kind", None) or f["kind"] for f in doc.findings}),
                 "engine_loss": {k: eng.get(k) for k in ("delta", "ci", "decision")},
                 "investigate_s": round(time.monotonic() - t0, 1)}
     return out

@@ -106,3 +106,53 @@ def test_a_row_outside_the_sequence_is_refused(world):
     head, seqs = world
     with pytest.raises(ValueError, match="outside 0 .. 46"):
         current_token_replay(head, seqs[0].tokens, seqs[0].aux, [{"position": T - 1, "served": 0}])
+
+
+# ------------------------------------------------------------------ the fault fixture itself (no SGLang needed)
+def _module(where: str, seen: list):
+    """A stand-in of an inner ``model`` whose class lives in ``where`` (``..deepseek_nextn``: the draft), recording
+    the ids each forward gets."""
+    def forward(self, ids, positions, fb):
+        seen.append(ids.tolist())
+        return ids.clone()
+    cls = type("Inner", (torch.nn.Module,), {"forward": forward, "__module__": where})
+    m = cls()
+    m.embed_tokens = torch.nn.Embedding(50, 2)
+    return m
+
+
+def _fb(mode: str, reqs: list[int], lens: list[int] | None):
+    from types import SimpleNamespace
+    return SimpleNamespace(forward_mode=SimpleNamespace(name=mode), req_pool_indices=torch.tensor(reqs),
+                           extend_seq_lens=None if lens is None else torch.tensor(lens))
+
+
+def test_the_fault_feeds_each_draft_extend_row_its_current_token(tmp_path):
+    import json
+
+    from support import engine_faults as ef
+    ef._KNOWN.clear()
+    arm = tmp_path / "ARM"
+    hook = ef.factory({"fault": "embed_current_token", "strength": 1.0, "seed": 0, "arm": str(arm)})
+    seen: list = []
+    target, draft = _module("x.models.deepseek_v2", seen), _module("x.models.deepseek_nextn", seen)
+    x = [7, 11, 13, 17, 19, 23, 29, 31]
+    # the prefill: the target's extend over x0..x4, the draft's over the rotated ids x1..x5 (tail: the next token)
+    hook(target, (torch.tensor(x[:5]), torch.arange(5), _fb("EXTEND", [3], [5])), None)
+    args = (torch.tensor(x[1:6]), torch.arange(5), _fb("EXTEND", [3], [5]))
+    assert hook(draft, args, None) is None                      # unarmed: untouched
+    arm.write_text(json.dumps({"strength": 1.0, "seed": 0}))
+    assert hook(draft, args, None).tolist() == x[:5]           # every row its current token, row 0 the target's x0
+    # a verify (x5 and the draft token 40) then the draft extend of the tokens verification emitted (x6, x7)
+    hook(target, (torch.tensor([x[5], 40]), torch.tensor([5, 6]), _fb("TARGET_VERIFY", [3], None)), None)
+    out = hook(draft, (torch.tensor(x[6:8]), torch.tensor([5, 6]), _fb("DRAFT_EXTEND_V2", [3], [2])), None)
+    assert out.tolist() == [x[5], x[6]]
+    # a request the target never showed: its first row gets a seeded wrong id, the others their current token
+    out = hook(draft, (torch.tensor([2, 3, 4]), torch.tensor([0, 1, 2]), _fb("EXTEND", [9], [3])), None)
+    assert out[0].item() == ef.wrong_id(0, 0, 50, 2) and out[1:].tolist() == [2, 3]
+    # a share: the rows pick() hits, no others
+    arm.write_text(json.dumps({"strength": 0.4, "seed": 5}))
+    ids = torch.tensor(x[1:6])
+    out = hook(draft, (ids, torch.arange(5), _fb("EXTEND", [3], [5])), None)
+    hit = [ef.pick(p, 5, 0.4) for p in range(5)]
+    assert out.tolist() == [x[p] if h else x[p + 1] for p, h in enumerate(hit)] and 0 < sum(hit) < 5
