@@ -238,6 +238,15 @@ KINDS: tuple[Kind, ...] = (
        engine_fix="the engine's KV bookkeeping where the quoted check fired (the log line names the check, the slot "
                   "or page and the SGLang function that raised it): a KV slot that holds another token's KV, a page "
                   "owned and free at once, a pool that does not add up"),
+    _k("draft_extend_ids_unshifted", "acceptance",
+       "the engine feeds the draft's extend rows the current token instead of the next one (the draft-extend id "
+       "shift is lost): the served proposals are the checkpoint's with the ids un-rotated", fix="engine",
+       stage="engine",
+       engine_fix="the draft extend's input ids: row p must hold the token of position p + 1 with the target's state "
+                  "of position p (SGLang rotates the ids left by one per request in sglang/srt/speculative/"
+                  "eagle_worker_v2.py::EagleDraftWorker._draft_extend_for_prefill, and after a verify feeds the tokens "
+                  "verification emitted, _draft_extend_for_decode); an MTP / NextN head then reads enorm(embed(x_{p+1})) "
+                  "with hnorm(h_p)"),
     _k("draft_kv_diverges", "acceptance",
        "the served draft's proposals match the checkpoint at step 1 but not from step 2 on: the draft's own KV or "
        "positions", fix="engine", stage="engine",

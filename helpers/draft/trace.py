@@ -21,7 +21,10 @@ draft forward, the proposing rows' positions, input ids and top-k proposals (tar
 The first diverging step per request (the lowest draft step with a diverging row, :func:`first_divergence`) names
 the mechanism (:func:`mechanism`): from step 1 on, the served
 draft's weights or its inputs (``served_draft_differs``); only from step 2, the draft's own KV or positions
-(``draft_kv_diverges``). Trees (topk > 1) are compared at step 1 only (the decode rows are beams re-ordered by
+(``draft_kv_diverges``). Step-1 rows that diverge with the served input id are also replayed under one hypothesis,
+the engine's draft-extend id shift lost (row p fed x[p] instead of x[p+1], :func:`current_token_replay`); when that
+replay explains (nearly) all of them and the right ids none (:func:`current_token_hypothesis`), the probe names
+``draft_extend_ids_unshifted`` instead of ``served_draft_differs``. Trees (topk > 1) are compared at step 1 only (the decode rows are beams re-ordered by
 ``select_top_k_tokens``; said in the result).
 """
 from __future__ import annotations
@@ -283,7 +286,97 @@ def compare_request(draft: Eagle3Draft, seq: SimSequence, cycles: Sequence[Cycle
             rows_out.append({"cycle": i, "step": s.step, "position": s.position, "served": int(s.topk[0]),
                              "offline": offline, "input_served": s.input_id, "input_expected": expect_in,
                              "gap": round(gap, 6) if gap != float("inf") else None, "match": why is None, "why": why})
-    return _summary(seq.key, cycles, rows_out, ties)
+    out = _summary(seq.key, cycles, rows_out, ties)
+    diverging = [r for r in rows_out if r["step"] == 1 and not r["match"] and r["input_served"] == r["input_expected"]]
+    if diverging:
+        out["current_token"] = current_token_replay(draft, toks, seq.aux, diverging, ext=ext, near_tie=near_tie)
+    return out
+
+
+#: share of a trace's diverging step-1 rows the current-token replay must explain to name the fault
+#: (:func:`current_token_hypothesis`), and the fewest diverging rows it names it on. Measured on the committed NextN
+#: head: damaged weights (right ids) had at most 1 of 29 diverging rows explained; the live fault on a share of
+#: 0.12-1 of the rows 69-100 % (bench/RESULTS.md), the shortfall being rows the fault missed whose context it hit
+CURRENT_TOKEN_SHARE = 0.75
+CURRENT_TOKEN_MIN_ROWS = 3
+
+
+@torch.no_grad()
+def current_token_replay(draft: Eagle3Draft, toks: torch.Tensor, aux: torch.Tensor, rows: Sequence[dict], *,
+                         ext: Optional[Any] = None, near_tie: float = NEAR_TIE) -> dict:
+    """Test, on one request, the hypothesis "the engine fed the draft-extend rows the **current** token's id instead
+    of the next one's" (the MTP / NextN head ``enorm(embed(x_p))`` with ``hnorm(h_p)`` where ``embed(x_{p+1})``
+    belongs; an EAGLE-3 draft likewise): the checkpoint replayed offline with the ids un-rotated, and compared with
+    the served proposals of the diverging step-1 rows.
+
+    The served draft extend rotates the ids left by one (``sglang/srt/speculative/eagle_worker_v2.py::
+    EagleDraftWorker._draft_extend_for_prefill``: per request ``cat(input_ids[1:], tail)``; after a verify,
+    ``_draft_extend_for_decode`` feeds ``next_token_ids``, the tokens verification emitted): row ``p`` holds token
+    ``x[p+1]`` with the target's state of position ``p``. Two replays of the hypothesis, each one
+    :meth:`Eagle3Draft.extend` over the sequence: (a) the diverging rows alone get ``x[p]`` (the others keep
+    ``x[p+1]``: a fault on some rows); (b) every row gets ``x[p]`` (``toks[:-1]``: the rotation lost everywhere, the
+    context's KV included); (c) every row but the diverging ones (a row the fault missed whose context it hit: the
+    context's draft KV). A row is explained when the served top-1 is the top-1 of (a), (b) or (c), or within
+    ``near_tie`` of its best logit there. (A fault on a share of the rows hits context rows the trace never shows, so
+    none of the three is exact for every row; on the committed NextN head a head with noise on ``eh_proj`` of 0.1-2 x
+    its RMS, right ids, had 0-1 of 2-29 diverging rows explained, un-rotated ids on 10-100 % of the rows 97-100 %.) The replay with the right ids (``ext``, or recomputed) must not explain it:
+    a row it explains is counted apart (``right_ids``; a diverging row normally has none, by construction).
+
+    Args:
+        draft: the checkpoint (:class:`Eagle3Draft` or a subclass, e.g. :class:`helpers.draft.nextn.NextNHead`).
+        toks: int64 ``[T]`` the request's tokens (prompt + output).
+        aux: ``[>= T - 1, aux width]`` the served states, row t = position t.
+        rows: the diverging step-1 rows of :func:`compare_request` (``position``, ``served``: the served top-1,
+            target id).
+        ext: the right-id replay (:meth:`Eagle3Draft.extend` of ``toks[1:]``) when already computed.
+    Returns:
+        ``{"diverging": n, "explained": rows (a), (b) or (c) explains, "explained_rows": by (a), "explained_all":
+        by (b), "explained_context": by (c), "right_ids": rows the right-id replay explains, "positions": [explained
+        positions]}``.
+    Raises:
+        ValueError: a row's position outside ``[0, T - 2]``."""
+    toks = toks.to(torch.long)
+    T = int(toks.shape[0])
+    pos = [int(r["position"]) for r in rows]
+    if any(p < 0 or p > T - 2 for p in pos):
+        raise ValueError(f"a diverging row's position is outside 0 .. {T - 2} (the request has {T} tokens)")
+    right = ext if ext is not None else draft.extend(toks[1:], aux[: T - 1])
+    ids = toks[1:].clone()
+    idx = torch.tensor(pos, dtype=torch.long)
+    ids[idx] = toks[idx]
+    a = draft.extend(ids, aux[: T - 1])
+    b = draft.extend(toks[:-1], aux[: T - 1])
+    ids_c = toks[:-1].clone()
+    ids_c[idx] = toks[1:][idx]
+    c = draft.extend(ids_c, aux[: T - 1])
+
+    def explains(out, r) -> bool:
+        logits = out.logits[int(r["position"])]
+        d = draft.to_draft_id(int(r["served"]))
+        return int(draft.to_target_ids(logits.argmax()).item()) == int(r["served"]) or _gap(logits, d) <= near_tie
+
+    ea = [explains(a, r) for r in rows]
+    eb = [explains(b, r) for r in rows]
+    ec = [explains(c, r) for r in rows]
+    er = [explains(right, r) for r in rows]
+    ok = [x or y or z for x, y, z in zip(ea, eb, ec)]
+    return {"diverging": len(rows), "explained": sum(ok), "explained_rows": sum(ea), "explained_all": sum(eb),
+            "explained_context": sum(ec), "right_ids": sum(er), "positions": [p for p, x in zip(pos, ok) if x]}
+
+
+def current_token_hypothesis(requests: Sequence[dict], *, share: float = CURRENT_TOKEN_SHARE,
+                             min_rows: int = CURRENT_TOKEN_MIN_ROWS) -> dict:
+    """Whether the current-token replays (:func:`current_token_replay`, ``compare_request(...)["current_token"]``)
+    of a trace's requests explain its diverging step-1 rows: ``named`` when at least ``min_rows`` rows diverge at
+    step 1 with the served input id, a share >= ``share`` of them is explained and none of them is explained by the
+    right-id replay. Returns ``{"named", "diverging", "explained", "explained_rows", "explained_all", "right_ids",
+    "requests": requests with such rows, "share", "min_rows"}``."""
+    keys = ("diverging", "explained", "explained_rows", "explained_all", "explained_context", "right_ids")
+    tot = {k: sum(int((r.get("current_token") or {}).get(k, 0)) for r in requests) for k in keys}
+    n = tot["diverging"]
+    named = n >= min_rows and tot["explained"] >= share * n and tot["right_ids"] == 0
+    return {"named": bool(named), **tot, "requests": sum(1 for r in requests if r.get("current_token")),
+            "share": share, "min_rows": min_rows}
 
 
 def _summary(rid: str, cycles: Sequence[Cycle], rows: list[dict], ties: int) -> dict:
@@ -331,7 +424,7 @@ def compare_trace(draft: Eagle3Draft, seqs: Sequence[SimSequence], records: Sequ
             out.append(compare_request(draft, seq, c, near_tie=near_tie))
     firsts = {r["rid"]: (r["first"] or {}).get("step") for r in out}
     return {"requests": out, "untraced": missing, "mechanism": mechanism(list(firsts.values())),
-            "first_steps": firsts}
+            "first_steps": firsts, "current_token": current_token_hypothesis(out)}
 
 
 def brief(result: dict, rows: int = 3) -> dict:
@@ -342,7 +435,7 @@ def brief(result: dict, rows: int = 3) -> dict:
         reqs.append({k: r[k] for k in ("rid", "cycles", "tree", "compared", "diverged", "near_ties", "first")} |
                     {"diverging_rows": [x for x in r["rows"] if not x["match"]][:rows]})
     return {"requests": reqs, "untraced": result["untraced"], "mechanism": result["mechanism"],
-            "first_steps": result["first_steps"]}
+            "first_steps": result["first_steps"], "current_token": result.get("current_token")}
 
 
 def write_result(path: str | Path, result: dict) -> None:
@@ -351,5 +444,6 @@ def write_result(path: str | Path, result: dict) -> None:
                                      else str(o), indent=1))
 
 
-__all__ = ["NEAR_TIE", "Cycle", "StepRow", "brief", "compare_request", "compare_trace", "first_divergence",
+__all__ = ["CURRENT_TOKEN_MIN_ROWS", "CURRENT_TOKEN_SHARE", "NEAR_TIE", "Cycle", "current_token_hypothesis",
+           "current_token_replay", "StepRow", "brief", "compare_request", "compare_trace", "first_divergence",
            "mechanism", "read_trace", "request_cycles", "served_sequence", "trace_counts", "write_result"]

@@ -56,7 +56,7 @@ from .probes.trace import SERVED_DRAFT, STEP_TRACE
 #: the probes of the check, in the order they run
 CHECK_PROBES = (SERVED_DRAFT.name, STEP_TRACE.name)
 #: the finding kinds that make the verdict ``differs``
-DRAFT_FAULTS = ("served_draft_differs", "draft_kv_diverges")
+DRAFT_FAULTS = ("served_draft_differs", "draft_kv_diverges", "draft_extend_ids_unshifted")
 #: the CLI's exit code of each verdict
 EXIT = {"matches": 0, "differs": 1, "undecided": 3}
 DOC_NAME = "check_draft.json"

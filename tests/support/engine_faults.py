@@ -51,6 +51,23 @@ Faults (``config["fault"]``), each with a ``seed`` and a strength:
   that is no multiple of C; a server without chunked prefill has C <= 0) are untouched. Picks and wrong ids are
   hashes of the position and the seed (the same prompt gets the same fault on every run, both TP ranks alike).
 
+* ``embed_current_token`` (``strength``: the share of draft-extend rows hit, :func:`pick` of the row's position):
+  the draft's extend rows get the **current** token's id instead of the next one's, the MTP / NextN head fed
+  ``enorm(embed(x_t))`` with ``hnorm(h_t)`` where ``embed(x_{t+1})`` belongs (``deepseek_nextn.py::DeepseekModelNextN.
+  forward``; an EAGLE-3 draft likewise, ``llama_eagle3.py::LlamaModel.forward``): the left rotation of the ids lost.
+  SGLang's prefill draft extend rotates the ids left by one (``eagle_worker_v2.py::EagleDraftWorker.
+  _draft_extend_for_prefill``: per request ``cat(input_ids[1:], tail)``), its decode-side draft extend
+  (``_draft_extend_for_decode`` -> ``eagle_worker_common.py::prepare_for_draft_extend``, ``DRAFT_EXTEND_V2``) feeds
+  ``next_token_ids``, the tokens verification emitted, so the row of position q holds x_{q+1} in both. The fault
+  gives a hit row of position q the token x_q: the id of the row before it in the same request's extend (which holds
+  x_q), or for a request's first row the id the target's own forward of that extend had at position q (the target's
+  ``EXTEND`` / ``TARGET_VERIFY`` input ids, recorded by the same hook on the target's inner ``model``: the prompt
+  token, or the verify step's first id); a first row whose x_q was never seen gets a seeded wrong id, as
+  ``chunk_boundary_token`` does. Like ``chunk_boundary_token`` it re-runs the draft's inner ``model`` with those
+  ids (rewriting the draft KV of the extend's slots) and returns that output; the outer model's ``input_ids`` (what
+  the step trace records) are unchanged. ``arm``: a file path; the fault acts only while it exists, and a JSON
+  object in it (``{"strength", "seed"}``) replaces the config's (one server, many draws).
+
 Fault factories armed by a file (the draft step trace's faults, ``helpers.draft.trace``):
 
 * :func:`scaled_weights_factory`: the draft's ``fc`` weight multiplied in place by ``scale`` once more than
@@ -237,10 +254,86 @@ def factory(config: dict) -> Any:
         with torch.no_grad():
             return module.forward(bad, positions, fb, *inputs[3:])
 
+
+    known = _KNOWN                     # embed_current_token: shared by the target's and the draft's hooks
+
+    def _row_reqs(fb, n: int) -> list | None:
+        """Per row of a forward of ``n`` rows: (request pool index, index of the row in its request), or None."""
+        rpi = getattr(fb, "req_pool_indices", None)
+        if rpi is None or int(rpi.shape[0]) == 0:
+            return None
+        lens = getattr(fb, "extend_seq_lens", None)
+        lens = [int(x) for x in lens.tolist()] if lens is not None and int(lens.shape[0]) == int(rpi.shape[0]) \
+            else None
+        if lens is None or sum(lens) != n:
+            per, rem = divmod(n, int(rpi.shape[0]))
+            if rem:
+                return None
+            lens = [per] * int(rpi.shape[0])
+        return [(int(r), j) for r, k in zip(rpi.tolist(), lens) for j in range(k)]
+
+    def _armed() -> tuple[float, int] | None:
+        if arm is None:
+            return strength, seed
+        try:
+            with open(arm) as f:
+                text = f.read()
+        except OSError:
+            return None
+        import json
+        try:
+            c = json.loads(text) if text.strip() else {}
+        except ValueError:
+            c = {}
+        return float(c.get("strength", strength)), int(c.get("seed", seed))
+
+    def embed_current_token(module, inputs, output):
+        if len(inputs) < 3:
+            return None
+        ids, positions, fb = inputs[:3]
+        mode = getattr(getattr(fb, "forward_mode", None), "name", None)
+        if not torch.is_tensor(ids) or not torch.is_tensor(positions) or ids.dim() != 1 or positions.dim() != 1 \
+                or ids.shape[0] != positions.shape[0]:
+            return None
+        if not _is_draft(module):                  # the target's inner model: remember its ids per position
+            if mode in ("EXTEND", "TARGET_VERIFY"):
+                rows = _row_reqs(fb, int(ids.shape[0]))
+                if rows is not None:
+                    if len(known) > 200000:
+                        known.clear()
+                    for (r, _), q, t in zip(rows, positions.tolist(), ids.tolist()):
+                        known[(r, int(q))] = int(t)
+            return None
+        if mode not in ("EXTEND", "DRAFT_EXTEND_V2"):
+            return None
+        on = _armed()
+        if on is None:
+            return None
+        s, sd = on
+        rows = _row_reqs(fb, int(ids.shape[0]))
+        if rows is None:
+            return None
+        vocab = int(getattr(module.embed_tokens, "org_vocab_size", None) or module.embed_tokens.num_embeddings)
+        bad, hit = ids.clone(), False
+        for i, ((r, j), q) in enumerate(zip(rows, positions.tolist())):
+            if not pick(q, sd, s):
+                continue
+            cur = int(ids[i - 1]) if j > 0 else known.get((r, int(q)))
+            bad[i] = cur if cur is not None else wrong_id(int(q), sd, vocab, int(ids[i]))
+            hit = True
+        if not hit:
+            return None
+        with torch.no_grad():
+            return module.forward(bad, positions, fb, *inputs[3:])
+
     return {"draft_kv_stale": draft_kv_stale, "verify_swap": verify_swap,
-            "chunk_boundary_token": chunk_boundary_token}[fault]
+            "chunk_boundary_token": chunk_boundary_token, "embed_current_token": embed_current_token}[fault]
 
 
+#: ``embed_current_token``: (request pool index, position) -> the target's input id there. Module-level: SGLang calls
+#: a hook factory once per model runner (``sglang/srt/model_executor/hook_manager.py::register_forward_hooks``), so
+#: the target's hook and the draft's are two closures of one process that share this.
+_KNOWN: dict = {}
 _STATE: dict = {"requests": 0, "fc": None, "scaled": False}
 
 

@@ -37,6 +37,16 @@ classes above):
   sglang_missing_effect``); the offline head refuses to run (the parameters the engine serves are uninitialised
   memory), so the draft stage stays ``undecided``.
 
+The engine class (:data:`ENGINE_CLASSES`, drawn only when asked for):
+
+* ``current_token`` (engine, finding ``draft_extend_ids_unshifted``): the engine feeds the head's draft-extend rows
+  the current token's embedding instead of the next one's (``tests/support/engine_faults.py`` fault
+  ``embed_current_token``: SGLang's draft extend rotates the ids left by one, ``sglang/srt/speculative/
+  eagle_worker_v2.py::EagleDraftWorker._draft_extend_for_prefill``, and a ``DRAFT_EXTEND_V2`` row holds the token
+  verification emitted after it, ``_draft_extend_for_decode``; the fault undoes that). ``strength``: the share of
+  draft-extend rows hit (by position), log-uniform 0.1 .. 1; ``hook_seed``: the hook's seed. The step trace names it
+  (``helpers.draft.trace.current_token_hypothesis``).
+
 Checkpoint faults are written into a copy of the target folder (:func:`write_faulty_target`), the NextN layer
 rewritten in its ``model.safetensors`` and every other tensor unchanged.
 """
@@ -58,8 +68,9 @@ TARGET = ROOT / "env" / "models" / "kimi" / "target"
 VALIDATION = ROOT / "env" / "models" / "kimi" / "data" / "validation"
 CLASSES = ("clean", "eh_swap", "eh_scale", "head_noise", "steps", "pre_norm")
 WEIGHT_CLASSES = ("own_head", "missing")
+ENGINE_CLASSES = ("current_token",)
 STAGE = {"clean": "none", "eh_swap": "draft", "eh_scale": "draft", "head_noise": "draft", "steps": "settings",
-         "pre_norm": "wiring", "own_head": "weights", "missing": "weights"}
+         "pre_norm": "wiring", "own_head": "weights", "missing": "weights", "current_token": "engine"}
 OWN_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 MISSING_GROUPS = ("layer", "own", "attention", "experts")
 NOISE_GROUPS = ("eh_proj", "attention", "experts", "all")
@@ -126,6 +137,9 @@ def draw(seed: int, kinds: tuple[str, ...] = CLASSES) -> MTPFault:
             p["tensors"] = sorted(g.sample(OWN_TENSORS, g.randint(1, 4)))
         elif p["group"] == "experts":
             p["experts"] = sorted(g.sample(range(8), g.randint(1, 4)))   # of the Kimi-class target's 8
+    elif kind == "current_token":
+        p["strength"] = math.exp(g.uniform(math.log(0.1), math.log(1.0)))
+        p["hook_seed"] = g.randrange(1 << 16)
     return MTPFault(seed, kind, p)
 
 
@@ -266,6 +280,17 @@ def hook_faults(fault: MTPFault) -> list:
     return [Fault("wrong_layer", chunk=0, layer=fault.params["layer"])] if fault.kind == "pre_norm" else []
 
 
+def engine_hook_specs(fault: MTPFault, arm: Optional[str] = None) -> list[dict]:
+    """The SGLang ``--forward-hooks`` specs of an engine class (``current_token``: ``tests/support/engine_faults.py``
+    ``embed_current_token`` with the drawn strength and seed; ``arm``: acts only while that file exists, a JSON object
+    in it overriding strength and seed); [] for the others."""
+    if fault.kind != "current_token":
+        return []
+    from .engine_faults import spec
+    extra = {"arm": arm} if arm is not None else {}
+    return [spec("embed_current_token", strength=fault.params["strength"], seed=fault.params["hook_seed"], **extra)]
+
+
 def served_world(tmp: Path, n_prompts: int = 3, new_tokens: int = 24, target: Path = TARGET):
     """The recorded live side for the state faults: the target's (default the Kimi-class one) greedy continuations of
     ``n_prompts`` bundled prompts and their every-layer reference dump (HF transformers, :func:`helpers.capture.
@@ -377,5 +402,5 @@ def offline_named(fault: MTPFault, tmp: Path, world, *, max_rows: int = 48) -> d
             "settings": sc, "live_prompt_cost": live_cost, "seconds": round(time.monotonic() - t0, 1)}
 
 
-__all__ = ["CLASSES", "WEIGHT_CLASSES", "MTPFault", "STAGE", "TARGET", "VALIDATION", "damage", "draw", "hook_faults", "offline_named",
+__all__ = ["CLASSES", "ENGINE_CLASSES", "WEIGHT_CLASSES", "engine_hook_specs", "MTPFault", "STAGE", "TARGET", "VALIDATION", "damage", "draw", "hook_faults", "offline_named",
            "served_states", "served_steps", "served_world", "write_faulty_target"]

@@ -132,7 +132,21 @@ def _result(p: Probe, ctx: ProbeContext, cmp: dict, what: str) -> ProbeResult:
             per_step[s] = per_step.get(s, 0) + n
     common = dict(first_steps=cmp["first_steps"], diverged_per_step=per_step, requests=len(reqs),
                   diverging_requests=len(bad), probe=p.name, trace=ev["saved_to"])
-    if kind == "served_draft_differs":
+    ct = cmp.get("current_token") or {}
+    if kind == "served_draft_differs" and ct.get("named"):
+        res.findings.append(finding(
+            "draft_extend_ids_unshifted", None,
+            f"the served draft's step-1 proposals differ from its checkpoint's on the very states the server fed "
+            f"({len(step1)} of {len(reqs)} request(s), {what}), and the checkpoint replayed with the current token's "
+            f"id in place of the next one's reproduces {ct['explained']} of the {ct['diverging']} diverging step-1 "
+            f"rows (the right ids: {ct['right_ids']}): the engine's draft extend feeds row p the token of p, not "
+            f"p + 1: {where}",
+            **common, current_token=ct,
+            source=f"engine-state probe {p.name}: the draft step trace (helpers.trace_hooks) against "
+                   "helpers.draft.trace.compare_trace and its current-token replay "
+                   "(helpers.draft.trace.current_token_replay); the shift it lost: sglang/srt/speculative/"
+                   "eagle_worker_v2.py::EagleDraftWorker._draft_extend_for_prefill"))
+    elif kind == "served_draft_differs":
         res.findings.append(finding(
             kind, None,
             f"the served draft's step-1 proposals differ from its checkpoint's on the very states the server fed "
