@@ -7,6 +7,31 @@ import pytest
 
 from support.tinymodels import build_eagle3_draft, build_target
 
+#: the tiers whose tests start real servers, notebooks or a browser: under xdist (``make test``: ``-n logical``) they
+#: form one work unit, run in order on one worker as they would without xdist (module-scoped servers shared, no two
+#: servers competing), while the other workers take the unit tier beside them
+SERIAL_TIERS = ("server", "suite", "env")
+
+
+def serial_scope(nodeid: str) -> str:
+    """The xdist work unit of a test's node id: ``"serial"`` for a test of :data:`SERIAL_TIERS`
+    (``tests/<tier>/...``), else the test itself."""
+    parts = nodeid.split("/", 2)
+    return "serial" if len(parts) == 3 and parts[0] == "tests" and parts[1] in SERIAL_TIERS else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load-scope scheduler with :func:`serial_scope` as its unit (largest unit first: the serial tiers start
+    at once). A scheduler, not ``xdist_group`` marks: pytest 9.2 keeps the node id in ``Node._id``, so xdist 3.8's
+    ``--dist loadgroup`` (which renames ``item._nodeid``) no longer groups anything."""
+    from xdist.scheduler import LoadScopeScheduling  # lazy: only under xdist
+
+    class SerialTiers(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return serial_scope(nodeid)
+
+    return SerialTiers(config, log)
+
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
