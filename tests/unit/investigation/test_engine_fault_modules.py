@@ -184,3 +184,31 @@ def test_draft_decay_scales_a_nextn_heads_eh_proj_after_n_draft_prefills(monkeyp
     assert torch.allclose(eh.weight, w0 * 0.3)
     count(head, (None, None, None, ext), None)                # once only
     assert torch.allclose(eh.weight, w0 * 0.3)
+
+
+def _trace_result(probe, kind, first_steps):
+    fs = [] if kind is None else [{"kind": kind, "first_steps": first_steps}]
+    return {"probe": probe, "status": "ran", "decision": "counts" if fs else "clear", "findings": fs, "why": None}
+
+
+def test_a_step_2_divergence_beside_a_step_1_one_is_the_served_drafts_not_a_second_mechanism():
+    """draft_decay x0.981 on the NextN head (bench/RESULTS.md, 2026-12-07): served_draft's fixed prompt first
+    differed at step 3 (draft_kv_diverges alone), step_trace's 12 prompts from step 1 (served_draft_differs)."""
+    from helpers.investigation.probes import SERVED_DRAFT, STEP_TRACE
+    from helpers.investigation.probes.trace import reconcile
+    from support.engine_faults import named
+
+    run = [_trace_result(SERVED_DRAFT.name, "draft_kv_diverges", {"fixed": 3}),
+           _trace_result(STEP_TRACE.name, "served_draft_differs", {"a": 1, "b": 3}),
+           {"probe": "radix_hit", "status": "ran", "decision": "clear", "findings": []}]
+    assert named(run) == "draft_kv_diverges+served_draft_differs"
+    out = reconcile(run)
+    assert named(out) == "served_draft_differs"
+    sd = out[0]
+    assert sd["decision"] == "counts" and sd["findings"] == [] and "explained by" in sd["why"] and "step_trace" in sd["why"]
+    # each alone, or both the KV's (kv_wrong_slot: step 1 never changes), is left as it was
+    kv = [_trace_result(SERVED_DRAFT.name, "draft_kv_diverges", {"fixed": 2}),
+          _trace_result(STEP_TRACE.name, "draft_kv_diverges", {"a": 2, "b": 3})]
+    assert named(reconcile(kv)) == "draft_kv_diverges" and all(r["findings"] for r in kv)
+    w = [_trace_result(SERVED_DRAFT.name, None, {}), _trace_result(STEP_TRACE.name, "served_draft_differs", {"a": 1})]
+    assert named(reconcile(w)) == "served_draft_differs" and w[0]["decision"] == "clear"
