@@ -55,8 +55,8 @@ def one(f: EngineFault, i: int, out: Path, steps: int, prompts: int, tokens: int
     state, trace = tmp / "srv.json", tmp / "trace"
     trace.mkdir()
     cmd = [PY, "-m", "helpers", "server", "start", "--target", str(TARGET), "--nextn", "--tp", "1", "--steps",
-           str(steps), "--detach", "--timeout", "600", "--state-file", str(state), "--log", str(out / f"server-{i}.log"),
-           "--trace-draft", str(trace)]
+           str(steps), "--detach", "--timeout", "600", "--state-file", str(state),
+           "--log", str(out / f"server-{i}.log"), "--trace-draft", str(trace)]
     if f.hook_specs():
         cmd += ["--forward-hooks", json.dumps(f.hook_specs())]
     t0 = time.monotonic()
