@@ -70,20 +70,27 @@ Faults (``config["fault"]``), each with a ``seed`` and a strength:
 
 Fault factories armed by a file (the draft step trace's faults, ``helpers.draft.trace``):
 
-* :func:`scaled_weights_factory`: the draft's ``fc`` weight multiplied in place by ``scale`` once more than
+* :func:`scaled_weights_factory`: the draft's ``fc`` weight (a NextN head's ``eh_proj``, the same place: the linear
+  that mixes the target's hidden state into the draft's one layer, :data:`DRAFT_MODULES`) multiplied in place by
+  ``scale`` once more than
   ``after_requests`` prefills have been drafted since ``arm`` appeared (a draft damaged after N requests, as an RL
   weight sync or a resume that scrambles the draft would). Two specs share one state: ``mode: "count"`` on the draft's
   ``logits_processor`` (counts ``EXTEND`` forwards' requests and scales the weight; the first damaged request's own
-  prefill step is still clean) and ``mode: "fc"`` on ``model.fc`` (only the draft has it: records the module).
+  prefill step is still clean) and ``mode: "fc"`` on ``model.fc`` / ``model.eh_proj`` (only the draft has it:
+  records the module).
   ``arm`` None: counting from the server's start (the generated ``draft_decay`` class).
-* :func:`kv_wrong_slot_factory`: on the draft's ``model.layers.0.self_attn.attn`` (``RadixAttention``), in
+* :func:`kv_wrong_slot_factory`: on the draft's ``model.layers.0.self_attn.attn`` (``RadixAttention``; a NextN
+  head's ``model.decoder.self_attn.attn_mqa``, the MLA decode attention of its one layer, :data:`DRAFT_MODULES`), in
   ``DECODE`` forwards only (the draft's decode steps: ``eagle_worker_v2.py::EagleDraftWorker.draft_forward``; the
   target never decodes on a speculative server, it verifies), while ``arm`` exists: the KV this step wrote to its
   slot (``forward_batch.out_cache_loc``) is also written over the slot of the position before it
   (``req_to_token[req, position - 1]``: the last context token's slot for the first decode step), the attention is
   recomputed from the pool (``RadixAttention.forward(..., save_kv_cache=False)``) and the overwritten slot restored
   afterwards. Draft step 1 (the draft-extend rows) is untouched; steps 2 .. see a wrong KV: "draft KV written to
-  the wrong slot from step 2". ``strength`` (default 1): the share of decode rows it acts on, picked by position;
+  the wrong slot from step 2". On MLA's pool (``MLATokenToKVPool``) the key buffer is the layer's latent
+  ``kv_buffer`` and the value buffer a view of its first ``kv_lora_rank`` columns (``get_key_buffer`` /
+  ``get_value_buffer``), so the copy moves the whole latent row. ``strength`` (default 1): the share of decode rows
+  it acts on, picked by position;
   only in the draft's decode (``forward_batch.spec_info`` set: ``eagle_worker_v2.py::EagleDraftWorker.
   draft_forward`` reads it; a target decoding alone, the greedy-lossless copy, has none). Pool access through ``sglang/srt/model_executor/forward_context.py::
   get_token_to_kv_pool`` / ``get_req_to_token_pool`` (the forward context every model forward publishes).
@@ -336,6 +343,40 @@ def factory(config: dict) -> Any:
 _KNOWN: dict = {}
 _STATE: dict = {"requests": 0, "fc": None, "scaled": False}
 
+#: the draft architectures whose modules the draft-state fixtures hook (``hf_config.architectures`` of the draft's
+#: model runner), and the SGLang 0.5.23 module names of each draft kind: ``weights`` the linear that mixes the
+#: target's hidden state into the draft's layer (``sglang/srt/models/llama_eagle3.py::LlamaModel.fc``;
+#: ``sglang/srt/models/deepseek_nextn.py::DeepseekModelNextN.eh_proj``), ``attn`` the ``RadixAttention`` of the
+#: draft's first (only) layer that its decode steps run (``llama_eagle3.py::LlamaDecoderLayer.self_attn.attn``;
+#: the NextN head's ``DeepseekV2DecoderLayer`` is ``model.decoder``, its ``DeepseekV2AttentionMLA`` decodes through
+#: ``attn_mqa``: ``sglang/srt/models/deepseek_common/attention_forward_methods/forward_mla.py`` and
+#: ``forward_mla_fused_rope_cpu.py`` call ``self.attn_mqa``; ``attn_mha`` is its prefill-only MHA path)
+DRAFT_ARCHS = {"LlamaForCausalLMEagle3": "eagle3", "DeepseekV3ForCausalLMNextN": "nextn"}
+DRAFT_MODULES = {"eagle3": {"weights": "model.fc", "attn": "model.layers.0.self_attn.attn"},
+                 "nextn": {"weights": "model.eh_proj", "attn": "model.decoder.self_attn.attn_mqa"}}
+#: the tags of a draft's architecture name (as ``helpers/trace_hooks.py::DRAFT_ARCH_TAGS``): its logits processor
+DRAFT_TAGS = ("Eagle", "MTP", "NextN")
+
+
+def draft_kind(architectures) -> str:
+    """The draft kind (a key of :data:`DRAFT_MODULES`) of a draft served with ``architectures`` (the draft model
+    runner's ``hf_config.architectures``: ``LlamaForCausalLMEagle3``; a DeepSeek-V3 / Kimi target's own NextN layer
+    is served as ``DeepseekV3ForCausalLMNextN``, ``sglang/srt/configs/model_config.py::ModelConfig.
+    _config_draft_model``). Raises ValueError naming the architectures this fixture knows for any other."""
+    kinds = {DRAFT_ARCHS[a] for a in (architectures or []) if a in DRAFT_ARCHS}
+    if len(kinds) != 1:
+        raise ValueError(f"draft architectures {list(architectures or [])}: expected one of "
+                         f"{', '.join(DRAFT_ARCHS)} (the drafts whose modules tests/support/engine_faults.py knows)")
+    return kinds.pop()
+
+
+def draft_modules(draft: str = "eagle3") -> dict:
+    """``{"weights": module name, "attn": module name}`` of draft kind ``draft`` (:data:`DRAFT_MODULES`). Raises
+    ValueError for an unknown kind."""
+    if draft not in DRAFT_MODULES:
+        raise ValueError(f"unknown draft kind {draft!r}; expected one of {', '.join(DRAFT_MODULES)}")
+    return DRAFT_MODULES[draft]
+
 
 def scaled_weights_factory(config: dict) -> Any:
     """``config``: ``mode`` (``count`` | ``fc``), ``arm`` (file path; None: counting from the start),
@@ -351,7 +392,7 @@ def scaled_weights_factory(config: dict) -> Any:
 
     def count_hook(module, inputs, output):
         archs = getattr(getattr(module, "config", None), "architectures", None) or []
-        if not any("Eagle" in a for a in archs) or (arm is not None and not os.path.exists(arm)):
+        if not any(t in a for a in archs for t in DRAFT_TAGS) or (arm is not None and not os.path.exists(arm)):
             return None
         fb = inputs[3] if len(inputs) > 3 else None
         if getattr(getattr(fb, "forward_mode", None), "name", None) != "EXTEND":
@@ -406,16 +447,19 @@ def kv_wrong_slot_factory(config: dict) -> Any:
     return hook
 
 
-def specs(folder: str, *, after_requests: int = 2, scale: float = 0.25) -> tuple[list[dict], str, str]:
-    """``(--forward-hooks specs, weights arm file, KV arm file)`` for both faults, armed by files in ``folder``."""
+def specs(folder: str, *, after_requests: int = 2, scale: float = 0.25,
+          draft: str = "eagle3") -> tuple[list[dict], str, str]:
+    """``(--forward-hooks specs, weights arm file, KV arm file)`` for both faults, armed by files in ``folder``, on
+    the modules of draft kind ``draft`` (:func:`draft_modules`)."""
     w, kv = os.path.join(folder, "ARM_WEIGHTS"), os.path.join(folder, "ARM_KV")
     fac = "tests.support.engine_faults:"
-    return ([{"name": "test-weights-fc", "target_modules": ["model.fc"], "hook_factory": fac + "scaled_weights_factory",
-              "config": {"mode": "fc", "arm": w}},
+    mods = draft_modules(draft)
+    return ([{"name": "test-weights-fc", "target_modules": [mods["weights"]],
+              "hook_factory": fac + "scaled_weights_factory", "config": {"mode": "fc", "arm": w}},
              {"name": "test-weights-count", "target_modules": ["logits_processor"],
               "hook_factory": fac + "scaled_weights_factory",
               "config": {"mode": "count", "arm": w, "after_requests": after_requests, "scale": scale}},
-             {"name": "test-kv-slot", "target_modules": ["model.layers.0.self_attn.attn"],
+             {"name": "test-kv-slot", "target_modules": [mods["attn"]],
               "hook_factory": fac + "kv_wrong_slot_factory", "config": {"arm": kv}}], w, kv)
 
 
@@ -460,7 +504,8 @@ SPAN = {"strong": 0, "weak": 1}
 class EngineFault:
     """One generated engine-state fault: ``cls`` (:data:`CLASSES`), ``tier`` (``strong`` / ``weak`` / ``-`` for
     clean), ``strength`` (see :data:`STRENGTH`), ``seed`` (the hook's), ``after`` (``draft_decay``: N requests),
-    ``span`` (``chunk_boundary_token``: rows from the boundary, 0 the whole chunk: :data:`SPAN`)."""
+    ``span`` (``chunk_boundary_token``: rows from the boundary, 0 the whole chunk: :data:`SPAN`), ``draft`` (the
+    draft kind whose modules the hooks target, :data:`DRAFT_MODULES`: ``eagle3`` or ``nextn``)."""
 
     cls: str
     tier: str = "-"
@@ -468,6 +513,7 @@ class EngineFault:
     seed: int = 0
     after: int = 0
     span: int = 1
+    draft: str = "eagle3"
 
     @property
     def expected(self) -> str | None:
@@ -484,21 +530,23 @@ class EngineFault:
 
     def to_json(self) -> dict:
         return {"cls": self.cls, "tier": self.tier, "strength": self.strength, "seed": self.seed,
-                "after": self.after, "span": self.span, "expected": self.expected, "label": self.label}
+                "after": self.after, "span": self.span, "expected": self.expected, "label": self.label,
+                "draft": self.draft}
 
     def hook_specs(self) -> list[dict]:
         """SGLang ``--forward-hooks`` specs of the fault (none for clean)."""
         fac = "tests.support.engine_faults:"
         if self.cls == "clean":
             return []
+        mods = draft_modules(self.draft)
         if self.cls == "draft_decay":
-            return [{"name": "e3f-test-decay-fc", "target_modules": ["model.fc"],
+            return [{"name": "e3f-test-decay-fc", "target_modules": [mods["weights"]],
                      "hook_factory": fac + "scaled_weights_factory", "config": {"mode": "fc", "arm": None}},
                     {"name": "e3f-test-decay-count", "target_modules": ["logits_processor"],
                      "hook_factory": fac + "scaled_weights_factory",
                      "config": {"mode": "count", "arm": None, "after_requests": self.after, "scale": self.strength}}]
         if self.cls == "kv_wrong_slot":
-            return [{"name": "e3f-test-kv-wrong-slot", "target_modules": ["model.layers.0.self_attn.attn"],
+            return [{"name": "e3f-test-kv-wrong-slot", "target_modules": [mods["attn"]],
                      "hook_factory": fac + "kv_wrong_slot_factory",
                      "config": {"arm": None, "strength": self.strength, "seed": self.seed}}]
         if self.cls == "chunk_boundary_token":
@@ -508,35 +556,40 @@ class EngineFault:
         return [spec(self.cls, strength=self.strength, seed=self.seed)]
 
 
-def draw(seed: int, cls: str, tier: str = "strong") -> EngineFault:
+def draw(seed: int, cls: str, tier: str = "strong", *, draft: str = "eagle3") -> EngineFault:
     """One fault of ``cls`` drawn from ``seed``: its strength uniform in the tier's range, the hook's seed, N for a
-    decay. Raises ValueError for a class unknown (or pending: :data:`PENDING`) or a tier not ``strong`` / ``weak``."""
+    decay; its hooks on the modules of draft kind ``draft`` (:data:`DRAFT_MODULES`; the draw itself does not depend
+    on it). Raises ValueError for a class unknown (or pending: :data:`PENDING`), a tier not ``strong`` / ``weak`` or
+    an unknown draft kind."""
+    draft_modules(draft)
     if cls in PENDING:
         raise ValueError(f"fault class {cls!r} is not available yet: {PENDING[cls]}")
     if cls not in EXPECTED:
         raise ValueError(f"unknown engine fault class {cls!r}; expected one of {', '.join(CLASSES)}")
     r = random.Random(seed)
     if cls == "clean":
-        return EngineFault("clean", "-", 0.0, r.randrange(1 << 16))
+        return EngineFault("clean", "-", 0.0, r.randrange(1 << 16), draft=draft)
     if tier not in ("strong", "weak"):
         raise ValueError(f"unknown tier {tier!r}; expected strong or weak")
     lo, hi = STRENGTH[cls][0 if tier == "strong" else 1]
     s = round(r.uniform(lo, hi), 3)
     after = r.randint(*DECAY_AFTER) if cls == "draft_decay" else 0
-    return EngineFault(cls, tier, s, r.randrange(1 << 16), after, SPAN[tier] if cls == "chunk_boundary_token" else 1)
+    return EngineFault(cls, tier, s, r.randrange(1 << 16), after, SPAN[tier] if cls == "chunk_boundary_token" else 1,
+                       draft)
 
 
-def draws(n: int, seed: int = 0, *, clean: int = 3, classes=FAULTS) -> list[EngineFault]:
+def draws(n: int, seed: int = 0, *, clean: int = 3, classes=FAULTS, draft: str = "eagle3") -> list[EngineFault]:
     """``n`` cases from ``seed``: ``clean`` clean servers first (each its own seed), then the fault ``classes`` in a
     shuffled turn (every class once ``n >= clean + len(classes)``), the first turn strong, the second weak (a weak
-    strength should come out ``undecided``, ``ok`` or its own class, never another), and so on."""
+    strength should come out ``undecided``, ``ok`` or its own class, never another), and so on; hooks on the modules
+    of draft kind ``draft`` (the same draws for every kind)."""
     r = random.Random(seed)
-    out = [draw(r.randrange(1 << 31), "clean") for _ in range(min(clean, n))]
+    out = [draw(r.randrange(1 << 31), "clean", draft=draft) for _ in range(min(clean, n))]
     order = list(classes)
     r.shuffle(order)
     for i in range(n - len(out)):
         tier = "strong" if (i // len(order)) % 2 == 0 else "weak"
-        out.append(draw(r.randrange(1 << 31), order[i % len(order)], tier))
+        out.append(draw(r.randrange(1 << 31), order[i % len(order)], tier, draft=draft))
     return out
 
 

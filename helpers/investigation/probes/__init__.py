@@ -40,7 +40,7 @@ from .oracle import ORACLE
 from .parts import engine_parts
 from .repeat import REPEATABLE
 from .sampled import SAMPLED_VERIFY
-from .trace import SERVED_DRAFT, STEP_TRACE
+from .trace import SERVED_DRAFT, STEP_TRACE, reconcile
 
 #: every probe, in the order they run (cheap first)
 PROBES: tuple[Probe, ...] = (REPEATABLE, SERVED_DRAFT, STEP_TRACE, RADIX_HIT, SAMPLED_VERIFY, CHUNKED_PREFILL,
@@ -104,9 +104,10 @@ def run_probes(ctx: ProbeContext, which: str = "cheap", only: Optional[Sequence[
             out.append(res.to_json())
             ctx.progress(f"engine state: {probe_line(out[-1])} ({res.seconds:.1f} s)")
     except BaseException as exc:      # a signal or the run's deadline: the probes that finished are kept, said so
-        ctx.extra[PARTIAL] = {**_state(which, out, t_all), "stopped": f"{type(exc).__name__}: {exc}"[:400]}
+        ctx.extra[PARTIAL] = {**_state(which, reconcile(out), t_all),
+                              "stopped": f"{type(exc).__name__}: {exc}"[:400]}
         raise
-    return _state(which, out, t_all)
+    return _state(which, reconcile(out), t_all)
 
 
 #: the key of :attr:`ProbeContext.extra` under which :func:`run_probes` leaves the probes that finished when a signal

@@ -199,4 +199,35 @@ SERVED_DRAFT = Probe("served_draft", "cheap", "the served draft on a fixed input
                      "layer model.layers.{num_hidden_layers}.* (deepseek_nextn.py::DeepseekV3ForCausalLMNextN."
                      "load_weights), so a weight update of the target reaches them only through the draft worker")
 
-__all__ = ["FIXED_PROMPT", "LOADED_DRAFT", "SERVED_DRAFT", "STEP_TRACE", "checkpoint_draft", "trace_dir", "traced"]
+#: the trace findings of a step-1 divergence (the served draft's weights or inputs; the draft-extend ids unshifted is
+#: one such input, named when the offline replay explains it: helpers.draft.trace.current_token_hypothesis)
+STEP1_KINDS = ("served_draft_differs", "draft_extend_ids_unshifted")
+
+
+def reconcile(results: list[dict]) -> list[dict]:
+    """The trace probes' mechanisms reconciled across one run (``results``: :meth:`ProbeResult.to_json` of the probes
+    in run order; returned, the same list, changed in place). A step-1 divergence is the served draft's weights or
+    inputs (``served_draft_differs``): the draft's own decode KV is never read at step 1 (the draft-extend rows,
+    ``eagle_worker_v2.py::EagleDraftWorker._draft_extend_for_prefill`` / ``_draft_extend_for_decode``, write the
+    committed slots and attend over them; ``draft_forward``'s decode steps follow), while changed weights change
+    every step, so a request whose first changed top-1 lands at step 2 or later is what a small weights change
+    does too (measured on a NextN head: the head's ``eh_proj`` x0.981 changed the fixed prompt's proposals first at
+    step 3 and 6 of 12 live prompts' from step 1). So when one trace probe names ``served_draft_differs``, another's
+    ``draft_kv_diverges`` is not a second mechanism: that finding is dropped, its decision stays ``counts`` (its
+    proposals do differ) and ``why`` says which probe explains it. Each alone is unchanged."""
+    trace = [r for r in results if r.get("probe") in (SERVED_DRAFT.name, STEP_TRACE.name)]
+    step1 = [r["probe"] for r in trace if any(f.get("kind") in STEP1_KINDS for f in r.get("findings") or [])]
+    if not step1:
+        return results
+    for r in trace:
+        kv = [f for f in r.get("findings") or [] if f.get("kind") == "draft_kv_diverges"]
+        if kv and r["probe"] not in step1:
+            r["findings"] = [f for f in r["findings"] if f.get("kind") != "draft_kv_diverges"]
+            r["why"] = (f"its proposals first differ from step 2 on, explained by the served draft's step-1 "
+                        f"divergence that {', '.join(step1)} saw (changed weights or inputs change every step; the "
+                        "draft's own decode KV never changes step 1): draft_kv_diverges not named")
+    return results
+
+
+__all__ = ["FIXED_PROMPT", "LOADED_DRAFT", "SERVED_DRAFT", "STEP_TRACE", "checkpoint_draft", "reconcile", "trace_dir",
+           "traced"]
