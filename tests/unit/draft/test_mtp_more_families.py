@@ -27,23 +27,12 @@ from helpers.errors import BadInput
 from helpers.investigation.engine_stage import PROVISIONAL, budget_line, final_budget_line, run_engine_state
 from helpers.investigation.mtp import head_depth
 from support import DATA
+from support.mtp_folders import config_folder as _folder
 
 MTP = DATA / "mtp_configs"
 #: tests/data/mtp_configs/README.md says where each field comes from
 LONGCAT = json.loads((MTP / "longcat-flash_defaults.json").read_text())
 MIMO_V2 = json.loads((MTP / "mimo-v2-flash_defaults.json").read_text())
-
-
-def _folder(tmp: Path, name: str, cfg: dict, index: list[str] | None = None, **edit) -> Path:
-    d = tmp / name
-    d.mkdir()
-    c = {**cfg, **edit}
-    for k in [k for k, v in c.items() if v is None]:
-        c.pop(k)
-    (d / "config.json").write_text(json.dumps(c))
-    if index is not None:
-        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "m.safetensors" for k in index}}))
-    return d
 
 
 def _kinds(rep) -> list[str]:

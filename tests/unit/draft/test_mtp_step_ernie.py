@@ -22,6 +22,7 @@ from helpers.draft.nextn_stage import steps_check
 from helpers.engines.vllm_rules import VLLMMTPRules
 from helpers.investigation.mtp import head_depth
 from support import DATA
+from support.mtp_folders import config_folder as _folder
 
 MTP = DATA / "mtp_configs"
 STEP = json.loads((MTP / "step-3.5-flash_defaults.json").read_text())
@@ -33,18 +34,6 @@ STEP_LAYER = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.nor
 ERNIE_HEAD = ["model.mtp_emb_norm.0.weight", "model.mtp_hidden_norm.0.weight", "model.mtp_linear_proj.0.weight",
               "model.mtp_block.0.input_layernorm.weight", "model.mtp_block.0.post_attention_layernorm.weight",
               "model.mtp_block.0.self_attn.q_proj.weight"]
-
-
-def _folder(tmp: Path, name: str, cfg: dict, index: list[str] | None = None, **edit) -> Path:
-    d = tmp / name
-    d.mkdir()
-    c = {**cfg, **edit}
-    for k in [k for k, v in c.items() if v is None]:
-        c.pop(k)
-    (d / "config.json").write_text(json.dumps(c))
-    if index is not None:
-        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "m.safetensors" for k in index}}))
-    return d
 
 
 def _one(rep, kind: str) -> dict:
