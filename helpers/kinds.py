@@ -249,7 +249,7 @@ KINDS: tuple[Kind, ...] = (
                   "with hnorm(h_p)"),
     _k("draft_kv_diverges", "acceptance",
        "the served draft's proposals match the checkpoint at step 1 but not from step 2 on: the draft's own KV or "
-       "positions", fix="engine", stage="engine",
+       "positions (or a weights change too small to move step 1)", fix="engine", stage="engine",
        engine_fix="the draft's decode steps: each draft step must write its KV to its own slot (out_cache_loc of "
                   "that step) at its own position and attend to the context's draft KV and its ancestors' (check the "
                   "draft decode's cache locations, positions and attention metadata: the step trace names the first "

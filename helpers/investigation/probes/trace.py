@@ -160,7 +160,10 @@ def _result(p: Probe, ctx: ProbeContext, cmp: dict, what: str) -> ProbeResult:
         res.findings.append(finding(
             kind, None,
             f"the served draft's proposals equal its checkpoint's at step 1 and differ from step 2 on ({len(bad)} of "
-            f"{len(reqs)} request(s), {what}): {where}; the draft's own KV or positions in its decode steps",
+            f"{len(reqs)} request(s), {what}): {where}; the draft's own KV or positions in its decode steps, or a "
+            "change of its weights too small to move any step-1 proposal (the trace holds proposals, not logits, so "
+            "the two leave the same signature; measured on a NextN head: eh_proj x0.995 first changed a step-2 "
+            "proposal)",
             **common, source=f"engine-state probe {p.name}: the draft step trace (helpers.trace_hooks) against "
                              "helpers.draft.trace.compare_trace"))
     return res
