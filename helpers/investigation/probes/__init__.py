@@ -235,6 +235,6 @@ def probe_line(r: dict) -> str:
     return f"{r['probe']} ({r['condition']}): {r['status']}: {r.get('why')}"
 
 
-__all__ = ["ANSWERED", "CHOICES", "asks_none", "ENGINE_PARTS", "MTP_USES", "PARTIAL", "RESERVE_S", "Probe", "ProbeContext",
-           "ProbeResult", "check_choice", "engine_parts", "join_engine_state", "least_timeout", "on_mtp_head",
+__all__ = ["ANSWERED", "CHOICES", "ENGINE_PARTS", "MTP_USES", "PARTIAL", "RESERVE_S", "Probe", "ProbeContext",
+           "ProbeResult", "asks_none", "check_choice", "engine_parts", "join_engine_state", "least_timeout", "on_mtp_head",
            "paired_condition_loss", "probe_line", "probes", "run_probes"]

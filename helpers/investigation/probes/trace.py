@@ -123,8 +123,8 @@ def _result(p: Probe, ctx: ProbeContext, cmp: dict, what: str) -> ProbeResult:
             cycles = sum(int(r.get("cycles") or 0) for r in reqs)
             res.decision, res.why = "undecided", (
                 f"no traced draft step could be compared: the {cycles} traced cycle(s) of {len(reqs)} request(s) all "
-                "start outside the positions of the states the server returned for them, so nothing was replayed on the checkpoint; "
-                "trace longer answers (more new tokens)")
+                "start outside the positions of the states the server returned for them, so nothing was replayed on "
+                "the checkpoint; trace longer answers (more new tokens)")
             return res
         res.decision, res.why = "clear", f"{rows} draft steps of {len(reqs)} request(s) equal the checkpoint's"
         return res

@@ -135,7 +135,8 @@ def test_first_divergence_is_the_lowest_step_then_the_earliest_cycle():
 def test_cycles_of_two_requests_in_one_batch_and_a_tree_step():
     def rec(mode, rids, pos, req):
         n = len(pos)
-        return {"forward": 0, "mode": mode, "rids": rids, "positions": torch.tensor(pos), "input_ids": torch.ones(n, dtype=torch.long),
+        return {"forward": 0, "mode": mode, "rids": rids, "positions": torch.tensor(pos),
+                "input_ids": torch.ones(n, dtype=torch.long),
                 "topk": torch.zeros(n, 1, dtype=torch.long), "topk_draft": torch.zeros(n, 1, dtype=torch.long),
                 "row_req": torch.tensor(req)}
     recs = [rec("DECODE", ["a"], [4], [0]),                      # before any extend of its request: dropped
