@@ -170,10 +170,22 @@ def rows_log(doc: dict, log_path: Path, kind: RowsKind) -> TrainingLog:
                        data_text=kind.text, data_text_source=f"{log_path} (validation_rows: these rows)")
 
 
-def trained_steps(doc: dict) -> Optional[int]:
-    """The chain depth the head was trained for (``hyper.train_steps``), or None when the log does not say."""
-    v = (doc.get("hyper") or {}).get("train_steps") if isinstance(doc.get("hyper"), dict) else None
-    return int(v) if isinstance(v, (int, float)) and v >= 1 else None
+def trained_steps(doc: dict, path: str | Path) -> Optional[int]:
+    """The chain depth the head was trained for (``hyper.train_steps`` of the log at ``path``: an int >= 1, as
+    ``env/models/train_nextn.py`` writes it), or None when the log does not say (no ``hyper`` object or no
+    ``train_steps`` in it, or null).
+
+    Raises:
+        BadInput: ``hyper.train_steps`` present but not an int >= 1 (a bool, a float such as ``Infinity`` or 1.0, a
+            string, 0 or below), naming the file and the field: a depth the log states wrongly is never guessed."""
+    hyper = doc.get("hyper")
+    v = hyper.get("train_steps") if isinstance(hyper, dict) else None
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise BadInput(f"expected an integer >= 1 (the chain depth the head was trained for), got {v!r}"[:200],
+                       path=path, field="hyper.train_steps")
+    return v
 
 
 def pre_norm_sequences(seqs: list, rows_path: Path, target_dir: str | Path, who: str) -> list:
@@ -242,7 +254,7 @@ def nextn_draft_stage(head: Eagle3Draft, target_dir: str | Path, steps: int, *, 
         loss["settle"] = {"n": None, "text": loss["why"]}
         return {**out, "stage": stage, "loss": loss, "why_rows": "no log"}
     doc = _raw_log(log_path)
-    out["trained_steps"] = trained_steps(doc)
+    out["trained_steps"] = trained_steps(doc, log_path)
     rows_path = Path(validation) if validation is not None else None
     if rows_path is not None and not rows_path.exists():
         raise BadInput("validation rows not found", path=rows_path, field="--validation")

@@ -406,16 +406,24 @@ def tf_sequences(samples, lm_head: Optional[torch.Tensor], *, skipped: Optional[
     """Training-data samples (:class:`helpers.formats.training_data.TrainingData` items) as :class:`TFSequence`:
     each sample's post-norm ``final_hidden`` with the target's ``lm_head [V, H]`` when both exist (else the labels fall
     back to the recorded tokens). A sample with no loss mask, or fewer than 3 tokens, is left out (``skipped`` gets
-    ``(key, why)``).
+    ``(key, why)``). The one row reader of the draft stages (:func:`helpers.draft.draft_stage.draft_rows`,
+    :func:`helpers.draft.nextn_stage.nextn_draft_stage`): with ``lm_head`` given, every token id must be one of its
+    ``V`` rows (the target's vocabulary, which the draft's embedding shares).
 
     Raises:
-        BadInput: aux hidden states that hold NaN / Inf (the file named)."""
+        BadInput: a token id >= ``V`` (``input_ids``, the file and the vocabulary size named); aux hidden states that
+            hold NaN / Inf (the file named)."""
     out = []
+    vocab = None if lm_head is None else int(lm_head.shape[0])
     for s in samples:
         meta = s.meta or {}
         key = str(s.sample_id or s.key)
         mask = meta.get("loss_mask")
         ids = torch.as_tensor(np.asarray(s.input_ids), dtype=torch.long)
+        if vocab is not None and len(ids) and int(ids.max()) >= vocab:
+            j = int((ids >= vocab).nonzero()[0, 0])
+            raise BadInput(f"token id {int(ids[j])} at row {j} is past the target's vocabulary ({vocab} ids: its "
+                           f"lm_head rows)", path=meta.get("path") or key, field="input_ids")
         if mask is None or len(ids) < 3 or not (np.asarray(mask) > 0).any():
             if skipped is not None:
                 skipped.append((key, "no loss-masked continuation" if len(ids) >= 3 else f"{len(ids)} token(s)"))

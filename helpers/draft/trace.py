@@ -132,6 +132,56 @@ def trace_counts(trace_dir: str | Path) -> dict[int, int]:
     return out
 
 
+#: the tensors of a trace record (:mod:`helpers.trace_hooks`): 1-D ``[N]`` per proposing row, 2-D ``[N, k]`` top-k
+ROW_TENSORS = ("row_req", "positions", "input_ids")
+TOPK_TENSORS = ("topk", "topk_draft")
+
+
+def check_record(rec: dict, path: Optional[str | Path]) -> None:
+    """Refuse a trace record that is not what the trace hook writes (:mod:`helpers.trace_hooks`): ``row_req``,
+    ``positions``, ``input_ids`` integer ``[N]`` of one length N, ``topk`` / ``topk_draft`` integer ``[N, k]`` with
+    k >= 1, every ``row_req`` >= 0 and, when the record carries its ``rids`` (a list), < ``len(rids)``.
+
+    Raises:
+        BadInput: a tensor missing, of another rank, length or dtype, or a ``row_req`` out of range (the trace file
+            ``path`` and the tensor named, one line)."""
+    def bad(name: str, why: str) -> BadInput:
+        return BadInput(f"forward {rec.get('forward')}: {why}", path=path, field=name)
+
+    n = None
+    for name in ROW_TENSORS + TOPK_TENSORS:
+        t = rec.get(name)
+        if not isinstance(t, torch.Tensor):
+            raise bad(name, "missing (expected an integer tensor as the trace hook writes it)")
+        want = 1 if name in ROW_TENSORS else 2
+        if t.dim() != want or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise bad(name, f"expected an integer tensor {'[N]' if want == 1 else '[N, k]'}, got {list(t.shape)} "
+                            f"{t.dtype}")
+        if n is None:
+            n = int(t.shape[0])
+        if int(t.shape[0]) != n:
+            raise bad(name, f"{int(t.shape[0])} rows, row_req has {n} (one per proposing row)")
+        if want == 2 and int(t.shape[1]) < 1:
+            raise bad(name, f"shape {list(t.shape)}: no top-k column (expected [N, k >= 1])")
+    req = rec["row_req"]
+    rids = rec.get("rids")
+    hi = len(rids) if isinstance(rids, list) else None
+    if n:
+        b = _bad_request_index(req.tolist(), hi)
+        if b is not None:
+            raise bad("row_req", _request_index_why(b, hi))
+
+
+def _bad_request_index(req: list, n_rids: Optional[int]) -> Optional[int]:
+    """The first request index of ``req`` outside ``0 .. n_rids - 1`` (negative, when ``n_rids`` is None), or None."""
+    return next((b for b in req if b < 0 or (n_rids is not None and b >= n_rids)), None)
+
+
+def _request_index_why(b: int, n_rids: Optional[int]) -> str:
+    return (f"request index {b} is negative" if n_rids is None else
+            f"request index {b} is outside 0 .. {n_rids - 1} (the forward's {n_rids} request ids)")
+
+
 def read_trace(trace_dir: str | Path, *, rank: int = 0, since: Optional[dict[int, int]] = None) -> list[dict]:
     """The trace records of TP rank ``rank`` (every rank runs the same draft; rank 0 is read), after the first
     ``since[rank]`` (:func:`trace_counts`): ``{"forward", "mode", "rids", **tensors}`` in forward order.
@@ -143,7 +193,9 @@ def read_trace(trace_dir: str | Path, *, rank: int = 0, since: Optional[dict[int
     Raises:
         BadInput: the folder holds no trace of that rank (the server was not started with ``--trace-draft``, or the
             folder is not this machine's view of it); a FIFO / device / oversized index; a torn or foreign line
-            among the lines read (file and line named); an index line naming a file outside its rank folder."""
+            among the lines read (file and line named); an index line naming a file outside its rank folder; a
+            record whose tensors are missing or misshapen or whose ``row_req`` is out of range (:func:`check_record`,
+            the trace file and tensor named)."""
     d = Path(trace_dir) / f"rank{rank}"
     idx = d / "index.jsonl"
     if not os.path.lexists(idx):
@@ -167,17 +219,25 @@ def read_trace(trace_dir: str | Path, *, rank: int = 0, since: Optional[dict[int
             t = load_file(str(f))
         except Exception as e:                  # a damaged safetensors file: safetensors' own error types
             raise BadInput(f"cannot read the trace file ({type(e).__name__}: {str(e)[:160]})", path=f) from None
-        out.append({"forward": int(rec["forward"]), "mode": rec.get("mode"), "rids": rids.get(int(rec["forward"])),
-                    **t})
+        r = {"forward": int(rec["forward"]), "mode": rec.get("mode"), "rids": rids.get(int(rec["forward"])), **t}
+        check_record(r, f)
+        out.append(r)
     return out
 
 
 def request_cycles(records: Iterable[dict]) -> dict[str, list[Cycle]]:
     """Group trace records into per-request verify cycles (see the module docstring). A request's id is its SGLang
     ``rid`` (``ForwardBatch.rids``; ``"b<index>"`` when the trace has none). A decode row before any draft-extend row
-    of its request is dropped (the request's first cycle began before the trace was armed)."""
+    of its request is dropped (the request's first cycle began before the trace was armed). The records are
+    :func:`read_trace`'s (checked there naming the file) or the vLLM worker's
+    (:func:`helpers.engines.vllm_capture.trace_records`); each is checked again here (:func:`check_record`).
+
+    Raises:
+        BadInput: a record's tensors missing or misshapen, or a ``row_req`` outside ``0 .. len(rids) - 1`` (negative,
+            where the record has no rids): the tensor named."""
     out: dict[str, list[Cycle]] = {}
     for rec in records:
+        check_record(rec, None)
         mode = rec["mode"]
         rids = rec.get("rids")
         req = rec["row_req"].tolist()
@@ -185,7 +245,7 @@ def request_cycles(records: Iterable[dict]) -> dict[str, list[Cycle]]:
         top, topd = rec["topk"].tolist(), rec["topk_draft"].tolist()
         seen: dict[str, int] = {}
         for j, b in enumerate(req):
-            rid = str(rids[b]) if rids is not None and b < len(rids) else f"b{b}"
+            rid = str(rids[b]) if rids is not None else f"b{b}"
             cycles = out.setdefault(rid, [])
             if mode in DRAFT_MODES:
                 cycles.append(Cycle([StepRow(1, pos[j], ids[j], top[j], topd[j], rec["forward"], mode)]))
@@ -444,6 +504,7 @@ def write_result(path: str | Path, result: dict) -> None:
                                      else str(o), indent=1))
 
 
-__all__ = ["CURRENT_TOKEN_MIN_ROWS", "CURRENT_TOKEN_SHARE", "NEAR_TIE", "Cycle", "current_token_hypothesis",
+__all__ = ["CURRENT_TOKEN_MIN_ROWS", "CURRENT_TOKEN_SHARE", "NEAR_TIE", "ROW_TENSORS", "TOPK_TENSORS", "Cycle",
+           "check_record", "current_token_hypothesis",
            "current_token_replay", "StepRow", "brief", "compare_request", "compare_trace", "first_divergence",
            "mechanism", "read_trace", "request_cycles", "served_sequence", "trace_counts", "write_result"]

@@ -10,17 +10,24 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..acceptance.prompts import load_prompts
-from .probes import PARTIAL, ProbeContext, run_probes
+from .probes import PARTIAL, ProbeContext, asks_none, run_probes
 
 
 #: the words that mark the acceptance budget's console line as not final (the engine-state probes join after it)
 PROVISIONAL = "provisional, the engine-state probes join next"
 
 
-def probes_join(r: Any) -> bool:
-    """Whether :func:`run_engine_state` will run probes for the run ``r`` (the server reports speculative settings and
-    the run measures live requests), i.e. whether the acceptance budget printed before it is still to change."""
+def _can_run(r: Any) -> bool:
+    """Whether probes can run for the run ``r`` at all: the server reports speculative settings and the run measures
+    live requests."""
     return bool((r.att.spec or {}).get("num_steps")) and bool(r.req.live_measure)
+
+
+def probes_join(r: Any) -> bool:
+    """Whether :func:`run_engine_state` will run probes for the run ``r`` (:func:`_can_run`, and
+    ``r.req.engine_probes`` asks for some: not ``none``, :func:`helpers.investigation.probes.asks_none`), i.e.
+    whether the acceptance budget printed before it is still to change."""
+    return _can_run(r) and not asks_none(r.req.engine_probes)
 
 
 def budget_line(r: Any, text: str) -> str:
@@ -33,8 +40,9 @@ def budget_line(r: Any, text: str) -> str:
 def final_budget_line(r: Any, budget: Optional[dict]) -> None:
     """Print (``r.progress``) the acceptance budget once the engine-state probes have joined it (``budget``: the
     joined budget, its ``sentence`` recomputed by :func:`helpers.investigation.probes.join_engine_state`); nothing
-    for None."""
-    if budget:
+    for None, nor when no probe was asked for (``--engine-probes none``: the first line, unmarked, was the final one;
+    the probes are recorded as not asked for, which changes no decision)."""
+    if budget and probes_join(r):
         r.progress("acceptance budget (final, engine-state probes joined): "
                    + (budget.get("sentence") or f"cause {budget.get('cause')}"))
 
@@ -49,7 +57,7 @@ def run_engine_state(r: Any, extra: Optional[dict] = None) -> Optional[dict]:
     Raises: what :func:`run_probes` propagates (the run's deadline, a signal), after recording the probes that
     finished (``r.doc.engine_state``, with why it stopped)."""
     req, doc = r.req, r.doc
-    if not probes_join(r):
+    if not _can_run(r):     # --engine-probes none still runs: every probe recorded as not asked for, with why
         doc.notes.append("engine-state probes not run: " + ("--no-measure (no live requests)" if not req.live_measure
                                                             else "the server reports no speculative settings"))
         return None

@@ -52,6 +52,12 @@ def probes() -> tuple[Probe, ...]:
     return tuple(sorted(PROBES, key=lambda p: 0 if p.cost == "cheap" else 1))
 
 
+def asks_none(which: str) -> bool:
+    """Whether the ``--engine-probes`` value ``which`` (:data:`CHOICES`) asks for no probe at all (``none``: every
+    probe is recorded as not asked for, none runs)."""
+    return which == "none"
+
+
 def check_choice(which: str) -> str:
     """``which`` if it is one of :data:`CHOICES`; else BadInput naming ``--engine-probes``."""
     if which not in CHOICES:
@@ -138,7 +144,7 @@ def _loss_text(loss: Optional[dict]) -> str:
 
 def _one(p: Probe, ctx: ProbeContext, which: str, server_errors: bool = False) -> ProbeResult:
     skip = None
-    if which == "none" or (which == "cheap" and p.cost == "restart"):
+    if asks_none(which) or (which == "cheap" and p.cost == "restart"):
         skip = (f"not asked for (--engine-probes {which}; " +
                 ("--engine-probes cheap runs it)" if p.cost == "cheap" else "--engine-probes all runs it: it "
                  "restarts a copy of the server)"))
@@ -230,5 +236,5 @@ def probe_line(r: dict) -> str:
 
 
 __all__ = ["ANSWERED", "CHOICES", "ENGINE_PARTS", "MTP_USES", "PARTIAL", "RESERVE_S", "Probe", "ProbeContext",
-           "ProbeResult", "check_choice", "engine_parts", "join_engine_state", "least_timeout", "on_mtp_head",
+           "ProbeResult", "asks_none", "check_choice", "engine_parts", "join_engine_state", "least_timeout", "on_mtp_head",
            "paired_condition_loss", "probe_line", "probes", "run_probes"]

@@ -118,6 +118,14 @@ def _result(p: Probe, ctx: ProbeContext, cmp: dict, what: str) -> ProbeResult:
     kind = cmp["mechanism"]
     if kind is None:
         rows = sum(sum(r["compared"].values()) for r in reqs)
+        if rows == 0:
+            # compare_request leaves out the rows past the served states (the draft runs after the last verify too)
+            cycles = sum(int(r.get("cycles") or 0) for r in reqs)
+            res.decision, res.why = "undecided", (
+                f"no traced draft step could be compared: the {cycles} traced cycle(s) of {len(reqs)} request(s) all "
+                "start outside the positions of the states the server returned for them, so nothing was replayed on "
+                "the checkpoint; trace longer answers (more new tokens)")
+            return res
         res.decision, res.why = "clear", f"{rows} draft steps of {len(reqs)} request(s) equal the checkpoint's"
         return res
     res.decision = "counts"

@@ -156,7 +156,8 @@ def test_the_live_path_checks_steps_against_the_layers_the_engine_builds(tmp_pat
 
 def test_the_budget_line_is_provisional_until_the_engine_state_probes_join():
     lines: list[str] = []
-    r = SimpleNamespace(att=SimpleNamespace(spec={"num_steps": 3}), req=SimpleNamespace(live_measure=True),
+    r = SimpleNamespace(att=SimpleNamespace(spec={"num_steps": 3}),
+                        req=SimpleNamespace(live_measure=True, engine_probes="cheap"),
                         progress=lines.append, doc=SimpleNamespace(notes=[]))
     first = budget_line(r, "NextN accept length (3x1): wiring 2.10. Cause: none.")
     assert first.startswith(f"[{PROVISIONAL}] ") and first.endswith("Cause: none.")
@@ -168,3 +169,21 @@ def test_the_budget_line_is_provisional_until_the_engine_state_probes_join():
     r.req.live_measure = False
     assert budget_line(r, "Cause: none.") == "Cause: none."
     assert run_engine_state(r) is None and r.doc.notes == ["engine-state probes not run: --no-measure (no live requests)"]
+
+
+
+def test_engine_probes_none_leaves_the_first_budget_line_final():
+    """``--engine-probes none`` (the one value of helpers.investigation.probes.CHOICES that asks for no probe): the
+    budget line was marked provisional, then "final, engine-state probes joined" printed though no probe ran. Now
+    the first line is unmarked and no second line follows; cheap / all still mark it and print the joined one."""
+    from helpers.investigation.probes import CHOICES, asks_none
+    assert [c for c in CHOICES if asks_none(c)] == ["none"]
+    for which, joins in (("none", False), ("cheap", True), ("all", True)):
+        lines: list[str] = []
+        r = SimpleNamespace(att=SimpleNamespace(spec={"num_steps": 3}),
+                            req=SimpleNamespace(live_measure=True, engine_probes=which), progress=lines.append)
+        first = budget_line(r, "Cause: none.")
+        final_budget_line(r, {"sentence": "Cause: none.", "cause": "none"})
+        assert first.startswith(f"[{PROVISIONAL}] ") is joins, (which, first)
+        assert lines == (["acceptance budget (final, engine-state probes joined): Cause: none."] if joins else []), \
+            (which, lines)

@@ -131,3 +131,38 @@ def test_first_drawn_swap_is_named_in_the_draft_stage(tmp_path, log):
     loss = r["loss"]
     assert r["same_rows"] and loss["decision"] == "counts"
     assert loss["ci"][0] > 0 and loss["delta"] >= loss["threshold"]
+
+
+@pytest.mark.parametrize("value", [float("inf"), "1", True, 0, 1.0, [1]])
+def test_a_train_steps_other_than_an_int_from_1_is_refused_naming_the_log(tmp_path, log, clean, value):
+    """hyper.train_steps is the trained chain depth (an int >= 1, env/models/train_nextn.py writes it): Infinity
+    crashed with OverflowError, the string "1" was dropped and the stage cleared the head as if the log said nothing.
+    Now one BadInput naming the log and the field, before any row is run; a log without it still says nothing."""
+    from helpers.draft.nextn_stage import trained_steps
+    bad = tmp_path / NEXTN_LOG
+    bad.write_text(json.dumps({**log, "hyper": {**log["hyper"], "train_steps": value}}))
+    with pytest.raises(BadInput) as e:
+        nextn_draft_stage(clean, TARGET, 1, training_log=bad, validation=VALIDATION)
+    assert str(e.value).startswith(f"{bad} [hyper.train_steps]: expected an integer >= 1") and "\n" not in str(e.value)
+    assert trained_steps(log, bad) == log["hyper"]["train_steps"] == 1
+    assert trained_steps({"hyper": {}}, bad) is None and trained_steps({}, bad) is None
+
+
+def test_a_token_id_past_the_targets_vocabulary_is_refused_naming_row_file_and_vocab(tmp_path, clean):
+    """A validation row holding input_ids[4] = 10**6 (vocab 4096) crashed with IndexError in the head's embedding
+    (Eagle3Draft.extend_many); the draft stages' one row reader (helpers.draft.teacher_forced.tf_sequences) refuses
+    it naming the file, input_ids and the target's vocabulary (its lm_head rows)."""
+    import shutil
+    from helpers.draft.model import target_lm_head
+    rows = tmp_path / "validation"
+    shutil.copytree(VALIDATION, rows)
+    f = sorted((rows / "rows_0-2000").glob("data_*.ckpt"))[3]
+    x = torch.load(f, weights_only=True)
+    V = int(target_lm_head(TARGET)[0].shape[0])
+    assert int(x["input_ids"].max()) < V
+    x["input_ids"][4] = 10 ** 6
+    torch.save(x, f)
+    with pytest.raises(BadInput) as e:
+        nextn_draft_stage(clean, TARGET, 1, validation=rows)
+    assert str(e.value) == (f"{f} [input_ids]: token id 1000000 at row 4 is past the target's vocabulary ({V} ids: "
+                            "its lm_head rows)")

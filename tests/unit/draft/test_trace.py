@@ -19,7 +19,7 @@ from helpers.hooks import ARM_FILE
 from helpers.investigation.attach import TRACE_FACTORY as ATTACH_TRACE_FACTORY
 from helpers.engines.sglang import SGLangAdapter
 from helpers.engines.vllm import VLLMAdapter
-from helpers.errors import RequestRejected
+from helpers.errors import BadInput, RequestRejected
 from helpers.investigation.probes.trace import HOW, _applies, trace_dir
 from helpers.paths import REFERENCE_DRAFT, REFERENCE_TARGET
 from helpers.trace_hooks import TRACE_FACTORY, draft_trace_factory, trace_hook_specs
@@ -135,7 +135,8 @@ def test_first_divergence_is_the_lowest_step_then_the_earliest_cycle():
 def test_cycles_of_two_requests_in_one_batch_and_a_tree_step():
     def rec(mode, rids, pos, req):
         n = len(pos)
-        return {"forward": 0, "mode": mode, "rids": rids, "positions": torch.tensor(pos), "input_ids": torch.ones(n),
+        return {"forward": 0, "mode": mode, "rids": rids, "positions": torch.tensor(pos),
+                "input_ids": torch.ones(n, dtype=torch.long),
                 "topk": torch.zeros(n, 1, dtype=torch.long), "topk_draft": torch.zeros(n, 1, dtype=torch.long),
                 "row_req": torch.tensor(req)}
     recs = [rec("DECODE", ["a"], [4], [0]),                      # before any extend of its request: dropped
@@ -254,3 +255,22 @@ def test_a_trace_of_target_ids_only_compares_as_one_with_draft_ids(draft, seq):
         far = _damaged(chains, 9, 1, top=outside)
         res = compare_request(draft, seq, request_cycles(target_only(_records(far)))["r0"])
         assert res["first"]["step"] == 1 and res["first"]["gap"] is None and not res["first"]["match"]
+
+
+def test_records_built_in_memory_are_checked_too(draft, seq):
+    """Records that never went through read_trace (the vLLM worker's, built in memory) are checked as the hook's
+    files are (helpers.draft.trace.check_record): a row_req of -1 was read as the last rid (the request compared as
+    if it were traced), a [1, 0] top-k crashed with IndexError, a missing row_req with KeyError."""
+    recs = _records(_offline_cycles(draft, seq, [9, 11]))
+    assert request_cycles(recs)["r0"][0].steps[0].position == 9
+    for name, value, says in [("row_req", torch.tensor([-1]), "request index -1 is outside 0 .. 0"),
+                              ("topk", torch.zeros(1, 0, dtype=torch.long), "no top-k column"),
+                              ("row_req", None, "missing")]:
+        bad = [dict(r) for r in recs]
+        if value is None:
+            bad[2].pop(name)
+        else:
+            bad[2][name] = value
+        with pytest.raises(BadInput, match=says) as e:
+            compare_trace(draft, [seq], bad)
+        assert str(e.value).startswith(f"[{name}]: forward 2: ")

@@ -156,3 +156,32 @@ def test_the_fault_feeds_each_draft_extend_row_its_current_token(tmp_path):
     out = hook(draft, (ids, torch.arange(5), _fb("EXTEND", [3], [5])), None)
     hit = [ef.pick(p, 5, 0.4) for p in range(5)]
     assert out.tolist() == [x[p] if h else x[p + 1] for p, h in enumerate(hit)] and 0 < sum(hit) < 5
+
+
+def test_the_step_trace_probe_is_undecided_when_no_traced_row_lies_inside_the_served_states(world, tmp_path):
+    """The step-trace probe's decision (helpers.investigation.probes.trace._result) on the committed head's own
+    proposals: rows inside the served states are compared and cleared; the same trace moved past the states (rows
+    T - 1 .., as the draft runs after the last verify) compares 0 rows, which used to say ``clear`` ("0 draft steps
+    ... equal the checkpoint's"): it is ``undecided``, saying why."""
+    from types import SimpleNamespace
+    from helpers.investigation.probes.trace import STEP_TRACE, _result
+    head, seqs = world
+
+    def ctx(name):
+        run = tmp_path / name
+        run.mkdir()
+        return SimpleNamespace(run_dir=run, folder=lambda p: (run / p).mkdir(exist_ok=True) or run / p)
+    recs = _trace(head, seqs, lambda s: s.tokens[1:])
+    inside = compare_trace(head, seqs, recs)
+    inside["prompt_ids"] = {s.key: s.key for s in seqs}
+    n = sum(sum(r["compared"].values()) for r in inside["requests"])
+    assert n == 2 * len(ROWS)
+    res = _result(STEP_TRACE, ctx("inside"), inside, "two sample rows")
+    assert res.decision == "clear" and res.why == f"{n} draft steps of 2 request(s) equal the checkpoint's"
+    past = [r | {"positions": r["positions"] + T} for r in recs]
+    out = compare_trace(head, seqs, past)
+    out["prompt_ids"] = {s.key: s.key for s in seqs}
+    assert out["mechanism"] is None and all(r["compared"] == {} for r in out["requests"])
+    res = _result(STEP_TRACE, ctx("past"), out, "two sample rows")
+    assert res.decision == "undecided" and res.why.startswith(
+        f"no traced draft step could be compared: the {2 * len(ROWS)} traced cycle(s) of 2 request(s)"), res.why

@@ -189,3 +189,39 @@ def test_a_new_server_on_a_folder_with_a_trace_numbers_on_and_overwrites_nothing
     (new,) = read_trace(trace, since=since)
     assert new["forward"] == 2 and new["rids"] == ["c"] and new["input_ids"].tolist() == [10]
     assert [r["rids"] for r in read_trace(trace)] == [["a"], ["b"], ["c"]]      # the old lines still read the old
+
+
+# --------------------------------------------------------------------------- tensors the hook never writes (B8)
+#: a trace file's tensors changed: (tensor named in the error, its new value or None to drop it, what the error says)
+DAMAGED = [
+    ("row_req", None, "missing"),
+    ("topk", torch.zeros(1, 0, dtype=torch.int64), r"no top-k column \(expected \[N, k >= 1\]\)"),
+    ("topk_draft", torch.zeros(1, 0, dtype=torch.int64), "no top-k column"),
+    ("positions", torch.tensor([[1]]), r"expected an integer tensor \[N\], got \[1, 1\]"),
+    ("topk", torch.tensor(5), r"expected an integer tensor \[N, k\], got \[\]"),
+    ("input_ids", torch.tensor([6, 6]), "2 rows, row_req has 1"),
+    ("positions", torch.tensor([1.0]), r"got \[1\] torch.float32"),
+    ("row_req", torch.tensor([-1]), r"request index -1 is outside 0 .. 0 \(the forward's 1 request ids\)"),
+    ("row_req", torch.tensor([1]), r"request index 1 is outside 0 .. 0"),
+]
+
+
+@pytest.mark.parametrize("name,value,says", DAMAGED, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(DAMAGED)])
+def test_a_trace_file_with_missing_or_misshapen_tensors_is_refused_naming_file_and_tensor(trace, name, value, says):
+    """The hook's own trace reads back (row_req / positions / input_ids [N], topk / topk_draft [N, k]); the same file
+    with one tensor dropped, misshapen or out of range is one BadInput naming the file and the tensor, never a
+    KeyError / IndexError / TypeError later in request_cycles, nor a row_req of -1 read as the last rid."""
+    from safetensors.torch import load_file, save_file
+    recs = read_trace(trace)
+    assert [r["row_req"].tolist() for r in recs] == [[0], [0]] and recs[0]["topk"].shape == (1, 2)
+    f = trace / "rank0" / "trace000001.safetensors"
+    t = load_file(str(f))
+    if value is None:
+        t.pop(name)
+    else:
+        t[name] = value
+    save_file(t, str(f))
+    with pytest.raises(BadInput, match=says) as e:
+        read_trace(trace)
+    msg = str(e.value)
+    assert msg.startswith(f"{f} [{name}]: forward 1: ") and "\n" not in msg
