@@ -13,7 +13,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..layers.mtp import MAX_MTP_LAYERS, MTPHead, family_of, mtp_head
+from ..layers.mtp import MAX_HIDDEN_LAYERS, MAX_MTP_LAYERS, MTPHead, family_of, mtp_head
 from ..layers.mtp import text_config as mtp_text_config
 from ..layers.sglang import target_family
 from ..runfiles import read_json_file, regular_file
@@ -155,9 +155,22 @@ def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
         return None
     tc = mtp_text_config(raw)
     prefix = "" if tc is raw else next(f"{k}." for k, v in raw.items() if v is tc)
+    why = " (head layers: SGLang loads 1, vLLM builds one each)"
     _int_field(tc, fam.layers_field, p, required=False, prefix=prefix, minimum=0, maximum=MAX_MTP_LAYERS,
-               null_ok=False, why=" (head layers: SGLang loads 1, vLLM builds one each)")
-    _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix)
+               null_ok=False, why=why)
+    if tc is not raw and any("top" in places for _, places in fam.layers_read):
+        _int_field(raw, fam.layers_field, p, required=False, minimum=0, maximum=MAX_MTP_LAYERS, null_ok=False,
+                   why=why)
+    _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix, minimum=1, maximum=MAX_HIDDEN_LAYERS,
+               why=" (this tool's bound, helpers.layers.mtp.MAX_HIDDEN_LAYERS)")
+    if tc.get("num_hidden_layers") is None and fam.hidden_layers_default is None \
+            and fam.prefix_uses_num_hidden_layers():
+        raise BadInput(f"missing: the {fam.name} head sits at model.layers.{{num_hidden_layers}}. and the engines' "
+                       "config class gives no default to read it from", path=p, field=prefix + "num_hidden_layers")
+    for key, lo, hi, null_ok in fam.size_fields:
+        _int_field(tc, key, p, required=False, prefix=prefix, minimum=lo, maximum=hi, null_ok=null_ok,
+                   why=(" (this tool's bound, helpers.layers.mtp.MAX_EXPERTS: one name per expert is listed)"
+                        if key == "n_routed_experts" else ""))
     return mtp_head(raw)
 
 
