@@ -234,9 +234,34 @@ class MTPRules:
                          f"{fam.head_arch} layer anyway ({REWRITE} rewrites the class whatever the count; "
                          f"{fam.head_file}); only the checkpoint's tensors (below) say whether "
                          "a trained head is there")
+        self.layer_indices(head, names, findings, notes, facts)
         self._weights(head, names, head.sglang_prefixes(), findings, facts, f"{self.label}'s {fam.head_arch}",
                       fam.sglang_loader)
         self._settings(head, spec, tarch, findings, notes, facts)
+
+    def layer_indices(self, head: MTPHead, names: Optional[set[str]], findings: list, notes: list,
+                      facts: dict) -> None:
+        """The checkpoint's MTP layer indices (:meth:`helpers.layers.mtp.MTPFamily.checkpoint_layer_indices`) against
+        what SGLang serves: for a family whose loader folds every index into its one block
+        (:attr:`helpers.layers.mtp.MTPFamily.sglang_folds_layers`), a checkpoint with any layer other than 0 gives
+        ``mtp_layer_folded`` (the layer served is the last one read, which the names cannot tell: a head trained for
+        a later step may be served at step 1). Nothing for the other families or without names."""
+        fam = head.family
+        idx = fam.checkpoint_layer_indices(names)
+        if not idx:
+            return
+        facts["checkpoint_layers"] = idx
+        if fam.sglang_folds_layers and idx != [0]:
+            findings.append(D.finding(
+                "mtp_layer_folded", None,
+                f"the checkpoint holds MTP layers {idx} ({fam.layers_field} {head.layers}); SGLang's {fam.head_arch} "
+                f"loads every one of them into its one head block, each overwriting the one read before "
+                f"({fam.sglang_loader}): the layer served at every draft step is the last one read, not layer 0, "
+                "and whether it is the layer trained for step 1 is not known from the names",
+                engine=f"{self.label} {self.version}", checkpoint_layers=idx, declared=head.layers,
+                source=fam.sglang_loader,
+                fix="serve a checkpoint holding only the step-1 MTP layer (index 0): drop the other model.mtp "
+                    "layers from a copy of the index / shards"))
 
     #: what the engine does when the head's tensors are missing (SGLang: no check after loading, found in
     #: ``model_loader/`` and the DeepSeek / GLM loaders)

@@ -28,6 +28,7 @@ What the two engines do with such a head (read in the installed source):
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
@@ -237,6 +238,17 @@ class MTPFamily:
         vllm_built_text_default: the head class builds the text config's :attr:`layers_field` layers (this value when
             the text config lacks it) rather than ``n_predict`` (Qwen3.5: ``qwen3_5_mtp.py::Qwen3_5MultiTokenPredictor.
             __init__`` l. 82, ``getattr(hf_text_config, "mtp_num_hidden_layers", 1)``); None: ``n_predict``.
+        layer_index_re: a regex whose one group is the MTP layer index of a checkpoint tensor name (MiMo:
+            ``model.mtp_layers.<i>.``), for the families whose loaders map the index themselves; "" for the others.
+        sglang_folds_layers: SGLang's loader maps every layer index into its one head block (MiMo / MiMo-V2:
+            ``map_model_name_to_mtp_param_name``), each layer read overwriting the one before: a checkpoint with a
+            layer other than 0 is served with whichever comes last in the read order.
+        vllm_extra_layer_refusal: vLLM's refusal of a checkpoint layer index >= the declared count that its mapper
+            leaves outside the layers built (MiMo: ``mimo_mtp.py::MiMoMTP`` ``hf_to_vllm_mapper`` remaps
+            ``model.mtp_layers.<i>.`` for ``i < num_nextn_predict_layers`` only, l. 182-184, and
+            ``vllm/model_executor/models/utils.py::AutoWeightsLoader._load_module`` l. 441-448 raises on the rest).
+        vllm_extra_layers_note: what vLLM does instead with such an index when it does not refuse it ("" : nothing to
+            say).
         vllm_warns_reuse: vLLM logs "Enabling num_speculative_tokens > 1 will run multiple times of forward on same
             MTP layer" for this head (``vllm/config/speculative.py::SpeculativeConfig.__post_init__`` l. 1375-1385:
             every MTP model type but ``step3p5_mtp`` / ``inkling_mtp``).
@@ -279,6 +291,18 @@ class MTPFamily:
     hidden_layers_default: Optional[int] = None
     layers_read: tuple[tuple[str, tuple[str, ...]], ...] = ()
     vllm_built_text_default: Optional[int] = None
+    layer_index_re: str = ""
+    sglang_folds_layers: bool = False
+    vllm_extra_layer_refusal: Optional[Refusal] = None
+    vllm_extra_layers_note: str = ""
+
+    def checkpoint_layer_indices(self, names: Optional[set[str]]) -> list[int]:
+        """The MTP layer indices the checkpoint's tensor names carry (:attr:`layer_index_re`), sorted; [] when the
+        family has no such pattern or no names are at hand."""
+        if not self.layer_index_re or not names:
+            return []
+        rx = re.compile(self.layer_index_re)
+        return sorted({int(m.group(1)) for n in names if (m := rx.match(n))})
 
     def layers_places(self, label: str) -> tuple[str, ...]:
         """Where the engine ``label`` reads :attr:`layers_field`, in order (:attr:`layers_read`)."""
@@ -387,7 +411,14 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_later_layers=(f"loaded into the same one block, each overwriting the layer read before it ({_SG}/"
                              "models/mimo_mtp.py::MiMoMTP.map_model_name_to_mtp_param_name maps every "
                              "model.mtp_layers.<i>. to model.mtp_block. / model.; load_weights copies each in turn): "
-                             "the head served is the last layer in the checkpoint's read order, not layer 0")),
+                             "the head served is the last layer in the checkpoint's read order, not layer 0"),
+        layer_index_re=r"model\.mtp_layers\.(\d+)\.", sglang_folds_layers=True,
+        vllm_extra_layer_refusal=Refusal(
+            "index_ge_declared",
+            "ValueError(\"There is no module or parameter named 'model.mtp_layers.<i>' in MiMoMTP ...\")",
+            f"{_VL}/mimo_mtp.py::MiMoMTP hf_to_vllm_mapper l. 182-184 (remaps model.mtp_layers.<i>. for i < "
+            "num_nextn_predict_layers only) and vllm/model_executor/models/utils.py::AutoWeightsLoader._load_module "
+            "l. 441-448")),
     MTPFamily(
         # LongCat-Flash: one MLA + dense-MLP NextN layer stored under model.mtp.*; both engines build one layer and
         # read model.mtp.layers.0.* only (their name maps list layer 0 alone)
@@ -432,7 +463,10 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                              "models/mimo_v2_nextn.py::MiMoV2MTP.map_model_name_to_mtp_param_name maps every "
                              "model.mtp.layers.<i>. to model.mtp_block. / model.): the head served is the last layer "
                              "in the checkpoint's read order, not layer 0"),
-        vllm_n_predict=1, vllm_built=1),
+        vllm_n_predict=1, vllm_built=1,
+        layer_index_re=r"model\.mtp\.layers\.(\d+)\.", sglang_folds_layers=True,
+        vllm_extra_layers_note=(f"not loaded: vLLM builds layer 0 only and {_VL}/mimo_v2_mtp.py::MiMoV2MTP."
+                                "load_weights l. 376 skips names outside its parameters")),
     MTPFamily(
         # Step-3.5 (Flash; Step-3.7's text model): NextN layers model.layers.{n + i}.*, each with its own
         # shared_head.output (the lm_head copy it was trained with). SGLang runs multi-layer EAGLE for this target

@@ -139,3 +139,50 @@ def test_bias_tensors_do_not_stand_for_the_heads_weights(tmp_path):
     assert missing_tensors([p], ("eh_proj.weight",), (), {p + "eh_proj.weight_packed"}) == {}
     assert missing_tensors([p], ("eh_proj.weight",), (), {p + "eh_proj.weight_scale"}) == {p: [p + "eh_proj.weight"]}
     assert missing_tensors([p], ("eh_proj.weight",), (), {p + "eh_proj.bias"}) == {p: [p + "eh_proj.weight"]}
+
+
+# ------------------------------------------------------------------------- B4: MiMo layers past the first
+
+_MIMO_T = ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight",
+           "input_layernorm.weight", "post_attention_layernorm.weight")
+_MIMO_V2_T = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight", "input_layernorm.weight",
+              "pre_mlp_layernorm.weight")
+
+
+def _mimo(tmp: Path, name: str, declared: int, layers: range, v2: bool = False) -> Path:
+    arch, p, ts = ("MiMoV2FlashForCausalLM", "model.mtp.layers.", _MIMO_V2_T) if v2 else \
+        ("MiMoForCausalLM", "model.mtp_layers.", _MIMO_T)
+    cfg = {"architectures": [arch], "num_hidden_layers": 2, "num_nextn_predict_layers": declared, "hidden_size": 8}
+    return config_folder(tmp, name, cfg, index=[f"{p}{i}.{t}" for i in layers for t in ts])
+
+
+def test_mimo_layers_past_the_first_are_never_ok_on_sglang_and_refused_past_the_declared_on_vllm(tmp_path):
+    """The breaker's mimo_3layers (3 declared, layers 0-2, 1 step) and mimo_extra_layer (1 declared, layers 0-1):
+    before, ok on both engines. SGLang folds every model.mtp_layers.<i> into its one block (the last read is served):
+    mtp_layer_folded; vLLM remaps i < declared only and AutoWeightsLoader raises ValueError on layer 1."""
+    one_step = MTPSpec(num_steps=1, topk=1)
+    three = _mimo(tmp_path, "three", 3, range(3))
+    sg = check_mtp(three, three, spec=one_step)
+    f = [x for x in sg.findings if x["kind"] == "mtp_layer_folded"]
+    assert sg.verdict == "mismatch" and f and f[0]["evidence"]["checkpoint_layers"] == [0, 1, 2]
+    assert check_mtp(three, three, spec=one_step, rules=VLLMMTPRules()).verdict == "ok"  # 3 built, step 1 reads 0
+    extra = _mimo(tmp_path, "extra", 1, range(2))
+    assert [x["kind"] for x in check_mtp(extra, extra, spec=one_step).findings] == ["mtp_layer_folded"]
+    vl = check_mtp(extra, extra, spec=one_step, rules=VLLMMTPRules())
+    ref = [x for x in vl.findings if x["kind"] == "mtp_head_refused"]
+    assert ref and ref[0]["evidence"]["unmapped"] == [1] and "model.mtp_layers.1" in ref[0]["detail"]
+    assert "ValueError" in ref[0]["detail"]
+    only0 = _mimo(tmp_path, "only0", 1, range(1))    # the released layout keeps its result
+    assert check_mtp(only0, only0, spec=one_step).verdict == "ok"
+    assert check_mtp(only0, only0, spec=one_step, rules=VLLMMTPRules()).verdict == "ok"
+
+
+def test_mimo_v2_folds_on_sglang_and_skips_on_vllm(tmp_path):
+    """MiMo-V2: SGLang's map_model_name_to_mtp_param_name folds model.mtp.layers.<i> likewise (finding); vLLM builds
+    layer 0 only and its load_weights skips names outside its parameters (a note, no refusal)."""
+    d = _mimo(tmp_path, "v2", 1, range(2), v2=True)
+    one_step = MTPSpec(num_steps=1, topk=1)
+    assert "mtp_layer_folded" in [x["kind"] for x in check_mtp(d, d, spec=one_step).findings]
+    vl = check_mtp(d, d, spec=one_step, rules=VLLMMTPRules())
+    assert "mtp_head_refused" not in [x["kind"] for x in vl.findings]
+    assert any("MTP layers [0, 1]" in n and "not loaded" in n for n in vl.advisories)
