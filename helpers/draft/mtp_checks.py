@@ -503,8 +503,16 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
             s = facts["settings"]
             inputs["settings as run"] = (f"algorithm {facts['algorithm']['as_run']}, steps {s['num_steps']}, topk "
                                          f"{s['topk']}, draft tokens {s['num_draft_tokens']}")
+    verdict = "mismatch" if findings else "ok"
+    if head is not None and head.layers == 0 and not findings and not isinstance(facts.get("head_weights"), dict):
+        # the config declares no MTP layer, yet the engine builds one and starts: only the checkpoint's tensors say
+        # whether a trained head is there, and they were not at hand (never ok: undecided)
+        verdict = "ambiguous"
+        notes.append(f"{head.family.layers_field} is 0 and {rules.label} builds {rules.built_layers(head)} head "
+                     "layer anyway: whether the checkpoint holds a trained head is undecided without its tensor "
+                     "names (pass the model folder with its model.safetensors.index.json)")
     findings = sort_findings(findings)
-    return StaticReport(verdict="mismatch" if findings else "ok", findings=findings, served_plan=None,
+    return StaticReport(verdict=verdict, findings=findings, served_plan=None,
                         training_plan=None, advisories=list(notes), inputs=inputs,
                         draft_checks={"facts": facts, "notes": notes})
 

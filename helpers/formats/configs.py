@@ -150,7 +150,12 @@ def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
             (:func:`_architectures`); a text sub-config key (``text_config`` ...) that is not an object."""
     p = Path(path)
     _sub_configs_checked(raw, p)
-    fam = family_of(_architectures(raw, p))
+    archs = _architectures(raw, p)
+    if any(not a.strip() for a in archs):
+        # SGLang's draft rewrite and vLLM's hf_config_override read architectures[0] as a class name: an empty one is
+        # no class (not skipped)
+        raise BadInput(f"expected non-empty architecture names, got {archs!r}", path=p, field="architectures")
+    fam = family_of(archs)
     if fam is None:
         return None
     tc = mtp_text_config(raw)

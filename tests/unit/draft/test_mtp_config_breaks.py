@@ -186,3 +186,46 @@ def test_mimo_v2_folds_on_sglang_and_skips_on_vllm(tmp_path):
     vl = check_mtp(d, d, spec=one_step, rules=VLLMMTPRules())
     assert "mtp_head_refused" not in [x["kind"] for x in vl.findings]
     assert any("MTP layers [0, 1]" in n and "not loaded" in n for n in vl.advisories)
+
+
+# ------------------------------------------------------------------------------------------------- minor
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_an_empty_architecture_name_is_exit_2(tmp_path, capsys, engine):
+    """['', 'DeepseekV3ForCausalLM'] was read as DeepSeek (the empty name skipped) where the engines read
+    architectures[0] == ''."""
+    d = config_folder(tmp_path, "e", DS, architectures=["", "DeepseekV3ForCausalLM"])
+    assert _diagnose(d, engine) == 2
+    err = capsys.readouterr().err.strip()
+    assert "[architectures]" in err and "non-empty" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_head_declared_with_0_layers_is_never_ok_without_its_tensor_names(tmp_path):
+    """MiMo-V2 with num_nextn_predict_layers 0: both engines build one head layer anyway (vLLM writes n_predict 1
+    whatever the config says); without the index the verdict is ambiguous (exit 1), with an index holding layer 0
+    the weights check decides."""
+    cfg = {"architectures": ["MiMoV2FlashForCausalLM"], "num_hidden_layers": 48, "num_nextn_predict_layers": 0}
+    d = config_folder(tmp_path, "z", cfg)
+    one_step = MTPSpec(num_steps=1, topk=1)
+    for rules in (None, VLLMMTPRules()):
+        rep = check_mtp(d / "config.json", d / "config.json", spec=one_step, rules=rules)
+        assert rep.verdict == "ambiguous" and any("undecided" in n for n in rep.advisories), rep.verdict
+    full = _mimo(tmp_path, "zfull", 0, range(1), v2=True)
+    assert check_mtp(full, full, spec=one_step, rules=VLLMMTPRules()).verdict == "ok"
+
+
+def test_nan_in_both_lm_head_copies_is_named(tmp_path):
+    """A NaN in the head's own shared_head.head and in the target's lm_head was reported as 'differs (shape ...)'."""
+    import torch
+    from safetensors.torch import save_file
+    d = config_folder(tmp_path, "n", SMALL_DS)
+    w = torch.randn(16, 8)
+    w[3, 4] = float("nan")
+    tensors = {"lm_head.weight": w.clone(), "model.embed_tokens.weight": torch.randn(16, 8),
+               "model.layers.2.shared_head.head.weight": w.clone()}
+    tensors.update({k: torch.ones(s) for k, s in deepseek_nextn_shapes(SMALL_DS).items()})
+    save_file(tensors, str(d / "model.safetensors"))
+    rep = check_mtp(d, d, spec=MTPSpec(num_steps=1, topk=1))
+    f = [x for x in rep.findings if x["kind"] == "lm_head_replaced"]
+    assert f and "NaN" in f[0]["detail"] and "1 in the head's copy, 1 in the target's" in f[0]["detail"], rep.findings
+    assert "shape" not in f[0]["detail"].split("differs from")[1].split(")")[0]
