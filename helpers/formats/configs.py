@@ -141,8 +141,12 @@ def _sub_configs_checked(d: dict, path: Path) -> None:
 def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
     """The MTP / NextN head of a config.json already read (:func:`helpers.layers.mtp.mtp_head`), its fields checked
     first: the layer field (``num_nextn_predict_layers``) an int 0-:data:`helpers.layers.mtp.MAX_MTP_LAYERS` when
-    present (absent: the config class's default applies, ``MTPHead.layers_defaulted``), ``num_hidden_layers`` a
-    positive int when present; both read in the text sub-config where there is one. None: no MTP family.
+    present (absent: the config class's default applies, ``MTPHead.layers_defaulted``; Qwen3.5's top-level copy,
+    which vLLM reads first, too), ``num_hidden_layers`` an int 1-:data:`helpers.layers.mtp.MAX_HIDDEN_LAYERS` when
+    present (absent: the config class's default, :attr:`helpers.layers.mtp.MTPFamily.hidden_layers_default`, or
+    refused where the head's prefix needs it), the sizes the family's layer expansion reads
+    (:attr:`helpers.layers.mtp.MTPFamily.size_fields`: ``n_routed_experts`` 1-:data:`helpers.layers.mtp.MAX_EXPERTS`
+    ...), non-empty architecture names; all read in the text sub-config where there is one. None: no MTP family.
 
     Raises:
         BadInput: one line naming ``path`` and the field: a present field of the wrong type (string, null, float,
@@ -167,8 +171,8 @@ def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
         _int_field(raw, fam.layers_field, p, required=False, minimum=0, maximum=MAX_MTP_LAYERS, null_ok=False,
                    why=why)
     _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix, minimum=1, maximum=MAX_HIDDEN_LAYERS,
-               why=" (this tool's bound, helpers.layers.mtp.MAX_HIDDEN_LAYERS)")
-    if tc.get("num_hidden_layers") is None and fam.hidden_layers_default is None \
+               null_ok=False, why=" (this tool's bound, helpers.layers.mtp.MAX_HIDDEN_LAYERS)")
+    if "num_hidden_layers" not in tc and fam.hidden_layers_default is None \
             and fam.prefix_uses_num_hidden_layers():
         raise BadInput(f"missing: the {fam.name} head sits at model.layers.{{num_hidden_layers}}. and the engines' "
                        "config class gives no default to read it from", path=p, field=prefix + "num_hidden_layers")

@@ -112,6 +112,14 @@ def test_deepseek_without_num_hidden_layers_takes_the_config_class_default(tmp_p
                    for n in rep.advisories)
 
 
+def test_a_null_num_hidden_layers_is_exit_2_not_layer_0(tmp_path, capsys):
+    d = config_folder(tmp_path, "n", DS)
+    (d / "config.json").write_text(json.dumps({**DS, "num_hidden_layers": None}))
+    assert _diagnose(d, "vllm") == 2
+    err = capsys.readouterr().err.strip()
+    assert "[num_hidden_layers]" in err and "got null" in err and len(err.splitlines()) == 1, err
+
+
 def test_a_family_whose_prefix_needs_num_hidden_layers_without_a_default_is_refused(tmp_path, capsys):
     cfg = {"architectures": ["Step3p5ForCausalLM"], "num_nextn_predict_layers": 1, "hidden_size": 8}
     d = config_folder(tmp_path, "s", cfg)
