@@ -645,8 +645,9 @@ class MTPHead:
 
     def as_read_by(self, label: str) -> "MTPHead":
         """This head with :attr:`layers` as the engine ``label`` (``SGLang`` / ``vLLM``) reads it: the first of
-        :meth:`MTPFamily.layers_places` holding an int (Qwen3.5 on vLLM: the top level before the text config), else
-        as :func:`mtp_head` read it. When both places hold different counts the first one read wins, as in the engine."""
+        :meth:`MTPFamily.layers_places` holding an int (Qwen3.5 on vLLM: the top level before the text config),
+        else as :func:`mtp_head` read it. When both places hold different counts the first one read wins, as in the
+        engine."""
         for place in self.family.layers_places(label):
             v = self.top_layers if place == "top" else self.text_layers
             if v is not None:
