@@ -118,6 +118,8 @@ KINDS: tuple[Kind, ...] = (
     _k("draft_vocab_coverage", "draft", "many target tokens lie outside the draft vocabulary", stage=NO_STAGE),
     _k("draft_weight_missing", "draft", "draft parameters have no tensor in the checkpoint"),
     _k("mtp_weights_missing", "draft", "the checkpoint the engine loads the MTP head from lacks the head's tensors"),
+    _k("mtp_layer_folded", "draft",
+       "the engine loads several MTP layers of the checkpoint into its one head layer: the one served is not layer 0"),
     _k("draft_weight_ignored", "draft", "the engine's loader drops draft tensors"),
     _k("draft_flag_ignored", "draft", "SGLang ignores a draft config flag"),
     _k("rope_mismatch", "draft", "the draft's rotary embedding differs from the target's"),

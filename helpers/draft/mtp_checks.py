@@ -73,18 +73,30 @@ def weight_names(folder: Path) -> tuple[Optional[set[str]], str]:
     return None, "no model.safetensors.index.json nor *.safetensors in the folder: the head's tensors were not checked"
 
 
+#: The tensor names that stand for a module's ``.weight`` in a quantised checkpoint (the parameters the engines'
+#: quantised linear methods register in place of ``weight``): ``qweight`` (GPTQ / AWQ: vllm/model_executor/layers/
+#: quantization/auto_gptq.py, auto_awq.py; sglang/srt/layers/quantization/awq/schemes/awq_linear.py), ``weight_packed``
+#: (compressed-tensors WNA16: vllm/model_executor/layers/quantization/compressed_tensors/schemes/
+#: compressed_tensors_wNa16.py::CompressedTensorsWNA16.create_weights l. 223). Scales
+#: (``weight_scale``, ``weight_scale_inv``, ``scales``, ``qzeros``) come beside a weight, never instead of one: a
+#: checkpoint with only those has no weight for the module, so they do not count.
+WEIGHT_STAND_INS = ("qweight", "weight_packed")
+
+
 def missing_tensors(prefixes: list[str], head_tensors: tuple[str, ...], layer_tensors: tuple[str, ...],
                     names: set[str], expected: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """``{prefix: [missing tensor names]}`` for each head prefix. With ``expected`` (every tensor of a head layer
     relative to its prefix, :attr:`helpers.layers.mtp.MTPHead.expected`) each one is looked for; else the head's own
     tensors (``head_tensors``) and its decoder layer (``layer_tensors``; any one of them present counts as the layer
     being there, as the names vary with the attention / MoE kind). A ``<module>.weight`` counts as present when the
-    checkpoint has any tensor of that module (a quantised checkpoint stores ``qweight`` / ``weight_packed``
-    instead). Prefixes with nothing missing are left out."""
-    modules = {n.rsplit(".", 1)[0] for n in names}
-
+    checkpoint has it or one of :data:`WEIGHT_STAND_INS` of that module (a quantised checkpoint's packed weight);
+    a ``.bias`` or any other tensor of the module does not stand for its weight. Prefixes with nothing missing are
+    left out."""
     def there(name: str) -> bool:
-        return name in names or (name.endswith(".weight") and name[:-len(".weight")] in modules)
+        if name in names:
+            return True
+        base = name[:-len(".weight")] if name.endswith(".weight") else None
+        return base is not None and any(f"{base}.{s}" in names for s in WEIGHT_STAND_INS)
 
     out = {}
     for p in prefixes:
@@ -222,9 +234,34 @@ class MTPRules:
                          f"{fam.head_arch} layer anyway ({REWRITE} rewrites the class whatever the count; "
                          f"{fam.head_file}); only the checkpoint's tensors (below) say whether "
                          "a trained head is there")
+        self.layer_indices(head, names, findings, notes, facts)
         self._weights(head, names, head.sglang_prefixes(), findings, facts, f"{self.label}'s {fam.head_arch}",
                       fam.sglang_loader)
         self._settings(head, spec, tarch, findings, notes, facts)
+
+    def layer_indices(self, head: MTPHead, names: Optional[set[str]], findings: list, notes: list,
+                      facts: dict) -> None:
+        """The checkpoint's MTP layer indices (:meth:`helpers.layers.mtp.MTPFamily.checkpoint_layer_indices`) against
+        what SGLang serves: for a family whose loader folds every index into its one block
+        (:attr:`helpers.layers.mtp.MTPFamily.sglang_folds_layers`), a checkpoint with any layer other than 0 gives
+        ``mtp_layer_folded`` (the layer served is the last one read, which the names cannot tell: a head trained for
+        a later step may be served at step 1). Nothing for the other families or without names."""
+        fam = head.family
+        idx = fam.checkpoint_layer_indices(names)
+        if not idx:
+            return
+        facts["checkpoint_layers"] = idx
+        if fam.sglang_folds_layers and idx != [0]:
+            findings.append(D.finding(
+                "mtp_layer_folded", None,
+                f"the checkpoint holds MTP layers {idx} ({fam.layers_field} {head.layers}); SGLang's {fam.head_arch} "
+                f"loads every one of them into its one head block, each overwriting the one read before "
+                f"({fam.sglang_loader}): the layer served at every draft step is the last one read, not layer 0, "
+                "and whether it is the layer trained for step 1 is not known from the names",
+                engine=f"{self.label} {self.version}", checkpoint_layers=idx, declared=head.layers,
+                source=fam.sglang_loader,
+                fix="serve a checkpoint holding only the step-1 MTP layer (index 0): drop the other model.mtp "
+                    "layers from a copy of the index / shards"))
 
     #: what the engine does when the head's tensors are missing (SGLang: no check after loading, found in
     #: ``model_loader/`` and the DeepSeek / GLM loaders)
@@ -386,7 +423,7 @@ def _head_or_refusal(draft_raw: dict, target_raw: dict, draft_is_target: bool, r
         BadInput: a layer field of the wrong type or range (:func:`helpers.formats.configs.read_mtp_head`)."""
     head = read_mtp_head(draft_raw, path)
     if head is not None:
-        return head
+        return head.as_read_by(rules.label)
     arch = (draft_raw.get("architectures") or [None])[0]
     inner = (text_config(draft_raw).get("architectures") or [None])[0] if text_config(draft_raw) is not draft_raw \
         else None
@@ -438,6 +475,11 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
         facts["head"] = {"family": fam.name, "form": head.form, "layers_field": fam.layers_field,
                          "layers": head.layers, "num_hidden_layers": head.num_hidden_layers}
         facts["head"]["layers_defaulted"] = head.layers_defaulted
+        facts["head"]["num_hidden_layers_defaulted"] = head.hidden_layers_defaulted
+        if head.hidden_layers_defaulted:
+            notes.append(f"num_hidden_layers is not in the config: the config class's default {head.num_hidden_layers} "
+                         "applies (transformers 5.19, the class both engines load the config with), so the head sits "
+                         f"at model.layers.{head.num_hidden_layers}.")
         if head.layers_defaulted:
             notes.append(f"{fam.layers_field} is not in the config: the config class's default {head.layers} applies "
                          "(transformers 5.19, the class both engines load the config with)")
@@ -461,8 +503,16 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
             s = facts["settings"]
             inputs["settings as run"] = (f"algorithm {facts['algorithm']['as_run']}, steps {s['num_steps']}, topk "
                                          f"{s['topk']}, draft tokens {s['num_draft_tokens']}")
+    verdict = "mismatch" if findings else "ok"
+    if head is not None and head.layers == 0 and not findings and not isinstance(facts.get("head_weights"), dict):
+        # the config declares no MTP layer, yet the engine builds one and starts: only the checkpoint's tensors say
+        # whether a trained head is there, and they were not at hand (never ok: undecided)
+        verdict = "ambiguous"
+        notes.append(f"{head.family.layers_field} is 0 and {rules.label} builds {rules.built_layers(head)} head "
+                     "layer anyway: whether the checkpoint holds a trained head is undecided without its tensor "
+                     "names (pass the model folder with its model.safetensors.index.json)")
     findings = sort_findings(findings)
-    return StaticReport(verdict="mismatch" if findings else "ok", findings=findings, served_plan=None,
+    return StaticReport(verdict=verdict, findings=findings, served_plan=None,
                         training_plan=None, advisories=list(notes), inputs=inputs,
                         draft_checks={"facts": facts, "notes": notes})
 
@@ -488,7 +538,7 @@ def engine_head_layers(draft_dir: Path, rules: MTPRules) -> Optional[int]:
             (:func:`helpers.formats.configs.read_mtp_head`)."""
     f = _config_file(draft_dir)
     head = read_mtp_head(read_config_json(f, "draft config"), f)
-    return None if head is None else rules.built_layers(head)
+    return None if head is None else rules.built_layers(head.as_read_by(rules.label))
 
 
 def describe_head(draft_dir: Path, target_dir: Path, info: dict) -> Optional[dict]:

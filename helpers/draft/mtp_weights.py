@@ -57,7 +57,8 @@ def compare_tensors(a: tuple[Path, str], b: tuple[Path, str], *, block_rows: int
 
     Returns:
         ``{"equal": bool (every element equal; shapes too), "shape": [a's], "other_shape": [b's],
-        "rel_diff": ||a - b||_F / ||b||_F (None when the shapes differ), "max_abs": max |a - b|}``.
+        "rel_diff": ||a - b||_F / ||b||_F (None when the shapes differ or a value is not finite), "max_abs": max
+        |a - b|, "nonfinite": [NaN / inf count in a, in b]}``; a tensor with a NaN / inf is never equal.
 
     Raises:
         BadInput: a file or tensor that cannot be read (the file and name named).
@@ -67,20 +68,27 @@ def compare_tensors(a: tuple[Path, str], b: tuple[Path, str], *, block_rows: int
             sa, sb = fa.get_slice(a[1]), fb.get_slice(b[1])
             shape_a, shape_b = list(sa.get_shape()), list(sb.get_shape())
             if shape_a != shape_b:
-                return {"equal": False, "shape": shape_a, "other_shape": shape_b, "rel_diff": None, "max_abs": None}
+                return {"equal": False, "shape": shape_a, "other_shape": shape_b, "rel_diff": None, "max_abs": None,
+                        "nonfinite": [0, 0]}
             num = den = 0.0
             mx = 0.0
+            bad = [0, 0]
             for r in range(0, shape_a[0] if shape_a else 1, block_rows):
                 x = (sa[r:r + block_rows] if shape_a else sa[:]).float()
                 y = (sb[r:r + block_rows] if shape_b else sb[:]).float()
+                bad[0] += int((~torch.isfinite(x)).sum())
+                bad[1] += int((~torch.isfinite(y)).sum())
                 d = x - y
                 num += float(d.pow(2).sum())
                 den += float(y.pow(2).sum())
                 mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise BadInput(f"cannot compare {a[1]} with {b[1]} ({' '.join(str(e).split())[:200]})", path=a[0]) from None
+    if any(bad):
+        return {"equal": False, "shape": shape_a, "other_shape": shape_b, "rel_diff": None, "max_abs": None,
+                "nonfinite": bad}
     return {"equal": num == 0.0, "shape": shape_a, "other_shape": shape_b,
-            "rel_diff": (num ** 0.5) / (den ** 0.5) if den > 0 else None, "max_abs": mx}
+            "rel_diff": (num ** 0.5) / (den ** 0.5) if den > 0 else None, "max_abs": mx, "nonfinite": bad}
 
 
 def own_copy_findings(head: MTPHead, draft_dir: Path, target_dir: Path, rules, facts: Optional[dict] = None,
@@ -126,7 +134,9 @@ def own_copy_findings(head: MTPHead, draft_dir: Path, target_dir: Path, rules, f
             if cmp["equal"]:
                 continue
             what = "lm_head" if own.startswith("shared_head") else "embedding"
-            diff = (f"rel. difference {cmp['rel_diff']:.3g}" if cmp["rel_diff"] is not None else
+            diff = (f"non-finite values (NaN / inf): {cmp['nonfinite'][0]} in the head's copy, "
+                    f"{cmp['nonfinite'][1]} in the target's" if any(cmp.get("nonfinite") or ()) else
+                    f"rel. difference {cmp['rel_diff']:.3g}" if cmp["rel_diff"] is not None else
                     f"shape {cmp['shape']} vs {cmp['other_shape']}")
             out.append(D.finding(
                 KIND_OF[own], None,

@@ -90,6 +90,7 @@ def cpu_refusal(cfg: dict, where: str = "target config") -> Optional[str]:
     (:func:`helpers.layers.mtp.mtp_head`; the family's ``architectures``), a head layer count that is absent or 0,
     an MLA latent width other than :data:`CPU_MLA_LATENT` (module docstring)."""
     head = mtp_head(cfg)
+    head = head.as_read_by("vLLM") if head is not None else None
     if head is None or head.arch in head.family.vllm_no_head:
         return (f"{where}: architectures={cfg.get('architectures')} is not a target vLLM 0.32.0 maps to an MTP head "
                 "(vllm/config/speculative.py::SpeculativeConfig.hf_config_override)")

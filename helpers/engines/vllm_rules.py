@@ -470,6 +470,36 @@ class VLLMMTPRules(MTPRules):
         self._weights(head, names, prefixes, findings, facts, f"vLLM's {head.vllm_arch}",
                       f"{head.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
 
+    def layer_indices(self, head: MTPHead, names: Optional[set], findings: list, notes: list, facts: dict) -> None:
+        """The checkpoint's MTP layer indices against what vLLM loads: an index ``i >= n_predict`` that the family's
+        mapper leaves outside the layers built (``model.mtp_layers.<i>`` with ``i`` not in ``[num_hidden_layers,
+        num_hidden_layers + n_predict)``) is ``mtp_head_refused`` with the family's
+        :attr:`helpers.layers.mtp.MTPFamily.vllm_extra_layer_refusal`; a family that skips such indices gets a note
+        (:attr:`helpers.layers.mtp.MTPFamily.vllm_extra_layers_note`)."""
+        fam = head.family
+        idx = fam.checkpoint_layer_indices(names)
+        if not idx:
+            return
+        facts["checkpoint_layers"] = idx
+        d = head.vllm_n_predict or 0
+        if fam.vllm_extra_layer_refusal is not None:
+            start = head.num_hidden_layers or 0
+            extra = [i for i in idx if i >= d and not start <= i < start + d]
+            if extra:
+                ref = fam.vllm_extra_layer_refusal
+                findings.append(finding(
+                    "mtp_head_refused", None,
+                    f"the checkpoint holds MTP layers {idx} but {fam.layers_field} is {d}: vLLM's {head.vllm_arch} "
+                    f"remaps layers below {d} only, so layer {extra[0]} reaches no module and loading raises "
+                    f"{ref.error.replace('<i>', str(extra[0]))} at start-up",
+                    engine=f"{self.label} {self.version}", checkpoint_layers=idx, declared=d, unmapped=extra,
+                    error=ref.error, source=ref.source,
+                    fix=f"set {fam.layers_field} to {max(idx) + 1} in a copy of the config, or drop layers "
+                        f"{extra} from a copy of the index / shards"))
+        elif fam.vllm_extra_layers_note and any(i >= (fam.vllm_built or d) for i in idx):
+            notes.append(f"the checkpoint holds MTP layers {idx}: those past the {fam.vllm_built or d} vLLM builds "
+                         f"are {fam.vllm_extra_layers_note}")
+
     def check(self, head: MTPHead, spec: MTPSpec, target_raw: dict, names: Optional[set], draft_is_target: bool,
               findings: list, notes: list, facts: dict) -> None:
         """What vLLM will load and refuse for ``head`` (see :meth:`helpers.draft.mtp_checks.MTPRules.check`)."""
@@ -550,6 +580,7 @@ class VLLMMTPRules(MTPRules):
                          f"num_speculative_tokens = {k} tokens")
         self._weights(head, names, head.vllm_prefixes(), findings, facts, f"vLLM's {head.vllm_arch}",
                       f"{head.vllm_file} (mtp_start_layer_idx = num_hidden_layers)")
+        self.layer_indices(head, names, findings, notes, facts)
         trained = self.built_layers(head)
         facts["loads"]["layers_loaded"] = trained
         if k > trained:

@@ -13,7 +13,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import BadInput
-from ..layers.mtp import MAX_MTP_LAYERS, MTPHead, family_of, mtp_head
+from ..layers.mtp import MAX_HIDDEN_LAYERS, MAX_MTP_LAYERS, MTPHead, family_of, mtp_head
 from ..layers.mtp import text_config as mtp_text_config
 from ..layers.sglang import target_family
 from ..runfiles import read_json_file, regular_file
@@ -141,8 +141,12 @@ def _sub_configs_checked(d: dict, path: Path) -> None:
 def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
     """The MTP / NextN head of a config.json already read (:func:`helpers.layers.mtp.mtp_head`), its fields checked
     first: the layer field (``num_nextn_predict_layers``) an int 0-:data:`helpers.layers.mtp.MAX_MTP_LAYERS` when
-    present (absent: the config class's default applies, ``MTPHead.layers_defaulted``), ``num_hidden_layers`` a
-    positive int when present; both read in the text sub-config where there is one. None: no MTP family.
+    present (absent: the config class's default applies, ``MTPHead.layers_defaulted``; Qwen3.5's top-level copy,
+    which vLLM reads first, too), ``num_hidden_layers`` an int 1-:data:`helpers.layers.mtp.MAX_HIDDEN_LAYERS` when
+    present (absent: the config class's default, :attr:`helpers.layers.mtp.MTPFamily.hidden_layers_default`, or
+    refused where the head's prefix needs it), the sizes the family's layer expansion reads
+    (:attr:`helpers.layers.mtp.MTPFamily.size_fields`: ``n_routed_experts`` 1-:data:`helpers.layers.mtp.MAX_EXPERTS`
+    ...), non-empty architecture names; all read in the text sub-config where there is one. None: no MTP family.
 
     Raises:
         BadInput: one line naming ``path`` and the field: a present field of the wrong type (string, null, float,
@@ -150,14 +154,32 @@ def read_mtp_head(raw: dict, path: str | Path) -> MTPHead | None:
             (:func:`_architectures`); a text sub-config key (``text_config`` ...) that is not an object."""
     p = Path(path)
     _sub_configs_checked(raw, p)
-    fam = family_of(_architectures(raw, p))
+    archs = _architectures(raw, p)
+    if any(not a.strip() for a in archs):
+        # SGLang's draft rewrite and vLLM's hf_config_override read architectures[0] as a class name: an empty one is
+        # no class (not skipped)
+        raise BadInput(f"expected non-empty architecture names, got {archs!r}", path=p, field="architectures")
+    fam = family_of(archs)
     if fam is None:
         return None
     tc = mtp_text_config(raw)
     prefix = "" if tc is raw else next(f"{k}." for k, v in raw.items() if v is tc)
+    why = " (head layers: SGLang loads 1, vLLM builds one each)"
     _int_field(tc, fam.layers_field, p, required=False, prefix=prefix, minimum=0, maximum=MAX_MTP_LAYERS,
-               null_ok=False, why=" (head layers: SGLang loads 1, vLLM builds one each)")
-    _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix)
+               null_ok=False, why=why)
+    if tc is not raw and any("top" in places for _, places in fam.layers_read):
+        _int_field(raw, fam.layers_field, p, required=False, minimum=0, maximum=MAX_MTP_LAYERS, null_ok=False,
+                   why=why)
+    _int_field(tc, "num_hidden_layers", p, required=False, prefix=prefix, minimum=1, maximum=MAX_HIDDEN_LAYERS,
+               null_ok=False, why=" (this tool's bound, helpers.layers.mtp.MAX_HIDDEN_LAYERS)")
+    if "num_hidden_layers" not in tc and fam.hidden_layers_default is None \
+            and fam.prefix_uses_num_hidden_layers():
+        raise BadInput(f"missing: the {fam.name} head sits at model.layers.{{num_hidden_layers}}. and the engines' "
+                       "config class gives no default to read it from", path=p, field=prefix + "num_hidden_layers")
+    for key, lo, hi, null_ok in fam.size_fields:
+        _int_field(tc, key, p, required=False, prefix=prefix, minimum=lo, maximum=hi, null_ok=null_ok,
+                   why=(" (this tool's bound, helpers.layers.mtp.MAX_EXPERTS: one name per expert is listed)"
+                        if key == "n_routed_experts" else ""))
     return mtp_head(raw)
 
 

@@ -28,7 +28,8 @@ What the two engines do with such a head (read in the installed source):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 _SG = "sglang/srt"
@@ -65,6 +66,21 @@ SGLANG_BUILT_LAYERS = 1
 #: count past a handful is a config error that ends in an out-of-memory at load. Released heads have 1 (DeepSeek-V3,
 #: GLM-4.5, Qwen3-Next, MiMo-7B); past this bound the checks refuse the config rather than list its layers.
 MAX_MTP_LAYERS = 64
+#: The most routed experts a config may declare (``n_routed_experts``): this tool's bound, not an engine's (neither
+#: SGLang 0.5.23 nor vLLM 0.32.0 states one). :func:`deepseek_nextn_shapes` names every expert's tensors, so a count
+#: of 1e9 would build 3e9 names; released MoE heads have 256 (DeepSeek-V3) to 384 (Kimi-K2) experts.
+MAX_EXPERTS = 4096
+#: The most decoder layers a config may declare (``num_hidden_layers``): this tool's bound, not an engine's; the
+#: head's prefix ``model.layers.{num_hidden_layers}.`` is built from it (released targets: 61 for DeepSeek-V3).
+MAX_HIDDEN_LAYERS = 100_000
+#: The config sizes :func:`deepseek_nextn_shapes` reads, as ``(field, minimum, maximum or None, null allowed)``:
+#: ``helpers.formats.configs.read_mtp_head`` refuses a present one of the wrong type or range (one line naming it)
+#: instead of dropping it. ``q_lora_rank`` may be null (DeepSeek-V2-Lite: no q LoRA; the names then are not expanded).
+DEEPSEEK_SIZE_FIELDS = (
+    ("hidden_size", 1, None, False), ("num_attention_heads", 1, None, False), ("q_lora_rank", 1, None, True),
+    ("kv_lora_rank", 1, None, False), ("qk_nope_head_dim", 1, None, False), ("qk_rope_head_dim", 0, None, False),
+    ("v_head_dim", 1, None, False), ("n_routed_experts", 1, MAX_EXPERTS, True),
+    ("moe_intermediate_size", 1, None, True), ("n_shared_experts", 0, None, True))
 
 
 def _after_last(n: int, i: int) -> str:
@@ -95,7 +111,12 @@ def deepseek_nextn_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     DeepseekV2WeightLoaderMixin.do_load_weights``: "Use shared head and embed weights from target model").
 
     Raises:
-        KeyError / TypeError / ValueError: a field the MLA + MoE layer needs is absent or not a number."""
+        KeyError / TypeError / ValueError: a field the MLA + MoE layer needs is absent, not an int, or out of the
+            range of :data:`DEEPSEEK_SIZE_FIELDS` (``n_routed_experts`` over :data:`MAX_EXPERTS`)."""
+    for k, lo, hi, _ in DEEPSEEK_SIZE_FIELDS:
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi)):
+            raise ValueError(f"{k} {v!r} is not an integer {lo}-{hi if hi is not None else 'inf'}")
     p = f"model.layers.{sglang_nextn_layer(int(cfg['num_hidden_layers']))}."
     H, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     ql, kl, nope, rope, v = (int(cfg[k]) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -203,6 +224,31 @@ class MTPFamily:
         vllm_by_target: ``(target architectures[0], vLLM head class, its file, its reuse line)`` for a family whose
             vLLM head class depends on the target class (Bailing: V2.5 and V3); the target classes not listed use
             :attr:`vllm_arch` / :attr:`vllm_file` / :attr:`vllm_reuse` (read through :class:`MTPHead`).
+        size_fields: the config sizes :attr:`expected` reads (:data:`DEEPSEEK_SIZE_FIELDS`), checked by
+            ``helpers.formats.configs.read_mtp_head``; () when the family's layer is not expanded.
+        hidden_layers_default: the ``num_hidden_layers`` the engines' config class gives a config.json that leaves it
+            out (transformers 5.19, both venvs: ``DeepseekV3Config`` 61, ``Glm4MoeConfig`` 46, ``Glm4MoeLiteConfig``
+            47, ``models/<type>/configuration_<type>.py`` l. 86 / 94 / 86); None: no default the checks rely on (a
+            family whose prefix is built from it is then refused by ``read_mtp_head``).
+        layers_read: ``(engine label, places)``: where each engine reads :attr:`layers_field`, in order, ``top``
+            (config.json's top level) or ``text`` (the text sub-config, :func:`text_config`); the first place holding
+            an int wins. Engines not listed read ``("text",)``. Qwen3.5 on vLLM: ``("top", "text")``
+            (``vllm/config/speculative.py::SpeculativeConfig.hf_config_override`` l. 917-935: ``getattr(hf_config,
+            "mtp_num_hidden_layers")`` first, then ``get_hf_text_config``'s).
+        vllm_built_text_default: the head class builds the text config's :attr:`layers_field` layers (this value when
+            the text config lacks it) rather than ``n_predict`` (Qwen3.5: ``qwen3_5_mtp.py::Qwen3_5MultiTokenPredictor.
+            __init__`` l. 82, ``getattr(hf_text_config, "mtp_num_hidden_layers", 1)``); None: ``n_predict``.
+        layer_index_re: a regex whose one group is the MTP layer index of a checkpoint tensor name (MiMo:
+            ``model.mtp_layers.<i>.``), for the families whose loaders map the index themselves; "" for the others.
+        sglang_folds_layers: SGLang's loader maps every layer index into its one head block (MiMo / MiMo-V2:
+            ``map_model_name_to_mtp_param_name``), each layer read overwriting the one before: a checkpoint with a
+            layer other than 0 is served with whichever comes last in the read order.
+        vllm_extra_layer_refusal: vLLM's refusal of a checkpoint layer index >= the declared count that its mapper
+            leaves outside the layers built (MiMo: ``mimo_mtp.py::MiMoMTP`` ``hf_to_vllm_mapper`` remaps
+            ``model.mtp_layers.<i>.`` for ``i < num_nextn_predict_layers`` only, l. 182-184, and
+            ``vllm/model_executor/models/utils.py::AutoWeightsLoader._load_module`` l. 441-448 raises on the rest).
+        vllm_extra_layers_note: what vLLM does instead with such an index when it does not refuse it ("" : nothing to
+            say).
         vllm_warns_reuse: vLLM logs "Enabling num_speculative_tokens > 1 will run multiple times of forward on same
             MTP layer" for this head (``vllm/config/speculative.py::SpeculativeConfig.__post_init__`` l. 1375-1385:
             every MTP model type but ``step3p5_mtp`` / ``inkling_mtp``).
@@ -241,6 +287,30 @@ class MTPFamily:
     vllm_no_head: tuple[str, ...] = ()
     vllm_by_target: tuple[tuple[str, str, str, str], ...] = ()
     vllm_warns_reuse: bool = True
+    size_fields: tuple[tuple[str, int, Optional[int], bool], ...] = ()
+    hidden_layers_default: Optional[int] = None
+    layers_read: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    vllm_built_text_default: Optional[int] = None
+    layer_index_re: str = ""
+    sglang_folds_layers: bool = False
+    vllm_extra_layer_refusal: Optional[Refusal] = None
+    vllm_extra_layers_note: str = ""
+
+    def checkpoint_layer_indices(self, names: Optional[set[str]]) -> list[int]:
+        """The MTP layer indices the checkpoint's tensor names carry (:attr:`layer_index_re`), sorted; [] when the
+        family has no such pattern or no names are at hand."""
+        if not self.layer_index_re or not names:
+            return []
+        rx = re.compile(self.layer_index_re)
+        return sorted({int(m.group(1)) for n in names if (m := rx.match(n))})
+
+    def layers_places(self, label: str) -> tuple[str, ...]:
+        """Where the engine ``label`` reads :attr:`layers_field`, in order (:attr:`layers_read`)."""
+        return dict(self.layers_read).get(label, ("text",))
+
+    def prefix_uses_num_hidden_layers(self) -> bool:
+        """Whether the head's checkpoint prefix is built from ``num_hidden_layers`` (``model.layers.{n}.``)."""
+        return any(f(7, 0) != f(8, 0) for f in (self.sglang_prefix, self.vllm_prefix))
 
     def serves_own(self, label: str) -> tuple[str, ...]:
         """The own copies the engine named ``label`` (``SGLang`` / ``vLLM``) serves instead of the target's."""
@@ -269,7 +339,7 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         vllm_file=f"{_VL}/deepseek_mtp.py", vllm_layers_default=None,
         vllm_reuse=f"{_VL}/deepseek_mtp.py::DeepSeekMultiTokenPredictor.forward l. 217 "
                    "(spec_step_idx % num_mtp_layers)", expected=_deepseek_expected,
-        own_copies=_OWN_COPIES),
+        own_copies=_OWN_COPIES, size_fields=DEEPSEEK_SIZE_FIELDS, hidden_layers_default=61),
     MTPFamily(
         name="glm4_moe", target_archs=("Glm4MoeForCausalLM",), head_arch="Glm4MoeForCausalLMNextN",
         head_file=f"{_SG}/models/glm4_moe_nextn.py", layers_field="num_nextn_predict_layers", config_default=1,
@@ -278,7 +348,8 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_exactly_one=True, draft_path_default=True, sglang_prefix=_sglang_nextn, vllm_prefix=_after_last,
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeMTPModel",
         vllm_file=f"{_VL}/glm4_moe_mtp.py", vllm_layers_default=None,
-        vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)", own_copies=_OWN_COPIES),
+        vllm_reuse=f"{_VL}/glm4_moe_mtp.py l. 172 (spec_step_idx % num_mtp_layers)", own_copies=_OWN_COPIES,
+        hidden_layers_default=46),
     MTPFamily(
         # GLM-4.7-Flash: a DeepSeek-V3-like MLA + MoE layer, loaded by the DeepSeek NextN loader mixin
         name="glm4_moe_lite", target_archs=("Glm4MoeLiteForCausalLM",), head_arch="Glm4MoeLiteForCausalLMNextN",
@@ -291,7 +362,8 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         head_tensors=_NEXTN_TENSORS, layer_tensors=_DECODER, vllm_arch="Glm4MoeLiteMTPModel",
         vllm_file=f"{_VL}/glm4_moe_lite_mtp.py", vllm_layers_default=None,
         vllm_reuse=f"{_VL}/glm4_moe_lite_mtp.py::Glm4MoeLiteMultiTokenPredictor l. 198 (spec_step_idx % "
-                   "num_mtp_layers)", expected=_deepseek_expected, own_copies=_OWN_COPIES),
+                   "num_mtp_layers)", expected=_deepseek_expected, own_copies=_OWN_COPIES,
+        size_fields=DEEPSEEK_SIZE_FIELDS, hidden_layers_default=47),
     MTPFamily(
         # Qwen3.5 (dense and MoE, the multimodal wrapper or the text model): the layer count is
         # text_config.mtp_num_hidden_layers; SGLang builds one layer whatever it says
@@ -299,6 +371,10 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                                       "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
         head_arch="Qwen3_5ForCausalLMMTP", head_file=f"{_SG}/models/qwen3_5_mtp.py",
         layers_field="mtp_num_hidden_layers", config_default=None, sglang_layers=1,
+        # vLLM's hf_config_override reads the top level first, then the text config (speculative.py l. 917-935);
+        # SGLang reads neither (it writes num_nextn_predict_layers = 1 and builds one layer, model_config.py
+        # l. 1179-1181, qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.__init__): its notes quote the count vLLM would read
+        layers_read=(("vLLM", ("top", "text")), ("SGLang", ("top", "text"))), vllm_built_text_default=1,
         sglang_loader=(f"{_SG}/models/qwen3_5_mtp.py::Qwen3_5ForCausalLMMTP.load_weights l. 261-370 (only names "
                        "with 'mtp'; mtp.* read as model.*); configs/model_config.py::ModelConfig._config_draft_model "
                        "l. 1159-1181 sets num_nextn_predict_layers = 1"),
@@ -335,7 +411,14 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_later_layers=(f"loaded into the same one block, each overwriting the layer read before it ({_SG}/"
                              "models/mimo_mtp.py::MiMoMTP.map_model_name_to_mtp_param_name maps every "
                              "model.mtp_layers.<i>. to model.mtp_block. / model.; load_weights copies each in turn): "
-                             "the head served is the last layer in the checkpoint's read order, not layer 0")),
+                             "the head served is the last layer in the checkpoint's read order, not layer 0"),
+        layer_index_re=r"model\.mtp_layers\.(\d+)\.", sglang_folds_layers=True,
+        vllm_extra_layer_refusal=Refusal(
+            "index_ge_declared",
+            "ValueError(\"There is no module or parameter named 'model.mtp_layers.<i>' in MiMoMTP ...\")",
+            f"{_VL}/mimo_mtp.py::MiMoMTP hf_to_vllm_mapper l. 182-184 (remaps model.mtp_layers.<i>. for i < "
+            "num_nextn_predict_layers only) and vllm/model_executor/models/utils.py::AutoWeightsLoader._load_module "
+            "l. 441-448")),
     MTPFamily(
         # LongCat-Flash: one MLA + dense-MLP NextN layer stored under model.mtp.*; both engines build one layer and
         # read model.mtp.layers.0.* only (their name maps list layer 0 alone)
@@ -380,7 +463,10 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                              "models/mimo_v2_nextn.py::MiMoV2MTP.map_model_name_to_mtp_param_name maps every "
                              "model.mtp.layers.<i>. to model.mtp_block. / model.): the head served is the last layer "
                              "in the checkpoint's read order, not layer 0"),
-        vllm_n_predict=1, vllm_built=1),
+        vllm_n_predict=1, vllm_built=1,
+        layer_index_re=r"model\.mtp\.layers\.(\d+)\.", sglang_folds_layers=True,
+        vllm_extra_layers_note=(f"not loaded: vLLM builds layer 0 only and {_VL}/mimo_v2_mtp.py::MiMoV2MTP."
+                                "load_weights l. 376 skips names outside its parameters")),
     MTPFamily(
         # Step-3.5 (Flash; Step-3.7's text model): NextN layers model.layers.{n + i}.*, each with its own
         # shared_head.output (the lm_head copy it was trained with). SGLang runs multi-layer EAGLE for this target
@@ -539,6 +625,11 @@ class MTPHead:
         expected: every tensor name of one head layer relative to its prefix (:attr:`MTPFamily.expected` of the
             text config), () when the family or the config does not say.
         arch: the config's ``architectures[0]`` (the target or head class).
+        text_layers: :attr:`MTPFamily.layers_field` as the text sub-config (or the config, when it has none) gives
+            it, None when absent or not an int.
+        top_layers: the field at config.json's top level when the config has a text sub-config, else None.
+        hidden_layers_defaulted: ``num_hidden_layers`` is absent and :attr:`num_hidden_layers` is the config class's
+            default (:attr:`MTPFamily.hidden_layers_default`).
     """
 
     family: MTPFamily
@@ -548,6 +639,20 @@ class MTPHead:
     layers_defaulted: bool = False
     expected: tuple[str, ...] = ()
     arch: str = ""
+    text_layers: Optional[int] = None
+    top_layers: Optional[int] = None
+    hidden_layers_defaulted: bool = False
+
+    def as_read_by(self, label: str) -> "MTPHead":
+        """This head with :attr:`layers` as the engine ``label`` (``SGLang`` / ``vLLM``) reads it: the first of
+        :meth:`MTPFamily.layers_places` holding an int (Qwen3.5 on vLLM: the top level before the text config),
+        else as :func:`mtp_head` read it. When both places hold different counts the first one read wins, as in the
+        engine."""
+        for place in self.family.layers_places(label):
+            v = self.top_layers if place == "top" else self.text_layers
+            if v is not None:
+                return replace(self, layers=v, layers_defaulted=False)
+        return self
 
     def _vllm_head(self) -> tuple[str, str, str]:
         for arch, cls, file, reuse in self.family.vllm_by_target:
@@ -588,7 +693,10 @@ class MTPHead:
     def vllm_built(self) -> int:
         """The head layers vLLM builds and reads: :attr:`MTPFamily.vllm_built` when the head class fixes it, else
         ``n_predict``, else the family's default, else 1."""
-        return self.family.vllm_built or self.vllm_n_predict or self.family.vllm_layers_default or 1
+        fam = self.family
+        if fam.vllm_built_text_default is not None:     # the head class reads the text config's field itself
+            return fam.vllm_built or self.text_layers or fam.vllm_built_text_default
+        return fam.vllm_built or self.vllm_n_predict or fam.vllm_layers_default or 1
 
     def sglang_prefixes(self) -> list[str]:
         """The checkpoint prefixes SGLang reads the head from (one: SGLang builds one head layer)."""
@@ -620,9 +728,16 @@ def mtp_head(raw: dict) -> Optional[MTPHead]:
     given = tc.get(fam.layers_field)
     given = given if isinstance(given, int) and not isinstance(given, bool) else None
     layers = given if given is not None else (fam.config_default if fam.layers_field not in tc else None)
+    top = raw.get(fam.layers_field) if tc is not raw else None
+    top = top if isinstance(top, int) and not isinstance(top, bool) else None
     n = tc.get("num_hidden_layers")
     n = n if isinstance(n, int) and not isinstance(n, bool) else None
+    n_defaulted = n is None and "num_hidden_layers" not in tc and fam.hidden_layers_default is not None
+    if n_defaulted:
+        n = fam.hidden_layers_default
     arch = raw["architectures"][0]
+    exp_cfg = tc if not n_defaulted else {**tc, "num_hidden_layers": n}
     return MTPHead(family=fam, form="checkpoint" if arch == fam.head_arch else "target", layers=layers,
                    num_hidden_layers=n, layers_defaulted=fam.layers_field not in tc and layers is not None,
-                   expected=fam.expected(tc) if fam.expected else (), arch=arch)
+                   expected=fam.expected(exp_cfg) if fam.expected else (), arch=arch, text_layers=given,
+                   top_layers=top, hidden_layers_defaulted=n_defaulted)
