@@ -4,8 +4,8 @@ without loading it; ``helpers.hooks.Fault`` is the same class.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Any, Optional
 
 FAULT_KINDS = ("chunk_order", "embedding_in_place_of_layer", "embedding_not_all_reduced",
                "wrong_layer", "layer_offset", "tp_partial_sum", "rotated_basis", "norm_mismatch",
@@ -60,3 +60,38 @@ class Fault:
         return []
 
 
+
+
+def parse_faults(text: str, what: str = "--faults") -> list[Fault]:
+    """The faults of a JSON list of :class:`Fault` dicts (``server start --faults JSON``), checked here so a bad value
+    is refused before any server starts: the same checks :meth:`Fault.__post_init__` makes where the hooks apply them
+    (``helpers.hooks``), plus the list's own shape.
+
+    Args:
+        text: JSON, e.g. ``'[{"kind": "wrong_layer", "chunk": 0, "layer": 7}]'``.
+        what: the flag or field named in the error.
+
+    Raises:
+        ValueError: one line naming ``what`` and what was expected: not JSON, not a list of objects, a field
+            :class:`Fault` does not have, an unknown kind, a field the kind needs missing."""
+    from .runfiles import loads_json  # lazy: keep this module import-light
+    try:
+        data: Any = loads_json(text)
+    except ValueError as exc:          # json.JSONDecodeError and JSONTooDeep are ValueErrors
+        raise ValueError(f"{what}: not JSON ({str(exc).splitlines()[0]}); expected a list of fault objects, e.g. "
+                         '[{"kind": "wrong_layer", "chunk": 0, "layer": 7}]') from None
+    if not isinstance(data, list):
+        raise ValueError(f"{what}: expected a JSON list of fault objects, got {type(data).__name__}")
+    known = {f.name for f in fields(Fault)}
+    out = []
+    for i, f in enumerate(data):
+        if not isinstance(f, dict):
+            raise ValueError(f"{what}: item {i}: expected an object with a 'kind', got {type(f).__name__}")
+        extra = sorted(str(k) for k in f if k not in known)
+        if extra:
+            raise ValueError(f"{what}: item {i}: unknown field(s) {extra}; a fault takes {sorted(known)}")
+        try:
+            out.append(Fault(**f))
+        except ValueError as exc:
+            raise ValueError(f"{what}: item {i}: {exc}") from None
+    return out
