@@ -4,6 +4,7 @@ without loading it; ``helpers.hooks.Fault`` is the same class.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -74,11 +75,11 @@ def parse_faults(text: str, what: str = "--faults") -> list[Fault]:
     Raises:
         ValueError: one line naming ``what`` and what was expected: not JSON, not a list of objects, a field
             :class:`Fault` does not have, an unknown kind, a field the kind needs missing."""
-    from .runfiles import loads_json  # lazy: keep this module import-light
-    try:
-        data: Any = loads_json(text)
-    except ValueError as exc:          # json.JSONDecodeError and JSONTooDeep are ValueErrors
-        raise ValueError(f"{what}: not JSON ({str(exc).splitlines()[0]}); expected a list of fault objects, e.g. "
+    try:                               # stdlib json: this module sits below helpers.runfiles (tier 0)
+        data: Any = json.loads(text)
+    except (ValueError, RecursionError) as exc:      # not JSON, or nested past the parser's stack
+        why = str(exc).splitlines()[0] if isinstance(exc, ValueError) else "nested too deep"
+        raise ValueError(f"{what}: not JSON ({why}); expected a list of fault objects, e.g. "
                          '[{"kind": "wrong_layer", "chunk": 0, "layer": 7}]') from None
     if not isinstance(data, list):
         raise ValueError(f"{what}: expected a JSON list of fault objects, got {type(data).__name__}")

@@ -175,7 +175,8 @@ def test_a_trace_of_a_nextn_head_needs_no_draft(tmp_path, capsys, no_launch):
     ('[{"kind": "wrong_layer", "chunk": 0, "layer": 7, "lyer": 7}]', "--faults: item 0: unknown field(s) ['lyer']"),
     ('{"kind": "wrong_layer"}', "--faults: expected a JSON list of fault objects, got dict"),
     ('[7]', "--faults: item 0: expected an object with a 'kind', got int"),
-    ("[{kind: wrong_layer}]", "--faults: not JSON")])
+    ("[{kind: wrong_layer}]", "--faults: not JSON"),
+    pytest.param("[" * 100000, "--faults: not JSON", id="nested-100000-deep")])
 def test_bad_faults_are_refused_before_any_server_starts(faults, named, tmp_path, capsys, no_launch):
     """A bad ``--faults`` was found only by the detached supervisor, once started, and its message came back doubled
     ("the background server exited (2): server: error: fault ..."): now one line, exit 2, nothing launched."""
