@@ -4,8 +4,9 @@ without loading it; ``helpers.hooks.Fault`` is the same class.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Optional
 
 FAULT_KINDS = ("chunk_order", "embedding_in_place_of_layer", "embedding_not_all_reduced",
                "wrong_layer", "layer_offset", "tp_partial_sum", "rotated_basis", "norm_mismatch",
@@ -60,3 +61,38 @@ class Fault:
         return []
 
 
+
+
+def parse_faults(text: str, what: str = "--faults") -> list[Fault]:
+    """The faults of a JSON list of :class:`Fault` dicts (``server start --faults JSON``), checked here so a bad value
+    is refused before any server starts: the same checks :meth:`Fault.__post_init__` makes where the hooks apply them
+    (``helpers.hooks``), plus the list's own shape.
+
+    Args:
+        text: JSON, e.g. ``'[{"kind": "wrong_layer", "chunk": 0, "layer": 7}]'``.
+        what: the flag or field named in the error.
+
+    Raises:
+        ValueError: one line naming ``what`` and what was expected: not JSON, not a list of objects, a field
+            :class:`Fault` does not have, an unknown kind, a field the kind needs missing."""
+    try:                               # stdlib json: this module sits below helpers.runfiles (tier 0)
+        data: Any = json.loads(text)
+    except (ValueError, RecursionError) as exc:      # not JSON, or nested past the parser's stack
+        why = str(exc).splitlines()[0] if isinstance(exc, ValueError) else "nested too deep"
+        raise ValueError(f"{what}: not JSON ({why}); expected a list of fault objects, e.g. "
+                         '[{"kind": "wrong_layer", "chunk": 0, "layer": 7}]') from None
+    if not isinstance(data, list):
+        raise ValueError(f"{what}: expected a JSON list of fault objects, got {type(data).__name__}")
+    known = {f.name for f in fields(Fault)}
+    out = []
+    for i, f in enumerate(data):
+        if not isinstance(f, dict):
+            raise ValueError(f"{what}: item {i}: expected an object with a 'kind', got {type(f).__name__}")
+        extra = sorted(str(k) for k in f if k not in known)
+        if extra:
+            raise ValueError(f"{what}: item {i}: unknown field(s) {extra}; a fault takes {sorted(known)}")
+        try:
+            out.append(Fault(**f))
+        except ValueError as exc:
+            raise ValueError(f"{what}: item {i}: {exc}") from None
+    return out

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..engines.detect import adapter as engine_adapter
 from ..engines.detect import detect
 from ..errors import BadInput, BadServerInput, ServerStartError
+from ..faults import parse_faults
 from ..paths import ROOT
 from ..server.embedded import REFERENCE_DRAFT, SPEC_ALGORITHMS, parse_ports, pick_port
 from ..server.listener_flags import refuse_listener_flags
@@ -182,7 +183,8 @@ def check_start_flags(args: argparse.Namespace) -> None:
     ``--tp 100000`` built an argument list the OS refused) (SGLang's ``SpecSettings`` fields are ``ge=1``; vLLM 0.32.0 refuses
     ``num_speculative_tokens`` <= 0: vllm/config/speculative.py::SpeculativeConfig.__post_init__, and a TP of 0
     divides by zero in :func:`helpers.engines.vllm_server.omp_bind`), ``--dtype`` one of :data:`DTYPES`,
-    ``--timeout`` a finite number of seconds above 0 (not nan / inf), ``--port`` a port or ``LOW-HIGH``.
+    ``--timeout`` a finite number of seconds above 0 (not nan / inf), ``--port`` a port or ``LOW-HIGH``, ``--faults`` a
+    JSON list of faults :func:`helpers.faults.parse_faults` takes.
 
     Raises:
         BadServerInput: one line naming the flag and what it takes (exit 2)."""
@@ -199,6 +201,11 @@ def check_start_flags(args: argparse.Namespace) -> None:
     if not (args.timeout > 0 and args.timeout != float("inf")):
         raise BadServerInput(f"--timeout must be a finite number of seconds above 0, got {args.timeout}")
     parse_ports(args.port, what="--port")
+    if getattr(args, "faults", None):
+        try:
+            parse_faults(args.faults)
+        except ValueError as exc:
+            raise BadServerInput(str(exc)) from None
     for flag, attr in (("--trace-draft", "trace_draft"), ("--capture-ranks", "capture_ranks"),
                        ("--capture-layers", "capture_layers")):
         if getattr(args, attr, None):

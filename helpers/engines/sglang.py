@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..acceptance.ablations import TOGGLES, Toggle
-from ..faults import Fault
+from ..faults import parse_faults
 from ..formats.configs import read_draft_config, read_target_config
 from ..runfiles import armed_file, loads_json
 from ..server.settings import SpecSettings
@@ -479,7 +479,7 @@ class SGLangAdapter(EngineAdapter):
         from ..capture import server_hook_specs  # lazy: torch (measure detects the engine without it)
         from ..hooks import model_family  # lazy: torch (measure detects the engine without it)
         hooks = loads_json(args.forward_hooks) if args.forward_hooks else None
-        faults = [Fault(**f) for f in loads_json(args.faults)] if args.faults else []
+        faults = parse_faults(args.faults) if args.faults else []
         trace = getattr(args, "trace_draft", None)
         if faults or args.capture_layers or args.capture_ranks or trace:
             tcfg = read_target_config(args.target or embedded.REFERENCE_TARGET)

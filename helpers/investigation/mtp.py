@@ -553,7 +553,9 @@ def _every_rank(r: Any, found: list[dict], ref: Any, how: str, weight: torch.Ten
     """At TP > 1, every rank's state (:func:`helpers.investigation.mtp_ranks.identify_ranks`, from the server's own
     every-layer capture) into ``doc.diagnosis["ranks"]``: ``found`` (rank 0's findings) with the ranks' findings
     after them, or in place of rank 0's ``unidentified_chunk`` when the ranks explain it (a partial sum, a shard).
-    Without that capture, ``found`` and a note that only rank 0 was compared."""
+    Without that capture folder (no reference from the server itself, or a server that records rank 0 only: vLLM
+    0.32.0's worker extension, ``att.layers_dir`` None), ``found`` unchanged and a note that only rank 0 was compared
+    and what would compare every rank (:func:`helpers.investigation.mtp_ranks.per_rank_note`)."""
     from .mtp_ranks import identify_ranks, per_rank_note, rank_findings, rank_line  # lazy: it imports this module
     att = r.att
     own = ref is not None and how == r.adapter.every_layer_source(r.client, att.layers_dir)   # the server's own
@@ -561,7 +563,7 @@ def _every_rank(r: Any, found: list[dict], ref: Any, how: str, weight: torch.Ten
     if note:
         r.doc.notes.append(note)
         r.progress("caveat: " + note)
-    if att.tp <= 1 or not own:
+    if att.tp <= 1 or not own or att.layers_dir is None:     # no per-rank capture folder to read: rank 0 only
         return found
     ir = identify_ranks(att.layers_dir, ref, weight, eps, H)
     r.doc.diagnosis["ranks"] = ir

@@ -211,9 +211,10 @@ def per_rank_note(tp: int, layers_dir: Optional[Any]) -> Optional[str]:
     """Why only rank 0 was compared on a TP > 1 server (None at TP 1 or when the ranks were compared)."""
     if tp <= 1 or layers_dir is not None:
         return None
-    return (f"only TP rank 0's state was compared (what /generate returns) on this TP {tp} server; to compare every "
-            "rank's NextN input, start the server with the every-layer capture (`python -m helpers server start "
-            "--nextn --capture-layers DIR`) and investigate again")
+    return (f"only TP rank 0's state was compared on this TP {tp} server (it records no per-rank every-layer capture "
+            "folder: the per-rank check was skipped); to compare every rank's NextN input, serve the target on the "
+            "embedded SGLang server with the every-layer capture hooks (`python -m helpers server start --nextn "
+            "--capture-layers DIR`; vLLM's worker extension records TP rank 0 only) and investigate again")
 
 
 __all__ = ["RANK_SOURCE", "identify_ranks", "per_rank_note", "rank_findings", "rank_line", "rank_states"]

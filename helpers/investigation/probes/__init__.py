@@ -144,12 +144,12 @@ def _loss_text(loss: Optional[dict]) -> str:
 
 def _one(p: Probe, ctx: ProbeContext, which: str, server_errors: bool = False) -> ProbeResult:
     skip = None
-    if asks_none(which) or (which == "cheap" and p.cost == "restart"):
+    if p.mtp == "no" and on_mtp_head(ctx):     # first: on a head no --engine-probes value runs it (not "all runs it")
+        skip = f"does not apply to an MTP / NextN head: {p.mtp_why}"
+    elif asks_none(which) or (which == "cheap" and p.cost == "restart"):
         skip = (f"not asked for (--engine-probes {which}; " +
                 ("--engine-probes cheap runs it)" if p.cost == "cheap" else "--engine-probes all runs it: it "
                  "restarts a copy of the server)"))
-    elif p.mtp == "no" and on_mtp_head(ctx):
-        skip = f"does not apply to an MTP / NextN head: {p.mtp_why}"
     elif p.cost == "restart" and getattr(ctx.att, "restart", None) is None:
         skip = ("this server cannot be restarted by the tool (start it with `python -m helpers server start` or "
                 "pass --relaunch)")

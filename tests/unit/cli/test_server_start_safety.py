@@ -167,3 +167,32 @@ def test_a_trace_of_a_nextn_head_needs_no_draft(tmp_path, capsys, no_launch):
     launched = json.dumps(no_launch, default=str)
     assert "helpers.trace_hooks:draft_trace_factory" in launched and str(tmp_path / "t") in launched, launched
     assert "NEXTN" in launched
+
+
+@pytest.mark.parametrize("faults,named", [
+    ('[{"kind": "wrong_layer"}]', "--faults: item 0: fault 'wrong_layer' needs field(s) ['chunk', 'layer']"),
+    ('[{"kind": "bogus", "chunk": 0}]', "--faults: item 0: unknown fault kind 'bogus'"),
+    ('[{"kind": "wrong_layer", "chunk": 0, "layer": 7, "lyer": 7}]', "--faults: item 0: unknown field(s) ['lyer']"),
+    ('{"kind": "wrong_layer"}', "--faults: expected a JSON list of fault objects, got dict"),
+    ('[7]', "--faults: item 0: expected an object with a 'kind', got int"),
+    ("[{kind: wrong_layer}]", "--faults: not JSON"),
+    pytest.param("[" * 100000, "--faults: not JSON", id="nested-100000-deep")])
+def test_bad_faults_are_refused_before_any_server_starts(faults, named, tmp_path, capsys, no_launch):
+    """A bad ``--faults`` was found only by the detached supervisor, once started, and its message came back doubled
+    ("the background server exited (2): server: error: fault ..."): now one line, exit 2, nothing launched."""
+    for detach in ([], ["--detach"]):
+        rc = main(["server", "start", "--target", str(_target(tmp_path / str(len(detach)))), *detach,
+                   "--faults", faults])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith(f"server: error: {named}"), (rc, err)
+        assert "background server" not in err[0]
+    assert no_launch == []
+
+
+def test_the_documented_faults_parse():
+    """docs/mtp.md's ``--faults`` values are what ``server start --faults`` takes (helpers.faults.parse_faults)."""
+    from helpers.faults import parse_faults
+    emb, = parse_faults('[{"kind":"embedding_in_place_of_layer","chunk":0}]')
+    wl, = parse_faults('[{"kind":"wrong_layer","chunk":0,"layer":7}]')
+    assert (emb.kind, emb.chunk, emb.stash_keys()) == ("embedding_in_place_of_layer", 0, ["embedding"])
+    assert (wl.kind, wl.chunk, wl.layer, wl.stash_keys()) == ("wrong_layer", 0, 7, ["out(7)"])

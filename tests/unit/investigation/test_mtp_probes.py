@@ -70,6 +70,16 @@ def test_the_runner_skips_what_does_not_apply_to_a_head_and_records_how_the_rest
     assert "MTP" not in (r3["oracle"]["why"] or "") and "mtp" not in r3["radix_hit"]["evidence"]
 
 
+@pytest.mark.parametrize("which", ["cheap", "none"])
+def test_on_a_head_the_oracle_is_never_said_to_run_with_all(tmp_path, which):
+    """With the default cheap probes (or none) a head's oracle was skipped as "not asked for (... --engine-probes all
+    runs it ...)", though no value runs it on a head: the skip says it does not apply, and why."""
+    eng = FakeEngine(lambda i, hit: 1 + i % 3)
+    st = run_probes(_mtp(_ctx(tmp_path, eng, n=6)), which, only=["oracle"])
+    why = {p["probe"]: p for p in st["probes"]}["oracle"]["why"]
+    assert why.startswith("does not apply to an MTP / NextN head") and "engine-probes all" not in why
+
+
 @pytest.fixture(scope="module")
 def head_budget():
     """The NextN budget of the shipped head run offline (the loader's seam) on 6 real sequences of the validation
