@@ -740,6 +740,11 @@ def gains(b: dict) -> list[dict]:
             why = f"the fix lowered live accept length by {-d:.2f}{ci} ({loss.get('basis', '')})"
         elif stage == "draft":
             ds, log = _stage_al(b, "checkpoint (teacher-forced)"), _stage_al(b, "training log")
+            # the log's accept length the draft loss was computed against: the checkpoint stage's own (its basis,
+            # draft_stage.py), which a budget without a "training log" stage (NextN / MTP) also carries
+            log_al = (ds or {}).get("log_accept_length")
+            if log_al is None:
+                log_al = (log or {}).get("accept_length")
             rows = (ds or {}).get("rows") or {}
             kind = rows.get("kind") or {}
             steps = [r for r in (ds or {}).get("table") or [] if r.get("acc") is not None and r.get("log_acc")
@@ -749,7 +754,7 @@ def gains(b: dict) -> list[dict]:
             why = (f"the checkpoint scores {_fmt((ds or {}).get('accept_length'))} teacher-forced on "
                    f"{rows.get('sequences', '?')} sequence(s) of {rows.get('path', 'its rows')} (split "
                    f"{kind.get('split', '?')}, text {kind.get('text', '?')}), above its training log's "
-                   f"{_fmt((log or {}).get('accept_length'))} (split {((ds or {}).get('log_kind') or {}).get('split', '?')})"
+                   f"{_fmt(log_al)} (split {((ds or {}).get('log_kind') or {}).get('split', '?')})"
                    + (f"; per TTT step it is above the log at {'; '.join(above)}" if above else "")
                    + (f" ({ds['why']})" if (ds or {}).get("why") else ""))
         elif stage == "wiring":

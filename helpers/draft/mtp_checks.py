@@ -190,7 +190,9 @@ class MTPRules:
             "embedding_and_lm_head": (own_served(fam, self.label) if fam.serves_own(self.label) else
                                       "the target's (sglang/srt/speculative/eagle_worker_v2.py::EagleDraftWorker."
                                       "init_lm_head l. 371-378: set_embed_and_head)"),
-            "loader": fam.sglang_loader, "layers_declared": head.layers, "layers_loaded": self.built_layers(head)}
+            "loader": fam.sglang_loader, "layers_declared": head.layers,
+            "layers_loaded": self.built_layers(head, spec.algorithm or "NEXTN"),
+            "multi_layer_eagle": fam.per_step_on_sglang(spec.algorithm)}
         if algo not in MTP_ALGORITHMS:
             findings.append(D.finding(
                 "mtp_head_refused", None,
@@ -215,8 +217,8 @@ class MTPRules:
                      if not head.layers else f"SGLang loads exactly one NextN layer: set {fam.layers_field} to 1 "
                      "in a copy of the config if the first layer is the one to serve")))
             return
-        if fam.sglang_layer_per_step:               # one draft model per step: the steps decide the layers read
-            self._settings(head, spec, tarch, findings, notes, facts)
+        if fam.per_step_on_sglang(spec.algorithm):  # one draft model per step: the steps decide the layers read
+            self._settings(head, spec, tarch, findings, notes, facts, names)
             steps = facts["settings"]["num_steps"]
             prefixes = [fam.sglang_prefix(head.num_hidden_layers or 0, i) for i in range(steps)]
             facts["loads"].update(prefixes=prefixes, layers_loaded=min(steps, head.layers or 0))
@@ -224,7 +226,9 @@ class MTPRules:
                 self._weights(head, names, prefixes, findings, facts, f"{self.label}'s {fam.head_arch}",
                               fam.sglang_loader)
             return
-        built = self.built_layers(head)
+        if self._single_layer_refused(head, spec, names, findings):
+            return
+        built = self.built_layers(head, spec.algorithm or "NEXTN")
         if (head.layers or 0) > built:
             notes.append(f"{fam.layers_field} is {head.layers}, but SGLang builds {built} head layer ({fam.head_arch}, "
                          f"{fam.head_file}): it runs that one layer at every draft step; the checkpoint's MTP layers past "
@@ -237,7 +241,32 @@ class MTPRules:
         self.layer_indices(head, names, findings, notes, facts)
         self._weights(head, names, head.sglang_prefixes(), findings, facts, f"{self.label}'s {fam.head_arch}",
                       fam.sglang_loader)
-        self._settings(head, spec, tarch, findings, notes, facts)
+        self._settings(head, spec, tarch, findings, notes, facts, names)
+
+    def _single_layer_refused(self, head: MTPHead, spec: MTPSpec, names: Optional[set[str]], findings: list) -> bool:
+        """``mtp_head_refused`` (True) when SGLang builds ``head`` once under ``spec.algorithm`` (no multi-layer EAGLE:
+        :meth:`helpers.layers.mtp.MTPFamily.per_step_on_sglang`) and the family's head then fails to load
+        (:attr:`helpers.layers.mtp.MTPFamily.sglang_single_layer_refusal`, Step-3.5: a TypeError for any tensor of its
+        declared layers; with no tensor names at hand the declared layers are taken as present)."""
+        fam = head.family
+        ref = fam.sglang_single_layer_refusal
+        if ref is None or not head.layers:
+            return False
+        prefixes = [fam.sglang_prefix(head.num_hidden_layers or 0, i) for i in range(min(head.layers, MAX_MTP_LAYERS))]
+        if names is not None and not any(n.startswith(tuple(prefixes)) for n in names):
+            return False
+        per_step = " / ".join(f"--speculative-algorithm {a}" for a in fam.sglang_layer_per_step)
+        findings.append(D.finding(
+            "mtp_head_refused", None,
+            f"--speculative-algorithm {spec.algorithm or 'NEXTN'} with {fam.head_arch}: SGLang's model override "
+            "enables "
+            f"multi-layer EAGLE for {per_step} only (tested before NEXTN is aliased to EAGLE), so it builds one "
+            f"{fam.head_arch} with no draft model index, and its loader raises {ref.error} on the first tensor of "
+            f"{', '.join(prefixes)}* at start-up",
+            engine=f"{self.label} {self.version}", algorithm=spec.algorithm or "NEXTN", head_class=fam.head_arch,
+            error=ref.error, source=f"{ref.source}; {fam.sglang_loader}",
+            fix=f"{per_step} (one {fam.head_arch} per draft step), or add --enable-multi-layer-eagle"))
+        return True
 
     def layer_indices(self, head: MTPHead, names: Optional[set[str]], findings: list, notes: list,
                       facts: dict) -> None:
@@ -275,21 +304,26 @@ class MTPRules:
                        "embed_tokens under the NextN prefix; speculative/eagle_worker_v2.py::EagleDraftWorker."
                        "init_lm_head binds the target's (set_embed_and_head)")
 
-    def built_layers(self, head: MTPHead) -> int:
+    def built_layers(self, head: MTPHead, algorithm: Optional[str] = "EAGLE") -> int:
         """The head layers SGLang builds and runs for ``head``: :data:`helpers.layers.mtp.SGLANG_BUILT_LAYERS` (1)
         for every family, whatever the config declares (0, absent or several; a DeepSeek / GLM config declaring
         another count is refused before this is asked). Draft steps past it rerun that layer. A family whose head is
         built once per draft step (:attr:`helpers.layers.mtp.MTPFamily.sglang_layer_per_step`, Step-3.5: multi-layer
-        EAGLE) has as many trained layers as the config declares; more steps than that are refused at load."""
-        if head.family.sglang_layer_per_step:
+        EAGLE) has as many trained layers as the config declares; more steps than that find no head layer.
+
+        ``algorithm``: ``--speculative-algorithm`` as typed (:meth:`helpers.layers.mtp.MTPFamily.per_step_on_sglang`;
+        default EAGLE, the algorithm of the per-step families' published commands, for an attached server whose
+        flag is not at hand)."""
+        if head.family.per_step_on_sglang(algorithm):
             return head.layers or 0
         return SGLANG_BUILT_LAYERS
 
-    def head_prefixes(self, head: MTPHead) -> list[str]:
+    def head_prefixes(self, head: MTPHead, algorithm: Optional[str] = "EAGLE") -> list[str]:
         """The checkpoint prefixes this engine reads ``head`` from (SGLang: one, :meth:`MTPHead.sglang_prefixes`; a
-        family built once per draft step, Step-3.5: one per declared layer, each read by the step of its index)."""
+        family built once per draft step under ``algorithm`` (as in :meth:`built_layers`), Step-3.5 / MiMo-V2 with
+        EAGLE: one per declared layer, each read by the step of its index)."""
         fam = head.family
-        if fam.sglang_layer_per_step and head.layers:
+        if fam.per_step_on_sglang(algorithm) and head.layers:
             return [fam.sglang_prefix(head.num_hidden_layers or 0, i) for i in range(min(head.layers, MAX_MTP_LAYERS))]
         return head.sglang_prefixes()
 
@@ -336,7 +370,7 @@ class MTPRules:
                     "passed as the draft path), or rename its tensors to the prefix this engine reads"))
 
     def _settings(self, head: MTPHead, spec: MTPSpec, tarch: Optional[str], findings: list, notes: list,
-                  facts: dict) -> None:
+                  facts: dict, names: Optional[set[str]] = None) -> None:
         fam = head.family
         auto = spec.num_steps is None and spec.topk is None and spec.num_draft_tokens is None
         steps, topk, ndt = (AUTO_PARAMS_BY_ARCH.get(tarch or "", AUTO_PARAMS_DEFAULT) if auto else
@@ -359,11 +393,11 @@ class MTPRules:
                                         "speculative_num_steps": spec.num_steps, "speculative_eagle_topk": spec.topk,
                                         "speculative_num_draft_tokens": spec.num_draft_tokens})
         findings += D.detect_num_draft_tokens_overridden(srv)
-        trained = self.built_layers(head)
+        trained = self.built_layers(head, spec.algorithm or "NEXTN")
         declared = ("absent" if head.layers is None else f"{head.layers}") + (
             " (config class default)" if head.layers_defaulted else "")
-        if fam.sglang_layer_per_step:
-            self._per_step_refusals(head, steps, topk, eff_ndt, findings)
+        if fam.per_step_on_sglang(spec.algorithm):
+            self._per_step_refusals(head, steps, topk, eff_ndt, findings, names)
         elif steps > trained:
             findings.append(D.finding(
                 "mtp_steps_beyond_head", None,
@@ -378,17 +412,35 @@ class MTPRules:
                     f"{trained + 1}, or measure acceptance per draft position (P(accepted >= j)) before keeping "
                     f"{steps} steps"))
 
-    def _per_step_refusals(self, head: MTPHead, steps: int, topk: int, ndt: int, findings: list) -> None:
+    def _per_step_refusals(self, head: MTPHead, steps: int, topk: int, ndt: int, findings: list,
+                           names: Optional[set[str]] = None) -> None:
         """``mtp_head_refused`` for a head SGLang builds once per draft step (multi-layer EAGLE,
         :attr:`helpers.layers.mtp.MTPFamily.sglang_layer_per_step`): more steps than head layers (the draft model of
         step ``i`` reads head layer ``i``; past the declared layers none of its parameters is filled and the family's
         refusal fires), or draft tokens other than steps + 1 (``sglang/srt/speculative/multi_layer_eagle_worker_v2.py``
         l. 150-154: AssertionError "multi-layer EAGLE requires speculative_num_draft_tokens == speculative_num_steps +
-        1")."""
+        1"). A family with no refusal (MiMo-V2: the loader checks nothing) starts with those steps' head parameters
+        at their initial values: ``mtp_steps_beyond_head`` when the tensor names are not at hand (with them, the
+        weights check names what is missing)."""
         fam, who = head.family, f"{self.label} {self.version}"
         layers = head.layers or 0
         ref = fam.refusal(self.label)
-        if steps > layers:
+        if steps > layers and ref is None:
+            if names is None:
+                findings.append(D.finding(
+                    "mtp_steps_beyond_head", None,
+                    f"{steps} draft steps with {fam.layers_field} {'absent' if head.layers is None else layers}: "
+                    "SGLang "
+                    f"builds one {fam.head_arch} per step (multi-layer EAGLE), step i reading head layer i; steps "
+                    f"{layers + 1}-{steps} read {fam.sglang_prefix(head.num_hidden_layers or 0, layers)}* and past, "
+                    "outside the declared head layers: if the checkpoint lacks them SGLang starts anyway with those "
+                    "steps' head parameters at their initial values (nothing checks the load); the tensor names "
+                    "(the model folder's index) decide",
+                    engine=who, num_steps=steps, head_layers=layers, layers_declared=head.layers,
+                    layers_loaded=layers, source=fam.sglang_loader,
+                    fix=(f"--speculative-num-steps {layers} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+                         f"{layers + 1}" if layers else "serve this target without speculative decoding")))
+        elif steps > layers:
             findings.append(D.finding(
                 "mtp_head_refused", None,
                 f"{steps} draft steps with {fam.layers_field} {'absent' if head.layers is None else layers}: SGLang "
@@ -399,7 +451,8 @@ class MTPRules:
                 engine=who, num_steps=steps, head_layers=layers, layers_declared=head.layers,
                 error=ref.error if ref else None, source=f"{fam.sglang_loader}; {ref.source if ref else ''}",
                 fix=(f"--speculative-num-steps {layers} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
-                     f"{layers + 1}" if layers else "serve this target without NEXTN (it declares no MTP layer)")))
+                     f"{layers + 1}" if layers else "serve this target without speculative decoding (it declares no "
+                     "MTP layer)")))
             return
         if ndt != steps + 1:
             findings.append(D.finding(
@@ -492,7 +545,7 @@ def check_mtp(draft_config: str | Path, target_config: str | Path, *, spec: MTPS
             from .mtp_weights import own_copy_findings  # lazy: torch; only a folder with the tensors needs it
             try:
                 findings += own_copy_findings(head, Path(draft_config), Path(target_config), rules, facts,
-                                              rules.head_prefixes(head))
+                                              rules.head_prefixes(head, spec.algorithm or "NEXTN"))
             except BadInput as e:
                 facts["own_copies"] = f"not compared: {e}"
         loads = facts.get("loads")
@@ -527,18 +580,19 @@ def is_mtp_deployment(draft_config: str | Path, target_config: str | Path, algor
     return (algorithm or "").upper() == "NEXTN"
 
 
-def engine_head_layers(draft_dir: Path, rules: MTPRules) -> Optional[int]:
+def engine_head_layers(draft_dir: Path, rules: MTPRules, algorithm: Optional[str] = "EAGLE") -> Optional[int]:
     """The head layers ``rules``' engine builds for the MTP / NextN head whose config.json is in ``draft_dir``
     (:meth:`MTPRules.built_layers`: SGLang 0.5.23 one for every family whatever the config declares, vLLM 0.32.0
     ``n_predict`` or its head class's fixed count): the depth draft steps run before they reuse a layer, which the live
     investigation takes as the trained depth when no training log says. None when the folder's config is no MTP head.
+    ``algorithm``: SGLang's ``--speculative-algorithm`` as typed (:meth:`MTPRules.built_layers`).
 
     Raises:
         BadInput: an unreadable config.json, a layer field of the wrong type or range
             (:func:`helpers.formats.configs.read_mtp_head`)."""
     f = _config_file(draft_dir)
     head = read_mtp_head(read_config_json(f, "draft config"), f)
-    return None if head is None else rules.built_layers(head.as_read_by(rules.label))
+    return None if head is None else rules.built_layers(head.as_read_by(rules.label), algorithm)
 
 
 def describe_head(draft_dir: Path, target_dir: Path, info: dict) -> Optional[dict]:

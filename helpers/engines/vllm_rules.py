@@ -454,15 +454,16 @@ class VLLMMTPRules(MTPRules):
         """vLLM refuses the load (:attr:`missing_effect`), whatever the tensors."""
         return self.missing_effect
 
-    def built_layers(self, head: MTPHead) -> int:
+    def built_layers(self, head: MTPHead, algorithm=None) -> int:
         """The head layers vLLM 0.32.0 builds and runs for ``head`` (:attr:`helpers.layers.mtp.MTPHead.vllm_built`):
         ``n_predict`` of them (``deepseek_mtp.py::DeepSeekMultiTokenPredictor.__init__``: one per head layer), or the
         fixed count of a head class that builds one whatever it is given (LongCat-Flash, MiMo-V2). Draft steps past
-        it rerun the layers round-robin (:attr:`helpers.layers.mtp.MTPFamily.vllm_reuse`)."""
+        it rerun the layers round-robin (:attr:`helpers.layers.mtp.MTPFamily.vllm_reuse`). ``algorithm`` is not read
+        (vLLM's head class does not depend on the method name)."""
         return head.vllm_built
 
-    def head_prefixes(self, head: MTPHead) -> list:
-        """vLLM reads one prefix per head layer (:meth:`MTPHead.vllm_prefixes`)."""
+    def head_prefixes(self, head: MTPHead, algorithm=None) -> list:
+        """vLLM reads one prefix per head layer (:meth:`MTPHead.vllm_prefixes`); ``algorithm`` is not read."""
         return head.vllm_prefixes()
 
     def weights(self, head: MTPHead, names: set, prefixes: list, findings: list, facts: dict) -> None:

@@ -786,7 +786,7 @@ def sentence(doc: InvestigationDoc) -> str:
     fix = doc.proposed_fix
     fix_text = fix.summary if fix is not None else "none"
     head = "Draft checkpoint fault" if f.kind in DRAFT_KINDS else "Wrong wiring"
-    return (f"{head}: {what}{where} -- {f.detail} [evidence: {provenance(f)}].{also} Proposed fix: {fix_text}. "
+    return (f"{head}: {what}{where} -- {f.detail} [evidence: {provenance(f, doc)}].{also} Proposed fix: {fix_text}. "
             + _measured_text(doc.measured).capitalize() + "." + budget_text)
 
 

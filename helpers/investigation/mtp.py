@@ -520,14 +520,20 @@ def head_depth(att: Any, rules: Any) -> Optional[int]:
     """The head depth the served steps are checked against when the training log gives none: the layers the serving
     engine builds for the attached head (:func:`helpers.draft.mtp_checks.engine_head_layers` under ``rules``, the
     engine's :class:`helpers.draft.mtp_checks.MTPRules`: SGLang 0.5.23 builds one head layer for Qwen3.5 / Qwen3-Next
-    / MiMo / MiMo-V2 whatever ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers`` declares), not the declared
-    count. ``att``: the :class:`helpers.investigation.attach.Attachment` (its ``draft_dir`` and ``draft_head``);
+    / MiMo whatever ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers`` declares, and one per draft step for
+    Step-3.5 / MiMo-V2 when ``att.info['enable_multi_layer_eagle']`` (/server_info) is on or absent, one when off),
+    not the declared count. ``att``: the :class:`helpers.investigation.attach.Attachment` (its ``draft_dir``,
+    ``draft_head`` and ``info``);
     ``att.draft_head['layers_built']`` is set to the answer. None: no MTP head config in the draft folder (then the
     declared ``att.draft_head['layers']``, if any).
 
     Raises:
         BadInput: the draft folder's config.json unreadable or its layer field malformed."""
-    n = engine_head_layers(att.draft_dir, rules) if att.draft_dir is not None else None
+    # /server_info holds the resolved enable_multi_layer_eagle (entrypoints/engine.py::Engine.get_server_info:
+    # server_args.resolved_dict()): on, SGLang built one head model per step (the per-step families' EAGLE); off, one
+    mle = (getattr(att, "info", None) or {}).get("enable_multi_layer_eagle")
+    algo = "EAGLE" if mle is None or mle else "NEXTN"
+    n = engine_head_layers(att.draft_dir, rules, algo) if att.draft_dir is not None else None
     if n is None:
         return (att.draft_head or {}).get("layers")
     if att.draft_head is not None:

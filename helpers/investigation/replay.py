@@ -44,7 +44,7 @@ from .inputs import Investigation
 from .live import investigate, sentence
 from .propose import draft_variant
 from .story import (headline_parts as story_parts, headline_text, measured_text, named_text, naming_seconds,
-                    record_measured_fix)
+                    record_measured_fix, verdict_words)
 
 
 class Replay:
@@ -406,7 +406,7 @@ def headline_parts(steps: list, effect: Optional[dict] = None, inv: Any = None) 
     if inv_step is not None and inv is not None:
         secs, out = naming_seconds(inv, inv_step.wall_s)
         parts = story_parts(inv, named=named_text(secs, inv_step.seconds_to_verdict, step=inv_step.index + 1,
-                                                  left_out=out))
+                                                  left_out=out, verdict=verdict_words(inv)))
         m = inv.measured or {}
         if not (m.get("before") and m.get("after")) and len(fixes) >= 2 and effect:
             parts[2] = _fix_effect_part(fixes, effect)

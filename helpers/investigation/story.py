@@ -277,11 +277,44 @@ def record_measured_fix(doc: InvestigationDoc, measurement: dict, *, budget_expe
     return reconcile(doc, budget_expected=budget_expected)
 
 
-def provenance(f: Finding) -> str:
-    """Where a finding's identities come from, in words (its evidence)."""
+#: the ``investigation.json`` ``diagnosis.kind`` of the single-state drafts (the NextN / MTP head on SGLang, EAGLE-1
+#: on vLLM: :mod:`helpers.investigation.mtp`), whose served state is compared with the target's every-layer reference
+#: (``doc.reference["how"]``: the server's own every-layer capture, else HF transformers), not with training data
+SINGLE_STATE_KINDS = ("mtp", "eagle1")
+
+#: what ``InvestigationDoc.seconds_to_verdict`` waits for, per ``diagnosis.kind``: the single-state path sets it after
+#: the acceptance budget and the engine-state probes (``helpers/investigation/mtp.py::investigate_mtp``), the EAGLE-3
+#: path right after the diagnosis (``helpers/investigation/live.py``); other kinds: :data:`VERDICT_DEFAULT`
+VERDICT_WAITS = {k: "the verdict (set once the acceptance budget and the engine-state probes are in)"
+                 for k in SINGLE_STATE_KINDS}
+VERDICT_DEFAULT = "the diagnosis's verdict (served vs training tensors, before the acceptance budget)"
+
+
+def verdict_words(doc: Any) -> str:
+    """What ``doc.seconds_to_verdict`` measures, in words (:data:`VERDICT_WAITS` by ``doc.diagnosis["kind"]``)."""
+    return VERDICT_WAITS.get(((getattr(doc, "diagnosis", None) or {}).get("kind")), VERDICT_DEFAULT)
+
+
+def reference_source(doc: Any) -> Optional[str]:
+    """The reference a single-state draft's served state was compared with, in words (``doc.reference["how"]``);
+    None for the other kinds (their reference is the training data)."""
+    if ((getattr(doc, "diagnosis", None) or {}).get("kind")) not in SINGLE_STATE_KINDS:
+        return None
+    how = (getattr(doc, "reference", None) or {}).get("how")
+    return ("served hidden state vs the target's every-layer reference ("
+            + (how if how and how != "none" else "none recorded") + ")")
+
+
+def provenance(f: Finding, doc: Any = None) -> str:
+    """Where a finding's identities come from, in words (its evidence; with ``doc`` of a single-state draft, the
+    reference for a state finding (:func:`reference_source`), the finding's own ``source`` for the others)."""
     ev = f.evidence or {}
     if ev.get("static"):
         return "configs + the serving engine's rules"
+    if doc is not None and (ref := reference_source(doc)) is not None:
+        # a state finding (rel_error against the reference's candidates) names the reference; another finding of a
+        # single-state run (the steps check, the head's weights) names its own source
+        return ref if "rel_error" in ev or not isinstance(ev.get("source"), str) else ev["source"]
     if "reference" in json.dumps(ev, default=str) or ev.get("identified_as"):
         return "served tensors vs training data and the every-layer reference"
     return "served tensors vs training data"
@@ -306,15 +339,16 @@ def naming_seconds(doc: InvestigationDoc, wall_s: Optional[float] = None) -> tup
 
 
 def named_text(wall_s: Optional[float], seconds_to_verdict: Optional[float], *, step: Optional[int] = None,
-               left_out: float = 0.0) -> str:
+               left_out: float = 0.0, verdict: str = VERDICT_DEFAULT) -> str:
     """How long naming the fault took, with its clock: the wall-clock time of the whole investigation (attach to the
     proposed fix and the acceptance budget; a replay's step time as the console prints it), and when the diagnosis's
     verdict came within it (``InvestigationDoc.seconds_to_verdict``: monotonic seconds from attach). ``left_out``:
-    seconds of the steps after naming already taken out of ``wall_s`` (:func:`naming_seconds`), said when any."""
+    seconds of the steps after naming already taken out of ``wall_s`` (:func:`naming_seconds`), said when any.
+    ``verdict``: what ``seconds_to_verdict`` waited for (:func:`verdict_words` of the doc)."""
     where = f"step {step}, " if step is not None else ""
     if wall_s is None:
-        return "" if seconds_to_verdict is None else f"(diagnosis verdict {seconds_to_verdict:.1f} s after attach)"
-    verdict = (f"; the diagnosis's verdict came {seconds_to_verdict:.1f} s after attach"
+        return "" if seconds_to_verdict is None else f"({verdict} came {seconds_to_verdict:.1f} s after attach)"
+    verdict = (f"; {verdict} came {seconds_to_verdict:.1f} s after attach"
                if seconds_to_verdict is not None else "")
     out = (f"; the {left_out:.1f} s of the steps after it (engine-state probes, your requests, sweeps, the restart "
            "that measures the fix) left out" if left_out >= 0.05 else "")
@@ -374,10 +408,10 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
         if cost:
             text += f"; the {KIND_STAGE[f.kind]} stage of the acceptance budget loses {cost}"
         more = [k for k in dict.fromkeys(x.kind for x in wiring[1:]) if k != f.kind]
-        src = f"{provenance(f)}" + (f"; also found: {', '.join(more)}" if more else "")
+        src = f"{provenance(f, doc)}" + (f"; also found: {', '.join(more)}" if more else "")
     elif (wl := _workload_counts(doc)) is not None:
         text = f"your requests accept materially less than training-like prompts ({wl.kind}): {wl.detail}"
-        src = provenance(wl)
+        src = provenance(wl, doc)
     elif b.get("cause") in CAUSE_KINDS:
         c = b["cause"]
         part = next((p for p in (losses.get(c) or {}).get("parts") or [] if p["decision"] == "counts"
@@ -393,7 +427,7 @@ def headline_parts(doc: InvestigationDoc, *, named: str = "") -> list[dict]:
                       "budget rules out a material loss" + _unmeasured(losses),
                 "undecided": "no fault found, but the acceptance budget cannot rule out a material loss"}.get(
             doc.verdict, "no wiring fault found")
-        src = "the acceptance budget" if b else "served tensors vs training data"
+        src = "the acceptance budget" if b else (reference_source(doc) or "served tensors vs training data")
     else:
         text, src = doc.error or "the investigation did not reach a verdict", ""
     if named:

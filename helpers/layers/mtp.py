@@ -159,7 +159,8 @@ class Refusal:
 
     Attributes:
         when: ``any_missing`` (any head parameter left unfilled: Step-3.5's ``params_need_to_load != loaded_params``)
-            or ``none_present`` (no tensor of the head at all: ERNIE-4.5's ``mtp_layer_found``; a partial head starts).
+            or ``none_present`` (no tensor of the head at all: ERNIE-4.5's ``mtp_layer_found``; a partial head starts),
+            or ``any_present`` (any tensor of the head's layers: :attr:`MTPFamily.sglang_single_layer_refusal`).
         error: the exception as raised.
         source: file::function and line of the raise.
     """
@@ -210,8 +211,18 @@ class MTPFamily:
             ``num_mtp_layers = 1``), None: ``n_predict`` of them.
         vllm_n_predict_absent: the ``n_predict`` vLLM's ``hf_config_override`` writes when the layer field is absent
             (Step-3.5: ``getattr(hf_config, "num_nextn_predict_layers", 1)``), None: n_predict stays None.
-        sglang_layer_per_step: SGLang builds one head model per draft step (multi-layer EAGLE), step ``i`` reading
-            head layer ``i`` (:attr:`sglang_prefix` ``(n, i)``); steps past the declared layers find no tensors.
+        sglang_layer_per_step: the ``--speculative-algorithm`` values, as typed, for which SGLang builds one head model
+            per draft step (multi-layer EAGLE), step ``i`` reading head layer ``i`` (:attr:`sglang_prefix` ``(n, i)``;
+            steps past the checkpoint's layers find no tensors). SGLang's model override
+            (``arg_groups/overrides.py::_step3p_overrides`` l. 346-350, ``arg_groups/model_overrides/mimo_v2.py::
+            _mimo_v2_overrides`` l. 23-25) tests ``speculative_algorithm == "EAGLE"`` in
+            ``model_hook.py::handle_model_specific_adjustments`` (``arg_groups/pipeline.py`` l. 225), before
+            ``speculative_hook.py::handle_speculative_decoding`` (l. 306) upper-cases it and aliases NEXTN to EAGLE:
+            ``NEXTN`` (or ``eagle``) keeps one head model. () for the families SGLang never runs so.
+        sglang_single_layer_refusal: the start-up error of this family's head when SGLang builds it once (no
+            multi-layer EAGLE: ``managers/tp_worker.py`` l. 498 passes ``draft_model_idx=None``) over a checkpoint
+            holding its layers (Step-3.5: ``Step3p5MTP.load_weights`` l. 211-213 adds ``None`` to an int); None: the
+            single head model starts.
         sglang_refusal / vllm_refusal: the engine's own refusal over missing head tensors (:class:`Refusal`), None:
             the engine's general rule (SGLang starts with those parameters as allocated; vLLM's default loader refuses).
         sglang_serves_own / vllm_serves_own: the :attr:`own_copies` the engine serves instead of the target's tensor
@@ -278,7 +289,8 @@ class MTPFamily:
     vllm_n_predict: Optional[int] = None
     vllm_built: Optional[int] = None
     vllm_n_predict_absent: Optional[int] = None
-    sglang_layer_per_step: bool = False
+    sglang_layer_per_step: tuple[str, ...] = ()
+    sglang_single_layer_refusal: Optional[Refusal] = None
     sglang_refusal: Optional[Refusal] = None
     vllm_refusal: Optional[Refusal] = None
     sglang_serves_own: tuple[str, ...] = ()
@@ -295,6 +307,11 @@ class MTPFamily:
     sglang_folds_layers: bool = False
     vllm_extra_layer_refusal: Optional[Refusal] = None
     vllm_extra_layers_note: str = ""
+
+    def per_step_on_sglang(self, algorithm: Optional[str]) -> bool:
+        """Whether SGLang builds one head model per draft step for ``algorithm`` as typed on its command line (None:
+        SGLang's ``--speculative-algorithm`` NEXTN, the default the checks assume): :attr:`sglang_layer_per_step`."""
+        return (algorithm or "NEXTN") in self.sglang_layer_per_step
 
     def checkpoint_layer_indices(self, names: Optional[set[str]]) -> list[int]:
         """The MTP layer indices the checkpoint's tensor names carry (:attr:`layer_index_re`), sorted; [] when the
@@ -442,15 +459,20 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
         sglang_later_layers="not read (LongcatFlashForCausalLMNextN.load_weights maps model.mtp.layers.0.* only)",
         vllm_built=1),
     MTPFamily(
-        # MiMo-V2 (Flash / Pro): NextN layers under model.mtp.layers.<i>.*; SGLang sets the count to 1 and folds
-        # every layer into its one mtp_block (as MiMo-7B's loader); vLLM writes n_predict = 1 and builds one layer
+        # MiMo-V2 (Flash / Pro): NextN layers under model.mtp.layers.<i>.*; SGLang with EAGLE runs multi-layer EAGLE
+        # (one MiMoV2MTP per step, step i reading layer i, as Step-3.5); with NEXTN it builds one and folds every
+        # layer into its one mtp_block (as MiMo-7B's loader); vLLM writes n_predict = 1 and builds one layer
         name="mimo_v2", target_archs=("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM"), head_arch="MiMoV2MTP",
         head_file=f"{_SG}/models/mimo_v2_nextn.py", layers_field="num_nextn_predict_layers", config_default=None,
         sglang_layers=1,
         sglang_loader=(f"{_SG}/models/mimo_v2_nextn.py::MiMoV2MTP.load_weights l. 278-360 / "
                        "map_model_name_to_mtp_param_name l. 362-382 (every model.mtp.layers.<i>. into model.mtp_block. "
                        "/ model.); configs/model_config.py::ModelConfig._config_draft_model l. 1094-1096 sets "
-                       "num_nextn_predict_layers = 1"),
+                       "num_nextn_predict_layers = 1; with EAGLE, arg_groups/model_overrides/mimo_v2.py::"
+                       "_mimo_v2_overrides l. 23-25 enables multi-layer EAGLE: managers/tp_worker.py::"
+                       "_init_multi_layer_eagle_model_runners l. 502-523 builds one draft model per step and "
+                       "model_loader/loader.py::DefaultModelLoader._filter_mtp_weights l. 740-757 gives draft model i "
+                       "model.mtp.layers.<i>. only"),
         sglang_exactly_one=False, draft_path_default=False, sglang_prefix=lambda n, i: f"model.mtp.layers.{i}.",
         vllm_prefix=lambda n, i: f"model.mtp.layers.{i}.",
         head_tensors=("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"),
@@ -464,7 +486,7 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                              "model.mtp.layers.<i>. to model.mtp_block. / model.): the head served is the last layer "
                              "in the checkpoint's read order, not layer 0"),
         vllm_n_predict=1, vllm_built=1,
-        layer_index_re=r"model\.mtp\.layers\.(\d+)\.", sglang_folds_layers=True,
+        layer_index_re=r"model\.mtp\.layers\.(\d+)\.", sglang_folds_layers=True, sglang_layer_per_step=("EAGLE",),
         vllm_extra_layers_note=(f"not loaded: vLLM builds layer 0 only and {_VL}/mimo_v2_mtp.py::MiMoV2MTP."
                                 "load_weights l. 376 skips names outside its parameters")),
     MTPFamily(
@@ -490,7 +512,11 @@ MTP_FAMILIES: tuple[MTPFamily, ...] = (
                     "num_mtp_layers; vllm/v1/spec_decode/step3p5.py passes spec_step_idx = token_index + 1, l. 388)"),
         own_copies=("shared_head.output.weight", "shared_head.head.weight", "embed_tokens.weight"),
         sglang_later_layers="read by the draft models of the later steps (one per step: draft_model_idx)",
-        vllm_n_predict_absent=1, sglang_layer_per_step=True, vllm_warns_reuse=False,
+        vllm_n_predict_absent=1, sglang_layer_per_step=("EAGLE",), vllm_warns_reuse=False,
+        sglang_single_layer_refusal=Refusal(
+            "any_present", 'TypeError("unsupported operand type(s) for +: \'int\' and \'NoneType\'")',
+            f"{_SG}/models/step3p5_mtp.py::Step3p5MTP.load_weights l. 211-213 (num_hidden_layers + draft_model_idx, "
+            "None without multi-layer EAGLE: managers/tp_worker.py l. 498)"),
         sglang_refusal=Refusal(
             "any_missing",
             'RuntimeError("Some parameters like <name> are not in the checkpoint and will falsely use random '

@@ -23,7 +23,7 @@ from ..draft.budget import gains
 from ..errors import BadInput
 from ..formats.configs import describe_architecture
 from ..investigation import replay as replay_run
-from ..investigation.story import headline_parts, named_text, naming_seconds
+from ..investigation.story import headline_parts, named_text, naming_seconds, verdict_words
 from ..paths import ROOT
 from ..records import InvestigationDoc
 from ..runfiles import read_parquet
@@ -43,7 +43,8 @@ def story_parts(doc: Any, inv: Optional[InvestigationDoc]) -> list[dict]:
         return replay_run.headline_parts(list(d.steps), d.fix_effect, inv)
     if inv is not None:
         secs, out = naming_seconds(inv)
-        return headline_parts(inv, named=named_text(secs, inv.seconds_to_verdict, left_out=out))
+        return headline_parts(inv, named=named_text(secs, inv.seconds_to_verdict, left_out=out,
+                                                    verdict=verdict_words(inv)))
     return []
 
 

@@ -8,12 +8,20 @@ list of ``{"name", "folder"}``. OUT gets ``{name: {...}}`` with ``head_class`` a
 (``configs/model_config.py::ModelConfig._config_draft_model``), and, for the DeepSeek / GLM families, ``prefix`` (the
 checkpoint prefix SGLang's loader reads) or ``refused`` (its exception, ``type: text``) from
 ``models/deepseek_common/deepseek_weight_loader.py::DeepseekV2WeightLoaderMixin._initialize_nextn_conf`` called on that
-config (it reads ``self.config`` only)."""
+config (it reads ``self.config`` only). For ``Step3p5MTP``: ``single_layer_load``, the exception
+``Step3p5MTP.load_weights`` raises on the head's first tensor with ``draft_model_idx`` None (one head model, no
+multi-layer EAGLE: ``managers/tp_worker.py`` l. 498), ``type: text``. For ``MiMoV2MTP``: ``step1_reads``, the names
+``model_loader/loader.py::DefaultModelLoader._filter_mtp_weights`` keeps for draft model 1 (multi-layer EAGLE) of
+``model.mtp.layers.{0,1,2}.enorm.weight``."""
 import json
 import sys
 from types import SimpleNamespace
 
+import torch
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.loader import DefaultModelLoader
+from sglang.srt.models.step3p5_mtp import Step3p5MTP
+from torch import nn
 from sglang.srt.models.deepseek_common.deepseek_weight_loader import DeepseekV2WeightLoaderMixin
 
 
@@ -28,6 +36,18 @@ def one(job):
             out["prefix"] = conf.nextn_layer_prefix + "."
         except (ValueError, AssertionError) as e:
             out["refused"] = f"{type(e).__name__}: {e}"
+    if out["head_class"] == "Step3p5MTP":
+        m = Step3p5MTP.__new__(Step3p5MTP)
+        nn.Module.__init__(m)
+        m.config, m.draft_model_idx = cfg, None
+        try:
+            m.load_weights([(f"model.layers.{cfg.num_hidden_layers}.enorm.weight", torch.zeros(1))])
+            out["single_layer_load"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the exception is the answer
+            out["single_layer_load"] = f"{type(e).__name__}: {e}"
+    if out["head_class"] == "MiMoV2MTP":
+        names = [(f"model.mtp.layers.{i}.enorm.weight", torch.zeros(1)) for i in range(3)]
+        out["step1_reads"] = [n for n, _ in DefaultModelLoader._filter_mtp_weights(iter(names), "", 1)]
     return out
 
 

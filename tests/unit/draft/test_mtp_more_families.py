@@ -33,6 +33,9 @@ MTP = DATA / "mtp_configs"
 #: tests/data/mtp_configs/README.md says where each field comes from
 LONGCAT = json.loads((MTP / "longcat-flash_defaults.json").read_text())
 MIMO_V2 = json.loads((MTP / "mimo-v2-flash_defaults.json").read_text())
+#: a MiMo-V2 MTP layer's tensors under model.mtp.layers.<i>. (sglang/srt/models/mimo_v2_nextn.py::MiMoV2MTP)
+MIMO_V2_LAYER = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight", "input_layernorm.weight",
+                 "pre_mlp_layernorm.weight")
 
 
 def _kinds(rep) -> list[str]:
@@ -95,16 +98,48 @@ def test_longcat_flash_head_tensors_by_name_and_the_missing_norm_served_as_ones(
     assert "vLLM refuses to start" in v["detail"]
 
 
-def test_mimo_v2_sglang_sets_one_layer_and_folds_the_others_into_it(tmp_path):
+def test_mimo_v2_sglang_with_nextn_sets_one_layer_and_folds_the_others_into_it(tmp_path):
+    """--speculative-algorithm NEXTN: _mimo_v2_overrides tests speculative_algorithm == "EAGLE" before NEXTN is
+    aliased, so SGLang builds one MiMoV2MTP and its loader folds every model.mtp.layers.<i> into it."""
     d = _folder(tmp_path, "m2", MIMO_V2)
     rep = check_mtp(d, d, spec=MTPSpec("NEXTN", 3, 1, 4))
     loads = rep.draft_checks["facts"]["loads"]
     assert loads["class"] == "MiMoV2MTP" and loads["rewrite"].endswith("num_nextn_predict_layers = 1")
     assert loads["prefixes"] == ["model.mtp.layers.0."] and (loads["layers_declared"], loads["layers_loaded"]) == (3, 1)
+    assert loads["multi_layer_eagle"] is False
     f = _one(rep, "mtp_steps_beyond_head")["evidence"]
     assert (f["num_steps"], f["head_layers"]) == (3, 1)
     assert any("each overwriting the layer read before it" in n for n in rep.draft_checks["notes"])
     assert _kinds(check_mtp(d, d, spec=MTPSpec("EAGLE3", 1, 1, 2))) == ["mtp_head_refused"]
+    # lower-case "eagle" is upper-cased only after the override ran: one folded layer too
+    low = check_mtp(d, d, spec=MTPSpec("eagle", 3, 1, 4))
+    assert low.draft_checks["facts"]["loads"]["layers_loaded"] == 1 and "mtp_steps_beyond_head" in _kinds(low)
+
+
+def test_mimo_v2_sglang_with_eagle_builds_one_head_per_step_each_reading_its_own_layer(tmp_path):
+    """MiMo-V2-Flash's published command (EAGLE, 3 steps, topk 1, 4 draft tokens): _mimo_v2_overrides enables
+    multi-layer EAGLE, tp_worker builds one draft model per step and _filter_mtp_weights gives step i layer i."""
+    names = [f"model.mtp.layers.{i}.{t}" for i in range(3) for t in MIMO_V2_LAYER] + ["model.embed_tokens.weight"]
+    d = _folder(tmp_path, "m2", MIMO_V2, index=names)
+    rep = check_mtp(d, d, spec=MTPSpec("EAGLE", 3, 1, 4))
+    loads = rep.draft_checks["facts"]["loads"]
+    assert rep.findings == [] and rep.verdict == "ok" and loads["multi_layer_eagle"] is True
+    assert loads["prefixes"] == ["model.mtp.layers.0.", "model.mtp.layers.1.", "model.mtp.layers.2."]
+    assert (loads["layers_declared"], loads["layers_loaded"]) == (3, 3)
+    assert "_mimo_v2_overrides" in loads["loader"] and "_filter_mtp_weights" in loads["loader"]
+    # the same checkpoint under NEXTN: folded (layers [0, 1, 2] into one block) and 3 steps over one layer
+    assert sorted(_kinds(check_mtp(d, d, spec=MTPSpec("NEXTN", 3, 1, 4)))) == ["mtp_layer_folded",
+                                                                              "mtp_steps_beyond_head"]
+    # 4 steps over 3 layers: step 4 finds no model.mtp.layers.3 and SGLang starts anyway (no refusal in the loader)
+    f = _one(check_mtp(d, d, spec=MTPSpec("EAGLE", 4, 1, 5)), "mtp_weights_missing")
+    assert list(f["evidence"]["missing"]) == ["model.mtp.layers.3."] and "SGLang starts anyway" in f["detail"]
+    assert "refused" not in f["evidence"]
+    cfg_only = _folder(tmp_path, "cfg", MIMO_V2)          # no tensor names: the steps past the declared layers
+    f = _one(check_mtp(cfg_only, cfg_only, spec=MTPSpec("EAGLE", 4, 1, 5)), "mtp_steps_beyond_head")["evidence"]
+    assert (f["num_steps"], f["head_layers"]) == (4, 3) and "--speculative-num-steps 3" in f["fix"]
+    # multi-layer EAGLE asserts draft tokens == steps + 1 (topk 2, 5 draft tokens over 3 steps)
+    f = _one(check_mtp(d, d, spec=MTPSpec("EAGLE", 3, 2, 5)), "mtp_head_refused")["evidence"]
+    assert f["num_draft_tokens"] == 5 and f["error"].startswith("AssertionError(")
 
 
 def test_mimo_v2_vllm_writes_n_predict_1_and_reads_layer_0_only(tmp_path):
@@ -131,8 +166,9 @@ def test_diagnose_cli_for_longcat_on_vllm_and_the_offline_head_refusal(tmp_path,
         load_draft(two, two)
 
 
-def _att(folder: Path, layers) -> SimpleNamespace:
-    return SimpleNamespace(draft_dir=folder, draft_head={"family": "x", "layers": layers})
+def _att(folder: Path, layers, multi_layer=False) -> SimpleNamespace:
+    return SimpleNamespace(draft_dir=folder, draft_head={"family": "x", "layers": layers},
+                           info={"enable_multi_layer_eagle": multi_layer})
 
 
 @pytest.mark.parametrize("src,edit,declared,vllm", [
@@ -152,6 +188,16 @@ def test_the_live_path_checks_steps_against_the_layers_the_engine_builds(tmp_pat
     assert steps_check(2, declared, None) is None
     assert head_depth(_att(d, declared), VLLMMTPRules()) == vllm
     assert head_depth(SimpleNamespace(draft_dir=None, draft_head={"layers": 5}), MTPRules()) == 5
+
+
+def test_the_live_path_reads_multi_layer_eagle_from_server_info_for_mimo_v2(tmp_path):
+    """/server_info's resolved enable_multi_layer_eagle decides MiMo-V2's SGLang depth: on (or not reported), one
+    draft model per step over the 3 declared layers; off (NEXTN), the one folded layer."""
+    d = _folder(tmp_path, "d", dict(MIMO_V2))
+    assert head_depth(_att(d, 3, multi_layer=True), MTPRules()) == 3
+    assert head_depth(SimpleNamespace(draft_dir=d, draft_head={"layers": 3}, info={}), MTPRules()) == 3
+    assert head_depth(_att(d, 3, multi_layer=False), MTPRules()) == 1
+    assert head_depth(_att(d, 3, multi_layer=True), VLLMMTPRules()) == 1      # vLLM builds one whatever
 
 
 def test_the_budget_line_is_provisional_until_the_engine_state_probes_join():

@@ -48,7 +48,7 @@ def _step_names(layers=range(45, 48)) -> list[str]:
 
 def test_step3p5_sglang_builds_one_head_per_step_each_reading_its_own_layer(tmp_path):
     d = _folder(tmp_path, "s", STEP, index=_step_names())
-    rep = check_mtp(d, d, spec=MTPSpec("NEXTN", 3, 1, 4))
+    rep = check_mtp(d, d, spec=MTPSpec("EAGLE", 3, 1, 4))
     loads = rep.draft_checks["facts"]["loads"]
     assert rep.findings == [] and loads["class"] == "Step3p5MTP"
     assert loads["prefixes"] == ["model.layers.45.", "model.layers.46.", "model.layers.47."]
@@ -56,7 +56,7 @@ def test_step3p5_sglang_builds_one_head_per_step_each_reading_its_own_layer(tmp_
     assert "set_embed_and_head l. 186-187 is a no-op" in loads["embedding_and_lm_head"]
     assert "shared_head.output.weight" in loads["embedding_and_lm_head"]
     # no steps given: SGLang's auto (3, 1, 4), one trained layer per step
-    auto = check_mtp(d, d, spec=MTPSpec("NEXTN"))
+    auto = check_mtp(d, d, spec=MTPSpec("EAGLE"))
     assert auto.findings == [] and auto.draft_checks["facts"]["loads"]["layers_loaded"] == 3
     # the live path: SGLang's depth for this head is its 3 layers, so 3 served steps are within it
     att = SimpleNamespace(draft_dir=d, draft_head={"layers": 3})
@@ -65,30 +65,51 @@ def test_step3p5_sglang_builds_one_head_per_step_each_reading_its_own_layer(tmp_
 
 def test_step3p5_sglang_refuses_steps_past_its_layers_and_the_absent_field(tmp_path):
     d = _folder(tmp_path, "s", STEP)
-    f = _one(check_mtp(d, d, spec=MTPSpec("NEXTN", 4, 1, 5)), "mtp_head_refused")
+    f = _one(check_mtp(d, d, spec=MTPSpec("EAGLE", 4, 1, 5)), "mtp_head_refused")
     assert (f["evidence"]["num_steps"], f["evidence"]["head_layers"]) == (4, 3)
     assert f["evidence"]["error"].startswith("RuntimeError(") and "model.layers.48.*" in f["detail"]
     assert "--speculative-num-steps 3" in f["evidence"]["fix"]
     absent = _folder(tmp_path, "absent", STEP, num_nextn_predict_layers=None)
-    rep = check_mtp(absent, absent, spec=MTPSpec("NEXTN", 1, 1, 2))
+    rep = check_mtp(absent, absent, spec=MTPSpec("EAGLE", 1, 1, 2))
     f = _one(rep, "mtp_head_refused")
     assert (f["evidence"]["head_layers"], f["evidence"]["layers_declared"]) == (0, None)
-    assert "without NEXTN" in f["evidence"]["fix"]
+    assert "without speculative decoding" in f["evidence"]["fix"]
     # topk 2 with 4 draft tokens over 3 steps: the multi-layer EAGLE worker asserts draft tokens == steps + 1
-    f = _one(check_mtp(d, d, spec=MTPSpec("NEXTN", 3, 2, 5)), "mtp_head_refused")
+    f = _one(check_mtp(d, d, spec=MTPSpec("EAGLE", 3, 2, 5)), "mtp_head_refused")
     assert f["evidence"]["num_draft_tokens"] == 5 and f["evidence"]["error"].startswith("AssertionError(")
+
+
+def test_step3p5_sglang_with_nextn_builds_one_head_without_a_draft_index_and_fails_to_load(tmp_path):
+    """--speculative-algorithm NEXTN: _step3p_overrides tests speculative_algorithm == "EAGLE" before NEXTN is aliased,
+    so no multi-layer EAGLE: one Step3p5MTP with draft_model_idx None, whose load_weights adds None to
+    num_hidden_layers on the first head tensor (TypeError at start-up)."""
+    d = _folder(tmp_path, "s", STEP, index=_step_names())
+    for algo in ("NEXTN", "eagle"):                      # lower case is upper-cased only after the override ran
+        rep = check_mtp(d, d, spec=MTPSpec(algo, 3, 1, 4))
+        f = _one(rep, "mtp_head_refused")
+        assert [x["kind"] for x in rep.findings] == ["mtp_head_refused"] and rep.verdict == "mismatch"
+        assert f["evidence"]["error"].startswith("TypeError(") and f["evidence"]["algorithm"] == algo
+        assert "step3p5_mtp.py::Step3p5MTP.load_weights l. 211-213" in f["evidence"]["source"]
+        assert "--speculative-algorithm EAGLE" in f["evidence"]["fix"]
+        assert rep.draft_checks["facts"]["loads"]["multi_layer_eagle"] is False
+    # no tensor names: the declared layers are taken as present (refused); a checkpoint without the head layers starts
+    cfg_only = _folder(tmp_path, "c", STEP)
+    assert [x["kind"] for x in check_mtp(cfg_only, cfg_only, spec=MTPSpec("NEXTN", 1, 1, 2)).findings] == [
+        "mtp_head_refused"]
+    bare = _folder(tmp_path, "b", STEP, index=["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"])
+    assert "mtp_head_refused" not in [x["kind"] for x in check_mtp(bare, bare, spec=MTPSpec("NEXTN", 1, 1, 2)).findings]
 
 
 def test_step3p5_any_missing_tensor_refuses_both_engines(tmp_path):
     names = [n for n in _step_names() if n != "model.layers.46.hnorm.weight"]
     d = _folder(tmp_path, "s", STEP, index=names)
-    f = _one(check_mtp(d, d, spec=MTPSpec("NEXTN", 3, 1, 4)), "mtp_weights_missing")
+    f = _one(check_mtp(d, d, spec=MTPSpec("EAGLE", 3, 1, 4)), "mtp_weights_missing")
     assert f["evidence"]["missing"] == {"model.layers.46.": ["model.layers.46.hnorm.weight"]}
     assert "SGLang refuses to start: RuntimeError(" in f["detail"] and f["evidence"]["refused"].startswith("Runtime")
     assert "step3p5_mtp.py::Step3p5MTP.load_weights l. 287-295" in f["evidence"]["source"]
     # 2 steps: SGLang reads layers 45 and 46 only, so the gap at 46 still refuses; at 1 step it is never read
-    assert _one(check_mtp(d, d, spec=MTPSpec("NEXTN", 2, 1, 3)), "mtp_weights_missing")
-    assert check_mtp(d, d, spec=MTPSpec("NEXTN", 1, 1, 2)).findings == []
+    assert _one(check_mtp(d, d, spec=MTPSpec("EAGLE", 2, 1, 3)), "mtp_weights_missing")
+    assert check_mtp(d, d, spec=MTPSpec("EAGLE", 1, 1, 2)).findings == []
     v = _one(check_mtp(d, d, spec=MTPSpec(num_steps=3), rules=VLLMMTPRules()), "mtp_weights_missing")
     assert "vLLM refuses to start: RuntimeError(" in v["detail"] and "mtp_validation.py" in v["evidence"]["source"]
 
