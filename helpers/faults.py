@@ -61,8 +61,6 @@ class Fault:
         return []
 
 
-
-
 def parse_faults(text: str, what: str = "--faults") -> list[Fault]:
     """The faults of a JSON list of :class:`Fault` dicts (``server start --faults JSON``), checked here so a bad value
     is refused before any server starts: the same checks :meth:`Fault.__post_init__` makes where the hooks apply them

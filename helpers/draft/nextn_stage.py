@@ -198,14 +198,15 @@ def pre_norm_sequences(seqs: list, rows_path: Path, target_dir: str | Path, who:
     Raises:
         BadInput: the rows record no layer ids or other ones than ``[n-1]``, or a row's aux is not one hidden state
             wide (the manifest / field named)."""
-    n = int(read_target_config(Path(target_dir)).num_hidden_layers)
+    tcfg = read_target_config(Path(target_dir))
+    n = int(tcfg.num_hidden_layers)
     got = recorded_layer_ids(rows_path)
     if got is None or got[0] != [n - 1]:
         raise BadInput(f"{who} reads the target's out({n - 1}) before the final norm; the rows must carry it as their "
                        f"one aux_hidden_state chunk with capture.json layer_ids.specforge_out_i = [{n - 1}] (found "
                        f"{None if got is None else got[0]})", path=rows_path if got is None else got[1],
                        field="layer_ids.specforge_out_i")
-    H = int(read_target_config(Path(target_dir)).hidden_size)
+    H = int(tcfg.hidden_size)
     bad = [s.key for s in seqs if s.aux.shape[1] != H]
     if bad:
         raise BadInput(f"aux_hidden_state of {bad[0]} is not one hidden state ({H}) wide", path=rows_path,
